@@ -1,0 +1,140 @@
+"""The public entry point: `generate(target, prompt, drafter=..., method=...)`."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from speculant.config import DecodeConfig, SamplingConfig
+from speculant.decoding.autoregressive import autoregressive
+from speculant.decoding.run import Decoder, timed
+from speculant.decoding.speculative import speculative
+from speculant.decoding.stats import GenerationStats
+from speculant.drafters.base import Drafter
+from speculant.drafters.model import ModelDrafter
+from speculant.errors import ConfigError, IncompatibleModels
+from speculant.models import CausalLM, HFCausalLM, dtype_name, load_model
+
+
+@dataclass
+class GenerationResult:
+    token_ids: list[int]
+    text: str | None
+    stats: GenerationStats
+
+
+class GenerationStream:
+    """Iterates over token ids as they are committed; `.result` is set once the stream is exhausted."""
+
+    def __init__(self, decoder: Decoder, tokenizer: Any | None):
+        self._decoder = decoder
+        self._tokenizer = tokenizer
+        self.result: GenerationResult | None = None
+
+    def __iter__(self) -> Iterator[int]:
+        tokens: list[int] = []
+        stats = yield from timed(self._decoder, tokens)
+        self.result = GenerationResult(tokens, decode(self._tokenizer, tokens), stats)
+
+
+def decode(tokenizer: Any | None, token_ids: list[int]) -> str | None:
+    return tokenizer.decode(token_ids, skip_special_tokens=True) if tokenizer is not None else None
+
+
+def encode_prompt(tokenizer: Any | None, prompt: str, chat: bool = False) -> list[int]:
+    """Token ids of a text prompt, optionally wrapped in the tokenizer's chat template."""
+    if tokenizer is None:
+        raise ConfigError("a text prompt needs a model with a tokenizer; pass prompt_ids instead")
+    if chat:
+        if not getattr(tokenizer, "chat_template", None):
+            raise ConfigError("this tokenizer has no chat template")
+        ids = tokenizer.apply_chat_template([{"role": "user", "content": prompt}], add_generation_prompt=True,
+                                            tokenize=True, return_dict=False)
+        return list(ids)
+    return tokenizer(prompt, add_special_tokens=True)["input_ids"]
+
+
+def check_compatible(target: CausalLM, drafter: CausalLM) -> None:
+    """A model drafter must share the target's vocabulary token for token."""
+    same_vocab = target.vocab_size == drafter.vocab_size
+    if same_vocab and target.tokenizer is not None and drafter.tokenizer is not None:
+        same_vocab = target.tokenizer.get_vocab() == drafter.tokenizer.get_vocab()
+    if not same_vocab:
+        raise IncompatibleModels(
+            f"drafter '{drafter.name}' uses a different tokenizer than target '{target.name}'; "
+            "drafters with another vocabulary are not supported yet"
+        )
+
+
+def make_drafter(drafter: Any, target: CausalLM, sampling: SamplingConfig,
+                 generator: torch.Generator | None) -> Drafter:
+    """A Drafter from a Drafter, a CausalLM or anything `load_model` accepts (loaded like the target)."""
+    if isinstance(drafter, Drafter):
+        return drafter
+    model = load_model(drafter, dtype=dtype_name(target.dtype), device=str(target.device))
+    if model is target:  # a model drafting for itself needs a KV cache of its own
+        if not isinstance(target, HFCausalLM):
+            raise ConfigError("pass a separate model instance as drafter for this backend")
+        model = target.share()
+    check_compatible(target, model)
+    return ModelDrafter(model, sampling, generator)
+
+
+def generate(
+    target: Any,
+    prompt: str | None = None,
+    prompt_ids: list[int] | None = None,
+    drafter: Any = None,
+    method: str = "sd",
+    k: int = 4,
+    max_new_tokens: int = 128,
+    temperature: float = 0.0,
+    top_k: int | None = None,
+    top_p: float | None = None,
+    seed: int | None = None,
+    stream: bool = False,
+    chat: bool = False,
+) -> GenerationResult | GenerationStream:
+    """Generate with `method` "ar" (autoregressive) or "sd" (speculative decoding/sampling).
+
+    `target` and `drafter` may be catalog names, Hugging Face ids or paths, transformers models or
+    loaded CausalLMs; `drafter` may also be any Drafter. Greedy at temperature 0. With `stream=True`
+    the returned GenerationStream yields token ids as they are committed.
+    """
+    sampling = SamplingConfig(temperature, top_k, top_p)
+    config = DecodeConfig(method=method, k=k, max_new_tokens=max_new_tokens, seed=seed)
+    target = load_model(target)
+    if prompt_ids is None:
+        if prompt is None or not prompt.strip():
+            raise ConfigError("the prompt is empty")
+        prompt_ids = encode_prompt(target.tokenizer, prompt, chat)
+    elif prompt is not None:
+        raise ConfigError("give either prompt or prompt_ids, not both")
+    prompt_ids = list(prompt_ids)
+    if not prompt_ids:
+        raise ConfigError("the prompt is empty")
+    if any(not 0 <= t < target.vocab_size for t in prompt_ids):
+        raise ConfigError(f"prompt token ids must lie in [0, {target.vocab_size})")
+    generator = torch.Generator(device=target.device)
+    generator.manual_seed(seed if seed is not None else torch.seed())
+
+    if config.method == "ar":
+        if drafter is not None:
+            raise ConfigError("method 'ar' takes no drafter")
+        decoder = autoregressive(target, prompt_ids, config.max_new_tokens, sampling, generator)
+    else:
+        if drafter is None:
+            raise ConfigError("method 'sd' needs a drafter")
+        draft_source = make_drafter(drafter, target, sampling, generator)
+        decoder = speculative(target, draft_source, prompt_ids, config.k, config.max_new_tokens, sampling, generator)
+
+    result = GenerationStream(decoder, target.tokenizer)
+    if stream:
+        return result
+    for _ in result:
+        pass
+    assert result.result is not None
+    return result.result

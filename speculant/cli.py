@@ -1,0 +1,171 @@
+"""The `speculant` command line. Errors print one line and exit with code 2."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from collections.abc import Sequence
+from typing import Any
+
+from speculant.config import DecodeConfig, ModelConfig, SamplingConfig, add_options, from_args
+from speculant.errors import ConfigError, SpeculantError
+
+DEFAULT_TARGET = "qwen2.5-coder-1.5b"
+DEFAULT_DRAFTER = "qwen2.5-coder-0.5b"
+
+
+class Detokenizer:
+    """Turns a growing list of token ids into text increments, holding back incomplete characters."""
+
+    def __init__(self, tokenizer: Any):
+        self.tokenizer = tokenizer
+        self.ids: list[int] = []
+        self.shown = 0
+
+    def push(self, token: int) -> str:
+        self.ids.append(token)
+        text = self.tokenizer.decode(self.ids, skip_special_tokens=True)
+        if text.endswith("\ufffd"):
+            return ""
+        piece, self.shown = text[self.shown:], len(text)
+        return piece
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="speculant", description="Lossless speculative inference of language models.")
+    commands = parser.add_subparsers(dest="command", required=True)
+
+    gen = commands.add_parser("generate", help="generate text, streaming it as tokens are committed")
+    gen.add_argument("prompt", help="the prompt text")
+    gen.add_argument("--target", default=DEFAULT_TARGET, help=f"target model: catalog name, HF id or path (default: {DEFAULT_TARGET})")
+    gen.add_argument("--drafter", default=None,
+                     help=f"drafter model, or 'none' for autoregressive decoding (default: {DEFAULT_DRAFTER} with --method sd)")
+    gen.add_argument("--drafter-dtype", choices=("bf16", "fp32"), default=None, help="drafter dtype (default: --dtype)")
+    add_options(gen, DecodeConfig, method=None)
+    add_options(gen, SamplingConfig)
+    add_options(gen, ModelConfig)
+    gen.add_argument("--chat", action="store_true", help="wrap the prompt in the tokenizer's chat template")
+    gen.add_argument("--json", action="store_true", help="print text, token ids and full stats as one JSON object")
+
+    bench = commands.add_parser("bench", help="run a method matrix over a prompt set and compare speed")
+    bench.add_argument("--target", default=DEFAULT_TARGET, help=f"target model (default: {DEFAULT_TARGET})")
+    bench.add_argument("--methods", nargs="+", default=["ar", "sd:k=4"],
+                       help="methods with options, e.g. ar sd:drafter=qwen2.5-coder-0.5b,k=4,dtype=bf16")
+    bench.add_argument("--dataset", default="humaneval[:10]", help="humaneval[:N] or a JSONL file with a 'prompt' field")
+    bench.add_argument("--max-new-tokens", type=int, default=128)
+    bench.add_argument("--temperature", type=float, default=0.0)
+    bench.add_argument("--seed", type=int, default=0)
+    add_options(bench, ModelConfig)
+    bench.add_argument("--out", default=None, help="directory for results.json and report.md")
+    return parser
+
+
+def resolve_method(method: str | None, drafter: str | None) -> tuple[str, str | None]:
+    """`--drafter none` means autoregressive; `--method sd` defaults the drafter; conflicts are errors."""
+    if drafter == "none":
+        if method == "sd":
+            raise ConfigError("method 'sd' needs a drafter, but --drafter is none")
+        return "ar", None
+    if method == "ar":
+        if drafter is not None:
+            raise ConfigError("method 'ar' takes no drafter (drop --drafter or pass --drafter none)")
+        return "ar", None
+    return method or "sd", drafter or DEFAULT_DRAFTER
+
+
+def run_generate(args: argparse.Namespace) -> None:
+    from speculant.api import generate
+    from speculant.models import load_model
+
+    method, drafter_name = resolve_method(args.method, args.drafter)
+    args.method = method
+    decode_config = from_args(DecodeConfig, args)
+    sampling = from_args(SamplingConfig, args)
+    model_config = from_args(ModelConfig, args)
+    if not args.prompt.strip():
+        raise ConfigError("the prompt is empty")
+
+    print(f"loading target {args.target} ({model_config.dtype}, {model_config.device})", file=sys.stderr)
+    target = load_model(args.target, dtype=model_config.dtype, device=model_config.device)
+    drafter = None
+    if drafter_name is not None:
+        dtype = args.drafter_dtype or model_config.dtype
+        print(f"loading drafter {drafter_name} ({dtype}, {model_config.device})", file=sys.stderr)
+        drafter = target if drafter_name == args.target and dtype == model_config.dtype else \
+            load_model(drafter_name, dtype=dtype, device=model_config.device)
+
+    stream = generate(
+        target, prompt=args.prompt, drafter=drafter, method=decode_config.method, k=decode_config.k,
+        max_new_tokens=decode_config.max_new_tokens, temperature=sampling.temperature, top_k=sampling.top_k,
+        top_p=sampling.top_p, seed=decode_config.seed, stream=True, chat=args.chat,
+    )
+    if args.json:
+        for _ in stream:
+            pass
+    else:
+        detokenizer = Detokenizer(target.tokenizer)
+        for token in stream:
+            sys.stdout.write(detokenizer.push(token))
+            sys.stdout.flush()
+        sys.stdout.write("\n")
+    result = stream.result
+    assert result is not None
+    if args.json:
+        print(json.dumps({"target": args.target, "drafter": drafter_name, "text": result.text,
+                          "token_ids": result.token_ids, "stats": result.stats.to_dict()}, indent=1))
+    print(result.stats.summary(), file=sys.stderr)
+
+
+def run_bench(args: argparse.Namespace, argv: Sequence[str]) -> None:
+    from pathlib import Path
+
+    from tqdm import tqdm
+
+    from speculant.bench.datasets import load_dataset
+    from speculant.bench.methods import parse_method
+    from speculant.bench.runner import markdown_table, run_matrix, summarize, to_json
+    from speculant.models import load_model
+
+    methods = [parse_method(m) for m in args.methods]
+    if len({m.label for m in methods}) != len(methods):
+        raise ConfigError("each method may be listed once")
+    DecodeConfig(max_new_tokens=args.max_new_tokens)
+    SamplingConfig(temperature=args.temperature)
+    model_config = from_args(ModelConfig, args)
+    prompts = load_dataset(args.dataset)
+    target = load_model(args.target, dtype=model_config.dtype, device=model_config.device)
+    with tqdm(total=len(prompts) * len(methods), desc="prompts x methods", file=sys.stderr) as bar:
+        rows = run_matrix(target, methods, prompts, args.max_new_tokens, args.seed, args.temperature,
+                          on_row=lambda row: bar.update())
+    summaries = summarize(rows, methods)
+    table = markdown_table(summaries)
+    command = "speculant " + " ".join(argv)
+    print(table)
+    if args.out:
+        out = Path(args.out)
+        out.mkdir(parents=True, exist_ok=True)
+        config = {"command": command, **{k: v for k, v in vars(args).items() if k != "command"}}
+        (out / "results.json").write_text(json.dumps(to_json(config, rows, summaries), indent=1))
+        (out / "report.md").write_text(f"{table}\n\nCommand: `{command}`\n")
+        print(f"wrote {out / 'results.json'} and {out / 'report.md'}", file=sys.stderr)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    args = build_parser().parse_args(argv)
+    try:
+        if args.command == "generate":
+            run_generate(args)
+        elif args.command == "bench":
+            run_bench(args, argv)
+    except SpeculantError as error:
+        print(f"speculant: error: {error}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        return 130
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

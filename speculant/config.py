@@ -1,0 +1,90 @@
+"""Frozen dataclasses for every knob. Validation lives here; CLI options are derived from the fields."""
+
+from __future__ import annotations
+
+import argparse
+import math
+import types
+import typing
+from dataclasses import MISSING, dataclass, field, fields
+from typing import Any, TypeVar
+
+from speculant.errors import ConfigError
+
+T = TypeVar("T")
+
+
+def option(default: Any, help: str, **extra: Any) -> Any:
+    """A dataclass field that also describes its command-line option."""
+    return field(default=default, metadata={"help": help, **extra})
+
+
+@dataclass(frozen=True)
+class SamplingConfig:
+    temperature: float = option(0.0, "sampling temperature; 0 means greedy (argmax)")
+    top_k: int | None = option(None, "sample only among the k most likely tokens")
+    top_p: float | None = option(None, "sample only from the smallest set of tokens with this total probability")
+
+    def __post_init__(self) -> None:
+        if not math.isfinite(self.temperature) or self.temperature < 0:
+            raise ConfigError(f"temperature must be a finite number >= 0, got {self.temperature}")
+        if self.top_k is not None and self.top_k < 1:
+            raise ConfigError(f"top-k must be >= 1, got {self.top_k}")
+        if self.top_p is not None and not 0 < self.top_p <= 1:
+            raise ConfigError(f"top-p must lie in (0, 1], got {self.top_p}")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0
+
+
+METHODS = ("ar", "sd")
+
+
+@dataclass(frozen=True)
+class DecodeConfig:
+    method: str = option("sd", "decoding method: ar (autoregressive) or sd (speculative)", choices=METHODS)
+    k: int = option(4, "draft tokens per speculation step")
+    max_new_tokens: int = option(128, "stop after this many new tokens")
+    seed: int | None = option(None, "seed of the one random generator (sampling only)")
+
+    def __post_init__(self) -> None:
+        if self.method not in METHODS:
+            raise ConfigError(f"unknown method '{self.method}' (choose from {', '.join(METHODS)})")
+        if self.k < 1:
+            raise ConfigError(f"k must be >= 1, got {self.k}")
+        if self.max_new_tokens < 1:
+            raise ConfigError(f"max-new-tokens must be >= 1, got {self.max_new_tokens}")
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    dtype: str = option("bf16", "weight and activation dtype", choices=("bf16", "fp32"))
+    device: str = option("cpu", "cpu, cuda or cuda:N")
+
+
+def _scalar_type(annotation: Any) -> type:
+    """`int | None` -> int; `float` -> float (annotations are strings under postponed evaluation)."""
+    hint = eval(annotation, vars(typing)) if isinstance(annotation, str) else annotation  # noqa: S307
+    if isinstance(hint, types.UnionType):
+        hint = next(arg for arg in hint.__args__ if arg is not type(None))
+    return hint
+
+
+def add_options(parser: argparse.ArgumentParser, config: type, **overrides: Any) -> None:
+    """Add one `--flag` per field of a config dataclass; `overrides` replace defaults."""
+    for f in fields(config):
+        default = overrides.get(f.name, f.default if f.default is not MISSING else None)
+        parser.add_argument(
+            "--" + f.name.replace("_", "-"),
+            dest=f.name,
+            type=_scalar_type(f.type),
+            default=default,
+            choices=f.metadata.get("choices"),
+            help=f"{f.metadata.get('help', '')} (default: {default})",
+        )
+
+
+def from_args(config: type[T], args: argparse.Namespace) -> T:
+    """Build a config dataclass from parsed options (validation happens in the dataclass)."""
+    return config(**{f.name: getattr(args, f.name) for f in fields(config)})

@@ -1,0 +1,40 @@
+"""The one place where decoding is timed: wall time and time to first token around a decoder."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Generator
+
+from speculant.decoding.stats import GenerationStats
+
+Decoder = Generator[int, None, GenerationStats]
+
+
+def timed(decoder: Decoder, committed: list[int]) -> Decoder:
+    """Pass a decoder's tokens through, appending them to `committed`; set `ttft_s` and `wall_s`
+    (prefill included) on its stats."""
+    start = time.perf_counter()
+    ttft = None
+    while True:
+        try:
+            token = next(decoder)
+        except StopIteration as stop:
+            stats: GenerationStats = stop.value
+            break
+        if ttft is None:
+            ttft = time.perf_counter() - start
+        committed.append(token)
+        yield token
+    stats.wall_s = time.perf_counter() - start
+    stats.ttft_s = ttft or 0.0
+    return stats
+
+
+def emit(tokens: list[int], out: list[int], max_new_tokens: int, stop_ids: frozenset[int]) -> Generator[int, None, bool]:
+    """Commit tokens in order; stop at an end-of-sequence token or at `max_new_tokens`. Returns done."""
+    for token in tokens:
+        out.append(token)
+        yield token
+        if token in stop_ids or len(out) >= max_new_tokens:
+            return True
+    return False

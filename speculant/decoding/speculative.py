@@ -1,0 +1,52 @@
+"""Speculative decoding and sampling (Leviathan et al. 2023; Chen et al. 2023).
+
+Each iteration the drafter proposes up to k tokens, the target scores the last committed token plus
+the draft in one forward pass, and the verifier keeps the accepted prefix plus one target token.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from speculant.config import SamplingConfig
+from speculant.decoding.run import Decoder, emit
+from speculant.decoding.stats import GenerationStats
+from speculant.drafters.base import Drafter
+from speculant.models.base import CausalLM
+from speculant.sampling import logits_to_probs, next_token
+from speculant.verify import verify_greedy, verify_sampling
+
+
+def speculative(
+    target: CausalLM,
+    drafter: Drafter,
+    prompt_ids: list[int],
+    k: int,
+    max_new_tokens: int,
+    sampling: SamplingConfig,
+    generator: torch.Generator | None,
+) -> Decoder:
+    """Lossless speculative decoding: greedy output equals `autoregressive`, samples follow p."""
+    stats = GenerationStats(method="sd")
+    out: list[int] = []
+    logits = target.prefill(prompt_ids)
+    stats.target_forwards += 1
+    pending = [next_token(logits, sampling, generator)]  # committed next, not yet run by the target
+    while not (yield from emit(pending, out, max_new_tokens, target.eos_token_ids)):
+        # Draft no more than can still be emitted: n accepted plus one target token.
+        draft = drafter.propose(prompt_ids + out, min(k, max_new_tokens - len(out) - 1))
+        drafted = torch.tensor(draft.tokens, dtype=torch.long, device=target.device)
+        cached = target.cache_len
+        target_logits = target.forward(out[-1:] + draft.tokens)  # [1 + len(draft), vocab]
+        stats.target_forwards += 1
+        if sampling.greedy:
+            n, token = verify_greedy(drafted, target_logits)
+        else:
+            q = draft.probs.to(target.device) if draft.probs is not None else None
+            n, token = verify_sampling(drafted, logits_to_probs(target_logits, sampling), q, generator)
+        target.rollback(cached + 1 + n)  # the last committed token and the accepted drafts stay cached
+        drafter.observe(n)
+        stats.record_draft(len(draft.tokens), n, draft.forwards)
+        pending = draft.tokens[:n] + [token]
+    stats.new_tokens = len(out)
+    return stats

@@ -1,0 +1,61 @@
+"""A small language model as drafter, with its own KV cache kept in step with the context."""
+
+from __future__ import annotations
+
+import torch
+
+from speculant.config import SamplingConfig
+from speculant.drafters.base import Draft
+from speculant.models.base import CausalLM
+from speculant.sampling import logits_to_probs, next_token, sample
+
+
+def common_prefix_len(a: list[int], b: list[int]) -> int:
+    n = min(len(a), len(b))
+    for i in range(n):
+        if a[i] != b[i]:
+            return i
+    return n
+
+
+class ModelDrafter:
+    """Drafts k tokens autoregressively with a CausalLM (Leviathan et al. 2023, the approximation M_q).
+
+    The drafter remembers which tokens its cache holds; on each proposal it rolls back to the longest
+    prefix shared with the new context and runs only the tokens it has not seen, so rejected drafts
+    cost no recomputation beyond the corrected suffix.
+    """
+
+    def __init__(self, model: CausalLM, sampling: SamplingConfig, generator: torch.Generator | None):
+        self.model = model
+        self.name = model.name
+        self.sampling = sampling
+        self.generator = generator
+        self._cached: list[int] = []  # the tokens whose keys and values self.model holds
+
+    def propose(self, context: list[int], k: int) -> Draft:
+        if k == 0:
+            return Draft([], None)
+        # Keep the shared prefix, but re-run at least the last context token to get its logits.
+        keep = min(common_prefix_len(self._cached, context), len(context) - 1)
+        if keep == 0:
+            logits = self.model.prefill(context)
+        else:
+            self.model.rollback(keep)
+            logits = self.model.forward(context[keep:])[-1]
+        tokens: list[int] = []
+        probs: list[torch.Tensor] = []
+        for i in range(k):
+            if self.sampling.greedy:
+                tokens.append(next_token(logits, self.sampling, None))
+            else:
+                q = logits_to_probs(logits, self.sampling)
+                probs.append(q)
+                tokens.append(sample(q, self.generator))
+            if i < k - 1:
+                logits = self.model.forward(tokens[-1:])[-1]
+        self._cached = context + tokens[:-1]
+        return Draft(tokens, torch.stack(probs) if probs else None, {self.name: k})
+
+    def observe(self, n_accepted: int) -> None:
+        """Nothing to do: the next proposal re-synchronises the cache from the context itself."""

@@ -1,0 +1,45 @@
+"""The CausalLM contract: one model plus its KV cache for one sequence (see DESIGN.md)."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any, Protocol, runtime_checkable
+
+import torch
+
+
+@runtime_checkable
+class CausalLM(Protocol):
+    """A causal language model with a KV cache that can grow, roll back and be compacted.
+
+    `cache_len` counts the positions whose keys and values are cached. The algorithms drive every
+    backend through this protocol alone.
+    """
+
+    name: str
+    tokenizer: Any | None  # a transformers tokenizer when one is known
+    vocab_size: int  # width of a logits row
+    eos_token_ids: frozenset[int]
+    device: torch.device
+    dtype: torch.dtype
+
+    @property
+    def cache_len(self) -> int: ...
+
+    def prefill(self, ids: Sequence[int]) -> torch.Tensor:
+        """Reset the cache, run the prompt; return the logits of its last token, float32 [vocab]."""
+        ...
+
+    def forward(
+        self, ids: Sequence[int], positions: Sequence[int] | None = None, tree: Any | None = None
+    ) -> torch.Tensor:
+        """Run new tokens after the cached ones; return one float32 logits row per token [n, vocab]."""
+        ...
+
+    def rollback(self, n: int) -> None:
+        """Keep the first `n` cached positions, drop the rest."""
+        ...
+
+    def keep(self, indices: Sequence[int]) -> None:
+        """Keep only the cached positions `indices` (ascending), e.g. the accepted path of a tree."""
+        ...

@@ -1,0 +1,106 @@
+"""CausalLM backend over any transformers causal LM, with a DynamicCache."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+from transformers import DynamicCache, PreTrainedModel
+
+
+def eos_ids(model: PreTrainedModel, tokenizer: Any | None) -> frozenset[int]:
+    """Every token id that ends generation: the generation config's, the model config's, the tokenizer's."""
+    ids: set[int] = set()
+    generation_config = getattr(model, "generation_config", None)
+    for source in (generation_config, model.config, tokenizer):
+        value = getattr(source, "eos_token_id", None)
+        if value is not None:
+            ids.update([value] if isinstance(value, int) else value)
+    return frozenset(ids)
+
+
+class HFCausalLM:
+    """A transformers model and the KV cache of one sequence.
+
+    Rollback only shortens the cache; `forward` never re-runs cached positions.
+    """
+
+    def __init__(
+        self,
+        model: PreTrainedModel,
+        tokenizer: Any | None = None,
+        name: str | None = None,
+        extra_eos: frozenset[int] = frozenset(),
+    ):
+        self.model = model.eval()
+        self.tokenizer = tokenizer
+        self.name = name or getattr(model.config, "_name_or_path", "") or type(model).__name__
+        self.vocab_size = model.get_output_embeddings().weight.shape[0]
+        self.eos_token_ids = eos_ids(model, tokenizer) | extra_eos
+        self.device = next(model.parameters()).device
+        self.dtype = model.dtype
+        self._cache = DynamicCache(config=model.config)
+        self._len = 0
+
+    def __repr__(self) -> str:
+        return f"HFCausalLM({self.name!r}, dtype={self.model.dtype}, device={self.device})"
+
+    def share(self) -> HFCausalLM:
+        """Another handle on the same weights with a cache of its own (e.g. a model drafting for itself)."""
+        return HFCausalLM(self.model, self.tokenizer, self.name, self.eos_token_ids)
+
+    @property
+    def cache_len(self) -> int:
+        return self._len
+
+    @torch.inference_mode()
+    def prefill(self, ids: Sequence[int]) -> torch.Tensor:
+        if len(ids) == 0:
+            raise ValueError("prefill needs at least one token")
+        self.rollback(0)
+        return self._run(ids, None, logits_to_keep=1)[0]
+
+    @torch.inference_mode()
+    def forward(
+        self, ids: Sequence[int], positions: Sequence[int] | None = None, tree: Any | None = None
+    ) -> torch.Tensor:
+        if tree is not None:
+            raise NotImplementedError("tree attention is not implemented by the hf backend yet")
+        return self._run(ids, positions, logits_to_keep=0)
+
+    def _run(self, ids: Sequence[int], positions: Sequence[int] | None, logits_to_keep: int) -> torch.Tensor:
+        input_ids = torch.as_tensor(ids, dtype=torch.long, device=self.device).view(1, -1)
+        n = input_ids.shape[1]
+        if positions is None:
+            position_ids = torch.arange(self._len, self._len + n, device=self.device).view(1, -1)
+        else:
+            position_ids = torch.as_tensor(positions, dtype=torch.long, device=self.device).view(1, -1)
+        out = self.model(
+            input_ids=input_ids,
+            position_ids=position_ids,
+            past_key_values=self._cache,
+            use_cache=True,
+            logits_to_keep=logits_to_keep,
+        )
+        self._len += n
+        return out.logits[0].float()  # [n or 1, vocab]
+
+    def rollback(self, n: int) -> None:
+        if not 0 <= n <= self._len:
+            raise ValueError(f"cannot roll back to {n} cached positions: {self._len} are cached")
+        if n == 0:
+            self._cache = DynamicCache(config=self.model.config)
+        elif n < self._len:
+            self._cache.crop(n - self._len)
+        self._len = n
+
+    def keep(self, indices: Sequence[int]) -> None:
+        index = torch.as_tensor(indices, dtype=torch.long, device=self.device)
+        if index.numel() and (int(index.min()) < 0 or int(index.max()) >= self._len):
+            raise ValueError(f"keep indices must lie in [0, {self._len})")
+        for layer in self._cache.layers:
+            if layer.is_initialized:
+                layer.keys = layer.keys.index_select(-2, index)
+                layer.values = layer.values.index_select(-2, index)
+        self._len = index.numel()

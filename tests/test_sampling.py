@@ -1,0 +1,102 @@
+"""sampling.py and end-to-end speculative sampling against the target distribution."""
+
+import math
+
+import pytest
+import torch
+
+from helpers import random_prompt, tiny_model, total_variation
+from speculant import generate
+from speculant.config import SamplingConfig
+from speculant.errors import ConfigError
+from speculant.sampling import logits_to_probs, next_token
+
+LOGITS = torch.tensor([2.0, 1.0, 0.5, 0.0, -1.0])
+
+
+def test_temperature_zero_is_argmax_one_hot():
+    probs = logits_to_probs(LOGITS, SamplingConfig(0.0))
+    assert probs.tolist() == [1.0, 0.0, 0.0, 0.0, 0.0]
+    assert next_token(LOGITS, SamplingConfig(0.0), None) == 0
+
+
+def test_temperature_scales_softmax():
+    torch.testing.assert_close(logits_to_probs(LOGITS, SamplingConfig(2.0)), torch.softmax(LOGITS / 2, -1))
+
+
+def test_top_k_keeps_k_most_likely():
+    probs = logits_to_probs(LOGITS, SamplingConfig(1.0, top_k=2))
+    expected = torch.softmax(torch.tensor([2.0, 1.0]), -1)
+    torch.testing.assert_close(probs, torch.cat([expected, torch.zeros(3)]))
+
+
+def test_top_p_keeps_smallest_nucleus():
+    full = torch.softmax(LOGITS, -1)  # [0.55, 0.20, 0.12, 0.07, 0.03] roughly
+    probs = logits_to_probs(LOGITS, SamplingConfig(1.0, top_p=0.7))
+    torch.testing.assert_close(probs, torch.cat([full[:2] / full[:2].sum(), torch.zeros(3)]))
+    # The most likely token survives even a tiny top-p.
+    assert logits_to_probs(LOGITS, SamplingConfig(1.0, top_p=0.01)).tolist() == [1.0, 0.0, 0.0, 0.0, 0.0]
+
+
+def test_sampling_uses_the_generator():
+    config = SamplingConfig(1.0)
+    draws = [[next_token(LOGITS, config, torch.Generator().manual_seed(s)) for _ in range(1)] for s in range(20)]
+    again = [[next_token(LOGITS, config, torch.Generator().manual_seed(s)) for _ in range(1)] for s in range(20)]
+    assert draws == again and len({d[0] for d in draws}) > 1
+
+
+@pytest.mark.parametrize("kwargs", [dict(temperature=-0.1), dict(temperature=math.nan), dict(temperature=math.inf),
+                                    dict(top_p=0.0), dict(top_p=1.5), dict(top_k=0)])
+def test_bad_sampling_values_are_refused(kwargs):
+    with pytest.raises(ConfigError):
+        SamplingConfig(**kwargs)
+
+
+VOCAB = 12
+TEMPERATURE = 0.7
+
+
+def exact_first_two(target, prompt):
+    """Exact target distributions of the first token and (marginally) the second, at TEMPERATURE."""
+    config = SamplingConfig(TEMPERATURE)
+    p1 = logits_to_probs(target.prefill(prompt), config)  # [V]
+    p2 = torch.zeros(VOCAB)
+    for token in range(VOCAB):
+        target.prefill(prompt)
+        p2 += p1[token] * logits_to_probs(target.forward([token])[-1], config)
+    return p1, p2
+
+
+def empirical_first_two(target, prompt, draws, **kwargs):
+    counts = torch.zeros(2, VOCAB)
+    for seed in range(draws):
+        tokens = generate(target, prompt_ids=prompt, max_new_tokens=2, temperature=TEMPERATURE, seed=seed,
+                          **kwargs).token_ids
+        counts[0, tokens[0]] += 1
+        counts[1, tokens[1]] += 1
+    return counts / draws
+
+
+@pytest.mark.parametrize("k", [1, 3])
+def test_speculative_sampling_matches_target_distribution_end_to_end(k):
+    target = tiny_model("llama", 21, VOCAB, init_std=0.5)
+    drafter = tiny_model("llama", 22, VOCAB, init_std=0.5)  # a very different q
+    prompt = random_prompt(21, VOCAB, 6)
+    p1, p2 = exact_first_two(target, prompt)
+    q1 = logits_to_probs(drafter.prefill(prompt), SamplingConfig(TEMPERATURE))
+    assert total_variation(p1, q1) > 0.3  # a sampler that ignored p would fail below
+    draws = 1500
+    sd = empirical_first_two(target, prompt, draws, drafter=drafter, k=k)
+    # Sampling noise in TV at 1500 draws over 12 tokens is about 0.03.
+    assert total_variation(sd[0], p1) < 0.07
+    assert total_variation(sd[1], p2) < 0.07
+    assert total_variation(sd[0], q1) > 0.2
+
+
+def test_autoregressive_sampling_matches_target_distribution():
+    target = tiny_model("qwen2", 23, VOCAB, init_std=0.5)
+    prompt = random_prompt(23, VOCAB, 6)
+    p1, p2 = exact_first_two(target, prompt)
+    ar = empirical_first_two(target, prompt, 1500, method="ar")
+    assert total_variation(ar[0], p1) < 0.07
+    assert total_variation(ar[1], p2) < 0.07

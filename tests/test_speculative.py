@@ -1,0 +1,108 @@
+"""Greedy speculative decoding reproduces autoregressive decoding token for token (fp32 tiny models)."""
+
+import pytest
+
+from helpers import ARCHS, ScriptedDrafter, perturbed, random_prompt, tiny_model
+from speculant import generate
+from speculant.drafters.model import ModelDrafter
+from speculant.config import SamplingConfig
+
+VOCAB = 64
+MAX_NEW = 40
+
+
+def reference(target, prompt, max_new_tokens=MAX_NEW):
+    return generate(target, prompt_ids=prompt, method="ar", max_new_tokens=max_new_tokens).token_ids
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+@pytest.mark.parametrize("k", [1, 2, 4, 7])
+@pytest.mark.parametrize("error_rate", [0.0, 1.0, 0.3, 0.7])
+def test_scripted_drafters_match_autoregressive(arch, k, error_rate):
+    for seed in range(4):
+        target = tiny_model(arch, seed, VOCAB)
+        prompt = random_prompt(seed, VOCAB)
+        expected = reference(target, prompt)
+        drafter = ScriptedDrafter(prompt, expected, error_rate, VOCAB, seed)
+        result = generate(target, prompt_ids=prompt, drafter=drafter, k=k, max_new_tokens=MAX_NEW)
+        assert result.token_ids == expected, f"seed {seed}"
+        rate = result.stats.acceptance_rate
+        if error_rate == 0.0:
+            assert rate == 1.0
+        if error_rate == 1.0:
+            assert rate == 0.0
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+@pytest.mark.parametrize("k", [1, 2, 4, 7])
+def test_model_drafters_match_autoregressive(arch, k):
+    for seed in range(3):
+        target = tiny_model(arch, seed, VOCAB)
+        prompt = random_prompt(seed + 100, VOCAB)
+        expected = reference(target, prompt)
+        drafters = {
+            "itself": target.share(),  # always agrees
+            "perturbed": perturbed(target, 0.3, seed),  # agrees at random
+            "other": tiny_model(arch, seed + 1000, VOCAB),  # rarely agrees
+        }
+        for label, drafter in drafters.items():
+            result = generate(target, prompt_ids=prompt, drafter=drafter, k=k, max_new_tokens=MAX_NEW)
+            assert result.token_ids == expected, f"seed {seed}, drafter {label}"
+            if label == "itself":
+                assert result.stats.acceptance_rate == 1.0
+
+
+@pytest.mark.parametrize("k", [2, 4, 7])
+def test_eos_inside_accepted_draft_stops_exactly(k):
+    for seed in range(4):
+        target = tiny_model("qwen2", seed, VOCAB)
+        prompt = random_prompt(seed, VOCAB)
+        free_run = reference(target, prompt)
+        stop_at = 5 + seed  # make the token emitted there the end-of-sequence token
+        target.eos_token_ids = frozenset({free_run[stop_at]})
+        expected = reference(target, prompt)
+        assert expected == free_run[: free_run.index(free_run[stop_at]) + 1]
+        drafter = ScriptedDrafter(prompt, free_run, 0.0, VOCAB, seed)  # keeps drafting past the EOS
+        result = generate(target, prompt_ids=prompt, drafter=drafter, k=k, max_new_tokens=MAX_NEW)
+        assert result.token_ids == expected
+        assert result.stats.new_tokens == len(expected)
+
+
+@pytest.mark.parametrize("k", [1, 3, 4, 7])
+@pytest.mark.parametrize("max_new_tokens", [1, 2, 5, 9])
+def test_max_new_tokens_inside_draft_is_exact(k, max_new_tokens):
+    target = tiny_model("llama", 5, VOCAB)
+    prompt = random_prompt(5, VOCAB)
+    expected = reference(target, prompt, max_new_tokens)
+    assert len(expected) == max_new_tokens
+    result = generate(target, prompt_ids=prompt, drafter=target.share(), k=k, max_new_tokens=max_new_tokens)
+    assert result.token_ids == expected
+    assert max(result.stats.draft_lengths, default=0) <= k
+
+
+def test_stats_count_forwards_and_acceptance():
+    target = tiny_model("llama", 7, VOCAB)
+    prompt = random_prompt(7, VOCAB)
+    result = generate(target, prompt_ids=prompt, drafter=target.share(), k=4, max_new_tokens=21)
+    stats = result.stats
+    # Prefill gives token 1; each of 5 iterations accepts 4 drafts and adds a bonus token: 1 + 5 * 5 = 26 > 21,
+    # so the iterations shrink their drafts near the end and every drafted token is accepted.
+    assert stats.new_tokens == 21
+    assert stats.acceptance_rate == 1.0
+    assert stats.target_forwards == 1 + len(stats.accepted_lengths)
+    assert sum(stats.accepted_lengths) + len(stats.accepted_lengths) + 1 == 21
+    assert stats.drafter_forwards[target.name] == sum(stats.draft_lengths)
+    assert stats.acceptance_per_position == [1.0] * 4
+    assert stats.wall_s > 0 and 0 < stats.ttft_s <= stats.wall_s
+
+
+def test_model_drafter_resyncs_its_cache_after_rejections():
+    target = tiny_model("qwen2", 9, VOCAB)
+    drafter = ModelDrafter(target.share(), SamplingConfig(), None)
+    context = random_prompt(9, VOCAB, 10)
+    first = drafter.propose(context, 4)
+    # The target accepted two of the drafts, then emitted its own token: the next proposal must equal
+    # a proposal from a drafter that never saw the rejected tokens.
+    context = context + first.tokens[:2] + [(first.tokens[2] + 1) % VOCAB]
+    fresh = ModelDrafter(target.share(), SamplingConfig(), None)
+    assert drafter.propose(context, 3).tokens == fresh.propose(context, 3).tokens

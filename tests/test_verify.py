@@ -1,0 +1,84 @@
+"""verify.py alone: hand-made cases with known answers, and the statistics of speculative sampling."""
+
+import pytest
+import torch
+
+from helpers import total_variation
+from speculant.verify import verify_greedy, verify_sampling
+
+
+def one_hot_logits(tokens: list[int], vocab: int = 10) -> torch.Tensor:
+    logits = torch.zeros(len(tokens), vocab)
+    logits[torch.arange(len(tokens)), torch.tensor(tokens)] = 5.0
+    return logits
+
+
+@pytest.mark.parametrize(
+    ("draft", "target", "expected"),
+    [
+        ([3, 4, 5], [3, 4, 9, 7], (2, 9)),  # mismatch at the third token
+        ([3, 4, 5], [3, 4, 5, 7], (3, 7)),  # all accepted: the bonus token
+        ([3, 4, 5], [1, 4, 5, 7], (0, 1)),  # first rejected; later matches do not count
+        ([], [6], (0, 6)),  # nothing drafted: a plain target step
+    ],
+)
+def test_greedy_verification_takes_longest_matching_prefix(draft, target, expected):
+    assert verify_greedy(torch.tensor(draft, dtype=torch.long), one_hot_logits(target)) == expected
+
+
+P = torch.tensor([0.4, 0.3, 0.1, 0.1, 0.05, 0.05])
+Q = torch.tensor([0.1, 0.1, 0.4, 0.2, 0.1, 0.1])
+
+
+def first_token_distribution(draws: int, q: torch.Tensor | None, fixed_draft: int | None, seed: int = 0):
+    """Empirical distribution of the first emitted token, and of the second one given the first was accepted."""
+    generator = torch.Generator().manual_seed(seed)
+    p = torch.stack([P, P.flip(0), P])  # k = 2 rows plus the bonus row
+    first = torch.zeros(len(P))
+    second = torch.zeros(len(P))
+    for _ in range(draws):
+        if fixed_draft is None:
+            draft = torch.multinomial(q, 2, replacement=True, generator=generator)
+        else:
+            draft = torch.tensor([fixed_draft, fixed_draft])
+        qs = torch.stack([q, q]) if q is not None and fixed_draft is None else None
+        n, token = verify_sampling(draft, p, qs, generator)
+        emitted = draft[:n].tolist() + [token]
+        first[emitted[0]] += 1
+        if n >= 1:
+            second[emitted[1]] += 1
+    return first / first.sum(), second / second.sum()
+
+
+def test_speculative_sampling_first_token_follows_target():
+    first, second = first_token_distribution(20_000, Q, None)
+    assert total_variation(first, P) < 0.02
+    assert total_variation(second, P.flip(0)) < 0.03
+    # The tolerance is tight enough to catch a wrong residual: resampling from p instead of
+    # norm(max(0, p - q)) after a rejection would give this distribution, 0.15 away from p.
+    wrong = torch.minimum(P, Q) + (1 - torch.minimum(P, Q).sum()) * P
+    assert total_variation(wrong, P) > 0.1
+
+
+@pytest.mark.parametrize("fixed_draft", [0, 2, 5])
+def test_deterministic_draft_is_verified_as_one_hot_q(fixed_draft):
+    first, _ = first_token_distribution(8_000, None, fixed_draft)
+    assert total_variation(first, P) < 0.03
+
+
+def test_identical_p_and_q_accept_everything():
+    generator = torch.Generator().manual_seed(1)
+    p = torch.stack([P, P, P])
+    for _ in range(200):
+        draft = torch.multinomial(P, 2, replacement=True, generator=generator)
+        n, _ = verify_sampling(draft, p, torch.stack([P, P]), generator)
+        assert n == 2
+
+
+def test_token_impossible_under_target_is_rejected_and_never_recovered():
+    generator = torch.Generator().manual_seed(2)
+    p = torch.tensor([[0.5, 0.5, 0.0], [0.2, 0.3, 0.5]])
+    q = torch.tensor([[0.0, 0.0, 1.0]])
+    for _ in range(200):
+        n, token = verify_sampling(torch.tensor([2]), p, q, generator)
+        assert n == 0 and token in (0, 1)
