@@ -14,9 +14,11 @@ from speculant.decoding.run import Decoder, timed
 from speculant.decoding.speculative import speculative
 from speculant.decoding.stats import GenerationStats
 from speculant.drafters.base import Drafter
+from speculant.drafters.maxgram import NAME as MAXGRAM
+from speculant.drafters.maxgram import MaxGramDrafter, load_bigram
 from speculant.drafters.model import ModelDrafter
 from speculant.errors import ConfigError, IncompatibleModels
-from speculant.models import CausalLM, HFCausalLM, dtype_name, load_model
+from speculant.models import CausalLM, HFCausalLM, dtype_name, load_model, quantized_copy, split_quant
 
 
 @dataclass
@@ -69,18 +71,33 @@ def check_compatible(target: CausalLM, drafter: CausalLM) -> None:
         )
 
 
-def make_drafter(drafter: Any, target: CausalLM, sampling: SamplingConfig,
-                 generator: torch.Generator | None) -> Drafter:
-    """A Drafter from a Drafter, a CausalLM or anything `load_model` accepts (loaded like the target)."""
+def load_drafter(drafter: Any, target: CausalLM, dtype: str | None = None) -> CausalLM | Drafter:
+    """What drafts for `target`: a Drafter as given; "maxgram" (prompt lookup with the bigram table of
+    the target's tokenizer); `self@int8` / `self@int4` (the target's own weights quantized); or any
+    model `load_model` accepts, loaded on the target's device in `dtype` (default: the target's)."""
     if isinstance(drafter, Drafter):
         return drafter
-    model = load_model(drafter, dtype=dtype_name(target.dtype), device=str(target.device))
+    if drafter == MAXGRAM:
+        tokenizer = target.tokenizer
+        return MaxGramDrafter(load_bigram(tokenizer, target.vocab_size) if tokenizer is not None else None)
+    if isinstance(drafter, str) and drafter.startswith("self@"):
+        if not isinstance(target, HFCausalLM):
+            raise ConfigError("self@quant drafting needs a transformers target")
+        return quantized_copy(target, split_quant(drafter)[1])
+    model = load_model(drafter, dtype=dtype or dtype_name(target.dtype), device=str(target.device))
     if model is target:  # a model drafting for itself needs a KV cache of its own
         if not isinstance(target, HFCausalLM):
             raise ConfigError("pass a separate model instance as drafter for this backend")
         model = target.share()
     check_compatible(target, model)
-    return ModelDrafter(model, sampling, generator)
+    return model
+
+
+def make_drafter(drafter: Any, target: CausalLM, sampling: SamplingConfig,
+                 generator: torch.Generator | None) -> Drafter:
+    """A Drafter for one generation: models from `load_drafter` get a ModelDrafter around them."""
+    source = load_drafter(drafter, target)
+    return source if isinstance(source, Drafter) else ModelDrafter(source, sampling, generator)
 
 
 def generate(
@@ -100,9 +117,10 @@ def generate(
 ) -> GenerationResult | GenerationStream:
     """Generate with `method` "ar" (autoregressive) or "sd" (speculative decoding/sampling).
 
-    `target` and `drafter` may be catalog names, Hugging Face ids or paths, transformers models or
-    loaded CausalLMs; `drafter` may also be any Drafter. Greedy at temperature 0. With `stream=True`
-    the returned GenerationStream yields token ids as they are committed.
+    `target` and `drafter` may be catalog names (with an optional `@int8`/`@int4` suffix), Hugging
+    Face ids or paths, transformers models or loaded CausalLMs; `drafter` may also be `self@int8` /
+    `self@int4` (the target's weights quantized), "maxgram" (prompt lookup) or any Drafter. Greedy at temperature 0. With
+    `stream=True` the returned GenerationStream yields token ids as they are committed.
     """
     sampling = SamplingConfig(temperature, top_k, top_p)
     config = DecodeConfig(method=method, k=k, max_new_tokens=max_new_tokens, seed=seed)
@@ -119,7 +137,10 @@ def generate(
     if any(not 0 <= t < target.vocab_size for t in prompt_ids):
         raise ConfigError(f"prompt token ids must lie in [0, {target.vocab_size})")
     generator = torch.Generator(device=target.device)
-    generator.manual_seed(seed if seed is not None else torch.seed())
+    if seed is None:
+        generator.seed()
+    else:
+        generator.manual_seed(seed)
 
     if config.method == "ar":
         if drafter is not None:

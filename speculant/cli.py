@@ -6,6 +6,7 @@ import argparse
 import json
 import sys
 from collections.abc import Sequence
+from pathlib import Path
 from typing import Any
 
 from speculant.config import DecodeConfig, ModelConfig, SamplingConfig, add_options, from_args
@@ -40,8 +41,12 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("prompt", help="the prompt text")
     gen.add_argument("--target", default=DEFAULT_TARGET, help=f"target model: catalog name, HF id or path (default: {DEFAULT_TARGET})")
     gen.add_argument("--drafter", default=None,
-                     help=f"drafter model, or 'none' for autoregressive decoding (default: {DEFAULT_DRAFTER} with --method sd)")
+                     help="drafter: a model (NAME[@int8|@int4]), self@int8 / self@int4 (the target quantized), "
+                          "maxgram (prompt lookup with a bigram fallback), "
+                          f"or 'none' for autoregressive decoding (default: {DEFAULT_DRAFTER} with --method sd)")
     gen.add_argument("--drafter-dtype", choices=("bf16", "fp32"), default=None, help="drafter dtype (default: --dtype)")
+    gen.add_argument("--bigram-corpus", nargs="+", default=None, metavar="FILE",
+                     help="text files for maxgram's bigram fallback (default: the Python standard library)")
     add_options(gen, DecodeConfig, method=None)
     add_options(gen, SamplingConfig)
     add_options(gen, ModelConfig)
@@ -75,7 +80,9 @@ def resolve_method(method: str | None, drafter: str | None) -> tuple[str, str | 
 
 
 def run_generate(args: argparse.Namespace) -> None:
-    from speculant.api import generate
+    from speculant.api import generate, load_drafter
+    from speculant.drafters.maxgram import NAME as MAXGRAM
+    from speculant.drafters.maxgram import MaxGramDrafter, load_bigram
     from speculant.models import load_model
 
     method, drafter_name = resolve_method(args.method, args.drafter)
@@ -92,8 +99,15 @@ def run_generate(args: argparse.Namespace) -> None:
     if drafter_name is not None:
         dtype = args.drafter_dtype or model_config.dtype
         print(f"loading drafter {drafter_name} ({dtype}, {model_config.device})", file=sys.stderr)
-        drafter = target if drafter_name == args.target and dtype == model_config.dtype else \
-            load_model(drafter_name, dtype=dtype, device=model_config.device)
+        reuse = drafter_name == args.target and dtype == model_config.dtype  # same weights, own cache
+        drafter = load_drafter(target if reuse else drafter_name, target, dtype)
+    if args.bigram_corpus:
+        if drafter_name != MAXGRAM:
+            raise ConfigError("--bigram-corpus applies to --drafter maxgram only")
+        files = [Path(f) for f in args.bigram_corpus]
+        if missing := [str(f) for f in files if not f.is_file()]:
+            raise ConfigError(f"bigram corpus file not found: {', '.join(missing)}")
+        drafter = MaxGramDrafter(load_bigram(target.tokenizer, target.vocab_size, files))
 
     stream = generate(
         target, prompt=args.prompt, drafter=drafter, method=decode_config.method, k=decode_config.k,
@@ -118,14 +132,13 @@ def run_generate(args: argparse.Namespace) -> None:
 
 
 def run_bench(args: argparse.Namespace, argv: Sequence[str]) -> None:
-    from pathlib import Path
-
     from tqdm import tqdm
 
     from speculant.bench.datasets import load_dataset
     from speculant.bench.methods import parse_method
-    from speculant.bench.runner import markdown_table, run_matrix, summarize, to_json
-    from speculant.models import load_model
+    from speculant.bench.report import markdown_report, plot, print_table
+    from speculant.bench.runner import run_matrix, summarize, summarize_by_category, to_json
+    from speculant.models import CausalLM, load_model
 
     methods = [parse_method(m) for m in args.methods]
     if len({m.label for m in methods}) != len(methods):
@@ -134,21 +147,41 @@ def run_bench(args: argparse.Namespace, argv: Sequence[str]) -> None:
     SamplingConfig(temperature=args.temperature)
     model_config = from_args(ModelConfig, args)
     prompts = load_dataset(args.dataset)
-    target = load_model(args.target, dtype=model_config.dtype, device=model_config.device)
+    targets: dict[str, CausalLM] = {}
+
+    def target_for(dtype: str | None) -> CausalLM:
+        dtype = dtype or model_config.dtype
+        if dtype not in targets:
+            targets[dtype] = load_model(args.target, dtype=dtype, device=model_config.device)
+        return targets[dtype]
+
     with tqdm(total=len(prompts) * len(methods), desc="prompts x methods", file=sys.stderr) as bar:
-        rows = run_matrix(target, methods, prompts, args.max_new_tokens, args.seed, args.temperature,
+        rows = run_matrix(target_for, methods, prompts, args.max_new_tokens, args.seed, args.temperature,
                           on_row=lambda row: bar.update())
     summaries = summarize(rows, methods)
-    table = markdown_table(summaries)
+    by_category = summarize_by_category(rows, methods)
     command = "speculant " + " ".join(argv)
-    print(table)
+    print_table(summaries, f"{args.target} on {args.dataset}, {args.max_new_tokens} new tokens")
     if args.out:
         out = Path(args.out)
         out.mkdir(parents=True, exist_ok=True)
-        config = {"command": command, **{k: v for k, v in vars(args).items() if k != "command"}}
-        (out / "results.json").write_text(json.dumps(to_json(config, rows, summaries), indent=1))
-        (out / "report.md").write_text(f"{table}\n\nCommand: `{command}`\n")
-        print(f"wrote {out / 'results.json'} and {out / 'report.md'}", file=sys.stderr)
+        config = {"command": command, "machine": machine_info(),
+                  **{k: v for k, v in vars(args).items() if k != "command"}}
+        (out / "results.json").write_text(json.dumps(to_json(config, rows, summaries, by_category), indent=1))
+        (out / "report.md").write_text(markdown_report(summaries, by_category, command, machine_info()))
+        plots = plot(summaries, by_category, out)
+        print(f"wrote {out / 'results.json'}, {out / 'report.md'} and {len(plots)} plots", file=sys.stderr)
+
+
+def machine_info() -> str:
+    import platform
+
+    import torch
+
+    cpu = next((line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
+                if line.startswith("model name")), platform.processor()) if Path("/proc/cpuinfo").exists() else ""
+    return (f"{cpu or platform.machine()}, {torch.get_num_threads()} threads, torch {torch.__version__} "
+            f"({torch.backends.cpu.get_cpu_capability()})")
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -1,13 +1,27 @@
-"""Method specs on the command line: `ar`, `sd:drafter=qwen2.5-coder-0.5b,k=4,dtype=bf16`."""
+"""Method specs on the command line: `ar`, `ar:dtype=bf16`, `sd:drafter=qwen2.5-coder-0.5b,k=4`,
+`sd:drafter=qwen2.5-coder-0.5b@int8,k=6,dtype=fp32,drafter_dtype=bf16`, `sd:drafter=maxgram,k=8`,
+and the peers `hf-ar`, `hf-assisted[:k=N]`, `hf-pld[:k=N]`.
+
+`dtype` is the target's dtype for this method (default: --dtype); `drafter_dtype` the drafter's
+(default: the target's)."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-from speculant.config import METHODS, DecodeConfig
+from speculant.config import DecodeConfig
 from speculant.errors import ConfigError
 
-OPTIONS = {"ar": set(), "sd": {"drafter", "k", "dtype"}}
+OPTIONS = {
+    "ar": {"dtype"},
+    "sd": {"drafter", "k", "dtype", "drafter_dtype"},
+    # Peers: transformers generate() plain, assisted (k = num_assistant_tokens), prompt lookup (k = n-gram draft).
+    "hf-ar": {"dtype"},
+    "hf-assisted": {"drafter", "k", "dtype", "drafter_dtype"},
+    "hf-pld": {"k", "dtype"},
+}
+NEEDS_DRAFTER = {"sd", "hf-assisted"}
+DTYPES = (None, "bf16", "fp32")
 DEFAULT_DRAFTER = "qwen2.5-coder-0.5b"
 
 
@@ -16,14 +30,15 @@ class MethodSpec:
     label: str  # the spec as written, used as the method's name in reports
     method: str
     drafter: str | None = None
-    k: int = 4
+    k: int | None = None  # None: the method's default (sd: 4; peers: transformers' defaults)
+    target_dtype: str | None = None  # None: the run's default dtype
     drafter_dtype: str | None = None  # None: the target's dtype
 
 
 def parse_method(spec: str) -> MethodSpec:
     name, _, rest = spec.strip().partition(":")
-    if name not in METHODS:
-        raise ConfigError(f"unknown method '{name}' in '{spec}' (choose from {', '.join(METHODS)})")
+    if name not in OPTIONS:
+        raise ConfigError(f"unknown method '{name}' in '{spec}' (choose from {', '.join(OPTIONS)})")
     options: dict[str, str] = {}
     for item in filter(None, rest.split(",")):
         key, eq, value = item.partition("=")
@@ -32,12 +47,13 @@ def parse_method(spec: str) -> MethodSpec:
             raise ConfigError(f"bad option '{item}' for method '{name}' (options: {allowed})")
         options[key] = value
     try:
-        k = int(options.get("k", 4))
+        k = int(options["k"]) if "k" in options else (4 if name == "sd" else None)
     except ValueError:
         raise ConfigError(f"k must be an integer in '{spec}'") from None
-    DecodeConfig(method=name, k=k)  # validates
-    dtype = options.get("dtype")
-    if dtype not in (None, "bf16", "fp32"):
-        raise ConfigError(f"dtype must be bf16 or fp32 in '{spec}'")
-    drafter = options.get("drafter", DEFAULT_DRAFTER) if name == "sd" else None
-    return MethodSpec(spec.strip(), name, drafter, k, dtype)
+    if k is not None:
+        DecodeConfig(k=k)  # validates
+    target_dtype, drafter_dtype = options.get("dtype"), options.get("drafter_dtype")
+    if target_dtype not in DTYPES or drafter_dtype not in DTYPES:
+        raise ConfigError(f"dtypes must be bf16 or fp32 in '{spec}'")
+    drafter = options.get("drafter", DEFAULT_DRAFTER) if name in NEEDS_DRAFTER else None
+    return MethodSpec(spec.strip(), name, drafter, k, target_dtype, drafter_dtype)

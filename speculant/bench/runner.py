@@ -8,16 +8,19 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from speculant.api import encode_prompt, generate
+from speculant.api import GenerationResult, encode_prompt, generate, load_drafter
 from speculant.bench.datasets import Prompt
 from speculant.bench.methods import MethodSpec
+from speculant.bench.peers import hf_generate
 from speculant.decoding.stats import GenerationStats
-from speculant.models import CausalLM, dtype_name, load_model
+from speculant.drafters.base import Drafter
+from speculant.models import CausalLM
 
 
 @dataclass
 class Row:
     prompt_id: str
+    category: str
     method: str
     token_ids: list[int]
     stats: GenerationStats
@@ -51,7 +54,7 @@ def common_prefix(a: list[int], b: list[int]) -> int:
 
 
 def run_matrix(
-    target: CausalLM,
+    target_for: Callable[[str | None], CausalLM],
     methods: list[MethodSpec],
     prompts: list[Prompt],
     max_new_tokens: int,
@@ -59,30 +62,37 @@ def run_matrix(
     temperature: float = 0.0,
     on_row: Callable[[Row], None] | None = None,
 ) -> list[Row]:
-    """Every method on every prompt, interleaved; returns the rows in run order."""
-    drafters: dict[tuple[str, str], Any] = {}
-    dtype = dtype_name(target.dtype)
+    """Every method on every prompt, interleaved; returns the rows in run order.
 
-    def drafter_for(spec: MethodSpec) -> Any:
+    `target_for(dtype)` returns the loaded target in that dtype (None: the run's default); it should
+    load each dtype once, so that all methods share the same weights.
+    """
+    drafters: dict[tuple[str, str | None, str | None], CausalLM | Drafter] = {}
+
+    def drafter_for(spec: MethodSpec) -> CausalLM | Drafter | None:
         if spec.drafter is None:
             return None
-        key = (spec.drafter, spec.drafter_dtype or dtype)
+        key = (spec.drafter, spec.target_dtype, spec.drafter_dtype)
         if key not in drafters:
-            drafters[key] = load_model(spec.drafter, dtype=key[1], device=str(target.device))
+            drafters[key] = load_drafter(spec.drafter, target_for(spec.target_dtype), spec.drafter_dtype)
         return drafters[key]
 
-    def run(spec: MethodSpec, ids: list[int], n: int):
-        return generate(target, prompt_ids=ids, drafter=drafter_for(spec), method=spec.method, k=spec.k,
-                        max_new_tokens=n, temperature=temperature, seed=seed)
+    def run(spec: MethodSpec, ids: list[int], n: int) -> GenerationResult:
+        target = target_for(spec.target_dtype)
+        if spec.method.startswith("hf-"):
+            return hf_generate(spec.method, target, ids, n, spec.k, drafter_for(spec), temperature, seed)
+        k = {"k": spec.k} if spec.k is not None else {}
+        return generate(target, prompt_ids=ids, drafter=drafter_for(spec), method=spec.method,
+                        max_new_tokens=n, temperature=temperature, seed=seed, **k)
 
-    encoded = [encode_prompt(target.tokenizer, p.text) for p in prompts]
+    encoded = [encode_prompt(target_for(None).tokenizer, p.text) for p in prompts]
     for spec in methods:  # warm-up: allocator, caches, lazy initialisation
         run(spec, encoded[0], min(8, max_new_tokens))
     rows = []
     for prompt, ids in zip(prompts, encoded):
         for spec in methods:
             result = run(spec, ids, max_new_tokens)
-            row = Row(prompt.id, spec.label, result.token_ids, result.stats)
+            row = Row(prompt.id, prompt.category, spec.label, result.token_ids, result.stats)
             rows.append(row)
             if on_row:
                 on_row(row)
@@ -91,11 +101,16 @@ def run_matrix(
 
 def summarize(rows: list[Row], methods: list[MethodSpec]) -> list[MethodSummary]:
     by_method = {spec.label: [r for r in rows if r.method == spec.label] for spec in methods}
-    baseline = next((spec.label for spec in methods if spec.method == "ar"), None)
+    ar_specs = [spec for spec in methods if spec.method == "ar"]
+    baseline = ar_specs[0].label if ar_specs else None  # speedups are over the first ar listed
     ar_rows = {r.prompt_id: r for r in by_method.get(baseline, [])} if baseline else {}
     ar_tps = _total_tps(by_method[baseline]) if baseline else None
     summaries = []
-    for label, method_rows in by_method.items():
+    for spec in methods:
+        label, method_rows = spec.label, by_method[spec.label]
+        # Agreement is checked against ar on the same target weights (same dtype) when the run has it.
+        reference = next((a.label for a in ar_specs if a.target_dtype == spec.target_dtype), baseline)
+        same_weights_ar = {r.prompt_id: r for r in by_method.get(reference, [])} if reference else {}
         stats = [r.stats for r in method_rows]
         drafted = [d for s in stats for d in s.draft_lengths]
         accepted = [a for s in stats for a in s.accepted_lengths]
@@ -121,10 +136,11 @@ def summarize(rows: list[Row], methods: list[MethodSpec]) -> list[MethodSummary]
             drafter_forwards=forwards,
             ttft_s=statistics.mean(s.ttft_s for s in stats),
         )
-        if ar_rows:
-            summary.identical_to_ar = statistics.mean(r.token_ids == ar_rows[r.prompt_id].token_ids for r in method_rows)
+        if same_weights_ar:
+            summary.identical_to_ar = statistics.mean(
+                r.token_ids == same_weights_ar[r.prompt_id].token_ids for r in method_rows)
             summary.common_prefix_with_ar = statistics.mean(
-                common_prefix(r.token_ids, ar_rows[r.prompt_id].token_ids) for r in method_rows)
+                common_prefix(r.token_ids, same_weights_ar[r.prompt_id].token_ids) for r in method_rows)
         summaries.append(summary)
     return summaries
 
@@ -134,23 +150,20 @@ def _total_tps(rows: list[Row]) -> float:
     return sum(r.stats.new_tokens for r in rows) / seconds if seconds else 0.0
 
 
-def markdown_table(summaries: list[MethodSummary]) -> str:
-    def fmt(value: float | None, pattern: str) -> str:
-        return "-" if value is None else pattern.format(value)
-
-    lines = ["| method | tok/s | speedup | median speedup | mean accepted length | acceptance | identical to ar | TTFT s |",
-             "|---|---:|---:|---:|---:|---:|---:|---:|"]
-    for s in summaries:
-        lines.append(f"| {s.method} | {s.tokens_per_s:.2f} | {fmt(s.speedup, '{:.2f}x')} | "
-                     f"{fmt(s.median_speedup, '{:.2f}x')} | {s.mean_accepted_length:.2f} | "
-                     f"{fmt(s.acceptance_rate, '{:.0%}')} | {fmt(s.identical_to_ar, '{:.0%}')} | {s.ttft_s:.2f} |")
-    return "\n".join(lines)
+def summarize_by_category(rows: list[Row], methods: list[MethodSpec]) -> dict[str, list[MethodSummary]]:
+    """The same summaries within each prompt category (only when there is more than one)."""
+    categories = sorted({r.category for r in rows})
+    if len(categories) < 2:
+        return {}
+    return {c: summarize([r for r in rows if r.category == c], methods) for c in categories}
 
 
-def to_json(config: dict[str, Any], rows: list[Row], summaries: list[MethodSummary]) -> dict[str, Any]:
+def to_json(config: dict[str, Any], rows: list[Row], summaries: list[MethodSummary],
+            by_category: dict[str, list[MethodSummary]]) -> dict[str, Any]:
     return {
         "config": config,
         "summary": [asdict(s) for s in summaries],
-        "rows": [{"prompt_id": r.prompt_id, "method": r.method, "token_ids": r.token_ids,
+        "by_category": {c: [asdict(s) for s in summary] for c, summary in by_category.items()},
+        "rows": [{"prompt_id": r.prompt_id, "category": r.category, "method": r.method, "token_ids": r.token_ids,
                   "stats": r.stats.to_dict()} for r in rows],
     }

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from copy import deepcopy
 from pathlib import Path
 from typing import Any
 
@@ -11,10 +12,12 @@ from speculant.errors import ConfigError, ModelNotAvailable
 from speculant.models.base import CausalLM
 from speculant.models.catalog import CATALOG, materialize
 from speculant.models.hf import HFCausalLM
+from speculant.models.quant import QUANTS, quantize
 
 DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
 
-__all__ = ["CATALOG", "DTYPES", "CausalLM", "HFCausalLM", "dtype_name", "load_model", "resolve_device"]
+__all__ = ["CATALOG", "DTYPES", "QUANTS", "CausalLM", "HFCausalLM", "dtype_name", "load_model", "quantized_copy",
+           "resolve_device", "split_quant"]
 
 
 def dtype_name(dtype: torch.dtype) -> str:
@@ -41,14 +44,44 @@ def catalog_listing() -> str:
     return ", ".join(CATALOG)
 
 
-def load_model(spec: Any, dtype: str = "bf16", device: str = "cpu", tokenizer: Any | None = None) -> CausalLM:
+def split_quant(spec: str) -> tuple[str, str | None]:
+    """`qwen2.5-coder-0.5b@int8` -> ("qwen2.5-coder-0.5b", "int8")."""
+    name, at, quant = spec.rpartition("@")
+    return (name, quant) if at else (spec, None)
+
+
+def quantized_copy(model: HFCausalLM, quant: str, group_size: int = 32) -> HFCausalLM:
+    """A quantized copy of a loaded model's weights, e.g. the target as its own drafter (`self@int8`)."""
+    copy = quantize(deepcopy(model.model), quant, group_size)
+    return HFCausalLM(copy, model.tokenizer, f"{model.name}@{quant}", model.eos_token_ids)
+
+
+def load_model(spec: Any, dtype: str = "bf16", device: str = "cpu", tokenizer: Any | None = None,
+               quant: str | None = None, group_size: int = 32) -> CausalLM:
     """Load a CausalLM from a catalog name, a Hugging Face id or local path, or a transformers model.
 
     Catalog models are de-quantized from their packaged GGUF once and cached as safetensors.
+    `quant` ("int8", "int4"; or a `name@int8` suffix) quantizes every linear layer after loading.
     A CausalLM passes through unchanged.
     """
     if isinstance(spec, CausalLM):
+        if quant is not None:
+            raise ConfigError("quantize a loaded model with quantized_copy()")
         return spec
+    if isinstance(spec, str) and "@" in spec:
+        if quant is not None:
+            raise ConfigError(f"quantization given twice: '{spec}' and quant={quant}")
+        spec, quant = split_quant(spec)
+    if quant is not None and quant not in QUANTS:
+        raise ConfigError(f"unknown quantization '{quant}' (choose from {', '.join(QUANTS)})")
+    model = _load_unquantized(spec, dtype, device, tokenizer)
+    if quant is None:
+        return model
+    quantize(model.model, quant, group_size)
+    return HFCausalLM(model.model, model.tokenizer, f"{model.name}@{quant}", model.eos_token_ids)
+
+
+def _load_unquantized(spec: Any, dtype: str, device: str, tokenizer: Any | None) -> HFCausalLM:
     if dtype not in DTYPES:
         raise ConfigError(f"unknown dtype '{dtype}' (choose from {', '.join(DTYPES)})")
     torch_device = resolve_device(device)
@@ -72,7 +105,12 @@ def load_model(spec: Any, dtype: str = "bf16", device: str = "cpu", tokenizer: A
                                 "(or give a Hugging Face id or a local path)")
     try:
         model = AutoModelForCausalLM.from_pretrained(path, dtype=DTYPES[dtype]).to(torch_device)
-        tokenizer = tokenizer or AutoTokenizer.from_pretrained(path)
     except (OSError, ValueError) as error:
         raise ModelNotAvailable(f"cannot load model '{name}': {str(error).splitlines()[0]}") from None
-    return HFCausalLM(model, tokenizer, name, frozenset(tokenizer.convert_tokens_to_ids(t) for t in extra_eos))
+    if tokenizer is None:
+        try:
+            tokenizer = AutoTokenizer.from_pretrained(path)
+        except (OSError, ValueError):  # a model without a tokenizer still works on token ids
+            tokenizer = None
+    extra_ids = frozenset(tokenizer.convert_tokens_to_ids(t) for t in extra_eos) if tokenizer else frozenset()
+    return HFCausalLM(model, tokenizer, name, extra_ids)

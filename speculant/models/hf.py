@@ -36,7 +36,7 @@ class HFCausalLM:
         self.model = model.eval()
         self.tokenizer = tokenizer
         self.name = name or getattr(model.config, "_name_or_path", "") or type(model).__name__
-        self.vocab_size = model.get_output_embeddings().weight.shape[0]
+        self.vocab_size = model.get_output_embeddings().out_features  # width of a logits row
         self.eos_token_ids = eos_ids(model, tokenizer) | extra_eos
         self.device = next(model.parameters()).device
         self.dtype = model.dtype

@@ -1,0 +1,74 @@
+"""Peers run in the same process as speculant's methods: transformers `generate()` plain, with an
+`assistant_model` (assisted generation), and with `prompt_lookup_num_tokens` (prompt lookup)."""
+
+from __future__ import annotations
+
+import time
+
+import torch
+from transformers.generation.streamers import BaseStreamer
+
+from speculant.api import GenerationResult, decode
+from speculant.decoding.stats import GenerationStats
+from speculant.errors import ConfigError
+from speculant.models import CausalLM, HFCausalLM
+
+
+class FirstTokenClock(BaseStreamer):
+    """Records when `generate()` streams its first new token (its first `put` is the prompt)."""
+
+    def __init__(self) -> None:
+        self.puts = 0
+        self.first: float | None = None
+
+    def put(self, value: torch.Tensor) -> None:
+        self.puts += 1
+        if self.puts == 2:
+            self.first = time.perf_counter()
+
+    def end(self) -> None:
+        pass
+
+
+def hf_generate(
+    method: str,
+    target: CausalLM,
+    prompt_ids: list[int],
+    max_new_tokens: int,
+    k: int | None,
+    assistant: CausalLM | None,
+    temperature: float,
+    seed: int,
+) -> GenerationResult:
+    """One peer generation: `hf-ar`, `hf-assisted` (k fixes num_assistant_tokens, else transformers'
+    heuristic schedule) or `hf-pld` (k = prompt_lookup_num_tokens, default 10). Timed around the
+    whole call, prefill included, like speculant's own methods."""
+    if not isinstance(target, HFCausalLM) or (assistant is not None and not isinstance(assistant, HFCausalLM)):
+        raise ConfigError(f"{method} needs transformers models")
+    kwargs: dict = {}
+    if method == "hf-assisted":
+        kwargs["assistant_model"] = assistant.model
+        if k is not None:
+            kwargs.update(num_assistant_tokens=k, num_assistant_tokens_schedule="constant")
+    elif method == "hf-pld":
+        kwargs["prompt_lookup_num_tokens"] = k or 10
+    if temperature > 0:
+        kwargs.update(do_sample=True, temperature=temperature, top_k=0)
+        torch.manual_seed(seed)
+    else:
+        kwargs["do_sample"] = False
+    eos = sorted(target.eos_token_ids)
+    input_ids = torch.tensor([prompt_ids], device=target.device)
+    clock = FirstTokenClock()
+    start = time.perf_counter()
+    with torch.inference_mode():
+        output = target.model.generate(
+            input_ids, attention_mask=torch.ones_like(input_ids), max_new_tokens=max_new_tokens,
+            eos_token_id=eos or None, pad_token_id=eos[0] if eos else 0, streamer=clock, **kwargs)
+    wall = time.perf_counter() - start
+    tokens = output[0, len(prompt_ids):].tolist()
+    stop = next((i for i, t in enumerate(tokens) if t in target.eos_token_ids), None)
+    tokens = tokens if stop is None else tokens[: stop + 1]
+    stats = GenerationStats(method=method, new_tokens=len(tokens), wall_s=wall,
+                            ttft_s=(clock.first or time.perf_counter()) - start)
+    return GenerationResult(tokens, decode(target.tokenizer, tokens), stats)

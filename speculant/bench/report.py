@@ -1,0 +1,105 @@
+"""What a bench run shows: a terminal table, a markdown report and PNG plots."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from rich.console import Console
+from rich.table import Table
+
+from speculant.bench.runner import MethodSummary
+
+COLUMNS = ("method", "tok/s", "speedup", "median speedup", "mean accepted length", "acceptance",
+           "identical to ar", "TTFT s")
+
+
+def _cells(s: MethodSummary) -> tuple[str, ...]:
+    def fmt(value: float | None, pattern: str) -> str:
+        return "-" if value is None else pattern.format(value)
+
+    return (s.method, f"{s.tokens_per_s:.2f}", fmt(s.speedup, "{:.2f}x"), fmt(s.median_speedup, "{:.2f}x"),
+            f"{s.mean_accepted_length:.2f}", fmt(s.acceptance_rate, "{:.0%}"), fmt(s.identical_to_ar, "{:.0%}"),
+            f"{s.ttft_s:.2f}")
+
+
+def markdown_table(summaries: list[MethodSummary]) -> str:
+    lines = ["| " + " | ".join(COLUMNS) + " |", "|---|" + "---:|" * (len(COLUMNS) - 1)]
+    lines += ["| " + " | ".join(_cells(s)) + " |" for s in summaries]
+    return "\n".join(lines)
+
+
+def print_table(summaries: list[MethodSummary], title: str, console: Console | None = None) -> None:
+    table = Table(title=title)
+    for i, column in enumerate(COLUMNS):
+        table.add_column(column, justify="left" if i == 0 else "right")
+    for s in summaries:
+        table.add_row(*_cells(s))
+    console = console or Console()
+    if not console.is_terminal:  # a pipe or a file: do not wrap method names at 80 columns
+        console.width = 200
+    console.print(table)
+
+
+def markdown_report(summaries: list[MethodSummary], by_category: dict[str, list[MethodSummary]],
+                    command: str, machine: str) -> str:
+    parts = [f"# speculant bench\n\nCommand: `{command}`\n\nMachine: {machine}\n", markdown_table(summaries)]
+    for category, summary in by_category.items():
+        parts.append(f"\n## {category}\n\n{markdown_table(summary)}")
+    parts.append("\nspeedup = total tokens / total time over the `ar` baseline of the same run; median speedup = "
+                 "median of per-prompt ratios; mean accepted length = tokens committed per target verification; "
+                 "identical to ar = share of prompts whose output equals that of `ar` on the same target dtype.")
+    return "\n".join(parts) + "\n"
+
+
+def plot(summaries: list[MethodSummary], by_category: dict[str, list[MethodSummary]], out: Path) -> list[Path]:
+    """speedup.png, acceptance.png and (with categories) categories.png under `out`."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    paths = []
+    names = [s.method for s in summaries]
+    fig, ax = plt.subplots(figsize=(max(6, 1.2 * len(names)), 4))
+    ax.bar(range(len(names)), [s.speedup or 0 for s in summaries], color="tab:blue")
+    ax.axhline(1.0, color="grey", linestyle="--", linewidth=1)
+    ax.set_xticks(range(len(names)), names, rotation=30, ha="right", fontsize=8)
+    ax.set_ylabel("speedup over ar (same run)")
+    ax.set_title("Speedup per method")
+    fig.tight_layout()
+    paths.append(out / "speedup.png")
+    fig.savefig(paths[-1], dpi=120)
+    plt.close(fig)
+
+    fig, ax = plt.subplots(figsize=(6, 4))
+    for s in summaries:
+        if s.acceptance_per_position:
+            positions = range(1, len(s.acceptance_per_position) + 1)
+            ax.plot(positions, s.acceptance_per_position, marker="o", label=s.method)
+    ax.set_xlabel("draft position")
+    ax.set_ylabel("acceptance (given the position was reached)")
+    ax.set_ylim(0, 1.05)
+    ax.set_title("Acceptance per draft position")
+    if ax.get_legend_handles_labels()[0]:
+        ax.legend(fontsize=7)
+    fig.tight_layout()
+    paths.append(out / "acceptance.png")
+    fig.savefig(paths[-1], dpi=120)
+    plt.close(fig)
+
+    if by_category:
+        categories = list(by_category)
+        width = 0.8 / len(names)
+        fig, ax = plt.subplots(figsize=(max(6, 1.5 * len(categories)), 4))
+        for i, name in enumerate(names):
+            values = [next(s.tokens_per_s for s in by_category[c] if s.method == name) for c in categories]
+            ax.bar([c + i * width for c in range(len(categories))], values, width, label=name)
+        ax.set_xticks([c + 0.4 - width / 2 for c in range(len(categories))], categories, rotation=20, ha="right")
+        ax.set_ylabel("tokens/s")
+        ax.set_title("Tokens/s per category")
+        ax.legend(fontsize=7)
+        fig.tight_layout()
+        paths.append(out / "categories.png")
+        fig.savefig(paths[-1], dpi=120)
+        plt.close(fig)
+    return paths

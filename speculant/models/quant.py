@@ -1,0 +1,95 @@
+"""Weight quantization of every linear layer, for cheap drafters on CPU.
+
+`int8`: per-channel int8 weights with dynamically quantized int8 activations (fbgemm kernels; x86).
+`int4`: weight-only int4, asymmetric, one scale and zero point per `group_size` inputs, with
+bf16 activations (torch's packed CPU kernel).
+The speculative-sampling paper suggests exactly this kind of drafter (Chen et al. 2023, section 1:
+a quantized copy of the target); losslessness never depends on the drafter's precision.
+"""
+
+from __future__ import annotations
+
+import warnings
+
+import torch
+from torch import nn
+from tqdm import tqdm
+
+from speculant.errors import ConfigError
+
+QUANTS = ("int8", "int4")
+
+
+class Int8DynamicLinear(nn.Module):
+    """y = x W^T + b with W per-output-channel int8 and x quantized to int8 per call (fbgemm)."""
+
+    def __init__(self, linear: nn.Linear):
+        super().__init__()
+        weight = linear.weight.detach().float()
+        scales = (weight.abs().amax(dim=1) / 127).clamp_min(1e-8).double()
+        zero_points = torch.zeros(weight.shape[0], dtype=torch.long)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # torch marks the eager quantization API deprecated
+            qweight = torch.quantize_per_channel(weight, scales, zero_points, 0, torch.qint8)
+        bias = linear.bias.detach().float() if linear.bias is not None else None
+        self._packed = torch.ops.quantized.linear_prepack(qweight, bias)
+        self.in_features, self.out_features = linear.in_features, linear.out_features
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        shape = x.shape
+        y = torch.ops.quantized.linear_dynamic(x.reshape(-1, shape[-1]).float(), self._packed, True)
+        return y.view(*shape[:-1], self.out_features).to(x.dtype)
+
+
+class Int4WeightOnlyLinear(nn.Module):
+    """y = x W^T + b with W in asymmetric int4 groups along the input dimension (bf16 activations)."""
+
+    def __init__(self, linear: nn.Linear, group_size: int):
+        super().__init__()
+        n, k = linear.weight.shape
+        if k % group_size:
+            raise ConfigError(f"int4 needs input sizes divisible by the group size {group_size}, got {k}")
+        groups = linear.weight.detach().float().view(n, k // group_size, group_size)
+        low = groups.amin(-1, keepdim=True)
+        scale = ((groups.amax(-1, keepdim=True) - low) / 15).clamp_min(1e-8)
+        q = ((groups - low) / scale).round().clamp(0, 15).to(torch.int32).view(n, k)
+        self.register_buffer("packed", torch._convert_weight_to_int4pack_for_cpu(q, 1))
+        # The kernel dequantizes as (q - 8) * scale + zero, so shift the zero point by 8 steps.
+        scale, low = scale.view(n, -1), low.view(n, -1)
+        scales_and_zeros = torch.stack([scale.t(), (low + 8 * scale).t()], dim=-1).contiguous()  # [k/g, n, 2]
+        self.register_buffer("scales_and_zeros", scales_and_zeros.to(torch.bfloat16))
+        self.bias = None if linear.bias is None else nn.Parameter(linear.bias.detach().to(torch.bfloat16))
+        self.group_size, self.out_features = group_size, n
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        shape = x.shape
+        y = torch._weight_int4pack_mm_for_cpu(x.reshape(-1, shape[-1]).to(torch.bfloat16), self.packed,
+                                              self.group_size, self.scales_and_zeros)
+        if self.bias is not None:
+            y = y + self.bias
+        return y.view(*shape[:-1], self.out_features).to(x.dtype)
+
+
+def quantize(model: nn.Module, quant: str, group_size: int = 32) -> nn.Module:
+    """Replace every nn.Linear of `model` (the LM head too, untied) by its quantized version, in place."""
+    if quant not in QUANTS:
+        raise ConfigError(f"unknown quantization '{quant}' (choose from {', '.join(QUANTS)})")
+    if next(model.parameters()).device.type != "cpu":
+        raise ConfigError(f"{quant} quantization runs on CPU only for now")
+    if quant == "int8" and "fbgemm" not in torch.backends.quantized.supported_engines:
+        raise ConfigError("int8 quantization needs torch's fbgemm engine (x86 CPUs)")
+    if quant == "int8":
+        torch.backends.quantized.engine = "fbgemm"
+    # Untie so that quantizing the head leaves the input embedding intact.
+    config = getattr(model, "config", None)
+    if config is not None and getattr(config, "tie_word_embeddings", False):
+        head = model.get_output_embeddings()
+        head.weight = nn.Parameter(head.weight.detach().clone())
+        config.tie_word_embeddings = False
+    targets = [(name, module) for name, module in model.named_modules() if isinstance(module, nn.Linear)]
+    for name, linear in tqdm(targets, desc=f"quantizing to {quant}", disable=len(targets) < 50, leave=False):
+        parent_name, _, child = name.rpartition(".")
+        parent = model.get_submodule(parent_name) if parent_name else model
+        replacement = Int8DynamicLinear(linear) if quant == "int8" else Int4WeightOnlyLinear(linear, group_size)
+        setattr(parent, child, replacement)
+    return model

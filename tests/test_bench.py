@@ -1,0 +1,109 @@
+"""The benchmark harness on tiny models: parsing, interleaving, same-run speedups, outputs."""
+
+import json
+
+import pytest
+
+from helpers import byte_tokenizer, tiny_transformer
+from speculant import cli
+from speculant.bench.datasets import Prompt, load_dataset
+from speculant.bench.methods import parse_method
+from speculant.bench.runner import run_matrix, summarize
+from speculant.errors import ConfigError
+from speculant.models import HFCausalLM
+
+
+def test_method_specs_parse():
+    spec = parse_method("sd:drafter=qwen2.5-coder-0.5b@int8,k=6,dtype=fp32,drafter_dtype=bf16")
+    assert (spec.method, spec.drafter, spec.k, spec.target_dtype, spec.drafter_dtype) == \
+        ("sd", "qwen2.5-coder-0.5b@int8", 6, "fp32", "bf16")
+    assert parse_method("ar").drafter is None and parse_method("sd").k == 4
+
+
+@pytest.mark.parametrize("bad", ["xx", "ar:k=3", "sd:k=0", "sd:k=two", "sd:depth=3", "sd:dtype=fp16", "sd:k"])
+def test_bad_method_specs_are_refused(bad):
+    with pytest.raises(ConfigError):
+        parse_method(bad)
+
+
+def test_humaneval_slices():
+    prompts = load_dataset("humaneval[:3]")
+    assert [p.id for p in prompts] == ["HumanEval/0", "HumanEval/1", "HumanEval/2"]
+    assert load_dataset("humaneval[160:]")[0].id == "HumanEval/160"
+
+
+def test_jsonl_prompts_and_errors(tmp_path):
+    good = tmp_path / "good.jsonl"
+    good.write_text('{"prompt": "a", "category": "x"}\n\n{"prompt": "b", "id": "two"}\n')
+    prompts = load_dataset(str(good))
+    assert [(p.id, p.text, p.category) for p in prompts] == [("1", "a", "x"), ("two", "b", "all")]
+    assert load_dataset(f"{good}[1:]")[0].text == "b"
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"prompt": "a"}\n{"prompt": \n')
+    with pytest.raises(ConfigError, match=r"bad.jsonl:2"):
+        load_dataset(str(bad))
+    (tmp_path / "field.jsonl").write_text('{"text": "a"}\n')
+    with pytest.raises(ConfigError, match=r"field.jsonl:1: .*'prompt'"):
+        load_dataset(str(tmp_path / "field.jsonl"))
+    (tmp_path / "empty.jsonl").write_text("\n")
+    with pytest.raises(ConfigError, match="no prompts"):
+        load_dataset(str(tmp_path / "empty.jsonl"))
+    with pytest.raises(ConfigError, match="unknown dataset"):
+        load_dataset("nope[:2]")
+
+
+@pytest.fixture(scope="module")
+def tiny_dir(tmp_path_factory):
+    path = tmp_path_factory.mktemp("tiny")
+    model = tiny_transformer("llama", 0, 257)
+    model.generation_config.eos_token_id = None
+    model.save_pretrained(path)
+    byte_tokenizer().save_pretrained(path)
+    return str(path)
+
+
+def test_matrix_is_interleaved_and_speedup_comes_from_the_same_run(tiny_dir):
+    target = HFCausalLM(tiny_transformer("llama", 0, 257), byte_tokenizer(), "tiny")
+    methods = [parse_method("ar"), parse_method(f"sd:drafter={tiny_dir},k=3")]  # same weights: always agrees
+    prompts = [Prompt("p1", "def f(x):"), Prompt("p2", "hello")]
+    rows = run_matrix(lambda dtype: target, methods, prompts, 12)
+    assert [(r.prompt_id, r.method) for r in rows] == [
+        ("p1", "ar"), ("p1", methods[1].label), ("p2", "ar"), ("p2", methods[1].label)]
+    ar, sd = summarize(rows, methods)
+    assert ar.speedup == 1.0 and ar.identical_to_ar == 1.0
+    assert sd.identical_to_ar == 1.0 and sd.common_prefix_with_ar == 12 and sd.acceptance_rate == 1.0
+    ar_tps = sum(r.stats.new_tokens for r in rows[::2]) / sum(r.stats.wall_s for r in rows[::2])
+    sd_tps = sum(r.stats.new_tokens for r in rows[1::2]) / sum(r.stats.wall_s for r in rows[1::2])
+    assert sd.speedup == pytest.approx(sd_tps / ar_tps)
+    assert sd.acceptance_per_position == [1.0, 1.0, 1.0]
+
+
+def test_bench_cli_writes_json_markdown_and_plots(tiny_dir, tmp_path, capsys):
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text('{"prompt": "def f(x):", "category": "code"}\n{"prompt": "hello", "category": "chat"}\n')
+    out = tmp_path / "out"
+    code = cli.main(["bench", "--target", tiny_dir, "--dtype", "fp32", "--methods", "ar", f"sd:drafter={tiny_dir},k=2",
+                     "hf-ar", f"hf-assisted:drafter={tiny_dir},k=2", "hf-pld:k=3",
+                     "--dataset", str(prompts), "--max-new-tokens", "6", "--out", str(out)])
+    stdout, _ = capsys.readouterr()
+    assert code == 0
+    assert "hf-assisted" in stdout and "speedup" in stdout
+    results = json.loads((out / "results.json").read_text())
+    assert len(results["rows"]) == 10
+    summary = {s["method"]: s for s in results["summary"]}
+    # Greedy peers and speculant's methods all reproduce the target's greedy output.
+    assert all(s["identical_to_ar"] == 1.0 for s in summary.values())
+    assert set(results["by_category"]) == {"code", "chat"}
+    report = (out / "report.md").read_text()
+    assert "speculant bench" in report and "| ar |" in report and "## code" in report
+    for name in ("speedup.png", "acceptance.png", "categories.png"):
+        assert (out / name).read_bytes()[:4] == b"\x89PNG"
+
+
+def test_bench_cli_bad_input_exits_2(tmp_path, capsys):
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text("not json\n")
+    assert cli.main(["bench", "--methods", "ar", "--dataset", str(bad)]) == 2
+    assert "bad.jsonl:1" in capsys.readouterr().err
+    assert cli.main(["bench", "--methods", "ar", "zz"]) == 2
+    assert cli.main(["bench", "--methods", "ar", "ar"]) == 2

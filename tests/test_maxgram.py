@@ -1,0 +1,70 @@
+"""Max-Gram drafting: longest and most recent matches, bigram fallback, edge cases, losslessness."""
+
+import numpy as np
+import pytest
+
+from helpers import ARCHS, byte_tokenizer, random_prompt, tiny_model
+from speculant import generate
+from speculant.drafters.maxgram import MaxGramDrafter, bigram_table, load_bigram, longest_suffix_match
+
+
+def test_longest_match_wins():
+    #            0  1  2  3  4  5  6  7  8  9
+    context = [1, 2, 3, 9, 2, 3, 8, 7, 2, 3]
+    assert longest_suffix_match(np.array(context)) == (5, 2)  # "2 3" at 4-5 and 1-2; the latest end wins
+    context = [5, 2, 3, 6, 4, 2, 3, 7, 5, 2, 3]
+    assert longest_suffix_match(np.array(context)) == (2, 3)  # "5 2 3" beats the later "2 3"
+    assert MaxGramDrafter().propose(context, 3).tokens == [6, 4, 2]
+
+
+def test_most_recent_occurrence_wins():
+    context = [4, 1, 10, 4, 1, 11, 4, 1, 12, 4, 1]
+    assert MaxGramDrafter().propose(context, 1).tokens == [12]
+
+
+def test_k_larger_than_what_follows_keeps_matching_on_the_draft():
+    context = [1, 2, 3, 1, 2]
+    # "1 2" is followed by 3; the draft extends the context, which then repeats with period 3.
+    assert MaxGramDrafter().propose(context, 7).tokens == [3, 1, 2, 3, 1, 2, 3]
+
+
+def test_no_match_falls_back_to_bigram():
+    table = bigram_table([[7, 8, 7, 9, 7, 8]], vocab_size=12)
+    assert table[7] == 8 and table[8] == 7 and table[0] == -1
+    drafter = MaxGramDrafter(table)
+    assert drafter.propose([3, 4, 7], 1).tokens == [8]
+    # After the bigram token the context matches itself again ("7 8" ... ) or keeps using the bigram.
+    assert drafter.propose([3, 4, 7], 3).tokens == [8, 7, 8]
+
+
+def test_empty_or_unmatched_context_without_bigram_proposes_nothing():
+    assert MaxGramDrafter().propose([], 4).tokens == []
+    assert MaxGramDrafter().propose([5], 4).tokens == []
+    assert MaxGramDrafter().propose([1, 2, 3], 4).tokens == []
+    assert MaxGramDrafter(np.full(10, -1)).propose([1, 2, 3], 4).tokens == []
+
+
+def test_bigram_table_from_a_corpus_is_built_once(tmp_path, monkeypatch):
+    tokenizer = byte_tokenizer()
+    corpus = tmp_path / "corpus.py"
+    corpus.write_text("def f():\n    return f\n" * 20)
+    table = load_bigram(tokenizer, len(tokenizer), [corpus], tmp_path / "cache")
+    assert table[ord("d")] == ord("e") and table[ord(" ")] == ord(" ")
+
+    def no_tokenizing(*args, **kwargs):
+        raise AssertionError("the cached table should have been used")
+
+    monkeypatch.setattr(type(tokenizer), "__call__", no_tokenizing)
+    np.testing.assert_array_equal(load_bigram(tokenizer, len(tokenizer), [corpus], tmp_path / "cache"), table)
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+@pytest.mark.parametrize("k", [1, 3, 8])
+def test_maxgram_speculation_matches_autoregressive(arch, k):
+    for seed in range(4):
+        target = tiny_model(arch, seed, 64)
+        prompt = random_prompt(seed, 64, 12)
+        expected = generate(target, prompt_ids=prompt, method="ar", max_new_tokens=40).token_ids
+        table = bigram_table([prompt], 64)
+        result = generate(target, prompt_ids=prompt, drafter=MaxGramDrafter(table), k=k, max_new_tokens=40)
+        assert result.token_ids == expected
