@@ -67,6 +67,29 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--repeats", type=int, default=1, help="run the whole interleaved matrix this many times")
     add_options(bench, ModelConfig)
     bench.add_argument("--out", default=None, help="directory for results.json and report.md")
+
+    simulate = commands.add_parser("simulate", help="offline simulation of non-SI, SI and DSI (no model needed)")
+    sims = simulate.add_subparsers(dest="simulation", required=True)
+    one = sims.add_parser("run", help="expected latency of non-SI, SI and DSI for one configuration")
+    one.add_argument("--target-latency", type=float, required=True, metavar="MS", help="target forward (TPOT), ms")
+    one.add_argument("--drafter-latency", type=float, required=True, metavar="MS", help="drafter forward, ms")
+    one.add_argument("--acceptance", type=float, required=True, help="per-token acceptance rate in [0, 1]")
+    one.add_argument("--lookahead", type=int, required=True, help="draft tokens per verification")
+    one.add_argument("--servers", type=int, default=1, help="target servers for DSI (default: 1)")
+    one.add_argument("--tokens", type=int, default=100, help="tokens to generate (default: 100)")
+    one.add_argument("--ttft", type=float, default=None, metavar="MS", help="the target's first forward (default: TPOT)")
+    one.add_argument("--repeats", type=int, default=1000)
+    one.add_argument("--seed", type=int, default=0)
+    one.add_argument("--json", action="store_true", help="print one JSON object (keys non_si_ms, si_ms, dsi_ms, ...)")
+    heat = sims.add_parser("heatmap", help="the DSI paper's Figure 2 and 7 heatmaps, CSV and summary")
+    heat.add_argument("--out", required=True, help="directory for grid.csv, figure2.png, figure7.png, summary.json")
+    heat.add_argument("--ndim", type=int, default=20, help="grid points per axis (default: 20, as in the paper)")
+    heat.add_argument("--max-lookahead", type=int, default=200)
+    heat.add_argument("--tokens", type=int, default=100)
+    heat.add_argument("--repeats", type=int, default=5)
+    heat.add_argument("--servers", type=int, default=7, help="target servers, SP degree (default: 7, an 8-GPU node)")
+    heat.add_argument("--fixed-lookahead", type=int, default=5, help="lookahead of Figure 7 (default: 5)")
+    heat.add_argument("--seed", type=int, default=0)
     return parser
 
 
@@ -180,6 +203,24 @@ def run_bench(args: argparse.Namespace, argv: Sequence[str]) -> None:
         print(f"wrote {out / 'results.json'}, {out / 'report.md'} and {len(plots)} plots", file=sys.stderr)
 
 
+def run_simulate(args: argparse.Namespace) -> None:
+    from speculant.analysis.commands import format_one, run_heatmap, simulate_one
+
+    if args.simulation == "run":
+        result = simulate_one(args.target_latency, args.drafter_latency, args.acceptance, args.lookahead,
+                              args.servers, args.tokens, args.ttft, args.repeats, args.seed)
+        print(json.dumps(result, indent=1) if args.json else format_one(result))
+    else:
+        numbers, paths = run_heatmap(Path(args.out), args.ndim, args.max_lookahead, args.tokens, args.repeats,
+                                     args.servers, args.fixed_lookahead, args.seed)
+        print(f"{numbers['configurations']} simulated configurations in {numbers['seconds']:.1f} s")
+        print(f"SI slower than non-SI in {numbers['si_slower_than_non_si_share']:.0%} of (drafter latency, acceptance) points")
+        print(f"DSI speedup: at least {numbers['min_dsi_speedup_over_si']:.3f}x over SI, at least "
+              f"{numbers['min_dsi_speedup_over_non_si']:.3f}x over non-SI, up to "
+              f"{numbers['max_dsi_speedup_over_best_baseline']:.2f}x over the better of the two")
+        print("wrote " + ", ".join(str(p) for p in paths))
+
+
 def machine_info() -> str:
     import platform
 
@@ -199,6 +240,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             run_generate(args)
         elif args.command == "bench":
             run_bench(args, argv)
+        elif args.command == "simulate":
+            run_simulate(args)
     except SpeculantError as error:
         print(f"speculant: error: {error}", file=sys.stderr)
         return 2
