@@ -68,11 +68,36 @@ def build_parser() -> argparse.ArgumentParser:
     add_options(bench, ModelConfig)
     bench.add_argument("--out", default=None, help="directory for results.json and report.md")
 
+    prof = commands.add_parser("profile", help="measure TTFT, TPOT and the forward cost T(W) of a model")
+    prof.add_argument("--model", default=DEFAULT_TARGET, help=f"model to profile (default: {DEFAULT_TARGET})")
+    prof.add_argument("--drafter", default=None, help="also profile this drafter and report its cost ratio c")
+    prof.add_argument("--drafter-dtype", choices=("bf16", "fp32"), default=None)
+    prof.add_argument("--dataset", default="humaneval[:5]", help="prompts for TTFT and TPOT (default: humaneval[:5])")
+    prof.add_argument("--context-len", type=int, default=256, help="cached tokens before the T(W) forwards")
+    prof.add_argument("--widths", default="1-16,24,32,48,64", help="new-token counts W, e.g. 1-64 or 1,2,4,8")
+    prof.add_argument("--repeats", type=int, default=3)
+    add_options(prof, ModelConfig)
+    prof.add_argument("--out", default=None, help="write the profile as JSON (the drafter's to OUT.drafter.json)")
+
+    acc = commands.add_parser("acceptance", help="estimate how often a drafter agrees with the target")
+    acc.add_argument("--target", default=DEFAULT_TARGET)
+    acc.add_argument("--drafter", default=DEFAULT_DRAFTER)
+    acc.add_argument("--drafter-dtype", choices=("bf16", "fp32"), default=None)
+    acc.add_argument("--dataset", default="humaneval[:10]")
+    acc.add_argument("--max-new-tokens", type=int, default=128)
+    acc.add_argument("--temperature", type=float, default=0.0, help="> 0 also reports sum_x min(p, q)")
+    acc.add_argument("--depth", type=int, default=8, help="draft positions in the per-position curve")
+    add_options(acc, ModelConfig)
+    acc.add_argument("--json", action="store_true")
+
     simulate = commands.add_parser("simulate", help="offline simulation of non-SI, SI and DSI (no model needed)")
     sims = simulate.add_subparsers(dest="simulation", required=True)
     one = sims.add_parser("run", help="expected latency of non-SI, SI and DSI for one configuration")
-    one.add_argument("--target-latency", type=float, required=True, metavar="MS", help="target forward (TPOT), ms")
-    one.add_argument("--drafter-latency", type=float, required=True, metavar="MS", help="drafter forward, ms")
+    one.add_argument("--target-latency", type=float, default=None, metavar="MS", help="target forward (TPOT), ms")
+    one.add_argument("--drafter-latency", type=float, default=None, metavar="MS", help="drafter forward, ms")
+    one.add_argument("--target-profile", default=None, metavar="JSON",
+                     help="take the target's TPOT and TTFT from a `speculant profile` file")
+    one.add_argument("--drafter-profile", default=None, metavar="JSON", help="take the drafter's TPOT from a profile")
     one.add_argument("--acceptance", type=float, required=True, help="per-token acceptance rate in [0, 1]")
     one.add_argument("--lookahead", type=int, required=True, help="draft tokens per verification")
     one.add_argument("--servers", type=int, default=1, help="target servers for DSI (default: 1)")
@@ -203,12 +228,99 @@ def run_bench(args: argparse.Namespace, argv: Sequence[str]) -> None:
         print(f"wrote {out / 'results.json'}, {out / 'report.md'} and {len(plots)} plots", file=sys.stderr)
 
 
+def parse_widths(text: str) -> list[int]:
+    """`1-16,24,32` -> [1, ..., 16, 24, 32]."""
+    widths: set[int] = set()
+    try:
+        for part in text.split(","):
+            low, _, high = part.partition("-")
+            widths.update(range(int(low), int(high or low) + 1))
+    except ValueError:
+        raise ConfigError(f"widths must look like 1-16,24,32, got '{text}'") from None
+    if not widths or min(widths) < 1:
+        raise ConfigError("widths must be positive")
+    return sorted(widths)
+
+
+def run_profile(args: argparse.Namespace) -> None:
+    from speculant.analysis.profile import profile_model
+    from speculant.api import encode_prompt, load_drafter
+    from speculant.bench.datasets import load_dataset
+    from speculant.models import load_model
+
+    widths = parse_widths(args.widths)
+    if args.context_len < 1 or args.repeats < 1:
+        raise ConfigError("context length and repeats must be >= 1")
+    config = from_args(ModelConfig, args)
+    prompts = load_dataset(args.dataset)
+    model = load_model(args.model, dtype=config.dtype, device=config.device)
+    ids = [encode_prompt(model.tokenizer, p.text, p.chat) for p in prompts]
+    profiles = [profile_model(model, ids, widths, args.context_len, repeats=args.repeats, dtype=config.dtype)]
+    if args.drafter:
+        drafter = load_drafter(args.drafter, model, args.drafter_dtype)
+        if not hasattr(drafter, "prefill"):
+            raise ConfigError(f"'{args.drafter}' runs no model forwards to profile")
+        profiles.append(profile_model(drafter, ids, widths, args.context_len, repeats=args.repeats,
+                                      dtype=args.drafter_dtype or config.dtype))
+    for profile in profiles:
+        print(f"{profile.model} ({profile.dtype}, {profile.device}): TTFT {profile.ttft_s * 1000:.0f} ms, "
+              f"TPOT {profile.tpot_s * 1000:.1f} ms; T(W) at {profile.context_len} cached tokens:")
+        print("  " + "  ".join(f"{w}:{t * 1000:.0f}ms" for w, t in profile.forward_s.items()))
+    if args.drafter:
+        target, drafter_profile = profiles
+        print(f"cost ratio c = drafter TPOT / target TPOT = {drafter_profile.tpot_s / target.tpot_s:.3f}")
+    if args.out:
+        profiles[0].save(Path(args.out))
+        if args.drafter:
+            profiles[1].save(Path(args.out).with_suffix(".drafter.json"))
+
+
+def run_acceptance(args: argparse.Namespace) -> None:
+    from dataclasses import asdict
+
+    from speculant.analysis.acceptance import estimate
+    from speculant.api import encode_prompt, load_drafter
+    from speculant.bench.datasets import load_dataset
+    from speculant.models import load_model
+
+    sampling = SamplingConfig(temperature=args.temperature)
+    DecodeConfig(max_new_tokens=args.max_new_tokens, k=args.depth)
+    config = from_args(ModelConfig, args)
+    prompts = load_dataset(args.dataset)
+    target = load_model(args.target, dtype=config.dtype, device=config.device)
+    drafter = load_drafter(args.drafter, target, args.drafter_dtype)
+    if not hasattr(drafter, "prefill"):
+        raise ConfigError(f"'{args.drafter}' is not a model; acceptance estimation needs one")
+    ids = [encode_prompt(target.tokenizer, p.text, p.chat) for p in prompts]
+    report = estimate(target, drafter, ids, args.max_new_tokens, sampling, args.depth)
+    if args.json:
+        print(json.dumps(asdict(report), indent=1))
+        return
+    print(f"{report.positions} positions: agreement {report.agreement:.1%}, mean accepted run {report.mean_run:.2f}, "
+          f"geometric acceptance rate a = {report.geometric_rate:.3f}")
+    print("acceptance per draft position: " + " ".join(f"{x:.2f}" for x in report.per_position))
+    if report.expected_sampling_acceptance is not None:
+        print(f"expected acceptance when sampling (mean of sum min(p, q)): {report.expected_sampling_acceptance:.3f}")
+
+
 def run_simulate(args: argparse.Namespace) -> None:
     from speculant.analysis.commands import format_one, run_heatmap, simulate_one
 
     if args.simulation == "run":
-        result = simulate_one(args.target_latency, args.drafter_latency, args.acceptance, args.lookahead,
-                              args.servers, args.tokens, args.ttft, args.repeats, args.seed)
+        target_ms, drafter_ms, ttft_ms = args.target_latency, args.drafter_latency, args.ttft
+        if args.target_profile:
+            from speculant.analysis.profile import LatencyProfile
+
+            profile = LatencyProfile.load(Path(args.target_profile))
+            target_ms, ttft_ms = profile.tpot_s * 1000, ttft_ms or profile.ttft_s * 1000
+        if args.drafter_profile:
+            from speculant.analysis.profile import LatencyProfile
+
+            drafter_ms = LatencyProfile.load(Path(args.drafter_profile)).tpot_s * 1000
+        if target_ms is None or drafter_ms is None:
+            raise ConfigError("give --target-latency and --drafter-latency, or profiles with --target-profile/--drafter-profile")
+        result = simulate_one(target_ms, drafter_ms, args.acceptance, args.lookahead,
+                              args.servers, args.tokens, ttft_ms, args.repeats, args.seed)
         print(json.dumps(result, indent=1) if args.json else format_one(result))
     else:
         numbers, paths = run_heatmap(Path(args.out), args.ndim, args.max_lookahead, args.tokens, args.repeats,
@@ -242,6 +354,10 @@ def main(argv: Sequence[str] | None = None) -> int:
             run_bench(args, argv)
         elif args.command == "simulate":
             run_simulate(args)
+        elif args.command == "profile":
+            run_profile(args)
+        elif args.command == "acceptance":
+            run_acceptance(args)
     except SpeculantError as error:
         print(f"speculant: error: {error}", file=sys.stderr)
         return 2

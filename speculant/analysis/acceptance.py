@@ -1,0 +1,88 @@
+"""Acceptance estimation for a target/drafter pair (needs torch and the models; DSI paper, Appendix F.2).
+
+The target generates greedily; the drafter, teacher-forced on the same text, predicts every position.
+Runs of exact matches between drafter and target give the geometric-fit acceptance rate
+a = 1 - 1 / (1 + mean run); with sampling, sum_x min(p, q) is the expected acceptance of one draft.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from speculant.config import SamplingConfig
+from speculant.sampling import logits_to_probs
+
+
+@dataclass
+class AcceptanceReport:
+    positions: int
+    agreement: float  # share of positions where the drafter's argmax is the target's token
+    mean_run: float  # mean accepted drafts before a rejection
+    geometric_rate: float  # a = 1 - 1 / (1 + mean run)
+    per_position: list[float]  # acceptance at draft position j, given positions < j were accepted
+    expected_sampling_acceptance: float | None  # mean of sum_x min(p, q), at temperature > 0
+
+
+def match_runs(flags: np.ndarray) -> list[int]:
+    """Lengths of the runs of matches that a mismatch ends (a trailing unfinished run is left out)."""
+    runs, current = [], 0
+    for flag in flags:
+        if flag:
+            current += 1
+        else:
+            runs.append(current)
+            current = 0
+    return runs
+
+
+def position_counts(flags: np.ndarray, depth: int) -> tuple[np.ndarray, np.ndarray]:
+    """For draft positions j < depth: how many starting positions i reached j (matches at i .. i + j - 1)
+    and how many of those also matched at i + j."""
+    reached, matched = np.zeros(depth), np.zeros(depth)
+    for i in range(len(flags)):
+        for j in range(min(depth, len(flags) - i)):
+            reached[j] += 1
+            if not flags[i + j]:
+                break
+            matched[j] += 1
+    return reached, matched
+
+
+def _logits_along(model, prompt: list[int], output: list[int]) -> torch.Tensor:
+    """The model's logits for every position of `output`, teacher-forced: [len(output), vocab]."""
+    first = model.prefill(prompt)[None]
+    return torch.cat([first, model.forward(output[:-1])]) if len(output) > 1 else first
+
+
+def estimate(target, drafter, prompts: list[list[int]], max_new_tokens: int, sampling: SamplingConfig,
+             depth: int = 8) -> AcceptanceReport:
+    """Teacher-forced drafter predictions along the target's greedy continuations of `prompts`."""
+    from speculant.api import generate
+
+    flags, overlaps = [], []
+    reached, matched = np.zeros(depth), np.zeros(depth)
+    for ids in prompts:
+        output = generate(target, prompt_ids=ids, method="ar", max_new_tokens=max_new_tokens).token_ids
+        q_logits = _logits_along(drafter, ids, output)
+        flags.append(q_logits.argmax(-1).cpu().numpy() == np.asarray(output))
+        counts = position_counts(flags[-1], depth)
+        reached += counts[0]
+        matched += counts[1]
+        if not sampling.greedy:
+            p_logits = _logits_along(target, ids, output)
+            p, q = logits_to_probs(p_logits, sampling), logits_to_probs(q_logits.to(p_logits.device), sampling)
+            overlaps.append(torch.minimum(p, q).sum(-1).cpu().numpy())
+    all_flags = np.concatenate(flags)
+    runs = [r for f in flags for r in match_runs(f)]
+    mean_run = float(np.mean(runs)) if runs else float(len(all_flags))
+    return AcceptanceReport(
+        positions=len(all_flags),
+        agreement=float(all_flags.mean()),
+        mean_run=mean_run,
+        geometric_rate=1 - 1 / (1 + mean_run),
+        per_position=[float(m / r) for m, r in zip(matched, reached) if r > 0],
+        expected_sampling_acceptance=float(np.concatenate(overlaps).mean()) if overlaps else None,
+    )

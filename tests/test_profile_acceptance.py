@@ -1,0 +1,54 @@
+"""Latency profiles and acceptance estimation on tiny models."""
+
+import json
+
+import numpy as np
+import pytest
+
+from helpers import random_prompt, tiny_model
+from speculant import cli
+from speculant.analysis.acceptance import estimate, match_runs, position_counts
+from speculant.analysis.profile import LatencyProfile, profile_model
+from speculant.config import SamplingConfig
+from speculant.errors import ConfigError
+
+
+def test_match_runs_and_position_counts():
+    flags = np.array([1, 1, 0, 1, 0, 0, 1, 1, 1], dtype=bool)
+    assert match_runs(flags) == [2, 1, 0]  # the trailing run of 3 is unfinished
+    reached, matched = position_counts(flags, 3)
+    # Position 0 is reached from every start; position 1 from starts whose first token matched.
+    assert reached.tolist() == [9, 5, 2] and matched.tolist() == [6, 3, 1]
+
+
+def test_self_drafting_agrees_everywhere_and_other_models_rarely():
+    target = tiny_model("llama", 0, 64)
+    prompts = [random_prompt(s, 64, 8) for s in range(3)]
+    same = estimate(target, target.share(), prompts, 20, SamplingConfig())
+    assert same.agreement == 1.0 and same.per_position == [1.0] * 8 and same.geometric_rate > 0.95
+    other = estimate(target, tiny_model("llama", 99, 64), prompts, 20, SamplingConfig(temperature=1.0))
+    assert other.agreement < 0.5 and other.geometric_rate == pytest.approx(1 - 1 / (1 + other.mean_run))
+    assert 0 < other.expected_sampling_acceptance < 1
+
+
+def test_profile_measures_and_round_trips(tmp_path):
+    model = tiny_model("qwen2", 0, 64)
+    profile = profile_model(model, [random_prompt(1, 64, 10)], [1, 4, 8], context_len=20, repeats=2)
+    assert set(profile.forward_s) == {1, 4, 8} and profile.ttft_s > 0 and profile.tpot_s > 0
+    assert min(profile.forward_s.values()) <= profile.cost(2) <= max(profile.forward_s.values())
+    path = tmp_path / "p.json"
+    profile.save(path)
+    assert LatencyProfile.load(path) == profile
+    drafter_path = tmp_path / "d.json"
+    LatencyProfile("d", "", "cpu", 20, 0.01, 0.005, {1: 0.005}).save(drafter_path)
+    code = cli.main(["simulate", "run", "--target-profile", str(path), "--drafter-profile", str(drafter_path),
+                     "--acceptance", "0.8", "--lookahead", "50", "--servers", "50", "--json"])
+    assert code == 0
+    path.write_text("{}")
+    with pytest.raises(ConfigError):
+        LatencyProfile.load(path)
+
+
+def test_profile_cli_rejects_bad_widths(capsys):
+    assert cli.main(["profile", "--widths", "a-b"]) == 2
+    assert "widths" in capsys.readouterr().err
