@@ -12,11 +12,13 @@ from speculant.config import DecodeConfig, SamplingConfig
 from speculant.decoding.autoregressive import autoregressive
 from speculant.decoding.run import Decoder, timed
 from speculant.decoding.speculative import speculative
+from speculant.decoding.tree import tree_speculative
 from speculant.decoding.stats import GenerationStats
 from speculant.drafters.base import Drafter
 from speculant.drafters.maxgram import NAME as MAXGRAM
 from speculant.drafters.maxgram import MaxGramDrafter, load_bigram
 from speculant.drafters.model import ModelDrafter
+from speculant.drafters.tree import TreeDrafter
 from speculant.errors import ConfigError, IncompatibleModels
 from speculant.models import CausalLM, HFCausalLM, dtype_name, load_model, quantized_copy, split_quant
 
@@ -107,6 +109,8 @@ def generate(
     drafter: Any = None,
     method: str = "sd",
     k: int = 4,
+    depth: int = 4,
+    width: int = 4,
     max_new_tokens: int = 128,
     temperature: float = 0.0,
     top_k: int | None = None,
@@ -115,7 +119,8 @@ def generate(
     stream: bool = False,
     chat: bool = False,
 ) -> GenerationResult | GenerationStream:
-    """Generate with `method` "ar" (autoregressive) or "sd" (speculative decoding/sampling).
+    """Generate with `method` "ar" (autoregressive), "sd" (speculative decoding/sampling) or "tree"
+    (greedy token-tree speculation: `depth` drafting steps of `width` nodes each).
 
     `target` and `drafter` may be catalog names (with an optional `@int8`/`@int4` suffix), Hugging
     Face ids or paths, transformers models or loaded CausalLMs; `drafter` may also be `self@int8` /
@@ -123,7 +128,7 @@ def generate(
     `stream=True` the returned GenerationStream yields token ids as they are committed.
     """
     sampling = SamplingConfig(temperature, top_k, top_p)
-    config = DecodeConfig(method=method, k=k, max_new_tokens=max_new_tokens, seed=seed)
+    config = DecodeConfig(method=method, k=k, depth=depth, width=width, max_new_tokens=max_new_tokens, seed=seed)
     target = load_model(target)
     if prompt_ids is None:
         if prompt is None or not prompt.strip():
@@ -146,9 +151,17 @@ def generate(
         if drafter is not None:
             raise ConfigError("method 'ar' takes no drafter")
         decoder = autoregressive(target, prompt_ids, config.max_new_tokens, sampling, generator)
+    elif drafter is None:
+        raise ConfigError(f"method '{config.method}' needs a drafter")
+    elif config.method == "tree":
+        if not sampling.greedy:
+            raise ConfigError("method 'tree' verifies greedily for now; use temperature 0")
+        model = load_drafter(drafter, target)
+        if isinstance(model, Drafter):
+            raise ConfigError("method 'tree' needs a model drafter")
+        decoder = tree_speculative(target, TreeDrafter(model), prompt_ids, config.depth, config.width,
+                                   config.max_new_tokens)
     else:
-        if drafter is None:
-            raise ConfigError("method 'sd' needs a drafter")
         draft_source = make_drafter(drafter, target, sampling, generator)
         decoder = speculative(target, draft_source, prompt_ids, config.k, config.max_new_tokens, sampling, generator)
 

@@ -163,6 +163,7 @@ def run_generate(args: argparse.Namespace) -> None:
 
     stream = generate(
         target, prompt=args.prompt, drafter=drafter, method=decode_config.method, k=decode_config.k,
+        depth=decode_config.depth, width=decode_config.width,
         max_new_tokens=decode_config.max_new_tokens, temperature=sampling.temperature, top_k=sampling.top_k,
         top_p=sampling.top_p, seed=decode_config.seed, stream=True, chat=args.chat,
     )

@@ -38,13 +38,16 @@ class SamplingConfig:
         return self.temperature == 0
 
 
-METHODS = ("ar", "sd")
+METHODS = ("ar", "sd", "tree")
 
 
 @dataclass(frozen=True)
 class DecodeConfig:
-    method: str = option("sd", "decoding method: ar (autoregressive) or sd (speculative)", choices=METHODS)
-    k: int = option(4, "draft tokens per speculation step")
+    method: str = option("sd", "decoding method: ar (autoregressive), sd (speculative), tree (token tree)",
+                         choices=METHODS)
+    k: int = option(4, "draft tokens per speculation step (sd)")
+    depth: int = option(4, "draft tree depth: drafting steps per tree (tree)")
+    width: int = option(4, "nodes added per drafting step (tree)")
     max_new_tokens: int = option(128, "stop after this many new tokens")
     seed: int | None = option(None, "seed of the one random generator (sampling only)")
 
@@ -53,6 +56,8 @@ class DecodeConfig:
             raise ConfigError(f"unknown method '{self.method}' (choose from {', '.join(METHODS)})")
         if self.k < 1:
             raise ConfigError(f"k must be >= 1, got {self.k}")
+        if self.depth < 1 or self.width < 1:
+            raise ConfigError(f"tree depth and width must be >= 1, got {self.depth} and {self.width}")
         if self.max_new_tokens < 1:
             raise ConfigError(f"max-new-tokens must be >= 1, got {self.max_new_tokens}")
 

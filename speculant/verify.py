@@ -10,6 +10,7 @@ from __future__ import annotations
 import torch
 
 from speculant.sampling import sample
+from speculant.tree import TokenTree
 
 
 def verify_greedy(draft: torch.Tensor, target_logits: torch.Tensor) -> tuple[int, int]:
@@ -55,3 +56,20 @@ def verify_sampling(
     total = residual.sum()
     # p <= q everywhere only when p == q, where rejection has probability 0: guard rounding anyway.
     return n, sample(residual / total if total > 0 else p[n], generator)
+
+
+def verify_tree_greedy(tree: TokenTree, target_logits: torch.Tensor) -> tuple[list[int], int]:
+    """Greedy tree verification: from the root, follow the child whose token is the target's argmax.
+
+    target_logits [len(tree), vocab], row i scoring the position after node i. Returns the accepted
+    nodes (root excluded) along the longest such path, and the target's token after its last node.
+    """
+    target_tokens = target_logits.argmax(-1).tolist()
+    children: dict[int, dict[int, int]] = {}
+    for node in range(1, len(tree)):
+        children.setdefault(tree.parents[node], {}).setdefault(tree.tokens[node], node)
+    path, node = [], 0
+    while (child := children.get(node, {}).get(target_tokens[node])) is not None:
+        path.append(child)
+        node = child
+    return path, target_tokens[node]

@@ -18,9 +18,12 @@ def test_method_specs_parse():
     assert (spec.method, spec.drafter, spec.k, spec.target_dtype, spec.drafter_dtype) == \
         ("sd", "qwen2.5-coder-0.5b@int8", 6, "fp32", "bf16")
     assert parse_method("ar").drafter is None and parse_method("sd").k == 4
+    tree = parse_method("tree:depth=3,width=5")
+    assert (tree.depth, tree.width, tree.drafter) == (3, 5, "qwen2.5-coder-0.5b")
 
 
-@pytest.mark.parametrize("bad", ["xx", "ar:k=3", "sd:k=0", "sd:k=two", "sd:depth=3", "sd:dtype=fp16", "sd:k"])
+@pytest.mark.parametrize("bad", ["xx", "ar:k=3", "sd:k=0", "sd:k=two", "sd:depth=3", "sd:dtype=fp16", "sd:k",
+                                 "tree:width=0"])
 def test_bad_method_specs_are_refused(bad):
     with pytest.raises(ConfigError):
         parse_method(bad)
@@ -87,13 +90,13 @@ def test_bench_cli_writes_json_markdown_and_plots(tiny_dir, tmp_path, capsys):
     prompts.write_text('{"prompt": "def f(x):", "category": "code"}\n{"prompt": "hello", "category": "chat"}\n')
     out = tmp_path / "out"
     code = cli.main(["bench", "--target", tiny_dir, "--dtype", "fp32", "--methods", "ar", f"sd:drafter={tiny_dir},k=2",
-                     "hf-ar", f"hf-assisted:drafter={tiny_dir},k=2", "hf-pld:k=3",
+                     "hf-ar", f"hf-assisted:drafter={tiny_dir},k=2", "hf-pld:k=3", f"tree:drafter={tiny_dir},depth=2,width=2",
                      "--prompts", str(prompts), "--max-new-tokens", "6", "--out", str(out)])
     stdout, _ = capsys.readouterr()
     assert code == 0
     assert "hf-assisted" in stdout and "speedup" in stdout
     results = json.loads((out / "results.json").read_text())
-    assert len(results["rows"]) == 10
+    assert len(results["rows"]) == 12
     summary = {s["method"]: s for s in results["summary"]}
     # Greedy peers and speculant's methods all reproduce the target's greedy output.
     assert all(s["identical_to_ar"] == 1.0 for s in summary.values())

@@ -1,5 +1,6 @@
 """Method specs on the command line: `ar`, `ar:dtype=bf16`, `sd:drafter=qwen2.5-coder-0.5b,k=4`,
 `sd:drafter=qwen2.5-coder-0.5b@int8,k=6,dtype=fp32,drafter_dtype=bf16`, `sd:drafter=maxgram,k=8`,
+`tree:drafter=qwen2.5-coder-0.5b@int8,depth=4,width=4,dtype=fp32`,
 and the peers `hf-ar`, `hf-assisted[:k=N]`, `hf-pld[:k=N]`.
 
 `dtype` is the target's dtype for this method (default: --dtype); `drafter_dtype` the drafter's
@@ -15,12 +16,13 @@ from speculant.errors import ConfigError
 OPTIONS = {
     "ar": {"dtype"},
     "sd": {"drafter", "k", "dtype", "drafter_dtype"},
+    "tree": {"drafter", "depth", "width", "dtype", "drafter_dtype"},
     # Peers: transformers generate() plain, assisted (k = num_assistant_tokens), prompt lookup (k = n-gram draft).
     "hf-ar": {"dtype"},
     "hf-assisted": {"drafter", "k", "dtype", "drafter_dtype"},
     "hf-pld": {"k", "dtype"},
 }
-NEEDS_DRAFTER = {"sd", "hf-assisted"}
+NEEDS_DRAFTER = {"sd", "tree", "hf-assisted"}
 DTYPES = (None, "bf16", "fp32")
 DEFAULT_DRAFTER = "qwen2.5-coder-0.5b"
 
@@ -31,6 +33,8 @@ class MethodSpec:
     method: str
     drafter: str | None = None
     k: int | None = None  # None: the method's default (sd: 4; peers: transformers' defaults)
+    depth: int = 4  # tree only
+    width: int = 4  # tree only
     target_dtype: str | None = None  # None: the run's default dtype
     drafter_dtype: str | None = None  # None: the target's dtype
 
@@ -48,12 +52,12 @@ def parse_method(spec: str) -> MethodSpec:
         options[key] = value
     try:
         k = int(options["k"]) if "k" in options else (4 if name == "sd" else None)
+        depth, width = int(options.get("depth", 4)), int(options.get("width", 4))
     except ValueError:
-        raise ConfigError(f"k must be an integer in '{spec}'") from None
-    if k is not None:
-        DecodeConfig(k=k)  # validates
+        raise ConfigError(f"k, depth and width must be integers in '{spec}'") from None
+    DecodeConfig(k=1 if k is None else k, depth=depth, width=width)  # validates
     target_dtype, drafter_dtype = options.get("dtype"), options.get("drafter_dtype")
     if target_dtype not in DTYPES or drafter_dtype not in DTYPES:
         raise ConfigError(f"dtypes must be bf16 or fp32 in '{spec}'")
     drafter = options.get("drafter", DEFAULT_DRAFTER) if name in NEEDS_DRAFTER else None
-    return MethodSpec(spec.strip(), name, drafter, k, target_dtype, drafter_dtype)
+    return MethodSpec(spec.strip(), name, drafter, k, depth, width, target_dtype, drafter_dtype)

@@ -84,8 +84,8 @@ def run_matrix(
         if spec.method.startswith("hf-"):
             return hf_generate(spec.method, target, ids, n, spec.k, drafter_for(spec), temperature, seed)
         k = {"k": spec.k} if spec.k is not None else {}
-        return generate(target, prompt_ids=ids, drafter=drafter_for(spec), method=spec.method,
-                        max_new_tokens=n, temperature=temperature, seed=seed, **k)
+        return generate(target, prompt_ids=ids, drafter=drafter_for(spec), method=spec.method, depth=spec.depth,
+                        width=spec.width, max_new_tokens=n, temperature=temperature, seed=seed, **k)
 
     encoded = [encode_prompt(target_for(None).tokenizer, p.text, p.chat) for p in prompts]
     for spec in methods:  # warm-up: allocator, caches, lazy initialisation

@@ -20,6 +20,7 @@ class GenerationStats:
     drafter_forwards: dict[str, int] = field(default_factory=dict)
     draft_lengths: list[int] = field(default_factory=list)
     accepted_lengths: list[int] = field(default_factory=list)
+    drafted_nodes: int = 0  # token trees: all drafted nodes (draft_lengths then holds tree depths)
     ttft_s: float = 0.0
     wall_s: float = 0.0
 

@@ -7,6 +7,8 @@ from typing import Any, Protocol, runtime_checkable
 
 import torch
 
+from speculant.tree import TokenTree
+
 
 @runtime_checkable
 class CausalLM(Protocol):
@@ -31,9 +33,12 @@ class CausalLM(Protocol):
         ...
 
     def forward(
-        self, ids: Sequence[int], positions: Sequence[int] | None = None, tree: Any | None = None
+        self, ids: Sequence[int], positions: Sequence[int] | None = None, tree: TokenTree | None = None
     ) -> torch.Tensor:
-        """Run new tokens after the cached ones; return one float32 logits row per token [n, vocab]."""
+        """Run new tokens after the cached ones; return one float32 logits row per token [n, vocab].
+
+        With `tree`, `ids` are the tree's last nodes (its earlier nodes being the last cached
+        positions) and each node attends only to the cache before the tree and its ancestors."""
         ...
 
     def rollback(self, n: int) -> None:

@@ -8,6 +8,8 @@ from typing import Any
 import torch
 from transformers import DynamicCache, PreTrainedModel
 
+from speculant.tree import TokenTree
+
 
 def eos_ids(model: PreTrainedModel, tokenizer: Any | None) -> frozenset[int]:
     """Every token id that ends generation: the generation config's, the model config's, the tokenizer's."""
@@ -59,17 +61,29 @@ class HFCausalLM:
         if len(ids) == 0:
             raise ValueError("prefill needs at least one token")
         self.rollback(0)
-        return self._run(ids, None, logits_to_keep=1)[0]
+        return self._run(ids, None, None, logits_to_keep=1)[0]
 
     @torch.inference_mode()
     def forward(
-        self, ids: Sequence[int], positions: Sequence[int] | None = None, tree: Any | None = None
+        self, ids: Sequence[int], positions: Sequence[int] | None = None, tree: TokenTree | None = None
     ) -> torch.Tensor:
-        if tree is not None:
-            raise NotImplementedError("tree attention is not implemented by the hf backend yet")
-        return self._run(ids, positions, logits_to_keep=0)
+        """With `tree`, `ids` are its last len(ids) nodes; its earlier nodes are the last cached positions.
+        Each node then attends to the cache before the tree and to its own ancestors only."""
+        if tree is None:
+            return self._run(ids, positions, None, logits_to_keep=0)
+        n, start = len(ids), len(tree) - len(ids)  # first new node
+        tree_begin = self._len - start  # cache position of the root
+        if start < 0 or tree_begin < 0 or list(ids) != list(tree.tokens[start:]):
+            raise ValueError("ids must be the last nodes of the tree, with the earlier ones cached")
+        allowed = torch.ones(n, self._len + n, dtype=torch.bool)
+        allowed[:, tree_begin:] = tree.ancestor_mask[start:]
+        mask = torch.zeros(allowed.shape, dtype=self.dtype).masked_fill_(~allowed, torch.finfo(self.dtype).min)
+        if positions is None:
+            positions = tree.positions(tree_begin)[start:]
+        return self._run(ids, positions, mask[None, None].to(self.device), logits_to_keep=0)
 
-    def _run(self, ids: Sequence[int], positions: Sequence[int] | None, logits_to_keep: int) -> torch.Tensor:
+    def _run(self, ids: Sequence[int], positions: Sequence[int] | None, mask: torch.Tensor | None,
+             logits_to_keep: int) -> torch.Tensor:
         input_ids = torch.as_tensor(ids, dtype=torch.long, device=self.device).view(1, -1)
         n = input_ids.shape[1]
         if positions is None:
@@ -78,6 +92,7 @@ class HFCausalLM:
             position_ids = torch.as_tensor(positions, dtype=torch.long, device=self.device).view(1, -1)
         out = self.model(
             input_ids=input_ids,
+            attention_mask=mask,  # None: causal over the cache and the new tokens
             position_ids=position_ids,
             past_key_values=self._cache,
             use_cache=True,

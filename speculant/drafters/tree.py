@@ -1,0 +1,52 @@
+"""Equal-growth draft trees (Yggdrasil, Guan et al., section 4.1): every drafting step adds exactly
+`width` nodes, the frontier candidates with the highest path probability anywhere in the tree, and
+scores them in one batched tree forward of the drafter model, so shapes stay static."""
+
+from __future__ import annotations
+
+import heapq
+
+import torch
+
+from speculant.drafters.model import common_prefix_len
+from speculant.models.base import CausalLM
+from speculant.tree import TokenTree
+
+
+class TreeDrafter:
+    """Greedy tree drafting with a model: `depth` steps of `width` nodes (depth x width drafted nodes)."""
+
+    def __init__(self, model: CausalLM):
+        self.model = model
+        self.name = model.name
+        self._cached: list[int] = []
+
+    def propose_tree(self, context: list[int], depth: int, width: int) -> tuple[TokenTree, int]:
+        """A tree rooted at context[-1]; returns it and the drafter forwards spent."""
+        if depth == 0:
+            return TokenTree((context[-1],), (-1,)), 0
+        keep = min(common_prefix_len(self._cached, context), len(context) - 1)
+        if keep == 0:
+            logits = self.model.prefill(context)[None]
+        else:
+            self.model.rollback(keep)
+            logits = self.model.forward(context[keep:])[-1:]
+        self._cached = context
+        tokens, parents, scores = [context[-1]], [-1], [0.0]
+        frontier: list[tuple[float, int, int]] = []  # (path log-probability, parent node, token)
+        new_nodes = [0]
+        for step in range(depth):
+            for node, row in zip(new_nodes, torch.log_softmax(logits, -1)):
+                values, ids = row.topk(width)
+                frontier += [(scores[node] + float(v), node, int(t)) for v, t in zip(values, ids)]
+            chosen = heapq.nlargest(width, frontier)
+            frontier = [c for c in frontier if c not in chosen]
+            new_nodes = list(range(len(tokens), len(tokens) + len(chosen)))
+            for score, parent, token in chosen:
+                tokens.append(token)
+                parents.append(parent)
+                scores.append(score)
+            if step < depth - 1:  # the last step's children would never be used
+                tree = TokenTree(tuple(tokens), tuple(parents))
+                logits = self.model.forward(tokens[-len(chosen):], tree=tree)
+        return TokenTree(tuple(tokens), tuple(parents)), depth

@@ -1,0 +1,72 @@
+"""TokenTree: a draft tree as data, and the pure functions that turn it into attention masks, position
+ids and root-to-leaf paths (SpecInfer, Medusa, Sequoia, Yggdrasil all verify such trees in one pass).
+
+Node 0 is the root: the last committed token, which the target has not run yet. Every other node is a
+drafted token whose parent comes earlier in the list (topological order).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from functools import cached_property
+
+import torch
+
+
+@dataclass(frozen=True)
+class TokenTree:
+    tokens: tuple[int, ...]
+    parents: tuple[int, ...]  # parents[0] == -1; parents[i] < i
+
+    def __post_init__(self) -> None:
+        if len(self.tokens) != len(self.parents) or not self.tokens:
+            raise ValueError("a tree needs one parent per token and at least the root")
+        if self.parents[0] != -1 or any(not 0 <= p < i for i, p in enumerate(self.parents) if i):
+            raise ValueError("parents must precede their children and node 0 must be the root")
+
+    def __len__(self) -> int:
+        return len(self.tokens)
+
+    @cached_property
+    def depths(self) -> tuple[int, ...]:
+        depths = [0] * len(self)
+        for i in range(1, len(self)):
+            depths[i] = depths[self.parents[i]] + 1
+        return tuple(depths)
+
+    @cached_property
+    def ancestor_mask(self) -> torch.Tensor:
+        """[n, n] bool: node i may attend to node j iff j is i or one of its ancestors."""
+        mask = torch.eye(len(self), dtype=torch.bool)
+        for i in range(1, len(self)):
+            mask[i] |= mask[self.parents[i]]
+        return mask
+
+    def positions(self, root_position: int) -> list[int]:
+        """Position ids: the root's position plus each node's depth."""
+        return [root_position + d for d in self.depths]
+
+    def children(self, node: int) -> list[int]:
+        return [i for i, p in enumerate(self.parents) if p == node]
+
+    def paths(self) -> list[list[int]]:
+        """Root-to-leaf paths as node indices."""
+        leaves = set(range(len(self))) - set(self.parents)
+        paths = []
+        for leaf in sorted(leaves):
+            path = [leaf]
+            while path[-1] != 0:
+                path.append(self.parents[path[-1]])
+            paths.append(path[::-1])
+        return paths
+
+    def path_to(self, node: int) -> list[int]:
+        path = [node]
+        while path[-1] != 0:
+            path.append(self.parents[path[-1]])
+        return path[::-1]
+
+
+def chain(tokens: list[int]) -> TokenTree:
+    """A tree without branches: the root followed by `tokens[1:]`."""
+    return TokenTree(tuple(tokens), tuple(range(-1, len(tokens) - 1)))

@@ -1,0 +1,107 @@
+"""TokenTree data and tree attention in the hf backend against running each path on its own."""
+
+import pytest
+import torch
+
+from helpers import ARCHS, random_prompt, tiny_model
+from speculant.tree import TokenTree, chain
+
+#        0 (root)
+#       / \
+#      1   2
+#     / \    \
+#    3   4    5
+TREE = TokenTree((7, 11, 12, 13, 14, 15), (-1, 0, 0, 1, 1, 2))
+
+
+def test_depths_positions_paths_and_mask():
+    assert TREE.depths == (0, 1, 1, 2, 2, 2)
+    assert TREE.positions(10) == [10, 11, 11, 12, 12, 12]
+    assert TREE.paths() == [[0, 1, 3], [0, 1, 4], [0, 2, 5]]
+    assert TREE.children(1) == [3, 4]
+    mask = TREE.ancestor_mask
+    assert mask[3].tolist() == [True, True, False, True, False, False]
+    assert mask[5].tolist() == [True, False, True, False, False, True]
+    assert chain([5, 6, 7]).paths() == [[0, 1, 2]]
+
+
+def test_malformed_trees_are_refused():
+    with pytest.raises(ValueError):
+        TokenTree((1, 2), (-1, 1))
+    with pytest.raises(ValueError):
+        TokenTree((1, 2), (0, 0))
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_tree_forward_equals_each_path_alone(arch):
+    model = tiny_model(arch, 4, 64)
+    prefix = random_prompt(4, 64, 9)
+    model.prefill(prefix)
+    cached = model.cache_len
+    tree_logits = model.forward(list(TREE.tokens), tree=TREE)  # [6, vocab]
+    for path in TREE.paths():
+        model.rollback(cached)
+        path_logits = model.forward([TREE.tokens[i] for i in path])
+        torch.testing.assert_close(tree_logits[path], path_logits, atol=1e-5, rtol=0)
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_growing_a_tree_step_by_step_equals_one_pass(arch):
+    model = tiny_model(arch, 5, 64)
+    prefix = random_prompt(5, 64, 9)
+    model.prefill(prefix)
+    whole = model.forward(list(TREE.tokens), tree=TREE)
+    model.rollback(len(prefix))
+    steps = [model.forward(list(TREE.tokens[:1]), tree=TokenTree(TREE.tokens[:1], TREE.parents[:1]))]
+    steps.append(model.forward(list(TREE.tokens[1:3]), tree=TokenTree(TREE.tokens[:3], TREE.parents[:3])))
+    steps.append(model.forward(list(TREE.tokens[3:]), tree=TREE))
+    torch.testing.assert_close(torch.cat(steps), whole, atol=1e-5, rtol=0)
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_keep_accepted_path_equals_fresh_prefill(arch):
+    model = tiny_model(arch, 6, 64)
+    prefix = random_prompt(6, 64, 9)
+    model.prefill(prefix)
+    model.forward(list(TREE.tokens), tree=TREE)
+    path = TREE.path_to(4)  # root, 1, 4
+    model.keep(list(range(len(prefix))) + [len(prefix) + i for i in path])
+    after_keep = model.forward([33])
+    model.rollback(0)
+    fresh = model.forward(prefix + [TREE.tokens[i] for i in path] + [33])[-1:]
+    torch.testing.assert_close(after_keep, fresh, atol=1e-5, rtol=0)
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+@pytest.mark.parametrize(("depth", "width"), [(1, 1), (3, 1), (2, 3), (4, 4)])
+def test_greedy_tree_speculation_matches_autoregressive(arch, depth, width):
+    from helpers import perturbed
+    from speculant import generate
+
+    for seed in range(2):
+        target = tiny_model(arch, seed, 64)
+        prompt = random_prompt(seed + 50, 64)
+        expected = generate(target, prompt_ids=prompt, method="ar", max_new_tokens=30).token_ids
+        for label, drafter in [("itself", target.share()), ("perturbed", perturbed(target, 0.3, seed)),
+                               ("other", tiny_model(arch, seed + 7, 64))]:
+            result = generate(target, prompt_ids=prompt, drafter=drafter, method="tree", depth=depth, width=width,
+                              max_new_tokens=30)
+            assert result.token_ids == expected, label
+            stats = result.stats
+            assert stats.drafted_nodes <= depth * width * len(stats.accepted_lengths)
+            if label == "itself" and width == 1:  # a chain of the target's own argmaxes is accepted whole
+                assert stats.accepted_lengths == stats.draft_lengths
+            elif label == "itself":  # the root's argmax child is always in the tree
+                assert all(a >= min(d, 1) for a, d in zip(stats.accepted_lengths, stats.draft_lengths))
+
+
+def test_tree_verification_follows_the_target_argmax():
+    from speculant.verify import verify_tree_greedy
+
+    logits = torch.zeros(len(TREE), 20)
+    for node, best in enumerate([12, 14, 0, 9, 3, 1]):  # the root wants 12 (node 2), node 2 wants 0 (absent)
+        logits[node, best] = 1.0
+    assert verify_tree_greedy(TREE, logits) == ([2], 0)
+    logits[2] = 0
+    logits[2, 15] = 1.0  # now node 2's argmax is its child 5's token
+    assert verify_tree_greedy(TREE, logits) == ([2, 5], 1)
