@@ -9,11 +9,16 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from speculant.config import DecodeConfig, ModelConfig, SamplingConfig, add_options, from_args
+from speculant.config import (
+    DEFAULT_DRAFTER,
+    DEFAULT_TARGET,
+    DecodeConfig,
+    ModelConfig,
+    SamplingConfig,
+    add_options,
+    from_args,
+)
 from speculant.errors import ConfigError, SpeculantError
-
-DEFAULT_TARGET = "qwen2.5-coder-1.5b"
-DEFAULT_DRAFTER = "qwen2.5-coder-0.5b"
 
 
 class Detokenizer:

@@ -39,6 +39,8 @@ class SamplingConfig:
 
 
 METHODS = ("ar", "sd", "tree")
+DEFAULT_TARGET = "qwen2.5-coder-1.5b"  # catalog names (speculant.models.catalog)
+DEFAULT_DRAFTER = "qwen2.5-coder-0.5b"
 
 
 @dataclass(frozen=True)

@@ -79,3 +79,15 @@ def test_heatmap_command_writes_data_and_figures(tmp_path, capsys):
     for name in ("figure2.png", "figure7.png"):
         assert (tmp_path / name).read_bytes()[:4] == b"\x89PNG"
     assert json.loads((tmp_path / "summary.json").read_text())["min_dsi_speedup_over_si"] >= 1.0 - 1e-9
+
+
+def test_simulate_needs_no_torch():
+    import subprocess
+    import sys
+
+    code = ("import sys; from speculant import cli; "
+            "rc = cli.main(['simulate', 'run', '--target-latency', '30', '--drafter-latency', '3', "
+            "'--acceptance', '0.7', '--lookahead', '4', '--servers', '3', '--repeats', '50']); "
+            "assert rc == 0 and 'torch' not in sys.modules, sorted(m for m in sys.modules if 'torch' in m)[:3]")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from speculant.config import DecodeConfig
+from speculant.config import DEFAULT_DRAFTER, DecodeConfig
 from speculant.errors import ConfigError
 
 OPTIONS = {
@@ -24,7 +24,6 @@ OPTIONS = {
 }
 NEEDS_DRAFTER = {"sd", "tree", "hf-assisted"}
 DTYPES = (None, "bf16", "fp32")
-DEFAULT_DRAFTER = "qwen2.5-coder-0.5b"
 
 
 @dataclass(frozen=True)
