@@ -14,6 +14,7 @@ from speculant.bench.methods import MethodSpec
 from speculant.bench.peers import hf_generate
 from speculant.decoding.stats import GenerationStats
 from speculant.drafters.base import Drafter
+from speculant.drafters.model import common_prefix_len
 from speculant.models import CausalLM
 
 
@@ -43,15 +44,6 @@ class MethodSummary:
     ttft_s: float = 0.0
     identical_to_ar: float | None = None  # share of prompts whose output equals ar's
     common_prefix_with_ar: float | None = None  # mean tokens in common with ar before the first difference
-
-
-def common_prefix(a: list[int], b: list[int]) -> int:
-    n = 0
-    for x, y in zip(a, b):
-        if x != y:
-            break
-        n += 1
-    return n
 
 
 def run_matrix(
@@ -142,7 +134,7 @@ def summarize(rows: list[Row], methods: list[MethodSpec]) -> list[MethodSummary]
             summary.identical_to_ar = statistics.mean(
                 r.token_ids == same_weights_ar[r.prompt_id, r.repeat].token_ids for r in method_rows)
             summary.common_prefix_with_ar = statistics.mean(
-                common_prefix(r.token_ids, same_weights_ar[r.prompt_id, r.repeat].token_ids) for r in method_rows)
+                common_prefix_len(r.token_ids, same_weights_ar[r.prompt_id, r.repeat].token_ids) for r in method_rows)
         summaries.append(summary)
     return summaries
 

@@ -18,6 +18,16 @@ def common_prefix_len(a: list[int], b: list[int]) -> int:
     return n
 
 
+def resync(model: CausalLM, cached: list[int], context: list[int]) -> torch.Tensor:
+    """Bring `model`'s cache (holding `cached`) to `context`, re-running only what differs (at least
+    the last token); return the logits after context[-1], [vocab]."""
+    keep = min(common_prefix_len(cached, context), len(context) - 1)
+    if keep == 0:
+        return model.prefill(context)
+    model.rollback(keep)
+    return model.forward(context[keep:])[-1]
+
+
 class ModelDrafter:
     """Drafts k tokens autoregressively with a CausalLM (Leviathan et al. 2023, the approximation M_q).
 
@@ -36,13 +46,7 @@ class ModelDrafter:
     def propose(self, context: list[int], k: int) -> Draft:
         if k == 0:
             return Draft([], None)
-        # Keep the shared prefix, but re-run at least the last context token to get its logits.
-        keep = min(common_prefix_len(self._cached, context), len(context) - 1)
-        if keep == 0:
-            logits = self.model.prefill(context)
-        else:
-            self.model.rollback(keep)
-            logits = self.model.forward(context[keep:])[-1]
+        logits = resync(self.model, self._cached, context)
         tokens: list[int] = []
         probs: list[torch.Tensor] = []
         for i in range(k):

@@ -4,11 +4,9 @@ scores them in one batched tree forward of the drafter model, so shapes stay sta
 
 from __future__ import annotations
 
-import heapq
-
 import torch
 
-from speculant.drafters.model import common_prefix_len
+from speculant.drafters.model import resync
 from speculant.models.base import CausalLM
 from speculant.tree import TokenTree
 
@@ -25,13 +23,8 @@ class TreeDrafter:
         """A tree rooted at context[-1]; returns it and the drafter forwards spent."""
         if depth == 0:
             return TokenTree((context[-1],), (-1,)), 0
-        keep = min(common_prefix_len(self._cached, context), len(context) - 1)
-        if keep == 0:
-            logits = self.model.prefill(context)[None]
-        else:
-            self.model.rollback(keep)
-            logits = self.model.forward(context[keep:])[-1:]
-        self._cached = context
+        logits = resync(self.model, self._cached, context)[None]
+        self._cached = context  # the tree nodes cached after it are dropped by the next resync
         tokens, parents, scores = [context[-1]], [-1], [0.0]
         frontier: list[tuple[float, int, int]] = []  # (path log-probability, parent node, token)
         new_nodes = [0]
@@ -39,8 +32,8 @@ class TreeDrafter:
             for node, row in zip(new_nodes, torch.log_softmax(logits, -1)):
                 values, ids = row.topk(width)
                 frontier += [(scores[node] + float(v), node, int(t)) for v, t in zip(values, ids)]
-            chosen = heapq.nlargest(width, frontier)
-            frontier = [c for c in frontier if c not in chosen]
+            frontier.sort(reverse=True)
+            chosen, frontier = frontier[:width], frontier[width:]
             new_nodes = list(range(len(tokens), len(tokens) + len(chosen)))
             for score, parent, token in chosen:
                 tokens.append(token)
