@@ -15,6 +15,7 @@ from speculant.decoding.speculative import speculative
 from speculant.decoding.tree import tree_speculative
 from speculant.decoding.stats import GenerationStats
 from speculant.drafters.base import Drafter
+from speculant.drafters.cascade import CascadeDrafter, default_k_matrix, parse_k_matrix
 from speculant.drafters.maxgram import NAME as MAXGRAM
 from speculant.drafters.maxgram import MaxGramDrafter, load_bigram
 from speculant.drafters.model import ModelDrafter
@@ -102,6 +103,26 @@ def make_drafter(drafter: Any, target: CausalLM, sampling: SamplingConfig,
     return source if isinstance(source, Drafter) else ModelDrafter(source, sampling, generator)
 
 
+def make_cascade(drafters: list[Any], target: CausalLM, k_matrix: list[list[int]] | str | None, k: int,
+                 leniency: float, sampling: SamplingConfig, generator: torch.Generator | None) -> CascadeDrafter:
+    """A CascadeDrafter over `drafters` (largest first; models, "maxgram" last), K from `k_matrix` (a
+    matrix, or text like "4,2;0,6") or `default_k_matrix`."""
+    if not drafters:
+        raise ConfigError("method 'cascade' needs drafters, e.g. ['qwen2.5-coder-0.5b', 'maxgram']")
+    levels = []
+    for item in drafters:
+        source = load_drafter(item, target)
+        if isinstance(source, Drafter) and not isinstance(source, (MaxGramDrafter, ModelDrafter)):
+            raise ConfigError(f"cascade levels are models or 'maxgram', not {type(source).__name__}")
+        levels.append(source if isinstance(source, Drafter) else
+                      ModelDrafter(source, sampling, generator, keep_probs=leniency > 1))
+    if k_matrix is None:
+        k_matrix = default_k_matrix(levels, k)
+    elif isinstance(k_matrix, str):
+        k_matrix = parse_k_matrix(k_matrix, len(levels))
+    return CascadeDrafter(levels, [list(row) for row in k_matrix], leniency, sampling, generator)
+
+
 def generate(
     target: Any,
     prompt: str | None = None,
@@ -111,6 +132,9 @@ def generate(
     k: int = 4,
     depth: int = 4,
     width: int = 4,
+    drafters: list[Any] | None = None,
+    k_matrix: list[list[int]] | str | None = None,
+    leniency: float = 1.0,
     max_new_tokens: int = 128,
     temperature: float = 0.0,
     top_k: int | None = None,
@@ -119,8 +143,10 @@ def generate(
     stream: bool = False,
     chat: bool = False,
 ) -> GenerationResult | GenerationStream:
-    """Generate with `method` "ar" (autoregressive), "sd" (speculative decoding/sampling) or "tree"
-    (greedy token-tree speculation: `depth` drafting steps of `width` nodes each).
+    """Generate with `method` "ar" (autoregressive), "sd" (speculative decoding/sampling), "tree"
+    (greedy token-tree speculation: `depth` drafting steps of `width` nodes each) or "cascade" (cascade
+    speculative drafting over `drafters`, largest first, "maxgram" last, shaped by the K matrix
+    `k_matrix`, with inner reviews relaxed by `leniency`).
 
     `target` and `drafter` may be catalog names (with an optional `@int8`/`@int4` suffix), Hugging
     Face ids or paths, transformers models or loaded CausalLMs; `drafter` may also be `self@int8` /
@@ -128,7 +154,8 @@ def generate(
     `stream=True` the returned GenerationStream yields token ids as they are committed.
     """
     sampling = SamplingConfig(temperature, top_k, top_p)
-    config = DecodeConfig(method=method, k=k, depth=depth, width=width, max_new_tokens=max_new_tokens, seed=seed)
+    config = DecodeConfig(method=method, k=k, depth=depth, width=width, leniency=leniency,
+                          max_new_tokens=max_new_tokens, seed=seed)
     target = load_model(target)
     if prompt_ids is None:
         if prompt is None or not prompt.strip():
@@ -147,7 +174,15 @@ def generate(
     else:
         generator.manual_seed(seed)
 
-    if config.method == "ar":
+    if config.method != "cascade" and (drafters is not None or k_matrix is not None or leniency != 1):
+        raise ConfigError("drafters, k_matrix and leniency apply to method 'cascade' only")
+    if config.method == "cascade":
+        if drafter is not None:
+            drafters = [drafter, *(drafters or [])]
+        cascade = make_cascade(drafters or [], target, k_matrix, config.k, config.leniency, sampling, generator)
+        decoder = speculative(target, cascade, prompt_ids, cascade.max_draft, config.max_new_tokens, sampling,
+                              generator, method="cascade")
+    elif config.method == "ar":
         if drafter is not None:
             raise ConfigError("method 'ar' takes no drafter")
         decoder = autoregressive(target, prompt_ids, config.max_new_tokens, sampling, generator)

@@ -52,6 +52,12 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--drafter-dtype", choices=("bf16", "fp32"), default=None, help="drafter dtype (default: --dtype)")
     gen.add_argument("--bigram-corpus", nargs="+", default=None, metavar="FILE",
                      help="text files for maxgram's bigram fallback (default: the Python standard library)")
+    gen.add_argument("--drafters", default=None, metavar="LIST",
+                     help="cascade: drafters largest first, comma-separated, maxgram last "
+                          "(e.g. qwen2.5-coder-0.5b@int8,maxgram)")
+    gen.add_argument("--k-matrix", default=None, metavar="ROWS",
+                     help="cascade: the upper-triangular K matrix, rows split by ';' (e.g. '4,2;0,6' or '4,2;6'; "
+                          "default: k tokens per level plus 2 maxgram tokens after each)")
     add_options(gen, DecodeConfig, method=None)
     add_options(gen, SamplingConfig)
     add_options(gen, ModelConfig)
@@ -125,6 +131,10 @@ def build_parser() -> argparse.ArgumentParser:
 
 def resolve_method(method: str | None, drafter: str | None) -> tuple[str, str | None]:
     """`--drafter none` means autoregressive; `--method sd` defaults the drafter; conflicts are errors."""
+    if method == "cascade":
+        if drafter is not None:
+            raise ConfigError("method 'cascade' takes --drafters (a list, largest first), not --drafter")
+        return "cascade", None
     if drafter == "none":
         if method == "sd":
             raise ConfigError("method 'sd' needs a drafter, but --drafter is none")
@@ -150,25 +160,37 @@ def run_generate(args: argparse.Namespace) -> None:
     if not args.prompt.strip():
         raise ConfigError("the prompt is empty")
 
+    names = [name for name in (args.drafters or "").split(",") if name]
+    if method == "cascade" and not names:
+        raise ConfigError("method 'cascade' needs --drafters, e.g. --drafters qwen2.5-coder-0.5b@int8,maxgram")
+    if method != "cascade" and (args.drafters or args.k_matrix):
+        raise ConfigError("--drafters and --k-matrix apply to --method cascade only")
+    if drafter_name is not None:
+        names = [drafter_name]
+    if args.bigram_corpus and MAXGRAM not in names:
+        raise ConfigError("--bigram-corpus applies to the maxgram drafter only")
+    files = [Path(f) for f in args.bigram_corpus or []]
+    if missing := [str(f) for f in files if not f.is_file()]:
+        raise ConfigError(f"bigram corpus file not found: {', '.join(missing)}")
+
     print(f"loading target {args.target} ({model_config.dtype}, {model_config.device})", file=sys.stderr)
     target = load_model(args.target, dtype=model_config.dtype, device=model_config.device)
-    drafter = None
-    if drafter_name is not None:
+    drafters = []
+    for name in names:
+        if name == MAXGRAM and files:
+            drafters.append(MaxGramDrafter(load_bigram(target.tokenizer, target.vocab_size, files)))
+            continue
         dtype = args.drafter_dtype or model_config.dtype
-        print(f"loading drafter {drafter_name} ({dtype}, {model_config.device})", file=sys.stderr)
-        reuse = drafter_name == args.target and dtype == model_config.dtype  # same weights, own cache
-        drafter = load_drafter(target if reuse else drafter_name, target, dtype)
-    if args.bigram_corpus:
-        if drafter_name != MAXGRAM:
-            raise ConfigError("--bigram-corpus applies to --drafter maxgram only")
-        files = [Path(f) for f in args.bigram_corpus]
-        if missing := [str(f) for f in files if not f.is_file()]:
-            raise ConfigError(f"bigram corpus file not found: {', '.join(missing)}")
-        drafter = MaxGramDrafter(load_bigram(target.tokenizer, target.vocab_size, files))
+        if name != MAXGRAM:
+            print(f"loading drafter {name} ({dtype}, {model_config.device})", file=sys.stderr)
+        reuse = name == args.target and dtype == model_config.dtype  # same weights, own cache
+        drafters.append(load_drafter(target if reuse else name, target, dtype))
+    cascade = {"drafters": drafters, "k_matrix": args.k_matrix} if method == "cascade" else {}
 
     stream = generate(
-        target, prompt=args.prompt, drafter=drafter, method=decode_config.method, k=decode_config.k,
-        depth=decode_config.depth, width=decode_config.width,
+        target, prompt=args.prompt, drafter=drafters[0] if drafter_name else None, method=decode_config.method,
+        k=decode_config.k, depth=decode_config.depth, width=decode_config.width, leniency=decode_config.leniency,
+        **cascade,
         max_new_tokens=decode_config.max_new_tokens, temperature=sampling.temperature, top_k=sampling.top_k,
         top_p=sampling.top_p, seed=decode_config.seed, stream=True, chat=args.chat,
     )
@@ -184,7 +206,7 @@ def run_generate(args: argparse.Namespace) -> None:
     result = stream.result
     assert result is not None
     if args.json:
-        print(json.dumps({"target": args.target, "drafter": drafter_name, "text": result.text,
+        print(json.dumps({"target": args.target, "drafters": names, "text": result.text,
                           "token_ids": result.token_ids, "stats": result.stats.to_dict()}, indent=1))
     print(result.stats.summary(), file=sys.stderr)
 

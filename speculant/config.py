@@ -38,18 +38,19 @@ class SamplingConfig:
         return self.temperature == 0
 
 
-METHODS = ("ar", "sd", "tree")
+METHODS = ("ar", "sd", "tree", "cascade")
 DEFAULT_TARGET = "qwen2.5-coder-1.5b"  # catalog names (speculant.models.catalog)
 DEFAULT_DRAFTER = "qwen2.5-coder-0.5b"
 
 
 @dataclass(frozen=True)
 class DecodeConfig:
-    method: str = option("sd", "decoding method: ar (autoregressive), sd (speculative), tree (token tree)",
-                         choices=METHODS)
-    k: int = option(4, "draft tokens per speculation step (sd)")
+    method: str = option("sd", "decoding method: ar (autoregressive), sd (speculative), tree (token tree), "
+                         "cascade (cascade speculative drafting)", choices=METHODS)
+    k: int = option(4, "draft tokens per speculation step (sd; cascade: per level when no K matrix is given)")
     depth: int = option(4, "draft tree depth: drafting steps per tree (tree)")
     width: int = option(4, "nodes added per drafting step (tree)")
+    leniency: float = option(1.0, "cascade: leniency l >= 1 of the inner reviews (the target's stays exact)")
     max_new_tokens: int = option(128, "stop after this many new tokens")
     seed: int | None = option(None, "seed of the one random generator (sampling only)")
 
@@ -60,6 +61,8 @@ class DecodeConfig:
             raise ConfigError(f"k must be >= 1, got {self.k}")
         if self.depth < 1 or self.width < 1:
             raise ConfigError(f"tree depth and width must be >= 1, got {self.depth} and {self.width}")
+        if not self.leniency >= 1:
+            raise ConfigError(f"leniency must be >= 1, got {self.leniency}")
         if self.max_new_tokens < 1:
             raise ConfigError(f"max-new-tokens must be >= 1, got {self.max_new_tokens}")
 

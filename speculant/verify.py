@@ -13,15 +13,29 @@ from speculant.sampling import sample
 from speculant.tree import TokenTree
 
 
-def verify_greedy(draft: torch.Tensor, target_logits: torch.Tensor) -> tuple[int, int]:
+def verify_greedy(
+    draft: torch.Tensor,
+    target_logits: torch.Tensor,
+    leniency: float = 1.0,
+    draft_probs: torch.Tensor | None = None,
+) -> tuple[int, int]:
     """Greedy verification: the longest prefix of `draft` that matches the target's argmax.
 
     draft [k] token ids; target_logits [k + 1, vocab], row i scoring the position after draft[:i].
     Returns the accepted count n and the target's own token after it (its argmax at row n).
+
+    With `leniency` l > 1 (CS Drafting, section 3.1; inner reviews of a cascade only, never the
+    target's) a token that is not the argmax is accepted too when l * p(x) > q(x), with p the
+    reviewer's softmax and q(x) `draft_probs` [k], the drafter's probability of its token (1 if None).
     """
     target_tokens = target_logits.argmax(-1)  # [k + 1]
     k = draft.shape[0]
-    n = int((draft == target_tokens[:k]).int().cumprod(0).sum())
+    accepted = draft == target_tokens[:k]
+    if leniency > 1 and k:
+        p_x = torch.softmax(target_logits[:k], -1).gather(-1, draft[:, None])[:, 0]
+        q_x = draft_probs if draft_probs is not None else torch.ones_like(p_x)
+        accepted |= leniency * p_x > q_x
+    n = int(accepted.int().cumprod(0).sum())
     return n, int(target_tokens[n])
 
 
@@ -30,6 +44,7 @@ def verify_sampling(
     p: torch.Tensor,
     q: torch.Tensor | None,
     generator: torch.Generator | None,
+    leniency: float = 1.0,
 ) -> tuple[int, int]:
     """Speculative sampling (Leviathan et al. 2023, Alg. 1; Chen et al. 2023, Alg. 2).
 
@@ -38,24 +53,42 @@ def verify_sampling(
     Token i is accepted with probability min(1, p_i(x_i) / q_i(x_i)); at the first rejection the
     recovered token is drawn from norm(max(0, p_i - q_i)); after k acceptances the bonus token is
     drawn from p_k. The emitted tokens are then distributed exactly as under p.
+
+    `leniency` l >= 1 (CS Drafting, section 3.1) accepts with probability min(1, l p / q) and
+    recovers from norm(max(0, p - min(q, l p))); the emitted tokens then follow
+    `lenient_distribution(p, q, l)`, not p, so only a cascade's inner reviews may be lenient.
     """
     k = draft.shape[0]
     rows = torch.arange(k, device=p.device)
-    p_x = p[rows, draft]  # [k]
-    q_x = q[rows, draft] if q is not None else torch.ones_like(p_x)
+    q = q if q is not None else one_hot(draft, p.shape[-1])
+    p_x, q_x = p[rows, draft], q[rows, draft]  # [k]
     r = torch.rand(k, generator=generator, device=p.device)
-    rejected = (r * q_x >= p_x).nonzero()  # accept iff r < p/q, i.e. with probability min(1, p/q)
+    rejected = (r * q_x >= leniency * p_x).nonzero()  # accept iff r < l p / q
     if rejected.numel() == 0:
         return k, sample(p[k], generator)
     n = int(rejected[0])
-    if q is not None:
-        residual = (p[n] - q[n]).clamp_min(0)
-    else:
-        residual = p[n].clone()
-        residual[draft[n]] = 0.0
+    residual = (p[n] - torch.minimum(q[n], leniency * p[n])).clamp_min(0)
     total = residual.sum()
     # p <= q everywhere only when p == q, where rejection has probability 0: guard rounding anyway.
     return n, sample(residual / total if total > 0 else p[n], generator)
+
+
+def lenient_distribution(p: torch.Tensor, q: torch.Tensor, leniency: float) -> torch.Tensor:
+    """What one lenient review emits when the draft token comes from q: the accepted mass
+    A = min(q, l p) plus the rejected mass (1 - sum A) spread as norm(max(0, p - A)); p itself when
+    l = 1. p, q [..., vocab]. A cascade hands this to the next reviewer as the draft distribution."""
+    if leniency == 1:
+        return p
+    accepted = torch.minimum(q, leniency * p)
+    residual = (p - accepted).clamp_min(0)
+    total = residual.sum(-1, keepdim=True)
+    residual = torch.where(total > 0, residual / total.clamp_min(1e-30), p)
+    return accepted + (1 - accepted.sum(-1, keepdim=True)) * residual
+
+
+def one_hot(tokens: torch.Tensor, vocab: int) -> torch.Tensor:
+    """The distribution of a deterministic drafter: [k] tokens -> [k, vocab]."""
+    return torch.zeros(tokens.shape[0], vocab, device=tokens.device).scatter_(-1, tokens[:, None], 1.0)
 
 
 def verify_tree_greedy(tree: TokenTree, target_logits: torch.Tensor) -> tuple[list[int], int]:

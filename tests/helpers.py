@@ -80,7 +80,7 @@ class ScriptedDrafter:
         truth += [self.rng.randrange(self.vocab) for _ in range(k - len(truth))]
         tokens = [t if self.rng.random() >= self.error_rate else (t + 1 + self.rng.randrange(self.vocab - 1)) % self.vocab
                   for t in truth]
-        return Draft(tokens, None, {self.name: 0})
+        return Draft(tokens, None)
 
     def observe(self, n_accepted: int) -> None:
         pass

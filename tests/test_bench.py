@@ -20,10 +20,15 @@ def test_method_specs_parse():
     assert parse_method("ar").drafter is None and parse_method("sd").k == 4
     tree = parse_method("tree:depth=3,width=5")
     assert (tree.depth, tree.width, tree.drafter) == (3, 5, "qwen2.5-coder-0.5b")
+    cascade = parse_method("cascade:drafters=a@int8,b,maxgram,k_matrix=2,1,1;0,2,1;0,0,3,leniency=2,dtype=fp32")
+    assert (cascade.drafters, cascade.k_matrix, cascade.leniency, cascade.target_dtype) == \
+        (("a@int8", "b", "maxgram"), "2,1,1;0,2,1;0,0,3", 2.0, "fp32")
+    assert cascade.sources == ("a@int8", "b", "maxgram") and parse_method("sd:drafter=x").sources == ("x",)
 
 
 @pytest.mark.parametrize("bad", ["xx", "ar:k=3", "sd:k=0", "sd:k=two", "sd:depth=3", "sd:dtype=fp16", "sd:k",
-                                 "tree:width=0"])
+                                 "tree:width=0", "cascade", "cascade:drafters=a,maxgram,k_matrix=1;2;3",
+                                 "cascade:drafters=maxgram,leniency=0.5", "sd:drafter=x,leniency=2"])
 def test_bad_method_specs_are_refused(bad):
     with pytest.raises(ConfigError):
         parse_method(bad)
@@ -91,15 +96,18 @@ def test_bench_cli_writes_json_markdown_and_plots(tiny_dir, tmp_path, capsys):
     out = tmp_path / "out"
     code = cli.main(["bench", "--target", tiny_dir, "--dtype", "fp32", "--methods", "ar", f"sd:drafter={tiny_dir},k=2",
                      "hf-ar", f"hf-assisted:drafter={tiny_dir},k=2", "hf-pld:k=3", f"tree:drafter={tiny_dir},depth=2,width=2",
+                     f"cascade:drafters={tiny_dir},maxgram,k_matrix=2,1;3",
                      "--prompts", str(prompts), "--max-new-tokens", "6", "--out", str(out)])
     stdout, _ = capsys.readouterr()
     assert code == 0
     assert "hf-assisted" in stdout and "speedup" in stdout
     results = json.loads((out / "results.json").read_text())
-    assert len(results["rows"]) == 12
+    assert len(results["rows"]) == 14
     summary = {s["method"]: s for s in results["summary"]}
     # Greedy peers and speculant's methods all reproduce the target's greedy output.
     assert all(s["identical_to_ar"] == 1.0 for s in summary.values())
+    assert summary["ar"]["swi"] == pytest.approx(1.0, abs=0.2) and summary["hf-ar"]["swi"] is None
+    assert summary[f"cascade:drafters={tiny_dir},maxgram,k_matrix=2,1;3"]["cost_ratios"]
     assert set(results["by_category"]) == {"code", "chat"}
     report = (out / "report.md").read_text()
     assert "speculant bench" in report and "| ar |" in report and "## code" in report

@@ -73,6 +73,8 @@ def test_sampling_with_seed_is_reproducible(model_dirs, capsys):
         (["--max-new-tokens", "0"], "max-new-tokens"),
         (["--device", "cuda:7"], "not available"),
         (["--method", "sd", "--drafter", "none"], "needs a drafter"),
+        (["--method", "cascade"], "takes --drafters"),
+        (["--k-matrix", "2"], "apply to --method cascade"),
     ],
 )
 def test_bad_input_is_one_line_and_exit_2(model_dirs, capsys, extra, message):
@@ -82,6 +84,22 @@ def test_bad_input_is_one_line_and_exit_2(model_dirs, capsys, extra, message):
     lines = [line for line in err.splitlines() if line.startswith("speculant: error")]
     assert len(lines) == 1 and message in lines[0]
     assert "Traceback" not in err
+
+
+def test_cascade_from_the_command_line(model_dirs, capsys):
+    common = ["generate", "hello", "--target", model_dirs["target"], "--dtype", "fp32", "--max-new-tokens", "16", "--json"]
+    ar = json.loads(run(capsys, *common, "--drafter", "none")[1])
+    code, out, err = run(capsys, *common, "--method", "cascade", "--drafters", f"{model_dirs['drafter']},maxgram",
+                         "--k-matrix", "2,2;3", "--leniency", "2")
+    assert code == 0, err
+    cascade = json.loads(out)
+    assert cascade["token_ids"] == ar["token_ids"] and cascade["stats"]["method"] == "cascade"
+    assert cascade["drafters"] == [model_dirs["drafter"], "maxgram"]
+    for bad, message in [(["--drafters", "maxgram", "--k-matrix", "1,x"], "integers"),
+                         (["--drafters", f"maxgram,{model_dirs['drafter']}"], "last"),
+                         (["--drafters", "maxgram", "--leniency", "0"], "leniency")]:
+        code, _, err = run(capsys, *common, "--method", "cascade", *bad)
+        assert code == 2 and message in err and "Traceback" not in err
 
 
 def test_empty_prompt(model_dirs, capsys):

@@ -42,3 +42,50 @@ def test_dsi_bound_never_exceeds_non_si_for_faster_drafters():
     for a in np.linspace(0, 1, 11):
         assert theory.dsi_time_bound(5, 30, a, 100) <= theory.non_si_time(30, 100) + 1e-9
     assert theory.dsi_time_bound(5, 30, 0.0, 100) == pytest.approx(3000)
+
+
+def sd_step_tokens(rng, a: float, k: int, size: int) -> np.ndarray:
+    """Tokens one SD step yields, simulated: accepted drafts (i.i.d. rate a, at most k) plus one."""
+    accepts = rng.random((size, k)) < a
+    return np.cumprod(accepts, axis=1).sum(axis=1) + 1
+
+
+def target_review(rng, a: float, draft_lengths: np.ndarray) -> np.ndarray:
+    """Tokens a target step yields on drafts of the given lengths at acceptance a."""
+    longest = int(draft_lengths.max())
+    accepts = np.cumprod(rng.random((len(draft_lengths), longest)) < a, axis=1)
+    accepts[np.arange(longest)[None, :] >= draft_lengths[:, None]] = 0
+    return accepts.sum(axis=1) + 1
+
+
+@pytest.mark.parametrize(("x", "a", "k"), [(0.5, 0.7, 3), (0.9, 0.4, 5), (1.0, 0.8, 2)])
+def test_sd_pgf_matches_monte_carlo(x, a, k):
+    tokens = sd_step_tokens(np.random.default_rng(1), a, k, 400_000)
+    assert theory.sd_pgf(x, a, k) == pytest.approx(np.mean(x**tokens), rel=5e-3)
+    assert theory.sd_pgf(1.0, a, k) == 1.0
+
+
+@pytest.mark.parametrize(("a", "a_inner", "k_inner", "reviews"), [(0.7, 0.8, 3, 1), (0.5, 0.6, 4, 2), (0.9, 0.3, 2, 3)])
+def test_vertical_cascade_matches_monte_carlo(a, a_inner, k_inner, reviews):
+    rng = np.random.default_rng(2)
+    c, c_inner, size = 0.1, 0.01, 200_000
+    draft = sum(sd_step_tokens(rng, a_inner, k_inner, size) for _ in range(reviews))
+    simulated = target_review(rng, a, draft).mean() / (1 + reviews * (c + k_inner * c_inner))
+    closed = theory.vertical_cascade_improvement(a, a_inner, k_inner, reviews, c, c_inner)
+    assert closed == pytest.approx(simulated, rel=5e-3)
+
+
+@pytest.mark.parametrize(("rates", "ks", "costs"), [([0.8, 0.5], [2, 3], [0.1, 0.0]), ([0.9, 0.7, 0.4], [1, 2, 4], [0.2, 0.05, 0.0])])
+def test_horizontal_cascade_matches_monte_carlo(rates, ks, costs):
+    rng = np.random.default_rng(3)
+    per_position = np.repeat(rates, ks)
+    accepts = np.cumprod(rng.random((300_000, len(per_position))) < per_position, axis=1)
+    simulated = (accepts.sum(axis=1) + 1).mean() / (1 + sum(k * c for k, c in zip(ks, costs)))
+    assert theory.horizontal_cascade_improvement(rates, ks, costs) == pytest.approx(simulated, rel=5e-3)
+    # One drafter is plain SD (Leviathan et al. Theorem 3.8).
+    assert theory.horizontal_cascade_improvement([0.7], [4], [0.1]) == pytest.approx(theory.sd_walltime_improvement(0.7, 4, 0.1))
+
+
+def test_swi_weighs_drafter_forwards_by_cost():
+    assert theory.swi(100, 40, {"small": 120, "maxgram": 0}, {"small": 0.25}) == pytest.approx(100 / (40 + 30))
+    assert theory.swi(100, 100, {}, {}) == 1.0

@@ -73,6 +73,53 @@ def max_useful_sp_degree(t_target: float, t_drafter: float) -> int:
     return max(1, math.ceil(t_target / t_drafter - 1e-12))
 
 
+def swi(new_tokens: int, target_forwards: int, drafter_forwards: dict[str, int], costs: dict[str, float]) -> float:
+    """Standardized wall-time improvement, n / (count(target) + sum_i count(drafter_i) c_i) (CS Drafting,
+    section 5): speedup over autoregressive decoding if every forward cost what the ratios c_i say
+    (from parameter counts or measured latencies; a drafter missing from `costs`, like Max-Gram, is free)."""
+    cost = target_forwards + sum(count * costs.get(name, 0.0) for name, count in drafter_forwards.items())
+    return new_tokens / cost if cost > 0 else 0.0
+
+
+def sd_pgf(x: float, a: float, k: int) -> float:
+    """Probability generating function E[x^T] of the tokens T one SD step yields (drafts accepted
+    plus the target's token): phi(x) = 1 + (x - 1)(1 - a^(k+1) x^(k+1)) / (1 - a x) (CS Drafting, section 4)."""
+    _check_rate(a)
+    if a * x == 1:
+        return 1 + (x - 1) * (k + 1)
+    return 1 + (x - 1) * (1 - (a * x) ** (k + 1)) / (1 - a * x)
+
+
+def vertical_cascade_improvement(a: float, a_inner: float, k_inner: int, reviews: int, c: float,
+                                 c_inner: float) -> float:
+    """Expected wall-time improvement of a vertical cascade (CS Drafting, Theorem 4.3).
+
+    The drafter (cost c) does not generate: it runs `reviews` review steps of k_inner tokens from a
+    smaller drafter (cost c_inner, acceptance a_inner against it), each yielding T tokens with
+    E[x^T] = phi(x); the target (acceptance a against the drafter) reviews the resulting draft of
+    sum T tokens. All T tokens survive the target with probability E[a^T] = phi(a) per review step,
+    so a target step yields (1 - a phi(a)^reviews) / (1 - a) tokens for 1 + reviews (c + k_inner c_inner)."""
+    _check_rate(a)
+    if a == 1:  # every drafted token is accepted: 1 + reviews E[T], E[T] = phi'(1)
+        tokens = 1 + reviews * sd_expected_tokens(a_inner, k_inner)
+    else:
+        tokens = (1 - a * sd_pgf(a, a_inner, k_inner) ** reviews) / (1 - a)
+    return tokens / (1 + reviews * (c + k_inner * c_inner))
+
+
+def horizontal_cascade_improvement(rates: list[float], ks: list[int], costs: list[float]) -> float:
+    """Expected wall-time improvement of a horizontal cascade (CS Drafting, Theorem 4.5): drafter i
+    (acceptance rates[i] against the target, cost costs[i]) drafts the next ks[i] positions. Position j
+    is accepted with the product of the rates up to it, so a target step yields
+    1 + sum_i (prod_{h<i} a_h^{k_h}) a_i (1 - a_i^{k_i}) / (1 - a_i) tokens for 1 + sum_i k_i c_i."""
+    tokens, reach = 1.0, 1.0  # reach: probability that every earlier position was accepted
+    for a, k in zip(rates, ks, strict=True):
+        _check_rate(a)
+        tokens += reach * (a * k if a == 1 else a * (1 - a**k) / (1 - a))
+        reach *= a**k
+    return tokens / (1 + sum(k * c for k, c in zip(ks, costs, strict=True)))
+
+
 def _check_rate(a: float) -> None:
     if not 0 <= a <= 1:
         raise ValueError(f"an acceptance rate lies in [0, 1], got {a}")

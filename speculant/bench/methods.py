@@ -1,22 +1,26 @@
 """Method specs on the command line: `ar`, `ar:dtype=bf16`, `sd:drafter=qwen2.5-coder-0.5b,k=4`,
 `sd:drafter=qwen2.5-coder-0.5b@int8,k=6,dtype=fp32,drafter_dtype=bf16`, `sd:drafter=maxgram,k=8`,
 `tree:drafter=qwen2.5-coder-0.5b@int8,depth=4,width=4,dtype=fp32`,
-and the peers `hf-ar`, `hf-assisted[:k=N]`, `hf-pld[:k=N]`.
+`cascade:drafters=qwen2.5-coder-0.5b@int8,maxgram,k_matrix=4,2;0,6,leniency=2`
+(values may hold commas: an option ends where the next `name=` begins), and the peers `hf-ar`, `hf-assisted[:k=N]`, `hf-pld[:k=N]`.
 
 `dtype` is the target's dtype for this method (default: --dtype); `drafter_dtype` the drafter's
 (default: the target's)."""
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 
 from speculant.config import DEFAULT_DRAFTER, DecodeConfig
+from speculant.drafters.cascade import parse_k_matrix
 from speculant.errors import ConfigError
 
 OPTIONS = {
     "ar": {"dtype"},
     "sd": {"drafter", "k", "dtype", "drafter_dtype"},
     "tree": {"drafter", "depth", "width", "dtype", "drafter_dtype"},
+    "cascade": {"drafters", "k_matrix", "k", "leniency", "dtype", "drafter_dtype"},
     # Peers: transformers generate() plain, assisted (k = num_assistant_tokens), prompt lookup (k = n-gram draft).
     "hf-ar": {"dtype"},
     "hf-assisted": {"drafter", "k", "dtype", "drafter_dtype"},
@@ -36,6 +40,14 @@ class MethodSpec:
     width: int = 4  # tree only
     target_dtype: str | None = None  # None: the run's default dtype
     drafter_dtype: str | None = None  # None: the target's dtype
+    drafters: tuple[str, ...] = ()  # cascade only: largest first, maxgram last
+    k_matrix: str | None = None  # cascade only: "4,2;0,6"; None: the default for k
+    leniency: float = 1.0  # cascade only
+
+    @property
+    def sources(self) -> tuple[str, ...]:
+        """Every drafter this method loads."""
+        return self.drafters or ((self.drafter,) if self.drafter else ())
 
 
 def parse_method(spec: str) -> MethodSpec:
@@ -43,20 +55,28 @@ def parse_method(spec: str) -> MethodSpec:
     if name not in OPTIONS:
         raise ConfigError(f"unknown method '{name}' in '{spec}' (choose from {', '.join(OPTIONS)})")
     options: dict[str, str] = {}
-    for item in filter(None, rest.split(",")):
+    for item in filter(None, re.split(r",(?=\w+=)", rest)):
         key, eq, value = item.partition("=")
         if not eq or key not in OPTIONS[name]:
             allowed = ", ".join(sorted(OPTIONS[name])) or "none"
             raise ConfigError(f"bad option '{item}' for method '{name}' (options: {allowed})")
         options[key] = value
     try:
-        k = int(options["k"]) if "k" in options else (4 if name == "sd" else None)
+        k = int(options["k"]) if "k" in options else (4 if name in ("sd", "cascade") else None)
         depth, width = int(options.get("depth", 4)), int(options.get("width", 4))
+        leniency = float(options.get("leniency", 1))
     except ValueError:
-        raise ConfigError(f"k, depth and width must be integers in '{spec}'") from None
-    DecodeConfig(k=1 if k is None else k, depth=depth, width=width)  # validates
+        raise ConfigError(f"k, depth and width must be integers and leniency a number in '{spec}'") from None
+    DecodeConfig(k=1 if k is None else k, depth=depth, width=width, leniency=leniency)  # validates
+    drafters = tuple(filter(None, options.get("drafters", "").split(",")))
+    if name == "cascade" and not drafters:
+        raise ConfigError(f"method 'cascade' needs drafters=..., e.g. 'cascade:drafters={DEFAULT_DRAFTER},maxgram'")
+    k_matrix = options.get("k_matrix")
+    if k_matrix is not None:
+        parse_k_matrix(k_matrix, len(drafters))  # validates its form; the levels check it in full
     target_dtype, drafter_dtype = options.get("dtype"), options.get("drafter_dtype")
     if target_dtype not in DTYPES or drafter_dtype not in DTYPES:
         raise ConfigError(f"dtypes must be bf16 or fp32 in '{spec}'")
     drafter = options.get("drafter", DEFAULT_DRAFTER) if name in NEEDS_DRAFTER else None
-    return MethodSpec(spec.strip(), name, drafter, k, depth, width, target_dtype, drafter_dtype)
+    return MethodSpec(spec.strip(), name, drafter, k, depth, width, target_dtype, drafter_dtype, drafters, k_matrix,
+                      leniency)

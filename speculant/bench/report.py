@@ -9,7 +9,7 @@ from rich.table import Table
 
 from speculant.bench.runner import MethodSummary
 
-COLUMNS = ("method", "tok/s", "speedup", "median speedup", "mean accepted length", "acceptance",
+COLUMNS = ("method", "tok/s", "speedup", "median speedup", "mean accepted length", "acceptance", "SWI",
            "identical to ar", "TTFT s")
 
 
@@ -18,7 +18,8 @@ def _cells(s: MethodSummary) -> tuple[str, ...]:
         return "-" if value is None else pattern.format(value)
 
     return (s.method, f"{s.tokens_per_s:.2f}", fmt(s.speedup, "{:.2f}x"), fmt(s.median_speedup, "{:.2f}x"),
-            f"{s.mean_accepted_length:.2f}", fmt(s.acceptance_rate, "{:.0%}"), fmt(s.identical_to_ar, "{:.0%}"),
+            f"{s.mean_accepted_length:.2f}", fmt(s.acceptance_rate, "{:.0%}"), fmt(s.swi, "{:.2f}"),
+            fmt(s.identical_to_ar, "{:.0%}"),
             f"{s.ttft_s:.2f}")
 
 
@@ -47,6 +48,8 @@ def markdown_report(summaries: list[MethodSummary], by_category: dict[str, list[
         parts.append(f"\n## {category}\n\n{markdown_table(summary)}")
     parts.append("\nspeedup = total tokens / total time over the `ar` baseline of the same run; median speedup = "
                  "median of per-prompt ratios; mean accepted length = tokens committed per target verification; "
+                 "SWI = standardized wall-time improvement, tokens / (target forwards + sum of drafter forwards x c), "
+                 "c = a drafter's measured forward time over the target's (CS Drafting, section 5); "
                  "identical to ar = share of prompts whose output equals that of `ar` on the same target dtype.")
     return "\n".join(parts) + "\n"
 

@@ -4,9 +4,9 @@ interleaved prompt by prompt, the same seed for every method, wall time around w
 from __future__ import annotations
 
 import statistics
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import asdict, dataclass, field
-from typing import Any
+from typing import Any, TypeVar
 
 from speculant.api import GenerationResult, encode_prompt, generate, load_drafter
 from speculant.bench.datasets import Prompt
@@ -16,6 +16,8 @@ from speculant.decoding.stats import GenerationStats
 from speculant.drafters.base import Drafter
 from speculant.drafters.model import common_prefix_len
 from speculant.models import CausalLM
+
+T = TypeVar("T", int, float)
 
 
 @dataclass
@@ -41,6 +43,8 @@ class MethodSummary:
     acceptance_per_position: list[float]
     target_forwards: int
     drafter_forwards: dict[str, int] = field(default_factory=dict)
+    cost_ratios: dict[str, float] = field(default_factory=dict)  # measured c per drafter
+    swi: float | None = None  # standardized wall-time improvement with those c (CS Drafting, section 5)
     ttft_s: float = 0.0
     identical_to_ar: float | None = None  # share of prompts whose output equals ar's
     common_prefix_with_ar: float | None = None  # mean tokens in common with ar before the first difference
@@ -61,23 +65,27 @@ def run_matrix(
     `target_for(dtype)` returns the loaded target in that dtype (None: the run's default); it should
     load each dtype once, so that all methods share the same weights.
     """
-    drafters: dict[tuple[str, str | None, str | None], CausalLM | Drafter] = {}
+    loaded: dict[tuple[str, str | None, str | None], CausalLM | Drafter] = {}
 
-    def drafter_for(spec: MethodSpec) -> CausalLM | Drafter | None:
-        if spec.drafter is None:
-            return None
-        key = (spec.drafter, spec.target_dtype, spec.drafter_dtype)
-        if key not in drafters:
-            drafters[key] = load_drafter(spec.drafter, target_for(spec.target_dtype), spec.drafter_dtype)
-        return drafters[key]
+    def drafters_for(spec: MethodSpec) -> list[CausalLM | Drafter]:
+        for name in spec.sources:
+            key = (name, spec.target_dtype, spec.drafter_dtype)
+            if key not in loaded:
+                loaded[key] = load_drafter(name, target_for(spec.target_dtype), spec.drafter_dtype)
+        return [loaded[name, spec.target_dtype, spec.drafter_dtype] for name in spec.sources]
 
     def run(spec: MethodSpec, ids: list[int], n: int) -> GenerationResult:
         target = target_for(spec.target_dtype)
+        drafters = drafters_for(spec)
         if spec.method.startswith("hf-"):
-            return hf_generate(spec.method, target, ids, n, spec.k, drafter_for(spec), temperature, seed)
-        k = {"k": spec.k} if spec.k is not None else {}
-        return generate(target, prompt_ids=ids, drafter=drafter_for(spec), method=spec.method, depth=spec.depth,
-                        width=spec.width, max_new_tokens=n, temperature=temperature, seed=seed, **k)
+            return hf_generate(spec.method, target, ids, n, spec.k, drafters[0] if drafters else None, temperature, seed)
+        options: dict[str, Any] = {"k": spec.k} if spec.k is not None else {}
+        if spec.method == "cascade":
+            options.update(drafters=drafters, k_matrix=spec.k_matrix, leniency=spec.leniency)
+        elif drafters:
+            options["drafter"] = drafters[0]
+        return generate(target, prompt_ids=ids, method=spec.method, depth=spec.depth, width=spec.width,
+                        max_new_tokens=n, temperature=temperature, seed=seed, **options)
 
     encoded = [encode_prompt(target_for(None).tokenizer, p.text, p.chat) for p in prompts]
     for spec in methods:  # warm-up: allocator, caches, lazy initialisation
@@ -109,11 +117,11 @@ def summarize(rows: list[Row], methods: list[MethodSpec]) -> list[MethodSummary]
         stats = [r.stats for r in method_rows]
         drafted = [d for s in stats for d in s.draft_lengths]
         accepted = [a for s in stats for a in s.accepted_lengths]
-        merged = GenerationStats(draft_lengths=drafted, accepted_lengths=accepted)
-        forwards: dict[str, int] = {}
-        for s in stats:
-            for name, count in s.drafter_forwards.items():
-                forwards[name] = forwards.get(name, 0) + count
+        merged = GenerationStats(
+            new_tokens=sum(s.new_tokens for s in stats), target_forwards=sum(s.target_forwards for s in stats),
+            target_steps=sum(s.target_steps for s in stats), target_seconds=sum(s.target_seconds for s in stats),
+            drafter_forwards=_add_up(s.drafter_forwards for s in stats), drafter_steps=_add_up(s.drafter_steps for s in stats),
+            drafter_seconds=_add_up(s.drafter_seconds for s in stats), draft_lengths=drafted, accepted_lengths=accepted)
         tps = _total_tps(method_rows)
         summary = MethodSummary(
             method=label,
@@ -126,8 +134,10 @@ def summarize(rows: list[Row], methods: list[MethodSpec]) -> list[MethodSummary]
             mean_accepted_length=merged.mean_accepted_length,
             acceptance_rate=merged.acceptance_rate,
             acceptance_per_position=merged.acceptance_per_position,
-            target_forwards=sum(s.target_forwards for s in stats),
-            drafter_forwards=forwards,
+            target_forwards=merged.target_forwards,
+            drafter_forwards=merged.drafter_forwards,
+            cost_ratios=merged.cost_ratios,
+            swi=merged.swi,
             ttft_s=statistics.mean(s.ttft_s for s in stats),
         )
         if same_weights_ar:
@@ -137,6 +147,14 @@ def summarize(rows: list[Row], methods: list[MethodSpec]) -> list[MethodSummary]
                 common_prefix_len(r.token_ids, same_weights_ar[r.prompt_id, r.repeat].token_ids) for r in method_rows)
         summaries.append(summary)
     return summaries
+
+
+def _add_up(counts: Iterable[dict[str, T]]) -> dict[str, T]:
+    total: dict[str, Any] = {}
+    for count in counts:
+        for name, value in count.items():
+            total[name] = total.get(name, 0) + value
+    return total
 
 
 def _speed(row: Row) -> float:

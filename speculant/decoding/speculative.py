@@ -13,6 +13,7 @@ from speculant.decoding.run import Decoder, emit
 from speculant.decoding.stats import GenerationStats
 from speculant.drafters.base import Drafter
 from speculant.models.base import CausalLM
+from speculant.models.metered import metered
 from speculant.sampling import logits_to_probs, next_token
 from speculant.verify import verify_greedy, verify_sampling
 
@@ -25,12 +26,14 @@ def speculative(
     max_new_tokens: int,
     sampling: SamplingConfig,
     generator: torch.Generator | None,
+    method: str = "sd",
 ) -> Decoder:
-    """Lossless speculative decoding: greedy output equals `autoregressive`, samples follow p."""
-    stats = GenerationStats(method="sd")
+    """Lossless speculative decoding: greedy output equals `autoregressive`, samples follow p.
+    `method` names the run in its stats (a cascade drafter makes it "cascade")."""
+    stats = GenerationStats(method=method)
     out: list[int] = []
+    target = metered(target)
     logits = target.prefill(prompt_ids)
-    stats.target_forwards += 1
     pending = [next_token(logits, sampling, generator)]  # committed next, not yet run by the target
     while not (yield from emit(pending, out, max_new_tokens, target.eos_token_ids)):
         # Draft no more than can still be emitted: n accepted plus one target token.
@@ -38,7 +41,6 @@ def speculative(
         drafted = torch.tensor(draft.tokens, dtype=torch.long, device=target.device)
         cached = target.cache_len
         target_logits = target.forward(out[-1:] + draft.tokens)  # [1 + len(draft), vocab]
-        stats.target_forwards += 1
         if sampling.greedy:
             n, token = verify_greedy(drafted, target_logits)
         else:
@@ -46,7 +48,8 @@ def speculative(
             n, token = verify_sampling(drafted, logits_to_probs(target_logits, sampling), q, generator)
         target.rollback(cached + 1 + n)  # the last committed token and the accepted drafts stay cached
         drafter.observe(n)
-        stats.record_draft(len(draft.tokens), n, draft.forwards)
+        stats.record_draft(len(draft.tokens), n, draft.usage)
         pending = draft.tokens[:n] + [token]
     stats.new_tokens = len(out)
+    stats.record_target(target.usage)
     return stats

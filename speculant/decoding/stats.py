@@ -5,6 +5,9 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+from speculant.analysis.theory import swi
+from speculant.models.metered import Usage
+
 
 @dataclass
 class GenerationStats:
@@ -17,18 +20,47 @@ class GenerationStats:
     method: str = "ar"
     new_tokens: int = 0
     target_forwards: int = 0  # the prefill included
-    drafter_forwards: dict[str, int] = field(default_factory=dict)
+    drafter_forwards: dict[str, int] = field(default_factory=dict)  # per drafter name, prefills included
+    # Incremental forwards (prefills excluded) and their seconds: the measured cost ratios c.
+    target_steps: int = 0
+    target_seconds: float = 0.0
+    drafter_steps: dict[str, int] = field(default_factory=dict)
+    drafter_seconds: dict[str, float] = field(default_factory=dict)
     draft_lengths: list[int] = field(default_factory=list)
     accepted_lengths: list[int] = field(default_factory=list)
     drafted_nodes: int = 0  # token trees: all drafted nodes (draft_lengths then holds tree depths)
     ttft_s: float = 0.0
     wall_s: float = 0.0
 
-    def record_draft(self, proposed: int, accepted: int, forwards: dict[str, int]) -> None:
+    def record_draft(self, proposed: int, accepted: int, usage: dict[str, Usage]) -> None:
         self.draft_lengths.append(proposed)
         self.accepted_lengths.append(accepted)
-        for name, count in forwards.items():
-            self.drafter_forwards[name] = self.drafter_forwards.get(name, 0) + count
+        for name, u in usage.items():
+            self.drafter_forwards[name] = self.drafter_forwards.get(name, 0) + u.forwards
+            self.drafter_steps[name] = self.drafter_steps.get(name, 0) + u.steps
+            self.drafter_seconds[name] = self.drafter_seconds.get(name, 0.0) + u.seconds
+
+    def record_target(self, usage: Usage) -> None:
+        """The target's forwards over the whole generation (a Metered target's usage)."""
+        self.target_forwards = usage.forwards
+        self.target_steps, self.target_seconds = usage.steps, usage.seconds
+
+    @property
+    def cost_ratios(self) -> dict[str, float]:
+        """Measured c per drafter: its mean incremental forward time over the target's (prefills excluded)."""
+        if not self.target_steps or self.target_seconds <= 0:
+            return {}
+        per_target = self.target_seconds / self.target_steps
+        return {name: self.drafter_seconds[name] / steps / per_target
+                for name, steps in self.drafter_steps.items() if steps}
+
+    @property
+    def swi(self) -> float | None:
+        """Standardized wall-time improvement with the measured cost ratios (CS Drafting, section 5);
+        None when the target's forwards are unknown (peers)."""
+        if not self.target_forwards:
+            return None
+        return swi(self.new_tokens, self.target_forwards, self.drafter_forwards, self.cost_ratios)
 
     @property
     def tokens_per_s(self) -> float:
@@ -63,6 +95,8 @@ class GenerationStats:
             "mean_accepted_length": self.mean_accepted_length,
             "acceptance_rate": self.acceptance_rate,
             "acceptance_per_position": self.acceptance_per_position,
+            "cost_ratios": self.cost_ratios,
+            "swi": self.swi,
         }
 
     def summary(self) -> str:
@@ -71,5 +105,8 @@ class GenerationStats:
                 f"TTFT {self.ttft_s:.2f} s, {self.target_forwards} target forwards)")
         if self.acceptance_rate is not None:
             line += (f", mean accepted length {self.mean_accepted_length:.2f}, "
-                     f"acceptance {self.acceptance_rate:.0%}")
+                     f"acceptance {self.acceptance_rate:.0%}, SWI {self.swi or 0:.2f}")
+            for name, forwards in self.drafter_forwards.items():
+                c = self.cost_ratios.get(name)
+                line += f", {name}: {forwards} forwards" + (f" (c = {c:.2f})" if c is not None else "")
         return line

@@ -9,6 +9,7 @@ from speculant.decoding.run import Decoder, emit
 from speculant.decoding.stats import GenerationStats
 from speculant.drafters.tree import TreeDrafter
 from speculant.models.base import CausalLM
+from speculant.models.metered import metered
 from speculant.sampling import next_token
 from speculant.verify import verify_tree_greedy
 
@@ -24,19 +25,19 @@ def tree_speculative(
     """Greedy tree speculation; output equals greedy autoregressive decoding."""
     stats = GenerationStats(method="tree")
     out: list[int] = []
+    target = metered(target)
     logits = target.prefill(prompt_ids)
-    stats.target_forwards += 1
     pending = [next_token(logits, SamplingConfig(), None)]
     while not (yield from emit(pending, out, max_new_tokens, target.eos_token_ids)):
-        tree, forwards = drafter.propose_tree(prompt_ids + out, min(depth, max_new_tokens - len(out) - 1), width)
+        tree, usage = drafter.propose_tree(prompt_ids + out, min(depth, max_new_tokens - len(out) - 1), width)
         cached = target.cache_len
         target_logits = target.forward(list(tree.tokens), tree=tree)  # [len(tree), vocab]
-        stats.target_forwards += 1
         path, token = verify_tree_greedy(tree, target_logits)
         target.keep(list(range(cached)) + [cached + node for node in [0, *path]])
         # Per iteration: the tree's depth (the most that could be accepted) and the accepted depth.
-        stats.record_draft(max(tree.depths), len(path), {drafter.name: forwards})
+        stats.record_draft(max(tree.depths), len(path), {drafter.name: usage})
         stats.drafted_nodes += len(tree) - 1
         pending = [tree.tokens[node] for node in path] + [token]
     stats.new_tokens = len(out)
+    stats.record_target(target.usage)
     return stats

@@ -7,18 +7,20 @@ from typing import Protocol, runtime_checkable
 
 import torch
 
+from speculant.models.metered import Usage
+
 
 @dataclass
 class Draft:
     """New tokens proposed after a context, with the drafter's distribution for each.
 
     `probs` [len(tokens), vocab] is q, or None for a deterministic drafter (q is then one-hot).
-    `forwards` counts the model forwards spent on this draft, per drafter name.
+    `usage` holds the model forwards spent on this draft (and their time), per drafter name.
     """
 
     tokens: list[int]
     probs: torch.Tensor | None = None
-    forwards: dict[str, int] = field(default_factory=dict)
+    usage: dict[str, Usage] = field(default_factory=dict)
 
 
 @runtime_checkable

@@ -7,6 +7,7 @@ import torch
 from speculant.config import SamplingConfig
 from speculant.drafters.base import Draft
 from speculant.models.base import CausalLM
+from speculant.models.metered import metered
 from speculant.sampling import logits_to_probs, next_token, sample
 
 
@@ -18,14 +19,15 @@ def common_prefix_len(a: list[int], b: list[int]) -> int:
     return n
 
 
-def resync(model: CausalLM, cached: list[int], context: list[int]) -> torch.Tensor:
-    """Bring `model`'s cache (holding `cached`) to `context`, re-running only what differs (at least
-    the last token); return the logits after context[-1], [vocab]."""
+def resync(model: CausalLM, cached: list[int], context: list[int], extra: list[int] = ()) -> torch.Tensor:
+    """Bring `model`'s cache (holding `cached`) to `context` + `extra`, re-running only what differs (at
+    least context[-1]); return the logits after context[-1] and after each extra token, [1 + len(extra), vocab]."""
     keep = min(common_prefix_len(cached, context), len(context) - 1)
     if keep == 0:
-        return model.prefill(context)
+        logits = model.prefill(context)[None]
+        return torch.cat([logits, model.forward(list(extra))]) if extra else logits
     model.rollback(keep)
-    return model.forward(context[keep:])[-1]
+    return model.forward(context[keep:] + list(extra))[len(context) - keep - 1 :]
 
 
 class ModelDrafter:
@@ -33,20 +35,26 @@ class ModelDrafter:
 
     The drafter remembers which tokens its cache holds; on each proposal it rolls back to the longest
     prefix shared with the new context and runs only the tokens it has not seen, so rejected drafts
-    cost no recomputation beyond the corrected suffix.
+    cost no recomputation beyond the corrected suffix. `score` runs a whole draft through the model
+    in one forward: how a cascade level reviews the draft of the level below.
+
+    Greedy drafts carry no distribution unless `keep_probs` (a lenient review needs q(x)).
     """
 
-    def __init__(self, model: CausalLM, sampling: SamplingConfig, generator: torch.Generator | None):
-        self.model = model
+    def __init__(self, model: CausalLM, sampling: SamplingConfig, generator: torch.Generator | None,
+                 keep_probs: bool = False):
+        self.model = metered(model)
         self.name = model.name
         self.sampling = sampling
         self.generator = generator
+        self.keep_probs = keep_probs or not sampling.greedy
         self._cached: list[int] = []  # the tokens whose keys and values self.model holds
 
     def propose(self, context: list[int], k: int) -> Draft:
         if k == 0:
             return Draft([], None)
-        logits = resync(self.model, self._cached, context)
+        before = self.model.usage
+        logits = self.score(context, [])[0]
         tokens: list[int] = []
         probs: list[torch.Tensor] = []
         for i in range(k):
@@ -54,12 +62,19 @@ class ModelDrafter:
                 tokens.append(next_token(logits, self.sampling, None))
             else:
                 q = logits_to_probs(logits, self.sampling)
-                probs.append(q)
                 tokens.append(sample(q, self.generator))
+            if self.keep_probs:
+                probs.append(q if not self.sampling.greedy else torch.softmax(logits, -1))
             if i < k - 1:
                 logits = self.model.forward(tokens[-1:])[-1]
         self._cached = context + tokens[:-1]
-        return Draft(tokens, torch.stack(probs) if probs else None, {self.name: k})
+        return Draft(tokens, torch.stack(probs) if probs else None, {self.name: self.model.usage - before})
+
+    def score(self, context: list[int], draft: list[int]) -> torch.Tensor:
+        """Logits after context[-1] and after each draft token, [1 + len(draft), vocab], in one forward."""
+        logits = resync(self.model, self._cached, context, draft)
+        self._cached = context + draft
+        return logits
 
     def observe(self, n_accepted: int) -> None:
         """Nothing to do: the next proposal re-synchronises the cache from the context itself."""

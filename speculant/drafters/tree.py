@@ -8,6 +8,7 @@ import torch
 
 from speculant.drafters.model import resync
 from speculant.models.base import CausalLM
+from speculant.models.metered import Usage, metered
 from speculant.tree import TokenTree
 
 
@@ -15,15 +16,16 @@ class TreeDrafter:
     """Greedy tree drafting with a model: `depth` steps of `width` nodes (depth x width drafted nodes)."""
 
     def __init__(self, model: CausalLM):
-        self.model = model
+        self.model = metered(model)
         self.name = model.name
         self._cached: list[int] = []
 
-    def propose_tree(self, context: list[int], depth: int, width: int) -> tuple[TokenTree, int]:
-        """A tree rooted at context[-1]; returns it and the drafter forwards spent."""
+    def propose_tree(self, context: list[int], depth: int, width: int) -> tuple[TokenTree, Usage]:
+        """A tree rooted at context[-1]; returns it and the drafter forwards spent on it."""
         if depth == 0:
-            return TokenTree((context[-1],), (-1,)), 0
-        logits = resync(self.model, self._cached, context)[None]
+            return TokenTree((context[-1],), (-1,)), Usage()
+        before = self.model.usage
+        logits = resync(self.model, self._cached, context)
         self._cached = context  # the tree nodes cached after it are dropped by the next resync
         tokens, parents, scores = [context[-1]], [-1], [0.0]
         frontier: list[tuple[float, int, int]] = []  # (path log-probability, parent node, token)
@@ -42,4 +44,4 @@ class TreeDrafter:
             if step < depth - 1:  # the last step's children would never be used
                 tree = TokenTree(tuple(tokens), tuple(parents))
                 logits = self.model.forward(tokens[-len(chosen):], tree=tree)
-        return TokenTree(tuple(tokens), tuple(parents)), depth
+        return TokenTree(tuple(tokens), tuple(parents)), self.model.usage - before

@@ -1,0 +1,159 @@
+"""Cascade speculative drafting (Chen et al., "Cascade Speculative Drafting for Even Faster LLM
+Inference", sections 3.1-3.2 and Algorithm 1).
+
+Levels are drafters from largest to smallest, Max-Gram (if present) last. The draft for the reviewer
+above level i (the target above level 0) follows row i of the upper-triangular K matrix: level i
+produces the first K[i][i] tokens, level i+1 the next K[i][i+1], and so on (horizontal cascade). A
+model level that has levels below it does not generate autoregressively: it reviews a draft built
+from the rows below (vertical cascade), one forward per review, keeping the accepted prefix plus its
+own next token. The last model level with nothing below it drafts autoregressively.
+
+Leniency l >= 1 relaxes these inner reviews only. What an inner review emits is not the reviewer's
+distribution then, so each emitted token carries the distribution it was actually drawn from
+(`lenient_distribution`); the target reviews the final draft exactly against it, so the output is
+lossless whatever l and K are.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from speculant.config import SamplingConfig
+from speculant.drafters.base import Draft
+from speculant.drafters.maxgram import MaxGramDrafter
+from speculant.drafters.model import ModelDrafter
+from speculant.errors import ConfigError
+from speculant.models.metered import Usage
+from speculant.sampling import logits_to_probs
+from speculant.verify import lenient_distribution, one_hot, verify_greedy, verify_sampling
+
+Level = ModelDrafter | MaxGramDrafter
+Rows = list[torch.Tensor | None]  # per drafted token: the distribution it came from, None = one-hot
+
+
+def parse_k_matrix(text: str, levels: int) -> list[list[int]]:
+    """`"4,2;6"` or `"4,2;0,6"` -> [[4, 2], [0, 6]]: rows split by ';', entries by ','; row i may give
+    only its upper-triangular part (levels - i entries)."""
+    try:
+        rows = [[int(v) for v in row.split(",")] for row in text.split(";")]
+    except ValueError:
+        raise ConfigError(f"the K matrix must be integers like '4,2;0,6', got '{text}'") from None
+    if len(rows) != levels:
+        raise ConfigError(f"the K matrix needs one row per drafter level ({levels}), got {len(rows)}")
+    return [[0] * (levels - len(row)) + row if len(row) == levels - i else row for i, row in enumerate(rows)]
+
+
+def default_k_matrix(levels: list[Level], k: int) -> list[list[int]]:
+    """k tokens from each level's own drafter, plus a horizontal tail of 2 Max-Gram tokens when
+    Max-Gram is the last level: [[k, 2], [0, k]] for [model, maxgram]."""
+    n = len(levels)
+    matrix = [[k if j == i else 0 for j in range(n)] for i in range(n)]
+    if isinstance(levels[-1], MaxGramDrafter):
+        for row in matrix[:-1]:
+            row[-1] = 2
+    return matrix
+
+
+def check_k_matrix(matrix: list[list[int]], levels: int) -> None:
+    if len(matrix) != levels or any(len(row) != levels for row in matrix):
+        raise ConfigError(f"the K matrix must be {levels} x {levels}, one row and column per drafter level")
+    for i, row in enumerate(matrix):
+        if any(v < 0 for v in row):
+            raise ConfigError("K matrix entries must be >= 0")
+        if any(row[:i]):
+            raise ConfigError(f"the K matrix is upper triangular: row {i + 1} must start with {i} zero(s)")
+    if sum(matrix[0]) < 1:
+        raise ConfigError("the K matrix's first row must draft at least one token")
+
+
+class CascadeDrafter:
+    """Vertical and horizontal cascade over `levels` (largest first) with the K matrix `k_matrix`."""
+
+    name = "cascade"
+
+    def __init__(self, levels: list[Level], k_matrix: list[list[int]], leniency: float,
+                 sampling: SamplingConfig, generator: torch.Generator | None):
+        if not levels:
+            raise ConfigError("a cascade needs at least one drafter")
+        if any(isinstance(level, MaxGramDrafter) for level in levels[:-1]):
+            raise ConfigError("maxgram can only be the last (smallest) drafter of a cascade")
+        if leniency < 1:
+            raise ConfigError(f"leniency must be >= 1, got {leniency}")
+        check_k_matrix(k_matrix, len(levels))
+        self.levels, self.k_matrix, self.leniency = levels, k_matrix, leniency
+        self.sampling, self.generator = sampling, generator
+        self.models = [level for level in levels if isinstance(level, ModelDrafter)]
+
+    @property
+    def max_draft(self) -> int:
+        return sum(self.k_matrix[0])
+
+    def propose(self, context: list[int], k: int) -> Draft:
+        before = [m.model.usage for m in self.models]
+        tokens, rows = self._draft(0, context, min(k, self.max_draft))
+        probs = None if self.sampling.greedy else stack_rows(tokens, rows)
+        usage: dict[str, Usage] = {}
+        for model, start in zip(self.models, before):  # levels sharing a name add up
+            usage[model.name] = usage.get(model.name, Usage()) + (model.model.usage - start)
+        return Draft(tokens, probs, usage)
+
+    def observe(self, n_accepted: int) -> None:
+        """Nothing to adapt: every level re-synchronises from the context."""
+
+    def _draft(self, row: int, context: list[int], budget: int) -> tuple[list[int], Rows]:
+        """Up to `budget` tokens for the reviewer above level `row`, level by level along K[row]."""
+        tokens: list[int] = []
+        rows: Rows = []
+        goal = 0
+        for j in range(row, len(self.levels)):
+            goal = min(goal + self.k_matrix[row][j], budget)
+            while len(tokens) < goal:
+                new, new_rows = self._generate(j, context + tokens, goal - len(tokens), budget - len(tokens))
+                if not new:
+                    break  # this level has nothing to offer (Max-Gram without a match)
+                tokens += new
+                rows += new_rows
+        return tokens[:budget], rows[:budget]
+
+    def _generate(self, j: int, context: list[int], want: int, room: int) -> tuple[list[int], Rows]:
+        """Tokens from level j: Max-Gram or autoregressive drafting at the bottom, else one review."""
+        level = self.levels[j]
+        if isinstance(level, MaxGramDrafter) or j == len(self.levels) - 1:
+            draft = level.propose(context, want)
+            rows = list(draft.probs) if draft.probs is not None else [None] * len(draft.tokens)
+            return draft.tokens, rows
+        sub, sub_rows = self._draft(j + 1, context, min(sum(self.k_matrix[j + 1]), room - 1))
+        return self._review(level, context, sub, sub_rows)
+
+    def _review(self, reviewer: ModelDrafter, context: list[int], sub: list[int], sub_rows: Rows
+                ) -> tuple[list[int], Rows]:
+        """One forward of `reviewer` over `sub`: its accepted prefix plus the reviewer's own next token,
+        each with the distribution it was drawn from (CS Drafting, Algorithm 1, inner review)."""
+        logits = reviewer.score(context, sub)  # [len(sub) + 1, vocab]
+        drafted = torch.tensor(sub, dtype=torch.long, device=logits.device)
+        if self.sampling.greedy:
+            q_x = torch.tensor([float(r[t]) if r is not None else 1.0 for t, r in zip(sub, sub_rows)],
+                               device=logits.device)
+            n, token = verify_greedy(drafted, logits, self.leniency, q_x)
+            rows: Rows = [None] * (n + 1)
+            if reviewer.keep_probs:  # an outer lenient review weighs the reviewer's confidence
+                rows = list(torch.softmax(logits[: n + 1], -1))
+            return sub[:n] + [token], rows
+        p = logits_to_probs(logits, self.sampling)
+        q = stack_rows(sub, sub_rows, logits.shape[-1])
+        q = q if q is not None else one_hot(drafted, logits.shape[-1])
+        n, token = verify_sampling(drafted, p, q, self.generator, self.leniency)
+        rows = [lenient_distribution(p[i], q[i], self.leniency) for i in range(min(n + 1, len(sub)))]
+        if n == len(sub):
+            rows.append(p[n])  # the bonus token comes from the reviewer itself
+        return sub[:n] + [token], rows
+
+
+def stack_rows(tokens: list[int], rows: Rows, vocab: int | None = None) -> torch.Tensor | None:
+    """[len(tokens), vocab] draft distributions, one-hot where a row is None; None if all are."""
+    known = next((r for r in rows if r is not None), None)
+    if known is None:
+        return None
+    ids = torch.tensor(tokens, dtype=torch.long, device=known.device)
+    hot = one_hot(ids, vocab or known.shape[-1])
+    return torch.stack([r if r is not None else hot[i] for i, r in enumerate(rows)])

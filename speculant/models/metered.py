@@ -1,0 +1,64 @@
+"""A CausalLM that counts its forwards and times the incremental ones, for cost ratios and SWI."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from speculant.models.base import CausalLM
+from speculant.tree import TokenTree
+
+
+@dataclass(frozen=True)
+class Usage:
+    """Forwards run (prefills included) and the count and seconds of the incremental ones.
+
+    Prefills are counted but not timed: a cost ratio compares decoding steps, and one prompt
+    prefill would otherwise outweigh a hundred of them."""
+
+    forwards: int = 0
+    steps: int = 0
+    seconds: float = 0.0
+
+    def __add__(self, other: Usage) -> Usage:
+        return Usage(self.forwards + other.forwards, self.steps + other.steps, self.seconds + other.seconds)
+
+    def __sub__(self, other: Usage) -> Usage:
+        return Usage(self.forwards - other.forwards, self.steps - other.steps, self.seconds - other.seconds)
+
+
+class Metered:
+    """Wraps a CausalLM; everything but `prefill` and `forward` passes straight through."""
+
+    def __init__(self, model: CausalLM):
+        self.model = model
+        self.usage = Usage()
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.model, name)
+
+    @property
+    def cache_len(self) -> int:
+        return self.model.cache_len
+
+    def prefill(self, ids: Sequence[int]) -> torch.Tensor:
+        self.usage = Usage(self.usage.forwards + 1, self.usage.steps, self.usage.seconds)
+        return self.model.prefill(ids)
+
+    def forward(
+        self, ids: Sequence[int], positions: Sequence[int] | None = None, tree: TokenTree | None = None
+    ) -> torch.Tensor:
+        start = time.perf_counter()
+        logits = self.model.forward(ids, positions, tree=tree)
+        u = self.usage
+        self.usage = Usage(u.forwards + 1, u.steps + 1, u.seconds + time.perf_counter() - start)
+        return logits
+
+
+def metered(model: CausalLM) -> Metered:
+    """`model` metered, without metering twice."""
+    return model if isinstance(model, Metered) else Metered(model)

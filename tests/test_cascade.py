@@ -1,0 +1,141 @@
+"""Cascade speculative drafting: every cascade shape reproduces autoregressive decoding (fp32 tiny
+models), sampling keeps the target distribution, and the K matrix is parsed and checked."""
+
+import pytest
+import torch
+
+from helpers import ARCHS, perturbed, random_prompt, tiny_model, total_variation
+from speculant import generate
+from speculant.config import SamplingConfig
+from speculant.drafters.base import Draft
+from speculant.drafters.cascade import CascadeDrafter, default_k_matrix, parse_k_matrix
+from speculant.drafters.maxgram import MaxGramDrafter, bigram_table
+from speculant.drafters.model import ModelDrafter
+from speculant.errors import ConfigError
+from test_sampling import VOCAB as SMALL_VOCAB, empirical_marginals, exact_marginals
+
+VOCAB = 64
+MAX_NEW = 40
+
+# (shape, K matrices to try: None is the default), built from a big drafter, a small one and Max-Gram.
+SHAPES = {
+    "maxgram": (["maxgram"], [None, "5"]),
+    "model": (["big"], [None, "1", "3"]),
+    "model+maxgram": (["big", "maxgram"], [None, "3,0;4", "1,3;2", "2,2;0,0"]),
+    "big+small+maxgram": (["big", "small", "maxgram"], [None, "2,1,1;2,1;3", "3,0,0;0,2,0;0,0,4", "1,2,0;1,2;1"]),
+}
+
+
+def levels_for(names, target, seed, prompt):
+    sources = {"big": perturbed(target, 0.2, seed), "small": perturbed(target, 0.5, seed + 1),
+               "maxgram": MaxGramDrafter(bigram_table([prompt], VOCAB))}
+    return [sources[name] for name in names]
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+@pytest.mark.parametrize("shape", list(SHAPES))
+@pytest.mark.parametrize("leniency", [1.0, 3.0])
+def test_greedy_cascades_match_autoregressive(arch, shape, leniency):
+    names, matrices = SHAPES[shape]
+    for seed in range(3):
+        target = tiny_model(arch, seed, VOCAB, init_std=0.1)  # peaked enough for leniency to matter
+        prompt = random_prompt(seed, VOCAB, 12)
+        expected = generate(target, prompt_ids=prompt, method="ar", max_new_tokens=MAX_NEW).token_ids
+        for k_matrix in matrices:
+            result = generate(target, prompt_ids=prompt, method="cascade", drafters=levels_for(names, target, seed, prompt),
+                              k_matrix=k_matrix, leniency=leniency, max_new_tokens=MAX_NEW)
+            assert result.token_ids == expected, f"seed {seed}, K {k_matrix}"
+            assert result.stats.method == "cascade"
+
+
+def test_cascade_reports_forwards_per_level_and_swi():
+    target = tiny_model("llama", 0, VOCAB, init_std=0.1)
+    prompt = random_prompt(0, VOCAB, 12)
+    big, small = perturbed(target, 0.2, 0), perturbed(target, 0.5, 1)
+    small.name = "small"
+    stats = generate(target, prompt_ids=prompt, method="cascade", drafters=[big, small, "maxgram"],
+                     k_matrix="2,1,1;2,1;3", max_new_tokens=MAX_NEW).stats
+    assert set(stats.drafter_forwards) == {big.name, "small"}
+    assert stats.drafter_steps[big.name] > 0 and stats.drafter_seconds[big.name] > 0
+    assert set(stats.cost_ratios) == {big.name, "small"}
+    expected = stats.new_tokens / (stats.target_forwards + sum(
+        stats.drafter_forwards[name] * stats.cost_ratios[name] for name in stats.drafter_forwards))
+    assert stats.swi == pytest.approx(expected)
+
+
+def test_vertical_cascade_drafts_with_reviews_not_autoregression():
+    """[model, maxgram] with K = [[4, 0], [0, 3]]: the model reviews 3-token Max-Gram drafts instead of
+    generating, so when the bottom level proposes what the model would, 4 tokens cost one review."""
+    target = tiny_model("qwen2", 3, VOCAB, init_std=0.1)
+    prompt = random_prompt(3, VOCAB, 6)
+    truth = generate(target, prompt_ids=prompt, method="ar", max_new_tokens=8).token_ids
+
+    class Oracle(MaxGramDrafter):  # proposes the target's own continuation
+        def propose(self, context, k):
+            done = len(context) - len(prompt)
+            return Draft(truth[done : done + k])
+
+    drafter = ModelDrafter(target.share(), SamplingConfig(), None)  # reviews exactly like the target
+    cascade = CascadeDrafter([drafter, Oracle()], [[4, 0], [0, 3]], 1.0, SamplingConfig(), None)
+    draft = cascade.propose(prompt, 4)
+    assert draft.tokens == truth[:4]
+    assert draft.usage[target.name].forwards == 2  # the first review prefills the prompt, then one forward
+    assert draft.usage[target.name].steps == 1
+    assert cascade.propose(prompt + truth[:4], 4).tokens == truth[4:8]
+
+
+def test_k_matrix_parsing_and_checks():
+    assert parse_k_matrix("4,2;6", 2) == [[4, 2], [0, 6]]
+    assert parse_k_matrix("4,2;0,6", 2) == [[4, 2], [0, 6]]
+    assert parse_k_matrix("3", 1) == [[3]]
+    assert default_k_matrix([MaxGramDrafter()], 5) == [[5]]
+    for text, levels in [("4,x", 1), ("4;2", 1), ("1,2,3;4", 2)]:
+        with pytest.raises(ConfigError):
+            CascadeDrafter([MaxGramDrafter()] * levels, parse_k_matrix(text, levels), 1.0, SamplingConfig(), None)
+    target = tiny_model("llama", 0, VOCAB)
+    model = ModelDrafter(target.share(), SamplingConfig(), None)
+    with pytest.raises(ConfigError, match="upper triangular"):
+        CascadeDrafter([model, MaxGramDrafter()], [[1, 1], [1, 1]], 1.0, SamplingConfig(), None)
+    with pytest.raises(ConfigError, match="last"):
+        CascadeDrafter([MaxGramDrafter(), model], [[1, 1], [0, 1]], 1.0, SamplingConfig(), None)
+    with pytest.raises(ConfigError, match="leniency"):
+        generate(target, prompt_ids=[1, 2], method="cascade", drafters=["maxgram"], leniency=0.5)
+    with pytest.raises(ConfigError, match="cascade"):
+        generate(target, prompt_ids=[1, 2], method="sd", drafter="maxgram", leniency=2)
+    with pytest.raises(ConfigError, match="needs drafters"):
+        generate(target, prompt_ids=[1, 2], method="cascade")
+
+
+@pytest.mark.parametrize(("k_matrix", "leniency"), [("2,1;2", 1.0), ("1,2;3", 4.0)])
+def test_cascade_sampling_matches_target_distribution(k_matrix, leniency):
+    """[model, maxgram] with lenient inner reviews: the output still follows the target exactly."""
+    target = tiny_model("llama", 21, SMALL_VOCAB, init_std=0.5)
+    drafter = tiny_model("llama", 22, SMALL_VOCAB, init_std=0.5)  # a very different q
+    prompt = random_prompt(21, SMALL_VOCAB, 6)
+    exact = exact_marginals(target, prompt)
+    # A bigram chain over the whole vocabulary: Max-Gram always proposes, so every inner review is
+    # lenient. Handing the target the reviewer's p instead of the lenient distribution fails here (TV ~0.13).
+    levels = [drafter, MaxGramDrafter(bigram_table([list(range(SMALL_VOCAB)) + [0]], SMALL_VOCAB))]
+    got = empirical_marginals(target, prompt, 1500, method="cascade", drafters=levels, k_matrix=k_matrix,
+                              leniency=leniency)
+    for i in range(3):
+        assert total_variation(got[i], exact[i]) < 0.07, f"token {i + 1}"
+
+
+def test_lenient_review_emits_the_lenient_distribution():
+    """One lenient review, drawn many times, emits `lenient_distribution(p, q, l)`, which is not p:
+    why the cascade hands that distribution, not the reviewer's, to the target."""
+    from speculant.verify import lenient_distribution, verify_sampling
+
+    p = torch.tensor([0.5, 0.3, 0.1, 0.1])
+    q = torch.tensor([0.1, 0.1, 0.2, 0.6])
+    generator = torch.Generator().manual_seed(0)
+    counts = torch.zeros(4)
+    for _ in range(20_000):
+        draft = torch.multinomial(q, 1, generator=generator)
+        n, token = verify_sampling(draft, torch.stack([p, p]), q[None], generator, leniency=3.0)
+        counts[draft[0] if n else token] += 1
+    expected = lenient_distribution(p, q, 3.0)
+    assert total_variation(counts / counts.sum(), expected) < 0.02
+    assert total_variation(expected, p) > 0.1
+    assert torch.equal(lenient_distribution(p, q, 1.0), p)
