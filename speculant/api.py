@@ -4,10 +4,12 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import torch
 
+from speculant.analysis.profile import LatencyProfile
 from speculant.config import DecodeConfig, SamplingConfig
 from speculant.decoding.autoregressive import autoregressive
 from speculant.decoding.run import Decoder, timed
@@ -135,6 +137,8 @@ def generate(
     drafters: list[Any] | None = None,
     k_matrix: list[list[int]] | str | None = None,
     leniency: float = 1.0,
+    verify_width: int | None = None,
+    target_profile: LatencyProfile | str | Path | None = None,
     max_new_tokens: int = 128,
     temperature: float = 0.0,
     top_k: int | None = None,
@@ -144,7 +148,9 @@ def generate(
     chat: bool = False,
 ) -> GenerationResult | GenerationStream:
     """Generate with `method` "ar" (autoregressive), "sd" (speculative decoding/sampling), "tree"
-    (greedy token-tree speculation: `depth` drafting steps of `width` nodes each) or "cascade" (cascade
+    (token-tree speculation: `depth` drafting steps of `width` nodes each, at most `verify_width` of them
+    verified, the size chosen by the latency-aware objective when `target_profile`, a `speculant
+    profile` JSON of the target, gives its T(W)) or "cascade" (cascade
     speculative drafting over `drafters`, largest first, "maxgram" last, shaped by the K matrix
     `k_matrix`, with inner reviews relaxed by `leniency`).
 
@@ -154,7 +160,7 @@ def generate(
     `stream=True` the returned GenerationStream yields token ids as they are committed.
     """
     sampling = SamplingConfig(temperature, top_k, top_p)
-    config = DecodeConfig(method=method, k=k, depth=depth, width=width, leniency=leniency,
+    config = DecodeConfig(method=method, k=k, depth=depth, width=width, verify_width=verify_width, leniency=leniency,
                           max_new_tokens=max_new_tokens, seed=seed)
     target = load_model(target)
     if prompt_ids is None:
@@ -176,6 +182,8 @@ def generate(
 
     if config.method != "cascade" and (drafters is not None or k_matrix is not None or leniency != 1):
         raise ConfigError("drafters, k_matrix and leniency apply to method 'cascade' only")
+    if config.method != "tree" and (verify_width is not None or target_profile is not None):
+        raise ConfigError("verify_width and target_profile apply to method 'tree' only")
     if config.method == "cascade":
         if drafter is not None:
             drafters = [drafter, *(drafters or [])]
@@ -189,13 +197,16 @@ def generate(
     elif drafter is None:
         raise ConfigError(f"method '{config.method}' needs a drafter")
     elif config.method == "tree":
-        if not sampling.greedy:
-            raise ConfigError("method 'tree' verifies greedily for now; use temperature 0")
         model = load_drafter(drafter, target)
         if isinstance(model, Drafter):
             raise ConfigError("method 'tree' needs a model drafter")
+        cost, cap = None, config.verify_width
+        if target_profile is not None:
+            profile = target_profile if isinstance(target_profile, LatencyProfile) else LatencyProfile.load(target_profile)
+            cost = profile.cost
+            cap = cap or config.depth * config.width  # the objective picks the size up to the whole tree
         decoder = tree_speculative(target, TreeDrafter(model), prompt_ids, config.depth, config.width,
-                                   config.max_new_tokens)
+                                   config.max_new_tokens, sampling, generator, cap, cost)
     else:
         draft_source = make_drafter(drafter, target, sampling, generator)
         decoder = speculative(target, draft_source, prompt_ids, config.k, config.max_new_tokens, sampling, generator)

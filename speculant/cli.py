@@ -58,6 +58,8 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--k-matrix", default=None, metavar="ROWS",
                      help="cascade: the upper-triangular K matrix, rows split by ';' (e.g. '4,2;0,6' or '4,2;6'; "
                           "default: k tokens per level plus 2 maxgram tokens after each)")
+    gen.add_argument("--target-profile", default=None, metavar="JSON",
+                     help="tree: the target's `speculant profile` JSON; its T(W) lets pruning pick how many nodes to verify")
     add_options(gen, DecodeConfig, method=None)
     add_options(gen, SamplingConfig)
     add_options(gen, ModelConfig)
@@ -186,11 +188,13 @@ def run_generate(args: argparse.Namespace) -> None:
         reuse = name == args.target and dtype == model_config.dtype  # same weights, own cache
         drafters.append(load_drafter(target if reuse else name, target, dtype))
     cascade = {"drafters": drafters, "k_matrix": args.k_matrix} if method == "cascade" else {}
+    if args.target_profile and not Path(args.target_profile).is_file():
+        raise ConfigError(f"target profile not found: {args.target_profile}")
 
     stream = generate(
         target, prompt=args.prompt, drafter=drafters[0] if drafter_name else None, method=decode_config.method,
         k=decode_config.k, depth=decode_config.depth, width=decode_config.width, leniency=decode_config.leniency,
-        **cascade,
+        verify_width=decode_config.verify_width, target_profile=args.target_profile, **cascade,
         max_new_tokens=decode_config.max_new_tokens, temperature=sampling.temperature, top_k=sampling.top_k,
         top_p=sampling.top_p, seed=decode_config.seed, stream=True, chat=args.chat,
     )

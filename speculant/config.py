@@ -50,6 +50,8 @@ class DecodeConfig:
     k: int = option(4, "draft tokens per speculation step (sd; cascade: per level when no K matrix is given)")
     depth: int = option(4, "draft tree depth: drafting steps per tree (tree)")
     width: int = option(4, "nodes added per drafting step (tree)")
+    verify_width: int | None = option(None, "tree: verify at most this many drafted nodes, the subtree "
+                                      "chosen by dynamic programming (default: all)")
     leniency: float = option(1.0, "cascade: leniency l >= 1 of the inner reviews (the target's stays exact)")
     max_new_tokens: int = option(128, "stop after this many new tokens")
     seed: int | None = option(None, "seed of the one random generator (sampling only)")
@@ -59,6 +61,8 @@ class DecodeConfig:
             raise ConfigError(f"unknown method '{self.method}' (choose from {', '.join(METHODS)})")
         if self.k < 1:
             raise ConfigError(f"k must be >= 1, got {self.k}")
+        if self.verify_width is not None and self.verify_width < 1:
+            raise ConfigError(f"verify-width must be >= 1, got {self.verify_width}")
         if self.depth < 1 or self.width < 1:
             raise ConfigError(f"tree depth and width must be >= 1, got {self.depth} and {self.width}")
         if not self.leniency >= 1:

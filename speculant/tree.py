@@ -67,6 +67,15 @@ class TokenTree:
         return path[::-1]
 
 
+    def subtree(self, nodes: list[int]) -> TokenTree:
+        """The tree of `nodes` (which must include the root and each node's parent), renumbered in order."""
+        keep = sorted(set(nodes))
+        index = {node: i for i, node in enumerate(keep)}
+        if keep[0] != 0 or any(self.parents[n] not in index for n in keep[1:]):
+            raise ValueError("a subtree keeps the root and the parent of every node it keeps")
+        return TokenTree(tuple(self.tokens[n] for n in keep), (-1, *(index[self.parents[n]] for n in keep[1:])))
+
+
 def chain(tokens: list[int]) -> TokenTree:
     """A tree without branches: the root followed by `tokens[1:]`."""
     return TokenTree(tuple(tokens), tuple(range(-1, len(tokens) - 1)))

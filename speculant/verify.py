@@ -106,3 +106,32 @@ def verify_tree_greedy(tree: TokenTree, target_logits: torch.Tensor) -> tuple[li
         path.append(child)
         node = child
     return path, target_tokens[node]
+
+
+def verify_tree_sampling(tree: TokenTree, p: torch.Tensor, generator: torch.Generator | None) -> tuple[list[int], int]:
+    """Lossless sampling over a tree whose children are chosen deterministically (multi-draft
+    speculative sampling, SpecInfer Alg. 2, with one-hot drafts; Yggdrasil section 4.1).
+
+    p [len(tree), vocab] holds the target's distribution after each node. At a node, its children are
+    tried in order: child x is accepted with probability r(x), r the residual distribution (first p
+    itself); a rejected child is removed from r (r <- norm(max(0, r - onehot(x)))) before the next one
+    is tried. If one is accepted the walk moves to it; if none is, the token is drawn from r. Each
+    emitted token is then distributed exactly as under p, whatever the tree.
+    """
+    children: dict[int, list[int]] = {}
+    for node in range(1, len(tree)):
+        children.setdefault(tree.parents[node], []).append(node)
+    path, node = [], 0
+    while True:
+        residual = p[node].clone()
+        for child in children.get(node, []):
+            token = tree.tokens[child]
+            total = float(residual.sum())
+            if total > 0 and float(torch.rand((), generator=generator, device=p.device)) * total < float(residual[token]):
+                break
+            residual[token] = 0.0
+        else:
+            total = residual.sum()
+            return path, sample(residual / total if total > 0 else p[node], generator)
+        path.append(child)
+        node = child

@@ -95,7 +95,7 @@ def test_bench_cli_writes_json_markdown_and_plots(tiny_dir, tmp_path, capsys):
     prompts.write_text('{"prompt": "def f(x):", "category": "code"}\n{"prompt": "hello", "category": "chat"}\n')
     out = tmp_path / "out"
     code = cli.main(["bench", "--target", tiny_dir, "--dtype", "fp32", "--methods", "ar", f"sd:drafter={tiny_dir},k=2",
-                     "hf-ar", f"hf-assisted:drafter={tiny_dir},k=2", "hf-pld:k=3", f"tree:drafter={tiny_dir},depth=2,width=2",
+                     "hf-ar", f"hf-assisted:drafter={tiny_dir},k=2", "hf-pld:k=3", f"tree:drafter={tiny_dir},depth=2,width=2,verify_width=3",
                      f"cascade:drafters={tiny_dir},maxgram,k_matrix=2,1;3",
                      "--prompts", str(prompts), "--max-new-tokens", "6", "--out", str(out)])
     stdout, _ = capsys.readouterr()

@@ -75,6 +75,9 @@ def test_sampling_with_seed_is_reproducible(model_dirs, capsys):
         (["--method", "sd", "--drafter", "none"], "needs a drafter"),
         (["--method", "cascade"], "takes --drafters"),
         (["--k-matrix", "2"], "apply to --method cascade"),
+        (["--method", "tree", "--verify-width", "0"], "verify-width"),
+        (["--verify-width", "3"], "apply to method 'tree'"),
+        (["--method", "tree", "--target-profile", "missing.json"], "target profile not found"),
     ],
 )
 def test_bad_input_is_one_line_and_exit_2(model_dirs, capsys, extra, message):

@@ -105,3 +105,104 @@ def test_tree_verification_follows_the_target_argmax():
     logits[2] = 0
     logits[2, 15] = 1.0  # now node 2's argmax is its child 5's token
     assert verify_tree_greedy(TREE, logits) == ([2, 5], 1)
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+@pytest.mark.parametrize(("depth", "width", "verify_width"), [(3, 3, 4), (4, 4, 1), (4, 2, 8)])
+def test_pruned_tree_speculation_matches_autoregressive(arch, depth, width, verify_width):
+    from helpers import perturbed
+    from speculant import generate
+
+    for seed in range(2):
+        target = tiny_model(arch, seed, 64, init_std=0.1)
+        prompt = random_prompt(seed + 60, 64)
+        expected = generate(target, prompt_ids=prompt, method="ar", max_new_tokens=30).token_ids
+        result = generate(target, prompt_ids=prompt, drafter=perturbed(target, 0.3, seed), method="tree", depth=depth,
+                          width=width, verify_width=verify_width, max_new_tokens=30)
+        assert result.token_ids == expected
+        stats = result.stats
+        assert stats.verified_nodes <= min(verify_width * len(stats.accepted_lengths), stats.drafted_nodes)
+        if verify_width < depth * width:
+            assert stats.verified_nodes < stats.drafted_nodes
+
+
+def test_subtree_renumbers_and_refuses_orphans():
+    assert TREE.subtree([0, 2, 5, 1]) == TokenTree((7, 11, 12, 15), (-1, 0, 0, 2))
+    with pytest.raises(ValueError):
+        TREE.subtree([0, 3])
+
+
+def brute_force_best(tree, values, size):
+    """The best connected subtree with the root and `size` nodes, by trying every node set."""
+    from itertools import combinations
+
+    best = None
+    for rest in combinations(range(1, len(tree)), size - 1):
+        nodes = {0, *rest}
+        if all(tree.parents[n] in nodes for n in rest):
+            value = sum(values[n] for n in nodes)
+            best = value if best is None else max(best, value)
+    return best
+
+
+def test_pruning_dp_finds_the_brute_force_optimum():
+    from speculant.tree_prune import best_subtrees, prune
+
+    rng = torch.Generator().manual_seed(0)
+    for trial in range(30):
+        n = 2 + trial % 9
+        parents = (-1, *(int(torch.randint(0, i, (), generator=rng)) for i in range(1, n)))
+        tree = TokenTree(tuple(range(n)), parents)
+        values = [0.0, *torch.rand(n - 1, generator=rng).tolist()]  # not monotone along paths: greedy fails
+        table = best_subtrees(tree, values, n)
+        for size in range(1, n + 1):
+            value, nodes = table[size]
+            assert len(set(nodes)) == size and value == pytest.approx(brute_force_best(tree, values, size))
+    # The latency-aware choice: with a steep T(n), fewer nodes win; with a flat one, all of them.
+    tree = TokenTree((0, 1, 2, 3), (-1, 0, 1, 2))
+    probs = [1.0, 0.9, 0.5, 0.1]
+    assert prune(tree, probs, 3) == [0, 1, 2, 3]
+    assert prune(tree, probs, 3, cost=lambda n: 1.0) == [0, 1, 2, 3]
+    assert prune(tree, probs, 3, cost=lambda n: 1 + 0.5 * (n - 1)) == [0, 1]
+    assert prune(tree, probs, 3, cost=lambda n: float(n)) == [0]  # cost linear in tokens: verify nothing
+    assert prune(tree, probs, 1) == [0, 1]
+
+
+def test_tree_sampling_verification_follows_the_target():
+    """Children tried in turn with residual updates: the first emitted token follows p at the root,
+    and, given the walk went to a child, the next one follows p at that child."""
+    from helpers import total_variation
+    from speculant.verify import verify_tree_sampling
+
+    vocab = 20
+    gen = torch.Generator().manual_seed(0)
+    p = torch.softmax(torch.randn(len(TREE), vocab, generator=gen) * 2, -1)
+    p[0, 11] = p[0, 12] = 0.3  # the root's children (tokens 11, 12) are likely but not certain
+    p[0] /= p[0].sum()
+    first = torch.zeros(vocab)
+    after_node1 = torch.zeros(vocab)
+    for _ in range(20_000):
+        path, token = verify_tree_sampling(TREE, p, gen)
+        emitted = [TREE.tokens[n] for n in path] + [token]
+        first[emitted[0]] += 1
+        if path[:1] == [1]:
+            after_node1[emitted[1]] += 1
+    assert total_variation(first / first.sum(), p[0]) < 0.02
+    assert total_variation(after_node1 / after_node1.sum(), p[1]) < 0.03
+    # Skipping the residual update (retrying a rejected token's mass) would over-weight the children:
+    wrong = p[0].clone()
+    wrong[[11, 12]] += 0.1
+    assert total_variation(wrong / wrong.sum(), p[0]) > 0.05
+
+
+def test_tree_sampling_end_to_end_matches_target_distribution():
+    from helpers import total_variation
+    from test_sampling import VOCAB, empirical_marginals, exact_marginals
+
+    target = tiny_model("llama", 21, VOCAB, init_std=0.5)
+    drafter = tiny_model("llama", 22, VOCAB, init_std=0.5)
+    prompt = random_prompt(21, VOCAB, 6)
+    exact = exact_marginals(target, prompt)
+    got = empirical_marginals(target, prompt, 1500, method="tree", drafter=drafter, depth=2, width=3)
+    for i in range(3):
+        assert total_variation(got[i], exact[i]) < 0.07, f"token {i + 1}"

@@ -1,6 +1,6 @@
 """Method specs on the command line: `ar`, `ar:dtype=bf16`, `sd:drafter=qwen2.5-coder-0.5b,k=4`,
 `sd:drafter=qwen2.5-coder-0.5b@int8,k=6,dtype=fp32,drafter_dtype=bf16`, `sd:drafter=maxgram,k=8`,
-`tree:drafter=qwen2.5-coder-0.5b@int8,depth=4,width=4,dtype=fp32`,
+`tree:drafter=qwen2.5-coder-0.5b@int8,depth=4,width=4,verify_width=8,dtype=fp32`,
 `cascade:drafters=qwen2.5-coder-0.5b@int8,maxgram,k_matrix=4,2;0,6,leniency=2`
 (values may hold commas: an option ends where the next `name=` begins), and the peers `hf-ar`, `hf-assisted[:k=N]`, `hf-pld[:k=N]`.
 
@@ -19,7 +19,7 @@ from speculant.errors import ConfigError
 OPTIONS = {
     "ar": {"dtype"},
     "sd": {"drafter", "k", "dtype", "drafter_dtype"},
-    "tree": {"drafter", "depth", "width", "dtype", "drafter_dtype"},
+    "tree": {"drafter", "depth", "width", "verify_width", "dtype", "drafter_dtype"},
     "cascade": {"drafters", "k_matrix", "k", "leniency", "dtype", "drafter_dtype"},
     # Peers: transformers generate() plain, assisted (k = num_assistant_tokens), prompt lookup (k = n-gram draft).
     "hf-ar": {"dtype"},
@@ -38,6 +38,7 @@ class MethodSpec:
     k: int | None = None  # None: the method's default (sd: 4; peers: transformers' defaults)
     depth: int = 4  # tree only
     width: int = 4  # tree only
+    verify_width: int | None = None  # tree only: None verifies every drafted node
     target_dtype: str | None = None  # None: the run's default dtype
     drafter_dtype: str | None = None  # None: the target's dtype
     drafters: tuple[str, ...] = ()  # cascade only: largest first, maxgram last
@@ -64,10 +65,12 @@ def parse_method(spec: str) -> MethodSpec:
     try:
         k = int(options["k"]) if "k" in options else (4 if name in ("sd", "cascade") else None)
         depth, width = int(options.get("depth", 4)), int(options.get("width", 4))
+        verify_width = int(options["verify_width"]) if "verify_width" in options else None
         leniency = float(options.get("leniency", 1))
     except ValueError:
-        raise ConfigError(f"k, depth and width must be integers and leniency a number in '{spec}'") from None
-    DecodeConfig(k=1 if k is None else k, depth=depth, width=width, leniency=leniency)  # validates
+        raise ConfigError(f"k, depth, width and verify_width must be integers and leniency a number in '{spec}'") from None
+    DecodeConfig(k=1 if k is None else k, depth=depth, width=width, verify_width=verify_width,
+                 leniency=leniency)  # validates
     drafters = tuple(filter(None, options.get("drafters", "").split(",")))
     if name == "cascade" and not drafters:
         raise ConfigError(f"method 'cascade' needs drafters=..., e.g. 'cascade:drafters={DEFAULT_DRAFTER},maxgram'")
@@ -78,5 +81,5 @@ def parse_method(spec: str) -> MethodSpec:
     if target_dtype not in DTYPES or drafter_dtype not in DTYPES:
         raise ConfigError(f"dtypes must be bf16 or fp32 in '{spec}'")
     drafter = options.get("drafter", DEFAULT_DRAFTER) if name in NEEDS_DRAFTER else None
-    return MethodSpec(spec.strip(), name, drafter, k, depth, width, target_dtype, drafter_dtype, drafters, k_matrix,
-                      leniency)
+    return MethodSpec(spec.strip(), name, drafter, k, depth, width, verify_width, target_dtype, drafter_dtype,
+                      drafters, k_matrix, leniency)

@@ -84,6 +84,8 @@ def run_matrix(
             options.update(drafters=drafters, k_matrix=spec.k_matrix, leniency=spec.leniency)
         elif drafters:
             options["drafter"] = drafters[0]
+        if spec.method == "tree":
+            options["verify_width"] = spec.verify_width
         return generate(target, prompt_ids=ids, method=spec.method, depth=spec.depth, width=spec.width,
                         max_new_tokens=n, temperature=temperature, seed=seed, **options)
 

@@ -29,6 +29,7 @@ class GenerationStats:
     draft_lengths: list[int] = field(default_factory=list)
     accepted_lengths: list[int] = field(default_factory=list)
     drafted_nodes: int = 0  # token trees: all drafted nodes (draft_lengths then holds tree depths)
+    verified_nodes: int = 0  # token trees: the drafted nodes the target verified, after pruning
     ttft_s: float = 0.0
     wall_s: float = 0.0
 

@@ -1,8 +1,13 @@
 """Token-tree speculative decoding (SpecInfer; Yggdrasil): the drafter proposes a tree, the target
-scores every node in one forward with tree attention, greedy verification keeps the longest path
-that matches the target's argmax, and the target's KV cache keeps only that path."""
+scores every node in one forward with tree attention, verification keeps the longest accepted path
+(greedy: the target's argmax; sampling: multi-draft rejection sampling) and the target's KV cache
+keeps only that path. Verify-width pruning may shrink the tree before the target sees it."""
 
 from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
 
 from speculant.config import SamplingConfig
 from speculant.decoding.run import Decoder, emit
@@ -10,8 +15,9 @@ from speculant.decoding.stats import GenerationStats
 from speculant.drafters.tree import TreeDrafter
 from speculant.models.base import CausalLM
 from speculant.models.metered import metered
-from speculant.sampling import next_token
-from speculant.verify import verify_tree_greedy
+from speculant.sampling import logits_to_probs, next_token
+from speculant.tree_prune import prune
+from speculant.verify import verify_tree_greedy, verify_tree_sampling
 
 
 def tree_speculative(
@@ -21,22 +27,37 @@ def tree_speculative(
     depth: int,
     width: int,
     max_new_tokens: int,
+    sampling: SamplingConfig = SamplingConfig(),
+    generator: torch.Generator | None = None,
+    verify_width: int | None = None,
+    cost: Callable[[int], float] | None = None,
 ) -> Decoder:
-    """Greedy tree speculation; output equals greedy autoregressive decoding."""
+    """Lossless tree speculation: greedy output equals greedy autoregressive decoding, samples follow p.
+
+    `verify_width` caps the drafted nodes the target verifies (default: all depth x width); `cost`,
+    T(n) of the target in seconds, lets pruning pick the size by the latency-aware objective.
+    """
     stats = GenerationStats(method="tree")
     out: list[int] = []
     target = metered(target)
     logits = target.prefill(prompt_ids)
-    pending = [next_token(logits, SamplingConfig(), None)]
+    pending = [next_token(logits, sampling, generator)]
     while not (yield from emit(pending, out, max_new_tokens, target.eos_token_ids)):
-        tree, usage = drafter.propose_tree(prompt_ids + out, min(depth, max_new_tokens - len(out) - 1), width)
+        draft = drafter.propose_tree(prompt_ids + out, min(depth, max_new_tokens - len(out) - 1), width)
+        tree = draft.tree
+        if verify_width is not None and (verify_width < len(tree) - 1 or cost is not None):
+            tree = tree.subtree(prune(tree, draft.path_probs, verify_width, cost, draft.usage.seconds))
         cached = target.cache_len
         target_logits = target.forward(list(tree.tokens), tree=tree)  # [len(tree), vocab]
-        path, token = verify_tree_greedy(tree, target_logits)
+        if sampling.greedy:
+            path, token = verify_tree_greedy(tree, target_logits)
+        else:
+            path, token = verify_tree_sampling(tree, logits_to_probs(target_logits, sampling), generator)
         target.keep(list(range(cached)) + [cached + node for node in [0, *path]])
         # Per iteration: the tree's depth (the most that could be accepted) and the accepted depth.
-        stats.record_draft(max(tree.depths), len(path), {drafter.name: usage})
-        stats.drafted_nodes += len(tree) - 1
+        stats.record_draft(max(tree.depths), len(path), {drafter.name: draft.usage})
+        stats.drafted_nodes += len(draft.tree) - 1
+        stats.verified_nodes += len(tree) - 1
         pending = [tree.tokens[node] for node in path] + [token]
     stats.new_tokens = len(out)
     stats.record_target(target.usage)

@@ -4,12 +4,22 @@ scores them in one batched tree forward of the drafter model, so shapes stay sta
 
 from __future__ import annotations
 
+import math
+from dataclasses import dataclass
+
 import torch
 
 from speculant.drafters.model import resync
 from speculant.models.base import CausalLM
 from speculant.models.metered import Usage, metered
 from speculant.tree import TokenTree
+
+
+@dataclass(frozen=True)
+class TreeDraft:
+    tree: TokenTree
+    path_probs: list[float]  # per node: the product of draft probabilities from the root (root: 1)
+    usage: Usage
 
 
 class TreeDrafter:
@@ -20,10 +30,10 @@ class TreeDrafter:
         self.name = model.name
         self._cached: list[int] = []
 
-    def propose_tree(self, context: list[int], depth: int, width: int) -> tuple[TokenTree, Usage]:
-        """A tree rooted at context[-1]; returns it and the drafter forwards spent on it."""
+    def propose_tree(self, context: list[int], depth: int, width: int) -> TreeDraft:
+        """A tree rooted at context[-1], with each node's path probability under the drafter."""
         if depth == 0:
-            return TokenTree((context[-1],), (-1,)), Usage()
+            return TreeDraft(TokenTree((context[-1],), (-1,)), [1.0], Usage())
         before = self.model.usage
         logits = resync(self.model, self._cached, context)
         self._cached = context  # the tree nodes cached after it are dropped by the next resync
@@ -44,4 +54,5 @@ class TreeDrafter:
             if step < depth - 1:  # the last step's children would never be used
                 tree = TokenTree(tuple(tokens), tuple(parents))
                 logits = self.model.forward(tokens[-len(chosen):], tree=tree)
-        return TokenTree(tuple(tokens), tuple(parents)), self.model.usage - before
+        return TreeDraft(TokenTree(tuple(tokens), tuple(parents)), [math.exp(v) for v in scores],
+                         self.model.usage - before)
