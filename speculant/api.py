@@ -149,8 +149,9 @@ def generate(
 ) -> GenerationResult | GenerationStream:
     """Generate with `method` "ar" (autoregressive), "sd" (speculative decoding/sampling), "tree"
     (token-tree speculation: `depth` drafting steps of `width` nodes each, at most `verify_width` of them
-    verified, the size chosen by the latency-aware objective when `target_profile`, a `speculant
-    profile` JSON of the target, gives its T(W)) or "cascade" (cascade
+    verified; when `target_profile`, a `speculant profile` JSON of the target, gives its T(W), the
+    latency-aware objective decides how deep (up to `depth`) to draft and how many nodes to verify) or
+    "cascade" (cascade
     speculative drafting over `drafters`, largest first, "maxgram" last, shaped by the K matrix
     `k_matrix`, with inner reviews relaxed by `leniency`).
 

@@ -27,7 +27,7 @@ def test_method_specs_parse():
 
 
 @pytest.mark.parametrize("bad", ["xx", "ar:k=3", "sd:k=0", "sd:k=two", "sd:depth=3", "sd:dtype=fp16", "sd:k",
-                                 "tree:width=0", "cascade", "cascade:drafters=a,maxgram,k_matrix=1;2;3",
+                                 "tree:width=0", "tree:profile=missing.json", "cascade", "cascade:drafters=a,maxgram,k_matrix=1;2;3",
                                  "cascade:drafters=maxgram,leniency=0.5", "sd:drafter=x,leniency=2"])
 def test_bad_method_specs_are_refused(bad):
     with pytest.raises(ConfigError):

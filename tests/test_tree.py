@@ -206,3 +206,28 @@ def test_tree_sampling_end_to_end_matches_target_distribution():
     got = empirical_marginals(target, prompt, 1500, method="tree", drafter=drafter, depth=2, width=3)
     for i in range(3):
         assert total_variation(got[i], exact[i]) < 0.07, f"token {i + 1}"
+
+
+def test_objective_decides_the_depth():
+    from helpers import perturbed
+    from speculant import generate
+    from speculant.analysis.profile import LatencyProfile
+    from speculant.drafters.tree import worth_another_step
+
+    # Likely children and a flat target cost: one more step pays; with T(n) linear in n it does not.
+    scores = [0.0, -0.1, -0.2]  # log path probabilities of the root and two nodes
+    assert worth_another_step(scores, [], [1, 2], 2, lambda n: 1.0, spent=0.01, step_seconds=0.01)
+    assert not worth_another_step(scores, [], [1, 2], 2, lambda n: float(n), spent=0.01, step_seconds=0.01)
+
+    target = tiny_model("llama", 4, 64, init_std=0.1)
+    prompt = random_prompt(70, 64)
+    expected = generate(target, prompt_ids=prompt, method="ar", max_new_tokens=30).token_ids
+    flat = LatencyProfile("t", "fp32", "cpu", 0, 1.0, 1.0, {1: 1.0, 64: 1.0})
+    steep = LatencyProfile("t", "fp32", "cpu", 0, 1.0, 1.0, {1: 1.0, 64: 64.0})
+    depths = {}
+    for name, profile in [("flat", flat), ("steep", steep)]:
+        result = generate(target, prompt_ids=prompt, drafter=perturbed(target, 0.2, 4), method="tree", depth=6,
+                          width=2, target_profile=profile, max_new_tokens=30)
+        assert result.token_ids == expected, name
+        depths[name] = max(result.stats.draft_lengths)
+    assert depths["steep"] < depths["flat"] <= 6

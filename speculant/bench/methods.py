@@ -1,6 +1,6 @@
 """Method specs on the command line: `ar`, `ar:dtype=bf16`, `sd:drafter=qwen2.5-coder-0.5b,k=4`,
 `sd:drafter=qwen2.5-coder-0.5b@int8,k=6,dtype=fp32,drafter_dtype=bf16`, `sd:drafter=maxgram,k=8`,
-`tree:drafter=qwen2.5-coder-0.5b@int8,depth=4,width=4,verify_width=8,dtype=fp32`,
+`tree:drafter=qwen2.5-coder-0.5b@int8,depth=4,width=4,verify_width=8,profile=prof.json,dtype=fp32`,
 `cascade:drafters=qwen2.5-coder-0.5b@int8,maxgram,k_matrix=4,2;0,6,leniency=2`
 (values may hold commas: an option ends where the next `name=` begins), and the peers `hf-ar`, `hf-assisted[:k=N]`, `hf-pld[:k=N]`.
 
@@ -10,6 +10,7 @@
 from __future__ import annotations
 
 import re
+from pathlib import Path
 from dataclasses import dataclass
 
 from speculant.config import DEFAULT_DRAFTER, DecodeConfig
@@ -19,7 +20,7 @@ from speculant.errors import ConfigError
 OPTIONS = {
     "ar": {"dtype"},
     "sd": {"drafter", "k", "dtype", "drafter_dtype"},
-    "tree": {"drafter", "depth", "width", "verify_width", "dtype", "drafter_dtype"},
+    "tree": {"drafter", "depth", "width", "verify_width", "profile", "dtype", "drafter_dtype"},
     "cascade": {"drafters", "k_matrix", "k", "leniency", "dtype", "drafter_dtype"},
     # Peers: transformers generate() plain, assisted (k = num_assistant_tokens), prompt lookup (k = n-gram draft).
     "hf-ar": {"dtype"},
@@ -39,6 +40,7 @@ class MethodSpec:
     depth: int = 4  # tree only
     width: int = 4  # tree only
     verify_width: int | None = None  # tree only: None verifies every drafted node
+    profile: str | None = None  # tree only: the target's profile JSON for the latency-aware objective
     target_dtype: str | None = None  # None: the run's default dtype
     drafter_dtype: str | None = None  # None: the target's dtype
     drafters: tuple[str, ...] = ()  # cascade only: largest first, maxgram last
@@ -81,5 +83,8 @@ def parse_method(spec: str) -> MethodSpec:
     if target_dtype not in DTYPES or drafter_dtype not in DTYPES:
         raise ConfigError(f"dtypes must be bf16 or fp32 in '{spec}'")
     drafter = options.get("drafter", DEFAULT_DRAFTER) if name in NEEDS_DRAFTER else None
-    return MethodSpec(spec.strip(), name, drafter, k, depth, width, verify_width, target_dtype, drafter_dtype,
+    profile = options.get("profile")
+    if profile is not None and not Path(profile).is_file():
+        raise ConfigError(f"profile not found: {profile} (make one with `speculant profile --out`)")
+    return MethodSpec(spec.strip(), name, drafter, k, depth, width, verify_width, profile, target_dtype, drafter_dtype,
                       drafters, k_matrix, leniency)

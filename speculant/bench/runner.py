@@ -85,7 +85,7 @@ def run_matrix(
         elif drafters:
             options["drafter"] = drafters[0]
         if spec.method == "tree":
-            options["verify_width"] = spec.verify_width
+            options.update(verify_width=spec.verify_width, target_profile=spec.profile)
         return generate(target, prompt_ids=ids, method=spec.method, depth=spec.depth, width=spec.width,
                         max_new_tokens=n, temperature=temperature, seed=seed, **options)
 

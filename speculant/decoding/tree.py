@@ -35,7 +35,8 @@ def tree_speculative(
     """Lossless tree speculation: greedy output equals greedy autoregressive decoding, samples follow p.
 
     `verify_width` caps the drafted nodes the target verifies (default: all depth x width); `cost`,
-    T(n) of the target in seconds, lets pruning pick the size by the latency-aware objective.
+    T(n) of the target in seconds, makes `depth` a cap and lets the latency-aware objective decide how
+    deep to draft and how many nodes to verify.
     """
     stats = GenerationStats(method="tree")
     out: list[int] = []
@@ -43,7 +44,7 @@ def tree_speculative(
     logits = target.prefill(prompt_ids)
     pending = [next_token(logits, sampling, generator)]
     while not (yield from emit(pending, out, max_new_tokens, target.eos_token_ids)):
-        draft = drafter.propose_tree(prompt_ids + out, min(depth, max_new_tokens - len(out) - 1), width)
+        draft = drafter.propose_tree(prompt_ids + out, min(depth, max_new_tokens - len(out) - 1), width, cost)
         tree = draft.tree
         if verify_width is not None and (verify_width < len(tree) - 1 or cost is not None):
             tree = tree.subtree(prune(tree, draft.path_probs, verify_width, cost, draft.usage.seconds))

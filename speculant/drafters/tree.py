@@ -5,6 +5,7 @@ scores them in one batched tree forward of the drafter model, so shapes stay sta
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -30,8 +31,14 @@ class TreeDrafter:
         self.name = model.name
         self._cached: list[int] = []
 
-    def propose_tree(self, context: list[int], depth: int, width: int) -> TreeDraft:
-        """A tree rooted at context[-1], with each node's path probability under the drafter."""
+    def propose_tree(self, context: list[int], depth: int, width: int,
+                     cost: Callable[[int], float] | None = None) -> TreeDraft:
+        """A tree rooted at context[-1], with each node's path probability under the drafter.
+
+        With `cost`, the target's forward time T(n) for n tokens, `depth` is a cap: drafting stops as
+        soon as no further step can raise the latency-aware objective (Yggdrasil Eq. 3), expected
+        accepted length / (drafting time + T(tree size)), path probabilities standing in for acceptance.
+        """
         if depth == 0:
             return TreeDraft(TokenTree((context[-1],), (-1,)), [1.0], Usage())
         before = self.model.usage
@@ -51,8 +58,29 @@ class TreeDrafter:
                 tokens.append(token)
                 parents.append(parent)
                 scores.append(score)
-            if step < depth - 1:  # the last step's children would never be used
-                tree = TokenTree(tuple(tokens), tuple(parents))
-                logits = self.model.forward(tokens[-len(chosen):], tree=tree)
+            if step == depth - 1:  # the last step's children would never be used
+                break
+            spent = self.model.usage - before
+            if cost is not None and not worth_another_step(scores, frontier, new_nodes, width, cost, spent.seconds,
+                                                           spent.seconds / max(spent.steps, 1)):
+                break
+            tree = TokenTree(tuple(tokens), tuple(parents))
+            logits = self.model.forward(tokens[-len(chosen):], tree=tree)
         return TreeDraft(TokenTree(tuple(tokens), tuple(parents)), [math.exp(v) for v in scores],
                          self.model.usage - before)
+
+
+def worth_another_step(scores: list[float], frontier: list[tuple[float, int, int]], new_nodes: list[int], width: int,
+                       cost: Callable[[int], float], spent: float, step_seconds: float) -> bool:
+    """Whether one more drafting step could raise expected accepted length / (drafting time + T(n)).
+
+    The step adds `width` nodes, each no likelier than a leftover frontier candidate or a parent among
+    the newest nodes, so their summed path probability is at most the top `width` of those; later
+    steps add less at more cost, so when this bound does not pay, no deeper tree does.
+    """
+    value = sum(math.exp(v) for v in scores[1:])
+    candidates = [math.exp(v) for v, _, _ in frontier] + [math.exp(scores[n]) for n in new_nodes] * width
+    bound = sum(sorted(candidates, reverse=True)[:width])
+    now = (1 + value) / (spent + cost(len(scores)))
+    after = (1 + value + bound) / (spent + step_seconds + cost(len(scores) + width))
+    return after > now
