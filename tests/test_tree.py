@@ -122,6 +122,7 @@ def test_pruned_tree_speculation_matches_autoregressive(arch, depth, width, veri
         assert result.token_ids == expected
         stats = result.stats
         assert stats.verified_nodes <= min(verify_width * len(stats.accepted_lengths), stats.drafted_nodes)
+        assert sum(stats.verified_sizes) == stats.verified_nodes and max(stats.verified_sizes) <= verify_width
         if verify_width < depth * width:
             assert stats.verified_nodes < stats.drafted_nodes
 

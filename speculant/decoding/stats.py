@@ -30,6 +30,7 @@ class GenerationStats:
     accepted_lengths: list[int] = field(default_factory=list)
     drafted_nodes: int = 0  # token trees: all drafted nodes (draft_lengths then holds tree depths)
     verified_nodes: int = 0  # token trees: the drafted nodes the target verified, after pruning
+    verified_sizes: list[int] = field(default_factory=list)  # token trees: verified nodes per iteration
     ttft_s: float = 0.0
     wall_s: float = 0.0
 
@@ -107,6 +108,10 @@ class GenerationStats:
         if self.acceptance_rate is not None:
             line += (f", mean accepted length {self.mean_accepted_length:.2f}, "
                      f"acceptance {self.acceptance_rate:.0%}, SWI {self.swi or 0:.2f}")
+            if self.verified_sizes:
+                n = len(self.verified_sizes)
+                line += (f", trees: depth {sum(self.draft_lengths) / n:.1f}, {self.verified_nodes / n:.1f} of "
+                         f"{self.drafted_nodes / n:.1f} drafted nodes verified")
             for name, forwards in self.drafter_forwards.items():
                 c = self.cost_ratios.get(name)
                 line += f", {name}: {forwards} forwards" + (f" (c = {c:.2f})" if c is not None else "")
