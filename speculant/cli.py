@@ -94,7 +94,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     acc = commands.add_parser("acceptance", help="estimate how often a drafter agrees with the target")
     acc.add_argument("--target", default=DEFAULT_TARGET)
-    acc.add_argument("--drafter", default=DEFAULT_DRAFTER)
+    acc.add_argument("--drafter", default=DEFAULT_DRAFTER,
+                     help="one drafter or several, comma-separated (the target generates once for all)")
     acc.add_argument("--drafter-dtype", choices=("bf16", "fp32"), default=None)
     acc.add_argument("--dataset", default="humaneval[:10]")
     acc.add_argument("--max-new-tokens", type=int, default=128)
@@ -320,19 +321,22 @@ def run_acceptance(args: argparse.Namespace) -> None:
     config = from_args(ModelConfig, args)
     prompts = load_dataset(args.dataset)
     target = load_model(args.target, dtype=config.dtype, device=config.device)
-    drafter = load_drafter(args.drafter, target, args.drafter_dtype)
-    if not hasattr(drafter, "prefill"):
-        raise ConfigError(f"'{args.drafter}' is not a model; acceptance estimation needs one")
+    names = [name for name in args.drafter.split(",") if name]
+    drafters = [load_drafter(name, target, args.drafter_dtype) for name in names]
+    if not names or any(not hasattr(d, "prefill") for d in drafters):
+        raise ConfigError(f"'{args.drafter}' must name models; acceptance estimation needs them")
     ids = [encode_prompt(target.tokenizer, p.text, p.chat) for p in prompts]
-    report = estimate(target, drafter, ids, args.max_new_tokens, sampling, args.depth)
+    reports = estimate(target, drafters, ids, args.max_new_tokens, sampling, args.depth)
     if args.json:
-        print(json.dumps(asdict(report), indent=1))
+        print(json.dumps({name: asdict(report) for name, report in zip(names, reports)}, indent=1))
         return
-    print(f"{report.positions} positions: agreement {report.agreement:.1%}, mean accepted run {report.mean_run:.2f}, "
-          f"geometric acceptance rate a = {report.geometric_rate:.3f}")
-    print("acceptance per draft position: " + " ".join(f"{x:.2f}" for x in report.per_position))
-    if report.expected_sampling_acceptance is not None:
-        print(f"expected acceptance when sampling (mean of sum min(p, q)): {report.expected_sampling_acceptance:.3f}")
+    for name, report in zip(names, reports):
+        print(f"{name}: {report.positions} positions: agreement {report.agreement:.1%}, mean accepted run "
+              f"{report.mean_run:.2f}, geometric acceptance rate a = {report.geometric_rate:.3f}")
+        print("  acceptance per draft position: " + " ".join(f"{x:.2f}" for x in report.per_position))
+        if report.expected_sampling_acceptance is not None:
+            print(f"  expected acceptance when sampling (mean of sum min(p, q)): "
+                  f"{report.expected_sampling_acceptance:.3f}")
 
 
 def run_simulate(args: argparse.Namespace) -> None:

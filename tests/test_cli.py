@@ -105,6 +105,15 @@ def test_cascade_from_the_command_line(model_dirs, capsys):
         assert code == 2 and message in err and "Traceback" not in err
 
 
+def test_acceptance_of_several_drafters(model_dirs, capsys):
+    code, out, err = run(capsys, "acceptance", "--target", model_dirs["target"], "--drafter",
+                         f"{model_dirs['target']},{model_dirs['drafter']}", "--dataset", "humaneval[:1]", "--dtype", "fp32",
+                         "--max-new-tokens", "8", "--json")
+    assert code == 0, err
+    reports = json.loads(out)
+    assert reports[model_dirs["target"]]["agreement"] == 1.0 and reports[model_dirs["drafter"]]["positions"] == 8
+
+
 def test_empty_prompt(model_dirs, capsys):
     code, _, err = run(capsys, "generate", "  ", "--target", model_dirs["target"], "--drafter", "none")
     assert code == 2 and "prompt is empty" in err

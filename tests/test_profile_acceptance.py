@@ -24,9 +24,10 @@ def test_match_runs_and_position_counts():
 def test_self_drafting_agrees_everywhere_and_other_models_rarely():
     target = tiny_model("llama", 0, 64)
     prompts = [random_prompt(s, 64, 8) for s in range(3)]
-    same = estimate(target, target.share(), prompts, 20, SamplingConfig())
+    same, other = estimate(target, [target.share(), tiny_model("llama", 99, 64)], prompts, 20, SamplingConfig())
     assert same.agreement == 1.0 and same.per_position == [1.0] * 8 and same.geometric_rate > 0.95
-    other = estimate(target, tiny_model("llama", 99, 64), prompts, 20, SamplingConfig(temperature=1.0))
+    assert other.agreement < 0.5
+    (other,) = estimate(target, [tiny_model("llama", 99, 64)], prompts, 20, SamplingConfig(temperature=1.0))
     assert other.agreement < 0.5 and other.geometric_rate == pytest.approx(1 - 1 / (1 + other.mean_run))
     assert 0 < other.expected_sampling_acceptance < 1
 

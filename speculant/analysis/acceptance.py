@@ -7,6 +7,7 @@ a = 1 - 1 / (1 + mean run); with sampling, sum_x min(p, q) is the expected accep
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -57,23 +58,32 @@ def _logits_along(model, prompt: list[int], output: list[int]) -> torch.Tensor:
     return torch.cat([first, model.forward(output[:-1])]) if len(output) > 1 else first
 
 
-def estimate(target, drafter, prompts: list[list[int]], max_new_tokens: int, sampling: SamplingConfig,
-             depth: int = 8) -> AcceptanceReport:
-    """Teacher-forced drafter predictions along the target's greedy continuations of `prompts`."""
+def estimate(target, drafters: Sequence, prompts: list[list[int]], max_new_tokens: int, sampling: SamplingConfig,
+             depth: int = 8) -> list[AcceptanceReport]:
+    """Teacher-forced predictions of each drafter along the target's greedy continuations of `prompts`
+    (the target generates once for all drafters); one report per drafter."""
     from speculant.api import generate
 
+    outputs = [generate(target, prompt_ids=ids, method="ar", max_new_tokens=max_new_tokens).token_ids
+               for ids in prompts]
+    p_rows = [None] * len(prompts)
+    if not sampling.greedy:
+        p_rows = [logits_to_probs(_logits_along(target, ids, out), sampling) for ids, out in zip(prompts, outputs)]
+    return [_report(drafter, prompts, outputs, p_rows, sampling, depth) for drafter in drafters]
+
+
+def _report(drafter, prompts: list[list[int]], outputs: list[list[int]], p_rows: list, sampling: SamplingConfig,
+            depth: int) -> AcceptanceReport:
     flags, overlaps = [], []
     reached, matched = np.zeros(depth), np.zeros(depth)
-    for ids in prompts:
-        output = generate(target, prompt_ids=ids, method="ar", max_new_tokens=max_new_tokens).token_ids
+    for ids, output, p in zip(prompts, outputs, p_rows):
         q_logits = _logits_along(drafter, ids, output)
         flags.append(q_logits.argmax(-1).cpu().numpy() == np.asarray(output))
         counts = position_counts(flags[-1], depth)
         reached += counts[0]
         matched += counts[1]
-        if not sampling.greedy:
-            p_logits = _logits_along(target, ids, output)
-            p, q = logits_to_probs(p_logits, sampling), logits_to_probs(q_logits.to(p_logits.device), sampling)
+        if p is not None:
+            q = logits_to_probs(q_logits.to(p.device), sampling)
             overlaps.append(torch.minimum(p, q).sum(-1).cpu().numpy())
     all_flags = np.concatenate(flags)
     runs = [r for f in flags for r in match_runs(f)]
