@@ -29,8 +29,7 @@ class GenerationStats:
     draft_lengths: list[int] = field(default_factory=list)
     accepted_lengths: list[int] = field(default_factory=list)
     drafted_nodes: int = 0  # token trees: all drafted nodes (draft_lengths then holds tree depths)
-    verified_nodes: int = 0  # token trees: the drafted nodes the target verified, after pruning
-    verified_sizes: list[int] = field(default_factory=list)  # token trees: verified nodes per iteration
+    verified_sizes: list[int] = field(default_factory=list)  # token trees: nodes verified per iteration, after pruning
     ttft_s: float = 0.0
     wall_s: float = 0.0
 
@@ -65,6 +64,10 @@ class GenerationStats:
         return swi(self.new_tokens, self.target_forwards, self.drafter_forwards, self.cost_ratios)
 
     @property
+    def verified_nodes(self) -> int:
+        return sum(self.verified_sizes)
+
+    @property
     def tokens_per_s(self) -> float:
         return self.new_tokens / self.wall_s if self.wall_s > 0 else 0.0
 
@@ -97,6 +100,7 @@ class GenerationStats:
             "mean_accepted_length": self.mean_accepted_length,
             "acceptance_rate": self.acceptance_rate,
             "acceptance_per_position": self.acceptance_per_position,
+            "verified_nodes": self.verified_nodes,
             "cost_ratios": self.cost_ratios,
             "swi": self.swi,
         }

@@ -58,7 +58,6 @@ def tree_speculative(
         # Per iteration: the tree's depth (the most that could be accepted) and the accepted depth.
         stats.record_draft(max(tree.depths), len(path), {drafter.name: draft.usage})
         stats.drafted_nodes += len(draft.tree) - 1
-        stats.verified_nodes += len(tree) - 1
         stats.verified_sizes.append(len(tree) - 1)  # the verify width this iteration used
         pending = [tree.tokens[node] for node in path] + [token]
     stats.new_tokens = len(out)
