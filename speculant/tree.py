@@ -46,8 +46,16 @@ class TokenTree:
         """Position ids: the root's position plus each node's depth."""
         return [root_position + d for d in self.depths]
 
+    @cached_property
+    def child_lists(self) -> tuple[tuple[int, ...], ...]:
+        """Each node's children, in node order."""
+        children: list[list[int]] = [[] for _ in range(len(self))]
+        for node in range(1, len(self)):
+            children[self.parents[node]].append(node)
+        return tuple(map(tuple, children))
+
     def children(self, node: int) -> list[int]:
-        return [i for i, p in enumerate(self.parents) if p == node]
+        return list(self.child_lists[node])
 
     def paths(self) -> list[list[int]]:
         """Root-to-leaf paths as node indices."""

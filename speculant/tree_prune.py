@@ -12,13 +12,10 @@ from speculant.tree import TokenTree
 def best_subtrees(tree: TokenTree, values: Sequence[float], max_nodes: int) -> dict[int, tuple[float, tuple[int, ...]]]:
     """For each size m <= max_nodes, the subtree of m nodes containing the root (and each kept node's
     parent) with the largest total value: {m: (value, nodes)}. O(len(tree) max_nodes^2)."""
-    children: list[list[int]] = [[] for _ in range(len(tree))]
-    for node in range(1, len(tree)):
-        children[tree.parents[node]].append(node)
     best: list[dict[int, tuple[float, tuple[int, ...]]]] = [{} for _ in range(len(tree))]
     for v in reversed(range(len(tree))):  # children come after their parents
         table = {1: (float(values[v]), (v,))}
-        for c in children[v]:
+        for c in tree.child_lists[v]:
             merged = dict(table)  # taking nothing below c
             for m1, (a, nodes_a) in table.items():
                 for m2, (b, nodes_b) in best[c].items():

@@ -60,14 +60,18 @@ def verify_sampling(
     """
     k = draft.shape[0]
     rows = torch.arange(k, device=p.device)
-    q = q if q is not None else one_hot(draft, p.shape[-1])
-    p_x, q_x = p[rows, draft], q[rows, draft]  # [k]
+    p_x = p[rows, draft]  # [k]
+    q_x = q[rows, draft] if q is not None else torch.ones_like(p_x)
     r = torch.rand(k, generator=generator, device=p.device)
     rejected = (r * q_x >= leniency * p_x).nonzero()  # accept iff r < l p / q
     if rejected.numel() == 0:
         return k, sample(p[k], generator)
     n = int(rejected[0])
-    residual = (p[n] - torch.minimum(q[n], leniency * p[n])).clamp_min(0)
+    if q is None:  # one-hot q: min(q, l p) covers p at the drafted token (l >= 1) and nothing elsewhere
+        residual = p[n].clone()
+        residual[draft[n]] = 0.0
+    else:
+        residual = (p[n] - torch.minimum(q[n], leniency * p[n])).clamp_min(0)
     total = residual.sum()
     # p <= q everywhere only when p == q, where rejection has probability 0: guard rounding anyway.
     return n, sample(residual / total if total > 0 else p[n], generator)
@@ -98,14 +102,14 @@ def verify_tree_greedy(tree: TokenTree, target_logits: torch.Tensor) -> tuple[li
     nodes (root excluded) along the longest such path, and the target's token after its last node.
     """
     target_tokens = target_logits.argmax(-1).tolist()
-    children: dict[int, dict[int, int]] = {}
-    for node in range(1, len(tree)):
-        children.setdefault(tree.parents[node], {}).setdefault(tree.tokens[node], node)
     path, node = [], 0
-    while (child := children.get(node, {}).get(target_tokens[node])) is not None:
+    while True:
+        wanted = target_tokens[node]
+        child = next((c for c in tree.child_lists[node] if tree.tokens[c] == wanted), None)
+        if child is None:
+            return path, wanted
         path.append(child)
         node = child
-    return path, target_tokens[node]
 
 
 def verify_tree_sampling(tree: TokenTree, p: torch.Tensor, generator: torch.Generator | None) -> tuple[list[int], int]:
@@ -118,13 +122,10 @@ def verify_tree_sampling(tree: TokenTree, p: torch.Tensor, generator: torch.Gene
     is tried. If one is accepted the walk moves to it; if none is, the token is drawn from r. Each
     emitted token is then distributed exactly as under p, whatever the tree.
     """
-    children: dict[int, list[int]] = {}
-    for node in range(1, len(tree)):
-        children.setdefault(tree.parents[node], []).append(node)
     path, node = [], 0
     while True:
         residual = p[node].clone()
-        for child in children.get(node, []):
+        for child in tree.child_lists[node]:
             token = tree.tokens[child]
             total = float(residual.sum())
             if total > 0 and float(torch.rand((), generator=generator, device=p.device)) * total < float(residual[token]):

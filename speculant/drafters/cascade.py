@@ -132,18 +132,22 @@ class CascadeDrafter:
         logits = reviewer.score(context, sub)  # [len(sub) + 1, vocab]
         drafted = torch.tensor(sub, dtype=torch.long, device=logits.device)
         if self.sampling.greedy:
-            q_x = torch.tensor([float(r[t]) if r is not None else 1.0 for t, r in zip(sub, sub_rows)],
-                               device=logits.device)
+            q_x = None if self.leniency == 1 else torch.tensor(
+                [float(r[t]) if r is not None else 1.0 for t, r in zip(sub, sub_rows)], device=logits.device)
             n, token = verify_greedy(drafted, logits, self.leniency, q_x)
             rows: Rows = [None] * (n + 1)
             if reviewer.keep_probs:  # an outer lenient review weighs the reviewer's confidence
                 rows = list(torch.softmax(logits[: n + 1], -1))
             return sub[:n] + [token], rows
         p = logits_to_probs(logits, self.sampling)
-        q = stack_rows(sub, sub_rows, logits.shape[-1])
-        q = q if q is not None else one_hot(drafted, logits.shape[-1])
+        q = stack_rows(sub, sub_rows, logits.shape[-1])  # None: every sub-draft token is deterministic
         n, token = verify_sampling(drafted, p, q, self.generator, self.leniency)
-        rows = [lenient_distribution(p[i], q[i], self.leniency) for i in range(min(n + 1, len(sub)))]
+        emitted = range(min(n + 1, len(sub)))
+        if self.leniency == 1:
+            rows = [p[i] for i in emitted]  # an exact review emits the reviewer's own distribution
+        else:
+            q = q if q is not None else one_hot(drafted, logits.shape[-1])
+            rows = [lenient_distribution(p[i], q[i], self.leniency) for i in emitted]
         if n == len(sub):
             rows.append(p[n])  # the bonus token comes from the reviewer itself
         return sub[:n] + [token], rows
