@@ -12,6 +12,10 @@ import torch
 from speculant.analysis.profile import LatencyProfile
 from speculant.config import DecodeConfig, SamplingConfig
 from speculant.decoding.autoregressive import autoregressive
+from speculant.decoding.dsi.engine import dsi
+from speculant.decoding.dsi.executors import ServerSpec, make_executor, replica_factory
+from speculant.decoding.dsi.plan import measure_step, plan
+from speculant.decoding.dsi.twin import Latency, PaddedModel
 from speculant.decoding.run import Decoder, timed
 from speculant.decoding.speculative import speculative
 from speculant.decoding.tree import tree_speculative
@@ -23,7 +27,7 @@ from speculant.drafters.maxgram import MaxGramDrafter, load_bigram
 from speculant.drafters.model import ModelDrafter
 from speculant.drafters.tree import TreeDrafter
 from speculant.errors import ConfigError, IncompatibleModels
-from speculant.models import CausalLM, HFCausalLM, dtype_name, load_model, quantized_copy, split_quant
+from speculant.models import CausalLM, HFCausalLM, dtype_name, load_model, quantized_copy, resolve_device, split_quant
 
 
 @dataclass
@@ -125,6 +129,52 @@ def make_cascade(drafters: list[Any], target: CausalLM, k_matrix: list[list[int]
     return CascadeDrafter(levels, [list(row) for row in k_matrix], leniency, sampling, generator)
 
 
+def seeded(device: torch.device, seed: int | None) -> torch.Generator:
+    generator = torch.Generator(device=device)
+    if seed is None:
+        generator.seed()
+    else:
+        generator.manual_seed(seed)
+    return generator
+
+
+def make_dsi(target: CausalLM, drafter: Any, prompt_ids: list[int], config: DecodeConfig, sampling: SamplingConfig,
+             generator: torch.Generator, target_devices: list[str] | None, twin: tuple[Latency, Latency] | None,
+             ray_address: str | None, pool: Any = None) -> Decoder:
+    """DSI over `config.servers` target servers on `target_devices` (default: the target's device), run by
+    `config.executor`; with `twin` (target, drafter latencies) every forward is padded to them. The lookahead
+    is planned from the twin's latencies, or from one measured forward of each model, unless given. `pool`,
+    a started executor from `decoding.dsi.executors`, runs the servers instead and stays open."""
+    source = load_drafter(drafter, target)
+    if isinstance(source, Drafter):
+        draft_source, drafter_s = source, 0.0  # Max-Gram and other model-free drafters cost next to nothing
+    else:
+        model = source if twin is None else PaddedModel(source, twin[1])
+        draft_generator = seeded(target.device, None if config.seed is None else config.seed + 1)
+        draft_source, drafter_s = ModelDrafter(model, sampling, draft_generator), None
+    devices = target_devices or [str(target.device)] * config.servers
+    if len(devices) != config.servers:
+        raise ConfigError(f"{len(devices)} target devices given for {config.servers} servers")
+    for device in devices:
+        resolve_device(device)
+    if twin is not None:
+        target_s, drafter_s = twin[0].step_s, twin[1].step_s
+    elif config.lookahead is None:
+        target_s = measure_step(target, prompt_ids)
+        drafter_s = measure_step(source, prompt_ids) if drafter_s is None else drafter_s
+    else:
+        target_s = drafter_s = None
+    chosen = plan(config.servers, config.lookahead, target_s, drafter_s)
+    if pool is not None:  # servers already running, kept for the next generation
+        if pool.spec.sampling != sampling or len(pool.spec.devices) != config.servers:
+            raise ConfigError("the given executor's servers were built for other sampling settings or server count")
+        return dsi(pool, draft_source, prompt_ids, config.max_new_tokens, chosen.lookahead, sampling, generator,
+                   target.eos_token_ids, close_executor=False)
+    spec = ServerSpec(replica_factory(target), devices, sampling, twin[0] if twin else None)
+    return dsi(make_executor(config.executor, spec, ray_address), draft_source, prompt_ids, config.max_new_tokens,
+               chosen.lookahead, sampling, generator, target.eos_token_ids)
+
+
 def generate(
     target: Any,
     prompt: str | None = None,
@@ -139,6 +189,12 @@ def generate(
     leniency: float = 1.0,
     verify_width: int | None = None,
     target_profile: LatencyProfile | str | Path | None = None,
+    servers: int = 1,
+    lookahead: int | None = None,
+    executor: Any = "thread",
+    target_devices: list[str] | None = None,
+    twin: tuple[Latency, Latency] | None = None,
+    ray_address: str | None = None,
     max_new_tokens: int = 128,
     temperature: float = 0.0,
     top_k: int | None = None,
@@ -153,7 +209,10 @@ def generate(
     latency-aware objective decides how deep (up to `depth`) to draft and how many nodes to verify) or
     "cascade" (cascade
     speculative drafting over `drafters`, largest first, "maxgram" last, shaped by the K matrix
-    `k_matrix`, with inner reviews relaxed by `leniency`).
+    `k_matrix`, with inner reviews relaxed by `leniency`) or "dsi" (distributed speculative inference:
+    `servers` target servers verify in parallel while the drafter keeps drafting, `lookahead` drafts per
+    job (planned when None), servers run by `executor` "thread", "process" or "ray" (`ray_address` joins a
+    cluster) on `target_devices`; `twin` = (target, drafter) Latency pads every forward: the latency twin).
 
     `target` and `drafter` may be catalog names (with an optional `@int8`/`@int4` suffix), Hugging
     Face ids or paths, transformers models or loaded CausalLMs; `drafter` may also be `self@int8` /
@@ -162,7 +221,9 @@ def generate(
     """
     sampling = SamplingConfig(temperature, top_k, top_p)
     config = DecodeConfig(method=method, k=k, depth=depth, width=width, verify_width=verify_width, leniency=leniency,
-                          max_new_tokens=max_new_tokens, seed=seed)
+                          servers=servers, lookahead=lookahead, max_new_tokens=max_new_tokens,
+                          executor=executor if isinstance(executor, str) else executor.name,
+                          seed=seed)
     target = load_model(target)
     if prompt_ids is None:
         if prompt is None or not prompt.strip():
@@ -175,16 +236,14 @@ def generate(
         raise ConfigError("the prompt is empty")
     if any(not 0 <= t < target.vocab_size for t in prompt_ids):
         raise ConfigError(f"prompt token ids must lie in [0, {target.vocab_size})")
-    generator = torch.Generator(device=target.device)
-    if seed is None:
-        generator.seed()
-    else:
-        generator.manual_seed(seed)
+    generator = seeded(target.device, seed)
 
     if config.method != "cascade" and (drafters is not None or k_matrix is not None or leniency != 1):
         raise ConfigError("drafters, k_matrix and leniency apply to method 'cascade' only")
     if config.method != "tree" and (verify_width is not None or target_profile is not None):
         raise ConfigError("verify_width and target_profile apply to method 'tree' only")
+    if config.method != "dsi" and any((target_devices, twin, ray_address)):
+        raise ConfigError("target_devices, twin and ray_address apply to method 'dsi' only")
     if config.method == "cascade":
         if drafter is not None:
             drafters = [drafter, *(drafters or [])]
@@ -197,6 +256,10 @@ def generate(
         decoder = autoregressive(target, prompt_ids, config.max_new_tokens, sampling, generator)
     elif drafter is None:
         raise ConfigError(f"method '{config.method}' needs a drafter")
+    elif config.method == "dsi":
+        pool = None if isinstance(executor, str) else executor
+        decoder = make_dsi(target, drafter, prompt_ids, config, sampling, generator, target_devices, twin, ray_address,
+                           pool)
     elif config.method == "tree":
         model = load_drafter(drafter, target)
         if isinstance(model, Drafter):

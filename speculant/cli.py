@@ -60,6 +60,13 @@ def build_parser() -> argparse.ArgumentParser:
                           "default: k tokens per level plus 2 maxgram tokens after each)")
     gen.add_argument("--target-profile", default=None, metavar="JSON",
                      help="tree: the target's `speculant profile` JSON; its T(W) lets pruning pick how many nodes to verify")
+    gen.add_argument("--target-devices", default=None, metavar="LIST",
+                     help="dsi: one device per target server, e.g. cpu,cpu or cuda:0,cuda:1 (default: --device for each)")
+    gen.add_argument("--ray-address", default=None, help="dsi with --executor ray: join this cluster (default: start one)")
+    gen.add_argument("--twin-latency", default=None, metavar="T,D[,TTFT]",
+                     help="dsi latency twin: pad every target forward to T ms (its first to TTFT ms) and every "
+                          "drafter forward to D ms, e.g. 30,3")
+    gen.add_argument("--timeline", default=None, metavar="PNG", help="dsi: draw the servers' forwards over time")
     add_options(gen, DecodeConfig, method=None)
     add_options(gen, SamplingConfig)
     add_options(gen, ModelConfig)
@@ -120,6 +127,21 @@ def build_parser() -> argparse.ArgumentParser:
     one.add_argument("--repeats", type=int, default=1000)
     one.add_argument("--seed", type=int, default=0)
     one.add_argument("--json", action="store_true", help="print one JSON object (keys non_si_ms, si_ms, dsi_ms, ...)")
+    online = sims.add_parser("online", help="the latency twin: non-SI, SI and DSI through the real engine, "
+                             "every forward padded to the given latencies (pure mode: i.i.d. acceptance, no model)")
+    online.add_argument("--target-latency", type=float, required=True, metavar="MS", help="target forward (TPOT), ms")
+    online.add_argument("--drafter-latency", type=float, required=True, metavar="MS", help="drafter forward, ms")
+    online.add_argument("--ttft", type=float, default=None, metavar="MS", help="the target's first forward (default: TPOT)")
+    online.add_argument("--acceptance", type=float, required=True, help="per-token acceptance rate in [0, 1]")
+    online.add_argument("--servers", type=int, default=7, help="target servers (default: 7, an 8-GPU node)")
+    online.add_argument("--lookahead", type=int, default=None, help="default: planned for the servers")
+    online.add_argument("--tokens", type=int, default=50, help="tokens to generate (default: 50, as in the paper)")
+    online.add_argument("--repeats", type=int, default=5, help="prompts, each run by every method (default: 5)")
+    online.add_argument("--executor", choices=("thread", "process", "ray"), default="thread")
+    online.add_argument("--ray-address", default=None)
+    online.add_argument("--timeline", default=None, metavar="PNG", help="draw the last DSI run")
+    online.add_argument("--seed", type=int, default=0)
+    online.add_argument("--json", action="store_true")
     heat = sims.add_parser("heatmap", help="the DSI paper's Figure 2 and 7 heatmaps, CSV and summary")
     heat.add_argument("--out", required=True, help="directory for grid.csv, figure2.png, figure7.png, summary.json")
     heat.add_argument("--ndim", type=int, default=20, help="grid points per axis (default: 20, as in the paper)")
@@ -189,13 +211,22 @@ def run_generate(args: argparse.Namespace) -> None:
         reuse = name == args.target and dtype == model_config.dtype  # same weights, own cache
         drafters.append(load_drafter(target if reuse else name, target, dtype))
     cascade = {"drafters": drafters, "k_matrix": args.k_matrix} if method == "cascade" else {}
+    dsi_flags = (args.target_devices, args.ray_address, args.twin_latency, args.timeline)
+    if method != "dsi" and any(dsi_flags):
+        raise ConfigError("--target-devices, --ray-address, --twin-latency and --timeline apply to --method dsi only")
+    dsi = {}
+    if method == "dsi":
+        devices = [d for d in (args.target_devices or "").split(",") if d] or None
+        dsi = {"servers": decode_config.servers, "lookahead": decode_config.lookahead,
+               "executor": decode_config.executor, "target_devices": devices, "ray_address": args.ray_address,
+               "twin": parse_twin(args.twin_latency) if args.twin_latency else None}
     if args.target_profile and not Path(args.target_profile).is_file():
         raise ConfigError(f"target profile not found: {args.target_profile}")
 
     stream = generate(
         target, prompt=args.prompt, drafter=drafters[0] if drafter_name else None, method=decode_config.method,
         k=decode_config.k, depth=decode_config.depth, width=decode_config.width, leniency=decode_config.leniency,
-        verify_width=decode_config.verify_width, target_profile=args.target_profile, **cascade,
+        verify_width=decode_config.verify_width, target_profile=args.target_profile, **cascade, **dsi,
         max_new_tokens=decode_config.max_new_tokens, temperature=sampling.temperature, top_k=sampling.top_k,
         top_p=sampling.top_p, seed=decode_config.seed, stream=True, chat=args.chat,
     )
@@ -214,6 +245,23 @@ def run_generate(args: argparse.Namespace) -> None:
         print(json.dumps({"target": args.target, "drafters": names, "text": result.text,
                           "token_ids": result.token_ids, "stats": result.stats.to_dict()}, indent=1))
     print(result.stats.summary(), file=sys.stderr)
+    if args.timeline and result.stats.dsi is not None:
+        from speculant.decoding.dsi.timeline import plot_timeline
+
+        print(f"wrote {plot_timeline(result.stats.dsi, Path(args.timeline))}", file=sys.stderr)
+
+
+def parse_twin(text: str) -> tuple[Any, Any]:
+    """`30,3` or `30,3,120` (target TPOT, drafter, target TTFT in ms) -> (target, drafter) Latency."""
+    from speculant.decoding.dsi.twin import Latency
+
+    try:
+        values = [float(v) for v in text.split(",")]
+    except ValueError:
+        values = []
+    if len(values) not in (2, 3) or min(values) < 0:
+        raise ConfigError(f"--twin-latency takes T,D or T,D,TTFT in ms (numbers >= 0), got '{text}'")
+    return Latency.from_ms(values[0], values[2] if len(values) == 3 else None), Latency.from_ms(values[1])
 
 
 def run_bench(args: argparse.Namespace, argv: Sequence[str]) -> None:
@@ -342,6 +390,16 @@ def run_acceptance(args: argparse.Namespace) -> None:
 def run_simulate(args: argparse.Namespace) -> None:
     from speculant.analysis.commands import format_one, run_heatmap, simulate_one
 
+    if args.simulation == "online":
+        from speculant.decoding.dsi.online import format_online, simulate_online
+
+        result = simulate_online(args.target_latency, args.drafter_latency, args.acceptance, args.servers, args.tokens,
+                                 args.lookahead, args.ttft, args.repeats, args.executor, args.seed,
+                                 Path(args.timeline) if args.timeline else None, args.ray_address)
+        print(json.dumps(result, indent=1) if args.json else format_online(result))
+        if "timeline" in result and not args.json:
+            print(f"wrote {result['timeline']}")
+        return
     if args.simulation == "run":
         target_ms, drafter_ms, ttft_ms = args.target_latency, args.drafter_latency, args.ttft
         if args.target_profile:

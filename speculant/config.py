@@ -38,7 +38,8 @@ class SamplingConfig:
         return self.temperature == 0
 
 
-METHODS = ("ar", "sd", "tree", "cascade")
+METHODS = ("ar", "sd", "tree", "cascade", "dsi")
+EXECUTORS = ("thread", "process", "ray")  # where DSI's target servers run
 DEFAULT_TARGET = "qwen2.5-coder-1.5b"  # catalog names (speculant.models.catalog)
 DEFAULT_DRAFTER = "qwen2.5-coder-0.5b"
 
@@ -46,13 +47,18 @@ DEFAULT_DRAFTER = "qwen2.5-coder-0.5b"
 @dataclass(frozen=True)
 class DecodeConfig:
     method: str = option("sd", "decoding method: ar (autoregressive), sd (speculative), tree (token tree), "
-                         "cascade (cascade speculative drafting)", choices=METHODS)
+                         "cascade (cascade speculative drafting), dsi (distributed speculative inference)",
+                         choices=METHODS)
     k: int = option(4, "draft tokens per speculation step (sd; cascade: per level when no K matrix is given)")
     depth: int = option(4, "draft tree depth: drafting steps per tree (tree)")
     width: int = option(4, "nodes added per drafting step (tree)")
     verify_width: int | None = option(None, "tree: verify at most this many drafted nodes, the subtree "
                                       "chosen by dynamic programming (default: all)")
     leniency: float = option(1.0, "cascade: leniency l >= 1 of the inner reviews (the target's stays exact)")
+    servers: int = option(1, "dsi: target servers verifying in parallel (the speculation-parallelism degree)")
+    lookahead: int | None = option(None, "dsi: drafts per verification job (default: the smallest the servers "
+                                   "keep up with, planned from the latencies)")
+    executor: str = option("thread", "dsi: where target servers run", choices=EXECUTORS)
     max_new_tokens: int = option(128, "stop after this many new tokens")
     seed: int | None = option(None, "seed of the one random generator (sampling only)")
 
@@ -65,6 +71,14 @@ class DecodeConfig:
             raise ConfigError(f"verify-width must be >= 1, got {self.verify_width}")
         if self.depth < 1 or self.width < 1:
             raise ConfigError(f"tree depth and width must be >= 1, got {self.depth} and {self.width}")
+        if self.servers < 1:
+            raise ConfigError(f"servers must be >= 1, got {self.servers}")
+        if self.lookahead is not None and self.lookahead < 1:
+            raise ConfigError(f"lookahead must be >= 1, got {self.lookahead}")
+        if self.executor not in EXECUTORS:
+            raise ConfigError(f"unknown executor '{self.executor}' (choose from {', '.join(EXECUTORS)})")
+        if self.method != "dsi" and (self.servers != 1 or self.lookahead is not None or self.executor != "thread"):
+            raise ConfigError("servers, lookahead and executor apply to method 'dsi' only")
         if not self.leniency >= 1:
             raise ConfigError(f"leniency must be >= 1, got {self.leniency}")
         if self.max_new_tokens < 1:

@@ -67,14 +67,31 @@ def verify_sampling(
     if rejected.numel() == 0:
         return k, sample(p[k], generator)
     n = int(rejected[0])
+    return n, recover(p[n], q[n] if q is not None else None, int(draft[n]), generator, leniency)
+
+
+def recover(p: torch.Tensor, q: torch.Tensor | None, rejected: int, generator: torch.Generator | None,
+            leniency: float = 1.0) -> int:
+    """The token emitted after rejecting draft token `rejected`: drawn from norm(max(0, p - min(q, l p))),
+    with q one-hot on `rejected` when None. p, q [vocab] at one position."""
     if q is None:  # one-hot q: min(q, l p) covers p at the drafted token (l >= 1) and nothing elsewhere
-        residual = p[n].clone()
-        residual[draft[n]] = 0.0
+        residual = p.clone()
+        residual[rejected] = 0.0
     else:
-        residual = (p[n] - torch.minimum(q[n], leniency * p[n])).clamp_min(0)
+        residual = (p - torch.minimum(q, leniency * p)).clamp_min(0)
     total = residual.sum()
     # p <= q everywhere only when p == q, where rejection has probability 0: guard rounding anyway.
-    return n, sample(residual / total if total > 0 else p[n], generator)
+    return sample(residual / total if total > 0 else p, generator)
+
+
+def verify_one(draft: int, p: torch.Tensor, q: torch.Tensor | None, generator: torch.Generator | None) -> int:
+    """Speculative sampling at one position (p, q [vocab]; q None for a deterministic draft): the draft
+    token when accepted, with probability min(1, p(x) / q(x)), else the recovered token. As used by DSI,
+    where each position is decided on its own as soon as a target server's row for it arrives."""
+    q_x = float(q[draft]) if q is not None else 1.0
+    if float(torch.rand((), generator=generator, device=p.device)) * q_x < float(p[draft]):
+        return draft
+    return recover(p, q, draft, generator)
 
 
 def lenient_distribution(p: torch.Tensor, q: torch.Tensor, leniency: float) -> torch.Tensor:

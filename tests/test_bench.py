@@ -24,11 +24,14 @@ def test_method_specs_parse():
     assert (cascade.drafters, cascade.k_matrix, cascade.leniency, cascade.target_dtype) == \
         (("a@int8", "b", "maxgram"), "2,1,1;0,2,1;0,0,3", 2.0, "fp32")
     assert cascade.sources == ("a@int8", "b", "maxgram") and parse_method("sd:drafter=x").sources == ("x",)
+    dsi = parse_method("dsi:drafter=a@int8,servers=2,lookahead=6,executor=process")
+    assert (dsi.drafter, dsi.servers, dsi.lookahead, dsi.executor) == ("a@int8", 2, 6, "process")
 
 
 @pytest.mark.parametrize("bad", ["xx", "ar:k=3", "sd:k=0", "sd:k=two", "sd:depth=3", "sd:dtype=fp16", "sd:k",
                                  "tree:width=0", "tree:profile=missing.json", "cascade", "cascade:drafters=a,maxgram,k_matrix=1;2;3",
-                                 "cascade:drafters=maxgram,leniency=0.5", "sd:drafter=x,leniency=2"])
+                                 "cascade:drafters=maxgram,leniency=0.5", "sd:drafter=x,leniency=2",
+                                 "dsi:servers=0", "dsi:executor=mpi", "sd:servers=2", "dsi:lookahead=x"])
 def test_bad_method_specs_are_refused(bad):
     with pytest.raises(ConfigError):
         parse_method(bad)
@@ -88,6 +91,16 @@ def test_matrix_is_interleaved_and_speedup_comes_from_the_same_run(tiny_dir):
     sd_tps = sum(r.stats.new_tokens for r in rows[1::2]) / sum(r.stats.wall_s for r in rows[1::2])
     assert sd.speedup == pytest.approx(sd_tps / ar_tps)
     assert sd.acceptance_per_position == [1.0, 1.0, 1.0]
+
+
+def test_dsi_in_the_matrix_keeps_its_servers_across_prompts(tiny_dir):
+    target = HFCausalLM(tiny_transformer("llama", 0, 257), byte_tokenizer(), "tiny")
+    methods = [parse_method("ar"), parse_method(f"dsi:drafter={tiny_dir},servers=2,lookahead=3")]
+    prompts = [Prompt("p1", "def f(x):"), Prompt("p2", "hello")]
+    rows = run_matrix(lambda dtype: target, methods, prompts, 12)
+    ar, dsi = summarize(rows, methods)
+    assert dsi.identical_to_ar == 1.0 and dsi.acceptance_rate == 1.0
+    assert [r.stats.dsi.lookahead for r in rows[1::2]] == [3, 3]
 
 
 def test_bench_cli_writes_json_markdown_and_plots(tiny_dir, tmp_path, capsys):

@@ -78,6 +78,14 @@ def test_sampling_with_seed_is_reproducible(model_dirs, capsys):
         (["--method", "tree", "--verify-width", "0"], "verify-width"),
         (["--verify-width", "3"], "apply to method 'tree'"),
         (["--method", "tree", "--target-profile", "missing.json"], "target profile not found"),
+        (["--method", "dsi", "--servers", "0"], "servers must be >= 1"),
+        (["--method", "dsi", "--lookahead", "0"], "lookahead must be >= 1"),
+        (["--method", "dsi", "--twin-latency", "30"], "--twin-latency takes"),
+        (["--method", "dsi", "--servers", "2", "--target-devices", "cpu"], "1 target devices given for 2"),
+        (["--method", "dsi", "--servers", "2", "--lookahead", "1", "--twin-latency", "30,3"], "needs 10"),
+        (["--method", "dsi", "--twin-latency", "3,30"], "as slow as the target"),
+        (["--servers", "2"], "apply to method 'dsi'"),
+        (["--timeline", "x.png"], "apply to --method dsi"),
     ],
 )
 def test_bad_input_is_one_line_and_exit_2(model_dirs, capsys, extra, message):
@@ -103,6 +111,29 @@ def test_cascade_from_the_command_line(model_dirs, capsys):
                          (["--drafters", "maxgram", "--leniency", "0"], "leniency")]:
         code, _, err = run(capsys, *common, "--method", "cascade", *bad)
         assert code == 2 and message in err and "Traceback" not in err
+
+
+def test_dsi_from_the_command_line(model_dirs, capsys, tmp_path):
+    common = ["generate", "hello", "--target", model_dirs["target"], "--dtype", "fp32", "--max-new-tokens", "16", "--json"]
+    ar = json.loads(run(capsys, *common, "--drafter", "none")[1])
+    code, out, err = run(capsys, *common, "--method", "dsi", "--drafter", model_dirs["drafter"], "--servers", "2",
+                         "--twin-latency", "6,1", "--timeline", str(tmp_path / "t.png"))
+    assert code == 0, err
+    dsi = json.loads(out)
+    assert dsi["token_ids"] == ar["token_ids"] and dsi["stats"]["method"] == "dsi"
+    assert dsi["stats"]["dsi"]["lookahead"] == 3 and len(dsi["stats"]["dsi"]["servers"]) == 2
+    assert (tmp_path / "t.png").stat().st_size > 1000
+
+
+def test_simulate_online_from_the_command_line(capsys):
+    code, out, err = run(capsys, "simulate", "online", "--target-latency", "10", "--drafter-latency", "1",
+                         "--acceptance", "0.8", "--servers", "3", "--tokens", "12", "--repeats", "1", "--json")
+    assert code == 0, err
+    result = json.loads(out)
+    assert result["identical_outputs"] and result["lookahead"] == 4 and result["dsi_ms"] > 0
+    code, _, err = run(capsys, "simulate", "online", "--target-latency", "10", "--drafter-latency", "1",
+                       "--acceptance", "1.5")
+    assert code == 2 and "acceptance" in err
 
 
 def test_acceptance_of_several_drafters(model_dirs, capsys):

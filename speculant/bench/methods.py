@@ -1,7 +1,8 @@
 """Method specs on the command line: `ar`, `ar:dtype=bf16`, `sd:drafter=qwen2.5-coder-0.5b,k=4`,
 `sd:drafter=qwen2.5-coder-0.5b@int8,k=6,dtype=fp32,drafter_dtype=bf16`, `sd:drafter=maxgram,k=8`,
 `tree:drafter=qwen2.5-coder-0.5b@int8,depth=4,width=4,verify_width=8,profile=prof.json,dtype=fp32`,
-`cascade:drafters=qwen2.5-coder-0.5b@int8,maxgram,k_matrix=4,2;0,6,leniency=2`
+`cascade:drafters=qwen2.5-coder-0.5b@int8,maxgram,k_matrix=4,2;0,6,leniency=2`,
+`dsi:drafter=qwen2.5-coder-0.5b@int8,servers=2,lookahead=6,executor=process`
 (values may hold commas: an option ends where the next `name=` begins), and the peers `hf-ar`, `hf-assisted[:k=N]`, `hf-pld[:k=N]`.
 
 `dtype` is the target's dtype for this method (default: --dtype); `drafter_dtype` the drafter's
@@ -22,12 +23,13 @@ OPTIONS = {
     "sd": {"drafter", "k", "dtype", "drafter_dtype"},
     "tree": {"drafter", "depth", "width", "verify_width", "profile", "dtype", "drafter_dtype"},
     "cascade": {"drafters", "k_matrix", "k", "leniency", "dtype", "drafter_dtype"},
+    "dsi": {"drafter", "servers", "lookahead", "executor", "dtype", "drafter_dtype"},
     # Peers: transformers generate() plain, assisted (k = num_assistant_tokens), prompt lookup (k = n-gram draft).
     "hf-ar": {"dtype"},
     "hf-assisted": {"drafter", "k", "dtype", "drafter_dtype"},
     "hf-pld": {"k", "dtype"},
 }
-NEEDS_DRAFTER = {"sd", "tree", "hf-assisted"}
+NEEDS_DRAFTER = {"sd", "tree", "dsi", "hf-assisted"}
 DTYPES = (None, "bf16", "fp32")
 
 
@@ -46,6 +48,9 @@ class MethodSpec:
     drafters: tuple[str, ...] = ()  # cascade only: largest first, maxgram last
     k_matrix: str | None = None  # cascade only: "4,2;0,6"; None: the default for k
     leniency: float = 1.0  # cascade only
+    servers: int = 1  # dsi only
+    lookahead: int | None = None  # dsi only: None plans it from one measured forward per generation
+    executor: str = "thread"  # dsi only
 
     @property
     def sources(self) -> tuple[str, ...]:
@@ -69,10 +74,15 @@ def parse_method(spec: str) -> MethodSpec:
         depth, width = int(options.get("depth", 4)), int(options.get("width", 4))
         verify_width = int(options["verify_width"]) if "verify_width" in options else None
         leniency = float(options.get("leniency", 1))
+        servers = int(options.get("servers", 1))
+        lookahead = int(options["lookahead"]) if "lookahead" in options else None
     except ValueError:
-        raise ConfigError(f"k, depth, width and verify_width must be integers and leniency a number in '{spec}'") from None
-    DecodeConfig(k=1 if k is None else k, depth=depth, width=width, verify_width=verify_width,
-                 leniency=leniency)  # validates
+        raise ConfigError(f"k, depth, width, verify_width, servers and lookahead must be integers and leniency a "
+                          f"number in '{spec}'") from None
+    executor = options.get("executor", "thread")
+    DecodeConfig(method=name if name == "dsi" else "sd", k=1 if k is None else k, depth=depth, width=width,
+                 verify_width=verify_width, leniency=leniency, servers=servers, lookahead=lookahead,
+                 executor=executor)  # validates
     drafters = tuple(filter(None, options.get("drafters", "").split(",")))
     if name == "cascade" and not drafters:
         raise ConfigError(f"method 'cascade' needs drafters=..., e.g. 'cascade:drafters={DEFAULT_DRAFTER},maxgram'")
@@ -87,4 +97,4 @@ def parse_method(spec: str) -> MethodSpec:
     if profile is not None and not Path(profile).is_file():
         raise ConfigError(f"profile not found: {profile} (make one with `speculant profile --out`)")
     return MethodSpec(spec.strip(), name, drafter, k, depth, width, verify_width, profile, target_dtype, drafter_dtype,
-                      drafters, k_matrix, leniency)
+                      drafters, k_matrix, leniency, servers, lookahead, executor)

@@ -12,6 +12,8 @@ from speculant.api import GenerationResult, encode_prompt, generate, load_drafte
 from speculant.bench.datasets import Prompt
 from speculant.bench.methods import MethodSpec
 from speculant.bench.peers import hf_generate
+from speculant.config import SamplingConfig
+from speculant.decoding.dsi.executors import ServerSpec, make_executor, replica_factory
 from speculant.decoding.stats import GenerationStats
 from speculant.drafters.base import Drafter
 from speculant.drafters.model import common_prefix_len
@@ -74,6 +76,16 @@ def run_matrix(
                 loaded[key] = load_drafter(name, target_for(spec.target_dtype), spec.drafter_dtype)
         return [loaded[name, spec.target_dtype, spec.drafter_dtype] for name in spec.sources]
 
+    pools: dict[str, Any] = {}  # DSI's target servers, started once per method (processes, Ray actors)
+
+    def pool_for(spec: MethodSpec, target: Any) -> Any:
+        if spec.label not in pools:
+            sampling = SamplingConfig(temperature)
+            spec_ = ServerSpec(replica_factory(target), [str(target.device)] * spec.servers, sampling)
+            pools[spec.label] = make_executor(spec.executor, spec_)
+            pools[spec.label].start()
+        return pools[spec.label]
+
     def run(spec: MethodSpec, ids: list[int], n: int) -> GenerationResult:
         target = target_for(spec.target_dtype)
         drafters = drafters_for(spec)
@@ -86,21 +98,27 @@ def run_matrix(
             options["drafter"] = drafters[0]
         if spec.method == "tree":
             options.update(verify_width=spec.verify_width, target_profile=spec.profile)
+        if spec.method == "dsi":
+            options.update(servers=spec.servers, lookahead=spec.lookahead, executor=pool_for(spec, target))
         return generate(target, prompt_ids=ids, method=spec.method, depth=spec.depth, width=spec.width,
                         max_new_tokens=n, temperature=temperature, seed=seed, **options)
 
     encoded = [encode_prompt(target_for(None).tokenizer, p.text, p.chat) for p in prompts]
-    for spec in methods:  # warm-up: allocator, caches, lazy initialisation
-        run(spec, encoded[0], min(8, max_new_tokens))
     rows = []
-    for repeat in range(repeats):
-        for prompt, ids in zip(prompts, encoded):
-            for spec in methods:
-                result = run(spec, ids, max_new_tokens)
-                row = Row(prompt.id, prompt.category, spec.label, repeat, result.token_ids, result.stats)
-                rows.append(row)
-                if on_row:
-                    on_row(row)
+    try:
+        for spec in methods:  # warm-up: allocator, caches, lazy initialisation, DSI's servers
+            run(spec, encoded[0], min(8, max_new_tokens))
+        for repeat in range(repeats):
+            for prompt, ids in zip(prompts, encoded):
+                for spec in methods:
+                    result = run(spec, ids, max_new_tokens)
+                    row = Row(prompt.id, prompt.category, spec.label, repeat, result.token_ids, result.stats)
+                    rows.append(row)
+                    if on_row:
+                        on_row(row)
+    finally:
+        for pool in pools.values():
+            pool.close()
     return rows
 
 

@@ -11,21 +11,24 @@ Decoder = Generator[int, None, GenerationStats]
 
 
 def timed(decoder: Decoder, committed: list[int]) -> Decoder:
-    """Pass a decoder's tokens through, appending them to `committed`; set `ttft_s` and `wall_s`
-    (prefill included) on its stats."""
+    """Pass a decoder's tokens through, appending them to `committed`; set `ttft_s` and `wall_s` (from
+    the start, prefill included, to the last token: a decoder's clean-up after it, such as stopping
+    DSI's servers, is not decoding time) on its stats."""
     start = time.perf_counter()
     ttft = None
+    last = None
     while True:
         try:
             token = next(decoder)
         except StopIteration as stop:
             stats: GenerationStats = stop.value
             break
+        last = time.perf_counter() - start
         if ttft is None:
-            ttft = time.perf_counter() - start
+            ttft = last
         committed.append(token)
         yield token
-    stats.wall_s = time.perf_counter() - start
+    stats.wall_s = last if last is not None else time.perf_counter() - start
     stats.ttft_s = ttft or 0.0
     return stats
 

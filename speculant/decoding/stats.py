@@ -3,10 +3,13 @@
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from speculant.analysis.theory import swi
 from speculant.models.metered import Usage
+
+if TYPE_CHECKING:
+    from speculant.decoding.dsi.record import DSIRecord
 
 
 @dataclass
@@ -30,12 +33,17 @@ class GenerationStats:
     accepted_lengths: list[int] = field(default_factory=list)
     drafted_nodes: int = 0  # token trees: all drafted nodes (draft_lengths then holds tree depths)
     verified_sizes: list[int] = field(default_factory=list)  # token trees: nodes verified per iteration, after pruning
+    dsi: DSIRecord | None = None  # DSI: per-server records and the timeline
     ttft_s: float = 0.0
     wall_s: float = 0.0
 
     def record_draft(self, proposed: int, accepted: int, usage: dict[str, Usage]) -> None:
         self.draft_lengths.append(proposed)
         self.accepted_lengths.append(accepted)
+        self.record_usage(usage)
+
+    def record_usage(self, usage: dict[str, Usage]) -> None:
+        """Drafter forwards and their time, per drafter name."""
         for name, u in usage.items():
             self.drafter_forwards[name] = self.drafter_forwards.get(name, 0) + u.forwards
             self.drafter_steps[name] = self.drafter_steps.get(name, 0) + u.steps
@@ -116,6 +124,8 @@ class GenerationStats:
                 n = len(self.verified_sizes)
                 line += (f", trees: depth {sum(self.draft_lengths) / n:.1f}, {self.verified_nodes / n:.1f} of "
                          f"{self.drafted_nodes / n:.1f} drafted nodes verified")
+            if self.dsi is not None:
+                line += ", " + self.dsi.summary()
             for name, forwards in self.drafter_forwards.items():
                 c = self.cost_ratios.get(name)
                 line += f", {name}: {forwards} forwards" + (f" (c = {c:.2f})" if c is not None else "")

@@ -1,0 +1,1 @@
+"""Distributed speculative inference (speculation parallelism): engine, executors, latency twin, planning."""

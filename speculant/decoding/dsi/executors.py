@@ -1,0 +1,269 @@
+"""Where DSI's target servers run: threads, OS processes or Ray actors. The coordinator talks to all
+three the same way (`start`, `submit`, `cancel`, `close`), and every server reports into the executor's
+one event queue, `events`: `("result", JobResult)` or `("lost", server, reason)`. An executor can serve
+many generations between `start` and `close` (servers keep their processes and caches). The algorithm
+never knows which one it drives.
+"""
+
+from __future__ import annotations
+
+import os
+import queue
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from functools import partial
+from typing import Any
+
+import torch
+
+from speculant.config import EXECUTORS, SamplingConfig
+from speculant.decoding.dsi.jobs import Job, ServerDied, TargetServer
+from speculant.decoding.dsi.twin import Canceller, Latency, PaddedModel
+from speculant.errors import ConfigError, ModelNotAvailable
+from speculant.models.base import CausalLM
+from speculant.models.hf import HFCausalLM
+
+
+@dataclass
+class ServerSpec:
+    """How to build target server i wherever it runs; picklable when `factory` is (for processes and Ray).
+
+    `factory(device)` returns a fresh CausalLM (its own KV cache) on `devices[i]`; `latency` turns the
+    servers into a latency twin; `die_after` {server: jobs} injects a real crash of that server."""
+
+    factory: Callable[[str], CausalLM]
+    devices: list[str]
+    sampling: SamplingConfig
+    latency: Latency | None = None
+    die_after: dict[int, int] = field(default_factory=dict)
+    threads: int | None = None  # torch threads in a server process (default: the cores shared out)
+
+    def build(self, index: int, canceller: Canceller, own_process: bool, device: str | None = None) -> TargetServer:
+        model = self.factory(device or self.devices[index])
+        if self.latency is not None:
+            model = PaddedModel(model, self.latency, canceller)
+        return TargetServer(index, model, self.sampling, self.die_after.get(index), own_process)
+
+
+def hf_replica(model: Any, name: str, eos: frozenset[int], device: str) -> HFCausalLM:
+    """A server's own handle on a transformers model (weights shared when on the same device)."""
+    on_device = model if str(next(model.parameters()).device) == str(torch.device(device)) else model.to(device)
+    return HFCausalLM(on_device, None, name, eos)
+
+
+def replica_factory(target: CausalLM) -> Callable[[str], CausalLM]:
+    """`ServerSpec.factory` for a loaded target: transformers weights are shared, not copied (threads share
+    the module, processes receive it through shared memory)."""
+    if isinstance(target, HFCausalLM):
+        return partial(hf_replica, target.model, target.name, target.eos_token_ids)
+    raise ConfigError(f"DSI needs a factory for target servers of type {type(target).__name__}")
+
+
+class ThreadExecutor:
+    """Target servers as threads of this process (torch releases the GIL inside its kernels)."""
+
+    name = "thread"
+
+    def __init__(self, spec: ServerSpec):
+        self.spec = spec
+        self.inboxes: list[queue.Queue] = []
+        self.cancellers: list[Canceller] = []
+        self.threads: list[threading.Thread] = []
+        self.events: queue.Queue = queue.Queue()
+
+    def start(self) -> None:
+        if self.threads:
+            return
+        for index in range(len(self.spec.devices)):
+            self.inboxes.append(queue.Queue())
+            self.cancellers.append(Canceller())
+            thread = threading.Thread(target=self._serve, args=(index, self.events), daemon=True,
+                                      name=f"dsi-target-{index}")
+            thread.start()
+            self.threads.append(thread)
+
+    def _serve(self, index: int, events: queue.Queue) -> None:
+        try:
+            server = self.spec.build(index, self.cancellers[index], own_process=False)
+            while (job := self.inboxes[index].get()) is not None:
+                events.put(("result", server.run(job)))
+        except Exception as error:  # noqa: BLE001 - a server failure is reported, its jobs move on
+            events.put(("lost", index, f"{type(error).__name__}: {error}"))
+
+    def submit(self, index: int, job: Job) -> None:
+        self.inboxes[index].put(job)
+
+    def cancel(self, index: int, job_id: int) -> None:
+        self.cancellers[index].cancel(job_id)
+
+    def close(self) -> None:
+        for inbox in self.inboxes:
+            inbox.put(None)
+        for thread in self.threads:
+            thread.join(timeout=5)
+
+
+def _process_main(spec: ServerSpec, index: int, conn: Any, canceller: Canceller, threads: int) -> None:
+    torch.set_num_threads(threads)
+    server = spec.build(index, canceller, own_process=True)
+    while True:
+        try:
+            job = conn.recv()
+        except (EOFError, OSError):
+            return
+        if job is None:
+            return
+        conn.send(server.run(job))
+
+
+class ProcessExecutor:
+    """One OS process per target server (spawned; transformers weights travel through shared memory),
+    so forwards truly run in parallel. A server process that exits is reported lost."""
+
+    name = "process"
+
+    def __init__(self, spec: ServerSpec):
+        self.spec = spec
+        self.conns: list[Any] = []
+        self.cancellers: list[Canceller] = []
+        self.processes: list[Any] = []
+        self.locks: list[threading.Lock] = []
+        self.events: queue.Queue = queue.Queue()
+
+    def start(self) -> None:
+        if self.processes:
+            return
+        import torch.multiprocessing as mp
+
+        context = mp.get_context("spawn")
+        n = len(self.spec.devices)
+        threads = self.spec.threads or max(1, (os.cpu_count() or 1) // (n + 1))
+        for index in range(n):
+            parent, child = context.Pipe()
+            canceller = Canceller(context.Event(), context.Value("q", -1))
+            process = context.Process(target=_process_main, args=(self.spec, index, child, canceller, threads),
+                                      daemon=True, name=f"dsi-target-{index}")
+            process.start()
+            child.close()
+            self.conns.append(parent)
+            self.cancellers.append(canceller)
+            self.processes.append(process)
+            self.locks.append(threading.Lock())
+            threading.Thread(target=self._read, args=(index, self.events), daemon=True).start()
+
+    def _read(self, index: int, events: queue.Queue) -> None:
+        while True:
+            try:
+                result = self.conns[index].recv()
+            except (EOFError, OSError):
+                process = self.processes[index]
+                process.join(timeout=1)
+                events.put(("lost", index, f"process {process.pid} exited (code {process.exitcode})"))
+                return
+            events.put(("result", result))
+
+    def submit(self, index: int, job: Job) -> None:
+        try:
+            with self.locks[index]:
+                self.conns[index].send(job)
+        except (OSError, ValueError):
+            pass  # the reader reports the dead process
+
+    def cancel(self, index: int, job_id: int) -> None:
+        self.cancellers[index].cancel(job_id)
+
+    def kill(self, index: int) -> None:
+        """Kill a server process outright (for fault tests)."""
+        self.processes[index].kill()
+
+    def close(self) -> None:
+        for index, process in enumerate(self.processes):
+            self.submit(index, None)  # type: ignore[arg-type]
+        for process in self.processes:
+            process.join(timeout=5)
+            if process.is_alive():
+                process.kill()
+
+
+class _RayServer:
+    """A target server as a Ray actor; a second concurrent call slot carries cancellations."""
+
+    def __init__(self, spec: ServerSpec, index: int):
+        self.canceller = Canceller()
+        self.server = spec.build(index, self.canceller, own_process=True)
+
+    def run(self, job: Job) -> Any:
+        return self.server.run(job)
+
+    def cancel(self, job_id: int) -> None:
+        self.canceller.cancel(job_id)
+
+
+class RayExecutor:
+    """Target servers as Ray actors (`pip install speculant[ray]`); joins `address` when given, otherwise
+    starts a local Ray. A lost actor is reported like a dead process."""
+
+    name = "ray"
+
+    def __init__(self, spec: ServerSpec, address: str | None = None):
+        self.spec = spec
+        self.address = address
+        self.actors: list[Any] = []
+        self.events: queue.Queue = queue.Queue()
+
+    def start(self) -> None:
+        if self.actors:
+            return
+        try:
+            import ray
+        except ImportError:
+            raise ModelNotAvailable("executor 'ray' needs Ray: pip install 'speculant[ray]'") from None
+        if not ray.is_initialized():
+            ray.init(address=self.address, include_dashboard=False, log_to_driver=False,
+                     configure_logging=False)
+        actor = ray.remote(max_concurrency=2)(_RayServer)
+        for index, device in enumerate(self.spec.devices):
+            gpus = 1 if device.startswith("cuda") else 0
+            self.actors.append(actor.options(num_gpus=gpus, num_cpus=0).remote(self.spec, index))
+
+    def submit(self, index: int, job: Job) -> None:
+        import ray
+
+        ref = self.actors[index].run.remote(job)
+
+        def collect() -> None:
+            try:
+                self.events.put(("result", ray.get(ref)))
+            except Exception as error:  # noqa: BLE001 - RayActorError and friends: the actor is gone
+                self.events.put(("lost", index, f"{type(error).__name__}: {str(error).splitlines()[0]}"))
+
+        threading.Thread(target=collect, daemon=True).start()
+
+    def cancel(self, index: int, job_id: int) -> None:
+        self.actors[index].cancel.remote(job_id)
+
+    def kill(self, index: int) -> None:
+        import ray
+
+        ray.kill(self.actors[index])
+
+    def close(self) -> None:
+        import ray
+
+        for actor in self.actors:
+            ray.kill(actor)
+
+
+def make_executor(name: str, spec: ServerSpec, ray_address: str | None = None) -> Any:
+    if name == "thread":
+        return ThreadExecutor(spec)
+    if name == "process":
+        return ProcessExecutor(spec)
+    if name == "ray":
+        return RayExecutor(spec, ray_address)
+    raise ConfigError(f"unknown executor '{name}' (choose from {', '.join(EXECUTORS)})")
+
+
+__all__ = ["EXECUTORS", "ProcessExecutor", "RayExecutor", "ServerDied", "ServerSpec", "ThreadExecutor",
+           "make_executor", "replica_factory"]

@@ -1,0 +1,106 @@
+"""What travels between the DSI coordinator and its target servers, and what a server computes.
+
+A job is the speculated sequence (prompt, committed tokens, drafts) up to its end plus the first
+position whose prediction it asks for. A server runs only the tokens its KV cache lacks (rolling back
+where its cache disagrees with the job) and returns the target's prediction for every position from
+`rows_start` to the end: the argmax when greedy, the distribution p when sampling. Everything here is
+picklable, so the same server code runs in a thread, a process or a Ray actor.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from dataclasses import dataclass
+
+import torch
+
+from speculant.config import SamplingConfig
+from speculant.drafters.model import common_prefix_len
+from speculant.models.base import CausalLM
+from speculant.sampling import logits_to_probs
+
+
+@dataclass(frozen=True)
+class Job:
+    id: int
+    tokens: tuple[int, ...]  # the speculated sequence up to the job's last draft
+    first_row: int  # the first position (index into tokens, or len(tokens)) to predict; >= 1
+
+
+@dataclass
+class JobResult:
+    job: int
+    server: int
+    rows_start: int  # the position the first row predicts
+    tokens: list[int] | None  # greedy: the target's argmax per row
+    probs: torch.Tensor | None  # sampling: the target's distribution per row [rows, vocab]
+    start: float  # time.monotonic() around the server's work (one clock for every process)
+    end: float
+    forwards: int
+    preempted: bool = False  # cancelled while it ran (latency twin): no rows
+
+    @property
+    def rows(self) -> int:
+        return len(self.tokens) if self.tokens is not None else (0 if self.probs is None else self.probs.shape[0])
+
+
+class Preempted(Exception):
+    """Raised inside a server when the coordinator cancels the job it is running."""
+
+
+class ServerDied(Exception):
+    """A target server is gone (killed, crashed, timed out): its job must run elsewhere."""
+
+
+class TargetServer:
+    """One target model and its KV cache, serving verification jobs one at a time.
+
+    `die_after` makes the server's process (or thread) exit when its next job arrives after that many
+    jobs: fault injection for tests and demonstrations, a real death, not a simulated one.
+    """
+
+    def __init__(self, index: int, model: CausalLM, sampling: SamplingConfig, die_after: int | None = None,
+                 in_process_of_its_own: bool = False):
+        self.index = index
+        self.model = model
+        self.sampling = sampling
+        self.die_after = die_after
+        self.own_process = in_process_of_its_own
+        self.cached: list[int] = []  # the tokens whose keys and values the model holds
+        self.jobs = 0
+
+    def run(self, job: Job) -> JobResult:
+        if self.die_after is not None and self.jobs >= self.die_after:
+            if self.own_process:
+                os._exit(1)  # a real crash: the coordinator sees the process vanish
+            raise ServerDied(f"target server {self.index} died (fault injected after {self.die_after} jobs)")
+        self.jobs += 1
+        if hasattr(self.model, "job"):  # a latency twin's padding can be cancelled by job id
+            self.model.job = job.id
+        start = time.monotonic()
+        forwards = 0
+        tokens = list(job.tokens)
+        try:
+            keep = min(common_prefix_len(self.cached, tokens), job.first_row - 1)
+            if keep == 0:  # nothing reusable: prefill up to the first wanted row, then the rest
+                rows = [self.model.prefill(tokens[: job.first_row])[None]]
+                forwards += 1
+                if len(tokens) > job.first_row:
+                    rows.append(self.model.forward(tokens[job.first_row:]))
+                    forwards += 1
+                logits, rows_start = torch.cat(rows), job.first_row
+            else:
+                self.model.rollback(keep)
+                logits, rows_start = self.model.forward(tokens[keep:]), keep + 1
+                forwards += 1
+        except Preempted:
+            return JobResult(job.id, self.index, job.first_row, None, None, start, time.monotonic(), forwards + 1,
+                             preempted=True)
+        finally:
+            self.cached = tokens[: self.model.cache_len]
+        if self.sampling.greedy:
+            return JobResult(job.id, self.index, rows_start, logits.argmax(-1).tolist(), None, start,
+                             time.monotonic(), forwards)
+        probs = logits_to_probs(logits, self.sampling)
+        return JobResult(job.id, self.index, rows_start, None, probs, start, time.monotonic(), forwards)

@@ -1,0 +1,124 @@
+"""`speculant simulate online`: the latency twin in pure mode, the DSI paper's online experiment run
+through the real decoders. Non-SI (autoregressive), SI (speculative decoding) and DSI (the engine,
+over real thread/process/Ray servers) generate the same tokens from an `OracleLM` target with a
+`SyntheticDrafter` of i.i.d. acceptance, every forward padded to the given latencies; wall times are
+measured, all in one run, and every output is checked against non-SI's."""
+
+from __future__ import annotations
+
+import random
+from functools import partial
+from pathlib import Path
+from typing import Any
+
+from speculant.analysis.commands import simulate_one
+from speculant.analysis.theory import sd_walltime_improvement
+from speculant.config import SamplingConfig
+from speculant.decoding.autoregressive import autoregressive
+from speculant.decoding.dsi.engine import dsi
+from speculant.decoding.dsi.executors import ServerSpec, make_executor
+from speculant.decoding.dsi.plan import plan
+from speculant.decoding.dsi.timeline import plot_timeline
+from speculant.decoding.dsi.twin import Latency, OracleLM, PaddedModel, SyntheticDrafter
+from speculant.decoding.run import Decoder, timed
+from speculant.decoding.speculative import speculative
+from speculant.decoding.stats import GenerationStats
+from speculant.errors import ConfigError, SpeculantError
+
+VOCAB = 1000
+
+
+def oracle(device: str, seed: int = 0) -> OracleLM:
+    """A picklable server factory for pure mode."""
+    return OracleLM(VOCAB, seed)
+
+
+def run(decoder: Decoder) -> tuple[list[int], GenerationStats]:
+    tokens: list[int] = []
+    stream = timed(decoder, tokens)
+    while True:
+        try:
+            next(stream)
+        except StopIteration as stop:
+            return tokens, stop.value
+
+
+def best_si_lookahead(acceptance: float, c: float, limit: int = 32) -> int:
+    """The k that maximises SD's expected wall-time improvement (Leviathan et al., Theorem 3.8)."""
+    return max(range(1, limit + 1), key=lambda k: sd_walltime_improvement(acceptance, k, c))
+
+
+def simulate_online(target_ms: float, drafter_ms: float, acceptance: float, servers: int, tokens: int = 50,
+                    lookahead: int | None = None, ttft_ms: float | None = None, repeats: int = 5,
+                    executor: str = "thread", seed: int = 0, timeline: Path | None = None,
+                    ray_address: str | None = None) -> dict[str, Any]:
+    """Mean wall times (ms) of non-SI, SI (at DSI's lookahead and at its own best k) and DSI over
+    `repeats` prompts, measured in this run; the offline simulator's DSI estimate beside them."""
+    if not 0 <= acceptance <= 1:
+        raise ConfigError(f"acceptance must lie in [0, 1], got {acceptance}")
+    if tokens < 2 or repeats < 1:
+        raise ConfigError("tokens must be >= 2 and repeats >= 1")
+    chosen = plan(servers, lookahead, target_ms / 1000, drafter_ms / 1000)
+    target_latency = Latency.from_ms(target_ms, ttft_ms)
+    greedy = SamplingConfig()
+    si_best = best_si_lookahead(acceptance, drafter_ms / target_ms)
+    spec = ServerSpec(partial(oracle, seed=seed), ["cpu"] * servers, greedy, target_latency)
+    pool = make_executor(executor, spec, ray_address)
+    pool.start()
+    times: dict[str, list[float]] = {"non_si": [], "si": [], "si_best": [], "dsi": []}
+    identical = True
+    stats = None
+    try:
+        rng = random.Random(seed)
+        warm = [rng.randrange(VOCAB) for _ in range(8)]  # servers start (processes, Ray) before timing
+        run(dsi(pool, SyntheticDrafter(OracleLM(VOCAB, seed), acceptance, 0.0), warm, 4, chosen.lookahead, greedy,
+                None, frozenset(), close_executor=False))
+        for r in range(repeats):
+            prompt = [rng.randrange(VOCAB) for _ in range(8)]
+
+            def target() -> PaddedModel:
+                return PaddedModel(OracleLM(VOCAB, seed), target_latency)
+
+            def drafter(offset: int) -> SyntheticDrafter:
+                return SyntheticDrafter(OracleLM(VOCAB, seed), acceptance, drafter_ms / 1000, seed * 1000 + r * 10 + offset)
+
+            reference, s = run(autoregressive(target(), prompt, tokens, greedy, None))
+            times["non_si"].append(s.wall_s)
+            for name, k, offset in (("si", chosen.lookahead, 1), ("si_best", si_best, 2)):
+                out, s = run(speculative(target(), drafter(offset), prompt, k, tokens, greedy, None))
+                times[name].append(s.wall_s)
+                identical &= out == reference
+            out, stats = run(dsi(pool, drafter(3), prompt, tokens, chosen.lookahead, greedy, None, frozenset(),
+                                 close_executor=False))
+            times["dsi"].append(stats.wall_s)
+            identical &= out == reference
+    finally:
+        pool.close()
+    if not identical:
+        raise SpeculantError("an output differed from non-SI's: this is a bug, please report it")
+    mean = {name: 1000 * sum(values) / len(values) for name, values in times.items()}
+    offline = simulate_one(target_ms, drafter_ms, acceptance, chosen.lookahead, servers, tokens, ttft_ms, 1000, seed)
+    result = {
+        "target_ms": target_ms, "drafter_ms": drafter_ms, "acceptance": acceptance, "servers": servers,
+        "lookahead": chosen.lookahead, "si_best_lookahead": si_best, "tokens": tokens, "repeats": repeats,
+        "executor": executor, "identical_outputs": identical,
+        **{f"{name}_ms": value for name, value in mean.items()},
+        "dsi_speedup_over_si": mean["si"] / mean["dsi"],
+        "dsi_speedup_over_best_si": mean["si_best"] / mean["dsi"],
+        "dsi_speedup_over_non_si": mean["non_si"] / mean["dsi"],
+        "offline_dsi_ms": offline["dsi_ms"],
+    }
+    if timeline is not None and stats is not None and stats.dsi is not None:
+        result["timeline"] = str(plot_timeline(stats.dsi, timeline))
+    return result
+
+
+def format_online(r: dict[str, Any]) -> str:
+    return (f"target {r['target_ms']:g} ms, drafter {r['drafter_ms']:g} ms, acceptance {r['acceptance']:g}, "
+            f"{r['servers']} target server(s) ({r['executor']}), lookahead {r['lookahead']}, {r['tokens']} tokens, "
+            f"mean of {r['repeats']} (outputs identical: {r['identical_outputs']})\n"
+            f"  non-SI {r['non_si_ms']:.0f} ms | SI k={r['lookahead']} {r['si_ms']:.0f} ms | "
+            f"SI k={r['si_best_lookahead']} (its best) {r['si_best_ms']:.0f} ms | DSI {r['dsi_ms']:.0f} ms "
+            f"(offline simulator: {r['offline_dsi_ms']:.0f} ms)\n"
+            f"  DSI speedup: {r['dsi_speedup_over_si']:.2f}x over SI at the same lookahead, "
+            f"{r['dsi_speedup_over_best_si']:.2f}x over SI at its best, {r['dsi_speedup_over_non_si']:.2f}x over non-SI")

@@ -1,0 +1,38 @@
+"""A DSI run as a picture: the drafter and each target server as rows, forwards as bars, rejections
+as red lines (like Figure 1 of the DSI paper)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from speculant.decoding.dsi.record import DSIRecord
+
+COLORS = {"kept": "#4c72b0", "discarded": "#a6bddb", "used": "#55a868", "preempted": "#c44e52",
+          "redundant": "#bbbbbb"}
+
+
+def plot_timeline(record: DSIRecord, path: Path, title: str = "") -> Path:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = len(record.servers)
+    fig, ax = plt.subplots(figsize=(12, 1.2 + 0.45 * (rows + 1)))
+    for outcome, color in COLORS.items():
+        for row in range(-1, rows):
+            bars = [(b.start * 1000, (b.end - b.start) * 1000) for b in record.bars if b.row == row and b.outcome == outcome]
+            if bars:
+                ax.broken_barh(bars, (rows - 1 - row - 0.4, 0.8), facecolors=color, edgecolors="white", linewidth=0.3)
+        ax.bar(0, 0, color=color, label=outcome)  # legend entry
+    for seconds, _ in record.rejections:
+        ax.axvline(seconds * 1000, color="#c44e52", linewidth=0.6, alpha=0.6)
+    labels = [f"server {i}" + (" (in process)" if record.fallback and i == rows - 1 else "") for i in range(rows)]
+    ax.set_yticks(range(rows + 1), [*labels[::-1], "drafter"])  # server i at height rows - 1 - i
+    ax.set_xlabel("ms since start")
+    ax.set_title(title or f"DSI timeline ({record.executor}, lookahead {record.lookahead}); red lines: rejections")
+    ax.legend(loc="upper right", fontsize=7, ncol=5)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path

@@ -1,0 +1,197 @@
+"""The latency twin: real servers, real tokens, real concurrency, emulated hardware.
+
+A `PaddedModel` computes its real outputs and then waits until the forward has taken as long as a
+latency profile says (TTFT for a prefill, TPOT or T(W) for later forwards), so a 2-core machine can
+play an 8-GPU node: the DSI paper's online methodology, but driving the real engine. The wait can be
+cut short by the coordinator (preemption). Pure mode drops the models too: `OracleLM` is a target
+whose next token is a fixed function of the prefix and `SyntheticDrafter` agrees with it with a given
+probability, i.i.d. per token, as in the paper's simulations.
+"""
+
+from __future__ import annotations
+
+import random
+import threading
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import torch
+
+from speculant.decoding.dsi.jobs import Preempted
+from speculant.drafters.base import Draft
+from speculant.models.base import CausalLM
+from speculant.models.metered import Usage
+from speculant.tree import TokenTree
+
+
+@dataclass(frozen=True)
+class Latency:
+    """Emulated forward latencies in seconds: `first_s` for a prefill (TTFT), `step_s` per later
+    forward (TPOT), or T(W) interpolated from `widths` (W new tokens -> seconds) when profiled."""
+
+    first_s: float
+    step_s: float
+    widths: tuple[tuple[int, float], ...] = ()
+
+    def __post_init__(self) -> None:
+        if not (self.first_s >= 0 and self.step_s >= 0):
+            raise ValueError("latencies must be >= 0")
+
+    def forward(self, n_tokens: int) -> float:
+        if not self.widths:
+            return self.step_s
+        widths, seconds = zip(*self.widths)
+        return float(np.interp(n_tokens, widths, seconds))
+
+    @classmethod
+    def from_ms(cls, step_ms: float, first_ms: float | None = None) -> Latency:
+        return cls((step_ms if first_ms is None else first_ms) / 1000, step_ms / 1000)
+
+    @classmethod
+    def from_profile(cls, profile: Any) -> Latency:
+        """From an `analysis.profile.LatencyProfile` (TTFT, TPOT and its T(W) curve)."""
+        return cls(profile.ttft_s, profile.tpot_s, tuple(sorted(profile.forward_s.items())))
+
+
+class _Box:
+    def __init__(self, value: int):
+        self.value = value
+
+
+class Canceller:
+    """Lets the coordinator cancel, by id, the job a server is running; padding waits on it.
+
+    Thread servers use threading primitives; process servers get `multiprocessing` ones (an Event and
+    a shared integer) so that the same object works on both sides of the process boundary."""
+
+    def __init__(self, event: Any = None, job: Any = None):
+        self.event = event if event is not None else threading.Event()
+        self.job = job if job is not None else _Box(-1)
+
+    def cancel(self, job_id: int) -> None:
+        self.job.value = job_id
+        self.event.set()
+
+    def wait(self, seconds: float, job_id: int) -> bool:
+        """Sleep `seconds`; True as soon as job `job_id` is cancelled."""
+        deadline = time.monotonic() + seconds
+        while (left := deadline - time.monotonic()) > 0:
+            if self.event.wait(left):
+                if self.job.value == job_id:
+                    return True
+                self.event.clear()  # a cancellation meant for an earlier job
+        return False
+
+
+class PaddedModel:
+    """A CausalLM whose forwards take at least the emulated latency; `job` names the job being run so
+    that a cancellation of that job interrupts the wait (raising `Preempted`)."""
+
+    def __init__(self, model: CausalLM, latency: Latency, canceller: Canceller | None = None):
+        self.model = model
+        self.latency = latency
+        self.canceller = canceller
+        self.job = -1
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.model, name)
+
+    @property
+    def cache_len(self) -> int:
+        return self.model.cache_len
+
+    def _pad(self, start: float, seconds: float) -> None:
+        left = seconds - (time.monotonic() - start)
+        if left <= 0:
+            return
+        if self.canceller is None:
+            time.sleep(left)
+        elif self.canceller.wait(left, self.job):
+            raise Preempted
+
+    def prefill(self, ids: Sequence[int]) -> torch.Tensor:
+        start = time.monotonic()
+        logits = self.model.prefill(ids)
+        self._pad(start, self.latency.first_s)
+        return logits
+
+    def forward(self, ids: Sequence[int], positions: Sequence[int] | None = None,
+                tree: TokenTree | None = None) -> torch.Tensor:
+        start = time.monotonic()
+        logits = self.model.forward(ids, positions, tree=tree)
+        self._pad(start, self.latency.forward(len(ids)))
+        return logits
+
+
+class OracleLM:
+    """Pure mode's target: no weights; its greedy next token is a fixed function of the prefix."""
+
+    tokenizer = None
+    eos_token_ids: frozenset[int] = frozenset()
+    device = torch.device("cpu")
+    dtype = torch.float32
+
+    def __init__(self, vocab_size: int = 64, seed: int = 0):
+        self.name = "oracle"
+        self.vocab_size = vocab_size
+        self.seed = seed
+        self._ids: list[int] = []
+
+    def next_token(self, prefix: Sequence[int]) -> int:
+        return (prefix[-1] * 31 + len(prefix) * 17 + self.seed) % self.vocab_size
+
+    @property
+    def cache_len(self) -> int:
+        return len(self._ids)
+
+    def _rows(self, start: int) -> torch.Tensor:
+        targets = [self.next_token(self._ids[: i + 1]) for i in range(start, len(self._ids))]
+        return torch.zeros(len(targets), self.vocab_size).scatter_(-1, torch.tensor(targets)[:, None], 10.0)
+
+    def prefill(self, ids: Sequence[int]) -> torch.Tensor:
+        self._ids = list(ids)
+        return self._rows(len(ids) - 1)[0]
+
+    def forward(self, ids: Sequence[int], positions: Sequence[int] | None = None,
+                tree: TokenTree | None = None) -> torch.Tensor:
+        if tree is not None:
+            raise NotImplementedError("the oracle has no tree attention")
+        start = len(self._ids)
+        self._ids += list(ids)
+        return self._rows(start)
+
+    def rollback(self, n: int) -> None:
+        del self._ids[n:]
+
+    def keep(self, indices: Sequence[int]) -> None:
+        self._ids = [self._ids[i] for i in indices]
+
+
+class SyntheticDrafter:
+    """Pure mode's drafter: proposes the oracle's token with probability `acceptance`, i.i.d. per token,
+    and a wrong one otherwise; each token costs `latency_s` of sleep (one emulated drafter forward)."""
+
+    def __init__(self, oracle: OracleLM, acceptance: float, latency_s: float, seed: int = 0):
+        if not 0 <= acceptance <= 1:
+            raise ValueError(f"acceptance must lie in [0, 1], got {acceptance}")
+        self.name = "synthetic"
+        self.oracle = oracle
+        self.acceptance = acceptance
+        self.latency_s = latency_s
+        self.rng = random.Random(seed)
+
+    def propose(self, context: list[int], k: int) -> Draft:
+        tokens: list[int] = []
+        start = time.monotonic()
+        for i in range(k):
+            time.sleep(max(0.0, start + (i + 1) * self.latency_s - time.monotonic()))
+            truth = self.oracle.next_token(context + tokens)
+            wrong = (truth + 1 + self.rng.randrange(self.oracle.vocab_size - 1)) % self.oracle.vocab_size
+            tokens.append(truth if self.rng.random() < self.acceptance else wrong)
+        return Draft(tokens, None, {self.name: Usage(k, k, time.monotonic() - start)})
+
+    def observe(self, n_accepted: int) -> None:
+        pass
