@@ -233,7 +233,7 @@ def test_process_executor_equal_output_and_survives_a_killed_server():
 def test_process_server_crash_is_survived():
     target, drafter, prompt = pair(44, noise=0.1)
     spec = ServerSpec(partial(hf_replica, target.model, target.name, frozenset()), ["cpu"] * 2, GREEDY,
-                      die_after={0: 4})
+                      die_after={0: 1})
     tokens, stats = run_dsi(make_executor("process", spec), drafter, prompt, 40, 2, close=True)
     assert tokens == reference(target, prompt, 40)
     assert "exited" in stats.dsi.servers[0].lost

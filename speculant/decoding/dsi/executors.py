@@ -73,23 +73,33 @@ class ThreadExecutor:
         self.events: queue.Queue = queue.Queue()
 
     def start(self) -> None:
+        """Start every server and return once all have built their model."""
         if self.threads:
             return
+        ready: queue.Queue = queue.Queue()
         for index in range(len(self.spec.devices)):
             self.inboxes.append(queue.Queue())
             self.cancellers.append(Canceller())
-            thread = threading.Thread(target=self._serve, args=(index, self.events), daemon=True,
-                                      name=f"dsi-target-{index}")
+            thread = threading.Thread(target=self._serve, args=(index, ready), daemon=True, name=f"dsi-target-{index}")
             thread.start()
             self.threads.append(thread)
+        for _ in self.threads:
+            index, error = ready.get()
+            if error:
+                raise ServerDied(f"target server {index} failed to start: {error}")
 
-    def _serve(self, index: int, events: queue.Queue) -> None:
+    def _serve(self, index: int, ready: queue.Queue) -> None:
         try:
             server = self.spec.build(index, self.cancellers[index], own_process=False)
+        except Exception as error:  # noqa: BLE001 - reported by start()
+            ready.put((index, f"{type(error).__name__}: {error}"))
+            return
+        ready.put((index, None))
+        try:
             while (job := self.inboxes[index].get()) is not None:
-                events.put(("result", server.run(job)))
+                self.events.put(("result", server.run(job)))
         except Exception as error:  # noqa: BLE001 - a server failure is reported, its jobs move on
-            events.put(("lost", index, f"{type(error).__name__}: {error}"))
+            self.events.put(("lost", index, f"{type(error).__name__}: {error}"))
 
     def submit(self, index: int, job: Job) -> None:
         self.inboxes[index].put(job)
@@ -106,15 +116,22 @@ class ThreadExecutor:
 
 def _process_main(spec: ServerSpec, index: int, conn: Any, canceller: Canceller, threads: int) -> None:
     torch.set_num_threads(threads)
-    server = spec.build(index, canceller, own_process=True)
+    try:
+        server = spec.build(index, canceller, own_process=True)
+    except Exception as error:  # noqa: BLE001 - reported by start()
+        conn.send(f"{type(error).__name__}: {error}")
+        return
+    conn.send(None)  # ready
     while True:
         try:
             job = conn.recv()
         except (EOFError, OSError):
-            return
+            break
         if job is None:
-            return
+            break
         conn.send(server.run(job))
+    conn.close()
+    os._exit(0)  # nothing to clean up; skip an interpreter teardown racing torch's worker threads
 
 
 class ProcessExecutor:
@@ -129,6 +146,7 @@ class ProcessExecutor:
         self.cancellers: list[Canceller] = []
         self.processes: list[Any] = []
         self.locks: list[threading.Lock] = []
+        self.readers: list[threading.Thread] = []
         self.events: queue.Queue = queue.Queue()
 
     def start(self) -> None:
@@ -150,7 +168,18 @@ class ProcessExecutor:
             self.cancellers.append(canceller)
             self.processes.append(process)
             self.locks.append(threading.Lock())
-            threading.Thread(target=self._read, args=(index, self.events), daemon=True).start()
+        for index, conn in enumerate(self.conns):  # every server has built its model
+            try:
+                error = conn.recv()
+            except (EOFError, OSError):
+                error = f"process exited (code {self.processes[index].exitcode})"
+            if error:
+                self.close()
+                raise ServerDied(f"target server {index} failed to start: {error}")
+        for index in range(n):
+            reader = threading.Thread(target=self._read, args=(index, self.events), daemon=True)
+            reader.start()
+            self.readers.append(reader)
 
     def _read(self, index: int, events: queue.Queue) -> None:
         while True:
@@ -184,6 +213,8 @@ class ProcessExecutor:
             process.join(timeout=5)
             if process.is_alive():
                 process.kill()
+        for reader in self.readers:
+            reader.join(timeout=5)
 
 
 class _RayServer:
@@ -192,6 +223,9 @@ class _RayServer:
     def __init__(self, spec: ServerSpec, index: int):
         self.canceller = Canceller()
         self.server = spec.build(index, self.canceller, own_process=True)
+
+    def ready(self) -> bool:
+        return True
 
     def run(self, job: Job) -> Any:
         return self.server.run(job)
@@ -226,6 +260,12 @@ class RayExecutor:
         for index, device in enumerate(self.spec.devices):
             gpus = 1 if device.startswith("cuda") else 0
             self.actors.append(actor.options(num_gpus=gpus, num_cpus=0).remote(self.spec, index))
+        for index, actor_handle in enumerate(self.actors):  # every server has built its model
+            try:
+                ray.get(actor_handle.ready.remote())
+            except Exception as error:  # noqa: BLE001 - RayActorError wraps the constructor's exception
+                self.close()
+                raise ServerDied(f"target server {index} failed to start: {str(error).splitlines()[0]}") from None
 
     def submit(self, index: int, job: Job) -> None:
         import ray

@@ -17,6 +17,7 @@ import torch
 
 from speculant.config import SamplingConfig
 from speculant.drafters.model import common_prefix_len
+from speculant.errors import SpeculantError
 from speculant.models.base import CausalLM
 from speculant.sampling import logits_to_probs
 
@@ -49,8 +50,8 @@ class Preempted(Exception):
     """Raised inside a server when the coordinator cancels the job it is running."""
 
 
-class ServerDied(Exception):
-    """A target server is gone (killed, crashed, timed out): its job must run elsewhere."""
+class ServerDied(SpeculantError):
+    """A target server is gone (killed, crashed, timed out; its job runs elsewhere) or could not start."""
 
 
 class TargetServer:
