@@ -65,7 +65,7 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--ray-address", default=None, help="dsi with --executor ray: join this cluster (default: start one)")
     gen.add_argument("--twin-latency", default=None, metavar="T,D[,TTFT]",
                      help="dsi latency twin: pad every target forward to T ms (its first to TTFT ms) and every "
-                          "drafter forward to D ms, e.g. 30,3")
+                          "drafter forward to D ms, e.g. 30,3; or TARGET.json,DRAFTER.json (speculant profile files)")
     gen.add_argument("--timeline", default=None, metavar="PNG", help="dsi: draw the servers' forwards over time")
     add_options(gen, DecodeConfig, method=None)
     add_options(gen, SamplingConfig)
@@ -252,9 +252,17 @@ def run_generate(args: argparse.Namespace) -> None:
 
 
 def parse_twin(text: str) -> tuple[Any, Any]:
-    """`30,3` or `30,3,120` (target TPOT, drafter, target TTFT in ms) -> (target, drafter) Latency."""
+    """`30,3` or `30,3,120` (target TPOT, drafter, target TTFT in ms), or two `speculant profile` JSONs
+    `target.json,drafter.json` (TTFT, TPOT and T(W) each) -> (target, drafter) Latency."""
+    from speculant.analysis.profile import LatencyProfile
     from speculant.decoding.dsi.twin import Latency
 
+    parts = text.split(",")
+    if len(parts) == 2 and all(part.endswith(".json") for part in parts):
+        if missing := [part for part in parts if not Path(part).is_file()]:
+            raise ConfigError(f"profile not found: {', '.join(missing)}")
+        target, drafter = (Latency.from_profile(LatencyProfile.load(Path(part))) for part in parts)
+        return target, drafter
     try:
         values = [float(v) for v in text.split(",")]
     except ValueError:

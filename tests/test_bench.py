@@ -99,7 +99,7 @@ def test_dsi_in_the_matrix_keeps_its_servers_across_prompts(tiny_dir):
     prompts = [Prompt("p1", "def f(x):"), Prompt("p2", "hello")]
     rows = run_matrix(lambda dtype: target, methods, prompts, 12)
     ar, dsi = summarize(rows, methods)
-    assert dsi.identical_to_ar == 1.0 and dsi.acceptance_rate == 1.0
+    assert dsi.identical_to_ar == 1.0 and dsi.acceptance_rate in (None, 1.0)  # same weights: never rejected
     assert [r.stats.dsi.lookahead for r in rows[1::2]] == [3, 3]
 
 

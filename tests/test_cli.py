@@ -81,6 +81,7 @@ def test_sampling_with_seed_is_reproducible(model_dirs, capsys):
         (["--method", "dsi", "--servers", "0"], "servers must be >= 1"),
         (["--method", "dsi", "--lookahead", "0"], "lookahead must be >= 1"),
         (["--method", "dsi", "--twin-latency", "30"], "--twin-latency takes"),
+        (["--method", "dsi", "--twin-latency", "a.json,b.json"], "profile not found"),
         (["--method", "dsi", "--servers", "2", "--target-devices", "cpu"], "1 target devices given for 2"),
         (["--method", "dsi", "--servers", "2", "--lookahead", "1", "--twin-latency", "30,3"], "needs 10"),
         (["--method", "dsi", "--twin-latency", "3,30"], "as slow as the target"),

@@ -12,7 +12,7 @@ from speculant import generate
 from speculant.config import SamplingConfig
 from speculant.decoding.dsi.engine import DrafterFailed, dsi
 from speculant.decoding.dsi.executors import ServerSpec, hf_replica, make_executor, replica_factory
-from speculant.decoding.dsi.jobs import Job, TargetServer
+from speculant.decoding.dsi.jobs import Job, ServerDied, TargetServer
 from speculant.decoding.dsi.online import run, simulate_online
 from speculant.decoding.dsi.plan import plan
 from speculant.decoding.dsi.timeline import plot_timeline
@@ -100,10 +100,10 @@ def test_server_catches_up_and_rolls_back_its_cache():
 
 def test_lost_thread_server_gives_identical_output():
     target, drafter, prompt = pair(11, noise=0.1)
-    spec = ServerSpec(replica_factory(target), ["cpu"] * 3, GREEDY, Latency(0.003, 0.003), die_after={1: 1})
+    spec = ServerSpec(replica_factory(target), ["cpu"] * 3, GREEDY, Latency(0.003, 0.003), die_after={0: 1})
     tokens, stats = run_dsi(make_executor("thread", spec), drafter, prompt, 40, 2, close=True)
     assert tokens == reference(target, prompt, 40)
-    assert stats.dsi.servers[1].lost and not stats.dsi.servers[0].lost
+    assert stats.dsi.servers[0].lost and not stats.dsi.servers[1].lost  # the first idle server takes the next job
 
 
 def test_every_server_lost_finishes_as_speculative_decoding_in_process():
@@ -113,6 +113,16 @@ def test_every_server_lost_finishes_as_speculative_decoding_in_process():
     assert tokens == reference(target, prompt, 40)
     assert stats.dsi.fallback and all(s.lost for s in stats.dsi.servers[:2])
     assert stats.dsi.servers[2].used > 0  # the in-process server did the rest
+
+
+def broken_factory(device):
+    raise OSError("no such model file")
+
+
+def test_a_server_that_cannot_start_is_a_clear_error():
+    pool = make_executor("thread", ServerSpec(broken_factory, ["cpu"] * 2, GREEDY))
+    with pytest.raises(ServerDied, match="failed to start: OSError: no such model file"):
+        pool.start()
 
 
 class FailingDrafter:

@@ -155,7 +155,7 @@ class Coordinator:
             wanted = len(self.seq) + 1 - self.frontier  # positions frontier .. len(seq)
             drafter_waits = len(self.seq) >= self.limit()
             ready = wanted >= 1 and (self.frontier <= self.n_committed or wanted >= self.lookahead or drafter_waits)
-            if not ready or (self.idle.isdisjoint(self.alive) if self.alive else self.in_process in self.running):
+            if not ready or (not self.idle if self.alive else self.in_process in self.running):
                 return
             job = Job(self.next_id, tuple(self.seq), self.frontier)
             self.next_id += 1
