@@ -85,8 +85,9 @@ class DraftWorker:
                 return
             end = time.monotonic()
             with self.cond:
-                if not draft.tokens:  # nothing to propose here: wait for the context to change
-                    self.limit = min(self.limit, len(context)) if self.epoch == epoch else self.limit
+                if not draft.tokens:  # nothing to propose here: wait until a commit or restart moves on
+                    if epoch == self.epoch:
+                        self.limit = len(context)
                     continue
                 current = epoch == self.epoch and self.context == context
                 if current:
@@ -223,9 +224,10 @@ class Coordinator:
             for item in list(self.buffered):
                 job, result = item
                 end = result.rows_start + result.rows  # one past the last predicted position
-                if self.stale(job) or end <= self.n_committed:
+                stale = self.stale(job)
+                if stale or end <= self.n_committed:
                     self.buffered.remove(item)
-                    self.close_bar(job, result, "preempted" if self.stale(job) else "redundant")
+                    self.close_bar(job, result, "preempted" if stale else "redundant")
                 elif result.rows_start <= self.n_committed:
                     self.buffered.remove(item)
                     committed += self.apply(job, result)

@@ -62,12 +62,12 @@ class TargetServer:
     """
 
     def __init__(self, index: int, model: CausalLM, sampling: SamplingConfig, die_after: int | None = None,
-                 in_process_of_its_own: bool = False):
+                 own_process: bool = False):
         self.index = index
         self.model = model
         self.sampling = sampling
         self.die_after = die_after
-        self.own_process = in_process_of_its_own
+        self.own_process = own_process  # a crash may exit the process: nothing else runs in it
         self.cached: list[int] = []  # the tokens whose keys and values the model holds
         self.jobs = 0
 
