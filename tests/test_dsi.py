@@ -240,6 +240,29 @@ def test_process_executor_equal_output_and_survives_a_killed_server():
     assert tokens == reference(target, prompt, 40)
 
 
+@pytest.mark.parametrize("executor", ["process", "ray"])
+def test_greedy_dsi_equals_autoregressive_on_every_executor(executor):
+    """N in {1, 2, 3} (Ray: 3, its actors take seconds each to start; the test below runs 2) and lookahead
+    in {1, 3, 5}, one pool per N serving every lookahead, random twin latencies to shake out races."""
+    if executor == "ray":
+        pytest.importorskip("ray")
+    rng = random.Random(7)
+    target = tiny_model("llama", 61, VOCAB)
+    for servers in (1, 2, 3) if executor == "process" else (3,):
+        spec = ServerSpec(partial(hf_replica, target.model, target.name, frozenset()), ["cpu"] * servers, GREEDY,
+                          Latency(rng.uniform(0, 0.004), rng.uniform(0.001, 0.004)))
+        pool = make_executor(executor, spec)
+        pool.start()
+        try:
+            for lookahead in (1, 3, 5):
+                drafter = perturbed(target, rng.choice([0.1, 0.3]), rng.randrange(1000))
+                prompt = random_prompt(rng.randrange(1000), VOCAB, 8)
+                tokens = run_dsi(pool, drafter, prompt, 24, lookahead, Latency(0, rng.uniform(0, 0.002)))[0]
+                assert tokens == reference(target, prompt, 24), f"{servers} servers, lookahead {lookahead}"
+        finally:
+            pool.close()
+
+
 def test_process_server_crash_is_survived():
     target, drafter, prompt = pair(44, noise=0.1)
     spec = ServerSpec(partial(hf_replica, target.model, target.name, frozenset()), ["cpu"] * 2, GREEDY,
