@@ -244,6 +244,7 @@ class RayExecutor:
         self.spec = spec
         self.address = address
         self.actors: list[Any] = []
+        self.owns_ray = False
         self.events: queue.Queue = queue.Queue()
 
     def start(self) -> None:
@@ -253,7 +254,8 @@ class RayExecutor:
             import ray
         except ImportError:
             raise ModelNotAvailable("executor 'ray' needs Ray: pip install 'speculant[ray]'") from None
-        if not ray.is_initialized():
+        self.owns_ray = not ray.is_initialized()
+        if self.owns_ray:
             ray.init(address=self.address, include_dashboard=False, log_to_driver=False,
                      configure_logging=False)
         actor = ray.remote(max_concurrency=2)(_RayServer)
@@ -293,6 +295,8 @@ class RayExecutor:
 
         for actor in self.actors:
             ray.kill(actor)
+        if self.owns_ray:  # a Ray this executor started stops with it (its workers hold memory and cores)
+            ray.shutdown()
 
 
 def make_executor(name: str, spec: ServerSpec, ray_address: str | None = None) -> Any:
