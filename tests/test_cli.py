@@ -1,7 +1,6 @@
 """The CLI on tiny models saved to disk: streaming output, JSON stats, and one-line errors with exit 2."""
 
 import json
-import math
 
 import pytest
 

@@ -1,6 +1,5 @@
 """Latency profiles and acceptance estimation on tiny models."""
 
-import json
 
 import numpy as np
 import pytest

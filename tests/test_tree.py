@@ -197,16 +197,10 @@ def test_tree_sampling_verification_follows_the_target():
 
 
 def test_tree_sampling_end_to_end_matches_target_distribution():
-    from helpers import total_variation
-    from test_sampling import VOCAB, empirical_marginals, exact_marginals
+    from test_sampling import assert_follows_target, sampling_pair
 
-    target = tiny_model("llama", 21, VOCAB, init_std=0.5)
-    drafter = tiny_model("llama", 22, VOCAB, init_std=0.5)
-    prompt = random_prompt(21, VOCAB, 6)
-    exact = exact_marginals(target, prompt)
-    got = empirical_marginals(target, prompt, 1500, method="tree", drafter=drafter, depth=2, width=3)
-    for i in range(3):
-        assert total_variation(got[i], exact[i]) < 0.07, f"token {i + 1}"
+    target, drafter, prompt = sampling_pair()
+    assert_follows_target(target, prompt, method="tree", drafter=drafter, depth=2, width=3)
 
 
 def test_objective_decides_the_depth():

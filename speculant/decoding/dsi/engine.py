@@ -14,6 +14,7 @@ Sampling decides each position by speculative sampling with the draft's q shippe
 
 from __future__ import annotations
 
+import itertools
 import queue
 import threading
 import time
@@ -23,9 +24,8 @@ from typing import Any
 import torch
 
 from speculant.config import SamplingConfig
-from speculant.decoding.dsi.jobs import Job, JobResult
+from speculant.decoding.dsi.jobs import Canceller, Job, JobResult
 from speculant.decoding.dsi.record import Bar, DSIRecord, ServerRecord
-from speculant.decoding.dsi.twin import Canceller
 from speculant.decoding.run import Decoder, emit
 from speculant.decoding.stats import GenerationStats
 from speculant.drafters.base import Drafter
@@ -33,6 +33,9 @@ from speculant.errors import SpeculantError
 from speculant.models.metered import Usage
 from speculant.sampling import sample
 from speculant.verify import verify_one
+
+
+JOB_IDS = itertools.count()  # unique across runs, so a late answer from an earlier run sharing an executor is ignored
 
 
 class DrafterFailed(SpeculantError):
@@ -117,7 +120,6 @@ class Coordinator:
         self.alive, self.idle = set(range(n)), set(range(n))
         self.running: dict[int, tuple[Job, float]] = {}  # server -> (job, dispatch time)
         self.buffered: list[tuple[Job, JobResult]] = []
-        self.next_id = getattr(executor, "next_job_id", 0)
         self.local: Any = None  # the in-process server once every server is lost
         self.in_process = n  # its index
         self.t0 = time.monotonic()
@@ -158,8 +160,7 @@ class Coordinator:
             ready = wanted >= 1 and (self.frontier <= self.n_committed or wanted >= self.lookahead or drafter_waits)
             if not ready or (not self.idle if self.alive else self.in_process in self.running):
                 return
-            job = Job(self.next_id, tuple(self.seq), self.frontier)
-            self.next_id += 1
+            job = Job(next(JOB_IDS), tuple(self.seq), self.frontier)
             self.frontier = len(self.seq) + 1
             if not self.alive:  # every server lost: finish as speculative decoding in this process
                 if self.local is None:
@@ -168,19 +169,17 @@ class Coordinator:
                 self.running[self.in_process] = (job, time.monotonic())
                 self.events.put(("result", self.local.run(job)))
                 return
-            server = min(self.idle)
-            self.idle.discard(server)
-            self.running[server] = (job, time.monotonic())
-            self.executor.submit(server, job)
+            self.send(min(self.idle), job)
+
+    def send(self, server: int, job: Job) -> None:
+        self.idle.discard(server)
+        self.running[server] = (job, time.monotonic())
+        self.executor.submit(server, job)
 
     def warm_up(self) -> None:
         """Every server prefills the prompt at once; the first answer gives the first token."""
         for server in sorted(self.alive):
-            job = Job(self.next_id, tuple(self.seq), self.n_committed)
-            self.next_id += 1
-            self.idle.discard(server)
-            self.running[server] = (job, time.monotonic())
-            self.executor.submit(server, job)
+            self.send(server, Job(next(JOB_IDS), tuple(self.seq), self.n_committed))
         self.frontier = self.n_committed + 1
 
     # --- results ----------------------------------------------------------------------------------
@@ -363,7 +362,6 @@ def dsi(executor: Any, drafter: Drafter, prompt_ids: list[int], max_new_tokens: 
             worker.thread.join(timeout=timeout_s)
         while not events.empty():  # the drafter's last drafts: nothing for a later run to see
             events.get_nowait()
-        executor.next_job_id = state.next_id
         if close_executor:
             executor.close()
     stats = state.stats

@@ -18,8 +18,8 @@ from typing import Any
 import torch
 
 from speculant.config import EXECUTORS, SamplingConfig
-from speculant.decoding.dsi.jobs import Job, ServerDied, TargetServer
-from speculant.decoding.dsi.twin import Canceller, Latency, PaddedModel
+from speculant.decoding.dsi.jobs import Canceller, Job, ServerDied, TargetServer
+from speculant.decoding.dsi.twin import Latency, PaddedModel
 from speculant.errors import ConfigError, ModelNotAvailable
 from speculant.models.base import CausalLM
 from speculant.models.hf import HFCausalLM
@@ -43,7 +43,7 @@ class ServerSpec:
         model = self.factory(device or self.devices[index])
         if self.latency is not None:
             model = PaddedModel(model, self.latency, canceller)
-        return TargetServer(index, model, self.sampling, self.die_after.get(index), own_process)
+        return TargetServer(index, model, self.sampling, self.die_after.get(index), own_process, canceller)
 
 
 def hf_replica(model: Any, name: str, eos: frozenset[int], device: str) -> HFCausalLM:
@@ -207,8 +207,8 @@ class ProcessExecutor:
         self.processes[index].kill()
 
     def close(self) -> None:
-        for index, process in enumerate(self.processes):
-            self.submit(index, None)  # type: ignore[arg-type]
+        for index in range(len(self.processes)):
+            self.submit(index, None)  # type: ignore[arg-type]  # asks the server to exit
         for process in self.processes:
             process.join(timeout=5)
             if process.is_alive():

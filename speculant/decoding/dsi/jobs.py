@@ -10,8 +10,10 @@ picklable, so the same server code runs in a thread, a process or a Ray actor.
 from __future__ import annotations
 
 import os
+import threading
 import time
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -46,6 +48,38 @@ class JobResult:
         return len(self.tokens) if self.tokens is not None else (0 if self.probs is None else self.probs.shape[0])
 
 
+class _Box:
+    def __init__(self, value: int):
+        self.value = value
+
+
+class Canceller:
+    """Lets the coordinator cancel, by id, the job a server is running; the server's waits watch it.
+
+    `cancelled` and `event` are shared with the coordinator: threading primitives for thread servers,
+    `multiprocessing` ones (a shared integer and an Event) for process servers, so the same object works
+    on both sides of the process boundary. `running` is the server's own: the job it is on."""
+
+    def __init__(self, event: Any = None, cancelled: Any = None):
+        self.event = event if event is not None else threading.Event()
+        self.cancelled = cancelled if cancelled is not None else _Box(-1)
+        self.running = -1
+
+    def cancel(self, job_id: int) -> None:
+        self.cancelled.value = job_id
+        self.event.set()
+
+    def wait(self, seconds: float) -> bool:
+        """Sleep `seconds`; True as soon as the running job is cancelled."""
+        deadline = time.monotonic() + seconds
+        while (left := deadline - time.monotonic()) > 0:
+            if self.event.wait(left):
+                if self.cancelled.value == self.running:
+                    return True
+                self.event.clear()  # a cancellation meant for an earlier job
+        return False
+
+
 class Preempted(Exception):
     """Raised inside a server when the coordinator cancels the job it is running."""
 
@@ -62,8 +96,9 @@ class TargetServer:
     """
 
     def __init__(self, index: int, model: CausalLM, sampling: SamplingConfig, die_after: int | None = None,
-                 own_process: bool = False):
+                 own_process: bool = False, canceller: Canceller | None = None):
         self.index = index
+        self.canceller = canceller
         self.model = model
         self.sampling = sampling
         self.die_after = die_after
@@ -77,8 +112,8 @@ class TargetServer:
                 os._exit(1)  # a real crash: the coordinator sees the process vanish
             raise ServerDied(f"target server {self.index} died (fault injected after {self.die_after} jobs)")
         self.jobs += 1
-        if hasattr(self.model, "job"):  # a latency twin's padding can be cancelled by job id
-            self.model.job = job.id
+        if self.canceller is not None:
+            self.canceller.running = job.id
         start = time.monotonic()
         forwards = 0
         tokens = list(job.tokens)

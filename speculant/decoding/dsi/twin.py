@@ -11,7 +11,6 @@ probability, i.i.d. per token, as in the paper's simulations.
 from __future__ import annotations
 
 import random
-import threading
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -20,7 +19,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from speculant.decoding.dsi.jobs import Preempted
+from speculant.decoding.dsi.jobs import Canceller, Preempted
 from speculant.drafters.base import Draft
 from speculant.models.base import CausalLM
 from speculant.models.metered import Usage
@@ -56,45 +55,14 @@ class Latency:
         return cls(profile.ttft_s, profile.tpot_s, tuple(sorted(profile.forward_s.items())))
 
 
-class _Box:
-    def __init__(self, value: int):
-        self.value = value
-
-
-class Canceller:
-    """Lets the coordinator cancel, by id, the job a server is running; padding waits on it.
-
-    Thread servers use threading primitives; process servers get `multiprocessing` ones (an Event and
-    a shared integer) so that the same object works on both sides of the process boundary."""
-
-    def __init__(self, event: Any = None, job: Any = None):
-        self.event = event if event is not None else threading.Event()
-        self.job = job if job is not None else _Box(-1)
-
-    def cancel(self, job_id: int) -> None:
-        self.job.value = job_id
-        self.event.set()
-
-    def wait(self, seconds: float, job_id: int) -> bool:
-        """Sleep `seconds`; True as soon as job `job_id` is cancelled."""
-        deadline = time.monotonic() + seconds
-        while (left := deadline - time.monotonic()) > 0:
-            if self.event.wait(left):
-                if self.job.value == job_id:
-                    return True
-                self.event.clear()  # a cancellation meant for an earlier job
-        return False
-
-
 class PaddedModel:
-    """A CausalLM whose forwards take at least the emulated latency; `job` names the job being run so
-    that a cancellation of that job interrupts the wait (raising `Preempted`)."""
+    """A CausalLM whose forwards take at least the emulated latency; a cancellation of the job its
+    server is running (`canceller`) interrupts the wait, raising `Preempted`."""
 
     def __init__(self, model: CausalLM, latency: Latency, canceller: Canceller | None = None):
         self.model = model
         self.latency = latency
         self.canceller = canceller
-        self.job = -1
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self.model, name)
@@ -109,7 +77,7 @@ class PaddedModel:
             return
         if self.canceller is None:
             time.sleep(left)
-        elif self.canceller.wait(left, self.job):
+        elif self.canceller.wait(left):
             raise Preempted
 
     def prefill(self, ids: Sequence[int]) -> torch.Tensor:
