@@ -19,6 +19,7 @@ from speculant.decoding.dsi.twin import Latency, PaddedModel
 from speculant.decoding.run import Decoder, timed
 from speculant.decoding.speculative import speculative
 from speculant.decoding.tree import tree_speculative
+from speculant.decoding.tree_shape import tree_shape
 from speculant.decoding.stats import GenerationStats
 from speculant.drafters.base import Drafter
 from speculant.drafters.cascade import CascadeDrafter, default_k_matrix, parse_k_matrix
@@ -182,12 +183,12 @@ def generate(
     drafter: Any = None,
     method: str = "sd",
     k: int = 4,
-    depth: int = 4,
-    width: int = 4,
+    depth: int | str = 4,
+    width: int | str = 4,
     drafters: list[Any] | None = None,
     k_matrix: list[list[int]] | str | None = None,
     leniency: float = 1.0,
-    verify_width: int | None = None,
+    verify_width: int | str | None = None,
     target_profile: LatencyProfile | str | Path | None = None,
     servers: int = 1,
     lookahead: int | None = None,
@@ -206,7 +207,8 @@ def generate(
     """Generate with `method` "ar" (autoregressive), "sd" (speculative decoding/sampling), "tree"
     (token-tree speculation: `depth` drafting steps of `width` nodes each, at most `verify_width` of them
     verified; when `target_profile`, a `speculant profile` JSON of the target, gives its T(W), the
-    latency-aware objective decides how deep (up to `depth`) to draft and how many nodes to verify) or
+    latency-aware objective decides how deep (up to `depth`) to draft and how many nodes to verify;
+    each of the three may be "auto", T(W) then being measured when no profile is given) or
     "cascade" (cascade
     speculative drafting over `drafters`, largest first, "maxgram" last, shaped by the K matrix
     `k_matrix`, with inner reviews relaxed by `leniency`) or "dsi" (distributed speculative inference:
@@ -264,13 +266,12 @@ def generate(
         model = load_drafter(drafter, target)
         if isinstance(model, Drafter):
             raise ConfigError("method 'tree' needs a model drafter")
-        cost, cap = None, config.verify_width
-        if target_profile is not None:
-            profile = target_profile if isinstance(target_profile, LatencyProfile) else LatencyProfile.load(target_profile)
-            cost = profile.cost
-            cap = cap or config.depth * config.width  # the objective picks the size up to the whole tree
-        decoder = tree_speculative(target, TreeDrafter(model), prompt_ids, config.depth, config.width,
-                                   config.max_new_tokens, sampling, generator, cap, cost)
+        profile = target_profile
+        if profile is not None and not isinstance(profile, LatencyProfile):
+            profile = LatencyProfile.load(profile)
+        shape = tree_shape(target, model, prompt_ids, config.depth, config.width, config.verify_width, profile)
+        decoder = tree_speculative(target, TreeDrafter(model), prompt_ids, shape.depth, shape.width,
+                                   config.max_new_tokens, sampling, generator, shape.verify_width, shape.cost)
     else:
         draft_source = make_drafter(drafter, target, sampling, generator)
         decoder = speculative(target, draft_source, prompt_ids, config.k, config.max_new_tokens, sampling, generator)

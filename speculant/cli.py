@@ -354,7 +354,7 @@ def run_profile(args: argparse.Namespace) -> None:
     for profile in profiles:
         print(f"{profile.model} ({profile.dtype}, {profile.device}): TTFT {profile.ttft_s * 1000:.0f} ms, "
               f"TPOT {profile.tpot_s * 1000:.1f} ms; T(W) at {profile.context_len} cached tokens:")
-        print("  " + "  ".join(f"{w}:{t * 1000:.0f}ms" for w, t in profile.forward_s.items()))
+        print("  " + "  ".join(f"{w}:{t * 1000:.1f}ms" for w, t in profile.forward_s.items()))
     if args.drafter:
         target, drafter_profile = profiles
         print(f"cost ratio c = drafter TPOT / target TPOT = {drafter_profile.tpot_s / target.tpot_s:.3f}")

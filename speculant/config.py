@@ -12,6 +12,12 @@ from typing import Any, TypeVar
 from speculant.errors import ConfigError
 
 T = TypeVar("T")
+AUTO = "auto"  # a tree size the latency-aware objective chooses
+
+
+def count_or_auto(text: str) -> int | str:
+    """Parse a count, or `auto`."""
+    return AUTO if text == AUTO else int(text)
 
 
 def option(default: Any, help: str, **extra: Any) -> Any:
@@ -50,10 +56,11 @@ class DecodeConfig:
                          "cascade (cascade speculative drafting), dsi (distributed speculative inference)",
                          choices=METHODS)
     k: int = option(4, "draft tokens per speculation step (sd; cascade: per level when no K matrix is given)")
-    depth: int = option(4, "draft tree depth: drafting steps per tree (tree)")
-    width: int = option(4, "nodes added per drafting step (tree)")
-    verify_width: int | None = option(None, "tree: verify at most this many drafted nodes, the subtree "
-                                      "chosen by dynamic programming (default: all)")
+    depth: int | str = option(4, "draft tree depth: drafting steps per tree, or auto (tree)", parse=count_or_auto)
+    width: int | str = option(4, "nodes added per drafting step, or auto (tree)", parse=count_or_auto)
+    verify_width: int | str | None = option(None, "tree: verify at most this many drafted nodes, the subtree "
+                                            "chosen by dynamic programming, or auto (default: all)",
+                                            parse=count_or_auto)
     leniency: float = option(1.0, "cascade: leniency l >= 1 of the inner reviews (the target's stays exact)")
     servers: int = option(1, "dsi: target servers verifying in parallel (the speculation-parallelism degree)")
     lookahead: int | None = option(None, "dsi: drafts per verification job (default: the smallest the servers "
@@ -67,10 +74,10 @@ class DecodeConfig:
             raise ConfigError(f"unknown method '{self.method}' (choose from {', '.join(METHODS)})")
         if self.k < 1:
             raise ConfigError(f"k must be >= 1, got {self.k}")
-        if self.verify_width is not None and self.verify_width < 1:
-            raise ConfigError(f"verify-width must be >= 1, got {self.verify_width}")
-        if self.depth < 1 or self.width < 1:
-            raise ConfigError(f"tree depth and width must be >= 1, got {self.depth} and {self.width}")
+        for name in ("depth", "width", "verify_width"):
+            value = getattr(self, name)
+            if value not in (None, AUTO) and not (isinstance(value, int) and value >= 1):
+                raise ConfigError(f"{name.replace('_', '-')} must be an integer >= 1 or auto, got {value!r}")
         if self.servers < 1:
             raise ConfigError(f"servers must be >= 1, got {self.servers}")
         if self.lookahead is not None and self.lookahead < 1:
@@ -106,7 +113,7 @@ def add_options(parser: argparse.ArgumentParser, config: type, **overrides: Any)
         parser.add_argument(
             "--" + f.name.replace("_", "-"),
             dest=f.name,
-            type=_scalar_type(f.type),
+            type=f.metadata.get("parse") or _scalar_type(f.type),
             default=default,
             choices=f.metadata.get("choices"),
             help=f"{f.metadata.get('help', '')} (default: {default})",

@@ -30,8 +30,16 @@ def logits_to_probs(logits: torch.Tensor, sampling: SamplingConfig) -> torch.Ten
 
 
 def sample(probs: torch.Tensor, generator: torch.Generator | None) -> int:
-    """Draw one token id from a distribution [vocab]."""
+    """Draw one token id from a distribution [vocab] (on the generator's device)."""
+    if generator is not None and probs.device != generator.device:
+        probs = probs.to(generator.device)
     return int(torch.multinomial(probs, 1, generator=generator))
+
+
+def uniform(size: tuple[int, ...], generator: torch.Generator | None, device: torch.device) -> torch.Tensor:
+    """U(0, 1) draws from `generator` (on its own device), returned on `device`."""
+    source = generator.device if generator is not None else device
+    return torch.rand(size, generator=generator, device=source).to(device)
 
 
 def next_token(logits: torch.Tensor, sampling: SamplingConfig, generator: torch.Generator | None) -> int:

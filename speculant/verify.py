@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import torch
 
-from speculant.sampling import sample
+from speculant.sampling import sample, uniform
 from speculant.tree import TokenTree
 
 
@@ -59,10 +59,12 @@ def verify_sampling(
     `lenient_distribution(p, q, l)`, not p, so only a cascade's inner reviews may be lenient.
     """
     k = draft.shape[0]
+    draft = draft.to(p.device)
+    q = q.to(p.device) if q is not None else None  # a drafter may live on another device
     rows = torch.arange(k, device=p.device)
     p_x = p[rows, draft]  # [k]
     q_x = q[rows, draft] if q is not None else torch.ones_like(p_x)
-    r = torch.rand(k, generator=generator, device=p.device)
+    r = uniform((k,), generator, p.device)
     rejected = (r * q_x >= leniency * p_x).nonzero()  # accept iff r < l p / q
     if rejected.numel() == 0:
         return k, sample(p[k], generator)
@@ -88,8 +90,9 @@ def verify_one(draft: int, p: torch.Tensor, q: torch.Tensor | None, generator: t
     """Speculative sampling at one position (p, q [vocab]; q None for a deterministic draft): the draft
     token when accepted, with probability min(1, p(x) / q(x)), else the recovered token. As used by DSI,
     where each position is decided on its own as soon as a target server's row for it arrives."""
+    q = q.to(p.device) if q is not None else None
     q_x = float(q[draft]) if q is not None else 1.0
-    if float(torch.rand((), generator=generator, device=p.device)) * q_x < float(p[draft]):
+    if float(uniform((), generator, p.device)) * q_x < float(p[draft]):
         return draft
     return recover(p, q, draft, generator)
 
@@ -145,7 +148,7 @@ def verify_tree_sampling(tree: TokenTree, p: torch.Tensor, generator: torch.Gene
         for child in tree.child_lists[node]:
             token = tree.tokens[child]
             total = float(residual.sum())
-            if total > 0 and float(torch.rand((), generator=generator, device=p.device)) * total < float(residual[token]):
+            if total > 0 and float(uniform((), generator, p.device)) * total < float(residual[token]):
                 break
             residual[token] = 0.0
         else:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import random
 
+import pytest
 import torch
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM
@@ -13,6 +14,8 @@ from speculant.models import HFCausalLM
 
 ARCHS = ("llama", "qwen2")
 BYTE_VOCAB = 257  # 256 bytes + <eos>
+# Every device the engine must run on; CUDA cases run where a GPU is (never in CI) and skip elsewhere.
+DEVICES = ("cpu", pytest.param("cuda", marks=pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA")))
 
 
 def byte_tokenizer() -> PreTrainedTokenizerFast:
@@ -48,14 +51,16 @@ def tiny_transformer(arch: str, seed: int, vocab: int = 64, init_std: float = 0.
     return model.float().eval()
 
 
-def tiny_model(arch: str, seed: int, vocab: int = 64, init_std: float = 0.02, tokenizer=None) -> HFCausalLM:
-    return HFCausalLM(tiny_transformer(arch, seed, vocab, init_std), tokenizer, name=f"tiny-{arch}-{seed}")
+def tiny_model(arch: str, seed: int, vocab: int = 64, init_std: float = 0.02, tokenizer=None,
+               device: str = "cpu") -> HFCausalLM:
+    model = tiny_transformer(arch, seed, vocab, init_std).to(device)
+    return HFCausalLM(model, tokenizer, name=f"tiny-{arch}-{seed}")
 
 
 def perturbed(model: HFCausalLM, scale: float, seed: int) -> HFCausalLM:
     """A copy of `model` with noise on every weight: a drafter that agrees often, not always."""
     torch.manual_seed(seed)
-    copy = type(model.model)(model.model.config)
+    copy = type(model.model)(model.model.config).to(model.device)
     copy.load_state_dict(model.model.state_dict())
     with torch.no_grad():
         for parameter in copy.parameters():

@@ -4,7 +4,7 @@ models), sampling keeps the target distribution, and the K matrix is parsed and 
 import pytest
 import torch
 
-from helpers import ARCHS, perturbed, random_prompt, tiny_model, total_variation
+from helpers import ARCHS, DEVICES, perturbed, random_prompt, tiny_model, total_variation
 from speculant import generate
 from speculant.config import SamplingConfig
 from speculant.drafters.base import Draft
@@ -32,13 +32,14 @@ def levels_for(names, target, seed, prompt):
     return [sources[name] for name in names]
 
 
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("arch", ARCHS)
 @pytest.mark.parametrize("shape", list(SHAPES))
 @pytest.mark.parametrize("leniency", [1.0, 3.0])
-def test_greedy_cascades_match_autoregressive(arch, shape, leniency):
+def test_greedy_cascades_match_autoregressive(arch, shape, leniency, device):
     names, matrices = SHAPES[shape]
     for seed in range(3):
-        target = tiny_model(arch, seed, VOCAB, init_std=0.1)  # peaked enough for leniency to matter
+        target = tiny_model(arch, seed, VOCAB, init_std=0.1, device=device)  # peaked enough for leniency to matter
         prompt = random_prompt(seed, VOCAB, 12)
         expected = generate(target, prompt_ids=prompt, method="ar", max_new_tokens=MAX_NEW).token_ids
         for k_matrix in matrices:
@@ -106,10 +107,11 @@ def test_k_matrix_parsing_and_checks():
         generate(target, prompt_ids=[1, 2], method="cascade")
 
 
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize(("k_matrix", "leniency"), [("2,1;2", 1.0), ("1,2;3", 4.0)])
-def test_cascade_sampling_matches_target_distribution(k_matrix, leniency):
+def test_cascade_sampling_matches_target_distribution(k_matrix, leniency, device):
     """[model, maxgram] with lenient inner reviews: the output still follows the target exactly."""
-    target, drafter, prompt = sampling_pair()
+    target, drafter, prompt = sampling_pair(device=device)
     # A bigram chain over the whole vocabulary: Max-Gram always proposes, so every inner review is
     # lenient. Handing the target the reviewer's p instead of the lenient distribution fails here (TV ~0.13).
     levels = [drafter, MaxGramDrafter(bigram_table([list(range(SMALL_VOCAB)) + [0]], SMALL_VOCAB))]

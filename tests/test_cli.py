@@ -75,6 +75,7 @@ def test_sampling_with_seed_is_reproducible(model_dirs, capsys):
         (["--method", "cascade"], "takes --drafters"),
         (["--k-matrix", "2"], "apply to --method cascade"),
         (["--method", "tree", "--verify-width", "0"], "verify-width"),
+        (["--method", "tree", "--depth", "-2"], "depth must be an integer >= 1 or auto"),
         (["--verify-width", "3"], "apply to method 'tree'"),
         (["--method", "tree", "--target-profile", "missing.json"], "target profile not found"),
         (["--method", "dsi", "--servers", "0"], "servers must be >= 1"),
@@ -111,6 +112,19 @@ def test_cascade_from_the_command_line(model_dirs, capsys):
                          (["--drafters", "maxgram", "--leniency", "0"], "leniency")]:
         code, _, err = run(capsys, *common, "--method", "cascade", *bad)
         assert code == 2 and message in err and "Traceback" not in err
+
+
+def test_auto_tree_from_the_command_line(model_dirs, capsys):
+    common = ["generate", "hello", "--target", model_dirs["target"], "--dtype", "fp32", "--max-new-tokens", "16", "--json"]
+    ar = json.loads(run(capsys, *common, "--drafter", "none")[1])
+    code, out, err = run(capsys, *common, "--method", "tree", "--drafter", model_dirs["drafter"], "--depth", "auto",
+                         "--width", "auto", "--verify-width", "auto")
+    assert code == 0, err
+    tree = json.loads(out)
+    assert tree["token_ids"] == ar["token_ids"] and tree["stats"]["tree_shape"][0] == 16
+    with pytest.raises(SystemExit) as exit_info:
+        cli.main([*common, "--method", "tree", "--depth", "deep"])
+    assert exit_info.value.code == 2 and "invalid count_or_auto value: 'deep'" in capsys.readouterr().err
 
 
 def test_dsi_from_the_command_line(model_dirs, capsys, tmp_path):

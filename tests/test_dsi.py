@@ -5,8 +5,9 @@ import random
 from functools import partial
 
 import pytest
+import torch
 
-from helpers import perturbed, random_prompt, tiny_model
+from helpers import DEVICES, perturbed, random_prompt, tiny_model
 from speculant import generate
 from speculant.config import SamplingConfig
 from speculant.decoding.dsi.engine import DrafterFailed, dsi
@@ -25,9 +26,9 @@ VOCAB = 64
 GREEDY = SamplingConfig()
 
 
-def pair(seed: int, noise: float = 0.3):
+def pair(seed: int, noise: float = 0.3, device: str = "cpu"):
     """A tiny target and a drafter that agrees with it often (noise on its weights), plus a prompt."""
-    target = tiny_model("llama", seed, VOCAB)
+    target = tiny_model("llama", seed, VOCAB, device=device)
     return target, perturbed(target, noise, seed + 100), random_prompt(seed, VOCAB, 8)
 
 
@@ -41,12 +42,13 @@ def run_dsi(pool, drafter_model, prompt, n, lookahead, drafter_latency=None, clo
                    timeout_s=60, close_executor=close))
 
 
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("servers", [1, 2, 3])
 @pytest.mark.parametrize("lookahead", [1, 3, 5])
-def test_greedy_dsi_equals_autoregressive_threads(servers, lookahead):
+def test_greedy_dsi_equals_autoregressive_threads(servers, lookahead, device):
     for seed in range(4):
-        target, drafter, prompt = pair(seed)
-        pool = make_executor("thread", ServerSpec(replica_factory(target), ["cpu"] * servers, GREEDY))
+        target, drafter, prompt = pair(seed, device=device)
+        pool = make_executor("thread", ServerSpec(replica_factory(target), [device] * servers, GREEDY))
         tokens, stats = run_dsi(pool, drafter, prompt, 40, lookahead, close=True)
         assert tokens == reference(target, prompt, 40), f"seed {seed}"
         assert stats.dsi.lookahead == lookahead and len(stats.dsi.servers) == servers
@@ -188,8 +190,9 @@ def test_simulate_online_beats_si_and_non_si_on_paper_like_settings():
     assert result["dsi_speedup_over_si"] > 1.0
 
 
-def test_sampling_with_dsi_keeps_the_target_distribution():
-    target, drafter, prompt = sampling_pair(31)
+@pytest.mark.parametrize("device", DEVICES)
+def test_sampling_with_dsi_keeps_the_target_distribution(device):
+    target, drafter, prompt = sampling_pair(31, device=device)
     assert_follows_target(target, prompt, method="dsi", drafter=drafter, servers=2, lookahead=2)
 
 
@@ -264,6 +267,17 @@ def test_greedy_dsi_equals_autoregressive_on_every_executor(executor):
                 assert tokens == reference(target, prompt, 24), f"{servers} servers, lookahead {lookahead}"
         finally:
             pool.close()
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA")
+@pytest.mark.parametrize("executor", ["thread", "process"])
+def test_dsi_servers_on_cuda_for_a_cpu_target(executor):
+    """Servers on another device get their own copy of the weights; the caller's target stays put."""
+    target, drafter, prompt = pair(71, noise=0.1)
+    expected = reference(target, prompt, 30)
+    spec = ServerSpec(replica_factory(target), ["cuda"] * 2, GREEDY)
+    assert run_dsi(make_executor(executor, spec), drafter, prompt, 30, 3, close=True)[0] == expected
+    assert next(target.model.parameters()).device.type == "cpu"
 
 
 def test_process_server_crash_is_survived():

@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from helpers import ARCHS, random_prompt, tiny_model
+from helpers import ARCHS, DEVICES, random_prompt, tiny_model
 
 
 def fresh_logits(model, ids: list[int]) -> torch.Tensor:
@@ -12,9 +12,10 @@ def fresh_logits(model, ids: list[int]) -> torch.Tensor:
     return model.forward(ids)
 
 
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("arch", ARCHS)
-def test_incremental_forward_matches_one_pass(arch):
-    model = tiny_model(arch, seed=0)
+def test_incremental_forward_matches_one_pass(arch, device):
+    model = tiny_model(arch, seed=0, device=device)
     ids = random_prompt(1, 64, 12)
     whole = fresh_logits(model, ids)
     model.rollback(0)

@@ -4,31 +4,38 @@ import pytest
 import torch
 from torch import nn
 
-from helpers import ARCHS, random_prompt, tiny_model, tiny_transformer
+from helpers import ARCHS, DEVICES, random_prompt, tiny_model, tiny_transformer
 from speculant import generate, load_model
 from speculant.errors import ConfigError
 from speculant.models import quantized_copy
-from speculant.models.quant import Int4WeightOnlyLinear, Int8DynamicLinear, quantize
+from speculant.models.quant import Int4WeightOnlyLinear, Int8DynamicLinear, Int8WeightOnlyLinear, quantize
 
 VOCAB = 64
+QUANTIZERS = {"int8-dynamic": Int8DynamicLinear, "int8-weight-only": Int8WeightOnlyLinear,
+              "int4": lambda linear: Int4WeightOnlyLinear(linear, 32)}
+BOUNDS = {"int8-dynamic": 0.03, "int8-weight-only": 0.03, "int4": 0.15}
 
 
-@pytest.mark.parametrize(("make", "bound"), [(Int8DynamicLinear, 0.03), (lambda l: Int4WeightOnlyLinear(l, 32), 0.15)])
-def test_quantized_linear_stays_close(make, bound):
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("kind", QUANTIZERS)
+def test_quantized_linear_stays_close(kind, device):
+    if kind == "int8-dynamic" and device == "cuda":
+        pytest.skip("fbgemm's dynamic int8 kernels are CPU-only")
     torch.manual_seed(0)
-    linear = nn.Linear(256, 384)
-    x = torch.randn(5, 256)
+    linear = nn.Linear(256, 384).to(device)
+    x = torch.randn(5, 256, device=device)
     reference = linear(x)
-    error = (make(linear)(x).float() - reference).norm() / reference.norm()
-    assert error < bound
+    error = (QUANTIZERS[kind](linear)(x).float() - reference).norm() / reference.norm()
+    assert error < BOUNDS[kind]
     # A quantizer that dropped the scales or transposed the weight would be far off.
-    assert (nn.Linear(256, 384)(x) - reference).norm() / reference.norm() > 0.5
+    assert (nn.Linear(256, 384).to(device)(x) - reference).norm() / reference.norm() > 0.5
 
 
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("quant", ["int8", "int4"])
 @pytest.mark.parametrize("arch", ARCHS)
-def test_quantized_model_keeps_the_causal_lm_contract(arch, quant):
-    model = quantized_copy(tiny_model(arch, 0, VOCAB), quant)
+def test_quantized_model_keeps_the_causal_lm_contract(arch, quant, device):
+    model = quantized_copy(tiny_model(arch, 0, VOCAB, device=device), quant)
     assert model.name.endswith("@" + quant)
     assert not any(isinstance(m, nn.Linear) for m in model.model.modules())
     a, c = random_prompt(1, VOCAB, 6), random_prompt(2, VOCAB, 3)
@@ -40,12 +47,13 @@ def test_quantized_model_keeps_the_causal_lm_contract(arch, quant):
     torch.testing.assert_close(after_rollback, fresh, atol=2e-2, rtol=0)
 
 
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("quant", ["int8", "int4"])
 @pytest.mark.parametrize("arch", ARCHS)
-def test_speculation_with_quantized_drafter_matches_unquantized_autoregressive(arch, quant):
+def test_speculation_with_quantized_drafter_matches_unquantized_autoregressive(arch, quant, device):
     rates = []
     for seed in range(2):
-        target = tiny_model(arch, seed, VOCAB, init_std=0.1)
+        target = tiny_model(arch, seed, VOCAB, init_std=0.1, device=device)
         prompt = random_prompt(seed, VOCAB)
         expected = generate(target, prompt_ids=prompt, method="ar", max_new_tokens=24).token_ids
         for drafter in (quantized_copy(target, quant), f"self@{quant}"):
@@ -56,11 +64,22 @@ def test_speculation_with_quantized_drafter_matches_unquantized_autoregressive(a
     assert sum(rates) / len(rates) > 0.25
 
 
-def test_quantized_target_is_lossless_against_itself():
-    target = quantized_copy(tiny_model("llama", 4, VOCAB), "int8")
+@pytest.mark.parametrize("device", DEVICES)
+def test_quantized_target_is_lossless_against_itself(device):
+    target = quantized_copy(tiny_model("llama", 4, VOCAB, device=device), "int8")
     prompt = random_prompt(4, VOCAB)
     expected = generate(target, prompt_ids=prompt, method="ar", max_new_tokens=25).token_ids
     assert generate(target, prompt_ids=prompt, drafter=target, k=3, max_new_tokens=25).token_ids == expected
+
+
+def test_int8_picks_the_kernel_of_its_device():
+    model = quantize(tiny_transformer("llama", 0, VOCAB), "int8")
+    assert isinstance(model.get_output_embeddings(), Int8DynamicLinear)
+    # The weight-only form is what CUDA runs; it must agree with fbgemm's on the same weights.
+    torch.manual_seed(1)
+    linear = nn.Linear(64, 32)
+    x = torch.randn(3, 64)
+    torch.testing.assert_close(Int8WeightOnlyLinear(linear)(x), Int8DynamicLinear(linear)(x), atol=0.02, rtol=0)
 
 
 def test_tied_head_is_untied_before_quantizing():
@@ -77,3 +96,11 @@ def test_bad_quantization_is_refused():
         load_model("qwen2.5-coder-0.5b@int3")
     with pytest.raises(ConfigError, match="divisible"):
         Int4WeightOnlyLinear(nn.Linear(48, 8), 32)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA")
+def test_cuda_int4_refuses_shapes_its_kernel_cannot_run():
+    with pytest.raises(ConfigError, match="group sizes"):
+        Int4WeightOnlyLinear(nn.Linear(48, 8).cuda(), 16)
+    with pytest.raises(ConfigError, match="divisible by 8"):
+        Int4WeightOnlyLinear(nn.Linear(64, 12).cuda(), 32)

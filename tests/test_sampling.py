@@ -5,7 +5,7 @@ import math
 import pytest
 import torch
 
-from helpers import random_prompt, tiny_model, total_variation
+from helpers import DEVICES, random_prompt, tiny_model, total_variation
 from speculant import generate
 from speculant.config import SamplingConfig
 from speculant.errors import ConfigError
@@ -71,7 +71,7 @@ def exact_marginals(target, prompt, n=3):
             else:
                 logits = target.prefill(prompt)
             probs = logits_to_probs(logits, config)
-            marginals[i] += weight * probs
+            marginals[i] += weight * probs.cpu()
             if i < n - 1:
                 grown.update({prefix + (t,): weight * float(probs[t]) for t in range(VOCAB)})
         prefixes = grown
@@ -90,9 +90,10 @@ def empirical_marginals(target, prompt, draws, n=3, **kwargs):
     return counts / draws
 
 
-def sampling_pair(seed: int = 21):
+def sampling_pair(seed: int = 21, device: str = "cpu", drafter_device: str | None = None):
     """A target and a very different drafter (a very different q) on the 12-token vocabulary, and a prompt."""
-    return (tiny_model("llama", seed, VOCAB, init_std=0.5), tiny_model("llama", seed + 1, VOCAB, init_std=0.5),
+    return (tiny_model("llama", seed, VOCAB, init_std=0.5, device=device),
+            tiny_model("llama", seed + 1, VOCAB, init_std=0.5, device=drafter_device or device),
             random_prompt(seed, VOCAB, 6))
 
 
@@ -105,12 +106,19 @@ def assert_follows_target(target, prompt, **kwargs):
         assert total_variation(got[i], exact[i]) < 0.07, f"token {i + 1}"
 
 
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("k", [1, 3])
-def test_speculative_sampling_matches_target_distribution_end_to_end(k):
-    target, drafter, prompt = sampling_pair()
-    q1 = logits_to_probs(drafter.prefill(prompt), SamplingConfig(TEMPERATURE))
+def test_speculative_sampling_matches_target_distribution_end_to_end(k, device):
+    target, drafter, prompt = sampling_pair(device=device)
+    q1 = logits_to_probs(drafter.prefill(prompt), SamplingConfig(TEMPERATURE)).cpu()
     assert total_variation(exact_marginals(target, prompt, n=1)[0], q1) > 0.3  # a sampler ignoring p would fail
     assert_follows_target(target, prompt, drafter=drafter, k=k)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA")
+def test_speculative_sampling_with_the_drafter_on_another_device():
+    target, drafter, prompt = sampling_pair(device="cuda", drafter_device="cpu")
+    assert_follows_target(target, prompt, drafter=drafter, k=3)
 
 
 def test_autoregressive_sampling_matches_target_distribution():

@@ -2,7 +2,7 @@
 
 import pytest
 
-from helpers import ARCHS, ScriptedDrafter, perturbed, random_prompt, tiny_model
+from helpers import ARCHS, DEVICES, ScriptedDrafter, perturbed, random_prompt, tiny_model
 from speculant import generate
 from speculant.drafters.model import ModelDrafter
 from speculant.config import SamplingConfig
@@ -33,17 +33,18 @@ def test_scripted_drafters_match_autoregressive(arch, k, error_rate):
             assert rate == 0.0
 
 
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("arch", ARCHS)
 @pytest.mark.parametrize("k", [1, 2, 4, 7])
-def test_model_drafters_match_autoregressive(arch, k):
+def test_model_drafters_match_autoregressive(arch, k, device):
     for seed in range(3):
-        target = tiny_model(arch, seed, VOCAB)
+        target = tiny_model(arch, seed, VOCAB, device=device)
         prompt = random_prompt(seed + 100, VOCAB)
         expected = reference(target, prompt)
         drafters = {
             "itself": target.share(),  # always agrees
             "perturbed": perturbed(target, 0.3, seed),  # agrees at random
-            "other": tiny_model(arch, seed + 1000, VOCAB),  # rarely agrees
+            "other": tiny_model(arch, seed + 1000, VOCAB, device=device),  # rarely agrees
         }
         for label, drafter in drafters.items():
             result = generate(target, prompt_ids=prompt, drafter=drafter, k=k, max_new_tokens=MAX_NEW)

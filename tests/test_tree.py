@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from helpers import ARCHS, random_prompt, tiny_model
+from helpers import ARCHS, DEVICES, random_prompt, tiny_model
 from speculant.tree import TokenTree, chain
 
 #        0 (root)
@@ -32,9 +32,10 @@ def test_malformed_trees_are_refused():
         TokenTree((1, 2), (0, 0))
 
 
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("arch", ARCHS)
-def test_tree_forward_equals_each_path_alone(arch):
-    model = tiny_model(arch, 4, 64)
+def test_tree_forward_equals_each_path_alone(arch, device):
+    model = tiny_model(arch, 4, 64, device=device)
     prefix = random_prompt(4, 64, 9)
     model.prefill(prefix)
     cached = model.cache_len
@@ -58,9 +59,10 @@ def test_growing_a_tree_step_by_step_equals_one_pass(arch):
     torch.testing.assert_close(torch.cat(steps), whole, atol=1e-5, rtol=0)
 
 
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("arch", ARCHS)
-def test_keep_accepted_path_equals_fresh_prefill(arch):
-    model = tiny_model(arch, 6, 64)
+def test_keep_accepted_path_equals_fresh_prefill(arch, device):
+    model = tiny_model(arch, 6, 64, device=device)
     prefix = random_prompt(6, 64, 9)
     model.prefill(prefix)
     model.forward(list(TREE.tokens), tree=TREE)
@@ -72,18 +74,19 @@ def test_keep_accepted_path_equals_fresh_prefill(arch):
     torch.testing.assert_close(after_keep, fresh, atol=1e-5, rtol=0)
 
 
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("arch", ARCHS)
 @pytest.mark.parametrize(("depth", "width"), [(1, 1), (3, 1), (2, 3), (4, 4)])
-def test_greedy_tree_speculation_matches_autoregressive(arch, depth, width):
+def test_greedy_tree_speculation_matches_autoregressive(arch, depth, width, device):
     from helpers import perturbed
     from speculant import generate
 
     for seed in range(2):
-        target = tiny_model(arch, seed, 64)
+        target = tiny_model(arch, seed, 64, device=device)
         prompt = random_prompt(seed + 50, 64)
         expected = generate(target, prompt_ids=prompt, method="ar", max_new_tokens=30).token_ids
         for label, drafter in [("itself", target.share()), ("perturbed", perturbed(target, 0.3, seed)),
-                               ("other", tiny_model(arch, seed + 7, 64))]:
+                               ("other", tiny_model(arch, seed + 7, 64, device=device))]:
             result = generate(target, prompt_ids=prompt, drafter=drafter, method="tree", depth=depth, width=width,
                               max_new_tokens=30)
             assert result.token_ids == expected, label
@@ -196,10 +199,11 @@ def test_tree_sampling_verification_follows_the_target():
     assert total_variation(wrong / wrong.sum(), p[0]) > 0.05
 
 
-def test_tree_sampling_end_to_end_matches_target_distribution():
+@pytest.mark.parametrize("device", DEVICES)
+def test_tree_sampling_end_to_end_matches_target_distribution(device):
     from test_sampling import assert_follows_target, sampling_pair
 
-    target, drafter, prompt = sampling_pair()
+    target, drafter, prompt = sampling_pair(device=device)
     assert_follows_target(target, prompt, method="tree", drafter=drafter, depth=2, width=3)
 
 
@@ -226,3 +230,45 @@ def test_objective_decides_the_depth():
         assert result.token_ids == expected, name
         depths[name] = max(result.stats.draft_lengths)
     assert depths["steep"] < depths["flat"] <= 6
+
+
+def test_auto_width_is_the_widest_almost_free_drafting_step():
+    from speculant.decoding.tree_shape import auto_width
+
+    assert auto_width({1: 1.0, 2: 1.05, 4: 1.2, 8: 2.0}) == 4
+    assert auto_width({1: 1.0, 2: 2.0, 4: 4.0, 8: 8.0}) == 1  # cost linear in W (bf16 on AVX2 CPUs): a chain
+
+
+def test_tree_shape_resolves_auto_from_a_profile_or_measured_costs():
+    from speculant.analysis.profile import LatencyProfile
+    from speculant.decoding.tree_shape import AUTO_MAX_DEPTH, TARGET_WIDTHS, tree_shape
+
+    target, drafter = tiny_model("llama", 1, 64), tiny_model("llama", 2, 64)
+    prompt = random_prompt(1, 64)
+    fixed = tree_shape(target, drafter, prompt, 3, 2, None, None)
+    assert (fixed.depth, fixed.width, fixed.verify_width, fixed.cost) == (3, 2, None, None)
+    flat = LatencyProfile("t", "fp32", "cpu", 0, 1.0, 1.0, {1: 1.0, 64: 1.0})
+    profiled = tree_shape(target, drafter, prompt, "auto", 2, None, flat)
+    assert (profiled.depth, profiled.width, profiled.verify_width) == (AUTO_MAX_DEPTH, 2, 2 * AUTO_MAX_DEPTH)
+    assert profiled.cost(10) == 1.0
+    measured = tree_shape(target, drafter, prompt, 3, 2, "auto", None)
+    assert measured.verify_width == 6 and measured.cost(1) > 0  # T(n) measured on the target
+    deep = tree_shape(target, drafter, prompt, "auto", 4, "auto", None)
+    assert deep.verify_width == TARGET_WIDTHS[-1]  # the objective stays within the measured T(n)
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_auto_tree_is_lossless_and_reports_its_shape(arch):
+    from helpers import perturbed
+    from speculant import generate
+    from speculant.decoding.tree_shape import AUTO_MAX_DEPTH, DRAFTER_WIDTHS
+
+    target = tiny_model(arch, 8, 64, init_std=0.1)
+    prompt = random_prompt(80, 64)
+    expected = generate(target, prompt_ids=prompt, method="ar", max_new_tokens=30).token_ids
+    result = generate(target, prompt_ids=prompt, drafter=perturbed(target, 0.2, 8), method="tree", depth="auto",
+                      width="auto", verify_width="auto", max_new_tokens=30)
+    assert result.token_ids == expected
+    depth, width, verify = result.stats.tree_shape
+    assert depth == AUTO_MAX_DEPTH and width in DRAFTER_WIDTHS and max(result.stats.verified_sizes) <= verify
+    assert "width" in result.stats.summary()

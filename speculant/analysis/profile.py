@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import statistics
 import time
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -63,14 +64,19 @@ def profile_model(model, prompts: list[list[int]], widths: list[int], context_le
         for step in range(decode_steps):
             tpots.append(_timed(lambda: model.forward([ids[step % len(ids)]])))
     context = (sum(prompts, []) * (context_len // max(1, sum(map(len, prompts))) + 1))[:context_len]
+    return LatencyProfile(model.name, dtype, str(model.device), context_len, statistics.median(ttfts),
+                          statistics.median(tpots), forward_costs(model, context, widths, repeats))
+
+
+def forward_costs(model, context: list[int], widths: Sequence[int], repeats: int = 3) -> dict[int, float]:
+    """T(W): the median seconds of a forward of W new tokens after `context` is cached, for each W."""
     model.prefill(context)
-    forward_s = {}
+    costs = {}
     for width in widths:
         new = (context * (width // len(context) + 1))[:width]
         samples = []
         for _ in range(repeats):
             samples.append(_timed(lambda: model.forward(new)))
-            model.rollback(context_len)
-        forward_s[width] = statistics.median(samples)
-    return LatencyProfile(model.name, dtype, str(model.device), context_len, statistics.median(ttfts),
-                          statistics.median(tpots), forward_s)
+            model.rollback(len(context))
+        costs[width] = statistics.median(samples)
+    return costs

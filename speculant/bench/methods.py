@@ -1,6 +1,7 @@
 """Method specs on the command line: `ar`, `ar:dtype=bf16`, `sd:drafter=qwen2.5-coder-0.5b,k=4`,
 `sd:drafter=qwen2.5-coder-0.5b@int8,k=6,dtype=fp32,drafter_dtype=bf16`, `sd:drafter=maxgram,k=8`,
-`tree:drafter=qwen2.5-coder-0.5b@int8,depth=4,width=4,verify_width=8,profile=prof.json,dtype=fp32`,
+`tree:drafter=qwen2.5-coder-0.5b@int8,depth=4,width=4,verify_width=8,profile=prof.json,dtype=fp32`
+(each size may be `auto`),
 `cascade:drafters=qwen2.5-coder-0.5b@int8,maxgram,k_matrix=4,2;0,6,leniency=2`,
 `dsi:drafter=qwen2.5-coder-0.5b@int8,servers=2,lookahead=6,executor=process`
 (values may hold commas: an option ends where the next `name=` begins), and the peers `hf-ar`, `hf-assisted[:k=N]`, `hf-pld[:k=N]`.
@@ -14,7 +15,7 @@ import re
 from pathlib import Path
 from dataclasses import dataclass
 
-from speculant.config import DEFAULT_DRAFTER, DecodeConfig
+from speculant.config import DEFAULT_DRAFTER, DecodeConfig, count_or_auto
 from speculant.drafters.cascade import parse_k_matrix
 from speculant.errors import ConfigError
 
@@ -39,9 +40,9 @@ class MethodSpec:
     method: str
     drafter: str | None = None
     k: int | None = None  # None: the method's default (sd: 4; peers: transformers' defaults)
-    depth: int = 4  # tree only
-    width: int = 4  # tree only
-    verify_width: int | None = None  # tree only: None verifies every drafted node
+    depth: int | str = 4  # tree only; "auto": the objective decides
+    width: int | str = 4  # tree only
+    verify_width: int | str | None = None  # tree only: None verifies every drafted node
     profile: str | None = None  # tree only: the target's profile JSON for the latency-aware objective
     target_dtype: str | None = None  # None: the run's default dtype
     drafter_dtype: str | None = None  # None: the target's dtype
@@ -71,14 +72,14 @@ def parse_method(spec: str) -> MethodSpec:
         options[key] = value
     try:
         k = int(options["k"]) if "k" in options else (4 if name in ("sd", "cascade") else None)
-        depth, width = int(options.get("depth", 4)), int(options.get("width", 4))
-        verify_width = int(options["verify_width"]) if "verify_width" in options else None
+        depth, width = count_or_auto(options.get("depth", "4")), count_or_auto(options.get("width", "4"))
+        verify_width = count_or_auto(options["verify_width"]) if "verify_width" in options else None
         leniency = float(options.get("leniency", 1))
         servers = int(options.get("servers", 1))
         lookahead = int(options["lookahead"]) if "lookahead" in options else None
     except ValueError:
-        raise ConfigError(f"k, depth, width, verify_width, servers and lookahead must be integers and leniency a "
-                          f"number in '{spec}'") from None
+        raise ConfigError(f"k, servers and lookahead must be integers, depth, width and verify_width integers or "
+                          f"auto, and leniency a number in '{spec}'") from None
     executor = options.get("executor", "thread")
     DecodeConfig(method=name if name == "dsi" else "sd", k=1 if k is None else k, depth=depth, width=width,
                  verify_width=verify_width, leniency=leniency, servers=servers, lookahead=lookahead,

@@ -33,6 +33,7 @@ class GenerationStats:
     accepted_lengths: list[int] = field(default_factory=list)
     drafted_nodes: int = 0  # token trees: all drafted nodes (draft_lengths then holds tree depths)
     verified_sizes: list[int] = field(default_factory=list)  # token trees: nodes verified per iteration, after pruning
+    tree_shape: tuple[int, int, int | None] | None = None  # token trees: (depth cap, width, verify-width cap)
     dsi: DSIRecord | None = None  # DSI: per-server records and the timeline
     ttft_s: float = 0.0
     wall_s: float = 0.0
@@ -124,6 +125,9 @@ class GenerationStats:
                 n = len(self.verified_sizes)
                 line += (f", trees: depth {sum(self.draft_lengths) / n:.1f}, {self.verified_nodes / n:.1f} of "
                          f"{self.drafted_nodes / n:.1f} drafted nodes verified")
+                if self.tree_shape is not None:
+                    depth, width, verify = self.tree_shape
+                    line += f" (depth <= {depth}, width {width}, verify <= {verify or depth * width})"
             if self.dsi is not None:
                 line += ", " + self.dsi.summary()
             for name, forwards in self.drafter_forwards.items():

@@ -38,7 +38,7 @@ def tree_speculative(
     T(n) of the target in seconds, makes `depth` a cap and lets the latency-aware objective decide how
     deep to draft and how many nodes to verify.
     """
-    stats = GenerationStats(method="tree")
+    stats = GenerationStats(method="tree", tree_shape=(depth, width, verify_width))
     out: list[int] = []
     target = metered(target)
     logits = target.prefill(prompt_ids)

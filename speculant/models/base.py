@@ -35,7 +35,8 @@ class CausalLM(Protocol):
     def forward(
         self, ids: Sequence[int], positions: Sequence[int] | None = None, tree: TokenTree | None = None
     ) -> torch.Tensor:
-        """Run new tokens after the cached ones; return one float32 logits row per token [n, vocab].
+        """Run new tokens after the cached ones; return one float32 logits row per token [n, vocab],
+        once computed (on CUDA too), so that a timer around a forward measures it.
 
         With `tree`, `ids` are the tree's last nodes (its earlier nodes being the last cached
         positions) and each node attends only to the cache before the tree and its ancestors."""

@@ -1,8 +1,10 @@
-"""Weight quantization of every linear layer, for cheap drafters on CPU.
+"""Weight quantization of every linear layer, for cheap drafters on CPU and CUDA.
 
-`int8`: per-channel int8 weights with dynamically quantized int8 activations (fbgemm kernels; x86).
-`int4`: weight-only int4, asymmetric, one scale and zero point per `group_size` inputs, with
-bf16 activations (torch's packed CPU kernel).
+`int4`: weight-only int4, asymmetric, one scale and zero point per `group_size` inputs, bf16
+activations; torch's packed tinygemm kernels on both devices (`_weight_int4pack_mm[_for_cpu]`).
+`int8`: per-output-channel int8 weights. On CPU the activations are quantized to int8 per call too
+(fbgemm's dynamic kernels); on CUDA the weight is dequantized inside the matmul call (weight-only:
+it halves the memory of bf16, and on an H100 it is not faster than bf16 - int4 is the fast one).
 The speculative-sampling paper suggests exactly this kind of drafter (Chen et al. 2023, section 1:
 a quantized copy of the target); losslessness never depends on the drafter's precision.
 """
@@ -18,10 +20,11 @@ from tqdm import tqdm
 from speculant.errors import ConfigError
 
 QUANTS = ("int8", "int4")
+CUDA_INT4_GROUP_SIZES = (32, 64, 128, 256)  # what the CUDA tinygemm kernel supports
 
 
 class Int8DynamicLinear(nn.Module):
-    """y = x W^T + b with W per-output-channel int8 and x quantized to int8 per call (fbgemm)."""
+    """y = x W^T + b with W per-output-channel int8 and x quantized to int8 per call (fbgemm, CPU)."""
 
     def __init__(self, linear: nn.Linear):
         super().__init__()
@@ -41,6 +44,23 @@ class Int8DynamicLinear(nn.Module):
         return y.view(*shape[:-1], self.out_features).to(x.dtype)
 
 
+class Int8WeightOnlyLinear(nn.Module):
+    """y = (x W_q^T) * s + b with W_q per-output-channel int8 and s its scales (any device)."""
+
+    def __init__(self, linear: nn.Linear):
+        super().__init__()
+        weight = linear.weight.detach().float()
+        scales = (weight.abs().amax(dim=1) / 127).clamp_min(1e-8)
+        self.register_buffer("weight", (weight / scales[:, None]).round().clamp(-127, 127).to(torch.int8))
+        self.register_buffer("scales", scales.to(linear.weight.dtype))
+        self.bias = None if linear.bias is None else nn.Parameter(linear.bias.detach())
+        self.in_features, self.out_features = linear.in_features, linear.out_features
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = nn.functional.linear(x, self.weight.to(x.dtype)) * self.scales.to(x.dtype)
+        return y if self.bias is None else y + self.bias.to(x.dtype)
+
+
 class Int4WeightOnlyLinear(nn.Module):
     """y = x W^T + b with W in asymmetric int4 groups along the input dimension (bf16 activations)."""
 
@@ -49,12 +69,15 @@ class Int4WeightOnlyLinear(nn.Module):
         n, k = linear.weight.shape
         if k % group_size:
             raise ConfigError(f"int4 needs input sizes divisible by the group size {group_size}, got {k}")
+        self.on_cuda = linear.weight.is_cuda
+        if self.on_cuda:
+            _check_cuda_int4(linear.weight.device, n, group_size)
         groups = linear.weight.detach().float().view(n, k // group_size, group_size)
         low = groups.amin(-1, keepdim=True)
         scale = ((groups.amax(-1, keepdim=True) - low) / 15).clamp_min(1e-8)
         q = ((groups - low) / scale).round().clamp(0, 15).to(torch.int32).view(n, k)
-        self.register_buffer("packed", torch._convert_weight_to_int4pack_for_cpu(q, 1))
-        # The kernel dequantizes as (q - 8) * scale + zero, so shift the zero point by 8 steps.
+        self.register_buffer("packed", _pack_int4(q, self.on_cuda))
+        # The kernels dequantize as (q - 8) * scale + zero, so shift the zero point by 8 steps.
         scale, low = scale.view(n, -1), low.view(n, -1)
         scales_and_zeros = torch.stack([scale.t(), (low + 8 * scale).t()], dim=-1).contiguous()  # [k/g, n, 2]
         self.register_buffer("scales_and_zeros", scales_and_zeros.to(torch.bfloat16))
@@ -63,22 +86,43 @@ class Int4WeightOnlyLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape
-        y = torch._weight_int4pack_mm_for_cpu(x.reshape(-1, shape[-1]).to(torch.bfloat16), self.packed,
-                                              self.group_size, self.scales_and_zeros)
+        flat = x.reshape(-1, shape[-1]).to(torch.bfloat16)
+        mm = torch._weight_int4pack_mm if self.on_cuda else torch._weight_int4pack_mm_for_cpu
+        y = mm(flat, self.packed, self.group_size, self.scales_and_zeros)
         if self.bias is not None:
             y = y + self.bias
         return y.view(*shape[:-1], self.out_features).to(x.dtype)
+
+
+def _pack_int4(q: torch.Tensor, on_cuda: bool) -> torch.Tensor:
+    """Pack int32 values in [0, 15] ([n, k]) into the layout of torch's int4 matmul kernel."""
+    if not on_cuda:
+        return torch._convert_weight_to_int4pack_for_cpu(q, 1)
+    k = q.shape[1]
+    inner_k_tiles = next(tiles for tiles in (8, 4, 2) if k % (16 * tiles) == 0)
+    return torch._convert_weight_to_int4pack((q[:, ::2] << 4 | q[:, 1::2]).to(torch.uint8), inner_k_tiles)
+
+
+def _check_cuda_int4(device: torch.device, out_features: int, group_size: int) -> None:
+    if torch.cuda.get_device_capability(device) < (8, 0):
+        raise ConfigError(f"int4 on CUDA needs compute capability 8.0 or newer (Ampere+); "
+                          f"{torch.cuda.get_device_name(device)} has {torch.cuda.get_device_capability(device)}")
+    if group_size not in CUDA_INT4_GROUP_SIZES:
+        raise ConfigError(f"int4 on CUDA supports group sizes {CUDA_INT4_GROUP_SIZES}, got {group_size}")
+    if out_features % 8:
+        raise ConfigError(f"int4 on CUDA needs output sizes divisible by 8, got {out_features}")
 
 
 def quantize(model: nn.Module, quant: str, group_size: int = 32) -> nn.Module:
     """Replace every nn.Linear of `model` (the LM head too, untied) by its quantized version, in place."""
     if quant not in QUANTS:
         raise ConfigError(f"unknown quantization '{quant}' (choose from {', '.join(QUANTS)})")
-    if next(model.parameters()).device.type != "cpu":
-        raise ConfigError(f"{quant} quantization runs on CPU only for now")
-    if quant == "int8" and "fbgemm" not in torch.backends.quantized.supported_engines:
-        raise ConfigError("int8 quantization needs torch's fbgemm engine (x86 CPUs)")
-    if quant == "int8":
+    device = next(model.parameters()).device
+    if device.type not in ("cpu", "cuda"):
+        raise ConfigError(f"{quant} quantization runs on CPU and CUDA, not on {device.type}")
+    if quant == "int8" and device.type == "cpu":
+        if "fbgemm" not in torch.backends.quantized.supported_engines:
+            raise ConfigError("int8 quantization on CPU needs torch's fbgemm engine (x86 CPUs)")
         torch.backends.quantized.engine = "fbgemm"
     # Untie so that quantizing the head leaves the input embedding intact.
     config = getattr(model, "config", None)
@@ -90,6 +134,11 @@ def quantize(model: nn.Module, quant: str, group_size: int = 32) -> nn.Module:
     for name, linear in tqdm(targets, desc=f"quantizing to {quant}", disable=len(targets) < 50, leave=False):
         parent_name, _, child = name.rpartition(".")
         parent = model.get_submodule(parent_name) if parent_name else model
-        replacement = Int8DynamicLinear(linear) if quant == "int8" else Int4WeightOnlyLinear(linear, group_size)
-        setattr(parent, child, replacement)
+        setattr(parent, child, _quantized(linear, quant, group_size))
     return model
+
+
+def _quantized(linear: nn.Linear, quant: str, group_size: int) -> nn.Module:
+    if quant == "int4":
+        return Int4WeightOnlyLinear(linear, group_size)
+    return Int8WeightOnlyLinear(linear) if linear.weight.is_cuda else Int8DynamicLinear(linear)

@@ -11,6 +11,7 @@ import os
 import queue
 import threading
 from collections.abc import Callable
+from copy import deepcopy
 from dataclasses import dataclass, field
 from functools import partial
 from typing import Any
@@ -47,9 +48,17 @@ class ServerSpec:
 
 
 def hf_replica(model: Any, name: str, eos: frozenset[int], device: str) -> HFCausalLM:
-    """A server's own handle on a transformers model (weights shared when on the same device)."""
-    on_device = model if str(next(model.parameters()).device) == str(torch.device(device)) else model.to(device)
-    return HFCausalLM(on_device, None, name, eos)
+    """A server's own handle on a transformers model: weights shared on the model's device, a copy on
+    another (`Module.to` moves in place, which would pull the weights away from the caller's model)."""
+    same = _canonical(next(model.parameters()).device) == _canonical(torch.device(device))
+    return HFCausalLM(model if same else deepcopy(model).to(device), None, name, eos)
+
+
+def _canonical(device: torch.device) -> torch.device:
+    """`cuda` names the current CUDA device: spell it with its index so that equal devices compare equal."""
+    if device.type == "cuda" and device.index is None:
+        return torch.device("cuda", torch.cuda.current_device())
+    return device
 
 
 def replica_factory(target: CausalLM) -> Callable[[str], CausalLM]:

@@ -139,4 +139,6 @@ class TargetServer:
             return JobResult(job.id, self.index, rows_start, logits.argmax(-1).tolist(), None, start,
                              time.monotonic(), forwards)
         probs = logits_to_probs(logits, self.sampling)
+        if self.own_process:  # results cross a pipe: plain CPU tensors, not CUDA IPC handles
+            probs = probs.cpu()
         return JobResult(job.id, self.index, rows_start, None, probs, start, time.monotonic(), forwards)
