@@ -2,9 +2,11 @@
 
 `int4`: weight-only int4, asymmetric, one scale and zero point per `group_size` inputs, bf16
 activations; torch's packed tinygemm kernels on both devices (`_weight_int4pack_mm[_for_cpu]`).
-`int8`: per-output-channel int8 weights. On CPU the activations are quantized to int8 per call too
-(fbgemm's dynamic kernels); on CUDA the weight is dequantized inside the matmul call (weight-only:
-it halves the memory of bf16, and on an H100 it is not faster than bf16 - int4 is the fast one).
+`int8`: per-output-channel int8 weights. On CPU each token's activations are quantized to int8 per call
+too (fbgemm's dynamic kernels), and attention runs row-invariant (`invariant.py`), so the model scores a
+token bit-identically in any forward and can be an exactly lossless target. On CUDA the weight is
+dequantized inside the matmul call (weight-only: it halves the memory of bf16, and on an H100 it is not
+faster than bf16 - int4 is the fast one).
 The speculative-sampling paper suggests exactly this kind of drafter (Chen et al. 2023, section 1:
 a quantized copy of the target); losslessness never depends on the drafter's precision.
 """
@@ -18,13 +20,22 @@ from torch import nn
 from tqdm import tqdm
 
 from speculant.errors import ConfigError
+from speculant.models.invariant import use_row_invariant_attention
 
 QUANTS = ("int8", "int4")
 CUDA_INT4_GROUP_SIZES = (32, 64, 128, 256)  # what the CUDA tinygemm kernel supports
 
 
 class Int8DynamicLinear(nn.Module):
-    """y = x W^T + b with W per-output-channel int8 and x quantized to int8 per call (fbgemm, CPU)."""
+    """y = x W^T + b with W per-output-channel int8 and each token x quantized to int8 per call (fbgemm, CPU).
+
+    fbgemm's dynamic kernel quantizes the whole input with one scale, which would make a token's output
+    depend on the other tokens of the call (and on later ones: not even causal), so a quantized target
+    would verify differently than it decodes. Scaling every row to max |x| = 1 and appending one guard
+    row that holds +1 and -1 pins the tensor's range, and with it the quantization parameters: each token
+    is quantized on its own, the int32 accumulation is exact, and a token's output is bit-identical
+    whatever else is in the call.
+    """
 
     def __init__(self, linear: nn.Linear):
         super().__init__()
@@ -34,13 +45,22 @@ class Int8DynamicLinear(nn.Module):
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")  # torch marks the eager quantization API deprecated
             qweight = torch.quantize_per_channel(weight, scales, zero_points, 0, torch.qint8)
-        bias = linear.bias.detach().float() if linear.bias is not None else None
-        self._packed = torch.ops.quantized.linear_prepack(qweight, bias)
+        self._packed = torch.ops.quantized.linear_prepack(qweight, None)
+        self.bias = linear.bias.detach().float() if linear.bias is not None else None
+        self._guard = torch.zeros(1, linear.in_features)
+        self._guard[0, 0], self._guard[0, -1] = 1.0, -1.0
         self.in_features, self.out_features = linear.in_features, linear.out_features
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape
-        y = torch.ops.quantized.linear_dynamic(x.reshape(-1, shape[-1]).float(), self._packed, True)
+        rows = x.reshape(-1, shape[-1]).float()
+        row_max = rows.abs().amax(dim=1, keepdim=True).clamp_min_(1e-30)
+        guarded = torch.empty(rows.shape[0] + 1, rows.shape[1])
+        torch.div(rows, row_max, out=guarded[:-1])
+        guarded[-1:] = self._guard
+        y = torch.ops.quantized.linear_dynamic(guarded, self._packed, True)[:-1].mul_(row_max)
+        if self.bias is not None:
+            y.add_(self.bias)
         return y.view(*shape[:-1], self.out_features).to(x.dtype)
 
 
@@ -135,6 +155,8 @@ def quantize(model: nn.Module, quant: str, group_size: int = 32) -> nn.Module:
         parent_name, _, child = name.rpartition(".")
         parent = model.get_submodule(parent_name) if parent_name else model
         setattr(parent, child, _quantized(linear, quant, group_size))
+    if quant == "int8" and device.type == "cpu" and hasattr(model, "set_attn_implementation"):
+        use_row_invariant_attention(model)  # activation quantization amplifies attention's last bits
     return model
 
 
