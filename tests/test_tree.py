@@ -272,3 +272,11 @@ def test_auto_tree_is_lossless_and_reports_its_shape(arch):
     depth, width, verify = result.stats.tree_shape
     assert depth == AUTO_MAX_DEPTH and width in DRAFTER_WIDTHS and max(result.stats.verified_sizes) <= verify
     assert "width" in result.stats.summary()
+
+
+def test_summary_reports_the_tree_shape_when_the_objective_verifies_nothing():
+    from speculant.decoding.stats import GenerationStats
+
+    stats = GenerationStats(method="tree", new_tokens=2, target_forwards=3, tree_shape=(16, 1, 16),
+                            draft_lengths=[0, 0], accepted_lengths=[0, 0], drafted_nodes=2, verified_sizes=[0, 0])
+    assert "0.0 of 1.0 drafted nodes verified (depth <= 16, width 1, verify <= 16)" in stats.summary()

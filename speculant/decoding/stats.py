@@ -121,16 +121,15 @@ class GenerationStats:
         if self.acceptance_rate is not None:
             line += (f", mean accepted length {self.mean_accepted_length:.2f}, "
                      f"acceptance {self.acceptance_rate:.0%}, SWI {self.swi or 0:.2f}")
-            if self.verified_sizes:
-                n = len(self.verified_sizes)
-                line += (f", trees: depth {sum(self.draft_lengths) / n:.1f}, {self.verified_nodes / n:.1f} of "
-                         f"{self.drafted_nodes / n:.1f} drafted nodes verified")
-                if self.tree_shape is not None:
-                    depth, width, verify = self.tree_shape
-                    line += f" (depth <= {depth}, width {width}, verify <= {verify or depth * width})"
-            if self.dsi is not None:
-                line += ", " + self.dsi.summary()
-            for name, forwards in self.drafter_forwards.items():
-                c = self.cost_ratios.get(name)
-                line += f", {name}: {forwards} forwards" + (f" (c = {c:.2f})" if c is not None else "")
+        if self.tree_shape is not None:  # also when the objective chose to verify nothing
+            n = max(len(self.verified_sizes), 1)
+            depth, width, verify = self.tree_shape
+            line += (f", trees: depth {sum(self.draft_lengths) / n:.1f}, {self.verified_nodes / n:.1f} of "
+                     f"{self.drafted_nodes / n:.1f} drafted nodes verified "
+                     f"(depth <= {depth}, width {width}, verify <= {verify or depth * width})")
+        if self.dsi is not None:
+            line += ", " + self.dsi.summary()
+        for name, forwards in self.drafter_forwards.items():
+            c = self.cost_ratios.get(name)
+            line += f", {name}: {forwards} forwards" + (f" (c = {c:.2f})" if c is not None else "")
         return line

@@ -10,6 +10,7 @@ import torch
 from torch.nn.attention import SDPBackend, sdpa_kernel
 from transformers import DynamicCache, PreTrainedModel
 
+from speculant.models.cpu_linear import use_weight_left_linears
 from speculant.tree import TokenTree
 
 # Attention kernels on CUDA. cuDNN's (torch's first choice on Hopper) builds a plan for every new
@@ -31,7 +32,8 @@ def eos_ids(model: PreTrainedModel, tokenizer: Any | None) -> frozenset[int]:
 class HFCausalLM:
     """A transformers model and the KV cache of one sequence.
 
-    Rollback only shortens the cache; `forward` never re-runs cached positions.
+    Rollback only shortens the cache; `forward` never re-runs cached positions. An fp32 model on CPU
+    gets its linear layers swapped in place for `WeightLeftLinear`s (faster multi-token forwards).
     """
 
     def __init__(
@@ -42,6 +44,8 @@ class HFCausalLM:
         extra_eos: frozenset[int] = frozenset(),
     ):
         self.model = model.eval()
+        if not next(model.parameters()).is_cuda and model.dtype == torch.float32:
+            use_weight_left_linears(model)
         self.tokenizer = tokenizer
         self.name = name or getattr(model.config, "_name_or_path", "") or type(model).__name__
         self.vocab_size = model.get_output_embeddings().out_features  # width of a logits row
