@@ -103,11 +103,15 @@ def load_drafter(drafter: Any, target: CausalLM, dtype: str | None = None) -> Ca
     return model
 
 
-def make_drafter(drafter: Any, target: CausalLM, sampling: SamplingConfig,
-                 generator: torch.Generator | None) -> Drafter:
+def make_drafter(drafter: Any, target: CausalLM, sampling: SamplingConfig, generator: torch.Generator | None,
+                 draft_confidence: float = 0.0) -> Drafter:
     """A Drafter for one generation: models from `load_drafter` get a ModelDrafter around them."""
     source = load_drafter(drafter, target)
-    return source if isinstance(source, Drafter) else ModelDrafter(source, sampling, generator)
+    if not isinstance(source, Drafter):
+        return ModelDrafter(source, sampling, generator, draft_confidence=draft_confidence)
+    if draft_confidence:
+        raise ConfigError(f"draft_confidence needs a model drafter, not {type(source).__name__}")
+    return source
 
 
 def make_cascade(drafters: list[Any], target: CausalLM, k_matrix: list[list[int]] | str | None, k: int,
@@ -183,6 +187,7 @@ def generate(
     drafter: Any = None,
     method: str = "sd",
     k: int = 4,
+    draft_confidence: float = 0.0,
     depth: int | str = 4,
     width: int | str = 4,
     drafters: list[Any] | None = None,
@@ -204,7 +209,8 @@ def generate(
     stream: bool = False,
     chat: bool = False,
 ) -> GenerationResult | GenerationStream:
-    """Generate with `method` "ar" (autoregressive), "sd" (speculative decoding/sampling), "tree"
+    """Generate with `method` "ar" (autoregressive), "sd" (speculative decoding/sampling: `k` drafts per
+    step, fewer once a model drafter's probability of its own draft falls below `draft_confidence`), "tree"
     (token-tree speculation: `depth` drafting steps of `width` nodes each, at most `verify_width` of them
     verified; when `target_profile`, a `speculant profile` JSON of the target, gives its T(W), the
     latency-aware objective decides how deep (up to `depth`) to draft and how many nodes to verify;
@@ -222,7 +228,7 @@ def generate(
     `stream=True` the returned GenerationStream yields token ids as they are committed.
     """
     sampling = SamplingConfig(temperature, top_k, top_p)
-    config = DecodeConfig(method=method, k=k, depth=depth, width=width, verify_width=verify_width, leniency=leniency,
+    config = DecodeConfig(method=method, k=k, draft_confidence=draft_confidence, depth=depth, width=width, verify_width=verify_width, leniency=leniency,
                           servers=servers, lookahead=lookahead, max_new_tokens=max_new_tokens,
                           executor=executor if isinstance(executor, str) else executor.name,
                           seed=seed)
@@ -273,7 +279,7 @@ def generate(
         decoder = tree_speculative(target, TreeDrafter(model), prompt_ids, shape.depth, shape.width,
                                    config.max_new_tokens, sampling, generator, shape.verify_width, shape.cost)
     else:
-        draft_source = make_drafter(drafter, target, sampling, generator)
+        draft_source = make_drafter(drafter, target, sampling, generator, config.draft_confidence)
         decoder = speculative(target, draft_source, prompt_ids, config.k, config.max_new_tokens, sampling, generator)
 
     result = GenerationStream(decoder, target.tokenizer)

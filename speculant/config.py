@@ -56,6 +56,8 @@ class DecodeConfig:
                          "cascade (cascade speculative drafting), dsi (distributed speculative inference)",
                          choices=METHODS)
     k: int = option(4, "draft tokens per speculation step (sd; cascade: per level when no K matrix is given)")
+    draft_confidence: float = option(0.0, "sd: end a draft early after a token its model drafter gives a "
+                                     "probability below this (0: always draft k)")
     depth: int | str = option(4, "draft tree depth: drafting steps per tree, or auto (tree)", parse=count_or_auto)
     width: int | str = option(4, "nodes added per drafting step, or auto (tree)", parse=count_or_auto)
     verify_width: int | str | None = option(None, "tree: verify at most this many drafted nodes, the subtree "
@@ -74,6 +76,10 @@ class DecodeConfig:
             raise ConfigError(f"unknown method '{self.method}' (choose from {', '.join(METHODS)})")
         if self.k < 1:
             raise ConfigError(f"k must be >= 1, got {self.k}")
+        if not 0 <= self.draft_confidence < 1:
+            raise ConfigError(f"draft-confidence must lie in [0, 1), got {self.draft_confidence}")
+        if self.draft_confidence and self.method != "sd":
+            raise ConfigError("draft-confidence applies to method 'sd' only")
         for name in ("depth", "width", "verify_width"):
             value = getattr(self, name)
             if value not in (None, AUTO) and not (isinstance(value, int) and value >= 1):

@@ -18,6 +18,7 @@ def test_method_specs_parse():
     assert (spec.method, spec.drafter, spec.k, spec.target_dtype, spec.drafter_dtype) == \
         ("sd", "qwen2.5-coder-0.5b@int8", 6, "fp32", "bf16")
     assert parse_method("ar").drafter is None and parse_method("sd").k == 4
+    assert parse_method("sd:k=15,draft_confidence=0.4").draft_confidence == 0.4
     tree = parse_method("tree:depth=3,width=5")
     assert (tree.depth, tree.width, tree.drafter) == (3, 5, "qwen2.5-coder-0.5b")
     cascade = parse_method("cascade:drafters=a@int8,b,maxgram,k_matrix=2,1,1;0,2,1;0,0,3,leniency=2,dtype=fp32")
@@ -31,7 +32,9 @@ def test_method_specs_parse():
 @pytest.mark.parametrize("bad", ["xx", "ar:k=3", "sd:k=0", "sd:k=two", "sd:depth=3", "sd:dtype=fp16", "sd:k",
                                  "tree:width=0", "tree:profile=missing.json", "cascade", "cascade:drafters=a,maxgram,k_matrix=1;2;3",
                                  "cascade:drafters=maxgram,leniency=0.5", "sd:drafter=x,leniency=2",
-                                 "dsi:servers=0", "dsi:executor=mpi", "sd:servers=2", "dsi:lookahead=x"])
+                                 "dsi:servers=0", "dsi:executor=mpi", "sd:servers=2", "dsi:lookahead=x",
+                                 "sd:draft_confidence=1.5", "sd:draft_confidence=x", "tree:draft_confidence=0.5",
+                                 "sd:drafter=maxgram,draft_confidence=0.5"])
 def test_bad_method_specs_are_refused(bad):
     with pytest.raises(ConfigError):
         parse_method(bad)

@@ -86,6 +86,9 @@ def test_sampling_with_seed_is_reproducible(model_dirs, capsys):
         (["--method", "dsi", "--servers", "2", "--lookahead", "1", "--twin-latency", "30,3"], "needs 10"),
         (["--method", "dsi", "--twin-latency", "3,30"], "as slow as the target"),
         (["--servers", "2"], "apply to method 'dsi'"),
+        (["--draft-confidence", "1"], "draft-confidence must lie in [0, 1)"),
+        (["--method", "tree", "--draft-confidence", "0.5"], "applies to method 'sd' only"),
+        (["--drafter", "maxgram", "--draft-confidence", "0.5"], "needs a model drafter"),
         (["--timeline", "x.png"], "apply to --method dsi"),
     ],
 )

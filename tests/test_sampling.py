@@ -115,6 +115,11 @@ def test_speculative_sampling_matches_target_distribution_end_to_end(k, device):
     assert_follows_target(target, prompt, drafter=drafter, k=k)
 
 
+def test_speculative_sampling_with_early_ending_drafts_matches_target_distribution():
+    target, drafter, prompt = sampling_pair()
+    assert_follows_target(target, prompt, drafter=drafter, k=3, draft_confidence=0.3)
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA")
 def test_speculative_sampling_with_the_drafter_on_another_device():
     target, drafter, prompt = sampling_pair(device="cuda", drafter_device="cpu")

@@ -97,6 +97,34 @@ def test_stats_count_forwards_and_acceptance():
     assert stats.wall_s > 0 and 0 < stats.ttft_s <= stats.wall_s
 
 
+@pytest.mark.parametrize("arch", ARCHS)
+def test_draft_confidence_ends_drafts_early_and_stays_lossless(arch):
+    forwards = {"full": 0, "early": 0}
+    for seed in range(4):
+        target = tiny_model(arch, seed, VOCAB, init_std=0.3)  # peaked distributions: confident drafts exist
+        prompt = random_prompt(seed, VOCAB)
+        expected = reference(target, prompt)
+        drafter = perturbed(target, 0.3, seed)
+        for label, confidence in (("full", 0.0), ("early", 0.6)):
+            result = generate(target, prompt_ids=prompt, drafter=drafter, k=6, max_new_tokens=MAX_NEW,
+                              draft_confidence=confidence)
+            assert result.token_ids == expected, f"seed {seed}, {label}"
+            forwards[label] += result.stats.drafter_forwards[drafter.name]
+    assert forwards["early"] < 0.8 * forwards["full"]
+
+
+def test_model_drafter_stops_after_the_first_doubtful_token():
+    target = tiny_model("qwen2", 9, VOCAB, init_std=0.3)
+    context = random_prompt(9, VOCAB, 10)
+    full = ModelDrafter(target.share(), SamplingConfig(), None, keep_probs=True).propose(context, 6)
+    confidence = full.probs.max(-1).values
+    threshold = float(confidence.sort().values[len(confidence) // 2])  # some draft tokens fall below it
+    first_doubt = int((confidence < threshold).nonzero()[0])
+    early = ModelDrafter(target.share(), SamplingConfig(), None, draft_confidence=threshold).propose(context, 6)
+    assert early.tokens == full.tokens[: first_doubt + 1]
+    assert early.probs is None  # greedy drafts carry no distribution unless asked
+
+
 def test_model_drafter_resyncs_its_cache_after_rejections():
     target = tiny_model("qwen2", 9, VOCAB)
     drafter = ModelDrafter(target.share(), SamplingConfig(), None)

@@ -1,5 +1,6 @@
 """Method specs on the command line: `ar`, `ar:dtype=bf16`, `sd:drafter=qwen2.5-coder-0.5b,k=4`,
 `sd:drafter=qwen2.5-coder-0.5b@int8,k=6,dtype=fp32,drafter_dtype=bf16`, `sd:drafter=maxgram,k=8`,
+`sd:drafter=qwen2.5-coder-0.5b@int4,k=15,draft_confidence=0.5`,
 `tree:drafter=qwen2.5-coder-0.5b@int8,depth=4,width=4,verify_width=8,profile=prof.json,dtype=fp32`
 (each size may be `auto`),
 `cascade:drafters=qwen2.5-coder-0.5b@int8,maxgram,k_matrix=4,2;0,6,leniency=2`,
@@ -21,7 +22,7 @@ from speculant.errors import ConfigError
 
 OPTIONS = {
     "ar": {"dtype"},
-    "sd": {"drafter", "k", "dtype", "drafter_dtype"},
+    "sd": {"drafter", "k", "draft_confidence", "dtype", "drafter_dtype"},
     "tree": {"drafter", "depth", "width", "verify_width", "profile", "dtype", "drafter_dtype"},
     "cascade": {"drafters", "k_matrix", "k", "leniency", "dtype", "drafter_dtype"},
     "dsi": {"drafter", "servers", "lookahead", "executor", "dtype", "drafter_dtype"},
@@ -40,6 +41,7 @@ class MethodSpec:
     method: str
     drafter: str | None = None
     k: int | None = None  # None: the method's default (sd: 4; peers: transformers' defaults)
+    draft_confidence: float = 0.0  # sd only: end a model drafter's draft after a token it doubts
     depth: int | str = 4  # tree only; "auto": the objective decides
     width: int | str = 4  # tree only
     verify_width: int | str | None = None  # tree only: None verifies every drafted node
@@ -75,15 +77,16 @@ def parse_method(spec: str) -> MethodSpec:
         depth, width = count_or_auto(options.get("depth", "4")), count_or_auto(options.get("width", "4"))
         verify_width = count_or_auto(options["verify_width"]) if "verify_width" in options else None
         leniency = float(options.get("leniency", 1))
+        draft_confidence = float(options.get("draft_confidence", 0))
         servers = int(options.get("servers", 1))
         lookahead = int(options["lookahead"]) if "lookahead" in options else None
     except ValueError:
         raise ConfigError(f"k, servers and lookahead must be integers, depth, width and verify_width integers or "
-                          f"auto, and leniency a number in '{spec}'") from None
+                          f"auto, and leniency and draft_confidence numbers in '{spec}'") from None
     executor = options.get("executor", "thread")
-    DecodeConfig(method=name if name == "dsi" else "sd", k=1 if k is None else k, depth=depth, width=width,
-                 verify_width=verify_width, leniency=leniency, servers=servers, lookahead=lookahead,
-                 executor=executor)  # validates
+    DecodeConfig(method=name if name == "dsi" else "sd", k=1 if k is None else k, draft_confidence=draft_confidence,
+                 depth=depth, width=width, verify_width=verify_width, leniency=leniency, servers=servers,
+                 lookahead=lookahead, executor=executor)  # validates
     drafters = tuple(filter(None, options.get("drafters", "").split(",")))
     if name == "cascade" and not drafters:
         raise ConfigError(f"method 'cascade' needs drafters=..., e.g. 'cascade:drafters={DEFAULT_DRAFTER},maxgram'")
@@ -97,5 +100,7 @@ def parse_method(spec: str) -> MethodSpec:
     profile = options.get("profile")
     if profile is not None and not Path(profile).is_file():
         raise ConfigError(f"profile not found: {profile} (make one with `speculant profile --out`)")
-    return MethodSpec(spec.strip(), name, drafter, k, depth, width, verify_width, profile, target_dtype, drafter_dtype,
-                      drafters, k_matrix, leniency, servers, lookahead, executor)
+    if draft_confidence and drafter == "maxgram":
+        raise ConfigError(f"draft_confidence needs a model drafter in '{spec}'")
+    return MethodSpec(spec.strip(), name, drafter, k, draft_confidence, depth, width, verify_width, profile,
+                      target_dtype, drafter_dtype, drafters, k_matrix, leniency, servers, lookahead, executor)

@@ -92,6 +92,8 @@ def run_matrix(
         if spec.method.startswith("hf-"):
             return hf_generate(spec.method, target, ids, n, spec.k, drafters[0] if drafters else None, temperature, seed)
         options: dict[str, Any] = {"k": spec.k} if spec.k is not None else {}
+        if spec.draft_confidence:
+            options["draft_confidence"] = spec.draft_confidence
         if spec.method == "cascade":
             options.update(drafters=drafters, k_matrix=spec.k_matrix, leniency=spec.leniency)
         elif drafters:

@@ -39,11 +39,17 @@ class ModelDrafter:
     in one forward: how a cascade level reviews the draft of the level below.
 
     Greedy drafts carry no distribution unless `keep_probs` (a lenient review needs q(x)).
+
+    With `draft_confidence` c > 0 a draft ends early, after the first token the drafter itself gives a
+    probability below c: the forwards that would follow a likely rejection are skipped (the dynamic draft
+    length of HF assisted generation's confidence threshold). The stopping rule looks only at the draft,
+    so verification stays lossless.
     """
 
     def __init__(self, model: CausalLM, sampling: SamplingConfig, generator: torch.Generator | None,
-                 keep_probs: bool = False):
+                 keep_probs: bool = False, draft_confidence: float = 0.0):
         self.model = metered(model)
+        self.draft_confidence = draft_confidence
         self.name = model.name
         self.sampling = sampling
         self.generator = generator
@@ -58,17 +64,16 @@ class ModelDrafter:
         tokens: list[int] = []
         probs: list[torch.Tensor] = []
         for i in range(k):
-            if self.sampling.greedy:
-                tokens.append(next_token(logits, self.sampling, None))
-            else:
-                q = logits_to_probs(logits, self.sampling)
-                tokens.append(sample(q, self.generator))
-            if self.keep_probs:
-                probs.append(q if not self.sampling.greedy else torch.softmax(logits, -1))
-            if i < k - 1:
-                logits = self.model.forward(tokens[-1:])[-1]
+            q = logits_to_probs(logits, self.sampling) if not self.sampling.greedy else None
+            tokens.append(next_token(logits, self.sampling, None) if q is None else sample(q, self.generator))
+            if self.keep_probs or self.draft_confidence > 0:
+                probs.append(q if q is not None else torch.softmax(logits, -1))
+            if i == k - 1 or probs and probs[-1][tokens[-1]] < self.draft_confidence:
+                break
+            logits = self.model.forward(tokens[-1:])[-1]
         self._cached = context + tokens[:-1]
-        return Draft(tokens, torch.stack(probs) if probs else None, {self.name: self.model.usage - before})
+        kept = torch.stack(probs) if self.keep_probs else None
+        return Draft(tokens, kept, {self.name: self.model.usage - before})
 
     def score(self, context: list[int], draft: list[int]) -> torch.Tensor:
         """Logits after context[-1] and after each draft token, [1 + len(draft), vocab], in one forward."""
