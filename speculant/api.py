@@ -228,10 +228,10 @@ def generate(
     `stream=True` the returned GenerationStream yields token ids as they are committed.
     """
     sampling = SamplingConfig(temperature, top_k, top_p)
-    config = DecodeConfig(method=method, k=k, draft_confidence=draft_confidence, depth=depth, width=width, verify_width=verify_width, leniency=leniency,
-                          servers=servers, lookahead=lookahead, max_new_tokens=max_new_tokens,
-                          executor=executor if isinstance(executor, str) else executor.name,
-                          seed=seed)
+    config = DecodeConfig(method=method, k=k, draft_confidence=draft_confidence, depth=depth, width=width,
+                          verify_width=verify_width, leniency=leniency, servers=servers, lookahead=lookahead,
+                          max_new_tokens=max_new_tokens, seed=seed,
+                          executor=executor if isinstance(executor, str) else executor.name)
     target = load_model(target)
     if prompt_ids is None:
         if prompt is None or not prompt.strip():

@@ -225,7 +225,8 @@ def run_generate(args: argparse.Namespace) -> None:
 
     stream = generate(
         target, prompt=args.prompt, drafter=drafters[0] if drafter_name else None, method=decode_config.method,
-        k=decode_config.k, draft_confidence=decode_config.draft_confidence, depth=decode_config.depth, width=decode_config.width, leniency=decode_config.leniency,
+        k=decode_config.k, draft_confidence=decode_config.draft_confidence, depth=decode_config.depth,
+        width=decode_config.width, leniency=decode_config.leniency,
         verify_width=decode_config.verify_width, target_profile=args.target_profile, **cascade, **dsi,
         max_new_tokens=decode_config.max_new_tokens, temperature=sampling.temperature, top_k=sampling.top_k,
         top_p=sampling.top_p, seed=decode_config.seed, stream=True, chat=args.chat,
