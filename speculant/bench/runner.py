@@ -92,8 +92,6 @@ def run_matrix(
         if spec.method.startswith("hf-"):
             return hf_generate(spec.method, target, ids, n, spec.k, drafters[0] if drafters else None, temperature, seed)
         options: dict[str, Any] = {"k": spec.k} if spec.k is not None else {}
-        if spec.draft_confidence:
-            options["draft_confidence"] = spec.draft_confidence
         if spec.method == "cascade":
             options.update(drafters=drafters, k_matrix=spec.k_matrix, leniency=spec.leniency)
         elif drafters:
@@ -102,8 +100,8 @@ def run_matrix(
             options.update(verify_width=spec.verify_width, target_profile=spec.profile)
         if spec.method == "dsi":
             options.update(servers=spec.servers, lookahead=spec.lookahead, executor=pool_for(spec, target))
-        return generate(target, prompt_ids=ids, method=spec.method, depth=spec.depth, width=spec.width,
-                        max_new_tokens=n, temperature=temperature, seed=seed, **options)
+        return generate(target, prompt_ids=ids, method=spec.method, draft_confidence=spec.draft_confidence,
+                        depth=spec.depth, width=spec.width, max_new_tokens=n, temperature=temperature, seed=seed, **options)
 
     encoded = [encode_prompt(target_for(None).tokenizer, p.text, p.chat) for p in prompts]
     rows = []
