@@ -12,13 +12,15 @@ from typing import Any
 from speculant.config import (
     DEFAULT_DRAFTER,
     DEFAULT_TARGET,
-    DecodeConfig,
     ModelConfig,
+    RunConfig,
     SamplingConfig,
     add_options,
+    flag,
     from_args,
 )
 from speculant.errors import ConfigError, SpeculantError
+from speculant.methods.registry import METHODS, all_options, owners
 
 
 class Detokenizer:
@@ -45,30 +47,15 @@ def build_parser() -> argparse.ArgumentParser:
     gen = commands.add_parser("generate", help="generate text, streaming it as tokens are committed")
     gen.add_argument("prompt", help="the prompt text")
     gen.add_argument("--target", default=DEFAULT_TARGET, help=f"target model: catalog name, HF id or path (default: {DEFAULT_TARGET})")
-    gen.add_argument("--drafter", default=None,
-                     help="drafter: a model (NAME[@int8|@int4]), self@int8 / self@int4 (the target quantized), "
-                          "maxgram (prompt lookup with a bigram fallback), "
-                          f"or 'none' for autoregressive decoding (default: {DEFAULT_DRAFTER} with --method sd)")
-    gen.add_argument("--drafter-dtype", choices=("bf16", "fp32"), default=None, help="drafter dtype (default: --dtype)")
+    gen.add_argument("--method", default=None, choices=list(METHODS),
+                     help=f"decoding method (default: {DEFAULT_METHOD}; --drafter none means ar): " +
+                          "; ".join(f"{m.name}: {m.help}" for m in METHODS.values()))
+    add_method_options(gen)
     gen.add_argument("--bigram-corpus", nargs="+", default=None, metavar="FILE",
                      help="text files for maxgram's bigram fallback (default: the Python standard library)")
-    gen.add_argument("--drafters", default=None, metavar="LIST",
-                     help="cascade: drafters largest first, comma-separated, maxgram last "
-                          "(e.g. qwen2.5-coder-0.5b@int8,maxgram)")
-    gen.add_argument("--k-matrix", default=None, metavar="ROWS",
-                     help="cascade: the upper-triangular K matrix, rows split by ';' (e.g. '4,2;0,6' or '4,2;6'; "
-                          "default: k tokens per level plus 2 maxgram tokens after each)")
-    gen.add_argument("--target-profile", default=None, metavar="JSON",
-                     help="tree: the target's `speculant profile` JSON; its T(W) lets pruning pick how many nodes to verify")
-    gen.add_argument("--target-devices", default=None, metavar="LIST",
-                     help="dsi: one device per target server, e.g. cpu,cpu or cuda:0,cuda:1 (default: --device for each)")
-    gen.add_argument("--ray-address", default=None, help="dsi with --executor ray: join this cluster (default: start one)")
-    gen.add_argument("--twin-latency", default=None, metavar="T,D[,TTFT]",
-                     help="dsi latency twin: pad every target forward to T ms (its first to TTFT ms) and every "
-                          "drafter forward to D ms, e.g. 30,3; or TARGET.json,DRAFTER.json (speculant profile files)")
     gen.add_argument("--timeline", default=None, metavar="PNG", help="dsi: draw the servers' forwards over time")
-    add_options(gen, DecodeConfig, method=None)
     add_options(gen, SamplingConfig)
+    add_options(gen, RunConfig)
     add_options(gen, ModelConfig)
     gen.add_argument("--chat", action="store_true", help="wrap the prompt in the tokenizer's chat template")
     gen.add_argument("--json", action="store_true", help="print text, token ids and full stats as one JSON object")
@@ -81,9 +68,8 @@ def build_parser() -> argparse.ArgumentParser:
     data.add_argument("--dataset", default="humaneval[:10]", help="humaneval[:N] (default: humaneval[:10])")
     data.add_argument("--prompts", default=None, metavar="FILE.jsonl[:N]",
                       help="JSONL records with 'prompt', or MT-bench style 'turns' and 'category' (first turn, chat template)")
-    bench.add_argument("--max-new-tokens", type=int, default=128)
-    bench.add_argument("--temperature", type=float, default=0.0)
-    bench.add_argument("--seed", type=int, default=0)
+    add_options(bench, RunConfig, seed=0)
+    add_options(bench, SamplingConfig)
     bench.add_argument("--repeats", type=int, default=1, help="run the whole interleaved matrix this many times")
     add_options(bench, ModelConfig)
     bench.add_argument("--out", default=None, help="directory for results.json and report.md")
@@ -154,83 +140,75 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def resolve_method(method: str | None, drafter: str | None) -> tuple[str, str | None]:
-    """`--drafter none` means autoregressive; `--method sd` defaults the drafter; conflicts are errors."""
-    if method == "cascade":
-        if drafter is not None:
-            raise ConfigError("method 'cascade' takes --drafters (a list, largest first), not --drafter")
-        return "cascade", None
-    if drafter == "none":
-        if method == "sd":
-            raise ConfigError("method 'sd' needs a drafter, but --drafter is none")
-        return "ar", None
-    if method == "ar":
-        if drafter is not None:
-            raise ConfigError("method 'ar' takes no drafter (drop --drafter or pass --drafter none)")
-        return "ar", None
-    return method or "sd", drafter or DEFAULT_DRAFTER
+DEFAULT_METHOD = "sd"
+
+
+def add_method_options(parser: argparse.ArgumentParser) -> None:
+    """One flag per option of any registered method, kept as text: the chosen method parses and validates
+    what was given, so a flag its method does not take is one clear error."""
+    for name, f in all_options().items():
+        methods = ", ".join(owners(name))
+        parser.add_argument(flag(name), dest=name, default=None, metavar=name.upper(),
+                            help=f"{methods}: {f.metadata.get('help', '')} (default: {default_text(f)})")
+
+
+def default_text(f: Any) -> str:
+    from dataclasses import MISSING
+
+    value = None if f.default is MISSING else f.default
+    return ",".join(map(str, value)) or "none" if isinstance(value, tuple) else str(value)
+
+
+def resolve_method(method: str | None, given: dict[str, str]) -> str:
+    """The method to run: `--method`, else ar for `--drafter none`, else the default."""
+    if given.get("drafter") == "none":
+        del given["drafter"]
+        if method not in (None, "ar"):
+            raise ConfigError(f"method '{method}' needs a drafter, but --drafter is none")
+        return "ar"
+    return method or DEFAULT_METHOD
 
 
 def run_generate(args: argparse.Namespace) -> None:
-    from speculant.api import generate, load_drafter
-    from speculant.drafters.maxgram import NAME as MAXGRAM
-    from speculant.drafters.maxgram import MaxGramDrafter, load_bigram
+    from speculant.api import generate
+    from speculant.drafters.spec import MAXGRAM, DrafterSpec, load_drafter
+    from speculant.methods import get_method
+    from speculant.methods.drafting import as_keywords, with_drafters
     from speculant.models import load_model
 
-    method, drafter_name = resolve_method(args.method, args.drafter)
-    args.method = method
-    decode_config = from_args(DecodeConfig, args)
+    given = {name: getattr(args, name) for name in all_options() if getattr(args, name) is not None}
+    method = get_method(resolve_method(args.method, given))
+    options = method.parse_options(given)
     sampling = from_args(SamplingConfig, args)
+    run = from_args(RunConfig, args)
     model_config = from_args(ModelConfig, args)
     if not args.prompt.strip():
         raise ConfigError("the prompt is empty")
-
-    names = [name for name in (args.drafters or "").split(",") if name]
-    if method == "cascade" and not names:
-        raise ConfigError("method 'cascade' needs --drafters, e.g. --drafters qwen2.5-coder-0.5b@int8,maxgram")
-    if method != "cascade" and (args.drafters or args.k_matrix):
-        raise ConfigError("--drafters and --k-matrix apply to --method cascade only")
-    if drafter_name is not None:
-        names = [drafter_name]
-    if args.bigram_corpus and MAXGRAM not in names:
+    sources = ([options.drafter] if hasattr(options, "drafter") else []) + list(getattr(options, "drafters", ()))
+    if args.bigram_corpus and not any(isinstance(d, DrafterSpec) and d.kind == MAXGRAM for d in sources):
         raise ConfigError("--bigram-corpus applies to the maxgram drafter only")
     files = [Path(f) for f in args.bigram_corpus or []]
     if missing := [str(f) for f in files if not f.is_file()]:
         raise ConfigError(f"bigram corpus file not found: {', '.join(missing)}")
+    if args.timeline and method.name != "dsi":
+        raise ConfigError("--timeline applies to --method dsi only")
 
     print(f"loading target {args.target} ({model_config.dtype}, {model_config.device})", file=sys.stderr)
     target = load_model(args.target, dtype=model_config.dtype, device=model_config.device)
-    drafters = []
-    for name in names:
-        if name == MAXGRAM and files:
-            drafters.append(MaxGramDrafter(load_bigram(target.tokenizer, target.vocab_size, files)))
-            continue
-        dtype = args.drafter_dtype or model_config.dtype
-        if name != MAXGRAM:
-            print(f"loading drafter {name} ({dtype}, {model_config.device})", file=sys.stderr)
-        reuse = name == args.target and dtype == model_config.dtype  # same weights, own cache
-        drafters.append(load_drafter(target if reuse else name, target, dtype))
-    cascade = {"drafters": drafters, "k_matrix": args.k_matrix} if method == "cascade" else {}
-    dsi_flags = (args.target_devices, args.ray_address, args.twin_latency, args.timeline)
-    if method != "dsi" and any(dsi_flags):
-        raise ConfigError("--target-devices, --ray-address, --twin-latency and --timeline apply to --method dsi only")
-    dsi = {}
-    if method == "dsi":
-        devices = [d for d in (args.target_devices or "").split(",") if d] or None
-        dsi = {"servers": decode_config.servers, "lookahead": decode_config.lookahead,
-               "executor": decode_config.executor, "target_devices": devices, "ray_address": args.ray_address,
-               "twin": parse_twin(args.twin_latency) if args.twin_latency else None}
-    if args.target_profile and not Path(args.target_profile).is_file():
-        raise ConfigError(f"target profile not found: {args.target_profile}")
 
-    stream = generate(
-        target, prompt=args.prompt, drafter=drafters[0] if drafter_name else None, method=decode_config.method,
-        k=decode_config.k, draft_confidence=decode_config.draft_confidence, depth=decode_config.depth,
-        width=decode_config.width, leniency=decode_config.leniency,
-        verify_width=decode_config.verify_width, target_profile=args.target_profile, **cascade, **dsi,
-        max_new_tokens=decode_config.max_new_tokens, temperature=sampling.temperature, top_k=sampling.top_k,
-        top_p=sampling.top_p, seed=decode_config.seed, stream=True, chat=args.chat,
-    )
+    def load(drafter: Any) -> Any:
+        if isinstance(drafter, DrafterSpec) and drafter.kind == MAXGRAM and files:
+            from speculant.drafters.maxgram import MaxGramDrafter, load_bigram
+
+            return MaxGramDrafter(load_bigram(target.tokenizer, target.vocab_size, files))
+        if isinstance(drafter, DrafterSpec) and drafter.kind != MAXGRAM:
+            print(f"loading drafter {drafter}", file=sys.stderr)
+        return load_drafter(drafter, target, getattr(options, "drafter_dtype", None))
+
+    options = with_drafters(options, load)
+    stream = generate(target, args.prompt, method=method.name, max_new_tokens=run.max_new_tokens,
+                      temperature=sampling.temperature, top_k=sampling.top_k, top_p=sampling.top_p, seed=run.seed,
+                      stream=True, chat=args.chat, **as_keywords(options))
     if args.json:
         for _ in stream:
             pass
@@ -243,34 +221,14 @@ def run_generate(args: argparse.Namespace) -> None:
     result = stream.result
     assert result is not None
     if args.json:
-        print(json.dumps({"target": args.target, "drafters": names, "text": result.text,
-                          "token_ids": result.token_ids, "stats": result.stats.to_dict()}, indent=1))
+        print(json.dumps({"target": args.target, "method": method.name, "drafters": list(map(str, sources)),
+                          "text": result.text, "token_ids": result.token_ids, "stats": result.stats.to_dict()},
+                         indent=1))
     print(result.stats.summary(), file=sys.stderr)
     if args.timeline and result.stats.dsi is not None:
         from speculant.decoding.dsi.timeline import plot_timeline
 
         print(f"wrote {plot_timeline(result.stats.dsi, Path(args.timeline))}", file=sys.stderr)
-
-
-def parse_twin(text: str) -> tuple[Any, Any]:
-    """`30,3` or `30,3,120` (target TPOT, drafter, target TTFT in ms), or two `speculant profile` JSONs
-    `target.json,drafter.json` (TTFT, TPOT and T(W) each) -> (target, drafter) Latency."""
-    from speculant.analysis.profile import LatencyProfile
-    from speculant.decoding.dsi.twin import Latency
-
-    parts = text.split(",")
-    if len(parts) == 2 and all(part.endswith(".json") for part in parts):
-        if missing := [part for part in parts if not Path(part).is_file()]:
-            raise ConfigError(f"profile not found: {', '.join(missing)}")
-        target, drafter = (Latency.from_profile(LatencyProfile.load(Path(part))) for part in parts)
-        return target, drafter
-    try:
-        values = [float(v) for v in text.split(",")]
-    except ValueError:
-        values = []
-    if len(values) not in (2, 3) or min(values) < 0:
-        raise ConfigError(f"--twin-latency takes T,D or T,D,TTFT in ms (numbers >= 0), got '{text}'")
-    return Latency.from_ms(values[0], values[2] if len(values) == 3 else None), Latency.from_ms(values[1])
 
 
 def run_bench(args: argparse.Namespace, argv: Sequence[str]) -> None:
@@ -279,14 +237,16 @@ def run_bench(args: argparse.Namespace, argv: Sequence[str]) -> None:
     from speculant.bench.datasets import load_dataset
     from speculant.bench.methods import parse_method
     from speculant.bench.report import markdown_report, plot, print_table
-    from speculant.bench.runner import run_matrix, summarize, summarize_by_category, to_json
+    from speculant.bench.runner import run_matrix
+    from speculant.bench.summary import summarize, summarize_by_category, to_json
+    from speculant.machine import machine_info
     from speculant.models import CausalLM, load_model
 
     methods = [parse_method(m) for m in args.methods]
     if len({m.label for m in methods}) != len(methods):
         raise ConfigError("each method may be listed once")
-    DecodeConfig(max_new_tokens=args.max_new_tokens)
-    SamplingConfig(temperature=args.temperature)
+    run = from_args(RunConfig, args)
+    sampling = from_args(SamplingConfig, args)
     model_config = from_args(ModelConfig, args)
     if args.repeats < 1:
         raise ConfigError(f"repeats must be >= 1, got {args.repeats}")
@@ -301,19 +261,19 @@ def run_bench(args: argparse.Namespace, argv: Sequence[str]) -> None:
         return targets[dtype]
 
     with tqdm(total=len(prompts) * len(methods) * args.repeats, desc="prompts x methods", file=sys.stderr) as bar:
-        rows = run_matrix(target_for, methods, prompts, args.max_new_tokens, args.seed, args.temperature,
-                          args.repeats, on_row=lambda row: bar.update())
+        rows = run_matrix(target_for, methods, prompts, run.max_new_tokens, run.seed, sampling, args.repeats,
+                          on_row=lambda row: bar.update())
     summaries = summarize(rows, methods)
     by_category = summarize_by_category(rows, methods)
     command = "speculant " + " ".join(argv)
-    print_table(summaries, f"{args.target} on {dataset}, {args.max_new_tokens} new tokens")
+    machine = machine_info()
+    print_table(summaries, f"{args.target} on {dataset}, {run.max_new_tokens} new tokens; {machine}")
     if args.out:
         out = Path(args.out)
         out.mkdir(parents=True, exist_ok=True)
-        config = {"command": command, "machine": machine_info(),
-                  **{k: v for k, v in vars(args).items() if k != "command"}}
+        config = {"command": command, "machine": machine, **{k: v for k, v in vars(args).items() if k != "command"}}
         (out / "results.json").write_text(json.dumps(to_json(config, rows, summaries, by_category), indent=1))
-        (out / "report.md").write_text(markdown_report(summaries, by_category, command, machine_info()))
+        (out / "report.md").write_text(markdown_report(summaries, by_category, command, machine))
         plots = plot(summaries, by_category, out)
         print(f"wrote {out / 'results.json'}, {out / 'report.md'} and {len(plots)} plots", file=sys.stderr)
 
@@ -333,9 +293,10 @@ def parse_widths(text: str) -> list[int]:
 
 
 def run_profile(args: argparse.Namespace) -> None:
-    from speculant.analysis.profile import profile_model
-    from speculant.api import encode_prompt, load_drafter
+    from speculant.latency import profile_model
+    from speculant.api import encode_prompt
     from speculant.bench.datasets import load_dataset
+    from speculant.drafters.spec import load_drafter
     from speculant.models import load_model
 
     widths = parse_widths(args.widths)
@@ -369,12 +330,15 @@ def run_acceptance(args: argparse.Namespace) -> None:
     from dataclasses import asdict
 
     from speculant.analysis.acceptance import estimate
-    from speculant.api import encode_prompt, load_drafter
+    from speculant.api import encode_prompt
+    from speculant.drafters.spec import load_drafter
     from speculant.bench.datasets import load_dataset
     from speculant.models import load_model
 
     sampling = SamplingConfig(temperature=args.temperature)
-    DecodeConfig(max_new_tokens=args.max_new_tokens, k=args.depth)
+    RunConfig(max_new_tokens=args.max_new_tokens)
+    if args.depth < 1:
+        raise ConfigError(f"depth must be >= 1, got {args.depth}")
     config = from_args(ModelConfig, args)
     prompts = load_dataset(args.dataset)
     target = load_model(args.target, dtype=config.dtype, device=config.device)
@@ -400,7 +364,7 @@ def run_simulate(args: argparse.Namespace) -> None:
     from speculant.analysis.commands import format_one, run_heatmap, simulate_one
 
     if args.simulation == "online":
-        from speculant.decoding.dsi.online import format_online, simulate_online
+        from speculant.analysis.online import format_online, simulate_online
 
         result = simulate_online(args.target_latency, args.drafter_latency, args.acceptance, args.servers, args.tokens,
                                  args.lookahead, args.ttft, args.repeats, args.executor, args.seed,
@@ -412,12 +376,12 @@ def run_simulate(args: argparse.Namespace) -> None:
     if args.simulation == "run":
         target_ms, drafter_ms, ttft_ms = args.target_latency, args.drafter_latency, args.ttft
         if args.target_profile:
-            from speculant.analysis.profile import LatencyProfile
+            from speculant.latency import LatencyProfile
 
             profile = LatencyProfile.load(Path(args.target_profile))
             target_ms, ttft_ms = profile.tpot_s * 1000, ttft_ms or profile.ttft_s * 1000
         if args.drafter_profile:
-            from speculant.analysis.profile import LatencyProfile
+            from speculant.latency import LatencyProfile
 
             drafter_ms = LatencyProfile.load(Path(args.drafter_profile)).tpot_s * 1000
         if target_ms is None or drafter_ms is None:
@@ -434,17 +398,6 @@ def run_simulate(args: argparse.Namespace) -> None:
               f"{numbers['min_dsi_speedup_over_non_si']:.3f}x over non-SI, up to "
               f"{numbers['max_dsi_speedup_over_best_baseline']:.2f}x over the better of the two")
         print("wrote " + ", ".join(str(p) for p in paths))
-
-
-def machine_info() -> str:
-    import platform
-
-    import torch
-
-    cpu = next((line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
-                if line.startswith("model name")), platform.processor()) if Path("/proc/cpuinfo").exists() else ""
-    return (f"{cpu or platform.machine()}, {torch.get_num_threads()} threads, torch {torch.__version__} "
-            f"({torch.backends.cpu.get_cpu_capability()})")
 
 
 def main(argv: Sequence[str] | None = None) -> int:

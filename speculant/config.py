@@ -1,4 +1,10 @@
-"""Frozen dataclasses for every knob. Validation lives here; CLI options are derived from the fields."""
+"""Frozen dataclasses for the knobs every generation shares, and the machinery that turns any options
+dataclass into command-line flags, bench-spec values and server request fields.
+
+A field made with `option(...)` carries its help text and, when its values come as text, how to parse
+them (`parse`) and which values are allowed (`choices`). Methods declare their own options dataclasses
+the same way (`speculant.methods`); nothing else lists options.
+"""
 
 from __future__ import annotations
 
@@ -6,13 +12,17 @@ import argparse
 import math
 import types
 import typing
-from dataclasses import MISSING, dataclass, field, fields
+from dataclasses import MISSING, Field, dataclass, field, fields
 from typing import Any, TypeVar
 
 from speculant.errors import ConfigError
 
 T = TypeVar("T")
-AUTO = "auto"  # a tree size the latency-aware objective chooses
+AUTO = "auto"  # a size, dtype or method that speculant chooses from measurements
+DEFAULT_TARGET = "qwen2.5-coder-1.5b"  # catalog names (speculant.models.catalog)
+DEFAULT_DRAFTER = "qwen2.5-coder-0.5b"
+DTYPES = ("auto", "bf16", "fp32")
+EXECUTORS = ("thread", "process", "ray")  # where DSI's target servers run
 
 
 def count_or_auto(text: str) -> int | str:
@@ -21,7 +31,7 @@ def count_or_auto(text: str) -> int | str:
 
 
 def option(default: Any, help: str, **extra: Any) -> Any:
-    """A dataclass field that also describes its command-line option."""
+    """A dataclass field that also describes its command-line flag, bench-spec key and request field."""
     return field(default=default, metadata={"help": help, **extra})
 
 
@@ -44,86 +54,74 @@ class SamplingConfig:
         return self.temperature == 0
 
 
-METHODS = ("ar", "sd", "tree", "cascade", "dsi")
-EXECUTORS = ("thread", "process", "ray")  # where DSI's target servers run
-DEFAULT_TARGET = "qwen2.5-coder-1.5b"  # catalog names (speculant.models.catalog)
-DEFAULT_DRAFTER = "qwen2.5-coder-0.5b"
-
-
 @dataclass(frozen=True)
-class DecodeConfig:
-    method: str = option("sd", "decoding method: ar (autoregressive), sd (speculative), tree (token tree), "
-                         "cascade (cascade speculative drafting), dsi (distributed speculative inference)",
-                         choices=METHODS)
-    k: int = option(4, "draft tokens per speculation step (sd; cascade: per level when no K matrix is given)")
-    draft_confidence: float = option(0.0, "sd: end a draft early after a token its model drafter gives a "
-                                     "probability below this (0: always draft k)")
-    depth: int | str = option(4, "draft tree depth: drafting steps per tree, or auto (tree)", parse=count_or_auto)
-    width: int | str = option(4, "nodes added per drafting step, or auto (tree)", parse=count_or_auto)
-    verify_width: int | str | None = option(None, "tree: verify at most this many drafted nodes, the subtree "
-                                            "chosen by dynamic programming, or auto (default: all)",
-                                            parse=count_or_auto)
-    leniency: float = option(1.0, "cascade: leniency l >= 1 of the inner reviews (the target's stays exact)")
-    servers: int = option(1, "dsi: target servers verifying in parallel (the speculation-parallelism degree)")
-    lookahead: int | None = option(None, "dsi: drafts per verification job (default: the smallest the servers "
-                                   "keep up with, planned from the latencies)")
-    executor: str = option("thread", "dsi: where target servers run", choices=EXECUTORS)
+class RunConfig:
+    """What bounds one generation, whatever the method."""
+
     max_new_tokens: int = option(128, "stop after this many new tokens")
     seed: int | None = option(None, "seed of the one random generator (sampling only)")
 
     def __post_init__(self) -> None:
-        if self.method not in METHODS:
-            raise ConfigError(f"unknown method '{self.method}' (choose from {', '.join(METHODS)})")
-        if self.k < 1:
-            raise ConfigError(f"k must be >= 1, got {self.k}")
-        if not 0 <= self.draft_confidence < 1:
-            raise ConfigError(f"draft-confidence must lie in [0, 1), got {self.draft_confidence}")
-        if self.draft_confidence and self.method != "sd":
-            raise ConfigError("draft-confidence applies to method 'sd' only")
-        for name in ("depth", "width", "verify_width"):
-            value = getattr(self, name)
-            if value not in (None, AUTO) and not (isinstance(value, int) and value >= 1):
-                raise ConfigError(f"{name.replace('_', '-')} must be an integer >= 1 or auto, got {value!r}")
-        if self.servers < 1:
-            raise ConfigError(f"servers must be >= 1, got {self.servers}")
-        if self.lookahead is not None and self.lookahead < 1:
-            raise ConfigError(f"lookahead must be >= 1, got {self.lookahead}")
-        if self.executor not in EXECUTORS:
-            raise ConfigError(f"unknown executor '{self.executor}' (choose from {', '.join(EXECUTORS)})")
-        if self.method != "dsi" and (self.servers != 1 or self.lookahead is not None or self.executor != "thread"):
-            raise ConfigError("servers, lookahead and executor apply to method 'dsi' only")
-        if not self.leniency >= 1:
-            raise ConfigError(f"leniency must be >= 1, got {self.leniency}")
         if self.max_new_tokens < 1:
             raise ConfigError(f"max-new-tokens must be >= 1, got {self.max_new_tokens}")
 
 
 @dataclass(frozen=True)
 class ModelConfig:
-    dtype: str = option("bf16", "weight and activation dtype", choices=("bf16", "fp32"))
+    dtype: str = option(AUTO, "weight dtype: auto (the fastest exact path this device has), bf16 or fp32",
+                        choices=DTYPES)
     device: str = option("cpu", "cpu, cuda or cuda:N")
 
+    def __post_init__(self) -> None:
+        if self.dtype not in DTYPES:
+            raise ConfigError(f"unknown dtype '{self.dtype}' (choose from {', '.join(DTYPES)})")
 
-def _scalar_type(annotation: Any) -> type:
+
+def flag(name: str) -> str:
+    return "--" + name.replace("_", "-")
+
+
+def scalar_type(f: Field) -> type:
     """`int | None` -> int; `float` -> float (annotations are strings under postponed evaluation)."""
-    hint = eval(annotation, vars(typing)) if isinstance(annotation, str) else annotation  # noqa: S307
+    hint = eval(f.type, vars(typing)) if isinstance(f.type, str) else f.type  # noqa: S307
     if isinstance(hint, types.UnionType):
         hint = next(arg for arg in hint.__args__ if arg is not type(None))
-    return hint
+    return hint if hint in (int, float, str, bool) else str
+
+
+def parse_bool(text: str) -> bool:
+    if text.lower() in ("1", "true", "yes", "on"):
+        return True
+    if text.lower() in ("0", "false", "no", "off"):
+        return False
+    raise ValueError(text)
+
+
+def parse_value(f: Field, text: str) -> Any:
+    """A field's value from text (a flag, a bench spec); a ConfigError names the field on bad text."""
+    parse = f.metadata.get("parse") or scalar_type(f)
+    try:
+        value = parse_bool(text) if parse is bool else parse(text)
+    except ConfigError:
+        raise
+    except (ValueError, TypeError):
+        raise ConfigError(f"bad value '{text}' for {f.name}") from None
+    choices = f.metadata.get("choices")
+    if choices is not None and value not in choices:
+        raise ConfigError(f"{f.name} must be one of {', '.join(map(str, choices))}, got '{text}'")
+    return value
+
+
+def default_of(f: Field) -> Any:
+    return None if f.default is MISSING else f.default
 
 
 def add_options(parser: argparse.ArgumentParser, config: type, **overrides: Any) -> None:
     """Add one `--flag` per field of a config dataclass; `overrides` replace defaults."""
     for f in fields(config):
-        default = overrides.get(f.name, f.default if f.default is not MISSING else None)
-        parser.add_argument(
-            "--" + f.name.replace("_", "-"),
-            dest=f.name,
-            type=f.metadata.get("parse") or _scalar_type(f.type),
-            default=default,
-            choices=f.metadata.get("choices"),
-            help=f"{f.metadata.get('help', '')} (default: {default})",
-        )
+        default = overrides.get(f.name, default_of(f))
+        parser.add_argument(flag(f.name), dest=f.name, type=lambda text, f=f: parse_value(f, text), default=default,
+                            metavar=f.name.upper(), help=f"{f.metadata.get('help', '')} (default: {default})")
 
 
 def from_args(config: type[T], args: argparse.Namespace) -> T:

@@ -47,3 +47,13 @@ def next_token(logits: torch.Tensor, sampling: SamplingConfig, generator: torch.
     if sampling.greedy:
         return int(logits.argmax())
     return sample(logits_to_probs(logits, sampling), generator)
+
+
+def seeded(device: torch.device, seed: int | None) -> torch.Generator:
+    """The one generator of a generation: seeded with `seed`, or from the OS when None."""
+    generator = torch.Generator(device=device)
+    if seed is None:
+        generator.seed()
+    else:
+        generator.manual_seed(seed)
+    return generator

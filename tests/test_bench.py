@@ -8,29 +8,33 @@ from helpers import byte_tokenizer, tiny_transformer
 from speculant import cli
 from speculant.bench.datasets import Prompt, load_dataset
 from speculant.bench.methods import parse_method
-from speculant.bench.runner import run_matrix, summarize
+from speculant.drafters.spec import DrafterSpec
+from speculant.bench.runner import run_matrix
+from speculant.bench.summary import summarize
 from speculant.errors import ConfigError
 from speculant.models import HFCausalLM
 
 
 def test_method_specs_parse():
     spec = parse_method("sd:drafter=qwen2.5-coder-0.5b@int8,k=6,dtype=fp32,drafter_dtype=bf16")
-    assert (spec.method, spec.drafter, spec.k, spec.target_dtype, spec.drafter_dtype) == \
-        ("sd", "qwen2.5-coder-0.5b@int8", 6, "fp32", "bf16")
-    assert parse_method("ar").drafter is None and parse_method("sd").k == 4
-    assert parse_method("sd:k=15,draft_confidence=0.4").draft_confidence == 0.4
-    tree = parse_method("tree:depth=3,width=5")
-    assert (tree.depth, tree.width, tree.drafter) == (3, 5, "qwen2.5-coder-0.5b")
+    assert (spec.method, spec.options.drafter, spec.options.k, spec.dtype, spec.options.drafter_dtype) == \
+        ("sd", DrafterSpec("qwen2.5-coder-0.5b", "int8"), 6, "fp32", "bf16")
+    assert parse_method("ar").dtype is None and parse_method("sd").options.k == 4
+    assert parse_method("sd:k=15,draft_confidence=0.4").options.draft_confidence == 0.4
+    tree = parse_method("tree:depth=3,width=auto")
+    assert (tree.options.depth, tree.options.width, str(tree.options.drafter)) == (3, "auto", "qwen2.5-coder-0.5b")
     cascade = parse_method("cascade:drafters=a@int8,b,maxgram,k_matrix=2,1,1;0,2,1;0,0,3,leniency=2,dtype=fp32")
-    assert (cascade.drafters, cascade.k_matrix, cascade.leniency, cascade.target_dtype) == \
-        (("a@int8", "b", "maxgram"), "2,1,1;0,2,1;0,0,3", 2.0, "fp32")
-    assert cascade.sources == ("a@int8", "b", "maxgram") and parse_method("sd:drafter=x").sources == ("x",)
+    assert ([str(d) for d in cascade.options.drafters], cascade.options.k_matrix, cascade.options.leniency,
+            cascade.dtype) == (["a@int8", "b", "maxgram"], [[2, 1, 1], [0, 2, 1], [0, 0, 3]], 2.0, "fp32")
     dsi = parse_method("dsi:drafter=a@int8,servers=2,lookahead=6,executor=process")
-    assert (dsi.drafter, dsi.servers, dsi.lookahead, dsi.executor) == ("a@int8", 2, 6, "process")
+    assert (str(dsi.options.drafter), dsi.options.servers, dsi.options.lookahead, dsi.options.executor) == \
+        ("a@int8", 2, 6, "process")
+    assert parse_method("hf-assisted:k=3").peer and parse_method("hf-assisted:k=3").options.k == 3
 
 
 @pytest.mark.parametrize("bad", ["xx", "ar:k=3", "sd:k=0", "sd:k=two", "sd:depth=3", "sd:dtype=fp16", "sd:k",
-                                 "tree:width=0", "tree:profile=missing.json", "cascade", "cascade:drafters=a,maxgram,k_matrix=1;2;3",
+                                 "tree:width=0", "tree:profile=x.json", "tree:target_profile=missing.json", "cascade",
+                                 "cascade:drafters=a,maxgram,k_matrix=1;2;3", "hf-pld:drafter=x", "sd:drafter=x@int3",
                                  "cascade:drafters=maxgram,leniency=0.5", "sd:drafter=x,leniency=2",
                                  "dsi:servers=0", "dsi:executor=mpi", "sd:servers=2", "dsi:lookahead=x",
                                  "sd:draft_confidence=1.5", "sd:draft_confidence=x", "tree:draft_confidence=0.5",
@@ -123,6 +127,10 @@ def test_bench_cli_writes_json_markdown_and_plots(tiny_dir, tmp_path, capsys):
     # Greedy peers and speculant's methods all reproduce the target's greedy output.
     assert all(s["identical_to_ar"] == 1.0 for s in summary.values())
     assert summary["ar"]["swi"] == pytest.approx(1.0, abs=0.2) and summary["hf-ar"]["swi"] is None
+    # What nobody measured stays unset: ar drafts nothing, a peer's forwards are not counted.
+    assert summary["ar"]["mean_accepted_length"] is None and summary["hf-ar"]["target_forwards"] is None
+    assert summary["ar"]["speedup_ci95"] == [1.0, 1.0] and summary["hf-ar"]["decode_tokens_per_s"] > 0
+    assert "| ar | " in (out / "report.md").read_text() and "| - |" in (out / "report.md").read_text()
     assert summary[f"cascade:drafters={tiny_dir},maxgram,k_matrix=2,1;3"]["cost_ratios"]
     assert set(results["by_category"]) == {"code", "chat"}
     report = (out / "report.md").read_text()

@@ -1,5 +1,9 @@
 """The model cache: complete caches are reused, partial or corrupt ones rebuilt, never half-written."""
 
+import json
+import logging
+import os
+
 import pytest
 
 from speculant.errors import ModelNotAvailable
@@ -23,14 +27,59 @@ def test_build_once_then_reuse(tmp_path):
     assert len(calls) == 1
 
 
-def test_truncated_file_is_detected_and_rebuilt(tmp_path):
+def test_truncated_file_is_detected_and_rebuilt(tmp_path, caplog):
     calls = []
     target = tmp_path / "m-bf16"
     catalog.build_atomically(target, writer(calls))
-    (target / "model.safetensors").write_bytes(b"x" * 10)  # truncated
-    assert not catalog.is_complete(target)
-    catalog.build_atomically(target, writer(calls))
+    with (target / "model.safetensors").open("r+b") as f:
+        f.truncate(10)
+    assert catalog.check_cache(target) == "model.safetensors has 10 bytes, not 100"
+    with caplog.at_level(logging.WARNING, logger="speculant"):
+        catalog.build_atomically(target, writer(calls))
     assert len(calls) == 2 and (target / "model.safetensors").stat().st_size == 100
+    assert [r.getMessage() for r in caplog.records] == [
+        f"speculant: the cache {target} is damaged (model.safetensors has 10 bytes, not 100); rebuilding it"]
+    assert catalog.is_complete(target)
+
+
+def test_altered_content_of_the_same_size_is_detected_and_rebuilt(tmp_path):
+    calls = []
+    target = tmp_path / "m-bf16"
+    catalog.build_atomically(target, writer(calls))
+    weights = target / "model.safetensors"
+    before = weights.stat()
+    weights.write_bytes(b"y" * 100)  # same size, other bytes; even the old modification time restored
+    os.utime(weights, ns=(before.st_atime_ns, before.st_mtime_ns))
+    assert catalog.check_cache(target) == "model.safetensors changed (SHA-256 mismatch)"
+    catalog.build_atomically(target, writer(calls))
+    assert len(calls) == 2 and weights.read_bytes() == b"x" * 100
+
+
+def test_an_intact_cache_is_hashed_once_then_trusted_by_its_stamp(tmp_path, monkeypatch):
+    target = tmp_path / "m-bf16"
+    catalog.build_atomically(target, writer([]))
+    hashed = []
+    monkeypatch.setattr(catalog, "sha256_file", lambda path: hashed.append(path) or "")
+    assert catalog.is_complete(target) and hashed == []
+
+
+def test_a_size_only_manifest_of_older_versions_is_upgraded(tmp_path):
+    target = tmp_path / "m-bf16"
+    target.mkdir()
+    (target / "model.safetensors").write_bytes(b"x" * 100)
+    (target / catalog.MANIFEST).write_text(json.dumps({"files": {"model.safetensors": 100}}))
+    assert catalog.is_complete(target)
+    record = json.loads((target / catalog.MANIFEST).read_text())["files"]["model.safetensors"]
+    assert record["size"] == 100 and len(record["sha256"]) == 64
+
+
+def test_a_package_part_with_other_bytes_is_refused(tmp_path, monkeypatch):
+    part = tmp_path / "part01.bin"
+    part.write_bytes(b"gguf")
+    entry = catalog.CatalogEntry("x", "x", (("x_part1", "data/part01.bin"),), "pip install x", ("0" * 64,))
+    monkeypatch.setattr(catalog.CatalogEntry, "part_paths", lambda self: [part])
+    with pytest.raises(ModelNotAvailable, match="SHA-256 mismatch.*pip install --force-reinstall x-part1"):
+        entry.verified_part_paths()
 
 
 def test_directory_without_manifest_is_rebuilt(tmp_path):
@@ -55,7 +104,8 @@ def test_failed_build_leaves_nothing_behind(tmp_path):
 
 
 def test_missing_part_names_the_install_command():
-    entry = catalog.CatalogEntry("x", "x", (("speculant_absent_module", "data/part01.bin"),), "pip install absent==1")
+    entry = catalog.CatalogEntry("x", "x", (("speculant_absent_module", "data/part01.bin"),), "pip install absent==1",
+                                 ("0" * 64,))
     with pytest.raises(ModelNotAvailable, match="pip install absent==1"):
         entry.part_paths()
 
@@ -64,3 +114,4 @@ def test_catalog_lists_the_design_models():
     assert {"qwen2.5-coder-1.5b", "qwen2.5-coder-0.5b", "smollm2-135m"} <= set(catalog.CATALOG)
     assert len(catalog.CATALOG["qwen2.5-coder-1.5b"].parts) == 22
     assert len(catalog.CATALOG["qwen2.5-coder-0.5b"].parts) == 6
+    assert all(len(e.sha256) == len(e.parts) for e in catalog.CATALOG.values())

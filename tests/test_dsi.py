@@ -13,7 +13,7 @@ from speculant.config import SamplingConfig
 from speculant.decoding.dsi.engine import DrafterFailed, dsi
 from speculant.decoding.dsi.executors import ServerSpec, hf_replica, make_executor, replica_factory
 from speculant.decoding.dsi.jobs import Job, ServerDied, TargetServer
-from speculant.decoding.dsi.online import run, simulate_online
+from speculant.analysis.online import run, simulate_online
 from speculant.decoding.dsi.plan import plan
 from speculant.decoding.dsi.timeline import plot_timeline
 from speculant.decoding.dsi.twin import Latency, OracleLM, PaddedModel, SyntheticDrafter
@@ -199,7 +199,7 @@ def test_sampling_with_dsi_keeps_the_target_distribution(device):
 def test_generate_api_runs_dsi_with_planned_lookahead():
     target, drafter, prompt = pair(21)
     result = generate(target, prompt_ids=prompt, drafter=drafter, method="dsi", servers=2, max_new_tokens=30,
-                      twin=(Latency(0.004, 0.004), Latency(0.001, 0.001)))
+                      twin_latency=(Latency(0.004, 0.004), Latency(0.001, 0.001)))
     assert result.token_ids == reference(target, prompt, 30)
     assert result.stats.dsi.lookahead == 2  # ceil(4 / (2 * 1))
     assert "DSI (thread, lookahead 2)" in result.stats.summary()
@@ -222,7 +222,7 @@ def test_planning_picks_the_smallest_feasible_lookahead_and_refuses_impossible_p
         plan(2, None, 0.030, 0.040)
     with pytest.raises(ConfigError, match="at least one"):
         plan(0, 3, None, None)
-    with pytest.raises(ConfigError, match="apply to method 'dsi'"):
+    with pytest.raises(ConfigError, match="does not apply to method 'sd' \\(it belongs to dsi"):
         generate(tiny_model("llama", 1, VOCAB), prompt_ids=[1, 2], method="sd", drafter="maxgram", servers=2)
 
 

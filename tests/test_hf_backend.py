@@ -3,7 +3,8 @@
 import pytest
 import torch
 
-from helpers import ARCHS, DEVICES, random_prompt, tiny_model
+from helpers import ARCHS, DEVICES, random_prompt, tiny_model, tiny_transformer
+from speculant.models import load_model
 
 
 def fresh_logits(model, ids: list[int]) -> torch.Tensor:
@@ -63,3 +64,18 @@ def test_rollback_rejects_out_of_range():
         model.rollback(4)
     with pytest.raises(ValueError):
         model.keep([0, 5])
+
+
+def test_load_model_leaves_the_callers_model_untouched():
+    model = tiny_transformer("qwen2", 3, 64)
+    modules = {name: type(module) for name, module in model.named_modules()}
+    weights = {name: p.detach().clone() for name, p in model.named_parameters()}
+    attention = model.config._attn_implementation
+    for dtype in (None, "fp32", "bf16"):
+        loaded = load_model(model, dtype=dtype)
+        loaded.prefill([1, 2, 3])
+        loaded.forward([4, 5])
+    assert load_model(model).dtype == torch.float32 and load_model(model, dtype="bf16").dtype == torch.bfloat16
+    assert {name: type(module) for name, module in model.named_modules()} == modules
+    assert all(torch.equal(p, weights[name]) and p.dtype == torch.float32 for name, p in model.named_parameters())
+    assert model.config._attn_implementation == attention

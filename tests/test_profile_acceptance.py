@@ -7,7 +7,7 @@ import pytest
 from helpers import random_prompt, tiny_model
 from speculant import cli
 from speculant.analysis.acceptance import estimate, match_runs, position_counts
-from speculant.analysis.profile import LatencyProfile, profile_model
+from speculant.latency import LatencyProfile, profile_model
 from speculant.config import SamplingConfig
 from speculant.errors import ConfigError
 

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from speculant import cli
-from speculant.analysis import theory
+from speculant import theory
 from speculant.analysis.simulate import simulate_dsi, simulate_grid, simulate_non_si, simulate_si, summary
 
 RNG = np.random.default_rng

@@ -3,7 +3,7 @@
 import numpy as np
 import pytest
 
-from speculant.analysis import theory
+from speculant import theory
 
 
 def test_dsi_appendix_f3_worked_example():

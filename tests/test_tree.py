@@ -210,7 +210,7 @@ def test_tree_sampling_end_to_end_matches_target_distribution(device):
 def test_objective_decides_the_depth():
     from helpers import perturbed
     from speculant import generate
-    from speculant.analysis.profile import LatencyProfile
+    from speculant.latency import LatencyProfile
     from speculant.drafters.tree import worth_another_step
 
     # Likely children and a flat target cost: one more step pays; with T(n) linear in n it does not.
@@ -240,7 +240,7 @@ def test_auto_width_is_the_widest_almost_free_drafting_step():
 
 
 def test_tree_shape_resolves_auto_from_a_profile_or_measured_costs():
-    from speculant.analysis.profile import LatencyProfile
+    from speculant.latency import LatencyProfile
     from speculant.decoding.tree_shape import AUTO_MAX_DEPTH, TARGET_WIDTHS, tree_shape
 
     target, drafter = tiny_model("llama", 1, 64), tiny_model("llama", 2, 64)

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import numpy as np
 
-from speculant.analysis import theory
+from speculant import theory
 from speculant.analysis.simulate import simulate_dsi, simulate_grid, simulate_non_si, simulate_si, summary
 from speculant.errors import ConfigError
 

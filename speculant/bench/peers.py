@@ -1,59 +1,75 @@
-"""Peers run in the same process as speculant's methods: transformers `generate()` plain, with an
-`assistant_model` (assisted generation), and with `prompt_lookup_num_tokens` (prompt lookup)."""
+"""Peers run in the same process as speculant's methods: transformers `generate()` plain (`hf-ar`), with
+an `assistant_model` (`hf-assisted`, assisted generation) and with `prompt_lookup_num_tokens` (`hf-pld`,
+prompt lookup). Their options are dataclasses like a method's; what they do not report is left unset."""
 
 from __future__ import annotations
 
 import time
+from dataclasses import dataclass
+from typing import Any
 
-import torch
-from transformers.generation.streamers import BaseStreamer
-
-from speculant.api import GenerationResult, decode
-from speculant.decoding.stats import GenerationStats
+from speculant.config import SamplingConfig, option
 from speculant.errors import ConfigError
-from speculant.models import CausalLM, HFCausalLM
+from speculant.methods.drafting import DrafterOptions
 
 
-class FirstTokenClock(BaseStreamer):
-    """Records when `generate()` streams its first new token (its first `put` is the prompt)."""
-
-    def __init__(self) -> None:
-        self.puts = 0
-        self.first: float | None = None
-
-    def put(self, value: torch.Tensor) -> None:
-        self.puts += 1
-        if self.puts == 2:
-            self.first = time.perf_counter()
-
-    def end(self) -> None:
-        pass
+@dataclass(frozen=True)
+class HFAROptions:
+    pass
 
 
-def hf_generate(
-    method: str,
-    target: CausalLM,
-    prompt_ids: list[int],
-    max_new_tokens: int,
-    k: int | None,
-    assistant: CausalLM | None,
-    temperature: float,
-    seed: int,
-) -> GenerationResult:
-    """One peer generation: `hf-ar`, `hf-assisted` (k fixes num_assistant_tokens, else transformers'
-    heuristic schedule) or `hf-pld` (k = prompt_lookup_num_tokens, default 10). Timed around the
-    whole call, prefill included, like speculant's own methods."""
+@dataclass(frozen=True)
+class HFAssistedOptions(DrafterOptions):
+    k: int | None = option(None, "fix num_assistant_tokens (default: transformers' heuristic schedule)")
+
+
+@dataclass(frozen=True)
+class HFPLDOptions:
+    k: int | None = option(None, "prompt_lookup_num_tokens (default: 10)")
+
+
+PEERS: dict[str, type] = {"hf-ar": HFAROptions, "hf-assisted": HFAssistedOptions, "hf-pld": HFPLDOptions}
+
+
+def hf_generate(method: str, target: Any, prompt_ids: list[int], max_new_tokens: int, options: Any,
+                sampling: SamplingConfig, seed: int) -> Any:
+    """One peer generation, timed around the whole call, prefill included, like speculant's own methods.
+    `options.drafter` (hf-assisted) must be a loaded transformers-backed model."""
+    import torch
+    from transformers.generation.streamers import BaseStreamer
+
+    from speculant.api import GenerationResult, decode
+    from speculant.decoding.stats import GenerationStats
+    from speculant.models import HFCausalLM
+
+    class FirstTokenClock(BaseStreamer):
+        """Records when `generate()` streams its first new token (its first `put` is the prompt)."""
+
+        def __init__(self) -> None:
+            self.puts = 0
+            self.first: float | None = None
+
+        def put(self, value: torch.Tensor) -> None:
+            self.puts += 1
+            if self.puts == 2:
+                self.first = time.perf_counter()
+
+        def end(self) -> None:
+            pass
+
+    assistant = getattr(options, "drafter", None)
     if not isinstance(target, HFCausalLM) or (assistant is not None and not isinstance(assistant, HFCausalLM)):
         raise ConfigError(f"{method} needs transformers models")
     kwargs: dict = {}
     if method == "hf-assisted":
         kwargs["assistant_model"] = assistant.model
-        if k is not None:
-            kwargs.update(num_assistant_tokens=k, num_assistant_tokens_schedule="constant")
+        if options.k is not None:
+            kwargs.update(num_assistant_tokens=options.k, num_assistant_tokens_schedule="constant")
     elif method == "hf-pld":
-        kwargs["prompt_lookup_num_tokens"] = k or 10
-    if temperature > 0:
-        kwargs.update(do_sample=True, temperature=temperature, top_k=0)
+        kwargs["prompt_lookup_num_tokens"] = options.k or 10
+    if not sampling.greedy:
+        kwargs.update(do_sample=True, temperature=sampling.temperature, top_k=sampling.top_k or 0,
+                      top_p=sampling.top_p or 1.0)
         torch.manual_seed(seed)
     else:
         kwargs["do_sample"] = False

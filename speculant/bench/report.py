@@ -7,19 +7,27 @@ from pathlib import Path
 from rich.console import Console
 from rich.table import Table
 
-from speculant.bench.runner import MethodSummary
+from speculant.bench.summary import MethodSummary
 
-COLUMNS = ("method", "tok/s", "speedup", "median speedup", "mean accepted length", "acceptance", "SWI",
-           "identical to ar", "TTFT s")
+COLUMNS = ("method", "tok/s", "speedup (95% CI)", "median speedup", "decode tok/s", "decode speedup (95% CI)",
+           "mean accepted length", "acceptance", "SWI", "identical to ar", "TTFT s")
+
+
+def _fmt(value: float | None, pattern: str) -> str:
+    return "-" if value is None else pattern.format(value)
+
+
+def _with_interval(value: float | None, interval: tuple[float, float] | None) -> str:
+    if value is None:
+        return "-"
+    return f"{value:.2f}x" + (f" ({interval[0]:.2f}-{interval[1]:.2f})" if interval else "")
 
 
 def _cells(s: MethodSummary) -> tuple[str, ...]:
-    def fmt(value: float | None, pattern: str) -> str:
-        return "-" if value is None else pattern.format(value)
-
-    return (s.method, f"{s.tokens_per_s:.2f}", fmt(s.speedup, "{:.2f}x"), fmt(s.median_speedup, "{:.2f}x"),
-            f"{s.mean_accepted_length:.2f}", fmt(s.acceptance_rate, "{:.0%}"), fmt(s.swi, "{:.2f}"),
-            fmt(s.identical_to_ar, "{:.0%}"),
+    return (s.method, f"{s.tokens_per_s:.2f}", _with_interval(s.speedup, s.speedup_ci95),
+            _fmt(s.median_speedup, "{:.2f}x"), f"{s.decode_tokens_per_s:.2f}",
+            _with_interval(s.decode_speedup, s.decode_speedup_ci95), _fmt(s.mean_accepted_length, "{:.2f}"),
+            _fmt(s.acceptance_rate, "{:.0%}"), _fmt(s.swi, "{:.2f}"), _fmt(s.identical_to_ar, "{:.0%}"),
             f"{s.ttft_s:.2f}")
 
 
@@ -46,11 +54,14 @@ def markdown_report(summaries: list[MethodSummary], by_category: dict[str, list[
     parts = [f"# speculant bench\n\nCommand: `{command}`\n\nMachine: {machine}\n", markdown_table(summaries)]
     for category, summary in by_category.items():
         parts.append(f"\n## {category}\n\n{markdown_table(summary)}")
-    parts.append("\nspeedup = total tokens / total time over the `ar` baseline of the same run; median speedup = "
-                 "median of per-prompt ratios; mean accepted length = tokens committed per target verification; "
+    parts.append("\nspeedup = total tokens / total time (whole requests, prefill included) over the first `ar` of "
+                 "the same run, with a 95% bootstrap interval over prompts (a prompt's repeats resampled together); "
+                 "median speedup = median of per-prompt ratios; decode = after the first token: tokens after the "
+                 "first over time after TTFT; mean accepted length = tokens committed per target verification; "
                  "SWI = standardized wall-time improvement, tokens / (target forwards + sum of drafter forwards x c), "
                  "c = a drafter's measured forward time over the target's (CS Drafting, section 5); "
-                 "identical to ar = share of prompts whose output equals that of `ar` on the same target dtype.")
+                 "identical to ar = share of prompts whose output equals that of an `ar` on the same target weights "
+                 "(\"-\" where the run has none); \"-\" marks what was not measured.")
     return "\n".join(parts) + "\n"
 
 

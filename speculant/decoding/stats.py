@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from speculant.analysis.theory import swi
+from speculant.theory import swi
 from speculant.models.metered import Usage
 
 if TYPE_CHECKING:

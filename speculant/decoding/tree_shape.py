@@ -10,7 +10,7 @@ from weakref import WeakKeyDictionary
 
 import numpy as np
 
-from speculant.analysis.profile import LatencyProfile, forward_costs
+from speculant.latency import LatencyProfile, forward_costs
 from speculant.config import AUTO
 from speculant.models.base import CausalLM
 

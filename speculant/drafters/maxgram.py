@@ -17,10 +17,11 @@ from typing import Any
 
 import numpy as np
 
+from speculant.cache import cache_root
 from speculant.drafters.base import Draft
+from speculant.drafters.spec import MAXGRAM
 
 MAX_MATCH = 64  # longer suffixes add nothing but cost
-NAME = "maxgram"
 
 
 def longest_suffix_match(tokens: np.ndarray) -> tuple[int, int]:
@@ -46,7 +47,7 @@ def longest_suffix_match(tokens: np.ndarray) -> tuple[int, int]:
 class MaxGramDrafter:
     """Deterministic drafter (q is one-hot, `Draft.probs` is None) over the context itself."""
 
-    name = NAME
+    name = MAXGRAM
 
     def __init__(self, bigram: np.ndarray | None = None):
         self.bigram = bigram  # bigram[a] = most likely token after a, or -1
@@ -100,8 +101,6 @@ def tokenizer_fingerprint(tokenizer: Any) -> str:
 def load_bigram(tokenizer: Any, vocab_size: int, corpus: list[Path] | None = None,
                 cache_dir: Path | None = None) -> np.ndarray:
     """The bigram table for `tokenizer` over `corpus` (default: the stdlib), cached per tokenizer and corpus."""
-    from speculant.models.catalog import cache_root
-
     files = corpus if corpus is not None else default_corpus()
     corpus_key = hashlib.sha256("\n".join(f"{f}:{f.stat().st_size}" for f in files).encode()).hexdigest()[:16]
     path = (cache_dir or cache_root() / "bigram") / f"{tokenizer_fingerprint(tokenizer)}-{corpus_key}.npy"

@@ -6,28 +6,9 @@ import torch
 
 from speculant.config import SamplingConfig
 from speculant.drafters.base import Draft
-from speculant.models.base import CausalLM
+from speculant.models.base import CausalLM, resync
 from speculant.models.metered import metered
 from speculant.sampling import logits_to_probs, next_token, sample
-
-
-def common_prefix_len(a: list[int], b: list[int]) -> int:
-    n = min(len(a), len(b))
-    for i in range(n):
-        if a[i] != b[i]:
-            return i
-    return n
-
-
-def resync(model: CausalLM, cached: list[int], context: list[int], extra: list[int] = ()) -> torch.Tensor:
-    """Bring `model`'s cache (holding `cached`) to `context` + `extra`, re-running only what differs (at
-    least context[-1]); return the logits after context[-1] and after each extra token, [1 + len(extra), vocab]."""
-    keep = min(common_prefix_len(cached, context), len(context) - 1)
-    if keep == 0:
-        logits = model.prefill(context)[None]
-        return torch.cat([logits, model.forward(list(extra))]) if extra else logits
-    model.rollback(keep)
-    return model.forward(context[keep:] + list(extra))[len(context) - keep - 1 :]
 
 
 class ModelDrafter:

@@ -10,7 +10,7 @@ from dataclasses import dataclass
 
 import torch
 
-from speculant.drafters.model import resync
+from speculant.models.base import resync
 from speculant.models.base import CausalLM
 from speculant.models.metered import Usage, metered
 from speculant.tree import TokenTree

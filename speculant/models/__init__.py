@@ -1,116 +1,18 @@
-"""Model loading: catalog names, Hugging Face ids or paths, and already built transformers models."""
+"""CausalLM backends, the catalog of packaged models, and `load_model`."""
 
-from __future__ import annotations
-
-from copy import deepcopy
-from pathlib import Path
-from typing import Any
-
-import torch
-
-from speculant.errors import ConfigError, ModelNotAvailable
 from speculant.models.base import CausalLM
-from speculant.models.catalog import CATALOG, materialize
+from speculant.models.catalog import CATALOG
 from speculant.models.hf import HFCausalLM
-from speculant.models.quant import QUANTS, quantize
-
-DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
+from speculant.models.loading import (
+    DTYPES,
+    dtype_name,
+    load_model,
+    quantized_copy,
+    resolve_device,
+    resolve_dtype,
+    split_quant,
+)
+from speculant.models.quant import QUANTS
 
 __all__ = ["CATALOG", "DTYPES", "QUANTS", "CausalLM", "HFCausalLM", "dtype_name", "load_model", "quantized_copy",
-           "resolve_device", "split_quant"]
-
-
-def dtype_name(dtype: torch.dtype) -> str:
-    """The short name (bf16, fp32) of a torch dtype that speculant loads models in."""
-    return next(name for name, value in DTYPES.items() if value == dtype)
-
-
-def resolve_device(device: str) -> torch.device:
-    """Parse `cpu`, `cuda` or `cuda:N`, failing clearly when that device is not there."""
-    try:
-        parsed = torch.device(device)
-    except RuntimeError:
-        raise ConfigError(f"unknown device '{device}' (use cpu, cuda or cuda:N)") from None
-    if parsed.type == "cuda":
-        count = torch.cuda.device_count() if torch.cuda.is_available() else 0
-        if (parsed.index or 0) >= count:
-            raise ModelNotAvailable(f"device '{device}' is not available: torch sees {count} CUDA device(s)")
-    elif parsed.type != "cpu":
-        raise ConfigError(f"unsupported device '{device}' (use cpu, cuda or cuda:N)")
-    return parsed
-
-
-def catalog_listing() -> str:
-    return ", ".join(CATALOG)
-
-
-def split_quant(spec: str) -> tuple[str, str | None]:
-    """`qwen2.5-coder-0.5b@int8` -> ("qwen2.5-coder-0.5b", "int8")."""
-    name, at, quant = spec.rpartition("@")
-    return (name, quant) if at else (spec, None)
-
-
-def quantized_copy(model: HFCausalLM, quant: str, group_size: int = 32) -> HFCausalLM:
-    """A quantized copy of a loaded model's weights, e.g. the target as its own drafter (`self@int8`)."""
-    copy = quantize(deepcopy(model.model), quant, group_size)
-    return HFCausalLM(copy, model.tokenizer, f"{model.name}@{quant}", model.eos_token_ids)
-
-
-def load_model(spec: Any, dtype: str = "bf16", device: str = "cpu", tokenizer: Any | None = None,
-               quant: str | None = None, group_size: int = 32) -> CausalLM:
-    """Load a CausalLM from a catalog name, a Hugging Face id or local path, or a transformers model.
-
-    Catalog models are de-quantized from their packaged GGUF once and cached as safetensors.
-    `quant` ("int8", "int4"; or a `name@int8` suffix) quantizes every linear layer after loading.
-    A CausalLM passes through unchanged.
-    """
-    if isinstance(spec, CausalLM):
-        if quant is not None:
-            raise ConfigError("quantize a loaded model with quantized_copy()")
-        return spec
-    if isinstance(spec, str) and "@" in spec:
-        if quant is not None:
-            raise ConfigError(f"quantization given twice: '{spec}' and quant={quant}")
-        spec, quant = split_quant(spec)
-    if quant is not None and quant not in QUANTS:
-        raise ConfigError(f"unknown quantization '{quant}' (choose from {', '.join(QUANTS)})")
-    model = _load_unquantized(spec, dtype, device, tokenizer)
-    if quant is None:
-        return model
-    quantize(model.model, quant, group_size)
-    return HFCausalLM(model.model, model.tokenizer, f"{model.name}@{quant}", model.eos_token_ids)
-
-
-def _load_unquantized(spec: Any, dtype: str, device: str, tokenizer: Any | None) -> HFCausalLM:
-    if dtype not in DTYPES:
-        raise ConfigError(f"unknown dtype '{dtype}' (choose from {', '.join(DTYPES)})")
-    torch_device = resolve_device(device)
-    from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel
-
-    if isinstance(spec, PreTrainedModel):
-        return HFCausalLM(spec.to(device=torch_device, dtype=DTYPES[dtype]), tokenizer)
-    if not isinstance(spec, (str, Path)):
-        raise ConfigError(f"cannot load a model from {type(spec).__name__}")
-    name = str(spec)
-    if not name:
-        raise ConfigError(f"empty model name; catalog models: {catalog_listing()}")
-    extra_eos: tuple[str, ...] = ()
-    if name in CATALOG:
-        path: str | Path = materialize(CATALOG[name], dtype)
-        extra_eos = CATALOG[name].extra_eos
-    elif Path(name).exists() or "/" in name:
-        path = name
-    else:
-        raise ModelNotAvailable(f"unknown model '{name}'; catalog models: {catalog_listing()} "
-                                "(or give a Hugging Face id or a local path)")
-    try:
-        model = AutoModelForCausalLM.from_pretrained(path, dtype=DTYPES[dtype]).to(torch_device)
-    except (OSError, ValueError) as error:
-        raise ModelNotAvailable(f"cannot load model '{name}': {str(error).splitlines()[0]}") from None
-    if tokenizer is None:
-        try:
-            tokenizer = AutoTokenizer.from_pretrained(path)
-        except (OSError, ValueError):  # a model without a tokenizer still works on token ids
-            tokenizer = None
-    extra_ids = frozenset(tokenizer.convert_tokens_to_ids(t) for t in extra_eos) if tokenizer else frozenset()
-    return HFCausalLM(model, tokenizer, name, extra_ids)
+           "resolve_device", "resolve_dtype", "split_quant"]

@@ -49,3 +49,23 @@ class CausalLM(Protocol):
     def keep(self, indices: Sequence[int]) -> None:
         """Keep only the cached positions `indices` (ascending), e.g. the accepted path of a tree."""
         ...
+
+
+def common_prefix_len(a: Sequence[int], b: Sequence[int]) -> int:
+    """How many leading tokens two sequences share."""
+    n = min(len(a), len(b))
+    for i in range(n):
+        if a[i] != b[i]:
+            return i
+    return n
+
+
+def resync(model: CausalLM, cached: list[int], context: list[int], extra: Sequence[int] = ()) -> torch.Tensor:
+    """Bring `model`'s cache (holding `cached`) to `context` + `extra`, re-running only what differs (at
+    least context[-1]); return the logits after context[-1] and after each extra token, [1 + len(extra), vocab]."""
+    keep = min(common_prefix_len(cached, context), len(context) - 1)
+    if keep == 0:
+        logits = model.prefill(context)[None]
+        return torch.cat([logits, model.forward(list(extra))]) if extra else logits
+    model.rollback(keep)
+    return model.forward(context[keep:] + list(extra))[len(context) - keep - 1 :]

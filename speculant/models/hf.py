@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from contextlib import nullcontext
+from copy import deepcopy
 from typing import Any
 
 import torch
@@ -29,11 +30,19 @@ def eos_ids(model: PreTrainedModel, tokenizer: Any | None) -> frozenset[int]:
     return frozenset(ids)
 
 
+def private_copy(model: PreTrainedModel) -> PreTrainedModel:
+    """New module objects around the same weight tensors: what a backend may rewire (linear layers,
+    attention) without touching the caller's model."""
+    memo = {id(t): t for t in [*model.parameters(), *model.buffers()]}
+    return deepcopy(model, memo)
+
+
 class HFCausalLM:
     """A transformers model and the KV cache of one sequence.
 
-    Rollback only shortens the cache; `forward` never re-runs cached positions. An fp32 model on CPU
-    gets its linear layers swapped in place for `WeightLeftLinear`s (faster multi-token forwards).
+    Rollback only shortens the cache; `forward` never re-runs cached positions. The backend works on
+    a private copy of the model's modules (sharing its weights); an fp32 model on CPU gets its linear
+    layers swapped for `WeightLeftLinear`s (faster multi-token forwards) there.
     """
 
     def __init__(
@@ -43,7 +52,7 @@ class HFCausalLM:
         name: str | None = None,
         extra_eos: frozenset[int] = frozenset(),
     ):
-        self.model = model.eval()
+        self.model = model = private_copy(model).eval()
         if not next(model.parameters()).is_cuda and model.dtype == torch.float32:
             use_weight_left_linears(model)
         self.tokenizer = tokenizer
@@ -52,6 +61,7 @@ class HFCausalLM:
         self.eos_token_ids = eos_ids(model, tokenizer) | extra_eos
         self.device = next(model.parameters()).device
         self.dtype = model.dtype
+        self.numerics = {torch.float32: "fp32", torch.bfloat16: "bf16"}.get(model.dtype, str(model.dtype))
         self._cache = DynamicCache(config=model.config)
         self._len = 0
 

@@ -18,7 +18,7 @@ from typing import Any
 import torch
 
 from speculant.config import SamplingConfig
-from speculant.drafters.model import common_prefix_len
+from speculant.models.base import common_prefix_len
 from speculant.errors import SpeculantError
 from speculant.models.base import CausalLM
 from speculant.sampling import logits_to_probs

@@ -6,7 +6,7 @@ import statistics
 import time
 from dataclasses import dataclass
 
-from speculant.analysis.theory import min_lookahead, servers_needed
+from speculant.theory import min_lookahead, servers_needed
 from speculant.errors import ConfigError
 from speculant.models.base import CausalLM
 

@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import Any
 
 from speculant.analysis.commands import simulate_one
-from speculant.analysis.theory import sd_walltime_improvement
+from speculant.theory import sd_walltime_improvement
 from speculant.config import SamplingConfig
 from speculant.decoding.autoregressive import autoregressive
 from speculant.decoding.dsi.engine import dsi

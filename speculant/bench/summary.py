@@ -1,0 +1,153 @@
+"""What a bench run measured, per method: speeds and speedups over `ar` from the same run (with a 95%
+bootstrap interval over prompts and the median of per-prompt ratios), the decode phase after the first
+token on its own, acceptance, forward counts, and agreement with `ar` on the same target weights.
+A field nobody measured (acceptance of `ar`, forwards inside a peer) stays None and prints as "-"."""
+
+from __future__ import annotations
+
+import random
+import statistics
+from collections.abc import Iterable
+from dataclasses import asdict, dataclass, field
+from typing import Any, TypeVar
+
+from speculant.bench.methods import MethodSpec
+from speculant.bench.runner import Row
+from speculant.decoding.stats import GenerationStats
+from speculant.models.base import common_prefix_len
+
+T = TypeVar("T", int, float)
+BOOTSTRAP = 2000  # resamples of the prompt set for each interval
+
+
+@dataclass
+class MethodSummary:
+    method: str
+    target: str  # the target's weights the method ran on
+    tokens: int
+    seconds: float
+    tokens_per_s: float  # whole requests: total tokens / total time, prefill included
+    decode_tokens_per_s: float  # after the first token: tokens after the first / time after TTFT
+    speedup: float | None = None  # tokens_per_s over the baseline ar's (the first ar listed)
+    speedup_ci95: tuple[float, float] | None = None  # bootstrap over prompts (repeats kept together)
+    median_speedup: float | None = None  # median of per-prompt, per-repeat ratios
+    decode_speedup: float | None = None  # decode_tokens_per_s over the baseline ar's
+    decode_speedup_ci95: tuple[float, float] | None = None
+    mean_accepted_length: float | None = None  # None: nothing was drafted (ar, peers)
+    acceptance_rate: float | None = None
+    acceptance_per_position: list[float] = field(default_factory=list)
+    target_forwards: int | None = None  # None: not counted (peers)
+    drafter_forwards: dict[str, int] = field(default_factory=dict)
+    cost_ratios: dict[str, float] = field(default_factory=dict)  # measured c per drafter
+    swi: float | None = None  # standardized wall-time improvement with those c (CS Drafting, section 5)
+    ttft_s: float = 0.0
+    identical_to_ar: float | None = None  # share of prompts whose output equals ar's on the same weights
+    common_prefix_with_ar: float | None = None  # mean tokens in common with that ar before the first difference
+
+
+def _add_up(counts: Iterable[dict[str, T]]) -> dict[str, T]:
+    total: dict[str, Any] = {}
+    for count in counts:
+        for name, value in count.items():
+            total[name] = total.get(name, 0) + value
+    return total
+
+
+def _rate(rows: list[Row]) -> float:
+    seconds = sum(r.stats.wall_s for r in rows)
+    return sum(r.stats.new_tokens for r in rows) / seconds if seconds else 0.0
+
+
+def _decode_rate(rows: list[Row]) -> float:
+    seconds = sum(max(r.stats.wall_s - r.stats.ttft_s, 0.0) for r in rows)
+    return sum(max(r.stats.new_tokens - 1, 0) for r in rows) / seconds if seconds else 0.0
+
+
+def _interval(rows: list[Row], baseline: list[Row], rate: Any, seed: int = 0) -> tuple[float, float] | None:
+    """95% percentile-bootstrap interval of rate(rows) / rate(baseline), resampling prompts (each prompt's
+    repeats stay together, so repeats narrow the interval instead of counting as new prompts)."""
+    prompts = sorted({r.prompt_id for r in rows})
+    if len(prompts) < 2:
+        return None
+    mine = {p: [r for r in rows if r.prompt_id == p] for p in prompts}
+    theirs = {p: [r for r in baseline if r.prompt_id == p] for p in prompts}
+    rng = random.Random(seed)
+    ratios = []
+    for _ in range(BOOTSTRAP):
+        sample = [rng.choice(prompts) for _ in prompts]
+        base = rate([r for p in sample for r in theirs[p]])
+        if base:
+            ratios.append(rate([r for p in sample for r in mine[p]]) / base)
+    if not ratios:
+        return None
+    ratios.sort()
+    return ratios[int(0.025 * len(ratios))], ratios[min(int(0.975 * len(ratios)), len(ratios) - 1)]
+
+
+def _speed(row: Row) -> float:
+    return row.stats.new_tokens / row.stats.wall_s if row.stats.wall_s > 0 else 0.0
+
+
+def summarize(rows: list[Row], methods: list[MethodSpec]) -> list[MethodSummary]:
+    by_method = {spec.label: [r for r in rows if r.method == spec.label] for spec in methods}
+    ar_labels = [spec.label for spec in methods if spec.method == "ar"]
+    baseline = by_method[ar_labels[0]] if ar_labels else []  # speedups are over the first ar listed
+    base_rows = {(r.prompt_id, r.repeat): r for r in baseline}
+    summaries = []
+    for spec in methods:
+        mine = by_method[spec.label]
+        if not mine:
+            continue
+        stats = [r.stats for r in mine]
+        merged = GenerationStats(
+            new_tokens=sum(s.new_tokens for s in stats), target_forwards=sum(s.target_forwards for s in stats),
+            target_steps=sum(s.target_steps for s in stats), target_seconds=sum(s.target_seconds for s in stats),
+            drafter_forwards=_add_up(s.drafter_forwards for s in stats),
+            drafter_steps=_add_up(s.drafter_steps for s in stats), drafter_seconds=_add_up(s.drafter_seconds for s in stats),
+            draft_lengths=[d for s in stats for d in s.draft_lengths],
+            accepted_lengths=[a for s in stats for a in s.accepted_lengths])
+        drafted = bool(merged.draft_lengths)
+        summary = MethodSummary(
+            method=spec.label, target=mine[0].target, tokens=merged.new_tokens, seconds=sum(s.wall_s for s in stats),
+            tokens_per_s=_rate(mine), decode_tokens_per_s=_decode_rate(mine),
+            mean_accepted_length=merged.mean_accepted_length if drafted else None,
+            acceptance_rate=merged.acceptance_rate, acceptance_per_position=merged.acceptance_per_position,
+            target_forwards=None if spec.peer else merged.target_forwards, drafter_forwards=merged.drafter_forwards,
+            cost_ratios=merged.cost_ratios, swi=None if spec.peer else merged.swi,
+            ttft_s=statistics.mean(s.ttft_s for s in stats))
+        if baseline and _rate(baseline):
+            summary.speedup = summary.tokens_per_s / _rate(baseline)
+            summary.speedup_ci95 = _interval(mine, baseline, _rate)
+            summary.median_speedup = statistics.median(_speed(r) / _speed(base_rows[r.prompt_id, r.repeat])
+                                                       for r in mine)
+        if baseline and _decode_rate(baseline):
+            summary.decode_speedup = summary.decode_tokens_per_s / _decode_rate(baseline)
+            summary.decode_speedup_ci95 = _interval(mine, baseline, _decode_rate)
+        # Agreement only against an ar on the same weights: another dtype's ar is another model's output.
+        reference = next((by_method[label] for label in ar_labels if by_method[label][0].target == summary.target), None)
+        if reference:
+            same = {(r.prompt_id, r.repeat): r.token_ids for r in reference}
+            summary.identical_to_ar = statistics.mean(r.token_ids == same[r.prompt_id, r.repeat] for r in mine)
+            summary.common_prefix_with_ar = statistics.mean(
+                common_prefix_len(r.token_ids, same[r.prompt_id, r.repeat]) for r in mine)
+        summaries.append(summary)
+    return summaries
+
+
+def summarize_by_category(rows: list[Row], methods: list[MethodSpec]) -> dict[str, list[MethodSummary]]:
+    """The same summaries within each prompt category (only when there is more than one)."""
+    categories = sorted({r.category for r in rows})
+    if len(categories) < 2:
+        return {}
+    return {c: summarize([r for r in rows if r.category == c], methods) for c in categories}
+
+
+def to_json(config: dict[str, Any], rows: list[Row], summaries: list[MethodSummary],
+            by_category: dict[str, list[MethodSummary]]) -> dict[str, Any]:
+    return {
+        "config": config,
+        "summary": [asdict(s) for s in summaries],
+        "by_category": {c: [asdict(s) for s in summary] for c, summary in by_category.items()},
+        "rows": [{"prompt_id": r.prompt_id, "category": r.category, "method": r.method, "repeat": r.repeat,
+                  "target": r.target, "token_ids": r.token_ids, "stats": r.stats.to_dict()} for r in rows],
+    }

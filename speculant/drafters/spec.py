@@ -1,0 +1,91 @@
+"""Drafter specs, parsed in one place: `maxgram`, `self`, `self@int8`, `NAME`, `NAME@int4` (a catalog
+name, Hugging Face id or path); and `load_drafter`, which turns a spec (or a model, or a Drafter) into
+what drafts for a given target. Parsing needs no torch (the CLI reads specs before anything loads)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from speculant.errors import ConfigError, IncompatibleModels
+
+MAXGRAM = "maxgram"  # prompt lookup with a bigram fallback, no model
+SELF = "self"  # the target's own weights (quantized with @int8 / @int4, else shared)
+QUANTS = ("int8", "int4")
+
+
+@dataclass(frozen=True)
+class DrafterSpec:
+    source: str  # "maxgram", "self", or a model: catalog name, Hugging Face id or path
+    quant: str | None = None  # "int8" or "int4": quantize the drafter's linear layers at load
+
+    @property
+    def kind(self) -> str:
+        return self.source if self.source in (MAXGRAM, SELF) else "model"
+
+    def __str__(self) -> str:
+        return self.source + (f"@{self.quant}" if self.quant else "")
+
+    @classmethod
+    def parse(cls, text: str) -> DrafterSpec:
+        source, at, quant = text.strip().rpartition("@")
+        if not at:
+            source, quant = text.strip(), None
+        if not source:
+            raise ConfigError(f"empty drafter name in '{text}'")
+        if quant is not None and quant not in QUANTS:
+            raise ConfigError(f"unknown quantization '{quant}' in drafter '{text}' (choose from {', '.join(QUANTS)})")
+        if source == MAXGRAM and quant:
+            raise ConfigError("maxgram runs no model; it takes no quantization")
+        if source == "none":
+            raise ConfigError("'none' is not a drafter (it means plain autoregressive decoding: method 'ar')")
+        return cls(source, quant)
+
+
+def as_drafter(value: Any) -> Any:
+    """What an option holding a drafter keeps: text becomes a DrafterSpec; models and Drafters stay."""
+    return DrafterSpec.parse(value) if isinstance(value, str) else value
+
+
+def check_compatible(target: Any, drafter: Any) -> None:
+    """A model drafter must share the target's vocabulary token for token."""
+    same_vocab = target.vocab_size == drafter.vocab_size
+    if same_vocab and target.tokenizer is not None and drafter.tokenizer is not None:
+        same_vocab = target.tokenizer.get_vocab() == drafter.tokenizer.get_vocab()
+    if not same_vocab:
+        raise IncompatibleModels(
+            f"drafter '{drafter.name}' uses a different tokenizer than target '{target.name}'; "
+            "drafters with another vocabulary are not supported yet"
+        )
+
+
+def load_drafter(drafter: Any, target: Any, dtype: str | None = None) -> Any:
+    """What drafts for `target` (a CausalLM): a Drafter as given; `maxgram` (prompt lookup with the bigram
+    table of the target's tokenizer); `self` (the target's weights with a cache of their own) or
+    `self@int8` / `self@int4` (a quantized copy); a loaded model as given; or any model `load_model`
+    accepts, loaded on the target's device in `dtype` (default: the target's)."""
+    from speculant.drafters.base import Drafter
+    from speculant.models import CausalLM, HFCausalLM, dtype_name, load_model, quantized_copy
+
+    drafter = as_drafter(drafter)
+    if isinstance(drafter, Drafter):
+        return drafter
+    if isinstance(drafter, DrafterSpec) and drafter.kind == MAXGRAM:
+        from speculant.drafters.maxgram import MaxGramDrafter, load_bigram
+
+        tokenizer = target.tokenizer
+        return MaxGramDrafter(load_bigram(tokenizer, target.vocab_size) if tokenizer is not None else None)
+    if isinstance(drafter, DrafterSpec) and drafter.kind == SELF:
+        if not isinstance(target, HFCausalLM):
+            raise ConfigError("self drafting needs a transformers target")
+        return quantized_copy(target, drafter.quant) if drafter.quant else target.share()
+    if isinstance(drafter, DrafterSpec):
+        drafter = str(drafter)
+    if drafter is target:  # a model drafting for itself needs a KV cache of its own
+        if not isinstance(target, HFCausalLM):
+            raise ConfigError("pass a separate model instance as drafter for this backend")
+        return target.share()
+    model = drafter if isinstance(drafter, CausalLM) else load_model(
+        drafter, dtype=dtype or dtype_name(target.dtype), device=str(target.device))
+    check_compatible(target, model)
+    return model

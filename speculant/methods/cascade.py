@@ -1,0 +1,67 @@
+"""`cascade`: cascade speculative drafting (Chen et al., "Cascade Speculative Drafting"): drafters largest
+first, Max-Gram last, shaped by an upper-triangular K matrix, inner reviews relaxed by a leniency."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from speculant.config import option
+from speculant.drafters.spec import DrafterSpec, as_drafter
+from speculant.errors import ConfigError
+from speculant.methods.drafting import DRAFTER_DTYPES
+from speculant.methods.registry import Request, register
+
+
+def parse_drafters(text: str) -> tuple[DrafterSpec, ...]:
+    return tuple(DrafterSpec.parse(name) for name in text.split(",") if name.strip())
+
+
+@dataclass(frozen=True)
+class CascadeOptions:
+    drafters: Any = option((), "drafter levels, largest first, maxgram last, e.g. qwen2.5-coder-0.5b@int8,maxgram",
+                           parse=parse_drafters)
+    k_matrix: Any = option(None, "the upper-triangular K matrix, rows split by ';' (e.g. '4,2;0,6' or '4,2;6'; "
+                           "default: k tokens per level plus 2 maxgram tokens after each)")
+    k: int = option(4, "draft tokens per level when no K matrix is given")
+    leniency: float = option(1.0, "leniency l >= 1 of the inner reviews (the target's stays exact)")
+    drafter_dtype: str | None = option(None, "dtype of model drafters (default: the target's)", choices=DRAFTER_DTYPES)
+
+    def __post_init__(self) -> None:
+        drafters = self.drafters
+        if isinstance(drafters, str):
+            drafters = parse_drafters(drafters)
+        if not drafters:
+            raise ConfigError("method 'cascade' needs drafters, e.g. drafters=qwen2.5-coder-0.5b@int8,maxgram")
+        object.__setattr__(self, "drafters", tuple(as_drafter(d) for d in drafters))
+        if self.k < 1:
+            raise ConfigError(f"k must be >= 1, got {self.k}")
+        if not self.leniency >= 1:
+            raise ConfigError(f"leniency must be >= 1, got {self.leniency}")
+        if isinstance(self.k_matrix, str):
+            from speculant.drafters.cascade import parse_k_matrix
+
+            object.__setattr__(self, "k_matrix", parse_k_matrix(self.k_matrix, len(self.drafters)))
+
+
+@register("cascade", CascadeOptions, "cascade speculative drafting over several drafters")
+def build(request: Request, options: CascadeOptions) -> Any:
+    from speculant.decoding.speculative import speculative
+    from speculant.drafters.base import Drafter
+    from speculant.drafters.cascade import CascadeDrafter, default_k_matrix
+    from speculant.drafters.maxgram import MaxGramDrafter
+    from speculant.drafters.model import ModelDrafter
+    from speculant.drafters.spec import load_drafter
+
+    levels = []
+    for item in options.drafters:
+        source = load_drafter(item, request.target, options.drafter_dtype)
+        if isinstance(source, Drafter) and not isinstance(source, (MaxGramDrafter, ModelDrafter)):
+            raise ConfigError(f"cascade levels are models or 'maxgram', not {type(source).__name__}")
+        levels.append(source if isinstance(source, Drafter) else
+                      ModelDrafter(source, request.sampling, request.generator, keep_probs=options.leniency > 1))
+    k_matrix = options.k_matrix or default_k_matrix(levels, options.k)
+    cascade = CascadeDrafter(levels, [list(row) for row in k_matrix], options.leniency, request.sampling,
+                             request.generator)
+    return speculative(request.target, cascade, request.prompt_ids, cascade.max_draft, request.max_new_tokens,
+                       request.sampling, request.generator, method="cascade")

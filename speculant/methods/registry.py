@@ -1,0 +1,101 @@
+"""The method registry: each method is one module that declares a frozen options dataclass and a
+decoder factory and registers them here. `generate()`, the CLI's flags, bench method specs and server
+request options all read this registry, so a new option is one field in one dataclass.
+
+Method modules import their decoders inside the factory: reading every method's options (the CLI
+parser, `speculant simulate`) must not need torch.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from dataclasses import Field, dataclass, fields
+from typing import TYPE_CHECKING, Any
+
+from speculant.config import SamplingConfig, parse_value
+from speculant.errors import ConfigError
+
+if TYPE_CHECKING:
+    import torch
+
+    from speculant.decoding.run import Decoder
+    from speculant.models.base import CausalLM
+
+
+@dataclass(frozen=True)
+class Request:
+    """What every method's factory gets besides its own options."""
+
+    target: CausalLM
+    prompt_ids: list[int]
+    max_new_tokens: int
+    sampling: SamplingConfig
+    generator: torch.Generator
+    seed: int | None = None
+
+
+@dataclass(frozen=True)
+class Method:
+    name: str
+    options: type  # a frozen dataclass; its __post_init__ validates and normalises
+    build: Callable[[Request, Any], Decoder]
+    help: str
+
+    def make_options(self, given: Mapping[str, Any]) -> Any:
+        """The options dataclass from keyword values; an unknown or misplaced name is one clear error."""
+        return make_options(self.options, self.name, given)
+
+    def parse_options(self, given: Mapping[str, str]) -> Any:
+        """The options dataclass from text values (bench specs, CLI flags), each parsed by its field."""
+        return make_options(self.options, self.name, given, text=True)
+
+
+METHODS: dict[str, Method] = {}
+
+
+def register(name: str, options: type, help: str) -> Callable[[Callable[[Request, Any], Decoder]], Method]:
+    """Decorator for a method's decoder factory: `@register("sd", SDOptions, "...")`."""
+
+    def wrap(build: Callable[[Request, Any], Decoder]) -> Method:
+        if name in METHODS:
+            raise ValueError(f"method '{name}' registered twice")
+        METHODS[name] = Method(name, options, build, help)
+        return METHODS[name]
+
+    return wrap
+
+
+def get_method(name: str) -> Method:
+    if name not in METHODS:
+        raise ConfigError(f"unknown method '{name}' (choose from {', '.join(METHODS)})")
+    return METHODS[name]
+
+
+def owners(option: str) -> list[str]:
+    """The methods that take an option."""
+    return [m.name for m in METHODS.values() if any(f.name == option for f in fields(m.options))]
+
+
+def make_options(options: type, method: str, given: Mapping[str, Any], text: bool = False) -> Any:
+    """`options(**given)` for `method`, values parsed by their fields when `text`; an unknown or misplaced
+    name is one clear error naming the methods it belongs to and what `method` takes."""
+    by_name = {f.name: f for f in fields(options)}
+    for name in given:
+        if name not in by_name:
+            takes = ", ".join(by_name) or "no options"
+            if where := owners(name):
+                raise ConfigError(f"option '{name}' does not apply to method '{method}' (it belongs to "
+                                  f"{', '.join(where)}; '{method}' takes: {takes})")
+            raise ConfigError(f"unknown option '{name}' for method '{method}' ('{method}' takes: {takes})")
+    if text:
+        given = {name: parse_value(by_name[name], value) for name, value in given.items()}
+    return options(**given)
+
+
+def all_options() -> dict[str, Field]:
+    """Every option of every method, once per name (one name means one meaning across methods)."""
+    union: dict[str, Field] = {}
+    for method in METHODS.values():
+        for f in fields(method.options):
+            union.setdefault(f.name, f)
+    return union

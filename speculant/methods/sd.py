@@ -1,0 +1,46 @@
+"""`sd`: speculative decoding and sampling (Leviathan et al. 2023; Chen et al. 2023) with one drafter."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from speculant.config import option
+from speculant.drafters.spec import MAXGRAM, DrafterSpec
+from speculant.errors import ConfigError
+from speculant.methods.drafting import DrafterOptions
+from speculant.methods.registry import Request, register
+
+
+@dataclass(frozen=True)
+class SDOptions(DrafterOptions):
+    k: int = option(4, "draft tokens per speculation step")
+    draft_confidence: float = option(0.0, "end a model drafter's draft after a token it gives a probability below "
+                                     "this (0: always draft k)")
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if self.k < 1:
+            raise ConfigError(f"k must be >= 1, got {self.k}")
+        if not 0 <= self.draft_confidence < 1:
+            raise ConfigError(f"draft-confidence must lie in [0, 1), got {self.draft_confidence}")
+        if self.draft_confidence and isinstance(self.drafter, DrafterSpec) and self.drafter.kind == MAXGRAM:
+            raise ConfigError("draft_confidence needs a model drafter, not maxgram")
+
+
+@register("sd", SDOptions, "speculative decoding: k drafts per step, verified in one target forward")
+def build(request: Request, options: SDOptions) -> Any:
+    from speculant.decoding.speculative import speculative
+    from speculant.drafters.base import Drafter
+    from speculant.drafters.model import ModelDrafter
+    from speculant.drafters.spec import load_drafter
+
+    source = load_drafter(options.drafter, request.target, options.drafter_dtype)
+    if isinstance(source, Drafter):
+        if options.draft_confidence:
+            raise ConfigError(f"draft_confidence needs a model drafter, not {type(source).__name__}")
+        drafter = source
+    else:
+        drafter = ModelDrafter(source, request.sampling, request.generator, draft_confidence=options.draft_confidence)
+    return speculative(request.target, drafter, request.prompt_ids, options.k, request.max_new_tokens,
+                       request.sampling, request.generator)

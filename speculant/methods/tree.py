@@ -1,0 +1,53 @@
+"""`tree`: token-tree speculation (SpecInfer; Yggdrasil): equal-growth draft trees verified in one target
+forward with tree attention, optionally pruned to the subtree the latency-aware objective prefers."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from speculant.config import AUTO, count_or_auto, option
+from speculant.errors import ConfigError
+from speculant.methods.drafting import DrafterOptions
+from speculant.methods.registry import Request, register
+
+
+@dataclass(frozen=True)
+class TreeOptions(DrafterOptions):
+    depth: int | str = option(4, "drafting steps per tree, or auto", parse=count_or_auto)
+    width: int | str = option(4, "nodes added per drafting step, or auto", parse=count_or_auto)
+    verify_width: int | str | None = option(None, "verify at most this many drafted nodes, the subtree chosen by "
+                                            "dynamic programming, or auto (default: all)", parse=count_or_auto)
+    target_profile: Any = option(None, "the target's `speculant profile` JSON: its T(W) lets the latency-aware "
+                                 "objective choose tree depth and verify width", parse=Path)
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        for name in ("depth", "width", "verify_width"):
+            value = getattr(self, name)
+            if value not in (None, AUTO) and not (isinstance(value, int) and value >= 1):
+                raise ConfigError(f"{name.replace('_', '-')} must be an integer >= 1 or auto, got {value!r}")
+        if isinstance(self.target_profile, (str, Path)) and not Path(self.target_profile).is_file():
+            raise ConfigError(f"target profile not found: {self.target_profile} (make one with `speculant profile --out`)")
+
+
+@register("tree", TreeOptions, "token trees: depth x width drafted nodes verified in one forward")
+def build(request: Request, options: TreeOptions) -> Any:
+    from speculant.decoding.tree import tree_speculative
+    from speculant.decoding.tree_shape import tree_shape
+    from speculant.drafters.base import Drafter
+    from speculant.drafters.spec import load_drafter
+    from speculant.drafters.tree import TreeDrafter
+    from speculant.latency import LatencyProfile
+
+    model = load_drafter(options.drafter, request.target, options.drafter_dtype)
+    if isinstance(model, Drafter):
+        raise ConfigError("method 'tree' needs a model drafter")
+    profile = options.target_profile
+    if profile is not None and not isinstance(profile, LatencyProfile):
+        profile = LatencyProfile.load(profile)
+    shape = tree_shape(request.target, model, request.prompt_ids, options.depth, options.width, options.verify_width,
+                       profile)
+    return tree_speculative(request.target, TreeDrafter(model), request.prompt_ids, shape.depth, shape.width,
+                            request.max_new_tokens, request.sampling, request.generator, shape.verify_width, shape.cost)

@@ -1,0 +1,139 @@
+"""Model loading: catalog names, Hugging Face ids or paths, and already built transformers models.
+
+A model object the caller passes in is never changed: speculant converts dtype or device in a copy,
+and the backend rewires a private copy of the modules, so the caller's modules, dtype and attention
+settings stay as they were.
+"""
+
+from __future__ import annotations
+
+from copy import deepcopy
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from speculant.config import AUTO
+from speculant.errors import ConfigError, ModelNotAvailable
+from speculant.machine import native_bf16
+from speculant.models.base import CausalLM
+from speculant.models.catalog import CATALOG, materialize
+from speculant.models.hf import HFCausalLM
+from speculant.models.quant import QUANTS, quantize
+
+DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    """The short name (bf16, fp32) of a torch dtype that speculant loads models in."""
+    names = {value: name for name, value in DTYPES.items()}
+    if dtype not in names:
+        raise ConfigError(f"unsupported dtype {dtype} (speculant runs {', '.join(DTYPES)})")
+    return names[dtype]
+
+
+def resolve_dtype(dtype: str, device: torch.device) -> str:
+    """`auto`: bf16 on CUDA and on CPUs that multiply bf16 natively (AMX, AVX512-BF16), else fp32."""
+    if dtype == AUTO:
+        return "bf16" if device.type == "cuda" or native_bf16() else "fp32"
+    if dtype not in DTYPES:
+        raise ConfigError(f"unknown dtype '{dtype}' (choose from auto, {', '.join(DTYPES)})")
+    return dtype
+
+
+def resolve_device(device: str) -> torch.device:
+    """Parse `cpu`, `cuda` or `cuda:N`, failing clearly when that device is not there."""
+    try:
+        parsed = torch.device(device)
+    except RuntimeError:
+        raise ConfigError(f"unknown device '{device}' (use cpu, cuda or cuda:N)") from None
+    if parsed.type == "cuda":
+        count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        if (parsed.index or 0) >= count:
+            raise ModelNotAvailable(f"device '{device}' is not available: torch sees {count} CUDA device(s)")
+    elif parsed.type != "cpu":
+        raise ConfigError(f"unsupported device '{device}' (use cpu, cuda or cuda:N)")
+    return parsed
+
+
+def catalog_listing() -> str:
+    return ", ".join(CATALOG)
+
+
+def split_quant(spec: str) -> tuple[str, str | None]:
+    """`qwen2.5-coder-0.5b@int8` -> ("qwen2.5-coder-0.5b", "int8")."""
+    name, at, quant = spec.rpartition("@")
+    return (name, quant) if at else (spec, None)
+
+
+def quantized_copy(model: HFCausalLM, quant: str, group_size: int = 32) -> HFCausalLM:
+    """A quantized copy of a loaded model's weights, e.g. the target as its own drafter (`self@int8`)."""
+    copy = quantize(deepcopy(model.model), quant, group_size)
+    return HFCausalLM(copy, model.tokenizer, f"{model.name}@{quant}", model.eos_token_ids)
+
+
+def load_model(spec: Any, dtype: str | None = None, device: str | None = None, tokenizer: Any | None = None,
+               quant: str | None = None, group_size: int = 32) -> CausalLM:
+    """Load a CausalLM from a catalog name, a Hugging Face id or local path, or a transformers model.
+
+    `dtype` is auto (the default for names: see `resolve_dtype`), bf16 or fp32; a transformers model keeps
+    its own dtype and device unless they are given, and is never modified (speculant works on a copy).
+    Catalog models are de-quantized from their packaged GGUF once and cached as safetensors. `quant`
+    ("int8", "int4"; or a `name@int8` suffix) quantizes every linear layer after loading. A CausalLM
+    passes through unchanged.
+    """
+    if isinstance(spec, CausalLM):
+        if quant is not None:
+            raise ConfigError("quantize a loaded model with quantized_copy()")
+        return spec
+    if isinstance(spec, str) and "@" in spec:
+        if quant is not None:
+            raise ConfigError(f"quantization given twice: '{spec}' and quant={quant}")
+        spec, quant = split_quant(spec)
+    if quant is not None and quant not in QUANTS:
+        raise ConfigError(f"unknown quantization '{quant}' (choose from {', '.join(QUANTS)})")
+    model = _load_unquantized(spec, dtype, device, tokenizer)
+    if quant is None:
+        return model
+    quantize(model.model, quant, group_size)
+    return HFCausalLM(model.model, model.tokenizer, f"{model.name}@{quant}", model.eos_token_ids)
+
+
+def _load_unquantized(spec: Any, dtype: str | None, device: str | None, tokenizer: Any | None) -> HFCausalLM:
+    from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel
+
+    if isinstance(spec, PreTrainedModel):
+        first = next(spec.parameters())
+        torch_device = resolve_device(device) if device is not None else first.device
+        torch_dtype = DTYPES[resolve_dtype(dtype, torch_device)] if dtype is not None else first.dtype
+        dtype_name(torch_dtype)
+        if (first.dtype, first.device) != (torch_dtype, torch_device):
+            spec = deepcopy(spec).to(device=torch_device, dtype=torch_dtype)  # converted in a copy of its own
+        return HFCausalLM(spec, tokenizer)
+    if not isinstance(spec, (str, Path)):
+        raise ConfigError(f"cannot load a model from {type(spec).__name__}")
+    torch_device = resolve_device(device or "cpu")
+    dtype = resolve_dtype(dtype or AUTO, torch_device)
+    name = str(spec)
+    if not name:
+        raise ConfigError(f"empty model name; catalog models: {catalog_listing()}")
+    extra_eos: tuple[str, ...] = ()
+    if name in CATALOG:
+        path: str | Path = materialize(CATALOG[name], dtype)
+        extra_eos = CATALOG[name].extra_eos
+    elif Path(name).exists() or "/" in name:
+        path = name
+    else:
+        raise ModelNotAvailable(f"unknown model '{name}'; catalog models: {catalog_listing()} "
+                                "(or give a Hugging Face id or a local path)")
+    try:
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=DTYPES[dtype]).to(torch_device)
+    except (OSError, ValueError) as error:
+        raise ModelNotAvailable(f"cannot load model '{name}': {str(error).splitlines()[0]}") from None
+    if tokenizer is None:
+        try:
+            tokenizer = AutoTokenizer.from_pretrained(path)
+        except (OSError, ValueError):  # a model without a tokenizer still works on token ids
+            tokenizer = None
+    extra_ids = frozenset(tokenizer.convert_tokens_to_ids(t) for t in extra_eos) if tokenizer else frozenset()
+    return HFCausalLM(model, tokenizer, name, extra_ids)

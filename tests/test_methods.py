@@ -1,0 +1,108 @@
+"""The method registry: one options dataclass per method drives generate(), the CLI and bench specs;
+imports point downward only."""
+
+import json
+import subprocess
+import sys
+from dataclasses import dataclass, fields
+
+import pytest
+
+from helpers import tiny_model
+from speculant import cli, generate
+from speculant.bench.methods import parse_method
+from speculant.config import option, scalar_type
+from speculant.drafters.spec import DrafterSpec
+from speculant.errors import ConfigError
+from speculant.methods import METHODS, all_options, get_method
+from speculant.methods.registry import Method
+
+
+def test_every_method_is_registered_with_documented_options():
+    assert list(METHODS)[:5] == ["ar", "sd", "tree", "cascade", "dsi"]
+    for method in METHODS.values():
+        assert method.help
+        for f in fields(method.options):
+            assert f.metadata.get("help"), f"{method.name}.{f.name} has no help"
+
+
+def test_an_option_name_means_one_thing_in_every_method():
+    for name in all_options():
+        kinds = {str(f.type) for m in METHODS.values() for f in fields(m.options) if f.name == name}
+        assert len(kinds) == 1, f"{name} has types {kinds}"
+
+
+def test_unknown_and_misplaced_options_name_the_method():
+    target = tiny_model("llama", 0, 32)
+    with pytest.raises(ConfigError, match=r"option 'depth' does not apply to method 'sd' \(it belongs to tree"):
+        generate(target, prompt_ids=[1, 2], method="sd", drafter="maxgram", depth=3)
+    with pytest.raises(ConfigError, match="unknown option 'kk' for method 'sd'.*takes: drafter, drafter_dtype, k"):
+        generate(target, prompt_ids=[1, 2], method="sd", kk=3)
+    with pytest.raises(ConfigError, match="unknown method 'fast'"):
+        generate(target, prompt_ids=[1, 2], method="fast")
+
+
+def test_drafter_specs_parse_in_one_place():
+    assert DrafterSpec.parse("qwen2.5-coder-0.5b@int4") == DrafterSpec("qwen2.5-coder-0.5b", "int4")
+    assert DrafterSpec.parse("self@int8").kind == "self" and DrafterSpec.parse("maxgram").kind == "maxgram"
+    assert DrafterSpec.parse("org/model").kind == "model" and str(DrafterSpec.parse("a@int8")) == "a@int8"
+    for bad, message in [("a@int3", "unknown quantization"), ("maxgram@int8", "no model"), ("none", "autoregressive"),
+                         ("@int8", "empty")]:
+        with pytest.raises(ConfigError, match=message):
+            DrafterSpec.parse(bad)
+    assert get_method("sd").make_options({"drafter": "self@int4"}).drafter == DrafterSpec("self", "int4")
+
+
+def test_a_new_option_is_one_field_in_one_dataclass(monkeypatch, capsys):
+    """A method declared here, with one option, gets a CLI flag, a bench-spec key and a generate() keyword."""
+
+    @dataclass(frozen=True)
+    class EchoOptions:
+        repeat_first: int = option(1, "emit the prompt's first token this many times")
+
+    def build(request, options):
+        from speculant.decoding.stats import GenerationStats
+
+        def decoder():
+            for _ in range(min(options.repeat_first, request.max_new_tokens)):
+                yield request.prompt_ids[0]
+            return GenerationStats(method="echo", new_tokens=options.repeat_first)
+
+        return decoder()
+
+    monkeypatch.setitem(METHODS, "echo", Method("echo", EchoOptions, build, "repeat the first prompt token"))
+    assert generate(tiny_model("llama", 0, 32), prompt_ids=[5, 6], method="echo", repeat_first=3).token_ids == [5, 5, 5]
+    assert parse_method("echo:repeat_first=4").options.repeat_first == 4
+    assert "--repeat-first" in _generate_help()
+    with pytest.raises(ConfigError, match="repeat_first"):
+        parse_method("echo:repeat_first=many")
+
+
+def _generate_help() -> str:
+    parser = cli.build_parser()
+    return next(a for a in parser._actions if a.dest == "command").choices["generate"].format_help()
+
+
+def test_cli_flags_come_from_the_options_dataclasses():
+    text = _generate_help()
+    for name, f in all_options().items():
+        assert "--" + name.replace("_", "-") in text
+        assert scalar_type(f) in (int, float, str, bool)
+
+
+def test_decoding_imports_nothing_from_analysis_or_cli():
+    """Every module below the API (decoding, drafters, models, methods) imports only downward."""
+    code = (
+        "import importlib, pkgutil, sys, speculant\n"
+        "for package in ('decoding', 'drafters', 'models', 'methods'):\n"
+        "    path = [str(__import__('pathlib').Path(speculant.__file__).parent / package)]\n"
+        "    for m in pkgutil.walk_packages(path, f'speculant.{package}.'):\n"
+        "        importlib.import_module(m.name)\n"
+        "above = sorted(m for m in sys.modules if m.split('.')[:2] in (['speculant', 'analysis'], ['speculant', 'cli'],"
+        " ['speculant', 'bench'], ['speculant', 'api']))\n"
+        "print(__import__('json').dumps([len([m for m in sys.modules if m.startswith('speculant.decoding.')]), above]))\n"
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr
+    imported, above = json.loads(done.stdout)
+    assert imported >= 10 and above == []
