@@ -55,6 +55,16 @@ def encode_prompt(tokenizer: Any | None, prompt: str, chat: bool = False) -> lis
     return tokenizer(prompt, add_special_tokens=True)["input_ids"]
 
 
+def room_for(target: Any, prompt_len: int) -> int:
+    """How many new tokens fit after a prompt within the target's positions (a generation stops there)."""
+    limit = target.max_positions
+    if limit is None:
+        return 1 << 30
+    if prompt_len >= limit:
+        raise ConfigError(f"the prompt has {prompt_len} tokens but {target.name} holds at most {limit} positions")
+    return limit - prompt_len
+
+
 def generate(
     target: Any,
     prompt: str | None = None,
@@ -77,7 +87,7 @@ def generate(
     `target` may be a catalog name (with an optional `@int8`/`@int4` suffix), a Hugging Face id or path,
     a transformers model or a loaded CausalLM; a drafter may be any of those, `self[@int8|@int4]`,
     "maxgram" or a Drafter. Greedy at temperature 0. With `stream=True` the returned GenerationStream
-    yields token ids as they are committed.
+    yields token ids as they are committed. A generation ends at the target's last position.
     """
     spec = get_method(method)
     run = RunConfig(max_new_tokens=max_new_tokens, seed=seed)
@@ -95,7 +105,8 @@ def generate(
         raise ConfigError("the prompt is empty")
     if any(not 0 <= t < target.vocab_size for t in prompt_ids):
         raise ConfigError(f"prompt token ids must lie in [0, {target.vocab_size})")
-    request = Request(target, prompt_ids, run.max_new_tokens, sampling, seeded(target.device, seed), seed)
+    room = room_for(target, len(prompt_ids))
+    request = Request(target, prompt_ids, min(run.max_new_tokens, room), sampling, seeded(target.device, seed), seed)
     result = GenerationStream(spec.build(request, method_options), target.tokenizer)
     if stream:
         return result

@@ -7,12 +7,25 @@ import random
 import pytest
 import torch
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers
-from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM
+from transformers import (
+    GPT2Config,
+    GPT2LMHeadModel,
+    GPTNeoXConfig,
+    GPTNeoXForCausalLM,
+    LlamaConfig,
+    LlamaForCausalLM,
+    MistralConfig,
+    MistralForCausalLM,
+    PreTrainedTokenizerFast,
+    Qwen2Config,
+    Qwen2ForCausalLM,
+)
 
 from speculant.drafters.base import Draft
 from speculant.models import HFCausalLM
 
 ARCHS = ("llama", "qwen2")
+MORE_ARCHS = ("gpt2", "gpt_neox", "mistral")  # every method's exactness is checked on these too
 BYTE_VOCAB = 257  # 256 bytes + <eos>
 # Every device the engine must run on; CUDA cases run where a GPU is (never in CI) and skip elsewhere.
 DEVICES = ("cpu", pytest.param("cuda", marks=pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA")))
@@ -36,16 +49,23 @@ def _byte_of(char: str) -> int:
     return others[ord(char) - 256]
 
 
-def tiny_transformer(arch: str, seed: int, vocab: int = 64, init_std: float = 0.02, layers: int = 2):
-    """A seeded fp32 Llama- or Qwen2-style model small enough to run hundreds of generations."""
-    common = dict(vocab_size=vocab, hidden_size=32, intermediate_size=64, num_hidden_layers=layers,
-                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
-                  initializer_range=init_std, eos_token_id=None, bos_token_id=None, pad_token_id=None)
+def tiny_transformer(arch: str, seed: int, vocab: int = 64, init_std: float = 0.02, layers: int = 2,
+                     hidden: int = 32):
+    """A seeded fp32 model of one of ARCHS + MORE_ARCHS, small enough to run hundreds of generations."""
+    tokens = dict(vocab_size=vocab, initializer_range=init_std, eos_token_id=None, bos_token_id=None, pad_token_id=None)
+    common = dict(tokens, hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=layers,
+                  num_attention_heads=4, max_position_embeddings=512)
     torch.manual_seed(seed)
     if arch == "llama":
-        model = LlamaForCausalLM(LlamaConfig(**common))
+        model = LlamaForCausalLM(LlamaConfig(**common, num_key_value_heads=2))
     elif arch == "qwen2":
-        model = Qwen2ForCausalLM(Qwen2Config(**common, tie_word_embeddings=False))
+        model = Qwen2ForCausalLM(Qwen2Config(**common, num_key_value_heads=2, tie_word_embeddings=False))
+    elif arch == "mistral":
+        model = MistralForCausalLM(MistralConfig(**common, num_key_value_heads=2, sliding_window=None))
+    elif arch == "gpt_neox":
+        model = GPTNeoXForCausalLM(GPTNeoXConfig(**common, rotary_pct=0.5))
+    elif arch == "gpt2":
+        model = GPT2LMHeadModel(GPT2Config(**tokens, n_embd=hidden, n_layer=layers, n_head=4, n_positions=512))
     else:
         raise ValueError(arch)
     return model.float().eval()

@@ -139,3 +139,30 @@ def test_cuda_int4_refuses_shapes_its_kernel_cannot_run():
         Int4WeightOnlyLinear(nn.Linear(48, 8).cuda(), 16)
     with pytest.raises(ConfigError, match="divisible by 8"):
         Int4WeightOnlyLinear(nn.Linear(64, 12).cuda(), 32)
+
+
+@pytest.mark.parametrize("quant", ["int8", "int4"])
+@pytest.mark.parametrize(("arch", "vocab"), [("llama", 97), ("gpt2", 50257)])
+def test_odd_shapes_quantize_and_speculation_stays_exact(arch, vocab, quant):
+    """Output sizes the kernels cannot take as they are (a vocabulary of 97, GPT-2's 50257, GPT-2's Conv1D
+    layers) are padded; greedy speculation with the quantized drafter still equals ar."""
+    model = tiny_transformer(arch, 5, vocab, init_std=0.1, hidden=64)
+    drafter = load_model(model, quant=quant)
+    kinds = {type(m).__name__ for m in drafter.model.modules()}
+    assert "Conv1D" not in kinds and "Linear" not in kinds and "WeightLeftLinear" not in kinds
+    target = load_model(model)
+    prompt = random_prompt(5, vocab)
+    expected = generate(target, prompt_ids=prompt, method="ar", max_new_tokens=20).token_ids
+    result = generate(target, prompt_ids=prompt, drafter=drafter, k=4, max_new_tokens=20)
+    assert result.token_ids == expected and result.stats.acceptance_rate > 0.3
+    if quant == "int8":  # an int8 model is an exact target too
+        reference = generate(drafter, prompt_ids=prompt, method="ar", max_new_tokens=20).token_ids
+        assert generate(drafter, prompt_ids=prompt, drafter="maxgram", k=4, max_new_tokens=20).token_ids == reference
+
+
+def test_a_layer_int4_cannot_take_stays_in_full_precision_and_says_so(caplog):
+    layer = nn.Sequential(nn.Linear(64, 40), nn.Linear(40, 32))  # 40 inputs: not a multiple of 32
+    with caplog.at_level("WARNING", logger="speculant"):
+        quantize(layer, "int4")
+    assert isinstance(layer[0], Int4WeightOnlyLinear) and type(layer[1]) is nn.Linear
+    assert "kept 1 of 2 linear layers in full precision" in caplog.text

@@ -4,8 +4,11 @@ import pytest
 
 from helpers import ARCHS, DEVICES, ScriptedDrafter, perturbed, random_prompt, tiny_model
 from speculant import generate
-from speculant.drafters.model import ModelDrafter
 from speculant.config import SamplingConfig
+from speculant.drafters.base import Draft
+from speculant.drafters.model import ModelDrafter
+from speculant.errors import ConfigError
+from speculant.models import HFCausalLM
 
 VOCAB = 64
 MAX_NEW = 40
@@ -135,3 +138,37 @@ def test_model_drafter_resyncs_its_cache_after_rejections():
     context = context + first.tokens[:2] + [(first.tokens[2] + 1) % VOCAB]
     fresh = ModelDrafter(target.share(), SamplingConfig(), None)
     assert drafter.propose(context, 3).tokens == fresh.propose(context, 3).tokens
+
+
+def test_drafts_end_at_end_of_sequence_and_generation_at_the_last_position():
+    target = tiny_model("llama", 3, VOCAB, init_std=0.1)
+    prompt = random_prompt(3, VOCAB)
+    free = generate(target, prompt_ids=prompt, method="ar", max_new_tokens=12).token_ids
+    eos = free[5]
+    stopping = HFCausalLM(target.model, None, "eos", frozenset({eos}))
+    first = free.index(eos)
+    # The drafter (the same weights) stops its draft right after the end-of-sequence token.
+    drafter = ModelDrafter(stopping.share(), SamplingConfig(), None)
+    assert drafter.propose(prompt + free[:first], 8).tokens == [eos]
+    result = generate(stopping, prompt_ids=prompt, drafter=stopping, k=8, max_new_tokens=12)
+    assert result.token_ids == free[: first + 1] and sum(result.stats.draft_lengths) <= first + 1
+
+    class Beyond:  # drafts past an end-of-sequence token: the decoder verifies only up to it
+        name = "beyond"
+
+        def propose(self, context, k):
+            done = len(context) - len(prompt)
+            return Draft(free[done:done + k] + [0] * max(0, k - len(free[done:])), None)
+
+        def observe(self, n):
+            pass
+
+    beyond = generate(stopping, prompt_ids=prompt, drafter=Beyond(), k=8, max_new_tokens=12)
+    assert beyond.token_ids == free[: first + 1] and beyond.stats.draft_lengths[0] == first  # free[1 : first + 1]
+    # The last position ends a generation; a prompt that fills every position is refused.
+    short = HFCausalLM(target.model, None, "short")
+    short.max_positions = len(prompt) + 5
+    assert len(generate(short, prompt_ids=prompt, drafter=short, k=4, max_new_tokens=50).token_ids) == 5
+    short.max_positions = len(prompt)
+    with pytest.raises(ConfigError, match="holds at most"):
+        generate(short, prompt_ids=prompt, method="ar")

@@ -11,7 +11,7 @@ import torch
 from speculant.config import SamplingConfig
 from speculant.decoding.run import Decoder, emit
 from speculant.decoding.stats import GenerationStats
-from speculant.drafters.base import Drafter
+from speculant.drafters.base import Draft, Drafter
 from speculant.models.base import CausalLM
 from speculant.models.metered import metered
 from speculant.sampling import logits_to_probs, next_token
@@ -37,7 +37,8 @@ def speculative(
     pending = [next_token(logits, sampling, generator)]  # committed next, not yet run by the target
     while not (yield from emit(pending, out, max_new_tokens, target.eos_token_ids)):
         # Draft no more than can still be emitted: n accepted plus one target token.
-        draft = drafter.propose(prompt_ids + out, min(k, max_new_tokens - len(out) - 1))
+        draft = until_eos(drafter.propose(prompt_ids + out, min(k, max_new_tokens - len(out) - 1)),
+                          target.eos_token_ids)
         drafted = torch.tensor(draft.tokens, dtype=torch.long, device=target.device)
         cached = target.cache_len
         target_logits = target.forward(out[-1:] + draft.tokens)  # [1 + len(draft), vocab]
@@ -53,3 +54,12 @@ def speculative(
     stats.new_tokens = len(out)
     stats.record_target(target.usage)
     return stats
+
+
+def until_eos(draft: Draft, eos: frozenset[int]) -> Draft:
+    """The draft up to its first end-of-sequence token: nothing after it could ever be committed."""
+    stop = next((i for i, token in enumerate(draft.tokens) if token in eos), None)
+    if stop is None or stop == len(draft.tokens) - 1:
+        return draft
+    probs = draft.probs[: stop + 1] if draft.probs is not None else None
+    return Draft(draft.tokens[: stop + 1], probs, draft.usage)

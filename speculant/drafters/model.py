@@ -38,7 +38,10 @@ class ModelDrafter:
         self._cached: list[int] = []  # the tokens whose keys and values self.model holds
 
     def propose(self, context: list[int], k: int) -> Draft:
-        if k == 0:
+        """Up to k tokens; a draft ends at an end-of-sequence token and within the drafter's positions."""
+        if self.model.max_positions is not None:
+            k = min(k, self.model.max_positions - len(context))
+        if k <= 0:
             return Draft([], None)
         before = self.model.usage
         logits = self.score(context, [])[0]
@@ -49,7 +52,8 @@ class ModelDrafter:
             tokens.append(next_token(logits, self.sampling, None) if q is None else sample(q, self.generator))
             if self.keep_probs or self.draft_confidence > 0:
                 probs.append(q if q is not None else torch.softmax(logits, -1))
-            if i == k - 1 or probs and probs[-1][tokens[-1]] < self.draft_confidence:
+            if i == k - 1 or tokens[-1] in self.model.eos_token_ids or (
+                    probs and probs[-1][tokens[-1]] < self.draft_confidence):
                 break
             logits = self.model.forward(tokens[-1:])[-1]
         self._cached = context + tokens[:-1]

@@ -22,8 +22,10 @@ class CausalLM(Protocol):
     tokenizer: Any | None  # a transformers tokenizer when one is known
     vocab_size: int  # width of a logits row
     eos_token_ids: frozenset[int]
+    max_positions: int | None  # the most positions the model can attend over (None: no known limit)
     device: torch.device
     dtype: torch.dtype
+    numerics: str  # the numeric path, e.g. "fp32": outputs are comparable only between equal numerics
 
     @property
     def cache_len(self) -> int: ...

@@ -59,6 +59,7 @@ class HFCausalLM:
         self.name = name or getattr(model.config, "_name_or_path", "") or type(model).__name__
         self.vocab_size = model.get_output_embeddings().out_features  # width of a logits row
         self.eos_token_ids = eos_ids(model, tokenizer) | extra_eos
+        self.max_positions = getattr(model.config, "max_position_embeddings", None)
         self.device = next(model.parameters()).device
         self.dtype = model.dtype
         self.numerics = {torch.float32: "fp32", torch.bfloat16: "bf16"}.get(model.dtype, str(model.dtype))

@@ -13,17 +13,21 @@ a quantized copy of the target); losslessness never depends on the drafter's pre
 
 from __future__ import annotations
 
+import logging
 import warnings
 
 import torch
 from torch import nn
 from tqdm import tqdm
+from transformers.pytorch_utils import Conv1D
 
 from speculant.errors import ConfigError
 from speculant.models.invariant import use_row_invariant_attention
 
 QUANTS = ("int8", "int4")
 CUDA_INT4_GROUP_SIZES = (32, 64, 128, 256)  # what the CUDA tinygemm kernel supports
+INT4_ROWS = 16  # the packed int4 kernels need output sizes in multiples of this: odd sizes are padded
+log = logging.getLogger("speculant")
 
 
 class Int8DynamicLinear(nn.Module):
@@ -86,13 +90,15 @@ class Int4WeightOnlyLinear(nn.Module):
 
     def __init__(self, linear: nn.Linear, group_size: int):
         super().__init__()
-        n, k = linear.weight.shape
+        out_features, k = linear.weight.shape
         if k % group_size:
             raise ConfigError(f"int4 needs input sizes divisible by the group size {group_size}, got {k}")
         self.on_cuda = linear.weight.is_cuda
         if self.on_cuda:
-            _check_cuda_int4(linear.weight.device, n, group_size)
-        groups = linear.weight.detach().float().view(n, k // group_size, group_size)
+            _check_cuda_int4(linear.weight.device, group_size)
+        n = -(-out_features // INT4_ROWS) * INT4_ROWS  # zero rows pad the output size; their outputs are dropped
+        weight = nn.functional.pad(linear.weight.detach().float(), (0, 0, 0, n - out_features))
+        groups = weight.view(n, k // group_size, group_size)
         low = groups.amin(-1, keepdim=True)
         scale = ((groups.amax(-1, keepdim=True) - low) / 15).clamp_min(1e-8)
         q = ((groups - low) / scale).round().clamp(0, 15).to(torch.int32).view(n, k)
@@ -102,13 +108,13 @@ class Int4WeightOnlyLinear(nn.Module):
         scales_and_zeros = torch.stack([scale.t(), (low + 8 * scale).t()], dim=-1).contiguous()  # [k/g, n, 2]
         self.register_buffer("scales_and_zeros", scales_and_zeros.to(torch.bfloat16))
         self.bias = None if linear.bias is None else nn.Parameter(linear.bias.detach().to(torch.bfloat16))
-        self.group_size, self.out_features = group_size, n
+        self.group_size, self.out_features = group_size, out_features
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape
         flat = x.reshape(-1, shape[-1]).to(torch.bfloat16)
         mm = torch._weight_int4pack_mm if self.on_cuda else torch._weight_int4pack_mm_for_cpu
-        y = mm(flat, self.packed, self.group_size, self.scales_and_zeros)
+        y = mm(flat, self.packed, self.group_size, self.scales_and_zeros)[:, : self.out_features]
         if self.bias is not None:
             y = y + self.bias
         return y.view(*shape[:-1], self.out_features).to(x.dtype)
@@ -123,18 +129,28 @@ def _pack_int4(q: torch.Tensor, on_cuda: bool) -> torch.Tensor:
     return torch._convert_weight_to_int4pack((q[:, ::2] << 4 | q[:, 1::2]).to(torch.uint8), inner_k_tiles)
 
 
-def _check_cuda_int4(device: torch.device, out_features: int, group_size: int) -> None:
+def _check_cuda_int4(device: torch.device, group_size: int) -> None:
     if torch.cuda.get_device_capability(device) < (8, 0):
         raise ConfigError(f"int4 on CUDA needs compute capability 8.0 or newer (Ampere+); "
                           f"{torch.cuda.get_device_name(device)} has {torch.cuda.get_device_capability(device)}")
     if group_size not in CUDA_INT4_GROUP_SIZES:
         raise ConfigError(f"int4 on CUDA supports group sizes {CUDA_INT4_GROUP_SIZES}, got {group_size}")
-    if out_features % 8:
-        raise ConfigError(f"int4 on CUDA needs output sizes divisible by 8, got {out_features}")
+
+
+def as_linear(module: nn.Module) -> nn.Linear:
+    """A transformers `Conv1D` (weight [in, out], as GPT-2 uses) as the equivalent nn.Linear."""
+    if isinstance(module, nn.Linear):
+        return module
+    linear = nn.Linear(module.weight.shape[0], module.weight.shape[1], module.bias is not None, device="meta")
+    linear.weight = nn.Parameter(module.weight.detach().t(), requires_grad=False)
+    linear.bias = None if module.bias is None else nn.Parameter(module.bias.detach(), requires_grad=False)
+    return linear
 
 
 def quantize(model: nn.Module, quant: str, group_size: int = 32) -> nn.Module:
-    """Replace every nn.Linear of `model` (the LM head too, untied) by its quantized version, in place."""
+    """Replace every linear layer of `model` (nn.Linear and GPT-2's Conv1D; the LM head too, untied) by its
+    quantized version, in place. A layer int4 cannot take (an input size not divisible by the group
+    size) stays in full precision, and a one-line warning says how many did."""
     if quant not in QUANTS:
         raise ConfigError(f"unknown quantization '{quant}' (choose from {', '.join(QUANTS)})")
     device = next(model.parameters()).device
@@ -150,11 +166,17 @@ def quantize(model: nn.Module, quant: str, group_size: int = 32) -> nn.Module:
         head = model.get_output_embeddings()
         head.weight = nn.Parameter(head.weight.detach().clone())
         config.tie_word_embeddings = False
-    targets = [(name, module) for name, module in model.named_modules() if isinstance(module, nn.Linear)]
-    for name, linear in tqdm(targets, desc=f"quantizing to {quant}", disable=len(targets) < 50, leave=False):
+    targets = [(name, module) for name, module in model.named_modules() if isinstance(module, (nn.Linear, Conv1D))]
+    kept = [name for name, module in targets if quant == "int4" and as_linear(module).in_features % group_size]
+    for name, module in tqdm(targets, desc=f"quantizing to {quant}", disable=len(targets) < 50, leave=False):
+        if name in kept:
+            continue
         parent_name, _, child = name.rpartition(".")
         parent = model.get_submodule(parent_name) if parent_name else model
-        setattr(parent, child, _quantized(linear, quant, group_size))
+        setattr(parent, child, _quantized(as_linear(module), quant, group_size))
+    if kept:
+        log.warning(f"speculant: int4 kept {len(kept)} of {len(targets)} linear layers in full precision (input sizes "
+                    f"not divisible by the group size {group_size}: {', '.join(kept[:3])}{', ...' if len(kept) > 3 else ''})")
     if quant == "int8" and device.type == "cpu" and hasattr(model, "set_attn_implementation"):
         use_row_invariant_attention(model)  # activation quantization amplifies attention's last bits
     return model

@@ -99,8 +99,10 @@ class OracleLM:
 
     tokenizer = None
     eos_token_ids: frozenset[int] = frozenset()
+    max_positions = None
     device = torch.device("cpu")
     dtype = torch.float32
+    numerics = "oracle"
 
     def __init__(self, vocab_size: int = 64, seed: int = 0):
         self.name = "oracle"
