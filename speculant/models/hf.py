@@ -11,7 +11,7 @@ import torch
 from torch.nn.attention import SDPBackend, sdpa_kernel
 from transformers import DynamicCache, PreTrainedModel
 
-from speculant.models.cpu_linear import use_weight_left_linears
+from speculant.models.exact import make_exact
 from speculant.tree import TokenTree
 
 # Attention kernels on CUDA. cuDNN's (torch's first choice on Hopper) builds a plan for every new
@@ -41,8 +41,9 @@ class HFCausalLM:
     """A transformers model and the KV cache of one sequence.
 
     Rollback only shortens the cache; `forward` never re-runs cached positions. The backend works on
-    a private copy of the model's modules (sharing its weights); an fp32 model on CPU gets its linear
-    layers swapped for `WeightLeftLinear`s (faster multi-token forwards) there.
+    a private copy of the model's modules (sharing its weights), whose bf16/fp32 linear layers and
+    attention it swaps for batch-invariant ones (`exact.py`): a token's logits do not depend on how many
+    tokens share its forward, so verification reproduces decoding bit for bit.
     """
 
     def __init__(
@@ -53,8 +54,7 @@ class HFCausalLM:
         extra_eos: frozenset[int] = frozenset(),
     ):
         self.model = model = private_copy(model).eval()
-        if not next(model.parameters()).is_cuda and model.dtype == torch.float32:
-            use_weight_left_linears(model)
+        self.kernel = make_exact(model) or "quantized"  # the batch-invariant linear kernel
         self.tokenizer = tokenizer
         self.name = name or getattr(model.config, "_name_or_path", "") or type(model).__name__
         self.vocab_size = model.get_output_embeddings().out_features  # width of a logits row

@@ -92,14 +92,19 @@ def load_model(spec: Any, dtype: str | None = None, device: str | None = None, t
         spec, quant = split_quant(spec)
     if quant is not None and quant not in QUANTS:
         raise ConfigError(f"unknown quantization '{quant}' (choose from {', '.join(QUANTS)})")
-    model = _load_unquantized(spec, dtype, device, tokenizer)
-    if quant is None:
-        return model
-    quantize(model.model, quant, group_size)
-    return HFCausalLM(model.model, model.tokenizer, f"{model.name}@{quant}", model.eos_token_ids)
+    model, tokenizer, name, extra_eos = _load_transformers(spec, dtype, device, tokenizer)
+    if quant is not None:
+        if model is spec:
+            model = deepcopy(spec)  # quantization rewrites the modules: never the caller's
+        quantize(model, quant, group_size)
+        name = f"{name}@{quant}"
+    return HFCausalLM(model, tokenizer, name, extra_eos)
 
 
-def _load_unquantized(spec: Any, dtype: str | None, device: str | None, tokenizer: Any | None) -> HFCausalLM:
+def _load_transformers(spec: Any, dtype: str | None, device: str | None, tokenizer: Any | None
+                       ) -> tuple[Any, Any, str | None, frozenset[int]]:
+    """(transformers model, tokenizer, name, extra end-of-sequence ids); a model object comes back as
+    it is unless it needs converting (then as a converted copy)."""
     from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel
 
     if isinstance(spec, PreTrainedModel):
@@ -109,7 +114,7 @@ def _load_unquantized(spec: Any, dtype: str | None, device: str | None, tokenize
         dtype_name(torch_dtype)
         if (first.dtype, first.device) != (torch_dtype, torch_device):
             spec = deepcopy(spec).to(device=torch_device, dtype=torch_dtype)  # converted in a copy of its own
-        return HFCausalLM(spec, tokenizer)
+        return spec, tokenizer, None, frozenset()
     if not isinstance(spec, (str, Path)):
         raise ConfigError(f"cannot load a model from {type(spec).__name__}")
     torch_device = resolve_device(device or "cpu")
@@ -136,4 +141,4 @@ def _load_unquantized(spec: Any, dtype: str | None, device: str | None, tokenize
         except (OSError, ValueError):  # a model without a tokenizer still works on token ids
             tokenizer = None
     extra_ids = frozenset(tokenizer.convert_tokens_to_ids(t) for t in extra_eos) if tokenizer else frozenset()
-    return HFCausalLM(model, tokenizer, name, extra_ids)
+    return model, tokenizer, name, extra_ids

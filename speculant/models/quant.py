@@ -22,6 +22,7 @@ from tqdm import tqdm
 from transformers.pytorch_utils import Conv1D
 
 from speculant.errors import ConfigError
+from speculant.models.exact import ExactLinear
 from speculant.models.invariant import use_row_invariant_attention
 
 QUANTS = ("int8", "int4")
@@ -138,11 +139,13 @@ def _check_cuda_int4(device: torch.device, group_size: int) -> None:
 
 
 def as_linear(module: nn.Module) -> nn.Linear:
-    """A transformers `Conv1D` (weight [in, out], as GPT-2 uses) as the equivalent nn.Linear."""
+    """A linear layer as an nn.Linear: a transformers `Conv1D` (weight [in, out], as GPT-2 uses) or an
+    ExactLinear (`exact.py`) becomes the equivalent nn.Linear."""
     if isinstance(module, nn.Linear):
         return module
-    linear = nn.Linear(module.weight.shape[0], module.weight.shape[1], module.bias is not None, device="meta")
-    linear.weight = nn.Parameter(module.weight.detach().t(), requires_grad=False)
+    weight = module.weight.detach().t() if isinstance(module, Conv1D) else module.weight.detach()
+    linear = nn.Linear(weight.shape[1], weight.shape[0], module.bias is not None, device="meta")
+    linear.weight = nn.Parameter(weight, requires_grad=False)
     linear.bias = None if module.bias is None else nn.Parameter(module.bias.detach(), requires_grad=False)
     return linear
 
@@ -160,13 +163,13 @@ def quantize(model: nn.Module, quant: str, group_size: int = 32) -> nn.Module:
         if "fbgemm" not in torch.backends.quantized.supported_engines:
             raise ConfigError("int8 quantization on CPU needs torch's fbgemm engine (x86 CPUs)")
         torch.backends.quantized.engine = "fbgemm"
-    # Untie so that quantizing the head leaves the input embedding intact.
+    # Untie: the quantized head gets weights of its own and the input embedding stays as it is (quantized
+    # layers never write to the tensors they were built from); nothing may tie them again later.
     config = getattr(model, "config", None)
     if config is not None and getattr(config, "tie_word_embeddings", False):
-        head = model.get_output_embeddings()
-        head.weight = nn.Parameter(head.weight.detach().clone())
         config.tie_word_embeddings = False
-    targets = [(name, module) for name, module in model.named_modules() if isinstance(module, (nn.Linear, Conv1D))]
+    targets = [(name, module) for name, module in model.named_modules()
+               if isinstance(module, (nn.Linear, Conv1D, ExactLinear))]
     kept = [name for name, module in targets if quant == "int4" and as_linear(module).in_features % group_size]
     for name, module in tqdm(targets, desc=f"quantizing to {quant}", disable=len(targets) < 50, leave=False):
         if name in kept:
@@ -177,8 +180,8 @@ def quantize(model: nn.Module, quant: str, group_size: int = 32) -> nn.Module:
     if kept:
         log.warning(f"speculant: int4 kept {len(kept)} of {len(targets)} linear layers in full precision (input sizes "
                     f"not divisible by the group size {group_size}: {', '.join(kept[:3])}{', ...' if len(kept) > 3 else ''})")
-    if quant == "int8" and device.type == "cpu" and hasattr(model, "set_attn_implementation"):
-        use_row_invariant_attention(model)  # activation quantization amplifies attention's last bits
+    if hasattr(model, "set_attn_implementation"):
+        use_row_invariant_attention(model)  # a quantized target verifies exactly as it decodes too
     return model
 
 

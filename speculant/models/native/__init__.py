@@ -1,0 +1,120 @@
+"""speculant's own C kernels, compiled once per machine with the system C compiler and loaded with ctypes
+(no build step at install). Both compute a linear layer batch-invariantly by construction:
+
+- `avx2` (`exact_linear.c`, AVX2 + FMA): bf16 or fp32 weights, fp32 activations, each output accumulated
+  by fused multiply-adds in input order.
+- `amx` (`amx_linear.c`, Intel AMX): bf16 weights and activations, fp32 accumulation, each output row
+  of a tile accumulating its own chunks of 32 inputs in order.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import os
+import shutil
+import subprocess
+from dataclasses import dataclass
+from functools import cache
+from pathlib import Path
+
+import torch
+
+from speculant.cache import cache_root
+from speculant.machine import cpu_has
+
+PANEL = 16  # output rows per packed panel, both kernels
+AMX_CHUNK = 32  # inputs per AMX tile multiply
+_P, _I = ctypes.c_void_p, ctypes.c_int64
+
+
+@dataclass(frozen=True)
+class NativeKernel:
+    name: str
+    source: str
+    flags: tuple[str, ...]
+    cpu_flags: tuple[str, ...]
+    weight_dtypes: tuple[torch.dtype, ...]
+
+    def library(self) -> ctypes.CDLL | None:
+        return _library(self)
+
+    def available(self, dtype: torch.dtype) -> bool:
+        return dtype in self.weight_dtypes and self.library() is not None
+
+    def pack(self, weight: torch.Tensor) -> torch.Tensor:
+        """[O, K] weights in the kernel's layout (zeros pad the last panel, and AMX's last chunk)."""
+        out_features, in_features = weight.shape
+        weight = weight.detach().contiguous()
+        panels = -(-out_features // PANEL)
+        if self.name == "amx":
+            packed = torch.empty(panels * PANEL * -(-in_features // AMX_CHUNK) * AMX_CHUNK, dtype=torch.bfloat16)
+            self.library().amx_pack(weight.data_ptr(), out_features, in_features, packed.data_ptr())
+        else:
+            packed = torch.empty(panels * PANEL * in_features, dtype=weight.dtype)
+            getattr(self.library(), f"pack_{_suffix(weight.dtype)}")(weight.data_ptr(), out_features, in_features,
+                                                                      packed.data_ptr())
+        return packed
+
+    def unpack(self, packed: torch.Tensor, out_features: int, in_features: int) -> torch.Tensor:
+        """The [O, K] weights back from the kernel's layout."""
+        if self.name == "amx":
+            chunks = -(-in_features // AMX_CHUNK)
+            tiles = packed.view(-1, chunks, AMX_CHUNK // 2, PANEL, 2)  # [panel, chunk, pair, output, of pair]
+            dense = tiles.permute(0, 3, 1, 2, 4).reshape(-1, chunks * AMX_CHUNK)
+        else:
+            dense = packed.view(-1, in_features, PANEL).permute(0, 2, 1).reshape(-1, in_features)
+        return dense[:out_features, :in_features]
+
+    def linear(self, x: torch.Tensor, packed: torch.Tensor, out_features: int) -> torch.Tensor:
+        """x [n, K] times the packed weights: [n, out_features] fp32."""
+        lib = self.library()
+        x = x.to(torch.bfloat16 if self.name == "amx" else torch.float32).contiguous()
+        y = torch.empty(x.shape[0], out_features)
+        function = lib.amx_linear if self.name == "amx" else getattr(lib, f"linear_{_suffix(packed.dtype)}")
+        function(x.data_ptr(), x.shape[0], x.shape[1], packed.data_ptr(), out_features, y.data_ptr(),
+                 torch.get_num_threads())
+        return y
+
+
+AVX2 = NativeKernel("avx2", "exact_linear.c", ("-mavx2", "-mfma"), ("avx2", "fma"), (torch.bfloat16, torch.float32))
+AMX = NativeKernel("amx", "amx_linear.c", ("-mamx-tile", "-mamx-bf16"), ("amx_tile", "amx_bf16"), (torch.bfloat16,))
+KERNELS = {kernel.name: kernel for kernel in (AMX, AVX2)}
+
+
+def _suffix(dtype: torch.dtype) -> str:
+    return {torch.bfloat16: "bf16", torch.float32: "f32"}[dtype]
+
+
+@cache
+def _library(kernel: NativeKernel) -> ctypes.CDLL | None:
+    """The compiled kernel, or None where it cannot run (CPU features missing, no C compiler, a failed
+    build, no AMX permission from the OS)."""
+    compiler = os.environ.get("CC") or shutil.which("gcc") or shutil.which("cc")
+    if not cpu_has(*kernel.cpu_flags) or compiler is None:
+        return None
+    source = Path(__file__).with_name(kernel.source)
+    flags = ("-O3", *kernel.flags, "-fopenmp", "-shared", "-fPIC")
+    key = hashlib.sha256(source.read_bytes() + " ".join(flags).encode()).hexdigest()[:16]
+    path = cache_root() / "kernels" / f"{source.stem}-{key}.so"
+    if not path.is_file():
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_suffix(f".{os.getpid()}.tmp")
+        try:
+            subprocess.run([compiler, *flags, "-o", str(tmp), str(source)], check=True, capture_output=True,
+                           timeout=120)
+        except (OSError, subprocess.SubprocessError):
+            tmp.unlink(missing_ok=True)
+            return None
+        tmp.replace(path)
+    lib = ctypes.CDLL(str(path))
+    if kernel.name == "amx":
+        lib.amx_pack.argtypes = [_P, _I, _I, _P]
+        lib.amx_linear.argtypes = [_P, _I, _I, _P, _I, _P, ctypes.c_int]
+        if not lib.amx_init():
+            return None
+    else:
+        for suffix in ("bf16", "f32"):
+            getattr(lib, f"pack_{suffix}").argtypes = [_P, _I, _I, _P]
+            getattr(lib, f"linear_{suffix}").argtypes = [_P, _I, _I, _P, _I, _P, ctypes.c_int]
+    return lib
