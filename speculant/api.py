@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from typing import Any
 
 from speculant.config import RunConfig, SamplingConfig
@@ -14,7 +14,15 @@ from speculant.methods import Request, get_method
 from speculant.models import load_model
 from speculant.sampling import seeded
 
-DEFAULT_METHOD = "sd"
+DEFAULT_METHOD = "auto"
+
+
+def method_for(method: str | None, options: dict[str, Any]) -> str:
+    """The method to run when none is named: auto, or sd when an option auto does not take is given
+    (a `drafter`, a `k`; sd then names any option it does not take either)."""
+    if method is not None:
+        return method
+    return DEFAULT_METHOD if set(options) <= {f.name for f in fields(get_method(DEFAULT_METHOD).options)} else "sd"
 
 
 @dataclass
@@ -70,7 +78,7 @@ def generate(
     prompt: str | None = None,
     *,
     prompt_ids: list[int] | None = None,
-    method: str = DEFAULT_METHOD,
+    method: str | None = None,
     max_new_tokens: int = 128,
     temperature: float = 0.0,
     top_k: int | None = None,
@@ -80,16 +88,18 @@ def generate(
     chat: bool = False,
     **options: Any,
 ) -> GenerationResult | GenerationStream:
-    """Generate from `prompt` (text) or `prompt_ids` with a registered method: "ar", "sd", "tree",
-    "cascade" or "dsi" (`speculant.methods`). `options` are the method's own (e.g. sd: `drafter`, `k`,
-    `draft_confidence`); a name the method does not take is an error naming the methods that do.
+    """Generate from `prompt` (text) or `prompt_ids` with a registered method (`speculant.methods`): "auto"
+    (the default; "sd" when the options given are sd's, e.g. a `drafter`), "ar", "sd", "tree", "cascade"
+    or "dsi". `options`
+    are the method's own (e.g. sd: `drafter`, `k`, `draft_confidence`); a name the method does not take
+    is an error naming the methods that do.
 
     `target` may be a catalog name (with an optional `@int8`/`@int4` suffix), a Hugging Face id or path,
     a transformers model or a loaded CausalLM; a drafter may be any of those, `self[@int8|@int4]`,
     "maxgram" or a Drafter. Greedy at temperature 0. With `stream=True` the returned GenerationStream
     yields token ids as they are committed. A generation ends at the target's last position.
     """
-    spec = get_method(method)
+    spec = get_method(method_for(method, options))
     run = RunConfig(max_new_tokens=max_new_tokens, seed=seed)
     sampling = SamplingConfig(temperature, top_k, top_p)
     method_options = spec.make_options(options)

@@ -48,7 +48,7 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("prompt", help="the prompt text")
     gen.add_argument("--target", default=DEFAULT_TARGET, help=f"target model: catalog name, HF id or path (default: {DEFAULT_TARGET})")
     gen.add_argument("--method", default=None, choices=list(METHODS),
-                     help=f"decoding method (default: {DEFAULT_METHOD}; --drafter none means ar): " +
+                     help="decoding method (default: auto; sd when --drafter is given; --drafter none means ar): " +
                           "; ".join(f"{m.name}: {m.help}" for m in METHODS.values()))
     add_method_options(gen)
     gen.add_argument("--bigram-corpus", nargs="+", default=None, metavar="FILE",
@@ -74,13 +74,15 @@ def build_parser() -> argparse.ArgumentParser:
     add_options(bench, ModelConfig)
     bench.add_argument("--out", default=None, help="directory for results.json and report.md")
 
-    prof = commands.add_parser("profile", help="measure TTFT, TPOT and the forward cost T(W) of a model")
+    prof = commands.add_parser("profile", help="show the machine profile auto uses (T(W) of a model, measured once "
+                               "per machine), or measure TTFT, TPOT and T(W) on prompts with --widths")
     prof.add_argument("--model", default=DEFAULT_TARGET, help=f"model to profile (default: {DEFAULT_TARGET})")
     prof.add_argument("--drafter", default=None, help="also profile this drafter and report its cost ratio c")
     prof.add_argument("--drafter-dtype", choices=("bf16", "fp32"), default=None)
-    prof.add_argument("--dataset", default="humaneval[:5]", help="prompts for TTFT and TPOT (default: humaneval[:5])")
-    prof.add_argument("--context-len", type=int, default=256, help="cached tokens before the T(W) forwards")
-    prof.add_argument("--widths", default="1-16,24,32,48,64", help="new-token counts W, e.g. 1-64 or 1,2,4,8")
+    prof.add_argument("--widths", default=None, help="measure now, on prompts, these new-token counts W, e.g. 1-64 "
+                      "or 1,2,4,8 (default: show the machine profile, measuring it once if it is missing)")
+    prof.add_argument("--dataset", default="humaneval[:5]", help="with --widths: prompts for TTFT and TPOT")
+    prof.add_argument("--context-len", type=int, default=256, help="with --widths: cached tokens before the T(W) forwards")
     prof.add_argument("--repeats", type=int, default=3)
     add_options(prof, ModelConfig)
     prof.add_argument("--out", default=None, help="write the profile as JSON (the drafter's to OUT.drafter.json)")
@@ -140,9 +142,6 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-DEFAULT_METHOD = "sd"
-
-
 def add_method_options(parser: argparse.ArgumentParser) -> None:
     """One flag per option of any registered method, kept as text: the chosen method parses and validates
     what was given, so a flag its method does not take is one clear error."""
@@ -160,13 +159,15 @@ def default_text(f: Any) -> str:
 
 
 def resolve_method(method: str | None, given: dict[str, str]) -> str:
-    """The method to run: `--method`, else ar for `--drafter none`, else the default."""
+    """The method to run: `--method`, else ar for `--drafter none`, else as `generate()` decides."""
+    from speculant.api import method_for
+
     if given.get("drafter") == "none":
         del given["drafter"]
         if method not in (None, "ar"):
             raise ConfigError(f"method '{method}' needs a drafter, but --drafter is none")
         return "ar"
-    return method or DEFAULT_METHOD
+    return method_for(method, given)
 
 
 def run_generate(args: argparse.Namespace) -> None:
@@ -184,7 +185,7 @@ def run_generate(args: argparse.Namespace) -> None:
     model_config = from_args(ModelConfig, args)
     if not args.prompt.strip():
         raise ConfigError("the prompt is empty")
-    sources = ([options.drafter] if hasattr(options, "drafter") else []) + list(getattr(options, "drafters", ()))
+    sources = ([options.drafter] if hasattr(options, "drafter") else []) + list(getattr(options, "drafters", None) or ())
     if args.bigram_corpus and not any(isinstance(d, DrafterSpec) and d.kind == MAXGRAM for d in sources):
         raise ConfigError("--bigram-corpus applies to the maxgram drafter only")
     files = [Path(f) for f in args.bigram_corpus or []]
@@ -293,29 +294,34 @@ def parse_widths(text: str) -> list[int]:
 
 
 def run_profile(args: argparse.Namespace) -> None:
-    from speculant.latency import profile_model
     from speculant.api import encode_prompt
+    from speculant.latency import machine_profile, profile_model
     from speculant.bench.datasets import load_dataset
     from speculant.drafters.spec import load_drafter
     from speculant.models import load_model
 
-    widths = parse_widths(args.widths)
+    widths = parse_widths(args.widths) if args.widths else None
     if args.context_len < 1 or args.repeats < 1:
         raise ConfigError("context length and repeats must be >= 1")
     config = from_args(ModelConfig, args)
-    prompts = load_dataset(args.dataset)
+    prompts = load_dataset(args.dataset) if widths else []
     model = load_model(args.model, dtype=config.dtype, device=config.device)
-    ids = [encode_prompt(model.tokenizer, p.text, p.chat) for p in prompts]
-    profiles = [profile_model(model, ids, widths, args.context_len, repeats=args.repeats, dtype=config.dtype)]
+    models = [model]
     if args.drafter:
         drafter = load_drafter(args.drafter, model, args.drafter_dtype)
         if not hasattr(drafter, "prefill"):
             raise ConfigError(f"'{args.drafter}' runs no model forwards to profile")
-        profiles.append(profile_model(drafter, ids, widths, args.context_len, repeats=args.repeats,
-                                      dtype=args.drafter_dtype or config.dtype))
-    for profile in profiles:
-        print(f"{profile.model} ({profile.dtype}, {profile.device}): TTFT {profile.ttft_s * 1000:.0f} ms, "
-              f"TPOT {profile.tpot_s * 1000:.1f} ms; T(W) at {profile.context_len} cached tokens:")
+        models.append(drafter)
+    if widths is None:
+        profiles = [machine_profile(m) for m in models]
+    else:
+        ids = [encode_prompt(model.tokenizer, p.text, p.chat) for p in prompts]
+        profiles = [profile_model(m, ids, widths, args.context_len, repeats=args.repeats, dtype=m.numerics)
+                    for m in models]
+    for profile, measured in zip(profiles, models):
+        print(f"{profile.model} ({profile.dtype}, {getattr(measured, 'kernel', '')} kernel, {profile.device}): TTFT "
+              f"{profile.ttft_s * 1000:.0f} ms, TPOT {profile.tpot_s * 1000:.1f} ms; T(W) at {profile.context_len} "
+              "cached tokens:")
         print("  " + "  ".join(f"{w}:{t * 1000:.1f}ms" for w, t in profile.forward_s.items()))
     if args.drafter:
         target, drafter_profile = profiles

@@ -80,3 +80,79 @@ def forward_costs(model, context: list[int], widths: Sequence[int], repeats: int
             model.rollback(len(context))
         costs[width] = statistics.median(samples)
     return costs
+
+
+MACHINE_WIDTHS = (1, 2, 3, 4, 5, 6, 8, 10, 12, 16)  # what `auto` chooses draft lengths from
+MACHINE_CONTEXT = 256
+MACHINE_PROFILES = "profiles.json"
+
+
+def machine_key(model) -> str | None:
+    """What a measured T(W) depends on: the weights and their numerics, the kernel, the device, the
+    threads, the CPU and torch. None for a model without an identity (built in memory): never cached."""
+    import torch
+
+    from speculant.machine import cpu_info
+
+    identity = getattr(model, "identity", None)
+    if identity is None:
+        return None
+    where = torch.cuda.get_device_name(model.device) if model.device.type == "cuda" else cpu_info()[0]
+    return (f"{identity}|{getattr(model, 'numerics', '')}|{getattr(model, 'kernel', '')}|{model.device}|"
+            f"{torch.get_num_threads()} threads|{where}|torch {torch.__version__}")
+
+
+_measured: dict[int, LatencyProfile] = {}  # in-memory models (no identity), by id: measured once per process
+
+
+def machine_profile(model, repeats: int = 3, progress: bool = True) -> LatencyProfile:
+    """T(W) of `model` on this machine for W in MACHINE_WIDTHS, measured once (about a second per width
+    for a 1.5B model, with a progress bar on stderr) and remembered in the speculant cache for models
+    loaded by name; `speculant profile` shows it."""
+    from speculant.cache import cache_root
+
+    key = machine_key(model)
+    path = cache_root() / "machine" / MACHINE_PROFILES
+    try:
+        known = json.loads(path.read_text())
+    except (OSError, ValueError):
+        known = {}
+    if key is not None and key in known:
+        data = dict(known[key], forward_s={int(w): t for w, t in known[key]["forward_s"].items()})
+        return LatencyProfile(**data)
+    if key is None and id(model) in _measured:
+        return _measured[id(model)]
+    profile = _measure(model, repeats, progress and key is not None)
+    if key is None:
+        _measured[id(model)] = profile
+        return profile
+    known[key] = asdict(profile)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(f".{id(profile)}.tmp")
+    tmp.write_text(json.dumps(known, indent=1))
+    tmp.replace(path)
+    return profile
+
+
+def _measure(model, repeats: int, progress: bool) -> LatencyProfile:
+    import sys
+
+    from tqdm import tqdm
+
+    context = [(7919 * i + 11) % model.vocab_size for i in range(MACHINE_CONTEXT)]
+    label = f"profiling {model.name} ({getattr(model, 'numerics', '')}, {getattr(model, 'kernel', '')}) once on this machine"
+    with tqdm(total=len(MACHINE_WIDTHS) + 1, desc=label, disable=not progress, file=sys.stderr, leave=False) as bar:
+        model.prefill(context[:8])  # warm-up
+        ttft = _timed(lambda: model.prefill(context))
+        bar.update()
+        costs: dict[int, float] = {}
+        for width in MACHINE_WIDTHS:
+            new = context[:width]
+            samples = []
+            for _ in range(repeats):
+                samples.append(_timed(lambda: model.forward(new)))
+                model.rollback(len(context))
+            costs[width] = statistics.median(samples)
+            bar.update()
+    return LatencyProfile(model.name, getattr(model, "numerics", ""), str(model.device), MACHINE_CONTEXT, ttft,
+                          costs[1], costs)

@@ -79,9 +79,9 @@ def test_every_method_equals_ar_in_bf16_and_fp32(arch, dtype):
 
 def test_repetitive_prompts_with_maxgram_in_bf16_where_plain_kernels_disagree():
     """A 3-layer Mistral on repetitive prompts: Max-Gram drafts long blocks; plain bf16 kernels score a
-    block differently from single steps (about half of these seeds), the exact kernels never do."""
+    block differently from single steps (10 of these 16 seeds), the exact kernels never do."""
     plain_differs = 0
-    for seed in range(8):
+    for seed in range(8, 24):
         model = tiny_transformer("mistral", seed, 97, init_std=0.1, layers=3, hidden=64)
         prompt = random_prompt(seed, 97, 6) * 4
         target = load_model(model, dtype="bf16")
@@ -91,7 +91,7 @@ def test_repetitive_prompts_with_maxgram_in_bf16_where_plain_kernels_disagree():
             plain = load_model(model, dtype="bf16")
         reference = generate(plain, prompt_ids=prompt, method="ar", max_new_tokens=60).token_ids
         plain_differs += generate(plain, prompt_ids=prompt, drafter="maxgram", k=6, max_new_tokens=60).token_ids != reference
-    assert plain_differs >= 2  # the test would catch a kernel that is not batch-invariant
+    assert plain_differs >= 4  # the test would catch a kernel that is not batch-invariant
 
 
 def test_the_kernel_is_measured_once_per_machine_and_remembered(tmp_path, monkeypatch):

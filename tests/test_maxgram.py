@@ -68,3 +68,10 @@ def test_maxgram_speculation_matches_autoregressive(arch, k):
         table = bigram_table([prompt], 64)
         result = generate(target, prompt_ids=prompt, drafter=MaxGramDrafter(table), k=k, max_new_tokens=40)
         assert result.token_ids == expected
+
+
+def test_a_one_token_match_is_no_match():
+    context = [5, 1, 9, 7, 1]  # only "1" repeats
+    assert MaxGramDrafter().propose(context, 3).tokens == []
+    assert MaxGramDrafter(min_match=1).propose(context, 3).tokens == [9, 7, 1]
+    assert MaxGramDrafter().match_length([5, 1, 9, 7, 5, 1]) == 2 and MaxGramDrafter().match_length(context) == 0

@@ -19,7 +19,7 @@ from speculant.methods.registry import Method
 
 
 def test_every_method_is_registered_with_documented_options():
-    assert list(METHODS)[:5] == ["ar", "sd", "tree", "cascade", "dsi"]
+    assert list(METHODS)[:6] == ["auto", "ar", "sd", "tree", "cascade", "dsi"]
     for method in METHODS.values():
         assert method.help
         for f in fields(method.options):

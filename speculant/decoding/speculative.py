@@ -39,21 +39,29 @@ def speculative(
         # Draft no more than can still be emitted: n accepted plus one target token.
         draft = until_eos(drafter.propose(prompt_ids + out, min(k, max_new_tokens - len(out) - 1)),
                           target.eos_token_ids)
-        drafted = torch.tensor(draft.tokens, dtype=torch.long, device=target.device)
-        cached = target.cache_len
-        target_logits = target.forward(out[-1:] + draft.tokens)  # [1 + len(draft), vocab]
-        if sampling.greedy:
-            n, token = verify_greedy(drafted, target_logits)
-        else:
-            q = draft.probs.to(target.device) if draft.probs is not None else None
-            n, token = verify_sampling(drafted, logits_to_probs(target_logits, sampling), q, generator)
-        target.rollback(cached + 1 + n)  # the last committed token and the accepted drafts stay cached
+        n, token = verify_draft(target, out[-1], draft, sampling, generator)
         drafter.observe(n)
         stats.record_draft(len(draft.tokens), n, draft.usage)
         pending = draft.tokens[:n] + [token]
     stats.new_tokens = len(out)
     stats.record_target(target.usage)
     return stats
+
+
+def verify_draft(target: CausalLM, last: int, draft: Draft, sampling: SamplingConfig,
+                 generator: torch.Generator | None) -> tuple[int, int]:
+    """One target forward over the last committed token and the draft, then verification: (accepted count,
+    the target's token after them). The target's cache keeps `last` and the accepted drafts."""
+    drafted = torch.tensor(draft.tokens, dtype=torch.long, device=target.device)
+    cached = target.cache_len
+    target_logits = target.forward([last, *draft.tokens])  # [1 + len(draft), vocab]
+    if sampling.greedy:
+        n, token = verify_greedy(drafted, target_logits)
+    else:
+        q = draft.probs.to(target.device) if draft.probs is not None else None
+        n, token = verify_sampling(drafted, logits_to_probs(target_logits, sampling), q, generator)
+    target.rollback(cached + 1 + n)
+    return n, token
 
 
 def until_eos(draft: Draft, eos: frozenset[int]) -> Draft:

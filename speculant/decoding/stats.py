@@ -35,6 +35,7 @@ class GenerationStats:
     verified_sizes: list[int] = field(default_factory=list)  # token trees: nodes verified per iteration, after pruning
     tree_shape: tuple[int, int, int | None] | None = None  # token trees: (depth cap, width, verify-width cap)
     dsi: DSIRecord | None = None  # DSI: per-server records and the timeline
+    choices: list[str] = field(default_factory=list)  # auto: per iteration, the drafter used ("plain": none)
     ttft_s: float = 0.0
     wall_s: float = 0.0
 
@@ -102,6 +103,17 @@ class GenerationStats:
             rates.append(sum(a > j for _, a in reached) / len(reached) if reached else 0.0)
         return rates
 
+    def choice_summary(self) -> str:
+        """What `auto` chose, in one phrase: share of steps per choice, mean draft length, switches."""
+        steps = len(self.choices)
+        parts = []
+        for name in dict.fromkeys(self.choices):
+            drafts = [d for c, d in zip(self.choices, self.draft_lengths) if c == name]
+            share = f"{name} {len(drafts) / steps:.0%}"
+            parts.append(share if name == "plain" else f"{share} (k {sum(drafts) / len(drafts):.1f})")
+        switches = sum(a != b for a, b in zip(self.choices, self.choices[1:]))
+        return f"auto: {', '.join(parts)} of {steps} steps, {switches} switches"
+
     def to_dict(self) -> dict[str, Any]:
         return {
             **asdict(self),
@@ -129,6 +141,8 @@ class GenerationStats:
                      f"(depth <= {depth}, width {width}, verify <= {verify or depth * width})")
         if self.dsi is not None:
             line += ", " + self.dsi.summary()
+        if self.choices:
+            line += ", " + self.choice_summary()
         for name, forwards in self.drafter_forwards.items():
             c = self.cost_ratios.get(name)
             line += f", {name}: {forwards} forwards" + (f" (c = {c:.2f})" if c is not None else "")

@@ -22,6 +22,7 @@ from speculant.drafters.base import Draft
 from speculant.drafters.spec import MAXGRAM
 
 MAX_MATCH = 64  # longer suffixes add nothing but cost
+MIN_MATCH = 2  # a single repeated token predicts little (8% of such drafts were accepted on HumanEval)
 
 
 def longest_suffix_match(tokens: np.ndarray) -> tuple[int, int]:
@@ -45,19 +46,26 @@ def longest_suffix_match(tokens: np.ndarray) -> tuple[int, int]:
 
 
 class MaxGramDrafter:
-    """Deterministic drafter (q is one-hot, `Draft.probs` is None) over the context itself."""
+    """Deterministic drafter (q is one-hot, `Draft.probs` is None) over the context itself. A suffix
+    match shorter than `min_match` tokens counts as none."""
 
     name = MAXGRAM
 
-    def __init__(self, bigram: np.ndarray | None = None):
+    def __init__(self, bigram: np.ndarray | None = None, min_match: int = MIN_MATCH):
         self.bigram = bigram  # bigram[a] = most likely token after a, or -1
+        self.min_match = min_match
+
+    def match_length(self, context: list[int]) -> int:
+        """The length of the suffix match a proposal after `context` would follow (0: none)."""
+        length = longest_suffix_match(np.asarray(context, dtype=np.int64))[1]
+        return length if length >= self.min_match else 0
 
     def propose(self, context: list[int], k: int) -> Draft:
         tokens = np.asarray(context, dtype=np.int64)
         draft: list[int] = []
         while len(draft) < k:
             end, length = longest_suffix_match(tokens)
-            if length:
+            if length >= self.min_match:
                 follow = tokens[end + 1 : end + 1 + k - len(draft)]
             elif self.bigram is not None and 0 <= tokens[-1] < len(self.bigram) and self.bigram[tokens[-1]] >= 0:
                 follow = self.bigram[tokens[-1:]]

@@ -1,6 +1,6 @@
-"""Every decoding method, registered in this order (see `registry`): ar, sd, tree, cascade, dsi."""
+"""Every decoding method, registered in this order (see `registry`): auto, ar, sd, tree, cascade, dsi."""
 
-from speculant.methods import ar, sd, tree, cascade, dsi  # noqa: F401, I001  (each registers itself)
+from speculant.methods import auto, ar, sd, tree, cascade, dsi  # noqa: F401, I001  (each registers itself)
 from speculant.methods.registry import METHODS, Method, Request, all_options, get_method
 
 __all__ = ["METHODS", "Method", "Request", "all_options", "get_method"]

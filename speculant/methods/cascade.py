@@ -7,14 +7,10 @@ from dataclasses import dataclass
 from typing import Any
 
 from speculant.config import option
-from speculant.drafters.spec import DrafterSpec, as_drafter
+from speculant.drafters.spec import as_drafter
 from speculant.errors import ConfigError
-from speculant.methods.drafting import DRAFTER_DTYPES
+from speculant.methods.drafting import DRAFTER_DTYPES, parse_drafters
 from speculant.methods.registry import Request, register
-
-
-def parse_drafters(text: str) -> tuple[DrafterSpec, ...]:
-    return tuple(DrafterSpec.parse(name) for name in text.split(",") if name.strip())
 
 
 @dataclass(frozen=True)

@@ -14,6 +14,11 @@ from speculant.errors import ConfigError
 DRAFTER_DTYPES = ("bf16", "fp32")
 
 
+def parse_drafters(text: str) -> tuple[DrafterSpec, ...]:
+    """`a@int8,b,maxgram` -> their specs, in order."""
+    return tuple(DrafterSpec.parse(name) for name in text.split(",") if name.strip())
+
+
 @dataclass(frozen=True)
 class DrafterOptions:
     drafter: Any = option(DEFAULT_DRAFTER, "drafter: a model NAME[@int8|@int4], self[@int8|@int4] (the target's "
@@ -36,7 +41,7 @@ def with_drafters(options: Any, load: Callable[[Any], Any]) -> Any:
     changes: dict[str, Any] = {}
     if "drafter" in names:
         changes["drafter"] = load(options.drafter)
-    if "drafters" in names:
+    if "drafters" in names and options.drafters is not None:
         changes["drafters"] = tuple(load(d) for d in options.drafters)
     return replace(options, **changes) if changes else options
 

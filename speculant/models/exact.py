@@ -43,12 +43,13 @@ ROWS = "rows"
 
 
 class ExactLinear(nn.Module):
-    """A linear layer (the weights of an nn.Linear or a GPT-2 Conv1D) run by a batch-invariant kernel."""
+    """A linear layer (the weights of an nn.Linear or a GPT-2 Conv1D) run by a batch-invariant kernel.
+    `weight` is [out, in]; `conv1d` keeps the state dict in the layout of the Conv1D it replaced."""
 
-    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, kernel: str):
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, kernel: str, conv1d: bool = False):
         super().__init__()
         self.out_features, self.in_features = weight.shape
-        self.kernel = kernel
+        self.kernel, self.conv1d = kernel, conv1d
         # Buffers, not parameters: copies of the module tree share them, nothing trains them.
         native = KERNELS.get(kernel)
         self.register_buffer("packed", native.pack(weight) if native else None, persistent=False)
@@ -64,14 +65,15 @@ class ExactLinear(nn.Module):
 
     def _save_to_state_dict(self, destination: dict, prefix: str, keep_vars: bool) -> None:
         """A state dict as the nn.Linear it replaces has: `weight` and `bias`."""
-        destination[prefix + "weight"] = self.weight
+        destination[prefix + "weight"] = self.weight.t() if self.conv1d else self.weight
         if self.bias is not None:
             destination[prefix + "bias"] = self.bias
 
     def _load_from_state_dict(self, state_dict: dict, prefix: str, *args) -> None:
         weight, bias = state_dict.get(prefix + "weight"), state_dict.get(prefix + "bias")
         if weight is not None:
-            self.__init__(weight.to(self.weight.dtype), bias if bias is not None else self.bias, self.kernel)
+            weight = weight.t() if self.conv1d else weight
+            self.__init__(weight.to(self.weight.dtype), bias if bias is not None else self.bias, self.kernel, self.conv1d)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.reshape(-1, self.in_features)
@@ -162,6 +164,7 @@ def make_exact(model: nn.Module) -> str | None:
             continue
         parent_name, _, child = name.rpartition(".")
         parent = model.get_submodule(parent_name) if parent_name else model
-        setattr(parent, child, ExactLinear(dense_weight(module).detach().contiguous(), module.bias, kernel))
+        conv1d = isinstance(module, Conv1D) or getattr(module, "conv1d", False)
+        setattr(parent, child, ExactLinear(dense_weight(module).detach().contiguous(), module.bias, kernel, conv1d))
     use_row_invariant_attention(model)
     return kernel

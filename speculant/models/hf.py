@@ -52,11 +52,13 @@ class HFCausalLM:
         tokenizer: Any | None = None,
         name: str | None = None,
         extra_eos: frozenset[int] = frozenset(),
+        identity: str | None = None,
     ):
         self.model = model = private_copy(model).eval()
         self.kernel = make_exact(model) or "quantized"  # the batch-invariant linear kernel
         self.tokenizer = tokenizer
         self.name = name or getattr(model.config, "_name_or_path", "") or type(model).__name__
+        self.identity = identity  # what the weights are when loaded by name: machine profiles persist per identity
         self.vocab_size = model.get_output_embeddings().out_features  # width of a logits row
         self.eos_token_ids = eos_ids(model, tokenizer) | extra_eos
         self.max_positions = getattr(model.config, "max_position_embeddings", None)
@@ -71,7 +73,7 @@ class HFCausalLM:
 
     def share(self) -> HFCausalLM:
         """Another handle on the same weights with a cache of its own (e.g. a model drafting for itself)."""
-        return HFCausalLM(self.model, self.tokenizer, self.name, self.eos_token_ids)
+        return HFCausalLM(self.model, self.tokenizer, self.name, self.eos_token_ids, self.identity)
 
     @property
     def cache_len(self) -> int:

@@ -69,7 +69,8 @@ def split_quant(spec: str) -> tuple[str, str | None]:
 def quantized_copy(model: HFCausalLM, quant: str, group_size: int = 32) -> HFCausalLM:
     """A quantized copy of a loaded model's weights, e.g. the target as its own drafter (`self@int8`)."""
     copy = quantize(deepcopy(model.model), quant, group_size)
-    return HFCausalLM(copy, model.tokenizer, f"{model.name}@{quant}", model.eos_token_ids)
+    identity = f"{model.identity}@{quant}" if model.identity else None
+    return HFCausalLM(copy, model.tokenizer, f"{model.name}@{quant}", model.eos_token_ids, identity)
 
 
 def load_model(spec: Any, dtype: str | None = None, device: str | None = None, tokenizer: Any | None = None,
@@ -98,7 +99,8 @@ def load_model(spec: Any, dtype: str | None = None, device: str | None = None, t
             model = deepcopy(spec)  # quantization rewrites the modules: never the caller's
         quantize(model, quant, group_size)
         name = f"{name}@{quant}"
-    return HFCausalLM(model, tokenizer, name, extra_eos)
+    identity = f"{name} {dtype_name(model.dtype)}" if isinstance(spec, (str, Path)) else None
+    return HFCausalLM(model, tokenizer, name, extra_eos, identity)
 
 
 def _load_transformers(spec: Any, dtype: str | None, device: str | None, tokenizer: Any | None

@@ -1,0 +1,157 @@
+"""Adaptive speculation: every step chooses the drafter and the draft length that maximise expected
+goodput, accepted tokens per second, from per-position acceptance estimated online and forward costs
+measured on this machine; plain decoding (k = 0) when no draft pays, with a periodic re-probe.
+
+Goodput of a draft of k tokens from a drafter with conditional acceptance a_1, a_2, ... (a_j: the chance
+that token j is accepted given that tokens 1..j-1 were):
+    G(k) = (1 + sum_{j<=k} prod_{i<=j} a_i) / (k t_draft + T(k + 1))
+with T(W) the target's forward over W tokens and t_draft the drafter's cost per token (Leviathan et al.
+2023, Eq. 1 and Theorem 3.8, with measured costs instead of a constant ratio; vLLM's adaptive draft
+length uses the same goodput). Plain decoding has G = 1 / T(1). A deterministic, model-free drafter
+(Max-Gram) proposes first, for nothing, and its draft is judged by the estimates for its match length.
+Whatever is chosen, verification is the usual one, so output stays lossless.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+
+from speculant.config import SamplingConfig
+from speculant.decoding.run import Decoder, emit
+from speculant.decoding.speculative import until_eos, verify_draft
+from speculant.decoding.stats import GenerationStats
+from speculant.drafters.base import Draft, Drafter
+from speculant.models.base import CausalLM
+from speculant.models.metered import metered
+from speculant.sampling import next_token
+
+PLAIN = "plain"
+
+
+@dataclass
+class Acceptance:
+    """Per-position conditional acceptance of one drafter, estimated with exponential forgetting: each
+    observation of a position scales its counts by `decay` first, so estimates follow the text."""
+
+    prior: float
+    weight: float = 1.0  # pseudo-observations of the prior
+    decay: float = 0.95
+    reached: list[float] = field(default_factory=list)
+    accepted: list[float] = field(default_factory=list)
+
+    def rate(self, j: int) -> float:
+        """a_{j+1}: acceptance of draft position j (0-based) given the positions before it were accepted;
+        a position never reached yet is taken to be like the deepest one that was (so that drafts can
+        grow when acceptance is high: the first longer draft shows whether it holds)."""
+        j = min(j, len(self.reached) - 1)
+        if j < 0:
+            return self.prior
+        return (self.accepted[j] + self.prior * self.weight) / (self.reached[j] + self.weight)
+
+    def expected_tokens(self, k: int) -> float:
+        """1 + expected accepted tokens of a k-token draft: what one verification commits."""
+        total, run = 1.0, 1.0
+        for j in range(k):
+            run *= self.rate(j)
+            total += run
+        return total
+
+    def observe(self, drafted: int, n_accepted: int) -> None:
+        for j in range(min(n_accepted + 1, drafted)):  # positions the verifier looked at
+            if j == len(self.reached):
+                self.reached.append(0.0)
+                self.accepted.append(0.0)
+            self.reached[j] = self.decay * self.reached[j] + 1
+            self.accepted[j] = self.decay * self.accepted[j] + (j < n_accepted)
+
+
+@dataclass
+class Candidate:
+    """One drafter `auto` may use: `step_s` seconds per drafted token (0 for a model-free drafter, which
+    then proposes before the choice: `match` tells how much context its draft follows)."""
+
+    name: str
+    drafter: Drafter
+    step_s: float
+    prior: float
+    match: Callable[[list[int]], int] | None = None
+    estimates: dict[int, Acceptance] = field(default_factory=dict)  # by match-length bucket (0: model drafters)
+
+    def acceptance(self, bucket: int = 0) -> Acceptance:
+        return self.estimates.setdefault(bucket, Acceptance(MATCH_PRIORS.get(bucket, self.prior)))
+
+
+MATCH_PRIORS = {1: 0.3, 2: 0.5, 3: 0.7, 4: 0.85}  # acceptance before any observation, by bucket
+
+
+def match_bucket(length: int) -> int:
+    """Max-Gram drafts after a longer match are likelier right: estimate them apart (<= 2, 3-5, 6-15, 16+
+    matched tokens); 0 means no match."""
+    return 0 if length == 0 else 1 if length <= 2 else 2 if length <= 5 else 3 if length <= 15 else 4
+
+
+def best_length(acceptance: Acceptance, step_s: float, cost: Callable[[int], float], most: int) -> tuple[float, int]:
+    """(goodput, k) of the best draft length 1..most."""
+    return max((acceptance.expected_tokens(k) / (k * step_s + cost(k + 1)), k) for k in range(1, most + 1))
+
+
+def adaptive(
+    target: CausalLM,
+    candidates: list[Candidate],
+    prompt_ids: list[int],
+    max_new_tokens: int,
+    cost: Callable[[int], float],
+    sampling: SamplingConfig,
+    generator: torch.Generator | None,
+    k_max: int = 16,
+    probe_every: int = 16,
+) -> Decoder:
+    """Lossless speculation that re-chooses drafter and draft length every step (`cost` is the target's
+    T(W) in seconds). After `probe_every` plain steps in a row the likeliest drafter drafts two tokens,
+    so that a drafter that stopped paying can come back when the text changes."""
+    stats = GenerationStats(method="auto")
+    out: list[int] = []
+    target = metered(target)
+    logits = target.prefill(prompt_ids)
+    pending = [next_token(logits, sampling, generator)]
+    plain_run = 0
+    while not (yield from emit(pending, out, max_new_tokens, target.eos_token_ids)):
+        context = prompt_ids + out
+        room = min(k_max, max_new_tokens - len(out) - 1)
+        best: tuple[float, Candidate | None, int, Draft | None, int] = (1 / cost(1), None, 0, None, 0)
+        for candidate in candidates if room > 0 else ():
+            if candidate.match is not None:  # model-free: its draft is known before choosing
+                bucket = match_bucket(candidate.match(context))
+                if bucket and (draft := until_eos(candidate.drafter.propose(context, room), target.eos_token_ids)).tokens:
+                    goodput, k = best_length(candidate.acceptance(bucket), 0.0, cost, len(draft.tokens))
+                    if goodput > best[0]:
+                        best = (goodput, candidate, k, Draft(draft.tokens[:k], None, draft.usage), bucket)
+            else:
+                goodput, k = best_length(candidate.acceptance(), candidate.step_s, cost, room)
+                if goodput > best[0]:
+                    best = (goodput, candidate, k, None, 0)
+        _, chosen, k, draft, bucket = best
+        if chosen is None and plain_run >= probe_every and room > 0:
+            models = [c for c in candidates if c.match is None]
+            if models:  # re-probe the drafter that was best before
+                chosen, k = max(models, key=lambda c: c.acceptance().rate(0)), min(2, room)
+        if chosen is None:
+            plain_run += 1
+            draft = Draft([])
+        else:
+            plain_run = 0
+            if draft is None:
+                draft = until_eos(chosen.drafter.propose(context, k), target.eos_token_ids)
+        n, token = verify_draft(target, out[-1], draft, sampling, generator)
+        if chosen is not None:
+            chosen.drafter.observe(n)
+            chosen.acceptance(bucket).observe(len(draft.tokens), n)
+        stats.record_draft(len(draft.tokens), n, draft.usage)
+        stats.choices.append(chosen.name if chosen is not None else PLAIN)
+        pending = draft.tokens[:n] + [token]
+    stats.new_tokens = len(out)
+    stats.record_target(target.usage)
+    return stats

@@ -1,0 +1,80 @@
+"""`auto`: speculation that configures itself. From T(W) of the target and each candidate drafter,
+measured once per machine (`speculant.latency.machine_profile`), and acceptance observed online, every
+step chooses the drafter and the draft length with the best expected goodput, or plain decoding when no
+draft pays (`decoding.adaptive`)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+from weakref import WeakKeyDictionary
+
+from speculant.config import option
+from speculant.drafters.spec import as_drafter
+from speculant.errors import ConfigError
+from speculant.methods.drafting import DRAFTER_DTYPES, parse_drafters
+from speculant.methods.registry import Request, register
+
+MODEL_PRIOR = 0.6  # a model drafter's acceptance before any observation
+FREE_PRIOR = 0.5  # a Drafter object of unknown cost
+
+
+@dataclass(frozen=True)
+class AutoOptions:
+    drafters: Any = option(None, "auto: candidate drafters (default: the target's catalog drafter at int4, and "
+                           "maxgram); cascade: levels, largest first, maxgram last", parse=parse_drafters)
+    drafter_dtype: str | None = option(None, "dtype of model drafters (default: the target's)", choices=DRAFTER_DTYPES)
+    k_max: int = option(16, "the longest draft auto may choose")
+    probe_every: int = option(16, "after this many plain steps in a row, try the best drafter again")
+
+    def __post_init__(self) -> None:
+        if isinstance(self.drafters, str):
+            object.__setattr__(self, "drafters", parse_drafters(self.drafters))
+        if self.drafters is not None:
+            object.__setattr__(self, "drafters", tuple(as_drafter(d) for d in self.drafters))
+        if self.k_max < 1:
+            raise ConfigError(f"k_max must be >= 1, got {self.k_max}")
+        if self.probe_every < 1:
+            raise ConfigError(f"probe_every must be >= 1, got {self.probe_every}")
+
+
+def default_drafters(target: Any) -> tuple[str, ...]:
+    """The catalog's drafter for a catalog target (when it is not the target itself), and Max-Gram."""
+    from speculant.models.catalog import CATALOG
+
+    entry = CATALOG.get(target.name.split("@")[0])
+    sibling = entry.drafter if entry is not None and entry.drafter else None
+    return (sibling, "maxgram") if sibling and sibling.split("@")[0] != entry.name else ("maxgram",)
+
+
+_loaded: WeakKeyDictionary = WeakKeyDictionary()  # target -> {(spec, dtype): drafter}: loaded once per target
+
+
+@register("auto", AutoOptions, "chooses drafter and draft length every step from measured costs and acceptance "
+          "(plain decoding where nothing pays)")
+def build(request: Request, options: AutoOptions) -> Any:
+    from speculant.decoding.adaptive import Candidate, adaptive
+    from speculant.drafters.base import Drafter
+    from speculant.drafters.maxgram import MaxGramDrafter
+    from speculant.drafters.model import ModelDrafter
+    from speculant.drafters.spec import load_drafter
+    from speculant.latency import machine_profile
+
+    target = request.target
+    loaded = _loaded.setdefault(target, {})
+    candidates = []
+    for spec in options.drafters if options.drafters is not None else default_drafters(target):
+        key = (str(as_drafter(spec)) if isinstance(spec, str) else id(spec), options.drafter_dtype)
+        if key not in loaded:
+            loaded[key] = load_drafter(spec, target, options.drafter_dtype)
+        source = loaded[key]
+        if isinstance(source, MaxGramDrafter):
+            candidates.append(Candidate(source.name, source, 0.0, 0.0, source.match_length))
+        elif isinstance(source, Drafter):
+            candidates.append(Candidate(source.name, source, 0.0, FREE_PRIOR))
+        else:
+            drafter = ModelDrafter(source, request.sampling, request.generator)
+            candidates.append(Candidate(source.name, drafter, machine_profile(source).tpot_s, MODEL_PRIOR))
+    cost = machine_profile(target).cost
+    return adaptive(target, candidates, request.prompt_ids, request.max_new_tokens, cost, request.sampling,
+                    request.generator, options.k_max, options.probe_every)

@@ -1,0 +1,118 @@
+"""`auto`: per-step choice of drafter and draft length stays lossless (greedy and sampling), turns
+speculation off when nothing pays, lets drafts grow when everything is accepted, and profiles a model
+once per machine."""
+
+import json
+
+import pytest
+
+from helpers import ScriptedDrafter, byte_tokenizer, perturbed, random_prompt, tiny_model, tiny_transformer
+from speculant import cli, generate, latency, load_model
+from speculant.config import SamplingConfig
+from speculant.decoding.adaptive import Acceptance, Candidate, adaptive
+from speculant.decoding.run import timed
+from speculant.latency import LatencyProfile
+from test_sampling import assert_follows_target, sampling_pair
+
+VOCAB = 64
+
+
+def costs(target, drafter_step=0.05, target_step=1.0):
+    """Machine profiles in which the target's forward is flat in W and model drafters are cheap."""
+    def profile(model, *args, **kwargs):
+        step = target_step if model is target else drafter_step
+        return LatencyProfile(model.name, "", "cpu", 256, step, step, {1: step, 16: step * 1.1})
+    return profile
+
+
+def run(target, candidates, prompt, n=40, cost=lambda w: 1.0 + 0.01 * w, **kwargs):
+    tokens = []
+    stats = yield_all(timed(adaptive(target, candidates, prompt, n, cost, SamplingConfig(), None, **kwargs), tokens))
+    return tokens, stats
+
+
+def yield_all(decoder):
+    while True:
+        try:
+            next(decoder)
+        except StopIteration as stop:
+            return stop.value
+
+
+@pytest.mark.parametrize("dtype", ["fp32", "bf16"])
+@pytest.mark.parametrize("arch", ["llama", "gpt2", "mistral"])
+def test_greedy_auto_equals_ar_whatever_it_chooses(arch, dtype, monkeypatch):
+    used = set()
+    for seed in range(2):
+        target = load_model(tiny_transformer(arch, seed, VOCAB, init_std=0.1), dtype=dtype)
+        drafter = load_model(perturbed(target, 0.3, seed).model, dtype=dtype)
+        prompt = random_prompt(seed, VOCAB, 6) * 3
+        expected = generate(target, prompt_ids=prompt, method="ar", max_new_tokens=40).token_ids
+        assert generate(target, prompt_ids=prompt, max_new_tokens=40).token_ids == expected  # the default method
+        with monkeypatch.context() as patch:
+            patch.setattr(latency, "machine_profile", costs(target))
+            result = generate(target, prompt_ids=prompt, method="auto", drafters=[drafter, "maxgram"], max_new_tokens=40)
+        assert result.token_ids == expected and result.stats.method == "auto"
+        used.update(result.stats.choices)
+    assert {"plain", "maxgram"} & used and drafter.name in used  # the test exercised a model drafter
+
+
+def test_a_drafter_that_never_agrees_is_turned_off_and_probed_again():
+    target = tiny_model("llama", 1, VOCAB, init_std=0.1)
+    prompt = random_prompt(1, VOCAB)
+    reference = generate(target, prompt_ids=prompt, method="ar", max_new_tokens=60).token_ids
+    wrong = ScriptedDrafter(prompt, reference, error_rate=1.0, vocab=VOCAB, seed=0)
+    tokens, stats = run(target, [Candidate("wrong", wrong, 0.1, 0.6)], prompt, n=60, probe_every=8)
+    assert tokens == reference
+    assert stats.choices.count("plain") > 0.75 * len(stats.choices)
+    # After the estimates fall, the drafter returns only as a probe after 8 plain steps in a row.
+    runs, current = [], 0
+    for choice in stats.choices[5:]:
+        if choice == "plain":
+            current += 1
+        else:
+            runs.append(current)
+            current = 0
+    assert runs and all(r == 8 for r in runs[1:])
+
+
+def test_drafts_grow_while_everything_is_accepted():
+    target = tiny_model("llama", 2, VOCAB, init_std=0.1)
+    prompt = random_prompt(2, VOCAB)
+    reference = generate(target, prompt_ids=prompt, method="ar", max_new_tokens=150).token_ids
+    right = ScriptedDrafter(prompt, reference, error_rate=0.0, vocab=VOCAB, seed=0)
+    tokens, stats = run(target, [Candidate("right", right, 0.05, 0.6)], prompt, n=150, k_max=12)
+    assert tokens == reference and stats.choices.count("plain") == 0
+    assert stats.draft_lengths[0] < 12 and max(stats.draft_lengths) == 12 and stats.acceptance_rate == 1.0
+
+
+def test_acceptance_estimates_follow_what_is_observed():
+    estimate = Acceptance(prior=0.6)
+    assert estimate.expected_tokens(2) == pytest.approx(1 + 0.6 + 0.36)
+    for _ in range(30):
+        estimate.observe(drafted=4, n_accepted=1)  # the first token accepted, the second rejected
+    assert estimate.rate(0) > 0.9 and estimate.rate(1) < 0.1 and estimate.rate(5) == estimate.rate(1)
+
+
+def test_auto_sampling_follows_the_target(monkeypatch):
+    target, drafter, prompt = sampling_pair()
+    monkeypatch.setattr(latency, "machine_profile", costs(target))
+    assert_follows_target(target, prompt, method="auto", drafters=[drafter, "maxgram"])
+
+
+def test_a_model_is_profiled_once_per_machine_with_a_progress_line(tmp_path, monkeypatch, capsys):
+    monkeypatch.setenv("SPECULANT_CACHE", str(tmp_path / "cache"))
+    model = tiny_transformer("llama", 0, 257)
+    model.generation_config.eos_token_id = None
+    model.save_pretrained(tmp_path / "m")
+    byte_tokenizer().save_pretrained(tmp_path / "m")
+    argv = ["generate", "def f(x):", "--target", str(tmp_path / "m"), "--dtype", "fp32", "--max-new-tokens", "8"]
+    assert cli.main(argv) == 0
+    first = capsys.readouterr().err
+    assert "profiling" in first and "once on this machine" in first and "auto:" in first
+    assert cli.main(argv) == 0
+    assert "profiling" not in capsys.readouterr().err
+    profiles = json.loads((tmp_path / "cache" / "machine" / latency.MACHINE_PROFILES).read_text())
+    assert len(profiles) == 1 and set(next(iter(profiles.values()))["forward_s"]) == {str(w) for w in latency.MACHINE_WIDTHS}
+    assert cli.main(["profile", "--model", str(tmp_path / "m"), "--dtype", "fp32"]) == 0
+    assert "T(W)" in capsys.readouterr().out
