@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, fields
 from typing import Any
 
@@ -35,14 +35,16 @@ class GenerationResult:
 class GenerationStream:
     """Iterates over token ids as they are committed; `.result` is set once the stream is exhausted."""
 
-    def __init__(self, decoder: Decoder, tokenizer: Any | None):
+    def __init__(self, decoder: Decoder, tokenizer: Any | None, target: str = ""):
         self._decoder = decoder
         self._tokenizer = tokenizer
+        self._target = target
         self.result: GenerationResult | None = None
 
     def __iter__(self) -> Iterator[int]:
         tokens: list[int] = []
         stats = yield from timed(self._decoder, tokens)
+        stats.target = self._target
         self.result = GenerationResult(tokens, decode(self._tokenizer, tokens), stats)
 
 
@@ -50,15 +52,16 @@ def decode(tokenizer: Any | None, token_ids: list[int]) -> str | None:
     return tokenizer.decode(token_ids, skip_special_tokens=True) if tokenizer is not None else None
 
 
-def encode_prompt(tokenizer: Any | None, prompt: str, chat: bool = False) -> list[int]:
-    """Token ids of a text prompt, optionally wrapped in the tokenizer's chat template."""
+def encode_prompt(tokenizer: Any | None, prompt: str | Sequence[dict[str, str]], chat: bool = False) -> list[int]:
+    """Token ids of a text prompt, optionally wrapped in the tokenizer's chat template, or of a conversation
+    (a sequence of {"role", "content"} messages, always templated) for the model to answer."""
     if tokenizer is None:
         raise ConfigError("a text prompt needs a model with a tokenizer; pass prompt_ids instead")
-    if chat:
+    if chat or not isinstance(prompt, str):
         if not getattr(tokenizer, "chat_template", None):
             raise ConfigError("this tokenizer has no chat template")
-        ids = tokenizer.apply_chat_template([{"role": "user", "content": prompt}], add_generation_prompt=True,
-                                            tokenize=True, return_dict=False)
+        messages = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else list(prompt)
+        ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, return_dict=False)
         return list(ids)
     return tokenizer(prompt, add_special_tokens=True)["input_ids"]
 
@@ -117,7 +120,8 @@ def generate(
         raise ConfigError(f"prompt token ids must lie in [0, {target.vocab_size})")
     room = room_for(target, len(prompt_ids))
     request = Request(target, prompt_ids, min(run.max_new_tokens, room), sampling, seeded(target.device, seed), seed)
-    result = GenerationStream(spec.build(request, method_options), target.tokenizer)
+    label = f"{getattr(target, 'numerics', '')}, {getattr(target, 'kernel', '')} kernel".strip(", ")
+    result = GenerationStream(spec.build(request, method_options), target.tokenizer, label)
     if stream:
         return result
     for _ in result:

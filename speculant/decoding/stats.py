@@ -21,6 +21,7 @@ class GenerationStats:
     """
 
     method: str = "ar"
+    target: str = ""  # the target's numerics and kernel, e.g. "bf16, amx kernel"
     new_tokens: int = 0
     target_forwards: int = 0  # the prefill included
     drafter_forwards: dict[str, int] = field(default_factory=dict)  # per drafter name, prefills included
@@ -128,8 +129,8 @@ class GenerationStats:
 
     def summary(self) -> str:
         """One line for humans: tokens, speed, TTFT and, when speculating, acceptance."""
-        line = (f"{self.new_tokens} tokens in {self.wall_s:.2f} s ({self.tokens_per_s:.2f} tok/s, "
-                f"TTFT {self.ttft_s:.2f} s, {self.target_forwards} target forwards)")
+        line = (f"{self.method}: {self.new_tokens} tokens in {self.wall_s:.2f} s ({self.tokens_per_s:.2f} tok/s, "
+                f"TTFT {self.ttft_s:.2f} s, {self.target_forwards} target forwards{', ' + self.target if self.target else ''})")
         if self.acceptance_rate is not None:
             line += (f", mean accepted length {self.mean_accepted_length:.2f}, "
                      f"acceptance {self.acceptance_rate:.0%}, SWI {self.swi or 0:.2f}")
