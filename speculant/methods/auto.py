@@ -25,6 +25,8 @@ class AutoOptions:
                            "maxgram); cascade: levels, largest first, maxgram last", parse=parse_drafters)
     drafter_dtype: str | None = option(None, "dtype of model drafters (default: the target's)", choices=DRAFTER_DTYPES)
     k_max: int = option(16, "the longest draft auto may choose")
+    draft_confidence: float = option(0.0, "a model drafter's draft ends after a token it gives a probability below "
+                                     "this (0: drafts run to the chosen length)")
     probe_every: int = option(16, "after this many plain steps in a row, try the best drafter again")
 
     def __post_init__(self) -> None:
@@ -34,6 +36,8 @@ class AutoOptions:
             object.__setattr__(self, "drafters", tuple(as_drafter(d) for d in self.drafters))
         if self.k_max < 1:
             raise ConfigError(f"k_max must be >= 1, got {self.k_max}")
+        if not 0 <= self.draft_confidence < 1:
+            raise ConfigError(f"draft-confidence must lie in [0, 1), got {self.draft_confidence}")
         if self.probe_every < 1:
             raise ConfigError(f"probe_every must be >= 1, got {self.probe_every}")
 
@@ -73,7 +77,7 @@ def build(request: Request, options: AutoOptions) -> Any:
         elif isinstance(source, Drafter):
             candidates.append(Candidate(source.name, source, 0.0, FREE_PRIOR))
         else:
-            drafter = ModelDrafter(source, request.sampling, request.generator)
+            drafter = ModelDrafter(source, request.sampling, request.generator, draft_confidence=options.draft_confidence)
             candidates.append(Candidate(source.name, drafter, machine_profile(source).tpot_s, MODEL_PRIOR))
     cost = machine_profile(target).cost
     return adaptive(target, candidates, request.prompt_ids, request.max_new_tokens, cost, request.sampling,
