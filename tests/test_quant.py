@@ -8,20 +8,23 @@ from helpers import ARCHS, DEVICES, random_prompt, tiny_model, tiny_transformer
 from speculant import generate, load_model
 from speculant.errors import ConfigError
 from speculant.models import quantized_copy
-from speculant.models.quant import Int4WeightOnlyLinear, Int8DynamicLinear, Int8WeightOnlyLinear, quantize
+from speculant.models import native
+from speculant.models.quant import AMXInt8Linear, Int4WeightOnlyLinear, Int8DynamicLinear, Int8WeightOnlyLinear, quantize
 from speculant.tree import TokenTree
 
 VOCAB = 64
-QUANTIZERS = {"int8-dynamic": Int8DynamicLinear, "int8-weight-only": Int8WeightOnlyLinear,
+QUANTIZERS = {"int8-dynamic": Int8DynamicLinear, "int8-weight-only": Int8WeightOnlyLinear, "int8-amx": AMXInt8Linear,
               "int4": lambda linear: Int4WeightOnlyLinear(linear, 32)}
-BOUNDS = {"int8-dynamic": 0.03, "int8-weight-only": 0.03, "int4": 0.15}
+BOUNDS = {"int8-dynamic": 0.03, "int8-weight-only": 0.03, "int8-amx": 0.03, "int4": 0.15}
 
 
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("kind", QUANTIZERS)
 def test_quantized_linear_stays_close(kind, device):
-    if kind == "int8-dynamic" and device == "cuda":
-        pytest.skip("fbgemm's dynamic int8 kernels are CPU-only")
+    if kind in ("int8-dynamic", "int8-amx") and device == "cuda":
+        pytest.skip("fbgemm's and AMX's int8 kernels are CPU-only")
+    if kind == "int8-amx" and native.AMX.library() is None:
+        pytest.skip("no AMX on this CPU")
     torch.manual_seed(0)
     linear = nn.Linear(256, 384).to(device)
     x = torch.randn(5, 256, device=device)
@@ -96,7 +99,8 @@ def test_int8_model_scores_a_token_bit_identically_in_any_forward(arch):
 
 def test_int8_picks_the_kernel_of_its_device():
     model = quantize(tiny_transformer("llama", 0, VOCAB), "int8")
-    assert isinstance(model.get_output_embeddings(), Int8DynamicLinear)
+    amx = native.AMX.library() is not None
+    assert isinstance(model.get_output_embeddings(), AMXInt8Linear if amx else Int8DynamicLinear)
     # The weight-only form is what CUDA runs; it must agree with fbgemm's on the same weights.
     torch.manual_seed(1)
     linear = nn.Linear(64, 32)
@@ -108,22 +112,25 @@ def test_int8_token_output_does_not_depend_on_the_other_tokens():
     # fbgemm quantizes a whole call with one scale; an outlier token must not change its neighbours'
     # outputs, or a quantized target would verify differently than it decodes.
     torch.manual_seed(2)
-    layer = Int8DynamicLinear(nn.Linear(128, 48))
-    for n_tokens in (2, 5, 16):
-        x = torch.randn(n_tokens, 128)
-        x[-1] *= 50
-        together = layer(x)
-        for i in range(n_tokens):
-            assert torch.equal(layer(x[i : i + 1]), together[i : i + 1])
+    layers = [Int8DynamicLinear(nn.Linear(128, 48))] + ([AMXInt8Linear(nn.Linear(128, 48))] if native.AMX.library() else [])
+    for layer in layers:
+        for n_tokens in (2, 5, 16):
+            x = torch.randn(n_tokens, 128)
+            x[-1] *= 50
+            together = layer(x)
+            for i in range(n_tokens):
+                assert torch.equal(layer(x[i : i + 1]), together[i : i + 1])
 
 
 def test_tied_head_is_untied_before_quantizing():
     model = tiny_transformer("qwen2", 0, VOCAB)
     model.config.tie_word_embeddings = True
     model.tie_weights()
+    embedding = model.get_input_embeddings().weight.detach().clone()
     quantize(model, "int8")
-    assert isinstance(model.get_output_embeddings(), Int8DynamicLinear)
-    assert isinstance(model.get_input_embeddings(), nn.Embedding)
+    assert isinstance(model.get_output_embeddings(), (AMXInt8Linear, Int8DynamicLinear))
+    assert isinstance(model.get_input_embeddings(), nn.Embedding) and not model.config.tie_word_embeddings
+    assert torch.equal(model.get_input_embeddings().weight, embedding)
 
 
 def test_bad_quantization_is_refused():

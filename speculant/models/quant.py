@@ -3,8 +3,9 @@
 `int4`: weight-only int4, asymmetric, one scale and zero point per `group_size` inputs, bf16
 activations; torch's packed tinygemm kernels on both devices (`_weight_int4pack_mm[_for_cpu]`).
 `int8`: per-output-channel int8 weights. On CPU each token's activations are quantized to int8 per call
-too (fbgemm's dynamic kernels), and attention runs row-invariant (`invariant.py`), so the model scores a
-token bit-identically in any forward and can be an exactly lossless target. On CUDA the weight is
+too (Intel AMX where the CPU has it, else fbgemm's dynamic kernels), and attention runs row-invariant
+(`invariant.py`), so the model scores a token bit-identically in any forward and can be an exactly
+lossless target. On CUDA the weight is
 dequantized inside the matmul call (weight-only: it halves the memory of bf16, and on an H100 it is not
 faster than bf16 - int4 is the fast one).
 The speculative-sampling paper suggests exactly this kind of drafter (Chen et al. 2023, section 1:
@@ -22,6 +23,7 @@ from tqdm import tqdm
 from transformers.pytorch_utils import Conv1D
 
 from speculant.errors import ConfigError
+from speculant.models import native
 from speculant.models.exact import ExactLinear
 from speculant.models.invariant import use_row_invariant_attention
 
@@ -66,6 +68,28 @@ class Int8DynamicLinear(nn.Module):
         y = torch.ops.quantized.linear_dynamic(guarded, self._packed, True)[:-1].mul_(row_max)
         if self.bias is not None:
             y.add_(self.bias)
+        return y.view(*shape[:-1], self.out_features).to(x.dtype)
+
+
+class AMXInt8Linear(nn.Module):
+    """y = (q(x) W_q^T) s_x s_w + b on Intel AMX: per-output-channel int8 weights and each token's activations
+    quantized to int8 on its own (symmetric, scale max |x| / 127); the int32 sums are exact, so a token's
+    output never depends on the other tokens of the call. About four times faster than fbgemm's kernel
+    at one token on a 2-core Sapphire Rapids."""
+
+    def __init__(self, linear: nn.Linear):
+        super().__init__()
+        weight = linear.weight.detach().float()
+        scales = (weight.abs().amax(dim=1) / 127).clamp_min(1e-8)
+        quantized = (weight / scales[:, None]).round().clamp(-127, 127).to(torch.int8)
+        self.register_buffer("packed", native.pack_int8(quantized))
+        self.register_buffer("scales", scales.contiguous())
+        self.bias = None if linear.bias is None else linear.bias.detach().float().contiguous()
+        self.in_features, self.out_features = linear.in_features, linear.out_features
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        shape = x.shape
+        y = native.linear_int8(x.reshape(-1, shape[-1]), self.packed, self.scales, self.bias, self.out_features)
         return y.view(*shape[:-1], self.out_features).to(x.dtype)
 
 
@@ -188,4 +212,6 @@ def quantize(model: nn.Module, quant: str, group_size: int = 32) -> nn.Module:
 def _quantized(linear: nn.Linear, quant: str, group_size: int) -> nn.Module:
     if quant == "int4":
         return Int4WeightOnlyLinear(linear, group_size)
-    return Int8WeightOnlyLinear(linear) if linear.weight.is_cuda else Int8DynamicLinear(linear)
+    if linear.weight.is_cuda:
+        return Int8WeightOnlyLinear(linear)
+    return AMXInt8Linear(linear) if native.AMX.library() is not None else Int8DynamicLinear(linear)

@@ -4,7 +4,8 @@
 - `avx2` (`exact_linear.c`, AVX2 + FMA): bf16 or fp32 weights, fp32 activations, each output accumulated
   by fused multiply-adds in input order.
 - `amx` (`amx_linear.c`, Intel AMX): bf16 weights and activations, fp32 accumulation, each output row
-  of a tile accumulating its own chunks of 32 inputs in order.
+  of a tile accumulating its own chunks of 32 inputs in order; and int8 weights and activations with
+  exact int32 accumulation (`pack_int8`, `linear_int8`: quantized models).
 """
 
 from __future__ import annotations
@@ -78,7 +79,8 @@ class NativeKernel:
 
 
 AVX2 = NativeKernel("avx2", "exact_linear.c", ("-mavx2", "-mfma"), ("avx2", "fma"), (torch.bfloat16, torch.float32))
-AMX = NativeKernel("amx", "amx_linear.c", ("-mamx-tile", "-mamx-bf16"), ("amx_tile", "amx_bf16"), (torch.bfloat16,))
+AMX = NativeKernel("amx", "amx_linear.c", ("-mamx-tile", "-mamx-bf16", "-mamx-int8"), ("amx_tile", "amx_bf16", "amx_int8"),
+                   (torch.bfloat16,))
 KERNELS = {kernel.name: kernel for kernel in (AMX, AVX2)}
 
 
@@ -109,8 +111,9 @@ def _library(kernel: NativeKernel) -> ctypes.CDLL | None:
         tmp.replace(path)
     lib = ctypes.CDLL(str(path))
     if kernel.name == "amx":
-        lib.amx_pack.argtypes = [_P, _I, _I, _P]
+        lib.amx_pack.argtypes = lib.amx_pack_i8.argtypes = [_P, _I, _I, _P]
         lib.amx_linear.argtypes = [_P, _I, _I, _P, _I, _P, ctypes.c_int]
+        lib.amx_linear_i8.argtypes = [_P, _I, _I, _P, _P, _P, _I, _P, ctypes.c_int]
         if not lib.amx_init():
             return None
     else:
@@ -118,3 +121,27 @@ def _library(kernel: NativeKernel) -> ctypes.CDLL | None:
             getattr(lib, f"pack_{suffix}").argtypes = [_P, _I, _I, _P]
             getattr(lib, f"linear_{suffix}").argtypes = [_P, _I, _I, _P, _I, _P, ctypes.c_int]
     return lib
+
+
+AMX_CHUNK8 = 64  # int8 inputs per AMX tile multiply
+
+
+def pack_int8(weight: torch.Tensor) -> torch.Tensor:
+    """[O, K] int8 weights in the AMX int8 layout (panels of 16 outputs, chunks of 64 inputs)."""
+    out_features, in_features = weight.shape
+    packed = torch.empty(-(-out_features // PANEL) * PANEL * -(-in_features // AMX_CHUNK8) * AMX_CHUNK8, dtype=torch.int8)
+    AMX.library().amx_pack_i8(weight.contiguous().data_ptr(), out_features, in_features, packed.data_ptr())
+    return packed
+
+
+def linear_int8(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, bias: torch.Tensor | None,
+                out_features: int) -> torch.Tensor:
+    """x [n, K] (fp32), each row quantized to int8 on its own, times the packed int8 weights, scaled back by
+    the row's scale and the per-output `scales`, plus `bias`: [n, out_features] fp32. The sums are exact
+    int32, so a row's result never depends on the other rows."""
+    x = x.float().contiguous()
+    y = torch.empty(x.shape[0], out_features)
+    AMX.library().amx_linear_i8(x.data_ptr(), x.shape[0], x.shape[1], packed.data_ptr(), scales.data_ptr(),
+                                bias.data_ptr() if bias is not None else None, out_features, y.data_ptr(),
+                                torch.get_num_threads())
+    return y
