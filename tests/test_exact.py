@@ -110,3 +110,14 @@ def test_the_weights_read_back_from_every_kernel_layout():
             if kernel == "rows" or native.KERNELS[kernel].available(dtype):
                 weight = torch.randn(40, 70).to(dtype)
                 assert torch.equal(exact.ExactLinear(weight, None, kernel).weight, weight)
+
+
+@pytest.mark.parametrize("arch", ["gpt2", "llama"])
+def test_peers_get_the_model_as_transformers_builds_it(arch):
+    model = tiny_transformer(arch, 0, 64)
+    exact_model = load_model(model).model
+    plain = exact.plain_copy(exact_model)
+    ids = torch.tensor([[1, 2, 3, 4]])
+    torch.testing.assert_close(plain(ids).logits, model(ids).logits, atol=1e-5, rtol=0)
+    assert not any(isinstance(m, exact.ExactLinear) for m in plain.modules())
+    assert plain.config._attn_implementation == "sdpa" != exact_model.config._attn_implementation

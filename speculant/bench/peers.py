@@ -1,16 +1,30 @@
 """Peers run in the same process as speculant's methods: transformers `generate()` plain (`hf-ar`), with
 an `assistant_model` (`hf-assisted`, assisted generation) and with `prompt_lookup_num_tokens` (`hf-pld`,
-prompt lookup). Their options are dataclasses like a method's; what they do not report is left unset."""
+prompt lookup), on the same weights as transformers builds the model (library matmuls and SDPA, not
+speculant's batch-invariant kernels). Their options are dataclasses like a method's; what they do not
+report is left unset."""
 
 from __future__ import annotations
 
 import time
 from dataclasses import dataclass
 from typing import Any
+from weakref import WeakKeyDictionary
 
 from speculant.config import SamplingConfig, option
 from speculant.errors import ConfigError
 from speculant.methods.drafting import DrafterOptions
+
+_plain: WeakKeyDictionary = WeakKeyDictionary()  # loaded model -> its transformers form, built once
+
+
+def plain(model: Any) -> Any:
+    """The transformers module of a loaded model as transformers itself would run it."""
+    from speculant.models.exact import plain_copy
+
+    if model not in _plain:
+        _plain[model] = plain_copy(model.model)
+    return _plain[model]
 
 
 @dataclass(frozen=True)
@@ -62,7 +76,7 @@ def hf_generate(method: str, target: Any, prompt_ids: list[int], max_new_tokens:
         raise ConfigError(f"{method} needs transformers models")
     kwargs: dict = {}
     if method == "hf-assisted":
-        kwargs["assistant_model"] = assistant.model
+        kwargs["assistant_model"] = plain(assistant)
         if options.k is not None:
             kwargs.update(num_assistant_tokens=options.k, num_assistant_tokens_schedule="constant")
     elif method == "hf-pld":
@@ -78,7 +92,7 @@ def hf_generate(method: str, target: Any, prompt_ids: list[int], max_new_tokens:
     clock = FirstTokenClock()
     start = time.perf_counter()
     with torch.inference_mode():
-        output = target.model.generate(
+        output = plain(target).generate(
             input_ids, attention_mask=torch.ones_like(input_ids), max_new_tokens=max_new_tokens,
             eos_token_id=eos or None, pad_token_id=eos[0] if eos else 0, streamer=clock, **kwargs)
     wall = time.perf_counter() - start

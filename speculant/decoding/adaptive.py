@@ -110,14 +110,15 @@ def adaptive(
     probe_every: int = 16,
 ) -> Decoder:
     """Lossless speculation that re-chooses drafter and draft length every step (`cost` is the target's
-    T(W) in seconds). After `probe_every` plain steps in a row the likeliest drafter drafts two tokens,
-    so that a drafter that stopped paying can come back when the text changes."""
+    T(W) in seconds). After `probe_every` steps without any model drafter, the model drafter likeliest to
+    be accepted drafts two tokens, so that one that stopped paying can come back when the text changes."""
     stats = GenerationStats(method="auto")
     out: list[int] = []
     target = metered(target)
     logits = target.prefill(prompt_ids)
     pending = [next_token(logits, sampling, generator)]
-    plain_run = 0
+    models = [c for c in candidates if c.match is None]
+    without_model = 0  # steps since a model drafter last drafted
     while not (yield from emit(pending, out, max_new_tokens, target.eos_token_ids)):
         context = prompt_ids + out
         room = min(k_max, max_new_tokens - len(out) - 1)
@@ -134,17 +135,13 @@ def adaptive(
                 if goodput > best[0]:
                     best = (goodput, candidate, k, None, 0)
         _, chosen, k, draft, bucket = best
-        if chosen is None and plain_run >= probe_every and room > 0:
-            models = [c for c in candidates if c.match is None]
-            if models:  # re-probe the drafter that was best before
-                chosen, k = max(models, key=lambda c: c.acceptance().rate(0)), min(2, room)
+        if (chosen is None or chosen.match is not None) and without_model >= probe_every and models and room > 0:
+            chosen, k, draft, bucket = max(models, key=lambda c: c.acceptance().rate(0)), min(2, room), None, 0
+        without_model = 0 if chosen is not None and chosen.match is None else without_model + 1
         if chosen is None:
-            plain_run += 1
             draft = Draft([])
-        else:
-            plain_run = 0
-            if draft is None:
-                draft = until_eos(chosen.drafter.propose(context, k), target.eos_token_ids)
+        elif draft is None:
+            draft = until_eos(chosen.drafter.propose(context, k), target.eos_token_ids)
         n, token = verify_draft(target, out[-1], draft, sampling, generator)
         if chosen is not None:
             chosen.drafter.observe(n)

@@ -43,15 +43,22 @@ class AutoOptions:
 
 
 def default_drafters(target: Any) -> tuple[str, ...]:
-    """The catalog's drafter for a catalog target (when it is not the target itself), and Max-Gram."""
+    """The catalog's drafter for a catalog target, quantized to int8 where speculant's AMX int8 kernel runs
+    (its cost stays flat over the several tokens a drafter catches up on after an accepted draft) and to
+    int4 elsewhere; and Max-Gram."""
+    from speculant.models import native
     from speculant.models.catalog import CATALOG
 
     entry = CATALOG.get(target.name.split("@")[0])
-    sibling = entry.drafter if entry is not None and entry.drafter else None
-    return (sibling, "maxgram") if sibling and sibling.split("@")[0] != entry.name else ("maxgram",)
+    if entry is None or not entry.drafter:
+        return ("maxgram",)
+    return (f"{entry.drafter}@{'int8' if native.AMX.library() is not None else 'int4'}", "maxgram")
 
 
-_loaded: WeakKeyDictionary = WeakKeyDictionary()  # target -> {(spec, dtype): drafter}: loaded once per target
+# Per target: the drafters auto loaded ({(spec, dtype): drafter}) and what it learned of their acceptance
+# ({name: estimates}), kept across generations: a new request starts from what the last ones observed.
+_loaded: WeakKeyDictionary = WeakKeyDictionary()
+_learned: WeakKeyDictionary = WeakKeyDictionary()
 
 
 @register("auto", AutoOptions, "chooses drafter and draft length every step from measured costs and acceptance "
@@ -65,20 +72,22 @@ def build(request: Request, options: AutoOptions) -> Any:
     from speculant.latency import machine_profile
 
     target = request.target
-    loaded = _loaded.setdefault(target, {})
+    loaded, learned = _loaded.setdefault(target, {}), _learned.setdefault(target, {})
     candidates = []
     for spec in options.drafters if options.drafters is not None else default_drafters(target):
         key = (str(as_drafter(spec)) if isinstance(spec, str) else id(spec), options.drafter_dtype)
         if key not in loaded:
             loaded[key] = load_drafter(spec, target, options.drafter_dtype)
         source = loaded[key]
+        estimates = learned.setdefault(source.name, {})
         if isinstance(source, MaxGramDrafter):
-            candidates.append(Candidate(source.name, source, 0.0, 0.0, source.match_length))
+            candidates.append(Candidate(source.name, source, 0.0, 0.0, source.match_length, estimates))
         elif isinstance(source, Drafter):
-            candidates.append(Candidate(source.name, source, 0.0, FREE_PRIOR))
+            candidates.append(Candidate(source.name, source, 0.0, FREE_PRIOR, estimates=estimates))
         else:
             drafter = ModelDrafter(source, request.sampling, request.generator, draft_confidence=options.draft_confidence)
-            candidates.append(Candidate(source.name, drafter, machine_profile(source).tpot_s, MODEL_PRIOR))
+            candidates.append(Candidate(source.name, drafter, machine_profile(source).tpot_s, MODEL_PRIOR,
+                                        estimates=estimates))
     cost = machine_profile(target).cost
     return adaptive(target, candidates, request.prompt_ids, request.max_new_tokens, cost, request.sampling,
                     request.generator, options.k_max, options.probe_every)

@@ -35,7 +35,7 @@ class CatalogEntry:
     pip_install: str
     sha256: tuple[str, ...]  # of each part, in order
     extra_eos: tuple[str, ...] = ()  # end-of-sequence tokens the upstream model stops on but the GGUF omits
-    drafter: str | None = None  # what `auto` drafts with for this target besides Max-Gram
+    drafter: str | None = None  # what `auto` drafts with for this target besides Max-Gram (it quantizes it)
 
     def part_paths(self) -> list[Path]:
         """Locate every part on disk, or raise with the exact install command."""
@@ -99,7 +99,7 @@ CATALOG: dict[str, CatalogEntry] = {
             _QWEN_15B_PIP + '   (or: pip install "speculant[models]")',
             _QWEN_15B_SHA256,
             ("<|endoftext|>",),
-            "qwen2.5-coder-0.5b@int4",
+            "qwen2.5-coder-0.5b",
         ),
         CatalogEntry(
             "qwen2.5-coder-0.5b",

@@ -168,3 +168,30 @@ def make_exact(model: nn.Module) -> str | None:
         setattr(parent, child, ExactLinear(dense_weight(module).detach().contiguous(), module.bias, kernel, conv1d))
     use_row_invariant_attention(model)
     return kernel
+
+
+def plain_copy(model: nn.Module) -> nn.Module:
+    """A copy of `model` as transformers built it: library linear layers (nn.Linear, or Conv1D where
+    that is what an ExactLinear replaced) and torch's SDPA attention. What peers such as transformers'
+    own `generate()` run on; the copy's weights are the exact layers' weights (unpacked where packed)."""
+    from copy import deepcopy
+
+    memo = {id(t): t for t in [*model.parameters(), *model.buffers()]}
+    copy = deepcopy(model, memo)
+    for name, module in list(copy.named_modules()):
+        if not isinstance(module, ExactLinear):
+            continue
+        weight, bias = module.weight, module.bias
+        if module.conv1d:
+            layer = Conv1D(module.out_features, module.in_features)
+            layer.weight = nn.Parameter(weight.t().contiguous(), requires_grad=False)
+        else:
+            layer = nn.Linear(module.in_features, module.out_features, bias is not None, device="meta")
+            layer.weight = nn.Parameter(weight, requires_grad=False)
+        if bias is not None:
+            layer.bias = nn.Parameter(bias, requires_grad=False)
+        parent_name, _, child = name.rpartition(".")
+        setattr(copy.get_submodule(parent_name) if parent_name else copy, child, layer)
+    if hasattr(copy, "set_attn_implementation"):
+        copy.set_attn_implementation("sdpa")
+    return copy
