@@ -31,6 +31,16 @@ def run(target, candidates, prompt, n=40, cost=lambda w: 1.0 + 0.01 * w, **kwarg
     return tokens, stats
 
 
+def scripted(seed, error_rate, step_s, n, **kwargs):
+    """auto with one scripted drafter (see helpers.ScriptedDrafter): (tokens, ar's tokens, stats)."""
+    target = tiny_model("llama", seed, VOCAB, init_std=0.1)
+    prompt = random_prompt(seed, VOCAB)
+    reference = generate(target, prompt_ids=prompt, method="ar", max_new_tokens=n).token_ids
+    drafter = ScriptedDrafter(prompt, reference, error_rate=error_rate, vocab=VOCAB, seed=0)
+    tokens, stats = run(target, [Candidate("scripted", drafter, step_s, 0.6)], prompt, n=n, **kwargs)
+    return tokens, reference, stats
+
+
 def yield_all(decoder):
     while True:
         try:
@@ -49,20 +59,19 @@ def test_greedy_auto_equals_ar_whatever_it_chooses(arch, dtype, monkeypatch):
         prompt = random_prompt(seed, VOCAB, 6) * 3
         expected = generate(target, prompt_ids=prompt, method="ar", max_new_tokens=40).token_ids
         assert generate(target, prompt_ids=prompt, max_new_tokens=40).token_ids == expected  # the default method
-        with monkeypatch.context() as patch:
-            patch.setattr(latency, "machine_profile", costs(target))
-            result = generate(target, prompt_ids=prompt, method="auto", drafters=[drafter, "maxgram"], max_new_tokens=40)
-        assert result.token_ids == expected and result.stats.method == "auto"
-        used.update(result.stats.choices)
-    assert {"plain", "maxgram"} & used and drafter.name in used  # the test exercised a model drafter
+        for widths in ((2, 4), ()):  # token trees allowed, or chains only
+            with monkeypatch.context() as patch:
+                patch.setattr(latency, "machine_profile", costs(target))
+                result = generate(target, prompt_ids=prompt, method="auto", drafters=[drafter, "maxgram"],
+                                  tree_widths=widths, max_new_tokens=40)
+            assert result.token_ids == expected and result.stats.method == "auto"
+            used.update(result.stats.choices)
+    # The test exercised a chain and a tree of the model drafter and a model-free or plain step.
+    assert {"plain", "maxgram"} & used and drafter.name in used and {f"{drafter.name} tree2", f"{drafter.name} tree4"} & used
 
 
 def test_a_drafter_that_never_agrees_is_turned_off_and_probed_again():
-    target = tiny_model("llama", 1, VOCAB, init_std=0.1)
-    prompt = random_prompt(1, VOCAB)
-    reference = generate(target, prompt_ids=prompt, method="ar", max_new_tokens=60).token_ids
-    wrong = ScriptedDrafter(prompt, reference, error_rate=1.0, vocab=VOCAB, seed=0)
-    tokens, stats = run(target, [Candidate("wrong", wrong, 0.1, 0.6)], prompt, n=60, probe_every=8)
+    tokens, reference, stats = scripted(1, error_rate=1.0, step_s=0.1, n=60, probe_every=8)
     assert tokens == reference
     assert stats.choices.count("plain") > 0.75 * len(stats.choices)
     # After the estimates fall, the drafter returns only as a probe after 8 plain steps in a row.
@@ -77,11 +86,7 @@ def test_a_drafter_that_never_agrees_is_turned_off_and_probed_again():
 
 
 def test_drafts_grow_while_everything_is_accepted():
-    target = tiny_model("llama", 2, VOCAB, init_std=0.1)
-    prompt = random_prompt(2, VOCAB)
-    reference = generate(target, prompt_ids=prompt, method="ar", max_new_tokens=150).token_ids
-    right = ScriptedDrafter(prompt, reference, error_rate=0.0, vocab=VOCAB, seed=0)
-    tokens, stats = run(target, [Candidate("right", right, 0.05, 0.6)], prompt, n=150, k_max=12)
+    tokens, reference, stats = scripted(2, error_rate=0.0, step_s=0.05, n=150, k_max=12)
     assert tokens == reference and stats.choices.count("plain") == 0
     assert stats.draft_lengths[0] < 12 and max(stats.draft_lengths) == 12 and stats.acceptance_rate == 1.0
 
@@ -94,10 +99,11 @@ def test_acceptance_estimates_follow_what_is_observed():
     assert estimate.rate(0) > 0.9 and estimate.rate(1) < 0.1 and estimate.rate(5) == estimate.rate(1)
 
 
-def test_auto_sampling_follows_the_target(monkeypatch):
+@pytest.mark.parametrize("widths", [(), (2,)])
+def test_auto_sampling_follows_the_target(widths, monkeypatch):
     target, drafter, prompt = sampling_pair()
     monkeypatch.setattr(latency, "machine_profile", costs(target))
-    assert_follows_target(target, prompt, method="auto", drafters=[drafter, "maxgram"])
+    assert_follows_target(target, prompt, method="auto", drafters=[drafter, "maxgram"], tree_widths=widths)
 
 
 def test_a_model_is_profiled_once_per_machine_with_a_progress_line(tmp_path, monkeypatch, capsys):

@@ -1,34 +1,40 @@
-"""Adaptive speculation: every step chooses the drafter and the draft length that maximise expected
-goodput, accepted tokens per second, from per-position acceptance estimated online and forward costs
-measured on this machine; plain decoding (k = 0) when no draft pays, with a periodic re-probe.
+"""Adaptive speculation: every step chooses the drafter, the method (a chain, or a token tree of some
+width) and the draft length that maximise expected goodput, accepted tokens per second, from
+per-position acceptance estimated online and forward costs measured on this machine; plain decoding
+(k = 0) when no draft pays, with a periodic re-probe.
 
-Goodput of a draft of k tokens from a drafter with conditional acceptance a_1, a_2, ... (a_j: the chance
-that token j is accepted given that tokens 1..j-1 were):
-    G(k) = (1 + sum_{j<=k} prod_{i<=j} a_i) / (k t_draft + T(k + 1))
-with T(W) the target's forward over W tokens and t_draft the drafter's cost per token (Leviathan et al.
-2023, Eq. 1 and Theorem 3.8, with measured costs instead of a constant ratio; vLLM's adaptive draft
-length uses the same goodput). Plain decoding has G = 1 / T(1). A deterministic, model-free drafter
-(Max-Gram) proposes first, for nothing, and its draft is judged by the estimates for its match length.
-Whatever is chosen, verification is the usual one, so output stays lossless.
+Goodput of a draft of k steps from a drafter with conditional acceptance a_1, a_2, ... (a_j: the chance
+that the step-j token is accepted given that steps 1..j-1 were):
+    G(k) = (1 + sum_{j<=k} prod_{i<=j} a_i) / (k t_draft + T(1 + k w))
+with T(W) the target's forward over W tokens, t_draft the drafter's cost per step and w the nodes each
+step adds (1: a chain; w > 1: an equal-growth token tree, Yggdrasil, whose w candidates per step raise
+a_j where the verifier's T(W) is flat) (Leviathan et al. 2023, Eq. 1 and Theorem 3.8, with measured
+costs instead of a constant ratio; vLLM's adaptive draft length uses the same goodput). Plain decoding
+has G = 1 / T(1). A deterministic, model-free drafter (Max-Gram) proposes first, for nothing, and its
+draft is judged by the estimates for its match length. Whatever is chosen, verification is the usual
+chain or tree verification, so output stays lossless.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
 from speculant.config import SamplingConfig
 from speculant.decoding.run import Decoder, emit
 from speculant.decoding.speculative import until_eos, verify_draft
+from speculant.decoding.tree import verify_tree
 from speculant.decoding.stats import GenerationStats
-from speculant.drafters.base import Draft, Drafter
+from speculant.drafters.base import Draft
 from speculant.models.base import CausalLM
 from speculant.models.metered import metered
 from speculant.sampling import next_token
 
 PLAIN = "plain"
+CARRY_OVER = 0.25  # how much of earlier generations' evidence a new generation starts with
 
 
 @dataclass
@@ -59,6 +65,11 @@ class Acceptance:
             total += run
         return total
 
+    def soften(self, factor: float) -> None:
+        """Keep the rates, trust them less: what a new text shows then counts for more."""
+        self.reached = [r * factor for r in self.reached]
+        self.accepted = [a * factor for a in self.accepted]
+
     def observe(self, drafted: int, n_accepted: int) -> None:
         for j in range(min(n_accepted + 1, drafted)):  # positions the verifier looked at
             if j == len(self.reached):
@@ -70,15 +81,17 @@ class Acceptance:
 
 @dataclass
 class Candidate:
-    """One drafter `auto` may use: `step_s` seconds per drafted token (0 for a model-free drafter, which
-    then proposes before the choice: `match` tells how much context its draft follows)."""
+    """One way `auto` may draft: `step_s` seconds per drafting step (0 for a model-free drafter, which then
+    proposes before the choice: `match` tells how much context its draft follows); `width` nodes per step:
+    1 drafts a chain, more a token tree (`drafter` is then a TreeDrafter)."""
 
     name: str
-    drafter: Drafter
+    drafter: Any
     step_s: float
     prior: float
     match: Callable[[list[int]], int] | None = None
     estimates: dict[int, Acceptance] = field(default_factory=dict)  # by match-length bucket (0: model drafters)
+    width: int = 1
 
     def acceptance(self, bucket: int = 0) -> Acceptance:
         return self.estimates.setdefault(bucket, Acceptance(MATCH_PRIORS.get(bucket, self.prior)))
@@ -93,9 +106,10 @@ def match_bucket(length: int) -> int:
     return 0 if length == 0 else 1 if length <= 2 else 2 if length <= 5 else 3 if length <= 15 else 4
 
 
-def best_length(acceptance: Acceptance, step_s: float, cost: Callable[[int], float], most: int) -> tuple[float, int]:
-    """(goodput, k) of the best draft length 1..most."""
-    return max((acceptance.expected_tokens(k) / (k * step_s + cost(k + 1)), k) for k in range(1, most + 1))
+def best_length(acceptance: Acceptance, step_s: float, cost: Callable[[int], float], most: int,
+                width: int = 1) -> tuple[float, int]:
+    """(goodput, k) of the best draft length 1..most (steps of `width` nodes)."""
+    return max((acceptance.expected_tokens(k) / (k * step_s + cost(1 + k * width)), k) for k in range(1, most + 1))
 
 
 def adaptive(
@@ -119,6 +133,9 @@ def adaptive(
     pending = [next_token(logits, sampling, generator)]
     models = [c for c in candidates if c.match is None]
     without_model = 0  # steps since a model drafter last drafted
+    for candidate in candidates:  # estimates may come from earlier generations: a new text, a new start
+        for estimate in candidate.estimates.values():
+            estimate.soften(CARRY_OVER)
     while not (yield from emit(pending, out, max_new_tokens, target.eos_token_ids)):
         context = prompt_ids + out
         room = min(k_max, max_new_tokens - len(out) - 1)
@@ -131,24 +148,33 @@ def adaptive(
                     if goodput > best[0]:
                         best = (goodput, candidate, k, Draft(draft.tokens[:k], None, draft.usage), bucket)
             else:
-                goodput, k = best_length(candidate.acceptance(), candidate.step_s, cost, room)
+                goodput, k = best_length(candidate.acceptance(), candidate.step_s, cost, room, candidate.width)
                 if goodput > best[0]:
                     best = (goodput, candidate, k, None, 0)
         _, chosen, k, draft, bucket = best
         if (chosen is None or chosen.match is not None) and without_model >= probe_every and models and room > 0:
             chosen, k, draft, bucket = max(models, key=lambda c: c.acceptance().rate(0)), min(2, room), None, 0
         without_model = 0 if chosen is not None and chosen.match is None else without_model + 1
-        if chosen is None:
-            draft = Draft([])
-        elif draft is None:
-            draft = until_eos(chosen.drafter.propose(context, k), target.eos_token_ids)
-        n, token = verify_draft(target, out[-1], draft, sampling, generator)
+        if chosen is not None and chosen.width > 1:
+            tree_draft = chosen.drafter.propose_tree(context, k, chosen.width)
+            path, token = verify_tree(target, tree_draft.tree, sampling, generator)
+            drafted, n, usage = max(tree_draft.tree.depths), len(path), {chosen.drafter.name: tree_draft.usage}
+            stats.drafted_nodes += len(tree_draft.tree) - 1
+            accepted = [tree_draft.tree.tokens[node] for node in path]
+        else:
+            if chosen is None:
+                draft = Draft([])
+            elif draft is None:
+                draft = until_eos(chosen.drafter.propose(context, k), target.eos_token_ids)
+            n, token = verify_draft(target, out[-1], draft, sampling, generator)
+            drafted, usage, accepted = len(draft.tokens), draft.usage, draft.tokens[:n]
+            if chosen is not None:
+                chosen.drafter.observe(n)
         if chosen is not None:
-            chosen.drafter.observe(n)
-            chosen.acceptance(bucket).observe(len(draft.tokens), n)
-        stats.record_draft(len(draft.tokens), n, draft.usage)
+            chosen.acceptance(bucket).observe(drafted, n)
+        stats.record_draft(drafted, n, usage)
         stats.choices.append(chosen.name if chosen is not None else PLAIN)
-        pending = draft.tokens[:n] + [token]
+        pending = accepted + [token]
     stats.new_tokens = len(out)
     stats.record_target(target.usage)
     return stats

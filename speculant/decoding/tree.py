@@ -15,6 +15,7 @@ from speculant.decoding.stats import GenerationStats
 from speculant.drafters.tree import TreeDrafter
 from speculant.models.base import CausalLM
 from speculant.models.metered import metered
+from speculant.tree import TokenTree
 from speculant.sampling import logits_to_probs, next_token
 from speculant.tree_prune import prune
 from speculant.verify import verify_tree_greedy, verify_tree_sampling
@@ -48,13 +49,7 @@ def tree_speculative(
         tree = draft.tree
         if verify_width is not None and (verify_width < len(tree) - 1 or cost is not None):
             tree = tree.subtree(prune(tree, draft.path_probs, verify_width, cost, draft.usage.seconds))
-        cached = target.cache_len
-        target_logits = target.forward(list(tree.tokens), tree=tree)  # [len(tree), vocab]
-        if sampling.greedy:
-            path, token = verify_tree_greedy(tree, target_logits)
-        else:
-            path, token = verify_tree_sampling(tree, logits_to_probs(target_logits, sampling), generator)
-        target.keep(list(range(cached)) + [cached + node for node in [0, *path]])
+        path, token = verify_tree(target, tree, sampling, generator)
         # Per iteration: the tree's depth (the most that could be accepted) and the accepted depth.
         stats.record_draft(max(tree.depths), len(path), {drafter.name: draft.usage})
         stats.drafted_nodes += len(draft.tree) - 1
@@ -63,3 +58,18 @@ def tree_speculative(
     stats.new_tokens = len(out)
     stats.record_target(target.usage)
     return stats
+
+
+def verify_tree(target: CausalLM, tree: TokenTree, sampling: SamplingConfig,
+                generator: torch.Generator | None) -> tuple[list[int], int]:
+    """One target forward over a tree rooted at the last committed token, with tree attention, then tree
+    verification: (accepted nodes, the target's token after them). The target's cache keeps the root and
+    the accepted path."""
+    cached = target.cache_len
+    target_logits = target.forward(list(tree.tokens), tree=tree)  # [len(tree), vocab]
+    if sampling.greedy:
+        path, token = verify_tree_greedy(tree, target_logits)
+    else:
+        path, token = verify_tree_sampling(tree, logits_to_probs(target_logits, sampling), generator)
+    target.keep(list(range(cached)) + [cached + node for node in [0, *path]])
+    return path, token

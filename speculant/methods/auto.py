@@ -1,7 +1,7 @@
 """`auto`: speculation that configures itself. From T(W) of the target and each candidate drafter,
 measured once per machine (`speculant.latency.machine_profile`), and acceptance observed online, every
-step chooses the drafter and the draft length with the best expected goodput, or plain decoding when no
-draft pays (`decoding.adaptive`)."""
+step chooses the drafter, chain or token tree, and the draft length with the best expected goodput, or
+plain decoding when no draft pays (`decoding.adaptive`)."""
 
 from __future__ import annotations
 
@@ -16,7 +16,12 @@ from speculant.methods.drafting import DRAFTER_DTYPES, parse_drafters
 from speculant.methods.registry import Request, register
 
 MODEL_PRIOR = 0.6  # a model drafter's acceptance before any observation
+TREE_PRIOR = 0.7  # the same for a tree step: one of its candidates is accepted
 FREE_PRIOR = 0.5  # a Drafter object of unknown cost
+
+
+def parse_widths(text: str) -> tuple[int, ...]:
+    return tuple(int(w) for w in text.split(",") if w.strip())
 
 
 @dataclass(frozen=True)
@@ -27,6 +32,8 @@ class AutoOptions:
     k_max: int = option(16, "the longest draft auto may choose")
     draft_confidence: float = option(0.0, "a model drafter's draft ends after a token it gives a probability below "
                                      "this (0: drafts run to the chosen length)")
+    tree_widths: Any = option((2,), "widths of the token trees auto may also draft with each model drafter (nodes "
+                              "per step; empty: chains only)", parse=parse_widths)
     probe_every: int = option(16, "after this many plain steps in a row, try the best drafter again")
 
     def __post_init__(self) -> None:
@@ -38,6 +45,10 @@ class AutoOptions:
             raise ConfigError(f"k_max must be >= 1, got {self.k_max}")
         if not 0 <= self.draft_confidence < 1:
             raise ConfigError(f"draft-confidence must lie in [0, 1), got {self.draft_confidence}")
+        if isinstance(self.tree_widths, str):
+            object.__setattr__(self, "tree_widths", parse_widths(self.tree_widths))
+        if any(w < 2 for w in self.tree_widths):
+            raise ConfigError(f"tree widths must be >= 2 (1 is a chain), got {self.tree_widths}")
         if self.probe_every < 1:
             raise ConfigError(f"probe_every must be >= 1, got {self.probe_every}")
 
@@ -69,6 +80,7 @@ def build(request: Request, options: AutoOptions) -> Any:
     from speculant.drafters.maxgram import MaxGramDrafter
     from speculant.drafters.model import ModelDrafter
     from speculant.drafters.spec import load_drafter
+    from speculant.drafters.tree import TreeDrafter
     from speculant.latency import machine_profile
 
     target = request.target
@@ -86,8 +98,14 @@ def build(request: Request, options: AutoOptions) -> Any:
             candidates.append(Candidate(source.name, source, 0.0, FREE_PRIOR, estimates=estimates))
         else:
             drafter = ModelDrafter(source, request.sampling, request.generator, draft_confidence=options.draft_confidence)
-            candidates.append(Candidate(source.name, drafter, machine_profile(source).tpot_s, MODEL_PRIOR,
-                                        estimates=estimates))
+            profile = machine_profile(source)
+            candidates.append(Candidate(source.name, drafter, profile.tpot_s, MODEL_PRIOR, estimates=estimates))
+            for width in options.tree_widths if hasattr(source, "share") else ():
+                name = f"{source.name} tree{width}"
+                if (name, options.drafter_dtype) not in loaded:  # a handle of its own: its KV cache holds trees
+                    loaded[name, options.drafter_dtype] = source.share()
+                candidates.append(Candidate(name, TreeDrafter(loaded[name, options.drafter_dtype]), profile.cost(width),
+                                            TREE_PRIOR, estimates=learned.setdefault(name, {}), width=width))
     cost = machine_profile(target).cost
     return adaptive(target, candidates, request.prompt_ids, request.max_new_tokens, cost, request.sampling,
                     request.generator, options.k_max, options.probe_every)

@@ -29,19 +29,24 @@ static void configure(void) {
     _tile_loadconfig(&c);
 }
 
-// w [O, K] bf16 -> panels of 16 outputs, chunks of 32 inputs in VNNI order (pairs of inputs side by side),
-// zeros past O and past K.
-void amx_pack(const uint16_t *w, int64_t O, int64_t K, uint16_t *out) {
-    int64_t panels = (O + COLS - 1) / COLS, chunks = (K + CHUNK - 1) / CHUNK;
+// w [O, K] with elements of `size` bytes (2: bf16, 1: int8) -> panels of 16 outputs, chunks of 64 bytes of
+// inputs per output, in VNNI order: 4 / size inputs side by side; zeros past O and past K.
+static void pack(const char *w, int64_t O, int64_t K, int size, char *out) {
+    int64_t group = 4 / size, chunk = 64 / size;
+    int64_t panels = (O + COLS - 1) / COLS, chunks = (K + chunk - 1) / chunk;
     for (int64_t p = 0; p < panels; p++)
         for (int64_t c = 0; c < chunks; c++)
-            for (int r = 0; r < CHUNK / 2; r++)
+            for (int r = 0; r < ROWS; r++)
                 for (int n = 0; n < COLS; n++)
-                    for (int e = 0; e < 2; e++) {
-                        int64_t o = p * COLS + n, k = c * CHUNK + 2 * r + e;
-                        out[(((p * chunks + c) * (CHUNK / 2) + r) * COLS + n) * 2 + e] = o < O && k < K ? w[o * K + k] : 0;
+                    for (int e = 0; e < group; e++) {
+                        int64_t o = p * COLS + n, k = c * chunk + group * r + e;
+                        char *to = out + ((((p * chunks + c) * ROWS + r) * COLS + n) * group + e) * size;
+                        if (o < O && k < K) memcpy(to, w + (o * K + k) * size, size); else memset(to, 0, size);
                     }
 }
+
+void amx_pack(const uint16_t *w, int64_t O, int64_t K, uint16_t *out) { pack((const char *)w, O, K, 2, (char *)out); }
+void amx_pack_i8(const int8_t *w, int64_t O, int64_t K, int8_t *out) { pack((const char *)w, O, K, 1, (char *)out); }
 
 // x [N, K] (elements of `size` bytes) copied into zeros of [blocks * 16, chunks * chunk]: every tile then
 // loads whole rows and chunks; NULL when no copy is needed.
@@ -54,16 +59,16 @@ static void *staged(const void *x, int64_t N, int64_t K, int64_t chunk, int size
     return buf;
 }
 
-// x [N, K] bf16, packed weights, y [N, O] fp32. Threads split the output panels (two per task).
-void amx_linear(const uint16_t *x, int64_t N, int64_t K, const uint16_t *packed, int64_t O, float *y, int threads) {
-    int64_t panels = (O + COLS - 1) / COLS, chunks = (K + CHUNK - 1) / CHUNK, blocks = (N + ROWS - 1) / ROWS;
-    int64_t pairs = (panels + 1) / 2, stride;
-    void *buf = staged(x, N, K, CHUNK, 2, &stride);
-    const char *xs = buf ? buf : (const char *)x;
+// The loop both kernels share. Threads split the output panels, two per task; each 16-row block of the
+// staged x runs through every 64-byte chunk of inputs in order, multiplied into one fp32 (bf16) or int32
+// (int8) tile per panel. int8 results are scaled back by row and output scales, plus the bias.
+static void run_tiles(const char *xs, int64_t stride, int64_t N, int64_t chunks, const char *packed, int64_t O,
+                      int int8, float *y, const float *row_scale, const float *scales, const float *bias, int threads) {
+    int64_t panels = (O + COLS - 1) / COLS, blocks = (N + ROWS - 1) / ROWS, pairs = (panels + 1) / 2;
     #pragma omp parallel num_threads(threads)
     {
         configure();
-        float cbuf[ROWS * COLS];
+        union { float f[ROWS * COLS]; int32_t i[ROWS * COLS]; } tile;
         #pragma omp for schedule(static)
         for (int64_t g = 0; g < pairs; g++) {
             int64_t p0 = 2 * g, p1 = p0 + 1 < panels ? p0 + 1 : p0;
@@ -72,47 +77,52 @@ void amx_linear(const uint16_t *x, int64_t N, int64_t K, const uint16_t *packed,
                 _tile_zero(0);
                 _tile_zero(1);
                 for (int64_t c = 0; c < chunks; c++) {
-                    _tile_loadd(4, xs + b * ROWS * stride + c * CHUNK * 2, stride);
-                    _tile_loadd(5, packed + (p0 * chunks + c) * CHUNK * COLS, 64);
-                    _tile_loadd(6, packed + (p1 * chunks + c) * CHUNK * COLS, 64);
-                    _tile_dpbf16ps(0, 4, 5);
-                    _tile_dpbf16ps(1, 4, 6);
+                    _tile_loadd(4, xs + b * ROWS * stride + c * 64, stride);
+                    _tile_loadd(5, packed + (p0 * chunks + c) * 1024, 64);
+                    _tile_loadd(6, packed + (p1 * chunks + c) * 1024, 64);
+                    if (int8) {
+                        _tile_dpbssd(0, 4, 5);
+                        _tile_dpbssd(1, 4, 6);
+                    } else {
+                        _tile_dpbf16ps(0, 4, 5);
+                        _tile_dpbf16ps(1, 4, 6);
+                    }
                 }
                 for (int t = 0; t < (p1 == p0 ? 1 : 2); t++) {
                     int64_t p = t ? p1 : p0, width = O - p * COLS < COLS ? O - p * COLS : COLS;
-                    if (t == 0) _tile_stored(0, cbuf, COLS * 4); else _tile_stored(1, cbuf, COLS * 4);
-                    for (int r = 0; r < rows; r++) memcpy(y + (b * ROWS + r) * O + p * COLS, cbuf + r * COLS, width * 4);
+                    if (t == 0) _tile_stored(0, tile.f, COLS * 4); else _tile_stored(1, tile.f, COLS * 4);
+                    for (int r = 0; r < rows; r++) {
+                        float *out = y + (b * ROWS + r) * O + p * COLS;
+                        if (!int8) { memcpy(out, tile.f + r * COLS, width * 4); continue; }
+                        for (int n = 0; n < width; n++)
+                            out[n] = (float)tile.i[r * COLS + n] * row_scale[b * ROWS + r] * scales[p * COLS + n]
+                                     + (bias ? bias[p * COLS + n] : 0.0f);
+                    }
                 }
             }
         }
         _tile_release();
     }
+}
+
+// x [N, K] bf16, packed weights, y [N, O] fp32.
+void amx_linear(const uint16_t *x, int64_t N, int64_t K, const uint16_t *packed, int64_t O, float *y, int threads) {
+    int64_t stride;
+    void *buf = staged(x, N, K, CHUNK, 2, &stride);
+    run_tiles(buf ? buf : (const char *)x, stride, N, (K + CHUNK - 1) / CHUNK, (const char *)packed, O, 0, y, NULL,
+              NULL, NULL, threads);
     free(buf);
 }
 
 #define CHUNK8 64  // int8 inputs per tile multiply (groups of 4: 16 rows of 64 bytes)
-
-// w [O, K] int8 -> panels of 16 outputs, chunks of 64 inputs, groups of 4 inputs side by side; zeros pad.
-void amx_pack_i8(const int8_t *w, int64_t O, int64_t K, int8_t *out) {
-    int64_t panels = (O + COLS - 1) / COLS, chunks = (K + CHUNK8 - 1) / CHUNK8;
-    for (int64_t p = 0; p < panels; p++)
-        for (int64_t c = 0; c < chunks; c++)
-            for (int r = 0; r < CHUNK8 / 4; r++)
-                for (int n = 0; n < COLS; n++)
-                    for (int e = 0; e < 4; e++) {
-                        int64_t o = p * COLS + n, k = c * CHUNK8 + 4 * r + e;
-                        out[(((p * chunks + c) * (CHUNK8 / 4) + r) * COLS + n) * 4 + e] = o < O && k < K ? w[o * K + k] : 0;
-                    }
-}
 
 // y [N, O] fp32 = (q(x) W^T) * row scale * scales[o] + bias[o]: x [N, K] fp32, each row quantized to int8
 // on its own (symmetric, scale max |x| / 127, rounded to nearest even), packed int8 weights with their
 // per-output scales; bias may be NULL. The int32 sums are exact.
 void amx_linear_i8(const float *x, int64_t N, int64_t K, const int8_t *packed, const float *scales,
                    const float *bias, int64_t O, float *y, int threads) {
-    int64_t panels = (O + COLS - 1) / COLS, chunks = (K + CHUNK8 - 1) / CHUNK8, blocks = (N + ROWS - 1) / ROWS;
-    int64_t pairs = (panels + 1) / 2, stride = chunks * CHUNK8;
-    int8_t *xs = calloc(blocks * ROWS * stride, 1);
+    int64_t chunks = (K + CHUNK8 - 1) / CHUNK8, stride = chunks * CHUNK8;
+    int8_t *xs = calloc((N + ROWS - 1) / ROWS * ROWS * stride, 1);
     float *row_scale = malloc(N * sizeof(float));
     for (int64_t r = 0; r < N; r++) {
         float most = 0.0f;
@@ -121,38 +131,7 @@ void amx_linear_i8(const float *x, int64_t N, int64_t K, const int8_t *packed, c
         row_scale[r] = scale;
         for (int64_t k = 0; k < K; k++) xs[r * stride + k] = (int8_t)__builtin_rintf(x[r * K + k] / scale);
     }
-    #pragma omp parallel num_threads(threads)
-    {
-        configure();
-        int32_t cbuf[ROWS * COLS];
-        #pragma omp for schedule(static)
-        for (int64_t g = 0; g < pairs; g++) {
-            int64_t p0 = 2 * g, p1 = p0 + 1 < panels ? p0 + 1 : p0;
-            for (int64_t b = 0; b < blocks; b++) {
-                int64_t rows = N - b * ROWS < ROWS ? N - b * ROWS : ROWS;
-                _tile_zero(0);
-                _tile_zero(1);
-                for (int64_t c = 0; c < chunks; c++) {
-                    _tile_loadd(4, xs + b * ROWS * stride + c * CHUNK8, stride);
-                    _tile_loadd(5, packed + (p0 * chunks + c) * CHUNK8 * COLS, 64);
-                    _tile_loadd(6, packed + (p1 * chunks + c) * CHUNK8 * COLS, 64);
-                    _tile_dpbssd(0, 4, 5);
-                    _tile_dpbssd(1, 4, 6);
-                }
-                for (int t = 0; t < (p1 == p0 ? 1 : 2); t++) {
-                    int64_t p = t ? p1 : p0, width = O - p * COLS < COLS ? O - p * COLS : COLS;
-                    if (t == 0) _tile_stored(0, cbuf, COLS * 4); else _tile_stored(1, cbuf, COLS * 4);
-                    for (int r = 0; r < rows; r++)
-                        for (int n = 0; n < width; n++) {
-                            int64_t o = p * COLS + n;
-                            y[(b * ROWS + r) * O + o] = (float)cbuf[r * COLS + n] * row_scale[b * ROWS + r] * scales[o]
-                                                        + (bias ? bias[o] : 0.0f);
-                        }
-                }
-            }
-        }
-        _tile_release();
-    }
+    run_tiles((const char *)xs, stride, N, chunks, (const char *)packed, O, 1, y, row_scale, scales, bias, threads);
     free(xs);
     free(row_scale);
 }
