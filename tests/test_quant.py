@@ -31,6 +31,11 @@ def test_quantized_linear_stays_close(kind, device):
     reference = linear(x)
     error = (QUANTIZERS[kind](linear)(x).float() - reference).norm() / reference.norm()
     assert error < BOUNDS[kind]
+    # Weights stored transposed (as speculant's exact kernels keep them) quantize to the same layer.
+    transposed = nn.Linear(256, 384).to(device)
+    transposed.weight = nn.Parameter(linear.weight.detach().t().contiguous().t())
+    transposed.bias = linear.bias
+    torch.testing.assert_close(QUANTIZERS[kind](transposed)(x), QUANTIZERS[kind](linear)(x), atol=1e-5, rtol=0)
     # A quantizer that dropped the scales or transposed the weight would be far off.
     assert (nn.Linear(256, 384).to(device)(x) - reference).norm() / reference.norm() > 0.5
 

@@ -129,8 +129,9 @@ AMX_CHUNK8 = 64  # int8 inputs per AMX tile multiply
 def pack_int8(weight: torch.Tensor) -> torch.Tensor:
     """[O, K] int8 weights in the AMX int8 layout (panels of 16 outputs, chunks of 64 inputs)."""
     out_features, in_features = weight.shape
+    weight = weight.contiguous()  # held: a temporary's memory would be freed before the kernel reads it
     packed = torch.empty(-(-out_features // PANEL) * PANEL * -(-in_features // AMX_CHUNK8) * AMX_CHUNK8, dtype=torch.int8)
-    AMX.library().amx_pack_i8(weight.contiguous().data_ptr(), out_features, in_features, packed.data_ptr())
+    AMX.library().amx_pack_i8(weight.data_ptr(), out_features, in_features, packed.data_ptr())
     return packed
 
 
