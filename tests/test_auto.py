@@ -66,8 +66,9 @@ def test_greedy_auto_equals_ar_whatever_it_chooses(arch, dtype, monkeypatch):
                                   tree_widths=widths, max_new_tokens=40)
             assert result.token_ids == expected and result.stats.method == "auto"
             used.update(result.stats.choices)
-    # The test exercised a chain and a tree of the model drafter and a model-free or plain step.
-    assert {"plain", "maxgram"} & used and drafter.name in used and {f"{drafter.name} tree2", f"{drafter.name} tree4"} & used
+    # The test exercised a chain, a tree and a cascade of the model drafter and a model-free or plain step.
+    assert {"plain", "maxgram"} & used and drafter.name in used and f"{drafter.name} cascade" in used
+    assert {f"{drafter.name} tree2", f"{drafter.name} tree4"} & used
 
 
 def test_a_drafter_that_never_agrees_is_turned_off_and_probed_again():

@@ -1,5 +1,5 @@
-"""Adaptive speculation: every step chooses the drafter, the method (a chain, or a token tree of some
-width) and the draft length that maximise expected goodput, accepted tokens per second, from
+"""Adaptive speculation: every step chooses the drafter, the method (a chain, a token tree of some
+width, or a cascade) and the draft length that maximise expected goodput, accepted tokens per second, from
 per-position acceptance estimated online and forward costs measured on this machine; plain decoding
 (k = 0) when no draft pays, with a periodic re-probe.
 
@@ -35,6 +35,7 @@ from speculant.sampling import next_token
 
 PLAIN = "plain"
 CARRY_OVER = 0.25  # how much of earlier generations' evidence a new generation starts with
+COST_FOLLOWS = 0.2  # how far a measured candidate's cost estimate moves toward each draft's cost
 
 
 @dataclass
@@ -83,7 +84,9 @@ class Acceptance:
 class Candidate:
     """One way `auto` may draft: `step_s` seconds per drafting step (0 for a model-free drafter, which then
     proposes before the choice: `match` tells how much context its draft follows); `width` nodes per step:
-    1 drafts a chain, more a token tree (`drafter` is then a TreeDrafter)."""
+    1 drafts a chain, more a token tree (`drafter` is then a TreeDrafter). A `measured` candidate's cost
+    per drafted token varies with the text (a cascade's reviews of Max-Gram drafts): `step_s` then follows
+    what its drafts cost. A candidate with `applies` is considered only where it holds for the context."""
 
     name: str
     drafter: Any
@@ -92,9 +95,16 @@ class Candidate:
     match: Callable[[list[int]], int] | None = None
     estimates: dict[int, Acceptance] = field(default_factory=dict)  # by match-length bucket (0: model drafters)
     width: int = 1
+    measured: bool = False
+    applies: Callable[[list[int]], bool] | None = None
 
     def acceptance(self, bucket: int = 0) -> Acceptance:
         return self.estimates.setdefault(bucket, Acceptance(MATCH_PRIORS.get(bucket, self.prior)))
+
+    def observe_cost(self, draft: Draft) -> None:
+        if self.measured and draft.tokens:
+            per_token = sum(usage.seconds for usage in draft.usage.values()) / len(draft.tokens)
+            self.step_s += COST_FOLLOWS * (per_token - self.step_s)
 
 
 MATCH_PRIORS = {1: 0.3, 2: 0.5, 3: 0.7, 4: 0.85}  # acceptance before any observation, by bucket
@@ -141,6 +151,8 @@ def adaptive(
         room = min(k_max, max_new_tokens - len(out) - 1)
         best: tuple[float, Candidate | None, int, Draft | None, int] = (1 / cost(1), None, 0, None, 0)
         for candidate in candidates if room > 0 else ():
+            if candidate.applies is not None and not candidate.applies(context):
+                continue
             if candidate.match is not None:  # model-free: its draft is known before choosing
                 bucket = match_bucket(candidate.match(context))
                 if bucket and (draft := until_eos(candidate.drafter.propose(context, room), target.eos_token_ids)).tokens:
@@ -170,6 +182,7 @@ def adaptive(
             drafted, usage, accepted = len(draft.tokens), draft.usage, draft.tokens[:n]
             if chosen is not None:
                 chosen.drafter.observe(n)
+                chosen.observe_cost(draft)
         if chosen is not None:
             chosen.acceptance(bucket).observe(drafted, n)
         stats.record_draft(drafted, n, usage)

@@ -1,7 +1,7 @@
 """`auto`: speculation that configures itself. From T(W) of the target and each candidate drafter,
 measured once per machine (`speculant.latency.machine_profile`), and acceptance observed online, every
-step chooses the drafter, chain or token tree, and the draft length with the best expected goodput, or
-plain decoding when no draft pays (`decoding.adaptive`)."""
+step chooses the drafter, chain, token tree or cascade, and the draft length with the best expected
+goodput, or plain decoding when no draft pays (`decoding.adaptive`)."""
 
 from __future__ import annotations
 
@@ -18,6 +18,7 @@ from speculant.methods.registry import Request, register
 MODEL_PRIOR = 0.6  # a model drafter's acceptance before any observation
 TREE_PRIOR = 0.7  # the same for a tree step: one of its candidates is accepted
 FREE_PRIOR = 0.5  # a Drafter object of unknown cost
+REVIEW = 6  # Max-Gram tokens a model drafter reviews in one forward in auto's cascades
 
 
 def parse_widths(text: str) -> tuple[int, ...]:
@@ -34,7 +35,7 @@ class AutoOptions:
                                      "this (0: drafts run to the chosen length)")
     tree_widths: Any = option((2,), "widths of the token trees auto may also draft with each model drafter (nodes "
                               "per step; empty: chains only)", parse=parse_widths)
-    probe_every: int = option(16, "after this many plain steps in a row, try the best drafter again")
+    probe_every: int = option(16, "after this many steps in a row without a model draft, try the model drafter again")
 
     def __post_init__(self) -> None:
         if isinstance(self.drafters, str):
@@ -72,11 +73,12 @@ _loaded: WeakKeyDictionary = WeakKeyDictionary()
 _learned: WeakKeyDictionary = WeakKeyDictionary()
 
 
-@register("auto", AutoOptions, "chooses drafter and draft length every step from measured costs and acceptance "
-          "(plain decoding where nothing pays)")
+@register("auto", AutoOptions, "chooses drafter, chain, tree or cascade and draft length every step from measured "
+          "costs and acceptance (plain decoding where nothing pays)")
 def build(request: Request, options: AutoOptions) -> Any:
     from speculant.decoding.adaptive import Candidate, adaptive
     from speculant.drafters.base import Drafter
+    from speculant.drafters.cascade import CascadeDrafter
     from speculant.drafters.maxgram import MaxGramDrafter
     from speculant.drafters.model import ModelDrafter
     from speculant.drafters.spec import load_drafter
@@ -106,6 +108,17 @@ def build(request: Request, options: AutoOptions) -> Any:
                     loaded[name, options.drafter_dtype] = source.share()
                 candidates.append(Candidate(name, TreeDrafter(loaded[name, options.drafter_dtype]), profile.cost(width),
                                             TREE_PRIOR, estimates=learned.setdefault(name, {}), width=width))
+    # A vertical cascade (CS Drafting) where Max-Gram finds a match: each model drafter reviews Max-Gram's
+    # draft in one forward, keeping what it would itself have drafted, so its drafts are its chain's (the
+    # same acceptance estimates), cheaper where Max-Gram guesses right. Its cost per token is measured as
+    # it drafts; until then a review is taken to yield two tokens.
+    maxgram = next((c.drafter for c in candidates if isinstance(c.drafter, MaxGramDrafter)), None)
+    for chain in [c for c in candidates if isinstance(c.drafter, ModelDrafter)] if maxgram else ():
+        cascade = CascadeDrafter([chain.drafter, maxgram], [[options.k_max, 0], [0, REVIEW]], 1.0,
+                                 request.sampling, request.generator)
+        candidates.append(Candidate(f"{chain.name} cascade", cascade, chain.step_s / 2, chain.prior,
+                                    estimates=chain.estimates, measured=True,
+                                    applies=lambda context, m=maxgram: m.match_length(context) > 0))
     cost = machine_profile(target).cost
     return adaptive(target, candidates, request.prompt_ids, request.max_new_tokens, cost, request.sampling,
                     request.generator, options.k_max, options.probe_every)
