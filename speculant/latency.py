@@ -6,9 +6,10 @@ from __future__ import annotations
 import json
 import statistics
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
+from weakref import WeakKeyDictionary
 
 import numpy as np
 
@@ -34,11 +35,13 @@ class LatencyProfile:
         path.write_text(json.dumps(asdict(self), indent=1))
 
     @classmethod
+    def from_dict(cls, data: dict) -> LatencyProfile:
+        return cls(**dict(data, forward_s={int(w): float(t) for w, t in data["forward_s"].items()}))
+
+    @classmethod
     def load(cls, path: Path) -> LatencyProfile:
         try:
-            data = json.loads(Path(path).read_text())
-            data["forward_s"] = {int(w): float(t) for w, t in data["forward_s"].items()}
-            return cls(**data)
+            return cls.from_dict(json.loads(Path(path).read_text()))
         except (OSError, ValueError, KeyError, TypeError) as error:
             raise ConfigError(f"cannot read latency profile {path}: {error}") from None
 
@@ -68,8 +71,10 @@ def profile_model(model, prompts: list[list[int]], widths: list[int], context_le
                           statistics.median(tpots), forward_costs(model, context, widths, repeats))
 
 
-def forward_costs(model, context: list[int], widths: Sequence[int], repeats: int = 3) -> dict[int, float]:
-    """T(W): the median seconds of a forward of W new tokens after `context` is cached, for each W."""
+def forward_costs(model, context: list[int], widths: Sequence[int], repeats: int = 3,
+                  done: Callable[[], object] = lambda: None) -> dict[int, float]:
+    """T(W): the median seconds of a forward of W new tokens after `context` is cached, for each W
+    (`done` is called after each)."""
     model.prefill(context)
     costs = {}
     for width in widths:
@@ -79,6 +84,7 @@ def forward_costs(model, context: list[int], widths: Sequence[int], repeats: int
             samples.append(_timed(lambda: model.forward(new)))
             model.rollback(len(context))
         costs[width] = statistics.median(samples)
+        done()
     return costs
 
 
@@ -102,7 +108,7 @@ def machine_key(model) -> str | None:
             f"{torch.get_num_threads()} threads|{where}|torch {torch.__version__}")
 
 
-_measured: dict[int, LatencyProfile] = {}  # in-memory models (no identity), by id: measured once per process
+_profiles: WeakKeyDictionary = WeakKeyDictionary()  # model -> (its key, its profile): disk read once per process
 
 
 def machine_profile(model, repeats: int = 3, progress: bool = True) -> LatencyProfile:
@@ -112,25 +118,24 @@ def machine_profile(model, repeats: int = 3, progress: bool = True) -> LatencyPr
     from speculant.cache import cache_root
 
     key = machine_key(model)
+    if model in _profiles and _profiles[model][0] == key:
+        return _profiles[model][1]
     path = cache_root() / "machine" / MACHINE_PROFILES
     try:
         known = json.loads(path.read_text())
     except (OSError, ValueError):
         known = {}
     if key is not None and key in known:
-        data = dict(known[key], forward_s={int(w): t for w, t in known[key]["forward_s"].items()})
-        return LatencyProfile(**data)
-    if key is None and id(model) in _measured:
-        return _measured[id(model)]
-    profile = _measure(model, repeats, progress and key is not None)
-    if key is None:
-        _measured[id(model)] = profile
-        return profile
-    known[key] = asdict(profile)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_suffix(f".{id(profile)}.tmp")
-    tmp.write_text(json.dumps(known, indent=1))
-    tmp.replace(path)
+        profile = LatencyProfile.from_dict(known[key])
+    else:
+        profile = _measure(model, repeats, progress and key is not None)
+        if key is not None:
+            known[key] = asdict(profile)
+            path.parent.mkdir(parents=True, exist_ok=True)
+            tmp = path.with_suffix(f".{id(profile)}.tmp")
+            tmp.write_text(json.dumps(known, indent=1))
+            tmp.replace(path)
+    _profiles[model] = key, profile
     return profile
 
 
@@ -145,14 +150,6 @@ def _measure(model, repeats: int, progress: bool) -> LatencyProfile:
         model.prefill(context[:8])  # warm-up
         ttft = _timed(lambda: model.prefill(context))
         bar.update()
-        costs: dict[int, float] = {}
-        for width in MACHINE_WIDTHS:
-            new = context[:width]
-            samples = []
-            for _ in range(repeats):
-                samples.append(_timed(lambda: model.forward(new)))
-                model.rollback(len(context))
-            costs[width] = statistics.median(samples)
-            bar.update()
+        costs = forward_costs(model, context, MACHINE_WIDTHS, repeats, done=bar.update)
     return LatencyProfile(model.name, getattr(model, "numerics", ""), str(model.device), MACHINE_CONTEXT, ttft,
                           costs[1], costs)

@@ -58,13 +58,13 @@ class Acceptance:
             return self.prior
         return (self.accepted[j] + self.prior * self.weight) / (self.reached[j] + self.weight)
 
-    def expected_tokens(self, k: int) -> float:
-        """1 + expected accepted tokens of a k-token draft: what one verification commits."""
-        total, run = 1.0, 1.0
-        for j in range(k):
+    def expected_tokens(self, most: int) -> list[float]:
+        """For k = 0..most, 1 + expected accepted tokens of a k-token draft: what one verification commits."""
+        totals, run = [1.0], 1.0
+        for j in range(most):
             run *= self.rate(j)
-            total += run
-        return total
+            totals.append(totals[-1] + run)
+        return totals
 
     def soften(self, factor: float) -> None:
         """Keep the rates, trust them less: what a new text shows then counts for more."""
@@ -86,7 +86,8 @@ class Candidate:
     proposes before the choice: `match` tells how much context its draft follows); `width` nodes per step:
     1 drafts a chain, more a token tree (`drafter` is then a TreeDrafter). A `measured` candidate's cost
     per drafted token varies with the text (a cascade's reviews of Max-Gram drafts): `step_s` then follows
-    what its drafts cost. A candidate with `applies` is considered only where it holds for the context."""
+    what its drafts cost. A candidate that `needs_match` (a cascade over Max-Gram) is considered only where
+a model-free candidate matches the context."""
 
     name: str
     drafter: Any
@@ -96,7 +97,7 @@ class Candidate:
     estimates: dict[int, Acceptance] = field(default_factory=dict)  # by match-length bucket (0: model drafters)
     width: int = 1
     measured: bool = False
-    applies: Callable[[list[int]], bool] | None = None
+    needs_match: bool = False
 
     def acceptance(self, bucket: int = 0) -> Acceptance:
         return self.estimates.setdefault(bucket, Acceptance(MATCH_PRIORS.get(bucket, self.prior)))
@@ -119,7 +120,8 @@ def match_bucket(length: int) -> int:
 def best_length(acceptance: Acceptance, step_s: float, cost: Callable[[int], float], most: int,
                 width: int = 1) -> tuple[float, int]:
     """(goodput, k) of the best draft length 1..most (steps of `width` nodes)."""
-    return max((acceptance.expected_tokens(k) / (k * step_s + cost(1 + k * width)), k) for k in range(1, most + 1))
+    expected = acceptance.expected_tokens(most)
+    return max((expected[k] / (k * step_s + cost(1 + k * width)), k) for k in range(1, most + 1))
 
 
 def adaptive(
@@ -141,6 +143,7 @@ def adaptive(
     target = metered(target)
     logits = target.prefill(prompt_ids)
     pending = [next_token(logits, sampling, generator)]
+    candidates = sorted(candidates, key=lambda c: c.match is None)  # model-free ones first: they tell `matched`
     models = [c for c in candidates if c.match is None]
     without_model = 0  # steps since a model drafter last drafted
     for candidate in candidates:  # estimates may come from earlier generations: a new text, a new start
@@ -150,11 +153,13 @@ def adaptive(
         context = prompt_ids + out
         room = min(k_max, max_new_tokens - len(out) - 1)
         best: tuple[float, Candidate | None, int, Draft | None, int] = (1 / cost(1), None, 0, None, 0)
+        matched = False
         for candidate in candidates if room > 0 else ():
-            if candidate.applies is not None and not candidate.applies(context):
+            if candidate.needs_match and not matched:
                 continue
             if candidate.match is not None:  # model-free: its draft is known before choosing
                 bucket = match_bucket(candidate.match(context))
+                matched = matched or bucket > 0
                 if bucket and (draft := until_eos(candidate.drafter.propose(context, room), target.eos_token_ids)).tokens:
                     goodput, k = best_length(candidate.acceptance(bucket), 0.0, cost, len(draft.tokens))
                     if goodput > best[0]:

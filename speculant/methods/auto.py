@@ -27,8 +27,9 @@ def parse_widths(text: str) -> tuple[int, ...]:
 
 @dataclass(frozen=True)
 class AutoOptions:
-    drafters: Any = option(None, "auto: candidate drafters (default: the target's catalog drafter at int4, and "
-                           "maxgram); cascade: levels, largest first, maxgram last", parse=parse_drafters)
+    drafters: Any = option(None, "auto: candidate drafters (default: the target's catalog drafter, int8 on AMX CPUs "
+                           "and int4 elsewhere, and maxgram); cascade: levels, largest first, maxgram last",
+                           parse=parse_drafters)
     drafter_dtype: str | None = option(None, "dtype of model drafters (default: the target's)", choices=DRAFTER_DTYPES)
     k_max: int = option(16, "the longest draft auto may choose")
     draft_confidence: float = option(0.0, "a model drafter's draft ends after a token it gives a probability below "
@@ -117,8 +118,7 @@ def build(request: Request, options: AutoOptions) -> Any:
         cascade = CascadeDrafter([chain.drafter, maxgram], [[options.k_max, 0], [0, REVIEW]], 1.0,
                                  request.sampling, request.generator)
         candidates.append(Candidate(f"{chain.name} cascade", cascade, chain.step_s / 2, chain.prior,
-                                    estimates=chain.estimates, measured=True,
-                                    applies=lambda context, m=maxgram: m.match_length(context) > 0))
+                                    estimates=chain.estimates, measured=True, needs_match=True))
     cost = machine_profile(target).cost
     return adaptive(target, candidates, request.prompt_ids, request.max_new_tokens, cost, request.sampling,
                     request.generator, options.k_max, options.probe_every)

@@ -9,8 +9,7 @@ reliably, so speculant runs every bf16/fp32 linear layer on a kernel whose order
 defines, invariant by construction:
 
 - `amx` (`native/amx_linear.c`, Intel AMX CPUs, bf16): each output row of a tile accumulates its own
-  chunks of 32 inputs in order; flat in the number of rows up to 16 and faster than torch's own bf16
-  matmul at one row.
+  chunks of 32 inputs in order, so its cost is nearly flat from 1 to 16 rows (`speculant profile`).
 - `avx2` (`native/exact_linear.c`, AVX2 + FMA, bf16 or fp32 weights): each output accumulated by fused
   multiply-adds in input order, in fp32.
 - `rows`: torch's matmul one row per call (the same call shape every time), n times one row's cost:
