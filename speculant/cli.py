@@ -194,8 +194,10 @@ def run_generate(args: argparse.Namespace) -> None:
     if args.timeline and method.name != "dsi":
         raise ConfigError("--timeline applies to --method dsi only")
 
-    print(f"loading target {args.target} (dtype {model_config.dtype}, {model_config.device})", file=sys.stderr)
-    target = load_model(args.target, dtype=model_config.dtype, device=model_config.device)
+    print(f"loading target {args.target} (backend {model_config.backend}, dtype {model_config.dtype}, "
+          f"{model_config.device})", file=sys.stderr)
+    target = load_model(args.target, dtype=model_config.dtype, device=model_config.device,
+                        backend=model_config.backend)
     print(f"target {target.name}: {target.numerics}, {target.kernel} kernel", file=sys.stderr)
 
     def load(drafter: Any) -> Any:
@@ -243,7 +245,8 @@ def run_bench(args: argparse.Namespace, argv: Sequence[str]) -> None:
     from speculant.bench.runner import run_matrix
     from speculant.bench.summary import summarize, summarize_by_category, to_json
     from speculant.machine import machine_info
-    from speculant.models import CausalLM, load_model
+    from speculant.models import CausalLM, load_model, split_quant
+    from speculant.models.loading import resolve_backend
 
     methods = [parse_method(m) for m in args.methods]
     if len({m.label for m in methods}) != len(methods):
@@ -255,13 +258,15 @@ def run_bench(args: argparse.Namespace, argv: Sequence[str]) -> None:
         raise ConfigError(f"repeats must be >= 1, got {args.repeats}")
     dataset = args.prompts or args.dataset
     prompts = load_dataset(dataset)
-    targets: dict[str, CausalLM] = {}
+    targets: dict[tuple[str, str], CausalLM] = {}
 
-    def target_for(dtype: str | None) -> CausalLM:
+    def target_for(dtype: str | None, backend: str | None) -> CausalLM:
         dtype = dtype or model_config.dtype
-        if dtype not in targets:
-            targets[dtype] = load_model(args.target, dtype=dtype, device=model_config.device)
-        return targets[dtype]
+        name, quant = split_quant(args.target)  # one target per resolved backend: auto and llamacpp share it
+        backend = resolve_backend(backend or model_config.backend, name, quant, model_config.device, dtype)
+        if (dtype, backend) not in targets:
+            targets[dtype, backend] = load_model(args.target, dtype=dtype, device=model_config.device, backend=backend)
+        return targets[dtype, backend]
 
     with tqdm(total=len(prompts) * len(methods) * args.repeats, desc="prompts x methods", file=sys.stderr) as bar:
         rows = run_matrix(target_for, methods, prompts, run.max_new_tokens, run.seed, sampling, args.repeats,
@@ -307,7 +312,7 @@ def run_profile(args: argparse.Namespace) -> None:
         raise ConfigError("context length and repeats must be >= 1")
     config = from_args(ModelConfig, args)
     prompts = load_dataset(args.dataset) if widths else []
-    model = load_model(args.model, dtype=config.dtype, device=config.device)
+    model = load_model(args.model, dtype=config.dtype, device=config.device, backend=config.backend)
     models = [model]
     if args.drafter:
         drafter = load_drafter(args.drafter, model, args.drafter_dtype)
@@ -349,7 +354,7 @@ def run_acceptance(args: argparse.Namespace) -> None:
         raise ConfigError(f"depth must be >= 1, got {args.depth}")
     config = from_args(ModelConfig, args)
     prompts = load_dataset(args.dataset)
-    target = load_model(args.target, dtype=config.dtype, device=config.device)
+    target = load_model(args.target, dtype=config.dtype, device=config.device, backend=config.backend)
     names = [name for name in args.drafter.split(",") if name]
     drafters = [load_drafter(name, target, args.drafter_dtype) for name in names]
     if not names or any(not hasattr(d, "prefill") for d in drafters):

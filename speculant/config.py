@@ -22,6 +22,7 @@ AUTO = "auto"  # a size, dtype or method that speculant chooses from measurement
 DEFAULT_TARGET = "qwen2.5-coder-1.5b"  # catalog names (speculant.models.catalog)
 DEFAULT_DRAFTER = "qwen2.5-coder-0.5b"
 DTYPES = ("auto", "bf16", "fp32")
+BACKENDS = ("hf", "llamacpp")  # transformers; GGUF on llama.cpp (speculant.models.llamacpp)
 EXECUTORS = ("thread", "process", "ray")  # where DSI's target servers run
 
 
@@ -71,10 +72,14 @@ class ModelConfig:
     dtype: str = option(AUTO, "weight dtype: auto (the fastest exact path this device has), bf16 or fp32",
                         choices=DTYPES)
     device: str = option("cpu", "cpu, cuda or cuda:N")
+    backend: str = option(AUTO, "auto (llama.cpp for catalog/GGUF models on the CPU where llama-cpp-python is "
+                                "installed), hf (transformers) or llamacpp", choices=(AUTO, *BACKENDS))
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPES:
             raise ConfigError(f"unknown dtype '{self.dtype}' (choose from {', '.join(DTYPES)})")
+        if self.backend not in (AUTO, *BACKENDS):
+            raise ConfigError(f"unknown backend '{self.backend}' (choose from auto, {', '.join(BACKENDS)})")
 
 
 def flag(name: str) -> str:

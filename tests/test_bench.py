@@ -87,7 +87,7 @@ def test_matrix_is_interleaved_and_speedup_comes_from_the_same_run(tiny_dir):
     target = HFCausalLM(tiny_transformer("llama", 0, 257), byte_tokenizer(), "tiny")
     methods = [parse_method("ar"), parse_method(f"sd:drafter={tiny_dir},k=3")]  # same weights: always agrees
     prompts = [Prompt("p1", "def f(x):"), Prompt("p2", "hello")]
-    rows = run_matrix(lambda dtype: target, methods, prompts, 12, repeats=2)
+    rows = run_matrix(lambda dtype, backend: target, methods, prompts, 12, repeats=2)
     order = [("p1", "ar"), ("p1", methods[1].label), ("p2", "ar"), ("p2", methods[1].label)]
     assert [(r.prompt_id, r.method) for r in rows] == order * 2
     assert [r.repeat for r in rows] == [0] * 4 + [1] * 4
@@ -104,7 +104,7 @@ def test_dsi_in_the_matrix_keeps_its_servers_across_prompts(tiny_dir):
     target = HFCausalLM(tiny_transformer("llama", 0, 257), byte_tokenizer(), "tiny")
     methods = [parse_method("ar"), parse_method(f"dsi:drafter={tiny_dir},servers=2,lookahead=3")]
     prompts = [Prompt("p1", "def f(x):"), Prompt("p2", "hello")]
-    rows = run_matrix(lambda dtype: target, methods, prompts, 12)
+    rows = run_matrix(lambda dtype, backend: target, methods, prompts, 12)
     ar, dsi = summarize(rows, methods)
     assert dsi.identical_to_ar == 1.0 and dsi.acceptance_rate in (None, 1.0)  # same weights: never rejected
     assert [r.stats.dsi.lookahead for r in rows[1::2]] == [3, 3]

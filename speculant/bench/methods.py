@@ -1,10 +1,11 @@
 """Method specs on the command line: `NAME[:option=value,...]` where NAME is a registered method (`ar`,
 `sd`, `tree`, `cascade`, `dsi`) or a peer (`hf-ar`, `hf-assisted`, `hf-pld`) and the options are that
 method's own (`speculant.methods`; a value may hold commas: it ends where the next `name=` begins),
-plus `dtype`, the target's dtype for this method (default: the run's --dtype). Examples:
+plus `dtype` and `backend`, the target's dtype and backend for this method (default: the run's --dtype and
+--backend; the llamacpp-* peers run on llama.cpp). Examples:
 `sd:drafter=qwen2.5-coder-0.5b@int8,k=6,dtype=fp32,drafter_dtype=bf16`, `sd:drafter=maxgram,k=8`,
 `tree:depth=auto,width=auto,verify_width=auto`, `cascade:drafters=qwen2.5-coder-0.5b@int8,maxgram,k_matrix=4,2;0,6`,
-`dsi:servers=2,lookahead=6,executor=process`, `hf-assisted:k=5`."""
+`dsi:servers=2,lookahead=6,executor=process`, `hf-assisted:k=5`, `ar:backend=hf`, `llamacpp-pld:k=8`."""
 
 from __future__ import annotations
 
@@ -12,8 +13,8 @@ import re
 from dataclasses import dataclass
 from typing import Any
 
-from speculant.bench.peers import PEERS
-from speculant.config import DTYPES
+from speculant.bench.peers import LLAMACPP_PEERS, PEERS
+from speculant.config import AUTO, BACKENDS, DTYPES
 from speculant.errors import ConfigError
 from speculant.methods import METHODS, get_method
 from speculant.methods.registry import make_options
@@ -25,6 +26,7 @@ class MethodSpec:
     method: str
     options: Any  # the method's (or peer's) options dataclass
     dtype: str | None = None  # the target's dtype for this method; None: the run's
+    backend: str | None = None  # the target's backend for this method; None: the run's
 
     @property
     def peer(self) -> bool:
@@ -44,9 +46,12 @@ def parse_method(spec: str) -> MethodSpec:
     dtype = given.pop("dtype", None)
     if dtype is not None and dtype not in DTYPES:
         raise ConfigError(f"dtype must be one of {', '.join(DTYPES)} in '{spec}'")
+    backend = given.pop("backend", "llamacpp" if name in LLAMACPP_PEERS else None)
+    if backend is not None and backend not in (AUTO, *BACKENDS):
+        raise ConfigError(f"backend must be one of auto, {', '.join(BACKENDS)} in '{spec}'")
     try:
         options = make_options(PEERS[name], name, given, text=True) if name in PEERS else \
             get_method(name).parse_options(given)
     except ConfigError as error:
         raise ConfigError(f"{error} in '{spec}'") from None
-    return MethodSpec(spec.strip(), name, options, dtype)
+    return MethodSpec(spec.strip(), name, options, dtype, backend)

@@ -1,8 +1,11 @@
 """Peers run in the same process as speculant's methods: transformers `generate()` plain (`hf-ar`), with
 an `assistant_model` (`hf-assisted`, assisted generation) and with `prompt_lookup_num_tokens` (`hf-pld`,
 prompt lookup), on the same weights as transformers builds the model (library matmuls and SDPA, not
-speculant's batch-invariant kernels). Their options are dataclasses like a method's; what they do not
-report is left unset."""
+speculant's batch-invariant kernels); and llama-cpp-python's own `Llama.generate` loop on the target's GGUF
+(`llamacpp-ar`) and with its prompt-lookup draft model (`llamacpp-pld`), with the context settings of
+speculant's llama.cpp backend (threads, batch, flash attention, bf16 KV cache), so that plain decoding
+gives the same tokens. Their options are dataclasses like a method's; what they do not report is left
+unset."""
 
 from __future__ import annotations
 
@@ -42,7 +45,56 @@ class HFPLDOptions:
     k: int | None = option(None, "prompt_lookup_num_tokens (default: 10)")
 
 
-PEERS: dict[str, type] = {"hf-ar": HFAROptions, "hf-assisted": HFAssistedOptions, "hf-pld": HFPLDOptions}
+PEERS: dict[str, type] = {"hf-ar": HFAROptions, "hf-assisted": HFAssistedOptions, "hf-pld": HFPLDOptions,
+                          "llamacpp-ar": HFAROptions, "llamacpp-pld": HFPLDOptions}
+LLAMACPP_PEERS = ("llamacpp-ar", "llamacpp-pld")
+_llama: WeakKeyDictionary = WeakKeyDictionary()  # (llama.cpp target, method) -> its llama_cpp.Llama
+
+
+def peer_generate(method: str, target: Any, prompt_ids: list[int], max_new_tokens: int, options: Any,
+                  sampling: SamplingConfig, seed: int) -> Any:
+    if method in LLAMACPP_PEERS:
+        return llamacpp_generate(method, target, prompt_ids, max_new_tokens, options, sampling, seed)
+    return hf_generate(method, target, prompt_ids, max_new_tokens, options, sampling, seed)
+
+
+def llamacpp_generate(method: str, target: Any, prompt_ids: list[int], max_new_tokens: int, options: Any,
+                      sampling: SamplingConfig, seed: int) -> Any:
+    """One generation by llama-cpp-python's `Llama.generate` on the target's GGUF, timed like speculant's."""
+    from speculant.api import GenerationResult, decode
+    from speculant.decoding.stats import GenerationStats
+    from speculant.models import llamacpp
+
+    if getattr(target, "backend", None) != "llamacpp":
+        raise ConfigError(f"{method} needs a llama.cpp target (backend=llamacpp)")
+    per_target = _llama.setdefault(target, {})
+    if method not in per_target:
+        from llama_cpp import Llama
+        from llama_cpp.llama_speculative import LlamaPromptLookupDecoding
+
+        draft = LlamaPromptLookupDecoding(num_pred_tokens=options.k or 10) if method == "llamacpp-pld" else None
+        per_target[method] = Llama(str(target.weights.path), n_ctx=target.max_positions, n_batch=llamacpp.N_BATCH,
+                                   n_ubatch=llamacpp.N_BATCH, n_threads=target.threads,
+                                   n_threads_batch=target.threads, flash_attn=True, type_k=llamacpp.KV_TYPE,
+                                   type_v=llamacpp.KV_TYPE, draft_model=draft, verbose=False)
+    llm = per_target[method]
+    llm.reset()  # no reuse of an earlier prompt's cache
+    if sampling.greedy:
+        knobs = dict(temp=0.0)
+    else:
+        llm.set_seed(seed)
+        knobs = dict(temp=sampling.temperature, top_k=sampling.top_k or 0, top_p=sampling.top_p or 1.0, min_p=0.0)
+    tokens: list[int] = []
+    start = time.perf_counter()
+    first = None
+    for token in llm.generate(prompt_ids, reset=True, **knobs):
+        first = first or time.perf_counter()
+        tokens.append(int(token))
+        if token in target.eos_token_ids or len(tokens) >= max_new_tokens:
+            break
+    wall = time.perf_counter() - start
+    stats = GenerationStats(method=method, new_tokens=len(tokens), wall_s=wall, ttft_s=(first or start) - start)
+    return GenerationResult(tokens, decode(target.tokenizer, tokens), stats)
 
 
 def hf_generate(method: str, target: Any, prompt_ids: list[int], max_new_tokens: int, options: Any,

@@ -10,7 +10,7 @@ from typing import Any
 from speculant.api import GenerationResult, encode_prompt, generate
 from speculant.bench.datasets import Prompt
 from speculant.bench.methods import MethodSpec
-from speculant.bench.peers import hf_generate
+from speculant.bench.peers import peer_generate
 from speculant.config import SamplingConfig
 from speculant.decoding.stats import GenerationStats
 from speculant.drafters.spec import load_drafter
@@ -45,8 +45,8 @@ def run_matrix(
 ) -> list[Row]:
     """Every method on every prompt, interleaved, `repeats` times; returns the rows in run order.
 
-    `target_for(dtype)` returns the loaded target in that dtype (None: the run's default); it should
-    load each dtype once, so that all methods share the same weights.
+    `target_for(dtype, backend)` returns the loaded target in that dtype on that backend (None: the run's
+    default); it should load each once, so that all methods share the same weights.
     """
     loaded: dict[tuple[Any, ...], Any] = {}
 
@@ -62,23 +62,24 @@ def run_matrix(
         if spec.label not in pools:
             from speculant.decoding.dsi.executors import ServerSpec, make_executor, replica_factory
 
-            servers = ServerSpec(replica_factory(target), [str(target.device)] * spec.options.servers, sampling)
+            servers = ServerSpec(replica_factory(target, spec.options.servers), [str(target.device)] * spec.options.servers,
+                                 sampling)
             pools[spec.label] = make_executor(spec.options.executor, servers)
             pools[spec.label].start()
         return pools[spec.label]
 
     def run(spec: MethodSpec, ids: list[int], n: int) -> GenerationResult:
-        target = target_for(spec.dtype)
+        target = target_for(spec.dtype, spec.backend)
         dtype = getattr(spec.options, "drafter_dtype", None)
         options = with_drafters(spec.options, lambda d: drafter_for(d, target, dtype))
         if spec.peer:
-            return hf_generate(spec.method, target, ids, n, options, sampling, seed)
+            return peer_generate(spec.method, target, ids, n, options, sampling, seed)
         if spec.method == "dsi":
             options = replace(options, executor=pool_for(spec, target))
         return generate(target, prompt_ids=ids, method=spec.method, max_new_tokens=n, temperature=sampling.temperature,
                         top_k=sampling.top_k, top_p=sampling.top_p, seed=seed, **as_keywords(options))
 
-    encoded = [encode_prompt(target_for(None).tokenizer, p.text, p.chat) for p in prompts]
+    encoded = [encode_prompt(target_for(None, None).tokenizer, p.text, p.chat) for p in prompts]
     rows = []
     try:
         for spec in methods:  # warm-up: allocator, caches, lazy initialisation, DSI's servers
@@ -87,7 +88,7 @@ def run_matrix(
             for prompt, ids in zip(prompts, encoded):
                 for spec in methods:
                     result = run(spec, ids, max_new_tokens)
-                    row = Row(prompt.id, prompt.category, spec.label, repeat, target_key(target_for(spec.dtype)),
+                    row = Row(prompt.id, prompt.category, spec.label, repeat, target_key(target_for(spec.dtype, spec.backend)),
                               result.token_ids, result.stats)
                     rows.append(row)
                     if on_row:

@@ -117,6 +117,13 @@ def match_bucket(length: int) -> int:
     return 0 if length == 0 else 1 if length <= 2 else 2 if length <= 5 else 3 if length <= 15 else 4
 
 
+def can_pay(step_s: float, cost: Callable[[int], float], most: int, width: int = 1) -> bool:
+    """Whether drafting at `step_s` a step could beat plain decoding at all: with every draft accepted, the
+    best goodput over k = 1..most exceeds 1 / T(1). A drafter that fails this is never worth its cost (nor
+    its cache: it would catch up on the context every time it is tried)."""
+    return max((1 + k) / (k * step_s + cost(1 + k * width)) for k in range(1, most + 1)) > 1 / cost(1)
+
+
 def best_length(acceptance: Acceptance, step_s: float, cost: Callable[[int], float], most: int,
                 width: int = 1) -> tuple[float, int]:
     """(goodput, k) of the best draft length 1..most (steps of `width` nodes)."""

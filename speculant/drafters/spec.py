@@ -1,5 +1,5 @@
-"""Drafter specs, parsed in one place: `maxgram`, `self`, `self@int8`, `NAME`, `NAME@int4` (a catalog
-name, Hugging Face id or path); and `load_drafter`, which turns a spec (or a model, or a Drafter) into
+"""Drafter specs, parsed in one place: `maxgram`, `self`, `self@int8`, `NAME`, `NAME@int4`, `NAME@gguf` (a
+catalog name, Hugging Face id or path; @gguf: its GGUF on llama.cpp); and `load_drafter`, which turns a spec (or a model, or a Drafter) into
 what drafts for a given target. Parsing needs no torch (the CLI reads specs before anything loads)."""
 
 from __future__ import annotations
@@ -12,12 +12,13 @@ from speculant.errors import ConfigError, IncompatibleModels
 MAXGRAM = "maxgram"  # prompt lookup with a bigram fallback, no model
 SELF = "self"  # the target's own weights (quantized with @int8 / @int4, else shared)
 QUANTS = ("int8", "int4")
+GGUF = "gguf"  # the model's packaged GGUF weights as they are, on the llama.cpp backend
 
 
 @dataclass(frozen=True)
 class DrafterSpec:
     source: str  # "maxgram", "self", or a model: catalog name, Hugging Face id or path
-    quant: str | None = None  # "int8" or "int4": quantize the drafter's linear layers at load
+    quant: str | None = None  # "int8" or "int4": quantize the drafter's linear layers at load; "gguf": llama.cpp
 
     @property
     def kind(self) -> str:
@@ -33,10 +34,13 @@ class DrafterSpec:
             source, quant = text.strip(), None
         if not source:
             raise ConfigError(f"empty drafter name in '{text}'")
-        if quant is not None and quant not in QUANTS:
-            raise ConfigError(f"unknown quantization '{quant}' in drafter '{text}' (choose from {', '.join(QUANTS)})")
+        if quant is not None and quant not in (*QUANTS, GGUF):
+            raise ConfigError(f"unknown quantization '{quant}' in drafter '{text}' (choose from {', '.join(QUANTS)}, "
+                              f"or {GGUF} for llama.cpp)")
         if source == MAXGRAM and quant:
             raise ConfigError("maxgram runs no model; it takes no quantization")
+        if source == SELF and quant == GGUF:
+            raise ConfigError("self@gguf is the target itself: run the target on llama.cpp and draft with 'self'")
         if source == "none":
             raise ConfigError("'none' is not a drafter (it means plain autoregressive decoding: method 'ar')")
         return cls(source, quant)
@@ -63,7 +67,8 @@ def load_drafter(drafter: Any, target: Any, dtype: str | None = None) -> Any:
     """What drafts for `target` (a CausalLM): a Drafter as given; `maxgram` (prompt lookup with the bigram
     table of the target's tokenizer); `self` (the target's weights with a cache of their own) or
     `self@int8` / `self@int4` (a quantized copy); a loaded model as given; or any model `load_model`
-    accepts, loaded on the target's device in `dtype` (default: the target's)."""
+    accepts, on the target's backend: for a transformers target, on its device in `dtype` (default: the
+    target's); for a llama.cpp target, GGUF models on llama.cpp and others through transformers."""
     from speculant.drafters.base import Drafter
     from speculant.models import CausalLM, HFCausalLM, dtype_name, load_model, quantized_copy
 
@@ -76,16 +81,22 @@ def load_drafter(drafter: Any, target: Any, dtype: str | None = None) -> Any:
         tokenizer = target.tokenizer
         return MaxGramDrafter(load_bigram(tokenizer, target.vocab_size) if tokenizer is not None else None)
     if isinstance(drafter, DrafterSpec) and drafter.kind == SELF:
-        if not isinstance(target, HFCausalLM):
-            raise ConfigError("self drafting needs a transformers target")
+        if drafter.quant and not isinstance(target, HFCausalLM):
+            raise ConfigError(f"self@{drafter.quant} quantizes transformers weights; this target runs on llama.cpp")
+        if not hasattr(target, "share"):
+            raise ConfigError("self drafting needs a target that can open a second cache on its weights")
         return quantized_copy(target, drafter.quant) if drafter.quant else target.share()
-    if isinstance(drafter, DrafterSpec):
-        drafter = str(drafter)
     if drafter is target:  # a model drafting for itself needs a KV cache of its own
-        if not isinstance(target, HFCausalLM):
+        if not hasattr(target, "share"):
             raise ConfigError("pass a separate model instance as drafter for this backend")
         return target.share()
-    model = drafter if isinstance(drafter, CausalLM) else load_model(
-        drafter, dtype=dtype or dtype_name(target.dtype), device=str(target.device))
+    if isinstance(drafter, CausalLM):
+        model = drafter
+    elif getattr(target, "backend", "hf") == "llamacpp":
+        model = load_model(str(drafter), dtype=dtype)
+    else:
+        gguf = isinstance(drafter, DrafterSpec) and drafter.quant == GGUF
+        model = load_model(str(drafter), dtype=None if gguf else dtype or dtype_name(target.dtype),
+                           device=None if gguf else str(target.device), backend=None if gguf else "hf")
     check_compatible(target, model)
     return model

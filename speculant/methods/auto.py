@@ -27,8 +27,9 @@ def parse_widths(text: str) -> tuple[int, ...]:
 
 @dataclass(frozen=True)
 class AutoOptions:
-    drafters: Any = option(None, "auto: candidate drafters (default: the target's catalog drafter, int8 on AMX CPUs "
-                           "and int4 elsewhere, and maxgram); cascade: levels, largest first, maxgram last",
+    drafters: Any = option(None, "auto: candidate drafters (default: the target's catalog drafter - its GGUF for a "
+                           "llama.cpp target, else int8 on AMX CPUs and int4 elsewhere - and maxgram); cascade: "
+                           "levels, largest first, maxgram last",
                            parse=parse_drafters)
     drafter_dtype: str | None = option(None, "dtype of model drafters (default: the target's)", choices=DRAFTER_DTYPES)
     k_max: int = option(16, "the longest draft auto may choose")
@@ -56,15 +57,17 @@ class AutoOptions:
 
 
 def default_drafters(target: Any) -> tuple[str, ...]:
-    """The catalog's drafter for a catalog target, quantized to int8 where speculant's AMX int8 kernel runs
-    (its cost stays flat over the several tokens a drafter catches up on after an accepted draft) and to
-    int4 elsewhere; and Max-Gram."""
+    """The catalog's drafter for a catalog target - for a llama.cpp target its GGUF on llama.cpp; else
+    quantized to int8 where speculant's AMX int8 kernel runs (its cost stays flat over the several tokens a
+    drafter catches up on after an accepted draft) and to int4 elsewhere - and Max-Gram."""
     from speculant.models import native
     from speculant.models.catalog import CATALOG
 
     entry = CATALOG.get(target.name.split("@")[0])
     if entry is None or not entry.drafter:
         return ("maxgram",)
+    if getattr(target, "backend", "hf") == "llamacpp":
+        return (f"{entry.drafter}@gguf", "maxgram")
     return (f"{entry.drafter}@{'int8' if native.AMX.library() is not None else 'int4'}", "maxgram")
 
 
@@ -77,7 +80,7 @@ _learned: WeakKeyDictionary = WeakKeyDictionary()
 @register("auto", AutoOptions, "chooses drafter, chain, tree or cascade and draft length every step from measured "
           "costs and acceptance (plain decoding where nothing pays)")
 def build(request: Request, options: AutoOptions) -> Any:
-    from speculant.decoding.adaptive import Candidate, adaptive
+    from speculant.decoding.adaptive import Candidate, adaptive, can_pay
     from speculant.drafters.base import Drafter
     from speculant.drafters.cascade import CascadeDrafter
     from speculant.drafters.maxgram import MaxGramDrafter
@@ -87,6 +90,7 @@ def build(request: Request, options: AutoOptions) -> Any:
     from speculant.latency import machine_profile
 
     target = request.target
+    cost = machine_profile(target).cost
     loaded, learned = _loaded.setdefault(target, {}), _learned.setdefault(target, {})
     candidates = []
     for spec in options.drafters if options.drafters is not None else default_drafters(target):
@@ -100,10 +104,14 @@ def build(request: Request, options: AutoOptions) -> Any:
         elif isinstance(source, Drafter):
             candidates.append(Candidate(source.name, source, 0.0, FREE_PRIOR, estimates=estimates))
         else:
-            drafter = ModelDrafter(source, request.sampling, request.generator, draft_confidence=options.draft_confidence)
             profile = machine_profile(source)
+            if not can_pay(profile.tpot_s, cost, options.k_max):  # too slow to pay even if always right
+                continue
+            drafter = ModelDrafter(source, request.sampling, request.generator, draft_confidence=options.draft_confidence)
             candidates.append(Candidate(source.name, drafter, profile.tpot_s, MODEL_PRIOR, estimates=estimates))
             for width in options.tree_widths if hasattr(source, "share") else ():
+                if not can_pay(profile.cost(width), cost, options.k_max, width):
+                    continue
                 name = f"{source.name} tree{width}"
                 if (name, options.drafter_dtype) not in loaded:  # a handle of its own: its KV cache holds trees
                     loaded[name, options.drafter_dtype] = source.share()
@@ -119,6 +127,5 @@ def build(request: Request, options: AutoOptions) -> Any:
                                  request.sampling, request.generator)
         candidates.append(Candidate(f"{chain.name} cascade", cascade, chain.step_s / 2, chain.prior,
                                     estimates=chain.estimates, measured=True, needs_match=True))
-    cost = machine_profile(target).cost
     return adaptive(target, candidates, request.prompt_ids, request.max_new_tokens, cost, request.sampling,
                     request.generator, options.k_max, options.probe_every)

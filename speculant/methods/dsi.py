@@ -109,5 +109,5 @@ def build(request: Request, options: DSIOptions) -> Any:
         if pool.spec.sampling != request.sampling or len(pool.spec.devices) != options.servers:
             raise ConfigError("the given executor's servers were built for other sampling settings or server count")
         return dsi(pool, *common, close_executor=False)
-    spec = ServerSpec(replica_factory(target), devices, request.sampling, twin[0] if twin else None)
+    spec = ServerSpec(replica_factory(target, len(devices)), devices, request.sampling, twin[0] if twin else None)
     return dsi(make_executor(options.executor, spec, options.ray_address), *common)

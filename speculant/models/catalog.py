@@ -219,3 +219,21 @@ def materialize(entry: CatalogEntry, dtype_name: str) -> Path:
         tokenizer.save_pretrained(tmp)
 
     return build_atomically(cache_root() / "models" / f"{entry.name}-{dtype_name}", build)
+
+
+def gguf_checkpoint(entry: CatalogEntry) -> Path:
+    """The packaged GGUF file as one file (its parts concatenated, each checked against its SHA-256) and
+    its tokenizer as transformers reads it, under `$SPECULANT_CACHE/models/<name>-gguf`: seconds, no
+    de-quantization. Returns the directory; the weights are `model.gguf` in it."""
+    entry.part_paths()
+
+    def build(tmp: Path) -> None:
+        from transformers import AutoTokenizer
+
+        with (tmp / "model.gguf").open("wb") as out:
+            for part in entry.verified_part_paths():
+                with part.open("rb") as src:
+                    shutil.copyfileobj(src, out, length=16 << 20)
+        AutoTokenizer.from_pretrained(tmp, gguf_file="model.gguf").save_pretrained(tmp)
+
+    return build_atomically(cache_root() / "models" / f"{entry.name}-gguf", build)

@@ -46,6 +46,8 @@ class HFCausalLM:
     tokens share its forward, so verification reproduces decoding bit for bit.
     """
 
+    backend = "hf"
+
     def __init__(
         self,
         model: PreTrainedModel,

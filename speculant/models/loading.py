@@ -13,16 +13,18 @@ from typing import Any
 
 import torch
 
-from speculant.config import AUTO
+from speculant.config import AUTO, BACKENDS
 from speculant.errors import ConfigError, ModelNotAvailable
 from speculant.machine import native_bf16
 from speculant.models.base import CausalLM
-from speculant.models.catalog import CATALOG, materialize
+from speculant.models.catalog import CATALOG, gguf_checkpoint, materialize
 from speculant.models.hf import HFCausalLM
+from speculant.models import llamacpp
 from speculant.models.native import KERNELS
 from speculant.models.quant import QUANTS, quantize
 
 DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
+GGUF = "gguf"  # `name@gguf`: the packaged GGUF weights as they are, on the llama.cpp backend
 
 
 def dtype_name(dtype: torch.dtype) -> str:
@@ -77,9 +79,62 @@ def quantized_copy(model: HFCausalLM, quant: str, group_size: int = 32) -> HFCau
     return HFCausalLM(copy, model.tokenizer, f"{model.name}@{quant}", model.eos_token_ids, identity)
 
 
+def resolve_backend(backend: str | None, spec: Any, quant: str | None, device: str | None,
+                    dtype: str | None = None) -> str:
+    """`auto`: llama.cpp for GGUF weights (a catalog name or a .gguf file) run as they are (no dtype, no
+    quantization asked for) on the CPU, where llama-cpp-python is installed; transformers otherwise."""
+    backend = backend or AUTO
+    if backend not in (AUTO, *BACKENDS):
+        raise ConfigError(f"unknown backend '{backend}' (choose from auto, {', '.join(BACKENDS)})")
+    is_gguf = isinstance(spec, (str, Path)) and (str(spec) in CATALOG or str(spec).endswith(".gguf"))
+    if quant == GGUF or (isinstance(spec, (str, Path)) and str(spec).endswith(".gguf")):
+        backend = "llamacpp" if backend == AUTO else backend
+    if backend == AUTO:
+        on_cpu = device is None or resolve_device(device).type == "cpu"
+        as_they_are = quant is None and dtype in (None, AUTO)
+        return "llamacpp" if is_gguf and as_they_are and on_cpu and llamacpp.available() else "hf"
+    if backend == "llamacpp":
+        if not is_gguf:
+            raise ConfigError(f"the llama.cpp backend runs GGUF weights: a catalog name or a .gguf file, not {spec!r}")
+        if quant not in (None, GGUF):
+            raise ConfigError(f"@{quant} quantizes transformers weights; the llama.cpp backend runs the GGUF as it is")
+        if device is not None and resolve_device(device).type != "cpu":
+            raise ConfigError("speculant's llama.cpp backend runs on the CPU")
+    elif quant == GGUF:
+        raise ConfigError("@gguf runs on the llama.cpp backend, not transformers")
+    return backend
+
+
+def load_gguf(spec: str | Path, tokenizer: Any | None = None, threads: int | None = None) -> CausalLM:
+    """A catalog model's packaged GGUF (concatenated once, no de-quantization) or a .gguf file, on llama.cpp."""
+    name = str(spec)
+    extra_eos: tuple[str, ...] = ()
+    if name in CATALOG:
+        directory = gguf_checkpoint(CATALOG[name])
+        path, extra_eos = directory / "model.gguf", CATALOG[name].extra_eos
+    else:
+        path = directory = Path(name)
+        if not path.is_file():
+            raise ModelNotAvailable(f"no GGUF file at {path}")
+    if tokenizer is None:
+        from transformers import AutoTokenizer
+
+        try:
+            tokenizer = AutoTokenizer.from_pretrained(directory) if path is not directory else \
+                AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
+        except Exception:  # noqa: BLE001 - a GGUF whose tokenizer transformers cannot read still runs on ids
+            tokenizer = None
+    extra_ids = frozenset(tokenizer.convert_tokens_to_ids(t) for t in extra_eos) if tokenizer else frozenset()
+    weights = llamacpp.shared_weights(path)
+    return llamacpp.LlamaCppCausalLM(weights, tokenizer, name, extra_ids, f"{name} gguf", threads)
+
+
 def load_model(spec: Any, dtype: str | None = None, device: str | None = None, tokenizer: Any | None = None,
-               quant: str | None = None, group_size: int = 32) -> CausalLM:
-    """Load a CausalLM from a catalog name, a Hugging Face id or local path, or a transformers model.
+               quant: str | None = None, group_size: int = 32, backend: str | None = None) -> CausalLM:
+    """Load a CausalLM from a catalog name, a Hugging Face id or local path, a .gguf file, or a transformers model.
+
+    `backend` is auto (the default: see `resolve_backend`), hf (transformers) or llamacpp (the GGUF as it is,
+    also spelled `name@gguf`; `dtype` then does not apply).
 
     `dtype` is auto (the default for names: see `resolve_dtype`), bf16 or fp32; a transformers model keeps
     its own dtype and device unless they are given, and is never modified (speculant works on a copy).
@@ -95,8 +150,12 @@ def load_model(spec: Any, dtype: str | None = None, device: str | None = None, t
         if quant is not None:
             raise ConfigError(f"quantization given twice: '{spec}' and quant={quant}")
         spec, quant = split_quant(spec)
-    if quant is not None and quant not in QUANTS:
-        raise ConfigError(f"unknown quantization '{quant}' (choose from {', '.join(QUANTS)})")
+    if quant is not None and quant not in (*QUANTS, GGUF):
+        raise ConfigError(f"unknown quantization '{quant}' (choose from {', '.join(QUANTS)}, or gguf)")
+    if resolve_backend(backend, spec, quant, device, dtype) == "llamacpp":
+        if dtype not in (None, AUTO):
+            raise ConfigError("the llama.cpp backend runs the GGUF's own types: give no dtype")
+        return load_gguf(spec, tokenizer)
     model, tokenizer, name, extra_eos = _load_transformers(spec, dtype, device, tokenizer)
     if quant is not None:
         if model is spec:

@@ -61,11 +61,24 @@ def _canonical(device: torch.device) -> torch.device:
     return device
 
 
-def replica_factory(target: CausalLM) -> Callable[[str], CausalLM]:
+def gguf_replica(path: str, name: str, eos: frozenset[int], threads: int, device: str) -> CausalLM:
+    """A server's own llama.cpp context on a GGUF file, mapped once per process and shared by its contexts."""
+    from speculant.models.llamacpp import LlamaCppCausalLM, shared_weights
+
+    if device != "cpu":
+        raise ConfigError("speculant's llama.cpp backend runs on the CPU")
+    return LlamaCppCausalLM(shared_weights(path), None, name, eos, threads=threads)
+
+
+def replica_factory(target: CausalLM, servers: int = 1) -> Callable[[str], CausalLM]:
     """`ServerSpec.factory` for a loaded target: transformers weights are shared, not copied (threads share
-    the module, processes receive it through shared memory)."""
+    the module, processes receive it through shared memory); a llama.cpp target's servers map its GGUF file
+    by path, each with a context of its own and the machine's cores shared out between them."""
     if isinstance(target, HFCausalLM):
         return partial(hf_replica, target.model, target.name, target.eos_token_ids)
+    if getattr(target, "backend", None) == "llamacpp":
+        return partial(gguf_replica, str(target.weights.path), target.name, target.eos_token_ids,
+                       max(1, target.threads // servers))
     raise ConfigError(f"DSI needs a factory for target servers of type {type(target).__name__}")
 
 

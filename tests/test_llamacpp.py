@@ -1,0 +1,207 @@
+"""The llama.cpp backend: tiny GGUF files (llama and qwen2, q8_0 and f32 weights) written in the test agree
+with transformers on the same weights, tree attention through sequence ids is right, and every method's
+greedy output equals the backend's own `ar` token for token."""
+
+import random
+
+import pytest
+import torch
+
+pytest.importorskip("llama_cpp")
+
+from helpers import BYTE_VOCAB, byte_tokenizer  # noqa: E402
+from tiny_gguf import GGUF_ARCHS, write_tiny_gguf  # noqa: E402
+
+from speculant import generate  # noqa: E402
+from speculant.errors import ConfigError  # noqa: E402
+from speculant.models import HFCausalLM, load_model  # noqa: E402
+from speculant.models.loading import resolve_backend  # noqa: E402
+from speculant.tree import TokenTree  # noqa: E402
+
+TREE = TokenTree((7, 11, 12, 13, 21, 22, 31), (-1, 0, 0, 0, 1, 1, 4))  # root; 3 children; 2 grandchildren; 1 more
+QUANTS = ("q8_0", "f32")  # q8_0: several tokens per llama_decode; f32: one (ggml's f32 matmul is batch-dependent)
+
+
+@pytest.fixture(scope="module")
+def private_cache(tmp_path_factory):
+    """Machine profiles and measured widths of throwaway files go to a throwaway cache."""
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("SPECULANT_CACHE", str(tmp_path_factory.mktemp("cache")))
+        yield
+
+
+@pytest.fixture(scope="module")
+def gguf_files(tmp_path_factory, private_cache):
+    """{(arch, quant, seed): (path, the transformers model written)}."""
+    root = tmp_path_factory.mktemp("gguf")
+    files = {}
+    for arch in GGUF_ARCHS:
+        for quant in QUANTS:
+            for seed in (0, 1, 7):
+                path = root / f"{arch}-{quant}-{seed}.gguf"
+                files[arch, quant, seed] = (path, write_tiny_gguf(path, arch, seed, quant))
+    return files
+
+
+def gguf_model(gguf_files, arch, quant="q8_0", seed=0):
+    return load_model(str(gguf_files[arch, quant, seed][0]), tokenizer=byte_tokenizer())
+
+
+def prompt_ids(seed: int, n: int = 12) -> list[int]:
+    rng = random.Random(seed)
+    return [rng.randrange(BYTE_VOCAB - 1) for _ in range(n)]
+
+
+@pytest.mark.parametrize("quant", QUANTS)
+@pytest.mark.parametrize("arch", GGUF_ARCHS)
+def test_logits_agree_with_transformers_on_the_same_weights(gguf_files, arch, quant):
+    model = gguf_model(gguf_files, arch, quant)
+    reference = HFCausalLM(gguf_files[arch, quant, 0][1])
+    prompt = prompt_ids(1, 30)
+    tolerance = 0.02 if quant == "f32" else 0.2  # bf16 KV cache; q8_0 weights against their f32 originals
+    torch.testing.assert_close(model.prefill(prompt), reference.prefill(prompt), atol=tolerance, rtol=0)
+    torch.testing.assert_close(model.forward([5, 6, 7]), reference.forward([5, 6, 7]), atol=tolerance, rtol=0)
+    assert model.vocab_size == BYTE_VOCAB and model.eos_token_ids == {256} and model.cache_len == 33
+    model.rollback(31)
+    reference.rollback(31)
+    torch.testing.assert_close(model.forward([6]), reference.forward([6]), atol=tolerance, rtol=0)
+
+
+@pytest.mark.parametrize("arch", GGUF_ARCHS)
+def test_tree_attention_through_sequence_ids_agrees_with_transformers(gguf_files, arch):
+    """One pass over a tree, and the same tree grown node by node, score every node on its own path."""
+    model = gguf_model(gguf_files, arch, "f32")
+    reference = HFCausalLM(gguf_files[arch, "f32", 0][1])
+    prefix = prompt_ids(2, 9)
+    for m in (model, reference):
+        m.prefill(prefix)
+    expected = reference.forward(list(TREE.tokens), tree=TREE)
+    whole = model.forward(list(TREE.tokens), tree=TREE)
+    torch.testing.assert_close(whole, expected, atol=0.02, rtol=0)
+    model.rollback(len(prefix) + 1)  # the root stays, as a drafter's resync leaves it
+    grown = [model.forward(list(TREE.tokens[1:4]), tree=TokenTree(TREE.tokens[:4], TREE.parents[:4])),
+             model.forward(list(TREE.tokens[4:6]), tree=TokenTree(TREE.tokens[:6], TREE.parents[:6])),
+             model.forward(list(TREE.tokens[6:]), tree=TREE)]
+    torch.testing.assert_close(torch.cat(grown), expected[1:], atol=0.02, rtol=0)
+
+
+@pytest.mark.parametrize("quant", QUANTS)
+@pytest.mark.parametrize("arch", GGUF_ARCHS)
+def test_keep_leaves_the_cache_as_plain_decoding_would_bit_for_bit(gguf_files, arch, quant):
+    """Accepting a path off the tree's first chain: the next logits equal plain decoding's exactly."""
+    prefix = prompt_ids(3, 9)
+    for node in (6, 5, 2, 3, 0):
+        model = gguf_model(gguf_files, arch, quant)
+        model.prefill(prefix)
+        model.forward(list(TREE.tokens), tree=TREE)
+        path = TREE.path_to(node)
+        model.keep(list(range(len(prefix))) + [len(prefix) + i for i in path])
+        assert model.cache_len == len(prefix) + len(path)
+        after = model.forward([33, 34])
+        plain = gguf_model(gguf_files, arch, quant)
+        plain.prefill(prefix)
+        rows = [plain.forward([token]) for token in [TREE.tokens[i] for i in path] + [33, 34]]
+        assert torch.equal(after, torch.cat(rows[-2:])), node
+
+
+@pytest.mark.parametrize("quant", QUANTS)
+@pytest.mark.parametrize("arch", GGUF_ARCHS)
+def test_every_method_equals_ar_on_the_llamacpp_backend(gguf_files, arch, quant):
+    for seed in (0, 1):
+        target = gguf_model(gguf_files, arch, quant, seed)
+        other = gguf_model(gguf_files, arch, quant, 7)
+        prompt = prompt_ids(seed + 10)
+        expected = generate(target, prompt_ids=prompt, method="ar", max_new_tokens=30).token_ids
+        runs = {
+            "sd maxgram": dict(method="sd", drafter="maxgram", k=4),
+            "sd itself": dict(method="sd", drafter="self", k=3),
+            "sd other": dict(method="sd", drafter=other, k=5),
+            "tree itself": dict(method="tree", drafter="self", depth=3, width=3),
+            "tree other": dict(method="tree", drafter=other, depth=4, width=2),
+            "cascade": dict(method="cascade", drafters=[other, "maxgram"]),
+            "dsi": dict(method="dsi", drafter=other, servers=2, lookahead=3),
+            "auto": dict(method="auto", drafters=[other, "maxgram"]),
+        }
+        for label, options in runs.items():
+            assert generate(target, prompt_ids=prompt, max_new_tokens=30, **options).token_ids == expected, label
+
+
+def test_dsi_process_servers_load_the_gguf_by_path(gguf_files):
+    target = gguf_model(gguf_files, "qwen2", "q8_0", 1)
+    prompt = prompt_ids(20)
+    expected = generate(target, prompt_ids=prompt, method="ar", max_new_tokens=24).token_ids
+    result = generate(target, prompt_ids=prompt, method="dsi", drafter="maxgram", servers=2, lookahead=2,
+                      executor="process", max_new_tokens=24)
+    assert result.token_ids == expected
+
+
+def test_llamacpp_peers_decode_as_the_backend_does(gguf_files):
+    from speculant.bench.peers import PEERS, peer_generate
+    from speculant.config import SamplingConfig
+
+    target = gguf_model(gguf_files, "llama", "q8_0", 0)
+    prompt = prompt_ids(30)
+    expected = generate(target, prompt_ids=prompt, method="ar", max_new_tokens=20).token_ids
+    for peer in ("llamacpp-ar", "llamacpp-pld"):
+        result = peer_generate(peer, target, prompt, 20, PEERS[peer](), SamplingConfig(), 0)
+        assert len(result.token_ids) == 20 and result.stats.wall_s > 0
+        if peer == "llamacpp-ar":
+            assert result.token_ids == expected
+
+
+def test_bad_tree_calls_and_rollbacks_are_refused(gguf_files):
+    model = gguf_model(gguf_files, "llama")
+    model.prefill(prompt_ids(4))
+    with pytest.raises(ValueError, match="last nodes"):
+        model.forward([11, 12], tree=TREE)
+    with pytest.raises(ValueError, match="next positions"):
+        model.forward([5], positions=[40])
+    model.forward(list(TREE.tokens), tree=TREE)
+    with pytest.raises(ValueError, match="draft tree"):
+        model.forward([5])
+    with pytest.raises(ValueError, match="root-to-node path"):
+        model.keep(list(range(12)) + [12, 16])  # node 4 hangs below node 1, not the root
+    wide = TokenTree((1, *range(2, 70)), (-1, *[0] * 68))
+    model.rollback(12)
+    with pytest.raises(ValueError, match="at most 63 leaves"):
+        model.forward(list(wide.tokens), tree=wide)
+
+
+def test_backend_choice_and_clear_errors_before_loading(tmp_path):
+    assert resolve_backend("auto", "qwen2.5-coder-1.5b", None, "cpu") == "llamacpp"
+    assert resolve_backend("auto", "qwen2.5-coder-1.5b", "int8", "cpu") == "hf"
+    assert resolve_backend("auto", "qwen2.5-coder-1.5b", None, "cpu", "bf16") == "hf"
+    assert resolve_backend("auto", "org/model", None, "cpu") == "hf"
+    assert resolve_backend(None, "qwen2.5-coder-1.5b", "gguf", None) == "llamacpp"
+    assert resolve_backend("hf", "qwen2.5-coder-1.5b", None, "cpu") == "hf"
+    for args, message in [(("llamacpp", "org/model", None, "cpu"), "runs GGUF weights"),
+                          (("llamacpp", "qwen2.5-coder-1.5b", "int4", "cpu"), "runs the GGUF as it is"),
+                          (("hf", "qwen2.5-coder-1.5b", "gguf", "cpu"), "@gguf runs on the llama.cpp backend"),
+                          (("tpu", "qwen2.5-coder-1.5b", None, "cpu"), "unknown backend")]:
+        with pytest.raises(ConfigError, match=message):
+            resolve_backend(*args)
+    with pytest.raises(ConfigError, match="no dtype"):
+        load_model("qwen2.5-coder-1.5b@gguf", dtype="bf16")
+    with pytest.raises(Exception, match="no GGUF file"):
+        load_model(str(tmp_path / "missing.gguf"))
+
+
+@pytest.mark.real_model
+def test_catalog_gguf_loads_in_seconds_and_auto_is_exact():
+    import time
+
+    from speculant.models.catalog import CATALOG
+
+    try:
+        CATALOG["qwen2.5-coder-0.5b"].part_paths()
+    except Exception as error:  # noqa: BLE001
+        pytest.skip(str(error))
+    start = time.perf_counter()
+    target = load_model("qwen2.5-coder-0.5b@gguf")
+    assert time.perf_counter() - start < 60 and target.backend == "llamacpp"
+    prompt = "Repeat exactly: alpha beta gamma delta alpha beta gamma delta"
+    expected = generate(target, prompt, method="ar", max_new_tokens=24, chat=True)
+    for method in ("auto", "sd"):
+        options = {"drafter": "maxgram"} if method == "sd" else {}
+        assert generate(target, prompt, method=method, max_new_tokens=24, chat=True, **options).token_ids == \
+            expected.token_ids
