@@ -9,7 +9,7 @@ import pytest
 from helpers import ScriptedDrafter, byte_tokenizer, perturbed, random_prompt, tiny_model, tiny_transformer
 from speculant import cli, generate, latency, load_model
 from speculant.config import SamplingConfig
-from speculant.decoding.adaptive import Acceptance, Candidate, adaptive
+from speculant.decoding.adaptive import Acceptance, Candidate, adaptive, can_pay
 from speculant.decoding.run import timed
 from speculant.latency import LatencyProfile
 from test_sampling import assert_follows_target, sampling_pair
@@ -69,6 +69,28 @@ def test_greedy_auto_equals_ar_whatever_it_chooses(arch, dtype, monkeypatch):
     # The test exercised a chain, a tree and a cascade of the model drafter and a model-free or plain step.
     assert {"plain", "maxgram"} & used and drafter.name in used and f"{drafter.name} cascade" in used
     assert {f"{drafter.name} tree2", f"{drafter.name} tree4"} & used
+
+
+def test_a_drafter_that_could_not_pay_even_if_always_right_is_never_tried(monkeypatch):
+    """Where verification costs as much per token as decoding (ggml on 2 cores), a model drafter whose
+    step costs half a target forward cannot pay however often it agrees: auto never runs it."""
+    linear = lambda w: 0.06 * w  # noqa: E731
+    assert not can_pay(0.0, linear, 8) and can_pay(0.0, lambda w: 0.06 + 0.01 * w, 8)
+    assert can_pay(0.01, lambda w: 0.06 + 0.001 * w, 8) and not can_pay(0.03, lambda w: 0.01 + 0.05 * w, 16)
+    target = load_model(tiny_transformer("llama", 0, VOCAB, init_std=0.1))
+    drafter = target.share()  # agrees with the target every time
+    prompt = random_prompt(0, VOCAB)
+
+    def profile(model, *args, **kwargs):
+        step = 1.0 if model is target else 0.5
+        return LatencyProfile(model.name, "", "cpu", 256, step, step, {1: step, 16: 16 * step})
+
+    monkeypatch.setattr(latency, "machine_profile", profile)
+    result = generate(target, prompt_ids=prompt, method="auto", drafters=[drafter], max_new_tokens=20)
+    assert set(result.stats.choices) == {"plain"} and not result.stats.drafter_forwards
+    monkeypatch.setattr(latency, "machine_profile", costs(target))  # flat verification: the same drafter pays
+    result = generate(target, prompt_ids=prompt, method="auto", drafters=[drafter], max_new_tokens=20)
+    assert any(choice.startswith(drafter.name) for choice in result.stats.choices)
 
 
 def test_a_drafter_that_never_agrees_is_turned_off_and_probed_again():
