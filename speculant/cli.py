@@ -15,29 +15,13 @@ from speculant.config import (
     ModelConfig,
     RunConfig,
     SamplingConfig,
+    ServeConfig,
     add_options,
     flag,
     from_args,
 )
 from speculant.errors import ConfigError, SpeculantError
-from speculant.methods.registry import METHODS, all_options, owners
-
-
-class Detokenizer:
-    """Turns a growing list of token ids into text increments, holding back incomplete characters."""
-
-    def __init__(self, tokenizer: Any):
-        self.tokenizer = tokenizer
-        self.ids: list[int] = []
-        self.shown = 0
-
-    def push(self, token: int) -> str:
-        self.ids.append(token)
-        text = self.tokenizer.decode(self.ids, skip_special_tokens=True)
-        if text.endswith("\ufffd"):
-            return ""
-        piece, self.shown = text[self.shown:], len(text)
-        return piece
+from speculant.methods.registry import METHODS, all_options, get_method, owners
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -98,6 +82,33 @@ def build_parser() -> argparse.ArgumentParser:
     acc.add_argument("--depth", type=int, default=8, help="draft positions in the per-position curve")
     add_options(acc, ModelConfig)
     acc.add_argument("--json", action="store_true")
+
+    serve = commands.add_parser("serve", help="an OpenAI-compatible server (completions, chat, streaming, /metrics) "
+                                "with speculative decoding and continuous batching")
+    serve.add_argument("--target", default=DEFAULT_TARGET, help=f"target model (default: {DEFAULT_TARGET})")
+    serve.add_argument("--method", default=None, choices=list(METHODS),
+                       help="the server's decoding method (default: auto; sd when --drafter is given); a request may "
+                            "pick another through extra_body={'speculant': {'method': ..., 'k': ...}}")
+    add_method_options(serve)
+    add_options(serve, ModelConfig)
+    add_options(serve, ServeConfig)
+
+    load = commands.add_parser("bench-serve", help="load a running server: N requests at concurrency C; throughput, "
+                               "TTFT and inter-token latency percentiles, errors")
+    load.add_argument("--url", default="http://127.0.0.1:8000/v1", help="the server's base URL")
+    load.add_argument("--api-key", default=None)
+    load.add_argument("--model", default=None, help="model name to send (default: the server's first)")
+    data = load.add_mutually_exclusive_group()
+    data.add_argument("--dataset", default="humaneval[:10]", help="humaneval[:N] (default: humaneval[:10])")
+    data.add_argument("--prompts", default=None, metavar="FILE.jsonl[:N]", help="JSONL prompts (chat when 'turns')")
+    load.add_argument("--requests", type=int, default=32, help="requests to send, cycling over the prompts")
+    load.add_argument("--concurrency", type=int, nargs="+", default=[1, 4, 16], help="clients at once; one run each")
+    load.add_argument("--max-tokens", type=int, default=64)
+    load.add_argument("--temperature", type=float, default=0.0)
+    load.add_argument("--check-solo", action="store_true",
+                      help="then send each distinct prompt alone and count outputs that differ (greedy)")
+    load.add_argument("--label", default=None, help="a name for this server's configuration in the results")
+    load.add_argument("--out", default=None, help="append the results to OUT/results.jsonl")
 
     simulate = commands.add_parser("simulate", help="offline simulation of non-SI, SI and DSI (no model needed)")
     sims = simulate.add_subparsers(dest="simulation", required=True)
@@ -173,7 +184,6 @@ def resolve_method(method: str | None, given: dict[str, str]) -> str:
 def run_generate(args: argparse.Namespace) -> None:
     from speculant.api import generate
     from speculant.drafters.spec import MAXGRAM, DrafterSpec, load_drafter
-    from speculant.methods import get_method
     from speculant.methods.drafting import as_keywords, with_drafters
     from speculant.models import load_model
 
@@ -217,11 +227,13 @@ def run_generate(args: argparse.Namespace) -> None:
         for _ in stream:
             pass
     else:
-        detokenizer = Detokenizer(target.tokenizer)
+        from speculant.serve.text import TextStream
+
+        text = TextStream(target.tokenizer)
         for token in stream:
-            sys.stdout.write(detokenizer.push(token))
+            sys.stdout.write(text.push(token))
             sys.stdout.flush()
-        sys.stdout.write("\n")
+        sys.stdout.write(text.flush() + "\n")
     result = stream.result
     assert result is not None
     if args.json:
@@ -373,6 +385,50 @@ def run_acceptance(args: argparse.Namespace) -> None:
                   f"{report.expected_sampling_acceptance:.3f}")
 
 
+def run_serve(args: argparse.Namespace) -> None:
+    from speculant.models import load_model
+    from speculant.serve.app import serve
+
+    config = from_args(ServeConfig, args)
+    model_config = from_args(ModelConfig, args)
+    given = {name: getattr(args, name) for name in all_options() if getattr(args, name) is not None}
+    method = get_method(resolve_method(args.method, given))
+    options = method.parse_options(given)
+    backend = serving_backend(model_config)
+    print(f"loading target {args.target} (backend {backend}, dtype {model_config.dtype}, {model_config.device})",
+          file=sys.stderr)
+    target = load_model(args.target, dtype=model_config.dtype, device=model_config.device, backend=backend)
+    serve(target, method.name, options, config, config.served_name or args.target)
+
+
+def serving_backend(config: ModelConfig) -> str:
+    """`auto` for a server: transformers where its forwards batch (native bf16 on the CPU, or CUDA: a batch
+    of rows costs about one row), else what `auto` picks for one sequence."""
+    from speculant.machine import native_bf16
+
+    if config.backend != "auto":
+        return config.backend
+    return "hf" if config.device != "cpu" or native_bf16() else "auto"
+
+
+def run_bench_serve(args: argparse.Namespace) -> None:
+    from speculant.bench.datasets import load_dataset
+    from speculant.bench.serve import format_load, run_load
+
+    if args.requests < 1 or min(args.concurrency) < 1 or args.max_tokens < 1:
+        raise ConfigError("requests, concurrency and max-tokens must be >= 1")
+    prompts = load_dataset(args.prompts or args.dataset)
+    for concurrency in args.concurrency:
+        result = run_load(args.url, prompts, args.requests, concurrency, args.max_tokens, args.temperature,
+                          args.model, args.api_key, args.check_solo, args.label)
+        print(format_load(result))
+        if args.out:
+            out = Path(args.out)
+            out.mkdir(parents=True, exist_ok=True)
+            with (out / "results.jsonl").open("a") as f:
+                f.write(json.dumps(result) + "\n")
+
+
 def run_simulate(args: argparse.Namespace) -> None:
     from speculant.analysis.commands import format_one, run_heatmap, simulate_one
 
@@ -427,6 +483,10 @@ def main(argv: Sequence[str] | None = None) -> int:
             run_profile(args)
         elif args.command == "acceptance":
             run_acceptance(args)
+        elif args.command == "serve":
+            run_serve(args)
+        elif args.command == "bench-serve":
+            run_bench_serve(args)
     except SpeculantError as error:
         print(f"speculant: error: {error}", file=sys.stderr)
         return 2

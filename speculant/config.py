@@ -82,6 +82,24 @@ class ModelConfig:
             raise ConfigError(f"unknown backend '{self.backend}' (choose from auto, {', '.join(BACKENDS)})")
 
 
+@dataclass(frozen=True)
+class ServeConfig:
+    """`speculant serve`: where it listens and how many requests it takes at once."""
+
+    host: str = option("127.0.0.1", "address to bind (127.0.0.1: this machine only)")
+    port: int = option(8000, "TCP port")
+    api_key: str | None = option(None, "require 'Authorization: Bearer KEY' (401 otherwise)")
+    served_name: str | None = option(None, "the model name clients send (default: the target's name)")
+    max_batch: int = option(16, "requests decoded together, their forwards batched (1: one request at a time)")
+    max_queue: int = option(64, "requests waiting for a batch slot; more are answered 429")
+
+    def __post_init__(self) -> None:
+        if not 0 < self.port < 65536:
+            raise ConfigError(f"port must lie in [1, 65535], got {self.port}")
+        if self.max_batch < 1 or self.max_queue < 0:
+            raise ConfigError("max-batch must be >= 1 and max-queue >= 0")
+
+
 def flag(name: str) -> str:
     return "--" + name.replace("_", "-")
 

@@ -116,7 +116,9 @@ def machine_profile(model, repeats: int = 3, progress: bool = True) -> LatencyPr
     for a 1.5B model, with a progress bar on stderr) and remembered in the speculant cache for models
     loaded by name; `speculant profile` shows it."""
     from speculant.cache import cache_root
+    from speculant.models.base import profiled_as
 
+    model = profiled_as(model)
     key = machine_key(model)
     if model in _profiles and _profiles[model][0] == key:
         return _profiles[model][1]

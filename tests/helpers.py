@@ -118,3 +118,19 @@ def random_prompt(seed: int, vocab: int, length: int = 8) -> list[int]:
 
 def total_variation(a: torch.Tensor, b: torch.Tensor) -> float:
     return 0.5 * float((a - b).abs().sum())
+
+
+def run_job(engine, ids, max_tokens=24, sampling=None, seed=None, stops=(), method=None, options=None):
+    """One request through a serving engine (`speculant.serve.engine`), waited for: its Outcome."""
+    import threading
+
+    from speculant.config import SamplingConfig
+    from speculant.serve.engine import Job
+
+    done, out = threading.Event(), []
+    job = Job(ids, max_tokens, sampling or SamplingConfig(), seed, stops, method, options or {})
+    engine.submit(job, lambda piece: None, lambda outcome: (out.append(outcome), done.set()))
+    assert done.wait(120)
+    if isinstance(out[0], BaseException):
+        raise out[0]
+    return out[0]

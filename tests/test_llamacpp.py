@@ -9,7 +9,7 @@ import torch
 
 pytest.importorskip("llama_cpp")
 
-from helpers import BYTE_VOCAB, byte_tokenizer  # noqa: E402
+from helpers import BYTE_VOCAB, byte_tokenizer, run_job  # noqa: E402
 from tiny_gguf import GGUF_ARCHS, write_tiny_gguf  # noqa: E402
 
 from speculant import generate  # noqa: E402
@@ -124,6 +124,24 @@ def test_every_method_equals_ar_on_the_llamacpp_backend(gguf_files, arch, quant)
         }
         for label, options in runs.items():
             assert generate(target, prompt_ids=prompt, max_new_tokens=30, **options).token_ids == expected, label
+
+
+def test_a_server_on_llamacpp_answers_concurrent_requests_as_it_would_alone(gguf_files):
+    """Rows of a llama.cpp target run one after another on contexts of their own: outputs as alone."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from speculant.methods import get_method
+    from speculant.serve.engine import Engine
+
+    target = gguf_model(gguf_files, "llama", "q8_0", 0)
+    other = gguf_model(gguf_files, "llama", "q8_0", 7)
+    engine = Engine(target, "auto", get_method("auto").make_options({"drafters": (other, "maxgram")}))
+    prompts = [prompt_ids(seed) for seed in range(5)]
+    solo = [run_job(engine, p).text for p in prompts]
+    with ThreadPoolExecutor(len(prompts)) as pool:
+        assert list(pool.map(lambda p: run_job(engine, p).text, prompts)) == solo
+    assert solo[0] == generate(target, prompt_ids=prompts[0], method="ar", max_new_tokens=24).text
+    engine.close()
 
 
 def test_dsi_process_servers_load_the_gguf_by_path(gguf_files):

@@ -99,7 +99,7 @@ def test_decoding_imports_nothing_from_analysis_or_cli():
         "    for m in pkgutil.walk_packages(path, f'speculant.{package}.'):\n"
         "        importlib.import_module(m.name)\n"
         "above = sorted(m for m in sys.modules if m.split('.')[:2] in (['speculant', 'analysis'], ['speculant', 'cli'],"
-        " ['speculant', 'bench'], ['speculant', 'api']))\n"
+        " ['speculant', 'bench'], ['speculant', 'api'], ['speculant', 'serve']))\n"
         "print(__import__('json').dumps([len([m for m in sys.modules if m.startswith('speculant.decoding.')]), above]))\n"
     )
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)

@@ -88,10 +88,11 @@ def build(request: Request, options: AutoOptions) -> Any:
     from speculant.drafters.spec import load_drafter
     from speculant.drafters.tree import TreeDrafter
     from speculant.latency import machine_profile
+    from speculant.models.base import profiled_as
 
     target = request.target
     cost = machine_profile(target).cost
-    loaded, learned = _loaded.setdefault(target, {}), _learned.setdefault(target, {})
+    loaded, learned = _loaded.setdefault(target, {}), _learned.setdefault(profiled_as(target), {})
     candidates = []
     for spec in options.drafters if options.drafters is not None else default_drafters(target):
         key = (str(as_drafter(spec)) if isinstance(spec, str) else id(spec), options.drafter_dtype)

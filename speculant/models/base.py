@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any, Protocol, runtime_checkable
 
 import torch
@@ -51,6 +52,26 @@ class CausalLM(Protocol):
     def keep(self, indices: Sequence[int]) -> None:
         """Keep only the cached positions `indices` (ascending), e.g. the accepted path of a tree."""
         ...
+
+
+@dataclass(frozen=True)
+class Call:
+    """One call of a CausalLM's `prefill` (then `positions` and `tree` are None) or `forward`, as data: what a
+    batching server collects from many sequences and runs together."""
+
+    ids: Sequence[int]
+    prefill: bool = False
+    positions: Sequence[int] | None = None
+    tree: TokenTree | None = None
+
+    def run(self, model: CausalLM) -> torch.Tensor:
+        return model.prefill(self.ids) if self.prefill else model.forward(self.ids, self.positions, tree=self.tree)
+
+
+def profiled_as(model: Any) -> Any:
+    """What per-model knowledge (machine profiles, measured costs, learned acceptance) is kept under: for a
+    server's per-request handle the model it shares (`serve.batcher.Row.shares`), else the model itself."""
+    return getattr(model, "shares", model)
 
 
 def common_prefix_len(a: Sequence[int], b: Sequence[int]) -> int:

@@ -11,6 +11,7 @@ import torch
 from torch.nn.attention import SDPBackend, sdpa_kernel
 from transformers import DynamicCache, PreTrainedModel
 
+from speculant.models.base import Call
 from speculant.models.exact import make_exact
 from speculant.tree import TokenTree
 
@@ -55,9 +56,13 @@ class HFCausalLM:
         name: str | None = None,
         extra_eos: frozenset[int] = frozenset(),
         identity: str | None = None,
+        kernel: str | None = None,
     ):
-        self.model = model = private_copy(model).eval()
-        self.kernel = make_exact(model) or "quantized"  # the batch-invariant linear kernel
+        if kernel is None:  # a new model: rewire a private copy; else another handle on a backend's modules
+            model = private_copy(model).eval()
+            kernel = make_exact(model) or "quantized"
+        self.model = model
+        self.kernel = kernel  # the batch-invariant linear kernel
         self.tokenizer = tokenizer
         self.name = name or getattr(model.config, "_name_or_path", "") or type(model).__name__
         self.identity = identity  # what the weights are when loaded by name: machine profiles persist per identity
@@ -75,7 +80,7 @@ class HFCausalLM:
 
     def share(self) -> HFCausalLM:
         """Another handle on the same weights with a cache of its own (e.g. a model drafting for itself)."""
-        return HFCausalLM(self.model, self.tokenizer, self.name, self.eos_token_ids, self.identity)
+        return HFCausalLM(self.model, self.tokenizer, self.name, self.eos_token_ids, self.identity, self.kernel)
 
     @property
     def cache_len(self) -> int:
@@ -94,8 +99,14 @@ class HFCausalLM:
     ) -> torch.Tensor:
         """With `tree`, `ids` are its last len(ids) nodes; its earlier nodes are the last cached positions.
         Each node then attends to the cache before the tree and to its own ancestors only."""
+        positions, mask = self._layout(ids, positions, tree)
+        return self._run(ids, positions, mask, logits_to_keep=0)
+
+    def _layout(self, ids: Sequence[int], positions: Sequence[int] | None, tree: TokenTree | None
+                ) -> tuple[Sequence[int], torch.Tensor | None]:
+        """Positions of new tokens and their attention mask ([1, 1, n, cached + n]; None: causal)."""
         if tree is None:
-            return self._run(ids, positions, None, logits_to_keep=0)
+            return positions if positions is not None else range(self._len, self._len + len(ids)), None
         n, start = len(ids), len(tree) - len(ids)  # first new node
         tree_begin = self._len - start  # cache position of the root
         if start < 0 or tree_begin < 0 or list(ids) != list(tree.tokens[start:]):
@@ -105,16 +116,15 @@ class HFCausalLM:
         mask = torch.zeros(allowed.shape, dtype=self.dtype).masked_fill_(~allowed, torch.finfo(self.dtype).min)
         if positions is None:
             positions = tree.positions(tree_begin)[start:]
-        return self._run(ids, positions, mask[None, None].to(self.device), logits_to_keep=0)
+        return positions, mask[None, None].to(self.device)
 
     def _run(self, ids: Sequence[int], positions: Sequence[int] | None, mask: torch.Tensor | None,
              logits_to_keep: int) -> torch.Tensor:
         input_ids = torch.as_tensor(ids, dtype=torch.long, device=self.device).view(1, -1)
         n = input_ids.shape[1]
         if positions is None:
-            position_ids = torch.arange(self._len, self._len + n, device=self.device).view(1, -1)
-        else:
-            position_ids = torch.as_tensor(positions, dtype=torch.long, device=self.device).view(1, -1)
+            positions = range(self._len, self._len + n)
+        position_ids = torch.as_tensor(list(positions), dtype=torch.long, device=self.device).view(1, -1)
         with sdpa_kernel(CUDA_ATTENTION) if self.device.type == "cuda" else nullcontext():
             out = self.model(
                 input_ids=input_ids,
@@ -148,3 +158,56 @@ class HFCausalLM:
                 layer.keys = layer.keys.index_select(-2, index)
                 layer.values = layer.values.index_select(-2, index)
         self._len = index.numel()
+
+
+# Architectures whose logits are the output embedding of the base model's last hidden state, nothing more:
+# `forward_rows` runs their base model and head itself.
+ROW_ARCHITECTURES = frozenset({"llama", "qwen2", "qwen3", "mistral", "gpt2", "gpt_neox"})
+
+
+def batches_rows(model: HFCausalLM) -> bool:
+    """Whether `forward_rows` can run this model's rows in one forward."""
+    return model.model.config.model_type in ROW_ARCHITECTURES and model.kernel != "quantized"
+
+
+@torch.inference_mode()
+def forward_rows(rows: Sequence[tuple[HFCausalLM, Call]]) -> list[torch.Tensor]:
+    """One forward for several sequences on the same weights, each a (handle, call) row with a cache of its
+    own; each row gets what its call would return alone (a prefill resets the row's cache and returns its
+    last token's logits [vocab], a forward one logits row per token [n, vocab]). The rows' tokens run as one input whose linear layers are
+    row-invariant (`exact.py`) and whose attention takes each row's keys from its own cache
+    (`invariant.Segment`), so every row's logits are bit for bit those of its own forward: batching
+    never changes what a request generates."""
+    from speculant.models.invariant import Segment
+
+    model = rows[0][0].model
+    if any(handle.model is not model for handle, _ in rows) or not batches_rows(rows[0][0]):
+        raise ValueError("forward_rows needs handles on the same weights, of an architecture it batches")
+    ids: list[int] = []
+    positions: list[int] = []
+    segments, picks = [], []
+    for handle, call in rows:
+        new = list(call.ids)
+        if call.prefill:
+            if not new:
+                raise ValueError("prefill needs at least one token")
+            handle.rollback(0)
+        where, mask = handle._layout(new, call.positions, call.tree)
+        segments.append(Segment(len(ids), len(new), handle._cache, mask))
+        picks.append(range(len(ids) + len(new) - 1 if call.prefill else len(ids), len(ids) + len(new)))
+        ids.extend(new)
+        positions.extend(where)
+    device = rows[0][0].device
+    hidden = model.base_model(input_ids=torch.as_tensor(ids, device=device).view(1, -1),
+                              position_ids=torch.as_tensor(positions, device=device).view(1, -1),
+                              use_cache=False, segments=segments).last_hidden_state[0]
+    index = torch.as_tensor([i for pick in picks for i in pick], device=device)
+    logits = model.get_output_embeddings()(hidden.index_select(0, index)).float()
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    out, at = [], 0
+    for (handle, call), pick in zip(rows, picks):
+        handle._len += len(call.ids)
+        out.append(logits[at] if call.prefill else logits[at : at + len(pick)])
+        at += len(pick)
+    return out

@@ -12,6 +12,10 @@ by construction (`quant.Int8DynamicLinear`), and norms, rotary embeddings and ac
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -20,13 +24,36 @@ from transformers import AttentionInterface
 ROW_INVARIANT = "speculant_row_invariant"
 
 
+@dataclass(frozen=True)
+class Segment:
+    """One sequence's new tokens inside a forward that runs several sequences as one (`hf.forward_rows`):
+    tokens [start, start + n) of the input, appended to `cache` (that sequence's own), attending as
+    `mask` says (None: causal over the cache and the new tokens; else a [1, 1, n, cached + n] mask)."""
+
+    start: int
+    n: int
+    cache: Any  # a transformers Cache
+    mask: torch.Tensor | None
+
+
 def row_invariant_attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                             attention_mask: torch.Tensor | None, scaling: float | None = None,
-                            dropout: float = 0.0, **kwargs) -> tuple[torch.Tensor, None]:
+                            dropout: float = 0.0, segments: Sequence[Segment] | None = None,
+                            **kwargs) -> tuple[torch.Tensor, None]:
     """transformers attention function (batch 1): query [1, heads, q, d], key/value [1, kv_heads, k, d].
 
     `attention_mask` is None (causal: query i is the (k - q + i)-th position) or a 4D mask, boolean or
-    additive, such as a token tree's (each node sees the cache before the tree and its ancestors)."""
+    additive, such as a token tree's (each node sees the cache before the tree and its ancestors).
+    With `segments` the input holds several sequences' new tokens (key/value: theirs only, no cache
+    given to the model): each segment's keys join its own cache and its queries attend there, exactly
+    as in a forward of that sequence alone."""
+    if segments is not None:
+        parts = []
+        for s in segments:
+            rows = slice(s.start, s.start + s.n)
+            key_s, value_s = s.cache.update(key[:, :, rows], value[:, :, rows], module.layer_idx)
+            parts.append(row_invariant_attention(module, query[:, :, rows], key_s, value_s, s.mask, scaling)[0])
+        return torch.cat(parts, dim=1), None
     if query.shape[0] != 1:
         raise ValueError("row-invariant attention runs one sequence at a time")
     q_len, k_len = query.shape[2], key.shape[2]

@@ -22,7 +22,7 @@ from speculant.config import EXECUTORS, SamplingConfig
 from speculant.decoding.dsi.jobs import Canceller, Job, ServerDied, TargetServer
 from speculant.decoding.dsi.twin import Latency, PaddedModel
 from speculant.errors import ConfigError, ModelNotAvailable
-from speculant.models.base import CausalLM
+from speculant.models.base import CausalLM, profiled_as
 from speculant.models.hf import HFCausalLM
 
 
@@ -73,7 +73,9 @@ def gguf_replica(path: str, name: str, eos: frozenset[int], threads: int, device
 def replica_factory(target: CausalLM, servers: int = 1) -> Callable[[str], CausalLM]:
     """`ServerSpec.factory` for a loaded target: transformers weights are shared, not copied (threads share
     the module, processes receive it through shared memory); a llama.cpp target's servers map its GGUF file
-    by path, each with a context of its own and the machine's cores shared out between them."""
+    by path, each with a context of its own and the machine's cores shared out between them. A server's
+    per-request handle gets replicas of the model it shares (they run beside its batched forwards)."""
+    target = profiled_as(target)
     if isinstance(target, HFCausalLM):
         return partial(hf_replica, target.model, target.name, target.eos_token_ids)
     if getattr(target, "backend", None) == "llamacpp":

@@ -1,0 +1,136 @@
+"""`speculant bench-serve`: N requests at concurrency C against a running OpenAI-compatible server.
+
+Each client streams its completions (chat for chat prompts) and times the first text and every later
+chunk; the run reports throughput over the wall time, TTFT and inter-token latency percentiles, errors
+and lost requests (sent, never finished), and with `check_solo` how many outputs differ from the same
+prompt sent alone (greedy)."""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+from collections.abc import Sequence
+from typing import Any
+
+import httpx
+import numpy as np
+
+from speculant.bench.datasets import Prompt
+
+TIMEOUT_S = 600.0
+
+
+def request_body(prompt: Prompt, model: str, max_tokens: int, temperature: float, stream: bool) -> tuple[str, dict]:
+    """(endpoint, body) for one prompt: chat for chat prompts and conversations, else a completion."""
+    body: dict[str, Any] = {"model": model, "max_tokens": max_tokens, "temperature": temperature, "stream": stream}
+    if stream:
+        body["stream_options"] = {"include_usage": True}
+    if prompt.chat:
+        messages = [{"role": "user", "content": prompt.text}] if isinstance(prompt.text, str) else list(prompt.text)
+        return "/chat/completions", {**body, "messages": messages}
+    return "/completions", {**body, "prompt": prompt.text}
+
+
+def piece_of(chunk: dict) -> str:
+    choice = (chunk.get("choices") or [{}])[0]
+    return choice.get("text") or (choice.get("delta") or {}).get("content") or ""
+
+
+def stream_one(client: httpx.Client, endpoint: str, body: dict) -> dict[str, Any]:
+    """One streamed request: its text, completion tokens, TTFT and chunk arrival times (seconds from the send)."""
+    start = time.perf_counter()
+    text, times, usage, done = [], [], None, False
+    with client.stream("POST", endpoint, json=body) as response:
+        if response.status_code != 200:
+            response.read()
+            return {"error": f"HTTP {response.status_code}: {response.text[:200]}"}
+        for line in response.iter_lines():
+            if not line.startswith("data: "):
+                continue
+            if line == "data: [DONE]":
+                done = True
+                break
+            chunk = json.loads(line[6:])
+            if "error" in chunk:
+                return {"error": chunk["error"].get("message", "error")}
+            usage = chunk.get("usage") or usage
+            if piece := piece_of(chunk):
+                text.append(piece)
+                times.append(time.perf_counter() - start)
+    if not done:
+        return {"error": "the stream ended without [DONE]", "lost": True}
+    tokens = (usage or {}).get("completion_tokens", len(times))
+    return {"text": "".join(text), "tokens": tokens, "times": times, "speculative": (usage or {}).get("speculative")}
+
+
+def percentiles(values: Sequence[float]) -> dict[str, float | None]:
+    if not values:
+        return {"p50": None, "p90": None, "p99": None}
+    p = np.percentile(np.asarray(values) * 1000, [50, 90, 99])
+    return {"p50": round(float(p[0]), 1), "p90": round(float(p[1]), 1), "p99": round(float(p[2]), 1)}
+
+
+def run_load(url: str, prompts: Sequence[Prompt], requests: int, concurrency: int, max_tokens: int,
+             temperature: float = 0.0, model: str | None = None, api_key: str | None = None,
+             check_solo: bool = False, label: str | None = None) -> dict[str, Any]:
+    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+    with httpx.Client(base_url=url, headers=headers, timeout=TIMEOUT_S) as client:
+        model = model or client.get("/models").raise_for_status().json()["data"][0]["id"]
+        order = [i % len(prompts) for i in range(requests)]
+        results: list[dict[str, Any] | None] = [None] * requests
+        next_index = iter(range(requests))
+        lock = threading.Lock()
+
+        def worker() -> None:
+            while True:
+                with lock:
+                    i = next(next_index, None)
+                if i is None:
+                    return
+                endpoint, body = request_body(prompts[order[i]], model, max_tokens, temperature, stream=True)
+                try:
+                    results[i] = stream_one(client, endpoint, body)
+                except httpx.HTTPError as error:
+                    results[i] = {"error": f"{type(error).__name__}: {error}"}
+
+        start = time.perf_counter()
+        threads = [threading.Thread(target=worker) for _ in range(min(concurrency, requests))]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        wall = time.perf_counter() - start
+        done = [r for r in results if r is not None and "error" not in r]
+        mismatches = None
+        if check_solo:
+            solo: dict[int, str] = {}
+            for p in sorted(set(order)):
+                endpoint, body = request_body(prompts[p], model, max_tokens, temperature, stream=True)
+                solo[p] = stream_one(client, endpoint, body).get("text", "")
+            mismatches = sum(r is not None and "error" not in r and r["text"] != solo[order[i]]
+                             for i, r in enumerate(results))
+    tokens = sum(r["tokens"] for r in done)
+    itl = [(r["times"][-1] - r["times"][0]) / (r["tokens"] - 1) for r in done if r["tokens"] > 1 and len(r["times"]) > 1]
+    return {
+        "label": label, "url": url, "model": model, "concurrency": concurrency, "requests": requests,
+        "max_tokens": max_tokens, "temperature": temperature, "wall_s": round(wall, 2),
+        "throughput_tok_s": round(tokens / wall, 2), "requests_per_s": round(len(done) / wall, 3),
+        "completion_tokens": tokens, "ttft_ms": percentiles([r["times"][0] for r in done if r["times"]]),
+        "itl_ms": percentiles(itl),
+        "errors": sum(r is None or "error" in r for r in results),
+        "lost": sum(r is None or bool(r.get("lost")) for r in results),
+        "mismatches_vs_solo": mismatches,
+        "error_samples": sorted({r["error"] for r in results if r is not None and "error" in r})[:3],
+    }
+
+
+def format_load(result: dict[str, Any]) -> str:
+    ttft, itl = result["ttft_ms"], result["itl_ms"]
+    line = (f"{result['label'] or result['url']}: C={result['concurrency']}, {result['requests']} requests x "
+            f"{result['max_tokens']} tokens in {result['wall_s']:.1f} s: {result['throughput_tok_s']:.1f} tok/s, "
+            f"TTFT p50/p90/p99 {ttft['p50']}/{ttft['p90']}/{ttft['p99']} ms, ITL {itl['p50']}/{itl['p90']}/{itl['p99']} ms, "
+            f"{result['errors']} errors, {result['lost']} lost")
+    if result["mismatches_vs_solo"] is not None:
+        line += f", {result['mismatches_vs_solo']} outputs differ from solo"
+    return line + ("; " + "; ".join(result["error_samples"]) if result["error_samples"] else "")

@@ -1,0 +1,1 @@
+"""An OpenAI-compatible server with speculative decoding and continuous batching (`speculant serve`)."""

@@ -1,0 +1,238 @@
+"""`speculant serve`: an OpenAI-compatible HTTP API over the serving engine (FastAPI).
+
+Endpoints: GET /v1/models, POST /v1/completions, POST /v1/chat/completions (streamed as server-sent
+events with `stream: true`, ending with `data: [DONE]`), GET /health, GET /metrics. Every refusal is a
+4xx JSON error in OpenAI's shape, given before the request reaches the engine.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+import uuid
+from collections.abc import AsyncIterator, Callable
+from contextlib import asynccontextmanager
+from typing import Any
+
+from fastapi import Depends, FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+
+from speculant.api import encode_prompt
+from speculant.config import SamplingConfig, ServeConfig
+from speculant.errors import ConfigError
+from speculant.serve.engine import Engine, Job, Outcome, QueueFull
+from speculant.serve.metrics import Metrics
+from speculant.serve.schema import ApiError, ChatRequest, CompletionRequest, Sampling
+
+DRAIN_S = 600.0  # at shutdown, how long running requests may take to finish
+
+
+class _End:
+    def __init__(self, outcome: Outcome | BaseException):
+        self.outcome = outcome
+
+
+def create_app(engine: Engine, served_name: str, api_key: str | None = None) -> FastAPI:
+    """The API for `engine`'s target, known to clients as `served_name`; `api_key` (if given) is required."""
+    metrics = engine.metrics or Metrics()
+    created = int(time.time())
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        yield
+        await asyncio.to_thread(engine.close, DRAIN_S)  # SIGTERM: uvicorn stops taking requests, these finish
+
+    app = FastAPI(title="speculant", lifespan=lifespan)
+
+    def check_key(request: Request) -> None:
+        if api_key is not None and request.headers.get("authorization") != f"Bearer {api_key}":
+            raise ApiError(401, "missing or wrong API key (send 'Authorization: Bearer KEY')", code="invalid_api_key")
+
+    @app.exception_handler(ApiError)
+    async def api_error(request: Request, error: ApiError) -> JSONResponse:
+        return JSONResponse(error.body, status_code=error.status)
+
+    @app.exception_handler(RequestValidationError)
+    async def invalid(request: Request, error: RequestValidationError) -> JSONResponse:
+        first = error.errors()[0]
+        where = ".".join(str(p) for p in first.get("loc", ()) if p != "body")
+        message = "the body is not valid JSON" if first.get("type") == "json_invalid" else \
+            f"{where or 'body'}: {first.get('msg', 'invalid')}"
+        return JSONResponse(ApiError(400, message, param=where or None).body, status_code=400)
+
+    @app.middleware("http")
+    async def count(request: Request, call_next: Callable) -> Response:
+        response = await call_next(request)
+        if request.url.path.startswith("/v1/"):
+            metrics.request(request.url.path, response.status_code)
+        return response
+
+    @app.get("/health")
+    async def health() -> dict[str, str]:
+        return {"status": "ok"}
+
+    @app.get("/metrics")
+    async def prometheus() -> Response:
+        return Response(metrics.render(), media_type="text/plain; version=0.0.4")
+
+    @app.get("/v1/models", dependencies=[Depends(check_key)])
+    async def models() -> dict[str, Any]:
+        return {"object": "list", "data": [{"id": served_name, "object": "model", "created": created,
+                                            "owned_by": "speculant"}]}
+
+    @app.post("/v1/completions", dependencies=[Depends(check_key)])
+    async def completions(body: CompletionRequest) -> Any:
+        tokenizer = engine.target.tokenizer
+        if isinstance(body.prompt, list):
+            ids = body.prompt
+            if any(not 0 <= t < engine.target.vocab_size for t in ids):
+                raise ApiError(400, f"prompt token ids must lie in [0, {engine.target.vocab_size})", "prompt")
+        else:
+            if tokenizer is None:
+                raise ApiError(400, "this model has no tokenizer: send the prompt as token ids", "prompt")
+            ids = encode_prompt(tokenizer, body.prompt) if body.prompt else []
+        return await respond(body, ids, body.max_tokens or 16, chat=False)
+
+    @app.post("/v1/chat/completions", dependencies=[Depends(check_key)])
+    async def chat(body: ChatRequest) -> Any:
+        try:
+            ids = encode_prompt(engine.target.tokenizer, [m.as_template() for m in body.messages])
+        except ConfigError as error:
+            raise ApiError(400, str(error), "messages") from None
+        return await respond(body, ids, body.max_completion_tokens or body.max_tokens, chat=True)
+
+    async def respond(body: Sampling, ids: list[int], max_tokens: int | None, chat: bool) -> Any:
+        if body.model != served_name:
+            raise ApiError(404, f"model '{body.model}' is not served here (this server has '{served_name}')",
+                           "model", "model_not_found")
+        job = make_job(body, ids, max_tokens)
+        loop = asyncio.get_running_loop()
+        queue: asyncio.Queue = asyncio.Queue()
+
+        def put(item: Any) -> None:
+            try:
+                loop.call_soon_threadsafe(queue.put_nowait, item)
+            except RuntimeError:  # the loop is gone: the server stopped
+                pass
+
+        try:
+            ticket = engine.submit(job, put, lambda outcome: put(_End(outcome)))
+        except QueueFull as error:
+            raise ApiError(429, f"the server is busy: {error}", code="queue_full") from None
+        except ConfigError as error:
+            raise ApiError(400, str(error), "speculant") from None
+        ident = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex[:24]
+        shape = Shape(ident, served_name, chat)
+        if body.stream:
+            include_usage = body.stream_options is not None and body.stream_options.include_usage
+            return StreamingResponse(stream(queue, ticket, shape, include_usage), media_type="text/event-stream")
+        pieces = []
+        try:
+            while not isinstance(item := await queue.get(), _End):
+                pieces.append(item)
+        finally:
+            ticket.cancel()
+        outcome = ended(item)
+        metrics.usage(outcome.prompt_tokens, outcome.completion_tokens)
+        return shape.whole(outcome)
+
+    async def stream(queue: asyncio.Queue, ticket: Any, shape: Shape, include_usage: bool) -> AsyncIterator[str]:
+        try:
+            if shape.chat:
+                yield sse(shape.chunk({"role": "assistant", "content": ""}))
+            while not isinstance(item := await queue.get(), _End):
+                yield sse(shape.chunk(item))
+            outcome = ended(item, streaming=True)
+            metrics.usage(outcome.prompt_tokens, outcome.completion_tokens)
+            yield sse(shape.chunk(None, outcome.finish_reason))
+            if include_usage:
+                yield sse({**shape.chunk(None), "choices": [], "usage": shape.usage(outcome)})
+        except ApiError as error:  # the engine failed mid-stream: say so in the stream
+            yield sse(error.body)
+        finally:
+            ticket.cancel()  # a client that went away frees its row after the current forward
+        yield "data: [DONE]\n\n"
+
+    def make_job(body: Sampling, ids: list[int], max_tokens: int | None) -> Job:
+        if not ids:
+            raise ApiError(400, "the prompt is empty", "prompt")
+        limit = engine.target.max_positions
+        if limit is not None and len(ids) >= limit:
+            raise ApiError(400, f"the prompt has {len(ids)} tokens; this model holds {limit} positions", "prompt",
+                           "context_length_exceeded")
+        if max_tokens is None:
+            max_tokens = (limit - len(ids)) if limit is not None else 1 << 30
+        elif limit is not None and len(ids) + max_tokens > limit:
+            raise ApiError(400, f"max_tokens {max_tokens} after a {len(ids)}-token prompt exceeds this model's "
+                           f"{limit} positions", "max_tokens", "context_length_exceeded")
+        sampling = SamplingConfig(body.temperature, None, body.top_p if body.top_p < 1 else None)
+        overrides = dict(body.speculant or {})
+        method = overrides.pop("method", None)
+        if method is not None and not isinstance(method, str):
+            raise ApiError(400, "speculant.method must be a method name", "speculant")
+        return Job(ids, max_tokens, sampling, body.seed, body.stops, method, overrides)
+
+    return app
+
+
+def ended(item: _End, streaming: bool = False) -> Outcome:
+    """The job's outcome, or the ApiError its failure is answered with."""
+    if isinstance(item.outcome, Outcome):
+        return item.outcome
+    if isinstance(item.outcome, ConfigError):
+        raise ApiError(400, str(item.outcome))
+    raise ApiError(500, f"generation failed: {type(item.outcome).__name__}: {item.outcome}")
+
+
+def sse(payload: dict[str, Any]) -> str:
+    return f"data: {json.dumps(payload)}\n\n"
+
+
+class Shape:
+    """The OpenAI response and chunk objects of one request."""
+
+    def __init__(self, ident: str, model: str, chat: bool):
+        self.ident, self.model, self.chat, self.created = ident, model, chat, int(time.time())
+
+    def usage(self, outcome: Outcome) -> dict[str, Any]:
+        return {"prompt_tokens": outcome.prompt_tokens, "completion_tokens": outcome.completion_tokens,
+                "total_tokens": outcome.prompt_tokens + outcome.completion_tokens, "speculative": outcome.speculative}
+
+    def whole(self, outcome: Outcome) -> dict[str, Any]:
+        if self.chat:
+            choice = {"index": 0, "message": {"role": "assistant", "content": outcome.text},
+                      "finish_reason": outcome.finish_reason, "logprobs": None}
+        else:
+            choice = {"index": 0, "text": outcome.text, "finish_reason": outcome.finish_reason, "logprobs": None}
+        return {"id": self.ident, "object": "chat.completion" if self.chat else "text_completion",
+                "created": self.created, "model": self.model, "choices": [choice], "usage": self.usage(outcome)}
+
+    def chunk(self, delta: Any, finish_reason: str | None = None) -> dict[str, Any]:
+        if self.chat:
+            content = delta if isinstance(delta, dict) else ({} if delta is None else {"content": delta})
+            choice = {"index": 0, "delta": content, "finish_reason": finish_reason, "logprobs": None}
+        else:
+            choice = {"index": 0, "text": delta or "", "finish_reason": finish_reason, "logprobs": None}
+        return {"id": self.ident, "object": "chat.completion.chunk" if self.chat else "text_completion",
+                "created": self.created, "model": self.model, "choices": [choice]}
+
+
+def serve(target: Any, method: str, options: Any, config: ServeConfig, served_name: str) -> None:
+    """Serve `target` with `method` until SIGTERM or Ctrl-C (running requests finish first)."""
+    import sys
+
+    import uvicorn
+
+    from speculant.latency import machine_profile
+    from speculant.models.base import CausalLM
+
+    engine = Engine(target, method, options, config.max_batch, config.max_queue, Metrics())
+    if method == "auto":  # measure T(W) now (once per machine), not inside the first request
+        for model in [target, *(m for m in engine.drafters.values() if isinstance(m, CausalLM))]:
+            machine_profile(model)
+    app = create_app(engine, served_name, config.api_key)
+    print(f"serving {served_name} ({target.numerics}, {method}; drafters: {', '.join(engine.models) or 'none'}) "
+          f"on http://{config.host}:{config.port}/v1", file=sys.stderr)
+    uvicorn.run(app, host=config.host, port=config.port, log_level="warning")

@@ -1,0 +1,273 @@
+"""The serving engine: requests decoded concurrently with any registered method, forwards batched.
+
+The engine loads the target and its method's drafters once. Each request decodes in a thread of its own
+on `Row` handles of those models (a KV cache per request, forwards run by the `Batcher`), so every
+method and drafter works unchanged and a request's greedy output is what it would be alone. At most
+`max_batch` requests decode at once; up to `max_queue` more wait for a slot, the rest are refused.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field, fields, replace
+from typing import Any
+
+from speculant.config import SamplingConfig
+from speculant.drafters.spec import MAXGRAM, SELF, DrafterSpec, as_drafter, load_drafter
+from speculant.errors import ConfigError
+from speculant.methods import Request, get_method
+from speculant.methods.drafting import with_drafters
+from speculant.models.base import Call, CausalLM
+from speculant.sampling import seeded
+from speculant.serve.batcher import Batcher, Row
+from speculant.serve.metrics import Metrics
+from speculant.serve.text import TextStream
+
+
+def as_text(value: Any) -> str:
+    """A JSON value of a request's option as the text a flag would hold (lists comma-separated)."""
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, list):
+        return ",".join(map(str, value))
+    return str(value)
+
+
+class QueueFull(Exception):
+    """More requests wait than the engine's queue holds."""
+
+
+@dataclass(frozen=True)
+class Job:
+    """One generation a client asked for (already validated against the target)."""
+
+    prompt_ids: list[int]
+    max_tokens: int
+    sampling: SamplingConfig
+    seed: int | None = None
+    stops: tuple[str, ...] = ()
+    method: str | None = None  # None: the server's method
+    options: Mapping[str, Any] = field(default_factory=dict)  # the method's options, overriding the server's
+
+
+@dataclass
+class Outcome:
+    text: str
+    finish_reason: str  # "stop" (end of sequence or a stop string) or "length"
+    prompt_tokens: int
+    completion_tokens: int
+    speculative: dict[str, Any]
+
+
+class Steps:
+    """What speculation did for one request, read off its target forwards: each forward after the prefill
+    verifies W - 1 draft tokens, and the tokens committed before the next forward are the accepted ones
+    plus the target's own. Counted outside the decoder, so that it holds for every method, and for a
+    generation cut short by a stop string or a disconnect."""
+
+    def __init__(self, target: CausalLM, metrics: Metrics | None):
+        self.target, self.metrics = target, metrics
+        self.forwards = self.drafted = self.accepted = self.committed = 0
+        self.width = 0  # the open step's forward width (0: none yet, or the prefill)
+        self.drafter_forwards = 0
+
+    def on_target(self, call: Call) -> None:
+        self.close()
+        self.forwards += 1
+        self.width = 0 if call.prefill else len(call.ids)
+
+    def on_drafter(self, call: Call) -> None:
+        self.drafter_forwards += 1
+
+    def on_token(self) -> None:
+        self.committed += 1
+
+    def close(self) -> None:
+        """End the open step: of its W - 1 drafts, the committed tokens but one were accepted."""
+        if self.width > 0:
+            drafted, accepted = self.width - 1, min(max(self.committed - 1, 0), self.width - 1)
+            self.drafted += drafted
+            self.accepted += accepted
+            if self.metrics is not None:
+                self.metrics.step(drafted, accepted)
+        self.width, self.committed = 0, 0
+
+    def summary(self, method: str, tokens: int) -> dict[str, Any]:
+        self.close()
+        steps = max(self.forwards - 1, 0)  # verification forwards
+        return {"method": method, "drafted_tokens": self.drafted, "accepted_tokens": self.accepted,
+                "mean_accepted_length": round((tokens - 1) / steps, 3) if steps and tokens > 1 else 1.0,
+                "target_forwards": self.forwards, "drafter_forwards": self.drafter_forwards}
+
+
+class Ticket:
+    """A submitted job: `cancel()` ends it after the forward it waits on (a client went away)."""
+
+    def __init__(self) -> None:
+        self.cancelled = threading.Event()
+
+    def cancel(self) -> None:
+        self.cancelled.set()
+
+
+class Engine:
+    """Serves one target with one method (its drafters loaded once); requests may pick another method or
+    other options, drawing only on the models loaded here."""
+
+    def __init__(self, target: CausalLM, method: str = "auto", options: Any = None, max_batch: int = 16,
+                 max_queue: int = 64, metrics: Metrics | None = None, max_wait_s: float = 0.01):
+        self.target, self.metrics = target, metrics
+        self.method = get_method(method)
+        options = options if options is not None else self.method.make_options({})
+        if self.method.name == "auto" and options.drafters is None:
+            from speculant.methods.auto import default_drafters
+
+            options = replace(options, drafters=tuple(as_drafter(d) for d in default_drafters(target)))
+        self.options = options
+        self.drafters: dict[str, Any] = {}  # spec -> the loaded model (or stateless Drafter) requests share
+        with_drafters(options, self._load)
+        self.max_batch, self.max_queue = max_batch, max_queue
+        self.batcher = Batcher(max_wait_s, metrics.batch if metrics else None)
+        self._slots = threading.Semaphore(max_batch)
+        self._lock = threading.Lock()
+        self._waiting = 0
+        self._threads: set[threading.Thread] = set()
+
+    def _load(self, spec: Any) -> Any:
+        key = str(spec)
+        if key not in self.drafters:
+            loaded = load_drafter(spec, self.target, getattr(self.options, "drafter_dtype", None))
+            if isinstance(spec, DrafterSpec) and spec.kind == SELF and not spec.quant:
+                loaded = self.target  # its rows share the target's weights (and its batched forwards)
+            self.drafters[key] = loaded
+        return self.drafters[key]
+
+    @property
+    def models(self) -> list[str]:
+        return list(self.drafters)
+
+    @property
+    def active(self) -> int:
+        """Requests waiting or decoding."""
+        with self._lock:
+            return len(self._threads)
+
+    def options_for(self, method: str | None, given: Mapping[str, Any]) -> tuple[Any, Any]:
+        """(method, options) for a request: the server's, or another method with `given` options; drafters
+        default to the server's and must be among those it loaded. A ConfigError names what is wrong."""
+        if method is None and not given:
+            return self.method, self.options
+        spec = get_method(method or self.method.name)
+        names = {f.name for f in fields(spec.options)}
+        text = {k: as_text(v) for k, v in given.items()}  # values as a bench spec gives them: parsed, checked
+        loaded: dict[str, Any] = {}
+        if "drafter" in names and "drafter" not in given:  # the server's first model drafter, else Max-Gram
+            models = [k for k in self.drafters if k != MAXGRAM]
+            loaded["drafter"] = self.drafters[models[0]] if models else MAXGRAM
+        if "drafters" in names and "drafters" not in given:
+            loaded["drafters"] = tuple(self.drafters.values()) or MAXGRAM
+        options = replace(spec.parse_options(text), **loaded)
+        for held in [getattr(options, "drafter", None), *(getattr(options, "drafters", None) or ())]:
+            if held is None or any(held is m for m in self.drafters.values()) or str(held) in self.drafters:
+                continue
+            if str(held) != MAXGRAM:
+                raise ConfigError(f"drafter '{held}' is not loaded on this server (loaded: "
+                                  f"{', '.join(self.drafters) or 'none'})")
+            self._load(held)  # Max-Gram costs nothing to add
+        return spec, options
+
+    def submit(self, job: Job, on_text: Callable[[str], None], on_end: Callable[[Outcome | BaseException], None]
+               ) -> Ticket:
+        """Start `job`; text increments go to `on_text` and the end to `on_end`, from the job's thread.
+        Raises QueueFull when the queue is full, a ConfigError for options the server cannot run."""
+        spec, options = self.options_for(job.method, job.options)
+        with self._lock:
+            if self._waiting >= self.max_queue + max(self.max_batch - self._running(), 0):
+                raise QueueFull(f"{self._waiting} requests are waiting; try again later")
+            self._waiting += 1
+            if self.metrics:
+                self.metrics.queue(self._waiting)
+        ticket = Ticket()
+        thread = threading.Thread(target=self._serve, args=(job, spec, options, ticket, on_text, on_end), daemon=True)
+        with self._lock:
+            self._threads.add(thread)
+        thread.start()
+        return ticket
+
+    def _running(self) -> int:
+        return len(self._threads) - self._waiting
+
+    def _serve(self, job: Job, spec: Any, options: Any, ticket: Ticket, on_text: Callable[[str], None],
+               on_end: Callable[[Outcome | BaseException], None]) -> None:
+        try:
+            with self._slots:
+                with self._lock:
+                    self._waiting -= 1
+                    if self.metrics:
+                        self.metrics.queue(self._waiting)
+                if ticket.cancelled.is_set():
+                    return
+                on_end(self._decode(job, spec, options, ticket, on_text))
+        except BaseException as error:  # noqa: BLE001 - the request's caller reports it
+            on_end(error)
+        finally:
+            with self._lock:
+                self._threads.discard(threading.current_thread())
+
+    def _decode(self, job: Job, spec: Any, options: Any, ticket: Ticket, on_text: Callable[[str], None]) -> Outcome:
+        with self.batcher.running():
+            steps = Steps(self.target, self.metrics)
+            rows: dict[int, Row] = {}
+
+            def row(model: CausalLM, on_forward: Callable[[Call], None]) -> Row:
+                if id(model) not in rows:
+                    rows[id(model)] = Row(self.batcher, model, on_forward)
+                return rows[id(model)]
+
+            def for_request(held: Any) -> Any:
+                loaded = self.drafters.get(str(held), held)
+                return row(loaded, steps.on_drafter) if isinstance(loaded, CausalLM) else loaded
+
+            target = Row(self.batcher, self.target, steps.on_target)
+            options = with_drafters(options, for_request)
+            request = Request(target, job.prompt_ids, job.max_tokens, job.sampling,
+                              seeded(self.target.device, job.seed), job.seed)
+            decoder = spec.build(request, options)
+            text = TextStream(self.target.tokenizer, job.stops)
+            tokens, finish, start, last = 0, "length", time.perf_counter(), None
+            try:
+                for token in decoder:
+                    now = time.perf_counter()
+                    if self.metrics:
+                        self.metrics.token(now - (last if last is not None else start), first=last is None)
+                    last = now
+                    tokens += 1
+                    steps.on_token()
+                    if piece := text.push(token):
+                        on_text(piece)
+                    if text.stopped or token in self.target.eos_token_ids:
+                        finish = "stop"
+                        break
+                    if ticket.cancelled.is_set():
+                        finish = "cancelled"
+                        break
+            finally:
+                decoder.close()
+            if piece := text.flush():
+                on_text(piece)
+            return Outcome(text.text, finish, len(job.prompt_ids), tokens, steps.summary(spec.name, tokens))
+
+    def close(self, timeout_s: float | None = None) -> None:
+        """Wait for running requests (up to `timeout_s`), then stop the batcher."""
+        deadline = None if timeout_s is None else time.monotonic() + timeout_s
+        while True:
+            with self._lock:
+                threads = list(self._threads)
+            if not threads:
+                break
+            threads[0].join(None if deadline is None else max(deadline - time.monotonic(), 0))
+            if deadline is not None and time.monotonic() >= deadline:
+                break
+        self.batcher.close()

@@ -1,0 +1,52 @@
+"""Token ids to text as it becomes final, with stop strings matched across token boundaries."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+
+class TextStream:
+    """Push token ids, get text increments. Holds back an incomplete character (the tokenizer decodes it
+    as U+FFFD until its last byte arrives) and any tail that could begin a stop string; at a stop string
+    it sets `stopped` and the text ends before it (as in OpenAI's API)."""
+
+    def __init__(self, tokenizer: Any, stops: Sequence[str] = ()):
+        self.tokenizer = tokenizer
+        self.stops = tuple(s for s in stops if s)
+        self.ids: list[int] = []
+        self.text = ""  # the text so far, up to a stop string
+        self.sent = 0  # characters of `text` handed out
+        self.stopped = False
+
+    def push(self, token: int) -> str:
+        """The text that `token` makes final ("" while held back or after a stop)."""
+        if self.stopped:
+            return ""
+        self.ids.append(token)
+        text = self.tokenizer.decode(self.ids, skip_special_tokens=True)
+        if text.endswith("\ufffd"):
+            return ""
+        self.text = text
+        longest = max(map(len, self.stops), default=0)
+        hits = [i for i in (text.find(s, max(0, self.sent - longest)) for s in self.stops) if i >= 0]
+        if hits:
+            self.text, self.stopped = text[: min(hits)], True
+            return self._take(len(self.text))
+        return self._take(len(text) - self._held(text))
+
+    def flush(self) -> str:
+        """What is left when the generation ends without a stop string (an incomplete character included)."""
+        if not self.stopped and self.ids:
+            self.text = self.tokenizer.decode(self.ids, skip_special_tokens=True)
+        return self._take(len(self.text))
+
+    def _held(self, text: str) -> int:
+        """Length of the longest tail of `text` that begins a stop string."""
+        return max((n for s in self.stops for n in range(min(len(s) - 1, len(text)), 0, -1)
+                    if text.endswith(s[:n])), default=0)
+
+    def _take(self, end: int) -> str:
+        end = max(end, self.sent)
+        piece, self.sent = self.text[self.sent : end], end
+        return piece

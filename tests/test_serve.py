@@ -1,0 +1,327 @@
+"""`speculant serve`: rows batched bit for bit, every method's concurrent greedy output equal to its solo
+output, the OpenAI client end to end (chat, completions, streaming, stop strings), every bad request a
+4xx JSON error, disconnects, 429, 401, metrics, SIGTERM draining and the load script."""
+
+import json
+import os
+import random
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
+from pathlib import Path
+
+import httpx
+import pytest
+import torch
+from openai import APIStatusError, OpenAI
+
+from helpers import ARCHS, BYTE_VOCAB, MORE_ARCHS, byte_tokenizer, perturbed, run_job, tiny_model
+from speculant import generate
+from speculant.bench.datasets import Prompt
+from speculant.bench.serve import run_load
+from speculant.config import SamplingConfig
+from speculant.drafters.base import Draft
+from speculant.methods import get_method
+from speculant.models.base import Call
+from speculant.models.hf import forward_rows
+from speculant.serve.app import create_app
+from speculant.serve.engine import Engine
+from speculant.serve.metrics import Metrics
+from speculant.serve.text import TextStream
+from speculant.tree import TokenTree
+
+TEMPLATE = "{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}assistant:"
+
+
+def byte_model(arch="llama", seed=0):
+    """A tiny model over bytes with a chat template, peaked enough to emit <eos> now and then."""
+    model = tiny_model(arch, seed, vocab=BYTE_VOCAB, init_std=0.2, tokenizer=byte_tokenizer())
+    model.tokenizer.chat_template = TEMPLATE
+    return model
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@contextmanager
+def serving(engine, api_key=None, name="tiny"):
+    import uvicorn
+
+    port = free_port()
+    server = uvicorn.Server(uvicorn.Config(create_app(engine, name, api_key), host="127.0.0.1", port=port,
+                                          log_level="warning"))
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    while not server.started:
+        time.sleep(0.02)
+    try:
+        yield f"http://127.0.0.1:{port}/v1"
+    finally:
+        server.should_exit = True
+        thread.join(30)
+
+
+def engine_for(method="sd", max_batch=8, max_queue=16, target=None, **options):
+    target = target or byte_model()
+    if method in ("sd", "tree") and "drafter" not in options:
+        options["drafter"] = perturbed(target, 0.05, 1)
+    return Engine(target, method, get_method(method).make_options(options), max_batch, max_queue, Metrics())
+
+
+@pytest.mark.parametrize("arch", ARCHS + MORE_ARCHS)
+def test_rows_of_one_forward_equal_their_own_forwards(arch):
+    """Prefills, chains and a tree of different rows in one forward: each row's logits and cache are bit
+    for bit those of its own calls."""
+    base = tiny_model(arch, 3, vocab=64)
+    batched, alone = [base.share() for _ in range(3)], [base.share() for _ in range(3)]
+    rng = random.Random(arch)
+    prompts = [[rng.randrange(64) for _ in range(n)] for n in (5, 11, 2)]
+    tree = TokenTree([7, 8, 9, 10], [-1, 0, 0, 1])
+    rounds = [[Call(p, prefill=True) for p in prompts],
+              [Call([1, 2, 3]), Call([4]), Call(tree.tokens, tree=tree)],
+              [Call([5, 6]), Call(prompts[0], prefill=True), Call([11])]]
+    for calls in rounds:
+        got = forward_rows(list(zip(batched, calls)))
+        for row, call, logits in zip(alone, calls, got):
+            assert torch.equal(call.run(row), logits)
+        assert [r.cache_len for r in batched] == [r.cache_len for r in alone]
+
+
+def concurrent_equals_solo(engine, prompts, **job):
+    solo = [run_job(engine, p, **job).text for p in prompts]
+    with ThreadPoolExecutor(len(prompts)) as pool:
+        together = list(pool.map(lambda p: run_job(engine, p, **job).text, prompts))
+    return solo, together
+
+
+@pytest.mark.parametrize("method", ["ar", "sd", "tree", "cascade", "auto", "dsi"])
+@pytest.mark.parametrize("arch", ARCHS)
+def test_concurrent_greedy_requests_equal_their_solo_runs_and_ar(method, arch):
+    target = byte_model(arch, 1)
+    options = {"cascade": {"drafters": (perturbed(target, 0.05, 2), "maxgram")},
+               "auto": {"drafters": (perturbed(target, 0.05, 2), "maxgram")}, "dsi": {"drafter": "maxgram"},
+               "tree": {"width": 2, "depth": 3}}.get(method, {})
+    engine = engine_for(method, target=target, **options)
+    prompts = [list(f"prompt {i}: ".encode() * (1 + i % 3)) for i in range(6)]
+    solo, together = concurrent_equals_solo(engine, prompts)
+    assert solo == together
+    for p, text in zip(prompts[:2], solo):
+        assert generate(target, prompt_ids=p, method="ar", max_new_tokens=24).text == text
+    engine.close()
+
+
+def test_sampled_rows_follow_their_own_seeds():
+    """A seeded sampled request draws the same tokens in a batch as alone: each row has its own generator."""
+    engine = engine_for("sd")
+    prompts = [list(b"abc"), list(b"hello"), list(b"xyz xyz"), list(b"q")] * 2
+    solo, together = concurrent_equals_solo(engine, prompts, sampling=SamplingConfig(1.0), seed=7)
+    assert solo == together and len(set(solo)) > 1
+    engine.close()
+
+
+def test_text_stream_holds_back_stop_prefixes_and_cuts_at_stops():
+    stream = TextStream(byte_tokenizer(), ["END", "xy"])
+    pieces = [stream.push(t) for t in b"abcEN"]
+    assert "".join(pieces) == "abc" and not stream.stopped
+    assert stream.push(ord("D")) == "" and stream.stopped and stream.text == "abc"
+    stream = TextStream(byte_tokenizer(), ["END"])
+    assert "".join(stream.push(t) for t in "é".encode()) == "é"  # the first byte alone is held back
+    assert "".join(stream.push(t) for t in b"EN") == "" and stream.flush() == "EN"
+
+
+@pytest.fixture(scope="module")
+def server():
+    engine = engine_for("sd", max_batch=8, max_queue=32)
+    with serving(engine) as url:
+        yield engine, url, OpenAI(base_url=url, api_key="unused", max_retries=0)
+    engine.close()
+
+
+def test_openai_client_completions_chat_and_streams(server):
+    engine, url, client = server
+    assert [m.id for m in client.models.list().data] == ["tiny"]
+    done = client.completions.create(model="tiny", prompt="def f(x):", max_tokens=20, temperature=0)
+    ids = engine.target.tokenizer("def f(x):")["input_ids"]
+    assert done.choices[0].text == generate(engine.target, prompt_ids=ids, method="ar", max_new_tokens=20).text
+    usage = done.usage.model_dump()
+    assert usage["completion_tokens"] <= 20 and usage["prompt_tokens"] == len(ids)
+    spec = usage["speculative"]
+    assert spec["method"] == "sd" and spec["target_forwards"] >= 1 and 0 <= spec["accepted_tokens"] <= spec["drafted_tokens"]
+    chat = client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "hi"}], max_tokens=16,
+                                          temperature=0)
+    assert chat.choices[0].message.role == "assistant" and chat.choices[0].finish_reason in ("stop", "length")
+    chunks = list(client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "hi"}],
+                                                 max_tokens=16, temperature=0, stream=True,
+                                                 stream_options={"include_usage": True}))
+    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == chat.choices[0].message.content
+    assert chunks[-1].usage.completion_tokens == chat.usage.completion_tokens
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == chat.choices[0].finish_reason
+    streamed = "".join(c.choices[0].text for c in client.completions.create(
+        model="tiny", prompt="def f(x):", max_tokens=20, temperature=0, stream=True))
+    assert streamed == done.choices[0].text
+
+
+def test_stop_strings_cut_the_text_across_tokens(server):
+    _, _, client = server
+    for prompt in (f"prompt {i}" for i in range(50)):  # one whose output has three whole characters at [5:8]
+        full = client.completions.create(model="tiny", prompt=prompt, max_tokens=30, temperature=0).choices[0].text
+        stop = full[5:8]
+        if len(stop) == 3 and "\ufffd" not in stop:
+            break
+    cut = client.completions.create(model="tiny", prompt=prompt, max_tokens=30, temperature=0, stop=[stop, "@@"])
+    assert cut.choices[0].text == full[: full.index(stop)] and cut.choices[0].finish_reason == "stop"
+    streamed = "".join(c.choices[0].text for c in client.completions.create(
+        model="tiny", prompt=prompt, max_tokens=30, temperature=0, stop=stop, stream=True))
+    assert streamed == cut.choices[0].text
+
+
+def test_per_request_method_and_options(server):
+    _, _, client = server
+    plain = client.completions.create(model="tiny", prompt="xyz", max_tokens=16, temperature=0)
+    for extra in ({"method": "ar"}, {"k": 2}, {"method": "sd", "drafter": "maxgram"}, {"method": "tree", "depth": 2}):
+        other = client.completions.create(model="tiny", prompt="xyz", max_tokens=16, temperature=0,
+                                          extra_body={"speculant": extra})
+        assert other.choices[0].text == plain.choices[0].text, extra
+        assert other.usage.model_dump()["speculative"]["method"] == extra.get("method", "sd")
+
+
+BAD = [
+    ("completions", b"{not json", "not valid JSON"),
+    ("completions", {"model": "tiny", "prompt": "x", "max_tokens": "many"}, "max_tokens"),
+    ("completions", {"model": "tiny", "prompt": 5}, "prompt"),
+    ("completions", {"model": "gpt-9", "prompt": "x"}, "not served here"),
+    ("completions", {"model": "tiny", "prompt": "x", "max_tokens": 0}, "max_tokens"),
+    ("completions", {"model": "tiny", "prompt": "x", "max_tokens": -3}, "max_tokens"),
+    ("completions", {"model": "tiny", "prompt": "x", "max_tokens": 10**6}, "exceeds"),
+    ("completions", {"model": "tiny", "prompt": "x", "temperature": -0.5}, "temperature"),
+    ("completions", {"model": "tiny", "prompt": "x", "top_p": 0}, "top_p"),
+    ("completions", {"model": "tiny", "prompt": "x", "top_p": 1.5}, "top_p"),
+    ("completions", {"model": "tiny", "prompt": "x" * 600}, "positions"),
+    ("completions", {"model": "tiny", "prompt": ""}, "empty"),
+    ("completions", {"model": "tiny", "prompt": [1, 9999]}, "token ids"),
+    ("completions", {"model": "tiny", "prompt": "x", "n": 2}, "n"),
+    ("completions", {"model": "tiny", "prompt": "x", "speculant": {"method": "fast"}}, "unknown method"),
+    ("completions", {"model": "tiny", "prompt": "x", "speculant": {"kk": 1}}, "unknown option"),
+    ("completions", {"model": "tiny", "prompt": "x", "speculant": {"k": 0}}, "k must be"),
+    ("completions", {"model": "tiny", "prompt": "x", "speculant": {"drafter": "org/big"}}, "not loaded"),
+    ("chat/completions", {"model": "tiny", "messages": []}, "messages"),
+    ("chat/completions", {"model": "tiny", "messages": [{"role": "user"}]}, "content"),
+    ("chat/completions", {"model": "tiny", "messages": "hi"}, "messages"),
+]
+
+
+@pytest.mark.parametrize("endpoint,body,message", BAD, ids=[f"{i}-{b[2]}" for i, b in enumerate(BAD)])
+def test_bad_requests_get_4xx_json_errors_and_the_server_keeps_serving(server, endpoint, body, message):
+    _, url, client = server
+    content = body if isinstance(body, bytes) else json.dumps(body).encode()
+    response = httpx.post(f"{url}/{endpoint}", content=content, headers={"content-type": "application/json"})
+    assert 400 <= response.status_code < 500
+    error = response.json()["error"]
+    assert message in error["message"] or message == error["param"], error
+    assert client.completions.create(model="tiny", prompt="ok", max_tokens=2, temperature=0).choices[0].text is not None
+
+
+class SlowDrafter:
+    """Drafts nothing, slowly: a request that takes long enough to test queues and disconnects."""
+
+    name = "slow"
+
+    def propose(self, context, k):
+        time.sleep(0.02)
+        return Draft([], None)
+
+    def observe(self, n_accepted):
+        pass
+
+
+def test_a_client_that_disconnects_frees_its_row():
+    engine = engine_for("sd", drafter=SlowDrafter())
+    with serving(engine) as url:
+        with httpx.stream("POST", f"{url}/completions", json={"model": "tiny", "prompt": "abc", "max_tokens": 400,
+                                                               "temperature": 0, "stream": True}) as response:
+            next(response.iter_lines())
+        deadline = time.monotonic() + 5
+        while engine.active and time.monotonic() < deadline:
+            time.sleep(0.02)
+        assert engine.active == 0
+    engine.close()
+
+
+def test_a_full_queue_answers_429_and_a_wrong_key_401():
+    engine = engine_for("sd", max_batch=1, max_queue=0, drafter=SlowDrafter())
+    with serving(engine, api_key="sesame") as url:
+        assert httpx.get(f"{url}/models").status_code == 401
+        client = OpenAI(base_url=url, api_key="sesame", max_retries=0)
+        slow = threading.Thread(target=lambda: client.completions.create(model="tiny", prompt="a", max_tokens=60))
+        slow.start()
+        while engine.active == 0:
+            time.sleep(0.01)
+        with pytest.raises(APIStatusError) as refused:
+            client.completions.create(model="tiny", prompt="b", max_tokens=5)
+        assert refused.value.status_code == 429 and "busy" in refused.value.message
+        slow.join()
+        assert client.completions.create(model="tiny", prompt="b", max_tokens=5).choices[0].text is not None
+        metrics = httpx.get(url.removesuffix("/v1") + "/metrics").text
+        assert 'speculant_requests_total{endpoint="/v1/completions",status="429"} 1.0' in metrics
+        assert "speculant_batch_rows_bucket" in metrics and "speculant_time_to_first_token_seconds" in metrics
+    engine.close()
+
+
+def test_the_load_script_reports_and_finds_no_solo_mismatch(server):
+    _, url, _ = server
+    prompts = [Prompt("p1", "def add(a, b):"), Prompt("p2", "Say hi", chat=True)]
+    result = run_load(url, prompts, requests=8, concurrency=4, max_tokens=12, check_solo=True)
+    assert result["errors"] == result["lost"] == result["mismatches_vs_solo"] == 0
+    assert result["completion_tokens"] > 0 and result["ttft_ms"]["p50"] is not None
+
+
+def test_sigterm_drains_running_requests(tmp_path):
+    """A served model on disk, a streamed request, SIGTERM mid-stream: the stream finishes, the process exits 0."""
+    model = byte_model()
+    model.model.save_pretrained(tmp_path / "m")
+    model.tokenizer.save_pretrained(tmp_path / "m")
+    port = free_port()
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).parent.parent)}
+    process = subprocess.Popen([sys.executable, "-m", "speculant.cli", "serve", "--target", str(tmp_path / "m"),
+                                "--backend", "hf", "--method", "sd", "--drafter", "maxgram", "--port", str(port)],
+                               stderr=subprocess.PIPE, text=True, env=env)
+    try:
+        url = f"http://127.0.0.1:{port}/v1"
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline:
+            try:
+                name = httpx.get(f"{url}/models").json()["data"][0]["id"]
+                break
+            except httpx.HTTPError:
+                time.sleep(0.2)
+        lines = []
+        with httpx.stream("POST", f"{url}/completions", timeout=60,
+                          json={"model": name, "prompt": "abc", "max_tokens": 200, "temperature": 0, "stream": True,
+                                "speculant": {"method": "ar"}}) as response:
+            for line in response.iter_lines():
+                if line and not lines:
+                    process.send_signal(signal.SIGTERM)
+                lines.append(line)
+        finish = [json.loads(line[6:])["choices"][0]["finish_reason"] for line in lines
+                  if line.startswith("data: {")][-1]
+        assert "data: [DONE]" in lines and finish in ("stop", "length")
+        assert process.wait(60) in (0, -signal.SIGTERM)  # uvicorn re-raises the signal once drained
+        assert "Traceback" not in process.stderr.read()
+    finally:
+        process.kill()
+
+
+def test_serve_cli_refuses_bad_options_before_loading():
+    for argv, message in [(["serve", "--port", "0"], "port"), (["serve", "--max-batch", "0"], "max-batch"),
+                          (["serve", "--method", "ar", "--k", "3"], "does not apply"),
+                          (["bench-serve", "--requests", "0"], "must be >= 1")]:
+        done = subprocess.run([sys.executable, "-m", "speculant.cli", *argv], capture_output=True, text=True, timeout=120)
+        assert done.returncode == 2 and message in done.stderr and "Traceback" not in done.stderr, done.stderr
