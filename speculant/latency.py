@@ -26,9 +26,12 @@ class LatencyProfile:
     tpot_s: float  # median one-token decode time
     forward_s: dict[int, float] = field(default_factory=dict)  # W -> median time of W new tokens
 
-    def cost(self, width: int) -> float:
-        """T(W), interpolated linearly between measured widths."""
+    def cost(self, width: float) -> float:
+        """T(W), interpolated linearly between measured widths and extended along the last segment beyond them."""
         widths = sorted(self.forward_s)
+        if width > widths[-1] and len(widths) > 1:
+            (a, b), (ta, tb) = widths[-2:], (self.forward_s[w] for w in widths[-2:])
+            return tb + max(tb - ta, 0.0) / (b - a) * (width - b)
         return float(np.interp(width, widths, [self.forward_s[w] for w in widths]))
 
     def save(self, path: Path) -> None:

@@ -117,6 +117,19 @@ def match_bucket(length: int) -> int:
     return 0 if length == 0 else 1 if length <= 2 else 2 if length <= 5 else 3 if length <= 15 else 4
 
 
+def shared_cost(cost: Callable[[int], float], rows: Callable[[], int]) -> Callable[[float], float]:
+    """T(W) as seen by one of `rows()` requests whose forwards a server batches, taking the others to draft
+    alike: the batch runs rows x W tokens, scaled so that plain decoding still costs T(1). Where T(W) is
+    flat a batch of drafts costs little more than one; under load a draft competes with the other
+    requests' tokens and stops paying, and plain decoding takes over."""
+
+    def batched(width: float) -> float:
+        n = max(rows(), 1)
+        return cost(n * width) * cost(1) / cost(n)
+
+    return batched
+
+
 def can_pay(step_s: float, cost: Callable[[int], float], most: int, width: int = 1) -> bool:
     """Whether drafting at `step_s` a step could beat plain decoding at all: with every draft accepted, the
     best goodput over k = 1..most exceeds 1 / T(1). A drafter that fails this is never worth its cost (nor

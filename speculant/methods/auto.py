@@ -80,7 +80,7 @@ _learned: WeakKeyDictionary = WeakKeyDictionary()
 @register("auto", AutoOptions, "chooses drafter, chain, tree or cascade and draft length every step from measured "
           "costs and acceptance (plain decoding where nothing pays)")
 def build(request: Request, options: AutoOptions) -> Any:
-    from speculant.decoding.adaptive import Candidate, adaptive, can_pay
+    from speculant.decoding.adaptive import Candidate, adaptive, can_pay, shared_cost
     from speculant.drafters.base import Drafter
     from speculant.drafters.cascade import CascadeDrafter
     from speculant.drafters.maxgram import MaxGramDrafter
@@ -128,5 +128,7 @@ def build(request: Request, options: AutoOptions) -> Any:
                                  request.sampling, request.generator)
         candidates.append(Candidate(f"{chain.name} cascade", cascade, chain.step_s / 2, chain.prior,
                                     estimates=chain.estimates, measured=True, needs_match=True))
+    if hasattr(target, "sharing"):  # a served request: its forwards are batched with other requests'
+        cost = shared_cost(cost, target.sharing)
     return adaptive(target, candidates, request.prompt_ids, request.max_new_tokens, cost, request.sampling,
                     request.generator, options.k_max, options.probe_every)

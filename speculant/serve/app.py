@@ -26,9 +26,6 @@ from speculant.serve.engine import Engine, Job, Outcome, QueueFull
 from speculant.serve.metrics import Metrics
 from speculant.serve.schema import ApiError, ChatRequest, CompletionRequest, Sampling
 
-DRAIN_S = 600.0  # at shutdown, how long running requests may take to finish
-
-
 class _End:
     def __init__(self, outcome: Outcome | BaseException):
         self.outcome = outcome
@@ -42,7 +39,7 @@ def create_app(engine: Engine, served_name: str, api_key: str | None = None) -> 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         yield
-        await asyncio.to_thread(engine.close, DRAIN_S)  # SIGTERM: uvicorn stops taking requests, these finish
+        await asyncio.to_thread(engine.close)  # SIGTERM: uvicorn stops taking requests, the running ones finish
 
     app = FastAPI(title="speculant", lifespan=lifespan)
 
@@ -229,9 +226,9 @@ def serve(target: Any, method: str, options: Any, config: ServeConfig, served_na
     from speculant.models.base import CausalLM
 
     engine = Engine(target, method, options, config.max_batch, config.max_queue, Metrics())
-    if method == "auto":  # measure T(W) now (once per machine), not inside the first request
+    if method == "auto":  # measure T(W) now (once per machine, on the thread that runs forwards), not in a request
         for model in [target, *(m for m in engine.drafters.values() if isinstance(m, CausalLM))]:
-            machine_profile(model)
+            engine.batcher.run(lambda model=model: machine_profile(model))
     app = create_app(engine, served_name, config.api_key)
     print(f"serving {served_name} ({target.numerics}, {method}; drafters: {', '.join(engine.models) or 'none'}) "
           f"on http://{config.host}:{config.port}/v1", file=sys.stderr)

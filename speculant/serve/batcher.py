@@ -1,24 +1,29 @@
 """Continuous batching: the forwards of every running request gathered into as few model forwards as possible.
 
-Each request decodes in a thread of its own, with any registered method, on `Row` handles: CausalLMs
-with a cache of their own whose `prefill` and `forward` hand a `Call` to the `Batcher` and wait for its
-logits. The batcher's worker runs what it holds once every running request waits on a call (or a
-request has kept the others waiting `max_wait_s`), one forward per set of weights: the target verifies
-all rows' drafts at once, a drafter drafts for all rows at once, new rows prefill beside running ones.
-On the transformers backend that forward is `hf.forward_rows`, bit for bit each row's own forward, so a
-request generates what it would alone; other backends run the calls one after another.
+Each request decodes, with any registered method, as a greenlet on the batcher's one worker thread, on
+`Row` handles: CausalLMs with a cache of their own whose `prefill` and `forward` park the request with a
+`Call`. Once every running request is parked, the worker runs their calls, one forward per set of
+weights, and resumes each request with its logits: the target verifies all rows' drafts at once, a
+drafter drafts for all rows at once, new requests prefill beside running ones, finished ones leave. On the
+transformers backend that forward is `hf.forward_rows`, bit for bit each row's own forward, so a request
+generates what it would alone; other backends run the calls one after another.
+
+One thread runs every forward and every request's tensor work, not a thread per request: CPU kernels
+slow down when their thread pools answer to several threads (measured here: a 0.5B forward 52 ms, 75 ms
+once another long-lived thread had run one), and no request waits on a timer for the others.
 """
 
 from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Callable, Iterator, Sequence
-from contextlib import contextmanager
-from dataclasses import dataclass, field
+from collections import deque
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import torch
+from greenlet import greenlet
 
 from speculant.models.base import Call, CausalLM
 from speculant.models.hf import HFCausalLM, batches_rows, forward_rows
@@ -26,111 +31,130 @@ from speculant.tree import TokenTree
 
 
 @dataclass
-class _Pending:
+class _Parked:
+    request: greenlet
     handle: CausalLM
     call: Call
-    since: float = field(default_factory=time.perf_counter)
-    done: threading.Event = field(default_factory=threading.Event)
-    logits: torch.Tensor | None = None
-    error: BaseException | None = None
 
 
 class Batcher:
-    """Runs the calls of many request threads together. `on_batch(rows, tokens, seconds)` hears of each
-    model forward it runs (for metrics)."""
+    """Runs up to `max_rows` requests' work together on one thread; more wait in order. `on_batch(rows,
+    tokens, seconds)` hears of each model forward it runs (for metrics)."""
 
-    def __init__(self, max_wait_s: float = 0.01, on_batch: Callable[[int, int, float], None] | None = None):
-        self.max_wait_s = max_wait_s
-        self.on_batch = on_batch
+    def __init__(self, max_rows: int = 16, on_batch: Callable[[int, int, float], None] | None = None):
+        self.max_rows, self.on_batch = max_rows, on_batch
         self._cond = threading.Condition()
-        self._pending: list[_Pending] = []
-        self._running = 0  # request threads inside `running()`
+        self._inbox: deque[Callable[[], None]] = deque()
+        self._live: set[greenlet] = set()
+        self._parked: list[_Parked] = []
         self._closed = False
-        self._last_end = 0.0
         self._worker = threading.Thread(target=self._loop, name="speculant-batcher", daemon=True)
         self._worker.start()
 
-    @contextmanager
-    def running(self) -> Iterator[None]:
-        """A request thread's time on the batcher: a batch waits for the calls of every running request."""
-        with self._cond:
-            self._running += 1
-        try:
-            yield
-        finally:
-            with self._cond:
-                self._running -= 1
-                self._cond.notify_all()
+    @property
+    def load(self) -> int:
+        """Requests running now."""
+        return len(self._live)
 
-    def submit(self, handle: CausalLM, call: Call) -> torch.Tensor:
-        """Run `call` on `handle` in the next batch; return its logits (or raise its error)."""
-        pending = _Pending(handle, call)
+    @property
+    def waiting(self) -> int:
+        """Requests waiting for a row."""
+        return len(self._inbox)
+
+    def start(self, work: Callable[[], None]) -> None:
+        """Run `work` (one request's decoding, which must not raise) on the worker once a row is free."""
         with self._cond:
             if self._closed:
                 raise RuntimeError("the batcher is closed")
-            self._pending.append(pending)
-            self._cond.notify_all()
-        pending.done.wait()
-        if pending.error is not None:
-            raise pending.error
-        assert pending.logits is not None
-        return pending.logits
+            self._inbox.append(work)
+            self._cond.notify()
+
+    def run(self, function: Callable[[], Any]) -> Any:
+        """`function()` on the worker thread, waited for (warm-ups: their kernels' threads stay the worker's)."""
+        done, out = threading.Event(), []
+
+        def work() -> None:
+            try:
+                out.append((function(), None))
+            except Exception as error:  # noqa: BLE001 - raised again in the caller's thread
+                out.append((None, error))
+            done.set()
+
+        self.start(work)
+        done.wait()
+        value, error = out[0]
+        if error is not None:
+            raise error
+        return value
+
+    def submit(self, handle: CausalLM, call: Call) -> torch.Tensor:
+        """Run `call` on `handle` in the next batch and return its logits. Outside a request on the worker
+        (DSI's own threads, a caller's thread) the call runs at once, alone."""
+        request = greenlet.getcurrent()
+        if request not in self._live:
+            return call.run(handle)
+        self._parked.append(_Parked(request, handle, call))
+        return request.parent.switch()
 
     def close(self) -> None:
+        """Stop once the running and waiting requests are done."""
         with self._cond:
             self._closed = True
-            self._cond.notify_all()
+            self._cond.notify()
         self._worker.join()
 
     def _loop(self) -> None:
         while True:
             with self._cond:
-                while not self._closed and not self._ready():
-                    self._cond.wait(self._patience())
-                if self._closed and not self._pending:
+                while not self._inbox and not self._parked and not (self._closed and not self._live):
+                    self._cond.wait()
+                if self._closed and not self._inbox and not self._live:
                     return
-                batch, self._pending = self._pending, []
-            self._run(batch)
-            with self._cond:
-                self._last_end = time.perf_counter()
+                admitted = []
+                while self._inbox and len(self._live) + len(admitted) < self.max_rows:
+                    admitted.append(self._inbox.popleft())
+            for work in admitted:
+                request = greenlet(work)
+                self._live.add(request)
+                self._resume(request)
+            batch, self._parked = self._parked, []
+            if batch:
+                self._run(batch)
 
-    def _ready(self) -> bool:
-        """Every running request waits on a call, or the oldest call has waited long enough."""
-        if not self._pending:
-            return False
-        return len(self._pending) >= self._running or self._patience() <= 0
+    def _resume(self, request: greenlet, logits: torch.Tensor | None = None, error: Exception | None = None) -> None:
+        """Let a request run until it parks on its next call or ends."""
+        if error is not None:
+            request.throw(error)
+        elif logits is None:
+            request.switch()  # a request's first start
+        else:
+            request.switch(logits)
+        if request.dead:
+            self._live.discard(request)
 
-    def _patience(self) -> float | None:
-        if not self._pending:
-            return None
-        # From the later of the oldest call and the last batch's end: rows of that batch need a moment to
-        # come back with their next call, or a row that waited through it would run alone, out of phase.
-        return max(self._pending[0].since, self._last_end) + self.max_wait_s - time.perf_counter()
-
-    def _run(self, batch: Sequence[_Pending]) -> None:
-        groups: dict[int, list[_Pending]] = {}
-        for pending in batch:
-            groups.setdefault(weights_of(pending.handle), []).append(pending)
+    def _run(self, batch: Sequence[_Parked]) -> None:
+        groups: dict[int, list[_Parked]] = {}
+        for parked in batch:
+            groups.setdefault(weights_of(parked.handle), []).append(parked)
+        outcomes: list[tuple[_Parked, torch.Tensor | None, Exception | None]] = []
         for group in groups.values():
             start = time.perf_counter()
-            try:
-                if len(group) > 1 and isinstance(group[0].handle, HFCausalLM) and batches_rows(group[0].handle):
+            if len(group) > 1 and isinstance(group[0].handle, HFCausalLM) and batches_rows(group[0].handle):
+                try:
                     results = forward_rows([(p.handle, p.call) for p in group])
-                    for pending, logits in zip(group, results):
-                        pending.logits = logits
-                else:
-                    for pending in group:
-                        try:
-                            pending.logits = pending.call.run(pending.handle)
-                        except Exception as error:  # noqa: BLE001 - the caller's thread raises it
-                            pending.error = error
-            except Exception as error:  # noqa: BLE001 - a batched forward failed: every row hears of it
-                for pending in group:
-                    pending.error = error
+                    outcomes += [(p, logits, None) for p, logits in zip(group, results)]
+                except Exception as error:  # noqa: BLE001 - every row of a failed forward hears of it
+                    outcomes += [(p, None, error) for p in group]
+            else:
+                for parked in group:
+                    try:
+                        outcomes.append((parked, parked.call.run(parked.handle), None))
+                    except Exception as error:  # noqa: BLE001 - raised in the request that made the call
+                        outcomes.append((parked, None, error))
             if self.on_batch is not None:
                 self.on_batch(len(group), sum(len(p.call.ids) for p in group), time.perf_counter() - start)
-            for pending in group:
-                pending.done.set()
+        for parked, logits, error in outcomes:
+            self._resume(parked.request, logits, error)
 
 
 def weights_of(handle: CausalLM) -> int:
@@ -153,6 +177,10 @@ class Row:
     @property
     def cache_len(self) -> int:
         return self.handle.cache_len
+
+    def sharing(self) -> int:
+        """How many requests' rows share each of this row's forwards (1 where the backend runs rows apart)."""
+        return self.batcher.load if isinstance(self.handle, HFCausalLM) and batches_rows(self.handle) else 1
 
     def share(self) -> Row:
         return Row(self.batcher, self.shares, self.on_forward)

@@ -1,9 +1,10 @@
 """The serving engine: requests decoded concurrently with any registered method, forwards batched.
 
-The engine loads the target and its method's drafters once. Each request decodes in a thread of its own
-on `Row` handles of those models (a KV cache per request, forwards run by the `Batcher`), so every
-method and drafter works unchanged and a request's greedy output is what it would be alone. At most
-`max_batch` requests decode at once; up to `max_queue` more wait for a slot, the rest are refused.
+The engine loads the target and its method's drafters once. Each request decodes on the `Batcher`'s
+worker, on `Row` handles of those models (a KV cache per request, forwards batched with the other
+requests'), so every method and drafter works unchanged and a request's greedy output is what it would
+be alone. At most `max_batch` requests decode at once; up to `max_queue` more wait for a row, the rest
+are refused.
 """
 
 from __future__ import annotations
@@ -117,7 +118,7 @@ class Engine:
     other options, drawing only on the models loaded here."""
 
     def __init__(self, target: CausalLM, method: str = "auto", options: Any = None, max_batch: int = 16,
-                 max_queue: int = 64, metrics: Metrics | None = None, max_wait_s: float = 0.01):
+                 max_queue: int = 64, metrics: Metrics | None = None):
         self.target, self.metrics = target, metrics
         self.method = get_method(method)
         options = options if options is not None else self.method.make_options({})
@@ -129,11 +130,8 @@ class Engine:
         self.drafters: dict[str, Any] = {}  # spec -> the loaded model (or stateless Drafter) requests share
         with_drafters(options, self._load)
         self.max_batch, self.max_queue = max_batch, max_queue
-        self.batcher = Batcher(max_wait_s, metrics.batch if metrics else None)
-        self._slots = threading.Semaphore(max_batch)
-        self._lock = threading.Lock()
-        self._waiting = 0
-        self._threads: set[threading.Thread] = set()
+        self.batcher = Batcher(max_batch, metrics.batch if metrics else None)
+        self._lock = threading.Lock()  # submissions and their count of waiting requests
 
     def _load(self, spec: Any) -> Any:
         key = str(spec)
@@ -151,8 +149,7 @@ class Engine:
     @property
     def active(self) -> int:
         """Requests waiting or decoding."""
-        with self._lock:
-            return len(self._threads)
+        return self.batcher.waiting + self.batcher.load
 
     def options_for(self, method: str | None, given: Mapping[str, Any]) -> tuple[Any, Any]:
         """(method, options) for a request: the server's, or another method with `given` options; drafters
@@ -180,94 +177,71 @@ class Engine:
 
     def submit(self, job: Job, on_text: Callable[[str], None], on_end: Callable[[Outcome | BaseException], None]
                ) -> Ticket:
-        """Start `job`; text increments go to `on_text` and the end to `on_end`, from the job's thread.
+        """Start `job`; text increments go to `on_text` and the end to `on_end`, from the batcher's thread.
         Raises QueueFull when the queue is full, a ConfigError for options the server cannot run."""
         spec, options = self.options_for(job.method, job.options)
-        with self._lock:
-            if self._waiting >= self.max_queue + max(self.max_batch - self._running(), 0):
-                raise QueueFull(f"{self._waiting} requests are waiting; try again later")
-            self._waiting += 1
+        ticket, submitted = Ticket(), time.perf_counter()
+
+        def work() -> None:
             if self.metrics:
-                self.metrics.queue(self._waiting)
-        ticket = Ticket()
-        thread = threading.Thread(target=self._serve, args=(job, spec, options, ticket, on_text, on_end), daemon=True)
+                self.metrics.queue(self.batcher.waiting)
+            try:
+                if not ticket.cancelled.is_set():
+                    on_end(self._decode(job, spec, options, ticket, on_text, submitted))
+            except Exception as error:  # noqa: BLE001 - the request's caller reports it
+                on_end(error)
+
         with self._lock:
-            self._threads.add(thread)
-        thread.start()
+            if self.batcher.waiting >= self.max_queue and self.batcher.load >= self.max_batch:
+                raise QueueFull(f"{self.batcher.waiting} requests are waiting; try again later")
+            self.batcher.start(work)
+            if self.metrics:
+                self.metrics.queue(self.batcher.waiting)
         return ticket
 
-    def _running(self) -> int:
-        return len(self._threads) - self._waiting
+    def _decode(self, job: Job, spec: Any, options: Any, ticket: Ticket, on_text: Callable[[str], None],
+                submitted: float) -> Outcome:
+        steps = Steps(self.target, self.metrics)
+        rows: dict[int, Row] = {}
 
-    def _serve(self, job: Job, spec: Any, options: Any, ticket: Ticket, on_text: Callable[[str], None],
-               on_end: Callable[[Outcome | BaseException], None]) -> None:
+        def row(model: CausalLM, on_forward: Callable[[Call], None]) -> Row:
+            if id(model) not in rows:
+                rows[id(model)] = Row(self.batcher, model, on_forward)
+            return rows[id(model)]
+
+        def for_request(held: Any) -> Any:
+            loaded = self.drafters.get(str(held), held)
+            return row(loaded, steps.on_drafter) if isinstance(loaded, CausalLM) else loaded
+
+        target = Row(self.batcher, self.target, steps.on_target)
+        options = with_drafters(options, for_request)
+        request = Request(target, job.prompt_ids, job.max_tokens, job.sampling,
+                          seeded(self.target.device, job.seed), job.seed)
+        decoder = spec.build(request, options)
+        text = TextStream(self.target.tokenizer, job.stops)
+        tokens, finish, last = 0, "length", None
         try:
-            with self._slots:
-                with self._lock:
-                    self._waiting -= 1
-                    if self.metrics:
-                        self.metrics.queue(self._waiting)
+            for token in decoder:
+                now = time.perf_counter()
+                if self.metrics:
+                    self.metrics.token(now - (last if last is not None else submitted), first=last is None)
+                last = now
+                tokens += 1
+                steps.on_token()
+                if piece := text.push(token):
+                    on_text(piece)
+                if text.stopped or token in self.target.eos_token_ids:
+                    finish = "stop"
+                    break
                 if ticket.cancelled.is_set():
-                    return
-                on_end(self._decode(job, spec, options, ticket, on_text))
-        except BaseException as error:  # noqa: BLE001 - the request's caller reports it
-            on_end(error)
+                    finish = "cancelled"
+                    break
         finally:
-            with self._lock:
-                self._threads.discard(threading.current_thread())
+            decoder.close()
+        if piece := text.flush():
+            on_text(piece)
+        return Outcome(text.text, finish, len(job.prompt_ids), tokens, steps.summary(spec.name, tokens))
 
-    def _decode(self, job: Job, spec: Any, options: Any, ticket: Ticket, on_text: Callable[[str], None]) -> Outcome:
-        with self.batcher.running():
-            steps = Steps(self.target, self.metrics)
-            rows: dict[int, Row] = {}
-
-            def row(model: CausalLM, on_forward: Callable[[Call], None]) -> Row:
-                if id(model) not in rows:
-                    rows[id(model)] = Row(self.batcher, model, on_forward)
-                return rows[id(model)]
-
-            def for_request(held: Any) -> Any:
-                loaded = self.drafters.get(str(held), held)
-                return row(loaded, steps.on_drafter) if isinstance(loaded, CausalLM) else loaded
-
-            target = Row(self.batcher, self.target, steps.on_target)
-            options = with_drafters(options, for_request)
-            request = Request(target, job.prompt_ids, job.max_tokens, job.sampling,
-                              seeded(self.target.device, job.seed), job.seed)
-            decoder = spec.build(request, options)
-            text = TextStream(self.target.tokenizer, job.stops)
-            tokens, finish, start, last = 0, "length", time.perf_counter(), None
-            try:
-                for token in decoder:
-                    now = time.perf_counter()
-                    if self.metrics:
-                        self.metrics.token(now - (last if last is not None else start), first=last is None)
-                    last = now
-                    tokens += 1
-                    steps.on_token()
-                    if piece := text.push(token):
-                        on_text(piece)
-                    if text.stopped or token in self.target.eos_token_ids:
-                        finish = "stop"
-                        break
-                    if ticket.cancelled.is_set():
-                        finish = "cancelled"
-                        break
-            finally:
-                decoder.close()
-            if piece := text.flush():
-                on_text(piece)
-            return Outcome(text.text, finish, len(job.prompt_ids), tokens, steps.summary(spec.name, tokens))
-
-    def close(self, timeout_s: float | None = None) -> None:
-        """Wait for running requests (up to `timeout_s`), then stop the batcher."""
-        deadline = None if timeout_s is None else time.monotonic() + timeout_s
-        while True:
-            with self._lock:
-                threads = list(self._threads)
-            if not threads:
-                break
-            threads[0].join(None if deadline is None else max(deadline - time.monotonic(), 0))
-            if deadline is not None and time.monotonic() >= deadline:
-                break
+    def close(self) -> None:
+        """Finish the running and waiting requests, then stop."""
         self.batcher.close()

@@ -20,8 +20,8 @@ class Metrics:
                                registry=r)
         self.accepted = Counter("speculant_accepted_tokens", "draft tokens accepted, by draft position", ["position"],
                                 registry=r)
-        self.ttft = Histogram("speculant_time_to_first_token_seconds", "from a request's start of decoding to its "
-                              "first token (prefill included)", buckets=LATENCY_BUCKETS, registry=r)
+        self.ttft = Histogram("speculant_time_to_first_token_seconds", "from a request's arrival to its first token "
+                              "(queueing and prefill included)", buckets=LATENCY_BUCKETS, registry=r)
         self.itl = Histogram("speculant_inter_token_latency_seconds", "between consecutive tokens of a request",
                              buckets=LATENCY_BUCKETS, registry=r)
         self.queue_depth = Gauge("speculant_queue_depth", "requests waiting for a batch slot", registry=r)
