@@ -108,7 +108,8 @@ def build_parser() -> argparse.ArgumentParser:
     load.add_argument("--check-solo", action="store_true",
                       help="then send each distinct prompt alone and count outputs that differ (greedy)")
     load.add_argument("--label", default=None, help="a name for this server's configuration in the results")
-    load.add_argument("--out", default=None, help="append the results to OUT/results.jsonl")
+    load.add_argument("--out", default=None, help="append the results to OUT/results.jsonl and redraw OUT/report.md and "
+                      "OUT/throughput.png from all of them")
 
     simulate = commands.add_parser("simulate", help="offline simulation of non-SI, SI and DSI (no model needed)")
     sims = simulate.add_subparsers(dest="simulation", required=True)
@@ -413,7 +414,7 @@ def serving_backend(config: ModelConfig) -> str:
 
 def run_bench_serve(args: argparse.Namespace) -> None:
     from speculant.bench.datasets import load_dataset
-    from speculant.bench.serve import format_load, run_load
+    from speculant.bench.serve import format_load, run_load, write_report
 
     if args.requests < 1 or min(args.concurrency) < 1 or args.max_tokens < 1:
         raise ConfigError("requests, concurrency and max-tokens must be >= 1")
@@ -427,6 +428,7 @@ def run_bench_serve(args: argparse.Namespace) -> None:
             out.mkdir(parents=True, exist_ok=True)
             with (out / "results.jsonl").open("a") as f:
                 f.write(json.dumps(result) + "\n")
+            write_report(out)
 
 
 def run_simulate(args: argparse.Namespace) -> None:

@@ -134,3 +134,34 @@ def format_load(result: dict[str, Any]) -> str:
     if result["mismatches_vs_solo"] is not None:
         line += f", {result['mismatches_vs_solo']} outputs differ from solo"
     return line + ("; " + "; ".join(result["error_samples"]) if result["error_samples"] else "")
+
+
+def write_report(out: Path) -> list[Path]:
+    """`report.md` (a table) and `throughput.png` (tok/s against concurrency, a line per label) from every
+    run in `out/results.jsonl`."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    runs = [json.loads(line) for line in (out / "results.jsonl").read_text().splitlines() if line.strip()]
+    rows = ["| server | C | requests | tok/s | TTFT p50 / p90 ms | ITL p50 / p90 ms | errors | lost | differ from solo |",
+            "|---|---|---|---|---|---|---|---|---|"]
+    for r in runs:
+        rows.append(f"| {r['label']} | {r['concurrency']} | {r['requests']} | {r['throughput_tok_s']:.1f} | "
+                    f"{r['ttft_ms']['p50']} / {r['ttft_ms']['p90']} | {r['itl_ms']['p50']} / {r['itl_ms']['p90']} | "
+                    f"{r['errors']} | {r['lost']} | {'' if r['mismatches_vs_solo'] is None else r['mismatches_vs_solo']} |")
+    (out / "report.md").write_text("\n".join(rows) + "\n")
+    figure, axis = plt.subplots(figsize=(6, 4))
+    for label in dict.fromkeys(r["label"] for r in runs):
+        points = sorted((r["concurrency"], r["throughput_tok_s"]) for r in runs if r["label"] == label)
+        axis.plot(*zip(*points), marker="o", label=label)
+    axis.set_xlabel("concurrent clients")
+    axis.set_ylabel("tokens/s over the run")
+    axis.set_xscale("log", base=2)
+    axis.legend()
+    axis.grid(alpha=0.3)
+    figure.tight_layout()
+    figure.savefig(out / "throughput.png", dpi=120)
+    plt.close(figure)
+    return [out / "report.md", out / "throughput.png"]
