@@ -26,6 +26,7 @@ from speculant.serve.engine import Engine, Job, Outcome, QueueFull
 from speculant.serve.metrics import Metrics
 from speculant.serve.schema import ApiError, ChatRequest, CompletionRequest, Sampling
 
+
 class _End:
     def __init__(self, outcome: Outcome | BaseException):
         self.outcome = outcome
@@ -125,10 +126,9 @@ def create_app(engine: Engine, served_name: str, api_key: str | None = None) -> 
         if body.stream:
             include_usage = body.stream_options is not None and body.stream_options.include_usage
             return StreamingResponse(stream(queue, ticket, shape, include_usage), media_type="text/event-stream")
-        pieces = []
         try:
             while not isinstance(item := await queue.get(), _End):
-                pieces.append(item)
+                pass  # the text comes whole with the outcome
         finally:
             ticket.cancel()
         outcome = ended(item)
@@ -141,7 +141,7 @@ def create_app(engine: Engine, served_name: str, api_key: str | None = None) -> 
                 yield sse(shape.chunk({"role": "assistant", "content": ""}))
             while not isinstance(item := await queue.get(), _End):
                 yield sse(shape.chunk(item))
-            outcome = ended(item, streaming=True)
+            outcome = ended(item)
             metrics.usage(outcome.prompt_tokens, outcome.completion_tokens)
             yield sse(shape.chunk(None, outcome.finish_reason))
             if include_usage:
@@ -174,7 +174,7 @@ def create_app(engine: Engine, served_name: str, api_key: str | None = None) -> 
     return app
 
 
-def ended(item: _End, streaming: bool = False) -> Outcome:
+def ended(item: _End) -> Outcome:
     """The job's outcome, or the ApiError its failure is answered with."""
     if isinstance(item.outcome, Outcome):
         return item.outcome

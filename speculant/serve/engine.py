@@ -68,8 +68,8 @@ class Steps:
     plus the target's own. Counted outside the decoder, so that it holds for every method, and for a
     generation cut short by a stop string or a disconnect."""
 
-    def __init__(self, target: CausalLM, metrics: Metrics | None):
-        self.target, self.metrics = target, metrics
+    def __init__(self, metrics: Metrics | None):
+        self.metrics = metrics
         self.forwards = self.drafted = self.accepted = self.committed = 0
         self.width = 0  # the open step's forward width (0: none yet, or the prefill)
         self.drafter_forwards = 0
@@ -201,7 +201,7 @@ class Engine:
 
     def _decode(self, job: Job, spec: Any, options: Any, ticket: Ticket, on_text: Callable[[str], None],
                 submitted: float) -> Outcome:
-        steps = Steps(self.target, self.metrics)
+        steps = Steps(self.metrics)
         rows: dict[int, Row] = {}
 
         def row(model: CausalLM, on_forward: Callable[[Call], None]) -> Row:

@@ -18,15 +18,22 @@ class TextStream:
         self.text = ""  # the text so far, up to a stop string
         self.sent = 0  # characters of `text` handed out
         self.stopped = False
+        # Decoding every id again per token would cost O(n^2) on the decode loop: decode a window instead,
+        # from a few tokens back (`start`) so that merges across the boundary come out right; `done` ids
+        # are already in `text`.
+        self.start = self.done = 0
 
     def push(self, token: int) -> str:
         """The text that `token` makes final ("" while held back or after a stop)."""
         if self.stopped:
             return ""
         self.ids.append(token)
-        text = self.tokenizer.decode(self.ids, skip_special_tokens=True)
-        if text.endswith("\ufffd"):
+        decode = self.tokenizer.decode
+        window = decode(self.ids[self.start :], skip_special_tokens=True)
+        if window.endswith("\ufffd"):
             return ""
+        text = self.text + window[len(decode(self.ids[self.start : self.done], skip_special_tokens=True)) :]
+        self.start, self.done = self.done, len(self.ids)
         self.text = text
         longest = max(map(len, self.stops), default=0)
         hits = [i for i in (text.find(s, max(0, self.sent - longest)) for s in self.stops) if i >= 0]
