@@ -113,6 +113,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     simulate = commands.add_parser("simulate", help="offline simulation of non-SI, SI and DSI (no model needed)")
     sims = simulate.add_subparsers(dest="simulation", required=True)
+    from speculant.analysis.commands import LOOKAHEADS  # numpy only
     one = sims.add_parser("run", help="expected latency of non-SI, SI and DSI for one configuration")
     one.add_argument("--target-latency", type=float, default=None, metavar="MS", help="target forward (TPOT), ms")
     one.add_argument("--drafter-latency", type=float, default=None, metavar="MS", help="drafter forward, ms")
@@ -144,10 +145,14 @@ def build_parser() -> argparse.ArgumentParser:
     online.add_argument("--json", action="store_true")
     heat = sims.add_parser("heatmap", help="the DSI paper's Figure 2 and 7 heatmaps, CSV and summary")
     heat.add_argument("--out", required=True, help="directory for grid.csv, figure2.png, figure7.png, summary.json")
-    heat.add_argument("--ndim", type=int, default=20, help="grid points per axis (default: 20, as in the paper)")
-    heat.add_argument("--max-lookahead", type=int, default=200)
+    heat.add_argument("--ndim", type=int, default=20, help="grid intervals per axis on the paper's axes (default: 20; "
+                      "the paper's heatmaps: 100, about 100 x 99 cells)")
+    heat.add_argument("--lookaheads", default=",".join(map(str, LOOKAHEADS)),
+                      help="lookaheads searched per cell, comma-separated (default: 18 from 1 to 100; the paper "
+                      "searched every one from 1 to ndim)")
     heat.add_argument("--tokens", type=int, default=100)
-    heat.add_argument("--repeats", type=int, default=5)
+    heat.add_argument("--repeats", type=int, default=10, help="repeats per configuration, common random numbers "
+                      "(default: 10)")
     heat.add_argument("--servers", type=int, default=7, help="target servers, SP degree (default: 7, an 8-GPU node)")
     heat.add_argument("--fixed-lookahead", type=int, default=5, help="lookahead of Figure 7 (default: 5)")
     heat.add_argument("--seed", type=int, default=0)
@@ -432,7 +437,7 @@ def run_bench_serve(args: argparse.Namespace) -> None:
 
 
 def run_simulate(args: argparse.Namespace) -> None:
-    from speculant.analysis.commands import format_one, run_heatmap, simulate_one
+    from speculant.analysis.commands import format_heatmap, format_one, run_heatmap, simulate_one
 
     if args.simulation == "online":
         from speculant.analysis.online import format_online, simulate_online
@@ -461,13 +466,13 @@ def run_simulate(args: argparse.Namespace) -> None:
                               args.servers, args.tokens, ttft_ms, args.repeats, args.seed)
         print(json.dumps(result, indent=1) if args.json else format_one(result))
     else:
-        numbers, paths = run_heatmap(Path(args.out), args.ndim, args.max_lookahead, args.tokens, args.repeats,
+        try:
+            lookaheads = tuple(int(k) for k in args.lookaheads.split(","))
+        except ValueError:
+            raise ConfigError(f"--lookaheads takes comma-separated integers, got '{args.lookaheads}'") from None
+        numbers, paths = run_heatmap(Path(args.out), args.ndim, lookaheads, args.tokens, args.repeats,
                                      args.servers, args.fixed_lookahead, args.seed)
-        print(f"{numbers['configurations']} simulated configurations in {numbers['seconds']:.1f} s")
-        print(f"SI slower than non-SI in {numbers['si_slower_than_non_si_share']:.0%} of (drafter latency, acceptance) points")
-        print(f"DSI speedup: at least {numbers['min_dsi_speedup_over_si']:.3f}x over SI, at least "
-              f"{numbers['min_dsi_speedup_over_non_si']:.3f}x over non-SI, up to "
-              f"{numbers['max_dsi_speedup_over_best_baseline']:.2f}x over the better of the two")
+        print(format_heatmap(numbers))
         print("wrote " + ", ".join(str(p) for p in paths))
 
 

@@ -2,6 +2,9 @@
 under random twin latencies, through server deaths; Theorem 1 in the twin; sampling keeps p; planning."""
 
 import random
+import threading
+from contextlib import contextmanager
+import time
 from functools import partial
 
 import pytest
@@ -12,15 +15,17 @@ from speculant import generate
 from speculant.config import SamplingConfig
 from speculant.decoding.dsi.engine import DrafterFailed, dsi
 from speculant.decoding.dsi.executors import ServerSpec, hf_replica, make_executor, replica_factory
-from speculant.decoding.dsi.jobs import Job, ServerDied, TargetServer
+from speculant.decoding.dsi.jobs import Canceller, Job, ServerDied, TargetServer
 from speculant.analysis.online import run, simulate_online
 from speculant.decoding.dsi.plan import plan
 from speculant.decoding.dsi.timeline import plot_timeline
 from speculant.decoding.dsi.twin import Latency, OracleLM, PaddedModel, SyntheticDrafter
 from speculant.decoding.autoregressive import autoregressive
+from speculant.drafters.base import Draft
+from speculant.drafters.maxgram import MaxGramDrafter
 from speculant.drafters.model import ModelDrafter
 from speculant.errors import ConfigError
-from test_sampling import assert_follows_target, sampling_pair
+from test_sampling import TEMPERATURE, assert_follows_target, sampling_pair
 
 VOCAB = 64
 GREEDY = SamplingConfig()
@@ -83,20 +88,25 @@ def test_one_executor_serves_many_generations_and_stops_at_eos():
         pool.close()
 
 
-def test_server_catches_up_and_rolls_back_its_cache():
-    """A job carries the whole sequence; the server runs only what its cache lacks, rolls back where
-    the cache disagrees, and its rows equal a fresh computation."""
+def test_server_keeps_the_sequence_catches_up_and_rolls_back_its_cache():
+    """A job carries only the tokens after the `base` the server holds for its request; the server runs only
+    what its cache lacks, rolls back where the cache disagrees, and its rows equal a fresh computation.
+    A job building on a sequence the server never saw is refused."""
     target = tiny_model("qwen2", 3, VOCAB)
     server = TargetServer(0, target.share(), GREEDY)
     seq = random_prompt(3, VOCAB, 16)
-    first = server.run(Job(0, tuple(seq[:10]), 6))
-    assert first.rows_start == 6 and first.rows == 5
+    first = server.run(Job(0, 7, 0, tuple(seq[:10]), 6))
+    assert first.rows_start == 6 and first.rows == 5 and first.forwarded == 10
     changed = seq[:8] + [(seq[8] + 1) % VOCAB] + seq[9:]
-    second = server.run(Job(1, tuple(changed), 12))
-    assert second.rows_start == 9  # rolled back to the common prefix, 8 tokens, and re-ran from there
+    second = server.run(Job(1, 7, 8, tuple(changed[8:]), 12))
+    assert second.rows_start == 9 and second.forwarded == 8  # rolled back to the 8 shared tokens, re-ran the rest
     fresh = tiny_model("qwen2", 3, VOCAB)
     for position, token in zip(range(second.rows_start, len(changed) + 1), second.tokens):
         assert token == int(fresh.prefill(changed[:position]).argmax())
+    with pytest.raises(ValueError, match="never saw"):
+        server.run(Job(2, 8, 3, (1, 2), 4))
+    with pytest.raises(ValueError, match="holds 16"):
+        server.run(Job(3, 7, 17, (1, 2), 18))
 
 
 def test_lost_thread_server_gives_identical_output():
@@ -193,7 +203,8 @@ def test_simulate_online_beats_si_and_non_si_on_paper_like_settings():
 @pytest.mark.parametrize("device", DEVICES)
 def test_sampling_with_dsi_keeps_the_target_distribution(device):
     target, drafter, prompt = sampling_pair(31, device=device)
-    assert_follows_target(target, prompt, method="dsi", drafter=drafter, servers=2, lookahead=2)
+    with sampling_servers(target, device) as pool:
+        assert_follows_target(target, prompt, method="dsi", drafter=drafter, servers=2, lookahead=2, executor=pool)
 
 
 def test_generate_api_runs_dsi_with_planned_lookahead():
@@ -303,3 +314,170 @@ def test_ray_executor_equal_output():
         assert pool.actors  # server 1 died along the way (fault injected) and the output stayed the same
     finally:
         pool.close()
+
+
+class SometimesSilent:
+    """A drafter with nothing to propose after some contexts (Max-Gram without a match does this); counts
+    how often it is asked about a context it already had nothing for."""
+
+    name = "sometimes-silent"
+
+    def __init__(self, inner):
+        self.inner, self.silent, self.repeats, self.calls = inner, set(), 0, 0
+
+    def propose(self, context, k):
+        self.calls += 1
+        if (len(context) * 7 + context[-1]) % 3 == 0:
+            self.repeats += tuple(context) in self.silent
+            self.silent.add(tuple(context))
+            return Draft([], None, {})
+        return self.inner.propose(context, k)
+
+    def observe(self, n):
+        pass
+
+
+@pytest.mark.parametrize("servers", [1, 3])
+def test_greedy_dsi_with_maxgram_and_with_a_drafter_that_sometimes_has_nothing(servers):
+    """Empty drafts never stall DSI: commits (bonus tokens included) reach the drafter, which drafts on from
+    them, and a context it had nothing for is not asked again (no spinning)."""
+    for seed in range(4):
+        target, drafter, prompt = pair(80 + seed, noise=0.1)
+        pool = make_executor("thread", ServerSpec(replica_factory(target), ["cpu"] * servers, GREEDY,
+                                                  Latency(0.004, 0.004)))
+        pool.start()
+        try:
+            expected = reference(target, prompt, 40)
+            for lookahead in (1, 4):
+                tokens, stats = run(dsi(pool, MaxGramDrafter(), prompt, 40, lookahead, GREEDY, None, frozenset(),
+                                        timeout_s=30, close_executor=False))
+                assert tokens == expected, f"maxgram, seed {seed}, lookahead {lookahead}"
+                silent = SometimesSilent(ModelDrafter(drafter, GREEDY, None))
+                tokens, stats = run(dsi(pool, silent, prompt, 40, lookahead, GREEDY, None, frozenset(),
+                                        timeout_s=30, close_executor=False))
+                assert tokens == expected, f"silent drafter, seed {seed}, lookahead {lookahead}"
+                assert silent.silent and silent.repeats <= len(silent.silent), "asked again without a change"
+                assert sum(stats.accepted_lengths) > 0  # it drafted, and its drafts were used
+        finally:
+            pool.close()
+
+
+def test_dsi_stops_at_eos_inside_a_lookahead():
+    target, drafter, prompt = pair(90, noise=0.05)
+    full = reference(target, prompt, 30)
+    eos = full[4]
+    expected = full[: full.index(eos) + 1]
+    pool = make_executor("thread", ServerSpec(replica_factory(target), ["cpu"] * 2, GREEDY))
+    pool.start()
+    try:
+        for drafters in ([ModelDrafter(drafter, GREEDY, None)], [MaxGramDrafter(), ModelDrafter(drafter, GREEDY, None)]):
+            tokens = run(dsi(pool, drafters, prompt, 30, 8, GREEDY, None, frozenset({eos}), close_executor=False))[0]
+            assert tokens == expected
+    finally:
+        pool.close()
+
+
+@pytest.mark.parametrize("executor", ["thread", "process"])
+def test_greedy_dsi_with_several_drafters_equals_autoregressive(executor):
+    """Algorithm 1 with m > 2 models: Max-Gram leads, a close drafter and a far one correct it at their pace."""
+    rng = random.Random(3)
+    target = tiny_model("llama", 95, VOCAB)
+    spec = ServerSpec(partial(hf_replica, target.model, target.name, frozenset()), ["cpu"] * 2, GREEDY,
+                      Latency(0.01, 0.01))
+    pool = make_executor(executor, spec)
+    pool.start()
+    kept = set()
+    try:
+        for trial in range(4):
+            prompt = random_prompt(200 + trial, VOCAB, 8)
+            close, far = perturbed(target, 0.05, trial), perturbed(target, 0.5, trial + 50)
+            drafters = [MaxGramDrafter(), ModelDrafter(PaddedModel(far, Latency(0, 0.001)), GREEDY, None),
+                        ModelDrafter(PaddedModel(close, Latency(0, rng.uniform(0.002, 0.005))), GREEDY, None)]
+            tokens, stats = run(dsi(pool, drafters, prompt, 30, rng.choice([1, 3]), GREEDY, None, frozenset(),
+                                    timeout_s=60, close_executor=False))
+            assert tokens == reference(target, prompt, 30), f"trial {trial}"
+            kept |= {bar.row for bar in stats.dsi.bars if bar.outcome == "kept"}
+    finally:
+        pool.close()
+    assert {-1, -2, -3} <= kept  # every drafter's tokens made it into the speculated sequence
+
+
+def test_sampling_with_several_drafters_keeps_the_target_distribution():
+    target, drafter, prompt = sampling_pair(33)
+    other = tiny_model("llama", 35, 12, init_std=0.5)
+    with sampling_servers(target, "cpu") as pool:
+        assert_follows_target(target, prompt, method="dsi", drafters=(drafter, other), servers=2, lookahead=2,
+                              executor=pool)
+
+
+@contextmanager
+def sampling_servers(target, device):
+    """Two thread servers sampling at the statistical tests' temperature, kept across their generations."""
+    pool = make_executor("thread", ServerSpec(replica_factory(target), [device] * 2, SamplingConfig(TEMPERATURE)))
+    pool.start()
+    try:
+        yield pool
+    finally:
+        pool.close()
+
+
+def test_canceller_never_loses_a_cancellation():
+    """The running job's cancellation wakes a waiter whatever else was cancelled before; the model's
+    per-layer check sees it at once."""
+    canceller = Canceller()
+    canceller.running = 5
+    canceller.cancel(4)  # a cancellation meant for an earlier job: the event is set, the id is not ours
+    assert not canceller.wait(0.01) and not canceller.cancelled_now()
+    timer = threading.Timer(0.02, canceller.cancel, args=(5,))
+    timer.start()
+    start = time.monotonic()
+    assert canceller.wait(5.0) and time.monotonic() - start < 1.0 and canceller.cancelled_now()
+
+
+def test_a_cancelled_job_stops_inside_the_real_forward_and_rolls_its_cache_back():
+    """The target's own layers check the cancellation: the forward ends at a layer boundary, the server's
+    cache is as before the job, and the next job's rows equal a fresh computation."""
+    target = tiny_model("qwen2", 4, VOCAB)
+    canceller = Canceller()
+    server = TargetServer(0, target.share(), GREEDY, canceller=canceller)
+    seq = random_prompt(4, VOCAB, 14)
+    server.run(Job(0, 1, 0, tuple(seq[:8]), 8))
+    layers = []
+    hook = server.model.model.model.layers[1].register_forward_pre_hook(lambda *_: layers.append(1))
+    canceller.cancel(1)  # cancelled before it starts: the first layer boundary stops it
+    cut = server.run(Job(1, 1, 8, tuple(seq[8:12]), 9))
+    hook.remove()
+    assert cut.preempted and cut.rows == 0 and not layers and server.model.cache_len == 8
+    answer = server.run(Job(2, 1, 12, tuple(seq[12:]), 9))
+    assert answer.forwarded == 6 and answer.rows_start == 9
+    fresh = tiny_model("qwen2", 4, VOCAB)
+    assert answer.tokens == [int(fresh.prefill(seq[:p]).argmax()) for p in range(9, 15)]
+
+
+def test_jobs_carry_only_what_a_server_lacks():
+    target, drafter, prompt = pair(97, noise=0.1)
+    prompt = random_prompt(97, VOCAB, 64)
+    pool = make_executor("thread", ServerSpec(replica_factory(target), ["cpu"] * 2, GREEDY))
+    tokens, stats = run_dsi(pool, drafter, prompt, 40, 3, close=True)
+    assert tokens == reference(target, prompt, 40)
+    jobs = sum(s.jobs for s in stats.dsi.servers)
+    sent = sum(s.sent_tokens for s in stats.dsi.servers)
+    whole = sum(s.sequence_tokens for s in stats.dsi.servers)
+    assert sent < whole / 5 and sent - 2 * 64 < 8 * jobs  # the prompt once per server, then a few tokens a job
+
+
+def test_dsi_with_maxgram_is_faster_than_the_target_alone_in_the_twin():
+    """A repetitive continuation (tiny random models loop) is what Max-Gram drafts: with every target forward
+    padded to 15 ms, DSI beats the target alone on the same servers."""
+    target = tiny_model("llama", 3, VOCAB)
+    prompt = random_prompt(3, VOCAB, 8)
+    latency = Latency(0.015, 0.015)
+    expected, alone = run(autoregressive(PaddedModel(target.share(), latency), prompt, 60, GREEDY, None))
+    pool = make_executor("thread", ServerSpec(replica_factory(target), ["cpu"] * 2, GREEDY, latency))
+    pool.start()
+    try:
+        tokens, stats = run(dsi(pool, MaxGramDrafter(), prompt, 60, 4, GREEDY, None, frozenset(), close_executor=False))
+    finally:
+        pool.close()
+    assert tokens == expected
+    assert stats.wall_s < 0.8 * alone.wall_s, (stats.wall_s, alone.wall_s)

@@ -10,7 +10,8 @@ from pathlib import Path
 import numpy as np
 
 from speculant import theory
-from speculant.analysis.simulate import simulate_dsi, simulate_grid, simulate_non_si, simulate_si, summary
+from speculant.analysis.simulate import (draws, paired, paper_axes, simulate_dsi, simulate_grid, simulate_non_si,
+                                         simulate_si, summary)
 from speculant.errors import ConfigError
 
 
@@ -21,26 +22,21 @@ def _mean_ci(samples: np.ndarray) -> tuple[float, float]:
 
 def simulate_one(target_ms: float, drafter_ms: float, acceptance: float, lookahead: int, servers: int,
                  tokens: int, ttft_ms: float | None, repeats: int, seed: int) -> dict:
-    """Expected latency of non-SI, SI and DSI for one configuration, with the theory beside it."""
+    """Expected latency of non-SI, SI and DSI for one configuration on common random numbers, the paired
+    saving of DSI over SI with its interval, and the theory beside it."""
     if not (target_ms > 0 and drafter_ms > 0):
         raise ConfigError("latencies must be positive")
     if not 0 <= acceptance <= 1:
         raise ConfigError(f"acceptance must lie in [0, 1], got {acceptance}")
     if lookahead < 1 or servers < 1 or tokens < 1 or repeats < 2:
         raise ConfigError("lookahead, servers and tokens must be >= 1, repeats >= 2")
-    needed = theory.servers_needed(target_ms, drafter_ms, lookahead)
-    if servers < needed:
-        raise ConfigError(
-            f"{servers} target server(s) cannot keep up with lookahead {lookahead}: it needs {needed}; "
-            f"use lookahead >= {theory.min_lookahead(target_ms, drafter_ms, servers)} or more servers")
-    rng = np.random.default_rng(seed)
-    shape = np.zeros(repeats)
-    c = drafter_ms / target_ms
-    first = None if ttft_ms is None else ttft_ms / target_ms
-    si = simulate_si(shape + acceptance, shape + c, shape.astype(int) + lookahead, tokens, rng, 1.0, first) * target_ms
-    dsi = simulate_dsi(shape + acceptance, shape + c, shape.astype(int) + lookahead, tokens, rng, 1.0, first) * target_ms
+    wrong = draws(np.random.default_rng(seed), np.array([acceptance]), repeats, tokens)
+    r, c, first = np.arange(repeats), drafter_ms / target_ms, None if ttft_ms is None else ttft_ms / target_ms
+    si = simulate_si(wrong, r, 0, c, lookahead, tokens, 1.0, first) * target_ms
+    dsi = simulate_dsi(wrong, r, 0, c, lookahead, servers, tokens, 1.0, first) * target_ms
     non_si = simulate_non_si(tokens, target_ms, ttft_ms)
     (si_mean, si_ci), (dsi_mean, dsi_ci) = _mean_ci(si), _mean_ci(dsi)
+    low, high = paired(si, dsi)
     per_iteration = min(theory.sd_expected_tokens(acceptance, lookahead), tokens)
     return {
         "non_si_ms": non_si,
@@ -48,11 +44,14 @@ def simulate_one(target_ms: float, drafter_ms: float, acceptance: float, lookahe
         "si_ci95_ms": si_ci,
         "dsi_ms": dsi_mean,
         "dsi_ci95_ms": dsi_ci,
-        "servers_needed": needed,
+        "dsi_saving_over_si_ci95_ms": [float(low), float(high)],
+        "servers_needed": theory.servers_needed(target_ms, drafter_ms, lookahead),
+        "servers": servers,
         "theory": {
             "si_expected_ms": tokens / per_iteration * (lookahead * drafter_ms + target_ms),
+            # Proposition 1 bounds DSI with lookahead 1 (and enough servers) only
             "dsi_bound_ms": theory.dsi_time_bound(drafter_ms, target_ms, acceptance, tokens)
-            + ((ttft_ms or target_ms) - target_ms),
+            + ((ttft_ms or target_ms) - target_ms) if lookahead == 1 else None,
             "tokens_per_si_iteration": per_iteration,
         },
     }
@@ -60,31 +59,59 @@ def simulate_one(target_ms: float, drafter_ms: float, acceptance: float, lookahe
 
 def format_one(result: dict) -> str:
     t = result["theory"]
-    return "\n".join([
+    bound = (f"Proposition 1 bound {t['dsi_bound_ms']:.1f} ms" if t["dsi_bound_ms"] is not None
+             else "(Proposition 1 bounds lookahead 1 only)")
+    low, high = result["dsi_saving_over_si_ci95_ms"]
+    lines = [
         f"non-SI  {result['non_si_ms']:10.1f} ms",
         f"SI      {result['si_ms']:10.1f} ms  ± {result['si_ci95_ms']:.1f} (95% CI)   theory {t['si_expected_ms']:.1f} ms",
-        f"DSI     {result['dsi_ms']:10.1f} ms  ± {result['dsi_ci95_ms']:.1f} (95% CI)   Proposition 1 bound "
-        f"{t['dsi_bound_ms']:.1f} ms",
-        f"speedup DSI/SI {result['si_ms'] / result['dsi_ms']:.2f}x, DSI/non-SI {result['non_si_ms'] / result['dsi_ms']:.2f}x, "
-        f"SI/non-SI {result['non_si_ms'] / result['si_ms']:.2f}x ({result['servers_needed']} target server(s) needed)",
-    ])
+        f"DSI     {result['dsi_ms']:10.1f} ms  ± {result['dsi_ci95_ms']:.1f} (95% CI)   {bound}",
+        f"speedup DSI/SI {result['si_ms'] / result['dsi_ms']:.2f}x (paired saving {low:.1f} .. {high:.1f} ms, 95% CI), "
+        f"DSI/non-SI {result['non_si_ms'] / result['dsi_ms']:.2f}x, SI/non-SI {result['non_si_ms'] / result['si_ms']:.2f}x",
+    ]
+    if result["servers_needed"] > result["servers"]:
+        lines.append(f"note: this lookahead needs {result['servers_needed']} target server(s) to keep up; with "
+                     f"{result['servers']}, DSI's jobs wait for a server (simulated as they would)")
+    return "\n".join(lines)
 
 
-def run_heatmap(out: Path, ndim: int, max_lookahead: int, tokens: int, repeats: int, servers: int,
+LOOKAHEADS = (1, 2, 3, 4, 5, 6, 8, 10, 12, 15, 20, 25, 30, 40, 50, 65, 80, 100)
+
+
+def run_heatmap(out: Path, ndim: int, lookaheads: tuple[int, ...], tokens: int, repeats: int, servers: int,
                 fixed_lookahead: int, seed: int) -> tuple[dict, list[Path]]:
-    """The full grid, its CSV, Figure 2 and Figure 7 PNGs and the summary numbers."""
+    """The grid on the paper's axes (`paper_axes(ndim)`), its CSV, Figure 2 and Figure 7 PNGs and the summary."""
     from speculant.analysis.heatmap import plot_figure2, plot_figure7, write_csv
 
-    if ndim < 2 or max_lookahead < fixed_lookahead or tokens < 1 or repeats < 1 or servers < 1:
-        raise ConfigError("need ndim >= 2, max-lookahead >= the fixed lookahead, and positive tokens, repeats, servers")
+    if ndim < 2 or fixed_lookahead not in lookaheads or tokens < 1 or repeats < 2 or servers < 1 or min(lookaheads) < 1:
+        raise ConfigError("need ndim >= 2, the fixed lookahead among the lookaheads (all >= 1), repeats >= 2, "
+                          "and positive tokens and servers")
     start = time.perf_counter()
-    grid = simulate_grid(np.linspace(0.01, 1, ndim), np.linspace(0, 1, ndim), np.arange(1, max_lookahead + 1),
-                         tokens, repeats, servers, seed)
-    numbers = {**summary(grid), "seconds": time.perf_counter() - start, "configurations": int(grid.si.size * repeats)}
+    c, a = paper_axes(ndim)
+    grid = simulate_grid(c, a, np.array(sorted(set(lookaheads))), tokens, repeats, servers, seed)
+    numbers = {**summary(grid), "seconds": time.perf_counter() - start, "configurations": int(grid.si.size)}
     out.mkdir(parents=True, exist_ok=True)
     paths = [out / "grid.csv", out / "figure2.png", out / "figure7.png", out / "summary.json"]
     write_csv(grid, paths[0])
-    plot_figure2(grid, paths[1], servers)
+    plot_figure2(grid, paths[1])
     plot_figure7(grid, paths[2], fixed_lookahead)
     paths[3].write_text(json.dumps(numbers, indent=1))
     return numbers, paths
+
+
+def format_heatmap(numbers: dict) -> str:
+    lines = [f"{numbers['configurations']} simulated configurations ({numbers['cells']} cells x "
+             f"{len(numbers['lookaheads'])} lookaheads x {numbers['repeats']} repeats) in {numbers['seconds']:.1f} s",
+             f"SI slower than non-SI in {numbers['si_slower_than_non_si_share']:.0%} of cells"]
+    for key, name in (("dsi_vs_si", "SI"), ("dsi_vs_non_si", "non-SI")):
+        v = numbers[key]
+        lines.append(f"DSI >= {name} in {v['share_dsi_ge'][0]:.1%} .. {v['share_dsi_ge'][1]:.1%} of cells (faster "
+                     f"{v['faster']:.1%}, within noise {v['tied']:.1%}, slower {v['slower']:.1%}; 95% paired intervals)")
+    lines.append(f"DSI speedup: at least {numbers['min_dsi_speedup_over_si']:.3f}x over SI, at least "
+                 f"{numbers['min_dsi_speedup_over_non_si']:.3f}x over non-SI, up to "
+                 f"{numbers['max_dsi_speedup_over_best_baseline']:.2f}x over the better of the two (means)")
+    if numbers["cells_where_dsi_loses"]:
+        lines.append(f"DSI's mean is slower in {numbers['cells_where_dsi_loses']} cell(s); in "
+                     f"{numbers['of_those_servers_short']} of them its best lookahead needs more target servers "
+                     "than there are")
+    return "\n".join(lines)

@@ -1,19 +1,20 @@
 """Offline simulation of non-SI, SI and DSI (Timor et al., "Distributed Speculative Inference",
 Appendix F.3-F.4), vectorised over many configurations at once with numpy.
 
-Acceptance is i.i.d.: the number of accepted drafts in an iteration is Geometric(1 - a) - 1, capped at
-the lookahead. Latencies add up: the target's first forward costs `target_first` (TTFT), later ones
-`target` (TPOT); a drafter forward costs `c`. Arrays of configurations (a, c, k) run together.
+Acceptance is i.i.d. with common random numbers: repeat r draws u[r, j] ~ U(0, 1) per position j, and a
+drafter's token at position j, drafted after a correct prefix, is right iff u[r, j] < a. SI and DSI at
+every lookahead see the same draws, so their difference per repeat is paired. Latencies add up: the
+target's first forward costs `target_first` (TTFT), later ones `target` (TPOT); a drafter forward `c`.
 
 - non-SI: one target forward per token.
 - SI: each iteration drafts k tokens, then one target forward verifies them.
-- DSI: verification runs on other servers and never blocks drafting, so a stretch of accepted drafts
-  costs only drafting. A rejection costs one target forward, counted from the launch of the job that
-  detects it: the job holding the rejected draft, or, for a job's first draft, the previous job (whose
-  forward also scores the next position; after a correction a job on the bare prefix starts at once).
-  With lookahead 1 this is Proposition 1's accounting: t1 per accepted, t2 per rejected token. A
-  stretch is never slower than the target alone on it (Theorem 1). This needs enough target servers:
-  see `theory.servers_needed`.
+- DSI: an event simulation of the engine's own policy (`decoding.dsi.engine`) on N target servers, not a
+  formula: the drafter drafts one token per `c` up to lookahead x (N + 1) tokens ahead; a job goes to an
+  idle server with the pending drafts when nothing in flight predicts the next position and another
+  server is free, when k drafts wait, or when the drafter waits; a job returns after one target forward; a rejection commits the
+  target's token, preempts the jobs built on the rejected draft (their servers free at once) and restarts
+  the drafter after it; a bonus token past the drafts restarts it too. Servers that cannot keep up make
+  jobs wait, and DSI is then slower: nothing is clamped, the simulation says what happens.
 """
 
 from __future__ import annotations
@@ -22,117 +23,212 @@ from dataclasses import dataclass
 
 import numpy as np
 
+SP_DEGREE = 7  # an 8-GPU node: 7 target servers and 1 drafter, as in the paper's heatmaps
 
-def _accepted(rng: np.random.Generator, a: np.ndarray, cap: np.ndarray) -> np.ndarray:
-    """Accepted drafts per iteration: Geometric(1 - a) - 1 capped at `cap` (a = 1 accepts all)."""
-    failure = np.clip(1 - a, 1e-12, 1)
-    draws = rng.geometric(failure) - 1
-    return np.minimum(np.where(a >= 1, cap, draws), cap)
+
+def draws(rng: np.random.Generator, a: np.ndarray, repeats: int, n_tokens: int) -> np.ndarray:
+    """Common random numbers as `wrong[r, i, j]`: the first position >= j whose draft is wrong in repeat r at
+    acceptance a[i] (n_tokens + 1 when none), shape [repeats, len(a), n_tokens + 2]."""
+    u = rng.random((repeats, 1, n_tokens + 1))
+    positions = np.where(u >= np.asarray(a, float)[None, :, None], np.arange(n_tokens + 1), n_tokens + 1)
+    first = np.minimum.accumulate(positions[..., ::-1], axis=-1)[..., ::-1]
+    return np.concatenate([first, np.full((repeats, len(a), 1), n_tokens + 1)], axis=-1)
 
 
 def simulate_non_si(n_tokens: int, target: float = 1.0, target_first: float | None = None) -> float:
     return (target if target_first is None else target_first) + (n_tokens - 1) * target
 
 
-def simulate_si(a: np.ndarray, c: np.ndarray, k: np.ndarray, n_tokens: int, rng: np.random.Generator,
+def simulate_si(wrong: np.ndarray, r: np.ndarray, i: np.ndarray, c: np.ndarray, k: np.ndarray, n_tokens: int,
                 target: float = 1.0, target_first: float | None = None) -> np.ndarray:
-    """Latency of SI for each configuration (a, drafter latency c, lookahead k), all arrays of one shape."""
-    a, c, k = np.broadcast_arrays(np.asarray(a, float), np.asarray(c, float), np.asarray(k, int))
-    left = np.full(a.shape, n_tokens)
-    cost = np.zeros(a.shape)
-    first = True
-    while (active := left > 0).any():
-        curr_k = np.where(active, np.minimum(k, left - 1), 0)
-        drafting = curr_k * c
-        verify = target_first if first and target_first is not None else target
-        cost += np.where(active, drafting + verify, 0)
-        left -= np.where(active, _accepted(rng, a, curr_k) + 1, 0)
-        first = False
+    """SI's latency per configuration (repeat r, acceptance index i, drafter latency c, lookahead k; arrays of
+    one shape) on the draws `wrong` (see `draws`)."""
+    r, i, c, k = np.broadcast_arrays(r, i, np.asarray(c, float), k)
+    pos = np.zeros(r.shape, dtype=np.int64)
+    cost = np.zeros(r.shape)
+    first = target if target_first is None else target_first
+    while (active := pos < n_tokens).any():
+        drafts = np.where(active, np.minimum(k, n_tokens - 1 - pos), 0)
+        accepted = np.minimum(wrong[r, i, np.minimum(pos, n_tokens + 1)] - pos, drafts)
+        cost += np.where(active, drafts * c + np.where(pos == 0, first, target), 0)
+        pos += np.where(active, accepted + 1, 0)
     return cost
 
 
-def simulate_dsi(a: np.ndarray, c: np.ndarray, k: np.ndarray, n_tokens: int, rng: np.random.Generator,
-                 target: float = 1.0, target_first: float | None = None) -> np.ndarray:
-    """Latency of DSI for each configuration, assuming enough target servers (the caller checks)."""
-    a, c, k = np.broadcast_arrays(np.asarray(a, float), np.asarray(c, float), np.asarray(k, int))
-    done = np.zeros(a.shape, dtype=int)  # committed tokens
-    stretch_tokens = np.zeros(a.shape, dtype=int)  # tokens of the current stretch between rejections
-    stretch_cost = np.zeros(a.shape)
-    cost = np.zeros(a.shape)
-    first_stretch = np.ones(a.shape, dtype=bool)
-    while (active := done < n_tokens).any():
-        curr_k = np.where(active, np.minimum(k, n_tokens - 1 - done - stretch_tokens), 0)
-        accepted = _accepted(rng, a, curr_k)
-        stretch_tokens += np.where(active, accepted, 0)
-        ends = active & ((curr_k == 0) | (accepted < curr_k))  # a rejection (or the last token)
-        # A rejection at a job's first token is caught by the previous job, whose forward also scores
-        # the next position, so this job's drafting is not waited for; later rejections wait for it.
-        stretch_cost += np.where(active & ~(ends & (accepted == 0)), curr_k * c, 0)
-        verify = np.where(first_stretch, target if target_first is None else target_first, target)
-        stretch_tokens += ends
-        stretch_cost += np.where(ends, verify, 0)
-        alone = np.where(first_stretch, verify + (stretch_tokens - 1) * target, stretch_tokens * target)
-        cost += np.where(ends, np.minimum(stretch_cost, alone), 0)
-        done += np.where(ends, stretch_tokens, 0)
-        stretch_tokens[ends] = 0
-        stretch_cost[ends] = 0
-        first_stretch &= ~ends
-    return cost
-
-
-SP_DEGREE = 7  # an 8-GPU node: 7 target servers and 1 drafter, as in the paper's heatmaps
+def simulate_dsi(wrong: np.ndarray, r: np.ndarray, i: np.ndarray, c: np.ndarray, k: np.ndarray, servers: int,
+                 n_tokens: int, target: float = 1.0, target_first: float | None = None) -> np.ndarray:
+    """DSI's latency per configuration on `servers` target servers (see the module docstring), same inputs as
+    `simulate_si`. Every server prefills the prompt at the start, as the engine's do."""
+    r, i, c, k = np.broadcast_arrays(r, i, np.asarray(c, float), k)
+    shape = r.shape
+    r, i, c, k = (np.ravel(x) for x in (r, i, c, k))
+    if (c <= 0).any():
+        raise ValueError("drafter latency must be > 0")
+    M, N, inf = r.size, servers, np.inf
+    cap = n_tokens - 1  # drafts beyond this position are never needed
+    ahead = k * (N + 1)
+    m = np.zeros(M, np.int64)  # committed tokens
+    L = np.zeros(M, np.int64)  # committed tokens + drafts
+    f = np.ones(M, np.int64)  # the first position no job in flight predicts
+    t = np.zeros(M)
+    td = np.where(cap > 0, c, inf)  # when the drafter's next draft is done (inf: waiting)
+    busy = np.full((M, N), target if target_first is None else target_first)  # when each server is done
+    last = np.zeros((M, N), np.int64)  # the last position its job predicts (its sequence length)
+    finish = np.zeros(M)
+    active = np.ones(M, bool)
+    rows = np.arange(M)
+    while active.any():
+        ts, server = busy.min(1), busy.argmin(1)
+        idle = np.isinf(busy).any(1)
+        limit = np.minimum(cap, m + ahead)
+        # The next draft that matters: the one that lets a job go to an idle server, or the drafter's last.
+        target_len = np.where(idle & (f + k - 1 > L), np.minimum(f + k - 1, limit), limit)
+        steps = np.maximum(target_len - L, 1)
+        t_jump = td + (steps - 1) * c
+        on_draft = active & (t_jump < ts)
+        on_server = active & ~on_draft
+        if np.isinf(np.where(active, np.minimum(t_jump, ts), 0)).any():
+            raise RuntimeError("DSI simulation stalled: a bug")
+        # Drafts completed before a server event move the drafter on, short of the draft that matters.
+        with np.errstate(invalid="ignore"):  # inf - inf where nothing is pending: masked out
+            due = np.floor((ts - td) / c) + 1
+        done_before = np.where(on_server & (td < ts), np.minimum(due, steps - 1), 0).astype(np.int64)
+        L += np.where(on_draft, steps, done_before)
+        td = np.where(on_draft, t_jump + c, td + done_before * c)
+        t = np.where(on_draft, t_jump, np.where(on_server, ts, t))
+        td = np.where(L >= limit, inf, td)
+        # A server answers: commit its rows from m while its drafts agree, then handle a rejection.
+        s = rows[on_server]
+        e, mm, Ls = last[s, server[s]], m[s], L[s]
+        busy[s, server[s]] = inf
+        w = wrong[r[s], i[s], np.minimum(mm, n_tokens + 1)]
+        useful = e >= mm  # else every row was committed already (the other servers' prefills)
+        rejected = useful & ((w < e) | ((w == e) & (Ls > e)))
+        clean = useful & ~rejected
+        new_m = np.where(rejected, w + 1, np.where(clean, e + 1, mm))
+        restart = rejected | (clean & (Ls <= e))
+        new_L = np.where(rejected, w + 1, np.where(clean, np.maximum(Ls, e + 1), Ls))
+        preempt = rejected[:, None] & (last[s] > w[:, None]) & np.isfinite(busy[s])
+        busy[s] = np.where(preempt, inf, busy[s])
+        f[s] = np.where(rejected, w + 1, f[s])
+        m[s], L[s] = new_m, new_L
+        lim = np.minimum(cap, new_m + ahead[s])
+        tds = np.where(restart | np.isinf(td[s]), t[s] + c[s], td[s])
+        td[s] = np.where(new_L >= lim, inf, tds)
+        finished = new_m >= n_tokens
+        finish[s[finished]] = t[s[finished]]
+        active[s[finished]] = False
+        # Dispatch: one job per event at most (it takes every pending draft).
+        free = np.isinf(busy)
+        limit = np.minimum(cap, m + ahead)
+        wanted = L + 1 - f
+        bare = (f <= m) & (free.sum(1) >= 2)
+        ready = active & free.any(1) & (wanted >= 1) & (bare | (wanted >= k) | (L >= limit))
+        d = rows[ready]
+        slot = free[d].argmax(1)
+        busy[d, slot] = t[d] + target
+        last[d, slot] = L[d]
+        f[d] = L[d] + 1
+    return finish.reshape(shape)
 
 
 @dataclass
 class Grid:
-    """Mean latencies (in target forwards) over drafter latency c x acceptance a x lookahead k."""
+    """Latencies (in target forwards) per repeat over drafter latency c x acceptance a x lookahead k."""
 
     c: np.ndarray  # [C]
     a: np.ndarray  # [A]
     k: np.ndarray  # [K]
+    servers: int
     non_si: float
-    si: np.ndarray  # [C, A, K]
-    dsi: np.ndarray  # [C, A, K]; SI's latency where the servers cannot keep up with lookahead k
-    feasible: np.ndarray  # [C, A, K] bool: enough target servers for DSI at this lookahead
+    si: np.ndarray  # [C, A, K, R]
+    dsi: np.ndarray  # [C, A, K, R]
+
+    def best(self, values: np.ndarray) -> np.ndarray:
+        """Per repeat, the values at each cell's lookahead of least mean latency [C, A, R]."""
+        index = values.mean(-1).argmin(-1)
+        return np.take_along_axis(values, index[..., None, None], axis=2)[:, :, 0]
 
     def best_si(self) -> np.ndarray:
-        """SI at its best lookahead per (c, a) [C, A]."""
-        return self.si.min(-1)
+        return self.best(self.si).mean(-1)
 
     def best_dsi(self) -> np.ndarray:
-        return self.dsi.min(-1)
+        return self.best(self.dsi).mean(-1)
+
+    def best_dsi_lookahead(self) -> np.ndarray:
+        return self.k[self.dsi.mean(-1).argmin(-1)]
 
     def at_lookahead(self, k: int) -> tuple[np.ndarray, np.ndarray]:
         index = int(np.flatnonzero(self.k == k)[0])
-        return self.si[..., index], self.dsi[..., index]
+        return self.si[..., index, :].mean(-1), self.dsi[..., index, :].mean(-1)
+
+    def servers_short(self) -> np.ndarray:
+        """Cells whose best DSI lookahead needs more servers than there are (Appendix D), [C, A] bool."""
+        return np.ceil(1 / (self.best_dsi_lookahead() * self.c[:, None]) - 1e-9) > self.servers
 
 
-def simulate_grid(c: np.ndarray, a: np.ndarray, k: np.ndarray, n_tokens: int = 100, repeats: int = 5,
+def simulate_grid(c: np.ndarray, a: np.ndarray, k: np.ndarray, n_tokens: int = 100, repeats: int = 10,
                   servers: int = SP_DEGREE, seed: int = 0) -> Grid:
-    """The paper's offline grid (Figure 2): every (c, a, k), `repeats` times, all in one numpy run.
-
-    SI and DSI see the same configurations; DSI is restricted to the lookaheads that `servers` target
-    servers can keep busy and runs as SI elsewhere."""
-    rng = np.random.default_rng(seed)
-    cc, aa, kk = np.meshgrid(c, a, k, indexing="ij")
-    shape = (repeats, *cc.shape)
-    si = simulate_si(np.broadcast_to(aa, shape), np.broadcast_to(cc, shape), np.broadcast_to(kk, shape),
-                     n_tokens, rng).mean(0)
-    dsi = simulate_dsi(np.broadcast_to(aa, shape), np.broadcast_to(cc, shape), np.broadcast_to(kk, shape),
-                       n_tokens, rng).mean(0)
-    feasible = np.ceil(1 / (kk * cc) - 1e-12) <= servers  # theory.servers_needed with target latency 1
-    # Where the servers cannot keep up, DSI can always run as SI (one verification in flight at a time).
-    return Grid(np.asarray(c), np.asarray(a), np.asarray(k), simulate_non_si(n_tokens), si,
-                np.where(feasible, dsi, si), feasible)
+    """The paper's offline grid (Figure 2): every (c, a, k), `repeats` times on common random numbers, SI
+    and DSI both simulated at every lookahead (one drafter row of the grid at a time, to bound memory)."""
+    c, a, k = np.asarray(c, float), np.asarray(a, float), np.asarray(k, np.int64)
+    wrong = draws(np.random.default_rng(seed), a, repeats, n_tokens)
+    ii, kk, rr = np.meshgrid(np.arange(len(a)), k, np.arange(repeats), indexing="ij")
+    si = np.empty((len(c), len(a), len(k), repeats))
+    dsi = np.empty_like(si)
+    for row, cost in enumerate(c):
+        si[row] = simulate_si(wrong, rr, ii, cost, kk, n_tokens)
+        dsi[row] = simulate_dsi(wrong, rr, ii, cost, kk, servers, n_tokens)
+    return Grid(c, a, k, servers, simulate_non_si(n_tokens), si, dsi)
 
 
-def summary(grid: Grid) -> dict[str, float]:
-    """The numbers the paper quotes about Figure 2."""
+def paired(baseline: np.ndarray, dsi: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Per cell, the 95% normal confidence interval of the mean paired saving baseline - DSI over repeats."""
+    diff = baseline - dsi
+    half = 1.96 * diff.std(-1, ddof=1) / np.sqrt(diff.shape[-1]) if diff.shape[-1] > 1 else np.zeros(diff.shape[:-1])
+    return diff.mean(-1) - half, diff.mean(-1) + half
+
+
+def verdicts(grid: Grid) -> dict[str, dict[str, float]]:
+    """Per baseline (SI at its best lookahead, non-SI), the share of cells where DSI at its best lookahead is
+    faster (the interval of the paired saving lies above 0), tied (it holds 0) and slower (below 0); the
+    share where DSI >= the baseline as an interval [faster, faster + tied]."""
+    dsi = grid.best(grid.dsi)
+    out = {}
+    for name, base in (("si", grid.best(grid.si)), ("non_si", np.full(dsi.shape, grid.non_si))):
+        low, high = paired(base, dsi)
+        faster, slower = float((low > 0).mean()), float((high < 0).mean())
+        tied = 1 - faster - slower
+        out[name] = {"faster": faster, "tied": tied, "slower": slower, "share_dsi_ge": [faster, faster + tied]}
+    return out
+
+
+def summary(grid: Grid) -> dict:
+    """The numbers the paper quotes about Figure 2, measured: shares of cells with intervals, extreme
+    ratios, and where DSI loses, whether its servers could keep up."""
     si, dsi = grid.best_si(), grid.best_dsi()
     baseline = np.minimum(si, grid.non_si)
+    found = verdicts(grid)
+    low_si, _ = paired(grid.best(grid.si), grid.best(grid.dsi))
+    loses = (si / dsi < 1) | (grid.non_si / dsi < 1)
+    short = grid.servers_short()
     return {
         "si_slower_than_non_si_share": float((si > grid.non_si).mean()),
+        "dsi_vs_si": found["si"],
+        "dsi_vs_non_si": found["non_si"],
         "min_dsi_speedup_over_si": float((si / dsi).min()),
         "min_dsi_speedup_over_non_si": float((grid.non_si / dsi).min()),
         "max_dsi_speedup_over_best_baseline": float((baseline / dsi).max()),
+        "cells_where_dsi_loses": int(loses.sum()),
+        "of_those_servers_short": int((loses & short).sum()),
+        "cells": int(si.size),
+        "repeats": int(grid.si.shape[-1]),
+        "lookaheads": [int(x) for x in grid.k],
     }
+
+
+def paper_axes(ndim: int = 100) -> tuple[np.ndarray, np.ndarray]:
+    """The DSI authors' heatmap axes: ndim + 1 points on [0, 1] each, drafter latency at least 0.01 and
+    acceptance within [0.01, 0.99], duplicates dropped (ndim 100: 100 x 99 cells)."""
+    points = np.linspace(0, 1, ndim + 1)
+    return np.unique(np.maximum(points, 0.01)), np.unique(np.clip(points, 0.01, 0.99))

@@ -9,7 +9,7 @@ from typing import Any
 
 from speculant.config import EXECUTORS, option
 from speculant.errors import ConfigError
-from speculant.methods.drafting import DrafterOptions
+from speculant.methods.drafting import DrafterOptions, parse_drafters
 from speculant.methods.registry import Request, register
 
 
@@ -18,8 +18,9 @@ def parse_devices(text: str) -> tuple[str, ...]:
 
 
 def parse_twin(text: str) -> tuple[Any, Any]:
-    """`30,3` or `30,3,120` (target TPOT, drafter, target TTFT in ms), or two `speculant profile` JSONs
-    `target.json,drafter.json` (TTFT, TPOT and T(W) each) -> (target, drafter) Latency."""
+    """`30,3` or `30,3,120` (target TPOT, drafter, target TTFT in ms; with several drafters, one drafter
+    latency each: `30,1/5`), or two `speculant profile` JSONs `target.json,drafter.json` (TTFT, TPOT and
+    T(W) each) -> (target Latency, drafter Latency or a tuple of them)."""
     from speculant.decoding.dsi.twin import Latency
     from speculant.latency import LatencyProfile
 
@@ -30,16 +31,22 @@ def parse_twin(text: str) -> tuple[Any, Any]:
         target, drafter = (Latency.from_profile(LatencyProfile.load(Path(part))) for part in parts)
         return target, drafter
     try:
-        values = [float(v) for v in parts]
+        values = [float(v) for v in parts[:1] + parts[2:]]
+        drafters = [float(v) for v in parts[1].split("/")] if len(parts) > 1 else []
     except ValueError:
-        values = []
-    if len(values) not in (2, 3) or min(values) < 0:
-        raise ConfigError(f"twin takes T,D or T,D,TTFT in ms (numbers >= 0), got '{text}'")
-    return Latency.from_ms(values[0], values[2] if len(values) == 3 else None), Latency.from_ms(values[1])
+        values = drafters = []
+    if len(values) not in (1, 2) or not drafters or min(values + drafters) < 0:
+        raise ConfigError(f"twin takes T,D or T,D,TTFT in ms (numbers >= 0; D1/D2/.. for several drafters), got '{text}'")
+    latencies = tuple(Latency.from_ms(d) for d in drafters)
+    return (Latency.from_ms(values[0], values[1] if len(values) == 2 else None),
+            latencies[0] if len(latencies) == 1 else latencies)
 
 
 @dataclass(frozen=True)
 class DSIOptions(DrafterOptions):
+    drafters: Any = option(None, "several drafters of increasing cost instead of one, e.g. maxgram,qwen2.5-coder-0.5b@int4: "
+                           "each drafts at its own pace and a costlier one's draft replaces a cheaper one's (DSI's "
+                           "Algorithm 1 with m > 2 models); the first sets the lookahead", parse=parse_drafters)
     servers: int = option(1, "target servers verifying in parallel (the speculation-parallelism degree)")
     lookahead: int | None = option(None, "drafts per verification job (default: the smallest the servers keep up "
                                    "with, planned from the latencies)")
@@ -63,15 +70,24 @@ class DSIOptions(DrafterOptions):
             object.__setattr__(self, "target_devices", parse_devices(self.target_devices))
         if self.target_devices is not None and len(self.target_devices) != self.servers:
             raise ConfigError(f"{len(self.target_devices)} target devices given for {self.servers} servers")
+        if isinstance(self.drafters, str):
+            object.__setattr__(self, "drafters", parse_drafters(self.drafters))
+        if self.drafters is not None and len(self.drafters) < 1:
+            raise ConfigError("drafters needs at least one drafter")
         if isinstance(self.twin_latency, str):
             object.__setattr__(self, "twin_latency", parse_twin(self.twin_latency))
+        if self.twin_latency is not None and self.drafters is not None:
+            pads = self.twin_latency[1] if isinstance(self.twin_latency[1], tuple) else (self.twin_latency[1],)
+            if len(pads) not in (1, len(self.drafters)):
+                raise ConfigError(f"twin latency gives {len(pads)} drafter latencies for {len(self.drafters)} drafters")
 
 
 @register("dsi", DSIOptions, "distributed speculative inference: servers verify while the drafter drafts on")
 def build(request: Request, options: DSIOptions) -> Any:
-    """DSI over `servers` target servers on `target_devices`, run by `executor`; with `twin` (target, drafter
-    latencies: `twin_latency`) every forward is padded to them. The lookahead is planned from the twin's latencies, or from
-    one measured forward of each model, unless given. A started executor (`decoding.dsi.executors`) runs
+    """DSI over `servers` target servers on `target_devices`, run by `executor`, with one drafter or several
+    (`drafters`); with `twin_latency` (target, drafter latencies) every forward is padded to them. The
+    lookahead is planned from the twin's latencies, or from one measured forward of the target and of the
+    first drafter, unless given. A started executor (`decoding.dsi.executors`) runs
     the servers instead and stays open for the next generation."""
     from speculant.decoding.dsi.engine import dsi
     from speculant.decoding.dsi.executors import ServerSpec, make_executor, replica_factory
@@ -84,25 +100,32 @@ def build(request: Request, options: DSIOptions) -> Any:
     from speculant.sampling import seeded
 
     target, twin = request.target, options.twin_latency
-    source = load_drafter(options.drafter, target, options.drafter_dtype)
-    if isinstance(source, Drafter):
-        draft_source, drafter_s = source, 0.0  # Max-Gram and other model-free drafters cost next to nothing
-    else:
-        model = source if twin is None else PaddedModel(source, twin[1])
-        draft_generator = seeded(target.device, None if request.seed is None else request.seed + 1)
-        draft_source, drafter_s = ModelDrafter(model, request.sampling, draft_generator), None
+    names = options.drafters or (options.drafter,)
+    pads = (twin[1] if isinstance(twin[1], tuple) else (twin[1],) * len(names)) if twin else (None,) * len(names)
+    drafters, costs, sources = [], [], []
+    for index, (name, pad) in enumerate(zip(names, pads)):
+        source = load_drafter(name, target, options.drafter_dtype)
+        sources.append(source)
+        if isinstance(source, Drafter):  # Max-Gram and other model-free drafters cost next to nothing
+            drafters.append(source)
+            costs.append(0.0)
+            continue
+        seed = None if request.seed is None else request.seed + 1 + index  # each drafter thread its own stream
+        drafters.append(ModelDrafter(source if pad is None else PaddedModel(source, pad), request.sampling,
+                                     seeded(target.device, seed)))
+        costs.append(pad.step_s if pad is not None else None)
     devices = list(options.target_devices or [str(target.device)] * options.servers)
     for device in devices:
         resolve_device(device)
     if twin is not None:
-        target_s, drafter_s = twin[0].step_s, twin[1].step_s
+        target_s, drafter_s = twin[0].step_s, costs[0]
     elif options.lookahead is None:
         target_s = measure_step(target, request.prompt_ids)
-        drafter_s = measure_step(source, request.prompt_ids) if drafter_s is None else drafter_s
+        drafter_s = costs[0] if costs[0] is not None else measure_step(sources[0], request.prompt_ids)
     else:
         target_s = drafter_s = None
     lookahead = plan(options.servers, options.lookahead, target_s, drafter_s).lookahead
-    common = (draft_source, request.prompt_ids, request.max_new_tokens, lookahead, request.sampling,
+    common = (drafters, request.prompt_ids, request.max_new_tokens, lookahead, request.sampling,
               request.generator, target.eos_token_ids)
     if not isinstance(options.executor, str):  # servers already running, kept for the next generation
         pool = options.executor

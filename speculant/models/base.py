@@ -16,7 +16,8 @@ class CausalLM(Protocol):
     """A causal language model with a KV cache that can grow, roll back and be compacted.
 
     `cache_len` counts the positions whose keys and values are cached. The algorithms drive every
-    backend through this protocol alone.
+    backend through this protocol alone. A backend that can stop a forward early also has `interrupt`
+    (None, or a check called at every layer boundary; True raises `Interrupted`).
     """
 
     name: str
@@ -52,6 +53,12 @@ class CausalLM(Protocol):
     def keep(self, indices: Sequence[int]) -> None:
         """Keep only the cached positions `indices` (ascending), e.g. the accepted path of a tree."""
         ...
+
+
+class Interrupted(Exception):
+    """A forward stopped at a layer boundary because its model's `interrupt` check returned True (DSI
+    preemption, Timor et al. 2025, Algorithm 1: a thread on a rejected draft is terminated). The model's
+    cache is as it was before that forward."""
 
 
 @dataclass(frozen=True)

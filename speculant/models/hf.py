@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import threading
+from collections.abc import Callable, Sequence
 from contextlib import nullcontext
 from copy import deepcopy
 from typing import Any
@@ -11,7 +12,7 @@ import torch
 from torch.nn.attention import SDPBackend, sdpa_kernel
 from transformers import DynamicCache, PreTrainedModel
 
-from speculant.models.base import Call
+from speculant.models.base import Call, Interrupted
 from speculant.models.exact import make_exact
 from speculant.tree import TokenTree
 
@@ -29,6 +30,23 @@ def eos_ids(model: PreTrainedModel, tokenizer: Any | None) -> frozenset[int]:
         if value is not None:
             ids.update([value] if isinstance(value, int) else value)
     return frozenset(ids)
+
+
+_running = threading.local()  # the interrupt check of the forward this thread runs (handles share modules)
+
+
+def _check_interrupt(module: torch.nn.Module, args: Any) -> None:
+    check = getattr(_running, "check", None)
+    if check is not None and check():
+        raise Interrupted
+
+
+def make_interruptible(model: PreTrainedModel) -> None:
+    """A check before every decoder layer: a forward whose handle has an `interrupt` stops there."""
+    depth = model.config.num_hidden_layers
+    layers = next((m for m in model.modules() if isinstance(m, torch.nn.ModuleList) and len(m) == depth), None)
+    for layer in layers if layers is not None else []:
+        layer.register_forward_pre_hook(_check_interrupt)
 
 
 def private_copy(model: PreTrainedModel) -> PreTrainedModel:
@@ -61,6 +79,7 @@ class HFCausalLM:
         if kernel is None:  # a new model: rewire a private copy; else another handle on a backend's modules
             model = private_copy(model).eval()
             kernel = make_exact(model) or "quantized"
+            make_interruptible(model)
         self.model = model
         self.kernel = kernel  # the batch-invariant linear kernel
         self.tokenizer = tokenizer
@@ -74,6 +93,7 @@ class HFCausalLM:
         self.numerics = {torch.float32: "fp32", torch.bfloat16: "bf16"}.get(model.dtype, str(model.dtype))
         self._cache = DynamicCache(config=model.config)
         self._len = 0
+        self.interrupt: Callable[[], bool] | None = None  # see CausalLM; checked before every decoder layer
 
     def __repr__(self) -> str:
         return f"HFCausalLM({self.name!r}, dtype={self.model.dtype}, device={self.device})"
@@ -125,15 +145,24 @@ class HFCausalLM:
         if positions is None:
             positions = range(self._len, self._len + n)
         position_ids = torch.as_tensor(list(positions), dtype=torch.long, device=self.device).view(1, -1)
-        with sdpa_kernel(CUDA_ATTENTION) if self.device.type == "cuda" else nullcontext():
-            out = self.model(
-                input_ids=input_ids,
-                attention_mask=mask,  # None: causal over the cache and the new tokens
-                position_ids=position_ids,
-                past_key_values=self._cache,
-                use_cache=True,
-                logits_to_keep=logits_to_keep,
-            )
+        _running.check = self.interrupt
+        try:
+            with sdpa_kernel(CUDA_ATTENTION) if self.device.type == "cuda" else nullcontext():
+                out = self.model(
+                    input_ids=input_ids,
+                    attention_mask=mask,  # None: causal over the cache and the new tokens
+                    position_ids=position_ids,
+                    past_key_values=self._cache,
+                    use_cache=True,
+                    logits_to_keep=logits_to_keep,
+                )
+        except Interrupted:  # the layers before the cut cached the new tokens: drop them there
+            for layer in self._cache.layers:
+                if layer.is_initialized and (surplus := layer.get_seq_length() - self._len) > 0:
+                    layer.crop(-surplus)
+            raise
+        finally:
+            _running.check = None
         self._len += n
         logits = out.logits[0].float()  # [n or 1, vocab]
         if self.device.type == "cuda":  # return once computed, so that a timer around a forward is honest

@@ -24,7 +24,7 @@ import ctypes
 import os
 import weakref
 from collections import deque
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -33,6 +33,7 @@ import numpy as np
 import torch
 
 from speculant.errors import ModelNotAvailable
+from speculant.models.base import Interrupted
 from speculant.tree import TokenTree
 
 N_CTX = 8192  # positions per context (at most the model's training length)
@@ -189,6 +190,9 @@ class LlamaCppCausalLM:
         self._tree: _Tree | None = None
         self._free_seqs = list(range(N_SEQ - 1, 0, -1))
         self.width = 1  # tokens per llama_decode after the prompt: measured next
+        self.interrupt: Callable[[], bool] | None = None  # see CausalLM; llama.cpp asks between graph nodes
+        me = weakref.ref(self)  # the callback must not keep its context alive
+        self._abort = lib.ggml_abort_callback(lambda _: bool((m := me()) is not None and m.interrupt and m.interrupt()))
         if weights.width is None:
             weights.width = invariant_width(self)
         self.width = weights.width
@@ -217,7 +221,11 @@ class LlamaCppCausalLM:
         if len(ids) == 0:
             raise ValueError("prefill needs at least one token")
         self.rollback(0)
-        logits = self._decode([_Entry(t, i, [0], i == len(ids) - 1) for i, t in enumerate(ids)], N_BATCH)
+        try:
+            logits = self._decode([_Entry(t, i, [0], i == len(ids) - 1) for i, t in enumerate(ids)], N_BATCH)
+        except Interrupted:
+            self.rollback(0)
+            raise
         self._physical = len(ids)
         return logits[0]
 
@@ -231,8 +239,14 @@ class LlamaCppCausalLM:
         start = self.cache_len
         if positions is not None and list(positions) != list(range(start, start + len(ids))):
             raise ValueError("the llama.cpp backend runs new tokens at the next positions only")
+        physical, pending = self._physical, self._pending
         entries = self._take_pending() + [_Entry(t, start + i, [0], True) for i, t in enumerate(ids)]
-        logits = self._decode(entries, self.width)
+        try:
+            logits = self._decode(entries, self.width)
+        except Interrupted:  # drop what the cut-short forward cached
+            self.lib.llama_memory_seq_rm(self.memory, 0, physical, -1)
+            self._physical, self._pending = physical, pending
+            raise
         self._physical = start + len(ids)
         return logits
 
@@ -356,24 +370,40 @@ class LlamaCppCausalLM:
     def _decode(self, entries: list[_Entry], width: int) -> torch.Tensor:
         """Run entries in order, `width` per llama_decode; the logits of those that want them [n, vocab]."""
         lib, batch, rows = self.lib, self.batch, []
-        for begin in range(0, len(entries), width):
-            chunk = entries[begin: begin + width]
-            batch.n_tokens = len(chunk)
-            for i, entry in enumerate(chunk):
-                batch.token[i] = entry.token
-                batch.pos[i] = entry.pos
-                batch.n_seq_id[i] = len(entry.seqs)
-                for j, seq in enumerate(entry.seqs):
-                    batch.seq_id[i][j] = seq
-                batch.logits[i] = entry.logits
-            status = lib.llama_decode(self.ctx, batch)
-            if status != 0:
-                raise RuntimeError(f"llama_decode failed ({status}): {''.join(_log).strip()[-400:]}")
-            wanted = sum(e.logits for e in chunk)
-            if wanted:
-                out = np.ctypeslib.as_array(lib.llama_get_logits(self.ctx), shape=(wanted, self.vocab_size))
-                rows.append(torch.from_numpy(out.copy()))
+        interruptible = self.interrupt is not None
+        if interruptible:  # a Python call per graph node: only for forwards that may be cut short
+            lib.llama_set_abort_callback(self.ctx, self._abort, None)
+        try:
+            for begin in range(0, len(entries), width):
+                if interruptible and self.interrupt():
+                    raise Interrupted
+                rows += self._decode_chunk(entries[begin: begin + width])
+        finally:
+            if interruptible:
+                lib.llama_set_abort_callback(self.ctx, lib.ggml_abort_callback(), None)
         return torch.cat(rows) if rows else torch.empty(0, self.vocab_size)
+
+    def _decode_chunk(self, chunk: list[_Entry]) -> list[torch.Tensor]:
+        """One llama_decode; the logits rows its entries want ([] or one [n, vocab] tensor)."""
+        lib, batch = self.lib, self.batch
+        batch.n_tokens = len(chunk)
+        for i, entry in enumerate(chunk):
+            batch.token[i] = entry.token
+            batch.pos[i] = entry.pos
+            batch.n_seq_id[i] = len(entry.seqs)
+            for j, seq in enumerate(entry.seqs):
+                batch.seq_id[i][j] = seq
+            batch.logits[i] = entry.logits
+        status = lib.llama_decode(self.ctx, batch)
+        if status == 2:  # the abort callback said so
+            raise Interrupted
+        if status != 0:
+            raise RuntimeError(f"llama_decode failed ({status}): {''.join(_log).strip()[-400:]}")
+        wanted = sum(e.logits for e in chunk)
+        if not wanted:
+            return []
+        out = np.ctypeslib.as_array(lib.llama_get_logits(self.ctx), shape=(wanted, self.vocab_size))
+        return [torch.from_numpy(out.copy())]
 
 
 def invariant_width(model: LlamaCppCausalLM) -> int:

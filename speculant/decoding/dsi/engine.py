@@ -15,10 +15,11 @@ Sampling decides each position by speculative sampling with the draft's q shippe
 from __future__ import annotations
 
 import itertools
+import pickle
 import queue
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -30,12 +31,14 @@ from speculant.decoding.run import Decoder, emit
 from speculant.decoding.stats import GenerationStats
 from speculant.drafters.base import Drafter
 from speculant.errors import SpeculantError
+from speculant.models.base import common_prefix_len
 from speculant.models.metered import Usage
 from speculant.sampling import sample
 from speculant.verify import verify_one
 
 
 JOB_IDS = itertools.count()  # unique across runs, so a late answer from an earlier run sharing an executor is ignored
+REQUEST_IDS = itertools.count()  # one per generation: servers keep the sequence they were sent per request
 
 
 class DrafterFailed(SpeculantError):
@@ -43,11 +46,14 @@ class DrafterFailed(SpeculantError):
 
 
 class DraftWorker:
-    """The drafter server: a thread that extends its own context one token at a time, up to `limit`
-    tokens, and posts ("draft", epoch, position, token, q, usage, start, end) events. `restart` replaces
-    the context (after a rejection); drafts of an older epoch are stale."""
+    """A drafter server: a thread that extends its own context one token at a time, up to `limit`
+    tokens, and posts ("draft", index, epoch, position, token, q, usage, start, end) events. The
+    coordinator keeps it in step with `sync`; drafts of an older epoch are stale. A drafter with nothing
+    to propose (Max-Gram without a match) posts ("idle", index, epoch, position) and sleeps until its
+    context changes: it never retries a context it had nothing for."""
 
-    def __init__(self, drafter: Drafter, events: queue.Queue):
+    def __init__(self, index: int, drafter: Drafter, events: queue.Queue):
+        self.index = index  # 0: the cheapest drafter, the leader; higher: costlier, trusted more
         self.drafter = drafter
         self.events = events
         self.cond = threading.Condition()
@@ -55,15 +61,22 @@ class DraftWorker:
         self.epoch = 0
         self.limit = 0
         self.stopped = False
-        self.thread = threading.Thread(target=self._run, daemon=True, name="dsi-drafter")
+        self.thread = threading.Thread(target=self._run, daemon=True, name=f"dsi-drafter-{index}")
 
-    def restart(self, context: list[int], epoch: int, limit: int) -> None:
+    def sync(self, seq: list[int], committed: int, limit: int) -> None:
+        """Keep the context consistent with the speculated sequence `seq` (its first `committed` tokens
+        final). Diverged (a rejection, or a costlier drafter's correction): restart, the leader at the
+        end of `seq`, the others just past the correction, to review the drafts after it. Behind: the
+        leader catches up with `seq`, the others with its committed part (bonus tokens included)."""
         with self.cond:
-            self.context, self.epoch, self.limit = list(context), epoch, limit
-            self.cond.notify()
-
-    def allow(self, limit: int) -> None:
-        with self.cond:
+            context = self.context
+            overlap = min(len(context), len(seq))
+            if context[:overlap] != seq[:overlap]:
+                n = common_prefix_len(context, seq)
+                self.context = list(seq if self.index == 0 else seq[: n + 1])
+                self.epoch += 1
+            elif len(context) < (len(seq) if self.index == 0 else committed):
+                self.context = list(seq if self.index == 0 else seq[:committed])
             self.limit = limit
             self.cond.notify()
 
@@ -73,9 +86,10 @@ class DraftWorker:
             self.cond.notify()
 
     def _run(self) -> None:
+        tried: tuple[int, int] | None = None  # (epoch, length) of a context the drafter had nothing for
         while True:
             with self.cond:
-                while not self.stopped and len(self.context) >= self.limit:
+                while not self.stopped and (len(self.context) >= self.limit or tried == (self.epoch, len(self.context))):
                     self.cond.wait()
                 if self.stopped:
                     return
@@ -88,42 +102,48 @@ class DraftWorker:
                 return
             end = time.monotonic()
             with self.cond:
-                if not draft.tokens:  # nothing to propose here: wait until a commit or restart moves on
-                    if epoch == self.epoch:
-                        self.limit = len(context)
-                    continue
                 current = epoch == self.epoch and self.context == context
+                if not draft.tokens:
+                    if current:
+                        tried = (epoch, len(context))
+                        self.events.put(("idle", self.index, epoch, len(context)))
+                    continue
                 if current:
                     self.context.append(draft.tokens[0])
             q = draft.probs[0] if draft.probs is not None else None
-            self.events.put(("draft", epoch if current else -1, len(context), draft.tokens[0], q, draft.usage,
-                             start, end))
+            self.events.put(("draft", self.index, epoch if current else -1, len(context), draft.tokens[0], q,
+                             draft.usage, start, end))
 
 
 class Coordinator:
-    """DSI's state: the committed sequence, the speculated one (committed + drafts), jobs in flight."""
+    """DSI's state: the committed sequence, the speculated one (committed + drafts), jobs in flight and
+    what each server holds of this request's sequence."""
 
-    def __init__(self, executor: Any, worker: DraftWorker, prompt: list[int], max_new_tokens: int,
+    def __init__(self, executor: Any, workers: list[DraftWorker], prompt: list[int], max_new_tokens: int,
                  lookahead: int, sampling: SamplingConfig, generator: torch.Generator | None,
                  fallback: Callable[[int], Any], events: queue.Queue, timeout_s: float):
-        self.executor, self.worker, self.events = executor, worker, events
+        self.executor, self.workers, self.events = executor, workers, events
         self.sampling, self.generator, self.lookahead = sampling, generator, lookahead
         self.fallback, self.timeout_s = fallback, timeout_s
         n = len(executor.spec.devices)
+        self.request = next(REQUEST_IDS)
         self.seq = list(prompt)  # committed tokens, then drafts
         self.n_committed = len(prompt)
         self.cap = len(prompt) + max_new_tokens - 1  # drafts beyond this position are never needed
         self.max_ahead = lookahead * (n + 1)
         self.frontier = len(prompt)  # the first position no live job has been asked to predict
         self.q_rows: dict[int, torch.Tensor] = {}
-        self.epoch = 0
+        self.owner: dict[int, int] = {}  # drafted position -> the drafter whose token it holds
+        self.stuck: int | None = None  # the leader had nothing to draft after this many tokens of seq
         self.alive, self.idle = set(range(n)), set(range(n))
-        self.running: dict[int, tuple[Job, float]] = {}  # server -> (job, dispatch time)
-        self.buffered: list[tuple[Job, JobResult]] = []
+        self.running: dict[int, tuple[Job, tuple[int, ...], float]] = {}  # server -> (job, its sequence, sent at)
+        self.sent: dict[int, tuple[int, ...]] = {}  # server -> the sequence it holds for this request
+        self.buffered: list[tuple[Job, tuple[int, ...], JobResult]] = []
         self.local: Any = None  # the in-process server once every server is lost
         self.in_process = n  # its index
         self.t0 = time.monotonic()
-        self.record = DSIRecord(executor.name, [ServerRecord(i) for i in range(n)], lookahead)
+        self.record = DSIRecord(executor.name, [ServerRecord(i) for i in range(n)], lookahead,
+                                drafters=[getattr(w.drafter, "name", type(w.drafter).__name__) for w in workers])
         self.stats = GenerationStats(method="dsi")
         self.target_usage = Usage()
 
@@ -131,64 +151,123 @@ class Coordinator:
     def limit(self) -> int:
         return min(self.cap, self.n_committed + self.max_ahead)
 
-    def restart_drafter(self) -> None:
-        self.epoch += 1
-        self.worker.restart(self.seq, self.epoch, self.limit())
+    def sync_drafters(self) -> None:
+        for worker in self.workers:
+            worker.sync(self.seq, self.n_committed, self.limit())
 
-    def on_draft(self, epoch: int, pos: int, token: int, q: torch.Tensor | None, usage: dict[str, Usage],
-                 start: float, end: float) -> None:
+    def on_draft(self, index: int, epoch: int, pos: int, token: int, q: torch.Tensor | None,
+                 usage: dict[str, Usage], start: float, end: float) -> None:
         self.stats.record_usage(usage)
-        kept = epoch == self.epoch and pos >= len(self.seq)
-        self.record.bars.append(Bar(-1, start - self.t0, end - self.t0, "kept" if kept else "discarded"))
-        if epoch != self.epoch:
-            return
-        if pos < len(self.seq):  # the target committed this position before the drafter reached it
-            if self.seq[pos] != token:
-                self.restart_drafter()
-            return
+        kept = epoch == self.workers[index].epoch and self.place(index, pos, token, q)
+        self.record.bars.append(Bar(-1 - index, start - self.t0, end - self.t0, "kept" if kept else "discarded"))
+
+    def place(self, index: int, pos: int, token: int, q: torch.Tensor | None) -> bool:
+        """Drafter `index`'s token for position `pos` (its context is seq[:pos]). Algorithm 1 with m models:
+        a position holds the prediction of the costliest model that made one (j* = argmin over the models
+        ordered from the target down), so a costlier drafter's disagreement replaces a cheaper one's draft
+        and everything built on it. Returns whether the token was kept."""
+        worker, seq = self.workers[index], self.seq
+        if pos > len(seq):
+            worker.sync(seq, self.n_committed, self.limit())
+            return False
+        if pos == len(seq):
+            self.extend(index, token, q)
+            if index:  # the leader drafts on from here
+                self.workers[0].sync(seq, self.n_committed, self.limit())
+            return True
+        if seq[pos] == token:  # agreement; an uncommitted draft becomes the costlier drafter's, q included
+            if pos >= self.n_committed and index > self.owner.get(pos, -1):
+                self.owner[pos] = index
+                if q is not None:
+                    self.q_rows[pos] = q
+            return True
+        if pos < self.n_committed or index < self.owner.get(pos, -1):  # the target or a costlier drafter
+            worker.sync(seq, self.n_committed, self.limit())  # decided this position otherwise
+            return False
+        self.replace(pos, token, preempt=False)
+        self.owner[pos], self.q_rows[pos] = index, q
+        return True
+
+    def on_idle(self, index: int, epoch: int, pos: int) -> None:
+        """The leader has nothing to draft after seq[:pos]: pending drafts go to a server now."""
+        if index == 0 and epoch == self.workers[0].epoch and pos == len(self.seq):
+            self.stuck = pos
+
+    def extend(self, index: int, token: int, q: torch.Tensor | None) -> None:
+        pos = len(self.seq)
         self.seq.append(token)
+        self.owner[pos], self.stuck = index, None
         if q is not None:
             self.q_rows[pos] = q
 
+    def replace(self, pos: int, token: int, preempt: bool) -> None:
+        """`token` now stands at `pos`, uncommitted before: drop the drafts after it and bring every drafter
+        in step. After a rejection (`preempt`: pos is committed) the jobs built on the replaced token are
+        cancelled; after a drafter's correction they run on, their rows up to pos being still good."""
+        del self.seq[pos:]
+        self.seq.append(token)
+        self.stuck = None
+        self.q_rows = {p: q for p, q in self.q_rows.items() if p < pos}
+        self.owner = {p: o for p, o in self.owner.items() if p < pos}
+        self.frontier = min(self.frontier, pos + 1)
+        if preempt:
+            for server, (job, tokens, _) in self.running.items():
+                if server in self.alive and len(tokens) > pos and tokens[pos] != token:
+                    self.executor.cancel(server, job.id)
+        self.sync_drafters()
+
     # --- dispatching ------------------------------------------------------------------------------
     def dispatch(self) -> None:
-        """Give idle servers work: a job on the bare prefix when nothing live predicts the next
-        position, otherwise one as soon as `lookahead` new drafts (or the last ones) are waiting."""
+        """Give idle servers work: a job on the bare prefix when nothing live predicts the next position
+        and another server stays free for the drafts (with one server that job would make the drafts wait a
+        whole forward: it then runs as pipelined SI), otherwise one as soon as `lookahead` new drafts (or the
+        last ones) are waiting."""
         while True:
             wanted = len(self.seq) + 1 - self.frontier  # positions frontier .. len(seq)
-            drafter_waits = len(self.seq) >= self.limit()
-            ready = wanted >= 1 and (self.frontier <= self.n_committed or wanted >= self.lookahead or drafter_waits)
+            drafter_waits = len(self.seq) >= self.limit() or self.stuck == len(self.seq)
+            bare = self.frontier <= self.n_committed and len(self.idle) >= 2
+            ready = wanted >= 1 and (bare or wanted >= self.lookahead or drafter_waits)
             if not ready or (not self.idle if self.alive else self.in_process in self.running):
                 return
-            job = Job(next(JOB_IDS), tuple(self.seq), self.frontier)
+            tokens, first_row = tuple(self.seq), self.frontier
             self.frontier = len(self.seq) + 1
             if not self.alive:  # every server lost: finish as speculative decoding in this process
                 if self.local is None:
                     self.local, self.record.fallback = self.fallback(self.in_process), True
                     self.record.servers.append(ServerRecord(self.in_process))
-                self.running[self.in_process] = (job, time.monotonic())
-                self.events.put(("result", self.local.run(job)))
+                self.events.put(("result", self.local.run(self.job(self.in_process, tokens, first_row))))
                 return
-            self.send(min(self.idle), job)
+            server = min(self.idle)
+            self.idle.discard(server)
+            self.executor.submit(server, self.job(server, tokens, first_row))
 
-    def send(self, server: int, job: Job) -> None:
-        self.idle.discard(server)
-        self.running[server] = (job, time.monotonic())
-        self.executor.submit(server, job)
+    def job(self, server: int, tokens: tuple[int, ...], first_row: int) -> Job:
+        """A job asking `server` for the rows from `first_row` on `tokens`, carrying only what it lacks."""
+        held = self.sent.get(server, ())
+        base = common_prefix_len(held, tokens)
+        job = Job(next(JOB_IDS), self.request, base, tokens[base:], first_row)
+        self.sent[server] = tokens
+        self.running[server] = (job, tokens, time.monotonic())
+        rec = self.record.servers[server]
+        rec.sent_tokens += len(job.tokens)
+        rec.sequence_tokens += len(tokens)
+        rec.sent_bytes += len(pickle.dumps(job))
+        return job
 
     def warm_up(self) -> None:
         """Every server prefills the prompt at once; the first answer gives the first token."""
         for server in sorted(self.alive):
-            self.send(server, Job(next(JOB_IDS), tuple(self.seq), self.n_committed))
+            self.idle.discard(server)
+            self.executor.submit(server, self.job(server, tuple(self.seq), self.n_committed))
         self.frontier = self.n_committed + 1
 
     # --- results ----------------------------------------------------------------------------------
-    def stale(self, job: Job) -> bool:
-        n = min(self.n_committed, len(job.tokens))
-        return job.tokens[:n] != tuple(self.seq[:n])
+    def stale(self, tokens: tuple[int, ...]) -> bool:
+        n = min(self.n_committed, len(tokens))
+        return tokens[:n] != tuple(self.seq[:n])
 
     def on_result(self, result: JobResult) -> list[int]:
-        job, _ = self.running.get(result.server, (None, 0.0))
+        job, tokens, _ = self.running.get(result.server, (None, (), 0.0))
         if job is None or job.id != result.job:
             return []  # a late answer from an earlier generation on a shared executor
         del self.running[result.server]
@@ -198,21 +277,24 @@ class Coordinator:
         rec = self.record.servers[result.server]
         rec.jobs += 1
         rec.forwards += result.forwards
+        rec.forwarded += result.forwarded
         rec.busy_s += result.end - result.start
-        if result.preempted or self.stale(job):
+        if result.preempted or self.stale(tokens):
             self.close_bar(job, result, "preempted")
             return []
-        self.buffered.append((job, result))
+        self.buffered.append((job, tokens, result))
         return self.apply_buffered()
 
     def close_bar(self, job: Job, result: JobResult, outcome: str) -> None:
-        self.record.bars.append(Bar(result.server, result.start - self.t0, result.end - self.t0, outcome, job.id))
+        self.record.bars.append(Bar(result.server, result.start - self.t0, result.end - self.t0, outcome, job.id,
+                                    cut_short=result.preempted))
         rec = self.record.servers[result.server]
         if outcome == "used":
             rec.used += 1
             return
         rec.wasted_forwards += result.forwards
         rec.preempted += outcome == "preempted"
+        rec.cut_short += result.preempted
         rec.redundant += outcome == "redundant"
 
     def apply_buffered(self) -> list[int]:
@@ -221,20 +303,20 @@ class Coordinator:
         while progress:
             progress = False
             for item in list(self.buffered):
-                job, result = item
+                job, tokens, result = item
                 end = result.rows_start + result.rows  # one past the last predicted position
-                stale = self.stale(job)
+                stale = self.stale(tokens)
                 if stale or end <= self.n_committed:
                     self.buffered.remove(item)
                     self.close_bar(job, result, "preempted" if stale else "redundant")
                 elif result.rows_start <= self.n_committed:
                     self.buffered.remove(item)
-                    committed += self.apply(job, result)
+                    committed += self.apply(tokens, result)
                     self.close_bar(job, result, "used")
                     progress = True
         return committed
 
-    def apply(self, job: Job, result: JobResult) -> list[int]:
+    def apply(self, tokens: tuple[int, ...], result: JobResult) -> list[int]:
         """Commit the rows of `result` from the first uncommitted position for as long as the job's own
         tokens agree with what gets committed (later rows were computed after another token)."""
         committed, checked, accepted = [], 0, 0
@@ -253,7 +335,7 @@ class Coordinator:
             self.commit(pos, token)
             committed.append(token)
             pos += 1
-            if pos > len(job.tokens) or job.tokens[pos - 1] != token:
+            if pos > len(tokens) or tokens[pos - 1] != token:
                 break
         self.stats.record_draft(checked, accepted, {})
         return committed
@@ -261,23 +343,16 @@ class Coordinator:
     def commit(self, pos: int, token: int) -> None:
         self.n_committed += 1
         self.q_rows.pop(pos, None)
-        if pos < len(self.seq) and self.seq[pos] == token:
-            pass  # the draft was right
-        elif pos < len(self.seq):  # rejection: drop the drafts from here, preempt what built on them
+        self.owner.pop(pos, None)
+        if pos < len(self.seq) and self.seq[pos] != token:  # rejection: preempt what built on the draft
             self.record.rejections.append((time.monotonic() - self.t0, pos))
-            del self.seq[pos:]
-            self.seq.append(token)
-            self.q_rows = {p: q for p, q in self.q_rows.items() if p < pos}
-            self.frontier = pos + 1
-            for server, (job, _) in self.running.items():
-                if server in self.alive and len(job.tokens) > pos and job.tokens[pos] != token:
-                    self.executor.cancel(server, job.id)
-            self.restart_drafter()
+            self.replace(pos, token, preempt=True)
             return
-        else:  # a bonus row beyond the drafts: the drafter's next token is checked when it comes
+        if pos == len(self.seq):  # a bonus row beyond the drafts
             self.seq.append(token)
+            self.stuck = None
             self.frontier = max(self.frontier, pos + 1)
-        self.worker.allow(self.limit())
+        self.sync_drafters()  # bonus tokens reach the drafters; a wider limit lets them draft on
 
     def on_lost(self, server: int, reason: str) -> None:
         if server not in self.alive:
@@ -285,13 +360,14 @@ class Coordinator:
         self.alive.discard(server)
         self.idle.discard(server)
         self.record.servers[server].lost = reason
-        job, _ = self.running.pop(server, (None, 0.0))
-        if job is not None and not self.stale(job):  # ask again for what it was asked
+        self.sent.pop(server, None)
+        job, tokens, _ = self.running.pop(server, (None, (), 0.0))
+        if job is not None and not self.stale(tokens):  # ask again for what it was asked
             self.frontier = max(self.n_committed, min(self.frontier, job.first_row))
 
     def finish(self) -> None:
         """Cancel what still runs and wait for those answers, so the servers are idle for the next run."""
-        for server, (job, _) in self.running.items():
+        for server, (job, _, _) in self.running.items():
             if server in self.alive:
                 self.executor.cancel(server, job.id)
         deadline = time.monotonic() + self.timeout_s
@@ -309,35 +385,38 @@ class Coordinator:
         """No event for `timeout_s`: servers that sat on a job that long are lost; a drafter that
         stopped answering while no job runs is an error."""
         now = time.monotonic()
-        late = [s for s, (_, since) in self.running.items() if now - since >= self.timeout_s]
+        late = [s for s, (_, _, since) in self.running.items() if now - since >= self.timeout_s]
         for server in late:
             self.on_lost(server, f"no answer in {self.timeout_s:.0f} s")
         if not late:
             raise DrafterFailed(f"DSI made no progress in {self.timeout_s:.0f} s: the drafter stopped answering")
 
 
-def dsi(executor: Any, drafter: Drafter, prompt_ids: list[int], max_new_tokens: int, lookahead: int,
-        sampling: SamplingConfig, generator: torch.Generator | None, eos_token_ids: frozenset[int],
+def dsi(executor: Any, drafters: Drafter | Sequence[Drafter], prompt_ids: list[int], max_new_tokens: int,
+        lookahead: int, sampling: SamplingConfig, generator: torch.Generator | None, eos_token_ids: frozenset[int],
         timeout_s: float = 300.0, close_executor: bool = True) -> Decoder:
-    """Lossless DSI over `executor`'s target servers (see the module docstring). Yields committed tokens;
-    returns GenerationStats with `dsi` holding per-server records and the timeline.
+    """Lossless DSI over `executor`'s target servers (see the module docstring) with one drafter, or several
+    of increasing cost (each in its own thread; a costlier one's draft replaces a cheaper one's). Yields
+    committed tokens; returns GenerationStats with `dsi` holding per-server records and the timeline.
 
     The executor is started here unless it already runs (start it beforehand to keep its start-up out
     of the timing); it is closed at the end when `close_executor`."""
+    drafters = list(drafters) if isinstance(drafters, (list, tuple)) else [drafters]
     executor.start()
     events = executor.events
-    worker = DraftWorker(drafter, events)
+    workers = [DraftWorker(index, drafter, events) for index, drafter in enumerate(drafters)]
     spec = executor.spec
 
     def fallback(index: int) -> Any:
         return spec.build(index, Canceller(), own_process=False, device=spec.devices[0])
 
-    state = Coordinator(executor, worker, list(prompt_ids), max_new_tokens, lookahead, sampling, generator,
+    state = Coordinator(executor, workers, list(prompt_ids), max_new_tokens, lookahead, sampling, generator,
                         fallback, events, timeout_s)
     out: list[int] = []
     try:
-        worker.restart(state.seq, 0, state.limit())
-        worker.thread.start()
+        state.sync_drafters()
+        for worker in workers:
+            worker.thread.start()
         state.warm_up()
         done = False
         while not done:
@@ -349,6 +428,8 @@ def dsi(executor: Any, drafter: Drafter, prompt_ids: list[int], max_new_tokens: 
                 continue
             if event[0] == "draft":
                 state.on_draft(*event[1:])
+            elif event[0] == "idle":
+                state.on_idle(*event[1:])
             elif event[0] == "result":
                 done = yield from emit(state.on_result(event[1]), out, max_new_tokens, eos_token_ids)
             elif event[0] == "lost":
@@ -356,11 +437,13 @@ def dsi(executor: Any, drafter: Drafter, prompt_ids: list[int], max_new_tokens: 
             else:
                 raise DrafterFailed(f"the drafter failed: {event[1]}")
     finally:
-        worker.stop()
+        for worker in workers:
+            worker.stop()
         state.finish()
-        if worker.thread.is_alive():
-            worker.thread.join(timeout=timeout_s)
-        while not events.empty():  # the drafter's last drafts: nothing for a later run to see
+        for worker in workers:
+            if worker.thread.is_alive():
+                worker.thread.join(timeout=timeout_s)
+        while not events.empty():  # the drafters' last drafts: nothing for a later run to see
             events.get_nowait()
         if close_executor:
             executor.close()

@@ -1,10 +1,14 @@
 """What travels between the DSI coordinator and its target servers, and what a server computes.
 
-A job is the speculated sequence (prompt, committed tokens, drafts) up to its end plus the first
-position whose prediction it asks for. A server runs only the tokens its KV cache lacks (rolling back
-where its cache disagrees with the job) and returns the target's prediction for every position from
-`rows_start` to the end: the argmax when greedy, the distribution p when sampling. Everything here is
-picklable, so the same server code runs in a thread, a process or a Ray actor.
+The protocol. A server keeps, per request, the speculated sequence (prompt, committed tokens, drafts)
+it was last sent. A job names its request, how many leading tokens of that sequence still hold (`base`),
+the tokens from there on, and the first position whose prediction it asks for; the coordinator knows
+what each server holds, so a job carries only what the server lacks. The server runs only the tokens its
+KV cache lacks (rolling back where its cache disagrees) and returns the target's prediction for every
+position from `rows_start` to the end: the argmax when greedy, the distribution p when sampling. A
+cancelled job stops at the next layer boundary of the model (`CausalLM.interrupt`), its cache rolled
+back to the last consistent length. Everything here is picklable, so the same server code runs in a
+thread, a process or a Ray actor.
 """
 
 from __future__ import annotations
@@ -18,17 +22,18 @@ from typing import Any
 import torch
 
 from speculant.config import SamplingConfig
-from speculant.models.base import common_prefix_len
 from speculant.errors import SpeculantError
-from speculant.models.base import CausalLM
+from speculant.models.base import CausalLM, Interrupted, common_prefix_len
 from speculant.sampling import logits_to_probs
 
 
 @dataclass(frozen=True)
 class Job:
     id: int
-    tokens: tuple[int, ...]  # the speculated sequence up to the job's last draft
-    first_row: int  # the first position (index into tokens, or len(tokens)) to predict; >= 1
+    request: int  # the generation it belongs to
+    base: int  # leading tokens of the sequence this server was last sent for `request` that still hold
+    tokens: tuple[int, ...]  # the speculated sequence from `base` up to the job's last draft
+    first_row: int  # the first position (index into the whole sequence, or its length) to predict; >= 1
 
 
 @dataclass
@@ -41,7 +46,8 @@ class JobResult:
     start: float  # time.monotonic() around the server's work (one clock for every process)
     end: float
     forwards: int
-    preempted: bool = False  # cancelled while it ran (latency twin): no rows
+    forwarded: int = 0  # tokens run through the model (those its cache lacked)
+    preempted: bool = False  # cancelled while it ran: no rows
 
     @property
     def rows(self) -> int:
@@ -66,22 +72,24 @@ class Canceller:
         self.running = -1
 
     def cancel(self, job_id: int) -> None:
-        self.cancelled.value = job_id
+        self.cancelled.value = job_id  # before the event: a waiter that wakes sees the id
         self.event.set()
 
+    def cancelled_now(self) -> bool:
+        """Whether the running job is cancelled (the check models run at every layer boundary)."""
+        return self.cancelled.value == self.running
+
     def wait(self, seconds: float) -> bool:
-        """Sleep `seconds`; True as soon as the running job is cancelled."""
+        """Sleep `seconds`; True as soon as the running job is cancelled. The event only wakes the waiter:
+        it is cleared before the id is read, so a cancellation landing in between sets it again."""
         deadline = time.monotonic() + seconds
-        while (left := deadline - time.monotonic()) > 0:
-            if self.event.wait(left):
-                if self.cancelled.value == self.running:
-                    return True
-                self.event.clear()  # a cancellation meant for an earlier job
-        return False
-
-
-class Preempted(Exception):
-    """Raised inside a server when the coordinator cancels the job it is running."""
+        while True:
+            self.event.clear()
+            if self.cancelled_now():
+                return True
+            if (left := deadline - time.monotonic()) <= 0:
+                return False
+            self.event.wait(left)
 
 
 class ServerDied(SpeculantError):
@@ -104,7 +112,10 @@ class TargetServer:
         self.die_after = die_after
         self.own_process = own_process  # a crash may exit the process: nothing else runs in it
         self.cached: list[int] = []  # the tokens whose keys and values the model holds
+        self.request, self.sequence = -1, []  # the request it serves and the sequence it was sent for it
         self.jobs = 0
+        if canceller is not None and hasattr(model, "interrupt"):
+            model.interrupt = canceller.cancelled_now
 
     def run(self, job: Job) -> JobResult:
         if self.die_after is not None and self.jobs >= self.die_after:
@@ -115,30 +126,37 @@ class TargetServer:
         if self.canceller is not None:
             self.canceller.running = job.id
         start = time.monotonic()
-        forwards = 0
-        tokens = list(job.tokens)
+        if job.request != self.request:
+            if job.base:
+                raise ValueError(f"job {job.id} builds on {job.base} tokens of request {job.request}, "
+                                 f"which this server never saw")
+            self.request, self.sequence = job.request, []
+        if job.base > len(self.sequence):
+            raise ValueError(f"job {job.id} builds on {job.base} tokens; the server holds {len(self.sequence)}")
+        tokens = self.sequence = self.sequence[: job.base] + list(job.tokens)
+        forwards = forwarded = 0
         try:
             keep = min(common_prefix_len(self.cached, tokens), job.first_row - 1)
             if keep == 0:  # nothing reusable: prefill up to the first wanted row, then the rest
+                forwards, forwarded = 1, job.first_row
                 rows = [self.model.prefill(tokens[: job.first_row])[None]]
-                forwards += 1
                 if len(tokens) > job.first_row:
+                    forwards, forwarded = 2, len(tokens)
                     rows.append(self.model.forward(tokens[job.first_row:]))
-                    forwards += 1
                 logits, rows_start = torch.cat(rows), job.first_row
             else:
+                forwards, forwarded = 1, len(tokens) - keep
                 self.model.rollback(keep)
                 logits, rows_start = self.model.forward(tokens[keep:]), keep + 1
-                forwards += 1
-        except Preempted:
-            return JobResult(job.id, self.index, job.first_row, None, None, start, time.monotonic(), forwards + 1,
-                             preempted=True)
+        except Interrupted:
+            return JobResult(job.id, self.index, job.first_row, None, None, start, time.monotonic(), forwards,
+                             forwarded, preempted=True)
         finally:
             self.cached = tokens[: self.model.cache_len]
         if self.sampling.greedy:
             return JobResult(job.id, self.index, rows_start, logits.argmax(-1).tolist(), None, start,
-                             time.monotonic(), forwards)
+                             time.monotonic(), forwards, forwarded)
         probs = logits_to_probs(logits, self.sampling)
         if self.own_process:  # results cross a pipe: plain CPU tensors, not CUDA IPC handles
             probs = probs.cpu()
-        return JobResult(job.id, self.index, rows_start, None, probs, start, time.monotonic(), forwards)
+        return JobResult(job.id, self.index, rows_start, None, probs, start, time.monotonic(), forwards, forwarded)

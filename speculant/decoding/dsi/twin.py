@@ -19,9 +19,9 @@ from typing import Any
 import numpy as np
 import torch
 
-from speculant.decoding.dsi.jobs import Canceller, Preempted
+from speculant.decoding.dsi.jobs import Canceller
 from speculant.drafters.base import Draft
-from speculant.models.base import CausalLM
+from speculant.models.base import CausalLM, Interrupted
 from speculant.models.metered import Usage
 from speculant.tree import TokenTree
 
@@ -57,7 +57,8 @@ class Latency:
 
 class PaddedModel:
     """A CausalLM whose forwards take at least the emulated latency; a cancellation of the job its
-    server is running (`canceller`) interrupts the wait, raising `Preempted`."""
+    server is running (`canceller`) interrupts the wait, raising `Interrupted` (the real forward, when it
+    is interruptible itself, stops at its next layer boundary)."""
 
     def __init__(self, model: CausalLM, latency: Latency, canceller: Canceller | None = None):
         self.model = model
@@ -66,6 +67,12 @@ class PaddedModel:
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self.model, name)
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        if name == "interrupt":  # the padded model's check is its model's
+            setattr(self.model, name, value)
+        else:
+            super().__setattr__(name, value)
 
     @property
     def cache_len(self) -> int:
@@ -78,7 +85,7 @@ class PaddedModel:
         if self.canceller is None:
             time.sleep(left)
         elif self.canceller.wait(left):
-            raise Preempted
+            raise Interrupted
 
     def prefill(self, ids: Sequence[int]) -> torch.Tensor:
         start = time.monotonic()
