@@ -140,6 +140,9 @@ def build_parser() -> argparse.ArgumentParser:
     online.add_argument("--repeats", type=int, default=5, help="prompts, each run by every method (default: 5)")
     online.add_argument("--executor", choices=("thread", "process", "ray"), default="thread")
     online.add_argument("--ray-address", default=None)
+    online.add_argument("--more-drafter", action="append", default=[], metavar="MS:ACCEPTANCE",
+                        help="a costlier drafter beside the first (repeatable): DSI with each alone and with all "
+                        "together (Algorithm 1 with m > 2 models)")
     online.add_argument("--timeline", default=None, metavar="PNG", help="draw the last DSI run")
     online.add_argument("--seed", type=int, default=0)
     online.add_argument("--json", action="store_true")
@@ -442,9 +445,13 @@ def run_simulate(args: argparse.Namespace) -> None:
     if args.simulation == "online":
         from speculant.analysis.online import format_online, simulate_online
 
+        try:
+            more = tuple((float(ms), float(a)) for ms, a in (text.split(":") for text in args.more_drafter))
+        except ValueError:
+            raise ConfigError(f"--more-drafter takes MS:ACCEPTANCE, got {args.more_drafter}") from None
         result = simulate_online(args.target_latency, args.drafter_latency, args.acceptance, args.servers, args.tokens,
                                  args.lookahead, args.ttft, args.repeats, args.executor, args.seed,
-                                 Path(args.timeline) if args.timeline else None, args.ray_address)
+                                 Path(args.timeline) if args.timeline else None, args.ray_address, more)
         print(json.dumps(result, indent=1) if args.json else format_online(result))
         if "timeline" in result and not args.json:
             print(f"wrote {result['timeline']}")

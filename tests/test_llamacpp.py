@@ -153,6 +153,27 @@ def test_dsi_process_servers_load_the_gguf_by_path(gguf_files):
     assert result.token_ids == expected
 
 
+def test_dsi_servers_kept_across_prompts_with_a_shared_prefix_equal_ar(gguf_files):
+    """A bench keeps its DSI servers between prompts: each new prompt is prefilled whole, as `ar` does, never
+    built on the previous prompt's cache (llama.cpp's prefill and forward differ in numerics)."""
+    from speculant.decoding.dsi.executors import ServerSpec, make_executor, replica_factory
+    from speculant.config import SamplingConfig
+
+    target = gguf_model(gguf_files, "qwen2", "q8_0", 7)
+    pool = make_executor("process", ServerSpec(replica_factory(target, 1), ["cpu"], SamplingConfig()))
+    pool.start()
+    try:
+        shared = prompt_ids(30, 40)
+        for seed in range(3):
+            prompt = shared + prompt_ids(31 + seed, 6)
+            expected = generate(target, prompt_ids=prompt, method="ar", max_new_tokens=20).token_ids
+            result = generate(target, prompt_ids=prompt, method="dsi", drafter="maxgram", servers=1, lookahead=3,
+                              executor=pool, max_new_tokens=20)
+            assert result.token_ids == expected, f"prompt {seed}"
+    finally:
+        pool.close()
+
+
 def test_llamacpp_peers_decode_as_the_backend_does(gguf_files):
     from speculant.bench.peers import PEERS, peer_generate
     from speculant.config import SamplingConfig

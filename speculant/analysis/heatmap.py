@@ -53,7 +53,7 @@ def plot_figure2(grid: Grid, path: Path) -> None:
     si, dsi = grid.best_si(), grid.best_dsi()
     panels = [
         (grid.non_si / si, "SI vs non-SI (SI at its best lookahead)"),
-        (si / dsi, f"DSI vs SI (DSI with {grid.servers} target servers)"),
+        (si / dsi, f"DSI vs SI (DSI with {grid.servers} target server{'s' if grid.servers > 1 else ''})"),
         (grid.non_si / dsi, "DSI vs non-SI"),
         (np.minimum(si, grid.non_si) / dsi, "DSI vs the better of SI and non-SI"),
     ]

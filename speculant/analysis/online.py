@@ -51,11 +51,18 @@ def best_si_lookahead(acceptance: float, c: float, limit: int = 32) -> int:
 def simulate_online(target_ms: float, drafter_ms: float, acceptance: float, servers: int, tokens: int = 50,
                     lookahead: int | None = None, ttft_ms: float | None = None, repeats: int = 5,
                     executor: str = "thread", seed: int = 0, timeline: Path | None = None,
-                    ray_address: str | None = None) -> dict[str, Any]:
+                    ray_address: str | None = None, more_drafters: tuple[tuple[float, float], ...] = ()
+                    ) -> dict[str, Any]:
     """Mean wall times (ms) of non-SI, SI (at DSI's lookahead and at its own best k) and DSI over
-    `repeats` prompts, measured in this run; the offline simulator's DSI estimate beside them."""
-    if not 0 <= acceptance <= 1:
+    `repeats` prompts, measured in this run; the offline simulator's DSI estimate beside them.
+
+    `more_drafters` ((ms, acceptance), costlier ones) adds DSI with each of them alone (at its own planned
+    lookahead) and DSI with all drafters together (Algorithm 1 with m > 2 models, at the first one's
+    lookahead), and the latter's gain over the best single drafter."""
+    if not all(0 <= a <= 1 for a in (acceptance, *(a for _, a in more_drafters))):
         raise ConfigError(f"acceptance must lie in [0, 1], got {acceptance}")
+    if any(ms <= 0 for ms, _ in more_drafters):
+        raise ConfigError("drafter latencies must be positive")
     if tokens < 2 or repeats < 1:
         raise ConfigError("tokens must be >= 2 and repeats >= 1")
     chosen = plan(servers, lookahead, target_ms / 1000, drafter_ms / 1000)
@@ -65,7 +72,10 @@ def simulate_online(target_ms: float, drafter_ms: float, acceptance: float, serv
     spec = ServerSpec(partial(oracle, seed=seed), ["cpu"] * servers, greedy, target_latency)
     pool = make_executor(executor, spec, ray_address)
     pool.start()
-    times: dict[str, list[float]] = {"non_si": [], "si": [], "si_best": [], "dsi": []}
+    lineup = ((drafter_ms, acceptance), *more_drafters)
+    alone = [plan(servers, None, target_ms / 1000, ms / 1000).lookahead for ms, _ in more_drafters]
+    names = ["dsi", *(f"dsi_drafter_{d + 1}" for d in range(len(more_drafters)))] + (["dsi_all"] if more_drafters else [])
+    times: dict[str, list[float]] = {"non_si": [], "si": [], "si_best": [], **{name: [] for name in names}}
     identical = True
     stats = None
     try:
@@ -79,8 +89,9 @@ def simulate_online(target_ms: float, drafter_ms: float, acceptance: float, serv
             def target() -> PaddedModel:
                 return PaddedModel(OracleLM(VOCAB, seed), target_latency)
 
-            def drafter(offset: int) -> SyntheticDrafter:
-                return SyntheticDrafter(OracleLM(VOCAB, seed), acceptance, drafter_ms / 1000, seed * 1000 + r * 10 + offset)
+            def drafter(offset: int, which: int = 0) -> SyntheticDrafter:
+                ms, a = lineup[which]
+                return SyntheticDrafter(OracleLM(VOCAB, seed), a, ms / 1000, seed * 1000 + r * 10 + offset + 100 * which)
 
             reference, s = run(autoregressive(target(), prompt, tokens, greedy, None))
             times["non_si"].append(s.wall_s)
@@ -88,10 +99,14 @@ def simulate_online(target_ms: float, drafter_ms: float, acceptance: float, serv
                 out, s = run(speculative(target(), drafter(offset), prompt, k, tokens, greedy, None))
                 times[name].append(s.wall_s)
                 identical &= out == reference
-            out, stats = run(dsi(pool, drafter(3), prompt, tokens, chosen.lookahead, greedy, None, frozenset(),
-                                 close_executor=False))
-            times["dsi"].append(stats.wall_s)
-            identical &= out == reference
+            runs = [("dsi", [drafter(3)], chosen.lookahead),
+                    *((f"dsi_drafter_{d}", [drafter(3, d)], alone[d - 1]) for d in range(1, len(lineup)))]
+            if more_drafters:
+                runs.append(("dsi_all", [drafter(3, d) for d in range(len(lineup))], chosen.lookahead))
+            for name, drafters, k in runs:
+                out, stats = run(dsi(pool, drafters, prompt, tokens, k, greedy, None, frozenset(), close_executor=False))
+                times[name].append(stats.wall_s)
+                identical &= out == reference
     finally:
         pool.close()
     if not identical:
@@ -108,6 +123,10 @@ def simulate_online(target_ms: float, drafter_ms: float, acceptance: float, serv
         "dsi_speedup_over_non_si": mean["non_si"] / mean["dsi"],
         "offline_dsi_ms": offline["dsi_ms"],
     }
+    if more_drafters:
+        singles = [mean[name] for name in names[:-1]]
+        result.update({"more_drafters": [list(d) for d in more_drafters], "lookaheads_alone": alone,
+                       "dsi_all_gain_over_best_single": min(singles) / mean["dsi_all"]})
     if timeline is not None and stats is not None and stats.dsi is not None:
         result["timeline"] = str(plot_timeline(stats.dsi, timeline))
     return result
@@ -121,4 +140,9 @@ def format_online(r: dict[str, Any]) -> str:
             f"SI k={r['si_best_lookahead']} (its best) {r['si_best_ms']:.0f} ms | DSI {r['dsi_ms']:.0f} ms "
             f"(offline simulator: {r['offline_dsi_ms']:.0f} ms)\n"
             f"  DSI speedup: {r['dsi_speedup_over_si']:.2f}x over SI at the same lookahead, "
-            f"{r['dsi_speedup_over_best_si']:.2f}x over SI at its best, {r['dsi_speedup_over_non_si']:.2f}x over non-SI")
+            f"{r['dsi_speedup_over_best_si']:.2f}x over SI at its best, {r['dsi_speedup_over_non_si']:.2f}x over non-SI"
+            + "".join(f"\n  DSI with drafter {d + 1} alone ({ms:g} ms, acceptance {a:g}, lookahead {k}): "
+                      f"{r[f'dsi_drafter_{d + 1}_ms']:.0f} ms" for d, ((ms, a), k) in
+                      enumerate(zip(r.get("more_drafters", []), r.get("lookaheads_alone", []))))
+            + (f"\n  DSI with all drafters: {r['dsi_all_ms']:.0f} ms, {r['dsi_all_gain_over_best_single']:.2f}x over "
+               "the best single drafter" if "dsi_all_ms" in r else ""))

@@ -61,8 +61,10 @@ def run_matrix(
     def pool_for(spec: MethodSpec, target: Any) -> Any:
         if spec.label not in pools:
             from speculant.decoding.dsi.executors import ServerSpec, make_executor, replica_factory
+            from speculant.methods.dsi import drafts_with_a_model
 
-            servers = ServerSpec(replica_factory(target, spec.options.servers), [str(target.device)] * spec.options.servers,
+            n = spec.options.servers
+            servers = ServerSpec(replica_factory(target, n, drafts_with_a_model(spec.options)), [str(target.device)] * n,
                                  sampling)
             pools[spec.label] = make_executor(spec.options.executor, servers)
             pools[spec.label].start()

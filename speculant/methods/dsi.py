@@ -13,6 +13,15 @@ from speculant.methods.drafting import DrafterOptions, parse_drafters
 from speculant.methods.registry import Request, register
 
 
+def drafts_with_a_model(options: DSIOptions) -> bool:
+    """Whether a model drafts (it then needs cores beside the servers) rather than Max-Gram or a Drafter object."""
+    from speculant.drafters.base import Drafter
+    from speculant.drafters.spec import MAXGRAM, DrafterSpec
+
+    return any(not (isinstance(d, Drafter) or isinstance(d, DrafterSpec) and d.kind == MAXGRAM)
+               for d in options.drafters or (options.drafter,))
+
+
 def parse_devices(text: str) -> tuple[str, ...]:
     return tuple(device for device in text.split(",") if device)
 
@@ -110,6 +119,8 @@ def build(request: Request, options: DSIOptions) -> Any:
             drafters.append(source)
             costs.append(0.0)
             continue
+        if getattr(source, "backend", None) == "llamacpp":  # its share of the cores beside the servers
+            source = source.share(max(1, source.threads // (options.servers + 1)))
         seed = None if request.seed is None else request.seed + 1 + index  # each drafter thread its own stream
         drafters.append(ModelDrafter(source if pad is None else PaddedModel(source, pad), request.sampling,
                                      seeded(target.device, seed)))
@@ -132,5 +143,7 @@ def build(request: Request, options: DSIOptions) -> Any:
         if pool.spec.sampling != request.sampling or len(pool.spec.devices) != options.servers:
             raise ConfigError("the given executor's servers were built for other sampling settings or server count")
         return dsi(pool, *common, close_executor=False)
-    spec = ServerSpec(replica_factory(target, len(devices)), devices, request.sampling, twin[0] if twin else None)
+    drafting = any(not isinstance(source, Drafter) for source in sources)
+    spec = ServerSpec(replica_factory(target, len(devices), drafting), devices, request.sampling,
+                      twin[0] if twin else None)
     return dsi(make_executor(options.executor, spec, options.ray_address), *common)

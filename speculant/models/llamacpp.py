@@ -206,10 +206,10 @@ class LlamaCppCausalLM:
             self.lib.llama_free(self.ctx)
             self.ctx = None
 
-    def share(self) -> LlamaCppCausalLM:
-        """Another context on the same weights (a KV cache of its own)."""
+    def share(self, threads: int | None = None) -> LlamaCppCausalLM:
+        """Another context on the same weights (a KV cache of its own), on `threads` threads (default: these)."""
         return LlamaCppCausalLM(self.weights, self.tokenizer, self.name, self.eos_token_ids, self.identity,
-                                self.threads)
+                                threads or self.threads)
 
     @property
     def cache_len(self) -> int:

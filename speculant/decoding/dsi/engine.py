@@ -1,14 +1,16 @@
 """Distributed speculative inference: speculation parallelism (Timor et al. 2025, "Distributed
 Speculative Inference", Algorithm 1 with lookahead, Appendices C-D).
 
-A drafter thread drafts one token at a time and never waits for verification. Every `lookahead` new
+Drafter threads draft one token at a time and never wait for verification. Every `lookahead` new
 drafts become a job for an idle target server, which scores them against the speculated sequence
-in one forward. The coordinator (this generator) commits, position by position, every row whose
-prefix is already committed: the target's own token there is final whatever the server, so greedy
-output equals the target's greedy output. A token that differs from the draft is a rejection: the
-drafter restarts from the corrected sequence, in-flight jobs built on the rejected draft are
-preempted (cancelled, their results discarded) and a job on the bare committed prefix starts at once
-on an idle server, so a stretch of rejections costs no more than the target alone (Theorem 1).
+in one forward (carrying only the tokens that server lacks, see `jobs`). The coordinator (this
+generator) commits, position by position, every row whose prefix is already committed: the target's
+own token there is final whatever the server, so greedy output equals the target's greedy output. A
+token that differs from the draft is a rejection: the drafters restart from the corrected sequence,
+in-flight jobs built on the rejected draft are preempted (cancelled inside their forward, their results
+discarded) and, when another server stays free for the drafts, a job on the bare committed prefix starts
+at once, so a stretch of rejections costs no more than the target alone (Theorem 1). With several
+drafters (Algorithm 1 with m > 2 models) a costlier drafter's token replaces a cheaper one's draft.
 Sampling decides each position by speculative sampling with the draft's q shipped alongside.
 """
 

@@ -70,17 +70,18 @@ def gguf_replica(path: str, name: str, eos: frozenset[int], threads: int, device
     return LlamaCppCausalLM(shared_weights(path), None, name, eos, threads=threads)
 
 
-def replica_factory(target: CausalLM, servers: int = 1) -> Callable[[str], CausalLM]:
+def replica_factory(target: CausalLM, servers: int = 1, drafting: bool = False) -> Callable[[str], CausalLM]:
     """`ServerSpec.factory` for a loaded target: transformers weights are shared, not copied (threads share
     the module, processes receive it through shared memory); a llama.cpp target's servers map its GGUF file
-    by path, each with a context of its own and the machine's cores shared out between them. A server's
-    per-request handle gets replicas of the model it shares (they run beside its batched forwards)."""
+    by path, each with a context of its own and the machine's cores shared out between them and, when a
+    model drafts beside them (`drafting`), the drafter. A server's per-request handle gets replicas of the
+    model it shares (they run beside its batched forwards)."""
     target = profiled_as(target)
     if isinstance(target, HFCausalLM):
         return partial(hf_replica, target.model, target.name, target.eos_token_ids)
     if getattr(target, "backend", None) == "llamacpp":
         return partial(gguf_replica, str(target.weights.path), target.name, target.eos_token_ids,
-                       max(1, target.threads // servers))
+                       max(1, target.threads // (servers + drafting)))
     raise ConfigError(f"DSI needs a factory for target servers of type {type(target).__name__}")
 
 
@@ -257,10 +258,16 @@ class _RayServer:
     def cancel(self, job_id: int) -> None:
         self.canceller.cancel(job_id)
 
+    def node(self) -> str:
+        import ray
+
+        return ray.get_runtime_context().get_node_id()
+
 
 class RayExecutor:
     """Target servers as Ray actors (`pip install speculant[ray]`); joins `address` when given, otherwise
-    starts a local Ray. A lost actor is reported like a dead process."""
+    starts a local Ray. CPU server i runs on the cluster's node i mod (nodes), GPU servers wherever a GPU
+    is free. A lost actor is reported like a dead process."""
 
     name = "ray"
 
@@ -280,12 +287,19 @@ class RayExecutor:
             raise ModelNotAvailable("executor 'ray' needs Ray: pip install 'speculant[ray]'") from None
         self.owns_ray = not ray.is_initialized()
         if self.owns_ray:
-            ray.init(address=self.address, include_dashboard=False, log_to_driver=False,
-                     configure_logging=False)
+            local = {} if self.address else {"include_dashboard": False}  # a cluster's head has its own settings
+            ray.init(address=self.address, log_to_driver=False, configure_logging=False, **local)
+        from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
         actor = ray.remote(max_concurrency=2)(_RayServer)
+        nodes = [node["NodeID"] for node in ray.nodes() if node["Alive"]]
         for index, device in enumerate(self.spec.devices):
             gpus = 1 if device.startswith("cuda") else 0
-            self.actors.append(actor.options(num_gpus=gpus, num_cpus=0).remote(self.spec, index))
+            # CPU servers round robin over the nodes (Ray's soft affinity was seen ignored); GPU servers go
+            # where Ray finds a free GPU.
+            where = "DEFAULT" if gpus else NodeAffinitySchedulingStrategy(nodes[index % len(nodes)], soft=False)
+            self.actors.append(actor.options(num_gpus=gpus, num_cpus=0, scheduling_strategy=where)
+                               .remote(self.spec, index))
         for index, actor_handle in enumerate(self.actors):  # every server has built its model
             try:
                 ray.get(actor_handle.ready.remote())
@@ -313,6 +327,12 @@ class RayExecutor:
         import ray
 
         ray.kill(self.actors[index])
+
+    def nodes(self) -> list[str]:
+        """The Ray node id each server runs on."""
+        import ray
+
+        return ray.get([actor.node.remote() for actor in self.actors])
 
     def close(self) -> None:
         import ray

@@ -130,7 +130,9 @@ class TargetServer:
             if job.base:
                 raise ValueError(f"job {job.id} builds on {job.base} tokens of request {job.request}, "
                                  f"which this server never saw")
-            self.request, self.sequence = job.request, []
+            # A new request's prompt is prefilled whole, as plain decoding does: a backend whose prefill and
+            # forward differ in numerics (llama.cpp's ubatches) must not build it on another prompt's cache.
+            self.request, self.sequence, self.cached = job.request, [], []
         if job.base > len(self.sequence):
             raise ValueError(f"job {job.id} builds on {job.base} tokens; the server holds {len(self.sequence)}")
         tokens = self.sequence = self.sequence[: job.base] + list(job.tokens)
