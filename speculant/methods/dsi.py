@@ -143,7 +143,6 @@ def build(request: Request, options: DSIOptions) -> Any:
         if pool.spec.sampling != request.sampling or len(pool.spec.devices) != options.servers:
             raise ConfigError("the given executor's servers were built for other sampling settings or server count")
         return dsi(pool, *common, close_executor=False)
-    drafting = any(not isinstance(source, Drafter) for source in sources)
-    spec = ServerSpec(replica_factory(target, len(devices), drafting), devices, request.sampling,
+    spec = ServerSpec(replica_factory(target, len(devices), drafts_with_a_model(options)), devices, request.sampling,
                       twin[0] if twin else None)
     return dsi(make_executor(options.executor, spec, options.ray_address), *common)

@@ -190,7 +190,7 @@ class LlamaCppCausalLM:
         self._tree: _Tree | None = None
         self._free_seqs = list(range(N_SEQ - 1, 0, -1))
         self.width = 1  # tokens per llama_decode after the prompt: measured next
-        self.interrupt: Callable[[], bool] | None = None  # see CausalLM; llama.cpp asks between graph nodes
+        self.interrupt: Callable[[], bool] | None = None  # see CausalLM; llama.cpp asks before every graph node
         me = weakref.ref(self)  # the callback must not keep its context alive
         self._abort = lib.ggml_abort_callback(lambda _: bool((m := me()) is not None and m.interrupt and m.interrupt()))
         if weights.width is None:
@@ -369,14 +369,12 @@ class LlamaCppCausalLM:
 
     def _decode(self, entries: list[_Entry], width: int) -> torch.Tensor:
         """Run entries in order, `width` per llama_decode; the logits of those that want them [n, vocab]."""
-        lib, batch, rows = self.lib, self.batch, []
+        lib, rows = self.lib, []
         interruptible = self.interrupt is not None
         if interruptible:  # a Python call per graph node: only for forwards that may be cut short
             lib.llama_set_abort_callback(self.ctx, self._abort, None)
         try:
             for begin in range(0, len(entries), width):
-                if interruptible and self.interrupt():
-                    raise Interrupted
                 rows += self._decode_chunk(entries[begin: begin + width])
         finally:
             if interruptible:

@@ -239,9 +239,11 @@ class Coordinator:
                     self.record.servers.append(ServerRecord(self.in_process))
                 self.events.put(("result", self.local.run(self.job(self.in_process, tokens, first_row))))
                 return
-            server = min(self.idle)
-            self.idle.discard(server)
-            self.executor.submit(server, self.job(server, tokens, first_row))
+            self.send(min(self.idle), tokens, first_row)
+
+    def send(self, server: int, tokens: tuple[int, ...], first_row: int) -> None:
+        self.idle.discard(server)
+        self.executor.submit(server, self.job(server, tokens, first_row))
 
     def job(self, server: int, tokens: tuple[int, ...], first_row: int) -> Job:
         """A job asking `server` for the rows from `first_row` on `tokens`, carrying only what it lacks."""
@@ -259,8 +261,7 @@ class Coordinator:
     def warm_up(self) -> None:
         """Every server prefills the prompt at once; the first answer gives the first token."""
         for server in sorted(self.alive):
-            self.idle.discard(server)
-            self.executor.submit(server, self.job(server, tuple(self.seq), self.n_committed))
+            self.send(server, tuple(self.seq), self.n_committed)
         self.frontier = self.n_committed + 1
 
     # --- results ----------------------------------------------------------------------------------

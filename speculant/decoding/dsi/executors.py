@@ -184,7 +184,8 @@ class ProcessExecutor:
         threads = self.spec.threads or max(1, (os.cpu_count() or 1) // (n + 1))
         for index in range(n):
             parent, child = context.Pipe()
-            canceller = Canceller(context.Event(), context.Value("q", -1))
+            # The id needs no lock: one aligned 64-bit word, written by the coordinator only, read at every layer.
+            canceller = Canceller(context.Event(), context.Value("q", -1, lock=False))
             process = context.Process(target=_process_main, args=(self.spec, index, child, canceller, threads),
                                       daemon=True, name=f"dsi-target-{index}")
             process.start()
