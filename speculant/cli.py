@@ -392,6 +392,9 @@ def run_acceptance(args: argparse.Namespace) -> None:
         if report.expected_sampling_acceptance is not None:
             print(f"  expected acceptance when sampling (mean of sum min(p, q)): "
                   f"{report.expected_sampling_acceptance:.3f}")
+        if report.outside_mass is not None:
+            print(f"  another vocabulary: mean drafter probability off the shared tokens {report.outside_mass:.3f} "
+                  "(sampling drafts only shared tokens)")
 
 
 def run_serve(args: argparse.Namespace) -> None:

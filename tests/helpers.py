@@ -6,7 +6,7 @@ import random
 
 import pytest
 import torch
-from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import (
     GPT2Config,
     GPT2LMHeadModel,
@@ -38,6 +38,26 @@ def byte_tokenizer() -> PreTrainedTokenizerFast:
     tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tokenizer.decoder = decoders.ByteLevel()
     return PreTrainedTokenizerFast(tokenizer_object=tokenizer, eos_token="<eos>")
+
+
+def bpe_tokenizer(corpus: list[str], vocab_size: int, eos: str | None = "<|end|>") -> PreTrainedTokenizerFast:
+    """A byte-level BPE tokenizer (GPT-2's pre-tokenizer) trained on `corpus`: another corpus or size, another
+    vocabulary."""
+    tokenizer = Tokenizer(models.BPE())
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tokenizer.decoder = decoders.ByteLevel()
+    tokenizer.train_from_iterator(corpus, trainers.BpeTrainer(
+        vocab_size=vocab_size, initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False,
+        special_tokens=[eos] if eos else []))
+    return PreTrainedTokenizerFast(tokenizer_object=tokenizer, eos_token=eos)
+
+
+def piece_tokenizer(pieces: list[str], merges: list[tuple[str, str]] = ()) -> PreTrainedTokenizerFast:
+    """A tokenizer over the given strings (single characters, and the merges of two of them), no bytes, no
+    pre-tokenizer, no end-of-sequence token: every text over its characters has one tokenization."""
+    tokenizer = Tokenizer(models.BPE(vocab={piece: i for i, piece in enumerate(pieces)}, merges=list(merges)))
+    tokenizer.decoder = decoders.Fuse()  # decoding joins the pieces as they are
+    return PreTrainedTokenizerFast(tokenizer_object=tokenizer)
 
 
 def _byte_of(char: str) -> int:

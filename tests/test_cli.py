@@ -4,23 +4,25 @@ import json
 
 import pytest
 
-from helpers import BYTE_VOCAB, byte_tokenizer, tiny_transformer
+from helpers import BYTE_VOCAB, bpe_tokenizer, byte_tokenizer, tiny_transformer
 from speculant import cli
 from speculant.models import catalog
 
 
 @pytest.fixture(scope="module")
 def model_dirs(tmp_path_factory):
-    """A target and a drafter with the byte tokenizer, and a model with another vocabulary."""
+    """A target and a drafter with the byte tokenizer, a model with another vocabulary and no tokenizer, and one
+    with another tokenizer (a byte-level BPE)."""
     root = tmp_path_factory.mktemp("models")
-    tokenizer = byte_tokenizer()
+    tokenizers = {BYTE_VOCAB: byte_tokenizer(), 300: None, 290: bpe_tokenizer(["def f(x): return x + 1"] * 20, 290)}
     paths = {}
-    for name, seed, vocab in [("target", 0, BYTE_VOCAB), ("drafter", 1, BYTE_VOCAB), ("other", 2, 300)]:
+    for name, seed, vocab in [("target", 0, BYTE_VOCAB), ("drafter", 1, BYTE_VOCAB), ("other", 2, 300),
+                              ("cross", 3, 290)]:
         model = tiny_transformer("llama", seed, vocab)
         model.generation_config.eos_token_id = None
         model.save_pretrained(root / name)
-        if vocab == BYTE_VOCAB:
-            tokenizer.save_pretrained(root / name)
+        if tokenizers[vocab] is not None:
+            tokenizers[vocab].save_pretrained(root / name)
         paths[name] = str(root / name)
     return paths
 
@@ -184,7 +186,15 @@ def test_missing_model_package_names_pip_command(capsys, monkeypatch):
 def test_drafter_with_other_tokenizer_is_refused(model_dirs, capsys):
     code, _, err = run(capsys, "generate", "hi", "--target", model_dirs["target"], "--drafter", model_dirs["other"],
                        "--dtype", "fp32")
-    assert code == 2 and "different tokenizer" in err
+    assert code == 2 and "different vocabularies" in err
+
+
+def test_drafter_with_another_tokenizer_drafts_across_vocabularies(model_dirs, capsys):
+    common = ["generate", "def f(x):", "--target", model_dirs["target"], "--dtype", "fp32", "--max-new-tokens", "16",
+              "--json"]
+    sd = json.loads(run(capsys, *common, "--drafter", model_dirs["cross"], "--k", "3")[1])
+    ar = json.loads(run(capsys, *common, "--drafter", "none")[1])
+    assert sd["token_ids"] == ar["token_ids"] and sd["stats"]["drafter_forwards"]
 
 
 def test_argparse_errors_exit_2(capsys):

@@ -3,6 +3,9 @@
 The target generates greedily; the drafter, teacher-forced on the same text, predicts every position.
 Runs of exact matches between drafter and target give the geometric-fit acceptance rate
 a = 1 - 1 / (1 + mean run); with sampling, sum_x min(p, q) is the expected acceptance of one draft.
+
+A drafter with another vocabulary predicts each target token as it would draft it (`CrossVocabDrafter`): greedy,
+its first string-level draft token; sampling, q on the shared tokens, and the probability it loses there.
 """
 
 from __future__ import annotations
@@ -25,6 +28,7 @@ class AcceptanceReport:
     geometric_rate: float  # a = 1 - 1 / (1 + mean run)
     per_position: list[float]  # acceptance at draft position j, given positions < j were accepted
     expected_sampling_acceptance: float | None  # mean of sum_x min(p, q), at temperature > 0
+    outside_mass: float | None = None  # another vocabulary, sampling: the drafter's mean mass off the shared tokens
 
 
 def match_runs(flags: np.ndarray) -> list[int]:
@@ -69,22 +73,50 @@ def estimate(target, drafters: Sequence, prompts: list[list[int]], max_new_token
     p_rows = [None] * len(prompts)
     if not sampling.greedy:
         p_rows = [logits_to_probs(_logits_along(target, ids, out), sampling) for ids, out in zip(prompts, outputs)]
-    return [_report(drafter, prompts, outputs, p_rows, sampling, depth) for drafter in drafters]
+    return [_report(drafter, target, prompts, outputs, p_rows, sampling, depth) for drafter in drafters]
 
 
-def _report(drafter, prompts: list[list[int]], outputs: list[list[int]], p_rows: list, sampling: SamplingConfig,
-            depth: int) -> AcceptanceReport:
-    flags, overlaps = [], []
+def _cross_vocab_along(target, drafter, prompt: list[int], output: list[int], p: torch.Tensor | None,
+                       sampling: SamplingConfig) -> tuple[np.ndarray, np.ndarray | None, list[float]]:
+    """Per position of `output`, for a drafter of another vocabulary: whether its greedy string-level draft starts
+    with the target's token; at temperature > 0 also sum_x min(p, q) with q its shared-token distribution, and
+    its mass off the shared tokens."""
+    from speculant.drafters.cross_vocab import CrossVocabDrafter
+
+    greedy = CrossVocabDrafter(drafter, target, SamplingConfig(), None)
+    flags = np.array([greedy.propose(prompt + output[:i], 1).tokens == output[i: i + 1] for i in range(len(output))])
+    if p is None:
+        return flags, None, []
+    sampled = CrossVocabDrafter(drafter, target, sampling, None)
+    overlaps, outside = [], []
+    for i in range(len(output)):
+        shared = sampled.distribution(prompt + output[:i])
+        overlaps.append(float(torch.minimum(p[i], shared[0].to(p.device)).sum()) if shared else 0.0)
+        outside += [shared[1]] if shared else []
+    return flags, np.array(overlaps), outside
+
+
+def _report(drafter, target, prompts: list[list[int]], outputs: list[list[int]], p_rows: list,
+            sampling: SamplingConfig, depth: int) -> AcceptanceReport:
+    from speculant.drafters.vocab import same_vocabulary
+
+    flags, overlaps, outside = [], [], []
     reached, matched = np.zeros(depth), np.zeros(depth)
     for ids, output, p in zip(prompts, outputs, p_rows):
-        q_logits = _logits_along(drafter, ids, output)
-        flags.append(q_logits.argmax(-1).cpu().numpy() == np.asarray(output))
+        if not same_vocabulary(target, drafter):
+            flag, overlap, lost = _cross_vocab_along(target, drafter, ids, output, p, sampling)
+            flags.append(flag)
+            overlaps += [overlap] if overlap is not None else []
+            outside += lost
+        else:
+            q_logits = _logits_along(drafter, ids, output)
+            flags.append(q_logits.argmax(-1).cpu().numpy() == np.asarray(output))
+            if p is not None:
+                q = logits_to_probs(q_logits.to(p.device), sampling)
+                overlaps.append(torch.minimum(p, q).sum(-1).cpu().numpy())
         counts = position_counts(flags[-1], depth)
         reached += counts[0]
         matched += counts[1]
-        if p is not None:
-            q = logits_to_probs(q_logits.to(p.device), sampling)
-            overlaps.append(torch.minimum(p, q).sum(-1).cpu().numpy())
     all_flags = np.concatenate(flags)
     runs = [r for f in flags for r in match_runs(f)]
     mean_run = float(np.mean(runs)) if runs else float(len(all_flags))
@@ -95,4 +127,5 @@ def _report(drafter, prompts: list[list[int]], outputs: list[list[int]], p_rows:
         geometric_rate=1 - 1 / (1 + mean_run),
         per_position=[float(m / r) for m, r in zip(matched, reached) if r > 0],
         expected_sampling_acceptance=float(np.concatenate(overlaps).mean()) if overlaps else None,
+        outside_mass=float(np.mean(outside)) if outside else None,
     )

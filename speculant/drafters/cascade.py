@@ -6,7 +6,9 @@ above level i (the target above level 0) follows row i of the upper-triangular K
 produces the first K[i][i] tokens, level i+1 the next K[i][i+1], and so on (horizontal cascade). A
 model level that has levels below it does not generate autoregressively: it reviews a draft built
 from the rows below (vertical cascade), one forward per review, keeping the accepted prefix plus its
-own next token. The last model level with nothing below it drafts autoregressively.
+own next token. The last model level with nothing below it drafts autoregressively, and so does a model
+with another tokenizer (`CrossVocabDrafter`): its tokens do not line up with a draft's to review it in one
+forward, so the levels below it only extend its drafts horizontally.
 
 Leniency l >= 1 relaxes these inner reviews only. What an inner review emits is not the reviewer's
 distribution then, so each emitted token carries the distribution it was actually drawn from
@@ -20,6 +22,7 @@ import torch
 
 from speculant.config import SamplingConfig
 from speculant.drafters.base import Draft
+from speculant.drafters.cross_vocab import CrossVocabDrafter
 from speculant.drafters.maxgram import MaxGramDrafter
 from speculant.drafters.model import ModelDrafter
 from speculant.errors import ConfigError
@@ -27,7 +30,7 @@ from speculant.models.metered import Usage
 from speculant.sampling import logits_to_probs
 from speculant.verify import lenient_distribution, one_hot, verify_greedy, verify_sampling
 
-Level = ModelDrafter | MaxGramDrafter
+Level = ModelDrafter | CrossVocabDrafter | MaxGramDrafter
 Rows = list[torch.Tensor | None]  # per drafted token: the distribution it came from, None = one-hot
 
 
@@ -82,7 +85,7 @@ class CascadeDrafter:
         check_k_matrix(k_matrix, len(levels))
         self.levels, self.k_matrix, self.leniency = levels, k_matrix, leniency
         self.sampling, self.generator = sampling, generator
-        self.models = [level for level in levels if isinstance(level, ModelDrafter)]
+        self.models = [level for level in levels if not isinstance(level, MaxGramDrafter)]
 
     @property
     def max_draft(self) -> int:
@@ -118,7 +121,7 @@ class CascadeDrafter:
     def _generate(self, j: int, context: list[int], want: int, room: int) -> tuple[list[int], Rows]:
         """Tokens from level j: Max-Gram or autoregressive drafting at the bottom, else one review."""
         level = self.levels[j]
-        if isinstance(level, MaxGramDrafter) or j == len(self.levels) - 1:
+        if not isinstance(level, ModelDrafter) or j == len(self.levels) - 1:
             draft = level.propose(context, want)
             rows = list(draft.probs) if draft.probs is not None else [None] * len(draft.tokens)
             return draft.tokens, rows

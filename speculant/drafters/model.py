@@ -25,16 +25,23 @@ class ModelDrafter:
     probability below c: the forwards that would follow a likely rejection are skipped (the dynamic draft
     length of HF assisted generation's confidence threshold). The stopping rule looks only at the draft,
     so verification stays lossless.
+
+    `allowed` [vocab] (bool) restricts drafting to some ids: q is the drafter's distribution renormalised over
+    them (the token-level intersection of another vocabulary; a logits row wider than the target's). `width`
+    pads (zeros) or cuts each row of q to the target's logits width.
     """
 
     def __init__(self, model: CausalLM, sampling: SamplingConfig, generator: torch.Generator | None,
-                 keep_probs: bool = False, draft_confidence: float = 0.0):
+                 keep_probs: bool = False, draft_confidence: float = 0.0, allowed: torch.Tensor | None = None,
+                 width: int | None = None):
         self.model = metered(model)
         self.draft_confidence = draft_confidence
         self.name = model.name
         self.sampling = sampling
         self.generator = generator
         self.keep_probs = keep_probs or not sampling.greedy
+        self.allowed = allowed.to(model.device) if allowed is not None else None
+        self.width = width
         self._cached: list[int] = []  # the tokens whose keys and values self.model holds
 
     def propose(self, context: list[int], k: int) -> Draft:
@@ -48,6 +55,8 @@ class ModelDrafter:
         tokens: list[int] = []
         probs: list[torch.Tensor] = []
         for i in range(k):
+            if self.allowed is not None:
+                logits = logits.masked_fill(~self.allowed, float("-inf"))
             q = logits_to_probs(logits, self.sampling) if not self.sampling.greedy else None
             tokens.append(next_token(logits, self.sampling, None) if q is None else sample(q, self.generator))
             if self.keep_probs or self.draft_confidence > 0:
@@ -58,6 +67,8 @@ class ModelDrafter:
             logits = self.model.forward(tokens[-1:])[-1]
         self._cached = context + tokens[:-1]
         kept = torch.stack(probs) if self.keep_probs else None
+        if kept is not None and self.width is not None and self.width != kept.shape[-1]:
+            kept = torch.nn.functional.pad(kept, (0, self.width - kept.shape[-1]))  # negative: cut
         return Draft(tokens, kept, {self.name: self.model.usage - before})
 
     def score(self, context: list[int], draft: list[int]) -> torch.Tensor:

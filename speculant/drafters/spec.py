@@ -52,14 +52,14 @@ def as_drafter(value: Any) -> Any:
 
 
 def check_compatible(target: Any, drafter: Any) -> None:
-    """A model drafter must share the target's vocabulary token for token."""
-    same_vocab = target.vocab_size == drafter.vocab_size
-    if same_vocab and target.tokenizer is not None and drafter.tokenizer is not None:
-        same_vocab = target.tokenizer.get_vocab() == drafter.tokenizer.get_vocab()
-    if not same_vocab:
+    """A model drafter's ids must mean the target's tokens, or both must have tokenizers (then it drafts across
+    vocabularies: `drafters.cross_vocab`)."""
+    from speculant.drafters.vocab import same_vocabulary
+
+    if not same_vocabulary(target, drafter) and (target.tokenizer is None or drafter.tokenizer is None):
         raise IncompatibleModels(
-            f"drafter '{drafter.name}' uses a different tokenizer than target '{target.name}'; "
-            "drafters with another vocabulary are not supported yet"
+            f"drafter '{drafter.name}' and target '{target.name}' have different vocabularies and one has no "
+            "tokenizer: drafting across vocabularies needs both tokenizers"
         )
 
 

@@ -83,6 +83,7 @@ def build(request: Request, options: AutoOptions) -> Any:
     from speculant.decoding.adaptive import Candidate, adaptive, can_pay, shared_cost
     from speculant.drafters.base import Drafter
     from speculant.drafters.cascade import CascadeDrafter
+    from speculant.drafters.cross_vocab import CrossVocabDrafter, model_drafter
     from speculant.drafters.maxgram import MaxGramDrafter
     from speculant.drafters.model import ModelDrafter
     from speculant.drafters.spec import load_drafter
@@ -108,9 +109,13 @@ def build(request: Request, options: AutoOptions) -> Any:
             profile = machine_profile(source)
             if not can_pay(profile.tpot_s, cost, options.k_max):  # too slow to pay even if always right
                 continue
-            drafter = ModelDrafter(source, request.sampling, request.generator, draft_confidence=options.draft_confidence)
-            candidates.append(Candidate(source.name, drafter, profile.tpot_s, MODEL_PRIOR, estimates=estimates))
-            for width in options.tree_widths if hasattr(source, "share") else ():
+            drafter = model_drafter(source, target, request.sampling, request.generator,
+                                    draft_confidence=options.draft_confidence)
+            step_s = profile.tpot_s * (drafter.tokens_per_target_token(request.prompt_ids)
+                                       if isinstance(drafter, CrossVocabDrafter) else 1.0)
+            candidates.append(Candidate(source.name, drafter, step_s, MODEL_PRIOR, estimates=estimates))
+            same_ids = isinstance(drafter, ModelDrafter)  # trees and reviews need the target's ids
+            for width in options.tree_widths if same_ids and hasattr(source, "share") else ():
                 if not can_pay(profile.cost(width), cost, options.k_max, width):
                     continue
                 name = f"{source.name} tree{width}"

@@ -45,6 +45,7 @@ def build(request: Request, options: CascadeOptions) -> Any:
     from speculant.decoding.speculative import speculative
     from speculant.drafters.base import Drafter
     from speculant.drafters.cascade import CascadeDrafter, default_k_matrix
+    from speculant.drafters.cross_vocab import model_drafter
     from speculant.drafters.maxgram import MaxGramDrafter
     from speculant.drafters.model import ModelDrafter
     from speculant.drafters.spec import load_drafter
@@ -55,7 +56,8 @@ def build(request: Request, options: CascadeOptions) -> Any:
         if isinstance(source, Drafter) and not isinstance(source, (MaxGramDrafter, ModelDrafter)):
             raise ConfigError(f"cascade levels are models or 'maxgram', not {type(source).__name__}")
         levels.append(source if isinstance(source, Drafter) else
-                      ModelDrafter(source, request.sampling, request.generator, keep_probs=options.leniency > 1))
+                      model_drafter(source, request.target, request.sampling, request.generator,
+                                    keep_probs=options.leniency > 1))
     k_matrix = options.k_matrix or default_k_matrix(levels, options.k)
     cascade = CascadeDrafter(levels, [list(row) for row in k_matrix], options.leniency, request.sampling,
                              request.generator)

@@ -103,7 +103,7 @@ def build(request: Request, options: DSIOptions) -> Any:
     from speculant.decoding.dsi.plan import measure_step, plan
     from speculant.decoding.dsi.twin import PaddedModel
     from speculant.drafters.base import Drafter
-    from speculant.drafters.model import ModelDrafter
+    from speculant.drafters.cross_vocab import model_drafter
     from speculant.drafters.spec import load_drafter
     from speculant.models import resolve_device
     from speculant.sampling import seeded
@@ -122,8 +122,8 @@ def build(request: Request, options: DSIOptions) -> Any:
         if getattr(source, "backend", None) == "llamacpp":  # its share of the cores beside the servers
             source = source.share(max(1, source.threads // (options.servers + 1)))
         seed = None if request.seed is None else request.seed + 1 + index  # each drafter thread its own stream
-        drafters.append(ModelDrafter(source if pad is None else PaddedModel(source, pad), request.sampling,
-                                     seeded(target.device, seed)))
+        drafters.append(model_drafter(source if pad is None else PaddedModel(source, pad), target, request.sampling,
+                                      seeded(target.device, seed)))
         costs.append(pad.step_s if pad is not None else None)
     devices = list(options.target_devices or [str(target.device)] * options.servers)
     for device in devices:

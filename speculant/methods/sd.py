@@ -32,7 +32,7 @@ class SDOptions(DrafterOptions):
 def build(request: Request, options: SDOptions) -> Any:
     from speculant.decoding.speculative import speculative
     from speculant.drafters.base import Drafter
-    from speculant.drafters.model import ModelDrafter
+    from speculant.drafters.cross_vocab import model_drafter
     from speculant.drafters.spec import load_drafter
 
     source = load_drafter(options.drafter, request.target, options.drafter_dtype)
@@ -41,6 +41,7 @@ def build(request: Request, options: SDOptions) -> Any:
             raise ConfigError(f"draft_confidence needs a model drafter, not {type(source).__name__}")
         drafter = source
     else:
-        drafter = ModelDrafter(source, request.sampling, request.generator, draft_confidence=options.draft_confidence)
+        drafter = model_drafter(source, request.target, request.sampling, request.generator,
+                                draft_confidence=options.draft_confidence)
     return speculative(request.target, drafter, request.prompt_ids, options.k, request.max_new_tokens,
                        request.sampling, request.generator)

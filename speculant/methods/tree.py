@@ -39,11 +39,15 @@ def build(request: Request, options: TreeOptions) -> Any:
     from speculant.drafters.base import Drafter
     from speculant.drafters.spec import load_drafter
     from speculant.drafters.tree import TreeDrafter
+    from speculant.drafters.vocab import same_vocabulary
     from speculant.latency import LatencyProfile
 
     model = load_drafter(options.drafter, request.target, options.drafter_dtype)
     if isinstance(model, Drafter):
         raise ConfigError("method 'tree' needs a model drafter")
+    if not same_vocabulary(request.target, model) or model.vocab_size != request.target.vocab_size:
+        raise ConfigError(f"method 'tree' needs a drafter with the target's vocabulary; '{model.name}' has another "
+                          "(it can draft chains: sd, auto, cascade, dsi)")
     profile = options.target_profile
     if profile is not None and not isinstance(profile, LatencyProfile):
         profile = LatencyProfile.load(profile)

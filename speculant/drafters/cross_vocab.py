@@ -1,0 +1,120 @@
+"""A model with another tokenizer as drafter (Timor et al. 2025, "Accelerating LLM Inference with Lossless
+Speculative Decoding Algorithms for Heterogeneous Vocabularies"), and `model_drafter`, which makes any model
+draft for a target: a ModelDrafter when their ids mean the same tokens, else a CrossVocabDrafter.
+
+Greedy drafts are exchanged as text (string-level exact match, Algorithm 2): the committed target tokens are
+spelled out and re-tokenized by the drafter, the drafter's greedy continuation is spelled out and re-tokenized
+by the target, cut before its last pre-token (a word the target might merge with what follows) and before any
+cut multi-byte character. The target verifies those tokens as any draft; what it accepts reaches the drafter as
+text again, so the drafter's cache keeps every token it still shares with the new text.
+
+Sampled drafts use the token-level intersection (Algorithm 4): the drafter samples only tokens the target's
+vocabulary has too, from its distribution renormalised over them; each such token is one target token, and q
+mapped onto the target's ids is the exact distribution the draft came from, so speculative sampling stays
+exact. What this costs is the drafter's mass outside the intersection (docs/results/cross-vocab.md).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from speculant.config import SamplingConfig
+from speculant.drafters.base import Draft
+from speculant.drafters.model import ModelDrafter
+from speculant.drafters.vocab import same_vocabulary, vocab_pair
+from speculant.models.base import CausalLM
+from speculant.models.metered import Usage
+from speculant.sampling import logits_to_probs
+
+
+class CrossVocabDrafter:
+    """Drafts target tokens with a model of another vocabulary: string-level when greedy, on the shared tokens
+    when sampling (see the module docstring). A context holding an id that spells nothing (a padded row), or
+    ending inside a multi-byte character, gets an empty draft."""
+
+    def __init__(self, model: CausalLM, target: CausalLM, sampling: SamplingConfig,
+                 generator: torch.Generator | None, draft_confidence: float = 0.0):
+        self.pair = vocab_pair(target, model)
+        self.greedy = sampling.greedy
+        allowed = self.pair.spelled if self.greedy else self.pair.shared
+        self.drafter = ModelDrafter(model, sampling, generator, draft_confidence=draft_confidence, allowed=allowed)
+        self.model = self.drafter.model  # metered: the cascade and the stats read its usage
+        self.name = model.name
+        self.width = target.vocab_size
+        self._ahead: list[int] = []  # greedy: a context and the safe draft tokens that followed it last time
+
+    def propose(self, context: list[int], k: int) -> Draft:
+        if k <= 0:
+            return Draft([])
+        ahead = self._ahead
+        if self.greedy and len(ahead) >= len(context) + k and ahead[: len(context)] == context:
+            return Draft(ahead[len(context): len(context) + k])  # drafted last time, not yet used
+        text = self.pair.text(context)
+        if text is None:
+            return Draft([])
+        own = self.pair.drafter_ids(text)
+        return self._greedy(context, own, k) if self.greedy else self._sampled(own, k)
+
+    def _greedy(self, context: list[int], own: list[int], k: int) -> Draft:
+        """Drafter tokens until their text holds k target tokens that no further text can change (or the
+        drafter stops); all safe tokens are kept for the next call."""
+        tokens: list[int] = []
+        usage: dict[str, Usage] = {}
+        safe: list[int] = []
+        while len(tokens) < 2 * k + 4:  # drafter tokens are often shorter than the target's
+            want = max(1, k - len(safe))
+            draft = self.drafter.propose(own + tokens, want)
+            tokens += draft.tokens
+            for name, used in draft.usage.items():
+                usage[name] = usage.get(name, Usage()) + used
+            text, end, ended = self.pair.draft_text(tokens)
+            safe = self.pair.safe_target_ids(text, ended) + ([end] if end is not None else [])
+            if ended or len(safe) >= k or len(draft.tokens) < want:
+                break
+        self._ahead = context + safe
+        return Draft(safe[:k], None, usage)
+
+    def _sampled(self, own: list[int], k: int) -> Draft:
+        """k shared tokens sampled from the drafter's renormalised distribution, as target ids with q on the
+        target's ids [n, target width]."""
+        draft = self.drafter.propose(own, k)
+        if not draft.tokens:
+            return draft
+        return Draft([int(self.pair.to_target[t]) for t in draft.tokens], self.pair.on_target(draft.probs, self.width),
+                     draft.usage)
+
+    def distribution(self, context: list[int]) -> tuple[torch.Tensor, float] | None:
+        """What a sampled draft's first token after `context` is drawn from, on the target's ids [target width],
+        and the drafter's own probability outside the shared tokens (what the restriction costs); None where
+        it cannot draft."""
+        text = self.pair.text(context)
+        if text is None:
+            return None
+        logits = self.drafter.score(self.pair.drafter_ids(text), [])[0]
+        shared = self.pair.shared.to(logits.device)
+        outside = 1 - float(logits_to_probs(logits, self.drafter.sampling)[shared].sum())
+        q = logits_to_probs(logits.masked_fill(~shared, float("-inf")), self.drafter.sampling)
+        return self.pair.on_target(q[None], self.width)[0], outside
+
+    def observe(self, n_accepted: int) -> None:
+        """Nothing to learn: the next proposal re-tokenizes the context itself."""
+
+    def tokens_per_target_token(self, ids: list[int]) -> float:
+        """How many of its own tokens the drafter spends on one target token of the text of `ids` (at least 1):
+        what a drafted target token costs in drafter forwards."""
+        text = self.pair.text(ids)
+        return max(1.0, len(self.pair.drafter_ids(text)) / len(ids)) if text else 1.0
+
+
+def model_drafter(model: CausalLM, target: CausalLM, sampling: SamplingConfig, generator: torch.Generator | None,
+                  keep_probs: bool = False, draft_confidence: float = 0.0) -> Any:
+    """What drafts for `target` with `model`: a ModelDrafter when their ids mean the same tokens (with its rows
+    fitted to the target's logits width where the two differ), else a CrossVocabDrafter."""
+    if not same_vocabulary(target, model):
+        return CrossVocabDrafter(model, target, sampling, generator, draft_confidence)
+    if model.vocab_size == target.vocab_size:
+        return ModelDrafter(model, sampling, generator, keep_probs, draft_confidence)
+    allowed = torch.arange(model.vocab_size) < target.vocab_size  # the drafter's padded rows the target lacks
+    return ModelDrafter(model, sampling, generator, keep_probs, draft_confidence, allowed, target.vocab_size)

@@ -1,0 +1,193 @@
+"""Two vocabularies side by side: the bytes every token spells, the tokens both share, and text turned into the
+target's tokens at safe boundaries. The ground of drafting with another tokenizer (Timor et al. 2025,
+"Accelerating LLM Inference with Lossless Speculative Decoding Algorithms for Heterogeneous Vocabularies":
+string-level exact match, Algorithm 2, and token-level intersection, Algorithm 4).
+
+Tokens are compared as bytes, so byte-level BPE (GPT-2, Llama 3, Qwen, SmolLM), SentencePiece pieces (`▁`,
+`<0xNN>`) and plain token strings line up with each other. Special tokens are compared by their content, and
+only with special tokens. A logits row may be wider than its tokenizer (Qwen pads 151,665 tokens to 151,936
+rows; GGUF conversions name the extra rows `[PAD<id>]`): such ids spell nothing, are never shared and are
+never drafted.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from dataclasses import dataclass
+from functools import cache, lru_cache
+from typing import Any
+from weakref import WeakKeyDictionary
+
+import torch
+
+
+@cache
+def byte_of_char() -> dict[str, int]:
+    """GPT-2's byte-level alphabet, inverted: the character that stands for each byte -> the byte."""
+    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
+    others = [b for b in range(256) if b not in printable]
+    return {chr(b): b for b in printable} | {chr(256 + i): b for i, b in enumerate(others)}
+
+
+def _decoders(tokenizer: Any) -> set[str]:
+    """The types of a fast tokenizer's decoders (ByteLevel, ByteFallback, Metaspace, ...)."""
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    decoder = json.loads(backend.to_str()).get("decoder") if backend is not None else None
+    if not decoder:
+        return set()
+    return {d.get("type") for d in (decoder.get("decoders", []) if decoder.get("type") == "Sequence" else [decoder])}
+
+
+_PIECE_BYTE = re.compile(r"<0x([0-9A-Fa-f]{2})>")
+
+
+def token_bytes(tokenizer: Any, width: int) -> tuple[list[bytes | None], frozenset[int]]:
+    """(what each of `width` ids spells, the ids of special tokens). Ids past the tokenizer (padded rows) and
+    `[PAD<id>]` placeholders spell None."""
+    kinds = _decoders(tokenizer)
+    byte_of = byte_of_char()
+    added = {i: t for i, t in tokenizer.added_tokens_decoder.items() if i < width}
+    spelled: list[bytes | None] = [None] * width
+    for token, i in tokenizer.get_vocab().items():
+        if i >= width or i in added or token == f"[PAD{i}]":
+            continue
+        if "ByteLevel" in kinds and all(c in byte_of for c in token):
+            spelled[i] = bytes(byte_of[c] for c in token)
+        elif "ByteFallback" in kinds and (byte := _PIECE_BYTE.fullmatch(token)):
+            spelled[i] = bytes([int(byte.group(1), 16)])
+        elif "Metaspace" in kinds or ("Replace" in kinds and "ByteFallback" in kinds):
+            spelled[i] = token.replace("▁", " ").encode()
+        else:
+            spelled[i] = token.encode()
+    for i, token in added.items():
+        spelled[i] = token.content.encode()
+    return spelled, frozenset(i for i, t in added.items() if t.special)
+
+
+def incomplete_tail(data: bytes) -> int:
+    """How many trailing bytes of `data` begin a UTF-8 character that is not complete yet (0 to 3)."""
+    for back in range(1, min(4, len(data)) + 1):
+        byte = data[-back]
+        if byte & 0xC0 != 0x80:  # a lead byte (or ASCII): how long is its character?
+            need = 1 if byte < 0x80 else 2 if byte >> 5 == 0b110 else 3 if byte >> 4 == 0b1110 else \
+                4 if byte >> 3 == 0b11110 else 1
+            return back if need > back else 0
+    return 0
+
+
+@dataclass
+class VocabPair:
+    """A target's and a drafter's vocabularies: what each id spells, and `to_target` [drafter width], the target id
+    spelling the same bytes (special tokens: the same content), -1 where the target has none."""
+
+    target: Any  # the target's tokenizer
+    drafter: Any  # the drafter's tokenizer
+    target_bytes: list[bytes | None]
+    drafter_bytes: list[bytes | None]
+    drafter_specials: frozenset[int]
+    to_target: torch.Tensor  # [drafter width] long
+
+    @property
+    def shared(self) -> torch.Tensor:
+        """[drafter width] bool: the drafter ids the target has too (the intersection of the vocabularies)."""
+        return self.to_target >= 0
+
+    @property
+    def spelled(self) -> torch.Tensor:
+        """[drafter width] bool: the drafter ids that spell something (not padding)."""
+        return torch.tensor([b is not None for b in self.drafter_bytes])
+
+    def on_target(self, q: torch.Tensor, width: int) -> torch.Tensor:
+        """Drafter distributions [n, drafter width] that are zero outside the shared tokens, on the target's ids
+        [n, width]."""
+        to_target = self.to_target.to(q.device)
+        columns = torch.nonzero(to_target >= 0)[:, 0]
+        mapped = torch.zeros(q.shape[0], width, dtype=q.dtype, device=q.device)
+        mapped[:, to_target[columns]] = q[:, columns]
+        return mapped
+
+    def text(self, target_ids: list[int]) -> str | None:
+        """The text the target's ids spell, or None when one spells nothing or the last character is cut."""
+        parts = [self.target_bytes[i] if 0 <= i < len(self.target_bytes) else None for i in target_ids]
+        if any(p is None for p in parts):
+            return None
+        data = b"".join(parts)
+        return None if incomplete_tail(data) else data.decode("utf-8", errors="replace")
+
+    def drafter_ids(self, text: str) -> list[int]:
+        """The drafter's own tokens for `text`."""
+        return self.drafter.encode(text, add_special_tokens=False)
+
+    def draft_text(self, drafter_ids: list[int]) -> tuple[str, int | None, bool]:
+        """What a draft of drafter ids says: (its text up to the last whole character and before any special or
+        unspelled token; the target id of a special token that ended it, if the target has one; whether the draft
+        ended there)."""
+        data, end, ended = bytearray(), None, False
+        for i in drafter_ids:
+            spelled = self.drafter_bytes[i]
+            if spelled is None or i in self.drafter_specials:
+                ended = True
+                end = int(self.to_target[i]) if spelled is not None and self.to_target[i] >= 0 else None
+                break
+            data += spelled
+        cut = incomplete_tail(bytes(data))
+        text = bytes(data[: len(data) - cut]).decode("utf-8", errors="replace")
+        return (text, None, False) if cut else (text, end, ended)
+
+    def safe_target_ids(self, text: str, ended: bool) -> list[int]:
+        """The target's tokens for `text` that more text is unlikely to change: all of them when the text ended,
+        else all but the last pre-token's (words, numbers, runs of spaces: the pieces a BPE tokenizes one by one;
+        a word may go on and merge into other tokens), at most its last three (a pre-token can be a whole clause
+        of Chinese); without a pre-tokenizer, all but the last token."""
+        if not text:
+            return []
+        backend = getattr(self.target, "backend_tokenizer", None)  # a fast tokenizer's
+        pre = backend.pre_tokenizer if backend is not None else None
+        if ended or pre is None:
+            ids = self.target.encode(text, add_special_tokens=False)
+            return ids if ended else ids[:-1]
+        encoded = self.target(text, add_special_tokens=False, return_offsets_mapping=True)
+        ids = encoded["input_ids"]
+        pieces = pre.pre_tokenize_str(text)
+        last = pieces[-1][1][0] if pieces else 0
+        before = sum(end <= last for _, end in encoded["offset_mapping"])
+        return ids[: max(before, len(ids) - 3)]
+
+
+def build_pair(target: Any, drafter: Any, target_width: int, drafter_width: int) -> VocabPair:
+    target_bytes, target_specials = token_bytes(target, target_width)
+    drafter_bytes, drafter_specials = token_bytes(drafter, drafter_width)
+    index: dict[tuple[bool, bytes], int] = {}
+    for i, spelled in enumerate(target_bytes):
+        if spelled is not None:
+            index.setdefault((i in target_specials, spelled), i)
+    to_target = torch.tensor([index.get((i in drafter_specials, b), -1) if b is not None else -1
+                              for i, b in enumerate(drafter_bytes)], dtype=torch.long)
+    return VocabPair(target, drafter, target_bytes, drafter_bytes, drafter_specials, to_target)
+
+
+_pairs: WeakKeyDictionary = WeakKeyDictionary()  # target tokenizer -> {(drafter tokenizer id, widths): VocabPair}
+
+
+def vocab_pair(target: Any, drafter: Any) -> VocabPair:
+    """The VocabPair of two models (their tokenizers and logits widths), built once per pair (seconds for
+    150k-token vocabularies)."""
+    pairs = _pairs.setdefault(target.tokenizer, {})
+    key = (id(drafter.tokenizer), target.vocab_size, drafter.vocab_size)  # the pair holds the tokenizer: ids stay
+    if key not in pairs:
+        pairs[key] = build_pair(target.tokenizer, drafter.tokenizer, target.vocab_size, drafter.vocab_size)
+    return pairs[key]
+
+
+def same_vocabulary(target: Any, drafter: Any) -> bool:
+    """Whether two models' ids mean the same tokens: the same tokenizer vocabulary, or (without tokenizers) the
+    same logits width."""
+    if target.tokenizer is None or drafter.tokenizer is None:
+        return target.vocab_size == drafter.vocab_size
+    return _same_tokens(target.tokenizer, drafter.tokenizer)
+
+
+@lru_cache(maxsize=32)
+def _same_tokens(a: Any, b: Any) -> bool:
+    return a is b or a.get_vocab() == b.get_vocab()

@@ -1,0 +1,272 @@
+"""Drafters with another tokenizer: the vocabularies side by side, string-level greedy drafts, exact sampling on the
+shared tokens, padded logits rows."""
+
+import random
+
+import pytest
+import torch
+
+from helpers import ARCHS, MORE_ARCHS, bpe_tokenizer, byte_tokenizer, piece_tokenizer, tiny_model
+from speculant import generate
+from speculant.config import SamplingConfig
+from speculant.decoding.dsi.twin import OracleLM
+from speculant.drafters.cross_vocab import CrossVocabDrafter, model_drafter
+from speculant.drafters.model import ModelDrafter
+from speculant.drafters.vocab import byte_of_char, build_pair, incomplete_tail, token_bytes
+from speculant.errors import ConfigError
+from speculant.sampling import logits_to_probs
+from test_sampling import TEMPERATURE, VOCAB, assert_follows_target, exact_marginals
+
+WORDS = ["def", "return", "value", "quick", "sort", "élan", "naïve", "中文", "递归", "🐍", "x", "(", ")", ":", "\n"]
+
+
+def corpus(seed: int, extra: tuple[str, ...] = (), lines: int = 300) -> list[str]:
+    rng = random.Random(seed)
+    words = WORDS + list(extra)
+    return [" ".join(rng.choice(words) for _ in range(rng.randrange(3, 12))) for _ in range(lines)]
+
+
+@pytest.fixture(scope="module")
+def tokenizers():
+    """Two byte-level BPE vocabularies that share the bytes, some merges and the end token, not the rest."""
+    return (bpe_tokenizer(corpus(0, ("alphabet", "sorted", "mañana")), 330),
+            bpe_tokenizer(corpus(1, ("betamax", "quicksort", "über", "中间")), 300))
+
+
+def test_tokens_spell_their_bytes_and_padded_rows_spell_nothing(tokenizers):
+    target, _ = tokenizers
+    spelled, specials = token_bytes(target, len(target) + 5)
+    text = "naïve 中文 🐍 return"
+    ids = target.encode(text)
+    assert b"".join(spelled[i] for i in ids) == text.encode()
+    assert spelled[-5:] == [None] * 5  # rows past the tokenizer
+    assert specials == {target.eos_token_id} and spelled[target.eos_token_id] == b"<|end|>"
+    pieces = piece_tokenizer(["a", "é", "[PAD2]"])
+    assert token_bytes(pieces, 3)[0] == [b"a", "é".encode(), None]  # a GGUF conversion's padding placeholder
+
+
+def test_incomplete_tail_finds_a_cut_character():
+    data = "a中🐍".encode()
+    assert incomplete_tail(data) == 0 and incomplete_tail(b"") == 0
+    assert [incomplete_tail(data[:-i]) for i in (1, 2, 3)] == [3, 2, 1]
+    assert incomplete_tail("中".encode()[:2]) == 2 and incomplete_tail(b"\x80") == 0  # a stray byte is no start
+
+
+def test_shared_tokens_map_by_bytes_and_specials_by_content(tokenizers):
+    target, drafter = tokenizers
+    pair = build_pair(target, drafter, len(target) + 3, len(drafter) + 2)
+    to_target = pair.to_target.tolist()
+    assert len(to_target) == len(drafter) + 2 and to_target[-2:] == [-1, -1]  # padded rows are never shared
+    assert to_target[drafter.eos_token_id] == target.eos_token_id
+    shared = [i for i, t in enumerate(to_target) if t >= 0]
+    assert 256 < len(shared) < len(drafter)  # every byte and some merges, not all
+    for i in shared:
+        assert pair.target_bytes[to_target[i]] == pair.drafter_bytes[i]
+    assert pair.text(target.encode("naïve 中文")) == "naïve 中文"
+    assert pair.text(target.encode("中")[:1] if len(target.encode("中")) > 1 else [len(target) + 1]) is None
+
+
+def test_safe_boundaries_keep_what_more_text_cannot_change():
+    tokenizer = bpe_tokenizer(corpus(2), 400)
+    pair = build_pair(tokenizer, tokenizer, len(tokenizer), len(tokenizer))
+    for text, safe_text in [("def quick sort(x):\n    return x", "def quick sort(x):\n    return"),
+                            ("return valu", "return"), ("x = 递归递归递归递归递归", None)]:
+        whole = tokenizer.encode(text)
+        safe = pair.safe_target_ids(text, ended=False)
+        assert safe == whole[: len(safe)]
+        if safe_text is not None:  # the last word may go on: all its tokens wait
+            assert tokenizer.decode(safe) == safe_text
+        else:  # a long last pre-token (a clause of Chinese): all but its last three tokens
+            assert len(safe) == len(whole) - 3 and len(safe) > 2
+        assert pair.safe_target_ids(text, ended=True) == whole
+
+
+def test_draft_text_stops_before_a_cut_character_and_at_a_special_token(tokenizers):
+    target, drafter = tokenizers
+    pair = build_pair(target, drafter, len(target), len(drafter))
+    char_of = {b: c for c, b in byte_of_char().items()}
+    cut = drafter.convert_tokens_to_ids([char_of[b] for b in "中".encode()[:2]])
+    assert pair.draft_text(drafter.encode("return ") + cut) == ("return ", None, False)
+    assert pair.draft_text(drafter.encode("x") + [drafter.eos_token_id, *drafter.encode("y")]) == \
+        ("x", target.eos_token_id, True)
+    padded = build_pair(target, drafter, len(target), len(drafter) + 2)
+    assert padded.draft_text(drafter.encode("x") + [len(drafter)]) == ("x", None, True)
+
+
+def greedy_pair(arch: str, seed: int, tokenizers):
+    target_tokenizer, drafter_tokenizer = tokenizers
+    target = tiny_model(arch, seed, len(target_tokenizer), init_std=0.3, tokenizer=target_tokenizer)
+    drafter = tiny_model(ARCHS[seed % 2], seed + 100, len(drafter_tokenizer), init_std=0.3, tokenizer=drafter_tokenizer)
+    return target, drafter
+
+
+PROMPTS = ["def quick", "naïve élan 中", "递归 🐍 return value"]
+
+
+@pytest.mark.parametrize("arch", ARCHS + MORE_ARCHS)
+def test_greedy_drafts_across_vocabularies_match_autoregressive(arch, tokenizers):
+    for seed in range(3):
+        target, drafter = greedy_pair(arch, seed, tokenizers)
+        for prompt in PROMPTS:
+            ar = generate(target, prompt, method="ar", max_new_tokens=20)
+            for k in (1, 3, 5):
+                sd = generate(target, prompt, drafter=drafter, k=k, max_new_tokens=20)
+                assert sd.token_ids == ar.token_ids, (arch, seed, prompt, k)
+
+
+class TextOracle(OracleLM):
+    """A drafter that knows the text to come: its next token is its longest token continuing `reference` after
+    what its context spells."""
+
+    def __init__(self, tokenizer, reference: str):
+        super().__init__(len(tokenizer))
+        self.name, self.tokenizer, self.reference = "text-oracle", tokenizer, reference.encode()
+        self.spelled = token_bytes(tokenizer, len(tokenizer))[0]
+
+    def next_token(self, prefix):
+        done = b"".join(self.spelled[i] or b"?" for i in prefix)
+        rest = self.reference[len(done):] if self.reference.startswith(done) else b""
+        return max((i for i, b in enumerate(self.spelled) if b and rest.startswith(b)),
+                   key=lambda i: len(self.spelled[i]), default=0)
+
+
+CHARS = ["a", "b", " ", "é", "中", "🐍", "(", ")", "\n", "x"]
+
+
+@pytest.fixture(scope="module")
+def char_target():
+    """A target whose every output is whole characters (one token each), two of them multi-byte: its greedy text
+    is the oracle's reference; the drafter's byte-level tokens split those characters."""
+    return tiny_model("llama", 5, len(CHARS), init_std=0.6, tokenizer=piece_tokenizer(CHARS))
+
+
+@pytest.mark.parametrize("method, options", [("sd", {"k": 4}), ("sd", {"k": 1}), ("cascade", {}), ("auto", {}),
+                                              ("dsi", {"servers": 2, "lookahead": 3})])
+def test_a_drafter_that_knows_the_text_is_accepted_across_vocabularies(char_target, method, options):
+    drafter_tokenizer = bpe_tokenizer(["".join(random.Random(i).choices(CHARS, k=40)) for i in range(200)], 300,
+                                      eos=None)
+    prompt = "ab 中("
+    ar = generate(char_target, prompt, method="ar", max_new_tokens=40)
+    oracle = TextOracle(drafter_tokenizer, prompt + ar.text)
+    assert len(drafter_tokenizer.encode(prompt + ar.text)) != len(char_target.tokenizer.encode(prompt + ar.text))
+    if method == "cascade":
+        options = {"drafters": [oracle, "maxgram"]}
+    elif method == "auto":
+        options = {"drafters": [oracle], "tree_widths": ()}
+    else:
+        options = {**options, "drafter": oracle}
+    out = generate(char_target, prompt, method=method, max_new_tokens=40, **options)
+    assert out.token_ids == ar.token_ids
+    if method != "dsi":  # (the cascade's Max-Gram tail is often wrong)
+        assert out.stats.acceptance_rate > 0.6 and out.stats.target_forwards <= 22, out.stats
+
+
+def test_greedy_drafts_are_reused_until_spent(char_target):
+    drafter_tokenizer = bpe_tokenizer(["".join(random.Random(i).choices(CHARS, k=40)) for i in range(200)], 300,
+                                      eos=None)
+    prompt = "ab 中("
+    ar = generate(char_target, prompt, method="ar", max_new_tokens=30)
+    oracle = TextOracle(drafter_tokenizer, prompt + ar.text)
+    drafter = CrossVocabDrafter(oracle, char_target, SamplingConfig(), None)
+    context = char_target.tokenizer.encode(prompt)
+    first = drafter.propose(context, 6)
+    assert first.tokens == ar.token_ids[:6] and first.usage["text-oracle"].forwards > 0
+    again = drafter.propose(context + ar.token_ids[:2], 1)  # within what was drafted: no forward
+    assert again.tokens == ar.token_ids[2:3] and not again.usage
+
+
+# Sampling: a 12-row target over 10 pieces (2 padded rows) and a drafter over other pieces; they share 6.
+TARGET_PIECES = ["a", "b", "c", "d", " ", "ab", "cd", "é", "ba", "dd"]
+DRAFTER_PIECES = ["a", "b", "c", "d", " ", "é", "bc", "a ", "bcd"]
+
+
+def sampling_cross_pair(seed: int = 21):
+    target = tiny_model("llama", seed, VOCAB, init_std=0.5,
+                        tokenizer=piece_tokenizer(TARGET_PIECES, [("a", "b"), ("c", "d"), ("b", "a"), ("d", "d")]))
+    drafter = tiny_model("qwen2", seed + 1, len(DRAFTER_PIECES) + 1, init_std=0.5,
+                         tokenizer=piece_tokenizer(DRAFTER_PIECES, [("b", "c"), ("a", " "), ("bc", "d")]))
+    return target, drafter, target.tokenizer.encode("ab cd é")
+
+
+def test_sampled_drafts_use_shared_tokens_with_q_on_the_targets_ids():
+    target, drafter, prompt = sampling_cross_pair()
+    sampling = SamplingConfig(TEMPERATURE)
+    cross = model_drafter(drafter, target, sampling, torch.Generator().manual_seed(0))
+    assert isinstance(cross, CrossVocabDrafter)
+    shared = {i for i, piece in enumerate(TARGET_PIECES) if piece in DRAFTER_PIECES}
+    for _ in range(20):
+        draft = cross.propose(prompt, 3)
+        assert len(draft.tokens) == 3 and set(draft.tokens) <= shared
+        assert draft.probs.shape == (3, VOCAB)  # the target's row width, padded rows included
+        assert torch.allclose(draft.probs.sum(-1), torch.ones(3))
+        assert float(draft.probs[:, sorted(set(range(VOCAB)) - shared)].sum()) == 0
+    q = logits_to_probs(drafter.prefill(drafter.tokenizer.encode("ab cd é")), sampling)
+    off = [i for i, piece in enumerate(DRAFTER_PIECES) if piece not in TARGET_PIECES] + [len(DRAFTER_PIECES)]
+    outside = float(q[off].sum())
+    first = cross.propose(prompt, 1).probs[0]
+    for i, piece in enumerate(DRAFTER_PIECES):  # renormalised over the shared tokens
+        if piece in TARGET_PIECES:
+            assert float(first[TARGET_PIECES.index(piece)]) == pytest.approx(float(q[i]) / (1 - outside), rel=1e-4)
+
+
+def test_sampling_across_vocabularies_follows_the_target_distribution():
+    target, drafter, prompt = sampling_cross_pair()
+    q_mapped = torch.zeros(VOCAB)
+    q = logits_to_probs(drafter.prefill(drafter.tokenizer.encode("ab cd é")), SamplingConfig(TEMPERATURE))
+    for i, piece in enumerate(DRAFTER_PIECES):
+        if piece in TARGET_PIECES:
+            q_mapped[TARGET_PIECES.index(piece)] = q[i]
+    assert 0.5 * float((exact_marginals(target, prompt, n=1)[0] - q_mapped / q_mapped.sum()).abs().sum()) > 0.2
+    accepted = [generate(target, prompt_ids=prompt, drafter=drafter, k=3, max_new_tokens=6, temperature=TEMPERATURE,
+                         seed=seed).stats for seed in range(30)]
+    assert sum(sum(s.accepted_lengths) for s in accepted) >= 5  # the shared-token drafts do get accepted
+    assert_follows_target(target, prompt, drafter=drafter, k=3)
+
+
+def test_padded_target_rows_give_empty_drafts_not_errors():
+    target, drafter, prompt = sampling_cross_pair()
+    cross = model_drafter(drafter, target, SamplingConfig(), None)
+    assert cross.propose(prompt + [VOCAB - 1], 3).tokens == []  # the context holds a padded row: no text to draft on
+    assert cross.propose(prompt, 3).tokens  # and without it drafts go on
+
+
+def test_a_drafter_with_the_same_tokenizer_and_fewer_rows_is_padded_to_the_target(tokenizers):
+    tokenizer = tokenizers[0]
+    target = tiny_model("llama", 3, len(tokenizer) + 7, init_std=0.5, tokenizer=tokenizer)
+    drafter = tiny_model("qwen2", 4, len(tokenizer) + 2, init_std=0.5, tokenizer=tokenizer)
+    made = model_drafter(drafter, target, SamplingConfig(TEMPERATURE), torch.Generator().manual_seed(0))
+    assert isinstance(made, ModelDrafter)
+    draft = made.propose(tokenizer.encode("def quick"), 3)
+    assert draft.probs.shape == (3, len(tokenizer) + 7) and float(draft.probs[:, -5:].sum()) == 0
+    wider = model_drafter(target, drafter, SamplingConfig(TEMPERATURE), torch.Generator().manual_seed(0))
+    draft = wider.propose(tokenizer.encode("def quick"), 4)  # rows the narrower target lacks are never drafted
+    assert max(draft.tokens) < len(tokenizer) + 2 and draft.probs.shape[-1] == len(tokenizer) + 2
+    for prompt in PROMPTS:
+        ar = generate(target, prompt, method="ar", max_new_tokens=12)
+        assert generate(target, prompt, drafter=drafter, k=3, max_new_tokens=12).token_ids == ar.token_ids
+
+
+def test_tree_refuses_a_drafter_with_another_vocabulary(tokenizers):
+    target, drafter = greedy_pair("llama", 0, tokenizers)
+    with pytest.raises(ConfigError, match="another"):
+        generate(target, "def", method="tree", drafter=drafter, max_new_tokens=4)
+
+
+def test_a_byte_tokenizer_and_a_bpe_tokenizer_share_every_byte(tokenizers):
+    pair = build_pair(tokenizers[0], byte_tokenizer(), len(tokenizers[0]), 257)
+    assert (pair.to_target[:256] >= 0).all() and int(pair.to_target[256]) == -1  # <eos> is not <|end|>
+
+
+def test_acceptance_estimates_for_a_drafter_of_another_vocabulary(char_target):
+    from speculant.analysis.acceptance import estimate
+
+    drafter_tokenizer = bpe_tokenizer(["".join(random.Random(i).choices(CHARS, k=40)) for i in range(200)], 300,
+                                      eos=None)
+    prompt = char_target.tokenizer.encode("ab 中(")
+    ar = generate(char_target, prompt_ids=prompt, method="ar", max_new_tokens=20)
+    oracle = TextOracle(drafter_tokenizer, "ab 中(" + "".join(CHARS[i] for i in ar.token_ids))
+    (report,) = estimate(char_target, [oracle], [prompt], 20, SamplingConfig())
+    assert report.agreement > 0.9 and report.outside_mass is None
+    target, drafter, prompt = sampling_cross_pair()
+    (report,) = estimate(target, [drafter], [prompt], 6, SamplingConfig(TEMPERATURE))
+    assert 0 < report.expected_sampling_acceptance < 1 and 0 < report.outside_mass < 1
