@@ -161,6 +161,32 @@ def test_a_drafter_that_knows_the_text_is_accepted_across_vocabularies(char_targ
         assert out.stats.acceptance_rate > 0.6 and out.stats.target_forwards <= 22, out.stats
 
 
+class CanonicalOracle(OracleLM):
+    """A drafter that knows the text to come only as its own tokenizer splits it: after any other split of the
+    same text it is lost (its next token is 0)."""
+
+    def __init__(self, tokenizer, reference: str):
+        super().__init__(len(tokenizer))
+        self.name, self.tokenizer, self.reference = "canonical-oracle", tokenizer, tokenizer.encode(reference)
+
+    def next_token(self, prefix):
+        n = len(prefix)
+        return self.reference[n] if list(prefix) == self.reference[:n] and n < len(self.reference) else 0
+
+
+def test_token_healing_drafts_from_where_the_drafter_would_split(char_target):
+    """The target's one-character tokens end the context inside the drafter's multi-character tokens: the drafter
+    drafts from its context without its last token, first a token that starts with that token's text."""
+    prompt = "ab 中("
+    ar = generate(char_target, prompt, method="ar", max_new_tokens=40)
+    reference = prompt + "".join(CHARS[i] for i in ar.token_ids)
+    drafter_tokenizer = bpe_tokenizer([reference] * 20, 400, eos=None)  # long tokens: pieces of the reference
+    assert len(drafter_tokenizer.encode(reference)) < len(reference) / 2
+    out = generate(char_target, prompt, drafter=CanonicalOracle(drafter_tokenizer, reference), k=4, max_new_tokens=40)
+    assert out.token_ids == ar.token_ids
+    assert out.stats.target_forwards <= 16, out.stats  # 20 without healing, 40 for ar
+
+
 def test_greedy_drafts_are_reused_until_spent(char_target):
     drafter_tokenizer = bpe_tokenizer(["".join(random.Random(i).choices(CHARS, k=40)) for i in range(200)], 300,
                                       eos=None)

@@ -3,7 +3,10 @@ Speculative Decoding Algorithms for Heterogeneous Vocabularies"), and `model_dra
 draft for a target: a ModelDrafter when their ids mean the same tokens, else a CrossVocabDrafter.
 
 Greedy drafts are exchanged as text (string-level exact match, Algorithm 2): the committed target tokens are
-spelled out and re-tokenized by the drafter, the drafter's greedy continuation is spelled out and re-tokenized
+spelled out and re-tokenized by the drafter, which first heals its last token (where the target's tokens end
+inside a word, the drafter's split of the context ends where its own drafts would not: it drafts from the context
+without that token, choosing among the tokens that start with its text; on HumanEval this raised SmolLM2-135M's
+agreement with the 1.5B from 62.6% to 71.7%). The drafter's greedy continuation is spelled out and re-tokenized
 by the target, cut before its last pre-token (a word the target might merge with what follows) and before any
 cut multi-byte character. The target verifies those tokens as any draft; what it accepts reaches the drafter as
 text again, so the drafter's cache keeps every token it still shares with the new text.
@@ -57,24 +60,34 @@ class CrossVocabDrafter:
         own = self.pair.drafter_ids(text)
         return self._greedy(context, own, k) if self.greedy else self._sampled(own, k)
 
+    def _heal(self, own: list[int]) -> tuple[list[int], list[int], int]:
+        """Token healing: the context without its last drafter token, and the drafter's best token that starts
+        with that token's bytes (its tokenization of the context may end where its own drafts would not)."""
+        last = own[-1]
+        if len(own) < 2 or last in self.pair.drafter_specials:
+            return own, [], 0
+        spelled = self.pair.drafter_bytes[last]
+        candidates = self.pair.starting_with(spelled)
+        logits = self.drafter.score(own[:-1], [])[0]
+        best = candidates[int(logits[candidates].argmax())]
+        return own[:-1], [best], len(spelled)
+
     def _greedy(self, context: list[int], own: list[int], k: int) -> Draft:
         """Drafter tokens until their text holds k target tokens that no further text can change (or the
         drafter stops); all safe tokens are kept for the next call."""
-        tokens: list[int] = []
-        usage: dict[str, Usage] = {}
+        before = self.drafter.model.usage
+        own, tokens, skip = self._heal(own)
         safe: list[int] = []
         while len(tokens) < 2 * k + 4:  # drafter tokens are often shorter than the target's
             want = max(1, k - len(safe))
             draft = self.drafter.propose(own + tokens, want)
             tokens += draft.tokens
-            for name, used in draft.usage.items():
-                usage[name] = usage.get(name, Usage()) + used
-            text, end, ended = self.pair.draft_text(tokens)
+            text, end, ended = self.pair.draft_text(tokens, skip)
             safe = self.pair.safe_target_ids(text, ended) + ([end] if end is not None else [])
             if ended or len(safe) >= k or len(draft.tokens) < want:
                 break
         self._ahead = context + safe
-        return Draft(safe[:k], None, usage)
+        return Draft(safe[:k], None, {self.name: self.drafter.model.usage - before})
 
     def _sampled(self, own: list[int], k: int) -> Draft:
         """k shared tokens sampled from the drafter's renormalised distribution, as target ids with q on the

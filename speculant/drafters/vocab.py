@@ -12,6 +12,7 @@ never drafted.
 
 from __future__ import annotations
 
+import bisect
 import json
 import re
 from dataclasses import dataclass
@@ -87,6 +88,7 @@ class VocabPair:
     drafter_bytes: list[bytes | None]
     drafter_specials: frozenset[int]
     to_target: torch.Tensor  # [drafter width] long
+    _sorted: tuple[list[bytes], list[int]] | None = None  # the drafter's tokens in byte order, for prefix search
 
     @property
     def shared(self) -> torch.Tensor:
@@ -119,7 +121,20 @@ class VocabPair:
         """The drafter's own tokens for `text`."""
         return self.drafter.encode(text, add_special_tokens=False)
 
-    def draft_text(self, drafter_ids: list[int]) -> tuple[str, int | None, bool]:
+    def starting_with(self, prefix: bytes) -> torch.Tensor:
+        """The drafter ids whose bytes start with `prefix` (special tokens aside)."""
+        if self._sorted is None:
+            order = sorted((b, i) for i, b in enumerate(self.drafter_bytes)
+                           if b is not None and i not in self.drafter_specials)
+            self._sorted = ([b for b, _ in order], [i for _, i in order])
+        spelled, ids = self._sorted
+        start = bisect.bisect_left(spelled, prefix)
+        end = start
+        while end < len(spelled) and spelled[end].startswith(prefix):
+            end += 1
+        return torch.tensor(ids[start:end])
+
+    def draft_text(self, drafter_ids: list[int], skip: int = 0) -> tuple[str, int | None, bool]:
         """What a draft of drafter ids says: (its text up to the last whole character and before any special or
         unspelled token; the target id of a special token that ended it, if the target has one; whether the draft
         ended there)."""
@@ -131,6 +146,7 @@ class VocabPair:
                 end = int(self.to_target[i]) if spelled is not None and self.to_target[i] >= 0 else None
                 break
             data += spelled
+        data = data[skip:]
         cut = incomplete_tail(bytes(data))
         text = bytes(data[: len(data) - cut]).decode("utf-8", errors="replace")
         return (text, None, False) if cut else (text, end, ended)
