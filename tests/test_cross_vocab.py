@@ -6,7 +6,7 @@ import random
 import pytest
 import torch
 
-from helpers import ARCHS, MORE_ARCHS, bpe_tokenizer, byte_tokenizer, piece_tokenizer, tiny_model
+from helpers import ARCHS, MORE_ARCHS, bpe_tokenizer, byte_tokenizer, piece_tokenizer, tiny_model, tiny_transformer
 from speculant import generate
 from speculant.config import SamplingConfig
 from speculant.decoding.dsi.twin import OracleLM
@@ -14,6 +14,7 @@ from speculant.drafters.cross_vocab import CrossVocabDrafter, model_drafter
 from speculant.drafters.model import ModelDrafter
 from speculant.drafters.vocab import byte_of_char, build_pair, incomplete_tail, token_bytes
 from speculant.errors import ConfigError
+from speculant.models import HFCausalLM
 from speculant.sampling import logits_to_probs
 from test_sampling import TEMPERATURE, VOCAB, assert_follows_target, exact_marginals
 
@@ -185,6 +186,18 @@ def test_token_healing_drafts_from_where_the_drafter_would_split(char_target):
     out = generate(char_target, prompt, drafter=CanonicalOracle(drafter_tokenizer, reference), k=4, max_new_tokens=40)
     assert out.token_ids == ar.token_ids
     assert out.stats.target_forwards <= 16, out.stats  # 20 without healing, 40 for ar
+
+
+def test_dsi_plans_its_lookahead_on_the_drafters_own_tokens(tokenizers, char_target):
+    """Without a lookahead DSI times one drafter forward on the prompt: in the drafter's tokens, not the target's
+    (whose ids here lie past the drafter's 10 rows)."""
+    model = tiny_transformer("llama", 7, len(tokenizers[0]), init_std=0.3, layers=8, hidden=256)  # slower than it
+    target = HFCausalLM(model, tokenizers[0], name="tiny-slow-target")
+    prompt = "ab 中( é"
+    assert max(target.tokenizer.encode(prompt)) >= len(CHARS)
+    ar = generate(target, prompt, method="ar", max_new_tokens=12)
+    assert generate(target, prompt, method="dsi", drafter=char_target, servers=1, max_new_tokens=12).token_ids == \
+        ar.token_ids
 
 
 def test_greedy_drafts_are_reused_until_spent(char_target):

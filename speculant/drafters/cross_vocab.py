@@ -114,11 +114,16 @@ class CrossVocabDrafter:
     def observe(self, n_accepted: int) -> None:
         """Nothing to learn: the next proposal re-tokenizes the context itself."""
 
+    def own_ids(self, context: list[int]) -> list[int]:
+        """The drafter's own tokens for the text of `context` (empty where it spells nothing): what to time or
+        prefill the drafter model on."""
+        text = self.pair.text(context)
+        return self.pair.drafter_ids(text) if text else []
+
     def tokens_per_target_token(self, ids: list[int]) -> float:
         """How many of its own tokens the drafter spends on one target token of the text of `ids` (at least 1):
         what a drafted target token costs in drafter forwards."""
-        text = self.pair.text(ids)
-        return max(1.0, len(self.pair.drafter_ids(text)) / len(ids)) if text else 1.0
+        return max(1.0, len(self.own_ids(ids)) / len(ids))
 
 
 def model_drafter(model: CausalLM, target: CausalLM, sampling: SamplingConfig, generator: torch.Generator | None,

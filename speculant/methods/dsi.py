@@ -103,7 +103,7 @@ def build(request: Request, options: DSIOptions) -> Any:
     from speculant.decoding.dsi.plan import measure_step, plan
     from speculant.decoding.dsi.twin import PaddedModel
     from speculant.drafters.base import Drafter
-    from speculant.drafters.cross_vocab import model_drafter
+    from speculant.drafters.cross_vocab import CrossVocabDrafter, model_drafter
     from speculant.drafters.spec import load_drafter
     from speculant.models import resolve_device
     from speculant.sampling import seeded
@@ -132,7 +132,9 @@ def build(request: Request, options: DSIOptions) -> Any:
         target_s, drafter_s = twin[0].step_s, costs[0]
     elif options.lookahead is None:
         target_s = measure_step(target, request.prompt_ids)
-        drafter_s = costs[0] if costs[0] is not None else measure_step(sources[0], request.prompt_ids)
+        first = drafters[0]  # timed on its own tokens of the prompt where its vocabulary is another
+        own = first.own_ids(request.prompt_ids) if isinstance(first, CrossVocabDrafter) else request.prompt_ids
+        drafter_s = costs[0] if costs[0] is not None else measure_step(sources[0], own) if own else target_s
     else:
         target_s = drafter_s = None
     lookahead = plan(options.servers, options.lookahead, target_s, drafter_s).lookahead
