@@ -343,9 +343,11 @@ def run_profile(args: argparse.Namespace) -> None:
     if widths is None:
         profiles = [machine_profile(m) for m in models]
     else:
-        profiles = [profile_model(m, [encode_prompt(m.tokenizer if m.tokenizer is not None else model.tokenizer,
-                                                    p.text, p.chat) for p in prompts],  # each in its own tokens
-                                  widths, args.context_len, repeats=args.repeats, dtype=m.numerics) for m in models]
+        profiles = []
+        for m in models:  # each on the prompts in its own tokens (a drafter's tokenizer may be another)
+            tokenizer = m.tokenizer if m.tokenizer is not None else model.tokenizer
+            ids = [encode_prompt(tokenizer, p.text, p.chat) for p in prompts]
+            profiles.append(profile_model(m, ids, widths, args.context_len, repeats=args.repeats, dtype=m.numerics))
     for profile, measured in zip(profiles, models):
         print(f"{profile.model} ({profile.dtype}, {getattr(measured, 'kernel', '')} kernel, {profile.device}): TTFT "
               f"{profile.ttft_s * 1000:.0f} ms, TPOT {profile.tpot_s * 1000:.1f} ms; T(W) at {profile.context_len} "

@@ -22,6 +22,7 @@ from transformers import (
 )
 
 from speculant.drafters.base import Draft
+from speculant.drafters.vocab import byte_of_char
 from speculant.models import HFCausalLM
 
 ARCHS = ("llama", "qwen2")
@@ -33,7 +34,7 @@ DEVICES = ("cpu", pytest.param("cuda", marks=pytest.mark.skipif(not torch.cuda.i
 
 def byte_tokenizer() -> PreTrainedTokenizerFast:
     """A byte-level tokenizer with no merges: token i is byte i (as GPT-2 maps it), 256 is <eos>."""
-    vocab = {char: _byte_of(char) for char in pre_tokenizers.ByteLevel.alphabet()} | {"<eos>": 256}
+    vocab = byte_of_char() | {"<eos>": 256}
     tokenizer = Tokenizer(models.BPE(vocab=vocab, merges=[]))
     tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tokenizer.decoder = decoders.ByteLevel()
@@ -58,15 +59,6 @@ def piece_tokenizer(pieces: list[str], merges: list[tuple[str, str]] = ()) -> Pr
     tokenizer = Tokenizer(models.BPE(vocab={piece: i for i, piece in enumerate(pieces)}, merges=list(merges)))
     tokenizer.decoder = decoders.Fuse()  # decoding joins the pieces as they are
     return PreTrainedTokenizerFast(tokenizer_object=tokenizer)
-
-
-def _byte_of(char: str) -> int:
-    """Inverse of GPT-2's bytes_to_unicode for one character."""
-    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
-    if ord(char) in printable:
-        return ord(char)
-    others = [b for b in range(256) if b not in printable]
-    return others[ord(char) - 256]
 
 
 def tiny_transformer(arch: str, seed: int, vocab: int = 64, init_std: float = 0.02, layers: int = 2,

@@ -46,6 +46,17 @@ def test_tokens_spell_their_bytes_and_padded_rows_spell_nothing(tokenizers):
     assert token_bytes(pieces, 3)[0] == [b"a", "é".encode(), None]  # a GGUF conversion's padding placeholder
 
 
+def test_sentencepiece_pieces_spell_spaces_and_fallback_bytes():
+    from tokenizers import Tokenizer, decoders, models
+    from transformers import PreTrainedTokenizerFast
+
+    pieces = Tokenizer(models.BPE(vocab={"<unk>": 0, "▁he": 1, "llo": 2, "<0xE4>": 3, "▁": 4}, merges=[],
+                                  unk_token="<unk>", byte_fallback=True))
+    pieces.decoder = decoders.Sequence([decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse()])
+    spelled, _ = token_bytes(PreTrainedTokenizerFast(tokenizer_object=pieces, unk_token="<unk>"), 5)
+    assert spelled[1:] == [b" he", b"llo", b"\xe4", b" "]
+
+
 def test_incomplete_tail_finds_a_cut_character():
     data = "a中🐍".encode()
     assert incomplete_tail(data) == 0 and incomplete_tail(b"") == 0

@@ -40,7 +40,7 @@ class ModelDrafter:
         self.sampling = sampling
         self.generator = generator
         self.keep_probs = keep_probs or not sampling.greedy
-        self.allowed = allowed.to(model.device) if allowed is not None else None
+        self.banned = ~allowed.to(model.device) if allowed is not None else None
         self.width = width
         self._cached: list[int] = []  # the tokens whose keys and values self.model holds
 
@@ -55,8 +55,7 @@ class ModelDrafter:
         tokens: list[int] = []
         probs: list[torch.Tensor] = []
         for i in range(k):
-            if self.allowed is not None:
-                logits = logits.masked_fill(~self.allowed, float("-inf"))
+            logits = self.restricted(logits)
             q = logits_to_probs(logits, self.sampling) if not self.sampling.greedy else None
             tokens.append(next_token(logits, self.sampling, None) if q is None else sample(q, self.generator))
             if self.keep_probs or self.draft_confidence > 0:
@@ -70,6 +69,10 @@ class ModelDrafter:
         if kept is not None and self.width is not None and self.width != kept.shape[-1]:
             kept = torch.nn.functional.pad(kept, (0, self.width - kept.shape[-1]))  # negative: cut
         return Draft(tokens, kept, {self.name: self.model.usage - before})
+
+    def restricted(self, logits: torch.Tensor) -> torch.Tensor:
+        """`logits` [..., vocab] with the ids it may not draft at -inf."""
+        return logits if self.banned is None else logits.masked_fill(self.banned, float("-inf"))
 
     def score(self, context: list[int], draft: list[int]) -> torch.Tensor:
         """Logits after context[-1] and after each draft token, [1 + len(draft), vocab], in one forward."""

@@ -15,7 +15,7 @@ from __future__ import annotations
 import bisect
 import json
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from functools import cache, lru_cache
 from typing import Any
 from weakref import WeakKeyDictionary
@@ -25,10 +25,10 @@ import torch
 
 @cache
 def byte_of_char() -> dict[str, int]:
-    """GPT-2's byte-level alphabet, inverted: the character that stands for each byte -> the byte."""
-    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
-    others = [b for b in range(256) if b not in printable]
-    return {chr(b): b for b in printable} | {chr(256 + i): b for i, b in enumerate(others)}
+    """GPT-2's byte-level alphabet (transformers' `bytes_to_unicode`), inverted: character -> the byte it stands for."""
+    from transformers.convert_slow_tokenizer import bytes_to_unicode
+
+    return {char: byte for byte, char in bytes_to_unicode().items()}
 
 
 def _decoders(tokenizer: Any) -> set[str]:
@@ -80,7 +80,8 @@ def incomplete_tail(data: bytes) -> int:
 @dataclass
 class VocabPair:
     """A target's and a drafter's vocabularies: what each id spells, and `to_target` [drafter width], the target id
-    spelling the same bytes (special tokens: the same content), -1 where the target has none."""
+    spelling the same bytes (special tokens: the same content), -1 where the target has none. The rest is derived
+    once, here, for the decode loop."""
 
     target: Any  # the target's tokenizer
     drafter: Any  # the drafter's tokenizer
@@ -88,26 +89,36 @@ class VocabPair:
     drafter_bytes: list[bytes | None]
     drafter_specials: frozenset[int]
     to_target: torch.Tensor  # [drafter width] long
-    _sorted: tuple[list[bytes], list[int]] | None = None  # the drafter's tokens in byte order, for prefix search
+    shared: torch.Tensor = field(init=False)  # [drafter width] bool: ids the target has too (the intersection)
+    spelled: torch.Tensor = field(init=False)  # [drafter width] bool: ids that spell something (not padding)
+    _columns: torch.Tensor = field(init=False)  # the shared drafter ids, and below the target ids they map to
+    _targets: torch.Tensor = field(init=False)
+    _by_bytes: list[bytes] = field(init=False)  # the drafter's non-special tokens in byte order, and their ids
+    _ids_by_bytes: torch.Tensor = field(init=False)
 
-    @property
-    def shared(self) -> torch.Tensor:
-        """[drafter width] bool: the drafter ids the target has too (the intersection of the vocabularies)."""
-        return self.to_target >= 0
-
-    @property
-    def spelled(self) -> torch.Tensor:
-        """[drafter width] bool: the drafter ids that spell something (not padding)."""
-        return torch.tensor([b is not None for b in self.drafter_bytes])
+    def __post_init__(self) -> None:
+        self.shared = self.to_target >= 0
+        self.spelled = torch.tensor([b is not None for b in self.drafter_bytes])
+        self._columns = torch.nonzero(self.shared)[:, 0]
+        self._targets = self.to_target[self._columns]
+        order = sorted((b, i) for i, b in enumerate(self.drafter_bytes)
+                       if b is not None and i not in self.drafter_specials)
+        self._by_bytes = [b for b, _ in order]
+        self._ids_by_bytes = torch.tensor([i for _, i in order], dtype=torch.long)
 
     def on_target(self, q: torch.Tensor, width: int) -> torch.Tensor:
         """Drafter distributions [n, drafter width] that are zero outside the shared tokens, on the target's ids
         [n, width]."""
-        to_target = self.to_target.to(q.device)
-        columns = torch.nonzero(to_target >= 0)[:, 0]
         mapped = torch.zeros(q.shape[0], width, dtype=q.dtype, device=q.device)
-        mapped[:, to_target[columns]] = q[:, columns]
+        mapped[:, self._targets.to(q.device)] = q[:, self._columns.to(q.device)]
         return mapped
+
+    def starting_with(self, prefix: bytes) -> torch.Tensor:
+        """The drafter ids whose bytes start with `prefix` (special tokens aside): one range of the byte order."""
+        start = bisect.bisect_left(self._by_bytes, prefix)
+        after = prefix.rstrip(b"\xff")  # the first byte string past every one starting with `prefix`
+        end = bisect.bisect_left(self._by_bytes, after[:-1] + bytes([after[-1] + 1])) if after else len(self._by_bytes)
+        return self._ids_by_bytes[start:end]
 
     def text(self, target_ids: list[int]) -> str | None:
         """The text the target's ids spell, or None when one spells nothing or the last character is cut."""
@@ -120,19 +131,6 @@ class VocabPair:
     def drafter_ids(self, text: str) -> list[int]:
         """The drafter's own tokens for `text`."""
         return self.drafter.encode(text, add_special_tokens=False)
-
-    def starting_with(self, prefix: bytes) -> torch.Tensor:
-        """The drafter ids whose bytes start with `prefix` (special tokens aside)."""
-        if self._sorted is None:
-            order = sorted((b, i) for i, b in enumerate(self.drafter_bytes)
-                           if b is not None and i not in self.drafter_specials)
-            self._sorted = ([b for b, _ in order], [i for _, i in order])
-        spelled, ids = self._sorted
-        start = bisect.bisect_left(spelled, prefix)
-        end = start
-        while end < len(spelled) and spelled[end].startswith(prefix):
-            end += 1
-        return torch.tensor(ids[start:end])
 
     def draft_text(self, drafter_ids: list[int], skip: int = 0) -> tuple[str, int | None, bool]:
         """What a draft of drafter ids says: (its text up to the last whole character and before any special or

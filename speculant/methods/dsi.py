@@ -132,9 +132,12 @@ def build(request: Request, options: DSIOptions) -> Any:
         target_s, drafter_s = twin[0].step_s, costs[0]
     elif options.lookahead is None:
         target_s = measure_step(target, request.prompt_ids)
-        first = drafters[0]  # timed on its own tokens of the prompt where its vocabulary is another
-        own = first.own_ids(request.prompt_ids) if isinstance(first, CrossVocabDrafter) else request.prompt_ids
-        drafter_s = costs[0] if costs[0] is not None else measure_step(sources[0], own) if own else target_s
+        drafter_s = costs[0]
+        if drafter_s is None:  # timed on its own tokens of the prompt (another vocabulary: the text re-tokenized)
+            first, own = drafters[0], request.prompt_ids
+            if isinstance(first, CrossVocabDrafter):
+                own = first.own_ids(own)
+            drafter_s = measure_step(sources[0], own) if own else target_s
     else:
         target_s = drafter_s = None
     lookahead = plan(options.servers, options.lookahead, target_s, drafter_s).lookahead
