@@ -4,8 +4,11 @@ kernels and machine profiles (`$SPECULANT_CACHE`, default `~/.cache/speculant`).
 from __future__ import annotations
 
 import hashlib
+import json
 import os
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 
 def cache_root() -> Path:
@@ -18,3 +21,23 @@ def sha256_file(path: Path, chunk: int = 16 << 20) -> str:
         while block := f.read(chunk):
             digest.update(block)
     return digest.hexdigest()
+
+
+def remembered(name: str, key: str, measure: Callable[[], Any]) -> Any:
+    """`measure()` (a JSON value) for `key`, measured once and kept in the cache's JSON file `name`. Written
+    through a temporary file: a process that races another loses at most a measurement, never the file."""
+    path = cache_root() / name
+    try:
+        known = json.loads(path.read_text())
+    except (OSError, ValueError):
+        known = {}
+    if key not in known:
+        known[key] = measure()
+        try:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            tmp = path.with_suffix(f".{os.getpid()}.tmp")
+            tmp.write_text(json.dumps(known, indent=1))
+            tmp.replace(path)
+        except OSError:
+            pass  # measured again next time
+    return known[key]

@@ -55,6 +55,13 @@ def build_parser() -> argparse.ArgumentParser:
     add_options(bench, RunConfig, seed=0)
     add_options(bench, SamplingConfig)
     bench.add_argument("--repeats", type=int, default=1, help="run the whole interleaved matrix this many times")
+    bench.add_argument("--isolate", action="store_true",
+                       help="run each of speculant's generations in a fresh process after a warm-up generation, as "
+                            "llama.cpp's tools (llamacpp-cli-*) and `speculant generate` run")
+    bench.add_argument("--report-from", default=None, metavar="RESULTS.json",
+                       help="run nothing: report a finished run's results.json again (with --baseline, --out)")
+    bench.add_argument("--baseline", default=None, metavar="METHOD",
+                       help="speedups over this method of the list, e.g. llamacpp-cli-ar (default: the first ar)")
     add_options(bench, ModelConfig)
     bench.add_argument("--out", default=None, help="directory for results.json and report.md")
 
@@ -110,6 +117,13 @@ def build_parser() -> argparse.ArgumentParser:
     load.add_argument("--label", default=None, help="a name for this server's configuration in the results")
     load.add_argument("--out", default=None, help="append the results to OUT/results.jsonl and redraw OUT/report.md and "
                       "OUT/throughput.png from all of them")
+
+    peers = commands.add_parser("peers", help="set up the peers speculant bench compares with")
+    what = peers.add_subparsers(dest="peers", required=True)
+    tools = what.add_parser("build-llamacpp", help="build llama.cpp's own tools (llama-bench, llama-completion, "
+                            "llama-speculative-simple) for this machine from the installed llama-cpp-python's sdist, "
+                            "once, into the cache: the peers llamacpp-cli-ar, -spec and -ngram")
+    tools.add_argument("--jobs", type=int, default=None, help="parallel compile jobs (default: all cores)")
 
     simulate = commands.add_parser("simulate", help="offline simulation of non-SI, SI and DSI (no model needed)")
     sims = simulate.add_subparsers(dest="simulation", required=True)
@@ -258,27 +272,66 @@ def run_generate(args: argparse.Namespace) -> None:
 
 
 def run_bench(args: argparse.Namespace, argv: Sequence[str]) -> None:
+    from speculant.bench.methods import parse_method
+    from speculant.bench.report import markdown_report, plot, print_table
+    from speculant.bench.summary import rows_from_json, summarize, summarize_by_category, to_json
+    from speculant.machine import machine_info
+
+    saved = None
+    if args.report_from:
+        try:
+            saved = json.loads(Path(args.report_from).read_text())
+        except (OSError, ValueError) as error:
+            raise ConfigError(f"cannot read the results of a run from {args.report_from}: {error}") from None
+    methods = [parse_method(m) for m in (saved["config"]["methods"] if saved else args.methods)]
+    if len({m.label for m in methods}) != len(methods):
+        raise ConfigError("each method may be listed once")
+    if args.baseline is not None and args.baseline not in {m.label for m in methods}:
+        raise ConfigError(f"the baseline '{args.baseline}' is not among the methods")
+    if saved:  # a finished run, reported again
+        rows = rows_from_json(saved)
+        command = saved["config"]["command"] + (f" (reported with --baseline {args.baseline})" if args.baseline else "")
+        machine, title = saved["config"]["machine"], f"{args.report_from}; {saved['config']['machine']}"
+    else:
+        rows = measure_bench(args, methods)
+        command, machine = "speculant " + " ".join(argv), machine_info()
+        title = (f"{args.target} on {args.prompts or args.dataset}, {from_args(RunConfig, args).max_new_tokens} new "
+                 f"tokens; {machine}")
+    summaries = summarize(rows, methods, args.baseline)
+    by_category = summarize_by_category(rows, methods, args.baseline)
+    print_table(summaries, title)
+    if args.out:
+        out = Path(args.out)
+        out.mkdir(parents=True, exist_ok=True)
+        config = {"command": command, "machine": machine, **{k: v for k, v in vars(args).items() if k != "command"}}
+        if saved:
+            config = {**saved["config"], "command": command, "baseline": args.baseline}
+        (out / "results.json").write_text(json.dumps(to_json(config, rows, summaries, by_category), indent=1))
+        (out / "report.md").write_text(markdown_report(summaries, by_category, command, machine, args.baseline))
+        plots = plot(summaries, by_category, out)
+        print(f"wrote {out / 'results.json'}, {out / 'report.md'} and {len(plots)} plots", file=sys.stderr)
+
+
+def measure_bench(args: argparse.Namespace, methods: list[Any]) -> list[Any]:
+    """Run the method matrix of `speculant bench` (see run_bench) and return its rows."""
     from tqdm import tqdm
 
     from speculant.bench.datasets import load_dataset
-    from speculant.bench.methods import parse_method
-    from speculant.bench.report import markdown_report, plot, print_table
+    from speculant.bench.isolated import isolated_generate
+    from speculant.bench.llamacpp_cli import CLI_PEERS
     from speculant.bench.runner import run_matrix
-    from speculant.bench.summary import summarize, summarize_by_category, to_json
-    from speculant.machine import machine_info
     from speculant.models import CausalLM, load_model, split_quant
+    from speculant.models.llamacpp_build import tool
     from speculant.models.loading import resolve_backend
 
-    methods = [parse_method(m) for m in args.methods]
-    if len({m.label for m in methods}) != len(methods):
-        raise ConfigError("each method may be listed once")
+    if any(m.method in CLI_PEERS for m in methods):
+        tool("llama-completion")  # llama.cpp's tools are built: one line now, before any model loads
     run = from_args(RunConfig, args)
     sampling = from_args(SamplingConfig, args)
     model_config = from_args(ModelConfig, args)
     if args.repeats < 1:
         raise ConfigError(f"repeats must be >= 1, got {args.repeats}")
-    dataset = args.prompts or args.dataset
-    prompts = load_dataset(dataset)
+    prompts = load_dataset(args.prompts or args.dataset)
     targets: dict[tuple[str, str], CausalLM] = {}
 
     def target_for(dtype: str | None, backend: str | None) -> CausalLM:
@@ -289,22 +342,15 @@ def run_bench(args: argparse.Namespace, argv: Sequence[str]) -> None:
             targets[dtype, backend] = load_model(args.target, dtype=dtype, device=model_config.device, backend=backend)
         return targets[dtype, backend]
 
+    def isolated(spec: Any, ids: list[int], n: int) -> Any:
+        return isolated_generate({"target": args.target, "dtype": model_config.dtype, "device": model_config.device,
+                                  "backend": model_config.backend, "method": spec.label, "prompt_ids": ids,
+                                  "max_new_tokens": n, "temperature": sampling.temperature, "top_k": sampling.top_k,
+                                  "top_p": sampling.top_p, "seed": run.seed})
+
     with tqdm(total=len(prompts) * len(methods) * args.repeats, desc="prompts x methods", file=sys.stderr) as bar:
-        rows = run_matrix(target_for, methods, prompts, run.max_new_tokens, run.seed, sampling, args.repeats,
-                          on_row=lambda row: bar.update())
-    summaries = summarize(rows, methods)
-    by_category = summarize_by_category(rows, methods)
-    command = "speculant " + " ".join(argv)
-    machine = machine_info()
-    print_table(summaries, f"{args.target} on {dataset}, {run.max_new_tokens} new tokens; {machine}")
-    if args.out:
-        out = Path(args.out)
-        out.mkdir(parents=True, exist_ok=True)
-        config = {"command": command, "machine": machine, **{k: v for k, v in vars(args).items() if k != "command"}}
-        (out / "results.json").write_text(json.dumps(to_json(config, rows, summaries, by_category), indent=1))
-        (out / "report.md").write_text(markdown_report(summaries, by_category, command, machine))
-        plots = plot(summaries, by_category, out)
-        print(f"wrote {out / 'results.json'}, {out / 'report.md'} and {len(plots)} plots", file=sys.stderr)
+        return run_matrix(target_for, methods, prompts, run.max_new_tokens, run.seed, sampling, args.repeats,
+                          on_row=lambda row: bar.update(), isolated=isolated if args.isolate else None)
 
 
 def parse_widths(text: str) -> list[int]:
@@ -348,7 +394,15 @@ def run_profile(args: argparse.Namespace) -> None:
             tokenizer = m.tokenizer if m.tokenizer is not None else model.tokenizer
             ids = [encode_prompt(tokenizer, p.text, p.chat) for p in prompts]
             profiles.append(profile_model(m, ids, widths, args.context_len, repeats=args.repeats, dtype=m.numerics))
+    if getattr(model, "backend", None) == "llamacpp":
+        from speculant.models.llamacpp import system_info
+
+        info = system_info()
+        print(f"llama.cpp: {info['library']}\n  ggml CPU variant: {info['variant']}\n  features: {info['features']}")
     for profile, measured in zip(profiles, models):
+        if getattr(measured, "backend", None) == "llamacpp":
+            print(f"{profile.model}: weights in {' + '.join(measured.weights.buffers)} buffers, rows invariant up to "
+                  f"{measured.width} tokens per forward")
         print(f"{profile.model} ({profile.dtype}, {getattr(measured, 'kernel', '')} kernel, {profile.device}): TTFT "
               f"{profile.ttft_s * 1000:.0f} ms, TPOT {profile.tpot_s * 1000:.1f} ms; T(W) at {profile.context_len} "
               "cached tokens:")
@@ -506,6 +560,10 @@ def main(argv: Sequence[str] | None = None) -> int:
             run_serve(args)
         elif args.command == "bench-serve":
             run_bench_serve(args)
+        elif args.command == "peers":
+            from speculant.models.llamacpp_build import build
+
+            build(args.jobs, say=lambda line: print(line, file=sys.stderr))
     except SpeculantError as error:
         print(f"speculant: error: {error}", file=sys.stderr)
         return 2

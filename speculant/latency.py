@@ -98,7 +98,8 @@ MACHINE_PROFILES = "profiles.json"
 
 def machine_key(model) -> str | None:
     """What a measured T(W) depends on: the weights and their numerics, the kernel, the device, the
-    threads, the CPU and torch. None for a model without an identity (built in memory): never cached."""
+    threads, the CPU, torch and the widest exact forward. None for a model without an identity (built in
+    memory): never cached."""
     import torch
 
     from speculant.machine import cpu_info
@@ -108,7 +109,8 @@ def machine_key(model) -> str | None:
         return None
     where = torch.cuda.get_device_name(model.device) if model.device.type == "cuda" else cpu_info()[0]
     return (f"{identity}|{getattr(model, 'numerics', '')}|{getattr(model, 'kernel', '')}|{model.device}|"
-            f"{torch.get_num_threads()} threads|{where}|torch {torch.__version__}")
+            f"{torch.get_num_threads()} threads|{where}|torch {torch.__version__}|"
+            f"rows exact up to {getattr(model, 'width', None)}")  # llama.cpp: forwards past it run in chunks
 
 
 _profiles: WeakKeyDictionary = WeakKeyDictionary()  # model -> (its key, its profile): disk read once per process
@@ -118,28 +120,18 @@ def machine_profile(model, repeats: int = 3, progress: bool = True) -> LatencyPr
     """T(W) of `model` on this machine for W in MACHINE_WIDTHS, measured once (about a second per width
     for a 1.5B model, with a progress bar on stderr) and remembered in the speculant cache for models
     loaded by name; `speculant profile` shows it."""
-    from speculant.cache import cache_root
+    from speculant.cache import remembered
     from speculant.models.base import profiled_as
 
     model = profiled_as(model)
     key = machine_key(model)
     if model in _profiles and _profiles[model][0] == key:
         return _profiles[model][1]
-    path = cache_root() / "machine" / MACHINE_PROFILES
-    try:
-        known = json.loads(path.read_text())
-    except (OSError, ValueError):
-        known = {}
-    if key is not None and key in known:
-        profile = LatencyProfile.from_dict(known[key])
+    if key is None:  # a model built in memory: measured for this process only
+        profile = _measure(model, repeats, False)
     else:
-        profile = _measure(model, repeats, progress and key is not None)
-        if key is not None:
-            known[key] = asdict(profile)
-            path.parent.mkdir(parents=True, exist_ok=True)
-            tmp = path.with_suffix(f".{id(profile)}.tmp")
-            tmp.write_text(json.dumps(known, indent=1))
-            tmp.replace(path)
+        profile = LatencyProfile.from_dict(remembered(f"machine/{MACHINE_PROFILES}", key,
+                                                      lambda: asdict(_measure(model, repeats, progress))))
     _profiles[model] = key, profile
     return profile
 

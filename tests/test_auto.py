@@ -9,7 +9,7 @@ import pytest
 from helpers import ScriptedDrafter, byte_tokenizer, perturbed, random_prompt, tiny_model, tiny_transformer
 from speculant import cli, generate, latency, load_model
 from speculant.config import SamplingConfig
-from speculant.decoding.adaptive import Acceptance, Candidate, adaptive, can_pay
+from speculant.decoding.adaptive import Acceptance, Candidate, adaptive, best_length, can_pay
 from speculant.decoding.run import timed
 from speculant.latency import LatencyProfile
 from test_sampling import assert_follows_target, sampling_pair
@@ -112,6 +112,20 @@ def test_drafts_grow_while_everything_is_accepted():
     tokens, reference, stats = scripted(2, error_rate=0.0, step_s=0.05, n=150, k_max=12)
     assert tokens == reference and stats.choices.count("plain") == 0
     assert stats.draft_lengths[0] < 12 and max(stats.draft_lengths) == 12 and stats.acceptance_rate == 1.0
+
+
+def test_a_drafter_pays_its_catch_up_only_where_enough_tokens_remain_to_share_it():
+    """A drafter whose cache lags the context first runs what it lacks: that time is shared by the tokens
+    left to generate, so catching up on a long prompt pays for a long generation and not for a short one."""
+    flat = lambda width: 0.05  # noqa: E731  T(W) = 50 ms at every width: plain decoding makes 20 tokens/s
+    estimate = Acceptance(prior=0.8)
+    synced, _ = best_length(estimate, 0.01, flat, 8)
+    short, _ = best_length(estimate, 0.01, flat, 8, catch_up_s=1.0, remaining=10)
+    long, _ = best_length(estimate, 0.01, flat, 8, catch_up_s=1.0, remaining=2000)
+    assert synced > long > 20 > short
+    candidate = Candidate("lagging", None, 0.01, 0.8, catch_up=lambda context: 0.001 * len(context))
+    assert candidate.catch_up_s(list(range(500))) == pytest.approx(0.5)
+    assert Candidate("synced", None, 0.01, 0.8).catch_up_s(list(range(500))) == 0.0
 
 
 def test_acceptance_estimates_follow_what_is_observed():

@@ -10,7 +10,7 @@ from speculant.bench.datasets import Prompt, load_dataset
 from speculant.bench.methods import parse_method
 from speculant.drafters.spec import DrafterSpec
 from speculant.bench.runner import run_matrix
-from speculant.bench.summary import summarize
+from speculant.bench.summary import rows_from_json, summarize, to_json
 from speculant.errors import ConfigError
 from speculant.models import HFCausalLM
 
@@ -98,6 +98,13 @@ def test_matrix_is_interleaved_and_speedup_comes_from_the_same_run(tiny_dir):
     sd_tps = sum(r.stats.new_tokens for r in rows[1::2]) / sum(r.stats.wall_s for r in rows[1::2])
     assert sd.speedup == pytest.approx(sd_tps / ar_tps)
     assert sd.acceptance_per_position == [1.0, 1.0, 1.0]
+    # Reported again from its results.json, over another baseline: the same numbers, seen from sd.
+    again = rows_from_json(json.loads(json.dumps(to_json({}, rows, [], {}))))
+    assert [(r.prompt_id, r.method, r.token_ids, r.text) for r in again] == [
+        (r.prompt_id, r.method, r.token_ids, r.text) for r in rows]
+    ar2, sd2 = summarize(again, methods, baseline=methods[1].label)
+    assert sd2.speedup == 1.0 and ar2.speedup == pytest.approx(1 / sd.speedup)
+    assert sd2.identical_to_ar == 1.0 and sd2.acceptance_rate == 1.0
 
 
 def test_dsi_in_the_matrix_keeps_its_servers_across_prompts(tiny_dir):

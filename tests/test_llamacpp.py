@@ -240,3 +240,35 @@ def test_catalog_gguf_loads_in_seconds_and_auto_is_exact():
         options = {"drafter": "maxgram"} if method == "sd" else {}
         assert generate(target, prompt, method=method, max_new_tokens=24, chat=True, **options).token_ids == \
             expected.token_ids
+
+
+def test_speculant_s_amx_kernel_leaves_ggml_s_tiles_as_it_found_them(gguf_files):
+    """ggml's AMX matmul configures a thread's tiles once and keeps them; speculant's AMX kernel runs on the
+    same OpenMP threads. Interleaved in one process (a child: a thread left without its tiles faults), each
+    gives what it gives alone."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    from speculant.models import native
+
+    if not native.KERNELS["amx"].available(torch.bfloat16):
+        pytest.skip("no AMX on this CPU")
+    code = f"""
+import sys, torch
+sys.path.insert(0, {str(Path(__file__).parent)!r})
+from helpers import byte_tokenizer
+from speculant.models import load_model, native
+model = load_model({str(gguf_files["llama", "q8_0", 0][0])!r}, tokenizer=byte_tokenizer())
+if "AMX" not in model.weights.buffers:
+    print("no AMX buffer"); sys.exit(0)
+amx, x, w = native.KERNELS["amx"], torch.randn(5, 64).bfloat16(), torch.randn(48, 64).bfloat16()
+ggml_first = model.prefill(list(range(1, 13)))
+ours_first = amx.linear(x, amx.pack(w), 48)
+ggml_again = model.prefill(list(range(1, 13)))
+assert torch.equal(ggml_first, ggml_again) and torch.equal(ours_first, amx.linear(x, amx.pack(w), 48))
+print("interleaved")
+"""
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, f"exit {done.returncode}: {done.stderr[-1500:]}"
+    assert done.stdout.strip().splitlines()[-1] in ("interleaved", "no AMX buffer")

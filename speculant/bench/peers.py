@@ -4,8 +4,9 @@ prompt lookup), on the same weights as transformers builds the model (library ma
 speculant's batch-invariant kernels); and llama-cpp-python's own `Llama.generate` loop on the target's GGUF
 (`llamacpp-ar`) and with its prompt-lookup draft model (`llamacpp-pld`), with the context settings of
 speculant's llama.cpp backend (threads, batch, flash attention, bf16 KV cache), so that plain decoding
-gives the same tokens. Their options are dataclasses like a method's; what they do not report is left
-unset."""
+gives the same tokens; and llama.cpp's own tools built for this machine (`llamacpp-cli-*`,
+`speculant.bench.llamacpp_cli`). Their options are dataclasses like a method's; what they do not report is
+left unset."""
 
 from __future__ import annotations
 
@@ -14,6 +15,7 @@ from dataclasses import dataclass
 from typing import Any
 from weakref import WeakKeyDictionary
 
+from speculant.bench.llamacpp_cli import CLI_PEERS, cli_generate
 from speculant.config import SamplingConfig, option
 from speculant.errors import ConfigError
 from speculant.methods.drafting import DrafterOptions
@@ -46,13 +48,15 @@ class HFPLDOptions:
 
 
 PEERS: dict[str, type] = {"hf-ar": HFAROptions, "hf-assisted": HFAssistedOptions, "hf-pld": HFPLDOptions,
-                          "llamacpp-ar": HFAROptions, "llamacpp-pld": HFPLDOptions}
-LLAMACPP_PEERS = ("llamacpp-ar", "llamacpp-pld")
+                          "llamacpp-ar": HFAROptions, "llamacpp-pld": HFPLDOptions, **CLI_PEERS}
+LLAMACPP_PEERS = ("llamacpp-ar", "llamacpp-pld", *CLI_PEERS)
 _llama: WeakKeyDictionary = WeakKeyDictionary()  # (llama.cpp target, method) -> its llama_cpp.Llama
 
 
 def peer_generate(method: str, target: Any, prompt_ids: list[int], max_new_tokens: int, options: Any,
                   sampling: SamplingConfig, seed: int) -> Any:
+    if method in CLI_PEERS:
+        return cli_generate(method, target, prompt_ids, max_new_tokens, options, sampling, seed)
     if method in LLAMACPP_PEERS:
         return llamacpp_generate(method, target, prompt_ids, max_new_tokens, options, sampling, seed)
     return hf_generate(method, target, prompt_ids, max_new_tokens, options, sampling, seed)

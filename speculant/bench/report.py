@@ -50,11 +50,12 @@ def print_table(summaries: list[MethodSummary], title: str, console: Console | N
 
 
 def markdown_report(summaries: list[MethodSummary], by_category: dict[str, list[MethodSummary]],
-                    command: str, machine: str) -> str:
+                    command: str, machine: str, baseline: str | None = None) -> str:
     parts = [f"# speculant bench\n\nCommand: `{command}`\n\nMachine: {machine}\n", markdown_table(summaries)]
     for category, summary in by_category.items():
         parts.append(f"\n## {category}\n\n{markdown_table(summary)}")
-    parts.append("\nspeedup = total tokens / total time (whole requests, prefill included) over the first `ar` of "
+    over = f"`{baseline}`" if baseline else "the first `ar`"
+    parts.append(f"\nspeedup = total tokens / total time (whole requests, prefill included) over {over} of "
                  "the same run, with a 95% bootstrap interval over prompts (a prompt's repeats resampled together); "
                  "median speedup = median of per-prompt ratios; decode = after the first token: tokens after the "
                  "first over time after TTFT; mean accepted length = tokens committed per target verification; "

@@ -27,6 +27,7 @@ class Row:
     target: str  # the target's weights (name and dtype): outputs are comparable only on the same weights
     token_ids: list[int]
     stats: GenerationStats
+    text: str | None = None  # what the tokens spell (peers that print text are compared by it)
 
 
 def target_key(target: CausalLM) -> str:
@@ -42,11 +43,13 @@ def run_matrix(
     sampling: SamplingConfig = SamplingConfig(),
     repeats: int = 1,
     on_row: Callable[[Row], None] | None = None,
+    isolated: Callable[[MethodSpec, list[int], int], GenerationResult] | None = None,
 ) -> list[Row]:
     """Every method on every prompt, interleaved, `repeats` times; returns the rows in run order.
 
     `target_for(dtype, backend)` returns the loaded target in that dtype on that backend (None: the run's
-    default); it should load each once, so that all methods share the same weights.
+    default); it should load each once, so that all methods share the same weights. With `isolated`,
+    speculant's own methods run through it (`speculant.bench.isolated`: a fresh process per generation).
     """
     loaded: dict[tuple[Any, ...], Any] = {}
 
@@ -71,6 +74,8 @@ def run_matrix(
         return pools[spec.label]
 
     def run(spec: MethodSpec, ids: list[int], n: int) -> GenerationResult:
+        if isolated is not None and not spec.peer:
+            return isolated(spec, ids, n)
         target = target_for(spec.dtype, spec.backend)
         dtype = getattr(spec.options, "drafter_dtype", None)
         options = with_drafters(spec.options, lambda d: drafter_for(d, target, dtype))
@@ -85,13 +90,14 @@ def run_matrix(
     rows = []
     try:
         for spec in methods:  # warm-up: allocator, caches, lazy initialisation, DSI's servers
-            run(spec, encoded[0], min(8, max_new_tokens))
+            if isolated is None or spec.peer:  # an isolated generation warms its own process up
+                run(spec, encoded[0], min(8, max_new_tokens))
         for repeat in range(repeats):
             for prompt, ids in zip(prompts, encoded):
                 for spec in methods:
                     result = run(spec, ids, max_new_tokens)
                     row = Row(prompt.id, prompt.category, spec.label, repeat, target_key(target_for(spec.dtype, spec.backend)),
-                              result.token_ids, result.stats)
+                              result.token_ids, result.stats, result.text)
                     rows.append(row)
                     if on_row:
                         on_row(row)

@@ -11,6 +11,7 @@ import json
 import threading
 import time
 from collections.abc import Sequence
+from pathlib import Path
 from typing import Any
 
 import httpx

@@ -11,6 +11,7 @@ from collections.abc import Iterable
 from dataclasses import asdict, dataclass, field
 from typing import Any, TypeVar
 
+from speculant.bench.llamacpp_cli import CLI_PEERS
 from speculant.bench.methods import MethodSpec
 from speculant.bench.runner import Row
 from speculant.decoding.stats import GenerationStats
@@ -88,10 +89,11 @@ def _speed(row: Row) -> float:
     return row.stats.new_tokens / row.stats.wall_s if row.stats.wall_s > 0 else 0.0
 
 
-def summarize(rows: list[Row], methods: list[MethodSpec]) -> list[MethodSummary]:
+def summarize(rows: list[Row], methods: list[MethodSpec], baseline: str | None = None) -> list[MethodSummary]:
+    """Per method; speedups over the method labelled `baseline` (default: the first `ar` listed)."""
     by_method = {spec.label: [r for r in rows if r.method == spec.label] for spec in methods}
     ar_labels = [spec.label for spec in methods if spec.method == "ar"]
-    baseline = by_method[ar_labels[0]] if ar_labels else []  # speedups are over the first ar listed
+    baseline = by_method[baseline] if baseline else by_method[ar_labels[0]] if ar_labels else []
     base_rows = {(r.prompt_id, r.repeat): r for r in baseline}
     summaries = []
     for spec in methods:
@@ -127,19 +129,23 @@ def summarize(rows: list[Row], methods: list[MethodSpec]) -> list[MethodSummary]
         reference = next((by_method[label] for label in ar_labels if by_method[label][0].target == summary.target), None)
         if reference:
             same = {(r.prompt_id, r.repeat): r.token_ids for r in reference}
-            summary.identical_to_ar = statistics.mean(r.token_ids == same[r.prompt_id, r.repeat] for r in mine)
+            said = {(r.prompt_id, r.repeat): r.text or "" for r in reference}
+            summary.identical_to_ar = statistics.mean(
+                (r.text or "").startswith(said[r.prompt_id, r.repeat]) if spec.method in CLI_PEERS
+                else r.token_ids == same[r.prompt_id, r.repeat] for r in mine)
             summary.common_prefix_with_ar = statistics.mean(
                 common_prefix_len(r.token_ids, same[r.prompt_id, r.repeat]) for r in mine)
         summaries.append(summary)
     return summaries
 
 
-def summarize_by_category(rows: list[Row], methods: list[MethodSpec]) -> dict[str, list[MethodSummary]]:
+def summarize_by_category(rows: list[Row], methods: list[MethodSpec],
+                          baseline: str | None = None) -> dict[str, list[MethodSummary]]:
     """The same summaries within each prompt category (only when there is more than one)."""
     categories = sorted({r.category for r in rows})
     if len(categories) < 2:
         return {}
-    return {c: summarize([r for r in rows if r.category == c], methods) for c in categories}
+    return {c: summarize([r for r in rows if r.category == c], methods, baseline) for c in categories}
 
 
 def to_json(config: dict[str, Any], rows: list[Row], summaries: list[MethodSummary],
@@ -149,5 +155,11 @@ def to_json(config: dict[str, Any], rows: list[Row], summaries: list[MethodSumma
         "summary": [asdict(s) for s in summaries],
         "by_category": {c: [asdict(s) for s in summary] for c, summary in by_category.items()},
         "rows": [{"prompt_id": r.prompt_id, "category": r.category, "method": r.method, "repeat": r.repeat,
-                  "target": r.target, "token_ids": r.token_ids, "stats": r.stats.to_dict()} for r in rows],
+                  "target": r.target, "token_ids": r.token_ids, "text": r.text, "stats": r.stats.to_dict()} for r in rows],
     }
+
+
+def rows_from_json(data: dict[str, Any]) -> list[Row]:
+    """The rows `to_json` wrote (enough of each generation's stats to summarize it again)."""
+    return [Row(r["prompt_id"], r["category"], r["method"], r["repeat"], r["target"], r["token_ids"],
+                GenerationStats.from_dict(r["stats"]), r.get("text")) for r in data["rows"]]

@@ -98,6 +98,10 @@ a model-free candidate matches the context."""
     width: int = 1
     measured: bool = False
     needs_match: bool = False
+    catch_up: Callable[[list[int]], float] | None = None  # seconds to bring its cache up to a context
+
+    def catch_up_s(self, context: list[int]) -> float:
+        return self.catch_up(context) if self.catch_up is not None else 0.0
 
     def acceptance(self, bucket: int = 0) -> Acceptance:
         return self.estimates.setdefault(bucket, Acceptance(MATCH_PRIORS.get(bucket, self.prior)))
@@ -138,10 +142,13 @@ def can_pay(step_s: float, cost: Callable[[int], float], most: int, width: int =
 
 
 def best_length(acceptance: Acceptance, step_s: float, cost: Callable[[int], float], most: int,
-                width: int = 1) -> tuple[float, int]:
-    """(goodput, k) of the best draft length 1..most (steps of `width` nodes)."""
+                width: int = 1, catch_up_s: float = 0.0, remaining: int = 1) -> tuple[float, int]:
+    """(goodput, k) of the best draft length 1..most (steps of `width` nodes). A drafter whose cache lags
+    the context first spends `catch_up_s` on it: a cost the `remaining` tokens of the generation share,
+    so a step is charged its tokens' part of it."""
     expected = acceptance.expected_tokens(most)
-    return max((expected[k] / (k * step_s + cost(1 + k * width)), k) for k in range(1, most + 1))
+    return max((expected[k] / (k * step_s + cost(1 + k * width) + catch_up_s * expected[k] / max(remaining, 1)), k)
+               for k in range(1, most + 1))
 
 
 def adaptive(
@@ -157,7 +164,8 @@ def adaptive(
 ) -> Decoder:
     """Lossless speculation that re-chooses drafter and draft length every step (`cost` is the target's
     T(W) in seconds). After `probe_every` steps without any model drafter, the model drafter likeliest to
-    be accepted drafts two tokens, so that one that stopped paying can come back when the text changes."""
+    be accepted drafts two tokens, so that one that stopped paying can come back when the text changes
+    (unless catching up on the context would cost it more than a target forward)."""
     stats = GenerationStats(method="auto")
     out: list[int] = []
     target = metered(target)
@@ -185,12 +193,15 @@ def adaptive(
                     if goodput > best[0]:
                         best = (goodput, candidate, k, Draft(draft.tokens[:k], None, draft.usage), bucket)
             else:
-                goodput, k = best_length(candidate.acceptance(), candidate.step_s, cost, room, candidate.width)
+                goodput, k = best_length(candidate.acceptance(), candidate.step_s, cost, room, candidate.width,
+                                         candidate.catch_up_s(context), max_new_tokens - len(out))
                 if goodput > best[0]:
                     best = (goodput, candidate, k, None, 0)
         _, chosen, k, draft, bucket = best
-        if (chosen is None or chosen.match is not None) and without_model >= probe_every and models and room > 0:
-            chosen, k, draft, bucket = max(models, key=lambda c: c.acceptance().rate(0)), min(2, room), None, 0
+        probe = max(models, key=lambda c: c.acceptance().rate(0)) if models else None
+        if (chosen is None or chosen.match is not None) and without_model >= probe_every and probe is not None \
+                and room > 0 and probe.catch_up_s(context) <= cost(1):  # a probe that costs a prefill is no probe
+            chosen, k, draft, bucket = probe, min(2, room), None, 0
         without_model = 0 if chosen is not None and chosen.match is None else without_model + 1
         if chosen is not None and chosen.width > 1:
             tree_draft = chosen.drafter.propose_tree(context, k, chosen.width)

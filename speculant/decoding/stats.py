@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, fields
 from typing import TYPE_CHECKING, Any
 
 from speculant.theory import swi
@@ -126,6 +126,12 @@ class GenerationStats:
             "cost_ratios": self.cost_ratios,
             "swi": self.swi,
         }
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> GenerationStats:
+        """What `to_dict` wrote, less DSI's record: enough to summarize the generation again."""
+        known = {f.name for f in fields(cls)} - {"dsi"}
+        return cls(**{k: (tuple(v) if k == "tree_shape" and v else v) for k, v in data.items() if k in known})
 
     def summary(self) -> str:
         """One line for humans: tokens, speed, TTFT and, when speculating, acceptance."""

@@ -28,7 +28,6 @@ from speculant.drafters.base import Draft
 from speculant.drafters.model import ModelDrafter
 from speculant.drafters.vocab import same_vocabulary, vocab_pair
 from speculant.models.base import CausalLM
-from speculant.models.metered import Usage
 from speculant.sampling import logits_to_probs
 
 

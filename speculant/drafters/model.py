@@ -6,7 +6,7 @@ import torch
 
 from speculant.config import SamplingConfig
 from speculant.drafters.base import Draft
-from speculant.models.base import CausalLM, resync
+from speculant.models.base import CausalLM, common_prefix_len, resync
 from speculant.models.metered import metered
 from speculant.sampling import logits_to_probs, next_token, sample
 
@@ -79,6 +79,10 @@ class ModelDrafter:
         logits = resync(self.model, self._cached, context, draft)
         self._cached = context + draft
         return logits
+
+    def lag(self, context: list[int]) -> int:
+        """Tokens of `context` the drafter's cache lacks: what its next proposal runs before drafting."""
+        return len(context) - common_prefix_len(self._cached, context)
 
     def observe(self, n_accepted: int) -> None:
         """Nothing to do: the next proposal re-synchronises the cache from the context itself."""

@@ -10,7 +10,7 @@ from dataclasses import dataclass
 
 import torch
 
-from speculant.models.base import resync
+from speculant.models.base import common_prefix_len, resync
 from speculant.models.base import CausalLM
 from speculant.models.metered import Usage, metered
 from speculant.tree import TokenTree
@@ -30,6 +30,10 @@ class TreeDrafter:
         self.model = metered(model)
         self.name = model.name
         self._cached: list[int] = []
+
+    def lag(self, context: list[int]) -> int:
+        """Tokens of `context` the drafter's cache lacks: what its next tree runs before drafting."""
+        return len(context) - common_prefix_len(self._cached, context)
 
     def propose_tree(self, context: list[int], depth: int, width: int,
                      cost: Callable[[int], float] | None = None) -> TreeDraft:

@@ -21,6 +21,14 @@ FREE_PRIOR = 0.5  # a Drafter object of unknown cost
 REVIEW = 6  # Max-Gram tokens a model drafter reviews in one forward in auto's cascades
 
 
+def catch_up_cost(drafter: Any, profile: Any) -> Any:
+    """Seconds for `drafter` (a ModelDrafter or TreeDrafter) to run the context its cache lacks, from its T(W);
+    None for drafters that keep no cache (another tokenizer's re-tokenize the text every time)."""
+    if not hasattr(drafter, "lag"):
+        return None
+    return lambda context: profile.cost(lag) if (lag := drafter.lag(context)) else 0.0
+
+
 def parse_widths(text: str) -> tuple[int, ...]:
     return tuple(int(w) for w in text.split(",") if w.strip())
 
@@ -113,7 +121,8 @@ def build(request: Request, options: AutoOptions) -> Any:
                                     draft_confidence=options.draft_confidence)
             step_s = profile.tpot_s * (drafter.tokens_per_target_token(request.prompt_ids)
                                        if isinstance(drafter, CrossVocabDrafter) else 1.0)
-            candidates.append(Candidate(source.name, drafter, step_s, MODEL_PRIOR, estimates=estimates))
+            candidates.append(Candidate(source.name, drafter, step_s, MODEL_PRIOR, estimates=estimates,
+                                        catch_up=catch_up_cost(drafter, profile)))
             same_ids = isinstance(drafter, ModelDrafter)  # trees and reviews need the target's ids
             for width in options.tree_widths if same_ids and hasattr(source, "share") else ():
                 if not can_pay(profile.cost(width), cost, options.k_max, width):
@@ -121,8 +130,10 @@ def build(request: Request, options: AutoOptions) -> Any:
                 name = f"{source.name} tree{width}"
                 if (name, options.drafter_dtype) not in loaded:  # a handle of its own: its KV cache holds trees
                     loaded[name, options.drafter_dtype] = source.share()
-                candidates.append(Candidate(name, TreeDrafter(loaded[name, options.drafter_dtype]), profile.cost(width),
-                                            TREE_PRIOR, estimates=learned.setdefault(name, {}), width=width))
+                tree = TreeDrafter(loaded[name, options.drafter_dtype])
+                candidates.append(Candidate(name, tree, profile.cost(width), TREE_PRIOR,
+                                            estimates=learned.setdefault(name, {}), width=width,
+                                            catch_up=catch_up_cost(tree, profile)))
     # A vertical cascade (CS Drafting) where Max-Gram finds a match: each model drafter reviews Max-Gram's
     # draft in one forward, keeping what it would itself have drafted, so its drafts are its chain's (the
     # same acceptance estimates), cheaper where Max-Gram guesses right. Its cost per token is measured as
@@ -132,7 +143,8 @@ def build(request: Request, options: AutoOptions) -> Any:
         cascade = CascadeDrafter([chain.drafter, maxgram], [[options.k_max, 0], [0, REVIEW]], 1.0,
                                  request.sampling, request.generator)
         candidates.append(Candidate(f"{chain.name} cascade", cascade, chain.step_s / 2, chain.prior,
-                                    estimates=chain.estimates, measured=True, needs_match=True))
+                                    estimates=chain.estimates, measured=True, needs_match=True,
+                                    catch_up=chain.catch_up))  # it drafts with the chain's model and cache
     if hasattr(target, "sharing"):  # a served request: its forwards are batched with other requests'
         cost = shared_cost(cost, target.sharing)
     return adaptive(target, candidates, request.prompt_ids, request.max_new_tokens, cost, request.sampling,

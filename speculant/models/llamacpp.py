@@ -9,6 +9,13 @@ attention then takes one path for every width; as fast as f16 here) and measures
 forwards bit for bit (`invariant_width`); longer forwards run in chunks of that width. Prompts prefill in
 large batches: every method prefills a prompt the same way.
 
+Which llama.cpp runs: the native build that `speculant peers build-llamacpp` made for this machine from the
+installed version's sources (`models/llamacpp_build.py`), where there is one, so that speculant and
+llama.cpp's own tools run the same kernels; else llama-cpp-python's own library; `LLAMA_CPP_LIB_PATH`
+overrides both. A library whose ggml has an AMX matmul is tried once per library, CPU and model in a child
+process: if it faults (GCC 12 miscompiles its tile configuration), weights load without ggml's extra buffer
+types (AMX, repacking) instead of crashing.
+
 Token trees (Medusa/SpecInfer-style tree attention) map onto llama.cpp's sequences: a cached cell belongs
 to a set of sequence ids and a token attends to the cells of its first sequence at earlier positions.
 Each root-to-leaf path gets a sequence; a node carries the sequences of the leaves below it. Nodes are
@@ -21,7 +28,10 @@ order of attention's sums - always matches plain decoding.
 from __future__ import annotations
 
 import ctypes
+import logging
 import os
+import subprocess
+import sys
 import weakref
 from collections import deque
 from collections.abc import Callable, Sequence
@@ -40,11 +50,26 @@ N_CTX = 8192  # positions per context (at most the model's training length)
 N_BATCH = 512  # prompt tokens per llama_decode
 N_SEQ = 64  # sequence ids per context: a draft tree may have up to N_SEQ - 1 leaves
 KV_TYPE = 30  # GGML_TYPE_BF16, the KV cache's type (see the module docstring)
-PROBE_WIDTH = 8  # the widest forward `invariant_width` tries
+PROBE_WIDTH = 16  # the widest forward `invariant_width` tries
+PROBE_CONTEXT = 600  # cached tokens before its forwards: ggml takes other attention paths past 512 (split KV)
+log = logging.getLogger("speculant")
 _log = deque(maxlen=8)  # llama.cpp's last log lines, quoted when a call fails
+_buffers: list[str] = []  # the buffer types of the weights of the model loading now
+
+
+def choose_library() -> None:
+    """Point llama-cpp-python at the native build for this machine, where there is one and nothing else was
+    chosen (`LLAMA_CPP_LIB_PATH`): it reads the variable when it is first imported."""
+    if "LLAMA_CPP_LIB_PATH" not in os.environ and available():
+        from speculant.models.llamacpp_build import manifest
+
+        built = manifest()
+        if built is not None:
+            os.environ["LLAMA_CPP_LIB_PATH"] = built["lib"]
 
 
 def _import() -> Any:
+    choose_library()
     try:
         import llama_cpp
     except ImportError:
@@ -54,7 +79,11 @@ def _import() -> Any:
 
         @llama_cpp.llama_log_callback
         def quiet(level: int, text: bytes, user_data: Any) -> None:
-            _log.append(text.decode(errors="replace"))
+            line = text.decode(errors="replace")
+            if "model buffer size" in line:  # e.g. "load_tensors:   CPU_REPACK model buffer size = 950 MiB"
+                _buffers.append(line.split("model buffer size")[0].split(":")[-1].strip())
+            if line.strip(". \n"):  # not a progress dot
+                _log.append(line)
 
         _import.callback = quiet  # a C callback must outlive its registration
         llama_cpp.llama_log_set(quiet, None)
@@ -69,6 +98,66 @@ def available() -> bool:
     return importlib.util.find_spec("llama_cpp") is not None
 
 
+def library() -> Path:
+    """The libllama file in use."""
+    return Path(_import().llama_cpp._lib._name).resolve()
+
+
+def system_info() -> dict[str, str]:
+    """ggml's CPU build: `variant` (native, or the runtime-chosen variants of a GGML_BACKEND_DL build), the
+    features it was compiled with, and the library's path."""
+    lib = _import()
+    features = []
+    for part in lib.llama_print_system_info().decode().split("|"):  # "CPU : SSE3 = 1 | ... | AMX_INT8 = 1 |"
+        name, _, value = part.split(":")[-1].partition("=")
+        if value.strip() == "1":
+            features.append(name.strip())
+    folder = library().parent
+    variants = sorted(p.name.removeprefix("libggml-cpu-").split(".")[0] for p in folder.glob("libggml-cpu-*.so"))
+    return {"variant": "dynamic: " + ", ".join(variants) if variants else "native (one CPU backend)",
+            "features": " ".join(features), "library": str(library())}
+
+
+def _library_key() -> str:
+    path = library()
+    stat = path.stat()
+    return f"{path}|{stat.st_size}|{stat.st_mtime_ns}"
+
+
+def extra_buffers_fault(path: Path) -> bool:
+    """Whether loading `path` with ggml's extra buffer types faults at its first forwards: tried where ggml has
+    an AMX matmul (not in speculant's own build), in a child process, once per library, CPU and file (cached)."""
+    from speculant.cache import remembered
+    from speculant.machine import cpu_info
+
+    from speculant.models.llamacpp_build import manifest
+
+    built = manifest()
+    if "AMX_INT8" not in system_info()["features"].split() or (
+            built is not None and built["amx_fix"] and library().parent == Path(built["lib"]).resolve()):
+        return False  # no AMX matmul, or speculant's own build, which carries the fix
+    stat = path.stat()
+    key = f"{_library_key()}|{cpu_info()[0]}|{path.resolve()}|{stat.st_size}|{stat.st_mtime_ns}"
+
+    def faults() -> bool:
+        child = subprocess.run([sys.executable, "-c", f"from speculant.models.llamacpp import try_forwards; "
+                                f"try_forwards({str(path)!r})"], capture_output=True, timeout=600,
+                               env={**os.environ, "LLAMA_CPP_LIB_PATH": str(library().parent)})
+        return child.returncode < 0  # killed by a signal; other failures show up in this process
+
+    return bool(remembered("llamacpp-faults.json", key, faults))
+
+
+def try_forwards(path: str) -> None:
+    """One context on `path` with every extra buffer type, a one-token and an eight-token forward (run in a
+    child process by `extra_buffers_fault`)."""
+    weights = GGUFWeights(path, extra_buffers=True)
+    weights.width = 8  # no width measurement: just the forwards
+    model = LlamaCppCausalLM(weights)
+    model.prefill([1])
+    model.forward([2] * 8)
+
+
 def default_threads() -> int:
     return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
 
@@ -76,7 +165,8 @@ def default_threads() -> int:
 class GGUFWeights:
     """One GGUF file mapped by llama.cpp; every context (LlamaCppCausalLM) on it shares the weights."""
 
-    def __init__(self, path: str | Path):
+    def __init__(self, path: str | Path, extra_buffers: bool | None = None):
+        """`extra_buffers`: load with ggml's extra buffer types (AMX, repacked weights); None: unless they fault."""
         lib = _import()
         self.lib = lib
         self.path = Path(path)
@@ -84,7 +174,16 @@ class GGUFWeights:
             raise ModelNotAvailable(f"no GGUF file at {self.path}")
         params = lib.llama_model_default_params()
         params.n_gpu_layers = 0
+        if extra_buffers is None:
+            extra_buffers = not extra_buffers_fault(self.path)
+            if not extra_buffers:
+                log.warning("this llama.cpp build faults in ggml's AMX matmul (GCC 12 miscompiles its tile "
+                            "configuration): %s runs without AMX and repacked weights; `speculant peers "
+                            "build-llamacpp` builds a fixed native llama.cpp", self.path.name)
+        params.use_extra_bufts = extra_buffers
+        _buffers.clear()
         self.model = lib.llama_model_load_from_file(str(self.path).encode(), params)
+        self.buffers = list(_buffers)  # where the weights live: AMX, CPU_REPACK, CPU_Mapped
         if not self.model:
             raise ModelNotAvailable(f"llama.cpp cannot load {self.path}: {''.join(_log).strip()[-300:]}")
         self.vocab = lib.llama_model_get_vocab(self.model)
@@ -152,7 +251,6 @@ class LlamaCppCausalLM:
     """A llama.cpp context on GGUF weights: the KV cache of one sequence (see the module docstring)."""
 
     backend = "llamacpp"
-    kernel = "ggml"
 
     def __init__(self, weights: GGUFWeights, tokenizer: Any | None = None, name: str | None = None,
                  extra_eos: frozenset[int] = frozenset(), identity: str | None = None, threads: int | None = None):
@@ -171,6 +269,8 @@ class LlamaCppCausalLM:
         self.device = torch.device("cpu")
         self.dtype = torch.float32  # of the logits; the weights keep their GGUF types
         self.numerics = f"llama.cpp {weights.description}"
+        # ggml's kernels follow the weights' buffers (e.g. "ggml AMX", "ggml CPU_REPACK"): part of the profile's key
+        self.kernel = " ".join(["ggml", *[b for b in weights.buffers if b not in ("CPU", "CPU_Mapped")]])
         params = lib.llama_context_default_params()
         params.n_ctx = weights.n_ctx
         params.n_batch = params.n_ubatch = N_BATCH
@@ -406,40 +506,31 @@ class LlamaCppCausalLM:
 
 def invariant_width(model: LlamaCppCausalLM) -> int:
     """The widest forward (up to PROBE_WIDTH tokens) whose every row equals, bit for bit, the logits of the
-    same tokens run one at a time: measured once per GGUF file, machine and llama.cpp build (cached)."""
-    import json
-
-    from speculant.cache import cache_root
+    same tokens run one at a time after PROBE_CONTEXT cached tokens (where the model has room): measured once
+    per GGUF file, machine and llama.cpp build (cached)."""
+    from speculant.cache import remembered
     from speculant.machine import cpu_info
 
     path = model.weights.path
     key = f"{path.resolve()}|{path.stat().st_size}|{path.stat().st_mtime_ns}|{cpu_info()[0]}|" \
-          f"{' '.join(sorted(cpu_info()[1]))}|{getattr(model.lib, '__version__', '')}|{model.threads}"
-    store = cache_root() / "llamacpp-widths.json"
-    try:
-        known = json.loads(store.read_text())
-    except (OSError, ValueError):
-        known = {}
-    if key in known:
-        return int(known[key])
-    vocab = model.vocab_size
-    tokens = [(i * 7919 + 13) % vocab for i in range(8 + PROBE_WIDTH)]
-    prompt, new = tokens[:8], tokens[8:]
-    model.width = 1
-    model.prefill(prompt)
-    single = torch.cat([model.forward([t]) for t in new])
-    width = 1
-    for trial in range(2, PROBE_WIDTH + 1):
-        model.rollback(len(prompt))
-        model.width = trial
-        if not torch.equal(model.forward(new[:trial]), single[:trial]):
-            break
-        width = trial
-    model.rollback(0)
-    known[key] = width
-    try:
-        store.parent.mkdir(parents=True, exist_ok=True)
-        store.write_text(json.dumps(known, indent=1))
-    except OSError:
-        pass  # measured again next time
-    return width
+          f"{' '.join(sorted(cpu_info()[1]))}|{_library_key()}|{'+'.join(model.weights.buffers)}|" \
+          f"{model.threads} threads|up to {PROBE_WIDTH}|{KV_TYPE} KV|at {PROBE_CONTEXT}"
+
+    def measure() -> int:
+        vocab, context = model.vocab_size, max(min(PROBE_CONTEXT, model.max_positions - PROBE_WIDTH - 1), 1)
+        tokens = [(i * 7919 + 13) % vocab for i in range(context + PROBE_WIDTH)]
+        prompt, new = tokens[:context], tokens[context:]
+        model.width = 1
+        model.prefill(prompt)
+        single = torch.cat([model.forward([t]) for t in new])
+        width = 1
+        for trial in range(2, PROBE_WIDTH + 1):
+            model.rollback(len(prompt))
+            model.width = trial
+            if not torch.equal(model.forward(new[:trial]), single[:trial]):
+                break
+            width = trial
+        model.rollback(0)
+        return width
+
+    return int(remembered("llamacpp-widths.json", key, measure))

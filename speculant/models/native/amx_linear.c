@@ -21,12 +21,17 @@ typedef struct { uint8_t palette, start; uint8_t reserved[14]; uint16_t colsb[16
 // Ask Linux for the AMX tile state; 1 on success.
 int amx_init(void) { return syscall(SYS_arch_prctl, ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA) == 0; }
 
+// The whole 64-byte configuration as the operand: GCC 12's _tile_loadconfig/_tile_storeconfig name 8 bytes,
+// so the compiler may drop stores to the rest (what crashed ggml's AMX matmul in native builds).
+static void load_config(const tile_config *c) { __asm__ volatile("ldtilecfg %0" :: "m"(*c)); }
+static void store_config(tile_config *c) { __asm__ volatile("sttilecfg %0" : "=m"(*c)); }
+
 static void configure(void) {
     tile_config c;
     memset(&c, 0, sizeof c);
     c.palette = 1;
     for (int t = 0; t < 8; t++) { c.rows[t] = ROWS; c.colsb[t] = 64; }
-    _tile_loadconfig(&c);
+    load_config(&c);
 }
 
 // w [O, K] with elements of `size` bytes (2: bf16, 1: int8) -> panels of 16 outputs, chunks of 64 bytes of
@@ -67,6 +72,10 @@ static void run_tiles(const char *xs, int64_t stride, int64_t N, int64_t chunks,
     int64_t panels = (O + COLS - 1) / COLS, blocks = (N + ROWS - 1) / ROWS, pairs = (panels + 1) / 2;
     #pragma omp parallel num_threads(threads)
     {
+        // These OpenMP threads may be ggml's too (one libgomp): its AMX matmul configures tiles once per thread
+        // and keeps them, so leave each thread's tiles as they were found (released only if none were loaded).
+        tile_config found;
+        store_config(&found);
         configure();
         union { float f[ROWS * COLS]; int32_t i[ROWS * COLS]; } tile;
         #pragma omp for schedule(static)
@@ -101,7 +110,7 @@ static void run_tiles(const char *xs, int64_t stride, int64_t N, int64_t chunks,
                 }
             }
         }
-        _tile_release();
+        if (found.palette) load_config(&found); else _tile_release();
     }
 }
 

@@ -1,0 +1,54 @@
+"""One generation in a process of its own (`speculant bench --isolate`): speculant's methods measured as
+llama.cpp's tools are, a fresh process per generation with a warm-up generation first, and as a user meets
+them (`speculant generate` is a process of its own). On a shared VM a long-lived process that has loaded
+several models decoded 10-20% slower than a fresh process running the same code (docs/results/cpu.md), which
+would count against whichever side runs in the bench's own process."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from dataclasses import asdict
+from typing import Any
+
+TIMEOUT_S = 1800  # one generation, the model's loading included
+
+
+def isolated_generate(request: dict[str, Any]) -> Any:
+    """Run `request` (see `main`) in a fresh Python process; its GenerationResult."""
+    from speculant.api import GenerationResult
+    from speculant.decoding.stats import GenerationStats
+
+    done = subprocess.run([sys.executable, "-m", "speculant.bench.isolated"], input=json.dumps(request),
+                          capture_output=True, text=True, timeout=TIMEOUT_S)
+    if done.returncode != 0:
+        raise RuntimeError(f"an isolated generation of {request['method']} failed: {done.stderr.strip()[-400:]}")
+    out = json.loads(done.stdout.strip().splitlines()[-1])
+    return GenerationResult(out["token_ids"], out["text"], GenerationStats.from_dict(out["stats"]))
+
+
+def main() -> None:
+    """Read {target, dtype, device, backend, method (a bench method spec), prompt_ids, max_new_tokens,
+    temperature, top_k, top_p, seed} from stdin; load, warm up, generate; print the result as one JSON line."""
+    from speculant.api import generate
+    from speculant.bench.methods import parse_method
+    from speculant.drafters.spec import load_drafter
+    from speculant.methods.drafting import as_keywords, with_drafters
+    from speculant.models import load_model
+
+    request = json.loads(sys.stdin.read())
+    spec = parse_method(request["method"])
+    target = load_model(request["target"], dtype=spec.dtype or request["dtype"], device=request["device"],
+                        backend=spec.backend or request["backend"])
+    options = with_drafters(spec.options, lambda d: load_drafter(d, target, getattr(spec.options, "drafter_dtype", None)))
+    ids, n = request["prompt_ids"], request["max_new_tokens"]
+    sampling = {k: request[k] for k in ("temperature", "top_k", "top_p", "seed")}
+    generate(target, prompt_ids=ids, method=spec.method, max_new_tokens=min(8, n), **sampling, **as_keywords(options))
+    result = generate(target, prompt_ids=ids, method=spec.method, max_new_tokens=n, **sampling, **as_keywords(options))
+    stats = {**asdict(result.stats), "dsi": None}
+    print(json.dumps({"token_ids": result.token_ids, "text": result.text, "stats": stats}))
+
+
+if __name__ == "__main__":
+    main()

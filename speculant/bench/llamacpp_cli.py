@@ -1,0 +1,152 @@
+"""llama.cpp's own tools as peers, built for this machine (`speculant peers build-llamacpp`): `llamacpp-cli-ar`
+runs `llama-completion` (plain decoding), `llamacpp-cli-spec` `llama-speculative-simple` with a draft
+model, and `llamacpp-cli-ngram` the same tool with its draft-free `ngram-simple` drafts. Each gets the
+target's GGUF, the prompt exactly as speculant tokenizes it (chat template applied; llama.cpp parses its
+special tokens back; the run checks that it counts the same prompt tokens), greedy or the run's sampling,
+and the context settings of speculant's llama.cpp backend (threads, context, micro-batch of 512, flash
+attention, bf16 KV cache; `kv=f16` gives llama.cpp's default cache). Times are the tools' own: prompt evaluation and generation, without loading the model.
+The tools print text, not token ids: a run counts as identical to `ar` when its text starts with ar's."""
+
+from __future__ import annotations
+
+import re
+import subprocess
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from speculant.config import SamplingConfig, option
+from speculant.errors import ConfigError
+from speculant.methods.drafting import DrafterOptions
+from speculant.models import llamacpp
+from speculant.models.llamacpp_build import tool
+
+KV_TYPES = ("bf16", "f16")
+TIMEOUT_S = 1800  # one generation
+
+
+@dataclass(frozen=True)
+class CLIAROptions:
+    kv: str = option("bf16", "KV cache type: bf16 (speculant's, the same tokens) or f16 (llama.cpp's default)",
+                     choices=KV_TYPES)
+
+    def __post_init__(self) -> None:
+        if self.kv not in KV_TYPES:
+            raise ConfigError(f"kv must be one of {', '.join(KV_TYPES)}, got {self.kv}")
+
+
+@dataclass(frozen=True)
+class CLISpecOptions(DrafterOptions, CLIAROptions):
+    k: int | None = option(None, "--spec-draft-n-max, the longest draft (default: llama.cpp's)")
+
+    def __post_init__(self) -> None:
+        DrafterOptions.__post_init__(self)
+        CLIAROptions.__post_init__(self)
+
+
+@dataclass(frozen=True)
+class CLINgramOptions(CLIAROptions):
+    k: int | None = option(None, "--spec-ngram-simple-size-m, the longest draft (default: llama.cpp's)")
+
+
+CLI_PEERS: dict[str, type] = {"llamacpp-cli-ar": CLIAROptions, "llamacpp-cli-spec": CLISpecOptions,
+                              "llamacpp-cli-ngram": CLINgramOptions}
+
+
+@dataclass
+class ToolRun:
+    """What one run of a tool printed, read back: the new text and its times (seconds)."""
+
+    text: str
+    new_tokens: int
+    prompt_tokens: int
+    wall_s: float  # prompt evaluation + generation
+    ttft_s: float
+
+
+def _number(pattern: str, log: str, tool_name: str) -> float:
+    match = re.search(pattern, log)
+    if match is None:
+        raise RuntimeError(f"{tool_name} printed no '{pattern}': {log.strip()[-300:]}")
+    return float(match.group(1))
+
+
+def read_completion(stdout: bytes, log: str) -> ToolRun:
+    """`llama-completion -no-cnv --no-display-prompt`: stdout is the new text, then ' [end of text]' at an
+    end-of-generation token, then a blank line; the log ends with common_perf_print's times."""
+    text = stdout.decode(errors="replace").removesuffix("\n\n").removesuffix(" [end of text]\n")
+    prompt_ms = _number(r"prompt eval time =\s*([\d.]+) ms", log, "llama-completion")
+    eval_ms = _number(r"(?<!prompt )eval time =\s*([\d.]+) ms", log, "llama-completion")
+    runs = int(_number(r"(?<!prompt )eval time =\s*[\d.]+ ms /\s*(\d+) runs", log, "llama-completion"))
+    sampling_ms = _number(r"sampling time =\s*([\d.]+) ms", log, "llama-completion")
+    n = runs + 1  # the last token sampled (an end token, or the n-th) is never evaluated
+    return ToolRun(text, n, int(_number(r"prompt eval time =\s*[\d.]+ ms /\s*(\d+) tokens", log, "llama-completion")),
+                   (prompt_ms + eval_ms + sampling_ms) / 1000, (prompt_ms + sampling_ms / n) / 1000)
+
+
+def read_speculative(stdout: bytes, log: str, prompt: bytes) -> ToolRun:
+    """`llama-speculative-simple`: stdout echoes the prompt, then the new text, then blank lines; the log
+    has the encode and decode times and the draft counts. Its first step is timed with decoding, so TTFT
+    here is the prompt's encoding alone (a little early, in the tool's favour)."""
+    body = stdout.removeprefix(b"\n\n")
+    if not body.startswith(prompt):
+        raise RuntimeError("llama-speculative-simple echoed another prompt than it was given")
+    text = body[len(prompt):].decode(errors="replace").rstrip("\n")
+    encode_s = _number(r"encoded\s+\d+ tokens in\s+([\d.]+) seconds", log, "llama-speculative-simple")
+    decode_s = _number(r"decoded\s+\d+ tokens in\s+([\d.]+) seconds", log, "llama-speculative-simple")
+    n = int(_number(r"decoded\s+(\d+) tokens", log, "llama-speculative-simple"))
+    return ToolRun(text, n, int(_number(r"encoded\s+(\d+) tokens", log, "llama-speculative-simple")),
+                   encode_s + decode_s, encode_s)
+
+
+def tool_args(method: str, target: Any, prompt_file: Path, max_new_tokens: int, options: Any,
+              sampling: SamplingConfig, seed: int) -> list[str]:
+    common = ["-m", str(target.weights.path), "-f", str(prompt_file), "-n", str(max_new_tokens),
+              "-t", str(target.threads), "-tb", str(target.threads), "-c", str(target.max_positions),
+              "-b", "2048", "-ub", str(llamacpp.N_BATCH), "-fa", "on", "-ctk", options.kv, "-ctv", options.kv,
+              "--seed", str(seed), "--no-escape"]  # the prompt's backslashes are text
+    if sampling.greedy:
+        common += ["--temp", "0"]
+    else:
+        common += ["--temp", str(sampling.temperature), "--top-k", str(sampling.top_k or 0),
+                   "--top-p", str(sampling.top_p or 1.0), "--min-p", "0"]
+    if method == "llamacpp-cli-ar":
+        return [str(tool("llama-completion")), *common, "-no-cnv", "--no-display-prompt"]
+    speculative = [str(tool("llama-speculative-simple")), *common]
+    if method == "llamacpp-cli-spec":
+        drafter = getattr(options.drafter, "weights", None)
+        if drafter is None:
+            raise ConfigError("llamacpp-cli-spec drafts with a GGUF model: give drafter=NAME of a catalog model or a .gguf")
+        speculative += ["--spec-type", "draft-simple", "-md", str(drafter.path), "-td", str(target.threads),
+                        "-ctkd", options.kv, "-ctvd", options.kv]
+        return speculative + (["--spec-draft-n-max", str(options.k)] if options.k else [])
+    speculative += ["--spec-type", "ngram-simple"]
+    return speculative + (["--spec-ngram-simple-size-m", str(options.k)] if options.k else [])
+
+
+def cli_generate(method: str, target: Any, prompt_ids: list[int], max_new_tokens: int, options: Any,
+                 sampling: SamplingConfig, seed: int) -> Any:
+    """One generation by one of llama.cpp's tools, as a GenerationResult timed by the tool itself."""
+    from speculant.api import GenerationResult
+    from speculant.decoding.stats import GenerationStats
+
+    if getattr(target, "backend", None) != "llamacpp" or target.tokenizer is None:
+        raise ConfigError(f"{method} needs a llama.cpp target with a tokenizer (backend=llamacpp)")
+    prompt = target.tokenizer.decode(prompt_ids, skip_special_tokens=False, clean_up_tokenization_spaces=False)
+    with tempfile.TemporaryDirectory() as scratch:
+        prompt_file = Path(scratch) / "prompt.txt"
+        prompt_file.write_bytes(prompt.encode() + b"\n")  # `-f` drops the file's last newline
+        args = tool_args(method, target, prompt_file, max_new_tokens, options, sampling, seed)
+        done = subprocess.run(args, capture_output=True, timeout=TIMEOUT_S)
+    log = done.stderr.decode(errors="replace")
+    if done.returncode != 0:
+        raise RuntimeError(f"{Path(args[0]).name} exited with {done.returncode}: {log.strip()[-400:]}")
+    run = read_completion(done.stdout, log) if method == "llamacpp-cli-ar" else \
+        read_speculative(done.stdout, log, prompt.encode())
+    if run.prompt_tokens != len(prompt_ids):
+        raise RuntimeError(f"{Path(args[0]).name} tokenized the prompt into {run.prompt_tokens} tokens, "
+                           f"speculant into {len(prompt_ids)}: the runs would not be comparable")
+    stats = GenerationStats(method=method, new_tokens=run.new_tokens, wall_s=run.wall_s, ttft_s=run.ttft_s)
+    token_ids = target.tokenizer.encode(run.text, add_special_tokens=False)
+    return GenerationResult(token_ids, run.text, stats)

@@ -1,0 +1,147 @@
+"""llama.cpp built for this machine and its tools as bench peers: the AMX fix applied to the source, the
+tools' output read back (text, prompt tokens, times), clear errors, and (where the tools are built) one bench
+run in which `ar` and `llamacpp-cli-*` give the same text."""
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from speculant.bench.llamacpp_cli import CLI_PEERS, read_completion, read_speculative
+from speculant.bench.methods import parse_method
+from speculant.errors import ConfigError, ModelNotAvailable
+from speculant.models import llamacpp_build
+
+# What the tools print (captured from llama.cpp 0.3.36's builds; log lines carry a timestamp prefix).
+COMPLETION_OUT = b"Hello! How can I assist you today? [end of text]\n\n\n"
+COMPLETION_LOG = """0.06.080.639 I common_perf_print:    sampling time =       4.47 ms
+0.06.080.654 I common_perf_print:    samplers time =       0.90 ms /    19 tokens
+0.06.080.668 I common_perf_print:        load time =    3968.91 ms
+0.06.080.675 I common_perf_print: prompt eval time =     267.31 ms /    10 tokens (   29.70 ms per token,    33.67 tokens per second)
+0.06.080.682 I common_perf_print:        eval time =    1316.85 ms /     9 runs   (  146.32 ms per token,     6.83 tokens per second)
+0.06.080.688 I common_perf_print:       total time =    1609.82 ms /    18 tokens
+"""
+PROMPT = b"<|im_start|>user\nSay hi<|im_end|>\n<|im_start|>assistant\n"
+SPECULATIVE_OUT = b"\n\n" + PROMPT + b"Hello! How can I assist you today?\n\n\n\n"
+SPECULATIVE_LOG = """0.09.913.043 I encoded   10 tokens in    2.493 seconds, speed:    3.610 t/s
+0.09.913.044 I decoded   10 tokens in    2.825 seconds, speed:    3.539 t/s
+0.09.913.045 I n_predict = 10
+0.09.913.045 I n_drafted = 4
+0.09.913.045 I n_accept  = 2
+"""
+
+
+def test_completion_output_is_read_back():
+    run = read_completion(COMPLETION_OUT, COMPLETION_LOG)
+    assert run.text == "Hello! How can I assist you today?"
+    assert (run.new_tokens, run.prompt_tokens) == (10, 10)  # 9 evaluated + the end token never evaluated
+    assert run.wall_s == pytest.approx((267.31 + 1316.85 + 4.47) / 1000)
+    assert run.ttft_s == pytest.approx((267.31 + 4.47 / 10) / 1000)
+
+
+def test_speculative_output_is_read_back_and_its_prompt_checked():
+    run = read_speculative(SPECULATIVE_OUT, SPECULATIVE_LOG, PROMPT)
+    assert run.text == "Hello! How can I assist you today?"
+    assert (run.new_tokens, run.prompt_tokens) == (10, 10)
+    assert run.wall_s == pytest.approx(2.493 + 2.825) and run.ttft_s == pytest.approx(2.493)
+    with pytest.raises(RuntimeError, match="another prompt"):
+        read_speculative(SPECULATIVE_OUT, SPECULATIVE_LOG, PROMPT.replace(b"hi", b"ho"))
+    with pytest.raises(RuntimeError, match="decoded"):
+        read_speculative(SPECULATIVE_OUT, "encoded 3 tokens in 1.0 seconds", PROMPT)
+
+
+def test_the_amx_tile_configuration_fix_applies_to_the_line_gcc_12_miscompiles(tmp_path):
+    source = tmp_path / "llama.cpp"
+    path = source / llamacpp_build.AMX_FILE
+    path.parent.mkdir(parents=True)
+    path.write_text("    alignas(64) tile_config_t tc = {};\n    _tile_loadconfig(&tc);\n    done = true;\n")
+    assert llamacpp_build.patch_amx(source)
+    text = path.read_text()
+    assert "_tile_loadconfig(&tc)" not in text and '"m"(tc)' in text and "done = true;" in text
+    assert not llamacpp_build.patch_amx(source)  # already fixed (or a llama.cpp that no longer has the line)
+    assert not llamacpp_build.patch_amx(tmp_path / "elsewhere")
+
+
+def test_a_build_is_per_version_and_cpu_and_missing_tools_say_how_to_build(tmp_path, monkeypatch, capsys):
+    monkeypatch.setenv("SPECULANT_CACHE", str(tmp_path))
+    root = llamacpp_build.build_root("9.9.9")
+    assert root.parent == tmp_path / "llamacpp" and root.name == f"9.9.9-{llamacpp_build.machine_key()}"
+    pytest.importorskip("llama_cpp")
+    with pytest.raises(ModelNotAvailable, match="speculant peers build-llamacpp"):
+        llamacpp_build.tool("llama-completion")
+    from speculant import cli
+
+    assert cli.main(["bench", "--methods", "ar", "llamacpp-cli-ar", "--target", "no-such-model"]) == 2
+    assert "build-llamacpp" in capsys.readouterr().err  # said before the (unknown) model is looked up
+
+
+def test_cli_peer_specs_parse_and_refuse_bad_options():
+    for name in CLI_PEERS:
+        spec = parse_method(name)
+        assert spec.peer and spec.backend == "llamacpp" and spec.options.kv == "bf16"
+    assert parse_method("llamacpp-cli-ar:kv=f16").options.kv == "f16"
+    assert parse_method("llamacpp-cli-ngram:k=16").options.k == 16
+    with pytest.raises(ConfigError, match="kv must be one of"):
+        parse_method("llamacpp-cli-ar:kv=q4_0")
+    with pytest.raises(ConfigError):
+        parse_method("llamacpp-cli-ar:k=4")  # plain decoding drafts nothing
+
+
+@pytest.mark.real_model
+def test_llamacpp_tools_give_ar_s_text_in_one_bench_run(tmp_path):
+    """In a fresh process (so speculant loads the same native build as the tools): ar and the three
+    llama.cpp tools on the 0.5B, which drafts for itself, agree on every prompt."""
+    pytest.importorskip("llama_cpp")
+    from speculant.models.catalog import CATALOG
+
+    try:
+        CATALOG["qwen2.5-coder-0.5b"].part_paths()
+        llamacpp_build.tool("llama-completion")
+    except Exception as error:  # noqa: BLE001
+        pytest.skip(str(error))
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text("\n".join(json.dumps(p) for p in [
+        {"id": "a", "category": "qa", "turns": ["What does a hash map do? Answer in one sentence."]},
+        {"id": "b", "category": "code", "prompt": "def fib(n):\n    \"\"\"Return the n-th Fibonacci number ('\\\\n' stays).\"\"\"\n"}]))
+    out = tmp_path / "out"
+    done = subprocess.run([sys.executable, "-m", "speculant.cli", "bench", "--target", "qwen2.5-coder-0.5b",
+                           "--prompts", str(prompts), "--max-new-tokens", "24", "--out", str(out), "--methods", "ar",
+                           "llamacpp-cli-ar", "llamacpp-cli-ngram", "llamacpp-cli-spec:drafter=qwen2.5-coder-0.5b,k=4"],
+                          capture_output=True, text=True, timeout=900)
+    assert done.returncode == 0, done.stderr[-2000:]
+    summary = {s["method"]: s for s in json.loads((out / "results.json").read_text())["summary"]}
+    for name in ("llamacpp-cli-ar", "llamacpp-cli-ngram", "llamacpp-cli-spec:drafter=qwen2.5-coder-0.5b,k=4"):
+        assert summary[name]["identical_to_ar"] == 1.0, name
+        assert summary[name]["tokens_per_s"] > 0 and summary[name]["ttft_s"] > 0
+
+
+@pytest.mark.real_model
+def test_llama_cpp_python_s_own_library_runs_with_or_without_its_amx_path(tmp_path):
+    """llama-cpp-python's library as pip built it, in a fresh process and cache: where ggml has an AMX matmul it
+    is tried in a child first; if it faulted (GCC 12 builds on AMX CPUs), the weights load without extra buffers,
+    else with them; either way generating works instead of crashing."""
+    import importlib.util
+    import os
+    from pathlib import Path
+
+    spec = importlib.util.find_spec("llama_cpp")
+    if spec is None:
+        pytest.skip("llama-cpp-python is not installed")
+    lib = Path(spec.submodule_search_locations[0]) / "lib"
+    code = ("import json; from speculant import generate; from speculant.models import load_model, llamacpp; "
+            "m = load_model('qwen2.5-coder-0.5b@gguf'); r = generate(m, 'def f():', method='ar', max_new_tokens=8); "
+            "print(json.dumps([m.weights.buffers, llamacpp.system_info()['features'].split(), len(r.token_ids)]))")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=600,
+                          env={**os.environ, "LLAMA_CPP_LIB_PATH": str(lib), "SPECULANT_CACHE": str(tmp_path)})
+    if "cannot" in done.stderr and done.returncode == 2:
+        pytest.skip(done.stderr.strip()[-200:])
+    assert done.returncode == 0, done.stderr[-2000:]
+    buffers, features, n = json.loads(done.stdout.strip().splitlines()[-1])
+    assert n == 8
+    verdicts = tmp_path / "llamacpp-faults.json"
+    if "AMX_INT8" in features:
+        (faulted,) = json.loads(verdicts.read_text()).values()
+        assert ("AMX" in buffers) != faulted
+    else:
+        assert not verdicts.exists() and "AMX" not in buffers
