@@ -125,6 +125,14 @@ def build_parser() -> argparse.ArgumentParser:
                             "once, into the cache: the peers llamacpp-cli-ar, -spec and -ngram")
     tools.add_argument("--jobs", type=int, default=None, help="parallel compile jobs (default: all cores)")
 
+    kern = commands.add_parser("bench-kernels", help="T(W) of speculant's 4-bit kernels on a GGUF model's own "
+                               "matrices, W rows through every linear layer, per ISA path of this machine")
+    kern.add_argument("--model", default=DEFAULT_TARGET, help=f"catalog name or .gguf file (default: {DEFAULT_TARGET})")
+    kern.add_argument("--widths", default="1-8,16", help="rows per call, e.g. 1-16 or 1,2,4,8 (default: 1-8,16)")
+    kern.add_argument("--isa", nargs="+", default=None, help="paths to time (default: all but scalar)")
+    kern.add_argument("--repeats", type=int, default=5)
+    kern.add_argument("--out", default=None, help="write the result as JSON")
+
     simulate = commands.add_parser("simulate", help="offline simulation of non-SI, SI and DSI (no model needed)")
     sims = simulate.add_subparsers(dest="simulation", required=True)
     from speculant.analysis.commands import LOOKAHEADS  # numpy only
@@ -542,6 +550,17 @@ def run_simulate(args: argparse.Namespace) -> None:
         print("wrote " + ", ".join(str(p) for p in paths))
 
 
+def run_bench_kernels(args: argparse.Namespace) -> None:
+    from speculant.bench.kernels import bench_kernels, report
+
+    if args.repeats < 1:
+        raise ConfigError("repeats must be >= 1")
+    result = bench_kernels(args.model, parse_widths(args.widths), args.isa, args.repeats)
+    print(report(result))
+    if args.out:
+        Path(args.out).write_text(json.dumps(result, indent=2) + "\n")
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     args = build_parser().parse_args(argv)
@@ -560,6 +579,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             run_serve(args)
         elif args.command == "bench-serve":
             run_bench_serve(args)
+        elif args.command == "bench-kernels":
+            run_bench_kernels(args)
         elif args.command == "peers":
             from speculant.models.llamacpp_build import build
 

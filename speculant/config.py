@@ -22,7 +22,7 @@ AUTO = "auto"  # a size, dtype or method that speculant chooses from measurement
 DEFAULT_TARGET = "qwen2.5-coder-1.5b"  # catalog names (speculant.models.catalog)
 DEFAULT_DRAFTER = "qwen2.5-coder-0.5b"
 DTYPES = ("auto", "bf16", "fp32")
-BACKENDS = ("hf", "llamacpp")  # transformers; GGUF on llama.cpp (speculant.models.llamacpp)
+BACKENDS = ("hf", "llamacpp", "lean")  # transformers; GGUF on llama.cpp; GGUF on speculant's own kernels
 EXECUTORS = ("thread", "process", "ray")  # where DSI's target servers run
 
 
@@ -73,7 +73,8 @@ class ModelConfig:
                         choices=DTYPES)
     device: str = option("cpu", "cpu, cuda or cuda:N")
     backend: str = option(AUTO, "auto (llama.cpp for catalog/GGUF models on the CPU where llama-cpp-python is "
-                                "installed), hf (transformers) or llamacpp", choices=(AUTO, *BACKENDS))
+                                "installed), hf (transformers), llamacpp, or lean (GGUF K-quants on speculant's "
+                                "exact kernels)", choices=(AUTO, *BACKENDS))
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPES:

@@ -1,5 +1,6 @@
 """Tiny GGUF files for the llama.cpp backend's tests: a seeded transformers model of tests/helpers.py
-written out with the `gguf` package (llama and qwen2 architectures, f32 or q8_0 weights) and a byte-level
+written out with the `gguf` package (llama and qwen2 architectures; f32, q8_0, or "k": Q4_K and Q6_K as in
+Q4_K_M, with hidden sizes a multiple of 256) and a byte-level
 vocabulary, so that llama.cpp and transformers run the same weights."""
 
 from __future__ import annotations
@@ -17,8 +18,10 @@ def _permute(weights: np.ndarray, heads: int) -> np.ndarray:
     return weights.reshape(heads, 2, weights.shape[0] // heads // 2, *weights.shape[1:]).swapaxes(1, 2).reshape(weights.shape)
 
 
-def write_tiny_gguf(path: Path, arch: str, seed: int, quant: str = "q8_0", layers: int = 2, hidden: int = 64):
-    """Write the tiny model `tiny_transformer(arch, seed, BYTE_VOCAB)` as a GGUF file; return the model."""
+def write_tiny_gguf(path: Path, arch: str, seed: int, quant: str = "q8_0", layers: int = 2, hidden: int = 64,
+                    window: int | None = None):
+    """Write the tiny model `tiny_transformer(arch, seed, BYTE_VOCAB)` as a GGUF file (with `window`, keys
+    beyond a sliding window of that many positions are hidden, as Mistral's); return the model."""
     import gguf
 
     model = tiny_transformer(arch, seed, BYTE_VOCAB, init_std=0.1, layers=layers, hidden=hidden)
@@ -34,7 +37,10 @@ def write_tiny_gguf(path: Path, arch: str, seed: int, quant: str = "q8_0", layer
     writer.add_layer_norm_rms_eps(config.rms_norm_eps)
     writer.add_rope_freq_base(config.rope_parameters["rope_theta"] if hasattr(config, "rope_parameters")
                               else config.rope_theta)
-    writer.add_file_type(gguf.LlamaFileType.ALL_F32 if quant == "f32" else gguf.LlamaFileType.MOSTLY_Q8_0)
+    if window is not None:
+        writer.add_sliding_window(window)
+    writer.add_file_type({"f32": gguf.LlamaFileType.ALL_F32, "q8_0": gguf.LlamaFileType.MOSTLY_Q8_0,
+                          "k": gguf.LlamaFileType.MOSTLY_Q4_K_M}[quant])
     tokenizer = byte_tokenizer()
     vocab = tokenizer.get_vocab()
     tokens = sorted(vocab, key=vocab.get)
@@ -64,6 +70,10 @@ def write_tiny_gguf(path: Path, arch: str, seed: int, quant: str = "q8_0", layer
         if quant == "q8_0" and data.ndim == 2 and out != "token_embd.weight":
             writer.add_tensor(out, gguf.quants.quantize(data, gguf.GGMLQuantizationType.Q8_0),
                               raw_dtype=gguf.GGMLQuantizationType.Q8_0)
+        elif quant == "k" and data.ndim == 2 and out != "token_embd.weight":  # Q4_K_M's mix
+            six = out.endswith(("attn_v.weight", "ffn_down.weight", "output.weight"))
+            writer.add_tensor(out, (quantize_q6_k if six else quantize_q4_k)(data),
+                              raw_dtype=gguf.GGMLQuantizationType.Q6_K if six else gguf.GGMLQuantizationType.Q4_K)
         else:
             writer.add_tensor(out, data)
     writer.write_header_to_file()
@@ -71,3 +81,43 @@ def write_tiny_gguf(path: Path, arch: str, seed: int, quant: str = "q8_0", layer
     writer.write_tensors_to_file()
     writer.close()
     return model
+
+
+def quantize_q4_k(x: np.ndarray) -> np.ndarray:
+    """[O, K] fp32 -> GGUF Q4_K bytes [O, K/256 * 144]: per block of 32 a scale and a min, each in six bits of
+    the super-block's d and dmin (a plain min-max rule, not llama.cpp's search)."""
+    rows = x.shape[0]
+    blocks = x.reshape(rows, -1, 8, 32)
+    low, high = np.minimum(blocks.min(-1), 0), np.maximum(blocks.max(-1), 0)
+    scale, offset = (high - low) / 15, -low
+    d = np.maximum(scale.max(-1), 1e-8) / 63
+    dmin = np.maximum(offset.max(-1), 1e-8) / 63
+    d, dmin = d.astype(np.float16), dmin.astype(np.float16)
+    sc = np.clip(np.rint(scale / d.astype(np.float32)[..., None]), 1, 63).astype(np.uint8)
+    m = np.clip(np.rint(offset / dmin.astype(np.float32)[..., None]), 0, 63).astype(np.uint8)
+    step = (d.astype(np.float32)[..., None] * sc)[..., None]
+    q = np.clip(np.rint((blocks + (dmin.astype(np.float32)[..., None] * m)[..., None]) / step), 0, 15).astype(np.uint8)
+    packed_scales = np.concatenate([
+        (sc[..., :4] & 0x3F) | ((sc[..., 4:] >> 4) << 6),
+        (m[..., :4] & 0x3F) | ((m[..., 4:] >> 4) << 6),
+        (sc[..., 4:] & 0x0F) | ((m[..., 4:] & 0x0F) << 4)], axis=-1)  # the inverse of ggml's get_scale_min_k4
+    q = q.reshape(rows, -1, 4, 2, 32)  # [O, S, chunk, low/high nibble, 32]
+    qs = (q[..., 0, :] | (q[..., 1, :] << 4)).reshape(rows, -1, 128)
+    return np.concatenate([d[..., None].view(np.uint8), dmin[..., None].view(np.uint8), packed_scales, qs],
+                          axis=-1).reshape(rows, -1)
+
+
+def quantize_q6_k(x: np.ndarray) -> np.ndarray:
+    """[O, K] fp32 -> GGUF Q6_K bytes [O, K/256 * 210]: per block of 16 an int8 scale of the super-block's d."""
+    rows = x.shape[0]
+    blocks = x.reshape(rows, -1, 16, 16)
+    scale = np.abs(blocks).max(-1) / 31
+    d = (np.maximum(scale.max(-1), 1e-8) / 127).astype(np.float16)
+    sc = np.clip(np.rint(scale / d.astype(np.float32)[..., None]), 1, 127).astype(np.int8)
+    step = (d.astype(np.float32)[..., None] * sc)[..., None]
+    q = (np.clip(np.rint(blocks / step), -32, 31) + 32).astype(np.uint8).reshape(rows, -1, 2, 128)  # [O, S, half, 128]
+    ql = (q[..., :64] & 0x0F) | ((q[..., 64:] & 0x0F) << 4)  # [O, S, half, 64]
+    qh = (q >> 4).reshape(rows, -1, 2, 4, 32) << np.array([0, 2, 4, 6], dtype=np.uint8).reshape(4, 1)
+    qh = np.bitwise_or.reduce(qh, axis=3)  # [O, S, half, 32]
+    return np.concatenate([ql.reshape(rows, -1, 128), qh.reshape(rows, -1, 64), sc.view(np.uint8),
+                           d[..., None].view(np.uint8)], axis=-1).reshape(rows, -1)

@@ -68,7 +68,7 @@ def load_drafter(drafter: Any, target: Any, dtype: str | None = None) -> Any:
     table of the target's tokenizer); `self` (the target's weights with a cache of their own) or
     `self@int8` / `self@int4` (a quantized copy); a loaded model as given; or any model `load_model`
     accepts, on the target's backend: for a transformers target, on its device in `dtype` (default: the
-    target's); for a llama.cpp target, GGUF models on llama.cpp and others through transformers."""
+    target's); for a llama.cpp or lean target, GGUF models on llama.cpp and others through transformers."""
     from speculant.drafters.base import Drafter
     from speculant.models import CausalLM, HFCausalLM, dtype_name, load_model, quantized_copy
 
@@ -92,7 +92,7 @@ def load_drafter(drafter: Any, target: Any, dtype: str | None = None) -> Any:
         return target.share()
     if isinstance(drafter, CausalLM):
         model = drafter
-    elif getattr(target, "backend", "hf") == "llamacpp":
+    elif getattr(target, "backend", "hf") in ("llamacpp", "lean"):  # GGUF drafters on llama.cpp
         model = load_model(str(drafter), dtype=dtype)
     else:
         gguf = isinstance(drafter, DrafterSpec) and drafter.quant == GGUF

@@ -65,7 +65,7 @@ class AutoOptions:
 
 
 def default_drafters(target: Any) -> tuple[str, ...]:
-    """The catalog's drafter for a catalog target - for a llama.cpp target its GGUF on llama.cpp; else
+    """The catalog's drafter for a catalog target - for a llama.cpp or lean target its GGUF on llama.cpp; else
     quantized to int8 where speculant's AMX int8 kernel runs (its cost stays flat over the several tokens a
     drafter catches up on after an accepted draft) and to int4 elsewhere - and Max-Gram."""
     from speculant.models import native
@@ -74,7 +74,7 @@ def default_drafters(target: Any) -> tuple[str, ...]:
     entry = CATALOG.get(target.name.split("@")[0])
     if entry is None or not entry.drafter:
         return ("maxgram",)
-    if getattr(target, "backend", "hf") == "llamacpp":
+    if getattr(target, "backend", "hf") in ("llamacpp", "lean"):
         return (f"{entry.drafter}@gguf", "maxgram")
     return (f"{entry.drafter}@{'int8' if native.AMX.library() is not None else 'int4'}", "maxgram")
 

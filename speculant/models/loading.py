@@ -93,20 +93,21 @@ def resolve_backend(backend: str | None, spec: Any, quant: str | None, device: s
         on_cpu = device is None or resolve_device(device).type == "cpu"
         as_they_are = quant is None and dtype in (None, AUTO)
         return "llamacpp" if is_gguf and as_they_are and on_cpu and llamacpp.available() else "hf"
-    if backend == "llamacpp":
+    if backend in ("llamacpp", "lean"):
         if not is_gguf:
-            raise ConfigError(f"the llama.cpp backend runs GGUF weights: a catalog name or a .gguf file, not {spec!r}")
+            raise ConfigError(f"the {backend} backend runs GGUF weights: a catalog name or a .gguf file, not {spec!r}")
         if quant not in (None, GGUF):
-            raise ConfigError(f"@{quant} quantizes transformers weights; the llama.cpp backend runs the GGUF as it is")
+            raise ConfigError(f"@{quant} quantizes transformers weights; the {backend} backend runs the GGUF as it is")
         if device is not None and resolve_device(device).type != "cpu":
-            raise ConfigError("speculant's llama.cpp backend runs on the CPU")
+            raise ConfigError(f"speculant's {backend} backend runs on the CPU")
     elif quant == GGUF:
         raise ConfigError("@gguf runs on the llama.cpp backend, not transformers")
     return backend
 
 
-def load_gguf(spec: str | Path, tokenizer: Any | None = None, threads: int | None = None) -> CausalLM:
-    """A catalog model's packaged GGUF (concatenated once, no de-quantization) or a .gguf file, on llama.cpp."""
+def _gguf_source(spec: str | Path, tokenizer: Any | None) -> tuple[Path, str, Any | None, frozenset[int]]:
+    """(file, name, tokenizer, extra end-of-sequence ids) of a catalog model's packaged GGUF (concatenated
+    once, no de-quantization) or a .gguf file."""
     name = str(spec)
     extra_eos: tuple[str, ...] = ()
     if name in CATALOG:
@@ -125,8 +126,25 @@ def load_gguf(spec: str | Path, tokenizer: Any | None = None, threads: int | Non
         except Exception:  # noqa: BLE001 - a GGUF whose tokenizer transformers cannot read still runs on ids
             tokenizer = None
     extra_ids = frozenset(tokenizer.convert_tokens_to_ids(t) for t in extra_eos) if tokenizer else frozenset()
+    return path, name, tokenizer, extra_ids
+
+
+def load_gguf(spec: str | Path, tokenizer: Any | None = None, threads: int | None = None) -> CausalLM:
+    """A catalog model's packaged GGUF or a .gguf file, on llama.cpp."""
+    path, name, tokenizer, extra_ids = _gguf_source(spec, tokenizer)
     weights = llamacpp.shared_weights(path)
     return llamacpp.LlamaCppCausalLM(weights, tokenizer, name, extra_ids, f"{name} gguf", threads)
+
+
+def load_lean(spec: str | Path, tokenizer: Any | None = None) -> CausalLM:
+    """A catalog model's packaged GGUF or a .gguf file, on the lean model and speculant's kernels."""
+    from speculant.models import lean
+
+    path, name, tokenizer, extra_ids = _gguf_source(spec, tokenizer)
+    eos = set(extra_ids)
+    if tokenizer is not None and tokenizer.eos_token_id is not None:
+        eos.add(tokenizer.eos_token_id)
+    return lean.LeanCausalLM(lean.shared_weights(path), tokenizer, name, frozenset(eos), f"{name} lean")
 
 
 def load_model(spec: Any, dtype: str | None = None, device: str | None = None, tokenizer: Any | None = None,
@@ -152,10 +170,11 @@ def load_model(spec: Any, dtype: str | None = None, device: str | None = None, t
         spec, quant = split_quant(spec)
     if quant is not None and quant not in (*QUANTS, GGUF):
         raise ConfigError(f"unknown quantization '{quant}' (choose from {', '.join(QUANTS)}, or gguf)")
-    if resolve_backend(backend, spec, quant, device, dtype) == "llamacpp":
+    chosen = resolve_backend(backend, spec, quant, device, dtype)
+    if chosen in ("llamacpp", "lean"):
         if dtype not in (None, AUTO):
-            raise ConfigError("the llama.cpp backend runs the GGUF's own types: give no dtype")
-        return load_gguf(spec, tokenizer)
+            raise ConfigError(f"the {chosen} backend runs the GGUF's own types: give no dtype")
+        return load_gguf(spec, tokenizer) if chosen == "llamacpp" else load_lean(spec, tokenizer)
     model, tokenizer, name, extra_eos = _load_transformers(spec, dtype, device, tokenizer)
     if quant is not None:
         if model is spec:

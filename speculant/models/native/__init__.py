@@ -11,17 +11,13 @@
 from __future__ import annotations
 
 import ctypes
-import hashlib
-import os
-import shutil
-import subprocess
 from dataclasses import dataclass
 from functools import cache
 from pathlib import Path
 
 import torch
 
-from speculant.cache import cache_root
+from speculant.kernels.build import compile_library
 from speculant.machine import cpu_has
 
 PANEL = 16  # output rows per packed panel, both kernels
@@ -92,24 +88,11 @@ def _suffix(dtype: torch.dtype) -> str:
 def _library(kernel: NativeKernel) -> ctypes.CDLL | None:
     """The compiled kernel, or None where it cannot run (CPU features missing, no C compiler, a failed
     build, no AMX permission from the OS)."""
-    compiler = os.environ.get("CC") or shutil.which("gcc") or shutil.which("cc")
-    if not cpu_has(*kernel.cpu_flags) or compiler is None:
+    if not cpu_has(*kernel.cpu_flags):
         return None
-    source = Path(__file__).with_name(kernel.source)
-    flags = ("-O3", *kernel.flags, "-fopenmp", "-shared", "-fPIC")
-    key = hashlib.sha256(source.read_bytes() + " ".join(flags).encode()).hexdigest()[:16]
-    path = cache_root() / "kernels" / f"{source.stem}-{key}.so"
-    if not path.is_file():
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_suffix(f".{os.getpid()}.tmp")
-        try:
-            subprocess.run([compiler, *flags, "-o", str(tmp), str(source)], check=True, capture_output=True,
-                           timeout=120)
-        except (OSError, subprocess.SubprocessError):
-            tmp.unlink(missing_ok=True)
-            return None
-        tmp.replace(path)
-    lib = ctypes.CDLL(str(path))
+    lib = compile_library(Path(__file__).with_name(kernel.source), kernel.flags)
+    if lib is None:
+        return None
     if kernel.name == "amx":
         lib.amx_pack.argtypes = lib.amx_pack_i8.argtypes = [_P, _I, _I, _P]
         lib.amx_linear.argtypes = [_P, _I, _I, _P, _I, _P, ctypes.c_int]

@@ -1,0 +1,119 @@
+"""speculant's exact 4-bit kernels: GGUF K-quant weights (repacked once, `formats.py`) times int8
+activation rows, one C file per ISA (`scalar.c`, `avx2.c`, `avx512.c`), chosen at run time by the CPU's
+features. Each weight block is unpacked once per call for every row of a tile (llamafile's tinyBLAS
+register tiling), and each output is accumulated in the same order whatever the number of rows, the
+tile, the thread or the ISA: row r of a W-row call equals the 1-row call, and every path equals the
+scalar reference, bit for bit.
+
+    act = quantize(x)                       # x [W, K] fp32, each row on its own (Q8_0's rule per 32)
+    y = matmul(act, weight)                 # weight: QuantWeight.from_gguf(kind, raw); y [W, O] fp32
+"""
+
+from __future__ import annotations
+
+import ctypes
+from dataclasses import dataclass
+from functools import cache
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from speculant.kernels import formats
+from speculant.kernels.build import compile_library
+from speculant.machine import cpu_has
+
+_P, _I = ctypes.c_void_p, ctypes.c_int64
+
+
+@dataclass(frozen=True)
+class Isa:
+    name: str
+    source: str
+    flags: tuple[str, ...]
+    cpu_flags: tuple[str, ...]
+
+
+ISAS = (  # fastest first
+    Isa("avx512_vnni", "avx512.c", ("-mavx512f", "-mavx512bw", "-mavx512vnni", "-mf16c"),
+        ("avx512f", "avx512bw", "avx512_vnni", "f16c")),
+    Isa("avx2", "avx2.c", ("-mavx2", "-mfma", "-mf16c"), ("avx2", "fma", "f16c")),
+    Isa("scalar", "scalar.c", (), ()),
+)
+KINDS = tuple(formats.BYTES)
+
+
+@cache
+def library(name: str) -> ctypes.CDLL | None:
+    """The ISA's compiled kernels, or None where the CPU lacks its features or no C compiler is found."""
+    isa = next(isa for isa in ISAS if isa.name == name)
+    if not cpu_has(*isa.cpu_flags):
+        return None
+    lib = compile_library(Path(__file__).with_name(isa.source), isa.flags)
+    if lib is not None:
+        lib.quantize_rows.argtypes = [_P, _I, _I, _P, _P, _P, _P]
+        for kind in KINDS:
+            getattr(lib, f"matmul_{kind}").argtypes = [_P, _P, _P, _P, _I, _I, _P, _I, _P, ctypes.c_int]
+    return lib
+
+
+def paths() -> list[str]:
+    """The ISAs this machine runs, fastest first."""
+    return [isa.name for isa in ISAS if library(isa.name) is not None]
+
+
+def best() -> str:
+    return paths()[0]
+
+
+@dataclass(frozen=True)
+class QuantWeight:
+    """A [out_features, in_features] weight matrix in a kernel's layout (uint8 bytes)."""
+    kind: str
+    out_features: int
+    in_features: int
+    data: torch.Tensor
+
+    @classmethod
+    def from_gguf(cls, kind: str, raw: np.ndarray) -> "QuantWeight":
+        """`raw`: the GGUF tensor's bytes, one row of blocks per output ([O, K/256 * block bytes])."""
+        packed = formats.pack(kind, raw)
+        return cls(kind, raw.shape[0], packed.shape[1] * formats.SUPER, torch.from_numpy(packed))
+
+
+@dataclass(frozen=True)
+class Activations:
+    """Rows of activations quantized to int8: quants [W, K], scales per 32 inputs [W, K/32], and each scale
+    times the sum of its quants, per 32 [W, K/32] and per 16 inputs [W, K/16] (for the weights' offsets)."""
+    quants: torch.Tensor
+    scales: torch.Tensor
+    offsets32: torch.Tensor
+    offsets16: torch.Tensor
+
+    @property
+    def rows(self) -> int:
+        return self.quants.shape[0]
+
+
+def quantize(x: torch.Tensor, isa: str | None = None) -> Activations:
+    """x [W, K] (K a multiple of 32), each row quantized on its own."""
+    x = x.float().contiguous()
+    rows, width = x.shape
+    act = Activations(torch.empty(rows, width, dtype=torch.int8), torch.empty(rows, width // 32),
+                      torch.empty(rows, width // 32), torch.empty(rows, width // 16))
+    library(isa or best()).quantize_rows(x.data_ptr(), rows, width, act.quants.data_ptr(), act.scales.data_ptr(),
+                                         act.offsets32.data_ptr(), act.offsets16.data_ptr())
+    return act
+
+
+def matmul(act: Activations, weight: QuantWeight, isa: str | None = None, threads: int | None = None) -> torch.Tensor:
+    """act [W, K] times weight^T: [W, out_features] fp32."""
+    if act.quants.shape[1] != weight.in_features:
+        raise ValueError(f"{act.quants.shape[1]} inputs for a weight of {weight.in_features}")
+    padded = weight.data.shape[0] * formats.PANEL
+    y = torch.empty(act.rows, padded)
+    getattr(library(isa or best()), f"matmul_{weight.kind}")(
+        act.quants.data_ptr(), act.scales.data_ptr(), act.offsets32.data_ptr(), act.offsets16.data_ptr(), act.rows,
+        weight.in_features,
+        weight.data.data_ptr(), padded, y.data_ptr(), threads or torch.get_num_threads())
+    return y if padded == weight.out_features else y[:, :weight.out_features].contiguous()

@@ -1,0 +1,95 @@
+// AVX2 (+FMA, F16C): an 8-lane register holds half a panel's outputs, the halves in turn; each weight
+// block is unpacked once per half and every row of the tile multiplies it by its four activation bytes
+// broadcast (vpmaddubsw then vpmaddwd: u8 x s8 pairs, then quads, into exact int32 sums; the pairs stay
+// below 2 * 63 * 127, far from int16's saturation).
+#include <immintrin.h>
+#include "common.h"
+
+#define TILE 4
+
+static inline __m256i dot4(__m256i w, const int8_t *a, __m256i ones) {
+    return _mm256_madd_epi16(_mm256_maddubs_epi16(w, _mm256_set1_epi32(load32(a))), ones);
+}
+
+static inline __attribute__((always_inline)) void q4k_tile(const int rows, const int8_t *qa, const float *sa,
+                                                          const float *o32, const float *o16, int64_t K,
+                                                          const uint8_t *panel, float *y, int64_t O) {
+    const __m256i low = _mm256_set1_epi8(0x0F), ones = _mm256_set1_epi16(1);
+    for (int h = 0; h < 2; h++) {
+        __m256 acc[TILE];
+        for (int r = 0; r < rows; r++) acc[r] = _mm256_setzero_ps();
+        for (int64_t s = 0; s < K / 256; s++) {
+            const uint8_t *sp = panel + s * Q4K_SUPER;
+            __m256 d = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(sp + h * 16)));
+            __m256 dmin = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(sp + 32 + h * 16)));
+            for (int b = 0; b < 8; b++) {
+                const uint8_t *bp = sp + 64 + b * Q4K_BLOCK;
+                __m256 scale = _mm256_mul_ps(d, _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(bp + h * 8)))));
+                __m256 min = _mm256_mul_ps(dmin, _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(bp + 16 + h * 8)))));
+                int64_t kb = s * 8 + b;
+                __m256i dot[TILE];
+                for (int r = 0; r < rows; r++) dot[r] = _mm256_setzero_si256();
+                for (int c = 0; c < 4; c++) {
+                    __m256i raw = _mm256_loadu_si256((const __m256i *)(bp + 32 + c * 64 + h * 32));
+                    __m256i lo = _mm256_and_si256(raw, low), hi = _mm256_and_si256(_mm256_srli_epi16(raw, 4), low);
+                    for (int r = 0; r < rows; r++) {
+                        const int8_t *a = qa + r * K + kb * 32;
+                        dot[r] = _mm256_add_epi32(dot[r], dot4(lo, a + 4 * c, ones));
+                        dot[r] = _mm256_add_epi32(dot[r], dot4(hi, a + 16 + 4 * c, ones));
+                    }
+                }
+                for (int r = 0; r < rows; r++) {
+                    float sr = sa[r * (K / 32) + kb];
+                    acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot[r]), _mm256_mul_ps(scale, _mm256_set1_ps(sr)), acc[r]);
+                    float offset = o32[r * (K / 32) + kb];
+                    acc[r] = _mm256_fnmadd_ps(min, _mm256_set1_ps(offset), acc[r]);
+                }
+            }
+        }
+        for (int r = 0; r < rows; r++) _mm256_storeu_ps(y + r * O + h * 8, acc[r]);
+    }
+}
+
+static inline __attribute__((always_inline)) void q6k_tile(const int rows, const int8_t *qa, const float *sa,
+                                                          const float *o32, const float *o16, int64_t K,
+                                                          const uint8_t *panel, float *y, int64_t O) {
+    const __m256i low = _mm256_set1_epi8(0x0F), two = _mm256_set1_epi8(0x03), ones = _mm256_set1_epi16(1);
+    const __m256 thirty_two = _mm256_set1_ps(32.0f);
+    for (int h = 0; h < 2; h++) {
+        __m256 acc[TILE];
+        for (int r = 0; r < rows; r++) acc[r] = _mm256_setzero_ps();
+        for (int64_t s = 0; s < K / 256; s++) {
+            const uint8_t *sp = panel + s * Q6K_SUPER;
+            __m256 d = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(sp + h * 16)));
+            for (int b = 0; b < 16; b++) {
+                const uint8_t *bp = sp + 32 + b * Q6K_BLOCK;
+                __m256 scale = _mm256_mul_ps(d, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(bp + h * 8)))));
+                __m256 min = _mm256_mul_ps(scale, thirty_two);
+                __m256i lo0 = _mm256_loadu_si256((const __m256i *)(bp + 16 + h * 32));
+                __m256i lo1 = _mm256_loadu_si256((const __m256i *)(bp + 80 + h * 32));
+                __m256i hi = _mm256_loadu_si256((const __m256i *)(bp + 144 + h * 32));
+                __m256i w[4] = {
+                    _mm256_or_si256(_mm256_and_si256(lo0, low), _mm256_slli_epi16(_mm256_and_si256(hi, two), 4)),
+                    _mm256_or_si256(_mm256_and_si256(lo1, low), _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(hi, 2), two), 4)),
+                    _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(lo0, 4), low), _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(hi, 4), two), 4)),
+                    _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(lo1, 4), low), _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(hi, 6), two), 4)),
+                };
+                int64_t k16 = s * 16 + b;
+                for (int r = 0; r < rows; r++) {
+                    const int8_t *a = qa + r * K + k16 * 16;
+                    __m256i dot = dot4(w[0], a, ones);
+                    for (int g = 1; g < 4; g++) dot = _mm256_add_epi32(dot, dot4(w[g], a + 4 * g, ones));
+                    float sr = sa[r * (K / 32) + k16 / 2];
+                    acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), _mm256_mul_ps(scale, _mm256_set1_ps(sr)), acc[r]);
+                    acc[r] = _mm256_fnmadd_ps(min, _mm256_set1_ps(o16[r * (K / 16) + k16]), acc[r]);
+                }
+            }
+        }
+        for (int r = 0; r < rows; r++) _mm256_storeu_ps(y + r * O + h * 8, acc[r]);
+    }
+}
+
+DISPATCH(q4k_tile, TILE)
+DISPATCH(q6k_tile, TILE)
+MATMUL(matmul_q4_k, Q4K_SUPER, TILE, q4k_tile_rows)
+MATMUL(matmul_q6_k, Q6K_SUPER, TILE, q6k_tile_rows)

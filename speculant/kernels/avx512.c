@@ -1,0 +1,84 @@
+// AVX-512 VNNI: a 16-lane register holds one panel's 16 outputs; each weight block is unpacked once into
+// 8 (q4_k) or 4 (q6_k) registers of four inputs per output, and every row of the tile multiplies it by
+// its four activation bytes broadcast (vpdpbusd: u8 weights x s8 activations into exact int32 sums).
+#include <immintrin.h>
+#include "common.h"
+
+#define TILE 8
+
+static inline __attribute__((always_inline)) void q4k_tile(const int rows, const int8_t *qa, const float *sa,
+                                                          const float *o32, const float *o16, int64_t K,
+                                                          const uint8_t *panel, float *y, int64_t O) {
+    const __m512i low = _mm512_set1_epi8(0x0F);
+    __m512 acc[TILE];
+    for (int r = 0; r < rows; r++) acc[r] = _mm512_setzero_ps();
+    for (int64_t s = 0; s < K / 256; s++) {
+        const uint8_t *sp = panel + s * Q4K_SUPER;
+        __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)sp));
+        __m512 dmin = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(sp + 32)));
+        for (int b = 0; b < 8; b++) {
+            const uint8_t *bp = sp + 64 + b * Q4K_BLOCK;
+            __m512 scale = _mm512_mul_ps(d, _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)bp))));
+            __m512 min = _mm512_mul_ps(dmin, _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(bp + 16)))));
+            __m512i w[8];
+            for (int c = 0; c < 4; c++) {
+                __m512i raw = _mm512_loadu_si512(bp + 32 + c * 64);
+                w[c] = _mm512_and_si512(raw, low);
+                w[c + 4] = _mm512_and_si512(_mm512_srli_epi16(raw, 4), low);
+            }
+            int64_t kb = s * 8 + b;
+#pragma GCC unroll 8
+            for (int r = 0; r < rows; r++) {
+                const int8_t *a = qa + r * K + kb * 32;
+                __m512i dot = _mm512_setzero_si512();
+                for (int g = 0; g < 8; g++) dot = _mm512_dpbusd_epi32(dot, w[g], _mm512_set1_epi32(load32(a + 4 * g)));
+                float sr = sa[r * (K / 32) + kb];
+                acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), _mm512_mul_ps(scale, _mm512_set1_ps(sr)), acc[r]);
+                float offset = o32[r * (K / 32) + kb];
+                acc[r] = _mm512_fnmadd_ps(min, _mm512_set1_ps(offset), acc[r]);
+            }
+        }
+    }
+    for (int r = 0; r < rows; r++) _mm512_storeu_ps(y + r * O, acc[r]);
+}
+
+static inline __attribute__((always_inline)) void q6k_tile(const int rows, const int8_t *qa, const float *sa,
+                                                          const float *o32, const float *o16, int64_t K,
+                                                          const uint8_t *panel, float *y, int64_t O) {
+    const __m512i low = _mm512_set1_epi8(0x0F), two = _mm512_set1_epi8(0x03);
+    const __m512 thirty_two = _mm512_set1_ps(32.0f);
+    __m512 acc[TILE];
+    for (int r = 0; r < rows; r++) acc[r] = _mm512_setzero_ps();
+    for (int64_t s = 0; s < K / 256; s++) {
+        const uint8_t *sp = panel + s * Q6K_SUPER;
+        __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)sp));
+        for (int b = 0; b < 16; b++) {
+            const uint8_t *bp = sp + 32 + b * Q6K_BLOCK;
+            __m512 scale = _mm512_mul_ps(d, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)bp))));
+            __m512 min = _mm512_mul_ps(scale, thirty_two);
+            __m512i lo0 = _mm512_loadu_si512(bp + 16), lo1 = _mm512_loadu_si512(bp + 80), hi = _mm512_loadu_si512(bp + 144);
+            __m512i w[4] = {
+                _mm512_or_si512(_mm512_and_si512(lo0, low), _mm512_slli_epi16(_mm512_and_si512(hi, two), 4)),
+                _mm512_or_si512(_mm512_and_si512(lo1, low), _mm512_slli_epi16(_mm512_and_si512(_mm512_srli_epi16(hi, 2), two), 4)),
+                _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi16(lo0, 4), low), _mm512_slli_epi16(_mm512_and_si512(_mm512_srli_epi16(hi, 4), two), 4)),
+                _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi16(lo1, 4), low), _mm512_slli_epi16(_mm512_and_si512(_mm512_srli_epi16(hi, 6), two), 4)),
+            };
+            int64_t k16 = s * 16 + b;
+#pragma GCC unroll 8
+            for (int r = 0; r < rows; r++) {
+                const int8_t *a = qa + r * K + k16 * 16;
+                __m512i dot = _mm512_setzero_si512();
+                for (int g = 0; g < 4; g++) dot = _mm512_dpbusd_epi32(dot, w[g], _mm512_set1_epi32(load32(a + 4 * g)));
+                float sr = sa[r * (K / 32) + k16 / 2];
+                acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), _mm512_mul_ps(scale, _mm512_set1_ps(sr)), acc[r]);
+                acc[r] = _mm512_fnmadd_ps(min, _mm512_set1_ps(o16[r * (K / 16) + k16]), acc[r]);
+            }
+        }
+    }
+    for (int r = 0; r < rows; r++) _mm512_storeu_ps(y + r * O, acc[r]);
+}
+
+DISPATCH(q4k_tile, TILE)
+DISPATCH(q6k_tile, TILE)
+MATMUL(matmul_q4_k, Q4K_SUPER, TILE, q4k_tile_rows)
+MATMUL(matmul_q6_k, Q6K_SUPER, TILE, q6k_tile_rows)

@@ -1,0 +1,93 @@
+// Shared by every ISA's kernel file: the packed layouts, activation quantization, and the per-output
+// arithmetic that all of them perform in the same order, so that every path (scalar, AVX2, AVX-512 VNNI)
+// gives the same bits, and a row's result never depends on how many rows share the call.
+//
+// Packed weights (speculant/kernels/formats.py writes them), for panels of 16 outputs:
+//   q4_k  per 256 inputs (a super-block), 2368 bytes: d[16], dmin[16] (f16), then 8 blocks of 32 inputs,
+//         each sc[16], m[16] (u8, six bits used) and 256 bytes of nibbles: byte c*64 + j*4 + t holds input
+//         4c + t of output j in its low nibble and input 16 + 4c + t in its high nibble (c < 4, t < 4).
+//         w = d*sc * q - dmin*m.
+//   q6_k  per 256 inputs, 3360 bytes: d[16] (f16), then 16 blocks of 16 inputs, each sc[16] (i8), 128 bytes
+//         of low nibbles (byte c*64 + j*4 + t: input 4c + t low, input 8 + 4c + t high, c < 2) and 64 bytes
+//         of high bit pairs (byte j*4 + t: bits 2g, 2g+1 of input 4g + t's six, g < 4). w = d*sc * (q - 32).
+// Activations: each row quantized on its own, per block of 32 inputs, to int8 with scale sa (Q8_0's rule),
+// with sa * (the sum of its quants) per 32 (o32) and per 16 inputs (o16), for the weights' offsets.
+// Per output: acc = fma((float)dot(q, a), (d*sc) * sa, acc); acc = fma(-min, sa * (float)sum(a), acc), block
+// after block, from 0.
+#include <math.h>
+#include <stdint.h>
+#include <string.h>
+
+#define PANEL 16
+#define Q4K_SUPER 2368
+#define Q4K_BLOCK 288
+#define Q6K_SUPER 3360
+#define Q6K_BLOCK 208
+
+static inline float half_to_float(uint16_t h) {
+    uint32_t sign = (uint32_t)(h & 0x8000) << 16, exp = (h >> 10) & 0x1F, man = h & 0x3FF, bits;
+    if (exp == 0x1F) bits = sign | 0x7F800000 | (man << 13);
+    else if (exp) bits = sign | ((exp + 112) << 23) | (man << 13);
+    else if (!man) bits = sign;
+    else {  // subnormal: normalize
+        exp = 113;
+        while (!(man & 0x400)) { man <<= 1; exp--; }
+        bits = sign | (exp << 23) | ((man & 0x3FF) << 13);
+    }
+    float f;
+    memcpy(&f, &bits, 4);
+    return f;
+}
+
+static inline int32_t load32(const int8_t *p) { int32_t v; memcpy(&v, p, 4); return v; }
+
+// x [rows, K] -> qa [rows, K] int8, sa [rows, K/32], o32 [rows, K/32], o16 [rows, K/16]; K a multiple of 32.
+void quantize_rows(const float *x, int64_t rows, int64_t K, int8_t *qa, float *sa, float *o32, float *o16) {
+    for (int64_t r = 0; r < rows; r++)
+        for (int64_t b = 0; b < K / 32; b++) {
+            const float *xb = x + r * K + b * 32;
+            float amax = 0.0f;
+            for (int i = 0; i < 32; i++) amax = fmaxf(amax, fabsf(xb[i]));
+            float d = amax / 127.0f, id = d != 0.0f ? 1.0f / d : 0.0f;
+            int32_t sums[2] = {0, 0};
+            for (int i = 0; i < 32; i++) {
+                int8_t q = (int8_t)nearbyintf(xb[i] * id);
+                qa[r * K + b * 32 + i] = q;
+                sums[i / 16] += q;
+            }
+            sa[r * (K / 32) + b] = d;
+            o32[r * (K / 32) + b] = d * (float)(sums[0] + sums[1]);
+            o16[r * (K / 16) + 2 * b] = d * (float)sums[0];
+            o16[r * (K / 16) + 2 * b + 1] = d * (float)sums[1];
+        }
+}
+
+// The row-tile loop every ISA shares: panels split among threads, rows in tiles of at most TILE, a
+// tile's rows all reading each unpacked weight block (TILE_FN(rows, ...) is the ISA's kernel).
+#define MATMUL(NAME, SUPER, TILE, TILE_FN)                                                              \
+    void NAME(const int8_t *qa, const float *sa, const float *o32, const float *o16, int64_t rows,      \
+              int64_t K, const uint8_t *packed, int64_t O, float *y, int threads) {                     \
+        _Pragma("omp parallel for schedule(static) num_threads(threads)")                               \
+        for (int64_t p = 0; p < O / PANEL; p++)                                                         \
+            for (int64_t n = 0; n < rows; n += TILE)                                                    \
+                TILE_FN(rows - n < TILE ? rows - n : TILE, qa + n * K, sa + n * (K / 32),               \
+                        o32 + n * (K / 32), o16 + n * (K / 16), K, packed + p * (K / 256) * SUPER,      \
+                        y + n * O + p * PANEL, O);                                                      \
+    }
+
+// One specialization per tile height up to TILE (at most 8), so that each keeps its accumulators in
+// registers: KERNEL##_rows(rows, ...) calls KERNEL(rows, ...) with rows a constant.
+#define DISPATCH(KERNEL, TILE)                                                                          \
+    static void KERNEL##_rows(int64_t rows, const int8_t *qa, const float *sa, const float *o32,        \
+                              const float *o16, int64_t K, const uint8_t *panel, float *y, int64_t O) { \
+        switch (rows < TILE ? rows : TILE) {                                                            \
+            case 1: KERNEL(1, qa, sa, o32, o16, K, panel, y, O); break;                                 \
+            case 2: KERNEL(2, qa, sa, o32, o16, K, panel, y, O); break;                                 \
+            case 3: KERNEL(3, qa, sa, o32, o16, K, panel, y, O); break;                                 \
+            case 4: KERNEL(4, qa, sa, o32, o16, K, panel, y, O); break;                                 \
+            case 5: if (TILE >= 5) KERNEL(5, qa, sa, o32, o16, K, panel, y, O); break;                  \
+            case 6: if (TILE >= 6) KERNEL(6, qa, sa, o32, o16, K, panel, y, O); break;                  \
+            case 7: if (TILE >= 7) KERNEL(7, qa, sa, o32, o16, K, panel, y, O); break;                  \
+            default: if (TILE >= 8) KERNEL(8, qa, sa, o32, o16, K, panel, y, O);                        \
+        }                                                                                               \
+    }

@@ -1,0 +1,98 @@
+"""GGUF K-quant tensors repacked, once, into the panel layouts speculant's kernels read (see common.h):
+the same quants and scales as the file (no requantization), regrouped so that one 16-lane register load
+holds four inputs of each of 16 outputs.
+
+ggml's block layouts (ggml-common.h): Q4_K super-blocks of 256 inputs, `d`, `dmin` (f16), 12 bytes of
+six-bit scales and mins for 8 blocks of 32, 128 bytes of nibbles; Q6_K super-blocks of 256, 128 bytes of
+low nibbles, 64 bytes of high bit pairs, 16 int8 scales for blocks of 16, `d` (f16).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+PANEL = 16
+SUPER = 256
+BYTES = {"q4_k": 2368, "q6_k": 3360}  # one panel's super-block in speculant's layout
+GGUF_BYTES = {"q4_k": 144, "q6_k": 210}  # one output's super-block in the file
+
+
+def unpack_q4_k(raw: np.ndarray) -> tuple[np.ndarray, ...]:
+    """[O, S*144] bytes -> d, dmin [O, S] f16; sc, m [O, S, 8] u8; q [O, S*256] u8 (0..15)."""
+    rows = raw.shape[0]
+    blocks = raw.reshape(rows, -1, 144)
+    d = blocks[..., 0:2].copy().view(np.float16)[..., 0]
+    dmin = blocks[..., 2:4].copy().view(np.float16)[..., 0]
+    scales = blocks[..., 4:16].reshape(rows, -1, 3, 4)
+    lo, hi, mixed = scales[..., 0, :], scales[..., 1, :], scales[..., 2, :]
+    sc = np.concatenate([lo & 0x3F, (mixed & 0x0F) | ((lo >> 2) & 0x30)], axis=-1)
+    m = np.concatenate([hi & 0x3F, (mixed >> 4) | ((hi >> 2) & 0x30)], axis=-1)
+    qs = blocks[..., 16:].reshape(rows, -1, 4, 1, 32) >> np.array([0, 4], dtype=np.uint8).reshape(1, 1, 1, 2, 1)
+    return d, dmin, sc, m, (qs & 0x0F).reshape(rows, -1)
+
+
+def unpack_q6_k(raw: np.ndarray) -> tuple[np.ndarray, ...]:
+    """[O, S*210] bytes -> d [O, S] f16; sc [O, S, 16] i8; q [O, S*256] u8 (0..63, w = d*sc*(q - 32))."""
+    rows = raw.shape[0]
+    blocks = raw.reshape(rows, -1, 210)
+    ql = blocks[..., :128].reshape(rows, -1, 2, 1, 64) >> np.array([0, 4], dtype=np.uint8).reshape(1, 1, 1, 2, 1)
+    qh = blocks[..., 128:192].reshape(rows, -1, 2, 1, 32) >> np.array([0, 2, 4, 6], dtype=np.uint8).reshape(1, 1, 1, 4, 1)
+    q = (ql & 0x0F).reshape(rows, -1, 8, 32) | ((qh & 0x03).reshape(rows, -1, 8, 32) << 4)
+    sc = blocks[..., 192:208].view(np.int8)
+    d = blocks[..., 208:210].copy().view(np.float16)[..., 0]
+    return d, sc, q.reshape(rows, -1)
+
+
+def _panels(a: np.ndarray, supers: int) -> np.ndarray:
+    """[O, S, ...] -> [P, S, ..., 16]: each panel's 16 outputs innermost."""
+    a = a.reshape(-1, PANEL, supers, *a.shape[2:])
+    return np.ascontiguousarray(np.moveaxis(a, 1, -1))
+
+
+def pack(kind: str, raw: np.ndarray) -> np.ndarray:
+    """A GGUF tensor's bytes [O, S*block bytes] in speculant's layout: [P, S, BYTES], the last panel padded
+    with zero weights."""
+    if raw.shape[0] % PANEL:
+        raw = np.concatenate([raw, np.zeros((PANEL - raw.shape[0] % PANEL, raw.shape[1]), dtype=np.uint8)])
+    rows = raw.shape[0]
+    supers = raw.shape[1] // GGUF_BYTES[kind]
+    if kind == "q4_k":
+        d, dmin, sc, m, q = unpack_q4_k(raw)
+        q = q.reshape(rows, supers, 8, 2, 4, 4)  # [O, S, block, nibble, c, t]
+        nibbles = q[..., 0, :, :] | (q[..., 1, :, :] << 4)  # [O, S, block, c, t]
+        nibbles = np.moveaxis(nibbles.reshape(-1, PANEL, supers, 8, 4, 4), 1, 4)  # [P, S, block, c, j, t]
+        blocks = np.concatenate([_panels(sc, supers), _panels(m, supers),
+                                 nibbles.reshape(-1, supers, 8, 256)], axis=-1)  # [P, S, 8, 288]
+        header = np.concatenate([_panels(d, supers).view(np.uint8), _panels(dmin, supers).view(np.uint8)], axis=-1)
+    elif kind == "q6_k":
+        d, sc, q = unpack_q6_k(raw)
+        q = q.reshape(rows, supers, 16, 16)
+        low = (q & 0x0F).reshape(rows, supers, 16, 2, 2, 4)  # [O, S, block, half, c, t]
+        low = low[..., 0, :, :] | (low[..., 1, :, :] << 4)  # [O, S, block, c, t]
+        low = np.moveaxis(low.reshape(-1, PANEL, supers, 16, 2, 4), 1, 4)  # [P, S, block, c, j, t]
+        high = (q >> 4).reshape(rows, supers, 16, 4, 4) << np.array([0, 2, 4, 6], dtype=np.uint8).reshape(4, 1)
+        high = np.bitwise_or.reduce(high, axis=3)  # [O, S, block, t]
+        high = np.moveaxis(high.reshape(-1, PANEL, supers, 16, 4), 1, 3)  # [P, S, block, j, t]
+        blocks = np.concatenate([_panels(sc, supers).view(np.uint8), low.reshape(-1, supers, 16, 128),
+                                 high.reshape(-1, supers, 16, 64)], axis=-1)  # [P, S, 16, 208]
+        header = _panels(d, supers).view(np.uint8)
+    else:
+        raise ValueError(f"no kernel for {kind}")
+    return np.ascontiguousarray(np.concatenate([header, blocks.reshape(*blocks.shape[:2], -1)], axis=-1))
+
+
+def dequantize(kind: str, raw: np.ndarray) -> np.ndarray:
+    """The [O, K] fp32 weights the kernels compute with: S*q - M per block, S and M in fp32."""
+    rows = raw.shape[0]
+    if kind == "q4_k":
+        d, dmin, sc, m, q = unpack_q4_k(raw)
+        scale = d.astype(np.float32)[..., None] * sc.astype(np.float32)
+        offset = dmin.astype(np.float32)[..., None] * m.astype(np.float32)
+        width = 32
+    else:
+        d, sc, q = unpack_q6_k(raw)
+        scale = d.astype(np.float32)[..., None] * sc.astype(np.float32)
+        offset = scale * np.float32(32)
+        width = 16
+    q = q.reshape(rows, -1, width).astype(np.float32)
+    return (scale.reshape(rows, -1, 1) * q - offset.reshape(rows, -1, 1)).reshape(rows, -1)

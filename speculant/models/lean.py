@@ -1,0 +1,343 @@
+"""The lean model: one file for the catalog's decoder architectures (Qwen2, Llama; RMSNorm, RoPE, GQA,
+SwiGLU, optional sliding window), read straight from a GGUF file, on speculant's exact 4-bit kernels
+(`speculant.kernels`) and a preallocated KV cache with a length pointer (gpt-fast's shape).
+
+Every computation acts on one token row at a time or in a fixed order per row: the linears are the kernels
+(row r of a W-row call equals the 1-row call bit for bit), attention runs one query token at a time over
+exactly the keys it may see (a prompt's prefill, the same for the same prompt, as one causal block), norms,
+rotary embeddings and activations act per row. So verifying W tokens in one forward gives the logits of W one-token forwards, and greedy speculation
+on it equals greedy decoding token for token. Rollback moves the length; a tree's accepted path is
+compacted in place.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+from collections.abc import Sequence
+from dataclasses import dataclass
+from functools import lru_cache
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+from speculant import kernels
+from speculant.cache import cache_root
+from speculant.kernels import formats
+from speculant.errors import ConfigError
+from speculant.models.base import Interrupted
+from speculant.tree import TokenTree
+
+ARCHITECTURES = {"qwen2": "neox", "llama": "norm"}  # rotary layout as llama.cpp lays out each one's weights
+KINDS = {"Q4_K": "q4_k", "Q6_K": "q6_k"}
+DEFAULT_POSITIONS = 4096  # cache capacity when the model allows more
+CACHE_LAYOUT = 1  # of the repacked files and layout.json: a change here re-packs every cached model
+
+
+@dataclass(frozen=True)
+class LeanConfig:
+    architecture: str
+    layers: int
+    hidden: int
+    heads: int
+    kv_heads: int
+    head_dim: int
+    rope_theta: float
+    eps: float
+    context: int
+    window: int | None  # sliding-window attention: each query sees at most this many positions
+
+
+@dataclass(frozen=True)
+class Layer:
+    attn_norm: torch.Tensor
+    q: kernels.QuantWeight
+    k: kernels.QuantWeight
+    v: kernels.QuantWeight
+    q_bias: torch.Tensor | None
+    k_bias: torch.Tensor | None
+    v_bias: torch.Tensor | None
+    o: kernels.QuantWeight
+    ffn_norm: torch.Tensor
+    gate: kernels.QuantWeight
+    up: kernels.QuantWeight
+    down: kernels.QuantWeight
+
+
+MATRICES = ("attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate", "ffn_up", "ffn_down")
+
+
+class LeanWeights:
+    """A GGUF file's weights in the kernels' layout, shared by every handle on them. The first load reads the
+    file's header with `gguf` and repacks its matrices into the speculant cache (once per file and layout
+    version, ~20 s for the 1.5B); later loads map them copy-on-write, as llama.cpp maps the GGUF."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        directory = _cache_directory(path)
+        if not directory.is_dir():
+            _repack(path, directory)
+        layout = json.loads((directory / "layout.json").read_text())
+        self.config = LeanConfig(**layout["config"])
+        self.eos_token_ids = frozenset(layout["eos"])
+        file = np.memmap(path, dtype=np.uint8, mode="r")
+        tensors = layout["tensors"]  # the rest, where they lie in the file: {name: [type, shape, offset, bytes]}
+
+        def vector(name: str) -> torch.Tensor | None:
+            if name not in tensors:
+                return None
+            _, _, offset, size = tensors[name]
+            return torch.from_numpy(file[offset:offset + size].view(np.float32).copy())
+
+        def matrix(name: str) -> kernels.QuantWeight:
+            kind, (inputs, outputs) = layout["matrices"][name]
+            packed = np.load(directory / f"{name}.npy", mmap_mode="c")
+            return kernels.QuantWeight(kind, outputs, inputs, torch.from_numpy(packed))
+
+        self.layers = [Layer(vector(f"blk.{i}.attn_norm.weight"), matrix(f"blk.{i}.attn_q.weight"),
+                             matrix(f"blk.{i}.attn_k.weight"), matrix(f"blk.{i}.attn_v.weight"),
+                             vector(f"blk.{i}.attn_q.bias"), vector(f"blk.{i}.attn_k.bias"),
+                             vector(f"blk.{i}.attn_v.bias"), matrix(f"blk.{i}.attn_output.weight"),
+                             vector(f"blk.{i}.ffn_norm.weight"), matrix(f"blk.{i}.ffn_gate.weight"),
+                             matrix(f"blk.{i}.ffn_up.weight"), matrix(f"blk.{i}.ffn_down.weight"))
+                       for i in range(self.config.layers)]
+        self.output_norm = vector("output_norm.weight")
+        self.output = matrix(layout["output"])
+        self._embedding_type, (hidden, self.vocab_size), offset, size = tensors["token_embd.weight"]
+        self._embedding = file[offset:offset + size].reshape(self.vocab_size, -1)
+        half = self.config.head_dim // 2
+        inv_freq = self.config.rope_theta ** (-torch.arange(half, dtype=torch.float64) / half)
+        angles = torch.outer(torch.arange(self.config.context, dtype=torch.float64), inv_freq)
+        self.cos, self.sin = angles.cos().float(), angles.sin().float()  # [context, head_dim / 2]
+
+    def embed(self, ids: Sequence[int]) -> torch.Tensor:
+        from gguf import GGMLQuantizationType
+        from gguf.quants import dequantize
+
+        rows = self._embedding[np.asarray(ids, dtype=np.int64)]
+        if self._embedding_type == "F32":
+            return torch.from_numpy(rows.view(np.float32).copy())
+        return torch.from_numpy(dequantize(rows, GGMLQuantizationType[self._embedding_type]).astype(np.float32))
+
+
+def _cache_directory(path: Path) -> Path:
+    stat = path.stat()
+    digest = hashlib.sha256(f"{path.resolve()}|{stat.st_size}|{stat.st_mtime_ns}".encode())
+    digest.update(Path(formats.__file__).read_bytes() + f"layout {CACHE_LAYOUT}".encode())
+    return cache_root() / "lean" / f"{path.stem}-{digest.hexdigest()[:16]}"
+
+
+def _repack(path: Path, directory: Path) -> None:
+    """Read the file's configuration, repack its matrices and write them with a layout.json into `directory`
+    (through a temporary sibling renamed into place: readers see all of it or nothing)."""
+    from gguf import GGUFReader
+
+    reader = GGUFReader(path)
+    arch = _field(reader, "general.architecture")
+    if arch not in ARCHITECTURES:
+        raise ConfigError(f"the lean backend runs {', '.join(ARCHITECTURES)}, not {arch}")
+    heads = int(_field(reader, f"{arch}.attention.head_count"))
+    hidden = int(_field(reader, f"{arch}.embedding_length"))
+    window = _field(reader, f"{arch}.attention.sliding_window", None)
+    config = LeanConfig(
+        arch, int(_field(reader, f"{arch}.block_count")), hidden, heads,
+        int(_field(reader, f"{arch}.attention.head_count_kv", heads)), hidden // heads,
+        float(_field(reader, f"{arch}.rope.freq_base", 10000.0)),
+        float(_field(reader, f"{arch}.attention.layer_norm_rms_epsilon")),
+        int(_field(reader, f"{arch}.context_length")), int(window) if window else None)
+    tensors = {t.name: t for t in reader.tensors}
+    output = "output.weight" if "output.weight" in tensors else "token_embd.weight"  # tied embeddings
+    names = [output] + [f"blk.{i}.{part}.weight" for i in range(config.layers) for part in MATRICES]
+    for name in names:
+        if tensors[name].tensor_type.name not in KINDS:
+            raise ConfigError(f"{name} is {tensors[name].tensor_type.name}: the lean backend's kernels read "
+                              f"{', '.join(KINDS)}")
+    eos = _field(reader, "tokenizer.ggml.eos_token_id", None)
+    layout = {"config": vars(config), "eos": [] if eos is None else [int(eos)], "output": output,
+              "matrices": {name: [KINDS[tensors[name].tensor_type.name], [int(n) for n in tensors[name].shape]]
+                           for name in names},
+              "tensors": {name: [t.tensor_type.name, [int(n) for n in t.shape], int(t.data_offset), int(t.n_bytes)]
+                          for name, t in tensors.items() if name not in names or name == "token_embd.weight"}}
+    tmp = directory.with_name(f".tmp-{directory.name}-{os.getpid()}")
+    tmp.mkdir(parents=True, exist_ok=True)
+    for name in names:
+        np.save(tmp / f"{name}.npy", formats.pack(layout["matrices"][name][0], np.asarray(tensors[name].data)))
+    (tmp / "layout.json").write_text(json.dumps(layout))
+    try:
+        tmp.rename(directory)
+    except OSError:  # another process cached it first
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+@lru_cache(maxsize=2)
+def shared_weights(path: Path) -> LeanWeights:
+    """The weights of a GGUF file, repacked once per process and shared by every model handle on them."""
+    return LeanWeights(path)
+
+
+def _field(reader: Any, key: str, default: Any = ConfigError) -> Any:
+    field = reader.fields.get(key)
+    if field is None:
+        if default is ConfigError:
+            raise ConfigError(f"the GGUF file has no {key}")
+        return default
+    return field.contents()
+
+
+def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps) * weight
+
+
+def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, layout: str) -> torch.Tensor:
+    """RoPE (Su et al. 2021, eq. 34) on x [n, heads, head_dim]; cos, sin [n, 1, head_dim / 2]. `neox` pairs
+    dimension i with i + head_dim/2, `norm` pairs 2i with 2i + 1."""
+    if layout == "neox":
+        a, b = x.chunk(2, dim=-1)
+        return torch.cat([a * cos - b * sin, b * cos + a * sin], dim=-1)
+    a, b = x[..., 0::2], x[..., 1::2]
+    return torch.stack([a * cos - b * sin, b * cos + a * sin], dim=-1).flatten(-2)
+
+
+class LeanCausalLM:
+    """A CausalLM (see models/base.py) on LeanWeights, with a KV cache of its own."""
+
+    backend = "lean"
+    device = torch.device("cpu")
+    dtype = torch.float32
+
+    def __init__(self, weights: LeanWeights, tokenizer: Any | None = None, name: str | None = None,
+                 eos_token_ids: frozenset[int] = frozenset(), identity: str | None = None,
+                 positions: int | None = None) -> None:
+        config = self.config = weights.config
+        self.weights, self.tokenizer, self.name = weights, tokenizer, name or weights.path.stem
+        self.identity, self.vocab_size = identity, weights.vocab_size
+        self.eos_token_ids = frozenset(eos_token_ids | weights.eos_token_ids)
+        self.max_positions = min(positions or DEFAULT_POSITIONS, config.context)
+        self.kernel = kernels.best()
+        self.numerics = "lean: GGUF K-quants x int8 rows"  # the same bits on every ISA path
+        self.interrupt = None
+        shape = (config.layers, config.kv_heads, self.max_positions, config.head_dim)
+        self._keys, self._values = torch.zeros(shape), torch.zeros(shape)
+        self._len = 0
+
+    def share(self) -> LeanCausalLM:
+        """Another handle on the same weights with a cache of its own."""
+        return LeanCausalLM(self.weights, self.tokenizer, self.name, self.eos_token_ids, self.identity,
+                            self.max_positions)
+
+    @property
+    def cache_len(self) -> int:
+        return self._len
+
+    @torch.inference_mode()
+    def prefill(self, ids: Sequence[int]) -> torch.Tensor:
+        if len(ids) == 0:
+            raise ValueError("prefill needs at least one token")
+        self._len = 0
+        return self._run(ids, range(len(ids)), None, prompt=True)[0]
+
+    @torch.inference_mode()
+    def forward(self, ids: Sequence[int], positions: Sequence[int] | None = None,
+                tree: TokenTree | None = None) -> torch.Tensor:
+        """With `tree`, `ids` are its last len(ids) nodes, its earlier nodes the last cached positions; each
+        node attends to the cache before the tree and its own ancestors."""
+        n, mask = len(ids), None
+        if tree is not None:
+            start = len(tree) - n  # first new node
+            root = self._len - start  # cache position of the root
+            if start < 0 or root < 0 or list(ids) != list(tree.tokens[start:]):
+                raise ValueError("ids must be the last nodes of the tree, with the earlier ones cached")
+            mask = torch.ones(n, self._len + n, dtype=torch.bool)
+            mask[:, root:] = tree.ancestor_mask[start:]
+            if positions is None:
+                positions = tree.positions(root)[start:]
+        return self._run(ids, positions if positions is not None else range(self._len, self._len + n), mask)
+
+    def _run(self, ids: Sequence[int], positions: Sequence[int], mask: torch.Tensor | None,
+             prompt: bool = False) -> torch.Tensor:
+        """With `prompt` (a prefill), attention runs as one causal block, the same computation for the same
+        prompt every time, and only the last row's logits are computed; every other forward's rows are
+        row-invariant."""
+        config, weights, n, start = self.config, self.weights, len(ids), self._len
+        end = start + n
+        if end > self.max_positions:
+            raise ValueError(f"{end} positions exceed the lean model's cache of {self.max_positions}")
+        where = torch.as_tensor(list(positions), dtype=torch.long)
+        if config.window is not None and end > config.window:  # keys within the window of each query's position
+            keys = torch.arange(end)[None, :]
+            near = keys > where[:, None] - config.window
+            mask = near & (keys <= torch.arange(start, end)[:, None] if mask is None else mask)
+        visible = [start + i + 1 if mask is None else _visible(mask[i]) for i in range(n)]
+        cos, sin = weights.cos[where][:, None], weights.sin[where][:, None]
+        layout, scale = ARCHITECTURES[config.architecture], config.head_dim ** -0.5
+        x = weights.embed(ids)  # [n, hidden]
+        for index, layer in enumerate(weights.layers):
+            if self.interrupt is not None and self.interrupt():
+                raise Interrupted()  # nothing past the cache length was committed
+            h = kernels.quantize(_rms_norm(x, layer.attn_norm, config.eps))
+            q, k, v = (_bias(kernels.matmul(h, w), b) for w, b in
+                       ((layer.q, layer.q_bias), (layer.k, layer.k_bias), (layer.v, layer.v_bias)))
+            q = _rotate(q.view(n, config.heads, config.head_dim), cos, sin, layout)
+            k = _rotate(k.view(n, config.kv_heads, config.head_dim), cos, sin, layout)
+            self._keys[index, :, start:end] = k.transpose(0, 1)
+            self._values[index, :, start:end] = v.view(n, config.kv_heads, config.head_dim).transpose(0, 1)
+            if prompt and mask is None:
+                attended = F.scaled_dot_product_attention(
+                    q.transpose(0, 1)[None], self._keys[index, None, :, :end], self._values[index, None, :, :end],
+                    is_causal=True, scale=scale, enable_gqa=True)[0].transpose(0, 1).reshape(n, -1)
+            else:
+                attended = _attend(q, self._keys[index, :, :end], self._values[index, :, :end], visible, scale)
+            x = x + kernels.matmul(kernels.quantize(attended), layer.o)
+            h = kernels.quantize(_rms_norm(x, layer.ffn_norm, config.eps))
+            x = x + kernels.matmul(kernels.quantize(F.silu(kernels.matmul(h, layer.gate)) * kernels.matmul(h, layer.up)),
+                                   layer.down)
+        self._len = end
+        if prompt:  # only its last row is read
+            x = x[-1:]
+        return kernels.matmul(kernels.quantize(_rms_norm(x, weights.output_norm, config.eps)), weights.output)
+
+    def rollback(self, n: int) -> None:
+        if not 0 <= n <= self._len:
+            raise ValueError(f"cannot roll back to {n} cached positions: {self._len} are cached")
+        self._len = n
+
+    def keep(self, indices: Sequence[int]) -> None:
+        """Compact the cache in place to `indices` (ascending): the storage is never reallocated."""
+        where = torch.as_tensor(list(indices), dtype=torch.long)
+        if where.numel() and (int(where[-1]) >= self._len or bool((where[1:] <= where[:-1]).any())):
+            raise ValueError("indices must ascend within the cache")
+        m = where.numel()
+        self._keys[:, :, :m] = self._keys[:, :, where]
+        self._values[:, :, :m] = self._values[:, :, where]
+        self._len = m
+
+
+def _visible(allowed: torch.Tensor) -> int | torch.Tensor:
+    """The cache positions a query may see: a count where they are a prefix, else their indices."""
+    where = allowed.nonzero().squeeze(1)
+    return where.numel() if int(where[-1]) + 1 == where.numel() else where
+
+
+def _attend(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, visible: list[int | torch.Tensor],
+            scale: float) -> torch.Tensor:
+    """Attention one query token at a time over exactly the keys it may see, in cache order: the computation
+    of a one-token step whatever the number of tokens (row-invariant). q [n, heads, d]; keys, values
+    [kv_heads, cached, d]; each kv head's group of query heads goes in as that head's rows (GQA without
+    copying the cache). Returns [n, heads * d]."""
+    n, heads, d = q.shape
+    groups = q.view(n, keys.shape[0], heads // keys.shape[0], d)
+    rows = []
+    for i, seen in enumerate(visible):
+        k, v = (keys[:, :seen], values[:, :seen]) if isinstance(seen, int) else \
+            (keys.index_select(1, seen), values.index_select(1, seen))
+        rows.append(F.scaled_dot_product_attention(groups[i], k, v, scale=scale))
+    return torch.stack(rows).view(n, heads * d)
+
+
+def _bias(y: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    return y if bias is None else y + bias

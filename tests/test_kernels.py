@@ -1,0 +1,70 @@
+"""speculant's 4-bit kernels: the repack keeps GGUF's weights, and on every ISA path this machine has, row r
+of a W-row call equals the 1-row call and the scalar reference bit for bit."""
+
+import gguf
+import numpy as np
+import pytest
+import torch
+
+from speculant import kernels
+from speculant.kernels import formats
+
+GGML = {"q4_k": gguf.GGMLQuantizationType.Q4_K, "q6_k": gguf.GGMLQuantizationType.Q6_K}
+D_OFFSETS = {"q4_k": (0, 2), "q6_k": (208,)}  # where each super-block's f16 scales lie in the file
+
+
+def random_tensor(kind: str, outputs: int, supers: int, seed: int) -> np.ndarray:
+    """GGUF bytes of a random K-quant tensor with scales of a real model's size."""
+    rng = np.random.default_rng(seed)
+    raw = rng.integers(0, 256, size=(outputs, supers * formats.GGUF_BYTES[kind]), dtype=np.uint8)
+    blocks = raw.reshape(outputs, supers, -1)
+    for offset in D_OFFSETS[kind]:
+        d = rng.uniform(1e-4, 2e-2, size=(outputs, supers)).astype(np.float16)
+        blocks[..., offset:offset + 2] = d.view(np.uint8).reshape(outputs, supers, 2)
+    return raw
+
+
+@pytest.mark.parametrize("kind", kernels.KINDS)
+def test_the_repack_keeps_ggml_s_weights(kind):
+    raw = random_tensor(kind, 32, 3, seed=0)
+    np.testing.assert_array_equal(formats.dequantize(kind, raw), gguf.quants.dequantize(raw, GGML[kind]))
+
+
+def test_the_machine_has_the_scalar_path_and_its_best():
+    found = kernels.paths()
+    assert found[-1] == "scalar"
+    assert kernels.best() == found[0]
+
+
+@pytest.mark.parametrize("kind", kernels.KINDS)
+@pytest.mark.parametrize("isa", kernels.paths())
+def test_every_row_equals_its_one_row_call_and_the_scalar_reference(kind, isa):
+    raw = random_tensor(kind, 48, 5, seed=1)
+    weight = kernels.QuantWeight.from_gguf(kind, raw)
+    x = torch.randn(19, weight.in_features, generator=torch.Generator().manual_seed(2)) * 3
+    x[4, 100] = 80.0  # an outlier, as LLM activations have
+    reference = kernels.matmul(kernels.quantize(x, "scalar"), weight, "scalar", threads=1)
+    for width in (1, 2, 3, 5, 8, 9, 16, 19):
+        rows = kernels.matmul(kernels.quantize(x[:width], isa), weight, isa)
+        assert torch.equal(rows, reference[:width]), (isa, width)
+    dense = x @ torch.from_numpy(formats.dequantize(kind, raw)).T
+    assert (reference - dense).norm() / dense.norm() < 0.02  # int8 activations, per 32
+
+
+@pytest.mark.parametrize("isa", kernels.paths())
+def test_activations_quantize_the_same_on_every_path(isa):
+    x = torch.randn(7, 512, generator=torch.Generator().manual_seed(3))
+    x[0, :32] = 0.0  # a block of zeros has scale 0
+    ours, reference = kernels.quantize(x, isa), kernels.quantize(x, "scalar")
+    for field in ("quants", "scales", "offsets32", "offsets16"):
+        assert torch.equal(getattr(ours, field), getattr(reference, field))
+    for width, offsets in ((32, reference.offsets32), (16, reference.offsets16)):
+        sums = reference.quants.view(7, -1, width).sum(-1, dtype=torch.int32).float()
+        assert torch.equal(offsets, reference.scales.repeat_interleave(32 // width, dim=1) * sums)
+    assert (reference.quants.view(7, -1, 32).float() * reference.scales[..., None] - x.view(7, -1, 32)).abs().max() < 0.05
+
+
+def test_a_mismatched_width_is_refused():
+    weight = kernels.QuantWeight.from_gguf("q4_k", random_tensor("q4_k", 16, 2, seed=4))
+    with pytest.raises(ValueError, match="256 inputs for a weight of 512"):
+        kernels.matmul(kernels.quantize(torch.zeros(1, 256)), weight)

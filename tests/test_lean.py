@@ -1,0 +1,151 @@
+"""The lean model on speculant's kernels: tiny GGUF files with Q4_K_M's mix of Q4_K and Q6_K (qwen2, llama,
+and llama with a sliding window) agree with transformers on the same de-quantized weights; a W-token forward
+equals W one-token forwards bit for bit; every method's greedy output equals the lean model's own `ar`."""
+
+import random
+
+import gguf
+import numpy as np
+import pytest
+import torch
+from helpers import BYTE_VOCAB, byte_tokenizer
+from tiny_gguf import write_tiny_gguf
+
+from speculant import generate
+from speculant.models import load_model
+from speculant.models.lean import LeanCausalLM
+from speculant.tree import TokenTree
+
+VARIANTS = {"qwen2": ("qwen2", None), "llama": ("llama", None), "llama-window": ("llama", 6)}
+TREE = TokenTree((7, 11, 12, 13, 21, 22, 31), (-1, 0, 0, 0, 1, 1, 4))
+
+
+@pytest.fixture(scope="module")
+def lean_files(tmp_path_factory):
+    """{(variant, seed): (path, the transformers model written)}; repacked weights go to a throwaway cache."""
+    root = tmp_path_factory.mktemp("lean")
+    files = {}
+    for variant, (arch, window) in VARIANTS.items():
+        for seed in (0, 7):
+            path = root / f"{variant}-{seed}.gguf"
+            files[variant, seed] = (path, write_tiny_gguf(path, arch, seed, "k", hidden=256, window=window))
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("SPECULANT_CACHE", str(root / "cache"))
+        yield files
+
+
+def lean(lean_files, variant, seed=0) -> LeanCausalLM:
+    return load_model(str(lean_files[variant, seed][0]), backend="lean", tokenizer=byte_tokenizer())
+
+
+def prompt_ids(seed: int, n: int = 12) -> list[int]:
+    rng = random.Random(seed)
+    return [rng.randrange(BYTE_VOCAB - 1) for _ in range(n)]
+
+
+def dequantized_transformer(path, model, arch):
+    """`model` with the GGUF file's weights as the lean model reads them (de-quantized, llama's q/k rows
+    put back in transformers' order)."""
+    heads, kv_heads = model.config.num_attention_heads, model.config.num_key_value_heads
+    tensors = {t.name: t for t in gguf.GGUFReader(path).tensors}
+    names = {"q_proj": "attn_q", "k_proj": "attn_k", "v_proj": "attn_v", "o_proj": "attn_output",
+             "gate_proj": "ffn_gate", "up_proj": "ffn_up", "down_proj": "ffn_down"}
+    state = model.state_dict()
+    for name in state:
+        parts = name.split(".")
+        if parts[-1] != "weight" or parts[-2] not in names and parts[0] != "lm_head":
+            continue
+        gguf_name = "output.weight" if parts[0] == "lm_head" else f"blk.{parts[2]}.{names[parts[-2]]}.weight"
+        tensor = tensors[gguf_name]
+        weight = gguf.quants.dequantize(np.asarray(tensor.data), tensor.tensor_type)
+        if arch == "llama" and parts[-2] in ("q_proj", "k_proj"):
+            n = heads if parts[-2] == "q_proj" else kv_heads
+            weight = weight.reshape(n, weight.shape[0] // n // 2, 2, -1).swapaxes(1, 2).reshape(weight.shape)
+        state[name] = torch.from_numpy(weight.copy())
+    model.load_state_dict(state)
+    return model
+
+
+@pytest.mark.parametrize("variant", ["qwen2", "llama"])
+def test_logits_agree_with_transformers_on_the_same_weights(lean_files, variant):
+    path, model = lean_files[variant, 0]
+    reference = dequantized_transformer(path, model, VARIANTS[variant][0])
+    ids = prompt_ids(1, 20)
+    with torch.no_grad():
+        expected = reference(torch.tensor([ids])).logits[0, 4:]
+    model = lean(lean_files, variant)
+    rows = torch.cat([model.prefill(ids[:5])[None], model.forward(ids[5:])])[:, :BYTE_VOCAB]
+    error = (rows - expected).norm() / expected.norm()
+    assert error < 0.05, error  # int8 activations; a wrong rotary layout or mask gives ~1
+
+
+def test_keys_beyond_the_sliding_window_do_not_reach_the_last_token(lean_files):
+    """Two layers with a window of 6 see 11 positions back: the first tokens cannot matter, bit for bit."""
+    ids = prompt_ids(2, 16)
+    changed = [(ids[0] + 1) % (BYTE_VOCAB - 1)] + ids[1:]
+    windowed, plain = lean(lean_files, "llama-window"), lean(lean_files, "llama")
+    assert torch.equal(windowed.prefill(ids), windowed.prefill(changed))
+    assert not torch.equal(plain.prefill(ids), plain.prefill(changed))
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_a_w_token_forward_equals_w_one_token_forwards_bit_for_bit(lean_files, variant):
+    ids = prompt_ids(3, 14)
+    model = lean(lean_files, variant)
+    model.prefill(ids[:4])
+    block = model.forward(ids[4:])
+    model.rollback(4)
+    rows = torch.cat([model.forward([token]) for token in ids[4:]])
+    assert torch.equal(block, rows)
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_keep_compacts_the_cache_in_place_as_plain_decoding_would(lean_files, variant):
+    prefix = prompt_ids(4, 9)
+    for node in (6, 5, 2, 0):
+        model = lean(lean_files, variant)
+        storage = model._keys.data_ptr(), model._values.data_ptr()
+        model.prefill(prefix)
+        model.forward(list(TREE.tokens), tree=TREE)
+        path = TREE.path_to(node)
+        model.keep(list(range(len(prefix))) + [len(prefix) + i for i in path])
+        assert (model._keys.data_ptr(), model._values.data_ptr()) == storage  # no copy of the cache
+        after = model.forward([33, 34])
+        plain = lean(lean_files, variant)
+        plain.prefill(prefix)
+        rows = [plain.forward([token]) for token in [TREE.tokens[i] for i in path] + [33, 34]]
+        assert torch.equal(after, torch.cat(rows[-2:])), node
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_every_method_equals_ar_on_the_lean_model(lean_files, variant):
+    for seed in (0, 1):
+        target, other = lean(lean_files, variant), lean(lean_files, variant, 7)
+        prompt = prompt_ids(seed + 10)
+        expected = generate(target, prompt_ids=prompt, method="ar", max_new_tokens=24).token_ids
+        runs = {
+            "sd maxgram": dict(method="sd", drafter="maxgram", k=4),
+            "sd itself": dict(method="sd", drafter="self", k=3),
+            "sd other": dict(method="sd", drafter=other, k=5),
+            "tree other": dict(method="tree", drafter=other, depth=4, width=2),
+            "cascade": dict(method="cascade", drafters=[other, "maxgram"]),
+            "auto": dict(method="auto", drafters=[other, "maxgram"]),
+        }
+        for label, options in runs.items():
+            assert generate(target, prompt_ids=prompt, max_new_tokens=24, **options).token_ids == expected, label
+
+
+def test_the_repack_is_cached(lean_files, monkeypatch):
+    path = lean_files["qwen2", 0][0]
+    first = lean(lean_files, "qwen2")
+    cached = list((path.parent / "cache" / "lean").glob("qwen2-0-*/*.npy"))
+    assert len(cached) == 1 + 2 * 7  # the output head and 7 matrices per layer
+    from speculant.kernels import formats
+    from speculant.models.lean import LeanWeights
+
+    def no_repack(*args):
+        raise AssertionError("repacked again")
+
+    monkeypatch.setattr(formats, "pack", no_repack)
+    again = LeanWeights(path)  # as a second process would load it
+    assert torch.equal(again.output.data, first.weights.output.data)
