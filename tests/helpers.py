@@ -123,6 +123,20 @@ class ScriptedDrafter:
         pass
 
 
+def every_method(other) -> dict[str, dict]:
+    """The method runs a backend's exactness test compares with its greedy `ar`; `other` is a second model
+    on the same backend."""
+    return {
+        "sd maxgram": dict(method="sd", drafter="maxgram", k=4),
+        "sd itself": dict(method="sd", drafter="self", k=3),
+        "sd other": dict(method="sd", drafter=other, k=5),
+        "tree itself": dict(method="tree", drafter="self", depth=3, width=3),
+        "tree other": dict(method="tree", drafter=other, depth=4, width=2),
+        "cascade": dict(method="cascade", drafters=[other, "maxgram"]),
+        "auto": dict(method="auto", drafters=[other, "maxgram"]),
+    }
+
+
 def random_prompt(seed: int, vocab: int, length: int = 8) -> list[int]:
     rng = random.Random(seed)
     return [rng.randrange(vocab) for _ in range(length)]

@@ -8,7 +8,7 @@ import gguf
 import numpy as np
 import pytest
 import torch
-from helpers import BYTE_VOCAB, byte_tokenizer
+from helpers import BYTE_VOCAB, byte_tokenizer, every_method
 from tiny_gguf import write_tiny_gguf
 
 from speculant import generate
@@ -123,15 +123,7 @@ def test_every_method_equals_ar_on_the_lean_model(lean_files, variant):
         target, other = lean(lean_files, variant), lean(lean_files, variant, 7)
         prompt = prompt_ids(seed + 10)
         expected = generate(target, prompt_ids=prompt, method="ar", max_new_tokens=24).token_ids
-        runs = {
-            "sd maxgram": dict(method="sd", drafter="maxgram", k=4),
-            "sd itself": dict(method="sd", drafter="self", k=3),
-            "sd other": dict(method="sd", drafter=other, k=5),
-            "tree other": dict(method="tree", drafter=other, depth=4, width=2),
-            "cascade": dict(method="cascade", drafters=[other, "maxgram"]),
-            "auto": dict(method="auto", drafters=[other, "maxgram"]),
-        }
-        for label, options in runs.items():
+        for label, options in every_method(other).items():
             assert generate(target, prompt_ids=prompt, max_new_tokens=24, **options).token_ids == expected, label
 
 

@@ -9,7 +9,7 @@ import torch
 
 pytest.importorskip("llama_cpp")
 
-from helpers import BYTE_VOCAB, byte_tokenizer, run_job  # noqa: E402
+from helpers import BYTE_VOCAB, byte_tokenizer, every_method, run_job  # noqa: E402
 from tiny_gguf import GGUF_ARCHS, write_tiny_gguf  # noqa: E402
 
 from speculant import generate  # noqa: E402
@@ -112,16 +112,7 @@ def test_every_method_equals_ar_on_the_llamacpp_backend(gguf_files, arch, quant)
         other = gguf_model(gguf_files, arch, quant, 7)
         prompt = prompt_ids(seed + 10)
         expected = generate(target, prompt_ids=prompt, method="ar", max_new_tokens=30).token_ids
-        runs = {
-            "sd maxgram": dict(method="sd", drafter="maxgram", k=4),
-            "sd itself": dict(method="sd", drafter="self", k=3),
-            "sd other": dict(method="sd", drafter=other, k=5),
-            "tree itself": dict(method="tree", drafter="self", depth=3, width=3),
-            "tree other": dict(method="tree", drafter=other, depth=4, width=2),
-            "cascade": dict(method="cascade", drafters=[other, "maxgram"]),
-            "dsi": dict(method="dsi", drafter=other, servers=2, lookahead=3),
-            "auto": dict(method="auto", drafters=[other, "maxgram"]),
-        }
+        runs = {**every_method(other), "dsi": dict(method="dsi", drafter=other, servers=2, lookahead=3)}
         for label, options in runs.items():
             assert generate(target, prompt_ids=prompt, max_new_tokens=30, **options).token_ids == expected, label
 

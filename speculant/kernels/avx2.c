@@ -20,6 +20,7 @@ static inline __attribute__((always_inline)) void q4k_tile(const int rows, const
         for (int r = 0; r < rows; r++) acc[r] = _mm256_setzero_ps();
         for (int64_t s = 0; s < K / 256; s++) {
             const uint8_t *sp = panel + s * Q4K_SUPER;
+            if (h == 0) prefetch(sp + PREFETCH * Q4K_SUPER, Q4K_SUPER);
             __m256 d = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(sp + h * 16)));
             __m256 dmin = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(sp + 32 + h * 16)));
             for (int b = 0; b < 8; b++) {
@@ -60,6 +61,7 @@ static inline __attribute__((always_inline)) void q6k_tile(const int rows, const
         for (int r = 0; r < rows; r++) acc[r] = _mm256_setzero_ps();
         for (int64_t s = 0; s < K / 256; s++) {
             const uint8_t *sp = panel + s * Q6K_SUPER;
+            if (h == 0) prefetch(sp + PREFETCH * Q6K_SUPER, Q6K_SUPER);
             __m256 d = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(sp + h * 16)));
             for (int b = 0; b < 16; b++) {
                 const uint8_t *bp = sp + 32 + b * Q6K_BLOCK;

@@ -14,6 +14,7 @@ static inline __attribute__((always_inline)) void q4k_tile(const int rows, const
     for (int r = 0; r < rows; r++) acc[r] = _mm512_setzero_ps();
     for (int64_t s = 0; s < K / 256; s++) {
         const uint8_t *sp = panel + s * Q4K_SUPER;
+        prefetch(sp + PREFETCH * Q4K_SUPER, Q4K_SUPER);
         __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)sp));
         __m512 dmin = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(sp + 32)));
         for (int b = 0; b < 8; b++) {
@@ -51,6 +52,7 @@ static inline __attribute__((always_inline)) void q6k_tile(const int rows, const
     for (int r = 0; r < rows; r++) acc[r] = _mm512_setzero_ps();
     for (int64_t s = 0; s < K / 256; s++) {
         const uint8_t *sp = panel + s * Q6K_SUPER;
+        prefetch(sp + PREFETCH * Q6K_SUPER, Q6K_SUPER);
         __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)sp));
         for (int b = 0; b < 16; b++) {
             const uint8_t *bp = sp + 32 + b * Q6K_BLOCK;

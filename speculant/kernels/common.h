@@ -39,6 +39,15 @@ static inline float half_to_float(uint16_t h) {
     return f;
 }
 
+// Prefetch into L2 the super-block this many ahead of the one being multiplied (the next panels of a thread
+// follow in memory): the weight stream then overlaps the arithmetic of several rows (1.5B on 2 Xeon cores,
+// AVX-512: T(8) 91 -> 72 ms, T(1) unchanged). Reading past the end is harmless: a prefetch never faults.
+#define PREFETCH 4
+
+static inline void prefetch(const uint8_t *p, int bytes) {
+    for (int line = 0; line < bytes; line += 64) __builtin_prefetch(p + line, 0, 2);
+}
+
 static inline int32_t load32(const int8_t *p) { int32_t v; memcpy(&v, p, 4); return v; }
 
 // x [rows, K] -> qa [rows, K] int8, sa [rows, K/32], o32 [rows, K/32], o16 [rows, K/16]; K a multiple of 32.

@@ -36,7 +36,8 @@ def unpack_q6_k(raw: np.ndarray) -> tuple[np.ndarray, ...]:
     rows = raw.shape[0]
     blocks = raw.reshape(rows, -1, 210)
     ql = blocks[..., :128].reshape(rows, -1, 2, 1, 64) >> np.array([0, 4], dtype=np.uint8).reshape(1, 1, 1, 2, 1)
-    qh = blocks[..., 128:192].reshape(rows, -1, 2, 1, 32) >> np.array([0, 2, 4, 6], dtype=np.uint8).reshape(1, 1, 1, 4, 1)
+    shifts = np.array([0, 2, 4, 6], dtype=np.uint8).reshape(1, 1, 1, 4, 1)
+    qh = blocks[..., 128:192].reshape(rows, -1, 2, 1, 32) >> shifts
     q = (ql & 0x0F).reshape(rows, -1, 8, 32) | ((qh & 0x03).reshape(rows, -1, 8, 32) << 4)
     sc = blocks[..., 192:208].view(np.int8)
     d = blocks[..., 208:210].copy().view(np.float16)[..., 0]

@@ -5,9 +5,9 @@ SwiGLU, optional sliding window), read straight from a GGUF file, on speculant's
 Every computation acts on one token row at a time or in a fixed order per row: the linears are the kernels
 (row r of a W-row call equals the 1-row call bit for bit), attention runs one query token at a time over
 exactly the keys it may see (a prompt's prefill, the same for the same prompt, as one causal block), norms,
-rotary embeddings and activations act per row. So verifying W tokens in one forward gives the logits of W one-token forwards, and greedy speculation
-on it equals greedy decoding token for token. Rollback moves the length; a tree's accepted path is
-compacted in place.
+rotary embeddings and activations act per row. So verifying W tokens in one forward gives the logits of W
+one-token forwards, and greedy speculation on it equals greedy decoding token for token. Rollback moves
+the length; a tree's accepted path is compacted in place.
 """
 
 from __future__ import annotations
@@ -294,8 +294,8 @@ class LeanCausalLM:
                 attended = _attend(q, self._keys[index, :, :end], self._values[index, :, :end], visible, scale)
             x = x + kernels.matmul(kernels.quantize(attended), layer.o)
             h = kernels.quantize(_rms_norm(x, layer.ffn_norm, config.eps))
-            x = x + kernels.matmul(kernels.quantize(F.silu(kernels.matmul(h, layer.gate)) * kernels.matmul(h, layer.up)),
-                                   layer.down)
+            gated = F.silu(kernels.matmul(h, layer.gate)) * kernels.matmul(h, layer.up)  # SwiGLU
+            x = x + kernels.matmul(kernels.quantize(gated), layer.down)
         self._len = end
         if prompt:  # only its last row is read
             x = x[-1:]
