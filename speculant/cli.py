@@ -127,7 +127,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     kern = commands.add_parser("bench-kernels", help="T(W) of speculant's 4-bit kernels on a GGUF model's own "
                                "matrices, W rows through every linear layer, per ISA path of this machine")
-    kern.add_argument("--model", default=DEFAULT_TARGET, help=f"catalog name or .gguf file (default: {DEFAULT_TARGET})")
+    kern.add_argument("--model", default=DEFAULT_TARGET, help=f"catalog name or .gguf file of Q4_K/Q6_K matrices, as "
+                      f"the lean backend runs (default: {DEFAULT_TARGET})")
     kern.add_argument("--widths", default="1-8,16", help="rows per call, e.g. 1-16 or 1,2,4,8 (default: 1-8,16)")
     kern.add_argument("--isa", nargs="+", default=None, help="paths to time (default: all but scalar)")
     kern.add_argument("--repeats", type=int, default=5)

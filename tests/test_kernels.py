@@ -8,6 +8,7 @@ import torch
 
 from speculant import kernels
 from speculant.kernels import formats
+from speculant.machine import cpu_has
 
 GGML = {"q4_k": gguf.GGMLQuantizationType.Q4_K, "q6_k": gguf.GGMLQuantizationType.Q6_K}
 D_OFFSETS = {"q4_k": (0, 2), "q6_k": (208,)}  # where each super-block's f16 scales lie in the file
@@ -30,10 +31,10 @@ def test_the_repack_keeps_ggml_s_weights(kind):
     np.testing.assert_array_equal(formats.dequantize(kind, raw), gguf.quants.dequantize(raw, GGML[kind]))
 
 
-def test_the_machine_has_the_scalar_path_and_its_best():
-    found = kernels.paths()
-    assert found[-1] == "scalar"
-    assert kernels.best() == found[0]
+def test_every_path_the_cpu_can_run_compiles_and_loads():
+    """A path that fails to build would fall back, silently, to a slower one."""
+    assert kernels.paths() == [isa.name for isa in kernels.ISAS if cpu_has(*isa.cpu_flags)]
+    assert kernels.paths()[-1] == "scalar"
 
 
 @pytest.mark.parametrize("kind", kernels.KINDS)

@@ -62,7 +62,9 @@ def paths() -> list[str]:
     return [isa.name for isa in ISAS if library(isa.name) is not None]
 
 
+@cache
 def best() -> str:
+    """The fastest ISA this machine runs (asked on every call of `quantize` and `matmul`: found once)."""
     return paths()[0]
 
 

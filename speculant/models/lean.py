@@ -115,6 +115,11 @@ class LeanWeights:
         angles = torch.outer(torch.arange(self.config.context, dtype=torch.float64), inv_freq)
         self.cos, self.sin = angles.cos().float(), angles.sin().float()  # [context, head_dim / 2]
 
+    def matrices(self) -> list[kernels.QuantWeight]:
+        """Every matrix the kernels multiply: the output head, then each layer's projections."""
+        return [self.output] + [m for layer in self.layers for m in
+                                (layer.q, layer.k, layer.v, layer.o, layer.gate, layer.up, layer.down)]
+
     def embed(self, ids: Sequence[int]) -> torch.Tensor:
         from gguf import GGMLQuantizationType
         from gguf.quants import dequantize

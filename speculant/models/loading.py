@@ -105,26 +105,30 @@ def resolve_backend(backend: str | None, spec: Any, quant: str | None, device: s
     return backend
 
 
-def _gguf_source(spec: str | Path, tokenizer: Any | None) -> tuple[Path, str, Any | None, frozenset[int]]:
-    """(file, name, tokenizer, extra end-of-sequence ids) of a catalog model's packaged GGUF (concatenated
-    once, no de-quantization) or a .gguf file."""
+def gguf_file(spec: str | Path) -> Path:
+    """The GGUF file of a catalog model (its packaged parts joined once, no de-quantization) or a .gguf path."""
     name = str(spec)
-    extra_eos: tuple[str, ...] = ()
     if name in CATALOG:
-        directory = gguf_checkpoint(CATALOG[name])
-        path, extra_eos = directory / "model.gguf", CATALOG[name].extra_eos
-    else:
-        path = directory = Path(name)
-        if not path.is_file():
-            raise ModelNotAvailable(f"no GGUF file at {path}")
+        return gguf_checkpoint(CATALOG[name]) / "model.gguf"
+    path = Path(name)
+    if not path.is_file():
+        raise ModelNotAvailable(f"no GGUF file at {path} (catalog models: {catalog_listing()})")
+    return path
+
+
+def _gguf_source(spec: str | Path, tokenizer: Any | None) -> tuple[Path, str, Any | None, frozenset[int]]:
+    """(file, name, tokenizer, extra end-of-sequence ids) of a catalog model's GGUF or a .gguf file."""
+    path, name = gguf_file(spec), str(spec)
+    entry = CATALOG.get(name)
     if tokenizer is None:
         from transformers import AutoTokenizer
 
         try:
-            tokenizer = AutoTokenizer.from_pretrained(directory) if path is not directory else \
+            tokenizer = AutoTokenizer.from_pretrained(path.parent) if entry else \
                 AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
         except Exception:  # noqa: BLE001 - a GGUF whose tokenizer transformers cannot read still runs on ids
             tokenizer = None
+    extra_eos = entry.extra_eos if entry else ()
     extra_ids = frozenset(tokenizer.convert_tokens_to_ids(t) for t in extra_eos) if tokenizer else frozenset()
     return path, name, tokenizer, extra_ids
 
