@@ -3,13 +3,15 @@ speculation off when nothing pays, lets drafts grow when everything is accepted,
 once per machine."""
 
 import json
+import math
+from collections import deque
 
 import pytest
 
 from helpers import ScriptedDrafter, byte_tokenizer, perturbed, random_prompt, tiny_model, tiny_transformer
 from speculant import cli, generate, latency, load_model
 from speculant.config import SamplingConfig
-from speculant.decoding.adaptive import Acceptance, Candidate, adaptive, best_length, can_pay
+from speculant.decoding.adaptive import Acceptance, Candidate, adaptive, best_length, can_pay, expected_remaining
 from speculant.decoding.run import timed
 from speculant.latency import LatencyProfile
 from test_sampling import assert_follows_target, sampling_pair
@@ -71,6 +73,22 @@ def test_greedy_auto_equals_ar_whatever_it_chooses(arch, dtype, monkeypatch):
     assert {f"{drafter.name} tree2", f"{drafter.name} tree4"} & used
 
 
+def test_the_chain_its_cascade_and_its_trees_prefill_the_prompt_once(monkeypatch):
+    both = False
+    for seed in range(4):
+        target = load_model(tiny_transformer("llama", seed, VOCAB, init_std=0.1))
+        drafter = load_model(perturbed(target, 0.3, seed).model)
+        prefills, prefill = [], drafter.prefill
+        monkeypatch.setattr(drafter, "prefill", lambda ids: prefills.append(len(ids)) or prefill(ids))
+        monkeypatch.setattr(latency, "machine_profile", costs(target))
+        prompt = random_prompt(seed, VOCAB, 6) * 3
+        choices = generate(target, prompt_ids=prompt, method="auto", drafters=[drafter, "maxgram"], tree_widths=(2,),
+                           max_new_tokens=40).stats.choices
+        assert len(prefills) <= 1, choices  # one cache: whichever drafts next catches up from the last
+        both = both or {drafter.name, f"{drafter.name} tree2"} <= set(choices)
+    assert both
+
+
 def test_a_drafter_that_could_not_pay_even_if_always_right_is_never_tried(monkeypatch):
     """Where verification costs as much per token as decoding (ggml on 2 cores), a model drafter whose
     step costs half a target forward cannot pay however often it agrees: auto never runs it."""
@@ -94,10 +112,10 @@ def test_a_drafter_that_could_not_pay_even_if_always_right_is_never_tried(monkey
 
 
 def test_a_drafter_that_never_agrees_is_turned_off_and_probed_again():
-    tokens, reference, stats = scripted(1, error_rate=1.0, step_s=0.1, n=60, probe_every=8)
+    tokens, reference, stats = scripted(1, error_rate=1.0, step_s=0.1, n=100, probe_every=4)
     assert tokens == reference
     assert stats.choices.count("plain") > 0.75 * len(stats.choices)
-    # After the estimates fall, the drafter returns only as a probe after 8 plain steps in a row.
+    # After the estimates fall, the drafter returns only as a probe after 4 plain steps in a row, then 8, 16...
     runs, current = [], 0
     for choice in stats.choices[5:]:
         if choice == "plain":
@@ -105,8 +123,28 @@ def test_a_drafter_that_never_agrees_is_turned_off_and_probed_again():
         else:
             runs.append(current)
             current = 0
-    assert runs and all(r == 8 for r in runs[1:])
+    assert len(runs) >= 3 and all(later == 2 * earlier for earlier, later in zip(runs[1:], runs[2:]))
 
+
+def test_a_prefill_is_risked_only_where_generations_run_long_enough_to_repay_it():
+    assert expected_remaining([], 10, 100) == 90  # no history: the whole budget
+    assert expected_remaining([20, 40, 500], 30, 100) == (10 + 70) / 2  # those that got past 30, cut at 100
+    assert expected_remaining([20], 30, 100) == 70  # outlived them all
+    assert expected_remaining([math.inf, 20], 10, 100) == (90 + 10) / 2  # one ran to its budget: it could go on
+    target = tiny_model("llama", 3, VOCAB, init_std=0.1)
+    prompt = random_prompt(3, VOCAB)
+    reference = generate(target, prompt_ids=prompt, method="ar", max_new_tokens=100).token_ids
+
+    def first_choice(lengths):  # an unpromising drafter whose cache lags by a prefill of 4 plain steps (T(1) = 1 s)
+        drafter = ScriptedDrafter(prompt, reference, error_rate=0.0, vocab=VOCAB, seed=0)
+        candidate = Candidate("scripted", drafter, 0.1, 0.1, catch_up=lambda context: 4.0)
+        history = deque(lengths)
+        tokens, stats = run(target, [candidate], prompt, n=100, lengths=history)
+        assert tokens == reference and list(history) == [*lengths, math.inf]  # it ran to its budget
+        return stats.choices[0]
+
+    assert first_choice([]) == "scripted"  # 100 tokens to come: a probe may spend 10 s on catching up
+    assert first_choice([10, 20]) == "plain"  # replies of 15 tokens: a 4 s prefill would not pay back
 
 def test_drafts_grow_while_everything_is_accepted():
     tokens, reference, stats = scripted(2, error_rate=0.0, step_s=0.05, n=150, k_max=12)

@@ -70,3 +70,24 @@ def test_a_mismatched_width_is_refused():
     weight = kernels.QuantWeight.from_gguf("q4_k", random_tensor("q4_k", 16, 2, seed=4))
     with pytest.raises(ValueError, match="256 inputs for a weight of 512"):
         kernels.matmul(kernels.quantize(torch.zeros(1, 256)), weight)
+
+
+@pytest.mark.parametrize("kind", kernels.KINDS)
+def test_a_drafter_s_weights_of_another_type_are_quantized_again_with_padded_inputs(kind):
+    """Q8_0 weights with 96 inputs become `kind` blocks of 256 inputs, the last 160 zero; activations are
+    padded alike, so the product is the de-quantized weights' up to the 4- or 6-bit rounding."""
+    import gguf
+
+    rng = np.random.default_rng(5)
+    weights = rng.normal(size=(48, 96)).astype(np.float32)
+    raw = gguf.quants.quantize(weights, gguf.GGMLQuantizationType.Q8_0)
+    again = formats.dequantize(kind, formats.requantize(kind, raw, "Q8_0"))
+    assert again.shape == (48, 256) and not again[:, 96:].any()
+    error = np.linalg.norm(again[:, :96] - weights) / np.linalg.norm(weights)
+    assert error < (0.12 if kind == "q4_k" else 0.03)
+    x = torch.from_numpy(rng.normal(size=(3, 96)).astype(np.float32))
+    act = kernels.quantize(x)
+    assert act.quants.shape == (3, 256) and not act.quants[:, 96:].any()
+    y = kernels.matmul(act, kernels.QuantWeight.from_gguf(kind, formats.requantize(kind, raw, "Q8_0")))
+    expected = x @ torch.from_numpy(again[:, :96]).T
+    assert (y - expected).norm() / expected.norm() < 0.02

@@ -141,3 +141,45 @@ def test_the_repack_is_cached(lean_files, monkeypatch):
     monkeypatch.setattr(formats, "pack", no_repack)
     again = LeanWeights(path)  # as a second process would load it
     assert torch.equal(again.output.data, first.weights.output.data)
+
+
+def test_a_drafter_on_the_kernels_keeps_frequent_tokens_and_drafts_exactly(lean_files, tmp_path, monkeypatch):
+    """`name@lean`: a GGUF of a type the kernels lack (Q8_0; hidden 64, so inputs padded to 256) is quantized
+    again and its head keeps FR-Spec's most frequent tokens; a lean target drafted for by it emits what it
+    emits alone."""
+    from speculant.errors import ConfigError
+    from speculant.models import lean as lean_module
+
+    monkeypatch.setattr(lean_module, "DRAFT_HEAD", 64)
+    path = tmp_path / "q8.gguf"
+    write_tiny_gguf(path, "qwen2", 3, "q8_0")
+    with pytest.raises(ConfigError, match="@lean"):
+        load_model(str(path), backend="lean", tokenizer=byte_tokenizer())
+    drafter = load_model(f"{path}@lean", tokenizer=byte_tokenizer())
+    head = drafter.weights.head.tolist()
+    assert len(head) == 64 and 256 in head  # <eos> kept whatever its count
+    assert {ord(" "), ord("e"), ord("t")} <= set(head)  # the corpus's commonest bytes
+    logits = drafter.prefill(prompt_ids(3))
+    outside = torch.ones(BYTE_VOCAB, dtype=torch.bool)
+    outside[head] = False
+    assert torch.isinf(logits[outside]).all() and torch.isfinite(logits[~outside]).all()
+    target = lean(lean_files, "qwen2")
+    for seed in (0, 1):
+        prompt = prompt_ids(seed + 20)
+        expected = generate(target, prompt_ids=prompt, method="ar", max_new_tokens=24).token_ids
+        for options in (dict(method="sd", drafter=drafter, k=4), dict(method="auto", drafters=[drafter, "maxgram"])):
+            assert generate(target, prompt_ids=prompt, max_new_tokens=24, **options).token_ids == expected, options
+
+
+@pytest.mark.parametrize("variant", ["qwen2", "llama-window"])
+def test_every_kernel_path_runs_the_lean_layers_to_the_same_bits(lean_files, variant, monkeypatch):
+    """The C layer (kernels/layer.h) is compiled into every ISA's library: each gives the scalar path's bits."""
+    from speculant import kernels
+
+    outputs = {}
+    for isa in kernels.paths():
+        monkeypatch.setattr(kernels, "best", lambda isa=isa: isa)
+        model = lean(lean_files, variant)
+        model.prefill(prompt_ids(5, 10))
+        outputs[isa] = model.forward(prompt_ids(6, 5))
+    assert "scalar" in outputs and all(torch.equal(outputs["scalar"], out) for out in outputs.values()), list(outputs)

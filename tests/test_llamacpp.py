@@ -193,8 +193,14 @@ def test_bad_tree_calls_and_rollbacks_are_refused(gguf_files):
         model.forward(list(wide.tokens), tree=wide)
 
 
-def test_backend_choice_and_clear_errors_before_loading(tmp_path):
-    assert resolve_backend("auto", "qwen2.5-coder-1.5b", None, "cpu") == "llamacpp"
+def test_backend_choice_and_clear_errors_before_loading(tmp_path, monkeypatch):
+    from speculant.models import loading
+
+    for simd, backend in ((True, "lean"), (False, "llamacpp")):  # where the kernels have a SIMD path, or none
+        monkeypatch.setattr(loading, "_simd_kernels", lambda simd=simd: simd)
+        assert resolve_backend("auto", "qwen2.5-coder-1.5b", None, "cpu") == backend
+        assert resolve_backend("auto", "qwen2.5-coder-0.5b", None, "cpu") == "llamacpp"  # Q5_0: not the kernels'
+        assert resolve_backend(None, "qwen2.5-coder-0.5b", "lean", None) == "lean"  # as a drafter
     assert resolve_backend("auto", "qwen2.5-coder-1.5b", "int8", "cpu") == "hf"
     assert resolve_backend("auto", "qwen2.5-coder-1.5b", None, "cpu", "bf16") == "hf"
     assert resolve_backend("auto", "org/model", None, "cpu") == "hf"
@@ -203,6 +209,7 @@ def test_backend_choice_and_clear_errors_before_loading(tmp_path):
     for args, message in [(("llamacpp", "org/model", None, "cpu"), "runs GGUF weights"),
                           (("llamacpp", "qwen2.5-coder-1.5b", "int4", "cpu"), "runs the GGUF as it is"),
                           (("hf", "qwen2.5-coder-1.5b", "gguf", "cpu"), "@gguf runs on the llama.cpp backend"),
+                          (("llamacpp", "qwen2.5-coder-0.5b", "lean", "cpu"), "@lean runs on the lean backend"),
                           (("tpu", "qwen2.5-coder-1.5b", None, "cpu"), "unknown backend")]:
         with pytest.raises(ConfigError, match=message):
             resolve_backend(*args)

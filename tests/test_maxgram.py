@@ -75,3 +75,16 @@ def test_a_one_token_match_is_no_match():
     assert MaxGramDrafter().propose(context, 3).tokens == []
     assert MaxGramDrafter(min_match=1).propose(context, 3).tokens == [9, 7, 1]
     assert MaxGramDrafter().match_length([5, 1, 9, 7, 5, 1]) == 2 and MaxGramDrafter().match_length(context) == 0
+
+
+def test_fr_spec_s_frequent_tokens_keep_every_special_token(tmp_path, monkeypatch):
+    """FR-Spec's head: the n tokens commonest in the corpus, with the special ones whatever their count."""
+    from speculant.corpus import frequent_tokens
+
+    monkeypatch.setenv("SPECULANT_CACHE", str(tmp_path))
+    tokenizer = byte_tokenizer()
+    ids = frequent_tokens(tokenizer, 257, 40)
+    assert len(ids) == 40 and list(ids) == sorted(set(ids.tolist())) and 256 in ids
+    assert {ord(" "), ord("e")} <= set(ids.tolist()) and ord("~") not in ids
+    assert list(frequent_tokens(tokenizer, 257, 40)) == list(ids)  # again, from the cache
+    assert list(tmp_path.glob("frequency/*.npy"))

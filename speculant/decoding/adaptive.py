@@ -17,7 +17,9 @@ chain or tree verification, so output stays lossless.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import math
+from collections import deque
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -36,6 +38,7 @@ from speculant.sampling import next_token
 PLAIN = "plain"
 CARRY_OVER = 0.25  # how much of earlier generations' evidence a new generation starts with
 COST_FOLLOWS = 0.2  # how far a measured candidate's cost estimate moves toward each draft's cost
+PROBE_SHARE = 0.1  # a probe may spend on catching up at most this share of the rest's plain decoding time
 
 
 @dataclass
@@ -151,6 +154,15 @@ def best_length(acceptance: Acceptance, step_s: float, cost: Callable[[int], flo
                for k in range(1, most + 1))
 
 
+def expected_remaining(lengths: Sequence[float], produced: int, budget: int) -> float:
+    """Tokens a generation that has produced `produced` of at most `budget` is expected to add: the mean of
+    what earlier generations that got past `produced` added after it (`lengths`: inf for one that ran to its
+    own budget, cut at this one's), or the whole rest of the budget where none did. A short reply to a short
+    question thus does not count on the budget to repay a drafter's prefill; a long one earns it as it goes."""
+    later = [min(length, budget) - produced for length in lengths if length > produced]
+    return sum(later) / len(later) if later else float(budget - produced)
+
+
 def adaptive(
     target: CausalLM,
     candidates: list[Candidate],
@@ -161,11 +173,16 @@ def adaptive(
     generator: torch.Generator | None,
     k_max: int = 16,
     probe_every: int = 16,
+    lengths: deque[float] | None = None,
 ) -> Decoder:
     """Lossless speculation that re-chooses drafter and draft length every step (`cost` is the target's
     T(W) in seconds). After `probe_every` steps without any model drafter, the model drafter likeliest to
     be accepted drafts two tokens, so that one that stopped paying can come back when the text changes
-    (unless catching up on the context would cost it more than a target forward)."""
+    (unless catching up on the context would cost it more than `PROBE_SHARE` of decoding the rest plainly).
+    A generation starts with a probe; one that does not bring the drafter back doubles the wait before the
+    next: where no drafter pays, probing costs a few steps per generation, not one in every `probe_every`.
+    A drafter's catch-up is weighed against the tokens the generation is still expected to produce, from the
+    `lengths` of earlier generations (this one's is appended at its end)."""
     stats = GenerationStats(method="auto")
     out: list[int] = []
     target = metered(target)
@@ -173,7 +190,8 @@ def adaptive(
     pending = [next_token(logits, sampling, generator)]
     candidates = sorted(candidates, key=lambda c: c.match is None)  # model-free ones first: they tell `matched`
     models = [c for c in candidates if c.match is None]
-    without_model = 0  # steps since a model drafter last drafted
+    wait = probe_every  # steps without a model draft before the next probe
+    without_model = wait  # a new text starts with a probe: its drafts' acceptance is measured, not assumed
     for candidate in candidates:  # estimates may come from earlier generations: a new text, a new start
         for estimate in candidate.estimates.values():
             estimate.soften(CARRY_OVER)
@@ -182,6 +200,7 @@ def adaptive(
         room = min(k_max, max_new_tokens - len(out) - 1)
         best: tuple[float, Candidate | None, int, Draft | None, int] = (1 / cost(1), None, 0, None, 0)
         matched = False
+        remaining = expected_remaining(lengths or (), len(out), max_new_tokens)
         for candidate in candidates if room > 0 else ():
             if candidate.needs_match and not matched:
                 continue
@@ -194,14 +213,16 @@ def adaptive(
                         best = (goodput, candidate, k, Draft(draft.tokens[:k], None, draft.usage), bucket)
             else:
                 goodput, k = best_length(candidate.acceptance(), candidate.step_s, cost, room, candidate.width,
-                                         candidate.catch_up_s(context), max_new_tokens - len(out))
+                                         candidate.catch_up_s(context), remaining)
                 if goodput > best[0]:
                     best = (goodput, candidate, k, None, 0)
         _, chosen, k, draft, bucket = best
         probe = max(models, key=lambda c: c.acceptance().rate(0)) if models else None
-        if (chosen is None or chosen.match is not None) and without_model >= probe_every and probe is not None \
-                and room > 0 and probe.catch_up_s(context) <= cost(1):  # a probe that costs a prefill is no probe
-            chosen, k, draft, bucket = probe, min(2, room), None, 0
+        if chosen is not None and chosen.match is None:
+            wait = probe_every  # a model drafter pays on its own: probes start again from the shortest wait
+        elif without_model >= wait and probe is not None and room > 0 \
+                and probe.catch_up_s(context) <= PROBE_SHARE * cost(1) * remaining:
+            chosen, k, draft, bucket, wait = probe, min(2, room), None, 0, 2 * wait
         without_model = 0 if chosen is not None and chosen.match is None else without_model + 1
         if chosen is not None and chosen.width > 1:
             tree_draft = chosen.drafter.propose_tree(context, k, chosen.width)
@@ -226,4 +247,6 @@ def adaptive(
         pending = accepted + [token]
     stats.new_tokens = len(out)
     stats.record_target(target.usage)
+    if lengths is not None:  # one that ran to its budget might have gone on: it lasts as long as any budget
+        lengths.append(len(out) if len(out) < max_new_tokens else math.inf)
     return stats

@@ -8,9 +8,6 @@ tokenizer. A proposal costs no model forward: tens of microseconds.
 
 from __future__ import annotations
 
-import hashlib
-import json
-import sysconfig
 from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
@@ -18,6 +15,7 @@ from typing import Any
 import numpy as np
 
 from speculant.cache import cache_root
+from speculant.corpus import corpus_key, default_corpus, tokenize_corpus, tokenizer_fingerprint
 from speculant.drafters.base import Draft
 from speculant.drafters.spec import MAXGRAM
 
@@ -96,22 +94,11 @@ def bigram_table(sequences: Iterable[list[int]], vocab_size: int) -> np.ndarray:
     return table
 
 
-def default_corpus() -> list[Path]:
-    """Python's own standard library modules: present offline on every machine that runs speculant."""
-    return sorted(Path(sysconfig.get_paths()["stdlib"]).glob("*.py"))
-
-
-def tokenizer_fingerprint(tokenizer: Any) -> str:
-    vocab = json.dumps(sorted(tokenizer.get_vocab().items()), ensure_ascii=False)
-    return hashlib.sha256(vocab.encode()).hexdigest()[:16]
-
-
 def load_bigram(tokenizer: Any, vocab_size: int, corpus: list[Path] | None = None,
                 cache_dir: Path | None = None) -> np.ndarray:
     """The bigram table for `tokenizer` over `corpus` (default: the stdlib), cached per tokenizer and corpus."""
     files = corpus if corpus is not None else default_corpus()
-    corpus_key = hashlib.sha256("\n".join(f"{f}:{f.stat().st_size}" for f in files).encode()).hexdigest()[:16]
-    path = (cache_dir or cache_root() / "bigram") / f"{tokenizer_fingerprint(tokenizer)}-{corpus_key}.npy"
+    path = (cache_dir or cache_root() / "bigram") / f"{tokenizer_fingerprint(tokenizer)}-{corpus_key(files)}.npy"
     if path.is_file():
         try:
             table = np.load(path)
@@ -119,9 +106,7 @@ def load_bigram(tokenizer: Any, vocab_size: int, corpus: list[Path] | None = Non
                 return table
         except (OSError, ValueError):
             pass  # a corrupt cache is rebuilt below
-    texts = [f.read_text(encoding="utf-8", errors="replace") for f in files]
-    sequences = tokenizer(texts, add_special_tokens=False)["input_ids"]
-    table = bigram_table(sequences, vocab_size)
+    table = bigram_table(tokenize_corpus(tokenizer, files), vocab_size)
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_suffix(".tmp.npy")
     np.save(tmp, table)

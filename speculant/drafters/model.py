@@ -6,7 +6,7 @@ import torch
 
 from speculant.config import SamplingConfig
 from speculant.drafters.base import Draft
-from speculant.models.base import CausalLM, common_prefix_len, resync
+from speculant.models.base import CausalLM, SharedCache
 from speculant.models.metered import metered
 from speculant.sampling import logits_to_probs, next_token, sample
 
@@ -14,9 +14,9 @@ from speculant.sampling import logits_to_probs, next_token, sample
 class ModelDrafter:
     """Drafts k tokens autoregressively with a CausalLM (Leviathan et al. 2023, the approximation M_q).
 
-    The drafter remembers which tokens its cache holds; on each proposal it rolls back to the longest
+    Its SharedCache remembers which tokens the cache holds; on each proposal it rolls back to the longest
     prefix shared with the new context and runs only the tokens it has not seen, so rejected drafts
-    cost no recomputation beyond the corrected suffix. `score` runs a whole draft through the model
+    cost no recomputation beyond the corrected suffix. `model` may be another drafter's SharedCache. `score` runs a whole draft through the model
     in one forward: how a cascade level reviews the draft of the level below.
 
     Greedy drafts carry no distribution unless `keep_probs` (a lenient review needs q(x)).
@@ -31,18 +31,18 @@ class ModelDrafter:
     pads (zeros) or cuts each row of q to the target's logits width.
     """
 
-    def __init__(self, model: CausalLM, sampling: SamplingConfig, generator: torch.Generator | None,
+    def __init__(self, model: CausalLM | SharedCache, sampling: SamplingConfig, generator: torch.Generator | None,
                  keep_probs: bool = False, draft_confidence: float = 0.0, allowed: torch.Tensor | None = None,
                  width: int | None = None):
-        self.model = metered(model)
+        self.cache = model if isinstance(model, SharedCache) else SharedCache(metered(model))
+        self.model = self.cache.model
         self.draft_confidence = draft_confidence
-        self.name = model.name
+        self.name = self.model.name
         self.sampling = sampling
         self.generator = generator
         self.keep_probs = keep_probs or not sampling.greedy
-        self.banned = ~allowed.to(model.device) if allowed is not None else None
+        self.banned = ~allowed.to(self.model.device) if allowed is not None else None
         self.width = width
-        self._cached: list[int] = []  # the tokens whose keys and values self.model holds
 
     def propose(self, context: list[int], k: int) -> Draft:
         """Up to k tokens; a draft ends at an end-of-sequence token and within the drafter's positions."""
@@ -64,7 +64,7 @@ class ModelDrafter:
                     probs and probs[-1][tokens[-1]] < self.draft_confidence):
                 break
             logits = self.model.forward(tokens[-1:])[-1]
-        self._cached = context + tokens[:-1]
+        self.cache.ids = context + tokens[:-1]
         kept = torch.stack(probs) if self.keep_probs else None
         if kept is not None and self.width is not None and self.width != kept.shape[-1]:
             kept = torch.nn.functional.pad(kept, (0, self.width - kept.shape[-1]))  # negative: cut
@@ -76,13 +76,11 @@ class ModelDrafter:
 
     def score(self, context: list[int], draft: list[int]) -> torch.Tensor:
         """Logits after context[-1] and after each draft token, [1 + len(draft), vocab], in one forward."""
-        logits = resync(self.model, self._cached, context, draft)
-        self._cached = context + draft
-        return logits
+        return self.cache.run(context, draft)
 
     def lag(self, context: list[int]) -> int:
         """Tokens of `context` the drafter's cache lacks: what its next proposal runs before drafting."""
-        return len(context) - common_prefix_len(self._cached, context)
+        return self.cache.lag(context)
 
     def observe(self, n_accepted: int) -> None:
         """Nothing to do: the next proposal re-synchronises the cache from the context itself."""

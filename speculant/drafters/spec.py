@@ -1,5 +1,6 @@
-"""Drafter specs, parsed in one place: `maxgram`, `self`, `self@int8`, `NAME`, `NAME@int4`, `NAME@gguf` (a
-catalog name, Hugging Face id or path; @gguf: its GGUF on llama.cpp); and `load_drafter`, which turns a spec (or a model, or a Drafter) into
+"""Drafter specs, parsed in one place: `maxgram`, `self`, `self@int8`, `NAME`, `NAME@int4`, `NAME@gguf`, `NAME@lean` (a
+catalog name, Hugging Face id or path; @gguf: its GGUF on llama.cpp; @lean: its GGUF on speculant's kernels with
+FR-Spec's head); and `load_drafter`, which turns a spec (or a model, or a Drafter) into
 what drafts for a given target. Parsing needs no torch (the CLI reads specs before anything loads)."""
 
 from __future__ import annotations
@@ -13,12 +14,13 @@ MAXGRAM = "maxgram"  # prompt lookup with a bigram fallback, no model
 SELF = "self"  # the target's own weights (quantized with @int8 / @int4, else shared)
 QUANTS = ("int8", "int4")
 GGUF = "gguf"  # the model's packaged GGUF weights as they are, on the llama.cpp backend
+LEAN = "lean"  # the model's GGUF on the lean backend, as a drafter (models/lean.py: head cut, types re-quantized)
 
 
 @dataclass(frozen=True)
 class DrafterSpec:
     source: str  # "maxgram", "self", or a model: catalog name, Hugging Face id or path
-    quant: str | None = None  # "int8" or "int4": quantize the drafter's linear layers at load; "gguf": llama.cpp
+    quant: str | None = None  # "int8" or "int4": quantize the drafter's linear layers at load; "gguf", "lean"
 
     @property
     def kind(self) -> str:
@@ -34,13 +36,13 @@ class DrafterSpec:
             source, quant = text.strip(), None
         if not source:
             raise ConfigError(f"empty drafter name in '{text}'")
-        if quant is not None and quant not in (*QUANTS, GGUF):
+        if quant is not None and quant not in (*QUANTS, GGUF, LEAN):
             raise ConfigError(f"unknown quantization '{quant}' in drafter '{text}' (choose from {', '.join(QUANTS)}, "
-                              f"or {GGUF} for llama.cpp)")
+                              f"{GGUF} for llama.cpp or {LEAN} for speculant's kernels)")
         if source == MAXGRAM and quant:
             raise ConfigError("maxgram runs no model; it takes no quantization")
-        if source == SELF and quant == GGUF:
-            raise ConfigError("self@gguf is the target itself: run the target on llama.cpp and draft with 'self'")
+        if source == SELF and quant in (GGUF, LEAN):
+            raise ConfigError(f"self@{quant} is the target itself: run the target on that backend and draft with 'self'")
         if source == "none":
             raise ConfigError("'none' is not a drafter (it means plain autoregressive decoding: method 'ar')")
         return cls(source, quant)
@@ -92,7 +94,7 @@ def load_drafter(drafter: Any, target: Any, dtype: str | None = None) -> Any:
         return target.share()
     if isinstance(drafter, CausalLM):
         model = drafter
-    elif getattr(target, "backend", "hf") in ("llamacpp", "lean"):  # GGUF drafters on llama.cpp
+    elif getattr(target, "backend", "hf") in ("llamacpp", "lean"):  # GGUF drafters on llama.cpp (or @lean)
         model = load_model(str(drafter), dtype=dtype)
     else:
         gguf = isinstance(drafter, DrafterSpec) and drafter.quant == GGUF

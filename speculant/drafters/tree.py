@@ -10,8 +10,7 @@ from dataclasses import dataclass
 
 import torch
 
-from speculant.models.base import common_prefix_len, resync
-from speculant.models.base import CausalLM
+from speculant.models.base import CausalLM, SharedCache
 from speculant.models.metered import Usage, metered
 from speculant.tree import TokenTree
 
@@ -24,16 +23,17 @@ class TreeDraft:
 
 
 class TreeDrafter:
-    """Greedy tree drafting with a model: `depth` steps of `width` nodes (depth x width drafted nodes)."""
+    """Greedy tree drafting with a model: `depth` steps of `width` nodes (depth x width drafted nodes).
+    `model` may be a chain drafter's SharedCache: the tree then catches up from where the chain left it."""
 
-    def __init__(self, model: CausalLM):
-        self.model = metered(model)
-        self.name = model.name
-        self._cached: list[int] = []
+    def __init__(self, model: CausalLM | SharedCache):
+        self.cache = model if isinstance(model, SharedCache) else SharedCache(metered(model))
+        self.model = self.cache.model
+        self.name = self.model.name
 
     def lag(self, context: list[int]) -> int:
         """Tokens of `context` the drafter's cache lacks: what its next tree runs before drafting."""
-        return len(context) - common_prefix_len(self._cached, context)
+        return self.cache.lag(context)
 
     def propose_tree(self, context: list[int], depth: int, width: int,
                      cost: Callable[[int], float] | None = None) -> TreeDraft:
@@ -46,8 +46,7 @@ class TreeDrafter:
         if depth == 0:
             return TreeDraft(TokenTree((context[-1],), (-1,)), [1.0], Usage())
         before = self.model.usage
-        logits = resync(self.model, self._cached, context)
-        self._cached = context  # the tree nodes cached after it are dropped by the next resync
+        logits = self.cache.run(context)  # the tree nodes cached after it are dropped by the next run
         tokens, parents, scores = [context[-1]], [-1], [0.0]
         frontier: list[tuple[float, int, int]] = []  # (path log-probability, parent node, token)
         new_nodes = [0]

@@ -7,6 +7,8 @@ scalar reference, bit for bit.
 
     act = quantize(x)                       # x [W, K] fp32, each row on its own (Q8_0's rule per 32)
     y = matmul(act, weight)                 # weight: QuantWeight.from_gguf(kind, raw); y [W, O] fp32
+
+Each library also holds a whole decoder layer of the lean model on those matmuls (`layer.h`, `layer`).
 """
 
 from __future__ import annotations
@@ -15,9 +17,11 @@ import ctypes
 from dataclasses import dataclass
 from functools import cache
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import torch
+import torch.nn.functional as F
 
 from speculant.kernels import formats
 from speculant.kernels.build import compile_library
@@ -54,6 +58,8 @@ def library(name: str) -> ctypes.CDLL | None:
         lib.quantize_rows.argtypes = [_P, _I, _I, _P, _P, _P, _P]
         for kind in KINDS:
             getattr(lib, f"matmul_{kind}").argtypes = [_P, _P, _P, _P, _I, _I, _P, _I, _P, ctypes.c_int]
+        lib.lean_layer.argtypes = [ctypes.POINTER(LayerStruct), _I, _I, _I, _I, ctypes.c_float, ctypes.c_int, _P, _I,
+                                   _I, _P, _P, _P, _P, _P, _P, _I, ctypes.c_float, ctypes.c_int]
     return lib
 
 
@@ -66,6 +72,12 @@ def paths() -> list[str]:
 def best() -> str:
     """The fastest ISA this machine runs (asked on every call of `quantize` and `matmul`: found once)."""
     return paths()[0]
+
+
+def build() -> str:
+    """The fastest path and its compiled library (named by the sources' digest): what a measured T(W) of code
+    on these kernels depends on."""
+    return f"{best()} ({Path(library(best())._name).stem})"
 
 
 @dataclass(frozen=True)
@@ -83,6 +95,43 @@ class QuantWeight:
         return cls(kind, raw.shape[0], packed.shape[1] * formats.SUPER, torch.from_numpy(packed))
 
 
+class MatStruct(ctypes.Structure):
+    """layer.h's Mat: a QuantWeight as the C layer reads it."""
+    _fields_ = [("packed", _P), ("K", _I), ("O", _I), ("out", _I), ("kind", ctypes.c_int32)]
+
+
+class LayerStruct(ctypes.Structure):
+    """layer.h's Layer: one decoder layer's norms, biases (None: NULL) and matrices."""
+    _fields_ = [(name, _P) for name in ("attn_norm", "ffn_norm", "q_bias", "k_bias", "v_bias")] + \
+        [(name, MatStruct) for name in ("q", "k", "v", "o", "gate", "up", "down")]
+
+
+def layer_struct(norms: tuple[torch.Tensor, torch.Tensor], biases: tuple[torch.Tensor | None, ...],
+                 matrices: tuple[QuantWeight, ...]) -> LayerStruct:
+    """The C view of a layer (attention and MLP norms; q, k, v biases; q, k, v, o, gate, up, down): the
+    tensors must outlive it."""
+    def mat(w: QuantWeight) -> MatStruct:
+        return MatStruct(w.data.data_ptr(), w.in_features, w.data.shape[0] * formats.PANEL, w.out_features,
+                         KINDS.index(w.kind))
+
+    pointers = [t.data_ptr() if t is not None else None for t in (*norms, *biases)]
+    return LayerStruct(*pointers, *map(mat, matrices))
+
+
+def layer(config: Any, layer: LayerStruct, x: torch.Tensor, start: int, cos: torch.Tensor, sin: torch.Tensor,
+          positions: torch.Tensor, mask: torch.Tensor | None, keys: torch.Tensor, values: torch.Tensor,
+          neox: bool, isa: str | None = None) -> None:
+    """One decoder layer (layer.h) on the residual stream x [n, hidden] in place, for tokens at cache
+    positions start.., rotated by `positions`; `mask` [n, start + n] (bool) or None (causal); keys, values:
+    the layer's cache [kv_heads, capacity, head_dim]."""
+    mask_bytes = None if mask is None else mask.to(torch.uint8).contiguous()
+    library(isa or best()).lean_layer(
+        ctypes.byref(layer), config.hidden, config.heads, config.kv_heads, config.head_dim, config.eps, int(neox),
+        x.data_ptr(), x.shape[0], start, cos.data_ptr(), sin.data_ptr(), positions.data_ptr(),
+        None if mask_bytes is None else mask_bytes.data_ptr(), keys.data_ptr(), values.data_ptr(), keys.shape[1],
+        config.head_dim ** -0.5, torch.get_num_threads())
+
+
 @dataclass(frozen=True)
 class Activations:
     """Rows of activations quantized to int8: quants [W, K], scales per 32 inputs [W, K/32], and each scale
@@ -98,8 +147,12 @@ class Activations:
 
 
 def quantize(x: torch.Tensor, isa: str | None = None) -> Activations:
-    """x [W, K] (K a multiple of 32), each row quantized on its own."""
-    x = x.float().contiguous()
+    """x [W, K], each row quantized on its own; K is padded with zeros to a multiple of 256, as weights whose
+    inputs are not are padded by `formats.requantize`."""
+    x = x.float()
+    if x.shape[1] % formats.SUPER:
+        x = F.pad(x, (0, formats.SUPER - x.shape[1] % formats.SUPER))
+    x = x.contiguous()
     rows, width = x.shape
     act = Activations(torch.empty(rows, width, dtype=torch.int8), torch.empty(rows, width // 32),
                       torch.empty(rows, width // 32), torch.empty(rows, width // 16))

@@ -95,3 +95,4 @@ DISPATCH(q4k_tile, TILE)
 DISPATCH(q6k_tile, TILE)
 MATMUL(matmul_q4_k, Q4K_SUPER, TILE, q4k_tile_rows)
 MATMUL(matmul_q6_k, Q6K_SUPER, TILE, q6k_tile_rows)
+#include "layer.h"

@@ -97,3 +97,56 @@ def dequantize(kind: str, raw: np.ndarray) -> np.ndarray:
         width = 16
     q = q.reshape(rows, -1, width).astype(np.float32)
     return (scale.reshape(rows, -1, 1) * q - offset.reshape(rows, -1, 1)).reshape(rows, -1)
+
+
+def requantize(kind: str, raw: np.ndarray, ggml_type: str) -> np.ndarray:
+    """A GGUF tensor of a type the kernels do not read ([O, bytes] of `ggml_type`, e.g. Q5_0 or Q8_0) de-quantized
+    and quantized again as `kind`, its inputs padded with zero weights to a multiple of 256: GGUF bytes for `pack`.
+    Not the file's numerics: for drafters, whose weights only change what they guess."""
+    from gguf import GGMLQuantizationType
+    from gguf.quants import dequantize as gguf_dequantize
+
+    weights = gguf_dequantize(raw, GGMLQuantizationType[ggml_type]).astype(np.float32)
+    if weights.shape[1] % SUPER:
+        weights = np.pad(weights, ((0, 0), (0, SUPER - weights.shape[1] % SUPER)))
+    return {"q4_k": quantize_q4_k, "q6_k": quantize_q6_k}[kind](weights)
+
+
+def quantize_q4_k(x: np.ndarray) -> np.ndarray:
+    """[O, K] fp32 -> GGUF Q4_K bytes [O, K/256 * 144]: per block of 32 a scale and a min, each in six bits of
+    the super-block's d and dmin (a plain min-max rule, not llama.cpp's search)."""
+    rows = x.shape[0]
+    blocks = x.reshape(rows, -1, 8, 32)
+    low, high = np.minimum(blocks.min(-1), 0), np.maximum(blocks.max(-1), 0)
+    scale, offset = (high - low) / 15, -low
+    d = np.maximum(scale.max(-1), 1e-8) / 63
+    dmin = np.maximum(offset.max(-1), 1e-8) / 63
+    d, dmin = d.astype(np.float16), dmin.astype(np.float16)
+    sc = np.clip(np.rint(scale / d.astype(np.float32)[..., None]), 1, 63).astype(np.uint8)
+    m = np.clip(np.rint(offset / dmin.astype(np.float32)[..., None]), 0, 63).astype(np.uint8)
+    step = (d.astype(np.float32)[..., None] * sc)[..., None]
+    q = np.clip(np.rint((blocks + (dmin.astype(np.float32)[..., None] * m)[..., None]) / step), 0, 15).astype(np.uint8)
+    packed_scales = np.concatenate([
+        (sc[..., :4] & 0x3F) | ((sc[..., 4:] >> 4) << 6),
+        (m[..., :4] & 0x3F) | ((m[..., 4:] >> 4) << 6),
+        (sc[..., 4:] & 0x0F) | ((m[..., 4:] & 0x0F) << 4)], axis=-1)  # the inverse of ggml's get_scale_min_k4
+    q = q.reshape(rows, -1, 4, 2, 32)  # [O, S, chunk, low/high nibble, 32]
+    qs = (q[..., 0, :] | (q[..., 1, :] << 4)).reshape(rows, -1, 128)
+    return np.concatenate([d[..., None].view(np.uint8), dmin[..., None].view(np.uint8), packed_scales, qs],
+                          axis=-1).reshape(rows, -1)
+
+
+def quantize_q6_k(x: np.ndarray) -> np.ndarray:
+    """[O, K] fp32 -> GGUF Q6_K bytes [O, K/256 * 210]: per block of 16 an int8 scale of the super-block's d."""
+    rows = x.shape[0]
+    blocks = x.reshape(rows, -1, 16, 16)
+    scale = np.abs(blocks).max(-1) / 31
+    d = (np.maximum(scale.max(-1), 1e-8) / 127).astype(np.float16)
+    sc = np.clip(np.rint(scale / d.astype(np.float32)[..., None]), 1, 127).astype(np.int8)
+    step = (d.astype(np.float32)[..., None] * sc)[..., None]
+    q = (np.clip(np.rint(blocks / step), -32, 31) + 32).astype(np.uint8).reshape(rows, -1, 2, 128)  # [O, S, half, 128]
+    ql = (q[..., :64] & 0x0F) | ((q[..., 64:] & 0x0F) << 4)  # [O, S, half, 64]
+    qh = (q >> 4).reshape(rows, -1, 2, 4, 32) << np.array([0, 2, 4, 6], dtype=np.uint8).reshape(4, 1)
+    qh = np.bitwise_or.reduce(qh, axis=3)  # [O, S, half, 32]
+    return np.concatenate([ql.reshape(rows, -1, 128), qh.reshape(rows, -1, 64), sc.view(np.uint8),
+                           d[..., None].view(np.uint8)], axis=-1).reshape(rows, -1)

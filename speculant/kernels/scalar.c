@@ -64,3 +64,4 @@ static void q6k_rows(int64_t rows, const int8_t *qa, const float *sa, const floa
 
 MATMUL(matmul_q4_k, Q4K_SUPER, 8, q4k_rows)
 MATMUL(matmul_q6_k, Q6K_SUPER, 8, q6k_rows)
+#include "layer.h"

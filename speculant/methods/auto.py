@@ -5,6 +5,7 @@ goodput, or plain decoding when no draft pays (`decoding.adaptive`)."""
 
 from __future__ import annotations
 
+from collections import deque
 from dataclasses import dataclass
 from typing import Any
 from weakref import WeakKeyDictionary
@@ -22,11 +23,20 @@ REVIEW = 6  # Max-Gram tokens a model drafter reviews in one forward in auto's c
 
 
 def catch_up_cost(drafter: Any, profile: Any) -> Any:
-    """Seconds for `drafter` (a ModelDrafter or TreeDrafter) to run the context its cache lacks, from its T(W);
-    None for drafters that keep no cache (another tokenizer's re-tokenize the text every time)."""
+    """Seconds for `drafter` (a ModelDrafter or TreeDrafter) to run the context its cache lacks, from its T(W),
+    or, where its cache shares nothing with the context (a new prompt), from its prefill time (`ttft_s` over
+    `context_len` tokens); None for drafters that keep no cache (another tokenizer's re-tokenize the text
+    every time)."""
     if not hasattr(drafter, "lag"):
         return None
-    return lambda context: profile.cost(lag) if (lag := drafter.lag(context)) else 0.0
+
+    def seconds(context: list[int]) -> float:
+        lag = drafter.lag(context)
+        if lag >= len(context):
+            return min(profile.cost(lag), profile.ttft_s * lag / profile.context_len)
+        return profile.cost(lag) if lag else 0.0
+
+    return seconds
 
 
 def parse_widths(text: str) -> tuple[int, ...]:
@@ -65,24 +75,30 @@ class AutoOptions:
 
 
 def default_drafters(target: Any) -> tuple[str, ...]:
-    """The catalog's drafter for a catalog target - for a llama.cpp or lean target its GGUF on llama.cpp; else
-    quantized to int8 where speculant's AMX int8 kernel runs (its cost stays flat over the several tokens a
-    drafter catches up on after an accepted draft) and to int4 elsewhere - and Max-Gram."""
+    """The catalog's drafter for a catalog target - for a lean target its GGUF on the lean backend with
+    FR-Spec's head (`@lean`: 0.35 of the 1.5B's forward, where llama.cpp's is 0.49); for a llama.cpp target its
+    GGUF on llama.cpp; else quantized to int8 where speculant's AMX int8 kernel runs (its cost stays flat over
+    the several tokens a drafter catches up on after an accepted draft) and to int4 elsewhere - and Max-Gram."""
     from speculant.models import native
     from speculant.models.catalog import CATALOG
 
     entry = CATALOG.get(target.name.split("@")[0])
     if entry is None or not entry.drafter:
         return ("maxgram",)
-    if getattr(target, "backend", "hf") in ("llamacpp", "lean"):
+    if getattr(target, "backend", "hf") == "lean":
+        return (f"{entry.drafter}@lean", "maxgram")
+    if getattr(target, "backend", "hf") == "llamacpp":
         return (f"{entry.drafter}@gguf", "maxgram")
     return (f"{entry.drafter}@{'int8' if native.AMX.library() is not None else 'int4'}", "maxgram")
 
 
-# Per target: the drafters auto loaded ({(spec, dtype): drafter}) and what it learned of their acceptance
-# ({name: estimates}), kept across generations: a new request starts from what the last ones observed.
+# Per target: the drafters auto loaded ({(spec, dtype): drafter}), what it learned of their acceptance
+# ({name: estimates}) and how long generations run, kept across generations: a new request starts from what
+# the last ones observed.
 _loaded: WeakKeyDictionary = WeakKeyDictionary()
 _learned: WeakKeyDictionary = WeakKeyDictionary()
+_lengths: WeakKeyDictionary = WeakKeyDictionary()  # the last LENGTHS_KEPT generations' lengths, by target
+LENGTHS_KEPT = 32
 
 
 @register("auto", AutoOptions, "chooses drafter, chain, tree or cascade and draft length every step from measured "
@@ -124,13 +140,11 @@ def build(request: Request, options: AutoOptions) -> Any:
             candidates.append(Candidate(source.name, drafter, step_s, MODEL_PRIOR, estimates=estimates,
                                         catch_up=catch_up_cost(drafter, profile)))
             same_ids = isinstance(drafter, ModelDrafter)  # trees and reviews need the target's ids
-            for width in options.tree_widths if same_ids and hasattr(source, "share") else ():
+            for width in options.tree_widths if same_ids else ():
                 if not can_pay(profile.cost(width), cost, options.k_max, width):
                     continue
                 name = f"{source.name} tree{width}"
-                if (name, options.drafter_dtype) not in loaded:  # a handle of its own: its KV cache holds trees
-                    loaded[name, options.drafter_dtype] = source.share()
-                tree = TreeDrafter(loaded[name, options.drafter_dtype])
+                tree = TreeDrafter(drafter.cache)  # the chain's cache: whichever drafts next catches up from it
                 candidates.append(Candidate(name, tree, profile.cost(width), TREE_PRIOR,
                                             estimates=learned.setdefault(name, {}), width=width,
                                             catch_up=catch_up_cost(tree, profile)))
@@ -147,5 +161,6 @@ def build(request: Request, options: AutoOptions) -> Any:
                                     catch_up=chain.catch_up))  # it drafts with the chain's model and cache
     if hasattr(target, "sharing"):  # a served request: its forwards are batched with other requests'
         cost = shared_cost(cost, target.sharing)
+    lengths = _lengths.setdefault(profiled_as(target), deque(maxlen=LENGTHS_KEPT))
     return adaptive(target, candidates, request.prompt_ids, request.max_new_tokens, cost, request.sampling,
-                    request.generator, options.k_max, options.probe_every)
+                    request.generator, options.k_max, options.probe_every, lengths)

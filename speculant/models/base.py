@@ -99,3 +99,24 @@ def resync(model: CausalLM, cached: list[int], context: list[int], extra: Sequen
         return torch.cat([logits, model.forward(list(extra))]) if extra else logits
     model.rollback(keep)
     return model.forward(context[keep:] + list(extra))[len(context) - keep - 1 :]
+
+
+class SharedCache:
+    """A model and the ids its KV cache holds. Drafters that run on one model share one SharedCache (in
+    `auto`, a chain, its cascade and its token trees), so each catches up from where the last one left the
+    cache instead of prefilling a cache of its own (positions past `ids`, e.g. a tree's nodes, are dropped
+    by the next `run`)."""
+
+    def __init__(self, model: CausalLM):
+        self.model = model
+        self.ids: list[int] = []
+
+    def lag(self, context: list[int]) -> int:
+        """Tokens of `context` the cache lacks: what the next `run` runs before the rest."""
+        return len(context) - common_prefix_len(self.ids, context)
+
+    def run(self, context: list[int], extra: Sequence[int] = ()) -> torch.Tensor:
+        """`resync` to `context` + `extra`, then record that the cache holds them."""
+        logits = resync(self.model, self.ids, context, extra)
+        self.ids = context + list(extra)
+        return logits

@@ -36,6 +36,7 @@ class CatalogEntry:
     sha256: tuple[str, ...]  # of each part, in order
     extra_eos: tuple[str, ...] = ()  # end-of-sequence tokens the upstream model stops on but the GGUF omits
     drafter: str | None = None  # what `auto` drafts with for this target besides Max-Gram (it quantizes it)
+    kernels: bool = False  # every matrix of its GGUF is a K-quant speculant's kernels read: it runs on `lean` as it is
 
     def part_paths(self) -> list[Path]:
         """Locate every part on disk, or raise with the exact install command."""
@@ -100,6 +101,7 @@ CATALOG: dict[str, CatalogEntry] = {
             _QWEN_15B_SHA256,
             ("<|endoftext|>",),
             "qwen2.5-coder-0.5b",
+            kernels=True,
         ),
         CatalogEntry(
             "qwen2.5-coder-0.5b",

@@ -2,12 +2,13 @@
 SwiGLU, optional sliding window), read straight from a GGUF file, on speculant's exact 4-bit kernels
 (`speculant.kernels`) and a preallocated KV cache with a length pointer (gpt-fast's shape).
 
-Every computation acts on one token row at a time or in a fixed order per row: the linears are the kernels
-(row r of a W-row call equals the 1-row call bit for bit), attention runs one query token at a time over
-exactly the keys it may see (a prompt's prefill, the same for the same prompt, as one causal block), norms,
-rotary embeddings and activations act per row. So verifying W tokens in one forward gives the logits of W
-one-token forwards, and greedy speculation on it equals greedy decoding token for token. Rollback moves
-the length; a tree's accepted path is compacted in place.
+Every computation acts on one token row at a time or in a fixed order per row: a layer is one C call
+(`kernels/layer.h`: the linears are the kernels, row r of a W-row call equals the 1-row call bit for bit;
+attention runs one query token at a time over exactly the keys it may see; norms, rotary embeddings and
+activations act per row). So verifying W tokens in one forward gives the logits of W one-token forwards,
+and greedy speculation on it equals greedy decoding token for token. A prompt's prefill (the same for the
+same prompt) runs its layers in torch with attention as one causal block. Rollback moves the length; a
+tree's accepted path is compacted in place.
 """
 
 from __future__ import annotations
@@ -35,6 +36,7 @@ from speculant.tree import TokenTree
 
 ARCHITECTURES = {"qwen2": "neox", "llama": "norm"}  # rotary layout as llama.cpp lays out each one's weights
 KINDS = {"Q4_K": "q4_k", "Q6_K": "q6_k"}
+DRAFT_HEAD = 32768  # a drafter's head rows (FR-Spec's 32k of Llama-3's 128k; Qwen2's vocabulary is 152k)
 DEFAULT_POSITIONS = 4096  # cache capacity when the model allows more
 CACHE_LAYOUT = 1  # of the repacked files and layout.json: a change here re-packs every cached model
 
@@ -75,14 +77,20 @@ MATRICES = ("attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate", "ffn_up", "
 class LeanWeights:
     """A GGUF file's weights in the kernels' layout, shared by every handle on them. The first load reads the
     file's header with `gguf` and repacks its matrices into the speculant cache (once per file and layout
-    version, ~20 s for the 1.5B); later loads map them copy-on-write, as llama.cpp maps the GGUF."""
+    version, ~20 s for the 1.5B); later loads map them copy-on-write, as llama.cpp maps the GGUF.
 
-    def __init__(self, path: Path) -> None:
+    With `head` (token ids, ascending), the weights of a drafter: the output head keeps only those tokens'
+    rows (FR-Spec, Zhao et al. 2025: a quarter of a 0.5B model's multiply-adds are its 151k-row head), and
+    matrices of types the kernels do not read are quantized again (`formats.requantize`). Its guesses
+    change, never what the target it drafts for emits."""
+
+    def __init__(self, path: Path, head: tuple[int, ...] | None = None) -> None:
         self.path = path
-        directory = _cache_directory(path)
+        directory = _cache_directory(path, head)
         if not directory.is_dir():
-            _repack(path, directory)
+            _repack(path, directory, head)
         layout = json.loads((directory / "layout.json").read_text())
+        self.head = None if head is None else torch.tensor(head, dtype=torch.long)
         self.config = LeanConfig(**layout["config"])
         self.eos_token_ids = frozenset(layout["eos"])
         file = np.memmap(path, dtype=np.uint8, mode="r")
@@ -95,7 +103,7 @@ class LeanWeights:
             return torch.from_numpy(file[offset:offset + size].view(np.float32).copy())
 
         def matrix(name: str) -> kernels.QuantWeight:
-            kind, (inputs, outputs) = layout["matrices"][name]
+            kind, (inputs, outputs) = layout["matrices"][name]  # inputs padded to 256
             packed = np.load(directory / f"{name}.npy", mmap_mode="c")
             return kernels.QuantWeight(kind, outputs, inputs, torch.from_numpy(packed))
 
@@ -106,6 +114,9 @@ class LeanWeights:
                              vector(f"blk.{i}.ffn_norm.weight"), matrix(f"blk.{i}.ffn_gate.weight"),
                              matrix(f"blk.{i}.ffn_up.weight"), matrix(f"blk.{i}.ffn_down.weight"))
                        for i in range(self.config.layers)]
+        self.structs = [kernels.layer_struct((layer.attn_norm, layer.ffn_norm), (layer.q_bias, layer.k_bias, layer.v_bias),
+                                             (layer.q, layer.k, layer.v, layer.o, layer.gate, layer.up, layer.down))
+                        for layer in self.layers]  # the C view of each layer: it points into the tensors above
         self.output_norm = vector("output_norm.weight")
         self.output = matrix(layout["output"])
         self._embedding_type, (hidden, self.vocab_size), offset, size = tensors["token_embd.weight"]
@@ -130,16 +141,19 @@ class LeanWeights:
         return torch.from_numpy(dequantize(rows, GGMLQuantizationType[self._embedding_type]).astype(np.float32))
 
 
-def _cache_directory(path: Path) -> Path:
+def _cache_directory(path: Path, head: tuple[int, ...] | None) -> Path:
     stat = path.stat()
     digest = hashlib.sha256(f"{path.resolve()}|{stat.st_size}|{stat.st_mtime_ns}".encode())
     digest.update(Path(formats.__file__).read_bytes() + f"layout {CACHE_LAYOUT}".encode())
-    return cache_root() / "lean" / f"{path.stem}-{digest.hexdigest()[:16]}"
+    if head is not None:
+        digest.update(np.asarray(head, dtype=np.int64).tobytes())
+    return cache_root() / "lean" / f"{path.stem}{'' if head is None else '-draft'}-{digest.hexdigest()[:16]}"
 
 
-def _repack(path: Path, directory: Path) -> None:
-    """Read the file's configuration, repack its matrices and write them with a layout.json into `directory`
-    (through a temporary sibling renamed into place: readers see all of it or nothing)."""
+def _repack(path: Path, directory: Path, head: tuple[int, ...] | None) -> None:
+    """Read the file's configuration, repack its matrices (a drafter's: see LeanWeights) and write them with a
+    layout.json into `directory` (through a temporary sibling renamed into place: readers see all of it or
+    nothing)."""
     from gguf import GGUFReader
 
     reader = GGUFReader(path)
@@ -158,20 +172,32 @@ def _repack(path: Path, directory: Path) -> None:
     tensors = {t.name: t for t in reader.tensors}
     output = "output.weight" if "output.weight" in tensors else "token_embd.weight"  # tied embeddings
     names = [output] + [f"blk.{i}.{part}.weight" for i in range(config.layers) for part in MATRICES]
-    for name in names:
-        if tensors[name].tensor_type.name not in KINDS:
-            raise ConfigError(f"{name} is {tensors[name].tensor_type.name}: the lean backend's kernels read "
-                              f"{', '.join(KINDS)}")
+    if head is None:
+        for name in names:
+            if tensors[name].tensor_type.name not in KINDS:
+                raise ConfigError(f"{name} is {tensors[name].tensor_type.name}: the lean backend's kernels read "
+                                  f"{', '.join(KINDS)} (a drafter's weights may be quantized again: `name@lean`)")
+
+    def packed(name: str) -> tuple[str, np.ndarray, int]:
+        """(kind, bytes in the kernels' layout, outputs) of a matrix, a drafter's head restricted to its rows."""
+        ggml_type, raw = tensors[name].tensor_type.name, np.asarray(tensors[name].data)
+        if head is not None and name == output:
+            raw = raw[np.asarray(head)]
+        if ggml_type in KINDS:
+            return KINDS[ggml_type], formats.pack(KINDS[ggml_type], raw), len(raw)
+        kind = "q6_k" if name == output else "q4_k"  # the head keeps more bits: it ranks every guess
+        return kind, formats.pack(kind, formats.requantize(kind, raw, ggml_type)), len(raw)
+
     eos = _field(reader, "tokenizer.ggml.eos_token_id", None)
-    layout = {"config": vars(config), "eos": [] if eos is None else [int(eos)], "output": output,
-              "matrices": {name: [KINDS[tensors[name].tensor_type.name], [int(n) for n in tensors[name].shape]]
-                           for name in names},
+    layout = {"config": vars(config), "eos": [] if eos is None else [int(eos)], "output": output, "matrices": {},
               "tensors": {name: [t.tensor_type.name, [int(n) for n in t.shape], int(t.data_offset), int(t.n_bytes)]
                           for name, t in tensors.items() if name not in names or name == "token_embd.weight"}}
     tmp = directory.with_name(f".tmp-{directory.name}-{os.getpid()}")
     tmp.mkdir(parents=True, exist_ok=True)
     for name in names:
-        np.save(tmp / f"{name}.npy", formats.pack(layout["matrices"][name][0], np.asarray(tensors[name].data)))
+        kind, data, outputs = packed(name)
+        layout["matrices"][name] = [kind, [data.shape[1] * formats.SUPER, outputs]]
+        np.save(tmp / f"{name}.npy", data)
     (tmp / "layout.json").write_text(json.dumps(layout))
     try:
         tmp.rename(directory)
@@ -179,10 +205,10 @@ def _repack(path: Path, directory: Path) -> None:
         shutil.rmtree(tmp, ignore_errors=True)
 
 
-@lru_cache(maxsize=2)
-def shared_weights(path: Path) -> LeanWeights:
+@lru_cache(maxsize=4)
+def shared_weights(path: Path, head: tuple[int, ...] | None = None) -> LeanWeights:
     """The weights of a GGUF file, repacked once per process and shared by every model handle on them."""
-    return LeanWeights(path)
+    return LeanWeights(path, head)
 
 
 def _field(reader: Any, key: str, default: Any = ConfigError) -> Any:
@@ -223,7 +249,7 @@ class LeanCausalLM:
         self.identity, self.vocab_size = identity, weights.vocab_size
         self.eos_token_ids = frozenset(eos_token_ids | weights.eos_token_ids)
         self.max_positions = min(positions or DEFAULT_POSITIONS, config.context)
-        self.kernel = kernels.best()
+        self.kernel = kernels.build()  # a new build of the kernels or layers is profiled anew
         self.numerics = "lean: GGUF K-quants x int8 rows"  # the same bits on every ISA path
         self.interrupt = None
         shape = (config.layers, config.kv_heads, self.max_positions, config.head_dim)
@@ -265,9 +291,9 @@ class LeanCausalLM:
 
     def _run(self, ids: Sequence[int], positions: Sequence[int], mask: torch.Tensor | None,
              prompt: bool = False) -> torch.Tensor:
-        """With `prompt` (a prefill), attention runs as one causal block, the same computation for the same
-        prompt every time, and only the last row's logits are computed; every other forward's rows are
-        row-invariant."""
+        """Every row on its own, in one C call per layer (row-invariant: a W-token forward gives the rows of W
+        one-token forwards). A prefill without a mask instead runs attention as one causal block in torch, the
+        same computation for the same prompt every time; a prefill computes only its last row's logits."""
         config, weights, n, start = self.config, self.weights, len(ids), self._len
         end = start + n
         if end > self.max_positions:
@@ -277,13 +303,19 @@ class LeanCausalLM:
             keys = torch.arange(end)[None, :]
             near = keys > where[:, None] - config.window
             mask = near & (keys <= torch.arange(start, end)[:, None] if mask is None else mask)
-        visible = [start + i + 1 if mask is None else _visible(mask[i]) for i in range(n)]
-        cos, sin = weights.cos[where][:, None], weights.sin[where][:, None]
         layout, scale = ARCHITECTURES[config.architecture], config.head_dim ** -0.5
-        x = weights.embed(ids)  # [n, hidden]
+        x = weights.embed(ids).contiguous()  # [n, hidden]
+        if not (prompt and mask is None):  # every row on its own: one C call per layer (kernels/layer.h)
+            for index, layer in enumerate(weights.structs):
+                if self.interrupt is not None and self.interrupt():
+                    raise Interrupted()  # nothing past the cache length was committed
+                kernels.layer(config, layer, x, start, weights.cos, weights.sin, where, mask, self._keys[index],
+                              self._values[index], layout == "neox")
+            return self._head(x[-1:] if prompt else x, end)
+        cos, sin = weights.cos[where][:, None], weights.sin[where][:, None]
         for index, layer in enumerate(weights.layers):
             if self.interrupt is not None and self.interrupt():
-                raise Interrupted()  # nothing past the cache length was committed
+                raise Interrupted()
             h = kernels.quantize(_rms_norm(x, layer.attn_norm, config.eps))
             q, k, v = (_bias(kernels.matmul(h, w), b) for w, b in
                        ((layer.q, layer.q_bias), (layer.k, layer.k_bias), (layer.v, layer.v_bias)))
@@ -291,20 +323,25 @@ class LeanCausalLM:
             k = _rotate(k.view(n, config.kv_heads, config.head_dim), cos, sin, layout)
             self._keys[index, :, start:end] = k.transpose(0, 1)
             self._values[index, :, start:end] = v.view(n, config.kv_heads, config.head_dim).transpose(0, 1)
-            if prompt and mask is None:
-                attended = F.scaled_dot_product_attention(
-                    q.transpose(0, 1)[None], self._keys[index, None, :, :end], self._values[index, None, :, :end],
-                    is_causal=True, scale=scale, enable_gqa=True)[0].transpose(0, 1).reshape(n, -1)
-            else:
-                attended = _attend(q, self._keys[index, :, :end], self._values[index, :, :end], visible, scale)
+            attended = F.scaled_dot_product_attention(
+                q.transpose(0, 1)[None], self._keys[index, None, :, :end], self._values[index, None, :, :end],
+                is_causal=True, scale=scale, enable_gqa=True)[0].transpose(0, 1).reshape(n, -1)
             x = x + kernels.matmul(kernels.quantize(attended), layer.o)
             h = kernels.quantize(_rms_norm(x, layer.ffn_norm, config.eps))
             gated = F.silu(kernels.matmul(h, layer.gate)) * kernels.matmul(h, layer.up)  # SwiGLU
             x = x + kernels.matmul(kernels.quantize(gated), layer.down)
+        return self._head(x[-1:], end)  # only a prefill's last row is read
+
+    def _head(self, x: torch.Tensor, end: int) -> torch.Tensor:
+        """Logits of the rows of x (the last layer's output); the cache now holds `end` positions."""
+        weights = self.weights
         self._len = end
-        if prompt:  # only its last row is read
-            x = x[-1:]
-        return kernels.matmul(kernels.quantize(_rms_norm(x, weights.output_norm, config.eps)), weights.output)
+        logits = kernels.matmul(kernels.quantize(_rms_norm(x, weights.output_norm, self.config.eps)), weights.output)
+        if weights.head is None:
+            return logits
+        full = torch.full((logits.shape[0], self.vocab_size), float("-inf"))
+        full[:, weights.head] = logits[:, :len(weights.head)]
+        return full
 
     def rollback(self, n: int) -> None:
         if not 0 <= n <= self._len:
@@ -320,28 +357,6 @@ class LeanCausalLM:
         self._keys[:, :, :m] = self._keys[:, :, where]
         self._values[:, :, :m] = self._values[:, :, where]
         self._len = m
-
-
-def _visible(allowed: torch.Tensor) -> int | torch.Tensor:
-    """The cache positions a query may see: a count where they are a prefix, else their indices."""
-    where = allowed.nonzero().squeeze(1)
-    return where.numel() if int(where[-1]) + 1 == where.numel() else where
-
-
-def _attend(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, visible: list[int | torch.Tensor],
-            scale: float) -> torch.Tensor:
-    """Attention one query token at a time over exactly the keys it may see, in cache order: the computation
-    of a one-token step whatever the number of tokens (row-invariant). q [n, heads, d]; keys, values
-    [kv_heads, cached, d]; each kv head's group of query heads goes in as that head's rows (GQA without
-    copying the cache). Returns [n, heads * d]."""
-    n, heads, d = q.shape
-    groups = q.view(n, keys.shape[0], heads // keys.shape[0], d)
-    rows = []
-    for i, seen in enumerate(visible):
-        k, v = (keys[:, :seen], values[:, :seen]) if isinstance(seen, int) else \
-            (keys.index_select(1, seen), values.index_select(1, seen))
-        rows.append(F.scaled_dot_product_attention(groups[i], k, v, scale=scale))
-    return torch.stack(rows).view(n, heads * d)
 
 
 def _bias(y: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:

@@ -25,6 +25,7 @@ from speculant.models.quant import QUANTS, quantize
 
 DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
 GGUF = "gguf"  # `name@gguf`: the packaged GGUF weights as they are, on the llama.cpp backend
+LEAN = "lean"  # `name@lean`: the packaged GGUF on the lean backend as a drafter (FR-Spec head, types re-quantized)
 
 
 def dtype_name(dtype: torch.dtype) -> str:
@@ -81,28 +82,45 @@ def quantized_copy(model: HFCausalLM, quant: str, group_size: int = 32) -> HFCau
 
 def resolve_backend(backend: str | None, spec: Any, quant: str | None, device: str | None,
                     dtype: str | None = None) -> str:
-    """`auto`: llama.cpp for GGUF weights (a catalog name or a .gguf file) run as they are (no dtype, no
-    quantization asked for) on the CPU, where llama-cpp-python is installed; transformers otherwise."""
+    """`auto`: GGUF weights (a catalog name or a .gguf file) run as they are (no dtype, no quantization asked
+    for) on the CPU go to the lean backend where the catalog says its kernels read them and they have a SIMD
+    path on this CPU (docs/results/cpu.md: faster than llama.cpp at every width), else to llama.cpp where
+    llama-cpp-python is installed; transformers otherwise."""
     backend = backend or AUTO
     if backend not in (AUTO, *BACKENDS):
         raise ConfigError(f"unknown backend '{backend}' (choose from auto, {', '.join(BACKENDS)})")
     is_gguf = isinstance(spec, (str, Path)) and (str(spec) in CATALOG or str(spec).endswith(".gguf"))
-    if quant == GGUF or (isinstance(spec, (str, Path)) and str(spec).endswith(".gguf")):
+    if quant == LEAN:
+        backend = "lean" if backend == AUTO else backend
+        if backend != "lean":
+            raise ConfigError(f"@{LEAN} runs on the lean backend, not {backend}")
+    elif quant == GGUF or (isinstance(spec, (str, Path)) and str(spec).endswith(".gguf")):
         backend = "llamacpp" if backend == AUTO else backend
     if backend == AUTO:
         on_cpu = device is None or resolve_device(device).type == "cpu"
         as_they_are = quant is None and dtype in (None, AUTO)
-        return "llamacpp" if is_gguf and as_they_are and on_cpu and llamacpp.available() else "hf"
+        if not (is_gguf and as_they_are and on_cpu):
+            return "hf"
+        entry = CATALOG.get(str(spec))
+        if entry is not None and entry.kernels and _simd_kernels():
+            return "lean"
+        return "llamacpp" if llamacpp.available() else "hf"
     if backend in ("llamacpp", "lean"):
         if not is_gguf:
             raise ConfigError(f"the {backend} backend runs GGUF weights: a catalog name or a .gguf file, not {spec!r}")
-        if quant not in (None, GGUF):
+        if quant not in (None, GGUF, LEAN):
             raise ConfigError(f"@{quant} quantizes transformers weights; the {backend} backend runs the GGUF as it is")
         if device is not None and resolve_device(device).type != "cpu":
             raise ConfigError(f"speculant's {backend} backend runs on the CPU")
     elif quant == GGUF:
         raise ConfigError("@gguf runs on the llama.cpp backend, not transformers")
     return backend
+
+
+def _simd_kernels() -> bool:
+    from speculant import kernels
+
+    return kernels.best() != "scalar"
 
 
 def gguf_file(spec: str | Path) -> Path:
@@ -140,15 +158,24 @@ def load_gguf(spec: str | Path, tokenizer: Any | None = None, threads: int | Non
     return llamacpp.LlamaCppCausalLM(weights, tokenizer, name, extra_ids, f"{name} gguf", threads)
 
 
-def load_lean(spec: str | Path, tokenizer: Any | None = None) -> CausalLM:
-    """A catalog model's packaged GGUF or a .gguf file, on the lean model and speculant's kernels."""
+def load_lean(spec: str | Path, tokenizer: Any | None = None, draft: bool = False) -> CausalLM:
+    """A catalog model's packaged GGUF or a .gguf file, on the lean model and speculant's kernels; with `draft`,
+    as a drafter (`name@lean`): its head cut to the tokenizer's `lean.DRAFT_HEAD` most frequent tokens
+    (FR-Spec) and matrices of types the kernels lack quantized again."""
+    from speculant.corpus import frequent_tokens
     from speculant.models import lean
 
     path, name, tokenizer, extra_ids = _gguf_source(spec, tokenizer)
     eos = set(extra_ids)
     if tokenizer is not None and tokenizer.eos_token_id is not None:
         eos.add(tokenizer.eos_token_id)
-    return lean.LeanCausalLM(lean.shared_weights(path), tokenizer, name, frozenset(eos), f"{name} lean")
+    if not draft:
+        return lean.LeanCausalLM(lean.shared_weights(path), tokenizer, name, frozenset(eos), f"{name} lean")
+    if tokenizer is None:
+        raise ConfigError(f"{name}@{LEAN} ranks its head's tokens with the model's tokenizer, which did not load")
+    head = tuple(int(i) for i in frequent_tokens(tokenizer, len(tokenizer), lean.DRAFT_HEAD))
+    return lean.LeanCausalLM(lean.shared_weights(path, head), tokenizer, f"{name}@{LEAN}", frozenset(eos),
+                             f"{name} lean draft {len(head)}")
 
 
 def load_model(spec: Any, dtype: str | None = None, device: str | None = None, tokenizer: Any | None = None,
@@ -172,13 +199,13 @@ def load_model(spec: Any, dtype: str | None = None, device: str | None = None, t
         if quant is not None:
             raise ConfigError(f"quantization given twice: '{spec}' and quant={quant}")
         spec, quant = split_quant(spec)
-    if quant is not None and quant not in (*QUANTS, GGUF):
-        raise ConfigError(f"unknown quantization '{quant}' (choose from {', '.join(QUANTS)}, or gguf)")
+    if quant is not None and quant not in (*QUANTS, GGUF, LEAN):
+        raise ConfigError(f"unknown quantization '{quant}' (choose from {', '.join(QUANTS)}, gguf or lean)")
     chosen = resolve_backend(backend, spec, quant, device, dtype)
     if chosen in ("llamacpp", "lean"):
         if dtype not in (None, AUTO):
             raise ConfigError(f"the {chosen} backend runs the GGUF's own types: give no dtype")
-        return load_gguf(spec, tokenizer) if chosen == "llamacpp" else load_lean(spec, tokenizer)
+        return load_gguf(spec, tokenizer) if chosen == "llamacpp" else load_lean(spec, tokenizer, quant == LEAN)
     model, tokenizer, name, extra_eos = _load_transformers(spec, dtype, device, tokenizer)
     if quant is not None:
         if model is spec:

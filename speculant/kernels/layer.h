@@ -1,0 +1,142 @@
+// One decoder layer of the lean model (models/lean.py) for W new tokens, in C: RMSNorm, the q/k/v, o and
+// SwiGLU projections on this ISA's matmul_q4_k / matmul_q6_k, RoPE, the KV cache write and attention, one
+// call from Python instead of ~80 small torch operations (at one token those cost the 0.5B drafter a third
+// of its forward). Included at the end of every ISA's file, after its matmuls.
+//
+// Row invariance: every row is normalized, rotated and attends on its own, over exactly the keys it may see,
+// in cache order; each sum runs over 16 lanes in a fixed order and then adds the lanes in a fixed order (so
+// compilers vectorize it without reassociating). Row r of a W-row call therefore equals its 1-row call, and
+// with -ffp-contract=off and the same libm every ISA's library gives the same bits.
+#include <stdlib.h>
+
+typedef struct {
+    const uint8_t *packed;
+    int64_t K, O, out;  // inputs (a multiple of 256), outputs padded to 16, outputs
+    int32_t kind;       // 0: q4_k, 1: q6_k
+} Mat;
+
+typedef struct {
+    const float *attn_norm, *ffn_norm, *q_bias, *k_bias, *v_bias;  // biases may be NULL
+    Mat q, k, v, o, gate, up, down;
+} Layer;
+
+static float sum16(const float *a, const float *b, int64_t n) {  // sum of a[i] * b[i]
+    float lanes[16] = {0}, tail = 0.0f;
+    int64_t whole = n - n % 16;
+    for (int64_t i = 0; i < whole; i += 16)
+        for (int l = 0; l < 16; l++) lanes[l] += a[i + l] * b[i + l];
+    for (int w = 8; w >= 1; w /= 2)  // the lanes pairwise, in a fixed tree
+        for (int l = 0; l < w; l++) lanes[l] += lanes[l + w];
+    for (int64_t i = whole; i < n; i++) tail += a[i] * b[i];
+    return lanes[0] + tail;
+}
+
+// y [n, m.O] = rows of x [n, width] (zero-padded to m.K inputs) times m.
+static void project(const Mat *m, const float *x, int64_t n, int64_t width, float *y, int threads) {
+    float *padded = calloc(n * m->K, sizeof(float));
+    int8_t *qa = malloc(n * m->K);
+    float *sa = malloc(n * (m->K / 32) * sizeof(float)), *o32 = malloc(n * (m->K / 32) * sizeof(float));
+    float *o16 = malloc(n * (m->K / 16) * sizeof(float));
+    for (int64_t r = 0; r < n; r++) memcpy(padded + r * m->K, x + r * width, width * sizeof(float));
+    quantize_rows(padded, n, m->K, qa, sa, o32, o16);
+    if (m->kind == 0) matmul_q4_k(qa, sa, o32, o16, n, m->K, m->packed, m->O, y, threads);
+    else matmul_q6_k(qa, sa, o32, o16, n, m->K, m->packed, m->O, y, threads);
+    free(padded), free(qa), free(sa), free(o32), free(o16);
+}
+
+static void rms_norm(const float *x, const float *w, int64_t n, int64_t width, float eps, float *y) {
+    for (int64_t r = 0; r < n; r++) {
+        const float *xr = x + r * width;
+        float scale = 1.0f / sqrtf(sum16(xr, xr, width) / (float)width + eps);
+        for (int64_t i = 0; i < width; i++) y[r * width + i] = xr[i] * scale * w[i];
+    }
+}
+
+// RoPE (Su et al. 2021, eq. 34) on `heads` vectors of d at v: neox pairs i with i + d/2, else 2i with 2i + 1.
+static void rotate(float *v, int64_t heads, int64_t d, const float *cos, const float *sin, int neox) {
+    for (int64_t h = 0; h < heads; h++) {
+        float *x = v + h * d;
+        for (int64_t i = 0; i < d / 2; i++) {
+            int64_t ia = neox ? i : 2 * i, ib = neox ? i + d / 2 : 2 * i + 1;
+            float a = x[ia], b = x[ib];
+            x[ia] = a * cos[i] - b * sin[i];
+            x[ib] = b * cos[i] + a * sin[i];
+        }
+    }
+}
+
+// x [n, hidden] (the residual stream, updated in place) through one layer. Row i sits at cache position
+// start + i, rotated by position pos[i]; it sees the cached keys j < end where mask[i * end + j] (mask NULL:
+// every j <= start + i). keys, values: this layer's cache [kv_heads, capacity, d].
+void lean_layer(const Layer *L, int64_t hidden, int64_t heads, int64_t kv_heads, int64_t d, float eps, int neox,
+                float *x, int64_t n, int64_t start, const float *cos, const float *sin, const int64_t *pos,
+                const uint8_t *mask, float *keys, float *values, int64_t capacity, float scale, int threads) {
+    int64_t end = start + n, group = heads / kv_heads, inter = L->gate.out;
+    float *h = malloc(n * hidden * sizeof(float)), *attended = malloc(n * heads * d * sizeof(float));
+    float *q = malloc(n * L->q.O * sizeof(float)), *k = malloc(n * L->k.O * sizeof(float));
+    float *v = malloc(n * L->v.O * sizeof(float)), *o = malloc(n * L->o.O * sizeof(float));
+    rms_norm(x, L->attn_norm, n, hidden, eps, h);
+    project(&L->q, h, n, hidden, q, threads);
+    project(&L->k, h, n, hidden, k, threads);
+    project(&L->v, h, n, hidden, v, threads);
+    for (int64_t r = 0; r < n; r++) {
+        float *qr = q + r * L->q.O, *kr = k + r * L->k.O, *vr = v + r * L->v.O;
+        for (int64_t i = 0; L->q_bias && i < heads * d; i++) qr[i] += L->q_bias[i];
+        for (int64_t i = 0; L->k_bias && i < kv_heads * d; i++) kr[i] += L->k_bias[i];
+        for (int64_t i = 0; L->v_bias && i < kv_heads * d; i++) vr[i] += L->v_bias[i];
+        rotate(qr, heads, d, cos + pos[r] * (d / 2), sin + pos[r] * (d / 2), neox);
+        rotate(kr, kv_heads, d, cos + pos[r] * (d / 2), sin + pos[r] * (d / 2), neox);
+        for (int64_t g = 0; g < kv_heads; g++) {
+            memcpy(keys + (g * capacity + start + r) * d, kr + g * d, d * sizeof(float));
+            memcpy(values + (g * capacity + start + r) * d, vr + g * d, d * sizeof(float));
+        }
+    }
+    // Attention, per row and kv head: each cached key and value is read once for the `group` query heads
+    // that share it (GQA); a query head's sums run over the keys in cache order.
+    #pragma omp parallel for collapse(2) schedule(static) num_threads(threads)
+    for (int64_t r = 0; r < n; r++)
+        for (int64_t g = 0; g < kv_heads; g++) {
+            const float *kc = keys + g * capacity * d, *vc = values + g * capacity * d;
+            const uint8_t *seen = mask ? mask + r * end : NULL;
+            int64_t last = mask ? end : start + r + 1;
+            float *scores = malloc(group * last * sizeof(float)), top[group], total[group];
+            for (int64_t h = 0; h < group; h++) top[h] = -INFINITY, total[h] = 0.0f;
+            for (int64_t j = 0; j < last; j++)
+                for (int64_t h = 0; h < group; h++) {
+                    float s = seen && !seen[j] ? -INFINITY : sum16(q + r * L->q.O + (g * group + h) * d, kc + j * d, d) * scale;
+                    scores[h * last + j] = s;
+                    top[h] = fmaxf(top[h], s);
+                }
+            float *out = attended + (r * heads + g * group) * d;  // the group's heads, one after another
+            for (int64_t i = 0; i < group * d; i++) out[i] = 0.0f;
+            for (int64_t j = 0; j < last; j++) {
+                if (seen && !seen[j]) continue;
+                for (int64_t h = 0; h < group; h++) {
+                    float p = expf(scores[h * last + j] - top[h]);
+                    total[h] += p;
+                    for (int64_t i = 0; i < d; i++) out[h * d + i] += p * vc[j * d + i];
+                }
+            }
+            for (int64_t h = 0; h < group; h++)
+                for (int64_t i = 0; i < d; i++) out[h * d + i] /= total[h];
+            free(scores);
+        }
+    project(&L->o, attended, n, heads * d, o, threads);
+    for (int64_t r = 0; r < n; r++)
+        for (int64_t i = 0; i < hidden; i++) x[r * hidden + i] += o[r * L->o.O + i];
+    free(q), free(k), free(v), free(o), free(attended);
+    float *gate = malloc(n * L->gate.O * sizeof(float)), *up = malloc(n * L->up.O * sizeof(float));
+    float *act = malloc(n * inter * sizeof(float)), *down = malloc(n * L->down.O * sizeof(float));
+    rms_norm(x, L->ffn_norm, n, hidden, eps, h);
+    project(&L->gate, h, n, hidden, gate, threads);
+    project(&L->up, h, n, hidden, up, threads);
+    for (int64_t r = 0; r < n; r++)
+        for (int64_t i = 0; i < inter; i++) {  // SwiGLU: silu(gate) * up
+            float g = gate[r * L->gate.O + i];
+            act[r * inter + i] = g / (1.0f + expf(-g)) * up[r * L->up.O + i];
+        }
+    project(&L->down, act, n, inter, down, threads);
+    for (int64_t r = 0; r < n; r++)
+        for (int64_t i = 0; i < hidden; i++) x[r * hidden + i] += down[r * L->down.O + i];
+    free(gate), free(up), free(act), free(down), free(h);
+}
