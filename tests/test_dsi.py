@@ -3,10 +3,12 @@ under random twin latencies, through server deaths; Theorem 1 in the twin; sampl
 
 import os
 import random
+import sys
 import threading
 from contextlib import contextmanager
 import time
 from functools import partial
+from pathlib import Path
 
 import pytest
 import torch
@@ -509,7 +511,10 @@ def two_ray_nodes():
     with socket.socket() as probe:
         probe.bind(("127.0.0.1", 0))
         port = probe.getsockname()[1]
-    ray_cli = shutil.which("ray")
+    beside = Path(sys.executable).with_name("ray")  # a venv's python called without activating the venv
+    ray_cli = str(beside) if beside.exists() else shutil.which("ray")
+    if ray_cli is None:
+        pytest.skip("no `ray` command beside this Python or on PATH")
     env = {**os.environ, "RAY_AUTH_MODE": "disabled"}  # throwaway local clusters (see conftest.py)
     common = ["--num-cpus", "1", "--disable-usage-stats"]
     try:

@@ -17,7 +17,8 @@ import numpy as np
 from speculant.cache import cache_root
 from speculant.corpus import corpus_key, default_corpus, tokenize_corpus, tokenizer_fingerprint
 from speculant.drafters.base import Draft
-from speculant.drafters.spec import MAXGRAM
+
+MAXGRAM = "maxgram"  # prompt lookup with a bigram fallback, no model
 
 MAX_MATCH = 64  # longer suffixes add nothing but cost
 MIN_MATCH = 2  # a single repeated token predicts little (8% of such drafts were accepted on HumanEval)
