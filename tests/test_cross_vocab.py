@@ -12,7 +12,7 @@ from speculant.config import SamplingConfig
 from speculant.decoding.dsi.twin import OracleLM
 from speculant.drafters.cross_vocab import CrossVocabDrafter, model_drafter
 from speculant.drafters.model import ModelDrafter
-from speculant.drafters.vocab import byte_of_char, build_pair, incomplete_tail, token_bytes
+from speculant.drafters.vocab import GrowingEncoding, byte_of_char, build_pair, incomplete_tail, token_bytes
 from speculant.errors import ConfigError
 from speculant.models import HFCausalLM
 from speculant.sampling import logits_to_probs
@@ -76,6 +76,25 @@ def test_shared_tokens_map_by_bytes_and_specials_by_content(tokenizers):
         assert pair.target_bytes[to_target[i]] == pair.drafter_bytes[i]
     assert pair.text(target.encode("naïve 中文")) == "naïve 中文"
     assert pair.text(target.encode("中")[:1] if len(target.encode("中")) > 1 else [len(target) + 1]) is None
+
+
+@pytest.mark.parametrize("kind", ["bpe", "pieces"])
+def test_a_growing_text_encodes_as_a_whole_re_encoding_only_its_tail(tokenizers, kind, monkeypatch):
+    target, drafter = tokenizers if kind == "bpe" else (tokenizers[0], piece_tokenizer(sorted(set("".join(corpus(1))))))
+    pair = build_pair(target, drafter, len(target), len(drafter))
+    encoded: list[int] = []
+    whole = pair.drafter_ids
+    monkeypatch.setattr(pair, "drafter_ids", lambda text: encoded.append(len(text)) or whole(text))
+    growing, rng, text = GrowingEncoding(pair), random.Random(5), ""
+    for step in range(300):
+        if step % 7 == 6:  # a rejected draft: the end of the text changes
+            text = text[:max(0, len(text) - rng.randrange(1, 12))]
+        text += rng.choice([" ", "", "  ", "\n"]) + rng.choice(WORDS + ["'s", "42", "3.14"])
+        assert growing.encode(text) == whole(text), (step, text[-40:])
+    if kind == "bpe":  # byte-level BPE splices: it re-encoded a few words at a time, never the whole text again
+        assert max(encoded[100:]) < 0.2 * len(text)
+    else:  # pieces that cannot spell the text ('42' is not among them): nothing is spliced, each text encoded whole
+        assert encoded[-1] == len(text)
 
 
 def test_safe_boundaries_keep_what_more_text_cannot_change():

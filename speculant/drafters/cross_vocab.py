@@ -26,7 +26,7 @@ import torch
 from speculant.config import SamplingConfig
 from speculant.drafters.base import Draft
 from speculant.drafters.model import ModelDrafter
-from speculant.drafters.vocab import same_vocabulary, vocab_pair
+from speculant.drafters.vocab import GrowingEncoding, same_vocabulary, vocab_pair
 from speculant.models.base import CausalLM
 from speculant.sampling import logits_to_probs
 
@@ -46,6 +46,7 @@ class CrossVocabDrafter:
         self.name = model.name
         self.width = target.vocab_size
         self._ahead: list[int] = []  # greedy: a context and the safe draft tokens that followed it last time
+        self._encoding = GrowingEncoding(self.pair)  # the context's text in the drafter's tokens, kept as it grows
 
     def propose(self, context: list[int], k: int) -> Draft:
         if k <= 0:
@@ -56,7 +57,7 @@ class CrossVocabDrafter:
         text = self.pair.text(context)
         if text is None:
             return Draft([])
-        own = self.pair.drafter_ids(text)
+        own = self._encoding.encode(text)
         return self._greedy(context, own, k) if self.greedy else self._sampled(own, k)
 
     def _heal(self, own: list[int]) -> tuple[list[int], list[int], int]:
@@ -104,19 +105,19 @@ class CrossVocabDrafter:
         text = self.pair.text(context)
         if text is None:
             return None
-        logits = self.drafter.score(self.pair.drafter_ids(text), [])[0]
+        logits = self.drafter.score(self._encoding.encode(text), [])[0]
         outside = 1 - float(logits_to_probs(logits, self.drafter.sampling)[self.pair.shared.to(logits.device)].sum())
         q = logits_to_probs(self.drafter.restricted(logits), self.drafter.sampling)
         return self.pair.on_target(q[None], self.width)[0], outside
 
     def observe(self, n_accepted: int) -> None:
-        """Nothing to learn: the next proposal re-tokenizes the context itself."""
+        """Nothing to learn: the next proposal re-tokenizes the context's new text itself."""
 
     def own_ids(self, context: list[int]) -> list[int]:
         """The drafter's own tokens for the text of `context` (empty where it spells nothing): what to time or
         prefill the drafter model on."""
         text = self.pair.text(context)
-        return self.pair.drafter_ids(text) if text else []
+        return self._encoding.encode(text) if text else []
 
     def tokens_per_target_token(self, ids: list[int]) -> float:
         """How many of its own tokens the drafter spends on one target token of the text of `ids` (at least 1):

@@ -13,6 +13,7 @@ never drafted.
 from __future__ import annotations
 
 import bisect
+import itertools
 import json
 import re
 from dataclasses import dataclass, field
@@ -179,6 +180,46 @@ def build_pair(target: Any, drafter: Any, target_width: int, drafter_width: int)
     to_target = torch.tensor([index.get((i in drafter_specials, b), -1) if b is not None else -1
                               for i, b in enumerate(drafter_bytes)], dtype=torch.long)
     return VocabPair(target, drafter, target_bytes, drafter_bytes, drafter_specials, to_target)
+
+
+class GrowingEncoding:
+    """The drafter's tokens for a text that mostly grows (a context as decoding goes on): each call re-encodes
+    only the text from the last word boundary before where it changed, and keeps the tokens before it.
+
+    A boundary is the start of a kept token that is a space between two non-space characters, all three
+    unchanged: byte-level BPE pre-tokenizers (GPT-2's, Llama 3's, Qwen's, SmolLM's) never merge across such a
+    space into what precedes it, so the splice equals encoding the whole text (tested against it). Where the
+    kept tokens do not spell the text byte for byte (a normalizing tokenizer), every call encodes it whole."""
+
+    def __init__(self, pair: VocabPair):
+        self.pair = pair
+        self.data = b""  # the text last encoded, and its tokens with the byte offset where each starts
+        self.ids: list[int] = []
+        self.starts: list[int] = []
+
+    def encode(self, text: str) -> list[int]:
+        data = text.encode("utf-8")
+        common = next((i for i, (a, b) in enumerate(zip(self.data, data)) if a != b), min(len(self.data), len(data)))
+        kept = bisect.bisect_right(self.starts, common - 2)  # tokens starting at least 2 bytes before the change
+        while kept > 0 and not _word_boundary(data, self.starts[kept - 1]):
+            kept -= 1
+        kept = max(kept - 1, 0)  # the token at the boundary is encoded again with the rest
+        cut = self.starts[kept] if kept else 0
+        tail = self.pair.drafter_ids(data[cut:].decode("utf-8"))
+        spelled = [self.pair.drafter_bytes[i] for i in tail]
+        if any(b is None for b in spelled) or b"".join(spelled) != data[cut:]:  # not byte for byte: no splicing
+            self.data, self.ids, self.starts = b"", [], []
+            return tail if not kept else self.pair.drafter_ids(text)
+        self.ids = self.ids[:kept] + tail
+        self.starts = self.starts[:kept] + list(itertools.accumulate((len(b) for b in spelled[:-1]), initial=cut))
+        self.data = data
+        return list(self.ids)
+
+
+def _word_boundary(data: bytes, at: int) -> bool:
+    """Whether `data[at]` is a space between two non-space bytes (where a pre-token starts)."""
+    return 0 < at < len(data) - 1 and data[at] == 0x20 and not data[at - 1:at].isspace() \
+        and not data[at + 1:at + 2].isspace()
 
 
 _pairs: WeakKeyDictionary = WeakKeyDictionary()  # target tokenizer -> {(drafter tokenizer id, widths): VocabPair}
