@@ -155,8 +155,8 @@ def test_openai_client_completions_chat_and_streams(server):
     assert usage["completion_tokens"] <= 20 and usage["prompt_tokens"] == len(ids)
     spec = usage["speculative"]
     assert spec["method"] == "sd" and spec["target_forwards"] >= 1 and 0 <= spec["accepted_tokens"] <= spec["drafted_tokens"]
-    chat = client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "hi"}], max_tokens=16,
-                                          temperature=0)
+    chat = client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "hi", "name": "ann"}],
+                                          max_tokens=16, temperature=0, user="ann")  # accepted, ignored
     assert chat.choices[0].message.role == "assistant" and chat.choices[0].finish_reason in ("stop", "length")
     chunks = list(client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "hi"}],
                                                  max_tokens=16, temperature=0, stream=True,
@@ -215,6 +215,13 @@ BAD = [
     ("chat/completions", {"model": "tiny", "messages": []}, "messages"),
     ("chat/completions", {"model": "tiny", "messages": [{"role": "user"}]}, "content"),
     ("chat/completions", {"model": "tiny", "messages": "hi"}, "messages"),
+    ("completions", {"model": "tiny", "prompt": "x", "logit_bias": {"5": 10}}, "logit_bias is not implemented"),
+    ("chat/completions", {"model": "tiny", "messages": [{"role": "user", "content": "hi"}],
+                          "tools": [{"type": "function", "function": {"name": "f"}}]}, "tools is not implemented"),
+    ("chat/completions", {"model": "tiny", "messages": [{"role": "user", "content": "hi"}],
+                          "response_format": {"type": "json_object"}}, "response_format is not implemented"),
+    ("chat/completions", {"model": "tiny", "messages": [{"role": "user", "content": "hi", "tool_call_id": "1"}]},
+     "messages.0.tool_call_id is not implemented"),
 ]
 
 

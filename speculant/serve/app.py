@@ -57,6 +57,7 @@ def create_app(engine: Engine, served_name: str, api_key: str | None = None) -> 
         first = error.errors()[0]
         where = ".".join(str(p) for p in first.get("loc", ()) if p != "body")
         message = "the body is not valid JSON" if first.get("type") == "json_invalid" else \
+            f"{where} is not implemented by this server" if first.get("type") == "extra_forbidden" else \
             f"{where or 'body'}: {first.get('msg', 'invalid')}"
         return JSONResponse(ApiError(400, message, param=where or None).body, status_code=400)
 

@@ -27,9 +27,11 @@ class StreamOptions(BaseModel):
 
 class Sampling(BaseModel):
     """Fields both endpoints share. `speculant` (the client's `extra_body={"speculant": {...}}`) picks a
-    method and its options for this request, e.g. {"method": "sd", "k": 2}, within the server's models."""
+    method and its options for this request, e.g. {"method": "sd", "k": 2}, within the server's models.
+    A field the server does not implement (`tools`, `logit_bias`, `response_format`, ...) is refused by name,
+    never dropped; `user` is accepted and ignored."""
 
-    model_config = ConfigDict(strict=True, extra="ignore")
+    model_config = ConfigDict(strict=True, extra="forbid")
 
     model: str
     max_tokens: int | None = Field(None, gt=0)
@@ -43,6 +45,7 @@ class Sampling(BaseModel):
     presence_penalty: float = Field(0.0, ge=0, le=0, description="penalties would change the target's distribution")
     frequency_penalty: float = Field(0.0, ge=0, le=0, description="penalties would change the target's distribution")
     speculant: dict[str, Any] | None = None
+    user: str | None = Field(None, description="accepted and ignored: the server keeps no per-user state")
 
     @property
     def stops(self) -> tuple[str, ...]:
@@ -63,10 +66,11 @@ class TextPart(BaseModel):
 
 
 class Message(BaseModel):
-    model_config = ConfigDict(strict=True, extra="ignore")
+    model_config = ConfigDict(strict=True, extra="forbid")
 
     role: Literal["system", "user", "assistant", "developer"]
     content: str | list[TextPart]
+    name: str | None = Field(None, description="accepted and ignored: chat templates have no place for it")
 
     def as_template(self) -> dict[str, str]:
         content = self.content if isinstance(self.content, str) else "".join(p.text for p in self.content)
