@@ -18,8 +18,6 @@ from speculant.cache import cache_root
 from speculant.corpus import corpus_key, default_corpus, tokenize_corpus, tokenizer_fingerprint
 from speculant.drafters.base import Draft
 
-MAXGRAM = "maxgram"  # prompt lookup with a bigram fallback, no model
-
 MAX_MATCH = 64  # longer suffixes add nothing but cost
 MIN_MATCH = 2  # a single repeated token predicts little (8% of such drafts were accepted on HumanEval)
 
@@ -48,7 +46,7 @@ class MaxGramDrafter:
     """Deterministic drafter (q is one-hot, `Draft.probs` is None) over the context itself. A suffix
     match shorter than `min_match` tokens counts as none."""
 
-    name = MAXGRAM
+    name = "maxgram"  # as drafter specs spell it (drafters.spec.MAXGRAM)
 
     def __init__(self, bigram: np.ndarray | None = None, min_match: int = MIN_MATCH):
         self.bigram = bigram  # bigram[a] = most likely token after a, or -1

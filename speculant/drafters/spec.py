@@ -8,9 +8,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from speculant.drafters.maxgram import MAXGRAM, MaxGramDrafter, load_bigram
 from speculant.errors import ConfigError, IncompatibleModels
 
+MAXGRAM = "maxgram"  # prompt lookup with a bigram fallback, no model
 SELF = "self"  # the target's own weights (quantized with @int8 / @int4, else shared)
 QUANTS = ("int8", "int4")
 GGUF = "gguf"  # the model's packaged GGUF weights as they are, on the llama.cpp backend
@@ -78,6 +78,8 @@ def load_drafter(drafter: Any, target: Any, dtype: str | None = None) -> Any:
     if isinstance(drafter, Drafter):
         return drafter
     if isinstance(drafter, DrafterSpec) and drafter.kind == MAXGRAM:
+        from speculant.drafters.maxgram import MaxGramDrafter, load_bigram
+
         tokenizer = target.tokenizer
         return MaxGramDrafter(load_bigram(tokenizer, target.vocab_size) if tokenizer is not None else None)
     if isinstance(drafter, DrafterSpec) and drafter.kind == SELF:
