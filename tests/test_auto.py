@@ -84,7 +84,8 @@ def test_the_chain_its_cascade_and_its_trees_prefill_the_prompt_once(monkeypatch
         prompt = random_prompt(seed, VOCAB, 6) * 3
         choices = generate(target, prompt_ids=prompt, method="auto", drafters=[drafter, "maxgram"], tree_widths=(2,),
                            max_new_tokens=40).stats.choices
-        assert len(prefills) <= 1, choices  # one cache: whichever drafts next catches up from the last
+        used = any(c.startswith(drafter.name) for c in choices)
+        assert len(prefills) == used, choices  # one cache: whichever drafts next catches up from the last
         both = both or {drafter.name, f"{drafter.name} tree2"} <= set(choices)
     assert both
 

@@ -1,5 +1,7 @@
 """Greedy speculative decoding reproduces autoregressive decoding token for token (fp32 tiny models)."""
 
+import random
+
 import pytest
 
 from helpers import ARCHS, DEVICES, ScriptedDrafter, perturbed, random_prompt, tiny_model
@@ -9,6 +11,7 @@ from speculant.drafters.base import Draft
 from speculant.drafters.model import ModelDrafter
 from speculant.errors import ConfigError
 from speculant.models import HFCausalLM
+from speculant.models.base import common_prefix_len
 
 VOCAB = 64
 MAX_NEW = 40
@@ -172,3 +175,12 @@ def test_drafts_end_at_end_of_sequence_and_generation_at_the_last_position():
     short.max_positions = len(prompt)
     with pytest.raises(ConfigError, match="holds at most"):
         generate(short, prompt_ids=prompt, method="ar")
+
+
+def test_common_prefix_len_is_the_index_of_the_first_difference():
+    rng = random.Random(0)
+    for _ in range(5000):
+        a = [rng.randrange(3) for _ in range(rng.randrange(12))]
+        b = a[:rng.randrange(len(a) + 1)] + [rng.randrange(3) for _ in range(rng.randrange(5))]
+        first = next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+        assert common_prefix_len(a, b) == common_prefix_len(b, a) == common_prefix_len(bytes(a), bytes(b)) == first

@@ -23,6 +23,8 @@ from weakref import WeakKeyDictionary
 
 import torch
 
+from speculant.models.base import common_prefix_len
+
 
 @cache
 def byte_of_char() -> dict[str, int]:
@@ -199,7 +201,7 @@ class GrowingEncoding:
 
     def encode(self, text: str) -> list[int]:
         data = text.encode("utf-8")
-        common = next((i for i, (a, b) in enumerate(zip(self.data, data)) if a != b), min(len(self.data), len(data)))
+        common = common_prefix_len(self.data, data)
         kept = bisect.bisect_right(self.starts, common - 2)  # tokens starting at least 2 bytes before the change
         while kept > 0 and not _word_boundary(data, self.starts[kept - 1]):
             kept -= 1

@@ -76,7 +76,8 @@ class AutoOptions:
 
 def default_drafters(target: Any) -> tuple[str, ...]:
     """The catalog's drafter for a catalog target - for a lean target its GGUF on the lean backend with
-    FR-Spec's head (`@lean`: 0.35 of the 1.5B's forward, where llama.cpp's is 0.49); for a llama.cpp target its
+    FR-Spec's head (`@lean`: 0.32 of the 1.5B's forward on the Xeon, where the 0.5B on llama.cpp is 0.49; 0.46
+    on Zen4, docs/results/cpu.md); for a llama.cpp target its
     GGUF on llama.cpp; else quantized to int8 where speculant's AMX int8 kernel runs (its cost stays flat over
     the several tokens a drafter catches up on after an accepted draft) and to int4 elsewhere - and Max-Gram."""
     from speculant.models import native

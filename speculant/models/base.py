@@ -81,13 +81,17 @@ def profiled_as(model: Any) -> Any:
     return getattr(model, "shares", model)
 
 
-def common_prefix_len(a: Sequence[int], b: Sequence[int]) -> int:
-    """How many leading tokens two sequences share."""
-    n = min(len(a), len(b))
-    for i in range(n):
-        if a[i] != b[i]:
-            return i
-    return n
+def common_prefix_len(a: Sequence, b: Sequence) -> int:
+    """How many leading items two sequences (lists of ids, bytes) share: a binary search over prefix
+    comparisons, each one C-speed slice equality, where a loop in Python would cost a decode step ~1 µs per
+    token every time a drafter's lag is asked."""
+    lo, hi = 0, min(len(a), len(b))  # a[:lo] == b[:lo]; a[:hi + 1] differs or hi is the shorter length
+    if a[:hi] == b[:hi]:
+        return hi
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        lo, hi = (mid, hi) if a[lo:mid] == b[lo:mid] else (lo, mid)
+    return lo
 
 
 def resync(model: CausalLM, cached: list[int], context: list[int], extra: Sequence[int] = ()) -> torch.Tensor:
