@@ -52,18 +52,24 @@ def test_every_row_equals_its_one_row_call_and_the_scalar_reference(kind, isa):
     assert (reference - dense).norm() / dense.norm() < 0.02  # int8 activations, per 32
 
 
+@pytest.mark.parametrize("rows", [7, 40])  # 40 rows of 512 are enough blocks to be split among threads
 @pytest.mark.parametrize("isa", kernels.paths())
-def test_activations_quantize_the_same_on_every_path(isa):
-    x = torch.randn(7, 512, generator=torch.Generator().manual_seed(3))
+def test_activations_quantize_the_same_on_every_path(isa, rows):
+    x = torch.randn(rows, 512, generator=torch.Generator().manual_seed(3))
     x[0, :32] = 0.0  # a block of zeros has scale 0
     ours, reference = kernels.quantize(x, isa), kernels.quantize(x, "scalar")
+    one_by_one = [kernels.quantize(x[r:r + 1], isa) for r in range(rows)]
     for field in ("quants", "scales", "offsets32", "offsets16"):
         assert torch.equal(getattr(ours, field), getattr(reference, field))
+        assert torch.equal(getattr(ours, field), torch.cat([getattr(act, field) for act in one_by_one]))
+    scale = x.view(rows, -1, 32).abs().amax(-1) / 127  # Q8_0's rule, rounding half to even
+    assert torch.equal(reference.quants.view(rows, -1, 32).float(),
+                       torch.round(x.view(rows, -1, 32) * torch.where(scale > 0, 1 / scale, 0)[..., None]))
     for width, offsets in ((32, reference.offsets32), (16, reference.offsets16)):
-        sums = reference.quants.view(7, -1, width).sum(-1, dtype=torch.int32).float()
+        sums = reference.quants.view(rows, -1, width).sum(-1, dtype=torch.int32).float()
         assert torch.equal(offsets, reference.scales.repeat_interleave(32 // width, dim=1) * sums)
-    restored = reference.quants.view(7, -1, 32).float() * reference.scales[..., None]
-    assert (restored - x.view(7, -1, 32)).abs().max() < 0.05
+    restored = reference.quants.view(rows, -1, 32).float() * reference.scales[..., None]
+    assert (restored - x.view(rows, -1, 32)).abs().max() < 0.05
 
 
 def test_a_mismatched_width_is_refused():

@@ -55,7 +55,7 @@ def library(name: str) -> ctypes.CDLL | None:
         return None
     lib = compile_library(Path(__file__).with_name(isa.source), isa.flags)
     if lib is not None:
-        lib.quantize_rows.argtypes = [_P, _I, _I, _P, _P, _P, _P]
+        lib.quantize_rows.argtypes = [_P, _I, _I, _P, _P, _P, _P, ctypes.c_int]
         for kind in KINDS:
             getattr(lib, f"matmul_{kind}").argtypes = [_P, _P, _P, _P, _I, _I, _P, _I, _P, ctypes.c_int]
         lib.lean_layer.argtypes = [ctypes.POINTER(LayerStruct), _I, _I, _I, _I, ctypes.c_float, ctypes.c_int, _P, _I,
@@ -157,7 +157,7 @@ def quantize(x: torch.Tensor, isa: str | None = None) -> Activations:
     act = Activations(torch.empty(rows, width, dtype=torch.int8), torch.empty(rows, width // 32),
                       torch.empty(rows, width // 32), torch.empty(rows, width // 16))
     library(isa or best()).quantize_rows(x.data_ptr(), rows, width, act.quants.data_ptr(), act.scales.data_ptr(),
-                                         act.offsets32.data_ptr(), act.offsets16.data_ptr())
+                                         act.offsets32.data_ptr(), act.offsets16.data_ptr(), torch.get_num_threads())
     return act
 
 

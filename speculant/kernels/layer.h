@@ -20,7 +20,7 @@ typedef struct {
     Mat q, k, v, o, gate, up, down;
 } Layer;
 
-static float sum16(const float *a, const float *b, int64_t n) {  // sum of a[i] * b[i]
+static inline float sum16(const float *a, const float *b, int64_t n) {  // sum of a[i] * b[i]
     float lanes[16] = {0}, tail = 0.0f;
     int64_t whole = n - n % 16;
     for (int64_t i = 0; i < whole; i += 16)
@@ -31,17 +31,34 @@ static float sum16(const float *a, const float *b, int64_t n) {  // sum of a[i] 
     return lanes[0] + tail;
 }
 
-// y [n, m.O] = rows of x [n, width] (zero-padded to m.K inputs) times m.
-static void project(const Mat *m, const float *x, int64_t n, int64_t width, float *y, int threads) {
-    float *padded = calloc(n * m->K, sizeof(float));
-    int8_t *qa = malloc(n * m->K);
-    float *sa = malloc(n * (m->K / 32) * sizeof(float)), *o32 = malloc(n * (m->K / 32) * sizeof(float));
-    float *o16 = malloc(n * (m->K / 16) * sizeof(float));
-    for (int64_t r = 0; r < n; r++) memcpy(padded + r * m->K, x + r * width, width * sizeof(float));
-    quantize_rows(padded, n, m->K, qa, sa, o32, o16);
-    if (m->kind == 0) matmul_q4_k(qa, sa, o32, o16, n, m->K, m->packed, m->O, y, threads);
-    else matmul_q6_k(qa, sa, o32, o16, n, m->K, m->packed, m->O, y, threads);
-    free(padded), free(qa), free(sa), free(o32), free(o16);
+// Rows of activations quantized once for every matrix that reads them (q, k, v; gate, up).
+typedef struct {
+    int8_t *q;
+    float *sa, *o32, *o16;
+    int64_t K;
+} Act;
+
+// x [n, width] zero-padded to K inputs and quantized.
+static Act quantize_input(const float *x, int64_t n, int64_t width, int64_t K, int threads) {
+    Act a = {malloc(n * K), malloc(n * (K / 32) * sizeof(float)), malloc(n * (K / 32) * sizeof(float)),
+             malloc(n * (K / 16) * sizeof(float)), K};
+    const float *padded = x;
+    float *copy = NULL;
+    if (width != K) {
+        padded = copy = calloc(n * K, sizeof(float));
+        for (int64_t r = 0; r < n; r++) memcpy(copy + r * K, x + r * width, width * sizeof(float));
+    }
+    quantize_rows(padded, n, K, a.q, a.sa, a.o32, a.o16, threads);
+    free(copy);
+    return a;
+}
+
+static void free_act(Act a) { free(a.q), free(a.sa), free(a.o32), free(a.o16); }
+
+// y [n, m.O] = the quantized rows times m.
+static void project(const Mat *m, const Act *a, int64_t n, float *y, int threads) {
+    if (m->kind == 0) matmul_q4_k(a->q, a->sa, a->o32, a->o16, n, m->K, m->packed, m->O, y, threads);
+    else matmul_q6_k(a->q, a->sa, a->o32, a->o16, n, m->K, m->packed, m->O, y, threads);
 }
 
 static void rms_norm(const float *x, const float *w, int64_t n, int64_t width, float eps, float *y) {
@@ -76,9 +93,11 @@ void lean_layer(const Layer *L, int64_t hidden, int64_t heads, int64_t kv_heads,
     float *q = malloc(n * L->q.O * sizeof(float)), *k = malloc(n * L->k.O * sizeof(float));
     float *v = malloc(n * L->v.O * sizeof(float)), *o = malloc(n * L->o.O * sizeof(float));
     rms_norm(x, L->attn_norm, n, hidden, eps, h);
-    project(&L->q, h, n, hidden, q, threads);
-    project(&L->k, h, n, hidden, k, threads);
-    project(&L->v, h, n, hidden, v, threads);
+    Act a = quantize_input(h, n, hidden, L->q.K, threads);  // q, k and v read the same inputs
+    project(&L->q, &a, n, q, threads);
+    project(&L->k, &a, n, k, threads);
+    project(&L->v, &a, n, v, threads);
+    free_act(a);
     for (int64_t r = 0; r < n; r++) {
         float *qr = q + r * L->q.O, *kr = k + r * L->k.O, *vr = v + r * L->v.O;
         for (int64_t i = 0; L->q_bias && i < heads * d; i++) qr[i] += L->q_bias[i];
@@ -105,7 +124,7 @@ void lean_layer(const Layer *L, int64_t hidden, int64_t heads, int64_t kv_heads,
                 for (int64_t h = 0; h < group; h++) {
                     float s = seen && !seen[j] ? -INFINITY : sum16(q + r * L->q.O + (g * group + h) * d, kc + j * d, d) * scale;
                     scores[h * last + j] = s;
-                    top[h] = fmaxf(top[h], s);
+                    top[h] = s > top[h] ? s : top[h];
                 }
             float *out = attended + (r * heads + g * group) * d;  // the group's heads, one after another
             for (int64_t i = 0; i < group * d; i++) out[i] = 0.0f;
@@ -121,21 +140,28 @@ void lean_layer(const Layer *L, int64_t hidden, int64_t heads, int64_t kv_heads,
                 for (int64_t i = 0; i < d; i++) out[h * d + i] /= total[h];
             free(scores);
         }
-    project(&L->o, attended, n, heads * d, o, threads);
+    a = quantize_input(attended, n, heads * d, L->o.K, threads);
+    project(&L->o, &a, n, o, threads);
+    free_act(a);
     for (int64_t r = 0; r < n; r++)
         for (int64_t i = 0; i < hidden; i++) x[r * hidden + i] += o[r * L->o.O + i];
     free(q), free(k), free(v), free(o), free(attended);
     float *gate = malloc(n * L->gate.O * sizeof(float)), *up = malloc(n * L->up.O * sizeof(float));
     float *act = malloc(n * inter * sizeof(float)), *down = malloc(n * L->down.O * sizeof(float));
     rms_norm(x, L->ffn_norm, n, hidden, eps, h);
-    project(&L->gate, h, n, hidden, gate, threads);
-    project(&L->up, h, n, hidden, up, threads);
-    for (int64_t r = 0; r < n; r++)
-        for (int64_t i = 0; i < inter; i++) {  // SwiGLU: silu(gate) * up
-            float g = gate[r * L->gate.O + i];
-            act[r * inter + i] = g / (1.0f + expf(-g)) * up[r * L->up.O + i];
-        }
-    project(&L->down, act, n, inter, down, threads);
+    a = quantize_input(h, n, hidden, L->gate.K, threads);
+    project(&L->gate, &a, n, gate, threads);
+    project(&L->up, &a, n, up, threads);
+    free_act(a);
+    #pragma omp parallel for schedule(static) num_threads(threads)
+    for (int64_t ri = 0; ri < n * inter; ri++) {  // SwiGLU: silu(gate) * up
+        int64_t r = ri / inter, i = ri % inter;
+        float g = gate[r * L->gate.O + i];
+        act[ri] = g / (1.0f + expf(-g)) * up[r * L->up.O + i];
+    }
+    a = quantize_input(act, n, inter, L->down.K, threads);
+    project(&L->down, &a, n, down, threads);
+    free_act(a);
     for (int64_t r = 0; r < n; r++)
         for (int64_t i = 0; i < hidden; i++) x[r * hidden + i] += down[r * L->down.O + i];
     free(gate), free(up), free(act), free(down), free(h);
