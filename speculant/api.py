@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, fields
 from typing import Any
 
@@ -12,6 +12,9 @@ from speculant.decoding.stats import GenerationStats
 from speculant.errors import ConfigError
 from speculant.methods import Request, get_method
 from speculant.models import load_model
+from speculant.models.biased import Biased
+from speculant.models.constrained import Constrained, Constraint, Matcher
+from speculant.models.logprobs import MAX_TOP, Recorded, TokenLogprob
 from speculant.sampling import seeded
 
 DEFAULT_METHOD = "auto"
@@ -30,22 +33,36 @@ class GenerationResult:
     token_ids: list[int]
     text: str | None
     stats: GenerationStats
+    logprobs: list[TokenLogprob] | None = None  # per token, where asked for
 
 
 class GenerationStream:
-    """Iterates over token ids as they are committed; `.result` is set once the stream is exhausted."""
+    """Iterates over token ids as they are committed; `.logprobs` (where asked for) grows with them, one entry
+    per token before it is yielded; `.result` is set once the stream is exhausted."""
 
-    def __init__(self, decoder: Decoder, tokenizer: Any | None, target: str = ""):
+    def __init__(self, decoder: Decoder, tokenizer: Any | None, target: str = "", recorded: Recorded | None = None,
+                 prompt_len: int = 0):
         self._decoder = decoder
         self._tokenizer = tokenizer
         self._target = target
+        self._recorded, self._prompt_len = recorded, prompt_len
+        self.logprobs: list[TokenLogprob] | None = [] if recorded is not None else None
         self.result: GenerationResult | None = None
 
     def __iter__(self) -> Iterator[int]:
         tokens: list[int] = []
-        stats = yield from timed(self._decoder, tokens)
+        timing = timed(self._decoder, tokens)
+        while True:
+            try:
+                token = next(timing)
+            except StopIteration as stop:
+                stats = stop.value
+                break
+            if self._recorded is not None:
+                self.logprobs.append(self._recorded.take(self._prompt_len + len(tokens) - 1, token))
+            yield token
         stats.target = self._target
-        self.result = GenerationResult(tokens, decode(self._tokenizer, tokens), stats)
+        self.result = GenerationResult(tokens, decode(self._tokenizer, tokens), stats, self.logprobs)
 
 
 def decode(tokenizer: Any | None, token_ids: list[int]) -> str | None:
@@ -64,6 +81,33 @@ def encode_prompt(tokenizer: Any | None, prompt: str | Sequence[dict[str, str]],
         ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, return_dict=False)
         return list(ids)
     return tokenizer(prompt, add_special_tokens=True)["input_ids"]
+
+
+def check_request(method: str, logprobs: int | None, logit_bias: Mapping[int, float] | None = None,
+                  constraint: Constraint | None = None) -> None:
+    """A ConfigError for a count of top log-probabilities out of range, or for options DSI cannot keep: its
+    target servers run apart from the decoder, so they neither record nor bias nor mask the target's logits."""
+    if logprobs is not None and (isinstance(logprobs, bool) or not isinstance(logprobs, int)
+                                 or not 0 <= logprobs <= MAX_TOP):
+        raise ConfigError(f"logprobs must be an integer in [0, {MAX_TOP}], got {logprobs!r}")
+    asked = [name for name, value in (("logprobs", logprobs), ("logit_bias", logit_bias or None),
+                                      ("response_format", constraint)) if value is not None]
+    if method == "dsi" and asked:
+        raise ConfigError(f"{', '.join(asked)} not available with dsi: its target servers run apart from the decoder")
+
+
+def decoded_target(target: Any, logprobs: int | None, logit_bias: Mapping[int, float] | None,
+                   constraint: Constraint | None = None) -> tuple[Any, Recorded | None]:
+    """(what the method decodes with, what records its logits or None): the target, wrapped to keep its logits
+    for `logprobs` (the target's own), to add `logit_bias` to them, and to mask them to `constraint`, in that
+    order (a bias never lets a forbidden token through)."""
+    recorded = Recorded(target, logprobs) if logprobs is not None else None
+    decoded = recorded if recorded is not None else target
+    if logit_bias:
+        decoded = Biased(decoded, logit_bias)
+    if constraint is not None:
+        decoded = Constrained(decoded, Matcher(constraint, target.tokenizer, target.vocab_size))
+    return decoded, recorded
 
 
 def room_for(target: Any, prompt_len: int) -> int:
@@ -89,6 +133,9 @@ def generate(
     seed: int | None = None,
     stream: bool = False,
     chat: bool = False,
+    logprobs: int | None = None,
+    logit_bias: Mapping[int, float] | None = None,
+    response_format: Mapping[str, Any] | Constraint | None = None,
     **options: Any,
 ) -> GenerationResult | GenerationStream:
     """Generate from `prompt` (text) or `prompt_ids` with a registered method (`speculant.methods`): "auto"
@@ -100,12 +147,22 @@ def generate(
     `target` may be a catalog name (with an optional `@int8`/`@int4` suffix), a Hugging Face id or path,
     a transformers model or a loaded CausalLM; a drafter may be any of those, `self[@int8|@int4]`,
     "maxgram" or a Drafter. Greedy at temperature 0. With `stream=True` the returned GenerationStream
-    yields token ids as they are committed. A generation ends at the target's last position.
+    yields token ids as they are committed. A generation ends at the target's last position. With `logprobs`
+    = n (0-20), the result's `logprobs` give each token's log-probability under the target and the n likeliest
+    tokens there (`models.logprobs`; not with "dsi", whose target servers are other processes). `logit_bias`
+    ({token id: -100..100}) is added to the target's logits, which then verify (`models.biased`; log-probabilities
+    stay the unbiased target's). `response_format` (OpenAI's: {"type": "json_object"}, {"type": "json_schema",
+    "json_schema": {"schema": ...}}; or {"type": "grammar", "grammar": LARK}, {"type": "regex", "regex": ...})
+    masks the target's logits to what it allows (`models.constrained`); greedy output then equals constrained
+    `ar`'s.
     """
     spec = get_method(method_for(method, options))
     run = RunConfig(max_new_tokens=max_new_tokens, seed=seed)
     sampling = SamplingConfig(temperature, top_k, top_p)
     method_options = spec.make_options(options)
+    constraint = response_format if isinstance(response_format, Constraint) or response_format is None \
+        else Constraint.from_response_format(response_format)
+    check_request(spec.name, logprobs, logit_bias, constraint)
     target = load_model(target)
     if prompt_ids is None:
         if prompt is None or not prompt.strip():
@@ -119,9 +176,11 @@ def generate(
     if any(not 0 <= t < target.vocab_size for t in prompt_ids):
         raise ConfigError(f"prompt token ids must lie in [0, {target.vocab_size})")
     room = room_for(target, len(prompt_ids))
-    request = Request(target, prompt_ids, min(run.max_new_tokens, room), sampling, seeded(target.device, seed), seed)
+    decoded, recorded = decoded_target(target, logprobs, logit_bias, constraint)
+    request = Request(decoded, prompt_ids, min(run.max_new_tokens, room), sampling,
+                      seeded(target.device, seed), seed)
     label = f"{getattr(target, 'numerics', '')}, {getattr(target, 'kernel', '')} kernel".strip(", ")
-    result = GenerationStream(spec.build(request, method_options), target.tokenizer, label)
+    result = GenerationStream(spec.build(request, method_options), target.tokenizer, label, recorded, len(prompt_ids))
     if stream:
         return result
     for _ in result:

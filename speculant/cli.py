@@ -43,6 +43,10 @@ def build_parser() -> argparse.ArgumentParser:
     add_options(gen, ModelConfig)
     gen.add_argument("--chat", action="store_true", help="wrap the prompt in the tokenizer's chat template")
     gen.add_argument("--json", action="store_true", help="print text, token ids and full stats as one JSON object")
+    shape = gen.add_mutually_exclusive_group()
+    shape.add_argument("--json-schema", default=None, metavar="FILE",
+                       help="structured output: the text is JSON that matches this schema (speculation stays exact)")
+    shape.add_argument("--grammar", default=None, metavar="FILE", help="structured output: a Lark grammar (llguidance's)")
 
     bench = commands.add_parser("bench", help="run a method matrix over a prompt set and compare speed")
     bench.add_argument("--target", default=DEFAULT_TARGET, help=f"target model (default: {DEFAULT_TARGET})")
@@ -213,8 +217,29 @@ def resolve_method(method: str | None, given: dict[str, str]) -> str:
     return method_for(method, given)
 
 
+def read_constraint(schema: str | None, grammar: str | None) -> Any:
+    """The structured output `generate --json-schema/--grammar` asks for (None: free text); a ConfigError for a
+    file that is missing or not JSON."""
+    from speculant.models.constrained import Constraint
+
+    path = schema or grammar
+    if path is None:
+        return None
+    if not Path(path).is_file():
+        raise ConfigError(f"{'schema' if schema else 'grammar'} file not found: {path}")
+    if grammar:
+        return Constraint("grammar", Path(path).read_text())
+    try:
+        value = json.loads(Path(path).read_text())
+    except json.JSONDecodeError as error:
+        raise ConfigError(f"{path} is not JSON: {error}") from None
+    if not isinstance(value, dict):
+        raise ConfigError(f"{path} holds no JSON schema object")
+    return Constraint("json_schema", value)
+
+
 def run_generate(args: argparse.Namespace) -> None:
-    from speculant.api import generate
+    from speculant.api import check_request, generate
     from speculant.drafters.spec import MAXGRAM, DrafterSpec, load_drafter
     from speculant.methods.drafting import as_keywords, with_drafters
     from speculant.models import load_model
@@ -235,6 +260,8 @@ def run_generate(args: argparse.Namespace) -> None:
         raise ConfigError(f"bigram corpus file not found: {', '.join(missing)}")
     if args.timeline and method.name != "dsi":
         raise ConfigError("--timeline applies to --method dsi only")
+    constraint = read_constraint(args.json_schema, args.grammar)
+    check_request(method.name, None, None, constraint)
 
     print(f"loading target {args.target} (backend {model_config.backend}, dtype {model_config.dtype}, "
           f"{model_config.device})", file=sys.stderr)
@@ -254,7 +281,7 @@ def run_generate(args: argparse.Namespace) -> None:
     options = with_drafters(options, load)
     stream = generate(target, args.prompt, method=method.name, max_new_tokens=run.max_new_tokens,
                       temperature=sampling.temperature, top_k=sampling.top_k, top_p=sampling.top_p, seed=run.seed,
-                      stream=True, chat=args.chat, **as_keywords(options))
+                      stream=True, chat=args.chat, response_format=constraint, **as_keywords(options))
     if args.json:
         for _ in stream:
             pass

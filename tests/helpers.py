@@ -155,7 +155,7 @@ def run_job(engine, ids, max_tokens=24, sampling=None, seed=None, stops=(), meth
 
     done, out = threading.Event(), []
     job = Job(ids, max_tokens, sampling or SamplingConfig(), seed, stops, method, options or {})
-    engine.submit(job, lambda piece: None, lambda outcome: (out.append(outcome), done.set()))
+    engine.submit(job, lambda piece, logprobs: None, lambda outcome: (out.append(outcome), done.set()))
     assert done.wait(120)
     if isinstance(out[0], BaseException):
         raise out[0]

@@ -95,6 +95,9 @@ def test_sampling_with_seed_is_reproducible(model_dirs, capsys):
         (["--timeline", "x.png"], "--timeline applies to --method dsi only"),
         (["--drafter", "maxgram@int4"], "maxgram runs no model"),
         (["--method", "ar", "--k", "3"], "does not apply to method 'ar'"),
+        (["--json-schema", "missing.json"], "schema file not found: missing.json"),
+        (["--json-schema", __file__], "is not JSON"),
+        (["--method", "dsi", "--grammar", __file__], "response_format not available with dsi"),
     ],
 )
 def test_bad_input_is_one_line_and_exit_2(model_dirs, capsys, extra, message):
@@ -104,6 +107,17 @@ def test_bad_input_is_one_line_and_exit_2(model_dirs, capsys, extra, message):
     lines = [line for line in err.splitlines() if line.startswith("speculant: error")]
     assert len(lines) == 1 and message in lines[0]
     assert "Traceback" not in err
+
+
+def test_json_schema_from_the_command_line(model_dirs, capsys, tmp_path):
+    pytest.importorskip("llguidance")
+    schema = tmp_path / "schema.json"
+    schema.write_text(json.dumps({"type": "object", "properties": {"ok": {"type": "boolean"}}, "required": ["ok"],
+                                  "additionalProperties": False}))
+    code, out, _ = run(capsys, "generate", "hello", "--target", model_dirs["target"], "--drafter",
+                       model_dirs["drafter"], "--max-new-tokens", "40", "--json-schema", str(schema), "--json")
+    assert code == 0
+    assert json.loads(json.loads(out)["text"]) in ({"ok": True}, {"ok": False})
 
 
 def test_cascade_from_the_command_line(model_dirs, capsys):

@@ -1,6 +1,7 @@
 """The lean model on speculant's kernels: tiny GGUF files with Q4_K_M's mix of Q4_K and Q6_K (qwen2, llama,
 and llama with a sliding window) agree with transformers on the same de-quantized weights; a W-token forward
-equals W one-token forwards bit for bit; every method's greedy output equals the lean model's own `ar`."""
+equals W one-token forwards bit for bit; every method's greedy output and log-probabilities equal the lean model's
+own `ar`'s."""
 
 import random
 
@@ -122,9 +123,11 @@ def test_every_method_equals_ar_on_the_lean_model(lean_files, variant):
     for seed in (0, 1):
         target, other = lean(lean_files, variant), lean(lean_files, variant, 7)
         prompt = prompt_ids(seed + 10)
-        expected = generate(target, prompt_ids=prompt, method="ar", max_new_tokens=24).token_ids
+        expected = generate(target, prompt_ids=prompt, method="ar", max_new_tokens=24, logprobs=2)
         for label, options in every_method(other).items():
-            assert generate(target, prompt_ids=prompt, max_new_tokens=24, **options).token_ids == expected, label
+            result = generate(target, prompt_ids=prompt, max_new_tokens=24, logprobs=2, **options)
+            assert result.token_ids == expected.token_ids, label
+            assert result.logprobs == expected.logprobs, label  # row-invariant: the same values, bit for bit
 
 
 def test_the_repack_is_cached(lean_files, monkeypatch):

@@ -22,6 +22,7 @@ from openai import APIStatusError, OpenAI
 
 from helpers import ARCHS, BYTE_VOCAB, MORE_ARCHS, byte_tokenizer, perturbed, run_job, tiny_model
 from speculant import generate
+from speculant.api import encode_prompt
 from speculant.bench.datasets import Prompt
 from speculant.bench.serve import run_load
 from speculant.config import SamplingConfig
@@ -169,6 +170,64 @@ def test_openai_client_completions_chat_and_streams(server):
     assert streamed == done.choices[0].text
 
 
+def test_logprobs_stream_and_not_equal_plain_decoding_s(server):
+    engine, _, client = server
+    messages = [{"role": "user", "content": "hi"}]
+    chat = client.chat.completions.create(model="tiny", messages=messages, max_tokens=16, temperature=0,
+                                          logprobs=True, top_logprobs=3)
+    plain = client.chat.completions.create(model="tiny", messages=messages, max_tokens=16, temperature=0,
+                                           logprobs=True, top_logprobs=3, extra_body={"speculant": {"method": "ar"}})
+    entries = chat.choices[0].logprobs.content
+    assert len(entries) == chat.usage.completion_tokens and all(len(e.top_logprobs) == 3 for e in entries)
+    assert [(e.token, e.logprob) for e in entries] == [(e.token, e.logprob) for e in plain.choices[0].logprobs.content]
+    assert all(e.logprob <= 0 and e.top_logprobs[0].logprob >= e.logprob for e in entries)
+    chunks = list(client.chat.completions.create(model="tiny", messages=messages, max_tokens=16, temperature=0,
+                                                 logprobs=True, stream=True))
+    streamed = [e for c in chunks if c.choices and c.choices[0].logprobs for e in c.choices[0].logprobs.content]
+    assert [(e.token, e.logprob) for e in streamed] == [(e.token, e.logprob) for e in entries]
+    assert all(e.top_logprobs == [] for e in streamed)
+    assert client.chat.completions.create(model="tiny", messages=messages, max_tokens=4).choices[0].logprobs is None
+    done = client.completions.create(model="tiny", prompt="def f(x):", max_tokens=12, temperature=0, logprobs=2)
+    logprobs = done.choices[0].logprobs
+    assert len(logprobs.tokens) == len(logprobs.token_logprobs) == len(logprobs.top_logprobs) == done.usage.completion_tokens
+    assert logprobs.text_offset == [sum(map(len, logprobs.tokens[:i])) for i in range(len(logprobs.tokens))]
+    chunks = list(client.completions.create(model="tiny", prompt="def f(x):", max_tokens=12, temperature=0,
+                                            logprobs=2, stream=True))
+    assert [v for c in chunks if c.choices[0].logprobs for v in c.choices[0].logprobs.token_logprobs] == \
+        logprobs.token_logprobs
+
+
+def test_logit_bias_is_applied_and_speculation_stays_exact(server):
+    engine, _, client = server
+    ids = engine.target.tokenizer("abc")["input_ids"]
+    plain = generate(engine.target, prompt_ids=ids, method="ar", max_new_tokens=12).token_ids
+    bias = {plain[0]: -100.0}
+    expected = generate(engine.target, prompt_ids=ids, method="ar", max_new_tokens=12, logit_bias=bias).text
+    done = client.completions.create(model="tiny", prompt="abc", max_tokens=12, temperature=0,
+                                     logit_bias={str(t): v for t, v in bias.items()})
+    assert done.choices[0].text == expected and done.usage.model_dump()["speculative"]["method"] == "sd"
+
+
+def test_structured_output_is_schema_valid_json_and_equals_constrained_ar(server):
+    pytest.importorskip("llguidance")
+    engine, _, client = server
+    schema = {"type": "object", "properties": {"n": {"type": "integer", "minimum": 0, "maximum": 9}}, "required": ["n"],
+              "additionalProperties": False}
+    response_format = {"type": "json_schema", "json_schema": {"name": "digit", "schema": schema}}
+    messages = [{"role": "user", "content": "a digit"}]
+    done = client.chat.completions.create(model="tiny", messages=messages, max_tokens=40, temperature=0,
+                                          response_format=response_format)
+    text = done.choices[0].message.content
+    assert set(json.loads(text)) == {"n"} and done.choices[0].finish_reason == "stop"
+    ids = encode_prompt(engine.target.tokenizer, messages)
+    assert text == generate(engine.target, prompt_ids=ids, method="ar", max_new_tokens=40,
+                            response_format=response_format).text
+    streamed = "".join(c.choices[0].delta.content or "" for c in client.chat.completions.create(
+        model="tiny", messages=messages, max_tokens=40, temperature=0, response_format=response_format, stream=True)
+        if c.choices)
+    assert streamed == text
+
+
 def test_stop_strings_cut_the_text_across_tokens(server):
     _, _, client = server
     for prompt in (f"prompt {i}" for i in range(50)):  # one whose output has three whole characters at [5:8]
@@ -215,13 +274,25 @@ BAD = [
     ("chat/completions", {"model": "tiny", "messages": []}, "messages"),
     ("chat/completions", {"model": "tiny", "messages": [{"role": "user"}]}, "content"),
     ("chat/completions", {"model": "tiny", "messages": "hi"}, "messages"),
-    ("completions", {"model": "tiny", "prompt": "x", "logit_bias": {"5": 10}}, "logit_bias is not implemented"),
+    ("completions", {"model": "tiny", "prompt": "x", "logit_bias": {"x": 10}}, "keys must be token ids"),
+    ("completions", {"model": "tiny", "prompt": "x", "logit_bias": {"5": 101}}, "values must lie"),
+    ("completions", {"model": "tiny", "prompt": "x", "logit_bias": {"9999": 1}}, "token ids must lie"),
     ("chat/completions", {"model": "tiny", "messages": [{"role": "user", "content": "hi"}],
                           "tools": [{"type": "function", "function": {"name": "f"}}]}, "tools is not implemented"),
     ("chat/completions", {"model": "tiny", "messages": [{"role": "user", "content": "hi"}],
-                          "response_format": {"type": "json_object"}}, "response_format is not implemented"),
+                          "response_format": {"type": "xml"}}, "response_format type must be one of"),
+    ("chat/completions", {"model": "tiny", "messages": [{"role": "user", "content": "hi"}],
+                          "response_format": {"type": "grammar", "grammar": "start: nowhere"}}, "does not compile"),
+    ("chat/completions", {"model": "tiny", "messages": [{"role": "user", "content": "hi"}],
+                          "tool_choice": "auto"}, "tool_choice is not implemented"),
     ("chat/completions", {"model": "tiny", "messages": [{"role": "user", "content": "hi", "tool_call_id": "1"}]},
      "messages.0.tool_call_id is not implemented"),
+    ("chat/completions", {"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "top_logprobs": 2},
+     "top_logprobs needs logprobs"),
+    ("chat/completions", {"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "logprobs": True,
+                          "top_logprobs": 21}, "top_logprobs"),
+    ("completions", {"model": "tiny", "prompt": "x", "logprobs": 6}, "logprobs"),
+    ("completions", {"model": "tiny", "prompt": "x", "logprobs": True}, "logprobs"),
 ]
 
 
@@ -249,16 +320,40 @@ class SlowDrafter:
         pass
 
 
-def test_a_client_that_disconnects_frees_its_row():
-    engine = engine_for("sd", drafter=SlowDrafter())
+@pytest.mark.parametrize("stream", [True, False])
+def test_a_client_that_disconnects_frees_its_row(stream):
+    engine = engine_for("sd", drafter=SlowDrafter())  # 400 tokens (<eos> banned) would take 8 s or more
+    body = {"model": "tiny", "prompt": "abc", "max_tokens": 400, "temperature": 0, "stream": stream,
+            "logit_bias": {str(BYTE_VOCAB - 1): -100}}
     with serving(engine) as url:
-        with httpx.stream("POST", f"{url}/completions", json={"model": "tiny", "prompt": "abc", "max_tokens": 400,
-                                                               "temperature": 0, "stream": True}) as response:
-            next(response.iter_lines())
+        if stream:
+            with httpx.stream("POST", f"{url}/completions", json=body) as response:
+                next(response.iter_lines())
+        else:
+            with pytest.raises(httpx.ReadTimeout):  # the client gives up and closes its connection
+                httpx.post(f"{url}/completions", json=body, timeout=0.5)
+            assert engine.active == 1  # still decoding when its client left
         deadline = time.monotonic() + 5
         while engine.active and time.monotonic() < deadline:
             time.sleep(0.02)
         assert engine.active == 0
+    engine.close()
+
+
+def test_a_dsi_request_runs_apart_and_does_not_stall_the_others():
+    engine = engine_for("sd")
+    finished = []
+    dsi = threading.Thread(target=lambda: finished.append(run_job(  # ~60 forwards padded to 50 ms: ~3 s
+        engine, list(b"abc"), max_tokens=60, method="dsi", options={"drafter": "maxgram", "twin_latency": "50,5"})))
+    dsi.start()
+    deadline = time.monotonic() + 10
+    while not engine.active and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert run_job(engine, list(b"hello"), max_tokens=8).completion_tokens >= 1
+    assert not finished  # the other request came back while DSI still decoded
+    dsi.join(60)
+    assert finished[0].completion_tokens == 60 or finished[0].finish_reason == "stop"
+    assert engine.active == 0
     engine.close()
 
 

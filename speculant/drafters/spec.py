@@ -74,9 +74,13 @@ def load_drafter(drafter: Any, target: Any, dtype: str | None = None) -> Any:
     from speculant.drafters.base import Drafter
     from speculant.models import CausalLM, HFCausalLM, dtype_name, load_model, quantized_copy
 
+    from speculant.models.base import Wrapper
+
     drafter = as_drafter(drafter)
     if isinstance(drafter, Drafter):
         return drafter
+    while isinstance(target, Wrapper):  # drafters stand on the model, not on what records or biases its logits
+        target = target.model
     if isinstance(drafter, DrafterSpec) and drafter.kind == MAXGRAM:
         from speculant.drafters.maxgram import MaxGramDrafter, load_bigram
 

@@ -118,7 +118,7 @@ def build(request: Request, options: AutoOptions) -> Any:
 
     target = request.target
     cost = machine_profile(target).cost
-    loaded, learned = _loaded.setdefault(target, {}), _learned.setdefault(profiled_as(target), {})
+    loaded, learned = _loaded.setdefault(profiled_as(target), {}), _learned.setdefault(profiled_as(target), {})
     candidates = []
     for spec in options.drafters if options.drafters is not None else default_drafters(target):
         key = (str(as_drafter(spec)) if isinstance(spec, str) else id(spec), options.drafter_dtype)

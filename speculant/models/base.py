@@ -77,8 +77,28 @@ class Call:
 
 def profiled_as(model: Any) -> Any:
     """What per-model knowledge (machine profiles, measured costs, learned acceptance) is kept under: for a
-    server's per-request handle the model it shares (`serve.batcher.Row.shares`), else the model itself."""
+    server's per-request handle the model it shares (`serve.batcher.Row.shares`), for a Wrapper the model it
+    wraps, else the model itself."""
     return getattr(model, "shares", model)
+
+
+class Wrapper:
+    """A CausalLM around another that changes some of its calls (`models.logprobs`, `models.biased`): what it
+    does not define passes straight through, and what is learned of it is kept under the wrapped model."""
+
+    def __init__(self, model: CausalLM):
+        self.model = model
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.model, name)
+
+    @property
+    def shares(self) -> Any:
+        return profiled_as(self.model)
+
+    @property
+    def cache_len(self) -> int:
+        return self.model.cache_len
 
 
 def common_prefix_len(a: Sequence, b: Sequence) -> int:

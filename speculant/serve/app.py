@@ -22,6 +22,9 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from speculant.api import encode_prompt
 from speculant.config import SamplingConfig, ServeConfig
 from speculant.errors import ConfigError
+from speculant.models.biased import check_bias
+from speculant.models.constrained import Constraint, Matcher
+from speculant.models.logprobs import TokenLogprob
 from speculant.serve.engine import Engine, Job, Outcome, QueueFull
 from speculant.serve.metrics import Metrics
 from speculant.serve.schema import ApiError, ChatRequest, CompletionRequest, Sampling
@@ -61,12 +64,7 @@ def create_app(engine: Engine, served_name: str, api_key: str | None = None) -> 
             f"{where or 'body'}: {first.get('msg', 'invalid')}"
         return JSONResponse(ApiError(400, message, param=where or None).body, status_code=400)
 
-    @app.middleware("http")
-    async def count(request: Request, call_next: Callable) -> Response:
-        response = await call_next(request)
-        if request.url.path.startswith("/v1/"):
-            metrics.request(request.url.path, response.status_code)
-        return response
+    app.add_middleware(Counted, metrics=metrics)
 
     @app.get("/health")
     async def health() -> dict[str, str]:
@@ -82,7 +80,7 @@ def create_app(engine: Engine, served_name: str, api_key: str | None = None) -> 
                                             "owned_by": "speculant"}]}
 
     @app.post("/v1/completions", dependencies=[Depends(check_key)])
-    async def completions(body: CompletionRequest) -> Any:
+    async def completions(body: CompletionRequest, http: Request) -> Any:
         tokenizer = engine.target.tokenizer
         if isinstance(body.prompt, list):
             ids = body.prompt
@@ -92,17 +90,17 @@ def create_app(engine: Engine, served_name: str, api_key: str | None = None) -> 
             if tokenizer is None:
                 raise ApiError(400, "this model has no tokenizer: send the prompt as token ids", "prompt")
             ids = encode_prompt(tokenizer, body.prompt) if body.prompt else []
-        return await respond(body, ids, body.max_tokens or 16, chat=False)
+        return await respond(body, ids, body.max_tokens or 16, False, http)
 
     @app.post("/v1/chat/completions", dependencies=[Depends(check_key)])
-    async def chat(body: ChatRequest) -> Any:
+    async def chat(body: ChatRequest, http: Request) -> Any:
         try:
             ids = encode_prompt(engine.target.tokenizer, [m.as_template() for m in body.messages])
         except ConfigError as error:
             raise ApiError(400, str(error), "messages") from None
-        return await respond(body, ids, body.max_completion_tokens or body.max_tokens, chat=True)
+        return await respond(body, ids, body.max_completion_tokens or body.max_tokens, True, http)
 
-    async def respond(body: Sampling, ids: list[int], max_tokens: int | None, chat: bool) -> Any:
+    async def respond(body: Sampling, ids: list[int], max_tokens: int | None, chat: bool, http: Request) -> Any:
         if body.model != served_name:
             raise ApiError(404, f"model '{body.model}' is not served here (this server has '{served_name}')",
                            "model", "model_not_found")
@@ -117,21 +115,22 @@ def create_app(engine: Engine, served_name: str, api_key: str | None = None) -> 
                 pass
 
         try:
-            ticket = engine.submit(job, put, lambda outcome: put(_End(outcome)))
+            ticket = engine.submit(job, lambda piece, logprobs: body.stream and put((piece, logprobs)),
+                                   lambda outcome: put(_End(outcome)))  # a whole answer comes with its outcome
         except QueueFull as error:
             raise ApiError(429, f"the server is busy: {error}", code="queue_full") from None
         except ConfigError as error:
             raise ApiError(400, str(error), "speculant") from None
         ident = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex[:24]
-        shape = Shape(ident, served_name, chat)
+        shape = Shape(ident, served_name, chat, engine.target.tokenizer, job.logprobs is not None)
         if body.stream:
             include_usage = body.stream_options is not None and body.stream_options.include_usage
             return StreamingResponse(stream(queue, ticket, shape, include_usage), media_type="text/event-stream")
         try:
-            while not isinstance(item := await queue.get(), _End):
-                pass  # the text comes whole with the outcome
+            if (item := await next_item(queue, http)) is GONE:
+                return Response(status_code=499)  # nobody reads it: the client closed its connection
         finally:
-            ticket.cancel()
+            ticket.cancel()  # a client that went away frees its row within a step
         outcome = ended(item)
         metrics.usage(outcome.prompt_tokens, outcome.completion_tokens)
         return shape.whole(outcome)
@@ -139,14 +138,14 @@ def create_app(engine: Engine, served_name: str, api_key: str | None = None) -> 
     async def stream(queue: asyncio.Queue, ticket: Any, shape: Shape, include_usage: bool) -> AsyncIterator[str]:
         try:
             if shape.chat:
-                yield sse(shape.chunk({"role": "assistant", "content": ""}))
+                yield sse(shape.chunk({"role": "assistant", "content": ""}, []))
             while not isinstance(item := await queue.get(), _End):
-                yield sse(shape.chunk(item))
+                yield sse(shape.chunk(*item))
             outcome = ended(item)
             metrics.usage(outcome.prompt_tokens, outcome.completion_tokens)
-            yield sse(shape.chunk(None, outcome.finish_reason))
+            yield sse(shape.chunk(None, [], outcome.finish_reason))
             if include_usage:
-                yield sse({**shape.chunk(None), "choices": [], "usage": shape.usage(outcome)})
+                yield sse({**shape.chunk(None, []), "choices": [], "usage": shape.usage(outcome)})
         except ApiError as error:  # the engine failed mid-stream: say so in the stream
             yield sse(error.body)
         finally:
@@ -170,9 +169,58 @@ def create_app(engine: Engine, served_name: str, api_key: str | None = None) -> 
         method = overrides.pop("method", None)
         if method is not None and not isinstance(method, str):
             raise ApiError(400, "speculant.method must be a method name", "speculant")
-        return Job(ids, max_tokens, sampling, body.seed, body.stops, method, overrides)
+        try:
+            bias = {int(token): value for token, value in (body.logit_bias or {}).items()}
+        except ValueError:
+            raise ApiError(400, "logit_bias keys must be token ids", "logit_bias") from None
+        try:
+            check_bias(bias, engine.target.vocab_size)
+        except ConfigError as error:
+            raise ApiError(400, str(error), "logit_bias") from None
+        try:
+            constraint = Constraint.from_response_format(body.response_format or {"type": "text"})
+            if constraint is not None:  # compiled here, so that a bad schema is a 400 before the request runs
+                Matcher(constraint, engine.target.tokenizer, engine.target.vocab_size)
+        except ConfigError as error:
+            raise ApiError(400, str(error), "response_format") from None
+        return Job(ids, max_tokens, sampling, body.seed, body.stops, method, overrides, body.alternatives, bias,
+                   constraint)
 
     return app
+
+
+class Counted:
+    """Counts the API's requests by endpoint and status: a plain ASGI middleware (Starlette's BaseHTTPMiddleware
+    would hide a client's disconnect from the endpoints, which poll for it)."""
+
+    def __init__(self, app: Any, metrics: Metrics):
+        self.app, self.metrics = app, metrics
+
+    async def __call__(self, scope: dict[str, Any], receive: Callable, send: Callable) -> None:
+        if scope["type"] != "http" or not scope["path"].startswith("/v1/"):
+            return await self.app(scope, receive, send)
+
+        async def counted(message: dict[str, Any]) -> None:
+            if message["type"] == "http.response.start":
+                self.metrics.request(scope["path"], message["status"])
+            await send(message)
+
+        await self.app(scope, receive, counted)
+
+
+GONE = object()  # what `next_item` gives once the client has disconnected
+DISCONNECT_POLL_S = 0.25  # how often a non-streaming request asks whether its client is still there
+
+
+async def next_item(queue: asyncio.Queue, http: Request) -> Any:
+    """The engine's next item for a request that answers whole, or GONE as soon as its client disconnects (a
+    streaming response learns that from its failed writes)."""
+    while True:
+        try:
+            return await asyncio.wait_for(queue.get(), DISCONNECT_POLL_S)
+        except asyncio.TimeoutError:
+            if await http.is_disconnected():
+                return GONE
 
 
 def ended(item: _End) -> Outcome:
@@ -189,32 +237,60 @@ def sse(payload: dict[str, Any]) -> str:
 
 
 class Shape:
-    """The OpenAI response and chunk objects of one request."""
+    """The OpenAI response and chunk objects of one request; with `logprobs`, each choice carries its tokens'
+    log-probabilities in the endpoint's form (chat: `content` entries; completions: parallel lists)."""
 
-    def __init__(self, ident: str, model: str, chat: bool):
+    def __init__(self, ident: str, model: str, chat: bool, tokenizer: Any = None, logprobs: bool = False):
         self.ident, self.model, self.chat, self.created = ident, model, chat, int(time.time())
+        self.tokenizer, self.logprobs = tokenizer, logprobs
+        self.offset = 0  # characters of completion text before the next token (completions' text_offset)
 
     def usage(self, outcome: Outcome) -> dict[str, Any]:
         return {"prompt_tokens": outcome.prompt_tokens, "completion_tokens": outcome.completion_tokens,
                 "total_tokens": outcome.prompt_tokens + outcome.completion_tokens, "speculative": outcome.speculative}
 
     def whole(self, outcome: Outcome) -> dict[str, Any]:
+        logprobs = self.entries(outcome.logprobs or [])
         if self.chat:
             choice = {"index": 0, "message": {"role": "assistant", "content": outcome.text},
-                      "finish_reason": outcome.finish_reason, "logprobs": None}
+                      "finish_reason": outcome.finish_reason, "logprobs": logprobs}
         else:
-            choice = {"index": 0, "text": outcome.text, "finish_reason": outcome.finish_reason, "logprobs": None}
+            choice = {"index": 0, "text": outcome.text, "finish_reason": outcome.finish_reason, "logprobs": logprobs}
         return {"id": self.ident, "object": "chat.completion" if self.chat else "text_completion",
                 "created": self.created, "model": self.model, "choices": [choice], "usage": self.usage(outcome)}
 
-    def chunk(self, delta: Any, finish_reason: str | None = None) -> dict[str, Any]:
+    def chunk(self, delta: Any, entries: list[TokenLogprob], finish_reason: str | None = None) -> dict[str, Any]:
+        logprobs = self.entries(entries) if entries else None
         if self.chat:
             content = delta if isinstance(delta, dict) else ({} if delta is None else {"content": delta})
-            choice = {"index": 0, "delta": content, "finish_reason": finish_reason, "logprobs": None}
+            choice = {"index": 0, "delta": content, "finish_reason": finish_reason, "logprobs": logprobs}
         else:
-            choice = {"index": 0, "text": delta or "", "finish_reason": finish_reason, "logprobs": None}
+            choice = {"index": 0, "text": delta or "", "finish_reason": finish_reason, "logprobs": logprobs}
         return {"id": self.ident, "object": "chat.completion.chunk" if self.chat else "text_completion",
                 "created": self.created, "model": self.model, "choices": [choice]}
+
+    def entries(self, entries: list[TokenLogprob]) -> dict[str, Any] | None:
+        """Log-probabilities in the endpoint's form (None where the request asked for none)."""
+        if not self.logprobs:
+            return None
+
+        def token(t: int) -> str:  # one token's text (bytes of a character it splits decode as U+FFFD)
+            return self.tokenizer.decode([t]) if self.tokenizer is not None else str(t)
+
+        if self.chat:
+            def entry(t: int, logprob: float) -> dict[str, Any]:
+                piece = token(t)
+                return {"token": piece, "logprob": logprob, "bytes": list(piece.encode())}
+
+            return {"content": [{**entry(e.token, e.logprob), "top_logprobs": [entry(t, lp) for t, lp in e.top]}
+                                for e in entries], "refusal": None}
+        pieces = [token(e.token) for e in entries]
+        offsets = []
+        for piece in pieces:
+            offsets.append(self.offset)
+            self.offset += len(piece)
+        return {"tokens": pieces, "token_logprobs": [e.logprob for e in entries],
+                "top_logprobs": [{token(t): lp for t, lp in e.top} for e in entries], "text_offset": offsets}
 
 
 def serve(target: Any, method: str, options: Any, config: ServeConfig, served_name: str) -> None:

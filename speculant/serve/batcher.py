@@ -163,11 +163,12 @@ def weights_of(handle: CausalLM) -> int:
 
 
 class Row:
-    """One request's handle on a served model: its own KV cache, its forwards run by the batcher.
-    `shares` is the served model, under which per-model knowledge (machine profiles, what `auto` learned
-    of acceptance) is kept across requests."""
+    """One request's handle on a served model: its own KV cache, its forwards run by the batcher (without
+    one, on the calling thread: a request that runs apart from the others). `shares` is the served model,
+    under which per-model knowledge (machine profiles, what `auto` learned of acceptance) is kept across
+    requests."""
 
-    def __init__(self, batcher: Batcher, shares: CausalLM, on_forward: Callable[[Call], None] | None = None):
+    def __init__(self, batcher: Batcher | None, shares: CausalLM, on_forward: Callable[[Call], None] | None = None):
         self.batcher, self.shares, self.on_forward = batcher, shares, on_forward
         self.handle = shares.share()
 
@@ -180,7 +181,9 @@ class Row:
 
     def sharing(self) -> int:
         """How many requests' rows share each of this row's forwards (1 where the backend runs rows apart)."""
-        return self.batcher.load if isinstance(self.handle, HFCausalLM) and batches_rows(self.handle) else 1
+        if self.batcher is None or not (isinstance(self.handle, HFCausalLM) and batches_rows(self.handle)):
+            return 1
+        return self.batcher.load
 
     def share(self) -> Row:
         return Row(self.batcher, self.shares, self.on_forward)
@@ -201,4 +204,4 @@ class Row:
     def _submit(self, call: Call) -> torch.Tensor:
         if self.on_forward is not None:
             self.on_forward(call)
-        return self.batcher.submit(self.handle, call)
+        return call.run(self.handle) if self.batcher is None else self.batcher.submit(self.handle, call)

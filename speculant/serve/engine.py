@@ -4,7 +4,7 @@ The engine loads the target and its method's drafters once. Each request decodes
 worker, on `Row` handles of those models (a KV cache per request, forwards batched with the other
 requests'), so every method and drafter works unchanged and a request's greedy output is what it would
 be alone. At most `max_batch` requests decode at once; up to `max_queue` more wait for a row, the rest
-are refused.
+are refused. DSI requests decode apart, each on a thread of its own (`APART`).
 """
 
 from __future__ import annotations
@@ -15,12 +15,15 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field, fields, replace
 from typing import Any
 
+from speculant.api import check_request, decoded_target
 from speculant.config import SamplingConfig
 from speculant.drafters.spec import MAXGRAM, SELF, DrafterSpec, as_drafter, load_drafter
 from speculant.errors import ConfigError
 from speculant.methods import Request, get_method
 from speculant.methods.drafting import with_drafters
 from speculant.models.base import Call, CausalLM
+from speculant.models.constrained import Constraint
+from speculant.models.logprobs import TokenLogprob
 from speculant.sampling import seeded
 from speculant.serve.batcher import Batcher, Row
 from speculant.serve.metrics import Metrics
@@ -34,6 +37,11 @@ def as_text(value: Any) -> str:
     if isinstance(value, list):
         return ",".join(map(str, value))
     return str(value)
+
+
+# Methods whose requests decode on a thread of their own, not among the batched ones: DSI's drafter waits on its
+# target servers' threads (Timor et al. 2025), which on the batcher's one worker would stall every other request.
+APART = frozenset({"dsi"})
 
 
 class QueueFull(Exception):
@@ -51,6 +59,9 @@ class Job:
     stops: tuple[str, ...] = ()
     method: str | None = None  # None: the server's method
     options: Mapping[str, Any] = field(default_factory=dict)  # the method's options, overriding the server's
+    logprobs: int | None = None  # None: none; n: each token's log-probability and its n likeliest alternatives
+    logit_bias: Mapping[int, float] = field(default_factory=dict)  # added to the target's logits
+    constraint: Constraint | None = None  # what the output must match (structured output)
 
 
 @dataclass
@@ -60,6 +71,7 @@ class Outcome:
     prompt_tokens: int
     completion_tokens: int
     speculative: dict[str, Any]
+    logprobs: list[TokenLogprob] | None = None
 
 
 class Steps:
@@ -132,6 +144,7 @@ class Engine:
         self.max_batch, self.max_queue = max_batch, max_queue
         self.batcher = Batcher(max_batch, metrics.batch if metrics else None)
         self._lock = threading.Lock()  # submissions and their count of waiting requests
+        self._running_apart: set[threading.Thread] = set()
 
     def _load(self, spec: Any) -> Any:
         key = str(spec)
@@ -149,7 +162,7 @@ class Engine:
     @property
     def active(self) -> int:
         """Requests waiting or decoding."""
-        return self.batcher.waiting + self.batcher.load
+        return self.batcher.waiting + self.batcher.load + len(self._running_apart)
 
     def options_for(self, method: str | None, given: Mapping[str, Any]) -> tuple[Any, Any]:
         """(method, options) for a request: the server's, or another method with `given` options; drafters
@@ -175,11 +188,13 @@ class Engine:
             self._load(held)  # Max-Gram costs nothing to add
         return spec, options
 
-    def submit(self, job: Job, on_text: Callable[[str], None], on_end: Callable[[Outcome | BaseException], None]
-               ) -> Ticket:
-        """Start `job`; text increments go to `on_text` and the end to `on_end`, from the batcher's thread.
+    def submit(self, job: Job, on_text: Callable[[str, list[TokenLogprob]], None],
+               on_end: Callable[[Outcome | BaseException], None]) -> Ticket:
+        """Start `job`; text increments (with the log-probabilities of the tokens committed since the last
+        one, where the job asks for them) go to `on_text` and the end to `on_end`, from the batcher's thread.
         Raises QueueFull when the queue is full, a ConfigError for options the server cannot run."""
         spec, options = self.options_for(job.method, job.options)
+        check_request(spec.name, job.logprobs, job.logit_bias, job.constraint)
         ticket, submitted = Ticket(), time.perf_counter()
 
         def work() -> None:
@@ -187,39 +202,55 @@ class Engine:
                 self.metrics.queue(self.batcher.waiting)
             try:
                 if not ticket.cancelled.is_set():
-                    on_end(self._decode(job, spec, options, ticket, on_text, submitted))
+                    on_end(self._decode(job, spec, options, ticket, on_text, submitted, spec.name in APART))
             except Exception as error:  # noqa: BLE001 - the request's caller reports it
                 on_end(error)
 
         with self._lock:
             if self.batcher.waiting >= self.max_queue and self.batcher.load >= self.max_batch:
                 raise QueueFull(f"{self.batcher.waiting} requests are waiting; try again later")
-            self.batcher.start(work)
+            if spec.name in APART:
+                thread = threading.Thread(target=self._apart, args=(work,), name=f"speculant-{spec.name}", daemon=True)
+                self._running_apart.add(thread)
+                thread.start()
+            else:
+                self.batcher.start(work)
             if self.metrics:
                 self.metrics.queue(self.batcher.waiting)
         return ticket
 
-    def _decode(self, job: Job, spec: Any, options: Any, ticket: Ticket, on_text: Callable[[str], None],
-                submitted: float) -> Outcome:
+    def _apart(self, work: Callable[[], None]) -> None:
+        try:
+            work()
+        finally:
+            with self._lock:
+                self._running_apart.discard(threading.current_thread())
+
+    def _decode(self, job: Job, spec: Any, options: Any, ticket: Ticket,
+                on_text: Callable[[str, list[TokenLogprob]], None], submitted: float, apart: bool = False) -> Outcome:
         steps = Steps(self.metrics)
         rows: dict[int, Row] = {}
+        batcher = None if apart else self.batcher  # a request apart runs its own forwards on its own thread
 
         def row(model: CausalLM, on_forward: Callable[[Call], None]) -> Row:
             if id(model) not in rows:
-                rows[id(model)] = Row(self.batcher, model, on_forward)
+                rows[id(model)] = Row(batcher, model, on_forward)
             return rows[id(model)]
 
         def for_request(held: Any) -> Any:
             loaded = self.drafters.get(str(held), held)
             return row(loaded, steps.on_drafter) if isinstance(loaded, CausalLM) else loaded
 
-        target = Row(self.batcher, self.target, steps.on_target)
+        target = Row(batcher, self.target, steps.on_target)
+        decoded, recorded = decoded_target(target, job.logprobs, job.logit_bias, job.constraint)
         options = with_drafters(options, for_request)
-        request = Request(target, job.prompt_ids, job.max_tokens, job.sampling,
+        request = Request(decoded, job.prompt_ids, job.max_tokens, job.sampling,
                           seeded(self.target.device, job.seed), job.seed)
         decoder = spec.build(request, options)
         text = TextStream(self.target.tokenizer, job.stops)
         tokens, finish, last = 0, "length", None
+        entries: list[TokenLogprob] | None = [] if recorded is not None else None
+        unsent = 0  # entries not yet handed out with a piece of text
         try:
             for token in decoder:
                 now = time.perf_counter()
@@ -228,8 +259,11 @@ class Engine:
                 last = now
                 tokens += 1
                 steps.on_token()
+                if recorded is not None:
+                    entries.append(recorded.take(len(job.prompt_ids) + tokens - 1, token))
                 if piece := text.push(token):
-                    on_text(piece)
+                    on_text(piece, entries[unsent:] if entries is not None else [])
+                    unsent = len(entries) if entries is not None else 0
                 if text.stopped or token in self.target.eos_token_ids:
                     finish = "stop"
                     break
@@ -238,10 +272,15 @@ class Engine:
                     break
         finally:
             decoder.close()
-        if piece := text.flush():
-            on_text(piece)
-        return Outcome(text.text, finish, len(job.prompt_ids), tokens, steps.summary(spec.name, tokens))
+        piece = text.flush()
+        if piece or (entries is not None and unsent < len(entries)):
+            on_text(piece, entries[unsent:] if entries is not None else [])
+        return Outcome(text.text, finish, len(job.prompt_ids), tokens, steps.summary(spec.name, tokens), entries)
 
     def close(self) -> None:
         """Finish the running and waiting requests, then stop."""
         self.batcher.close()
+        with self._lock:
+            apart = list(self._running_apart)
+        for thread in apart:
+            thread.join()

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 
 class ApiError(Exception):
@@ -28,7 +28,7 @@ class StreamOptions(BaseModel):
 class Sampling(BaseModel):
     """Fields both endpoints share. `speculant` (the client's `extra_body={"speculant": {...}}`) picks a
     method and its options for this request, e.g. {"method": "sd", "k": 2}, within the server's models.
-    A field the server does not implement (`tools`, `logit_bias`, `response_format`, ...) is refused by name,
+    A field the server does not implement (`tools`, `tool_choice`, ...) is refused by name,
     never dropped; `user` is accepted and ignored."""
 
     model_config = ConfigDict(strict=True, extra="forbid")
@@ -44,6 +44,9 @@ class Sampling(BaseModel):
     stream_options: StreamOptions | None = None
     presence_penalty: float = Field(0.0, ge=0, le=0, description="penalties would change the target's distribution")
     frequency_penalty: float = Field(0.0, ge=0, le=0, description="penalties would change the target's distribution")
+    logit_bias: dict[str, float] | None = Field(None, description="{token id: -100..100} added to the target's logits")
+    response_format: dict[str, Any] | None = Field(None, description="text, json_object, json_schema (OpenAI's), or "
+                                                   "speculant's grammar (Lark) and regex")
     speculant: dict[str, Any] | None = None
     user: str | None = Field(None, description="accepted and ignored: the server keeps no per-user state")
 
@@ -51,11 +54,21 @@ class Sampling(BaseModel):
     def stops(self) -> tuple[str, ...]:
         return (self.stop,) if isinstance(self.stop, str) else tuple(self.stop or ())
 
+    @property
+    def alternatives(self) -> int | None:
+        """None: no log-probabilities asked for; n: each token's, with its n likeliest alternatives."""
+        return None
+
 
 class CompletionRequest(Sampling):
     prompt: str | list[int]
-    logprobs: None = Field(None, description="not supported")
+    logprobs: int | None = Field(None, ge=0, le=5, description="each token's log-probability and this many "
+                                 "likeliest alternatives")
     echo: Literal[False] = False
+
+    @property
+    def alternatives(self) -> int | None:
+        return self.logprobs
 
 
 class TextPart(BaseModel):
@@ -79,5 +92,16 @@ class Message(BaseModel):
 
 class ChatRequest(Sampling):
     messages: list[Message] = Field(min_length=1)
-    logprobs: Literal[False] | None = Field(None, description="not supported")
+    logprobs: bool = Field(False, description="each token's log-probability under the target")
+    top_logprobs: int | None = Field(None, ge=0, le=20, description="with logprobs: this many likeliest alternatives")
     max_completion_tokens: int | None = Field(None, gt=0)
+
+    @model_validator(mode="after")
+    def _alternatives_need_logprobs(self) -> ChatRequest:
+        if self.top_logprobs is not None and not self.logprobs:
+            raise ValueError("top_logprobs needs logprobs: true")
+        return self
+
+    @property
+    def alternatives(self) -> int | None:
+        return (self.top_logprobs or 0) if self.logprobs else None

@@ -1,0 +1,171 @@
+"""Structured output: the target's logits masked, row by row, to the tokens a grammar allows after that row's
+prefix (a JSON object, a JSON schema, a Lark grammar or a regular expression, compiled by llguidance).
+
+`Constrained` wraps the target, so the constrained distribution is what every method verifies: a chain's
+row j is masked after the committed text plus draft tokens 1..j, a tree node's after its own path. A draft
+token the grammar forbids gets probability 0 from the row before it and is rejected there, so rows after
+it are never read. Greedy output therefore equals constrained `ar` token for token, and sampling follows
+the constrained distribution (Leviathan et al. 2023, Theorem 3.5, with p the masked target). The matcher
+follows the cache: rollback and compaction only move where its next sync starts.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from functools import lru_cache
+from typing import Any
+
+import numpy as np
+import torch
+
+from speculant.errors import ConfigError
+from speculant.models.base import CausalLM, Wrapper, common_prefix_len
+from speculant.tree import TokenTree
+
+KINDS = ("json_object", "json_schema", "grammar", "regex")
+
+
+@dataclass(frozen=True)
+class Constraint:
+    """What the output must match: `kind` one of KINDS; `value` the JSON schema (a dict), the Lark grammar or
+    the regular expression (text), None for any JSON object."""
+
+    kind: str
+    value: Any = None
+
+    @classmethod
+    def from_response_format(cls, response_format: Mapping[str, Any]) -> Constraint | None:
+        """From OpenAI's `response_format` ({"type": "text"}: None; "json_object"; "json_schema" with
+        {"json_schema": {"schema": ...}}), plus speculant's {"type": "grammar", "grammar": LARK} and {"type":
+        "regex", "regex": PATTERN}. A ConfigError says what is wrong."""
+        kind = response_format.get("type")
+        if kind == "text":
+            return None
+        if kind == "json_object":
+            return cls("json_object")
+        if kind == "json_schema":
+            spec = response_format.get("json_schema")
+            schema = spec.get("schema") if isinstance(spec, Mapping) else None
+            if not isinstance(schema, Mapping):
+                raise ConfigError("response_format json_schema needs {\"json_schema\": {\"schema\": {...}}}")
+            return cls("json_schema", dict(schema))
+        if kind in ("grammar", "regex"):
+            value = response_format.get(kind)
+            if not isinstance(value, str) or not value:
+                raise ConfigError(f"response_format {kind} needs a non-empty \"{kind}\" string")
+            return cls(kind, value)
+        raise ConfigError(f"response_format type must be one of text, {', '.join(KINDS)}; got {kind!r}")
+
+    def grammar(self) -> str:
+        """The constraint as llguidance's grammar text."""
+        llguidance = _llguidance()
+        if self.kind in ("json_object", "json_schema"):  # compact JSON: a model cannot pad it with whitespace forever
+            schema = {"type": "object"} if self.kind == "json_object" else self.value
+            text = llguidance.LLMatcher.grammar_from_json_schema(json.dumps(schema), {"whitespace_flexible": False})
+        elif self.kind == "grammar":
+            text = llguidance.LLMatcher.grammar_from_lark(self.value)
+        else:
+            text = llguidance.LLMatcher.grammar_from_regex(self.value)
+        return text
+
+
+def _llguidance() -> Any:
+    try:
+        import llguidance
+        import llguidance.hf
+    except ImportError:
+        raise ConfigError("structured output needs llguidance: pip install 'speculant[serve]'") from None
+    return llguidance
+
+
+@lru_cache(maxsize=8)
+def _llg_tokenizer(tokenizer: Any, vocab_size: int) -> Any:
+    """llguidance's view of a Hugging Face tokenizer (built once per tokenizer: it walks the vocabulary)."""
+    return _llguidance().hf.from_tokenizer(tokenizer, n_vocab=vocab_size)
+
+
+class Matcher:
+    """A grammar's state over generated tokens (llguidance's LLMatcher): which tokens may come next."""
+
+    def __init__(self, constraint: Constraint, tokenizer: Any, vocab_size: int):
+        llguidance = _llguidance()
+        if tokenizer is None:
+            raise ConfigError("structured output needs the model's tokenizer")
+        self.vocab_size = vocab_size
+        self._matcher = llguidance.LLMatcher(_llg_tokenizer(tokenizer, vocab_size), constraint.grammar(),
+                                             log_level=0)
+        if self._matcher.is_error():
+            raise ConfigError(f"the {constraint.kind} does not compile: {self._matcher.get_error()}")
+        self.consumed: list[int] = []  # the tokens it has consumed, all allowed
+
+    def allowed(self) -> torch.Tensor:
+        """[vocab_size] bool: the tokens that may come next."""
+        bits = np.unpackbits(np.frombuffer(self._matcher.compute_bitmask(), dtype=np.uint8), bitorder="little")
+        allowed = torch.zeros(self.vocab_size, dtype=torch.bool)
+        n = min(len(bits), self.vocab_size)
+        allowed[:n] = torch.from_numpy(bits[:n].astype(bool))
+        return allowed
+
+    def follow(self, tokens: Sequence[int]) -> bool:
+        """Move to the state after `tokens` (rolling back to what it shares with them first): whether the
+        grammar allows all of them (if not, it stops after the longest allowed prefix)."""
+        common = common_prefix_len(self.consumed, tokens)
+        if common < len(self.consumed):
+            self._matcher.rollback(len(self.consumed) - common)
+            del self.consumed[common:]
+        rest = list(tokens[common:])
+        taken = self._matcher.try_consume_tokens(rest) if rest else 0
+        self.consumed.extend(rest[:taken])
+        return taken == len(rest)
+
+
+class Constrained(Wrapper):
+    """A CausalLM whose every logits row is masked by `matcher` after that row's generated prefix."""
+
+    def __init__(self, model: CausalLM, matcher: Matcher):
+        super().__init__(model)
+        self.matcher = matcher
+        self._ids: list[int] = []  # the cached tokens
+        self._prompt = 0  # how many of them are the prompt: the grammar starts after it
+
+    def _mask(self, row: torch.Tensor, generated: Sequence[int]) -> None:
+        if self.matcher.follow(generated):
+            allowed = self.matcher.allowed().to(row.device)
+            row[:len(allowed)].masked_fill_(~allowed, float("-inf"))
+            row[len(allowed):] = float("-inf")
+
+    def prefill(self, ids: Sequence[int]) -> torch.Tensor:
+        logits = self.model.prefill(ids).clone()
+        self._ids, self._prompt = list(ids), len(ids)
+        self._mask(logits.view(-1, logits.shape[-1])[-1], [])
+        return logits
+
+    def forward(self, ids: Sequence[int], positions: Sequence[int] | None = None,
+                tree: TokenTree | None = None) -> torch.Tensor:
+        start = self.model.cache_len
+        logits = self.model.forward(ids, positions, tree=tree).clone()
+        before = self._ids[:start]
+        self._ids = before + list(ids)
+        for j in range(len(ids)):
+            if tree is None:
+                prefix = before + list(ids[:j + 1])
+            else:  # the cached text before the tree's root, then the path from the root to this node
+                node = len(tree) - len(ids) + j
+                root = start - (len(tree) - len(ids))
+                path = []
+                while node >= 0:
+                    path.append(tree.tokens[node])
+                    node = tree.parents[node]
+                prefix = self._ids[:root] + path[::-1]
+            self._mask(logits[j], prefix[self._prompt:])
+        return logits
+
+    def rollback(self, n: int) -> None:
+        self.model.rollback(n)
+        del self._ids[n:]
+
+    def keep(self, indices: Sequence[int]) -> None:
+        self.model.keep(indices)
+        self._ids = [self._ids[i] for i in indices]

@@ -1,0 +1,87 @@
+"""Structured output (`models.constrained`): the target's rows masked to what a grammar allows after each row's
+prefix; every method equals constrained `ar` (greedy) and follows the constrained distribution (sampling)."""
+
+import json
+import re
+from collections import Counter
+
+import pytest
+import torch
+from helpers import ARCHS, byte_tokenizer, every_method, perturbed, tiny_model, total_variation
+
+from speculant import generate
+from speculant.errors import ConfigError
+from speculant.models.constrained import Constraint
+
+pytest.importorskip("llguidance")
+
+SCHEMA = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 6},
+                                           "age": {"type": "integer", "minimum": 0, "maximum": 99}},
+          "required": ["name", "age"], "additionalProperties": False}
+FORMATS = {
+    "regex": ({"type": "regex", "regex": "(ab|ba)[0-9]{2,5}"}, lambda text: re.fullmatch("(ab|ba)[0-9]{2,5}", text)),
+    "schema": ({"type": "json_schema", "json_schema": {"name": "person", "schema": SCHEMA}},
+               lambda text: set(json.loads(text)) == {"name", "age"}),
+    "grammar": ({"type": "grammar", "grammar": 'start: "yes" | "no" | "maybe " NUMBER\nNUMBER: /[1-9]/'},
+                lambda text: text in ("yes", "no") or re.fullmatch("maybe [1-9]", text)),
+}
+
+
+def byte_model(arch, seed):
+    return tiny_model(arch, seed, vocab=257, init_std=0.2, tokenizer=byte_tokenizer())
+
+
+@pytest.mark.parametrize("name", FORMATS)
+@pytest.mark.parametrize("arch", ARCHS)
+def test_every_method_equals_constrained_ar_and_the_text_matches(arch, name):
+    response_format, matches = FORMATS[name]
+    target = byte_model(arch, 0)
+    other = perturbed(target, 0.05, 1)
+    prompt = list(b"Reply: ")
+    free = generate(target, prompt_ids=prompt, method="ar", max_new_tokens=60)
+    expected = generate(target, prompt_ids=prompt, method="ar", max_new_tokens=60, response_format=response_format)
+    assert expected.text != free.text and matches(expected.text), expected.text
+    assert expected.token_ids[-1] in target.eos_token_ids  # it ended where the grammar was complete
+    for label, options in every_method(other).items():
+        result = generate(target, prompt_ids=prompt, max_new_tokens=60, response_format=response_format, **options)
+        assert result.token_ids == expected.token_ids, label
+
+
+def test_sampling_follows_the_constrained_distribution():
+    """600 seeded samples of "[a-d][0-3]" with speculative sampling follow the exact constrained distribution
+    (the target's softmax masked at each position): TV < 0.1, where sampling noise is about 0.05."""
+    target = byte_model("llama", 2)
+    prompt, letters, digits = list(b"x"), list(b"abcd"), list(b"0123")
+    with torch.no_grad():
+        first = target.model(torch.tensor([prompt])).logits[0, -1, letters].softmax(-1)
+        exact = {chr(a) + chr(d): float(first[i]) * float(target.model(torch.tensor([prompt + [a]])).logits[0, -1, digits]
+                                                         .softmax(-1)[j])
+                 for i, a in enumerate(letters) for j, d in enumerate(digits)}
+    counts = Counter(generate(target, prompt_ids=prompt, method="sd", drafter=perturbed(target, 0.3, 3), k=2,
+                              max_new_tokens=4, temperature=1.0, seed=seed,
+                              response_format={"type": "regex", "regex": "[a-d][0-3]"}).text for seed in range(600))
+    assert set(counts) <= set(exact), counts
+    keys = sorted(exact)
+    got = torch.tensor([counts[k] / 600 for k in keys])
+    assert total_variation(got, torch.tensor([exact[k] for k in keys])) < 0.1
+
+
+@pytest.mark.parametrize("response_format,message", [
+    ({"type": "xml"}, "response_format type must be one of"),
+    ({"type": "json_schema", "json_schema": {"name": "x"}}, "needs"),
+    ({"type": "regex", "regex": ""}, "non-empty"),
+])
+def test_a_bad_response_format_is_refused_before_the_model_loads(response_format, message):
+    with pytest.raises(ConfigError, match=message):
+        generate("no-such/model", "hi", method="ar", response_format=response_format)
+
+
+def test_a_grammar_that_does_not_compile_is_refused():
+    with pytest.raises(ConfigError, match="does not compile"):
+        generate(byte_model("llama", 0), prompt_ids=[1], method="ar", max_new_tokens=2,
+                 response_format=Constraint("grammar", "start: undefined_rule"))
+
+
+def test_dsi_refuses_structured_output():
+    with pytest.raises(ConfigError, match="response_format not available with dsi"):
+        generate("no-such/model", "hi", method="dsi", drafter="maxgram", response_format={"type": "json_object"})
