@@ -62,6 +62,8 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--isolate", action="store_true",
                        help="run each of speculant's generations in a fresh process after a warm-up generation, as "
                             "llama.cpp's tools (llamacpp-cli-*) and `speculant generate` run")
+    bench.add_argument("--ignore-response-format", action="store_true",
+                       help="generate free text where the prompts ask for structured output (to compare the two)")
     bench.add_argument("--report-from", default=None, metavar="RESULTS.json",
                        help="run nothing: report a finished run's results.json again (with --baseline, --out)")
     bench.add_argument("--baseline", default=None, metavar="METHOD",
@@ -350,6 +352,8 @@ def run_bench(args: argparse.Namespace, argv: Sequence[str]) -> None:
 
 def measure_bench(args: argparse.Namespace, methods: list[Any]) -> list[Any]:
     """Run the method matrix of `speculant bench` (see run_bench) and return its rows."""
+    from dataclasses import replace
+
     from tqdm import tqdm
 
     from speculant.bench.datasets import load_dataset
@@ -368,6 +372,8 @@ def measure_bench(args: argparse.Namespace, methods: list[Any]) -> list[Any]:
     if args.repeats < 1:
         raise ConfigError(f"repeats must be >= 1, got {args.repeats}")
     prompts = load_dataset(args.prompts or args.dataset)
+    if args.ignore_response_format:
+        prompts = [replace(p, response_format=None) for p in prompts]
     targets: dict[tuple[str, str], CausalLM] = {}
 
     def target_for(dtype: str | None, backend: str | None) -> CausalLM:
@@ -378,11 +384,11 @@ def measure_bench(args: argparse.Namespace, methods: list[Any]) -> list[Any]:
             targets[dtype, backend] = load_model(args.target, dtype=dtype, device=model_config.device, backend=backend)
         return targets[dtype, backend]
 
-    def isolated(spec: Any, ids: list[int], n: int) -> Any:
+    def isolated(spec: Any, ids: list[int], n: int, response_format: dict[str, Any] | None) -> Any:
         return isolated_generate({"target": args.target, "dtype": model_config.dtype, "device": model_config.device,
                                   "backend": model_config.backend, "method": spec.label, "prompt_ids": ids,
                                   "max_new_tokens": n, "temperature": sampling.temperature, "top_k": sampling.top_k,
-                                  "top_p": sampling.top_p, "seed": run.seed})
+                                  "top_p": sampling.top_p, "seed": run.seed, "response_format": response_format})
 
     with tqdm(total=len(prompts) * len(methods) * args.repeats, desc="prompts x methods", file=sys.stderr) as bar:
         return run_matrix(target_for, methods, prompts, run.max_new_tokens, run.seed, sampling, args.repeats,

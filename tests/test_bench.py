@@ -107,6 +107,26 @@ def test_matrix_is_interleaved_and_speedup_comes_from_the_same_run(tiny_dir):
     assert sd2.identical_to_ar == 1.0 and sd2.acceptance_rate == 1.0
 
 
+def test_prompts_with_a_response_format_are_followed_by_every_method(tiny_dir, tmp_path):
+    pytest.importorskip("llguidance")
+    path = tmp_path / "json.jsonl"
+    schema = {"type": "object", "properties": {"ok": {"type": "boolean"}}, "required": ["ok"],
+              "additionalProperties": False}
+    path.write_text(json.dumps({"id": "j1", "prompt": "Answer:", "response_format": {
+        "type": "json_schema", "json_schema": {"name": "ok", "schema": schema}}}) + "\n")
+    prompts = load_dataset(str(path))
+    target = HFCausalLM(tiny_transformer("llama", 0, 257), byte_tokenizer(), "tiny")
+    methods = [parse_method("ar"), parse_method(f"sd:drafter={tiny_dir},k=3"), parse_method("sd:drafter=maxgram")]
+    rows = run_matrix(lambda dtype, backend: target, methods, prompts, 30)
+    assert all(json.loads(row.text) in ({"ok": True}, {"ok": False}) for row in rows)
+    assert all(s.identical_to_ar == 1.0 for s in summarize(rows, methods))
+    with pytest.raises(ConfigError, match="cannot follow a prompt's response_format"):
+        run_matrix(lambda dtype, backend: target, [parse_method("llamacpp-cli-ar")], prompts, 4)
+    (tmp_path / "bad.jsonl").write_text('{"prompt": "a", "response_format": {"type": "xml"}}\n')
+    with pytest.raises(ConfigError, match=r"bad.jsonl:1: response_format type must be one of"):
+        load_dataset(str(tmp_path / "bad.jsonl"))
+
+
 def test_dsi_in_the_matrix_keeps_its_servers_across_prompts(tiny_dir):
     target = HFCausalLM(tiny_transformer("llama", 0, 257), byte_tokenizer(), "tiny")
     methods = [parse_method("ar"), parse_method(f"dsi:drafter={tiny_dir},servers=2,lookahead=3")]

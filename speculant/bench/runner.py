@@ -14,6 +14,7 @@ from speculant.bench.peers import peer_generate
 from speculant.config import SamplingConfig
 from speculant.decoding.stats import GenerationStats
 from speculant.drafters.spec import load_drafter
+from speculant.errors import ConfigError
 from speculant.methods.drafting import as_keywords, with_drafters
 from speculant.models import CausalLM
 
@@ -43,14 +44,18 @@ def run_matrix(
     sampling: SamplingConfig = SamplingConfig(),
     repeats: int = 1,
     on_row: Callable[[Row], None] | None = None,
-    isolated: Callable[[MethodSpec, list[int], int], GenerationResult] | None = None,
+    isolated: Callable[[MethodSpec, list[int], int, dict[str, Any] | None], GenerationResult] | None = None,
 ) -> list[Row]:
     """Every method on every prompt, interleaved, `repeats` times; returns the rows in run order.
 
     `target_for(dtype, backend)` returns the loaded target in that dtype on that backend (None: the run's
     default); it should load each once, so that all methods share the same weights. With `isolated`,
-    speculant's own methods run through it (`speculant.bench.isolated`: a fresh process per generation).
+    speculant's own methods run through it (`speculant.bench.isolated`: a fresh process per generation). A
+    prompt's `response_format` goes to every method (llama.cpp's tools cannot follow one: refused).
     """
+    if any(spec.peer for spec in methods) and any(p.response_format for p in prompts):
+        raise ConfigError("llama.cpp's tools and transformers peers cannot follow a prompt's response_format "
+                          "(bench them with --ignore-response-format)")
     loaded: dict[tuple[Any, ...], Any] = {}
 
     def drafter_for(drafter: Any, target: CausalLM, dtype: str | None) -> Any:
@@ -73,9 +78,9 @@ def run_matrix(
             pools[spec.label].start()
         return pools[spec.label]
 
-    def run(spec: MethodSpec, ids: list[int], n: int) -> GenerationResult:
+    def run(spec: MethodSpec, ids: list[int], n: int, response_format: dict[str, Any] | None) -> GenerationResult:
         if isolated is not None and not spec.peer:
-            return isolated(spec, ids, n)
+            return isolated(spec, ids, n, response_format)
         target = target_for(spec.dtype, spec.backend)
         dtype = getattr(spec.options, "drafter_dtype", None)
         options = with_drafters(spec.options, lambda d: drafter_for(d, target, dtype))
@@ -84,18 +89,19 @@ def run_matrix(
         if spec.method == "dsi":
             options = replace(options, executor=pool_for(spec, target))
         return generate(target, prompt_ids=ids, method=spec.method, max_new_tokens=n, temperature=sampling.temperature,
-                        top_k=sampling.top_k, top_p=sampling.top_p, seed=seed, **as_keywords(options))
+                        top_k=sampling.top_k, top_p=sampling.top_p, seed=seed, response_format=response_format,
+                        **as_keywords(options))
 
     encoded = [encode_prompt(target_for(None, None).tokenizer, p.text, p.chat) for p in prompts]
     rows = []
     try:
         for spec in methods:  # warm-up: allocator, caches, lazy initialisation, DSI's servers
             if isolated is None or spec.peer:  # an isolated generation warms its own process up
-                run(spec, encoded[0], min(8, max_new_tokens))
+                run(spec, encoded[0], min(8, max_new_tokens), prompts[0].response_format)
         for repeat in range(repeats):
             for prompt, ids in zip(prompts, encoded):
                 for spec in methods:
-                    result = run(spec, ids, max_new_tokens)
+                    result = run(spec, ids, max_new_tokens, prompt.response_format)
                     row = Row(prompt.id, prompt.category, spec.label, repeat, target_key(target_for(spec.dtype, spec.backend)),
                               result.token_ids, result.stats, result.text)
                     rows.append(row)
