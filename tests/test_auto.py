@@ -127,6 +127,24 @@ def test_a_drafter_that_never_agrees_is_turned_off_and_probed_again():
     assert len(runs) >= 3 and all(later == 2 * earlier for earlier, later in zip(runs[1:], runs[2:]))
 
 
+def test_a_named_drafter_keeps_its_cache_for_the_next_generation(monkeypatch, tmp_path):
+    from speculant.methods import auto
+
+    target = load_model(tiny_transformer("llama", 5, VOCAB, init_std=0.1))
+    perturbed(target, 0.05, 5).model.save_pretrained(tmp_path / "drafter")
+    monkeypatch.setattr(latency, "machine_profile", costs(target))
+    prompt = random_prompt(5, VOCAB, 6) * 3
+    first = generate(target, prompt_ids=prompt, method="auto", drafters=[str(tmp_path / "drafter")],
+                     max_new_tokens=20)
+    (drafter,) = auto._loaded[target].values()
+    prefills, prefill = [], drafter.prefill
+    monkeypatch.setattr(drafter, "prefill", lambda ids: prefills.append(len(ids)) or prefill(ids))
+    turn = prompt + first.token_ids + random_prompt(6, VOCAB, 4)  # the conversation's next turn
+    second = generate(target, prompt_ids=turn, method="auto", drafters=[str(tmp_path / "drafter")], max_new_tokens=20)
+    assert second.token_ids == generate(target, prompt_ids=turn, method="ar", max_new_tokens=20).token_ids
+    assert any(c != "plain" for c in second.stats.choices) and prefills == []  # it drafted, catching up only
+
+
 def test_a_prefill_is_risked_only_where_generations_run_long_enough_to_repay_it():
     assert expected_remaining([], 10, 100) == 90  # no history: the whole budget
     assert expected_remaining([20, 40, 500], 30, 100) == (10 + 70) / 2  # those that got past 30, cut at 100

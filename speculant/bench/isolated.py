@@ -1,6 +1,6 @@
 """One generation in a process of its own (`speculant bench --isolate`): speculant's methods measured as
-llama.cpp's tools are, a fresh process per generation with a warm-up generation first, and as a user meets
-them (`speculant generate` is a process of its own). On a shared VM a long-lived process that has loaded
+llama.cpp's tools are, a fresh process per generation with a warm-up generation first (on other tokens), and
+as a user meets them (`speculant generate` is a process of its own). On a shared VM a long-lived process that has loaded
 several models decoded 10-20% slower than a fresh process running the same code (docs/results/cpu.md), which
 would count against whichever side runs in the bench's own process."""
 
@@ -45,7 +45,9 @@ def main() -> None:
     options = with_drafters(spec.options, lambda d: load_drafter(d, target, getattr(spec.options, "drafter_dtype", None)))
     ids, n = request["prompt_ids"], request["max_new_tokens"]
     asked = {k: request.get(k) for k in ("temperature", "top_k", "top_p", "seed", "response_format")}
-    generate(target, prompt_ids=ids, method=spec.method, max_new_tokens=min(8, n), **asked, **as_keywords(options))
+    # The warm-up runs the prompt's tokens reversed: the same lengths and code paths, and no prefix that a cache
+    # kept across generations (auto's drafters keep theirs) could carry into the measured run.
+    generate(target, prompt_ids=ids[::-1], method=spec.method, max_new_tokens=min(8, n), **asked, **as_keywords(options))
     result = generate(target, prompt_ids=ids, method=spec.method, max_new_tokens=n, **asked, **as_keywords(options))
     stats = {**asdict(result.stats), "dsi": None}
     print(json.dumps({"token_ids": result.token_ids, "text": result.text, "stats": stats}))

@@ -27,7 +27,7 @@ from speculant.config import SamplingConfig
 from speculant.drafters.base import Draft
 from speculant.drafters.model import ModelDrafter
 from speculant.drafters.vocab import GrowingEncoding, same_vocabulary, vocab_pair
-from speculant.models.base import CausalLM
+from speculant.models.base import CausalLM, SharedCache
 from speculant.sampling import logits_to_probs
 
 
@@ -125,13 +125,15 @@ class CrossVocabDrafter:
         return max(1.0, len(self.own_ids(ids)) / len(ids))
 
 
-def model_drafter(model: CausalLM, target: CausalLM, sampling: SamplingConfig, generator: torch.Generator | None,
-                  keep_probs: bool = False, draft_confidence: float = 0.0) -> Any:
-    """What drafts for `target` with `model`: a ModelDrafter when their ids mean the same tokens (with its rows
-    fitted to the target's logits width where the two differ), else a CrossVocabDrafter."""
-    if not same_vocabulary(target, model):
-        return CrossVocabDrafter(model, target, sampling, generator, draft_confidence)
-    if model.vocab_size == target.vocab_size:
+def model_drafter(model: CausalLM | SharedCache, target: CausalLM, sampling: SamplingConfig,
+                  generator: torch.Generator | None, keep_probs: bool = False, draft_confidence: float = 0.0) -> Any:
+    """What drafts for `target` with `model` (or a SharedCache on it, whose cached ids a ModelDrafter goes on
+    from): a ModelDrafter when their ids mean the same tokens (with its rows fitted to the target's logits width
+    where the two differ), else a CrossVocabDrafter."""
+    base = model.model if isinstance(model, SharedCache) else model
+    if not same_vocabulary(target, base):
+        return CrossVocabDrafter(base, target, sampling, generator, draft_confidence)
+    if base.vocab_size == target.vocab_size:
         return ModelDrafter(model, sampling, generator, keep_probs, draft_confidence)
-    allowed = torch.arange(model.vocab_size) < target.vocab_size  # the drafter's padded rows the target lacks
+    allowed = torch.arange(base.vocab_size) < target.vocab_size  # the drafter's padded rows the target lacks
     return ModelDrafter(model, sampling, generator, keep_probs, draft_confidence, allowed, target.vocab_size)

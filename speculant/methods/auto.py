@@ -11,7 +11,7 @@ from typing import Any
 from weakref import WeakKeyDictionary
 
 from speculant.config import option
-from speculant.drafters.spec import as_drafter
+from speculant.drafters.spec import DrafterSpec, as_drafter
 from speculant.errors import ConfigError
 from speculant.methods.drafting import DRAFTER_DTYPES, parse_drafters
 from speculant.methods.registry import Request, register
@@ -93,10 +93,12 @@ def default_drafters(target: Any) -> tuple[str, ...]:
     return (f"{entry.drafter}@{'int8' if native.AMX.library() is not None else 'int4'}", "maxgram")
 
 
-# Per target: the drafters auto loaded ({(spec, dtype): drafter}), what it learned of their acceptance
-# ({name: estimates}) and how long generations run, kept across generations: a new request starts from what
-# the last ones observed.
+# Per target: the drafters auto loaded ({(spec, dtype): drafter}), each model drafter's cache ({(spec, dtype):
+# SharedCache}), what it learned of their acceptance ({name: estimates}) and how long generations run, kept
+# across generations: a new request starts from what the last ones observed, and a drafter catches up only on
+# what its cache lacks (the next turn of a conversation shares its history; a chat template, its system prompt).
 _loaded: WeakKeyDictionary = WeakKeyDictionary()
+_caches: WeakKeyDictionary = WeakKeyDictionary()
 _learned: WeakKeyDictionary = WeakKeyDictionary()
 _lengths: WeakKeyDictionary = WeakKeyDictionary()  # the last LENGTHS_KEPT generations' lengths, by target
 LENGTHS_KEPT = 32
@@ -114,17 +116,24 @@ def build(request: Request, options: AutoOptions) -> Any:
     from speculant.drafters.spec import load_drafter
     from speculant.drafters.tree import TreeDrafter
     from speculant.latency import machine_profile
-    from speculant.models.base import profiled_as
+    from speculant.models.base import SharedCache, profiled_as
+    from speculant.models.metered import metered
 
     target = request.target
     cost = machine_profile(target).cost
     loaded, learned = _loaded.setdefault(profiled_as(target), {}), _learned.setdefault(profiled_as(target), {})
+    caches = _caches.setdefault(profiled_as(target), {})
     candidates = []
     for spec in options.drafters if options.drafters is not None else default_drafters(target):
-        key = (str(as_drafter(spec)) if isinstance(spec, str) else id(spec), options.drafter_dtype)
-        if key not in loaded:
-            loaded[key] = load_drafter(spec, target, options.drafter_dtype)
-        source = loaded[key]
+        # A drafter named by text is loaded once per target and keeps its cache; one passed as an object (a
+        # server's per-request handle) is the caller's to keep.
+        key = (str(as_drafter(spec)), options.drafter_dtype) if isinstance(spec, (str, DrafterSpec)) else None
+        if key is None:
+            source = load_drafter(spec, target, options.drafter_dtype)
+        else:
+            if key not in loaded:
+                loaded[key] = load_drafter(spec, target, options.drafter_dtype)
+            source = loaded[key]
         estimates = learned.setdefault(source.name, {})
         if isinstance(source, MaxGramDrafter):
             candidates.append(Candidate(source.name, source, 0.0, 0.0, source.match_length, estimates))
@@ -134,7 +143,8 @@ def build(request: Request, options: AutoOptions) -> Any:
             profile = machine_profile(source)
             if not can_pay(profile.tpot_s, cost, options.k_max):  # too slow to pay even if always right
                 continue
-            drafter = model_drafter(source, target, request.sampling, request.generator,
+            cache = caches.setdefault(key, SharedCache(metered(source))) if key is not None else source
+            drafter = model_drafter(cache, target, request.sampling, request.generator,
                                     draft_confidence=options.draft_confidence)
             step_s = profile.tpot_s * (drafter.tokens_per_target_token(request.prompt_ids)
                                        if isinstance(drafter, CrossVocabDrafter) else 1.0)
