@@ -109,11 +109,14 @@ def test_bad_input_is_one_line_and_exit_2(model_dirs, capsys, extra, message):
     assert "Traceback" not in err
 
 
+COMPACT = {"whitespace_flexible": False, "whitespace_pattern": None}  # JSON without whitespace: a random model pads
+
+
 def test_json_schema_from_the_command_line(model_dirs, capsys, tmp_path):
     pytest.importorskip("llguidance")
     schema = tmp_path / "schema.json"
     schema.write_text(json.dumps({"type": "object", "properties": {"ok": {"type": "boolean"}}, "required": ["ok"],
-                                  "additionalProperties": False}))
+                                  "additionalProperties": False, "x-guidance": COMPACT}))
     code, out, _ = run(capsys, "generate", "hello", "--target", model_dirs["target"], "--drafter",
                        model_dirs["drafter"], "--max-new-tokens", "40", "--json-schema", str(schema), "--json")
     assert code == 0

@@ -17,7 +17,8 @@ pytest.importorskip("llguidance")
 
 SCHEMA = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 6},
                                            "age": {"type": "integer", "minimum": 0, "maximum": 99}},
-          "required": ["name", "age"], "additionalProperties": False}
+          "required": ["name", "age"], "additionalProperties": False,
+          "x-guidance": {"whitespace_flexible": False, "whitespace_pattern": None}}  # compact: a random model pads
 FORMATS = {
     "regex": ({"type": "regex", "regex": "(ab|ba)[0-9]{2,5}"}, lambda text: re.fullmatch("(ab|ba)[0-9]{2,5}", text)),
     "schema": ({"type": "json_schema", "json_schema": {"name": "person", "schema": SCHEMA}},
@@ -45,6 +46,24 @@ def test_every_method_equals_constrained_ar_and_the_text_matches(arch, name):
     for label, options in every_method(other).items():
         result = generate(target, prompt_ids=prompt, max_new_tokens=60, response_format=response_format, **options)
         assert result.token_ids == expected.token_ids, label
+
+
+def test_a_model_drafter_drafts_only_what_the_grammar_allows():
+    from speculant.api import decoded_target
+    from speculant.config import SamplingConfig
+    from speculant.drafters.cross_vocab import model_drafter
+
+    target = byte_model("llama", 0)
+    other = byte_model("qwen2", 9)  # another random model: unguided, it drafts arbitrary bytes
+    prompt = list(b"Reply: ")
+    language = re.compile("(ab|ba)[0-9]{2,5}")
+    constrained, _ = decoded_target(target, None, None, Constraint("regex", language.pattern))
+    constrained.prefill(prompt)
+    for guided, drafter_target in ((True, constrained), (False, target)):
+        draft = model_drafter(other, drafter_target, SamplingConfig(), None).propose(prompt, 5).tokens
+        text = bytes(draft).decode("latin-1")
+        valid = bool(re.fullmatch("(ab|ba)[0-9]{0,3}|(a|b)", text))  # the first five characters of a sentence
+        assert valid == guided, text
 
 
 def test_sampling_follows_the_constrained_distribution():

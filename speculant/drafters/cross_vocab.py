@@ -133,7 +133,8 @@ def model_drafter(model: CausalLM | SharedCache, target: CausalLM, sampling: Sam
     base = model.model if isinstance(model, SharedCache) else model
     if not same_vocabulary(target, base):
         return CrossVocabDrafter(base, target, sampling, generator, draft_confidence)
+    guide = getattr(target, "draft_guide", None)  # structured output: drafts follow the target's grammar
     if base.vocab_size == target.vocab_size:
-        return ModelDrafter(model, sampling, generator, keep_probs, draft_confidence)
+        return ModelDrafter(model, sampling, generator, keep_probs, draft_confidence, guide=guide)
     allowed = torch.arange(base.vocab_size) < target.vocab_size  # the drafter's padded rows the target lacks
-    return ModelDrafter(model, sampling, generator, keep_probs, draft_confidence, allowed, target.vocab_size)
+    return ModelDrafter(model, sampling, generator, keep_probs, draft_confidence, allowed, target.vocab_size, guide)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 
 from speculant.config import SamplingConfig
@@ -27,13 +29,14 @@ class ModelDrafter:
     so verification stays lossless.
 
     `allowed` [vocab] (bool) restricts drafting to some ids: q is the drafter's distribution renormalised over
-    them (the token-level intersection of another vocabulary; a logits row wider than the target's). `width`
+    them (the token-level intersection of another vocabulary; a logits row wider than the target's); `guide`
+    (the target's `draft_guide` under structured output) restricts each row to what a grammar allows after it. `width`
     pads (zeros) or cuts each row of q to the target's logits width.
     """
 
     def __init__(self, model: CausalLM | SharedCache, sampling: SamplingConfig, generator: torch.Generator | None,
                  keep_probs: bool = False, draft_confidence: float = 0.0, allowed: torch.Tensor | None = None,
-                 width: int | None = None):
+                 width: int | None = None, guide: Callable[[list[int]], torch.Tensor | None] | None = None):
         self.cache = model if isinstance(model, SharedCache) else SharedCache(metered(model))
         self.model = self.cache.model
         self.draft_confidence = draft_confidence
@@ -43,6 +46,7 @@ class ModelDrafter:
         self.keep_probs = keep_probs or not sampling.greedy
         self.banned = ~allowed.to(self.model.device) if allowed is not None else None
         self.width = width
+        self.guide = guide
 
     def propose(self, context: list[int], k: int) -> Draft:
         """Up to k tokens; a draft ends at an end-of-sequence token and within the drafter's positions."""
@@ -55,7 +59,9 @@ class ModelDrafter:
         tokens: list[int] = []
         probs: list[torch.Tensor] = []
         for i in range(k):
-            logits = self.restricted(logits)
+            logits = self.restricted(logits, context + tokens)
+            if not bool(torch.isfinite(logits).any()):  # the guide allows nothing here: the draft ends
+                break
             q = logits_to_probs(logits, self.sampling) if not self.sampling.greedy else None
             tokens.append(next_token(logits, self.sampling, None) if q is None else sample(q, self.generator))
             if self.keep_probs or self.draft_confidence > 0:
@@ -65,14 +71,23 @@ class ModelDrafter:
                 break
             logits = self.model.forward(tokens[-1:])[-1]
         self.cache.ids = context + tokens[:-1]
-        kept = torch.stack(probs) if self.keep_probs else None
+        kept = torch.stack(probs) if self.keep_probs and probs else None
         if kept is not None and self.width is not None and self.width != kept.shape[-1]:
             kept = torch.nn.functional.pad(kept, (0, self.width - kept.shape[-1]))  # negative: cut
         return Draft(tokens, kept, {self.name: self.model.usage - before})
 
-    def restricted(self, logits: torch.Tensor) -> torch.Tensor:
-        """`logits` [..., vocab] with the ids it may not draft at -inf."""
-        return logits if self.banned is None else logits.masked_fill(self.banned, float("-inf"))
+    def restricted(self, logits: torch.Tensor, prefix: list[int] | None = None) -> torch.Tensor:
+        """`logits` [..., vocab] with the ids it may not draft at -inf: those outside `allowed`, and, with a
+        `guide` and the tokens before this row, those the guide forbids after them (structured output: a draft
+        the target's grammar would reject at once is not worth its forwards)."""
+        if self.banned is not None:
+            logits = logits.masked_fill(self.banned, float("-inf"))
+        if self.guide is not None and prefix is not None and (allowed := self.guide(prefix)) is not None:
+            row = torch.full_like(logits, float("-inf"))
+            n = min(len(allowed), logits.shape[-1])
+            row[..., :n] = logits[..., :n].masked_fill(~allowed[:n].to(logits.device), float("-inf"))
+            logits = row
+        return logits
 
     def score(self, context: list[int], draft: list[int]) -> torch.Tensor:
         """Logits after context[-1] and after each draft token, [1 + len(draft), vocab], in one forward."""

@@ -25,6 +25,9 @@ from speculant.models.base import CausalLM, Wrapper, common_prefix_len
 from speculant.tree import TokenTree
 
 KINDS = ("json_object", "json_schema", "grammar", "regex")
+# JSON as models write it (newlines and indentation between tokens), but never padded without end: at most 16
+# whitespace characters between two tokens.
+JSON_OPTIONS = {"whitespace_flexible": True, "whitespace_pattern": r"[ \n]{0,16}"}
 
 
 @dataclass(frozen=True)
@@ -61,9 +64,9 @@ class Constraint:
     def grammar(self) -> str:
         """The constraint as llguidance's grammar text."""
         llguidance = _llguidance()
-        if self.kind in ("json_object", "json_schema"):  # compact JSON: a model cannot pad it with whitespace forever
+        if self.kind in ("json_object", "json_schema"):
             schema = {"type": "object"} if self.kind == "json_object" else self.value
-            text = llguidance.LLMatcher.grammar_from_json_schema(json.dumps(schema), {"whitespace_flexible": False})
+            text = llguidance.LLMatcher.grammar_from_json_schema(json.dumps(schema), JSON_OPTIONS)
         elif self.kind == "grammar":
             text = llguidance.LLMatcher.grammar_from_lark(self.value)
         else:
@@ -94,11 +97,16 @@ class Matcher:
         if tokenizer is None:
             raise ConfigError("structured output needs the model's tokenizer")
         self.vocab_size = vocab_size
+        self.constraint, self.tokenizer = constraint, tokenizer
         self._matcher = llguidance.LLMatcher(_llg_tokenizer(tokenizer, vocab_size), constraint.grammar(),
                                              log_level=0)
         if self._matcher.is_error():
             raise ConfigError(f"the {constraint.kind} does not compile: {self._matcher.get_error()}")
         self.consumed: list[int] = []  # the tokens it has consumed, all allowed
+
+    def twin(self) -> Matcher:
+        """A matcher of its own on the same grammar (drafting follows other prefixes than verification)."""
+        return Matcher(self.constraint, self.tokenizer, self.vocab_size)
 
     def allowed(self) -> torch.Tensor:
         """[vocab_size] bool: the tokens that may come next."""
@@ -127,8 +135,16 @@ class Constrained(Wrapper):
     def __init__(self, model: CausalLM, matcher: Matcher):
         super().__init__(model)
         self.matcher = matcher
+        self._drafting: Matcher | None = None  # the drafters' own, made at their first question
         self._ids: list[int] = []  # the cached tokens
         self._prompt = 0  # how many of them are the prompt: the grammar starts after it
+
+    def draft_guide(self, context: Sequence[int]) -> torch.Tensor | None:
+        """For a drafter: the tokens the grammar allows after `context` (the prompt and what follows it), or None
+        where the context has left the grammar (a draft token the target will reject anyway)."""
+        if self._drafting is None:
+            self._drafting = self.matcher.twin()
+        return self._drafting.allowed() if self._drafting.follow(context[self._prompt:]) else None
 
     def _mask(self, row: torch.Tensor, generated: Sequence[int]) -> None:
         if self.matcher.follow(generated):
