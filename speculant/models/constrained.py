@@ -6,7 +6,8 @@ row j is masked after the committed text plus draft tokens 1..j, a tree node's a
 token the grammar forbids gets probability 0 from the row before it and is rejected there, so rows after
 it are never read. Greedy output therefore equals constrained `ar` token for token, and sampling follows
 the constrained distribution (Leviathan et al. 2023, Theorem 3.5, with p the masked target). The matcher
-follows the cache: rollback and compaction only move where its next sync starts.
+follows the cache: rollback and compaction only move where its next sync starts. Model drafters ask
+`draft_guide` (a matcher of their own) and draft only what the grammar allows, which keeps their acceptance.
 """
 
 from __future__ import annotations
