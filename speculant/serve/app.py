@@ -115,8 +115,9 @@ def create_app(engine: Engine, served_name: str, api_key: str | None = None) -> 
                 pass
 
         try:
-            ticket = engine.submit(job, lambda piece, logprobs: body.stream and put((piece, logprobs)),
-                                   lambda outcome: put(_End(outcome)))  # a whole answer comes with its outcome
+            on_text = (lambda piece, logprobs: put((piece, logprobs))) if body.stream else \
+                (lambda piece, logprobs: None)  # a whole answer comes with its outcome
+            ticket = engine.submit(job, on_text, lambda outcome: put(_End(outcome)))
         except QueueFull as error:
             raise ApiError(429, f"the server is busy: {error}", code="queue_full") from None
         except ConfigError as error:
