@@ -104,7 +104,7 @@ def create_app(engine: Engine, served_name: str, api_key: str | None = None) -> 
         if body.model != served_name:
             raise ApiError(404, f"model '{body.model}' is not served here (this server has '{served_name}')",
                            "model", "model_not_found")
-        job = make_job(body, ids, max_tokens)
+        job = await asyncio.to_thread(make_job, body, ids, max_tokens)  # a grammar compiles off the event loop
         loop = asyncio.get_running_loop()
         queue: asyncio.Queue = asyncio.Queue()
 
