@@ -40,12 +40,11 @@ class GenerationStream:
     """Iterates over token ids as they are committed; `.logprobs` (where asked for) grows with them, one entry
     per token before it is yielded; `.result` is set once the stream is exhausted."""
 
-    def __init__(self, decoder: Decoder, tokenizer: Any | None, target: str = "", recorded: Recorded | None = None,
-                 prompt_len: int = 0):
+    def __init__(self, decoder: Decoder, tokenizer: Any | None, target: str = "", recorded: Recorded | None = None):
         self._decoder = decoder
         self._tokenizer = tokenizer
         self._target = target
-        self._recorded, self._prompt_len = recorded, prompt_len
+        self._recorded = recorded
         self.logprobs: list[TokenLogprob] | None = [] if recorded is not None else None
         self.result: GenerationResult | None = None
 
@@ -59,7 +58,7 @@ class GenerationStream:
                 stats = stop.value
                 break
             if self._recorded is not None:
-                self.logprobs.append(self._recorded.take(self._prompt_len + len(tokens) - 1, token))
+                self.logprobs.append(self._recorded.take(token))
             yield token
         stats.target = self._target
         self.result = GenerationResult(tokens, decode(self._tokenizer, tokens), stats, self.logprobs)
@@ -180,7 +179,7 @@ def generate(
     request = Request(decoded, prompt_ids, min(run.max_new_tokens, room), sampling,
                       seeded(target.device, seed), seed)
     label = f"{getattr(target, 'numerics', '')}, {getattr(target, 'kernel', '')} kernel".strip(", ")
-    result = GenerationStream(spec.build(request, method_options), target.tokenizer, label, recorded, len(prompt_ids))
+    result = GenerationStream(spec.build(request, method_options), target.tokenizer, label, recorded)
     if stream:
         return result
     for _ in result:

@@ -7,6 +7,7 @@ import pytest
 from helpers import byte_tokenizer, tiny_transformer
 from speculant import cli
 from speculant.bench.datasets import Prompt, load_dataset
+from speculant.bench.llamacpp_cli import schema_args
 from speculant.bench.methods import parse_method
 from speculant.drafters.spec import DrafterSpec
 from speculant.bench.runner import run_matrix
@@ -121,8 +122,11 @@ def test_prompts_with_a_response_format_are_followed_by_every_method(tiny_dir, t
     rows = run_matrix(lambda dtype, backend: target, methods, prompts, 30)
     assert all(json.loads(row.text) in ({"ok": True}, {"ok": False}) for row in rows)
     assert all(s.identical_to_ar == 1.0 for s in summarize(rows, methods))
-    with pytest.raises(ConfigError, match="cannot follow a prompt's response_format"):
-        run_matrix(lambda dtype, backend: target, [parse_method("llamacpp-cli-ar")], prompts, 4)
+    with pytest.raises(ConfigError, match="hf-ar cannot follow a prompt's response_format"):
+        run_matrix(lambda dtype, backend: target, [parse_method("hf-ar")], prompts, 4)
+    with pytest.raises(ConfigError, match="llamacpp-cli-spec cannot follow a json_schema response_format"):
+        run_matrix(lambda dtype, backend: target, [parse_method("llamacpp-cli-spec")], prompts, 4)
+    assert schema_args("llamacpp-cli-ar", prompts[0].response_format) == ["--json-schema", json.dumps(schema)]
     (tmp_path / "bad.jsonl").write_text('{"prompt": "a", "response_format": {"type": "xml"}}\n')
     with pytest.raises(ConfigError, match=r"bad.jsonl:1: response_format type must be one of"):
         load_dataset(str(tmp_path / "bad.jsonl"))

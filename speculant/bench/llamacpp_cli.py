@@ -5,10 +5,13 @@ target's GGUF, the prompt exactly as speculant tokenizes it (chat template appli
 special tokens back; the run checks that it counts the same prompt tokens), greedy or the run's sampling,
 and the context settings of speculant's llama.cpp backend (threads, context, micro-batch of 512, flash
 attention, bf16 KV cache; `kv=f16` gives llama.cpp's default cache). Times are the tools' own: prompt evaluation and generation, without loading the model.
-The tools print text, not token ids: a run counts as identical to `ar` when its text starts with ar's."""
+The tools print text, not token ids: a run counts as identical to `ar` when its text starts with ar's.
+`llamacpp-cli-ar` follows a prompt's JSON `response_format` with llama-completion's own `--json-schema`
+(llama.cpp's grammar sampler)."""
 
 from __future__ import annotations
 
+import json
 import re
 import subprocess
 import tempfile
@@ -23,6 +26,7 @@ from speculant.models import llamacpp
 from speculant.models.llamacpp_build import tool
 
 KV_TYPES = ("bf16", "f16")
+FOLLOWS_SCHEMAS = ("llamacpp-cli-ar",)  # the tool that takes --json-schema
 TIMEOUT_S = 1800  # one generation
 
 
@@ -100,8 +104,20 @@ def read_speculative(stdout: bytes, log: str, prompt: bytes) -> ToolRun:
                    encode_s + decode_s, encode_s)
 
 
+def schema_args(method: str, response_format: dict[str, Any] | None) -> list[str]:
+    """llama-completion's arguments for a JSON `response_format` (none for free text); a ConfigError for a tool
+    or a kind of constraint llama.cpp's tools are not given here."""
+    if response_format is None or response_format.get("type") == "text":
+        return []
+    kind = response_format.get("type")
+    if method not in FOLLOWS_SCHEMAS or kind not in ("json_object", "json_schema"):
+        raise ConfigError(f"{method} cannot follow a {kind} response_format (llamacpp-cli-ar follows JSON schemas)")
+    schema = {"type": "object"} if kind == "json_object" else response_format["json_schema"]["schema"]
+    return ["--json-schema", json.dumps(schema)]
+
+
 def tool_args(method: str, target: Any, prompt_file: Path, max_new_tokens: int, options: Any,
-              sampling: SamplingConfig, seed: int) -> list[str]:
+              sampling: SamplingConfig, seed: int, response_format: dict[str, Any] | None = None) -> list[str]:
     common = ["-m", str(target.weights.path), "-f", str(prompt_file), "-n", str(max_new_tokens),
               "-t", str(target.threads), "-tb", str(target.threads), "-c", str(target.max_positions),
               "-b", "2048", "-ub", str(llamacpp.N_BATCH), "-fa", "on", "-ctk", options.kv, "-ctv", options.kv,
@@ -112,7 +128,9 @@ def tool_args(method: str, target: Any, prompt_file: Path, max_new_tokens: int, 
         common += ["--temp", str(sampling.temperature), "--top-k", str(sampling.top_k or 0),
                    "--top-p", str(sampling.top_p or 1.0), "--min-p", "0"]
     if method == "llamacpp-cli-ar":
-        return [str(tool("llama-completion")), *common, "-no-cnv", "--no-display-prompt"]
+        return [str(tool("llama-completion")), *common, "-no-cnv", "--no-display-prompt",
+                *schema_args(method, response_format)]
+    schema_args(method, response_format)  # refuses
     speculative = [str(tool("llama-speculative-simple")), *common]
     if method == "llamacpp-cli-spec":
         drafter = getattr(options.drafter, "weights", None)
@@ -126,7 +144,7 @@ def tool_args(method: str, target: Any, prompt_file: Path, max_new_tokens: int, 
 
 
 def cli_generate(method: str, target: Any, prompt_ids: list[int], max_new_tokens: int, options: Any,
-                 sampling: SamplingConfig, seed: int) -> Any:
+                 sampling: SamplingConfig, seed: int, response_format: dict[str, Any] | None = None) -> Any:
     """One generation by one of llama.cpp's tools, as a GenerationResult timed by the tool itself."""
     from speculant.api import GenerationResult
     from speculant.decoding.stats import GenerationStats
@@ -137,7 +155,7 @@ def cli_generate(method: str, target: Any, prompt_ids: list[int], max_new_tokens
     with tempfile.TemporaryDirectory() as scratch:
         prompt_file = Path(scratch) / "prompt.txt"
         prompt_file.write_bytes(prompt.encode() + b"\n")  # `-f` drops the file's last newline
-        args = tool_args(method, target, prompt_file, max_new_tokens, options, sampling, seed)
+        args = tool_args(method, target, prompt_file, max_new_tokens, options, sampling, seed, response_format)
         done = subprocess.run(args, capture_output=True, timeout=TIMEOUT_S)
     log = done.stderr.decode(errors="replace")
     if done.returncode != 0:

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from typing import Any
 from weakref import WeakKeyDictionary
 
-from speculant.bench.llamacpp_cli import CLI_PEERS, cli_generate
+from speculant.bench.llamacpp_cli import CLI_PEERS, cli_generate, schema_args
 from speculant.config import SamplingConfig, option
 from speculant.errors import ConfigError
 from speculant.methods.drafting import DrafterOptions
@@ -53,10 +53,19 @@ LLAMACPP_PEERS = ("llamacpp-ar", "llamacpp-pld", *CLI_PEERS)
 _llama: WeakKeyDictionary = WeakKeyDictionary()  # (llama.cpp target, method) -> its llama_cpp.Llama
 
 
-def peer_generate(method: str, target: Any, prompt_ids: list[int], max_new_tokens: int, options: Any,
-                  sampling: SamplingConfig, seed: int) -> Any:
+def check_response_format(method: str, response_format: dict[str, Any] | None) -> None:
+    """A ConfigError where the peer cannot follow `response_format` (only llama.cpp's own tool follows JSON)."""
     if method in CLI_PEERS:
-        return cli_generate(method, target, prompt_ids, max_new_tokens, options, sampling, seed)
+        schema_args(method, response_format)
+    elif response_format is not None:
+        raise ConfigError(f"{method} cannot follow a prompt's response_format (bench it with --ignore-response-format)")
+
+
+def peer_generate(method: str, target: Any, prompt_ids: list[int], max_new_tokens: int, options: Any,
+                  sampling: SamplingConfig, seed: int, response_format: dict[str, Any] | None = None) -> Any:
+    check_response_format(method, response_format)
+    if method in CLI_PEERS:
+        return cli_generate(method, target, prompt_ids, max_new_tokens, options, sampling, seed, response_format)
     if method in LLAMACPP_PEERS:
         return llamacpp_generate(method, target, prompt_ids, max_new_tokens, options, sampling, seed)
     return hf_generate(method, target, prompt_ids, max_new_tokens, options, sampling, seed)

@@ -10,11 +10,10 @@ from typing import Any
 from speculant.api import GenerationResult, encode_prompt, generate
 from speculant.bench.datasets import Prompt
 from speculant.bench.methods import MethodSpec
-from speculant.bench.peers import peer_generate
+from speculant.bench.peers import check_response_format, peer_generate
 from speculant.config import SamplingConfig
 from speculant.decoding.stats import GenerationStats
 from speculant.drafters.spec import load_drafter
-from speculant.errors import ConfigError
 from speculant.methods.drafting import as_keywords, with_drafters
 from speculant.models import CausalLM
 
@@ -51,11 +50,11 @@ def run_matrix(
     `target_for(dtype, backend)` returns the loaded target in that dtype on that backend (None: the run's
     default); it should load each once, so that all methods share the same weights. With `isolated`,
     speculant's own methods run through it (`speculant.bench.isolated`: a fresh process per generation). A
-    prompt's `response_format` goes to every method (llama.cpp's tools cannot follow one: refused).
+    prompt's `response_format` goes to every method (`llamacpp-cli-ar` follows JSON ones; other peers: refused).
     """
-    if any(spec.peer for spec in methods) and any(p.response_format for p in prompts):
-        raise ConfigError("llama.cpp's tools and transformers peers cannot follow a prompt's response_format "
-                          "(bench them with --ignore-response-format)")
+    for spec in (s for s in methods if s.peer):  # refused now, not after the first prompts ran
+        for prompt in prompts:
+            check_response_format(spec.method, prompt.response_format)
     loaded: dict[tuple[Any, ...], Any] = {}
 
     def drafter_for(drafter: Any, target: CausalLM, dtype: str | None) -> Any:
@@ -85,7 +84,7 @@ def run_matrix(
         dtype = getattr(spec.options, "drafter_dtype", None)
         options = with_drafters(spec.options, lambda d: drafter_for(d, target, dtype))
         if spec.peer:
-            return peer_generate(spec.method, target, ids, n, options, sampling, seed)
+            return peer_generate(spec.method, target, ids, n, options, sampling, seed, response_format)
         if spec.method == "dsi":
             options = replace(options, executor=pool_for(spec, target))
         return generate(target, prompt_ids=ids, method=spec.method, max_new_tokens=n, temperature=sampling.temperature,

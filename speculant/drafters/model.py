@@ -59,9 +59,9 @@ class ModelDrafter:
         tokens: list[int] = []
         probs: list[torch.Tensor] = []
         for i in range(k):
-            logits = self.restricted(logits, context + tokens)
-            if not bool(torch.isfinite(logits).any()):  # the guide allows nothing here: the draft ends
-                break
+            logits = self.restricted(logits)
+            if self.guide is not None and (logits := self.guided(logits, context + tokens)) is None:
+                break  # the grammar allows nothing after this prefix: the draft ends
             q = logits_to_probs(logits, self.sampling) if not self.sampling.greedy else None
             tokens.append(next_token(logits, self.sampling, None) if q is None else sample(q, self.generator))
             if self.keep_probs or self.draft_confidence > 0:
@@ -71,23 +71,27 @@ class ModelDrafter:
                 break
             logits = self.model.forward(tokens[-1:])[-1]
         self.cache.ids = context + tokens[:-1]
-        kept = torch.stack(probs) if self.keep_probs and probs else None
+        kept = torch.stack(probs) if self.keep_probs and probs else None  # a guided draft may end empty
         if kept is not None and self.width is not None and self.width != kept.shape[-1]:
             kept = torch.nn.functional.pad(kept, (0, self.width - kept.shape[-1]))  # negative: cut
         return Draft(tokens, kept, {self.name: self.model.usage - before})
 
-    def restricted(self, logits: torch.Tensor, prefix: list[int] | None = None) -> torch.Tensor:
-        """`logits` [..., vocab] with the ids it may not draft at -inf: those outside `allowed`, and, with a
-        `guide` and the tokens before this row, those the guide forbids after them (structured output: a draft
-        the target's grammar would reject at once is not worth its forwards)."""
-        if self.banned is not None:
-            logits = logits.masked_fill(self.banned, float("-inf"))
-        if self.guide is not None and prefix is not None and (allowed := self.guide(prefix)) is not None:
-            row = torch.full_like(logits, float("-inf"))
-            n = min(len(allowed), logits.shape[-1])
-            row[..., :n] = logits[..., :n].masked_fill(~allowed[:n].to(logits.device), float("-inf"))
-            logits = row
-        return logits
+    def restricted(self, logits: torch.Tensor) -> torch.Tensor:
+        """`logits` [..., vocab] with the ids it may not draft at -inf."""
+        return logits if self.banned is None else logits.masked_fill(self.banned, float("-inf"))
+
+    def guided(self, logits: torch.Tensor, prefix: list[int]) -> torch.Tensor | None:
+        """A row with what the `guide` forbids after `prefix` at -inf (structured output: a draft the target's
+        grammar would reject at once is not worth its forwards), or None where it allows nothing."""
+        allowed = self.guide(prefix)
+        if allowed is None:  # the context has left the grammar: draft as usual, the target rejects
+            return logits
+        if not bool(allowed.any()):
+            return None
+        n = min(len(allowed), logits.shape[-1])
+        row = torch.full_like(logits, float("-inf"))
+        row[..., :n] = logits[..., :n].masked_fill(~allowed[:n].to(logits.device), float("-inf"))
+        return row
 
     def score(self, context: list[int], draft: list[int]) -> torch.Tensor:
         """Logits after context[-1] and after each draft token, [1 + len(draft), vocab], in one forward."""

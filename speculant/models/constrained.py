@@ -163,20 +163,20 @@ class Constrained(Wrapper):
                 tree: TokenTree | None = None) -> torch.Tensor:
         start = self.model.cache_len
         logits = self.model.forward(ids, positions, tree=tree).clone()
-        before = self._ids[:start]
-        self._ids = before + list(ids)
+        self._ids = self._ids[:start] + list(ids)
+        # Each row's generated text: what is cached after the prompt before the new tokens (before a tree's
+        # root), then the new tokens up to the row (the path from the root to the row's node).
+        first = start if tree is None else start - (len(tree) - len(ids))
+        generated = self._ids[self._prompt:first]
         for j in range(len(ids)):
             if tree is None:
-                prefix = before + list(ids[:j + 1])
-            else:  # the cached text before the tree's root, then the path from the root to this node
-                node = len(tree) - len(ids) + j
-                root = start - (len(tree) - len(ids))
-                path = []
-                while node >= 0:
-                    path.append(tree.tokens[node])
-                    node = tree.parents[node]
-                prefix = self._ids[:root] + path[::-1]
-            self._mask(logits[j], prefix[self._prompt:])
+                self._mask(logits[j], generated + list(ids[:j + 1]))
+                continue
+            node, path = len(tree) - len(ids) + j, []
+            while node >= 0:
+                path.append(tree.tokens[node])
+                node = tree.parents[node]
+            self._mask(logits[j], generated + path[::-1])
         return logits
 
     def rollback(self, n: int) -> None:

@@ -31,8 +31,8 @@ class TokenLogprob:
 
 
 class Recorded(Wrapper):
-    """A CausalLM whose forwards' logits stay readable by cache position until `take` reads them; everything
-    but prefill, forward, rollback and keep passes straight through."""
+    """A CausalLM whose forwards' logits stay readable by cache position until `take` reads them, in the order
+    the tokens are committed; everything but prefill, forward, rollback and keep passes straight through."""
 
     def __init__(self, model: CausalLM, top: int = 0):
         if not 0 <= top <= MAX_TOP:
@@ -40,10 +40,12 @@ class Recorded(Wrapper):
         super().__init__(model)
         self.top = top
         self._rows: dict[int, torch.Tensor] = {}  # cache position -> logits of the token after it
+        self._next = 0  # the cache position of the next committed token
 
     def prefill(self, ids: Sequence[int]) -> torch.Tensor:
         logits = self.model.prefill(ids)
         self._rows = {len(ids) - 1: logits.reshape(-1, logits.shape[-1])[-1].detach().float().clone()}
+        self._next = len(ids)
         return logits
 
     def forward(self, ids: Sequence[int], positions: Sequence[int] | None = None,
@@ -63,8 +65,10 @@ class Recorded(Wrapper):
         self.model.keep(indices)
         self._rows = {new: self._rows[old] for new, old in enumerate(indices) if old in self._rows}
 
-    def take(self, position: int, token: int) -> TokenLogprob:
-        """The entry of `token` committed at cache position `position`; the rows before it are released."""
+    def take(self, token: int) -> TokenLogprob:
+        """The entry of `token`, the next one committed after the prompt and those taken before; the rows before
+        it are released."""
+        position, self._next = self._next, self._next + 1
         row = self._rows.get(position - 1)
         if row is None:
             raise RuntimeError(f"no target logits recorded before position {position}")

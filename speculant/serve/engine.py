@@ -249,7 +249,7 @@ class Engine:
         decoder = spec.build(request, options)
         text = TextStream(self.target.tokenizer, job.stops)
         tokens, finish, last = 0, "length", None
-        entries: list[TokenLogprob] | None = [] if recorded is not None else None
+        entries: list[TokenLogprob] = []  # where the job asks for log-probabilities
         unsent = 0  # entries not yet handed out with a piece of text
         try:
             for token in decoder:
@@ -260,10 +260,10 @@ class Engine:
                 tokens += 1
                 steps.on_token()
                 if recorded is not None:
-                    entries.append(recorded.take(len(job.prompt_ids) + tokens - 1, token))
+                    entries.append(recorded.take(token))
                 if piece := text.push(token):
-                    on_text(piece, entries[unsent:] if entries is not None else [])
-                    unsent = len(entries) if entries is not None else 0
+                    on_text(piece, entries[unsent:])
+                    unsent = len(entries)
                 if text.stopped or token in self.target.eos_token_ids:
                     finish = "stop"
                     break
@@ -272,10 +272,10 @@ class Engine:
                     break
         finally:
             decoder.close()
-        piece = text.flush()
-        if piece or (entries is not None and unsent < len(entries)):
-            on_text(piece, entries[unsent:] if entries is not None else [])
-        return Outcome(text.text, finish, len(job.prompt_ids), tokens, steps.summary(spec.name, tokens), entries)
+        if (piece := text.flush()) or unsent < len(entries):
+            on_text(piece, entries[unsent:])
+        return Outcome(text.text, finish, len(job.prompt_ids), tokens, steps.summary(spec.name, tokens),
+                       entries if recorded is not None else None)
 
     def close(self) -> None:
         """Finish the running and waiting requests, then stop."""
