@@ -496,31 +496,20 @@ def run_acceptance(args: argparse.Namespace) -> None:
 
 
 def run_serve(args: argparse.Namespace) -> None:
-    from speculant.models import load_model
-    from speculant.serve.app import serve
-
     config = from_args(ServeConfig, args)
     model_config = from_args(ModelConfig, args)
     given = {name: getattr(args, name) for name in all_options() if getattr(args, name) is not None}
     method = get_method(resolve_method(args.method, given))
     options = method.parse_options(given)
-    backend = serving_backend(model_config)
-    print(f"loading target {args.target} (backend {backend}, dtype {model_config.dtype}, {model_config.device})",
-          file=sys.stderr)
-    target = load_model(args.target, dtype=model_config.dtype, device=model_config.device, backend=backend)
-    serve(target, method.name, options, config, config.served_name or args.target)
+    served_name = config.served_name or args.target
+    if config.on_ray:
+        from speculant.serve.replicas import serve_replicas
 
+        serve_replicas(args.target, model_config, method.name, options, config, served_name)
+    else:
+        from speculant.serve.app import serve
 
-def serving_backend(config: ModelConfig) -> str:
-    """`auto` for a server: transformers where its batched forwards are fast (AMX or CUDA: a batch of rows
-    costs about one row), else what `auto` picks for one sequence. AVX512-BF16 alone is not enough: on Zen4 the
-    1.5B on transformers bf16 served 5.1 tok/s to one client and 7.6 to sixteen, the lean backend ~30 to one
-    (docs/results/serve-1.5b)."""
-    from speculant.machine import cpu_has
-
-    if config.backend != "auto":
-        return config.backend
-    return "hf" if config.device != "cpu" or cpu_has("amx_bf16") else "auto"
+        serve(args.target, model_config, method.name, options, config, served_name)
 
 
 def run_bench_serve(args: argparse.Namespace) -> None:

@@ -93,12 +93,23 @@ class ServeConfig:
     served_name: str | None = option(None, "the model name clients send (default: the target's name)")
     max_batch: int = option(16, "requests decoded together, their forwards batched (1: one request at a time)")
     max_queue: int = option(64, "requests waiting for a batch slot; more are answered 429")
+    replicas: int = option(1, "serve from this many processes, each with its own models, as a Ray Serve "
+                              "deployment behind one port (pip install 'speculant[ray]')")
+    replica_cpus: float = option(1.0, "CPU cores Ray reserves for each replica (its kernels' threads)")
+    ray_cluster: str | None = option(None, "deploy the replicas on the Ray cluster at this address (default: start one here)")
 
     def __post_init__(self) -> None:
         if not 0 < self.port < 65536:
             raise ConfigError(f"port must lie in [1, 65535], got {self.port}")
         if self.max_batch < 1 or self.max_queue < 0:
             raise ConfigError("max-batch must be >= 1 and max-queue >= 0")
+        if self.replicas < 1 or self.replica_cpus <= 0:
+            raise ConfigError("replicas must be >= 1 and replica-cpus > 0")
+
+    @property
+    def on_ray(self) -> bool:
+        """Served as a Ray Serve deployment (several replicas, or a cluster named)."""
+        return self.replicas > 1 or self.ray_cluster is not None
 
 
 def flag(name: str) -> str:

@@ -28,6 +28,7 @@ from speculant.bench.serve import run_load
 from speculant.config import SamplingConfig
 from speculant.drafters.base import Draft
 from speculant.methods import get_method
+from speculant.models import load_model
 from speculant.models.base import Call
 from speculant.models.hf import forward_rows
 from speculant.serve.app import create_app
@@ -430,3 +431,46 @@ def test_serve_cli_refuses_bad_options_before_loading():
                           (["bench-serve", "--requests", "0"], "must be >= 1")]:
         done = subprocess.run([sys.executable, "-m", "speculant.cli", *argv], capture_output=True, text=True, timeout=120)
         assert done.returncode == 2 and message in done.stderr and "Traceback" not in done.stderr, done.stderr
+
+
+def test_two_replicas_on_ray_serve_both_answer_as_one_process_would(tmp_path):
+    """`serve --replicas 2` on a local Ray cluster: requests through the one port reach both replicas (each names
+    itself in a header), and every greedy answer equals the same request decoded here."""
+    pytest.importorskip("ray.serve")
+    model = byte_model()
+    model.model.save_pretrained(tmp_path / "m")
+    model.tokenizer.save_pretrained(tmp_path / "m")
+    port = free_port()
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).parent.parent), "RAY_AUTH_MODE": "disabled"}
+    process = subprocess.Popen([sys.executable, "-m", "speculant.cli", "serve", "--target", str(tmp_path / "m"),
+                                "--backend", "hf", "--method", "sd", "--drafter", "maxgram", "--port", str(port),
+                                "--replicas", "2", "--replica-cpus", "0.5", "--served-name", "tiny"],
+                               stderr=subprocess.PIPE, text=True, env=env)
+    try:
+        url = f"http://127.0.0.1:{port}/v1"
+        deadline = time.monotonic() + 240
+        while process.poll() is None and time.monotonic() < deadline:
+            try:
+                if httpx.get(f"{url}/models").status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.5)
+        assert process.poll() is None, process.stderr.read()
+        prompts = [f"prompt {i}:" for i in range(12)]
+
+        def ask(prompt):
+            response = httpx.post(f"{url}/completions", timeout=120, json={
+                "model": "tiny", "prompt": prompt, "max_tokens": 16, "temperature": 0})
+            return response.headers["x-speculant-replica"], response.json()["choices"][0]["text"]
+
+        with ThreadPoolExecutor(6) as pool:
+            answers = list(pool.map(ask, prompts))
+        assert len({replica for replica, _ in answers}) == 2
+        served = load_model(str(tmp_path / "m"), backend="hf")  # as each replica loads it (dtype auto)
+        for prompt, (_, text) in zip(prompts, answers):
+            assert text == generate(served, prompt, method="ar", max_new_tokens=16).text
+    finally:
+        process.send_signal(signal.SIGTERM)  # the local cluster goes down with it
+        done = process.wait(60)
+    assert done == 0 and "Traceback" not in process.stderr.read()

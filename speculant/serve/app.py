@@ -20,7 +20,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from speculant.api import encode_prompt
-from speculant.config import SamplingConfig, ServeConfig
+from speculant.config import ModelConfig, SamplingConfig, ServeConfig
 from speculant.errors import ConfigError
 from speculant.models.biased import check_bias
 from speculant.models.constrained import Constraint, Matcher
@@ -35,8 +35,9 @@ class _End:
         self.outcome = outcome
 
 
-def create_app(engine: Engine, served_name: str, api_key: str | None = None) -> FastAPI:
-    """The API for `engine`'s target, known to clients as `served_name`; `api_key` (if given) is required."""
+def create_app(engine: Engine, served_name: str, api_key: str | None = None, replica: str | None = None) -> FastAPI:
+    """The API for `engine`'s target, known to clients as `served_name`; `api_key` (if given) is required;
+    `replica` (if given) names this process in each API response's `x-speculant-replica` header."""
     metrics = engine.metrics or Metrics()
     created = int(time.time())
 
@@ -64,7 +65,7 @@ def create_app(engine: Engine, served_name: str, api_key: str | None = None) -> 
             f"{where or 'body'}: {first.get('msg', 'invalid')}"
         return JSONResponse(ApiError(400, message, param=where or None).body, status_code=400)
 
-    app.add_middleware(Counted, metrics=metrics)
+    app.add_middleware(Counted, metrics=metrics, replica=replica)
 
     @app.get("/health")
     async def health() -> dict[str, str]:
@@ -191,11 +192,13 @@ def create_app(engine: Engine, served_name: str, api_key: str | None = None) -> 
 
 
 class Counted:
-    """Counts the API's requests by endpoint and status: a plain ASGI middleware (Starlette's BaseHTTPMiddleware
-    would hide a client's disconnect from the endpoints, which poll for it)."""
+    """Counts the API's requests by endpoint and status, and names the replica that answers them: a plain ASGI
+    middleware (Starlette's BaseHTTPMiddleware would hide a client's disconnect from the endpoints, which poll
+    for it)."""
 
-    def __init__(self, app: Any, metrics: Metrics):
+    def __init__(self, app: Any, metrics: Metrics, replica: str | None = None):
         self.app, self.metrics = app, metrics
+        self.header = [(b"x-speculant-replica", replica.encode())] if replica else []
 
     async def __call__(self, scope: dict[str, Any], receive: Callable, send: Callable) -> None:
         if scope["type"] != "http" or not scope["path"].startswith("/v1/"):
@@ -204,6 +207,7 @@ class Counted:
         async def counted(message: dict[str, Any]) -> None:
             if message["type"] == "http.response.start":
                 self.metrics.request(scope["path"], message["status"])
+                message = {**message, "headers": [*message.get("headers", []), *self.header]}
             await send(message)
 
         await self.app(scope, receive, counted)
@@ -294,20 +298,46 @@ class Shape:
                 "top_logprobs": [{token(t): lp for t, lp in e.top} for e in entries], "text_offset": offsets}
 
 
-def serve(target: Any, method: str, options: Any, config: ServeConfig, served_name: str) -> None:
-    """Serve `target` with `method` until SIGTERM or Ctrl-C (running requests finish first)."""
+def serving_backend(config: ModelConfig) -> str:
+    """`auto` for a server: transformers where its batched forwards are fast (AMX or CUDA: a batch of rows
+    costs about one row), else what `auto` picks for one sequence. AVX512-BF16 alone is not enough: on Zen4 the
+    1.5B on transformers bf16 served 5.1 tok/s to one client and 7.6 to sixteen, the lean backend ~30 to one
+    (docs/results/serve-1.5b)."""
+    from speculant.machine import cpu_has
+
+    if config.backend != "auto":
+        return config.backend
+    return "hf" if config.device != "cpu" or cpu_has("amx_bf16") else "auto"
+
+
+def build_app(target_name: str, model: ModelConfig, method: str, options: Any, config: ServeConfig,
+              served_name: str, replica: str | None = None) -> FastAPI:
+    """Load the target (and the method's drafters) and make the app that serves them."""
+    import sys
+
+    from speculant.latency import machine_profile
+    from speculant.models import load_model
+    from speculant.models.base import CausalLM
+
+    backend = serving_backend(model)
+    print(f"loading target {target_name} (backend {backend}, dtype {model.dtype}, {model.device})", file=sys.stderr)
+    target = load_model(target_name, dtype=model.dtype, device=model.device, backend=backend)
+    engine = Engine(target, method, options, config.max_batch, config.max_queue, Metrics())
+    if method == "auto":  # measure T(W) now (once per machine, on the thread that runs forwards), not in a request
+        for each in [target, *(m for m in engine.drafters.values() if isinstance(m, CausalLM))]:
+            engine.batcher.run(lambda each=each: machine_profile(each))
+    print(f"ready: {served_name} ({target.numerics}, {method}; drafters: {', '.join(engine.models) or 'none'})",
+          file=sys.stderr)
+    return create_app(engine, served_name, config.api_key, replica)
+
+
+def serve(target_name: str, model: ModelConfig, method: str, options: Any, config: ServeConfig,
+          served_name: str) -> None:
+    """Serve the target with `method` from this process until SIGTERM or Ctrl-C (running requests finish first)."""
     import sys
 
     import uvicorn
 
-    from speculant.latency import machine_profile
-    from speculant.models.base import CausalLM
-
-    engine = Engine(target, method, options, config.max_batch, config.max_queue, Metrics())
-    if method == "auto":  # measure T(W) now (once per machine, on the thread that runs forwards), not in a request
-        for model in [target, *(m for m in engine.drafters.values() if isinstance(m, CausalLM))]:
-            engine.batcher.run(lambda model=model: machine_profile(model))
-    app = create_app(engine, served_name, config.api_key)
-    print(f"serving {served_name} ({target.numerics}, {method}; drafters: {', '.join(engine.models) or 'none'}) "
-          f"on http://{config.host}:{config.port}/v1", file=sys.stderr)
+    app = build_app(target_name, model, method, options, config, served_name)
+    print(f"serving on http://{config.host}:{config.port}/v1", file=sys.stderr)
     uvicorn.run(app, host=config.host, port=config.port, log_level="warning")
