@@ -6,12 +6,12 @@ from __future__ import annotations
 import json
 import statistics
 import time
+from bisect import bisect_left
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from weakref import WeakKeyDictionary
 
-import numpy as np
 
 from speculant.errors import ConfigError
 
@@ -27,12 +27,18 @@ class LatencyProfile:
     forward_s: dict[int, float] = field(default_factory=dict)  # W -> median time of W new tokens
 
     def cost(self, width: float) -> float:
-        """T(W), interpolated linearly between measured widths and extended along the last segment beyond them."""
+        """T(W), interpolated linearly between measured widths and extended along the last segment beyond them
+        (plain Python: `auto` asks this hundreds of times per step, and numpy's interp costs twice as much)."""
         widths = sorted(self.forward_s)
+        times = [self.forward_s[w] for w in widths]
         if width > widths[-1] and len(widths) > 1:
-            (a, b), (ta, tb) = widths[-2:], (self.forward_s[w] for w in widths[-2:])
+            (a, b), (ta, tb) = widths[-2:], times[-2:]
             return tb + max(tb - ta, 0.0) / (b - a) * (width - b)
-        return float(np.interp(width, widths, [self.forward_s[w] for w in widths]))
+        i = bisect_left(widths, width)
+        if i == 0 or i == len(widths):
+            return float(times[min(i, len(widths) - 1)])
+        a, b = widths[i - 1], widths[i]
+        return float(times[i - 1] + (times[i] - times[i - 1]) * (width - a) / (b - a))
 
     def save(self, path: Path) -> None:
         path.write_text(json.dumps(asdict(self), indent=1))

@@ -186,3 +186,51 @@ def test_every_kernel_path_runs_the_lean_layers_to_the_same_bits(lean_files, var
         model.prefill(prompt_ids(5, 10))
         outputs[isa] = model.forward(prompt_ids(6, 5))
     assert "scalar" in outputs and all(torch.equal(outputs["scalar"], out) for out in outputs.values()), list(outputs)
+
+
+@pytest.mark.parametrize("variant", ["qwen2", "llama-window"])
+def test_rows_of_several_sequences_in_one_forward_equal_their_own_forwards(lean_files, variant):
+    """`lean.forward_rows`: prefills (short, and past the window), chains and a tree of different sequences in
+    one forward; each gets bit for bit the logits and cache length of its own calls."""
+    from speculant.models.base import Call
+    from speculant.models.lean import forward_rows
+
+    base = lean(lean_files, variant)
+    batched, alone = [base.share() for _ in range(3)], [base.share() for _ in range(3)]
+    prompts = [prompt_ids(30, 5), prompt_ids(31, 11), prompt_ids(32, 2)]
+    rounds = [[Call(p, prefill=True) for p in prompts],
+              [Call([1, 2, 3]), Call([4]), Call(TREE.tokens, tree=TREE)],
+              [Call([5, 6]), Call(prompts[1], prefill=True), Call([11])],
+              [Call(prompt_ids(33, 9)), Call([12, 13, 14, 15]), Call([16])]]
+    for calls in rounds:
+        got = forward_rows(list(zip(batched, calls)))
+        for row, call, logits in zip(alone, calls, got):
+            assert torch.equal(call.run(row), logits)
+        assert [r.cache_len for r in batched] == [r.cache_len for r in alone]
+
+
+def test_served_lean_requests_batch_and_equal_their_solo_runs(lean_files, monkeypatch):
+    """A server on the lean backend runs concurrent requests' calls as one forward per model; each greedy
+    output equals the request alone and the model's `ar`, for sd and auto."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from helpers import run_job
+    from speculant.methods import get_method
+    from speculant.models import lean as lean_module
+    from speculant.serve.engine import Engine
+
+    batched = []  # rows per batched forward
+    forward_rows = lean_module.forward_rows
+    monkeypatch.setattr(lean_module, "forward_rows", lambda rows: batched.append(len(rows)) or forward_rows(rows))
+
+    target, drafter = lean(lean_files, "qwen2"), lean(lean_files, "qwen2", seed=7)
+    prompts = [prompt_ids(40 + i, 4 + 3 * i) for i in range(5)]
+    expected = [generate(target, prompt_ids=p, method="ar", max_new_tokens=16).text for p in prompts]
+    for method, options in [("sd", {"drafter": drafter, "k": 3}), ("auto", {"drafters": (drafter, "maxgram")})]:
+        batched.clear()
+        engine = Engine(target, method, get_method(method).make_options(options), 8, 16)
+        with ThreadPoolExecutor(len(prompts)) as pool:
+            together = list(pool.map(lambda p: run_job(engine, p, max_tokens=16).text, prompts))
+        engine.close()
+        assert together == expected, method
+        assert max(batched, default=0) > 1, method

@@ -130,11 +130,29 @@ def shared_cost(cost: Callable[[int], float], rows: Callable[[], int]) -> Callab
     flat a batch of drafts costs little more than one; under load a draft competes with the other
     requests' tokens and stops paying, and plain decoding takes over."""
 
+    one, of_rows = cost(1), {}  # T(1), and T(n) for each load n seen
+
     def batched(width: float) -> float:
         n = max(rows(), 1)
-        return cost(n * width) * cost(1) / cost(n)
+        if n not in of_rows:
+            of_rows[n] = cost(n)
+        return cost(n * width) * one / of_rows[n]
 
     return batched
+
+
+def shared_catch_up(catch_up: Callable[[list[int]], float], cost: Callable[[int], float],
+                    rows: Callable[[], int]) -> Callable[[list[int]], float]:
+    """A drafter's catch-up on the context as one of `rows()` requests a server batches sees it, in
+    `shared_cost`'s terms: every row waits while it runs (a prompt's prefill runs alone; a lagging cache adds
+    its tokens to the batch's drafter forward), and the others, taken to catch up alike, make each row wait
+    `rows()` times as long, in forwards that cost T(rows) where plain decoding is counted at T(1)."""
+
+    def shared(context: list[int]) -> float:
+        n = max(rows(), 1)
+        return catch_up(context) * n * cost(1) / cost(n)
+
+    return shared
 
 
 def can_pay(step_s: float, cost: Callable[[int], float], most: int, width: int = 1) -> bool:

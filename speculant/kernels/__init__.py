@@ -59,7 +59,7 @@ def library(name: str) -> ctypes.CDLL | None:
         for kind in KINDS:
             getattr(lib, f"matmul_{kind}").argtypes = [_P, _P, _P, _P, _I, _I, _P, _I, _P, ctypes.c_int]
         lib.lean_layer.argtypes = [ctypes.POINTER(LayerStruct), _I, _I, _I, _I, ctypes.c_float, ctypes.c_int, _P, _I,
-                                   _I, _P, _P, _P, _P, _P, _P, _I, ctypes.c_float, ctypes.c_int]
+                                   _P, _P, _P, _P, _P, _P, _P, _P, _I, _I, ctypes.c_float, ctypes.c_int]
     return lib
 
 
@@ -118,18 +118,33 @@ def layer_struct(norms: tuple[torch.Tensor, torch.Tensor], biases: tuple[torch.T
     return LayerStruct(*pointers, *map(mat, matrices))
 
 
-def layer(config: Any, layer: LayerStruct, x: torch.Tensor, start: int, cos: torch.Tensor, sin: torch.Tensor,
-          positions: torch.Tensor, mask: torch.Tensor | None, keys: torch.Tensor, values: torch.Tensor,
-          neox: bool, isa: str | None = None) -> None:
-    """One decoder layer (layer.h) on the residual stream x [n, hidden] in place, for tokens at cache
-    positions start.., rotated by `positions`; `mask` [n, start + n] (bool) or None (causal); keys, values:
-    the layer's cache [kv_heads, capacity, head_dim]."""
-    mask_bytes = None if mask is None else mask.to(torch.uint8).contiguous()
+@dataclass(frozen=True)
+class Places:
+    """Where each of n rows of a layer call sits: rotated by `positions`, written at cache position `slots`,
+    seeing its cache's positions j < `seen` where its mask row allows (`masks`: addresses of uint8 rows, 0 for
+    none); `keys`, `values`: the address of each row's cache [layers, kv_heads, capacity, head_dim]. All int64
+    [n]; `held` keeps alive what the addresses point into."""
+    positions: torch.Tensor
+    slots: torch.Tensor
+    seen: torch.Tensor
+    masks: torch.Tensor
+    keys: torch.Tensor
+    values: torch.Tensor
+    capacity: int
+    held: tuple[Any, ...] = ()
+
+
+def layer(config: Any, layer: LayerStruct, index: int, x: torch.Tensor, places: Places, cos: torch.Tensor,
+          sin: torch.Tensor, neox: bool, isa: str | None = None) -> None:
+    """Decoder layer `index` (layer.h) on the residual stream x [n, hidden] in place, its rows placed by
+    `places` (rows of several sequences, each with a cache of its own, may share one call)."""
+    layer_size = config.kv_heads * places.capacity * config.head_dim
     library(isa or best()).lean_layer(
         ctypes.byref(layer), config.hidden, config.heads, config.kv_heads, config.head_dim, config.eps, int(neox),
-        x.data_ptr(), x.shape[0], start, cos.data_ptr(), sin.data_ptr(), positions.data_ptr(),
-        None if mask_bytes is None else mask_bytes.data_ptr(), keys.data_ptr(), values.data_ptr(), keys.shape[1],
-        config.head_dim ** -0.5, torch.get_num_threads())
+        x.data_ptr(), x.shape[0], cos.data_ptr(), sin.data_ptr(), places.positions.data_ptr(),
+        places.slots.data_ptr(), places.seen.data_ptr(), places.masks.data_ptr(), places.keys.data_ptr(),
+        places.values.data_ptr(), index * layer_size, places.capacity, config.head_dim ** -0.5,
+        torch.get_num_threads())
 
 
 @dataclass(frozen=True)

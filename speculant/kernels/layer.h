@@ -82,13 +82,15 @@ static void rotate(float *v, int64_t heads, int64_t d, const float *cos, const f
     }
 }
 
-// x [n, hidden] (the residual stream, updated in place) through one layer. Row i sits at cache position
-// start + i, rotated by position pos[i]; it sees the cached keys j < end where mask[i * end + j] (mask NULL:
-// every j <= start + i). keys, values: this layer's cache [kv_heads, capacity, d].
+// x [n, hidden] (the residual stream, updated in place) through one layer. The rows may belong to several
+// sequences, each with a cache of its own: row i is rotated by position pos[i], writes its key and value at
+// position slot[i] of its cache (keys[i] + offset, values[i] + offset: this layer's [kv_heads, capacity, d])
+// and sees that cache's positions j < seen[i] where masks[i][j] (masks[i] NULL: every j < seen[i]).
 void lean_layer(const Layer *L, int64_t hidden, int64_t heads, int64_t kv_heads, int64_t d, float eps, int neox,
-                float *x, int64_t n, int64_t start, const float *cos, const float *sin, const int64_t *pos,
-                const uint8_t *mask, float *keys, float *values, int64_t capacity, float scale, int threads) {
-    int64_t end = start + n, group = heads / kv_heads, inter = L->gate.out;
+                float *x, int64_t n, const float *cos, const float *sin, const int64_t *pos, const int64_t *slot,
+                const int64_t *seen, const uint8_t *const *masks, float *const *keys, float *const *values,
+                int64_t offset, int64_t capacity, float scale, int threads) {
+    int64_t group = heads / kv_heads, inter = L->gate.out;
     float *h = malloc(n * hidden * sizeof(float)), *attended = malloc(n * heads * d * sizeof(float));
     float *q = malloc(n * L->q.O * sizeof(float)), *k = malloc(n * L->k.O * sizeof(float));
     float *v = malloc(n * L->v.O * sizeof(float)), *o = malloc(n * L->o.O * sizeof(float));
@@ -106,8 +108,8 @@ void lean_layer(const Layer *L, int64_t hidden, int64_t heads, int64_t kv_heads,
         rotate(qr, heads, d, cos + pos[r] * (d / 2), sin + pos[r] * (d / 2), neox);
         rotate(kr, kv_heads, d, cos + pos[r] * (d / 2), sin + pos[r] * (d / 2), neox);
         for (int64_t g = 0; g < kv_heads; g++) {
-            memcpy(keys + (g * capacity + start + r) * d, kr + g * d, d * sizeof(float));
-            memcpy(values + (g * capacity + start + r) * d, vr + g * d, d * sizeof(float));
+            memcpy(keys[r] + offset + (g * capacity + slot[r]) * d, kr + g * d, d * sizeof(float));
+            memcpy(values[r] + offset + (g * capacity + slot[r]) * d, vr + g * d, d * sizeof(float));
         }
     }
     // Attention, per row and kv head: each cached key and value is read once for the `group` query heads
@@ -115,21 +117,21 @@ void lean_layer(const Layer *L, int64_t hidden, int64_t heads, int64_t kv_heads,
     #pragma omp parallel for collapse(2) schedule(static) num_threads(threads)
     for (int64_t r = 0; r < n; r++)
         for (int64_t g = 0; g < kv_heads; g++) {
-            const float *kc = keys + g * capacity * d, *vc = values + g * capacity * d;
-            const uint8_t *seen = mask ? mask + r * end : NULL;
-            int64_t last = mask ? end : start + r + 1;
+            const float *kc = keys[r] + offset + g * capacity * d, *vc = values[r] + offset + g * capacity * d;
+            const uint8_t *visible = masks[r];
+            int64_t last = seen[r];
             float *scores = malloc(group * last * sizeof(float)), top[group], total[group];
             for (int64_t h = 0; h < group; h++) top[h] = -INFINITY, total[h] = 0.0f;
             for (int64_t j = 0; j < last; j++)
                 for (int64_t h = 0; h < group; h++) {
-                    float s = seen && !seen[j] ? -INFINITY : sum16(q + r * L->q.O + (g * group + h) * d, kc + j * d, d) * scale;
+                    float s = visible && !visible[j] ? -INFINITY : sum16(q + r * L->q.O + (g * group + h) * d, kc + j * d, d) * scale;
                     scores[h * last + j] = s;
                     top[h] = s > top[h] ? s : top[h];
                 }
             float *out = attended + (r * heads + g * group) * d;  // the group's heads, one after another
             for (int64_t i = 0; i < group * d; i++) out[i] = 0.0f;
             for (int64_t j = 0; j < last; j++) {
-                if (seen && !seen[j]) continue;
+                if (visible && !visible[j]) continue;
                 for (int64_t h = 0; h < group; h++) {
                     float p = expf(scores[h * last + j] - top[h]);
                     total[h] += p;

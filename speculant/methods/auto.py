@@ -107,7 +107,7 @@ LENGTHS_KEPT = 32
 @register("auto", AutoOptions, "chooses drafter, chain, tree or cascade and draft length every step from measured "
           "costs and acceptance (plain decoding where nothing pays)")
 def build(request: Request, options: AutoOptions) -> Any:
-    from speculant.decoding.adaptive import Candidate, adaptive, can_pay, shared_cost
+    from speculant.decoding.adaptive import Candidate, adaptive, can_pay, shared_catch_up, shared_cost
     from speculant.drafters.base import Drafter
     from speculant.drafters.cascade import CascadeDrafter
     from speculant.drafters.cross_vocab import CrossVocabDrafter, model_drafter
@@ -171,6 +171,9 @@ def build(request: Request, options: AutoOptions) -> Any:
                                     estimates=chain.estimates, measured=True, needs_match=True,
                                     catch_up=chain.catch_up))  # it drafts with the chain's model and cache
     if hasattr(target, "sharing"):  # a served request: its forwards are batched with other requests'
+        for candidate in candidates:
+            if candidate.catch_up is not None:
+                candidate.catch_up = shared_catch_up(candidate.catch_up, cost, target.sharing)
         cost = shared_cost(cost, target.sharing)
     lengths = _lengths.setdefault(profiled_as(target), deque(maxlen=LENGTHS_KEPT))
     return adaptive(target, candidates, request.prompt_ids, request.max_new_tokens, cost, request.sampling,

@@ -31,7 +31,7 @@ from speculant import kernels
 from speculant.cache import cache_root
 from speculant.kernels import formats
 from speculant.errors import ConfigError
-from speculant.models.base import Interrupted
+from speculant.models.base import Call, Interrupted
 from speculant.tree import TokenTree
 
 ARCHITECTURES = {"qwen2": "neox", "llama": "norm"}  # rotary layout as llama.cpp lays out each one's weights
@@ -253,7 +253,7 @@ class LeanCausalLM:
         self.numerics = "lean: GGUF K-quants x int8 rows"  # the same bits on every ISA path
         self.interrupt = None
         shape = (config.layers, config.kv_heads, self.max_positions, config.head_dim)
-        self._keys, self._values = torch.zeros(shape), torch.zeros(shape)
+        self._keys, self._values = torch.empty(shape), torch.empty(shape)  # only written positions are read
         self._len = 0
 
     def share(self) -> LeanCausalLM:
@@ -270,48 +270,50 @@ class LeanCausalLM:
         if len(ids) == 0:
             raise ValueError("prefill needs at least one token")
         self._len = 0
-        return self._run(ids, range(len(ids)), None, prompt=True)[0]
+        if self.config.window is not None and len(ids) > self.config.window:  # a window masks: row by row
+            return _run_rows([self._place(ids, prompt=True)])[0][0]
+        return self._prefill_block(ids)
 
     @torch.inference_mode()
     def forward(self, ids: Sequence[int], positions: Sequence[int] | None = None,
                 tree: TokenTree | None = None) -> torch.Tensor:
         """With `tree`, `ids` are its last len(ids) nodes, its earlier nodes the last cached positions; each
         node attends to the cache before the tree and its own ancestors."""
-        n, mask = len(ids), None
-        if tree is not None:
-            start = len(tree) - n  # first new node
-            root = self._len - start  # cache position of the root
-            if start < 0 or root < 0 or list(ids) != list(tree.tokens[start:]):
-                raise ValueError("ids must be the last nodes of the tree, with the earlier ones cached")
-            mask = torch.ones(n, self._len + n, dtype=torch.bool)
-            mask[:, root:] = tree.ancestor_mask[start:]
-            if positions is None:
-                positions = tree.positions(root)[start:]
-        return self._run(ids, positions if positions is not None else range(self._len, self._len + n), mask)
+        return _run_rows([self._place(ids, positions, tree)])[0]
 
-    def _run(self, ids: Sequence[int], positions: Sequence[int], mask: torch.Tensor | None,
-             prompt: bool = False) -> torch.Tensor:
-        """Every row on its own, in one C call per layer (row-invariant: a W-token forward gives the rows of W
-        one-token forwards). A prefill without a mask instead runs attention as one causal block in torch, the
-        same computation for the same prompt every time; a prefill computes only its last row's logits."""
-        config, weights, n, start = self.config, self.weights, len(ids), self._len
+    def _place(self, ids: Sequence[int], positions: Sequence[int] | None = None, tree: TokenTree | None = None,
+               prompt: bool = False) -> _Rows:
+        """A call's rows: written after the cached positions, each seeing the cache up to itself, or up to the
+        call's end where its mask row allows (a tree's ancestors; a sliding window)."""
+        config, n, start, mask = self.config, len(ids), self._len, None
         end = start + n
         if end > self.max_positions:
             raise ValueError(f"{end} positions exceed the lean model's cache of {self.max_positions}")
-        where = torch.as_tensor(list(positions), dtype=torch.long)
+        if tree is not None:
+            first = len(tree) - n  # first new node
+            root = start - first  # cache position of the root
+            if first < 0 or root < 0 or list(ids) != list(tree.tokens[first:]):
+                raise ValueError("ids must be the last nodes of the tree, with the earlier ones cached")
+            mask = torch.ones(n, end, dtype=torch.bool)
+            mask[:, root:] = tree.ancestor_mask[first:]
+            if positions is None:
+                positions = tree.positions(root)[first:]
+        where = torch.as_tensor(list(positions if positions is not None else range(start, end)), dtype=torch.long)
         if config.window is not None and end > config.window:  # keys within the window of each query's position
             keys = torch.arange(end)[None, :]
             near = keys > where[:, None] - config.window
             mask = near & (keys <= torch.arange(start, end)[:, None] if mask is None else mask)
+        return _Rows(self, list(ids), where, mask, prompt)
+
+    def _prefill_block(self, ids: Sequence[int]) -> torch.Tensor:
+        """A prompt without a mask: its layers in torch, attention as one causal block (the same computation
+        for the same prompt every time); the logits of its last row."""
+        config, weights, n = self.config, self.weights, len(ids)
+        if n > self.max_positions:
+            raise ValueError(f"{n} positions exceed the lean model's cache of {self.max_positions}")
         layout, scale = ARCHITECTURES[config.architecture], config.head_dim ** -0.5
+        where = torch.arange(n)
         x = weights.embed(ids).contiguous()  # [n, hidden]
-        if not (prompt and mask is None):  # every row on its own: one C call per layer (kernels/layer.h)
-            for index, layer in enumerate(weights.structs):
-                if self.interrupt is not None and self.interrupt():
-                    raise Interrupted()  # nothing past the cache length was committed
-                kernels.layer(config, layer, x, start, weights.cos, weights.sin, where, mask, self._keys[index],
-                              self._values[index], layout == "neox")
-            return self._head(x[-1:] if prompt else x, end)
         cos, sin = weights.cos[where][:, None], weights.sin[where][:, None]
         for index, layer in enumerate(weights.layers):
             if self.interrupt is not None and self.interrupt():
@@ -321,27 +323,17 @@ class LeanCausalLM:
                        ((layer.q, layer.q_bias), (layer.k, layer.k_bias), (layer.v, layer.v_bias)))
             q = _rotate(q.view(n, config.heads, config.head_dim), cos, sin, layout)
             k = _rotate(k.view(n, config.kv_heads, config.head_dim), cos, sin, layout)
-            self._keys[index, :, start:end] = k.transpose(0, 1)
-            self._values[index, :, start:end] = v.view(n, config.kv_heads, config.head_dim).transpose(0, 1)
+            self._keys[index, :, :n] = k.transpose(0, 1)
+            self._values[index, :, :n] = v.view(n, config.kv_heads, config.head_dim).transpose(0, 1)
             attended = F.scaled_dot_product_attention(
-                q.transpose(0, 1)[None], self._keys[index, None, :, :end], self._values[index, None, :, :end],
+                q.transpose(0, 1)[None], self._keys[index, None, :, :n], self._values[index, None, :, :n],
                 is_causal=True, scale=scale, enable_gqa=True)[0].transpose(0, 1).reshape(n, -1)
             x = x + kernels.matmul(kernels.quantize(attended), layer.o)
             h = kernels.quantize(_rms_norm(x, layer.ffn_norm, config.eps))
             gated = F.silu(kernels.matmul(h, layer.gate)) * kernels.matmul(h, layer.up)  # SwiGLU
             x = x + kernels.matmul(kernels.quantize(gated), layer.down)
-        return self._head(x[-1:], end)  # only a prefill's last row is read
-
-    def _head(self, x: torch.Tensor, end: int) -> torch.Tensor:
-        """Logits of the rows of x (the last layer's output); the cache now holds `end` positions."""
-        weights = self.weights
-        self._len = end
-        logits = kernels.matmul(kernels.quantize(_rms_norm(x, weights.output_norm, self.config.eps)), weights.output)
-        if weights.head is None:
-            return logits
-        full = torch.full((logits.shape[0], self.vocab_size), float("-inf"))
-        full[:, weights.head] = logits[:, :len(weights.head)]
-        return full
+        self._len = n
+        return _head(weights, x[-1:])[0]
 
     def rollback(self, n: int) -> None:
         if not 0 <= n <= self._len:
@@ -361,3 +353,91 @@ class LeanCausalLM:
 
 def _bias(y: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
     return y if bias is None else y + bias
+
+
+def _head(weights: LeanWeights, x: torch.Tensor) -> torch.Tensor:
+    """Logits of the rows of x (the last layer's output)."""
+    logits = kernels.matmul(kernels.quantize(_rms_norm(x, weights.output_norm, weights.config.eps)), weights.output)
+    if weights.head is None:
+        return logits
+    full = torch.full((logits.shape[0], weights.vocab_size), float("-inf"))
+    full[:, weights.head] = logits[:, :len(weights.head)]
+    return full
+
+
+@dataclass
+class _Rows:
+    """One call's rows, placed in its handle's cache (`LeanCausalLM._place`); a prompt's logits are its last row's."""
+    handle: LeanCausalLM
+    ids: list[int]
+    positions: torch.Tensor
+    mask: torch.Tensor | None  # [n, end] bool; None: each row sees the cache up to itself
+    prompt: bool = False
+
+
+def _run_rows(calls: Sequence[_Rows]) -> list[torch.Tensor]:
+    """The calls' rows as one input, one C call per layer (kernels/layer.h), each row attending to its own
+    handle's cache: row-invariant, so each call gets the logits it gets alone, bit for bit."""
+    handles = [call.handle for call in calls]
+    weights, config = handles[0].weights, handles[0].config
+    slots, seen, masks, keys, values, held = [], [], [], [], [], []
+    for call in calls:
+        handle, n, start = call.handle, len(call.ids), call.handle._len
+        slots += range(start, start + n)
+        if call.mask is None:
+            seen += range(start + 1, start + n + 1)
+            masks += [0] * n
+        else:
+            rows = call.mask.to(torch.uint8).contiguous()
+            held.append(rows)
+            seen += [start + n] * n
+            masks += [rows[r].data_ptr() for r in range(n)]
+        keys += [handle._keys.data_ptr()] * n
+        values += [handle._values.data_ptr()] * n
+    long = lambda values: torch.tensor(values, dtype=torch.long)  # noqa: E731
+    places = kernels.Places(torch.cat([call.positions for call in calls]), long(slots), long(seen), long(masks),
+                            long(keys), long(values), handles[0].max_positions, tuple(held))
+    x = weights.embed([t for call in calls for t in call.ids]).contiguous()  # [rows, hidden]
+    neox = ARCHITECTURES[config.architecture] == "neox"
+    for index, layer in enumerate(weights.structs):
+        if any(h.interrupt is not None and h.interrupt() for h in handles):
+            raise Interrupted()  # nothing past the cache lengths was committed
+        kernels.layer(config, layer, index, x, places, weights.cos, weights.sin, neox)
+    picks, at = [], 0
+    for call in calls:
+        n = len(call.ids)
+        picks += [at + n - 1] if call.prompt else range(at, at + n)
+        call.handle._len += n
+        at += n
+    logits, out, at = _head(weights, x[picks]), [], 0
+    for call in calls:
+        rows = 1 if call.prompt else len(call.ids)
+        out.append(logits[at:at + rows])
+        at += rows
+    return out
+
+
+@torch.inference_mode()
+def forward_rows(rows: Sequence[tuple[LeanCausalLM, Call]]) -> list[torch.Tensor]:
+    """One forward for several sequences on the same weights, each a (handle, call) row with a cache of its
+    own; each gets what its call returns alone (a prefill: its last token's logits [vocab]; a forward: one
+    row per token [n, vocab]), bit for bit, so batching never changes what a request generates. Prefills
+    of prompts that need no mask run on their own, as `prefill` runs them."""
+    weights = rows[0][0].weights
+    if any(handle.weights is not weights or handle.max_positions != rows[0][0].max_positions for handle, _ in rows):
+        raise ValueError("forward_rows needs handles on the same weights and cache capacity")
+    if len({id(handle) for handle, _ in rows}) < len(rows):
+        raise ValueError("forward_rows takes one call per handle")
+    out: dict[int, torch.Tensor] = {}
+    together = []
+    for i, (handle, call) in enumerate(rows):
+        if call.prefill and not (handle.config.window is not None and len(call.ids) > handle.config.window):
+            out[i] = handle.prefill(call.ids)
+            continue
+        if call.prefill:
+            handle.rollback(0)
+        together.append((i, handle._place(call.ids, call.positions, call.tree, prompt=call.prefill)))
+    if together:
+        for (i, placed), logits in zip(together, _run_rows([placed for _, placed in together])):
+            out[i] = logits[0] if placed.prompt else logits
+    return [out[i] for i in range(len(rows))]

@@ -5,8 +5,8 @@ Each request decodes, with any registered method, as a greenlet on the batcher's
 `Call`. Once every running request is parked, the worker runs their calls, one forward per set of
 weights, and resumes each request with its logits: the target verifies all rows' drafts at once, a
 drafter drafts for all rows at once, new requests prefill beside running ones, finished ones leave. On the
-transformers backend that forward is `hf.forward_rows`, bit for bit each row's own forward, so a request
-generates what it would alone; other backends run the calls one after another.
+transformers and lean backends that forward is `hf.forward_rows` or `lean.forward_rows`, bit for bit each
+row's own forward, so a request generates what it would alone; llama.cpp runs the calls one after another.
 
 One thread runs every forward and every request's tensor work, not a thread per request: CPU kernels
 slow down when their thread pools answer to several threads (measured here: a 0.5B forward 52 ms, 75 ms
@@ -26,7 +26,9 @@ import torch
 from greenlet import greenlet
 
 from speculant.models.base import Call, CausalLM
+from speculant.models import lean
 from speculant.models.hf import HFCausalLM, batches_rows, forward_rows
+from speculant.models.lean import LeanCausalLM
 from speculant.tree import TokenTree
 
 
@@ -139,9 +141,10 @@ class Batcher:
         outcomes: list[tuple[_Parked, torch.Tensor | None, Exception | None]] = []
         for group in groups.values():
             start = time.perf_counter()
-            if len(group) > 1 and isinstance(group[0].handle, HFCausalLM) and batches_rows(group[0].handle):
+            rows_forward = batched_forward(group[0].handle)
+            if len(group) > 1 and rows_forward is not None:
                 try:
-                    results = forward_rows([(p.handle, p.call) for p in group])
+                    results = rows_forward([(p.handle, p.call) for p in group])
                     outcomes += [(p, logits, None) for p, logits in zip(group, results)]
                 except Exception as error:  # noqa: BLE001 - every row of a failed forward hears of it
                     outcomes += [(p, None, error) for p in group]
@@ -157,9 +160,19 @@ class Batcher:
             self._resume(parked.request, logits, error)
 
 
+def batched_forward(handle: CausalLM) -> Callable[[Sequence[tuple[Any, Call]]], list[torch.Tensor]] | None:
+    """The backend's forward of several sequences' rows at once, each row bit for bit its own forward
+    (`hf.forward_rows`, `lean.forward_rows`), or None where rows run one after another."""
+    if isinstance(handle, HFCausalLM):
+        return forward_rows if batches_rows(handle) else None
+    return lean.forward_rows if isinstance(handle, LeanCausalLM) else None
+
+
 def weights_of(handle: CausalLM) -> int:
-    """Rows with equal keys share their weights' modules and can run as one forward."""
-    return id(handle.model) if isinstance(handle, HFCausalLM) else id(handle)
+    """Rows with equal keys share their weights and can run as one forward."""
+    if isinstance(handle, HFCausalLM):
+        return id(handle.model)
+    return id(handle.weights) if isinstance(handle, LeanCausalLM) else id(handle)
 
 
 class Row:
@@ -181,7 +194,7 @@ class Row:
 
     def sharing(self) -> int:
         """How many requests' rows share each of this row's forwards (1 where the backend runs rows apart)."""
-        if self.batcher is None or not (isinstance(self.handle, HFCausalLM) and batches_rows(self.handle)):
+        if self.batcher is None or batched_forward(self.handle) is None:
             return 1
         return self.batcher.load
 
