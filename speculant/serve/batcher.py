@@ -32,6 +32,9 @@ from speculant.models.lean import LeanCausalLM
 from speculant.tree import TokenTree
 
 
+PREFILL_TOKENS = 512  # prompt tokens one batch prefills (one prompt at least): ~1 s of a 1.5B on 2 cores
+
+
 @dataclass
 class _Parked:
     request: greenlet
@@ -119,9 +122,23 @@ class Batcher:
                 request = greenlet(work)
                 self._live.add(request)
                 self._resume(request)
-            batch, self._parked = self._parked, []
+            batch, self._parked = self._next_batch()
             if batch:
                 self._run(batch)
+
+    def _next_batch(self) -> tuple[list[_Parked], list[_Parked]]:
+        """(the calls to run now, those left for the next batch): every decoding call, and new prompts up to
+        PREFILL_TOKENS (at least one), oldest first, so that a burst of new requests does not hold every
+        running one (nor each other's first token) until all of them are prefilled."""
+        now, later, budget = [], [], PREFILL_TOKENS
+        for parked in self._parked:
+            if parked.call.prefill:
+                if budget <= 0:
+                    later.append(parked)
+                    continue
+                budget -= len(parked.call.ids)
+            now.append(parked)
+        return now, later
 
     def _resume(self, request: greenlet, logits: torch.Tensor | None = None, error: Exception | None = None) -> None:
         """Let a request run until it parks on its next call or ends."""
