@@ -1,5 +1,6 @@
 """sampling.py and end-to-end speculative sampling against the target distribution."""
 
+import itertools
 import math
 
 import pytest
@@ -83,8 +84,9 @@ def empirical_marginals(target, prompt, draws, n=3, **kwargs):
     longer than n so that tokens 2..n come from verified drafts, not from a draft cut to nothing."""
     counts = torch.zeros(n, VOCAB)
     for seed in range(draws):
-        tokens = generate(target, prompt_ids=prompt, max_new_tokens=n + 4, temperature=TEMPERATURE, seed=seed,
-                          **kwargs).token_ids
+        stream = generate(target, prompt_ids=prompt, max_new_tokens=n + 4, temperature=TEMPERATURE, seed=seed,
+                          stream=True, **kwargs)
+        tokens = list(itertools.islice(stream, n))  # the rest of the generation is not drawn
         for i in range(n):
             counts[i, tokens[i]] += 1
     return counts / draws
