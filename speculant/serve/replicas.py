@@ -10,6 +10,7 @@ wherever that cluster has room, on several machines.
 
 from __future__ import annotations
 
+import logging
 import signal
 import sys
 import time
@@ -20,6 +21,7 @@ from speculant.errors import ConfigError
 from speculant.serve.app import build_app
 
 APP = "speculant"  # the Ray Serve application's and deployment's name
+QUIET = {"log_level": "WARNING"}  # Ray Serve's controller, proxy and replicas log each step at INFO
 
 
 class Replica:
@@ -58,10 +60,11 @@ def serve_replicas(target: str, model: ModelConfig, method: str, options: Any, c
         ray_actor_options={"num_cpus": config.replica_cpus, "num_gpus": gpus})
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))  # let the `finally` below take the deployment down
     try:
-        serve.start(http_options={"host": config.host, "port": config.port})
+        logging.getLogger("ray.serve").setLevel(logging.WARNING)  # the driver's own progress lines
+        serve.start(http_options={"host": config.host, "port": config.port}, logging_config=QUIET)
         try:
             serve.run(deployment.bind(target, model, method, options, config, served_name), name=APP,
-                      route_prefix="/", logging_config={"log_level": "WARNING"})
+                      route_prefix="/", logging_config=QUIET)
         except RuntimeError as error:  # a replica failed to start: Ray's message ends with the cause
             raise ConfigError(f"the replicas did not start: {str(error).strip().splitlines()[-1]}") from None
         print(f"serving {served_name} from {config.replicas} replicas on http://{config.host}:{config.port}/v1 "
