@@ -8,7 +8,8 @@ attention runs one query token at a time over exactly the keys it may see; norms
 activations act per row). So verifying W tokens in one forward gives the logits of W one-token forwards,
 and greedy speculation on it equals greedy decoding token for token. A prompt's prefill (the same for the
 same prompt) runs its layers in torch with attention as one causal block. Rollback moves the length; a
-tree's accepted path is compacted in place.
+tree's accepted path is compacted in place. A server's requests, each with a cache of its own, run their
+calls as one forward (`forward_rows`): the same per-row computation, so each gets what it gets alone.
 """
 
 from __future__ import annotations
@@ -270,9 +271,13 @@ class LeanCausalLM:
         if len(ids) == 0:
             raise ValueError("prefill needs at least one token")
         self._len = 0
-        if self.config.window is not None and len(ids) > self.config.window:  # a window masks: row by row
+        if self._masked_prompt(ids):
             return _run_rows([self._place(ids, prompt=True)])[0][0]
         return self._prefill_block(ids)
+
+    def _masked_prompt(self, ids: Sequence[int]) -> bool:
+        """Whether a prompt outruns the sliding window: then its rows run one by one, each masked."""
+        return self.config.window is not None and len(ids) > self.config.window
 
     @torch.inference_mode()
     def forward(self, ids: Sequence[int], positions: Sequence[int] | None = None,
@@ -431,7 +436,7 @@ def forward_rows(rows: Sequence[tuple[LeanCausalLM, Call]]) -> list[torch.Tensor
     out: dict[int, torch.Tensor] = {}
     together = []
     for i, (handle, call) in enumerate(rows):
-        if call.prefill and not (handle.config.window is not None and len(call.ids) > handle.config.window):
+        if call.prefill and not handle._masked_prompt(call.ids):
             out[i] = handle.prefill(call.ids)
             continue
         if call.prefill:
