@@ -96,7 +96,8 @@ class ServeConfig:
     replicas: int = option(1, "serve from this many processes, each with its own models, as a Ray Serve "
                               "deployment behind one port (pip install 'speculant[ray]')")
     replica_cpus: float = option(1.0, "CPU cores Ray reserves for each replica (its kernels' threads)")
-    ray_cluster: str | None = option(None, "deploy the replicas on the Ray cluster at this address (default: start one here)")
+    ray_cluster: str | None = option(None, "deploy the replicas on the Ray cluster at this address (default: "
+                                           "start one here)")
 
     def __post_init__(self) -> None:
         if not 0 < self.port < 65536:

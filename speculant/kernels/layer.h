@@ -124,7 +124,8 @@ void lean_layer(const Layer *L, int64_t hidden, int64_t heads, int64_t kv_heads,
             for (int64_t h = 0; h < group; h++) top[h] = -INFINITY, total[h] = 0.0f;
             for (int64_t j = 0; j < last; j++)
                 for (int64_t h = 0; h < group; h++) {
-                    float s = visible && !visible[j] ? -INFINITY : sum16(q + r * L->q.O + (g * group + h) * d, kc + j * d, d) * scale;
+                    const float *qh = q + r * L->q.O + (g * group + h) * d;
+                    float s = visible && !visible[j] ? -INFINITY : sum16(qh, kc + j * d, d) * scale;
                     scores[h * last + j] = s;
                     top[h] = s > top[h] ? s : top[h];
                 }
