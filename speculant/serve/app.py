@@ -321,12 +321,12 @@ def build_app(target_name: str, model: ModelConfig, method: str, options: Any, c
 
     backend = serving_backend(model)
     print(f"loading target {target_name} (backend {backend}, dtype {model.dtype}, {model.device})", file=sys.stderr)
-    target = load_model(target_name, dtype=model.dtype, device=model.device, backend=backend)
-    engine = Engine(target, method, options, config.max_batch, config.max_queue, Metrics())
+    engine = Engine(lambda: load_model(target_name, dtype=model.dtype, device=model.device, backend=backend),
+                    method, options, config.max_batch, config.max_queue, Metrics())
     if method == "auto":  # measure T(W) now (once per machine, on the thread that runs forwards), not in a request
-        for each in [target, *(m for m in engine.drafters.values() if isinstance(m, CausalLM))]:
+        for each in [engine.target, *(m for m in engine.drafters.values() if isinstance(m, CausalLM))]:
             engine.batcher.run(lambda each=each: machine_profile(each))
-    print(f"ready: {served_name} ({target.numerics}, {method}; drafters: {', '.join(engine.models) or 'none'})",
+    print(f"ready: {served_name} ({engine.target.numerics}, {method}; drafters: {', '.join(engine.models) or 'none'})",
           file=sys.stderr)
     return create_app(engine, served_name, config.api_key, replica)
 
