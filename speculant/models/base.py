@@ -17,7 +17,10 @@ class CausalLM(Protocol):
 
     `cache_len` counts the positions whose keys and values are cached. The algorithms drive every
     backend through this protocol alone. A backend that can stop a forward early also has `interrupt`
-    (None, or a check called at every layer boundary; True raises `Interrupted`).
+    (None, or a check called at every layer boundary; True raises `Interrupted`). A backend that can run
+    several sequences' calls as one forward, each row bit for bit its own call (what a batching server
+    uses), also has `weights_key` (equal for handles that share weights) and `rows_forward()` (a function
+    of [(handle, Call)] -> each call's logits, or None where this handle's rows cannot batch).
     """
 
     name: str

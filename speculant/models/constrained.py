@@ -171,12 +171,9 @@ class Constrained(Wrapper):
         for j in range(len(ids)):
             if tree is None:
                 self._mask(logits[j], generated + list(ids[:j + 1]))
-                continue
-            node, path = len(tree) - len(ids) + j, []
-            while node >= 0:
-                path.append(tree.tokens[node])
-                node = tree.parents[node]
-            self._mask(logits[j], generated + path[::-1])
+            else:
+                path = tree.path_to(len(tree) - len(ids) + j)
+                self._mask(logits[j], generated + [tree.tokens[node] for node in path])
         return logits
 
     def rollback(self, n: int) -> None:

@@ -98,6 +98,14 @@ class HFCausalLM:
     def __repr__(self) -> str:
         return f"HFCausalLM({self.name!r}, dtype={self.model.dtype}, device={self.device})"
 
+    @property
+    def weights_key(self) -> int:
+        return id(self.model)
+
+    def rows_forward(self) -> Any:
+        """`forward_rows` where this architecture's rows batch, else None (see CausalLM)."""
+        return forward_rows if batches_rows(self) else None
+
     def share(self) -> HFCausalLM:
         """Another handle on the same weights with a cache of its own (e.g. a model drafting for itself)."""
         return HFCausalLM(self.model, self.tokenizer, self.name, self.eos_token_ids, self.identity, self.kernel)

@@ -257,6 +257,14 @@ class LeanCausalLM:
         self._keys, self._values = torch.empty(shape), torch.empty(shape)  # only written positions are read
         self._len = 0
 
+    @property
+    def weights_key(self) -> int:
+        return id(self.weights)
+
+    def rows_forward(self) -> Any:
+        """`forward_rows` (see CausalLM)."""
+        return forward_rows
+
     def share(self) -> LeanCausalLM:
         """Another handle on the same weights with a cache of its own."""
         return LeanCausalLM(self.weights, self.tokenizer, self.name, self.eos_token_ids, self.identity,
@@ -396,7 +404,7 @@ def _run_rows(calls: Sequence[_Rows]) -> list[torch.Tensor]:
             rows = call.mask.to(torch.uint8).contiguous()
             held.append(rows)
             seen += [start + n] * n
-            masks += [rows[r].data_ptr() for r in range(n)]
+            masks += range(rows.data_ptr(), rows.data_ptr() + n * rows.stride(0), rows.stride(0))
         keys += [handle._keys.data_ptr()] * n
         values += [handle._values.data_ptr()] * n
     long = lambda values: torch.tensor(values, dtype=torch.long)  # noqa: E731
@@ -408,18 +416,13 @@ def _run_rows(calls: Sequence[_Rows]) -> list[torch.Tensor]:
         if any(h.interrupt is not None and h.interrupt() for h in handles):
             raise Interrupted()  # nothing past the cache lengths was committed
         kernels.layer(config, layer, index, x, places, weights.cos, weights.sin, neox)
-    picks, at = [], 0
+    picks, at = [], 0  # the rows whose logits are read: a prompt's last, every row of a forward
     for call in calls:
         n = len(call.ids)
         picks += [at + n - 1] if call.prompt else range(at, at + n)
         call.handle._len += n
         at += n
-    logits, out, at = _head(weights, x[picks]), [], 0
-    for call in calls:
-        rows = 1 if call.prompt else len(call.ids)
-        out.append(logits[at:at + rows])
-        at += rows
-    return out
+    return list(_head(weights, x[picks]).split([1 if call.prompt else len(call.ids) for call in calls]))
 
 
 @torch.inference_mode()

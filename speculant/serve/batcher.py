@@ -26,9 +26,6 @@ import torch
 from greenlet import greenlet
 
 from speculant.models.base import Call, CausalLM
-from speculant.models import lean
-from speculant.models.hf import HFCausalLM, batches_rows, forward_rows
-from speculant.models.lean import LeanCausalLM
 from speculant.tree import TokenTree
 
 
@@ -179,17 +176,14 @@ class Batcher:
 
 def batched_forward(handle: CausalLM) -> Callable[[Sequence[tuple[Any, Call]]], list[torch.Tensor]] | None:
     """The backend's forward of several sequences' rows at once, each row bit for bit its own forward
-    (`hf.forward_rows`, `lean.forward_rows`), or None where rows run one after another."""
-    if isinstance(handle, HFCausalLM):
-        return forward_rows if batches_rows(handle) else None
-    return lean.forward_rows if isinstance(handle, LeanCausalLM) else None
+    (`hf.forward_rows`, `lean.forward_rows`), or None where rows run one after another (see CausalLM)."""
+    rows_forward = getattr(handle, "rows_forward", None)
+    return rows_forward() if rows_forward is not None else None
 
 
 def weights_of(handle: CausalLM) -> int:
     """Rows with equal keys share their weights and can run as one forward."""
-    if isinstance(handle, HFCausalLM):
-        return id(handle.model)
-    return id(handle.weights) if isinstance(handle, LeanCausalLM) else id(handle)
+    return getattr(handle, "weights_key", id(handle))
 
 
 class Row:
