@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from helpers import DEVICES, perturbed, random_prompt, tiny_model
+from helpers import DEVICES, MarkovLM, perturbed, random_prompt, tiny_model
 from speculant import generate
 from speculant.config import SamplingConfig
 from speculant.decoding.dsi.engine import DrafterFailed, dsi
@@ -222,6 +222,7 @@ def test_sampling_with_dsi_keeps_the_target_distribution(device):
     target, drafter, prompt = sampling_pair(31, device=device)
     with sampling_servers(target, device) as pool:
         assert_follows_target(target, prompt, method="dsi", drafter=drafter, servers=2, lookahead=2, executor=pool)
+        assert_drafts_are_verified(target, prompt, pool, drafter=drafter)
 
 
 def test_generate_api_runs_dsi_with_planned_lookahead():
@@ -424,16 +425,27 @@ def test_greedy_dsi_with_several_drafters_equals_autoregressive(executor):
 
 def test_sampling_with_several_drafters_keeps_the_target_distribution():
     target, drafter, prompt = sampling_pair(33)
-    other = tiny_model("llama", 35, 12, init_std=0.5)
+    other = MarkovLM(12, 35)
     with sampling_servers(target, "cpu") as pool:
         assert_follows_target(target, prompt, method="dsi", drafters=(drafter, other), servers=2, lookahead=2,
                               executor=pool)
+        assert_drafts_are_verified(target, prompt, pool, drafters=(drafter, other))
+
+
+def assert_drafts_are_verified(target, prompt, pool, **drafters):
+    """Sampled DSI generations verify drafts (the statistical tests above mean nothing where none arrives in time)."""
+    stats = generate(target, prompt_ids=prompt, method="dsi", servers=2, lookahead=2, executor=pool, max_new_tokens=30,
+                     temperature=TEMPERATURE, seed=0, **drafters).stats
+    assert sum(stats.draft_lengths) >= 10
 
 
 @contextmanager
 def sampling_servers(target, device):
-    """Two thread servers sampling at the statistical tests' temperature, kept across their generations."""
-    pool = make_executor("thread", ServerSpec(replica_factory(target), [device] * 2, SamplingConfig(TEMPERATURE)))
+    """Two thread servers sampling at the statistical tests' temperature, kept across their generations, each
+    forward padded to 2 ms: the Markov target would otherwise answer before any draft arrives, and a test in which
+    no draft is verified could not fail."""
+    pool = make_executor("thread", ServerSpec(lambda _: target.share(), [device] * 2, SamplingConfig(TEMPERATURE),
+                                              Latency(0.002, 0.002)))
     pool.start()
     try:
         yield pool

@@ -6,7 +6,7 @@ import math
 import pytest
 import torch
 
-from helpers import DEVICES, random_prompt, tiny_model, total_variation
+from helpers import DEVICES, MarkovLM, random_prompt, tiny_model, total_variation
 from speculant import generate
 from speculant.config import SamplingConfig
 from speculant.errors import ConfigError
@@ -93,9 +93,10 @@ def empirical_marginals(target, prompt, draws, n=3, **kwargs):
 
 
 def sampling_pair(seed: int = 21, device: str = "cpu", drafter_device: str | None = None):
-    """A target and a very different drafter (a very different q) on the 12-token vocabulary, and a prompt."""
-    return (tiny_model("llama", seed, VOCAB, init_std=0.5, device=device),
-            tiny_model("llama", seed + 1, VOCAB, init_std=0.5, device=drafter_device or device),
+    """A target and a very different drafter (a very different q) on the 12-token vocabulary, and a prompt: Markov
+    models, so that thousands of generations take seconds (the transformers backends' own sampling runs in
+    `test_autoregressive_sampling_matches_target_distribution`, the cross-vocabulary and constrained tests)."""
+    return (MarkovLM(VOCAB, seed, device=device), MarkovLM(VOCAB, seed + 1, device=drafter_device or device),
             random_prompt(seed, VOCAB, 6))
 
 

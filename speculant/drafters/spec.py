@@ -1,4 +1,4 @@
-"""Drafter specs, parsed in one place: `maxgram`, `self`, `self@int8`, `NAME`, `NAME@int4`, `NAME@gguf`, `NAME@lean` (a
+"""Drafter specs, parsed in one place: `maxgram`, `suffix`, `self`, `self@int8`, `NAME`, `NAME@int4`, `NAME@gguf`, `NAME@lean` (a
 catalog name, Hugging Face id or path; @gguf: its GGUF on llama.cpp; @lean: its GGUF on speculant's kernels with
 FR-Spec's head); and `load_drafter`, which turns a spec (or a model, or a Drafter) into
 what drafts for a given target. Parsing needs no torch (the CLI reads specs before anything loads)."""
@@ -11,6 +11,7 @@ from typing import Any
 from speculant.errors import ConfigError, IncompatibleModels
 
 MAXGRAM = "maxgram"  # prompt lookup with a bigram fallback, no model
+SUFFIX = "suffix"  # suffix decoding over the context and this process's earlier generations, no model
 SELF = "self"  # the target's own weights (quantized with @int8 / @int4, else shared)
 QUANTS = ("int8", "int4")
 GGUF = "gguf"  # the model's packaged GGUF weights as they are, on the llama.cpp backend
@@ -19,12 +20,12 @@ LEAN = "lean"  # the model's GGUF on the lean backend, as a drafter (models/lean
 
 @dataclass(frozen=True)
 class DrafterSpec:
-    source: str  # "maxgram", "self", or a model: catalog name, Hugging Face id or path
+    source: str  # "maxgram", "suffix", "self", or a model: catalog name, Hugging Face id or path
     quant: str | None = None  # "int8" or "int4": quantize the drafter's linear layers at load; "gguf", "lean"
 
     @property
     def kind(self) -> str:
-        return self.source if self.source in (MAXGRAM, SELF) else "model"
+        return self.source if self.source in (MAXGRAM, SUFFIX, SELF) else "model"
 
     def __str__(self) -> str:
         return self.source + (f"@{self.quant}" if self.quant else "")
@@ -39,8 +40,8 @@ class DrafterSpec:
         if quant is not None and quant not in (*QUANTS, GGUF, LEAN):
             raise ConfigError(f"unknown quantization '{quant}' in drafter '{text}' (choose from {', '.join(QUANTS)}, "
                               f"{GGUF} for llama.cpp or {LEAN} for speculant's kernels)")
-        if source == MAXGRAM and quant:
-            raise ConfigError("maxgram runs no model; it takes no quantization")
+        if source in (MAXGRAM, SUFFIX) and quant:
+            raise ConfigError(f"{source} runs no model; it takes no quantization")
         if source == SELF and quant in (GGUF, LEAN):
             raise ConfigError(f"self@{quant} is the target itself: run the target on that backend and draft with 'self'")
         if source == "none":
@@ -67,7 +68,8 @@ def check_compatible(target: Any, drafter: Any) -> None:
 
 def load_drafter(drafter: Any, target: Any, dtype: str | None = None) -> Any:
     """What drafts for `target` (a CausalLM): a Drafter as given; `maxgram` (prompt lookup with the bigram
-    table of the target's tokenizer); `self` (the target's weights with a cache of their own) or
+    table of the target's tokenizer); `suffix` (suffix decoding over the context and the target's earlier
+    generations in this process); `self` (the target's weights with a cache of their own) or
     `self@int8` / `self@int4` (a quantized copy); a loaded model as given; or any model `load_model`
     accepts, on the target's backend: for a transformers target, on its device in `dtype` (default: the
     target's); for a llama.cpp or lean target, GGUF models on llama.cpp and others through transformers."""
@@ -86,6 +88,11 @@ def load_drafter(drafter: Any, target: Any, dtype: str | None = None) -> Any:
 
         tokenizer = target.tokenizer
         return MaxGramDrafter(load_bigram(tokenizer, target.vocab_size) if tokenizer is not None else None)
+    if isinstance(drafter, DrafterSpec) and drafter.kind == SUFFIX:
+        from speculant.drafters.suffix import SuffixDrafter, history_of
+        from speculant.models.base import profiled_as
+
+        return SuffixDrafter(history_of(profiled_as(target)))
     if isinstance(drafter, DrafterSpec) and drafter.kind == SELF:
         if drafter.quant and not isinstance(target, HFCausalLM):
             raise ConfigError(f"self@{drafter.quant} quantizes transformers weights; this target runs on llama.cpp")

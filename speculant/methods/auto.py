@@ -46,7 +46,7 @@ def parse_widths(text: str) -> tuple[int, ...]:
 @dataclass(frozen=True)
 class AutoOptions:
     drafters: Any = option(None, "auto: candidate drafters (default: the target's catalog drafter - its GGUF for a "
-                           "llama.cpp target, else int8 on AMX CPUs and int4 elsewhere - and maxgram); cascade: "
+                           "llama.cpp target, else int8 on AMX CPUs and int4 elsewhere - maxgram and suffix); cascade: "
                            "levels, largest first, maxgram last",
                            parse=parse_drafters)
     drafter_dtype: str | None = option(None, "dtype of model drafters (default: the target's)", choices=DRAFTER_DTYPES)
@@ -79,18 +79,19 @@ def default_drafters(target: Any) -> tuple[str, ...]:
     FR-Spec's head (`@lean`: 0.32 of the 1.5B's forward on the Xeon, where the 0.5B on llama.cpp is 0.49; 0.46
     on Zen4, docs/results/cpu.md); for a llama.cpp target its
     GGUF on llama.cpp; else quantized to int8 where speculant's AMX int8 kernel runs (its cost stays flat over
-    the several tokens a drafter catches up on after an accepted draft) and to int4 elsewhere - and Max-Gram."""
+    the several tokens a drafter catches up on after an accepted draft) and to int4 elsewhere - Max-Gram and
+    suffix decoding (which also reads the process's earlier generations)."""
     from speculant.models import native
     from speculant.models.catalog import CATALOG
 
     entry = CATALOG.get(target.name.split("@")[0])
     if entry is None or not entry.drafter:
-        return ("maxgram",)
+        return ("maxgram", "suffix")
     if getattr(target, "backend", "hf") == "lean":
-        return (f"{entry.drafter}@lean", "maxgram")
+        return (f"{entry.drafter}@lean", "maxgram", "suffix")
     if getattr(target, "backend", "hf") == "llamacpp":
-        return (f"{entry.drafter}@gguf", "maxgram")
-    return (f"{entry.drafter}@{'int8' if native.AMX.library() is not None else 'int4'}", "maxgram")
+        return (f"{entry.drafter}@gguf", "maxgram", "suffix")
+    return (f"{entry.drafter}@{'int8' if native.AMX.library() is not None else 'int4'}", "maxgram", "suffix")
 
 
 # Per target: the drafters auto loaded ({(spec, dtype): drafter}), each model drafter's cache ({(spec, dtype):
@@ -114,6 +115,7 @@ def build(request: Request, options: AutoOptions) -> Any:
     from speculant.drafters.maxgram import MaxGramDrafter
     from speculant.drafters.model import ModelDrafter
     from speculant.drafters.spec import load_drafter
+    from speculant.drafters.suffix import SuffixDrafter
     from speculant.drafters.tree import TreeDrafter
     from speculant.latency import machine_profile
     from speculant.models.base import SharedCache, profiled_as
@@ -124,6 +126,7 @@ def build(request: Request, options: AutoOptions) -> Any:
     loaded, learned = _loaded.setdefault(profiled_as(target), {}), _learned.setdefault(profiled_as(target), {})
     caches = _caches.setdefault(profiled_as(target), {})
     candidates = []
+    history = None  # where a suffix drafter keeps this generation for later ones
     for spec in options.drafters if options.drafters is not None else default_drafters(target):
         # A drafter named by text is loaded once per target and keeps its cache; one passed as an object (a
         # server's per-request handle) is the caller's to keep.
@@ -135,7 +138,10 @@ def build(request: Request, options: AutoOptions) -> Any:
                 loaded[key] = load_drafter(spec, target, options.drafter_dtype)
             source = loaded[key]
         estimates = learned.setdefault(source.name, {})
-        if isinstance(source, MaxGramDrafter):
+        if isinstance(source, SuffixDrafter):
+            drafter, history = source.for_prompt(request.prompt_ids), source.history
+            candidates.append(Candidate(source.name, drafter, 0.0, 0.0, drafter.match_length, estimates))
+        elif isinstance(source, MaxGramDrafter):
             candidates.append(Candidate(source.name, source, 0.0, 0.0, source.match_length, estimates))
         elif isinstance(source, Drafter):
             candidates.append(Candidate(source.name, source, 0.0, FREE_PRIOR, estimates=estimates))
@@ -176,5 +182,6 @@ def build(request: Request, options: AutoOptions) -> Any:
                 candidate.catch_up = shared_catch_up(candidate.catch_up, cost, target.sharing)
         cost = shared_cost(cost, target.sharing)
     lengths = _lengths.setdefault(profiled_as(target), deque(maxlen=LENGTHS_KEPT))
-    return adaptive(target, candidates, request.prompt_ids, request.max_new_tokens, cost, request.sampling,
-                    request.generator, options.k_max, options.probe_every, lengths)
+    decoder = adaptive(target, candidates, request.prompt_ids, request.max_new_tokens, cost, request.sampling,
+                       request.generator, options.k_max, options.probe_every, lengths)
+    return history.recording(decoder, request.prompt_ids) if history is not None else decoder

@@ -1,0 +1,163 @@
+"""Suffix decoding (Oliaro et al., "SuffixDecoding: A Model-Free Approach to Speeding Up Large Language Model
+Inference", 2024): drafts continue the longest suffix of the context that occurred before, in the context itself
+or in any earlier generation of this process, along the continuation seen most often after it.
+
+Where Max-Gram follows the latest occurrence of its match, this drafter counts every occurrence of the longest
+match (section 3: a suffix tree's node frequencies) and extends the draft one token at a time with the most
+frequent next token among the occurrences that agree so far; a token's empirical probability is the share of
+those occurrences that continue with it, and the draft stops where the path's probability (their product, the
+paper's score) falls below `min_prob`. Earlier generations (prompt and output, by target) live in a bounded
+`History`; a generation never drafts from earlier ones that had the same prompt (a benchmark's repeats, or a
+method run after another on the same prompt, would otherwise read their own answer). A proposal costs no model
+forward: well under a millisecond.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Generator
+from dataclasses import dataclass, field
+from typing import Any
+from weakref import WeakKeyDictionary
+
+import numpy as np
+
+from speculant.drafters.base import Draft
+
+MAX_MATCH = 32  # longer suffixes add nothing but cost
+MIN_MATCH = 2  # as Max-Gram's: a single repeated token predicts little
+MIN_PROB = 0.1  # a draft's path probability below this ends it
+CAPACITY = 1 << 18  # tokens of earlier generations kept (the oldest go first): a search reads them all, ~0.2 ms
+GAP = -1  # separates generations in the history
+
+
+def prompt_key(prompt_ids: list[int]) -> bytes:
+    return hashlib.blake2b(np.asarray(prompt_ids, dtype=np.int64).tobytes(), digest_size=8).digest()
+
+
+def suffix_ends(corpus: np.ndarray, query: np.ndarray, limit: int = MAX_MATCH) -> tuple[np.ndarray, int]:
+    """(ends, length): every index of `corpus` where the longest suffix of `query` found in `corpus` (at most
+    `limit` tokens) ends, excluding the corpus's last index (its continuation is unknown)."""
+    if not len(query) or len(corpus) < 2:
+        return np.empty(0, dtype=np.int64), 0
+    ends = np.flatnonzero(corpus[:-1] == query[-1])
+    length = 1 if ends.size else 0
+    while ends.size and length < min(limit, len(query)):
+        reach = ends - length
+        longer = ends[reach >= 0][corpus[reach[reach >= 0]] == query[-1 - length]]
+        if longer.size == 0:
+            break
+        ends, length = longer, length + 1
+    return ends, length
+
+
+@dataclass
+class History:
+    """Earlier generations of one target, prompt and output, in one bounded token array (`GAP` between them),
+    with each one's prompt key: what suffix drafts may follow beyond the context itself."""
+
+    capacity: int = CAPACITY
+    tokens: np.ndarray = field(default_factory=lambda: np.empty(0, dtype=np.int64))
+    keys: list[tuple[int, bytes]] = field(default_factory=list)  # (start in `tokens`, prompt key), in order
+
+    def add(self, prompt_ids: list[int], output: list[int]) -> None:
+        sequence = np.asarray([*prompt_ids, *output, GAP], dtype=np.int64)[-self.capacity:]
+        keep = max(0, self.capacity - len(sequence))
+        drop = max(0, len(self.tokens) - keep)
+        self.tokens = np.concatenate([self.tokens[drop:], sequence])
+        self.keys = [(start - drop, key) for start, key in self.keys if start - drop >= 0]
+        self.keys.append((len(self.tokens) - len(sequence), prompt_key(prompt_ids)))
+
+    def without(self, key: bytes | None) -> np.ndarray:
+        """The history with the generations of prompt `key` blanked out."""
+        starts = [start for start, k in self.keys if k == key]
+        if not starts:
+            return self.tokens
+        tokens = self.tokens.copy()
+        bounds = [start for start, _ in self.keys] + [len(tokens)]
+        for start in starts:
+            tokens[start:bounds[bounds.index(start) + 1]] = GAP
+        return tokens
+
+    def recording(self, decoder: Generator[int, None, Any], prompt_ids: list[int]) -> Generator[int, None, Any]:
+        """Pass a decoder's tokens through and keep the generation, finished or stopped, in the history."""
+        output: list[int] = []
+        try:
+            while True:
+                try:
+                    token = next(decoder)
+                except StopIteration as stop:
+                    return stop.value
+                output.append(token)
+                yield token
+        finally:
+            self.add(prompt_ids, output)
+
+
+_histories: WeakKeyDictionary = WeakKeyDictionary()
+
+
+def history_of(target: Any) -> History:
+    """The process's history of generations for `target` (kept as long as the target is)."""
+    return _histories.setdefault(target, History())
+
+
+class SuffixDrafter:
+    """Deterministic drafter (q is one-hot, `Draft.probs` is None) over the context and a `History`. `prompt`
+    names the generation it drafts for (`for_prompt`): earlier generations of the same prompt are not read."""
+
+    name = "suffix"  # as drafter specs spell it (drafters.spec.SUFFIX)
+
+    def __init__(self, history: History, min_match: int = MIN_MATCH, min_prob: float = MIN_PROB,
+                 prompt: list[int] | None = None):
+        self.history, self.min_match, self.min_prob = history, min_match, min_prob
+        self._past = history.without(prompt_key(prompt)) if prompt is not None else history.tokens
+        self._found: tuple[list[int], list[tuple[np.ndarray, np.ndarray]], int] = ([], [], 0)  # the last search
+
+    def for_prompt(self, prompt_ids: list[int]) -> SuffixDrafter:
+        """This drafter for one generation of `prompt_ids`: the history as it is now, without that prompt's."""
+        return SuffixDrafter(self.history, self.min_match, self.min_prob, list(prompt_ids))
+
+    def _occurrences(self, context: list[int]) -> tuple[list[tuple[np.ndarray, np.ndarray]], int]:
+        """[(corpus, ends)] of the longest match of the context's suffix, in the context and in the history."""
+        if self._found[0] == context:  # auto asks for the match length, then for the draft
+            return self._found[1], self._found[2]
+        query = np.asarray(context, dtype=np.int64)
+        found = [(corpus, *suffix_ends(corpus, query)) for corpus in (query, self._past)]
+        length = max(n for _, _, n in found)
+        sources = [(corpus, ends) for corpus, ends, n in found if n == length] if length >= self.min_match else []
+        self._found = (list(context), sources, length if sources else 0)
+        return sources, self._found[2]
+
+    def match_length(self, context: list[int]) -> int:
+        """The length of the suffix match a proposal after `context` would follow (0: none)."""
+        return self._occurrences(context)[1]
+
+    def propose(self, context: list[int], k: int) -> Draft:
+        sources, _ = self._occurrences(context)
+        draft: list[int] = []
+        probability = 1.0
+        while len(draft) < k and sources:
+            step = len(draft) + 1
+            nexts = []  # (corpus, ends, the token `step` after each end) where one follows
+            for corpus, ends in sources:
+                ends = ends[ends + step < len(corpus)]
+                follow = corpus[ends + step]
+                nexts.append((corpus, ends[follow != GAP], follow[follow != GAP]))
+            seen = np.concatenate([follow for _, _, follow in nexts])
+            if not seen.size:
+                break
+            values, counts = np.unique(seen, return_counts=True)
+            best = counts.max()
+            # Ties go to the token of the latest occurrence in the context (Max-Gram's choice), then the history.
+            tied = set(values[counts == best].tolist())
+            token = next((int(t) for _, _, follow in nexts for t in follow[::-1] if int(t) in tied))
+            probability *= best / seen.size
+            if probability < self.min_prob:
+                break
+            draft.append(token)
+            sources = [(corpus, ends[follow == token]) for corpus, ends, follow in nexts if (follow == token).any()]
+        return Draft(draft, None, {})
+
+    def observe(self, n_accepted: int) -> None:
+        """Nothing to adapt: the context and the history carry everything."""
