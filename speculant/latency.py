@@ -9,6 +9,7 @@ import time
 from bisect import bisect_left
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
+from functools import cached_property
 from pathlib import Path
 from weakref import WeakKeyDictionary
 
@@ -29,8 +30,7 @@ class LatencyProfile:
     def cost(self, width: float) -> float:
         """T(W), interpolated linearly between measured widths and extended along the last segment beyond them
         (plain Python: `auto` asks this hundreds of times per step, and numpy's interp costs twice as much)."""
-        widths = sorted(self.forward_s)
-        times = [self.forward_s[w] for w in widths]
+        widths, times = self._curve
         if width > widths[-1] and len(widths) > 1:
             (a, b), (ta, tb) = widths[-2:], times[-2:]
             return tb + max(tb - ta, 0.0) / (b - a) * (width - b)
@@ -39,6 +39,12 @@ class LatencyProfile:
             return float(times[min(i, len(widths) - 1)])
         a, b = widths[i - 1], widths[i]
         return float(times[i - 1] + (times[i] - times[i - 1]) * (width - a) / (b - a))
+
+    @cached_property
+    def _curve(self) -> tuple[list[int], list[float]]:
+        """The measured widths, ascending, and their times (a profile's widths are fixed once measured)."""
+        widths = sorted(self.forward_s)
+        return widths, [self.forward_s[w] for w in widths]
 
     def save(self, path: Path) -> None:
         path.write_text(json.dumps(asdict(self), indent=1))

@@ -22,23 +22,30 @@ MAX_MATCH = 64  # longer suffixes add nothing but cost
 MIN_MATCH = 2  # a single repeated token predicts little (8% of such drafts were accepted on HumanEval)
 
 
+def suffix_ends(corpus: np.ndarray, query: np.ndarray, limit: int = MAX_MATCH) -> tuple[np.ndarray, int]:
+    """(ends, length): every index of `corpus` where the longest suffix of `query` found in `corpus` (at most
+    `limit` tokens) ends, ascending, excluding the corpus's last index (its continuation is unknown); length 0
+    means no match. With corpus = query, the earlier occurrences of the context's own suffix."""
+    if not len(query) or len(corpus) < 2:
+        return np.empty(0, dtype=np.int64), 0
+    ends = np.flatnonzero(corpus[:-1] == query[-1])  # candidates matching the last token
+    length = 1 if ends.size else 0
+    while ends.size and length < min(limit, len(query)):
+        reach = ends - length
+        valid = reach >= 0
+        extended = ends[valid][corpus[reach[valid]] == query[-1 - length]]
+        if extended.size == 0:
+            break
+        ends, length = extended, length + 1
+    return ends, length
+
+
 def longest_suffix_match(tokens: np.ndarray) -> tuple[int, int]:
     """(end, length) of the longest suffix of `tokens` that also ends earlier, at the latest such end.
 
     `end` is the index of the earlier occurrence's last token; length 0 means no match.
     """
-    n = len(tokens)
-    if n < 2:
-        return -1, 0
-    ends = np.flatnonzero(tokens[:-1] == tokens[-1])  # candidates matching the last token
-    length = 1 if ends.size else 0
-    while ends.size and length < MAX_MATCH:
-        reach = ends - length
-        valid = reach >= 0
-        extended = ends[valid][tokens[reach[valid]] == tokens[n - 1 - length]]
-        if extended.size == 0:
-            break
-        ends, length = extended, length + 1
+    ends, length = suffix_ends(tokens, tokens)
     return (int(ends[-1]), length) if length else (-1, 0)
 
 

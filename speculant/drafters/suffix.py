@@ -23,9 +23,8 @@ from weakref import WeakKeyDictionary
 import numpy as np
 
 from speculant.drafters.base import Draft
+from speculant.drafters.maxgram import MIN_MATCH, suffix_ends
 
-MAX_MATCH = 32  # longer suffixes add nothing but cost
-MIN_MATCH = 2  # as Max-Gram's: a single repeated token predicts little
 MIN_PROB = 0.1  # a draft's path probability below this ends it
 CAPACITY = 1 << 18  # tokens of earlier generations kept (the oldest go first): a search reads them all, ~0.2 ms
 GAP = -1  # separates generations in the history
@@ -33,22 +32,6 @@ GAP = -1  # separates generations in the history
 
 def prompt_key(prompt_ids: list[int]) -> bytes:
     return hashlib.blake2b(np.asarray(prompt_ids, dtype=np.int64).tobytes(), digest_size=8).digest()
-
-
-def suffix_ends(corpus: np.ndarray, query: np.ndarray, limit: int = MAX_MATCH) -> tuple[np.ndarray, int]:
-    """(ends, length): every index of `corpus` where the longest suffix of `query` found in `corpus` (at most
-    `limit` tokens) ends, excluding the corpus's last index (its continuation is unknown)."""
-    if not len(query) or len(corpus) < 2:
-        return np.empty(0, dtype=np.int64), 0
-    ends = np.flatnonzero(corpus[:-1] == query[-1])
-    length = 1 if ends.size else 0
-    while ends.size and length < min(limit, len(query)):
-        reach = ends - length
-        longer = ends[reach >= 0][corpus[reach[reach >= 0]] == query[-1 - length]]
-        if longer.size == 0:
-            break
-        ends, length = longer, length + 1
-    return ends, length
 
 
 @dataclass
@@ -111,8 +94,8 @@ class SuffixDrafter:
     def __init__(self, history: History, min_match: int = MIN_MATCH, min_prob: float = MIN_PROB,
                  prompt: list[int] | None = None):
         self.history, self.min_match, self.min_prob = history, min_match, min_prob
-        self._past = history.without(prompt_key(prompt)) if prompt is not None else history.tokens
-        self._found: tuple[list[int], list[tuple[np.ndarray, np.ndarray]], int] = ([], [], 0)  # the last search
+        self._past = history.without(prompt_key(prompt)) if prompt is not None else None  # None: all of it, now
+        self._found: tuple[list[int] | None, int, list[tuple[np.ndarray, np.ndarray]], int] = (None, 0, [], 0)
 
     def for_prompt(self, prompt_ids: list[int]) -> SuffixDrafter:
         """This drafter for one generation of `prompt_ids`: the history as it is now, without that prompt's."""
@@ -120,14 +103,15 @@ class SuffixDrafter:
 
     def _occurrences(self, context: list[int]) -> tuple[list[tuple[np.ndarray, np.ndarray]], int]:
         """[(corpus, ends)] of the longest match of the context's suffix, in the context and in the history."""
-        if self._found[0] == context:  # auto asks for the match length, then for the draft
-            return self._found[1], self._found[2]
+        if self._found[0] is context and self._found[1] == len(context):  # auto asks for the length, then the draft
+            return self._found[2], self._found[3]
         query = np.asarray(context, dtype=np.int64)
-        found = [(corpus, *suffix_ends(corpus, query)) for corpus in (query, self._past)]
+        past = self._past if self._past is not None else self.history.tokens
+        found = [(corpus, *suffix_ends(corpus, query)) for corpus in (query, past)]
         length = max(n for _, _, n in found)
         sources = [(corpus, ends) for corpus, ends, n in found if n == length] if length >= self.min_match else []
-        self._found = (list(context), sources, length if sources else 0)
-        return sources, self._found[2]
+        self._found = (context, len(context), sources, length if sources else 0)
+        return sources, self._found[3]
 
     def match_length(self, context: list[int]) -> int:
         """The length of the suffix match a proposal after `context` would follow (0: none)."""

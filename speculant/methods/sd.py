@@ -39,11 +39,13 @@ def build(request: Request, options: SDOptions) -> Any:
     source = load_drafter(options.drafter, request.target, options.drafter_dtype)
     if isinstance(source, Drafter) and options.draft_confidence:
         raise ConfigError(f"draft_confidence needs a model drafter, not {type(source).__name__}")
-    if isinstance(source, SuffixDrafter):  # it reads earlier generations and keeps this one
-        decoder = speculative(request.target, source.for_prompt(request.prompt_ids), request.prompt_ids, options.k,
-                              request.max_new_tokens, request.sampling, request.generator)
-        return source.history.recording(decoder, request.prompt_ids)
-    drafter = source if isinstance(source, Drafter) else model_drafter(
-        source, request.target, request.sampling, request.generator, draft_confidence=options.draft_confidence)
-    return speculative(request.target, drafter, request.prompt_ids, options.k, request.max_new_tokens,
-                       request.sampling, request.generator)
+    if isinstance(source, SuffixDrafter):  # it reads earlier generations, not this prompt's
+        drafter = source.for_prompt(request.prompt_ids)
+    elif isinstance(source, Drafter):
+        drafter = source
+    else:
+        drafter = model_drafter(source, request.target, request.sampling, request.generator,
+                                draft_confidence=options.draft_confidence)
+    decoder = speculative(request.target, drafter, request.prompt_ids, options.k, request.max_new_tokens,
+                          request.sampling, request.generator)
+    return source.history.recording(decoder, request.prompt_ids) if isinstance(source, SuffixDrafter) else decoder
