@@ -46,7 +46,7 @@ def parse_widths(text: str) -> tuple[int, ...]:
 @dataclass(frozen=True)
 class AutoOptions:
     drafters: Any = option(None, "auto: candidate drafters (default: the target's catalog drafter - its GGUF for a "
-                           "llama.cpp target, else int8 on AMX CPUs and int4 elsewhere - maxgram and suffix); cascade: "
+                           "llama.cpp target, else int8 on AMX CPUs and int4 elsewhere - and maxgram; suffix may be added); cascade: "
                            "levels, largest first, maxgram last",
                            parse=parse_drafters)
     drafter_dtype: str | None = option(None, "dtype of model drafters (default: the target's)", choices=DRAFTER_DTYPES)
@@ -79,19 +79,20 @@ def default_drafters(target: Any) -> tuple[str, ...]:
     FR-Spec's head (`@lean`: 0.32 of the 1.5B's forward on the Xeon, where the 0.5B on llama.cpp is 0.49; 0.46
     on Zen4, docs/results/cpu.md); for a llama.cpp target its
     GGUF on llama.cpp; else quantized to int8 where speculant's AMX int8 kernel runs (its cost stays flat over
-    the several tokens a drafter catches up on after an accepted draft) and to int4 elsewhere - Max-Gram and
-    suffix decoding (which also reads the process's earlier generations)."""
+    the several tokens a drafter catches up on after an accepted draft) and to int4 elsewhere - and Max-Gram.
+    Suffix decoding is not among them: beside these it gained nothing in two runs of the bench (docs/results/cpu.md,
+    § Suffix decoding); name it in `drafters` where earlier generations repeat."""
     from speculant.models import native
     from speculant.models.catalog import CATALOG
 
     entry = CATALOG.get(target.name.split("@")[0])
     if entry is None or not entry.drafter:
-        return ("maxgram", "suffix")
+        return ("maxgram",)
     if getattr(target, "backend", "hf") == "lean":
-        return (f"{entry.drafter}@lean", "maxgram", "suffix")
+        return (f"{entry.drafter}@lean", "maxgram")
     if getattr(target, "backend", "hf") == "llamacpp":
-        return (f"{entry.drafter}@gguf", "maxgram", "suffix")
-    return (f"{entry.drafter}@{'int8' if native.AMX.library() is not None else 'int4'}", "maxgram", "suffix")
+        return (f"{entry.drafter}@gguf", "maxgram")
+    return (f"{entry.drafter}@{'int8' if native.AMX.library() is not None else 'int4'}", "maxgram")
 
 
 # Per target: the drafters auto loaded ({(spec, dtype): drafter}), each model drafter's cache ({(spec, dtype):
