@@ -1,7 +1,7 @@
-"""Drafter specs, parsed in one place: `maxgram`, `suffix`, `self`, `self@int8`, `NAME`, `NAME@int4`, `NAME@gguf`, `NAME@lean` (a
-catalog name, Hugging Face id or path; @gguf: its GGUF on llama.cpp; @lean: its GGUF on speculant's kernels with
-FR-Spec's head); and `load_drafter`, which turns a spec (or a model, or a Drafter) into
-what drafts for a given target. Parsing needs no torch (the CLI reads specs before anything loads)."""
+"""Drafter specs, parsed in one place: `maxgram`, `suffix`, `self`, `self@int8`, `NAME`, `NAME@int4`, `NAME@gguf`,
+`NAME@lean` (a catalog name, Hugging Face id or path; @gguf: its GGUF on llama.cpp; @lean: its GGUF on speculant's
+kernels with FR-Spec's head); and `load_drafter`, which turns a spec (or a model, or a Drafter) into what drafts for
+a given target. Parsing needs no torch (the CLI reads specs before anything loads)."""
 
 from __future__ import annotations
 

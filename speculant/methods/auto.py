@@ -46,7 +46,8 @@ def parse_widths(text: str) -> tuple[int, ...]:
 @dataclass(frozen=True)
 class AutoOptions:
     drafters: Any = option(None, "auto: candidate drafters (default: the target's catalog drafter - its GGUF for a "
-                           "llama.cpp target, else int8 on AMX CPUs and int4 elsewhere - and maxgram; suffix may be added); cascade: "
+                           "llama.cpp target, else int8 on AMX CPUs and int4 elsewhere - and maxgram; suffix may be "
+                           "added); cascade: "
                            "levels, largest first, maxgram last",
                            parse=parse_drafters)
     drafter_dtype: str | None = option(None, "dtype of model drafters (default: the target's)", choices=DRAFTER_DTYPES)
