@@ -11,9 +11,13 @@ import pytest
 from helpers import ScriptedDrafter, byte_tokenizer, perturbed, random_prompt, tiny_model, tiny_transformer
 from speculant import cli, generate, latency, load_model
 from speculant.config import SamplingConfig
-from speculant.decoding.adaptive import Acceptance, Candidate, adaptive, best_length, can_pay, expected_remaining
+from speculant.decoding import adaptive as adaptive_module
+from speculant.decoding.adaptive import (SCALE_RANGE, TIME_FOLLOWS, Acceptance, Candidate, Rescaled, adaptive,
+                                         best_length, can_pay, expected_remaining)
 from speculant.decoding.run import timed
+from speculant.drafters.base import Draft
 from speculant.latency import LatencyProfile
+from speculant.models.metered import Usage
 from test_sampling import assert_follows_target, sampling_pair
 
 VOCAB = 64
@@ -25,6 +29,13 @@ def costs(target, drafter_step=0.05, target_step=1.0):
         step = target_step if model is target else drafter_step
         return LatencyProfile(model.name, "", "cpu", 256, step, step, {1: step, 16: step * 1.1})
     return profile
+
+
+def invent(patch, profile):
+    """Make auto decide from the invented machine `profile`s, taken as they are: not rescaled by what the
+    tiny models' forwards really take (a thousandth of them)."""
+    patch.setattr(latency, "machine_profile", profile)
+    patch.setattr(adaptive_module, "SCALE_RANGE", (1.0, 1.0))
 
 
 def run(target, candidates, prompt, n=40, cost=lambda w: 1.0 + 0.01 * w, **kwargs):
@@ -63,7 +74,7 @@ def test_greedy_auto_equals_ar_whatever_it_chooses(arch, dtype, monkeypatch):
         assert generate(target, prompt_ids=prompt, max_new_tokens=40).token_ids == expected  # the default method
         for widths in ((2, 4), ()):  # token trees allowed, or chains only
             with monkeypatch.context() as patch:
-                patch.setattr(latency, "machine_profile", costs(target))
+                invent(patch, costs(target))
                 result = generate(target, prompt_ids=prompt, method="auto", drafters=[drafter, "maxgram"],
                                   tree_widths=widths, max_new_tokens=40)
             assert result.token_ids == expected and result.stats.method == "auto"
@@ -80,7 +91,7 @@ def test_the_chain_its_cascade_and_its_trees_prefill_the_prompt_once(monkeypatch
         drafter = load_model(perturbed(target, 0.3, seed).model)
         prefills, prefill = [], drafter.prefill
         monkeypatch.setattr(drafter, "prefill", lambda ids: prefills.append(len(ids)) or prefill(ids))
-        monkeypatch.setattr(latency, "machine_profile", costs(target))
+        invent(monkeypatch, costs(target))
         prompt = random_prompt(seed, VOCAB, 6) * 3
         choices = generate(target, prompt_ids=prompt, method="auto", drafters=[drafter, "maxgram"], tree_widths=(2,),
                            max_new_tokens=40).stats.choices
@@ -104,10 +115,10 @@ def test_a_drafter_that_could_not_pay_even_if_always_right_is_never_tried(monkey
         step = 1.0 if model is target else 0.5
         return LatencyProfile(model.name, "", "cpu", 256, step, step, {1: step, 16: 16 * step})
 
-    monkeypatch.setattr(latency, "machine_profile", profile)
+    invent(monkeypatch, profile)
     result = generate(target, prompt_ids=prompt, method="auto", drafters=[drafter], max_new_tokens=20)
     assert set(result.stats.choices) == {"plain"} and not result.stats.drafter_forwards
-    monkeypatch.setattr(latency, "machine_profile", costs(target))  # flat verification: the same drafter pays
+    invent(monkeypatch, costs(target))  # flat verification: the same drafter pays
     result = generate(target, prompt_ids=prompt, method="auto", drafters=[drafter], max_new_tokens=20)
     assert any(choice.startswith(drafter.name) for choice in result.stats.choices)
 
@@ -132,7 +143,7 @@ def test_a_named_drafter_keeps_its_cache_for_the_next_generation(monkeypatch, tm
 
     target = load_model(tiny_transformer("llama", 5, VOCAB, init_std=0.1))
     perturbed(target, 0.05, 5).model.save_pretrained(tmp_path / "drafter")
-    monkeypatch.setattr(latency, "machine_profile", costs(target))
+    invent(monkeypatch, costs(target))
     prompt = random_prompt(5, VOCAB, 6) * 3
     first = generate(target, prompt_ids=prompt, method="auto", drafters=[str(tmp_path / "drafter")],
                      max_new_tokens=20)
@@ -185,6 +196,46 @@ def test_a_drafter_pays_its_catch_up_only_where_enough_tokens_remain_to_share_it
     assert Candidate("synced", None, 0.01, 0.8).catch_up_s(list(range(500))) == 0.0
 
 
+def test_costs_follow_what_the_machine_takes_now_not_only_its_profile():
+    """A machine profile is measured once; a shared machine then runs slower or faster by tens of percent,
+    by different amounts for the target's widths and for each drafter: auto rescales the profile by what
+    verifications and drafts measure, within SCALE_RANGE (a spike is drift, not a new machine)."""
+    timing = Rescaled(lambda width: 0.01 * width)
+    assert timing(3) == pytest.approx(0.03)  # nothing measured: the profile
+    timing.observe(1, 0.02)
+    assert timing(1) == pytest.approx(0.02) and timing(3) == pytest.approx(0.06)  # the nearest measured width
+    timing.observe(4, 0.04)
+    assert timing(3) == pytest.approx(0.03) and timing(1) == pytest.approx(0.02)
+    timing.observe(1, 1.0)  # 100x the profile: taken as 2x, followed by TIME_FOLLOWS
+    assert timing(1) == pytest.approx(0.01 * (2 + TIME_FOLLOWS * (SCALE_RANGE[1] - 2)))
+
+    candidate = Candidate("model", None, 0.01, 0.6, catch_up=lambda context: 0.1)
+    candidate.observe_cost({"model": Usage(4, 4, 0.4)}, steps=4, lag=30)  # began by catching up: no step's cost
+    assert candidate.cost_s == pytest.approx(0.01) and candidate.catch_up_s([1]) == pytest.approx(0.1)
+    candidate.observe_cost({"model": Usage(3, 3, 0.045)}, steps=3, lag=1)
+    assert candidate.cost_s == pytest.approx(0.015) and candidate.catch_up_s([1]) == pytest.approx(0.15)
+
+
+def test_auto_measures_every_verification_and_draft():
+    seed, n = 3, 40
+    target = tiny_model("llama", seed, VOCAB, init_std=0.1)
+    prompt = random_prompt(seed, VOCAB)
+    reference = generate(target, prompt_ids=prompt, method="ar", max_new_tokens=n).token_ids
+
+    class Timed(ScriptedDrafter):  # says each step took 1.5x its profiled 50 ms
+        def propose(self, context, k):
+            draft = super().propose(context, k)
+            return Draft(draft.tokens, None, {"scripted": Usage(k, k, 0.075 * k)})
+
+    drafter = Timed(prompt, reference, error_rate=0.3, vocab=VOCAB, seed=0)
+    candidate = Candidate("scripted", drafter, 0.05, 0.6)
+    timing = Rescaled(lambda width: 1.0 + 0.01 * width)
+    tokens, stats = run(target, [candidate], prompt, n=n, cost=timing)
+    assert tokens == reference
+    verified = {1 + drafted for drafted in stats.draft_lengths}
+    assert set(timing.scales.widths) == verified and candidate.scale.value == pytest.approx(1.5)
+
+
 def test_acceptance_estimates_follow_what_is_observed():
     estimate = Acceptance(prior=0.6)
     assert estimate.expected_tokens(2) == pytest.approx([1, 1 + 0.6, 1 + 0.6 + 0.36])
@@ -196,7 +247,7 @@ def test_acceptance_estimates_follow_what_is_observed():
 @pytest.mark.parametrize("widths", [(), (2,)])
 def test_auto_sampling_follows_the_target(widths, monkeypatch):
     target, drafter, prompt = sampling_pair()
-    monkeypatch.setattr(latency, "machine_profile", costs(target))
+    invent(monkeypatch, costs(target))
     assert_follows_target(target, prompt, method="auto", drafters=[drafter, "maxgram"], tree_widths=widths)
 
 

@@ -10,7 +10,8 @@ with T(W) the target's forward over W tokens, t_draft the drafter's cost per ste
 step adds (1: a chain; w > 1: an equal-growth token tree, Yggdrasil, whose w candidates per step raise
 a_j where the verifier's T(W) is flat) (Leviathan et al. 2023, Eq. 1 and Theorem 3.8, with measured
 costs instead of a constant ratio; vLLM's adaptive draft length uses the same goodput). Plain decoding
-has G = 1 / T(1). A deterministic, model-free drafter (Max-Gram) proposes first, for nothing, and its
+has G = 1 / T(1). T(W) and t_draft come from a machine profile measured once, rescaled by what this
+process's forwards take now (`Rescaled`, `Scale`). A deterministic, model-free drafter (Max-Gram) proposes first, for nothing, and its
 draft is judged by the estimates for its match length. Whatever is chosen, verification is the usual
 chain or tree verification, so output stays lossless.
 """
@@ -18,6 +19,7 @@ chain or tree verification, so output stays lossless.
 from __future__ import annotations
 
 import math
+from bisect import bisect_left, insort
 from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -39,6 +41,62 @@ PLAIN = "plain"
 CARRY_OVER = 0.25  # how much of earlier generations' evidence a new generation starts with
 COST_FOLLOWS = 0.2  # how far a measured candidate's cost estimate moves toward each draft's cost
 PROBE_SHARE = 0.1  # a probe may spend on catching up at most this share of the rest's plain decoding time
+TIME_FOLLOWS = 0.2  # how far a measured/profiled time ratio moves toward each forward's
+SCALE_RANGE = (0.5, 2.0)  # a forward's measured/profiled ratio is clipped to this: drift, not a spike
+
+
+@dataclass
+class Scale:
+    """How much longer one kind of forward takes now than its machine profile says, followed with
+    exponential forgetting: a profile is measured once per machine, and a shared machine's speed drifts by
+    25-40% between hours, by different amounts for the target, its drafters and different widths (what
+    decides whether a draft pays). Unobserved: 1."""
+
+    value: float = 1.0
+    seen: bool = False
+
+    def observe(self, measured_s: float, profiled_s: float) -> None:
+        if profiled_s <= 0 or measured_s <= 0:
+            return
+        ratio = min(max(measured_s / profiled_s, SCALE_RANGE[0]), SCALE_RANGE[1])
+        self.value = ratio if not self.seen else self.value + TIME_FOLLOWS * (ratio - self.value)
+        self.seen = True
+
+
+class WidthScales:
+    """The target's `Scale` per forward width verified in this process; a width never verified takes the
+    nearest verified width's scale (1 before any)."""
+
+    def __init__(self) -> None:
+        self.scales: dict[int, Scale] = {}
+        self.widths: list[int] = []
+
+    def at(self, width: float) -> float:
+        if not self.widths:
+            return 1.0
+        i = bisect_left(self.widths, width)
+        nearest = min(self.widths[max(i - 1, 0):i + 1], key=lambda w: abs(w - width))
+        return self.scales[nearest].value
+
+    def observe(self, width: int, measured_s: float, profiled_s: float) -> None:
+        if width not in self.scales:
+            self.scales[width] = Scale()
+            insort(self.widths, width)
+        self.scales[width].observe(measured_s, profiled_s)
+
+
+class Rescaled:
+    """The target's T(W) from its machine profile times what `scales` measured of each width so far."""
+
+    def __init__(self, profiled: Callable[[float], float], scales: WidthScales | None = None):
+        self.profiled = profiled
+        self.scales = scales if scales is not None else WidthScales()
+
+    def __call__(self, width: float) -> float:
+        return self.profiled(width) * self.scales.at(width)
+
+    def observe(self, width: int, seconds: float) -> None:
+        self.scales.observe(width, seconds, self.profiled(width))
 
 
 @dataclass
@@ -102,17 +160,28 @@ a model-free candidate matches the context."""
     measured: bool = False
     needs_match: bool = False
     catch_up: Callable[[list[int]], float] | None = None  # seconds to bring its cache up to a context
+    scale: Scale = field(default_factory=Scale)  # its drafter's measured/profiled time (shared by its trees)
+
+    @property
+    def cost_s(self) -> float:
+        """Seconds per drafting step as measured now (a measured candidate's `step_s` already is)."""
+        return self.step_s if self.measured else self.step_s * self.scale.value
 
     def catch_up_s(self, context: list[int]) -> float:
-        return self.catch_up(context) if self.catch_up is not None else 0.0
+        return self.catch_up(context) * self.scale.value if self.catch_up is not None else 0.0
 
     def acceptance(self, bucket: int = 0) -> Acceptance:
         return self.estimates.setdefault(bucket, Acceptance(MATCH_PRIORS.get(bucket, self.prior)))
 
-    def observe_cost(self, draft: Draft) -> None:
-        if self.measured and draft.tokens:
-            per_token = sum(usage.seconds for usage in draft.usage.values()) / len(draft.tokens)
-            self.step_s += COST_FOLLOWS * (per_token - self.step_s)
+    def observe_cost(self, usage: dict[str, Any], steps: int, lag: int) -> None:
+        """Follow what a draft of `steps` drafting steps cost (`usage`: its drafters' metered forwards), begun
+        `lag` tokens behind the context: a measured candidate's cost per step, or else its drafter's scale.
+        A draft that began by catching up on more than a verification's leftovers says little of a step."""
+        seconds = sum(u.seconds for u in usage.values())
+        if self.measured and steps:
+            self.step_s += COST_FOLLOWS * (seconds / steps - self.step_s)
+        elif steps and lag <= 2 and self.step_s > 0:
+            self.scale.observe(seconds / steps, self.step_s)
 
 
 MATCH_PRIORS = {1: 0.3, 2: 0.5, 3: 0.7, 4: 0.85}  # acceptance before any observation, by bucket
@@ -200,8 +269,10 @@ def adaptive(
     A generation starts with a probe; one that does not bring the drafter back doubles the wait before the
     next: where no drafter pays, probing costs a few steps per generation, not one in every `probe_every`.
     A drafter's catch-up is weighed against the tokens the generation is still expected to produce, from the
-    `lengths` of earlier generations (this one's is appended at its end)."""
+    `lengths` of earlier generations (this one's is appended at its end). Where `cost` is `Rescaled`, every
+    verification's time rescales it and every draft's its candidate's `scale`."""
     stats = GenerationStats(method="auto")
+    learn_costs = isinstance(cost, Rescaled)  # (not where a server batches the forwards: they time the batch)
     out: list[int] = []
     target = metered(target)
     logits = target.prefill(prompt_ids)
@@ -230,7 +301,7 @@ def adaptive(
                     if goodput > best[0]:
                         best = (goodput, candidate, k, Draft(draft.tokens[:k], None, draft.usage), bucket)
             else:
-                goodput, k = best_length(candidate.acceptance(), candidate.step_s, cost, room, candidate.width,
+                goodput, k = best_length(candidate.acceptance(), candidate.cost_s, cost, room, candidate.width,
                                          candidate.catch_up_s(context), remaining)
                 if goodput > best[0]:
                     best = (goodput, candidate, k, None, 0)
@@ -242,22 +313,29 @@ def adaptive(
                 and probe.catch_up_s(context) <= PROBE_SHARE * cost(1) * remaining:
             chosen, k, draft, bucket, wait = probe, min(2, room), None, 0, 2 * wait
         without_model = 0 if chosen is not None and chosen.match is None else without_model + 1
+        lag = chosen.drafter.lag(context) if chosen is not None and hasattr(chosen.drafter, "lag") else 0
         if chosen is not None and chosen.width > 1:
             tree_draft = chosen.drafter.propose_tree(context, k, chosen.width)
+            before = target.usage.seconds  # (a draft may run the target: self-speculation)
             path, token = verify_tree(target, tree_draft.tree, sampling, generator)
             drafted, n, usage = max(tree_draft.tree.depths), len(path), {chosen.drafter.name: tree_draft.usage}
-            stats.drafted_nodes += len(tree_draft.tree) - 1
+            width = len(tree_draft.tree)
+            stats.drafted_nodes += width - 1
             accepted = [tree_draft.tree.tokens[node] for node in path]
         else:
             if chosen is None:
                 draft = Draft([])
             elif draft is None:
                 draft = until_eos(chosen.drafter.propose(context, k), target.eos_token_ids)
+            before = target.usage.seconds
             n, token = verify_draft(target, out[-1], draft, sampling, generator)
-            drafted, usage, accepted = len(draft.tokens), draft.usage, draft.tokens[:n]
+            drafted, usage, accepted, width = len(draft.tokens), draft.usage, draft.tokens[:n], 1 + len(draft.tokens)
             if chosen is not None:
                 chosen.drafter.observe(n)
-                chosen.observe_cost(draft)
+        if learn_costs:
+            cost.observe(width, target.usage.seconds - before)
+        if chosen is not None and (learn_costs or chosen.measured):
+            chosen.observe_cost(usage, drafted, lag)
         if chosen is not None:
             chosen.acceptance(bucket).observe(drafted, n)
         stats.record_draft(drafted, n, usage)
