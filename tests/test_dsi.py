@@ -255,16 +255,13 @@ def test_planning_picks_the_smallest_feasible_lookahead_and_refuses_impossible_p
         generate(tiny_model("llama", 1, VOCAB), prompt_ids=[1, 2], method="sd", drafter="maxgram", servers=2)
 
 
-def test_process_executor_equal_output_and_survives_a_killed_server():
+def test_process_executor_survives_a_server_killed_mid_generation():
     target, drafter, prompt = pair(41, noise=0.1)
     spec = ServerSpec(partial(hf_replica, target.model, target.name, frozenset()), ["cpu"] * 2, GREEDY,
                       Latency(0.003, 0.003))
     pool = make_executor("process", spec)
     pool.start()
     try:
-        for seed, lookahead in ((41, 1), (42, 3), (43, 5)):
-            _, drafter_s, prompt_s = pair(seed, noise=0.1)
-            assert run_dsi(pool, drafter_s, prompt_s, 30, lookahead)[0] == reference(target, prompt_s, 30)
         stream = dsi(pool, ModelDrafter(drafter, GREEDY, None), prompt, 40, 2, GREEDY, None, frozenset(), timeout_s=60,
                      close_executor=False)
         tokens = [next(stream) for _ in range(8)]
@@ -275,25 +272,36 @@ def test_process_executor_equal_output_and_survives_a_killed_server():
     assert tokens == reference(target, prompt, 40)
 
 
-@pytest.mark.parametrize("executor", ["process", "ray"])
+@pytest.mark.parametrize("executor", ["thread", "process", "ray"])
 def test_greedy_dsi_equals_autoregressive_on_every_executor(executor):
-    """N in {1, 2, 3} (Ray: 3, its actors take seconds each to start; the test below runs 2) and lookahead
-    in {1, 3, 5}, one pool per N serving every lookahead, random twin latencies to shake out races."""
+    """N in {1, 3} (Ray: 3, its actors take seconds each to start) and lookahead in {1, 3, 5}, one pool per N
+    serving every lookahead, random twin latencies to shake out races; a pool of 3 loses server 1 (it exits
+    at its third job: a fault injected) on the way, and the generations after it hear so at once (they waited
+    for a timeout when only the first was told)."""
     if executor == "ray":
         pytest.importorskip("ray")
     rng = random.Random(7)
     target = tiny_model("llama", 61, VOCAB)
-    for servers in (1, 2, 3) if executor == "process" else (3,):
+    for servers in (1, 3) if executor != "ray" else (3,):
         spec = ServerSpec(partial(hf_replica, target.model, target.name, frozenset()), ["cpu"] * servers, GREEDY,
-                          Latency(rng.uniform(0, 0.004), rng.uniform(0.001, 0.004)))
+                          Latency(rng.uniform(0, 0.004), rng.uniform(0.001, 0.004)),
+                          die_after={1: 2} if servers == 3 else {})
         pool = make_executor(executor, spec)
         pool.start()
+        lost = []
         try:
             for lookahead in (1, 3, 5):
                 drafter = perturbed(target, rng.choice([0.1, 0.3]), rng.randrange(1000))
                 prompt = random_prompt(rng.randrange(1000), VOCAB, 8)
-                tokens = run_dsi(pool, drafter, prompt, 24, lookahead, Latency(0, rng.uniform(0, 0.002)))[0]
+                tokens, stats = run_dsi(pool, drafter, prompt, 24, lookahead, Latency(0, rng.uniform(0, 0.002)))
                 assert tokens == reference(target, prompt, 24), f"{servers} servers, lookahead {lookahead}"
+                lost += [server.lost for server in stats.dsi.servers if server.lost]
+            assert bool(lost) == (servers == 3), lost  # the output stayed the same where server 1 died
+            if servers == 3:  # the next generation on the pool is told that server 1 is gone, it does not time out
+                prompt = random_prompt(rng.randrange(1000), VOCAB, 8)
+                tokens, stats = run(dsi(pool, ModelDrafter(target, GREEDY, None), prompt, 24, 3, GREEDY, None,
+                                        frozenset(), timeout_s=20, close_executor=False))
+                assert tokens == reference(target, prompt, 24) and stats.dsi.servers[1].lost == lost[0]
         finally:
             pool.close()
 
@@ -307,31 +315,6 @@ def test_dsi_servers_on_cuda_for_a_cpu_target(executor):
     spec = ServerSpec(replica_factory(target), ["cuda"] * 2, GREEDY)
     assert run_dsi(make_executor(executor, spec), drafter, prompt, 30, 3, close=True)[0] == expected
     assert next(target.model.parameters()).device.type == "cpu"
-
-
-def test_process_server_crash_is_survived():
-    target, drafter, prompt = pair(44, noise=0.1)
-    spec = ServerSpec(partial(hf_replica, target.model, target.name, frozenset()), ["cpu"] * 2, GREEDY,
-                      die_after={0: 1})
-    tokens, stats = run_dsi(make_executor("process", spec), drafter, prompt, 40, 2, close=True)
-    assert tokens == reference(target, prompt, 40)
-    assert "exited" in stats.dsi.servers[0].lost
-
-
-def test_ray_executor_equal_output():
-    pytest.importorskip("ray")
-    target, drafter, prompt = pair(51, noise=0.1)
-    spec = ServerSpec(partial(hf_replica, target.model, target.name, frozenset()), ["cpu"] * 2, GREEDY,
-                      Latency(0.003, 0.003), die_after={1: 5})
-    pool = make_executor("ray", spec)
-    pool.start()
-    try:
-        for seed, lookahead in ((51, 1), (52, 3)):
-            _, drafter_s, prompt_s = pair(seed, noise=0.1)
-            assert run_dsi(pool, drafter_s, prompt_s, 30, lookahead)[0] == reference(target, prompt_s, 30)
-        assert pool.actors  # server 1 died along the way (fault injected) and the output stayed the same
-    finally:
-        pool.close()
 
 
 class SometimesSilent:
@@ -442,10 +425,10 @@ def assert_drafts_are_verified(target, prompt, pool, **drafters):
 @contextmanager
 def sampling_servers(target, device):
     """Two thread servers sampling at the statistical tests' temperature, kept across their generations, each
-    forward padded to 2 ms: the Markov target would otherwise answer before any draft arrives, and a test in which
+    forward padded to 1 ms: the Markov target would otherwise answer before any draft arrives, and a test in which
     no draft is verified could not fail."""
     pool = make_executor("thread", ServerSpec(lambda _: target.share(), [device] * 2, SamplingConfig(TEMPERATURE),
-                                              Latency(0.002, 0.002)))
+                                              Latency(0.001, 0.001)))
     pool.start()
     try:
         yield pool

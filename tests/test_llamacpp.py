@@ -220,26 +220,6 @@ def test_backend_choice_and_clear_errors_before_loading(tmp_path, monkeypatch):
 
 
 @pytest.mark.real_model
-def test_catalog_gguf_loads_in_seconds_and_auto_is_exact():
-    import time
-
-    from speculant.models.catalog import CATALOG
-
-    try:
-        CATALOG["qwen2.5-coder-0.5b"].part_paths()
-    except Exception as error:  # noqa: BLE001
-        pytest.skip(str(error))
-    start = time.perf_counter()
-    target = load_model("qwen2.5-coder-0.5b@gguf")
-    assert time.perf_counter() - start < 60 and target.backend == "llamacpp"
-    prompt = "Repeat exactly: alpha beta gamma delta alpha beta gamma delta"
-    expected = generate(target, prompt, method="ar", max_new_tokens=24, chat=True)
-    for method in ("auto", "sd"):
-        options = {"drafter": "maxgram"} if method == "sd" else {}
-        assert generate(target, prompt, method=method, max_new_tokens=24, chat=True, **options).token_ids == \
-            expected.token_ids
-
-
 def test_speculant_s_amx_kernel_leaves_ggml_s_tiles_as_it_found_them(gguf_files):
     """ggml's AMX matmul configures a thread's tiles once and keeps them; speculant's AMX kernel runs on the
     same OpenMP threads. Interleaved in one process (a child: a thread left without its tiles faults), each

@@ -33,10 +33,32 @@ def test_self_drafting_accepts_every_draft_and_matches_autoregressive(model):
     assert "fibonacci" in ar.text or "return" in ar.text or "if" in ar.text
 
 
-def test_cli_generate_runs(model):
-    command = [sys.executable, "-m", "speculant.cli", "generate", "def add(a, b):", "--target", MODEL,
-               "--drafter", MODEL, "--dtype", "fp32", "--max-new-tokens", "8", "--k", "3"]
+def test_cli_generate_runs():
+    pytest.importorskip("llama_cpp")
+    gguf = f"{MODEL}@gguf"  # (llama.cpp loads it in a second; the module's fp32 model takes ten)
+    command = [sys.executable, "-m", "speculant.cli", "generate", "def add(a, b):", "--target", gguf,
+               "--drafter", gguf, "--max-new-tokens", "8", "--k", "3"]
     done = subprocess.run(command, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr
     assert done.stdout.strip()
     assert "8 tokens in" in done.stderr and "acceptance 100%" in done.stderr
+
+
+def test_catalog_gguf_loads_in_seconds_and_auto_is_exact():
+    import time
+
+    pytest.importorskip("llama_cpp")
+    start = time.perf_counter()
+    try:
+        target = load_model(f"{MODEL}@gguf")
+    except ModelNotAvailable as error:
+        if os.environ.get("CI"):
+            raise
+        pytest.skip(str(error))
+    assert time.perf_counter() - start < 60 and target.backend == "llamacpp"
+    prompt = "Repeat exactly: alpha beta gamma delta alpha beta gamma delta"
+    expected = generate(target, prompt, method="ar", max_new_tokens=24, chat=True)
+    for method in ("auto", "sd"):
+        options = {"drafter": "maxgram"} if method == "sd" else {}
+        assert generate(target, prompt, method=method, max_new_tokens=24, chat=True, **options).token_ids == \
+            expected.token_ids

@@ -85,6 +85,12 @@ def replica_factory(target: CausalLM, servers: int = 1, drafting: bool = False) 
     raise ConfigError(f"DSI needs a factory for target servers of type {type(target).__name__}")
 
 
+def report_lost(executor: Any, index: int, reason: str) -> None:
+    """Remember that server `index` is gone, then tell the generation running now."""
+    executor.lost[index] = reason
+    executor.events.put(("lost", index, reason))
+
+
 class ThreadExecutor:
     """Target servers as threads of this process (torch releases the GIL inside its kernels)."""
 
@@ -96,6 +102,7 @@ class ThreadExecutor:
         self.cancellers: list[Canceller] = []
         self.threads: list[threading.Thread] = []
         self.events: queue.Queue = queue.Queue()
+        self.lost: dict[int, str] = {}  # servers that failed, and why: later jobs to them are reported lost at once
 
     def start(self) -> None:
         """Start every server and return once all have built their model."""
@@ -124,10 +131,13 @@ class ThreadExecutor:
             while (job := self.inboxes[index].get()) is not None:
                 self.events.put(("result", server.run(job)))
         except Exception as error:  # noqa: BLE001 - a server failure is reported, its jobs move on
-            self.events.put(("lost", index, f"{type(error).__name__}: {error}"))
+            report_lost(self, index, f"{type(error).__name__}: {error}")
 
     def submit(self, index: int, job: Job) -> None:
-        self.inboxes[index].put(job)
+        if index in self.lost:  # (the pool outlives a generation: the next one must hear of it too)
+            self.events.put(("lost", index, self.lost[index]))
+        else:
+            self.inboxes[index].put(job)
 
     def cancel(self, index: int, job_id: int) -> None:
         self.cancellers[index].cancel(job_id)
@@ -173,6 +183,7 @@ class ProcessExecutor:
         self.locks: list[threading.Lock] = []
         self.readers: list[threading.Thread] = []
         self.events: queue.Queue = queue.Queue()
+        self.lost: dict[int, str] = {}  # as ThreadExecutor's
 
     def start(self) -> None:
         if self.processes:
@@ -214,11 +225,14 @@ class ProcessExecutor:
             except (EOFError, OSError):
                 process = self.processes[index]
                 process.join(timeout=1)
-                events.put(("lost", index, f"process {process.pid} exited (code {process.exitcode})"))
+                report_lost(self, index, f"process {process.pid} exited (code {process.exitcode})")
                 return
             events.put(("result", result))
 
     def submit(self, index: int, job: Job) -> None:
+        if index in self.lost:
+            self.events.put(("lost", index, self.lost[index]))
+            return
         try:
             with self.locks[index]:
                 self.conns[index].send(job)
