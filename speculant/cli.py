@@ -127,8 +127,9 @@ def build_parser() -> argparse.ArgumentParser:
     peers = commands.add_parser("peers", help="set up the peers speculant bench compares with")
     what = peers.add_subparsers(dest="peers", required=True)
     tools = what.add_parser("build-llamacpp", help="build llama.cpp's own tools (llama-bench, llama-completion, "
-                            "llama-speculative-simple) for this machine from the installed llama-cpp-python's sdist, "
-                            "once, into the cache: the peers llamacpp-cli-ar, -spec and -ngram")
+                            "llama-speculative-simple, llama-server) for this machine from the installed "
+                            "llama-cpp-python's sdist, once, into the cache: the peers llamacpp-cli-ar, -spec and "
+                            "-ngram, and the serving peer")
     tools.add_argument("--jobs", type=int, default=None, help="parallel compile jobs (default: all cores)")
 
     kern = commands.add_parser("bench-kernels", help="T(W) of speculant's 4-bit kernels on a GGUF model's own "

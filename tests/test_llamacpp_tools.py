@@ -74,6 +74,13 @@ def test_a_build_is_per_version_and_cpu_and_missing_tools_say_how_to_build(tmp_p
 
     assert cli.main(["bench", "--methods", "ar", "llamacpp-cli-ar", "--target", "no-such-model"]) == 2
     assert "build-llamacpp" in capsys.readouterr().err  # said before the (unknown) model is looked up
+    bin_dir = llamacpp_build.build_root() / "build" / "bin"  # a build from before llama-server was among the tools
+    bin_dir.mkdir(parents=True)
+    (bin_dir / "llama-completion").write_text("")
+    (llamacpp_build.build_root() / "manifest.json").write_text(json.dumps({"bin": str(bin_dir)}))
+    assert llamacpp_build.tool("llama-completion") == bin_dir / "llama-completion"
+    with pytest.raises(ModelNotAvailable, match="llama-server is not built.*build-llamacpp"):
+        llamacpp_build.tool("llama-server")
 
 
 def test_cli_peer_specs_parse_and_refuse_bad_options():

@@ -1,6 +1,7 @@
 """llama.cpp built for this machine: its shared libraries and its own tools (`llama-bench`,
-`llama-completion`, `llama-speculative-simple`), compiled natively (`-march=native`) from the sdist of the
-installed llama-cpp-python, once per version and CPU, into the cache (`speculant peers build-llamacpp`).
+`llama-completion`, `llama-speculative-simple`, and `llama-server`, the serving peer), compiled natively
+(`-march=native`) from the sdist of the installed llama-cpp-python, once per version and CPU, into the cache
+(`speculant peers build-llamacpp`; a build that lacks a tool is made again).
 
 One line of ggml is fixed on the way. Its AMX matmul loads the tile configuration with the compiler's
 `_tile_loadconfig`, which GCC 12 declares as reading 8 bytes (`"m" (*(const void **)config)`); at -O3 the
@@ -27,11 +28,11 @@ from speculant.cache import cache_root
 from speculant.errors import ConfigError, ModelNotAvailable
 from speculant.machine import cpu_info
 
-TOOLS = ("llama-bench", "llama-completion", "llama-speculative-simple")
+TOOLS = ("llama-bench", "llama-completion", "llama-speculative-simple", "llama-server")
 PACKAGE = "llama-cpp-python"
 CMAKE_FLAGS = ("-DCMAKE_BUILD_TYPE=Release", "-DGGML_NATIVE=ON", "-DBUILD_SHARED_LIBS=ON", "-DLLAMA_CURL=OFF",
                "-DLLAMA_OPENSSL=OFF", "-DLLAMA_BUILD_TESTS=OFF", "-DLLAMA_BUILD_TOOLS=ON",
-               "-DLLAMA_BUILD_EXAMPLES=ON", "-DLLAMA_BUILD_SERVER=OFF")
+               "-DLLAMA_BUILD_EXAMPLES=ON", "-DLLAMA_BUILD_SERVER=ON")
 AMX_FILE = "ggml/src/ggml-cpu/amx/mmq.cpp"
 AMX_BROKEN = "_tile_loadconfig(&tc);"
 AMX_FIXED = '__asm__ volatile("ldtilecfg %0" :: "m"(tc));  /* all 64 bytes: see speculant.models.llamacpp_build */'
@@ -66,8 +67,8 @@ def manifest() -> dict | None:
 def tool(name: str) -> Path:
     """The path of one of llama.cpp's tools built for this machine; one line if it is not built yet."""
     built = manifest()
-    if built is None:
-        raise ModelNotAvailable("llama.cpp's own tools are not built on this machine: run `speculant peers "
+    if built is None or not (Path(built["bin"]) / name).is_file():
+        raise ModelNotAvailable(f"llama.cpp's {name} is not built on this machine: run `speculant peers "
                                 "build-llamacpp` once (a few minutes)")
     return Path(built["bin"]) / name
 
@@ -100,9 +101,10 @@ def build(jobs: int | None = None, say: Callable[[str], None] = print) -> Path:
     """Build llama.cpp natively into the cache (see the module docstring); returns the directory of the tools."""
     version = installed_version()
     root = build_root(version)
-    if manifest() is not None:
+    built = manifest()
+    if built is not None and all((Path(built["bin"]) / name).is_file() for name in TOOLS):
         say(f"already built: {root}")
-        return Path(manifest()["bin"])
+        return Path(built["bin"])
     for program in ("cmake", "c++"):
         if shutil.which(program) is None:
             raise ConfigError(f"building llama.cpp needs {program} on PATH")
