@@ -11,8 +11,8 @@ step adds (1: a chain; w > 1: an equal-growth token tree, Yggdrasil, whose w can
 a_j where the verifier's T(W) is flat) (Leviathan et al. 2023, Eq. 1 and Theorem 3.8, with measured
 costs instead of a constant ratio; vLLM's adaptive draft length uses the same goodput). Plain decoding
 has G = 1 / T(1). T(W) and t_draft come from a machine profile measured once, rescaled by what this
-process's forwards take now (`Rescaled`, `Scale`). A deterministic, model-free drafter (Max-Gram) proposes first, for nothing, and its
-draft is judged by the estimates for its match length. Whatever is chosen, verification is the usual
+process's forwards take now (`Rescaled`, `Scale`). A deterministic, model-free drafter (Max-Gram) proposes
+first, for nothing, and its draft is judged by the estimates for its match length. Whatever is chosen, verification is the usual
 chain or tree verification, so output stays lossless.
 """
 
