@@ -12,8 +12,8 @@ a_j where the verifier's T(W) is flat) (Leviathan et al. 2023, Eq. 1 and Theorem
 costs instead of a constant ratio; vLLM's adaptive draft length uses the same goodput). Plain decoding
 has G = 1 / T(1). T(W) and t_draft come from a machine profile measured once, rescaled by what this
 process's forwards take now (`Rescaled`, `Scale`). A deterministic, model-free drafter (Max-Gram) proposes
-first, for nothing, and its draft is judged by the estimates for its match length. Whatever is chosen, verification is the usual
-chain or tree verification, so output stays lossless.
+first, for nothing, and its draft is judged by the estimates for its match length. Whatever is chosen,
+verification is the usual chain or tree verification, so output stays lossless.
 """
 
 from __future__ import annotations
@@ -313,7 +313,8 @@ def adaptive(
                 and probe.catch_up_s(context) <= PROBE_SHARE * cost(1) * remaining:
             chosen, k, draft, bucket, wait = probe, min(2, room), None, 0, 2 * wait
         without_model = 0 if chosen is not None and chosen.match is None else without_model + 1
-        lag = chosen.drafter.lag(context) if chosen is not None and hasattr(chosen.drafter, "lag") else 0
+        learn_step = learn_costs and chosen is not None and not chosen.measured  # (a cascade follows its own)
+        lag = chosen.drafter.lag(context) if learn_step and hasattr(chosen.drafter, "lag") else 0
         if chosen is not None and chosen.width > 1:
             tree_draft = chosen.drafter.propose_tree(context, k, chosen.width)
             before = target.usage.seconds  # (a draft may run the target: self-speculation)
@@ -334,7 +335,7 @@ def adaptive(
                 chosen.drafter.observe(n)
         if learn_costs:
             cost.observe(width, target.usage.seconds - before)
-        if chosen is not None and (learn_costs or chosen.measured):
+        if learn_step or (chosen is not None and chosen.measured):
             chosen.observe_cost(usage, drafted, lag)
         if chosen is not None:
             chosen.acceptance(bucket).observe(drafted, n)

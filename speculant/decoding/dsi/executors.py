@@ -91,6 +91,14 @@ def report_lost(executor: Any, index: int, reason: str) -> None:
     executor.events.put(("lost", index, reason))
 
 
+def told_lost(executor: Any, index: int) -> bool:
+    """Whether server `index` is known to be gone; if so, tell the generation running now once more (a pool
+    outlives a generation: one that sends a job to a server lost in an earlier one must hear of it too)."""
+    if index in executor.lost:
+        executor.events.put(("lost", index, executor.lost[index]))
+    return index in executor.lost
+
+
 class ThreadExecutor:
     """Target servers as threads of this process (torch releases the GIL inside its kernels)."""
 
@@ -102,7 +110,7 @@ class ThreadExecutor:
         self.cancellers: list[Canceller] = []
         self.threads: list[threading.Thread] = []
         self.events: queue.Queue = queue.Queue()
-        self.lost: dict[int, str] = {}  # servers that failed, and why: later jobs to them are reported lost at once
+        self.lost: dict[int, str] = {}  # servers that failed, and why (`report_lost`, `told_lost`)
 
     def start(self) -> None:
         """Start every server and return once all have built their model."""
@@ -134,9 +142,7 @@ class ThreadExecutor:
             report_lost(self, index, f"{type(error).__name__}: {error}")
 
     def submit(self, index: int, job: Job) -> None:
-        if index in self.lost:  # (the pool outlives a generation: the next one must hear of it too)
-            self.events.put(("lost", index, self.lost[index]))
-        else:
+        if not told_lost(self, index):
             self.inboxes[index].put(job)
 
     def cancel(self, index: int, job_id: int) -> None:
@@ -230,8 +236,7 @@ class ProcessExecutor:
             events.put(("result", result))
 
     def submit(self, index: int, job: Job) -> None:
-        if index in self.lost:
-            self.events.put(("lost", index, self.lost[index]))
+        if told_lost(self, index):
             return
         try:
             with self.locks[index]:
