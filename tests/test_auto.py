@@ -12,8 +12,8 @@ from helpers import ScriptedDrafter, byte_tokenizer, perturbed, random_prompt, t
 from speculant import cli, generate, latency, load_model
 from speculant.config import SamplingConfig
 from speculant.decoding import adaptive as adaptive_module
-from speculant.decoding.adaptive import (SCALE_RANGE, TIME_FOLLOWS, Acceptance, Candidate, Rescaled, adaptive,
-                                         best_length, can_pay, expected_remaining)
+from speculant.decoding.adaptive import (SCALE_RANGE, TIME_FOLLOWS, Acceptance, Candidate, Rescaled, Timings,
+                                         adaptive, best_length, can_pay, expected_remaining)
 from speculant.decoding.run import timed
 from speculant.drafters.base import Draft
 from speculant.latency import LatencyProfile
@@ -197,23 +197,40 @@ def test_a_drafter_pays_its_catch_up_only_where_enough_tokens_remain_to_share_it
 
 
 def test_costs_follow_what_the_machine_takes_now_not_only_its_profile():
-    """A machine profile is measured once; a shared machine then runs slower or faster by tens of percent,
-    by different amounts for the target's widths and for each drafter: auto rescales the profile by what
-    verifications and drafts measure, within SCALE_RANGE (a spike is drift, not a new machine)."""
+    """A machine profile is measured once; a shared machine then runs slower or faster by tens of percent:
+    auto rescales the profile by what verifications and drafts measure, within SCALE_RANGE (a spike is
+    drift, not a new machine)."""
     timing = Rescaled(lambda width: 0.01 * width)
     assert timing(3) == pytest.approx(0.03)  # nothing measured: the profile
     timing.observe(1, 0.02)
-    assert timing(1) == pytest.approx(0.02) and timing(3) == pytest.approx(0.06)  # the nearest measured width
-    timing.observe(4, 0.04)
-    assert timing(3) == pytest.approx(0.03) and timing(1) == pytest.approx(0.02)
-    timing.observe(1, 1.0)  # 100x the profile: taken as 2x, followed by TIME_FOLLOWS
-    assert timing(1) == pytest.approx(0.01 * (2 + TIME_FOLLOWS * (SCALE_RANGE[1] - 2)))
+    assert timing(1) == pytest.approx(0.02) and timing(3) == pytest.approx(0.06)  # the machine runs at half speed
+    timing.observe(4, 0.04)  # as profiled: the machine's speed moves by TIME_FOLLOWS, width 4 keeps the rest
+    speed = 2 + TIME_FOLLOWS * (1 - 2)
+    assert timing.timings.speed.value == pytest.approx(speed)
+    assert timing(4) == pytest.approx(0.04) and timing(1) == pytest.approx(0.01 * speed)
+    timing.observe(1, 1.0)  # 100x the profile: taken as 2x
+    assert timing.timings.speed.value == pytest.approx(speed + TIME_FOLLOWS * (SCALE_RANGE[1] - speed))
 
     candidate = Candidate("model", None, 0.01, 0.6, catch_up=lambda context: 0.1)
     candidate.observe_cost({"model": Usage(4, 4, 0.4)}, steps=4, lag=30)  # began by catching up: no step's cost
     assert candidate.cost_s == pytest.approx(0.01) and candidate.catch_up_s([1]) == pytest.approx(0.1)
     candidate.observe_cost({"model": Usage(3, 3, 0.045)}, steps=3, lag=1)
     assert candidate.cost_s == pytest.approx(0.015) and candidate.catch_up_s([1]) == pytest.approx(0.15)
+
+
+def test_a_drafter_follows_the_machine_while_it_does_not_draft():
+    """Drift is mostly the machine's, shared by the target and its drafters: a drafter timed while the machine
+    ran slowly is not taken to stay slow once the target's forwards show the machine fast again (else a drafter
+    that looked dear stops drafting, and nothing ever measures it again)."""
+    timings = Timings()
+    candidate = Candidate("model", None, 0.01, 0.6, catch_up=lambda context: 0.1, speed=timings.speed)
+    for _ in range(30):
+        timings.observe(1, 0.2, 0.1)  # the machine runs at half its profiled speed
+    candidate.observe_cost({"model": Usage(3, 3, 0.06)}, steps=3, lag=1)  # and so does the drafter
+    assert candidate.cost_s == pytest.approx(0.02) and candidate.scale.value == pytest.approx(1.0, rel=0.01)
+    for _ in range(30):
+        timings.observe(1, 0.1, 0.1)  # back to its profiled speed; the drafter does not run meanwhile
+    assert candidate.cost_s == pytest.approx(0.01, rel=0.01) and candidate.catch_up_s([1]) == pytest.approx(0.1, rel=0.01)
 
 
 def test_auto_measures_every_verification_and_draft():
@@ -233,7 +250,7 @@ def test_auto_measures_every_verification_and_draft():
     tokens, stats = run(target, [candidate], prompt, n=n, cost=timing)
     assert tokens == reference
     verified = {1 + drafted for drafted in stats.draft_lengths}
-    assert set(timing.scales.widths) == verified and candidate.scale.value == pytest.approx(1.5)
+    assert set(timing.timings.widths) == verified and candidate.scale.value == pytest.approx(1.5)
 
 
 def test_acceptance_estimates_follow_what_is_observed():

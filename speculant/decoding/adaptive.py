@@ -11,7 +11,7 @@ step adds (1: a chain; w > 1: an equal-growth token tree, Yggdrasil, whose w can
 a_j where the verifier's T(W) is flat) (Leviathan et al. 2023, Eq. 1 and Theorem 3.8, with measured
 costs instead of a constant ratio; vLLM's adaptive draft length uses the same goodput). Plain decoding
 has G = 1 / T(1). T(W) and t_draft come from a machine profile measured once, rescaled by what this
-process's forwards take now (`Rescaled`, `Scale`). A deterministic, model-free drafter (Max-Gram) proposes
+process's forwards take now (`Rescaled`, `Timings`, `Scale`). A deterministic, model-free drafter (Max-Gram) proposes
 first, for nothing, and its draft is judged by the estimates for its match length. Whatever is chosen,
 verification is the usual chain or tree verification, so output stays lossless.
 """
@@ -49,8 +49,8 @@ SCALE_RANGE = (0.5, 2.0)  # a forward's measured/profiled ratio is clipped to th
 class Scale:
     """How much longer one kind of forward takes now than its machine profile says, followed with
     exponential forgetting: a profile is measured once per machine, and a shared machine's speed drifts by
-    25-40% between hours, by different amounts for the target, its drafters and different widths (what
-    decides whether a draft pays). Unobserved: 1."""
+    25-40% between hours, mostly for every model alike (`Timings.speed`) and partly by different amounts for
+    the target's widths and its drafters (what decides whether a draft pays). Unobserved: 1."""
 
     value: float = 1.0
     seen: bool = False
@@ -63,40 +63,44 @@ class Scale:
         self.seen = True
 
 
-class WidthScales:
-    """The target's `Scale` per forward width verified in this process; a width never verified takes the
-    nearest verified width's scale (1 before any)."""
+class Timings:
+    """How this process's target forwards compare with the target's machine profile: `speed`, followed over
+    every forward whatever its width, is how much slower the machine runs now than when it was profiled (a
+    shared machine's drift, which the drafters' forwards share); per verified width, the ratio left after
+    it (the profile's own error at that width). A width never verified takes the nearest verified width's."""
 
     def __init__(self) -> None:
+        self.speed = Scale()
         self.scales: dict[int, Scale] = {}
         self.widths: list[int] = []
 
     def at(self, width: float) -> float:
         if not self.widths:
-            return 1.0
+            return self.speed.value
         i = bisect_left(self.widths, width)
         nearest = min(self.widths[max(i - 1, 0):i + 1], key=lambda w: abs(w - width))
-        return self.scales[nearest].value
+        return self.speed.value * self.scales[nearest].value
 
     def observe(self, width: int, measured_s: float, profiled_s: float) -> None:
         if width not in self.scales:
             self.scales[width] = Scale()
             insort(self.widths, width)
-        self.scales[width].observe(measured_s, profiled_s)
+        self.speed.observe(measured_s, profiled_s)
+        self.scales[width].observe(measured_s, profiled_s * self.speed.value)
 
 
 class Rescaled:
-    """The target's T(W) from its machine profile times what `scales` measured of each width so far."""
+    """The target's T(W) from its machine profile times what `timings` measured so far."""
 
-    def __init__(self, profiled: Callable[[float], float], scales: WidthScales | None = None):
+    def __init__(self, profiled: Callable[[float], float], timings: Timings | None = None):
         self.profiled = profiled
-        self.scales = scales if scales is not None else WidthScales()
+        self.timings = timings if timings is not None else Timings()
 
     def __call__(self, width: float) -> float:
-        return self.profiled(width) * self.scales.at(width)
+        return self.profiled(width) * self.timings.at(width)
 
     def observe(self, width: int, seconds: float) -> None:
-        self.scales.observe(width, seconds, self.profiled(width))
+        self.timings.observe(width, seconds, self.profiled(width))
 
 
 @dataclass
@@ -160,15 +164,16 @@ a model-free candidate matches the context."""
     measured: bool = False
     needs_match: bool = False
     catch_up: Callable[[list[int]], float] | None = None  # seconds to bring its cache up to a context
-    scale: Scale = field(default_factory=Scale)  # its drafter's measured/profiled time (shared by its trees)
+    scale: Scale = field(default_factory=Scale)  # its drafter's time over its profile's, beyond `speed`'s
+    speed: Scale = field(default_factory=Scale)  # the machine's drift, measured on the target (`Timings`)
 
     @property
     def cost_s(self) -> float:
         """Seconds per drafting step as measured now (a measured candidate's `step_s` already is)."""
-        return self.step_s if self.measured else self.step_s * self.scale.value
+        return self.step_s if self.measured else self.step_s * self.scale.value * self.speed.value
 
     def catch_up_s(self, context: list[int]) -> float:
-        return self.catch_up(context) * self.scale.value if self.catch_up is not None else 0.0
+        return self.catch_up(context) * self.scale.value * self.speed.value if self.catch_up is not None else 0.0
 
     def acceptance(self, bucket: int = 0) -> Acceptance:
         return self.estimates.setdefault(bucket, Acceptance(MATCH_PRIORS.get(bucket, self.prior)))
@@ -181,7 +186,7 @@ a model-free candidate matches the context."""
         if self.measured and steps:
             self.step_s += COST_FOLLOWS * (seconds / steps - self.step_s)
         elif steps and lag <= 2 and self.step_s > 0:
-            self.scale.observe(seconds / steps, self.step_s)
+            self.scale.observe(seconds / steps, self.step_s * self.speed.value)
 
 
 MATCH_PRIORS = {1: 0.3, 2: 0.5, 3: 0.7, 4: 0.85}  # acceptance before any observation, by bucket
@@ -270,7 +275,8 @@ def adaptive(
     next: where no drafter pays, probing costs a few steps per generation, not one in every `probe_every`.
     A drafter's catch-up is weighed against the tokens the generation is still expected to produce, from the
     `lengths` of earlier generations (this one's is appended at its end). Where `cost` is `Rescaled`, every
-    verification's time rescales it and every draft's its candidate's `scale`."""
+    verification's time rescales it (its `Timings`, whose `speed` the candidates share) and every draft's
+    its candidate's `scale`."""
     stats = GenerationStats(method="auto")
     learn_costs = isinstance(cost, Rescaled)  # (not where a server batches the forwards: they time the batch)
     out: list[int] = []

@@ -98,7 +98,7 @@ def default_drafters(target: Any) -> tuple[str, ...]:
 
 # Per target: the drafters auto loaded ({(spec, dtype): drafter}), each model drafter's cache ({(spec, dtype):
 # SharedCache}), what it learned of their acceptance ({name: estimates}), of their forwards' times and the
-# target's (measured over profiled: {name: Scale}, Rescaled) and how long generations run, kept
+# target's (measured over profiled: {name: Scale}, Timings) and how long generations run, kept
 # across generations: a new request starts from what the last ones observed, and a drafter catches up only on
 # what its cache lacks (the next turn of a conversation shares its history; a chat template, its system prompt).
 _loaded: WeakKeyDictionary = WeakKeyDictionary()
@@ -113,7 +113,7 @@ LENGTHS_KEPT = 32
 @register("auto", AutoOptions, "chooses drafter, chain, tree or cascade and draft length every step from measured "
           "costs and acceptance (plain decoding where nothing pays)")
 def build(request: Request, options: AutoOptions) -> Any:
-    from speculant.decoding.adaptive import (Candidate, Rescaled, Scale, WidthScales, adaptive, can_pay,
+    from speculant.decoding.adaptive import (Candidate, Rescaled, Scale, Timings, adaptive, can_pay,
                                              shared_catch_up, shared_cost)
     from speculant.drafters.base import Drafter
     from speculant.drafters.cascade import CascadeDrafter
@@ -128,7 +128,8 @@ def build(request: Request, options: AutoOptions) -> Any:
     from speculant.models.metered import metered
 
     target = request.target
-    cost = Rescaled(machine_profile(target).cost, _timings.setdefault(profiled_as(target), WidthScales()))
+    cost = Rescaled(machine_profile(target).cost, _timings.setdefault(profiled_as(target), Timings()))
+    speed = cost.timings.speed  # the machine's drift: the drafters' forwards share it
     loaded, learned = _loaded.setdefault(profiled_as(target), {}), _learned.setdefault(profiled_as(target), {})
     scales = _scales.setdefault(profiled_as(target), {})
     caches = _caches.setdefault(profiled_as(target), {})
@@ -163,7 +164,7 @@ def build(request: Request, options: AutoOptions) -> Any:
                                        if isinstance(drafter, CrossVocabDrafter) else 1.0)
             scale = scales.setdefault(source.name, Scale())
             candidates.append(Candidate(source.name, drafter, step_s, MODEL_PRIOR, estimates=estimates,
-                                        catch_up=catch_up_cost(drafter, profile), scale=scale))
+                                        catch_up=catch_up_cost(drafter, profile), scale=scale, speed=speed))
             same_ids = isinstance(drafter, ModelDrafter)  # trees and reviews need the target's ids
             for width in options.tree_widths if same_ids else ():
                 if not can_pay(profile.cost(width), cost, options.k_max, width):
@@ -172,7 +173,7 @@ def build(request: Request, options: AutoOptions) -> Any:
                 tree = TreeDrafter(drafter.cache)  # the chain's cache: whichever drafts next catches up from it
                 candidates.append(Candidate(name, tree, profile.cost(width), TREE_PRIOR,
                                             estimates=learned.setdefault(name, {}), width=width,
-                                            catch_up=catch_up_cost(tree, profile), scale=scale))
+                                            catch_up=catch_up_cost(tree, profile), scale=scale, speed=speed))
     # A vertical cascade (CS Drafting) where Max-Gram finds a match: each model drafter reviews Max-Gram's
     # draft in one forward, keeping what it would itself have drafted, so its drafts are its chain's (the
     # same acceptance estimates), cheaper where Max-Gram guesses right. Its cost per token is measured as
@@ -183,7 +184,7 @@ def build(request: Request, options: AutoOptions) -> Any:
                                  request.sampling, request.generator)
         candidates.append(Candidate(f"{chain.name} cascade", cascade, chain.step_s / 2, chain.prior,
                                     estimates=chain.estimates, measured=True, needs_match=True,
-                                    catch_up=chain.catch_up, scale=chain.scale))  # the chain's model and cache
+                                    catch_up=chain.catch_up, scale=chain.scale, speed=speed))  # the chain's
     if hasattr(target, "sharing"):  # a served request: its forwards are batched with other requests'
         for candidate in candidates:
             if candidate.catch_up is not None:
