@@ -261,6 +261,20 @@ def test_acceptance_estimates_follow_what_is_observed():
     assert estimate.rate(0) > 0.9 and estimate.rate(1) < 0.1 and estimate.rate(5) == estimate.rate(1)
 
 
+def test_a_new_text_starts_from_the_long_run_acceptance_not_the_last_texts_end():
+    estimate = Acceptance(prior=0.6)
+    for _ in range(300):
+        estimate.observe(drafted=2, n_accepted=2)
+    for _ in range(20):
+        estimate.observe(drafted=2, n_accepted=0)  # the last text ended where the drafter was wrong
+    assert estimate.rate(0) < 0.4
+    estimate.restart(4)
+    assert estimate.rate(0) > 0.75
+    for _ in range(10):
+        estimate.observe(drafted=2, n_accepted=0)  # the new text is like that ending: soon followed
+    assert estimate.rate(0) < 0.4
+
+
 @pytest.mark.parametrize("widths", [(), (2,)])
 def test_auto_sampling_follows_the_target(widths, monkeypatch):
     target, drafter, prompt = sampling_pair()

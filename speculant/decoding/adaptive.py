@@ -38,7 +38,8 @@ from speculant.models.metered import metered
 from speculant.sampling import next_token
 
 PLAIN = "plain"
-CARRY_OVER = 0.25  # how much of earlier generations' evidence a new generation starts with
+CARRY_OVER = 4.0  # observations per draft position a new generation's estimates start with, at the long-run rates
+LONG_RUN = 0.995  # decay of the long-run estimates: over the last few hundred drafts, of many texts
 COST_FOLLOWS = 0.2  # how far a measured candidate's cost estimate moves toward each draft's cost
 PROBE_SHARE = 0.1  # a probe may spend on catching up at most this share of the rest's plain decoding time
 TIME_FOLLOWS = 0.2  # how far a measured/profiled time ratio moves toward each forward's
@@ -106,13 +107,17 @@ class Rescaled:
 @dataclass
 class Acceptance:
     """Per-position conditional acceptance of one drafter, estimated with exponential forgetting: each
-    observation of a position scales its counts by `decay` first, so estimates follow the text."""
+    observation of a position scales its counts by `decay` first, so estimates follow the text. Beside them,
+    long-run counts (`LONG_RUN`) over many texts: what a new text starts from (`restart`), rather than how
+    the last text happened to end."""
 
     prior: float
     weight: float = 1.0  # pseudo-observations of the prior
     decay: float = 0.95
     reached: list[float] = field(default_factory=list)
     accepted: list[float] = field(default_factory=list)
+    long_reached: list[float] = field(default_factory=list)
+    long_accepted: list[float] = field(default_factory=list)
 
     def rate(self, j: int) -> float:
         """a_{j+1}: acceptance of draft position j (0-based) given the positions before it were accepted;
@@ -131,18 +136,24 @@ class Acceptance:
             totals.append(totals[-1] + run)
         return totals
 
-    def soften(self, factor: float) -> None:
-        """Keep the rates, trust them less: what a new text shows then counts for more."""
-        self.reached = [r * factor for r in self.reached]
-        self.accepted = [a * factor for a in self.accepted]
+    def restart(self, observations: float) -> None:
+        """A new text: the long-run rates, counted as at most `observations` drafts per position, so that
+        what the new text shows soon outweighs them."""
+        self.reached = [min(r, observations) for r in self.long_reached]
+        self.accepted = [a / r * n if r else 0.0 for a, r, n in zip(self.long_accepted, self.long_reached, self.reached)]
 
     def observe(self, drafted: int, n_accepted: int) -> None:
         for j in range(min(n_accepted + 1, drafted)):  # positions the verifier looked at
             if j == len(self.reached):
                 self.reached.append(0.0)
                 self.accepted.append(0.0)
+            if j == len(self.long_reached):
+                self.long_reached.append(0.0)
+                self.long_accepted.append(0.0)
             self.reached[j] = self.decay * self.reached[j] + 1
             self.accepted[j] = self.decay * self.accepted[j] + (j < n_accepted)
+            self.long_reached[j] = LONG_RUN * self.long_reached[j] + 1
+            self.long_accepted[j] = LONG_RUN * self.long_accepted[j] + (j < n_accepted)
 
 
 @dataclass
@@ -289,7 +300,7 @@ def adaptive(
     without_model = wait  # a new text starts with a probe: its drafts' acceptance is measured, not assumed
     for candidate in candidates:  # estimates may come from earlier generations: a new text, a new start
         for estimate in candidate.estimates.values():
-            estimate.soften(CARRY_OVER)
+            estimate.restart(CARRY_OVER)
     while not (yield from emit(pending, out, max_new_tokens, target.eos_token_ids)):
         context = prompt_ids + out
         room = min(k_max, max_new_tokens - len(out) - 1)
