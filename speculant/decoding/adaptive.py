@@ -175,6 +175,7 @@ a model-free candidate matches the context."""
     measured: bool = False
     needs_match: bool = False
     catch_up: Callable[[list[int]], float] | None = None  # seconds to bring its cache up to a context
+    chain: Candidate | None = None  # a tree's: the chain of the same drafter, whose draft is the tree's first children
     scale: Scale = field(default_factory=Scale)  # its drafter's time over its profile's, beyond `speed`'s
     speed: Scale = field(default_factory=Scale)  # the machine's drift, measured on the target (`Timings`)
 
@@ -207,6 +208,23 @@ def match_bucket(length: int) -> int:
     """Max-Gram drafts after a longer match are likelier right: estimate them apart (<= 2, 3-5, 6-15, 16+
     matched tokens); 0 means no match."""
     return 0 if length == 0 else 1 if length <= 2 else 2 if length <= 5 else 3 if length <= 15 else 4
+
+
+def first_children_accepted(tree: Any, emitted: list[int]) -> tuple[int, int]:
+    """(drafted, accepted) of the chain a greedy tree drafter's tree holds - from the root, each node's first
+    child, its likeliest - as greedy verification would have judged it, `emitted` being the tokens the target
+    emitted after the tree's root (the accepted path, then its own token). While a tree drafts, this keeps its
+    chain's estimates current, so that auto goes back to the chain where that pays more."""
+    first: dict[int, int] = {}
+    for node in range(1, len(tree)):
+        first.setdefault(tree.parents[node], node)
+    drafted = accepted = node = 0
+    while node in first:
+        node = first[node]
+        if accepted == drafted and drafted < len(emitted) and tree.tokens[node] == emitted[drafted]:
+            accepted += 1
+        drafted += 1
+    return drafted, accepted
 
 
 def shared_cost(cost: Callable[[int], float], rows: Callable[[], int]) -> Callable[[float], float]:
@@ -340,6 +358,8 @@ def adaptive(
             width = len(tree_draft.tree)
             stats.drafted_nodes += width - 1
             accepted = [tree_draft.tree.tokens[node] for node in path]
+            if chosen.chain is not None and sampling.greedy:
+                chosen.chain.acceptance().observe(*first_children_accepted(tree_draft.tree, accepted + [token]))
         else:
             if chosen is None:
                 draft = Draft([])

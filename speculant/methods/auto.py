@@ -163,8 +163,9 @@ def build(request: Request, options: AutoOptions) -> Any:
             step_s = profile.tpot_s * (drafter.tokens_per_target_token(request.prompt_ids)
                                        if isinstance(drafter, CrossVocabDrafter) else 1.0)
             scale = scales.setdefault(source.name, Scale())
-            candidates.append(Candidate(source.name, drafter, step_s, MODEL_PRIOR, estimates=estimates,
-                                        catch_up=catch_up_cost(drafter, profile), scale=scale, speed=speed))
+            chain = Candidate(source.name, drafter, step_s, MODEL_PRIOR, estimates=estimates,
+                              catch_up=catch_up_cost(drafter, profile), scale=scale, speed=speed)
+            candidates.append(chain)
             same_ids = isinstance(drafter, ModelDrafter)  # trees and reviews need the target's ids
             for width in options.tree_widths if same_ids else ():
                 if not can_pay(profile.cost(width), cost, options.k_max, width):
@@ -173,7 +174,8 @@ def build(request: Request, options: AutoOptions) -> Any:
                 tree = TreeDrafter(drafter.cache)  # the chain's cache: whichever drafts next catches up from it
                 candidates.append(Candidate(name, tree, profile.cost(width), TREE_PRIOR,
                                             estimates=learned.setdefault(name, {}), width=width,
-                                            catch_up=catch_up_cost(tree, profile), scale=scale, speed=speed))
+                                            catch_up=catch_up_cost(tree, profile), chain=chain,
+                                            scale=scale, speed=speed))
     # A vertical cascade (CS Drafting) where Max-Gram finds a match: each model drafter reviews Max-Gram's
     # draft in one forward, keeping what it would itself have drafted, so its drafts are its chain's (the
     # same acceptance estimates), cheaper where Max-Gram guesses right. Its cost per token is measured as
