@@ -171,6 +171,16 @@ def test_bench_cli_writes_json_markdown_and_plots(tiny_dir, tmp_path, capsys):
         assert (out / name).read_bytes()[:4] == b"\x89PNG"
 
 
+def test_bench_says_when_auto_methods_share_a_process(tiny_dir, tmp_path, capsys):
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text('{"prompt": "def f(x):"}\n')
+    argv = ["bench", "--target", tiny_dir, "--dtype", "fp32", "--prompts", str(prompts), "--max-new-tokens", "2"]
+    assert cli.main([*argv, "--methods", "ar", "auto"]) == 0
+    assert "--isolate" not in capsys.readouterr().err
+    assert cli.main([*argv, "--methods", "auto", "auto:k_max=4"]) == 0
+    assert "--isolate compares them fairly" in capsys.readouterr().err
+
+
 def test_bench_cli_bad_input_exits_2(tmp_path, capsys):
     bad = tmp_path / "bad.jsonl"
     bad.write_text("not json\n")
