@@ -234,7 +234,8 @@ def test_a_drafter_follows_the_machine_while_it_does_not_draft():
     assert candidate.cost_s == pytest.approx(0.02) and candidate.scale.value == pytest.approx(1.0, rel=0.01)
     for _ in range(30):
         timings.observe(1, 0.1, 0.1)  # back to its profiled speed; the drafter does not run meanwhile
-    assert candidate.cost_s == pytest.approx(0.01, rel=0.01) and candidate.catch_up_s([1]) == pytest.approx(0.1, rel=0.01)
+    assert candidate.cost_s == pytest.approx(0.01, rel=0.01)
+    assert candidate.catch_up_s([1]) == pytest.approx(0.1, rel=0.01)
 
 
 def test_auto_measures_every_verification_and_draft():

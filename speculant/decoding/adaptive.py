@@ -140,7 +140,8 @@ class Acceptance:
         """A new text: the long-run rates, counted as at most `observations` drafts per position, so that
         what the new text shows soon outweighs them."""
         self.reached = [min(r, observations) for r in self.long_reached]
-        self.accepted = [a / r * n if r else 0.0 for a, r, n in zip(self.long_accepted, self.long_reached, self.reached)]
+        self.accepted = [a / r * n if r else 0.0
+                         for a, r, n in zip(self.long_accepted, self.long_reached, self.reached)]
 
     def observe(self, drafted: int, n_accepted: int) -> None:
         for j in range(min(n_accepted + 1, drafted)):  # positions the verifier looked at
