@@ -36,6 +36,7 @@ from speculant.drafters.base import Draft
 from speculant.models.base import CausalLM
 from speculant.models.metered import metered
 from speculant.sampling import next_token
+from speculant.tree import TokenTree
 
 PLAIN = "plain"
 CARRY_OVER = 4.0  # observations per draft position a new generation's estimates start with, at the long-run rates
@@ -181,12 +182,17 @@ a model-free candidate matches the context."""
     speed: Scale = field(default_factory=Scale)  # the machine's drift, measured on the target (`Timings`)
 
     @property
+    def drift(self) -> float:
+        """How much longer its drafter's forwards take now than profiled: the machine's, then its own."""
+        return self.speed.value * self.scale.value
+
+    @property
     def cost_s(self) -> float:
         """Seconds per drafting step as measured now (a measured candidate's `step_s` already is)."""
-        return self.step_s if self.measured else self.step_s * self.scale.value * self.speed.value
+        return self.step_s if self.measured else self.step_s * self.drift
 
     def catch_up_s(self, context: list[int]) -> float:
-        return self.catch_up(context) * self.scale.value * self.speed.value if self.catch_up is not None else 0.0
+        return self.catch_up(context) * self.drift if self.catch_up is not None else 0.0
 
     def acceptance(self, bucket: int = 0) -> Acceptance:
         return self.estimates.setdefault(bucket, Acceptance(MATCH_PRIORS.get(bucket, self.prior)))
@@ -211,17 +217,14 @@ def match_bucket(length: int) -> int:
     return 0 if length == 0 else 1 if length <= 2 else 2 if length <= 5 else 3 if length <= 15 else 4
 
 
-def first_children_accepted(tree: Any, emitted: list[int]) -> tuple[int, int]:
+def first_children_accepted(tree: TokenTree, emitted: list[int]) -> tuple[int, int]:
     """(drafted, accepted) of the chain a greedy tree drafter's tree holds - from the root, each node's first
     child, its likeliest - as greedy verification would have judged it, `emitted` being the tokens the target
     emitted after the tree's root (the accepted path, then its own token). While a tree drafts, this keeps its
     chain's estimates current, so that auto goes back to the chain where that pays more."""
-    first: dict[int, int] = {}
-    for node in range(1, len(tree)):
-        first.setdefault(tree.parents[node], node)
     drafted = accepted = node = 0
-    while node in first:
-        node = first[node]
+    while tree.child_lists[node]:
+        node = tree.child_lists[node][0]
         if accepted == drafted and drafted < len(emitted) and tree.tokens[node] == emitted[drafted]:
             accepted += 1
         drafted += 1

@@ -64,10 +64,15 @@ def manifest() -> dict | None:
         return None
 
 
+def missing(bin_dir: Path, names: tuple[str, ...] = TOOLS) -> list[str]:
+    """Those of `names` that `bin_dir` lacks."""
+    return [name for name in names if not (bin_dir / name).is_file()]
+
+
 def tool(name: str) -> Path:
     """The path of one of llama.cpp's tools built for this machine; one line if it is not built yet."""
     built = manifest()
-    if built is None or not (Path(built["bin"]) / name).is_file():
+    if built is None or missing(Path(built["bin"]), (name,)):
         raise ModelNotAvailable(f"llama.cpp's {name} is not built on this machine: run `speculant peers "
                                 "build-llamacpp` once (a few minutes)")
     return Path(built["bin"]) / name
@@ -102,7 +107,7 @@ def build(jobs: int | None = None, say: Callable[[str], None] = print) -> Path:
     version = installed_version()
     root = build_root(version)
     built = manifest()
-    if built is not None and all((Path(built["bin"]) / name).is_file() for name in TOOLS):
+    if built is not None and not missing(Path(built["bin"])):
         say(f"already built: {root}")
         return Path(built["bin"])
     for program in ("cmake", "c++"):
@@ -130,9 +135,8 @@ def build(jobs: int | None = None, say: Callable[[str], None] = print) -> Path:
         say(f"building {', '.join(TOOLS)} and libllama (a few minutes) ...")
         run(["cmake", "--build", str(build_dir), "-j", str(jobs or os.cpu_count() or 1), "--target", "llama", *TOOLS])
     bin_dir = build_dir / "bin"
-    missing = [t for t in TOOLS if not (bin_dir / t).is_file()]
-    if missing:
-        raise ConfigError(f"building llama.cpp left no {', '.join(missing)} (log: {log})")
+    if lacking := missing(bin_dir):
+        raise ConfigError(f"building llama.cpp left no {', '.join(lacking)} (log: {log})")
     (root / "manifest.json").write_text(json.dumps({
         "version": version, "cpu": cpu_info()[0], "bin": str(bin_dir), "lib": str(bin_dir),
         "amx_fix": patched, "cmake": list(CMAKE_FLAGS)}, indent=1))
