@@ -39,17 +39,23 @@ def test_every_path_the_cpu_can_run_compiles_and_loads():
 
 @pytest.mark.parametrize("kind", kernels.KINDS)
 @pytest.mark.parametrize("isa", kernels.paths())
-def test_every_row_equals_its_one_row_call_and_the_scalar_reference(kind, isa):
+@pytest.mark.parametrize("inputs", [1280, 1152])  # 5 super-blocks; 4.5, the last half left out
+def test_every_row_equals_its_one_row_call_and_the_scalar_reference(kind, isa, inputs):
     raw = random_tensor(kind, 48, 5, seed=1)
-    weight = kernels.QuantWeight.from_gguf(kind, raw)
-    x = torch.randn(19, weight.in_features, generator=torch.Generator().manual_seed(2)) * 3
+    weight = kernels.QuantWeight.from_gguf(kind, raw, inputs)
+    assert weight.data.shape == (3, formats.panel_bytes(kind, inputs))
+    x = torch.randn(19, inputs, generator=torch.Generator().manual_seed(2)) * 3
     x[4, 100] = 80.0  # an outlier, as LLM activations have
     reference = kernels.matmul(kernels.quantize(x, "scalar"), weight, "scalar", threads=1)
     for width in (1, 2, 3, 5, 8, 9, 16, 19):
         rows = kernels.matmul(kernels.quantize(x[:width], isa), weight, isa)
         assert torch.equal(rows, reference[:width]), (isa, width)
-    dense = x @ torch.from_numpy(formats.dequantize(kind, raw)).T
+    dense = x @ torch.from_numpy(formats.dequantize(kind, raw)[:, :inputs]).T
     assert (reference - dense).norm() / dense.norm() < 0.02  # int8 activations, per 32
+    if inputs % formats.SUPER:  # what the whole super-blocks give where the left-out inputs are zeros
+        padded = torch.nn.functional.pad(x, (0, formats.SUPER - inputs % formats.SUPER))
+        whole = kernels.QuantWeight.from_gguf(kind, raw)
+        assert torch.equal(kernels.matmul(kernels.quantize(padded, isa), whole, isa), reference)
 
 
 @pytest.mark.parametrize("rows", [7, 40])  # 40 rows of 512 are enough blocks to be split among threads
@@ -76,12 +82,15 @@ def test_a_mismatched_width_is_refused():
     weight = kernels.QuantWeight.from_gguf("q4_k", random_tensor("q4_k", 16, 2, seed=4))
     with pytest.raises(ValueError, match="256 inputs for a weight of 512"):
         kernels.matmul(kernels.quantize(torch.zeros(1, 256)), weight)
+    with pytest.raises(ValueError, match="128 inputs do not fit 2 super-blocks"):
+        kernels.QuantWeight.from_gguf("q4_k", random_tensor("q4_k", 16, 2, seed=4), 128)
 
 
 @pytest.mark.parametrize("kind", kernels.KINDS)
 def test_a_drafter_s_weights_of_another_type_are_quantized_again_with_padded_inputs(kind):
-    """Q8_0 weights with 96 inputs become `kind` blocks of 256 inputs, the last 160 zero; activations are
-    padded alike, so the product is the de-quantized weights' up to the 4- or 6-bit rounding."""
+    """Q8_0 weights with 96 inputs become `kind` blocks of 256 inputs, the last 160 zero, of which the kernels
+    read the first 128; activations are padded alike, so the product is the de-quantized weights' up to the 4-
+    or 6-bit rounding."""
     import gguf
 
     rng = np.random.default_rng(5)
@@ -93,7 +102,7 @@ def test_a_drafter_s_weights_of_another_type_are_quantized_again_with_padded_inp
     assert error < (0.12 if kind == "q4_k" else 0.03)
     x = torch.from_numpy(rng.normal(size=(3, 96)).astype(np.float32))
     act = kernels.quantize(x)
-    assert act.quants.shape == (3, 256) and not act.quants[:, 96:].any()
-    y = kernels.matmul(act, kernels.QuantWeight.from_gguf(kind, formats.requantize(kind, raw, "Q8_0")))
+    assert act.quants.shape == (3, 128) and not act.quants[:, 96:].any()
+    y = kernels.matmul(act, kernels.QuantWeight.from_gguf(kind, formats.requantize(kind, raw, "Q8_0"), 128))
     expected = x @ torch.from_numpy(again[:, :96]).T
     assert (y - expected).norm() / expected.norm() < 0.02

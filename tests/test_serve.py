@@ -387,6 +387,8 @@ def test_the_load_script_reports_and_finds_no_solo_mismatch(server):
     result = run_load(url, prompts, requests=8, concurrency=4, max_tokens=12, check_solo=True)
     assert result["errors"] == result["lost"] == result["mismatches_vs_solo"] == 0
     assert result["completion_tokens"] > 0 and result["ttft_ms"]["p50"] is not None
+    spec = result["speculative"]  # summed over the 8 requests' usage
+    assert spec["target_forwards"] >= 8 and 0 <= spec["accepted_tokens"] <= spec["drafted_tokens"]
 
 
 def test_sigterm_drains_running_requests(tmp_path):

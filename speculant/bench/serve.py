@@ -2,7 +2,7 @@
 
 Each client streams its completions (chat for chat prompts) and times the first text and every later
 chunk; the run reports throughput over the wall time, TTFT and inter-token latency percentiles, errors
-and lost requests (sent, never finished), and with `check_solo` how many outputs differ from the same
+and lost requests (sent, never finished), what a speculant server says it drafted and verified, and with `check_solo` how many outputs differ from the same
 prompt sent alone (greedy)."""
 
 from __future__ import annotations
@@ -20,6 +20,7 @@ import numpy as np
 from speculant.bench.datasets import Prompt
 
 TIMEOUT_S = 600.0
+SPECULATIVE = ("drafted_tokens", "accepted_tokens", "target_forwards")  # summed over a run's requests
 
 
 def request_body(prompt: Prompt, model: str, max_tokens: int, temperature: float, stream: bool) -> tuple[str, dict]:
@@ -112,6 +113,7 @@ def run_load(url: str, prompts: Sequence[Prompt], requests: int, concurrency: in
             mismatches = sum(r is not None and "error" not in r and r["text"] != solo[order[i]]
                              for i, r in enumerate(results))
     tokens = sum(r["tokens"] for r in done)
+    spoken = [r["speculative"] for r in done if r.get("speculative")]  # speculant's own servers say what they drafted
     itl = [(r["times"][-1] - r["times"][0]) / (r["tokens"] - 1) for r in done if r["tokens"] > 1 and len(r["times"]) > 1]
     return {
         "label": label, "url": url, "model": model, "concurrency": concurrency, "requests": requests,
@@ -122,6 +124,7 @@ def run_load(url: str, prompts: Sequence[Prompt], requests: int, concurrency: in
         "errors": sum(r is None or "error" in r for r in results),
         "lost": sum(r is None or bool(r.get("lost")) for r in results),
         "mismatches_vs_solo": mismatches,
+        "speculative": {key: sum(s.get(key, 0) for s in spoken) for key in SPECULATIVE} if spoken else None,
         "error_samples": sorted({r["error"] for r in results if r is not None and "error" in r})[:3],
     }
 
@@ -134,6 +137,9 @@ def format_load(result: dict[str, Any]) -> str:
             f"{result['errors']} errors, {result['lost']} lost")
     if result["mismatches_vs_solo"] is not None:
         line += f", {result['mismatches_vs_solo']} outputs differ from solo"
+    if spec := result.get("speculative"):
+        line += (f"; {spec['drafted_tokens']} tokens drafted, {spec['accepted_tokens']} accepted, "
+                 f"{spec['target_forwards']} target forwards")
     return line + ("; " + "; ".join(result["error_samples"]) if result["error_samples"] else "")
 
 

@@ -89,10 +89,12 @@ class QuantWeight:
     data: torch.Tensor
 
     @classmethod
-    def from_gguf(cls, kind: str, raw: np.ndarray) -> "QuantWeight":
-        """`raw`: the GGUF tensor's bytes, one row of blocks per output ([O, K/256 * block bytes])."""
-        packed = formats.pack(kind, raw)
-        return cls(kind, raw.shape[0], packed.shape[1] * formats.SUPER, torch.from_numpy(packed))
+    def from_gguf(cls, kind: str, raw: np.ndarray, inputs: int | None = None) -> "QuantWeight":
+        """`raw`: the GGUF tensor's bytes, one row of blocks per output ([O, K/256 * block bytes]); `inputs`:
+        K - 128 where the last 128 inputs are `formats.requantize`'s zero padding (see `formats.pack`)."""
+        packed = formats.pack(kind, raw, inputs)
+        return cls(kind, raw.shape[0], inputs or raw.shape[1] // formats.GGUF_BYTES[kind] * formats.SUPER,
+                   torch.from_numpy(packed))
 
 
 class MatStruct(ctypes.Structure):
@@ -162,11 +164,11 @@ class Activations:
 
 
 def quantize(x: torch.Tensor, isa: str | None = None) -> Activations:
-    """x [W, K], each row quantized on its own; K is padded with zeros to a multiple of 256, as weights whose
-    inputs are not are padded by `formats.requantize`."""
+    """x [W, K], each row quantized on its own; K is padded with zeros to a multiple of 128, as the inputs of
+    weights whose inputs are not (`formats.inputs_of`)."""
     x = x.float()
-    if x.shape[1] % formats.SUPER:
-        x = F.pad(x, (0, formats.SUPER - x.shape[1] % formats.SUPER))
+    if x.shape[1] != formats.inputs_of(x.shape[1]):
+        x = F.pad(x, (0, formats.inputs_of(x.shape[1]) - x.shape[1]))
     x = x.contiguous()
     rows, width = x.shape
     act = Activations(torch.empty(rows, width, dtype=torch.int8), torch.empty(rows, width // 32),

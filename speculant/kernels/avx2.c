@@ -18,12 +18,12 @@ static inline __attribute__((always_inline)) void q4k_tile(const int rows, const
     for (int h = 0; h < 2; h++) {
         __m256 acc[TILE];
         for (int r = 0; r < rows; r++) acc[r] = _mm256_setzero_ps();
-        for (int64_t s = 0; s < K / 256; s++) {
+        for (int64_t s = 0; s < (K + 255) / 256; s++) {
             const uint8_t *sp = panel + s * Q4K_SUPER;
             if (h == 0) prefetch(sp + PREFETCH * Q4K_SUPER, Q4K_SUPER);
             __m256 d = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(sp + h * 16)));
             __m256 dmin = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(sp + 32 + h * 16)));
-            for (int b = 0; b < 8; b++) {
+            for (int b = 0; b < blocks_in(s, K, 8); b++) {
                 const uint8_t *bp = sp + 64 + b * Q4K_BLOCK;
                 __m256 scale = _mm256_mul_ps(d, _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(bp + h * 8)))));
                 __m256 min = _mm256_mul_ps(dmin, _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(bp + 16 + h * 8)))));
@@ -59,11 +59,11 @@ static inline __attribute__((always_inline)) void q6k_tile(const int rows, const
     for (int h = 0; h < 2; h++) {
         __m256 acc[TILE];
         for (int r = 0; r < rows; r++) acc[r] = _mm256_setzero_ps();
-        for (int64_t s = 0; s < K / 256; s++) {
+        for (int64_t s = 0; s < (K + 255) / 256; s++) {
             const uint8_t *sp = panel + s * Q6K_SUPER;
             if (h == 0) prefetch(sp + PREFETCH * Q6K_SUPER, Q6K_SUPER);
             __m256 d = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(sp + h * 16)));
-            for (int b = 0; b < 16; b++) {
+            for (int b = 0; b < blocks_in(s, K, 16); b++) {
                 const uint8_t *bp = sp + 32 + b * Q6K_BLOCK;
                 __m256 scale = _mm256_mul_ps(d, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(bp + h * 8)))));
                 __m256 min = _mm256_mul_ps(scale, thirty_two);
@@ -93,6 +93,6 @@ static inline __attribute__((always_inline)) void q6k_tile(const int rows, const
 
 DISPATCH(q4k_tile, TILE)
 DISPATCH(q6k_tile, TILE)
-MATMUL(matmul_q4_k, Q4K_SUPER, TILE, q4k_tile_rows)
-MATMUL(matmul_q6_k, Q6K_SUPER, TILE, q6k_tile_rows)
+MATMUL(matmul_q4_k, Q4K_SUPER, Q4K_TAIL, TILE, q4k_tile_rows)
+MATMUL(matmul_q6_k, Q6K_SUPER, Q6K_TAIL, TILE, q6k_tile_rows)
 #include "layer.h"

@@ -12,12 +12,12 @@ static inline __attribute__((always_inline)) void q4k_tile(const int rows, const
     const __m512i low = _mm512_set1_epi8(0x0F);
     __m512 acc[TILE];
     for (int r = 0; r < rows; r++) acc[r] = _mm512_setzero_ps();
-    for (int64_t s = 0; s < K / 256; s++) {
+    for (int64_t s = 0; s < (K + 255) / 256; s++) {
         const uint8_t *sp = panel + s * Q4K_SUPER;
         prefetch(sp + PREFETCH * Q4K_SUPER, Q4K_SUPER);
         __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)sp));
         __m512 dmin = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(sp + 32)));
-        for (int b = 0; b < 8; b++) {
+        for (int b = 0; b < blocks_in(s, K, 8); b++) {
             const uint8_t *bp = sp + 64 + b * Q4K_BLOCK;
             __m512 scale = _mm512_mul_ps(d, _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)bp))));
             __m512 min = _mm512_mul_ps(dmin, _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(bp + 16)))));
@@ -50,11 +50,11 @@ static inline __attribute__((always_inline)) void q6k_tile(const int rows, const
     const __m512 thirty_two = _mm512_set1_ps(32.0f);
     __m512 acc[TILE];
     for (int r = 0; r < rows; r++) acc[r] = _mm512_setzero_ps();
-    for (int64_t s = 0; s < K / 256; s++) {
+    for (int64_t s = 0; s < (K + 255) / 256; s++) {
         const uint8_t *sp = panel + s * Q6K_SUPER;
         prefetch(sp + PREFETCH * Q6K_SUPER, Q6K_SUPER);
         __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)sp));
-        for (int b = 0; b < 16; b++) {
+        for (int b = 0; b < blocks_in(s, K, 16); b++) {
             const uint8_t *bp = sp + 32 + b * Q6K_BLOCK;
             __m512 scale = _mm512_mul_ps(d, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)bp))));
             __m512 min = _mm512_mul_ps(scale, thirty_two);
@@ -82,6 +82,6 @@ static inline __attribute__((always_inline)) void q6k_tile(const int rows, const
 
 DISPATCH(q4k_tile, TILE)
 DISPATCH(q6k_tile, TILE)
-MATMUL(matmul_q4_k, Q4K_SUPER, TILE, q4k_tile_rows)
-MATMUL(matmul_q6_k, Q6K_SUPER, TILE, q6k_tile_rows)
+MATMUL(matmul_q4_k, Q4K_SUPER, Q4K_TAIL, TILE, q4k_tile_rows)
+MATMUL(matmul_q6_k, Q6K_SUPER, Q6K_TAIL, TILE, q6k_tile_rows)
 #include "layer.h"

@@ -2,7 +2,9 @@
 // arithmetic that all of them perform in the same order, so that every path (scalar, AVX2, AVX-512 VNNI)
 // gives the same bits, and a row's result never depends on how many rows share the call.
 //
-// Packed weights (speculant/kernels/formats.py writes them), for panels of 16 outputs:
+// Packed weights (speculant/kernels/formats.py writes them), for panels of 16 outputs, K / 256 super-blocks
+// each, then where K (a multiple of 128) is not a multiple of 256 the first half of one (its header and the
+// blocks of its first 128 inputs: the rest would be padding):
 //   q4_k  per 256 inputs (a super-block), 2368 bytes: d[16], dmin[16] (f16), then 8 blocks of 32 inputs,
 //         each sc[16], m[16] (u8, six bits used) and 256 bytes of nibbles: byte c*64 + j*4 + t holds input
 //         4c + t of output j in its low nibble and input 16 + 4c + t in its high nibble (c < 4, t < 4).
@@ -23,6 +25,12 @@
 #define Q4K_BLOCK 288
 #define Q6K_SUPER 3360
 #define Q6K_BLOCK 208
+#define Q4K_TAIL (64 + 4 * Q4K_BLOCK)
+#define Q6K_TAIL (32 + 8 * Q6K_BLOCK)
+
+// A panel's bytes, and the blocks of super-block s (a last half one holds half of them).
+static inline int64_t panel_bytes(int64_t K, int64_t super, int64_t tail) { return K / 256 * super + (K % 256 ? tail : 0); }
+static inline int blocks_in(int64_t s, int64_t K, int blocks) { return s < K / 256 ? blocks : blocks / 2; }
 
 static inline float half_to_float(uint16_t h) {
     uint32_t sign = (uint32_t)(h & 0x8000) << 16, exp = (h >> 10) & 0x1F, man = h & 0x3FF, bits;
@@ -82,14 +90,15 @@ void quantize_rows(const float *x, int64_t rows, int64_t K, int8_t *qa, float *s
 
 // The row-tile loop every ISA shares: panels split among threads, rows in tiles of at most TILE, a
 // tile's rows all reading each unpacked weight block (TILE_FN(rows, ...) is the ISA's kernel).
-#define MATMUL(NAME, SUPER, TILE, TILE_FN)                                                              \
+#define MATMUL(NAME, SUPER, TAIL, TILE, TILE_FN)                                                        \
     void NAME(const int8_t *qa, const float *sa, const float *o32, const float *o16, int64_t rows,      \
               int64_t K, const uint8_t *packed, int64_t O, float *y, int threads) {                     \
+        int64_t stride = panel_bytes(K, SUPER, TAIL);                                                   \
         _Pragma("omp parallel for schedule(static) num_threads(threads)")                               \
         for (int64_t p = 0; p < O / PANEL; p++)                                                         \
             for (int64_t n = 0; n < rows; n += TILE)                                                    \
                 TILE_FN(rows - n < TILE ? rows - n : TILE, qa + n * K, sa + n * (K / 32),               \
-                        o32 + n * (K / 32), o16 + n * (K / 16), K, packed + p * (K / 256) * SUPER,      \
+                        o32 + n * (K / 32), o16 + n * (K / 16), K, packed + p * stride,                 \
                         y + n * O + p * PANEL, O);                                                      \
     }
 

@@ -13,7 +13,9 @@ import numpy as np
 
 PANEL = 16
 SUPER = 256
+QUANTUM = 128  # a matrix's inputs are padded to a multiple of this, not of SUPER (see `pack`)
 BYTES = {"q4_k": 2368, "q6_k": 3360}  # one panel's super-block in speculant's layout
+TAIL = {"q4_k": 64 + 4 * 288, "q6_k": 32 + 8 * 208}  # its first half: header and the blocks of 128 inputs
 GGUF_BYTES = {"q4_k": 144, "q6_k": 210}  # one output's super-block in the file
 
 
@@ -50,13 +52,28 @@ def _panels(a: np.ndarray, supers: int) -> np.ndarray:
     return np.ascontiguousarray(np.moveaxis(a, 1, -1))
 
 
-def pack(kind: str, raw: np.ndarray) -> np.ndarray:
-    """A GGUF tensor's bytes [O, S*block bytes] in speculant's layout: [P, S, BYTES], the last panel padded
-    with zero weights."""
+def inputs_of(width: int) -> int:
+    """The inputs a matrix of `width` inputs holds in speculant's layout (its activations are padded alike)."""
+    return -(-width // QUANTUM) * QUANTUM
+
+
+def panel_bytes(kind: str, inputs: int) -> int:
+    """One panel's bytes: its whole super-blocks, then, where `inputs` is an odd multiple of 128, the first half
+    of one (a requantized drafter's 896 inputs: 3.5 super-blocks, not 4 of which one is half zeros)."""
+    return inputs // SUPER * BYTES[kind] + (TAIL[kind] if inputs % SUPER else 0)
+
+
+def pack(kind: str, raw: np.ndarray, inputs: int | None = None) -> np.ndarray:
+    """A GGUF tensor's bytes [O, S*block bytes] in speculant's layout: [P, panel_bytes], the last panel padded
+    with zero weights. With `inputs` (S*256 - 128), the last super-block's second half holds zero weights
+    (`requantize`'s padding) and is left out."""
+    supers = raw.shape[1] // GGUF_BYTES[kind]
+    inputs = supers * SUPER if inputs is None else inputs
+    if inputs % QUANTUM or not supers * SUPER - QUANTUM <= inputs <= supers * SUPER:
+        raise ValueError(f"{inputs} inputs do not fit {supers} super-blocks")
     if raw.shape[0] % PANEL:
         raw = np.concatenate([raw, np.zeros((PANEL - raw.shape[0] % PANEL, raw.shape[1]), dtype=np.uint8)])
     rows = raw.shape[0]
-    supers = raw.shape[1] // GGUF_BYTES[kind]
     if kind == "q4_k":
         d, dmin, sc, m, q = unpack_q4_k(raw)
         q = q.reshape(rows, supers, 8, 2, 4, 4)  # [O, S, block, nibble, c, t]
@@ -79,7 +96,8 @@ def pack(kind: str, raw: np.ndarray) -> np.ndarray:
         header = _panels(d, supers).view(np.uint8)
     else:
         raise ValueError(f"no kernel for {kind}")
-    return np.ascontiguousarray(np.concatenate([header, blocks.reshape(*blocks.shape[:2], -1)], axis=-1))
+    full = np.concatenate([header, blocks.reshape(*blocks.shape[:2], -1)], axis=-1).reshape(len(header), -1)
+    return np.ascontiguousarray(full[:, :panel_bytes(kind, inputs)])
 
 
 def dequantize(kind: str, raw: np.ndarray) -> np.ndarray:
@@ -101,7 +119,8 @@ def dequantize(kind: str, raw: np.ndarray) -> np.ndarray:
 
 def requantize(kind: str, raw: np.ndarray, ggml_type: str) -> np.ndarray:
     """A GGUF tensor of a type the kernels do not read ([O, bytes] of `ggml_type`, e.g. Q5_0 or Q8_0) de-quantized
-    and quantized again as `kind`, its inputs padded with zero weights to a multiple of 256: GGUF bytes for `pack`.
+    and quantized again as `kind`, its inputs padded with zero weights to a multiple of 256: GGUF bytes for `pack`
+    (which leaves out a last half super-block of zeros).
     Not the file's numerics: for drafters, whose weights only change what they guess."""
     from gguf import GGMLQuantizationType
     from gguf.quants import dequantize as gguf_dequantize

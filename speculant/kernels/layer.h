@@ -11,7 +11,7 @@
 
 typedef struct {
     const uint8_t *packed;
-    int64_t K, O, out;  // inputs (a multiple of 256), outputs padded to 16, outputs
+    int64_t K, O, out;  // inputs (a multiple of 128), outputs padded to 16, outputs
     int32_t kind;       // 0: q4_k, 1: q6_k
 } Mat;
 

@@ -7,13 +7,13 @@ static void q4k_rows(int64_t rows, const int8_t *qa, const float *sa, const floa
     for (int64_t r = 0; r < rows; r++)
         for (int j = 0; j < PANEL; j++) {
             float acc = 0.0f;
-            for (int64_t s = 0; s < K / 256; s++) {
+            for (int64_t s = 0; s < (K + 255) / 256; s++) {
                 const uint8_t *sp = panel + s * Q4K_SUPER;
                 uint16_t dh, mh;
                 memcpy(&dh, sp + 2 * j, 2);
                 memcpy(&mh, sp + 32 + 2 * j, 2);
                 float d = half_to_float(dh), dmin = half_to_float(mh);
-                for (int b = 0; b < 8; b++) {
+                for (int b = 0; b < blocks_in(s, K, 8); b++) {
                     const uint8_t *bp = sp + 64 + b * Q4K_BLOCK;
                     int64_t kb = s * 8 + b;
                     const int8_t *a = qa + r * K + kb * 32;
@@ -37,12 +37,12 @@ static void q6k_rows(int64_t rows, const int8_t *qa, const float *sa, const floa
     for (int64_t r = 0; r < rows; r++)
         for (int j = 0; j < PANEL; j++) {
             float acc = 0.0f;
-            for (int64_t s = 0; s < K / 256; s++) {
+            for (int64_t s = 0; s < (K + 255) / 256; s++) {
                 const uint8_t *sp = panel + s * Q6K_SUPER;
                 uint16_t dh;
                 memcpy(&dh, sp + 2 * j, 2);
                 float d = half_to_float(dh);
-                for (int b = 0; b < 16; b++) {
+                for (int b = 0; b < blocks_in(s, K, 16); b++) {
                     const uint8_t *bp = sp + 32 + b * Q6K_BLOCK;
                     int64_t k16 = s * 16 + b;
                     const int8_t *a = qa + r * K + k16 * 16;
@@ -62,6 +62,6 @@ static void q6k_rows(int64_t rows, const int8_t *qa, const float *sa, const floa
         }
 }
 
-MATMUL(matmul_q4_k, Q4K_SUPER, 8, q4k_rows)
-MATMUL(matmul_q6_k, Q6K_SUPER, 8, q6k_rows)
+MATMUL(matmul_q4_k, Q4K_SUPER, Q4K_TAIL, 8, q4k_rows)
+MATMUL(matmul_q6_k, Q6K_SUPER, Q6K_TAIL, 8, q6k_rows)
 #include "layer.h"

@@ -104,7 +104,7 @@ class LeanWeights:
             return torch.from_numpy(file[offset:offset + size].view(np.float32).copy())
 
         def matrix(name: str) -> kernels.QuantWeight:
-            kind, (inputs, outputs) = layout["matrices"][name]  # inputs padded to 256
+            kind, (inputs, outputs) = layout["matrices"][name]  # inputs padded to 128
             packed = np.load(directory / f"{name}.npy", mmap_mode="c")
             return kernels.QuantWeight(kind, outputs, inputs, torch.from_numpy(packed))
 
@@ -179,15 +179,17 @@ def _repack(path: Path, directory: Path, head: tuple[int, ...] | None) -> None:
                 raise ConfigError(f"{name} is {tensors[name].tensor_type.name}: the lean backend's kernels read "
                                   f"{', '.join(KINDS)} (a drafter's weights may be quantized again: `name@lean`)")
 
-    def packed(name: str) -> tuple[str, np.ndarray, int]:
-        """(kind, bytes in the kernels' layout, outputs) of a matrix, a drafter's head restricted to its rows."""
+    def packed(name: str) -> tuple[str, np.ndarray, int, int]:
+        """(kind, bytes in the kernels' layout, inputs, outputs) of a matrix, a drafter's head restricted to its
+        rows."""
         ggml_type, raw = tensors[name].tensor_type.name, np.asarray(tensors[name].data)
+        inputs = formats.inputs_of(int(tensors[name].shape[0]))
         if head is not None and name == output:
             raw = raw[np.asarray(head)]
         if ggml_type in KINDS:
-            return KINDS[ggml_type], formats.pack(KINDS[ggml_type], raw), len(raw)
+            return KINDS[ggml_type], formats.pack(KINDS[ggml_type], raw), inputs, len(raw)
         kind = "q6_k" if name == output else "q4_k"  # the head keeps more bits: it ranks every guess
-        return kind, formats.pack(kind, formats.requantize(kind, raw, ggml_type)), len(raw)
+        return kind, formats.pack(kind, formats.requantize(kind, raw, ggml_type), inputs), inputs, len(raw)
 
     eos = _field(reader, "tokenizer.ggml.eos_token_id", None)
     layout = {"config": vars(config), "eos": [] if eos is None else [int(eos)], "output": output, "matrices": {},
@@ -196,8 +198,8 @@ def _repack(path: Path, directory: Path, head: tuple[int, ...] | None) -> None:
     tmp = directory.with_name(f".tmp-{directory.name}-{os.getpid()}")
     tmp.mkdir(parents=True, exist_ok=True)
     for name in names:
-        kind, data, outputs = packed(name)
-        layout["matrices"][name] = [kind, [data.shape[1] * formats.SUPER, outputs]]
+        kind, data, inputs, outputs = packed(name)
+        layout["matrices"][name] = [kind, [inputs, outputs]]
         np.save(tmp / f"{name}.npy", data)
     (tmp / "layout.json").write_text(json.dumps(layout))
     try:
