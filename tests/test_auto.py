@@ -13,7 +13,8 @@ from speculant import cli, generate, latency, load_model
 from speculant.config import SamplingConfig
 from speculant.decoding import adaptive as adaptive_module
 from speculant.decoding.adaptive import (SCALE_RANGE, TIME_FOLLOWS, Acceptance, Candidate, Rescaled, Timings,
-                                         adaptive, best_length, can_pay, expected_remaining, first_children_accepted)
+                                         adaptive, best_length, can_pay, expected_remaining, first_children_accepted,
+                                         shared_cost)
 from speculant.decoding.run import timed
 from speculant.drafters.base import Draft
 from speculant.latency import LatencyProfile
@@ -103,6 +104,18 @@ def test_the_chain_its_cascade_and_its_trees_prefill_the_prompt_once(monkeypatch
         assert len(prefills) == used, choices  # one cache: whichever drafts next catches up from the last
         both = both or len({c for c in choices if c.startswith(drafter.name)}) >= 2  # two of chain, cascade, tree
     assert both
+
+
+def test_a_served_row_sees_the_batch_s_cost_at_the_load_of_the_moment():
+    """One of n batched rows, all taken to draft alike: T(n * W) scaled so that plain decoding costs T(1)."""
+    profile = lambda w: 0.03 + 0.005 * max(w - 4, 0)  # noqa: E731 - flat up to 4 rows, then compute-bound
+    rows = [1]
+    cost = shared_cost(profile, lambda: rows[0])
+    assert cost(1) == profile(1) and cost(4) == profile(4)
+    rows[0] = 4
+    assert cost(1) == profile(1) and cost(4) == pytest.approx(profile(16) * profile(1) / profile(4))
+    rows[0] = 1  # the load falls: the values of the moment, not those first asked for
+    assert cost(4) == profile(4)
 
 
 def test_a_drafter_that_could_not_pay_even_if_always_right_is_never_tried(monkeypatch):

@@ -20,7 +20,8 @@ import numpy as np
 from speculant.bench.datasets import Prompt
 
 TIMEOUT_S = 600.0
-SPECULATIVE = ("drafted_tokens", "accepted_tokens", "target_forwards")  # summed over a run's requests
+# What a speculant server says of each request's speculation, summed over a run's requests.
+SPECULATIVE = ("drafted_tokens", "accepted_tokens", "target_forwards", "drafter_forwards")
 
 
 def request_body(prompt: Prompt, model: str, max_tokens: int, temperature: float, stream: bool) -> tuple[str, dict]:
@@ -139,7 +140,7 @@ def format_load(result: dict[str, Any]) -> str:
         line += f", {result['mismatches_vs_solo']} outputs differ from solo"
     if spec := result.get("speculative"):
         line += (f"; {spec['drafted_tokens']} tokens drafted, {spec['accepted_tokens']} accepted, "
-                 f"{spec['target_forwards']} target forwards")
+                 f"{spec['target_forwards']} target and {spec['drafter_forwards']} drafter forwards")
     return line + ("; " + "; ".join(result["error_samples"]) if result["error_samples"] else "")
 
 

@@ -237,13 +237,15 @@ def shared_cost(cost: Callable[[int], float], rows: Callable[[], int]) -> Callab
     flat a batch of drafts costs little more than one; under load a draft competes with the other
     requests' tokens and stops paying, and plain decoding takes over."""
 
-    one, of_rows = cost(1), {}  # T(1), and T(n) for each load n seen
+    one, known = cost(1), {}  # T(1); T(n * W) * T(1) / T(n) by (load n, W): a served target's T(W) stays as
+    # profiled while it is served (its forwards time whole batches, so nothing observes them), and every row
+    # of every step asks for the same few values
 
     def batched(width: float) -> float:
         n = max(rows(), 1)
-        if n not in of_rows:
-            of_rows[n] = cost(n)
-        return cost(n * width) * one / of_rows[n]
+        if (n, width) not in known:
+            known[n, width] = cost(n * width) * one / cost(n)
+        return known[n, width]
 
     return batched
 
