@@ -144,10 +144,15 @@ def test_the_repack_is_cached(lean_files, monkeypatch):
     monkeypatch.setattr(formats, "pack", no_repack)
     again = LeanWeights(path)  # as a second process would load it
     assert torch.equal(again.output.data, first.weights.output.data)
+    from speculant.models import lean as lean_module
+
+    monkeypatch.setattr(lean_module.inspect, "getsource", lambda function: "def _repack(): ...  # edited")
+    with pytest.raises(AssertionError, match="repacked again"):
+        LeanWeights(path)  # another cache writer: files of its own, not those of the last one
 
 
 def test_a_drafter_on_the_kernels_keeps_frequent_tokens_and_drafts_exactly(lean_files, tmp_path, monkeypatch):
-    """`name@lean`: a GGUF of a type the kernels lack (Q8_0; hidden 64, so inputs padded to 256) is quantized
+    """`name@lean`: a GGUF of a type the kernels lack (Q8_0; hidden 64, so inputs padded to 128) is quantized
     again and its head keeps FR-Spec's most frequent tokens; a lean target drafted for by it emits what it
     emits alone."""
     from speculant.errors import ConfigError

@@ -15,6 +15,7 @@ calls as one forward (`forward_rows`): the same per-row computation, so each get
 from __future__ import annotations
 
 import hashlib
+import inspect
 import json
 import os
 import shutil
@@ -39,7 +40,8 @@ ARCHITECTURES = {"qwen2": "neox", "llama": "norm"}  # rotary layout as llama.cpp
 KINDS = {"Q4_K": "q4_k", "Q6_K": "q6_k"}
 DRAFT_HEAD = 32768  # a drafter's head rows (FR-Spec's 32k of Llama-3's 128k; Qwen2's vocabulary is 152k)
 DEFAULT_POSITIONS = 4096  # cache capacity when the model allows more
-CACHE_LAYOUT = 1  # of the repacked files and layout.json: a change here re-packs every cached model
+CACHE_LAYOUT = 1  # of the repacked files and layout.json: a change here re-packs every cached model (as an edit
+# of formats.py or of _repack does)
 
 
 @dataclass(frozen=True)
@@ -145,7 +147,10 @@ class LeanWeights:
 def _cache_directory(path: Path, head: tuple[int, ...] | None) -> Path:
     stat = path.stat()
     digest = hashlib.sha256(f"{path.resolve()}|{stat.st_size}|{stat.st_mtime_ns}".encode())
-    digest.update(Path(formats.__file__).read_bytes() + f"layout {CACHE_LAYOUT}".encode())
+    # what writes the cache: the layouts (formats.py) and the writer (_repack's source), so that an edit to either
+    # repacks rather than reading files of another layout
+    digest.update(Path(formats.__file__).read_bytes() + inspect.getsource(_repack).encode())
+    digest.update(f"layout {CACHE_LAYOUT}".encode())
     if head is not None:
         digest.update(np.asarray(head, dtype=np.int64).tobytes())
     return cache_root() / "lean" / f"{path.stem}{'' if head is None else '-draft'}-{digest.hexdigest()[:16]}"
