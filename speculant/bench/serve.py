@@ -2,8 +2,8 @@
 
 Each client streams its completions (chat for chat prompts) and times the first text and every later
 chunk; the run reports throughput over the wall time, TTFT and inter-token latency percentiles, errors
-and lost requests (sent, never finished), what a speculant server says it drafted and verified, and with `check_solo` how many outputs differ from the same
-prompt sent alone (greedy)."""
+and lost requests (sent, never finished), what a speculant server says it drafted and verified, and with
+`check_solo` how many outputs differ from the same prompt sent alone (greedy)."""
 
 from __future__ import annotations
 
@@ -114,7 +114,7 @@ def run_load(url: str, prompts: Sequence[Prompt], requests: int, concurrency: in
             mismatches = sum(r is not None and "error" not in r and r["text"] != solo[order[i]]
                              for i, r in enumerate(results))
     tokens = sum(r["tokens"] for r in done)
-    spoken = [r["speculative"] for r in done if r.get("speculative")]  # speculant's own servers say what they drafted
+    spoken = [r["speculative"] for r in done if r.get("speculative")]  # speculant's servers say what they drafted
     itl = [(r["times"][-1] - r["times"][0]) / (r["tokens"] - 1) for r in done if r["tokens"] > 1 and len(r["times"]) > 1]
     return {
         "label": label, "url": url, "model": model, "concurrency": concurrency, "requests": requests,

@@ -29,7 +29,9 @@
 #define Q6K_TAIL (32 + 8 * Q6K_BLOCK)
 
 // A panel's bytes, and the blocks of super-block s (a last half one holds half of them).
-static inline int64_t panel_bytes(int64_t K, int64_t super, int64_t tail) { return K / 256 * super + (K % 256 ? tail : 0); }
+static inline int64_t panel_bytes(int64_t K, int64_t super, int64_t tail) {
+    return K / 256 * super + (K % 256 ? tail : 0);
+}
 static inline int blocks_in(int64_t s, int64_t K, int blocks) { return s < K / 256 ? blocks : blocks / 2; }
 
 static inline float half_to_float(uint16_t h) {
