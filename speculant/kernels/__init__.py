@@ -92,9 +92,9 @@ class QuantWeight:
     def from_gguf(cls, kind: str, raw: np.ndarray, inputs: int | None = None) -> "QuantWeight":
         """`raw`: the GGUF tensor's bytes, one row of blocks per output ([O, K/256 * block bytes]); `inputs`:
         K - 128 where the last 128 inputs are `formats.requantize`'s zero padding (see `formats.pack`)."""
-        packed = formats.pack(kind, raw, inputs)
-        return cls(kind, raw.shape[0], inputs or raw.shape[1] // formats.GGUF_BYTES[kind] * formats.SUPER,
-                   torch.from_numpy(packed))
+        if inputs is None:
+            inputs = raw.shape[1] // formats.GGUF_BYTES[kind] * formats.SUPER
+        return cls(kind, raw.shape[0], inputs, torch.from_numpy(formats.pack(kind, raw, inputs)))
 
 
 class MatStruct(ctypes.Structure):
@@ -166,9 +166,9 @@ class Activations:
 def quantize(x: torch.Tensor, isa: str | None = None) -> Activations:
     """x [W, K], each row quantized on its own; K is padded with zeros to a multiple of 128, as the inputs of
     weights whose inputs are not (`formats.inputs_of`)."""
-    x = x.float()
-    if x.shape[1] != formats.inputs_of(x.shape[1]):
-        x = F.pad(x, (0, formats.inputs_of(x.shape[1]) - x.shape[1]))
+    x, inputs = x.float(), formats.inputs_of(x.shape[1])
+    if inputs != x.shape[1]:
+        x = F.pad(x, (0, inputs - x.shape[1]))
     x = x.contiguous()
     rows, width = x.shape
     act = Activations(torch.empty(rows, width, dtype=torch.int8), torch.empty(rows, width // 32),

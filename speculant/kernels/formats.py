@@ -63,12 +63,11 @@ def panel_bytes(kind: str, inputs: int) -> int:
     return inputs // SUPER * BYTES[kind] + (TAIL[kind] if inputs % SUPER else 0)
 
 
-def pack(kind: str, raw: np.ndarray, inputs: int | None = None) -> np.ndarray:
-    """A GGUF tensor's bytes [O, S*block bytes] in speculant's layout: [P, panel_bytes], the last panel padded
-    with zero weights. With `inputs` (S*256 - 128), the last super-block's second half holds zero weights
-    (`requantize`'s padding) and is left out."""
+def pack(kind: str, raw: np.ndarray, inputs: int) -> np.ndarray:
+    """A GGUF tensor's bytes [O, S*block bytes] holding `inputs` inputs, in speculant's layout: [P, panel_bytes],
+    the last panel padded with zero weights. Where `inputs` is S*256 - 128, the last super-block's second half
+    holds zero weights (`requantize`'s padding) and is left out."""
     supers = raw.shape[1] // GGUF_BYTES[kind]
-    inputs = supers * SUPER if inputs is None else inputs
     if inputs % QUANTUM or not supers * SUPER - QUANTUM <= inputs <= supers * SUPER:
         raise ValueError(f"{inputs} inputs do not fit {supers} super-blocks")
     if raw.shape[0] % PANEL:

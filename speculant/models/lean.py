@@ -192,7 +192,7 @@ def _repack(path: Path, directory: Path, head: tuple[int, ...] | None) -> None:
         if head is not None and name == output:
             raw = raw[np.asarray(head)]
         if ggml_type in KINDS:
-            return KINDS[ggml_type], formats.pack(KINDS[ggml_type], raw), inputs, len(raw)
+            return KINDS[ggml_type], formats.pack(KINDS[ggml_type], raw, inputs), inputs, len(raw)
         kind = "q6_k" if name == output else "q4_k"  # the head keeps more bits: it ranks every guess
         return kind, formats.pack(kind, formats.requantize(kind, raw, ggml_type), inputs), inputs, len(raw)
 
