@@ -239,3 +239,50 @@ def test_served_lean_requests_batch_and_equal_their_solo_runs(lean_files, monkey
         engine.close()
         assert together == expected, method
         assert max(batched, default=0) > 1, method
+
+
+@pytest.mark.parametrize("arch", ["qwen2", "llama"])
+def test_a_handle_skipping_layers_computes_the_model_without_them(lean_files, tmp_path, arch):
+    """`skipping`: the prefill (torch) and the forward (the C layers) of a 4-layer model without layers 1 and 2
+    agree with transformers' model of layers 0 and 3 on the same weights, its cache holding only theirs."""
+    path = tmp_path / f"{arch}.gguf"
+    reference = dequantized_transformer(path, write_tiny_gguf(path, arch, 4, "k", layers=4, hidden=256), arch)
+    reference.model.layers = torch.nn.ModuleList([reference.model.layers[0], reference.model.layers[3]])
+    ids = prompt_ids(8, 20)
+    with torch.no_grad():
+        expected = reference(torch.tensor([ids]), use_cache=False).logits[0, 4:]
+    target = load_model(str(path), backend="lean", tokenizer=byte_tokenizer())
+    skipping = target.skipping([1, 2])
+    assert skipping.layers == (0, 3) and skipping._keys.shape[0] == 2 and skipping.share().layers == (0, 3)
+    rows = torch.cat([skipping.prefill(ids[:5])[None], skipping.forward(ids[5:])])[:, :BYTE_VOCAB]
+    error = (rows - expected).norm() / expected.norm()
+    assert error < 0.05, error
+    full = torch.cat([target.prefill(ids[:5])[None], target.forward(ids[5:])])[:, :BYTE_VOCAB]
+    assert (full - expected).norm() / expected.norm() > 0.2  # the layers left out matter
+
+
+def test_the_model_drafts_for_itself_with_calibrated_layers_left_out(lean_files, tmp_path, monkeypatch):
+    """`self@skip` (Draft & Verify; SWIFT): the calibration leaves out middle layers only and is remembered;
+    sd and auto drafting with it emit what `ar` emits."""
+    from speculant.errors import ConfigError
+    from speculant.models import layer_skip
+
+    path = tmp_path / "six.gguf"
+    write_tiny_gguf(path, "qwen2", 6, "k", layers=6, hidden=256)
+    target = load_model(str(path), backend="lean", tokenizer=byte_tokenizer())
+    skipped = layer_skip.skipped_layers(target)
+    assert skipped and set(skipped) <= {1, 2, 3, 4}, skipped
+    monkeypatch.setattr(layer_skip, "_calibrate", lambda *args: pytest.fail("calibrated again"))
+    assert layer_skip.skipped_layers(target.share()) == skipped
+    for seed in (0, 1):
+        prompt = prompt_ids(seed + 50)
+        expected = generate(target, prompt_ids=prompt, method="ar", max_new_tokens=24).token_ids
+        for options in (dict(method="sd", drafter="self@skip", k=3), dict(method="auto", drafters=["self@skip"])):
+            result = generate(target, prompt_ids=prompt, max_new_tokens=24, **options)
+            assert result.token_ids == expected, options
+            if options["method"] == "sd":
+                assert sum(result.stats.draft_lengths) > 0 and list(result.stats.drafter_forwards) == [
+                    f"{target.name} skipping {len(skipped)}"]
+    for bad in ("maxgram@skip", "qwen2.5-coder-0.5b@skip"):
+        with pytest.raises(ConfigError, match="self@skip"):
+            generate(target, prompt_ids=prompt, max_new_tokens=4, method="sd", drafter=bad)

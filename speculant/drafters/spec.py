@@ -1,4 +1,4 @@
-"""Drafter specs, parsed in one place: `maxgram`, `suffix`, `self`, `self@int8`, `NAME`, `NAME@int4`, `NAME@gguf`,
+"""Drafter specs, parsed in one place: `maxgram`, `suffix`, `self`, `self@int8`, `self@skip`, `NAME`, `NAME@int4`, `NAME@gguf`,
 `NAME@lean` (a catalog name, Hugging Face id or path; @gguf: its GGUF on llama.cpp; @lean: its GGUF on speculant's
 kernels with FR-Spec's head); and `load_drafter`, which turns a spec (or a model, or a Drafter) into what drafts for
 a given target. Parsing needs no torch (the CLI reads specs before anything loads)."""
@@ -16,12 +16,13 @@ SELF = "self"  # the target's own weights (quantized with @int8 / @int4, else sh
 QUANTS = ("int8", "int4")
 GGUF = "gguf"  # the model's packaged GGUF weights as they are, on the llama.cpp backend
 LEAN = "lean"  # the model's GGUF on the lean backend, as a drafter (models/lean.py: head cut, types re-quantized)
+SKIP = "skip"  # self@skip: a lean target's own weights with some layers left out (models/layer_skip.py)
 
 
 @dataclass(frozen=True)
 class DrafterSpec:
     source: str  # "maxgram", "suffix", "self", or a model: catalog name, Hugging Face id or path
-    quant: str | None = None  # "int8" or "int4": quantize the drafter's linear layers at load; "gguf", "lean"
+    quant: str | None = None  # "int8" or "int4": quantize the drafter's linear layers at load; "gguf", "lean"; "skip"
 
     @property
     def kind(self) -> str:
@@ -37,9 +38,11 @@ class DrafterSpec:
             source, quant = text.strip(), None
         if not source:
             raise ConfigError(f"empty drafter name in '{text}'")
-        if quant is not None and quant not in (*QUANTS, GGUF, LEAN):
+        if quant is not None and quant not in (*QUANTS, GGUF, LEAN, SKIP):
             raise ConfigError(f"unknown quantization '{quant}' in drafter '{text}' (choose from {', '.join(QUANTS)}, "
-                              f"{GGUF} for llama.cpp or {LEAN} for speculant's kernels)")
+                              f"{GGUF} for llama.cpp, {LEAN} for speculant's kernels, or self@{SKIP})")
+        if quant == SKIP and source != SELF:
+            raise ConfigError(f"@{SKIP} leaves layers of the target out: write self@{SKIP}, not '{text}'")
         if source in (MAXGRAM, SUFFIX) and quant:
             raise ConfigError(f"{source} runs no model; it takes no quantization")
         if source == SELF and quant in (GGUF, LEAN):
@@ -69,8 +72,8 @@ def check_compatible(target: Any, drafter: Any) -> None:
 def load_drafter(drafter: Any, target: Any, dtype: str | None = None) -> Any:
     """What drafts for `target` (a CausalLM): a Drafter as given; `maxgram` (prompt lookup with the bigram
     table of the target's tokenizer); `suffix` (suffix decoding over the context and the target's earlier
-    generations in this process); `self` (the target's weights with a cache of their own) or
-    `self@int8` / `self@int4` (a quantized copy); a loaded model as given; or any model `load_model`
+    generations in this process); `self` (the target's weights with a cache of their own), `self@int8` /
+    `self@int4` (a quantized copy) or `self@skip` (a lean target without the layers `models.layer_skip` picks); a loaded model as given; or any model `load_model`
     accepts, on the target's backend: for a transformers target, on its device in `dtype` (default: the
     target's); for a llama.cpp or lean target, GGUF models on llama.cpp and others through transformers."""
     from speculant.drafters.base import Drafter
@@ -93,6 +96,12 @@ def load_drafter(drafter: Any, target: Any, dtype: str | None = None) -> Any:
         from speculant.models.base import profiled_as
 
         return SuffixDrafter(history_of(profiled_as(target)))
+    if isinstance(drafter, DrafterSpec) and drafter.kind == SELF and drafter.quant == SKIP:
+        if getattr(target, "backend", None) != "lean":
+            raise ConfigError("self@skip runs on the lean backend (--backend lean)")
+        from speculant.models.layer_skip import skipped_layers
+
+        return target.skipping(skipped_layers(target))
     if isinstance(drafter, DrafterSpec) and drafter.kind == SELF:
         if drafter.quant and not isinstance(target, HFCausalLM):
             raise ConfigError(f"self@{drafter.quant} quantizes transformers weights; this target runs on llama.cpp")

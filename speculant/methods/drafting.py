@@ -22,9 +22,9 @@ def parse_drafters(text: str) -> tuple[DrafterSpec, ...]:
 @dataclass(frozen=True)
 class DrafterOptions:
     drafter: Any = option(DEFAULT_DRAFTER, "drafter: a model NAME[@int8|@int4] (its tokenizer may differ from the "
-                          "target's), self[@int8|@int4] (the target's own weights), maxgram (prompt lookup with a "
-                          "bigram fallback), suffix (suffix decoding over the context and earlier generations), or a "
-                          "model or Drafter object",
+                          "target's), self[@int8|@int4|@skip] (the target's own weights; @skip: with layers left "
+                          "out, lean backend), maxgram (prompt lookup with a bigram fallback), suffix (suffix "
+                          "decoding over the context and earlier generations), or a model or Drafter object",
                           parse=DrafterSpec.parse)
     drafter_dtype: str | None = option(None, "dtype of a model drafter (default: the target's)", choices=DRAFTER_DTYPES)
 

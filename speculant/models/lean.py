@@ -89,7 +89,7 @@ class LeanWeights:
 
     def __init__(self, path: Path, head: tuple[int, ...] | None = None) -> None:
         self.path = path
-        directory = _cache_directory(path, head)
+        directory = self.directory = _cache_directory(path, head)  # where its repacked matrices lie
         if not directory.is_dir():
             _repack(path, directory, head)
         layout = json.loads((directory / "layout.json").read_text())
@@ -251,7 +251,7 @@ class LeanCausalLM:
 
     def __init__(self, weights: LeanWeights, tokenizer: Any | None = None, name: str | None = None,
                  eos_token_ids: frozenset[int] = frozenset(), identity: str | None = None,
-                 positions: int | None = None) -> None:
+                 positions: int | None = None, layers: tuple[int, ...] | None = None) -> None:
         config = self.config = weights.config
         self.weights, self.tokenizer, self.name = weights, tokenizer, name or weights.path.stem
         self.identity, self.vocab_size = identity, weights.vocab_size
@@ -260,13 +260,14 @@ class LeanCausalLM:
         self.kernel = kernels.build()  # a new build of the kernels or layers is profiled anew
         self.numerics = "lean: GGUF K-quants x int8 rows"  # the same bits on every ISA path
         self.interrupt = None
-        shape = (config.layers, config.kv_heads, self.max_positions, config.head_dim)
+        self.layers = tuple(range(config.layers)) if layers is None else layers  # the layers it runs, ascending
+        shape = (len(self.layers), config.kv_heads, self.max_positions, config.head_dim)
         self._keys, self._values = torch.empty(shape), torch.empty(shape)  # only written positions are read
         self._len = 0
 
     @property
     def weights_key(self) -> int:
-        return id(self.weights)
+        return hash((id(self.weights), self.layers))
 
     def rows_forward(self) -> Any:
         """`forward_rows` (see CausalLM)."""
@@ -275,7 +276,15 @@ class LeanCausalLM:
     def share(self) -> LeanCausalLM:
         """Another handle on the same weights with a cache of its own."""
         return LeanCausalLM(self.weights, self.tokenizer, self.name, self.eos_token_ids, self.identity,
-                            self.max_positions)
+                            self.max_positions, self.layers)
+
+    def skipping(self, skipped: Sequence[int]) -> LeanCausalLM:
+        """A handle on the same weights that leaves the `skipped` layers out, with a cache of its own: the model
+        as its own drafter (`models.layer_skip`)."""
+        layers = tuple(i for i in self.layers if i not in set(skipped))
+        return LeanCausalLM(self.weights, self.tokenizer, f"{self.name} skipping {len(self.layers) - len(layers)}",
+                            self.eos_token_ids, self.identity and f"{self.identity} layers {layers}",
+                            self.max_positions, layers)
 
     @property
     def cache_len(self) -> int:
@@ -335,7 +344,8 @@ class LeanCausalLM:
         where = torch.arange(n)
         x = weights.embed(ids).contiguous()  # [n, hidden]
         cos, sin = weights.cos[where][:, None], weights.sin[where][:, None]
-        for index, layer in enumerate(weights.layers):
+        for slot, index in enumerate(self.layers):
+            layer = weights.layers[index]
             if self.interrupt is not None and self.interrupt():
                 raise Interrupted()
             h = kernels.quantize(_rms_norm(x, layer.attn_norm, config.eps))
@@ -343,10 +353,10 @@ class LeanCausalLM:
                        ((layer.q, layer.q_bias), (layer.k, layer.k_bias), (layer.v, layer.v_bias)))
             q = _rotate(q.view(n, config.heads, config.head_dim), cos, sin, layout)
             k = _rotate(k.view(n, config.kv_heads, config.head_dim), cos, sin, layout)
-            self._keys[index, :, :n] = k.transpose(0, 1)
-            self._values[index, :, :n] = v.view(n, config.kv_heads, config.head_dim).transpose(0, 1)
+            self._keys[slot, :, :n] = k.transpose(0, 1)
+            self._values[slot, :, :n] = v.view(n, config.kv_heads, config.head_dim).transpose(0, 1)
             attended = F.scaled_dot_product_attention(
-                q.transpose(0, 1)[None], self._keys[index, None, :, :n], self._values[index, None, :, :n],
+                q.transpose(0, 1)[None], self._keys[slot, None, :, :n], self._values[slot, None, :, :n],
                 is_causal=True, scale=scale, enable_gqa=True)[0].transpose(0, 1).reshape(n, -1)
             x = x + kernels.matmul(kernels.quantize(attended), layer.o)
             h = kernels.quantize(_rms_norm(x, layer.ffn_norm, config.eps))
@@ -419,10 +429,10 @@ def _run_rows(calls: Sequence[_Rows]) -> list[torch.Tensor]:
                             long(keys), long(values), handles[0].max_positions, tuple(held))
     x = weights.embed([t for call in calls for t in call.ids]).contiguous()  # [rows, hidden]
     neox = ARCHITECTURES[config.architecture] == "neox"
-    for index, layer in enumerate(weights.structs):
+    for slot, index in enumerate(handles[0].layers):  # the layer's keys and values lie at `slot` of each cache
         if any(h.interrupt is not None and h.interrupt() for h in handles):
             raise Interrupted()  # nothing past the cache lengths was committed
-        kernels.layer(config, layer, index, x, places, weights.cos, weights.sin, neox)
+        kernels.layer(config, weights.structs[index], slot, x, places, weights.cos, weights.sin, neox)
     picks, at = [], 0  # the rows whose logits are read: a prompt's last, every row of a forward
     for call in calls:
         n = len(call.ids)
@@ -438,9 +448,10 @@ def forward_rows(rows: Sequence[tuple[LeanCausalLM, Call]]) -> list[torch.Tensor
     own; each gets what its call returns alone (a prefill: its last token's logits [vocab]; a forward: one
     row per token [n, vocab]), bit for bit, so batching never changes what a request generates. Prefills
     of prompts that need no mask run on their own, as `prefill` runs them."""
-    weights = rows[0][0].weights
-    if any(handle.weights is not weights or handle.max_positions != rows[0][0].max_positions for handle, _ in rows):
-        raise ValueError("forward_rows needs handles on the same weights and cache capacity")
+    first = rows[0][0]
+    if any((handle.weights, handle.layers, handle.max_positions) != (first.weights, first.layers, first.max_positions)
+           for handle, _ in rows):
+        raise ValueError("forward_rows needs handles on the same weights and layers, and cache capacity")
     if len({id(handle) for handle, _ in rows}) < len(rows):
         raise ValueError("forward_rows takes one call per handle")
     out: dict[int, torch.Tensor] = {}
