@@ -15,6 +15,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 import torch
+from tqdm import tqdm
 
 from speculant.cache import remembered
 from speculant.corpus import corpus_key, default_corpus, tokenize_corpus
@@ -52,9 +53,13 @@ def _calibrate(model: LeanCausalLM, files: list[Path]) -> dict:
     scored = min(SCORED, len(ids) - 1)
     layers, weights = model.layers, model.weights
 
+    bar = tqdm(desc=f"choosing the layers {model.name} skips as its own drafter, once", unit=" forwards",
+               disable=len(layers) < 8, file=sys.stderr, leave=False)
+
     def next_tokens(skipped: Sequence[int]) -> torch.Tensor:
         handle = model.skipping(skipped)
         handle.prefill(ids[:-scored])
+        bar.update()
         return handle.forward(ids[-scored:]).argmax(-1)
 
     per_layer = [sum(m.data.numel() for m in (layer.q, layer.k, layer.v, layer.o, layer.gate, layer.up, layer.down))
@@ -81,4 +86,5 @@ def _calibrate(model: LeanCausalLM, files: list[Path]) -> dict:
         if gain <= chosen["gain"]:
             break
         chosen = {"skipped": skipped, "agreement": a, "share": share(skipped), "gain": gain}
+    bar.close()
     return chosen
