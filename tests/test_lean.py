@@ -259,6 +259,13 @@ def test_a_handle_skipping_layers_computes_the_model_without_them(lean_files, tm
     assert error < 0.05, error
     full = torch.cat([target.prefill(ids[:5])[None], target.forward(ids[5:])])[:, :BYTE_VOCAB]
     assert (full - expected).norm() / expected.norm() > 0.2  # the layers left out matter
+    from speculant.models.base import Call
+    from speculant.models.lean import forward_rows
+
+    # a server batches handles by weights_key: a skipping handle's rows never join the full model's
+    assert skipping.weights_key == skipping.share().weights_key != target.weights_key == target.share().weights_key
+    with pytest.raises(ValueError, match="layers"):
+        forward_rows([(target.share(), Call(ids, prefill=True)), (skipping.share(), Call(ids, prefill=True))])
 
 
 def test_the_model_drafts_for_itself_with_calibrated_layers_left_out(lean_files, tmp_path, monkeypatch):
