@@ -7,6 +7,12 @@
 // in cache order; each sum runs over 16 lanes in a fixed order and then adds the lanes in a fixed order (so
 // compilers vectorize it without reassociating). Row r of a W-row call therefore equals its 1-row call, and
 // with -ffp-contract=off and the same libm every ISA's library gives the same bits.
+//
+// Each ISA's file defines, before including this, the two loops attention spends its time in, with the bits
+// of scalar.c's plain versions: sum16(a, b, n), the sum of a[i] * b[i] over 16 lanes (lane l adds the
+// products of inputs l, l + 16, ... in order), then the lanes pairwise in a fixed tree (lane l += lane l + w
+// for w = 8, 4, 2, 1), then the inputs past the last 16; and weighted_sum(out, p, v, last, d), out[i] = the
+// sum of p[j] * v[j * d + i] over j < last with p[j] != 0, in order of j from 0.
 #include <stdlib.h>
 
 typedef struct {
@@ -19,17 +25,6 @@ typedef struct {
     const float *attn_norm, *ffn_norm, *q_bias, *k_bias, *v_bias;  // biases may be NULL
     Mat q, k, v, o, gate, up, down;
 } Layer;
-
-static inline float sum16(const float *a, const float *b, int64_t n) {  // sum of a[i] * b[i]
-    float lanes[16] = {0}, tail = 0.0f;
-    int64_t whole = n - n % 16;
-    for (int64_t i = 0; i < whole; i += 16)
-        for (int l = 0; l < 16; l++) lanes[l] += a[i + l] * b[i + l];
-    for (int w = 8; w >= 1; w /= 2)  // the lanes pairwise, in a fixed tree
-        for (int l = 0; l < w; l++) lanes[l] += lanes[l + w];
-    for (int64_t i = whole; i < n; i++) tail += a[i] * b[i];
-    return lanes[0] + tail;
-}
 
 // Rows of activations quantized once for every matrix that reads them (q, k, v; gate, up).
 typedef struct {
@@ -130,17 +125,13 @@ void lean_layer(const Layer *L, int64_t hidden, int64_t heads, int64_t kv_heads,
                     top[h] = s > top[h] ? s : top[h];
                 }
             float *out = attended + (r * heads + g * group) * d;  // the group's heads, one after another
-            for (int64_t i = 0; i < group * d; i++) out[i] = 0.0f;
-            for (int64_t j = 0; j < last; j++) {
-                if (visible && !visible[j]) continue;
-                for (int64_t h = 0; h < group; h++) {
-                    float p = expf(scores[h * last + j] - top[h]);
-                    total[h] += p;
-                    for (int64_t i = 0; i < d; i++) out[h * d + i] += p * vc[j * d + i];
-                }
-            }
-            for (int64_t h = 0; h < group; h++)
+            for (int64_t h = 0; h < group; h++) {
+                float *p = scores + h * last;
+                for (int64_t j = 0; j < last; j++) p[j] = expf(p[j] - top[h]);  // 0 where masked
+                for (int64_t j = 0; j < last; j++) total[h] += p[j];
+                weighted_sum(out + h * d, p, vc, last, d);
                 for (int64_t i = 0; i < d; i++) out[h * d + i] /= total[h];
+            }
             free(scores);
         }
     a = quantize_input(attended, n, heads * d, L->o.K, threads);

@@ -64,4 +64,22 @@ static void q6k_rows(int64_t rows, const int8_t *qa, const float *sa, const floa
 
 MATMUL(matmul_q4_k, Q4K_SUPER, Q4K_TAIL, 8, q4k_rows)
 MATMUL(matmul_q6_k, Q6K_SUPER, Q6K_TAIL, 8, q6k_rows)
+
+// layer.h's two attention loops, as their bits are defined.
+static inline float sum16(const float *a, const float *b, int64_t n) {
+    float lanes[16] = {0}, tail = 0.0f;
+    int64_t whole = n - n % 16;
+    for (int64_t i = 0; i < whole; i += 16)
+        for (int l = 0; l < 16; l++) lanes[l] += a[i + l] * b[i + l];
+    for (int w = 8; w >= 1; w /= 2)  // the lanes pairwise, in a fixed tree
+        for (int l = 0; l < w; l++) lanes[l] += lanes[l + w];
+    for (int64_t i = whole; i < n; i++) tail += a[i] * b[i];
+    return lanes[0] + tail;
+}
+
+static inline void weighted_sum(float *out, const float *p, const float *v, int64_t last, int64_t d) {
+    for (int64_t i = 0; i < d; i++) out[i] = 0.0f;
+    for (int64_t j = 0; j < last; j++)
+        for (int64_t i = 0; p[j] != 0.0f && i < d; i++) out[i] += p[j] * v[j * d + i];
+}
 #include "layer.h"
