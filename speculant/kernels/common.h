@@ -60,6 +60,28 @@ static inline void prefetch(const uint8_t *p, int bytes) {
 
 static inline int32_t load32(const int8_t *p) { int32_t v; memcpy(&v, p, 4); return v; }
 
+// e^x for softmax and SiLU: x = n ln2 + r (Cody-Waite's two-part ln2), e^r by Cephes' expf polynomial (within an
+// ulp of libm's expf), 2^n built in the exponent bits; 0 below -87.3 (no subnormals), e^88.3 above 88.3. Plain C
+// whose selects compilers vectorize (with -fno-trapping-math), with the same bits on every ISA, where a libm call
+// per element cost ~11 cycles.
+static inline float exp_poly(float x) {
+    float xc = x < -87.3f ? -87.3f : x;
+    xc = xc > 88.3f ? 88.3f : xc;
+    float n = (xc * 1.44269504088896341f + 12582912.0f) - 12582912.0f;  // to nearest, ties to even (1.5 * 2^23)
+    float r = xc - n * 0.693359375f;
+    r = r - n * -2.12194440e-4f;
+    float p = 1.9875691500e-4f;
+    p = p * r + 1.3981999507e-3f;
+    p = p * r + 8.3334519073e-3f;
+    p = p * r + 4.1665795894e-2f;
+    p = p * r + 1.6666665459e-1f;
+    p = p * r + 5.0000001201e-1f;
+    p = p * (r * r) + r + 1.0f;
+    union { int32_t i; float f; } scale = {((int32_t)n + 127) << 23};
+    float y = p * scale.f;
+    return x >= -87.3f ? y : 0.0f;
+}
+
 // One block of 32 inputs -> its quants, scale and offsets. Written so that compilers vectorize it (lanes
 // compared, never a library call): max and round-to-nearest-even are exact, so every ISA gives the same bits.
 static inline void quantize_block(const float *xb, int8_t *q, float *sa, float *o32, float *o16) {

@@ -6,7 +6,7 @@
 // Row invariance: every row is normalized, rotated and attends on its own, over exactly the keys it may see,
 // in cache order; each sum runs over 16 lanes in a fixed order and then adds the lanes in a fixed order (so
 // compilers vectorize it without reassociating). Row r of a W-row call therefore equals its 1-row call, and
-// with -ffp-contract=off and the same libm every ISA's library gives the same bits.
+// with -ffp-contract=off every ISA's library gives the same bits (exp too: common.h's exp_poly, not libm's).
 //
 // Each ISA's file defines, before including this, the two loops attention spends its time in, with the bits
 // of scalar.c's plain versions: sum16(a, b, n), the sum of a[i] * b[i] over 16 lanes (lane l adds the
@@ -54,6 +54,11 @@ static void free_act(Act a) { free(a.q), free(a.sa), free(a.o32), free(a.o16); }
 static void project(const Mat *m, const Act *a, int64_t n, float *y, int threads) {
     if (m->kind == 0) matmul_q4_k(a->q, a->sa, a->o32, a->o16, n, m->K, m->packed, m->O, y, threads);
     else matmul_q6_k(a->q, a->sa, a->o32, a->o16, n, m->K, m->packed, m->O, y, threads);
+}
+
+// SwiGLU (Shazeer 2020): silu(gate) * up, element by element.
+static inline void swiglu(const float *restrict gate, const float *restrict up, float *restrict act, int64_t n) {
+    for (int64_t i = 0; i < n; i++) act[i] = gate[i] / (1.0f + exp_poly(-gate[i])) * up[i];
 }
 
 static void rms_norm(const float *x, const float *w, int64_t n, int64_t width, float eps, float *y) {
@@ -127,7 +132,7 @@ void lean_layer(const Layer *L, int64_t hidden, int64_t heads, int64_t kv_heads,
             float *out = attended + (r * heads + g * group) * d;  // the group's heads, one after another
             for (int64_t h = 0; h < group; h++) {
                 float *p = scores + h * last;
-                for (int64_t j = 0; j < last; j++) p[j] = expf(p[j] - top[h]);  // 0 where masked
+                for (int64_t j = 0; j < last; j++) p[j] = exp_poly(p[j] - top[h]);  // 0 where masked
                 for (int64_t j = 0; j < last; j++) total[h] += p[j];
                 weighted_sum(out + h * d, p, vc, last, d);
                 for (int64_t i = 0; i < d; i++) out[h * d + i] /= total[h];
@@ -147,12 +152,12 @@ void lean_layer(const Layer *L, int64_t hidden, int64_t heads, int64_t kv_heads,
     project(&L->gate, &a, n, gate, threads);
     project(&L->up, &a, n, up, threads);
     free_act(a);
-    #pragma omp parallel for schedule(static) num_threads(threads)
-    for (int64_t ri = 0; ri < n * inter; ri++) {  // SwiGLU: silu(gate) * up
-        int64_t r = ri / inter, i = ri % inter;
-        float g = gate[r * L->gate.O + i];
-        act[ri] = g / (1.0f + expf(-g)) * up[r * L->up.O + i];
-    }
+    int64_t chunks = (inter + 255) / 256;
+    #pragma omp parallel for collapse(2) schedule(static) num_threads(threads)
+    for (int64_t r = 0; r < n; r++)
+        for (int64_t c = 0; c < chunks; c++)
+            swiglu(gate + r * L->gate.O + c * 256, up + r * L->up.O + c * 256, act + r * inter + c * 256,
+                   inter - c * 256 < 256 ? inter - c * 256 : 256);
     a = quantize_input(act, n, inter, L->down.K, threads);
     project(&L->down, &a, n, down, threads);
     free_act(a);
