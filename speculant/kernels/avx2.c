@@ -96,8 +96,7 @@ DISPATCH(q6k_tile, TILE)
 MATMUL(matmul_q4_k, Q4K_SUPER, Q4K_TAIL, TILE, q4k_tile_rows)
 MATMUL(matmul_q6_k, Q6K_SUPER, Q6K_TAIL, TILE, q6k_tile_rows)
 
-// layer.h's two attention loops with scalar.c's bits: lanes 0-7 and 8-15 in two registers, the tree as
-// halves added; 32 outputs of a weighted sum held in registers over every j.
+// layer.h's sum of products with scalar.c's bits: lanes 0-7 and 8-15 in two registers, the tree as halves added.
 static inline float sum16(const float *a, const float *b, int64_t n) {
     __m256 low = _mm256_setzero_ps(), high = _mm256_setzero_ps();
     int64_t whole = n - n % 16;
@@ -106,29 +105,7 @@ static inline float sum16(const float *a, const float *b, int64_t n) {
         high = _mm256_add_ps(high, _mm256_mul_ps(_mm256_loadu_ps(a + i + 8), _mm256_loadu_ps(b + i + 8)));
     }
     __m256 w8 = _mm256_add_ps(low, high);
-    __m128 w4 = _mm_add_ps(_mm256_castps256_ps128(w8), _mm256_extractf128_ps(w8, 1));
-    __m128 w2 = _mm_add_ps(w4, _mm_movehl_ps(w4, w4));
-    __m128 w1 = _mm_add_ss(w2, _mm_shuffle_ps(w2, w2, 1));
-    float tail = 0.0f;
-    for (int64_t i = whole; i < n; i++) tail += a[i] * b[i];
-    return _mm_cvtss_f32(w1) + tail;
+    return lanes8_sum(w8, a, b, whole, n);
 }
 
-static inline void weighted_sum(float *out, const float *p, const float *v, int64_t last, int64_t d) {
-    int64_t whole = d - d % 8;
-    for (int64_t c = 0; c < whole; c += 32) {
-        int m = whole - c < 32 ? (int)((whole - c) / 8) : 4;
-        __m256 acc[4] = {_mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps()};
-        for (int64_t j = 0; j < last; j++) {
-            if (p[j] == 0.0f) continue;
-            __m256 pj = _mm256_set1_ps(p[j]);
-            for (int k = 0; k < m; k++)
-                acc[k] = _mm256_add_ps(acc[k], _mm256_mul_ps(pj, _mm256_loadu_ps(v + j * d + c + 8 * k)));
-        }
-        for (int k = 0; k < m; k++) _mm256_storeu_ps(out + c + 8 * k, acc[k]);
-    }
-    for (int64_t i = whole; i < d; i++) out[i] = 0.0f;
-    for (int64_t j = 0; j < last; j++)
-        for (int64_t i = whole; p[j] != 0.0f && i < d; i++) out[i] += p[j] * v[j * d + i];
-}
 #include "layer.h"

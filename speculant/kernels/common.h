@@ -60,6 +60,20 @@ static inline void prefetch(const uint8_t *p, int bytes) {
 
 static inline int32_t load32(const int8_t *p) { int32_t v; memcpy(&v, p, 4); return v; }
 
+#ifdef __AVX__
+#include <immintrin.h>
+// The end of sum16 (layer.h) on AVX: lanes l and l + 8 already added (w8), then l += l + 4, l + 2, l + 1 as
+// halves of registers, then the products past the last 16 inputs.
+static inline float lanes8_sum(__m256 w8, const float *a, const float *b, int64_t whole, int64_t n) {
+    __m128 w4 = _mm_add_ps(_mm256_castps256_ps128(w8), _mm256_extractf128_ps(w8, 1));
+    __m128 w2 = _mm_add_ps(w4, _mm_movehl_ps(w4, w4));
+    __m128 w1 = _mm_add_ss(w2, _mm_shuffle_ps(w2, w2, 1));
+    float tail = 0.0f;
+    for (int64_t i = whole; i < n; i++) tail += a[i] * b[i];
+    return _mm_cvtss_f32(w1) + tail;
+}
+#endif
+
 // e^x for softmax and SiLU: x = n ln2 + r (Cody-Waite's two-part ln2), e^r by Cephes' expf polynomial (within an
 // ulp of libm's expf), 2^n built in the exponent bits; 0 below -87.3 (no subnormals), e^88.3 above 88.3. Plain C
 // whose selects compilers vectorize (with -fno-trapping-math), with the same bits on every ISA, where a libm call

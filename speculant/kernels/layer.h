@@ -8,11 +8,10 @@
 // compilers vectorize it without reassociating). Row r of a W-row call therefore equals its 1-row call, and
 // with -ffp-contract=off every ISA's library gives the same bits (exp too: common.h's exp_poly, not libm's).
 //
-// Each ISA's file defines, before including this, the two loops attention spends its time in, with the bits
-// of scalar.c's plain versions: sum16(a, b, n), the sum of a[i] * b[i] over 16 lanes (lane l adds the
-// products of inputs l, l + 16, ... in order), then the lanes pairwise in a fixed tree (lane l += lane l + w
-// for w = 8, 4, 2, 1), then the inputs past the last 16; and weighted_sum(out, p, v, last, d), out[i] = the
-// sum of p[j] * v[j * d + i] over j < last with p[j] != 0, in order of j from 0.
+// Each ISA's file defines, before including this, the loop attention spends most of its time in, with the bits
+// of scalar.c's plain version: sum16(a, b, n), the sum of a[i] * b[i] over 16 lanes (lane l adds the products
+// of inputs l, l + 16, ... in order), then the lanes pairwise in a fixed tree (lane l += lane l + w for w = 8, 4,
+// 2, 1), then the inputs past the last 16.
 #include <stdlib.h>
 
 typedef struct {
@@ -54,6 +53,23 @@ static void free_act(Act a) { free(a.q), free(a.sa), free(a.o32), free(a.o16); }
 static void project(const Mat *m, const Act *a, int64_t n, float *y, int threads) {
     if (m->kind == 0) matmul_q4_k(a->q, a->sa, a->o32, a->o16, n, m->K, m->packed, m->O, y, threads);
     else matmul_q6_k(a->q, a->sa, a->o32, a->o16, n, m->K, m->packed, m->O, y, threads);
+}
+
+// out [d] = the sum of p[j] * v[j * d + i] over j < last where p[j] != 0, in order of j from 0: 64 outputs at a
+// time, which compilers keep in registers over every j (where a loop over all d read and wrote them for each).
+static inline void weighted_sum(float *out, const float *p, const float *v, int64_t last, int64_t d) {
+    int64_t whole = d - d % 64;
+    for (int64_t c = 0; c < whole; c += 64) {
+        float acc[64] = {0};
+        for (int64_t j = 0; j < last; j++) {
+            if (p[j] == 0.0f) continue;
+            for (int k = 0; k < 64; k++) acc[k] += p[j] * v[j * d + c + k];
+        }
+        memcpy(out + c, acc, sizeof acc);
+    }
+    for (int64_t i = whole; i < d; i++) out[i] = 0.0f;
+    for (int64_t j = 0; j < last; j++)
+        for (int64_t i = whole; p[j] != 0.0f && i < d; i++) out[i] += p[j] * v[j * d + i];
 }
 
 // SwiGLU (Shazeer 2020): silu(gate) * up, element by element.

@@ -65,7 +65,7 @@ static void q6k_rows(int64_t rows, const int8_t *qa, const float *sa, const floa
 MATMUL(matmul_q4_k, Q4K_SUPER, Q4K_TAIL, 8, q4k_rows)
 MATMUL(matmul_q6_k, Q6K_SUPER, Q6K_TAIL, 8, q6k_rows)
 
-// layer.h's two attention loops, as their bits are defined.
+// layer.h's sum of products, as its bits are defined.
 static inline float sum16(const float *a, const float *b, int64_t n) {
     float lanes[16] = {0}, tail = 0.0f;
     int64_t whole = n - n % 16;
@@ -77,9 +77,4 @@ static inline float sum16(const float *a, const float *b, int64_t n) {
     return lanes[0] + tail;
 }
 
-static inline void weighted_sum(float *out, const float *p, const float *v, int64_t last, int64_t d) {
-    for (int64_t i = 0; i < d; i++) out[i] = 0.0f;
-    for (int64_t j = 0; j < last; j++)
-        for (int64_t i = 0; p[j] != 0.0f && i < d; i++) out[i] += p[j] * v[j * d + i];
-}
 #include "layer.h"
