@@ -1,7 +1,7 @@
-"""Drafter specs, parsed in one place: `maxgram`, `suffix`, `self`, `self@int8`, `self@skip`, `NAME`, `NAME@int4`, `NAME@gguf`,
-`NAME@lean` (a catalog name, Hugging Face id or path; @gguf: its GGUF on llama.cpp; @lean: its GGUF on speculant's
-kernels with FR-Spec's head); and `load_drafter`, which turns a spec (or a model, or a Drafter) into what drafts for
-a given target. Parsing needs no torch (the CLI reads specs before anything loads)."""
+"""Drafter specs, parsed in one place: `maxgram`, `suffix`, `self`, `self@int8`, `self@skip`, `NAME`, `NAME@int4`,
+`NAME@gguf`, `NAME@lean` (a catalog name, Hugging Face id or path; @gguf: its GGUF on llama.cpp; @lean: its GGUF on
+speculant's kernels with FR-Spec's head); and `load_drafter`, which turns a spec (or a model, or a Drafter) into
+what drafts for a given target. Parsing needs no torch (the CLI reads specs before anything loads)."""
 
 from __future__ import annotations
 
@@ -22,7 +22,7 @@ SKIP = "skip"  # self@skip: a lean target's own weights with some layers left ou
 @dataclass(frozen=True)
 class DrafterSpec:
     source: str  # "maxgram", "suffix", "self", or a model: catalog name, Hugging Face id or path
-    quant: str | None = None  # "int8" or "int4": quantize the drafter's linear layers at load; "gguf", "lean"; "skip"
+    quant: str | None = None  # "int8"/"int4": quantize the drafter's linear layers at load; "gguf", "lean"; "skip"
 
     @property
     def kind(self) -> str:
@@ -73,9 +73,10 @@ def load_drafter(drafter: Any, target: Any, dtype: str | None = None) -> Any:
     """What drafts for `target` (a CausalLM): a Drafter as given; `maxgram` (prompt lookup with the bigram
     table of the target's tokenizer); `suffix` (suffix decoding over the context and the target's earlier
     generations in this process); `self` (the target's weights with a cache of their own), `self@int8` /
-    `self@int4` (a quantized copy) or `self@skip` (a lean target without the layers `models.layer_skip` picks); a loaded model as given; or any model `load_model`
-    accepts, on the target's backend: for a transformers target, on its device in `dtype` (default: the
-    target's); for a llama.cpp or lean target, GGUF models on llama.cpp and others through transformers."""
+    `self@int4` (a quantized copy) or `self@skip` (a lean target without the layers `models.layer_skip` picks);
+    a loaded model as given; or any model `load_model` accepts, on the target's backend: for a transformers
+    target, on its device in `dtype` (default: the target's); for a llama.cpp or lean target, GGUF models on
+    llama.cpp and others through transformers."""
     from speculant.drafters.base import Drafter
     from speculant.models import CausalLM, HFCausalLM, dtype_name, load_model, quantized_copy
 

@@ -11,7 +11,6 @@ import hashlib
 import inspect
 import sys
 from collections.abc import Sequence
-
 from pathlib import Path
 
 import torch
@@ -64,7 +63,7 @@ def _calibrate(model: LeanCausalLM, files: list[Path]) -> dict:
 
     per_layer = [sum(m.data.numel() for m in (layer.q, layer.k, layer.v, layer.o, layer.gate, layer.up, layer.down))
                  for layer in weights.layers]
-    total = weights.output.data.numel() + sum(per_layer)
+    total = sum(m.data.numel() for m in weights.matrices())
 
     def share(skipped: Sequence[int]) -> float:
         """The share of a forward's weight bytes that a draft still streams."""

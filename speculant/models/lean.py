@@ -281,7 +281,8 @@ class LeanCausalLM:
     def skipping(self, skipped: Sequence[int]) -> LeanCausalLM:
         """A handle on the same weights that leaves the `skipped` layers out, with a cache of its own: the model
         as its own drafter (`models.layer_skip`)."""
-        layers = tuple(i for i in self.layers if i not in set(skipped))
+        left_out = set(skipped)
+        layers = tuple(i for i in self.layers if i not in left_out)
         return LeanCausalLM(self.weights, self.tokenizer, f"{self.name} skipping {len(self.layers) - len(layers)}",
                             self.eos_token_ids, self.identity and f"{self.identity} layers {layers}",
                             self.max_positions, layers)
