@@ -12,14 +12,14 @@ from helpers import ScriptedDrafter, byte_tokenizer, perturbed, random_prompt, t
 from speculant import cli, generate, latency, load_model
 from speculant.config import SamplingConfig
 from speculant.decoding import adaptive as adaptive_module
-from speculant.decoding.adaptive import (SCALE_RANGE, TIME_FOLLOWS, Acceptance, Candidate, Rescaled, Timings,
-                                         adaptive, best_length, can_pay, expected_remaining, first_children_accepted,
-                                         shared_cost)
+from speculant.decoding.adaptive import (COST_FOLLOWS, SCALE_RANGE, TIME_FOLLOWS, Acceptance, Candidate, Rescaled,
+                                         Timings, adaptive, best_length, can_pay, expected_remaining,
+                                         first_children_accepted, shared_cost)
 from speculant.decoding.run import timed
 from speculant.drafters.base import Draft
 from speculant.latency import LatencyProfile
 from speculant.tree import TokenTree
-from speculant.models.metered import Usage
+from speculant.models.metered import Metered, Usage
 from test_sampling import assert_follows_target, sampling_pair
 
 VOCAB = 64
@@ -34,10 +34,17 @@ def costs(target, drafter_step=0.05, target_step=1.0):
 
 
 def invent(patch, profile):
-    """Make auto decide from the invented machine `profile`s, taken as they are: not rescaled by what the
-    tiny models' forwards really take (a thousandth of them)."""
+    """Make auto decide from the invented machine `profile`s alone: not rescaled by what the tiny models'
+    forwards really take (a thousandth of them), and with every metered forward taking its profile's time, so
+    that what auto measures as it drafts (a cascade's cost) does not depend on the machine's speed either."""
+    def forward(self, ids, positions=None, tree=None):
+        logits = self.model.forward(ids, positions, tree=tree)
+        u = self.usage
+        self.usage = Usage(u.forwards + 1, u.steps + 1, u.seconds + profile(self.model).cost(len(ids)))
+        return logits
     patch.setattr(latency, "machine_profile", profile)
     patch.setattr(adaptive_module, "SCALE_RANGE", (1.0, 1.0))
+    patch.setattr(Metered, "forward", forward)
 
 
 def run(target, candidates, prompt, n=40, cost=lambda w: 1.0 + 0.01 * w, **kwargs):
@@ -233,6 +240,12 @@ def test_costs_follow_what_the_machine_takes_now_not_only_its_profile():
     assert candidate.cost_s == pytest.approx(0.01) and candidate.catch_up_s([1]) == pytest.approx(0.1)
     candidate.observe_cost({"model": Usage(3, 3, 0.045)}, steps=3, lag=1)
     assert candidate.cost_s == pytest.approx(0.015) and candidate.catch_up_s([1]) == pytest.approx(0.15)
+
+    cascade = Candidate("cascade", None, 0.01, 0.6, measured=True)  # follows what its drafts cost, spikes clipped
+    cascade.observe_cost({"model": Usage(1, 1, 0.015)}, steps=1, lag=0)
+    assert cascade.cost_s == pytest.approx(0.01 + COST_FOLLOWS * 0.005)
+    cascade.observe_cost({"model": Usage(1, 1, 5.0)}, steps=1, lag=0)  # a stall: taken as twice its cost
+    assert cascade.cost_s == pytest.approx(0.011 * (1 + COST_FOLLOWS * (SCALE_RANGE[1] - 1)))
 
 
 def test_a_drafter_follows_the_machine_while_it_does_not_draft():

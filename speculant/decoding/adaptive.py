@@ -202,8 +202,8 @@ a model-free candidate matches the context."""
         `lag` tokens behind the context: a measured candidate's cost per step, or else its drafter's scale.
         A draft that began by catching up on more than a verification's leftovers says little of a step."""
         seconds = sum(u.seconds for u in usage.values())
-        if self.measured and steps:
-            self.step_s += COST_FOLLOWS * (seconds / steps - self.step_s)
+        if self.measured and steps:  # a stall counts as SCALE_RANGE's slowest: drift, not a spike
+            self.step_s += COST_FOLLOWS * (min(seconds / steps, SCALE_RANGE[1] * self.step_s) - self.step_s)
         elif steps and lag <= 2 and self.step_s > 0:
             self.scale.observe(seconds / steps, self.step_s * self.speed.value)
 
