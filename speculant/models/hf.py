@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import inspect
 import threading
 from collections.abc import Callable, Sequence
 from contextlib import nullcontext
@@ -19,6 +20,12 @@ from speculant.tree import TokenTree
 # Attention kernels on CUDA. cuDNN's (torch's first choice on Hopper) builds a plan for every new
 # sequence length, about 35 ms each on an H100 - once per decoding step, tripling its cost.
 CUDA_ATTENTION = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
+
+
+def cache_argument(model: PreTrainedModel) -> str:
+    """The name under which `model.forward` takes its KV cache: `cache` since transformers 5.x renamed
+    `past_key_values` (accepted with a warning until 5.40)."""
+    return "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
 
 
 def eos_ids(model: PreTrainedModel, tokenizer: Any | None) -> frozenset[int]:
@@ -92,6 +99,7 @@ class HFCausalLM:
         self.dtype = model.dtype
         self.numerics = {torch.float32: "fp32", torch.bfloat16: "bf16"}.get(model.dtype, str(model.dtype))
         self._cache = DynamicCache(config=model.config)
+        self._cache_argument = cache_argument(model)
         self._len = 0
         self.interrupt: Callable[[], bool] | None = None  # see CausalLM; checked before every decoder layer
 
@@ -160,7 +168,7 @@ class HFCausalLM:
                     input_ids=input_ids,
                     attention_mask=mask,  # None: causal over the cache and the new tokens
                     position_ids=position_ids,
-                    past_key_values=self._cache,
+                    **{self._cache_argument: self._cache},
                     use_cache=True,
                     logits_to_keep=logits_to_keep,
                 )
