@@ -30,6 +30,9 @@ MORE_ARCHS = ("gpt2", "gpt_neox", "mistral")  # every method's exactness is chec
 BYTE_VOCAB = 257  # 256 bytes + <eos>
 # Every device the engine must run on; CUDA cases run where a GPU is (never in CI) and skip elsewhere.
 DEVICES = ("cpu", pytest.param("cuda", marks=pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA")))
+# Tests that start Ray clusters run on one xdist worker, one after another (`--dist loadgroup`): two local clusters
+# started at once would contend for Ray's fixed default ports.
+RAY = pytest.mark.xdist_group("ray")
 
 
 def byte_tokenizer() -> PreTrainedTokenizerFast:

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from helpers import DEVICES, MarkovLM, perturbed, random_prompt, tiny_model
+from helpers import DEVICES, RAY, MarkovLM, perturbed, random_prompt, tiny_model
 from speculant import generate
 from speculant.config import SamplingConfig
 from speculant.decoding.dsi.engine import DrafterFailed, dsi
@@ -272,7 +272,7 @@ def test_process_executor_survives_a_server_killed_mid_generation():
     assert tokens == reference(target, prompt, 40)
 
 
-@pytest.mark.parametrize("executor", ["thread", "process", "ray"])
+@pytest.mark.parametrize("executor", ["thread", "process", pytest.param("ray", marks=RAY)])
 def test_greedy_dsi_equals_autoregressive_on_every_executor(executor):
     """N in {1, 3} (Ray: 3, its actors take seconds each to start) and lookahead in {1, 3, 5}, one pool per N
     serving every lookahead, random twin latencies to shake out races; a pool of 3 loses server 1 (it exits
@@ -525,6 +525,7 @@ def two_ray_nodes():
         subprocess.run([ray_cli, "stop", "--force"], capture_output=True, timeout=120, env=env)
 
 
+@RAY
 def test_dsi_across_two_ray_nodes_equals_autoregressive(two_ray_nodes):
     import ray
 

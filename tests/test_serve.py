@@ -20,7 +20,7 @@ import pytest
 import torch
 from openai import APIStatusError, OpenAI
 
-from helpers import ARCHS, BYTE_VOCAB, MORE_ARCHS, byte_tokenizer, perturbed, run_job, tiny_model
+from helpers import ARCHS, BYTE_VOCAB, MORE_ARCHS, RAY, byte_tokenizer, perturbed, run_job, tiny_model
 from speculant import generate
 from speculant.api import encode_prompt
 from speculant.bench.datasets import Prompt
@@ -437,6 +437,7 @@ def test_serve_cli_refuses_bad_options_before_loading(capsys):
         assert message in capsys.readouterr().err
 
 
+@RAY
 def test_two_replicas_on_ray_serve_both_answer_as_one_process_would(tmp_path):
     """`serve --replicas 2` on a local Ray cluster: requests through the one port reach both replicas (each names
     itself in a header), and every greedy answer equals the same request decoded here."""
