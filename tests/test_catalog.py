@@ -2,7 +2,9 @@
 
 import json
 import logging
+import multiprocessing
 import os
+import time
 
 import pytest
 
@@ -25,6 +27,27 @@ def test_build_once_then_reuse(tmp_path):
     assert catalog.is_complete(target)
     catalog.build_atomically(target, writer(calls))
     assert len(calls) == 1
+
+
+def build_slowly(target, log):
+    def build(tmp):
+        with open(log, "a") as f:
+            f.write(f"{os.getpid()}\n")
+        time.sleep(0.5)
+        (tmp / "model.safetensors").write_bytes(b"x" * 100)
+    catalog.build_atomically(target, build)
+
+
+def test_processes_that_find_the_cache_missing_at_once_build_it_once(tmp_path):
+    """A server's replicas or the suite's workers: the first builds, the others wait and find it complete."""
+    target, log = tmp_path / "m-bf16", tmp_path / "builds"
+    children = [multiprocessing.get_context("fork").Process(target=build_slowly, args=(target, log)) for _ in range(3)]
+    for child in children:
+        child.start()
+    for child in children:
+        child.join(30)
+    assert [child.exitcode for child in children] == [0, 0, 0]
+    assert len(log.read_text().split()) == 1 and catalog.is_complete(target)
 
 
 def test_truncated_file_is_detected_and_rebuilt(tmp_path, caplog):
@@ -100,7 +123,7 @@ def test_failed_build_leaves_nothing_behind(tmp_path):
 
     with pytest.raises(RuntimeError):
         catalog.build_atomically(target, broken)
-    assert not target.exists() and list(tmp_path.iterdir()) == []
+    assert not target.exists() and [p.name for p in tmp_path.iterdir()] == [".m-bf16.lock"]  # the lock file stays
 
 
 def test_missing_part_names_the_install_command():

@@ -11,6 +11,7 @@ before use, and a cache that fails the check is rebuilt after a one-line warning
 
 from __future__ import annotations
 
+import fcntl
 import importlib.util
 import json
 import logging
@@ -171,26 +172,32 @@ def build_atomically(directory: Path, build: Callable[[Path], None]) -> Path:
     """Return `directory`, first (re)building it with `build(tmp_dir)` unless it is complete and intact.
 
     `build` writes into a fresh temporary sibling; the manifest (sizes and SHA-256) is written last and
-    the directory is renamed into place, so readers see either nothing or a complete cache.
+    the directory is renamed into place, so readers see either nothing or a complete cache. Processes that
+    find it missing at once (a server's replicas, the test suite's workers) build it one at a time: the
+    ones that waited find it complete, rather than deleting it under a reader to put their own in its place.
     """
-    problem = check_cache(directory)
-    if problem is None:
+    if check_cache(directory) is None:
         return directory
-    if problem not in ("missing", "no manifest"):
-        log.warning(f"speculant: the cache {directory} is damaged ({problem}); rebuilding it")
     directory.parent.mkdir(parents=True, exist_ok=True)
-    tmp = directory.parent / f".tmp-{directory.name}-{os.getpid()}"
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir()
-    try:
-        build(tmp)
-        files = {p.name: {"size": p.stat().st_size, "sha256": sha256_file(p), "stamp": _stamp(p)}
-                 for p in tmp.iterdir() if p.is_file()}  # a directory's rename leaves its files' stamps alone
-        (tmp / MANIFEST).write_text(json.dumps({"files": files}, indent=1))
-        shutil.rmtree(directory, ignore_errors=True)
-        os.replace(tmp, directory)
-    finally:
+    with (directory.parent / f".{directory.name}.lock").open("w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file closes
+        problem = check_cache(directory)
+        if problem is None:
+            return directory
+        if problem not in ("missing", "no manifest"):
+            log.warning(f"speculant: the cache {directory} is damaged ({problem}); rebuilding it")
+        tmp = directory.parent / f".tmp-{directory.name}-{os.getpid()}"
         shutil.rmtree(tmp, ignore_errors=True)
+        tmp.mkdir()
+        try:
+            build(tmp)
+            files = {p.name: {"size": p.stat().st_size, "sha256": sha256_file(p), "stamp": _stamp(p)}
+                     for p in tmp.iterdir() if p.is_file()}  # a directory's rename leaves its files' stamps alone
+            (tmp / MANIFEST).write_text(json.dumps({"files": files}, indent=1))
+            shutil.rmtree(directory, ignore_errors=True)
+            os.replace(tmp, directory)
+        finally:
+            shutil.rmtree(tmp, ignore_errors=True)
     return directory
 
 
