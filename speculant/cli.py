@@ -96,6 +96,21 @@ def build_parser() -> argparse.ArgumentParser:
     add_options(acc, ModelConfig)
     acc.add_argument("--json", action="store_true")
 
+    depth = commands.add_parser("train-depth", help="train Yggdrasil's depth predictor for a target and drafter "
+                                "(the tree method then drafts the depth it predicts pays best)")
+    depth.add_argument("--target", default=DEFAULT_TARGET)
+    depth.add_argument("--drafter", default=DEFAULT_DRAFTER, help="a model drafter with the target's vocabulary")
+    depth.add_argument("--drafter-dtype", choices=("bf16", "fp32"), default=None)
+    data = depth.add_mutually_exclusive_group()
+    data.add_argument("--dataset", default="humaneval[30:60]", help="prompts to log trees on (default: "
+                      "humaneval[30:60], apart from the benchmarks' humaneval[:30])")
+    data.add_argument("--prompts", default=None, metavar="FILE.jsonl[:N]")
+    depth.add_argument("--max-new-tokens", type=int, default=64)
+    depth.add_argument("--max-depth", type=int, default=8, help="depth of the logged trees: the most it predicts")
+    depth.add_argument("--width", type=int, default=1, help="nodes per drafting step of the logged trees")
+    add_options(depth, ModelConfig)
+    depth.add_argument("--out", default=None, help="write it here (default: where the tree method finds it)")
+
     serve = commands.add_parser("serve", help="an OpenAI-compatible server (completions, chat, streaming, /metrics) "
                                 "with speculative decoding and continuous batching")
     serve.add_argument("--target", default=DEFAULT_TARGET, help=f"target model (default: {DEFAULT_TARGET})")
@@ -499,6 +514,37 @@ def run_acceptance(args: argparse.Namespace) -> None:
                   "(sampling drafts only shared tokens)")
 
 
+def run_train_depth(args: argparse.Namespace) -> None:
+    from speculant.analysis.depth import fit, log_trees
+    from speculant.api import encode_prompt
+    from speculant.bench.datasets import load_dataset
+    from speculant.drafters.spec import load_drafter
+    from speculant.models import load_model
+    from speculant.tree_depth import predictor_path
+
+    if min(args.max_new_tokens, args.max_depth, args.width) < 1:
+        raise ConfigError("max new tokens, max depth and width must be >= 1")
+    config = from_args(ModelConfig, args)
+    prompts = load_dataset(args.prompts or args.dataset)
+    target = load_model(args.target, dtype=config.dtype, device=config.device, backend=config.backend)
+    drafter = load_drafter(args.drafter, target, args.drafter_dtype)
+    if not hasattr(drafter, "prefill") or drafter.vocab_size != target.vocab_size:
+        raise ConfigError(f"'{args.drafter}' must be a model drafter with the target's vocabulary")
+    out = Path(args.out) if args.out else predictor_path(target, drafter)
+    if out is None:
+        raise ConfigError("models built in memory have no place in the cache: pass --out")
+    ids = [encode_prompt(target.tokenizer, p.text, p.chat) for p in prompts]
+    samples = log_trees(target, drafter, ids, args.max_new_tokens, args.max_depth, args.width)
+    try:
+        predictor, report = fit(samples, args.max_depth)
+    except ValueError as error:
+        raise ConfigError(str(error)) from None
+    predictor.save(out)
+    print(f"{report.steps} trees logged; on {report.held_out} held out, the accepted depth is the predicted one "
+          f"{report.accuracy:.1%} of the time (the most common depth: {report.baseline:.1%}), {report.mean_error:.2f} "
+          f"levels from the expected one on average (from the mean depth: {report.baseline_error:.2f})\nwrote {out}")
+
+
 def run_serve(args: argparse.Namespace) -> None:
     config = from_args(ServeConfig, args)
     model_config = from_args(ModelConfig, args)
@@ -604,6 +650,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             run_profile(args)
         elif args.command == "acceptance":
             run_acceptance(args)
+        elif args.command == "train-depth":
+            run_train_depth(args)
         elif args.command == "serve":
             run_serve(args)
         elif args.command == "bench-serve":

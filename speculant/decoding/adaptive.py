@@ -359,7 +359,7 @@ def adaptive(
         if chosen is not None and chosen.width > 1:
             tree_draft = chosen.drafter.propose_tree(context, k, chosen.width)
             before = target.usage.seconds  # (a draft may run the target: self-speculation)
-            path, token = verify_tree(target, tree_draft.tree, sampling, generator)
+            path, token, _ = verify_tree(target, tree_draft.tree, sampling, generator)
             drafted, n, usage = max(tree_draft.tree.depths), len(path), {chosen.drafter.name: tree_draft.usage}
             width = len(tree_draft.tree)
             stats.drafted_nodes += width - 1

@@ -16,6 +16,7 @@ from speculant.drafters.tree import TreeDrafter
 from speculant.models.base import CausalLM
 from speculant.models.metered import metered
 from speculant.tree import TokenTree
+from speculant.tree_depth import DepthPredictor, features
 from speculant.sampling import logits_to_probs, next_token
 from speculant.tree_prune import prune
 from speculant.verify import verify_tree_greedy, verify_tree_sampling
@@ -32,24 +33,40 @@ def tree_speculative(
     generator: torch.Generator | None = None,
     verify_width: int | None = None,
     cost: Callable[[int], float] | None = None,
+    predictor: DepthPredictor | None = None,
+    log: list[tuple[list[float], int]] | None = None,
 ) -> Decoder:
     """Lossless tree speculation: greedy output equals greedy autoregressive decoding, samples follow p.
 
     `verify_width` caps the drafted nodes the target verifies (default: all depth x width); `cost`,
     T(n) of the target in seconds, makes `depth` a cap and lets the latency-aware objective decide how
-    deep to draft and how many nodes to verify.
+    deep to draft and how many nodes to verify: level by level, or with a depth `predictor` (and `cost`)
+    before drafting. `log` collects what a predictor trains on: each full-depth tree's (features, accepted
+    depth).
     """
     stats = GenerationStats(method="tree", tree_shape=(depth, width, verify_width))
     out: list[int] = []
     target = metered(target)
-    logits = target.prefill(prompt_ids)
-    pending = [next_token(logits, sampling, generator)]
+    last = target.prefill(prompt_ids)  # the target's logits at the last committed token
+    pending = [next_token(last, sampling, generator)]
+    accepted, step_s = 0, None  # the last tree's accepted depth; the drafter's seconds per level, once measured
     while not (yield from emit(pending, out, max_new_tokens, target.eos_token_ids)):
-        draft = drafter.propose_tree(prompt_ids + out, min(depth, max_new_tokens - len(out) - 1), width, cost)
+        room = min(depth, max_new_tokens - len(out) - 1)
+        x = features(last, accepted, predictor.max_depth if predictor else depth) if predictor or log is not None \
+            else None
+        if predictor is not None and cost is not None and step_s is not None and room > 0:
+            draft = drafter.propose_tree(prompt_ids + out, min(room, predictor.depth(x, cost, step_s, width)), width)
+        else:
+            draft = drafter.propose_tree(prompt_ids + out, room, width, cost)
+        if draft.usage.steps:
+            step_s = draft.usage.seconds / draft.usage.steps
         tree = draft.tree
         if verify_width is not None and (verify_width < len(tree) - 1 or cost is not None):
             tree = tree.subtree(prune(tree, draft.path_probs, verify_width, cost, draft.usage.seconds))
-        path, token = verify_tree(target, tree, sampling, generator)
+        path, token, last = verify_tree(target, tree, sampling, generator)
+        if log is not None and max(tree.depths) == depth:
+            log.append((x, len(path)))
+        accepted = len(path)
         # Per iteration: the tree's depth (the most that could be accepted) and the accepted depth.
         stats.record_draft(max(tree.depths), len(path), {drafter.name: draft.usage})
         stats.drafted_nodes += len(draft.tree) - 1
@@ -61,10 +78,10 @@ def tree_speculative(
 
 
 def verify_tree(target: CausalLM, tree: TokenTree, sampling: SamplingConfig,
-                generator: torch.Generator | None) -> tuple[list[int], int]:
+                generator: torch.Generator | None) -> tuple[list[int], int, torch.Tensor]:
     """One target forward over a tree rooted at the last committed token, with tree attention, then tree
-    verification: (accepted nodes, the target's token after them). The target's cache keeps the root and
-    the accepted path."""
+    verification: (accepted nodes, the target's token after them, the logits it was chosen from). The
+    target's cache keeps the root and the accepted path."""
     cached = target.cache_len
     target_logits = target.forward(list(tree.tokens), tree=tree)  # [len(tree), vocab]
     if sampling.greedy:
@@ -72,4 +89,4 @@ def verify_tree(target: CausalLM, tree: TokenTree, sampling: SamplingConfig,
     else:
         path, token = verify_tree_sampling(tree, logits_to_probs(target_logits, sampling), generator)
     target.keep(list(range(cached)) + [cached + node for node in [0, *path]])
-    return path, token
+    return path, token, target_logits[path[-1] if path else 0]

@@ -21,6 +21,8 @@ class TreeOptions(DrafterOptions):
                                             "dynamic programming, or auto (default: all)", parse=count_or_auto)
     target_profile: Any = option(None, "the target's `speculant profile` JSON: its T(W) lets the latency-aware "
                                  "objective choose tree depth and verify width", parse=Path)
+    depth_predictor: str = option(AUTO, "a depth predictor's JSON, auto (the one `speculant train-depth` made for "
+                                  "this target and drafter, if any) or off")
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -30,6 +32,9 @@ class TreeOptions(DrafterOptions):
                 raise ConfigError(f"{name.replace('_', '-')} must be an integer >= 1 or auto, got {value!r}")
         if isinstance(self.target_profile, (str, Path)) and not Path(self.target_profile).is_file():
             raise ConfigError(f"target profile not found: {self.target_profile} (make one with `speculant profile --out`)")
+        if self.depth_predictor not in (AUTO, "off") and not Path(self.depth_predictor).is_file():
+            raise ConfigError(f"depth predictor not found: {self.depth_predictor} (make one with `speculant "
+                              "train-depth`)")
 
 
 @register("tree", TreeOptions, "token trees: depth x width drafted nodes verified in one forward")
@@ -40,7 +45,7 @@ def build(request: Request, options: TreeOptions) -> Any:
     from speculant.drafters.spec import load_drafter
     from speculant.drafters.tree import TreeDrafter
     from speculant.drafters.vocab import same_vocabulary
-    from speculant.latency import LatencyProfile
+    from speculant.latency import LatencyProfile, machine_profile
 
     model = load_drafter(options.drafter, request.target, options.drafter_dtype)
     if isinstance(model, Drafter):
@@ -53,5 +58,19 @@ def build(request: Request, options: TreeOptions) -> Any:
         profile = LatencyProfile.load(profile)
     shape = tree_shape(request.target, model, request.prompt_ids, options.depth, options.width, options.verify_width,
                        profile)
+    predictor, cost = depth_predictor(options.depth_predictor, request.target, model), shape.cost
+    if predictor is not None and cost is None:
+        cost = machine_profile(request.target).cost
     return tree_speculative(request.target, TreeDrafter(model), request.prompt_ids, shape.depth, shape.width,
-                            request.max_new_tokens, request.sampling, request.generator, shape.verify_width, shape.cost)
+                            request.max_new_tokens, request.sampling, request.generator, shape.verify_width, cost,
+                            predictor)
+
+
+def depth_predictor(choice: str, target: Any, drafter: Any) -> Any:
+    """The DepthPredictor `choice` names: a JSON file, off, or auto (train-depth's for the pair, if any)."""
+    from speculant.tree_depth import DepthPredictor, predictor_path
+
+    if choice == "off":
+        return None
+    path = predictor_path(target, drafter) if choice == AUTO else Path(choice)
+    return DepthPredictor.load(path) if path is not None and path.is_file() else None

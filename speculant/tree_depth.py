@@ -1,0 +1,92 @@
+"""Yggdrasil's depth predictor (Guan et al. 2025): before a tree is drafted, a small MLP predicts
+how many of its levels the target will accept, and the depth that maximizes the latency-aware objective
+(expected accepted tokens per second of drafting and verification, Eq. 3) is drafted in one go, instead of
+deciding after every drafting step whether another pays.
+
+The MLP reads the target's distribution at the last committed token (its top two probabilities and its
+entropy) and how much of the previous tree was accepted, rather than the target's hidden state: every
+backend has these (llama.cpp exposes no hidden state without a second context), and four numbers train
+from a few hundred logged steps. Its output is a distribution over the accepted length of a tree drafted to
+`max_depth`. `speculant train-depth` logs and trains it; the tree method uses it where one was trained for
+its target and drafter. It decides only how deep to draft, so output stays exactly the target's.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+from collections.abc import Callable, Sequence
+from pathlib import Path
+
+import torch
+
+from speculant.cache import cache_root
+
+FEATURES = 4
+HIDDEN = 16
+
+
+def features(logits: torch.Tensor, accepted: int, max_depth: int) -> list[float]:
+    """The predictor's input: the target's top two probabilities and normalized entropy at the last
+    committed token (`logits`, one row), and the previous tree's accepted depth over `max_depth`."""
+    logp = torch.log_softmax(logits.float(), -1)
+    top = logp.topk(2).values.exp()
+    entropy = -float((logp.exp() * logp).sum()) / math.log(logits.shape[-1])
+    return [float(top[0]), float(top[1]), entropy, accepted / max_depth]
+
+
+class DepthPredictor:
+    """P(accepted depth = a), a = 0..max_depth, of a tree drafted to `max_depth`, and the depth to draft."""
+
+    def __init__(self, max_depth: int, state: dict[str, torch.Tensor] | None = None):
+        self.max_depth = max_depth
+        self.net = torch.nn.Sequential(torch.nn.Linear(FEATURES, HIDDEN), torch.nn.ReLU(),
+                                       torch.nn.Linear(HIDDEN, max_depth + 1))
+        if state is not None:
+            self.net.load_state_dict(state)
+
+    @torch.no_grad()
+    def accepted(self, x: Sequence[float]) -> torch.Tensor:
+        return torch.softmax(self.net(torch.tensor([x], dtype=torch.float32))[0], -1)
+
+    def depth(self, x: Sequence[float], cost: Callable[[int], float], step_s: float, width: int) -> int:
+        """argmax over d of (1 + E[min(accepted, d)]) / (d drafting steps + T(1 + d x width)) (Eq. 3)."""
+        at_least = self.accepted(x).flip(0).cumsum(0).flip(0)  # P(accepted >= a)
+        tokens = 1 + at_least[1:].cumsum(0)  # drafting d levels: 1 + sum_{j <= d} P(accepted >= j)
+        rates = [float(tokens[d - 1]) / (d * step_s + cost(1 + d * width)) for d in range(1, self.max_depth + 1)]
+        return 1 + max(range(len(rates)), key=rates.__getitem__)
+
+    def save(self, path: Path) -> None:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        state = {name: value.tolist() for name, value in self.net.state_dict().items()}
+        path.write_text(json.dumps({"max_depth": self.max_depth, "state": state}))
+
+    @classmethod
+    def load(cls, path: Path) -> DepthPredictor:
+        saved = json.loads(path.read_text())
+        return cls(saved["max_depth"], {name: torch.tensor(value) for name, value in saved["state"].items()})
+
+
+def train(samples: Sequence[tuple[list[float], int]], max_depth: int, epochs: int = 150) -> DepthPredictor:
+    """Fit the MLP to logged (features, accepted depth) pairs by cross-entropy (full batch, Adam, seeded)."""
+    torch.manual_seed(0)
+    predictor = DepthPredictor(max_depth)
+    x = torch.tensor([s[0] for s in samples], dtype=torch.float32)
+    y = torch.tensor([s[1] for s in samples], dtype=torch.long)
+    optimizer = torch.optim.Adam(predictor.net.parameters(), lr=0.01)
+    for _ in range(epochs):
+        optimizer.zero_grad()
+        torch.nn.functional.cross_entropy(predictor.net(x), y).backward()
+        optimizer.step()
+    return predictor
+
+
+def predictor_path(target, drafter) -> Path | None:
+    """Where the predictor for this target and drafter lies, beside the machine profiles; None for models
+    built in memory (no identity)."""
+    names = [getattr(model, "identity", None) for model in (target, drafter)]
+    if None in names:
+        return None
+    key = "|".join(f"{name}|{getattr(model, 'numerics', '')}" for name, model in zip(names, (target, drafter)))
+    return cache_root() / "machine" / "depth" / f"{hashlib.sha256(key.encode()).hexdigest()[:16]}.json"

@@ -1,0 +1,71 @@
+"""Yggdrasil's depth predictor: it learns what decides how deep a tree is accepted, drafts the depth the
+objective prefers, and leaves the output exactly the target's."""
+
+import random
+
+import pytest
+import torch
+
+from helpers import MORE_ARCHS, perturbed, random_prompt, tiny_model
+from speculant import cli, generate
+from speculant.analysis.depth import fit, log_trees
+from speculant.tree_depth import DepthPredictor, features
+
+
+def test_the_predictor_learns_the_accepted_depth_and_drafts_deeper_where_more_is_accepted():
+    rng = random.Random(0)
+    samples = []
+    for _ in range(600):  # the accepted depth follows the target's confidence, give or take a level
+        p1 = rng.random()
+        accepted = min(4, round(4 * p1) + rng.choice([0, 0, 0, 1]))
+        samples.append(([p1, (1 - p1) / 2, 1 - p1, rng.random()], accepted))
+    predictor, report = fit(samples, 4)
+    assert report.accuracy > report.baseline + 0.25 and report.mean_error < 0.6 < report.baseline_error
+    flat = lambda n: 1.0  # noqa: E731 - verification costs the same whatever the tree
+    depths = [predictor.depth([p1, (1 - p1) / 2, 1 - p1, 0.5], flat, 0.2, 1) for p1 in (0.05, 0.5, 0.95)]
+    assert depths == sorted(depths) and depths[0] < depths[-1] == 4
+    steep = lambda n: 1.0 + n  # noqa: E731 - each node costs a forward: only a sure level pays
+    assert predictor.depth([0.05, 0.5, 0.95, 0.5], steep, 0.2, 1) == 1
+
+
+def test_features_read_the_target_distribution():
+    x = features(torch.tensor([10.0, 0.0, 0.0, 0.0]), 2, 4)
+    assert x[0] > 0.99 and x[1] < 0.01 and x[2] < 0.01 and x[3] == 0.5
+    assert features(torch.zeros(4), 0, 4)[:3] == pytest.approx([0.25, 0.25, 1.0])
+
+
+@pytest.mark.parametrize("arch", ["llama", *MORE_ARCHS[:1]])
+def test_trees_of_the_predicted_depth_equal_ar(arch, tmp_path, monkeypatch):
+    target = tiny_model(arch, 3, 64, init_std=0.1)
+    drafter = perturbed(target, 0.1, 3)
+    prompts = [random_prompt(seed, 64, 6) * 2 for seed in range(6)]
+    samples = log_trees(target, drafter, prompts, 24, 5, 1)
+    assert samples and all(0 <= a <= 5 and len(x) == 4 for x, a in samples)
+    predictor, _ = fit(samples, 5)
+    predictor.save(tmp_path / "depth.json")
+    chosen = []
+    monkeypatch.setattr(DepthPredictor, "depth", lambda self, *args, real=DepthPredictor.depth:
+                        chosen.append(real(self, *args)) or chosen[-1])
+    for prompt in prompts[:3]:
+        expected = generate(target, prompt_ids=prompt, method="ar", max_new_tokens=30).token_ids
+        for width in (1, 2):
+            result = generate(target, prompt_ids=prompt, drafter=drafter, method="tree", depth=5, width=width,
+                              depth_predictor=str(tmp_path / "depth.json"), max_new_tokens=30)
+            assert result.token_ids == expected
+    assert chosen and all(1 <= d <= 5 for d in chosen)
+
+
+def test_train_depth_writes_the_predictor_and_refuses_bad_input(tmp_path, capsys):
+    from helpers import BYTE_VOCAB, byte_tokenizer
+
+    model = tiny_model("llama", 4, BYTE_VOCAB, init_std=0.1, tokenizer=byte_tokenizer())
+    model.model.save_pretrained(tmp_path / "m")
+    model.tokenizer.save_pretrained(tmp_path / "m")
+    out, weights = tmp_path / "depth.json", str(tmp_path / "m")
+    assert cli.main(["train-depth", "--target", weights, "--drafter", weights, "--dataset", "humaneval[:4]",
+                     "--max-new-tokens", "12", "--max-depth", "3", "--out", str(out)]) == 0
+    assert "trees logged" in capsys.readouterr().out and DepthPredictor.load(out).max_depth == 3
+    assert cli.main(["train-depth", "--target", weights, "--drafter", "maxgram", "--out", str(out)]) == 2
+    assert "must be a model drafter" in capsys.readouterr().err
+    assert cli.main(["train-depth", "--target", weights, "--width", "0"]) == 2
+    assert "must be >= 1" in capsys.readouterr().err
