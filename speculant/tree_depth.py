@@ -4,7 +4,7 @@ how many of its levels the target will accept, and the depth that maximizes the 
 deciding after every drafting step whether another pays.
 
 The MLP reads the target's distribution at the last committed token (its top two probabilities and its
-entropy) and how much of the previous tree was accepted, rather than the target's hidden state: every
+entropy) and the per-level acceptance of the last few trees, rather than the target's hidden state: every
 backend has these (llama.cpp exposes no hidden state without a second context), and four numbers train
 from a few hundred logged steps. Its output is a distribution over the accepted length of a tree drafted to
 `max_depth`. `speculant train-depth` logs and trains it; the tree method uses it where one was trained for
@@ -25,15 +25,33 @@ from speculant.cache import cache_root
 
 FEATURES = 4
 HIDDEN = 16
+RECENT = 0.5  # how much of the per-level acceptance a tree leaves to the trees before it
 
 
-def features(logits: torch.Tensor, accepted: int, max_depth: int) -> list[float]:
+class Recent:
+    """The per-level acceptance of the last few trees: accepted levels over levels tried, a rejection counting
+    as one; the same whatever depth was drafted (a tree accepted whole says only that its depth was not too
+    deep), so what a predictor drafts does not shift its own input."""
+
+    def __init__(self) -> None:
+        self.accepted, self.tried = 0.0, 0.0
+
+    def observe(self, accepted: int, depth: int) -> None:
+        self.accepted = RECENT * self.accepted + accepted
+        self.tried = RECENT * self.tried + accepted + (accepted < depth)
+
+    @property
+    def rate(self) -> float:
+        return (self.accepted + 1) / (self.tried + 2)
+
+
+def features(logits: torch.Tensor, recent: Recent) -> list[float]:
     """The predictor's input: the target's top two probabilities and normalized entropy at the last
-    committed token (`logits`, one row), and the previous tree's accepted depth over `max_depth`."""
+    committed token (`logits`, one row), and the recent trees' per-level acceptance."""
     logp = torch.log_softmax(logits.float(), -1)
     top = logp.topk(2).values.exp()
     entropy = -float((logp.exp() * logp).sum()) / math.log(logits.shape[-1])
-    return [float(top[0]), float(top[1]), entropy, accepted / max_depth]
+    return [float(top[0]), float(top[1]), entropy, recent.rate]
 
 
 class DepthPredictor:

@@ -9,7 +9,7 @@ import torch
 from helpers import MORE_ARCHS, perturbed, random_prompt, tiny_model
 from speculant import cli, generate
 from speculant.analysis.depth import fit, log_trees
-from speculant.tree_depth import DepthPredictor, features
+from speculant.tree_depth import DepthPredictor, Recent, features
 
 
 def test_the_predictor_learns_the_accepted_depth_and_drafts_deeper_where_more_is_accepted():
@@ -28,10 +28,18 @@ def test_the_predictor_learns_the_accepted_depth_and_drafts_deeper_where_more_is
     assert predictor.depth([0.05, 0.5, 0.95, 0.5], steep, 0.2, 1) == 1
 
 
-def test_features_read_the_target_distribution():
-    x = features(torch.tensor([10.0, 0.0, 0.0, 0.0]), 2, 4)
+def test_features_read_the_target_distribution_and_the_recent_acceptance():
+    recent = Recent()
+    x = features(torch.tensor([10.0, 0.0, 0.0, 0.0]), recent)
     assert x[0] > 0.99 and x[1] < 0.01 and x[2] < 0.01 and x[3] == 0.5
-    assert features(torch.zeros(4), 0, 4)[:3] == pytest.approx([0.25, 0.25, 1.0])
+    assert features(torch.zeros(4), recent)[:3] == pytest.approx([0.25, 0.25, 1.0])
+    shallow, deep = Recent(), Recent()
+    for _ in range(6):  # every level accepted, at whatever depth it drafts: the same high rate
+        shallow.observe(2, 2)
+        deep.observe(8, 8)
+    assert shallow.rate > 0.75 and deep.rate > 0.9
+    deep.observe(0, 8)  # a first-level rejection pulls it down
+    assert deep.rate < 0.9
 
 
 @pytest.mark.parametrize("arch", ["llama", *MORE_ARCHS[:1]])

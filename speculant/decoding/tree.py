@@ -16,7 +16,7 @@ from speculant.drafters.tree import TreeDrafter
 from speculant.models.base import CausalLM
 from speculant.models.metered import metered
 from speculant.tree import TokenTree
-from speculant.tree_depth import DepthPredictor, features
+from speculant.tree_depth import DepthPredictor, Recent, features
 from speculant.sampling import logits_to_probs, next_token
 from speculant.tree_prune import prune
 from speculant.verify import verify_tree_greedy, verify_tree_sampling
@@ -49,11 +49,10 @@ def tree_speculative(
     target = metered(target)
     last = target.prefill(prompt_ids)  # the target's logits at the last committed token
     pending = [next_token(last, sampling, generator)]
-    accepted, step_s = 0, None  # the last tree's accepted depth; the drafter's seconds per level, once measured
+    recent, step_s = Recent(), None  # the trees' acceptance; the drafter's seconds per level, once measured
     while not (yield from emit(pending, out, max_new_tokens, target.eos_token_ids)):
         room = min(depth, max_new_tokens - len(out) - 1)
-        x = features(last, accepted, predictor.max_depth if predictor else depth) if predictor or log is not None \
-            else None
+        x = features(last, recent) if predictor is not None or log is not None else None
         if predictor is not None and cost is not None and step_s is not None and room > 0:
             draft = drafter.propose_tree(prompt_ids + out, min(room, predictor.depth(x, cost, step_s, width)), width)
         else:
@@ -66,7 +65,7 @@ def tree_speculative(
         path, token, last = verify_tree(target, tree, sampling, generator)
         if log is not None and max(tree.depths) == depth:
             log.append((x, len(path)))
-        accepted = len(path)
+        recent.observe(len(path), max(tree.depths))
         # Per iteration: the tree's depth (the most that could be accepted) and the accepted depth.
         stats.record_draft(max(tree.depths), len(path), {drafter.name: draft.usage})
         stats.drafted_nodes += len(draft.tree) - 1
