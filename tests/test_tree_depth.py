@@ -47,6 +47,7 @@ def test_trees_of_the_predicted_depth_equal_ar(arch, tmp_path, monkeypatch):
     target = tiny_model(arch, 3, 64, init_std=0.1)
     drafter = perturbed(target, 0.1, 3)
     prompts = [random_prompt(seed, 64, 6) * 2 for seed in range(6)]
+    assert len(log_trees(target, drafter, prompts[:2], 24, 5, 2)) >= 4  # trees of width 2 log too
     samples = log_trees(target, drafter, prompts, 24, 5, 1)
     assert samples and all(0 <= a <= 5 and len(x) == 4 for x, a in samples)
     predictor, _ = fit(samples, 5)

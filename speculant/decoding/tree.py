@@ -41,8 +41,8 @@ def tree_speculative(
     `verify_width` caps the drafted nodes the target verifies (default: all depth x width); `cost`,
     T(n) of the target in seconds, makes `depth` a cap and lets the latency-aware objective decide how
     deep to draft and how many nodes to verify: level by level, or with a depth `predictor` (and `cost`)
-    before drafting. `log` collects what a predictor trains on: each full-depth tree's (features, accepted
-    depth).
+    before drafting. `log` collects what a predictor trains on: each tree of all `depth` drafting steps'
+    (features, accepted depth).
     """
     stats = GenerationStats(method="tree", tree_shape=(depth, width, verify_width))
     out: list[int] = []
@@ -63,7 +63,7 @@ def tree_speculative(
         if verify_width is not None and (verify_width < len(tree) - 1 or cost is not None):
             tree = tree.subtree(prune(tree, draft.path_probs, verify_width, cost, draft.usage.seconds))
         path, token, last = verify_tree(target, tree, sampling, generator)
-        if log is not None and max(tree.depths) == depth:
+        if log is not None and room == depth:  # a tree of every drafting step
             log.append((x, len(path)))
         recent.observe(len(path), max(tree.depths))
         # Per iteration: the tree's depth (the most that could be accepted) and the accepted depth.
