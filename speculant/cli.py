@@ -518,7 +518,7 @@ def run_train_depth(args: argparse.Namespace) -> None:
     from speculant.analysis.depth import fit, log_trees
     from speculant.api import encode_prompt
     from speculant.bench.datasets import load_dataset
-    from speculant.drafters.spec import load_drafter
+    from speculant.methods.tree import tree_drafter_model
     from speculant.models import load_model
     from speculant.tree_depth import predictor_path
 
@@ -527,9 +527,7 @@ def run_train_depth(args: argparse.Namespace) -> None:
     config = from_args(ModelConfig, args)
     prompts = load_dataset(args.prompts or args.dataset)
     target = load_model(args.target, dtype=config.dtype, device=config.device, backend=config.backend)
-    drafter = load_drafter(args.drafter, target, args.drafter_dtype)
-    if not hasattr(drafter, "prefill") or drafter.vocab_size != target.vocab_size:
-        raise ConfigError(f"'{args.drafter}' must be a model drafter with the target's vocabulary")
+    drafter = tree_drafter_model(args.drafter, target, args.drafter_dtype)
     out = Path(args.out) if args.out else predictor_path(target, drafter)
     if out is None:
         raise ConfigError("models built in memory have no place in the cache: pass --out")

@@ -71,9 +71,8 @@ class DepthPredictor:
     def depth(self, x: Sequence[float], cost: Callable[[int], float], step_s: float, width: int) -> int:
         """argmax over d of (1 + E[min(accepted, d)]) / (d drafting steps + T(1 + d x width)) (Eq. 3)."""
         at_least = self.accepted(x).flip(0).cumsum(0).flip(0)  # P(accepted >= a)
-        tokens = 1 + at_least[1:].cumsum(0)  # drafting d levels: 1 + sum_{j <= d} P(accepted >= j)
-        rates = [float(tokens[d - 1]) / (d * step_s + cost(1 + d * width)) for d in range(1, self.max_depth + 1)]
-        return 1 + max(range(len(rates)), key=rates.__getitem__)
+        tokens = (1 + at_least[1:].cumsum(0)).tolist()  # drafting d levels: 1 + sum_{j <= d} P(accepted >= j)
+        return max(range(1, self.max_depth + 1), key=lambda d: tokens[d - 1] / (d * step_s + cost(1 + d * width)))
 
     def save(self, path: Path) -> None:
         path.parent.mkdir(parents=True, exist_ok=True)
@@ -103,8 +102,7 @@ def train(samples: Sequence[tuple[list[float], int]], max_depth: int, epochs: in
 def predictor_path(target, drafter) -> Path | None:
     """Where the predictor for this target and drafter lies, beside the machine profiles; None for models
     built in memory (no identity)."""
-    names = [getattr(model, "identity", None) for model in (target, drafter)]
-    if None in names:
+    if any(getattr(model, "identity", None) is None for model in (target, drafter)):
         return None
-    key = "|".join(f"{name}|{getattr(model, 'numerics', '')}" for name, model in zip(names, (target, drafter)))
+    key = "|".join(f"{model.identity}|{getattr(model, 'numerics', '')}" for model in (target, drafter))
     return cache_root() / "machine" / "depth" / f"{hashlib.sha256(key.encode()).hexdigest()[:16]}.json"

@@ -75,6 +75,6 @@ def test_train_depth_writes_the_predictor_and_refuses_bad_input(tmp_path, capsys
                      "--max-new-tokens", "12", "--max-depth", "3", "--out", str(out)]) == 0
     assert "trees logged" in capsys.readouterr().out and DepthPredictor.load(out).max_depth == 3
     assert cli.main(["train-depth", "--target", weights, "--drafter", "maxgram", "--out", str(out)]) == 2
-    assert "must be a model drafter" in capsys.readouterr().err
+    assert "needs a model drafter" in capsys.readouterr().err
     assert cli.main(["train-depth", "--target", weights, "--width", "0"]) == 2
     assert "must be >= 1" in capsys.readouterr().err

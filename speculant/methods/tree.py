@@ -41,18 +41,10 @@ class TreeOptions(DrafterOptions):
 def build(request: Request, options: TreeOptions) -> Any:
     from speculant.decoding.tree import tree_speculative
     from speculant.decoding.tree_shape import tree_shape
-    from speculant.drafters.base import Drafter
-    from speculant.drafters.spec import load_drafter
     from speculant.drafters.tree import TreeDrafter
-    from speculant.drafters.vocab import same_vocabulary
     from speculant.latency import LatencyProfile, machine_profile
 
-    model = load_drafter(options.drafter, request.target, options.drafter_dtype)
-    if isinstance(model, Drafter):
-        raise ConfigError("method 'tree' needs a model drafter")
-    if not same_vocabulary(request.target, model) or model.vocab_size != request.target.vocab_size:
-        raise ConfigError(f"method 'tree' needs a drafter with the target's vocabulary; '{model.name}' has another "
-                          "(it can draft chains: sd, auto, cascade, dsi)")
+    model = tree_drafter_model(options.drafter, request.target, options.drafter_dtype)
     profile = options.target_profile
     if profile is not None and not isinstance(profile, LatencyProfile):
         profile = LatencyProfile.load(profile)
@@ -64,6 +56,21 @@ def build(request: Request, options: TreeOptions) -> Any:
     return tree_speculative(request.target, TreeDrafter(model), request.prompt_ids, shape.depth, shape.width,
                             request.max_new_tokens, request.sampling, request.generator, shape.verify_width, cost,
                             predictor)
+
+
+def tree_drafter_model(spec: Any, target: Any, dtype: str | None) -> Any:
+    """The model `spec` names, loaded to draft trees for `target`: a model with the target's vocabulary."""
+    from speculant.drafters.base import Drafter
+    from speculant.drafters.spec import load_drafter
+    from speculant.drafters.vocab import same_vocabulary
+
+    model = load_drafter(spec, target, dtype)
+    if isinstance(model, Drafter):
+        raise ConfigError("method 'tree' needs a model drafter")
+    if not same_vocabulary(target, model) or model.vocab_size != target.vocab_size:
+        raise ConfigError(f"method 'tree' needs a drafter with the target's vocabulary; '{model.name}' has another "
+                          "(it can draft chains: sd, auto, cascade, dsi)")
+    return model
 
 
 def depth_predictor(choice: str, target: Any, drafter: Any) -> Any:
