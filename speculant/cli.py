@@ -284,7 +284,7 @@ def run_generate(args: argparse.Namespace) -> None:
     print(f"loading target {args.target} (backend {model_config.backend}, dtype {model_config.dtype}, "
           f"{model_config.device})", file=sys.stderr)
     target = load_model(args.target, dtype=model_config.dtype, device=model_config.device,
-                        backend=model_config.backend)
+                        backend=model_config.backend, compile=model_config.compile)
     print(f"target {target.name}: {target.numerics}, {target.kernel} kernel", file=sys.stderr)
 
     def load(drafter: Any) -> Any:
@@ -400,12 +400,13 @@ def measure_bench(args: argparse.Namespace, methods: list[Any]) -> list[Any]:
         name, quant = split_quant(args.target)  # one target per resolved backend: auto and llamacpp share it
         backend = resolve_backend(backend or model_config.backend, name, quant, model_config.device, dtype)
         if (dtype, backend) not in targets:
-            targets[dtype, backend] = load_model(args.target, dtype=dtype, device=model_config.device, backend=backend)
+            targets[dtype, backend] = load_model(args.target, dtype=dtype, device=model_config.device, backend=backend,
+                                                 compile=model_config.compile and backend == "static")
         return targets[dtype, backend]
 
     def isolated(spec: Any, ids: list[int], n: int, response_format: dict[str, Any] | None) -> Any:
         return isolated_generate({"target": args.target, "dtype": model_config.dtype, "device": model_config.device,
-                                  "backend": model_config.backend, "method": spec.label, "prompt_ids": ids,
+                                  "backend": model_config.backend, "compile": model_config.compile, "method": spec.label, "prompt_ids": ids,
                                   "max_new_tokens": n, "temperature": sampling.temperature, "top_k": sampling.top_k,
                                   "top_p": sampling.top_p, "seed": run.seed, "response_format": response_format})
 
@@ -440,7 +441,8 @@ def run_profile(args: argparse.Namespace) -> None:
         raise ConfigError("context length and repeats must be >= 1")
     config = from_args(ModelConfig, args)
     prompts = load_dataset(args.dataset) if widths else []
-    model = load_model(args.model, dtype=config.dtype, device=config.device, backend=config.backend)
+    model = load_model(args.model, dtype=config.dtype, device=config.device, backend=config.backend,
+                        compile=config.compile)
     models = [model]
     if args.drafter:
         drafter = load_drafter(args.drafter, model, args.drafter_dtype)
@@ -492,7 +494,8 @@ def run_acceptance(args: argparse.Namespace) -> None:
         raise ConfigError(f"depth must be >= 1, got {args.depth}")
     config = from_args(ModelConfig, args)
     prompts = load_dataset(args.dataset)
-    target = load_model(args.target, dtype=config.dtype, device=config.device, backend=config.backend)
+    target = load_model(args.target, dtype=config.dtype, device=config.device, backend=config.backend,
+                        compile=config.compile)
     names = [name for name in args.drafter.split(",") if name]
     drafters = [load_drafter(name, target, args.drafter_dtype) for name in names]
     if not names or any(not hasattr(d, "prefill") for d in drafters):
@@ -526,7 +529,8 @@ def run_train_depth(args: argparse.Namespace) -> None:
         raise ConfigError("max new tokens, max depth and width must be >= 1")
     config = from_args(ModelConfig, args)
     prompts = load_dataset(args.prompts or args.dataset)
-    target = load_model(args.target, dtype=config.dtype, device=config.device, backend=config.backend)
+    target = load_model(args.target, dtype=config.dtype, device=config.device, backend=config.backend,
+                        compile=config.compile)
     drafter = tree_drafter_model(args.drafter, target, args.drafter_dtype)
     out = Path(args.out) if args.out else predictor_path(target, drafter)
     if out is None:

@@ -22,7 +22,8 @@ AUTO = "auto"  # a size, dtype or method that speculant chooses from measurement
 DEFAULT_TARGET = "qwen2.5-coder-1.5b"  # catalog names (speculant.models.catalog)
 DEFAULT_DRAFTER = "qwen2.5-coder-0.5b"
 DTYPES = ("auto", "bf16", "fp32")
-BACKENDS = ("hf", "llamacpp", "lean")  # transformers; GGUF on llama.cpp; GGUF on speculant's own kernels
+BACKENDS = ("hf", "llamacpp", "lean", "static")  # transformers; GGUF on llama.cpp; GGUF on speculant's own kernels;
+# transformers weights on torch kernels with a static cache (models/static.py)
 EXECUTORS = ("thread", "process", "ray")  # where DSI's target servers run
 
 
@@ -73,14 +74,19 @@ class ModelConfig:
                         choices=DTYPES)
     device: str = option("cpu", "cpu, cuda or cuda:N")
     backend: str = option(AUTO, "auto (llama.cpp for catalog/GGUF models on the CPU where llama-cpp-python is "
-                                "installed), hf (transformers), llamacpp, or lean (GGUF K-quants on speculant's "
-                                "exact kernels)", choices=(AUTO, *BACKENDS))
+                                "installed), hf (transformers), llamacpp, lean (GGUF K-quants on speculant's "
+                                "exact kernels) or static (torch kernels, a static cache: the GPU's fast path)",
+                        choices=(AUTO, *BACKENDS))
+    compile: bool = option(False, "static backend: compile its step with torch.compile and, on a GPU, replay it as "
+                                  "a CUDA graph")
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPES:
             raise ConfigError(f"unknown dtype '{self.dtype}' (choose from {', '.join(DTYPES)})")
         if self.backend not in (AUTO, *BACKENDS):
             raise ConfigError(f"unknown backend '{self.backend}' (choose from auto, {', '.join(BACKENDS)})")
+        if self.compile and self.backend != "static":
+            raise ConfigError("--compile compiles the static backend's step: add --backend static")
 
 
 @dataclass(frozen=True)
@@ -156,6 +162,10 @@ def add_options(parser: argparse.ArgumentParser, config: type, **overrides: Any)
     """Add one `--flag` per field of a config dataclass; `overrides` replace defaults."""
     for f in fields(config):
         default = overrides.get(f.name, default_of(f))
+        if scalar_type(f) is bool:  # a switch: --name / --no-name
+            parser.add_argument(flag(f.name), dest=f.name, action=argparse.BooleanOptionalAction, default=default,
+                                help=f"{f.metadata.get('help', '')} (default: {'on' if default else 'off'})")
+            continue
         parser.add_argument(flag(f.name), dest=f.name, type=lambda text, f=f: parse_value(f, text), default=default,
                             metavar=f.name.upper(), help=f"{f.metadata.get('help', '')} (default: {default})")
 

@@ -41,7 +41,8 @@ def main() -> None:
     request = json.loads(sys.stdin.read())
     spec = parse_method(request["method"])
     target = load_model(request["target"], dtype=spec.dtype or request["dtype"], device=request["device"],
-                        backend=spec.backend or request["backend"])
+                        backend=spec.backend or request["backend"],
+                        compile=request.get("compile", False) and (spec.backend or request["backend"]) == "static")
     options = with_drafters(spec.options, lambda d: load_drafter(d, target, getattr(spec.options, "drafter_dtype", None)))
     ids, n = request["prompt_ids"], request["max_new_tokens"]
     asked = {k: request.get(k) for k in ("temperature", "top_k", "top_p", "seed", "response_format")}

@@ -117,9 +117,11 @@ def load_drafter(drafter: Any, target: Any, dtype: str | None = None) -> Any:
         model = drafter
     elif getattr(target, "backend", "hf") in ("llamacpp", "lean"):  # GGUF drafters on llama.cpp (or @lean)
         model = load_model(str(drafter), dtype=dtype)
-    else:
+    else:  # transformers weights: on the target's device and backend (a static target's compiled or not)
         gguf = isinstance(drafter, DrafterSpec) and drafter.quant == GGUF
+        static = getattr(target, "backend", "hf") == "static" and not gguf
         model = load_model(str(drafter), dtype=None if gguf else dtype or dtype_name(target.dtype),
-                           device=None if gguf else str(target.device), backend=None if gguf else "hf")
+                           device=None if gguf else str(target.device), backend=None if gguf else
+                           "static" if static else "hf", compile=static and target.compiled)
     check_compatible(target, model)
     return model

@@ -93,6 +93,8 @@ def default_drafters(target: Any) -> tuple[str, ...]:
         return (f"{entry.drafter}@lean", "maxgram")
     if getattr(target, "backend", "hf") == "llamacpp":
         return (f"{entry.drafter}@gguf", "maxgram")
+    if getattr(target, "backend", "hf") == "static":
+        return (entry.drafter, "maxgram")  # on the target's device, compiled as it is
     return (f"{entry.drafter}@{'int8' if native.AMX.library() is not None else 'int4'}", "maxgram")
 
 

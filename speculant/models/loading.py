@@ -18,7 +18,7 @@ from speculant.errors import ConfigError, ModelNotAvailable
 from speculant.machine import native_bf16
 from speculant.models.base import CausalLM
 from speculant.models.catalog import CATALOG, gguf_checkpoint, materialize
-from speculant.models.hf import HFCausalLM
+from speculant.models.hf import HFCausalLM, eos_ids
 from speculant.models import llamacpp
 from speculant.models.native import KERNELS
 from speculant.models.quant import QUANTS, quantize
@@ -115,6 +115,8 @@ def resolve_backend(backend: str | None, spec: Any, quant: str | None, device: s
             raise ConfigError(f"speculant's {backend} backend runs on the CPU")
     elif quant == GGUF:
         raise ConfigError("@gguf runs on the llama.cpp backend, not transformers")
+    elif backend == "static" and quant is not None:
+        raise ConfigError(f"@{quant}: the static backend runs bf16 or fp32 weights")
     return backend
 
 
@@ -180,11 +182,13 @@ def load_lean(spec: str | Path, tokenizer: Any | None = None, draft: bool = Fals
 
 
 def load_model(spec: Any, dtype: str | None = None, device: str | None = None, tokenizer: Any | None = None,
-               quant: str | None = None, group_size: int = 32, backend: str | None = None) -> CausalLM:
+               quant: str | None = None, group_size: int = 32, backend: str | None = None,
+               compile: bool = False) -> CausalLM:
     """Load a CausalLM from a catalog name, a Hugging Face id or local path, a .gguf file, or a transformers model.
 
-    `backend` is auto (the default: see `resolve_backend`), hf (transformers) or llamacpp (the GGUF as it is,
-    also spelled `name@gguf`; `dtype` then does not apply).
+    `backend` is auto (the default: see `resolve_backend`), hf (transformers), llamacpp (the GGUF as it is,
+    also spelled `name@gguf`; `dtype` then does not apply), lean, or static (transformers weights on torch
+    kernels with a static cache; `compile`: its step compiled, a CUDA graph on a GPU).
 
     `dtype` is auto (the default for names: see `resolve_dtype`), bf16 or fp32; a transformers model keeps
     its own dtype and device unless they are given, and is never modified (speculant works on a copy).
@@ -207,13 +211,22 @@ def load_model(spec: Any, dtype: str | None = None, device: str | None = None, t
         if dtype not in (None, AUTO):
             raise ConfigError(f"the {chosen} backend runs the GGUF's own types: give no dtype")
         return load_gguf(spec, tokenizer) if chosen == "llamacpp" else load_lean(spec, tokenizer, quant == LEAN)
+    if compile and chosen != "static":
+        raise ConfigError("compile applies to the static backend")
     model, tokenizer, name, extra_eos = _load_transformers(spec, dtype, device, tokenizer)
+    identity = f"{name} {dtype_name(model.dtype)}" if isinstance(spec, (str, Path)) else None
+    if chosen == "static":
+        from speculant.models.static import StaticCausalLM, StaticWeights
+
+        eos = eos_ids(model, tokenizer) | extra_eos
+        return StaticCausalLM(StaticWeights(model), tokenizer, name, eos, identity and f"{identity} static{' compiled' if compile else ''}",
+                              compiled=compile)
     if quant is not None:
         if model is spec:
             model = deepcopy(spec)  # quantization rewrites the modules: never the caller's
         quantize(model, quant, group_size)
         name = f"{name}@{quant}"
-    identity = f"{name} {dtype_name(model.dtype)}" if isinstance(spec, (str, Path)) else None
+        identity = identity and f"{name} {dtype_name(model.dtype)}"
     return HFCausalLM(model, tokenizer, name, extra_eos, identity)
 
 

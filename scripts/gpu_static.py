@@ -1,0 +1,192 @@
+"""The measurements behind docs/results/gpu.md, run on a lent GPU (`python scripts/gpu_static.py OUT.json`).
+
+The catalog's weights cannot reach the GPU machine, so the models are Qwen2.5-Coder-1.5B's and 0.5B's
+configurations with random bf16 weights: a forward's cost does not depend on the weights' values, acceptance
+does (it is the CPU's, measured on the real weights). Measured, each at 256 cached positions, median of
+`--repeats`: T(W) of speculant's hf backend (eager, transformers' dynamic cache, exact row by row), of the static
+model eager, and compiled with CUDA graphs; greedy `ar` tok/s compiled against transformers' own `generate`
+with a static cache under torch.compile (the gpt-fast-style reference); the drafter's cost ratio; and that greedy
+`sd` and `tree` on the compiled pair give `ar`'s tokens. `--smoke` runs the same code on tiny configurations
+(on the CPU, to check the script)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+import traceback
+
+import torch
+from transformers import Qwen2Config, Qwen2ForCausalLM
+
+from speculant import generate
+from speculant.models import HFCausalLM
+from speculant.models.static import StaticCausalLM, StaticWeights
+
+CONFIGS = {  # Qwen2.5-Coder-1.5B / 0.5B (Instruct)
+    "1.5b": dict(hidden_size=1536, intermediate_size=8960, num_hidden_layers=28, num_attention_heads=12,
+                 num_key_value_heads=2, vocab_size=151936, tie_word_embeddings=True, rope_theta=1e6,
+                 max_position_embeddings=32768, rms_norm_eps=1e-6),
+    "0.5b": dict(hidden_size=896, intermediate_size=4864, num_hidden_layers=24, num_attention_heads=14,
+                 num_key_value_heads=2, vocab_size=151936, tie_word_embeddings=True, rope_theta=1e6,
+                 max_position_embeddings=32768, rms_norm_eps=1e-6),
+}
+SMOKE = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+             vocab_size=512, tie_word_embeddings=True, max_position_embeddings=1024)
+CONTEXT = 256
+
+
+def model_of(name: str, device: str, smoke: bool) -> Qwen2ForCausalLM:
+    torch.manual_seed(0)
+    config = Qwen2Config(**(SMOKE if smoke else CONFIGS[name]), eos_token_id=None, bos_token_id=None)
+    with torch.device(device):
+        return Qwen2ForCausalLM(config).to(torch.bfloat16 if device == "cuda" else torch.float32).eval()
+
+
+def timed(fn, repeats: int, device: str) -> float:
+    """Median seconds of fn() over `repeats` calls after 3 warm-ups."""
+    samples = []
+    for i in range(repeats + 3):
+        if device == "cuda":
+            torch.cuda.synchronize()
+        start = time.perf_counter()
+        fn()
+        if device == "cuda":
+            torch.cuda.synchronize()
+        if i >= 3:
+            samples.append(time.perf_counter() - start)
+    return statistics.median(samples)
+
+
+def decode_rate(stats) -> float:
+    """Tokens per second after the first (whose time is the prompt's)."""
+    return (stats.new_tokens - 1) / (stats.wall_s - stats.ttft_s)
+
+
+def forward_cost(model, width: int, repeats: int, device: str) -> float:
+    """T(width): a forward of `width` tokens after CONTEXT cached positions."""
+    ids = torch.randint(0, model.vocab_size, (CONTEXT + width,)).tolist()
+    model.prefill(ids[:CONTEXT])
+
+    def step():
+        model.rollback(CONTEXT)
+        model.forward(ids[CONTEXT:])
+
+    return timed(step, repeats, device)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("out")
+    parser.add_argument("--smoke", action="store_true")
+    parser.add_argument("--repeats", type=int, default=20)
+    parser.add_argument("--tokens", type=int, default=128)
+    parser.add_argument("--sections", nargs="*", help="the sections to run (default: all)")
+    args = parser.parse_args()
+    device = "cpu" if args.smoke else "cuda"
+    results: dict = {"device": torch.cuda.get_device_name() if device == "cuda" else "cpu",
+                     "torch": torch.__version__}
+
+    def save() -> None:
+        with open(args.out, "w") as f:
+            json.dump(results, f, indent=1)
+
+    def section(name: str, fn) -> None:
+        began = time.perf_counter()
+        try:
+            results[name] = fn()
+        except Exception:  # noqa: BLE001 - one failing section must not lose the others' numbers
+            results[name] = {"error": traceback.format_exc(limit=4)}
+        print(f"{name} ({time.perf_counter() - began:.0f} s): {json.dumps(results[name])[:600]}", flush=True)
+        save()
+
+    models = {name: model_of(name, device, args.smoke) for name in CONFIGS}
+    weights = {name: StaticWeights(m) for name, m in models.items()}
+    widths = (1, 2, 4, 8, 16, 32)
+
+    def eager_costs() -> dict:
+        out = {}
+        for name in CONFIGS:
+            hf = HFCausalLM(models[name])
+            out[f"{name} hf"] = {w: forward_cost(hf, w, 5, device) * 1e3 for w in (1, 4, 16)}
+            out[f"{name} static"] = {w: forward_cost(StaticCausalLM(weights[name], width=w, span=1024), w,
+                                                     args.repeats, device) * 1e3 for w in widths}
+        return out
+
+    def compiled_costs() -> dict:
+        out = {}
+        for name, compiled_widths in (("1.5b", (1, 16)), ("0.5b", (16,))):
+            for w in compiled_widths:
+                began = time.perf_counter()
+                model = StaticCausalLM(weights[name], width=w, span=1024, compiled=True)
+                model.prefill([1, 2, 3])
+                first = time.perf_counter() - began
+                out[f"{name} compiled x{w}"] = {"first call s": first, **{
+                    k: forward_cost(model, k, args.repeats, device) * 1e3 for k in sorted({1, w})}}
+        return out
+
+    def tokens_per_second() -> dict:
+        prompt = torch.randint(0, 500, (200,)).tolist()
+        out = {}
+        for label, model in (("static eager x16", StaticCausalLM(weights["1.5b"], width=16, span=1024)),
+                             ("static compiled x1", StaticCausalLM(weights["1.5b"], width=1, span=1024, compiled=True)),
+                             ("static compiled x16", StaticCausalLM(weights["1.5b"], width=16, span=1024,
+                                                                    compiled=True))):
+            generate(model, prompt_ids=prompt, method="ar", max_new_tokens=8)
+            result = generate(model, prompt_ids=prompt, method="ar", max_new_tokens=args.tokens)
+            out[label] = {"decode tok/s": decode_rate(result.stats), "tokens": len(result.token_ids)}
+        reference = models["1.5b"]
+        ids = torch.tensor([prompt], device=device)
+        for label, options in (("transformers generate, dynamic cache", {}),
+                               ("transformers generate, static cache, compiled", {"cache_implementation": "static"})):
+            try:
+                def run():
+                    return reference.generate(ids, max_new_tokens=args.tokens, min_new_tokens=args.tokens,
+                                              do_sample=False, **options)
+                run()
+                seconds = timed(run, 2, device)
+                out[label] = {"tok/s (whole request)": args.tokens / seconds}
+            except Exception:  # noqa: BLE001
+                out[label] = {"error": traceback.format_exc(limit=3)}
+        return out
+
+    def speculation() -> dict:
+        """Greedy sd and tree on the compiled pair give ar's tokens; their tok/s at random weights' acceptance and
+        with the target drafting for itself (every draft accepted: the mechanics' ceiling)."""
+        target = StaticCausalLM(weights["1.5b"], width=16, span=1024, compiled=True)
+        drafter = StaticCausalLM(weights["0.5b"], width=16, span=1024, compiled=True)
+        prompt = torch.randint(0, 500, (200,)).tolist()
+        out = {}
+        runs = {"ar": dict(method="ar"), "sd k4 0.5b": dict(method="sd", drafter=drafter, k=4),
+                "sd k4 self": dict(method="sd", drafter=target.share(), k=4),
+                "sd k8 self": dict(method="sd", drafter=target.share(), k=8),
+                "tree self d4 w2": dict(method="tree", drafter=target.share(), depth=4, width=2)}
+        expected = None
+        for label, options in runs.items():
+            generate(target, prompt_ids=prompt, max_new_tokens=8, **options)
+            result = generate(target, prompt_ids=prompt, max_new_tokens=args.tokens, **options)
+            expected = expected or result.token_ids
+            out[label] = {"decode tok/s": decode_rate(result.stats),
+                          "mean accepted": result.stats.mean_accepted_length,
+                          "equals ar": result.token_ids == expected}
+        return out
+
+    def drafter_cost() -> dict:
+        """The drafter's cost ratio with the drafter at width 1 (its rows need no invariance: drafts are checked)."""
+        target = StaticCausalLM(weights["1.5b"], width=16, span=1024, compiled=True)
+        drafter = StaticCausalLM(weights["0.5b"], width=1, span=1024, compiled=True)
+        costs = {name: forward_cost(model, 1, args.repeats, device) * 1e3
+                 for name, model in (("1.5b x16", target), ("0.5b x1", drafter))}
+        return {**costs, "c": costs["0.5b x1"] / costs["1.5b x16"]}
+
+    sections = {"eager T(W) ms": eager_costs, "compiled T(W) ms": compiled_costs, "ar": tokens_per_second,
+                "speculation": speculation, "drafter": drafter_cost}
+    for name in args.sections or sections:
+        section(name, sections[name])
+    print(json.dumps(results, indent=1))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,142 @@
+"""The static model (models/static.py): every row of a call is bit for bit what decoding its token alone gives (chains
+and token trees, across chunks, with a sliding window, in fp32 and bf16, on the CPU and on CUDA where there is
+one), so greedy ar, sd, tree and cascade on it give the same tokens, compiled or not; a tree's accepted path is
+compacted in the cache's own storage."""
+
+import pytest
+import torch
+
+from helpers import DEVICES, tiny_transformer
+from speculant import cli, generate
+from speculant.errors import ConfigError
+from speculant.models import load_model
+from speculant.models.base import Interrupted
+from speculant.models.static import StaticCausalLM, StaticWeights
+from speculant.tree import TokenTree
+
+ARCHS = ("llama", "qwen2", "mistral")  # mistral with a sliding window shorter than the generations
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+
+
+def transformer(arch: str, seed: int, dtype: torch.dtype = torch.float32, device: str = "cpu", noise: float = 0.0):
+    """A tiny seeded transformers model; with `noise`, its weights perturbed (a drafter that agrees often)."""
+    model = tiny_transformer(arch, seed, vocab=64, init_std=0.1)
+    if arch == "mistral":
+        model.config.sliding_window = 6
+    if noise:
+        generator = torch.Generator().manual_seed(seed + 1)
+        with torch.no_grad():
+            for parameter in model.parameters():
+                parameter.add_(torch.randn(parameter.shape, generator=generator) * noise * parameter.std())
+    return model.to(device=device, dtype=dtype)
+
+
+def static(model, width: int = 4, compiled: bool = False) -> StaticCausalLM:
+    return StaticCausalLM(StaticWeights(model), name="tiny", span=96, width=width, compiled=compiled)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("arch", ARCHS)
+def test_each_row_is_its_token_decoded_alone(arch, dtype, device):
+    model = static(transformer(arch, 0, DTYPES[dtype], device))
+    prompt = [1, 2, 3, 4, 5, 6, 7]
+    alone, verify, tree_model = model, model.share(), model.share()
+    rows, token = [alone.prefill(prompt)], None
+    tokens = []
+    for _ in range(10):
+        token = int(rows[-1].argmax())
+        tokens.append(token)
+        rows.append(alone.forward([token])[0])
+    verify.prefill(prompt)
+    together = verify.forward(tokens)  # three chunks of width 4
+    assert all(torch.equal(together[i], rows[i + 1]) for i in range(10))
+    # a tree of 7 nodes (two chunks) whose path 0-2-4-5-6 is the decoded chain, with side branches
+    tree = TokenTree((tokens[0], 9, tokens[1], 11, tokens[2], tokens[3], tokens[4]), (-1, 0, 0, 1, 2, 4, 5))
+    tree_model.prefill(prompt)
+    out = tree_model.forward(list(tree.tokens), tree=tree)
+    assert all(torch.equal(out[node], rows[i + 1]) for i, node in enumerate((0, 2, 4, 5, 6)))
+    storage = tree_model._keys.data_ptr(), tree_model._values.data_ptr()
+    tree_model.keep(list(range(len(prompt))) + [len(prompt) + node for node in (0, 2, 4, 5, 6)])
+    assert (tree_model._keys.data_ptr(), tree_model._values.data_ptr()) == storage  # compacted in place
+    assert torch.equal(tree_model.forward([tokens[5]])[0], rows[6])
+
+
+def test_it_computes_what_transformers_computes():
+    for arch in ARCHS:
+        reference = transformer(arch, 3)
+        ids = list(range(3, 23))  # longer than mistral's window
+        expected = reference(torch.tensor([ids])).logits[0].float()
+        model = static(reference)
+        got = torch.cat([model.prefill(ids[:5])[None], model.forward(ids[5:])])
+        assert torch.allclose(got, expected[4:], atol=1e-5), arch
+
+
+def _methods(target, drafter, prompt: list[int], tokens: int = 24) -> dict[str, list[int]]:
+    """Greedy tokens of ar, sd, tree and cascade on the static target."""
+    return {"ar": generate(target, prompt_ids=prompt, method="ar", max_new_tokens=tokens).token_ids,
+            "sd": generate(target, prompt_ids=prompt, method="sd", drafter=drafter, k=5, max_new_tokens=tokens).token_ids,
+            "tree": generate(target, prompt_ids=prompt, method="tree", drafter=drafter, depth=4, width=2,
+                             max_new_tokens=tokens).token_ids,
+            "cascade": generate(target, prompt_ids=prompt, method="cascade", drafters=[drafter, "maxgram"],
+                                max_new_tokens=tokens).token_ids}
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("arch", ARCHS)
+def test_greedy_methods_equal_ar(arch, dtype, device):
+    for seed in range(3):
+        target = static(transformer(arch, seed, DTYPES[dtype], device))
+        drafter = static(transformer(arch, seed, DTYPES[dtype], device, noise=0.05))
+        prompt = [seed + 1, 7, 3, 9, 4]
+        eager_hf = generate(load_model(transformer(arch, seed, DTYPES[dtype], device)), prompt_ids=prompt,
+                            method="ar", max_new_tokens=24).token_ids
+        out = _methods(target, drafter, prompt)
+        assert len(set(map(tuple, out.values()))) == 1, (seed, out)
+        if dtype == "fp32":  # the same function as transformers' (bf16 rounds elsewhere: another numerics)
+            assert out["ar"] == eager_hf
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_compiled_steps_give_the_eager_tokens(device):
+    """One compiled step per width (inductor on the CPU; a CUDA graph replayed on a GPU): compiled ar, sd, tree and
+    cascade give eager ar's tokens, and compiled rows are their tokens decoded alone (compiled) bit for bit."""
+    arch = "llama"
+    eager = static(transformer(arch, 0, device=device))
+    target = static(transformer(arch, 0, device=device), compiled=True)
+    drafter = static(transformer(arch, 0, device=device, noise=0.05), compiled=True)
+    prompt = [3, 1, 4, 1, 5]
+    expected = generate(eager, prompt_ids=prompt, method="ar", max_new_tokens=24).token_ids
+    assert all(tokens == expected for tokens in _methods(target, drafter, prompt).values())
+    assert target.weights.compile_seconds > 0
+    one, many = target.share(), target.share()
+    first = one.prefill(prompt)
+    many.prefill(prompt)
+    chain = [int(first.argmax()), 5, 9]
+    rows = [one.forward([t])[0] for t in chain]
+    assert all(torch.equal(a, b) for a, b in zip(many.forward(chain), rows))
+
+
+def test_load_model_and_cli_take_the_static_backend(tmp_path, capsys):
+    transformer("qwen2", 0).save_pretrained(tmp_path / "tiny")
+    model = load_model(str(tmp_path / "tiny"), backend="static", dtype="fp32")
+    assert isinstance(model, StaticCausalLM) and model.identity.endswith("fp32 static")
+    with pytest.raises(ConfigError, match="static backend runs bf16 or fp32"):
+        load_model(str(tmp_path / "tiny"), backend="static", quant="int8")
+    with pytest.raises(ConfigError, match="static backend runs llama, qwen2, mistral, not gpt2"):
+        StaticWeights(tiny_transformer("gpt2", 0))
+    with pytest.raises(ConfigError, match="width is one of"):
+        StaticCausalLM(model.weights, width=3)
+    assert cli.main(["generate", "def f():", "--target", str(tmp_path / "tiny"), "--backend", "hf", "--compile"]) == 2
+    assert "--compile compiles the static backend's step: add --backend static" in capsys.readouterr().err
+
+
+def test_an_interrupted_forward_leaves_the_cache_as_it_was():
+    model = static(transformer("llama", 0))
+    model.prefill([1, 2, 3])
+    checks = iter([False, True])
+    model.interrupt = lambda: next(checks)
+    with pytest.raises(Interrupted):
+        model.forward(list(range(4, 14)))  # three chunks: the second is stopped
+    assert model.cache_len == 3
