@@ -58,6 +58,22 @@ class CausalLM(Protocol):
         ...
 
 
+class PointerCache:
+    """What backends with a preallocated KV cache and a length pointer share (`lean`, `static`): the pointer is
+    the cache's length, and rolling back moves it."""
+
+    _len = 0
+
+    @property
+    def cache_len(self) -> int:
+        return self._len
+
+    def rollback(self, n: int) -> None:
+        if not 0 <= n <= self._len:
+            raise ValueError(f"cannot roll back to {n} cached positions: {self._len} are cached")
+        self._len = n
+
+
 class Interrupted(Exception):
     """A forward stopped at a layer boundary because its model's `interrupt` check returned True (DSI
     preemption, Timor et al. 2025, Algorithm 1: a thread on a rejected draft is terminated). The model's

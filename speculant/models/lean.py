@@ -33,7 +33,7 @@ from speculant import kernels
 from speculant.cache import cache_root
 from speculant.kernels import formats
 from speculant.errors import ConfigError
-from speculant.models.base import Call, Interrupted
+from speculant.models.base import Call, Interrupted, PointerCache
 from speculant.tree import TokenTree
 
 ARCHITECTURES = {"qwen2": "neox", "llama": "norm"}  # rotary layout as llama.cpp lays out each one's weights
@@ -242,7 +242,7 @@ def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, layout: str) 
     return torch.stack([a * cos - b * sin, b * cos + a * sin], dim=-1).flatten(-2)
 
 
-class LeanCausalLM:
+class LeanCausalLM(PointerCache):
     """A CausalLM (see models/base.py) on LeanWeights, with a KV cache of its own."""
 
     backend = "lean"
@@ -286,10 +286,6 @@ class LeanCausalLM:
         return LeanCausalLM(self.weights, self.tokenizer, f"{self.name} skipping {len(self.layers) - len(layers)}",
                             self.eos_token_ids, self.identity and f"{self.identity} layers {layers}",
                             self.max_positions, layers)
-
-    @property
-    def cache_len(self) -> int:
-        return self._len
 
     @torch.inference_mode()
     def prefill(self, ids: Sequence[int]) -> torch.Tensor:
@@ -365,11 +361,6 @@ class LeanCausalLM:
             x = x + kernels.matmul(kernels.quantize(gated), layer.down)
         self._len = n
         return _head(weights, x[-1:])[0]
-
-    def rollback(self, n: int) -> None:
-        if not 0 <= n <= self._len:
-            raise ValueError(f"cannot roll back to {n} cached positions: {self._len} are cached")
-        self._len = n
 
     def keep(self, indices: Sequence[int]) -> None:
         """Compact the cache in place to `indices` (ascending): the storage is never reallocated."""

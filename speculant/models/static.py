@@ -26,7 +26,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from speculant.errors import ConfigError
-from speculant.models.base import Interrupted
+from speculant.models.base import Interrupted, PointerCache
 from speculant.tree import TokenTree
 
 ARCHITECTURES = ("llama", "qwen2", "mistral")
@@ -163,7 +163,7 @@ class StaticWeights(nn.Module):
         return self._compiled
 
 
-class StaticCausalLM:
+class StaticCausalLM(PointerCache):
     """A CausalLM (see models/base.py) on StaticWeights: a static KV cache of `span` positions (plus `width` slots
     that padded rows write), every call run as chunks of `width` rows; with `compiled`, the step compiled and, on
     CUDA, captured once per handle as a CUDA graph that each chunk replays."""
@@ -211,10 +211,6 @@ class StaticCausalLM:
         """Another handle on the same weights with a cache of its own."""
         return StaticCausalLM(self.weights, self.tokenizer, self.name, self.eos_token_ids, self.identity,
                               self.span, self.width, self.compiled)
-
-    @property
-    def cache_len(self) -> int:
-        return self._len
 
     @torch.inference_mode()
     def prefill(self, ids: Sequence[int]) -> torch.Tensor:
@@ -308,11 +304,6 @@ class StaticCausalLM:
         with torch.cuda.graph(graph):
             out = step(self._keys, self._values, *self._inputs)
         return graph, out
-
-    def rollback(self, n: int) -> None:
-        if not 0 <= n <= self._len:
-            raise ValueError(f"cannot roll back to {n} cached positions: {self._len} are cached")
-        self._len = n
 
     def keep(self, indices: Sequence[int]) -> None:
         """Compact the cache in place to `indices` (ascending): its storage is never reallocated."""
