@@ -181,8 +181,25 @@ def main() -> None:
                  for name, model in (("1.5b x16", target), ("0.5b x1", drafter))}
         return {**costs, "c": costs["0.5b x1"] / costs["1.5b x16"]}
 
+    def auto() -> dict:
+        """`auto` on the compiled pair profiles the compiled steps and chooses; at random weights' acceptance it must
+        fall back to about `ar`'s speed, with `ar`'s tokens."""
+        target = StaticCausalLM(weights["1.5b"], width=16, span=1024, compiled=True)
+        drafter = StaticCausalLM(weights["0.5b"], width=16, span=1024, compiled=True)
+        prompt = torch.randint(0, 500, (200,)).tolist()
+        out, tokens = {}, {}
+        for label, options in (("ar", dict(method="ar")), ("auto", dict(method="auto", drafters=[drafter, "maxgram"])),
+                               ("ar again", dict(method="ar"))):
+            generate(target, prompt_ids=prompt, max_new_tokens=8, **options)
+            result = generate(target, prompt_ids=prompt, max_new_tokens=args.tokens, **options)
+            out[label] = {"decode tok/s": decode_rate(result.stats), "mean accepted": result.stats.mean_accepted_length}
+            tokens[label] = result.token_ids
+        out["auto equals ar"] = tokens["auto"] == tokens["ar"]
+        return out
+
     sections = {"eager T(W) ms": eager_costs, "compiled T(W) ms": compiled_costs, "ar": tokens_per_second,
-                "speculation": speculation, "drafter": drafter_cost}
+                "speculation": speculation, "drafter": drafter_cost,
+                "auto": auto}
     for name in args.sections or sections:
         section(name, sections[name])
     print(json.dumps(results, indent=1))
