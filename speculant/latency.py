@@ -28,12 +28,14 @@ class LatencyProfile:
     forward_s: dict[int, float] = field(default_factory=dict)  # W -> median time of W new tokens
 
     def cost(self, width: float) -> float:
-        """T(W), interpolated linearly between measured widths and extended along the last segment beyond them
-        (plain Python: `auto` asks this hundreds of times per step, and numpy's interp costs twice as much)."""
+        """T(W), interpolated linearly between measured widths; beyond them, along the last segment but never below
+        T(widest) per token of it (a curve flat at its end, such as a GPU's, would make a 200-token catch-up cost
+        one forward; a forward can always run as chunks of the widest). Plain Python: `auto` asks this hundreds of
+        times per step, and numpy's interp costs twice as much."""
         widths, times = self._curve
         if width > widths[-1] and len(widths) > 1:
             (a, b), (ta, tb) = widths[-2:], times[-2:]
-            return tb + max(tb - ta, 0.0) / (b - a) * (width - b)
+            return max(tb + max(tb - ta, 0.0) / (b - a) * (width - b), tb * width / b)
         i = bisect_left(widths, width)
         if i == 0 or i == len(widths):
             return float(times[min(i, len(widths) - 1)])
@@ -153,12 +155,14 @@ def _measure(model, repeats: int, progress: bool) -> LatencyProfile:
 
     from tqdm import tqdm
 
-    context = [(7919 * i + 11) % model.vocab_size for i in range(MACHINE_CONTEXT)]
+    room = getattr(model, "max_positions", None)  # a short cache profiles at the context it can hold
+    length = MACHINE_CONTEXT if room is None else max(1, min(MACHINE_CONTEXT, room - max(MACHINE_WIDTHS)))
+    context = [(7919 * i + 11) % model.vocab_size for i in range(length)]
     label = f"profiling {model.name} ({getattr(model, 'numerics', '')}, {getattr(model, 'kernel', '')}) once on this machine"
     with tqdm(total=len(MACHINE_WIDTHS) + 1, desc=label, disable=not progress, file=sys.stderr, leave=False) as bar:
         model.prefill(context[:8])  # warm-up
         ttft = _timed(lambda: model.prefill(context))
         bar.update()
         costs = forward_costs(model, context, MACHINE_WIDTHS, repeats, done=bar.update)
-    return LatencyProfile(model.name, getattr(model, "numerics", ""), str(model.device), MACHINE_CONTEXT, ttft,
+    return LatencyProfile(model.name, getattr(model, "numerics", ""), str(model.device), length, ttft,
                           costs[1], costs)

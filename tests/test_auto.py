@@ -12,7 +12,7 @@ from helpers import ScriptedDrafter, byte_tokenizer, perturbed, random_prompt, t
 from speculant import cli, generate, latency, load_model
 from speculant.config import SamplingConfig
 from speculant.decoding import adaptive as adaptive_module
-from speculant.decoding.adaptive import (COST_FOLLOWS, SCALE_RANGE, TIME_FOLLOWS, Acceptance, Candidate, Rescaled,
+from speculant.decoding.adaptive import (COST_FOLLOWS, PACE_STEPS, PROBE_SHARE, SCALE_RANGE, TIME_FOLLOWS, Acceptance, Candidate, Rescaled,
                                          Timings, adaptive, best_length, can_pay, expected_remaining,
                                          first_children_accepted, shared_cost)
 from speculant.decoding.run import timed
@@ -79,7 +79,9 @@ def test_greedy_auto_equals_ar_whatever_it_chooses(arch, dtype, monkeypatch):
         target = load_model(tiny_transformer(arch, seed, VOCAB, init_std=0.1), dtype=dtype)
         prompt = random_prompt(seed, VOCAB, 6) * 3
         expected = generate(target, prompt_ids=prompt, method="ar", max_new_tokens=40).token_ids
-        assert generate(target, prompt_ids=prompt, max_new_tokens=40).token_ids == expected  # the default method
+        with monkeypatch.context() as patch:  # what auto learns of the machine's speed stays invented: it carries over
+            invent(patch, costs(target))
+            assert generate(target, prompt_ids=prompt, max_new_tokens=40).token_ids == expected  # the default method
         # chains only, with a drafter right often enough for a cascade; token trees, with one often wrong
         for widths, noise in (((), 0.1), ((2, 4), 0.3)):
             drafter = load_model(perturbed(target, noise, seed).model, dtype=dtype)
@@ -160,6 +162,50 @@ def test_a_drafter_that_never_agrees_is_turned_off_and_probed_again():
             runs.append(current)
             current = 0
     assert len(runs) >= 3 and all(later == 2 * earlier for earlier, later in zip(runs[1:], runs[2:]))
+
+
+def test_probes_that_bring_nothing_back_cost_at_most_a_tenth_of_plain_decoding():
+    """Where no drafter pays, probing costs at most PROBE_SHARE of the generation's plain time in all: on a GPU a
+    probe's catch-up weighs as much as many 3 ms steps (docs/results/gpu.md: auto was 0.84x ar there)."""
+    target = tiny_model("llama", 1, VOCAB, init_std=0.1)
+    prompt = random_prompt(1, VOCAB)
+    reference = generate(target, prompt_ids=prompt, method="ar", max_new_tokens=200).token_ids
+    drafter = ScriptedDrafter(prompt, reference, error_rate=1.0, vocab=VOCAB, seed=0)
+    # each probe: a 6 s catch-up, two 0.5 s drafting steps and a 3-token verification at T(W) = 1 + 0.01 W
+    candidate = Candidate("scripted", drafter, 0.5, 0.1, catch_up=lambda context: 6.0)
+    tokens, stats = run(target, [candidate], prompt, n=200)
+    assert tokens == reference
+    price, plain = 6.0 + 2 * 0.5 + 0.02, 200 * 1.01
+    probes = stats.choices.count("scripted")
+    assert probes >= 1 and probes * price <= PROBE_SHARE * plain  # 2; one at each of steps 0, 16, 48, 112 before
+
+
+def test_auto_that_falls_behind_plain_decoding_decodes_plainly(monkeypatch):
+    """Work no estimate sees (here a model-free drafter whose lookup takes three forwards' time and never
+    matches) shows in auto's own pace: after PACE_STEPS steps slower than T(1) per token, it stops choosing."""
+    import time
+
+    target = tiny_model("llama", 2, VOCAB, init_std=0.1)
+    prompt = random_prompt(2, VOCAB)
+    reference = generate(target, prompt_ids=prompt, method="ar", max_new_tokens=120).token_ids
+    target.prefill(prompt)
+    began = time.perf_counter()
+    for _ in range(20):
+        target.forward([1])
+    step = (time.perf_counter() - began) / 20
+    lookups = []
+
+    def slow_match(context):
+        lookups.append(len(context))
+        time.sleep(3 * step)
+        return 0
+
+    candidate = Candidate("slow", None, 0.0, 0.0, match=slow_match)
+    tokens, stats = run(target, [candidate], prompt, n=120, cost=Rescaled(lambda width: step))
+    assert tokens == reference
+    assert PACE_STEPS <= len(lookups) <= PACE_STEPS + 2  # 119 steps without the governor
+    tokens, stats = run(target, [candidate], prompt, n=120, cost=lambda width: step)  # no measured seconds: off
+    assert len(lookups) > 100
 
 
 def test_a_named_drafter_keeps_its_cache_for_the_next_generation(monkeypatch, tmp_path):

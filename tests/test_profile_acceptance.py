@@ -52,3 +52,10 @@ def test_profile_measures_and_round_trips(tmp_path):
 def test_profile_cli_rejects_bad_widths(capsys):
     assert cli.main(["profile", "--widths", "a-b"]) == 2
     assert "widths" in capsys.readouterr().err
+
+
+def test_t_of_w_beyond_the_widest_measured_width_never_falls_below_chunks_of_it():
+    rising = LatencyProfile("m", "", "cpu", 256, 0.1, 0.01, {1: 0.01, 8: 0.02, 16: 0.04})
+    assert rising.cost(4) == pytest.approx(0.01 + 0.01 * 3 / 7) and rising.cost(32) == pytest.approx(0.08)
+    flat = LatencyProfile("m", "", "cuda", 256, 0.1, 0.003, {1: 0.003, 12: 0.003, 16: 0.003})  # a GPU's curve
+    assert flat.cost(16) == 0.003 and flat.cost(200) == pytest.approx(0.003 * 200 / 16)  # not one forward's cost

@@ -19,6 +19,7 @@ verification is the usual chain or tree verification, so output stays lossless.
 from __future__ import annotations
 
 import math
+import time
 from bisect import bisect_left, insort
 from collections import deque
 from collections.abc import Callable, Sequence
@@ -42,9 +43,11 @@ PLAIN = "plain"
 CARRY_OVER = 4.0  # observations per draft position a new generation's estimates start with, at the long-run rates
 LONG_RUN = 0.995  # decay of the long-run estimates: over the last few hundred drafts, of many texts
 COST_FOLLOWS = 0.2  # how far a measured candidate's cost estimate moves toward each draft's cost
-PROBE_SHARE = 0.1  # a probe may spend on catching up at most this share of the rest's plain decoding time
+PROBE_SHARE = 0.1  # probes that brought no drafter back may cost at most this share of a generation's plain time
 TIME_FOLLOWS = 0.2  # how far a measured/profiled time ratio moves toward each forward's
 SCALE_RANGE = (0.5, 2.0)  # a forward's measured/profiled ratio is clipped to this: drift, not a spike
+PACE_STEPS = 32  # auto compares its own pace over this many recent steps with plain decoding's T(1) per token
+PACE_MARGIN = 1.05  # ... and decodes plainly for the rest of a generation where it was this much slower
 
 
 @dataclass
@@ -304,16 +307,23 @@ def adaptive(
 ) -> Decoder:
     """Lossless speculation that re-chooses drafter and draft length every step (`cost` is the target's
     T(W) in seconds). After `probe_every` steps without any model drafter, the model drafter likeliest to
-    be accepted drafts two tokens, so that one that stopped paying can come back when the text changes
-    (unless catching up on the context would cost it more than `PROBE_SHARE` of decoding the rest plainly).
+    be accepted drafts two tokens, so that one that stopped paying can come back when the text changes.
     A generation starts with a probe; one that does not bring the drafter back doubles the wait before the
-    next: where no drafter pays, probing costs a few steps per generation, not one in every `probe_every`.
+    next, and the probes since a drafter last paid may cost (catching up, drafting, the wider verification)
+    at most `PROBE_SHARE` of the generation's plain decoding time: where no drafter pays, a generation is at
+    most that much slower than plain decoding (on a GPU, where a forward takes a few ms, a probe's catch-up
+    weighs as much as many steps). Where `cost` is `Rescaled` (measured seconds), auto also keeps its own
+    pace: once it has timed a plain step, if its last `PACE_STEPS` steps took over `PACE_MARGIN` times T(1) per
+    token they committed (its own work of choosing and Max-Gram's lookups included, which no estimate counts),
+    it decodes plainly to the end of the generation.
     A drafter's catch-up is weighed against the tokens the generation is still expected to produce, from the
     `lengths` of earlier generations (this one's is appended at its end). Where `cost` is `Rescaled`, every
     verification's time rescales it (its `Timings`, whose `speed` the candidates share) and every draft's
     its candidate's `scale`."""
     stats = GenerationStats(method="auto")
     learn_costs = isinstance(cost, Rescaled)  # (not where a server batches the forwards: they time the batch)
+    recent: deque[tuple[float, int]] = deque(maxlen=PACE_STEPS)  # (seconds, tokens) of the last steps
+    governed = False  # slower than plain decoding over the recent steps: plain to the end of this generation
     out: list[int] = []
     target = metered(target)
     logits = target.prefill(prompt_ids)
@@ -321,17 +331,19 @@ def adaptive(
     candidates = sorted(candidates, key=lambda c: c.match is None)  # model-free ones first: they tell `matched`
     models = [c for c in candidates if c.match is None]
     wait = probe_every  # steps without a model draft before the next probe
+    probed = 0.0  # estimated seconds spent on probes since a model drafter last paid on its own
     without_model = wait  # a new text starts with a probe: its drafts' acceptance is measured, not assumed
     for candidate in candidates:  # estimates may come from earlier generations: a new text, a new start
         for estimate in candidate.estimates.values():
             estimate.restart(CARRY_OVER)
     while not (yield from emit(pending, out, max_new_tokens, target.eos_token_ids)):
+        began = time.perf_counter()  # (a step's own time: not the caller's between tokens)
         context = prompt_ids + out
         room = min(k_max, max_new_tokens - len(out) - 1)
         best: tuple[float, Candidate | None, int, Draft | None, int] = (1 / cost(1), None, 0, None, 0)
         matched = False
         remaining = expected_remaining(lengths or (), len(out), max_new_tokens)
-        for candidate in candidates if room > 0 else ():
+        for candidate in candidates if room > 0 and not governed else ():
             if candidate.needs_match and not matched:
                 continue
             if candidate.match is not None:  # model-free: its draft is known before choosing
@@ -347,12 +359,14 @@ def adaptive(
                 if goodput > best[0]:
                     best = (goodput, candidate, k, None, 0)
         _, chosen, k, draft, bucket = best
-        probe = max(models, key=lambda c: c.acceptance().rate(0)) if models else None
+        probe = max(models, key=lambda c: c.acceptance().rate(0)) if models and not governed else None
         if chosen is not None and chosen.match is None:
-            wait = probe_every  # a model drafter pays on its own: probes start again from the shortest wait
-        elif without_model >= wait and probe is not None and room > 0 \
-                and probe.catch_up_s(context) <= PROBE_SHARE * cost(1) * remaining:
-            chosen, k, draft, bucket, wait = probe, min(2, room), None, 0, 2 * wait
+            wait, probed = probe_every, 0.0  # a model drafter pays on its own: probes start again
+        elif without_model >= wait and probe is not None and room > 0:
+            steps = min(2, room)
+            price = probe.catch_up_s(context) + steps * probe.cost_s + cost(steps + 1) - cost(1)
+            if probed + price <= PROBE_SHARE * cost(1) * (len(out) + remaining):
+                chosen, k, draft, bucket, wait, probed = probe, steps, None, 0, 2 * wait, probed + price
         without_model = 0 if chosen is not None and chosen.match is None else without_model + 1
         learn_step = learn_costs and chosen is not None and not chosen.measured  # (a cascade follows its own)
         lag = chosen.drafter.lag(context) if learn_step and hasattr(chosen.drafter, "lag") else 0
@@ -385,6 +399,10 @@ def adaptive(
         stats.record_draft(drafted, n, usage)
         stats.choices.append(chosen.name if chosen is not None else PLAIN)
         pending = accepted + [token]
+        if learn_costs and not governed:  # what no estimate sees (choosing, Max-Gram, probes) is in a step's time
+            recent.append((time.perf_counter() - began, len(pending)))
+            governed = len(recent) == PACE_STEPS and 1 in cost.timings.scales and \
+                sum(s for s, _ in recent) > PACE_MARGIN * cost(1) * sum(n for _, n in recent)  # T(1) as measured
     stats.new_tokens = len(out)
     stats.record_target(target.usage)
     if lengths is not None:  # one that ran to its budget might have gone on: it lasts as long as any budget
