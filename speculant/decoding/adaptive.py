@@ -314,8 +314,9 @@ def adaptive(
     most that much slower than plain decoding (on a GPU, where a forward takes a few ms, a probe's catch-up
     weighs as much as many steps). Where `cost` is `Rescaled` (measured seconds), auto also keeps its own
     pace: once it has timed a plain step, if its last `PACE_STEPS` steps took over `PACE_MARGIN` times T(1) per
-    token they committed (its own work of choosing and Max-Gram's lookups included, which no estimate counts),
-    it decodes plainly to the end of the generation.
+    token they committed (its own work of choosing and Max-Gram's lookups included, which no estimate counts;
+    not steps whose drafter first caught up on more than a step's tokens, an investment paid once), it decodes
+    plainly to the end of the generation.
     A drafter's catch-up is weighed against the tokens the generation is still expected to produce, from the
     `lengths` of earlier generations (this one's is appended at its end). Where `cost` is `Rescaled`, every
     verification's time rescales it (its `Timings`, whose `speed` the candidates share) and every draft's
@@ -369,7 +370,8 @@ def adaptive(
                 chosen, k, draft, bucket, wait, probed = probe, steps, None, 0, 2 * wait, probed + price
         without_model = 0 if chosen is not None and chosen.match is None else without_model + 1
         learn_step = learn_costs and chosen is not None and not chosen.measured  # (a cascade follows its own)
-        lag = chosen.drafter.lag(context) if learn_step and hasattr(chosen.drafter, "lag") else 0
+        behind = chosen.drafter.lag(context) if chosen is not None and hasattr(chosen.drafter, "lag") else 0
+        lag = behind if learn_step else 0
         if chosen is not None and chosen.width > 1:
             tree_draft = chosen.drafter.propose_tree(context, k, chosen.width)
             before = target.usage.seconds  # (a draft may run the target: self-speculation)
@@ -399,8 +401,8 @@ def adaptive(
         stats.record_draft(drafted, n, usage)
         stats.choices.append(chosen.name if chosen is not None else PLAIN)
         pending = accepted + [token]
-        if learn_costs and not governed:  # what no estimate sees (choosing, Max-Gram, probes) is in a step's time
-            recent.append((time.perf_counter() - began, len(pending)))
+        if learn_costs and not governed and behind <= k_max + 1:  # (a catch-up on a prompt is paid once)
+            recent.append((time.perf_counter() - began, len(pending)))  # what no estimate sees is in its time
             governed = len(recent) == PACE_STEPS and 1 in cost.timings.scales and \
                 sum(s for s, _ in recent) > PACE_MARGIN * cost(1) * sum(n for _, n in recent)  # T(1) as measured
     stats.new_tokens = len(out)
