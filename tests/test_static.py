@@ -6,7 +6,7 @@ compacted in the cache's own storage."""
 import pytest
 import torch
 
-from helpers import DEVICES, tiny_transformer
+from helpers import BYTE_VOCAB, DEVICES, byte_tokenizer, tiny_transformer
 from speculant import cli, generate
 from speculant.errors import ConfigError
 from speculant.models import load_model
@@ -130,6 +130,11 @@ def test_load_model_and_cli_take_the_static_backend(tmp_path, capsys):
         StaticCausalLM(model.weights, width=3)
     assert cli.main(["generate", "def f():", "--target", str(tmp_path / "tiny"), "--backend", "hf", "--compile"]) == 2
     assert "--compile compiles the static backend's step: add --backend static" in capsys.readouterr().err
+    tiny_transformer("llama", 0, vocab=BYTE_VOCAB).save_pretrained(tmp_path / "bytes")  # with a tokenizer: text
+    byte_tokenizer().save_pretrained(tmp_path / "bytes")
+    assert cli.main(["generate", "ab", "--target", str(tmp_path / "bytes"), "--backend", "static", "--compile",
+                     "--dtype", "fp32", "--method", "ar", "--max-new-tokens", "4"]) == 0
+    assert "compiled the step in" in capsys.readouterr().err
 
 
 def test_an_interrupted_forward_leaves_the_cache_as_it_was():
