@@ -410,7 +410,8 @@ def measure_bench(args: argparse.Namespace, methods: list[Any]) -> list[Any]:
 
     def isolated(spec: Any, ids: list[int], n: int, response_format: dict[str, Any] | None) -> Any:
         return isolated_generate({"target": args.target, "dtype": model_config.dtype, "device": model_config.device,
-                                  "backend": model_config.backend, "compile": model_config.compile, "method": spec.label, "prompt_ids": ids,
+                                  "backend": model_config.backend, "compile": model_config.compile,
+                                  "method": spec.label, "prompt_ids": ids,
                                   "max_new_tokens": n, "temperature": sampling.temperature, "top_k": sampling.top_k,
                                   "top_p": sampling.top_p, "seed": run.seed, "response_format": response_format})
 

@@ -12,9 +12,9 @@ from helpers import ScriptedDrafter, byte_tokenizer, perturbed, random_prompt, t
 from speculant import cli, generate, latency, load_model
 from speculant.config import SamplingConfig
 from speculant.decoding import adaptive as adaptive_module
-from speculant.decoding.adaptive import (COST_FOLLOWS, PACE_STEPS, PROBE_SHARE, SCALE_RANGE, TIME_FOLLOWS, Acceptance, Candidate, Rescaled,
-                                         Timings, adaptive, best_length, can_pay, expected_remaining,
-                                         first_children_accepted, shared_cost)
+from speculant.decoding.adaptive import (COST_FOLLOWS, PACE_STEPS, PROBE_SHARE, SCALE_RANGE, TIME_FOLLOWS,
+                                         Acceptance, Candidate, Rescaled, Timings, adaptive, best_length, can_pay,
+                                         expected_remaining, first_children_accepted, shared_cost)
 from speculant.decoding.run import timed
 from speculant.drafters.base import Draft
 from speculant.latency import LatencyProfile

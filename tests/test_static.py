@@ -75,7 +75,8 @@ def test_it_computes_what_transformers_computes():
 def _methods(target, drafter, prompt: list[int], tokens: int = 24) -> dict[str, list[int]]:
     """Greedy tokens of ar, sd, tree and cascade on the static target."""
     return {"ar": generate(target, prompt_ids=prompt, method="ar", max_new_tokens=tokens).token_ids,
-            "sd": generate(target, prompt_ids=prompt, method="sd", drafter=drafter, k=5, max_new_tokens=tokens).token_ids,
+            "sd": generate(target, prompt_ids=prompt, method="sd", drafter=drafter, k=5,
+                           max_new_tokens=tokens).token_ids,
             "tree": generate(target, prompt_ids=prompt, method="tree", drafter=drafter, depth=4, width=2,
                              max_new_tokens=tokens).token_ids,
             "cascade": generate(target, prompt_ids=prompt, method="cascade", drafters=[drafter, "maxgram"],

@@ -344,7 +344,7 @@ def adaptive(
         best: tuple[float, Candidate | None, int, Draft | None, int] = (1 / cost(1), None, 0, None, 0)
         matched = False
         remaining = expected_remaining(lengths or (), len(out), max_new_tokens)
-        for candidate in candidates if room > 0 and not governed else ():
+        for candidate in candidates if room > 0 else ():
             if candidate.needs_match and not matched:
                 continue
             if candidate.match is not None:  # model-free: its draft is known before choosing
@@ -360,7 +360,7 @@ def adaptive(
                 if goodput > best[0]:
                     best = (goodput, candidate, k, None, 0)
         _, chosen, k, draft, bucket = best
-        probe = max(models, key=lambda c: c.acceptance().rate(0)) if models and not governed else None
+        probe = max(models, key=lambda c: c.acceptance().rate(0)) if models else None
         if chosen is not None and chosen.match is None:
             wait, probed = probe_every, 0.0  # a model drafter pays on its own: probes start again
         elif without_model >= wait and probe is not None and room > 0:
@@ -405,6 +405,8 @@ def adaptive(
             recent.append((time.perf_counter() - began, len(pending)))  # what no estimate sees is in its time
             governed = len(recent) == PACE_STEPS and 1 in cost.timings.scales and \
                 sum(s for s, _ in recent) > PACE_MARGIN * cost(1) * sum(n for _, n in recent)  # T(1) as measured
+            if governed:  # nothing more to choose from, nor to probe: plain steps
+                candidates, models = [], []
     stats.new_tokens = len(out)
     stats.record_target(target.usage)
     if lengths is not None:  # one that ran to its budget might have gone on: it lasts as long as any budget

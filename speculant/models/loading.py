@@ -219,8 +219,8 @@ def load_model(spec: Any, dtype: str | None = None, device: str | None = None, t
         from speculant.models.static import StaticCausalLM, StaticWeights
 
         eos = eos_ids(model, tokenizer) | extra_eos
-        return StaticCausalLM(StaticWeights(model), tokenizer, name, eos, identity and f"{identity} static{' compiled' if compile else ''}",
-                              compiled=compile)
+        identity = identity and f"{identity} static{' compiled' if compile else ''}"
+        return StaticCausalLM(StaticWeights(model), tokenizer, name, eos, identity, compiled=compile)
     if quant is not None:
         if model is spec:
             model = deepcopy(spec)  # quantization rewrites the modules: never the caller's

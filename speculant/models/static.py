@@ -61,12 +61,10 @@ class _Layer(nn.Module):
 
         def fused(*linears: nn.Module) -> tuple[torch.Tensor, torch.Tensor | None]:
             weight = torch.cat([m.weight.detach() for m in linears])
-            biases = [m.bias for m in linears]
-            if all(b is None for b in biases):
+            if all(m.bias is None for m in linears):
                 return weight, None
-            return weight, torch.cat([(b if b is not None else torch.zeros(m.out_features, dtype=weight.dtype,
-                                                                           device=weight.device)).detach()
-                                      for b, m in zip(biases, linears)])
+            return weight, torch.cat([m.bias.detach() if m.bias is not None else weight.new_zeros(m.out_features)
+                                      for m in linears])
 
         self.window = window
         self.register_buffer("attn_norm", source.input_layernorm.weight.detach())
@@ -173,7 +171,8 @@ class StaticCausalLM(PointerCache):
     def __init__(self, weights: StaticWeights, tokenizer: Any | None = None, name: str | None = None,
                  eos_token_ids: frozenset[int] = frozenset(), identity: str | None = None,
                  span: int | None = None, width: int | None = None, compiled: bool = False) -> None:
-        self.weights, self.tokenizer, self.name, self.identity = weights, tokenizer, name or weights.model_type, identity
+        self.weights, self.tokenizer, self.identity = weights, tokenizer, identity
+        self.name = name or weights.model_type
         self.eos_token_ids, self.vocab_size = eos_token_ids, weights.vocab_size
         self.device, self.dtype = weights.device, weights.dtype
         self.width = width or default_width(self.device)
@@ -187,11 +186,9 @@ class StaticCausalLM(PointerCache):
         shape = (len(weights.layers), weights.kv_heads, self.span + self.width, weights.head_dim)
         self._keys = torch.zeros(shape, dtype=self.dtype, device=self.device)  # zeros: masked keys stay finite
         self._values = torch.zeros(shape, dtype=self.dtype, device=self.device)
-        self._identity = torch.arange(self.span, device=self.device).expand(self.width, -1)
-        self._inputs = (torch.zeros(self.width, dtype=torch.long, device=self.device),  # ids, positions, slots
-                        torch.zeros(self.width, dtype=torch.long, device=self.device),
-                        torch.zeros(self.width, dtype=torch.long, device=self.device),
-                        self._identity.clone())  # index
+        self._rows = torch.zeros(3, self.width, dtype=torch.long, device=self.device)  # ids, positions, slots
+        self._index = torch.arange(self.span, device=self.device).repeat(self.width, 1)  # row r's key j: slot j
+        self._index_moved = False  # a tree's chunk left the index other than the identity
         self._graph: torch.cuda.CUDAGraph | None = None
         self._out: torch.Tensor | None = None
         self._len = 0
@@ -265,13 +262,16 @@ class StaticCausalLM(PointerCache):
 
     def _step(self, ids: list[int], positions: np.ndarray, slots: np.ndarray, index: np.ndarray | None
               ) -> torch.Tensor:
-        """One chunk of `width` rows through the step (the CUDA graph where one is captured)."""
-        buffers = self._inputs
-        for buffer, values in zip(buffers, (ids, positions, slots)):
-            buffer.copy_(torch.as_tensor(np.asarray(values), dtype=torch.long), non_blocking=True)
-        buffers[3].copy_(self._identity if index is None else torch.from_numpy(index), non_blocking=True)
+        """One chunk of `width` rows through the step (the CUDA graph where one is captured): its inputs copied
+        into the handle's buffers, the key index only where a tree moved it or moves it now."""
+        self._rows.copy_(torch.from_numpy(np.stack([np.asarray(ids), positions, slots]).astype(np.int64)))
+        if index is not None:
+            self._index.copy_(torch.from_numpy(index))
+        elif self._index_moved:
+            self._index.copy_(torch.arange(self.span, device=self.device).expand(self.width, -1))
+        self._index_moved = index is not None
         if not self.compiled:
-            return self.weights(self._keys, self._values, *buffers)
+            return self.weights(self._keys, self._values, *self._inputs)
         step = self.weights.compiled()
         if self.device.type != "cuda":
             return self._timed(step)
@@ -279,6 +279,11 @@ class StaticCausalLM(PointerCache):
             self._graph, self._out = self._capture(step)
         self._graph.replay()
         return self._out
+
+    @property
+    def _inputs(self) -> tuple[torch.Tensor, ...]:
+        """The step's inputs after the caches: ids, positions, slots, index."""
+        return (*self._rows, self._index)
 
     def _timed(self, step: Any) -> torch.Tensor:
         """A compiled step; the first one's time (mostly compiling) is kept on the weights."""
