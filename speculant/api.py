@@ -77,6 +77,9 @@ def encode_prompt(tokenizer: Any | None, prompt: str | Sequence[dict[str, str]],
         if not getattr(tokenizer, "chat_template", None):
             raise ConfigError("this tokenizer has no chat template")
         messages = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else list(prompt)
+        if not all(isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)
+                   for m in messages):
+            raise ConfigError('a conversation is a list of {"role": str, "content": str} messages')
         ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, return_dict=False)
         return list(ids)
     return tokenizer(prompt, add_special_tokens=True)["input_ids"]
@@ -121,7 +124,7 @@ def room_for(target: Any, prompt_len: int) -> int:
 
 def generate(
     target: Any,
-    prompt: str | None = None,
+    prompt: str | Sequence[dict[str, str]] | None = None,
     *,
     prompt_ids: list[int] | None = None,
     method: str | None = None,
@@ -137,7 +140,8 @@ def generate(
     response_format: Mapping[str, Any] | Constraint | None = None,
     **options: Any,
 ) -> GenerationResult | GenerationStream:
-    """Generate from `prompt` (text) or `prompt_ids` with a registered method (`speculant.methods`): "auto"
+    """Generate from `prompt` (text, or a conversation: {"role", "content"} messages, chat-templated) or
+    `prompt_ids` with a registered method (`speculant.methods`): "auto"
     (the default; "sd" when the options given are sd's, e.g. a `drafter`), "ar", "sd", "tree", "cascade"
     or "dsi". `options`
     are the method's own (e.g. sd: `drafter`, `k`, `draft_confidence`); a name the method does not take
@@ -164,7 +168,7 @@ def generate(
     check_request(spec.name, logprobs, logit_bias, constraint)
     target = load_model(target)
     if prompt_ids is None:
-        if prompt is None or not prompt.strip():
+        if prompt is None or not (prompt.strip() if isinstance(prompt, str) else prompt):
             raise ConfigError("the prompt is empty")
         prompt_ids = encode_prompt(target.tokenizer, prompt, chat)
     elif prompt is not None:

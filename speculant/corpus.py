@@ -1,6 +1,7 @@
-"""The offline text corpus speculant counts tokens on (Python's own standard library modules: code, comments
-and English prose, present on every machine that runs speculant), and what is counted on it once per
-tokenizer and cached: Max-Gram's bigram table uses the corpus; FR-Spec's head uses `frequent_tokens`."""
+"""What speculant counts tokens on, offline, once per tokenizer (cached): Python's own standard library modules
+(code and comments, present on every machine that runs speculant: Max-Gram's bigram table, and the code half of
+FR-Spec's head), and running English prose as `wordfreq` ships its word frequencies (the prose half of FR-Spec's
+head, `frequent_tokens`)."""
 
 from __future__ import annotations
 
@@ -33,23 +34,64 @@ def tokenize_corpus(tokenizer: Any, files: list[Path]) -> list[list[int]]:
     return tokenizer(texts, add_special_tokens=False)["input_ids"]
 
 
-def frequent_tokens(tokenizer: Any, vocab_size: int, n: int) -> np.ndarray:
-    """The `n` token ids most frequent in the corpus, with every special and added token (chat markers, end of
-    sequence) whatever its count: ascending int64 ids. Ties, and the tokens the corpus never shows, go in id
-    order: a byte-pair vocabulary's ids follow the order its merges were learned, most frequent first.
-    FR-Spec (Zhao et al. 2025, section 3.2) restricts a drafter's output head to these."""
-    files = default_corpus()
-    path = cache_root() / "frequency" / f"{tokenizer_fingerprint(tokenizer)}-{corpus_key(files)}.npy"
+PROSE_WORDS = 100_000  # wordfreq's most frequent English words, counted in the forms of WORD_FORMS
+WORD_FORMS = ((" {word}", 0.75), (" {Word}", 0.15), ("{Word}", 0.10))  # within a sentence; capitalized: a name, a
+# sentence's first word, first on a line (wordfreq folds case: these shares stand in for what it folded)
+
+
+def _cached_counts(name: str, count: Any) -> np.ndarray:
+    path = cache_root() / "frequency" / f"{name}.npy"
     try:
-        counts = np.load(path)
+        return np.load(path)
     except (OSError, ValueError):
-        counts = np.bincount(np.concatenate([np.asarray(s, dtype=np.int64) for s in tokenize_corpus(tokenizer, files)]),
-                             minlength=vocab_size)
+        counts = count()
         path.parent.mkdir(parents=True, exist_ok=True)
         tmp = path.with_suffix(".tmp.npy")
         np.save(tmp, counts)
         tmp.replace(path)
-    counts = counts[:vocab_size]
+        return counts
+
+
+def code_counts(tokenizer: Any, vocab_size: int) -> np.ndarray:
+    """How often each token occurs in the standard library's modules."""
+    files = default_corpus()
+    return _cached_counts(f"{tokenizer_fingerprint(tokenizer)}-{corpus_key(files)}", lambda: np.bincount(
+        np.concatenate([np.asarray(s, dtype=np.int64) for s in tokenize_corpus(tokenizer, files)]),
+        minlength=vocab_size))[:vocab_size]
+
+
+def prose_counts(tokenizer: Any, vocab_size: int) -> np.ndarray:
+    """How often each token occurs in running English text, estimated from `wordfreq`'s frequencies of the
+    `PROSE_WORDS` commonest English words (Speer 2022: Wikipedia, subtitles, news, books, web text and more),
+    each word's frequency spread over the tokens of its forms (`WORD_FORMS`)."""
+    from importlib.metadata import version
+
+    from wordfreq import get_frequency_dict
+
+    def count() -> np.ndarray:
+        words = sorted(get_frequency_dict("en", wordlist="large").items(), key=lambda item: -item[1])[:PROSE_WORDS]
+        counts = np.zeros(vocab_size)
+        for form, share in WORD_FORMS:
+            texts = [form.format(word=word, Word=word.capitalize()) for word, _ in words]
+            for (_, frequency), ids in zip(words, tokenizer(texts, add_special_tokens=False)["input_ids"]):
+                ids = np.asarray(ids, dtype=np.int64)
+                np.add.at(counts, ids[ids < vocab_size], frequency * share)
+        return counts
+
+    forms = json.dumps([PROSE_WORDS, WORD_FORMS])
+    key = hashlib.sha256(f"{version('wordfreq')}|{forms}".encode()).hexdigest()[:16]
+    return _cached_counts(f"{tokenizer_fingerprint(tokenizer)}-prose-{key}", count)[:vocab_size]
+
+
+def frequent_tokens(tokenizer: Any, vocab_size: int, n: int) -> np.ndarray:
+    """The `n` token ids likeliest in code or prose - ranked by the larger of a token's shares of the standard
+    library's tokens and of English prose's - with every special and added token (chat markers, end of
+    sequence) whatever its count: ascending int64 ids. Ties, and the tokens neither shows, go in id order: a
+    byte-pair vocabulary's ids follow the order its merges were learned, most frequent first. FR-Spec (Zhao et
+    al. 2025, section 3.2) restricts a drafter's output head to these; it counts on one broad corpus, and a
+    coder's drafter serves both code and chat."""
+    code, prose = code_counts(tokenizer, vocab_size), prose_counts(tokenizer, vocab_size)
+    counts = np.maximum(code / max(code.sum(), 1), prose / max(prose.sum(), 1))
     special = [i for i in (*tokenizer.all_special_ids, *tokenizer.get_added_vocab().values()) if i < vocab_size]
     ranked = np.argsort(-counts, kind="stable")
     chosen = np.union1d(np.asarray(special, dtype=np.int64), ranked[:max(n - len(set(special)), 0)])

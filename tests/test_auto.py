@@ -248,7 +248,7 @@ def test_a_prefill_is_risked_only_where_generations_run_long_enough_to_repay_it(
 
 def test_drafts_grow_while_everything_is_accepted():
     tokens, reference, stats = scripted(2, error_rate=0.0, step_s=0.05, n=150, k_max=12)
-    assert tokens == reference and stats.choices.count("plain") == 0
+    assert tokens == reference and "plain" not in stats.choices[:-1]  # (the last step may have one token left)
     assert stats.draft_lengths[0] < 12 and max(stats.draft_lengths) == 12 and stats.acceptance_rate == 1.0
 
 
@@ -335,7 +335,20 @@ def test_acceptance_estimates_follow_what_is_observed():
     assert estimate.expected_tokens(2) == pytest.approx([1, 1 + 0.6, 1 + 0.6 + 0.36])
     for _ in range(30):
         estimate.observe(drafted=4, n_accepted=1)  # the first token accepted, the second rejected
-    assert estimate.rate(0) > 0.9 and estimate.rate(1) < 0.1 and estimate.rate(5) == estimate.rate(1)
+    assert estimate.rate(0) > 0.9 and estimate.rate(1) < 0.25 and estimate.rate(5) == estimate.rate(1)
+
+
+def test_one_rejection_of_a_deeper_position_does_not_hold_drafts_short():
+    """A probe's second token rejected once, early: later one-token drafts that are always accepted never show
+    the second position again, so its estimate starts from the first position's, and drafts grow."""
+    estimate = Acceptance(prior=0.6)
+    estimate.observe(drafted=2, n_accepted=1)
+    estimate.restart(4)  # a new text
+    for _ in range(20):
+        estimate.observe(drafted=1, n_accepted=1)
+    assert estimate.rate(1) > 0.6 and estimate.rate(3) == estimate.rate(2)
+    flat = lambda width: 0.034  # noqa: E731
+    assert best_length(estimate, 0.01, flat, 8)[1] >= 2
 
 
 def test_a_new_text_starts_from_the_long_run_acceptance_not_the_last_texts_end():

@@ -87,4 +87,20 @@ def test_fr_spec_s_frequent_tokens_keep_every_special_token(tmp_path, monkeypatc
     assert len(ids) == 40 and list(ids) == sorted(set(ids.tolist())) and 256 in ids
     assert {ord(" "), ord("e")} <= set(ids.tolist()) and ord("~") not in ids
     assert list(frequent_tokens(tokenizer, 257, 40)) == list(ids)  # again, from the cache
-    assert list(tmp_path.glob("frequency/*.npy"))
+    assert len(list(tmp_path.glob("frequency/*.npy"))) == 2  # the code's counts and the prose's
+
+
+def test_fr_spec_s_head_keeps_what_code_and_what_prose_use_most(tmp_path, monkeypatch):
+    """A coder's drafter serves code and chat: the head ranks tokens by the larger of their shares of the code
+    corpus and of English prose (wordfreq's words), so neither crowds the other out."""
+    from speculant import corpus
+
+    monkeypatch.setenv("SPECULANT_CACHE", str(tmp_path))
+    code = tmp_path / "code.py"
+    code.write_text("((((((((((((((((((((((((((((((((((((((((((((((((((((((((((((")  # code of one token: "("
+    monkeypatch.setattr(corpus, "default_corpus", lambda: [code])
+    tokenizer = byte_tokenizer()
+    prose = corpus.prose_counts(tokenizer, 257)
+    assert prose[ord(" ")] > prose[ord("e")] > prose[ord("z")] > 0 and prose[ord("T")] > 0 and prose[ord("(")] == 0
+    head = set(corpus.frequent_tokens(tokenizer, 257, 4).tolist())
+    assert head == {256, ord("("), ord(" "), ord("e")}  # <eos>; code's first; prose's first two

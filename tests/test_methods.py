@@ -18,6 +18,20 @@ from speculant.methods import METHODS, all_options, get_method
 from speculant.methods.registry import Method
 
 
+def test_a_conversation_is_a_prompt_and_a_malformed_one_is_refused():
+    """`generate(target, [messages])` answers the conversation as the chat template lays it out, as the text
+    prompt with chat=True does; what is not a list of role/content messages gets one clear error."""
+    from helpers import BYTE_VOCAB, byte_tokenizer
+
+    target = tiny_model("llama", 0, vocab=BYTE_VOCAB, tokenizer=byte_tokenizer())
+    target.tokenizer.chat_template = "{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}>"
+    text = generate(target, "hi", method="ar", max_new_tokens=8, chat=True).token_ids
+    assert generate(target, [{"role": "user", "content": "hi"}], method="ar", max_new_tokens=8).token_ids == text
+    for bad in ([], ["hi"], [{"role": "user"}], [{"role": "user", "content": 3}]):
+        with pytest.raises(ConfigError, match="empty|role"):
+            generate(target, bad, method="ar", max_new_tokens=8)
+
+
 def test_every_method_is_registered_with_documented_options():
     assert list(METHODS)[:6] == ["auto", "ar", "sd", "tree", "cascade", "dsi"]
     for method in METHODS.values():

@@ -124,19 +124,28 @@ class Acceptance:
     long_accepted: list[float] = field(default_factory=list)
 
     def rate(self, j: int) -> float:
-        """a_{j+1}: acceptance of draft position j (0-based) given the positions before it were accepted;
-        a position never reached yet is taken to be like the deepest one that was (so that drafts can
-        grow when acceptance is high: the first longer draft shows whether it holds)."""
-        j = min(j, len(self.reached) - 1)
-        if j < 0:
-            return self.prior
-        return (self.accepted[j] + self.prior * self.weight) / (self.reached[j] + self.weight)
+        """a_{j+1}: acceptance of draft position j (0-based) given the positions before it were accepted."""
+        return self.rates(j + 1)[j]
+
+    def rates(self, most: int) -> list[float]:
+        """a_1 .. a_most. Position 0 starts from the prior; each deeper one from the estimate of the position
+        before it, worth what a new text carries over (`CARRY_OVER` observations): a position not yet reached is like the one before (so that
+        drafts grow where acceptance is high: the first longer draft shows whether it holds), and one that was
+        reached a few times, in another text, does not hold drafts short in this one (a single rejection of a
+        probe's second token would otherwise keep every later draft at one token, whose verification never
+        shows the second position again)."""
+        rates: list[float] = []
+        for j in range(most):
+            prior, weight = (self.prior, self.weight) if j == 0 else (rates[-1], CARRY_OVER)
+            accepted, reached = (self.accepted[j], self.reached[j]) if j < len(self.reached) else (0.0, 0.0)
+            rates.append((accepted + prior * weight) / (reached + weight))
+        return rates
 
     def expected_tokens(self, most: int) -> list[float]:
         """For k = 0..most, 1 + expected accepted tokens of a k-token draft: what one verification commits."""
         totals, run = [1.0], 1.0
-        for j in range(most):
-            run *= self.rate(j)
+        for rate in self.rates(most):
+            run *= rate
             totals.append(totals[-1] + run)
         return totals
 

@@ -38,7 +38,8 @@ from speculant.tree import TokenTree
 
 ARCHITECTURES = {"qwen2": "neox", "llama": "norm"}  # rotary layout as llama.cpp lays out each one's weights
 KINDS = {"Q4_K": "q4_k", "Q6_K": "q6_k"}
-DRAFT_HEAD = 32768  # a drafter's head rows (FR-Spec's 32k of Llama-3's 128k; Qwen2's vocabulary is 152k)
+DRAFT_HEAD = 49152  # a drafter's head rows (FR-Spec's 32k of Llama-3's 128k; Qwen2's vocabulary is 152k, and its
+# coder's drafter serves code and prose: 99-100% of the 1.5B's tokens on the mixed prompts, docs/results/cpu.md)
 DEFAULT_POSITIONS = 4096  # cache capacity when the model allows more
 CACHE_LAYOUT = 1  # of the repacked files and layout.json: a change here re-packs every cached model (as an edit
 # of formats.py or of _repack does)
