@@ -3,6 +3,7 @@
 import random
 
 import pytest
+import torch
 
 from helpers import ARCHS, DEVICES, ScriptedDrafter, perturbed, random_prompt, tiny_model
 from speculant import generate
@@ -141,6 +142,36 @@ def test_model_drafter_resyncs_its_cache_after_rejections():
     context = context + first.tokens[:2] + [(first.tokens[2] + 1) % VOCAB]
     fresh = ModelDrafter(target.share(), SamplingConfig(), None)
     assert drafter.propose(context, 3).tokens == fresh.propose(context, 3).tokens
+
+
+def test_a_cache_catches_up_by_a_prefill_where_it_keeps_little():
+    """A drafter's cache that shares a few tokens with a new prompt prefills all of it (its logits are one row's,
+    where a forward over the rest computes every row's); one that shares most of the context runs the rest. The
+    logits are the same either way."""
+    from speculant.models.base import PREFILL_AFTER, SharedCache
+
+    class Counted(HFCausalLM):
+        calls: list = []
+
+        def prefill(self, ids):
+            self.calls.append(("prefill", len(ids)))
+            return super().prefill(ids)
+
+        def forward(self, ids, positions=None, tree=None):
+            self.calls.append(("forward", len(ids)))
+            return super().forward(ids, positions, tree)
+
+    target = tiny_model("llama", 4, VOCAB)
+    cache = SharedCache(Counted(target.model, None, "counted"))
+    old, new = random_prompt(4, VOCAB, 40), random_prompt(5, VOCAB, 40)
+    cache.run(old)
+    Counted.calls.clear()
+    logits = cache.run(old[:2] + new)  # 2 shared tokens, 40 to run: a prefill of 42
+    assert Counted.calls == [("prefill", 42)] and torch.equal(logits, target.share().prefill(old[:2] + new)[None])
+    Counted.calls.clear()
+    longer = old[:2] + new + new[:2 * PREFILL_AFTER]
+    cache.run(longer)  # 42 kept, 16 to run
+    assert Counted.calls == [("forward", 2 * PREFILL_AFTER)]
 
 
 def test_drafts_end_at_end_of_sequence_and_generation_at_the_last_position():

@@ -23,17 +23,19 @@ REVIEW = 6  # Max-Gram tokens a model drafter reviews in one forward in auto's c
 
 
 def catch_up_cost(drafter: Any, profile: Any) -> Any:
-    """Seconds for `drafter` (a ModelDrafter or TreeDrafter) to run the context its cache lacks, from its T(W),
-    or, where its cache shares nothing with the context (a new prompt), from its prefill time (`ttft_s` over
-    `context_len` tokens); None for drafters that keep no cache (another tokenizer's re-tokenize the text
-    every time)."""
+    """Seconds for `drafter` (a ModelDrafter or TreeDrafter) to run the context its cache lacks, from its
+    T(W), or, where it catches up by a prefill of the context (a new prompt: `models.base.prefills`), from its
+    prefill time (`ttft_s` over `context_len` tokens); None for drafters that keep no cache (another
+    tokenizer's re-tokenize the text every time)."""
+    from speculant.models.base import prefills
+
     if not hasattr(drafter, "lag"):
         return None
 
     def seconds(context: list[int]) -> float:
         lag = drafter.lag(context)
-        if lag >= len(context):
-            return min(profile.cost(lag), profile.ttft_s * lag / profile.context_len)
+        if prefills(len(context) - lag, lag):
+            return min(profile.cost(len(context)), profile.ttft_s * len(context) / profile.context_len)
         return profile.cost(lag) if lag else 0.0
 
     return seconds

@@ -133,11 +133,23 @@ def common_prefix_len(a: Sequence, b: Sequence) -> int:
     return lo
 
 
+PREFILL_AFTER = 8  # a catch-up this many times longer than the cached prefix it could keep runs as a prefill
+
+
+def prefills(keep: int, lag: int) -> bool:
+    """Whether a cache that shares `keep` leading positions with a context, and lacks `lag` more, catches up by
+    prefilling the whole context: running the kept prefix again costs less than the logits of every row that a
+    forward over the rest computes (a new prompt beside a few shared tokens; the 0.5B drafter's catch-up on a
+    HumanEval prompt that shares 6 of 106 tokens with the last: 219 ms as a prefill, 285 ms as a forward)."""
+    return keep * PREFILL_AFTER < lag
+
+
 def resync(model: CausalLM, cached: list[int], context: list[int], extra: Sequence[int] = ()) -> torch.Tensor:
     """Bring `model`'s cache (holding `cached`) to `context` + `extra`, re-running only what differs (at
-    least context[-1]); return the logits after context[-1] and after each extra token, [1 + len(extra), vocab]."""
+    least context[-1]; all of it where that `prefills`); return the logits after context[-1] and after each extra
+    token, [1 + len(extra), vocab]."""
     keep = min(common_prefix_len(cached, context), len(context) - 1)
-    if keep == 0:
+    if prefills(keep, len(context) - keep):
         logits = model.prefill(context)[None]
         return torch.cat([logits, model.forward(list(extra))]) if extra else logits
     model.rollback(keep)
