@@ -12,7 +12,7 @@ from helpers import ScriptedDrafter, byte_tokenizer, perturbed, random_prompt, t
 from speculant import cli, generate, latency, load_model
 from speculant.config import SamplingConfig
 from speculant.decoding import adaptive as adaptive_module
-from speculant.decoding.adaptive import (COST_FOLLOWS, PACE_STEPS, PROBE_SHARE, SCALE_RANGE, TIME_FOLLOWS,
+from speculant.decoding.adaptive import (COST_FOLLOWS, LOOK_FIRST, PACE_STEPS, PROBE_SHARE, SCALE_RANGE, TIME_FOLLOWS,
                                          Acceptance, Candidate, Rescaled, Timings, adaptive, best_length, can_pay,
                                          expected_remaining, first_children_accepted, shared_cost)
 from speculant.decoding.run import timed
@@ -245,6 +245,29 @@ def test_a_prefill_is_risked_only_where_generations_run_long_enough_to_repay_it(
 
     assert first_choice([]) == "scripted"  # 100 tokens to come: a probe may spend 10 s on catching up
     assert first_choice([10, 20]) == "plain"  # replies of 15 tokens: a 4 s prefill would not pay back
+
+def test_a_large_catch_up_waits_to_see_what_free_drafts_commit():
+    """A model drafter whose catch-up costs more than PROBE_SHARE of the generation's plain time joins only after
+    LOOK_FIRST steps; where model-free drafts (Max-Gram copying an article into its summary) have committed most
+    of the text by then, the catch-up is weighed against the few tokens they leave it, and is not paid."""
+    target = tiny_model("llama", 4, VOCAB, init_std=0.1)
+    prompt = random_prompt(4, VOCAB)
+    reference = generate(target, prompt_ids=prompt, method="ar", max_new_tokens=100).token_ids
+
+    def choices(copied):  # the free drafter matches (and is right) while fewer than `copied` tokens are out
+        model = Candidate("model", ScriptedDrafter(prompt, reference, 0.0, VOCAB, 0), 0.1, 0.9,
+                          catch_up=lambda context: 15.0)  # T(1) = 1.01 s: 15% of 100 plain steps
+        free = Candidate("maxgram", ScriptedDrafter(prompt, reference, 0.0, VOCAB, 1), 0.0, 0.0,
+                         match=lambda context: 20 if len(context) - len(prompt) < copied else 0)
+        tokens, stats = run(target, [model, free], prompt, n=100)
+        assert tokens == reference
+        return stats.choices
+
+    alone = choices(0)
+    assert alone[:LOOK_FIRST] == ["plain"] * LOOK_FIRST and alone[LOOK_FIRST] == "model"
+    summary = choices(60)
+    assert summary[0] == "maxgram" and "model" not in summary
+
 
 def test_drafts_grow_while_everything_is_accepted():
     tokens, reference, stats = scripted(2, error_rate=0.0, step_s=0.05, n=150, k_max=12)

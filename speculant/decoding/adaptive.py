@@ -44,6 +44,7 @@ CARRY_OVER = 4.0  # observations per draft position a new generation's estimates
 LONG_RUN = 0.995  # decay of the long-run estimates: over the last few hundred drafts, of many texts
 COST_FOLLOWS = 0.2  # how far a measured candidate's cost estimate moves toward each draft's cost
 PROBE_SHARE = 0.1  # probes that brought no drafter back may cost at most this share of a generation's plain time
+LOOK_FIRST = 4  # steps a text shows before a drafter's catch-up dearer than PROBE_SHARE of the rest is paid
 TIME_FOLLOWS = 0.2  # how far a measured/profiled time ratio moves toward each forward's
 SCALE_RANGE = (0.5, 2.0)  # a forward's measured/profiled ratio is clipped to this: drift, not a spike
 PACE_STEPS = 32  # auto compares its own pace over this many recent steps with plain decoding's T(1) per token
@@ -129,11 +130,11 @@ class Acceptance:
 
     def rates(self, most: int) -> list[float]:
         """a_1 .. a_most. Position 0 starts from the prior; each deeper one from the estimate of the position
-        before it, worth what a new text carries over (`CARRY_OVER` observations): a position not yet reached is like the one before (so that
-        drafts grow where acceptance is high: the first longer draft shows whether it holds), and one that was
-        reached a few times, in another text, does not hold drafts short in this one (a single rejection of a
-        probe's second token would otherwise keep every later draft at one token, whose verification never
-        shows the second position again)."""
+        before it, worth what a new text carries over (`CARRY_OVER` observations): a position not yet reached is
+        like the one before (so that drafts grow where acceptance is high: the first longer draft shows whether
+        it holds), and one that was reached a few times, in another text, does not hold drafts short in this one
+        (a single rejection of a probe's second token would otherwise keep every later draft at one token, whose
+        verification never shows the second position again)."""
         rates: list[float] = []
         for j in range(most):
             prior, weight = (self.prior, self.weight) if j == 0 else (rates[-1], CARRY_OVER)
@@ -327,7 +328,10 @@ def adaptive(
     not steps whose drafter first caught up on more than a step's tokens, an investment paid once), it decodes
     plainly to the end of the generation.
     A drafter's catch-up is weighed against the tokens the generation is still expected to produce, from the
-    `lengths` of earlier generations (this one's is appended at its end). Where `cost` is `Rescaled`, every
+    `lengths` of earlier generations (this one's is appended at its end), less the share that model-free drafts
+    have committed so far (where Max-Gram copies an article into its summary, a model drafter is left few tokens
+    to repay its catch-up on the article); a catch-up dearer than `PROBE_SHARE` of that time waits `LOOK_FIRST`
+    steps, until the text has shown what free drafts commit. Where `cost` is `Rescaled`, every
     verification's time rescales it (its `Timings`, whose `speed` the candidates share) and every draft's
     its candidate's `scale`."""
     stats = GenerationStats(method="auto")
@@ -343,6 +347,7 @@ def adaptive(
     wait = probe_every  # steps without a model draft before the next probe
     probed = 0.0  # estimated seconds spent on probes since a model drafter last paid on its own
     without_model = wait  # a new text starts with a probe: its drafts' acceptance is measured, not assumed
+    free = 0  # tokens this generation committed through model-free drafts: a model drafter is left the rest
     for candidate in candidates:  # estimates may come from earlier generations: a new text, a new start
         for estimate in candidate.estimates.values():
             estimate.restart(CARRY_OVER)
@@ -364,8 +369,11 @@ def adaptive(
                     if goodput > best[0]:
                         best = (goodput, candidate, k, Draft(draft.tokens[:k], None, draft.usage), bucket)
             else:
+                catch_up = candidate.catch_up_s(context)
+                if catch_up > PROBE_SHARE * cost(1) * remaining and len(stats.choices) < LOOK_FIRST:
+                    continue  # a large catch-up waits until the text has shown what free drafts commit
                 goodput, k = best_length(candidate.acceptance(), candidate.cost_s, cost, room, candidate.width,
-                                         candidate.catch_up_s(context), remaining)
+                                         catch_up, remaining * (1 - free / len(out)))
                 if goodput > best[0]:
                     best = (goodput, candidate, k, None, 0)
         _, chosen, k, draft, bucket = best
@@ -410,6 +418,7 @@ def adaptive(
         stats.record_draft(drafted, n, usage)
         stats.choices.append(chosen.name if chosen is not None else PLAIN)
         pending = accepted + [token]
+        free += len(pending) if chosen is not None and chosen.match is not None else 0
         if learn_costs and not governed and behind <= k_max + 1:  # (a catch-up on a prompt is paid once)
             recent.append((time.perf_counter() - began, len(pending)))  # what no estimate sees is in its time
             governed = len(recent) == PACE_STEPS and 1 in cost.timings.scales and \
