@@ -1,5 +1,5 @@
 """Where speculant keeps what it builds once per machine: de-quantized weights, bigram tables, compiled
-kernels and machine profiles (`$SPECULANT_CACHE`, default `~/.cache/speculant`)."""
+kernels, token counts and machine profiles (`$SPECULANT_CACHE`, default `~/.cache/speculant`)."""
 
 from __future__ import annotations
 
@@ -9,6 +9,8 @@ import os
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
+
+import numpy as np
 
 
 def cache_root() -> Path:
@@ -41,3 +43,21 @@ def remembered(name: str, key: str, measure: Callable[[], Any]) -> Any:
         except OSError:
             pass  # measured again next time
     return known[key]
+
+
+def cached_array(path: Path, build: Callable[[], np.ndarray],
+                 fits: Callable[[np.ndarray], bool] = lambda array: True) -> np.ndarray:
+    """The array kept at `path` (.npy), or, where it is missing, unreadable or does not fit, `build()`, kept there
+    through a temporary file (a process that races another writes a whole file or none)."""
+    try:
+        array = np.load(path)
+        if fits(array):
+            return array
+    except (OSError, ValueError):
+        pass  # built below
+    array = build()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(f".{os.getpid()}.tmp.npy")
+    np.save(tmp, array)
+    tmp.replace(path)
+    return array

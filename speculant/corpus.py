@@ -13,7 +13,7 @@ from typing import Any
 
 import numpy as np
 
-from speculant.cache import cache_root
+from speculant.cache import cache_root, cached_array
 
 
 def default_corpus() -> list[Path]:
@@ -39,23 +39,11 @@ WORD_FORMS = ((" {word}", 0.75), (" {Word}", 0.15), ("{Word}", 0.10))  # within 
 # sentence's first word, first on a line (wordfreq folds case: these shares stand in for what it folded)
 
 
-def _cached_counts(name: str, count: Any) -> np.ndarray:
-    path = cache_root() / "frequency" / f"{name}.npy"
-    try:
-        return np.load(path)
-    except (OSError, ValueError):
-        counts = count()
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_suffix(".tmp.npy")
-        np.save(tmp, counts)
-        tmp.replace(path)
-        return counts
-
-
 def code_counts(tokenizer: Any, vocab_size: int) -> np.ndarray:
     """How often each token occurs in the standard library's modules."""
     files = default_corpus()
-    return _cached_counts(f"{tokenizer_fingerprint(tokenizer)}-{corpus_key(files)}", lambda: np.bincount(
+    path = cache_root() / "frequency" / f"{tokenizer_fingerprint(tokenizer)}-{corpus_key(files)}.npy"
+    return cached_array(path, lambda: np.bincount(
         np.concatenate([np.asarray(s, dtype=np.int64) for s in tokenize_corpus(tokenizer, files)]),
         minlength=vocab_size))[:vocab_size]
 
@@ -80,7 +68,8 @@ def prose_counts(tokenizer: Any, vocab_size: int) -> np.ndarray:
 
     forms = json.dumps([PROSE_WORDS, WORD_FORMS])
     key = hashlib.sha256(f"{version('wordfreq')}|{forms}".encode()).hexdigest()[:16]
-    return _cached_counts(f"{tokenizer_fingerprint(tokenizer)}-prose-{key}", count)[:vocab_size]
+    return cached_array(cache_root() / "frequency" / f"{tokenizer_fingerprint(tokenizer)}-prose-{key}.npy",
+                        count)[:vocab_size]
 
 
 def frequent_tokens(tokenizer: Any, vocab_size: int, n: int) -> np.ndarray:

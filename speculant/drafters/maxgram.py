@@ -14,7 +14,7 @@ from typing import Any
 
 import numpy as np
 
-from speculant.cache import cache_root
+from speculant.cache import cache_root, cached_array
 from speculant.corpus import corpus_key, default_corpus, tokenize_corpus, tokenizer_fingerprint
 from speculant.drafters.base import Draft
 
@@ -105,16 +105,5 @@ def load_bigram(tokenizer: Any, vocab_size: int, corpus: list[Path] | None = Non
     """The bigram table for `tokenizer` over `corpus` (default: the stdlib), cached per tokenizer and corpus."""
     files = corpus if corpus is not None else default_corpus()
     path = (cache_dir or cache_root() / "bigram") / f"{tokenizer_fingerprint(tokenizer)}-{corpus_key(files)}.npy"
-    if path.is_file():
-        try:
-            table = np.load(path)
-            if table.shape == (vocab_size,):
-                return table
-        except (OSError, ValueError):
-            pass  # a corrupt cache is rebuilt below
-    table = bigram_table(tokenize_corpus(tokenizer, files), vocab_size)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_suffix(".tmp.npy")
-    np.save(tmp, table)
-    tmp.replace(path)
-    return table
+    return cached_array(path, lambda: bigram_table(tokenize_corpus(tokenizer, files), vocab_size),
+                        fits=lambda table: table.shape == (vocab_size,))

@@ -60,9 +60,12 @@ class CausalLM(Protocol):
 
 class PointerCache:
     """What backends with a preallocated KV cache and a length pointer share (`lean`, `static`): the pointer is
-    the cache's length, and rolling back moves it."""
+    the cache's length, rolling back moves it, and a tree's path is compacted in the caches' own storage
+    (`_keys`, `_values`: [layers, kv_heads, positions, head_dim])."""
 
     _len = 0
+    _keys: torch.Tensor
+    _values: torch.Tensor
 
     @property
     def cache_len(self) -> int:
@@ -72,6 +75,16 @@ class PointerCache:
         if not 0 <= n <= self._len:
             raise ValueError(f"cannot roll back to {n} cached positions: {self._len} are cached")
         self._len = n
+
+    def keep(self, indices: Sequence[int]) -> None:
+        """Compact the cache in place to `indices` (ascending): the storage is never reallocated."""
+        where = torch.as_tensor(list(indices), dtype=torch.long, device=self._keys.device)
+        m = where.numel()
+        if m and (int(where[-1]) >= self._len or int(where[0]) < 0 or bool((where[1:] <= where[:-1]).any())):
+            raise ValueError("indices must ascend within the cache")
+        self._keys[:, :, :m] = self._keys[:, :, where]
+        self._values[:, :, :m] = self._values[:, :, where]
+        self._len = m
 
 
 class Interrupted(Exception):
@@ -139,8 +152,8 @@ PREFILL_AFTER = 8  # a catch-up this many times longer than the cached prefix it
 def prefills(keep: int, lag: int) -> bool:
     """Whether a cache that shares `keep` leading positions with a context, and lacks `lag` more, catches up by
     prefilling the whole context: running the kept prefix again costs less than the logits of every row that a
-    forward over the rest computes (a new prompt beside a few shared tokens; the 0.5B drafter's catch-up on a
-    HumanEval prompt that shares 6 of 106 tokens with the last: 219 ms as a prefill, 285 ms as a forward)."""
+    forward over the rest computes (a new prompt beside a few shared tokens: the 0.5B drafter's catch-up on a
+    HumanEval prompt that shares 6 of 106 tokens with the last took 9-23% less as a prefill, docs/results/cpu.md)."""
     return keep * PREFILL_AFTER < lag
 
 

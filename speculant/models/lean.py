@@ -363,16 +363,6 @@ class LeanCausalLM(PointerCache):
         self._len = n
         return _head(weights, x[-1:])[0]
 
-    def keep(self, indices: Sequence[int]) -> None:
-        """Compact the cache in place to `indices` (ascending): the storage is never reallocated."""
-        where = torch.as_tensor(list(indices), dtype=torch.long)
-        if where.numel() and (int(where[-1]) >= self._len or bool((where[1:] <= where[:-1]).any())):
-            raise ValueError("indices must ascend within the cache")
-        m = where.numel()
-        self._keys[:, :, :m] = self._keys[:, :, where]
-        self._values[:, :, :m] = self._values[:, :, where]
-        self._len = m
-
 
 def _bias(y: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
     return y if bias is None else y + bias

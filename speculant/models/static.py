@@ -309,13 +309,3 @@ class StaticCausalLM(PointerCache):
         with torch.cuda.graph(graph):
             out = step(self._keys, self._values, *self._inputs)
         return graph, out
-
-    def keep(self, indices: Sequence[int]) -> None:
-        """Compact the cache in place to `indices` (ascending): its storage is never reallocated."""
-        where = torch.as_tensor(list(indices), dtype=torch.long, device=self.device)
-        m = where.numel()
-        if m and (int(where[-1]) >= self._len or int(where[0]) < 0 or bool((where[1:] <= where[:-1]).any())):
-            raise ValueError("indices must ascend within the cache")
-        self._keys[:, :, :m] = self._keys[:, :, where]
-        self._values[:, :, :m] = self._values[:, :, where]
-        self._len = m
