@@ -6,6 +6,13 @@
 
 #define TILE 8
 
+// dot += w (u8) x the four activation bytes at a (s8), broadcast from memory within the instruction: GCC
+// loads them with a separate vpbroadcastd per row and group, which costs as much issue width as the multiply.
+static inline __attribute__((always_inline)) __m512i dpbusd_at(__m512i dot, __m512i w, const int8_t *a) {
+    __asm__("vpdpbusd %2%{1to16%}, %1, %0" : "+v"(dot) : "v"(w), "m"(*(const int32_t *)a));
+    return dot;
+}
+
 static inline __attribute__((always_inline)) void q4k_tile(const int rows, const int8_t *qa, const float *sa,
                                                           const float *o32, const float *o16, int64_t K,
                                                           const uint8_t *panel, float *y, int64_t O) {
@@ -32,7 +39,7 @@ static inline __attribute__((always_inline)) void q4k_tile(const int rows, const
             for (int r = 0; r < rows; r++) {
                 const int8_t *a = qa + r * K + kb * 32;
                 __m512i dot = _mm512_setzero_si512();
-                for (int g = 0; g < 8; g++) dot = _mm512_dpbusd_epi32(dot, w[g], _mm512_set1_epi32(load32(a + 4 * g)));
+                for (int g = 0; g < 8; g++) dot = dpbusd_at(dot, w[g], a + 4 * g);
                 float sr = sa[r * (K / 32) + kb];
                 acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), _mm512_mul_ps(scale, _mm512_set1_ps(sr)), acc[r]);
                 float offset = o32[r * (K / 32) + kb];
@@ -70,7 +77,7 @@ static inline __attribute__((always_inline)) void q6k_tile(const int rows, const
             for (int r = 0; r < rows; r++) {
                 const int8_t *a = qa + r * K + k16 * 16;
                 __m512i dot = _mm512_setzero_si512();
-                for (int g = 0; g < 4; g++) dot = _mm512_dpbusd_epi32(dot, w[g], _mm512_set1_epi32(load32(a + 4 * g)));
+                for (int g = 0; g < 4; g++) dot = dpbusd_at(dot, w[g], a + 4 * g);
                 float sr = sa[r * (K / 32) + k16 / 2];
                 acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), _mm512_mul_ps(scale, _mm512_set1_ps(sr)), acc[r]);
                 acc[r] = _mm512_fnmadd_ps(min, _mm512_set1_ps(o16[r * (K / 16) + k16]), acc[r]);
