@@ -1,14 +1,16 @@
 // AVX2 (+FMA, F16C): an 8-lane register holds half a panel's outputs, the halves in turn; each weight
 // block is unpacked once per half and every row of the tile multiplies it by its four activation bytes
-// broadcast (vpmaddubsw then vpmaddwd: u8 x s8 pairs, then quads, into exact int32 sums; the pairs stay
-// below 2 * 63 * 127, far from int16's saturation).
+// broadcast (vpmaddubsw: u8 x s8 pairs into int16; vpmaddwd by ones: pairs of those into int32). The int16
+// sums of several vpmaddubsw are added before one vpmaddwd, as far as they cannot overflow: a pair is at
+// most 2 * 15 * 127 = 3810 for q4_k's nibbles (eight pairs added: 30480) and 2 * 63 * 127 = 16002 for q6_k's
+// six bits (two added: 32004), below int16's 32767, so the int32 sums are exactly those of one vpmaddwd each.
 #include <immintrin.h>
 #include "common.h"
 
 #define TILE 4
 
-static inline __m256i dot4(__m256i w, const int8_t *a, __m256i ones) {
-    return _mm256_madd_epi16(_mm256_maddubs_epi16(w, _mm256_set1_epi32(load32(a))), ones);
+static inline __m256i pairs(__m256i w, const int8_t *a) {  // u8 weights x four s8 activations, broadcast
+    return _mm256_maddubs_epi16(w, _mm256_set1_epi32(load32(a)));
 }
 
 static inline __attribute__((always_inline)) void q4k_tile(const int rows, const int8_t *qa, const float *sa,
@@ -28,20 +30,21 @@ static inline __attribute__((always_inline)) void q4k_tile(const int rows, const
                 __m256 scale = _mm256_mul_ps(d, _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(bp + h * 8)))));
                 __m256 min = _mm256_mul_ps(dmin, _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(bp + 16 + h * 8)))));
                 int64_t kb = s * 8 + b;
-                __m256i dot[TILE];
-                for (int r = 0; r < rows; r++) dot[r] = _mm256_setzero_si256();
+                __m256i sum[TILE];  // int16: the block's eight vpmaddubsw per row
+                for (int r = 0; r < rows; r++) sum[r] = _mm256_setzero_si256();
                 for (int c = 0; c < 4; c++) {
                     __m256i raw = _mm256_loadu_si256((const __m256i *)(bp + 32 + c * 64 + h * 32));
                     __m256i lo = _mm256_and_si256(raw, low), hi = _mm256_and_si256(_mm256_srli_epi16(raw, 4), low);
                     for (int r = 0; r < rows; r++) {
                         const int8_t *a = qa + r * K + kb * 32;
-                        dot[r] = _mm256_add_epi32(dot[r], dot4(lo, a + 4 * c, ones));
-                        dot[r] = _mm256_add_epi32(dot[r], dot4(hi, a + 16 + 4 * c, ones));
+                        sum[r] = _mm256_add_epi16(sum[r], pairs(lo, a + 4 * c));
+                        sum[r] = _mm256_add_epi16(sum[r], pairs(hi, a + 16 + 4 * c));
                     }
                 }
                 for (int r = 0; r < rows; r++) {
                     float sr = sa[r * (K / 32) + kb];
-                    acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot[r]), _mm256_mul_ps(scale, _mm256_set1_ps(sr)), acc[r]);
+                    __m256i dot = _mm256_madd_epi16(sum[r], ones);
+                    acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), _mm256_mul_ps(scale, _mm256_set1_ps(sr)), acc[r]);
                     float offset = o32[r * (K / 32) + kb];
                     acc[r] = _mm256_fnmadd_ps(min, _mm256_set1_ps(offset), acc[r]);
                 }
@@ -79,8 +82,9 @@ static inline __attribute__((always_inline)) void q6k_tile(const int rows, const
                 int64_t k16 = s * 16 + b;
                 for (int r = 0; r < rows; r++) {
                     const int8_t *a = qa + r * K + k16 * 16;
-                    __m256i dot = dot4(w[0], a, ones);
-                    for (int g = 1; g < 4; g++) dot = _mm256_add_epi32(dot, dot4(w[g], a + 4 * g, ones));
+                    __m256i dot = _mm256_add_epi32(
+                        _mm256_madd_epi16(_mm256_add_epi16(pairs(w[0], a), pairs(w[1], a + 4)), ones),
+                        _mm256_madd_epi16(_mm256_add_epi16(pairs(w[2], a + 8), pairs(w[3], a + 12)), ones));
                     float sr = sa[r * (K / 32) + k16 / 2];
                     acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), _mm256_mul_ps(scale, _mm256_set1_ps(sr)), acc[r]);
                     acc[r] = _mm256_fnmadd_ps(min, _mm256_set1_ps(o16[r * (K / 16) + k16]), acc[r]);
