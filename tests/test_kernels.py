@@ -58,6 +58,28 @@ def test_every_row_equals_its_one_row_call_and_the_scalar_reference(kind, isa, i
         assert torch.equal(kernels.matmul(kernels.quantize(padded, isa), whole, isa), reference)
 
 
+LARGEST = {"q4_k": (slice(16, 144),), "q6_k": (slice(0, 192),)}  # every quant's bits set: 15 and 63
+
+
+@pytest.mark.parametrize("kind", kernels.KINDS)
+@pytest.mark.parametrize("isa", kernels.paths())
+def test_the_largest_products_overflow_no_path(kind, isa):
+    """Every weight at its largest quant times activations at +-127: where a path adds int16 partial sums
+    before widening them (AVX2), these are the sums closest to int16's limit."""
+    raw = random_tensor(kind, 16, 2, seed=4)
+    blocks = raw.reshape(16, 2, -1)
+    for quants in LARGEST[kind]:
+        blocks[..., quants] = 0xFF
+    weight = kernels.QuantWeight.from_gguf(kind, raw)
+    x = torch.ones(3, 512)
+    x[1] = -1.0
+    x[2, ::64] = -1.0  # a sign change within some blocks
+    rows = kernels.matmul(kernels.quantize(x, isa), weight, isa)
+    assert torch.equal(rows, kernels.matmul(kernels.quantize(x, "scalar"), weight, "scalar", threads=1))
+    dense = x @ torch.from_numpy(formats.dequantize(kind, raw)).T
+    assert (rows - dense).norm() / dense.norm() < 0.02
+
+
 @pytest.mark.parametrize("rows", [7, 40])  # 40 rows of 512 are enough blocks to be split among threads
 @pytest.mark.parametrize("isa", kernels.paths())
 def test_activations_quantize_the_same_on_every_path(isa, rows):
