@@ -72,6 +72,8 @@ def test_jsonl_prompts_and_errors(tmp_path):
         load_dataset(str(tmp_path / "empty.jsonl"))
     with pytest.raises(ConfigError, match="unknown dataset"):
         load_dataset("nope[:2]")
+    with pytest.raises(ConfigError, match="no such file: .*missing.jsonl"):
+        load_dataset(str(tmp_path / "missing.jsonl") + "[:2]")
 
 
 @pytest.fixture(scope="module")

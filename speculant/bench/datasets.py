@@ -88,6 +88,8 @@ def load_dataset(spec: str) -> list[Prompt]:
         prompts = load_humaneval()
     elif Path(name).is_file():
         prompts = load_jsonl(Path(name))
+    elif name.endswith(".jsonl") or "/" in name:
+        raise ConfigError(f"no such file: {name}")
     else:
         raise ConfigError(f"unknown dataset '{spec}' (use humaneval[:N] or a JSONL file with a 'prompt' field)")
     prompts = prompts[start:stop]
