@@ -241,6 +241,57 @@ def test_served_lean_requests_batch_and_equal_their_solo_runs(lean_files, monkey
         assert max(batched, default=0) > 1, method
 
 
+@pytest.mark.parametrize("variant", ["qwen2", "llama"])
+def test_a_long_prompt_prefills_in_parts_that_compute_the_whole_prompt(lean_files, variant, monkeypatch):
+    """Each part attends to the parts before it: the logits and the cache are the unsplit prefill's up to
+    rounding, and a part's call gives what the prefill's own loop gives."""
+    from speculant.models import lean as lean_module
+
+    model, ids = lean(lean_files, variant), prompt_ids(50, 13)
+    whole = model.prefill(ids)
+    keys = model._keys[:, :, :13].clone()
+    monkeypatch.setattr(lean_module, "PREFILL_PART", 5)
+    assert model.prefill_parts(ids) == [ids[:5], ids[5:10], ids[10:]]
+    parted = model.prefill(ids)
+    assert model.cache_len == 13
+    assert (parted - whole).abs().max() < 1e-3 * whole.abs().max()
+    assert (model._keys[:, :, :13] - keys).abs().max() < 1e-3 * keys.abs().max()
+    assert not torch.equal(parted, whole)  # (the parts' attention is another computation: a test that can fail)
+    model.prefill(ids[:5])
+    model.continue_prefill(ids[5:10])
+    assert torch.equal(model.continue_prefill(ids[10:]), parted)
+    assert torch.equal(model.forward([3, 4]), (lambda m: (m.prefill(ids), m.forward([3, 4]))[1])(model.share()))
+
+
+def test_a_served_long_prompt_prefills_in_parts_while_others_decode(lean_files, monkeypatch):
+    """A server runs a long prompt's parts in separate forwards, the running request's decode rows beside
+    them, and every output equals its solo run."""
+    from speculant.config import SamplingConfig
+    from speculant.methods import get_method
+    from speculant.models import lean as lean_module
+    from speculant.serve.engine import Engine, Job
+
+    monkeypatch.setattr(lean_module, "PREFILL_PART", 4)
+    batches = []  # per forward: (prefill, continues) of each call
+    forward_rows = lean_module.forward_rows
+    monkeypatch.setattr(lean_module, "forward_rows", lambda rows: batches.append(
+        [(call.prefill, call.continues) for _, call in rows]) or forward_rows(rows))
+    target = lean(lean_files, "qwen2")
+    short, long = prompt_ids(60, 3), prompt_ids(61, 17)
+    expected = [generate(target, prompt_ids=p, method="ar", max_new_tokens=12).text for p in (short, long)]
+    engine = Engine(target, "ar", get_method("ar").make_options({}), 8, 16)
+    done = {}
+    jobs = {name: Job(ids, 12, SamplingConfig()) for name, ids in (("short", short), ("long", long))}
+    engine.batcher.run(lambda: [engine.submit(job, lambda piece, logprobs: None,  # (admitted together)
+                                              lambda outcome, name=name: done.setdefault(name, outcome))
+                                for name, job in jobs.items()])
+    engine.close()
+    assert [done["short"].text, done["long"].text] == expected
+    parts = [b for b in batches if (True, True) in b]
+    assert len(parts) == 4  # 17 tokens in parts of 4: four after the first
+    assert any((False, False) in b for b in parts)  # the short request decoded beside them
+
+
 @pytest.mark.parametrize("arch", ["qwen2", "llama"])
 def test_a_handle_skipping_layers_computes_the_model_without_them(lean_files, tmp_path, arch):
     """`skipping`: the prefill (torch) and the forward (the C layers) of a 4-layer model without layers 1 and 2

@@ -20,7 +20,10 @@ class CausalLM(Protocol):
     (None, or a check called at every layer boundary; True raises `Interrupted`). A backend that can run
     several sequences' calls as one forward, each row bit for bit its own call (what a batching server
     uses), also has `weights_key` (equal for handles that share weights) and `rows_forward()` (a function
-    of [(handle, Call)] -> each call's logits, or None where this handle's rows cannot batch).
+    of [(handle, Call)] -> each call's logits, or None where this handle's rows cannot batch). One whose
+    `prefill` runs a long prompt in parts has `prefill_parts(ids)` (the parts, in order) and
+    `continue_prefill(part)` (a part after the earlier ones; the logits of its last token): a server runs
+    the parts in separate forwards, with the same bits as one `prefill`.
     """
 
     name: str
@@ -102,9 +105,12 @@ class Call:
     prefill: bool = False
     positions: Sequence[int] | None = None
     tree: TokenTree | None = None
+    continues: bool = False  # with prefill: a later part of a prompt (`prefill_parts`), after the earlier ones
 
     def run(self, model: CausalLM) -> torch.Tensor:
-        return model.prefill(self.ids) if self.prefill else model.forward(self.ids, self.positions, tree=self.tree)
+        if self.prefill:
+            return model.continue_prefill(self.ids) if self.continues else model.prefill(self.ids)
+        return model.forward(self.ids, self.positions, tree=self.tree)
 
 
 def profiled_as(model: Any) -> Any:

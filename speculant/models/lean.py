@@ -41,6 +41,8 @@ KINDS = {"Q4_K": "q4_k", "Q6_K": "q6_k"}
 DRAFT_HEAD = 49152  # a drafter's head rows (FR-Spec's 32k of Llama-3's 128k; Qwen2's vocabulary is 152k, and its
 # coder's drafter serves code and prose: 99-100% of the 1.5B's tokens on the mixed prompts, docs/results/cpu.md)
 DEFAULT_POSITIONS = 4096  # cache capacity when the model allows more
+PREFILL_PART = 512  # prompt tokens per part of a prefill (`prefill_parts`): a served prompt's parts run in
+# separate batches, so the running requests decode between them (a 2048-token prompt held them ~20 s on 2 cores)
 CACHE_LAYOUT = 1  # of the repacked files and layout.json: a change here re-packs every cached model (as an edit
 # of formats.py or of _repack does)
 
@@ -295,6 +297,21 @@ class LeanCausalLM(PointerCache):
         self._len = 0
         if self._masked_prompt(ids):
             return _run_rows([self._place(ids, prompt=True)])[0][0]
+        for part in self.prefill_parts(ids):
+            logits = self._prefill_block(part)
+        return logits
+
+    def prefill_parts(self, ids: Sequence[int]) -> list[list[int]]:
+        """The parts `prefill` runs a prompt in, one after another (`continue_prefill` runs each after the first),
+        so that a batching server can run them in separate forwards and give each the same bits: PREFILL_PART
+        tokens each, or the whole prompt where it outruns the sliding window (its rows run masked, in one)."""
+        if self._masked_prompt(ids):
+            return [list(ids)]
+        return [list(ids[start:start + PREFILL_PART]) for start in range(0, len(ids), PREFILL_PART)]
+
+    @torch.inference_mode()
+    def continue_prefill(self, ids: Sequence[int]) -> torch.Tensor:
+        """A later part of a prompt (`prefill_parts`) after the parts before it; the logits of its last token."""
         return self._prefill_block(ids)
 
     def _masked_prompt(self, ids: Sequence[int]) -> bool:
@@ -333,13 +350,16 @@ class LeanCausalLM(PointerCache):
         return _Rows(self, list(ids), where, mask, prompt)
 
     def _prefill_block(self, ids: Sequence[int]) -> torch.Tensor:
-        """A prompt without a mask: its layers in torch, attention as one causal block (the same computation
-        for the same prompt every time); the logits of its last row."""
-        config, weights, n = self.config, self.weights, len(ids)
-        if n > self.max_positions:
-            raise ValueError(f"{n} positions exceed the lean model's cache of {self.max_positions}")
+        """A part of a prompt without a mask, after the cached positions (the prompt's earlier parts): its layers
+        in torch, attention as one causal block (the same computation for the same part every time); the logits
+        of its last row."""
+        config, weights, n, start = self.config, self.weights, len(ids), self._len
+        end = start + n
+        if end > self.max_positions:
+            raise ValueError(f"{end} positions exceed the lean model's cache of {self.max_positions}")
         layout, scale = ARCHITECTURES[config.architecture], config.head_dim ** -0.5
-        where = torch.arange(n)
+        where = torch.arange(start, end)
+        causal = None if start == 0 else torch.ones(n, end, dtype=torch.bool).tril(start)  # row i sees start + i
         x = weights.embed(ids).contiguous()  # [n, hidden]
         cos, sin = weights.cos[where][:, None], weights.sin[where][:, None]
         for slot, index in enumerate(self.layers):
@@ -351,16 +371,16 @@ class LeanCausalLM(PointerCache):
                        ((layer.q, layer.q_bias), (layer.k, layer.k_bias), (layer.v, layer.v_bias)))
             q = _rotate(q.view(n, config.heads, config.head_dim), cos, sin, layout)
             k = _rotate(k.view(n, config.kv_heads, config.head_dim), cos, sin, layout)
-            self._keys[slot, :, :n] = k.transpose(0, 1)
-            self._values[slot, :, :n] = v.view(n, config.kv_heads, config.head_dim).transpose(0, 1)
+            self._keys[slot, :, start:end] = k.transpose(0, 1)
+            self._values[slot, :, start:end] = v.view(n, config.kv_heads, config.head_dim).transpose(0, 1)
             attended = F.scaled_dot_product_attention(
-                q.transpose(0, 1)[None], self._keys[slot, None, :, :n], self._values[slot, None, :, :n],
-                is_causal=True, scale=scale, enable_gqa=True)[0].transpose(0, 1).reshape(n, -1)
+                q.transpose(0, 1)[None], self._keys[slot, None, :, :end], self._values[slot, None, :, :end],
+                attn_mask=causal, is_causal=causal is None, scale=scale, enable_gqa=True)[0].transpose(0, 1).reshape(n, -1)
             x = x + kernels.matmul(kernels.quantize(attended), layer.o)
             h = kernels.quantize(_rms_norm(x, layer.ffn_norm, config.eps))
             gated = F.silu(kernels.matmul(h, layer.gate)) * kernels.matmul(h, layer.up)  # SwiGLU
             x = x + kernels.matmul(kernels.quantize(gated), layer.down)
-        self._len = n
+        self._len = end
         return _head(weights, x[-1:])[0]
 
 
@@ -441,7 +461,7 @@ def forward_rows(rows: Sequence[tuple[LeanCausalLM, Call]]) -> list[torch.Tensor
     together = []
     for i, (handle, call) in enumerate(rows):
         if call.prefill and not handle._masked_prompt(call.ids):
-            out[i] = handle.prefill(call.ids)
+            out[i] = handle.continue_prefill(call.ids) if call.continues else handle.prefill(call.ids)
             continue
         if call.prefill:
             handle.rollback(0)

@@ -213,7 +213,14 @@ class Row:
         return Row(self.batcher, self.shares, self.on_forward)
 
     def prefill(self, ids: Sequence[int]) -> torch.Tensor:
-        return self._submit(Call(list(ids), prefill=True))
+        """A prompt's prefill; where the backend runs a long prompt in parts (`prefill_parts`), each part waits
+        for a forward of its own, so that the running requests decode between them."""
+        parts = self.handle.prefill_parts(ids) if self.batcher is not None and hasattr(self.handle, "prefill_parts") \
+            else [list(ids)]
+        logits = self._submit(Call(parts[0], prefill=True))
+        for part in parts[1:]:
+            logits = self._submit(Call(part, prefill=True, continues=True))
+        return logits
 
     def forward(self, ids: Sequence[int], positions: Sequence[int] | None = None,
                 tree: TokenTree | None = None) -> torch.Tensor:

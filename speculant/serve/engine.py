@@ -87,6 +87,8 @@ class Steps:
         self.drafter_forwards = 0
 
     def on_target(self, call: Call) -> None:
+        if call.continues:  # a later part of the prefill counted already
+            return
         self.close()
         self.forwards += 1
         self.width = 0 if call.prefill else len(call.ids)
