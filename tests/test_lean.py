@@ -206,7 +206,8 @@ def test_rows_of_several_sequences_in_one_forward_equal_their_own_forwards(lean_
     rounds = [[Call(p, prefill=True) for p in prompts],
               [Call([1, 2, 3]), Call([4]), Call(TREE.tokens, tree=TREE)],
               [Call([5, 6]), Call(prompts[1], prefill=True), Call([11])],
-              [Call(prompt_ids(33, 9)), Call([12, 13, 14, 15]), Call([16])]]
+              [Call(prompt_ids(33, 9)), Call([12, 13, 14, 15]), Call([16])],
+              [Call([17, 18, 19], prefill=True, continues=True), Call([20]), Call([21, 22], prefill=True, continues=True)]]
     for calls in rounds:
         got = forward_rows(list(zip(batched, calls)))
         for row, call, logits in zip(alone, calls, got):
@@ -245,12 +246,12 @@ def test_served_lean_requests_batch_and_equal_their_solo_runs(lean_files, monkey
 def test_a_long_prompt_prefills_in_parts_that_compute_the_whole_prompt(lean_files, variant, monkeypatch):
     """Each part attends to the parts before it: the logits and the cache are the unsplit prefill's up to
     rounding, and a part's call gives what the prefill's own loop gives."""
-    from speculant.models import lean as lean_module
+    from speculant.models import base
 
     model, ids = lean(lean_files, variant), prompt_ids(50, 13)
     whole = model.prefill(ids)
     keys = model._keys[:, :, :13].clone()
-    monkeypatch.setattr(lean_module, "PREFILL_PART", 5)
+    monkeypatch.setattr(base, "PREFILL_PART", 5)
     assert model.prefill_parts(ids) == [ids[:5], ids[5:10], ids[10:]]
     parted = model.prefill(ids)
     assert model.cache_len == 13
@@ -268,10 +269,11 @@ def test_a_served_long_prompt_prefills_in_parts_while_others_decode(lean_files, 
     them, and every output equals its solo run."""
     from speculant.config import SamplingConfig
     from speculant.methods import get_method
+    from speculant.models import base
     from speculant.models import lean as lean_module
     from speculant.serve.engine import Engine, Job
 
-    monkeypatch.setattr(lean_module, "PREFILL_PART", 4)
+    monkeypatch.setattr(base, "PREFILL_PART", 4)
     batches = []  # per forward: (prefill, continues) of each call
     forward_rows = lean_module.forward_rows
     monkeypatch.setattr(lean_module, "forward_rows", lambda rows: batches.append(

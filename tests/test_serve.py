@@ -89,7 +89,8 @@ def test_rows_of_one_forward_equal_their_own_forwards(arch):
     tree = TokenTree([7, 8, 9, 10], [-1, 0, 0, 1])
     rounds = [[Call(p, prefill=True) for p in prompts],
               [Call([1, 2, 3]), Call([4]), Call(tree.tokens, tree=tree)],
-              [Call([5, 6]), Call(prompts[0], prefill=True), Call([11])]]
+              [Call([5, 6]), Call(prompts[0], prefill=True), Call([11])],
+              [Call([12, 13, 14], prefill=True, continues=True), Call([15]), Call([16, 17], prefill=True, continues=True)]]
     for calls in rounds:
         got = forward_rows(list(zip(batched, calls)))
         for row, call, logits in zip(alone, calls, got):
@@ -118,6 +119,27 @@ def test_concurrent_greedy_requests_equal_their_solo_runs_and_ar(method, arch):
     for p, text in zip(prompts[:2], solo):
         assert generate(target, prompt_ids=p, method="ar", max_new_tokens=24).text == text
     engine.close()
+
+
+@pytest.mark.parametrize("method", ["ar", "auto"])
+def test_long_prompts_prefill_in_parts_and_equal_their_solo_runs(method, monkeypatch):
+    """Prompts longer than a prefill part run part by part, in separate forwards beside the other rows, and
+    every output is the request's solo run and `ar`'s."""
+    from speculant.models import base
+
+    monkeypatch.setattr(base, "PREFILL_PART", 4)
+    target = byte_model("llama", 1)
+    options = {"drafters": (perturbed(target, 0.05, 2), "maxgram")} if method == "auto" else {}
+    engine = engine_for(method, target=target, **options)
+    parts = []
+    run = Call.run
+    monkeypatch.setattr(Call, "run", lambda call, model: parts.append(call.continues) or run(call, model))
+    prompts = [list(f"prompt {i}: ".encode() * (1 + i % 3)) for i in range(4)]
+    solo, together = concurrent_equals_solo(engine, prompts)
+    engine.close()
+    assert solo == together
+    assert [generate(target, prompt_ids=p, method="ar", max_new_tokens=24).text for p in prompts] == solo
+    assert any(parts)  # (later parts ran as calls of their own)
 
 
 def test_sampled_rows_follow_their_own_seeds():

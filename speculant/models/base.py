@@ -152,6 +152,15 @@ def common_prefix_len(a: Sequence, b: Sequence) -> int:
     return lo
 
 
+PREFILL_PART = 512  # prompt tokens per part of a prefill (`prompt_parts`): a served prompt's parts run in separate
+# forwards, so the running requests decode between them (one 2048-token prompt held them ~20 s on 2 cores)
+
+
+def prompt_parts(ids: Sequence[int]) -> list[list[int]]:
+    """A prompt in the parts of PREFILL_PART tokens that a backend with `prefill_parts` prefills it in."""
+    return [list(ids[start:start + PREFILL_PART]) for start in range(0, len(ids), PREFILL_PART)]
+
+
 PREFILL_AFTER = 8  # a catch-up this many times longer than the cached prefix it could keep runs as a prefill
 
 

@@ -13,7 +13,7 @@ import torch
 from torch.nn.attention import SDPBackend, sdpa_kernel
 from transformers import DynamicCache, PreTrainedModel
 
-from speculant.models.base import Call, Interrupted
+from speculant.models.base import Call, Interrupted, prompt_parts
 from speculant.models.exact import make_exact
 from speculant.tree import TokenTree
 
@@ -127,6 +127,17 @@ class HFCausalLM:
         if len(ids) == 0:
             raise ValueError("prefill needs at least one token")
         self.rollback(0)
+        for part in self.prefill_parts(ids):
+            logits = self.continue_prefill(part)
+        return logits
+
+    def prefill_parts(self, ids: Sequence[int]) -> list[list[int]]:
+        """The parts `prefill` runs a prompt in (`prompt_parts`; `continue_prefill` runs each after the first)."""
+        return prompt_parts(ids)
+
+    @torch.inference_mode()
+    def continue_prefill(self, ids: Sequence[int]) -> torch.Tensor:
+        """A later part of a prompt after the parts before it; the logits of its last token."""
         return self._run(ids, None, None, logits_to_keep=1)[0]
 
     @torch.inference_mode()
@@ -218,8 +229,9 @@ def batches_rows(model: HFCausalLM) -> bool:
 @torch.inference_mode()
 def forward_rows(rows: Sequence[tuple[HFCausalLM, Call]]) -> list[torch.Tensor]:
     """One forward for several sequences on the same weights, each a (handle, call) row with a cache of its
-    own; each row gets what its call would return alone (a prefill resets the row's cache and returns its
-    last token's logits [vocab], a forward one logits row per token [n, vocab]). The rows' tokens run as one input whose linear layers are
+    own; each row gets what its call would return alone (a prefill resets the row's cache, a prompt's later part
+    follows the parts before it, and both return the last token's logits [vocab]; a forward one logits row per
+    token [n, vocab]). The rows' tokens run as one input whose linear layers are
     row-invariant (`exact.py`) and whose attention takes each row's keys from its own cache
     (`invariant.Segment`), so every row's logits are bit for bit those of its own forward: batching
     never changes what a request generates."""
@@ -236,7 +248,8 @@ def forward_rows(rows: Sequence[tuple[HFCausalLM, Call]]) -> list[torch.Tensor]:
         if call.prefill:
             if not new:
                 raise ValueError("prefill needs at least one token")
-            handle.rollback(0)
+            if not call.continues:
+                handle.rollback(0)
         where, mask = handle._layout(new, call.positions, call.tree)
         segments.append(Segment(len(ids), len(new), handle._cache, mask))
         picks.append(range(len(ids) + len(new) - 1 if call.prefill else len(ids), len(ids) + len(new)))

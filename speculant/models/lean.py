@@ -33,7 +33,7 @@ from speculant import kernels
 from speculant.cache import cache_root
 from speculant.kernels import formats
 from speculant.errors import ConfigError
-from speculant.models.base import Call, Interrupted, PointerCache
+from speculant.models.base import Call, Interrupted, PointerCache, prompt_parts
 from speculant.tree import TokenTree
 
 ARCHITECTURES = {"qwen2": "neox", "llama": "norm"}  # rotary layout as llama.cpp lays out each one's weights
@@ -41,8 +41,6 @@ KINDS = {"Q4_K": "q4_k", "Q6_K": "q6_k"}
 DRAFT_HEAD = 49152  # a drafter's head rows (FR-Spec's 32k of Llama-3's 128k; Qwen2's vocabulary is 152k, and its
 # coder's drafter serves code and prose: 99-100% of the 1.5B's tokens on the mixed prompts, docs/results/cpu.md)
 DEFAULT_POSITIONS = 4096  # cache capacity when the model allows more
-PREFILL_PART = 512  # prompt tokens per part of a prefill (`prefill_parts`): a served prompt's parts run in
-# separate batches, so the running requests decode between them (a 2048-token prompt held them ~20 s on 2 cores)
 CACHE_LAYOUT = 1  # of the repacked files and layout.json: a change here re-packs every cached model (as an edit
 # of formats.py or of _repack does)
 
@@ -303,11 +301,9 @@ class LeanCausalLM(PointerCache):
 
     def prefill_parts(self, ids: Sequence[int]) -> list[list[int]]:
         """The parts `prefill` runs a prompt in, one after another (`continue_prefill` runs each after the first),
-        so that a batching server can run them in separate forwards and give each the same bits: PREFILL_PART
-        tokens each, or the whole prompt where it outruns the sliding window (its rows run masked, in one)."""
-        if self._masked_prompt(ids):
-            return [list(ids)]
-        return [list(ids[start:start + PREFILL_PART]) for start in range(0, len(ids), PREFILL_PART)]
+        so that a batching server can run them in separate forwards and give each the same bits: `prompt_parts`,
+        or the whole prompt where it outruns the sliding window (its rows run masked, in one)."""
+        return [list(ids)] if self._masked_prompt(ids) else prompt_parts(ids)
 
     @torch.inference_mode()
     def continue_prefill(self, ids: Sequence[int]) -> torch.Tensor:
