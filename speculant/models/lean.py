@@ -295,8 +295,8 @@ class LeanCausalLM(PointerCache):
         self._len = 0
         if self._masked_prompt(ids):
             return _run_rows([self._place(ids, prompt=True)])[0][0]
-        for part in self.prefill_parts(ids):
-            logits = self._prefill_block(part)
+        for part in prompt_parts(ids):  # (a prompt within the window: its `prefill_parts`)
+            logits = self.continue_prefill(part)
         return logits
 
     def prefill_parts(self, ids: Sequence[int]) -> list[list[int]]:
