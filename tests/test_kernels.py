@@ -51,7 +51,7 @@ def test_every_row_equals_its_one_row_call_and_the_scalar_reference(kind, isa, i
         rows = kernels.matmul(kernels.quantize(x[:width], isa), weight, isa)
         assert torch.equal(rows, reference[:width]), (isa, width)
     dense = x @ torch.from_numpy(formats.dequantize(kind, raw)[:, :inputs]).T
-    assert (reference - dense).norm() / dense.norm() < 0.02  # int8 activations, per 32
+    assert (reference - dense).norm() / dense.norm() < 0.02  # int8 activations, per 256
     if inputs % formats.SUPER:  # what the whole super-blocks give where the left-out inputs are zeros
         padded = torch.nn.functional.pad(x, (0, formats.SUPER - inputs % formats.SUPER))
         whole = kernels.QuantWeight.from_gguf(kind, raw)
@@ -80,24 +80,26 @@ def test_the_largest_products_overflow_no_path(kind, isa):
     assert (rows - dense).norm() / dense.norm() < 0.02
 
 
-@pytest.mark.parametrize("rows", [7, 40])  # 40 rows of 512 are enough blocks to be split among threads
+@pytest.mark.parametrize("rows", [7, 40])  # 40 rows of 640 are enough super-blocks to be split among threads
 @pytest.mark.parametrize("isa", kernels.paths())
 def test_activations_quantize_the_same_on_every_path(isa, rows):
-    x = torch.randn(rows, 512, generator=torch.Generator().manual_seed(3))
-    x[0, :32] = 0.0  # a block of zeros has scale 0
+    x = torch.randn(rows, 640, generator=torch.Generator().manual_seed(3))  # 2.5 super-blocks
+    x[0, :256] = 0.0  # a super-block of zeros has scale 0
+    x[1, 300] = 60.0  # an outlier coarsens its super-block's scale only
     ours, reference = kernels.quantize(x, isa), kernels.quantize(x, "scalar")
     one_by_one = [kernels.quantize(x[r:r + 1], isa) for r in range(rows)]
-    for field in ("quants", "scales", "offsets32", "offsets16"):
+    for field in ("quants", "scales", "sums32", "offsets16"):
         assert torch.equal(getattr(ours, field), getattr(reference, field))
         assert torch.equal(getattr(ours, field), torch.cat([getattr(act, field) for act in one_by_one]))
-    scale = x.view(rows, -1, 32).abs().amax(-1) / 127  # Q8_0's rule, rounding half to even
-    assert torch.equal(reference.quants.view(rows, -1, 32).float(),
-                       torch.round(x.view(rows, -1, 32) * torch.where(scale > 0, 1 / scale, 0)[..., None]))
-    for width, offsets in ((32, reference.offsets32), (16, reference.offsets16)):
-        sums = reference.quants.view(rows, -1, width).sum(-1, dtype=torch.int32).float()
-        assert torch.equal(offsets, reference.scales.repeat_interleave(32 // width, dim=1) * sums)
-    restored = reference.quants.view(rows, -1, 32).float() * reference.scales[..., None]
-    assert (restored - x.view(rows, -1, 32)).abs().max() < 0.05
+    supers = x.split(formats.SUPER, dim=1)
+    scale = torch.stack([s.abs().amax(-1) for s in supers], 1) / 127  # ggml's Q8_K rule, rounding half to even
+    assert torch.equal(reference.scales, scale)
+    per_input = torch.cat([scale[:, i:i + 1].expand(-1, s.shape[1]) for i, s in enumerate(supers)], 1)
+    assert torch.equal(reference.quants.float(), torch.round(x * torch.where(per_input > 0, 1 / per_input, 0)))
+    assert torch.equal(reference.sums32, reference.quants.view(rows, -1, 32).sum(-1, dtype=torch.int16))
+    assert torch.equal(reference.offsets16, -32 * reference.quants.view(rows, -1, 16).sum(-1, dtype=torch.int32))
+    restored = reference.quants.float() * per_input
+    assert (restored - x)[2:].abs().max() < 0.05
 
 
 def test_a_mismatched_width_is_refused():

@@ -5,7 +5,7 @@ register tiling), and each output is accumulated in the same order whatever the 
 tile, the thread or the ISA: row r of a W-row call equals the 1-row call, and every path equals the
 scalar reference, bit for bit.
 
-    act = quantize(x)                       # x [W, K] fp32, each row on its own (Q8_0's rule per 32)
+    act = quantize(x)                       # x [W, K] fp32, each row on its own (ggml's Q8_K: a scale per 256)
     y = matmul(act, weight)                 # weight: QuantWeight.from_gguf(kind, raw); y [W, O] fp32
 
 Each library also holds a whole decoder layer of the lean model on those matmuls (`layer.h`, `layer`).
@@ -152,11 +152,12 @@ def layer(config: Any, layer: LayerStruct, index: int, x: torch.Tensor, places: 
 
 @dataclass(frozen=True)
 class Activations:
-    """Rows of activations quantized to int8: quants [W, K], scales per 32 inputs [W, K/32], and each scale
-    times the sum of its quants, per 32 [W, K/32] and per 16 inputs [W, K/16] (for the weights' offsets)."""
+    """Rows of activations quantized to int8: quants [W, K], one scale per super-block of 256 inputs [W, K/256
+    rounded up], the sums of the quants per 32 inputs [W, K/32] (int16, for q4_k's mins) and -32 times those per
+    16 [W, K/16] (int32, q6_k's offsets)."""
     quants: torch.Tensor
     scales: torch.Tensor
-    offsets32: torch.Tensor
+    sums32: torch.Tensor
     offsets16: torch.Tensor
 
     @property
@@ -172,10 +173,11 @@ def quantize(x: torch.Tensor, isa: str | None = None) -> Activations:
         x = F.pad(x, (0, inputs - x.shape[1]))
     x = x.contiguous()
     rows, width = x.shape
-    act = Activations(torch.empty(rows, width, dtype=torch.int8), torch.empty(rows, width // 32),
-                      torch.empty(rows, width // 32), torch.empty(rows, width // 16))
+    act = Activations(torch.empty(rows, width, dtype=torch.int8), torch.empty(rows, -(-width // formats.SUPER)),
+                      torch.empty(rows, width // 32, dtype=torch.int16),
+                      torch.empty(rows, width // 16, dtype=torch.int32))
     library(isa or best()).quantize_rows(x.data_ptr(), rows, width, act.quants.data_ptr(), act.scales.data_ptr(),
-                                         act.offsets32.data_ptr(), act.offsets16.data_ptr(), torch.get_num_threads())
+                                         act.sums32.data_ptr(), act.offsets16.data_ptr(), torch.get_num_threads())
     return act
 
 
@@ -186,7 +188,7 @@ def matmul(act: Activations, weight: QuantWeight, isa: str | None = None, thread
     padded = weight.data.shape[0] * formats.PANEL
     y = torch.empty(act.rows, padded)
     getattr(library(isa or best()), f"matmul_{weight.kind}")(
-        act.quants.data_ptr(), act.scales.data_ptr(), act.offsets32.data_ptr(), act.offsets16.data_ptr(), act.rows,
+        act.quants.data_ptr(), act.scales.data_ptr(), act.sums32.data_ptr(), act.offsets16.data_ptr(), act.rows,
         weight.in_features,
         weight.data.data_ptr(), padded, y.data_ptr(), threads or torch.get_num_threads())
     return y if padded == weight.out_features else y[:, :weight.out_features].contiguous()

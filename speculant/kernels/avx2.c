@@ -13,22 +13,27 @@ static inline __m256i pairs(__m256i w, const int8_t *a) {  // u8 weights x four 
     return _mm256_maddubs_epi16(w, _mm256_set1_epi32(load32(a)));
 }
 
+// A super-block's sums land in y, the tile's outputs (one half of the panel's: y points at it).
+static inline __attribute__((always_inline)) void add_super(const int rows, const __m256 *sb, const float *sa,
+                                                           int64_t s, int64_t K, float *y, int64_t O) {
+    for (int r = 0; r < rows; r++)
+        _mm256_storeu_ps(y + r * O, _mm256_fmadd_ps(sb[r], _mm256_set1_ps(sa[r * supers(K) + s]),
+                                                    s ? _mm256_loadu_ps(y + r * O) : _mm256_setzero_ps()));
+}
+
 static inline __attribute__((always_inline)) void q4k_tile(const int rows, const int8_t *qa, const float *sa,
-                                                          const float *o32, const float *o16, int64_t K,
+                                                          const int16_t *s32, const int32_t *o16, int64_t K,
                                                           const uint8_t *panel, float *y, int64_t O) {
     const __m256i low = _mm256_set1_epi8(0x0F), ones = _mm256_set1_epi16(1);
-    for (int h = 0; h < 2; h++) {
-        __m256 acc[TILE];
-        for (int r = 0; r < rows; r++) acc[r] = _mm256_setzero_ps();
-        for (int64_t s = 0; s < (K + 255) / 256; s++) {
+    for (int h = 0; h < 2; h++)
+        for (int64_t s = 0; s < supers(K); s++) {
             const uint8_t *sp = panel + s * Q4K_SUPER;
             if (h == 0) prefetch(sp + PREFETCH * Q4K_SUPER, Q4K_SUPER);
-            __m256 d = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(sp + h * 16)));
-            __m256 dmin = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(sp + 32 + h * 16)));
+            __m256 d = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(sp + h * 16))), sb[TILE];
+            for (int r = 0; r < rows; r++) sb[r] = _mm256_setzero_ps();
             for (int b = 0; b < blocks_in(s, K, 8); b++) {
                 const uint8_t *bp = sp + 64 + b * Q4K_BLOCK;
                 __m256 scale = _mm256_mul_ps(d, _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(bp + h * 8)))));
-                __m256 min = _mm256_mul_ps(dmin, _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(bp + 16 + h * 8)))));
                 int64_t kb = s * 8 + b;
                 __m256i sum[TILE];  // int16: the block's eight vpmaddubsw per row
                 for (int r = 0; r < rows; r++) sum[r] = _mm256_setzero_si256();
@@ -41,35 +46,41 @@ static inline __attribute__((always_inline)) void q4k_tile(const int rows, const
                         sum[r] = _mm256_add_epi16(sum[r], pairs(hi, a + 16 + 4 * c));
                     }
                 }
-                for (int r = 0; r < rows; r++) {
-                    float sr = sa[r * (K / 32) + kb];
-                    __m256i dot = _mm256_madd_epi16(sum[r], ones);
-                    acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), _mm256_mul_ps(scale, _mm256_set1_ps(sr)), acc[r]);
-                    float offset = o32[r * (K / 32) + kb];
-                    acc[r] = _mm256_fnmadd_ps(min, _mm256_set1_ps(offset), acc[r]);
-                }
+                for (int r = 0; r < rows; r++)
+                    sb[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_madd_epi16(sum[r], ones)), scale, sb[r]);
             }
+            // The mins: each lane's m of blocks 2j and 2j + 1 as int16 pairs, times the rows' pairs of sums.
+            __m256i mins[4];
+            for (int j = 0; j < blocks_in(s, K, 8) / 2; j++) {
+                const uint8_t *m = sp + 64 + 2 * j * Q4K_BLOCK + 16 + h * 8;
+                mins[j] = _mm256_or_si256(_mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)m)),
+                                          _mm256_slli_epi32(_mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(m + Q4K_BLOCK))), 16));
+            }
+            __m256 dmin = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(sp + 32 + h * 16)));
+            for (int r = 0; r < rows; r++) {
+                const int16_t *sums = s32 + r * (K / 32) + s * 8;
+                __m256i total = _mm256_setzero_si256();
+                for (int j = 0; j < blocks_in(s, K, 8) / 2; j++)
+                    total = _mm256_add_epi32(total, _mm256_madd_epi16(mins[j], _mm256_set1_epi32(load32((const int8_t *)(sums + 2 * j)))));
+                sb[r] = _mm256_fnmadd_ps(dmin, _mm256_cvtepi32_ps(total), sb[r]);
+            }
+            add_super(rows, sb, sa, s, K, y + h * 8, O);
         }
-        for (int r = 0; r < rows; r++) _mm256_storeu_ps(y + r * O + h * 8, acc[r]);
-    }
 }
 
 static inline __attribute__((always_inline)) void q6k_tile(const int rows, const int8_t *qa, const float *sa,
-                                                          const float *o32, const float *o16, int64_t K,
+                                                          const int16_t *s32, const int32_t *o16, int64_t K,
                                                           const uint8_t *panel, float *y, int64_t O) {
     const __m256i low = _mm256_set1_epi8(0x0F), two = _mm256_set1_epi8(0x03), ones = _mm256_set1_epi16(1);
-    const __m256 thirty_two = _mm256_set1_ps(32.0f);
-    for (int h = 0; h < 2; h++) {
-        __m256 acc[TILE];
-        for (int r = 0; r < rows; r++) acc[r] = _mm256_setzero_ps();
-        for (int64_t s = 0; s < (K + 255) / 256; s++) {
+    for (int h = 0; h < 2; h++)
+        for (int64_t s = 0; s < supers(K); s++) {
             const uint8_t *sp = panel + s * Q6K_SUPER;
             if (h == 0) prefetch(sp + PREFETCH * Q6K_SUPER, Q6K_SUPER);
-            __m256 d = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(sp + h * 16)));
+            __m256 d = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(sp + h * 16))), sb[TILE];
+            for (int r = 0; r < rows; r++) sb[r] = _mm256_setzero_ps();
             for (int b = 0; b < blocks_in(s, K, 16); b++) {
                 const uint8_t *bp = sp + 32 + b * Q6K_BLOCK;
                 __m256 scale = _mm256_mul_ps(d, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(bp + h * 8)))));
-                __m256 min = _mm256_mul_ps(scale, thirty_two);
                 __m256i lo0 = _mm256_loadu_si256((const __m256i *)(bp + 16 + h * 32));
                 __m256i lo1 = _mm256_loadu_si256((const __m256i *)(bp + 80 + h * 32));
                 __m256i hi = _mm256_loadu_si256((const __m256i *)(bp + 144 + h * 32));
@@ -85,14 +96,12 @@ static inline __attribute__((always_inline)) void q6k_tile(const int rows, const
                     __m256i dot = _mm256_add_epi32(
                         _mm256_madd_epi16(_mm256_add_epi16(pairs(w[0], a), pairs(w[1], a + 4)), ones),
                         _mm256_madd_epi16(_mm256_add_epi16(pairs(w[2], a + 8), pairs(w[3], a + 12)), ones));
-                    float sr = sa[r * (K / 32) + k16 / 2];
-                    acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), _mm256_mul_ps(scale, _mm256_set1_ps(sr)), acc[r]);
-                    acc[r] = _mm256_fnmadd_ps(min, _mm256_set1_ps(o16[r * (K / 16) + k16]), acc[r]);
+                    dot = _mm256_add_epi32(dot, _mm256_set1_epi32(o16[r * (K / 16) + k16]));
+                    sb[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), scale, sb[r]);
                 }
             }
+            add_super(rows, sb, sa, s, K, y + h * 8, O);
         }
-        for (int r = 0; r < rows; r++) _mm256_storeu_ps(y + r * O + h * 8, acc[r]);
-    }
 }
 
 DISPATCH(q4k_tile, TILE)

@@ -1,6 +1,7 @@
 // AVX-512 VNNI: a 16-lane register holds one panel's 16 outputs; each weight block is unpacked once into
 // 8 (q4_k) or 4 (q6_k) registers of four inputs per output, and every row of the tile multiplies it by
-// its four activation bytes broadcast (vpdpbusd: u8 weights x s8 activations into exact int32 sums).
+// its four activation bytes broadcast (vpdpbusd: u8 weights x s8 activations into exact int32 sums); then
+// per row and block one conversion and one multiply-add, in common.h's order.
 #include <immintrin.h>
 #include "common.h"
 
@@ -13,21 +14,26 @@ static inline __attribute__((always_inline)) __m512i dpbusd_at(__m512i dot, __m5
     return dot;
 }
 
+// A super-block's sums land in y (L1-resident), the tile's outputs: sums and weights then fit the 32 registers.
+static inline __attribute__((always_inline)) void add_super(const int rows, const __m512 *sb, const float *sa,
+                                                           int64_t s, int64_t K, float *y, int64_t O) {
+    for (int r = 0; r < rows; r++)
+        _mm512_storeu_ps(y + r * O, _mm512_fmadd_ps(sb[r], _mm512_set1_ps(sa[r * supers(K) + s]),
+                                                    s ? _mm512_loadu_ps(y + r * O) : _mm512_setzero_ps()));
+}
+
 static inline __attribute__((always_inline)) void q4k_tile(const int rows, const int8_t *qa, const float *sa,
-                                                          const float *o32, const float *o16, int64_t K,
+                                                          const int16_t *s32, const int32_t *o16, int64_t K,
                                                           const uint8_t *panel, float *y, int64_t O) {
     const __m512i low = _mm512_set1_epi8(0x0F);
-    __m512 acc[TILE];
-    for (int r = 0; r < rows; r++) acc[r] = _mm512_setzero_ps();
-    for (int64_t s = 0; s < (K + 255) / 256; s++) {
+    for (int64_t s = 0; s < supers(K); s++) {
         const uint8_t *sp = panel + s * Q4K_SUPER;
         prefetch(sp + PREFETCH * Q4K_SUPER, Q4K_SUPER);
-        __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)sp));
-        __m512 dmin = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(sp + 32)));
+        __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)sp)), sb[TILE];
+        for (int r = 0; r < rows; r++) sb[r] = _mm512_setzero_ps();
         for (int b = 0; b < blocks_in(s, K, 8); b++) {
             const uint8_t *bp = sp + 64 + b * Q4K_BLOCK;
             __m512 scale = _mm512_mul_ps(d, _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)bp))));
-            __m512 min = _mm512_mul_ps(dmin, _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(bp + 16)))));
             __m512i w[8];
             for (int c = 0; c < 4; c++) {
                 __m512i raw = _mm512_loadu_si512(bp + 32 + c * 64);
@@ -40,31 +46,41 @@ static inline __attribute__((always_inline)) void q4k_tile(const int rows, const
                 const int8_t *a = qa + r * K + kb * 32;
                 __m512i dot = _mm512_setzero_si512();
                 for (int g = 0; g < 8; g++) dot = dpbusd_at(dot, w[g], a + 4 * g);
-                float sr = sa[r * (K / 32) + kb];
-                acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), _mm512_mul_ps(scale, _mm512_set1_ps(sr)), acc[r]);
-                float offset = o32[r * (K / 32) + kb];
-                acc[r] = _mm512_fnmadd_ps(min, _mm512_set1_ps(offset), acc[r]);
+                sb[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), scale, sb[r]);
             }
         }
+        // The mins: each lane's m of blocks 2j and 2j + 1 as int16 pairs, times the rows' pairs of sums (vpdpwssd).
+        __m512i mins[4];
+        for (int j = 0; j < blocks_in(s, K, 8) / 2; j++) {
+            const uint8_t *m = sp + 64 + 2 * j * Q4K_BLOCK + 16;
+            mins[j] = _mm512_or_si512(_mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)m)),
+                                      _mm512_slli_epi32(_mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(m + Q4K_BLOCK))), 16));
+        }
+        __m512 dmin = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(sp + 32)));
+#pragma GCC unroll 8
+        for (int r = 0; r < rows; r++) {
+            const int16_t *sums = s32 + r * (K / 32) + s * 8;
+            __m512i total = _mm512_setzero_si512();
+            for (int j = 0; j < blocks_in(s, K, 8) / 2; j++)
+                total = _mm512_dpwssd_epi32(total, mins[j], _mm512_set1_epi32(load32((const int8_t *)(sums + 2 * j))));
+            sb[r] = _mm512_fnmadd_ps(dmin, _mm512_cvtepi32_ps(total), sb[r]);
+        }
+        add_super(rows, sb, sa, s, K, y, O);
     }
-    for (int r = 0; r < rows; r++) _mm512_storeu_ps(y + r * O, acc[r]);
 }
 
 static inline __attribute__((always_inline)) void q6k_tile(const int rows, const int8_t *qa, const float *sa,
-                                                          const float *o32, const float *o16, int64_t K,
+                                                          const int16_t *s32, const int32_t *o16, int64_t K,
                                                           const uint8_t *panel, float *y, int64_t O) {
     const __m512i low = _mm512_set1_epi8(0x0F), two = _mm512_set1_epi8(0x03);
-    const __m512 thirty_two = _mm512_set1_ps(32.0f);
-    __m512 acc[TILE];
-    for (int r = 0; r < rows; r++) acc[r] = _mm512_setzero_ps();
-    for (int64_t s = 0; s < (K + 255) / 256; s++) {
+    for (int64_t s = 0; s < supers(K); s++) {
         const uint8_t *sp = panel + s * Q6K_SUPER;
         prefetch(sp + PREFETCH * Q6K_SUPER, Q6K_SUPER);
-        __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)sp));
+        __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)sp)), sb[TILE];
+        for (int r = 0; r < rows; r++) sb[r] = _mm512_setzero_ps();
         for (int b = 0; b < blocks_in(s, K, 16); b++) {
             const uint8_t *bp = sp + 32 + b * Q6K_BLOCK;
             __m512 scale = _mm512_mul_ps(d, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)bp))));
-            __m512 min = _mm512_mul_ps(scale, thirty_two);
             __m512i lo0 = _mm512_loadu_si512(bp + 16), lo1 = _mm512_loadu_si512(bp + 80), hi = _mm512_loadu_si512(bp + 144);
             __m512i w[4] = {
                 _mm512_or_si512(_mm512_and_si512(lo0, low), _mm512_slli_epi16(_mm512_and_si512(hi, two), 4)),
@@ -76,15 +92,13 @@ static inline __attribute__((always_inline)) void q6k_tile(const int rows, const
 #pragma GCC unroll 8
             for (int r = 0; r < rows; r++) {
                 const int8_t *a = qa + r * K + k16 * 16;
-                __m512i dot = _mm512_setzero_si512();
+                __m512i dot = _mm512_set1_epi32(o16[r * (K / 16) + k16]);
                 for (int g = 0; g < 4; g++) dot = dpbusd_at(dot, w[g], a + 4 * g);
-                float sr = sa[r * (K / 32) + k16 / 2];
-                acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), _mm512_mul_ps(scale, _mm512_set1_ps(sr)), acc[r]);
-                acc[r] = _mm512_fnmadd_ps(min, _mm512_set1_ps(o16[r * (K / 16) + k16]), acc[r]);
+                sb[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), scale, sb[r]);
             }
         }
+        add_super(rows, sb, sa, s, K, y, O);
     }
-    for (int r = 0; r < rows; r++) _mm512_storeu_ps(y + r * O, acc[r]);
 }
 
 DISPATCH(q4k_tile, TILE)

@@ -12,10 +12,15 @@
 //   q6_k  per 256 inputs, 3360 bytes: d[16] (f16), then 16 blocks of 16 inputs, each sc[16] (i8), 128 bytes
 //         of low nibbles (byte c*64 + j*4 + t: input 4c + t low, input 8 + 4c + t high, c < 2) and 64 bytes
 //         of high bit pairs (byte j*4 + t: bits 2g, 2g+1 of input 4g + t's six, g < 4). w = d*sc * (q - 32).
-// Activations: each row quantized on its own, per block of 32 inputs, to int8 with scale sa (Q8_0's rule),
-// with sa * (the sum of its quants) per 32 (o32) and per 16 inputs (o16), for the weights' offsets.
-// Per output: acc = fma((float)dot(q, a), (d*sc) * sa, acc); acc = fma(-min, sa * (float)sum(a), acc), block
-// after block, from 0.
+// Activations: each row quantized on its own, per super-block of 256 inputs (128 for a last half one), to int8
+// with one scale sa (ggml's Q8_K rule), beside the sums of its quants per 32 inputs (s32, int16: q4_k's mins)
+// and -32 times those per 16 (o16, int32: q6_k's offset, where each block's integer dot starts).
+// Per output, super-block after super-block from acc = 0, with sb = 0 at each one's start:
+//   q4_k  sb = fma((float)dot_b, d*sc_b, sb) for each block b in order, then sb = fma(-dmin, (float)(the exact
+//         integer sum of m_b * s32_b), sb);
+//   q6_k  sb = fma((float)(o16_b + dot_b), d*sc_b, sb) for each block b in order;
+//   then acc = fma(sb, sa, acc). The integer sums are exact whatever their order, and per-256 activation scales
+//   leave two float operations per block and row where per-32 ones needed four (ggml's numerics for K-quants).
 #include <math.h>
 #include <stdint.h>
 #include <string.h>
@@ -96,63 +101,73 @@ static inline float exp_poly(float x) {
     return x >= -87.3f ? y : 0.0f;
 }
 
-// One block of 32 inputs -> its quants, scale and offsets. Written so that compilers vectorize it (lanes
-// compared, never a library call): max and round-to-nearest-even are exact, so every ISA gives the same bits.
-static inline void quantize_block(const float *xb, int8_t *q, float *sa, float *o32, float *o16) {
-    float lanes[16], rounded[32];
-    for (int l = 0; l < 16; l++) {
-        float a = fabsf(xb[l]), b = fabsf(xb[16 + l]);
-        lanes[l] = a > b ? a : b;
-    }
+// The super-blocks of a row of K inputs (a multiple of 128): the last holds 128 where K is not a multiple of 256.
+static inline int64_t supers(int64_t K) { return (K + 255) / 256; }
+
+// One super-block of n (256 or 128) inputs -> its quants, scale and sums. Written so that compilers vectorize it
+// (lanes compared, never a library call): max and round-to-nearest-even are exact, so every ISA gives the same bits.
+static inline void quantize_super(const float *x, int n, int8_t *q, float *sa, int16_t *s32, int32_t *o16) {
+    float lanes[16] = {0}, rounded[256];
+    for (int i = 0; i < n; i += 16)
+        for (int l = 0; l < 16; l++) {
+            float a = fabsf(x[i + l]);
+            lanes[l] = a > lanes[l] ? a : lanes[l];
+        }
     for (int w = 8; w >= 1; w /= 2)
         for (int l = 0; l < w; l++) lanes[l] = lanes[l + w] > lanes[l] ? lanes[l + w] : lanes[l];
     float d = lanes[0] / 127.0f, id = d != 0.0f ? 1.0f / d : 0.0f;
-    for (int i = 0; i < 32; i++) rounded[i] = __builtin_roundevenf(xb[i] * id);
-    int32_t sums[2] = {0, 0};
-    for (int i = 0; i < 32; i++) q[i] = (int8_t)(int32_t)rounded[i];
-    for (int i = 0; i < 16; i++) sums[0] += q[i], sums[1] += q[16 + i];
+    for (int i = 0; i < n; i++) rounded[i] = __builtin_roundevenf(x[i] * id);
+    for (int i = 0; i < n; i++) q[i] = (int8_t)(int32_t)rounded[i];
+    for (int b = 0; b < n / 32; b++) {
+        int32_t low = 0, high = 0;
+        for (int i = 0; i < 16; i++) low += q[32 * b + i], high += q[32 * b + 16 + i];
+        s32[b] = (int16_t)(low + high);
+        o16[2 * b] = -32 * low;
+        o16[2 * b + 1] = -32 * high;
+    }
     *sa = d;
-    *o32 = d * (float)(sums[0] + sums[1]);
-    o16[0] = d * (float)sums[0];
-    o16[1] = d * (float)sums[1];
 }
 
-// x [rows, K] -> qa [rows, K] int8, sa [rows, K/32], o32 [rows, K/32], o16 [rows, K/16]; K a multiple of 32.
-// Blocks are independent: split among threads where there are enough of them.
-void quantize_rows(const float *x, int64_t rows, int64_t K, int8_t *qa, float *sa, float *o32, float *o16,
+// x [rows, K] -> qa [rows, K] int8, sa [rows, supers(K)], s32 [rows, K/32], o16 [rows, K/16]; K a multiple of
+// 128. Super-blocks are independent: split among threads where there are enough of them.
+void quantize_rows(const float *x, int64_t rows, int64_t K, int8_t *qa, float *sa, int16_t *s32, int32_t *o16,
                    int threads) {
-    int64_t blocks = rows * (K / 32);
-    _Pragma("omp parallel for schedule(static) num_threads(threads) if(blocks >= 512)")
-    for (int64_t i = 0; i < blocks; i++) quantize_block(x + i * 32, qa + i * 32, sa + i, o32 + i, o16 + 2 * i);
+    int64_t S = supers(K), items = rows * S;
+    _Pragma("omp parallel for schedule(static) num_threads(threads) if(items >= 64)")
+    for (int64_t i = 0; i < items; i++) {
+        int64_t r = i / S, s = i % S, k = r * K + s * 256;
+        quantize_super(x + k, K - s * 256 < 256 ? 128 : 256, qa + k, sa + i, s32 + k / 32, o16 + k / 16);
+    }
 }
 
 // The row-tile loop every ISA shares: panels split among threads, rows in tiles of at most TILE, a
 // tile's rows all reading each unpacked weight block (TILE_FN(rows, ...) is the ISA's kernel).
 #define MATMUL(NAME, SUPER, TAIL, TILE, TILE_FN)                                                        \
-    void NAME(const int8_t *qa, const float *sa, const float *o32, const float *o16, int64_t rows,      \
+    void NAME(const int8_t *qa, const float *sa, const int16_t *s32, const int32_t *o16, int64_t rows,  \
               int64_t K, const uint8_t *packed, int64_t O, float *y, int threads) {                     \
         int64_t stride = panel_bytes(K, SUPER, TAIL);                                                   \
         _Pragma("omp parallel for schedule(static) num_threads(threads)")                               \
         for (int64_t p = 0; p < O / PANEL; p++)                                                         \
             for (int64_t n = 0; n < rows; n += TILE)                                                    \
-                TILE_FN(rows - n < TILE ? rows - n : TILE, qa + n * K, sa + n * (K / 32),               \
-                        o32 + n * (K / 32), o16 + n * (K / 16), K, packed + p * stride,                 \
+                TILE_FN(rows - n < TILE ? rows - n : TILE, qa + n * K, sa + n * supers(K),              \
+                        s32 + n * (K / 32), o16 + n * (K / 16), K, packed + p * stride,                 \
                         y + n * O + p * PANEL, O);                                                      \
     }
 
 // One specialization per tile height up to TILE (at most 8), so that each keeps its accumulators in
 // registers: KERNEL##_rows(rows, ...) calls KERNEL(rows, ...) with rows a constant.
 #define DISPATCH(KERNEL, TILE)                                                                          \
-    static void KERNEL##_rows(int64_t rows, const int8_t *qa, const float *sa, const float *o32,        \
-                              const float *o16, int64_t K, const uint8_t *panel, float *y, int64_t O) { \
+    static void KERNEL##_rows(int64_t rows, const int8_t *qa, const float *sa, const int16_t *s32,      \
+                              const int32_t *o16, int64_t K, const uint8_t *panel, float *y,            \
+                              int64_t O) {                                                              \
         switch (rows < TILE ? rows : TILE) {                                                            \
-            case 1: KERNEL(1, qa, sa, o32, o16, K, panel, y, O); break;                                 \
-            case 2: KERNEL(2, qa, sa, o32, o16, K, panel, y, O); break;                                 \
-            case 3: KERNEL(3, qa, sa, o32, o16, K, panel, y, O); break;                                 \
-            case 4: KERNEL(4, qa, sa, o32, o16, K, panel, y, O); break;                                 \
-            case 5: if (TILE >= 5) KERNEL(5, qa, sa, o32, o16, K, panel, y, O); break;                  \
-            case 6: if (TILE >= 6) KERNEL(6, qa, sa, o32, o16, K, panel, y, O); break;                  \
-            case 7: if (TILE >= 7) KERNEL(7, qa, sa, o32, o16, K, panel, y, O); break;                  \
-            default: if (TILE >= 8) KERNEL(8, qa, sa, o32, o16, K, panel, y, O);                        \
+            case 1: KERNEL(1, qa, sa, s32, o16, K, panel, y, O); break;                                 \
+            case 2: KERNEL(2, qa, sa, s32, o16, K, panel, y, O); break;                                 \
+            case 3: KERNEL(3, qa, sa, s32, o16, K, panel, y, O); break;                                 \
+            case 4: KERNEL(4, qa, sa, s32, o16, K, panel, y, O); break;                                 \
+            case 5: if (TILE >= 5) KERNEL(5, qa, sa, s32, o16, K, panel, y, O); break;                  \
+            case 6: if (TILE >= 6) KERNEL(6, qa, sa, s32, o16, K, panel, y, O); break;                  \
+            case 7: if (TILE >= 7) KERNEL(7, qa, sa, s32, o16, K, panel, y, O); break;                  \
+            default: if (TILE >= 8) KERNEL(8, qa, sa, s32, o16, K, panel, y, O);                        \
         }                                                                                               \
     }

@@ -28,31 +28,33 @@ typedef struct {
 // Rows of activations quantized once for every matrix that reads them (q, k, v; gate, up).
 typedef struct {
     int8_t *q;
-    float *sa, *o32, *o16;
+    float *sa;
+    int16_t *s32;
+    int32_t *o16;
     int64_t K;
 } Act;
 
 // x [n, width] zero-padded to K inputs and quantized.
 static Act quantize_input(const float *x, int64_t n, int64_t width, int64_t K, int threads) {
-    Act a = {malloc(n * K), malloc(n * (K / 32) * sizeof(float)), malloc(n * (K / 32) * sizeof(float)),
-             malloc(n * (K / 16) * sizeof(float)), K};
+    Act a = {malloc(n * K), malloc(n * supers(K) * sizeof(float)), malloc(n * (K / 32) * sizeof(int16_t)),
+             malloc(n * (K / 16) * sizeof(int32_t)), K};
     const float *padded = x;
     float *copy = NULL;
     if (width != K) {
         padded = copy = calloc(n * K, sizeof(float));
         for (int64_t r = 0; r < n; r++) memcpy(copy + r * K, x + r * width, width * sizeof(float));
     }
-    quantize_rows(padded, n, K, a.q, a.sa, a.o32, a.o16, threads);
+    quantize_rows(padded, n, K, a.q, a.sa, a.s32, a.o16, threads);
     free(copy);
     return a;
 }
 
-static void free_act(Act a) { free(a.q), free(a.sa), free(a.o32), free(a.o16); }
+static void free_act(Act a) { free(a.q), free(a.sa), free(a.s32), free(a.o16); }
 
 // y [n, m.O] = the quantized rows times m.
 static void project(const Mat *m, const Act *a, int64_t n, float *y, int threads) {
-    if (m->kind == 0) matmul_q4_k(a->q, a->sa, a->o32, a->o16, n, m->K, m->packed, m->O, y, threads);
-    else matmul_q6_k(a->q, a->sa, a->o32, a->o16, n, m->K, m->packed, m->O, y, threads);
+    if (m->kind == 0) matmul_q4_k(a->q, a->sa, a->s32, a->o16, n, m->K, m->packed, m->O, y, threads);
+    else matmul_q6_k(a->q, a->sa, a->s32, a->o16, n, m->K, m->packed, m->O, y, threads);
 }
 
 // out [d] = the sum of p[j] * v[j * d + i] over j < last where p[j] != 0, in order of j from 0: 64 outputs at a

@@ -2,17 +2,18 @@
 // kernel must equal it bit for bit (tests/test_kernels.py).
 #include "common.h"
 
-static void q4k_rows(int64_t rows, const int8_t *qa, const float *sa, const float *o32, const float *o16,
+static void q4k_rows(int64_t rows, const int8_t *qa, const float *sa, const int16_t *s32, const int32_t *o16,
                      int64_t K, const uint8_t *panel, float *y, int64_t O) {
     for (int64_t r = 0; r < rows; r++)
         for (int j = 0; j < PANEL; j++) {
             float acc = 0.0f;
-            for (int64_t s = 0; s < (K + 255) / 256; s++) {
+            for (int64_t s = 0; s < supers(K); s++) {
                 const uint8_t *sp = panel + s * Q4K_SUPER;
                 uint16_t dh, mh;
                 memcpy(&dh, sp + 2 * j, 2);
                 memcpy(&mh, sp + 32 + 2 * j, 2);
-                float d = half_to_float(dh), dmin = half_to_float(mh);
+                float d = half_to_float(dh), dmin = half_to_float(mh), sb = 0.0f;
+                int32_t mins = 0;
                 for (int b = 0; b < blocks_in(s, K, 8); b++) {
                     const uint8_t *bp = sp + 64 + b * Q4K_BLOCK;
                     int64_t kb = s * 8 + b;
@@ -23,40 +24,40 @@ static void q4k_rows(int64_t rows, const int8_t *qa, const float *sa, const floa
                             uint8_t byte = bp[32 + c * 64 + j * 4 + t];
                             dot += (byte & 0xF) * a[4 * c + t] + (byte >> 4) * a[16 + 4 * c + t];
                         }
-                    float scale = d * (float)bp[j], min = dmin * (float)bp[16 + j], sr = sa[r * (K / 32) + kb];
-                    acc = fmaf((float)dot, scale * sr, acc);
-                    acc = fmaf(-min, o32[r * (K / 32) + kb], acc);
+                    sb = fmaf((float)dot, d * (float)bp[j], sb);
+                    mins += bp[16 + j] * s32[r * (K / 32) + kb];
                 }
+                sb = fmaf(-dmin, (float)mins, sb);
+                acc = fmaf(sb, sa[r * supers(K) + s], acc);
             }
             y[r * O + j] = acc;
         }
 }
 
-static void q6k_rows(int64_t rows, const int8_t *qa, const float *sa, const float *o32, const float *o16,
+static void q6k_rows(int64_t rows, const int8_t *qa, const float *sa, const int16_t *s32, const int32_t *o16,
                      int64_t K, const uint8_t *panel, float *y, int64_t O) {
     for (int64_t r = 0; r < rows; r++)
         for (int j = 0; j < PANEL; j++) {
             float acc = 0.0f;
-            for (int64_t s = 0; s < (K + 255) / 256; s++) {
+            for (int64_t s = 0; s < supers(K); s++) {
                 const uint8_t *sp = panel + s * Q6K_SUPER;
                 uint16_t dh;
                 memcpy(&dh, sp + 2 * j, 2);
-                float d = half_to_float(dh);
+                float d = half_to_float(dh), sb = 0.0f;
                 for (int b = 0; b < blocks_in(s, K, 16); b++) {
                     const uint8_t *bp = sp + 32 + b * Q6K_BLOCK;
                     int64_t k16 = s * 16 + b;
                     const int8_t *a = qa + r * K + k16 * 16;
-                    int32_t dot = 0;
+                    int32_t dot = o16[r * (K / 16) + k16];
                     for (int g = 0; g < 4; g++)
                         for (int t = 0; t < 4; t++) {
                             uint8_t lo = bp[16 + (g & 1) * 64 + j * 4 + t];
                             int q = ((g < 2 ? lo : lo >> 4) & 0xF) | (((bp[144 + j * 4 + t] >> (2 * g)) & 3) << 4);
                             dot += q * a[4 * g + t];
                         }
-                    float scale = d * (float)(int8_t)bp[j], min = scale * 32.0f, sr = sa[r * (K / 32) + k16 / 2];
-                    acc = fmaf((float)dot, scale * sr, acc);
-                    acc = fmaf(-min, o16[r * (K / 16) + k16], acc);
+                    sb = fmaf((float)dot, d * (float)(int8_t)bp[j], sb);
                 }
+                acc = fmaf(sb, sa[r * supers(K) + s], acc);
             }
             y[r * O + j] = acc;
         }
