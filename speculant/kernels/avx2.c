@@ -53,15 +53,18 @@ static inline __attribute__((always_inline)) void q4k_tile(const int rows, const
             __m256i mins[4];
             for (int j = 0; j < blocks_in(s, K, 8) / 2; j++) {
                 const uint8_t *m = sp + 64 + 2 * j * Q4K_BLOCK + 16 + h * 8;
-                mins[j] = _mm256_or_si256(_mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)m)),
-                                          _mm256_slli_epi32(_mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(m + Q4K_BLOCK))), 16));
+                __m256i even = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)m));
+                __m256i odd = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(m + Q4K_BLOCK)));
+                mins[j] = _mm256_or_si256(even, _mm256_slli_epi32(odd, 16));
             }
             __m256 dmin = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(sp + 32 + h * 16)));
             for (int r = 0; r < rows; r++) {
                 const int16_t *sums = s32 + r * (K / 32) + s * 8;
                 __m256i total = _mm256_setzero_si256();
-                for (int j = 0; j < blocks_in(s, K, 8) / 2; j++)
-                    total = _mm256_add_epi32(total, _mm256_madd_epi16(mins[j], _mm256_set1_epi32(load32((const int8_t *)(sums + 2 * j)))));
+                for (int j = 0; j < blocks_in(s, K, 8) / 2; j++) {
+                    __m256i pair = _mm256_set1_epi32(load32((const int8_t *)(sums + 2 * j)));
+                    total = _mm256_add_epi32(total, _mm256_madd_epi16(mins[j], pair));
+                }
                 sb[r] = _mm256_fnmadd_ps(dmin, _mm256_cvtepi32_ps(total), sb[r]);
             }
             add_super(rows, sb, sa, s, K, y + h * 8, O);

@@ -53,16 +53,19 @@ static inline __attribute__((always_inline)) void q4k_tile(const int rows, const
         __m512i mins[4];
         for (int j = 0; j < blocks_in(s, K, 8) / 2; j++) {
             const uint8_t *m = sp + 64 + 2 * j * Q4K_BLOCK + 16;
-            mins[j] = _mm512_or_si512(_mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)m)),
-                                      _mm512_slli_epi32(_mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(m + Q4K_BLOCK))), 16));
+            __m512i even = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)m));
+            __m512i odd = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(m + Q4K_BLOCK)));
+            mins[j] = _mm512_or_si512(even, _mm512_slli_epi32(odd, 16));
         }
         __m512 dmin = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(sp + 32)));
 #pragma GCC unroll 8
         for (int r = 0; r < rows; r++) {
             const int16_t *sums = s32 + r * (K / 32) + s * 8;
             __m512i total = _mm512_setzero_si512();
-            for (int j = 0; j < blocks_in(s, K, 8) / 2; j++)
-                total = _mm512_dpwssd_epi32(total, mins[j], _mm512_set1_epi32(load32((const int8_t *)(sums + 2 * j))));
+            for (int j = 0; j < blocks_in(s, K, 8) / 2; j++) {
+                __m512i pair = _mm512_set1_epi32(load32((const int8_t *)(sums + 2 * j)));
+                total = _mm512_dpwssd_epi32(total, mins[j], pair);
+            }
             sb[r] = _mm512_fnmadd_ps(dmin, _mm512_cvtepi32_ps(total), sb[r]);
         }
         add_super(rows, sb, sa, s, K, y, O);
