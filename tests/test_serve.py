@@ -459,6 +459,32 @@ def test_serve_cli_refuses_bad_options_before_loading(capsys):
         assert message in capsys.readouterr().err
 
 
+def test_bench_serve_says_in_one_line_where_no_server_lists_models(capsys):
+    """A URL without the API's /v1, or one where nothing listens, is one line and exit 2, not a traceback."""
+    from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+    from speculant import cli
+
+    class NotFound(BaseHTTPRequestHandler):
+        def do_GET(self):
+            self.send_error(404)
+
+        def log_message(self, *args):
+            pass
+
+    site = ThreadingHTTPServer(("127.0.0.1", 0), NotFound)
+    threading.Thread(target=site.serve_forever, daemon=True).start()
+    prompts = str(Path(__file__).parent.parent / "prompts" / "mixed.jsonl")
+    try:
+        for url, why in [(f"http://127.0.0.1:{site.server_port}", "404"),
+                         (f"http://127.0.0.1:{free_port()}/v1", "Connect")]:
+            assert cli.main(["bench-serve", "--url", url, "--prompts", prompts, "--requests", "1"]) == 2
+            err = capsys.readouterr().err
+            assert f"no model listed at {url}/models" in err and why in err and "Traceback" not in err
+    finally:
+        site.shutdown()
+
+
 @RAY
 def test_two_replicas_on_ray_serve_both_answer_as_one_process_would(tmp_path):
     """`serve --replicas 2` on a local Ray cluster: requests through the one port reach both replicas (each names

@@ -18,6 +18,7 @@ import httpx
 import numpy as np
 
 from speculant.bench.datasets import Prompt
+from speculant.errors import ConfigError
 
 TIMEOUT_S = 600.0
 # What a speculant server says of each request's speculation, summed over a run's requests.
@@ -74,12 +75,21 @@ def percentiles(values: Sequence[float]) -> dict[str, float | None]:
     return {"p50": round(float(p[0]), 1), "p90": round(float(p[1]), 1), "p99": round(float(p[2]), 1)}
 
 
+def first_model(client: httpx.Client, url: str) -> str:
+    """The first model the server lists, or one line saying why there is none to ask for."""
+    try:
+        return client.get("/models").raise_for_status().json()["data"][0]["id"]
+    except (httpx.HTTPError, ValueError, KeyError, IndexError, TypeError) as error:
+        raise ConfigError(f"no model listed at {url}/models ({type(error).__name__}: {str(error).splitlines()[0]}); "
+                          "--url takes the API's base, e.g. http://127.0.0.1:8000/v1") from None
+
+
 def run_load(url: str, prompts: Sequence[Prompt], requests: int, concurrency: int, max_tokens: int,
              temperature: float = 0.0, model: str | None = None, api_key: str | None = None,
              check_solo: bool = False, label: str | None = None) -> dict[str, Any]:
     headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
     with httpx.Client(base_url=url, headers=headers, timeout=TIMEOUT_S) as client:
-        model = model or client.get("/models").raise_for_status().json()["data"][0]["id"]
+        model = model or first_model(client, url)
         order = [i % len(prompts) for i in range(requests)]
         results: list[dict[str, Any] | None] = [None] * requests
         next_index = iter(range(requests))
