@@ -305,11 +305,6 @@ class LeanCausalLM(PointerCache):
         or the whole prompt where it outruns the sliding window (its rows run masked, in one)."""
         return [list(ids)] if self._masked_prompt(ids) else prompt_parts(ids)
 
-    @torch.inference_mode()
-    def continue_prefill(self, ids: Sequence[int]) -> torch.Tensor:
-        """A later part of a prompt (`prefill_parts`) after the parts before it; the logits of its last token."""
-        return self._prefill_block(ids)
-
     def _masked_prompt(self, ids: Sequence[int]) -> bool:
         """Whether a prompt outruns the sliding window: then its rows run one by one, each masked."""
         return self.config.window is not None and len(ids) > self.config.window
@@ -345,10 +340,11 @@ class LeanCausalLM(PointerCache):
             mask = near & (keys <= torch.arange(start, end)[:, None] if mask is None else mask)
         return _Rows(self, list(ids), where, mask, prompt)
 
-    def _prefill_block(self, ids: Sequence[int]) -> torch.Tensor:
-        """A part of a prompt without a mask, after the cached positions (the prompt's earlier parts): its layers
-        in torch, attention as one causal block (the same computation for the same part every time); the logits
-        of its last row."""
+    @torch.inference_mode()
+    def continue_prefill(self, ids: Sequence[int]) -> torch.Tensor:
+        """A part of a prompt without a mask (`prefill_parts`), after the cached positions (the prompt's earlier
+        parts): its layers in torch, attention as one causal block (the same computation for the same part every
+        time); the logits of its last token."""
         config, weights, n, start = self.config, self.weights, len(ids), self._len
         end = start + n
         if end > self.max_positions:
@@ -457,7 +453,7 @@ def forward_rows(rows: Sequence[tuple[LeanCausalLM, Call]]) -> list[torch.Tensor
     together = []
     for i, (handle, call) in enumerate(rows):
         if call.prefill and not handle._masked_prompt(call.ids):
-            out[i] = handle.continue_prefill(call.ids) if call.continues else handle.prefill(call.ids)
+            out[i] = call.run(handle)
             continue
         if call.prefill:
             handle.rollback(0)
