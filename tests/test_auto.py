@@ -127,6 +127,30 @@ def test_a_served_row_sees_the_batch_s_cost_at_the_load_of_the_moment():
     assert cost(4) == profile(4)
 
 
+def test_under_load_a_served_drafter_that_could_not_pay_even_if_always_right_is_neither_weighed_nor_probed():
+    """At 16 rows a compute-bound batch verifying 2 tokens a row costs twice a plain one: a drafter that is
+    always right at a fifth of a forward cannot pay, and auto neither weighs it nor probes it; at 1 row it pays.
+    The verdict follows the load of the moment."""
+    target = tiny_model("llama", 2, VOCAB, init_std=0.1)
+    prompt = random_prompt(2, VOCAB)
+    reference = generate(target, prompt_ids=prompt, method="ar", max_new_tokens=30).token_ids
+    profile = lambda w: 0.03 + 0.005 * max(w - 4, 0)  # noqa: E731 - flat up to 4 rows, then compute-bound
+    rows, proposed = [16], []
+    for load, drafts in ((16, False), (1, True)):
+        rows[0] = load
+        drafter = ScriptedDrafter(prompt, reference, error_rate=0.0, vocab=VOCAB, seed=0)
+        propose = drafter.propose
+        drafter.propose = lambda context, k: proposed.append(k) or propose(context, k)
+        candidate = Candidate("perfect", drafter, 0.006, 0.9, load=lambda: rows[0])
+        proposed.clear()
+        tokens, stats = run(target, [candidate], prompt, n=30, cost=shared_cost(profile, lambda: rows[0]))
+        assert tokens == reference
+        assert bool(proposed) == drafts and (set(stats.choices) == {"plain"}) != drafts, stats.choices
+        assert candidate.hopeless(shared_cost(profile, lambda: rows[0]), 16) != drafts
+    rows[0] = 16
+    assert candidate.hopeless(shared_cost(profile, lambda: rows[0]), 16)
+
+
 def test_a_drafter_that_could_not_pay_even_if_always_right_is_never_tried(monkeypatch):
     """Where verification costs as much per token as decoding (ggml on 2 cores), a model drafter whose
     step costs half a target forward cannot pay however often it agrees: auto never runs it."""

@@ -5,6 +5,7 @@ output, the OpenAI client end to end (chat, completions, streaming, stop strings
 import json
 import os
 import random
+import re
 import signal
 import socket
 import subprocess
@@ -400,6 +401,8 @@ def test_a_full_queue_answers_429_and_a_wrong_key_401():
         metrics = httpx.get(url.removesuffix("/v1") + "/metrics").text
         assert 'speculant_requests_total{endpoint="/v1/completions",status="429"} 1.0' in metrics
         assert "speculant_batch_rows_bucket" in metrics and "speculant_time_to_first_token_seconds" in metrics
+        busy = re.search(r"^speculant_forward_seconds_total (\S+)$", metrics, re.M)
+        assert busy and float(busy.group(1)) > 0
     engine.close()
 
 

@@ -193,6 +193,8 @@ a model-free candidate matches the context."""
     chain: Candidate | None = None  # a tree's: the chain of the same drafter, whose draft is the tree's first children
     scale: Scale = field(default_factory=Scale)  # its drafter's time over its profile's, beyond `speed`'s
     speed: Scale = field(default_factory=Scale)  # the machine's drift, measured on the target (`Timings`)
+    load: Callable[[], int] | None = None  # a served request's: how many rows its target's batches hold now
+    pays_at: dict[tuple[int, float], bool] = field(default_factory=dict, repr=False)  # can_pay by (load, cost_s)
 
     @property
     def drift(self) -> float:
@@ -206,6 +208,19 @@ a model-free candidate matches the context."""
 
     def catch_up_s(self, context: list[int]) -> float:
         return self.catch_up(context) * self.drift if self.catch_up is not None else 0.0
+
+    def hopeless(self, cost: Callable[[int], float], most: int) -> bool:
+        """Whether, at a served target's current load, not even drafts that are always accepted would beat plain
+        decoding (`can_pay`; a batch of 16 rows verifying 2 tokens each costs nearly twice a plain batch):
+        remembered per load and cost per step, which stay put while a server runs, so that under load a model
+        drafter costs a dictionary lookup per step instead of its weighing (which `auto` paid on every row of
+        every step, ~1% of a 16-row server's time). A measured candidate's cost follows its drafts: never."""
+        if self.load is None or self.measured:
+            return False
+        key = (self.load(), self.cost_s)
+        if key not in self.pays_at:
+            self.pays_at[key] = can_pay(self.cost_s, cost, most, self.width)
+        return not self.pays_at[key]
 
     def acceptance(self, bucket: int = 0) -> Acceptance:
         return self.estimates.setdefault(bucket, Acceptance(MATCH_PRIORS.get(bucket, self.prior)))
@@ -368,7 +383,7 @@ def adaptive(
                     goodput, k = best_length(candidate.acceptance(bucket), 0.0, cost, len(draft.tokens))
                     if goodput > best[0]:
                         best = (goodput, candidate, k, Draft(draft.tokens[:k], None, draft.usage), bucket)
-            else:
+            elif not candidate.hopeless(cost, k_max):
                 catch_up = candidate.catch_up_s(context)
                 if catch_up > PROBE_SHARE * cost(1) * remaining and len(stats.choices) < LOOK_FIRST:
                     continue  # a large catch-up waits until the text has shown what free drafts commit
@@ -377,7 +392,7 @@ def adaptive(
                 if goodput > best[0]:
                     best = (goodput, candidate, k, None, 0)
         _, chosen, k, draft, bucket = best
-        probe = max(models, key=lambda c: c.acceptance().rate(0)) if models else None
+        probe = max((c for c in models if not c.hopeless(cost, k_max)), key=lambda c: c.acceptance().rate(0), default=None)
         if chosen is not None and chosen.match is None:
             wait, probed = probe_every, 0.0  # a model drafter pays on its own: probes start again
         elif without_model >= wait and probe is not None and room > 0:

@@ -195,6 +195,7 @@ def build(request: Request, options: AutoOptions) -> Any:
         for candidate in candidates:
             if candidate.catch_up is not None:
                 candidate.catch_up = shared_catch_up(candidate.catch_up, cost, target.sharing)
+            candidate.load = target.sharing
         cost = shared_cost(cost, target.sharing)
     lengths = _lengths.setdefault(profiled_as(target), deque(maxlen=LENGTHS_KEPT))
     decoder = adaptive(target, candidates, request.prompt_ids, request.max_new_tokens, cost, request.sampling,

@@ -29,6 +29,8 @@ class Metrics:
                                     buckets=(1, 2, 4, 8, 16, 32, 64), registry=r)
         self.batch_tokens = Histogram("speculant_batch_tokens", "tokens run by one model forward",
                                       buckets=(1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024), registry=r)
+        self.forward_seconds = Counter("speculant_forward_seconds", "seconds the worker spent in model forwards "
+                                       "(the rest of its time: requests' own Python, or idle)", registry=r)
 
     def request(self, endpoint: str, status: int) -> None:
         self.requests.labels(endpoint, str(status)).inc()
@@ -53,6 +55,7 @@ class Metrics:
     def batch(self, rows: int, tokens: int, seconds: float) -> None:
         self.batch_rows.observe(rows)
         self.batch_tokens.observe(tokens)
+        self.forward_seconds.inc(seconds)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
