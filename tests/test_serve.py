@@ -33,6 +33,7 @@ from speculant.models import load_model
 from speculant.models.base import Call
 from speculant.models.hf import forward_rows
 from speculant.serve.app import create_app
+from speculant.serve.batcher import Batcher, Row
 from speculant.serve.engine import Engine
 from speculant.serve.metrics import Metrics
 from speculant.serve.text import TextStream
@@ -382,6 +383,27 @@ def test_a_dsi_request_runs_apart_and_does_not_stall_the_others():
     assert finished[0].completion_tokens == 60
     assert engine.active == 0
     engine.close()
+
+
+def test_a_served_row_counts_the_requests_waiting_to_join_its_next_batch():
+    """The first of a burst of clients decides its next step while the others still wait for a row: it counts
+    them, up to the batch's rows, so that `auto` does not start a drafter's catch-up that all of them wait for."""
+    model = tiny_model("llama", 0)
+    for max_rows, first_sees in ((8, 4), (3, 3)):
+        batcher, started, gate, seen = Batcher(max_rows), threading.Event(), threading.Event(), []
+
+        def first():
+            started.set()
+            gate.wait()
+            seen.append(Row(batcher, model).sharing())
+
+        batcher.start(first)
+        started.wait()
+        for _ in range(3):
+            batcher.start(lambda: seen.append(Row(batcher, model).sharing()))
+        gate.set()
+        batcher.close()
+        assert seen == [first_sees, 3, 2, 1], seen  # the other three, admitted together, each ending at once
 
 
 def test_a_full_queue_answers_429_and_a_wrong_key_401():

@@ -115,9 +115,9 @@ class Batcher:
                 admitted = []
                 while self._inbox and len(self._live) + len(admitted) < self.max_rows:
                     admitted.append(self._inbox.popleft())
-            for work in admitted:
-                request = greenlet(work)
-                self._live.add(request)
+            requests = [greenlet(work) for work in admitted]
+            self._live.update(requests)  # each starts knowing the others admitted with it (Row.sharing)
+            for request in requests:
                 self._resume(request)
             batch, self._parked = self._next_batch()
             if batch:
@@ -204,10 +204,13 @@ class Row:
         return self.handle.cache_len
 
     def sharing(self) -> int:
-        """How many requests' rows share each of this row's forwards (1 where the backend runs rows apart)."""
+        """How many requests' rows share each of this row's forwards: those running and those waiting to join the
+        next batch (1 where the backend runs rows apart). Clients rarely arrive in the same instant: the first of a
+        burst decides its next step while the others wait, and counted alone it would start a drafter's catch-up
+        that all of them then wait for (measured through HTTP at 16 clients: once a run, ~1% of its time)."""
         if self.batcher is None or batched_forward(self.handle) is None:
             return 1
-        return self.batcher.load
+        return min(self.batcher.load + self.batcher.waiting, self.batcher.max_rows)
 
     def share(self) -> Row:
         return Row(self.batcher, self.shares, self.on_forward)
