@@ -358,7 +358,6 @@ def adaptive(
     logits = target.prefill(prompt_ids)
     pending = [next_token(logits, sampling, generator)]
     candidates = sorted(candidates, key=lambda c: c.match is None)  # model-free ones first: they tell `matched`
-    models = [c for c in candidates if c.match is None]
     wait = probe_every  # steps without a model draft before the next probe
     probed = 0.0  # estimated seconds spent on probes since a model drafter last paid on its own
     without_model = wait  # a new text starts with a probe: its drafts' acceptance is measured, not assumed
@@ -373,7 +372,9 @@ def adaptive(
         best: tuple[float, Candidate | None, int, Draft | None, int] = (1 / cost(1), None, 0, None, 0)
         matched = False
         remaining = expected_remaining(lengths or (), len(out), max_new_tokens)
-        for candidate in candidates if room > 0 else ():
+        # under load, a served model drafter that could not pay even if always right is neither weighed nor probed
+        weighed = [c for c in candidates if c.match is not None or not c.hopeless(cost, k_max)]
+        for candidate in weighed if room > 0 else ():
             if candidate.needs_match and not matched:
                 continue
             if candidate.match is not None:  # model-free: its draft is known before choosing
@@ -383,7 +384,7 @@ def adaptive(
                     goodput, k = best_length(candidate.acceptance(bucket), 0.0, cost, len(draft.tokens))
                     if goodput > best[0]:
                         best = (goodput, candidate, k, Draft(draft.tokens[:k], None, draft.usage), bucket)
-            elif not candidate.hopeless(cost, k_max):
+            else:
                 catch_up = candidate.catch_up_s(context)
                 if catch_up > PROBE_SHARE * cost(1) * remaining and len(stats.choices) < LOOK_FIRST:
                     continue  # a large catch-up waits until the text has shown what free drafts commit
@@ -392,7 +393,7 @@ def adaptive(
                 if goodput > best[0]:
                     best = (goodput, candidate, k, None, 0)
         _, chosen, k, draft, bucket = best
-        probe = max((c for c in models if not c.hopeless(cost, k_max)), key=lambda c: c.acceptance().rate(0), default=None)
+        probe = max((c for c in weighed if c.match is None), key=lambda c: c.acceptance().rate(0), default=None)
         if chosen is not None and chosen.match is None:
             wait, probed = probe_every, 0.0  # a model drafter pays on its own: probes start again
         elif without_model >= wait and probe is not None and room > 0:
@@ -439,7 +440,7 @@ def adaptive(
             governed = len(recent) == PACE_STEPS and 1 in cost.timings.scales and \
                 sum(s for s, _ in recent) > PACE_MARGIN * cost(1) * sum(n for _, n in recent)  # T(1) as measured
             if governed:  # nothing more to choose from, nor to probe: plain steps
-                candidates, models = [], []
+                candidates = []
     stats.new_tokens = len(out)
     stats.record_target(target.usage)
     if lengths is not None:  # one that ran to its budget might have gone on: it lasts as long as any budget
