@@ -1,5 +1,6 @@
-"""speculant's 4-bit kernels: the repack keeps GGUF's weights, and on every ISA path this machine has, row r
-of a W-row call equals the 1-row call and the scalar reference bit for bit."""
+"""speculant's 4-bit kernels: the repack keeps GGUF's weights, and on every ISA path this machine has (and the AMX
+kernels emulated where the CPU lacks AMX), row r of a W-row call equals the 1-row call and the scalar reference
+bit for bit."""
 
 import gguf
 import numpy as np
@@ -37,8 +38,30 @@ def test_every_path_the_cpu_can_run_compiles_and_loads():
     assert kernels.paths()[-1] == "scalar"
 
 
+@pytest.mark.skipif("amx_int8_emulated" not in kernels.paths(emulated=True), reason="no AVX-512 VNNI to emulate AMX on")
+def test_the_amx_kernels_are_chosen_only_after_a_child_process_checks_them(monkeypatch, caplog):
+    """`trusted` runs `check` in a child process (here on the emulated AMX kernels, which pass), remembers the
+    verdict per library build and CPU, and a path whose child fails is not chosen, with a warning."""
+    asked = []
+    monkeypatch.setattr(kernels, "remembered", lambda name, key, measure: asked.append(key) or measure())
+    assert kernels.trusted.__wrapped__("amx_int8_emulated") and "|" in asked[0]
+    assert kernels.trusted.__wrapped__("avx512_vnni") and len(asked) == 1  # no check: not an AMX path
+    monkeypatch.setattr(kernels.sys, "executable", "false")
+    assert not kernels.trusted.__wrapped__("amx_int8_emulated")
+    assert "amx_int8_emulated kernels failed their check (exit 1" in caplog.text
+
+
+@pytest.mark.skipif("avx2" not in kernels.paths(), reason="no AVX2")
+def test_the_check_finds_a_path_whose_wider_calls_differ(monkeypatch):
+    matmul = kernels.matmul
+    monkeypatch.setattr(kernels, "matmul", lambda act, weight, isa, threads=None: matmul(act, weight, isa, threads)
+                        + (act.rows > 16 and isa != "scalar") * 1e-6)
+    with pytest.raises(RuntimeError, match="avx2: rows of a 17-row q4_k call differ"):
+        kernels.check("avx2")
+
+
 @pytest.mark.parametrize("kind", kernels.KINDS)
-@pytest.mark.parametrize("isa", kernels.paths())
+@pytest.mark.parametrize("isa", kernels.paths(emulated=True))
 @pytest.mark.parametrize("inputs", [1280, 1152])  # 5 super-blocks; 4.5, the last half left out
 def test_every_row_equals_its_one_row_call_and_the_scalar_reference(kind, isa, inputs):
     raw = random_tensor(kind, 48, 5, seed=1)
@@ -47,7 +70,7 @@ def test_every_row_equals_its_one_row_call_and_the_scalar_reference(kind, isa, i
     x = torch.randn(19, inputs, generator=torch.Generator().manual_seed(2)) * 3
     x[4, 100] = 80.0  # an outlier, as LLM activations have
     reference = kernels.matmul(kernels.quantize(x, "scalar"), weight, "scalar", threads=1)
-    for width in (1, 2, 3, 5, 8, 9, 16, 19):
+    for width in (1, 2, 3, 4, 5, 8, 9, 16, 19):  # AMX: 4 to 16 rows a tile, fewer on vpdpbusd
         rows = kernels.matmul(kernels.quantize(x[:width], isa), weight, isa)
         assert torch.equal(rows, reference[:width]), (isa, width)
     dense = x @ torch.from_numpy(formats.dequantize(kind, raw)[:, :inputs]).T
@@ -62,7 +85,7 @@ LARGEST = {"q4_k": (slice(16, 144),), "q6_k": (slice(0, 192),)}  # every quant's
 
 
 @pytest.mark.parametrize("kind", kernels.KINDS)
-@pytest.mark.parametrize("isa", kernels.paths())
+@pytest.mark.parametrize("isa", kernels.paths(emulated=True))
 def test_the_largest_products_overflow_no_path(kind, isa):
     """Every weight at its largest quant times activations at +-127: where a path adds int16 partial sums
     before widening them (AVX2), these are the sums closest to int16's limit."""
@@ -71,9 +94,10 @@ def test_the_largest_products_overflow_no_path(kind, isa):
     for quants in LARGEST[kind]:
         blocks[..., quants] = 0xFF
     weight = kernels.QuantWeight.from_gguf(kind, raw)
-    x = torch.ones(3, 512)
+    x = torch.ones(6, 512)  # 6 rows: an AMX tile
     x[1] = -1.0
     x[2, ::64] = -1.0  # a sign change within some blocks
+    x[3:] = -x[:3]
     rows = kernels.matmul(kernels.quantize(x, isa), weight, isa)
     assert torch.equal(rows, kernels.matmul(kernels.quantize(x, "scalar"), weight, "scalar", threads=1))
     dense = x @ torch.from_numpy(formats.dequantize(kind, raw)).T

@@ -12,7 +12,7 @@ import torch
 from helpers import BYTE_VOCAB, byte_tokenizer, every_method
 from tiny_gguf import write_tiny_gguf
 
-from speculant import generate
+from speculant import generate, kernels
 from speculant.models import load_model
 from speculant.models.lean import LeanCausalLM
 from speculant.tree import TokenTree
@@ -89,8 +89,10 @@ def test_keys_beyond_the_sliding_window_do_not_reach_the_last_token(lean_files):
     assert not torch.equal(plain.prefill(ids), plain.prefill(changed))
 
 
+@pytest.mark.parametrize("isa", kernels.paths(emulated=True))
 @pytest.mark.parametrize("variant", VARIANTS)
-def test_a_w_token_forward_equals_w_one_token_forwards_bit_for_bit(lean_files, variant):
+def test_a_w_token_forward_equals_w_one_token_forwards_bit_for_bit(lean_files, variant, isa, monkeypatch):
+    monkeypatch.setattr(kernels, "best", lambda: isa)
     ids = prompt_ids(3, 14)
     model = lean(lean_files, variant)
     model.prefill(ids[:4])
@@ -182,10 +184,8 @@ def test_a_drafter_on_the_kernels_keeps_frequent_tokens_and_drafts_exactly(lean_
 @pytest.mark.parametrize("variant", ["qwen2", "llama-window"])
 def test_every_kernel_path_runs_the_lean_layers_to_the_same_bits(lean_files, variant, monkeypatch):
     """The C layer (kernels/layer.h) is compiled into every ISA's library: each gives the scalar path's bits."""
-    from speculant import kernels
-
     outputs = {}
-    for isa in kernels.paths():
+    for isa in kernels.paths(emulated=True):
         monkeypatch.setattr(kernels, "best", lambda isa=isa: isa)
         model = lean(lean_files, variant)
         model.prefill(prompt_ids(5, 10))

@@ -1,6 +1,7 @@
 """speculant's exact 4-bit kernels: GGUF K-quant weights (repacked once, `formats.py`) times int8
 activation rows, one C file per ISA (`scalar.c`, `avx2.c`, `avx512.c`), chosen at run time by the CPU's
-features. Each weight block is unpacked once per call for every row of a tile (llamafile's tinyBLAS
+features; where the CPU has AMX int8, tiles of 4 to 16 rows take their integer sums from AMX tile multiplies
+(`amx.h`). Each weight block is unpacked once per call for every row of a tile (llamafile's tinyBLAS
 register tiling), and each output is accumulated in the same order whatever the number of rows, the
 tile, the thread or the ISA: row r of a W-row call equals the 1-row call, and every path equals the
 scalar reference, bit for bit.
@@ -14,6 +15,9 @@ Each library also holds a whole decoder layer of the lean model on those matmuls
 from __future__ import annotations
 
 import ctypes
+import logging
+import subprocess
+import sys
 from dataclasses import dataclass
 from functools import cache
 from pathlib import Path
@@ -23,11 +27,13 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from speculant.cache import remembered
 from speculant.kernels import formats
 from speculant.kernels.build import compile_library
-from speculant.machine import cpu_has
+from speculant.machine import cpu_has, cpu_info
 
 _P, _I = ctypes.c_void_p, ctypes.c_int64
+log = logging.getLogger("speculant")
 
 
 @dataclass(frozen=True)
@@ -38,23 +44,29 @@ class Isa:
     cpu_flags: tuple[str, ...]
 
 
+AVX512 = ("-mavx512f", "-mavx512bw", "-mavx512vnni", "-mf16c"), ("avx512f", "avx512bw", "avx512_vnni", "f16c")
 ISAS = (  # fastest first
-    Isa("avx512_vnni", "avx512.c", ("-mavx512f", "-mavx512bw", "-mavx512vnni", "-mf16c"),
-        ("avx512f", "avx512bw", "avx512_vnni", "f16c")),
+    Isa("amx_int8", "avx512.c", (*AVX512[0], "-DAMX"), (*AVX512[1], "amx_tile", "amx_int8")),
+    Isa("avx512_vnni", "avx512.c", *AVX512),
     Isa("avx2", "avx2.c", ("-mavx2", "-mfma", "-mf16c"), ("avx2", "fma", "f16c")),
     Isa("scalar", "scalar.c", (), ()),
 )
+# The AMX kernels with their tile instructions done in C: what a CPU without AMX runs to test them; never chosen.
+EMULATED = Isa("amx_int8_emulated", "avx512.c", (*AVX512[0], "-DAMX", "-DAMX_EMULATED"), AVX512[1])
 FLAGS = ("-fno-trapping-math",)  # every ISA's: lets compilers vectorize exp_poly's selects; no value changes
 KINDS = tuple(formats.BYTES)
 
 
 @cache
 def library(name: str) -> ctypes.CDLL | None:
-    """The ISA's compiled kernels, or None where the CPU lacks its features or no C compiler is found."""
-    isa = next(isa for isa in ISAS if isa.name == name)
+    """The ISA's compiled kernels, or None where the CPU lacks its features (AMX: or Linux refuses the process
+    its tile state), or no C compiler is found."""
+    isa = next(isa for isa in (*ISAS, EMULATED) if isa.name == name)
     if not cpu_has(*isa.cpu_flags):
         return None
     lib = compile_library(Path(__file__).with_name(isa.source), (*FLAGS, *isa.flags))
+    if lib is not None and "-DAMX" in isa.flags and not lib.amx_ready():
+        return None
     if lib is not None:
         lib.quantize_rows.argtypes = [_P, _I, _I, _P, _P, _P, _P, ctypes.c_int]
         for kind in KINDS:
@@ -64,9 +76,48 @@ def library(name: str) -> ctypes.CDLL | None:
     return lib
 
 
-def paths() -> list[str]:
-    """The ISAs this machine runs, fastest first."""
-    return [isa.name for isa in ISAS if library(isa.name) is not None]
+@cache
+def trusted(name: str) -> bool:
+    """Whether path `name` may be chosen. AMX's must first pass `check` in a child process, once per build of its
+    library and CPU (remembered): its tile instructions were tested only on an emulation when it was written, so a
+    fault or a wrong bit costs a child, and the path, never this process."""
+    isa = next(isa for isa in (*ISAS, EMULATED) if isa.name == name)
+    if "-DAMX" not in isa.flags:
+        return True
+
+    def passes() -> bool:
+        child = subprocess.run([sys.executable, "-c", f"from speculant.kernels import check; check({name!r})"],
+                               capture_output=True, text=True, timeout=300)
+        if child.returncode:
+            log.warning(f"speculant: the {name} kernels failed their check (exit {child.returncode}; "
+                        f"{(child.stderr.strip().splitlines() or ['no message'])[-1]}); they will not be chosen")
+        return child.returncode == 0
+
+    return bool(remembered("kernels-checked.json", f"{Path(library(name)._name).name}|{cpu_info()[0]}", passes))
+
+
+def check(name: str) -> None:
+    """Raise unless path `name` gives every row of calls of 1 to 20 rows the scalar reference's bits, on weights
+    of both kinds with a last half super-block: every tile height of every kernel the path mixes in a call."""
+    generator = torch.Generator().manual_seed(0)
+    for kind in KINDS:
+        dense = torch.randn(48, 768, generator=generator)
+        dense[:, 640:] = 0.0
+        weight = QuantWeight.from_gguf(kind, getattr(formats, f"quantize_{kind}")(dense.numpy()), 640)
+        x = torch.randn(20, 640, generator=generator) * 3
+        reference = matmul(quantize(x, "scalar"), weight, "scalar", threads=1)
+        for width in range(1, 21):
+            if not torch.equal(matmul(quantize(x[:width], name), weight, name), reference[:width]):
+                raise RuntimeError(f"{name}: rows of a {width}-row {kind} call differ from the scalar reference")
+
+
+def paths(emulated: bool = False) -> list[str]:
+    """The ISAs this machine runs, fastest first; with `emulated`, also the AMX kernels emulated where AMX itself
+    does not run (every path the tests hold to the scalar reference)."""
+    found = [isa.name for isa in ISAS if library(isa.name) is not None and trusted(isa.name)]
+    if emulated and "amx_int8" not in found and library(EMULATED.name) is not None:
+        found.insert(found.index("scalar"), EMULATED.name)
+    return found
 
 
 @cache

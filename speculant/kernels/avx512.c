@@ -2,6 +2,9 @@
 // 8 (q4_k) or 4 (q6_k) registers of four inputs per output, and every row of the tile multiplies it by
 // its four activation bytes broadcast (vpdpbusd: u8 weights x s8 activations into exact int32 sums); then
 // per row and block one conversion and one multiply-add, in common.h's order.
+//
+// Built with -DAMX (and where the CPU has AMX int8), tiles of 4 to 16 rows take amx.h's kernels instead: the
+// same unpacked registers are one AMX weight tile, and the integer sums come from a tile multiply.
 #include <immintrin.h>
 #include "common.h"
 
@@ -22,10 +25,62 @@ static inline __attribute__((always_inline)) void add_super(const int rows, cons
                                                     s ? _mm512_loadu_ps(y + r * O) : _mm512_setzero_ps()));
 }
 
+// Block b's weights unpacked: 8 registers of 4 inputs per output (byte j*4 + t of register g: input 4g + t of
+// output j), the layout vpdpbusd multiplies and AMX's weight tile (a register a tile row); the block's scales.
+static inline __attribute__((always_inline)) void q4k_unpack(const uint8_t *bp, __m512i *w) {
+    const __m512i low = _mm512_set1_epi8(0x0F);
+    for (int c = 0; c < 4; c++) {
+        __m512i raw = _mm512_loadu_si512(bp + 32 + c * 64);
+        w[c] = _mm512_and_si512(raw, low);
+        w[c + 4] = _mm512_and_si512(_mm512_srli_epi16(raw, 4), low);
+    }
+}
+
+static inline __m512 q4k_scale(__m512 d, const uint8_t *bp) {
+    return _mm512_mul_ps(d, _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)bp))));
+}
+
+// q6_k's block of 16 inputs: 4 registers, as q4_k's 8.
+static inline __attribute__((always_inline)) void q6k_unpack(const uint8_t *bp, __m512i *w) {
+    const __m512i low = _mm512_set1_epi8(0x0F), two = _mm512_set1_epi8(0x03);
+    __m512i lo0 = _mm512_loadu_si512(bp + 16), lo1 = _mm512_loadu_si512(bp + 80), hi = _mm512_loadu_si512(bp + 144);
+    w[0] = _mm512_or_si512(_mm512_and_si512(lo0, low), _mm512_slli_epi16(_mm512_and_si512(hi, two), 4));
+    w[1] = _mm512_or_si512(_mm512_and_si512(lo1, low), _mm512_slli_epi16(_mm512_and_si512(_mm512_srli_epi16(hi, 2), two), 4));
+    w[2] = _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi16(lo0, 4), low), _mm512_slli_epi16(_mm512_and_si512(_mm512_srli_epi16(hi, 4), two), 4));
+    w[3] = _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi16(lo1, 4), low), _mm512_slli_epi16(_mm512_and_si512(_mm512_srli_epi16(hi, 6), two), 4));
+}
+
+static inline __m512 q6k_scale(__m512 d, const uint8_t *bp) {
+    return _mm512_mul_ps(d, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)bp))));
+}
+
+// q4_k's mins of super-block s: each lane's m of blocks 2j and 2j + 1 as int16 pairs, times the rows' pairs of
+// sums (vpdpwssd), taken from the rows' sb.
+static inline __attribute__((always_inline)) void q4k_mins(const int rows, const uint8_t *sp, int64_t s, int64_t K,
+                                                          const int16_t *s32, __m512 *sb) {
+    __m512i mins[4];
+    for (int j = 0; j < blocks_in(s, K, 8) / 2; j++) {
+        const uint8_t *m = sp + 64 + 2 * j * Q4K_BLOCK + 16;
+        __m512i even = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)m));
+        __m512i odd = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(m + Q4K_BLOCK)));
+        mins[j] = _mm512_or_si512(even, _mm512_slli_epi32(odd, 16));
+    }
+    __m512 dmin = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(sp + 32)));
+#pragma GCC unroll 16
+    for (int r = 0; r < rows; r++) {
+        const int16_t *sums = s32 + r * (K / 32) + s * 8;
+        __m512i total = _mm512_setzero_si512();
+        for (int j = 0; j < blocks_in(s, K, 8) / 2; j++) {
+            __m512i pair = _mm512_set1_epi32(load32((const int8_t *)(sums + 2 * j)));
+            total = _mm512_dpwssd_epi32(total, mins[j], pair);
+        }
+        sb[r] = _mm512_fnmadd_ps(dmin, _mm512_cvtepi32_ps(total), sb[r]);
+    }
+}
+
 static inline __attribute__((always_inline)) void q4k_tile(const int rows, const int8_t *qa, const float *sa,
                                                           const int16_t *s32, const int32_t *o16, int64_t K,
                                                           const uint8_t *panel, float *y, int64_t O) {
-    const __m512i low = _mm512_set1_epi8(0x0F);
     for (int64_t s = 0; s < supers(K); s++) {
         const uint8_t *sp = panel + s * Q4K_SUPER;
         prefetch(sp + PREFETCH * Q4K_SUPER, Q4K_SUPER);
@@ -33,13 +88,9 @@ static inline __attribute__((always_inline)) void q4k_tile(const int rows, const
         for (int r = 0; r < rows; r++) sb[r] = _mm512_setzero_ps();
         for (int b = 0; b < blocks_in(s, K, 8); b++) {
             const uint8_t *bp = sp + 64 + b * Q4K_BLOCK;
-            __m512 scale = _mm512_mul_ps(d, _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)bp))));
+            __m512 scale = q4k_scale(d, bp);
             __m512i w[8];
-            for (int c = 0; c < 4; c++) {
-                __m512i raw = _mm512_loadu_si512(bp + 32 + c * 64);
-                w[c] = _mm512_and_si512(raw, low);
-                w[c + 4] = _mm512_and_si512(_mm512_srli_epi16(raw, 4), low);
-            }
+            q4k_unpack(bp, w);
             int64_t kb = s * 8 + b;
 #pragma GCC unroll 8
             for (int r = 0; r < rows; r++) {
@@ -49,25 +100,7 @@ static inline __attribute__((always_inline)) void q4k_tile(const int rows, const
                 sb[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), scale, sb[r]);
             }
         }
-        // The mins: each lane's m of blocks 2j and 2j + 1 as int16 pairs, times the rows' pairs of sums (vpdpwssd).
-        __m512i mins[4];
-        for (int j = 0; j < blocks_in(s, K, 8) / 2; j++) {
-            const uint8_t *m = sp + 64 + 2 * j * Q4K_BLOCK + 16;
-            __m512i even = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)m));
-            __m512i odd = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(m + Q4K_BLOCK)));
-            mins[j] = _mm512_or_si512(even, _mm512_slli_epi32(odd, 16));
-        }
-        __m512 dmin = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(sp + 32)));
-#pragma GCC unroll 8
-        for (int r = 0; r < rows; r++) {
-            const int16_t *sums = s32 + r * (K / 32) + s * 8;
-            __m512i total = _mm512_setzero_si512();
-            for (int j = 0; j < blocks_in(s, K, 8) / 2; j++) {
-                __m512i pair = _mm512_set1_epi32(load32((const int8_t *)(sums + 2 * j)));
-                total = _mm512_dpwssd_epi32(total, mins[j], pair);
-            }
-            sb[r] = _mm512_fnmadd_ps(dmin, _mm512_cvtepi32_ps(total), sb[r]);
-        }
+        q4k_mins(rows, sp, s, K, s32, sb);
         add_super(rows, sb, sa, s, K, y, O);
     }
 }
@@ -75,7 +108,6 @@ static inline __attribute__((always_inline)) void q4k_tile(const int rows, const
 static inline __attribute__((always_inline)) void q6k_tile(const int rows, const int8_t *qa, const float *sa,
                                                           const int16_t *s32, const int32_t *o16, int64_t K,
                                                           const uint8_t *panel, float *y, int64_t O) {
-    const __m512i low = _mm512_set1_epi8(0x0F), two = _mm512_set1_epi8(0x03);
     for (int64_t s = 0; s < supers(K); s++) {
         const uint8_t *sp = panel + s * Q6K_SUPER;
         prefetch(sp + PREFETCH * Q6K_SUPER, Q6K_SUPER);
@@ -83,14 +115,9 @@ static inline __attribute__((always_inline)) void q6k_tile(const int rows, const
         for (int r = 0; r < rows; r++) sb[r] = _mm512_setzero_ps();
         for (int b = 0; b < blocks_in(s, K, 16); b++) {
             const uint8_t *bp = sp + 32 + b * Q6K_BLOCK;
-            __m512 scale = _mm512_mul_ps(d, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)bp))));
-            __m512i lo0 = _mm512_loadu_si512(bp + 16), lo1 = _mm512_loadu_si512(bp + 80), hi = _mm512_loadu_si512(bp + 144);
-            __m512i w[4] = {
-                _mm512_or_si512(_mm512_and_si512(lo0, low), _mm512_slli_epi16(_mm512_and_si512(hi, two), 4)),
-                _mm512_or_si512(_mm512_and_si512(lo1, low), _mm512_slli_epi16(_mm512_and_si512(_mm512_srli_epi16(hi, 2), two), 4)),
-                _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi16(lo0, 4), low), _mm512_slli_epi16(_mm512_and_si512(_mm512_srli_epi16(hi, 4), two), 4)),
-                _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi16(lo1, 4), low), _mm512_slli_epi16(_mm512_and_si512(_mm512_srli_epi16(hi, 6), two), 4)),
-            };
+            __m512 scale = q6k_scale(d, bp);
+            __m512i w[4];
+            q6k_unpack(bp, w);
             int64_t k16 = s * 16 + b;
 #pragma GCC unroll 8
             for (int r = 0; r < rows; r++) {
@@ -106,8 +133,12 @@ static inline __attribute__((always_inline)) void q6k_tile(const int rows, const
 
 DISPATCH(q4k_tile, TILE)
 DISPATCH(q6k_tile, TILE)
+#ifdef AMX
+#include "amx.h"
+#else
 MATMUL(matmul_q4_k, Q4K_SUPER, Q4K_TAIL, TILE, q4k_tile_rows)
 MATMUL(matmul_q6_k, Q6K_SUPER, Q6K_TAIL, TILE, q6k_tile_rows)
+#endif
 
 // layer.h's sum of products with scalar.c's bits: the 16 lanes in one register, the tree as its halves added.
 static inline float sum16(const float *a, const float *b, int64_t n) {

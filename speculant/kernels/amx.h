@@ -1,0 +1,200 @@
+// AMX int8 (Intel's Advanced Matrix Extensions), included by avx512.c when built with -DAMX: tiles of AMX_MIN to
+// 16 rows get their integer sums from tile multiplies, fewer rows keep avx512.c's vpdpbusd kernels.
+//
+// A weight block unpacked as avx512.c does (q4_k: 8 registers, q6_k: 4) is already an AMX weight tile in its
+// VNNI layout: row g, column j holds inputs 4g..4g+3 of output j. The activation tile holds the tile's rows'
+// bytes of that block (32 or 16 inputs; the row stride is K), and tdpbsud (signed activations times unsigned
+// weights) gives every row's exact int32 dot for the block's 16 outputs at once. The float work after it is
+// avx512.c's, in common.h's order (one conversion and one multiply-add per row and block, the mins and offsets
+// as exact integer sums), so every row's bits are the scalar reference's, whichever kernel ran it.
+//
+// Two sets of tiles (activations, weights, sums: tmm0-2 and tmm3-5) take two blocks at a time, so that the second
+// block's tile loads and multiply overlap the first's. Blocks come in pairs: 8 or 16 per super-block, 4 or 8 in
+// a last half one.
+//
+// Built with -DAMX_EMULATED as well, the tile instructions are plain C with the same semantics (and the same
+// checks of their shapes): how a CPU without AMX tests this file's tiling, layouts and order.
+#define AMX_TILE 16
+#define AMX_MIN 4  // fewer rows are not compute-bound with vpdpbusd (cpu.md, "One activation scale per 256 inputs")
+
+// The tile configuration (palette 1): rows and bytes per row of tiles 0-7.
+typedef struct {
+    uint8_t palette, start_row, reserved[14];
+    uint16_t colsb[16];
+    uint8_t rows[16];
+} TileConfig;
+
+#ifdef AMX_EMULATED
+#include <stdlib.h>
+
+static __thread TileConfig emulated_config;
+static __thread uint8_t emulated_tiles[8][16][64];
+
+static void tile_configure(const TileConfig *config) {
+    emulated_config = *config;
+    memset(emulated_tiles, 0, sizeof emulated_tiles);
+}
+static void tile_configuration(TileConfig *config) { *config = emulated_config; }
+static void tile_release(void) { memset(&emulated_config, 0, sizeof emulated_config); }
+
+// As tileloadd: the configured rows of colsb bytes from base, each row stride bytes after the last.
+static void tile_load_at(int t, const void *base, int64_t stride) {
+    if (!emulated_config.palette) abort();
+    memset(emulated_tiles[t], 0, sizeof emulated_tiles[t]);
+    for (int r = 0; r < emulated_config.rows[t]; r++)
+        memcpy(emulated_tiles[t][r], (const uint8_t *)base + r * stride, emulated_config.colsb[t]);
+}
+static void tile_store_at(int t, void *base, int64_t stride) {
+    for (int r = 0; r < emulated_config.rows[t]; r++)
+        memcpy((uint8_t *)base + r * stride, emulated_tiles[t][r], emulated_config.colsb[t]);
+}
+static void tile_zero_at(int t) { memset(emulated_tiles[t], 0, sizeof emulated_tiles[t]); }
+
+// As tdpbsud: c[m][n] += the sum over k < a's colsb / 4 and i < 4 of a[m][4k + i] (s8) * b[k][4n + i] (u8);
+// shapes that the instruction refuses (#UD) abort.
+static void tile_dp_at(int c, int a, int b) {
+    const TileConfig *tc = &emulated_config;
+    if (tc->rows[c] != tc->rows[a] || tc->colsb[c] != tc->colsb[b] || tc->colsb[a] != 4 * tc->rows[b]) abort();
+    for (int m = 0; m < tc->rows[c]; m++)
+        for (int n = 0; n < tc->colsb[c] / 4; n++) {
+            int32_t sum;
+            memcpy(&sum, &emulated_tiles[c][m][4 * n], 4);
+            for (int k = 0; k < tc->colsb[a] / 4; k++)
+                for (int i = 0; i < 4; i++)
+                    sum += (int8_t)emulated_tiles[a][m][4 * k + i] * emulated_tiles[b][k][4 * n + i];
+            memcpy(&emulated_tiles[c][m][4 * n], &sum, 4);
+        }
+}
+#define tile_load(t, base, stride) tile_load_at(t, base, stride)
+#define tile_store(t, base, stride) tile_store_at(t, base, stride)
+#define tile_zero(t) tile_zero_at(t)
+#define tile_dp(c, a, b) tile_dp_at(c, a, b)
+
+int amx_ready(void) { return 1; }
+#else
+#include <sys/syscall.h>
+#include <unistd.h>
+
+#define ARCH_REQ_XCOMP_PERM 0x1023
+#define XFEATURE_XTILEDATA 18
+
+// GCC 12's _tile_loadconfig tells the compiler it reads 8 bytes and its _tile_loadd that it reads none: these
+// name what each instruction reads and writes (cpu.md, "What crashed the native build").
+static void tile_configure(const TileConfig *config) { __asm__ volatile("ldtilecfg %0" ::"m"(*config)); }
+static void tile_configuration(TileConfig *config) { __asm__ volatile("sttilecfg %0" : "=m"(*config)); }
+static void tile_release(void) { __asm__ volatile("tilerelease" ::); }
+#define tile_load(t, base, stride) \
+    __asm__ volatile("tileloadd (%0,%1,1), %%tmm" #t ::"r"(base), "r"((int64_t)(stride)) : "memory")
+#define tile_store(t, base, stride) \
+    __asm__ volatile("tilestored %%tmm" #t ", (%0,%1,1)" ::"r"(base), "r"((int64_t)(stride)) : "memory")
+#define tile_zero(t) __asm__ volatile("tilezero %%tmm" #t ::)
+#define tile_dp(c, a, b) __asm__ volatile("tdpbsud %%tmm" #b ", %%tmm" #a ", %%tmm" #c ::)
+
+// Linux hands out AMX's tile state only to a process that asks for it; without it the first tile instruction
+// raises SIGILL. 1 when granted.
+int amx_ready(void) { return syscall(SYS_arch_prctl, ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA) == 0; }
+#endif
+
+// Tiles for rows of blocks of `inputs` (32: q4_k, 16: q6_k), both sets alike.
+static void tiles_for(int rows, int inputs) {
+    TileConfig config = {.palette = 1};
+    for (int set = 0; set < 2; set++) {
+        config.rows[3 * set] = rows, config.colsb[3 * set] = inputs;             // activations
+        config.rows[3 * set + 1] = inputs / 4, config.colsb[3 * set + 1] = 64;   // weights
+        config.rows[3 * set + 2] = rows, config.colsb[3 * set + 2] = 64;         // int32 sums
+    }
+    tile_configure(&config);
+}
+
+// Two blocks' sums: activations at a0 and a1 (row stride K) times the unpacked weights w0 and w1, into dots.
+#define TWO_BLOCKS(a0, w0, a1, w1, K, dots)                                           \
+    do {                                                                              \
+        tile_load(0, a0, K); tile_load(1, w0, 64); tile_zero(2); tile_dp(2, 0, 1);    \
+        tile_load(3, a1, K); tile_load(4, w1, 64); tile_zero(5); tile_dp(5, 3, 4);    \
+        tile_store(2, dots[0], 64); tile_store(5, dots[1], 64);                       \
+    } while (0)
+
+// Tiles of `rows` rows (a constant in each specialization, so that the rows' sb stay in registers) of q4_k's
+// blocks of 32 inputs, or q6_k's of 16 (`q6`).
+static inline __attribute__((always_inline)) void amx_tile(const int rows, const int q6, const int8_t *qa,
+                                                          const float *sa, const int16_t *s32, const int32_t *o16,
+                                                          int64_t K, const uint8_t *panel, float *y, int64_t O) {
+    const int super = q6 ? Q6K_SUPER : Q4K_SUPER, block = q6 ? Q6K_BLOCK : Q4K_BLOCK, blocks = q6 ? 16 : 8;
+    const int inputs = 256 / blocks, head = q6 ? 32 : 64;  // a block's inputs; the super-block's f16 scales
+    _Alignas(64) __m512i w[2][8];
+    _Alignas(64) int32_t dots[2][AMX_TILE][PANEL];
+    for (int64_t s = 0; s < supers(K); s++) {
+        const uint8_t *sp = panel + s * super;
+        prefetch(sp + PREFETCH * super, super);
+        __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)sp)), sb[AMX_TILE], scale[2];
+        for (int r = 0; r < rows; r++) sb[r] = _mm512_setzero_ps();
+        for (int b = 0; b < blocks_in(s, K, blocks); b += 2) {
+            for (int h = 0; h < 2; h++) {
+                const uint8_t *bp = sp + head + (b + h) * block;
+                if (q6) scale[h] = q6k_scale(d, bp), q6k_unpack(bp, w[h]);
+                else scale[h] = q4k_scale(d, bp), q4k_unpack(bp, w[h]);
+            }
+            int64_t kb = s * blocks + b;
+            const int8_t *a = qa + kb * inputs;
+            TWO_BLOCKS(a, w[0], a + inputs, w[1], K, dots);
+#pragma GCC unroll 16
+            for (int r = 0; r < rows; r++)
+                for (int h = 0; h < 2; h++) {
+                    __m512i dot = _mm512_load_si512(dots[h][r]);
+                    if (q6) dot = _mm512_add_epi32(dot, _mm512_set1_epi32(o16[r * (K / 16) + kb + h]));
+                    sb[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), scale[h], sb[r]);
+                }
+        }
+        if (!q6) q4k_mins(rows, sp, s, K, s32, sb);
+        add_super(rows, sb, sa, s, K, y, O);
+    }
+}
+
+// One specialization per tile height from AMX_MIN to AMX_TILE, as common.h's DISPATCH.
+#define AMX_CASE(N, Q6) case N: amx_tile(N, Q6, qa, sa, s32, o16, K, panel, y, O); break;
+#define AMX_DISPATCH(NAME, Q6)                                                                            \
+    static void NAME(int rows, const int8_t *qa, const float *sa, const int16_t *s32, const int32_t *o16,  \
+                     int64_t K, const uint8_t *panel, float *y, int64_t O) {                              \
+        switch (rows) {                                                                                   \
+            AMX_CASE(4, Q6) AMX_CASE(5, Q6) AMX_CASE(6, Q6) AMX_CASE(7, Q6) AMX_CASE(8, Q6)               \
+            AMX_CASE(9, Q6) AMX_CASE(10, Q6) AMX_CASE(11, Q6) AMX_CASE(12, Q6) AMX_CASE(13, Q6)           \
+            AMX_CASE(14, Q6) AMX_CASE(15, Q6)                                                             \
+            default: amx_tile(AMX_TILE, Q6, qa, sa, s32, o16, K, panel, y, O);                            \
+        }                                                                                                 \
+    }
+AMX_DISPATCH(q4k_amx_rows, 0)
+AMX_DISPATCH(q6k_amx_rows, 1)
+
+// common.h's MATMUL with tiles of up to 16 rows. Each thread configures its tiles for the tile heights it meets,
+// in every call that has an AMX tile, and at the end puts back the configuration it found (the tile state is the thread's: ggml's AMX
+// kernels, on the same OpenMP threads, configure theirs once per thread and rely on it).
+#define MATMUL_AMX(NAME, SUPER, TAIL, INPUTS, AMX_FN, VNNI_FN)                                            \
+    void NAME(const int8_t *qa, const float *sa, const int16_t *s32, const int32_t *o16, int64_t rows,    \
+              int64_t K, const uint8_t *packed, int64_t O, float *y, int threads) {                       \
+        int64_t stride = panel_bytes(K, SUPER, TAIL);                                                     \
+        _Pragma("omp parallel num_threads(threads)") {                                                    \
+            int configured = 0;                                                                           \
+            TileConfig found;                                                                             \
+            _Pragma("omp for schedule(static)")                                                           \
+            for (int64_t p = 0; p < O / PANEL; p++)                                                       \
+                for (int64_t n = 0; n < rows; n += AMX_TILE) {                                            \
+                    int m = rows - n < AMX_TILE ? rows - n : AMX_TILE;                                    \
+                    const int8_t *q = qa + n * K;                                                         \
+                    const float *s = sa + n * supers(K);                                                  \
+                    const int16_t *m32 = s32 + n * (K / 32);                                              \
+                    const int32_t *m16 = o16 + n * (K / 16);                                              \
+                    float *out = y + n * O + p * PANEL;                                                   \
+                    if (m < AMX_MIN) {                                                                    \
+                        VNNI_FN(m, q, s, m32, m16, K, packed + p * stride, out, O);                       \
+                        continue;                                                                         \
+                    }                                                                                     \
+                    if (!configured) tile_configuration(&found);                                          \
+                    if (m != configured) tiles_for(m, INPUTS), configured = m;                            \
+                    AMX_FN(m, q, s, m32, m16, K, packed + p * stride, out, O);                            \
+                }                                                                                         \
+            if (configured && found.palette) tile_configure(&found);                                      \
+            else if (configured) tile_release();                                                          \
+        }                                                                                                 \
+    }
+MATMUL_AMX(matmul_q4_k, Q4K_SUPER, Q4K_TAIL, 32, q4k_amx_rows, q4k_tile_rows)
+MATMUL_AMX(matmul_q6_k, Q6K_SUPER, Q6K_TAIL, 16, q6k_amx_rows, q6k_tile_rows)
