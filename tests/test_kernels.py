@@ -2,6 +2,8 @@
 kernels emulated where the CPU lacks AMX), row r of a W-row call equals the 1-row call and the scalar reference
 bit for bit."""
 
+from types import SimpleNamespace
+
 import gguf
 import numpy as np
 import pytest
@@ -38,17 +40,58 @@ def test_every_path_the_cpu_can_run_compiles_and_loads():
     assert kernels.paths()[-1] == "scalar"
 
 
-@pytest.mark.skipif("amx_int8_emulated" not in kernels.paths(emulated=True), reason="no AVX-512 VNNI to emulate AMX on")
-def test_the_amx_kernels_are_chosen_only_after_a_child_process_checks_them(monkeypatch, caplog):
-    """`trusted` runs `check` in a child process (here on the emulated AMX kernels, which pass), remembers the
-    verdict per library build and CPU, and a path whose child fails is not chosen, with a warning."""
+EMULATES = pytest.mark.skipif("amx_int8_emulated" not in kernels.paths(emulated=True),
+                              reason="no AVX-512 VNNI to emulate AMX on")
+
+
+@EMULATES
+def test_an_amx_path_is_checked_and_timed_in_a_child_process_before_it_is_chosen(monkeypatch, caplog):
+    """`amx_rows` runs `check` and `cut_over` in a child (here on the emulated tiles: exact, and slower than
+    vpdpbusd at every width), remembered per library build and CPU; a child that fails gives 0, with a warning;
+    `usable` lists the path only where the tiles pay at some width, and sets the library's cut-over."""
     asked = []
     monkeypatch.setattr(kernels, "remembered", lambda name, key, measure: asked.append(key) or measure())
-    assert kernels.trusted.__wrapped__("amx_int8_emulated") and "|" in asked[0]
-    assert kernels.trusted.__wrapped__("avx512_vnni") and len(asked) == 1  # no check: not an AMX path
+    assert kernels.amx_rows.__wrapped__("amx_int8_emulated") == 17 and "|" in asked[0]
     monkeypatch.setattr(kernels.sys, "executable", "false")
-    assert not kernels.trusted.__wrapped__("amx_int8_emulated")
+    assert kernels.amx_rows.__wrapped__("amx_int8_emulated") == 0
     assert "amx_int8_emulated kernels failed their check (exit 1" in caplog.text
+    for rows, listed in ((0, False), (17, False), (6, True)):
+        monkeypatch.setattr(kernels, "amx_rows", lambda name, rows=rows: rows)
+        assert kernels.usable(kernels.EMULATED) == listed
+    assert kernels.library("amx_int8_emulated").amx_set_rows(4) == 6  # the tests' tile height again
+
+
+@EMULATES
+@pytest.mark.parametrize("rows", [1, 17])
+def test_the_amx_library_gives_the_reference_s_bits_at_any_cut_over(rows):
+    """Every row on tiles (1), or none (17: the library's vpdpbusd kernels, 8 rows at a time)."""
+    lib = kernels.library("amx_int8_emulated")
+    before = lib.amx_set_rows(rows)
+    try:
+        kernels.check("amx_int8_emulated")
+    finally:
+        lib.amx_set_rows(before)
+
+
+@EMULATES
+def test_the_cut_over_is_the_fewest_rows_from_which_tiles_win_at_every_width(monkeypatch):
+    lib, setting, clock = kernels.library("amx_int8_emulated"), [4], [0.0]
+
+    def set_rows(rows):  # as amx_set_rows: returns the value it replaces
+        setting[:] = [rows, *setting]
+        return setting.pop()
+
+    def matmul(act, weight, isa):  # tiles take half the time of vpdpbusd from 6 rows, and at 3
+        clock[0] += 0.5 if setting[0] <= act.rows and act.rows in (3, *range(6, 17)) else 1.0
+
+    monkeypatch.setattr(lib, "amx_set_rows", set_rows)
+    monkeypatch.setattr(kernels, "matmul", matmul)
+    monkeypatch.setattr(kernels, "time", SimpleNamespace(perf_counter=lambda: clock[0]))
+    assert kernels.cut_over("amx_int8_emulated", repeats=3, panels=1) == 6
+    assert setting == [4]  # put back as found
+    monkeypatch.undo()
+    assert kernels.cut_over("amx_int8_emulated", repeats=2, panels=16) == 17  # the emulated tiles: far slower
+    assert kernels.library("amx_int8_emulated").amx_set_rows(4) == 4
 
 
 @pytest.mark.skipif("avx2" not in kernels.paths(), reason="no AVX2")

@@ -1,7 +1,7 @@
 """speculant's exact 4-bit kernels: GGUF K-quant weights (repacked once, `formats.py`) times int8
 activation rows, one C file per ISA (`scalar.c`, `avx2.c`, `avx512.c`), chosen at run time by the CPU's
-features; where the CPU has AMX int8, tiles of 4 to 16 rows take their integer sums from AMX tile multiplies
-(`amx.h`). Each weight block is unpacked once per call for every row of a tile (llamafile's tinyBLAS
+features; where the CPU has AMX int8, tiles of up to 16 rows take their integer sums from AMX tile multiplies
+(`amx.h`) from the number of rows where those pay, timed once per machine (`amx_rows`). Each weight block is unpacked once per call for every row of a tile (llamafile's tinyBLAS
 register tiling), and each output is accumulated in the same order whatever the number of rows, the
 tile, the thread or the ISA: row r of a W-row call equals the 1-row call, and every path equals the
 scalar reference, bit for bit.
@@ -16,8 +16,10 @@ from __future__ import annotations
 
 import ctypes
 import logging
+import statistics
 import subprocess
 import sys
+import time
 from dataclasses import dataclass
 from functools import cache
 from pathlib import Path
@@ -68,6 +70,8 @@ def library(name: str) -> ctypes.CDLL | None:
     if lib is not None and "-DAMX" in isa.flags and not lib.amx_ready():
         return None
     if lib is not None:
+        if "-DAMX" in isa.flags:
+            lib.amx_set_rows.argtypes, lib.amx_set_rows.restype = [ctypes.c_int], ctypes.c_int
         lib.quantize_rows.argtypes = [_P, _I, _I, _P, _P, _P, _P, ctypes.c_int]
         for kind in KINDS:
             getattr(lib, f"matmul_{kind}").argtypes = [_P, _P, _P, _P, _I, _I, _P, _I, _P, ctypes.c_int]
@@ -77,23 +81,54 @@ def library(name: str) -> ctypes.CDLL | None:
 
 
 @cache
-def trusted(name: str) -> bool:
-    """Whether path `name` may be chosen. AMX's must first pass `check` in a child process, once per build of its
-    library and CPU (remembered): its tile instructions were tested only on an emulation when it was written, so a
-    fault or a wrong bit costs a child, and the path, never this process."""
-    isa = next(isa for isa in (*ISAS, EMULATED) if isa.name == name)
-    if "-DAMX" not in isa.flags:
-        return True
-
-    def passes() -> bool:
-        child = subprocess.run([sys.executable, "-c", f"from speculant.kernels import check; check({name!r})"],
-                               capture_output=True, text=True, timeout=300)
+def amx_rows(name: str) -> int:
+    """For AMX path `name`: the fewest rows a tile must have for its tile multiplies to pay on this machine (17: no
+    width), or 0 where it fails `check`. Found in a child process once per build of its library and CPU
+    (remembered): the tile instructions were tested only on an emulation when they were written, so a fault or a
+    wrong bit costs a child, and the path, never this process."""
+    def measure() -> int:
+        child = subprocess.run([sys.executable, "-c", f"from speculant.kernels import check, cut_over; "
+                                f"check({name!r}); print(cut_over({name!r}))"], capture_output=True, text=True,
+                               timeout=300)
         if child.returncode:
             log.warning(f"speculant: the {name} kernels failed their check (exit {child.returncode}; "
                         f"{(child.stderr.strip().splitlines() or ['no message'])[-1]}); they will not be chosen")
-        return child.returncode == 0
+            return 0
+        return int(child.stdout.split()[-1])
 
-    return bool(remembered("kernels-checked.json", f"{Path(library(name)._name).name}|{cpu_info()[0]}", passes))
+    return int(remembered("kernels-amx.json", f"{Path(library(name)._name).name}|{cpu_info()[0]}", measure))
+
+
+def cut_over(name: str, repeats: int = 7, panels: int = 512) -> int:
+    """The fewest rows from which AMX path `name`'s tiles are faster than its vpdpbusd kernels at every width up to
+    16 (17: at none), timed on `panels` x 16 outputs of 4096 inputs of random q4_k blocks (19 MB), the two kernels
+    interleaved, from 16 rows down until the tiles lose (a loss by more than half is plain at the first repeat).
+    Both kernels give the same bits: this decides speed only."""
+    lib, inputs = library(name), 4096
+    data = torch.randint(0, 256, (panels, formats.panel_bytes("q4_k", inputs)), dtype=torch.uint8)
+    scales = torch.from_numpy(np.full(32, 1e-3, dtype=np.float16).view(np.uint8))  # d and dmin: no NaN, no subnormal
+    data.view(panels, -1, formats.BYTES["q4_k"])[:, :, :64] = scales
+    weight = QuantWeight("q4_k", panels * formats.PANEL, inputs, data)
+    before = lib.amx_set_rows(1)
+
+    def seconds(rows: int, act: Activations) -> float:  # rows: the fewest a tile multiply takes
+        lib.amx_set_rows(rows)
+        start = time.perf_counter()
+        matmul(act, weight, name)
+        return time.perf_counter() - start
+
+    try:
+        for width in range(16, 0, -1):
+            act, tiles, vpdpbusd = quantize(torch.randn(width, inputs), name), [], []
+            for _ in range(repeats):
+                tiles.append(seconds(1, act)), vpdpbusd.append(seconds(17, act))
+                if min(tiles) > 1.5 * max(vpdpbusd):
+                    break
+            if statistics.median(tiles) >= statistics.median(vpdpbusd):
+                return width + 1
+        return 1
+    finally:
+        lib.amx_set_rows(before)
 
 
 def check(name: str) -> None:
@@ -111,10 +146,21 @@ def check(name: str) -> None:
                 raise RuntimeError(f"{name}: rows of a {width}-row {kind} call differ from the scalar reference")
 
 
+def usable(isa: Isa) -> bool:
+    """Whether the machine runs `isa`; an AMX path only where its tiles pay at some width (`amx_rows`, which its
+    library then follows)."""
+    if library(isa.name) is None or "-DAMX" not in isa.flags:
+        return library(isa.name) is not None
+    rows = amx_rows(isa.name)
+    if 0 < rows <= 16:
+        library(isa.name).amx_set_rows(rows)
+    return 0 < rows <= 16
+
+
 def paths(emulated: bool = False) -> list[str]:
     """The ISAs this machine runs, fastest first; with `emulated`, also the AMX kernels emulated where AMX itself
     does not run (every path the tests hold to the scalar reference)."""
-    found = [isa.name for isa in ISAS if library(isa.name) is not None and trusted(isa.name)]
+    found = [isa.name for isa in ISAS if usable(isa)]
     if emulated and "amx_int8" not in found and library(EMULATED.name) is not None:
         found.insert(found.index("scalar"), EMULATED.name)
     return found

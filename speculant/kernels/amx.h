@@ -1,4 +1,4 @@
-// AMX int8 (Intel's Advanced Matrix Extensions), included by avx512.c when built with -DAMX: tiles of AMX_MIN to
+// AMX int8 (Intel's Advanced Matrix Extensions), included by avx512.c when built with -DAMX: tiles of amx_min to
 // 16 rows get their integer sums from tile multiplies, fewer rows keep avx512.c's vpdpbusd kernels.
 //
 // A weight block unpacked as avx512.c does (q4_k: 8 registers, q6_k: 4) is already an AMX weight tile in its
@@ -15,7 +15,16 @@
 // Built with -DAMX_EMULATED as well, the tile instructions are plain C with the same semantics (and the same
 // checks of their shapes): how a CPU without AMX tests this file's tiling, layouts and order.
 #define AMX_TILE 16
-#define AMX_MIN 4  // fewer rows are not compute-bound with vpdpbusd (cpu.md, "One activation scale per 256 inputs")
+
+// Tiles of fewer rows take the vpdpbusd kernels. kernels.amx_rows times where AMX starts to pay on the machine and
+// sets it (amx_set_rows, which returns the value it replaces; 17: never); until then 4, where vpdpbusd turns
+// compute-bound (cpu.md, "One activation scale per 256 inputs").
+static int amx_min = 4;
+int amx_set_rows(int rows) {
+    int before = amx_min;
+    amx_min = rows;
+    return before;
+}
 
 // The tile configuration (palette 1): rows and bytes per row of tiles 0-7.
 typedef struct {
@@ -150,15 +159,15 @@ static inline __attribute__((always_inline)) void amx_tile(const int rows, const
     }
 }
 
-// One specialization per tile height from AMX_MIN to AMX_TILE, as common.h's DISPATCH.
+// One specialization per tile height up to AMX_TILE, as common.h's DISPATCH.
 #define AMX_CASE(N, Q6) case N: amx_tile(N, Q6, qa, sa, s32, o16, K, panel, y, O); break;
 #define AMX_DISPATCH(NAME, Q6)                                                                            \
     static void NAME(int rows, const int8_t *qa, const float *sa, const int16_t *s32, const int32_t *o16,  \
                      int64_t K, const uint8_t *panel, float *y, int64_t O) {                              \
         switch (rows) {                                                                                   \
-            AMX_CASE(4, Q6) AMX_CASE(5, Q6) AMX_CASE(6, Q6) AMX_CASE(7, Q6) AMX_CASE(8, Q6)               \
-            AMX_CASE(9, Q6) AMX_CASE(10, Q6) AMX_CASE(11, Q6) AMX_CASE(12, Q6) AMX_CASE(13, Q6)           \
-            AMX_CASE(14, Q6) AMX_CASE(15, Q6)                                                             \
+            AMX_CASE(1, Q6) AMX_CASE(2, Q6) AMX_CASE(3, Q6) AMX_CASE(4, Q6) AMX_CASE(5, Q6)               \
+            AMX_CASE(6, Q6) AMX_CASE(7, Q6) AMX_CASE(8, Q6) AMX_CASE(9, Q6) AMX_CASE(10, Q6)              \
+            AMX_CASE(11, Q6) AMX_CASE(12, Q6) AMX_CASE(13, Q6) AMX_CASE(14, Q6) AMX_CASE(15, Q6)          \
             default: amx_tile(AMX_TILE, Q6, qa, sa, s32, o16, K, panel, y, O);                            \
         }                                                                                                 \
     }
@@ -184,10 +193,11 @@ AMX_DISPATCH(q6k_amx_rows, 1)
                     const int16_t *m32 = s32 + n * (K / 32);                                              \
                     const int32_t *m16 = o16 + n * (K / 16);                                              \
                     float *out = y + n * O + p * PANEL;                                                   \
-                    if (m < AMX_MIN) {                                                                    \
-                        VNNI_FN(m, q, s, m32, m16, K, packed + p * stride, out, O);                       \
-                        continue;                                                                         \
-                    }                                                                                     \
+                    for (int j = 0; m < amx_min && j < m; j += TILE)                                      \
+                        VNNI_FN(m - j < TILE ? m - j : TILE, q + j * K, s + j * supers(K),                \
+                                m32 + j * (K / 32), m16 + j * (K / 16), K, packed + p * stride,           \
+                                out + j * O, O);                                                          \
+                    if (m < amx_min) continue;                                                            \
                     if (!configured) tile_configuration(&found);                                          \
                     if (m != configured) tiles_for(m, INPUTS), configured = m;                            \
                     AMX_FN(m, q, s, m32, m16, K, packed + p * stride, out, O);                            \
