@@ -3,8 +3,9 @@
 // its four activation bytes broadcast (vpdpbusd: u8 weights x s8 activations into exact int32 sums); then
 // per row and block one conversion and one multiply-add, in common.h's order.
 //
-// Built with -DAMX (and where the CPU has AMX int8), tiles of 4 to 16 rows take amx.h's kernels instead: the
-// same unpacked registers are one AMX weight tile, and the integer sums come from a tile multiply.
+// Built with -DAMX (and where the CPU has AMX int8), tiles of up to 16 rows take amx.h's kernels instead from as
+// many rows as those pay on the machine: the same unpacked registers are one AMX weight tile, and the integer sums
+// come from a tile multiply.
 #include <immintrin.h>
 #include "common.h"
 
