@@ -45,6 +45,11 @@ class Isa:
     flags: tuple[str, ...]
     cpu_flags: tuple[str, ...]
 
+    @property
+    def amx(self) -> bool:
+        """Whether its library holds amx.h's tile kernels."""
+        return "-DAMX" in self.flags
+
 
 AVX512 = ("-mavx512f", "-mavx512bw", "-mavx512vnni", "-mf16c"), ("avx512f", "avx512bw", "avx512_vnni", "f16c")
 ISAS = (  # fastest first
@@ -67,16 +72,15 @@ def library(name: str) -> ctypes.CDLL | None:
     if not cpu_has(*isa.cpu_flags):
         return None
     lib = compile_library(Path(__file__).with_name(isa.source), (*FLAGS, *isa.flags))
-    if lib is not None and "-DAMX" in isa.flags and not lib.amx_ready():
+    if lib is None or isa.amx and not lib.amx_ready():
         return None
-    if lib is not None:
-        if "-DAMX" in isa.flags:
-            lib.amx_set_rows.argtypes, lib.amx_set_rows.restype = [ctypes.c_int], ctypes.c_int
-        lib.quantize_rows.argtypes = [_P, _I, _I, _P, _P, _P, _P, ctypes.c_int]
-        for kind in KINDS:
-            getattr(lib, f"matmul_{kind}").argtypes = [_P, _P, _P, _P, _I, _I, _P, _I, _P, ctypes.c_int]
-        lib.lean_layer.argtypes = [ctypes.POINTER(LayerStruct), _I, _I, _I, _I, ctypes.c_float, ctypes.c_int, _P, _I,
-                                   _P, _P, _P, _P, _P, _P, _P, _P, _I, _I, ctypes.c_float, ctypes.c_int]
+    if isa.amx:
+        lib.amx_set_rows.argtypes, lib.amx_set_rows.restype = [ctypes.c_int], ctypes.c_int
+    lib.quantize_rows.argtypes = [_P, _I, _I, _P, _P, _P, _P, ctypes.c_int]
+    for kind in KINDS:
+        getattr(lib, f"matmul_{kind}").argtypes = [_P, _P, _P, _P, _I, _I, _P, _I, _P, ctypes.c_int]
+    lib.lean_layer.argtypes = [ctypes.POINTER(LayerStruct), _I, _I, _I, _I, ctypes.c_float, ctypes.c_int, _P, _I,
+                               _P, _P, _P, _P, _P, _P, _P, _P, _I, _I, ctypes.c_float, ctypes.c_int]
     return lib
 
 
@@ -121,7 +125,8 @@ def cut_over(name: str, repeats: int = 7, panels: int = 512) -> int:
         for width in range(16, 0, -1):
             act, tiles, vpdpbusd = quantize(torch.randn(width, inputs), name), [], []
             for _ in range(repeats):
-                tiles.append(seconds(1, act)), vpdpbusd.append(seconds(17, act))
+                tiles.append(seconds(1, act))
+                vpdpbusd.append(seconds(17, act))
                 if min(tiles) > 1.5 * max(vpdpbusd):
                     break
             if statistics.median(tiles) >= statistics.median(vpdpbusd):
@@ -149,12 +154,13 @@ def check(name: str) -> None:
 def usable(isa: Isa) -> bool:
     """Whether the machine runs `isa`; an AMX path only where its tiles pay at some width (`amx_rows`, which its
     library then follows)."""
-    if library(isa.name) is None or "-DAMX" not in isa.flags:
+    if library(isa.name) is None or not isa.amx:
         return library(isa.name) is not None
     rows = amx_rows(isa.name)
-    if 0 < rows <= 16:
-        library(isa.name).amx_set_rows(rows)
-    return 0 < rows <= 16
+    if not 0 < rows <= 16:
+        return False
+    library(isa.name).amx_set_rows(rows)
+    return True
 
 
 def paths(emulated: bool = False) -> list[str]:

@@ -12,8 +12,10 @@
 // block's tile loads and multiply overlap the first's. Blocks come in pairs: 8 or 16 per super-block, 4 or 8 in
 // a last half one.
 //
-// Built with -DAMX_EMULATED as well, the tile instructions are plain C with the same semantics (and the same
-// checks of their shapes): how a CPU without AMX tests this file's tiling, layouts and order.
+// Built with -DAMX_EMULATED as well, the tile instructions are tiles.h's plain C: how a CPU without AMX tests this
+// file's tiling, layouts and order.
+#include "tiles.h"
+
 #define AMX_TILE 16
 
 // Tiles of fewer rows take the vpdpbusd kernels. kernels.amx_rows times where AMX starts to pay on the machine and
@@ -25,84 +27,6 @@ int amx_set_rows(int rows) {
     amx_min = rows;
     return before;
 }
-
-// The tile configuration (palette 1): rows and bytes per row of tiles 0-7.
-typedef struct {
-    uint8_t palette, start_row, reserved[14];
-    uint16_t colsb[16];
-    uint8_t rows[16];
-} TileConfig;
-
-#ifdef AMX_EMULATED
-#include <stdlib.h>
-
-static __thread TileConfig emulated_config;
-static __thread uint8_t emulated_tiles[8][16][64];
-
-static void tile_configure(const TileConfig *config) {
-    emulated_config = *config;
-    memset(emulated_tiles, 0, sizeof emulated_tiles);
-}
-static void tile_configuration(TileConfig *config) { *config = emulated_config; }
-static void tile_release(void) { memset(&emulated_config, 0, sizeof emulated_config); }
-
-// As tileloadd: the configured rows of colsb bytes from base, each row stride bytes after the last.
-static void tile_load_at(int t, const void *base, int64_t stride) {
-    if (!emulated_config.palette) abort();
-    memset(emulated_tiles[t], 0, sizeof emulated_tiles[t]);
-    for (int r = 0; r < emulated_config.rows[t]; r++)
-        memcpy(emulated_tiles[t][r], (const uint8_t *)base + r * stride, emulated_config.colsb[t]);
-}
-static void tile_store_at(int t, void *base, int64_t stride) {
-    for (int r = 0; r < emulated_config.rows[t]; r++)
-        memcpy((uint8_t *)base + r * stride, emulated_tiles[t][r], emulated_config.colsb[t]);
-}
-static void tile_zero_at(int t) { memset(emulated_tiles[t], 0, sizeof emulated_tiles[t]); }
-
-// As tdpbsud: c[m][n] += the sum over k < a's colsb / 4 and i < 4 of a[m][4k + i] (s8) * b[k][4n + i] (u8);
-// shapes that the instruction refuses (#UD) abort.
-static void tile_dp_at(int c, int a, int b) {
-    const TileConfig *tc = &emulated_config;
-    if (tc->rows[c] != tc->rows[a] || tc->colsb[c] != tc->colsb[b] || tc->colsb[a] != 4 * tc->rows[b]) abort();
-    for (int m = 0; m < tc->rows[c]; m++)
-        for (int n = 0; n < tc->colsb[c] / 4; n++) {
-            int32_t sum;
-            memcpy(&sum, &emulated_tiles[c][m][4 * n], 4);
-            for (int k = 0; k < tc->colsb[a] / 4; k++)
-                for (int i = 0; i < 4; i++)
-                    sum += (int8_t)emulated_tiles[a][m][4 * k + i] * emulated_tiles[b][k][4 * n + i];
-            memcpy(&emulated_tiles[c][m][4 * n], &sum, 4);
-        }
-}
-#define tile_load(t, base, stride) tile_load_at(t, base, stride)
-#define tile_store(t, base, stride) tile_store_at(t, base, stride)
-#define tile_zero(t) tile_zero_at(t)
-#define tile_dp(c, a, b) tile_dp_at(c, a, b)
-
-int amx_ready(void) { return 1; }
-#else
-#include <sys/syscall.h>
-#include <unistd.h>
-
-#define ARCH_REQ_XCOMP_PERM 0x1023
-#define XFEATURE_XTILEDATA 18
-
-// GCC 12's _tile_loadconfig tells the compiler it reads 8 bytes and its _tile_loadd that it reads none: these
-// name what each instruction reads and writes (cpu.md, "What crashed the native build").
-static void tile_configure(const TileConfig *config) { __asm__ volatile("ldtilecfg %0" ::"m"(*config)); }
-static void tile_configuration(TileConfig *config) { __asm__ volatile("sttilecfg %0" : "=m"(*config)); }
-static void tile_release(void) { __asm__ volatile("tilerelease" ::); }
-#define tile_load(t, base, stride) \
-    __asm__ volatile("tileloadd (%0,%1,1), %%tmm" #t ::"r"(base), "r"((int64_t)(stride)) : "memory")
-#define tile_store(t, base, stride) \
-    __asm__ volatile("tilestored %%tmm" #t ", (%0,%1,1)" ::"r"(base), "r"((int64_t)(stride)) : "memory")
-#define tile_zero(t) __asm__ volatile("tilezero %%tmm" #t ::)
-#define tile_dp(c, a, b) __asm__ volatile("tdpbsud %%tmm" #b ", %%tmm" #a ", %%tmm" #c ::)
-
-// Linux hands out AMX's tile state only to a process that asks for it; without it the first tile instruction
-// raises SIGILL. 1 when granted.
-int amx_ready(void) { return syscall(SYS_arch_prctl, ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA) == 0; }
-#endif
 
 // Tiles for rows of blocks of `inputs` (32: q4_k, 16: q6_k), both sets alike.
 static void tiles_for(int rows, int inputs) {
@@ -159,24 +83,15 @@ static inline __attribute__((always_inline)) void amx_tile(const int rows, const
     }
 }
 
-// One specialization per tile height up to AMX_TILE, as common.h's DISPATCH.
-#define AMX_CASE(N, Q6) case N: amx_tile(N, Q6, qa, sa, s32, o16, K, panel, y, O); break;
-#define AMX_DISPATCH(NAME, Q6)                                                                            \
-    static void NAME(int rows, const int8_t *qa, const float *sa, const int16_t *s32, const int32_t *o16,  \
-                     int64_t K, const uint8_t *panel, float *y, int64_t O) {                              \
-        switch (rows) {                                                                                   \
-            AMX_CASE(1, Q6) AMX_CASE(2, Q6) AMX_CASE(3, Q6) AMX_CASE(4, Q6) AMX_CASE(5, Q6)               \
-            AMX_CASE(6, Q6) AMX_CASE(7, Q6) AMX_CASE(8, Q6) AMX_CASE(9, Q6) AMX_CASE(10, Q6)              \
-            AMX_CASE(11, Q6) AMX_CASE(12, Q6) AMX_CASE(13, Q6) AMX_CASE(14, Q6) AMX_CASE(15, Q6)          \
-            default: amx_tile(AMX_TILE, Q6, qa, sa, s32, o16, K, panel, y, O);                            \
-        }                                                                                                 \
-    }
-AMX_DISPATCH(q4k_amx_rows, 0)
-AMX_DISPATCH(q6k_amx_rows, 1)
+// Each kind's tiles, one specialization per tile height (common.h's DISPATCH).
+#define q4k_amx(rows, ...) amx_tile(rows, 0, __VA_ARGS__)
+#define q6k_amx(rows, ...) amx_tile(rows, 1, __VA_ARGS__)
+DISPATCH(q4k_amx, AMX_TILE)
+DISPATCH(q6k_amx, AMX_TILE)
 
 // common.h's MATMUL with tiles of up to 16 rows. Each thread configures its tiles for the tile heights it meets,
-// in every call that has an AMX tile, and at the end puts back the configuration it found (the tile state is the thread's: ggml's AMX
-// kernels, on the same OpenMP threads, configure theirs once per thread and rely on it).
+// in every call that has an AMX tile, and at the end puts back the configuration it found (the tile state is the
+// thread's: ggml's AMX kernels, on the same OpenMP threads, configure theirs once per thread and rely on it).
 #define MATMUL_AMX(NAME, SUPER, TAIL, INPUTS, AMX_FN, VNNI_FN)                                            \
     void NAME(const int8_t *qa, const float *sa, const int16_t *s32, const int32_t *o16, int64_t rows,    \
               int64_t K, const uint8_t *packed, int64_t O, float *y, int threads) {                       \

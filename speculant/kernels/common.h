@@ -154,20 +154,19 @@ void quantize_rows(const float *x, int64_t rows, int64_t K, int8_t *qa, float *s
                         y + n * O + p * PANEL, O);                                                      \
     }
 
-// One specialization per tile height up to TILE (at most 8), so that each keeps its accumulators in
+// One specialization per tile height up to TILE (at most 16), so that each keeps its accumulators in
 // registers: KERNEL##_rows(rows, ...) calls KERNEL(rows, ...) with rows a constant.
+#define ROWS_CASE(KERNEL, TILE, N) case N: if (TILE >= N) KERNEL(N, qa, sa, s32, o16, K, panel, y, O); break;
 #define DISPATCH(KERNEL, TILE)                                                                          \
     static void KERNEL##_rows(int64_t rows, const int8_t *qa, const float *sa, const int16_t *s32,      \
                               const int32_t *o16, int64_t K, const uint8_t *panel, float *y,            \
                               int64_t O) {                                                              \
         switch (rows < TILE ? rows : TILE) {                                                            \
-            case 1: KERNEL(1, qa, sa, s32, o16, K, panel, y, O); break;                                 \
-            case 2: KERNEL(2, qa, sa, s32, o16, K, panel, y, O); break;                                 \
-            case 3: KERNEL(3, qa, sa, s32, o16, K, panel, y, O); break;                                 \
-            case 4: KERNEL(4, qa, sa, s32, o16, K, panel, y, O); break;                                 \
-            case 5: if (TILE >= 5) KERNEL(5, qa, sa, s32, o16, K, panel, y, O); break;                  \
-            case 6: if (TILE >= 6) KERNEL(6, qa, sa, s32, o16, K, panel, y, O); break;                  \
-            case 7: if (TILE >= 7) KERNEL(7, qa, sa, s32, o16, K, panel, y, O); break;                  \
-            default: if (TILE >= 8) KERNEL(8, qa, sa, s32, o16, K, panel, y, O);                        \
+            ROWS_CASE(KERNEL, TILE, 1) ROWS_CASE(KERNEL, TILE, 2) ROWS_CASE(KERNEL, TILE, 3)            \
+            ROWS_CASE(KERNEL, TILE, 4) ROWS_CASE(KERNEL, TILE, 5) ROWS_CASE(KERNEL, TILE, 6)            \
+            ROWS_CASE(KERNEL, TILE, 7) ROWS_CASE(KERNEL, TILE, 8) ROWS_CASE(KERNEL, TILE, 9)            \
+            ROWS_CASE(KERNEL, TILE, 10) ROWS_CASE(KERNEL, TILE, 11) ROWS_CASE(KERNEL, TILE, 12)         \
+            ROWS_CASE(KERNEL, TILE, 13) ROWS_CASE(KERNEL, TILE, 14) ROWS_CASE(KERNEL, TILE, 15)         \
+            default: if (TILE >= 16) KERNEL(16, qa, sa, s32, o16, K, panel, y, O);                      \
         }                                                                                               \
     }

@@ -97,7 +97,7 @@ def _library(kernel: NativeKernel) -> ctypes.CDLL | None:
         lib.amx_pack.argtypes = lib.amx_pack_i8.argtypes = [_P, _I, _I, _P]
         lib.amx_linear.argtypes = [_P, _I, _I, _P, _I, _P, ctypes.c_int]
         lib.amx_linear_i8.argtypes = [_P, _I, _I, _P, _P, _P, _I, _P, ctypes.c_int]
-        if not lib.amx_init():
+        if not lib.amx_ready():
             return None
     else:
         for suffix in ("bf16", "f32"):

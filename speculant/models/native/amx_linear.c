@@ -7,31 +7,16 @@
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
-#include <sys/syscall.h>
-#include <unistd.h>
+#include "tiles.h"  // speculant/kernels/: the tile configuration and Linux's permission (amx_ready)
 
-#define ARCH_REQ_XCOMP_PERM 0x1023
-#define XFEATURE_XTILEDATA 18
 #define ROWS 16   // tokens per tile
 #define COLS 16   // outputs per tile (a panel)
 #define CHUNK 32  // inputs per tile multiply (bf16 pairs: 16 rows of 64 bytes)
 
-typedef struct { uint8_t palette, start; uint8_t reserved[14]; uint16_t colsb[16]; uint8_t rows[16]; } tile_config;
-
-// Ask Linux for the AMX tile state; 1 on success.
-int amx_init(void) { return syscall(SYS_arch_prctl, ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA) == 0; }
-
-// The whole 64-byte configuration as the operand: GCC 12's _tile_loadconfig/_tile_storeconfig name 8 bytes,
-// so the compiler may drop stores to the rest (what crashed ggml's AMX matmul in native builds).
-static void load_config(const tile_config *c) { __asm__ volatile("ldtilecfg %0" :: "m"(*c)); }
-static void store_config(tile_config *c) { __asm__ volatile("sttilecfg %0" : "=m"(*c)); }
-
 static void configure(void) {
-    tile_config c;
-    memset(&c, 0, sizeof c);
-    c.palette = 1;
+    TileConfig c = {.palette = 1};
     for (int t = 0; t < 8; t++) { c.rows[t] = ROWS; c.colsb[t] = 64; }
-    load_config(&c);
+    tile_configure(&c);
 }
 
 // w [O, K] with elements of `size` bytes (2: bf16, 1: int8) -> panels of 16 outputs, chunks of 64 bytes of
@@ -74,8 +59,8 @@ static void run_tiles(const char *xs, int64_t stride, int64_t N, int64_t chunks,
     {
         // These OpenMP threads may be ggml's too (one libgomp): its AMX matmul configures tiles once per thread
         // and keeps them, so leave each thread's tiles as they were found (released only if none were loaded).
-        tile_config found;
-        store_config(&found);
+        TileConfig found;
+        tile_configuration(&found);
         configure();
         union { float f[ROWS * COLS]; int32_t i[ROWS * COLS]; } tile;
         #pragma omp for schedule(static)
@@ -110,7 +95,7 @@ static void run_tiles(const char *xs, int64_t stride, int64_t N, int64_t chunks,
                 }
             }
         }
-        if (found.palette) load_config(&found); else _tile_release();
+        if (found.palette) tile_configure(&found); else tile_release();
     }
 }
 
