@@ -1,0 +1,175 @@
+"""Write docs/results/index.md: one row per entry of docs/results (what it is, its command, the commit that produced
+it, the machine, the date), so the index is generated from the entries and git, not kept by hand.
+
+    python scripts/results_index.py > docs/results/index.md
+    python scripts/results_index.py --check          # exit 1 if an entry is missing from ENTRIES or vice versa
+
+The command and machine of a bench or bench-serve directory are its report.md's `Command:` and `Machine:` lines
+where it has them; the commit and date are those of the last commit that changed the entry's data (its report.md,
+results or page; commits that only edited links are named in ENTRIES instead). What each entry is, and the
+command and machine of pages, are written below. Pure Python (subprocess runs git).
+"""
+
+from __future__ import annotations
+
+import argparse
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+RESULTS = ROOT / "docs" / "results"
+ZEN4 = "AMD EPYC Zen4 (AVX-512 VNNI and BF16, no AMX), 2 cores"
+XEON = "Intel Xeon, Sapphire Rapids class (AVX-512, AMX), 2 cores"
+
+# name -> (group, what it is, command or None (the report's), machine or None (the report's), commit or None (git's))
+ENTRIES: dict[str, tuple[str, str, str | None, str | None, str | None]] = {
+    "bench-recheck-mixed": ("CPU", "**The CPU headline**: `ar` and `auto` on the lean backend against llama.cpp's "
+                            "`llama-completion` (`llamacpp-cli-ar`), 24 mixed prompts, 2 repeats", None, ZEN4, None),
+    "bench-recheck-humaneval": ("CPU", "**The CPU headline** on HumanEval[:10], 3 repeats", None, ZEN4, None),
+    "bench-humaneval-10-30": ("CPU", "`auto` on twenty HumanEval problems never used while tuning (HumanEval[10:30])",
+                              None, ZEN4, None),
+    "bench-lean-mixed": ("CPU", "llama.cpp's own speculative tools (`llamacpp-cli-spec`, `llamacpp-cli-ngram`) against "
+                         "`llamacpp-cli-ar`, each generation in a fresh process; its `ar`/`auto`/`sd` rows are "
+                         "older than bench-recheck-*", None, ZEN4, None),
+    "bench-lean-humaneval": ("CPU", "the same on HumanEval[:10]", None, ZEN4, None),
+    "kernels-1.5b.json": ("CPU", "T(W) of speculant's 4-bit kernels alone on the 1.5B's 197 matrices, AVX-512 VNNI "
+                          "and AVX2, after the per-256 activation scales",
+                          "speculant bench-kernels --widths 1,2,4,8,16 --isa avx512_vnni avx2 "
+                          "--out docs/results/kernels-1.5b.json", ZEN4, None),
+    "cpu.md": ("CPU", "speculant and llama.cpp on the CPU: ggml's paths, the lean model's kernels and T(W), drafters "
+               "on them, every bench's reasons", "commands and scripts in the page", f"{XEON}; {ZEN4}", "7b6e0cf"),
+    "bench-suffix-mixed": ("CPU", "suffix decoding as a drafter (`sd`) and inside `auto`, in process", None, ZEN4, None),
+    "bench-suffix-humaneval": ("CPU", "the same on HumanEval[:10]", None, ZEN4, None),
+    "bench-smollm2-lean-mixed": ("CPU", "SmolLM2-135M on the lean kernels drafting across tokenizers (`sd`, `auto`)",
+                                 None, ZEN4, None),
+    "bench-smollm2-lean-humaneval": ("CPU", "the same on HumanEval[:10]", None, ZEN4, None),
+    "bench-self-skip-mixed": ("CPU", "self-speculation by layer skipping (`self@skip`) as `sd` and in `auto`", None, ZEN4,
+                              None),
+    "bench-self-skip-humaneval": ("CPU", "the same on HumanEval[:10]", None, ZEN4, None),
+    "bench-depth-mixed": ("CPU", "Yggdrasil's depth predictor against a fixed depth and the level-by-level objective",
+                          None, ZEN4, None),
+    "bench-depth-humaneval": ("CPU", "the same on HumanEval[:10]", None, ZEN4, None),
+    "structured-output.md": ("CPU", "structured output under speculation: JSON schemas, drafts that follow the grammar, "
+                             "llguidance's mask cost", "commands in the page", ZEN4, "1b5eb52"),
+    "bench-json-schema": ("CPU", "eight JSON-extraction prompts under their schemas, beside `llama-completion "
+                          "--json-schema`", None, ZEN4, None),
+    "bench-json-free": ("CPU", "the same prompts as free text (`--ignore-response-format`)", None, ZEN4, None),
+    "bench-llamacpp-cli-isolated-mixed": ("llama.cpp backend", "speculant's llama.cpp backend (`ar`, `auto`) against "
+                                          "`llama-completion` on the same library, each generation in a fresh process",
+                                          None, XEON, None),
+    "bench-llamacpp-cli-isolated-humaneval": ("llama.cpp backend", "the same on HumanEval[:10]", None, XEON, None),
+    "bench-dsi-1-server-mixed": ("llama.cpp backend", "DSI with one target server in its own process against `sd` with "
+                                 "the same drafter (Max-Gram, the 0.5B)", None, XEON, None),
+    "bench-dsi-1-server-humaneval": ("llama.cpp backend", "the same on HumanEval[:8]", None, XEON, None),
+    "dsi-preemption.md": ("llama.cpp backend", "DSI: preempted forwards cut short inside the model, before and after",
+                          "commands and script in the page", XEON, "5dcedce"),
+    "dsi-timeline-real-process.png": ("llama.cpp backend", "DSI timeline of a real two-server run (dsi-preemption.md)",
+                                      "speculant generate ... --method dsi --timeline", XEON, None),
+    "cross-vocab.md": ("llama.cpp backend", "drafters with another tokenizer (SmolLM2-135M for Qwen targets): speed, "
+                       "the cost of sampling on shared tokens, token healing, incremental encoding",
+                       "commands and script in the page", f"{XEON}; the encoding timing on {ZEN4}", "30013d6"),
+    "bench-cross-vocab-1.5b-mixed": ("llama.cpp backend", "SmolLM2-135M (GGUF, bf16, int8, int4) against the 0.5B drafting "
+                                     "for the 1.5B", None, XEON, None),
+    "bench-cross-vocab-1.5b-humaneval": ("llama.cpp backend", "the same on HumanEval[:8]", None, XEON, None),
+    "bench-cross-vocab-0.5b-mixed": ("llama.cpp backend", "SmolLM2-135M drafting for the 0.5B", None, XEON, None),
+    "bench-cross-vocab-0.5b-humaneval": ("llama.cpp backend", "the same on HumanEval[:8]", None, XEON, None),
+    "bench-auto-mixed": ("transformers backend", "`auto` against `ar` on transformers (bf16, exact on speculant's AMX "
+                         "kernel), 2 repeats", None, XEON, None),
+    "bench-auto-humaneval": ("transformers backend", "the same on HumanEval[:10], with the best hand-tuned `sd`", None,
+                             XEON, None),
+    "serve-1.5b-http-paired": ("serving", "`auto` against `ar` through HTTP, two servers side by side, passes paired "
+                               "(`paired.md`, runs 1-4); one round beside `llama-server` (`5-with-llama-server`)",
+                               "scripts/serve_paired.sh; scripts/serve_paired_summary.py", ZEN4, "b60349b"),
+    "serve-1.5b-repeats": ("serving", "`auto` against `ar` in the serving engine without HTTP (`in-process.md`)",
+                           "scripts/serve_engine.py", ZEN4, "6a045f8"),
+    "serve-long-prompt.md": ("serving", "a 2000-token prompt beside a running stream: prefill in parts; prefill time by "
+                             "part size beside `llama-bench`", "scripts/serve_long_prompt.py; scripts/prefill_parts.py",
+                             ZEN4, "c667f46"),
+    "serve-0.5b": ("serving", "continuous batching against one request at a time, `auto` and `ar`, the 0.5B on "
+                   "transformers", "speculant bench-serve --prompts prompts/mixed.jsonl --max-tokens 64 --requests R "
+                   "--concurrency C --label L --out docs/results/serve-0.5b", XEON, None),
+    "serve-0.5b-200": ("serving", "200 requests at C = 16 against the `auto` server, each checked against its solo run",
+                       "speculant bench-serve --prompts prompts/mixed.jsonl --requests 200 --concurrency 16 "
+                       "--max-tokens 64 --check-solo --out docs/results/serve-0.5b-200", XEON, None),
+    "gpu.md": ("GPU", "the static backend eager and compiled on one H100 (random weights): T(W), `ar` against "
+               "transformers' compiled `generate`, speculation, `auto`", "python scripts/gpu_static.py OUT.json",
+               "NVIDIA H100 80GB HBM3 (lent)", None),
+    "gpu-h100.json": ("GPU", "the numbers of gpu.md", "python scripts/gpu_static.py OUT.json",
+                      "NVIDIA H100 80GB HBM3 (lent)", None),
+    "dsi-simulator.md": ("analysis", "DSI's theorems measured by the offline simulator on the paper's grid (7 servers "
+                         "and 1)", "commands in the page", "any (a simulation)", None),
+    "heatmap-paper": ("analysis", "the DSI paper's Figures 2 and 7 from the simulator, 7 servers",
+                      "speculant simulate heatmap --out docs/results/heatmap-paper --ndim 100 --repeats 20 --servers 7",
+                      "any (a simulation)", None),
+    "heatmap-paper-1-server": ("analysis", "the same with one server",
+                               "speculant simulate heatmap --out docs/results/heatmap-paper-1-server --ndim 100 "
+                               "--repeats 10 --servers 1", "any (a simulation)", None),
+    "dsi-online.md": ("analysis", "DSI in the latency twin through the real engine (online), against SI and non-SI",
+                      "commands in the page", "2-core AMD EPYC (AVX2)", None),
+}
+
+
+def git(*args: str) -> str:
+    return subprocess.run(["git", *args], capture_output=True, text=True, cwd=ROOT, check=False).stdout.strip()
+
+
+def facts(name: str) -> tuple[str, str, str]:
+    """(command, machine, commit and date) from the entry's report.md and git."""
+    path = RESULTS / name
+    report = path / "report.md"
+    text = report.read_text() if report.exists() else ""
+    command = re.search(r"^Command: `(.*)`$", text, re.M)
+    machine = re.search(r"^Machine: (.*)$", text, re.M)
+    data = report if report.exists() else path
+    commit = git("log", "--format=%h %ad", "--date=short", "-1", "--", str(data.relative_to(ROOT)))
+    return command[1] if command else "", machine[1] if machine else "", commit
+
+
+def main(argv: list[str]) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--check", action="store_true", help="only check that ENTRIES and docs/results agree")
+    args = parser.parse_args(argv)
+    present = {p.name for p in RESULTS.iterdir() if p.name != "index.md"}
+    missing, gone = sorted(present - set(ENTRIES)), sorted(set(ENTRIES) - present)
+    if args.check or missing or gone:
+        for name in missing:
+            print(f"not in ENTRIES: {name}", file=sys.stderr)
+        for name in gone:
+            print(f"in ENTRIES, not in docs/results: {name}", file=sys.stderr)
+        sys.exit(1 if missing or gone else 0)
+    print("# Results\n")
+    print("Every entry of `docs/results/`, what it answers, and how it was made. Generated by "
+          "`python scripts/results_index.py > docs/results/index.md`. Speed claims are ratios measured in one run; "
+          "this VM's speed drifts between runs, so compare rows of one run only. Runs that later runs superseded are "
+          "removed from the tree and listed in [CHANGELOG.md](../../CHANGELOG.md) with the commit that holds them "
+          "(`git show COMMIT:docs/results/NAME/report.md`). Bench directories keep their `report.md`; the raw rows "
+          "(`results.json`) are kept for the CPU headline runs and bench-lean-*, and for the others are in git at "
+          "the commit named.\n")
+    group = None
+    for name, (g, what, command, machine, commit) in ENTRIES.items():
+        if g != group:
+            group = g
+            print(f"\n## {g}\n")
+            print("| entry | what | command | commit, date | machine |")
+            print("|---|---|---|---|---|")
+        found_command, found_machine, found_commit = facts(name)
+        if commit:
+            found_commit = git("log", "--format=%h %ad", "--date=short", "-1", commit)
+        link = f"[{name}]({name}/report.md)" if (RESULTS / name / "report.md").exists() else f"[{name}]({name})"
+        if name == "serve-1.5b-http-paired":
+            link = f"[{name}]({name}/paired.md)"
+        elif name == "serve-1.5b-repeats":
+            link = f"[{name}]({name}/in-process.md)"
+        cmd = (command or found_command).replace("|", "\\|")
+        if cmd.startswith(("speculant", "python", "scripts/")):
+            cmd = "; ".join(f"`{part}`" for part in cmd.split("; "))
+        mach = (machine or found_machine).replace("|", "\\|")
+        if machine and found_machine:
+            mach = f"{machine} (report: {found_machine.split(';')[0]})"
+        print(f"| {link} | {what} | {cmd} | {found_commit} | {mach} |")
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])
