@@ -13,8 +13,8 @@ saved beside copies of the headers it includes (common.h, layer.h, amx.h, tiles.
 Each library quantizes its own activations (`quantize_rows`), in the layout it was built for: per-256 scales with
 per-32 and per-16 integer sums (the current kernels), or `--old-layout per32` / `--new-layout per32` for a build
 from before commit 661cf61 (a float scale per 32 inputs). Why it exists: a kernel change that keeps the bits must
-be timed against the code it replaces on the same matrices in the same process, since this VM's speed drifts by
-10-40% between processes.
+be timed against the code it replaces on the same matrices in the same process, since a VM's speed drifts between
+processes by more than such a change.
 """
 
 from __future__ import annotations

@@ -9,8 +9,8 @@ Requantizes the catalog GGUF once with llama-cpp-python's `llama_model_quantize`
 on speculant's llama.cpp backend, and teacher-forces `ar`'s outputs from bench result files (first repeat of each
 prompt): at every position, whether the two models' argmax agree. Prints the share and the number of positions per
 results file. Why: ggml's tinyBLAS makes Q4_0 verification flatter than Q4_K_M's, and this measures what that
-format costs in quality. The page's numbers (98.3% HumanEval[:10], 94.9% mixed) were counted on the `ar` outputs of
-bench-learned-*, removed from the tree since (git keeps them at 7dd390a).
+format costs in quality. The page's numbers were counted on the `ar` outputs of bench-learned-*, removed from the
+tree since (git keeps them at 7dd390a).
 """
 
 from __future__ import annotations

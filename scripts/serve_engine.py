@@ -11,9 +11,9 @@ Every pass sends the 24 prompts of prompts/mixed.jsonl (64 new tokens, greedy) t
 `speculant.serve.engine.Engine` (the server's batching engine, Qwen2.5-Coder-1.5B on the lean backend with the
 default drafters) with at most C requests in flight, a new one as soon as one ends, and measures tokens over wall
 time. `ar` jobs are `Job.method = "ar"` on an `auto` engine (its server's default method) unless said otherwise;
-the order of the methods alternates by round after one warm-up pass. Why: a fresh server per pass spreads by
-10-40% on this VM, more than the few percent `auto` and `ar` differ by under load, so the comparison is made
-inside one process, pass against pass.
+the order of the methods alternates by round after one warm-up pass. Why: a fresh server per pass spreads between
+processes by more than the few percent `auto` and `ar` differ by under load, so the comparison is made inside one
+process, pass against pass.
 """
 
 from __future__ import annotations

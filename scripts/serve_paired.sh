@@ -9,7 +9,7 @@
 # warms each with 8 requests at C = 4, then at each concurrency runs pairs of `speculant bench-serve` passes
 # (the 24 mixed prompts, 64 new tokens, greedy, streamed), the order within a pair alternating, and stops both.
 # One idle server takes no CPU, so the other serves as if alone. Why: a fresh server per pass spreads too widely
-# (one `ar` server ran 37.9-53.5 tok/s at C = 16) to decide a few percent; pairs of passes a minute apart do.
+# between processes to decide a few percent; pairs of passes a minute apart do.
 # Run it from a checkout (or `git worktree`) of the commit measured; it sets PYTHONPATH to the current directory.
 set -eu
 case "${1:-}" in -h|--help) sed -n '2,14p' "$0" | sed 's/^# \{0,1\}//'; exit 0;; esac
