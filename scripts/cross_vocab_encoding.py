@@ -41,7 +41,8 @@ def main(argv: list[str]) -> None:
         b = time.perf_counter()
         g = growing.encode(context)
         whole, spliced, same, steps = whole + b - a, spliced + time.perf_counter() - b, same + (w == g), steps + 1
-    print(f"{steps} steps: whole {whole / steps * 1e3:.3f} ms, incremental {spliced / steps * 1e3:.3f} ms, {same} equal")
+    print(f"{steps} steps: whole {whole / steps * 1e3:.3f} ms, incremental {spliced / steps * 1e3:.3f} ms, "
+          f"{same} equal")
 
 
 if __name__ == "__main__":

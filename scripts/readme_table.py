@@ -276,13 +276,15 @@ def _label(method: str) -> str:
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawTextHelpFormatter)
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                     formatter_class=argparse.RawTextHelpFormatter)
     parser.add_argument("dirs", nargs="+", type=Path, help="bench result directories (results.json or report.md)")
     parser.add_argument("--methods", nargs="+", help="method labels, one row each, in this order (default: all but "
                                                      "the baseline)")
     parser.add_argument("--baseline", help="the method the speedups are over (default: each run's own)")
     parser.add_argument("--columns", nargs="+", default=["whole", "decode"], choices=list(COLUMNS),
-                        help="cells per directory: " + "; ".join(f"{k}: {v[1]}" for k, v in COLUMNS.items()).replace("%", "%%"))
+                        help="cells per directory: " + "; ".join(f"{k}: {v[1]}" for k, v in COLUMNS.items())
+                        .replace("%", "%%"))
     parser.add_argument("--names", nargs="+", help="column-group names, one per directory (default: the prompt set)")
     parser.add_argument("--by-category", action="store_true",
                         help="one column per prompt category of the first directory (its first --columns entry)")

@@ -40,18 +40,20 @@ ENTRIES: dict[str, tuple[str, str, str | None, str | None, str | None]] = {
                           "--out docs/results/kernels-1.5b.json", ZEN4, None),
     "cpu.md": ("CPU", "speculant and llama.cpp on the CPU: ggml's paths, the lean model's kernels and T(W), drafters "
                "on them, every bench's reasons", "commands and scripts in the page", f"{XEON}; {ZEN4}", "7b6e0cf"),
-    "bench-suffix-mixed": ("CPU", "suffix decoding as a drafter (`sd`) and inside `auto`, in process", None, ZEN4, None),
+    "bench-suffix-mixed": ("CPU", "suffix decoding as a drafter (`sd`) and inside `auto`, in process", None, ZEN4,
+                           None),
     "bench-suffix-humaneval": ("CPU", "the same on HumanEval[:10]", None, ZEN4, None),
     "bench-smollm2-lean-mixed": ("CPU", "SmolLM2-135M on the lean kernels drafting across tokenizers (`sd`, `auto`)",
                                  None, ZEN4, None),
     "bench-smollm2-lean-humaneval": ("CPU", "the same on HumanEval[:10]", None, ZEN4, None),
-    "bench-self-skip-mixed": ("CPU", "self-speculation by layer skipping (`self@skip`) as `sd` and in `auto`", None, ZEN4,
-                              None),
+    "bench-self-skip-mixed": ("CPU", "self-speculation by layer skipping (`self@skip`) as `sd` and in `auto`", None,
+                              ZEN4, None),
     "bench-self-skip-humaneval": ("CPU", "the same on HumanEval[:10]", None, ZEN4, None),
     "bench-depth-mixed": ("CPU", "Yggdrasil's depth predictor against a fixed depth and the level-by-level objective",
                           None, ZEN4, None),
     "bench-depth-humaneval": ("CPU", "the same on HumanEval[:10]", None, ZEN4, None),
-    "structured-output.md": ("CPU", "structured output under speculation: JSON schemas, drafts that follow the grammar, "
+    "structured-output.md": ("CPU", "structured output under speculation: JSON schemas, drafts that follow the "
+                             "grammar, "
                              "llguidance's mask cost", "commands in the page", ZEN4, "1b5eb52"),
     "bench-json-schema": ("CPU", "eight JSON-extraction prompts under their schemas, beside `llama-completion "
                           "--json-schema`", None, ZEN4, None),
@@ -70,7 +72,8 @@ ENTRIES: dict[str, tuple[str, str, str | None, str | None, str | None]] = {
     "cross-vocab.md": ("llama.cpp backend", "drafters with another tokenizer (SmolLM2-135M for Qwen targets): speed, "
                        "the cost of sampling on shared tokens, token healing, incremental encoding",
                        "commands and script in the page", f"{XEON}; the encoding timing on {ZEN4}", "30013d6"),
-    "bench-cross-vocab-1.5b-mixed": ("llama.cpp backend", "SmolLM2-135M (GGUF, bf16, int8, int4) against the 0.5B drafting "
+    "bench-cross-vocab-1.5b-mixed": ("llama.cpp backend", "SmolLM2-135M (GGUF, bf16, int8, int4) against the 0.5B "
+                                     "drafting "
                                      "for the 1.5B", None, XEON, None),
     "bench-cross-vocab-1.5b-humaneval": ("llama.cpp backend", "the same on HumanEval[:8]", None, XEON, None),
     "bench-cross-vocab-0.5b-mixed": ("llama.cpp backend", "SmolLM2-135M drafting for the 0.5B", None, XEON, None),
@@ -84,7 +87,8 @@ ENTRIES: dict[str, tuple[str, str, str | None, str | None, str | None]] = {
                                "scripts/serve_paired.sh; scripts/serve_paired_summary.py", ZEN4, "b60349b"),
     "serve-1.5b-repeats": ("serving", "`auto` against `ar` in the serving engine without HTTP (`in-process.md`)",
                            "scripts/serve_engine.py", ZEN4, "6a045f8"),
-    "serve-long-prompt.md": ("serving", "a 2000-token prompt beside a running stream: prefill in parts; prefill time by "
+    "serve-long-prompt.md": ("serving", "a 2000-token prompt beside a running stream: prefill in parts; prefill time "
+                             "by "
                              "part size beside `llama-bench`", "scripts/serve_long_prompt.py; scripts/prefill_parts.py",
                              ZEN4, "c667f46"),
     "serve-0.5b": ("serving", "continuous batching against one request at a time, `auto` and `ar`, the 0.5B on "
@@ -95,7 +99,7 @@ ENTRIES: dict[str, tuple[str, str, str | None, str | None, str | None]] = {
                        "--max-tokens 64 --check-solo --out docs/results/serve-0.5b-200", XEON, None),
     "gpu.md": ("GPU", "the static backend eager and compiled on one H100 (random weights): T(W), `ar` against "
                "transformers' compiled `generate`, speculation, `auto`", "python scripts/gpu_static.py OUT.json",
-               "NVIDIA H100 80GB HBM3 (lent)", None),
+               "NVIDIA H100 80GB HBM3 (lent)", "8322759"),
     "gpu-h100.json": ("GPU", "the numbers of gpu.md", "python scripts/gpu_static.py OUT.json",
                       "NVIDIA H100 80GB HBM3 (lent)", None),
     "dsi-simulator.md": ("analysis", "DSI's theorems measured by the offline simulator on the paper's grid (7 servers "
