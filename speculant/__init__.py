@@ -6,10 +6,23 @@ The public names load lazily, so that torch-free parts (`speculant simulate`) st
 from typing import Any
 
 __version__ = "0.1.0"
-__all__ = ["GenerationResult", "GenerationStats", "GenerationStream", "generate", "load_model"]
+__all__ = ["Draft", "Drafter", "GenerationResult", "GenerationStats", "GenerationStream", "Session", "generate",
+           "load_model", "register_drafter"]
 
 
 def __getattr__(name: str) -> Any:
+    if name in ("Draft", "Drafter"):
+        from speculant.drafters import base
+
+        return getattr(base, name)
+    if name == "register_drafter":
+        from speculant.drafters.registry import register_drafter
+
+        return register_drafter
+    if name == "Session":
+        from speculant.session import Session
+
+        return Session
     if name in ("GenerationResult", "GenerationStream", "generate"):
         from speculant import api
 

@@ -15,7 +15,9 @@ from speculant.models import load_model
 from speculant.models.biased import Biased
 from speculant.models.constrained import Constrained, Constraint, Matcher
 from speculant.models.logprobs import MAX_TOP, Recorded, TokenLogprob
+from speculant.models.base import profiled_as
 from speculant.sampling import seeded
+from speculant.session import Session
 
 DEFAULT_METHOD = "auto"
 
@@ -138,6 +140,7 @@ def generate(
     logprobs: int | None = None,
     logit_bias: Mapping[int, float] | None = None,
     response_format: Mapping[str, Any] | Constraint | None = None,
+    session: Session | None = None,
     **options: Any,
 ) -> GenerationResult | GenerationStream:
     """Generate from `prompt` (text, or a conversation: {"role", "content"} messages, chat-templated) or
@@ -157,7 +160,8 @@ def generate(
     stay the unbiased target's). `response_format` (OpenAI's: {"type": "json_object"}, {"type": "json_schema",
     "json_schema": {"schema": ...}}; or {"type": "grammar", "grammar": LARK}, {"type": "regex", "regex": ...})
     masks the target's logits to what it allows (`models.constrained`); greedy output then equals constrained
-    `ar`'s.
+    `ar`'s. `session` holds what generations load and learn (drafters and their caches, acceptance, timings):
+    default, the target's own (`Session.of`).
     """
     spec = get_method(method_for(method, options))
     run = RunConfig(max_new_tokens=max_new_tokens, seed=seed)
@@ -180,8 +184,12 @@ def generate(
         raise ConfigError(f"prompt token ids must lie in [0, {target.vocab_size})")
     room = room_for(target, len(prompt_ids))
     decoded, recorded = decoded_target(target, logprobs, logit_bias, constraint)
+    if session is None:
+        session = Session.of(target)
+    elif session.target is not profiled_as(target):
+        raise ConfigError(f"the session is for {session.target.name}, not {target.name}")
     request = Request(decoded, prompt_ids, min(run.max_new_tokens, room), sampling,
-                      seeded(target.device, seed), seed)
+                      seeded(target.device, seed), session, seed)
     label = f"{getattr(target, 'numerics', '')}, {getattr(target, 'kernel', '')} kernel".strip(", ")
     result = GenerationStream(spec.build(request, method_options), target.tokenizer, label, recorded)
     if stream:

@@ -141,10 +141,12 @@ def build_parser() -> argparse.ArgumentParser:
 
     peers = commands.add_parser("peers", help="set up the peers speculant bench compares with")
     what = peers.add_subparsers(dest="peers", required=True)
-    tools = what.add_parser("build-llamacpp", help="build llama.cpp's own tools (llama-bench, llama-completion, "
-                            "llama-speculative-simple, llama-server) for this machine from the installed "
-                            "llama-cpp-python's sdist, once, into the cache: the peers llamacpp-cli-ar, -spec and "
-                            "-ngram, and the serving peer")
+    tools = what.add_parser("build-llamacpp", help="build llama.cpp natively for this machine, once, into the cache, "
+                            "from llama-cpp-python's sdist (the installed release, else 0.3.36): its own tools "
+                            "(llama-bench, llama-completion, llama-speculative-simple, llama-server; the peers "
+                            "llamacpp-cli-ar, -spec and -ngram, and the serving peer) and the library the llama.cpp "
+                            "backend runs on; installs llama-cpp-python's bindings, without a library of their own, "
+                            "where they are missing")
     tools.add_argument("--jobs", type=int, default=None, help="parallel compile jobs (default: all cores)")
 
     kern = commands.add_parser("bench-kernels", help="T(W) of speculant's 4-bit kernels on a GGUF model's own "
@@ -258,7 +260,8 @@ def read_constraint(schema: str | None, grammar: str | None) -> Any:
 
 def run_generate(args: argparse.Namespace) -> None:
     from speculant.api import check_request, generate
-    from speculant.drafters.spec import MAXGRAM, DrafterSpec, load_drafter
+    from speculant.drafters.spec import MAXGRAM, DrafterSpec
+    from speculant.session import Session
     from speculant.methods.drafting import as_keywords, with_drafters
     from speculant.models import load_model
 
@@ -286,6 +289,7 @@ def run_generate(args: argparse.Namespace) -> None:
     target = load_model(args.target, dtype=model_config.dtype, device=model_config.device,
                         backend=model_config.backend, compile=model_config.compile)
     print(f"target {target.name}: {target.numerics}, {target.kernel} kernel", file=sys.stderr)
+    session = Session(target)
 
     def load(drafter: Any) -> Any:
         if isinstance(drafter, DrafterSpec) and drafter.kind == MAXGRAM and files:
@@ -294,12 +298,12 @@ def run_generate(args: argparse.Namespace) -> None:
             return MaxGramDrafter(load_bigram(target.tokenizer, target.vocab_size, files))
         if isinstance(drafter, DrafterSpec) and drafter.kind != MAXGRAM:
             print(f"loading drafter {drafter}", file=sys.stderr)
-        return load_drafter(drafter, target, getattr(options, "drafter_dtype", None))
+        return session.drafter(drafter, getattr(options, "drafter_dtype", None))
 
     options = with_drafters(options, load)
     stream = generate(target, args.prompt, method=method.name, max_new_tokens=run.max_new_tokens,
                       temperature=sampling.temperature, top_k=sampling.top_k, top_p=sampling.top_p, seed=run.seed,
-                      stream=True, chat=args.chat, response_format=constraint, **as_keywords(options))
+                      stream=True, chat=args.chat, response_format=constraint, session=session, **as_keywords(options))
     if args.json:
         for _ in stream:
             pass
@@ -438,8 +442,9 @@ def run_profile(args: argparse.Namespace) -> None:
     from speculant.api import encode_prompt
     from speculant.latency import machine_profile, profile_model
     from speculant.bench.datasets import load_dataset
-    from speculant.drafters.spec import load_drafter
+    from speculant.drafters.base import Drafter
     from speculant.models import load_model
+    from speculant.session import Session
 
     widths = parse_widths(args.widths) if args.widths else None
     if args.context_len < 1 or args.repeats < 1:
@@ -450,8 +455,8 @@ def run_profile(args: argparse.Namespace) -> None:
                         compile=config.compile)
     models = [model]
     if args.drafter:
-        drafter = load_drafter(args.drafter, model, args.drafter_dtype)
-        if not hasattr(drafter, "prefill"):
+        drafter = Session(model).drafter(args.drafter, args.drafter_dtype)
+        if isinstance(drafter, Drafter):
             raise ConfigError(f"'{args.drafter}' runs no model forwards to profile")
         models.append(drafter)
     if widths is None:
@@ -462,15 +467,9 @@ def run_profile(args: argparse.Namespace) -> None:
             tokenizer = m.tokenizer if m.tokenizer is not None else model.tokenizer
             ids = [encode_prompt(tokenizer, p.text, p.chat) for p in prompts]
             profiles.append(profile_model(m, ids, widths, args.context_len, repeats=args.repeats, dtype=m.numerics))
-    if getattr(model, "backend", None) == "llamacpp":
-        from speculant.models.llamacpp import system_info
-
-        info = system_info()
-        print(f"llama.cpp: {info['library']}\n  ggml CPU variant: {info['variant']}\n  features: {info['features']}")
     for profile, measured in zip(profiles, models):
-        if getattr(measured, "backend", None) == "llamacpp":
-            print(f"{profile.model}: weights in {' + '.join(measured.weights.buffers)} buffers, rows invariant up to "
-                  f"{measured.width} tokens per forward")
+        for line in measured.describe():
+            print(line)
         print(f"{profile.model} ({profile.dtype}, {getattr(measured, 'kernel', '')} kernel, {profile.device}): TTFT "
               f"{profile.ttft_s * 1000:.0f} ms, TPOT {profile.tpot_s * 1000:.1f} ms; T(W) at {profile.context_len} "
               "cached tokens:")
@@ -489,9 +488,10 @@ def run_acceptance(args: argparse.Namespace) -> None:
 
     from speculant.analysis.acceptance import estimate
     from speculant.api import encode_prompt
-    from speculant.drafters.spec import load_drafter
     from speculant.bench.datasets import load_dataset
+    from speculant.drafters.base import Drafter
     from speculant.models import load_model
+    from speculant.session import Session
 
     sampling = SamplingConfig(temperature=args.temperature)
     RunConfig(max_new_tokens=args.max_new_tokens)
@@ -502,8 +502,9 @@ def run_acceptance(args: argparse.Namespace) -> None:
     target = load_model(args.target, dtype=config.dtype, device=config.device, backend=config.backend,
                         compile=config.compile)
     names = [name for name in args.drafter.split(",") if name]
-    drafters = [load_drafter(name, target, args.drafter_dtype) for name in names]
-    if not names or any(not hasattr(d, "prefill") for d in drafters):
+    session = Session(target)
+    drafters = [session.drafter(name, args.drafter_dtype) for name in names]
+    if not names or any(isinstance(d, Drafter) for d in drafters):
         raise ConfigError(f"'{args.drafter}' must name models; acceptance estimation needs them")
     ids = [encode_prompt(target.tokenizer, p.text, p.chat) for p in prompts]
     reports = estimate(target, drafters, ids, args.max_new_tokens, sampling, args.depth)
@@ -528,6 +529,7 @@ def run_train_depth(args: argparse.Namespace) -> None:
     from speculant.bench.datasets import load_dataset
     from speculant.methods.tree import tree_drafter_model
     from speculant.models import load_model
+    from speculant.session import Session
     from speculant.tree_depth import predictor_path
 
     if min(args.max_new_tokens, args.max_depth, args.width) < 1:
@@ -536,7 +538,7 @@ def run_train_depth(args: argparse.Namespace) -> None:
     prompts = load_dataset(args.prompts or args.dataset)
     target = load_model(args.target, dtype=config.dtype, device=config.device, backend=config.backend,
                         compile=config.compile)
-    drafter = tree_drafter_model(args.drafter, target, args.drafter_dtype)
+    drafter = tree_drafter_model(Session(target).drafter(args.drafter, args.drafter_dtype), target)
     out = Path(args.out) if args.out else predictor_path(target, drafter)
     if out is None:
         raise ConfigError("models built in memory have no place in the cache: pass --out")

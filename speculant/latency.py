@@ -11,8 +11,6 @@ from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
 from functools import cached_property
 from pathlib import Path
-from weakref import WeakKeyDictionary
-
 
 from speculant.errors import ConfigError
 
@@ -127,27 +125,20 @@ def machine_key(model) -> str | None:
             f"rows exact up to {getattr(model, 'width', None)}")  # llama.cpp: forwards past it run in chunks
 
 
-_profiles: WeakKeyDictionary = WeakKeyDictionary()  # model -> (its key, its profile): disk read once per process
-
-
 def machine_profile(model, repeats: int = 3, progress: bool = True) -> LatencyProfile:
     """T(W) of `model` on this machine for W in MACHINE_WIDTHS, measured once (about a second per width
     for a 1.5B model, with a progress bar on stderr) and remembered in the speculant cache for models
-    loaded by name; `speculant profile` shows it."""
+    loaded by name (a model built in memory is measured every call: a `Session` keeps what it measured);
+    `speculant profile` shows it."""
     from speculant.cache import remembered
     from speculant.models.base import profiled_as
 
     model = profiled_as(model)
     key = machine_key(model)
-    if model in _profiles and _profiles[model][0] == key:
-        return _profiles[model][1]
-    if key is None:  # a model built in memory: measured for this process only
-        profile = _measure(model, repeats, False)
-    else:
-        profile = LatencyProfile.from_dict(remembered(f"machine/{MACHINE_PROFILES}", key,
-                                                      lambda: asdict(_measure(model, repeats, progress))))
-    _profiles[model] = key, profile
-    return profile
+    if key is None:
+        return _measure(model, repeats, False)
+    return LatencyProfile.from_dict(remembered(f"machine/{MACHINE_PROFILES}", key,
+                                               lambda: asdict(_measure(model, repeats, progress))))
 
 
 def _measure(model, repeats: int, progress: bool) -> LatencyProfile:

@@ -21,9 +21,10 @@ from transformers import (
     Qwen2ForCausalLM,
 )
 
-from speculant.drafters.base import Draft
+from speculant.drafters.base import Draft, Drafter
 from speculant.drafters.vocab import byte_of_char
 from speculant.models import HFCausalLM
+from speculant.models.base import Backend, Capabilities
 
 ARCHS = ("llama", "qwen2")
 MORE_ARCHS = ("gpt2", "gpt_neox", "mistral")  # every method's exactness is checked on these too
@@ -103,13 +104,14 @@ def perturbed(model: HFCausalLM, scale: float, seed: int) -> HFCausalLM:
     return HFCausalLM(copy.eval(), model.tokenizer, name=model.name + "-perturbed")
 
 
-class MarkovLM:
+class MarkovLM(Backend):
     """A CausalLM without a transformer, for statistical tests that draw thousands of generations: the logits
     after a position are a seeded random function of its token and its parent's (the token before it, or its
     parent node in a token tree), [vocab]. Its cache holds token ids; it keeps the CausalLM contract (prefill,
     chain and tree forwards, rollback, keep, share) at ~30 us a forward, where a tiny transformer takes ~1 ms."""
 
     tokenizer = None
+    capabilities = Capabilities(shares_weights=True)
     eos_token_ids: frozenset[int] = frozenset()
     max_positions = None
     dtype = torch.float32
@@ -161,7 +163,7 @@ class MarkovLM:
         self._parents = list(range(-1, len(self._ids) - 1))
 
 
-class ScriptedDrafter:
+class ScriptedDrafter(Drafter):
     """Proposes the known reference continuation, replacing each token by a wrong one with
     probability `error_rate`: 0 always agrees, 1 never agrees, in between agrees at random."""
 

@@ -20,6 +20,7 @@ from speculant.drafters.base import Draft
 from speculant.latency import LatencyProfile
 from speculant.tree import TokenTree
 from speculant.models.metered import Metered, Usage
+from speculant.session import Session
 from test_sampling import assert_follows_target, sampling_pair
 
 VOCAB = 64
@@ -168,8 +169,9 @@ def test_a_drafter_that_could_not_pay_even_if_always_right_is_never_tried(monkey
     invent(monkeypatch, profile)
     result = generate(target, prompt_ids=prompt, method="auto", drafters=[drafter], max_new_tokens=20)
     assert set(result.stats.choices) == {"plain"} and not result.stats.drafter_forwards
-    invent(monkeypatch, costs(target))  # flat verification: the same drafter pays
-    result = generate(target, prompt_ids=prompt, method="auto", drafters=[drafter], max_new_tokens=20)
+    invent(monkeypatch, costs(target))  # flat verification (a machine profiled anew: a new session): it pays
+    result = generate(target, prompt_ids=prompt, method="auto", drafters=[drafter], max_new_tokens=20,
+                      session=Session(target))
     assert any(choice.startswith(drafter.name) for choice in result.stats.choices)
 
 
@@ -233,15 +235,13 @@ def test_auto_that_falls_behind_plain_decoding_decodes_plainly(monkeypatch):
 
 
 def test_a_named_drafter_keeps_its_cache_for_the_next_generation(monkeypatch, tmp_path):
-    from speculant.methods import auto
-
     target = load_model(tiny_transformer("llama", 5, VOCAB, init_std=0.1))
     perturbed(target, 0.05, 5).model.save_pretrained(tmp_path / "drafter")
     invent(monkeypatch, costs(target))
     prompt = random_prompt(5, VOCAB, 6) * 3
     first = generate(target, prompt_ids=prompt, method="auto", drafters=[str(tmp_path / "drafter")],
                      max_new_tokens=20)
-    (drafter,) = auto._loaded[target].values()
+    (drafter,) = Session.of(target).drafters.values()
     prefills, prefill = [], drafter.prefill
     monkeypatch.setattr(drafter, "prefill", lambda ids: prefills.append(len(ids)) or prefill(ids))
     turn = prompt + first.token_ids + random_prompt(6, VOCAB, 4)  # the conversation's next turn

@@ -24,7 +24,7 @@ from speculant.decoding.dsi.plan import plan
 from speculant.decoding.dsi.timeline import plot_timeline
 from speculant.decoding.dsi.twin import Latency, OracleLM, PaddedModel, SyntheticDrafter
 from speculant.decoding.autoregressive import autoregressive
-from speculant.drafters.base import Draft
+from speculant.drafters.base import Draft, Drafter
 from speculant.drafters.maxgram import MaxGramDrafter
 from speculant.drafters.model import ModelDrafter
 from speculant.errors import ConfigError
@@ -143,7 +143,7 @@ def test_a_server_that_cannot_start_is_a_clear_error():
         pool.start()
 
 
-class FailingDrafter:
+class FailingDrafter(Drafter):
     name = "failing"
 
     def __init__(self, inner, after):
@@ -317,7 +317,7 @@ def test_dsi_servers_on_cuda_for_a_cpu_target(executor):
     assert next(target.model.parameters()).device.type == "cpu"
 
 
-class SometimesSilent:
+class SometimesSilent(Drafter):
     """A drafter with nothing to propose after some contexts (Max-Gram without a match does this); counts
     how often it is asked about a context it already had nothing for."""
 

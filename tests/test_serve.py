@@ -27,7 +27,7 @@ from speculant.api import encode_prompt
 from speculant.bench.datasets import Prompt
 from speculant.bench.serve import run_load
 from speculant.config import SamplingConfig
-from speculant.drafters.base import Draft
+from speculant.drafters.base import Draft, Drafter
 from speculant.methods import get_method
 from speculant.models import load_model
 from speculant.models.base import Call
@@ -333,7 +333,7 @@ def test_bad_requests_get_4xx_json_errors_and_the_server_keeps_serving(server, e
     assert client.completions.create(model="tiny", prompt="ok", max_tokens=2, temperature=0).choices[0].text is not None
 
 
-class SlowDrafter:
+class SlowDrafter(Drafter):
     """Drafts nothing, slowly: a request that takes long enough to test queues and disconnects."""
 
     name = "slow"

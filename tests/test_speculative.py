@@ -8,7 +8,7 @@ import torch
 from helpers import ARCHS, DEVICES, ScriptedDrafter, perturbed, random_prompt, tiny_model
 from speculant import generate
 from speculant.config import SamplingConfig
-from speculant.drafters.base import Draft
+from speculant.drafters.base import Draft, Drafter
 from speculant.drafters.model import ModelDrafter
 from speculant.errors import ConfigError
 from speculant.models import HFCausalLM
@@ -187,7 +187,7 @@ def test_drafts_end_at_end_of_sequence_and_generation_at_the_last_position():
     result = generate(stopping, prompt_ids=prompt, drafter=stopping, k=8, max_new_tokens=12)
     assert result.token_ids == free[: first + 1] and sum(result.stats.draft_lengths) <= first + 1
 
-    class Beyond:  # drafts past an end-of-sequence token: the decoder verifies only up to it
+    class Beyond(Drafter):  # drafts past an end-of-sequence token: the decoder verifies only up to it
         name = "beyond"
 
         def propose(self, context, k):

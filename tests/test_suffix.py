@@ -7,7 +7,8 @@ import pytest
 from helpers import ARCHS, random_prompt, tiny_model
 from speculant import generate
 from speculant.drafters.maxgram import suffix_ends
-from speculant.drafters.suffix import History, SuffixDrafter, history_of
+from speculant.drafters.suffix import History, SuffixDrafter
+from speculant.session import Session
 from speculant.errors import ConfigError
 
 VOCAB = 64
@@ -28,12 +29,12 @@ def test_the_most_frequent_continuation_wins_and_ties_go_to_the_context():
     assert SuffixDrafter(history).propose(context, 4).tokens == [4, 5, 1, 2]  # prompt lookup alone
     history.add([9, 9], [1, 2, 3, 7, 8])
     history.add([9, 8], [1, 2, 3, 7, 8])
-    drafter = SuffixDrafter(history).for_prompt([0])
+    drafter = SuffixDrafter(history).begin([0])
     assert drafter.match_length(context) == 3
     assert drafter.propose(context, 4).tokens == [7, 8]  # two occurrences say 7, one says 4; the gap ends it
     # Without the generations of its own prompt, one says 7 and one 4: the context's wins.
-    assert SuffixDrafter(history).for_prompt([9, 9]).propose(context, 4).tokens == [4, 5, 1, 2]
-    assert SuffixDrafter(history).for_prompt([0]).propose([6, 6], 4).tokens == []  # no match
+    assert SuffixDrafter(history).begin([9, 9]).propose(context, 4).tokens == [4, 5, 1, 2]
+    assert SuffixDrafter(history).begin([0]).propose([6, 6], 4).tokens == []  # no match
 
 
 def test_a_draft_ends_where_its_path_probability_falls_below_min_prob():
@@ -42,8 +43,8 @@ def test_a_draft_ends_where_its_path_probability_falls_below_min_prob():
         history.add([0], [1, 2, *tail])
     # 7 follows 2 of the 4 occurrences (0.5), then 8 or 9 one each of those 2 (a tie: the latest occurrence's 9):
     # the path's 0.25 ends the draft at min_prob 0.3, not at 0.2.
-    assert SuffixDrafter(history, min_prob=0.3).for_prompt([4]).propose([3, 1, 2], 4).tokens == [7]
-    assert SuffixDrafter(history, min_prob=0.2).for_prompt([4]).propose([3, 1, 2], 4).tokens == [7, 9]
+    assert SuffixDrafter(history, min_prob=0.3).begin([4]).propose([3, 1, 2], 4).tokens == [7]
+    assert SuffixDrafter(history, min_prob=0.2).begin([4]).propose([3, 1, 2], 4).tokens == [7, 9]
 
 
 def test_the_history_keeps_its_capacity_and_the_latest_generations():
@@ -64,7 +65,7 @@ def test_greedy_sd_and_auto_with_suffix_equal_ar_as_the_history_grows(arch):
         for options in (dict(method="sd", drafter="suffix", k=4),
                         dict(method="auto", drafters=["suffix"], k_max=6)):
             assert generate(target, prompt_ids=prompt, max_new_tokens=32, **options).token_ids == expected
-    history = history_of(target)
+    history = Session.of(target).history
     assert len(history.keys) == 16 and history.tokens.size == 16 * (10 + 32 + 1)
 
 

@@ -34,22 +34,25 @@ def main() -> None:
     one JSON line."""
     from speculant.api import generate
     from speculant.bench.methods import parse_method
-    from speculant.drafters.spec import load_drafter
     from speculant.methods.drafting import as_keywords, with_drafters
     from speculant.models import load_model
+    from speculant.session import Session
 
     request = json.loads(sys.stdin.read())
     spec = parse_method(request["method"])
     target = load_model(request["target"], dtype=spec.dtype or request["dtype"], device=request["device"],
                         backend=spec.backend or request["backend"],
                         compile=request.get("compile", False) and (spec.backend or request["backend"]) == "static")
-    options = with_drafters(spec.options, lambda d: load_drafter(d, target, getattr(spec.options, "drafter_dtype", None)))
+    session = Session(target)
+    options = with_drafters(spec.options, lambda d: session.drafter(d, getattr(spec.options, "drafter_dtype", None)))
     ids, n = request["prompt_ids"], request["max_new_tokens"]
     asked = {k: request.get(k) for k in ("temperature", "top_k", "top_p", "seed", "response_format")}
     # The warm-up runs the prompt's tokens reversed: the same lengths and code paths, and no prefix that a cache
     # kept across generations (auto's drafters keep theirs) could carry into the measured run.
-    generate(target, prompt_ids=ids[::-1], method=spec.method, max_new_tokens=min(8, n), **asked, **as_keywords(options))
-    result = generate(target, prompt_ids=ids, method=spec.method, max_new_tokens=n, **asked, **as_keywords(options))
+    generate(target, prompt_ids=ids[::-1], method=spec.method, max_new_tokens=min(8, n), session=session, **asked,
+             **as_keywords(options))
+    result = generate(target, prompt_ids=ids, method=spec.method, max_new_tokens=n, session=session, **asked,
+                      **as_keywords(options))
     stats = {**asdict(result.stats), "dsi": None}
     print(json.dumps({"token_ids": result.token_ids, "text": result.text, "stats": stats}))
 

@@ -149,7 +149,9 @@ def cli_generate(method: str, target: Any, prompt_ids: list[int], max_new_tokens
     from speculant.api import GenerationResult
     from speculant.decoding.stats import GenerationStats
 
-    if getattr(target, "backend", None) != "llamacpp" or target.tokenizer is None:
+    from speculant.models.llamacpp import LlamaCppCausalLM
+
+    if not isinstance(target, LlamaCppCausalLM) or target.tokenizer is None:
         raise ConfigError(f"{method} needs a llama.cpp target with a tokenizer (backend=llamacpp)")
     prompt = target.tokenizer.decode(prompt_ids, skip_special_tokens=False, clean_up_tokenization_spaces=False)
     with tempfile.TemporaryDirectory() as scratch:

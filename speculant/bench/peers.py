@@ -78,7 +78,7 @@ def llamacpp_generate(method: str, target: Any, prompt_ids: list[int], max_new_t
     from speculant.decoding.stats import GenerationStats
     from speculant.models import llamacpp
 
-    if getattr(target, "backend", None) != "llamacpp":
+    if not isinstance(target, llamacpp.LlamaCppCausalLM):
         raise ConfigError(f"{method} needs a llama.cpp target (backend=llamacpp)")
     per_target = _llama.setdefault(target, {})
     if method not in per_target:

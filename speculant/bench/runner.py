@@ -13,7 +13,7 @@ from speculant.bench.methods import MethodSpec
 from speculant.bench.peers import check_response_format, peer_generate
 from speculant.config import SamplingConfig
 from speculant.decoding.stats import GenerationStats
-from speculant.drafters.spec import load_drafter
+from speculant.session import Session
 from speculant.methods.drafting import as_keywords, with_drafters
 from speculant.models import CausalLM
 
@@ -55,13 +55,12 @@ def run_matrix(
     for spec in (s for s in methods if s.peer):  # refused now, not after the first prompts ran
         for prompt in prompts:
             check_response_format(spec.method, prompt.response_format)
-    loaded: dict[tuple[Any, ...], Any] = {}
+    sessions: dict[int, Session] = {}  # per target: its drafters, loaded once, and what the methods learn
 
-    def drafter_for(drafter: Any, target: CausalLM, dtype: str | None) -> Any:
-        key = (str(drafter), id(target), dtype)
-        if key not in loaded:
-            loaded[key] = load_drafter(drafter, target, dtype)
-        return loaded[key]
+    def session_for(target: CausalLM) -> Session:
+        if id(target) not in sessions:
+            sessions[id(target)] = Session(target)
+        return sessions[id(target)]
 
     pools: dict[str, Any] = {}  # DSI's target servers, started once per method (processes, Ray actors)
 
@@ -82,14 +81,14 @@ def run_matrix(
             return isolated(spec, ids, n, response_format)
         target = target_for(spec.dtype, spec.backend)
         dtype = getattr(spec.options, "drafter_dtype", None)
-        options = with_drafters(spec.options, lambda d: drafter_for(d, target, dtype))
+        options = with_drafters(spec.options, lambda d: session_for(target).drafter(d, dtype))
         if spec.peer:
             return peer_generate(spec.method, target, ids, n, options, sampling, seed, response_format)
         if spec.method == "dsi":
             options = replace(options, executor=pool_for(spec, target))
         return generate(target, prompt_ids=ids, method=spec.method, max_new_tokens=n, temperature=sampling.temperature,
                         top_k=sampling.top_k, top_p=sampling.top_p, seed=seed, response_format=response_format,
-                        **as_keywords(options))
+                        session=session_for(target), **as_keywords(options))
 
     encoded = [encode_prompt(target_for(None, None).tokenizer, p.text, p.chat) for p in prompts]
     rows = []

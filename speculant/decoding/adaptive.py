@@ -30,9 +30,8 @@ import torch
 
 from speculant.config import SamplingConfig
 from speculant.decoding.run import Decoder, emit
-from speculant.decoding.speculative import until_eos, verify_draft
-from speculant.decoding.tree import verify_tree
 from speculant.decoding.stats import GenerationStats
+from speculant.decoding.step import Verified, until_eos, verify_step
 from speculant.drafters.base import Draft
 from speculant.models.base import CausalLM
 from speculant.models.metered import metered
@@ -318,6 +317,128 @@ def expected_remaining(lengths: Sequence[float], produced: int, budget: int) -> 
     return sum(later) / len(later) if later else float(budget - produced)
 
 
+@dataclass(frozen=True)
+class StepPlan:
+    """One step as the policy chose it: draft `k` steps with `candidate` (None: plain decoding); a lookup
+    drafter's `draft`, already made to be judged, and its match-length `bucket`; how far its drafter's cache
+    was `behind` the context when chosen."""
+
+    candidate: Candidate | None
+    k: int = 0
+    draft: Draft | None = None
+    bucket: int = 0
+    behind: int = 0
+
+
+class AutoPolicy:
+    """`auto`'s choices for one generation, apart from running them (`auto_decoder` runs each step it plans).
+
+    `choose` weighs every candidate's expected goodput (`best_length`) against plain decoding's 1 / T(1) and
+    plans the best, or a probe: after `probe_every` steps without any model drafter, the model drafter likeliest to
+    be accepted drafts two tokens, so that one that stopped paying can come back when the text changes. A
+    generation starts with a probe; one that does not bring the drafter back doubles the wait before the next,
+    and the probes since a drafter last paid may cost (catching up, drafting, the wider verification) at most
+    `PROBE_SHARE` of the generation's plain decoding time: where no drafter pays, a generation is at most that
+    much slower than plain decoding (on a GPU, where a forward takes a few ms, a probe's catch-up weighs as much
+    as many steps). A drafter's catch-up is weighed against the tokens the generation is still expected to
+    produce, from the `lengths` of earlier generations (this one's is appended at its `end`), less the share that
+    model-free drafts have committed so far (where Max-Gram copies an article into its summary, a model drafter is
+    left few tokens to repay its catch-up on the article); a catch-up dearer than `PROBE_SHARE` of that time waits
+    `LOOK_FIRST` steps, until the text has shown what free drafts commit.
+
+    `observe` learns from each step: acceptance per candidate, and, where `cost` is `Rescaled` (measured seconds),
+    every verification's time rescales it (its `Timings`, whose `speed` the candidates share) and every draft's
+    its candidate's `scale`. `pace` keeps auto's own pace there: once it has timed a plain step, if its last
+    `PACE_STEPS` steps took over `PACE_MARGIN` times T(1) per token they committed (its own work of choosing and
+    Max-Gram's lookups included, which no estimate counts; not steps whose drafter first caught up on more than a
+    step's tokens, an investment paid once), it decodes plainly to the end of the generation."""
+
+    def __init__(self, candidates: list[Candidate], cost: Callable[[int], float], max_new_tokens: int,
+                 k_max: int = 16, probe_every: int = 16, lengths: deque[float] | None = None):
+        self.candidates = sorted(candidates, key=lambda c: c.match is None)  # model-free first: they tell `matched`
+        self.cost, self.max_new_tokens, self.k_max, self.probe_every = cost, max_new_tokens, k_max, probe_every
+        self.lengths = lengths
+        self.learn_costs = isinstance(cost, Rescaled)  # (not where a server batches the forwards: they time the batch)
+        self.wait = probe_every  # steps without a model draft before the next probe
+        self.probed = 0.0  # estimated seconds spent on probes since a model drafter last paid on its own
+        self.without_model = self.wait  # a new text starts with a probe: its drafts' acceptance is measured
+        self.free = 0  # tokens this generation committed through model-free drafts: a model drafter is left the rest
+        self.steps = 0
+        self.recent: deque[tuple[float, int]] = deque(maxlen=PACE_STEPS)  # (seconds, tokens) of the last steps
+        self.governed = False  # slower than plain decoding over the recent steps: plain to the end of this generation
+        for candidate in candidates:  # estimates may come from earlier generations: a new text, a new start
+            for estimate in candidate.estimates.values():
+                estimate.restart(CARRY_OVER)
+
+    def choose(self, context: list[int], produced: int, eos: frozenset[int]) -> StepPlan:
+        """The step after `context`, of which the generation `produced` the last tokens."""
+        cost = self.cost
+        room = min(self.k_max, self.max_new_tokens - produced - 1)
+        best: tuple[float, Candidate | None, int, Draft | None, int] = (1 / cost(1), None, 0, None, 0)
+        matched = False
+        remaining = expected_remaining(self.lengths or (), produced, self.max_new_tokens)
+        # under load, a served model drafter that could not pay even if always right is neither weighed nor probed
+        weighed = [c for c in self.candidates if c.match is not None or not c.hopeless(cost, self.k_max)]
+        for candidate in weighed if room > 0 else ():
+            if candidate.needs_match and not matched:
+                continue
+            if candidate.match is not None:  # model-free: its draft is known before choosing
+                bucket = match_bucket(candidate.match(context))
+                matched = matched or bucket > 0
+                if bucket and (draft := until_eos(candidate.drafter.propose(context, room), eos)).tokens:
+                    goodput, k = best_length(candidate.acceptance(bucket), 0.0, cost, len(draft.tokens))
+                    if goodput > best[0]:
+                        best = (goodput, candidate, k, Draft(draft.tokens[:k], None, draft.usage), bucket)
+            else:
+                catch_up = candidate.catch_up_s(context)
+                if catch_up > PROBE_SHARE * cost(1) * remaining and self.steps < LOOK_FIRST:
+                    continue  # a large catch-up waits until the text has shown what free drafts commit
+                goodput, k = best_length(candidate.acceptance(), candidate.cost_s, cost, room, candidate.width,
+                                         catch_up, remaining * (1 - self.free / produced))
+                if goodput > best[0]:
+                    best = (goodput, candidate, k, None, 0)
+        _, chosen, k, draft, bucket = best
+        probe = max((c for c in weighed if c.match is None), key=lambda c: c.acceptance().rate(0), default=None)
+        if chosen is not None and chosen.match is None:
+            self.wait, self.probed = self.probe_every, 0.0  # a model drafter pays on its own: probes start again
+        elif self.without_model >= self.wait and probe is not None and room > 0:
+            steps = min(2, room)
+            price = probe.catch_up_s(context) + steps * probe.cost_s + cost(steps + 1) - cost(1)
+            if self.probed + price <= PROBE_SHARE * cost(1) * (produced + remaining):
+                chosen, k, draft, bucket = probe, steps, None, 0
+                self.wait, self.probed = 2 * self.wait, self.probed + price
+        self.without_model = 0 if chosen is not None and chosen.match is None else self.without_model + 1
+        return StepPlan(chosen, k, draft, bucket, chosen.drafter.lag(context) if chosen is not None else 0)
+
+    def observe(self, plan: StepPlan, draft: Draft, step: Verified, verify_s: float, greedy: bool) -> None:
+        """Learn from a step that ran `plan`'s `draft` (verified as `step`, in `verify_s` seconds of the target)."""
+        chosen, n = plan.candidate, len(step.accepted)
+        self.steps += 1
+        if self.learn_costs:
+            self.cost.observe(step.width, verify_s)
+        if chosen is None:
+            return
+        if draft.tree is not None and chosen.chain is not None and greedy:
+            chosen.chain.acceptance().observe(*first_children_accepted(draft.tree, step.tokens))
+        if chosen.measured or self.learn_costs:  # (a cascade follows its own cost)
+            chosen.observe_cost(draft.usage, step.drafted, 0 if chosen.measured else plan.behind)
+        chosen.acceptance(plan.bucket).observe(step.drafted, n)
+        self.free += len(step.tokens) if chosen.match is not None else 0
+
+    def pace(self, plan: StepPlan, seconds: float, tokens: int) -> None:
+        """Keep auto's own pace over a step of `seconds` that committed `tokens` (see the class docstring)."""
+        if self.learn_costs and not self.governed and plan.behind <= self.k_max + 1:  # (a prompt's catch-up: once)
+            self.recent.append((seconds, tokens))  # what no estimate sees is in its time
+            self.governed = len(self.recent) == PACE_STEPS and 1 in self.cost.timings.scales and \
+                sum(s for s, _ in self.recent) > PACE_MARGIN * self.cost(1) * sum(n for _, n in self.recent)
+            if self.governed:  # nothing more to choose from, nor to probe: plain steps
+                self.candidates = []
+
+    def end(self, produced: int) -> None:
+        if self.lengths is not None:  # one that ran to its budget might have gone on: it lasts as long as any budget
+            self.lengths.append(produced if produced < self.max_new_tokens else math.inf)
+
+
 def adaptive(
     target: CausalLM,
     candidates: list[Candidate],
@@ -330,119 +451,43 @@ def adaptive(
     probe_every: int = 16,
     lengths: deque[float] | None = None,
 ) -> Decoder:
-    """Lossless speculation that re-chooses drafter and draft length every step (`cost` is the target's
-    T(W) in seconds). After `probe_every` steps without any model drafter, the model drafter likeliest to
-    be accepted drafts two tokens, so that one that stopped paying can come back when the text changes.
-    A generation starts with a probe; one that does not bring the drafter back doubles the wait before the
-    next, and the probes since a drafter last paid may cost (catching up, drafting, the wider verification)
-    at most `PROBE_SHARE` of the generation's plain decoding time: where no drafter pays, a generation is at
-    most that much slower than plain decoding (on a GPU, where a forward takes a few ms, a probe's catch-up
-    weighs as much as many steps). Where `cost` is `Rescaled` (measured seconds), auto also keeps its own
-    pace: once it has timed a plain step, if its last `PACE_STEPS` steps took over `PACE_MARGIN` times T(1) per
-    token they committed (its own work of choosing and Max-Gram's lookups included, which no estimate counts;
-    not steps whose drafter first caught up on more than a step's tokens, an investment paid once), it decodes
-    plainly to the end of the generation.
-    A drafter's catch-up is weighed against the tokens the generation is still expected to produce, from the
-    `lengths` of earlier generations (this one's is appended at its end), less the share that model-free drafts
-    have committed so far (where Max-Gram copies an article into its summary, a model drafter is left few tokens
-    to repay its catch-up on the article); a catch-up dearer than `PROBE_SHARE` of that time waits `LOOK_FIRST`
-    steps, until the text has shown what free drafts commit. Where `cost` is `Rescaled`, every
-    verification's time rescales it (its `Timings`, whose `speed` the candidates share) and every draft's
-    its candidate's `scale`."""
+    """Lossless speculation that re-chooses drafter and draft length every step (`cost` is the target's T(W) in
+    seconds): `AutoPolicy` chooses, `auto_decoder` runs."""
+    policy = AutoPolicy(candidates, cost, max_new_tokens, k_max, probe_every, lengths)
+    return auto_decoder(target, policy, prompt_ids, max_new_tokens, sampling, generator)
+
+
+def auto_decoder(target: CausalLM, policy: AutoPolicy, prompt_ids: list[int], max_new_tokens: int,
+                 sampling: SamplingConfig, generator: torch.Generator | None) -> Decoder:
+    """The decoder around a policy: every step drafts as it plans, verifies (`verify_step`) and tells it what
+    happened. Whatever is chosen, verification is the usual chain or tree verification: output stays lossless."""
     stats = GenerationStats(method="auto")
-    learn_costs = isinstance(cost, Rescaled)  # (not where a server batches the forwards: they time the batch)
-    recent: deque[tuple[float, int]] = deque(maxlen=PACE_STEPS)  # (seconds, tokens) of the last steps
-    governed = False  # slower than plain decoding over the recent steps: plain to the end of this generation
     out: list[int] = []
     target = metered(target)
     logits = target.prefill(prompt_ids)
     pending = [next_token(logits, sampling, generator)]
-    candidates = sorted(candidates, key=lambda c: c.match is None)  # model-free ones first: they tell `matched`
-    wait = probe_every  # steps without a model draft before the next probe
-    probed = 0.0  # estimated seconds spent on probes since a model drafter last paid on its own
-    without_model = wait  # a new text starts with a probe: its drafts' acceptance is measured, not assumed
-    free = 0  # tokens this generation committed through model-free drafts: a model drafter is left the rest
-    for candidate in candidates:  # estimates may come from earlier generations: a new text, a new start
-        for estimate in candidate.estimates.values():
-            estimate.restart(CARRY_OVER)
     while not (yield from emit(pending, out, max_new_tokens, target.eos_token_ids)):
         began = time.perf_counter()  # (a step's own time: not the caller's between tokens)
         context = prompt_ids + out
-        room = min(k_max, max_new_tokens - len(out) - 1)
-        best: tuple[float, Candidate | None, int, Draft | None, int] = (1 / cost(1), None, 0, None, 0)
-        matched = False
-        remaining = expected_remaining(lengths or (), len(out), max_new_tokens)
-        # under load, a served model drafter that could not pay even if always right is neither weighed nor probed
-        weighed = [c for c in candidates if c.match is not None or not c.hopeless(cost, k_max)]
-        for candidate in weighed if room > 0 else ():
-            if candidate.needs_match and not matched:
-                continue
-            if candidate.match is not None:  # model-free: its draft is known before choosing
-                bucket = match_bucket(candidate.match(context))
-                matched = matched or bucket > 0
-                if bucket and (draft := until_eos(candidate.drafter.propose(context, room), target.eos_token_ids)).tokens:
-                    goodput, k = best_length(candidate.acceptance(bucket), 0.0, cost, len(draft.tokens))
-                    if goodput > best[0]:
-                        best = (goodput, candidate, k, Draft(draft.tokens[:k], None, draft.usage), bucket)
-            else:
-                catch_up = candidate.catch_up_s(context)
-                if catch_up > PROBE_SHARE * cost(1) * remaining and len(stats.choices) < LOOK_FIRST:
-                    continue  # a large catch-up waits until the text has shown what free drafts commit
-                goodput, k = best_length(candidate.acceptance(), candidate.cost_s, cost, room, candidate.width,
-                                         catch_up, remaining * (1 - free / len(out)))
-                if goodput > best[0]:
-                    best = (goodput, candidate, k, None, 0)
-        _, chosen, k, draft, bucket = best
-        probe = max((c for c in weighed if c.match is None), key=lambda c: c.acceptance().rate(0), default=None)
-        if chosen is not None and chosen.match is None:
-            wait, probed = probe_every, 0.0  # a model drafter pays on its own: probes start again
-        elif without_model >= wait and probe is not None and room > 0:
-            steps = min(2, room)
-            price = probe.catch_up_s(context) + steps * probe.cost_s + cost(steps + 1) - cost(1)
-            if probed + price <= PROBE_SHARE * cost(1) * (len(out) + remaining):
-                chosen, k, draft, bucket, wait, probed = probe, steps, None, 0, 2 * wait, probed + price
-        without_model = 0 if chosen is not None and chosen.match is None else without_model + 1
-        learn_step = learn_costs and chosen is not None and not chosen.measured  # (a cascade follows its own)
-        behind = chosen.drafter.lag(context) if chosen is not None and hasattr(chosen.drafter, "lag") else 0
-        lag = behind if learn_step else 0
-        if chosen is not None and chosen.width > 1:
-            tree_draft = chosen.drafter.propose_tree(context, k, chosen.width)
-            before = target.usage.seconds  # (a draft may run the target: self-speculation)
-            path, token, _ = verify_tree(target, tree_draft.tree, sampling, generator)
-            drafted, n, usage = max(tree_draft.tree.depths), len(path), {chosen.drafter.name: tree_draft.usage}
-            width = len(tree_draft.tree)
-            stats.drafted_nodes += width - 1
-            accepted = [tree_draft.tree.tokens[node] for node in path]
-            if chosen.chain is not None and sampling.greedy:
-                chosen.chain.acceptance().observe(*first_children_accepted(tree_draft.tree, accepted + [token]))
+        plan = policy.choose(context, len(out), target.eos_token_ids)
+        chosen = plan.candidate
+        if plan.draft is not None:
+            draft = plan.draft
+        elif chosen is None:
+            draft = Draft([])
         else:
-            if chosen is None:
-                draft = Draft([])
-            elif draft is None:
-                draft = until_eos(chosen.drafter.propose(context, k), target.eos_token_ids)
-            before = target.usage.seconds
-            n, token = verify_draft(target, out[-1], draft, sampling, generator)
-            drafted, usage, accepted, width = len(draft.tokens), draft.usage, draft.tokens[:n], 1 + len(draft.tokens)
-            if chosen is not None:
-                chosen.drafter.observe(n)
-        if learn_costs:
-            cost.observe(width, target.usage.seconds - before)
-        if learn_step or (chosen is not None and chosen.measured):
-            chosen.observe_cost(usage, drafted, lag)
+            draft = until_eos(chosen.drafter.propose(context, plan.k), target.eos_token_ids)
+        before = target.usage.seconds  # (a draft may run the target: self-speculation)
+        step = verify_step(target, out[-1], draft, sampling, generator)
         if chosen is not None:
-            chosen.acceptance(bucket).observe(drafted, n)
-        stats.record_draft(drafted, n, usage)
+            chosen.drafter.observe(len(step.accepted))
+        policy.observe(plan, draft, step, target.usage.seconds - before, sampling.greedy)
+        stats.record_draft(step.drafted, len(step.accepted), draft.usage)
+        stats.drafted_nodes += step.width - 1 if draft.tree is not None else 0
         stats.choices.append(chosen.name if chosen is not None else PLAIN)
-        pending = accepted + [token]
-        free += len(pending) if chosen is not None and chosen.match is not None else 0
-        if learn_costs and not governed and behind <= k_max + 1:  # (a catch-up on a prompt is paid once)
-            recent.append((time.perf_counter() - began, len(pending)))  # what no estimate sees is in its time
-            governed = len(recent) == PACE_STEPS and 1 in cost.timings.scales and \
-                sum(s for s, _ in recent) > PACE_MARGIN * cost(1) * sum(n for _, n in recent)  # T(1) as measured
-            if governed:  # nothing more to choose from, nor to probe: plain steps
-                candidates = []
+        pending = step.tokens
+        policy.pace(plan, time.perf_counter() - began, len(pending))
     stats.new_tokens = len(out)
     stats.record_target(target.usage)
-    if lengths is not None:  # one that ran to its budget might have gone on: it lasts as long as any budget
-        lengths.append(len(out) if len(out) < max_new_tokens else math.inf)
+    policy.end(len(out))
     return stats

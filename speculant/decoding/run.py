@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Generator
+from typing import Any
 
 from speculant.decoding.stats import GenerationStats
 
@@ -41,3 +42,20 @@ def emit(tokens: list[int], out: list[int], max_new_tokens: int, stop_ids: froze
         if token in stop_ids or len(out) >= max_new_tokens:
             return True
     return False
+
+
+def ending(decoder: Decoder, drafters: list[Any], prompt_ids: list[int]) -> Decoder:
+    """Pass a decoder's tokens through and, once it stops (finished, or closed by its caller), tell each drafter
+    the generation's output (`Drafter.end`)."""
+    output: list[int] = []
+    try:
+        while True:
+            try:
+                token = next(decoder)
+            except StopIteration as stop:
+                return stop.value
+            output.append(token)
+            yield token
+    finally:
+        for drafter in drafters:
+            drafter.end(prompt_ids, output)

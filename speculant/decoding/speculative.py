@@ -11,11 +11,11 @@ import torch
 from speculant.config import SamplingConfig
 from speculant.decoding.run import Decoder, emit
 from speculant.decoding.stats import GenerationStats
-from speculant.drafters.base import Draft, Drafter
+from speculant.decoding.step import until_eos, verify_step
+from speculant.drafters.base import Drafter
 from speculant.models.base import CausalLM
 from speculant.models.metered import metered
-from speculant.sampling import logits_to_probs, next_token
-from speculant.verify import verify_greedy, verify_sampling
+from speculant.sampling import next_token
 
 
 def speculative(
@@ -39,35 +39,10 @@ def speculative(
         # Draft no more than can still be emitted: n accepted plus one target token.
         draft = until_eos(drafter.propose(prompt_ids + out, min(k, max_new_tokens - len(out) - 1)),
                           target.eos_token_ids)
-        n, token = verify_draft(target, out[-1], draft, sampling, generator)
-        drafter.observe(n)
-        stats.record_draft(len(draft.tokens), n, draft.usage)
-        pending = draft.tokens[:n] + [token]
+        step = verify_step(target, out[-1], draft, sampling, generator)
+        drafter.observe(len(step.accepted))
+        stats.record_draft(step.drafted, len(step.accepted), draft.usage)
+        pending = step.tokens
     stats.new_tokens = len(out)
     stats.record_target(target.usage)
     return stats
-
-
-def verify_draft(target: CausalLM, last: int, draft: Draft, sampling: SamplingConfig,
-                 generator: torch.Generator | None) -> tuple[int, int]:
-    """One target forward over the last committed token and the draft, then verification: (accepted count,
-    the target's token after them). The target's cache keeps `last` and the accepted drafts."""
-    drafted = torch.tensor(draft.tokens, dtype=torch.long, device=target.device)
-    cached = target.cache_len
-    target_logits = target.forward([last, *draft.tokens])  # [1 + len(draft), vocab]
-    if sampling.greedy:
-        n, token = verify_greedy(drafted, target_logits)
-    else:
-        q = draft.probs.to(target.device) if draft.probs is not None else None
-        n, token = verify_sampling(drafted, logits_to_probs(target_logits, sampling), q, generator)
-    target.rollback(cached + 1 + n)
-    return n, token
-
-
-def until_eos(draft: Draft, eos: frozenset[int]) -> Draft:
-    """The draft up to its first end-of-sequence token: nothing after it could ever be committed."""
-    stop = next((i for i, token in enumerate(draft.tokens) if token in eos), None)
-    if stop is None or stop == len(draft.tokens) - 1:
-        return draft
-    probs = draft.probs[: stop + 1] if draft.probs is not None else None
-    return Draft(draft.tokens[: stop + 1], probs, draft.usage)

@@ -12,14 +12,14 @@ import torch
 from speculant.config import SamplingConfig
 from speculant.decoding.run import Decoder, emit
 from speculant.decoding.stats import GenerationStats
+from speculant.decoding.step import verify_step
+from speculant.drafters.base import Draft
 from speculant.drafters.tree import TreeDrafter
 from speculant.models.base import CausalLM
 from speculant.models.metered import metered
-from speculant.tree import TokenTree
 from speculant.tree_depth import DepthPredictor, Recent, features
-from speculant.sampling import logits_to_probs, next_token
+from speculant.sampling import next_token
 from speculant.tree_prune import prune
-from speculant.verify import verify_tree_greedy, verify_tree_sampling
 
 
 def tree_speculative(
@@ -57,35 +57,23 @@ def tree_speculative(
             draft = drafter.propose_tree(prompt_ids + out, min(room, predictor.depth(x, cost, step_s, width)), width)
         else:
             draft = drafter.propose_tree(prompt_ids + out, room, width, cost)
-        if draft.usage.steps:
-            step_s = draft.usage.seconds / draft.usage.steps
-        tree = draft.tree
-        if verify_width is not None and (verify_width < len(tree) - 1 or cost is not None):
-            tree = tree.subtree(prune(tree, draft.path_probs, verify_width, cost, draft.usage.seconds))
-        path, token, last = verify_tree(target, tree, sampling, generator)
+        usage = draft.usage[drafter.name]
+        if usage.steps:
+            step_s = usage.seconds / usage.steps
+        drafted_nodes = len(draft.tree) - 1
+        if verify_width is not None and (verify_width < drafted_nodes or cost is not None):
+            kept = prune(draft.tree, draft.path_probs, verify_width, cost, usage.seconds)
+            draft = Draft([], None, draft.usage, draft.tree.subtree(kept))
+        step = verify_step(target, out[-1], draft, sampling, generator)
+        last = step.logits
         if log is not None and room == depth:  # a tree of every drafting step
-            log.append((x, len(path)))
-        recent.observe(len(path), max(tree.depths))
+            log.append((x, len(step.accepted)))
+        recent.observe(len(step.accepted), step.drafted)
         # Per iteration: the tree's depth (the most that could be accepted) and the accepted depth.
-        stats.record_draft(max(tree.depths), len(path), {drafter.name: draft.usage})
-        stats.drafted_nodes += len(draft.tree) - 1
-        stats.verified_sizes.append(len(tree) - 1)  # the verify width this iteration used
-        pending = [tree.tokens[node] for node in path] + [token]
+        stats.record_draft(step.drafted, len(step.accepted), draft.usage)
+        stats.drafted_nodes += drafted_nodes
+        stats.verified_sizes.append(step.width - 1)  # the verify width this iteration used
+        pending = step.tokens
     stats.new_tokens = len(out)
     stats.record_target(target.usage)
     return stats
-
-
-def verify_tree(target: CausalLM, tree: TokenTree, sampling: SamplingConfig,
-                generator: torch.Generator | None) -> tuple[list[int], int, torch.Tensor]:
-    """One target forward over a tree rooted at the last committed token, with tree attention, then tree
-    verification: (accepted nodes, the target's token after them, the logits it was chosen from). The
-    target's cache keeps the root and the accepted path."""
-    cached = target.cache_len
-    target_logits = target.forward(list(tree.tokens), tree=tree)  # [len(tree), vocab]
-    if sampling.greedy:
-        path, token = verify_tree_greedy(tree, target_logits)
-    else:
-        path, token = verify_tree_sampling(tree, logits_to_probs(target_logits, sampling), generator)
-    target.keep(list(range(cached)) + [cached + node for node in [0, *path]])
-    return path, token, target_logits[path[-1] if path else 0]

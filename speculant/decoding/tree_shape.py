@@ -1,12 +1,12 @@
 """A token tree's shape, `auto` included (Yggdrasil, Guan et al., section 4): the drafting depth, the
 width of each drafting step and the verify width, chosen from profiled forward costs. Without a
-`speculant profile` of the target, its T(n) and the drafter's are measured once per model object."""
+`speculant profile` of the target, its T(n) and the drafter's are measured once per model object and session."""
 
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from weakref import WeakKeyDictionary
+from typing import Any
 
 import numpy as np
 
@@ -19,9 +19,6 @@ TARGET_WIDTHS = (1, 2, 4, 8, 16, 32)  # measured T(n); `verify_width=auto` stays
 DRAFTER_WIDTHS = (1, 2, 4, 8)  # `width=auto` chooses among these
 WIDTH_SLACK = 1.25
 
-_measured: WeakKeyDictionary = WeakKeyDictionary()  # model -> {widths: costs}
-
-
 @dataclass(frozen=True)
 class TreeShape:
     depth: int  # drafting steps (a cap when `cost` is known: the objective may stop earlier)
@@ -30,9 +27,10 @@ class TreeShape:
     cost: Callable[[int], float] | None  # the target's T(n) in seconds, for the latency-aware objective
 
 
-def measured_costs(model: CausalLM, context: list[int], widths: Sequence[int]) -> dict[int, float]:
-    """T(W) of `model` after `context` for each W, measured once per model object (after a warm-up)."""
-    per_model = _measured.setdefault(profiled_as(model), {})
+def measured_costs(model: CausalLM, context: list[int], widths: Sequence[int], measured: Any) -> dict[int, float]:
+    """T(W) of `model` after `context` for each W, measured once per model object (after a warm-up) and kept in
+    `measured` ({model: {widths: costs}}, a `Session`'s)."""
+    per_model = measured.setdefault(profiled_as(model), {})
     if tuple(widths) not in per_model:
         forward_costs(model, context, widths[:1], repeats=1)  # warm-up
         per_model[tuple(widths)] = forward_costs(model, context, widths, repeats=1)
@@ -49,17 +47,18 @@ def auto_width(drafter_costs: dict[int, float], slack: float = WIDTH_SLACK) -> i
 
 
 def tree_shape(target: CausalLM, drafter: CausalLM, prompt_ids: list[int], depth: int | str, width: int | str,
-               verify_width: int | str | None, profile: LatencyProfile | None) -> TreeShape:
+               verify_width: int | str | None, profile: LatencyProfile | None, measured: Any) -> TreeShape:
     """Resolve `auto` sizes. With a profile or any `auto`, the objective decides how deep to draft (up
-    to `depth`) and how many nodes to verify (up to `verify_width`, else the whole tree)."""
+    to `depth`) and how many nodes to verify (up to `verify_width`, else the whole tree). Costs measured here are
+    kept in `measured` (`measured_costs`)."""
     auto = AUTO in (depth, width, verify_width)
     cost, most_nodes = (profile.cost, None) if profile is not None else (None, None)
     if cost is None and auto:
-        measured = measured_costs(target, prompt_ids, TARGET_WIDTHS)
-        widths, seconds = list(measured), list(measured.values())
+        costs = measured_costs(target, prompt_ids, TARGET_WIDTHS, measured)
+        widths, seconds = list(costs), list(costs.values())
         cost, most_nodes = (lambda n: float(np.interp(n, widths, seconds))), TARGET_WIDTHS[-1]
     if width == AUTO:
-        width = auto_width(measured_costs(drafter, prompt_ids, DRAFTER_WIDTHS))
+        width = auto_width(measured_costs(drafter, prompt_ids, DRAFTER_WIDTHS, measured))
     if depth == AUTO:
         depth = AUTO_MAX_DEPTH
     if verify_width == AUTO or (verify_width is None and cost is not None):

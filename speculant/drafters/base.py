@@ -1,36 +1,64 @@
-"""The Drafter protocol: every draft source (model, n-gram, cascade, tree) proposes through it."""
+"""The Drafter protocol: every draft source (model, n-gram, suffix, cascade, tree, a user's) proposes through it.
+
+A generation runs a drafter's lifecycle as llama.cpp's `common_speculative` and vLLM's proposers do: `begin` once
+per prompt (the drafter for this generation: itself, or a copy holding per-generation state), then per step
+`propose(context, k)` and `observe(n_accepted)`, and `end` once the generation stops (finished or not).
+"""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Protocol, runtime_checkable
+from typing import TYPE_CHECKING
 
 import torch
 
 from speculant.models.metered import Usage
 
+if TYPE_CHECKING:
+    from speculant.tree import TokenTree
+
 
 @dataclass
 class Draft:
-    """New tokens proposed after a context, with the drafter's distribution for each.
+    """New tokens proposed after a context, with the drafter's distribution for each, or a token tree.
 
     `probs` [len(tokens), vocab] is q, or None for a deterministic drafter (q is then one-hot).
+    `tree`: a token tree rooted at the context's last token (`tokens` is then empty) with `path_probs`, each
+    node's product of draft probabilities from the root (the root's: 1).
     `usage` holds the model forwards spent on this draft (and their time), per drafter name.
     """
 
     tokens: list[int]
     probs: torch.Tensor | None = None
     usage: dict[str, Usage] = field(default_factory=dict)
+    tree: TokenTree | None = None
+    path_probs: list[float] | None = None
 
 
-@runtime_checkable
-class Drafter(Protocol):
-    name: str
+class Drafter:
+    """What proposes drafts. Subclass it and implement `propose`; the rest has defaults. A drafter that runs no
+    model forwards and can say, before drafting, how much of the context its draft follows (a lookup, as
+    Max-Gram's suffix match) also implements `match_length`: `auto` then judges its draft by the acceptance
+    it observed after matches of that length, and tries it first."""
+
+    name: str = "drafter"
+
+    def begin(self, prompt_ids: list[int]) -> Drafter:
+        """The drafter for one generation of `prompt_ids`: itself, unless it keeps per-generation state."""
+        return self
 
     def propose(self, context: list[int], k: int) -> Draft:
         """Propose up to k tokens to follow `context` (prompt plus everything committed so far)."""
-        ...
+        raise NotImplementedError
 
     def observe(self, n_accepted: int) -> None:
         """Learn how many of the last proposal's tokens the target accepted."""
-        ...
+
+    def lag(self, context: list[int]) -> int:
+        """Tokens of `context` its model's cache lacks: what its next draft runs first (0: it keeps no cache)."""
+        return 0
+
+    def end(self, prompt_ids: list[int], output_ids: list[int]) -> None:
+        """The generation of `prompt_ids` stopped after `output_ids`."""
+
+    match_length = None  # or a method: context -> the length of the match its next draft follows (0: none)

@@ -21,7 +21,7 @@ from __future__ import annotations
 import torch
 
 from speculant.config import SamplingConfig
-from speculant.drafters.base import Draft
+from speculant.drafters.base import Draft, Drafter
 from speculant.drafters.cross_vocab import CrossVocabDrafter
 from speculant.drafters.maxgram import MaxGramDrafter
 from speculant.drafters.model import ModelDrafter
@@ -69,7 +69,7 @@ def check_k_matrix(matrix: list[list[int]], levels: int) -> None:
         raise ConfigError("the K matrix's first row must draft at least one token")
 
 
-class CascadeDrafter:
+class CascadeDrafter(Drafter):
     """Vertical and horizontal cascade over `levels` (largest first) with the K matrix `k_matrix`."""
 
     name = "cascade"

@@ -24,21 +24,22 @@ from typing import Any
 import torch
 
 from speculant.config import SamplingConfig
-from speculant.drafters.base import Draft
+from speculant.drafters.base import Draft, Drafter
 from speculant.drafters.model import ModelDrafter
 from speculant.drafters.vocab import GrowingEncoding, same_vocabulary, vocab_pair
 from speculant.models.base import CausalLM, SharedCache
 from speculant.sampling import logits_to_probs
 
 
-class CrossVocabDrafter:
+class CrossVocabDrafter(Drafter):
     """Drafts target tokens with a model of another vocabulary: string-level when greedy, on the shared tokens
     when sampling (see the module docstring). A context holding an id that spells nothing (a padded row), or
     ending inside a multi-byte character, gets an empty draft."""
 
     def __init__(self, model: CausalLM, target: CausalLM, sampling: SamplingConfig,
-                 generator: torch.Generator | None, draft_confidence: float = 0.0):
-        self.pair = vocab_pair(target, model)
+                 generator: torch.Generator | None, draft_confidence: float = 0.0, pairs: dict | None = None):
+        """`pairs`: where the two vocabularies' table is kept between drafters (a `Session`'s), else built anew."""
+        self.pair = vocab_pair(target, model, pairs if pairs is not None else {})
         self.greedy = sampling.greedy
         allowed = self.pair.spelled if self.greedy else self.pair.shared
         self.drafter = ModelDrafter(model, sampling, generator, draft_confidence=draft_confidence, allowed=allowed)
@@ -126,13 +127,14 @@ class CrossVocabDrafter:
 
 
 def model_drafter(model: CausalLM | SharedCache, target: CausalLM, sampling: SamplingConfig,
-                  generator: torch.Generator | None, keep_probs: bool = False, draft_confidence: float = 0.0) -> Any:
+                  generator: torch.Generator | None, keep_probs: bool = False, draft_confidence: float = 0.0,
+                  pairs: dict | None = None) -> Any:
     """What drafts for `target` with `model` (or a SharedCache on it, whose cached ids a ModelDrafter goes on
     from): a ModelDrafter when their ids mean the same tokens (with its rows fitted to the target's logits width
     where the two differ), else a CrossVocabDrafter."""
     base = model.model if isinstance(model, SharedCache) else model
     if not same_vocabulary(target, base):
-        return CrossVocabDrafter(base, target, sampling, generator, draft_confidence)
+        return CrossVocabDrafter(base, target, sampling, generator, draft_confidence, pairs)
     guide = getattr(target, "draft_guide", None)  # structured output: drafts follow the target's grammar
     if base.vocab_size == target.vocab_size:
         return ModelDrafter(model, sampling, generator, keep_probs, draft_confidence, guide=guide)

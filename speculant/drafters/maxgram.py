@@ -16,7 +16,8 @@ import numpy as np
 
 from speculant.cache import cache_root, cached_array
 from speculant.corpus import corpus_key, default_corpus, tokenize_corpus, tokenizer_fingerprint
-from speculant.drafters.base import Draft
+from speculant.drafters.base import Draft, Drafter
+from speculant.drafters.registry import register_drafter
 
 MAX_MATCH = 64  # longer suffixes add nothing but cost
 MIN_MATCH = 2  # a single repeated token predicts little (8% of such drafts were accepted on HumanEval)
@@ -49,11 +50,11 @@ def longest_suffix_match(tokens: np.ndarray) -> tuple[int, int]:
     return (int(ends[-1]), length) if length else (-1, 0)
 
 
-class MaxGramDrafter:
+class MaxGramDrafter(Drafter):
     """Deterministic drafter (q is one-hot, `Draft.probs` is None) over the context itself. A suffix
     match shorter than `min_match` tokens counts as none."""
 
-    name = "maxgram"  # as drafter specs spell it (drafters.spec.MAXGRAM)
+    name = "maxgram"  # as drafter specs spell it
 
     def __init__(self, bigram: np.ndarray | None = None, min_match: int = MIN_MATCH):
         self.bigram = bigram  # bigram[a] = most likely token after a, or -1
@@ -79,8 +80,13 @@ class MaxGramDrafter:
             tokens = np.concatenate([tokens, follow])
         return Draft(draft, None, {})
 
-    def observe(self, n_accepted: int) -> None:
-        """Nothing to adapt: the context carries everything."""
+
+
+@register_drafter("maxgram")
+def maxgram(target: Any) -> MaxGramDrafter:
+    """Prompt lookup with the bigram table of the target's tokenizer as its fallback."""
+    tokenizer = target.tokenizer
+    return MaxGramDrafter(load_bigram(tokenizer, target.vocab_size) if tokenizer is not None else None)
 
 
 def bigram_table(sequences: Iterable[list[int]], vocab_size: int) -> np.ndarray:

@@ -7,13 +7,13 @@ from collections.abc import Callable
 import torch
 
 from speculant.config import SamplingConfig
-from speculant.drafters.base import Draft
+from speculant.drafters.base import Draft, Drafter
 from speculant.models.base import CausalLM, SharedCache
 from speculant.models.metered import metered
 from speculant.sampling import logits_to_probs, next_token, sample
 
 
-class ModelDrafter:
+class ModelDrafter(Drafter):
     """Drafts k tokens autoregressively with a CausalLM (Leviathan et al. 2023, the approximation M_q).
 
     Its SharedCache remembers which tokens the cache holds; on each proposal it rolls back to the longest

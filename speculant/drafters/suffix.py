@@ -15,15 +15,14 @@ forward: well under a millisecond.
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Generator
 from dataclasses import dataclass, field
 from typing import Any
-from weakref import WeakKeyDictionary
 
 import numpy as np
 
-from speculant.drafters.base import Draft
+from speculant.drafters.base import Draft, Drafter
 from speculant.drafters.maxgram import MIN_MATCH, suffix_ends
+from speculant.drafters.registry import register_drafter
 
 MIN_PROB = 0.1  # a draft's path probability below this ends it
 CAPACITY = 1 << 18  # tokens of earlier generations kept (the oldest go first): a search reads them all, ~0.2 ms
@@ -62,34 +61,12 @@ class History:
             tokens[start:bounds[bounds.index(start) + 1]] = GAP
         return tokens
 
-    def recording(self, decoder: Generator[int, None, Any], prompt_ids: list[int]) -> Generator[int, None, Any]:
-        """Pass a decoder's tokens through and keep the generation, finished or stopped, in the history."""
-        output: list[int] = []
-        try:
-            while True:
-                try:
-                    token = next(decoder)
-                except StopIteration as stop:
-                    return stop.value
-                output.append(token)
-                yield token
-        finally:
-            self.add(prompt_ids, output)
 
-
-_histories: WeakKeyDictionary = WeakKeyDictionary()
-
-
-def history_of(target: Any) -> History:
-    """The process's history of generations for `target` (kept as long as the target is)."""
-    return _histories.setdefault(target, History())
-
-
-class SuffixDrafter:
+class SuffixDrafter(Drafter):
     """Deterministic drafter (q is one-hot, `Draft.probs` is None) over the context and a `History`. `prompt`
-    names the generation it drafts for (`for_prompt`): earlier generations of the same prompt are not read."""
+    names the generation it drafts for (`begin`): earlier generations of the same prompt are not read."""
 
-    name = "suffix"  # as drafter specs spell it (drafters.spec.SUFFIX)
+    name = "suffix"  # as drafter specs spell it
 
     def __init__(self, history: History, min_match: int = MIN_MATCH, min_prob: float = MIN_PROB,
                  prompt: list[int] | None = None):
@@ -97,9 +74,13 @@ class SuffixDrafter:
         self._past = history.without(prompt_key(prompt)) if prompt is not None else None  # None: all of it, now
         self._found: tuple[list[int] | None, int, list[tuple[np.ndarray, np.ndarray]], int] = (None, 0, [], 0)
 
-    def for_prompt(self, prompt_ids: list[int]) -> SuffixDrafter:
+    def begin(self, prompt_ids: list[int]) -> SuffixDrafter:
         """This drafter for one generation of `prompt_ids`: the history as it is now, without that prompt's."""
         return SuffixDrafter(self.history, self.min_match, self.min_prob, list(prompt_ids))
+
+    def end(self, prompt_ids: list[int], output_ids: list[int]) -> None:
+        """Keep the generation, finished or stopped, in the history."""
+        self.history.add(prompt_ids, output_ids)
 
     def _occurrences(self, context: list[int]) -> tuple[list[tuple[np.ndarray, np.ndarray]], int]:
         """[(corpus, ends)] of the longest match of the context's suffix, in the context and in the history."""
@@ -143,5 +124,9 @@ class SuffixDrafter:
             sources = [(corpus, ends[follow == token]) for corpus, ends, follow in nexts if (follow == token).any()]
         return Draft(draft, None, {})
 
-    def observe(self, n_accepted: int) -> None:
-        """Nothing to adapt: the context and the history carry everything."""
+
+
+@register_drafter("suffix", with_session=True)
+def suffix(target: Any, session: Any) -> SuffixDrafter:
+    """Suffix decoding over the context and the session's earlier generations."""
+    return SuffixDrafter(session.history)

@@ -6,37 +6,36 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
-from dataclasses import dataclass
 
 import torch
 
+from speculant.drafters.base import Draft, Drafter
 from speculant.models.base import CausalLM, SharedCache
 from speculant.models.metered import Usage, metered
 from speculant.tree import TokenTree
 
 
-@dataclass(frozen=True)
-class TreeDraft:
-    tree: TokenTree
-    path_probs: list[float]  # per node: the product of draft probabilities from the root (root: 1)
-    usage: Usage
+class TreeDrafter(Drafter):
+    """Greedy tree drafting with a model: `depth` steps of `width` nodes (depth x width drafted nodes), as a
+    Drafter whose drafts are trees (`propose`: depth k; with `cost`, k is a cap, see `propose_tree`). `model` may
+    be a chain drafter's SharedCache: the tree then catches up from where the chain left it."""
 
-
-class TreeDrafter:
-    """Greedy tree drafting with a model: `depth` steps of `width` nodes (depth x width drafted nodes).
-    `model` may be a chain drafter's SharedCache: the tree then catches up from where the chain left it."""
-
-    def __init__(self, model: CausalLM | SharedCache):
+    def __init__(self, model: CausalLM | SharedCache, width: int = 2,
+                 cost: Callable[[int], float] | None = None):
         self.cache = model if isinstance(model, SharedCache) else SharedCache(metered(model))
         self.model = self.cache.model
         self.name = self.model.name
+        self.width, self.cost = width, cost
+
+    def propose(self, context: list[int], k: int) -> Draft:
+        return self.propose_tree(context, k, self.width, self.cost)
 
     def lag(self, context: list[int]) -> int:
         """Tokens of `context` the drafter's cache lacks: what its next tree runs before drafting."""
         return self.cache.lag(context)
 
     def propose_tree(self, context: list[int], depth: int, width: int,
-                     cost: Callable[[int], float] | None = None) -> TreeDraft:
+                     cost: Callable[[int], float] | None = None) -> Draft:
         """A tree rooted at context[-1], with each node's path probability under the drafter.
 
         With `cost`, the target's forward time T(n) for n tokens, `depth` is a cap: drafting stops as
@@ -44,7 +43,7 @@ class TreeDrafter:
         accepted length / (drafting time + T(tree size)), path probabilities standing in for acceptance.
         """
         if depth == 0:
-            return TreeDraft(TokenTree((context[-1],), (-1,)), [1.0], Usage())
+            return Draft([], usage={self.name: Usage()}, tree=TokenTree((context[-1],), (-1,)), path_probs=[1.0])
         before = self.model.usage
         logits = self.cache.run(context)  # the tree nodes cached after it are dropped by the next run
         tokens, parents, scores = [context[-1]], [-1], [0.0]
@@ -69,8 +68,8 @@ class TreeDrafter:
                 break
             tree = TokenTree(tuple(tokens), tuple(parents))
             logits = self.model.forward(tokens[-len(chosen):], tree=tree)
-        return TreeDraft(TokenTree(tuple(tokens), tuple(parents)), [math.exp(v) for v in scores],
-                         self.model.usage - before)
+        return Draft([], usage={self.name: self.model.usage - before}, tree=TokenTree(tuple(tokens), tuple(parents)),
+                     path_probs=[math.exp(v) for v in scores])
 
 
 def worth_another_step(scores: list[float], frontier: list[tuple[float, int, int]], new_nodes: list[int], width: int,

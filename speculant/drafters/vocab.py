@@ -19,7 +19,6 @@ import re
 from dataclasses import dataclass, field
 from functools import cache, lru_cache
 from typing import Any
-from weakref import WeakKeyDictionary
 
 import torch
 
@@ -224,15 +223,11 @@ def _word_boundary(data: bytes, at: int) -> bool:
         and not data[at + 1:at + 2].isspace()
 
 
-_pairs: WeakKeyDictionary = WeakKeyDictionary()  # target tokenizer -> {(drafter tokenizer id, widths): VocabPair}
-
-
-def vocab_pair(target: Any, drafter: Any) -> VocabPair:
+def vocab_pair(target: Any, drafter: Any, pairs: dict) -> VocabPair:
     """The VocabPair of two models (their tokenizers and logits widths), built once per pair (seconds for
-    150k-token vocabularies)."""
-    pairs = _pairs.setdefault(target.tokenizer, {})
-    key = (id(drafter.tokenizer), target.vocab_size, drafter.vocab_size)  # the pair holds the tokenizer: ids stay
-    if key not in pairs:
+    150k-token vocabularies) and kept in `pairs` (a `Session`'s)."""
+    key = (id(target.tokenizer), id(drafter.tokenizer), target.vocab_size, drafter.vocab_size)  # a pair holds both
+    if key not in pairs:  # tokenizers, so their ids stay theirs while it is kept
         pairs[key] = build_pair(target.tokenizer, drafter.tokenizer, target.vocab_size, drafter.vocab_size)
     return pairs[key]
 

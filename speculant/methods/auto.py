@@ -5,10 +5,8 @@ goodput, or plain decoding when no draft pays (`decoding.adaptive`)."""
 
 from __future__ import annotations
 
-from collections import deque
 from dataclasses import dataclass
 from typing import Any
-from weakref import WeakKeyDictionary
 
 from speculant.config import option
 from speculant.drafters.spec import DrafterSpec, as_drafter
@@ -27,9 +25,10 @@ def catch_up_cost(drafter: Any, profile: Any) -> Any:
     T(W), or, where it catches up by a prefill of the context (a new prompt: `models.base.prefills`), from its
     prefill time (`ttft_s` over `context_len` tokens); None for drafters that keep no cache (another
     tokenizer's re-tokenize the text every time)."""
+    from speculant.drafters.cross_vocab import CrossVocabDrafter
     from speculant.models.base import prefills
 
-    if not hasattr(drafter, "lag"):
+    if isinstance(drafter, CrossVocabDrafter):
         return None
 
     def seconds(context: list[int]) -> float:
@@ -77,127 +76,78 @@ class AutoOptions:
             raise ConfigError(f"probe_every must be >= 1, got {self.probe_every}")
 
 
-def default_drafters(target: Any) -> tuple[str, ...]:
-    """The catalog's drafter for a catalog target - for a lean target its GGUF on the lean backend with
-    FR-Spec's head (`@lean`: 0.32 of the 1.5B's forward on the Xeon, where the 0.5B on llama.cpp is 0.49; 0.46
-    on Zen4, docs/results/cpu.md); for a llama.cpp target its
-    GGUF on llama.cpp; else quantized to int8 where speculant's AMX int8 kernel runs (its cost stays flat over
-    the several tokens a drafter catches up on after an accepted draft) and to int4 elsewhere - and Max-Gram.
-    Suffix decoding is not among them: beside these it gained nothing in two runs of the bench (docs/results/cpu.md,
-    § Suffix decoding); name it in `drafters` where earlier generations repeat."""
-    from speculant.models import native
-    from speculant.models.catalog import CATALOG
-
-    entry = CATALOG.get(target.name.split("@")[0])
-    if entry is None or not entry.drafter:
-        return ("maxgram",)
-    if getattr(target, "backend", "hf") == "lean":
-        return (f"{entry.drafter}@lean", "maxgram")
-    if getattr(target, "backend", "hf") == "llamacpp":
-        return (f"{entry.drafter}@gguf", "maxgram")
-    if getattr(target, "backend", "hf") == "static":
-        return (entry.drafter, "maxgram")  # on the target's device, compiled as it is
-    return (f"{entry.drafter}@{'int8' if native.AMX.library() is not None else 'int4'}", "maxgram")
-
-
-# Per target: the drafters auto loaded ({(spec, dtype): drafter}), each model drafter's cache ({(spec, dtype):
-# SharedCache}), what it learned of their acceptance ({name: estimates}), of their forwards' times and the
-# target's (measured over profiled: {name: Scale}, Timings) and how long generations run, kept
-# across generations: a new request starts from what the last ones observed, and a drafter catches up only on
-# what its cache lacks (the next turn of a conversation shares its history; a chat template, its system prompt).
-_loaded: WeakKeyDictionary = WeakKeyDictionary()
-_caches: WeakKeyDictionary = WeakKeyDictionary()
-_learned: WeakKeyDictionary = WeakKeyDictionary()
-_scales: WeakKeyDictionary = WeakKeyDictionary()
-_timings: WeakKeyDictionary = WeakKeyDictionary()
-_lengths: WeakKeyDictionary = WeakKeyDictionary()  # the last LENGTHS_KEPT generations' lengths, by target
-LENGTHS_KEPT = 32
-
-
 @register("auto", AutoOptions, "chooses drafter, chain, tree or cascade and draft length every step from measured "
           "costs and acceptance (plain decoding where nothing pays)")
 def build(request: Request, options: AutoOptions) -> Any:
-    from speculant.decoding.adaptive import (Candidate, Rescaled, Scale, Timings, adaptive, can_pay,
-                                             shared_catch_up, shared_cost)
+    """The candidates auto chooses from, from the session's drafters (loaded once, each model drafter's cache kept:
+    a drafter catches up only on what its cache lacks, as the next turn of a conversation shares its history) and
+    what the session learned of them (acceptance, forward times, generation lengths): a new request starts from
+    what the last ones observed."""
+    from speculant.decoding.adaptive import Candidate, Rescaled, adaptive, can_pay, shared_catch_up, shared_cost
+    from speculant.decoding.run import ending
     from speculant.drafters.base import Drafter
     from speculant.drafters.cascade import CascadeDrafter
     from speculant.drafters.cross_vocab import CrossVocabDrafter, model_drafter
     from speculant.drafters.maxgram import MaxGramDrafter
     from speculant.drafters.model import ModelDrafter
-    from speculant.drafters.spec import load_drafter
-    from speculant.drafters.suffix import SuffixDrafter
     from speculant.drafters.tree import TreeDrafter
-    from speculant.latency import machine_profile
-    from speculant.models.base import SharedCache, profiled_as
-    from speculant.models.metered import metered
 
-    target = request.target
-    cost = Rescaled(machine_profile(target).cost, _timings.setdefault(profiled_as(target), Timings()))
+    target, session = request.target, request.session
+    cost = Rescaled(session.profile(target).cost, session.timings)
     speed = cost.timings.speed  # the machine's drift: the drafters' forwards share it
-    loaded, learned = _loaded.setdefault(profiled_as(target), {}), _learned.setdefault(profiled_as(target), {})
-    scales = _scales.setdefault(profiled_as(target), {})
-    caches = _caches.setdefault(profiled_as(target), {})
-    candidates = []
-    history = None  # where a suffix drafter keeps this generation for later ones
-    for spec in options.drafters if options.drafters is not None else default_drafters(target):
-        # A drafter named by text is loaded once per target and keeps its cache; one passed as an object (a
-        # server's per-request handle) is the caller's to keep.
+    candidates, begun = [], []
+    for spec in options.drafters if options.drafters is not None else target.default_drafters():
+        # A drafter named by text is the session's, with the cache it keeps; one passed as an object (a server's
+        # per-request handle) is the caller's to keep.
         key = (str(as_drafter(spec)), options.drafter_dtype) if isinstance(spec, (str, DrafterSpec)) else None
-        if key is None:
-            source = load_drafter(spec, target, options.drafter_dtype)
-        else:
-            if key not in loaded:
-                loaded[key] = load_drafter(spec, target, options.drafter_dtype)
-            source = loaded[key]
-        estimates = learned.setdefault(source.name, {})
-        if isinstance(source, SuffixDrafter):
-            drafter, history = source.for_prompt(request.prompt_ids), source.history
-            candidates.append(Candidate(source.name, drafter, 0.0, 0.0, drafter.match_length, estimates))
-        elif isinstance(source, MaxGramDrafter):
-            candidates.append(Candidate(source.name, source, 0.0, 0.0, source.match_length, estimates))
-        elif isinstance(source, Drafter):
-            candidates.append(Candidate(source.name, source, 0.0, FREE_PRIOR, estimates=estimates))
-        else:
-            profile = machine_profile(source)
-            if not can_pay(profile.tpot_s, cost, options.k_max):  # too slow to pay even if always right
+        source = session.drafter(spec, options.drafter_dtype)
+        estimates = session.estimates(source.name)
+        if isinstance(source, Drafter):  # model-free: a lookup (known before the choice) or a user's drafter
+            drafter = source.begin(request.prompt_ids)
+            begun.append(drafter)
+            match = drafter.match_length
+            candidates.append(Candidate(source.name, drafter, 0.0, 0.0 if match is not None else FREE_PRIOR, match,
+                                        estimates))
+            continue
+        profile = session.profile(source)
+        if not can_pay(profile.tpot_s, cost, options.k_max):  # too slow to pay even if always right
+            continue
+        cache = session.cache(source, key) if key is not None else source
+        drafter = model_drafter(cache, target, request.sampling, request.generator,
+                                draft_confidence=options.draft_confidence, pairs=session.vocab_pairs)
+        step_s = profile.tpot_s * (drafter.tokens_per_target_token(request.prompt_ids)
+                                   if isinstance(drafter, CrossVocabDrafter) else 1.0)
+        scale = session.scale(source.name)
+        chain = Candidate(source.name, drafter, step_s, MODEL_PRIOR, estimates=estimates,
+                          catch_up=catch_up_cost(drafter, profile), scale=scale, speed=speed)
+        candidates.append(chain)
+        same_ids = isinstance(drafter, ModelDrafter)  # trees and reviews need the target's ids
+        for width in options.tree_widths if same_ids else ():
+            if not can_pay(profile.cost(width), cost, options.k_max, width):
                 continue
-            cache = caches.setdefault(key, SharedCache(metered(source))) if key is not None else source
-            drafter = model_drafter(cache, target, request.sampling, request.generator,
-                                    draft_confidence=options.draft_confidence)
-            step_s = profile.tpot_s * (drafter.tokens_per_target_token(request.prompt_ids)
-                                       if isinstance(drafter, CrossVocabDrafter) else 1.0)
-            scale = scales.setdefault(source.name, Scale())
-            chain = Candidate(source.name, drafter, step_s, MODEL_PRIOR, estimates=estimates,
-                              catch_up=catch_up_cost(drafter, profile), scale=scale, speed=speed)
-            candidates.append(chain)
-            same_ids = isinstance(drafter, ModelDrafter)  # trees and reviews need the target's ids
-            for width in options.tree_widths if same_ids else ():
-                if not can_pay(profile.cost(width), cost, options.k_max, width):
-                    continue
-                name = f"{source.name} tree{width}"
-                tree = TreeDrafter(drafter.cache)  # the chain's cache: whichever drafts next catches up from it
-                candidates.append(Candidate(name, tree, profile.cost(width), TREE_PRIOR,
-                                            estimates=learned.setdefault(name, {}), width=width,
-                                            catch_up=catch_up_cost(tree, profile), chain=chain,
-                                            scale=scale, speed=speed))
+            name = f"{source.name} tree{width}"
+            tree = TreeDrafter(drafter.cache, width)  # the chain's cache: whichever drafts next catches up from it
+            candidates.append(Candidate(name, tree, profile.cost(width), TREE_PRIOR,
+                                        estimates=session.estimates(name), width=width,
+                                        catch_up=catch_up_cost(tree, profile), chain=chain,
+                                        scale=scale, speed=speed))
     # A vertical cascade (CS Drafting) where Max-Gram finds a match: each model drafter reviews Max-Gram's
     # draft in one forward, keeping what it would itself have drafted, so its drafts are its chain's (the
     # same acceptance estimates), cheaper where Max-Gram guesses right. Its cost per token is measured as
     # it drafts; until then a review is taken to yield two tokens.
-    maxgram = next((c.drafter for c in candidates if isinstance(c.drafter, MaxGramDrafter)), None)
-    for chain in [c for c in candidates if isinstance(c.drafter, ModelDrafter)] if maxgram else ():
-        cascade = CascadeDrafter([chain.drafter, maxgram], [[options.k_max, 0], [0, REVIEW]], 1.0,
+    lookup = next((c.drafter for c in candidates if isinstance(c.drafter, MaxGramDrafter)), None)
+    for chain in [c for c in candidates if isinstance(c.drafter, ModelDrafter)] if lookup else ():
+        cascade = CascadeDrafter([chain.drafter, lookup], [[options.k_max, 0], [0, REVIEW]], 1.0,
                                  request.sampling, request.generator)
         candidates.append(Candidate(f"{chain.name} cascade", cascade, chain.step_s / 2, chain.prior,
                                     estimates=chain.estimates, measured=True, needs_match=True,
                                     catch_up=chain.catch_up, scale=chain.scale, speed=speed))  # the chain's
-    if hasattr(target, "sharing"):  # a served request: its forwards are batched with other requests'
+    if target.sharing is not None:  # a served request: its forwards are batched with other requests'
         for candidate in candidates:
             if candidate.catch_up is not None:
                 candidate.catch_up = shared_catch_up(candidate.catch_up, cost, target.sharing)
             candidate.load = target.sharing
         cost = shared_cost(cost, target.sharing)
-    lengths = _lengths.setdefault(profiled_as(target), deque(maxlen=LENGTHS_KEPT))
     decoder = adaptive(target, candidates, request.prompt_ids, request.max_new_tokens, cost, request.sampling,
-                       request.generator, options.k_max, options.probe_every, lengths)
-    return history.recording(decoder, request.prompt_ids) if history is not None else decoder
+                       request.generator, options.k_max, options.probe_every, session.lengths)
+    return ending(decoder, begun, request.prompt_ids)

@@ -48,16 +48,15 @@ def build(request: Request, options: CascadeOptions) -> Any:
     from speculant.drafters.cross_vocab import model_drafter
     from speculant.drafters.maxgram import MaxGramDrafter
     from speculant.drafters.model import ModelDrafter
-    from speculant.drafters.spec import load_drafter
 
     levels = []
     for item in options.drafters:
-        source = load_drafter(item, request.target, options.drafter_dtype)
+        source = request.session.drafter(item, options.drafter_dtype)
         if isinstance(source, Drafter) and not isinstance(source, (MaxGramDrafter, ModelDrafter)):
             raise ConfigError(f"cascade levels are models or 'maxgram', not {type(source).__name__}")
         levels.append(source if isinstance(source, Drafter) else
                       model_drafter(source, request.target, request.sampling, request.generator,
-                                    keep_probs=options.leniency > 1))
+                                    keep_probs=options.leniency > 1, pairs=request.session.vocab_pairs))
     k_matrix = options.k_matrix or default_k_matrix(levels, options.k)
     cascade = CascadeDrafter(levels, [list(row) for row in k_matrix], options.leniency, request.sampling,
                              request.generator)

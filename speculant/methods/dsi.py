@@ -14,11 +14,12 @@ from speculant.methods.registry import Request, register
 
 
 def drafts_with_a_model(options: DSIOptions) -> bool:
-    """Whether a model drafts (it then needs cores beside the servers) rather than Max-Gram or a Drafter object."""
+    """Whether a model drafts (it then needs cores beside the servers) rather than a registered drafter (Max-Gram)
+    or a Drafter object."""
     from speculant.drafters.base import Drafter
-    from speculant.drafters.spec import MAXGRAM, DrafterSpec
+    from speculant.drafters.spec import DrafterSpec
 
-    return any(not (isinstance(d, Drafter) or isinstance(d, DrafterSpec) and d.kind == MAXGRAM)
+    return any(not (isinstance(d, Drafter) or isinstance(d, DrafterSpec) and d.kind not in ("self", "model"))
                for d in options.drafters or (options.drafter,))
 
 
@@ -104,7 +105,6 @@ def build(request: Request, options: DSIOptions) -> Any:
     from speculant.decoding.dsi.twin import PaddedModel
     from speculant.drafters.base import Drafter
     from speculant.drafters.cross_vocab import CrossVocabDrafter, model_drafter
-    from speculant.drafters.spec import load_drafter
     from speculant.models import resolve_device
     from speculant.sampling import seeded
 
@@ -113,17 +113,16 @@ def build(request: Request, options: DSIOptions) -> Any:
     pads = (twin[1] if isinstance(twin[1], tuple) else (twin[1],) * len(names)) if twin else (None,) * len(names)
     drafters, costs, sources = [], [], []
     for index, (name, pad) in enumerate(zip(names, pads)):
-        source = load_drafter(name, target, options.drafter_dtype)
+        source = request.session.drafter(name, options.drafter_dtype)
         sources.append(source)
         if isinstance(source, Drafter):  # Max-Gram and other model-free drafters cost next to nothing
             drafters.append(source)
             costs.append(0.0)
             continue
-        if getattr(source, "backend", None) == "llamacpp":  # its share of the cores beside the servers
-            source = source.share(max(1, source.threads // (options.servers + 1)))
+        source = source.beside(options.servers)
         seed = None if request.seed is None else request.seed + 1 + index  # each drafter thread its own stream
         drafters.append(model_drafter(source if pad is None else PaddedModel(source, pad), target, request.sampling,
-                                      seeded(target.device, seed)))
+                                      seeded(target.device, seed), pairs=request.session.vocab_pairs))
         costs.append(pad.step_s if pad is not None else None)
     devices = list(options.target_devices or [str(target.device)] * options.servers)
     for device in devices:

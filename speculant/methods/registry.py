@@ -20,6 +20,7 @@ if TYPE_CHECKING:
 
     from speculant.decoding.run import Decoder
     from speculant.models.base import CausalLM
+    from speculant.session import Session
 
 
 @dataclass(frozen=True)
@@ -31,6 +32,7 @@ class Request:
     max_new_tokens: int
     sampling: SamplingConfig
     generator: torch.Generator
+    session: Session  # what loaded drafters and learned state the generation uses (and adds to)
     seed: int | None = None
 
 

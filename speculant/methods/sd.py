@@ -6,7 +6,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from speculant.config import option
-from speculant.drafters.spec import MAXGRAM, SUFFIX, DrafterSpec
+from speculant.drafters.spec import DrafterSpec
 from speculant.errors import ConfigError
 from speculant.methods.drafting import DrafterOptions
 from speculant.methods.registry import Request, register
@@ -24,28 +24,25 @@ class SDOptions(DrafterOptions):
             raise ConfigError(f"k must be >= 1, got {self.k}")
         if not 0 <= self.draft_confidence < 1:
             raise ConfigError(f"draft-confidence must lie in [0, 1), got {self.draft_confidence}")
-        if self.draft_confidence and isinstance(self.drafter, DrafterSpec) and self.drafter.kind in (MAXGRAM, SUFFIX):
+        if self.draft_confidence and isinstance(self.drafter, DrafterSpec) and self.drafter.kind not in ("self", "model"):
             raise ConfigError(f"draft_confidence needs a model drafter, not {self.drafter.kind}")
 
 
 @register("sd", SDOptions, "speculative decoding: k drafts per step, verified in one target forward")
 def build(request: Request, options: SDOptions) -> Any:
+    from speculant.decoding.run import ending
     from speculant.decoding.speculative import speculative
     from speculant.drafters.base import Drafter
     from speculant.drafters.cross_vocab import model_drafter
-    from speculant.drafters.spec import load_drafter
-    from speculant.drafters.suffix import SuffixDrafter
 
-    source = load_drafter(options.drafter, request.target, options.drafter_dtype)
+    source = request.session.drafter(options.drafter, options.drafter_dtype)
     if isinstance(source, Drafter) and options.draft_confidence:
         raise ConfigError(f"draft_confidence needs a model drafter, not {type(source).__name__}")
-    if isinstance(source, SuffixDrafter):  # it reads earlier generations, not this prompt's
-        drafter = source.for_prompt(request.prompt_ids)
-    elif isinstance(source, Drafter):
-        drafter = source
+    if isinstance(source, Drafter):
+        drafter = source.begin(request.prompt_ids)
     else:
         drafter = model_drafter(source, request.target, request.sampling, request.generator,
-                                draft_confidence=options.draft_confidence)
+                                draft_confidence=options.draft_confidence, pairs=request.session.vocab_pairs)
     decoder = speculative(request.target, drafter, request.prompt_ids, options.k, request.max_new_tokens,
                           request.sampling, request.generator)
-    return source.history.recording(decoder, request.prompt_ids) if isinstance(source, SuffixDrafter) else decoder
+    return ending(decoder, [drafter], request.prompt_ids)

@@ -42,29 +42,27 @@ def build(request: Request, options: TreeOptions) -> Any:
     from speculant.decoding.tree import tree_speculative
     from speculant.decoding.tree_shape import tree_shape
     from speculant.drafters.tree import TreeDrafter
-    from speculant.latency import LatencyProfile, machine_profile
+    from speculant.latency import LatencyProfile
 
-    model = tree_drafter_model(options.drafter, request.target, options.drafter_dtype)
+    model = tree_drafter_model(request.session.drafter(options.drafter, options.drafter_dtype), request.target)
     profile = options.target_profile
     if profile is not None and not isinstance(profile, LatencyProfile):
         profile = LatencyProfile.load(profile)
     shape = tree_shape(request.target, model, request.prompt_ids, options.depth, options.width, options.verify_width,
-                       profile)
+                       profile, request.session.measured)
     predictor, cost = depth_predictor(options.depth_predictor, request.target, model), shape.cost
     if predictor is not None and cost is None:
-        cost = machine_profile(request.target).cost
+        cost = request.session.profile(request.target).cost
     return tree_speculative(request.target, TreeDrafter(model), request.prompt_ids, shape.depth, shape.width,
                             request.max_new_tokens, request.sampling, request.generator, shape.verify_width, cost,
                             predictor)
 
 
-def tree_drafter_model(spec: Any, target: Any, dtype: str | None) -> Any:
-    """The model `spec` names, loaded to draft trees for `target`: a model with the target's vocabulary."""
+def tree_drafter_model(model: Any, target: Any) -> Any:
+    """`model`, checked to draft trees for `target`: a model with the target's vocabulary."""
     from speculant.drafters.base import Drafter
-    from speculant.drafters.spec import load_drafter
     from speculant.drafters.vocab import same_vocabulary
 
-    model = load_drafter(spec, target, dtype)
     if isinstance(model, Drafter):
         raise ConfigError("method 'tree' needs a model drafter")
     if not same_vocabulary(target, model) or model.vocab_size != target.vocab_size:

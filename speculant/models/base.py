@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol, runtime_checkable
 
 import torch
 
+from speculant.errors import ConfigError
 from speculant.tree import TokenTree
 
 
@@ -16,14 +17,8 @@ class CausalLM(Protocol):
     """A causal language model with a KV cache that can grow, roll back and be compacted.
 
     `cache_len` counts the positions whose keys and values are cached. The algorithms drive every
-    backend through this protocol alone. A backend that can stop a forward early also has `interrupt`
-    (None, or a check called at every layer boundary; True raises `Interrupted`). A backend that can run
-    several sequences' calls as one forward, each row bit for bit its own call (what a batching server
-    uses), also has `weights_key` (equal for handles that share weights) and `rows_forward()` (a function
-    of [(handle, Call)] -> each call's logits, or None where this handle's rows cannot batch). One whose
-    `prefill` runs a long prompt in parts has `prefill_parts(ids)` (the parts, in order) and
-    `continue_prefill(part)` (a part after the earlier ones; the logits of its last token): a server runs
-    the parts in separate forwards, with the same bits as one `prefill`.
+    backend through this protocol alone, and read what a backend can do beyond it from `capabilities`
+    (`Capabilities`): nobody outside `models/` asks which backend a model is.
     """
 
     name: str
@@ -34,6 +29,7 @@ class CausalLM(Protocol):
     device: torch.device
     dtype: torch.dtype
     numerics: str  # the numeric path, e.g. "fp32": outputs are comparable only between equal numerics
+    capabilities: Capabilities
 
     @property
     def cache_len(self) -> int: ...
@@ -59,6 +55,74 @@ class CausalLM(Protocol):
     def keep(self, indices: Sequence[int]) -> None:
         """Keep only the cached positions `indices` (ascending), e.g. the accepted path of a tree."""
         ...
+
+
+@dataclass(frozen=True)
+class Capabilities:
+    """What a backend can do beyond the CausalLM protocol, declared once per backend and read by callers.
+
+    - `shares_weights`: `share()` opens a second cache on the same weights (self-drafting, a server's rows).
+    - `batches_rows`: `weights_key` (equal for handles that share weights) and `rows_forward()` (a function of
+      [(handle, Call)] -> each call's logits, or None where this handle's rows cannot batch) run several
+      sequences' calls as one forward, each row bit for bit its own call: what a batching server uses.
+    - `prefills_in_parts`: `prefill_parts(ids)` (the parts, in order) and `continue_prefill(part)` (a part after
+      the earlier ones; the logits of its last token): a server runs a long prompt's parts in separate forwards,
+      with the same bits as one `prefill`.
+    - `interruptible`: `interrupt` (None, or a check called at every layer boundary; True raises `Interrupted`).
+    - `skips_layers`: `skipping(layers)` drafts with the target's weights less some layers (`self@skip`).
+    - `exact_any_width`: a forward's row r equals the one-token forward's bits at any width (else up to the
+      backend's `width`, past which forwards run in chunks).
+    - `sliding_window`: the backend attends within a sliding window where the model has one.
+    - `hidden_states`: a forward can return the last layer's hidden states.
+    - `gguf`: runs a GGUF file as it is (`gguf_path`), as llama.cpp's own tools can.
+    """
+
+    shares_weights: bool = False
+    batches_rows: bool = False
+    prefills_in_parts: bool = False
+    interruptible: bool = False
+    skips_layers: bool = False
+    exact_any_width: bool = False
+    sliding_window: bool = False
+    hidden_states: bool = False
+    gguf: bool = False
+
+
+class Backend:
+    """What every backend shares: its declared `capabilities` and the choices that depend on the backend, made
+    here rather than by comparing backend names elsewhere. A backend overrides what differs."""
+
+    capabilities = Capabilities()
+    sharing: Callable[[], int] | None = None  # a served request's handle: how many rows its target's batches hold now
+    draft_guide: Any = None  # structured output: what a drafter's rows may hold (`models.constrained`)
+
+    def default_drafters(self) -> tuple[str, ...]:
+        """The drafter specs `auto` tries for this target when none are named: its catalog drafter as this
+        backend runs it best, and Max-Gram."""
+        return ("maxgram",)
+
+    def draft_model(self, spec: Any, dtype: str | None) -> CausalLM:
+        """The model a drafter spec names (not `self`), loaded to draft for this target."""
+        raise ConfigError(f"{type(self).__name__} loads no drafter models: pass a loaded model")
+
+    def self_drafter(self, spec: Any) -> CausalLM:
+        """`self` (the target's weights with a cache of their own), `self@int8|int4` or `self@skip` for this target."""
+        if spec.quant:
+            raise ConfigError(f"self@{spec.quant} quantizes transformers weights; this target runs on another backend")
+        if spec.skip:
+            raise ConfigError("self@skip runs on the lean backend (--backend lean)")
+        if not self.capabilities.shares_weights:
+            raise ConfigError("self drafting needs a target that can open a second cache on its weights")
+        return self.share()
+
+    def beside(self, others: int) -> CausalLM:
+        """This model as it should run beside `others` models busy on the same cores (DSI's drafter beside its
+        target servers): itself, unless its backend keeps threads of its own."""
+        return self
+
+    def describe(self) -> list[str]:
+        """Lines about the kernels this model runs on, for `speculant profile`."""
+        return []
 
 
 class PointerCache:
@@ -120,23 +184,105 @@ def profiled_as(model: Any) -> Any:
     return getattr(model, "shares", model)
 
 
-class Wrapper:
-    """A CausalLM around another that changes some of its calls (`models.logprobs`, `models.biased`): what it
-    does not define passes straight through, and what is learned of it is kept under the wrapped model."""
+def _forwarded(name: str, doc: str = "") -> property:
+    return property(lambda self: getattr(self.model, name), doc=doc or f"the wrapped model's `{name}`")
+
+
+class Delegating(Backend):
+    """A CausalLM around another (`model`) that forwards, explicitly, every member of the contract, the declared
+    capabilities and what they make available, and the backend's choices: whatever it wraps, a wrapper is a
+    CausalLM with the same capabilities, in any order of wrapping. A subclass overrides the calls it changes
+    (`Wrapper`s change logits, `models.metered` counts forwards, a server's `Row` batches them, DSI's twin pads
+    their time)."""
 
     def __init__(self, model: CausalLM):
         self.model = model
 
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self.model, name)
+    name = _forwarded("name")
+    tokenizer = _forwarded("tokenizer")
+    vocab_size = _forwarded("vocab_size")
+    eos_token_ids = _forwarded("eos_token_ids")
+    max_positions = _forwarded("max_positions")
+    device = _forwarded("device")
+    dtype = _forwarded("dtype")
+    numerics = _forwarded("numerics")
+    capabilities = _forwarded("capabilities")
+    identity = _forwarded("identity", "what the weights are when loaded by name (machine profiles persist per identity)")
+    kernel = _forwarded("kernel", "the kernel its forwards run on")
+    sharing = _forwarded("sharing")
+    draft_guide = _forwarded("draft_guide")
+    cache_len = _forwarded("cache_len")
+
+    @property
+    def interrupt(self) -> Callable[[], bool] | None:
+        return self.model.interrupt
+
+    @interrupt.setter
+    def interrupt(self, check: Callable[[], bool] | None) -> None:
+        self.model.interrupt = check
+
+    def prefill(self, ids: Sequence[int]) -> torch.Tensor:
+        return self.model.prefill(ids)
+
+    def forward(self, ids: Sequence[int], positions: Sequence[int] | None = None,
+                tree: TokenTree | None = None) -> torch.Tensor:
+        return self.model.forward(ids, positions, tree=tree)
+
+    def rollback(self, n: int) -> None:
+        self.model.rollback(n)
+
+    def keep(self, indices: Sequence[int]) -> None:
+        self.model.keep(indices)
+
+    def share(self) -> CausalLM:
+        return self.model.share()
+
+    def prefill_parts(self, ids: Sequence[int]) -> list[list[int]]:
+        return self.model.prefill_parts(ids)
+
+    def continue_prefill(self, ids: Sequence[int]) -> torch.Tensor:
+        return self.model.continue_prefill(ids)
+
+    @property
+    def weights_key(self) -> int:
+        return self.model.weights_key
+
+    def rows_forward(self) -> Any:
+        return self.model.rows_forward()
+
+    def skipping(self, skipped: Sequence[int]) -> CausalLM:
+        return self.model.skipping(skipped)
+
+    def default_drafters(self) -> tuple[str, ...]:
+        return self.model.default_drafters()
+
+    def draft_model(self, spec: Any, dtype: str | None) -> CausalLM:
+        return self.model.draft_model(spec, dtype)
+
+    def self_drafter(self, spec: Any) -> CausalLM:
+        return self.model.self_drafter(spec)
+
+    def beside(self, others: int) -> CausalLM:
+        return self.model.beside(others)
+
+    def describe(self) -> list[str]:
+        return self.model.describe()
+
+
+class Wrapper(Delegating):
+    """A CausalLM around another that changes its logits (`models.logprobs`, `models.biased`,
+    `models.constrained`): what is learned of it is kept under the wrapped model (`shares`)."""
 
     @property
     def shares(self) -> Any:
         return profiled_as(self.model)
 
-    @property
-    def cache_len(self) -> int:
-        return self.model.cache_len
+
+def unwrapped(model: Any) -> Any:
+    """The model under any Wrappers (what records, biases or masks its logits)."""
+    while isinstance(model, Wrapper):
+        model = model.model
+    return model
 
 
 def common_prefix_len(a: Sequence, b: Sequence) -> int:

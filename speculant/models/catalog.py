@@ -246,3 +246,9 @@ def gguf_checkpoint(entry: CatalogEntry) -> Path:
         AutoTokenizer.from_pretrained(tmp, gguf_file="model.gguf").save_pretrained(tmp)
 
     return build_atomically(cache_root() / "models" / f"{entry.name}-gguf", build)
+
+
+def catalog_drafter(name: str) -> str | None:
+    """The catalog's drafter for a model loaded under a catalog name (with any `@` suffix), or None."""
+    entry = CATALOG.get(name.split("@")[0])
+    return entry.drafter if entry is not None and entry.drafter else None

@@ -13,7 +13,8 @@ import torch
 from torch.nn.attention import SDPBackend, sdpa_kernel
 from transformers import DynamicCache, PreTrainedModel
 
-from speculant.models.base import Call, Interrupted, prompt_parts
+from speculant.models.base import Backend, Call, Capabilities, Interrupted, prompt_parts
+from speculant.models.catalog import catalog_drafter
 from speculant.models.exact import make_exact
 from speculant.tree import TokenTree
 
@@ -63,7 +64,7 @@ def private_copy(model: PreTrainedModel) -> PreTrainedModel:
     return deepcopy(model, memo)
 
 
-class HFCausalLM:
+class HFCausalLM(Backend):
     """A transformers model and the KV cache of one sequence.
 
     Rollback only shortens the cache; `forward` never re-runs cached positions. The backend works on
@@ -73,6 +74,30 @@ class HFCausalLM:
     """
 
     backend = "hf"
+    capabilities = Capabilities(shares_weights=True, batches_rows=True, prefills_in_parts=True, interruptible=True,
+                                exact_any_width=True)
+
+    def default_drafters(self) -> tuple[str, ...]:
+        """The catalog's drafter quantized to int8 where speculant's AMX int8 kernel runs (its cost stays flat over
+        the several tokens a drafter catches up on after an accepted draft) and to int4 elsewhere; Max-Gram."""
+        from speculant.models import native
+
+        drafter = catalog_drafter(self.name)
+        if drafter is None:
+            return super().default_drafters()
+        return (f"{drafter}@{'int8' if native.AMX.library() is not None else 'int4'}", "maxgram")
+
+    def draft_model(self, spec: Any, dtype: str | None) -> Any:
+        from speculant.models.loading import transformers_drafter
+
+        return transformers_drafter(self, spec, dtype, "hf")
+
+    def self_drafter(self, spec: Any) -> Any:
+        if spec.quant:
+            from speculant.models.loading import quantized_copy
+
+            return quantized_copy(self, spec.quant)
+        return super().self_drafter(spec)
 
     def __init__(
         self,

@@ -33,7 +33,8 @@ from speculant import kernels
 from speculant.cache import cache_root
 from speculant.kernels import formats
 from speculant.errors import ConfigError
-from speculant.models.base import Call, Interrupted, PointerCache, prompt_parts
+from speculant.models.base import Backend, Call, Capabilities, Interrupted, PointerCache, prompt_parts
+from speculant.models.catalog import catalog_drafter
 from speculant.tree import TokenTree
 
 ARCHITECTURES = {"qwen2": "neox", "llama": "norm"}  # rotary layout as llama.cpp lays out each one's weights
@@ -243,10 +244,12 @@ def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, layout: str) 
     return torch.stack([a * cos - b * sin, b * cos + a * sin], dim=-1).flatten(-2)
 
 
-class LeanCausalLM(PointerCache):
+class LeanCausalLM(PointerCache, Backend):
     """A CausalLM (see models/base.py) on LeanWeights, with a KV cache of its own."""
 
     backend = "lean"
+    capabilities = Capabilities(shares_weights=True, batches_rows=True, prefills_in_parts=True, interruptible=True,
+                                skips_layers=True, exact_any_width=True, sliding_window=True, gguf=True)
     device = torch.device("cpu")
     dtype = torch.float32
 
@@ -278,6 +281,24 @@ class LeanCausalLM(PointerCache):
         """Another handle on the same weights with a cache of its own."""
         return LeanCausalLM(self.weights, self.tokenizer, self.name, self.eos_token_ids, self.identity,
                             self.max_positions, self.layers)
+
+    def default_drafters(self) -> tuple[str, ...]:
+        """The catalog's drafter's GGUF on the same kernels, behind FR-Spec's frequency-ranked head (`@lean`);
+        Max-Gram."""
+        drafter = catalog_drafter(self.name)
+        return (f"{drafter}@lean", "maxgram") if drafter is not None else super().default_drafters()
+
+    def draft_model(self, spec: Any, dtype: str | None) -> Any:
+        from speculant.models.loading import load_model
+
+        return load_model(str(spec), dtype=dtype)
+
+    def self_drafter(self, spec: Any) -> Any:
+        if spec.skip:
+            from speculant.models.layer_skip import skipped_layers
+
+            return self.skipping(skipped_layers(self))
+        return super().self_drafter(spec)
 
     def skipping(self, skipped: Sequence[int]) -> LeanCausalLM:
         """A handle on the same weights that leaves the `skipped` layers out, with a cache of its own: the model

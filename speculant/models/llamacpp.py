@@ -43,7 +43,8 @@ import numpy as np
 import torch
 
 from speculant.errors import ModelNotAvailable
-from speculant.models.base import Interrupted
+from speculant.models.base import Backend, Capabilities, Interrupted
+from speculant.models.catalog import catalog_drafter
 from speculant.tree import TokenTree
 
 N_CTX = 8192  # positions per context (at most the model's training length)
@@ -247,10 +248,31 @@ def depth_first(tree: TokenTree) -> list[int]:
     return order
 
 
-class LlamaCppCausalLM:
+class LlamaCppCausalLM(Backend):
     """A llama.cpp context on GGUF weights: the KV cache of one sequence (see the module docstring)."""
 
     backend = "llamacpp"
+    capabilities = Capabilities(shares_weights=True, interruptible=True, sliding_window=True, gguf=True)
+
+    def default_drafters(self) -> tuple[str, ...]:
+        """The catalog's drafter's GGUF on llama.cpp too; Max-Gram."""
+        drafter = catalog_drafter(self.name)
+        return (f"{drafter}@gguf", "maxgram") if drafter is not None else super().default_drafters()
+
+    def draft_model(self, spec: Any, dtype: str | None) -> Any:
+        from speculant.models.loading import load_model
+
+        return load_model(str(spec), dtype=dtype)
+
+    def beside(self, others: int) -> LlamaCppCausalLM:
+        """A context on its share of the threads."""
+        return self.share(max(1, self.threads // (others + 1)))
+
+    def describe(self) -> list[str]:
+        info = system_info()
+        return [f"llama.cpp: {info['library']}", f"  ggml CPU variant: {info['variant']}",
+                f"  features: {info['features']}", f"{self.name}: weights in {' + '.join(self.weights.buffers)} "
+                f"buffers, rows invariant up to {self.width} tokens per forward"]
 
     def __init__(self, weights: GGUFWeights, tokenizer: Any | None = None, name: str | None = None,
                  extra_eos: frozenset[int] = frozenset(), identity: str | None = None, threads: int | None = None):

@@ -80,6 +80,15 @@ def quantized_copy(model: HFCausalLM, quant: str, group_size: int = 32) -> HFCau
     return HFCausalLM(copy, model.tokenizer, f"{model.name}@{quant}", model.eos_token_ids, identity)
 
 
+def transformers_drafter(target: Any, spec: Any, dtype: str | None, backend: str) -> CausalLM:
+    """A drafter for a transformers-weights target (`backend` hf or static): on the target's device in `dtype`
+    (default: the target's) and backend, compiled as the target is; `@gguf` on llama.cpp."""
+    if spec.backend == "gguf":
+        return load_model(str(spec))
+    return load_model(str(spec), dtype=dtype or dtype_name(target.dtype), device=str(target.device), backend=backend,
+                      compile=backend == "static" and target.compiled)
+
+
 def resolve_backend(backend: str | None, spec: Any, quant: str | None, device: str | None,
                     dtype: str | None = None) -> str:
     """`auto`: GGUF weights (a catalog name or a .gguf file) run as they are (no dtype, no quantization asked

@@ -5,11 +5,10 @@ from __future__ import annotations
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
 
 import torch
 
-from speculant.models.base import CausalLM
+from speculant.models.base import CausalLM, Delegating
 from speculant.tree import TokenTree
 
 
@@ -31,19 +30,12 @@ class Usage:
         return Usage(self.forwards - other.forwards, self.steps - other.steps, self.seconds - other.seconds)
 
 
-class Metered:
-    """Wraps a CausalLM; everything but `prefill` and `forward` passes straight through."""
+class Metered(Delegating):
+    """A CausalLM whose forwards are counted and timed (`usage`); everything else passes straight through."""
 
     def __init__(self, model: CausalLM):
-        self.model = model
+        super().__init__(model)
         self.usage = Usage()
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self.model, name)
-
-    @property
-    def cache_len(self) -> int:
-        return self.model.cache_len
 
     def prefill(self, ids: Sequence[int]) -> torch.Tensor:
         self.usage = Usage(self.usage.forwards + 1, self.usage.steps, self.usage.seconds)

@@ -26,7 +26,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from speculant.errors import ConfigError
-from speculant.models.base import Interrupted, PointerCache
+from speculant.models.base import Backend, Capabilities, Interrupted, PointerCache
+from speculant.models.catalog import catalog_drafter
 from speculant.tree import TokenTree
 
 ARCHITECTURES = ("llama", "qwen2", "mistral")
@@ -161,12 +162,23 @@ class StaticWeights(nn.Module):
         return self._compiled
 
 
-class StaticCausalLM(PointerCache):
+class StaticCausalLM(PointerCache, Backend):
     """A CausalLM (see models/base.py) on StaticWeights: a static KV cache of `span` positions (plus `width` slots
     that padded rows write), every call run as chunks of `width` rows; with `compiled`, the step compiled and, on
     CUDA, captured once per handle as a CUDA graph that each chunk replays."""
 
     backend = "static"
+    capabilities = Capabilities(shares_weights=True, batches_rows=True, interruptible=True, sliding_window=True)
+
+    def default_drafters(self) -> tuple[str, ...]:
+        """The catalog's drafter on the target's device, compiled as the target is; Max-Gram."""
+        drafter = catalog_drafter(self.name)
+        return (drafter, "maxgram") if drafter is not None else super().default_drafters()
+
+    def draft_model(self, spec: Any, dtype: str | None) -> Any:
+        from speculant.models.loading import transformers_drafter
+
+        return transformers_drafter(self, spec, dtype, "static")
 
     def __init__(self, weights: StaticWeights, tokenizer: Any | None = None, name: str | None = None,
                  eos_token_ids: frozenset[int] = frozenset(), identity: str | None = None,

@@ -315,7 +315,6 @@ def build_app(target_name: str, model: ModelConfig, method: str, options: Any, c
     """Load the target (and the method's drafters) and make the app that serves them."""
     import sys
 
-    from speculant.latency import machine_profile
     from speculant.models import load_model
     from speculant.models.base import CausalLM
 
@@ -326,7 +325,7 @@ def build_app(target_name: str, model: ModelConfig, method: str, options: Any, c
                     method, options, config.max_batch, config.max_queue, Metrics())
     if method == "auto":  # measure T(W) now (once per machine, on the thread that runs forwards), not in a request
         for each in [engine.target, *(m for m in engine.drafters.values() if isinstance(m, CausalLM))]:
-            engine.batcher.run(lambda each=each: machine_profile(each))
+            engine.batcher.run(lambda each=each: engine.session.profile(each))
     print(f"ready: {served_name} ({engine.target.numerics}, {method}; drafters: {', '.join(engine.models) or 'none'})",
           file=sys.stderr)
     return create_app(engine, served_name, config.api_key, replica)

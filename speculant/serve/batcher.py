@@ -25,7 +25,7 @@ from typing import Any
 import torch
 from greenlet import greenlet
 
-from speculant.models.base import Call, CausalLM
+from speculant.models.base import Call, CausalLM, Delegating
 from speculant.tree import TokenTree
 
 
@@ -177,31 +177,28 @@ class Batcher:
 def batched_forward(handle: CausalLM) -> Callable[[Sequence[tuple[Any, Call]]], list[torch.Tensor]] | None:
     """The backend's forward of several sequences' rows at once, each row bit for bit its own forward
     (`hf.forward_rows`, `lean.forward_rows`), or None where rows run one after another (see CausalLM)."""
-    rows_forward = getattr(handle, "rows_forward", None)
-    return rows_forward() if rows_forward is not None else None
+    return handle.rows_forward() if handle.capabilities.batches_rows else None
 
 
 def weights_of(handle: CausalLM) -> int:
     """Rows with equal keys share their weights and can run as one forward."""
-    return getattr(handle, "weights_key", id(handle))
+    return handle.weights_key if handle.capabilities.batches_rows else id(handle)
 
 
-class Row:
+class Row(Delegating):
     """One request's handle on a served model: its own KV cache, its forwards run by the batcher (without
     one, on the calling thread: a request that runs apart from the others). `shares` is the served model,
     under which per-model knowledge (machine profiles, what `auto` learned of acceptance) is kept across
     requests."""
 
     def __init__(self, batcher: Batcher | None, shares: CausalLM, on_forward: Callable[[Call], None] | None = None):
+        super().__init__(shares.share())
         self.batcher, self.shares, self.on_forward = batcher, shares, on_forward
-        self.handle = shares.share()
-
-    def __getattr__(self, name: str) -> Any:  # name, tokenizer, vocab_size, eos_token_ids, ...
-        return getattr(self.handle, name)
 
     @property
-    def cache_len(self) -> int:
-        return self.handle.cache_len
+    def handle(self) -> CausalLM:
+        """Its own cache on the served model's weights."""
+        return self.model
 
     def sharing(self) -> int:
         """How many requests' rows share each of this row's forwards: those running and those waiting to join the
@@ -218,8 +215,8 @@ class Row:
     def prefill(self, ids: Sequence[int]) -> torch.Tensor:
         """A prompt's prefill; where the backend runs a long prompt in parts (`prefill_parts`), each part waits
         for a forward of its own, so that the running requests decode between them."""
-        parts = self.handle.prefill_parts(ids) if self.batcher is not None and hasattr(self.handle, "prefill_parts") \
-            else [list(ids)]
+        parts = self.handle.prefill_parts(ids) if self.batcher is not None and \
+            self.handle.capabilities.prefills_in_parts else [list(ids)]
         logits = self._submit(Call(parts[0], prefill=True))
         for part in parts[1:]:
             logits = self._submit(Call(part, prefill=True, continues=True))
@@ -228,12 +225,6 @@ class Row:
     def forward(self, ids: Sequence[int], positions: Sequence[int] | None = None,
                 tree: TokenTree | None = None) -> torch.Tensor:
         return self._submit(Call(list(ids), positions=positions, tree=tree))
-
-    def rollback(self, n: int) -> None:
-        self.handle.rollback(n)
-
-    def keep(self, indices: Sequence[int]) -> None:
-        self.handle.keep(indices)
 
     def _submit(self, call: Call) -> torch.Tensor:
         if self.on_forward is not None:

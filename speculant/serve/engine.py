@@ -17,7 +17,7 @@ from typing import Any
 
 from speculant.api import check_request, decoded_target
 from speculant.config import SamplingConfig
-from speculant.drafters.spec import MAXGRAM, SELF, DrafterSpec, as_drafter, load_drafter
+from speculant.drafters.spec import MAXGRAM, SELF, DrafterSpec, as_drafter
 from speculant.errors import ConfigError
 from speculant.methods import Request, get_method
 from speculant.methods.drafting import with_drafters
@@ -28,6 +28,7 @@ from speculant.sampling import seeded
 from speculant.serve.batcher import Batcher, Row
 from speculant.serve.metrics import Metrics
 from speculant.serve.text import TextStream
+from speculant.session import Session
 
 
 def as_text(value: Any) -> str:
@@ -142,10 +143,9 @@ class Engine:
         self.method = get_method(method)
         options = options if options is not None else self.method.make_options({})
         if self.method.name == "auto" and options.drafters is None:
-            from speculant.methods.auto import default_drafters
-
-            options = replace(options, drafters=tuple(as_drafter(d) for d in default_drafters(self.target)))
-        self.drafters: dict[str, Any] = {}  # spec -> the loaded model (or stateless Drafter) requests share
+            options = replace(options, drafters=tuple(as_drafter(d) for d in self.target.default_drafters()))
+        self.session = Session(self.target)  # what the requests load and learn, shared by all of them
+        self.drafters: dict[str, Any] = {}  # spec -> the served model (or Drafter) requests draft with
         self.options = options
         self.batcher.run(lambda: with_drafters(options, self._load))
         self.max_batch, self.max_queue = max_batch, max_queue
@@ -155,10 +155,10 @@ class Engine:
     def _load(self, spec: Any) -> Any:
         key = str(spec)
         if key not in self.drafters:
-            loaded = load_drafter(spec, self.target, getattr(self.options, "drafter_dtype", None))
-            if isinstance(spec, DrafterSpec) and spec.kind == SELF and not spec.quant:
-                loaded = self.target  # its rows share the target's weights (and its batched forwards)
-            self.drafters[key] = loaded
+            if isinstance(spec, DrafterSpec) and spec.kind == SELF and not (spec.quant or spec.skip):
+                self.drafters[key] = self.target  # its rows share the target's weights (and its batched forwards)
+            else:
+                self.drafters[key] = self.session.drafter(spec, getattr(self.options, "drafter_dtype", None))
         return self.drafters[key]
 
     @property
@@ -251,7 +251,7 @@ class Engine:
         decoded, recorded = decoded_target(target, job.logprobs, job.logit_bias, job.constraint)
         options = with_drafters(options, for_request)
         request = Request(decoded, job.prompt_ids, job.max_tokens, job.sampling,
-                          seeded(self.target.device, job.seed), job.seed)
+                          seeded(self.target.device, job.seed), self.session, job.seed)
         decoder = spec.build(request, options)
         text = TextStream(self.target.tokenizer, job.stops)
         tokens, finish, last = 0, "length", None

@@ -79,7 +79,9 @@ def replica_factory(target: CausalLM, servers: int = 1, drafting: bool = False) 
     target = profiled_as(target)
     if isinstance(target, HFCausalLM):
         return partial(hf_replica, target.model, target.name, target.eos_token_ids)
-    if getattr(target, "backend", None) == "llamacpp":
+    from speculant.models.llamacpp import LlamaCppCausalLM
+
+    if isinstance(target, LlamaCppCausalLM):
         return partial(gguf_replica, str(target.weights.path), target.name, target.eos_token_ids,
                        max(1, target.threads // (servers + drafting)))
     raise ConfigError(f"DSI needs a factory for target servers of type {type(target).__name__}")

@@ -114,7 +114,7 @@ class TargetServer:
         self.cached: list[int] = []  # the tokens whose keys and values the model holds
         self.request, self.sequence = -1, []  # the request it serves and the sequence it was sent for it
         self.jobs = 0
-        if canceller is not None and hasattr(model, "interrupt"):
+        if canceller is not None and model.capabilities.interruptible:
             model.interrupt = canceller.cancelled_now
 
     def run(self, job: Job) -> JobResult:

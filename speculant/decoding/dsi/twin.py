@@ -21,7 +21,7 @@ import torch
 
 from speculant.decoding.dsi.jobs import Canceller
 from speculant.drafters.base import Draft
-from speculant.models.base import CausalLM, Interrupted
+from speculant.models.base import Backend, CausalLM, Delegating, Interrupted
 from speculant.models.metered import Usage
 from speculant.tree import TokenTree
 
@@ -55,28 +55,15 @@ class Latency:
         return cls(profile.ttft_s, profile.tpot_s, tuple(sorted(profile.forward_s.items())))
 
 
-class PaddedModel:
+class PaddedModel(Delegating):
     """A CausalLM whose forwards take at least the emulated latency; a cancellation of the job its
     server is running (`canceller`) interrupts the wait, raising `Interrupted` (the real forward, when it
     is interruptible itself, stops at its next layer boundary)."""
 
     def __init__(self, model: CausalLM, latency: Latency, canceller: Canceller | None = None):
-        self.model = model
+        super().__init__(model)
         self.latency = latency
         self.canceller = canceller
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self.model, name)
-
-    def __setattr__(self, name: str, value: Any) -> None:
-        if name == "interrupt":  # the padded model's check is its model's
-            setattr(self.model, name, value)
-        else:
-            super().__setattr__(name, value)
-
-    @property
-    def cache_len(self) -> int:
-        return self.model.cache_len
 
     def _pad(self, start: float, seconds: float) -> None:
         left = seconds - (time.monotonic() - start)
@@ -101,7 +88,7 @@ class PaddedModel:
         return logits
 
 
-class OracleLM:
+class OracleLM(Backend):
     """Pure mode's target: no weights; its greedy next token is a fixed function of the prefix."""
 
     tokenizer = None

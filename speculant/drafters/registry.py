@@ -1,0 +1,94 @@
+"""The drafter registry: every drafter that is not a model (a model is named by its catalog name, Hugging Face id
+or path) is registered by name, a factory that makes it for a target. A registered name then works wherever a
+built-in one does: `generate(..., drafter=NAME)`, `auto`'s `drafters`, bench method specs, the CLI and the server.
+
+    @speculant.register_drafter("mine")
+    def mine(target):                      # -> a speculant.Drafter
+        return MyDrafter(target.vocab_size)
+
+The built-in kinds register in their own modules (`maxgram`, `suffix`), which load when their name is first
+looked up; installed plugins name a module or factory in the `speculant.drafters` entry point group, loaded
+likewise. Names are known without importing any of them (parsing a spec needs no torch).
+"""
+
+from __future__ import annotations
+
+import importlib
+from collections.abc import Callable
+from dataclasses import dataclass
+from importlib.metadata import entry_points
+from typing import Any
+
+from speculant.errors import ConfigError
+
+BUILTIN = {"maxgram": "speculant.drafters.maxgram", "suffix": "speculant.drafters.suffix"}  # name -> its module
+ENTRY_POINTS = "speculant.drafters"
+RESERVED = ("self", "none")  # the target's own weights; plain decoding
+
+
+@dataclass(frozen=True)
+class DrafterKind:
+    name: str
+    factory: Callable[..., Any]
+    with_session: bool  # the factory takes (target, session): a built-in that keeps state in the session
+
+
+DRAFTERS: dict[str, DrafterKind] = {}
+
+
+def register_drafter(name: str, *, with_session: bool = False) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
+    """Decorator that registers a drafter factory under `name`: `factory(target)` returns a `speculant.Drafter`
+    for a loaded target (with `with_session`, `factory(target, session)`: state that outlives a generation
+    belongs in the session)."""
+    if not name or any(c in name for c in "@,:= ") or name in RESERVED:
+        raise ConfigError(f"'{name}' cannot name a drafter (reserved, or holds one of '@,:= ')")
+
+    def wrap(factory: Callable[..., Any]) -> Callable[..., Any]:
+        held = DRAFTERS.get(name)
+        if held is not None and _origin(held.factory) != _origin(factory):
+            raise ConfigError(f"drafter '{name}' is already registered by {_origin(held.factory)}")
+        DRAFTERS[name] = DrafterKind(name, factory, with_session)
+        return factory
+
+    return wrap
+
+
+def _origin(factory: Callable[..., Any]) -> str:
+    return f"{factory.__module__}.{factory.__qualname__}"
+
+
+def _plugins() -> dict[str, Any]:
+    return {entry.name: entry for entry in entry_points(group=ENTRY_POINTS)}
+
+
+def is_registered(name: str) -> bool:
+    """Whether `name` is a drafter kind: built in, registered, or an installed plugin's (nothing is imported)."""
+    return name in DRAFTERS or name in BUILTIN or name in _plugins()
+
+
+def names() -> list[str]:
+    return sorted({*BUILTIN, *DRAFTERS, *_plugins()})
+
+
+def kind(name: str) -> DrafterKind:
+    """The registered kind `name`, importing the module that registers it where it has not been yet."""
+    if name not in DRAFTERS and name in BUILTIN:
+        importlib.import_module(BUILTIN[name])
+    elif name not in DRAFTERS and name in (plugins := _plugins()):
+        loaded = plugins[name].load()  # a module that registers itself, or the factory
+        if name not in DRAFTERS and callable(loaded):
+            register_drafter(name)(loaded)
+    if name not in DRAFTERS:
+        raise ConfigError(f"unknown drafter '{name}' (registered: {', '.join(names())})")
+    return DRAFTERS[name]
+
+
+def make_drafter(name: str, target: Any, session: Any) -> Any:
+    """The registered drafter `name` for `target`, checked to be a Drafter."""
+    from speculant.drafters.base import Drafter
+
+    registered = kind(name)
+    drafter = registered.factory(target, session) if registered.with_session else registered.factory(target)
+    if not isinstance(drafter, Drafter):
+        raise ConfigError(f"drafter '{name}': its factory returned {type(drafter).__name__}, not a speculant.Drafter")
+    return drafter

@@ -1,0 +1,91 @@
+"""A Session owns everything generations on one target load or learn: the drafters loaded for it and their KV
+caches, what `auto` learned of their acceptance, forward times and the lengths of generations, the machine
+profiles in use, the tree methods' measured costs, suffix decoding's history and cross-vocabulary tables.
+
+A generation's speed depends on this state, so it lives in one object a caller can see, pass and drop:
+`generate(target, ..., session=s)`; without one, `generate` uses the target's default session (`Session.of`),
+which lives as long as the target does. The CLI, the server and the bench each make their own. Nothing in
+`methods/`, `decoding/`, `drafters/` or `latency.py` keeps state of its own: they are handed what they need from
+here.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from typing import Any
+from weakref import WeakKeyDictionary
+
+from speculant.decoding.adaptive import Acceptance, Scale, Timings
+from speculant.drafters.suffix import History
+from speculant import latency
+from speculant.latency import LatencyProfile
+from speculant.models.base import CausalLM, SharedCache, profiled_as
+
+LENGTHS_KEPT = 32  # the generations whose lengths `auto` weighs a drafter's catch-up against
+
+
+class Session:
+    """What generations on `target` share (see the module docstring). Keys are by the model that holds the
+    weights (`profiled_as`): a server's per-request handles and a wrapped target share their model's session."""
+
+    def __init__(self, target: CausalLM):
+        self.target = profiled_as(target)
+        self.drafters: dict[tuple[str, str | None], Any] = {}  # (spec, dtype) -> the loaded drafter
+        self.caches: dict[tuple[str, str | None], SharedCache] = {}  # (spec, dtype) -> a model drafter's cache
+        self.acceptance: dict[str, dict[int, Acceptance]] = {}  # candidate name -> estimates by match bucket
+        self.scales: dict[str, Scale] = {}  # drafter name -> its forwards' time over its profile's
+        self.timings = Timings()  # the target's forwards' time over its profile's
+        self.lengths: deque[float] = deque(maxlen=LENGTHS_KEPT)  # the last generations' lengths
+        self.history = History()  # suffix decoding's earlier generations
+        self.vocab_pairs: dict[tuple[int, int, int, int], Any] = {}  # cross-vocabulary tables (`drafters.vocab`)
+        self.measured: WeakKeyDictionary = WeakKeyDictionary()  # the tree methods' T(W): model -> {widths: costs}
+        self._profiles: WeakKeyDictionary = WeakKeyDictionary()  # model -> (its machine key, its profile)
+
+    @classmethod
+    def of(cls, target: CausalLM) -> Session:
+        """The target's default session: made on first use, kept on the model object, dropped with it."""
+        model = profiled_as(target)
+        session = model.__dict__.get("default_session")
+        if session is None:
+            session = model.__dict__["default_session"] = cls(model)
+        return session
+
+    def drafter(self, spec: Any, dtype: str | None = None) -> Any:
+        """The drafter `spec` names for this session's target (`drafters.spec.load_drafter`), loaded once: a
+        model drafter keeps its weights and, through `cache`, its KV cache across generations. A model or a
+        Drafter object passed in is the caller's to keep and is returned as loaded for this call only."""
+        from speculant.drafters.spec import DrafterSpec, as_drafter, load_drafter
+
+        spec = as_drafter(spec)
+        if not isinstance(spec, DrafterSpec):
+            return load_drafter(spec, self.target, dtype, self)
+        key = (str(spec), dtype)
+        if key not in self.drafters:
+            self.drafters[key] = load_drafter(spec, self.target, dtype, self)
+        return self.drafters[key]
+
+    def cache(self, model: CausalLM, key: Any = None) -> SharedCache:
+        """The KV cache a model drafter drafts from, kept across generations under `key` (its spec and dtype) so
+        that the next turn of a conversation catches up only on what is new; None: a cache for this call only."""
+        from speculant.models.metered import metered
+
+        if key is None:
+            return SharedCache(metered(model))
+        if key not in self.caches:
+            self.caches[key] = SharedCache(metered(model))
+        return self.caches[key]
+
+    def profile(self, model: CausalLM) -> LatencyProfile:
+        """`model`'s machine profile (`latency.machine_profile`), read or measured once per session."""
+        model = profiled_as(model)
+        key = latency.machine_key(model)
+        held = self._profiles.get(model)
+        if held is None or held[0] != key:
+            held = self._profiles[model] = key, latency.machine_profile(model)
+        return held[1]
+
+    def estimates(self, name: str) -> dict[int, Acceptance]:
+        return self.acceptance.setdefault(name, {})
+
+    def scale(self, name: str) -> Scale:
+        return self.scales.setdefault(name, Scale())

@@ -1,0 +1,173 @@
+"""The core's contracts: a Session owns what generations load and learn, drafters plug in by one registration,
+backends declare their capabilities, and no algorithm keeps state or asks a backend's name."""
+
+import ast
+import gc
+import re
+import weakref
+from pathlib import Path
+
+import pytest
+
+from helpers import random_prompt, tiny_model
+from speculant import Draft, Drafter, Session, generate, register_drafter
+from speculant.drafters import registry
+from speculant.errors import ConfigError
+from speculant.models.base import Backend, Capabilities
+
+VOCAB = 64
+PACKAGE = Path(__file__).resolve().parent.parent / "speculant"
+
+
+class Echo(Drafter):
+    """Proposes the context's last k tokens again: a drafter defined outside the package."""
+
+    name = "echo"
+
+    def __init__(self, vocab_size: int):
+        self.vocab_size, self.began, self.observed = vocab_size, 0, []
+
+    def begin(self, prompt_ids):
+        self.began += 1
+        return self
+
+    def propose(self, context, k):
+        return Draft(list(context[-k:]))
+
+    def observe(self, n_accepted):
+        self.observed.append(n_accepted)
+
+
+made: list[Echo] = []
+
+
+@register_drafter("echo")
+def echo(target):
+    made.append(Echo(target.vocab_size))
+    return made[-1]
+
+
+@pytest.mark.parametrize("temperature", [0.0])
+def test_a_drafter_registered_outside_the_package_drives_sd_and_auto_by_name(temperature):
+    target = tiny_model("llama", 11, VOCAB)
+    prompt = random_prompt(3, VOCAB, 8) * 2
+    expected = generate(target, prompt_ids=prompt, method="ar", max_new_tokens=24).token_ids
+    sd = generate(target, prompt_ids=prompt, drafter="echo", k=4, max_new_tokens=24)
+    assert sd.token_ids == expected and made[-1].began == 1 and made[-1].observed  # its lifecycle ran
+    assert sd.stats.draft_lengths and max(sd.stats.draft_lengths) == 4
+    auto = generate(target, prompt_ids=prompt, method="auto", drafters=["echo", "maxgram"], max_new_tokens=24)
+    assert auto.token_ids == expected
+    assert "echo" in auto.stats.choices  # auto weighed it and chose it, as a drafter of unknown cost
+
+
+def test_a_registered_name_is_a_drafter_spec_and_a_taken_one_is_refused():
+    from speculant.drafters.spec import DrafterSpec
+
+    assert DrafterSpec.parse("echo").kind == "echo" and DrafterSpec.parse("maxgram").kind == "maxgram"
+    assert DrafterSpec.parse("qwen2.5-coder-0.5b@lean").backend == "lean"
+    with pytest.raises(ConfigError, match="takes no quantization"):
+        DrafterSpec.parse("echo@int8")
+    with pytest.raises(ConfigError, match="already registered"):
+        register_drafter("maxgram")(echo)
+    with pytest.raises(ConfigError, match="cannot name a drafter"):
+        register_drafter("self")(echo)
+
+    class NotADrafter:
+        name = "plain"
+
+    register_drafter("not-a-drafter")(lambda target: NotADrafter())
+    with pytest.raises(ConfigError, match="not a speculant.Drafter"):
+        generate(tiny_model("llama", 1, VOCAB), prompt_ids=[1, 2], drafter="not-a-drafter", max_new_tokens=2)
+
+
+def test_an_installed_plugin_registers_through_the_entry_point_group(monkeypatch):
+    class EntryPoint:
+        name = "plugged"
+
+        def load(self):
+            return lambda target: Echo(target.vocab_size)
+
+    monkeypatch.setattr(registry, "_plugins", lambda: {"plugged": EntryPoint()})
+    monkeypatch.setattr(registry, "DRAFTERS", dict(registry.DRAFTERS))  # what it registers goes with the test
+    assert registry.is_registered("plugged") and "plugged" in registry.names() and "plugged" not in registry.DRAFTERS
+    target = tiny_model("llama", 2, VOCAB)
+    prompt = random_prompt(4, VOCAB, 6) * 2
+    expected = generate(target, prompt_ids=prompt, method="ar", max_new_tokens=12).token_ids
+    assert generate(target, prompt_ids=prompt, drafter="plugged", k=3, max_new_tokens=12).token_ids == expected
+    assert "plugged" in registry.DRAFTERS  # loaded on first use
+
+
+def test_two_sessions_on_one_target_keep_separate_learned_state():
+    target = tiny_model("llama", 7, VOCAB)
+    prompt = random_prompt(5, VOCAB, 6) * 3
+    first, second = Session(target), Session(target)
+    expected = generate(target, prompt_ids=prompt, method="ar", max_new_tokens=30).token_ids
+    result = generate(target, prompt_ids=prompt, method="auto", drafters=["maxgram"], max_new_tokens=30,
+                      session=first)
+    assert result.token_ids == expected
+    assert first.acceptance and len(first.lengths) == 1 and first.drafters
+    assert not second.acceptance and not second.lengths and not second.drafters  # nothing leaked into it
+    assert not Session.of(target).acceptance  # nor into the target's default session
+    generate(target, prompt_ids=prompt, method="auto", drafters=["maxgram"], max_new_tokens=10, session=second)
+    assert len(second.lengths) == 1 and len(first.lengths) == 1
+    with pytest.raises(ConfigError, match="the session is for"):
+        generate(tiny_model("llama", 8, VOCAB), prompt_ids=prompt, max_new_tokens=2, session=first)
+
+
+def test_dropping_a_session_frees_what_it_loaded():
+    target = tiny_model("llama", 9, VOCAB)
+    session = Session(target)
+    drafter = weakref.ref(session.drafter("maxgram"))
+    assert drafter() is not None
+    del session
+    gc.collect()
+    assert drafter() is None
+
+
+def test_every_backend_declares_its_capabilities():
+    from speculant.models.hf import HFCausalLM
+    from speculant.models.lean import LeanCausalLM
+    from speculant.models.llamacpp import LlamaCppCausalLM
+    from speculant.models.static import StaticCausalLM
+
+    for backend in (HFCausalLM, LeanCausalLM, LlamaCppCausalLM, StaticCausalLM):
+        assert issubclass(backend, Backend) and isinstance(backend.capabilities, Capabilities)
+        assert backend.capabilities != Capabilities(), backend  # declared, not the default
+        declared = backend.capabilities
+        for capability, members in (("shares_weights", ["share"]), ("batches_rows", ["rows_forward", "weights_key"]),
+                                    ("prefills_in_parts", ["prefill_parts", "continue_prefill"]),
+                                    ("skips_layers", ["skipping"])):
+            if getattr(declared, capability):
+                assert all(hasattr(backend, m) for m in members), (backend, capability)
+
+
+def module_state(path: Path) -> list[str]:
+    """Module-level assignments of mutable containers (dicts, lists, sets, weak maps, deques) in a file, but for
+    registries of names (UPPER_CASE) and `__all__`."""
+    found = []
+    for node in ast.parse(path.read_text()).body:
+        if isinstance(node, (ast.Assign, ast.AnnAssign)) and node.value is not None:
+            names = [t.id for t in (node.targets if isinstance(node, ast.Assign) else [node.target])
+                     if isinstance(t, ast.Name)]
+            value = ast.unparse(node.value)
+            mutable = isinstance(node.value, (ast.Dict, ast.List, ast.Set)) or re.match(
+                r"(weakref\.)?(WeakKeyDictionary|WeakValueDictionary|dict|list|set|deque|defaultdict)\(", value)
+            if mutable and not all(n.isupper() or n == "__all__" for n in names):
+                found.append(f"{path.name}:{node.lineno} {ast.unparse(node)[:80]}")
+    return found
+
+
+def test_no_algorithm_keeps_module_level_state():
+    files = [PACKAGE / "latency.py", *[p for d in ("methods", "decoding", "drafters") for p in (PACKAGE / d).rglob("*.py")]]
+    assert [f for p in files for f in module_state(p)] == []
+    assert module_state(Path(__file__)) == ["test_session.py:41 made: list[Echo] = []"]  # (the scan finds one)
+
+
+def test_no_backend_is_told_apart_by_its_name_outside_models():
+    pattern = re.compile(r"""getattr\([^)]*["']backend["']|(?<!config)(?<!self)\.backend\s*[!=]=|"""
+                         r"""hasattr\([^)]*["'](share|rows_forward|weights_key|prefill_parts|interrupt|sharing|lag)["']""")
+    found = [f"{p.relative_to(PACKAGE)}:{i}" for p in PACKAGE.rglob("*.py") if "models" not in p.parts
+             for i, line in enumerate(p.read_text().splitlines(), 1) if pattern.search(line)]
+    assert found == []
+    assert pattern.search('if getattr(target, "backend", "hf") == "lean":')  # (the pattern finds them)
+    assert pattern.search('if model.backend == "lean":') and not pattern.search('if config.backend != "auto":')
