@@ -28,6 +28,7 @@ order of attention's sums - always matches plain decoding.
 from __future__ import annotations
 
 import ctypes
+import importlib.util
 import logging
 import os
 import subprocess
@@ -61,7 +62,7 @@ _buffers: list[str] = []  # the buffer types of the weights of the model loading
 def choose_library() -> None:
     """Point llama-cpp-python at the native build for this machine, where there is one and nothing else was
     chosen (`LLAMA_CPP_LIB_PATH`): it reads the variable when it is first imported."""
-    if "LLAMA_CPP_LIB_PATH" not in os.environ and available():
+    if "LLAMA_CPP_LIB_PATH" not in os.environ and importlib.util.find_spec("llama_cpp") is not None:
         from speculant.models.llamacpp_build import manifest
 
         built = manifest()
@@ -69,12 +70,17 @@ def choose_library() -> None:
             os.environ["LLAMA_CPP_LIB_PATH"] = built["lib"]
 
 
+NOT_BUILT = ("the llama.cpp backend runs on llama.cpp built for this machine: run `speculant peers build-llamacpp` "
+             "once (about 7 minutes on 2 cores)")
+
+
 def _import() -> Any:
-    choose_library()
+    if not available():
+        raise ModelNotAvailable(NOT_BUILT)
     try:
         import llama_cpp
-    except ImportError:
-        raise ModelNotAvailable('the llama.cpp backend needs llama-cpp-python: pip install "speculant[llamacpp]"') from None
+    except (ImportError, OSError, RuntimeError) as error:  # a libllama that does not load (FileNotFoundError: none)
+        raise ModelNotAvailable(f"llama-cpp-python cannot load llama.cpp ({error}); {NOT_BUILT}") from None
     if not getattr(_import, "ready", False):
         llama_cpp.llama_backend_init()
 
@@ -93,10 +99,18 @@ def _import() -> Any:
 
 
 def available() -> bool:
-    """Whether llama-cpp-python is installed (without loading it)."""
-    import importlib.util
-
-    return importlib.util.find_spec("llama_cpp") is not None
+    """Whether the llama.cpp backend can run here, without loading it: llama-cpp-python's bindings are installed
+    and a libllama lies where they will load it from (`LLAMA_CPP_LIB_PATH`, which `choose_library` sets to this
+    machine's native build, else their own `lib/`, empty where `speculant peers build-llamacpp` installed them)."""
+    if "llama_cpp" in sys.modules:
+        return True
+    spec = importlib.util.find_spec("llama_cpp")
+    if spec is None or not spec.submodule_search_locations:
+        return False
+    choose_library()
+    folder = os.environ.get("LLAMA_CPP_LIB_PATH") or Path(next(iter(spec.submodule_search_locations))) / "lib"
+    names = ("libllama.so", "libllama.dylib", "llama.dll", "libllama.dll")
+    return any((Path(folder) / name).is_file() for name in names)
 
 
 def library() -> Path:

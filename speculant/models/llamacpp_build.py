@@ -1,7 +1,12 @@
 """llama.cpp built for this machine: its shared libraries and its own tools (`llama-bench`,
 `llama-completion`, `llama-speculative-simple`, and `llama-server`, the serving peer), compiled natively
-(`-march=native`) from the sdist of the installed llama-cpp-python, once per version and CPU, into the cache
-(`speculant peers build-llamacpp`; a build that lacks a tool is made again).
+(`-march=native`) from the sdist of llama-cpp-python (the installed release, else `VERSION`), once per version
+and CPU, into the cache (`speculant peers build-llamacpp`; a build that lacks a tool is made again).
+
+It is the only native build of llama.cpp an install makes. llama-cpp-python's bindings, where they are missing,
+are installed from the same sdist without their own copy of the library (`-DLLAMA_BUILD=OFF`: pure Python, a
+few seconds); speculant points them at this build (`LLAMA_CPP_LIB_PATH`, `models/llamacpp.choose_library`), so
+the llama.cpp backend and llama.cpp's tools run the same kernels.
 
 One line of ggml is fixed on the way. Its AMX matmul loads the tile configuration with the compiler's
 `_tile_loadconfig`, which GCC 12 declares as reading 8 bytes (`"m" (*(const void **)config)`); at -O3 the
@@ -30,6 +35,9 @@ from speculant.machine import cpu_info
 
 TOOLS = ("llama-bench", "llama-completion", "llama-speculative-simple", "llama-server")
 PACKAGE = "llama-cpp-python"
+VERSION = "0.3.36"  # the release built where no bindings are installed (the `llamacpp` extra names the same)
+# The bindings alone: no llama.cpp, no mtmd (llama-cpp-python's CMakeLists builds both only under LLAMA_BUILD).
+BINDINGS_CMAKE_ARGS = "-DLLAMA_BUILD=OFF -DLLAVA_BUILD=OFF"
 CMAKE_FLAGS = ("-DCMAKE_BUILD_TYPE=Release", "-DGGML_NATIVE=ON", "-DBUILD_SHARED_LIBS=ON", "-DLLAMA_CURL=OFF",
                "-DLLAMA_OPENSSL=OFF", "-DLLAMA_BUILD_TESTS=OFF", "-DLLAMA_BUILD_TOOLS=ON",
                "-DLLAMA_BUILD_EXAMPLES=ON", "-DLLAMA_BUILD_SERVER=ON")
@@ -38,12 +46,18 @@ AMX_BROKEN = "_tile_loadconfig(&tc);"
 AMX_FIXED = '__asm__ volatile("ldtilecfg %0" :: "m"(tc));  /* all 64 bytes: see speculant.models.llamacpp_build */'
 
 
-def installed_version() -> str:
+def installed_version() -> str | None:
+    """The installed llama-cpp-python's version, or None."""
     try:
         return metadata.version(PACKAGE)
     except metadata.PackageNotFoundError:
-        raise ConfigError(f"llama.cpp's tools are built from the installed {PACKAGE}: "
-                          'pip install "speculant[llamacpp]"') from None
+        return None
+
+
+def build_version() -> str:
+    """The release to build: the installed bindings' (the library must match the functions they declare), else
+    `VERSION`, whose bindings the build then installs."""
+    return installed_version() or VERSION
 
 
 def machine_key() -> str:
@@ -53,7 +67,7 @@ def machine_key() -> str:
 
 
 def build_root(version: str | None = None) -> Path:
-    return cache_root() / "llamacpp" / f"{version or installed_version()}-{machine_key()}"
+    return cache_root() / "llamacpp" / f"{version or build_version()}-{machine_key()}"
 
 
 def manifest() -> dict | None:
@@ -90,11 +104,15 @@ def patch_amx(source: Path) -> bool:
     return True
 
 
-def fetch_source(version: str, into: Path, run: Callable[[list[str]], None]) -> Path:
-    """llama.cpp's tree as vendored in the llama-cpp-python sdist of `version` (pip downloads it)."""
-    run([sys.executable, "-m", "pip", "download", "--quiet", "--no-deps", "--no-binary", ":all:",
+def fetch_sdist(version: str, into: Path, run: Callable[[list[str]], None]) -> Path:
+    """The llama-cpp-python sdist of `version` (pip downloads it: only it from source, its build tools as wheels)."""
+    run([sys.executable, "-m", "pip", "download", "--quiet", "--no-cache-dir", "--no-deps", "--no-binary", PACKAGE,
          f"{PACKAGE}=={version}", "-d", str(into)])
-    archive = next(into.glob("*.tar.gz"))
+    return next(into.glob("*.tar.gz"))
+
+
+def extract_source(archive: Path, into: Path) -> Path:
+    """llama.cpp's tree as vendored in a llama-cpp-python sdist."""
     prefix = archive.name.removesuffix(".tar.gz") + "/vendor/llama.cpp/"
     with tarfile.open(archive) as tar:
         members = [m for m in tar.getmembers() if m.name.startswith(prefix)]
@@ -102,12 +120,34 @@ def fetch_source(version: str, into: Path, run: Callable[[list[str]], None]) -> 
     return into / prefix
 
 
+def install_bindings(sdist: Path | str, run: Callable[..., None]) -> None:
+    """pip-install llama-cpp-python's Python bindings alone (`sdist`: a file or a requirement), with no llama.cpp of
+    their own: they load this machine's build. No wheel cache: a library-less wheel cached under the package's
+    name would later stand in for a whole one."""
+    run([sys.executable, "-m", "pip", "install", "--quiet", "--no-cache-dir", "--no-binary", PACKAGE, str(sdist)],
+        env={**os.environ, "CMAKE_ARGS": BINDINGS_CMAKE_ARGS})
+
+
 def build(jobs: int | None = None, say: Callable[[str], None] = print) -> Path:
-    """Build llama.cpp natively into the cache (see the module docstring); returns the directory of the tools."""
-    version = installed_version()
+    """Build llama.cpp natively into the cache (see the module docstring) and install llama-cpp-python's bindings
+    for it where they are missing; returns the directory of the tools."""
+    version = build_version()
+    bindings = installed_version() is not None
     root = build_root(version)
+    log = root / "build.log"
+
+    def run(command: list[str], env: dict[str, str] | None = None) -> None:
+        with log.open("a") as out:
+            out.write("$ " + " ".join(command) + "\n")
+            out.flush()
+            if subprocess.run(command, stdout=out, stderr=subprocess.STDOUT, env=env).returncode != 0:
+                raise ConfigError(f"building llama.cpp failed: `{' '.join(command[:4])} ...` (log: {log})")
+
     built = manifest()
     if built is not None and not missing(Path(built["bin"])):
+        if not bindings:
+            say(f"installing the {PACKAGE} {version} bindings (Python only: they run on this build) ...")
+            install_bindings(f"{PACKAGE}=={version}", run)
         say(f"already built: {root}")
         return Path(built["bin"])
     for program in ("cmake", "c++"):
@@ -115,30 +155,26 @@ def build(jobs: int | None = None, say: Callable[[str], None] = print) -> Path:
             raise ConfigError(f"building llama.cpp needs {program} on PATH")
     shutil.rmtree(root, ignore_errors=True)
     root.mkdir(parents=True)
-    log = root / "build.log"
-
-    def run(command: list[str]) -> None:
-        with log.open("a") as out:
-            out.write("$ " + " ".join(command) + "\n")
-            out.flush()
-            if subprocess.run(command, stdout=out, stderr=subprocess.STDOUT).returncode != 0:
-                raise ConfigError(f"building llama.cpp failed: `{' '.join(command[:4])} ...` (log: {log})")
 
     with tempfile.TemporaryDirectory() as scratch:
         say(f"fetching the {PACKAGE} {version} sdist ...")
-        source = fetch_source(version, Path(scratch), run)
+        sdist = fetch_sdist(version, Path(scratch), run)
+        source = extract_source(sdist, Path(scratch))
         patched = patch_amx(source)
         build_dir = root / "build"
         generator = ["-G", "Ninja"] if shutil.which("ninja") else []
         say(f"configuring llama.cpp (native, {'AMX fix applied' if patched else 'no AMX fix needed'}) ...")
         run(["cmake", "-S", str(source), "-B", str(build_dir), *generator, *CMAKE_FLAGS])
-        say(f"building {', '.join(TOOLS)} and libllama (a few minutes) ...")
+        say(f"building {', '.join(TOOLS)} and libllama (about 7 minutes on 2 cores) ...")
         run(["cmake", "--build", str(build_dir), "-j", str(jobs or os.cpu_count() or 1), "--target", "llama", *TOOLS])
-    bin_dir = build_dir / "bin"
-    if lacking := missing(bin_dir):
-        raise ConfigError(f"building llama.cpp left no {', '.join(lacking)} (log: {log})")
-    (root / "manifest.json").write_text(json.dumps({
-        "version": version, "cpu": cpu_info()[0], "bin": str(bin_dir), "lib": str(bin_dir),
-        "amx_fix": patched, "cmake": list(CMAKE_FLAGS)}, indent=1))
+        bin_dir = build_dir / "bin"
+        if lacking := missing(bin_dir):
+            raise ConfigError(f"building llama.cpp left no {', '.join(lacking)} (log: {log})")
+        (root / "manifest.json").write_text(json.dumps({
+            "version": version, "cpu": cpu_info()[0], "bin": str(bin_dir), "lib": str(bin_dir),
+            "amx_fix": patched, "cmake": list(CMAKE_FLAGS)}, indent=1))
+        if not bindings:
+            say(f"installing the {PACKAGE} {version} bindings (Python only: they run on this build) ...")
+            install_bindings(sdist, run)
     say(f"built: {bin_dir}")
     return bin_dir
