@@ -10,7 +10,7 @@ docs/results/serve-1.5b-http-paired/paired.md).
 Every pass sends the 24 prompts of prompts/mixed.jsonl (64 new tokens, greedy) to
 `speculant.serve.engine.Engine` (the server's batching engine, Qwen2.5-Coder-1.5B on the lean backend with the
 default drafters) with at most C requests in flight, a new one as soon as one ends, and measures tokens over wall
-time. `ar` jobs are `Job.method = "ar"` on an `auto` engine (its server's default method) unless said otherwise;
+time. `ar` jobs are `ServeJob.method = "ar"` on an `auto` engine (its server's default method) unless said otherwise;
 the order of the methods alternates by round after one warm-up pass. Why: a fresh server per pass spreads between
 processes by more than the few percent `auto` and `ar` differ by under load, so the comparison is made inside one
 process, pass against pass.
@@ -49,7 +49,7 @@ def main(argv: list[str]) -> None:
     from speculant.bench.datasets import load_dataset
     from speculant.config import SamplingConfig
     from speculant.models.loading import load_lean
-    from speculant.serve.engine import Engine, Job
+    from speculant.serve.engine import Engine, ServeJob
     from speculant.serve.metrics import Metrics
 
     C = args.concurrency
@@ -74,7 +74,7 @@ def main(argv: list[str]) -> None:
                     (firsts.append(now - sent) if last[0] is None else gaps.append(now - last[0]))
                     last[0] = now
 
-            engine.submit(Job(ids, TOKENS, SamplingConfig(0.0), method=method), on_text,
+            engine.submit(ServeJob(ids, TOKENS, SamplingConfig(0.0), method=method), on_text,
                           lambda o: (done.append(o), slots.release()))
         while len(done) < len(prompts):
             time.sleep(0.002)

@@ -27,7 +27,7 @@ def main(argv: list[str]) -> None:
     from speculant.api import encode_prompt
     from speculant.config import SamplingConfig
     from speculant.models.loading import load_lean
-    from speculant.serve.engine import Engine, Job
+    from speculant.serve.engine import Engine, ServeJob
 
     engine = Engine(lambda: load_lean("qwen2.5-coder-1.5b"), "ar", max_batch=16)
     tok = engine.target.tokenizer
@@ -44,10 +44,10 @@ def main(argv: list[str]) -> None:
     def on_text(piece, logprobs):
         stamps.append(time.perf_counter())
         if len(stamps) == 8:  # the running request is under way: the long prompt arrives
-            engine.submit(Job(long, 8, SamplingConfig(0.0)), on_long_text, lambda o: long_done.set())
+            engine.submit(ServeJob(long, 8, SamplingConfig(0.0)), on_long_text, lambda o: long_done.set())
             arrived.append(time.perf_counter())
 
-    engine.submit(Job(chat, args.stream_tokens, SamplingConfig(0.0)), on_text, lambda o: ends.set())
+    engine.submit(ServeJob(chat, args.stream_tokens, SamplingConfig(0.0)), on_text, lambda o: ends.set())
     ends.wait()
     long_done.wait()
     gaps = sorted(b - a for a, b in zip(stamps, stamps[1:]))

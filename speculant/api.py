@@ -15,7 +15,7 @@ from speculant.models import load_model
 from speculant.models.biased import Biased
 from speculant.models.constrained import Constrained, Constraint, Matcher
 from speculant.models.logprobs import MAX_TOP, Recorded, TokenLogprob
-from speculant.models.base import profiled_as
+from speculant.models.base import owner_of
 from speculant.sampling import seeded
 from speculant.session import Session
 
@@ -186,7 +186,7 @@ def generate(
     decoded, recorded = decoded_target(target, logprobs, logit_bias, constraint)
     if session is None:
         session = Session.of(target)
-    elif session.target is not profiled_as(target):
+    elif session.target is not owner_of(target):
         raise ConfigError(f"the session is for {session.target.name}, not {target.name}")
     request = Request(decoded, prompt_ids, min(run.max_new_tokens, room), sampling,
                       seeded(target.device, seed), session, seed)

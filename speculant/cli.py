@@ -424,7 +424,7 @@ def measure_bench(args: argparse.Namespace, methods: list[Any]) -> list[Any]:
                           on_row=lambda row: bar.update(), isolated=isolated if args.isolate else None)
 
 
-def parse_widths(text: str) -> list[int]:
+def parse_width_ranges(text: str) -> list[int]:
     """`1-16,24,32` -> [1, ..., 16, 24, 32]."""
     widths: set[int] = set()
     try:
@@ -446,7 +446,7 @@ def run_profile(args: argparse.Namespace) -> None:
     from speculant.models import load_model
     from speculant.session import Session
 
-    widths = parse_widths(args.widths) if args.widths else None
+    widths = parse_width_ranges(args.widths) if args.widths else None
     if args.context_len < 1 or args.repeats < 1:
         raise ConfigError("context length and repeats must be >= 1")
     config = from_args(ModelConfig, args)
@@ -527,10 +527,10 @@ def run_train_depth(args: argparse.Namespace) -> None:
     from speculant.analysis.depth import fit, log_trees
     from speculant.api import encode_prompt
     from speculant.bench.datasets import load_dataset
-    from speculant.methods.tree import tree_drafter_model
+    from speculant.trees.method import tree_drafter_model
     from speculant.models import load_model
     from speculant.session import Session
-    from speculant.tree_depth import predictor_path
+    from speculant.trees.depth import predictor_path
 
     if min(args.max_new_tokens, args.max_depth, args.width) < 1:
         raise ConfigError("max new tokens, max depth and width must be >= 1")
@@ -639,7 +639,7 @@ def run_bench_kernels(args: argparse.Namespace) -> None:
 
     if args.repeats < 1:
         raise ConfigError("repeats must be >= 1")
-    result = bench_kernels(args.model, parse_widths(args.widths), args.isa, args.repeats)
+    result = bench_kernels(args.model, parse_width_ranges(args.widths), args.isa, args.repeats)
     print(report(result))
     if args.out:
         Path(args.out).write_text(json.dumps(result, indent=2) + "\n")

@@ -131,9 +131,9 @@ def machine_profile(model, repeats: int = 3, progress: bool = True) -> LatencyPr
     loaded by name (a model built in memory is measured every call: a `Session` keeps what it measured);
     `speculant profile` shows it."""
     from speculant.cache import remembered
-    from speculant.models.base import profiled_as
+    from speculant.models.base import owner_of
 
-    model = profiled_as(model)
+    model = owner_of(model)
     key = machine_key(model)
     if key is None:
         return _measure(model, repeats, False)

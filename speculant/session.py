@@ -19,19 +19,19 @@ from speculant.decoding.adaptive import Acceptance, Scale, Timings
 from speculant.drafters.suffix import History
 from speculant import latency
 from speculant.latency import LatencyProfile
-from speculant.models.base import CausalLM, SharedCache, profiled_as
+from speculant.models.base import CausalLM, DraftCache, owner_of
 
 LENGTHS_KEPT = 32  # the generations whose lengths `auto` weighs a drafter's catch-up against
 
 
 class Session:
     """What generations on `target` share (see the module docstring). Keys are by the model that holds the
-    weights (`profiled_as`): a server's per-request handles and a wrapped target share their model's session."""
+    weights (`owner_of`): a server's per-request handles and a wrapped target share their model's session."""
 
     def __init__(self, target: CausalLM):
-        self.target = profiled_as(target)
+        self.target = owner_of(target)
         self.drafters: dict[tuple[str, str | None], Any] = {}  # (spec, dtype) -> the loaded drafter
-        self.caches: dict[tuple[str, str | None], SharedCache] = {}  # (spec, dtype) -> a model drafter's cache
+        self.caches: dict[tuple[str, str | None], DraftCache] = {}  # (spec, dtype) -> a model drafter's cache
         self.acceptance: dict[str, dict[int, Acceptance]] = {}  # candidate name -> estimates by match bucket
         self.scales: dict[str, Scale] = {}  # drafter name -> its forwards' time over its profile's
         self.timings = Timings()  # the target's forwards' time over its profile's
@@ -44,7 +44,7 @@ class Session:
     @classmethod
     def of(cls, target: CausalLM) -> Session:
         """The target's default session: made on first use, kept on the model object, dropped with it."""
-        model = profiled_as(target)
+        model = owner_of(target)
         session = model.__dict__.get("default_session")
         if session is None:
             session = model.__dict__["default_session"] = cls(model)
@@ -64,20 +64,18 @@ class Session:
             self.drafters[key] = load_drafter(spec, self.target, dtype, self)
         return self.drafters[key]
 
-    def cache(self, model: CausalLM, key: Any = None) -> SharedCache:
-        """The KV cache a model drafter drafts from, kept across generations under `key` (its spec and dtype) so
-        that the next turn of a conversation catches up only on what is new; None: a cache for this call only."""
+    def cache(self, model: CausalLM, key: Any) -> DraftCache:
+        """The KV cache a model drafter drafts from, kept across generations under `key` (its spec and dtype), so
+        that the next turn of a conversation catches up only on what is new."""
         from speculant.models.metered import metered
 
-        if key is None:
-            return SharedCache(metered(model))
         if key not in self.caches:
-            self.caches[key] = SharedCache(metered(model))
+            self.caches[key] = DraftCache(metered(model))
         return self.caches[key]
 
     def profile(self, model: CausalLM) -> LatencyProfile:
         """`model`'s machine profile (`latency.machine_profile`), read or measured once per session."""
-        model = profiled_as(model)
+        model = owner_of(model)
         key = latency.machine_key(model)
         held = self._profiles.get(model)
         if held is None or held[0] != key:

@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 
 from speculant.sampling import sample, uniform
-from speculant.tree import TokenTree
+from speculant.trees.tree import TokenTree
 
 
 def verify_greedy(

@@ -215,10 +215,10 @@ def run_job(engine, ids, max_tokens=24, sampling=None, seed=None, stops=(), meth
     import threading
 
     from speculant.config import SamplingConfig
-    from speculant.serve.engine import Job
+    from speculant.serve.engine import ServeJob
 
     done, out = threading.Event(), []
-    job = Job(ids, max_tokens, sampling or SamplingConfig(), seed, stops, method, options or {})
+    job = ServeJob(ids, max_tokens, sampling or SamplingConfig(), seed, stops, method, options or {})
     engine.submit(job, lambda piece, logprobs: None, lambda outcome: (out.append(outcome), done.set()))
     assert done.wait(120)
     if isinstance(out[0], BaseException):

@@ -14,11 +14,11 @@ from speculant.config import SamplingConfig
 from speculant.decoding import adaptive as adaptive_module
 from speculant.decoding.adaptive import (COST_FOLLOWS, LOOK_FIRST, PACE_STEPS, PROBE_SHARE, SCALE_RANGE, TIME_FOLLOWS,
                                          Acceptance, Candidate, Rescaled, Timings, adaptive, best_length, can_pay,
-                                         expected_remaining, first_children_accepted, shared_cost)
+                                         expected_remaining, first_children_accepted, batched_cost)
 from speculant.decoding.run import timed
 from speculant.drafters.base import Draft
 from speculant.latency import LatencyProfile
-from speculant.tree import TokenTree
+from speculant.trees.tree import TokenTree
 from speculant.models.metered import Metered, Usage
 from speculant.session import Session
 from test_sampling import assert_follows_target, sampling_pair
@@ -120,7 +120,7 @@ def test_a_served_row_sees_the_batch_s_cost_at_the_load_of_the_moment():
     """One of n batched rows, all taken to draft alike: T(n * W) scaled so that plain decoding costs T(1)."""
     profile = lambda w: 0.03 + 0.005 * max(w - 4, 0)  # noqa: E731 - flat up to 4 rows, then compute-bound
     rows = [1]
-    cost = shared_cost(profile, lambda: rows[0])
+    cost = batched_cost(profile, lambda: rows[0])
     assert cost(1) == profile(1) and cost(4) == profile(4)
     rows[0] = 4
     assert cost(1) == profile(1) and cost(4) == pytest.approx(profile(16) * profile(1) / profile(4))
@@ -144,12 +144,12 @@ def test_under_load_a_served_drafter_that_could_not_pay_even_if_always_right_is_
         drafter.propose = lambda context, k: proposed.append(k) or propose(context, k)
         candidate = Candidate("perfect", drafter, 0.006, 0.9, load=lambda: rows[0])
         proposed.clear()
-        tokens, stats = run(target, [candidate], prompt, n=30, cost=shared_cost(profile, lambda: rows[0]))
+        tokens, stats = run(target, [candidate], prompt, n=30, cost=batched_cost(profile, lambda: rows[0]))
         assert tokens == reference
         assert bool(proposed) == drafts and (set(stats.choices) == {"plain"}) != drafts, stats.choices
-        assert candidate.hopeless(shared_cost(profile, lambda: rows[0]), 16) != drafts
+        assert candidate.hopeless(batched_cost(profile, lambda: rows[0]), 16) != drafts
     rows[0] = 16
-    assert candidate.hopeless(shared_cost(profile, lambda: rows[0]), 16)
+    assert candidate.hopeless(batched_cost(profile, lambda: rows[0]), 16)
 
 
 def test_a_drafter_that_could_not_pay_even_if_always_right_is_never_tried(monkeypatch):

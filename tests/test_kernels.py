@@ -112,16 +112,16 @@ def test_every_row_equals_its_one_row_call_and_the_scalar_reference(kind, isa, i
     assert weight.data.shape == (3, formats.panel_bytes(kind, inputs))
     x = torch.randn(19, inputs, generator=torch.Generator().manual_seed(2)) * 3
     x[4, 100] = 80.0  # an outlier, as LLM activations have
-    reference = kernels.matmul(kernels.quantize(x, "scalar"), weight, "scalar", threads=1)
+    reference = kernels.matmul(kernels.quantize_rows(x, "scalar"), weight, "scalar", threads=1)
     for width in (1, 2, 3, 4, 5, 8, 9, 16, 19):  # AMX: 4 to 16 rows a tile, fewer on vpdpbusd
-        rows = kernels.matmul(kernels.quantize(x[:width], isa), weight, isa)
+        rows = kernels.matmul(kernels.quantize_rows(x[:width], isa), weight, isa)
         assert torch.equal(rows, reference[:width]), (isa, width)
     dense = x @ torch.from_numpy(formats.dequantize(kind, raw)[:, :inputs]).T
     assert (reference - dense).norm() / dense.norm() < 0.02  # int8 activations, per 256
     if inputs % formats.SUPER:  # what the whole super-blocks give where the left-out inputs are zeros
         padded = torch.nn.functional.pad(x, (0, formats.SUPER - inputs % formats.SUPER))
         whole = kernels.QuantWeight.from_gguf(kind, raw)
-        assert torch.equal(kernels.matmul(kernels.quantize(padded, isa), whole, isa), reference)
+        assert torch.equal(kernels.matmul(kernels.quantize_rows(padded, isa), whole, isa), reference)
 
 
 LARGEST = {"q4_k": (slice(16, 144),), "q6_k": (slice(0, 192),)}  # every quant's bits set: 15 and 63
@@ -141,8 +141,8 @@ def test_the_largest_products_overflow_no_path(kind, isa):
     x[1] = -1.0
     x[2, ::64] = -1.0  # a sign change within some blocks
     x[3:] = -x[:3]
-    rows = kernels.matmul(kernels.quantize(x, isa), weight, isa)
-    assert torch.equal(rows, kernels.matmul(kernels.quantize(x, "scalar"), weight, "scalar", threads=1))
+    rows = kernels.matmul(kernels.quantize_rows(x, isa), weight, isa)
+    assert torch.equal(rows, kernels.matmul(kernels.quantize_rows(x, "scalar"), weight, "scalar", threads=1))
     dense = x @ torch.from_numpy(formats.dequantize(kind, raw)).T
     assert (rows - dense).norm() / dense.norm() < 0.02
 
@@ -153,8 +153,8 @@ def test_activations_quantize_the_same_on_every_path(isa, rows):
     x = torch.randn(rows, 640, generator=torch.Generator().manual_seed(3))  # 2.5 super-blocks
     x[0, :256] = 0.0  # a super-block of zeros has scale 0
     x[1, 300] = 60.0  # an outlier coarsens its super-block's scale only
-    ours, reference = kernels.quantize(x, isa), kernels.quantize(x, "scalar")
-    one_by_one = [kernels.quantize(x[r:r + 1], isa) for r in range(rows)]
+    ours, reference = kernels.quantize_rows(x, isa), kernels.quantize_rows(x, "scalar")
+    one_by_one = [kernels.quantize_rows(x[r:r + 1], isa) for r in range(rows)]
     for field in ("quants", "scales", "sums32", "offsets16"):
         assert torch.equal(getattr(ours, field), getattr(reference, field))
         assert torch.equal(getattr(ours, field), torch.cat([getattr(act, field) for act in one_by_one]))
@@ -172,7 +172,7 @@ def test_activations_quantize_the_same_on_every_path(isa, rows):
 def test_a_mismatched_width_is_refused():
     weight = kernels.QuantWeight.from_gguf("q4_k", random_tensor("q4_k", 16, 2, seed=4))
     with pytest.raises(ValueError, match="256 inputs for a weight of 512"):
-        kernels.matmul(kernels.quantize(torch.zeros(1, 256)), weight)
+        kernels.matmul(kernels.quantize_rows(torch.zeros(1, 256)), weight)
     with pytest.raises(ValueError, match="128 inputs do not fit 2 super-blocks"):
         kernels.QuantWeight.from_gguf("q4_k", random_tensor("q4_k", 16, 2, seed=4), 128)
 
@@ -192,7 +192,7 @@ def test_a_drafter_s_weights_of_another_type_are_quantized_again_with_padded_inp
     error = np.linalg.norm(again[:, :96] - weights) / np.linalg.norm(weights)
     assert error < (0.12 if kind == "q4_k" else 0.03)
     x = torch.from_numpy(rng.normal(size=(3, 96)).astype(np.float32))
-    act = kernels.quantize(x)
+    act = kernels.quantize_rows(x)
     assert act.quants.shape == (3, 128) and not act.quants[:, 96:].any()
     y = kernels.matmul(act, kernels.QuantWeight.from_gguf(kind, formats.requantize(kind, raw, "Q8_0"), 128))
     expected = x @ torch.from_numpy(again[:, :96]).T

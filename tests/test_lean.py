@@ -15,7 +15,7 @@ from tiny_gguf import write_tiny_gguf
 from speculant import generate, kernels
 from speculant.models import load_model
 from speculant.models.lean import LeanCausalLM
-from speculant.tree import TokenTree
+from speculant.trees.tree import TokenTree
 
 VARIANTS = {"qwen2": ("qwen2", None), "llama": ("llama", None), "llama-window": ("llama", 6)}
 TREE = TokenTree((7, 11, 12, 13, 21, 22, 31), (-1, 0, 0, 0, 1, 1, 4))
@@ -279,7 +279,7 @@ def test_a_served_long_prompt_prefills_in_parts_while_others_decode(lean_files, 
     from speculant.methods import get_method
     from speculant.models import base
     from speculant.models import lean as lean_module
-    from speculant.serve.engine import Engine, Job
+    from speculant.serve.engine import Engine, ServeJob
 
     monkeypatch.setattr(base, "PREFILL_PART", 4)
     batches = []  # per forward: (prefill, continues) of each call
@@ -291,7 +291,7 @@ def test_a_served_long_prompt_prefills_in_parts_while_others_decode(lean_files, 
     expected = [generate(target, prompt_ids=p, method="ar", max_new_tokens=12).text for p in (short, long)]
     engine = Engine(target, "ar", get_method("ar").make_options({}), 8, 16)
     done = {}
-    jobs = {name: Job(ids, 12, SamplingConfig()) for name, ids in (("short", short), ("long", long))}
+    jobs = {name: ServeJob(ids, 12, SamplingConfig()) for name, ids in (("short", short), ("long", long))}
     engine.batcher.run(lambda: [engine.submit(job, lambda piece, logprobs: None,  # (admitted together)
                                               lambda outcome, name=name: done.setdefault(name, outcome))
                                 for name, job in jobs.items()])

@@ -16,7 +16,7 @@ from speculant import generate  # noqa: E402
 from speculant.errors import ConfigError  # noqa: E402
 from speculant.models import HFCausalLM, load_model  # noqa: E402
 from speculant.models.loading import resolve_backend  # noqa: E402
-from speculant.tree import TokenTree  # noqa: E402
+from speculant.trees.tree import TokenTree  # noqa: E402
 
 TREE = TokenTree((7, 11, 12, 13, 21, 22, 31), (-1, 0, 0, 0, 1, 1, 4))  # root; 3 children; 2 grandchildren; 1 more
 QUANTS = ("q8_0", "f32")  # q8_0: several tokens per llama_decode; f32: one (ggml's f32 matmul is batch-dependent)

@@ -10,7 +10,7 @@ from speculant.errors import ConfigError
 from speculant.models import quantized_copy
 from speculant.models import native
 from speculant.models.quant import AMXInt8Linear, Int4WeightOnlyLinear, Int8DynamicLinear, Int8WeightOnlyLinear, quantize
-from speculant.tree import TokenTree
+from speculant.trees.tree import TokenTree
 
 VOCAB = 64
 QUANTIZERS = {"int8-dynamic": Int8DynamicLinear, "int8-weight-only": Int8WeightOnlyLinear, "int8-amx": AMXInt8Linear,

@@ -37,7 +37,7 @@ from speculant.serve.batcher import Batcher, Row
 from speculant.serve.engine import Engine
 from speculant.serve.metrics import Metrics
 from speculant.serve.text import TextStream
-from speculant.tree import TokenTree
+from speculant.trees.tree import TokenTree
 
 TEMPLATE = "{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}assistant:"
 
@@ -395,12 +395,12 @@ def test_a_served_row_counts_the_requests_waiting_to_join_its_next_batch():
         def first():
             started.set()
             gate.wait()
-            seen.append(Row(batcher, model).sharing())
+            seen.append(Row(batcher, model).batch_load())
 
         batcher.start(first)
         started.wait()
         for _ in range(3):
-            batcher.start(lambda: seen.append(Row(batcher, model).sharing()))
+            batcher.start(lambda: seen.append(Row(batcher, model).batch_load()))
         gate.set()
         batcher.close()
         assert seen == [first_sees, 3, 2, 1], seen  # the other three, admitted together, each ending at once

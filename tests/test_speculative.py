@@ -148,7 +148,7 @@ def test_a_cache_catches_up_by_a_prefill_where_it_keeps_little():
     """A drafter's cache that shares a few tokens with a new prompt prefills all of it (its logits are one row's,
     where a forward over the rest computes every row's); one that shares most of the context runs the rest. The
     logits are the same either way."""
-    from speculant.models.base import PREFILL_AFTER, SharedCache
+    from speculant.models.base import PREFILL_AFTER, DraftCache
 
     class Counted(HFCausalLM):
         calls: list = []
@@ -162,7 +162,7 @@ def test_a_cache_catches_up_by_a_prefill_where_it_keeps_little():
             return super().forward(ids, positions, tree)
 
     target = tiny_model("llama", 4, VOCAB)
-    cache = SharedCache(Counted(target.model, None, "counted"))
+    cache = DraftCache(Counted(target.model, None, "counted"))
     old, new = random_prompt(4, VOCAB, 40), random_prompt(5, VOCAB, 40)
     cache.run(old)
     Counted.calls.clear()

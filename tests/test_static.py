@@ -12,7 +12,7 @@ from speculant.errors import ConfigError
 from speculant.models import load_model
 from speculant.models.base import Interrupted
 from speculant.models.static import StaticCausalLM, StaticWeights
-from speculant.tree import TokenTree
+from speculant.trees.tree import TokenTree
 
 ARCHS = ("llama", "qwen2", "mistral")  # mistral with a sliding window shorter than the generations
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}

@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from helpers import ARCHS, DEVICES, random_prompt, tiny_model
-from speculant.tree import TokenTree, chain
+from speculant.trees.tree import TokenTree, chain
 
 #        0 (root)
 #       / \
@@ -150,7 +150,7 @@ def brute_force_best(tree, values, size):
 
 
 def test_pruning_dp_finds_the_brute_force_optimum():
-    from speculant.tree_prune import best_subtrees, prune
+    from speculant.trees.prune import best_subtrees, prune
 
     rng = torch.Generator().manual_seed(0)
     for trial in range(30):
@@ -211,7 +211,7 @@ def test_objective_decides_the_depth():
     from helpers import perturbed
     from speculant import generate
     from speculant.latency import LatencyProfile
-    from speculant.drafters.tree import worth_another_step
+    from speculant.trees.drafter import worth_another_step
 
     # Likely children and a flat target cost: one more step pays; with T(n) linear in n it does not.
     scores = [0.0, -0.1, -0.2]  # log path probabilities of the root and two nodes
@@ -233,7 +233,7 @@ def test_objective_decides_the_depth():
 
 
 def test_auto_width_is_the_widest_almost_free_drafting_step():
-    from speculant.decoding.tree_shape import auto_width
+    from speculant.trees.shape import auto_width
 
     assert auto_width({1: 1.0, 2: 1.05, 4: 1.2, 8: 2.0}) == 4
     assert auto_width({1: 1.0, 2: 2.0, 4: 4.0, 8: 8.0}) == 1  # cost linear in W (bf16 on AVX2 CPUs): a chain
@@ -241,7 +241,7 @@ def test_auto_width_is_the_widest_almost_free_drafting_step():
 
 def test_tree_shape_resolves_auto_from_a_profile_or_measured_costs():
     from speculant.latency import LatencyProfile
-    from speculant.decoding.tree_shape import AUTO_MAX_DEPTH, TARGET_WIDTHS, tree_shape
+    from speculant.trees.shape import AUTO_MAX_DEPTH, TARGET_WIDTHS, tree_shape
 
     target, drafter = tiny_model("llama", 1, 64), tiny_model("llama", 2, 64)
     prompt = random_prompt(1, 64)
@@ -261,7 +261,7 @@ def test_tree_shape_resolves_auto_from_a_profile_or_measured_costs():
 def test_auto_tree_is_lossless_and_reports_its_shape(arch):
     from helpers import perturbed
     from speculant import generate
-    from speculant.decoding.tree_shape import AUTO_MAX_DEPTH, DRAFTER_WIDTHS
+    from speculant.trees.shape import AUTO_MAX_DEPTH, DRAFTER_WIDTHS
 
     target = tiny_model(arch, 8, 64, init_std=0.1)
     prompt = random_prompt(80, 64)

@@ -9,7 +9,7 @@ import torch
 from helpers import MORE_ARCHS, perturbed, random_prompt, tiny_model
 from speculant import cli, generate
 from speculant.analysis.depth import fit, log_trees
-from speculant.tree_depth import DepthPredictor, Recent, features
+from speculant.trees.depth import DepthPredictor, Recent, features
 
 
 def test_the_predictor_learns_the_accepted_depth_and_drafts_deeper_where_more_is_accepted():

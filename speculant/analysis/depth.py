@@ -1,4 +1,4 @@
-"""Training Yggdrasil's depth predictor (`speculant.tree_depth`) for a target and drafter: greedy tree decoding
+"""Training Yggdrasil's depth predictor (`speculant.trees.depth`) for a target and drafter: greedy tree decoding
 at a fixed depth over prompts logs each tree's features and accepted depth; the MLP is scored on a fifth of the
 trees (drawn with a fixed seed) after training on the rest, then trained on all of them."""
 
@@ -8,9 +8,9 @@ import random
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from speculant.decoding.tree import tree_speculative
-from speculant.drafters.tree import TreeDrafter
-from speculant.tree_depth import DepthPredictor, train
+from speculant.trees.decoder import tree_speculative
+from speculant.trees.drafter import TreeDrafter
+from speculant.trees.depth import DepthPredictor, train
 
 HELD_OUT = 0.2
 

@@ -29,7 +29,7 @@ def pass_seconds(weights: list[kernels.QuantWeight], width: int, isa: str, repea
     for _ in range(repeats + 1):  # the first warms caches and page tables
         start = time.perf_counter()
         for weight in weights:
-            kernels.matmul(kernels.quantize(inputs[weight.in_features], isa), weight, isa)
+            kernels.matmul(kernels.quantize_rows(inputs[weight.in_features], isa), weight, isa)
         times.append(time.perf_counter() - start)
     return statistics.median(times[1:])
 

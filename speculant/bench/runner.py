@@ -19,7 +19,7 @@ from speculant.models import CausalLM
 
 
 @dataclass
-class Row:
+class Measurement:
     prompt_id: str
     category: str
     method: str
@@ -42,9 +42,9 @@ def run_matrix(
     seed: int = 0,
     sampling: SamplingConfig = SamplingConfig(),
     repeats: int = 1,
-    on_row: Callable[[Row], None] | None = None,
+    on_row: Callable[[Measurement], None] | None = None,
     isolated: Callable[[MethodSpec, list[int], int, dict[str, Any] | None], GenerationResult] | None = None,
-) -> list[Row]:
+) -> list[Measurement]:
     """Every method on every prompt, interleaved, `repeats` times; returns the rows in run order.
 
     `target_for(dtype, backend)` returns the loaded target in that dtype on that backend (None: the run's
@@ -100,7 +100,7 @@ def run_matrix(
             for prompt, ids in zip(prompts, encoded):
                 for spec in methods:
                     result = run(spec, ids, max_new_tokens, prompt.response_format)
-                    row = Row(prompt.id, prompt.category, spec.label, repeat, target_key(target_for(spec.dtype, spec.backend)),
+                    row = Measurement(prompt.id, prompt.category, spec.label, repeat, target_key(target_for(spec.dtype, spec.backend)),
                               result.token_ids, result.stats, result.text)
                     rows.append(row)
                     if on_row:

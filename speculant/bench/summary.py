@@ -13,7 +13,7 @@ from typing import Any, TypeVar
 
 from speculant.bench.llamacpp_cli import CLI_PEERS
 from speculant.bench.methods import MethodSpec
-from speculant.bench.runner import Row
+from speculant.bench.runner import Measurement
 from speculant.decoding.stats import GenerationStats
 from speculant.models.base import common_prefix_len
 
@@ -54,17 +54,17 @@ def _add_up(counts: Iterable[dict[str, T]]) -> dict[str, T]:
     return total
 
 
-def _rate(rows: list[Row]) -> float:
+def _rate(rows: list[Measurement]) -> float:
     seconds = sum(r.stats.wall_s for r in rows)
     return sum(r.stats.new_tokens for r in rows) / seconds if seconds else 0.0
 
 
-def _decode_rate(rows: list[Row]) -> float:
+def _decode_rate(rows: list[Measurement]) -> float:
     seconds = sum(max(r.stats.wall_s - r.stats.ttft_s, 0.0) for r in rows)
     return sum(max(r.stats.new_tokens - 1, 0) for r in rows) / seconds if seconds else 0.0
 
 
-def _interval(rows: list[Row], baseline: list[Row], rate: Any, seed: int = 0) -> tuple[float, float] | None:
+def _interval(rows: list[Measurement], baseline: list[Measurement], rate: Any, seed: int = 0) -> tuple[float, float] | None:
     """95% percentile-bootstrap interval of rate(rows) / rate(baseline), resampling prompts (each prompt's
     repeats stay together, so repeats narrow the interval instead of counting as new prompts)."""
     prompts = sorted({r.prompt_id for r in rows})
@@ -85,11 +85,11 @@ def _interval(rows: list[Row], baseline: list[Row], rate: Any, seed: int = 0) ->
     return ratios[int(0.025 * len(ratios))], ratios[min(int(0.975 * len(ratios)), len(ratios) - 1)]
 
 
-def _speed(row: Row) -> float:
+def _speed(row: Measurement) -> float:
     return row.stats.new_tokens / row.stats.wall_s if row.stats.wall_s > 0 else 0.0
 
 
-def summarize(rows: list[Row], methods: list[MethodSpec], baseline: str | None = None) -> list[MethodSummary]:
+def summarize(rows: list[Measurement], methods: list[MethodSpec], baseline: str | None = None) -> list[MethodSummary]:
     """Per method; speedups over the method labelled `baseline` (default: the first `ar` listed)."""
     by_method = {spec.label: [r for r in rows if r.method == spec.label] for spec in methods}
     ar_labels = [spec.label for spec in methods if spec.method == "ar"]
@@ -139,7 +139,7 @@ def summarize(rows: list[Row], methods: list[MethodSpec], baseline: str | None =
     return summaries
 
 
-def summarize_by_category(rows: list[Row], methods: list[MethodSpec],
+def summarize_by_category(rows: list[Measurement], methods: list[MethodSpec],
                           baseline: str | None = None) -> dict[str, list[MethodSummary]]:
     """The same summaries within each prompt category (only when there is more than one)."""
     categories = sorted({r.category for r in rows})
@@ -148,7 +148,7 @@ def summarize_by_category(rows: list[Row], methods: list[MethodSpec],
     return {c: summarize([r for r in rows if r.category == c], methods, baseline) for c in categories}
 
 
-def to_json(config: dict[str, Any], rows: list[Row], summaries: list[MethodSummary],
+def to_json(config: dict[str, Any], rows: list[Measurement], summaries: list[MethodSummary],
             by_category: dict[str, list[MethodSummary]]) -> dict[str, Any]:
     return {
         "config": config,
@@ -159,7 +159,7 @@ def to_json(config: dict[str, Any], rows: list[Row], summaries: list[MethodSumma
     }
 
 
-def rows_from_json(data: dict[str, Any]) -> list[Row]:
+def rows_from_json(data: dict[str, Any]) -> list[Measurement]:
     """The rows `to_json` wrote (enough of each generation's stats to summarize it again)."""
-    return [Row(r["prompt_id"], r["category"], r["method"], r["repeat"], r["target"], r["token_ids"],
+    return [Measurement(r["prompt_id"], r["category"], r["method"], r["repeat"], r["target"], r["token_ids"],
                 GenerationStats.from_dict(r["stats"]), r.get("text")) for r in data["rows"]]

@@ -36,7 +36,7 @@ from speculant.drafters.base import Draft
 from speculant.models.base import CausalLM
 from speculant.models.metered import metered
 from speculant.sampling import next_token
-from speculant.tree import TokenTree
+from speculant.trees.tree import TokenTree
 
 PLAIN = "plain"
 CARRY_OVER = 4.0  # observations per draft position a new generation's estimates start with, at the long-run rates
@@ -258,7 +258,7 @@ def first_children_accepted(tree: TokenTree, emitted: list[int]) -> tuple[int, i
     return drafted, accepted
 
 
-def shared_cost(cost: Callable[[int], float], rows: Callable[[], int]) -> Callable[[float], float]:
+def batched_cost(cost: Callable[[int], float], rows: Callable[[], int]) -> Callable[[float], float]:
     """T(W) as seen by one of `rows()` requests whose forwards a server batches, taking the others to draft
     alike: the batch runs rows x W tokens, scaled so that plain decoding still costs T(1). Where T(W) is
     flat a batch of drafts costs little more than one; under load a draft competes with the other
@@ -277,10 +277,10 @@ def shared_cost(cost: Callable[[int], float], rows: Callable[[], int]) -> Callab
     return batched
 
 
-def shared_catch_up(catch_up: Callable[[list[int]], float], cost: Callable[[int], float],
+def batched_catch_up(catch_up: Callable[[list[int]], float], cost: Callable[[int], float],
                     rows: Callable[[], int]) -> Callable[[list[int]], float]:
     """A drafter's catch-up on the context as one of `rows()` requests a server batches sees it, in
-    `shared_cost`'s terms: every row waits while it runs (a prompt's prefill runs alone; a lagging cache adds
+    `batched_cost`'s terms: every row waits while it runs (a prompt's prefill runs alone; a lagging cache adds
     its tokens to the batch's drafter forward), and the others, taken to catch up alike, make each row wait
     `rows()` times as long, in forwards that cost T(rows) where plain decoding is counted at T(1)."""
 

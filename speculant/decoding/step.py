@@ -13,7 +13,7 @@ from speculant.config import SamplingConfig
 from speculant.drafters.base import Draft
 from speculant.models.base import CausalLM
 from speculant.sampling import logits_to_probs
-from speculant.tree import TokenTree
+from speculant.trees.tree import TokenTree
 from speculant.verify import verify_greedy, verify_sampling, verify_tree_greedy, verify_tree_sampling
 
 

@@ -15,7 +15,7 @@ import torch
 from speculant.models.metered import Usage
 
 if TYPE_CHECKING:
-    from speculant.tree import TokenTree
+    from speculant.trees.tree import TokenTree
 
 
 @dataclass

@@ -27,7 +27,7 @@ from speculant.config import SamplingConfig
 from speculant.drafters.base import Draft, Drafter
 from speculant.drafters.model import ModelDrafter
 from speculant.drafters.vocab import GrowingEncoding, same_vocabulary, vocab_pair
-from speculant.models.base import CausalLM, SharedCache
+from speculant.models.base import CausalLM, DraftCache
 from speculant.sampling import logits_to_probs
 
 
@@ -126,13 +126,13 @@ class CrossVocabDrafter(Drafter):
         return max(1.0, len(self.own_ids(ids)) / len(ids))
 
 
-def model_drafter(model: CausalLM | SharedCache, target: CausalLM, sampling: SamplingConfig,
+def model_drafter(model: CausalLM | DraftCache, target: CausalLM, sampling: SamplingConfig,
                   generator: torch.Generator | None, keep_probs: bool = False, draft_confidence: float = 0.0,
                   pairs: dict | None = None) -> Any:
-    """What drafts for `target` with `model` (or a SharedCache on it, whose cached ids a ModelDrafter goes on
+    """What drafts for `target` with `model` (or a DraftCache on it, whose cached ids a ModelDrafter goes on
     from): a ModelDrafter when their ids mean the same tokens (with its rows fitted to the target's logits width
     where the two differ), else a CrossVocabDrafter."""
-    base = model.model if isinstance(model, SharedCache) else model
+    base = model.model if isinstance(model, DraftCache) else model
     if not same_vocabulary(target, base):
         return CrossVocabDrafter(base, target, sampling, generator, draft_confidence, pairs)
     guide = getattr(target, "draft_guide", None)  # structured output: drafts follow the target's grammar

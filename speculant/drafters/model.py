@@ -8,7 +8,7 @@ import torch
 
 from speculant.config import SamplingConfig
 from speculant.drafters.base import Draft, Drafter
-from speculant.models.base import CausalLM, SharedCache
+from speculant.models.base import CausalLM, DraftCache
 from speculant.models.metered import metered
 from speculant.sampling import logits_to_probs, next_token, sample
 
@@ -16,9 +16,9 @@ from speculant.sampling import logits_to_probs, next_token, sample
 class ModelDrafter(Drafter):
     """Drafts k tokens autoregressively with a CausalLM (Leviathan et al. 2023, the approximation M_q).
 
-    Its SharedCache remembers which tokens the cache holds; on each proposal it rolls back to the longest
+    Its DraftCache remembers which tokens the cache holds; on each proposal it rolls back to the longest
     prefix shared with the new context and runs only the tokens it has not seen, so rejected drafts
-    cost no recomputation beyond the corrected suffix. `model` may be another drafter's SharedCache. `score` runs a whole draft through the model
+    cost no recomputation beyond the corrected suffix. `model` may be another drafter's DraftCache. `score` runs a whole draft through the model
     in one forward: how a cascade level reviews the draft of the level below.
 
     Greedy drafts carry no distribution unless `keep_probs` (a lenient review needs q(x)).
@@ -34,10 +34,10 @@ class ModelDrafter(Drafter):
     pads (zeros) or cuts each row of q to the target's logits width.
     """
 
-    def __init__(self, model: CausalLM | SharedCache, sampling: SamplingConfig, generator: torch.Generator | None,
+    def __init__(self, model: CausalLM | DraftCache, sampling: SamplingConfig, generator: torch.Generator | None,
                  keep_probs: bool = False, draft_confidence: float = 0.0, allowed: torch.Tensor | None = None,
                  width: int | None = None, guide: Callable[[list[int]], torch.Tensor | None] | None = None):
-        self.cache = model if isinstance(model, SharedCache) else SharedCache(metered(model))
+        self.cache = model if isinstance(model, DraftCache) else DraftCache(metered(model))
         self.model = self.cache.model
         self.draft_confidence = draft_confidence
         self.name = self.model.name

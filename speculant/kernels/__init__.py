@@ -6,7 +6,7 @@ register tiling), and each output is accumulated in the same order whatever the 
 tile, the thread or the ISA: row r of a W-row call equals the 1-row call, and every path equals the
 scalar reference, bit for bit.
 
-    act = quantize(x)                       # x [W, K] fp32, each row on its own (ggml's Q8_K: a scale per 256)
+    act = quantize_rows(x)                  # x [W, K] fp32, each row on its own (ggml's Q8_K: a scale per 256)
     y = matmul(act, weight)                 # weight: QuantWeight.from_gguf(kind, raw); y [W, O] fp32
 
 Each library also holds a whole decoder layer of the lean model on those matmuls (`layer.h`, `layer`).
@@ -123,7 +123,7 @@ def cut_over(name: str, repeats: int = 7, panels: int = 512) -> int:
 
     try:
         for width in range(16, 0, -1):
-            act, tiles, vpdpbusd = quantize(torch.randn(width, inputs), name), [], []
+            act, tiles, vpdpbusd = quantize_rows(torch.randn(width, inputs), name), [], []
             for _ in range(repeats):
                 tiles.append(seconds(1, act))
                 vpdpbusd.append(seconds(17, act))
@@ -145,9 +145,9 @@ def check(name: str) -> None:
         dense[:, 640:] = 0.0
         weight = QuantWeight.from_gguf(kind, getattr(formats, f"quantize_{kind}")(dense.numpy()), 640)
         x = torch.randn(20, 640, generator=generator) * 3
-        reference = matmul(quantize(x, "scalar"), weight, "scalar", threads=1)
+        reference = matmul(quantize_rows(x, "scalar"), weight, "scalar", threads=1)
         for width in range(1, 21):
-            if not torch.equal(matmul(quantize(x[:width], name), weight, name), reference[:width]):
+            if not torch.equal(matmul(quantize_rows(x[:width], name), weight, name), reference[:width]):
                 raise RuntimeError(f"{name}: rows of a {width}-row {kind} call differ from the scalar reference")
 
 
@@ -174,7 +174,7 @@ def paths(emulated: bool = False) -> list[str]:
 
 @cache
 def best() -> str:
-    """The fastest ISA this machine runs (asked on every call of `quantize` and `matmul`: found once)."""
+    """The fastest ISA this machine runs (asked on every call of `quantize_rows` and `matmul`: found once)."""
     return paths()[0]
 
 
@@ -268,7 +268,7 @@ class Activations:
         return self.quants.shape[0]
 
 
-def quantize(x: torch.Tensor, isa: str | None = None) -> Activations:
+def quantize_rows(x: torch.Tensor, isa: str | None = None) -> Activations:
     """x [W, K], each row quantized on its own; K is padded with zeros to a multiple of 128, as the inputs of
     weights whose inputs are not (`formats.inputs_of`)."""
     x, inputs = x.float(), formats.inputs_of(x.shape[1])

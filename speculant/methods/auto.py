@@ -83,14 +83,14 @@ def build(request: Request, options: AutoOptions) -> Any:
     a drafter catches up only on what its cache lacks, as the next turn of a conversation shares its history) and
     what the session learned of them (acceptance, forward times, generation lengths): a new request starts from
     what the last ones observed."""
-    from speculant.decoding.adaptive import Candidate, Rescaled, adaptive, can_pay, shared_catch_up, shared_cost
+    from speculant.decoding.adaptive import Candidate, Rescaled, adaptive, can_pay, batched_catch_up, batched_cost
     from speculant.decoding.run import ending
     from speculant.drafters.base import Drafter
     from speculant.drafters.cascade import CascadeDrafter
     from speculant.drafters.cross_vocab import CrossVocabDrafter, model_drafter
     from speculant.drafters.maxgram import MaxGramDrafter
     from speculant.drafters.model import ModelDrafter
-    from speculant.drafters.tree import TreeDrafter
+    from speculant.trees.drafter import TreeDrafter
 
     target, session = request.target, request.session
     cost = Rescaled(session.profile(target).cost, session.timings)
@@ -142,12 +142,12 @@ def build(request: Request, options: AutoOptions) -> Any:
         candidates.append(Candidate(f"{chain.name} cascade", cascade, chain.step_s / 2, chain.prior,
                                     estimates=chain.estimates, measured=True, needs_match=True,
                                     catch_up=chain.catch_up, scale=chain.scale, speed=speed))  # the chain's
-    if target.sharing is not None:  # a served request: its forwards are batched with other requests'
+    if target.batch_load is not None:  # a served request: its forwards are batched with other requests'
         for candidate in candidates:
             if candidate.catch_up is not None:
-                candidate.catch_up = shared_catch_up(candidate.catch_up, cost, target.sharing)
-            candidate.load = target.sharing
-        cost = shared_cost(cost, target.sharing)
+                candidate.catch_up = batched_catch_up(candidate.catch_up, cost, target.batch_load)
+            candidate.load = target.batch_load
+        cost = batched_cost(cost, target.batch_load)
     decoder = adaptive(target, candidates, request.prompt_ids, request.max_new_tokens, cost, request.sampling,
                        request.generator, options.k_max, options.probe_every, session.lengths)
     return ending(decoder, begun, request.prompt_ids)

@@ -1,4 +1,4 @@
-"""The CausalLM contract: one model plus its KV cache for one sequence (see DESIGN.md)."""
+"""The CausalLM contract: one model plus its KV cache for one sequence (docs/architecture.md)."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ from typing import Any, Protocol, runtime_checkable
 import torch
 
 from speculant.errors import ConfigError
-from speculant.tree import TokenTree
+from speculant.trees.tree import TokenTree
 
 
 @runtime_checkable
@@ -93,7 +93,7 @@ class Backend:
     here rather than by comparing backend names elsewhere. A backend overrides what differs."""
 
     capabilities = Capabilities()
-    sharing: Callable[[], int] | None = None  # a served request's handle: how many rows its target's batches hold now
+    batch_load: Callable[[], int] | None = None  # a served request's handle: how many rows its target's batches hold now
     draft_guide: Any = None  # structured output: what a drafter's rows may hold (`models.constrained`)
 
     def default_drafters(self) -> tuple[str, ...]:
@@ -177,11 +177,11 @@ class Call:
         return model.forward(self.ids, self.positions, tree=self.tree)
 
 
-def profiled_as(model: Any) -> Any:
+def owner_of(model: Any) -> Any:
     """What per-model knowledge (machine profiles, measured costs, learned acceptance) is kept under: for a
-    server's per-request handle the model it shares (`serve.batcher.Row.shares`), for a Wrapper the model it
+    server's per-request handle the model it shares (`serve.batcher.Row.owner`), for a Wrapper the model it
     wraps, else the model itself."""
-    return getattr(model, "shares", model)
+    return getattr(model, "owner", model)
 
 
 def _forwarded(name: str, doc: str = "") -> property:
@@ -209,7 +209,7 @@ class Delegating(Backend):
     capabilities = _forwarded("capabilities")
     identity = _forwarded("identity", "what the weights are when loaded by name (machine profiles persist per identity)")
     kernel = _forwarded("kernel", "the kernel its forwards run on")
-    sharing = _forwarded("sharing")
+    batch_load = _forwarded("batch_load")
     draft_guide = _forwarded("draft_guide")
     cache_len = _forwarded("cache_len")
 
@@ -271,11 +271,11 @@ class Delegating(Backend):
 
 class Wrapper(Delegating):
     """A CausalLM around another that changes its logits (`models.logprobs`, `models.biased`,
-    `models.constrained`): what is learned of it is kept under the wrapped model (`shares`)."""
+    `models.constrained`): what is learned of it is kept under the wrapped model (`owner`)."""
 
     @property
-    def shares(self) -> Any:
-        return profiled_as(self.model)
+    def owner(self) -> Any:
+        return owner_of(self.model)
 
 
 def unwrapped(model: Any) -> Any:
@@ -330,8 +330,8 @@ def resync(model: CausalLM, cached: list[int], context: list[int], extra: Sequen
     return model.forward(context[keep:] + list(extra))[len(context) - keep - 1 :]
 
 
-class SharedCache:
-    """A model and the ids its KV cache holds. Drafters that run on one model share one SharedCache (in
+class DraftCache:
+    """A model and the ids its KV cache holds. Drafters that run on one model share one DraftCache (in
     `auto`, a chain, its cascade and its token trees), so each catches up from where the last one left the
     cache instead of prefilling a cache of its own (positions past `ids`, e.g. a tree's nodes, are dropped
     by the next `run`)."""

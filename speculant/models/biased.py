@@ -12,7 +12,7 @@ import torch
 
 from speculant.errors import ConfigError
 from speculant.models.base import CausalLM, Wrapper
-from speculant.tree import TokenTree
+from speculant.trees.tree import TokenTree
 
 LIMIT = 100.0  # OpenAI's range: -100 bans a token, 100 forces it
 

@@ -23,7 +23,7 @@ import torch
 
 from speculant.errors import ConfigError
 from speculant.models.base import CausalLM, Wrapper, common_prefix_len
-from speculant.tree import TokenTree
+from speculant.trees.tree import TokenTree
 
 KINDS = ("json_object", "json_schema", "grammar", "regex")
 # JSON as models write it (newlines and indentation between tokens), but never padded without end: at most 16

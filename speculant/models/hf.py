@@ -16,7 +16,7 @@ from transformers import DynamicCache, PreTrainedModel
 from speculant.models.base import Backend, Call, Capabilities, Interrupted, prompt_parts
 from speculant.models.catalog import catalog_drafter
 from speculant.models.exact import make_exact
-from speculant.tree import TokenTree
+from speculant.trees.tree import TokenTree
 
 # Attention kernels on CUDA. cuDNN's (torch's first choice on Hopper) builds a plan for every new
 # sequence length, about 35 ms each on an H100 - once per decoding step, tripling its cost.

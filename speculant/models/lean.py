@@ -35,7 +35,7 @@ from speculant.kernels import formats
 from speculant.errors import ConfigError
 from speculant.models.base import Backend, Call, Capabilities, Interrupted, PointerCache, prompt_parts
 from speculant.models.catalog import catalog_drafter
-from speculant.tree import TokenTree
+from speculant.trees.tree import TokenTree
 
 ARCHITECTURES = {"qwen2": "neox", "llama": "norm"}  # rotary layout as llama.cpp lays out each one's weights
 KINDS = {"Q4_K": "q4_k", "Q6_K": "q6_k"}
@@ -379,7 +379,7 @@ class LeanCausalLM(PointerCache, Backend):
             layer = weights.layers[index]
             if self.interrupt is not None and self.interrupt():
                 raise Interrupted()
-            h = kernels.quantize(_rms_norm(x, layer.attn_norm, config.eps))
+            h = kernels.quantize_rows(_rms_norm(x, layer.attn_norm, config.eps))
             q, k, v = (_bias(kernels.matmul(h, w), b) for w, b in
                        ((layer.q, layer.q_bias), (layer.k, layer.k_bias), (layer.v, layer.v_bias)))
             q = _rotate(q.view(n, config.heads, config.head_dim), cos, sin, layout)
@@ -389,10 +389,10 @@ class LeanCausalLM(PointerCache, Backend):
             attended = F.scaled_dot_product_attention(
                 q.transpose(0, 1)[None], self._keys[slot, None, :, :end], self._values[slot, None, :, :end],
                 attn_mask=causal, is_causal=causal is None, scale=scale, enable_gqa=True)[0].transpose(0, 1).reshape(n, -1)
-            x = x + kernels.matmul(kernels.quantize(attended), layer.o)
-            h = kernels.quantize(_rms_norm(x, layer.ffn_norm, config.eps))
+            x = x + kernels.matmul(kernels.quantize_rows(attended), layer.o)
+            h = kernels.quantize_rows(_rms_norm(x, layer.ffn_norm, config.eps))
             gated = F.silu(kernels.matmul(h, layer.gate)) * kernels.matmul(h, layer.up)  # SwiGLU
-            x = x + kernels.matmul(kernels.quantize(gated), layer.down)
+            x = x + kernels.matmul(kernels.quantize_rows(gated), layer.down)
         self._len = end
         return _head(weights, x[-1:])[0]
 
@@ -403,7 +403,7 @@ def _bias(y: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
 
 def _head(weights: LeanWeights, x: torch.Tensor) -> torch.Tensor:
     """Logits of the rows of x (the last layer's output)."""
-    logits = kernels.matmul(kernels.quantize(_rms_norm(x, weights.output_norm, weights.config.eps)), weights.output)
+    logits = kernels.matmul(kernels.quantize_rows(_rms_norm(x, weights.output_norm, weights.config.eps)), weights.output)
     if weights.head is None:
         return logits
     full = torch.full((logits.shape[0], weights.vocab_size), float("-inf"))

@@ -46,7 +46,7 @@ import torch
 from speculant.errors import ModelNotAvailable
 from speculant.models.base import Backend, Capabilities, Interrupted
 from speculant.models.catalog import catalog_drafter
-from speculant.tree import TokenTree
+from speculant.trees.tree import TokenTree
 
 N_CTX = 8192  # positions per context (at most the model's training length)
 N_BATCH = 512  # prompt tokens per llama_decode

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 import torch
 
 from speculant.models.base import CausalLM, Wrapper
-from speculant.tree import TokenTree
+from speculant.trees.tree import TokenTree
 
 MAX_TOP = 20  # the most alternatives a token's entry lists (OpenAI's bound)
 

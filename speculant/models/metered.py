@@ -9,7 +9,7 @@ from dataclasses import dataclass
 import torch
 
 from speculant.models.base import CausalLM, Delegating
-from speculant.tree import TokenTree
+from speculant.trees.tree import TokenTree
 
 
 @dataclass(frozen=True)

@@ -28,7 +28,7 @@ from torch import nn
 from speculant.errors import ConfigError
 from speculant.models.base import Backend, Capabilities, Interrupted, PointerCache
 from speculant.models.catalog import catalog_drafter
-from speculant.tree import TokenTree
+from speculant.trees.tree import TokenTree
 
 ARCHITECTURES = ("llama", "qwen2", "mistral")
 DEFAULT_SPAN = 2048  # positions a handle's cache holds when the model allows more

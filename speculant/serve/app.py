@@ -25,7 +25,7 @@ from speculant.errors import ConfigError
 from speculant.models.biased import check_bias
 from speculant.models.constrained import Constraint, Matcher
 from speculant.models.logprobs import TokenLogprob
-from speculant.serve.engine import Engine, Job, Outcome, QueueFull
+from speculant.serve.engine import Engine, ServeJob, Outcome, QueueFull
 from speculant.serve.metrics import Metrics
 from speculant.serve.schema import ApiError, ChatRequest, CompletionRequest, Sampling
 
@@ -154,7 +154,7 @@ def create_app(engine: Engine, served_name: str, api_key: str | None = None, rep
             ticket.cancel()  # a client that went away frees its row after the current forward
         yield "data: [DONE]\n\n"
 
-    def make_job(body: Sampling, ids: list[int], max_tokens: int | None) -> Job:
+    def make_job(body: Sampling, ids: list[int], max_tokens: int | None) -> ServeJob:
         if not ids:
             raise ApiError(400, "the prompt is empty", "prompt")
         limit = engine.target.max_positions
@@ -185,7 +185,7 @@ def create_app(engine: Engine, served_name: str, api_key: str | None = None, rep
                 Matcher(constraint, engine.target.tokenizer, engine.target.vocab_size)
         except ConfigError as error:
             raise ApiError(400, str(error), "response_format") from None
-        return Job(ids, max_tokens, sampling, body.seed, body.stops, method, overrides, body.alternatives, bias,
+        return ServeJob(ids, max_tokens, sampling, body.seed, body.stops, method, overrides, body.alternatives, bias,
                    constraint)
 
     return app

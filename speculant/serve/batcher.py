@@ -26,7 +26,7 @@ import torch
 from greenlet import greenlet
 
 from speculant.models.base import Call, CausalLM, Delegating
-from speculant.tree import TokenTree
+from speculant.trees.tree import TokenTree
 
 
 PREFILL_TOKENS = 512  # prompt tokens one batch prefills (one prompt at least): ~1 s of a 1.5B on 2 cores
@@ -116,7 +116,7 @@ class Batcher:
                 while self._inbox and len(self._live) + len(admitted) < self.max_rows:
                     admitted.append(self._inbox.popleft())
             requests = [greenlet(work) for work in admitted]
-            self._live.update(requests)  # each starts knowing the others admitted with it (Row.sharing)
+            self._live.update(requests)  # each starts knowing the others admitted with it (Row.batch_load)
             for request in requests:
                 self._resume(request)
             batch, self._parked = self._next_batch()
@@ -187,20 +187,20 @@ def weights_of(handle: CausalLM) -> int:
 
 class Row(Delegating):
     """One request's handle on a served model: its own KV cache, its forwards run by the batcher (without
-    one, on the calling thread: a request that runs apart from the others). `shares` is the served model,
+    one, on the calling thread: a request that runs apart from the others). `owner` is the served model,
     under which per-model knowledge (machine profiles, what `auto` learned of acceptance) is kept across
     requests."""
 
-    def __init__(self, batcher: Batcher | None, shares: CausalLM, on_forward: Callable[[Call], None] | None = None):
-        super().__init__(shares.share())
-        self.batcher, self.shares, self.on_forward = batcher, shares, on_forward
+    def __init__(self, batcher: Batcher | None, owner: CausalLM, on_forward: Callable[[Call], None] | None = None):
+        super().__init__(owner.share())
+        self.batcher, self.owner, self.on_forward = batcher, owner, on_forward
 
     @property
     def handle(self) -> CausalLM:
         """Its own cache on the served model's weights."""
         return self.model
 
-    def sharing(self) -> int:
+    def batch_load(self) -> int:
         """How many requests' rows share each of this row's forwards: those running and those waiting to join the
         next batch (1 where the backend runs rows apart). Clients rarely arrive in the same instant: the first of a
         burst decides its next step while the others wait, and counted alone it would start a drafter's catch-up
@@ -210,7 +210,7 @@ class Row(Delegating):
         return min(self.batcher.load + self.batcher.waiting, self.batcher.max_rows)
 
     def share(self) -> Row:
-        return Row(self.batcher, self.shares, self.on_forward)
+        return Row(self.batcher, self.owner, self.on_forward)
 
     def prefill(self, ids: Sequence[int]) -> torch.Tensor:
         """A prompt's prefill; where the backend runs a long prompt in parts (`prefill_parts`), each part waits

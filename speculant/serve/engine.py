@@ -50,7 +50,7 @@ class QueueFull(Exception):
 
 
 @dataclass(frozen=True)
-class Job:
+class ServeJob:
     """One generation a client asked for (already validated against the target)."""
 
     prompt_ids: list[int]
@@ -194,7 +194,7 @@ class Engine:
             self._load(held)  # Max-Gram costs nothing to add
         return spec, options
 
-    def submit(self, job: Job, on_text: Callable[[str, list[TokenLogprob]], None],
+    def submit(self, job: ServeJob, on_text: Callable[[str, list[TokenLogprob]], None],
                on_end: Callable[[Outcome | BaseException], None]) -> Ticket:
         """Start `job`; text increments (with the log-probabilities of the tokens committed since the last
         one, where the job asks for them) go to `on_text` and the end to `on_end`, from the batcher's thread.
@@ -232,7 +232,7 @@ class Engine:
             with self._lock:
                 self._running_apart.discard(threading.current_thread())
 
-    def _decode(self, job: Job, spec: Any, options: Any, ticket: Ticket,
+    def _decode(self, job: ServeJob, spec: Any, options: Any, ticket: Ticket,
                 on_text: Callable[[str, list[TokenLogprob]], None], submitted: float, apart: bool = False) -> Outcome:
         steps = Steps(self.metrics)
         rows: dict[int, Row] = {}

@@ -22,7 +22,7 @@ from speculant.config import EXECUTORS, SamplingConfig
 from speculant.decoding.dsi.jobs import Canceller, Job, ServerDied, TargetServer
 from speculant.decoding.dsi.twin import Latency, PaddedModel
 from speculant.errors import ConfigError, ModelNotAvailable
-from speculant.models.base import CausalLM, profiled_as
+from speculant.models.base import CausalLM, owner_of
 from speculant.models.hf import HFCausalLM
 
 
@@ -76,7 +76,7 @@ def replica_factory(target: CausalLM, servers: int = 1, drafting: bool = False) 
     by path, each with a context of its own and the machine's cores shared out between them and, when a
     model drafts beside them (`drafting`), the drafter. A server's per-request handle gets replicas of the
     model it shares (they run beside its batched forwards)."""
-    target = profiled_as(target)
+    target = owner_of(target)
     if isinstance(target, HFCausalLM):
         return partial(hf_replica, target.model, target.name, target.eos_token_ids)
     from speculant.models.llamacpp import LlamaCppCausalLM

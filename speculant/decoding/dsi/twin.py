@@ -23,7 +23,7 @@ from speculant.decoding.dsi.jobs import Canceller
 from speculant.drafters.base import Draft
 from speculant.models.base import Backend, CausalLM, Delegating, Interrupted
 from speculant.models.metered import Usage
-from speculant.tree import TokenTree
+from speculant.trees.tree import TokenTree
 
 
 @dataclass(frozen=True)

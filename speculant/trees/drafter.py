@@ -10,19 +10,19 @@ from collections.abc import Callable
 import torch
 
 from speculant.drafters.base import Draft, Drafter
-from speculant.models.base import CausalLM, SharedCache
+from speculant.models.base import CausalLM, DraftCache
 from speculant.models.metered import Usage, metered
-from speculant.tree import TokenTree
+from speculant.trees.tree import TokenTree
 
 
 class TreeDrafter(Drafter):
     """Greedy tree drafting with a model: `depth` steps of `width` nodes (depth x width drafted nodes), as a
     Drafter whose drafts are trees (`propose`: depth k; with `cost`, k is a cap, see `propose_tree`). `model` may
-    be a chain drafter's SharedCache: the tree then catches up from where the chain left it."""
+    be a chain drafter's DraftCache: the tree then catches up from where the chain left it."""
 
-    def __init__(self, model: CausalLM | SharedCache, width: int = 2,
+    def __init__(self, model: CausalLM | DraftCache, width: int = 2,
                  cost: Callable[[int], float] | None = None):
-        self.cache = model if isinstance(model, SharedCache) else SharedCache(metered(model))
+        self.cache = model if isinstance(model, DraftCache) else DraftCache(metered(model))
         self.model = self.cache.model
         self.name = self.model.name
         self.width, self.cost = width, cost

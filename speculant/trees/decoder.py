@@ -14,12 +14,12 @@ from speculant.decoding.run import Decoder, emit
 from speculant.decoding.stats import GenerationStats
 from speculant.decoding.step import verify_step
 from speculant.drafters.base import Draft
-from speculant.drafters.tree import TreeDrafter
+from speculant.trees.drafter import TreeDrafter
 from speculant.models.base import CausalLM
 from speculant.models.metered import metered
-from speculant.tree_depth import DepthPredictor, Recent, features
+from speculant.trees.depth import DepthPredictor, Recent, features
 from speculant.sampling import next_token
-from speculant.tree_prune import prune
+from speculant.trees.prune import prune
 
 
 def tree_speculative(

@@ -39,9 +39,9 @@ class TreeOptions(DrafterOptions):
 
 @register("tree", TreeOptions, "token trees: depth x width drafted nodes verified in one forward")
 def build(request: Request, options: TreeOptions) -> Any:
-    from speculant.decoding.tree import tree_speculative
-    from speculant.decoding.tree_shape import tree_shape
-    from speculant.drafters.tree import TreeDrafter
+    from speculant.trees.decoder import tree_speculative
+    from speculant.trees.shape import tree_shape
+    from speculant.trees.drafter import TreeDrafter
     from speculant.latency import LatencyProfile
 
     model = tree_drafter_model(request.session.drafter(options.drafter, options.drafter_dtype), request.target)
@@ -73,7 +73,7 @@ def tree_drafter_model(model: Any, target: Any) -> Any:
 
 def depth_predictor(choice: str, target: Any, drafter: Any) -> Any:
     """The DepthPredictor `choice` names: a JSON file, off, or auto (train-depth's for the pair, if any)."""
-    from speculant.tree_depth import DepthPredictor, predictor_path
+    from speculant.trees.depth import DepthPredictor, predictor_path
 
     if choice == "off":
         return None

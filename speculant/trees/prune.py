@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 
-from speculant.tree import TokenTree
+from speculant.trees.tree import TokenTree
 
 
 def best_subtrees(tree: TokenTree, values: Sequence[float], max_nodes: int) -> dict[int, tuple[float, tuple[int, ...]]]:

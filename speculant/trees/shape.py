@@ -12,7 +12,7 @@ import numpy as np
 
 from speculant.latency import LatencyProfile, forward_costs
 from speculant.config import AUTO
-from speculant.models.base import CausalLM, profiled_as
+from speculant.models.base import CausalLM, owner_of
 
 AUTO_MAX_DEPTH = 16  # `depth=auto`: the objective stops drafting earlier when another step cannot pay
 TARGET_WIDTHS = (1, 2, 4, 8, 16, 32)  # measured T(n); `verify_width=auto` stays within them
@@ -30,7 +30,7 @@ class TreeShape:
 def measured_costs(model: CausalLM, context: list[int], widths: Sequence[int], measured: Any) -> dict[int, float]:
     """T(W) of `model` after `context` for each W, measured once per model object (after a warm-up) and kept in
     `measured` ({model: {widths: costs}}, a `Session`'s)."""
-    per_model = measured.setdefault(profiled_as(model), {})
+    per_model = measured.setdefault(owner_of(model), {})
     if tuple(widths) not in per_model:
         forward_costs(model, context, widths[:1], repeats=1)  # warm-up
         per_model[tuple(widths)] = forward_costs(model, context, widths, repeats=1)
