@@ -23,7 +23,7 @@ from transformers import Qwen2Config, Qwen2ForCausalLM
 
 from speculant import generate
 from speculant.models import HFCausalLM
-from speculant.models.static import StaticCausalLM, StaticWeights
+from speculant.models.backends.static import StaticCausalLM, StaticWeights
 
 CONFIGS = {  # Qwen2.5-Coder-1.5B / 0.5B (Instruct)
     "1.5b": dict(hidden_size=1536, intermediate_size=8960, num_hidden_layers=28, num_attention_heads=12,

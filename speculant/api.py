@@ -12,9 +12,9 @@ from speculant.decoding.stats import GenerationStats
 from speculant.errors import ConfigError
 from speculant.methods import Request, get_method
 from speculant.models import load_model
-from speculant.models.biased import Biased
-from speculant.models.constrained import Constrained, Constraint, Matcher
-from speculant.models.logprobs import MAX_TOP, Recorded, TokenLogprob
+from speculant.models.wrappers.biased import Biased
+from speculant.models.wrappers.constrained import Constrained, Constraint, Matcher
+from speculant.models.wrappers.logprobs import MAX_TOP, Recorded, TokenLogprob
 from speculant.models.base import owner_of
 from speculant.sampling import seeded
 from speculant.session import Session

@@ -240,7 +240,7 @@ def resolve_method(method: str | None, given: dict[str, str]) -> str:
 def read_constraint(schema: str | None, grammar: str | None) -> Any:
     """The structured output `generate --json-schema/--grammar` asks for (None: free text); a ConfigError for a
     file that is missing or not JSON."""
-    from speculant.models.constrained import Constraint
+    from speculant.models.wrappers.constrained import Constraint
 
     path = schema or grammar
     if path is None:
@@ -385,7 +385,7 @@ def measure_bench(args: argparse.Namespace, methods: list[Any]) -> list[Any]:
     from speculant.bench.llamacpp_cli import CLI_PEERS
     from speculant.bench.runner import run_matrix
     from speculant.models import CausalLM, load_model, split_quant
-    from speculant.models.llamacpp_build import tool
+    from speculant.models.backends.llamacpp_build import tool
     from speculant.models.loading import resolve_backend
 
     if any(m.method in CLI_PEERS for m in methods):
@@ -668,7 +668,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         elif args.command == "bench-kernels":
             run_bench_kernels(args)
         elif args.command == "peers":
-            from speculant.models.llamacpp_build import build
+            from speculant.models.backends.llamacpp_build import build
 
             build(args.jobs, say=lambda line: print(line, file=sys.stderr))
     except SpeculantError as error:

@@ -23,7 +23,7 @@ DEFAULT_TARGET = "qwen2.5-coder-1.5b"  # catalog names (speculant.models.catalog
 DEFAULT_DRAFTER = "qwen2.5-coder-0.5b"
 DTYPES = ("auto", "bf16", "fp32")
 BACKENDS = ("hf", "llamacpp", "lean", "static")  # transformers; GGUF on llama.cpp; GGUF on speculant's own kernels;
-# transformers weights on torch kernels with a static cache (models/static.py)
+# transformers weights on torch kernels with a static cache (models/backends/static.py)
 EXECUTORS = ("thread", "process", "ray")  # where DSI's target servers run
 
 
@@ -73,9 +73,10 @@ class ModelConfig:
     dtype: str = option(AUTO, "weight dtype: auto (the fastest exact path this device has), bf16 or fp32",
                         choices=DTYPES)
     device: str = option("cpu", "cpu, cuda or cuda:N")
-    backend: str = option(AUTO, "auto (llama.cpp for catalog/GGUF models on the CPU where llama-cpp-python is "
-                                "installed), hf (transformers), llamacpp, lean (GGUF K-quants on speculant's "
-                                "exact kernels) or static (torch kernels, a static cache: the GPU's fast path)",
+    backend: str = option(AUTO, "auto (catalog/GGUF models on the CPU: lean where its kernels read them, else "
+                                "llama.cpp where it is built), hf (transformers), llamacpp, lean (GGUF K-quants on "
+                                "speculant's exact kernels) or static (torch kernels, a static cache: the GPU's fast "
+                                "path)",
                         choices=(AUTO, *BACKENDS))
     compile: bool = option(False, "static backend: compile its step with torch.compile and, on a GPU, replay it as "
                                   "a CUDA graph")

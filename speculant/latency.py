@@ -108,7 +108,7 @@ MACHINE_CONTEXT = 256
 MACHINE_PROFILES = "profiles.json"
 
 
-def machine_key(model) -> str | None:
+def profile_key(model) -> str | None:
     """What a measured T(W) depends on: the weights and their numerics, the kernel, the device, the
     threads, the CPU, torch and the widest exact forward. None for a model without an identity (built in
     memory): never cached."""
@@ -134,7 +134,7 @@ def machine_profile(model, repeats: int = 3, progress: bool = True) -> LatencyPr
     from speculant.models.base import owner_of
 
     model = owner_of(model)
-    key = machine_key(model)
+    key = profile_key(model)
     if key is None:
         return _measure(model, repeats, False)
     return LatencyProfile.from_dict(remembered(f"machine/{MACHINE_PROFILES}", key,

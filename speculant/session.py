@@ -67,7 +67,7 @@ class Session:
     def cache(self, model: CausalLM, key: Any) -> DraftCache:
         """The KV cache a model drafter drafts from, kept across generations under `key` (its spec and dtype), so
         that the next turn of a conversation catches up only on what is new."""
-        from speculant.models.metered import metered
+        from speculant.models.wrappers.metered import metered
 
         if key not in self.caches:
             self.caches[key] = DraftCache(metered(model))
@@ -76,7 +76,7 @@ class Session:
     def profile(self, model: CausalLM) -> LatencyProfile:
         """`model`'s machine profile (`latency.machine_profile`), read or measured once per session."""
         model = owner_of(model)
-        key = latency.machine_key(model)
+        key = latency.profile_key(model)
         held = self._profiles.get(model)
         if held is None or held[0] != key:
             held = self._profiles[model] = key, latency.machine_profile(model)

@@ -16,6 +16,6 @@ os.environ.setdefault("RAY_AUTH_MODE", "disabled")
 
 # Tests load llama.cpp as speculant does: the native build for this machine where there is one. Test modules
 # import llama_cpp while they are collected, so the choice is made here, first.
-from speculant.models.llamacpp import choose_library  # noqa: E402
+from speculant.models.backends.llamacpp import choose_library  # noqa: E402
 
 choose_library()

@@ -19,7 +19,7 @@ from speculant.decoding.run import timed
 from speculant.drafters.base import Draft
 from speculant.latency import LatencyProfile
 from speculant.trees.tree import TokenTree
-from speculant.models.metered import Metered, Usage
+from speculant.models.wrappers.metered import Metered, Usage
 from speculant.session import Session
 from test_sampling import assert_follows_target, sampling_pair
 

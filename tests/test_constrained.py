@@ -11,7 +11,7 @@ from helpers import ARCHS, byte_tokenizer, every_method, perturbed, tiny_model, 
 
 from speculant import generate
 from speculant.errors import ConfigError
-from speculant.models.constrained import Constraint
+from speculant.models.wrappers.constrained import Constraint
 
 pytest.importorskip("llguidance")
 

@@ -7,10 +7,11 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-import speculant.models.hf as hf
+import speculant.models.backends.hf as hf
 from helpers import ARCHS, MORE_ARCHS, random_prompt, tiny_transformer
 from speculant import generate, load_model
-from speculant.models import exact, native
+from speculant.models.numerics import exact
+from speculant.models.numerics import native
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 KERNELS = ["rows", *native.KERNELS]

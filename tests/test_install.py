@@ -14,7 +14,8 @@ from pathlib import Path
 import pytest
 
 from speculant.errors import ModelNotAvailable
-from speculant.models import llamacpp, llamacpp_build
+from speculant.models.backends import llamacpp
+from speculant.models.backends import llamacpp_build
 
 ROOT = Path(__file__).parent.parent
 

@@ -14,7 +14,7 @@ from tiny_gguf import write_tiny_gguf
 
 from speculant import generate, kernels
 from speculant.models import load_model
-from speculant.models.lean import LeanCausalLM
+from speculant.models.backends.lean import LeanCausalLM
 from speculant.trees.tree import TokenTree
 
 VARIANTS = {"qwen2": ("qwen2", None), "llama": ("llama", None), "llama-window": ("llama", 6)}
@@ -138,7 +138,7 @@ def test_the_repack_is_cached(lean_files, monkeypatch):
     cached = list((path.parent / "cache" / "lean").glob("qwen2-0-*/*.npy"))
     assert len(cached) == 1 + 2 * 7  # the output head and 7 matrices per layer
     from speculant.kernels import formats
-    from speculant.models.lean import LeanWeights
+    from speculant.models.backends.lean import LeanWeights
 
     def no_repack(*args):
         raise AssertionError("repacked again")
@@ -146,7 +146,7 @@ def test_the_repack_is_cached(lean_files, monkeypatch):
     monkeypatch.setattr(formats, "pack", no_repack)
     again = LeanWeights(path)  # as a second process would load it
     assert torch.equal(again.output.data, first.weights.output.data)
-    from speculant.models import lean as lean_module
+    from speculant.models.backends import lean as lean_module
 
     monkeypatch.setattr(lean_module.inspect, "getsource", lambda function: "def _repack(): ...  # edited")
     with pytest.raises(AssertionError, match="repacked again"):
@@ -158,7 +158,7 @@ def test_a_drafter_on_the_kernels_keeps_frequent_tokens_and_drafts_exactly(lean_
     again and its head keeps FR-Spec's most frequent tokens; a lean target drafted for by it emits what it
     emits alone."""
     from speculant.errors import ConfigError
-    from speculant.models import lean as lean_module
+    from speculant.models.backends import lean as lean_module
 
     monkeypatch.setattr(lean_module, "DRAFT_HEAD", 64)
     path = tmp_path / "q8.gguf"
@@ -198,7 +198,7 @@ def test_rows_of_several_sequences_in_one_forward_equal_their_own_forwards(lean_
     """`lean.forward_rows`: prefills (short, and past the window), chains and a tree of different sequences in
     one forward; each gets bit for bit the logits and cache length of its own calls."""
     from speculant.models.base import Call
-    from speculant.models.lean import forward_rows
+    from speculant.models.backends.lean import forward_rows
 
     base = lean(lean_files, variant)
     batched, alone = [base.share() for _ in range(3)], [base.share() for _ in range(3)]
@@ -222,7 +222,7 @@ def test_served_lean_requests_batch_and_equal_their_solo_runs(lean_files, monkey
 
     from helpers import run_job
     from speculant.methods import get_method
-    from speculant.models import lean as lean_module
+    from speculant.models.backends import lean as lean_module
     from speculant.serve.engine import Engine
 
     batched = []  # rows per batched forward
@@ -278,7 +278,7 @@ def test_a_served_long_prompt_prefills_in_parts_while_others_decode(lean_files, 
     from speculant.config import SamplingConfig
     from speculant.methods import get_method
     from speculant.models import base
-    from speculant.models import lean as lean_module
+    from speculant.models.backends import lean as lean_module
     from speculant.serve.engine import Engine, ServeJob
 
     monkeypatch.setattr(base, "PREFILL_PART", 4)
@@ -321,7 +321,7 @@ def test_a_handle_skipping_layers_computes_the_model_without_them(lean_files, tm
     full = torch.cat([target.prefill(ids[:5])[None], target.forward(ids[5:])])[:, :BYTE_VOCAB]
     assert (full - expected).norm() / expected.norm() > 0.2  # the layers left out matter
     from speculant.models.base import Call
-    from speculant.models.lean import forward_rows
+    from speculant.models.backends.lean import forward_rows
 
     # a server batches handles by weights_key: a skipping handle's rows never join the full model's
     assert skipping.weights_key == skipping.share().weights_key != target.weights_key == target.share().weights_key
@@ -333,7 +333,7 @@ def test_the_model_drafts_for_itself_with_calibrated_layers_left_out(lean_files,
     """`self@skip` (Draft & Verify; SWIFT): the calibration leaves out middle layers only and is remembered;
     sd and auto drafting with it emit what `ar` emits."""
     from speculant.errors import ConfigError
-    from speculant.models import layer_skip
+    from speculant.models.backends import layer_skip
 
     path = tmp_path / "six.gguf"
     write_tiny_gguf(path, "qwen2", 6, "k", layers=6, hidden=256)

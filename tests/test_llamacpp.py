@@ -228,7 +228,7 @@ def test_speculant_s_amx_kernel_leaves_ggml_s_tiles_as_it_found_them(gguf_files)
     import sys
     from pathlib import Path
 
-    from speculant.models import native
+    from speculant.models.numerics import native
 
     if not native.KERNELS["amx"].available(torch.bfloat16):
         pytest.skip("no AMX on this CPU")
@@ -236,7 +236,8 @@ def test_speculant_s_amx_kernel_leaves_ggml_s_tiles_as_it_found_them(gguf_files)
 import sys, torch
 sys.path.insert(0, {str(Path(__file__).parent)!r})
 from helpers import byte_tokenizer
-from speculant.models import load_model, native
+from speculant.models import load_model
+from speculant.models.numerics import native
 model = load_model({str(gguf_files["llama", "q8_0", 0][0])!r}, tokenizer=byte_tokenizer())
 if "AMX" not in model.weights.buffers:
     print("no AMX buffer"); sys.exit(0)

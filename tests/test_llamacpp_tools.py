@@ -11,7 +11,7 @@ import pytest
 from speculant.bench.llamacpp_cli import CLI_PEERS, read_completion, read_speculative
 from speculant.bench.methods import parse_method
 from speculant.errors import ConfigError, ModelNotAvailable
-from speculant.models import llamacpp_build
+from speculant.models.backends import llamacpp_build
 
 # What the tools print (captured from llama.cpp 0.3.36's builds; log lines carry a timestamp prefix).
 COMPLETION_OUT = b"Hello! How can I assist you today? [end of text]\n\n\n"
@@ -66,7 +66,7 @@ def test_the_amx_tile_configuration_fix_applies_to_the_line_gcc_12_miscompiles(t
 def test_a_build_is_per_version_and_cpu_and_missing_tools_say_how_to_build(tmp_path, monkeypatch, capsys):
     monkeypatch.setenv("SPECULANT_CACHE", str(tmp_path))
     root = llamacpp_build.build_root("9.9.9")
-    assert root.parent == tmp_path / "llamacpp" and root.name == f"9.9.9-{llamacpp_build.machine_key()}"
+    assert root.parent == tmp_path / "llamacpp" and root.name == f"9.9.9-{llamacpp_build.cpu_key()}"
     pytest.importorskip("llama_cpp")
     with pytest.raises(ModelNotAvailable, match="speculant peers build-llamacpp"):
         llamacpp_build.tool("llama-completion")
@@ -140,8 +140,9 @@ def test_llama_cpp_python_s_own_library_runs_with_or_without_its_amx_path(tmp_pa
     if spec is None:
         pytest.skip("llama-cpp-python is not installed")
     lib = Path(spec.submodule_search_locations[0]) / "lib"
-    code = ("import json; from speculant import generate; from speculant.models import load_model, llamacpp; "
-            "m = load_model('qwen2.5-coder-0.5b@gguf'); r = generate(m, 'def f():', method='ar', max_new_tokens=8); "
+    code = ("import json; from speculant import generate; from speculant.models import load_model; "
+            "from speculant.models.backends import llamacpp; m = load_model('qwen2.5-coder-0.5b@gguf'); "
+            "r = generate(m, 'def f():', method='ar', max_new_tokens=8); "
             "print(json.dumps([m.weights.buffers, llamacpp.system_info()['features'].split(), len(r.token_ids)]))")
     from speculant.cache import cache_root
 

@@ -8,8 +8,8 @@ from helpers import ARCHS, DEVICES, random_prompt, tiny_model, tiny_transformer
 from speculant import generate, load_model
 from speculant.errors import ConfigError
 from speculant.models import quantized_copy
-from speculant.models import native
-from speculant.models.quant import AMXInt8Linear, Int4WeightOnlyLinear, Int8DynamicLinear, Int8WeightOnlyLinear, quantize
+from speculant.models.numerics import native
+from speculant.models.numerics.quant import AMXInt8Linear, Int4WeightOnlyLinear, Int8DynamicLinear, Int8WeightOnlyLinear, quantize
 from speculant.trees.tree import TokenTree
 
 VOCAB = 64

@@ -31,7 +31,7 @@ from speculant.drafters.base import Draft, Drafter
 from speculant.methods import get_method
 from speculant.models import load_model
 from speculant.models.base import Call
-from speculant.models.hf import forward_rows
+from speculant.models.backends.hf import forward_rows
 from speculant.serve.app import create_app
 from speculant.serve.batcher import Batcher, Row
 from speculant.serve.engine import Engine

@@ -125,10 +125,10 @@ def test_dropping_a_session_frees_what_it_loaded():
 
 
 def test_every_backend_declares_its_capabilities():
-    from speculant.models.hf import HFCausalLM
-    from speculant.models.lean import LeanCausalLM
-    from speculant.models.llamacpp import LlamaCppCausalLM
-    from speculant.models.static import StaticCausalLM
+    from speculant.models.backends.hf import HFCausalLM
+    from speculant.models.backends.lean import LeanCausalLM
+    from speculant.models.backends.llamacpp import LlamaCppCausalLM
+    from speculant.models.backends.static import StaticCausalLM
 
     for backend in (HFCausalLM, LeanCausalLM, LlamaCppCausalLM, StaticCausalLM):
         assert issubclass(backend, Backend) and isinstance(backend.capabilities, Capabilities)

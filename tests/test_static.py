@@ -11,7 +11,7 @@ from speculant import cli, generate
 from speculant.errors import ConfigError
 from speculant.models import load_model
 from speculant.models.base import Interrupted
-from speculant.models.static import StaticCausalLM, StaticWeights
+from speculant.models.backends.static import StaticCausalLM, StaticWeights
 from speculant.trees.tree import TokenTree
 
 ARCHS = ("llama", "qwen2", "mistral")  # mistral with a sliding window shorter than the generations

@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from speculant.errors import ConfigError
-from speculant.models.constrained import Constraint
+from speculant.models.wrappers.constrained import Constraint
 
 _SLICE = re.compile(r"(?P<name>.+?)\[(?P<start>-?\d*):(?P<stop>-?\d*)\]")
 

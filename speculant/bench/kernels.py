@@ -15,7 +15,7 @@ from speculant.errors import ConfigError
 
 def linear_weights(model: str) -> list[kernels.QuantWeight]:
     """The model's matrices in the kernels' layout, as the lean backend loads them (repacked once, cached)."""
-    from speculant.models.lean import shared_weights
+    from speculant.models.backends.lean import shared_weights
     from speculant.models.loading import gguf_file
 
     return shared_weights(gguf_file(model)).matrices()

@@ -22,8 +22,8 @@ from typing import Any
 from speculant.config import SamplingConfig, option
 from speculant.errors import ConfigError
 from speculant.methods.drafting import DrafterOptions
-from speculant.models import llamacpp
-from speculant.models.llamacpp_build import tool
+from speculant.models.backends import llamacpp
+from speculant.models.backends.llamacpp_build import tool
 
 KV_TYPES = ("bf16", "f16")
 FOLLOWS_SCHEMAS = ("llamacpp-cli-ar",)  # the tool that takes --json-schema
@@ -149,7 +149,7 @@ def cli_generate(method: str, target: Any, prompt_ids: list[int], max_new_tokens
     from speculant.api import GenerationResult
     from speculant.decoding.stats import GenerationStats
 
-    from speculant.models.llamacpp import LlamaCppCausalLM
+    from speculant.models.backends.llamacpp import LlamaCppCausalLM
 
     if not isinstance(target, LlamaCppCausalLM) or target.tokenizer is None:
         raise ConfigError(f"{method} needs a llama.cpp target with a tokenizer (backend=llamacpp)")

@@ -25,7 +25,7 @@ _plain: WeakKeyDictionary = WeakKeyDictionary()  # loaded model -> its transform
 
 def plain(model: Any) -> Any:
     """The transformers module of a loaded model as transformers itself would run it."""
-    from speculant.models.exact import plain_copy
+    from speculant.models.numerics.exact import plain_copy
 
     if model not in _plain:
         _plain[model] = plain_copy(model.model)
@@ -76,7 +76,7 @@ def llamacpp_generate(method: str, target: Any, prompt_ids: list[int], max_new_t
     """One generation by llama-cpp-python's `Llama.generate` on the target's GGUF, timed like speculant's."""
     from speculant.api import GenerationResult, decode
     from speculant.decoding.stats import GenerationStats
-    from speculant.models import llamacpp
+    from speculant.models.backends import llamacpp
 
     if not isinstance(target, llamacpp.LlamaCppCausalLM):
         raise ConfigError(f"{method} needs a llama.cpp target (backend=llamacpp)")

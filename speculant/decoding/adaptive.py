@@ -34,7 +34,7 @@ from speculant.decoding.stats import GenerationStats
 from speculant.decoding.step import Verified, until_eos, verify_step
 from speculant.drafters.base import Draft
 from speculant.models.base import CausalLM
-from speculant.models.metered import metered
+from speculant.models.wrappers.metered import metered
 from speculant.sampling import next_token
 from speculant.trees.tree import TokenTree
 

@@ -14,7 +14,7 @@ from speculant.decoding.stats import GenerationStats
 from speculant.decoding.step import until_eos, verify_step
 from speculant.drafters.base import Drafter
 from speculant.models.base import CausalLM
-from speculant.models.metered import metered
+from speculant.models.wrappers.metered import metered
 from speculant.sampling import next_token
 
 

@@ -6,7 +6,7 @@ from dataclasses import asdict, dataclass, field, fields
 from typing import TYPE_CHECKING, Any
 
 from speculant.theory import swi
-from speculant.models.metered import Usage
+from speculant.models.wrappers.metered import Usage
 
 if TYPE_CHECKING:
     from speculant.decoding.dsi.record import DSIRecord

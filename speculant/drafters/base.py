@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from speculant.models.metered import Usage
+from speculant.models.wrappers.metered import Usage
 
 if TYPE_CHECKING:
     from speculant.trees.tree import TokenTree

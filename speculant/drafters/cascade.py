@@ -26,7 +26,7 @@ from speculant.drafters.cross_vocab import CrossVocabDrafter
 from speculant.drafters.maxgram import MaxGramDrafter
 from speculant.drafters.model import ModelDrafter
 from speculant.errors import ConfigError
-from speculant.models.metered import Usage
+from speculant.models.wrappers.metered import Usage
 from speculant.sampling import logits_to_probs
 from speculant.verify import lenient_distribution, one_hot, verify_greedy, verify_sampling
 

@@ -9,7 +9,7 @@ import torch
 from speculant.config import SamplingConfig
 from speculant.drafters.base import Draft, Drafter
 from speculant.models.base import CausalLM, DraftCache
-from speculant.models.metered import metered
+from speculant.models.wrappers.metered import metered
 from speculant.sampling import logits_to_probs, next_token, sample
 
 

@@ -15,8 +15,8 @@ MAXGRAM = "maxgram"  # prompt lookup with a bigram fallback, no model (drafters.
 SELF = "self"  # the target's own weights (quantized with @int8 / @int4, else shared)
 QUANTS = ("int8", "int4")
 GGUF = "gguf"  # the model's packaged GGUF weights as they are, on the llama.cpp backend
-LEAN = "lean"  # the model's GGUF on the lean backend, as a drafter (models/lean.py: head cut, types re-quantized)
-SKIP = "skip"  # self@skip: a lean target's own weights with some layers left out (models/layer_skip.py)
+LEAN = "lean"  # the model's GGUF on the lean backend, as a drafter (models/backends/lean.py: head cut, types re-quantized)
+SKIP = "skip"  # self@skip: a lean target's own weights with some layers left out (models/backends/layer_skip.py)
 
 
 @dataclass(frozen=True)

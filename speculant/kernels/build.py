@@ -12,7 +12,7 @@ from pathlib import Path
 
 from speculant.cache import cache_root
 
-HEADERS = Path(__file__).parent  # kernels/: C headers shared by every source (tiles.h)
+HEADERS = Path(__file__).parent  # kernels/: every C source of speculant and the headers they share (tiles.h)
 
 
 def compile_library(source: Path, flags: tuple[str, ...]) -> ctypes.CDLL | None:

@@ -1,5 +1,5 @@
 // Intel AMX's tile state, shared by every speculant kernel that multiplies tiles (kernels/amx.h, and
-// models/native/amx_linear.c): the configuration, Linux's permission, and the int8 tile instructions that
+// kernels/amx_linear.c): the configuration, Linux's permission, and the int8 tile instructions that
 // kernels/amx.h uses, as inline assembly that names the memory each one reads and writes (GCC 12's
 // _tile_loadconfig names 8 of the 64 bytes, what crashed ggml's native build, and its _tile_loadd none).
 //

@@ -18,10 +18,10 @@ from speculant.errors import ConfigError, ModelNotAvailable
 from speculant.machine import native_bf16
 from speculant.models.base import CausalLM
 from speculant.models.catalog import CATALOG, gguf_checkpoint, materialize
-from speculant.models.hf import HFCausalLM, eos_ids
-from speculant.models import llamacpp
-from speculant.models.native import KERNELS
-from speculant.models.quant import QUANTS, quantize
+from speculant.models.backends.hf import HFCausalLM, eos_ids
+from speculant.models.backends import llamacpp
+from speculant.models.numerics.native import KERNELS
+from speculant.models.numerics.quant import QUANTS, quantize
 
 DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
 GGUF = "gguf"  # `name@gguf`: the packaged GGUF weights as they are, on the llama.cpp backend
@@ -94,8 +94,8 @@ def resolve_backend(backend: str | None, spec: Any, quant: str | None, device: s
     """`auto`: GGUF weights (a catalog name or a .gguf file) run as they are (no dtype, no quantization asked
     for) on the CPU go to the lean backend where the catalog says its kernels read them and they have a SIMD
     path on this CPU (docs/results/cpu.md: its verification of several tokens and its prefill are cheaper than
-    ggml's on the Xeon and Zen4 measured, its one-token decode as fast or faster), else to llama.cpp where
-    llama-cpp-python is installed; transformers otherwise."""
+    ggml's on the Xeon and Zen4 measured, its one-token decode as fast or faster), else to llama.cpp where it is
+    built (`speculant peers build-llamacpp`); transformers otherwise."""
     backend = backend or AUTO
     if backend not in (AUTO, *BACKENDS):
         raise ConfigError(f"unknown backend '{backend}' (choose from auto, {', '.join(BACKENDS)})")
@@ -175,7 +175,7 @@ def load_lean(spec: str | Path, tokenizer: Any | None = None, draft: bool = Fals
     as a drafter (`name@lean`): its head cut to the tokenizer's `lean.DRAFT_HEAD` most frequent tokens
     (FR-Spec) and matrices of types the kernels lack quantized again."""
     from speculant.corpus import frequent_tokens
-    from speculant.models import lean
+    from speculant.models.backends import lean
 
     path, name, tokenizer, extra_ids = _gguf_source(spec, tokenizer)
     eos = set(extra_ids)
@@ -225,7 +225,7 @@ def load_model(spec: Any, dtype: str | None = None, device: str | None = None, t
     model, tokenizer, name, extra_eos = _load_transformers(spec, dtype, device, tokenizer)
     identity = f"{name} {dtype_name(model.dtype)}" if isinstance(spec, (str, Path)) else None
     if chosen == "static":
-        from speculant.models.static import StaticCausalLM, StaticWeights
+        from speculant.models.backends.static import StaticCausalLM, StaticWeights
 
         eos = eos_ids(model, tokenizer) | extra_eos
         identity = identity and f"{identity} static{' compiled' if compile else ''}"

@@ -22,9 +22,9 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from speculant.api import encode_prompt
 from speculant.config import ModelConfig, SamplingConfig, ServeConfig
 from speculant.errors import ConfigError
-from speculant.models.biased import check_bias
-from speculant.models.constrained import Constraint, Matcher
-from speculant.models.logprobs import TokenLogprob
+from speculant.models.wrappers.biased import check_bias
+from speculant.models.wrappers.constrained import Constraint, Matcher
+from speculant.models.wrappers.logprobs import TokenLogprob
 from speculant.serve.engine import Engine, ServeJob, Outcome, QueueFull
 from speculant.serve.metrics import Metrics
 from speculant.serve.schema import ApiError, ChatRequest, CompletionRequest, Sampling

@@ -22,8 +22,8 @@ from speculant.errors import ConfigError
 from speculant.methods import Request, get_method
 from speculant.methods.drafting import with_drafters
 from speculant.models.base import Call, CausalLM
-from speculant.models.constrained import Constraint
-from speculant.models.logprobs import TokenLogprob
+from speculant.models.wrappers.constrained import Constraint
+from speculant.models.wrappers.logprobs import TokenLogprob
 from speculant.sampling import seeded
 from speculant.serve.batcher import Batcher, Row
 from speculant.serve.metrics import Metrics

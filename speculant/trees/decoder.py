@@ -16,7 +16,7 @@ from speculant.decoding.step import verify_step
 from speculant.drafters.base import Draft
 from speculant.trees.drafter import TreeDrafter
 from speculant.models.base import CausalLM
-from speculant.models.metered import metered
+from speculant.models.wrappers.metered import metered
 from speculant.trees.depth import DepthPredictor, Recent, features
 from speculant.sampling import next_token
 from speculant.trees.prune import prune

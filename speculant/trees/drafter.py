@@ -11,7 +11,7 @@ import torch
 
 from speculant.drafters.base import Draft, Drafter
 from speculant.models.base import CausalLM, DraftCache
-from speculant.models.metered import Usage, metered
+from speculant.models.wrappers.metered import Usage, metered
 from speculant.trees.tree import TokenTree
 
 

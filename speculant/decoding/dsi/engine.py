@@ -34,7 +34,7 @@ from speculant.decoding.stats import GenerationStats
 from speculant.drafters.base import Drafter
 from speculant.errors import SpeculantError
 from speculant.models.base import common_prefix_len
-from speculant.models.metered import Usage
+from speculant.models.wrappers.metered import Usage
 from speculant.sampling import sample
 from speculant.verify import verify_one
 

@@ -23,7 +23,7 @@ from speculant.decoding.dsi.jobs import Canceller, Job, ServerDied, TargetServer
 from speculant.decoding.dsi.twin import Latency, PaddedModel
 from speculant.errors import ConfigError, ModelNotAvailable
 from speculant.models.base import CausalLM, owner_of
-from speculant.models.hf import HFCausalLM
+from speculant.models.backends.hf import HFCausalLM
 
 
 @dataclass
@@ -63,7 +63,7 @@ def _canonical(device: torch.device) -> torch.device:
 
 def gguf_replica(path: str, name: str, eos: frozenset[int], threads: int, device: str) -> CausalLM:
     """A server's own llama.cpp context on a GGUF file, mapped once per process and shared by its contexts."""
-    from speculant.models.llamacpp import LlamaCppCausalLM, shared_weights
+    from speculant.models.backends.llamacpp import LlamaCppCausalLM, shared_weights
 
     if device != "cpu":
         raise ConfigError("speculant's llama.cpp backend runs on the CPU")
@@ -79,7 +79,7 @@ def replica_factory(target: CausalLM, servers: int = 1, drafting: bool = False) 
     target = owner_of(target)
     if isinstance(target, HFCausalLM):
         return partial(hf_replica, target.model, target.name, target.eos_token_ids)
-    from speculant.models.llamacpp import LlamaCppCausalLM
+    from speculant.models.backends.llamacpp import LlamaCppCausalLM
 
     if isinstance(target, LlamaCppCausalLM):
         return partial(gguf_replica, str(target.weights.path), target.name, target.eos_token_ids,

@@ -22,7 +22,7 @@ import torch
 from speculant.decoding.dsi.jobs import Canceller
 from speculant.drafters.base import Draft
 from speculant.models.base import Backend, CausalLM, Delegating, Interrupted
-from speculant.models.metered import Usage
+from speculant.models.wrappers.metered import Usage
 from speculant.trees.tree import TokenTree
 
 

@@ -1,7 +1,7 @@
 """The static model: the catalog's decoder architectures (Llama, Qwen2, Mistral; RMSNorm, RoPE, GQA, SwiGLU,
 sliding windows) on torch's own kernels, with a preallocated KV cache and a length pointer (gpt-fast's shape),
 its step compiled with `torch.compile` and, on a GPU, replayed as a CUDA graph. It is the lean model's path for
-devices where torch has the fast kernels (`models/lean.py` is the CPU's, on speculant's 4-bit kernels); its
+devices where torch has the fast kernels (`models/backends/lean.py` is the CPU's, on speculant's 4-bit kernels); its
 weights are a transformers model's (a catalog model's de-quantized once, or any checkpoint).
 
 Exact by one width. A handle runs every call (a prompt, a decoding step, a verification, a tree) as chunks of

@@ -5,7 +5,7 @@ and CPU, into the cache (`speculant peers build-llamacpp`; a build that lacks a 
 
 It is the only native build of llama.cpp an install makes. llama-cpp-python's bindings, where they are missing,
 are installed from the same sdist without their own copy of the library (`-DLLAMA_BUILD=OFF`: pure Python, a
-few seconds); speculant points them at this build (`LLAMA_CPP_LIB_PATH`, `models/llamacpp.choose_library`), so
+few seconds); speculant points them at this build (`LLAMA_CPP_LIB_PATH`, `models/backends/llamacpp.choose_library`), so
 the llama.cpp backend and llama.cpp's tools run the same kernels.
 
 One line of ggml is fixed on the way. Its AMX matmul loads the tile configuration with the compiler's
@@ -43,7 +43,7 @@ CMAKE_FLAGS = ("-DCMAKE_BUILD_TYPE=Release", "-DGGML_NATIVE=ON", "-DBUILD_SHARED
                "-DLLAMA_BUILD_EXAMPLES=ON", "-DLLAMA_BUILD_SERVER=ON")
 AMX_FILE = "ggml/src/ggml-cpu/amx/mmq.cpp"
 AMX_BROKEN = "_tile_loadconfig(&tc);"
-AMX_FIXED = '__asm__ volatile("ldtilecfg %0" :: "m"(tc));  /* all 64 bytes: see speculant.models.llamacpp_build */'
+AMX_FIXED = '__asm__ volatile("ldtilecfg %0" :: "m"(tc));  /* all 64 bytes: see speculant.models.backends.llamacpp_build */'
 
 
 def installed_version() -> str | None:
@@ -60,14 +60,14 @@ def build_version() -> str:
     return installed_version() or VERSION
 
 
-def machine_key() -> str:
+def cpu_key() -> str:
     """The CPU a native build is for: its model and feature flags (a build for one CPU may fault on another)."""
     model, flags = cpu_info()
     return hashlib.sha256(f"{model}|{' '.join(sorted(flags))}".encode()).hexdigest()[:12]
 
 
 def build_root(version: str | None = None) -> Path:
-    return cache_root() / "llamacpp" / f"{version or build_version()}-{machine_key()}"
+    return cache_root() / "llamacpp" / f"{version or build_version()}-{cpu_key()}"
 
 
 def manifest() -> dict | None:

@@ -8,9 +8,9 @@ tokens. Their differences can be rare enough (2 in 10^5 bf16 outputs) that no se
 reliably, so speculant runs every bf16/fp32 linear layer on a kernel whose order of summation it
 defines, invariant by construction:
 
-- `amx` (`native/amx_linear.c`, Intel AMX CPUs, bf16): each output row of a tile accumulates its own
+- `amx` (`kernels/amx_linear.c`, Intel AMX CPUs, bf16): each output row of a tile accumulates its own
   chunks of 32 inputs in order, so its cost is nearly flat from 1 to 16 rows (`speculant profile`).
-- `avx2` (`native/exact_linear.c`, AVX2 + FMA, bf16 or fp32 weights): each output accumulated by fused
+- `avx2` (`kernels/exact_linear.c`, AVX2 + FMA, bf16 or fp32 weights): each output accumulated by fused
   multiply-adds in input order, in fp32.
 - `rows`: torch's matmul one row per call (the same call shape every time), n times one row's cost:
   any device, CUDA included.
@@ -34,8 +34,8 @@ from transformers.pytorch_utils import Conv1D
 
 from speculant.cache import cache_root
 from speculant.machine import cpu_info
-from speculant.models.invariant import use_row_invariant_attention
-from speculant.models.native import KERNELS
+from speculant.models.numerics.invariant import use_row_invariant_attention
+from speculant.models.numerics.native import KERNELS
 
 PLANS = "linear-kernels.json"
 ROWS = "rows"

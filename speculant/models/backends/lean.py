@@ -295,7 +295,7 @@ class LeanCausalLM(PointerCache, Backend):
 
     def self_drafter(self, spec: Any) -> Any:
         if spec.skip:
-            from speculant.models.layer_skip import skipped_layers
+            from speculant.models.backends.layer_skip import skipped_layers
 
             return self.skipping(skipped_layers(self))
         return super().self_drafter(spec)

@@ -10,7 +10,7 @@ forwards bit for bit (`invariant_width`); longer forwards run in chunks of that 
 large batches: every method prefills a prompt the same way.
 
 Which llama.cpp runs: the native build that `speculant peers build-llamacpp` made for this machine from the
-installed version's sources (`models/llamacpp_build.py`), where there is one, so that speculant and
+installed version's sources (`models/backends/llamacpp_build.py`), where there is one, so that speculant and
 llama.cpp's own tools run the same kernels; else llama-cpp-python's own library; `LLAMA_CPP_LIB_PATH`
 overrides both. A library whose ggml has an AMX matmul is tried once per library, CPU and model in a child
 process: if it faults (GCC 12 miscompiles its tile configuration), weights load without ggml's extra buffer
@@ -63,7 +63,7 @@ def choose_library() -> None:
     """Point llama-cpp-python at the native build for this machine, where there is one and nothing else was
     chosen (`LLAMA_CPP_LIB_PATH`): it reads the variable when it is first imported."""
     if "LLAMA_CPP_LIB_PATH" not in os.environ and importlib.util.find_spec("llama_cpp") is not None:
-        from speculant.models.llamacpp_build import manifest
+        from speculant.models.backends.llamacpp_build import manifest
 
         built = manifest()
         if built is not None:
@@ -113,7 +113,7 @@ def available() -> bool:
     return any((Path(folder) / name).is_file() for name in names)
 
 
-def library() -> Path:
+def library_path() -> Path:
     """The libllama file in use."""
     return Path(_import().llama_cpp._lib._name).resolve()
 
@@ -127,14 +127,14 @@ def system_info() -> dict[str, str]:
         name, _, value = part.split(":")[-1].partition("=")
         if value.strip() == "1":
             features.append(name.strip())
-    folder = library().parent
+    folder = library_path().parent
     variants = sorted(p.name.removeprefix("libggml-cpu-").split(".")[0] for p in folder.glob("libggml-cpu-*.so"))
     return {"variant": "dynamic: " + ", ".join(variants) if variants else "native (one CPU backend)",
-            "features": " ".join(features), "library": str(library())}
+            "features": " ".join(features), "library": str(library_path())}
 
 
 def _library_key() -> str:
-    path = library()
+    path = library_path()
     stat = path.stat()
     return f"{path}|{stat.st_size}|{stat.st_mtime_ns}"
 
@@ -145,19 +145,19 @@ def extra_buffers_fault(path: Path) -> bool:
     from speculant.cache import remembered
     from speculant.machine import cpu_info
 
-    from speculant.models.llamacpp_build import manifest
+    from speculant.models.backends.llamacpp_build import manifest
 
     built = manifest()
     if "AMX_INT8" not in system_info()["features"].split() or (
-            built is not None and built["amx_fix"] and library().parent == Path(built["lib"]).resolve()):
+            built is not None and built["amx_fix"] and library_path().parent == Path(built["lib"]).resolve()):
         return False  # no AMX matmul, or speculant's own build, which carries the fix
     stat = path.stat()
     key = f"{_library_key()}|{cpu_info()[0]}|{path.resolve()}|{stat.st_size}|{stat.st_mtime_ns}"
 
     def faults() -> bool:
-        child = subprocess.run([sys.executable, "-c", f"from speculant.models.llamacpp import try_forwards; "
+        child = subprocess.run([sys.executable, "-c", f"from speculant.models.backends.llamacpp import try_forwards; "
                                 f"try_forwards({str(path)!r})"], capture_output=True, timeout=600,
-                               env={**os.environ, "LLAMA_CPP_LIB_PATH": str(library().parent)})
+                               env={**os.environ, "LLAMA_CPP_LIB_PATH": str(library_path().parent)})
         return child.returncode < 0  # killed by a signal; other failures show up in this process
 
     return bool(remembered("llamacpp-faults.json", key, faults))

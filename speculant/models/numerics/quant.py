@@ -23,9 +23,9 @@ from tqdm import tqdm
 from transformers.pytorch_utils import Conv1D
 
 from speculant.errors import ConfigError
-from speculant.models import native
-from speculant.models.exact import ExactLinear
-from speculant.models.invariant import use_row_invariant_attention
+from speculant.models.numerics import native
+from speculant.models.numerics.exact import ExactLinear
+from speculant.models.numerics.invariant import use_row_invariant_attention
 
 QUANTS = ("int8", "int4")
 CUDA_INT4_GROUP_SIZES = (32, 64, 128, 256)  # what the CUDA tinygemm kernel supports

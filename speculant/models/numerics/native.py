@@ -1,5 +1,5 @@
-"""speculant's own C kernels, compiled once per machine with the system C compiler and loaded with ctypes
-(no build step at install). Both compute a linear layer batch-invariantly by construction:
+"""speculant's exact linear kernels for transformers weights (their C in `speculant/kernels/`), compiled once per
+machine with the system C compiler and loaded with ctypes (no build step at install). Both compute a linear layer batch-invariantly by construction:
 
 - `avx2` (`exact_linear.c`, AVX2 + FMA): bf16 or fp32 weights, fp32 activations, each output accumulated
   by fused multiply-adds in input order.
@@ -13,11 +13,10 @@ from __future__ import annotations
 import ctypes
 from dataclasses import dataclass
 from functools import cache
-from pathlib import Path
 
 import torch
 
-from speculant.kernels.build import compile_library
+from speculant.kernels.build import HEADERS, compile_library
 from speculant.machine import cpu_has
 
 PANEL = 16  # output rows per packed panel, both kernels
@@ -90,7 +89,7 @@ def _library(kernel: NativeKernel) -> ctypes.CDLL | None:
     build, no AMX permission from the OS)."""
     if not cpu_has(*kernel.cpu_flags):
         return None
-    lib = compile_library(Path(__file__).with_name(kernel.source), kernel.flags)
+    lib = compile_library(HEADERS / kernel.source, kernel.flags)
     if lib is None:
         return None
     if kernel.name == "amx":

@@ -19,7 +19,7 @@ from tqdm import tqdm
 from speculant.cache import remembered
 from speculant.corpus import corpus_key, default_corpus, tokenize_corpus
 from speculant.errors import ConfigError
-from speculant.models.lean import LeanCausalLM
+from speculant.models.backends.lean import LeanCausalLM
 from speculant.theory import sd_walltime_improvement
 
 CALIBRATION = 256  # corpus tokens a calibration forward reads

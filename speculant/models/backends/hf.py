@@ -15,7 +15,7 @@ from transformers import DynamicCache, PreTrainedModel
 
 from speculant.models.base import Backend, Call, Capabilities, Interrupted, prompt_parts
 from speculant.models.catalog import catalog_drafter
-from speculant.models.exact import make_exact
+from speculant.models.numerics.exact import make_exact
 from speculant.trees.tree import TokenTree
 
 # Attention kernels on CUDA. cuDNN's (torch's first choice on Hopper) builds a plan for every new
@@ -80,7 +80,7 @@ class HFCausalLM(Backend):
     def default_drafters(self) -> tuple[str, ...]:
         """The catalog's drafter quantized to int8 where speculant's AMX int8 kernel runs (its cost stays flat over
         the several tokens a drafter catches up on after an accepted draft) and to int4 elsewhere; Max-Gram."""
-        from speculant.models import native
+        from speculant.models.numerics import native
 
         drafter = catalog_drafter(self.name)
         if drafter is None:
@@ -260,7 +260,7 @@ def forward_rows(rows: Sequence[tuple[HFCausalLM, Call]]) -> list[torch.Tensor]:
     row-invariant (`exact.py`) and whose attention takes each row's keys from its own cache
     (`invariant.Segment`), so every row's logits are bit for bit those of its own forward: batching
     never changes what a request generates."""
-    from speculant.models.invariant import Segment
+    from speculant.models.numerics.invariant import Segment
 
     model = rows[0][0].model
     if any(handle.model is not model for handle, _ in rows) or not batches_rows(rows[0][0]):
