@@ -9,7 +9,7 @@ textwrap.py, 160 tokens each: each middle layer's importance is the share of pos
 model's when that layer alone is skipped; then the N least important are skipped together, for each N of
 --counts, and their agreement printed. Why: self-speculation (Draft & Verify, Zhang et al. 2024; SWIFT, Xia et al.
 2025) pays only if a draft that streams fewer bytes still agrees often; Leviathan et al.'s expected improvement
-(Theorem 3.8) needs both numbers. `models/layer_skip.py` runs the same ranking on the offline corpus to pick the
+(Theorem 3.8) needs both numbers. `models/backends/layer_skip.py` runs the same ranking on the offline corpus to pick the
 layers `self@skip` leaves out.
 """
 

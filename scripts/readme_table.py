@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import random
 import re
 import statistics
 import subprocess
@@ -29,7 +28,8 @@ import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
-BOOTSTRAP = 2000  # resamples, as speculant.bench.summary.BOOTSTRAP
+from speculant.bench.bootstrap import ratio_interval
+
 COLUMNS = {  # name -> (header, what it shows)
     "whole": ("whole", "speedup over whole requests (prefill included), 95% CI"),
     "decode": ("decode", "speedup after the first token, 95% CI"),
@@ -177,25 +177,6 @@ def _decode_rate(rows: list[dict]) -> float:
     return sum(max(r["stats"]["new_tokens"] - 1, 0) for r in rows) / seconds if seconds else 0.0
 
 
-def _interval(rows: list[dict], baseline: list[dict], rate, seed: int = 0) -> tuple[float, float] | None:
-    prompts = sorted({r["prompt_id"] for r in rows})
-    if len(prompts) < 2:
-        return None
-    mine = {p: [r for r in rows if r["prompt_id"] == p] for p in prompts}
-    theirs = {p: [r for r in baseline if r["prompt_id"] == p] for p in prompts}
-    rng = random.Random(seed)
-    ratios = []
-    for _ in range(BOOTSTRAP):
-        sample = [rng.choice(prompts) for _ in prompts]
-        base = rate([r for p in sample for r in theirs[p]])
-        if base:
-            ratios.append(rate([r for p in sample for r in mine[p]]) / base)
-    if not ratios:
-        return None
-    ratios.sort()
-    return ratios[int(0.025 * len(ratios))], ratios[min(int(0.975 * len(ratios)), len(ratios) - 1)]
-
-
 def _speed(row: dict) -> float:
     return row["stats"]["new_tokens"] / row["stats"]["wall_s"] if row["stats"]["wall_s"] > 0 else 0.0
 
@@ -221,12 +202,12 @@ def rebased(run: Run, cells: dict[str, Cell], baseline: str, category: str | Non
         new = Cell(**c.__dict__)
         if _rate(base_rows):
             new.speedup = _rate(mine) / _rate(base_rows)
-            new.speedup_ci95 = _interval(mine, base_rows, _rate)
+            new.speedup_ci95 = ratio_interval(mine, base_rows, _rate, lambda r: r["prompt_id"])
             new.median_speedup = statistics.median(_speed(r) / _speed(base_by_key[r["prompt_id"], r["repeat"]])
                                                    for r in mine)
         if _decode_rate(base_rows):
             new.decode_speedup = _decode_rate(mine) / _decode_rate(base_rows)
-            new.decode_speedup_ci95 = _interval(mine, base_rows, _decode_rate)
+            new.decode_speedup_ci95 = ratio_interval(mine, base_rows, _decode_rate, lambda r: r["prompt_id"])
         out[name] = new
     return out
 

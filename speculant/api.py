@@ -155,11 +155,11 @@ def generate(
     "maxgram" or a Drafter. Greedy at temperature 0. With `stream=True` the returned GenerationStream
     yields token ids as they are committed. A generation ends at the target's last position. With `logprobs`
     = n (0-20), the result's `logprobs` give each token's log-probability under the target and the n likeliest
-    tokens there (`models.logprobs`; not with "dsi", whose target servers are other processes). `logit_bias`
-    ({token id: -100..100}) is added to the target's logits, which then verify (`models.biased`; log-probabilities
+    tokens there (`models.wrappers.logprobs`; not with "dsi", whose target servers are other processes). `logit_bias`
+    ({token id: -100..100}) is added to the target's logits, which then verify (`models.wrappers.biased`; logprobs
     stay the unbiased target's). `response_format` (OpenAI's: {"type": "json_object"}, {"type": "json_schema",
     "json_schema": {"schema": ...}}; or {"type": "grammar", "grammar": LARK}, {"type": "regex", "regex": ...})
-    masks the target's logits to what it allows (`models.constrained`); greedy output then equals constrained
+    masks the target's logits to what it allows (`models.wrappers.constrained`); greedy output then equals constrained
     `ar`'s. `session` holds what generations load and learn (drafters and their caches, acceptance, timings):
     default, the target's own (`Session.of`).
     """

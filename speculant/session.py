@@ -5,12 +5,13 @@ profiles in use, the tree methods' measured costs, suffix decoding's history and
 A generation's speed depends on this state, so it lives in one object a caller can see, pass and drop:
 `generate(target, ..., session=s)`; without one, `generate` uses the target's default session (`Session.of`),
 which lives as long as the target does. The CLI, the server and the bench each make their own. Nothing in
-`methods/`, `decoding/`, `drafters/` or `latency.py` keeps state of its own: they are handed what they need from
-here.
+`methods/`, `decoding/`, `drafters/`, `trees/` or `latency.py` keeps state of its own: they are handed what they
+need from here.
 """
 
 from __future__ import annotations
 
+import weakref
 from collections import deque
 from typing import Any
 from weakref import WeakKeyDictionary
@@ -29,9 +30,9 @@ class Session:
     weights (`owner_of`): a server's per-request handles and a wrapped target share their model's session."""
 
     def __init__(self, target: CausalLM):
-        self.target = owner_of(target)
+        self._target = weakref.ref(owner_of(target))  # (the target's default session lives on it: no cycle)
         self.drafters: dict[tuple[str, str | None], Any] = {}  # (spec, dtype) -> the loaded drafter
-        self.caches: dict[tuple[str, str | None], DraftCache] = {}  # (spec, dtype) -> a model drafter's cache
+        self.caches: WeakKeyDictionary = WeakKeyDictionary()  # drafter model -> the DraftCache on its KV cache
         self.acceptance: dict[str, dict[int, Acceptance]] = {}  # candidate name -> estimates by match bucket
         self.scales: dict[str, Scale] = {}  # drafter name -> its forwards' time over its profile's
         self.timings = Timings()  # the target's forwards' time over its profile's
@@ -40,6 +41,13 @@ class Session:
         self.vocab_pairs: dict[tuple[int, int, int, int], Any] = {}  # cross-vocabulary tables (`drafters.vocab`)
         self.measured: WeakKeyDictionary = WeakKeyDictionary()  # the tree methods' T(W): model -> {widths: costs}
         self._profiles: WeakKeyDictionary = WeakKeyDictionary()  # model -> (its machine key, its profile)
+
+    @property
+    def target(self) -> CausalLM:
+        target = self._target()
+        if target is None:
+            raise ReferenceError("this session's target was dropped")
+        return target
 
     @classmethod
     def of(cls, target: CausalLM) -> Session:
@@ -64,14 +72,15 @@ class Session:
             self.drafters[key] = load_drafter(spec, self.target, dtype, self)
         return self.drafters[key]
 
-    def cache(self, model: CausalLM, key: Any) -> DraftCache:
-        """The KV cache a model drafter drafts from, kept across generations under `key` (its spec and dtype), so
-        that the next turn of a conversation catches up only on what is new."""
+    def cache(self, model: CausalLM) -> DraftCache:
+        """The one DraftCache on a drafter model's KV cache: every method that drafts with the model drafts through
+        it, so what it says the cache holds stays true, and the next turn of a conversation catches up only on
+        what is new."""
         from speculant.models.wrappers.metered import metered
 
-        if key not in self.caches:
-            self.caches[key] = DraftCache(metered(model))
-        return self.caches[key]
+        if model not in self.caches:
+            self.caches[model] = DraftCache(metered(model))
+        return self.caches[model]
 
     def profile(self, model: CausalLM) -> LatencyProfile:
         """`model`'s machine profile (`latency.machine_profile`), read or measured once per session."""

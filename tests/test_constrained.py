@@ -1,4 +1,4 @@
-"""Structured output (`models.constrained`): the target's rows masked to what a grammar allows after each row's
+"""Structured output (`models.wrappers.constrained`): the target's rows masked to what a grammar allows after each row's
 prefix; every method equals constrained `ar` (greedy) and follows the constrained distribution (sampling)."""
 
 import json

@@ -1,5 +1,5 @@
-"""`logit_bias` (`models.biased`): added to the target's logits, which verify, so every method equals `ar` on the
-same biased target token for token."""
+"""`logit_bias` (`models.wrappers.biased`): added to the target's logits, which verify, so every method equals `ar`
+on the same biased target token for token."""
 
 import pytest
 from helpers import ARCHS, every_method, perturbed, tiny_model

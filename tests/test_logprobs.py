@@ -1,4 +1,4 @@
-"""Log-probabilities of committed tokens (`generate(..., logprobs=n)`, `models.logprobs`): read off the target's
+"""Log-probabilities of committed tokens (`logprobs=n`, `models.wrappers.logprobs`): read off the target's
 own forwards, they are the target's distribution at each emitted position, the same with every method."""
 
 import pytest

@@ -47,8 +47,7 @@ def echo(target):
     return made[-1]
 
 
-@pytest.mark.parametrize("temperature", [0.0])
-def test_a_drafter_registered_outside_the_package_drives_sd_and_auto_by_name(temperature):
+def test_a_drafter_registered_outside_the_package_drives_sd_and_auto_by_name():
     target = tiny_model("llama", 11, VOCAB)
     prompt = random_prompt(3, VOCAB, 8) * 2
     expected = generate(target, prompt_ids=prompt, method="ar", max_new_tokens=24).token_ids
@@ -60,15 +59,21 @@ def test_a_drafter_registered_outside_the_package_drives_sd_and_auto_by_name(tem
     assert "echo" in auto.stats.choices  # auto weighed it and chose it, as a drafter of unknown cost
 
 
-def test_a_registered_name_is_a_drafter_spec_and_a_taken_one_is_refused():
+def test_a_registered_name_is_a_drafter_spec_and_a_taken_one_is_refused(monkeypatch):
     from speculant.drafters.spec import DrafterSpec
+
+    monkeypatch.setattr(registry, "DRAFTERS", dict(registry.DRAFTERS))  # what it registers goes with the test
 
     assert DrafterSpec.parse("echo").kind == "echo" and DrafterSpec.parse("maxgram").kind == "maxgram"
     assert DrafterSpec.parse("qwen2.5-coder-0.5b@lean").backend == "lean"
     with pytest.raises(ConfigError, match="takes no quantization"):
         DrafterSpec.parse("echo@int8")
+    registry.DRAFTERS.pop("suffix", None)  # as before the built-in module registers itself
+    with pytest.raises(ConfigError, match="built in"):
+        register_drafter("suffix")(echo)
+    registry.kind("maxgram")
     with pytest.raises(ConfigError, match="already registered"):
-        register_drafter("maxgram")(echo)
+        register_drafter("maxgram")(echo)  # after
     with pytest.raises(ConfigError, match="cannot name a drafter"):
         register_drafter("self")(echo)
 
@@ -112,6 +117,57 @@ def test_two_sessions_on_one_target_keep_separate_learned_state():
     assert len(second.lengths) == 1 and len(first.lengths) == 1
     with pytest.raises(ConfigError, match="the session is for"):
         generate(tiny_model("llama", 8, VOCAB), prompt_ids=prompt, max_new_tokens=2, session=first)
+
+
+def test_methods_sharing_a_session_draft_through_one_cache_per_drafter_model(monkeypatch):
+    """auto keeps a drafter's cache across generations; sd on the same model in between must not leave auto
+    believing its cache holds what it held (a stale belief rolls back past the cache's end, or drafts from
+    another text's keys)."""
+    from helpers import perturbed
+    from test_auto import costs, invent
+
+    target = tiny_model("llama", 12, VOCAB)
+    drafter = perturbed(target, 0.05, 12)
+    invent(monkeypatch, costs(target))  # a machine where the drafter pays: auto drafts with it
+    session = Session(target)
+    long, short = random_prompt(1, VOCAB, 40), random_prompt(2, VOCAB, 5)
+
+    def same_as_ar(prompt, **options):
+        result = generate(target, prompt_ids=prompt, max_new_tokens=16, session=session, **options)
+        assert result.token_ids == generate(target, prompt_ids=prompt, method="ar", max_new_tokens=16).token_ids
+        return result.token_ids
+
+    first = same_as_ar(long, method="auto", drafters=[drafter])
+    same_as_ar(short, method="sd", drafter=drafter, k=3)
+    again = generate(target, prompt_ids=long + first + [3, 4], method="auto", drafters=[drafter], max_new_tokens=16,
+                     session=session)
+    assert any(choice != "plain" for choice in again.stats.choices)  # it drafted from the kept cache
+    assert again.token_ids == generate(target, prompt_ids=long + first + [3, 4], method="ar",
+                                       max_new_tokens=16).token_ids
+    assert len(session.caches) == 1
+
+
+def test_wrappers_forward_the_contract_whatever_they_wrap():
+    from speculant.models.wrappers.biased import Biased
+    from speculant.models.wrappers.metered import metered
+
+    target = tiny_model("llama", 13, VOCAB)
+    wrapped = Biased(metered(target), {1: 2.0})
+    assert wrapped.capabilities == target.capabilities and wrapped.default_drafters() == target.default_drafters()
+    assert wrapped.batch_load is None and wrapped.beside(2) is wrapped and wrapped.owner is target
+    assert wrapped.vocab_size == VOCAB and wrapped.cache_len == 0
+
+
+def test_a_target_s_default_session_goes_with_it():
+    from helpers import MarkovLM
+
+    model = MarkovLM(VOCAB, 0)
+    session, gone = Session.of(model), weakref.ref(model)
+    assert Session.of(model) is session and session.target is model
+    del model
+    assert gone() is None  # freed at once: the session does not hold its target
+    with pytest.raises(ReferenceError):
+        session.target
 
 
 def test_dropping_a_session_frees_what_it_loaded():
@@ -158,14 +214,16 @@ def module_state(path: Path) -> list[str]:
 
 
 def test_no_algorithm_keeps_module_level_state():
-    files = [PACKAGE / "latency.py", *[p for d in ("methods", "decoding", "drafters") for p in (PACKAGE / d).rglob("*.py")]]
+    folders = ("methods", "decoding", "drafters", "trees")
+    files = [PACKAGE / "latency.py", *[p for d in folders for p in (PACKAGE / d).rglob("*.py")]]
     assert [f for p in files for f in module_state(p)] == []
     assert module_state(Path(__file__)) == ["test_session.py:41 made: list[Echo] = []"]  # (the scan finds one)
 
 
 def test_no_backend_is_told_apart_by_its_name_outside_models():
+    probed = "share|rows_forward|weights_key|prefill_parts|interrupt|batch_load|lag"
     pattern = re.compile(r"""getattr\([^)]*["']backend["']|(?<!config)(?<!self)\.backend\s*[!=]=|"""
-                         r"""hasattr\([^)]*["'](share|rows_forward|weights_key|prefill_parts|interrupt|batch_load|lag)["']""")
+                         rf"""hasattr\([^)]*["']({probed})["']""")
     found = [f"{p.relative_to(PACKAGE)}:{i}" for p in PACKAGE.rglob("*.py") if "models" not in p.parts
              for i, line in enumerate(p.read_text().splitlines(), 1) if pattern.search(line)]
     assert found == []

@@ -1,7 +1,7 @@
-"""The static model (models/static.py): every row of a call is bit for bit what decoding its token alone gives (chains
-and token trees, across chunks, with a sliding window, in fp32 and bf16, on the CPU and on CUDA where there is
-one), so greedy ar, sd, tree and cascade on it give the same tokens, compiled or not; a tree's accepted path is
-compacted in the cache's own storage."""
+"""The static backend (models/backends/static.py): each row of a call is bit for bit what decoding its token alone
+gives (chains and token trees, across chunks, with a sliding window, in fp32 and bf16, on the CPU and on CUDA
+where there is one), so greedy ar, sd, tree and cascade on it give the same tokens, compiled or not; a tree's
+accepted path is compacted in the cache's own storage."""
 
 import pytest
 import torch

@@ -77,17 +77,17 @@ def estimate(target, drafters: Sequence, prompts: list[list[int]], max_new_token
 
 
 def _cross_vocab_along(target, drafter, prompt: list[int], output: list[int], p: torch.Tensor | None,
-                       sampling: SamplingConfig) -> tuple[np.ndarray, np.ndarray | None, list[float]]:
+                       sampling: SamplingConfig, pairs: dict) -> tuple[np.ndarray, np.ndarray | None, list[float]]:
     """Per position of `output`, for a drafter of another vocabulary: whether its greedy string-level draft starts
     with the target's token; at temperature > 0 also sum_x min(p, q) with q its shared-token distribution, and
-    its mass off the shared tokens."""
+    its mass off the shared tokens. `pairs` keeps the two vocabularies' table from prompt to prompt."""
     from speculant.drafters.cross_vocab import CrossVocabDrafter
 
-    greedy = CrossVocabDrafter(drafter, target, SamplingConfig(), None)
+    greedy = CrossVocabDrafter(drafter, target, SamplingConfig(), None, pairs=pairs)
     flags = np.array([greedy.propose(prompt + output[:i], 1).tokens == output[i: i + 1] for i in range(len(output))])
     if p is None:
         return flags, None, []
-    sampled = CrossVocabDrafter(drafter, target, sampling, None)
+    sampled = CrossVocabDrafter(drafter, target, sampling, None, pairs=pairs)
     overlaps, outside = [], []
     for i in range(len(output)):
         shared = sampled.distribution(prompt + output[:i])
@@ -100,11 +100,11 @@ def _report(drafter, target, prompts: list[list[int]], outputs: list[list[int]],
             sampling: SamplingConfig, depth: int) -> AcceptanceReport:
     from speculant.drafters.vocab import same_vocabulary
 
-    flags, overlaps, outside = [], [], []
+    flags, overlaps, outside, pairs = [], [], [], {}
     reached, matched = np.zeros(depth), np.zeros(depth)
     for ids, output, p in zip(prompts, outputs, p_rows):
         if not same_vocabulary(target, drafter):
-            flag, overlap, lost = _cross_vocab_along(target, drafter, ids, output, p, sampling)
+            flag, overlap, lost = _cross_vocab_along(target, drafter, ids, output, p, sampling, pairs)
             flags.append(flag)
             overlaps += [overlap] if overlap is not None else []
             outside += lost

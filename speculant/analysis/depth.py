@@ -29,7 +29,7 @@ def log_trees(target, drafter, prompts: Sequence[list[int]], max_new_tokens: int
               width: int) -> list[tuple[list[float], int]]:
     """(features, accepted depth) of every full-depth tree of greedy tree decoding over the prompts."""
     log: list[tuple[list[float], int]] = []
-    tree_drafter = TreeDrafter(drafter)
+    tree_drafter = TreeDrafter(drafter, width)
     for ids in prompts:
         for _ in tree_speculative(target, tree_drafter, ids, depth, width, max_new_tokens, log=log):
             pass

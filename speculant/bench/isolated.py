@@ -1,8 +1,8 @@
 """One generation in a process of its own (`speculant bench --isolate`): speculant's methods measured as
 llama.cpp's tools are, a fresh process per generation with a warm-up generation first (on other tokens), and
-as a user meets them (`speculant generate` is a process of its own). On a shared VM a long-lived process that has loaded
-several models decoded 10-20% slower than a fresh process running the same code (docs/results/cpu.md), which
-would count against whichever side runs in the bench's own process."""
+as a user meets them (`speculant generate` is a process of its own). On a shared VM a long-lived process that has
+loaded several models decodes slower than a fresh process running the same code (docs/results/cpu.md), which would
+count against whichever side runs in the bench's own process."""
 
 from __future__ import annotations
 

@@ -5,12 +5,12 @@ A field nobody measured (acceptance of `ar`, forwards inside a peer) stays None 
 
 from __future__ import annotations
 
-import random
 import statistics
 from collections.abc import Iterable
 from dataclasses import asdict, dataclass, field
 from typing import Any, TypeVar
 
+from speculant.bench.bootstrap import ratio_interval
 from speculant.bench.llamacpp_cli import CLI_PEERS
 from speculant.bench.methods import MethodSpec
 from speculant.bench.runner import Measurement
@@ -18,7 +18,6 @@ from speculant.decoding.stats import GenerationStats
 from speculant.models.base import common_prefix_len
 
 T = TypeVar("T", int, float)
-BOOTSTRAP = 2000  # resamples of the prompt set for each interval
 
 
 @dataclass
@@ -64,27 +63,6 @@ def _decode_rate(rows: list[Measurement]) -> float:
     return sum(max(r.stats.new_tokens - 1, 0) for r in rows) / seconds if seconds else 0.0
 
 
-def _interval(rows: list[Measurement], baseline: list[Measurement], rate: Any, seed: int = 0) -> tuple[float, float] | None:
-    """95% percentile-bootstrap interval of rate(rows) / rate(baseline), resampling prompts (each prompt's
-    repeats stay together, so repeats narrow the interval instead of counting as new prompts)."""
-    prompts = sorted({r.prompt_id for r in rows})
-    if len(prompts) < 2:
-        return None
-    mine = {p: [r for r in rows if r.prompt_id == p] for p in prompts}
-    theirs = {p: [r for r in baseline if r.prompt_id == p] for p in prompts}
-    rng = random.Random(seed)
-    ratios = []
-    for _ in range(BOOTSTRAP):
-        sample = [rng.choice(prompts) for _ in prompts]
-        base = rate([r for p in sample for r in theirs[p]])
-        if base:
-            ratios.append(rate([r for p in sample for r in mine[p]]) / base)
-    if not ratios:
-        return None
-    ratios.sort()
-    return ratios[int(0.025 * len(ratios))], ratios[min(int(0.975 * len(ratios)), len(ratios) - 1)]
-
-
 def _speed(row: Measurement) -> float:
     return row.stats.new_tokens / row.stats.wall_s if row.stats.wall_s > 0 else 0.0
 
@@ -119,12 +97,12 @@ def summarize(rows: list[Measurement], methods: list[MethodSpec], baseline: str 
             ttft_s=statistics.mean(s.ttft_s for s in stats))
         if baseline and _rate(baseline):
             summary.speedup = summary.tokens_per_s / _rate(baseline)
-            summary.speedup_ci95 = _interval(mine, baseline, _rate)
+            summary.speedup_ci95 = ratio_interval(mine, baseline, _rate, lambda r: r.prompt_id)
             summary.median_speedup = statistics.median(_speed(r) / _speed(base_rows[r.prompt_id, r.repeat])
                                                        for r in mine)
         if baseline and _decode_rate(baseline):
             summary.decode_speedup = summary.decode_tokens_per_s / _decode_rate(baseline)
-            summary.decode_speedup_ci95 = _interval(mine, baseline, _decode_rate)
+            summary.decode_speedup_ci95 = ratio_interval(mine, baseline, _decode_rate, lambda r: r.prompt_id)
         # Agreement only against an ar on the same weights: another dtype's ar is another model's output.
         reference = next((by_method[label] for label in ar_labels if by_method[label][0].target == summary.target), None)
         if reference:

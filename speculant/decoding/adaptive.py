@@ -53,8 +53,8 @@ PACE_MARGIN = 1.05  # ... and decodes plainly for the rest of a generation where
 @dataclass
 class Scale:
     """How much longer one kind of forward takes now than its machine profile says, followed with
-    exponential forgetting: a profile is measured once per machine, and a shared machine's speed drifts by
-    25-40% between hours, mostly for every model alike (`Timings.speed`) and partly by different amounts for
+    exponential forgetting: a profile is measured once per machine, and a shared machine's speed drifts
+    between hours, mostly for every model alike (`Timings.speed`) and partly by different amounts for
     the target's widths and its drafters (what decides whether a draft pays). Unobserved: 1."""
 
     value: float = 1.0
@@ -212,8 +212,8 @@ a model-free candidate matches the context."""
         """Whether, at a served target's current load, not even drafts that are always accepted would beat plain
         decoding (`can_pay`; a batch of 16 rows verifying 2 tokens each costs nearly twice a plain batch):
         remembered per load and cost per step, which stay put while a server runs, so that under load a model
-        drafter costs a dictionary lookup per step instead of its weighing (which `auto` paid on every row of
-        every step, ~1% of a 16-row server's time). A measured candidate's cost follows its drafts: never."""
+        drafter costs a dictionary lookup per step instead of its weighing on every row of every step. A measured
+        candidate's cost follows its drafts: never."""
         if self.load is None or self.measured:
             return False
         key = (self.load(), self.cost_s)

@@ -5,10 +5,9 @@ draft for a target: a ModelDrafter when their ids mean the same tokens, else a C
 Greedy drafts are exchanged as text (string-level exact match, Algorithm 2): the committed target tokens are
 spelled out and re-tokenized by the drafter, which first heals its last token (where the target's tokens end
 inside a word, the drafter's split of the context ends where its own drafts would not: it drafts from the context
-without that token, choosing among the tokens that start with its text; SmolLM2-135M's agreement with the 1.5B:
-74.0% instead of 64.7% on HumanEval, 68.8% instead of 68.9% on mixed prompts, docs/results/cross-vocab.md). The drafter's greedy continuation is spelled out and re-tokenized
-by the target, cut before its last pre-token (a word the target might merge with what follows) and before any
-cut multi-byte character. The target verifies those tokens as any draft; what it accepts reaches the drafter as
+without that token, choosing among the tokens that start with its text; docs/results/cross-vocab.md measures what
+it buys). The drafter's greedy continuation is spelled out and re-tokenized by the target, cut before its last
+pre-token (a word the target might merge with what follows) and before any cut multi-byte character. The target verifies those tokens as any draft; what it accepts reaches the drafter as
 text again, so the drafter's cache keeps every token it still shares with the new text.
 
 Sampled drafts use the token-level intersection (Algorithm 4): the drafter samples only tokens the target's

@@ -20,7 +20,7 @@ from speculant.drafters.base import Draft, Drafter
 from speculant.drafters.registry import register_drafter
 
 MAX_MATCH = 64  # longer suffixes add nothing but cost
-MIN_MATCH = 2  # a single repeated token predicts little (8% of such drafts were accepted on HumanEval)
+MIN_MATCH = 2  # a single repeated token predicts little (few of such drafts were accepted on HumanEval)
 
 
 def suffix_ends(corpus: np.ndarray, query: np.ndarray, limit: int = MAX_MATCH) -> tuple[np.ndarray, int]:

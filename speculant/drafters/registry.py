@@ -23,7 +23,7 @@ from speculant.errors import ConfigError
 
 BUILTIN = {"maxgram": "speculant.drafters.maxgram", "suffix": "speculant.drafters.suffix"}  # name -> its module
 ENTRY_POINTS = "speculant.drafters"
-RESERVED = ("self", "none")  # the target's own weights; plain decoding
+RESERVED = ("self", "none", "model")  # the target's own weights; plain decoding; what names a model drafter
 
 
 @dataclass(frozen=True)
@@ -47,6 +47,8 @@ def register_drafter(name: str, *, with_session: bool = False) -> Callable[[Call
         held = DRAFTERS.get(name)
         if held is not None and _origin(held.factory) != _origin(factory):
             raise ConfigError(f"drafter '{name}' is already registered by {_origin(held.factory)}")
+        if held is None and name in BUILTIN and factory.__module__ != BUILTIN[name]:
+            raise ConfigError(f"drafter '{name}' is built in ({BUILTIN[name]})")
         DRAFTERS[name] = DrafterKind(name, factory, with_session)
         return factory
 
@@ -88,6 +90,8 @@ def make_drafter(name: str, target: Any, session: Any) -> Any:
     from speculant.drafters.base import Drafter
 
     registered = kind(name)
+    if registered.with_session and session is None:
+        raise ConfigError(f"drafter '{name}' keeps state in a session: load it with Session(target).drafter('{name}')")
     drafter = registered.factory(target, session) if registered.with_session else registered.factory(target)
     if not isinstance(drafter, Drafter):
         raise ConfigError(f"drafter '{name}': its factory returned {type(drafter).__name__}, not a speculant.Drafter")

@@ -15,7 +15,7 @@ MAXGRAM = "maxgram"  # prompt lookup with a bigram fallback, no model (drafters.
 SELF = "self"  # the target's own weights (quantized with @int8 / @int4, else shared)
 QUANTS = ("int8", "int4")
 GGUF = "gguf"  # the model's packaged GGUF weights as they are, on the llama.cpp backend
-LEAN = "lean"  # the model's GGUF on the lean backend, as a drafter (models/backends/lean.py: head cut, types re-quantized)
+LEAN = "lean"  # its GGUF on the lean backend, as a drafter (models/backends/lean.py: head cut, types re-quantized)
 SKIP = "skip"  # self@skip: a lean target's own weights with some layers left out (models/backends/layer_skip.py)
 
 
@@ -60,7 +60,8 @@ class DrafterSpec:
         if suffix and is_registered(source):
             raise ConfigError(f"{source} runs no model; it takes no quantization")
         if source == SELF and suffix in (GGUF, LEAN):
-            raise ConfigError(f"self@{suffix} is the target itself: run the target on that backend and draft with 'self'")
+            raise ConfigError(f"self@{suffix} is the target itself: run the target on that backend and draft with "
+                              "'self'")
         return cls(source, suffix if suffix in QUANTS else None, suffix if suffix in (GGUF, LEAN) else None,
                    suffix == SKIP)
 

@@ -25,7 +25,7 @@ from speculant.drafters.maxgram import MIN_MATCH, suffix_ends
 from speculant.drafters.registry import register_drafter
 
 MIN_PROB = 0.1  # a draft's path probability below this ends it
-CAPACITY = 1 << 18  # tokens of earlier generations kept (the oldest go first): a search reads them all, ~0.2 ms
+CAPACITY = 1 << 18  # tokens of earlier generations kept (the oldest go first): a search reads them all
 GAP = -1  # separates generations in the history
 
 

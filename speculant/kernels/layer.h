@@ -1,4 +1,4 @@
-// One decoder layer of the lean model (models/lean.py) for W new tokens, in C: RMSNorm, the q/k/v, o and
+// One decoder layer of the lean model (models/backends/lean.py) for W new tokens, in C: RMSNorm, the q/k/v, o and
 // SwiGLU projections on this ISA's matmul_q4_k / matmul_q6_k, RoPE, the KV cache write and attention, one
 // call from Python instead of ~80 small torch operations (at one token those cost the 0.5B drafter a third
 // of its forward). Included at the end of every ISA's file, after its matmuls.

@@ -9,7 +9,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from speculant.config import option
-from speculant.drafters.spec import DrafterSpec, as_drafter
+from speculant.drafters.spec import as_drafter
 from speculant.errors import ConfigError
 from speculant.methods.drafting import DRAFTER_DTYPES, parse_drafters
 from speculant.methods.registry import Request, register
@@ -97,10 +97,7 @@ def build(request: Request, options: AutoOptions) -> Any:
     speed = cost.timings.speed  # the machine's drift: the drafters' forwards share it
     candidates, begun = [], []
     for spec in options.drafters if options.drafters is not None else target.default_drafters():
-        # A drafter named by text is the session's, with the cache it keeps; one passed as an object (a server's
-        # per-request handle) is the caller's to keep.
-        key = (str(as_drafter(spec)), options.drafter_dtype) if isinstance(spec, (str, DrafterSpec)) else None
-        source = session.drafter(spec, options.drafter_dtype)
+        source = session.drafter(spec, options.drafter_dtype)  # named: loaded once; an object: the caller's
         estimates = session.estimates(source.name)
         if isinstance(source, Drafter):  # model-free: a lookup (known before the choice) or a user's drafter
             drafter = source.begin(request.prompt_ids)
@@ -112,8 +109,7 @@ def build(request: Request, options: AutoOptions) -> Any:
         profile = session.profile(source)
         if not can_pay(profile.tpot_s, cost, options.k_max):  # too slow to pay even if always right
             continue
-        cache = session.cache(source, key) if key is not None else source
-        drafter = model_drafter(cache, target, request.sampling, request.generator,
+        drafter = model_drafter(session.cache(source), target, request.sampling, request.generator,
                                 draft_confidence=options.draft_confidence, pairs=session.vocab_pairs)
         step_s = profile.tpot_s * (drafter.tokens_per_target_token(request.prompt_ids)
                                    if isinstance(drafter, CrossVocabDrafter) else 1.0)

@@ -55,7 +55,7 @@ def build(request: Request, options: CascadeOptions) -> Any:
         if isinstance(source, Drafter) and not isinstance(source, (MaxGramDrafter, ModelDrafter)):
             raise ConfigError(f"cascade levels are models or 'maxgram', not {type(source).__name__}")
         levels.append(source if isinstance(source, Drafter) else
-                      model_drafter(source, request.target, request.sampling, request.generator,
+                      model_drafter(request.session.cache(source), request.target, request.sampling, request.generator,
                                     keep_probs=options.leniency > 1, pairs=request.session.vocab_pairs))
     k_matrix = options.k_matrix or default_k_matrix(levels, options.k)
     cascade = CascadeDrafter(levels, [list(row) for row in k_matrix], options.leniency, request.sampling,

@@ -103,6 +103,7 @@ def build(request: Request, options: DSIOptions) -> Any:
     from speculant.decoding.dsi.executors import ServerSpec, make_executor, replica_factory
     from speculant.decoding.dsi.plan import measure_step, plan
     from speculant.decoding.dsi.twin import PaddedModel
+    from speculant.decoding.run import ending
     from speculant.drafters.base import Drafter
     from speculant.drafters.cross_vocab import CrossVocabDrafter, model_drafter
     from speculant.models import resolve_device
@@ -111,18 +112,20 @@ def build(request: Request, options: DSIOptions) -> Any:
     target, twin = request.target, options.twin_latency
     names = options.drafters or (options.drafter,)
     pads = (twin[1] if isinstance(twin[1], tuple) else (twin[1],) * len(names)) if twin else (None,) * len(names)
-    drafters, costs, sources = [], [], []
+    drafters, costs, sources, begun = [], [], [], []
     for index, (name, pad) in enumerate(zip(names, pads)):
         source = request.session.drafter(name, options.drafter_dtype)
         sources.append(source)
         if isinstance(source, Drafter):  # Max-Gram and other model-free drafters cost next to nothing
-            drafters.append(source)
+            drafters.append(source.begin(request.prompt_ids))
+            begun.append(drafters[-1])
             costs.append(0.0)
             continue
         source = source.beside(options.servers)
         seed = None if request.seed is None else request.seed + 1 + index  # each drafter thread its own stream
-        drafters.append(model_drafter(source if pad is None else PaddedModel(source, pad), target, request.sampling,
-                                      seeded(target.device, seed), pairs=request.session.vocab_pairs))
+        drafts_from = request.session.cache(source) if pad is None else PaddedModel(source, pad)
+        drafters.append(model_drafter(drafts_from, target, request.sampling, seeded(target.device, seed),
+                                      pairs=request.session.vocab_pairs))
         costs.append(pad.step_s if pad is not None else None)
     devices = list(options.target_devices or [str(target.device)] * options.servers)
     for device in devices:
@@ -137,6 +140,8 @@ def build(request: Request, options: DSIOptions) -> Any:
             if isinstance(first, CrossVocabDrafter):
                 own = first.own_ids(own)
             drafter_s = measure_step(sources[0], own) if own else target_s
+            if not isinstance(sources[0], Drafter):
+                request.session.cache(sources[0]).forget()
     else:
         target_s = drafter_s = None
     lookahead = plan(options.servers, options.lookahead, target_s, drafter_s).lookahead
@@ -146,7 +151,7 @@ def build(request: Request, options: DSIOptions) -> Any:
         pool = options.executor
         if pool.spec.sampling != request.sampling or len(pool.spec.devices) != options.servers:
             raise ConfigError("the given executor's servers were built for other sampling settings or server count")
-        return dsi(pool, *common, close_executor=False)
+        return ending(dsi(pool, *common, close_executor=False), begun, request.prompt_ids)
     spec = ServerSpec(replica_factory(target, len(devices), drafts_with_a_model(options)), devices, request.sampling,
                       twin[0] if twin else None)
-    return dsi(make_executor(options.executor, spec, options.ray_address), *common)
+    return ending(dsi(make_executor(options.executor, spec, options.ray_address), *common), begun, request.prompt_ids)

@@ -24,7 +24,8 @@ class SDOptions(DrafterOptions):
             raise ConfigError(f"k must be >= 1, got {self.k}")
         if not 0 <= self.draft_confidence < 1:
             raise ConfigError(f"draft-confidence must lie in [0, 1), got {self.draft_confidence}")
-        if self.draft_confidence and isinstance(self.drafter, DrafterSpec) and self.drafter.kind not in ("self", "model"):
+        if self.draft_confidence and isinstance(self.drafter, DrafterSpec) and \
+                self.drafter.kind not in ("self", "model"):
             raise ConfigError(f"draft_confidence needs a model drafter, not {self.drafter.kind}")
 
 
@@ -41,7 +42,7 @@ def build(request: Request, options: SDOptions) -> Any:
     if isinstance(source, Drafter):
         drafter = source.begin(request.prompt_ids)
     else:
-        drafter = model_drafter(source, request.target, request.sampling, request.generator,
+        drafter = model_drafter(request.session.cache(source), request.target, request.sampling, request.generator,
                                 draft_confidence=options.draft_confidence, pairs=request.session.vocab_pairs)
     decoder = speculative(request.target, drafter, request.prompt_ids, options.k, request.max_new_tokens,
                           request.sampling, request.generator)

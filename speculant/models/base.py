@@ -74,7 +74,7 @@ class Capabilities:
       backend's `width`, past which forwards run in chunks).
     - `sliding_window`: the backend attends within a sliding window where the model has one.
     - `hidden_states`: a forward can return the last layer's hidden states.
-    - `gguf`: runs a GGUF file as it is (`gguf_path`), as llama.cpp's own tools can.
+    - `gguf`: runs a GGUF file as it is, as llama.cpp's own tools do.
     """
 
     shares_weights: bool = False
@@ -93,8 +93,8 @@ class Backend:
     here rather than by comparing backend names elsewhere. A backend overrides what differs."""
 
     capabilities = Capabilities()
-    batch_load: Callable[[], int] | None = None  # a served request's handle: how many rows its target's batches hold now
-    draft_guide: Any = None  # structured output: what a drafter's rows may hold (`models.constrained`)
+    batch_load: Callable[[], int] | None = None  # a served request's handle: the rows its target's batches hold now
+    draft_guide: Any = None  # structured output: what a drafter's rows may hold (`models.wrappers.constrained`)
 
     def default_drafters(self) -> tuple[str, ...]:
         """The drafter specs `auto` tries for this target when none are named: its catalog drafter as this
@@ -192,11 +192,16 @@ class Delegating(Backend):
     """A CausalLM around another (`model`) that forwards, explicitly, every member of the contract, the declared
     capabilities and what they make available, and the backend's choices: whatever it wraps, a wrapper is a
     CausalLM with the same capabilities, in any order of wrapping. A subclass overrides the calls it changes
-    (`Wrapper`s change logits, `models.metered` counts forwards, a server's `Row` batches them, DSI's twin pads
+    (`Wrapper`s change logits, `models.wrappers.metered` counts forwards, a server's `Row` batches them, DSI's twin pads
     their time)."""
 
     def __init__(self, model: CausalLM):
         self.model = model
+
+    @property
+    def owner(self) -> Any:
+        """The model what is learned of this one is kept under (`owner_of`)."""
+        return owner_of(self.model)
 
     name = _forwarded("name")
     tokenizer = _forwarded("tokenizer")
@@ -207,7 +212,7 @@ class Delegating(Backend):
     dtype = _forwarded("dtype")
     numerics = _forwarded("numerics")
     capabilities = _forwarded("capabilities")
-    identity = _forwarded("identity", "what the weights are when loaded by name (machine profiles persist per identity)")
+    identity = _forwarded("identity", "what the weights are when loaded by name (profiles persist per identity)")
     kernel = _forwarded("kernel", "the kernel its forwards run on")
     batch_load = _forwarded("batch_load")
     draft_guide = _forwarded("draft_guide")
@@ -263,19 +268,15 @@ class Delegating(Backend):
         return self.model.self_drafter(spec)
 
     def beside(self, others: int) -> CausalLM:
-        return self.model.beside(others)
+        inner = self.model.beside(others)
+        return self if inner is self.model else inner  # (a handle of its own: the wrapper's calls are not its)
 
     def describe(self) -> list[str]:
         return self.model.describe()
 
 
 class Wrapper(Delegating):
-    """A CausalLM around another that changes its logits (`models.logprobs`, `models.biased`,
-    `models.constrained`): what is learned of it is kept under the wrapped model (`owner`)."""
-
-    @property
-    def owner(self) -> Any:
-        return owner_of(self.model)
+    """A CausalLM around another that changes its logits (`models.wrappers`: logprobs, biased, constrained)."""
 
 
 def unwrapped(model: Any) -> Any:
@@ -299,7 +300,7 @@ def common_prefix_len(a: Sequence, b: Sequence) -> int:
 
 
 PREFILL_PART = 512  # prompt tokens per part of a prefill (`prompt_parts`): a served prompt's parts run in separate
-# forwards, so the running requests decode between them (one 2048-token prompt held them ~20 s on 2 cores)
+# forwards, so the running requests decode between them instead of waiting for the whole prompt
 
 
 def prompt_parts(ids: Sequence[int]) -> list[list[int]]:
@@ -313,8 +314,7 @@ PREFILL_AFTER = 8  # a catch-up this many times longer than the cached prefix it
 def prefills(keep: int, lag: int) -> bool:
     """Whether a cache that shares `keep` leading positions with a context, and lacks `lag` more, catches up by
     prefilling the whole context: running the kept prefix again costs less than the logits of every row that a
-    forward over the rest computes (a new prompt beside a few shared tokens: the 0.5B drafter's catch-up on a
-    HumanEval prompt that shares 6 of 106 tokens with the last took 9-23% less as a prefill, docs/results/cpu.md)."""
+    forward over the rest computes (a new prompt beside a few shared tokens; docs/results/cpu.md measures it)."""
     return keep * PREFILL_AFTER < lag
 
 
@@ -349,3 +349,7 @@ class DraftCache:
         logits = resync(self.model, self.ids, context, extra)
         self.ids = context + list(extra)
         return logits
+
+    def forget(self) -> None:
+        """The model's cache was run apart from this DraftCache (a measurement): take it to hold nothing."""
+        self.ids = []

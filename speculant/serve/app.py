@@ -300,9 +300,8 @@ class Shape:
 
 def serving_backend(config: ModelConfig) -> str:
     """`auto` for a server: transformers where its batched forwards are fast (AMX or CUDA: a batch of rows
-    costs about one row), else what `auto` picks for one sequence. AVX512-BF16 alone is not enough: on Zen4 the
-    1.5B on transformers bf16 served 5.1 tok/s to one client and 7.6 to sixteen, the lean backend ~30 to one
-    (docs/results/serve-1.5b)."""
+    costs about one row), else what `auto` picks for one sequence. AVX512-BF16 alone is not enough: there the
+    lean backend serves several times transformers' bf16 (CHANGELOG.md, serving)."""
     from speculant.machine import cpu_has
 
     if config.backend != "auto":

@@ -9,8 +9,8 @@ transformers and lean backends that forward is `hf.forward_rows` or `lean.forwar
 row's own forward, so a request generates what it would alone; llama.cpp runs the calls one after another.
 
 One thread runs every forward and every request's tensor work, not a thread per request: CPU kernels
-slow down when their thread pools answer to several threads (measured here: a 0.5B forward 52 ms, 75 ms
-once another long-lived thread had run one), and no request waits on a timer for the others.
+slow down when their thread pools answer to several threads (a forward runs slower once another long-lived
+thread has run one), and no request waits on a timer for the others.
 """
 
 from __future__ import annotations
@@ -29,7 +29,7 @@ from speculant.models.base import Call, CausalLM, Delegating
 from speculant.trees.tree import TokenTree
 
 
-PREFILL_TOKENS = 512  # prompt tokens one batch prefills (one prompt at least): ~1 s of a 1.5B on 2 cores
+PREFILL_TOKENS = 512  # prompt tokens one batch prefills (one prompt at least): what the others wait for
 
 
 @dataclass
@@ -193,7 +193,11 @@ class Row(Delegating):
 
     def __init__(self, batcher: Batcher | None, owner: CausalLM, on_forward: Callable[[Call], None] | None = None):
         super().__init__(owner.share())
-        self.batcher, self.owner, self.on_forward = batcher, owner, on_forward
+        self.batcher, self.served, self.on_forward = batcher, owner, on_forward
+
+    @property
+    def owner(self) -> CausalLM:
+        return self.served
 
     @property
     def handle(self) -> CausalLM:
@@ -204,13 +208,13 @@ class Row(Delegating):
         """How many requests' rows share each of this row's forwards: those running and those waiting to join the
         next batch (1 where the backend runs rows apart). Clients rarely arrive in the same instant: the first of a
         burst decides its next step while the others wait, and counted alone it would start a drafter's catch-up
-        that all of them then wait for (measured through HTTP at 16 clients: once a run, ~1% of its time)."""
+        that all of them then wait for."""
         if self.batcher is None or batched_forward(self.handle) is None:
             return 1
         return min(self.batcher.load + self.batcher.waiting, self.batcher.max_rows)
 
     def share(self) -> Row:
-        return Row(self.batcher, self.owner, self.on_forward)
+        return Row(self.batcher, self.served, self.on_forward)
 
     def prefill(self, ids: Sequence[int]) -> torch.Tensor:
         """A prompt's prefill; where the backend runs a long prompt in parts (`prefill_parts`), each part waits

@@ -135,8 +135,8 @@ class Engine:
     def __init__(self, target: CausalLM | Callable[[], CausalLM], method: str = "auto", options: Any = None,
                  max_batch: int = 16, max_queue: int = 64, metrics: Metrics | None = None):
         """`target` may be given as a function that loads it: the models then load on the thread that runs
-        their forwards (loaded on another thread, the 1.5B's forwards ran 45 ms instead of 35 here: torch's
-        OpenMP threads, once started from the loading thread, slow down later forwards from the worker)."""
+        their forwards (torch's OpenMP threads, once started from a loading thread, slow down later forwards from
+        the worker)."""
         self.metrics = metrics
         self.batcher = Batcher(max_batch, metrics.batch if metrics else None)
         self.target = self.batcher.run(target) if callable(target) and not isinstance(target, CausalLM) else target

@@ -17,18 +17,18 @@ from speculant.trees.tree import TokenTree
 
 class TreeDrafter(Drafter):
     """Greedy tree drafting with a model: `depth` steps of `width` nodes (depth x width drafted nodes), as a
-    Drafter whose drafts are trees (`propose`: depth k; with `cost`, k is a cap, see `propose_tree`). `model` may
-    be a chain drafter's DraftCache: the tree then catches up from where the chain left it."""
+    Drafter whose drafts are trees (`propose`: k steps of its `width`; `propose_tree` for other shapes and the
+    latency-aware stop). `model` may be a chain drafter's DraftCache: the tree then catches up from where the
+    chain left it."""
 
-    def __init__(self, model: CausalLM | DraftCache, width: int = 2,
-                 cost: Callable[[int], float] | None = None):
+    def __init__(self, model: CausalLM | DraftCache, width: int):
         self.cache = model if isinstance(model, DraftCache) else DraftCache(metered(model))
         self.model = self.cache.model
         self.name = self.model.name
-        self.width, self.cost = width, cost
+        self.width = width
 
     def propose(self, context: list[int], k: int) -> Draft:
-        return self.propose_tree(context, k, self.width, self.cost)
+        return self.propose_tree(context, k, self.width)
 
     def lag(self, context: list[int]) -> int:
         """Tokens of `context` the drafter's cache lacks: what its next tree runs before drafting."""

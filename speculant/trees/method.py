@@ -50,12 +50,13 @@ def build(request: Request, options: TreeOptions) -> Any:
         profile = LatencyProfile.load(profile)
     shape = tree_shape(request.target, model, request.prompt_ids, options.depth, options.width, options.verify_width,
                        profile, request.session.measured)
+    request.session.cache(model).forget()  # (measuring its T(W) for the shape ran its cache apart)
     predictor, cost = depth_predictor(options.depth_predictor, request.target, model), shape.cost
     if predictor is not None and cost is None:
         cost = request.session.profile(request.target).cost
-    return tree_speculative(request.target, TreeDrafter(model), request.prompt_ids, shape.depth, shape.width,
-                            request.max_new_tokens, request.sampling, request.generator, shape.verify_width, cost,
-                            predictor)
+    return tree_speculative(request.target, TreeDrafter(request.session.cache(model), shape.width), request.prompt_ids,
+                            shape.depth, shape.width, request.max_new_tokens, request.sampling, request.generator,
+                            shape.verify_width, cost, predictor)
 
 
 def tree_drafter_model(model: Any, target: Any) -> Any:

@@ -19,7 +19,7 @@ from speculant.models.numerics.exact import make_exact
 from speculant.trees.tree import TokenTree
 
 # Attention kernels on CUDA. cuDNN's (torch's first choice on Hopper) builds a plan for every new
-# sequence length, about 35 ms each on an H100 - once per decoding step, tripling its cost.
+# sequence length - once per decoding step, which costs more than the step (docs/results/gpu.md).
 CUDA_ATTENTION = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
 
 

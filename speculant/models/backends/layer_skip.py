@@ -29,7 +29,7 @@ LOOKAHEADS = range(1, 9)  # draft lengths the expected improvement is maximised 
 
 
 def skipped_layers(model: LeanCausalLM) -> tuple[int, ...]:
-    """The layers a lean model (`models.lean.LeanCausalLM`) skips when it drafts for itself, ascending."""
+    """The layers a lean model (`models.backends.lean.LeanCausalLM`) skips when it drafts for itself, ascending."""
     return tuple(calibration(model)["skipped"])
 
 

@@ -39,8 +39,8 @@ from speculant.trees.tree import TokenTree
 
 ARCHITECTURES = {"qwen2": "neox", "llama": "norm"}  # rotary layout as llama.cpp lays out each one's weights
 KINDS = {"Q4_K": "q4_k", "Q6_K": "q6_k"}
-DRAFT_HEAD = 49152  # a drafter's head rows (FR-Spec's 32k of Llama-3's 128k; Qwen2's vocabulary is 152k, and its
-# coder's drafter serves code and prose: 99-100% of the 1.5B's tokens on the mixed prompts, docs/results/cpu.md)
+DRAFT_HEAD = 49152  # a drafter's head rows (FR-Spec keeps 32k of Llama-3's 128k; Qwen2's vocabulary is 152k, and
+# its coder's drafter serves code and prose; docs/results/cpu.md measures the share of the target's tokens it covers)
 DEFAULT_POSITIONS = 4096  # cache capacity when the model allows more
 CACHE_LAYOUT = 1  # of the repacked files and layout.json: a change here re-packs every cached model (as an edit
 # of formats.py or of _repack does)
@@ -82,7 +82,7 @@ MATRICES = ("attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate", "ffn_up", "
 class LeanWeights:
     """A GGUF file's weights in the kernels' layout, shared by every handle on them. The first load reads the
     file's header with `gguf` and repacks its matrices into the speculant cache (once per file and layout
-    version, ~20 s for the 1.5B); later loads map them copy-on-write, as llama.cpp maps the GGUF.
+    version); later loads map them copy-on-write, as llama.cpp maps the GGUF.
 
     With `head` (token ids, ascending), the weights of a drafter: the output head keeps only those tokens'
     rows (FR-Spec, Zhao et al. 2025: a quarter of a 0.5B model's multiply-adds are its 151k-row head), and
@@ -302,7 +302,7 @@ class LeanCausalLM(PointerCache, Backend):
 
     def skipping(self, skipped: Sequence[int]) -> LeanCausalLM:
         """A handle on the same weights that leaves the `skipped` layers out, with a cache of its own: the model
-        as its own drafter (`models.layer_skip`)."""
+        as its own drafter (`models.backends.layer_skip`)."""
         left_out = set(skipped)
         layers = tuple(i for i in self.layers if i not in left_out)
         return LeanCausalLM(self.weights, self.tokenizer, f"{self.name} skipping {len(self.layers) - len(layers)}",

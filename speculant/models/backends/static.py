@@ -168,7 +168,7 @@ class StaticCausalLM(PointerCache, Backend):
     CUDA, captured once per handle as a CUDA graph that each chunk replays."""
 
     backend = "static"
-    capabilities = Capabilities(shares_weights=True, batches_rows=True, interruptible=True, sliding_window=True)
+    capabilities = Capabilities(shares_weights=True, interruptible=True, sliding_window=True)  # rows: not yet
 
     def default_drafters(self) -> tuple[str, ...]:
         """The catalog's drafter on the target's device, compiled as the target is; Max-Gram."""
@@ -207,14 +207,6 @@ class StaticCausalLM(PointerCache, Backend):
 
     def __repr__(self) -> str:
         return f"StaticCausalLM({self.name!r}, {self.numerics}, device={self.device}, compiled={self.compiled})"
-
-    @property
-    def weights_key(self) -> int:
-        return id(self.weights)
-
-    def rows_forward(self) -> None:
-        """Requests do not batch on this backend yet: each runs its own chunks (see CausalLM)."""
-        return None
 
     def share(self) -> StaticCausalLM:
         """Another handle on the same weights with a cache of its own."""
