@@ -3,7 +3,7 @@
 
     python scripts/q4_0_agreement.py                     # Q4_0 (ftype 2) against Q4_K_M
     python scripts/q4_0_agreement.py --ftype 7           # Q8_0
-    python scripts/q4_0_agreement.py --results docs/results/bench-recheck-humaneval/results.json
+    python scripts/q4_0_agreement.py --results docs/results/bench-core-humaneval/results.json
 
 Requantizes the catalog GGUF once with llama-cpp-python's `llama_model_quantize` (`allow_requantize`), loads both
 on speculant's llama.cpp backend, and teacher-forces `ar`'s outputs from bench result files (first repeat of each
@@ -21,7 +21,7 @@ import json
 import os
 import sys
 
-DEFAULT_RESULTS = ["docs/results/bench-recheck-humaneval/results.json", "docs/results/bench-recheck-mixed/results.json"]
+DEFAULT_RESULTS = ["docs/results/bench-core-humaneval/results.json", "docs/results/bench-core-mixed/results.json"]
 
 
 def main(argv: list[str]) -> None:

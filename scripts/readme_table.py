@@ -1,7 +1,7 @@
 """Print a README results table from `speculant bench` result directories, so no README number is typed by hand.
 
-    python scripts/readme_table.py docs/results/bench-recheck-mixed --methods ar auto --baseline llamacpp-cli-ar
-    python scripts/readme_table.py docs/results/bench-recheck-mixed docs/results/bench-recheck-humaneval \\
+    python scripts/readme_table.py docs/results/bench-core-mixed --methods ar auto --baseline llamacpp-cli-ar
+    python scripts/readme_table.py docs/results/bench-core-mixed docs/results/bench-core-humaneval \\
         --methods ar auto --baseline llamacpp-cli-ar --bold auto --source
 
 Each directory given is one column group (named after its prompt set, or by --names); each method one row;

@@ -21,18 +21,25 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 RESULTS = ROOT / "docs" / "results"
 ZEN4 = "AMD EPYC Zen4 (AVX-512 VNNI and BF16, no AMX), 2 cores"
+ZEN5 = "AMD EPYC, CPU family 26 (AVX-512 VNNI, BF16 and VP2INTERSECT, no AMX), 2 cores"
 XEON = "Intel Xeon, Sapphire Rapids class (AVX-512, AMX), 2 cores"
 
 # name -> (group, what it is, command or None (the report's), machine or None (the report's), commit or None (git's))
 ENTRIES: dict[str, tuple[str, str, str | None, str | None, str | None]] = {
-    "bench-recheck-mixed": ("CPU", "**The CPU headline**: `ar` and `auto` on the lean backend against llama.cpp's "
-                            "`llama-completion` (`llamacpp-cli-ar`), 24 mixed prompts, 2 repeats", None, ZEN4, None),
-    "bench-recheck-humaneval": ("CPU", "**The CPU headline** on HumanEval[:10], 3 repeats", None, ZEN4, None),
+    "bench-core-mixed": ("CPU", "**The CPU headline**: `ar` and `auto` on the lean backend against llama.cpp's "
+                         "`llama-completion` (`llamacpp-cli-ar`), 24 mixed prompts, 2 repeats, at d6fde95 (the core's "
+                         "redesign), run by `scripts/bench_commits.sh 7b6e0cf d6fde95` beside bench-core-before-*",
+                         None, ZEN5, None),
+    "bench-core-humaneval": ("CPU", "**The CPU headline** on HumanEval[:10], 3 repeats, the same sitting", None, ZEN5,
+                             None),
+    "bench-core-before-mixed": ("CPU", "the same bench at 7b6e0cf, before the core's redesign, in the same sitting "
+                                "(A B B A)", None, ZEN5, None),
+    "bench-core-before-humaneval": ("CPU", "the same on HumanEval[:10] at 7b6e0cf", None, ZEN5, None),
     "bench-humaneval-10-30": ("CPU", "`auto` on twenty HumanEval problems never used while tuning (HumanEval[10:30])",
                               None, ZEN4, None),
     "bench-lean-mixed": ("CPU", "llama.cpp's own speculative tools (`llamacpp-cli-spec`, `llamacpp-cli-ngram`) against "
                          "`llamacpp-cli-ar`, each generation in a fresh process; its `ar`/`auto`/`sd` rows are "
-                         "older than bench-recheck-*", None, ZEN4, None),
+                         "older than bench-core-*", None, ZEN4, None),
     "bench-lean-humaneval": ("CPU", "the same on HumanEval[:10]", None, ZEN4, None),
     "kernels-1.5b.json": ("CPU", "T(W) of speculant's 4-bit kernels alone on the 1.5B's 197 matrices, AVX-512 VNNI "
                           "and AVX2, after the per-256 activation scales",
