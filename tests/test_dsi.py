@@ -17,7 +17,7 @@ from helpers import DEVICES, RAY, MarkovLM, perturbed, random_prompt, tiny_model
 from speculant import generate
 from speculant.config import SamplingConfig
 from speculant.decoding.dsi.engine import DrafterFailed, dsi
-from speculant.decoding.dsi.executors import ServerSpec, hf_replica, make_executor, replica_factory
+from speculant.decoding.dsi.executors import ServerSpec, make_executor, replica_factory
 from speculant.decoding.dsi.jobs import Canceller, Job, ServerDied, TargetServer
 from speculant.analysis.online import run, simulate_online
 from speculant.decoding.dsi.plan import plan
@@ -28,6 +28,7 @@ from speculant.drafters.base import Draft, Drafter
 from speculant.drafters.maxgram import MaxGramDrafter
 from speculant.drafters.model import ModelDrafter
 from speculant.errors import ConfigError
+from speculant.models.backends.hf import hf_replica
 from test_sampling import TEMPERATURE, assert_follows_target, sampling_pair
 
 VOCAB = 64

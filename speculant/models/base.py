@@ -120,6 +120,11 @@ class Backend:
         target servers): itself, unless its backend keeps threads of its own."""
         return self
 
+    def replicas(self, servers: int, drafting: bool) -> Callable[[str], CausalLM]:
+        """A picklable factory of this model's replicas, `factory(device)`, for DSI's `servers` target servers
+        (threads, processes or Ray actors), a model drafting beside them where `drafting`."""
+        raise ConfigError(f"DSI needs a factory for target servers of type {type(self).__name__}")
+
     def describe(self) -> list[str]:
         """Lines about the kernels this model runs on, for `speculant profile`."""
         return []
@@ -270,6 +275,9 @@ class Delegating(Backend):
     def beside(self, others: int) -> CausalLM:
         inner = self.model.beside(others)
         return self if inner is self.model else inner  # (a handle of its own: the wrapper's calls are not its)
+
+    def replicas(self, servers: int, drafting: bool) -> Callable[[str], CausalLM]:
+        return self.model.replicas(servers, drafting)
 
     def describe(self) -> list[str]:
         return self.model.describe()

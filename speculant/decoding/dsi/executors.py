@@ -11,9 +11,7 @@ import os
 import queue
 import threading
 from collections.abc import Callable
-from copy import deepcopy
 from dataclasses import dataclass, field
-from functools import partial
 from typing import Any
 
 import torch
@@ -23,7 +21,6 @@ from speculant.decoding.dsi.jobs import Canceller, Job, ServerDied, TargetServer
 from speculant.decoding.dsi.twin import Latency, PaddedModel
 from speculant.errors import ConfigError, ModelNotAvailable
 from speculant.models.base import CausalLM, owner_of
-from speculant.models.backends.hf import HFCausalLM
 
 
 @dataclass
@@ -47,44 +44,10 @@ class ServerSpec:
         return TargetServer(index, model, self.sampling, self.die_after.get(index), own_process, canceller)
 
 
-def hf_replica(model: Any, name: str, eos: frozenset[int], device: str) -> HFCausalLM:
-    """A server's own handle on a transformers model: weights shared on the model's device, a copy on
-    another (`Module.to` moves in place, which would pull the weights away from the caller's model)."""
-    same = _canonical(next(model.parameters()).device) == _canonical(torch.device(device))
-    return HFCausalLM(model if same else deepcopy(model).to(device), None, name, eos)
-
-
-def _canonical(device: torch.device) -> torch.device:
-    """`cuda` names the current CUDA device: spell it with its index so that equal devices compare equal."""
-    if device.type == "cuda" and device.index is None:
-        return torch.device("cuda", torch.cuda.current_device())
-    return device
-
-
-def gguf_replica(path: str, name: str, eos: frozenset[int], threads: int, device: str) -> CausalLM:
-    """A server's own llama.cpp context on a GGUF file, mapped once per process and shared by its contexts."""
-    from speculant.models.backends.llamacpp import LlamaCppCausalLM, shared_weights
-
-    if device != "cpu":
-        raise ConfigError("speculant's llama.cpp backend runs on the CPU")
-    return LlamaCppCausalLM(shared_weights(path), None, name, eos, threads=threads)
-
-
 def replica_factory(target: CausalLM, servers: int = 1, drafting: bool = False) -> Callable[[str], CausalLM]:
-    """`ServerSpec.factory` for a loaded target: transformers weights are shared, not copied (threads share
-    the module, processes receive it through shared memory); a llama.cpp target's servers map its GGUF file
-    by path, each with a context of its own and the machine's cores shared out between them and, when a
-    model drafts beside them (`drafting`), the drafter. A server's per-request handle gets replicas of the
-    model it shares (they run beside its batched forwards)."""
-    target = owner_of(target)
-    if isinstance(target, HFCausalLM):
-        return partial(hf_replica, target.model, target.name, target.eos_token_ids)
-    from speculant.models.backends.llamacpp import LlamaCppCausalLM
-
-    if isinstance(target, LlamaCppCausalLM):
-        return partial(gguf_replica, str(target.weights.path), target.name, target.eos_token_ids,
-                       max(1, target.threads // (servers + drafting)))
-    raise ConfigError(f"DSI needs a factory for target servers of type {type(target).__name__}")
+    """`ServerSpec.factory` for a loaded target, as its backend makes replicas (`Backend.replicas`); a server's
+    per-request handle gets replicas of the model it shares (they run beside its batched forwards)."""
+    return owner_of(target).replicas(servers, drafting)
 
 
 def report_lost(executor: Any, index: int, reason: str) -> None:

@@ -7,6 +7,7 @@ import threading
 from collections.abc import Callable, Sequence
 from contextlib import nullcontext
 from copy import deepcopy
+from functools import partial
 from typing import Any
 
 import torch
@@ -91,6 +92,10 @@ class HFCausalLM(Backend):
         from speculant.models.loading import transformers_drafter
 
         return transformers_drafter(self, spec, dtype, "hf")
+
+    def replicas(self, servers: int, drafting: bool) -> Callable[[str], HFCausalLM]:
+        """The weights shared, not copied: threads share the module, processes receive it through shared memory."""
+        return partial(hf_replica, self.model, self.name, self.eos_token_ids)
 
     def self_drafter(self, spec: Any) -> Any:
         if spec.quant:
@@ -294,3 +299,17 @@ def forward_rows(rows: Sequence[tuple[HFCausalLM, Call]]) -> list[torch.Tensor]:
         out.append(logits[at] if call.prefill else logits[at : at + len(pick)])
         at += len(pick)
     return out
+
+
+def hf_replica(model: Any, name: str, eos: frozenset[int], device: str) -> HFCausalLM:
+    """A DSI server's own handle on a transformers model: weights shared on the model's device, a copy on
+    another (`Module.to` moves in place, which would pull the weights away from the caller's model)."""
+    same = _canonical(next(model.parameters()).device) == _canonical(torch.device(device))
+    return HFCausalLM(model if same else deepcopy(model).to(device), None, name, eos)
+
+
+def _canonical(device: torch.device) -> torch.device:
+    """`cuda` names the current CUDA device: spell it with its index so that equal devices compare equal."""
+    if device.type == "cuda" and device.index is None:
+        return torch.device("cuda", torch.cuda.current_device())
+    return device

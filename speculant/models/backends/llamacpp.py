@@ -37,13 +37,14 @@ import weakref
 from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from functools import partial
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import torch
 
-from speculant.errors import ModelNotAvailable
+from speculant.errors import ConfigError, ModelNotAvailable
 from speculant.models.base import Backend, Capabilities, Interrupted
 from speculant.models.catalog import catalog_drafter
 from speculant.trees.tree import TokenTree
@@ -281,6 +282,12 @@ class LlamaCppCausalLM(Backend):
     def beside(self, others: int) -> LlamaCppCausalLM:
         """A context on its share of the threads."""
         return self.share(max(1, self.threads // (others + 1)))
+
+    def replicas(self, servers: int, drafting: bool) -> Callable[[str], LlamaCppCausalLM]:
+        """Each server maps the GGUF file by path, with a context of its own and the machine's threads shared out
+        between the servers and, where a model drafts beside them, the drafter."""
+        return partial(gguf_replica, str(self.weights.path), self.name, self.eos_token_ids,
+                       max(1, self.threads // (servers + drafting)))
 
     def describe(self) -> list[str]:
         info = system_info()
@@ -570,3 +577,10 @@ def invariant_width(model: LlamaCppCausalLM) -> int:
         return width
 
     return int(remembered("llamacpp-widths.json", key, measure))
+
+
+def gguf_replica(path: str, name: str, eos: frozenset[int], threads: int, device: str) -> LlamaCppCausalLM:
+    """A DSI server's own llama.cpp context on a GGUF file, mapped once per process and shared by its contexts."""
+    if device != "cpu":
+        raise ConfigError("speculant's llama.cpp backend runs on the CPU")
+    return LlamaCppCausalLM(shared_weights(path), None, name, eos, threads=threads)
