@@ -197,27 +197,41 @@ def test_every_backend_declares_its_capabilities():
                 assert all(hasattr(backend, m) for m in members), (backend, capability)
 
 
+REGISTRIES = {"METHODS", "DRAFTERS"}  # names -> what registered itself under them
+PURE_MEMOS = {"byte_of_char", "_same_tokens"}  # caches of functions of immutable inputs (a byte table, vocab equality)
+
+
 def module_state(path: Path) -> list[str]:
-    """Module-level assignments of mutable containers (dicts, lists, sets, weak maps, deques) in a file, but for
-    registries of names (UPPER_CASE) and `__all__`."""
+    """Module-level mutable state in a file: containers (dicts, lists, sets, weak maps, deques) assigned at module
+    level but for the registries and constant tables written out literally in UPPER_CASE, and functions cached
+    at module level (`functools.cache`, `lru_cache`) but for memos of pure functions."""
     found = []
     for node in ast.parse(path.read_text()).body:
         if isinstance(node, (ast.Assign, ast.AnnAssign)) and node.value is not None:
             names = [t.id for t in (node.targets if isinstance(node, ast.Assign) else [node.target])
                      if isinstance(t, ast.Name)]
             value = ast.unparse(node.value)
-            mutable = isinstance(node.value, (ast.Dict, ast.List, ast.Set)) or re.match(
-                r"(weakref\.)?(WeakKeyDictionary|WeakValueDictionary|dict|list|set|deque|defaultdict)\(", value)
-            if mutable and not all(n.isupper() or n == "__all__" for n in names):
+            made = re.match(r"(weakref\.)?(WeakKeyDictionary|WeakValueDictionary|dict|list|set|deque|defaultdict)\(",
+                            value)
+            literal = isinstance(node.value, (ast.Dict, ast.List, ast.Set))
+            constant = literal and all(n.isupper() and n.lstrip("_") == n for n in names) and len(value) > 2
+            if (made or literal) and not (constant or set(names) <= REGISTRIES | {"__all__"}):
                 found.append(f"{path.name}:{node.lineno} {ast.unparse(node)[:80]}")
+        if isinstance(node, ast.FunctionDef) and node.name not in PURE_MEMOS and any(
+                "cache" in ast.unparse(d) for d in node.decorator_list):
+            found.append(f"{path.name}:{node.lineno} cached {node.name}")
     return found
 
 
-def test_no_algorithm_keeps_module_level_state():
+def test_no_algorithm_keeps_module_level_state(tmp_path):
     folders = ("methods", "decoding", "drafters", "trees")
     files = [PACKAGE / "latency.py", *[p for d in folders for p in (PACKAGE / d).rglob("*.py")]]
     assert [f for p in files for f in module_state(p)] == []
-    assert module_state(Path(__file__)) == ["test_session.py:41 made: list[Echo] = []"]  # (the scan finds one)
+    planted = tmp_path / "planted.py"  # (what the scan finds)
+    planted.write_text("from functools import lru_cache\nTABLE = {1: 2}\n_CACHE = {}\nseen = WeakKeyDictionary()\n"
+                       "@lru_cache\ndef memo(x):\n    return x\n")
+    assert module_state(planted) == ["planted.py:3 _CACHE = {}", "planted.py:4 seen = WeakKeyDictionary()",
+                                     "planted.py:6 cached memo"]
 
 
 def test_no_backend_is_told_apart_by_its_name_outside_models():
