@@ -55,8 +55,8 @@ static inline float half_to_float(uint16_t h) {
 }
 
 // Prefetch into L2 the super-block this many ahead of the one being multiplied (the next panels of a thread
-// follow in memory): the weight stream then overlaps the arithmetic of several rows (1.5B on 2 Xeon cores,
-// AVX-512: T(8) 91 -> 72 ms, T(1) unchanged). Reading past the end is harmless: a prefetch never faults.
+// follow in memory): the weight stream then overlaps the arithmetic of several rows (docs/results/cpu.md measures
+// what it buys). Reading past the end is harmless: a prefetch never faults.
 #define PREFETCH 4
 
 static inline void prefetch(const uint8_t *p, int bytes) {
