@@ -32,7 +32,7 @@ class Session:
     def __init__(self, target: CausalLM):
         self._target = weakref.ref(owner_of(target))  # (the target's default session lives on it: no cycle)
         self.drafters: dict[tuple[str, str | None], Any] = {}  # (spec, dtype) -> the loaded drafter
-        self.caches: WeakKeyDictionary = WeakKeyDictionary()  # drafter model -> the DraftCache on its KV cache
+        self.caches: dict[int, DraftCache] = {}  # id of a drafter model it loaded -> the DraftCache on its KV cache
         self.acceptance: dict[str, dict[int, Acceptance]] = {}  # candidate name -> estimates by match bucket
         self.scales: dict[str, Scale] = {}  # drafter name -> its forwards' time over its profile's
         self.timings = Timings()  # the target's forwards' time over its profile's
@@ -73,14 +73,18 @@ class Session:
         return self.drafters[key]
 
     def cache(self, model: CausalLM) -> DraftCache:
-        """The one DraftCache on a drafter model's KV cache: every method that drafts with the model drafts through
-        it, so what it says the cache holds stays true, and the next turn of a conversation catches up only on
-        what is new."""
+        """The DraftCache a drafter model drafts from. For a model this session loaded, the one kept across
+        generations: every method drafts through it, so what it says the cache holds stays true, and the next
+        turn of a conversation catches up only on what is new. For a model the caller passed in (a server's
+        per-request handle), one for this generation: the caller keeps the model, and the session keeps nothing of
+        it."""
         from speculant.models.wrappers.metered import metered
 
-        if model not in self.caches:
-            self.caches[model] = DraftCache(metered(model))
-        return self.caches[model]
+        if not any(model is loaded for loaded in self.drafters.values()):
+            return DraftCache(metered(model))
+        if id(model) not in self.caches:  # (its models live as long as the session: their ids stay theirs)
+            self.caches[id(model)] = DraftCache(metered(model))
+        return self.caches[id(model)]
 
     def profile(self, model: CausalLM) -> LatencyProfile:
         """`model`'s machine profile (`latency.machine_profile`), read or measured once per session."""

@@ -9,8 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from helpers import random_prompt, tiny_model
-from speculant import Draft, Drafter, Session, generate, register_drafter
+from helpers import random_prompt, tiny_model, tiny_transformer
+from speculant import Draft, Drafter, Session, generate, load_model, register_drafter
 from speculant.drafters import registry
 from speculant.errors import ConfigError
 from speculant.models.base import Backend, Capabilities
@@ -119,15 +119,16 @@ def test_two_sessions_on_one_target_keep_separate_learned_state():
         generate(tiny_model("llama", 8, VOCAB), prompt_ids=prompt, max_new_tokens=2, session=first)
 
 
-def test_methods_sharing_a_session_draft_through_one_cache_per_drafter_model(monkeypatch):
+def test_methods_sharing_a_session_draft_through_one_cache_per_drafter_model(monkeypatch, tmp_path):
     """auto keeps a drafter's cache across generations; sd on the same model in between must not leave auto
     believing its cache holds what it held (a stale belief rolls back past the cache's end, or drafts from
     another text's keys)."""
     from helpers import perturbed
     from test_auto import costs, invent
 
-    target = tiny_model("llama", 12, VOCAB)
-    drafter = perturbed(target, 0.05, 12)
+    target = load_model(tiny_transformer("llama", 12, VOCAB))
+    perturbed(target, 0.05, 12).model.save_pretrained(tmp_path / "drafter")
+    drafter = str(tmp_path / "drafter")  # named: the session loads it and keeps its cache
     invent(monkeypatch, costs(target))  # a machine where the drafter pays: auto drafts with it
     session = Session(target)
     long, short = random_prompt(1, VOCAB, 40), random_prompt(2, VOCAB, 5)
@@ -198,7 +199,8 @@ def test_every_backend_declares_its_capabilities():
 
 
 REGISTRIES = {"METHODS", "DRAFTERS"}  # names -> what registered itself under them
-PURE_MEMOS = {"byte_of_char", "_same_tokens"}  # caches of functions of immutable inputs (a byte table, vocab equality)
+PURE_MEMOS = {"byte_of_char", "_same_tokens", "_plugins"}  # caches of what does not change in a process: a byte
+# table, whether two vocabularies are equal, the installed plugins' names
 
 
 def module_state(path: Path) -> list[str]:

@@ -16,6 +16,7 @@ from __future__ import annotations
 import importlib
 from collections.abc import Callable
 from dataclasses import dataclass
+from functools import cache
 from importlib.metadata import entry_points
 from typing import Any
 
@@ -59,7 +60,10 @@ def _origin(factory: Callable[..., Any]) -> str:
     return f"{factory.__module__}.{factory.__qualname__}"
 
 
+@cache
 def _plugins() -> dict[str, Any]:
+    """The installed plugins' entry points by name, read once per process (a scan of every installed package's
+    metadata takes milliseconds, and specs are parsed on every request)."""
     return {entry.name: entry for entry in entry_points(group=ENTRY_POINTS)}
 
 

@@ -98,12 +98,22 @@ class Backend:
 
     def default_drafters(self) -> tuple[str, ...]:
         """The drafter specs `auto` tries for this target when none are named: its catalog drafter as this
-        backend runs it best, and Max-Gram."""
-        return ("maxgram",)
+        backend runs it best (`catalog_drafter_spec`), and Max-Gram."""
+        from speculant.models.catalog import catalog_drafter
+
+        drafter = catalog_drafter(self.name)
+        return (self.catalog_drafter_spec(drafter), "maxgram") if drafter is not None else ("maxgram",)
+
+    def catalog_drafter_spec(self, drafter: str) -> str:
+        """The spec of a catalog drafter as this backend runs it best."""
+        return drafter
 
     def draft_model(self, spec: Any, dtype: str | None) -> CausalLM:
-        """The model a drafter spec names (not `self`), loaded to draft for this target."""
-        raise ConfigError(f"{type(self).__name__} loads no drafter models: pass a loaded model")
+        """The model a drafter spec names (not `self`), loaded to draft for this target: as `load_model` loads it
+        (GGUF weights on the CPU go to the backend that runs them best)."""
+        from speculant.models.loading import load_model
+
+        return load_model(str(spec), dtype=dtype)
 
     def self_drafter(self, spec: Any) -> CausalLM:
         """`self` (the target's weights with a cache of their own), `self@int8|int4` or `self@skip` for this target."""
@@ -265,6 +275,9 @@ class Delegating(Backend):
 
     def default_drafters(self) -> tuple[str, ...]:
         return self.model.default_drafters()
+
+    def catalog_drafter_spec(self, drafter: str) -> str:
+        return self.model.catalog_drafter_spec(drafter)
 
     def draft_model(self, spec: Any, dtype: str | None) -> CausalLM:
         return self.model.draft_model(spec, dtype)

@@ -15,7 +15,6 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 from transformers import DynamicCache, PreTrainedModel
 
 from speculant.models.base import Backend, Call, Capabilities, Interrupted, prompt_parts
-from speculant.models.catalog import catalog_drafter
 from speculant.models.numerics.exact import make_exact
 from speculant.trees.tree import TokenTree
 
@@ -78,15 +77,12 @@ class HFCausalLM(Backend):
     capabilities = Capabilities(shares_weights=True, batches_rows=True, prefills_in_parts=True, interruptible=True,
                                 exact_any_width=True)
 
-    def default_drafters(self) -> tuple[str, ...]:
-        """The catalog's drafter quantized to int8 where speculant's AMX int8 kernel runs (its cost stays flat over
-        the several tokens a drafter catches up on after an accepted draft) and to int4 elsewhere; Max-Gram."""
+    def catalog_drafter_spec(self, drafter: str) -> str:
+        """Quantized to int8 where speculant's AMX int8 kernel runs (its cost stays flat over the several tokens a
+        drafter catches up on after an accepted draft), to int4 elsewhere."""
         from speculant.models.numerics import native
 
-        drafter = catalog_drafter(self.name)
-        if drafter is None:
-            return super().default_drafters()
-        return (f"{drafter}@{'int8' if native.AMX.library() is not None else 'int4'}", "maxgram")
+        return f"{drafter}@{'int8' if native.AMX.library() is not None else 'int4'}"
 
     def draft_model(self, spec: Any, dtype: str | None) -> Any:
         from speculant.models.loading import transformers_drafter

@@ -34,7 +34,6 @@ from speculant.cache import cache_root
 from speculant.kernels import formats
 from speculant.errors import ConfigError
 from speculant.models.base import Backend, Call, Capabilities, Interrupted, PointerCache, prompt_parts
-from speculant.models.catalog import catalog_drafter
 from speculant.trees.tree import TokenTree
 
 ARCHITECTURES = {"qwen2": "neox", "llama": "norm"}  # rotary layout as llama.cpp lays out each one's weights
@@ -282,16 +281,9 @@ class LeanCausalLM(PointerCache, Backend):
         return LeanCausalLM(self.weights, self.tokenizer, self.name, self.eos_token_ids, self.identity,
                             self.max_positions, self.layers)
 
-    def default_drafters(self) -> tuple[str, ...]:
-        """The catalog's drafter's GGUF on the same kernels, behind FR-Spec's frequency-ranked head (`@lean`);
-        Max-Gram."""
-        drafter = catalog_drafter(self.name)
-        return (f"{drafter}@lean", "maxgram") if drafter is not None else super().default_drafters()
-
-    def draft_model(self, spec: Any, dtype: str | None) -> Any:
-        from speculant.models.loading import load_model
-
-        return load_model(str(spec), dtype=dtype)
+    def catalog_drafter_spec(self, drafter: str) -> str:
+        """Its GGUF on the same kernels, behind FR-Spec's frequency-ranked head."""
+        return f"{drafter}@lean"
 
     def self_drafter(self, spec: Any) -> Any:
         if spec.skip:

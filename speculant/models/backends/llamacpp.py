@@ -46,7 +46,6 @@ import torch
 
 from speculant.errors import ConfigError, ModelNotAvailable
 from speculant.models.base import Backend, Capabilities, Interrupted
-from speculant.models.catalog import catalog_drafter
 from speculant.trees.tree import TokenTree
 
 N_CTX = 8192  # positions per context (at most the model's training length)
@@ -269,15 +268,9 @@ class LlamaCppCausalLM(Backend):
     backend = "llamacpp"
     capabilities = Capabilities(shares_weights=True, interruptible=True, sliding_window=True, gguf=True)
 
-    def default_drafters(self) -> tuple[str, ...]:
-        """The catalog's drafter's GGUF on llama.cpp too; Max-Gram."""
-        drafter = catalog_drafter(self.name)
-        return (f"{drafter}@gguf", "maxgram") if drafter is not None else super().default_drafters()
-
-    def draft_model(self, spec: Any, dtype: str | None) -> Any:
-        from speculant.models.loading import load_model
-
-        return load_model(str(spec), dtype=dtype)
+    def catalog_drafter_spec(self, drafter: str) -> str:
+        """Its GGUF on llama.cpp too."""
+        return f"{drafter}@gguf"
 
     def beside(self, others: int) -> LlamaCppCausalLM:
         """A context on its share of the threads."""

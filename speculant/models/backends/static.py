@@ -27,7 +27,6 @@ from torch import nn
 
 from speculant.errors import ConfigError
 from speculant.models.base import Backend, Capabilities, Interrupted, PointerCache
-from speculant.models.catalog import catalog_drafter
 from speculant.trees.tree import TokenTree
 
 ARCHITECTURES = ("llama", "qwen2", "mistral")
@@ -169,11 +168,6 @@ class StaticCausalLM(PointerCache, Backend):
 
     backend = "static"
     capabilities = Capabilities(shares_weights=True, interruptible=True, sliding_window=True)  # rows: not yet
-
-    def default_drafters(self) -> tuple[str, ...]:
-        """The catalog's drafter on the target's device, compiled as the target is; Max-Gram."""
-        drafter = catalog_drafter(self.name)
-        return (drafter, "maxgram") if drafter is not None else super().default_drafters()
 
     def draft_model(self, spec: Any, dtype: str | None) -> Any:
         from speculant.models.loading import transformers_drafter
