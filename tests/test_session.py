@@ -171,14 +171,18 @@ def test_a_target_s_default_session_goes_with_it():
         session.target
 
 
-def test_dropping_a_session_frees_what_it_loaded():
-    target = tiny_model("llama", 9, VOCAB)
+def test_dropping_a_session_frees_what_it_loaded(tmp_path):
+    target = load_model(tiny_transformer("llama", 9, VOCAB))
+    tiny_transformer("llama", 10, VOCAB).save_pretrained(tmp_path / "drafter")
     session = Session(target)
-    drafter = weakref.ref(session.drafter("maxgram"))
-    assert drafter() is not None
+    prompt = random_prompt(9, VOCAB, 12)
+    generate(target, prompt_ids=prompt, method="auto", drafters=[str(tmp_path / "drafter"), "maxgram"],
+             max_new_tokens=8, session=session)
+    loaded = [weakref.ref(d) for d in session.drafters.values()]
+    assert len(loaded) == 2 and session.acceptance
     del session
     gc.collect()
-    assert drafter() is None
+    assert [d() for d in loaded] == [None, None]  # the model drafter and Max-Gram went with it
 
 
 def test_every_backend_declares_its_capabilities():
