@@ -6,7 +6,7 @@ does (it is the CPU's, measured on the real weights). Measured, each at 256 cach
 `--repeats`: T(W) of speculant's hf backend (eager, transformers' dynamic cache, exact row by row), of the static
 model eager, and compiled with CUDA graphs; greedy `ar` tok/s compiled against transformers' own `generate`
 with a static cache under torch.compile (the gpt-fast-style reference); the drafter's cost ratio; and that greedy
-`sd` and `tree` on the compiled pair give `ar`'s tokens. `--smoke` runs the same code on tiny configurations
+`sd` and `tree` on the compiled pair give `ar`'s tokens; `auto` against `ar` where nothing is accepted (A B B A). `--smoke` runs the same code on tiny configurations
 (on the CPU, to check the script)."""
 
 from __future__ import annotations
@@ -17,11 +17,12 @@ import statistics
 import sys
 import time
 import traceback
+from collections import Counter
 
 import torch
 from transformers import Qwen2Config, Qwen2ForCausalLM
 
-from speculant import generate
+from speculant import Session, generate
 from speculant.models import HFCausalLM
 from speculant.models.backends.static import StaticCausalLM, StaticWeights
 
@@ -77,13 +78,34 @@ def forward_cost(model, width: int, repeats: int, device: str) -> float:
     return timed(step, repeats, device)
 
 
-def main() -> None:
+def alternated(target, runs: dict[str, dict], repeats: int, tokens: int, session: Session) -> dict:
+    """Decode tok/s of each of two `runs` (generate's options) on one random 200-token prompt, alternated A B B A
+    `repeats` times in one `session` after a warm-up of each: each one's rates, the second's mean ratio to the
+    first's, the second's choices (auto's), and whether every output equals the first run's."""
+    (a, b), prompt = list(runs), torch.randint(0, 500, (200,)).tolist()
+    for options in runs.values():
+        generate(target, prompt_ids=prompt, max_new_tokens=8, session=session, **options)
+    rates, outputs, choices = {a: [], b: []}, [], Counter()
+    for _ in range(repeats):
+        for label in (a, b, b, a):
+            result = generate(target, prompt_ids=prompt, max_new_tokens=tokens, session=session, **runs[label])
+            rates[label].append(decode_rate(result.stats))
+            outputs.append(result.token_ids)
+            choices.update(result.stats.choices if label == b else ())
+    return {**{f"{label} decode tok/s": values for label, values in rates.items()},
+            f"{b} / {a}": statistics.mean(rates[b]) / statistics.mean(rates[a]), f"{b} choices": dict(choices),
+            "outputs equal": all(output == outputs[0] for output in outputs)}
+
+
+def main() -> int:
     parser = argparse.ArgumentParser()
     parser.add_argument("out")
     parser.add_argument("--smoke", action="store_true")
     parser.add_argument("--repeats", type=int, default=20)
     parser.add_argument("--tokens", type=int, default=128)
+    parser.add_argument("--ab-repeats", type=int, default=3, help="A B B A rounds of the auto section")
     parser.add_argument("--sections", nargs="*", help="the sections to run (default: all)")
+    parser.add_argument("--strict", action="store_true", help="exit 1 if a section failed (CI's smoke run)")
     args = parser.parse_args()
     device = "cpu" if args.smoke else "cuda"
     results: dict = {"device": torch.cuda.get_device_name() if device == "cuda" else "cpu",
@@ -183,26 +205,20 @@ def main() -> None:
 
     def auto() -> dict:
         """`auto` on the compiled pair profiles the compiled steps and chooses; at random weights' acceptance it must
-        fall back to about `ar`'s speed, with `ar`'s tokens."""
+        fall back to `ar`'s speed (the bar: >= 0.97x), with `ar`'s tokens. Alternated `ar`, `auto`, `auto`, `ar` in
+        one session, `--ab-repeats` times, after a warm-up of each."""
         target = StaticCausalLM(weights["1.5b"], width=16, span=1024, compiled=True)
         drafter = StaticCausalLM(weights["0.5b"], width=16, span=1024, compiled=True)
-        prompt = torch.randint(0, 500, (200,)).tolist()
-        out, tokens = {}, {}
-        for label, options in (("ar", dict(method="ar")), ("auto", dict(method="auto", drafters=[drafter, "maxgram"])),
-                               ("ar again", dict(method="ar"))):
-            generate(target, prompt_ids=prompt, max_new_tokens=8, **options)
-            result = generate(target, prompt_ids=prompt, max_new_tokens=args.tokens, **options)
-            out[label] = {"decode tok/s": decode_rate(result.stats), "mean accepted": result.stats.mean_accepted_length}
-            tokens[label] = result.token_ids
-        out["auto equals ar"] = tokens["auto"] == tokens["ar"]
-        return out
+        return alternated(target, {"ar": dict(method="ar"), "auto": dict(method="auto", drafters=[drafter, "maxgram"])},
+                          args.ab_repeats, args.tokens, Session(target))
 
-    sections = {"eager T(W) ms": eager_costs, "compiled T(W) ms": compiled_costs, "ar": tokens_per_second,
-                "speculation": speculation, "drafter": drafter_cost,
-                "auto": auto}
+    sections = {"auto": auto, "speculation": speculation, "drafter": drafter_cost,  # (first: the open questions)
+                "compiled T(W) ms": compiled_costs, "ar": tokens_per_second, "eager T(W) ms": eager_costs}
     for name in args.sections or sections:
         section(name, sections[name])
     print(json.dumps(results, indent=1))
+    failed = [name for name, value in results.items() if isinstance(value, dict) and "error" in value]
+    return 1 if args.strict and failed else 0
 
 
 if __name__ == "__main__":

@@ -206,6 +206,24 @@ def test_probes_that_bring_nothing_back_cost_at_most_a_tenth_of_plain_decoding()
     assert probes >= 1 and probes * price <= PROBE_SHARE * plain  # 2; one at each of steps 0, 16, 48, 112 before
 
 
+def test_a_drafter_that_texts_have_shown_never_right_is_hardly_probed():
+    """Probes are budgeted by the drafter's long-run acceptance (`Acceptance.promise`): after generations in which it
+    was never right, a new one probes it far less than the first did (auto must not lose to `ar` on a GPU, where
+    a probe's catch-up weighs as much as many plain steps)."""
+    target = tiny_model("llama", 1, VOCAB, init_std=0.1)
+    prompt = random_prompt(1, VOCAB)
+    reference = generate(target, prompt_ids=prompt, method="ar", max_new_tokens=200).token_ids
+    drafter = ScriptedDrafter(prompt, reference, error_rate=1.0, vocab=VOCAB, seed=0)
+    candidate = Candidate("scripted", drafter, 0.5, 0.6, catch_up=lambda context: 2.0)
+    probes = []
+    for _ in range(4):
+        tokens, stats = run(target, [candidate], prompt, n=200)
+        assert tokens == reference
+        probes.append(stats.choices.count("scripted"))
+    assert candidate.acceptance().promise() < 0.2
+    assert probes[0] >= 3 and probes[-1] <= 1
+
+
 def test_auto_that_falls_behind_plain_decoding_decodes_plainly(monkeypatch):
     """Work no estimate sees (here a model-free drafter whose lookup takes three forwards' time and never
     matches) shows in auto's own pace: after PACE_STEPS steps slower than T(1) per token, it stops choosing."""

@@ -149,6 +149,16 @@ class Acceptance:
             totals.append(totals[-1] + run)
         return totals
 
+    def promise(self) -> float:
+        """How likely this drafter is to be worth a probe, from its long-run first-position acceptance (with
+        half an acceptance in one more observation): 1 for a drafter not yet seen or whose first token is accepted
+        half the time or more; near 0 for one that many texts have shown is never right (random weights, another
+        language), whose probes then cost next to nothing (on a GPU, where a forward takes a few ms, even one probe's
+        catch-up weighs as much as many plain steps)."""
+        if not self.long_reached:
+            return 1.0
+        return min(1.0, 2 * (self.long_accepted[0] + 0.5) / (self.long_reached[0] + 1))
+
     def restart(self, observations: float) -> None:
         """A new text: the long-run rates, counted as at most `observations` drafts per position, so that
         what the new text shows soon outweighs them."""
@@ -338,9 +348,10 @@ class AutoPolicy:
     be accepted drafts two tokens, so that one that stopped paying can come back when the text changes. A
     generation starts with a probe; one that does not bring the drafter back doubles the wait before the next,
     and the probes since a drafter last paid may cost (catching up, drafting, the wider verification) at most
-    `PROBE_SHARE` of the generation's plain decoding time: where no drafter pays, a generation is at most that
-    much slower than plain decoding (on a GPU, where a forward takes a few ms, a probe's catch-up weighs as much
-    as many steps). A drafter's catch-up is weighed against the tokens the generation is still expected to
+    `PROBE_SHARE` of the generation's plain decoding time, times the drafter's `promise` (its long-run acceptance):
+    where no drafter pays, a generation is at most that much slower than plain decoding, and once earlier texts
+    have shown a drafter never right, its probes cost next to nothing (on a GPU, where a forward takes a few ms, a
+    probe's catch-up weighs as much as many steps). A drafter's catch-up is weighed against the tokens the generation is still expected to
     produce, from the `lengths` of earlier generations (this one's is appended at its `end`), less the share that
     model-free drafts have committed so far (where Max-Gram copies an article into its summary, a model drafter is
     left few tokens to repay its catch-up on the article); a catch-up dearer than `PROBE_SHARE` of that time waits
@@ -404,7 +415,7 @@ class AutoPolicy:
         elif self.without_model >= self.wait and probe is not None and room > 0:
             steps = min(2, room)
             price = probe.catch_up_s(context) + steps * probe.cost_s + cost(steps + 1) - cost(1)
-            if self.probed + price <= PROBE_SHARE * cost(1) * (produced + remaining):
+            if self.probed + price <= PROBE_SHARE * probe.acceptance().promise() * cost(1) * (produced + remaining):
                 chosen, k, draft, bucket = probe, steps, None, 0
                 self.wait, self.probed = 2 * self.wait, self.probed + price
         self.without_model = 0 if chosen is not None and chosen.match is None else self.without_model + 1

@@ -12,7 +12,7 @@ import torch
 from speculant.config import SamplingConfig
 from speculant.drafters.base import Draft
 from speculant.models.base import CausalLM
-from speculant.sampling import logits_to_probs
+from speculant.sampling import logits_to_probs, next_token
 from speculant.trees.tree import TokenTree
 from speculant.verify import verify_greedy, verify_sampling, verify_tree_greedy, verify_tree_sampling
 
@@ -48,7 +48,11 @@ def verify_step(target: CausalLM, last: int, draft: Draft, sampling: SamplingCon
 def verify_draft(target: CausalLM, last: int, draft: Draft, sampling: SamplingConfig,
                  generator: torch.Generator | None) -> tuple[int, int]:
     """One target forward over the last committed token and the draft, then verification: (accepted count,
-    the target's token after them). The target's cache keeps `last` and the accepted drafts."""
+    the target's token after them). The target's cache keeps `last` and the accepted drafts. An empty draft is a
+    plain decoding step, run as `ar` runs it: nothing to verify, roll back or copy to the device (on a GPU, where a
+    forward takes a few ms, that work is not noise)."""
+    if not draft.tokens:
+        return 0, next_token(target.forward([last])[-1], sampling, generator)
     drafted = torch.tensor(draft.tokens, dtype=torch.long, device=target.device)
     cached = target.cache_len
     target_logits = target.forward([last, *draft.tokens])  # [1 + len(draft), vocab]
