@@ -109,6 +109,12 @@ ENTRIES: dict[str, tuple[str, str, str | None, str | None, str | None]] = {
                "NVIDIA H100 80GB HBM3 (lent)", "8322759"),
     "gpu-h100.json": ("GPU", "the numbers of gpu.md", "python scripts/gpu_static.py OUT.json",
                       "NVIDIA H100 80GB HBM3 (lent)", None),
+    "gpu-h200.json": ("GPU", "`auto` against `ar` where nothing is accepted, speculation and the drafter's cost on "
+                      "the compiled pair (gpu.md)", "python scripts/gpu_static.py OUT.json --ab-repeats 5 --sections "
+                      "auto speculation drafter", "NVIDIA H200 (lent)", "c87d007"),
+    "auto-no-accept": ("speculation", "`auto` against `ar` where nothing is accepted, ~2 ms a forward on the CPU "
+                       "(random static models)", "python scripts/auto_no_accept.py "
+                       "docs/results/auto-no-accept/results.json --repeats 10", "2-core AMD EPYC (AVX-512)", "c87d007"),
     "dsi-simulator.md": ("analysis", "DSI's theorems measured by the offline simulator on the paper's grid (7 servers "
                          "and 1)", "commands in the page", "any (a simulation)", None),
     "heatmap-paper": ("analysis", "the DSI paper's Figures 2 and 7 from the simulator, 7 servers",

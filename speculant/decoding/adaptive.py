@@ -47,7 +47,7 @@ LOOK_FIRST = 4  # steps a text shows before a drafter's catch-up dearer than PRO
 TIME_FOLLOWS = 0.2  # how far a measured/profiled time ratio moves toward each forward's
 SCALE_RANGE = (0.5, 2.0)  # a forward's measured/profiled ratio is clipped to this: drift, not a spike
 PACE_STEPS = 32  # auto compares its own pace over this many recent steps with plain decoding's T(1) per token
-PACE_MARGIN = 1.05  # ... and decodes plainly for the rest of a generation where it was this much slower
+PACE_MARGIN = 1.02  # ... and decodes plainly for the rest of a generation where it was this much slower
 
 
 @dataclass
@@ -478,6 +478,11 @@ def auto_decoder(target: CausalLM, policy: AutoPolicy, prompt_ids: list[int], ma
     logits = target.prefill(prompt_ids)
     pending = [next_token(logits, sampling, generator)]
     while not (yield from emit(pending, out, max_new_tokens, target.eos_token_ids)):
+        if policy.governed:  # plain decoding to the end, as `ar` runs it: no choosing, no bookkeeping
+            pending = [next_token(target.forward(pending[-1:])[-1], sampling, generator)]
+            stats.record_draft(0, 0, {})
+            stats.choices.append(PLAIN)
+            continue
         began = time.perf_counter()  # (a step's own time: not the caller's between tokens)
         context = prompt_ids + out
         plan = policy.choose(context, len(out), target.eos_token_ids)
