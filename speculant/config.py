@@ -33,7 +33,10 @@ def count_or_auto(text: str) -> int | str:
 
 
 def option(default: Any, help: str, **extra: Any) -> Any:
-    """A dataclass field that also describes its command-line flag, bench-spec key and request field."""
+    """A dataclass field that also describes its command-line flag, bench-spec key and request field. `operator=True`
+    marks an option that names something on the machine (a file, a device, an executor, an address, how many
+    processes or threads to start, how a model loads): the operator's, set on the command line, never by a
+    server's client (`methods.registry.request_options`)."""
     return field(default=default, metadata={"help": help, **extra})
 
 
@@ -100,6 +103,11 @@ class ServeConfig:
     served_name: str | None = option(None, "the model name clients send (default: the target's name)")
     max_batch: int = option(16, "requests decoded together, their forwards batched (1: one request at a time)")
     max_queue: int = option(64, "requests waiting for a batch slot; more are answered 429")
+    max_body_mb: float = option(4.0, "largest request body taken, in MB (413 beyond it, before it is read)")
+    open_metrics: bool = option(False, "with --api-key: let /metrics answer without the key (a scraper's)")
+    docs: bool = option(False, "serve the API's generated pages (/docs, /redoc, /openapi.json)")
+    allowed_hosts: str | None = option(None, "answer only requests whose Host header is one of these, comma "
+                                             "separated (e.g. localhost,api.example.com; default: any)")
     replicas: int = option(1, "serve from this many processes, each with its own models, as a Ray Serve "
                               "deployment behind one port (pip install 'speculant[ray]')")
     replica_cpus: float = option(1.0, "CPU cores Ray reserves for each replica (its kernels' threads)")
@@ -111,6 +119,8 @@ class ServeConfig:
             raise ConfigError(f"port must lie in [1, 65535], got {self.port}")
         if self.max_batch < 1 or self.max_queue < 0:
             raise ConfigError("max-batch must be >= 1 and max-queue >= 0")
+        if not self.max_body_mb > 0:
+            raise ConfigError(f"max-body-mb must be > 0, got {self.max_body_mb}")
         if self.replicas < 1 or self.replica_cpus <= 0:
             raise ConfigError("replicas must be >= 1 and replica-cpus > 0")
 

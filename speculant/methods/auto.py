@@ -51,7 +51,8 @@ class AutoOptions:
                            "added); cascade: "
                            "levels, largest first, maxgram last",
                            parse=parse_drafters)
-    drafter_dtype: str | None = option(None, "dtype of model drafters (default: the target's)", choices=DRAFTER_DTYPES)
+    drafter_dtype: str | None = option(None, "dtype of model drafters (default: the target's)",
+                                       choices=DRAFTER_DTYPES, operator=True)
     k_max: int = option(16, "the longest draft auto may choose")
     draft_confidence: float = option(0.0, "a model drafter's draft ends after a token it gives a probability below "
                                      "this (0: drafts run to the chosen length)")

@@ -21,7 +21,8 @@ class CascadeOptions:
                            "default: k tokens per level plus 2 maxgram tokens after each)")
     k: int = option(4, "draft tokens per level when no K matrix is given")
     leniency: float = option(1.0, "leniency l >= 1 of the inner reviews (the target's stays exact)")
-    drafter_dtype: str | None = option(None, "dtype of model drafters (default: the target's)", choices=DRAFTER_DTYPES)
+    drafter_dtype: str | None = option(None, "dtype of model drafters (default: the target's)",
+                                       choices=DRAFTER_DTYPES, operator=True)
 
     def __post_init__(self) -> None:
         drafters = self.drafters

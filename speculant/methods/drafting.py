@@ -26,7 +26,8 @@ class DrafterOptions:
                           "out, lean backend), maxgram (prompt lookup with a bigram fallback), suffix (suffix "
                           "decoding over the context and earlier generations), or a model or Drafter object",
                           parse=DrafterSpec.parse)
-    drafter_dtype: str | None = option(None, "dtype of a model drafter (default: the target's)", choices=DRAFTER_DTYPES)
+    drafter_dtype: str | None = option(None, "dtype of a model drafter (default: the target's)",
+                                       choices=DRAFTER_DTYPES, operator=True)
 
     def __post_init__(self) -> None:
         if self.drafter is None:

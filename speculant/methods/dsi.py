@@ -57,16 +57,17 @@ class DSIOptions(DrafterOptions):
     drafters: Any = option(None, "several drafters of increasing cost instead of one, e.g. maxgram,qwen2.5-coder-0.5b@int4: "
                            "each drafts at its own pace and a costlier one's draft replaces a cheaper one's (DSI's "
                            "Algorithm 1 with m > 2 models); the first sets the lookahead", parse=parse_drafters)
-    servers: int = option(1, "target servers verifying in parallel (the speculation-parallelism degree)")
+    servers: int = option(1, "target servers verifying in parallel (the speculation-parallelism degree)", operator=True)
     lookahead: int | None = option(None, "drafts per verification job (default: the smallest the servers keep up "
                                    "with, planned from the latencies)")
-    executor: Any = option("thread", "where target servers run: thread, process or ray (or a started executor)")
+    executor: Any = option("thread", "where target servers run: thread, process or ray (or a started executor)",
+                           operator=True)
     target_devices: Any = option(None, "one device per target server, e.g. cpu,cpu or cuda:0,cuda:1 (default: the "
-                                 "target's device for each)", parse=parse_devices)
+                                 "target's device for each)", parse=parse_devices, operator=True)
     twin_latency: Any = option(None, "latency twin: pad every target forward to T ms (its first to TTFT) and every drafter "
                        "forward to D ms: T,D[,TTFT], or TARGET.json,DRAFTER.json (speculant profile files)",
-                       parse=parse_twin)
-    ray_address: str | None = option(None, "with executor ray: join this cluster (default: start one)")
+                       parse=parse_twin, operator=True)
+    ray_address: str | None = option(None, "with executor ray: join this cluster (default: start one)", operator=True)
 
     def __post_init__(self) -> None:
         super().__post_init__()

@@ -94,6 +94,12 @@ def make_options(options: type, method: str, given: Mapping[str, Any], text: boo
     return options(**given)
 
 
+def request_options(method: str) -> list[str]:
+    """The options a server's client may set per request for `method`: every option but the operator's (fields
+    marked `operator`, which name files, devices, executors, addresses or server resources)."""
+    return [f.name for f in fields(get_method(method).options) if not f.metadata.get("operator")]
+
+
 def all_options() -> dict[str, Field]:
     """Every option of every method, once per name (one name means one meaning across methods)."""
     union: dict[str, Field] = {}

@@ -2,32 +2,41 @@
 
 Endpoints: GET /v1/models, POST /v1/completions, POST /v1/chat/completions (streamed as server-sent
 events with `stream: true`, ending with `data: [DONE]`), GET /health, GET /metrics. Every refusal is a
-4xx JSON error in OpenAI's shape, given before the request reaches the engine.
+4xx JSON error in OpenAI's shape, given before the request reaches the engine; a fault of the server's own is a
+500 in the same shape, logged with an id the client sees (`Guard`). A request's `speculant` options are data:
+those that name something on the machine are the operator's (`check_request_options`).
 """
 
 from __future__ import annotations
 
 import asyncio
 import json
+import logging
+import re
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from typing import Any
 
-from fastapi import Depends, FastAPI, Request
+from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
+from starlette.exceptions import HTTPException
 
 from speculant.api import encode_prompt
 from speculant.config import ModelConfig, SamplingConfig, ServeConfig
 from speculant.errors import ConfigError
+from speculant.methods.registry import get_method, request_options
 from speculant.models.wrappers.biased import check_bias
 from speculant.models.wrappers.constrained import Constraint, Matcher
 from speculant.models.wrappers.logprobs import TokenLogprob
 from speculant.serve.engine import Engine, ServeJob, Outcome, QueueFull
 from speculant.serve.metrics import Metrics
-from speculant.serve.schema import ApiError, ChatRequest, CompletionRequest, Sampling
+from speculant.serve.schema import MAX_FORMAT_DEPTH, ApiError, ChatRequest, CompletionRequest, Sampling, depth
+
+LOG = logging.getLogger("speculant.serve")
+TOKEN_ID = re.compile(r"0|[1-9][0-9]{0,9}")  # a logit_bias key: a token id in canonical decimal
 
 
 class _End:
@@ -35,37 +44,55 @@ class _End:
         self.outcome = outcome
 
 
-def create_app(engine: Engine, served_name: str, api_key: str | None = None, replica: str | None = None) -> FastAPI:
-    """The API for `engine`'s target, known to clients as `served_name`; `api_key` (if given) is required;
-    `replica` (if given) names this process in each API response's `x-speculant-replica` header."""
+def create_app(engine: Engine, served_name: str, config: ServeConfig | None = None,
+               replica: str | None = None) -> FastAPI:
+    """The API for `engine`'s target, known to clients as `served_name`, as `config` says (its API key, body limit,
+    open metrics, generated pages and trusted hosts; the defaults without one); `replica` (if given) names this
+    process in each response's `x-speculant-replica` header."""
+    config = config or ServeConfig()
     metrics = engine.metrics or Metrics()
     created = int(time.time())
+    vocabulary = real_vocabulary(engine.target)
+    spelled: list[Spelling] = []
+
+    def spelling() -> Spelling:  # read from the tokenizer once, at the first request that asks for logprobs
+        if not spelled:
+            spelled.append(Spelling(engine.target.tokenizer, engine.target.vocab_size))
+        return spelled[0]
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         yield
         await asyncio.to_thread(engine.close)  # SIGTERM: uvicorn stops taking requests, the running ones finish
 
-    app = FastAPI(title="speculant", lifespan=lifespan)
-
-    def check_key(request: Request) -> None:
-        if api_key is not None and request.headers.get("authorization") != f"Bearer {api_key}":
-            raise ApiError(401, "missing or wrong API key (send 'Authorization: Bearer KEY')", code="invalid_api_key")
+    pages = {} if config.docs else {"docs_url": None, "redoc_url": None, "openapi_url": None}
+    app = FastAPI(title="speculant", lifespan=lifespan, **pages)
 
     @app.exception_handler(ApiError)
     async def api_error(request: Request, error: ApiError) -> JSONResponse:
         return JSONResponse(error.body, status_code=error.status)
 
+    @app.exception_handler(HTTPException)
+    async def http_error(request: Request, error: HTTPException) -> JSONResponse:
+        message = {404: f"no route {request.url.path}", 405: f"{request.method} is not allowed on {request.url.path}"
+                   }.get(error.status_code, str(error.detail))
+        return JSONResponse(ApiError(error.status_code, message).body, status_code=error.status_code,
+                            headers=error.headers)
+
     @app.exception_handler(RequestValidationError)
     async def invalid(request: Request, error: RequestValidationError) -> JSONResponse:
         first = error.errors()[0]
-        where = ".".join(str(p) for p in first.get("loc", ()) if p != "body")
-        message = "the body is not valid JSON" if first.get("type") == "json_invalid" else \
-            f"{where} is not implemented by this server" if first.get("type") == "extra_forbidden" else \
+        if first.get("type") == "json_invalid":
+            return JSONResponse(ApiError(400, "the body is not valid JSON").body, status_code=400)
+        where = ".".join(str(p) for p in first.get("loc", ()) if p != "body" and not is_type_tag(p))
+        message = f"{where} is not implemented by this server" if first.get("type") == "extra_forbidden" else \
             f"{where or 'body'}: {first.get('msg', 'invalid')}"
         return JSONResponse(ApiError(400, message, param=where or None).body, status_code=400)
 
-    app.add_middleware(Counted, metrics=metrics, replica=replica)
+    app.add_middleware(Guard, metrics=metrics, replica=replica, max_body=int(config.max_body_mb * 1e6),
+                       hosts=config.allowed_hosts.split(",") if config.allowed_hosts else None,
+                       key=config.api_key, open_paths=("/health", "/metrics") if config.open_metrics else ("/health",),
+                       routes=app.routes)
 
     @app.get("/health")
     async def health() -> dict[str, str]:
@@ -75,28 +102,29 @@ def create_app(engine: Engine, served_name: str, api_key: str | None = None, rep
     async def prometheus() -> Response:
         return Response(metrics.render(), media_type="text/plain; version=0.0.4")
 
-    @app.get("/v1/models", dependencies=[Depends(check_key)])
+    @app.get("/v1/models")
     async def models() -> dict[str, Any]:
         return {"object": "list", "data": [{"id": served_name, "object": "model", "created": created,
                                             "owned_by": "speculant"}]}
 
-    @app.post("/v1/completions", dependencies=[Depends(check_key)])
+    @app.post("/v1/completions")
     async def completions(body: CompletionRequest, http: Request) -> Any:
         tokenizer = engine.target.tokenizer
         if isinstance(body.prompt, list):
             ids = body.prompt
-            if any(not 0 <= t < engine.target.vocab_size for t in ids):
-                raise ApiError(400, f"prompt token ids must lie in [0, {engine.target.vocab_size})", "prompt")
+            if any(not 0 <= t < vocabulary for t in ids):
+                raise ApiError(400, f"prompt token ids must lie in [0, {vocabulary})", "prompt")
         else:
             if tokenizer is None:
                 raise ApiError(400, "this model has no tokenizer: send the prompt as token ids", "prompt")
-            ids = encode_prompt(tokenizer, body.prompt) if body.prompt else []
+            ids = await asyncio.to_thread(encode_prompt, tokenizer, body.prompt) if body.prompt else []
         return await respond(body, ids, body.max_tokens or 16, False, http)
 
-    @app.post("/v1/chat/completions", dependencies=[Depends(check_key)])
+    @app.post("/v1/chat/completions")
     async def chat(body: ChatRequest, http: Request) -> Any:
-        try:
-            ids = encode_prompt(engine.target.tokenizer, [m.as_template() for m in body.messages])
+        try:  # (off the event loop: a long conversation must not hold up the other requests)
+            ids = await asyncio.to_thread(encode_prompt, engine.target.tokenizer,
+                                          [m.as_template() for m in body.messages])
         except ConfigError as error:
             raise ApiError(400, str(error), "messages") from None
         return await respond(body, ids, body.max_completion_tokens or body.max_tokens, True, http)
@@ -124,10 +152,11 @@ def create_app(engine: Engine, served_name: str, api_key: str | None = None, rep
         except ConfigError as error:
             raise ApiError(400, str(error), "speculant") from None
         ident = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex[:24]
-        shape = Shape(ident, served_name, chat, engine.target.tokenizer, job.logprobs is not None)
+        shape = Shape(ident, served_name, chat, spelling() if job.logprobs is not None else None)
         if body.stream:
             include_usage = body.stream_options is not None and body.stream_options.include_usage
-            return StreamingResponse(stream(queue, ticket, shape, include_usage), media_type="text/event-stream")
+            return StreamingResponse(stream(queue, ticket, shape, include_usage, http.scope["route"].path),
+                                     media_type="text/event-stream")
         try:
             if (item := await next_item(queue, http)) is GONE:
                 return Response(status_code=499)  # nobody reads it: the client closed its connection
@@ -137,7 +166,8 @@ def create_app(engine: Engine, served_name: str, api_key: str | None = None, rep
         metrics.usage(outcome.prompt_tokens, outcome.completion_tokens)
         return shape.whole(outcome)
 
-    async def stream(queue: asyncio.Queue, ticket: Any, shape: Shape, include_usage: bool) -> AsyncIterator[str]:
+    async def stream(queue: asyncio.Queue, ticket: Any, shape: Shape, include_usage: bool,
+                     route: str) -> AsyncIterator[str]:
         try:
             if shape.chat:
                 yield sse(shape.chunk({"role": "assistant", "content": ""}, []))
@@ -150,6 +180,8 @@ def create_app(engine: Engine, served_name: str, api_key: str | None = None, rep
                 yield sse({**shape.chunk(None, []), "choices": [], "usage": shape.usage(outcome)})
         except ApiError as error:  # the engine failed mid-stream: say so in the stream
             yield sse(error.body)
+        except Exception as error:  # noqa: BLE001 - a fault of the server's own, after the headers went out
+            yield sse(server_fault(error, metrics, route).body)
         finally:
             ticket.cancel()  # a client that went away frees its row after the current forward
         yield "data: [DONE]\n\n"
@@ -170,15 +202,17 @@ def create_app(engine: Engine, served_name: str, api_key: str | None = None, rep
         overrides = dict(body.speculant or {})
         method = overrides.pop("method", None)
         if method is not None and not isinstance(method, str):
-            raise ApiError(400, "speculant.method must be a method name", "speculant")
+            raise ApiError(400, "speculant.method must be a method name", "speculant.method")
+        check_request_options(method or engine.method.name, overrides)
+        if any(not TOKEN_ID.fullmatch(token) for token in body.logit_bias or {}):
+            raise ApiError(400, "logit_bias keys must be token ids in decimal, e.g. \"1234\"", "logit_bias")
+        bias = {int(token): value for token, value in (body.logit_bias or {}).items()}
         try:
-            bias = {int(token): value for token, value in (body.logit_bias or {}).items()}
-        except ValueError:
-            raise ApiError(400, "logit_bias keys must be token ids", "logit_bias") from None
-        try:
-            check_bias(bias, engine.target.vocab_size)
+            check_bias(bias, vocabulary)
         except ConfigError as error:
             raise ApiError(400, str(error), "logit_bias") from None
+        if body.response_format is not None and depth(body.response_format) > MAX_FORMAT_DEPTH:
+            raise ApiError(400, f"response_format nests deeper than {MAX_FORMAT_DEPTH} levels", "response_format")
         try:
             constraint = Constraint.from_response_format(body.response_format or {"type": "text"})
             if constraint is not None:  # compiled here, so that a bad schema is a 400 before the request runs
@@ -186,31 +220,122 @@ def create_app(engine: Engine, served_name: str, api_key: str | None = None, rep
         except ConfigError as error:
             raise ApiError(400, str(error), "response_format") from None
         return ServeJob(ids, max_tokens, sampling, body.seed, body.stops, method, overrides, body.alternatives, bias,
-                   constraint)
+                        constraint)
 
     return app
 
 
-class Counted:
-    """Counts the API's requests by endpoint and status, and names the replica that answers them: a plain ASGI
-    middleware (Starlette's BaseHTTPMiddleware would hide a client's disconnect from the endpoints, which poll
-    for it)."""
+def is_type_tag(part: Any) -> bool:
+    """Whether a pydantic error location's part names a union member's type ("str", "list[int]",
+    "function-after[...]") rather than a field or an index."""
+    return isinstance(part, str) and (part in ("str", "int", "float", "bool", "list", "dict") or "[" in part)
 
-    def __init__(self, app: Any, metrics: Metrics, replica: str | None = None):
-        self.app, self.metrics = app, metrics
+
+def check_request_options(method: str, given: dict[str, Any]) -> None:
+    """Refuse, naming the field, a request's `speculant` option that is the operator's (a file, a device, an
+    executor, an address, a number of processes: `request_options`) before anything reads it."""
+    try:
+        allowed = request_options(method)
+    except ConfigError as error:
+        raise ApiError(400, str(error), "speculant.method") from None
+    for name in given:
+        if name not in allowed and any(f == name for f in get_method(method).options.__dataclass_fields__):
+            raise ApiError(400, f"speculant.{name} names something on the server: only its operator sets it, when "
+                           f"starting it (per request: {', '.join(allowed) or 'none'})", f"speculant.{name}")
+
+
+def real_vocabulary(target: Any) -> int:
+    """Token ids a client may name: the tokenizer's own, not the embedding's padded rows beyond them."""
+    tokenizer = target.tokenizer
+    return min(target.vocab_size, len(tokenizer)) if tokenizer is not None else target.vocab_size
+
+
+def server_fault(error: BaseException, metrics: Metrics, where: str) -> ApiError:
+    """A fault of the server's own: logged with an id that the client's error names, counted, answered 500."""
+    ident = uuid.uuid4().hex[:12]
+    LOG.error("server error %s in %s", ident, where, exc_info=error)
+    metrics.request(where, 500)
+    return ApiError(500, f"the server failed (error id {ident}; its log has the details)", code="server_error")
+
+
+class Guard:
+    """What every request passes first, as a plain ASGI middleware (Starlette's BaseHTTPMiddleware would hide a
+    client's disconnect from the endpoints, which poll for it): the trusted-host check; the API key, on every path
+    but `open_paths`; the body limit (413 from the declared length before a byte is read; a body sent in chunks is
+    read up to the limit here); one 500 in the API's shape, logged and counted, for any fault of the server's own;
+    each API request counted by its route's template (an unknown path counts as `unmatched`, so that clients
+    cannot grow the metrics), and the replica named in a header."""
+
+    def __init__(self, app: Any, metrics: Metrics, replica: str | None = None, max_body: int = 4_000_000,
+                 hosts: list[str] | None = None, key: str | None = None, open_paths: tuple[str, ...] = ("/health",),
+                 routes: list[Any] = ()):
+        self.app, self.metrics, self.max_body, self.hosts = app, metrics, max_body, hosts
+        self.key, self.open_paths, self.routes = key, open_paths, routes
         self.header = [(b"x-speculant-replica", replica.encode())] if replica else []
 
     async def __call__(self, scope: dict[str, Any], receive: Callable, send: Callable) -> None:
-        if scope["type"] != "http" or not scope["path"].startswith("/v1/"):
+        if scope["type"] != "http":
             return await self.app(scope, receive, send)
+        started = False
+
+        async def answer(error: ApiError, count: bool = True) -> None:  # a refusal before routing, counted by path
+            if count and scope["path"].startswith("/v1/"):
+                known = any(getattr(route, "path", None) == scope["path"] for route in self.routes)
+                self.metrics.request(scope["path"] if known else "unmatched", error.status)
+            await send({"type": "http.response.start", "status": error.status,
+                        "headers": [(b"content-type", b"application/json"), *self.header]})
+            await send({"type": "http.response.body", "body": json.dumps(error.body).encode()})
+
+        def label() -> str:
+            route = scope.get("route")
+            return route.path if route is not None else "unmatched"
 
         async def counted(message: dict[str, Any]) -> None:
+            nonlocal started
             if message["type"] == "http.response.start":
-                self.metrics.request(scope["path"], message["status"])
+                started = True
+                if scope["path"].startswith("/v1/"):
+                    self.metrics.request(label(), message["status"])
                 message = {**message, "headers": [*message.get("headers", []), *self.header]}
             await send(message)
 
-        await self.app(scope, receive, counted)
+        headers = dict(scope.get("headers", ()))
+        host = headers.get(b"host", b"").decode("latin-1").rsplit(":", 1)[0]
+        if self.hosts is not None and host not in self.hosts:
+            return await answer(ApiError(400, f"host '{host}' is not served here", code="invalid_host"))
+        if self.key is not None and scope["path"] not in self.open_paths and \
+                headers.get(b"authorization", b"").decode("latin-1") != f"Bearer {self.key}":
+            return await answer(ApiError(401, "missing or wrong API key (send 'Authorization: Bearer KEY')",
+                                         code="invalid_api_key"))
+        declared = headers.get(b"content-length", b"")
+        if declared.isdigit() and int(declared) > self.max_body:
+            return await answer(too_large(self.max_body))
+        if not declared and scope["method"] in ("POST", "PUT", "PATCH"):  # chunks: read here, up to the limit
+            body, more = b"", True
+            while more:
+                message = await receive()
+                if message["type"] != "http.request":
+                    return
+                body, more = body + message.get("body", b""), message.get("more_body", False)
+                if len(body) > self.max_body:
+                    return await answer(too_large(self.max_body))
+            whole = [{"type": "http.request", "body": body, "more_body": False}]
+
+            async def replayed() -> dict[str, Any]:
+                return whole.pop() if whole else await receive()
+
+            receive = replayed
+        try:
+            await self.app(scope, receive, counted)
+        except Exception as error:  # noqa: BLE001 - the one 500 path: logged, counted, in the API's shape
+            fault = server_fault(error, self.metrics, label())  # (counted there)
+            if not started:
+                await answer(fault, count=False)
+
+
+def too_large(limit: int) -> ApiError:
+    return ApiError(413, f"the request body exceeds this server's {limit / 1e6:g} MB (--max-body-mb)",
+                    code="request_too_large")
 
 
 GONE = object()  # what `next_item` gives once the client has disconnected
@@ -241,13 +366,43 @@ def sse(payload: dict[str, Any]) -> str:
     return f"data: {json.dumps(payload)}\n\n"
 
 
-class Shape:
-    """The OpenAI response and chunk objects of one request; with `logprobs`, each choice carries its tokens'
-    log-probabilities in the endpoint's form (chat: `content` entries; completions: parallel lists)."""
+class Spelling:
+    """Each token's bytes and the text a client is shown for it: its decoded text where its bytes are whole UTF-8,
+    else OpenAI's `bytes:\\xe2\\x80` form (a token that splits a character decodes to U+FFFD, which many tokens
+    share), so that distinct tokens never get one name."""
 
-    def __init__(self, ident: str, model: str, chat: bool, tokenizer: Any = None, logprobs: bool = False):
+    def __init__(self, tokenizer: Any, width: int):
+        from speculant.drafters.vocab import token_bytes
+
+        self.tokenizer = tokenizer
+        self.spelled = token_bytes(tokenizer, width)[0] if tokenizer is not None else [None] * width
+
+    def bytes(self, token: int) -> bytes:
+        spelled = self.spelled[token] if token < len(self.spelled) else None
+        return spelled if spelled is not None else self.text(token).encode()
+
+    def decoded(self, token: int) -> str:
+        """What the token adds to the text (a split character's bytes as U+FFFD)."""
+        return self.tokenizer.decode([token]) if self.tokenizer is not None else str(token)
+
+    def text(self, token: int) -> str:
+        spelled = self.spelled[token] if token < len(self.spelled) else None
+        if spelled is not None and self.tokenizer is not None:
+            try:
+                spelled.decode("utf-8")
+            except UnicodeDecodeError:
+                return "bytes:" + "".join(f"\\x{b:02x}" for b in spelled)
+        return self.decoded(token)
+
+
+class Shape:
+    """The OpenAI response and chunk objects of one request; with `spelling` (logprobs asked for), each choice
+    carries its tokens' log-probabilities in the endpoint's form (chat: `content` entries; completions: parallel
+    lists)."""
+
+    def __init__(self, ident: str, model: str, chat: bool, spelling: Spelling | None = None):
         self.ident, self.model, self.chat, self.created = ident, model, chat, int(time.time())
-        self.tokenizer, self.logprobs = tokenizer, logprobs
+        self.spelling, self.logprobs = spelling, spelling is not None
         self.offset = 0  # characters of completion text before the next token (completions' text_offset)
 
     def usage(self, outcome: Outcome) -> dict[str, Any]:
@@ -278,24 +433,20 @@ class Shape:
         """Log-probabilities in the endpoint's form (None where the request asked for none)."""
         if not self.logprobs:
             return None
-
-        def token(t: int) -> str:  # one token's text (bytes of a character it splits decode as U+FFFD)
-            return self.tokenizer.decode([t]) if self.tokenizer is not None else str(t)
-
+        spelling = self.spelling
         if self.chat:
             def entry(t: int, logprob: float) -> dict[str, Any]:
-                piece = token(t)
-                return {"token": piece, "logprob": logprob, "bytes": list(piece.encode())}
+                return {"token": spelling.text(t), "logprob": logprob, "bytes": list(spelling.bytes(t))}
 
             return {"content": [{**entry(e.token, e.logprob), "top_logprobs": [entry(t, lp) for t, lp in e.top]}
                                 for e in entries], "refusal": None}
-        pieces = [token(e.token) for e in entries]
+        pieces = [spelling.text(e.token) for e in entries]
         offsets = []
-        for piece in pieces:
+        for e in entries:
             offsets.append(self.offset)
-            self.offset += len(piece)
+            self.offset += len(spelling.decoded(e.token))
         return {"tokens": pieces, "token_logprobs": [e.logprob for e in entries],
-                "top_logprobs": [{token(t): lp for t, lp in e.top} for e in entries], "text_offset": offsets}
+                "top_logprobs": [{spelling.text(t): lp for t, lp in e.top} for e in entries], "text_offset": offsets}
 
 
 def serving_backend(config: ModelConfig) -> str:
@@ -327,7 +478,7 @@ def build_app(target_name: str, model: ModelConfig, method: str, options: Any, c
             engine.batcher.run(lambda each=each: engine.session.profile(each))
     print(f"ready: {served_name} ({engine.target.numerics}, {method}; drafters: {', '.join(engine.models) or 'none'})",
           file=sys.stderr)
-    return create_app(engine, served_name, config.api_key, replica)
+    return create_app(engine, served_name, config, replica)
 
 
 def serve(target_name: str, model: ModelConfig, method: str, options: Any, config: ServeConfig,

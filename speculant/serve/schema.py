@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, field_validator, model_validator
+
+MIN_TEMPERATURE = 1e-3  # below it (but above 0), logits / T overflow toward inf: greedy is temperature 0
+MAX_FORMAT_DEPTH = 32  # levels of nesting a response_format (a JSON schema) may have
 
 
 class ApiError(Exception):
@@ -21,6 +24,31 @@ class ApiError(Exception):
         return {"error": {"message": self.message, "type": kind, "param": self.param, "code": self.code}}
 
 
+def unicode(text: str) -> str:
+    """A string that is valid Unicode (JSON's \\ud800 escapes can spell a lone surrogate, which no tokenizer takes)."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        raise ValueError("not valid Unicode (a lone surrogate)") from None
+    return text
+
+
+Text = Annotated[str, AfterValidator(unicode)]
+Number = Annotated[float, Field(allow_inf_nan=False)]
+
+
+def depth(value: Any) -> int:
+    """How deeply a JSON value nests (a scalar: 0), without recursion."""
+    deepest, stack = 0, [(value, 0)]
+    while stack:
+        item, level = stack.pop()
+        deepest = max(deepest, level)
+        if level <= MAX_FORMAT_DEPTH:  # deeper is refused anyway
+            children = item.values() if isinstance(item, dict) else item if isinstance(item, list) else ()
+            stack.extend((child, level + 1) for child in children)
+    return deepest
+
+
 class StreamOptions(BaseModel):
     include_usage: bool = False
 
@@ -33,22 +61,45 @@ class Sampling(BaseModel):
 
     model_config = ConfigDict(strict=True, extra="forbid")
 
-    model: str
+    model: Text
     max_tokens: int | None = Field(None, gt=0)
-    temperature: float = Field(1.0, ge=0)
-    top_p: float = Field(1.0, gt=0, le=1)
-    seed: int | None = None
-    stop: str | list[str] | None = None
+    temperature: float = Field(1.0, ge=0, allow_inf_nan=False, description=f"0 (greedy) or >= {MIN_TEMPERATURE}")
+    top_p: float = Field(1.0, gt=0, le=1, allow_inf_nan=False)
+    seed: int | None = Field(None, ge=-(1 << 63), lt=1 << 64, description="a 64-bit seed")
+    stop: Text | list[Text] | None = Field(None, description="up to 4 non-empty strings")
     n: int = Field(1, ge=1, le=1, description="one choice per request")
     stream: bool = False
     stream_options: StreamOptions | None = None
     presence_penalty: float = Field(0.0, ge=0, le=0, description="penalties would change the target's distribution")
     frequency_penalty: float = Field(0.0, ge=0, le=0, description="penalties would change the target's distribution")
-    logit_bias: dict[str, float] | None = Field(None, description="{token id: -100..100} added to the target's logits")
+    logit_bias: dict[str, Number] | None = Field(None, description="{token id: -100..100} added to the target's "
+                                                 "logits")
     response_format: dict[str, Any] | None = Field(None, description="text, json_object, json_schema (OpenAI's), or "
                                                    "speculant's grammar (Lark) and regex")
     speculant: dict[str, Any] | None = None
-    user: str | None = Field(None, description="accepted and ignored: the server keeps no per-user state")
+    user: Text | None = Field(None, description="accepted and ignored: the server keeps no per-user state")
+
+    @field_validator("temperature")
+    @classmethod
+    def _not_tiny(cls, value: float) -> float:
+        if 0 < value < MIN_TEMPERATURE:
+            raise ValueError(f"must be 0 (greedy) or at least {MIN_TEMPERATURE}")
+        return value
+
+    @field_validator("stop")
+    @classmethod
+    def _stops(cls, value: str | list[str] | None) -> str | list[str] | None:
+        stops = [value] if isinstance(value, str) else value or []
+        if any(stop == "" for stop in stops) or len(stops) > 4:
+            raise ValueError("up to 4 stop strings, none empty")
+        return value
+
+    @field_validator("response_format")
+    @classmethod
+    def _format_type(cls, value: dict[str, Any] | None) -> dict[str, Any] | None:
+        if value is not None and not isinstance(value.get("type"), str):
+            raise ValueError("must name its type, e.g. {\"type\": \"json_object\"}")
+        return value
 
     @property
     def stops(self) -> tuple[str, ...]:
@@ -61,7 +112,7 @@ class Sampling(BaseModel):
 
 
 class CompletionRequest(Sampling):
-    prompt: str | list[int]
+    prompt: Text | list[int]
     logprobs: int | None = Field(None, ge=0, le=5, description="each token's log-probability and this many "
                                  "likeliest alternatives")
     echo: Literal[False] = False
@@ -75,15 +126,15 @@ class TextPart(BaseModel):
     model_config = ConfigDict(strict=True)
 
     type: Literal["text"]
-    text: str
+    text: Text
 
 
 class Message(BaseModel):
     model_config = ConfigDict(strict=True, extra="forbid")
 
     role: Literal["system", "user", "assistant", "developer"]
-    content: str | list[TextPart]
-    name: str | None = Field(None, description="accepted and ignored: chat templates have no place for it")
+    content: Text | list[TextPart]
+    name: Text | None = Field(None, description="accepted and ignored: chat templates have no place for it")
 
     def as_template(self) -> dict[str, str]:
         content = self.content if isinstance(self.content, str) else "".join(p.text for p in self.content)

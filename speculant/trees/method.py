@@ -20,9 +20,9 @@ class TreeOptions(DrafterOptions):
     verify_width: int | str | None = option(None, "verify at most this many drafted nodes, the subtree chosen by "
                                             "dynamic programming, or auto (default: all)", parse=count_or_auto)
     target_profile: Any = option(None, "the target's `speculant profile` JSON: its T(W) lets the latency-aware "
-                                 "objective choose tree depth and verify width", parse=Path)
+                                 "objective choose tree depth and verify width", parse=Path, operator=True)
     depth_predictor: str = option(AUTO, "a depth predictor's JSON, auto (the one `speculant train-depth` made for "
-                                  "this target and drafter, if any) or off")
+                                  "this target and drafter, if any) or off", operator=True)
 
     def __post_init__(self) -> None:
         super().__post_init__()

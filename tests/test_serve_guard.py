@@ -1,0 +1,234 @@
+"""`speculant serve` against an adversarial client: per-request options are data (never a file, a device, an
+executor or a process), every refusal and fault is a JSON error in OpenAI's shape with the right status (a fuzz test
+over both endpoints finds no 500), the body limit answers before the body is read, unknown paths share one metrics
+label, and the API key guards every route but /health."""
+
+import json
+import re
+import threading
+import time
+from dataclasses import fields
+from pathlib import Path
+
+import httpx
+import pytest
+from fastapi.testclient import TestClient
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from test_serve import engine_for, serving
+
+from speculant.config import ServeConfig
+from speculant.methods.registry import METHODS, request_options
+from speculant.models.wrappers.logprobs import TokenLogprob
+from speculant.serve.app import Shape, Spelling, create_app
+
+README = Path(__file__).resolve().parent.parent / "README.md"
+
+
+@pytest.fixture(scope="module")
+def app():
+    engine = engine_for("sd", max_batch=4, max_queue=16)
+    with TestClient(create_app(engine, "tiny"), raise_server_exceptions=False) as client:
+        yield engine, client
+    engine.close()
+
+
+def is_error(response, status, param=None):
+    body = response.json()
+    assert response.status_code == status, body
+    assert set(body) == {"error"} and set(body["error"]) == {"message", "type", "param", "code"}, body
+    if param is not None:
+        assert body["error"]["param"] == param, body
+    return body["error"]
+
+
+def completion(**fields):
+    return {"model": "tiny", "prompt": "ab", "max_tokens": 2, **fields}
+
+
+def test_no_request_option_names_a_file_a_device_an_executor_or_a_process(app, tmp_path):
+    _, client = app
+    existing = tmp_path / "exists.json"
+    existing.write_text("{}")
+    operator = {(m.name, f.name) for m in METHODS.values() for f in fields(m.options) if f.metadata.get("operator")}
+    assert {("dsi", "executor"), ("dsi", "twin_latency"), ("dsi", "target_devices"), ("dsi", "ray_address"),
+            ("dsi", "servers"), ("tree", "target_profile"), ("tree", "depth_predictor")} <= operator
+    for method, name in sorted(operator):
+        answers = []
+        for value in (str(existing), str(tmp_path / "missing.json"), "process", "cuda:7", 4):
+            response = client.post("/v1/completions", json=completion(speculant={"method": method, name: value}))
+            answers.append(is_error(response, 400, f"speculant.{name}")["message"])
+        assert len(set(answers)) == 1, answers  # the same answer whether the file exists or not: nothing was read
+    for method in METHODS:  # what a request may set is data, and the README lists it
+        assert not {name for m, name in operator if m == method} & set(request_options(method))
+        listed = re.search(rf"^- `{method}`: (.*)$", README.read_text(), re.M)
+        assert listed, f"README lists no per-request options of {method}"
+        assert re.findall(r"`(\w+)`", listed.group(1)) == request_options(method) or \
+            (not request_options(method) and "none" in listed.group(1))
+
+
+@pytest.mark.parametrize("body, param", [
+    ('{"model": "tiny", "messages": [{"role": "user", "content": "x \\ud800"}]}', "messages.0.content"),
+    ('{"model": "tiny", "prompt": "ab", "temperature": Infinity}', "temperature"),
+    ('{"model": "tiny", "prompt": "ab", "temperature": NaN}', "temperature"),
+    ('{"model": "tiny", "prompt": "ab", "temperature": 1e-38}', "temperature"),
+    ('{"model": "tiny", "prompt": "ab", "seed": 18446744073709551616}', "seed"),
+    ('{"model": "tiny", "prompt": "ab", "stop": ""}', "stop"),
+    ('{"model": "tiny", "prompt": "ab", "response_format": {}}', "response_format"),
+    ('{"model": "tiny", "prompt": "ab", "logit_bias": {" 12 ": 1}}', "logit_bias"),
+    ('{"model": "tiny", "prompt": "ab", "logit_bias": {"1_0": 1}}', "logit_bias"),
+    ('{"model": "tiny", "prompt": "ab", "logit_bias": {"\\u0663": 1}}', "logit_bias"),
+    ('{"model": "tiny", "prompt": "ab", "logit_bias": {"01": 1}}', "logit_bias"),
+    ('{"model": "tiny", "prompt": "ab", "logit_bias": {"1": Infinity}}', "logit_bias.1"),
+    ('{"model": "tiny", "prompt": "ab", "max_tokens": 2, "response_format": {"type": "json_schema", "json_schema": '
+     '{"name": "x", "schema": ' + '{"type": "array", "items": ' * 200 + '{}' + '}' * 200 + '}}}', "response_format"),
+    ('{"model": "tiny", "prompt": "ab"', None),  # truncated: no character offset as param
+])
+def test_bad_numbers_text_and_shapes_are_400s_naming_the_field(app, body, param):
+    _, client = app
+    path = "/v1/chat/completions" if "messages" in body else "/v1/completions"
+    response = client.post(path, content=body.encode(), headers={"content-type": "application/json"})
+    is_error(response, 400, param)
+
+
+def test_a_token_id_beyond_the_tokenizer_is_refused_even_where_the_embedding_has_a_row(app):
+    engine, client = app
+    real = len(engine.target.tokenizer)
+    for ids in ({str(real): 1.0}, {str(engine.target.vocab_size): 1.0}):
+        is_error(client.post("/v1/completions", json=completion(logit_bias=ids)), 400, "logit_bias")
+
+
+def test_parse_errors_routes_and_methods_answer_in_the_api_shape(app):
+    _, client = app
+    json_type = {"content-type": "application/json"}
+    is_error(client.post("/v1/completions", content=b'{"model": "\xff\xfe"}', headers=json_type), 400)
+    is_error(client.post("/v1/completions", content=b"[" * 10000 + b"]" * 10000, headers=json_type), 400)
+    is_error(client.get("/v1/completions"), 405)
+    is_error(client.get("/v1/zz-nothing"), 404)
+    assert client.get("/docs").status_code == client.get("/openapi.json").status_code == 404  # off unless asked
+
+
+def test_unknown_paths_share_one_metrics_label_and_a_server_fault_is_a_counted_500(app, monkeypatch):
+    engine, client = app
+    for i in range(5):
+        client.get(f"/v1/zz-{i}")
+    metrics = client.get("/metrics").text
+    unmatched = re.search(r'endpoint="unmatched",status="404"} (\S+)', metrics)
+    assert "zz-" not in metrics and unmatched and float(unmatched.group(1)) >= 5
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("a bug of the server's own")
+
+    monkeypatch.setattr(engine, "submit", broken)
+    error = is_error(client.post("/v1/completions", json=completion()), 500)
+    assert re.search(r"error id [0-9a-f]{12}", error["message"]) and "bug" not in error["message"]
+    assert 'endpoint="/v1/completions",status="500"} 1.0' in client.get("/metrics").text
+
+
+def test_the_api_key_guards_every_route_but_health_and_the_flags_open_what_they_name():
+    engine = engine_for("sd")
+    for config, open_routes in ((ServeConfig(api_key="k"), {"/health"}),
+                                (ServeConfig(api_key="k", open_metrics=True, docs=True), {"/health", "/metrics"})):
+        app = create_app(engine, "tiny", config)
+        with TestClient(app, raise_server_exceptions=False) as client:
+            for route in app.routes:
+                method = sorted(getattr(route, "methods", None) or {"GET"})[0]
+                response = client.request(method, route.path, json={})
+                assert (response.status_code != 401) == (route.path in open_routes), (route.path, response.text)
+            assert {"/docs", "/openapi.json"} <= {r.path for r in app.routes} or not config.docs
+    with TestClient(create_app(engine, "tiny", ServeConfig(allowed_hosts="api.example"))) as client:
+        is_error(client.get("/v1/models"), 400)
+        assert client.get("/v1/models", headers={"host": "api.example"}).status_code == 200
+    engine.close()
+
+
+def test_a_body_beyond_the_limit_is_refused_unread_while_health_answers():
+    engine = engine_for("sd")
+    with serving(engine) as url:
+        base = url.removesuffix("/v1")
+        big = json.dumps(completion(prompt="x" * 5_000_000)).encode()
+        refused, health = {}, []
+
+        def send():
+            refused["response"] = httpx.post(f"{url}/completions", content=big,
+                                             headers={"content-type": "application/json"}, timeout=30)
+
+        sender = threading.Thread(target=send)
+        sender.start()
+        while sender.is_alive():
+            began = time.perf_counter()
+            assert httpx.get(f"{base}/health").status_code == 200
+            health.append(time.perf_counter() - began)
+        sender.join()
+        is_error(refused["response"], 413)
+        assert max(health) < 0.1, health
+        assert 'endpoint="/v1/completions",status="413"} 1.0' in httpx.get(f"{base}/metrics").text
+
+        def chunks():  # no declared length: refused as the body arrives
+            for _ in range(6):
+                yield b"x" * 1_000_000
+
+        is_error(httpx.post(f"{url}/completions", content=chunks(), timeout=30), 413)
+    engine.close()
+
+
+JSON = st.recursive(st.none() | st.booleans() | st.integers() | st.floats() | st.text(max_size=8),
+                    lambda inner: st.lists(inner, max_size=3) | st.dictionaries(st.text(max_size=6), inner, max_size=3),
+                    max_leaves=8)
+FIELDS = {
+    "model": st.sampled_from(["tiny", "other"]) | JSON,
+    "max_tokens": st.integers(-2, 6) | JSON,
+    "temperature": st.sampled_from([0, 0.7, 1e-9, -1, 2.5, 1e308]) | st.floats(),
+    "top_p": st.floats(),
+    "seed": st.integers(-(1 << 70), 1 << 70),
+    "stop": st.text(max_size=3) | st.lists(st.text(max_size=3), max_size=5),
+    "logit_bias": st.dictionaries(st.text("0123456789 _-", max_size=5), st.floats(-150, 150), max_size=3) | JSON,
+    "response_format": st.sampled_from([{"type": "text"}, {"type": "json_object"}, {"type": "regex", "regex": "a+"},
+                                        {"type": "nope"}, {}]) | JSON,
+    "speculant": st.fixed_dictionaries({}, optional={"method": st.sampled_from([*METHODS, "x"]),
+                                                     "k": st.integers(-1, 5), "depth": JSON, "width": JSON,
+                                                     "executor": JSON, "leniency": st.floats()}) | JSON,
+    "logprobs": JSON, "top_logprobs": st.integers(-1, 30), "n": JSON, "stream": st.booleans(), "echo": JSON,
+    "presence_penalty": JSON, "user": JSON, "tools": JSON,
+}
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=list(HealthCheck), derandomize=True)
+@given(chat=st.booleans(), body=st.fixed_dictionaries({}, optional=FIELDS),
+       text=st.text(max_size=12) | st.lists(st.integers(-5, 300), max_size=4))
+def test_fuzzed_requests_get_an_answer_or_a_4xx_in_the_api_shape_never_a_500(app, chat, body, text):
+    _, client = app
+    if chat:
+        body = {"messages": [{"role": "user", "content": text}], **body}
+    else:
+        body = {"prompt": text, **body}
+    body.setdefault("max_tokens", 3)
+    response = client.post("/v1/chat/completions" if chat else "/v1/completions", json=body)
+    assert response.status_code < 500, response.text
+    if response.status_code >= 400:
+        is_error(response, response.status_code)
+    elif body.get("stream") is True:
+        assert response.text.rstrip().endswith("data: [DONE]")
+        for line in response.text.splitlines():
+            if line.startswith("data: {"):
+                event = json.loads(line[6:])
+                assert "error" not in event or set(event["error"]) == {"message", "type", "param", "code"}
+    else:
+        assert response.json()["choices"]
+
+
+def test_logprobs_name_distinct_tokens_apart_and_carry_their_real_bytes(app):
+    engine, _ = app
+    tokenizer = engine.target.tokenizer
+    high = [t for t in range(len(tokenizer)) if tokenizer.decode([t]) == "\ufffd"]
+    assert len(high) > 5  # the byte vocabulary's bytes >= 0x80 each decode alone as U+FFFD
+    spelling = Spelling(tokenizer, engine.target.vocab_size)
+    entry = TokenLogprob(high[0], -0.5, [(t, -1.0 - i) for i, t in enumerate(high[:5])])
+    completions = Shape("x", "tiny", False, spelling).entries([entry])
+    (top,) = completions["top_logprobs"]
+    assert len(top) == 5 and all(re.fullmatch(r"bytes:\\x[89a-f][0-9a-f]", key) for key in top), top
+    assert completions["text_offset"] == [0]
+    (item,) = Shape("x", "tiny", True, spelling).entries([entry])["content"]
+    for one in [item, *item["top_logprobs"]]:
+        (byte,) = one["bytes"]
+        assert byte >= 0x80 and one["token"] == f"bytes:\\x{byte:02x}"  # not U+FFFD's three bytes
