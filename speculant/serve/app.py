@@ -17,6 +17,7 @@ import time
 import uuid
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
+from dataclasses import fields
 from typing import Any
 
 from fastapi import FastAPI, Request
@@ -239,7 +240,7 @@ def check_request_options(method: str, given: dict[str, Any]) -> None:
     except ConfigError as error:
         raise ApiError(400, str(error), "speculant.method") from None
     for name in given:
-        if name not in allowed and any(f == name for f in get_method(method).options.__dataclass_fields__):
+        if name not in allowed and name in {f.name for f in fields(get_method(method).options)}:
             raise ApiError(400, f"speculant.{name} names something on the server: only its operator sets it, when "
                            f"starting it (per request: {', '.join(allowed) or 'none'})", f"speculant.{name}")
 
