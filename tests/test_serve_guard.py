@@ -1,7 +1,8 @@
 """`speculant serve` against an adversarial client: per-request options are data (never a file, a device, an
 executor or a process), every refusal and fault is a JSON error in OpenAI's shape with the right status (a fuzz test
 over both endpoints finds no 500), the body limit answers before the body is read, unknown paths share one metrics
-label, and the API key guards every route but /health."""
+label, the API key guards every route but /health, logprobs keep bytes, and a long prompt neither stalls a short
+request nor outlives its client (lean and llama.cpp)."""
 
 import json
 import re
@@ -15,12 +16,17 @@ import pytest
 from fastapi.testclient import TestClient
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from helpers import byte_tokenizer
 from test_serve import engine_for, serving
 
-from speculant.config import ServeConfig
+from speculant.config import SamplingConfig, ServeConfig
+from speculant.methods import get_method
 from speculant.methods.registry import METHODS, request_options
+from speculant.models import load_model
+from speculant.models.base import Call
 from speculant.models.wrappers.logprobs import TokenLogprob
 from speculant.serve.app import Shape, Spelling, create_app
+from speculant.serve.engine import Engine, ServeJob
 
 README = Path(__file__).resolve().parent.parent / "README.md"
 
@@ -232,3 +238,62 @@ def test_logprobs_name_distinct_tokens_apart_and_carry_their_real_bytes(app):
     for one in [item, *item["top_logprobs"]]:
         (byte,) = one["bytes"]
         assert byte >= 0x80 and one["token"] == f"bytes:\\x{byte:02x}"  # not U+FFFD's three bytes
+
+
+def wait_until(condition, seconds=60.0):
+    deadline = time.monotonic() + seconds
+    while not condition():
+        assert time.monotonic() < deadline, "timed out"
+        time.sleep(0.001)
+
+
+@pytest.fixture(scope="module")
+def long_prompt_targets(tmp_path_factory):
+    """A tiny GGUF (Q4_K/Q6_K, 256 wide) on the lean and llama.cpp backends; profiles go to a throwaway cache."""
+    from tiny_gguf import write_tiny_gguf
+
+    root = tmp_path_factory.mktemp("long")
+    path = root / "llama.gguf"
+    write_tiny_gguf(path, "llama", 3, "k", hidden=256)
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("SPECULANT_CACHE", str(root / "cache"))
+        yield lambda backend: load_model(str(path), backend=backend, tokenizer=byte_tokenizer())
+
+
+@pytest.mark.parametrize("backend", ["lean", "llamacpp"])
+def test_a_long_prompt_neither_stalls_a_short_request_nor_outlives_its_client(long_prompt_targets, backend,
+                                                                               monkeypatch):
+    """A 480-token prompt prefills in parts (of 32 here) between the other requests' steps: a short request sent
+    after its first part finishes within a few of its own steps plus a part each, and a long prompt whose client
+    went away stops between parts."""
+    if backend == "llamacpp":
+        pytest.importorskip("llama_cpp")
+    from speculant.models import base
+
+    monkeypatch.setattr(base, "PREFILL_PART", 32)
+    target = long_prompt_targets(backend)
+    engine = Engine(target, "ar", get_method("ar").make_options({}), 8, 16)
+    calls, ends = [], {}
+    run = Call.run
+    monkeypatch.setattr(Call, "run", lambda call, model: calls.append(len(call.ids) == 32) or run(call, model))
+    long_prompt = [(7 * i + 3) % 200 for i in range(480)]
+
+    def submit(name, ids, tokens):
+        return engine.submit(ServeJob(ids, tokens, SamplingConfig()), lambda piece, logprobs: None,
+                             lambda outcome: ends.setdefault(name, (outcome, sum(calls))))
+
+    submit("long", long_prompt, 4)
+    wait_until(lambda: sum(calls) >= 1)  # its first part ran
+    submit("short", [1, 2, 3, 4], 4)
+    wait_until(lambda: len(ends) == 2)
+    (short, parts_by_then), (long, _) = ends["short"], ends["long"]
+    assert short.completion_tokens == 4 and long.completion_tokens == 4
+    assert parts_by_then <= 1 + 4 + 1, parts_by_then  # its prefill and 3 forwards, a long part beside each
+    calls.clear()
+    ticket = submit("gone", long_prompt, 4)
+    wait_until(lambda: sum(calls) >= 1)
+    ticket.cancel()
+    wait_until(lambda: "gone" in ends)
+    gone, parts = ends["gone"]
+    assert gone.finish_reason == "cancelled" and parts <= 2 and gone.completion_tokens == 0
+    engine.close()

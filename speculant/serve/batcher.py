@@ -25,7 +25,7 @@ from typing import Any
 import torch
 from greenlet import greenlet
 
-from speculant.models.base import Call, CausalLM, Delegating
+from speculant.models.base import Call, CausalLM, Delegating, Interrupted
 from speculant.trees.tree import TokenTree
 
 
@@ -191,9 +191,10 @@ class Row(Delegating):
     under which per-model knowledge (machine profiles, what `auto` learned of acceptance) is kept across
     requests."""
 
-    def __init__(self, batcher: Batcher | None, owner: CausalLM, on_forward: Callable[[Call], None] | None = None):
+    def __init__(self, batcher: Batcher | None, owner: CausalLM, on_forward: Callable[[Call], None] | None = None,
+                 cancelled: Callable[[], bool] | None = None):
         super().__init__(owner.share())
-        self.batcher, self.served, self.on_forward = batcher, owner, on_forward
+        self.batcher, self.served, self.on_forward, self.cancelled = batcher, owner, on_forward, cancelled
 
     @property
     def owner(self) -> CausalLM:
@@ -214,15 +215,18 @@ class Row(Delegating):
         return min(self.batcher.load + self.batcher.waiting, self.batcher.max_rows)
 
     def share(self) -> Row:
-        return Row(self.batcher, self.served, self.on_forward)
+        return Row(self.batcher, self.served, self.on_forward, self.cancelled)
 
     def prefill(self, ids: Sequence[int]) -> torch.Tensor:
         """A prompt's prefill; where the backend runs a long prompt in parts (`prefill_parts`), each part waits
-        for a forward of its own, so that the running requests decode between them."""
+        for a forward of its own, so that the running requests decode between them, and a request whose client
+        went away (`cancelled`) stops between parts (`Interrupted`)."""
         parts = self.handle.prefill_parts(ids) if self.batcher is not None and \
             self.handle.capabilities.prefills_in_parts else [list(ids)]
         logits = self._submit(Call(parts[0], prefill=True))
         for part in parts[1:]:
+            if self.cancelled is not None and self.cancelled():
+                raise Interrupted()
             logits = self._submit(Call(part, prefill=True, continues=True))
         return logits
 

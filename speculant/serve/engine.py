@@ -21,7 +21,7 @@ from speculant.drafters.spec import MAXGRAM, SELF, DrafterSpec, as_drafter
 from speculant.errors import ConfigError
 from speculant.methods import Request, get_method
 from speculant.methods.drafting import with_drafters
-from speculant.models.base import Call, CausalLM
+from speculant.models.base import Call, CausalLM, Interrupted
 from speculant.models.wrappers.constrained import Constraint
 from speculant.models.wrappers.logprobs import TokenLogprob
 from speculant.sampling import seeded
@@ -240,14 +240,14 @@ class Engine:
 
         def row(model: CausalLM, on_forward: Callable[[Call], None]) -> Row:
             if id(model) not in rows:
-                rows[id(model)] = Row(batcher, model, on_forward)
+                rows[id(model)] = Row(batcher, model, on_forward, ticket.cancelled.is_set)
             return rows[id(model)]
 
         def for_request(held: Any) -> Any:
             loaded = self.drafters.get(str(held), held)
             return row(loaded, steps.on_drafter) if isinstance(loaded, CausalLM) else loaded
 
-        target = Row(batcher, self.target, steps.on_target)
+        target = Row(batcher, self.target, steps.on_target, ticket.cancelled.is_set)
         decoded, recorded = decoded_target(target, job.logprobs, job.logit_bias, job.constraint)
         options = with_drafters(options, for_request)
         request = Request(decoded, job.prompt_ids, job.max_tokens, job.sampling,
@@ -265,8 +265,10 @@ class Engine:
                 last = now
                 tokens += 1
                 steps.on_token()
-                if recorded is not None:
-                    entries.append(recorded.take(token))
+                if recorded is not None:  # (the end-of-sequence token adds nothing to the content: no entry)
+                    entry = recorded.take(token)
+                    if token not in self.target.eos_token_ids:
+                        entries.append(entry)
                 if piece := text.push(token):
                     on_text(piece, entries[unsent:])
                     unsent = len(entries)
@@ -276,6 +278,10 @@ class Engine:
                 if ticket.cancelled.is_set():
                     finish = "cancelled"
                     break
+        except Interrupted:  # a prompt's prefill stopped between its parts: the client went away
+            if not ticket.cancelled.is_set():
+                raise
+            finish = "cancelled"
         finally:
             decoder.close()
         if (piece := text.flush()) or unsent < len(entries):

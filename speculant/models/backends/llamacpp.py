@@ -45,7 +45,7 @@ import numpy as np
 import torch
 
 from speculant.errors import ConfigError, ModelNotAvailable
-from speculant.models.base import Backend, Capabilities, Interrupted
+from speculant.models.base import Backend, Capabilities, Interrupted, prompt_parts
 from speculant.trees.tree import TokenTree
 
 N_CTX = 8192  # positions per context (at most the model's training length)
@@ -266,7 +266,8 @@ class LlamaCppCausalLM(Backend):
     """A llama.cpp context on GGUF weights: the KV cache of one sequence (see the module docstring)."""
 
     backend = "llamacpp"
-    capabilities = Capabilities(shares_weights=True, interruptible=True, sliding_window=True, gguf=True)
+    capabilities = Capabilities(shares_weights=True, prefills_in_parts=True, interruptible=True, sliding_window=True,
+                                gguf=True)
 
     def catalog_drafter_spec(self, drafter: str) -> str:
         """Its GGUF on llama.cpp too."""
@@ -354,15 +355,27 @@ class LlamaCppCausalLM(Backend):
         return self._physical + len(self._pending)
 
     def prefill(self, ids: Sequence[int]) -> torch.Tensor:
+        """The prompt in its `prefill_parts`, one llama_decode each: what a server running them apart computes."""
         if len(ids) == 0:
             raise ValueError("prefill needs at least one token")
         self.rollback(0)
+        for part in self.prefill_parts(ids):
+            logits = self.continue_prefill(part)
+        return logits
+
+    def prefill_parts(self, ids: Sequence[int]) -> list[list[int]]:
+        return prompt_parts(ids)
+
+    def continue_prefill(self, ids: Sequence[int]) -> torch.Tensor:
+        """A part of a prompt after its earlier parts (`prefill_parts`); the logits of its last token. An interrupted
+        part leaves the cache as the earlier parts left it."""
+        start = self._physical
         try:
-            logits = self._decode([_Entry(t, i, [0], i == len(ids) - 1) for i, t in enumerate(ids)], N_BATCH)
+            logits = self._decode([_Entry(t, start + i, [0], i == len(ids) - 1) for i, t in enumerate(ids)], N_BATCH)
         except Interrupted:
-            self.rollback(0)
+            self.lib.llama_memory_seq_rm(self.memory, 0, start, -1)
             raise
-        self._physical = len(ids)
+        self._physical = start + len(ids)
         return logits[0]
 
     def forward(self, ids: Sequence[int], positions: Sequence[int] | None = None,
