@@ -83,6 +83,25 @@ def _methods(target, drafter, prompt: list[int], tokens: int = 24) -> dict[str, 
                                 max_new_tokens=tokens).token_ids}
 
 
+@pytest.mark.parametrize("arch", ARCHS)
+def test_a_prompt_prefilled_in_parts_gives_one_prefill_s_bits(arch, monkeypatch):
+    """A server runs a long prompt's `prefill_parts` apart (`continue_prefill`): the logits and the cache after them
+    are one prefill's, bit for bit, whatever the parts' lengths."""
+    from speculant.models import base
+
+    monkeypatch.setattr(base, "PREFILL_PART", 5)  # not a multiple of the width
+    whole, parted = static(transformer(arch, 2)), None
+    prompt = [(3 * i + 1) % 60 for i in range(23)]
+    expected = whole.prefill(prompt)
+    parted = whole.share()
+    parts = parted.prefill_parts(prompt)
+    assert [len(part) for part in parts] == [5, 5, 5, 5, 3]
+    logits = parted.prefill(parts[0])
+    for part in parts[1:]:
+        logits = parted.continue_prefill(part)
+    assert torch.equal(logits, expected) and torch.equal(parted.forward([7]), whole.forward([7]))
+
+
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("arch", ARCHS)

@@ -26,7 +26,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from speculant.errors import ConfigError
-from speculant.models.base import Backend, Capabilities, Interrupted, PointerCache
+from speculant.models.base import Backend, Capabilities, Interrupted, PointerCache, prompt_parts
 from speculant.trees.tree import TokenTree
 
 ARCHITECTURES = ("llama", "qwen2", "mistral")
@@ -167,7 +167,8 @@ class StaticCausalLM(PointerCache, Backend):
     CUDA, captured once per handle as a CUDA graph that each chunk replays."""
 
     backend = "static"
-    capabilities = Capabilities(shares_weights=True, interruptible=True, sliding_window=True)  # rows: not yet
+    capabilities = Capabilities(shares_weights=True, prefills_in_parts=True, interruptible=True,
+                                sliding_window=True)  # rows: not yet
 
     def draft_model(self, spec: Any, dtype: str | None) -> Any:
         from speculant.models.loading import transformers_drafter
@@ -212,6 +213,15 @@ class StaticCausalLM(PointerCache, Backend):
         if len(ids) == 0:
             raise ValueError("prefill needs at least one token")
         self._len = 0
+        return self._run(list(ids), None, None)[-1]
+
+    def prefill_parts(self, ids: Sequence[int]) -> list[list[int]]:
+        """`prompt_parts`: run apart (`continue_prefill`), they give one prefill's bits, every row being computed
+        as its token alone would be."""
+        return prompt_parts(ids)
+
+    @torch.inference_mode()
+    def continue_prefill(self, ids: Sequence[int]) -> torch.Tensor:
         return self._run(list(ids), None, None)[-1]
 
     @torch.inference_mode()
