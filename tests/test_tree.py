@@ -207,6 +207,43 @@ def test_tree_sampling_end_to_end_matches_target_distribution(device):
     assert_follows_target(target, prompt, method="tree", drafter=drafter, depth=2, width=3)
 
 
+@pytest.mark.parametrize("arch", [*ARCHS, "mistral"])
+def test_stage_scheduling_keeps_the_output_and_uses_the_trees_it_drafted_ahead(arch):
+    """`schedule="stage"`: each next tree is drafted during verification from the likeliest path; where the
+    target commits that path and the drafter's next token, the step starts with it, else it is dropped and the
+    drafter's cache rolled back. Greedy output equals `ar`'s whatever the drafter; Mistral with a window of 6 on
+    the static backend (the transformers backend's windows are another issue's)."""
+    from helpers import perturbed
+    from test_static import static, transformer
+
+    from speculant import generate
+
+    if arch == "mistral":
+        target, other, near = static(transformer(arch, 3)), static(transformer(arch, 10)), \
+            static(transformer(arch, 3, noise=0.3))
+    else:
+        target, other = tiny_model(arch, 3, 64), tiny_model(arch, 10, 64)
+        near = perturbed(target, 0.3, 3)
+    prompt = random_prompt(53, 64)
+    expected = generate(target, prompt_ids=prompt, method="ar", max_new_tokens=40).token_ids
+    for label, drafter in [("itself", target.share()), ("perturbed", near), ("other", other)]:
+        result = generate(target, prompt_ids=prompt, drafter=drafter, method="tree", depth=3, width=2,
+                          max_new_tokens=40, schedule="stage")
+        assert result.token_ids == expected, label
+        stage = result.stats.stage
+        assert stage.drafted >= len(result.stats.accepted_lengths) - 1 and 0 <= stage.overlap <= 1
+        if label == "itself":  # the likeliest path is the target's own: nearly every tree drafted ahead is used
+            assert stage.hits >= stage.drafted - 2, stage
+        assert "stage:" in result.stats.summary()
+
+
+def test_stage_scheduled_tree_sampling_matches_target_distribution():
+    from test_sampling import assert_follows_target, sampling_pair
+
+    target, drafter, prompt = sampling_pair()
+    assert_follows_target(target, prompt, method="tree", drafter=drafter, depth=2, width=3, schedule="stage")
+
+
 def test_objective_decides_the_depth():
     from helpers import perturbed
     from speculant import generate

@@ -37,6 +37,7 @@ class GenerationStats:
     tree_shape: tuple[int, int, int | None] | None = None  # token trees: (depth cap, width, verify-width cap)
     dsi: DSIRecord | None = None  # DSI: per-server records and the timeline
     choices: list[str] = field(default_factory=list)  # auto: per iteration, the drafter used ("plain": none)
+    stage: Any = None  # token trees with stage scheduling: trees.stage.StageRecord (hits, overlap)
     ttft_s: float = 0.0
     wall_s: float = 0.0
 
@@ -129,8 +130,8 @@ class GenerationStats:
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> GenerationStats:
-        """What `to_dict` wrote, less DSI's record: enough to summarize the generation again."""
-        known = {f.name for f in fields(cls)} - {"dsi"}
+        """What `to_dict` wrote, less the DSI and stage records: enough to summarize the generation again."""
+        known = {f.name for f in fields(cls)} - {"dsi", "stage"}
         return cls(**{k: (tuple(v) if k == "tree_shape" and v else v) for k, v in data.items() if k in known})
 
     def summary(self) -> str:
@@ -146,6 +147,9 @@ class GenerationStats:
             line += (f", trees: depth {sum(self.draft_lengths) / n:.1f}, {self.verified_nodes / n:.1f} of "
                      f"{self.drafted_nodes / n:.1f} drafted nodes verified "
                      f"(depth <= {depth}, width {width}, verify <= {verify or depth * width})")
+        if self.stage is not None:
+            line += (f", stage: {self.stage.hits} of {self.stage.drafted} trees drafted ahead used, "
+                     f"{self.stage.overlap:.0%} of their drafting overlapped")
         if self.dsi is not None:
             line += ", " + self.dsi.summary()
         if self.choices:

@@ -20,6 +20,7 @@ from speculant.models.wrappers.metered import metered
 from speculant.trees.depth import DepthPredictor, Recent, features
 from speculant.sampling import next_token
 from speculant.trees.prune import prune
+from speculant.trees.stage import Ahead
 
 
 def tree_speculative(
@@ -35,6 +36,7 @@ def tree_speculative(
     cost: Callable[[int], float] | None = None,
     predictor: DepthPredictor | None = None,
     log: list[tuple[list[float], int]] | None = None,
+    schedule: str = "serial",
 ) -> Decoder:
     """Lossless tree speculation: greedy output equals greedy autoregressive decoding, samples follow p.
 
@@ -42,7 +44,8 @@ def tree_speculative(
     T(n) of the target in seconds, makes `depth` a cap and lets the latency-aware objective decide how
     deep to draft and how many nodes to verify: level by level, or with a depth `predictor` (and `cost`)
     before drafting. `log` collects what a predictor trains on: each tree of all `depth` drafting steps'
-    (features, accepted depth).
+    (features, accepted depth). `schedule="stage"` drafts each next tree during the verification of this one
+    (`trees.stage`; such trees stop by the per-level rule, not the predictor).
     """
     stats = GenerationStats(method="tree", tree_shape=(depth, width, verify_width))
     out: list[int] = []
@@ -50,30 +53,42 @@ def tree_speculative(
     last = target.prefill(prompt_ids)  # the target's logits at the last committed token
     pending = [next_token(last, sampling, generator)]
     recent, step_s = Recent(), None  # the trees' acceptance; the drafter's seconds per level, once measured
-    while not (yield from emit(pending, out, max_new_tokens, target.eos_token_ids)):
-        room = min(depth, max_new_tokens - len(out) - 1)
-        x = features(last, recent) if predictor is not None or log is not None else None
-        if predictor is not None and cost is not None and step_s is not None and room > 0:
-            draft = drafter.propose_tree(prompt_ids + out, min(room, predictor.depth(x, cost, step_s, width)), width)
-        else:
-            draft = drafter.propose_tree(prompt_ids + out, room, width, cost)
-        usage = draft.usage[drafter.name]
-        if usage.steps:
-            step_s = usage.seconds / usage.steps
-        drafted_nodes = len(draft.tree) - 1
-        if verify_width is not None and (verify_width < drafted_nodes or cost is not None):
-            kept = prune(draft.tree, draft.path_probs, verify_width, cost, usage.seconds)
-            draft = Draft([], None, draft.usage, draft.tree.subtree(kept))
-        step = verify_step(target, out[-1], draft, sampling, generator)
-        last = step.logits
-        if log is not None and room == depth:  # a tree of every drafting step
-            log.append((x, len(step.accepted)))
-        recent.observe(len(step.accepted), step.drafted)
-        # Per iteration: the tree's depth (the most that could be accepted) and the accepted depth.
-        stats.record_draft(step.drafted, len(step.accepted), draft.usage)
-        stats.drafted_nodes += drafted_nodes
-        stats.verified_sizes.append(step.width - 1)  # the verify width this iteration used
-        pending = step.tokens
+    ahead = Ahead(drafter) if schedule == "stage" else None
+    try:
+        while not (yield from emit(pending, out, max_new_tokens, target.eos_token_ids)):
+            context = prompt_ids + out
+            room = min(depth, max_new_tokens - len(out) - 1)
+            x = features(last, recent) if predictor is not None or log is not None else None
+            draft = ahead.take(context) if ahead is not None else None
+            if draft is not None and max(draft.tree.depths) > room:
+                draft = None  # (drafted deeper than the generation has room for)
+            if draft is None and predictor is not None and cost is not None and step_s is not None and room > 0:
+                draft = drafter.propose_tree(context, min(room, predictor.depth(x, cost, step_s, width)), width)
+            elif draft is None:
+                draft = drafter.propose_tree(context, room, width, cost)
+            usage = draft.usage[drafter.name]
+            if usage.steps:
+                step_s = usage.seconds / usage.steps
+            drafted_nodes = len(draft.tree) - 1
+            if verify_width is not None and (verify_width < drafted_nodes or cost is not None):
+                kept = prune(draft.tree, draft.path_probs, verify_width, cost, usage.seconds)
+                draft = Draft([], None, draft.usage, draft.tree.subtree(kept))
+            if ahead is not None and len(draft.tree) > 1:  # the next tree, drafted while the target verifies this one
+                ahead.start(context, draft.tree, depth, width, cost)
+            step = verify_step(target, out[-1], draft, sampling, generator)
+            last = step.logits
+            if log is not None and room == depth:  # a tree of every drafting step
+                log.append((x, len(step.accepted)))
+            recent.observe(len(step.accepted), step.drafted)
+            # Per iteration: the tree's depth (the most that could be accepted) and the accepted depth.
+            stats.record_draft(step.drafted, len(step.accepted), draft.usage)
+            stats.drafted_nodes += drafted_nodes
+            stats.verified_sizes.append(step.width - 1)  # the verify width this iteration used
+            pending = step.tokens
+    finally:
+        if ahead is not None:
+            ahead.close()
+            stats.stage = ahead.record
     stats.new_tokens = len(out)
     stats.record_target(target.usage)
     return stats

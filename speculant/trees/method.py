@@ -13,6 +13,9 @@ from speculant.methods.drafting import DrafterOptions
 from speculant.methods.registry import Request, register
 
 
+SCHEDULES = ("serial", "stage")
+
+
 @dataclass(frozen=True)
 class TreeOptions(DrafterOptions):
     depth: int | str = option(4, "drafting steps per tree, or auto", parse=count_or_auto)
@@ -21,6 +24,9 @@ class TreeOptions(DrafterOptions):
                                             "dynamic programming, or auto (default: all)", parse=count_or_auto)
     target_profile: Any = option(None, "the target's `speculant profile` JSON: its T(W) lets the latency-aware "
                                  "objective choose tree depth and verify width", parse=Path, operator=True)
+    schedule: str = option("serial", "serial, or stage: while the target verifies a tree, the drafter drafts the "
+                           "next one on a thread of its own from the likeliest path (Yggdrasil's stage-based "
+                           "scheduling)", choices=SCHEDULES)
     depth_predictor: str = option(AUTO, "a depth predictor's JSON, auto (the one `speculant train-depth` made for "
                                   "this target and drafter, if any) or off", operator=True)
 
@@ -30,6 +36,8 @@ class TreeOptions(DrafterOptions):
             value = getattr(self, name)
             if value not in (None, AUTO) and not (isinstance(value, int) and value >= 1):
                 raise ConfigError(f"{name.replace('_', '-')} must be an integer >= 1 or auto, got {value!r}")
+        if self.schedule not in SCHEDULES:
+            raise ConfigError(f"schedule must be one of {', '.join(SCHEDULES)}, got {self.schedule!r}")
         if isinstance(self.target_profile, (str, Path)) and not Path(self.target_profile).is_file():
             raise ConfigError(f"target profile not found: {self.target_profile} (make one with `speculant profile --out`)")
         if self.depth_predictor not in (AUTO, "off") and not Path(self.depth_predictor).is_file():
@@ -56,7 +64,7 @@ def build(request: Request, options: TreeOptions) -> Any:
         cost = request.session.profile(request.target).cost
     return tree_speculative(request.target, TreeDrafter(request.session.cache(model), shape.width), request.prompt_ids,
                             shape.depth, shape.width, request.max_new_tokens, request.sampling, request.generator,
-                            shape.verify_width, cost, predictor)
+                            shape.verify_width, cost, predictor, schedule=options.schedule)
 
 
 def tree_drafter_model(model: Any, target: Any) -> Any:

@@ -1,0 +1,92 @@
+"""Stage-based scheduling with ahead-of-time drafting (Yggdrasil, Guan et al., section 5.1): while the target
+verifies tree t, the drafter drafts tree t+1 on a thread of its own, assuming that the likeliest path of tree t (each
+node's first child, its likeliest) is accepted and that the target's next token is the drafter's own choice after it.
+When verification commits exactly that, the next step starts with its tree already drafted; otherwise the tree is
+dropped, and the drafter's cache is brought back to the committed context by its next `DraftCache.run` (which rolls
+back to the common prefix). Verification is unchanged, so output is too."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
+
+from speculant.drafters.base import Draft
+from speculant.trees.drafter import TreeDrafter
+from speculant.trees.tree import TokenTree
+
+
+def likeliest_path(tree: TokenTree) -> list[int]:
+    """The tokens along each node's first child from the root: a greedy tree drafter's likeliest path."""
+    tokens, node = [], 0
+    while tree.child_lists[node]:
+        node = tree.child_lists[node][0]
+        tokens.append(tree.tokens[node])
+    return tokens
+
+
+@dataclass
+class StageRecord:
+    """Of a generation's trees drafted ahead: how many were `drafted`, how many the committed context matched
+    (`hits`), the seconds they took on the drafter's thread (`ahead_s`), and the seconds the decoder then still
+    waited for them (`waited_s`): the rest ran during verification (`overlap`)."""
+
+    drafted: int = 0
+    hits: int = 0
+    ahead_s: float = 0.0
+    waited_s: float = 0.0
+
+    @property
+    def hit_rate(self) -> float:
+        return self.hits / self.drafted if self.drafted else 0.0
+
+    @property
+    def overlap(self) -> float:
+        return 1 - self.waited_s / self.ahead_s if self.ahead_s > 0 else 0.0
+
+
+class Ahead:
+    """The drafter's thread of one generation: `start` drafts the next tree while the caller verifies this one,
+    `take` gives it where the committed context is the one it assumed (None otherwise). The drafter is used by one
+    thread at a time: `take` waits for the drafting before the decoder drafts again."""
+
+    def __init__(self, drafter: TreeDrafter):
+        self.drafter = drafter
+        self.pool = ThreadPoolExecutor(1, thread_name_prefix="speculant-stage")
+        self.pending: Future[tuple[list[int], Draft, float]] | None = None
+        self.record = StageRecord()
+
+    def start(self, context: list[int], tree: TokenTree, depth: int, width: int,
+              cost: Callable[[int], float] | None) -> None:
+        """Draft, on the drafter's thread, the tree after `context` + the likeliest path of `tree` + the
+        drafter's own next token."""
+        assumed = context + likeliest_path(tree)
+        self.pending = self.pool.submit(self._draft, assumed, depth, width, cost)
+
+    def _draft(self, assumed: list[int], depth: int, width: int,
+               cost: Callable[[int], float] | None) -> tuple[list[int], Draft, float]:
+        began = time.perf_counter()
+        guess = int(self.drafter.cache.run(assumed)[-1].argmax())
+        context = assumed + [guess]
+        return context, self.drafter.propose_tree(context, depth, width, cost), time.perf_counter() - began
+
+    def take(self, context: list[int]) -> Draft | None:
+        """The tree drafted ahead if it was drafted after exactly `context`, else None (it is dropped)."""
+        if self.pending is None:
+            return None
+        began = time.perf_counter()
+        assumed, draft, seconds = self.pending.result()
+        self.pending = None
+        self.record.drafted += 1
+        self.record.ahead_s += seconds
+        self.record.waited_s += time.perf_counter() - began
+        if assumed != context:
+            return None
+        self.record.hits += 1
+        return draft
+
+    def close(self) -> None:
+        if self.pending is not None:
+            self.pending.result()  # (the drafter is not left running under the next user of its cache)
+        self.pool.shutdown()
