@@ -115,6 +115,12 @@ ENTRIES: dict[str, tuple[str, str, str | None, str | None, str | None]] = {
     "auto-no-accept": ("speculation", "`auto` against `ar` where nothing is accepted, ~2 ms a forward on the CPU "
                        "(random static models)", "python scripts/auto_no_accept.py "
                        "docs/results/auto-no-accept/results.json --repeats 10", "2-core AMD EPYC (AVX-512)", "c87d007"),
+    "tree-stage": ("speculation", "`tree` with stage scheduling against serial, mixed prompts and HumanEval[:10] "
+                   "(hit rate and overlap: scripts/stage_record.py)", "speculant bench --methods ar "
+                   "tree:drafter=qwen2.5-coder-0.5b@lean,depth=4,width=2 "
+                   "tree:drafter=qwen2.5-coder-0.5b@lean,depth=4,width=2,schedule=stage --prompts "
+                   "prompts/mixed.jsonl (and --dataset humaneval[:10]) --max-new-tokens 128 --out "
+                   "docs/results/tree-stage/{mixed,humaneval}", "2-core AMD EPYC (AVX-512)", "d86464d"),
     "dsi-simulator.md": ("analysis", "DSI's theorems measured by the offline simulator on the paper's grid (7 servers "
                          "and 1)", "commands in the page", "any (a simulation)", None),
     "heatmap-paper": ("analysis", "the DSI paper's Figures 2 and 7 from the simulator, 7 servers",

@@ -20,12 +20,13 @@ from helpers import byte_tokenizer
 from test_serve import engine_for, serving
 
 from speculant.config import SamplingConfig, ServeConfig
+from speculant.errors import ConfigError
 from speculant.methods import get_method
 from speculant.methods.registry import METHODS, request_options
 from speculant.models import load_model
-from speculant.models.base import Call
 from speculant.models.wrappers.logprobs import TokenLogprob
 from speculant.serve.app import Shape, Spelling, create_app
+from speculant.serve.batcher import Batcher
 from speculant.serve.engine import Engine, ServeJob
 
 README = Path(__file__).resolve().parent.parent / "README.md"
@@ -71,6 +72,14 @@ def test_no_request_option_names_a_file_a_device_an_executor_or_a_process(app, t
         assert listed, f"README lists no per-request options of {method}"
         assert re.findall(r"`(\w+)`", listed.group(1)) == request_options(method) or \
             (not request_options(method) and "none" in listed.group(1))
+
+
+def test_stage_scheduling_is_refused_by_the_server_whose_forwards_run_on_one_thread(app):
+    engine, client = app
+    response = client.post("/v1/completions", json=completion(speculant={"method": "tree", "schedule": "stage"}))
+    assert "schedule=serial" in is_error(response, 400)["message"]
+    with pytest.raises(ConfigError, match="schedule=serial"):
+        Engine(engine.target, "tree", get_method("tree").make_options({"drafter": "maxgram", "schedule": "stage"}))
 
 
 @pytest.mark.parametrize("body, param", [
@@ -273,27 +282,36 @@ def test_a_long_prompt_neither_stalls_a_short_request_nor_outlives_its_client(lo
     monkeypatch.setattr(base, "PREFILL_PART", 32)
     target = long_prompt_targets(backend)
     engine = Engine(target, "ar", get_method("ar").make_options({}), 8, 16)
-    calls, ends = [], {}
-    run = Call.run
-    monkeypatch.setattr(Call, "run", lambda call, model: calls.append(len(call.ids) == 32) or run(call, model))
+    calls, ends = [], {}  # each call's length, in the order the batcher ran them (32: a part of a long prompt)
+    run = Batcher._run
+
+    def logged(self, batch):  # (a part takes 10 ms more: a long prompt's, not a tiny model's)
+        calls.extend(len(p.call.ids) for p in batch)
+        time.sleep(0.01 if any(len(p.call.ids) == 32 for p in batch) else 0)
+        run(self, batch)
+
+    monkeypatch.setattr(Batcher, "_run", logged)
     long_prompt = [(7 * i + 3) % 200 for i in range(480)]
 
     def submit(name, ids, tokens):
         return engine.submit(ServeJob(ids, tokens, SamplingConfig()), lambda piece, logprobs: None,
-                             lambda outcome: ends.setdefault(name, (outcome, sum(calls))))
+                             lambda outcome: ends.setdefault(name, outcome))
 
     submit("long", long_prompt, 4)
-    wait_until(lambda: sum(calls) >= 1)  # its first part ran
+    wait_until(lambda: 32 in calls)  # its first part ran
     submit("short", [1, 2, 3, 4], 4)
     wait_until(lambda: len(ends) == 2)
-    (short, parts_by_then), (long, _) = ends["short"], ends["long"]
-    assert short.completion_tokens == 4 and long.completion_tokens == 4
-    assert parts_by_then <= 1 + 4 + 1, parts_by_then  # its prefill and 3 forwards, a long part beside each
+    assert ends["short"].completion_tokens == 4 and ends["long"].completion_tokens == 4
+    first = calls.index(4)  # the short request's prefill, then its 3 forwards (1 token each)
+    last = first + [i for i, n in enumerate(calls[first:]) if n == 1][2]
+    assert calls.count(32) == 15 and calls[first:last + 1].count(32) <= 4, str(calls)  # a long part beside each
     calls.clear()
     ticket = submit("gone", long_prompt, 4)
-    wait_until(lambda: sum(calls) >= 1)
+    wait_until(lambda: 32 in calls)
     ticket.cancel()
+    at_cancel = calls.count(32)
     wait_until(lambda: "gone" in ends)
-    gone, parts = ends["gone"]
-    assert gone.finish_reason == "cancelled" and parts <= 2 and gone.completion_tokens == 0
+    gone = ends["gone"]
+    assert gone.finish_reason == "cancelled" and gone.completion_tokens == 0
+    assert calls.count(32) - at_cancel <= 1 and calls.count(32) < 15, str(calls)  # at most the part then running
     engine.close()

@@ -153,7 +153,8 @@ def create_app(engine: Engine, served_name: str, config: ServeConfig | None = No
         except ConfigError as error:
             raise ApiError(400, str(error), "speculant") from None
         ident = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex[:24]
-        shape = Shape(ident, served_name, chat, spelling() if job.logprobs is not None else None)
+        spelled_now = await asyncio.to_thread(spelling) if job.logprobs is not None else None  # (the first: a scan)
+        shape = Shape(ident, served_name, chat, spelled_now)
         if body.stream:
             include_usage = body.stream_options is not None and body.stream_options.include_usage
             return StreamingResponse(stream(queue, ticket, shape, include_usage, http.scope["route"].path),

@@ -128,6 +128,14 @@ class Ticket:
         self.cancelled.set()
 
 
+def on_own_thread(method: str, options: Any) -> None:
+    """Refuse options that would run a request's drafter on a thread of its own: the batcher runs every served
+    forward on its thread (a tree's stage scheduling drafts on another)."""
+    if getattr(options, "schedule", "serial") != "serial":
+        raise ConfigError(f"{method} with schedule={options.schedule} drafts on a thread of its own, which a server's "
+                          "batched forwards cannot run: serve it with schedule=serial")
+
+
 class Engine:
     """Serves one target with one method (its drafters loaded once); requests may pick another method or
     other options, drawing only on the models loaded here."""
@@ -137,6 +145,7 @@ class Engine:
         """`target` may be given as a function that loads it: the models then load on the thread that runs
         their forwards (torch's OpenMP threads, once started from a loading thread, slow down later forwards from
         the worker)."""
+        on_own_thread(method, options)
         self.metrics = metrics
         self.batcher = Batcher(max_batch, metrics.batch if metrics else None)
         self.target = self.batcher.run(target) if callable(target) and not isinstance(target, CausalLM) else target
@@ -192,6 +201,7 @@ class Engine:
                 raise ConfigError(f"drafter '{held}' is not loaded on this server (loaded: "
                                   f"{', '.join(self.drafters) or 'none'})")
             self._load(held)  # Max-Gram costs nothing to add
+        on_own_thread(spec.name, options)
         return spec, options
 
     def submit(self, job: ServeJob, on_text: Callable[[str, list[TokenLogprob]], None],
