@@ -66,8 +66,9 @@ def piece_tokenizer(pieces: list[str], merges: list[tuple[str, str]] = ()) -> Pr
 
 
 def tiny_transformer(arch: str, seed: int, vocab: int = 64, init_std: float = 0.02, layers: int = 2,
-                     hidden: int = 32):
-    """A seeded fp32 model of one of ARCHS + MORE_ARCHS, small enough to run hundreds of generations."""
+                     hidden: int = 32, window: int | None = 8):
+    """A seeded fp32 model of one of ARCHS + MORE_ARCHS, small enough to run hundreds of generations; Mistral's
+    attention slides over a `window` shorter than most tests' generations."""
     tokens = dict(vocab_size=vocab, initializer_range=init_std, eos_token_id=None, bos_token_id=None, pad_token_id=None)
     common = dict(tokens, hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=layers,
                   num_attention_heads=4, max_position_embeddings=512)
@@ -77,7 +78,7 @@ def tiny_transformer(arch: str, seed: int, vocab: int = 64, init_std: float = 0.
     elif arch == "qwen2":
         model = Qwen2ForCausalLM(Qwen2Config(**common, num_key_value_heads=2, tie_word_embeddings=False))
     elif arch == "mistral":
-        model = MistralForCausalLM(MistralConfig(**common, num_key_value_heads=2, sliding_window=None))
+        model = MistralForCausalLM(MistralConfig(**common, num_key_value_heads=2, sliding_window=window))
     elif arch == "gpt_neox":
         model = GPTNeoXForCausalLM(GPTNeoXConfig(**common, rotary_pct=0.5))
     elif arch == "gpt2":

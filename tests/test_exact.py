@@ -83,7 +83,7 @@ def test_repetitive_prompts_with_maxgram_in_bf16_where_plain_kernels_disagree():
     block differently from single steps (10 of these 16 seeds), the exact kernels never do."""
     plain_differs = 0
     for seed in range(8, 24):
-        model = tiny_transformer("mistral", seed, 97, init_std=0.1, layers=3, hidden=64)
+        model = tiny_transformer("mistral", seed, 97, init_std=0.1, layers=3, hidden=64, window=None)
         prompt = random_prompt(seed, 97, 6) * 4
         target = load_model(model, dtype="bf16")
         expected = generate(target, prompt_ids=prompt, method="ar", max_new_tokens=60).token_ids

@@ -79,3 +79,44 @@ def test_load_model_leaves_the_callers_model_untouched():
     assert {name: type(module) for name, module in model.named_modules()} == modules
     assert all(torch.equal(p, weights[name]) and p.dtype == torch.float32 for name, p in model.named_parameters())
     assert model.config._attn_implementation == attention
+
+
+@pytest.mark.parametrize("prompt_length", [5, 13, 30])  # shorter than the window of 8, longer, far longer
+def test_a_sliding_window_is_what_transformers_full_recomputation_applies(prompt_length):
+    """On a windowed Mistral, every logits row along the generation equals transformers' forward over the whole
+    sequence so far (which applies the window itself), greedy `ar` is its greedy decoding (up to near-ties of
+    the two summation orders), and `sd` (Max-Gram and a model), `tree` and `cascade` equal `ar`: rollback and
+    tree compaction keep the window's positions."""
+    from speculant import generate
+
+    reference = tiny_transformer("mistral", 1, 64, init_std=0.1)
+    assert reference.config.sliding_window == 8
+    model = load_model(reference)
+    prompt = [(7 * i + 1) % 60 + 1 for i in range(prompt_length)]
+    ar = generate(model, prompt_ids=prompt, method="ar", max_new_tokens=24).token_ids
+    sequence, logits = list(prompt), model.prefill(prompt)
+    for token in ar:
+        with torch.no_grad():
+            full = reference(torch.tensor([sequence])).logits[0, -1]
+        torch.testing.assert_close(logits, full, atol=1e-5, rtol=0)
+        top = full.topk(2).values
+        if top[0] - top[1] > 1e-4:  # (a near-tie may go either way in the other summation order)
+            assert token == int(full.argmax())
+        sequence.append(token)
+        logits = model.forward([token])[-1]
+    for method, options in [("sd", dict(drafter="maxgram", k=4)), ("sd", dict(drafter=model.share(), k=3)),
+                            ("tree", dict(drafter=model.share(), depth=3, width=2)),
+                            ("cascade", dict(drafters=(model.share(), "maxgram")))]:
+        assert generate(model, prompt_ids=prompt * 2, method=method, max_new_tokens=24, **options).token_ids == \
+            generate(model, prompt_ids=prompt * 2, method="ar", max_new_tokens=24).token_ids, method
+
+
+def test_a_model_mixing_windowed_and_global_layers_is_refused_in_one_line():
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    from speculant.errors import ConfigError
+
+    config = Qwen2Config(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                         num_key_value_heads=2, use_sliding_window=True, sliding_window=8, max_window_layers=1)
+    with pytest.raises(ConfigError, match="mixes sliding-window and global"):
+        load_model(Qwen2ForCausalLM(config))

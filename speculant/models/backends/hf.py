@@ -14,6 +14,7 @@ import torch
 from torch.nn.attention import SDPBackend, sdpa_kernel
 from transformers import DynamicCache, PreTrainedModel
 
+from speculant.errors import ConfigError
 from speculant.models.base import Backend, Call, Capabilities, Interrupted, prompt_parts
 from speculant.models.numerics.exact import make_exact
 from speculant.trees.tree import TokenTree
@@ -124,7 +125,8 @@ class HFCausalLM(Backend):
         self.device = next(model.parameters()).device
         self.dtype = model.dtype
         self.numerics = {torch.float32: "fp32", torch.bfloat16: "bf16"}.get(model.dtype, str(model.dtype))
-        self._cache = DynamicCache(config=model.config)
+        self.window = attention_window(model.config)
+        self._cache = DynamicCache()  # every layer keeps every position: rollback crops it, the window is a mask
         self._cache_argument = cache_argument(model)
         self._len = 0
         self.interrupt: Callable[[], bool] | None = None  # see CausalLM; checked before every decoder layer
@@ -164,7 +166,8 @@ class HFCausalLM(Backend):
     @torch.inference_mode()
     def continue_prefill(self, ids: Sequence[int]) -> torch.Tensor:
         """A later part of a prompt after the parts before it; the logits of its last token."""
-        return self._run(ids, None, None, logits_to_keep=1)[0]
+        positions, mask = self._layout(ids, None, None)
+        return self._run(ids, positions, mask, logits_to_keep=1)[0]
 
     @torch.inference_mode()
     def forward(
@@ -177,18 +180,31 @@ class HFCausalLM(Backend):
 
     def _layout(self, ids: Sequence[int], positions: Sequence[int] | None, tree: TokenTree | None
                 ) -> tuple[Sequence[int], torch.Tensor | None]:
-        """Positions of new tokens and their attention mask ([1, 1, n, cached + n]; None: causal)."""
+        """Positions of new tokens and their attention mask ([1, 1, n, cached + n]; None: causal). A model with
+        a sliding window always gets a mask: each token sees the positions less than `window` before its own
+        (transformers' rule, the one its full recomputation applies), cached or new."""
+        n = len(ids)
         if tree is None:
-            return positions if positions is not None else range(self._len, self._len + len(ids)), None
-        n, start = len(ids), len(tree) - len(ids)  # first new node
-        tree_begin = self._len - start  # cache position of the root
-        if start < 0 or tree_begin < 0 or list(ids) != list(tree.tokens[start:]):
-            raise ValueError("ids must be the last nodes of the tree, with the earlier ones cached")
-        allowed = torch.ones(n, self._len + n, dtype=torch.bool)
-        allowed[:, tree_begin:] = tree.ancestor_mask[start:]
+            if positions is None:
+                positions = range(self._len, self._len + n)
+            if self.window is None:
+                return positions, None
+            allowed = torch.ones(n, self._len + n, dtype=torch.bool).tril(self._len)
+            key_positions = torch.arange(self._len + n)
+        else:
+            start = len(tree) - n  # first new node
+            tree_begin = self._len - start  # cache position of the root
+            if start < 0 or tree_begin < 0 or list(ids) != list(tree.tokens[start:]):
+                raise ValueError("ids must be the last nodes of the tree, with the earlier ones cached")
+            allowed = torch.ones(n, self._len + n, dtype=torch.bool)
+            allowed[:, tree_begin:] = tree.ancestor_mask[start:]
+            if positions is None:
+                positions = tree.positions(tree_begin)[start:]
+            key_positions = torch.cat([torch.arange(tree_begin), torch.as_tensor(tree.positions(tree_begin))])
+        if self.window is not None:
+            query_positions = torch.as_tensor(list(positions))[:, None]
+            allowed &= query_positions - key_positions[None, :] < self.window
         mask = torch.zeros(allowed.shape, dtype=self.dtype).masked_fill_(~allowed, torch.finfo(self.dtype).min)
-        if positions is None:
-            positions = tree.positions(tree_begin)[start:]
         return positions, mask[None, None].to(self.device)
 
     def _run(self, ids: Sequence[int], positions: Sequence[int] | None, mask: torch.Tensor | None,
@@ -226,7 +242,7 @@ class HFCausalLM(Backend):
         if not 0 <= n <= self._len:
             raise ValueError(f"cannot roll back to {n} cached positions: {self._len} are cached")
         if n == 0:
-            self._cache = DynamicCache(config=self.model.config)
+            self._cache = DynamicCache()
         elif n < self._len:
             self._cache.crop(n - self._len)
         self._len = n
@@ -240,6 +256,22 @@ class HFCausalLM(Backend):
                 layer.keys = layer.keys.index_select(-2, index)
                 layer.values = layer.values.index_select(-2, index)
         self._len = index.numel()
+
+
+def attention_window(config: Any) -> int | None:
+    """The sliding window every attention layer of the model applies (None: none). A model whose layers mix
+    windowed and global attention (Gemma 2 and 3, Qwen2 with `max_window_layers`) is refused: one mask per
+    forward cannot serve both."""
+    window = getattr(config, "sliding_window", None)
+    if window is None or getattr(config, "use_sliding_window", True) is False:
+        return None
+    kinds = set(getattr(config, "layer_types", None) or ["sliding_attention"])
+    if kinds != {"sliding_attention"}:
+        if "sliding_attention" not in kinds:
+            return None
+        raise ConfigError(f"{config.model_type} mixes sliding-window and global attention layers, which the "
+                          "transformers backend does not run yet")
+    return int(window)
 
 
 # Architectures whose logits are the output embedding of the base model's last hidden state, nothing more:
