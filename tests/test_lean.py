@@ -354,3 +354,24 @@ def test_the_model_drafts_for_itself_with_calibrated_layers_left_out(lean_files,
     for bad in ("maxgram@skip", "qwen2.5-coder-0.5b@skip"):
         with pytest.raises(ConfigError, match="self@skip"):
             generate(target, prompt_ids=prompt, max_new_tokens=4, method="sd", drafter=bad)
+
+
+def test_a_windowed_model_agrees_with_transformers_mistral_on_the_same_weights(lean_files):
+    """A llama GGUF with a sliding window of 6 is Mistral: its logits, for a prompt past the window, are those of
+    transformers' Mistral on the de-quantized weights, which applies the window itself (and not those of the same
+    weights without one)."""
+    from transformers import MistralConfig, MistralForCausalLM
+
+    path, model = lean_files["llama-window", 0]
+    plain = dequantized_transformer(path, model, "llama")
+    config = MistralConfig(**{**plain.config.to_dict(), "sliding_window": 6})
+    reference = MistralForCausalLM(config).eval()
+    reference.load_state_dict(plain.state_dict())
+    ids = prompt_ids(1, 20)
+    windowed = lean(lean_files, "llama-window")
+    rows = torch.cat([windowed.prefill(ids[:5])[None], windowed.forward(ids[5:])])[:, :BYTE_VOCAB]
+    with torch.no_grad():
+        expected = reference(torch.tensor([ids])).logits[0, 4:]
+        unwindowed = plain(torch.tensor([ids])).logits[0, 4:]
+    assert (rows - expected).norm() / expected.norm() < 0.05  # int8 activations
+    assert (rows - unwindowed).norm() / unwindowed.norm() > 0.1  # the window matters here
