@@ -251,3 +251,25 @@ print("interleaved")
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, f"exit {done.returncode}: {done.stderr[-1500:]}"
     assert done.stdout.strip().splitlines()[-1] in ("interleaved", "no AMX buffer")
+
+
+def test_a_windowed_llama_gguf_is_sent_to_the_lean_backend_which_applies_its_window(tmp_path, private_cache,
+                                                                                     monkeypatch):
+    """llama.cpp ignores a llama GGUF's sliding window (its logits are those of the same weights without one), so
+    the backend refuses such a file in one line, naming the lean backend, which applies it (test_lean.py)."""
+    from test_lean import dequantized_transformer
+
+    from speculant.models.backends import llamacpp
+
+    path = tmp_path / "window.gguf"
+    plain = dequantized_transformer(path, write_tiny_gguf(path, "llama", 0, "k", hidden=256, window=6), "llama")
+    with pytest.raises(ConfigError, match="sliding window of 6 .* --backend lean"):
+        load_model(str(path), backend="llamacpp", tokenizer=byte_tokenizer())
+    monkeypatch.setattr(llamacpp, "UNWINDOWED", frozenset())  # what it would compute: the window ignored
+    ids = prompt_ids(1, 20)
+    model = load_model(str(path), backend="llamacpp", tokenizer=byte_tokenizer())
+    rows = torch.cat([model.prefill(ids[:5])[None], model.forward(ids[5:])])[:, :BYTE_VOCAB]
+    with torch.no_grad():
+        unwindowed = plain(torch.tensor([ids])).logits[0, 4:]
+    assert (rows - unwindowed).norm() / unwindowed.norm() < 0.05  # if this fails, llama.cpp now applies it
+    assert load_model(str(path), backend="lean", tokenizer=byte_tokenizer()).prefill([1, 2, 3]).shape[-1] >= BYTE_VOCAB

@@ -50,6 +50,7 @@ from speculant.trees.tree import TokenTree
 
 N_CTX = 8192  # positions per context (at most the model's training length)
 N_BATCH = 512  # prompt tokens per llama_decode
+UNWINDOWED = frozenset({"llama"})  # architectures whose GGUF sliding window llama.cpp ignores (tests/test_llamacpp.py)
 N_SEQ = 64  # sequence ids per context: a draft tree may have up to N_SEQ - 1 leaves
 KV_TYPE = 30  # GGML_TYPE_BF16, the KV cache's type (see the module docstring)
 PROBE_WIDTH = 16  # the widest forward `invariant_width` tries
@@ -208,6 +209,18 @@ class GGUFWeights:
         lib.llama_model_desc(self.model, desc, len(desc))
         self.description = desc.value.decode()
         self.width: int | None = None  # set by the first context: see invariant_width
+        arch = self.metadata("general.architecture")
+        window = self.metadata(f"{arch}.attention.sliding_window")
+        if arch in UNWINDOWED and window is not None and int(window) < self.n_ctx:
+            raise ConfigError(f"{self.path.name}: a {arch} GGUF with a sliding window of {window} positions, which "
+                              "llama.cpp does not apply to this architecture: run it with --backend lean")
+
+    def metadata(self, key: str) -> str | None:
+        """A GGUF metadata value as text, or None where the file has none."""
+        value = ctypes.create_string_buffer(256)
+        if self.lib.llama_model_meta_val_str(self.model, key.encode(), value, len(value)) < 0:
+            return None
+        return value.value.decode()
 
     def __del__(self) -> None:
         if getattr(self, "model", None):
