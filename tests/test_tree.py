@@ -212,7 +212,7 @@ def test_stage_scheduling_keeps_the_output_and_uses_the_trees_it_drafted_ahead(a
     """`schedule="stage"`: each next tree is drafted during verification from the likeliest path; where the
     target commits that path and the drafter's next token, the step starts with it, else it is dropped and the
     drafter's cache rolled back. Greedy output equals `ar`'s whatever the drafter; Mistral with a window of 6 on
-    the static backend (the transformers backend's windows are another issue's)."""
+    the static backend."""
     from helpers import perturbed
     from test_static import static, transformer
 

@@ -10,6 +10,7 @@ those that name something on the machine are the operator's (`check_request_opti
 from __future__ import annotations
 
 import asyncio
+import hmac
 import json
 import logging
 import re
@@ -91,7 +92,8 @@ def create_app(engine: Engine, served_name: str, config: ServeConfig | None = No
         return JSONResponse(ApiError(400, message, param=where or None).body, status_code=400)
 
     app.add_middleware(Guard, metrics=metrics, replica=replica, max_body=int(config.max_body_mb * 1e6),
-                       hosts=config.allowed_hosts.split(",") if config.allowed_hosts else None,
+                       hosts=[h.strip().lower() for h in config.allowed_hosts.split(",")] if config.allowed_hosts
+                       else None,
                        key=config.api_key, open_paths=("/health", "/metrics") if config.open_metrics else ("/health",),
                        routes=app.routes)
 
@@ -263,8 +265,8 @@ def server_fault(error: BaseException, metrics: Metrics, where: str) -> ApiError
 class Guard:
     """What every request passes first, as a plain ASGI middleware (Starlette's BaseHTTPMiddleware would hide a
     client's disconnect from the endpoints, which poll for it): the trusted-host check; the API key, on every path
-    but `open_paths`; the body limit (413 from the declared length before a byte is read; a body sent in chunks is
-    read up to the limit here); one 500 in the API's shape, logged and counted, for any fault of the server's own;
+    but `open_paths`; the body limit (413 from the declared length before a byte is read; every body is read here,
+    counted, so that a length the transfer does not keep to cannot pass more); one 500 in the API's shape, logged and counted, for any fault of the server's own;
     each API request counted by its route's template (an unknown path counts as `unmatched`, so that clients
     cannot grow the metrics), and the replica named in a header."""
 
@@ -302,29 +304,32 @@ class Guard:
             await send(message)
 
         headers = dict(scope.get("headers", ()))
-        host = headers.get(b"host", b"").decode("latin-1").rsplit(":", 1)[0]
+        host = headers.get(b"host", b"").decode("latin-1").strip().lower()
+        host = host.rsplit(":", 1)[0] if not host.endswith("]") else host  # (an IPv6 literal keeps its colons)
         if self.hosts is not None and host not in self.hosts:
             return await answer(ApiError(400, f"host '{host}' is not served here", code="invalid_host"))
+        given = headers.get(b"authorization", b"")
         if self.key is not None and scope["path"] not in self.open_paths and \
-                headers.get(b"authorization", b"").decode("latin-1") != f"Bearer {self.key}":
+                not hmac.compare_digest(given, f"Bearer {self.key}".encode()):
             return await answer(ApiError(401, "missing or wrong API key (send 'Authorization: Bearer KEY')",
                                          code="invalid_api_key"))
         declared = headers.get(b"content-length", b"")
         if declared.isdigit() and int(declared) > self.max_body:
             return await answer(too_large(self.max_body))
-        if not declared and scope["method"] in ("POST", "PUT", "PATCH"):  # chunks: read here, up to the limit
-            body, more = b"", True
+        if scope["method"] in ("POST", "PUT", "PATCH"):  # read here, counted (a declared length may not frame it)
+            body, more = bytearray(), True
             while more:
                 message = await receive()
                 if message["type"] != "http.request":
                     return
-                body, more = body + message.get("body", b""), message.get("more_body", False)
+                body += message.get("body", b"")
+                more = message.get("more_body", False)
                 if len(body) > self.max_body:
                     return await answer(too_large(self.max_body))
-            whole = [{"type": "http.request", "body": body, "more_body": False}]
+            whole, after = [{"type": "http.request", "body": bytes(body), "more_body": False}], receive
 
             async def replayed() -> dict[str, Any]:
-                return whole.pop() if whole else await receive()
+                return whole.pop() if whole else await after()  # (then a disconnect, when it comes)
 
             receive = replayed
         try:

@@ -193,7 +193,9 @@ class Engine:
             loaded["drafter"] = self.drafters[models[0]] if models else MAXGRAM
         if "drafters" in names and "drafters" not in given:
             loaded["drafters"] = tuple(self.drafters.values()) or MAXGRAM
-        options = replace(spec.parse_options(text), **loaded)
+        parsed = spec.parse_options(text)
+        base = self.options if spec is self.method else parsed  # (the server's method: the operator's settings stay)
+        options = replace(base, **{name: getattr(parsed, name) for name in given}, **loaded)
         for held in [getattr(options, "drafter", None), *(getattr(options, "drafters", None) or ())]:
             if held is None or any(held is m for m in self.drafters.values()) or str(held) in self.drafters:
                 continue

@@ -53,15 +53,13 @@ def tree_speculative(
     last = target.prefill(prompt_ids)  # the target's logits at the last committed token
     pending = [next_token(last, sampling, generator)]
     recent, step_s = Recent(), None  # the trees' acceptance; the drafter's seconds per level, once measured
-    ahead = Ahead(drafter) if schedule == "stage" else None
+    ahead = Ahead(drafter, stats.record_usage) if schedule == "stage" else None
     try:
         while not (yield from emit(pending, out, max_new_tokens, target.eos_token_ids)):
             context = prompt_ids + out
             room = min(depth, max_new_tokens - len(out) - 1)
             x = features(last, recent) if predictor is not None or log is not None else None
-            draft = ahead.take(context) if ahead is not None else None
-            if draft is not None and max(draft.tree.depths) > room:
-                draft = None  # (drafted deeper than the generation has room for)
+            draft = ahead.take(context, room) if ahead is not None else None
             if draft is None and predictor is not None and cost is not None and step_s is not None and room > 0:
                 draft = drafter.propose_tree(context, min(room, predictor.depth(x, cost, step_s, width)), width)
             elif draft is None:

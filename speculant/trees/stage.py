@@ -10,9 +10,10 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from speculant.drafters.base import Draft
+from speculant.models.wrappers.metered import Usage
 from speculant.trees.drafter import TreeDrafter
 from speculant.trees.tree import TokenTree
 
@@ -42,8 +43,8 @@ class StageRecord:
         return self.hits / self.drafted if self.drafted else 0.0
 
     @property
-    def overlap(self) -> float:
-        return 1 - self.waited_s / self.ahead_s if self.ahead_s > 0 else 0.0
+    def overlap(self) -> float:  # (a tree queued behind a busy thread is waited for longer than it drafted)
+        return max(1 - self.waited_s / self.ahead_s, 0.0) if self.ahead_s > 0 else 0.0
 
 
 class Ahead:
@@ -51,8 +52,8 @@ class Ahead:
     `take` gives it where the committed context is the one it assumed (None otherwise). The drafter is used by one
     thread at a time: `take` waits for the drafting before the decoder drafts again."""
 
-    def __init__(self, drafter: TreeDrafter):
-        self.drafter = drafter
+    def __init__(self, drafter: TreeDrafter, on_miss: Callable[[dict[str, Usage]], None]):
+        self.drafter, self.on_miss = drafter, on_miss  # on_miss: what a dropped tree's drafting cost
         self.pool = ThreadPoolExecutor(1, thread_name_prefix="speculant-stage")
         self.pending: Future[tuple[list[int], Draft, float]] | None = None
         self.record = StageRecord()
@@ -66,13 +67,16 @@ class Ahead:
 
     def _draft(self, assumed: list[int], depth: int, width: int,
                cost: Callable[[int], float] | None) -> tuple[list[int], Draft, float]:
-        began = time.perf_counter()
+        began, before = time.perf_counter(), self.drafter.model.usage
         guess = int(self.drafter.cache.run(assumed)[-1].argmax())
         context = assumed + [guess]
-        return context, self.drafter.propose_tree(context, depth, width, cost), time.perf_counter() - began
+        tree = self.drafter.propose_tree(context, depth, width, cost)
+        spent = {self.drafter.name: self.drafter.model.usage - before}  # (the catch-up on the path included)
+        return context, replace(tree, usage=spent), time.perf_counter() - began
 
-    def take(self, context: list[int]) -> Draft | None:
-        """The tree drafted ahead if it was drafted after exactly `context`, else None (it is dropped)."""
+    def take(self, context: list[int], room: int) -> Draft | None:
+        """The tree drafted ahead if it was drafted after exactly `context` and is no deeper than `room`, else
+        None (it is dropped, its cost told to `on_miss`)."""
         if self.pending is None:
             return None
         began = time.perf_counter()
@@ -81,12 +85,17 @@ class Ahead:
         self.record.drafted += 1
         self.record.ahead_s += seconds
         self.record.waited_s += time.perf_counter() - began
-        if assumed != context:
+        if assumed != context or max(draft.tree.depths) > room:
+            self.on_miss(draft.usage)
             return None
         self.record.hits += 1
         return draft
 
     def close(self) -> None:
-        if self.pending is not None:
-            self.pending.result()  # (the drafter is not left running under the next user of its cache)
-        self.pool.shutdown()
+        try:
+            if self.pending is not None:
+                self.pending.result()  # (the drafter is not left running under the next user of its cache)
+        except Exception:  # noqa: BLE001 - the generation's own error, if any, is the one to report
+            pass
+        finally:
+            self.pool.shutdown()

@@ -190,7 +190,7 @@ class HFCausalLM(Backend):
             if self.window is None:
                 return positions, None
             allowed = torch.ones(n, self._len + n, dtype=torch.bool).tril(self._len)
-            key_positions = torch.arange(self._len + n)
+            key_positions = torch.cat([torch.arange(self._len), torch.as_tensor(list(positions))])
         else:
             start = len(tree) - n  # first new node
             tree_begin = self._len - start  # cache position of the root
