@@ -32,11 +32,15 @@ def count_or_auto(text: str) -> int | str:
     return AUTO if text == AUTO else int(text)
 
 
+REQUEST_MOST = 64  # the largest value a server's client may give a draft-size option (`most`): a tree of a
+# thousand levels is a request for the server's memory and time, not for tokens
+
+
 def option(default: Any, help: str, **extra: Any) -> Any:
     """A dataclass field that also describes its command-line flag, bench-spec key and request field. `operator=True`
     marks an option that names something on the machine (a file, a device, an executor, an address, how many
     processes or threads to start, how a model loads): the operator's, set on the command line, never by a
-    server's client (`methods.registry.request_options`)."""
+    server's client (`methods.registry.request_options`); `most=N`, the largest value a client may give it."""
     return field(default=default, metadata={"help": help, **extra})
 
 

@@ -75,6 +75,14 @@ def test_no_request_option_names_a_file_a_device_an_executor_or_a_process(app, t
             (not request_options(method) and "none" in listed.group(1))
 
 
+@pytest.mark.parametrize("method, name", [("sd", "k"), ("tree", "depth"), ("tree", "width"), ("auto", "k_max"),
+                                          ("cascade", "k"), ("dsi", "lookahead")])
+def test_a_request_s_draft_sizes_are_bounded(app, method, name):
+    _, client = app
+    response = client.post("/v1/completions", json=completion(speculant={"method": method, name: 100000}))
+    assert "at most 64" in is_error(response, 400, f"speculant.{name}")["message"]
+
+
 def test_a_request_s_options_keep_the_operator_s_settings_of_the_server_s_method():
     engine = engine_for("tree", depth_predictor="off", depth=3)
     spec, options = engine.options_for(None, {"width": 2})

@@ -8,7 +8,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from speculant.config import option
+from speculant.config import REQUEST_MOST, option
 from speculant.drafters.spec import as_drafter
 from speculant.errors import ConfigError
 from speculant.methods.drafting import DRAFTER_DTYPES, parse_drafters
@@ -53,7 +53,7 @@ class AutoOptions:
                            parse=parse_drafters)
     drafter_dtype: str | None = option(None, "dtype of model drafters (default: the target's)",
                                        choices=DRAFTER_DTYPES, operator=True)
-    k_max: int = option(16, "the longest draft auto may choose")
+    k_max: int = option(16, "the longest draft auto may choose", most=REQUEST_MOST)
     draft_confidence: float = option(0.0, "a model drafter's draft ends after a token it gives a probability below "
                                      "this (0: drafts run to the chosen length)")
     tree_widths: Any = option((2,), "widths of the token trees auto may also draft with each model drafter (nodes "

@@ -6,7 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from speculant.config import option
+from speculant.config import REQUEST_MOST, option
 from speculant.drafters.spec import as_drafter
 from speculant.errors import ConfigError
 from speculant.methods.drafting import DRAFTER_DTYPES, parse_drafters
@@ -19,7 +19,7 @@ class CascadeOptions:
                            parse=parse_drafters)
     k_matrix: Any = option(None, "the upper-triangular K matrix, rows split by ';' (e.g. '4,2;0,6' or '4,2;6'; "
                            "default: k tokens per level plus 2 maxgram tokens after each)")
-    k: int = option(4, "draft tokens per level when no K matrix is given")
+    k: int = option(4, "draft tokens per level when no K matrix is given", most=REQUEST_MOST)
     leniency: float = option(1.0, "leniency l >= 1 of the inner reviews (the target's stays exact)")
     drafter_dtype: str | None = option(None, "dtype of model drafters (default: the target's)",
                                        choices=DRAFTER_DTYPES, operator=True)

@@ -7,7 +7,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from speculant.config import EXECUTORS, option
+from speculant.config import EXECUTORS, REQUEST_MOST, option
 from speculant.errors import ConfigError
 from speculant.methods.drafting import DrafterOptions, parse_drafters
 from speculant.methods.registry import Request, register
@@ -59,7 +59,7 @@ class DSIOptions(DrafterOptions):
                            "Algorithm 1 with m > 2 models); the first sets the lookahead", parse=parse_drafters)
     servers: int = option(1, "target servers verifying in parallel (the speculation-parallelism degree)", operator=True)
     lookahead: int | None = option(None, "drafts per verification job (default: the smallest the servers keep up "
-                                   "with, planned from the latencies)")
+                                   "with, planned from the latencies)", most=REQUEST_MOST)
     executor: Any = option("thread", "where target servers run: thread, process or ray (or a started executor)",
                            operator=True)
     target_devices: Any = option(None, "one device per target server, e.g. cpu,cpu or cuda:0,cuda:1 (default: the "

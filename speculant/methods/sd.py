@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from speculant.config import option
+from speculant.config import REQUEST_MOST, option
 from speculant.drafters.spec import DrafterSpec
 from speculant.errors import ConfigError
 from speculant.methods.drafting import DrafterOptions
@@ -14,7 +14,7 @@ from speculant.methods.registry import Request, register
 
 @dataclass(frozen=True)
 class SDOptions(DrafterOptions):
-    k: int = option(4, "draft tokens per speculation step")
+    k: int = option(4, "draft tokens per speculation step", most=REQUEST_MOST)
     draft_confidence: float = option(0.0, "end a model drafter's draft after a token it gives a probability below "
                                      "this (0: always draft k)")
 

@@ -237,15 +237,20 @@ def is_type_tag(part: Any) -> bool:
 
 def check_request_options(method: str, given: dict[str, Any]) -> None:
     """Refuse, naming the field, a request's `speculant` option that is the operator's (a file, a device, an
-    executor, an address, a number of processes: `request_options`) before anything reads it."""
+    executor, an address, a number of processes: `request_options`) before anything reads it, or a draft size
+    beyond its `most`."""
     try:
         allowed = request_options(method)
     except ConfigError as error:
         raise ApiError(400, str(error), "speculant.method") from None
-    for name in given:
-        if name not in allowed and name in {f.name for f in fields(get_method(method).options)}:
+    by_name = {f.name: f for f in fields(get_method(method).options)}
+    for name, value in given.items():
+        if name not in allowed and name in by_name:
             raise ApiError(400, f"speculant.{name} names something on the server: only its operator sets it, when "
                            f"starting it (per request: {', '.join(allowed) or 'none'})", f"speculant.{name}")
+        most = by_name[name].metadata.get("most") if name in by_name else None
+        if most is not None and isinstance(value, (int, float)) and value > most:
+            raise ApiError(400, f"speculant.{name} is at most {most} per request", f"speculant.{name}")
 
 
 def real_vocabulary(target: Any) -> int:

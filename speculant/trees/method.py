@@ -7,7 +7,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from speculant.config import AUTO, count_or_auto, option
+from speculant.config import AUTO, REQUEST_MOST, count_or_auto, option
 from speculant.errors import ConfigError
 from speculant.methods.drafting import DrafterOptions
 from speculant.methods.registry import Request, register
@@ -18,8 +18,9 @@ SCHEDULES = ("serial", "stage")
 
 @dataclass(frozen=True)
 class TreeOptions(DrafterOptions):
-    depth: int | str = option(4, "drafting steps per tree, or auto", parse=count_or_auto)
-    width: int | str = option(4, "nodes added per drafting step, or auto", parse=count_or_auto)
+    depth: int | str = option(4, "drafting steps per tree, or auto", parse=count_or_auto, most=REQUEST_MOST)
+    width: int | str = option(4, "nodes added per drafting step, or auto", parse=count_or_auto,
+                               most=REQUEST_MOST)
     verify_width: int | str | None = option(None, "verify at most this many drafted nodes, the subtree chosen by "
                                             "dynamic programming, or auto (default: all)", parse=count_or_auto)
     target_profile: Any = option(None, "the target's `speculant profile` JSON: its T(W) lets the latency-aware "
