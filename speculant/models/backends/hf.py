@@ -17,6 +17,7 @@ from transformers import DynamicCache, PreTrainedModel
 from speculant.errors import ConfigError
 from speculant.models.base import Backend, Call, Capabilities, Interrupted, prompt_parts
 from speculant.models.numerics.exact import make_exact
+from speculant.models.windows import layer_windows
 from speculant.trees.tree import TokenTree
 
 # Attention kernels on CUDA. cuDNN's (torch's first choice on Hopper) builds a plan for every new
@@ -262,16 +263,11 @@ def attention_window(config: Any) -> int | None:
     """The sliding window every attention layer of the model applies (None: none). A model whose layers mix
     windowed and global attention (Gemma 2 and 3, Qwen2 with `max_window_layers`) is refused: one mask per
     forward cannot serve both."""
-    window = getattr(config, "sliding_window", None)
-    if window is None or getattr(config, "use_sliding_window", True) is False:
-        return None
-    kinds = set(getattr(config, "layer_types", None) or ["sliding_attention"])
-    if kinds != {"sliding_attention"}:
-        if "sliding_attention" not in kinds:
-            return None
+    windows = set(layer_windows(config))
+    if len(windows) > 1:
         raise ConfigError(f"{config.model_type} mixes sliding-window and global attention layers, which the "
                           "transformers backend does not run yet")
-    return int(window)
+    return windows.pop()
 
 
 # Architectures whose logits are the output embedding of the base model's last hidden state, nothing more:

@@ -27,6 +27,7 @@ from torch import nn
 
 from speculant.errors import ConfigError
 from speculant.models.base import Backend, Capabilities, Interrupted, PointerCache, prompt_parts
+from speculant.models.windows import layer_windows
 from speculant.trees.tree import TokenTree
 
 ARCHITECTURES = ("llama", "qwen2", "mistral")
@@ -37,14 +38,6 @@ WIDTHS = (1, 2, 4, 8, 16, 32)  # the static widths a handle may run at
 def default_width(device: torch.device) -> int:
     """16 rows on a GPU, where they cost about one (docs/results/gpu.md); 4 on a CPU."""
     return 16 if device.type == "cuda" else 4
-
-
-def _window(config: Any, layer: int) -> int | None:
-    """The sliding window of a layer (each query sees the keys of the last `window` positions), or None."""
-    types = getattr(config, "layer_types", None)
-    if types is not None:
-        return config.sliding_window if types[layer] == "sliding_attention" else None
-    return getattr(config, "sliding_window", None)
 
 
 def _rope_theta(config: Any) -> float:
@@ -97,7 +90,7 @@ class StaticWeights(nn.Module):
         self.vocab_size = model.get_output_embeddings().out_features
         self.model_type = config.model_type
         base = model.base_model
-        self.layers = nn.ModuleList(_Layer(layer, _window(config, i)) for i, layer in enumerate(base.layers))
+        self.layers = nn.ModuleList(_Layer(layer, window) for layer, window in zip(base.layers, layer_windows(config)))
         self.register_buffer("embedding", base.embed_tokens.weight.detach())
         self.register_buffer("norm", base.norm.weight.detach())
         self.register_buffer("head", model.get_output_embeddings().weight.detach())
