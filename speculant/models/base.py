@@ -96,6 +96,20 @@ class Backend:
     batch_load: Callable[[], int] | None = None  # a served request's handle: the rows its target's batches hold now
     draft_guide: Any = None  # structured output: what a drafter's rows may hold (`models.wrappers.constrained`)
 
+    def prefill_parts(self, ids: Sequence[int]) -> list[list[int]]:
+        """A backend that `prefills_in_parts`: the parts of a prompt (`prompt_parts`), each run after the ones
+        before it by `continue_prefill`."""
+        return prompt_parts(ids)
+
+    def prefill_by_parts(self, ids: Sequence[int]) -> Any:
+        """A prefill as its `prefill_parts` one after another: the bits a server that runs them apart computes."""
+        if len(ids) == 0:
+            raise ValueError("prefill needs at least one token")
+        self.rollback(0)
+        for part in self.prefill_parts(ids):
+            logits = self.continue_prefill(part)
+        return logits
+
     def default_drafters(self) -> tuple[str, ...]:
         """The drafter specs `auto` tries for this target when none are named: its catalog drafter as this
         backend runs it best (`catalog_drafter_spec`), and Max-Gram."""

@@ -15,7 +15,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 from transformers import DynamicCache, PreTrainedModel
 
 from speculant.errors import ConfigError
-from speculant.models.base import Backend, Call, Capabilities, Interrupted, prompt_parts
+from speculant.models.base import Backend, Call, Capabilities, Interrupted
 from speculant.models.numerics.exact import make_exact
 from speculant.models.windows import layer_windows
 from speculant.trees.tree import TokenTree
@@ -153,16 +153,7 @@ class HFCausalLM(Backend):
 
     @torch.inference_mode()
     def prefill(self, ids: Sequence[int]) -> torch.Tensor:
-        if len(ids) == 0:
-            raise ValueError("prefill needs at least one token")
-        self.rollback(0)
-        for part in self.prefill_parts(ids):
-            logits = self.continue_prefill(part)
-        return logits
-
-    def prefill_parts(self, ids: Sequence[int]) -> list[list[int]]:
-        """The parts `prefill` runs a prompt in (`prompt_parts`; `continue_prefill` runs each after the first)."""
-        return prompt_parts(ids)
+        return self.prefill_by_parts(ids)
 
     @torch.inference_mode()
     def continue_prefill(self, ids: Sequence[int]) -> torch.Tensor:

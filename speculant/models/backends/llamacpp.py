@@ -45,7 +45,7 @@ import numpy as np
 import torch
 
 from speculant.errors import ConfigError, ModelNotAvailable
-from speculant.models.base import Backend, Capabilities, Interrupted, prompt_parts
+from speculant.models.base import Backend, Capabilities, Interrupted
 from speculant.trees.tree import TokenTree
 
 N_CTX = 8192  # positions per context (at most the model's training length)
@@ -369,15 +369,7 @@ class LlamaCppCausalLM(Backend):
 
     def prefill(self, ids: Sequence[int]) -> torch.Tensor:
         """The prompt in its `prefill_parts`, one llama_decode each: what a server running them apart computes."""
-        if len(ids) == 0:
-            raise ValueError("prefill needs at least one token")
-        self.rollback(0)
-        for part in self.prefill_parts(ids):
-            logits = self.continue_prefill(part)
-        return logits
-
-    def prefill_parts(self, ids: Sequence[int]) -> list[list[int]]:
-        return prompt_parts(ids)
+        return self.prefill_by_parts(ids)
 
     def continue_prefill(self, ids: Sequence[int]) -> torch.Tensor:
         """A part of a prompt after its earlier parts (`prefill_parts`); the logits of its last token. An interrupted

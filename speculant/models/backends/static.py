@@ -26,7 +26,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from speculant.errors import ConfigError
-from speculant.models.base import Backend, Capabilities, Interrupted, PointerCache, prompt_parts
+from speculant.models.base import Backend, Capabilities, Interrupted, PointerCache
 from speculant.models.windows import layer_windows
 from speculant.trees.tree import TokenTree
 
@@ -208,13 +208,10 @@ class StaticCausalLM(PointerCache, Backend):
         self._len = 0
         return self._run(list(ids), None, None)[-1]
 
-    def prefill_parts(self, ids: Sequence[int]) -> list[list[int]]:
-        """`prompt_parts`: run apart (`continue_prefill`), they give one prefill's bits, every row being computed
-        as its token alone would be."""
-        return prompt_parts(ids)
-
     @torch.inference_mode()
     def continue_prefill(self, ids: Sequence[int]) -> torch.Tensor:
+        """A part of a prompt (`prefill_parts`): run apart, the parts give one prefill's bits, every row being
+        computed as its token alone would be."""
         return self._run(list(ids), None, None)[-1]
 
     @torch.inference_mode()
