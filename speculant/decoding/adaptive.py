@@ -33,7 +33,7 @@ from speculant.decoding.run import Decoder, emit
 from speculant.decoding.stats import GenerationStats
 from speculant.decoding.step import Verified, until_eos, verify_step
 from speculant.drafters.base import Draft
-from speculant.models.base import CausalLM
+from speculant.models.base import CausalLM, common_prefix_len
 from speculant.models.wrappers.metered import metered
 from speculant.sampling import next_token
 from speculant.trees.tree import TokenTree
@@ -259,13 +259,8 @@ def first_children_accepted(tree: TokenTree, emitted: list[int]) -> tuple[int, i
     child, its likeliest - as greedy verification would have judged it, `emitted` being the tokens the target
     emitted after the tree's root (the accepted path, then its own token). While a tree drafts, this keeps its
     chain's estimates current, so that auto goes back to the chain where that pays more."""
-    drafted = accepted = node = 0
-    while tree.child_lists[node]:
-        node = tree.child_lists[node][0]
-        if accepted == drafted and drafted < len(emitted) and tree.tokens[node] == emitted[drafted]:
-            accepted += 1
-        drafted += 1
-    return drafted, accepted
+    path = tree.first_child_path()
+    return len(path), common_prefix_len(path, emitted)
 
 
 def batched_cost(cost: Callable[[int], float], rows: Callable[[], int]) -> Callable[[float], float]:

@@ -18,15 +18,6 @@ from speculant.trees.drafter import TreeDrafter
 from speculant.trees.tree import TokenTree
 
 
-def likeliest_path(tree: TokenTree) -> list[int]:
-    """The tokens along each node's first child from the root: a greedy tree drafter's likeliest path."""
-    tokens, node = [], 0
-    while tree.child_lists[node]:
-        node = tree.child_lists[node][0]
-        tokens.append(tree.tokens[node])
-    return tokens
-
-
 @dataclass
 class StageRecord:
     """Of a generation's trees drafted ahead: how many were `drafted`, how many the committed context matched
@@ -62,7 +53,7 @@ class Ahead:
               cost: Callable[[int], float] | None) -> None:
         """Draft, on the drafter's thread, the tree after `context` + the likeliest path of `tree` + the
         drafter's own next token."""
-        assumed = context + likeliest_path(tree)
+        assumed = context + tree.first_child_path()
         self.pending = self.pool.submit(self._draft, assumed, depth, width, cost)
 
     def _draft(self, assumed: list[int], depth: int, width: int,

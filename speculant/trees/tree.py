@@ -75,6 +75,14 @@ class TokenTree:
         return path[::-1]
 
 
+    def first_child_path(self) -> list[int]:
+        """The tokens along each node's first child from the root: a greedy tree drafter's likeliest path."""
+        tokens, node = [], 0
+        while self.child_lists[node]:
+            node = self.child_lists[node][0]
+            tokens.append(self.tokens[node])
+        return tokens
+
     def subtree(self, nodes: list[int]) -> TokenTree:
         """The tree of `nodes` (which must include the root and each node's parent), renumbered in order."""
         keep = sorted(set(nodes))
