@@ -16,9 +16,13 @@ from transformers import (
     LlamaForCausalLM,
     MistralConfig,
     MistralForCausalLM,
+    Phi3Config,
+    Phi3ForCausalLM,
     PreTrainedTokenizerFast,
     Qwen2Config,
     Qwen2ForCausalLM,
+    Qwen3Config,
+    Qwen3ForCausalLM,
 )
 
 from speculant.drafters.base import Draft, Drafter
@@ -77,6 +81,15 @@ def tiny_transformer(arch: str, seed: int, vocab: int = 64, init_std: float = 0.
         model = LlamaForCausalLM(LlamaConfig(**common, num_key_value_heads=2))
     elif arch == "qwen2":
         model = Qwen2ForCausalLM(Qwen2Config(**common, num_key_value_heads=2, tie_word_embeddings=False))
+    elif arch == "llama3":  # Llama 3's rope scaling, its original context short enough to matter here
+        scaling = dict(rope_type="llama3", factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0,
+                       original_max_position_embeddings=64, rope_theta=10000.0)
+        model = LlamaForCausalLM(LlamaConfig(**common, num_key_value_heads=2, rope_parameters=scaling))
+    elif arch == "qwen3":  # heads of 2 * hidden / heads dimensions, as Qwen3-0.6B's 128 of 1024 / 16
+        model = Qwen3ForCausalLM(Qwen3Config(**common, num_key_value_heads=2, head_dim=2 * hidden // 4,
+                                             tie_word_embeddings=False))
+    elif arch == "phi3":
+        model = Phi3ForCausalLM(Phi3Config(**common, num_key_value_heads=2, sliding_window=None))
     elif arch == "mistral":
         model = MistralForCausalLM(MistralConfig(**common, num_key_value_heads=2, sliding_window=window))
     elif arch == "gpt_neox":

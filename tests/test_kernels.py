@@ -1,6 +1,6 @@
-"""speculant's 4-bit kernels: the repack keeps GGUF's weights, and on every ISA path this machine has (and the AMX
-kernels emulated where the CPU lacks AMX), row r of a W-row call equals the 1-row call and the scalar reference
-bit for bit."""
+"""speculant's kernels: the repack keeps GGUF's weights (K-quants, the blocks of 32 of Q4_0 to Q8_0 and Q5_K, and
+F16/BF16/F32), and on every ISA path this machine has (and the AMX kernels emulated where the CPU lacks AMX), row r
+of a W-row call equals the 1-row call and the scalar reference bit for bit."""
 
 from types import SimpleNamespace
 
@@ -14,6 +14,9 @@ from speculant.kernels import formats
 from speculant.machine import cpu_has
 
 GGML = {"q4_k": gguf.GGMLQuantizationType.Q4_K, "q6_k": gguf.GGMLQuantizationType.Q6_K}
+K_QUANTS = tuple(GGML)
+BLOCKS32 = ("Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q5_K")
+FLOATS = ("F16", "BF16", "F32")
 D_OFFSETS = {"q4_k": (0, 2), "q6_k": (208,)}  # where each super-block's f16 scales lie in the file
 
 
@@ -28,7 +31,7 @@ def random_tensor(kind: str, outputs: int, supers: int, seed: int) -> np.ndarray
     return raw
 
 
-@pytest.mark.parametrize("kind", kernels.KINDS)
+@pytest.mark.parametrize("kind", K_QUANTS)
 def test_the_repack_keeps_ggml_s_weights(kind):
     raw = random_tensor(kind, 32, 3, seed=0)
     np.testing.assert_array_equal(formats.dequantize(kind, raw), gguf.quants.dequantize(raw, GGML[kind]))
@@ -103,12 +106,12 @@ def test_the_check_finds_a_path_whose_wider_calls_differ(monkeypatch):
         kernels.check("avx2")
 
 
-@pytest.mark.parametrize("kind", kernels.KINDS)
+@pytest.mark.parametrize("kind", K_QUANTS)
 @pytest.mark.parametrize("isa", kernels.paths(emulated=True))
 @pytest.mark.parametrize("inputs", [1280, 1152])  # 5 super-blocks; 4.5, the last half left out
 def test_every_row_equals_its_one_row_call_and_the_scalar_reference(kind, isa, inputs):
     raw = random_tensor(kind, 48, 5, seed=1)
-    weight = kernels.QuantWeight.from_gguf(kind, raw, inputs)
+    weight = kernels.QuantWeight.from_gguf(kind.upper(), raw, inputs)
     assert weight.data.shape == (3, formats.panel_bytes(kind, inputs))
     x = torch.randn(19, inputs, generator=torch.Generator().manual_seed(2)) * 3
     x[4, 100] = 80.0  # an outlier, as LLM activations have
@@ -120,14 +123,14 @@ def test_every_row_equals_its_one_row_call_and_the_scalar_reference(kind, isa, i
     assert (reference - dense).norm() / dense.norm() < 0.02  # int8 activations, per 256
     if inputs % formats.SUPER:  # what the whole super-blocks give where the left-out inputs are zeros
         padded = torch.nn.functional.pad(x, (0, formats.SUPER - inputs % formats.SUPER))
-        whole = kernels.QuantWeight.from_gguf(kind, raw)
+        whole = kernels.QuantWeight.from_gguf(kind.upper(), raw)
         assert torch.equal(kernels.matmul(kernels.quantize_rows(padded, isa), whole, isa), reference)
 
 
 LARGEST = {"q4_k": (slice(16, 144),), "q6_k": (slice(0, 192),)}  # every quant's bits set: 15 and 63
 
 
-@pytest.mark.parametrize("kind", kernels.KINDS)
+@pytest.mark.parametrize("kind", K_QUANTS)
 @pytest.mark.parametrize("isa", kernels.paths(emulated=True))
 def test_the_largest_products_overflow_no_path(kind, isa):
     """Every weight at its largest quant times activations at +-127: where a path adds int16 partial sums
@@ -136,7 +139,7 @@ def test_the_largest_products_overflow_no_path(kind, isa):
     blocks = raw.reshape(16, 2, -1)
     for quants in LARGEST[kind]:
         blocks[..., quants] = 0xFF
-    weight = kernels.QuantWeight.from_gguf(kind, raw)
+    weight = kernels.QuantWeight.from_gguf(kind.upper(), raw)
     x = torch.ones(6, 512)  # 6 rows: an AMX tile
     x[1] = -1.0
     x[2, ::64] = -1.0  # a sign change within some blocks
@@ -170,14 +173,14 @@ def test_activations_quantize_the_same_on_every_path(isa, rows):
 
 
 def test_a_mismatched_width_is_refused():
-    weight = kernels.QuantWeight.from_gguf("q4_k", random_tensor("q4_k", 16, 2, seed=4))
+    weight = kernels.QuantWeight.from_gguf("Q4_K", random_tensor("q4_k", 16, 2, seed=4))
     with pytest.raises(ValueError, match="256 inputs for a weight of 512"):
         kernels.matmul(kernels.quantize_rows(torch.zeros(1, 256)), weight)
     with pytest.raises(ValueError, match="128 inputs do not fit 2 super-blocks"):
-        kernels.QuantWeight.from_gguf("q4_k", random_tensor("q4_k", 16, 2, seed=4), 128)
+        kernels.QuantWeight.from_gguf("Q4_K", random_tensor("q4_k", 16, 2, seed=4), 128)
 
 
-@pytest.mark.parametrize("kind", kernels.KINDS)
+@pytest.mark.parametrize("kind", K_QUANTS)
 def test_a_drafter_s_weights_of_another_type_are_quantized_again_with_padded_inputs(kind):
     """Q8_0 weights with 96 inputs become `kind` blocks of 256 inputs, the last 160 zero, of which the kernels
     read the first 128; activations are padded alike, so the product is the de-quantized weights' up to the 4-
@@ -194,6 +197,61 @@ def test_a_drafter_s_weights_of_another_type_are_quantized_again_with_padded_inp
     x = torch.from_numpy(rng.normal(size=(3, 96)).astype(np.float32))
     act = kernels.quantize_rows(x)
     assert act.quants.shape == (3, 128) and not act.quants[:, 96:].any()
-    y = kernels.matmul(act, kernels.QuantWeight.from_gguf(kind, formats.requantize(kind, raw, "Q8_0"), 128))
+    y = kernels.matmul(act, kernels.QuantWeight.from_gguf(kind.upper(), formats.requantize(kind, raw, "Q8_0"), 128))
     expected = x @ torch.from_numpy(again[:, :96]).T
     assert (y - expected).norm() / expected.norm() < 0.02
+
+
+def quantized(ggml_type: str, weights: np.ndarray) -> np.ndarray:
+    """GGUF data of `ggml_type` (gguf's own quantizers; Q5_K: tests/tiny_gguf.py's) as GGUFReader gives it."""
+    from tiny_gguf import quantize_q5_k
+
+    if ggml_type == "Q5_K":
+        return quantize_q5_k(weights)
+    return gguf.quants.quantize(weights, gguf.GGMLQuantizationType[ggml_type])
+
+
+@pytest.mark.parametrize("ggml_type", BLOCKS32)
+def test_blocks_of_32_unpack_to_ggml_s_weights(ggml_type):
+    """d * q + m, per block of 32, is ggml's de-quantized weight exactly (Q5_K: its six-bit scales and mins times
+    the super-block's d and dmin are exact in fp32)."""
+    raw = quantized(ggml_type, np.random.default_rng(6).normal(size=(16, 512)).astype(np.float32))
+    q, d, m = formats.unpack_blocks32(ggml_type, raw)
+    ours = (d[..., None] * q.reshape(16, -1, 32).astype(np.float32) + m[..., None]).reshape(16, -1)
+    np.testing.assert_array_equal(ours, gguf.quants.dequantize(raw, gguf.GGMLQuantizationType[ggml_type]))
+
+
+@pytest.mark.parametrize("ggml_type", BLOCKS32 + FLOATS)
+@pytest.mark.parametrize("isa", kernels.paths(emulated=True))
+def test_every_type_s_rows_equal_their_one_row_calls_and_the_scalar_reference(ggml_type, isa):
+    """320 inputs (padded to 384: a last half super-block) and 40 outputs (padded to 48)."""
+    weights = np.random.default_rng(7).normal(size=(40, 512 if ggml_type == "Q5_K" else 320)).astype(np.float32)
+    raw = quantized(ggml_type, weights)
+    weight = kernels.QuantWeight.from_gguf(ggml_type, raw)
+    assert weight.in_features == (512 if ggml_type == "Q5_K" else 384)
+    x = torch.randn(19, weights.shape[1], generator=torch.Generator().manual_seed(2)) * 3
+    x[4, 100] = 80.0
+    reference = kernels.matmul(kernels.quantize_rows(x, "scalar"), weight, "scalar", threads=1)
+    for width in (1, 2, 3, 8, 9, 19):
+        assert torch.equal(kernels.matmul(kernels.quantize_rows(x[:width], isa), weight, isa), reference[:width])
+    dense = x @ torch.from_numpy(gguf.quants.dequantize(raw, gguf.GGMLQuantizationType[ggml_type])).float().T
+    assert (reference - dense).norm() / dense.norm() < (1e-6 if ggml_type in FLOATS else 0.02)
+
+
+@pytest.mark.parametrize("isa", kernels.paths(emulated=True))
+def test_q8_0_s_extreme_quants_overflow_no_path(isa):
+    """Quants of -128 and 127 times activations of +-127: AVX2 multiplies |q| (128 at most) by signed bytes in
+    int16 pairs, at most 2 * 128 * 127."""
+    raw = quantized("Q8_0", np.ones((16, 512), dtype=np.float32))
+    blocks = raw.reshape(16, -1, 34)
+    blocks[:8, :, 2:] = 0x80  # -128
+    blocks[8:, :, 2:] = 0x7F
+    weight = kernels.QuantWeight.from_gguf("Q8_0", raw)
+    x = torch.ones(6, 512)
+    x[1] = -1.0
+    x[2, ::64] = -1.0
+    x[3:] = -x[:3]
+    rows = kernels.matmul(kernels.quantize_rows(x, isa), weight, isa)
+    assert torch.equal(rows, kernels.matmul(kernels.quantize_rows(x, "scalar"), weight, "scalar", threads=1))
+    dense = x @ torch.from_numpy(gguf.quants.dequantize(raw, gguf.GGMLQuantizationType.Q8_0)).T
+    assert (rows - dense).norm() / dense.norm() < 0.02

@@ -6,11 +6,10 @@ own `ar`'s."""
 import random
 
 import gguf
-import numpy as np
 import pytest
 import torch
 from helpers import BYTE_VOCAB, byte_tokenizer, every_method
-from tiny_gguf import write_tiny_gguf
+from tiny_gguf import dequantized_transformer, write_tiny_gguf
 
 from speculant import generate, kernels
 from speculant.models import load_model
@@ -42,29 +41,6 @@ def lean(lean_files, variant, seed=0) -> LeanCausalLM:
 def prompt_ids(seed: int, n: int = 12) -> list[int]:
     rng = random.Random(seed)
     return [rng.randrange(BYTE_VOCAB - 1) for _ in range(n)]
-
-
-def dequantized_transformer(path, model, arch):
-    """`model` with the GGUF file's weights as the lean model reads them (de-quantized, llama's q/k rows
-    put back in transformers' order)."""
-    heads, kv_heads = model.config.num_attention_heads, model.config.num_key_value_heads
-    tensors = {t.name: t for t in gguf.GGUFReader(path).tensors}
-    names = {"q_proj": "attn_q", "k_proj": "attn_k", "v_proj": "attn_v", "o_proj": "attn_output",
-             "gate_proj": "ffn_gate", "up_proj": "ffn_up", "down_proj": "ffn_down"}
-    state = model.state_dict()
-    for name in state:
-        parts = name.split(".")
-        if parts[-1] != "weight" or parts[-2] not in names and parts[0] != "lm_head":
-            continue
-        gguf_name = "output.weight" if parts[0] == "lm_head" else f"blk.{parts[2]}.{names[parts[-2]]}.weight"
-        tensor = tensors[gguf_name]
-        weight = gguf.quants.dequantize(np.asarray(tensor.data), tensor.tensor_type)
-        if arch == "llama" and parts[-2] in ("q_proj", "k_proj"):
-            n = heads if parts[-2] == "q_proj" else kv_heads
-            weight = weight.reshape(n, weight.shape[0] // n // 2, 2, -1).swapaxes(1, 2).reshape(weight.shape)
-        state[name] = torch.from_numpy(weight.copy())
-    model.load_state_dict(state)
-    return model
 
 
 @pytest.mark.parametrize("variant", ["qwen2", "llama"])
@@ -154,18 +130,17 @@ def test_the_repack_is_cached(lean_files, monkeypatch):
 
 
 def test_a_drafter_on_the_kernels_keeps_frequent_tokens_and_drafts_exactly(lean_files, tmp_path, monkeypatch):
-    """`name@lean`: a GGUF of a type the kernels lack (Q8_0; hidden 64, so inputs padded to 128) is quantized
-    again and its head keeps FR-Spec's most frequent tokens; a lean target drafted for by it emits what it
-    emits alone."""
-    from speculant.errors import ConfigError
+    """`name@lean`: a GGUF of a type other than the K-quants (Q8_0; hidden 64, so inputs padded to 128), which a
+    target runs as it is, is quantized again as a drafter, and its head keeps FR-Spec's most frequent tokens; a lean
+    target drafted for by it emits what it emits alone."""
     from speculant.models.backends import lean as lean_module
 
     monkeypatch.setattr(lean_module, "DRAFT_HEAD", 64)
     path = tmp_path / "q8.gguf"
     write_tiny_gguf(path, "qwen2", 3, "q8_0")
-    with pytest.raises(ConfigError, match="@lean"):
-        load_model(str(path), backend="lean", tokenizer=byte_tokenizer())
+    assert load_model(str(path), backend="lean", tokenizer=byte_tokenizer()).weights.layers[0].q.kind == "q8_b"
     drafter = load_model(f"{path}@lean", tokenizer=byte_tokenizer())
+    assert drafter.weights.layers[0].q.kind == "q4_k" and drafter.weights.output.kind == "q6_k"
     head = drafter.weights.head.tolist()
     assert len(head) == 64 and 256 in head  # <eos> kept whatever its count
     assert {ord(" "), ord("e"), ord("t")} <= set(head)  # the corpus's commonest bytes
@@ -375,3 +350,73 @@ def test_a_windowed_model_agrees_with_transformers_mistral_on_the_same_weights(l
         unwindowed = plain(torch.tensor([ids])).logits[0, 4:]
     assert (rows - expected).norm() / expected.norm() < 0.05  # int8 activations
     assert (rows - unwindowed).norm() / unwindowed.norm() > 0.1  # the window matters here
+
+
+ARCHITECTURES = ("llama3", "qwen3", "phi3")  # beside the qwen2 and llama above
+TYPES = ("Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q5_K", "F16", "BF16", "F32")
+
+
+@pytest.fixture(scope="module")
+def typed_files(tmp_path_factory):
+    """A file per architecture (Q8_0) and per type (qwen3), written as each is asked for."""
+    root, files = tmp_path_factory.mktemp("typed"), {}
+
+    def file(arch: str, ggml_type: str):
+        if (arch, ggml_type) not in files:
+            path = root / f"{arch}-{ggml_type}.gguf"
+            files[arch, ggml_type] = (path, write_tiny_gguf(path, arch, 0, ggml_type, hidden=256))
+        return files[arch, ggml_type]
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("SPECULANT_CACHE", str(root / "cache"))
+        yield file
+
+
+@pytest.mark.parametrize("arch, ggml_type", [(arch, "Q8_0") for arch in ARCHITECTURES] +
+                         [("qwen3", t) for t in TYPES if t != "Q8_0"])
+def test_every_architecture_and_type_agrees_with_transformers_and_rows_are_exact(typed_files, arch, ggml_type):
+    """Logits against transformers on the de-quantized weights (its own Llama 3 rope scaling, Qwen3's q and k
+    norms, Phi-3's fused matrices), for a prompt longer than Llama 3's original context of 64; a W-token forward
+    equals W one-token forwards bit for bit."""
+    path, model = typed_files(arch, ggml_type)
+    reference = dequantized_transformer(path, model, arch)
+    ids = prompt_ids(1, 80)
+    with torch.no_grad():
+        expected = reference(torch.tensor([ids])).logits[0, 4:]
+    lean = load_model(str(path), backend="lean", tokenizer=byte_tokenizer())
+    rows = torch.cat([lean.prefill(ids[:5])[None], lean.forward(ids[5:])])[:, :BYTE_VOCAB]
+    error = (rows - expected).norm() / expected.norm()
+    assert error < (1e-4 if ggml_type in ("F16", "BF16", "F32") else 0.08), error  # int8 activations: ~0.05
+    lean.rollback(5)
+    assert torch.equal(torch.cat([lean.forward([t]) for t in ids[5:12]]), rows[1:8])
+
+
+@pytest.mark.parametrize("arch", ARCHITECTURES)
+def test_every_method_equals_ar_on_every_architecture(typed_files, arch):
+    target = load_model(str(typed_files(arch, "Q8_0")[0]), backend="lean", tokenizer=byte_tokenizer())
+    prompt = prompt_ids(20)
+    expected = generate(target, prompt_ids=prompt, method="ar", max_new_tokens=16)
+    for label, options in every_method(target.share()).items():
+        assert generate(target, prompt_ids=prompt, max_new_tokens=16, **options).token_ids == expected.token_ids, label
+
+
+def test_a_user_s_gguf_runs_on_lean_where_it_can_and_says_why_in_one_line(typed_files, tmp_path, monkeypatch, caplog):
+    """`auto` on a .gguf path: the lean backend where it runs the file as it is, else llama.cpp, the reason in one
+    line read from the header (nothing loaded)."""
+    from speculant.models import loading
+
+    monkeypatch.setattr(loading, "_simd_kernels", lambda: True)
+    path = typed_files("qwen3", "Q5_K")[0]
+    assert loading.resolve_backend("auto", str(path), None, None) == "lean"
+    other = tmp_path / "other.gguf"
+    writer = gguf.GGUFWriter(str(other), "gpt2")
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    assert loading.resolve_backend("auto", str(other), None, None) == "llamacpp"
+    assert loading.resolve_backend("auto", str(path), None, None, "bf16") == "llamacpp"  # a dtype: not as it is
+    lines = [r.getMessage() for r in caplog.records]
+    assert lines == [f"speculant: {path.name} runs on the lean backend: qwen3, Q5_K matrices",
+                     "speculant: other.gguf runs on llama.cpp: the lean backend runs qwen2, llama, qwen3, phi3, not gpt2"]
+    assert "qwen3 with Q5_K matrices" in load_model(str(path), tokenizer=byte_tokenizer()).describe()[0]

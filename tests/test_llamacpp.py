@@ -44,7 +44,7 @@ def gguf_files(tmp_path_factory, private_cache):
 
 
 def gguf_model(gguf_files, arch, quant="q8_0", seed=0):
-    return load_model(str(gguf_files[arch, quant, seed][0]), tokenizer=byte_tokenizer())
+    return load_model(str(gguf_files[arch, quant, seed][0]), backend="llamacpp", tokenizer=byte_tokenizer())
 
 
 def prompt_ids(seed: int, n: int = 12) -> list[int]:
@@ -257,7 +257,7 @@ def test_a_windowed_llama_gguf_is_sent_to_the_lean_backend_which_applies_its_win
                                                                                      monkeypatch):
     """llama.cpp ignores a llama GGUF's sliding window (its logits are those of the same weights without one), so
     the backend refuses such a file in one line, naming the lean backend, which applies it (test_lean.py)."""
-    from test_lean import dequantized_transformer
+    from tiny_gguf import dequantized_transformer
 
     from speculant.models.backends import llamacpp
 

@@ -1,13 +1,16 @@
-"""Tiny GGUF files for the llama.cpp backend's tests: a seeded transformers model of tests/helpers.py
-written out with the `gguf` package (llama and qwen2 architectures; f32, q8_0, or "k": Q4_K and Q6_K as in
-Q4_K_M, with hidden sizes a multiple of 256) and a byte-level
-vocabulary, so that llama.cpp and transformers run the same weights."""
+"""Tiny GGUF files for the llama.cpp and lean backends' tests: a seeded transformers model of tests/helpers.py
+written out with the `gguf` package (llama, qwen2, and for the lean backend llama3 with its rope factors, qwen3 and
+phi3; f32, q8_0, "k": Q4_K and Q6_K as in Q4_K_M, with hidden sizes a multiple of 256, or any GGUF type name for
+every matrix) and a byte-level vocabulary, so that llama.cpp, the lean backend and transformers run the same
+weights."""
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
 
 import numpy as np
+import torch
 from helpers import BYTE_VOCAB, byte_tokenizer, tiny_transformer
 
 from speculant.kernels.formats import quantize_q4_k, quantize_q6_k
@@ -15,9 +18,90 @@ from speculant.kernels.formats import quantize_q4_k, quantize_q6_k
 GGUF_ARCHS = ("llama", "qwen2")
 
 
+def quantize_q5_k(x: np.ndarray) -> np.ndarray:
+    """[O, K] fp32 -> GGUF Q5_K bytes [O, K/256 * 176] (gguf has no Q5_K quantizer): per block of 32 a scale and
+    a min in six bits of the super-block's d and dmin, as formats.quantize_q4_k, and five-bit quants."""
+    rows = x.shape[0]
+    blocks = x.reshape(rows, -1, 8, 32)
+    low, high = np.minimum(blocks.min(-1), 0), np.maximum(blocks.max(-1), 0)
+    scale, offset = (high - low) / 31, -low
+    d = (np.maximum(scale.max(-1), 1e-8) / 63).astype(np.float16)
+    dmin = (np.maximum(offset.max(-1), 1e-8) / 63).astype(np.float16)
+    sc = np.clip(np.rint(scale / d.astype(np.float32)[..., None]), 1, 63).astype(np.uint8)
+    m = np.clip(np.rint(offset / dmin.astype(np.float32)[..., None]), 0, 63).astype(np.uint8)
+    step = (d.astype(np.float32)[..., None] * sc)[..., None]
+    q = np.clip(np.rint((blocks + (dmin.astype(np.float32)[..., None] * m)[..., None]) / step), 0, 31).astype(np.uint8)
+    packed_scales = np.concatenate([
+        (sc[..., :4] & 0x3F) | ((sc[..., 4:] >> 4) << 6),
+        (m[..., :4] & 0x3F) | ((m[..., 4:] >> 4) << 6),
+        (sc[..., 4:] & 0x0F) | ((m[..., 4:] & 0x0F) << 4)], axis=-1)
+    pairs = (q & 0x0F).reshape(rows, -1, 4, 2, 32)
+    qs = (pairs[..., 0, :] | (pairs[..., 1, :] << 4)).reshape(rows, -1, 128)
+    qh = np.bitwise_or.reduce((q >> 4) << np.arange(8, dtype=np.uint8).reshape(8, 1), axis=2)  # [O, S, 32]
+    return np.concatenate([d[..., None].view(np.uint8), dmin[..., None].view(np.uint8), packed_scales, qh, qs],
+                          axis=-1).reshape(rows, -1)
+
+
 def _permute(weights: np.ndarray, heads: int) -> np.ndarray:
     """llama.cpp's llama rotates interleaved pairs where transformers rotates halves: reorder q/k rows."""
     return weights.reshape(heads, 2, weights.shape[0] // heads // 2, *weights.shape[1:]).swapaxes(1, 2).reshape(weights.shape)
+
+
+def _llama3_factors(rope: dict, head_dim: int) -> np.ndarray:
+    """rope_freqs.weight as llama.cpp's converter writes it for Llama 3's rope scaling (theta / factor)."""
+    freqs = 1.0 / (rope["rope_theta"] ** (np.arange(0, head_dim, 2, dtype=np.float32) / head_dim))
+    factor, low, high = rope["factor"], rope["low_freq_factor"], rope["high_freq_factor"]
+    original = rope["original_max_position_embeddings"]
+    factors = []
+    for freq in freqs:
+        wavelength = 2 * math.pi / freq
+        if wavelength < original / high:
+            factors.append(1.0)
+        elif wavelength > original / low:
+            factors.append(factor)
+        else:
+            smooth = (original / wavelength - low) / (high - low)
+            factors.append(1 / ((1 - smooth) / factor + smooth))
+    return np.array(factors, dtype=np.float32)
+
+
+NAMES = {"embed_tokens": "token_embd", "norm": "output_norm", "lm_head": "output",
+         "input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm",
+         "self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v",
+         "self_attn.o_proj": "attn_output", "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up",
+         "mlp.down_proj": "ffn_down", "self_attn.q_norm": "attn_q_norm", "self_attn.k_norm": "attn_k_norm",
+         "self_attn.qkv_proj": "attn_qkv", "mlp.gate_up_proj": "ffn_up"}  # transformers' modules: llama.cpp's
+
+
+def gguf_name(arch: str, name: str) -> tuple[str, bool]:
+    """The GGUF tensor of a transformers parameter, and whether its rows are permuted (llama's q and k)."""
+    parts = name.removeprefix("model.").split(".")
+    if parts[0] != "layers":
+        return f"{NAMES[parts[0]]}.{parts[-1]}", False
+    module = ".".join(parts[2:-1])
+    permuted = arch in ("llama", "llama3") and module in ("self_attn.q_proj", "self_attn.k_proj")
+    return f"blk.{parts[1]}.{NAMES[module]}.{parts[-1]}", permuted
+
+
+def dequantized_transformer(path: Path, model, arch: str):
+    """`model` with the GGUF file's matrices as the backends read them (de-quantized, llama's q/k rows put back in
+    transformers' order)."""
+    import gguf
+
+    heads, kv_heads = model.config.num_attention_heads, model.config.num_key_value_heads
+    tensors = {t.name: t for t in gguf.GGUFReader(path).tensors}
+    state = model.state_dict()
+    for name in state:
+        out, permuted = gguf_name(arch, name)
+        if state[name].ndim != 2 or out == "token_embd.weight":
+            continue
+        weight = gguf.quants.dequantize(np.asarray(tensors[out].data), tensors[out].tensor_type).reshape(state[name].shape)
+        if permuted:
+            n = heads if ".q_proj" in name else kv_heads
+            weight = weight.reshape(n, weight.shape[0] // n // 2, 2, -1).swapaxes(1, 2).reshape(weight.shape)
+        state[name] = torch.from_numpy(weight.astype(np.float32))
+    model.load_state_dict(state)
+    return model
 
 
 def write_tiny_gguf(path: Path, arch: str, seed: int, quant: str = "q8_0", layers: int = 2, hidden: int = 64,
@@ -29,7 +113,15 @@ def write_tiny_gguf(path: Path, arch: str, seed: int, quant: str = "q8_0", layer
     model = tiny_transformer(arch, seed, BYTE_VOCAB, init_std=0.1, layers=layers, hidden=hidden)
     config = model.config
     heads, kv_heads = config.num_attention_heads, config.num_key_value_heads
-    writer = gguf.GGUFWriter(str(path), arch)
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
+    if arch in ("llama3", "qwen3", "phi3"):  # norms other than ones, so that a norm misplaced shows
+        torch.manual_seed(seed)
+        with torch.no_grad():
+            for name, tensor in model.named_parameters():
+                if name.endswith("norm.weight"):
+                    tensor.add_(torch.randn_like(tensor) * 0.2)
+    rope = getattr(config, "rope_parameters", None) or {"rope_theta": config.rope_theta}
+    writer = gguf.GGUFWriter(str(path), "llama" if arch == "llama3" else arch)
     writer.add_context_length(config.max_position_embeddings)
     writer.add_embedding_length(config.hidden_size)
     writer.add_block_count(config.num_hidden_layers)
@@ -37,12 +129,16 @@ def write_tiny_gguf(path: Path, arch: str, seed: int, quant: str = "q8_0", layer
     writer.add_head_count(heads)
     writer.add_head_count_kv(kv_heads)
     writer.add_layer_norm_rms_eps(config.rms_norm_eps)
-    writer.add_rope_freq_base(config.rope_parameters["rope_theta"] if hasattr(config, "rope_parameters")
-                              else config.rope_theta)
+    writer.add_rope_freq_base(rope["rope_theta"])
+    writer.add_key_length(head_dim)
+    writer.add_value_length(head_dim)
+    writer.add_rope_dimension_count(head_dim)
+    if rope.get("rope_type") == "llama3":
+        writer.add_tensor("rope_freqs.weight", _llama3_factors(rope, head_dim))
     if window is not None:
         writer.add_sliding_window(window)
     writer.add_file_type({"f32": gguf.LlamaFileType.ALL_F32, "q8_0": gguf.LlamaFileType.MOSTLY_Q8_0,
-                          "k": gguf.LlamaFileType.MOSTLY_Q4_K_M}[quant])
+                          "k": gguf.LlamaFileType.MOSTLY_Q4_K_M}.get(quant, gguf.LlamaFileType.GUESSED))
     tokenizer = byte_tokenizer()
     vocab = tokenizer.get_vocab()
     tokens = sorted(vocab, key=vocab.get)
@@ -54,21 +150,11 @@ def write_tiny_gguf(path: Path, arch: str, seed: int, quant: str = "q8_0", layer
     writer.add_eos_token_id(vocab["<eos>"])
     writer.add_bos_token_id(vocab["<eos>"])
     writer.add_add_bos_token(False)
-    names = {"embed_tokens": "token_embd", "norm": "output_norm", "lm_head": "output",
-             "input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm",
-             "self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v",
-             "self_attn.o_proj": "attn_output", "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up",
-             "mlp.down_proj": "ffn_down"}
     for name, tensor in model.state_dict().items():
         data = tensor.float().numpy()
-        parts = name.removeprefix("model.").split(".")
-        if parts[0] == "layers":
-            module, kind = ".".join(parts[2:-1]), parts[-1]
-            out = f"blk.{parts[1]}.{names[module]}.{kind}"
-            if arch == "llama" and module in ("self_attn.q_proj", "self_attn.k_proj"):
-                data = _permute(data, heads if module == "self_attn.q_proj" else kv_heads)
-        else:
-            out = f"{names[parts[0]]}.{parts[-1]}"
+        out, permuted = gguf_name(arch, name)
+        if permuted:
+            data = _permute(data, heads if ".q_proj" in name else kv_heads)
         if quant == "q8_0" and data.ndim == 2 and out != "token_embd.weight":
             writer.add_tensor(out, gguf.quants.quantize(data, gguf.GGMLQuantizationType.Q8_0),
                               raw_dtype=gguf.GGMLQuantizationType.Q8_0)
@@ -76,6 +162,10 @@ def write_tiny_gguf(path: Path, arch: str, seed: int, quant: str = "q8_0", layer
             six = out.endswith(("attn_v.weight", "ffn_down.weight", "output.weight"))
             writer.add_tensor(out, (quantize_q6_k if six else quantize_q4_k)(data),
                               raw_dtype=gguf.GGMLQuantizationType.Q6_K if six else gguf.GGMLQuantizationType.Q4_K)
+        elif quant.upper() == quant and data.ndim == 2 and out != "token_embd.weight":  # a GGUF type name
+            writer.add_tensor(out, quantize_q5_k(data) if quant == "Q5_K" else
+                              gguf.quants.quantize(data, gguf.GGMLQuantizationType[quant]),
+                              raw_dtype=gguf.GGMLQuantizationType[quant])
         else:
             writer.add_tensor(out, data)
     writer.write_header_to_file()

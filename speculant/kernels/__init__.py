@@ -1,5 +1,6 @@
-"""speculant's exact 4-bit kernels: GGUF K-quant weights (repacked once, `formats.py`) times int8
-activation rows, one C file per ISA (`scalar.c`, `avx2.c`, `avx512.c`), chosen at run time by the CPU's
+"""speculant's exact kernels: GGUF weights (repacked once, `formats.py`: Q4_K and Q6_K as they are, the types whose
+blocks are integers times a scale plus an offset a byte per weight, F16/BF16/F32 as fp32 rows) times int8
+activation rows (fp32 rows for fp32 weights), one C file per ISA (`scalar.c`, `avx2.c`, `avx512.c`), chosen at run time by the CPU's
 features; where the CPU has AMX int8, tiles of up to 16 rows take their integer sums from AMX tile multiplies
 (`amx.h`) from the number of rows where those pay, timed once per machine (`amx_rows`). Each weight block is unpacked once per call for every row of a tile (llamafile's tinyBLAS
 register tiling), and each output is accumulated in the same order whatever the number of rows, the
@@ -7,7 +8,7 @@ tile, the thread or the ISA: row r of a W-row call equals the 1-row call, and ev
 scalar reference, bit for bit.
 
     act = quantize_rows(x)                  # x [W, K] fp32, each row on its own (ggml's Q8_K: a scale per 256)
-    y = matmul(act, weight)                 # weight: QuantWeight.from_gguf(kind, raw); y [W, O] fp32
+    y = matmul(act, weight)                 # weight: QuantWeight.from_gguf("Q4_K", raw); y [W, O] fp32
 
 Each library also holds a whole decoder layer of the lean model on those matmuls (`layer.h`, `layer`).
 """
@@ -61,7 +62,7 @@ ISAS = (  # fastest first
 # The AMX kernels with their tile instructions done in C: what a CPU without AMX runs to test them; never chosen.
 EMULATED = Isa("amx_int8_emulated", "avx512.c", (*AVX512[0], "-DAMX", "-DAMX_EMULATED"), AVX512[1])
 FLAGS = ("-fno-trapping-math",)  # every ISA's: lets compilers vectorize exp_poly's selects; no value changes
-KINDS = tuple(formats.BYTES)
+KINDS = (*formats.BYTES, "f32")  # layer.h's Mat.kind: the index here
 
 
 @cache
@@ -77,8 +78,9 @@ def library(name: str) -> ctypes.CDLL | None:
     if isa.amx:
         lib.amx_set_rows.argtypes, lib.amx_set_rows.restype = [ctypes.c_int], ctypes.c_int
     lib.quantize_rows.argtypes = [_P, _I, _I, _P, _P, _P, _P, ctypes.c_int]
-    for kind in KINDS:
+    for kind in formats.BYTES:
         getattr(lib, f"matmul_{kind}").argtypes = [_P, _P, _P, _P, _I, _I, _P, _I, _P, ctypes.c_int]
+    lib.matmul_f32.argtypes = [_P, _I, _I, _P, _I, _P, ctypes.c_int]
     lib.lean_layer.argtypes = [ctypes.POINTER(LayerStruct), _I, _I, _I, _I, ctypes.c_float, ctypes.c_int, _P, _I,
                                _P, _P, _P, _P, _P, _P, _P, _P, _I, _I, ctypes.c_float, ctypes.c_int]
     return lib
@@ -138,17 +140,25 @@ def cut_over(name: str, repeats: int = 7, panels: int = 512) -> int:
 
 def check(name: str) -> None:
     """Raise unless path `name` gives every row of calls of 1 to 20 rows the scalar reference's bits, on weights
-    of both kinds with a last half super-block: every tile height of every kernel the path mixes in a call."""
+    of every kind with a last half super-block: every tile height of every kernel the path mixes in a call."""
+    from gguf import GGMLQuantizationType
+    from gguf.quants import quantize
+
     generator = torch.Generator().manual_seed(0)
-    for kind in KINDS:
+    for ggml_type in ("Q4_K", "Q6_K", "Q5_1", "F16"):
         dense = torch.randn(48, 768, generator=generator)
         dense[:, 640:] = 0.0
-        weight = QuantWeight.from_gguf(kind, getattr(formats, f"quantize_{kind}")(dense.numpy()), 640)
+        if formats.KIND_OF[ggml_type] in formats.GGUF_BYTES:  # 768 inputs, of which the kernels read 640
+            raw = getattr(formats, f"quantize_{formats.KIND_OF[ggml_type]}")(dense.numpy())
+        else:
+            raw = quantize(dense[:, :640].numpy(), GGMLQuantizationType[ggml_type])
+        weight = QuantWeight.from_gguf(ggml_type, raw, 640)
         x = torch.randn(20, 640, generator=generator) * 3
         reference = matmul(quantize_rows(x, "scalar"), weight, "scalar", threads=1)
         for width in range(1, 21):
             if not torch.equal(matmul(quantize_rows(x[:width], name), weight, name), reference[:width]):
-                raise RuntimeError(f"{name}: rows of a {width}-row {kind} call differ from the scalar reference")
+                raise RuntimeError(f"{name}: rows of a {width}-row {weight.kind} call differ from the scalar "
+                                   f"reference")
 
 
 def usable(isa: Isa) -> bool:
@@ -193,12 +203,13 @@ class QuantWeight:
     data: torch.Tensor
 
     @classmethod
-    def from_gguf(cls, kind: str, raw: np.ndarray, inputs: int | None = None) -> "QuantWeight":
-        """`raw`: the GGUF tensor's bytes, one row of blocks per output ([O, K/256 * block bytes]); `inputs`:
-        K - 128 where the last 128 inputs are `formats.requantize`'s zero padding (see `formats.pack`)."""
-        if inputs is None:
-            inputs = raw.shape[1] // formats.GGUF_BYTES[kind] * formats.SUPER
-        return cls(kind, raw.shape[0], inputs, torch.from_numpy(formats.pack(kind, raw, inputs)))
+    def from_gguf(cls, ggml_type: str, raw: np.ndarray, inputs: int | None = None) -> "QuantWeight":
+        """`raw`: a GGUF tensor of a type in `formats.KIND_OF` as GGUFReader gives it, one row per output;
+        `inputs`: its width padded to a multiple of 128 (default), or K - 128 where the last 128 inputs of K-quant
+        blocks are `formats.requantize`'s zero padding (see `formats.pack`)."""
+        inputs = inputs or formats.inputs_of(formats.width(ggml_type, raw))
+        kind, data = formats.pack_type(ggml_type, raw, inputs)
+        return cls(kind, raw.shape[0], inputs, torch.from_numpy(data))
 
 
 class MatStruct(ctypes.Structure):
@@ -208,14 +219,14 @@ class MatStruct(ctypes.Structure):
 
 class LayerStruct(ctypes.Structure):
     """layer.h's Layer: one decoder layer's norms, biases (None: NULL) and matrices."""
-    _fields_ = [(name, _P) for name in ("attn_norm", "ffn_norm", "q_bias", "k_bias", "v_bias")] + \
+    _fields_ = [(name, _P) for name in ("attn_norm", "ffn_norm", "q_norm", "k_norm", "q_bias", "k_bias", "v_bias")] + \
         [(name, MatStruct) for name in ("q", "k", "v", "o", "gate", "up", "down")]
 
 
-def layer_struct(norms: tuple[torch.Tensor, torch.Tensor], biases: tuple[torch.Tensor | None, ...],
+def layer_struct(norms: tuple[torch.Tensor | None, ...], biases: tuple[torch.Tensor | None, ...],
                  matrices: tuple[QuantWeight, ...]) -> LayerStruct:
-    """The C view of a layer (attention and MLP norms; q, k, v biases; q, k, v, o, gate, up, down): the
-    tensors must outlive it."""
+    """The C view of a layer (attention and MLP norms, q and k norms per head or None; q, k, v biases; q, k, v,
+    o, gate, up, down): the tensors must outlive it."""
     def mat(w: QuantWeight) -> MatStruct:
         return MatStruct(w.data.data_ptr(), w.in_features, w.data.shape[0] * formats.PANEL, w.out_features,
                          KINDS.index(w.kind))
@@ -256,12 +267,14 @@ def layer(config: Any, layer: LayerStruct, index: int, x: torch.Tensor, places: 
 @dataclass(frozen=True)
 class Activations:
     """Rows of activations quantized to int8: quants [W, K], one scale per super-block of 256 inputs [W, K/256
-    rounded up], the sums of the quants per 32 inputs [W, K/32] (int16, for q4_k's mins) and -32 times those per
-    16 [W, K/16] (int32, q6_k's offsets)."""
+    rounded up], the sums of the quants per 32 inputs [W, K/32] (int16, for q4_k's mins and q8_b's offsets) and
+    -32 times those per 16 [W, K/16] (int32, q6_k's offsets); and the rows as they were, zero-padded to K [W, K]
+    (what fp32 weights multiply)."""
     quants: torch.Tensor
     scales: torch.Tensor
     sums32: torch.Tensor
     offsets16: torch.Tensor
+    inputs: torch.Tensor
 
     @property
     def rows(self) -> int:
@@ -278,7 +291,7 @@ def quantize_rows(x: torch.Tensor, isa: str | None = None) -> Activations:
     rows, width = x.shape
     act = Activations(torch.empty(rows, width, dtype=torch.int8), torch.empty(rows, -(-width // formats.SUPER)),
                       torch.empty(rows, width // 32, dtype=torch.int16),
-                      torch.empty(rows, width // 16, dtype=torch.int32))
+                      torch.empty(rows, width // 16, dtype=torch.int32), x)
     library(isa or best()).quantize_rows(x.data_ptr(), rows, width, act.quants.data_ptr(), act.scales.data_ptr(),
                                          act.sums32.data_ptr(), act.offsets16.data_ptr(), torch.get_num_threads())
     return act
@@ -288,10 +301,13 @@ def matmul(act: Activations, weight: QuantWeight, isa: str | None = None, thread
     """act [W, K] times weight^T: [W, out_features] fp32."""
     if act.quants.shape[1] != weight.in_features:
         raise ValueError(f"{act.quants.shape[1]} inputs for a weight of {weight.in_features}")
-    padded = weight.data.shape[0] * formats.PANEL
+    padded, lib, threads = weight.data.shape[0] * formats.PANEL, library(isa or best()), threads or torch.get_num_threads()
     y = torch.empty(act.rows, padded)
-    getattr(library(isa or best()), f"matmul_{weight.kind}")(
-        act.quants.data_ptr(), act.scales.data_ptr(), act.sums32.data_ptr(), act.offsets16.data_ptr(), act.rows,
-        weight.in_features,
-        weight.data.data_ptr(), padded, y.data_ptr(), threads or torch.get_num_threads())
+    if weight.kind == "f32":
+        lib.matmul_f32(act.inputs.data_ptr(), act.rows, weight.in_features, weight.data.data_ptr(), padded,
+                       y.data_ptr(), threads)
+    else:
+        getattr(lib, f"matmul_{weight.kind}")(
+            act.quants.data_ptr(), act.scales.data_ptr(), act.sums32.data_ptr(), act.offsets16.data_ptr(), act.rows,
+            weight.in_features, weight.data.data_ptr(), padded, y.data_ptr(), threads)
     return y if padded == weight.out_features else y[:, :weight.out_features].contiguous()

@@ -107,10 +107,47 @@ static inline __attribute__((always_inline)) void q6k_tile(const int rows, const
         }
 }
 
+// q8_b's block, half a panel at a time: q (the stored byte less 128) as |q| (u8) times the activations with q's
+// sign (vpsignb), so that a pair of products, at most 2 * 128 * 127 = 32512, fits vpmaddubsw's int16.
+static inline __attribute__((always_inline)) void q8b_tile(const int rows, const int8_t *qa, const float *sa,
+                                                          const int16_t *s32, const int32_t *o16, int64_t K,
+                                                          const uint8_t *panel, float *y, int64_t O) {
+    const __m256i flip = _mm256_set1_epi8((char)0x80), ones = _mm256_set1_epi16(1);
+    for (int h = 0; h < 2; h++)
+        for (int64_t s = 0; s < supers(K); s++) {
+            const uint8_t *sp = panel + s * Q8B_SUPER;
+            if (h == 0) prefetch(sp + PREFETCH * Q8B_SUPER, Q8B_SUPER);
+            __m256 sb[TILE];
+            for (int r = 0; r < rows; r++) sb[r] = _mm256_setzero_ps();
+            for (int b = 0; b < blocks_in(s, K, 8); b++) {
+                const uint8_t *bp = sp + b * Q8B_BLOCK;
+                __m256 d = _mm256_loadu_ps((const float *)bp + h * 8), m = _mm256_loadu_ps((const float *)(bp + 64) + h * 8);
+                int64_t kb = s * 8 + b;
+                __m256i dot[TILE];
+                for (int r = 0; r < rows; r++) dot[r] = _mm256_setzero_si256();
+                for (int g = 0; g < 8; g++) {
+                    __m256i q = _mm256_xor_si256(_mm256_loadu_si256((const __m256i *)(bp + 128 + g * 64 + h * 32)), flip);
+                    __m256i magnitude = _mm256_abs_epi8(q);
+                    for (int r = 0; r < rows; r++) {
+                        __m256i a = _mm256_sign_epi8(_mm256_set1_epi32(load32(qa + r * K + kb * 32 + 4 * g)), q);
+                        dot[r] = _mm256_add_epi32(dot[r], _mm256_madd_epi16(_mm256_maddubs_epi16(magnitude, a), ones));
+                    }
+                }
+                for (int r = 0; r < rows; r++) {
+                    sb[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot[r]), d, sb[r]);
+                    sb[r] = _mm256_fmadd_ps(_mm256_set1_ps((float)s32[r * (K / 32) + kb]), m, sb[r]);
+                }
+            }
+            add_super(rows, sb, sa, s, K, y + h * 8, O);
+        }
+}
+
 DISPATCH(q4k_tile, TILE)
 DISPATCH(q6k_tile, TILE)
+DISPATCH(q8b_tile, TILE)
 MATMUL(matmul_q4_k, Q4K_SUPER, Q4K_TAIL, TILE, q4k_tile_rows)
 MATMUL(matmul_q6_k, Q6K_SUPER, Q6K_TAIL, TILE, q6k_tile_rows)
+MATMUL(matmul_q8_b, Q8B_SUPER, Q8B_TAIL, TILE, q8b_tile_rows)
 
 // layer.h's sum of products with scalar.c's bits: lanes 0-7 and 8-15 in two registers, the tree as halves added.
 static inline float sum16(const float *a, const float *b, int64_t n) {

@@ -12,6 +12,9 @@
 //   q6_k  per 256 inputs, 3360 bytes: d[16] (f16), then 16 blocks of 16 inputs, each sc[16] (i8), 128 bytes
 //         of low nibbles (byte c*64 + j*4 + t: input 4c + t low, input 8 + 4c + t high, c < 2) and 64 bytes
 //         of high bit pairs (byte j*4 + t: bits 2g, 2g+1 of input 4g + t's six, g < 4). w = d*sc * (q - 32).
+//   q8_b  per 32 inputs (a block; 8 to a super-block), 640 bytes: d[16], m[16] (fp32), then 512 bytes: byte g*64 +
+//         j*4 + t holds q + 128 for input 4g + t of output j (g < 8, t < 4), q an int8. w = d*q + m: Q4_0, Q4_1,
+//         Q5_0, Q5_1, Q8_0 and Q5_K, whose weights are exactly that (formats.unpack_blocks32).
 // Activations: each row quantized on its own, per super-block of 256 inputs (128 for a last half one), to int8
 // with one scale sa (ggml's Q8_K rule), beside the sums of its quants per 32 inputs (s32, int16: q4_k's mins)
 // and -32 times those per 16 (o16, int32: q6_k's offset, where each block's integer dot starts).
@@ -19,6 +22,7 @@
 //   q4_k  sb = fma((float)dot_b, d*sc_b, sb) for each block b in order, then sb = fma(-dmin, (float)(the exact
 //         integer sum of m_b * s32_b), sb);
 //   q6_k  sb = fma((float)(o16_b + dot_b), d*sc_b, sb) for each block b in order;
+//   q8_b  sb = fma((float)dot_b, d_b, sb), then sb = fma((float)s32_b, m_b, sb), for each block b in order;
 //   then acc = fma(sb, sa, acc). The integer sums are exact whatever their order, and per-256 activation scales
 //   leave two float operations per block and row where per-32 ones needed four (ggml's numerics for K-quants).
 #include <math.h>
@@ -32,6 +36,9 @@
 #define Q6K_BLOCK 208
 #define Q4K_TAIL (64 + 4 * Q4K_BLOCK)
 #define Q6K_TAIL (32 + 8 * Q6K_BLOCK)
+#define Q8B_BLOCK 640
+#define Q8B_SUPER (8 * Q8B_BLOCK)
+#define Q8B_TAIL (4 * Q8B_BLOCK)
 
 // A panel's bytes, and the blocks of super-block s (a last half one holds half of them).
 static inline int64_t panel_bytes(int64_t K, int64_t super, int64_t tail) {

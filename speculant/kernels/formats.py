@@ -1,6 +1,9 @@
-"""GGUF K-quant tensors repacked, once, into the panel layouts speculant's kernels read (see common.h):
-the same quants and scales as the file (no requantization), regrouped so that one 16-lane register load
-holds four inputs of each of 16 outputs.
+"""GGUF tensors repacked, once, into the panel layouts speculant's kernels read (see common.h): the same
+weights as the file (no requantization), regrouped so that one 16-lane register load holds four inputs of each
+of 16 outputs. Q4_K and Q6_K keep their own layouts (`q4_k`, `q6_k`); the types whose blocks of 32 are integers
+times a scale plus an offset (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, and Q5_K, whose six-bit scales and mins times the
+super-block's d and dmin are exact in fp32) become `q8_b`: a byte per weight, the block's scale and offset in
+fp32; F16, BF16 and F32 matrices become `f32` rows.
 
 ggml's block layouts (ggml-common.h): Q4_K super-blocks of 256 inputs, `d`, `dmin` (f16), 12 bytes of
 six-bit scales and mins for 8 blocks of 32, 128 bytes of nibbles; Q6_K super-blocks of 256, 128 bytes of
@@ -14,9 +17,12 @@ import numpy as np
 PANEL = 16
 SUPER = 256
 QUANTUM = 128  # a matrix's inputs are padded to a multiple of this, not of SUPER (see `pack`)
-BYTES = {"q4_k": 2368, "q6_k": 3360}  # one panel's super-block in speculant's layout
-TAIL = {"q4_k": 64 + 4 * 288, "q6_k": 32 + 8 * 208}  # its first half: header and the blocks of 128 inputs
+BYTES = {"q4_k": 2368, "q6_k": 3360, "q8_b": 8 * 640}  # one panel's super-block in speculant's layout
+TAIL = {"q4_k": 64 + 4 * 288, "q6_k": 32 + 8 * 208, "q8_b": 4 * 640}  # its first half: header, blocks of 128 inputs
 GGUF_BYTES = {"q4_k": 144, "q6_k": 210}  # one output's super-block in the file
+KIND_OF = {"Q4_K": "q4_k", "Q6_K": "q6_k", **dict.fromkeys(("Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q5_K"), "q8_b"),
+           **dict.fromkeys(("F32", "F16", "BF16"), "f32")}  # the kernel that reads each GGUF type, exactly
+BLOCK_BYTES = {"Q4_0": 18, "Q4_1": 20, "Q5_0": 22, "Q5_1": 24, "Q8_0": 34, "Q5_K": 176}  # per 32 inputs (Q5_K: 256)
 
 
 def unpack_q4_k(raw: np.ndarray) -> tuple[np.ndarray, ...]:
@@ -46,6 +52,56 @@ def unpack_q6_k(raw: np.ndarray) -> tuple[np.ndarray, ...]:
     return d, sc, q.reshape(rows, -1)
 
 
+def width(ggml_type: str, raw: np.ndarray) -> int:
+    """The inputs of a GGUF tensor of a type in KIND_OF, as GGUFReader gives its data ([O, bytes] or [O, K])."""
+    kind = KIND_OF[ggml_type]
+    if kind in GGUF_BYTES:
+        return raw.shape[1] // GGUF_BYTES[kind] * SUPER
+    if kind == "q8_b":
+        return raw.shape[1] // BLOCK_BYTES[ggml_type] * (SUPER if ggml_type == "Q5_K" else 32)
+    return raw.shape[1] * raw.itemsize // {"F32": 4, "F16": 2, "BF16": 2}[ggml_type]
+
+
+def _f16(raw: np.ndarray) -> np.ndarray:
+    return raw.copy().view(np.float16)[..., 0].astype(np.float32)
+
+
+def unpack_blocks32(ggml_type: str, raw: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """[O, bytes] of a `q8_b` type -> q [O, K] int8, d and m [O, K/32] fp32: weight i of block b is
+    d[b] * q[i] + m[b], exactly ggml's de-quantized value (ggml-quants.c's dequantize_row_*)."""
+    rows = raw.shape[0]
+    if ggml_type == "Q5_K":
+        blocks = raw.reshape(rows, -1, 176)
+        d, dmin = _f16(blocks[..., 0:2]), _f16(blocks[..., 2:4])
+        _, _, sc, m, _ = unpack_q4_k(np.concatenate([blocks[..., :16], blocks[..., 48:]], axis=-1).reshape(rows, -1))
+        low = blocks[..., 48:].reshape(rows, -1, 4, 1, 32) >> np.array([0, 4], dtype=np.uint8).reshape(1, 1, 1, 2, 1)
+        high = (blocks[..., 16:48].reshape(rows, -1, 1, 32) >> np.arange(8, dtype=np.uint8).reshape(1, 1, 8, 1)) & 1
+        q = ((low & 0x0F).reshape(rows, -1, 8, 32) | (high << 4)).astype(np.int8)
+        return (q.reshape(rows, -1), (d[..., None] * sc).reshape(rows, -1),
+                (-dmin[..., None] * m).reshape(rows, -1))
+    blocks = raw.reshape(rows, -1, BLOCK_BYTES[ggml_type])
+    d = _f16(blocks[..., 0:2])
+    offset = ggml_type in ("Q4_1", "Q5_1")
+    m = _f16(blocks[..., 2:4]) if offset else np.zeros_like(d)
+    if ggml_type == "Q8_0":
+        return blocks[..., 2:].view(np.int8).reshape(rows, -1), d, m
+    nibbles = blocks[..., -16:].reshape(rows, -1, 1, 16) >> np.array([0, 4], dtype=np.uint8).reshape(1, 1, 2, 1)
+    q = (nibbles & 0x0F).reshape(rows, -1, 32)
+    if ggml_type in ("Q5_0", "Q5_1"):
+        bits = blocks[..., 2 + 2 * offset:6 + 2 * offset].copy().view(np.uint32)
+        q = q | (((bits >> np.arange(32, dtype=np.uint32)) & 1).astype(np.uint8) << 4)
+    centre = 0 if offset else (8 if ggml_type == "Q4_0" else 16)
+    return (q.astype(np.int16) - centre).astype(np.int8).reshape(rows, -1), d, m
+
+
+def floats(ggml_type: str, raw: np.ndarray) -> np.ndarray:
+    """[O, K] fp32 of an F32, F16 or BF16 tensor (as GGUFReader gives its data)."""
+    from gguf import GGMLQuantizationType
+    from gguf.quants import dequantize as gguf_dequantize
+
+    return gguf_dequantize(np.ascontiguousarray(raw), GGMLQuantizationType[ggml_type]).astype(np.float32)
+
+
 def _panels(a: np.ndarray, supers: int) -> np.ndarray:
     """[O, S, ...] -> [P, S, ..., 16]: each panel's 16 outputs innermost."""
     a = a.reshape(-1, PANEL, supers, *a.shape[2:])
@@ -60,7 +116,40 @@ def inputs_of(width: int) -> int:
 def panel_bytes(kind: str, inputs: int) -> int:
     """One panel's bytes: its whole super-blocks, then, where `inputs` is an odd multiple of 128, the first half
     of one (a requantized drafter's 896 inputs: 3.5 super-blocks, not 4 of which one is half zeros)."""
+    if kind == "f32":
+        return PANEL * inputs * 4
     return inputs // SUPER * BYTES[kind] + (TAIL[kind] if inputs % SUPER else 0)
+
+
+def pack_type(ggml_type: str, raw: np.ndarray, inputs: int) -> tuple[str, np.ndarray]:
+    """A GGUF tensor of any type in KIND_OF ([O, its bytes], or F16/F32 values) in its kernel's layout: (kind,
+    [P, panel_bytes]). `inputs`: where its rows are padded with zero weights to, a multiple of 128."""
+    kind = KIND_OF[ggml_type]
+    if kind in GGUF_BYTES:
+        return kind, pack(kind, raw, inputs)
+    if kind == "f32":
+        weights = floats(ggml_type, raw)
+        width = weights.shape[1]
+        return kind, _padded(weights, inputs, width).reshape(-1, PANEL * inputs).view(np.uint8)
+    q, d, m = unpack_blocks32(ggml_type, raw)
+    width = q.shape[1]
+    u = (_padded(q, inputs, width).view(np.uint8) ^ 0x80).reshape(-1, PANEL, inputs // 32, 8, 4)  # q + 128
+    u = np.moveaxis(u, 1, 3)  # [P, block, g, j, t]: byte g*64 + j*4 + t is input 4g + t of output j
+    scales = [np.ascontiguousarray(np.moveaxis(_padded(v, inputs // 32, width // 32).reshape(-1, PANEL, inputs // 32),
+                                               1, 2)) for v in (d, m)]  # [P, block, j]
+    blocks = np.concatenate([scales[0].view(np.uint8), scales[1].view(np.uint8), u.reshape(*u.shape[:2], -1)],
+                            axis=-1)
+    return kind, np.ascontiguousarray(blocks.reshape(len(blocks), -1))
+
+
+def _padded(a: np.ndarray, columns: int, width: int) -> np.ndarray:
+    """a [O, width] with zero columns to `columns` and zero rows to a multiple of PANEL."""
+    if width > columns:
+        raise ValueError(f"{width} inputs do not fit {columns}")
+    rows = -(-a.shape[0] // PANEL) * PANEL
+    out = np.zeros((rows, columns), dtype=a.dtype)
+    out[:a.shape[0], :width] = a
+    return out
 
 
 def pack(kind: str, raw: np.ndarray, inputs: int) -> np.ndarray:

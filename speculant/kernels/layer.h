@@ -17,44 +17,56 @@
 typedef struct {
     const uint8_t *packed;
     int64_t K, O, out;  // inputs (a multiple of 128), outputs padded to 16, outputs
-    int32_t kind;       // 0: q4_k, 1: q6_k
+    int32_t kind;       // 0: q4_k, 1: q6_k, 2: q8_b, 3: f32 (rows of K fp32)
 } Mat;
 
 typedef struct {
-    const float *attn_norm, *ffn_norm, *q_bias, *k_bias, *v_bias;  // biases may be NULL
+    const float *attn_norm, *ffn_norm, *q_norm, *k_norm, *q_bias, *k_bias, *v_bias;  // all but the first two may be NULL
     Mat q, k, v, o, gate, up, down;
 } Layer;
 
-// Rows of activations quantized once for every matrix that reads them (q, k, v; gate, up).
+// y [rows, O] = x [rows, K] times fp32 weights [O, K] (an F16, BF16 or F32 file's matrix): each output is sum16
+// of its row and the input row, so its bits are the same whatever the rows, the thread or the ISA.
+void matmul_f32(const float *x, int64_t rows, int64_t K, const float *w, int64_t O, float *y, int threads) {
+    #pragma omp parallel for schedule(static) num_threads(threads)
+    for (int64_t o = 0; o < O; o++)
+        for (int64_t r = 0; r < rows; r++) y[r * O + o] = sum16(x + r * K, w + o * K, K);
+}
+
+// Rows of activations quantized once for every matrix that reads them (q, k, v; gate, up), and the rows
+// themselves, zero-padded to K, for fp32 matrices.
 typedef struct {
     int8_t *q;
     float *sa;
     int16_t *s32;
     int32_t *o16;
     int64_t K;
+    const float *x;
+    float *copy;  // x where it had to be padded (freed with the rest)
 } Act;
 
 // x [n, width] zero-padded to K inputs and quantized.
 static Act quantize_input(const float *x, int64_t n, int64_t width, int64_t K, int threads) {
     Act a = {malloc(n * K), malloc(n * supers(K) * sizeof(float)), malloc(n * (K / 32) * sizeof(int16_t)),
-             malloc(n * (K / 16) * sizeof(int32_t)), K};
-    const float *padded = x;
-    float *copy = NULL;
+             malloc(n * (K / 16) * sizeof(int32_t)), K, x, NULL};
     if (width != K) {
-        padded = copy = calloc(n * K, sizeof(float));
-        for (int64_t r = 0; r < n; r++) memcpy(copy + r * K, x + r * width, width * sizeof(float));
+        a.x = a.copy = calloc(n * K, sizeof(float));
+        for (int64_t r = 0; r < n; r++) memcpy(a.copy + r * K, x + r * width, width * sizeof(float));
     }
-    quantize_rows(padded, n, K, a.q, a.sa, a.s32, a.o16, threads);
-    free(copy);
+    quantize_rows(a.x, n, K, a.q, a.sa, a.s32, a.o16, threads);
     return a;
 }
 
-static void free_act(Act a) { free(a.q), free(a.sa), free(a.s32), free(a.o16); }
+static void free_act(Act a) { free(a.q), free(a.sa), free(a.s32), free(a.o16), free(a.copy); }
 
-// y [n, m.O] = the quantized rows times m.
+// y [n, m.O] = the rows (quantized, or as they are for an fp32 matrix) times m.
 static void project(const Mat *m, const Act *a, int64_t n, float *y, int threads) {
-    if (m->kind == 0) matmul_q4_k(a->q, a->sa, a->s32, a->o16, n, m->K, m->packed, m->O, y, threads);
-    else matmul_q6_k(a->q, a->sa, a->s32, a->o16, n, m->K, m->packed, m->O, y, threads);
+    switch (m->kind) {
+        case 0: matmul_q4_k(a->q, a->sa, a->s32, a->o16, n, m->K, m->packed, m->O, y, threads); break;
+        case 1: matmul_q6_k(a->q, a->sa, a->s32, a->o16, n, m->K, m->packed, m->O, y, threads); break;
+        case 2: matmul_q8_b(a->q, a->sa, a->s32, a->o16, n, m->K, m->packed, m->O, y, threads); break;
+        default: matmul_f32(a->x, n, m->K, (const float *)m->packed, m->O, y, threads);
+    }
 }
 
 // out [d] = the sum of p[j] * v[j * d + i] over j < last where p[j] != 0, in order of j from 0: 64 outputs at a
@@ -123,6 +135,8 @@ void lean_layer(const Layer *L, int64_t hidden, int64_t heads, int64_t kv_heads,
         for (int64_t i = 0; L->q_bias && i < heads * d; i++) qr[i] += L->q_bias[i];
         for (int64_t i = 0; L->k_bias && i < kv_heads * d; i++) kr[i] += L->k_bias[i];
         for (int64_t i = 0; L->v_bias && i < kv_heads * d; i++) vr[i] += L->v_bias[i];
+        if (L->q_norm) rms_norm(qr, L->q_norm, heads, d, eps, qr);  // Qwen3: each head's q and k normed
+        if (L->k_norm) rms_norm(kr, L->k_norm, kv_heads, d, eps, kr);
         rotate(qr, heads, d, cos + pos[r] * (d / 2), sin + pos[r] * (d / 2), neox);
         rotate(kr, kv_heads, d, cos + pos[r] * (d / 2), sin + pos[r] * (d / 2), neox);
         for (int64_t g = 0; g < kv_heads; g++) {

@@ -7,7 +7,9 @@ settings stay as they were.
 
 from __future__ import annotations
 
+import logging
 from copy import deepcopy
+from functools import lru_cache
 from pathlib import Path
 from typing import Any
 
@@ -22,6 +24,8 @@ from speculant.models.backends.hf import HFCausalLM, eos_ids
 from speculant.models.backends import llamacpp
 from speculant.models.numerics.native import KERNELS
 from speculant.models.numerics.quant import QUANTS, quantize
+
+log = logging.getLogger("speculant")
 
 DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
 GGUF = "gguf"  # `name@gguf`: the packaged GGUF weights as they are, on the llama.cpp backend
@@ -104,11 +108,13 @@ def resolve_backend(backend: str | None, spec: Any, quant: str | None, device: s
         backend = "lean" if backend == AUTO else backend
         if backend != "lean":
             raise ConfigError(f"@{LEAN} runs on the lean backend, not {backend}")
-    elif quant == GGUF or (isinstance(spec, (str, Path)) and str(spec).endswith(".gguf")):
+    elif quant == GGUF:
         backend = "llamacpp" if backend == AUTO else backend
     if backend == AUTO:
         on_cpu = device is None or resolve_device(device).type == "cpu"
         as_they_are = quant is None and dtype in (None, AUTO)
+        if str(spec).endswith(".gguf"):
+            return _file_route(Path(spec)) if as_they_are and on_cpu else "llamacpp"
         if not (is_gguf and as_they_are and on_cpu):
             return "hf"
         entry = CATALOG.get(str(spec))
@@ -127,6 +133,21 @@ def resolve_backend(backend: str | None, spec: Any, quant: str | None, device: s
     elif backend == "static" and quant is not None:
         raise ConfigError(f"@{quant}: the static backend runs bf16 or fp32 weights")
     return backend
+
+
+@lru_cache(maxsize=16)
+def _file_route(path: Path) -> str:
+    """A user's .gguf file: the lean backend where it runs the file as it is (`lean.coverage`) and the kernels have
+    a SIMD path here, else llama.cpp; which and why said once, in one line (before anything loads)."""
+    from speculant.models.backends import lean
+
+    if not path.is_file():
+        raise ConfigError(f"no GGUF file at {path}")
+    runs, why = lean.coverage(path)
+    if not _simd_kernels():
+        runs, why = False, "speculant's kernels have no SIMD path on this CPU"
+    log.warning(f"speculant: {path.name} runs on {'the lean backend' if runs else 'llama.cpp'}: {why}")
+    return "lean" if runs else "llamacpp"
 
 
 def _simd_kernels() -> bool:

@@ -1,6 +1,8 @@
-"""The lean model: one file for the catalog's decoder architectures (Qwen2, Llama; RMSNorm, RoPE, GQA,
-SwiGLU, optional sliding window), read straight from a GGUF file, on speculant's exact 4-bit kernels
-(`speculant.kernels`) and a preallocated KV cache with a length pointer (gpt-fast's shape).
+"""The lean model: one file for the RMSNorm-RoPE-GQA-SwiGLU decoders of the GGUFs people use (Llama, with Llama 3's
+rope scaling; Mistral, a Llama with a sliding window; Qwen2; Qwen3, its q and k normed per head; Phi-3, its q, k, v
+and its gate and up each one fused matrix, split when repacked), read straight from a GGUF file of any type in
+`formats.KIND_OF`, on speculant's exact kernels (`speculant.kernels`) and a preallocated KV cache with a length
+pointer (gpt-fast's shape). `coverage` says, from a file's header, whether it runs here and if not why.
 
 Every computation acts on one token row at a time or in a fixed order per row: a layer is one C call
 (`kernels/layer.h`: the linears are the kernels, row r of a W-row call equals the 1-row call bit for bit;
@@ -36,8 +38,8 @@ from speculant.errors import ConfigError
 from speculant.models.base import Backend, Call, Capabilities, Interrupted, PointerCache, prompt_parts
 from speculant.trees.tree import TokenTree
 
-ARCHITECTURES = {"qwen2": "neox", "llama": "norm"}  # rotary layout as llama.cpp lays out each one's weights
-KINDS = {"Q4_K": "q4_k", "Q6_K": "q6_k"}
+ARCHITECTURES = {"qwen2": "neox", "llama": "norm", "qwen3": "neox", "phi3": "neox"}  # rotary layout as llama.cpp
+# lays out each one's weights
 DRAFT_HEAD = 49152  # a drafter's head rows (FR-Spec keeps 32k of Llama-3's 128k; Qwen2's vocabulary is 152k, and
 # its coder's drafter serves code and prose; docs/results/cpu.md measures the share of the target's tokens it covers)
 DEFAULT_POSITIONS = 4096  # cache capacity when the model allows more
@@ -57,6 +59,8 @@ class LeanConfig:
     eps: float
     context: int
     window: int | None  # sliding-window attention: each query sees at most this many positions
+    qk_norm: bool = False  # Qwen3: RMSNorm over each head's q and k before RoPE
+    rope_scale: float = 1.0  # linear rope scaling: positions divided by this
 
 
 @dataclass(frozen=True)
@@ -68,6 +72,8 @@ class Layer:
     q_bias: torch.Tensor | None
     k_bias: torch.Tensor | None
     v_bias: torch.Tensor | None
+    q_norm: torch.Tensor | None
+    k_norm: torch.Tensor | None
     o: kernels.QuantWeight
     ffn_norm: torch.Tensor
     gate: kernels.QuantWeight
@@ -96,6 +102,7 @@ class LeanWeights:
         layout = json.loads((directory / "layout.json").read_text())
         self.head = None if head is None else torch.tensor(head, dtype=torch.long)
         self.config = LeanConfig(**layout["config"])
+        self.types = layout["types"]  # the file's matrices' GGUF types
         self.eos_token_ids = frozenset(layout["eos"])
         file = np.memmap(path, dtype=np.uint8, mode="r")
         tensors = layout["tensors"]  # the rest, where they lie in the file: {name: [type, shape, offset, bytes]}
@@ -114,11 +121,13 @@ class LeanWeights:
         self.layers = [Layer(vector(f"blk.{i}.attn_norm.weight"), matrix(f"blk.{i}.attn_q.weight"),
                              matrix(f"blk.{i}.attn_k.weight"), matrix(f"blk.{i}.attn_v.weight"),
                              vector(f"blk.{i}.attn_q.bias"), vector(f"blk.{i}.attn_k.bias"),
-                             vector(f"blk.{i}.attn_v.bias"), matrix(f"blk.{i}.attn_output.weight"),
+                             vector(f"blk.{i}.attn_v.bias"), vector(f"blk.{i}.attn_q_norm.weight"),
+                             vector(f"blk.{i}.attn_k_norm.weight"), matrix(f"blk.{i}.attn_output.weight"),
                              vector(f"blk.{i}.ffn_norm.weight"), matrix(f"blk.{i}.ffn_gate.weight"),
                              matrix(f"blk.{i}.ffn_up.weight"), matrix(f"blk.{i}.ffn_down.weight"))
                        for i in range(self.config.layers)]
-        self.structs = [kernels.layer_struct((layer.attn_norm, layer.ffn_norm), (layer.q_bias, layer.k_bias, layer.v_bias),
+        self.structs = [kernels.layer_struct((layer.attn_norm, layer.ffn_norm, layer.q_norm, layer.k_norm),
+                                             (layer.q_bias, layer.k_bias, layer.v_bias),
                                              (layer.q, layer.k, layer.v, layer.o, layer.gate, layer.up, layer.down))
                         for layer in self.layers]  # the C view of each layer: it points into the tensors above
         self.output_norm = vector("output_norm.weight")
@@ -127,7 +136,11 @@ class LeanWeights:
         self._embedding = file[offset:offset + size].reshape(self.vocab_size, -1)
         half = self.config.head_dim // 2
         inv_freq = self.config.rope_theta ** (-torch.arange(half, dtype=torch.float64) / half)
-        angles = torch.outer(torch.arange(self.config.context, dtype=torch.float64), inv_freq)
+        factors = vector("rope_freqs.weight")  # Llama 3's rope scaling, as llama.cpp applies it: theta / factor
+        if factors is not None:
+            inv_freq = inv_freq / factors.double()
+        positions = torch.arange(self.config.context, dtype=torch.float64) / self.config.rope_scale
+        angles = torch.outer(positions, inv_freq)
         self.cos, self.sin = angles.cos().float(), angles.sin().float()  # [context, head_dim / 2]
 
     def matrices(self) -> list[kernels.QuantWeight]:
@@ -164,47 +177,32 @@ def _repack(path: Path, directory: Path, head: tuple[int, ...] | None) -> None:
     from gguf import GGUFReader
 
     reader = GGUFReader(path)
-    arch = _field(reader, "general.architecture")
-    if arch not in ARCHITECTURES:
-        raise ConfigError(f"the lean backend runs {', '.join(ARCHITECTURES)}, not {arch}")
-    heads = int(_field(reader, f"{arch}.attention.head_count"))
-    hidden = int(_field(reader, f"{arch}.embedding_length"))
-    window = _field(reader, f"{arch}.attention.sliding_window", None)
-    config = LeanConfig(
-        arch, int(_field(reader, f"{arch}.block_count")), hidden, heads,
-        int(_field(reader, f"{arch}.attention.head_count_kv", heads)), hidden // heads,
-        float(_field(reader, f"{arch}.rope.freq_base", 10000.0)),
-        float(_field(reader, f"{arch}.attention.layer_norm_rms_epsilon")),
-        int(_field(reader, f"{arch}.context_length")), int(window) if window else None)
-    tensors = {t.name: t for t in reader.tensors}
-    output = "output.weight" if "output.weight" in tensors else "token_embd.weight"  # tied embeddings
-    names = [output] + [f"blk.{i}.{part}.weight" for i in range(config.layers) for part in MATRICES]
-    if head is None:
-        for name in names:
-            if tensors[name].tensor_type.name not in KINDS:
-                raise ConfigError(f"{name} is {tensors[name].tensor_type.name}: the lean backend's kernels read "
-                                  f"{', '.join(KINDS)} (a drafter's weights may be quantized again: `name@lean`)")
+    config, tensors, matrices = _read(reader)
+    if head is None and (untyped := _untyped(matrices)):
+        raise ConfigError(f"{untyped} (a drafter's weights may be quantized again: `name@lean`)")
+    output, names = matrices[0][0], {name for name, *_ in matrices}
 
-    def packed(name: str) -> tuple[str, np.ndarray, int, int]:
+    def packed(name: str, ggml_type: str, raw: np.ndarray, width: int) -> tuple[str, np.ndarray, int, int]:
         """(kind, bytes in the kernels' layout, inputs, outputs) of a matrix, a drafter's head restricted to its
-        rows."""
-        ggml_type, raw = tensors[name].tensor_type.name, np.asarray(tensors[name].data)
-        inputs = formats.inputs_of(int(tensors[name].shape[0]))
+        rows; a drafter's matrices of types other than the K-quants' quantized again (faster, and its guesses
+        change, never what the target emits)."""
+        inputs = formats.inputs_of(width)
         if head is not None and name == output:
             raw = raw[np.asarray(head)]
-        if ggml_type in KINDS:
-            return KINDS[ggml_type], formats.pack(KINDS[ggml_type], raw, inputs), inputs, len(raw)
+        if ggml_type in formats.KIND_OF and (head is None or formats.KIND_OF[ggml_type] in formats.GGUF_BYTES):
+            return *formats.pack_type(ggml_type, raw, inputs), inputs, len(raw)
         kind = "q6_k" if name == output else "q4_k"  # the head keeps more bits: it ranks every guess
         return kind, formats.pack(kind, formats.requantize(kind, raw, ggml_type), inputs), inputs, len(raw)
 
     eos = _field(reader, "tokenizer.ggml.eos_token_id", None)
     layout = {"config": vars(config), "eos": [] if eos is None else [int(eos)], "output": output, "matrices": {},
+              "types": _types(matrices),
               "tensors": {name: [t.tensor_type.name, [int(n) for n in t.shape], int(t.data_offset), int(t.n_bytes)]
                           for name, t in tensors.items() if name not in names or name == "token_embd.weight"}}
     tmp = directory.with_name(f".tmp-{directory.name}-{os.getpid()}")
     tmp.mkdir(parents=True, exist_ok=True)
-    for name in names:
-        kind, data, inputs, outputs = packed(name)
+    for name, ggml_type, raw, width in matrices:
+        kind, data, inputs, outputs = packed(name, ggml_type, raw, width)
         layout["matrices"][name] = [kind, [inputs, outputs]]
         np.save(tmp / f"{name}.npy", data)
     (tmp / "layout.json").write_text(json.dumps(layout))
@@ -212,6 +210,85 @@ def _repack(path: Path, directory: Path, head: tuple[int, ...] | None) -> None:
         tmp.rename(directory)
     except OSError:  # another process cached it first
         shutil.rmtree(tmp, ignore_errors=True)
+
+
+def _read(reader: Any) -> tuple[LeanConfig, dict[str, Any], list[tuple[str, str, np.ndarray, int]]]:
+    """A GGUF file's configuration, its tensors by name, and the matrices the kernels multiply: (name, GGUF type,
+    data [outputs, bytes or values], inputs), the output head first, then each layer's MATRICES (Phi-3's fused
+    attn_qkv and ffn_up split by rows: q, k, v; gate, up). ConfigError where the lean model does not compute what
+    the file's architecture does."""
+    arch = _field(reader, "general.architecture")
+    if arch not in ARCHITECTURES:
+        raise ConfigError(f"the lean backend runs {', '.join(ARCHITECTURES)}, not {arch}")
+    heads = int(_field(reader, f"{arch}.attention.head_count"))
+    hidden = int(_field(reader, f"{arch}.embedding_length"))
+    head_dim = int(_field(reader, f"{arch}.attention.key_length", hidden // heads))
+    window = _field(reader, f"{arch}.attention.sliding_window", None)
+    scaling = str(_field(reader, f"{arch}.rope.scaling.type", "none"))
+    if scaling not in ("none", "linear"):
+        raise ConfigError(f"{arch} with {scaling} rope scaling: the lean backend computes none, linear and Llama 3's")
+    if int(_field(reader, f"{arch}.rope.dimension_count", head_dim)) != head_dim:
+        raise ConfigError(f"{arch} rotates part of each head: the lean backend rotates whole heads")
+    tensors = {t.name: t for t in reader.tensors}
+    if "rope_factors_long.weight" in tensors:
+        raise ConfigError(f"{arch} with LongRoPE factors: the lean backend computes none, linear and Llama 3's")
+    config = LeanConfig(
+        arch, int(_field(reader, f"{arch}.block_count")), hidden, heads,
+        int(_field(reader, f"{arch}.attention.head_count_kv", heads)), head_dim,
+        float(_field(reader, f"{arch}.rope.freq_base", 10000.0)),
+        float(_field(reader, f"{arch}.attention.layer_norm_rms_epsilon")),
+        int(_field(reader, f"{arch}.context_length")), int(window) if window else None,
+        "blk.0.attn_q_norm.weight" in tensors,
+        float(_field(reader, f"{arch}.rope.scaling.factor", 1.0)) if scaling == "linear" else 1.0)
+    output = "output.weight" if "output.weight" in tensors else "token_embd.weight"  # tied embeddings
+
+    def rows(name: str, start: int = 0, stop: int | None = None) -> tuple[str, np.ndarray, int]:
+        tensor = tensors[name]
+        return tensor.tensor_type.name, np.asarray(tensor.data)[start:stop], int(tensor.shape[0])
+
+    q_rows, kv_rows = heads * head_dim, config.kv_heads * head_dim
+    matrices = [(output, *rows(output))]
+    for i in range(config.layers):
+        for part in MATRICES:
+            name = f"blk.{i}.{part}.weight"
+            if f"blk.{i}.attn_qkv.weight" in tensors and part in ("attn_q", "attn_k", "attn_v"):
+                start = {"attn_q": 0, "attn_k": q_rows, "attn_v": q_rows + kv_rows}[part]
+                size = q_rows if part == "attn_q" else kv_rows
+                matrices.append((name, *rows(f"blk.{i}.attn_qkv.weight", start, start + size)))
+            elif arch == "phi3" and part in ("ffn_gate", "ffn_up"):  # gate first, as llama.cpp's swiglu splits it
+                fused = tensors[f"blk.{i}.ffn_up.weight"]
+                half = int(fused.shape[1]) // 2
+                matrices.append((name, *rows(f"blk.{i}.ffn_up.weight", *((0, half) if part == "ffn_gate" else (half,)))))
+            else:
+                matrices.append((name, *rows(name)))
+    return config, tensors, matrices
+
+
+def _untyped(matrices: Sequence[tuple[str, str, Any, int]]) -> str | None:
+    """Why the kernels cannot multiply a matrix of the file as it is (its type), or None."""
+    for name, ggml_type, _, _ in matrices:
+        if ggml_type not in formats.KIND_OF:
+            return f"{name} is {ggml_type}: the lean backend's kernels read {', '.join(formats.KIND_OF)}"
+    return None
+
+
+def coverage(path: Path) -> tuple[bool, str]:
+    """Whether the lean backend runs the GGUF file at `path` exactly as it is, and why: what it runs (the
+    architecture and its matrices' types), or what it lacks (the architecture, its rope scaling or a matrix's type).
+    Read from the header, before anything is repacked."""
+    from gguf import GGUFReader
+
+    try:
+        config, _, matrices = _read(GGUFReader(path))
+    except ConfigError as error:
+        return False, str(error)
+    if untyped := _untyped(matrices):
+        return False, untyped
+    return True, f"{config.architecture}, {_types(matrices)} matrices"
+
+
+def _types(matrices: Sequence[tuple[str, str, Any, int]]) -> str:
+    return "/".join(sorted({ggml_type for _, ggml_type, _, _ in matrices}))
 
 
 @lru_cache(maxsize=4)
@@ -280,6 +357,11 @@ class LeanCausalLM(PointerCache, Backend):
         """Another handle on the same weights with a cache of its own."""
         return LeanCausalLM(self.weights, self.tokenizer, self.name, self.eos_token_ids, self.identity,
                             self.max_positions, self.layers)
+
+    def describe(self) -> list[str]:
+        kinds = sorted({m.kind for m in self.weights.matrices()})
+        return [f"{self.name}: lean backend, {self.config.architecture} with {self.weights.types} matrices on "
+                f"speculant's {'/'.join(kinds)} kernels ({self.kernel})"]
 
     def catalog_drafter_spec(self, drafter: str) -> str:
         """Its GGUF on the same kernels, behind FR-Spec's frequency-ranked head."""
@@ -374,8 +456,10 @@ class LeanCausalLM(PointerCache, Backend):
             h = kernels.quantize_rows(_rms_norm(x, layer.attn_norm, config.eps))
             q, k, v = (_bias(kernels.matmul(h, w), b) for w, b in
                        ((layer.q, layer.q_bias), (layer.k, layer.k_bias), (layer.v, layer.v_bias)))
-            q = _rotate(q.view(n, config.heads, config.head_dim), cos, sin, layout)
-            k = _rotate(k.view(n, config.kv_heads, config.head_dim), cos, sin, layout)
+            q, k = q.view(n, config.heads, config.head_dim), k.view(n, config.kv_heads, config.head_dim)
+            if config.qk_norm:
+                q, k = _rms_norm(q, layer.q_norm, config.eps), _rms_norm(k, layer.k_norm, config.eps)
+            q, k = _rotate(q, cos, sin, layout), _rotate(k, cos, sin, layout)
             self._keys[slot, :, start:end] = k.transpose(0, 1)
             self._values[slot, :, start:end] = v.view(n, config.kv_heads, config.head_dim).transpose(0, 1)
             attended = F.scaled_dot_product_attention(
