@@ -8,6 +8,10 @@ import pytest
 import torch
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import (
+    Gemma2Config,
+    Gemma2ForCausalLM,
+    Gemma3ForCausalLM,
+    Gemma3TextConfig,
     GPT2Config,
     GPT2LMHeadModel,
     GPTNeoXConfig,
@@ -90,6 +94,15 @@ def tiny_transformer(arch: str, seed: int, vocab: int = 64, init_std: float = 0.
                                              tie_word_embeddings=False))
     elif arch == "phi3":
         model = Phi3ForCausalLM(Phi3Config(**common, num_key_value_heads=2, sliding_window=None))
+    elif arch in ("gemma2", "gemma3"):  # windowed layers between global ones (Gemma 3: 5 to 1), heads of 64; Gemma 3's
+        # head its own (the tied head, its scaled embeddings dominant in a model this small, repeats the last token)
+        gemma = dict(common, num_key_value_heads=2, head_dim=64, query_pre_attn_scalar=64, sliding_window=window)
+        if arch == "gemma2":
+            model = Gemma2ForCausalLM(Gemma2Config(**gemma))
+        else:  # its global layers' rope scaled linearly, as Gemma 3 4B's
+            rope = {"full_attention": dict(rope_type="linear", factor=8.0, rope_theta=1e6),
+                    "sliding_attention": dict(rope_type="default", rope_theta=1e4)}
+            model = Gemma3ForCausalLM(Gemma3TextConfig(**gemma, rope_parameters=rope, tie_word_embeddings=False))
     elif arch == "mistral":
         model = MistralForCausalLM(MistralConfig(**common, num_key_value_heads=2, sliding_window=window))
     elif arch == "gpt_neox":
@@ -213,6 +226,15 @@ def every_method(other) -> dict[str, dict]:
         "cascade": dict(method="cascade", drafters=[other, "maxgram"]),
         "auto": dict(method="auto", drafters=[other, "maxgram", "suffix"]),
     }
+
+
+def greedy(model, prompt: list[int], n: int = 16, vocab: int = BYTE_VOCAB) -> list[int]:
+    """transformers' own greedy decoding of `model`, the whole sequence recomputed at every step."""
+    ids = list(prompt)
+    with torch.no_grad():
+        for _ in range(n):
+            ids.append(int(model(torch.tensor([ids]), use_cache=False).logits[0, -1, :vocab].argmax()))
+    return ids[len(prompt):]
 
 
 def random_prompt(seed: int, vocab: int, length: int = 8) -> list[int]:

@@ -81,16 +81,32 @@ def test_load_model_leaves_the_callers_model_untouched():
     assert model.config._attn_implementation == attention
 
 
-@pytest.mark.parametrize("prompt_length", [5, 13, 30])  # shorter than the window of 8, longer, far longer
-def test_a_sliding_window_is_what_transformers_full_recomputation_applies(prompt_length):
-    """On a windowed Mistral, every logits row along the generation equals transformers' forward over the whole
-    sequence so far (which applies the window itself), greedy `ar` is its greedy decoding (up to near-ties of
-    the two summation orders), and `sd` (Max-Gram and a model), `tree` and `cascade` equal `ar`: rollback and
-    tree compaction keep the window's positions."""
-    from speculant import generate
+def windowed_transformer(arch: str):
+    """A tiny windowed model (window 8): Mistral (every layer), Gemma 3 (five windowed layers, then a global one) or
+    Qwen2 with `max_window_layers` (a global layer, then a windowed one)."""
+    from transformers import Qwen2Config, Qwen2ForCausalLM
 
-    reference = tiny_transformer("mistral", 1, 64, init_std=0.1)
-    assert reference.config.sliding_window == 8
+    if arch == "qwen2":
+        torch.manual_seed(1)
+        config = Qwen2Config(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                             num_attention_heads=4, num_key_value_heads=2, use_sliding_window=True, sliding_window=8,
+                             max_window_layers=1, initializer_range=0.1)
+        return Qwen2ForCausalLM(config).eval()
+    return tiny_transformer(arch, 1, 64, init_std=0.1, layers=6 if arch == "gemma3" else 2)
+
+
+@pytest.mark.parametrize("arch", ["mistral", "gemma3", "qwen2"])
+@pytest.mark.parametrize("prompt_length", [5, 13, 30])  # shorter than the window of 8, longer, far longer
+def test_a_sliding_window_is_what_transformers_full_recomputation_applies(arch, prompt_length):
+    """On a windowed model (windowed layers mixed with global ones: a mask per layer type), every logits row along
+    the generation equals transformers' forward over the whole sequence so far (which applies the window itself),
+    greedy `ar` is its greedy decoding (up to near-ties of the two summation orders), and `sd` (Max-Gram and a
+    model), `tree` and `cascade` equal `ar`: rollback and tree compaction keep the window's positions."""
+    from speculant import generate
+    from speculant.models.windows import layer_windows
+
+    reference = windowed_transformer(arch)
+    assert 8 in layer_windows(reference.config) and (arch == "mistral") != (None in layer_windows(reference.config))
     model = load_model(reference)
     prompt = [(7 * i + 1) % 60 + 1 for i in range(prompt_length)]
     ar = generate(model, prompt_ids=prompt, method="ar", max_new_tokens=24).token_ids
@@ -109,14 +125,3 @@ def test_a_sliding_window_is_what_transformers_full_recomputation_applies(prompt
                             ("cascade", dict(drafters=(model.share(), "maxgram")))]:
         assert generate(model, prompt_ids=prompt * 2, method=method, max_new_tokens=24, **options).token_ids == \
             generate(model, prompt_ids=prompt * 2, method="ar", max_new_tokens=24).token_ids, method
-
-
-def test_a_model_mixing_windowed_and_global_layers_is_refused_in_one_line():
-    from transformers import Qwen2Config, Qwen2ForCausalLM
-
-    from speculant.errors import ConfigError
-
-    config = Qwen2Config(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
-                         num_key_value_heads=2, use_sliding_window=True, sliding_window=8, max_window_layers=1)
-    with pytest.raises(ConfigError, match="mixes sliding-window and global"):
-        load_model(Qwen2ForCausalLM(config))

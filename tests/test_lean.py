@@ -8,7 +8,7 @@ import random
 import gguf
 import pytest
 import torch
-from helpers import BYTE_VOCAB, byte_tokenizer, every_method
+from helpers import BYTE_VOCAB, byte_tokenizer, every_method, greedy
 from tiny_gguf import dequantized_transformer, write_tiny_gguf
 
 from speculant import generate, kernels
@@ -352,7 +352,7 @@ def test_a_windowed_model_agrees_with_transformers_mistral_on_the_same_weights(l
     assert (rows - unwindowed).norm() / unwindowed.norm() > 0.1  # the window matters here
 
 
-ARCHITECTURES = ("llama3", "qwen3", "phi3")  # beside the qwen2 and llama above
+ARCHITECTURES = ("llama3", "qwen3", "phi3", "gemma2", "gemma3")  # beside the qwen2 and llama above
 TYPES = ("Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q5_K", "F16", "BF16", "F32")
 
 
@@ -364,7 +364,8 @@ def typed_files(tmp_path_factory):
     def file(arch: str, ggml_type: str):
         if (arch, ggml_type) not in files:
             path = root / f"{arch}-{ggml_type}.gguf"
-            files[arch, ggml_type] = (path, write_tiny_gguf(path, arch, 0, ggml_type, hidden=256))
+            layers = 6 if arch == "gemma3" else 2  # Gemma 3: five windowed layers, then a global one
+            files[arch, ggml_type] = (path, write_tiny_gguf(path, arch, 0, ggml_type, hidden=256, layers=layers))
         return files[arch, ggml_type]
 
     with pytest.MonkeyPatch.context() as patch:
@@ -376,8 +377,9 @@ def typed_files(tmp_path_factory):
                          [("qwen3", t) for t in TYPES if t != "Q8_0"])
 def test_every_architecture_and_type_agrees_with_transformers_and_rows_are_exact(typed_files, arch, ggml_type):
     """Logits against transformers on the de-quantized weights (its own Llama 3 rope scaling, Qwen3's q and k
-    norms, Phi-3's fused matrices), for a prompt longer than Llama 3's original context of 64; a W-token forward
-    equals W one-token forwards bit for bit."""
+    norms, Phi-3's fused matrices, Gemma's windowed and global layers, soft caps and norms), for a prompt longer
+    than Llama 3's original context of 64 and Gemma's window of 8; a W-token forward equals W one-token forwards
+    bit for bit."""
     path, model = typed_files(arch, ggml_type)
     reference = dequantized_transformer(path, model, arch)
     ids = prompt_ids(1, 80)
@@ -418,5 +420,47 @@ def test_a_user_s_gguf_runs_on_lean_where_it_can_and_says_why_in_one_line(typed_
     assert loading.resolve_backend("auto", str(path), None, None, "bf16") == "llamacpp"  # a dtype: not as it is
     lines = [r.getMessage() for r in caplog.records]
     assert lines == [f"speculant: {path.name} runs on the lean backend: qwen3, Q5_K matrices",
-                     "speculant: other.gguf runs on llama.cpp: the lean backend runs qwen2, llama, qwen3, phi3, not gpt2"]
+                     "speculant: other.gguf runs on llama.cpp: the lean backend runs qwen2, llama, qwen3, phi3, gemma2, gemma3, "
+                     "not gpt2"]
     assert "qwen3 with Q5_K matrices" in load_model(str(path), tokenizer=byte_tokenizer()).describe()[0]
+
+
+WINDOWED_METHODS = {"ar": dict(method="ar"), "sd": dict(method="sd", drafter="maxgram", k=4),
+                    "tree": dict(method="tree", drafter="self", depth=3, width=3),
+                    "cascade": dict(method="cascade", drafters=["self", "maxgram"])}
+
+
+def windowed_reference(typed_files, tmp_path, arch: str, window: int | None = 8):
+    """(GGUF path, transformers model on its de-quantized F32 weights) of a windowed tiny model: Gemma 3 (five
+    windowed layers and a global one) or Mistral (a llama GGUF with a window); window=None: the same weights
+    with no window."""
+    if arch == "mistral":
+        from transformers import MistralConfig, MistralForCausalLM
+
+        path = tmp_path / "mistral.gguf"
+        plain = dequantized_transformer(path, write_tiny_gguf(path, "llama", 0, "F32", hidden=256, window=8), "llama")
+        model = MistralForCausalLM(MistralConfig(**{**plain.config.to_dict(), "sliding_window": window or 4096}))
+        model.load_state_dict(plain.state_dict())
+        return path, model.eval()
+    path, model = typed_files(arch, "F32")
+    model = dequantized_transformer(path, model, arch)
+    if window is None:
+        wide = type(model)(type(model.config)(**{**model.config.to_dict(), "sliding_window": 4096})).eval()
+        wide.load_state_dict(model.state_dict())
+        return path, wide
+    return path, model
+
+
+@pytest.mark.parametrize("arch", ["gemma3", "mistral"])
+@pytest.mark.parametrize("length", [5, 20])  # within the window of 8, and past it
+def test_greedy_decoding_of_a_windowed_model_is_transformers_own(typed_files, tmp_path, arch, length):
+    """F32 matrices (fp32 rows, no int8 activations): greedy `ar`, `sd`, `tree` and `cascade` on the lean model
+    emit the tokens of transformers' greedy decoding of the same model, recomputed in full at every step, for
+    generations that cross the window (where the same weights without a window emit others)."""
+    path, reference = windowed_reference(typed_files, tmp_path, arch)
+    prompt = prompt_ids(30 + length, length)
+    expected = greedy(reference, prompt)
+    assert expected != greedy(windowed_reference(typed_files, tmp_path, arch, None)[1], prompt)  # the window matters
+    lean = load_model(str(path), backend="lean", tokenizer=byte_tokenizer())
+    for label, options in WINDOWED_METHODS.items():
+        assert generate(lean, prompt_ids=prompt, max_new_tokens=16, **options).token_ids == expected, label

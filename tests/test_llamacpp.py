@@ -273,3 +273,22 @@ def test_a_windowed_llama_gguf_is_sent_to_the_lean_backend_which_applies_its_win
         unwindowed = plain(torch.tensor([ids])).logits[0, 4:]
     assert (rows - unwindowed).norm() / unwindowed.norm() < 0.05  # if this fails, llama.cpp now applies it
     assert load_model(str(path), backend="lean", tokenizer=byte_tokenizer()).prefill([1, 2, 3]).shape[-1] >= BYTE_VOCAB
+
+
+@pytest.mark.parametrize("length", [5, 20])  # within the window of 8, and past it
+def test_greedy_decoding_of_a_windowed_gemma_is_transformers_own(tmp_path, private_cache, length):
+    """A Gemma 3 GGUF (five windowed layers and a global one; F32): llama.cpp applies its window, and greedy `ar`,
+    `sd`, `tree` and `cascade` on it emit the tokens of transformers' greedy decoding of the same model, recomputed
+    in full at every step, for generations that cross the window."""
+    from helpers import greedy
+    from test_lean import WINDOWED_METHODS
+    from tiny_gguf import dequantized_transformer
+
+    path = tmp_path / "gemma3.gguf"
+    reference = dequantized_transformer(path, write_tiny_gguf(path, "gemma3", 0, "F32", hidden=256, layers=6),
+                                        "gemma3")
+    prompt = prompt_ids(30 + length, length)
+    expected = greedy(reference, prompt)
+    model = load_model(str(path), backend="llamacpp", tokenizer=byte_tokenizer())
+    for label, options in WINDOWED_METHODS.items():
+        assert generate(model, prompt_ids=prompt, max_new_tokens=16, **options).token_ids == expected, label

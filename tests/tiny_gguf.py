@@ -1,6 +1,6 @@
 """Tiny GGUF files for the llama.cpp and lean backends' tests: a seeded transformers model of tests/helpers.py
-written out with the `gguf` package (llama, qwen2, and for the lean backend llama3 with its rope factors, qwen3 and
-phi3; f32, q8_0, "k": Q4_K and Q6_K as in Q4_K_M, with hidden sizes a multiple of 256, or any GGUF type name for
+written out with the `gguf` package (llama, qwen2, and for the lean backend llama3 with its rope factors, qwen3,
+phi3, gemma2 and gemma3; f32, q8_0, "k": Q4_K and Q6_K as in Q4_K_M, with hidden sizes a multiple of 256, or any GGUF type name for
 every matrix) and a byte-level vocabulary, so that llama.cpp, the lean backend and transformers run the same
 weights."""
 
@@ -73,12 +73,18 @@ NAMES = {"embed_tokens": "token_embd", "norm": "output_norm", "lm_head": "output
          "self_attn.qkv_proj": "attn_qkv", "mlp.gate_up_proj": "ffn_up"}  # transformers' modules: llama.cpp's
 
 
+GEMMA_NAMES = {"post_attention_layernorm": "post_attention_norm", "pre_feedforward_layernorm": "ffn_norm",
+               "post_feedforward_layernorm": "post_ffw_norm"}  # Gemma's norms where llama.cpp names them
+
+
 def gguf_name(arch: str, name: str) -> tuple[str, bool]:
     """The GGUF tensor of a transformers parameter, and whether its rows are permuted (llama's q and k)."""
     parts = name.removeprefix("model.").split(".")
     if parts[0] != "layers":
         return f"{NAMES[parts[0]]}.{parts[-1]}", False
     module = ".".join(parts[2:-1])
+    if arch.startswith("gemma") and module in GEMMA_NAMES:
+        return f"blk.{parts[1]}.{GEMMA_NAMES[module]}.{parts[-1]}", False
     permuted = arch in ("llama", "llama3") and module in ("self_attn.q_proj", "self_attn.k_proj")
     return f"blk.{parts[1]}.{NAMES[module]}.{parts[-1]}", permuted
 
@@ -93,7 +99,7 @@ def dequantized_transformer(path: Path, model, arch: str):
     state = model.state_dict()
     for name in state:
         out, permuted = gguf_name(arch, name)
-        if state[name].ndim != 2 or out == "token_embd.weight":
+        if state[name].ndim != 2 or out not in tensors or out == "token_embd.weight":  # tied heads: the embeddings
             continue
         weight = gguf.quants.dequantize(np.asarray(tensors[out].data), tensors[out].tensor_type).reshape(state[name].shape)
         if permuted:
@@ -114,13 +120,14 @@ def write_tiny_gguf(path: Path, arch: str, seed: int, quant: str = "q8_0", layer
     config = model.config
     heads, kv_heads = config.num_attention_heads, config.num_key_value_heads
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
-    if arch in ("llama3", "qwen3", "phi3"):  # norms other than ones, so that a norm misplaced shows
+    if arch in ("llama3", "qwen3", "phi3", "gemma2", "gemma3"):  # norms not all alike, so that one misplaced shows
         torch.manual_seed(seed)
         with torch.no_grad():
             for name, tensor in model.named_parameters():
                 if name.endswith("norm.weight"):
                     tensor.add_(torch.randn_like(tensor) * 0.2)
     rope = getattr(config, "rope_parameters", None) or {"rope_theta": config.rope_theta}
+    rope = rope.get("full_attention", rope)  # Gemma 3: its global layers' (its windowed ones' base is 10000)
     writer = gguf.GGUFWriter(str(path), "llama" if arch == "llama3" else arch)
     writer.add_context_length(config.max_position_embeddings)
     writer.add_embedding_length(config.hidden_size)
@@ -135,6 +142,15 @@ def write_tiny_gguf(path: Path, arch: str, seed: int, quant: str = "q8_0", layer
     writer.add_rope_dimension_count(head_dim)
     if rope.get("rope_type") == "llama3":
         writer.add_tensor("rope_freqs.weight", _llama3_factors(rope, head_dim))
+    if rope.get("rope_type") == "linear":
+        writer.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
+        writer.add_rope_scaling_factor(rope["factor"])
+    if arch.startswith("gemma"):
+        writer.add_sliding_window(config.sliding_window)
+        if config.attn_logit_softcapping:
+            writer.add_attn_logit_softcapping(config.attn_logit_softcapping)
+        if config.final_logit_softcapping:
+            writer.add_final_logit_softcapping(config.final_logit_softcapping)
     if window is not None:
         writer.add_sliding_window(window)
     writer.add_file_type({"f32": gguf.LlamaFileType.ALL_F32, "q8_0": gguf.LlamaFileType.MOSTLY_Q8_0,
@@ -153,6 +169,10 @@ def write_tiny_gguf(path: Path, arch: str, seed: int, quant: str = "q8_0", layer
     for name, tensor in model.state_dict().items():
         data = tensor.float().numpy()
         out, permuted = gguf_name(arch, name)
+        if out == "output.weight" and config.tie_word_embeddings:
+            continue  # the head is the embeddings
+        if arch.startswith("gemma") and name.endswith("norm.weight"):
+            data = data + 1  # Gemma's norms scale by 1 + w: llama.cpp's converter writes 1 + w
         if permuted:
             data = _permute(data, heads if ".q_proj" in name else kv_heads)
         if quant == "q8_0" and data.ndim == 2 and out != "token_embd.weight":

@@ -82,7 +82,8 @@ def library(name: str) -> ctypes.CDLL | None:
         getattr(lib, f"matmul_{kind}").argtypes = [_P, _P, _P, _P, _I, _I, _P, _I, _P, ctypes.c_int]
     lib.matmul_f32.argtypes = [_P, _I, _I, _P, _I, _P, ctypes.c_int]
     lib.lean_layer.argtypes = [ctypes.POINTER(LayerStruct), _I, _I, _I, _I, ctypes.c_float, ctypes.c_int, _P, _I,
-                               _P, _P, _P, _P, _P, _P, _P, _P, _I, _I, ctypes.c_float, ctypes.c_int]
+                               _P, _P, _P, _P, _P, _P, _P, _P, _I, _I, ctypes.c_float, ctypes.c_int, ctypes.c_float,
+                               ctypes.c_int]
     return lib
 
 
@@ -219,14 +220,15 @@ class MatStruct(ctypes.Structure):
 
 class LayerStruct(ctypes.Structure):
     """layer.h's Layer: one decoder layer's norms, biases (None: NULL) and matrices."""
-    _fields_ = [(name, _P) for name in ("attn_norm", "ffn_norm", "q_norm", "k_norm", "q_bias", "k_bias", "v_bias")] + \
+    _fields_ = [(name, _P) for name in ("attn_norm", "ffn_norm", "q_norm", "k_norm", "post_attn_norm", "post_ffn_norm",
+                                        "q_bias", "k_bias", "v_bias")] + \
         [(name, MatStruct) for name in ("q", "k", "v", "o", "gate", "up", "down")]
 
 
 def layer_struct(norms: tuple[torch.Tensor | None, ...], biases: tuple[torch.Tensor | None, ...],
                  matrices: tuple[QuantWeight, ...]) -> LayerStruct:
-    """The C view of a layer (attention and MLP norms, q and k norms per head or None; q, k, v biases; q, k, v,
-    o, gate, up, down): the tensors must outlive it."""
+    """The C view of a layer (attention and MLP norms; q and k norms per head, norms of attention's and the MLP's
+    outputs, or None; q, k, v biases; q, k, v, o, gate, up, down): the tensors must outlive it."""
     def mat(w: QuantWeight) -> MatStruct:
         return MatStruct(w.data.data_ptr(), w.in_features, w.data.shape[0] * formats.PANEL, w.out_features,
                          KINDS.index(w.kind))
@@ -254,14 +256,15 @@ class Places:
 def layer(config: Any, layer: LayerStruct, index: int, x: torch.Tensor, places: Places, cos: torch.Tensor,
           sin: torch.Tensor, neox: bool, isa: str | None = None) -> None:
     """Decoder layer `index` (layer.h) on the residual stream x [n, hidden] in place, its rows placed by
-    `places` (rows of several sequences, each with a cache of its own, may share one call)."""
+    `places` (rows of several sequences, each with a cache of its own, may share one call). `config`: the lean
+    model's (its shape, scores' scale and soft cap, GeGLU or SwiGLU)."""
     layer_size = config.kv_heads * places.capacity * config.head_dim
     library(isa or best()).lean_layer(
         ctypes.byref(layer), config.hidden, config.heads, config.kv_heads, config.head_dim, config.eps, int(neox),
         x.data_ptr(), x.shape[0], cos.data_ptr(), sin.data_ptr(), places.positions.data_ptr(),
         places.slots.data_ptr(), places.seen.data_ptr(), places.masks.data_ptr(), places.keys.data_ptr(),
-        places.values.data_ptr(), index * layer_size, places.capacity, config.head_dim ** -0.5,
-        torch.get_num_threads())
+        places.values.data_ptr(), index * layer_size, places.capacity, config.attn_scale or config.head_dim ** -0.5,
+        torch.get_num_threads(), config.attn_softcap, int(config.gelu))
 
 
 @dataclass(frozen=True)

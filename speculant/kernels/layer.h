@@ -1,5 +1,5 @@
 // One decoder layer of the lean model (models/backends/lean.py) for W new tokens, in C: RMSNorm, the q/k/v, o and
-// SwiGLU projections on this ISA's matmul_q4_k / matmul_q6_k, RoPE, the KV cache write and attention, one
+// SwiGLU (or GeGLU) projections on this ISA's matmuls of every kind, RoPE, the KV cache write and attention, one
 // call from Python instead of ~80 small torch operations (at one token those cost the 0.5B drafter a third
 // of its forward). Included at the end of every ISA's file, after its matmuls.
 //
@@ -21,7 +21,8 @@ typedef struct {
 } Mat;
 
 typedef struct {
-    const float *attn_norm, *ffn_norm, *q_norm, *k_norm, *q_bias, *k_bias, *v_bias;  // all but the first two may be NULL
+    const float *attn_norm, *ffn_norm;
+    const float *q_norm, *k_norm, *post_attn_norm, *post_ffn_norm, *q_bias, *k_bias, *v_bias;  // each may be NULL
     Mat q, k, v, o, gate, up, down;
 } Layer;
 
@@ -86,16 +87,35 @@ static inline void weighted_sum(float *out, const float *p, const float *v, int6
         for (int64_t i = whole; p[j] != 0.0f && i < d; i++) out[i] += p[j] * v[j * d + i];
 }
 
-// SwiGLU (Shazeer 2020): silu(gate) * up, element by element.
-static inline void swiglu(const float *restrict gate, const float *restrict up, float *restrict act, int64_t n) {
-    for (int64_t i = 0; i < n; i++) act[i] = gate[i] / (1.0f + exp_poly(-gate[i])) * up[i];
+// tanh(x) = 1 - 2 / (e^2x + 1), on exp_poly: the same bits on every ISA.
+static inline float tanh_poly(float x) { return 1.0f - 2.0f / (exp_poly(2.0f * x) + 1.0f); }
+
+// SwiGLU (Shazeer 2020): silu(gate) * up, element by element; with `gelu`, GeGLU: GELU's tanh form (Hendrycks and
+// Gimpel 2016, sec. 2) in place of SiLU, as Gemma's.
+static inline void glu(const float *restrict gate, const float *restrict up, float *restrict act, int64_t n, int gelu) {
+    if (gelu)
+        for (int64_t i = 0; i < n; i++) {
+            float g = gate[i];
+            act[i] = 0.5f * g * (1.0f + tanh_poly(0.7978845608f * (g + 0.044715f * g * g * g))) * up[i];
+        }
+    else
+        for (int64_t i = 0; i < n; i++) act[i] = gate[i] / (1.0f + exp_poly(-gate[i])) * up[i];
 }
+
 
 static void rms_norm(const float *x, const float *w, int64_t n, int64_t width, float eps, float *y) {
     for (int64_t r = 0; r < n; r++) {
         const float *xr = x + r * width;
         float scale = 1.0f / sqrtf(sum16(xr, xr, width) / (float)width + eps);
         for (int64_t i = 0; i < width; i++) y[r * width + i] = xr[i] * scale * w[i];
+    }
+}
+
+// y [n, width] += the rows of x [n, stride] (their first `width`), each RMS-normed by w first where w is given.
+static void add_rows(float *y, float *x, const float *w, int64_t n, int64_t width, int64_t stride, float eps) {
+    for (int64_t r = 0; r < n; r++) {
+        if (w) rms_norm(x + r * stride, w, 1, width, eps, x + r * stride);
+        for (int64_t i = 0; i < width; i++) y[r * width + i] += x[r * stride + i];
     }
 }
 
@@ -115,11 +135,12 @@ static void rotate(float *v, int64_t heads, int64_t d, const float *cos, const f
 // x [n, hidden] (the residual stream, updated in place) through one layer. The rows may belong to several
 // sequences, each with a cache of its own: row i is rotated by position pos[i], writes its key and value at
 // position slot[i] of its cache (keys[i] + offset, values[i] + offset: this layer's [kv_heads, capacity, d])
-// and sees that cache's positions j < seen[i] where masks[i][j] (masks[i] NULL: every j < seen[i]).
+// and sees that cache's positions j < seen[i] where masks[i][j] (masks[i] NULL: every j < seen[i]). Scores are
+// q.k times `scale`, soft-capped where `softcap` is not 0 (Gemma 2); `gelu`: GeGLU where SwiGLU has SiLU.
 void lean_layer(const Layer *L, int64_t hidden, int64_t heads, int64_t kv_heads, int64_t d, float eps, int neox,
                 float *x, int64_t n, const float *cos, const float *sin, const int64_t *pos, const int64_t *slot,
                 const int64_t *seen, const uint8_t *const *masks, float *const *keys, float *const *values,
-                int64_t offset, int64_t capacity, float scale, int threads) {
+                int64_t offset, int64_t capacity, float scale, int threads, float softcap, int gelu) {
     int64_t group = heads / kv_heads, inter = L->gate.out;
     float *h = malloc(n * hidden * sizeof(float)), *attended = malloc(n * heads * d * sizeof(float));
     float *q = malloc(n * L->q.O * sizeof(float)), *k = malloc(n * L->k.O * sizeof(float));
@@ -135,7 +156,7 @@ void lean_layer(const Layer *L, int64_t hidden, int64_t heads, int64_t kv_heads,
         for (int64_t i = 0; L->q_bias && i < heads * d; i++) qr[i] += L->q_bias[i];
         for (int64_t i = 0; L->k_bias && i < kv_heads * d; i++) kr[i] += L->k_bias[i];
         for (int64_t i = 0; L->v_bias && i < kv_heads * d; i++) vr[i] += L->v_bias[i];
-        if (L->q_norm) rms_norm(qr, L->q_norm, heads, d, eps, qr);  // Qwen3: each head's q and k normed
+        if (L->q_norm) rms_norm(qr, L->q_norm, heads, d, eps, qr);  // Qwen3, Gemma 3: each head's q and k normed
         if (L->k_norm) rms_norm(kr, L->k_norm, kv_heads, d, eps, kr);
         rotate(qr, heads, d, cos + pos[r] * (d / 2), sin + pos[r] * (d / 2), neox);
         rotate(kr, kv_heads, d, cos + pos[r] * (d / 2), sin + pos[r] * (d / 2), neox);
@@ -158,6 +179,7 @@ void lean_layer(const Layer *L, int64_t hidden, int64_t heads, int64_t kv_heads,
                 for (int64_t h = 0; h < group; h++) {
                     const float *qh = q + r * L->q.O + (g * group + h) * d;
                     float s = visible && !visible[j] ? -INFINITY : sum16(qh, kc + j * d, d) * scale;
+                    if (softcap != 0.0f && s != -INFINITY) s = softcap * tanh_poly(s / softcap);  // Gemma 2
                     scores[h * last + j] = s;
                     top[h] = s > top[h] ? s : top[h];
                 }
@@ -174,8 +196,7 @@ void lean_layer(const Layer *L, int64_t hidden, int64_t heads, int64_t kv_heads,
     a = quantize_input(attended, n, heads * d, L->o.K, threads);
     project(&L->o, &a, n, o, threads);
     free_act(a);
-    for (int64_t r = 0; r < n; r++)
-        for (int64_t i = 0; i < hidden; i++) x[r * hidden + i] += o[r * L->o.O + i];
+    add_rows(x, o, L->post_attn_norm, n, hidden, L->o.O, eps);
     free(q), free(k), free(v), free(o), free(attended);
     float *gate = malloc(n * L->gate.O * sizeof(float)), *up = malloc(n * L->up.O * sizeof(float));
     float *act = malloc(n * inter * sizeof(float)), *down = malloc(n * L->down.O * sizeof(float));
@@ -188,12 +209,11 @@ void lean_layer(const Layer *L, int64_t hidden, int64_t heads, int64_t kv_heads,
     #pragma omp parallel for collapse(2) schedule(static) num_threads(threads)
     for (int64_t r = 0; r < n; r++)
         for (int64_t c = 0; c < chunks; c++)
-            swiglu(gate + r * L->gate.O + c * 256, up + r * L->up.O + c * 256, act + r * inter + c * 256,
-                   inter - c * 256 < 256 ? inter - c * 256 : 256);
+            glu(gate + r * L->gate.O + c * 256, up + r * L->up.O + c * 256, act + r * inter + c * 256,
+                inter - c * 256 < 256 ? inter - c * 256 : 256, gelu);
     a = quantize_input(act, n, inter, L->down.K, threads);
     project(&L->down, &a, n, down, threads);
     free_act(a);
-    for (int64_t r = 0; r < n; r++)
-        for (int64_t i = 0; i < hidden; i++) x[r * hidden + i] += down[r * L->down.O + i];
+    add_rows(x, down, L->post_ffn_norm, n, hidden, L->down.O, eps);
     free(gate), free(up), free(act), free(down), free(h);
 }

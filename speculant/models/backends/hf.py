@@ -126,7 +126,7 @@ class HFCausalLM(Backend):
         self.device = next(model.parameters()).device
         self.dtype = model.dtype
         self.numerics = {torch.float32: "fp32", torch.bfloat16: "bf16"}.get(model.dtype, str(model.dtype))
-        self.window = attention_window(model.config)
+        self.window, self.mixed = attention_window(model.config)
         self._cache = DynamicCache()  # every layer keeps every position: rollback crops it, the window is a mask
         self._cache_argument = cache_argument(model)
         self._len = 0
@@ -174,7 +174,8 @@ class HFCausalLM(Backend):
                 ) -> tuple[Sequence[int], torch.Tensor | None]:
         """Positions of new tokens and their attention mask ([1, 1, n, cached + n]; None: causal). A model with
         a sliding window always gets a mask: each token sees the positions less than `window` before its own
-        (transformers' rule, the one its full recomputation applies), cached or new."""
+        (transformers' rule, the one its full recomputation applies), cached or new; one whose layers mix windowed
+        and global attention gets one of each, by layer type (transformers' mapping)."""
         n = len(ids)
         if tree is None:
             if positions is None:
@@ -193,11 +194,18 @@ class HFCausalLM(Backend):
             if positions is None:
                 positions = tree.positions(tree_begin)[start:]
             key_positions = torch.cat([torch.arange(tree_begin), torch.as_tensor(tree.positions(tree_begin))])
+        windowed = allowed
         if self.window is not None:
             query_positions = torch.as_tensor(list(positions))[:, None]
-            allowed &= query_positions - key_positions[None, :] < self.window
+            windowed = allowed & (query_positions - key_positions[None, :] < self.window)
+        if self.mixed:
+            return positions, {"full_attention": self._additive(allowed), "sliding_attention": self._additive(windowed)}
+        return positions, self._additive(windowed)
+
+    def _additive(self, allowed: torch.Tensor) -> torch.Tensor:
+        """A boolean mask [n, keys] as transformers' additive one [1, 1, n, keys] on the model's device."""
         mask = torch.zeros(allowed.shape, dtype=self.dtype).masked_fill_(~allowed, torch.finfo(self.dtype).min)
-        return positions, mask[None, None].to(self.device)
+        return mask[None, None].to(self.device)
 
     def _run(self, ids: Sequence[int], positions: Sequence[int] | None, mask: torch.Tensor | None,
              logits_to_keep: int) -> torch.Tensor:
@@ -250,15 +258,20 @@ class HFCausalLM(Backend):
         self._len = index.numel()
 
 
-def attention_window(config: Any) -> int | None:
-    """The sliding window every attention layer of the model applies (None: none). A model whose layers mix
-    windowed and global attention (Gemma 2 and 3, Qwen2 with `max_window_layers`) is refused: one mask per
-    forward cannot serve both."""
-    windows = set(layer_windows(config))
-    if len(windows) > 1:
-        raise ConfigError(f"{config.model_type} mixes sliding-window and global attention layers, which the "
-                          "transformers backend does not run yet")
-    return windows.pop()
+def attention_window(config: Any) -> tuple[int | None, bool]:
+    """The sliding window of the model's windowed attention layers (None: none), and whether global layers mix
+    with them (Gemma 2 and 3, Qwen2 with `max_window_layers`: their models take a mask per layer type). Windows of
+    several sizes, or mixed in a model without layer types, are refused."""
+    windows = layer_windows(config)
+    sizes = {w for w in windows if w is not None}
+    if len(sizes) > 1:
+        raise ConfigError(f"{config.model_type} has sliding windows of several sizes ({sorted(sizes)}), which the "
+                          "transformers backend does not run")
+    mixed = bool(sizes) and None in windows
+    if mixed and not getattr(config, "layer_types", None):
+        raise ConfigError(f"{config.model_type} mixes sliding-window and global attention layers without layer "
+                          "types, which the transformers backend does not run")
+    return (sizes.pop() if sizes else None), mixed
 
 
 # Architectures whose logits are the output embedding of the base model's last hidden state, nothing more:
@@ -267,8 +280,9 @@ ROW_ARCHITECTURES = frozenset({"llama", "qwen2", "qwen3", "mistral", "gpt2", "gp
 
 
 def batches_rows(model: HFCausalLM) -> bool:
-    """Whether `forward_rows` can run this model's rows in one forward."""
-    return model.model.config.model_type in ROW_ARCHITECTURES and model.kernel != "quantized"
+    """Whether `forward_rows` can run this model's rows in one forward (one mask per row: not windowed layers
+    mixed with global ones)."""
+    return model.model.config.model_type in ROW_ARCHITECTURES and model.kernel != "quantized" and not model.mixed
 
 
 @torch.inference_mode()

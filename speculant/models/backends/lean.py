@@ -1,6 +1,8 @@
 """The lean model: one file for the RMSNorm-RoPE-GQA-SwiGLU decoders of the GGUFs people use (Llama, with Llama 3's
 rope scaling; Mistral, a Llama with a sliding window; Qwen2; Qwen3, its q and k normed per head; Phi-3, its q, k, v
-and its gate and up each one fused matrix, split when repacked), read straight from a GGUF file of any type in
+and its gate and up each one fused matrix, split when repacked; Gemma 2 and 3: sliding-window layers between global
+ones, GeGLU, the embeddings scaled, norms after attention and the MLP too, logits soft-capped (Gemma 2), q and k
+normed and a rope of their own for the windowed layers (Gemma 3)), read straight from a GGUF file of any type in
 `formats.KIND_OF`, on speculant's exact kernels (`speculant.kernels`) and a preallocated KV cache with a length
 pointer (gpt-fast's shape). `coverage` says, from a file's header, whether it runs here and if not why.
 
@@ -38,8 +40,10 @@ from speculant.errors import ConfigError
 from speculant.models.base import Backend, Call, Capabilities, Interrupted, PointerCache, prompt_parts
 from speculant.trees.tree import TokenTree
 
-ARCHITECTURES = {"qwen2": "neox", "llama": "norm", "qwen3": "neox", "phi3": "neox"}  # rotary layout as llama.cpp
-# lays out each one's weights
+ARCHITECTURES = {"qwen2": "neox", "llama": "norm", "qwen3": "neox", "phi3": "neox", "gemma2": "neox",
+                 "gemma3": "neox"}  # rotary layout as llama.cpp lays out each one's weights
+GEMMA = {"gemma2": 2, "gemma3": 6}  # every n-th layer global, the rest windowed (llama.cpp's set_swa_pattern)
+GEMMA_27B = {"gemma2": 46, "gemma3": 62}  # layers of the 27B models, whose queries llama.cpp scales by hidden / heads
 DRAFT_HEAD = 49152  # a drafter's head rows (FR-Spec keeps 32k of Llama-3's 128k; Qwen2's vocabulary is 152k, and
 # its coder's drafter serves code and prose; docs/results/cpu.md measures the share of the target's tokens it covers)
 DEFAULT_POSITIONS = 4096  # cache capacity when the model allows more
@@ -59,8 +63,20 @@ class LeanConfig:
     eps: float
     context: int
     window: int | None  # sliding-window attention: each query sees at most this many positions
-    qk_norm: bool = False  # Qwen3: RMSNorm over each head's q and k before RoPE
-    rope_scale: float = 1.0  # linear rope scaling: positions divided by this
+    qk_norm: bool = False  # Qwen3, Gemma 3: RMSNorm over each head's q and k before RoPE
+    rope_scale: float = 1.0  # linear rope scaling: positions divided by this (Gemma 3: its global layers')
+    sliding: tuple[bool, ...] = ()  # per layer, whether the window applies (empty: every layer)
+    local_theta: float | None = None  # Gemma 3: the rope base of its windowed layers (unscaled)
+    attn_scale: float | None = None  # scores' scale (None: head_dim ** -0.5)
+    gelu: bool = False  # GeGLU (tanh GELU) where SwiGLU has SiLU
+    post_norms: bool = False  # Gemma: RMSNorm of attention's and the MLP's outputs before the residual adds
+    embed_scale: float = 1.0  # Gemma: embeddings times sqrt(hidden)
+    attn_softcap: float = 0.0  # Gemma 2: scores become cap * tanh(score / cap) (0: none)
+    final_softcap: float = 0.0  # Gemma 2: logits alike
+
+    def windowed(self, layer: int) -> bool:
+        """Whether the sliding window applies to `layer`."""
+        return self.window is not None and (not self.sliding or self.sliding[layer])
 
 
 @dataclass(frozen=True)
@@ -74,6 +90,8 @@ class Layer:
     v_bias: torch.Tensor | None
     q_norm: torch.Tensor | None
     k_norm: torch.Tensor | None
+    post_attn_norm: torch.Tensor | None
+    post_ffn_norm: torch.Tensor | None
     o: kernels.QuantWeight
     ffn_norm: torch.Tensor
     gate: kernels.QuantWeight
@@ -101,7 +119,7 @@ class LeanWeights:
             _repack(path, directory, head)
         layout = json.loads((directory / "layout.json").read_text())
         self.head = None if head is None else torch.tensor(head, dtype=torch.long)
-        self.config = LeanConfig(**layout["config"])
+        self.config = LeanConfig(**{**layout["config"], "sliding": tuple(layout["config"]["sliding"])})
         self.types = layout["types"]  # the file's matrices' GGUF types
         self.eos_token_ids = frozenset(layout["eos"])
         file = np.memmap(path, dtype=np.uint8, mode="r")
@@ -122,11 +140,13 @@ class LeanWeights:
                              matrix(f"blk.{i}.attn_k.weight"), matrix(f"blk.{i}.attn_v.weight"),
                              vector(f"blk.{i}.attn_q.bias"), vector(f"blk.{i}.attn_k.bias"),
                              vector(f"blk.{i}.attn_v.bias"), vector(f"blk.{i}.attn_q_norm.weight"),
-                             vector(f"blk.{i}.attn_k_norm.weight"), matrix(f"blk.{i}.attn_output.weight"),
+                             vector(f"blk.{i}.attn_k_norm.weight"), vector(f"blk.{i}.post_attention_norm.weight"),
+                             vector(f"blk.{i}.post_ffw_norm.weight"), matrix(f"blk.{i}.attn_output.weight"),
                              vector(f"blk.{i}.ffn_norm.weight"), matrix(f"blk.{i}.ffn_gate.weight"),
                              matrix(f"blk.{i}.ffn_up.weight"), matrix(f"blk.{i}.ffn_down.weight"))
                        for i in range(self.config.layers)]
-        self.structs = [kernels.layer_struct((layer.attn_norm, layer.ffn_norm, layer.q_norm, layer.k_norm),
+        self.structs = [kernels.layer_struct((layer.attn_norm, layer.ffn_norm, layer.q_norm, layer.k_norm,
+                                              layer.post_attn_norm, layer.post_ffn_norm),
                                              (layer.q_bias, layer.k_bias, layer.v_bias),
                                              (layer.q, layer.k, layer.v, layer.o, layer.gate, layer.up, layer.down))
                         for layer in self.layers]  # the C view of each layer: it points into the tensors above
@@ -134,14 +154,13 @@ class LeanWeights:
         self.output = matrix(layout["output"])
         self._embedding_type, (hidden, self.vocab_size), offset, size = tensors["token_embd.weight"]
         self._embedding = file[offset:offset + size].reshape(self.vocab_size, -1)
-        half = self.config.head_dim // 2
-        inv_freq = self.config.rope_theta ** (-torch.arange(half, dtype=torch.float64) / half)
-        factors = vector("rope_freqs.weight")  # Llama 3's rope scaling, as llama.cpp applies it: theta / factor
-        if factors is not None:
-            inv_freq = inv_freq / factors.double()
-        positions = torch.arange(self.config.context, dtype=torch.float64) / self.config.rope_scale
-        angles = torch.outer(positions, inv_freq)
-        self.cos, self.sin = angles.cos().float(), angles.sin().float()  # [context, head_dim / 2]
+        config = self.config
+        self.rope = _rope(config, config.rope_theta, config.rope_scale, vector("rope_freqs.weight"))  # (cos, sin)
+        self.local_rope = self.rope if config.local_theta is None else _rope(config, config.local_theta, 1.0, None)
+
+    def rope_of(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The (cos, sin) tables [context, head_dim / 2] of `layer`'s rotations."""
+        return self.local_rope if self.config.windowed(layer) else self.rope
 
     def matrices(self) -> list[kernels.QuantWeight]:
         """Every matrix the kernels multiply: the output head, then each layer's projections."""
@@ -154,8 +173,21 @@ class LeanWeights:
 
         rows = self._embedding[np.asarray(ids, dtype=np.int64)]
         if self._embedding_type == "F32":
-            return torch.from_numpy(rows.view(np.float32).copy())
-        return torch.from_numpy(dequantize(rows, GGMLQuantizationType[self._embedding_type]).astype(np.float32))
+            x = torch.from_numpy(rows.view(np.float32).copy())
+        else:
+            x = torch.from_numpy(dequantize(rows, GGMLQuantizationType[self._embedding_type]).astype(np.float32))
+        return x if self.config.embed_scale == 1.0 else x * self.config.embed_scale
+
+
+def _rope(config: LeanConfig, theta: float, scale: float, factors: torch.Tensor | None) -> tuple[torch.Tensor, ...]:
+    """RoPE's (cos, sin) [context, head_dim / 2] for base `theta`, positions divided by `scale` (linear scaling)
+    and frequencies by `factors` (Llama 3's rope scaling, as llama.cpp applies it: theta / factor)."""
+    half = config.head_dim // 2
+    inv_freq = theta ** (-torch.arange(half, dtype=torch.float64) / half)
+    if factors is not None:
+        inv_freq = inv_freq / factors.double()
+    angles = torch.outer(torch.arange(config.context, dtype=torch.float64) / scale, inv_freq)
+    return angles.cos().float(), angles.sin().float()
 
 
 def _cache_directory(path: Path, head: tuple[int, ...] | None) -> Path:
@@ -163,7 +195,8 @@ def _cache_directory(path: Path, head: tuple[int, ...] | None) -> Path:
     digest = hashlib.sha256(f"{path.resolve()}|{stat.st_size}|{stat.st_mtime_ns}".encode())
     # what writes the cache: the layouts (formats.py) and the writer (_repack's source), so that an edit to either
     # repacks rather than reading files of another layout
-    digest.update(Path(formats.__file__).read_bytes() + inspect.getsource(_repack).encode())
+    digest.update(Path(formats.__file__).read_bytes() + inspect.getsource(_repack).encode() +
+                  inspect.getsource(_read).encode())
     digest.update(f"layout {CACHE_LAYOUT}".encode())
     if head is not None:
         digest.update(np.asarray(head, dtype=np.int64).tobytes())
@@ -232,14 +265,24 @@ def _read(reader: Any) -> tuple[LeanConfig, dict[str, Any], list[tuple[str, str,
     tensors = {t.name: t for t in reader.tensors}
     if "rope_factors_long.weight" in tensors:
         raise ConfigError(f"{arch} with LongRoPE factors: the lean backend computes none, linear and Llama 3's")
+    layers = int(_field(reader, f"{arch}.block_count"))
+    gemma = {}
+    if arch in GEMMA:  # as llama.cpp's llama-model.cpp builds them
+        every = _field(reader, f"{arch}.attention.sliding_window_pattern", GEMMA[arch])
+        sliding = [bool(s) for s in every] if isinstance(every, list) else [i % every < every - 1 for i in range(layers)]
+        queries = hidden // heads if layers == GEMMA_27B[arch] else head_dim
+        local_theta = float(_field(reader, f"{arch}.rope.freq_base_swa", 10000.0)) if arch == "gemma3" else None
+        gemma = dict(sliding=tuple(sliding), local_theta=local_theta,
+                     attn_scale=queries ** -0.5, gelu=True, post_norms=True, embed_scale=float(np.float32(hidden ** 0.5)),
+                     attn_softcap=float(_field(reader, f"{arch}.attn_logit_softcapping", 0.0)),
+                     final_softcap=float(_field(reader, f"{arch}.final_logit_softcapping", 0.0)))
     config = LeanConfig(
-        arch, int(_field(reader, f"{arch}.block_count")), hidden, heads,
-        int(_field(reader, f"{arch}.attention.head_count_kv", heads)), head_dim,
+        arch, layers, hidden, heads, int(_field(reader, f"{arch}.attention.head_count_kv", heads)), head_dim,
         float(_field(reader, f"{arch}.rope.freq_base", 10000.0)),
         float(_field(reader, f"{arch}.attention.layer_norm_rms_epsilon")),
         int(_field(reader, f"{arch}.context_length")), int(window) if window else None,
         "blk.0.attn_q_norm.weight" in tensors,
-        float(_field(reader, f"{arch}.rope.scaling.factor", 1.0)) if scaling == "linear" else 1.0)
+        float(_field(reader, f"{arch}.rope.scaling.factor", 1.0)) if scaling == "linear" else 1.0, **gemma)
     output = "output.weight" if "output.weight" in tensors else "token_embd.weight"  # tied embeddings
 
     def rows(name: str, start: int = 0, stop: int | None = None) -> tuple[str, np.ndarray, int]:
@@ -414,7 +457,8 @@ class LeanCausalLM(PointerCache, Backend):
     def _place(self, ids: Sequence[int], positions: Sequence[int] | None = None, tree: TokenTree | None = None,
                prompt: bool = False) -> _Rows:
         """A call's rows: written after the cached positions, each seeing the cache up to itself, or up to the
-        call's end where its mask row allows (a tree's ancestors; a sliding window)."""
+        call's end where its mask row allows (a tree's ancestors), and in windowed layers only the keys within
+        the window."""
         config, n, start, mask = self.config, len(ids), self._len, None
         end = start + n
         if end > self.max_positions:
@@ -429,11 +473,12 @@ class LeanCausalLM(PointerCache, Backend):
             if positions is None:
                 positions = tree.positions(root)[first:]
         where = torch.as_tensor(list(positions if positions is not None else range(start, end)), dtype=torch.long)
+        windowed = mask
         if config.window is not None and end > config.window:  # keys within the window of each query's position
             keys = torch.arange(end)[None, :]
             near = keys > where[:, None] - config.window
-            mask = near & (keys <= torch.arange(start, end)[:, None] if mask is None else mask)
-        return _Rows(self, list(ids), where, mask, prompt)
+            windowed = near & (keys <= torch.arange(start, end)[:, None] if mask is None else mask)
+        return _Rows(self, list(ids), where, mask, windowed, prompt)
 
     @torch.inference_mode()
     def continue_prefill(self, ids: Sequence[int]) -> torch.Tensor:
@@ -444,13 +489,13 @@ class LeanCausalLM(PointerCache, Backend):
         end = start + n
         if end > self.max_positions:
             raise ValueError(f"{end} positions exceed the lean model's cache of {self.max_positions}")
-        layout, scale = ARCHITECTURES[config.architecture], config.head_dim ** -0.5
+        layout, scale = ARCHITECTURES[config.architecture], config.attn_scale or config.head_dim ** -0.5
         where = torch.arange(start, end)
         causal = None if start == 0 else torch.ones(n, end, dtype=torch.bool).tril(start)  # row i sees start + i
         x = weights.embed(ids).contiguous()  # [n, hidden]
-        cos, sin = weights.cos[where][:, None], weights.sin[where][:, None]
         for slot, index in enumerate(self.layers):
             layer = weights.layers[index]
+            cos, sin = (table[where][:, None] for table in weights.rope_of(index))
             if self.interrupt is not None and self.interrupt():
                 raise Interrupted()
             h = kernels.quantize_rows(_rms_norm(x, layer.attn_norm, config.eps))
@@ -462,24 +507,52 @@ class LeanCausalLM(PointerCache, Backend):
             q, k = _rotate(q, cos, sin, layout), _rotate(k, cos, sin, layout)
             self._keys[slot, :, start:end] = k.transpose(0, 1)
             self._values[slot, :, start:end] = v.view(n, config.kv_heads, config.head_dim).transpose(0, 1)
-            attended = F.scaled_dot_product_attention(
-                q.transpose(0, 1)[None], self._keys[slot, None, :, :end], self._values[slot, None, :, :end],
-                attn_mask=causal, is_causal=causal is None, scale=scale, enable_gqa=True)[0].transpose(0, 1).reshape(n, -1)
-            x = x + kernels.matmul(kernels.quantize_rows(attended), layer.o)
+            attended = _attention(q.transpose(0, 1), self._keys[slot, :, :end], self._values[slot, :, :end], causal,
+                                  scale, config.attn_softcap).transpose(0, 1).reshape(n, -1)
+            x = x + _norm(kernels.matmul(kernels.quantize_rows(attended), layer.o), layer.post_attn_norm, config.eps)
             h = kernels.quantize_rows(_rms_norm(x, layer.ffn_norm, config.eps))
-            gated = F.silu(kernels.matmul(h, layer.gate)) * kernels.matmul(h, layer.up)  # SwiGLU
-            x = x + kernels.matmul(kernels.quantize_rows(gated), layer.down)
+            gate = kernels.matmul(h, layer.gate)
+            gate = F.gelu(gate, approximate="tanh") if config.gelu else F.silu(gate)  # GeGLU or SwiGLU
+            down = kernels.matmul(kernels.quantize_rows(gate * kernels.matmul(h, layer.up)), layer.down)
+            x = x + _norm(down, layer.post_ffn_norm, config.eps)
         self._len = end
         return _head(weights, x[-1:])[0]
+
+
+def _attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: torch.Tensor | None, scale: float,
+               softcap: float) -> torch.Tensor:
+    """A prompt part's attention: q [heads, n, d] over the cached k, v [kv_heads, end, d], row i seeing the cache
+    up to its own position (`causal` [n, end], None: the part is the whole cache); scores soft-capped where
+    `softcap` (which torch's fused attention does not do)."""
+    if not softcap:
+        return F.scaled_dot_product_attention(q[None], k[None], v[None], attn_mask=causal, is_causal=causal is None,
+                                              scale=scale, enable_gqa=True)[0]
+    n, end, group = q.shape[1], k.shape[1], q.shape[0] // k.shape[0]
+    k, v = k.repeat_interleave(group, 0), v.repeat_interleave(group, 0)
+    scores = _softcap(q @ k.transpose(1, 2) * scale, softcap)
+    visible = causal if causal is not None else torch.ones(n, end, dtype=torch.bool).tril(end - n)
+    return scores.masked_fill(~visible, float("-inf")).softmax(-1) @ v
 
 
 def _bias(y: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
     return y if bias is None else y + bias
 
 
+def _norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> torch.Tensor:
+    """RMSNorm where the layer has the weight (Gemma's norms after attention and the MLP), else x."""
+    return x if weight is None else _rms_norm(x, weight, eps)
+
+
+def _softcap(x: torch.Tensor, cap: float) -> torch.Tensor:
+    """Gemma 2's soft-capping (Gemma Team 2024, sec. 2): cap * tanh(x / cap)."""
+    return torch.tanh(x / cap) * cap
+
+
 def _head(weights: LeanWeights, x: torch.Tensor) -> torch.Tensor:
     """Logits of the rows of x (the last layer's output)."""
     logits = kernels.matmul(kernels.quantize_rows(_rms_norm(x, weights.output_norm, weights.config.eps)), weights.output)
+    if weights.config.final_softcap:
+        logits = _softcap(logits, weights.config.final_softcap)
     if weights.head is None:
         return logits
     full = torch.full((logits.shape[0], weights.vocab_size), float("-inf"))
@@ -494,6 +567,7 @@ class _Rows:
     ids: list[int]
     positions: torch.Tensor
     mask: torch.Tensor | None  # [n, end] bool; None: each row sees the cache up to itself
+    windowed: torch.Tensor | None  # the same in windowed layers
     prompt: bool = False
 
 
@@ -502,29 +576,14 @@ def _run_rows(calls: Sequence[_Rows]) -> list[torch.Tensor]:
     handle's cache: row-invariant, so each call gets the logits it gets alone, bit for bit."""
     handles = [call.handle for call in calls]
     weights, config = handles[0].weights, handles[0].config
-    slots, seen, masks, keys, values, held = [], [], [], [], [], []
-    for call in calls:
-        handle, n, start = call.handle, len(call.ids), call.handle._len
-        slots += range(start, start + n)
-        if call.mask is None:
-            seen += range(start + 1, start + n + 1)
-            masks += [0] * n
-        else:
-            rows = call.mask.to(torch.uint8).contiguous()
-            held.append(rows)
-            seen += [start + n] * n
-            masks += range(rows.data_ptr(), rows.data_ptr() + n * rows.stride(0), rows.stride(0))
-        keys += [handle._keys.data_ptr()] * n
-        values += [handle._values.data_ptr()] * n
-    long = lambda values: torch.tensor(values, dtype=torch.long)  # noqa: E731
-    places = kernels.Places(torch.cat([call.positions for call in calls]), long(slots), long(seen), long(masks),
-                            long(keys), long(values), handles[0].max_positions, tuple(held))
+    places = {windowed: _places(calls, windowed) for windowed in {config.windowed(i) for i in handles[0].layers}}
     x = weights.embed([t for call in calls for t in call.ids]).contiguous()  # [rows, hidden]
     neox = ARCHITECTURES[config.architecture] == "neox"
     for slot, index in enumerate(handles[0].layers):  # the layer's keys and values lie at `slot` of each cache
         if any(h.interrupt is not None and h.interrupt() for h in handles):
             raise Interrupted()  # nothing past the cache lengths was committed
-        kernels.layer(config, weights.structs[index], slot, x, places, weights.cos, weights.sin, neox)
+        kernels.layer(config, weights.structs[index], slot, x, places[config.windowed(index)], *weights.rope_of(index),
+                      neox)
     picks, at = [], 0  # the rows whose logits are read: a prompt's last, every row of a forward
     for call in calls:
         n = len(call.ids)
@@ -532,6 +591,29 @@ def _run_rows(calls: Sequence[_Rows]) -> list[torch.Tensor]:
         call.handle._len += n
         at += n
     return list(_head(weights, x[picks]).split([1 if call.prompt else len(call.ids) for call in calls]))
+
+
+def _places(calls: Sequence[_Rows], windowed: bool) -> kernels.Places:
+    """Where the calls' rows sit, for the C layers (`kernels.Places`): their masks in windowed layers or in the
+    others."""
+    slots, seen, masks, keys, values, held = [], [], [], [], [], []
+    for call in calls:
+        handle, n, start = call.handle, len(call.ids), call.handle._len
+        mask = call.windowed if windowed else call.mask
+        slots += range(start, start + n)
+        if mask is None:
+            seen += range(start + 1, start + n + 1)
+            masks += [0] * n
+        else:
+            rows = mask.to(torch.uint8).contiguous()
+            held.append(rows)
+            seen += [start + n] * n
+            masks += range(rows.data_ptr(), rows.data_ptr() + n * rows.stride(0), rows.stride(0))
+        keys += [handle._keys.data_ptr()] * n
+        values += [handle._values.data_ptr()] * n
+    long = lambda values: torch.tensor(values, dtype=torch.long)  # noqa: E731
+    return kernels.Places(torch.cat([call.positions for call in calls]), long(slots), long(seen), long(masks),
+                          long(keys), long(values), calls[0].handle.max_positions, tuple(held))
 
 
 @torch.inference_mode()
