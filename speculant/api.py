@@ -134,6 +134,7 @@ def generate(
     temperature: float = 0.0,
     top_k: int | None = None,
     top_p: float | None = None,
+    verifier: str = "block",
     seed: int | None = None,
     stream: bool = False,
     chat: bool = False,
@@ -152,7 +153,8 @@ def generate(
 
     `target` may be a catalog name (with an optional `@int8`/`@int4` suffix), a Hugging Face id or path,
     a transformers model or a loaded CausalLM; a drafter may be any of those, `self[@int8|@int4]`,
-    "maxgram" or a Drafter. Greedy at temperature 0. With `stream=True` the returned GenerationStream
+    "maxgram" or a Drafter. Greedy at temperature 0; sampled drafts are verified as blocks (`verifier`="block", Sun et
+    al. 2024) or token by token ("token"), either way lossless. With `stream=True` the returned GenerationStream
     yields token ids as they are committed. A generation ends at the target's last position. With `logprobs`
     = n (0-20), the result's `logprobs` give each token's log-probability under the target and the n likeliest
     tokens there (`models.wrappers.logprobs`; not with "dsi", whose target servers are other processes). `logit_bias`
@@ -165,7 +167,7 @@ def generate(
     """
     spec = get_method(method_for(method, options))
     run = RunConfig(max_new_tokens=max_new_tokens, seed=seed)
-    sampling = SamplingConfig(temperature, top_k, top_p)
+    sampling = SamplingConfig(temperature, top_k, top_p, verifier)
     method_options = spec.make_options(options)
     constraint = response_format if isinstance(response_format, Constraint) or response_format is None \
         else Constraint.from_response_format(response_format)

@@ -301,9 +301,9 @@ def run_generate(args: argparse.Namespace) -> None:
         return session.drafter(drafter, getattr(options, "drafter_dtype", None))
 
     options = with_drafters(options, load)
-    stream = generate(target, args.prompt, method=method.name, max_new_tokens=run.max_new_tokens,
-                      temperature=sampling.temperature, top_k=sampling.top_k, top_p=sampling.top_p, seed=run.seed,
-                      stream=True, chat=args.chat, response_format=constraint, session=session, **as_keywords(options))
+    stream = generate(target, args.prompt, method=method.name, max_new_tokens=run.max_new_tokens, seed=run.seed,
+                      stream=True, chat=args.chat, response_format=constraint, session=session,
+                      **as_keywords(sampling), **as_keywords(options))
     if args.json:
         for _ in stream:
             pass
@@ -384,6 +384,7 @@ def measure_bench(args: argparse.Namespace, methods: list[Any]) -> list[Any]:
     from speculant.bench.isolated import isolated_generate
     from speculant.bench.llamacpp_cli import CLI_PEERS
     from speculant.bench.runner import run_matrix
+    from speculant.methods.drafting import as_keywords
     from speculant.models import CausalLM, load_model, split_quant
     from speculant.models.backends.llamacpp_build import tool
     from speculant.models.loading import resolve_backend
@@ -416,8 +417,8 @@ def measure_bench(args: argparse.Namespace, methods: list[Any]) -> list[Any]:
         return isolated_generate({"target": args.target, "dtype": model_config.dtype, "device": model_config.device,
                                   "backend": model_config.backend, "compile": model_config.compile,
                                   "method": spec.label, "prompt_ids": ids,
-                                  "max_new_tokens": n, "temperature": sampling.temperature, "top_k": sampling.top_k,
-                                  "top_p": sampling.top_p, "seed": run.seed, "response_format": response_format})
+                                  "max_new_tokens": n, **as_keywords(sampling), "seed": run.seed,
+                                  "response_format": response_format})
 
     with tqdm(total=len(prompts) * len(methods) * args.repeats, desc="prompts x methods", file=sys.stderr) as bar:
         return run_matrix(target_for, methods, prompts, run.max_new_tokens, run.seed, sampling, args.repeats,

@@ -44,13 +44,21 @@ def option(default: Any, help: str, **extra: Any) -> Any:
     return field(default=default, metadata={"help": help, **extra})
 
 
+VERIFIERS = ("block", "token")
+
+
 @dataclass(frozen=True)
 class SamplingConfig:
     temperature: float = option(0.0, "sampling temperature; 0 means greedy (argmax)")
     top_k: int | None = option(None, "sample only among the k most likely tokens")
     top_p: float | None = option(None, "sample only from the smallest set of tokens with this total probability")
+    verifier: str = option("block", "how a sampled draft chain is verified: block (Sun et al. 2024: the chain judged "
+                           "as a whole, as many accepted tokens or more) or token (token by token); both emit the "
+                           "target's distribution", choices=VERIFIERS)
 
     def __post_init__(self) -> None:
+        if self.verifier not in VERIFIERS:
+            raise ConfigError(f"verifier must be one of {', '.join(VERIFIERS)}, got {self.verifier!r}")
         if not math.isfinite(self.temperature) or self.temperature < 0:
             raise ConfigError(f"temperature must be a finite number >= 0, got {self.temperature}")
         if self.top_k is not None and self.top_k < 1:

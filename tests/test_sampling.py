@@ -57,10 +57,9 @@ VOCAB = 12
 TEMPERATURE = 0.7
 
 
-def exact_marginals(target, prompt, n=3):
-    """Exact target distributions at TEMPERATURE of each of the first n tokens (marginally), [n, V],
+def exact_marginals(target, prompt, n=3, config=SamplingConfig(TEMPERATURE)):
+    """Exact target distributions under `config` of each of the first n tokens (marginally), [n, V],
     by enumerating every prefix (V^(n-1) of them on a 12-token vocabulary)."""
-    config = SamplingConfig(TEMPERATURE)
     marginals = torch.zeros(n, VOCAB)
     prefixes = {(): 1.0}
     for i in range(n):
@@ -79,13 +78,13 @@ def exact_marginals(target, prompt, n=3):
     return marginals
 
 
-def empirical_marginals(target, prompt, draws, n=3, **kwargs):
+def empirical_marginals(target, prompt, draws, n=3, config=SamplingConfig(TEMPERATURE), **kwargs):
     """Distributions of the first n emitted tokens over `draws` seeded generations. Generations run
     longer than n so that tokens 2..n come from verified drafts, not from a draft cut to nothing."""
     counts = torch.zeros(n, VOCAB)
     for seed in range(draws):
-        stream = generate(target, prompt_ids=prompt, max_new_tokens=n + 4, temperature=TEMPERATURE, seed=seed,
-                          stream=True, **kwargs)
+        stream = generate(target, prompt_ids=prompt, max_new_tokens=n + 4, temperature=config.temperature,
+                          top_k=config.top_k, top_p=config.top_p, seed=seed, stream=True, **kwargs)
         tokens = list(itertools.islice(stream, n))  # the rest of the generation is not drawn
         for i in range(n):
             counts[i, tokens[i]] += 1
@@ -100,22 +99,31 @@ def sampling_pair(seed: int = 21, device: str = "cpu", drafter_device: str | Non
             random_prompt(seed, VOCAB, 6))
 
 
-def assert_follows_target(target, prompt, **kwargs):
-    """The first three emitted tokens of 1500 seeded generations (`generate` with `kwargs`) follow the
-    target's exact marginals: TV < 0.07, where sampling noise is about 0.03."""
-    exact = exact_marginals(target, prompt)
-    got = empirical_marginals(target, prompt, 1500, **kwargs)
+def assert_follows_target(target, prompt, config=SamplingConfig(TEMPERATURE), **kwargs):
+    """The first three emitted tokens of 1500 seeded generations (`generate` under `config`, with `kwargs`) follow
+    the target's exact marginals: TV < 0.07, where sampling noise is about 0.03."""
+    exact = exact_marginals(target, prompt, config=config)
+    got = empirical_marginals(target, prompt, 1500, config=config, **kwargs)
     for i in range(3):
         assert total_variation(got[i], exact[i]) < 0.07, f"token {i + 1}"
 
 
 @pytest.mark.parametrize("device", DEVICES)
-@pytest.mark.parametrize("k", [1, 3])
-def test_speculative_sampling_matches_target_distribution_end_to_end(k, device):
+@pytest.mark.parametrize("k, verifier", [(1, "block"), (3, "block"), (3, "token")])
+def test_speculative_sampling_matches_target_distribution_end_to_end(k, verifier, device):
     target, drafter, prompt = sampling_pair(device=device)
     q1 = logits_to_probs(drafter.prefill(prompt), SamplingConfig(TEMPERATURE)).cpu()
     assert total_variation(exact_marginals(target, prompt, n=1)[0], q1) > 0.3  # a sampler ignoring p would fail
-    assert_follows_target(target, prompt, drafter=drafter, k=k)
+    assert_follows_target(target, prompt, drafter=drafter, k=k, verifier=verifier)
+
+
+@pytest.mark.parametrize("config", [SamplingConfig(0.3), SamplingConfig(1.0, top_k=5), SamplingConfig(1.0, top_p=0.8)])
+@pytest.mark.parametrize("method", [dict(k=3), dict(method="tree", depth=3, width=2)])
+def test_block_and_tree_verification_follow_the_target_at_any_temperature_top_k_and_top_p(config, method):
+    """Sampled chains verified as blocks and trees verified by multi-draft sampling, under temperatures, top-k and
+    top-p: the target's (filtered) distribution."""
+    target, drafter, prompt = sampling_pair()
+    assert_follows_target(target, prompt, config, drafter=drafter, **method)
 
 
 def test_speculative_sampling_with_early_ending_drafts_matches_target_distribution():

@@ -30,7 +30,7 @@ def isolated_generate(request: dict[str, Any]) -> Any:
 
 def main() -> None:
     """Read {target, dtype, device, backend, method (a bench method spec), prompt_ids, max_new_tokens,
-    temperature, top_k, top_p, seed, response_format} from stdin; load, warm up, generate; print the result as
+    temperature, top_k, top_p, verifier, seed, response_format} from stdin; load, warm up, generate; print the result as
     one JSON line."""
     from speculant.api import generate
     from speculant.bench.methods import parse_method
@@ -46,7 +46,8 @@ def main() -> None:
     session = Session(target)
     options = with_drafters(spec.options, lambda d: session.drafter(d, getattr(spec.options, "drafter_dtype", None)))
     ids, n = request["prompt_ids"], request["max_new_tokens"]
-    asked = {k: request.get(k) for k in ("temperature", "top_k", "top_p", "seed", "response_format")}
+    asked = {k: request.get(k) for k in ("temperature", "top_k", "top_p", "verifier", "seed", "response_format")}
+    asked.update(spec.sampling)  # the method's own settings
     # The warm-up runs the prompt's tokens reversed: the same lengths and code paths, and no prefix that a cache
     # kept across generations (auto's drafters keep theirs) could carry into the measured run.
     generate(target, prompt_ids=ids[::-1], method=spec.method, max_new_tokens=min(8, n), session=session, **asked,

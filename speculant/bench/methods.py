@@ -2,7 +2,8 @@
 `sd`, `tree`, `cascade`, `dsi`) or a peer (`hf-ar`, `hf-assisted`, `hf-pld`) and the options are that
 method's own (`speculant.methods`; a value may hold commas: it ends where the next `name=` begins),
 plus `dtype` and `backend`, the target's dtype and backend for this method (default: the run's --dtype and
---backend; the llamacpp-* peers run on llama.cpp). Examples:
+--backend; the llamacpp-* peers run on llama.cpp), and any sampling setting, this method's in place of the run's
+(`auto:verifier=token`, `ar:temperature=1`). Examples:
 `sd:drafter=qwen2.5-coder-0.5b@int8,k=6,dtype=fp32,drafter_dtype=bf16`, `sd:drafter=maxgram,k=8`,
 `tree:depth=auto,width=auto,verify_width=auto`, `cascade:drafters=qwen2.5-coder-0.5b@int8,maxgram,k_matrix=4,2;0,6`,
 `dsi:servers=2,lookahead=6,executor=process`, `hf-assisted:k=5`, `ar:backend=hf`, `llamacpp-pld:k=8`."""
@@ -10,11 +11,11 @@ plus `dtype` and `backend`, the target's dtype and backend for this method (defa
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, fields, replace
 from typing import Any
 
 from speculant.bench.peers import LLAMACPP_PEERS, PEERS
-from speculant.config import AUTO, BACKENDS, DTYPES
+from speculant.config import AUTO, BACKENDS, DTYPES, SamplingConfig
 from speculant.errors import ConfigError
 from speculant.methods import METHODS, get_method
 from speculant.methods.registry import make_options
@@ -27,10 +28,15 @@ class MethodSpec:
     options: Any  # the method's (or peer's) options dataclass
     dtype: str | None = None  # the target's dtype for this method; None: the run's
     backend: str | None = None  # the target's backend for this method; None: the run's
+    sampling: tuple[tuple[str, Any], ...] = ()  # sampling settings of this method in place of the run's
 
     @property
     def peer(self) -> bool:
         return self.method in PEERS
+
+    def sampled(self, sampling: SamplingConfig) -> SamplingConfig:
+        """The run's sampling with this method's own settings."""
+        return replace(sampling, **dict(self.sampling))
 
 
 def parse_method(spec: str) -> MethodSpec:
@@ -49,9 +55,11 @@ def parse_method(spec: str) -> MethodSpec:
     backend = given.pop("backend", "llamacpp" if name in LLAMACPP_PEERS else None)
     if backend is not None and backend not in (AUTO, *BACKENDS):
         raise ConfigError(f"backend must be one of auto, {', '.join(BACKENDS)} in '{spec}'")
+    own = {key: given.pop(key) for key in [f.name for f in fields(SamplingConfig)] if key in given}
     try:
         options = make_options(PEERS[name], name, given, text=True) if name in PEERS else \
             get_method(name).parse_options(given)
+        sampling = make_options(SamplingConfig, name, own, text=True)
     except ConfigError as error:
         raise ConfigError(f"{error} in '{spec}'") from None
-    return MethodSpec(spec.strip(), name, options, dtype, backend)
+    return MethodSpec(spec.strip(), name, options, dtype, backend, tuple((key, getattr(sampling, key)) for key in own))

@@ -83,12 +83,12 @@ def run_matrix(
         dtype = getattr(spec.options, "drafter_dtype", None)
         options = with_drafters(spec.options, lambda d: session_for(target).drafter(d, dtype))
         if spec.peer:
-            return peer_generate(spec.method, target, ids, n, options, sampling, seed, response_format)
+            return peer_generate(spec.method, target, ids, n, options, spec.sampled(sampling), seed, response_format)
         if spec.method == "dsi":
             options = replace(options, executor=pool_for(spec, target))
-        return generate(target, prompt_ids=ids, method=spec.method, max_new_tokens=n, temperature=sampling.temperature,
-                        top_k=sampling.top_k, top_p=sampling.top_p, seed=seed, response_format=response_format,
-                        session=session_for(target), **as_keywords(options))
+        return generate(target, prompt_ids=ids, method=spec.method, max_new_tokens=n, seed=seed,
+                        response_format=response_format, session=session_for(target),
+                        **as_keywords(spec.sampled(sampling)), **as_keywords(options))
 
     encoded = [encode_prompt(target_for(None, None).tokenizer, p.text, p.chat) for p in prompts]
     rows = []

@@ -14,7 +14,7 @@ from speculant.drafters.base import Draft
 from speculant.models.base import CausalLM
 from speculant.sampling import logits_to_probs, next_token
 from speculant.trees.tree import TokenTree
-from speculant.verify import verify_greedy, verify_sampling, verify_tree_greedy, verify_tree_sampling
+from speculant.verify import verify_block, verify_greedy, verify_sampling, verify_tree_greedy, verify_tree_sampling
 
 
 @dataclass(frozen=True)
@@ -60,7 +60,8 @@ def verify_draft(target: CausalLM, last: int, draft: Draft, sampling: SamplingCo
         n, token = verify_greedy(drafted, target_logits)
     else:
         q = draft.probs.to(target.device) if draft.probs is not None else None
-        n, token = verify_sampling(drafted, logits_to_probs(target_logits, sampling), q, generator)
+        verify = verify_block if sampling.verifier == "block" else verify_sampling
+        n, token = verify(drafted, logits_to_probs(target_logits, sampling), q, generator)
     target.rollback(cached + 1 + n)
     return n, token
 
