@@ -397,9 +397,6 @@ def measure_bench(args: argparse.Namespace, methods: list[Any]) -> list[Any]:
     if args.repeats < 1:
         raise ConfigError(f"repeats must be >= 1, got {args.repeats}")
     prompts = load_dataset(args.prompts or args.dataset)
-    if not args.isolate and sum(m.method == "auto" for m in methods) > 1:
-        print("note: the auto methods share this process: each after the first on a prompt finds the drafter's cache "
-              "holding it and acceptance learned on it; --isolate compares them fairly", file=sys.stderr)
     if args.ignore_response_format:
         prompts = [replace(p, response_format=None) for p in prompts]
     targets: dict[tuple[str, str], CausalLM] = {}

@@ -173,14 +173,42 @@ def test_bench_cli_writes_json_markdown_and_plots(tiny_dir, tmp_path, capsys):
         assert (out / name).read_bytes()[:4] == b"\x89PNG"
 
 
-def test_bench_says_when_auto_methods_share_a_process(tiny_dir, tmp_path, capsys):
+def test_methods_sample_with_settings_of_their_own_each_against_its_own_ar(tiny_dir):
+    """`auto:temperature=0.3,verifier=token`: the method's sampling in place of the run's; its speedup is over the
+    first `ar` that samples alike (the verifier aside), so that one run compares several temperatures."""
+    from speculant.config import SamplingConfig
+
+    spec = parse_method("sd:drafter=maxgram,temperature=0.3,verifier=token")
+    assert spec.sampling == (("temperature", 0.3), ("verifier", "token"))
+    assert spec.sampled(SamplingConfig(1.0, top_k=5)) == SamplingConfig(0.3, 5, None, "token")
+    with pytest.raises(ConfigError, match="verifier must be one of block, token"):
+        parse_method("sd:verifier=tokens")
+    target = HFCausalLM(tiny_transformer("llama", 0, 257), byte_tokenizer(), "tiny")
+    methods = [parse_method(m) for m in ("ar:temperature=1", "ar:temperature=0.3", spec.label)]
+    rows = run_matrix(lambda dtype, backend: target, methods, [Prompt("p1", "def f(x):")], 8, seed=3)
+    assert len({tuple(r.token_ids) for r in rows}) > 1  # each sampled at its own temperature
+    hot, cold, sd = summarize(rows, methods)
+    assert sd.speedup == pytest.approx(sd.tokens_per_s / cold.tokens_per_s)
+
+
+def test_each_bench_method_learns_from_its_own_generations_only(tiny_dir, tmp_path, monkeypatch):
+    """A session per method (its drafter caches, the acceptance it learns): no method finds another's drafter cache
+    holding the prompt or acceptance learned on it, without --isolate."""
+    from speculant.bench import runner
+
+    made = []
+
+    class Recorded(runner.Session):
+        def __init__(self, target):
+            super().__init__(target)
+            made.append(self)
+
+    monkeypatch.setattr(runner, "Session", Recorded)
     prompts = tmp_path / "prompts.jsonl"
-    prompts.write_text('{"prompt": "def f(x):"}\n')
+    prompts.write_text('{"prompt": "def f(x):"}\n{"prompt": "def g(y):"}\n')
     argv = ["bench", "--target", tiny_dir, "--dtype", "fp32", "--prompts", str(prompts), "--max-new-tokens", "2"]
-    assert cli.main([*argv, "--methods", "ar", "auto"]) == 0
-    assert "--isolate" not in capsys.readouterr().err
-    assert cli.main([*argv, "--methods", "auto", "auto:k_max=4"]) == 0
-    assert "--isolate compares them fairly" in capsys.readouterr().err
+    assert cli.main([*argv, "--methods", "ar", "auto", "auto:k_max=4"]) == 0
+    assert len(made) == 3
 
 
 def test_bench_cli_bad_input_exits_2(tmp_path, capsys):

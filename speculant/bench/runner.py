@@ -55,12 +55,13 @@ def run_matrix(
     for spec in (s for s in methods if s.peer):  # refused now, not after the first prompts ran
         for prompt in prompts:
             check_response_format(spec.method, prompt.response_format)
-    sessions: dict[int, Session] = {}  # per target: its drafters, loaded once, and what the methods learn
+    sessions: dict[tuple[int, str], Session] = {}  # per target and method: what the method learns, from its own
+    # generations only, so that no method finds another's drafter cache holding the prompt or its acceptance learned
 
-    def session_for(target: CausalLM) -> Session:
-        if id(target) not in sessions:
-            sessions[id(target)] = Session(target)
-        return sessions[id(target)]
+    def session_for(target: CausalLM, spec: MethodSpec) -> Session:
+        if (id(target), spec.label) not in sessions:
+            sessions[id(target), spec.label] = Session(target)
+        return sessions[id(target), spec.label]
 
     pools: dict[str, Any] = {}  # DSI's target servers, started once per method (processes, Ray actors)
 
@@ -81,13 +82,13 @@ def run_matrix(
             return isolated(spec, ids, n, response_format)
         target = target_for(spec.dtype, spec.backend)
         dtype = getattr(spec.options, "drafter_dtype", None)
-        options = with_drafters(spec.options, lambda d: session_for(target).drafter(d, dtype))
+        options = with_drafters(spec.options, lambda d: session_for(target, spec).drafter(d, dtype))
         if spec.peer:
             return peer_generate(spec.method, target, ids, n, options, spec.sampled(sampling), seed, response_format)
         if spec.method == "dsi":
             options = replace(options, executor=pool_for(spec, target))
         return generate(target, prompt_ids=ids, method=spec.method, max_new_tokens=n, seed=seed,
-                        response_format=response_format, session=session_for(target),
+                        response_format=response_format, session=session_for(target, spec),
                         **as_keywords(spec.sampled(sampling)), **as_keywords(options))
 
     encoded = [encode_prompt(target_for(None, None).tokenizer, p.text, p.chat) for p in prompts]

@@ -67,17 +67,28 @@ def _speed(row: Measurement) -> float:
     return row.stats.new_tokens / row.stats.wall_s if row.stats.wall_s > 0 else 0.0
 
 
+def _law(spec: MethodSpec) -> dict[str, Any]:
+    """The sampling settings a method's output distribution depends on (not how drafts are verified)."""
+    return {key: value for key, value in spec.sampling if key != "verifier"}
+
+
 def summarize(rows: list[Measurement], methods: list[MethodSpec], baseline: str | None = None) -> list[MethodSummary]:
-    """Per method; speedups over the method labelled `baseline` (default: the first `ar` listed)."""
+    """Per method; speedups over the method labelled `baseline` (default: the first `ar` listed that samples as the
+    method does: a run may compare methods at several temperatures, each against its own `ar`)."""
     by_method = {spec.label: [r for r in rows if r.method == spec.label] for spec in methods}
-    ar_labels = [spec.label for spec in methods if spec.method == "ar"]
-    baseline = by_method[baseline] if baseline else by_method[ar_labels[0]] if ar_labels else []
-    base_rows = {(r.prompt_id, r.repeat): r for r in baseline}
+    ar_specs = [spec for spec in methods if spec.method == "ar"]
+    ar_labels = [spec.label for spec in ar_specs]
     summaries = []
     for spec in methods:
         mine = by_method[spec.label]
         if not mine:
             continue
+        if baseline is None:
+            alike = [a.label for a in ar_specs if _law(a) == _law(spec)] or ar_labels
+            base = by_method[alike[0]] if alike else []
+        else:
+            base = by_method[baseline]
+        base_rows = {(r.prompt_id, r.repeat): r for r in base}
         stats = [r.stats for r in mine]
         merged = GenerationStats(
             new_tokens=sum(s.new_tokens for s in stats), target_forwards=sum(s.target_forwards for s in stats),
@@ -95,14 +106,14 @@ def summarize(rows: list[Measurement], methods: list[MethodSpec], baseline: str 
             target_forwards=None if spec.peer else merged.target_forwards, drafter_forwards=merged.drafter_forwards,
             cost_ratios=merged.cost_ratios, swi=None if spec.peer else merged.swi,
             ttft_s=statistics.mean(s.ttft_s for s in stats))
-        if baseline and _rate(baseline):
-            summary.speedup = summary.tokens_per_s / _rate(baseline)
-            summary.speedup_ci95 = ratio_interval(mine, baseline, _rate, lambda r: r.prompt_id)
+        if base and _rate(base):
+            summary.speedup = summary.tokens_per_s / _rate(base)
+            summary.speedup_ci95 = ratio_interval(mine, base, _rate, lambda r: r.prompt_id)
             summary.median_speedup = statistics.median(_speed(r) / _speed(base_rows[r.prompt_id, r.repeat])
                                                        for r in mine)
-        if baseline and _decode_rate(baseline):
-            summary.decode_speedup = summary.decode_tokens_per_s / _decode_rate(baseline)
-            summary.decode_speedup_ci95 = ratio_interval(mine, baseline, _decode_rate, lambda r: r.prompt_id)
+        if base and _decode_rate(base):
+            summary.decode_speedup = summary.decode_tokens_per_s / _decode_rate(base)
+            summary.decode_speedup_ci95 = ratio_interval(mine, base, _decode_rate, lambda r: r.prompt_id)
         # Agreement only against an ar on the same weights: another dtype's ar is another model's output.
         reference = next((by_method[label] for label in ar_labels if by_method[label][0].target == summary.target), None)
         if reference:
