@@ -29,11 +29,31 @@ def logits_to_probs(logits: torch.Tensor, sampling: SamplingConfig) -> torch.Ten
     return probs
 
 
+SAMPLE_BLOCK = 512  # tokens per block of `sample`'s two-level CDF
+
+
 def sample(probs: torch.Tensor, generator: torch.Generator | None) -> int:
-    """Draw one token id from a distribution [vocab] (on the generator's device)."""
+    """Draw one token id from a distribution [vocab] (on the generator's device; its total need not be 1) by
+    inverting its CDF at one uniform draw u: the block of SAMPLE_BLOCK tokens whose cumulative mass first exceeds
+    u * total, then the token within it, every sum in fp64 and no copy of the distribution, so a token of mass 0 is
+    never drawn. torch.multinomial took 2.3 ms for one draw from 152k tokens on a 2-core CPU (a tenth of a forward
+    of the 1.5B, paid by every sampled token and every sampled draft token)."""
     if generator is not None and probs.device != generator.device:
         probs = probs.to(generator.device)
-    return int(torch.multinomial(probs, 1, generator=generator))
+    flat = probs.reshape(-1)
+    whole = flat.shape[0] - flat.shape[0] % SAMPLE_BLOCK
+    sums = flat[:whole].view(-1, SAMPLE_BLOCK).sum(-1, dtype=torch.float64)
+    if whole < flat.shape[0]:
+        sums = torch.cat([sums, flat[whole:].sum(dtype=torch.float64)[None]])
+    cdf = sums.cumsum(0)
+    u = uniform((1,), generator, probs.device).double() * cdf[-1]  # < cdf[-1]: the draw is below 1 - 2^-24
+    block = min(int(torch.searchsorted(cdf, u, right=True)), len(cdf) - 1)
+    start = block * SAMPLE_BLOCK
+    tokens = flat[start:start + SAMPLE_BLOCK].double()
+    index = int(torch.searchsorted(tokens.cumsum(0), u - (cdf[block - 1] if block else 0.0), right=True))
+    if index >= len(tokens):  # the block's sum rounded above its cumsum's end: its last token with mass
+        index = int(torch.nonzero(tokens)[-1])
+    return start + index
 
 
 def uniform(size: tuple[int, ...], generator: torch.Generator | None, device: torch.device) -> torch.Tensor:

@@ -1,6 +1,7 @@
 """The benchmark harness on tiny models: parsing, interleaving, same-run speedups, outputs."""
 
 import json
+from pathlib import Path
 
 import pytest
 
@@ -74,6 +75,11 @@ def test_jsonl_prompts_and_errors(tmp_path):
         load_dataset("nope[:2]")
     with pytest.raises(ConfigError, match="no such file: .*missing.jsonl"):
         load_dataset(str(tmp_path / "missing.jsonl") + "[:2]")
+    joined = load_dataset(f"{good}[1:]+humaneval[:2]+{Path(__file__).parents[1] / 'prompts' / 'long.jsonl'}")
+    assert [p.id for p in joined] == ["two", "HumanEval/0", "HumanEval/1", "rag-long-1", "rag-long-2",
+                                      "summarization-long-1", "summarization-long-2"]
+    with pytest.raises(ConfigError, match="prompt ids repeat"):
+        load_dataset("humaneval[:2]+humaneval[1:3]")
 
 
 @pytest.fixture(scope="module")

@@ -78,7 +78,14 @@ def load_jsonl(path: Path) -> list[Prompt]:
 
 
 def load_dataset(spec: str) -> list[Prompt]:
-    """`humaneval`, `humaneval[:10]`, or a path to a JSONL file, optionally sliced the same way."""
+    """`humaneval`, `humaneval[:10]`, or a path to a JSONL file, optionally sliced the same way; several joined by
+    `+` (`prompts/mixed.jsonl+prompts/long.jsonl+humaneval[:20]`), their prompt ids unique."""
+    if "+" in spec:
+        prompts = [prompt for part in spec.split("+") for prompt in load_dataset(part)]
+        ids = [prompt.id for prompt in prompts]
+        if len(set(ids)) < len(ids):
+            raise ConfigError(f"prompt ids repeat across '{spec}'")
+        return prompts
     name, start, stop = spec, None, None
     if match := _SLICE.fullmatch(spec):
         name = match["name"]

