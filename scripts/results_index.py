@@ -115,6 +115,11 @@ ENTRIES: dict[str, tuple[str, str, str | None, str | None, str | None]] = {
     "auto-no-accept": ("speculation", "`auto` against `ar` where nothing is accepted, ~2 ms a forward on the CPU "
                        "(random static models)", "python scripts/auto_no_accept.py "
                        "docs/results/auto-no-accept/results.json --repeats 10", "2-core AMD EPYC (AVX-512)", "c87d007"),
+    "lean-types": ("CPU", "`ar` on the lean backend against `ar` on llama.cpp and `llama-completion`, on GGUFs of other "
+                   "types (the 0.5B: Q4_K/Q5_0/Q6_K/Q8_0; SmolLM2-135M: Q4_1/Q8_0), 6 mixed prompts, 2 repeats",
+                   "speculant bench --target qwen2.5-coder-0.5b (and smollm2-135m) --methods ar:backend=lean "
+                   "ar:backend=llamacpp llamacpp-cli-ar --prompts prompts/mixed.jsonl[:6] --max-new-tokens 96 "
+                   "--repeats 2", ZEN5, None),
     "tree-stage": ("speculation", "`tree` with stage scheduling against serial, mixed prompts and HumanEval[:10] "
                    "(hit rate and overlap: scripts/stage_record.py)", "speculant bench --methods ar "
                    "tree:drafter=qwen2.5-coder-0.5b@lean,depth=4,width=2 "

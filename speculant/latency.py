@@ -24,6 +24,33 @@ class LatencyProfile:
     ttft_s: float  # median prefill time over the prompts
     tpot_s: float  # median one-token decode time
     forward_s: dict[int, float] = field(default_factory=dict)  # W -> median time of W new tokens
+    long_context_len: int | None = None  # a second, longer context, where attention weighs more
+    long_ttft_s: float | None = None  # the prefill of that many tokens
+    long_forward_s: dict[int, float] = field(default_factory=dict)  # W -> time of W new tokens after it
+
+    def cost_at(self, width: float, length: int) -> float:
+        """T(W, L): T(W) after `length` cached tokens, from T(W) at `context_len` and at `long_context_len`, linear in
+        L between and beyond them (attention reads every cached key for each new token; the rest does not depend on
+        L), never below T(W) at `context_len`; T(W) alone where no long context was measured."""
+        base = self.cost(width)
+        if not self.long_forward_s or length <= self.context_len:
+            return base
+        widths = sorted(self.long_forward_s)
+        near = min(widths, key=lambda w: abs(w - width))  # the measured width nearest: the growth per token of it
+        growth = max(self.long_forward_s[near] / self.cost(near) - 1.0, 0.0) / (self.long_context_len - self.context_len)
+        return base * (1.0 + growth * (length - self.context_len))
+
+    def prefill_s(self, tokens: int) -> float:
+        """A prefill of `tokens` new tokens onto an empty cache: a * n + b * n^2 through (context_len, ttft_s) and
+        (long_context_len, long_ttft_s) (each token's attention reads the tokens before it), linear in n where no long
+        prefill was measured."""
+        n1, t1 = self.context_len, self.ttft_s
+        if self.long_ttft_s is None or not self.long_context_len:
+            return t1 * tokens / n1
+        n2, t2 = self.long_context_len, self.long_ttft_s
+        b = max((t2 / n2 - t1 / n1) / (n2 - n1), 0.0)
+        a = t1 / n1 - b * n1
+        return max(a * tokens + b * tokens * tokens, 0.0)
 
     def cost(self, width: float) -> float:
         """T(W), interpolated linearly between measured widths; beyond them, along the last segment but never below
@@ -51,7 +78,8 @@ class LatencyProfile:
 
     @classmethod
     def from_dict(cls, data: dict) -> LatencyProfile:
-        return cls(**dict(data, forward_s={int(w): float(t) for w, t in data["forward_s"].items()}))
+        return cls(**dict(data, forward_s={int(w): float(t) for w, t in data["forward_s"].items()},
+                          long_forward_s={int(w): float(t) for w, t in data.get("long_forward_s", {}).items()}))
 
     @classmethod
     def load(cls, path: Path) -> LatencyProfile:
@@ -105,6 +133,9 @@ def forward_costs(model, context: list[int], widths: Sequence[int], repeats: int
 
 MACHINE_WIDTHS = (1, 2, 3, 4, 5, 6, 8, 10, 12, 16)  # what `auto` chooses draft lengths from
 MACHINE_CONTEXT = 256
+LONG_CONTEXT = 2048  # T(W) measured again after this many cached tokens, at LONG_WIDTHS: T(W, L) (`cost_at`)
+LONG_WIDTHS = (1, 2, 4, 8, 16)
+PROFILE_VERSION = 2  # of what a machine profile holds: a profile of an older one is measured again
 MACHINE_PROFILES = "profiles.json"
 
 
@@ -122,12 +153,14 @@ def profile_key(model) -> str | None:
     where = torch.cuda.get_device_name(model.device) if model.device.type == "cuda" else cpu_info()[0]
     return (f"{identity}|{getattr(model, 'numerics', '')}|{getattr(model, 'kernel', '')}|{model.device}|"
             f"{torch.get_num_threads()} threads|{where}|torch {torch.__version__}|"
-            f"rows exact up to {getattr(model, 'width', None)}")  # llama.cpp: forwards past it run in chunks
+            f"rows exact up to {getattr(model, 'width', None)}|"  # llama.cpp: forwards past it run in chunks
+            f"profile {PROFILE_VERSION}")
 
 
 def machine_profile(model, repeats: int = 3, progress: bool = True) -> LatencyProfile:
-    """T(W) of `model` on this machine for W in MACHINE_WIDTHS, measured once (about a second per width
-    for a 1.5B model, with a progress bar on stderr) and remembered in the speculant cache for models
+    """T(W) of `model` on this machine for W in MACHINE_WIDTHS, and again at LONG_WIDTHS after LONG_CONTEXT tokens,
+    measured once (about a second per width for a 1.5B model and its long prefill, with a progress bar on stderr)
+    and remembered in the speculant cache for models
     loaded by name (a model built in memory is measured every call: a `Session` keeps what it measured);
     `speculant profile` shows it."""
     from speculant.cache import remembered
@@ -148,12 +181,20 @@ def _measure(model, repeats: int, progress: bool) -> LatencyProfile:
 
     room = getattr(model, "max_positions", None)  # a short cache profiles at the context it can hold
     length = MACHINE_CONTEXT if room is None else max(1, min(MACHINE_CONTEXT, room - max(MACHINE_WIDTHS)))
-    context = [(7919 * i + 11) % model.vocab_size for i in range(length)]
+    long = LONG_CONTEXT if room is None else min(LONG_CONTEXT, room - max(LONG_WIDTHS))
+    context = [(7919 * i + 11) % model.vocab_size for i in range(max(length, long))]
     label = f"profiling {model.name} ({getattr(model, 'numerics', '')}, {getattr(model, 'kernel', '')}) once on this machine"
-    with tqdm(total=len(MACHINE_WIDTHS) + 1, desc=label, disable=not progress, file=sys.stderr, leave=False) as bar:
+    steps = len(MACHINE_WIDTHS) + 1 + (len(LONG_WIDTHS) + 1 if long > 2 * length else 0)
+    with tqdm(total=steps, desc=label, disable=not progress, file=sys.stderr, leave=False) as bar:
         model.prefill(context[:8])  # warm-up
-        ttft = _timed(lambda: model.prefill(context))
+        ttft = _timed(lambda: model.prefill(context[:length]))
         bar.update()
-        costs = forward_costs(model, context, MACHINE_WIDTHS, repeats, done=bar.update)
-    return LatencyProfile(model.name, getattr(model, "numerics", ""), str(model.device), length, ttft,
-                          costs[1], costs)
+        costs = forward_costs(model, context[:length], MACHINE_WIDTHS, repeats, done=bar.update)
+        profile = LatencyProfile(model.name, getattr(model, "numerics", ""), str(model.device), length, ttft,
+                                 costs[1], costs)
+        if long > 2 * length:  # (a cache too short for a long context keeps T(W) alone)
+            profile.long_context_len = long
+            profile.long_ttft_s = _timed(lambda: model.prefill(context[:long]))
+            bar.update()
+            profile.long_forward_s = forward_costs(model, context[:long], LONG_WIDTHS, repeats, done=bar.update)
+    return profile

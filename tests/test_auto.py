@@ -3,6 +3,7 @@ speculation off when nothing pays, lets drafts grow when everything is accepted,
 once per machine."""
 
 import json
+from dataclasses import asdict
 import math
 from collections import deque
 
@@ -245,7 +246,7 @@ def test_auto_that_falls_behind_plain_decoding_decodes_plainly(monkeypatch):
         return 0
 
     candidate = Candidate("slow", None, 0.0, 0.0, match=slow_match)
-    tokens, stats = run(target, [candidate], prompt, n=120, cost=Rescaled(lambda width: step))
+    tokens, stats = run(target, [candidate], prompt, n=120, cost=Rescaled(lambda width, length: step))
     assert tokens == reference
     assert PACE_STEPS <= len(lookups) <= PACE_STEPS + 2  # 119 steps without the governor
     tokens, stats = run(target, [candidate], prompt, n=120, cost=lambda width: step)  # no measured seconds: off
@@ -273,6 +274,9 @@ def test_a_prefill_is_risked_only_where_generations_run_long_enough_to_repay_it(
     assert expected_remaining([20, 40, 500], 30, 100) == (10 + 70) / 2  # those that got past 30, cut at 100
     assert expected_remaining([20], 30, 100) == 70  # outlived them all
     assert expected_remaining([math.inf, 20], 10, 100) == (90 + 10) / 2  # one ran to its budget: it could go on
+    lengths = [20, 25, 30, math.inf, math.inf, math.inf, math.inf, math.inf, math.inf]
+    assert expected_remaining(lengths, 10, 100, 0.25) == 15 < expected_remaining(lengths, 10, 100)  # the short ones
+    assert expected_remaining(lengths, 40, 100, 0.25) == 60  # past them: the long ones are left
     target = tiny_model("llama", 3, VOCAB, init_std=0.1)
     prompt = random_prompt(3, VOCAB)
     reference = generate(target, prompt_ids=prompt, method="ar", max_new_tokens=100).token_ids
@@ -335,7 +339,7 @@ def test_costs_follow_what_the_machine_takes_now_not_only_its_profile():
     """A machine profile is measured once; a shared machine then runs slower or faster by tens of percent:
     auto rescales the profile by what verifications and drafts measure, within SCALE_RANGE (a spike is
     drift, not a new machine)."""
-    timing = Rescaled(lambda width: 0.01 * width)
+    timing = Rescaled(lambda width, length: 0.01 * width)
     assert timing(3) == pytest.approx(0.03)  # nothing measured: the profile
     timing.observe(1, 0.02)
     assert timing(1) == pytest.approx(0.02) and timing(3) == pytest.approx(0.06)  # the machine runs at half speed
@@ -388,7 +392,7 @@ def test_auto_measures_every_verification_and_draft():
 
     drafter = Timed(prompt, reference, error_rate=0.3, vocab=VOCAB, seed=0)
     candidate = Candidate("scripted", drafter, 0.05, 0.6)
-    timing = Rescaled(lambda width: 1.0 + 0.01 * width)
+    timing = Rescaled(lambda width, length: 1.0 + 0.01 * width)
     tokens, stats = run(target, [candidate], prompt, n=n, cost=timing)
     assert tokens == reference
     verified = {1 + drafted for drafted in stats.draft_lengths}
@@ -481,3 +485,25 @@ def test_a_model_is_profiled_once_per_machine_with_a_progress_line(tmp_path, mon
     assert len(profiles) == 1 and set(next(iter(profiles.values()))["forward_s"]) == {str(w) for w in latency.MACHINE_WIDTHS}
     assert cli.main(["profile", "--model", str(tmp_path / "m"), "--dtype", "fp32"]) == 0
     assert "T(W)" in capsys.readouterr().out
+
+
+def test_verification_cost_follows_the_cached_length():
+    """T(W, L) from T(W) at 256 and at 2048 cached tokens: linear in L (attention), the nearest measured width's
+    growth for the others, never below T(W) at 256; a prefill grows as a n + b n^2 through both prefills; `Rescaled`
+    asks the profile at the length the policy set."""
+    from speculant.decoding.adaptive import Rescaled
+
+    profile = LatencyProfile("m", "", "cpu", 256, 0.256, 0.01, {1: 0.01, 4: 0.012, 16: 0.02},
+                             2048, 2.56 * 1.5, {1: 0.0125, 4: 0.018})
+    assert profile.cost_at(1, 100) == profile.cost_at(1, 256) == 0.01
+    assert profile.cost_at(1, 2048) == pytest.approx(0.0125) and profile.cost_at(4, 2048) == pytest.approx(0.018)
+    assert profile.cost_at(4, 1152) == pytest.approx(0.012 * 1.25)  # halfway: half the growth
+    assert profile.cost_at(16, 2048) == pytest.approx(0.02 * 1.5)  # width 4's growth, the nearest measured
+    assert profile.prefill_s(256) == pytest.approx(0.256) and profile.prefill_s(2048) == pytest.approx(3.84)
+    assert profile.prefill_s(4096) > 2 * profile.prefill_s(2048)  # superlinear
+    flat = LatencyProfile("m", "", "cpu", 256, 0.256, 0.01, {1: 0.01, 4: 0.012})
+    assert flat.cost_at(4, 3000) == 0.012 and flat.prefill_s(512) == pytest.approx(0.512)
+    cost = Rescaled(profile.cost_at)
+    cost.length = 2048
+    assert cost(4) == pytest.approx(0.018)
+    assert LatencyProfile.from_dict(json.loads(json.dumps(asdict(profile)))) == profile

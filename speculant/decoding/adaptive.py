@@ -10,8 +10,9 @@ with T(W) the target's forward over W tokens, t_draft the drafter's cost per ste
 step adds (1: a chain; w > 1: an equal-growth token tree, Yggdrasil, whose w candidates per step raise
 a_j where the verifier's T(W) is flat) (Leviathan et al. 2023, Eq. 1 and Theorem 3.8, with measured
 costs instead of a constant ratio; vLLM's adaptive draft length uses the same goodput). Plain decoding
-has G = 1 / T(1). T(W) and t_draft come from a machine profile measured once, rescaled by what this
-process's forwards take now (`Rescaled`, `Timings`, `Scale`). A deterministic, model-free drafter (Max-Gram) proposes
+has G = 1 / T(1). T(W) and t_draft come from a machine profile measured once (T(W) at two context lengths, so
+T(W, L) follows the cached length L), rescaled by what this process's forwards take now (`Rescaled`, `Timings`,
+`Scale`). A deterministic, model-free drafter (Max-Gram) proposes
 first, for nothing, and its draft is judged by the estimates for its match length. Whatever is chosen,
 verification is the usual chain or tree verification, so output stays lossless.
 """
@@ -48,6 +49,7 @@ TIME_FOLLOWS = 0.2  # how far a measured/profiled time ratio moves toward each f
 SCALE_RANGE = (0.5, 2.0)  # a forward's measured/profiled ratio is clipped to this: drift, not a spike
 PACE_STEPS = 32  # auto compares its own pace over this many recent steps with plain decoding's T(1) per token
 PACE_MARGIN = 1.02  # ... and decodes plainly for the rest of a generation where it was this much slower
+CATCH_UP_QUANTILE = 0.25  # a drafter's catch-up is repaid over the tokens a reply adds at this quantile of replies
 
 
 @dataclass
@@ -95,17 +97,20 @@ class Timings:
 
 
 class Rescaled:
-    """The target's T(W) from its machine profile times what `timings` measured so far."""
+    """The target's T(W, L) from its machine profile (`LatencyProfile.cost_at`) at the `length` of the context now
+    cached (set by the policy every step), times what `timings` measured so far: the profile follows the context's
+    length, the timings the machine's drift and the profile's own error."""
 
-    def __init__(self, profiled: Callable[[float], float], timings: Timings | None = None):
+    def __init__(self, profiled: Callable[[float, int], float], timings: Timings | None = None):
         self.profiled = profiled
         self.timings = timings if timings is not None else Timings()
+        self.length = 0
 
     def __call__(self, width: float) -> float:
-        return self.profiled(width) * self.timings.at(width)
+        return self.profiled(width, self.length) * self.timings.at(width)
 
     def observe(self, width: int, seconds: float) -> None:
-        self.timings.observe(width, seconds, self.profiled(width))
+        self.timings.observe(width, seconds, self.profiled(width, self.length))
 
 
 @dataclass
@@ -313,13 +318,17 @@ def best_length(acceptance: Acceptance, step_s: float, cost: Callable[[int], flo
                for k in range(1, most + 1))
 
 
-def expected_remaining(lengths: Sequence[float], produced: int, budget: int) -> float:
+def expected_remaining(lengths: Sequence[float], produced: int, budget: int, quantile: float | None = None) -> float:
     """Tokens a generation that has produced `produced` of at most `budget` is expected to add: the mean of
     what earlier generations that got past `produced` added after it (`lengths`: inf for one that ran to its
     own budget, cut at this one's), or the whole rest of the budget where none did. A short reply to a short
-    question thus does not count on the budget to repay a drafter's prefill; a long one earns it as it goes."""
-    later = [min(length, budget) - produced for length in lengths if length > produced]
-    return sum(later) / len(later) if later else float(budget - produced)
+    question thus does not count on the budget to repay a drafter's prefill; a long one earns it as it goes.
+    With `quantile` q, what a q-quantile of them added instead: where a cost is paid once and lost if the reply
+    ends early (a drafter's catch-up), auto counts on the short replies, not the average one."""
+    later = sorted(min(length, budget) - produced for length in lengths if length > produced)
+    if not later:
+        return float(budget - produced)
+    return later[int(quantile * (len(later) - 1))] if quantile is not None else sum(later) / len(later)
 
 
 @dataclass(frozen=True)
@@ -347,7 +356,8 @@ class AutoPolicy:
     where no drafter pays, a generation is at most that much slower than plain decoding, and once earlier texts
     have shown a drafter never right, its probes cost next to nothing (on a GPU, where a forward takes a few ms, a
     probe's catch-up weighs as much as many steps). A drafter's catch-up is weighed against the tokens the generation is still expected to
-    produce, from the `lengths` of earlier generations (this one's is appended at its `end`), less the share that
+    produce, from the `lengths` of earlier generations (this one's is appended at its `end`; their lower quartile,
+    `CATCH_UP_QUANTILE`: a catch-up is lost where the reply ends early), less the share that
     model-free drafts have committed so far (where Max-Gram copies an article into its summary, a model drafter is
     left few tokens to repay its catch-up on the article); a catch-up dearer than `PROBE_SHARE` of that time waits
     `LOOK_FIRST` steps, until the text has shown what free drafts commit.
@@ -379,10 +389,13 @@ class AutoPolicy:
     def choose(self, context: list[int], produced: int, eos: frozenset[int]) -> StepPlan:
         """The step after `context`, of which the generation `produced` the last tokens."""
         cost = self.cost
+        if self.learn_costs:
+            cost.length = len(context)  # T(W, L): verification after this many cached tokens
         room = min(self.k_max, self.max_new_tokens - produced - 1)
         best: tuple[float, Candidate | None, int, Draft | None, int] = (1 / cost(1), None, 0, None, 0)
         matched = False
         remaining = expected_remaining(self.lengths or (), produced, self.max_new_tokens)
+        repays = expected_remaining(self.lengths or (), produced, self.max_new_tokens, CATCH_UP_QUANTILE)
         # under load, a served model drafter that could not pay even if always right is neither weighed nor probed
         weighed = [c for c in self.candidates if c.match is not None or not c.hopeless(cost, self.k_max)]
         for candidate in weighed if room > 0 else ():
@@ -397,10 +410,10 @@ class AutoPolicy:
                         best = (goodput, candidate, k, Draft(draft.tokens[:k], None, draft.usage), bucket)
             else:
                 catch_up = candidate.catch_up_s(context)
-                if catch_up > PROBE_SHARE * cost(1) * remaining and self.steps < LOOK_FIRST:
+                if catch_up > PROBE_SHARE * cost(1) * repays and self.steps < LOOK_FIRST:
                     continue  # a large catch-up waits until the text has shown what free drafts commit
                 goodput, k = best_length(candidate.acceptance(), candidate.cost_s, cost, room, candidate.width,
-                                         catch_up, remaining * (1 - self.free / produced))
+                                         catch_up, repays * (1 - self.free / produced))
                 if goodput > best[0]:
                     best = (goodput, candidate, k, None, 0)
         _, chosen, k, draft, bucket = best

@@ -23,8 +23,9 @@ REVIEW = 6  # Max-Gram tokens a model drafter reviews in one forward in auto's c
 def catch_up_cost(drafter: Any, profile: Any) -> Any:
     """Seconds for `drafter` (a ModelDrafter or TreeDrafter) to run the context its cache lacks, from its
     T(W), or, where it catches up by a prefill of the context (a new prompt: `models.base.prefills`), from its
-    prefill time (`ttft_s` over `context_len` tokens); None for drafters that keep no cache (another
-    tokenizer's re-tokenize the text every time)."""
+    prefill time (`LatencyProfile.prefill_s`: measured at two lengths, each token's attention growing with the
+    context; where only one was measured, no more than a forward of the context); None for drafters that keep no
+    cache (another tokenizer's re-tokenize the text every time)."""
     from speculant.drafters.cross_vocab import CrossVocabDrafter
     from speculant.models.base import prefills
 
@@ -34,7 +35,8 @@ def catch_up_cost(drafter: Any, profile: Any) -> Any:
     def seconds(context: list[int]) -> float:
         lag = drafter.lag(context)
         if prefills(len(context) - lag, lag):
-            return min(profile.cost(len(context)), profile.ttft_s * len(context) / profile.context_len)
+            prefill = profile.prefill_s(len(context))
+            return prefill if profile.long_ttft_s is not None else min(profile.cost(len(context)), prefill)
         return profile.cost(lag) if lag else 0.0
 
     return seconds
@@ -94,7 +96,7 @@ def build(request: Request, options: AutoOptions) -> Any:
     from speculant.trees.drafter import TreeDrafter
 
     target, session = request.target, request.session
-    cost = Rescaled(session.profile(target).cost, session.timings)
+    cost = Rescaled(session.profile(target).cost_at, session.timings)
     speed = cost.timings.speed  # the machine's drift: the drafters' forwards share it
     candidates, begun = [], []
     for spec in options.drafters if options.drafters is not None else target.default_drafters():
