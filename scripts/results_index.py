@@ -115,6 +115,14 @@ ENTRIES: dict[str, tuple[str, str, str | None, str | None, str | None]] = {
     "auto-no-accept": ("speculation", "`auto` against `ar` where nothing is accepted, ~2 ms a forward on the CPU "
                        "(random static models)", "python scripts/auto_no_accept.py "
                        "docs/results/auto-no-accept/results.json --repeats 10", "2-core AMD EPYC (AVX-512)", "c87d007"),
+    "auto-per-request": ("CPU", "`auto` against `ar` per request and per category (decode), 24 mixed prompts, 4 "
+                         "long-context ones (1.7-3.2k tokens) and HumanEval[:20], 2 repeats (`scripts/per_request.py`)",
+                         None, ZEN5, None),
+    "sampling-verifiers": ("CPU", "`auto` with block verification and token by token against `ar` at temperatures "
+                           "0.3, 0.7 and 1.0, in one run, 24 mixed prompts, 2 repeats", None, ZEN5, None),
+    "prefill.md": ("CPU", "prompt evaluation of 512 tokens: the lean backend beside `llama-bench` (pp512), and what "
+                   "bounds it", "python scripts/prefill_parts.py --lengths 512 --parts 512 --repeats 3; llama-bench "
+                   "-p 512 -n 0 -r 2 -t 2 (-fa 1 -ctk bf16 -ctv bf16)", ZEN5, None),
     "lean-types": ("CPU", "`ar` on the lean backend against `ar` on llama.cpp and `llama-completion`, on GGUFs of other "
                    "types (the 0.5B: Q4_K/Q5_0/Q6_K/Q8_0; SmolLM2-135M: Q4_1/Q8_0), 6 mixed prompts, 2 repeats",
                    "speculant bench --target qwen2.5-coder-0.5b (and smollm2-135m) --methods ar:backend=lean "
