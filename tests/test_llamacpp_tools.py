@@ -114,6 +114,7 @@ def test_llamacpp_tools_give_ar_s_text_in_one_bench_run(tmp_path):
         {"id": "b", "category": "code", "prompt": "def fib(n):\n    \"\"\"Return the n-th Fibonacci number ('\\\\n' stays).\"\"\"\n"}]))
     out = tmp_path / "out"
     done = subprocess.run([sys.executable, "-m", "speculant.cli", "bench", "--target", "qwen2.5-coder-0.5b",
+                           "--backend", "llamacpp",  # (the 0.5B runs on lean by default)
                            "--prompts", str(prompts), "--max-new-tokens", "24", "--out", str(out), "--methods", "ar",
                            "llamacpp-cli-ar", "llamacpp-cli-ngram", "llamacpp-cli-spec:drafter=qwen2.5-coder-0.5b,k=4"],
                           capture_output=True, text=True, timeout=900)
