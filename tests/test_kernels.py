@@ -239,19 +239,24 @@ def test_every_type_s_rows_equal_their_one_row_calls_and_the_scalar_reference(gg
 
 
 @pytest.mark.parametrize("isa", kernels.paths(emulated=True))
-def test_q8_0_s_extreme_quants_overflow_no_path(isa):
-    """Quants of -128 and 127 times activations of +-127: AVX2 multiplies |q| (128 at most) by signed bytes in
-    int16 pairs, at most 2 * 128 * 127."""
-    raw = quantized("Q8_0", np.ones((16, 512), dtype=np.float32))
-    blocks = raw.reshape(16, -1, 34)
-    blocks[:8, :, 2:] = 0x80  # -128
-    blocks[8:, :, 2:] = 0x7F
-    weight = kernels.QuantWeight.from_gguf("Q8_0", raw)
+@pytest.mark.parametrize("ggml_type", ["Q8_0", "Q4_1"])
+def test_extreme_quants_overflow_no_path(isa, ggml_type):
+    """Q8_0's quants of -128 and 127, Q4_1's of 15, times activations of +-127: AVX2 multiplies |q| (128 at most) by
+    signed bytes in int16 pairs (at most 2 * 128 * 127), and adds eight pairs of nibble products (8 * 2 * 15 * 127)
+    in int16 before widening them."""
+    raw = quantized(ggml_type, np.ones((16, 512), dtype=np.float32))
+    blocks = raw.reshape(16, -1, formats.BLOCK_BYTES[ggml_type])
+    if ggml_type == "Q8_0":
+        blocks[:8, :, 2:] = 0x80  # -128
+        blocks[8:, :, 2:] = 0x7F
+    else:
+        blocks[:, :, 4:] = 0xFF  # every nibble 15
+    weight = kernels.QuantWeight.from_gguf(ggml_type, raw)
     x = torch.ones(6, 512)
     x[1] = -1.0
     x[2, ::64] = -1.0
     x[3:] = -x[:3]
     rows = kernels.matmul(kernels.quantize_rows(x, isa), weight, isa)
     assert torch.equal(rows, kernels.matmul(kernels.quantize_rows(x, "scalar"), weight, "scalar", threads=1))
-    dense = x @ torch.from_numpy(gguf.quants.dequantize(raw, gguf.GGMLQuantizationType.Q8_0)).T
+    dense = x @ torch.from_numpy(gguf.quants.dequantize(raw, gguf.GGMLQuantizationType[ggml_type])).T
     assert (rows - dense).norm() / dense.norm() < 0.02

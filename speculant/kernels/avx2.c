@@ -142,12 +142,51 @@ static inline __attribute__((always_inline)) void q8b_tile(const int rows, const
         }
 }
 
+// q4_b's block, half a panel at a time: q4_k's nibble sums (eight vpmaddubsw pairs of at most 3810 each in int16),
+// q8_b's fp32 arithmetic.
+static inline __attribute__((always_inline)) void q4b_tile(const int rows, const int8_t *qa, const float *sa,
+                                                          const int16_t *s32, const int32_t *o16, int64_t K,
+                                                          const uint8_t *panel, float *y, int64_t O) {
+    const __m256i low = _mm256_set1_epi8(0x0F), ones = _mm256_set1_epi16(1);
+    for (int h = 0; h < 2; h++)
+        for (int64_t s = 0; s < supers(K); s++) {
+            const uint8_t *sp = panel + s * Q4B_SUPER;
+            if (h == 0) prefetch(sp + PREFETCH * Q4B_SUPER, Q4B_SUPER);
+            __m256 sb[TILE];
+            for (int r = 0; r < rows; r++) sb[r] = _mm256_setzero_ps();
+            for (int b = 0; b < blocks_in(s, K, 8); b++) {
+                const uint8_t *bp = sp + b * Q4B_BLOCK;
+                __m256 d = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(bp + h * 16)));
+                __m256 m = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(bp + 32 + h * 16)));
+                int64_t kb = s * 8 + b;
+                __m256i sum[TILE];
+                for (int r = 0; r < rows; r++) sum[r] = _mm256_setzero_si256();
+                for (int c = 0; c < 4; c++) {
+                    __m256i raw = _mm256_loadu_si256((const __m256i *)(bp + 64 + c * 64 + h * 32));
+                    __m256i lo = _mm256_and_si256(raw, low), hi = _mm256_and_si256(_mm256_srli_epi16(raw, 4), low);
+                    for (int r = 0; r < rows; r++) {
+                        const int8_t *a = qa + r * K + kb * 32;
+                        sum[r] = _mm256_add_epi16(sum[r], pairs(lo, a + 4 * c));
+                        sum[r] = _mm256_add_epi16(sum[r], pairs(hi, a + 16 + 4 * c));
+                    }
+                }
+                for (int r = 0; r < rows; r++) {
+                    sb[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_madd_epi16(sum[r], ones)), d, sb[r]);
+                    sb[r] = _mm256_fmadd_ps(_mm256_set1_ps((float)s32[r * (K / 32) + kb]), m, sb[r]);
+                }
+            }
+            add_super(rows, sb, sa, s, K, y + h * 8, O);
+        }
+}
+
 DISPATCH(q4k_tile, TILE)
 DISPATCH(q6k_tile, TILE)
 DISPATCH(q8b_tile, TILE)
+DISPATCH(q4b_tile, TILE)
 MATMUL(matmul_q4_k, Q4K_SUPER, Q4K_TAIL, TILE, q4k_tile_rows)
 MATMUL(matmul_q6_k, Q6K_SUPER, Q6K_TAIL, TILE, q6k_tile_rows)
 MATMUL(matmul_q8_b, Q8B_SUPER, Q8B_TAIL, TILE, q8b_tile_rows)
+MATMUL(matmul_q4_b, Q4B_SUPER, Q4B_TAIL, TILE, q4b_tile_rows)
 
 // layer.h's sum of products with scalar.c's bits: lanes 0-7 and 8-15 in two registers, the tree as halves added.
 static inline float sum16(const float *a, const float *b, int64_t n) {

@@ -161,10 +161,41 @@ static inline __attribute__((always_inline)) void q8b_tile(const int rows, const
     }
 }
 
+// q4_b's block: q4_k's nibbles (unpacked as q4_k's, its header 32 bytes longer), q8_b's fp32 arithmetic.
+static inline __attribute__((always_inline)) void q4b_tile(const int rows, const int8_t *qa, const float *sa,
+                                                          const int16_t *s32, const int32_t *o16, int64_t K,
+                                                          const uint8_t *panel, float *y, int64_t O) {
+    for (int64_t s = 0; s < supers(K); s++) {
+        const uint8_t *sp = panel + s * Q4B_SUPER;
+        prefetch(sp + PREFETCH * Q4B_SUPER, Q4B_SUPER);
+        __m512 sb[TILE];
+        for (int r = 0; r < rows; r++) sb[r] = _mm512_setzero_ps();
+        for (int b = 0; b < blocks_in(s, K, 8); b++) {
+            const uint8_t *bp = sp + b * Q4B_BLOCK;
+            __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)bp));
+            __m512 m = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(bp + 32)));
+            __m512i w[8];
+            q4k_unpack(bp + 32, w);
+            int64_t kb = s * 8 + b;
+#pragma GCC unroll 8
+            for (int r = 0; r < rows; r++) {
+                const int8_t *a = qa + r * K + kb * 32;
+                __m512i dot = _mm512_setzero_si512();
+                for (int g = 0; g < 8; g++) dot = dpbusd_at(dot, w[g], a + 4 * g);
+                sb[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), d, sb[r]);
+                sb[r] = _mm512_fmadd_ps(_mm512_set1_ps((float)s32[r * (K / 32) + kb]), m, sb[r]);
+            }
+        }
+        add_super(rows, sb, sa, s, K, y, O);
+    }
+}
+
 DISPATCH(q4k_tile, TILE)
 DISPATCH(q6k_tile, TILE)
 DISPATCH(q8b_tile, TILE)
+DISPATCH(q4b_tile, TILE)
 MATMUL(matmul_q8_b, Q8B_SUPER, Q8B_TAIL, TILE, q8b_tile_rows)
+MATMUL(matmul_q4_b, Q4B_SUPER, Q4B_TAIL, TILE, q4b_tile_rows)
 #ifdef AMX
 #include "amx.h"
 #else

@@ -1,9 +1,9 @@
 """GGUF tensors repacked, once, into the panel layouts speculant's kernels read (see common.h): the same
 weights as the file (no requantization), regrouped so that one 16-lane register load holds four inputs of each
 of 16 outputs. Q4_K and Q6_K keep their own layouts (`q4_k`, `q6_k`); the types whose blocks of 32 are integers
-times a scale plus an offset (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, and Q5_K, whose six-bit scales and mins times the
-super-block's d and dmin are exact in fp32) become `q8_b`: a byte per weight, the block's scale and offset in
-fp32; F16, BF16 and F32 matrices become `f32` rows.
+times a scale plus an offset become `q4_b` (Q4_0, Q4_1: q4_k's nibbles, the block's scale and offset in f16) or
+`q8_b` (Q5_0, Q5_1, Q8_0, and Q5_K, whose six-bit scales and mins times the super-block's d and dmin are exact in
+fp32: a byte per weight, the scale and offset in fp32); F16, BF16 and F32 matrices become `f32` rows.
 
 ggml's block layouts (ggml-common.h): Q4_K super-blocks of 256 inputs, `d`, `dmin` (f16), 12 bytes of
 six-bit scales and mins for 8 blocks of 32, 128 bytes of nibbles; Q6_K super-blocks of 256, 128 bytes of
@@ -17,10 +17,12 @@ import numpy as np
 PANEL = 16
 SUPER = 256
 QUANTUM = 128  # a matrix's inputs are padded to a multiple of this, not of SUPER (see `pack`)
-BYTES = {"q4_k": 2368, "q6_k": 3360, "q8_b": 8 * 640}  # one panel's super-block in speculant's layout
-TAIL = {"q4_k": 64 + 4 * 288, "q6_k": 32 + 8 * 208, "q8_b": 4 * 640}  # its first half: header, blocks of 128 inputs
+BYTES = {"q4_k": 2368, "q6_k": 3360, "q8_b": 8 * 640, "q4_b": 8 * 320}  # one panel's super-block in speculant's layout
+TAIL = {"q4_k": 64 + 4 * 288, "q6_k": 32 + 8 * 208, "q8_b": 4 * 640, "q4_b": 4 * 320}  # its first half: header, blocks
+# of 128 inputs
 GGUF_BYTES = {"q4_k": 144, "q6_k": 210}  # one output's super-block in the file
-KIND_OF = {"Q4_K": "q4_k", "Q6_K": "q6_k", **dict.fromkeys(("Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q5_K"), "q8_b"),
+KIND_OF = {"Q4_K": "q4_k", "Q6_K": "q6_k", **dict.fromkeys(("Q5_0", "Q5_1", "Q8_0", "Q5_K"), "q8_b"),
+           **dict.fromkeys(("Q4_0", "Q4_1"), "q4_b"),
            **dict.fromkeys(("F32", "F16", "BF16"), "f32")}  # the kernel that reads each GGUF type, exactly
 BLOCK_BYTES = {"Q4_0": 18, "Q4_1": 20, "Q5_0": 22, "Q5_1": 24, "Q8_0": 34, "Q5_K": 176}  # per 32 inputs (Q5_K: 256)
 
@@ -57,7 +59,7 @@ def width(ggml_type: str, raw: np.ndarray) -> int:
     kind = KIND_OF[ggml_type]
     if kind in GGUF_BYTES:
         return raw.shape[1] // GGUF_BYTES[kind] * SUPER
-    if kind == "q8_b":
+    if ggml_type in BLOCK_BYTES:
         return raw.shape[1] // BLOCK_BYTES[ggml_type] * (SUPER if ggml_type == "Q5_K" else 32)
     return raw.shape[1] * raw.itemsize // {"F32": 4, "F16": 2, "BF16": 2}[ggml_type]
 
@@ -133,6 +135,8 @@ def pack_type(ggml_type: str, raw: np.ndarray, inputs: int) -> tuple[str, np.nda
         return kind, _padded(weights, inputs, width).reshape(-1, PANEL * inputs).view(np.uint8)
     q, d, m = unpack_blocks32(ggml_type, raw)
     width = q.shape[1]
+    if kind == "q4_b":
+        return kind, _pack_q4_b(ggml_type, q, d, m, inputs)
     u = (_padded(q, inputs, width).view(np.uint8) ^ 0x80).reshape(-1, PANEL, inputs // 32, 8, 4)  # q + 128
     u = np.moveaxis(u, 1, 3)  # [P, block, g, j, t]: byte g*64 + j*4 + t is input 4g + t of output j
     scales = [np.ascontiguousarray(np.moveaxis(_padded(v, inputs // 32, width // 32).reshape(-1, PANEL, inputs // 32),
@@ -140,6 +144,24 @@ def pack_type(ggml_type: str, raw: np.ndarray, inputs: int) -> tuple[str, np.nda
     blocks = np.concatenate([scales[0].view(np.uint8), scales[1].view(np.uint8), u.reshape(*u.shape[:2], -1)],
                             axis=-1)
     return kind, np.ascontiguousarray(blocks.reshape(len(blocks), -1))
+
+
+def _pack_q4_b(ggml_type: str, q: np.ndarray, d: np.ndarray, m: np.ndarray, inputs: int) -> np.ndarray:
+    """Q4_0/Q4_1 blocks as `q4_b`: the quants made unsigned (Q4_0's q + 8, its offset -8d, exact in f16 as d is),
+    nibbles in q4_k's block layout, d and m in f16 (the file's own values)."""
+    centre = 8 if ggml_type == "Q4_0" else 0
+    u = (q.astype(np.int16) + centre).astype(np.uint8)
+    offset = (m - centre * d).astype(np.float16)
+    if not np.isfinite(offset).all() or not np.array_equal(offset.astype(np.float32), m - centre * d):
+        raise ValueError(f"a {ggml_type} offset is not exact in f16")
+    width = q.shape[1]
+    u = _padded(u, inputs, width).reshape(-1, PANEL, inputs // 32, 2, 4, 4)  # [P, j, block, half, c, t]
+    nibbles = np.moveaxis(u[..., 0, :, :] | (u[..., 1, :, :] << 4), 1, 3)  # [P, block, c, j, t]
+    scales = [np.ascontiguousarray(np.moveaxis(_padded(v.astype(np.float16), inputs // 32, width // 32)
+                                               .reshape(-1, PANEL, inputs // 32), 1, 2)) for v in (d, offset)]
+    blocks = np.concatenate([scales[0].view(np.uint8), scales[1].view(np.uint8),
+                             nibbles.reshape(*nibbles.shape[:2], -1)], axis=-1)  # [P, block, 320]
+    return np.ascontiguousarray(blocks.reshape(len(blocks), -1))
 
 
 def _padded(a: np.ndarray, columns: int, width: int) -> np.ndarray:

@@ -89,9 +89,39 @@ static void q8b_rows(int64_t rows, const int8_t *qa, const float *sa, const int1
         }
 }
 
+static void q4b_rows(int64_t rows, const int8_t *qa, const float *sa, const int16_t *s32, const int32_t *o16,
+                     int64_t K, const uint8_t *panel, float *y, int64_t O) {
+    for (int64_t r = 0; r < rows; r++)
+        for (int j = 0; j < PANEL; j++) {
+            float acc = 0.0f;
+            for (int64_t s = 0; s < supers(K); s++) {
+                float sb = 0.0f;
+                for (int b = 0; b < blocks_in(s, K, 8); b++) {
+                    const uint8_t *bp = panel + s * Q4B_SUPER + b * Q4B_BLOCK;
+                    int64_t kb = s * 8 + b;
+                    const int8_t *a = qa + r * K + kb * 32;
+                    uint16_t dh, mh;
+                    memcpy(&dh, bp + 2 * j, 2);
+                    memcpy(&mh, bp + 32 + 2 * j, 2);
+                    int32_t dot = 0;
+                    for (int c = 0; c < 4; c++)
+                        for (int t = 0; t < 4; t++) {
+                            uint8_t byte = bp[64 + c * 64 + j * 4 + t];
+                            dot += (byte & 0xF) * a[4 * c + t] + (byte >> 4) * a[16 + 4 * c + t];
+                        }
+                    sb = fmaf((float)dot, half_to_float(dh), sb);
+                    sb = fmaf((float)s32[r * (K / 32) + kb], half_to_float(mh), sb);
+                }
+                acc = fmaf(sb, sa[r * supers(K) + s], acc);
+            }
+            y[r * O + j] = acc;
+        }
+}
+
 MATMUL(matmul_q4_k, Q4K_SUPER, Q4K_TAIL, 8, q4k_rows)
 MATMUL(matmul_q6_k, Q6K_SUPER, Q6K_TAIL, 8, q6k_rows)
 MATMUL(matmul_q8_b, Q8B_SUPER, Q8B_TAIL, 8, q8b_rows)
+MATMUL(matmul_q4_b, Q4B_SUPER, Q4B_TAIL, 8, q4b_rows)
 
 // layer.h's sum of products, as its bits are defined.
 static inline float sum16(const float *a, const float *b, int64_t n) {
