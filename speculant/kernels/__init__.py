@@ -1,5 +1,6 @@
 """speculant's exact kernels: GGUF weights (repacked once, `formats.py`: Q4_K and Q6_K as they are, the types whose
-blocks are integers times a scale plus an offset a byte per weight, F16/BF16/F32 as fp32 rows) times int8
+blocks are integers times a scale plus an offset as nibbles (Q4_0, Q4_1) or a byte per weight, F16/BF16/F32 as fp32
+rows) times int8
 activation rows (fp32 rows for fp32 weights), one C file per ISA (`scalar.c`, `avx2.c`, `avx512.c`), chosen at run time by the CPU's
 features; where the CPU has AMX int8, tiles of up to 16 rows take their integer sums from AMX tile multiplies
 (`amx.h`) from the number of rows where those pay, timed once per machine (`amx_rows`). Each weight block is unpacked once per call for every row of a tile (llamafile's tinyBLAS
