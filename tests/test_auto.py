@@ -506,4 +506,10 @@ def test_verification_cost_follows_the_cached_length():
     cost = Rescaled(profile.cost_at)
     cost.length = 2048
     assert cost(4) == pytest.approx(0.018)
+    from speculant.decoding.adaptive import Candidate
+
+    drafter = Candidate("d", None, 0.004, 0.5, growth=lambda length: profile.cost_at(1, length) / profile.cost(1))
+    assert drafter.cost_s == pytest.approx(0.004)  # before the policy set a length: as profiled
+    drafter.length = 2048
+    assert drafter.cost_s == pytest.approx(0.004 * 1.25)  # a drafting step grows with the context as its T(1) does
     assert LatencyProfile.from_dict(json.loads(json.dumps(asdict(profile)))) == profile

@@ -208,6 +208,8 @@ a model-free candidate matches the context."""
     scale: Scale = field(default_factory=Scale)  # its drafter's time over its profile's, beyond `speed`'s
     speed: Scale = field(default_factory=Scale)  # the machine's drift, measured on the target (`Timings`)
     load: Callable[[], int] | None = None  # a served request's: how many rows its target's batches hold now
+    growth: Callable[[int], float] | None = None  # its step's cost after L cached tokens over its profiled cost
+    length: int = 0  # the context's length now (set by the policy every step)
     pays_at: dict[tuple[int, float], bool] = field(default_factory=dict, repr=False)  # can_pay by (load, cost_s)
 
     @property
@@ -217,8 +219,12 @@ a model-free candidate matches the context."""
 
     @property
     def cost_s(self) -> float:
-        """Seconds per drafting step as measured now (a measured candidate's `step_s` already is)."""
-        return self.step_s if self.measured else self.step_s * self.drift
+        """Seconds per drafting step as measured now (a measured candidate's `step_s` already is), after the
+        context's `length` (its drafter's T(W, L) over T(W): `growth`)."""
+        return self.step_s if self.measured else self.step_s * self.drift * self._grown()
+
+    def _grown(self) -> float:
+        return self.growth(self.length) if self.growth is not None else 1.0
 
     def catch_up_s(self, context: list[int]) -> float:
         return self.catch_up(context) * self.drift if self.catch_up is not None else 0.0
@@ -247,7 +253,7 @@ a model-free candidate matches the context."""
         if self.measured and steps:  # a stall counts as SCALE_RANGE's slowest: drift, not a spike
             self.step_s += COST_FOLLOWS * (min(seconds / steps, SCALE_RANGE[1] * self.step_s) - self.step_s)
         elif steps and lag <= 2 and self.step_s > 0:
-            self.scale.observe(seconds / steps, self.step_s * self.speed.value)
+            self.scale.observe(seconds / steps, self.step_s * self.speed.value * self._grown())
 
 
 MATCH_PRIORS = {1: 0.3, 2: 0.5, 3: 0.7, 4: 0.85}  # acceptance before any observation, by bucket
@@ -391,6 +397,8 @@ class AutoPolicy:
         cost = self.cost
         if self.learn_costs:
             cost.length = len(context)  # T(W, L): verification after this many cached tokens
+        for candidate in self.candidates:
+            candidate.length = len(context)  # and drafting
         room = min(self.k_max, self.max_new_tokens - produced - 1)
         best: tuple[float, Candidate | None, int, Draft | None, int] = (1 / cost(1), None, 0, None, 0)
         matched = False

@@ -118,7 +118,8 @@ def build(request: Request, options: AutoOptions) -> Any:
                                    if isinstance(drafter, CrossVocabDrafter) else 1.0)
         scale = session.scale(source.name)
         chain = Candidate(source.name, drafter, step_s, MODEL_PRIOR, estimates=estimates,
-                          catch_up=catch_up_cost(drafter, profile), scale=scale, speed=speed)
+                          catch_up=catch_up_cost(drafter, profile), scale=scale, speed=speed,
+                          growth=lambda length, profile=profile: profile.cost_at(1, length) / profile.cost(1))
         candidates.append(chain)
         same_ids = isinstance(drafter, ModelDrafter)  # trees and reviews need the target's ids
         for width in options.tree_widths if same_ids else ():
@@ -128,8 +129,9 @@ def build(request: Request, options: AutoOptions) -> Any:
             tree = TreeDrafter(drafter.cache, width)  # the chain's cache: whichever drafts next catches up from it
             candidates.append(Candidate(name, tree, profile.cost(width), TREE_PRIOR,
                                         estimates=session.estimates(name), width=width,
-                                        catch_up=catch_up_cost(tree, profile), chain=chain,
-                                        scale=scale, speed=speed))
+                                        catch_up=catch_up_cost(tree, profile), chain=chain, scale=scale,
+                                        speed=speed, growth=lambda length, profile=profile, width=width:
+                                        profile.cost_at(width, length) / profile.cost(width)))
     # A vertical cascade (CS Drafting) where Max-Gram finds a match: each model drafter reviews Max-Gram's
     # draft in one forward, keeping what it would itself have drafted, so its drafts are its chain's (the
     # same acceptance estimates), cheaper where Max-Gram guesses right. Its cost per token is measured as
