@@ -132,26 +132,35 @@ static inline __attribute__((always_inline)) void q6k_tile(const int rows, const
     }
 }
 
-// q8_b's block: 8 registers of q + 128 as they lie; the dot starts at -128 times the activations' sum (q's offset).
-static inline __attribute__((always_inline)) void q8b_tile(const int rows, const int8_t *qa, const float *sa,
-                                                          const int16_t *s32, const int32_t *o16, int64_t K,
-                                                          const uint8_t *panel, float *y, int64_t O) {
+// q8_b's and q4_b's blocks: 8 registers of q + 128 as they lie (the dot then starts at -128 times the activations'
+// sum, q's offset), or q4_k's nibbles unpacked as q4_k's (their header 32 bytes longer); then d*dot + m*sum.
+static inline __attribute__((always_inline)) void blocks32_tile(const int nibbles, const int rows, const int8_t *qa,
+                                                               const float *sa, const int16_t *s32, int64_t K,
+                                                               const uint8_t *panel, float *y, int64_t O) {
+    const int64_t block = nibbles ? Q4B_BLOCK : Q8B_BLOCK;
     for (int64_t s = 0; s < supers(K); s++) {
-        const uint8_t *sp = panel + s * Q8B_SUPER;
-        prefetch(sp + PREFETCH * Q8B_SUPER, Q8B_SUPER);
+        const uint8_t *sp = panel + s * 8 * block;
+        prefetch(sp + PREFETCH * 8 * block, 8 * block);
         __m512 sb[TILE];
         for (int r = 0; r < rows; r++) sb[r] = _mm512_setzero_ps();
         for (int b = 0; b < blocks_in(s, K, 8); b++) {
-            const uint8_t *bp = sp + b * Q8B_BLOCK;
-            __m512 d = _mm512_loadu_ps(bp), m = _mm512_loadu_ps(bp + 64);
+            const uint8_t *bp = sp + b * block;
+            __m512 d, m;
             __m512i w[8];
-            for (int g = 0; g < 8; g++) w[g] = _mm512_loadu_si512(bp + 128 + g * 64);
+            if (nibbles) {
+                d = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)bp));
+                m = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(bp + 32)));
+                q4k_unpack(bp + 32, w);
+            } else {
+                d = _mm512_loadu_ps(bp), m = _mm512_loadu_ps(bp + 64);
+                for (int g = 0; g < 8; g++) w[g] = _mm512_loadu_si512(bp + 128 + g * 64);
+            }
             int64_t kb = s * 8 + b;
 #pragma GCC unroll 8
             for (int r = 0; r < rows; r++) {
                 const int8_t *a = qa + r * K + kb * 32;
                 int32_t sum = s32[r * (K / 32) + kb];
-                __m512i dot = _mm512_set1_epi32(-128 * sum);
+                __m512i dot = _mm512_set1_epi32(nibbles ? 0 : -128 * sum);
                 for (int g = 0; g < 8; g++) dot = dpbusd_at(dot, w[g], a + 4 * g);
                 sb[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), d, sb[r]);
                 sb[r] = _mm512_fmadd_ps(_mm512_set1_ps((float)sum), m, sb[r]);
@@ -161,34 +170,8 @@ static inline __attribute__((always_inline)) void q8b_tile(const int rows, const
     }
 }
 
-// q4_b's block: q4_k's nibbles (unpacked as q4_k's, its header 32 bytes longer), q8_b's fp32 arithmetic.
-static inline __attribute__((always_inline)) void q4b_tile(const int rows, const int8_t *qa, const float *sa,
-                                                          const int16_t *s32, const int32_t *o16, int64_t K,
-                                                          const uint8_t *panel, float *y, int64_t O) {
-    for (int64_t s = 0; s < supers(K); s++) {
-        const uint8_t *sp = panel + s * Q4B_SUPER;
-        prefetch(sp + PREFETCH * Q4B_SUPER, Q4B_SUPER);
-        __m512 sb[TILE];
-        for (int r = 0; r < rows; r++) sb[r] = _mm512_setzero_ps();
-        for (int b = 0; b < blocks_in(s, K, 8); b++) {
-            const uint8_t *bp = sp + b * Q4B_BLOCK;
-            __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)bp));
-            __m512 m = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(bp + 32)));
-            __m512i w[8];
-            q4k_unpack(bp + 32, w);
-            int64_t kb = s * 8 + b;
-#pragma GCC unroll 8
-            for (int r = 0; r < rows; r++) {
-                const int8_t *a = qa + r * K + kb * 32;
-                __m512i dot = _mm512_setzero_si512();
-                for (int g = 0; g < 8; g++) dot = dpbusd_at(dot, w[g], a + 4 * g);
-                sb[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), d, sb[r]);
-                sb[r] = _mm512_fmadd_ps(_mm512_set1_ps((float)s32[r * (K / 32) + kb]), m, sb[r]);
-            }
-        }
-        add_super(rows, sb, sa, s, K, y, O);
-    }
-}
+#define q8b_tile(rows, qa, sa, s32, o16, K, panel, y, O) blocks32_tile(0, rows, qa, sa, s32, K, panel, y, O)
+#define q4b_tile(rows, qa, sa, s32, o16, K, panel, y, O) blocks32_tile(1, rows, qa, sa, s32, K, panel, y, O)
 
 DISPATCH(q4k_tile, TILE)
 DISPATCH(q6k_tile, TILE)

@@ -63,23 +63,38 @@ static void q6k_rows(int64_t rows, const int8_t *qa, const float *sa, const int1
         }
 }
 
-static void q8b_rows(int64_t rows, const int8_t *qa, const float *sa, const int16_t *s32, const int32_t *o16,
-                     int64_t K, const uint8_t *panel, float *y, int64_t O) {
+// q8_b and q4_b: blocks of 32 whose weights are d*q + m, d and m per output (fp32 and f16), q a byte less 128 or a
+// nibble in q4_k's layout.
+static inline void blocks32_rows(const int nibbles, int64_t rows, const int8_t *qa, const float *sa,
+                                 const int16_t *s32, int64_t K, const uint8_t *panel, float *y, int64_t O) {
+    const int64_t block = nibbles ? Q4B_BLOCK : Q8B_BLOCK;
     for (int64_t r = 0; r < rows; r++)
         for (int j = 0; j < PANEL; j++) {
             float acc = 0.0f;
             for (int64_t s = 0; s < supers(K); s++) {
                 float sb = 0.0f;
                 for (int b = 0; b < blocks_in(s, K, 8); b++) {
-                    const uint8_t *bp = panel + s * Q8B_SUPER + b * Q8B_BLOCK;
+                    const uint8_t *bp = panel + (s * 8 + b) * block;
                     int64_t kb = s * 8 + b;
                     const int8_t *a = qa + r * K + kb * 32;
                     float d, m;
-                    memcpy(&d, bp + 4 * j, 4);
-                    memcpy(&m, bp + 64 + 4 * j, 4);
                     int32_t dot = 0;
-                    for (int g = 0; g < 8; g++)
-                        for (int t = 0; t < 4; t++) dot += ((int32_t)bp[128 + g * 64 + j * 4 + t] - 128) * a[4 * g + t];
+                    if (nibbles) {
+                        uint16_t dh, mh;
+                        memcpy(&dh, bp + 2 * j, 2);
+                        memcpy(&mh, bp + 32 + 2 * j, 2);
+                        d = half_to_float(dh), m = half_to_float(mh);
+                        for (int c = 0; c < 4; c++)
+                            for (int t = 0; t < 4; t++) {
+                                uint8_t byte = bp[64 + c * 64 + j * 4 + t];
+                                dot += (byte & 0xF) * a[4 * c + t] + (byte >> 4) * a[16 + 4 * c + t];
+                            }
+                    } else {
+                        memcpy(&d, bp + 4 * j, 4);
+                        memcpy(&m, bp + 64 + 4 * j, 4);
+                        for (int g = 0; g < 8; g++)
+                            for (int t = 0; t < 4; t++) dot += ((int32_t)bp[128 + g * 64 + j * 4 + t] - 128) * a[4 * g + t];
+                    }
                     sb = fmaf((float)dot, d, sb);
                     sb = fmaf((float)s32[r * (K / 32) + kb], m, sb);
                 }
@@ -89,33 +104,14 @@ static void q8b_rows(int64_t rows, const int8_t *qa, const float *sa, const int1
         }
 }
 
+static void q8b_rows(int64_t rows, const int8_t *qa, const float *sa, const int16_t *s32, const int32_t *o16,
+                     int64_t K, const uint8_t *panel, float *y, int64_t O) {
+    blocks32_rows(0, rows, qa, sa, s32, K, panel, y, O);
+}
+
 static void q4b_rows(int64_t rows, const int8_t *qa, const float *sa, const int16_t *s32, const int32_t *o16,
                      int64_t K, const uint8_t *panel, float *y, int64_t O) {
-    for (int64_t r = 0; r < rows; r++)
-        for (int j = 0; j < PANEL; j++) {
-            float acc = 0.0f;
-            for (int64_t s = 0; s < supers(K); s++) {
-                float sb = 0.0f;
-                for (int b = 0; b < blocks_in(s, K, 8); b++) {
-                    const uint8_t *bp = panel + s * Q4B_SUPER + b * Q4B_BLOCK;
-                    int64_t kb = s * 8 + b;
-                    const int8_t *a = qa + r * K + kb * 32;
-                    uint16_t dh, mh;
-                    memcpy(&dh, bp + 2 * j, 2);
-                    memcpy(&mh, bp + 32 + 2 * j, 2);
-                    int32_t dot = 0;
-                    for (int c = 0; c < 4; c++)
-                        for (int t = 0; t < 4; t++) {
-                            uint8_t byte = bp[64 + c * 64 + j * 4 + t];
-                            dot += (byte & 0xF) * a[4 * c + t] + (byte >> 4) * a[16 + 4 * c + t];
-                        }
-                    sb = fmaf((float)dot, half_to_float(dh), sb);
-                    sb = fmaf((float)s32[r * (K / 32) + kb], half_to_float(mh), sb);
-                }
-                acc = fmaf(sb, sa[r * supers(K) + s], acc);
-            }
-            y[r * O + j] = acc;
-        }
+    blocks32_rows(1, rows, qa, sa, s32, K, panel, y, O);
 }
 
 MATMUL(matmul_q4_k, Q4K_SUPER, Q4K_TAIL, 8, q4k_rows)
