@@ -381,7 +381,7 @@ class LeanCausalLM(PointerCache, Backend):
         self.eos_token_ids = frozenset(eos_token_ids | weights.eos_token_ids)
         self.max_positions = min(positions or DEFAULT_POSITIONS, config.context)
         self.kernel = kernels.build()  # a new build of the kernels or layers is profiled anew
-        self.numerics = "lean: GGUF K-quants x int8 rows"  # the same bits on every ISA path
+        self.numerics = "lean: GGUF blocks x int8 rows"  # the same bits on every ISA path
         self.interrupt = None
         self.layers = tuple(range(config.layers)) if layers is None else layers  # the layers it runs, ascending
         shape = (len(self.layers), config.kv_heads, self.max_positions, config.head_dim)
