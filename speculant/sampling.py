@@ -36,8 +36,8 @@ def sample(probs: torch.Tensor, generator: torch.Generator | None) -> int:
     """Draw one token id from a distribution [vocab] (on the generator's device; its total need not be 1) by
     inverting its CDF at one uniform draw u: the block of SAMPLE_BLOCK tokens whose cumulative mass first exceeds
     u * total, then the token within it, every sum in fp64 and no copy of the distribution, so a token of mass 0 is
-    never drawn. torch.multinomial took 2.3 ms for one draw from 152k tokens on a 2-core CPU (a tenth of a forward
-    of the 1.5B, paid by every sampled token and every sampled draft token)."""
+    never drawn. Why not torch.multinomial: one draw from a large vocabulary cost it a sizeable share of a forward
+    on the CPU, paid by every sampled token and every sampled draft token (CHANGELOG.md has the measurement)."""
     if generator is not None and probs.device != generator.device:
         probs = probs.to(generator.device)
     flat = probs.reshape(-1)
