@@ -35,10 +35,18 @@ class LatencyProfile:
         base = self.cost(width)
         if not self.long_forward_s or length <= self.context_len:
             return base
+        widths, growths = self._growth
+        i = bisect_left(widths, width)  # the measured width nearest: the growth per cached token of it
+        near = min(range(max(i - 1, 0), min(i + 1, len(widths))), key=lambda j: abs(widths[j] - width))
+        return base * (1.0 + growths[near] * (length - self.context_len))
+
+    @cached_property
+    def _growth(self) -> tuple[list[int], list[float]]:
+        """The long context's widths, ascending, and T(W)'s relative growth per cached token at each (`auto` asks
+        `cost_at` for every candidate draft length of every step)."""
         widths = sorted(self.long_forward_s)
-        near = min(widths, key=lambda w: abs(w - width))  # the measured width nearest: the growth per token of it
-        growth = max(self.long_forward_s[near] / self.cost(near) - 1.0, 0.0) / (self.long_context_len - self.context_len)
-        return base * (1.0 + growth * (length - self.context_len))
+        span = self.long_context_len - self.context_len
+        return widths, [max(self.long_forward_s[w] / self.cost(w) - 1.0, 0.0) / span for w in widths]
 
     def prefill_s(self, tokens: int) -> float:
         """A prefill of `tokens` new tokens onto an empty cache: a * n + b * n^2 through (context_len, ttft_s) and

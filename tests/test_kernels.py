@@ -203,11 +203,9 @@ def test_a_drafter_s_weights_of_another_type_are_quantized_again_with_padded_inp
 
 
 def quantized(ggml_type: str, weights: np.ndarray) -> np.ndarray:
-    """GGUF data of `ggml_type` (gguf's own quantizers; Q5_K: tests/tiny_gguf.py's) as GGUFReader gives it."""
-    from tiny_gguf import quantize_q5_k
-
+    """GGUF data of `ggml_type` (gguf's own quantizers; Q5_K: formats.quantize_q5_k) as GGUFReader gives it."""
     if ggml_type == "Q5_K":
-        return quantize_q5_k(weights)
+        return formats.quantize_q5_k(weights)
     return gguf.quants.quantize(weights, gguf.GGMLQuantizationType[ggml_type])
 
 

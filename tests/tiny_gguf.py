@@ -13,33 +13,9 @@ import numpy as np
 import torch
 from helpers import BYTE_VOCAB, byte_tokenizer, tiny_transformer
 
-from speculant.kernels.formats import quantize_q4_k, quantize_q6_k
+from speculant.kernels.formats import quantize_q4_k, quantize_q5_k, quantize_q6_k
 
 GGUF_ARCHS = ("llama", "qwen2")
-
-
-def quantize_q5_k(x: np.ndarray) -> np.ndarray:
-    """[O, K] fp32 -> GGUF Q5_K bytes [O, K/256 * 176] (gguf has no Q5_K quantizer): per block of 32 a scale and
-    a min in six bits of the super-block's d and dmin, as formats.quantize_q4_k, and five-bit quants."""
-    rows = x.shape[0]
-    blocks = x.reshape(rows, -1, 8, 32)
-    low, high = np.minimum(blocks.min(-1), 0), np.maximum(blocks.max(-1), 0)
-    scale, offset = (high - low) / 31, -low
-    d = (np.maximum(scale.max(-1), 1e-8) / 63).astype(np.float16)
-    dmin = (np.maximum(offset.max(-1), 1e-8) / 63).astype(np.float16)
-    sc = np.clip(np.rint(scale / d.astype(np.float32)[..., None]), 1, 63).astype(np.uint8)
-    m = np.clip(np.rint(offset / dmin.astype(np.float32)[..., None]), 0, 63).astype(np.uint8)
-    step = (d.astype(np.float32)[..., None] * sc)[..., None]
-    q = np.clip(np.rint((blocks + (dmin.astype(np.float32)[..., None] * m)[..., None]) / step), 0, 31).astype(np.uint8)
-    packed_scales = np.concatenate([
-        (sc[..., :4] & 0x3F) | ((sc[..., 4:] >> 4) << 6),
-        (m[..., :4] & 0x3F) | ((m[..., 4:] >> 4) << 6),
-        (sc[..., 4:] & 0x0F) | ((m[..., 4:] & 0x0F) << 4)], axis=-1)
-    pairs = (q & 0x0F).reshape(rows, -1, 4, 2, 32)
-    qs = (pairs[..., 0, :] | (pairs[..., 1, :] << 4)).reshape(rows, -1, 128)
-    qh = np.bitwise_or.reduce((q >> 4) << np.arange(8, dtype=np.uint8).reshape(8, 1), axis=2)  # [O, S, 32]
-    return np.concatenate([d[..., None].view(np.uint8), dmin[..., None].view(np.uint8), packed_scales, qh, qs],
-                          axis=-1).reshape(rows, -1)
 
 
 def _permute(weights: np.ndarray, heads: int) -> np.ndarray:

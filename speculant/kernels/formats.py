@@ -244,25 +244,44 @@ def requantize(kind: str, raw: np.ndarray, ggml_type: str) -> np.ndarray:
 def quantize_q4_k(x: np.ndarray) -> np.ndarray:
     """[O, K] fp32 -> GGUF Q4_K bytes [O, K/256 * 144]: per block of 32 a scale and a min, each in six bits of
     the super-block's d and dmin (a plain min-max rule, not llama.cpp's search)."""
+    d, dmin, packed_scales, q = _scales_and_mins(x, 15)
     rows = x.shape[0]
-    blocks = x.reshape(rows, -1, 8, 32)
-    low, high = np.minimum(blocks.min(-1), 0), np.maximum(blocks.max(-1), 0)
-    scale, offset = (high - low) / 15, -low
-    d = np.maximum(scale.max(-1), 1e-8) / 63
-    dmin = np.maximum(offset.max(-1), 1e-8) / 63
-    d, dmin = d.astype(np.float16), dmin.astype(np.float16)
-    sc = np.clip(np.rint(scale / d.astype(np.float32)[..., None]), 1, 63).astype(np.uint8)
-    m = np.clip(np.rint(offset / dmin.astype(np.float32)[..., None]), 0, 63).astype(np.uint8)
-    step = (d.astype(np.float32)[..., None] * sc)[..., None]
-    q = np.clip(np.rint((blocks + (dmin.astype(np.float32)[..., None] * m)[..., None]) / step), 0, 15).astype(np.uint8)
-    packed_scales = np.concatenate([
-        (sc[..., :4] & 0x3F) | ((sc[..., 4:] >> 4) << 6),
-        (m[..., :4] & 0x3F) | ((m[..., 4:] >> 4) << 6),
-        (sc[..., 4:] & 0x0F) | ((m[..., 4:] & 0x0F) << 4)], axis=-1)  # the inverse of ggml's get_scale_min_k4
     q = q.reshape(rows, -1, 4, 2, 32)  # [O, S, chunk, low/high nibble, 32]
     qs = (q[..., 0, :] | (q[..., 1, :] << 4)).reshape(rows, -1, 128)
     return np.concatenate([d[..., None].view(np.uint8), dmin[..., None].view(np.uint8), packed_scales, qs],
                           axis=-1).reshape(rows, -1)
+
+
+def quantize_q5_k(x: np.ndarray) -> np.ndarray:
+    """[O, K] fp32 -> GGUF Q5_K bytes [O, K/256 * 176] (gguf has no Q5_K quantizer; the tests write Q5_K files):
+    quantize_q4_k's scales and mins, five-bit quants whose high bits lie in qh (bit b of byte l: block b, input l)."""
+    d, dmin, packed_scales, q = _scales_and_mins(x, 31)
+    rows = x.shape[0]
+    pairs = (q & 0x0F).reshape(rows, -1, 4, 2, 32)
+    qs = (pairs[..., 0, :] | (pairs[..., 1, :] << 4)).reshape(rows, -1, 128)
+    qh = np.bitwise_or.reduce((q >> 4) << np.arange(8, dtype=np.uint8).reshape(8, 1), axis=2)  # [O, S, 32]
+    return np.concatenate([d[..., None].view(np.uint8), dmin[..., None].view(np.uint8), packed_scales, qh, qs],
+                          axis=-1).reshape(rows, -1)
+
+
+def _scales_and_mins(x: np.ndarray, levels: int) -> tuple[np.ndarray, ...]:
+    """Q4_K's and Q5_K's shared part: per block of 32 a scale and a min, each six bits of the super-block's d and
+    dmin (a plain min-max rule), packed as ggml's get_scale_min_k4 reads them, and the quants 0..levels [O, S, 8, 32]."""
+    rows = x.shape[0]
+    blocks = x.reshape(rows, -1, 8, 32)
+    low, high = np.minimum(blocks.min(-1), 0), np.maximum(blocks.max(-1), 0)
+    scale, offset = (high - low) / levels, -low
+    d = (np.maximum(scale.max(-1), 1e-8) / 63).astype(np.float16)
+    dmin = (np.maximum(offset.max(-1), 1e-8) / 63).astype(np.float16)
+    sc = np.clip(np.rint(scale / d.astype(np.float32)[..., None]), 1, 63).astype(np.uint8)
+    m = np.clip(np.rint(offset / dmin.astype(np.float32)[..., None]), 0, 63).astype(np.uint8)
+    step = (d.astype(np.float32)[..., None] * sc)[..., None]
+    q = np.clip(np.rint((blocks + (dmin.astype(np.float32)[..., None] * m)[..., None]) / step), 0, levels).astype(np.uint8)
+    packed_scales = np.concatenate([
+        (sc[..., :4] & 0x3F) | ((sc[..., 4:] >> 4) << 6),
+        (m[..., :4] & 0x3F) | ((m[..., 4:] >> 4) << 6),
+        (sc[..., 4:] & 0x0F) | ((m[..., 4:] & 0x0F) << 4)], axis=-1)  # the inverse of ggml's get_scale_min_k4
+    return d, dmin, packed_scales, q
 
 
 def quantize_q6_k(x: np.ndarray) -> np.ndarray:
