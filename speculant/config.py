@@ -115,6 +115,8 @@ class ServeConfig:
     served_name: str | None = option(None, "the model name clients send (default: the target's name)")
     max_batch: int = option(16, "requests decoded together, their forwards batched (1: one request at a time)")
     max_queue: int = option(64, "requests waiting for a batch slot; more are answered 429")
+    prefix_cache_mb: float = option(1024.0, "memory for the KV of earlier prompts, reused by requests that share "
+                                    "their prefix (a conversation's history; 0: off; lean backend)")
     max_body_mb: float = option(4.0, "largest request body taken, in MB (413 beyond it, before it is read)")
     open_metrics: bool = option(False, "with --api-key: let /metrics answer without the key (a scraper's)")
     docs: bool = option(False, "serve the API's generated pages (/docs, /redoc, /openapi.json)")
@@ -131,6 +133,8 @@ class ServeConfig:
             raise ConfigError(f"port must lie in [1, 65535], got {self.port}")
         if self.max_batch < 1 or self.max_queue < 0:
             raise ConfigError("max-batch must be >= 1 and max-queue >= 0")
+        if self.prefix_cache_mb < 0:
+            raise ConfigError(f"prefix-cache-mb must be >= 0, got {self.prefix_cache_mb}")
         if not self.max_body_mb > 0:
             raise ConfigError(f"max-body-mb must be > 0, got {self.max_body_mb}")
         if self.replicas < 1 or self.replica_cpus <= 0:

@@ -1,6 +1,7 @@
 """A Session owns everything generations on one target load or learn: the drafters loaded for it and their KV
 caches, what `auto` learned of their acceptance, forward times and the lengths of generations, the machine
-profiles in use, the tree methods' measured costs, suffix decoding's history and cross-vocabulary tables.
+profiles in use, the tree methods' measured costs, suffix decoding's history, cross-vocabulary tables and a server's
+prefix cache (`speculant.prefixes`).
 
 A generation's speed depends on this state, so it lives in one object a caller can see, pass and drop:
 `generate(target, ..., session=s)`; without one, `generate` uses the target's default session (`Session.of`),
@@ -21,6 +22,7 @@ from speculant.drafters.suffix import History
 from speculant import latency
 from speculant.latency import LatencyProfile
 from speculant.models.base import CausalLM, DraftCache, owner_of
+from speculant.prefixes import PrefixCache
 
 LENGTHS_KEPT = 32  # the generations whose lengths `auto` weighs a drafter's catch-up against
 
@@ -41,6 +43,7 @@ class Session:
         self.vocab_pairs: dict[tuple[int, int, int, int], Any] = {}  # cross-vocabulary tables (`drafters.vocab`)
         self.measured: WeakKeyDictionary = WeakKeyDictionary()  # the tree methods' T(W): model -> {widths: costs}
         self._profiles: WeakKeyDictionary = WeakKeyDictionary()  # model -> (its machine key, its profile)
+        self.prefixes = PrefixCache(0)  # prompts' KV kept across requests (a server sets its budget; 0: off)
 
     @property
     def target(self) -> CausalLM:

@@ -75,6 +75,9 @@ class Capabilities:
     - `sliding_window`: the backend attends within a sliding window where the model has one.
     - `hidden_states`: a forward can return the last layer's hidden states.
     - `gguf`: runs a GGUF file as it is, as llama.cpp's own tools do.
+    - `reuses_prefixes`: `prefix_block` (int, or None where this model cannot), `export_kv(start, end)` and
+      `import_kv(pieces)`: a prompt's leading positions, in whole blocks, restored from another sequence's cache
+      hold the bits its own prefill computes, and `continue_prefill` runs the rest (`speculant.prefixes`).
     """
 
     shares_weights: bool = False
@@ -86,6 +89,7 @@ class Capabilities:
     sliding_window: bool = False
     hidden_states: bool = False
     gguf: bool = False
+    reuses_prefixes: bool = False
 
 
 class Backend:
@@ -182,6 +186,22 @@ class PointerCache:
         self._values[:, :, :m] = self._values[:, :, where]
         self._len = m
 
+    def export_kv(self, start: int, end: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """A copy of the cached keys and values at positions [start, end) (what a prefix cache keeps)."""
+        if not 0 <= start <= end <= self._len:
+            raise ValueError(f"cannot export positions [{start}, {end}): {self._len} are cached")
+        return self._keys[:, :, start:end].clone(), self._values[:, :, start:end].clone()
+
+    def import_kv(self, pieces: Sequence[tuple[torch.Tensor, torch.Tensor]]) -> None:
+        """Make the cache hold `pieces` (`export_kv`'s, in order) from position 0, and nothing after them."""
+        at = 0
+        for keys, values in pieces:
+            n = keys.shape[2]
+            self._keys[:, :, at:at + n] = keys
+            self._values[:, :, at:at + n] = values
+            at += n
+        self._len = at
+
 
 class Interrupted(Exception):
     """A forward stopped at a layer boundary because its model's `interrupt` check returned True (DSI
@@ -199,10 +219,16 @@ class Call:
     positions: Sequence[int] | None = None
     tree: TokenTree | None = None
     continues: bool = False  # with prefill: a later part of a prompt (`prefill_parts`), after the earlier ones
+    restored: bool = False  # with prefill: the first part run, after the prompt's prefix restored from a prefix cache
+
+    @property
+    def resumes(self) -> bool:
+        """A prefill's part that runs after positions already cached (`continue_prefill`)."""
+        return self.continues or self.restored
 
     def run(self, model: CausalLM) -> torch.Tensor:
         if self.prefill:
-            return model.continue_prefill(self.ids) if self.continues else model.prefill(self.ids)
+            return model.continue_prefill(self.ids) if self.resumes else model.prefill(self.ids)
         return model.forward(self.ids, self.positions, tree=self.tree)
 
 
@@ -246,6 +272,7 @@ class Delegating(Backend):
     batch_load = _forwarded("batch_load")
     draft_guide = _forwarded("draft_guide")
     cache_len = _forwarded("cache_len")
+    prefix_block = _forwarded("prefix_block")
 
     @property
     def interrupt(self) -> Callable[[], bool] | None:
@@ -276,6 +303,12 @@ class Delegating(Backend):
 
     def continue_prefill(self, ids: Sequence[int]) -> torch.Tensor:
         return self.model.continue_prefill(ids)
+
+    def export_kv(self, start: int, end: int) -> Any:
+        return self.model.export_kv(start, end)
+
+    def import_kv(self, pieces: Sequence[Any]) -> None:
+        self.model.import_kv(pieces)
 
     @property
     def weights_key(self) -> int:

@@ -484,7 +484,7 @@ def build_app(target_name: str, model: ModelConfig, method: str, options: Any, c
     print(f"loading target {target_name} (backend {backend}, dtype {model.dtype}, {model.device})", file=sys.stderr)
     engine = Engine(lambda: load_model(target_name, dtype=model.dtype, device=model.device, backend=backend,
                                        compile=model.compile),
-                    method, options, config.max_batch, config.max_queue, Metrics())
+                    method, options, config.max_batch, config.max_queue, Metrics(), config.prefix_cache_mb)
     if method == "auto":  # measure T(W) now (once per machine, on the thread that runs forwards), not in a request
         for each in [engine.target, *(m for m in engine.drafters.values() if isinstance(m, CausalLM))]:
             engine.batcher.run(lambda each=each: engine.session.profile(each))

@@ -26,6 +26,7 @@ import torch
 from greenlet import greenlet
 
 from speculant.models.base import Call, CausalLM, Delegating, Interrupted
+from speculant.prefixes import PrefixCache
 from speculant.trees.tree import TokenTree
 
 
@@ -192,9 +193,10 @@ class Row(Delegating):
     requests."""
 
     def __init__(self, batcher: Batcher | None, owner: CausalLM, on_forward: Callable[[Call], None] | None = None,
-                 cancelled: Callable[[], bool] | None = None):
+                 cancelled: Callable[[], bool] | None = None, prefixes: PrefixCache | None = None):
         super().__init__(owner.share())
         self.batcher, self.served, self.on_forward, self.cancelled = batcher, owner, on_forward, cancelled
+        self.prefixes = prefixes if batcher is not None else None  # (one thread, the batcher's, touches it)
 
     @property
     def owner(self) -> CausalLM:
@@ -215,19 +217,24 @@ class Row(Delegating):
         return min(self.batcher.load + self.batcher.waiting, self.batcher.max_rows)
 
     def share(self) -> Row:
-        return Row(self.batcher, self.served, self.on_forward, self.cancelled)
+        return Row(self.batcher, self.served, self.on_forward, self.cancelled, self.prefixes)
 
     def prefill(self, ids: Sequence[int]) -> torch.Tensor:
-        """A prompt's prefill; where the backend runs a long prompt in parts (`prefill_parts`), each part waits
-        for a forward of its own, so that the running requests decode between them, and a request whose client
-        went away (`cancelled`) stops between parts (`Interrupted`)."""
-        parts = self.handle.prefill_parts(ids) if self.batcher is not None and \
-            self.handle.capabilities.prefills_in_parts else [list(ids)]
-        logits = self._submit(Call(parts[0], prefill=True))
+        """A prompt's prefill, from the longest prefix of it the server's prefix cache holds (`speculant.prefixes`;
+        what it computes is then kept there). Where the backend runs a long prompt in parts (`prefill_parts`), each
+        part waits for a forward of its own, so that the running requests decode between them, and a request whose
+        client went away (`cancelled`) stops between parts (`Interrupted`)."""
+        cached = self.prefixes.restore(self.handle, ids) if self.prefixes is not None else 0
+        rest = ids[cached:]
+        parts = self.handle.prefill_parts(rest) if self.batcher is not None and \
+            self.handle.capabilities.prefills_in_parts else [list(rest)]
+        logits = self._submit(Call(parts[0], prefill=True, restored=cached > 0))
         for part in parts[1:]:
             if self.cancelled is not None and self.cancelled():
                 raise Interrupted()
             logits = self._submit(Call(part, prefill=True, continues=True))
+        if self.prefixes is not None:
+            self.prefixes.store(self.handle, ids)
         return logits
 
     def forward(self, ids: Sequence[int], positions: Sequence[int] | None = None,

@@ -16,7 +16,7 @@ from dataclasses import dataclass, field, fields, replace
 from typing import Any
 
 from speculant.api import check_request, decoded_target
-from speculant.config import SamplingConfig
+from speculant.config import SamplingConfig, ServeConfig
 from speculant.drafters.spec import MAXGRAM, SELF, DrafterSpec, as_drafter
 from speculant.errors import ConfigError
 from speculant.methods import Request, get_method
@@ -24,6 +24,7 @@ from speculant.methods.drafting import with_drafters
 from speculant.models.base import Call, CausalLM, Interrupted
 from speculant.models.wrappers.constrained import Constraint
 from speculant.models.wrappers.logprobs import TokenLogprob
+from speculant.prefixes import PrefixCache
 from speculant.sampling import seeded
 from speculant.serve.batcher import Batcher, Row
 from speculant.serve.metrics import Metrics
@@ -141,10 +142,11 @@ class Engine:
     other options, drawing only on the models loaded here."""
 
     def __init__(self, target: CausalLM | Callable[[], CausalLM], method: str = "auto", options: Any = None,
-                 max_batch: int = 16, max_queue: int = 64, metrics: Metrics | None = None):
+                 max_batch: int = 16, max_queue: int = 64, metrics: Metrics | None = None,
+                 prefix_cache_mb: float = ServeConfig.prefix_cache_mb):
         """`target` may be given as a function that loads it: the models then load on the thread that runs
         their forwards (torch's OpenMP threads, once started from a loading thread, slow down later forwards from
-        the worker)."""
+        the worker). Requests' prompts are kept in a prefix cache of `prefix_cache_mb` (`speculant.prefixes`)."""
         on_own_thread(method, options)
         self.metrics = metrics
         self.batcher = Batcher(max_batch, metrics.batch if metrics else None)
@@ -154,6 +156,9 @@ class Engine:
         if self.method.name == "auto" and options.drafters is None:
             options = replace(options, drafters=tuple(as_drafter(d) for d in self.target.default_drafters()))
         self.session = Session(self.target)  # what the requests load and learn, shared by all of them
+        self.session.prefixes = PrefixCache(prefix_cache_mb, metrics.prefix if metrics else None)
+        if metrics:
+            metrics.prefix_bytes.set_function(lambda: self.session.prefixes.bytes)
         self.drafters: dict[str, Any] = {}  # spec -> the served model (or Drafter) requests draft with
         self.options = options
         self.batcher.run(lambda: with_drafters(options, self._load))
@@ -252,14 +257,14 @@ class Engine:
 
         def row(model: CausalLM, on_forward: Callable[[Call], None]) -> Row:
             if id(model) not in rows:
-                rows[id(model)] = Row(batcher, model, on_forward, ticket.cancelled.is_set)
+                rows[id(model)] = Row(batcher, model, on_forward, ticket.cancelled.is_set, self.session.prefixes)
             return rows[id(model)]
 
         def for_request(held: Any) -> Any:
             loaded = self.drafters.get(str(held), held)
             return row(loaded, steps.on_drafter) if isinstance(loaded, CausalLM) else loaded
 
-        target = Row(batcher, self.target, steps.on_target, ticket.cancelled.is_set)
+        target = Row(batcher, self.target, steps.on_target, ticket.cancelled.is_set, self.session.prefixes)
         decoded, recorded = decoded_target(target, job.logprobs, job.logit_bias, job.constraint)
         options = with_drafters(options, for_request)
         request = Request(decoded, job.prompt_ids, job.max_tokens, job.sampling,

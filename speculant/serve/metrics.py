@@ -29,6 +29,13 @@ class Metrics:
                                     buckets=(1, 2, 4, 8, 16, 32, 64), registry=r)
         self.batch_tokens = Histogram("speculant_batch_tokens", "tokens run by one model forward",
                                       buckets=(1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024), registry=r)
+        self.prefix_lookups = Counter("speculant_prefix_cache_lookups", "prefills that looked for a cached prefix",
+                                      registry=r)
+        self.prefix_hits = Counter("speculant_prefix_cache_hits", "prefills that started from a cached prefix",
+                                   registry=r)
+        self.prefix_tokens = Counter("speculant_prefix_cache_saved_tokens", "prompt positions restored from the "
+                                     "prefix cache instead of computed", registry=r)
+        self.prefix_bytes = Gauge("speculant_prefix_cache_bytes", "memory the prefix cache holds", registry=r)
         self.forward_seconds = Counter("speculant_forward_seconds", "seconds the worker spent in model forwards "
                                        "(the rest of its time: requests' own Python, or idle)", registry=r)
 
@@ -56,6 +63,13 @@ class Metrics:
         self.batch_rows.observe(rows)
         self.batch_tokens.observe(tokens)
         self.forward_seconds.inc(seconds)
+
+    def prefix(self, hit: bool, tokens: int) -> None:
+        """A prefill's lookup in the prefix cache: `tokens` positions restored."""
+        self.prefix_lookups.inc()
+        if hit:
+            self.prefix_hits.inc()
+            self.prefix_tokens.inc(tokens)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

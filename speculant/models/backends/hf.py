@@ -307,7 +307,7 @@ def forward_rows(rows: Sequence[tuple[HFCausalLM, Call]]) -> list[torch.Tensor]:
         if call.prefill:
             if not new:
                 raise ValueError("prefill needs at least one token")
-            if not call.continues:
+            if not call.resumes:
                 handle.rollback(0)
         where, mask = handle._layout(new, call.positions, call.tree)
         segments.append(Segment(len(ids), len(new), handle._cache, mask))

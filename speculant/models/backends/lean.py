@@ -46,6 +46,7 @@ GEMMA = {"gemma2": 2, "gemma3": 6}  # every n-th layer global, the rest windowed
 GEMMA_27B = {"gemma2": 46, "gemma3": 62}  # layers of the 27B models, whose queries llama.cpp scales by hidden / heads
 DRAFT_HEAD = 49152  # a drafter's head rows (FR-Spec keeps 32k of Llama-3's 128k; Qwen2's vocabulary is 152k, and
 # its coder's drafter serves code and prose; docs/results/cpu.md measures the share of the target's tokens it covers)
+PREFILL_BLOCK = 64  # prompt rows one block of a prefill computes (`LeanCausalLM.continue_prefill`)
 DEFAULT_POSITIONS = 4096  # cache capacity when the model allows more
 CACHE_LAYOUT = 1  # of the repacked files and layout.json: a change here re-packs every cached model (as an edit
 # of formats.py or of _repack does)
@@ -368,7 +369,8 @@ class LeanCausalLM(PointerCache, Backend):
 
     backend = "lean"
     capabilities = Capabilities(shares_weights=True, batches_rows=True, prefills_in_parts=True, interruptible=True,
-                                skips_layers=True, exact_any_width=True, sliding_window=True, gguf=True)
+                                skips_layers=True, exact_any_width=True, sliding_window=True, gguf=True,
+                                reuses_prefixes=True)
     device = torch.device("cpu")
     dtype = torch.float32
 
@@ -483,12 +485,28 @@ class LeanCausalLM(PointerCache, Backend):
     @torch.inference_mode()
     def continue_prefill(self, ids: Sequence[int]) -> torch.Tensor:
         """A part of a prompt without a mask (`prefill_parts`), after the cached positions (the prompt's earlier
-        parts): its layers in torch, attention as one causal block (the same computation for the same part every
-        time); the logits of its last token."""
-        config, weights, n, start = self.config, self.weights, len(ids), self._len
-        end = start + n
+        parts); the logits of its last token. Its rows run in blocks of PREFILL_BLOCK positions aligned to the
+        cache's start, each block's layers in torch and its attention as one causal block: a whole block is the
+        same computation whichever part or call runs it, so the positions of a prompt's whole blocks hold the same
+        bits however the prompt was split, or restored by a server's prefix cache (`speculant.prefixes`)."""
+        start, end = self._len, self._len + len(ids)
         if end > self.max_positions:
             raise ValueError(f"{end} positions exceed the lean model's cache of {self.max_positions}")
+        bounds = [start, *range((start // PREFILL_BLOCK + 1) * PREFILL_BLOCK, end, PREFILL_BLOCK), end]
+        for lo, hi in zip(bounds, bounds[1:]):
+            x = self._prefill_block(ids[lo - start:hi - start])
+        return _head(self.weights, x[-1:])[0]
+
+    @property
+    def prefix_block(self) -> int | None:
+        """Positions a prefix cache may restore come in whole PREFILL_BLOCKs (see `continue_prefill`); None where
+        a prompt outruns the sliding window (its rows run masked, all in one call)."""
+        return None if self.config.window is not None else PREFILL_BLOCK
+
+    def _prefill_block(self, ids: Sequence[int]) -> torch.Tensor:
+        """One block of `continue_prefill`: its rows' last hidden states [n, hidden]."""
+        config, weights, n, start = self.config, self.weights, len(ids), self._len
+        end = start + n
         layout, scale = ARCHITECTURES[config.architecture], config.attn_scale or config.head_dim ** -0.5
         where = torch.arange(start, end)
         causal = None if start == 0 else torch.ones(n, end, dtype=torch.bool).tril(start)  # row i sees start + i
@@ -516,7 +534,7 @@ class LeanCausalLM(PointerCache, Backend):
             down = kernels.matmul(kernels.quantize_rows(gate * kernels.matmul(h, layer.up)), layer.down)
             x = x + _norm(down, layer.post_ffn_norm, config.eps)
         self._len = end
-        return _head(weights, x[-1:])[0]
+        return x
 
 
 def _attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: torch.Tensor | None, scale: float,

@@ -1,0 +1,139 @@
+"""Prefix caching (`speculant.prefixes`): a prompt restored from another's cached blocks holds the bits of its own
+prefill; a server's outputs and log-probabilities with the cache equal those without it, for the target and the
+drafters; the cache keeps shared prefixes once and stays within its budget."""
+
+import random
+
+import pytest
+import torch
+from helpers import BYTE_VOCAB, byte_tokenizer
+from tiny_gguf import write_tiny_gguf
+
+from speculant.config import SamplingConfig
+from speculant.methods import get_method
+from speculant.models import load_model
+from speculant.models.backends import lean as lean_module
+from speculant.prefixes import PrefixCache
+from speculant.serve.engine import Engine, ServeJob
+from speculant.serve.metrics import Metrics
+
+
+@pytest.fixture(scope="module")
+def files(tmp_path_factory):
+    root = tmp_path_factory.mktemp("prefixes")
+    paths = [root / f"qwen2-{seed}.gguf" for seed in (0, 7)]
+    for seed, path in zip((0, 7), paths):
+        write_tiny_gguf(path, "qwen2", seed, "k", hidden=256)
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("SPECULANT_CACHE", str(root / "cache"))
+        yield paths
+
+
+def lean(path):
+    return load_model(str(path), backend="lean", tokenizer=byte_tokenizer())
+
+
+def ids_of(seed: int, n: int) -> list[int]:
+    rng = random.Random(seed)
+    return [rng.randrange(BYTE_VOCAB - 1) for _ in range(n)]
+
+
+def test_a_restored_prefix_holds_the_bits_of_the_prompts_own_prefill(files):
+    """Prompt B shares 150 tokens with A: restored from A's cached blocks (128 positions) and continued, B's
+    logits and cache equal B's fresh prefill bit for bit. Positions of a prompt's last block that is not whole
+    differ (the test can tell: why only whole blocks are kept)."""
+    model = lean(files[0])
+    a = ids_of(1, 150) + ids_of(2, 40)
+    b = a[:150] + ids_of(3, 60)
+    fresh = model.share()
+    expected = fresh.prefill(b)
+    keys = fresh._keys[:, :, :len(b)].clone()
+    cache = PrefixCache(64)
+    other = model.share()
+    other.prefill(a)
+    cache.store(other, a)
+    row = model.share()
+    assert cache.restore(row, b) == 128 == 2 * lean_module.PREFILL_BLOCK
+    assert torch.equal(row.continue_prefill(b[128:]), expected)
+    assert torch.equal(row._keys[:, :, :len(b)], keys)
+    tail = model.share()  # a prompt whose last block is not whole: its positions there are not the fresh ones'
+    tail.prefill(b[:100])
+    off_grid = model.share()
+    off_grid.import_kv([tail.export_kv(0, 100)])
+    off_grid.continue_prefill(b[100:])
+    assert not torch.equal(off_grid._keys[:, :, :len(b)], keys)
+
+
+def test_shared_prefixes_are_kept_once_and_the_budget_holds():
+    """A fake model with one float per position: two prompts sharing 8 blocks of 4 hold 8 + 2 + 2 blocks; a
+    third beyond the budget evicts the least recently used leaf."""
+
+    class Positions:
+        class capabilities:
+            reuses_prefixes = True
+
+        prefix_block, weights_key, numerics = 4, 0, "fake"
+
+        def __init__(self):
+            self.held = torch.zeros(1, 1, 0, 1)
+
+        @property
+        def cache_len(self):
+            return self.held.shape[2]
+
+        def prefill(self, ids):
+            self.held = torch.tensor(ids, dtype=torch.float32).view(1, 1, -1, 1)
+
+        def export_kv(self, start, end):
+            return (self.held[:, :, start:end].clone(),)
+
+        def import_kv(self, pieces):
+            self.held = torch.cat([p[0] for p in pieces], 2)
+
+    model, cache = Positions(), PrefixCache(60 * 4 / 2**20)  # 60 positions of 4 bytes
+    first, second, third = list(range(40)), list(range(32)) + [90] * 9, list(range(100, 121))
+    for ids in (first, second):
+        model.prefill(ids)
+        cache.store(model, ids)
+    assert cache.tokens() == 48 and cache.bytes == 48 * 4  # 32 shared, 8 + 8 apart (the 41st: not a whole block)
+    model.prefill(third)
+    cache.store(model, third)
+    assert cache.tokens() == 60 and cache.bytes <= cache.budget  # first's own 8, the least recently used, left
+    restored = Positions()
+    assert cache.restore(restored, third) == 20
+    assert restored.held.flatten().tolist() == list(range(100, 120))
+    assert cache.restore(Positions(), first) == 32
+    assert cache.restore(Positions(), second) == 40
+
+
+@pytest.mark.parametrize("method", ["ar", "sd", "auto"])
+def test_served_outputs_and_logprobs_equal_with_and_without_the_cache(files, method):
+    """A conversation's second turn resends the first's prompt and reply: with the cache its prefill starts from
+    the first turn's blocks (the target's and the drafter's), and every token and log-probability equals a server
+    without the cache's, greedy and sampled with a seed."""
+    target, drafter = lean(files[0]), lean(files[1])
+    options = {"ar": {}, "sd": {"drafter": drafter, "k": 3}, "auto": {"drafters": (drafter, "maxgram")}}[method]
+    outcomes = {}
+    for budget in (0, 64):
+        metrics = Metrics()
+        engine = Engine(target, method, get_method(method).make_options(options), 8, 16, metrics, budget)
+        turns, history = [], ids_of(4, 140)
+        for turn, sampling in enumerate((SamplingConfig(), SamplingConfig(temperature=0.8), SamplingConfig())):
+            done = []
+            job = ServeJob(history, 12, sampling, seed=turn, logprobs=2)
+            engine.submit(job, lambda piece, logprobs: None, done.append)
+            while not done:
+                engine.batcher.run(lambda: None)
+            outcome = done[0]
+            assert not isinstance(outcome, BaseException), outcome
+            turns.append((outcome.text, [(e.token, e.logprob, e.top) for e in outcome.logprobs]))
+            history = history + [e.token for e in outcome.logprobs] + ids_of(5 + turn, 30)
+        engine.close()
+        outcomes[budget] = turns
+        cache = engine.session.prefixes
+        if budget:
+            assert cache.hits >= 2 and cache.saved >= 2 * 128
+            assert metrics.prefix_tokens._value.get() == cache.saved
+            if method == "sd":  # the drafter's prefixes are kept too
+                assert len(cache.roots) == 2
+    assert outcomes[64] == outcomes[0]
