@@ -70,9 +70,11 @@ def decode(tokenizer: Any | None, token_ids: list[int]) -> str | None:
     return tokenizer.decode(token_ids, skip_special_tokens=True) if tokenizer is not None else None
 
 
-def encode_prompt(tokenizer: Any | None, prompt: str | Sequence[dict[str, str]], chat: bool = False) -> list[int]:
+def encode_prompt(tokenizer: Any | None, prompt: str | Sequence[dict[str, Any]], chat: bool = False,
+                  tools: Sequence[dict[str, Any]] | None = None) -> list[int]:
     """Token ids of a text prompt, optionally wrapped in the tokenizer's chat template, or of a conversation
-    (a sequence of {"role", "content"} messages, always templated) for the model to answer."""
+    (a sequence of {"role", "content"} messages, always templated, with the `tools` the model may call where
+    given) for the model to answer."""
     if tokenizer is None:
         raise ConfigError("a text prompt needs a model with a tokenizer; pass prompt_ids instead")
     if chat or not isinstance(prompt, str):
@@ -82,7 +84,8 @@ def encode_prompt(tokenizer: Any | None, prompt: str | Sequence[dict[str, str]],
         if not all(isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)
                    for m in messages):
             raise ConfigError('a conversation is a list of {"role": str, "content": str} messages')
-        ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, return_dict=False)
+        ids = tokenizer.apply_chat_template(messages, tools=list(tools) if tools else None, add_generation_prompt=True,
+                                            tokenize=True, return_dict=False)
         return list(ids)
     return tokenizer(prompt, add_special_tokens=True)["input_ids"]
 

@@ -334,7 +334,7 @@ def test_a_long_prompt_neither_stalls_a_short_request_nor_outlives_its_client(lo
     last = first + [i for i, n in enumerate(calls[first:]) if n == 1][2]
     assert calls.count(32) == 15 and calls[first:last + 1].count(32) <= 4, str(calls)  # a long part beside each
     calls.clear()
-    ticket = submit("gone", long_prompt, 4)
+    ticket = submit("gone", long_prompt[::-1], 4)  # (another prompt: none of it in the prefix cache)
     wait_until(lambda: 32 in calls)
     ticket.cancel()
     at_cancel = calls.count(32)

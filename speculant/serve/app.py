@@ -34,7 +34,9 @@ from speculant.models.wrappers.biased import check_bias
 from speculant.models.wrappers.constrained import Constraint, Matcher
 from speculant.models.wrappers.logprobs import TokenLogprob
 from speculant.serve.engine import Engine, ServeJob, Outcome, QueueFull
+from speculant.serve import tools
 from speculant.serve.metrics import Metrics
+from speculant.serve.tools import speaks_tools
 from speculant.serve.schema import MAX_FORMAT_DEPTH, ApiError, ChatRequest, CompletionRequest, Sampling, depth
 
 LOG = logging.getLogger("speculant.serve")
@@ -125,18 +127,31 @@ def create_app(engine: Engine, served_name: str, config: ServeConfig | None = No
 
     @app.post("/v1/chat/completions")
     async def chat(body: ChatRequest, http: Request) -> Any:
+        tokenizer, choice = engine.target.tokenizer, body.choice
+        calls = None  # where tools may be called: the grammar of the reply
+        if choice != "none":
+            if not speaks_tools(tokenizer):
+                raise ApiError(400, "this model's chat template does not call tools (no Hermes <tool_call> format)",
+                               "tools")
+            if body.response_format is not None and body.response_format.get("type") != "text":
+                raise ApiError(400, "response_format cannot constrain a reply that may call tools", "response_format")
+            calls = tools.constraint(tokenizer, [t.function.model_dump() for t in body.tools], choice,
+                                     body.parallel_tool_calls)
         try:  # (off the event loop: a long conversation must not hold up the other requests)
-            ids = await asyncio.to_thread(encode_prompt, engine.target.tokenizer,
-                                          [m.as_template() for m in body.messages])
+            ids = await asyncio.to_thread(encode_prompt, tokenizer, [tools.template_message(m) for m in body.messages],
+                                          True, [t.model_dump(exclude_none=True) for t in body.tools]
+                                          if choice != "none" else None)
         except ConfigError as error:
             raise ApiError(400, str(error), "messages") from None
-        return await respond(body, ids, body.max_completion_tokens or body.max_tokens, True, http)
+        return await respond(body, ids, body.max_completion_tokens or body.max_tokens, True, http, choice != "none",
+                             calls)
 
-    async def respond(body: Sampling, ids: list[int], max_tokens: int | None, chat: bool, http: Request) -> Any:
+    async def respond(body: Sampling, ids: list[int], max_tokens: int | None, chat: bool, http: Request,
+                      calling: bool = False, calls: Constraint | None = None) -> Any:
         if body.model != served_name:
             raise ApiError(404, f"model '{body.model}' is not served here (this server has '{served_name}')",
                            "model", "model_not_found")
-        job = await asyncio.to_thread(make_job, body, ids, max_tokens)  # a grammar compiles off the event loop
+        job = await asyncio.to_thread(make_job, body, ids, max_tokens, calls)  # a grammar compiles off the event loop
         loop = asyncio.get_running_loop()
         queue: asyncio.Queue = asyncio.Queue()
 
@@ -156,7 +171,7 @@ def create_app(engine: Engine, served_name: str, config: ServeConfig | None = No
             raise ApiError(400, str(error), "speculant") from None
         ident = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex[:24]
         spelled_now = await asyncio.to_thread(spelling) if job.logprobs is not None else None  # (the first: a scan)
-        shape = Shape(ident, served_name, chat, spelled_now)
+        shape = Shape(ident, served_name, chat, spelled_now, calling)
         if body.stream:
             include_usage = body.stream_options is not None and body.stream_options.include_usage
             return StreamingResponse(stream(queue, ticket, shape, include_usage, http.scope["route"].path),
@@ -176,10 +191,22 @@ def create_app(engine: Engine, served_name: str, config: ServeConfig | None = No
             if shape.chat:
                 yield sse(shape.chunk({"role": "assistant", "content": ""}, []))
             while not isinstance(item := await queue.get(), _End):
-                yield sse(shape.chunk(*item))
+                piece, entries = item
+                if shape.calls is not None:
+                    piece = shape.calls.push(piece)
+                if piece or entries:
+                    yield sse(shape.chunk(piece, entries))
             outcome = ended(item)
             metrics.usage(outcome.prompt_tokens, outcome.completion_tokens)
-            yield sse(shape.chunk(None, [], outcome.finish_reason))
+            finish = outcome.finish_reason
+            if shape.calls is not None:
+                rest, calls = shape.calls.finish()
+                if rest:
+                    yield sse(shape.chunk(rest, []))
+                if calls:
+                    yield sse(shape.chunk({"tool_calls": [{"index": i, **call} for i, call in enumerate(calls)]}, []))
+                    finish = "tool_calls"
+            yield sse(shape.chunk(None, [], finish))
             if include_usage:
                 yield sse({**shape.chunk(None, []), "choices": [], "usage": shape.usage(outcome)})
         except ApiError as error:  # the engine failed mid-stream: say so in the stream
@@ -190,7 +217,7 @@ def create_app(engine: Engine, served_name: str, config: ServeConfig | None = No
             ticket.cancel()  # a client that went away frees its row after the current forward
         yield "data: [DONE]\n\n"
 
-    def make_job(body: Sampling, ids: list[int], max_tokens: int | None) -> ServeJob:
+    def make_job(body: Sampling, ids: list[int], max_tokens: int | None, calls: Constraint | None = None) -> ServeJob:
         if not ids:
             raise ApiError(400, "the prompt is empty", "prompt")
         limit = engine.target.max_positions
@@ -218,11 +245,11 @@ def create_app(engine: Engine, served_name: str, config: ServeConfig | None = No
         if body.response_format is not None and depth(body.response_format) > MAX_FORMAT_DEPTH:
             raise ApiError(400, f"response_format nests deeper than {MAX_FORMAT_DEPTH} levels", "response_format")
         try:
-            constraint = Constraint.from_response_format(body.response_format or {"type": "text"})
+            constraint = calls or Constraint.from_response_format(body.response_format or {"type": "text"})
             if constraint is not None:  # compiled here, so that a bad schema is a 400 before the request runs
                 Matcher(constraint, engine.target.tokenizer, engine.target.vocab_size)
         except ConfigError as error:
-            raise ApiError(400, str(error), "response_format") from None
+            raise ApiError(400, str(error), "tools" if calls else "response_format") from None
         return ServeJob(ids, max_tokens, sampling, body.seed, body.stops, method, overrides, body.alternatives, bias,
                         constraint)
 
@@ -412,8 +439,10 @@ class Shape:
     carries its tokens' log-probabilities in the endpoint's form (chat: `content` entries; completions: parallel
     lists)."""
 
-    def __init__(self, ident: str, model: str, chat: bool, spelling: Spelling | None = None):
+    def __init__(self, ident: str, model: str, chat: bool, spelling: Spelling | None = None, calling: bool = False):
         self.ident, self.model, self.chat, self.created = ident, model, chat, int(time.time())
+        self.calling = calling  # the reply may call tools: parsed into `tool_calls`
+        self.calls = tools.ToolStream() if calling else None  # a stream's content, its calls held back
         self.spelling, self.logprobs = spelling, spelling is not None
         self.offset = 0  # characters of completion text before the next token (completions' text_offset)
 
@@ -424,8 +453,12 @@ class Shape:
     def whole(self, outcome: Outcome) -> dict[str, Any]:
         logprobs = self.entries(outcome.logprobs or [])
         if self.chat:
-            choice = {"index": 0, "message": {"role": "assistant", "content": outcome.text},
-                      "finish_reason": outcome.finish_reason, "logprobs": logprobs}
+            message: dict[str, Any] = {"role": "assistant", "content": outcome.text}
+            finish = outcome.finish_reason
+            if self.calling and (parsed := tools.parse(outcome.text)).calls:
+                message = {"role": "assistant", "content": parsed.content, "tool_calls": parsed.calls}
+                finish = "tool_calls"
+            choice = {"index": 0, "message": message, "finish_reason": finish, "logprobs": logprobs}
         else:
             choice = {"index": 0, "text": outcome.text, "finish_reason": outcome.finish_reason, "logprobs": logprobs}
         return {"id": self.ident, "object": "chat.completion" if self.chat else "text_completion",

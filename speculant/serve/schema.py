@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from typing import Annotated, Any, Literal
 
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, field_validator, model_validator
@@ -56,7 +57,7 @@ class StreamOptions(BaseModel):
 class Sampling(BaseModel):
     """Fields both endpoints share. `speculant` (the client's `extra_body={"speculant": {...}}`) picks a
     method and its options for this request, e.g. {"method": "sd", "k": 2}, within the server's models.
-    A field the server does not implement (`tools`, `tool_choice`, ...) is refused by name,
+    A field the server does not implement (`functions`, `audio`, ...) is refused by name,
     never dropped; `user` is accepted and ignored."""
 
     model_config = ConfigDict(strict=True, extra="forbid")
@@ -129,16 +130,83 @@ class TextPart(BaseModel):
     text: Text
 
 
+FUNCTION_NAME = r"^[A-Za-z0-9_-]{1,64}$"
+
+
+def json_object_text(text: str) -> str:
+    """A call's `arguments`: JSON text of an object."""
+    try:
+        value = json.loads(text)
+    except ValueError:
+        raise ValueError("must be JSON text of an object") from None
+    if not isinstance(value, dict):
+        raise ValueError("must be JSON text of an object")
+    return text
+
+
+class CalledFunction(BaseModel):
+    model_config = ConfigDict(strict=True, extra="forbid")
+
+    name: Annotated[str, Field(pattern=FUNCTION_NAME)]
+    arguments: Annotated[Text, AfterValidator(json_object_text)]
+
+
+class ToolCall(BaseModel):
+    model_config = ConfigDict(strict=True, extra="forbid")
+
+    id: Text
+    type: Literal["function"]
+    function: CalledFunction
+
+
 class Message(BaseModel):
     model_config = ConfigDict(strict=True, extra="forbid")
 
-    role: Literal["system", "user", "assistant", "developer"]
-    content: Text | list[TextPart]
+    role: Literal["system", "user", "assistant", "developer", "tool"]
+    content: Text | list[TextPart] | None = None
     name: Text | None = Field(None, description="accepted and ignored: chat templates have no place for it")
+    tool_calls: list[ToolCall] | None = Field(None, description="an assistant's calls, in a later turn")
+    tool_call_id: Text | None = Field(None, description="a tool message: the call it answers")
 
-    def as_template(self) -> dict[str, str]:
-        content = self.content if isinstance(self.content, str) else "".join(p.text for p in self.content)
-        return {"role": "system" if self.role == "developer" else self.role, "content": content}
+    @model_validator(mode="after")
+    def _roles(self) -> Message:
+        if self.content is None and not (self.role == "assistant" and self.tool_calls):
+            raise ValueError("content is required (an assistant's may be null where it has tool_calls)")
+        if self.tool_calls and self.role != "assistant":
+            raise ValueError("only an assistant's message has tool_calls")
+        if (self.role == "tool") != (self.tool_call_id is not None):
+            raise ValueError("a tool message, and only a tool message, names its tool_call_id")
+        return self
+
+
+class Function(BaseModel):
+    model_config = ConfigDict(strict=True, extra="forbid")
+
+    name: Annotated[str, Field(pattern=FUNCTION_NAME)]
+    description: Text | None = None
+    parameters: dict[str, Any] | None = Field(None, description="a JSON schema of the arguments (an object)")
+    strict: bool | None = Field(None, description="accepted: arguments always follow the schema when a call is "
+                                "constrained")
+
+
+class Tool(BaseModel):
+    model_config = ConfigDict(strict=True, extra="forbid")
+
+    type: Literal["function"]
+    function: Function
+
+
+class NamedFunction(BaseModel):
+    model_config = ConfigDict(strict=True, extra="forbid")
+
+    name: Text
+
+
+class NamedTool(BaseModel):
+    model_config = ConfigDict(strict=True, extra="forbid")
+
+    type: Literal["function"]
+    function: NamedFunction
 
 
 class ChatRequest(Sampling):
@@ -146,12 +214,41 @@ class ChatRequest(Sampling):
     logprobs: bool = Field(False, description="each token's log-probability under the target")
     top_logprobs: int | None = Field(None, ge=0, le=20, description="with logprobs: this many likeliest alternatives")
     max_completion_tokens: int | None = Field(None, gt=0)
+    tools: list[Tool] | None = Field(None, max_length=128, description="functions the model may call")
+    tool_choice: Literal["none", "auto", "required"] | NamedTool | None = Field(
+        None, description="none, auto (the default with tools), required, or a named function")
+    parallel_tool_calls: bool = Field(True, description="false: at most one call per reply")
 
     @model_validator(mode="after")
     def _alternatives_need_logprobs(self) -> ChatRequest:
         if self.top_logprobs is not None and not self.logprobs:
             raise ValueError("top_logprobs needs logprobs: true")
         return self
+
+    @model_validator(mode="after")
+    def _tools(self) -> ChatRequest:
+        names = [tool.function.name for tool in self.tools or ()]
+        if len(set(names)) < len(names):
+            raise ValueError("tools: function names must differ")
+        for tool in self.tools or ():
+            if tool.function.parameters is not None and (tool.function.parameters.get("type", "object") != "object"
+                                                         or depth(tool.function.parameters) > MAX_FORMAT_DEPTH):
+                raise ValueError(f"tools: {tool.function.name}'s parameters must be an object's JSON schema, at most "
+                                 f"{MAX_FORMAT_DEPTH} levels deep")
+        if self.tool_choice not in (None, "none") and not self.tools:
+            raise ValueError("tool_choice needs tools")
+        if isinstance(self.tool_choice, NamedTool) and self.tool_choice.function.name not in names:
+            raise ValueError(f"tool_choice names '{self.tool_choice.function.name}', which is not among the tools")
+        return self
+
+    @property
+    def choice(self) -> Any:
+        """tool_choice as data: "none" (no tools), "auto", "required" or {"function": {"name": ...}}."""
+        if not self.tools or self.tool_choice == "none":
+            return "none"
+        if isinstance(self.tool_choice, NamedTool):
+            return self.tool_choice.model_dump()
+        return self.tool_choice or "auto"
 
     @property
     def alternatives(self) -> int | None:

@@ -1,0 +1,160 @@
+"""Tool calling (`speculant.serve.tools`): calls parsed from replies into OpenAI's `tool_calls`; on the packaged
+Qwen2.5-Coder-0.5B through the `openai` client, `tool_choice` required, named and auto give schema-valid calls,
+streamed and not, a two-step loop (call, the tool's result, an answer) completes, and every reply under
+speculation equals the same request with speculation off."""
+
+import json
+import os
+
+import pytest
+
+from speculant.serve.tools import ToolStream, parse
+
+WEATHER = {"type": "function", "function": {
+    "name": "get_weather", "description": "The current weather in a city",
+    "parameters": {"type": "object", "properties": {"city": {"type": "string"},
+                                                    "unit": {"type": "string", "enum": ["celsius", "fahrenheit"]}},
+                   "required": ["city"], "additionalProperties": False}}}
+TIME = {"type": "function", "function": {
+    "name": "get_time", "description": "The local time in a city",
+    "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}
+TOOLS = [WEATHER, TIME]
+ASK = [{"role": "user", "content": "What is the weather like in Paris today?"}]
+
+
+def test_calls_are_parsed_and_text_before_them_is_content():
+    text = 'Let me look.\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>\n' \
+           '<tool_call>\n{"name": "get_time", "arguments": {"city": "Rome"}}\n</tool_call>'
+    parsed = parse(text)
+    assert parsed.content == "Let me look."
+    assert [(c["function"]["name"], json.loads(c["function"]["arguments"])) for c in parsed.calls] == [
+        ("get_weather", {"city": "Paris"}), ("get_time", {"city": "Rome"})]
+    assert len({c["id"] for c in parsed.calls}) == 2
+    assert parse("no calls <tool_call>{oops}</tool_call>").calls == []  # not JSON: stays content
+    assert parse("no calls <tool_call>{oops}</tool_call>").content == "no calls <tool_call>{oops}</tool_call>"
+
+
+def test_a_stream_hands_out_content_and_holds_back_the_calls():
+    stream = ToolStream()
+    pieces = ["Sure", ". <", "tool", '_call>\n{"name": "get_time", "arguments": {"city": "Oslo"}}', "\n</tool_call>"]
+    out = [stream.push(p) for p in pieces]
+    assert out == ["Sure", ". ", "", "", ""]
+    rest, calls = stream.finish()
+    assert rest == "" and [c["function"]["name"] for c in calls] == ["get_time"]
+    plain = ToolStream()
+    assert plain.push("a <b") == "a <b" and plain.push(" <to") == " " and plain.finish() == ("<to", [])
+
+
+@pytest.fixture(scope="module")
+def served():
+    """(an openai client, the call tag's token id): the packaged 0.5B on the lean backend, served with `sd` drafting
+    with its own weights (every draft accepted: speculation commits several tokens a step); a request's
+    `speculant.method: ar` turns speculation off."""
+    from test_serve import serving
+
+    from speculant.errors import ModelNotAvailable
+    from speculant.methods import get_method
+    from speculant.models.loading import load_lean
+    from speculant.serve.engine import Engine
+    from speculant.serve.metrics import Metrics
+    from speculant.serve.tools import OPEN
+
+    try:
+        target = load_lean("qwen2.5-coder-0.5b")
+    except ModelNotAvailable as error:
+        if os.environ.get("CI"):
+            raise
+        pytest.skip(str(error))
+    engine = Engine(target, "sd", get_method("sd").make_options({"drafter": "self", "k": 4}), 8, 16, Metrics())
+    with serving(engine, name="m") as url:
+        import openai
+
+        yield openai.OpenAI(base_url=url, api_key="x"), target.tokenizer.convert_tokens_to_ids(OPEN)
+    engine.close()
+
+
+def ask(client, messages=ASK, stream=False, method=None, **body):
+    """(content, [(name, arguments)], finish_reason) of one reply, greedy."""
+    extra = {"speculant": {"method": method}} if method else None
+    reply = client.chat.completions.create(model="m", messages=messages, temperature=0, max_tokens=48, stream=stream,
+                                           extra_body=extra, **body)
+    if not stream:
+        choice = reply.choices[0]
+        calls = [(c.function.name, c.function.arguments) for c in choice.message.tool_calls or ()]
+        return choice.message.content, calls, choice.finish_reason
+    content, calls, finish = "", {}, None
+    for chunk in reply:
+        delta = chunk.choices[0].delta
+        content += delta.content or ""
+        for call in delta.tool_calls or ():
+            assert call.id and call.type == "function"
+            calls[call.index] = (call.function.name, call.function.arguments)
+        finish = chunk.choices[0].finish_reason or finish
+    return content or None, [calls[i] for i in sorted(calls)], finish
+
+
+def valid(calls):
+    """Each call names a tool and its arguments follow that tool's schema."""
+    jsonschema = pytest.importorskip("jsonschema")
+    schemas = {tool["function"]["name"]: tool["function"]["parameters"] for tool in TOOLS}
+    for name, arguments in calls:
+        jsonschema.validate(json.loads(arguments), schemas[name])
+    return bool(calls)
+
+
+@pytest.mark.real_model
+@pytest.mark.parametrize("stream", [False, True])
+@pytest.mark.parametrize("choice", ["required", {"type": "function", "function": {"name": "get_time"}}, "auto"])
+def test_the_openai_client_gets_schema_valid_calls_equal_with_speculation_off(served, choice, stream):
+    """`auto` lets the model choose: the packaged coder model answers in prose unless its first token is the call
+    tag, which a logit_bias on the tag makes it choose here; then one call (`parallel_tool_calls` false)."""
+    client, tag = served
+    body = {"tools": TOOLS, "tool_choice": choice}
+    if choice == "auto":
+        body |= {"logit_bias": {str(tag): 100}, "parallel_tool_calls": False}
+    content, calls, finish = ask(client, stream=stream, **body)
+    assert valid(calls) and finish == "tool_calls", (content, calls)
+    if isinstance(choice, dict):
+        assert [name for name, _ in calls] == ["get_time"]
+    assert ask(client, stream=stream, method="ar", **body) == (content, calls, finish)
+
+
+@pytest.mark.real_model
+def test_a_two_step_agent_loop_completes_and_equals_speculation_off(served):
+    """Call, the tool's result in a `tool` message, then an answer (no call; what it says is the model's: the
+    packaged 0.5B coder model mostly restates the call and the result); both steps as with speculation off."""
+    from speculant.serve.tools import OPEN
+
+    served, _ = served
+    first = served.chat.completions.create(model="m", messages=ASK, tools=TOOLS, tool_choice="required",
+                                           temperature=0, max_tokens=48)
+    message = first.choices[0].message
+    assert first.choices[0].finish_reason == "tool_calls" and valid(
+        [(c.function.name, c.function.arguments) for c in message.tool_calls])
+    result = {"role": "tool", "tool_call_id": message.tool_calls[0].id,
+              "content": json.dumps({"temperature": 18, "unit": "celsius", "sky": "cloudy"})}
+    history = ASK + [message.model_dump(exclude_none=True), result]
+    answer = ask(served, history, tools=TOOLS)
+    content, calls, finish = answer
+    assert finish in ("stop", "length") and calls == [] and content and OPEN not in content, answer
+    assert ask(served, history, method="ar", tools=TOOLS) == answer
+
+
+@pytest.mark.real_model
+def test_bad_tool_requests_get_400s_naming_the_field(served):
+    import openai
+
+    served, _ = served
+    bad = [({"tools": [WEATHER], "tool_choice": {"type": "function", "function": {"name": "nope"}}}, "tool_choice"),
+           ({"tools": [WEATHER, WEATHER]}, "names must differ"),
+           ({"tools": [WEATHER], "tool_choice": "required", "response_format": {"type": "json_object"}},
+            "response_format"),
+           ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": "array"}}}]},
+            "must be an object's JSON schema")]
+    for body, message in bad:
+        with pytest.raises(openai.BadRequestError, match=message):
+            served.chat.completions.create(model="m", messages=ASK, max_tokens=4, **body)
+    with pytest.raises(openai.BadRequestError, match="arguments"):
+        served.chat.completions.create(model="m", max_tokens=4, messages=ASK + [
+            {"role": "assistant", "tool_calls": [{"id": "1", "type": "function",
+                                                  "function": {"name": "f", "arguments": "[1]"}}]}])
