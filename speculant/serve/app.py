@@ -1,7 +1,8 @@
 """`speculant serve`: an OpenAI-compatible HTTP API over the serving engine (FastAPI).
 
 Endpoints: GET /v1/models, POST /v1/completions, POST /v1/chat/completions (streamed as server-sent
-events with `stream: true`, ending with `data: [DONE]`), GET /health, GET /metrics. Every refusal is a
+events with `stream: true`, ending with `data: [DONE]`; tools called as `speculant.serve.tools` parses them),
+GET /health, GET /metrics, and the playground page at / (`playground/`). Every refusal is a
 4xx JSON error in OpenAI's shape, given before the request reaches the engine; a fault of the server's own is a
 500 in the same shape, logged with an id the client sees (`Guard`). A request's `speculant` options are data:
 those that name something on the machine are the operator's (`check_request_options`).
@@ -19,11 +20,13 @@ import uuid
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from dataclasses import fields
+from pathlib import Path
 from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import FileResponse, JSONResponse, Response, StreamingResponse
+from fastapi.staticfiles import StaticFiles
 from starlette.exceptions import HTTPException
 
 from speculant.api import encode_prompt
@@ -40,12 +43,19 @@ from speculant.serve.tools import speaks_tools
 from speculant.serve.schema import MAX_FORMAT_DEPTH, ApiError, ChatRequest, CompletionRequest, Sampling, depth
 
 LOG = logging.getLogger("speculant.serve")
+PLAYGROUND = Path(__file__).parent / "playground"  # the page at / (static files: no build step)
+PAGE = ("/", "/playground/index.html", "/playground/playground.js", "/playground/playground.css")  # open: no secrets
 TOKEN_ID = re.compile(r"0|[1-9][0-9]{0,9}")  # a logit_bias key: a token id in canonical decimal
 
 
 class _End:
     def __init__(self, outcome: Outcome | BaseException):
         self.outcome = outcome
+
+
+class _Step:
+    def __init__(self, event: dict[str, Any]):
+        self.event = event
 
 
 def create_app(engine: Engine, served_name: str, config: ServeConfig | None = None,
@@ -96,8 +106,14 @@ def create_app(engine: Engine, served_name: str, config: ServeConfig | None = No
     app.add_middleware(Guard, metrics=metrics, replica=replica, max_body=int(config.max_body_mb * 1e6),
                        hosts=[h.strip().lower() for h in config.allowed_hosts.split(",")] if config.allowed_hosts
                        else None,
-                       key=config.api_key, open_paths=("/health", "/metrics") if config.open_metrics else ("/health",),
+                       key=config.api_key, open_paths=PAGE + (("/health", "/metrics") if config.open_metrics
+                                                              else ("/health",)),
                        routes=app.routes)
+    app.mount("/playground", StaticFiles(directory=PLAYGROUND), name="playground")
+
+    @app.get("/", include_in_schema=False)
+    async def playground() -> FileResponse:
+        return FileResponse(PLAYGROUND / "index.html")
 
     @app.get("/health")
     async def health() -> dict[str, str]:
@@ -164,7 +180,9 @@ def create_app(engine: Engine, served_name: str, config: ServeConfig | None = No
         try:
             on_text = (lambda piece, logprobs: put((piece, logprobs))) if body.stream else \
                 (lambda piece, logprobs: None)  # a whole answer comes with its outcome
-            ticket = engine.submit(job, on_text, lambda outcome: put(_End(outcome)))
+            provenance = body.stream and body.stream_options is not None and body.stream_options.include_provenance
+            ticket = engine.submit(job, on_text, lambda outcome: put(_End(outcome)),
+                                   (lambda event: put(_Step(event))) if provenance else None)
         except QueueFull as error:
             raise ApiError(429, f"the server is busy: {error}", code="queue_full") from None
         except ConfigError as error:
@@ -191,6 +209,9 @@ def create_app(engine: Engine, served_name: str, config: ServeConfig | None = No
             if shape.chat:
                 yield sse(shape.chunk({"role": "assistant", "content": ""}, []))
             while not isinstance(item := await queue.get(), _End):
+                if isinstance(item, _Step):
+                    yield sse(shape.step(item.event, engine.target.tokenizer))
+                    continue
                 piece, entries = item
                 if shape.calls is not None:
                     piece = shape.calls.push(piece)
@@ -463,6 +484,15 @@ class Shape:
             choice = {"index": 0, "text": outcome.text, "finish_reason": outcome.finish_reason, "logprobs": logprobs}
         return {"id": self.ident, "object": "chat.completion" if self.chat else "text_completion",
                 "created": self.created, "model": self.model, "choices": [choice], "usage": self.usage(outcome)}
+
+    def step(self, event: dict[str, Any], tokenizer: Any) -> dict[str, Any]:
+        """A chunk with no choices that carries one step's provenance (`stream_options.include_provenance`)."""
+        spell = (lambda t: tokenizer.decode([t], skip_special_tokens=True)) if tokenizer is not None else str
+        tokens = [{"id": t, "text": spell(t), "kind": kind} for t, kind in zip(event["tokens"], event["kinds"])]
+        return {"id": self.ident, "object": "chat.completion.chunk" if self.chat else "text_completion",
+                "created": self.created, "model": self.model, "choices": [],
+                "speculant": {"tokens": tokens, "drafted": event["drafted"], "accepted": event["accepted"],
+                              "drafter": event["drafter"]}}
 
     def chunk(self, delta: Any, entries: list[TokenLogprob], finish_reason: str | None = None) -> dict[str, Any]:
         logprobs = self.entries(entries) if entries else None

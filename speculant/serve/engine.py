@@ -82,11 +82,14 @@ class Steps:
     plus the target's own. Counted outside the decoder, so that it holds for every method, and for a
     generation cut short by a stop string or a disconnect."""
 
-    def __init__(self, metrics: Metrics | None):
-        self.metrics = metrics
+    def __init__(self, metrics: Metrics | None, on_step: Callable[[dict[str, Any]], None] | None = None):
+        self.metrics, self.on_step = metrics, on_step
         self.forwards = self.drafted = self.accepted = self.committed = 0
         self.width = 0  # the open step's forward width (0: none yet, or the prefill)
         self.drafter_forwards = 0
+        self.tokens: list[int] = []  # the open step's committed tokens
+        self.drafter: str | None = None  # the model drafter that drafted what the open step verifies
+        self.drafting: str | None = None  # the model drafter that ran since the last target forward
 
     def on_target(self, call: Call) -> None:
         if call.continues:  # a later part of the prefill counted already
@@ -94,22 +97,33 @@ class Steps:
         self.close()
         self.forwards += 1
         self.width = 0 if call.prefill else len(call.ids)
+        self.drafter, self.drafting = self.drafting, None
 
-    def on_drafter(self, call: Call) -> None:
+    def on_drafter(self, call: Call, name: str | None = None) -> None:
         self.drafter_forwards += 1
+        self.drafting = name
 
-    def on_token(self) -> None:
+    def on_token(self, token: int) -> None:
         self.committed += 1
+        self.tokens.append(token)
 
     def close(self) -> None:
-        """End the open step: of its W - 1 drafts, the committed tokens but one were accepted."""
+        """End the open step: of its W - 1 drafts, the committed tokens but one were accepted; `on_step` hears
+        each token's provenance: an accepted draft, the target's correction of a rejected one, or the target's
+        own token (a step without drafts, or after all of them were accepted)."""
+        drafted = accepted = 0
         if self.width > 0:
             drafted, accepted = self.width - 1, min(max(self.committed - 1, 0), self.width - 1)
             self.drafted += drafted
             self.accepted += accepted
             if self.metrics is not None:
                 self.metrics.step(drafted, accepted)
-        self.width, self.committed = 0, 0
+        if self.on_step is not None and self.tokens:
+            last = "corrected" if accepted < drafted else "target"
+            kinds = ["accepted"] * accepted + [last] * (len(self.tokens) - accepted)
+            self.on_step({"tokens": self.tokens, "kinds": kinds, "drafted": drafted, "accepted": accepted,
+                          "drafter": self.drafter if drafted else None})
+        self.width, self.committed, self.tokens, self.drafter = 0, 0, [], None
 
     def summary(self, method: str, tokens: int) -> dict[str, Any]:
         self.close()
@@ -212,10 +226,12 @@ class Engine:
         return spec, options
 
     def submit(self, job: ServeJob, on_text: Callable[[str, list[TokenLogprob]], None],
-               on_end: Callable[[Outcome | BaseException], None]) -> Ticket:
+               on_end: Callable[[Outcome | BaseException], None],
+               on_step: Callable[[dict[str, Any]], None] | None = None) -> Ticket:
         """Start `job`; text increments (with the log-probabilities of the tokens committed since the last
-        one, where the job asks for them) go to `on_text` and the end to `on_end`, from the batcher's thread.
-        Raises QueueFull when the queue is full, a ConfigError for options the server cannot run."""
+        one, where the job asks for them) go to `on_text`, each step's tokens and their provenance to `on_step`
+        (`Steps.close`) where given, and the end to `on_end`, from the batcher's thread. Raises QueueFull when the
+        queue is full, a ConfigError for options the server cannot run."""
         spec, options = self.options_for(job.method, job.options)
         check_request(spec.name, job.logprobs, job.logit_bias, job.constraint)
         ticket, submitted = Ticket(), time.perf_counter()
@@ -225,7 +241,8 @@ class Engine:
                 self.metrics.queue(self.batcher.waiting)
             try:
                 if not ticket.cancelled.is_set():
-                    on_end(self._decode(job, spec, options, ticket, on_text, submitted, spec.name in APART))
+                    on_end(self._decode(job, spec, options, ticket, on_text, submitted, spec.name in APART,
+                                        on_step))
             except Exception as error:  # noqa: BLE001 - the request's caller reports it
                 on_end(error)
 
@@ -250,8 +267,9 @@ class Engine:
                 self._running_apart.discard(threading.current_thread())
 
     def _decode(self, job: ServeJob, spec: Any, options: Any, ticket: Ticket,
-                on_text: Callable[[str, list[TokenLogprob]], None], submitted: float, apart: bool = False) -> Outcome:
-        steps = Steps(self.metrics)
+                on_text: Callable[[str, list[TokenLogprob]], None], submitted: float, apart: bool = False,
+                on_step: Callable[[dict[str, Any]], None] | None = None) -> Outcome:
+        steps = Steps(self.metrics, on_step)
         rows: dict[int, Row] = {}
         batcher = None if apart else self.batcher  # a request apart runs its own forwards on its own thread
 
@@ -262,7 +280,8 @@ class Engine:
 
         def for_request(held: Any) -> Any:
             loaded = self.drafters.get(str(held), held)
-            return row(loaded, steps.on_drafter) if isinstance(loaded, CausalLM) else loaded
+            return row(loaded, lambda call, name=str(held): steps.on_drafter(call, name)) \
+                if isinstance(loaded, CausalLM) else loaded
 
         target = Row(batcher, self.target, steps.on_target, ticket.cancelled.is_set, self.session.prefixes)
         decoded, recorded = decoded_target(target, job.logprobs, job.logit_bias, job.constraint)
@@ -281,7 +300,7 @@ class Engine:
                     self.metrics.token(now - (last if last is not None else submitted), first=last is None)
                 last = now
                 tokens += 1
-                steps.on_token()
+                steps.on_token(token)
                 if recorded is not None:  # (the end-of-sequence token adds nothing to the content: no entry)
                     entry = recorded.take(token)
                     if token not in self.target.eos_token_ids:

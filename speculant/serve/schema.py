@@ -52,6 +52,9 @@ def depth(value: Any) -> int:
 
 class StreamOptions(BaseModel):
     include_usage: bool = False
+    include_provenance: bool = Field(False, description="speculant's extension: after each step, a chunk with no "
+                                     "choices whose `speculant` field gives the step's tokens, each an accepted "
+                                     "draft, a correction or the target's own, and the drafter that drafted them")
 
 
 class Sampling(BaseModel):

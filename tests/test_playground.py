@@ -1,0 +1,84 @@
+"""The playground at / in a real headless browser (Chromium driven by Playwright): a chat round-trip renders the
+reply's tokens with their provenance classes, which come only from the stream's `speculant` chunks; and the
+stream carries them (the test fails without them). Skipped locally without Playwright or Chromium; required in
+CI."""
+
+import json
+import os
+import shutil
+
+import pytest
+from test_serve import engine_for, serving
+
+CHROMIUM = ("chromium", "chromium-browser", "google-chrome")
+
+
+@pytest.fixture(scope="module")
+def browser():
+    try:
+        from playwright.sync_api import sync_playwright
+    except ImportError:
+        if os.environ.get("CI"):
+            raise
+        pytest.skip("playwright is not installed")
+    executable = next((path for path in map(shutil.which, CHROMIUM) if path), None)
+    with sync_playwright() as playwright:
+        try:
+            browser = playwright.chromium.launch(executable_path=executable)
+        except Exception as error:  # noqa: BLE001 - no browser here
+            if os.environ.get("CI"):
+                raise
+            pytest.skip(f"no Chromium: {error}")
+        yield browser
+        browser.close()
+
+
+def test_a_chat_round_trip_renders_tokens_with_their_provenance(browser):
+    """A tiny model served with `sd` (a perturbed copy drafting): the reply's tokens appear as spans of the three
+    classes, at least one an accepted draft, spelling the same text the API returns; the stats show a rate and an
+    acceptance, and the position plot has bars."""
+    engine = engine_for("sd", k=3)
+    with serving(engine) as url:
+        import openai
+
+        expected = openai.OpenAI(base_url=url, api_key="x").chat.completions.create(
+            model="tiny", messages=[{"role": "user", "content": "hello there"}], max_tokens=40, temperature=0)
+        page = browser.new_page()
+        page.goto(url.removesuffix("/v1") + "/")
+        page.wait_for_function("document.getElementById('model').textContent === 'tiny'")
+        page.fill("#max-tokens", "40")
+        page.fill("#message", "hello there")
+        page.press("#message", "Enter")
+        page.wait_for_function("!document.getElementById('send').disabled && "
+                               "document.querySelectorAll('.turn.assistant .tok').length > 0")
+        assert page.text_content("#error") == ""
+        kinds = page.eval_on_selector_all(".turn.assistant .tok", "spans => spans.map(s => s.classList[1])")
+        text = page.eval_on_selector_all(".turn.assistant .tok", "spans => spans.map(s => s.textContent).join('')")
+        assert set(kinds) <= {"accepted", "corrected", "target"} and "accepted" in kinds, kinds
+        assert text == expected.choices[0].message.content
+        assert page.text_content("#acceptance").endswith("%") and page.text_content("#rate") != "-"
+        assert page.locator("#positions rect").count() >= 1
+    engine.close()
+
+
+def test_the_stream_carries_provenance_only_when_asked(browser):
+    """The extension chunks (no choices, a `speculant` field) come with stream_options.include_provenance and
+    account for every token of the reply; an ordinary stream has none."""
+    import httpx
+
+    engine = engine_for("sd", k=3)
+    with serving(engine) as url:
+        request = {"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 24,
+                   "temperature": 0, "stream": True, "stream_options": {"include_usage": True}}
+        plain = httpx.post(f"{url}/chat/completions", json=request, timeout=60).text
+        asked = httpx.post(f"{url}/chat/completions", timeout=60, json={
+            **request, "stream_options": {"include_usage": True, "include_provenance": True}}).text
+    engine.close()
+    events = lambda text: [json.loads(line[6:]) for line in text.splitlines()  # noqa: E731
+                           if line.startswith("data: {")]
+    assert not any("speculant" in event for event in events(plain))
+    steps = [event["speculant"] for event in events(asked) if "speculant" in event]
+    usage = next(event["usage"] for event in events(asked) if event.get("usage"))
+    assert sum(len(step["tokens"]) for step in steps) == usage["completion_tokens"]
+    assert sum(step["accepted"] for step in steps) == usage["speculative"]["accepted_tokens"]
+    assert all(step["drafter"] for step in steps if step["drafted"])
