@@ -121,7 +121,8 @@ def build_parser() -> argparse.ArgumentParser:
     add_options(serve, ModelConfig)
     add_options(serve, ServeConfig)
 
-    load = commands.add_parser("bench-serve", help="load a running server: N requests at concurrency C; throughput, "
+    load = commands.add_parser("bench-serve", help="load a running server: N requests at concurrency C, or "
+                               "conversations arriving at a Poisson rate; throughput, "
                                "TTFT and inter-token latency percentiles, errors")
     load.add_argument("--url", default="http://127.0.0.1:8000/v1", help="the server's base URL")
     load.add_argument("--api-key", default=None)
@@ -129,8 +130,13 @@ def build_parser() -> argparse.ArgumentParser:
     data = load.add_mutually_exclusive_group()
     data.add_argument("--dataset", default="humaneval[:10]", help="humaneval[:N] (default: humaneval[:10])")
     data.add_argument("--prompts", default=None, metavar="FILE.jsonl[:N]", help="JSONL prompts (chat when 'turns')")
-    load.add_argument("--requests", type=int, default=32, help="requests to send, cycling over the prompts")
+    load.add_argument("--requests", type=int, default=32, help="requests to send, cycling over the prompts (with "
+                      "--rate: conversations)")
     load.add_argument("--concurrency", type=int, nargs="+", default=[1, 4, 16], help="clients at once; one run each")
+    load.add_argument("--rate", type=float, nargs="+", default=None, help="open loop instead: conversations arrive "
+                      "at this Poisson rate per second, whatever the backlog; one run each")
+    load.add_argument("--turns", type=int, default=1, help="with --rate: turns per conversation, each resending the "
+                      "history with the reply and a follow-up question")
     load.add_argument("--max-tokens", type=int, default=64)
     load.add_argument("--temperature", type=float, default=0.0)
     load.add_argument("--check-solo", action="store_true",
@@ -571,14 +577,22 @@ def run_serve(args: argparse.Namespace) -> None:
 
 def run_bench_serve(args: argparse.Namespace) -> None:
     from speculant.bench.datasets import load_dataset
-    from speculant.bench.serve import format_load, run_load, write_report
+    from speculant.bench.serve import format_load, run_load, run_sessions, write_report
 
-    if args.requests < 1 or min(args.concurrency) < 1 or args.max_tokens < 1:
-        raise ConfigError("requests, concurrency and max-tokens must be >= 1")
+    if args.requests < 1 or min(args.concurrency) < 1 or args.max_tokens < 1 or args.turns < 1:
+        raise ConfigError("requests, concurrency, turns and max-tokens must be >= 1")
+    if args.rate is not None and (min(args.rate) <= 0 or args.check_solo):
+        raise ConfigError("--rate must be > 0, and open-loop runs do not --check-solo")
+    if args.turns > 1 and args.rate is None:
+        raise ConfigError("--turns runs conversations: give their arrival --rate")
     prompts = load_dataset(args.prompts or args.dataset)
-    for concurrency in args.concurrency:
-        result = run_load(args.url, prompts, args.requests, concurrency, args.max_tokens, args.temperature,
-                          args.model, args.api_key, args.check_solo, args.label)
+    runs = [lambda rate=rate: run_sessions(args.url, prompts, args.requests, args.turns, rate, args.max_tokens,
+                                           args.temperature, args.model, args.api_key, args.label)
+            for rate in args.rate] if args.rate is not None else \
+        [lambda c=c: run_load(args.url, prompts, args.requests, c, args.max_tokens, args.temperature, args.model,
+                              args.api_key, args.check_solo, args.label) for c in args.concurrency]
+    for run in runs:
+        result = run()
         print(format_load(result))
         if args.out:
             out = Path(args.out)

@@ -137,3 +137,28 @@ def test_served_outputs_and_logprobs_equal_with_and_without_the_cache(files, met
             if method == "sd":  # the drafter's prefixes are kept too
                 assert len(cache.roots) == 2
     assert outcomes[64] == outcomes[0]
+
+
+def test_open_loop_conversations_reuse_their_history_within_the_budget(files):
+    """`bench-serve --rate R --turns 3` against a served tiny model: every turn answered, the later turns restore
+    their history from the prefix cache, whose memory never passes its budget (checked after every prefill)."""
+    from test_serve import TEMPLATE, serving
+
+    from speculant.bench.datasets import Prompt
+    from speculant.bench.serve import run_sessions
+
+    target = lean(files[0])
+    target.tokenizer.chat_template = TEMPLATE
+    kv_per_position = 2 * target._keys[:, :, 0].numel() * 4
+    budget_mb = 300 * kv_per_position / 2**20  # 300 positions: fewer than the conversations' histories
+    engine = Engine(target, "ar", get_method("ar").make_options({}), 8, 16, Metrics(), budget_mb)
+    cache, peaks = engine.session.prefixes, []
+    store = cache.store
+    cache.store = lambda model, ids: (store(model, ids), peaks.append(cache.bytes))
+    prompts = [Prompt(f"p{i}", "".join(chr(97 + (7 * i + j) % 26) for j in range(150)), chat=True) for i in range(4)]
+    with serving(engine) as url:
+        result = run_sessions(url, prompts, conversations=4, turns=3, rate=20.0, max_tokens=8)
+    engine.close()
+    assert result["errors"] == result["lost"] == 0 and result["requests"] == 12
+    assert result["ttft_later_turns_ms"]["p50"] is not None
+    assert cache.hits >= 2 and max(peaks) <= cache.budget  # (the budget holds about two histories: LRU evicts)

@@ -1,4 +1,6 @@
-"""`speculant bench-serve`: N requests at concurrency C against a running OpenAI-compatible server.
+"""`speculant bench-serve`: load a running OpenAI-compatible server, closed loop (N requests from C clients,
+each sending its next when one ends) or open loop (multi-turn conversations arriving at a Poisson rate:
+`run_sessions`).
 
 Each client streams its completions (chat for chat prompts) and times the first text and every later
 chunk; the run reports throughput over the wall time, TTFT and inter-token latency percentiles, errors
@@ -140,18 +142,98 @@ def run_load(url: str, prompts: Sequence[Prompt], requests: int, concurrency: in
     }
 
 
+FOLLOW_UPS = ("Thank you. Can you say that again more briefly?", "Which point matters most, and why?",
+              "Can you give one concrete example?")  # the later turns of a conversation, in order
+
+
+def run_sessions(url: str, prompts: Sequence[Prompt], conversations: int, turns: int, rate: float, max_tokens: int,
+                 temperature: float = 0.0, model: str | None = None, api_key: str | None = None,
+                 label: str | None = None, seed: int = 0) -> dict[str, Any]:
+    """Open loop, multi-turn: conversation i (its first message prompt i, cycling) starts at the i-th arrival of a
+    Poisson process of `rate` conversations per second, whatever the server's backlog; its `turns` turns run one
+    after another, each sending the whole history (every earlier message and reply) and the next of FOLLOW_UPS.
+    TTFT is reported for first turns and later turns apart: a later turn's history is what a prefix cache keeps."""
+    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+    arrivals = np.cumsum(np.random.default_rng(seed).exponential(1 / rate, conversations))
+    arrivals -= arrivals[0]  # the first conversation starts at once
+    results: list[list[dict[str, Any]]] = [[] for _ in range(conversations)]
+    with httpx.Client(base_url=url, headers=headers, timeout=TIMEOUT_S,
+                      limits=httpx.Limits(max_connections=conversations + 4)) as client:
+        model = model or first_model(client, url)
+        start = time.perf_counter()
+
+        def conversation(i: int) -> None:
+            time.sleep(max(0.0, arrivals[i] - (time.perf_counter() - start)))
+            prompt = prompts[i % len(prompts)]
+            messages = [{"role": "user", "content": prompt.text}] if isinstance(prompt.text, str) else \
+                list(prompt.text)
+            for turn in range(turns):
+                if turn:
+                    messages.append({"role": "user", "content": FOLLOW_UPS[(turn - 1) % len(FOLLOW_UPS)]})
+                body = {"model": model, "max_tokens": max_tokens, "temperature": temperature, "stream": True,
+                        "stream_options": {"include_usage": True}, "messages": list(messages)}
+                try:
+                    result = stream_one(client, "/chat/completions", body)
+                except httpx.HTTPError as error:
+                    result = {"error": f"{type(error).__name__}: {error}"}
+                results[i].append({**result, "turn": turn})
+                if "error" in result:
+                    return
+                messages.append({"role": "assistant", "content": result["text"]})
+
+        threads = [threading.Thread(target=conversation, args=(i,)) for i in range(conversations)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        wall = time.perf_counter() - start
+    flat = [r for turns_of in results for r in turns_of]
+    done = [r for r in flat if "error" not in r]
+    tokens = sum(r["tokens"] for r in done)
+    itl = [(r["times"][-1] - r["times"][0]) / (r["tokens"] - 1) for r in done if r["tokens"] > 1 and len(r["times"]) > 1]
+    rates = [(r["tokens"] - 1) / (r["times"][-1] - r["times"][0]) for r in done
+             if r["tokens"] > 1 and len(r["times"]) > 1 and r["times"][-1] > r["times"][0]]
+    spoken = [r["speculative"] for r in done if r.get("speculative")]
+    return {
+        "label": label, "url": url, "model": model, "concurrency": None, "rate": rate, "turns": turns,
+        "conversations": conversations, "requests": conversations * turns, "max_tokens": max_tokens,
+        "temperature": temperature, "wall_s": round(wall, 2), "throughput_tok_s": round(tokens / wall, 2),
+        "requests_per_s": round(len(done) / wall, 3), "completion_tokens": tokens,
+        "ttft_ms": percentiles([r["times"][0] for r in done if r["times"]]),
+        "ttft_first_turn_ms": percentiles([r["times"][0] for r in done if r["times"] and r["turn"] == 0]),
+        "ttft_later_turns_ms": percentiles([r["times"][0] for r in done if r["times"] and r["turn"] > 0]),
+        "itl_ms": percentiles(itl),
+        "decode_tok_s": {k: (round(1000 / v, 1) if v else None)  # a request's rate after its first token
+                         for k, v in zip(("p50", "p90", "p99"), percentiles([1 / r for r in rates]).values())},
+        "errors": conversations * turns - len(done), "lost": sum(bool(r.get("lost")) for r in flat),
+        "mismatches_vs_solo": None,
+        "speculative": {key: sum(s.get(key, 0) for s in spoken) for key in SPECULATIVE} if spoken else None,
+        "error_samples": sorted({r["error"] for r in flat if "error" in r})[:3],
+    }
+
+
 def format_load(result: dict[str, Any]) -> str:
     ttft, itl = result["ttft_ms"], result["itl_ms"]
-    line = (f"{result['label'] or result['url']}: C={result['concurrency']}, {result['requests']} requests x "
+    line = (f"{result['label'] or result['url']}: {arrivals(result)}, {result['requests']} requests x "
             f"{result['max_tokens']} tokens in {result['wall_s']:.1f} s: {result['throughput_tok_s']:.1f} tok/s, "
             f"TTFT p50/p90/p99 {ttft['p50']}/{ttft['p90']}/{ttft['p99']} ms, ITL {itl['p50']}/{itl['p90']}/{itl['p99']} ms, "
             f"{result['errors']} errors, {result['lost']} lost")
+    if later := result.get("ttft_later_turns_ms"):
+        first = result["ttft_first_turn_ms"]
+        line += f"; TTFT p50/p90 first turns {first['p50']}/{first['p90']} ms, later turns {later['p50']}/{later['p90']} ms"
     if result["mismatches_vs_solo"] is not None:
         line += f", {result['mismatches_vs_solo']} outputs differ from solo"
     if spec := result.get("speculative"):
         line += (f"; {spec['drafted_tokens']} tokens drafted, {spec['accepted_tokens']} accepted, "
                  f"{spec['target_forwards']} target and {spec['drafter_forwards']} drafter forwards")
     return line + ("; " + "; ".join(result["error_samples"]) if result["error_samples"] else "")
+
+
+def arrivals(result: dict[str, Any]) -> str:
+    """How a run's requests came: C closed-loop clients, or conversations arriving at a Poisson rate."""
+    if result.get("rate") is None:
+        return f"C={result['concurrency']}"
+    return f"{result['rate']:g} conversations/s x {result['turns']} turns"
 
 
 def write_report(out: Path) -> list[Path]:
@@ -163,13 +245,16 @@ def write_report(out: Path) -> list[Path]:
     import matplotlib.pyplot as plt
 
     runs = [json.loads(line) for line in (out / "results.jsonl").read_text().splitlines() if line.strip()]
-    rows = ["| server | C | requests | tok/s | TTFT p50 / p90 ms | ITL p50 / p90 ms | errors | lost | differ from solo |",
-            "|---|---|---|---|---|---|---|---|---|"]
+    rows = ["| server | arrivals | requests | tok/s | TTFT p50 / p90 ms | later turns' TTFT p50 / p90 ms | "
+            "ITL p50 / p90 ms | errors | lost | differ from solo |", "|---|---|---|---|---|---|---|---|---|---|"]
     for r in runs:
-        rows.append(f"| {r['label']} | {r['concurrency']} | {r['requests']} | {r['throughput_tok_s']:.1f} | "
-                    f"{r['ttft_ms']['p50']} / {r['ttft_ms']['p90']} | {r['itl_ms']['p50']} / {r['itl_ms']['p90']} | "
+        later = r.get("ttft_later_turns_ms") or {}
+        rows.append(f"| {r['label']} | {arrivals(r)} | {r['requests']} | {r['throughput_tok_s']:.1f} | "
+                    f"{r['ttft_ms']['p50']} / {r['ttft_ms']['p90']} | {later.get('p50', '')} / {later.get('p90', '')} | "
+                    f"{r['itl_ms']['p50']} / {r['itl_ms']['p90']} | "
                     f"{r['errors']} | {r['lost']} | {'' if r['mismatches_vs_solo'] is None else r['mismatches_vs_solo']} |")
     (out / "report.md").write_text("\n".join(rows) + "\n")
+    runs = [r for r in runs if r.get("rate") is None]  # the plot: closed-loop runs, by concurrency
     figure, axis = plt.subplots(figsize=(6, 4))
     for label in dict.fromkeys(r["label"] for r in runs):
         points = sorted((r["concurrency"], r["throughput_tok_s"]) for r in runs if r["label"] == label)
