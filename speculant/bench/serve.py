@@ -255,6 +255,8 @@ def write_report(out: Path) -> list[Path]:
                     f"{r['errors']} | {r['lost']} | {'' if r['mismatches_vs_solo'] is None else r['mismatches_vs_solo']} |")
     (out / "report.md").write_text("\n".join(rows) + "\n")
     runs = [r for r in runs if r.get("rate") is None]  # the plot: closed-loop runs, by concurrency
+    if not runs:
+        return [out / "report.md"]
     figure, axis = plt.subplots(figsize=(6, 4))
     for label in dict.fromkeys(r["label"] for r in runs):
         points = sorted((r["concurrency"], r["throughput_tok_s"]) for r in runs if r["label"] == label)
