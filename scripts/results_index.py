@@ -104,6 +104,12 @@ ENTRIES: dict[str, tuple[str, str, str | None, str | None, str | None]] = {
     "serve-0.5b-200": ("serving", "200 requests at C = 16 against the `auto` server, each checked against its solo run",
                        "speculant bench-serve --prompts prompts/mixed.jsonl --requests 200 --concurrency 16 "
                        "--max-tokens 64 --check-solo --out docs/results/serve-0.5b-200", XEON, None),
+    "prefix-cache.md": ("serving", "the prefix cache: a follow-up turn's TTFT on the server that served the first "
+                        "against a fresh one; conversations under load (serve-conversations)",
+                        "python scripts/prefix_cache_ttft.py --repeats 3; scripts/serve_conversations.sh", ZEN5, None),
+    "serve-conversations": ("serving", "multi-turn conversations arriving open loop at 0.05 and 0.2 per second: "
+                            "`auto` with the prefix cache, `ar` without it, `llama-server` with its cache",
+                            "OUT=docs/results/serve-conversations scripts/serve_conversations.sh", ZEN5, None),
     "gpu.md": ("GPU", "the static backend eager and compiled on one H100 (random weights): T(W), `ar` against "
                "transformers' compiled `generate`, speculation, `auto`", "python scripts/gpu_static.py OUT.json",
                "NVIDIA H100 80GB HBM3 (lent)", "8322759"),
