@@ -156,10 +156,11 @@ def test_unknown_paths_share_one_metrics_label_and_a_server_fault_is_a_counted_5
     assert 'endpoint="/v1/completions",status="500"} 1.0' in client.get("/metrics").text
 
 
-def test_the_api_key_guards_every_route_but_health_and_the_flags_open_what_they_name():
+def test_the_api_key_guards_every_route_but_health_and_the_page_and_the_flags_open_what_they_name():
+    """The playground's page is open (it holds no secret and asks for the key); its API calls are not."""
     engine = engine_for("sd")
-    for config, open_routes in ((ServeConfig(api_key="k"), {"/health"}),
-                                (ServeConfig(api_key="k", open_metrics=True, docs=True), {"/health", "/metrics"})):
+    for config, open_routes in ((ServeConfig(api_key="k"), {"/health", "/"}),
+                                (ServeConfig(api_key="k", open_metrics=True, docs=True), {"/health", "/metrics", "/"})):
         app = create_app(engine, "tiny", config)
         with TestClient(app, raise_server_exceptions=False) as client:
             for route in app.routes:
