@@ -27,6 +27,7 @@ def main(argv: list[str]) -> None:
 
     from speculant.api import encode_prompt
     from speculant.config import SamplingConfig
+    from speculant.models.base import CausalLM
     from speculant.models.loading import load_lean
     from speculant.serve.engine import Engine, ServeJob
 
@@ -47,14 +48,16 @@ def main(argv: list[str]) -> None:
         return stamps[0] - start, out[0].text
 
     cached, fresh, same = [], [], []
+    reply = ""  # turn 1's answer, from the first (cached) run: greedy, the same on every server
     for repeat in range(args.repeats):
         for kind in ("cached", "fresh") if repeat % 2 == 0 else ("fresh", "cached"):
             engine = Engine(target, "auto")
             first_ids = encode_prompt(tok, first, True)
             engine.batcher.run(lambda: [engine.session.profile(m) for m in [target, *engine.drafters.values()]
-                                        if hasattr(m, "cache_len")])
+                                        if isinstance(m, CausalLM)])
             ask(engine, encode_prompt(tok, "Say hi.", True), 4)  # warm-up: kernels, drafters' first forwards
-            reply = ask(engine, first_ids, args.reply_tokens)[1] if kind == "cached" else replies[0]
+            if kind == "cached":  # turn 1, on this server
+                reply = ask(engine, first_ids, args.reply_tokens)[1]
             follow = first + [{"role": "assistant", "content": reply},
                               {"role": "user", "content": "Which command runs its tests?"}]
             follow_ids = encode_prompt(tok, follow, True)
@@ -64,8 +67,6 @@ def main(argv: list[str]) -> None:
             print(f"{kind}: turn 2 of {len(follow_ids)} tokens ({len(first_ids)} in turn 1), TTFT {ttft:.2f} s, "
                   f"restored {engine.session.prefixes.saved} positions", file=sys.stderr)
             engine.close()
-            if repeat == 0 and kind == "cached":
-                replies = [reply]
     c, f = statistics.median(cached), statistics.median(fresh)
     print(f"turn 2 TTFT, median of {args.repeats}: cached {c:.2f} s, fresh {f:.2f} s, ratio {c / f:.3f}; "
           f"outputs identical: {len(set(same)) == 1}")
