@@ -102,12 +102,16 @@ def build_parser() -> argparse.ArgumentParser:
     depth.add_argument("--drafter", default=DEFAULT_DRAFTER, help="a model drafter with the target's vocabulary")
     depth.add_argument("--drafter-dtype", choices=("bf16", "fp32"), default=None)
     data = depth.add_mutually_exclusive_group()
-    data.add_argument("--dataset", default="humaneval[30:60]", help="prompts to log trees on (default: "
-                      "humaneval[30:60], apart from the benchmarks' humaneval[:30])")
+    data.add_argument("--dataset", default=None, help="prompts to log trees on (default: the prompts shipped in "
+                      "speculant/analysis/depth_corpus.jsonl and humaneval[30:60], apart from every benchmark's)")
     data.add_argument("--prompts", default=None, metavar="FILE.jsonl[:N]")
     depth.add_argument("--max-new-tokens", type=int, default=64)
     depth.add_argument("--max-depth", type=int, default=8, help="depth of the logged trees: the most it predicts")
     depth.add_argument("--width", type=int, default=1, help="nodes per drafting step of the logged trees")
+    depth.add_argument("--inputs", nargs="+", choices=("hidden", "features"), default=None,
+                       help="what the predictor reads: the target's last hidden state (the paper's; default where the "
+                       "backend gives it) or four features of its distribution; several: one predictor each, from "
+                       "the same logged trees")
     add_options(depth, ModelConfig)
     depth.add_argument("--out", default=None, help="write it here (default: where the tree method finds it)")
 
@@ -528,7 +532,7 @@ def run_acceptance(args: argparse.Namespace) -> None:
 
 
 def run_train_depth(args: argparse.Namespace) -> None:
-    from speculant.analysis.depth import fit, log_trees
+    from speculant.analysis.depth import CORPUS, fit, log_trees
     from speculant.api import encode_prompt
     from speculant.bench.datasets import load_dataset
     from speculant.trees.method import tree_drafter_model
@@ -539,23 +543,30 @@ def run_train_depth(args: argparse.Namespace) -> None:
     if min(args.max_new_tokens, args.max_depth, args.width) < 1:
         raise ConfigError("max new tokens, max depth and width must be >= 1")
     config = from_args(ModelConfig, args)
-    prompts = load_dataset(args.prompts or args.dataset)
+    prompts = load_dataset(args.prompts or args.dataset or CORPUS)
     target = load_model(args.target, dtype=config.dtype, device=config.device, backend=config.backend,
                         compile=config.compile)
     drafter = tree_drafter_model(Session(target).drafter(args.drafter, args.drafter_dtype), target)
-    out = Path(args.out) if args.out else predictor_path(target, drafter)
-    if out is None:
+    kinds = args.inputs or ["hidden" if target.capabilities.hidden_states else "features"]
+    if "hidden" in kinds and not target.capabilities.hidden_states:
+        raise ConfigError("--inputs hidden: this target's backend gives no hidden states (use --inputs features)")
+    outs = {kind: predictor_path(target, drafter, kind) for kind in kinds} if not args.out else \
+        {kind: Path(args.out) if len(kinds) == 1 else Path(args.out).with_name(f"{Path(args.out).stem}-{kind}.json")
+         for kind in kinds}
+    if None in outs.values():
         raise ConfigError("models built in memory have no place in the cache: pass --out")
     ids = [encode_prompt(target.tokenizer, p.text, p.chat) for p in prompts]
     samples = log_trees(target, drafter, ids, args.max_new_tokens, args.max_depth, args.width)
-    try:
-        predictor, report = fit(samples, args.max_depth)
-    except ValueError as error:
-        raise ConfigError(str(error)) from None
-    predictor.save(out)
-    print(f"{report.steps} trees logged; on {report.held_out} held out, the accepted depth is the predicted one "
-          f"{report.accuracy:.1%} of the time (the most common depth: {report.baseline:.1%}), {report.mean_error:.2f} "
-          f"levels from the expected one on average (from the mean depth: {report.baseline_error:.2f})\nwrote {out}")
+    print(f"{len(samples)} trees logged")
+    for kind, out in outs.items():
+        try:
+            predictor, report = fit(samples, args.max_depth, kind)
+        except ValueError as error:
+            raise ConfigError(str(error)) from None
+        predictor.save(out)
+        print(f"{kind}: on {report.held_out} held out, the accepted depth is the predicted one {report.accuracy:.1%} "
+              f"of the time (the most common depth: {report.baseline:.1%}), {report.mean_error:.2f} levels from the "
+              f"expected one on average (from the mean depth: {report.baseline_error:.2f}); wrote {out}")
 
 
 def run_serve(args: argparse.Namespace) -> None:

@@ -9,7 +9,7 @@ import torch
 from helpers import MORE_ARCHS, perturbed, random_prompt, tiny_model
 from speculant import cli, generate
 from speculant.analysis.depth import fit, log_trees
-from speculant.trees.depth import DepthPredictor, Recent, features
+from speculant.trees.depth import DepthPredictor, Observation, Recent, features
 
 
 def test_the_predictor_learns_the_accepted_depth_and_drafts_deeper_where_more_is_accepted():
@@ -18,14 +18,35 @@ def test_the_predictor_learns_the_accepted_depth_and_drafts_deeper_where_more_is
     for _ in range(600):  # the accepted depth follows the target's confidence, give or take a level
         p1 = rng.random()
         accepted = min(4, round(4 * p1) + rng.choice([0, 0, 0, 1]))
-        samples.append(([p1, (1 - p1) / 2, 1 - p1, rng.random()], accepted))
+        samples.append((Observation([p1, (1 - p1) / 2, 1 - p1, rng.random()]), accepted))
     predictor, report = fit(samples, 4)
     assert report.accuracy > report.baseline + 0.25 and report.mean_error < 0.6 < report.baseline_error
     flat = lambda n: 1.0  # noqa: E731 - verification costs the same whatever the tree
-    depths = [predictor.depth([p1, (1 - p1) / 2, 1 - p1, 0.5], flat, 0.2, 1) for p1 in (0.05, 0.5, 0.95)]
+    depths = [predictor.depth(Observation([p1, (1 - p1) / 2, 1 - p1, 0.5]), flat, 0.2, 1) for p1 in (0.05, 0.5, 0.95)]
     assert depths == sorted(depths) and depths[0] < depths[-1] == 4
     steep = lambda n: 1.0 + n  # noqa: E731 - each node costs a forward: only a sure level pays
-    assert predictor.depth([0.05, 0.5, 0.95, 0.5], steep, 0.2, 1) == 1
+    assert predictor.depth(Observation([0.05, 0.5, 0.95, 0.5]), steep, 0.2, 1) == 1
+
+
+def test_the_hidden_state_predictor_reads_what_decides_the_depth_from_the_hidden_state():
+    """64-dimensional states whose projection on one direction sets the accepted depth: the paper's predictor (an
+    encoder, a head per depth) learns it, saves and loads, and drafts deeper where more is accepted."""
+    generator = torch.Generator().manual_seed(0)
+    direction = torch.randn(64, generator=generator)
+    samples = []
+    for _ in range(800):
+        state = torch.randn(64, generator=generator) * 3 + 5
+        level = float(torch.sigmoid((state - 5) @ direction / 8))
+        samples.append((Observation([0.0] * 4, state), min(4, round(4 * level))))
+    predictor, report = fit(samples, 4, "hidden")
+    assert report.accuracy > report.baseline + 0.2 and report.mean_error < report.baseline_error
+    flat = lambda n: 1.0  # noqa: E731
+    low, high = (Observation([0.0] * 4, 5 + sign * 2 * direction / direction.norm() * 8) for sign in (-1, 1))
+    assert predictor.depth(low, flat, 0.2, 1) < predictor.depth(high, flat, 0.2, 1) == 4
+    at_least = predictor.at_least(high)
+    assert at_least[0] == 1 and bool((at_least[1:] <= at_least[:-1]).all())
+    with pytest.raises(ValueError, match="hidden state"):
+        predictor.at_least(Observation([0.0] * 4))
 
 
 def test_features_read_the_target_distribution_and_the_recent_acceptance():
@@ -49,7 +70,7 @@ def test_trees_of_the_predicted_depth_equal_ar(arch, tmp_path, monkeypatch):
     prompts = [random_prompt(seed, 64, 6) * 2 for seed in range(6)]
     assert len(log_trees(target, drafter, prompts[:2], 24, 5, 2)) >= 4  # trees of width 2 log too
     samples = log_trees(target, drafter, prompts, 24, 5, 1)
-    assert samples and all(0 <= a <= 5 and len(x) == 4 for x, a in samples)
+    assert samples and all(0 <= a <= 5 and len(x.features) == 4 and x.hidden is None for x, a in samples)
     predictor, _ = fit(samples, 5)
     predictor.save(tmp_path / "depth.json")
     chosen = []
@@ -78,3 +99,42 @@ def test_train_depth_writes_the_predictor_and_refuses_bad_input(tmp_path, capsys
     assert "needs a model drafter" in capsys.readouterr().err
     assert cli.main(["train-depth", "--target", weights, "--width", "0"]) == 2
     assert "must be >= 1" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("variant", ["qwen2", "llama", "llama-window"])
+def test_trees_of_the_hidden_state_predicted_depth_equal_ar_on_lean(variant, tmp_path, monkeypatch):
+    """On the lean backend (hidden states given), trees log the target's last hidden state at each tree's root; a
+    hidden-state predictor trained on them drafts trees whose output equals `ar`, on three architectures, one
+    windowed; `auto` picks it over a features predictor where both exist."""
+    from helpers import BYTE_VOCAB, byte_tokenizer
+    from tiny_gguf import write_tiny_gguf
+
+    from speculant.models import load_model
+    from speculant.trees.depth import predictor_path
+    from speculant.trees.method import depth_predictor
+
+    monkeypatch.setenv("SPECULANT_CACHE", str(tmp_path / "cache"))
+    arch, window = {"qwen2": ("qwen2", None), "llama": ("llama", None), "llama-window": ("llama", 6)}[variant]
+    paths = [tmp_path / f"{seed}.gguf" for seed in (0, 7)]
+    for seed, path in zip((0, 7), paths):
+        write_tiny_gguf(path, arch, seed, "k", hidden=256, window=window)
+    target, drafter = (load_model(str(path), backend="lean", tokenizer=byte_tokenizer()) for path in paths)
+    assert target.capabilities.hidden_states
+    prompts = [random_prompt(seed, BYTE_VOCAB - 1, 8) for seed in range(6)]
+    samples = log_trees(target, drafter, prompts, 24, 4, 1)
+    assert samples and all(x.hidden is not None and x.hidden.shape == (256,) for x, _ in samples)
+    predictor, _ = fit(samples, 4, "hidden")
+    predictor.save(tmp_path / "hidden.json")
+    chosen = []
+    monkeypatch.setattr(DepthPredictor, "depth", lambda self, *args, real=DepthPredictor.depth:
+                        chosen.append(real(self, *args)) or chosen[-1])
+    for prompt in prompts[:3]:
+        expected = generate(target, prompt_ids=prompt, method="ar", max_new_tokens=24).token_ids
+        result = generate(target, prompt_ids=prompt, drafter=drafter, method="tree", depth=4, width=2,
+                          depth_predictor=str(tmp_path / "hidden.json"), max_new_tokens=24)
+        assert result.token_ids == expected
+    assert chosen and all(1 <= d <= 4 for d in chosen)
+    assert depth_predictor(str(tmp_path / "hidden.json"), target, drafter).inputs == "hidden"
+    for kind in ("features", "hidden"):
+        fit(samples, 4, kind)[0].save(predictor_path(target, drafter, kind))
+    assert depth_predictor("auto", target, drafter).inputs == "hidden"

@@ -7,12 +7,16 @@ from __future__ import annotations
 import random
 from collections.abc import Sequence
 from dataclasses import dataclass
+from pathlib import Path
 
 from speculant.trees.decoder import tree_speculative
 from speculant.trees.drafter import TreeDrafter
-from speculant.trees.depth import DepthPredictor, train
+from speculant.trees.depth import DepthPredictor, Observation, train
 
 HELD_OUT = 0.2
+# What train-depth logs trees on by default: the prompts shipped beside this module (chat, translation,
+# summarization, QA, math, RAG; none of them in any benchmark) and HumanEval's problems 30-59 (the benches use :30).
+CORPUS = f"{Path(__file__).with_name('depth_corpus.jsonl')}+humaneval[30:60]"
 
 
 @dataclass
@@ -26,9 +30,10 @@ class DepthReport:
 
 
 def log_trees(target, drafter, prompts: Sequence[list[int]], max_new_tokens: int, depth: int,
-              width: int) -> list[tuple[list[float], int]]:
-    """(features, accepted depth) of every full-depth tree of greedy tree decoding over the prompts."""
-    log: list[tuple[list[float], int]] = []
+              width: int) -> list[tuple[Observation, int]]:
+    """(observation, accepted depth) of every full-depth tree of greedy tree decoding over the prompts (the
+    hidden state in each observation where the target's backend gives it)."""
+    log: list[tuple[Observation, int]] = []
     tree_drafter = TreeDrafter(drafter, width)
     for ids in prompts:
         for _ in tree_speculative(target, tree_drafter, ids, depth, width, max_new_tokens, log=log):
@@ -36,14 +41,16 @@ def log_trees(target, drafter, prompts: Sequence[list[int]], max_new_tokens: int
     return log
 
 
-def fit(samples: Sequence[tuple[list[float], int]], max_depth: int) -> tuple[DepthPredictor, DepthReport]:
-    """The predictor trained on every sample, and how one trained on four fifths scores on the rest."""
+def fit(samples: Sequence[tuple[Observation, int]], max_depth: int,
+        inputs: str = "features") -> tuple[DepthPredictor, DepthReport]:
+    """The predictor reading `inputs` trained on every sample, and how one trained on four fifths scores on the
+    rest."""
     shuffled = random.Random(0).sample(list(samples), len(samples))
     cut = int(len(shuffled) * (1 - HELD_OUT))
     if cut < 1 or cut == len(shuffled):
         raise ValueError(f"{len(samples)} logged trees are too few to train and score a depth predictor")
     seen, rest = shuffled[:cut], shuffled[cut:]
-    trial = train(seen, max_depth)
+    trial = train(seen, max_depth, inputs)
     predicted = [trial.accepted(x) for x, _ in rest]
     expected = [float((p * p.new_tensor(range(max_depth + 1))).sum()) for p in predicted]
     depths = [a for _, a in seen]
@@ -54,4 +61,4 @@ def fit(samples: Sequence[tuple[list[float], int]], max_depth: int) -> tuple[Dep
         sum(a == common for _, a in rest) / len(rest),
         sum(abs(e - a) for e, (_, a) in zip(expected, rest)) / len(rest),
         sum(abs(mean - a) for _, a in rest) / len(rest))
-    return train(samples, max_depth), report
+    return train(samples, max_depth, inputs), report

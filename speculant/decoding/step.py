@@ -21,13 +21,15 @@ from speculant.verify import verify_block, verify_greedy, verify_sampling, verif
 class Verified:
     """What one step committed: the `accepted` draft tokens, then the target's `token`; `drafted` the draft's
     length (a tree's depth), `width` the tokens the target's forward ran; for a tree, `logits` at its last accepted
-    node (what the target's `token` was chosen from)."""
+    node (what the target's `token` was chosen from) and, where the backend gives it (`hidden_states`), the target's
+    last hidden state there (what Yggdrasil's depth predictor reads)."""
 
     accepted: list[int]
     token: int
     drafted: int
     width: int
     logits: torch.Tensor | None = None
+    hidden: torch.Tensor | None = None
 
     @property
     def tokens(self) -> list[int]:
@@ -39,8 +41,9 @@ def verify_step(target: CausalLM, last: int, draft: Draft, sampling: SamplingCon
     """Verify `draft` (after the last committed token `last`) in one target forward: a chain or a tree."""
     if draft.tree is not None:
         path, token, logits = verify_tree(target, draft.tree, sampling, generator)
+        hidden = target.last_hidden[path[-1] if path else 0] if target.capabilities.hidden_states else None
         return Verified([draft.tree.tokens[node] for node in path], token, max(draft.tree.depths), len(draft.tree),
-                        logits)
+                        logits, hidden)
     n, token = verify_draft(target, last, draft, sampling, generator)
     return Verified(draft.tokens[:n], token, len(draft.tokens), 1 + len(draft.tokens))
 

@@ -73,7 +73,8 @@ class Capabilities:
     - `exact_any_width`: a forward's row r equals the one-token forward's bits at any width (else up to the
       backend's `width`, past which forwards run in chunks).
     - `sliding_window`: the backend attends within a sliding window where the model has one.
-    - `hidden_states`: a forward can return the last layer's hidden states.
+    - `hidden_states`: `last_hidden`, the last layer's output at the rows the last call returned logits for
+      ([rows, hidden]: a prefill's last token, a forward's every token).
     - `gguf`: runs a GGUF file as it is, as llama.cpp's own tools do.
     - `reuses_prefixes`: `prefix_block` (int, or None where this model cannot), `export_kv(start, end)` and
       `import_kv(pieces)`: a prompt's leading positions, in whole blocks, restored from another sequence's cache
@@ -273,6 +274,7 @@ class Delegating(Backend):
     draft_guide = _forwarded("draft_guide")
     cache_len = _forwarded("cache_len")
     prefix_block = _forwarded("prefix_block")
+    last_hidden = _forwarded("last_hidden")
 
     @property
     def interrupt(self) -> Callable[[], bool] | None:

@@ -17,7 +17,7 @@ from speculant.drafters.base import Draft
 from speculant.trees.drafter import TreeDrafter
 from speculant.models.base import CausalLM
 from speculant.models.wrappers.metered import metered
-from speculant.trees.depth import DepthPredictor, Recent, features
+from speculant.trees.depth import DepthPredictor, Observation, Recent, features
 from speculant.sampling import next_token
 from speculant.trees.prune import prune
 from speculant.trees.stage import Ahead
@@ -35,7 +35,7 @@ def tree_speculative(
     verify_width: int | None = None,
     cost: Callable[[int], float] | None = None,
     predictor: DepthPredictor | None = None,
-    log: list[tuple[list[float], int]] | None = None,
+    log: list[tuple[Observation, int]] | None = None,
     schedule: str = "serial",
 ) -> Decoder:
     """Lossless tree speculation: greedy output equals greedy autoregressive decoding, samples follow p.
@@ -44,13 +44,16 @@ def tree_speculative(
     T(n) of the target in seconds, makes `depth` a cap and lets the latency-aware objective decide how
     deep to draft and how many nodes to verify: level by level, or with a depth `predictor` (and `cost`)
     before drafting. `log` collects what a predictor trains on: each tree of all `depth` drafting steps'
-    (features, accepted depth). `schedule="stage"` drafts each next tree during the verification of this one
+    (observation, accepted depth). `schedule="stage"` drafts each next tree during the verification of this one
     (`trees.stage`; such trees stop by the per-level rule, not the predictor).
     """
     stats = GenerationStats(method="tree", tree_shape=(depth, width, verify_width))
     out: list[int] = []
     target = metered(target)
     last = target.prefill(prompt_ids)  # the target's logits at the last committed token
+    reads_hidden = target.capabilities.hidden_states and (log is not None or (predictor is not None and
+                                                                              predictor.inputs == "hidden"))
+    hidden = target.last_hidden[-1] if reads_hidden else None  # its hidden state there
     pending = [next_token(last, sampling, generator)]
     recent, step_s = Recent(), None  # the trees' acceptance; the drafter's seconds per level, once measured
     ahead = Ahead(drafter, stats.record_usage) if schedule == "stage" else None
@@ -58,7 +61,7 @@ def tree_speculative(
         while not (yield from emit(pending, out, max_new_tokens, target.eos_token_ids)):
             context = prompt_ids + out
             room = min(depth, max_new_tokens - len(out) - 1)
-            x = features(last, recent) if predictor is not None or log is not None else None
+            x = Observation(features(last, recent), hidden) if predictor is not None or log is not None else None
             draft = ahead.take(context, room) if ahead is not None else None
             if draft is None and predictor is not None and cost is not None and step_s is not None and room > 0:
                 draft = drafter.propose_tree(context, min(room, predictor.depth(x, cost, step_s, width)), width)
@@ -74,7 +77,7 @@ def tree_speculative(
             if ahead is not None and len(draft.tree) > 1:  # the next tree, drafted while the target verifies this one
                 ahead.start(context, draft.tree, depth, width, cost)
             step = verify_step(target, out[-1], draft, sampling, generator)
-            last = step.logits
+            last, hidden = step.logits, step.hidden if reads_hidden else None
             if log is not None and room == depth:  # a tree of every drafting step
                 log.append((x, len(step.accepted)))
             recent.observe(len(step.accepted), step.drafted)

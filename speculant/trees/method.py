@@ -29,7 +29,8 @@ class TreeOptions(DrafterOptions):
                            "next one on a thread of its own from the likeliest path (Yggdrasil's stage-based "
                            "scheduling)", choices=SCHEDULES)
     depth_predictor: str = option(AUTO, "a depth predictor's JSON, auto (the one `speculant train-depth` made for "
-                                  "this target and drafter, if any) or off", operator=True)
+                                  "this target and drafter, if any: hidden-state where the backend gives them) or "
+                                  "off", operator=True)
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -82,10 +83,20 @@ def tree_drafter_model(model: Any, target: Any) -> Any:
 
 
 def depth_predictor(choice: str, target: Any, drafter: Any) -> Any:
-    """The DepthPredictor `choice` names: a JSON file, off, or auto (train-depth's for the pair, if any)."""
-    from speculant.trees.depth import DepthPredictor, predictor_path
+    """The DepthPredictor `choice` names: a JSON file, off, or auto (train-depth's for the pair, if any: the
+    hidden-state one where the target's backend gives hidden states, else the features one)."""
+    from speculant.trees.depth import INPUTS, DepthPredictor, predictor_path
 
     if choice == "off":
         return None
-    path = predictor_path(target, drafter) if choice == AUTO else Path(choice)
-    return DepthPredictor.load(path) if path is not None and path.is_file() else None
+    if choice == AUTO:
+        kinds = [k for k in INPUTS if k != "hidden" or target.capabilities.hidden_states]
+        path = next((p for p in (predictor_path(target, drafter, k) for k in kinds) if p is not None and p.is_file()),
+                    None)
+    else:
+        path = Path(choice)
+    predictor = DepthPredictor.load(path) if path is not None and path.is_file() else None
+    if predictor is not None and predictor.inputs == "hidden" and not target.capabilities.hidden_states:
+        raise ConfigError(f"depth predictor {path} reads the target's hidden states, which its backend does not give "
+                          "(train one with `speculant train-depth --inputs features`)")
+    return predictor

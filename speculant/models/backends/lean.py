@@ -370,7 +370,7 @@ class LeanCausalLM(PointerCache, Backend):
     backend = "lean"
     capabilities = Capabilities(shares_weights=True, batches_rows=True, prefills_in_parts=True, interruptible=True,
                                 skips_layers=True, exact_any_width=True, sliding_window=True, gguf=True,
-                                reuses_prefixes=True)
+                                reuses_prefixes=True, hidden_states=True)
     device = torch.device("cpu")
     dtype = torch.float32
 
@@ -389,6 +389,7 @@ class LeanCausalLM(PointerCache, Backend):
         shape = (len(self.layers), config.kv_heads, self.max_positions, config.head_dim)
         self._keys, self._values = torch.empty(shape), torch.empty(shape)  # only written positions are read
         self._len = 0
+        self.last_hidden: torch.Tensor | None = None  # the last call's rows of the last layer (`hidden_states`)
 
     @property
     def weights_key(self) -> int:
@@ -495,6 +496,7 @@ class LeanCausalLM(PointerCache, Backend):
         bounds = [start, *range((start // PREFILL_BLOCK + 1) * PREFILL_BLOCK, end, PREFILL_BLOCK), end]
         for lo, hi in zip(bounds, bounds[1:]):
             x = self._prefill_block(ids[lo - start:hi - start])
+        self.last_hidden = x[-1:]
         return _head(self.weights, x[-1:])[0]
 
     @property
@@ -608,7 +610,10 @@ def _run_rows(calls: Sequence[_Rows]) -> list[torch.Tensor]:
         picks += [at + n - 1] if call.prompt else range(at, at + n)
         call.handle._len += n
         at += n
-    return list(_head(weights, x[picks]).split([1 if call.prompt else len(call.ids) for call in calls]))
+    rows, sizes = x[picks], [1 if call.prompt else len(call.ids) for call in calls]
+    for call, hidden in zip(calls, rows.split(sizes)):
+        call.handle.last_hidden = hidden
+    return list(_head(weights, rows).split(sizes))
 
 
 def _places(calls: Sequence[_Rows], windowed: bool) -> kernels.Places:
