@@ -56,9 +56,9 @@ ENTRIES: dict[str, tuple[str, str, str | None, str | None, str | None]] = {
     "bench-self-skip-mixed": ("CPU", "self-speculation by layer skipping (`self@skip`) as `sd` and in `auto`", None,
                               ZEN4, None),
     "bench-self-skip-humaneval": ("CPU", "the same on HumanEval[:10]", None, ZEN4, None),
-    "bench-depth-mixed": ("CPU", "Yggdrasil's depth predictor against a fixed depth and the level-by-level objective",
-                          None, ZEN4, None),
-    "bench-depth-humaneval": ("CPU", "the same on HumanEval[:10]", None, ZEN4, None),
+    "bench-depth-mixed": ("CPU", "Yggdrasil's depth predictors (hidden state, four features) against the "
+                          "level-by-level objective, beside `llama-completion` (cpu.md)", None, ZEN5, None),
+    "bench-depth-humaneval": ("CPU", "the same on HumanEval[:10]", None, ZEN5, None),
     "structured-output.md": ("CPU", "structured output under speculation: JSON schemas, drafts that follow the "
                              "grammar, "
                              "llguidance's mask cost", "commands in the page", ZEN4, "1b5eb52"),

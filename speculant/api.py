@@ -84,8 +84,13 @@ def encode_prompt(tokenizer: Any | None, prompt: str | Sequence[dict[str, Any]],
         if not all(isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)
                    for m in messages):
             raise ConfigError('a conversation is a list of {"role": str, "content": str} messages')
-        ids = tokenizer.apply_chat_template(messages, tools=list(tools) if tools else None, add_generation_prompt=True,
-                                            tokenize=True, return_dict=False)
+        from jinja2 import TemplateError  # (transformers' chat templates run on jinja2)
+
+        try:
+            ids = tokenizer.apply_chat_template(messages, tools=list(tools) if tools else None,
+                                                add_generation_prompt=True, tokenize=True, return_dict=False)
+        except TemplateError as error:  # (a template that refuses a role or an order of messages)
+            raise ConfigError(f"the chat template refuses these messages: {error}") from None
         return list(ids)
     return tokenizer(prompt, add_special_tokens=True)["input_ids"]
 

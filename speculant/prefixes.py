@@ -7,14 +7,16 @@ holds the keys and values of its tokens' positions, so prompts that share a pref
 live within a memory budget, the least recently used leaves evicted first.
 
 Exact by construction: a backend that `reuses_prefixes` computes a prompt's whole blocks of positions
-(`prefix_block`) with the same bits whichever call runs them, so only whole blocks are kept and restored; what a
-request computes after the restored prefix, and so every token and log-probability it returns, is what it
-computes without the cache. Positions computed by decoding (a reply) are never kept: their bits differ from a
+(`prefix_block`) with the same bits whichever call runs them, each position a function of the tokens up to it
+(not of the later positions in its block), so only whole blocks are kept and restored, though two prompts that
+part within a block each keep their side of it; what a request computes after the restored prefix, and so every
+token and log-probability it returns, is what it computes without the cache. Positions computed by decoding (a reply) are never kept: their bits differ from a
 prefill's, which is how a fresh server would compute them in the next turn's prompt.
 """
 
 from __future__ import annotations
 
+import heapq
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -82,7 +84,7 @@ class PrefixCache:
         if block is None:
             return 0
         path = self._walk(self._root(model), ids)
-        length = min(sum(matched for _, matched in path), len(ids) - 1) // block * block
+        length = max(0, min(sum(matched for _, matched in path), len(ids) - 1) // block * block)
         self.lookups += 1
         self.clock += 1
         if length > 0:
@@ -132,14 +134,20 @@ class PrefixCache:
         return head
 
     def _evict(self) -> None:
-        """Drop the least recently used leaves until the trees fit the budget."""
-        while self.bytes > self.budget:
-            leaves = [n for root in self.roots.values() for n in _nodes(root) if not n.children and n.parent]
-            if not leaves:
-                return
-            leaf = min(leaves, key=lambda n: n.used)
-            del leaf.parent.children[leaf.tokens[0]]
+        """Drop the least recently used leaves until the trees fit the budget (a parent left without children
+        becomes a leaf in its turn)."""
+        if self.bytes <= self.budget:
+            return
+        leaves = [(n.used, id(n), n) for root in self.roots.values() for n in _nodes(root)
+                  if not n.children and n.parent]
+        heapq.heapify(leaves)
+        while self.bytes > self.budget and leaves:
+            _, _, leaf = heapq.heappop(leaves)
+            parent = leaf.parent
+            del parent.children[leaf.tokens[0]]
             self.bytes -= leaf.size
+            if not parent.children and parent.parent is not None:
+                heapq.heappush(leaves, (parent.used, id(parent), parent))
 
     def tokens(self) -> int:
         """Positions held, over every model."""

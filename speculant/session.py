@@ -31,7 +31,7 @@ class Session:
     """What generations on `target` share (see the module docstring). Keys are by the model that holds the
     weights (`owner_of`): a server's per-request handles and a wrapped target share their model's session."""
 
-    def __init__(self, target: CausalLM):
+    def __init__(self, target: CausalLM, prefixes: PrefixCache | None = None):
         self._target = weakref.ref(owner_of(target))  # (the target's default session lives on it: no cycle)
         self.drafters: dict[tuple[str, str | None], Any] = {}  # (spec, dtype) -> the loaded drafter
         self.caches: dict[int, DraftCache] = {}  # id of a drafter model it loaded -> the DraftCache on its KV cache
@@ -43,7 +43,7 @@ class Session:
         self.vocab_pairs: dict[tuple[int, int, int, int], Any] = {}  # cross-vocabulary tables (`drafters.vocab`)
         self.measured: WeakKeyDictionary = WeakKeyDictionary()  # the tree methods' T(W): model -> {widths: costs}
         self._profiles: WeakKeyDictionary = WeakKeyDictionary()  # model -> (its machine key, its profile)
-        self.prefixes = PrefixCache(0)  # prompts' KV kept across requests (a server sets its budget; 0: off)
+        self.prefixes = prefixes or PrefixCache(0)  # prompts' KV kept across a server's requests (default: off)
 
     @property
     def target(self) -> CausalLM:

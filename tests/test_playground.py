@@ -82,3 +82,41 @@ def test_the_stream_carries_provenance_only_when_asked(browser):
     assert sum(len(step["tokens"]) for step in steps) == usage["completion_tokens"]
     assert sum(step["accepted"] for step in steps) == usage["speculative"]["accepted_tokens"]
     assert all(step["drafter"] for step in steps if step["drafted"])
+
+
+def test_provenance_follows_the_verified_draft_chains_and_trees():
+    from speculant.models.base import Call
+    from speculant.serve.engine import provenance
+    from speculant.trees.tree import TokenTree
+
+    chain = Call([5, 1, 2, 3])  # the last committed token, then three drafts
+    assert provenance(chain, [1, 2, 3, 4]) == ["accepted"] * 3 + ["target"]
+    assert provenance(chain, [1, 9]) == ["accepted", "corrected"]
+    assert provenance(chain, [1, 2]) == ["accepted"] * 2  # a step cut short by the end of the reply
+    assert provenance(None, [7]) == ["target"]
+    tree = TokenTree((5, 1, 6, 2, 8), (-1, 0, 0, 1, 2))  # two branches: 1 -> 2 and 6 -> 8
+    call = Call(list(tree.tokens), tree=tree)
+    assert provenance(call, [6, 8, 4]) == ["accepted", "accepted", "target"]
+    assert provenance(call, [1, 3]) == ["accepted", "corrected"]
+
+
+def test_a_drafter_that_always_agrees_streams_accepted_drafts_then_the_targets_token(browser):
+    """`sd` drafting with the target's own weights: every step but a last one cut short is k accepted drafts and
+    the target's token after them."""
+    import httpx
+
+    from test_serve import byte_model
+
+    target = byte_model()
+    engine = engine_for("sd", target=target, drafter=target, k=3)
+    with serving(engine) as url:
+        text = httpx.post(f"{url}/chat/completions", timeout=60, json={
+            "model": "tiny", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 30, "temperature": 0,
+            "stream": True, "stream_options": {"include_provenance": True}}).text
+    engine.close()
+    steps = [json.loads(line[6:])["speculant"] for line in text.splitlines()
+             if line.startswith("data: {") and '"speculant"' in line]
+    kinds = [[token["kind"] for token in step["tokens"]] for step in steps]
+    assert kinds[0] == ["target"]  # the prefill's token
+    for step, kind in zip(steps[1:-1], kinds[1:-1]):
+        assert kind == ["accepted"] * step["drafted"] + ["target"] and step["accepted"] == step["drafted"] > 0

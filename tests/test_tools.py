@@ -48,8 +48,8 @@ def test_a_stream_hands_out_content_and_holds_back_the_calls():
 @pytest.fixture(scope="module")
 def served():
     """(an openai client, the call tag's token id): the packaged 0.5B on the lean backend, served with `sd` drafting
-    with its own weights (every draft accepted: speculation commits several tokens a step); a request's
-    `speculant.method: ar` turns speculation off."""
+    by Max-Gram (drafts from the prompt's tool schemas and the reply so far, some accepted, some rejected under the
+    grammar); a request's `speculant.method: ar` turns speculation off."""
     from test_serve import serving
 
     from speculant.errors import ModelNotAvailable
@@ -65,7 +65,7 @@ def served():
         if os.environ.get("CI"):
             raise
         pytest.skip(str(error))
-    engine = Engine(target, "sd", get_method("sd").make_options({"drafter": "self", "k": 4}), 8, 16, Metrics())
+    engine = Engine(target, "sd", get_method("sd").make_options({"drafter": "maxgram", "k": 4}), 8, 16, Metrics())
     with serving(engine, name="m") as url:
         import openai
 

@@ -33,9 +33,31 @@ def request_body(prompt: Prompt, model: str, max_tokens: int, temperature: float
     if stream:
         body["stream_options"] = {"include_usage": True}
     if prompt.chat:
-        messages = [{"role": "user", "content": prompt.text}] if isinstance(prompt.text, str) else list(prompt.text)
-        return "/chat/completions", {**body, "messages": messages}
+        return "/chat/completions", {**body, "messages": messages_of(prompt)}
     return "/completions", {**body, "prompt": prompt.text}
+
+
+def messages_of(prompt: Prompt) -> list[dict[str, str]]:
+    """A prompt as chat messages: a text as the user's one message, a conversation as it is."""
+    return [{"role": "user", "content": prompt.text}] if isinstance(prompt.text, str) else list(prompt.text)
+
+
+def summarize(results: Sequence[dict[str, Any] | None], wall: float) -> dict[str, Any]:
+    """What a run's requests (None: never finished) add up to: throughput over the wall time, TTFT and ITL
+    percentiles, errors, lost streams, and what a speculant server says it drafted and verified."""
+    done = [r for r in results if r is not None and "error" not in r]
+    tokens = sum(r["tokens"] for r in done)
+    spoken = [r["speculative"] for r in done if r.get("speculative")]  # speculant's servers say what they drafted
+    itl = [(r["times"][-1] - r["times"][0]) / (r["tokens"] - 1) for r in done if r["tokens"] > 1 and len(r["times"]) > 1]
+    return {
+        "wall_s": round(wall, 2), "throughput_tok_s": round(tokens / wall, 2),
+        "requests_per_s": round(len(done) / wall, 3), "completion_tokens": tokens,
+        "ttft_ms": percentiles([r["times"][0] for r in done if r["times"]]), "itl_ms": percentiles(itl),
+        "errors": sum(r is None or "error" in r for r in results),
+        "lost": sum(r is None or bool(r.get("lost")) for r in results),
+        "speculative": {key: sum(s.get(key, 0) for s in spoken) for key in SPECULATIVE} if spoken else None,
+        "error_samples": sorted({r["error"] for r in results if r is not None and "error" in r})[:3],
+    }
 
 
 def piece_of(chunk: dict) -> str:
@@ -116,7 +138,6 @@ def run_load(url: str, prompts: Sequence[Prompt], requests: int, concurrency: in
         for t in threads:
             t.join()
         wall = time.perf_counter() - start
-        done = [r for r in results if r is not None and "error" not in r]
         mismatches = None
         if check_solo:
             solo: dict[int, str] = {}
@@ -125,21 +146,9 @@ def run_load(url: str, prompts: Sequence[Prompt], requests: int, concurrency: in
                 solo[p] = stream_one(client, endpoint, body).get("text", "")
             mismatches = sum(r is not None and "error" not in r and r["text"] != solo[order[i]]
                              for i, r in enumerate(results))
-    tokens = sum(r["tokens"] for r in done)
-    spoken = [r["speculative"] for r in done if r.get("speculative")]  # speculant's servers say what they drafted
-    itl = [(r["times"][-1] - r["times"][0]) / (r["tokens"] - 1) for r in done if r["tokens"] > 1 and len(r["times"]) > 1]
-    return {
-        "label": label, "url": url, "model": model, "concurrency": concurrency, "requests": requests,
-        "max_tokens": max_tokens, "temperature": temperature, "wall_s": round(wall, 2),
-        "throughput_tok_s": round(tokens / wall, 2), "requests_per_s": round(len(done) / wall, 3),
-        "completion_tokens": tokens, "ttft_ms": percentiles([r["times"][0] for r in done if r["times"]]),
-        "itl_ms": percentiles(itl),
-        "errors": sum(r is None or "error" in r for r in results),
-        "lost": sum(r is None or bool(r.get("lost")) for r in results),
-        "mismatches_vs_solo": mismatches,
-        "speculative": {key: sum(s.get(key, 0) for s in spoken) for key in SPECULATIVE} if spoken else None,
-        "error_samples": sorted({r["error"] for r in results if r is not None and "error" in r})[:3],
-    }
+    return {"label": label, "url": url, "model": model, "concurrency": concurrency, "requests": requests,
+            "max_tokens": max_tokens, "temperature": temperature, **summarize(results, wall),
+            "mismatches_vs_solo": mismatches}
 
 
 FOLLOW_UPS = ("Thank you. Can you say that again more briefly?", "Which point matters most, and why?",
@@ -164,9 +173,7 @@ def run_sessions(url: str, prompts: Sequence[Prompt], conversations: int, turns:
 
         def conversation(i: int) -> None:
             time.sleep(max(0.0, arrivals[i] - (time.perf_counter() - start)))
-            prompt = prompts[i % len(prompts)]
-            messages = [{"role": "user", "content": prompt.text}] if isinstance(prompt.text, str) else \
-                list(prompt.text)
+            messages = messages_of(prompts[i % len(prompts)])
             for turn in range(turns):
                 if turn:
                     messages.append({"role": "user", "content": FOLLOW_UPS[(turn - 1) % len(FOLLOW_UPS)]})
@@ -188,27 +195,15 @@ def run_sessions(url: str, prompts: Sequence[Prompt], conversations: int, turns:
             t.join()
         wall = time.perf_counter() - start
     flat = [r for turns_of in results for r in turns_of]
-    done = [r for r in flat if "error" not in r]
-    tokens = sum(r["tokens"] for r in done)
-    itl = [(r["times"][-1] - r["times"][0]) / (r["tokens"] - 1) for r in done if r["tokens"] > 1 and len(r["times"]) > 1]
-    rates = [(r["tokens"] - 1) / (r["times"][-1] - r["times"][0]) for r in done
-             if r["tokens"] > 1 and len(r["times"]) > 1 and r["times"][-1] > r["times"][0]]
-    spoken = [r["speculative"] for r in done if r.get("speculative")]
+    flat += [None] * (conversations * turns - len(flat))  # turns never sent after an error
+    done = [r for r in flat if r is not None and "error" not in r]
     return {
         "label": label, "url": url, "model": model, "concurrency": None, "rate": rate, "turns": turns,
         "conversations": conversations, "requests": conversations * turns, "max_tokens": max_tokens,
-        "temperature": temperature, "wall_s": round(wall, 2), "throughput_tok_s": round(tokens / wall, 2),
-        "requests_per_s": round(len(done) / wall, 3), "completion_tokens": tokens,
-        "ttft_ms": percentiles([r["times"][0] for r in done if r["times"]]),
+        "temperature": temperature, **summarize(flat, wall),
         "ttft_first_turn_ms": percentiles([r["times"][0] for r in done if r["times"] and r["turn"] == 0]),
         "ttft_later_turns_ms": percentiles([r["times"][0] for r in done if r["times"] and r["turn"] > 0]),
-        "itl_ms": percentiles(itl),
-        "decode_tok_s": {k: (round(1000 / v, 1) if v else None)  # a request's rate after its first token
-                         for k, v in zip(("p50", "p90", "p99"), percentiles([1 / r for r in rates]).values())},
-        "errors": conversations * turns - len(done), "lost": sum(bool(r.get("lost")) for r in flat),
         "mismatches_vs_solo": None,
-        "speculative": {key: sum(s.get(key, 0) for s in spoken) for key in SPECULATIVE} if spoken else None,
-        "error_samples": sorted({r["error"] for r in flat if "error" in r})[:3],
     }
 
 

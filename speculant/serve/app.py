@@ -39,7 +39,7 @@ from speculant.models.wrappers.logprobs import TokenLogprob
 from speculant.serve.engine import Engine, ServeJob, Outcome, QueueFull
 from speculant.serve import tools
 from speculant.serve.metrics import Metrics
-from speculant.serve.tools import speaks_tools
+from speculant.serve.text import TextStream
 from speculant.serve.schema import MAX_FORMAT_DEPTH, ApiError, ChatRequest, CompletionRequest, Sampling, depth
 
 LOG = logging.getLogger("speculant.serve")
@@ -146,7 +146,7 @@ def create_app(engine: Engine, served_name: str, config: ServeConfig | None = No
         tokenizer, choice = engine.target.tokenizer, body.choice
         calls = None  # where tools may be called: the grammar of the reply
         if choice != "none":
-            if not speaks_tools(tokenizer):
+            if not tools.speaks_tools(tokenizer):
                 raise ApiError(400, "this model's chat template does not call tools (no Hermes <tool_call> format)",
                                "tools")
             if body.response_format is not None and body.response_format.get("type") != "text":
@@ -189,7 +189,7 @@ def create_app(engine: Engine, served_name: str, config: ServeConfig | None = No
             raise ApiError(400, str(error), "speculant") from None
         ident = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex[:24]
         spelled_now = await asyncio.to_thread(spelling) if job.logprobs is not None else None  # (the first: a scan)
-        shape = Shape(ident, served_name, chat, spelled_now, calling)
+        shape = Shape(ident, served_name, chat, spelled_now, calling, body.parallel_tool_calls if calling else True)
         if body.stream:
             include_usage = body.stream_options is not None and body.stream_options.include_usage
             return StreamingResponse(stream(queue, ticket, shape, include_usage, http.scope["route"].path),
@@ -205,6 +205,7 @@ def create_app(engine: Engine, served_name: str, config: ServeConfig | None = No
 
     async def stream(queue: asyncio.Queue, ticket: Any, shape: Shape, include_usage: bool,
                      route: str) -> AsyncIterator[str]:
+        held = tools.ToolStream() if shape.calling else None  # a reply that may call: its calls held to the end
         try:
             if shape.chat:
                 yield sse(shape.chunk({"role": "assistant", "content": ""}, []))
@@ -213,20 +214,20 @@ def create_app(engine: Engine, served_name: str, config: ServeConfig | None = No
                     yield sse(shape.step(item.event, engine.target.tokenizer))
                     continue
                 piece, entries = item
-                if shape.calls is not None:
-                    piece = shape.calls.push(piece)
+                if held is not None:
+                    piece = held.push(piece)
                 if piece or entries:
                     yield sse(shape.chunk(piece, entries))
             outcome = ended(item)
             metrics.usage(outcome.prompt_tokens, outcome.completion_tokens)
             finish = outcome.finish_reason
-            if shape.calls is not None:
-                rest, calls = shape.calls.finish()
+            if held is not None:
+                rest, calls = held.finish(shape.most_calls)
                 if rest:
                     yield sse(shape.chunk(rest, []))
                 if calls:
                     yield sse(shape.chunk({"tool_calls": [{"index": i, **call} for i, call in enumerate(calls)]}, []))
-                    finish = "tool_calls"
+                    finish = shape.finish(finish, calls)
             yield sse(shape.chunk(None, [], finish))
             if include_usage:
                 yield sse({**shape.chunk(None, []), "choices": [], "usage": shape.usage(outcome)})
@@ -460,10 +461,12 @@ class Shape:
     carries its tokens' log-probabilities in the endpoint's form (chat: `content` entries; completions: parallel
     lists)."""
 
-    def __init__(self, ident: str, model: str, chat: bool, spelling: Spelling | None = None, calling: bool = False):
+    def __init__(self, ident: str, model: str, chat: bool, spelling: Spelling | None = None, calling: bool = False,
+                 parallel: bool = True):
         self.ident, self.model, self.chat, self.created = ident, model, chat, int(time.time())
         self.calling = calling  # the reply may call tools: parsed into `tool_calls`
-        self.calls = tools.ToolStream() if calling else None  # a stream's content, its calls held back
+        self.most_calls = None if parallel else 1
+        self.spelled: TextStream | None = None  # the reply's text as its steps' tokens arrive (`step`)
         self.spelling, self.logprobs = spelling, spelling is not None
         self.offset = 0  # characters of completion text before the next token (completions' text_offset)
 
@@ -476,19 +479,29 @@ class Shape:
         if self.chat:
             message: dict[str, Any] = {"role": "assistant", "content": outcome.text}
             finish = outcome.finish_reason
-            if self.calling and (parsed := tools.parse(outcome.text)).calls:
+            if self.calling and (parsed := tools.parse(outcome.text, self.most_calls)).calls:
                 message = {"role": "assistant", "content": parsed.content, "tool_calls": parsed.calls}
-                finish = "tool_calls"
+                finish = self.finish(finish, parsed.calls)
             choice = {"index": 0, "message": message, "finish_reason": finish, "logprobs": logprobs}
         else:
             choice = {"index": 0, "text": outcome.text, "finish_reason": outcome.finish_reason, "logprobs": logprobs}
         return {"id": self.ident, "object": "chat.completion" if self.chat else "text_completion",
                 "created": self.created, "model": self.model, "choices": [choice], "usage": self.usage(outcome)}
 
+    @staticmethod
+    def finish(reason: str, calls: list[dict[str, Any]]) -> str:
+        """A reply's finish_reason where it holds calls: `tool_calls`, unless it was cut short (`length`)."""
+        return "tool_calls" if calls and reason == "stop" else reason
+
     def step(self, event: dict[str, Any], tokenizer: Any) -> dict[str, Any]:
-        """A chunk with no choices that carries one step's provenance (`stream_options.include_provenance`)."""
-        spell = (lambda t: tokenizer.decode([t], skip_special_tokens=True)) if tokenizer is not None else str
-        tokens = [{"id": t, "text": spell(t), "kind": kind} for t, kind in zip(event["tokens"], event["kinds"])]
+        """A chunk with no choices that carries one step's provenance (`stream_options.include_provenance`): each
+        token with the text it makes final in the reply (`TextStream`: a character split across tokens comes with
+        its last byte)."""
+        ids = event["tokens"]
+        if self.spelled is None:
+            self.spelled = TextStream(tokenizer) if tokenizer is not None else None
+        pieces = [self.spelled.push(t) for t in ids] if self.spelled is not None else [str(t) for t in ids]
+        tokens = [{"id": t, "text": text, "kind": kind} for t, text, kind in zip(ids, pieces, event["kinds"])]
         return {"id": self.ident, "object": "chat.completion.chunk" if self.chat else "text_completion",
                 "created": self.created, "model": self.model, "choices": [],
                 "speculant": {"tokens": tokens, "drafted": event["drafted"], "accepted": event["accepted"],

@@ -86,6 +86,7 @@ class Steps:
         self.metrics, self.on_step = metrics, on_step
         self.forwards = self.drafted = self.accepted = self.committed = 0
         self.width = 0  # the open step's forward width (0: none yet, or the prefill)
+        self.call: Call | None = None  # the open step's verification (None: the prefill)
         self.drafter_forwards = 0
         self.tokens: list[int] = []  # the open step's committed tokens
         self.drafter: str | None = None  # the model drafter that drafted what the open step verifies
@@ -97,6 +98,7 @@ class Steps:
         self.close()
         self.forwards += 1
         self.width = 0 if call.prefill else len(call.ids)
+        self.call = None if call.prefill else call
         self.drafter, self.drafting = self.drafting, None
 
     def on_drafter(self, call: Call, name: str | None = None) -> None:
@@ -109,9 +111,7 @@ class Steps:
 
     def close(self) -> None:
         """End the open step: of its W - 1 drafts, the committed tokens but one were accepted; `on_step` hears
-        each token's provenance: an accepted draft, the target's correction of a rejected one, or the target's
-        own token (a step without drafts, or after all of them were accepted)."""
-        drafted = accepted = 0
+        each token's provenance (`provenance`) and how deep the draft went."""
         if self.width > 0:
             drafted, accepted = self.width - 1, min(max(self.committed - 1, 0), self.width - 1)
             self.drafted += drafted
@@ -119,11 +119,12 @@ class Steps:
             if self.metrics is not None:
                 self.metrics.step(drafted, accepted)
         if self.on_step is not None and self.tokens:
-            last = "corrected" if accepted < drafted else "target"
-            kinds = ["accepted"] * accepted + [last] * (len(self.tokens) - accepted)
-            self.on_step({"tokens": self.tokens, "kinds": kinds, "drafted": drafted, "accepted": accepted,
-                          "drafter": self.drafter if drafted else None})
-        self.width, self.committed, self.tokens, self.drafter = 0, 0, [], None
+            kinds = provenance(self.call, self.tokens)
+            depth = 0 if self.call is None else max(self.call.tree.depths) if self.call.tree is not None else \
+                len(self.call.ids) - 1
+            self.on_step({"tokens": self.tokens, "kinds": kinds, "drafted": depth,
+                          "accepted": kinds.count("accepted"), "drafter": self.drafter if depth else None})
+        self.width, self.committed, self.tokens, self.drafter, self.call = 0, 0, [], None, None
 
     def summary(self, method: str, tokens: int) -> dict[str, Any]:
         self.close()
@@ -131,6 +132,29 @@ class Steps:
         return {"method": method, "drafted_tokens": self.drafted, "accepted_tokens": self.accepted,
                 "mean_accepted_length": round((tokens - 1) / steps, 3) if steps and tokens > 1 else 1.0,
                 "target_forwards": self.forwards, "drafter_forwards": self.drafter_forwards}
+
+
+def provenance(call: Call | None, tokens: list[int]) -> list[str]:
+    """Each token a step committed after its verification `call` (None: the prefill): "accepted" where it is the
+    draft's token at its place (a chain's next, a child of the tree's last accepted node), "corrected" where the
+    target chose another while drafts were left there, "target" where none were (no draft, or all accepted)."""
+    if call is None:
+        return ["target"] * len(tokens)
+    drafted, parents = (call.tree.tokens, call.tree.parents) if call.tree is not None else \
+        (call.ids, range(-1, len(call.ids) - 1))  # node 0: the last committed token
+    children: dict[int, dict[int, int]] = {}
+    for node, parent in enumerate(parents):
+        if node:
+            children.setdefault(parent, {})[drafted[node]] = node
+    kinds, node = [], 0
+    for token in tokens:
+        below = children.get(node, {})
+        if token in below:
+            kinds.append("accepted")
+            node = below[token]
+        else:
+            kinds.append("corrected" if below else "target")
+    return kinds
 
 
 class Ticket:
@@ -169,8 +193,8 @@ class Engine:
         options = options if options is not None else self.method.make_options({})
         if self.method.name == "auto" and options.drafters is None:
             options = replace(options, drafters=tuple(as_drafter(d) for d in self.target.default_drafters()))
-        self.session = Session(self.target)  # what the requests load and learn, shared by all of them
-        self.session.prefixes = PrefixCache(prefix_cache_mb, metrics.prefix if metrics else None)
+        # What the requests load and learn, shared by all of them, and the KV of their prompts.
+        self.session = Session(self.target, PrefixCache(prefix_cache_mb, metrics.prefix if metrics else None))
         if metrics:
             metrics.prefix_bytes.set_function(lambda: self.session.prefixes.bytes)
         self.drafters: dict[str, Any] = {}  # spec -> the served model (or Drafter) requests draft with

@@ -140,10 +140,10 @@ def json_object_text(text: str) -> str:
     """A call's `arguments`: JSON text of an object."""
     try:
         value = json.loads(text)
-    except ValueError:
+    except (ValueError, RecursionError):
         raise ValueError("must be JSON text of an object") from None
-    if not isinstance(value, dict):
-        raise ValueError("must be JSON text of an object")
+    if not isinstance(value, dict) or depth(value) > MAX_FORMAT_DEPTH:
+        raise ValueError(f"must be JSON text of an object, at most {MAX_FORMAT_DEPTH} levels deep")
     return text
 
 

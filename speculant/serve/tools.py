@@ -66,16 +66,19 @@ class Parsed:
     calls: list[dict[str, Any]]  # OpenAI's tool_calls entries
 
 
-def parse(text: str) -> Parsed:
-    """The calls in a reply (each with an id, its arguments as JSON text) and the text before them (None where
-    there is none). A block that is not a call's JSON stays in the content."""
+def parse(text: str, most: int | None = None) -> Parsed:
+    """The calls in a reply, at most `most` (each with an id, its arguments as JSON text of an object) and the text
+    before them (None where there is none). A block that is not a call's JSON object stays in the content."""
     calls, kept, at = [], [], 0
     for match in CALL.finditer(text):
+        if most is not None and len(calls) >= most:
+            break
         try:
             call = json.loads(match.group(1))
-        except ValueError:
+        except (ValueError, RecursionError):
             continue
-        if not isinstance(call, dict) or not isinstance(call.get("name"), str):
+        if not isinstance(call, dict) or not isinstance(call.get("name"), str) or \
+                not isinstance(call.get("arguments", {}), dict):
             continue
         kept.append(text[at:match.start()])
         at = match.end()
@@ -111,9 +114,9 @@ class ToolStream:
         piece, self.sent = self.text[self.sent:max(end, self.sent)], max(end, self.sent)
         return piece
 
-    def finish(self) -> tuple[str, list[dict[str, Any]]]:
-        """(the content not yet handed out, the calls)."""
-        parsed = parse(self.text)
+    def finish(self, most: int | None = None) -> tuple[str, list[dict[str, Any]]]:
+        """(the content not yet handed out, the calls: at most `most`)."""
+        parsed = parse(self.text, most)
         if not parsed.calls:
             rest, self.sent = self.text[self.sent:], len(self.text)
             return rest, []
