@@ -317,3 +317,24 @@ def test_summary_reports_the_tree_shape_when_the_objective_verifies_nothing():
     stats = GenerationStats(method="tree", new_tokens=2, target_forwards=3, tree_shape=(16, 1, 16),
                             draft_lengths=[0, 0], accepted_lengths=[0, 0], drafted_nodes=2, verified_sizes=[0, 0])
     assert "0.0 of 1.0 drafted nodes verified (depth <= 16, width 1, verify <= 16)" in stats.summary()
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_the_length_objective_drafts_every_level_and_stays_lossless(arch):
+    """objective=length (the paper's Fig. 14 baseline): each tree is drafted to its full depth and verified within
+    the same verify width, costs left out; the speedup objective may stop earlier. Both equal `ar`."""
+    from helpers import perturbed
+    from speculant import generate
+
+    target = tiny_model(arch, 8, 64, init_std=0.1)
+    drafter = perturbed(target, 0.2, 8)
+    prompt = random_prompt(81, 64)
+    expected = generate(target, prompt_ids=prompt, method="ar", max_new_tokens=30).token_ids
+    depths = {}  # drafting levels per tree
+    for objective in ("speedup", "length"):
+        result = generate(target, prompt_ids=prompt, drafter=drafter, method="tree", depth=4, width=2,
+                          verify_width="auto", objective=objective, max_new_tokens=30)
+        assert result.token_ids == expected, objective
+        depths[objective] = sum(result.stats.drafter_forwards.values()) / len(result.stats.draft_lengths)
+    assert depths["length"] > 3  # all 4 levels, but where a tree meets max_new_tokens
+    assert depths["speedup"] < depths["length"]  # on this tiny model the objective stops trees early

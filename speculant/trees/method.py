@@ -14,6 +14,7 @@ from speculant.methods.registry import Request, register
 
 
 SCHEDULES = ("serial", "stage")
+OBJECTIVES = ("speedup", "length")
 
 
 @dataclass(frozen=True)
@@ -28,6 +29,11 @@ class TreeOptions(DrafterOptions):
     schedule: str = option("serial", "serial, or stage: while the target verifies a tree, the drafter drafts the "
                            "next one on a thread of its own from the likeliest path (Yggdrasil's stage-based "
                            "scheduling)", choices=SCHEDULES)
+    objective: str = option("speedup", "speedup: Yggdrasil's latency-aware objective (accepted tokens per second of "
+                            "drafting and verification, Eq. 3) decides how deep to draft and which nodes to verify, "
+                            "within depth and verify-width, where it knows the costs (a profile or an auto size); "
+                            "length: every tree drafted to depth and verified for the most expected accepted tokens, "
+                            "the costs left out", choices=OBJECTIVES)
     depth_predictor: str = option(AUTO, "a depth predictor's JSON, auto (the one `speculant train-depth` made for "
                                   "this target and drafter, if any: hidden-state where the backend gives them) or "
                                   "off", operator=True)
@@ -40,6 +46,8 @@ class TreeOptions(DrafterOptions):
                 raise ConfigError(f"{name.replace('_', '-')} must be an integer >= 1 or auto, got {value!r}")
         if self.schedule not in SCHEDULES:
             raise ConfigError(f"schedule must be one of {', '.join(SCHEDULES)}, got {self.schedule!r}")
+        if self.objective not in OBJECTIVES:
+            raise ConfigError(f"objective must be one of {', '.join(OBJECTIVES)}, got {self.objective!r}")
         if isinstance(self.target_profile, (str, Path)) and not Path(self.target_profile).is_file():
             raise ConfigError(f"target profile not found: {self.target_profile} (make one with `speculant profile --out`)")
         if self.depth_predictor not in (AUTO, "off") and not Path(self.depth_predictor).is_file():
@@ -62,7 +70,9 @@ def build(request: Request, options: TreeOptions) -> Any:
                        profile, request.session.measured)
     request.session.cache(model).forget()  # (measuring its T(W) for the shape ran its cache apart)
     predictor, cost = depth_predictor(options.depth_predictor, request.target, model), shape.cost
-    if predictor is not None and cost is None:
+    if options.objective == "length":  # the sizes stand; no cost weighs a level or a node
+        predictor, cost = None, None
+    elif predictor is not None and cost is None:
         cost = request.session.profile(request.target).cost
     return tree_speculative(request.target, TreeDrafter(request.session.cache(model), shape.width), request.prompt_ids,
                             shape.depth, shape.width, request.max_new_tokens, request.sampling, request.generator,
