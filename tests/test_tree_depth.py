@@ -73,16 +73,21 @@ def test_trees_of_the_predicted_depth_equal_ar(arch, tmp_path, monkeypatch):
     assert samples and all(0 <= a <= 5 and len(x.features) == 4 and x.hidden is None for x, a in samples)
     predictor, _ = fit(samples, 5)
     predictor.save(tmp_path / "depth.json")
+    predicted_trees_equal_ar(target, drafter, prompts[:3], tmp_path / "depth.json", 5, (1, 2), monkeypatch)
+
+
+def predicted_trees_equal_ar(target, drafter, prompts, predictor, depth, widths, monkeypatch, tokens=30):
+    """Trees drafted to the depths `predictor` (a JSON file) chooses give `ar`'s output, and it chose them."""
     chosen = []
     monkeypatch.setattr(DepthPredictor, "depth", lambda self, *args, real=DepthPredictor.depth:
                         chosen.append(real(self, *args)) or chosen[-1])
-    for prompt in prompts[:3]:
-        expected = generate(target, prompt_ids=prompt, method="ar", max_new_tokens=30).token_ids
-        for width in (1, 2):
-            result = generate(target, prompt_ids=prompt, drafter=drafter, method="tree", depth=5, width=width,
-                              depth_predictor=str(tmp_path / "depth.json"), max_new_tokens=30)
+    for prompt in prompts:
+        expected = generate(target, prompt_ids=prompt, method="ar", max_new_tokens=tokens).token_ids
+        for width in widths:
+            result = generate(target, prompt_ids=prompt, drafter=drafter, method="tree", depth=depth, width=width,
+                              depth_predictor=str(predictor), max_new_tokens=tokens)
             assert result.token_ids == expected
-    assert chosen and all(1 <= d <= 5 for d in chosen)
+    assert chosen and all(1 <= d <= depth for d in chosen)
 
 
 def test_train_depth_writes_the_predictor_and_refuses_bad_input(tmp_path, capsys):
@@ -125,15 +130,7 @@ def test_trees_of_the_hidden_state_predicted_depth_equal_ar_on_lean(variant, tmp
     assert samples and all(x.hidden is not None and x.hidden.shape == (256,) for x, _ in samples)
     predictor, _ = fit(samples, 4, "hidden")
     predictor.save(tmp_path / "hidden.json")
-    chosen = []
-    monkeypatch.setattr(DepthPredictor, "depth", lambda self, *args, real=DepthPredictor.depth:
-                        chosen.append(real(self, *args)) or chosen[-1])
-    for prompt in prompts[:3]:
-        expected = generate(target, prompt_ids=prompt, method="ar", max_new_tokens=24).token_ids
-        result = generate(target, prompt_ids=prompt, drafter=drafter, method="tree", depth=4, width=2,
-                          depth_predictor=str(tmp_path / "hidden.json"), max_new_tokens=24)
-        assert result.token_ids == expected
-    assert chosen and all(1 <= d <= 4 for d in chosen)
+    predicted_trees_equal_ar(target, drafter, prompts[:3], tmp_path / "hidden.json", 4, (2,), monkeypatch, 24)
     assert depth_predictor(str(tmp_path / "hidden.json"), target, drafter).inputs == "hidden"
     for kind in ("features", "hidden"):
         fit(samples, 4, kind)[0].save(predictor_path(target, drafter, kind))
