@@ -130,7 +130,8 @@ ENTRIES: dict[str, tuple[str, str, str | None, str | None, str | None]] = {
                    "bounds it", "python scripts/prefill_parts.py --lengths 512 --parts 512 --repeats 3; llama-bench "
                    "-p 512 -n 0 -r 2 -t 2 (-fa 1 -ctk bf16 -ctv bf16)", ZEN5, None),
     "lean-types": ("CPU", "`ar` on the lean backend against `ar` on llama.cpp and `llama-completion`, on GGUFs of other "
-                   "types (the 0.5B: Q4_K/Q5_0/Q6_K/Q8_0; SmolLM2-135M: Q4_1/Q8_0, after q4_b), 6 mixed prompts, 2 "
+                   "types (the 0.5B: Q4_K/Q5_0/Q6_K/Q8_0; SmolLM2-135M: Q4_1/Q8_0, after q4_b; the 1.5B's Q4_K "
+                   "written again as Q5_K by scripts/requantize_gguf.py, with `auto` in auto.md), 6 mixed prompts, 2 "
                    "repeats",
                    "speculant bench --target qwen2.5-coder-0.5b (and smollm2-135m) --methods ar:backend=lean "
                    "ar:backend=llamacpp llamacpp-cli-ar --prompts prompts/mixed.jsonl[:6] --max-new-tokens 96 "
