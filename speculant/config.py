@@ -116,7 +116,7 @@ class ServeConfig:
     max_batch: int = option(16, "requests decoded together, their forwards batched (1: one request at a time)")
     max_queue: int = option(64, "requests waiting for a batch slot; more are answered 429")
     prefix_cache_mb: float = option(1024.0, "memory for the KV of earlier prompts, reused by requests that share "
-                                    "their prefix (a conversation's history; 0: off; lean backend)")
+                                    "their prefix (a conversation's history; 0: off; lean and transformers backends)")
     max_body_mb: float = option(4.0, "largest request body taken, in MB (413 beyond it, before it is read)")
     open_metrics: bool = option(False, "with --api-key: let /metrics answer without the key (a scraper's)")
     docs: bool = option(False, "serve the API's generated pages (/docs, /redoc, /openapi.json)")

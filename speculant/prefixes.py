@@ -10,8 +10,9 @@ Exact by construction: a backend that `reuses_prefixes` computes a prompt's whol
 (`prefix_block`) with the same bits whichever call runs them, each position a function of the tokens up to it
 (not of the later positions in its block), so only whole blocks are kept and restored, though two prompts that
 part within a block each keep their side of it; what a request computes after the restored prefix, and so every
-token and log-probability it returns, is what it computes without the cache. Positions computed by decoding (a reply) are never kept: their bits differ from a
-prefill's, which is how a fresh server would compute them in the next turn's prompt.
+token and log-probability it returns, is what it computes without the cache. Positions computed by decoding (a
+reply) are never kept: their bits differ from a prefill's, which is how a fresh server would compute them in the
+next turn's prompt.
 """
 
 from __future__ import annotations
@@ -38,7 +39,7 @@ class _Node:
 
 
 def _cut(kv: tuple[Any, ...], start: int, stop: int | None = None) -> tuple[Any, ...]:
-    """Positions [start, stop) of an edge's keys and values ([layers, kv_heads, positions, head_dim])."""
+    """Positions [start, stop) of an edge's keys and values (`export_kv`'s tensors: positions on their third axis)."""
     return tuple(t[:, :, start:stop].clone() for t in kv)
 
 

@@ -177,3 +177,42 @@ def test_open_loop_conversations_reuse_their_history(files):
     assert result["errors"] == result["lost"] == 0 and result["requests"] == 12
     assert result["ttft_later_turns_ms"]["p50"] is not None
     assert engine.session.prefixes.hits >= 8  # the 8 later turns
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+def test_the_transformers_backend_restores_any_prefix_with_a_fresh_prefills_bits(arch):
+    """transformers on batch-invariant kernels: a prompt's rows have their one-token bits however it is split, so
+    any position may be restored (`prefix_block` 1); a served conversation is the same with and without the cache."""
+    from helpers import byte_tokenizer, tiny_model
+    from test_serve import TEMPLATE
+
+    model = tiny_model(arch, 5, BYTE_VOCAB, init_std=0.2, tokenizer=byte_tokenizer())
+    assert model.prefix_block == 1
+    a = ids_of(21, 90)
+    b = a[:70] + ids_of(22, 30)
+    cache, other = PrefixCache(64), model.share()
+    other.prefill(a)
+    cache.store(other, a)
+    row, fresh = model.share(), model.share()
+    expected = fresh.prefill(b)
+    assert cache.restore(row, b) == 70
+    assert torch.equal(row.continue_prefill(b[70:]), expected)
+    assert all(torch.equal(x.keys, y.keys) and torch.equal(x.values, y.values)
+               for x, y in zip(row._cache.layers, fresh._cache.layers))
+    model.tokenizer.chat_template = TEMPLATE
+    outcomes = []
+    for budget in (0, 64):
+        engine = Engine(model, "sd", get_method("sd").make_options({"drafter": "maxgram", "k": 3}), 8, 16, Metrics(),
+                        budget)
+        history, texts = ids_of(23, 120), []
+        for turn in range(3):
+            done = []
+            engine.submit(ServeJob(history, 10, SamplingConfig(), logprobs=1), lambda piece, lp: None, done.append)
+            while not done:
+                engine.batcher.run(lambda: None)
+            texts.append((done[0].text, [(e.token, e.logprob) for e in done[0].logprobs]))
+            history = history + [e.token for e in done[0].logprobs] + ids_of(24 + turn, 20)
+        engine.close()
+        outcomes.append(texts)
+        assert engine.session.prefixes.hits >= (2 if budget else 0)
+    assert outcomes[0] == outcomes[1]

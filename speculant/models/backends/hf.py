@@ -77,7 +77,7 @@ class HFCausalLM(Backend):
 
     backend = "hf"
     capabilities = Capabilities(shares_weights=True, batches_rows=True, prefills_in_parts=True, interruptible=True,
-                                exact_any_width=True, sliding_window=True)
+                                exact_any_width=True, sliding_window=True, reuses_prefixes=True)
 
     def catalog_drafter_spec(self, drafter: str) -> str:
         """Quantized to int8 where speculant's AMX int8 kernel runs (its cost stays flat over the several tokens a
@@ -246,6 +246,26 @@ class HFCausalLM(Backend):
         elif n < self._len:
             self._cache.crop(n - self._len)
         self._len = n
+
+    @property
+    def prefix_block(self) -> int | None:
+        """Any position of a prompt may be restored: every row of a prefill has its one-token forward's bits however
+        the prompt is split (`exact_any_width`); None for quantized kernels, whose rows are not tested so."""
+        return None if self.kernel == "quantized" else 1
+
+    def export_kv(self, start: int, end: int) -> tuple[torch.Tensor, ...]:
+        """A copy of the cached keys and values at positions [start, end), each layer's ([1, kv_heads, n, dim])."""
+        if not 0 <= start <= end <= self._len:
+            raise ValueError(f"cannot export positions [{start}, {end}): {self._len} are cached")
+        return tuple(t[:, :, start:end].clone() for layer in self._cache.layers for t in (layer.keys, layer.values))
+
+    def import_kv(self, pieces: Sequence[tuple[torch.Tensor, ...]]) -> None:
+        """Make the cache hold `pieces` (`export_kv`'s, in order) from position 0, and nothing after them."""
+        cache = DynamicCache()
+        for layer in range(len(pieces[0]) // 2):
+            cache.update(torch.cat([piece[2 * layer] for piece in pieces], 2),
+                         torch.cat([piece[2 * layer + 1] for piece in pieces], 2), layer)
+        self._cache, self._len = cache, sum(piece[0].shape[2] for piece in pieces)
 
     def keep(self, indices: Sequence[int]) -> None:
         index = torch.as_tensor(indices, dtype=torch.long, device=self.device)
