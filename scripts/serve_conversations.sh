@@ -4,7 +4,7 @@
 # (docs/results/serve-conversations/report.md; the README's serving section).
 #
 #   OUT=docs/results/serve-conversations scripts/serve_conversations.sh
-#   OUT=... RATES="0.05 0.2" CONVERSATIONS=8 TURNS=3 TOKENS=48 scripts/serve_conversations.sh
+#   OUT=... RATES="0.05 0.2" CONVERSATIONS=8 TURNS=3 TOKENS=48 SERVERS="auto-cache" scripts/serve_conversations.sh
 #
 # The 1.5B on the lean backend (the default serving pair: its 0.5B drafter and Max-Gram for `auto`); the four long
 # RAG and summarization prompts (1.7-3.2k tokens) and the first four mixed chat prompts open the conversations, each
@@ -38,7 +38,7 @@ pass() {  # port label rate
   wait $p
 }
 for rate in ${RATES:-0.05 0.2}; do
-  for server in auto-cache ar-no-cache llama-server; do
+  for server in ${SERVERS:-auto-cache ar-no-cache llama-server}; do
     case $server in
       auto-cache) python -m speculant.cli serve --target qwen2.5-coder-1.5b --port 8031 --method auto > /tmp/conv-$server.log 2>&1 & port=8031;;
       ar-no-cache) python -m speculant.cli serve --target qwen2.5-coder-1.5b --port 8032 --method ar --prefix-cache-mb 0 > /tmp/conv-$server.log 2>&1 & port=8032;;

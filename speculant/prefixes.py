@@ -78,6 +78,13 @@ class PrefixCache:
             node = child
         return path
 
+    def cached(self, model: CausalLM, ids: Sequence[int]) -> int:
+        """How many leading positions of `ids` `restore` would put into `model`'s cache (nothing is touched)."""
+        block = self._usable(model)
+        if block is None or (root := self.roots.get((model.weights_key, model.numerics))) is None:
+            return 0
+        return max(0, min(sum(matched for _, matched in self._walk(root, ids)), len(ids) - 1) // block * block)
+
     def restore(self, model: CausalLM, ids: Sequence[int]) -> int:
         """Put into `model`'s cache the longest cached prefix of `ids` in whole blocks, leaving at least the last
         token to run (its logits are the prefill's); return its length (0: nothing restored, the cache untouched)."""
@@ -85,7 +92,7 @@ class PrefixCache:
         if block is None:
             return 0
         path = self._walk(self._root(model), ids)
-        length = max(0, min(sum(matched for _, matched in path), len(ids) - 1) // block * block)
+        length = self.cached(model, ids)
         self.lookups += 1
         self.clock += 1
         if length > 0:

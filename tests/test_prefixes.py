@@ -216,3 +216,34 @@ def test_the_transformers_backend_restores_any_prefix_with_a_fresh_prefills_bits
         outcomes.append(texts)
         assert engine.session.prefixes.hits >= (2 if budget else 0)
     assert outcomes[0] == outcomes[1]
+
+
+def test_auto_weighs_a_drafters_catch_up_less_what_the_prefix_cache_restores(files):
+    """A drafter that lacks a 300-token context catches up by a prefill; with 256 of its positions in the prefix
+    cache, auto's estimate of that catch-up is the prefill of the rest (prefill_s(300) - prefill_s(256))."""
+    from speculant.methods.auto import catch_up_cost
+
+    class Profile:  # a prefill costs a millisecond a token
+        long_ttft_s = 1.0
+
+        @staticmethod
+        def prefill_s(tokens):
+            return tokens / 1000
+
+    model = lean(files[1])
+
+    class Lagging:  # a model drafter whose cache holds nothing
+        def __init__(self):
+            self.model = model.share()
+
+        def lag(self, context):
+            return len(context)
+
+    context, cache = ids_of(31, 300), PrefixCache(64)
+    assert catch_up_cost(Lagging(), Profile, cache)(context) == pytest.approx(0.3)
+    seen = model.share()
+    seen.prefill(context)
+    cache.store(seen, context)
+    assert cache.cached(seen, context) == 256 and cache.lookups == 0  # (asking restores nothing)
+    assert catch_up_cost(Lagging(), Profile, cache)(context) == pytest.approx(0.3 - 0.256)
+    assert catch_up_cost(Lagging(), Profile, PrefixCache(0))(context) == pytest.approx(0.3)  # a cache that is off

@@ -20,12 +20,13 @@ FREE_PRIOR = 0.5  # a Drafter object of unknown cost
 REVIEW = 6  # Max-Gram tokens a model drafter reviews in one forward in auto's cascades
 
 
-def catch_up_cost(drafter: Any, profile: Any) -> Any:
+def catch_up_cost(drafter: Any, profile: Any, prefixes: Any = None) -> Any:
     """Seconds for `drafter` (a ModelDrafter or TreeDrafter) to run the context its cache lacks, from its
     T(W), or, where it catches up by a prefill of the context (a new prompt: `models.base.prefills`), from its
     prefill time (`LatencyProfile.prefill_s`: measured at two lengths, each token's attention growing with the
-    context; where only one was measured, no more than a forward of the context); None for drafters that keep no
-    cache (another tokenizer's re-tokenize the text every time)."""
+    context; where only one was measured, no more than a forward of the context), less what a server's prefix cache
+    (`prefixes`) restores of it; None for drafters that keep no cache (another tokenizer's re-tokenize the text
+    every time)."""
     from speculant.drafters.cross_vocab import CrossVocabDrafter
     from speculant.models.base import prefills
 
@@ -36,7 +37,10 @@ def catch_up_cost(drafter: Any, profile: Any) -> Any:
         lag = drafter.lag(context)
         if prefills(len(context) - lag, lag):
             prefill = profile.prefill_s(len(context))
-            return prefill if profile.long_ttft_s is not None else min(profile.cost(len(context)), prefill)
+            if profile.long_ttft_s is None:
+                prefill = min(profile.cost(len(context)), prefill)
+            restored = prefixes.cached(drafter.model, context) if prefixes is not None else 0
+            return prefill - profile.prefill_s(restored) if restored else prefill
         return profile.cost(lag) if lag else 0.0
 
     return seconds
@@ -118,7 +122,7 @@ def build(request: Request, options: AutoOptions) -> Any:
                                    if isinstance(drafter, CrossVocabDrafter) else 1.0)
         scale = session.scale(source.name)
         chain = Candidate(source.name, drafter, step_s, MODEL_PRIOR, estimates=estimates,
-                          catch_up=catch_up_cost(drafter, profile), scale=scale, speed=speed,
+                          catch_up=catch_up_cost(drafter, profile, session.prefixes), scale=scale, speed=speed,
                           growth=lambda length, profile=profile: profile.cost_at(1, length) / profile.cost(1))
         candidates.append(chain)
         same_ids = isinstance(drafter, ModelDrafter)  # trees and reviews need the target's ids
@@ -129,7 +133,8 @@ def build(request: Request, options: AutoOptions) -> Any:
             tree = TreeDrafter(drafter.cache, width)  # the chain's cache: whichever drafts next catches up from it
             candidates.append(Candidate(name, tree, profile.cost(width), TREE_PRIOR,
                                         estimates=session.estimates(name), width=width,
-                                        catch_up=catch_up_cost(tree, profile), chain=chain, scale=scale,
+                                        catch_up=catch_up_cost(tree, profile, session.prefixes), chain=chain,
+                                        scale=scale,
                                         speed=speed, growth=lambda length, profile=profile, width=width:
                                         profile.cost_at(width, length) / profile.cost(width)))
     # A vertical cascade (CS Drafting) where Max-Gram finds a match: each model drafter reviews Max-Gram's
