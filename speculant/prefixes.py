@@ -83,7 +83,7 @@ class PrefixCache:
         block = self._usable(model)
         if block is None or (root := self.roots.get((model.weights_key, model.numerics))) is None:
             return 0
-        return max(0, min(sum(matched for _, matched in self._walk(root, ids)), len(ids) - 1) // block * block)
+        return _restorable(self._walk(root, ids), ids, block)
 
     def restore(self, model: CausalLM, ids: Sequence[int]) -> int:
         """Put into `model`'s cache the longest cached prefix of `ids` in whole blocks, leaving at least the last
@@ -92,7 +92,7 @@ class PrefixCache:
         if block is None:
             return 0
         path = self._walk(self._root(model), ids)
-        length = self.cached(model, ids)
+        length = _restorable(path, ids, block)
         self.lookups += 1
         self.clock += 1
         if length > 0:
@@ -160,6 +160,11 @@ class PrefixCache:
     def tokens(self) -> int:
         """Positions held, over every model."""
         return sum(len(n.tokens) for root in self.roots.values() for n in _nodes(root))
+
+
+def _restorable(path: list[tuple[_Node, int]], ids: Sequence[int], block: int) -> int:
+    """The positions of `ids` a walk's `path` holds, in whole blocks, leaving at least the last token to run."""
+    return max(0, min(sum(matched for _, matched in path), len(ids) - 1) // block * block)
 
 
 def _nodes(root: _Node) -> list[_Node]:

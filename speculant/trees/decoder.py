@@ -17,7 +17,7 @@ from speculant.drafters.base import Draft
 from speculant.trees.drafter import TreeDrafter
 from speculant.models.base import CausalLM
 from speculant.models.wrappers.metered import metered
-from speculant.trees.depth import DepthPredictor, Observation, Recent, features
+from speculant.trees.depth import INPUTS, DepthPredictor, Observation, Recent, features
 from speculant.sampling import next_token
 from speculant.trees.prune import prune
 from speculant.trees.stage import Ahead
@@ -51,8 +51,8 @@ def tree_speculative(
     out: list[int] = []
     target = metered(target)
     last = target.prefill(prompt_ids)  # the target's logits at the last committed token
-    reads_hidden = target.capabilities.hidden_states and (log is not None or (predictor is not None and
-                                                                              predictor.inputs == "hidden"))
+    reads = set(INPUTS) if log is not None else {predictor.inputs} if predictor is not None else set()
+    reads_hidden = target.capabilities.hidden_states and "hidden" in reads
     hidden = target.last_hidden[-1] if reads_hidden else None  # its hidden state there
     pending = [next_token(last, sampling, generator)]
     recent, step_s = Recent(), None  # the trees' acceptance; the drafter's seconds per level, once measured
@@ -61,7 +61,8 @@ def tree_speculative(
         while not (yield from emit(pending, out, max_new_tokens, target.eos_token_ids)):
             context = prompt_ids + out
             room = min(depth, max_new_tokens - len(out) - 1)
-            x = Observation(features(last, recent), hidden) if predictor is not None or log is not None else None
+            # (the features' softmax over the vocabulary only where they are read: a decode step's cost)
+            x = Observation(features(last, recent) if "features" in reads else [], hidden) if reads else None
             draft = ahead.take(context, room) if ahead is not None else None
             if draft is None and predictor is not None and cost is not None and step_s is not None and room > 0:
                 draft = drafter.propose_tree(context, min(room, predictor.depth(x, cost, step_s, width)), width)
