@@ -4,8 +4,10 @@ slower than plain decoding, per request" is checked against (docs/results/auto-p
     python scripts/per_request.py docs/results/auto-per-request/results.json --method auto --baseline ar
 
 Decode speed is a generation's tokens after its first over its time after the first token (TTFT excluded), as the
-bench's decode columns count it; each request (prompt and repeat) is compared with the baseline's same prompt and
-repeat, each category by its total tokens over total time. Pure Python (json)."""
+bench's decode columns count it. A request (a prompt) is compared with the baseline's same prompt over all the
+run's repeats of both (total tokens over total time: the bench runs them A B, then B A, so a drift of the machine
+within the prompt's runs weighs on both alike); each single run with the baseline's run of the same repeat too (the
+noise of one generation on a shared machine); each category by its total tokens over total time. Pure Python."""
 
 from __future__ import annotations
 
@@ -15,9 +17,16 @@ import json
 import sys
 
 
-def decode_rate(row: dict) -> float:
+def decode_time(row: dict) -> tuple[int, float]:
+    """(tokens after the first, seconds after the first token) of one generation."""
     stats = row["stats"]
-    return (stats["new_tokens"] - 1) / (stats["wall_s"] - stats["ttft_s"])
+    return stats["new_tokens"] - 1, stats["wall_s"] - stats["ttft_s"]
+
+
+def ratio(mine: list[dict], base: list[dict]) -> float:
+    """Decode tokens per second over all of `mine` over the same of `base`."""
+    (n, s), (base_n, base_s) = ([sum(x) for x in zip(*map(decode_time, rows))] for rows in (mine, base))
+    return (n / s) / (base_n / base_s)
 
 
 def main(argv: list[str]) -> None:
@@ -28,28 +37,30 @@ def main(argv: list[str]) -> None:
     parser.add_argument("--below", type=float, default=0.95, help="list the requests below this ratio")
     args = parser.parse_args(argv)
     rows = json.loads(open(args.results).read())["rows"]
-    pairs = collections.defaultdict(dict)
+    runs = collections.defaultdict(lambda: collections.defaultdict(list))  # prompt -> method -> its repeats' rows
+    category = {}
     for row in rows:
-        if row["stats"]["new_tokens"] > 1:
-            pairs[row["prompt_id"], row["repeat"]][row["method"]] = row
-    ratios, totals = [], collections.defaultdict(lambda: [0.0, 0.0, 0.0, 0.0])
-    for (prompt, repeat), rows_of in sorted(pairs.items()):
-        if args.method not in rows_of or args.baseline not in rows_of:
-            continue
-        mine, base = rows_of[args.method], rows_of[args.baseline]
-        ratios.append((decode_rate(mine) / decode_rate(base), prompt, repeat, mine["stats"]["new_tokens"]))
-        total = totals[mine["category"]]
-        for i, row in ((0, base), (2, mine)):
-            total[i] += row["stats"]["new_tokens"] - 1
-            total[i + 1] += row["stats"]["wall_s"] - row["stats"]["ttft_s"]
-    ratios.sort()
-    below = [r for r in ratios if r[0] < args.below]
-    print(f"{args.method} over {args.baseline}, decode: {len(ratios)} requests, {len(below)} below {args.below}x; "
-          f"lowest {ratios[0][0]:.3f}x")
-    for ratio, prompt, repeat, tokens in below:
-        print(f"  {ratio:.3f}x  {prompt} (repeat {repeat}, {tokens} tokens)")
-    for category, (base_n, base_s, n, s) in sorted(totals.items()):
-        print(f"  {category}: {(n / s) / (base_n / base_s):.3f}x")
+        if row["stats"]["new_tokens"] > 1 and row["method"] in (args.method, args.baseline):
+            runs[row["prompt_id"]][row["method"]].append(row)
+            category[row["prompt_id"]] = row["category"]
+    pairs = {p: (sorted(m[args.method], key=lambda r: r["repeat"]), sorted(m[args.baseline], key=lambda r: r["repeat"]))
+             for p, m in runs.items() if len(m[args.method]) == len(m[args.baseline]) > 0}
+    requests = sorted((ratio(mine, base), prompt, len(mine)) for prompt, (mine, base) in pairs.items())
+    singles = sorted((ratio([a], [b]), prompt, a["repeat"]) for prompt, (mine, base) in pairs.items()
+                     for a, b in zip(mine, base))
+    below = [r for r in requests if r[0] < args.below]
+    print(f"{args.method} over {args.baseline}, decode: {len(requests)} requests (each over its repeats), "
+          f"{len(below)} below {args.below}x; lowest {requests[0][0]:.3f}x")
+    for value, prompt, repeats in below:
+        print(f"  {value:.3f}x  {prompt} ({repeats} repeats)")
+    single_below = [r for r in singles if r[0] < args.below]
+    print(f"single runs: {len(singles)}, {len(single_below)} below {args.below}x; lowest {singles[0][0]:.3f}x "
+          f"({singles[0][1]}, repeat {singles[0][2]})")
+    for name in sorted(set(category.values())):
+        mine = [r for p, (m, _) in pairs.items() if category[p] == name for r in m]
+        base = [r for p, (_, b) in pairs.items() if category[p] == name for r in b]
+        print(f"  {name}: {ratio(mine, base):.3f}x")
+    print(f"  all: {ratio([r for m, _ in pairs.values() for r in m], [r for _, b in pairs.values() for r in b]):.3f}x")
 
 
 if __name__ == "__main__":

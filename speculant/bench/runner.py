@@ -1,5 +1,7 @@
 """Run a method matrix fairly: one process, one loaded target per dtype, one warm-up per method, methods
-interleaved prompt by prompt, the same seed for every method, wall time around whole generations."""
+interleaved prompt by prompt and in reverse order every other repeat (A B, B A: a drift of the machine's speed
+within a prompt's runs weighs on every method alike), the same seed for every method, wall time around whole
+generations."""
 
 from __future__ import annotations
 
@@ -45,7 +47,8 @@ def run_matrix(
     on_row: Callable[[Measurement], None] | None = None,
     isolated: Callable[[MethodSpec, list[int], int, dict[str, Any] | None], GenerationResult] | None = None,
 ) -> list[Measurement]:
-    """Every method on every prompt, interleaved, `repeats` times; returns the rows in run order.
+    """Every method on every prompt, interleaved, `repeats` times, odd repeats in reverse method order; returns
+    the rows in run order.
 
     `target_for(dtype, backend)` returns the loaded target in that dtype on that backend (None: the run's
     default); it should load each once, so that all methods share the same weights. With `isolated`,
@@ -99,7 +102,7 @@ def run_matrix(
                 run(spec, encoded[0], min(8, max_new_tokens), prompts[0].response_format)
         for repeat in range(repeats):
             for prompt, ids in zip(prompts, encoded):
-                for spec in methods:
+                for spec in methods if repeat % 2 == 0 else methods[::-1]:
                     result = run(spec, ids, max_new_tokens, prompt.response_format)
                     row = Measurement(prompt.id, prompt.category, spec.label, repeat, target_key(target_for(spec.dtype, spec.backend)),
                               result.token_ids, result.stats, result.text)
