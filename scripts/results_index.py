@@ -145,6 +145,9 @@ ENTRIES: dict[str, tuple[str, str, str | None, str | None, str | None]] = {
     "tree-objective": ("speculation", "`tree` with the speedup objective against accepted length only, and at "
                        "temperatures 0, 0.7 and 1.0, beside `llama-completion`, mixed prompts and HumanEval[:10] in one "
                        "run", None, ZEN5, None),
+    "tree-plan": ("speculation", "`tree` with `width=auto` (the execution plan's width, then each tree's own after "
+                  "its context) against width 2, beside `llama-completion`, mixed prompts and HumanEval[:10] in one run",
+                  None, ZEN5, None),
     "dsi-simulator.md": ("analysis", "DSI's theorems measured by the offline simulator on the paper's grid (7 servers "
                          "and 1)", "commands in the page", "any (a simulation)", None),
     "heatmap-paper": ("analysis", "the DSI paper's Figures 2 and 7 from the simulator, 7 servers",

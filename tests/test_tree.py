@@ -269,13 +269,6 @@ def test_objective_decides_the_depth():
     assert depths["steep"] < depths["flat"] <= 6
 
 
-def test_auto_width_is_the_widest_almost_free_drafting_step():
-    from speculant.trees.shape import auto_width
-
-    assert auto_width({1: 1.0, 2: 1.05, 4: 1.2, 8: 2.0}) == 4
-    assert auto_width({1: 1.0, 2: 2.0, 4: 4.0, 8: 8.0}) == 1  # cost linear in W (bf16 on AVX2 CPUs): a chain
-
-
 def test_tree_shape_resolves_auto_from_a_profile_or_measured_costs():
     from speculant.latency import LatencyProfile
     from speculant.trees.shape import AUTO_MAX_DEPTH, TARGET_WIDTHS, tree_shape
@@ -298,7 +291,8 @@ def test_tree_shape_resolves_auto_from_a_profile_or_measured_costs():
 def test_auto_tree_is_lossless_and_reports_its_shape(arch):
     from helpers import perturbed
     from speculant import generate
-    from speculant.trees.shape import AUTO_MAX_DEPTH, DRAFTER_WIDTHS
+    from speculant.trees.plan import PLAN_WIDTHS
+    from speculant.trees.shape import AUTO_MAX_DEPTH
 
     target = tiny_model(arch, 8, 64, init_std=0.1)
     prompt = random_prompt(80, 64)
@@ -307,7 +301,7 @@ def test_auto_tree_is_lossless_and_reports_its_shape(arch):
                       width="auto", verify_width="auto", max_new_tokens=30)
     assert result.token_ids == expected
     depth, width, verify = result.stats.tree_shape
-    assert depth == AUTO_MAX_DEPTH and width in DRAFTER_WIDTHS and max(result.stats.verified_sizes) <= verify
+    assert depth == AUTO_MAX_DEPTH and width in PLAN_WIDTHS and max(result.stats.verified_sizes) <= verify
     assert "width" in result.stats.summary()
 
 

@@ -35,6 +35,7 @@ class GenerationStats:
     drafted_nodes: int = 0  # token trees: all drafted nodes (draft_lengths then holds tree depths)
     verified_sizes: list[int] = field(default_factory=list)  # token trees: nodes verified per iteration, after pruning
     tree_shape: tuple[int, int, int | None] | None = None  # token trees: (depth cap, width, verify-width cap)
+    tree_widths: list[int] = field(default_factory=list)  # token trees: each tree's drafting width (auto: per context)
     dsi: DSIRecord | None = None  # DSI: per-server records and the timeline
     choices: list[str] = field(default_factory=list)  # auto: per iteration, the drafter used ("plain": none)
     stage: Any = None  # token trees with stage scheduling: trees.stage.StageRecord (hits, overlap)
@@ -144,9 +145,11 @@ class GenerationStats:
         if self.tree_shape is not None:  # also when the objective chose to verify nothing
             n = max(len(self.verified_sizes), 1)
             depth, width, verify = self.tree_shape
+            if len(set(self.tree_widths)) > 1:
+                width = f"{sum(self.tree_widths) / len(self.tree_widths):.1f} ({min(self.tree_widths)}-{max(self.tree_widths)})"
             line += (f", trees: depth {sum(self.draft_lengths) / n:.1f}, {self.verified_nodes / n:.1f} of "
                      f"{self.drafted_nodes / n:.1f} drafted nodes verified "
-                     f"(depth <= {depth}, width {width}, verify <= {verify or depth * width})")
+                     f"(depth <= {depth}, width {width}, verify <= {verify or depth * self.tree_shape[1]})")
         if self.stage is not None:
             line += (f", stage: {self.stage.hits} of {self.stage.drafted} trees drafted ahead used, "
                      f"{self.stage.overlap:.0%} of their drafting overlapped")

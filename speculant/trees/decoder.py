@@ -72,6 +72,8 @@ def tree_speculative(
             if usage.steps:
                 step_s = usage.seconds / usage.steps
             drafted_nodes = len(draft.tree) - 1
+            if drafted_nodes:  # (equal growth: a width's nodes at every level)
+                stats.tree_widths.append(draft.tree.depths.count(1))
             if verify_width is not None and (verify_width < drafted_nodes or cost is not None):
                 kept = prune(draft.tree, draft.path_probs, verify_width, cost, usage.seconds)
                 draft = Draft([], None, draft.usage, draft.tree.subtree(kept))

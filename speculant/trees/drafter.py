@@ -19,13 +19,16 @@ class TreeDrafter(Drafter):
     """Greedy tree drafting with a model: `depth` steps of `width` nodes (depth x width drafted nodes), as a
     Drafter whose drafts are trees (`propose`: k steps of its `width`; `propose_tree` for other shapes and the
     latency-aware stop). `model` may be a chain drafter's DraftCache: the tree then catches up from where the
-    chain left it."""
+    chain left it. With a `chooser` (`trees.shape.WidthChooser`), each tree's width is chosen after its context,
+    from the drafter's distribution at its root, instead."""
 
-    def __init__(self, model: CausalLM | DraftCache, width: int):
+    def __init__(self, model: CausalLM | DraftCache, width: int,
+                 chooser: Callable[[torch.Tensor, int | None], int] | None = None):
         self.cache = model if isinstance(model, DraftCache) else DraftCache(metered(model))
         self.model = self.cache.model
         self.name = self.model.name
         self.width = width
+        self.chooser = chooser
 
     def propose(self, context: list[int], k: int) -> Draft:
         return self.propose_tree(context, k, self.width)
@@ -41,11 +44,15 @@ class TreeDrafter(Drafter):
         With `cost`, the target's forward time T(n) for n tokens, `depth` is a cap: drafting stops as
         soon as no further step can raise the latency-aware objective (Yggdrasil Eq. 3), expected
         accepted length / (drafting time + T(tree size)), path probabilities standing in for acceptance.
+        The drafter's `chooser` replaces `width` by its choice at `depth` (without `cost`: a depth decided) or
+        at the plan's depth.
         """
         if depth == 0:
             return Draft([], usage={self.name: Usage()}, tree=TokenTree((context[-1],), (-1,)), path_probs=[1.0])
         before = self.model.usage
         logits = self.cache.run(context)  # the tree nodes cached after it are dropped by the next run
+        if self.chooser is not None:
+            width = self.chooser(torch.softmax(logits[-1].float(), -1), depth if cost is None else None)
         tokens, parents, scores = [context[-1]], [-1], [0.0]
         frontier: list[tuple[float, int, int]] = []  # (path log-probability, parent node, token)
         new_nodes = [0]

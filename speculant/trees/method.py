@@ -20,7 +20,9 @@ OBJECTIVES = ("speedup", "length")
 @dataclass(frozen=True)
 class TreeOptions(DrafterOptions):
     depth: int | str = option(4, "drafting steps per tree, or auto", parse=count_or_auto, most=REQUEST_MOST)
-    width: int | str = option(4, "nodes added per drafting step, or auto", parse=count_or_auto,
+    width: int | str = option(4, "nodes added per drafting step, or auto: each tree's width chosen after its context "
+                               "by the latency-aware objective, the execution plan's depth and width from the costs "
+                               "and the drafter's agreement on the prompt (Yggdrasil 5.2)", parse=count_or_auto,
                                most=REQUEST_MOST)
     verify_width: int | str | None = option(None, "verify at most this many drafted nodes, the subtree chosen by "
                                             "dynamic programming, or auto (default: all)", parse=count_or_auto)
@@ -74,7 +76,9 @@ def build(request: Request, options: TreeOptions) -> Any:
         predictor, cost = None, None
     elif predictor is not None and cost is None:
         cost = request.session.profile(request.target).cost
-    return tree_speculative(request.target, TreeDrafter(request.session.cache(model), shape.width), request.prompt_ids,
+    chooser = shape.chooser if options.objective == "speedup" else None  # (length: no cost weighs a width either)
+    drafter = TreeDrafter(request.session.cache(model), shape.width, chooser)
+    return tree_speculative(request.target, drafter, request.prompt_ids,
                             shape.depth, shape.width, request.max_new_tokens, request.sampling, request.generator,
                             shape.verify_width, cost, predictor, schedule=options.schedule)
 

@@ -1,6 +1,7 @@
-"""A token tree's shape, `auto` included (Yggdrasil, Guan et al., section 4): the drafting depth, the
-width of each drafting step and the verify width, chosen from profiled forward costs. Without a
-`speculant profile` of the target, its T(n) and the drafter's are measured once per model object and session."""
+"""A token tree's shape, `auto` included (Yggdrasil, Guan et al., sections 4 and 5.2): the drafting depth, the
+width of each drafting step (by the execution-plan search, then per context) and the verify width, chosen from
+profiled forward costs. Without a `speculant profile` of the target, its T(n) and the drafter's are measured once
+per model object and session."""
 
 from __future__ import annotations
 
@@ -9,15 +10,16 @@ from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
+import torch
 
 from speculant.latency import LatencyProfile, forward_costs
 from speculant.config import AUTO
 from speculant.models.base import CausalLM, owner_of
+from speculant.trees.plan import COVERAGE_RANKS, PLAN_WIDTHS, choose_width, rank_coverage, search
 
 AUTO_MAX_DEPTH = 16  # `depth=auto`: the objective stops drafting earlier when another step cannot pay
 TARGET_WIDTHS = (1, 2, 4, 8, 16, 32)  # measured T(n); `verify_width=auto` stays within them
-DRAFTER_WIDTHS = (1, 2, 4, 8)  # `width=auto` chooses among these
-WIDTH_SLACK = 1.25
+COVERAGE_TOKENS = 128  # of the first prompt, teacher forced: the plan's acceptance model
 
 @dataclass(frozen=True)
 class TreeShape:
@@ -25,6 +27,22 @@ class TreeShape:
     width: int  # nodes per drafting step
     verify_width: int | None  # most drafted nodes verified; None: all
     cost: Callable[[int], float] | None  # the target's T(n) in seconds, for the latency-aware objective
+    chooser: WidthChooser | None = None  # `width=auto`: each tree's width chosen after its context
+
+
+@dataclass(frozen=True)
+class WidthChooser:
+    """Per context, the drafting width among `widths` that the objective prefers for a tree of at most
+    `most_nodes` drafted nodes (or of a predictor's `depth`), from the drafter's distribution at the tree's root
+    (`plan.choose_width`)."""
+
+    widths: tuple[int, ...]
+    target_cost: Callable[[int], float]
+    draft_cost: Callable[[int], float]
+    most_nodes: int
+
+    def __call__(self, probs: torch.Tensor, depth: int | None = None) -> int:
+        return choose_width(probs, self.widths, self.target_cost, self.draft_cost, self.most_nodes, depth)
 
 
 def measured_costs(model: CausalLM, context: list[int], widths: Sequence[int], measured: Any) -> dict[int, float]:
@@ -37,13 +55,20 @@ def measured_costs(model: CausalLM, context: list[int], widths: Sequence[int], m
     return per_model[tuple(widths)]
 
 
-def auto_width(drafter_costs: dict[int, float], slack: float = WIDTH_SLACK) -> int:
-    """The widest drafting step that costs the drafter at most `slack` times a one-token step.
-
-    Widening a step adds candidates at almost no drafting cost while the drafter's T(W) is flat; the
-    verify-width dynamic program, not the drafter, then bounds what the target pays for them. Where
-    T(W) grows with W (bf16 on CPUs without AMX) this gives 1: a chain."""
-    return max(w for w, t in drafter_costs.items() if t <= slack * drafter_costs[1])
+def measured_coverage(target: CausalLM, drafter: CausalLM, context: list[int], measured: Any) -> list[float]:
+    """The drafter's rank coverage of the target (`plan.rank_coverage`) over the last `COVERAGE_TOKENS` tokens of
+    `context`, teacher forced (one forward of each model over them), measured once per pair and kept in `measured`
+    beside their T(W) (the models' caches are left holding the text: the caller prefills or forgets)."""
+    key = ("coverage", id(owner_of(drafter)))
+    per_target = measured.setdefault(owner_of(target), {})
+    if key not in per_target:
+        text = context[-COVERAGE_TOKENS:]
+        logits = []
+        for model in (target, drafter):
+            model.prefill(text[:1])
+            logits.append(model.forward(text[1:-1]) if len(text) > 2 else torch.zeros(0, model.vocab_size))
+        per_target[key] = rank_coverage(*logits) if len(text) > 2 else [0.0] * COVERAGE_RANKS
+    return per_target[key]
 
 
 def tree_shape(target: CausalLM, drafter: CausalLM, prompt_ids: list[int], depth: int | str, width: int | str,
@@ -57,10 +82,16 @@ def tree_shape(target: CausalLM, drafter: CausalLM, prompt_ids: list[int], depth
         costs = measured_costs(target, prompt_ids, TARGET_WIDTHS, measured)
         widths, seconds = list(costs), list(costs.values())
         cost, most_nodes = (lambda n: float(np.interp(n, widths, seconds))), TARGET_WIDTHS[-1]
-    if width == AUTO:
-        width = auto_width(measured_costs(drafter, prompt_ids, DRAFTER_WIDTHS, measured))
+    chooser = None
+    if width == AUTO:  # the plan's width, and each tree's own by the objective after its context
+        draft_costs = measured_costs(drafter, prompt_ids, PLAN_WIDTHS, measured)
+        draft_cost = draft_costs.__getitem__
+        coverage = measured_coverage(target, drafter, prompt_ids, measured)
+        width = search(coverage, cost, draft_cost, widths=PLAN_WIDTHS, most_nodes=(most_nodes or 16) - 1).width
+        chooser = WidthChooser(PLAN_WIDTHS, cost, draft_cost, (most_nodes or 16) - 1)
     if depth == AUTO:
         depth = AUTO_MAX_DEPTH
     if verify_width == AUTO or (verify_width is None and cost is not None):
-        verify_width = min(depth * width, most_nodes or depth * width)
-    return TreeShape(depth, width, verify_width, cost)
+        widest = max(chooser.widths) if chooser is not None else width
+        verify_width = min(depth * widest, most_nodes or depth * widest)
+    return TreeShape(depth, width, verify_width, cost, chooser)

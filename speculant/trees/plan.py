@@ -1,0 +1,136 @@
+"""Execution-plan search (Yggdrasil, Guan et al., section 5.2): the tree's depth, width, verify width and schedule
+chosen ahead of decoding from the machine's profiled costs, by the latency-aware objective (Eq. 3) over an
+acceptance model; and the width of each tree chosen again per context, by the same objective at the tree's depth.
+
+The acceptance model is the drafter's rank coverage c_r: the chance that the target's token at a position is the
+drafter's r-th likeliest (measured by teacher forcing over a text: one forward of each model over it), taken as
+independent across positions. An equal-growth tree of width w then has, in expectation, the shape that equal growth
+gives rank sequences whose path value is the product of their ranks' coverages, and its expected accepted length is
+the sum of its nodes' path values (the same stand-in verify-width pruning uses, `trees.prune`). Per context,
+`choose_width` puts the drafter's own sorted probabilities at the tree's root in place of c."""
+
+from __future__ import annotations
+
+import heapq
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import torch
+
+from speculant.trees.prune import best_subtrees
+from speculant.trees.tree import TokenTree
+
+PLAN_WIDTHS = (1, 2, 3, 4, 6, 8)  # drafting widths a plan may choose (1: a chain)
+PLAN_DEPTHS = tuple(range(1, 13))
+COVERAGE_RANKS = max(PLAN_WIDTHS)
+SCHEDULES = ("serial", "stage")
+
+
+def expected_tree(coverage: Sequence[float], depth: int, width: int) -> tuple[TokenTree, list[float]]:
+    """The equal-growth tree of `depth` steps of `width` nodes over rank sequences, each node's path value the
+    product of `coverage` along its path (`coverage[r]`: the chance the accepted token is the drafter's rank-r
+    one): (tree, path values; the root's 1). Its tokens are ranks, not token ids."""
+    ranks, parents, values = [0], [-1], [1.0]
+    frontier: list[tuple[float, int, int]] = []  # (-value, parent, rank): a heap, likeliest first
+    new_nodes = [0]
+    for _ in range(depth):
+        for node in new_nodes:
+            for rank, c in enumerate(coverage[:width]):
+                heapq.heappush(frontier, (-values[node] * c, node, rank))
+        new_nodes = []
+        for _ in range(min(width, len(frontier))):
+            value, parent, rank = heapq.heappop(frontier)
+            new_nodes.append(len(ranks))
+            ranks.append(rank)
+            parents.append(parent)
+            values.append(-value)
+    return TokenTree(tuple(ranks), tuple(parents)), values
+
+
+def expected_accepted(coverage: Sequence[float], depth: int, width: int, verify_width: int | None = None
+                      ) -> dict[int, float]:
+    """Expected accepted length (drafted tokens, the target's own one excluded) of the expected tree of `depth` x
+    `width`, verifying each subtree size up to `verify_width` drafted nodes (default: all): {nodes verified:
+    length}, the best subtree of each size (`best_subtrees`)."""
+    tree, values = expected_tree(coverage, depth, width)
+    most = len(tree) - 1 if verify_width is None else min(verify_width, len(tree) - 1)
+    table = best_subtrees(tree, [0.0, *values[1:]], most + 1)
+    return {size - 1: value for size, (value, _) in table.items()}
+
+
+@dataclass(frozen=True)
+class Plan:
+    """A tree's execution plan and what the objective expects of it: tokens per second over plain decoding's."""
+
+    depth: int
+    width: int
+    verify_width: int
+    schedule: str
+    speedup: float
+
+
+def search(coverage: Sequence[float], target_cost: Callable[[int], float], draft_cost: Callable[[int], float],
+           depths: Sequence[int] = PLAN_DEPTHS, widths: Sequence[int] = PLAN_WIDTHS, overlap: bool = False,
+           most_nodes: int | None = None) -> Plan:
+    """The plan of the best expected goodput, (1 + expected accepted) / step time, over `depths` x `widths` x the
+    verify widths each tree allows (at most `most_nodes`) x the schedules: serial, a step is the drafter's forward
+    of the committed token, `depth` - 1 of `width` tokens (`drafting`) and one target forward T(1 + verified); stage (only where the drafter and the target
+    `overlap`, each on its own device or stream), the next tree's drafting hidden behind the verification when its
+    head, drafted from the likeliest path, is the one accepted (all `depth` levels and the target's token on the
+    likeliest path: prod c_1), else paid after it. `speedup` is the goodput over plain decoding's 1 / T(1)."""
+    plain = 1.0 / target_cost(1)
+    best = Plan(0, 1, 0, "serial", 1.0)
+    for width in widths:
+        for depth in depths:
+            drafting_s = drafting(depth, width, draft_cost)
+            hit = coverage[0] ** (depth + 1)
+            for nodes, length in expected_accepted(coverage, depth, width, most_nodes).items():
+                if nodes == 0:
+                    continue
+                verify = target_cost(1 + nodes)
+                for schedule in SCHEDULES if overlap else SCHEDULES[:1]:
+                    step = drafting_s + verify if schedule == "serial" else \
+                        hit * max(drafting_s, verify) + (1 - hit) * (drafting_s + verify)
+                    speedup = (1 + length) / step / plain
+                    if speedup > best.speedup:
+                        best = Plan(depth, width, nodes, schedule, speedup)
+    return best
+
+
+def drafting(depth: int, width: int, draft_cost: Callable[[int], float]) -> float:
+    """Seconds to draft an equal-growth tree: the committed token's forward, then `depth` - 1 of `width` nodes."""
+    return draft_cost(1) + (depth - 1) * draft_cost(width)
+
+
+def rank_coverage(target_logits: torch.Tensor, drafter_logits: torch.Tensor, most: int = COVERAGE_RANKS
+                  ) -> list[float]:
+    """c_1..c_most: how often the target's greedy token at a position is the drafter's r-th likeliest, from both
+    models' logits over the same text ([positions, vocab] each, teacher forced)."""
+    wanted = target_logits.argmax(-1)
+    top = drafter_logits.topk(most, -1).indices  # [positions, most]
+    hits = (top == wanted[:, None]).float().mean(0)
+    return [float(h) for h in hits]
+
+
+def choose_width(probs: torch.Tensor, widths: Sequence[int], target_cost: Callable[[int], float],
+                 draft_cost: Callable[[int], float], most_nodes: int, depth: int | None = None) -> int:
+    """The width, among `widths`, whose tree the objective prefers after this context, the drafter's distribution
+    at the tree's root (`probs`, [vocab]) standing in for the coverage (a peaked one asks for a chain, a flat one
+    for width): each width at its best depth with at most `most_nodes` drafted nodes (or at `depth`, a
+    predictor's), every node verified. A few hundred operations: paid on every tree."""
+    coverage = probs.topk(max(widths)).values.tolist()
+    best, chosen = 0.0, widths[0]
+    for width in widths:
+        levels = depth or max(most_nodes // width, 1)
+        tree, values = expected_tree(coverage, levels, width)
+        per_level = [0.0] * (levels + 1)
+        for node_depth, value in zip(tree.depths[1:], values[1:]):
+            per_level[node_depth] += value
+        length = 0.0
+        for d in range(1, levels + 1):
+            length += per_level[d]
+            if depth is None or d == depth:
+                goodput = (1 + length) / (drafting(d, width, draft_cost) + target_cost(1 + d * width))
+                if goodput > best:
+                    best, chosen = goodput, width
+    return chosen

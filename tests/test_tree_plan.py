@@ -1,0 +1,107 @@
+"""Execution-plan search and per-context width (Yggdrasil section 5.2): the acceptance model's expected tree against
+simulation, the search against costs that should decide it, and `tree` with `width=auto` lossless."""
+
+import random
+
+import pytest
+import torch
+
+from helpers import ARCHS, perturbed, random_prompt, tiny_model
+from speculant.trees.plan import PLAN_WIDTHS, choose_width, expected_accepted, expected_tree, rank_coverage, search
+
+
+def simulated_accepted(coverage, depth, width, trials=20000, seed=0):
+    """Accepted length of the expected tree when each position's accepted token is the drafter's rank r with
+    probability coverage[r] (any other rank: a miss), drawn independently."""
+    tree, _ = expected_tree(coverage, depth, width)
+    rng, total = random.Random(seed), 0
+    ranks, weights = list(range(len(coverage) + 1)), [*coverage, 1 - sum(coverage)]
+    for _ in range(trials):
+        node = 0
+        while True:
+            rank = rng.choices(ranks, weights)[0]
+            child = next((c for c in tree.child_lists[node] if tree.tokens[c] == rank), None)
+            if child is None:
+                break
+            total, node = total + 1, child
+    return total / trials
+
+
+@pytest.mark.parametrize("depth,width", [(1, 1), (4, 1), (3, 2), (5, 3)])
+def test_the_expected_trees_accepted_length_is_what_simulation_accepts(depth, width):
+    coverage = [0.55, 0.2, 0.1, 0.05]
+    length = expected_accepted(coverage, depth, width)
+    assert max(length) == depth * width  # every drafted node verified
+    assert length[depth * width] == pytest.approx(simulated_accepted(coverage, depth, width), abs=0.03)
+    if width == 1:
+        assert length[depth] == pytest.approx(sum(0.55 ** j for j in range(1, depth + 1)))
+
+
+def test_the_search_follows_the_costs():
+    coverage = [0.6, 0.2, 0.1, 0.05, 0.02, 0.01, 0.01, 0.01]
+    flat = search(coverage, lambda n: 1.0, lambda w: 0.01)  # verification free in width, drafting nearly free
+    assert flat.width > 1 and flat.depth >= 4 and flat.speedup > 2
+    steep = search(coverage, lambda n: float(n), lambda w: 0.01 * w)  # each verified token costs a forward
+    assert steep.depth == 0 and steep.speedup == 1.0  # nothing pays: plain decoding
+    dear_nodes = search(coverage, lambda n: 1.0 + 0.2 * n, lambda w: 0.1 * w)  # each verified node costs a fifth
+    assert dear_nodes.width == 1 and dear_nodes.schedule == "serial" and dear_nodes.speedup > 1  # a short chain
+    assert search([0.9, 0.05], lambda n: 1.0 + 0.3 * n, lambda w: 0.1 * w).depth > dear_nodes.depth  # surer: longer
+    # Drafting as dear as verifying, mostly right: overlapping them pays where the device can (a GPU's streams).
+    both = search([0.95, 0.03], lambda n: 1.0, lambda w: 0.25, overlap=True)
+    assert both.schedule == "stage" and both.speedup > search([0.95, 0.03], lambda n: 1.0, lambda w: 0.25).speedup
+
+
+def test_rank_coverage_counts_where_the_targets_token_ranks_for_the_drafter():
+    target = torch.tensor([[0.0, 3.0, 1.0], [2.0, 0.0, 1.0], [0.0, 1.0, 2.0]])  # wants 1, 0, 2
+    drafter = torch.tensor([[0.0, 3.0, 1.0], [0.0, 2.0, 1.0], [2.0, 0.0, 1.0]])  # ranks them 1st, 3rd, 2nd
+    assert rank_coverage(target, drafter, 3) == pytest.approx([1 / 3, 1 / 3, 1 / 3])
+    assert rank_coverage(target, target, 2) == [1.0, 0.0]
+
+
+def test_each_context_gets_its_width():
+    flat_cost = lambda n: 1.0  # noqa: E731
+    peaked = torch.tensor([0.97, 0.01, 0.01, 0.01])
+    spread = torch.tensor([0.4, 0.3, 0.2, 0.1])
+    assert choose_width(peaked, (1, 2, 4), flat_cost, lambda w: 0.02 * w, 15) == 1
+    assert choose_width(spread, (1, 2, 4), flat_cost, lambda w: 0.02 * w, 15) == 4
+    assert choose_width(spread, (1, 2, 4), lambda n: float(n), lambda w: 0.02 * w, 15) == 1  # nodes cost forwards
+    assert choose_width(peaked, (1, 2, 4), flat_cost, lambda w: 0.02 * w, 15, depth=1) == 4  # one level: all free
+
+
+@pytest.mark.parametrize("arch", [*ARCHS, "mistral"])
+def test_tree_with_auto_width_is_lossless(arch):
+    from speculant import generate
+
+    target = tiny_model(arch, 8, 64, init_std=0.1)
+    prompt = random_prompt(80, 64, 24)  # Mistral's window is 8: the generation crosses it
+    expected = generate(target, prompt_ids=prompt, method="ar", max_new_tokens=40).token_ids
+    result = generate(target, prompt_ids=prompt, drafter=perturbed(target, 0.2, 8), method="tree", depth="auto",
+                      width="auto", max_new_tokens=40)
+    assert result.token_ids == expected
+    assert result.stats.tree_widths and set(result.stats.tree_widths) <= set(PLAN_WIDTHS)
+
+
+@pytest.mark.parametrize("arch", [*ARCHS, "mistral"])
+def test_trees_of_changing_widths_stay_lossless(arch):
+    """Each tree drafted at the width its chooser gives after its context (here: in turn 1, 3, 2, 8), verified
+    and compacted exactly as trees of one width are."""
+    from speculant.decoding.autoregressive import autoregressive
+    from speculant.trees.decoder import tree_speculative
+    from speculant.trees.drafter import TreeDrafter
+    from speculant.config import SamplingConfig
+
+    target = tiny_model(arch, 8, 64, init_std=0.1)
+    prompt = random_prompt(81, 64, 12)
+    expected = list(autoregressive(target, prompt, 40, SamplingConfig(), None))
+    turns = iter([1, 3, 2, 8] * 40)
+    drafter = TreeDrafter(perturbed(target, 0.2, 8), 2, chooser=lambda probs, depth: next(turns))
+    decoder = tree_speculative(target, drafter, prompt, 3, 2, 40)
+    tokens = []
+    while True:
+        try:
+            tokens.append(next(decoder))
+        except StopIteration as stop:
+            stats = stop.value
+            break
+    assert tokens == expected
+    assert set(stats.tree_widths) == {1, 3, 2, 8} and "(1-8)" in stats.summary()
