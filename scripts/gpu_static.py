@@ -6,8 +6,9 @@ does (it is the CPU's, measured on the real weights). Measured, each at 256 cach
 `--repeats`: T(W) of speculant's hf backend (eager, transformers' dynamic cache, exact row by row), of the static
 model eager, and compiled with CUDA graphs; greedy `ar` tok/s compiled against transformers' own `generate`
 with a static cache under torch.compile (the gpt-fast-style reference); the drafter's cost ratio; and that greedy
-`sd` and `tree` on the compiled pair give `ar`'s tokens; `auto` against `ar` where nothing is accepted (A B B A). `--smoke` runs the same code on tiny configurations
-(on the CPU, to check the script)."""
+`sd` and `tree` on the compiled pair give `ar`'s tokens; `auto` against `ar` where nothing is accepted (A B B A);
+8 sequences' rows batched in the compiled step against each alone. `--smoke` runs the same code on tiny
+configurations (on the CPU, to check the script)."""
 
 from __future__ import annotations
 
@@ -212,7 +213,39 @@ def main() -> int:
         return alternated(target, {"ar": dict(method="ar"), "auto": dict(method="auto", drafters=[drafter, "maxgram"])},
                           args.ab_repeats, args.tokens, Session(target))
 
-    sections = {"auto": auto, "speculation": speculation, "drafter": drafter_cost,  # (first: the open questions)
+    def rows() -> dict:
+        """Batch rows (`static.forward_rows`, what `serve --backend static` runs): 8 sequences decoding greedily in
+        lockstep, their rows packed into the compiled x16 step, against each decoding alone: equal tokens, and the
+        tokens per second of both."""
+        from speculant.models.backends.static import forward_rows
+        from speculant.models.base import Call
+
+        target = StaticCausalLM(weights["1.5b"], width=16, span=1024, compiled=True)
+        handles = [target.share() for _ in range(8)]
+        prompts = [torch.randint(0, 500, (100 + 10 * i,)).tolist() for i in range(8)]
+
+        def decode(together: bool) -> tuple[list[list[int]], float]:
+            logits = forward_rows([(h, Call(p, prefill=True)) for h, p in zip(handles, prompts)]) if together else \
+                [h.prefill(p) for h, p in zip(handles, prompts)]
+            tokens = [[int(row.argmax())] for row in logits]
+            began = time.perf_counter()
+            for _ in range(args.tokens // 4):
+                if together:
+                    logits = [row[-1] for row in forward_rows([(h, Call(t[-1:])) for h, t in zip(handles, tokens)])]
+                else:
+                    logits = [h.forward(t[-1:])[-1] for h, t in zip(handles, tokens)]
+                for t, row in zip(tokens, logits):
+                    t.append(int(row.argmax()))
+            return tokens, time.perf_counter() - began
+
+        decode(True)
+        alone, alone_s = decode(False)
+        batched, batched_s = decode(True)
+        n = sum(len(t) - 1 for t in alone)
+        return {"rows": len(handles), "equal": batched == alone, "alone tok/s": n / alone_s,
+                "batched tok/s": n / batched_s}
+
+    sections = {"auto": auto, "speculation": speculation, "drafter": drafter_cost, "rows": rows,  # (first: the open questions)
                 "compiled T(W) ms": compiled_costs, "ar": tokens_per_second, "eager T(W) ms": eager_costs}
     for name in args.sections or sections:
         section(name, sections[name])

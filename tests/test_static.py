@@ -165,3 +165,66 @@ def test_an_interrupted_forward_leaves_the_cache_as_it_was():
     with pytest.raises(Interrupted):
         model.forward(list(range(4, 14)))  # three chunks: the second is stopped
     assert model.cache_len == 3
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("arch", ARCHS)
+def test_rows_of_several_sequences_in_one_forward_equal_their_own_forwards(arch, dtype):
+    """`static.forward_rows`: prefills, chains, a tree and a continued prefill of different sequences packed into
+    steps of `width` rows; each gets bit for bit the logits and cache length of its own calls, and the pool grows
+    under handles already running (their caches kept)."""
+    from speculant.models.backends.static import forward_rows
+    from speculant.models.base import Call
+
+    base = static(transformer(arch, 0, DTYPES[dtype]))
+    batched, alone = [base.share() for _ in range(3)], [base.share() for _ in range(3)]
+    tree = TokenTree((5, 9, 7, 11, 3, 8, 2), (-1, 0, 0, 1, 2, 4, 5))
+    rounds = [[Call([1, 2, 3, 4, 5], prefill=True), Call(list(range(3, 14)), prefill=True), Call([7, 8], prefill=True)],
+              [Call([1, 2, 3]), Call([4]), Call(tree.tokens, tree=tree)],
+              [Call([5, 6]), Call([9, 10, 12], prefill=True), Call([11])],
+              [Call(list(range(20, 29))), Call([12, 13, 14, 15]), Call([16])],
+              [Call([17, 18, 19], prefill=True, continues=True), Call([20]), Call([21, 22], prefill=True, continues=True)]]
+    for i, calls in enumerate(rounds):
+        if i == 2:
+            grown = [base.share() for _ in range(8)]  # more handles than the pool holds: it doubles
+            assert base.pool.capacity >= 15
+        got = forward_rows(list(zip(batched, calls)))
+        for row, call, logits in zip(alone, calls, got):
+            assert torch.equal(call.run(row), logits)
+        assert [r.cache_len for r in batched] == [r.cache_len for r in alone]
+    del grown
+
+
+def test_served_static_requests_batch_and_equal_their_solo_runs(monkeypatch):
+    """A server on the static backend runs concurrent requests' calls as one forward per model (the pool's
+    steps); each greedy output equals the request alone and the model's `ar`, for sd and auto."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from helpers import run_job
+    from speculant.methods import get_method
+    from speculant.models.backends import static as static_module
+    from speculant.serve.engine import Engine
+
+    batched = []  # rows per batched forward
+    forward_rows = static_module.forward_rows
+    monkeypatch.setattr(static_module, "forward_rows", lambda rows: batched.append(len(rows)) or forward_rows(rows))
+    def served(noise: float) -> StaticCausalLM:
+        model = tiny_transformer("qwen2", 0, vocab=BYTE_VOCAB, init_std=0.1)
+        if noise:  # a drafter that agrees often, not always
+            with torch.no_grad():
+                for parameter in model.parameters():
+                    parameter.add_(torch.randn(parameter.shape, generator=torch.Generator().manual_seed(1)) * noise *
+                                   parameter.std())
+        return StaticCausalLM(StaticWeights(model), byte_tokenizer(), name="tiny", span=96, width=4)
+
+    target, drafter = served(0.0), served(0.3)
+    prompts = [list(f"prompt {i}: {'ab' * i}".encode()) for i in range(5)]
+    expected = [generate(target, prompt_ids=p, method="ar", max_new_tokens=16).text for p in prompts]
+    for method, options in [("sd", {"drafter": drafter, "k": 3}), ("auto", {"drafters": (drafter, "maxgram")})]:
+        batched.clear()
+        engine = Engine(target, method, get_method(method).make_options(options), 8, 16)
+        with ThreadPoolExecutor(len(prompts)) as pool:
+            together = list(pool.map(lambda p: run_job(engine, p, max_tokens=16).text, prompts))
+        engine.close()
+        assert together == expected, method
+        assert max(batched, default=0) > 1, method

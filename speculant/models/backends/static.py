@@ -17,7 +17,9 @@ the fixed width is nearly free there; on a CPU T(W) grows with W, and `lean` is 
 from __future__ import annotations
 
 import time
+import weakref
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -26,7 +28,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from speculant.errors import ConfigError
-from speculant.models.base import Backend, Capabilities, Interrupted, PointerCache
+from speculant.models.base import Backend, Call, Capabilities, Interrupted, PointerCache
 from speculant.models.windows import layer_windows
 from speculant.trees.tree import TokenTree
 
@@ -71,10 +73,11 @@ class _Layer(nn.Module):
 
 class StaticWeights(nn.Module):
     """A transformers model's weights in the static model's layout (q/k/v and gate/up fused), and its step:
-    `forward(keys, values, ids, positions, slots, index)` runs `len(ids)` rows, writes their keys and values at
-    `slots` of the caches ([layers, kv_heads, slots, head_dim]), lets row r attend to the cached positions
-    0..positions[r] (within a sliding window), key j of row r read from slot index[r, j], and returns the
-    rows' logits [rows, vocab] in the weights' dtype."""
+    `forward(keys, values, ids, positions, slots, index, offsets)` runs `len(ids)` rows, writes their keys and
+    values at `slots` of the caches ([layers, kv_heads, slots, head_dim]), lets row r attend to the cached
+    positions 0..positions[r] (within a sliding window), key j of row r read from slot offsets[r] + index[r, j]
+    (each row's sequence a region of the caches, `KVPool`), and returns the rows' logits [rows, vocab] in the
+    weights' dtype."""
 
     def __init__(self, model: nn.Module) -> None:
         super().__init__()
@@ -102,6 +105,13 @@ class StaticWeights(nn.Module):
         self.register_buffer("sin", angles.sin().float().to(device))
         self.compile_seconds: float | None = None  # the first compiled step's compile time
         self._compiled: Any = None
+        self.pools: dict[tuple[int, int, bool], KVPool] = {}  # (span, width, compiled) -> its handles' caches
+
+    def pool(self, span: int, width: int, compiled: bool) -> KVPool:
+        """The pool whose regions hold the caches of the handles of this span, width and compilation."""
+        if (span, width, compiled) not in self.pools:
+            self.pools[span, width, compiled] = KVPool(self, span, width, compiled)
+        return self.pools[span, width, compiled]
 
     @property
     def dtype(self) -> torch.dtype:
@@ -123,8 +133,9 @@ class StaticWeights(nn.Module):
         return torch.cat([a * cos - b * sin, b * cos + a * sin], dim=-1).to(x.dtype)
 
     def forward(self, keys: torch.Tensor, values: torch.Tensor, ids: torch.Tensor, positions: torch.Tensor,
-                slots: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+                slots: torch.Tensor, index: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
         rows, span = index.shape
+        index = index + offsets[:, None]
         heads, kv_heads, dim = self.heads, self.kv_heads, self.head_dim
         x = self.embedding[ids]  # [rows, hidden]
         cos, sin = self.cos[positions][:, None], self.sin[positions][:, None]
@@ -154,14 +165,145 @@ class StaticWeights(nn.Module):
         return self._compiled
 
 
+@dataclass(frozen=True)
+class _Row:
+    """One row of a step: a handle's token, its position, its slot in the handle's region and, for a tree node, the
+    region's slots its keys are read from (None: slot j for key j)."""
+
+    handle: StaticCausalLM
+    token: int
+    position: int
+    slot: int
+    index: np.ndarray | None = None
+
+
+class KVPool:
+    """The KV caches of every handle of one span, width and compilation on a StaticWeights: regions of one pair of
+    tensors ([layers, kv_heads, regions x (span + width), head_dim]; a region's last `width` slots are written by
+    padded rows), so that one step runs rows of several handles (`forward_rows`), each row reading only its own
+    region. A handle takes a region when made and gives it back when dropped; where none is free the pool doubles
+    (its CUDA graph captured again). The step's input buffers, and on a GPU its one CUDA graph, are the pool's:
+    a solo call and a batch run the same step at the same shapes, so a row's bits never depend on its company."""
+
+    def __init__(self, weights: StaticWeights, span: int, width: int, compiled: bool) -> None:
+        self.weights, self.span, self.width, self.compiled = weights, span, width, compiled
+        self.stride = span + width
+        self.device, self.dtype = weights.device, weights.dtype
+        self.capacity, self.free = 0, []
+        self.keys = self.values = torch.empty(0)
+        self._rows = torch.zeros(4, width, dtype=torch.long, device=self.device)  # ids, positions, slots, offsets
+        self._index = torch.arange(span, device=self.device).repeat(width, 1)  # row r's key j: slot j of its region
+        self._identity = [True] * width  # which of _index's rows hold the identity now
+        self._graph: torch.cuda.CUDAGraph | None = None
+        self._out: torch.Tensor | None = None
+
+    def take(self) -> int:
+        if not self.free:
+            self._grow(max(2 * self.capacity, 1))
+        return self.free.pop()
+
+    def give(self, region: int) -> None:
+        self.free.append(region)
+
+    def _grow(self, capacity: int) -> None:
+        shape = (len(self.weights.layers), self.weights.kv_heads, capacity * self.stride, self.weights.head_dim)
+        keys = torch.zeros(shape, dtype=self.dtype, device=self.device)  # zeros: masked keys stay finite
+        values = torch.zeros(shape, dtype=self.dtype, device=self.device)
+        if self.capacity:
+            used = self.capacity * self.stride
+            keys[:, :, :used], values[:, :, :used] = self.keys, self.values
+        self.keys, self.values = keys, values
+        self.free = list(range(capacity - 1, self.capacity - 1, -1)) + self.free
+        self.capacity, self._graph = capacity, None  # (a graph over the old tensors: captured again)
+
+    def region(self, region: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """A region's keys and values (views: written in place)."""
+        at = region * self.stride
+        return self.keys[:, :, at:at + self.span], self.values[:, :, at:at + self.span]
+
+    @torch.inference_mode()
+    def run(self, rows: Sequence[_Row], interrupt: Any = None) -> torch.Tensor:
+        """The rows' logits [len(rows), vocab] in float32, `width` rows a step in order (a sequence's rows in its
+        calls' order: later ones read the keys earlier ones wrote), padded; `interrupt` checked between steps."""
+        out = []
+        for at in range(0, len(rows), self.width):
+            if interrupt is not None and interrupt():
+                raise Interrupted()
+            chunk = rows[at:at + self.width]
+            # a copy: a CUDA graph's output buffer is rewritten by its next replay
+            out.append(self._step(chunk)[:len(chunk)].to(torch.float32, copy=True))
+        logits = torch.cat(out)
+        if self.device.type == "cuda":  # return once computed, so that a timer around a forward is honest
+            torch.cuda.synchronize(self.device)
+        return logits
+
+    def _step(self, chunk: Sequence[_Row]) -> torch.Tensor:
+        """One step of `width` rows (the CUDA graph where one is captured): its inputs copied into the pool's
+        buffers, a key index row only where a tree moves it or moved it."""
+        pad = chunk[0].handle.offset + self.span  # padded rows write their region's last slots
+        inputs = np.zeros((4, self.width), dtype=np.int64)
+        for r in range(self.width):
+            row = chunk[r] if r < len(chunk) else None
+            offset = row.handle.offset if row is not None else chunk[0].handle.offset
+            inputs[:, r] = (row.token, row.position, offset + row.slot, offset) if row is not None else \
+                (0, self.span + r, pad + r, offset)
+            index = row.index if row is not None else None
+            if index is not None or not self._identity[r]:
+                self._index[r].copy_(torch.from_numpy(index) if index is not None else
+                                     torch.arange(self.span, device=self.device))
+                self._identity[r] = index is None
+        self._rows.copy_(torch.from_numpy(inputs))
+        if not self.compiled:
+            return self.weights(self.keys, self.values, *self._inputs)
+        step = self.weights.compiled()
+        if self.device.type != "cuda":
+            return self._timed(step)
+        if self._graph is None:
+            self._graph, self._out = self._capture(step)
+        self._graph.replay()
+        return self._out
+
+    @property
+    def _inputs(self) -> tuple[torch.Tensor, ...]:
+        """The step's inputs after the caches: ids, positions, slots, index, offsets."""
+        ids, positions, slots, offsets = self._rows
+        return ids, positions, slots, self._index, offsets
+
+    def _timed(self, step: Any) -> torch.Tensor:
+        """A compiled step; the first one's time (mostly compiling) is kept on the weights."""
+        if self.weights.compile_seconds is not None:
+            return step(self.keys, self.values, *self._inputs)
+        began = time.perf_counter()
+        out = step(self.keys, self.values, *self._inputs)
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        self.weights.compile_seconds = time.perf_counter() - began
+        return out
+
+    def _capture(self, step: Any) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
+        """The step as a CUDA graph over the pool's caches and input buffers, after warm-up runs on a side stream
+        (they compile it, and write what the captured step writes)."""
+        stream = torch.cuda.Stream(self.device)
+        stream.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(stream):
+            self._timed(step)
+            step(self.keys, self.values, *self._inputs)
+        torch.cuda.current_stream(self.device).wait_stream(stream)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            out = step(self.keys, self.values, *self._inputs)
+        return graph, out
+
+
 class StaticCausalLM(PointerCache, Backend):
-    """A CausalLM (see models/base.py) on StaticWeights: a static KV cache of `span` positions (plus `width` slots
-    that padded rows write), every call run as chunks of `width` rows; with `compiled`, the step compiled and, on
-    CUDA, captured once per handle as a CUDA graph that each chunk replays."""
+    """A CausalLM (see models/base.py) on StaticWeights: a static KV cache of `span` positions, a region of its
+    weights' `KVPool`, every call run as steps of `width` rows; with `compiled`, the step compiled and, on CUDA,
+    captured as a CUDA graph that each step replays. Handles on the same weights batch their rows
+    (`forward_rows`)."""
 
     backend = "static"
-    capabilities = Capabilities(shares_weights=True, prefills_in_parts=True, interruptible=True,
-                                sliding_window=True)  # rows: not yet
+    capabilities = Capabilities(shares_weights=True, batches_rows=True, prefills_in_parts=True, interruptible=True,
+                                sliding_window=True)
 
     def draft_model(self, spec: Any, dtype: str | None) -> Any:
         from speculant.models.loading import transformers_drafter
@@ -182,22 +324,38 @@ class StaticCausalLM(PointerCache, Backend):
         self.compiled = compiled
         self.kernel = ("CUDA graph" if self.device.type == "cuda" else "inductor") if compiled else "torch eager"
         self.numerics = f"static {str(self.dtype).removeprefix('torch.')} x{self.width}"  # rows of one width
-        self.interrupt = None  # checked between chunks
-        shape = (len(weights.layers), weights.kv_heads, self.span + self.width, weights.head_dim)
-        self._keys = torch.zeros(shape, dtype=self.dtype, device=self.device)  # zeros: masked keys stay finite
-        self._values = torch.zeros(shape, dtype=self.dtype, device=self.device)
-        self._rows = torch.zeros(3, self.width, dtype=torch.long, device=self.device)  # ids, positions, slots
-        self._index = torch.arange(self.span, device=self.device).repeat(self.width, 1)  # row r's key j: slot j
-        self._index_moved = False  # a tree's chunk left the index other than the identity
-        self._graph: torch.cuda.CUDAGraph | None = None
-        self._out: torch.Tensor | None = None
+        self.interrupt = None  # checked between steps
+        self.pool = weights.pool(self.span, self.width, compiled)
+        self._region = self.pool.take()
+        weakref.finalize(self, self.pool.give, self._region)
         self._len = 0
 
     def __repr__(self) -> str:
         return f"StaticCausalLM({self.name!r}, {self.numerics}, device={self.device}, compiled={self.compiled})"
 
+    @property
+    def offset(self) -> int:
+        """Where its region starts in the pool's caches."""
+        return self._region * self.pool.stride
+
+    @property
+    def _keys(self) -> torch.Tensor:
+        return self.pool.region(self._region)[0]
+
+    @property
+    def _values(self) -> torch.Tensor:
+        return self.pool.region(self._region)[1]
+
+    @property
+    def weights_key(self) -> int:
+        return id(self.pool)
+
+    def rows_forward(self) -> Any:
+        """`forward_rows` (see CausalLM)."""
+        return forward_rows
+
     def share(self) -> StaticCausalLM:
-        """Another handle on the same weights with a cache of its own."""
+        """Another handle on the same weights with a cache of its own (a region of the same pool)."""
         return StaticCausalLM(self.weights, self.tokenizer, self.name, self.eos_token_ids, self.identity,
                               self.span, self.width, self.compiled)
 
@@ -206,104 +364,70 @@ class StaticCausalLM(PointerCache, Backend):
         if len(ids) == 0:
             raise ValueError("prefill needs at least one token")
         self._len = 0
-        return self._run(list(ids), None, None)[-1]
+        return self._run(self._place(list(ids), None))[-1]
 
     @torch.inference_mode()
     def continue_prefill(self, ids: Sequence[int]) -> torch.Tensor:
         """A part of a prompt (`prefill_parts`): run apart, the parts give one prefill's bits, every row being
         computed as its token alone would be."""
-        return self._run(list(ids), None, None)[-1]
+        return self._run(self._place(list(ids), None))[-1]
 
     @torch.inference_mode()
     def forward(self, ids: Sequence[int], positions: Sequence[int] | None = None,
                 tree: TokenTree | None = None) -> torch.Tensor:
         """With `tree`, `ids` are its last len(ids) nodes, its earlier nodes the last cached positions; each node
         attends to the cache before the tree and its own ancestors."""
+        return self._run(self._place(list(ids), tree, positions))
+
+    def _place(self, ids: list[int], tree: TokenTree | None, positions: Sequence[int] | None = None) -> list[_Row]:
+        """A call's rows, after the cached positions: a chain's at consecutive positions, a tree's nodes at their
+        root's position plus their depth, each reading its ancestors' keys in depth order."""
+        start = self._len
+        if start + len(ids) > self.span:
+            raise ValueError(f"{start + len(ids)} positions exceed the static cache of {self.span}")
         if tree is None:
-            if positions is not None and list(positions) != list(range(self._len, self._len + len(ids))):
+            if positions is not None and list(positions) != list(range(start, start + len(ids))):
                 raise ValueError("the static backend places a chain's tokens right after the cache")
-            return self._run(list(ids), None, None)
+            return [_Row(self, token, start + i, start + i) for i, token in enumerate(ids)]
         first = len(tree) - len(ids)
-        root = self._len - first  # cache position of the tree's root
+        root = start - first  # cache position of the tree's root
         if first < 0 or root < 0 or list(ids) != list(tree.tokens[first:]):
             raise ValueError("ids must be the last nodes of the tree, with the earlier ones cached")
-        return self._run(list(ids), tree, root)
+        rows = []
+        for i, node in enumerate(range(first, len(tree))):
+            index = np.arange(self.span)
+            path = root + tree.ancestor_mask[node].nonzero().squeeze(1).numpy()  # ascending, itself last
+            index[root:root + len(path)] = path
+            rows.append(_Row(self, ids[i], root + tree.depths[node], start + i, index))
+        return rows
 
-    def _run(self, ids: list[int], tree: TokenTree | None, root: int | None) -> torch.Tensor:
-        if self._len + len(ids) > self.span:
-            raise ValueError(f"{self._len + len(ids)} positions exceed the static cache of {self.span}")
-        width, out, begin = self.width, [], self._len
-        for at in range(0, len(ids), width):
-            if self.interrupt is not None and self.interrupt():
-                self._len = begin  # the cache as it was before this forward
-                raise Interrupted()
-            chunk = ids[at:at + width]
-            start, n = self._len, len(chunk)
-            slots = np.arange(start, start + width)
-            if tree is None:
-                positions, index = slots, None
-            else:
-                first = len(tree) - len(ids) + at  # the chunk's first node
-                depths = tree.depths[first:first + n]
-                positions = np.concatenate([root + np.asarray(depths), slots[n:]])
-                index = np.tile(np.arange(self.span), (width, 1))
-                for r, node in enumerate(range(first, first + n)):
-                    path = root + tree.ancestor_mask[node].nonzero().squeeze(1).numpy()  # ascending, itself last
-                    index[r, root:root + len(path)] = path
-            # a copy: a CUDA graph's output buffer is rewritten by its next replay
-            out.append(self._step(chunk + [0] * (width - n), positions, slots, index)[:n].to(torch.float32, copy=True))
-            self._len += n
-        logits = torch.cat(out)
-        if self.device.type == "cuda":  # return once computed, so that a timer around a forward is honest
-            torch.cuda.synchronize(self.device)
+    def _run(self, rows: list[_Row]) -> torch.Tensor:
+        logits = self.pool.run(rows, self.interrupt)  # (interrupted: the cache as it was before this forward)
+        self._len += len(rows)
         return logits
 
-    def _step(self, ids: list[int], positions: np.ndarray, slots: np.ndarray, index: np.ndarray | None
-              ) -> torch.Tensor:
-        """One chunk of `width` rows through the step (the CUDA graph where one is captured): its inputs copied
-        into the handle's buffers, the key index only where a tree moved it or moves it now."""
-        self._rows.copy_(torch.from_numpy(np.stack([np.asarray(ids), positions, slots]).astype(np.int64)))
-        if index is not None:
-            self._index.copy_(torch.from_numpy(index))
-        elif self._index_moved:
-            self._index.copy_(torch.arange(self.span, device=self.device).expand(self.width, -1))
-        self._index_moved = index is not None
-        if not self.compiled:
-            return self.weights(self._keys, self._values, *self._inputs)
-        step = self.weights.compiled()
-        if self.device.type != "cuda":
-            return self._timed(step)
-        if self._graph is None:
-            self._graph, self._out = self._capture(step)
-        self._graph.replay()
-        return self._out
 
-    @property
-    def _inputs(self) -> tuple[torch.Tensor, ...]:
-        """The step's inputs after the caches: ids, positions, slots, index."""
-        return (*self._rows, self._index)
-
-    def _timed(self, step: Any) -> torch.Tensor:
-        """A compiled step; the first one's time (mostly compiling) is kept on the weights."""
-        if self.weights.compile_seconds is not None:
-            return step(self._keys, self._values, *self._inputs)
-        began = time.perf_counter()
-        out = step(self._keys, self._values, *self._inputs)
-        if self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)
-        self.weights.compile_seconds = time.perf_counter() - began
-        return out
-
-    def _capture(self, step: Any) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
-        """The step as a CUDA graph over this handle's cache and input buffers, after warm-up runs on a side
-        stream (they compile it, and write what the captured chunk writes)."""
-        stream = torch.cuda.Stream(self.device)
-        stream.wait_stream(torch.cuda.current_stream(self.device))
-        with torch.cuda.stream(stream):
-            self._timed(step)
-            step(self._keys, self._values, *self._inputs)
-        torch.cuda.current_stream(self.device).wait_stream(stream)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            out = step(self._keys, self._values, *self._inputs)
-        return graph, out
+def forward_rows(rows: Sequence[tuple[StaticCausalLM, Call]]) -> list[torch.Tensor]:
+    """One forward for several sequences on the same weights, each a (handle, call) row with a region of the pool
+    for its cache; each gets what its call returns alone (a prefill: its last token's logits [vocab]; a forward:
+    one row per token [n, vocab]), bit for bit: every step runs `width` rows whatever they belong to, and a row
+    reads only its own region."""
+    pool = rows[0][0].pool
+    if any(handle.pool is not pool for handle, _ in rows):
+        raise ValueError("forward_rows needs handles on the same weights, span, width and compilation")
+    if len({id(handle) for handle, _ in rows}) < len(rows):
+        raise ValueError("forward_rows takes one call per handle")
+    placed = []
+    with torch.inference_mode():
+        for handle, call in rows:
+            if call.prefill and not call.resumes:
+                handle._len = 0
+            placed.append(handle._place(list(call.ids), call.tree, call.positions))
+        logits = pool.run([row for calls in placed for row in calls])
+    out, at = [], 0
+    for (handle, call), calls in zip(rows, placed):
+        handle._len += len(calls)
+        mine = logits[at:at + len(calls)]
+        out.append(mine[-1] if call.prefill else mine)
+        at += len(calls)
+    return out
