@@ -5,8 +5,9 @@ Each request decodes, with any registered method, as a greenlet on the batcher's
 `Call`. Once every running request is parked, the worker runs their calls, one forward per set of
 weights, and resumes each request with its logits: the target verifies all rows' drafts at once, a
 drafter drafts for all rows at once, new requests prefill beside running ones, finished ones leave. On the
-transformers and lean backends that forward is `hf.forward_rows` or `lean.forward_rows`, bit for bit each
-row's own forward, so a request generates what it would alone; llama.cpp runs the calls one after another.
+transformers, lean and static backends that forward is `hf.forward_rows`, `lean.forward_rows` or
+`static.forward_rows`, bit for bit each row's own forward, so a request generates what it would alone; llama.cpp
+runs the calls one after another.
 
 One thread runs every forward and every request's tensor work, not a thread per request: CPU kernels
 slow down when their thread pools answer to several threads (a forward runs slower once another long-lived
@@ -177,7 +178,8 @@ class Batcher:
 
 def batched_forward(handle: CausalLM) -> Callable[[Sequence[tuple[Any, Call]]], list[torch.Tensor]] | None:
     """The backend's forward of several sequences' rows at once, each row bit for bit its own forward
-    (`hf.forward_rows`, `lean.forward_rows`), or None where rows run one after another (see CausalLM)."""
+    (`hf.forward_rows`, `lean.forward_rows`, `static.forward_rows`), or None where rows run one after another (see
+    CausalLM)."""
     return handle.rows_forward() if handle.capabilities.batches_rows else None
 
 

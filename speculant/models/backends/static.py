@@ -12,6 +12,10 @@ over the whole static span, the rest masked. So a row's logits never depend on w
 verification reproduces decoding bit for bit in every dtype, compiled or not, whatever the device's matmuls do
 between shapes. On a GPU a forward of 16 rows costs about what one costs (reading the weights bounds both), so
 the fixed width is nearly free there; on a CPU T(W) grows with W, and `lean` is the backend to use.
+
+Batch rows for the same reason: the caches of every handle on a set of weights are regions of one pool
+(`KVPool`), each row reads its own region through the index, and a step's `width` rows may belong to several
+sequences (`forward_rows`, what a server runs), each row computed as it would be alone.
 """
 
 from __future__ import annotations
