@@ -171,7 +171,8 @@ def test_an_interrupted_forward_leaves_the_cache_as_it_was():
 @pytest.mark.parametrize("arch", ARCHS)
 def test_rows_of_several_sequences_in_one_forward_equal_their_own_forwards(arch, dtype):
     """`static.forward_rows`: prefills, chains, a tree and a continued prefill of different sequences packed into
-    steps of `width` rows; each gets bit for bit the logits and cache length of its own calls, and the pool grows
+    steps of `width` rows; each gets bit for bit the logits, hidden states and cache length of its own calls, and the
+    pool grows
     under handles already running (their caches kept)."""
     from speculant.models.backends.static import forward_rows
     from speculant.models.base import Call
@@ -189,8 +190,9 @@ def test_rows_of_several_sequences_in_one_forward_equal_their_own_forwards(arch,
             grown = [base.share() for _ in range(8)]  # more handles than the pool holds: it doubles
             assert base.pool.capacity >= 15
         got = forward_rows(list(zip(batched, calls)))
-        for row, call, logits in zip(alone, calls, got):
+        for row, together, call, logits in zip(alone, batched, calls, got):
             assert torch.equal(call.run(row), logits)
+            assert torch.equal(row.last_hidden, together.last_hidden)  # (what a depth predictor reads)
         assert [r.cache_len for r in batched] == [r.cache_len for r in alone]
     del grown
 

@@ -135,3 +135,30 @@ def test_trees_of_the_hidden_state_predicted_depth_equal_ar_on_lean(variant, tmp
     for kind in ("features", "hidden"):
         fit(samples, 4, kind)[0].save(predictor_path(target, drafter, kind))
     assert depth_predictor("auto", target, drafter).inputs == "hidden"
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "mistral"])
+def test_trees_of_the_hidden_state_predicted_depth_equal_ar_on_static(arch, tmp_path, monkeypatch):
+    """The static backend gives hidden states too (its step returns the last layer's rows beside the logits, solo
+    and batched alike): trees log them, and a hidden-state predictor trained on them drafts trees equal to `ar`;
+    Mistral's window shorter than the generation."""
+    from helpers import tiny_transformer
+    from speculant.models.backends.static import StaticCausalLM, StaticWeights
+
+    def static(seed: int, noise: float = 0.0) -> StaticCausalLM:
+        model = tiny_transformer(arch, seed, vocab=64, init_std=0.1, window=6)
+        if noise:
+            generator = torch.Generator().manual_seed(seed + 1)
+            with torch.no_grad():
+                for parameter in model.parameters():
+                    parameter.add_(torch.randn(parameter.shape, generator=generator) * noise * parameter.std())
+        return StaticCausalLM(StaticWeights(model), name=f"tiny-{seed}", span=96, width=4)
+
+    target, drafter = static(3), static(3, noise=0.2)
+    assert target.capabilities.hidden_states
+    prompts = [random_prompt(seed, 64, 6) * 2 for seed in range(6)]
+    samples = log_trees(target, drafter, prompts, 24, 4, 1)
+    assert samples and all(x.hidden is not None and x.hidden.shape == (32,) for x, _ in samples)
+    predictor, _ = fit(samples, 4, "hidden")
+    predictor.save(tmp_path / "hidden.json")
+    predicted_trees_equal_ar(target, drafter, prompts[:3], tmp_path / "hidden.json", 4, (2,), monkeypatch, 24)

@@ -105,3 +105,10 @@ def test_trees_of_changing_widths_stay_lossless(arch):
             break
     assert tokens == expected
     assert set(stats.tree_widths) == {1, 3, 2, 8} and "(1-8)" in stats.summary()
+
+
+def test_trees_of_per_context_width_keep_the_sampling_distribution():
+    from test_sampling import assert_follows_target, sampling_pair
+
+    target, drafter, prompt = sampling_pair()
+    assert_follows_target(target, prompt, method="tree", drafter=drafter, depth=2, width="auto")

@@ -81,7 +81,7 @@ class StaticWeights(nn.Module):
     values at `slots` of the caches ([layers, kv_heads, slots, head_dim]), lets row r attend to the cached
     positions 0..positions[r] (within a sliding window), key j of row r read from slot offsets[r] + index[r, j]
     (each row's sequence a region of the caches, `KVPool`), and returns the rows' logits [rows, vocab] in the
-    weights' dtype."""
+    weights' dtype and their last layer's output [rows, hidden] (what Yggdrasil's depth predictor reads)."""
 
     def __init__(self, model: nn.Module) -> None:
         super().__init__()
@@ -159,7 +159,7 @@ class StaticWeights(nn.Module):
             x = x + F.linear(attended.transpose(0, 1).reshape(rows, heads * dim), layer.w_o, layer.b_o)
             gate, up = F.linear(self._norm(x, layer.ffn_norm), layer.w_gate_up).chunk(2, dim=-1)
             x = x + F.linear(F.silu(gate) * up, layer.w_down)  # SwiGLU (Shazeer 2020)
-        return F.linear(self._norm(x, self.norm), self.head)
+        return F.linear(self._norm(x, self.norm), self.head), x
 
     def compiled(self) -> Any:
         """The step under `torch.compile` (inductor; one graph per width and span), made once per weights.
@@ -199,7 +199,7 @@ class KVPool:
         self._index = torch.arange(span, device=self.device).repeat(width, 1)  # row r's key j: slot j of its region
         self._identity = [True] * width  # which of _index's rows hold the identity now
         self._graph: torch.cuda.CUDAGraph | None = None
-        self._out: torch.Tensor | None = None
+        self._out: tuple[torch.Tensor, torch.Tensor] | None = None
 
     def take(self) -> int:
         if not self.free:
@@ -226,22 +226,23 @@ class KVPool:
         return self.keys[:, :, at:at + self.span], self.values[:, :, at:at + self.span]
 
     @torch.inference_mode()
-    def run(self, rows: Sequence[_Row], interrupt: Any = None) -> torch.Tensor:
-        """The rows' logits [len(rows), vocab] in float32, `width` rows a step in order (a sequence's rows in its
-        calls' order: later ones read the keys earlier ones wrote), padded; `interrupt` checked between steps."""
-        out = []
+    def run(self, rows: Sequence[_Row], interrupt: Any = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """The rows' logits [len(rows), vocab] in float32 and last layer's outputs [len(rows), hidden], `width`
+        rows a step in order (a sequence's rows in its calls' order: later ones read the keys earlier ones wrote),
+        padded; `interrupt` checked between steps."""
+        logits, hidden = [], []
         for at in range(0, len(rows), self.width):
             if interrupt is not None and interrupt():
                 raise Interrupted()
             chunk = rows[at:at + self.width]
-            # a copy: a CUDA graph's output buffer is rewritten by its next replay
-            out.append(self._step(chunk)[:len(chunk)].to(torch.float32, copy=True))
-        logits = torch.cat(out)
+            out, x = self._step(chunk)  # copies: a CUDA graph's output buffers are rewritten by its next replay
+            logits.append(out[:len(chunk)].to(torch.float32, copy=True))
+            hidden.append(x[:len(chunk)].clone())
         if self.device.type == "cuda":  # return once computed, so that a timer around a forward is honest
             torch.cuda.synchronize(self.device)
-        return logits
+        return torch.cat(logits), torch.cat(hidden)
 
-    def _step(self, chunk: Sequence[_Row]) -> torch.Tensor:
+    def _step(self, chunk: Sequence[_Row]) -> tuple[torch.Tensor, torch.Tensor]:
         """One step of `width` rows (the CUDA graph where one is captured): its inputs copied into the pool's
         buffers, a key index row only where a tree moves it or moved it."""
         pad = chunk[0].handle.offset + self.span  # padded rows write their region's last slots
@@ -273,7 +274,7 @@ class KVPool:
         ids, positions, slots, offsets = self._rows
         return ids, positions, slots, self._index, offsets
 
-    def _timed(self, step: Any) -> torch.Tensor:
+    def _timed(self, step: Any) -> tuple[torch.Tensor, torch.Tensor]:
         """A compiled step; the first one's time (mostly compiling) is kept on the weights."""
         if self.weights.compile_seconds is not None:
             return step(self.keys, self.values, *self._inputs)
@@ -284,7 +285,7 @@ class KVPool:
         self.weights.compile_seconds = time.perf_counter() - began
         return out
 
-    def _capture(self, step: Any) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
+    def _capture(self, step: Any) -> tuple[torch.cuda.CUDAGraph, tuple[torch.Tensor, torch.Tensor]]:
         """The step as a CUDA graph over the pool's caches and input buffers, after warm-up runs on a side stream
         (they compile it, and write what the captured step writes)."""
         stream = torch.cuda.Stream(self.device)
@@ -307,7 +308,7 @@ class StaticCausalLM(PointerCache, Backend):
 
     backend = "static"
     capabilities = Capabilities(shares_weights=True, batches_rows=True, prefills_in_parts=True, interruptible=True,
-                                sliding_window=True)
+                                sliding_window=True, hidden_states=True)
 
     def draft_model(self, spec: Any, dtype: str | None) -> Any:
         from speculant.models.loading import transformers_drafter
@@ -333,6 +334,7 @@ class StaticCausalLM(PointerCache, Backend):
         self._region = self.pool.take()
         weakref.finalize(self, self.pool.give, self._region)
         self._len = 0
+        self.last_hidden: torch.Tensor | None = None  # the last call's rows of the last layer (`hidden_states`)
 
     def __repr__(self) -> str:
         return f"StaticCausalLM({self.name!r}, {self.numerics}, device={self.device}, compiled={self.compiled})"
@@ -368,13 +370,13 @@ class StaticCausalLM(PointerCache, Backend):
         if len(ids) == 0:
             raise ValueError("prefill needs at least one token")
         self._len = 0
-        return self._run(self._place(list(ids), None))[-1]
+        return self._run(self._place(list(ids), None), prompt=True)[-1]
 
     @torch.inference_mode()
     def continue_prefill(self, ids: Sequence[int]) -> torch.Tensor:
         """A part of a prompt (`prefill_parts`): run apart, the parts give one prefill's bits, every row being
         computed as its token alone would be."""
-        return self._run(self._place(list(ids), None))[-1]
+        return self._run(self._place(list(ids), None), prompt=True)[-1]
 
     @torch.inference_mode()
     def forward(self, ids: Sequence[int], positions: Sequence[int] | None = None,
@@ -405,9 +407,10 @@ class StaticCausalLM(PointerCache, Backend):
             rows.append(_Row(self, ids[i], root + tree.depths[node], start + i, index))
         return rows
 
-    def _run(self, rows: list[_Row]) -> torch.Tensor:
-        logits = self.pool.run(rows, self.interrupt)  # (interrupted: the cache as it was before this forward)
+    def _run(self, rows: list[_Row], prompt: bool = False) -> torch.Tensor:
+        logits, hidden = self.pool.run(rows, self.interrupt)  # (interrupted: the cache as it was before this forward)
         self._len += len(rows)
+        self.last_hidden = hidden[-1:] if prompt else hidden
         return logits
 
 
@@ -427,11 +430,12 @@ def forward_rows(rows: Sequence[tuple[StaticCausalLM, Call]]) -> list[torch.Tens
             if call.prefill and not call.resumes:
                 handle._len = 0
             placed.append(handle._place(list(call.ids), call.tree, call.positions))
-        logits = pool.run([row for calls in placed for row in calls])
+        logits, hidden = pool.run([row for calls in placed for row in calls])
     out, at = [], 0
     for (handle, call), calls in zip(rows, placed):
         handle._len += len(calls)
-        mine = logits[at:at + len(calls)]
+        mine, states = logits[at:at + len(calls)], hidden[at:at + len(calls)]
         out.append(mine[-1] if call.prefill else mine)
+        handle.last_hidden = states[-1:] if call.prefill else states
         at += len(calls)
     return out
