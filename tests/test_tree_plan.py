@@ -112,3 +112,63 @@ def test_trees_of_per_context_width_keep_the_sampling_distribution():
 
     target, drafter, prompt = sampling_pair()
     assert_follows_target(target, prompt, method="tree", drafter=drafter, depth=2, width="auto")
+
+
+def test_sequoia_shape_is_the_best_tree_of_its_size_and_nway_is_chains():
+    from speculant.trees.baselines import nway_shape, sequoia_shape
+    from speculant.trees.prune import best_subtrees
+    from speculant.trees.tree import TokenTree
+
+    coverage = [0.5, 0.25, 0.1]
+    ranks, parents, values = [0], [-1], [1.0]  # the complete tree of depth 4 over the three ranks
+    level = [0]
+    for _ in range(4):
+        nxt = []
+        for parent in level:
+            for r, c in enumerate(coverage):
+                ranks.append(r), parents.append(parent), values.append(values[parent] * c)
+                nxt.append(len(ranks) - 1)
+        level = nxt
+    full = TokenTree(tuple(ranks), tuple(parents))
+    for nodes in (1, 4, 7):
+        shape = sequoia_shape(coverage, nodes)
+        value = [1.0]
+        for i in range(1, len(shape)):
+            value.append(value[shape.parents[i]] * coverage[shape.tokens[i]])
+        assert len(shape) == nodes + 1 and list(shape.depths) == sorted(shape.depths)  # drafted level by level
+        best = best_subtrees(full, [0.0, *values[1:]], nodes + 1)[nodes + 1][0]
+        assert sum(value[1:]) == pytest.approx(best)
+    two = nway_shape(2, 3)
+    assert sorted(two.depths) == list(two.depths) == [0, 1, 1, 2, 2, 3, 3]
+    assert [two.tokens[c] for c in two.child_lists[0]] == [0, 1] and len(two.paths()) == 2
+
+
+@pytest.mark.parametrize("arch", [*ARCHS, "mistral"])
+@pytest.mark.parametrize("shape", ["sequoia", "nway"])
+def test_sequoia_and_nway_trees_are_lossless(arch, shape):
+    from speculant import generate
+
+    target = tiny_model(arch, 8, 64, init_std=0.1)
+    prompt = random_prompt(82, 64, 24)
+    expected = generate(target, prompt_ids=prompt, method="ar", max_new_tokens=40).token_ids
+    result = generate(target, prompt_ids=prompt, drafter=perturbed(target, 0.2, 8), method="tree", depth=3,
+                      width=2, shape=shape, max_new_tokens=40)
+    assert result.token_ids == expected
+    widths = result.stats.tree_widths  # the root's children: 2 for N-way, what the coverage favours for Sequoia
+    assert (set(widths) == {2} and max(result.stats.draft_lengths) == 3) if shape == "nway" else widths
+
+
+def test_nway_trees_keep_the_sampling_distribution():
+    from test_sampling import assert_follows_target, sampling_pair
+
+    target, drafter, prompt = sampling_pair()
+    assert_follows_target(target, prompt, method="tree", drafter=drafter, depth=2, width=2, shape="nway")
+
+
+def test_a_static_shape_needs_its_size():
+    from speculant import generate
+    from speculant.errors import ConfigError
+
+    target = tiny_model("llama", 8, 64)
+    with pytest.raises(ConfigError, match="shape sequoia needs a depth and a width"):
+        generate(target, prompt_ids=[1, 2], drafter=target, method="tree", depth="auto", shape="sequoia")

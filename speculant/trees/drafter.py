@@ -20,15 +20,17 @@ class TreeDrafter(Drafter):
     Drafter whose drafts are trees (`propose`: k steps of its `width`; `propose_tree` for other shapes and the
     latency-aware stop). `model` may be a chain drafter's DraftCache: the tree then catches up from where the
     chain left it. With a `chooser` (`trees.shape.WidthChooser`), each tree's width is chosen after its context,
-    from the drafter's distribution at its root, instead."""
+    from the drafter's distribution at its root, instead; with a `shape` (a tree of ranks, `trees.baselines`),
+    every tree has that shape, drafted level by level (Sequoia-style and N-way trees)."""
 
     def __init__(self, model: CausalLM | DraftCache, width: int,
-                 chooser: Callable[[torch.Tensor, int | None], int] | None = None):
+                 chooser: Callable[[torch.Tensor, int | None], int] | None = None, shape: TokenTree | None = None):
         self.cache = model if isinstance(model, DraftCache) else DraftCache(metered(model))
         self.model = self.cache.model
         self.name = self.model.name
         self.width = width
         self.chooser = chooser
+        self.shape = shape
 
     def propose(self, context: list[int], k: int) -> Draft:
         return self.propose_tree(context, k, self.width)
@@ -49,6 +51,8 @@ class TreeDrafter(Drafter):
         """
         if depth == 0:
             return Draft([], usage={self.name: Usage()}, tree=TokenTree((context[-1],), (-1,)), path_probs=[1.0])
+        if self.shape is not None:
+            return self.propose_shape(context, depth)
         before = self.model.usage
         logits = self.cache.run(context)  # the tree nodes cached after it are dropped by the next run
         if self.chooser is not None:
@@ -75,6 +79,33 @@ class TreeDrafter(Drafter):
                 break
             tree = TokenTree(tuple(tokens), tuple(parents))
             logits = self.model.forward(tokens[-len(chosen):], tree=tree)
+        return Draft([], usage={self.name: self.model.usage - before}, tree=TokenTree(tuple(tokens), tuple(parents)),
+                     path_probs=[math.exp(v) for v in scores])
+
+
+    def propose_shape(self, context: list[int], depth: int) -> Draft:
+        """The drafter's `shape`, its levels up to `depth`: a node of rank r is the drafter's r-th likeliest token
+        after its parent; one forward per level, over that level's nodes."""
+        assert self.shape is not None
+        before = self.model.usage
+        depths = self.shape.depths
+        logits = self.cache.run(context)[-1:]  # rows: the last level's nodes, in order
+        tokens, parents, scores = [context[-1]], [-1], [0.0]
+        row_of = {0: 0}  # the last level's nodes, each's row in `logits`
+        for d in range(1, min(depth, max(depths)) + 1):
+            rows = torch.log_softmax(logits.float(), -1)
+            added = []
+            for node in (n for n in range(len(self.shape)) if depths[n] == d):
+                parent = self.shape.parents[node]
+                values, ids = rows[row_of[parent]].topk(self.shape.tokens[node] + 1)
+                tokens.append(int(ids[-1]))
+                parents.append(parent)
+                scores.append(scores[parent] + float(values[-1]))
+                added.append(node)
+            if d < min(depth, max(depths)):
+                tree = TokenTree(tuple(tokens), tuple(parents))
+                logits = self.model.forward(tokens[-len(added):], tree=tree)
+            row_of = {node: i for i, node in enumerate(added)}
         return Draft([], usage={self.name: self.model.usage - before}, tree=TokenTree(tuple(tokens), tuple(parents)),
                      path_probs=[math.exp(v) for v in scores])
 

@@ -15,6 +15,7 @@ from speculant.methods.registry import Request, register
 
 SCHEDULES = ("serial", "stage")
 OBJECTIVES = ("speedup", "length")
+SHAPES = ("egt", "sequoia", "nway")  # (trees.baselines)
 
 
 @dataclass(frozen=True)
@@ -36,6 +37,9 @@ class TreeOptions(DrafterOptions):
                             "within depth and verify-width, where it knows the costs (a profile or an auto size); "
                             "length: every tree drafted to depth and verified for the most expected accepted tokens, "
                             "the costs left out", choices=OBJECTIVES)
+    shape: str = option("egt", "egt: equal-growth trees (Yggdrasil); sequoia: every tree the static shape of depth x "
+                        "width nodes that the drafter's rank coverage on the prompt favours (Sequoia); nway: width "
+                        "greedy chains of depth nodes from the root's likeliest tokens", choices=SHAPES)
     depth_predictor: str = option(AUTO, "a depth predictor's JSON, auto (the one `speculant train-depth` made for "
                                   "this target and drafter, if any: hidden-state where the backend gives them) or "
                                   "off", operator=True)
@@ -48,6 +52,10 @@ class TreeOptions(DrafterOptions):
                 raise ConfigError(f"{name.replace('_', '-')} must be an integer >= 1 or auto, got {value!r}")
         if self.schedule not in SCHEDULES:
             raise ConfigError(f"schedule must be one of {', '.join(SCHEDULES)}, got {self.schedule!r}")
+        if self.shape not in SHAPES:
+            raise ConfigError(f"shape must be one of {', '.join(SHAPES)}, got {self.shape!r}")
+        if self.shape != "egt" and AUTO in (self.depth, self.width):
+            raise ConfigError(f"shape {self.shape} needs a depth and a width (its nodes: depth x width), not auto")
         if self.objective not in OBJECTIVES:
             raise ConfigError(f"objective must be one of {', '.join(OBJECTIVES)}, got {self.objective!r}")
         if isinstance(self.target_profile, (str, Path)) and not Path(self.target_profile).is_file():
@@ -70,17 +78,30 @@ def build(request: Request, options: TreeOptions) -> Any:
         profile = LatencyProfile.load(profile)
     shape = tree_shape(request.target, model, request.prompt_ids, options.depth, options.width, options.verify_width,
                        profile, request.session.measured)
-    request.session.cache(model).forget()  # (measuring its T(W) for the shape ran its cache apart)
+    static = fixed_shape(options, request.target, model, request.prompt_ids, request.session.measured)
+    request.session.cache(model).forget()  # (measuring its T(W) and coverage ran its cache apart)
     predictor, cost = depth_predictor(options.depth_predictor, request.target, model), shape.cost
     if options.objective == "length":  # the sizes stand; no cost weighs a level or a node
         predictor, cost = None, None
     elif predictor is not None and cost is None:
         cost = request.session.profile(request.target).cost
     chooser = shape.chooser if options.objective == "speedup" else None  # (length: no cost weighs a width either)
-    drafter = TreeDrafter(request.session.cache(model), shape.width, chooser)
+    drafter = TreeDrafter(request.session.cache(model), shape.width, chooser, static)
     return tree_speculative(request.target, drafter, request.prompt_ids,
                             shape.depth, shape.width, request.max_new_tokens, request.sampling, request.generator,
                             shape.verify_width, cost, predictor, schedule=options.schedule)
+
+
+def fixed_shape(options: TreeOptions, target: Any, drafter: Any, prompt_ids: list[int], measured: Any) -> Any:
+    """The tree of ranks every tree is drafted as (`trees.baselines`), or None for equal growth."""
+    from speculant.trees.baselines import nway_shape, sequoia_shape
+    from speculant.trees.shape import measured_coverage
+
+    if options.shape == "nway":
+        return nway_shape(options.width, options.depth)
+    if options.shape == "sequoia":
+        return sequoia_shape(measured_coverage(target, drafter, prompt_ids, measured), options.depth * options.width)
+    return None
 
 
 def tree_drafter_model(model: Any, target: Any) -> Any:
