@@ -82,8 +82,8 @@ def engine_for(method="sd", max_batch=8, max_queue=16, target=None, **options):
 
 @pytest.mark.parametrize("arch", ARCHS + MORE_ARCHS)
 def test_rows_of_one_forward_equal_their_own_forwards(arch):
-    """Prefills, chains and a tree of different rows in one forward: each row's logits and cache are bit
-    for bit those of its own calls."""
+    """Prefills, chains and a tree of different rows in one forward: each row's logits, hidden states and cache
+    are bit for bit those of its own calls."""
     base = tiny_model(arch, 3, vocab=64)
     batched, alone = [base.share() for _ in range(3)], [base.share() for _ in range(3)]
     rng = random.Random(arch)
@@ -95,8 +95,9 @@ def test_rows_of_one_forward_equal_their_own_forwards(arch):
               [Call([12, 13, 14], prefill=True, continues=True), Call([15]), Call([16, 17], prefill=True, continues=True)]]
     for calls in rounds:
         got = forward_rows(list(zip(batched, calls)))
-        for row, call, logits in zip(alone, calls, got):
+        for row, together, call, logits in zip(alone, batched, calls, got):
             assert torch.equal(call.run(row), logits)
+            assert torch.equal(row.last_hidden, together.last_hidden)  # (what a depth predictor reads)
         assert [r.cache_len for r in batched] == [r.cache_len for r in alone]
 
 

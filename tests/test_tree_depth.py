@@ -70,10 +70,11 @@ def test_trees_of_the_predicted_depth_equal_ar(arch, tmp_path, monkeypatch):
     prompts = [random_prompt(seed, 64, 6) * 2 for seed in range(6)]
     assert len(log_trees(target, drafter, prompts[:2], 24, 5, 2)) >= 4  # trees of width 2 log too
     samples = log_trees(target, drafter, prompts, 24, 5, 1)
-    assert samples and all(0 <= a <= 5 and len(x.features) == 4 and x.hidden is None for x, a in samples)
-    predictor, _ = fit(samples, 5)
-    predictor.save(tmp_path / "depth.json")
-    predicted_trees_equal_ar(target, drafter, prompts[:3], tmp_path / "depth.json", 5, (1, 2), monkeypatch)
+    assert samples and all(0 <= a <= 5 and len(x.features) == 4 and x.hidden.shape == (32,) for x, a in samples)
+    for kind in ("features", "hidden"):  # (the transformers backend gives hidden states too)
+        predictor, _ = fit(samples, 5, kind)
+        predictor.save(tmp_path / f"{kind}.json")
+        predicted_trees_equal_ar(target, drafter, prompts[:3], tmp_path / f"{kind}.json", 5, (1, 2), monkeypatch)
 
 
 def predicted_trees_equal_ar(target, drafter, prompts, predictor, depth, widths, monkeypatch, tokens=30):

@@ -74,7 +74,8 @@ class Capabilities:
       backend's `width`, past which forwards run in chunks).
     - `sliding_window`: the backend attends within a sliding window where the model has one.
     - `hidden_states`: `last_hidden`, the last layer's output at the rows the last call returned logits for
-      ([rows, hidden]: a prefill's last token, a forward's every token).
+      ([rows, hidden]: a prefill's last token, a forward's every token; on the transformers backend after the
+      final norm, as transformers gives it).
     - `gguf`: runs a GGUF file as it is, as llama.cpp's own tools do.
     - `reuses_prefixes`: `prefix_block` (int, or None where this model cannot), `export_kv(start, end)` and
       `import_kv(pieces)`: a prompt's leading positions, in whole blocks, restored from another sequence's cache

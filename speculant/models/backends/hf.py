@@ -42,7 +42,8 @@ def eos_ids(model: PreTrainedModel, tokenizer: Any | None) -> frozenset[int]:
     return frozenset(ids)
 
 
-_running = threading.local()  # the interrupt check of the forward this thread runs (handles share modules)
+_running = threading.local()  # the interrupt check of the forward this thread runs (handles share modules), and
+# the base model's last hidden state of it
 
 
 def _check_interrupt(module: torch.nn.Module, args: Any) -> None:
@@ -51,12 +52,18 @@ def _check_interrupt(module: torch.nn.Module, args: Any) -> None:
         raise Interrupted
 
 
+def _keep_hidden(module: torch.nn.Module, args: Any, output: Any) -> None:
+    _running.hidden = output[0]
+
+
 def make_interruptible(model: PreTrainedModel) -> None:
-    """A check before every decoder layer: a forward whose handle has an `interrupt` stops there."""
+    """A check before every decoder layer: a forward whose handle has an `interrupt` stops there; and the base
+    model's output kept for the handle (`last_hidden`: the one state transformers' outputs would hold of all)."""
     depth = model.config.num_hidden_layers
     layers = next((m for m in model.modules() if isinstance(m, torch.nn.ModuleList) and len(m) == depth), None)
     for layer in layers if layers is not None else []:
         layer.register_forward_pre_hook(_check_interrupt)
+    model.base_model.register_forward_hook(_keep_hidden)
 
 
 def private_copy(model: PreTrainedModel) -> PreTrainedModel:
@@ -77,7 +84,7 @@ class HFCausalLM(Backend):
 
     backend = "hf"
     capabilities = Capabilities(shares_weights=True, batches_rows=True, prefills_in_parts=True, interruptible=True,
-                                exact_any_width=True, sliding_window=True, reuses_prefixes=True)
+                                exact_any_width=True, sliding_window=True, hidden_states=True, reuses_prefixes=True)
 
     def catalog_drafter_spec(self, drafter: str) -> str:
         """Quantized to int8 where speculant's AMX int8 kernel runs (its cost stays flat over the several tokens a
@@ -131,6 +138,7 @@ class HFCausalLM(Backend):
         self._cache_argument = cache_argument(model)
         self._len = 0
         self.interrupt: Callable[[], bool] | None = None  # see CausalLM; checked before every decoder layer
+        self.last_hidden: torch.Tensor | None = None  # the last call's rows of the last hidden state (`hidden_states`)
 
     def __repr__(self) -> str:
         return f"HFCausalLM({self.name!r}, dtype={self.model.dtype}, device={self.device})"
@@ -234,6 +242,8 @@ class HFCausalLM(Backend):
             _running.check = None
         self._len += n
         logits = out.logits[0].float()  # [n or 1, vocab]
+        hidden, _running.hidden = getattr(_running, "hidden", None), None
+        self.last_hidden = hidden[0, -logits.shape[0]:] if hidden is not None else None  # the logits' rows
         if self.device.type == "cuda":  # return once computed, so that a timer around a forward is honest
             torch.cuda.synchronize(self.device)
         return logits
@@ -339,13 +349,15 @@ def forward_rows(rows: Sequence[tuple[HFCausalLM, Call]]) -> list[torch.Tensor]:
                               position_ids=torch.as_tensor(positions, device=device).view(1, -1),
                               use_cache=False, segments=segments).last_hidden_state[0]
     index = torch.as_tensor([i for pick in picks for i in pick], device=device)
-    logits = model.get_output_embeddings()(hidden.index_select(0, index)).float()
+    picked, _running.hidden = hidden.index_select(0, index), None
+    logits = model.get_output_embeddings()(picked).float()
     if device.type == "cuda":
         torch.cuda.synchronize(device)
     out, at = [], 0
     for (handle, call), pick in zip(rows, picks):
         handle._len += len(call.ids)
         out.append(logits[at] if call.prefill else logits[at : at + len(pick)])
+        handle.last_hidden = picked[at : at + len(pick)]
         at += len(pick)
     return out
 
