@@ -513,3 +513,43 @@ def test_verification_cost_follows_the_cached_length():
     drafter.length = 2048
     assert drafter.cost_s == pytest.approx(0.004 * 1.25)  # a drafting step grows with the context as its T(1) does
     assert LatencyProfile.from_dict(json.loads(json.dumps(asdict(profile)))) == profile
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "mistral"])
+def test_auto_with_stage_scheduling_keeps_the_output_and_uses_trees_drafted_ahead(arch, monkeypatch):
+    """`auto:schedule=stage`: where auto drafts a token tree, the next one is drafted during its verification and
+    taken where auto chooses that tree again after exactly the committed context, else dropped. Greedy output
+    equals `ar`'s (Mistral with a window of 6, on the static backend); with the target drafting for itself, trees
+    drafted ahead are used. Auto's choices are made here: trees of depth 3 on most steps, its own on others."""
+    from test_static import static, transformer
+
+    from speculant.decoding.adaptive import AutoPolicy, StepPlan
+
+    target = static(transformer(arch, 3)) if arch == "mistral" else tiny_model(arch, 3, 64)
+    prompt = random_prompt(54, 64)
+    expected = generate(target, prompt_ids=prompt, method="ar", max_new_tokens=40).token_ids
+    choose = AutoPolicy.choose
+
+    def trees_mostly(policy, context, produced, eos):
+        plan = choose(policy, context, produced, eos)
+        tree = next((c for c in policy.candidates if c.width == 2), None)  # (none once auto keeps to plain steps)
+        if tree is None or produced % 5 == 4:
+            return plan
+        return StepPlan(tree, 3, None, 0, tree.drafter.lag(context))
+
+    monkeypatch.setattr(AutoPolicy, "choose", trees_mostly)
+    invent(monkeypatch, costs(target))  # (a machine where trees pay: auto keeps its tree candidate)
+    result = generate(target, prompt_ids=prompt, method="auto", drafters=[target.share()], tree_widths=(2,),
+                      max_new_tokens=40, schedule="stage")
+    assert result.token_ids == expected
+    stage = result.stats.stage
+    trees = sum(1 for c in result.stats.choices if c.endswith("tree2"))
+    assert trees > 3 and stage.drafted >= trees - 1 and stage.hits >= 1, (stage, result.stats.choices)
+    assert "stage:" in result.stats.summary()
+
+
+def test_auto_with_stage_scheduling_keeps_the_sampling_distribution():
+    from test_sampling import assert_follows_target, sampling_pair
+
+    target, drafter, prompt = sampling_pair()
+    assert_follows_target(target, prompt, method="auto", drafters=[drafter], tree_widths=(2,), schedule="stage")

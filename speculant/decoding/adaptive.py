@@ -37,6 +37,7 @@ from speculant.drafters.base import Draft
 from speculant.models.base import CausalLM, common_prefix_len
 from speculant.models.wrappers.metered import metered
 from speculant.sampling import next_token
+from speculant.trees.stage import Ahead, StageRecord
 from speculant.trees.tree import TokenTree
 
 PLAIN = "plain"
@@ -477,38 +478,83 @@ def adaptive(
     k_max: int = 16,
     probe_every: int = 16,
     lengths: deque[float] | None = None,
+    schedule: str = "serial",
 ) -> Decoder:
     """Lossless speculation that re-chooses drafter and draft length every step (`cost` is the target's T(W) in
     seconds): `AutoPolicy` chooses, `auto_decoder` runs."""
     policy = AutoPolicy(candidates, cost, max_new_tokens, k_max, probe_every, lengths)
-    return auto_decoder(target, policy, prompt_ids, max_new_tokens, sampling, generator)
+    return auto_decoder(target, policy, prompt_ids, max_new_tokens, sampling, generator, schedule)
 
 
 def auto_decoder(target: CausalLM, policy: AutoPolicy, prompt_ids: list[int], max_new_tokens: int,
-                 sampling: SamplingConfig, generator: torch.Generator | None) -> Decoder:
+                 sampling: SamplingConfig, generator: torch.Generator | None, schedule: str = "serial") -> Decoder:
     """The decoder around a policy: every step drafts as it plans, verifies (`verify_step`) and tells it what
-    happened. Whatever is chosen, verification is the usual chain or tree verification: output stays lossless."""
+    happened. Whatever is chosen, verification is the usual chain or tree verification: output stays lossless.
+    With `schedule="stage"` (Yggdrasil's stage-based scheduling, `trees.stage`), while the target verifies a
+    tree, its drafter drafts the next one from the likeliest path; the next step takes it where the policy
+    chooses that tree candidate again after exactly that context, else it is dropped."""
     stats = GenerationStats(method="auto")
     out: list[int] = []
     target = metered(target)
     logits = target.prefill(prompt_ids)
     pending = [next_token(logits, sampling, generator)]
+    aheads: dict[int, Ahead] = {}  # per tree candidate (its drafter): its thread, where stage scheduling is on
+    try:
+        yield from _auto_steps(target, policy, prompt_ids, max_new_tokens, sampling, generator, stats, out, pending,
+                               aheads if schedule == "stage" else None)
+    finally:
+        for ahead in aheads.values():
+            ahead.close()
+        stats.stage = _stage_record(aheads.values()) if aheads else None
+    stats.new_tokens = len(out)
+    stats.record_target(target.usage)
+    policy.end(len(out))
+    return stats
+
+
+def _stage_record(aheads: Any) -> StageRecord:
+    """The trees drafted ahead over every tree candidate's thread."""
+    total = StageRecord()
+    for ahead in aheads:
+        record = ahead.record
+        total = StageRecord(total.drafted + record.drafted, total.hits + record.hits,
+                            total.ahead_s + record.ahead_s, total.waited_s + record.waited_s)
+    return total
+
+
+def _auto_steps(target: CausalLM, policy: AutoPolicy, prompt_ids: list[int], max_new_tokens: int,
+                sampling: SamplingConfig, generator: torch.Generator | None, stats: GenerationStats, out: list[int],
+                pending: list[int], aheads: dict[int, Ahead] | None) -> Decoder:
+    """`auto_decoder`'s steps."""
     while not (yield from emit(pending, out, max_new_tokens, target.eos_token_ids)):
         if policy.governed:  # plain decoding to the end, as `ar` runs it: no choosing, no bookkeeping
-            pending = [next_token(target.forward(pending[-1:])[-1], sampling, generator)]
+            pending[:] = [next_token(target.forward(pending[-1:])[-1], sampling, generator)]
             stats.record_draft(0, 0, {})
             stats.choices.append(PLAIN)
             continue
         began = time.perf_counter()  # (a step's own time: not the caller's between tokens)
         context = prompt_ids + out
+        for ahead in (aheads or {}).values():  # every drafter's cache its own again before choosing reads them
+            ahead.wait()
         plan = policy.choose(context, len(out), target.eos_token_ids)
         chosen = plan.candidate
+        ahead_draft = None  # the chosen tree candidate's tree drafted ahead; any other's is dropped (room -1)
+        for key, ahead in (aheads or {}).items():
+            mine = chosen is not None and key == id(chosen.drafter)
+            taken = ahead.take(context, plan.k if mine else -1)
+            ahead_draft = taken if mine else ahead_draft
         if plan.draft is not None:
             draft = plan.draft
         elif chosen is None:
             draft = Draft([])
+        elif ahead_draft is not None:
+            draft = ahead_draft
         else:
             draft = until_eos(chosen.drafter.propose(context, plan.k), target.eos_token_ids)
+        if aheads is not None and chosen is not None and draft.tree is not None and len(draft.tree) > 1:
+            if id(chosen.drafter) not in aheads:
+                aheads[id(chosen.drafter)] = Ahead(chosen.drafter, stats.record_usage)
+            aheads[id(chosen.drafter)].start(context, draft.tree, plan.k, chosen.width, None)
         before = target.usage.seconds  # (a draft may run the target: self-speculation)
         step = verify_step(target, out[-1], draft, sampling, generator)
         if chosen is not None:
@@ -517,9 +563,5 @@ def auto_decoder(target: CausalLM, policy: AutoPolicy, prompt_ids: list[int], ma
         stats.record_draft(step.drafted, len(step.accepted), draft.usage)
         stats.drafted_nodes += step.width - 1 if draft.tree is not None else 0
         stats.choices.append(chosen.name if chosen is not None else PLAIN)
-        pending = step.tokens
+        pending[:] = step.tokens
         policy.pace(plan, time.perf_counter() - began, len(pending))
-    stats.new_tokens = len(out)
-    stats.record_target(target.usage)
-    policy.end(len(out))
-    return stats

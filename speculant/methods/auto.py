@@ -8,7 +8,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from speculant.config import REQUEST_MOST, option
+from speculant.config import REQUEST_MOST, SCHEDULES, option
 from speculant.drafters.spec import as_drafter
 from speculant.errors import ConfigError
 from speculant.methods.drafting import DRAFTER_DTYPES, parse_drafters
@@ -65,6 +65,9 @@ class AutoOptions:
     tree_widths: Any = option((2,), "widths of the token trees auto may also draft with each model drafter (nodes "
                               "per step; empty: chains only)", parse=parse_widths)
     probe_every: int = option(16, "after this many steps in a row without a model draft, try the model drafter again")
+    schedule: str = option("serial", "serial, or stage: while the target verifies a token tree, its drafter drafts the "
+                           "next one on a thread of its own from the likeliest path (Yggdrasil's stage-based "
+                           "scheduling; used where auto chooses that tree again)", choices=SCHEDULES)
 
     def __post_init__(self) -> None:
         if isinstance(self.drafters, str):
@@ -79,6 +82,8 @@ class AutoOptions:
             object.__setattr__(self, "tree_widths", parse_widths(self.tree_widths))
         if any(w < 2 for w in self.tree_widths):
             raise ConfigError(f"tree widths must be >= 2 (1 is a chain), got {self.tree_widths}")
+        if self.schedule not in SCHEDULES:
+            raise ConfigError(f"schedule must be one of {', '.join(SCHEDULES)}, got {self.schedule!r}")
         if self.probe_every < 1:
             raise ConfigError(f"probe_every must be >= 1, got {self.probe_every}")
 
@@ -155,5 +160,5 @@ def build(request: Request, options: AutoOptions) -> Any:
             candidate.load = target.batch_load
         cost = batched_cost(cost, target.batch_load)
     decoder = adaptive(target, candidates, request.prompt_ids, request.max_new_tokens, cost, request.sampling,
-                       request.generator, options.k_max, options.probe_every, session.lengths)
+                       request.generator, options.k_max, options.probe_every, session.lengths, options.schedule)
     return ending(decoder, begun, request.prompt_ids)

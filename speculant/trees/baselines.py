@@ -16,8 +16,6 @@ from collections.abc import Sequence
 
 from speculant.trees.tree import TokenTree
 
-SHAPES = ("egt", "sequoia", "nway")
-
 
 def in_depth_order(ranks: Sequence[int], parents: Sequence[int]) -> TokenTree:
     """The tree renumbered level by level (the root first), each level's nodes in their order of creation."""

@@ -7,15 +7,14 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from speculant.config import AUTO, REQUEST_MOST, count_or_auto, option
+from speculant.config import AUTO, REQUEST_MOST, SCHEDULES, count_or_auto, option
 from speculant.errors import ConfigError
 from speculant.methods.drafting import DrafterOptions
 from speculant.methods.registry import Request, register
 
 
-SCHEDULES = ("serial", "stage")
 OBJECTIVES = ("speedup", "length")
-SHAPES = ("egt", "sequoia", "nway")  # (trees.baselines)
+SHAPES = ("egt", "sequoia", "nway")  # equal growth, or a static shape of `trees.baselines`
 
 
 @dataclass(frozen=True)

@@ -17,13 +17,13 @@ from dataclasses import dataclass
 
 import torch
 
+from speculant.config import SCHEDULES
 from speculant.trees.prune import best_subtrees
 from speculant.trees.tree import TokenTree
 
 PLAN_WIDTHS = (1, 2, 3, 4, 6, 8)  # drafting widths a plan may choose (1: a chain)
 PLAN_DEPTHS = tuple(range(1, 13))
 COVERAGE_RANKS = max(PLAN_WIDTHS)
-SCHEDULES = ("serial", "stage")
 
 
 def expected_tree(coverage: Sequence[float], depth: int, width: int) -> tuple[TokenTree, list[float]]:

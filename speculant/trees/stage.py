@@ -65,6 +65,13 @@ class Ahead:
         spent = {self.drafter.name: self.drafter.model.usage - before}  # (the catch-up on the path included)
         return context, replace(tree, usage=spent), time.perf_counter() - began
 
+    def wait(self) -> None:
+        """Until the tree drafted ahead is done: the drafter's cache is the caller's again."""
+        if self.pending is not None and not self.pending.done():
+            began = time.perf_counter()
+            self.pending.exception()  # (its error, if any, is raised by `take`)
+            self.record.waited_s += time.perf_counter() - began
+
     def take(self, context: list[int], room: int) -> Draft | None:
         """The tree drafted ahead if it was drafted after exactly `context` and is no deeper than `room`, else
         None (it is dropped, its cost told to `on_miss`)."""

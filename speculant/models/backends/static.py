@@ -20,6 +20,7 @@ sequences (`forward_rows`, what a server runs), each row computed as it would be
 
 from __future__ import annotations
 
+import threading
 import time
 import weakref
 from collections.abc import Sequence
@@ -200,6 +201,7 @@ class KVPool:
         self._identity = [True] * width  # which of _index's rows hold the identity now
         self._graph: torch.cuda.CUDAGraph | None = None
         self._out: tuple[torch.Tensor, torch.Tensor] | None = None
+        self._lock = threading.Lock()
 
     def take(self) -> int:
         if not self.free:
@@ -235,9 +237,10 @@ class KVPool:
             if interrupt is not None and interrupt():
                 raise Interrupted()
             chunk = rows[at:at + self.width]
-            out, x = self._step(chunk)  # copies: a CUDA graph's output buffers are rewritten by its next replay
-            logits.append(out[:len(chunk)].to(torch.float32, copy=True))
-            hidden.append(x[:len(chunk)].clone())
+            with self._lock:  # one step at a time through the pool's buffers (a drafter's thread shares them)
+                out, x = self._step(chunk)  # copies: a CUDA graph's output buffers are rewritten by its next replay
+                logits.append(out[:len(chunk)].to(torch.float32, copy=True))
+                hidden.append(x[:len(chunk)].clone())
         if self.device.type == "cuda":  # return once computed, so that a timer around a forward is honest
             torch.cuda.synchronize(self.device)
         return torch.cat(logits), torch.cat(hidden)
