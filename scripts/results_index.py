@@ -151,6 +151,8 @@ ENTRIES: dict[str, tuple[str, str, str | None, str | None, str | None]] = {
     "tree-shapes": ("speculation", "equal-growth trees against Sequoia-style and N-way trees of the same 8 nodes "
                     "(Yggdrasil's Fig. 11 at this scale), beside `llama-completion`, mixed prompts and HumanEval[:10] "
                     "in one run", None, ZEN5, None),
+    "auto-stage": ("speculation", "`auto` with stage scheduling against serial, beside `llama-completion`, mixed "
+                   "prompts and HumanEval[:10] in one run (hit rate and overlap in the rows' stats)", None, ZEN5, None),
     "dsi-simulator.md": ("analysis", "DSI's theorems measured by the offline simulator on the paper's grid (7 servers "
                          "and 1)", "commands in the page", "any (a simulation)", None),
     "heatmap-paper": ("analysis", "the DSI paper's Figures 2 and 7 from the simulator, 7 servers",
