@@ -260,3 +260,26 @@ def run_job(engine, ids, max_tokens=24, sampling=None, seed=None, stops=(), meth
     if isinstance(out[0], BaseException):
         raise out[0]
     return out[0]
+
+
+def assert_served_rows_batch_and_equal_solo(backend_module, target, drafter, prompts, monkeypatch):
+    """A server on `target`'s backend (`backend_module`, whose `forward_rows` runs its batches) runs concurrent
+    requests' calls as one forward per model; each greedy output equals the model's `ar` alone, for sd and auto."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from speculant import generate
+    from speculant.methods import get_method
+    from speculant.serve.engine import Engine
+
+    batched = []  # rows per batched forward
+    forward_rows = backend_module.forward_rows
+    monkeypatch.setattr(backend_module, "forward_rows", lambda rows: batched.append(len(rows)) or forward_rows(rows))
+    expected = [generate(target, prompt_ids=p, method="ar", max_new_tokens=16).text for p in prompts]
+    for method, options in [("sd", {"drafter": drafter, "k": 3}), ("auto", {"drafters": (drafter, "maxgram")})]:
+        batched.clear()
+        engine = Engine(target, method, get_method(method).make_options(options), 8, 16)
+        with ThreadPoolExecutor(len(prompts)) as pool:
+            together = list(pool.map(lambda p: run_job(engine, p, max_tokens=16).text, prompts))
+        engine.close()
+        assert together == expected, method
+        assert max(batched, default=0) > 1, method

@@ -193,28 +193,12 @@ def test_rows_of_several_sequences_in_one_forward_equal_their_own_forwards(lean_
 def test_served_lean_requests_batch_and_equal_their_solo_runs(lean_files, monkeypatch):
     """A server on the lean backend runs concurrent requests' calls as one forward per model; each greedy
     output equals the request alone and the model's `ar`, for sd and auto."""
-    from concurrent.futures import ThreadPoolExecutor
-
-    from helpers import run_job
-    from speculant.methods import get_method
+    from helpers import assert_served_rows_batch_and_equal_solo
     from speculant.models.backends import lean as lean_module
-    from speculant.serve.engine import Engine
-
-    batched = []  # rows per batched forward
-    forward_rows = lean_module.forward_rows
-    monkeypatch.setattr(lean_module, "forward_rows", lambda rows: batched.append(len(rows)) or forward_rows(rows))
 
     target, drafter = lean(lean_files, "qwen2"), lean(lean_files, "qwen2", seed=7)
     prompts = [prompt_ids(40 + i, 4 + 3 * i) for i in range(5)]
-    expected = [generate(target, prompt_ids=p, method="ar", max_new_tokens=16).text for p in prompts]
-    for method, options in [("sd", {"drafter": drafter, "k": 3}), ("auto", {"drafters": (drafter, "maxgram")})]:
-        batched.clear()
-        engine = Engine(target, method, get_method(method).make_options(options), 8, 16)
-        with ThreadPoolExecutor(len(prompts)) as pool:
-            together = list(pool.map(lambda p: run_job(engine, p, max_tokens=16).text, prompts))
-        engine.close()
-        assert together == expected, method
-        assert max(batched, default=0) > 1, method
+    assert_served_rows_batch_and_equal_solo(lean_module, target, drafter, prompts, monkeypatch)
 
 
 @pytest.mark.parametrize("variant", ["qwen2", "llama"])

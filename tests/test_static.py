@@ -200,16 +200,9 @@ def test_rows_of_several_sequences_in_one_forward_equal_their_own_forwards(arch,
 def test_served_static_requests_batch_and_equal_their_solo_runs(monkeypatch):
     """A server on the static backend runs concurrent requests' calls as one forward per model (the pool's
     steps); each greedy output equals the request alone and the model's `ar`, for sd and auto."""
-    from concurrent.futures import ThreadPoolExecutor
-
-    from helpers import run_job
-    from speculant.methods import get_method
+    from helpers import assert_served_rows_batch_and_equal_solo
     from speculant.models.backends import static as static_module
-    from speculant.serve.engine import Engine
 
-    batched = []  # rows per batched forward
-    forward_rows = static_module.forward_rows
-    monkeypatch.setattr(static_module, "forward_rows", lambda rows: batched.append(len(rows)) or forward_rows(rows))
     def served(noise: float) -> StaticCausalLM:
         model = tiny_transformer("qwen2", 0, vocab=BYTE_VOCAB, init_std=0.1)
         if noise:  # a drafter that agrees often, not always
@@ -219,14 +212,5 @@ def test_served_static_requests_batch_and_equal_their_solo_runs(monkeypatch):
                                    parameter.std())
         return StaticCausalLM(StaticWeights(model), byte_tokenizer(), name="tiny", span=96, width=4)
 
-    target, drafter = served(0.0), served(0.3)
     prompts = [list(f"prompt {i}: {'ab' * i}".encode()) for i in range(5)]
-    expected = [generate(target, prompt_ids=p, method="ar", max_new_tokens=16).text for p in prompts]
-    for method, options in [("sd", {"drafter": drafter, "k": 3}), ("auto", {"drafters": (drafter, "maxgram")})]:
-        batched.clear()
-        engine = Engine(target, method, get_method(method).make_options(options), 8, 16)
-        with ThreadPoolExecutor(len(prompts)) as pool:
-            together = list(pool.map(lambda p: run_job(engine, p, max_tokens=16).text, prompts))
-        engine.close()
-        assert together == expected, method
-        assert max(batched, default=0) > 1, method
+    assert_served_rows_batch_and_equal_solo(static_module, served(0.0), served(0.3), prompts, monkeypatch)
