@@ -62,10 +62,10 @@ def test_each_context_gets_its_width():
     flat_cost = lambda n: 1.0  # noqa: E731
     peaked = torch.tensor([0.97, 0.01, 0.01, 0.01])
     spread = torch.tensor([0.4, 0.3, 0.2, 0.1])
-    assert choose_width(peaked, (1, 2, 4), flat_cost, lambda w: 0.02 * w, 15) == 1
-    assert choose_width(spread, (1, 2, 4), flat_cost, lambda w: 0.02 * w, 15) == 4
-    assert choose_width(spread, (1, 2, 4), lambda n: float(n), lambda w: 0.02 * w, 15) == 1  # nodes cost forwards
-    assert choose_width(peaked, (1, 2, 4), flat_cost, lambda w: 0.02 * w, 15, depth=1) == 4  # one level: all free
+    assert choose_width(peaked, (1, 2, 4), flat_cost, lambda w: 0.02 * w, 15, 16) == 1
+    assert choose_width(spread, (1, 2, 4), flat_cost, lambda w: 0.02 * w, 15, 16) == 4
+    assert choose_width(spread, (1, 2, 4), lambda n: float(n), lambda w: 0.02 * w, 15, 16) == 1  # nodes cost forwards
+    assert choose_width(peaked, (1, 2, 4), flat_cost, lambda w: 0.02 * w, 15, 1, exact=True) == 4  # one level: free
 
 
 @pytest.mark.parametrize("arch", [*ARCHS, "mistral"])
@@ -94,7 +94,7 @@ def test_trees_of_changing_widths_stay_lossless(arch):
     prompt = random_prompt(81, 64, 12)
     expected = list(autoregressive(target, prompt, 40, SamplingConfig(), None))
     turns = iter([1, 3, 2, 8] * 40)
-    drafter = TreeDrafter(perturbed(target, 0.2, 8), 2, chooser=lambda probs, depth: next(turns))
+    drafter = TreeDrafter(perturbed(target, 0.2, 8), 2, chooser=lambda probs, depth, exact: next(turns))
     decoder = tree_speculative(target, drafter, prompt, 3, 2, 40)
     tokens = []
     while True:
@@ -131,13 +131,14 @@ def test_sequoia_shape_is_the_best_tree_of_its_size_and_nway_is_chains():
         level = nxt
     full = TokenTree(tuple(ranks), tuple(parents))
     for nodes in (1, 4, 7):
-        shape = sequoia_shape(coverage, nodes)
+        shape = sequoia_shape(coverage, nodes, 4)
         value = [1.0]
         for i in range(1, len(shape)):
             value.append(value[shape.parents[i]] * coverage[shape.tokens[i]])
         assert len(shape) == nodes + 1 and list(shape.depths) == sorted(shape.depths)  # drafted level by level
         best = best_subtrees(full, [0.0, *values[1:]], nodes + 1)[nodes + 1][0]
         assert sum(value[1:]) == pytest.approx(best)
+    assert max(sequoia_shape([0.9, 0.05], 8, 3).depths) == 3  # (within its depth: 8 nodes, not a chain of 8)
     two = nway_shape(2, 3)
     assert sorted(two.depths) == list(two.depths) == [0, 1, 1, 2, 2, 3, 3]
     assert [two.tokens[c] for c in two.child_lists[0]] == [0, 1] and len(two.paths()) == 2

@@ -27,9 +27,10 @@ def in_depth_order(ranks: Sequence[int], parents: Sequence[int]) -> TokenTree:
     return TokenTree(tuple(ranks[i] for i in order), (-1, *(index[parents[i]] for i in order[1:])))
 
 
-def sequoia_shape(coverage: Sequence[float], nodes: int) -> TokenTree:
-    """The `nodes` drafted nodes of the largest total path value under `coverage` (ranks 0..len(coverage) - 1)."""
-    ranks, parents, values = [0], [-1], [1.0]
+def sequoia_shape(coverage: Sequence[float], nodes: int, depth: int) -> TokenTree:
+    """The `nodes` drafted nodes, at most `depth` deep, of the largest total path value under `coverage` (ranks
+    0..len(coverage) - 1)."""
+    ranks, parents, levels = [0], [-1], [0]
     frontier = [(-c, 0, r) for r, c in enumerate(coverage)]  # (-value, parent, rank)
     heapq.heapify(frontier)
     while frontier and len(ranks) <= nodes:
@@ -37,9 +38,10 @@ def sequoia_shape(coverage: Sequence[float], nodes: int) -> TokenTree:
         node = len(ranks)
         ranks.append(rank)
         parents.append(parent)
-        values.append(-value)
-        for r, c in enumerate(coverage):
-            heapq.heappush(frontier, (value * c, node, r))
+        levels.append(levels[parent] + 1)
+        if levels[node] < depth:
+            for r, c in enumerate(coverage):
+                heapq.heappush(frontier, (value * c, node, r))
     return in_depth_order(ranks, parents)
 
 

@@ -62,7 +62,8 @@ def tree_speculative(
             context = prompt_ids + out
             room = min(depth, max_new_tokens - len(out) - 1)
             # (the features' softmax over the vocabulary only where they are read: a decode step's cost)
-            x = Observation(features(last, recent) if "features" in reads else [], hidden) if reads else None
+            x = Observation(features(last, recent) if "features" in reads else [],  # (the predictor's on the CPU)
+                            hidden.float().cpu() if hidden is not None else None) if reads else None
             draft = ahead.take(context, room) if ahead is not None else None
             if draft is None and predictor is not None and cost is not None and step_s is not None and room > 0:
                 draft = drafter.propose_tree(context, min(room, predictor.depth(x, cost, step_s, width)), width)

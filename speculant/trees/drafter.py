@@ -24,7 +24,7 @@ class TreeDrafter(Drafter):
     every tree has that shape, drafted level by level (Sequoia-style and N-way trees)."""
 
     def __init__(self, model: CausalLM | DraftCache, width: int,
-                 chooser: Callable[[torch.Tensor, int | None], int] | None = None, shape: TokenTree | None = None):
+                 chooser: Callable[[torch.Tensor, int, bool], int] | None = None, shape: TokenTree | None = None):
         self.cache = model if isinstance(model, DraftCache) else DraftCache(metered(model))
         self.model = self.cache.model
         self.name = self.model.name
@@ -46,8 +46,8 @@ class TreeDrafter(Drafter):
         With `cost`, the target's forward time T(n) for n tokens, `depth` is a cap: drafting stops as
         soon as no further step can raise the latency-aware objective (Yggdrasil Eq. 3), expected
         accepted length / (drafting time + T(tree size)), path probabilities standing in for acceptance.
-        The drafter's `chooser` replaces `width` by its choice at `depth` (without `cost`: a depth decided) or
-        at the plan's depth.
+        The drafter's `chooser` replaces `width` by its choice for a tree of up to `depth` levels (without `cost`:
+        of `depth` levels, a depth decided).
         """
         if depth == 0:
             return Draft([], usage={self.name: Usage()}, tree=TokenTree((context[-1],), (-1,)), path_probs=[1.0])
@@ -56,7 +56,7 @@ class TreeDrafter(Drafter):
         before = self.model.usage
         logits = self.cache.run(context)  # the tree nodes cached after it are dropped by the next run
         if self.chooser is not None:
-            width = self.chooser(torch.softmax(logits[-1].float(), -1), depth if cost is None else None)
+            width = self.chooser(torch.softmax(logits[-1].float(), -1), depth, cost is None)
         tokens, parents, scores = [context[-1]], [-1], [0.0]
         frontier: list[tuple[float, int, int]] = []  # (path log-probability, parent node, token)
         new_nodes = [0]

@@ -99,7 +99,8 @@ def fixed_shape(options: TreeOptions, target: Any, drafter: Any, prompt_ids: lis
     if options.shape == "nway":
         return nway_shape(options.width, options.depth)
     if options.shape == "sequoia":
-        return sequoia_shape(measured_coverage(target, drafter, prompt_ids, measured), options.depth * options.width)
+        coverage = measured_coverage(target, drafter, prompt_ids, measured)
+        return sequoia_shape(coverage, options.depth * options.width, options.depth)
     return None
 
 

@@ -113,15 +113,15 @@ def rank_coverage(target_logits: torch.Tensor, drafter_logits: torch.Tensor, mos
 
 
 def choose_width(probs: torch.Tensor, widths: Sequence[int], target_cost: Callable[[int], float],
-                 draft_cost: Callable[[int], float], most_nodes: int, depth: int | None = None) -> int:
+                 draft_cost: Callable[[int], float], most_nodes: int, depth: int, exact: bool = False) -> int:
     """The width, among `widths`, whose tree the objective prefers after this context, the drafter's distribution
     at the tree's root (`probs`, [vocab]) standing in for the coverage (a peaked one asks for a chain, a flat one
-    for width): each width at its best depth with at most `most_nodes` drafted nodes (or at `depth`, a
-    predictor's), every node verified. A few hundred operations: paid on every tree."""
+    for width): each width at its best depth up to `depth` with at most `most_nodes` drafted nodes (`exact`: at
+    `depth` itself, a predictor's), every node verified. A few hundred operations: paid on every tree."""
     coverage = probs.topk(max(widths)).values.tolist()
     best, chosen = 0.0, widths[0]
     for width in widths:
-        levels = depth or max(most_nodes // width, 1)
+        levels = depth if exact else max(min(depth, most_nodes // width), 1)
         tree, values = expected_tree(coverage, levels, width)
         per_level = [0.0] * (levels + 1)
         for node_depth, value in zip(tree.depths[1:], values[1:]):
@@ -129,7 +129,7 @@ def choose_width(probs: torch.Tensor, widths: Sequence[int], target_cost: Callab
         length = 0.0
         for d in range(1, levels + 1):
             length += per_level[d]
-            if depth is None or d == depth:
+            if not exact or d == depth:
                 goodput = (1 + length) / (drafting(d, width, draft_cost) + target_cost(1 + d * width))
                 if goodput > best:
                     best, chosen = goodput, width

@@ -15,7 +15,7 @@ import torch
 from speculant.latency import LatencyProfile, forward_costs
 from speculant.config import AUTO
 from speculant.models.base import CausalLM, owner_of
-from speculant.trees.plan import COVERAGE_RANKS, PLAN_WIDTHS, choose_width, rank_coverage, search
+from speculant.trees.plan import COVERAGE_RANKS, PLAN_DEPTHS, PLAN_WIDTHS, choose_width, rank_coverage, search
 
 AUTO_MAX_DEPTH = 16  # `depth=auto`: the objective stops drafting earlier when another step cannot pay
 TARGET_WIDTHS = (1, 2, 4, 8, 16, 32)  # measured T(n); `verify_width=auto` stays within them
@@ -33,16 +33,16 @@ class TreeShape:
 @dataclass(frozen=True)
 class WidthChooser:
     """Per context, the drafting width among `widths` that the objective prefers for a tree of at most
-    `most_nodes` drafted nodes (or of a predictor's `depth`), from the drafter's distribution at the tree's root
-    (`plan.choose_width`)."""
+    `most_nodes` drafted nodes and `depth` levels (`exact`: of that depth, a predictor's), from the drafter's
+    distribution at the tree's root (`plan.choose_width`)."""
 
     widths: tuple[int, ...]
     target_cost: Callable[[int], float]
     draft_cost: Callable[[int], float]
     most_nodes: int
 
-    def __call__(self, probs: torch.Tensor, depth: int | None = None) -> int:
-        return choose_width(probs, self.widths, self.target_cost, self.draft_cost, self.most_nodes, depth)
+    def __call__(self, probs: torch.Tensor, depth: int, exact: bool) -> int:
+        return choose_width(probs, self.widths, self.target_cost, self.draft_cost, self.most_nodes, depth, exact)
 
 
 def measured_costs(model: CausalLM, context: list[int], widths: Sequence[int], measured: Any) -> dict[int, float]:
@@ -87,7 +87,8 @@ def tree_shape(target: CausalLM, drafter: CausalLM, prompt_ids: list[int], depth
         draft_costs = measured_costs(drafter, prompt_ids, PLAN_WIDTHS, measured)
         draft_cost = draft_costs.__getitem__
         coverage = measured_coverage(target, drafter, prompt_ids, measured)
-        width = search(coverage, cost, draft_cost, widths=PLAN_WIDTHS, most_nodes=(most_nodes or 16) - 1).width
+        depths = range(1, depth + 1) if isinstance(depth, int) else PLAN_DEPTHS
+        width = search(coverage, cost, draft_cost, depths, PLAN_WIDTHS, most_nodes=(most_nodes or 16) - 1).width
         chooser = WidthChooser(PLAN_WIDTHS, cost, draft_cost, (most_nodes or 16) - 1)
     if depth == AUTO:
         depth = AUTO_MAX_DEPTH

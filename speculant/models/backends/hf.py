@@ -243,7 +243,8 @@ class HFCausalLM(Backend):
         self._len += n
         logits = out.logits[0].float()  # [n or 1, vocab]
         hidden, _running.hidden = getattr(_running, "hidden", None), None
-        self.last_hidden = hidden[0, -logits.shape[0]:] if hidden is not None else None  # the logits' rows
+        # the logits' rows (a copy: not a view keeping a prompt's every row)
+        self.last_hidden = hidden[0, -logits.shape[0]:].clone() if hidden is not None else None
         if self.device.type == "cuda":  # return once computed, so that a timer around a forward is honest
             torch.cuda.synchronize(self.device)
         return logits

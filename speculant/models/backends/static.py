@@ -40,6 +40,7 @@ from speculant.trees.tree import TokenTree
 ARCHITECTURES = ("llama", "qwen2", "mistral")
 DEFAULT_SPAN = 2048  # positions a handle's cache holds when the model allows more
 WIDTHS = (1, 2, 4, 8, 16, 32)  # the static widths a handle may run at
+GROWTH = 4  # a full pool's growth: 1, 4, 16, 64, 256, 1024 regions (within torch.compile's 8 recompilations)
 
 
 def default_width(device: torch.device) -> int:
@@ -186,8 +187,8 @@ class KVPool:
     """The KV caches of every handle of one span, width and compilation on a StaticWeights: regions of one pair of
     tensors ([layers, kv_heads, regions x (span + width), head_dim]; a region's last `width` slots are written by
     padded rows), so that one step runs rows of several handles (`forward_rows`), each row reading only its own
-    region. A handle takes a region when made and gives it back when dropped; where none is free the pool doubles
-    (its CUDA graph captured again). The step's input buffers, and on a GPU its one CUDA graph, are the pool's:
+    region. A handle takes a region when made and gives it back when dropped; where none is free the pool grows
+    fourfold (`GROWTH`: each size is a compiled step of its own and a CUDA graph captured again, so few sizes). The step's input buffers, and on a GPU its one CUDA graph, are the pool's:
     a solo call and a batch run the same step at the same shapes, so a row's bits never depend on its company."""
 
     def __init__(self, weights: StaticWeights, span: int, width: int, compiled: bool) -> None:
@@ -201,15 +202,17 @@ class KVPool:
         self._identity = [True] * width  # which of _index's rows hold the identity now
         self._graph: torch.cuda.CUDAGraph | None = None
         self._out: tuple[torch.Tensor, torch.Tensor] | None = None
-        self._lock = threading.Lock()
+        self._lock = threading.RLock()  # steps, and the regions' bookkeeping
 
     def take(self) -> int:
-        if not self.free:
-            self._grow(max(2 * self.capacity, 1))
-        return self.free.pop()
+        with self._lock:
+            if not self.free:
+                self._grow(max(GROWTH * self.capacity, 1))
+            return self.free.pop()
 
     def give(self, region: int) -> None:
-        self.free.append(region)
+        with self._lock:  # (re-entrant: a handle's finalizer may run inside a step of this thread)
+            self.free.append(region)
 
     def _grow(self, capacity: int) -> None:
         shape = (len(self.weights.layers), self.weights.kv_heads, capacity * self.stride, self.weights.head_dim)
@@ -413,7 +416,7 @@ class StaticCausalLM(PointerCache, Backend):
     def _run(self, rows: list[_Row], prompt: bool = False) -> torch.Tensor:
         logits, hidden = self.pool.run(rows, self.interrupt)  # (interrupted: the cache as it was before this forward)
         self._len += len(rows)
-        self.last_hidden = hidden[-1:] if prompt else hidden
+        self.last_hidden = hidden[-1:].clone() if prompt else hidden  # (not a view keeping the prompt's rows)
         return logits
 
 
@@ -427,6 +430,8 @@ def forward_rows(rows: Sequence[tuple[StaticCausalLM, Call]]) -> list[torch.Tens
         raise ValueError("forward_rows needs handles on the same weights, span, width and compilation")
     if len({id(handle) for handle, _ in rows}) < len(rows):
         raise ValueError("forward_rows takes one call per handle")
+    if any(call.prefill and not call.ids for _, call in rows):
+        raise ValueError("prefill needs at least one token")
     placed = []
     with torch.inference_mode():
         for handle, call in rows:
@@ -439,6 +444,6 @@ def forward_rows(rows: Sequence[tuple[StaticCausalLM, Call]]) -> list[torch.Tens
         handle._len += len(calls)
         mine, states = logits[at:at + len(calls)], hidden[at:at + len(calls)]
         out.append(mine[-1] if call.prefill else mine)
-        handle.last_hidden = states[-1:] if call.prefill else states
+        handle.last_hidden = states[-1:].clone() if call.prefill else states
         at += len(calls)
     return out
