@@ -90,10 +90,15 @@ class Ahead:
         return draft
 
     def close(self) -> None:
+        """Wait for a tree still drafting (the drafter is not left running under the next user of its cache) and
+        count it, unused."""
         try:
             if self.pending is not None:
-                self.pending.result()  # (the drafter is not left running under the next user of its cache)
+                _, draft, _ = self.pending.result()
+                self.record.drafted += 1  # (its drafting time is not counted as overlap: it overlapped nothing used)
+                self.on_miss(draft.usage)
         except Exception:  # noqa: BLE001 - the generation's own error, if any, is the one to report
             pass
         finally:
+            self.pending = None
             self.pool.shutdown()
