@@ -498,70 +498,52 @@ def auto_decoder(target: CausalLM, policy: AutoPolicy, prompt_ids: list[int], ma
     target = metered(target)
     logits = target.prefill(prompt_ids)
     pending = [next_token(logits, sampling, generator)]
+    stage = schedule == "stage"
     aheads: dict[int, Ahead] = {}  # per tree candidate (its drafter): its thread, where stage scheduling is on
     try:
-        yield from _auto_steps(target, policy, prompt_ids, max_new_tokens, sampling, generator, stats, out, pending,
-                               aheads if schedule == "stage" else None)
+        while not (yield from emit(pending, out, max_new_tokens, target.eos_token_ids)):
+            if policy.governed:  # plain decoding to the end, as `ar` runs it: no choosing, no bookkeeping
+                pending = [next_token(target.forward(pending[-1:])[-1], sampling, generator)]
+                stats.record_draft(0, 0, {})
+                stats.choices.append(PLAIN)
+                continue
+            began = time.perf_counter()  # (a step's own time: not the caller's between tokens)
+            context = prompt_ids + out
+            for ahead in aheads.values():  # every drafter's cache its own again before choosing reads them
+                ahead.wait()
+            plan = policy.choose(context, len(out), target.eos_token_ids)
+            chosen = plan.candidate
+            ahead_draft = None  # the chosen tree candidate's tree drafted ahead; any other's is dropped (room -1)
+            for key, ahead in aheads.items():
+                mine = chosen is not None and key == id(chosen.drafter)
+                ahead_draft = ahead.take(context, plan.k if mine else -1) or ahead_draft
+            if plan.draft is not None:
+                draft = plan.draft
+            elif chosen is None:
+                draft = Draft([])
+            elif ahead_draft is not None:
+                draft = ahead_draft
+            else:
+                draft = until_eos(chosen.drafter.propose(context, plan.k), target.eos_token_ids)
+            if stage and chosen is not None and draft.tree is not None and len(draft.tree) > 1:
+                if id(chosen.drafter) not in aheads:
+                    aheads[id(chosen.drafter)] = Ahead(chosen.drafter, stats.record_usage)
+                aheads[id(chosen.drafter)].start(context, draft.tree, plan.k, chosen.width, None)
+            before = target.usage.seconds  # (a draft may run the target: self-speculation)
+            step = verify_step(target, out[-1], draft, sampling, generator)
+            if chosen is not None:
+                chosen.drafter.observe(len(step.accepted))
+            policy.observe(plan, draft, step, target.usage.seconds - before, sampling.greedy)
+            stats.record_draft(step.drafted, len(step.accepted), draft.usage)
+            stats.drafted_nodes += step.width - 1 if draft.tree is not None else 0
+            stats.choices.append(chosen.name if chosen is not None else PLAIN)
+            pending = step.tokens
+            policy.pace(plan, time.perf_counter() - began, len(pending))
     finally:
         for ahead in aheads.values():
             ahead.close()
-        stats.stage = _stage_record(aheads.values()) if aheads else None
+        stats.stage = sum((ahead.record for ahead in aheads.values()), StageRecord()) if aheads else None
     stats.new_tokens = len(out)
     stats.record_target(target.usage)
     policy.end(len(out))
     return stats
-
-
-def _stage_record(aheads: Any) -> StageRecord:
-    """The trees drafted ahead over every tree candidate's thread."""
-    total = StageRecord()
-    for ahead in aheads:
-        record = ahead.record
-        total = StageRecord(total.drafted + record.drafted, total.hits + record.hits,
-                            total.ahead_s + record.ahead_s, total.waited_s + record.waited_s)
-    return total
-
-
-def _auto_steps(target: CausalLM, policy: AutoPolicy, prompt_ids: list[int], max_new_tokens: int,
-                sampling: SamplingConfig, generator: torch.Generator | None, stats: GenerationStats, out: list[int],
-                pending: list[int], aheads: dict[int, Ahead] | None) -> Decoder:
-    """`auto_decoder`'s steps."""
-    while not (yield from emit(pending, out, max_new_tokens, target.eos_token_ids)):
-        if policy.governed:  # plain decoding to the end, as `ar` runs it: no choosing, no bookkeeping
-            pending[:] = [next_token(target.forward(pending[-1:])[-1], sampling, generator)]
-            stats.record_draft(0, 0, {})
-            stats.choices.append(PLAIN)
-            continue
-        began = time.perf_counter()  # (a step's own time: not the caller's between tokens)
-        context = prompt_ids + out
-        for ahead in (aheads or {}).values():  # every drafter's cache its own again before choosing reads them
-            ahead.wait()
-        plan = policy.choose(context, len(out), target.eos_token_ids)
-        chosen = plan.candidate
-        ahead_draft = None  # the chosen tree candidate's tree drafted ahead; any other's is dropped (room -1)
-        for key, ahead in (aheads or {}).items():
-            mine = chosen is not None and key == id(chosen.drafter)
-            taken = ahead.take(context, plan.k if mine else -1)
-            ahead_draft = taken if mine else ahead_draft
-        if plan.draft is not None:
-            draft = plan.draft
-        elif chosen is None:
-            draft = Draft([])
-        elif ahead_draft is not None:
-            draft = ahead_draft
-        else:
-            draft = until_eos(chosen.drafter.propose(context, plan.k), target.eos_token_ids)
-        if aheads is not None and chosen is not None and draft.tree is not None and len(draft.tree) > 1:
-            if id(chosen.drafter) not in aheads:
-                aheads[id(chosen.drafter)] = Ahead(chosen.drafter, stats.record_usage)
-            aheads[id(chosen.drafter)].start(context, draft.tree, plan.k, chosen.width, None)
-        before = target.usage.seconds  # (a draft may run the target: self-speculation)
-        step = verify_step(target, out[-1], draft, sampling, generator)
-        if chosen is not None:
-            chosen.drafter.observe(len(step.accepted))
-        policy.observe(plan, draft, step, target.usage.seconds - before, sampling.greedy)
-        stats.record_draft(step.drafted, len(step.accepted), draft.usage)
-        stats.drafted_nodes += step.width - 1 if draft.tree is not None else 0
-        stats.choices.append(chosen.name if chosen is not None else PLAIN)
-        pending[:] = step.tokens
-        policy.pace(plan, time.perf_counter() - began, len(pending))

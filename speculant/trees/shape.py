@@ -12,7 +12,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from speculant.latency import LatencyProfile, forward_costs
+from speculant.latency import MACHINE_WIDTHS, LatencyProfile, forward_costs
 from speculant.config import AUTO
 from speculant.models.base import CausalLM, owner_of
 from speculant.trees.plan import COVERAGE_RANKS, PLAN_DEPTHS, PLAN_WIDTHS, choose_width, rank_coverage, search
@@ -63,11 +63,14 @@ def measured_coverage(target: CausalLM, drafter: CausalLM, context: list[int], m
     per_target = measured.setdefault(owner_of(target), {})
     if key not in per_target:
         text = context[-COVERAGE_TOKENS:]
-        logits = []
-        for model in (target, drafter):
-            model.prefill(text[:1])
-            logits.append(model.forward(text[1:-1]) if len(text) > 2 else torch.zeros(0, model.vocab_size))
-        per_target[key] = rank_coverage(*logits) if len(text) > 2 else [0.0] * COVERAGE_RANKS
+        if len(text) < 3:  # no position to score: nothing known to pay
+            per_target[key] = [0.0] * COVERAGE_RANKS
+        else:
+            logits = []
+            for model in (target, drafter):
+                model.prefill(text[:1])
+                logits.append(model.forward(text[1:-1]))
+            per_target[key] = rank_coverage(*logits)
     return per_target[key]
 
 
@@ -88,8 +91,9 @@ def tree_shape(target: CausalLM, drafter: CausalLM, prompt_ids: list[int], depth
         draft_cost = draft_costs.__getitem__
         coverage = measured_coverage(target, drafter, prompt_ids, measured)
         depths = range(1, depth + 1) if isinstance(depth, int) else PLAN_DEPTHS
-        width = search(coverage, cost, draft_cost, depths, PLAN_WIDTHS, most_nodes=(most_nodes or 16) - 1).width
-        chooser = WidthChooser(PLAN_WIDTHS, cost, draft_cost, (most_nodes or 16) - 1)
+        nodes = (most_nodes or max(MACHINE_WIDTHS)) - 1  # drafted nodes within the target's measured T(W)
+        width = search(coverage, cost, draft_cost, depths, PLAN_WIDTHS, most_nodes=nodes).width
+        chooser = WidthChooser(PLAN_WIDTHS, cost, draft_cost, nodes)
     if depth == AUTO:
         depth = AUTO_MAX_DEPTH
     if verify_width == AUTO or (verify_width is None and cost is not None):

@@ -29,6 +29,10 @@ class StageRecord:
     ahead_s: float = 0.0
     waited_s: float = 0.0
 
+    def __add__(self, other: StageRecord) -> StageRecord:
+        return StageRecord(self.drafted + other.drafted, self.hits + other.hits, self.ahead_s + other.ahead_s,
+                           self.waited_s + other.waited_s)
+
     @property
     def hit_rate(self) -> float:
         return self.hits / self.drafted if self.drafted else 0.0

@@ -199,7 +199,7 @@ class KVPool:
         self.keys = self.values = torch.empty(0)
         self._rows = torch.zeros(4, width, dtype=torch.long, device=self.device)  # ids, positions, slots, offsets
         self._index = torch.arange(span, device=self.device).repeat(width, 1)  # row r's key j: slot j of its region
-        self._identity = [True] * width  # which of _index's rows hold the identity now
+        self._index_moved = False  # a tree's step left the index other than the identity
         self._graph: torch.cuda.CUDAGraph | None = None
         self._out: tuple[torch.Tensor, torch.Tensor] | None = None
         self._lock = threading.RLock()  # steps, and the regions' bookkeeping
@@ -250,19 +250,18 @@ class KVPool:
 
     def _step(self, chunk: Sequence[_Row]) -> tuple[torch.Tensor, torch.Tensor]:
         """One step of `width` rows (the CUDA graph where one is captured): its inputs copied into the pool's
-        buffers, a key index row only where a tree moves it or moved it."""
-        pad = chunk[0].handle.offset + self.span  # padded rows write their region's last slots
-        inputs = np.zeros((4, self.width), dtype=np.int64)
-        for r in range(self.width):
-            row = chunk[r] if r < len(chunk) else None
-            offset = row.handle.offset if row is not None else chunk[0].handle.offset
-            inputs[:, r] = (row.token, row.position, offset + row.slot, offset) if row is not None else \
-                (0, self.span + r, pad + r, offset)
-            index = row.index if row is not None else None
-            if index is not None or not self._identity[r]:
-                self._index[r].copy_(torch.from_numpy(index) if index is not None else
-                                     torch.arange(self.span, device=self.device))
-                self._identity[r] = index is None
+        buffers, the key index (one copy) only where a tree moves it or moved it."""
+        first = chunk[0].handle.offset  # padded rows write the first row's region's last slots
+        inputs = np.array([(row.token, row.position, row.handle.offset + row.slot, row.handle.offset) for row in chunk] +
+                          [(0, self.span + r, first + self.span + r, first) for r in range(len(chunk), self.width)],
+                          dtype=np.int64).T
+        trees = [(r, row.index) for r, row in enumerate(chunk) if row.index is not None]
+        if trees or self._index_moved:
+            index = np.tile(np.arange(self.span), (self.width, 1))
+            for r, rows_index in trees:
+                index[r] = rows_index
+            self._index.copy_(torch.from_numpy(index))
+            self._index_moved = bool(trees)
         self._rows.copy_(torch.from_numpy(inputs))
         if not self.compiled:
             return self.weights(self.keys, self.values, *self._inputs)
