@@ -7,7 +7,8 @@ does (it is the CPU's, measured on the real weights). Measured, each at 256 cach
 model eager, and compiled with CUDA graphs; greedy `ar` tok/s compiled against transformers' own `generate`
 with a static cache under torch.compile (the gpt-fast-style reference); the drafter's cost ratio; and that greedy
 `sd` and `tree` on the compiled pair give `ar`'s tokens; `auto` against `ar` where nothing is accepted (A B B A);
-8 sequences' rows batched in the compiled step against each alone. `--smoke` runs the same code on tiny
+8 sequences' rows batched in the compiled step against each alone; a tree's draft levels as one CUDA graph against one
+replay per level. `--smoke` runs the same code on tiny
 configurations (on the CPU, to check the script)."""
 
 from __future__ import annotations
@@ -245,7 +246,15 @@ def main() -> int:
         return {"rows": len(handles), "equal": batched == alone, "alone tok/s": n / alone_s,
                 "batched tok/s": n / batched_s}
 
-    sections = {"auto": auto, "speculation": speculation, "drafter": drafter_cost, "rows": rows,  # (first: the open questions)
+    def draft() -> dict:
+        """T(draft) of the compiled 0.5B (x16 rows): a tree of width 4 level by level (a CUDA graph replayed per
+        level, the frontier chosen on the host between them) against its levels as one CUDA graph
+        (scripts/draft_graph.py)."""
+        from draft_graph import draft_costs
+
+        return draft_costs(weights["0.5b"], 4, [2] if args.smoke else [4], args.repeats, compiled=True, rows=16)
+
+    sections = {"auto": auto, "speculation": speculation, "drafter": drafter_cost, "rows": rows, "draft": draft,
                 "compiled T(W) ms": compiled_costs, "ar": tokens_per_second, "eager T(W) ms": eager_costs}
     for name in args.sections or sections:
         section(name, sections[name])

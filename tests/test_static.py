@@ -72,12 +72,12 @@ def test_it_computes_what_transformers_computes():
         assert torch.allclose(got, expected[4:], atol=1e-5), arch
 
 
-def _methods(target, drafter, prompt: list[int], tokens: int = 24) -> dict[str, list[int]]:
-    """Greedy tokens of ar, sd, tree and cascade on the static target."""
+def _methods(target, drafter, prompt: list[int], tokens: int = 24, depth: int = 4) -> dict[str, list[int]]:
+    """Greedy tokens of ar, sd, tree (its levels in one call: `draft_graph`) and cascade on the static target."""
     return {"ar": generate(target, prompt_ids=prompt, method="ar", max_new_tokens=tokens).token_ids,
             "sd": generate(target, prompt_ids=prompt, method="sd", drafter=drafter, k=5,
                            max_new_tokens=tokens).token_ids,
-            "tree": generate(target, prompt_ids=prompt, method="tree", drafter=drafter, depth=4, width=2,
+            "tree": generate(target, prompt_ids=prompt, method="tree", drafter=drafter, depth=depth, width=2,
                              max_new_tokens=tokens).token_ids,
             "cascade": generate(target, prompt_ids=prompt, method="cascade", drafters=[drafter, "maxgram"],
                                 max_new_tokens=tokens).token_ids}
@@ -128,7 +128,7 @@ def test_compiled_steps_give_the_eager_tokens(device):
     drafter = static(transformer(arch, 0, device=device, noise=0.05), compiled=True)
     prompt = [3, 1, 4, 1, 5]
     expected = generate(eager, prompt_ids=prompt, method="ar", max_new_tokens=24).token_ids
-    assert all(tokens == expected for tokens in _methods(target, drafter, prompt).values())
+    assert all(tokens == expected for tokens in _methods(target, drafter, prompt, depth=2).values())  # (one graph)
     assert target.weights.compile_seconds > 0
     one, many = target.share(), target.share()
     first = one.prefill(prompt)
@@ -214,3 +214,33 @@ def test_served_static_requests_batch_and_equal_their_solo_runs(monkeypatch):
 
     prompts = [list(f"prompt {i}: {'ab' * i}".encode()) for i in range(5)]
     assert_served_rows_batch_and_equal_solo(static_module, served(0.0), served(0.3), prompts, monkeypatch)
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_a_tree_grown_in_one_call_is_the_level_by_level_tree(arch):
+    """`draft_tree` (a tree's levels in one call, `trees.levels`) grows the tree the Python loop grows, eager: the same
+    tokens, parents and path probabilities, bit for bit, and the same keys cached for its levels; levels wider than
+    the step's rows (6 > 4) run in several steps; Mistral's window shorter than the context."""
+    from speculant.trees.drafter import TreeDrafter
+
+    weights = StaticWeights(transformer(arch, 1))
+    context = [(7 * i) % 64 for i in range(20)]
+    for width, depth in ((1, 5), (2, 4), (6, 3)):
+        loop, graph = (TreeDrafter(StaticCausalLM(weights, span=96), width, graph=g) for g in (False, True))
+        assert graph.graph and not loop.graph
+        a, b = loop.propose_tree(context, depth, width), graph.propose_tree(context, depth, width)
+        assert a.tree == b.tree and a.path_probs == b.path_probs and len(a.tree) == 1 + depth * width
+        assert loop.model.cache_len == graph.model.cache_len == len(context) + (depth - 1) * width
+        assert graph.model.usage.steps == loop.model.usage.steps  # (one forward per level but the last, counted)
+        n = len(context) + (depth - 1) * width
+        assert torch.equal(loop.model.model._keys[:, :, :n], graph.model.model._keys[:, :, :n])
+
+
+def test_a_compiled_tree_is_one_graph_of_the_same_tree():
+    """Compiled, the levels are one inductor graph: the same tree as the compiled steps grow level by level."""
+    from speculant.trees.drafter import TreeDrafter
+
+    weights = StaticWeights(transformer("qwen2", 2))
+    loop, graph = (TreeDrafter(StaticCausalLM(weights, span=96, compiled=True), 2, graph=g) for g in (False, True))
+    context = [(5 * i) % 64 for i in range(12)]
+    assert loop.propose_tree(context, 2, 2).tree == graph.propose_tree(context, 2, 2).tree

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Protocol, runtime_checkable
 
 import torch
@@ -92,6 +92,7 @@ class Capabilities:
     hidden_states: bool = False
     gguf: bool = False
     reuses_prefixes: bool = False
+    drafts_trees: bool = False
 
 
 class Backend:
@@ -313,6 +314,9 @@ class Delegating(Backend):
     def import_kv(self, pieces: Sequence[Any]) -> None:
         self.model.import_kv(pieces)
 
+    def draft_tree(self, root_logits: torch.Tensor, depth: int, width: int) -> tuple[list[int], list[int], list[float]]:
+        return self.model.draft_tree(root_logits, depth, width)
+
     @property
     def weights_key(self) -> int:
         return self.model.weights_key
@@ -348,6 +352,11 @@ class Delegating(Backend):
 
 class Wrapper(Delegating):
     """A CausalLM around another that changes its logits (`models.wrappers`: logprobs, biased, constrained)."""
+
+    @property
+    def capabilities(self) -> Capabilities:
+        """The wrapped model's, less drafting trees on the device (which would skip the changed logits)."""
+        return replace(self.model.capabilities, drafts_trees=False)
 
 
 def unwrapped(model: Any) -> Any:

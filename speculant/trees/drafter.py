@@ -21,16 +21,20 @@ class TreeDrafter(Drafter):
     latency-aware stop). `model` may be a chain drafter's DraftCache: the tree then catches up from where the
     chain left it. With a `chooser` (`trees.shape.WidthChooser`), each tree's width is chosen after its context,
     from the drafter's distribution at its root, instead; with a `shape` (a tree of ranks, `trees.baselines`),
-    every tree has that shape, drafted level by level (Sequoia-style and N-way trees)."""
+    every tree has that shape, drafted level by level (Sequoia-style and N-way trees). A tree of a depth decided
+    before drafting, on a model that `drafts_trees` (the static backend), grows on the device in one call (one
+    compiled graph: `trees.levels`) unless `graph` is False."""
 
     def __init__(self, model: CausalLM | DraftCache, width: int,
-                 chooser: Callable[[torch.Tensor, int, bool], int] | None = None, shape: TokenTree | None = None):
+                 chooser: Callable[[torch.Tensor, int, bool], int] | None = None, shape: TokenTree | None = None,
+                 graph: bool = True):
         self.cache = model if isinstance(model, DraftCache) else DraftCache(metered(model))
         self.model = self.cache.model
         self.name = self.model.name
         self.width = width
         self.chooser = chooser
         self.shape = shape
+        self.graph = graph and self.model.capabilities.drafts_trees
 
     def propose(self, context: list[int], k: int) -> Draft:
         return self.propose_tree(context, k, self.width)
@@ -57,6 +61,11 @@ class TreeDrafter(Drafter):
         logits = self.cache.run(context)  # the tree nodes cached after it are dropped by the next run
         if self.chooser is not None:
             width = self.chooser(torch.softmax(logits[-1].float(), -1), depth, cost is None)
+        if self.graph and cost is None and depth > 1:
+            tokens, parents, scores = self.model.draft_tree(logits[-1], depth, width)
+            tokens[0] = context[-1]
+            return Draft([], usage={self.name: self.model.usage - before}, tree=TokenTree(tuple(tokens), tuple(parents)),
+                         path_probs=[math.exp(v) for v in scores])
         tokens, parents, scores = [context[-1]], [-1], [0.0]
         frontier: list[tuple[float, int, int]] = []  # (path log-probability, parent node, token)
         new_nodes = [0]

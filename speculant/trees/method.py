@@ -39,6 +39,10 @@ class TreeOptions(DrafterOptions):
     shape: str = option("egt", "egt: equal-growth trees (Yggdrasil); sequoia: every tree the static shape of depth x "
                         "width nodes that the drafter's rank coverage on the prompt favours (Sequoia); nway: width "
                         "greedy chains of depth nodes from the root's likeliest tokens", choices=SHAPES)
+    draft_graph: bool = option(True, "where the drafter's backend grows trees on the device (static) and a tree's "
+                               "depth is decided before drafting (a depth predictor, or objective length), its levels "
+                               "run in one call, one graph where the drafter is compiled (Yggdrasil); off: level by "
+                               "level from Python")
     depth_predictor: str = option(AUTO, "a depth predictor's JSON, auto (the one `speculant train-depth` made for "
                                   "this target and drafter, if any: hidden-state where the backend gives them) or "
                                   "off", operator=True)
@@ -85,7 +89,7 @@ def build(request: Request, options: TreeOptions) -> Any:
     elif predictor is not None and cost is None:
         cost = request.session.profile(request.target).cost
     chooser = shape.chooser if options.objective == "speedup" else None  # (length: no cost weighs a width either)
-    drafter = TreeDrafter(request.session.cache(model), shape.width, chooser, static)
+    drafter = TreeDrafter(request.session.cache(model), shape.width, chooser, static, options.draft_graph)
     return tree_speculative(request.target, drafter, request.prompt_ids,
                             shape.depth, shape.width, request.max_new_tokens, request.sampling, request.generator,
                             shape.verify_width, cost, predictor, schedule=options.schedule)

@@ -23,7 +23,7 @@ from __future__ import annotations
 import threading
 import time
 import weakref
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -35,12 +35,14 @@ from torch import nn
 from speculant.errors import ConfigError
 from speculant.models.base import Backend, Call, Capabilities, Interrupted, PointerCache
 from speculant.models.windows import layer_windows
+from speculant.trees.levels import grow
 from speculant.trees.tree import TokenTree
 
 ARCHITECTURES = ("llama", "qwen2", "mistral")
 DEFAULT_SPAN = 2048  # positions a handle's cache holds when the model allows more
 WIDTHS = (1, 2, 4, 8, 16, 32)  # the static widths a handle may run at
 GROWTH = 4  # a full pool's growth: 1, 4, 16, 64, 256, 1024 regions (within torch.compile's 8 recompilations)
+DRAFT_GRAPHS = 64  # compiled draft graphs (one per depth, width and pool size) before torch.compile stops compiling
 
 
 def default_width(device: torch.device) -> int:
@@ -111,6 +113,7 @@ class StaticWeights(nn.Module):
         self.register_buffer("sin", angles.sin().float().to(device))
         self.compile_seconds: float | None = None  # the first compiled step's compile time
         self._compiled: Any = None
+        self._compiled_draft: Any = None
         self.pools: dict[tuple[int, int, bool], KVPool] = {}  # (span, width, compiled) -> its handles' caches
 
     def pool(self, span: int, width: int, compiled: bool) -> KVPool:
@@ -170,6 +173,23 @@ class StaticWeights(nn.Module):
             self._compiled = torch.compile(self.forward, fullgraph=True, dynamic=False)
         return self._compiled
 
+    def draft(self, keys: torch.Tensor, values: torch.Tensor, root_logits: torch.Tensor, root: torch.Tensor,
+              offset: torch.Tensor, depth: int, width: int, rows: int,
+              span: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """An equal-growth tree below the root cached at `root` of the region at `offset` (`trees.levels.grow`), its
+        levels run as steps of `rows` rows: what `compiled_draft` makes one graph of."""
+
+        def step(ids: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+            return self.forward(keys, values, ids, positions, offset + slots, index, offset.expand(rows))[0]
+
+        return grow(step, root_logits, root, depth, width, rows, span)
+
+    def compiled_draft(self) -> Any:
+        """`draft` under `torch.compile`: a tree's levels as one graph (one per depth, width and shape of the pool)."""
+        if self._compiled_draft is None:
+            self._compiled_draft = torch.compile(self.draft, fullgraph=True, dynamic=False)
+        return self._compiled_draft
+
 
 @dataclass(frozen=True)
 class _Row:
@@ -202,6 +222,9 @@ class KVPool:
         self._index_moved = False  # a tree's step left the index other than the identity
         self._graph: torch.cuda.CUDAGraph | None = None
         self._out: tuple[torch.Tensor, torch.Tensor] | None = None
+        self._root = torch.zeros(2, dtype=torch.long, device=self.device)  # a tree's root position and region offset
+        self._root_logits = torch.zeros(weights.vocab_size, device=self.device)  # the drafter's logits at the root
+        self._drafts: dict[tuple[int, int], tuple[torch.cuda.CUDAGraph, Any]] = {}  # (depth, width): a CUDA graph
         self._lock = threading.RLock()  # steps, and the regions' bookkeeping
 
     def take(self) -> int:
@@ -223,7 +246,8 @@ class KVPool:
             keys[:, :, :used], values[:, :, :used] = self.keys, self.values
         self.keys, self.values = keys, values
         self.free = list(range(capacity - 1, self.capacity - 1, -1)) + self.free
-        self.capacity, self._graph = capacity, None  # (a graph over the old tensors: captured again)
+        self.capacity, self._graph = capacity, None  # (graphs over the old tensors: captured again)
+        self._drafts.clear()
 
     def region(self, region: int) -> tuple[torch.Tensor, torch.Tensor]:
         """A region's keys and values (views: written in place)."""
@@ -248,6 +272,31 @@ class KVPool:
             torch.cuda.synchronize(self.device)
         return torch.cat(logits), torch.cat(hidden)
 
+    @torch.inference_mode()
+    def draft(self, handle: StaticCausalLM, root_logits: torch.Tensor, depth: int,
+              width: int) -> tuple[list[int], list[int], list[float]]:
+        """An equal-growth tree below `handle`'s last cached token, its levels in one call (`StaticWeights.draft`;
+        compiled: one graph, on a GPU one CUDA graph per depth and width): tokens, parents, path log-probabilities."""
+        with self._lock:
+            self._root.copy_(torch.tensor([handle.cache_len - 1, handle.offset]))
+            self._root_logits.copy_(root_logits)
+
+            def run() -> tuple[torch.Tensor, ...]:
+                draft = self.weights.compiled_draft() if self.compiled else self.weights.draft
+                with torch._dynamo.config.patch(recompile_limit=DRAFT_GRAPHS):
+                    return draft(self.keys, self.values, self._root_logits, self._root[0], self._root[1], depth,
+                                 width, self.width, self.span)
+
+            if not self.compiled or self.device.type != "cuda":
+                out = run()
+            else:
+                if (depth, width) not in self._drafts:
+                    self._drafts[depth, width] = self._capture(run)
+                graph, out = self._drafts[depth, width]
+                graph.replay()
+            tokens, parents, scores = (tensor.tolist() for tensor in out)  # (read before another replay rewrites them)
+        return tokens, parents, scores
+
     def _step(self, chunk: Sequence[_Row]) -> tuple[torch.Tensor, torch.Tensor]:
         """One step of `width` rows (the CUDA graph where one is captured): its inputs copied into the pool's
         buffers, the key index (one copy) only where a tree moves it or moved it."""
@@ -269,7 +318,7 @@ class KVPool:
         if self.device.type != "cuda":
             return self._timed(step)
         if self._graph is None:
-            self._graph, self._out = self._capture(step)
+            self._graph, self._out = self._capture(lambda: self._timed(step))
         self._graph.replay()
         return self._out
 
@@ -290,18 +339,18 @@ class KVPool:
         self.weights.compile_seconds = time.perf_counter() - began
         return out
 
-    def _capture(self, step: Any) -> tuple[torch.cuda.CUDAGraph, tuple[torch.Tensor, torch.Tensor]]:
-        """The step as a CUDA graph over the pool's caches and input buffers, after warm-up runs on a side stream
-        (they compile it, and write what the captured step writes)."""
+    def _capture(self, run: Callable[[], Any]) -> tuple[torch.cuda.CUDAGraph, Any]:
+        """`run` (a step, or a tree's draft levels, over the pool's caches and input buffers) as a CUDA graph, after two
+        warm-up runs on a side stream (they compile it, and write what the captured run writes); its outputs."""
         stream = torch.cuda.Stream(self.device)
         stream.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(stream):
-            self._timed(step)
-            step(self.keys, self.values, *self._inputs)
+            run()
+            run()
         torch.cuda.current_stream(self.device).wait_stream(stream)
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph):
-            out = step(self.keys, self.values, *self._inputs)
+            out = run()
         return graph, out
 
 
@@ -313,7 +362,7 @@ class StaticCausalLM(PointerCache, Backend):
 
     backend = "static"
     capabilities = Capabilities(shares_weights=True, batches_rows=True, prefills_in_parts=True, interruptible=True,
-                                sliding_window=True, hidden_states=True)
+                                sliding_window=True, hidden_states=True, drafts_trees=True)
 
     def draft_model(self, spec: Any, dtype: str | None) -> Any:
         from speculant.models.loading import transformers_drafter
@@ -389,6 +438,15 @@ class StaticCausalLM(PointerCache, Backend):
         """With `tree`, `ids` are its last len(ids) nodes, its earlier nodes the last cached positions; each node
         attends to the cache before the tree and its own ancestors."""
         return self._run(self._place(list(ids), tree, positions))
+
+    def draft_tree(self, root_logits: torch.Tensor, depth: int, width: int) -> tuple[list[int], list[int], list[float]]:
+        """`drafts_trees` (see Capabilities): the pool's `draft`, the tree's first depth - 1 levels left cached."""
+        if self._len + (depth - 1) * width > self.span:
+            raise ValueError(f"{self._len + (depth - 1) * width} positions exceed the static cache of {self.span}")
+        tree = self.pool.draft(self, root_logits, depth, width)
+        self._len += (depth - 1) * width
+        self.last_hidden = None
+        return tree
 
     def _place(self, ids: list[int], tree: TokenTree | None, positions: Sequence[int] | None = None) -> list[_Row]:
         """A call's rows, after the cached positions: a chain's at consecutive positions, a tree's nodes at their

@@ -1,0 +1,82 @@
+"""T(draft) of one equal-growth tree, level by level from Python against its levels in one call (`trees.levels`;
+one compiled graph where the drafter is compiled), on the static backend: the median milliseconds of a tree of each
+depth below a 200-token context, the trees compared (equal tokens). The drafter: a random Qwen2-shaped model (a
+forward of ~1-2 ms on a 2-core CPU at the defaults), eager and compiled, one thread. scripts/gpu_static.py's `draft`
+section calls `draft_costs` on a GPU with the 0.5B's shape.
+
+    python scripts/draft_graph.py docs/results/draft-graph.json [--depths 2 4 8 --width 4 --repeats 30]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import statistics
+import time
+
+import torch
+from transformers import Qwen2Config, Qwen2ForCausalLM
+
+from speculant.models.backends.static import StaticCausalLM, StaticWeights
+from speculant.trees.drafter import TreeDrafter
+
+CONTEXT = 200
+
+
+def draft_costs(weights: StaticWeights, width: int, depths: list[int], repeats: int, compiled: bool,
+                rows: int = 4) -> dict:
+    """Per depth: the milliseconds of one tree drafted level by level and in one call (median of `repeats` after a
+    warm-up, which compiles), and whether both gave the same tree."""
+    device = weights.device
+    context = torch.randint(0, weights.vocab_size, (CONTEXT,), generator=torch.Generator().manual_seed(0)).tolist()
+    out = {}
+    for depth in depths:
+        row = {}
+        for label, graph in (("levels", False), ("one call", True)):
+            drafter = TreeDrafter(StaticCausalLM(weights, width=rows, span=1024, compiled=compiled), width, graph=graph)
+            samples = []
+            for i in range(repeats + 1):
+                if device.type == "cuda":
+                    torch.cuda.synchronize()
+                began = time.perf_counter()
+                draft = drafter.propose_tree(context, depth, width)
+                if device.type == "cuda":
+                    torch.cuda.synchronize()
+                samples.append(time.perf_counter() - began)
+            row[f"{label} ms"] = statistics.median(samples[1:]) * 1e3
+            row[f"{label} first ms"] = samples[0] * 1e3
+            row[f"{label} tree"] = draft.tree.tokens
+        row["equal"] = row.pop("levels tree") == row.pop("one call tree")
+        row["levels / one call"] = row["levels ms"] / row["one call ms"]
+        out[f"depth {depth}"] = row
+    return out
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("out")
+    parser.add_argument("--depths", type=int, nargs="+", default=[2, 4, 8])
+    parser.add_argument("--width", type=int, default=4)
+    parser.add_argument("--repeats", type=int, default=30)
+    parser.add_argument("--layers", type=int, default=2)
+    parser.add_argument("--hidden", type=int, default=128)
+    args = parser.parse_args()
+    torch.manual_seed(0)
+    torch.set_num_threads(1)
+    config = Qwen2Config(hidden_size=args.hidden, intermediate_size=3 * args.hidden, num_hidden_layers=args.layers,
+                         num_attention_heads=8, num_key_value_heads=2, vocab_size=4096, tie_word_embeddings=True,
+                         max_position_embeddings=4096, eos_token_id=None, bos_token_id=None)
+    weights = StaticWeights(Qwen2ForCausalLM(config).eval())
+    result = {"cpu": platform.processor() or platform.machine(), "torch": torch.__version__,
+              "drafter": f"{args.layers} layers x {args.hidden}, vocabulary 4096", "width": args.width}
+    for compiled in (False, True):
+        result["compiled" if compiled else "eager"] = draft_costs(weights, args.width, args.depths, args.repeats,
+                                                                  compiled)
+        print(json.dumps(result, indent=1), flush=True)
+    with open(args.out, "w") as f:
+        json.dump(result, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
