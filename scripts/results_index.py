@@ -121,6 +121,10 @@ ENTRIES: dict[str, tuple[str, str, str | None, str | None, str | None]] = {
     "auto-no-accept": ("speculation", "`auto` against `ar` where nothing is accepted, ~2 ms a forward on the CPU "
                        "(random static models)", "python scripts/auto_no_accept.py "
                        "docs/results/auto-no-accept/results.json --repeats 10", "2-core AMD EPYC (AVX-512)", "c87d007"),
+    "tree-breakdown": ("speculation", "Yggdrasil's breakdown (its Fig. 12) at this scale: chain speculation, then "
+                       "equal-growth trees, the latency-aware objective, the hidden-state depth predictor, stage "
+                       "scheduling, beside `llama-completion` in one run, with GPU projections "
+                       "(`breakdown.md`, `scripts/gpu_projection.py`)", None, ZEN5, None),
     "draft-graph": ("speculation", "T(draft): a tree's levels in one call (one inductor graph compiled) against level "
                     "by level, on the static backend, eager and compiled (Yggdrasil's one-graph drafting)",
                     "python scripts/draft_graph.py docs/results/draft-graph/results.json --depths 2 4 8 --repeats 30",
