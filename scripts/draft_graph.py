@@ -1,10 +1,11 @@
 """T(draft) of one equal-growth tree, level by level from Python against its levels in one call (`trees.levels`;
 one compiled graph where the drafter is compiled), on the static backend: the median milliseconds of a tree of each
-depth below a 200-token context, the trees compared (equal tokens). The drafter: a random Qwen2-shaped model (a
+depth below a 200-token context, the trees compared (tokens and parents). Compiled, a depth is grown to the next
+power of two and cut (`StaticCausalLM.draft_tree`), so depth 2, 4 and 8 time their own graphs. The drafter: a random Qwen2-shaped model (a
 forward of ~1-2 ms on a 2-core CPU at the defaults), eager and compiled, one thread. scripts/gpu_static.py's `draft`
 section calls `draft_costs` on a GPU with the 0.5B's shape.
 
-    python scripts/draft_graph.py docs/results/draft-graph.json [--depths 2 4 8 --width 4 --repeats 30]
+    python scripts/draft_graph.py docs/results/draft-graph/results.json [--depths 2 4 8 --width 4 --repeats 30]
 """
 
 from __future__ import annotations
@@ -33,9 +34,10 @@ def draft_costs(weights: StaticWeights, width: int, depths: list[int], repeats: 
     out = {}
     for depth in depths:
         row = {}
+        trees = {}
         for label, graph in (("levels", False), ("one call", True)):
             drafter = TreeDrafter(StaticCausalLM(weights, width=rows, span=1024, compiled=compiled), width, graph=graph)
-            samples = []
+            samples, trees[label] = [], []
             for i in range(repeats + 1):
                 if device.type == "cuda":
                     torch.cuda.synchronize()
@@ -44,10 +46,10 @@ def draft_costs(weights: StaticWeights, width: int, depths: list[int], repeats: 
                 if device.type == "cuda":
                     torch.cuda.synchronize()
                 samples.append(time.perf_counter() - began)
+                trees[label].append(draft.tree)
             row[f"{label} ms"] = statistics.median(samples[1:]) * 1e3
             row[f"{label} first ms"] = samples[0] * 1e3
-            row[f"{label} tree"] = draft.tree.tokens
-        row["equal"] = row.pop("levels tree") == row.pop("one call tree")
+        row["equal"] = trees["levels"] == trees["one call"]  # every tree: tokens and parents
         row["levels / one call"] = row["levels ms"] / row["one call ms"]
         out[f"depth {depth}"] = row
     return out

@@ -1,11 +1,12 @@
 """Projections, not measurements: a CPU bench's speculation replayed at a GPU's measured costs. The acceptance is
 the CPU run's (the real catalog pair, every tree and forward recorded in each row's stats); the costs are the
-compiled static steps' T(W) from a lent GPU's `scripts/gpu_static.py` run (random weights of the same shapes, so
-the same costs). Each decode's device time is priced as a latency twin prices it: every target forward is
-ceil(rows / 16) compiled x16 steps (a tree's verify width + 1 rows), every drafter forward one compiled x16 step of
-the drafter, `ar` one target step a token; the host's work between forwards is left out, so a projected speedup is
-an upper bound. Stage-scheduled rows would overlap drafting with verification on a second stream, which is not
-priced, so they are left out.
+compiled static steps' from a lent GPU's `scripts/gpu_static.py` run (random weights of the same shapes, so the same
+costs). Each decode's device time is priced as a latency twin prices it: `ar` one compiled x1 step of the target a
+token (plain decoding's fastest handle); a speculative method's every target forward ceil(rows / 16) compiled x16
+steps (a tree's verify width + 1 rows), every drafter forward one compiled x16 step of the drafter, and the
+drafter's prefill of the prompt (run after the first token, so in the decode) ceil(prompt / 16) of them. The host's
+work between forwards is left out, so a projected speedup is an upper bound. Stage-scheduled rows would overlap
+drafting with verification on a second stream, which is not priced, so they are left out.
 
     python scripts/gpu_projection.py docs/results/tree-breakdown/results.json [--gpu docs/results/gpu-h100.json]
 """
@@ -20,22 +21,38 @@ from collections import defaultdict
 ROWS = 16  # the compiled steps' width on a GPU
 
 
-def step_costs(gpu: dict) -> tuple[float, float]:
-    """The compiled x16 forward of the target (1.5B) and of the drafter (0.5B), in seconds."""
+def step_costs(gpu: dict) -> dict[str, float]:
+    """Seconds of a compiled step: the target's (1.5B) at x1 and at x16, the drafter's (0.5B) at x16."""
     compiled = gpu["compiled T(W) ms"]
-    return compiled["1.5b compiled x16"]["16"] / 1e3, compiled["0.5b compiled x16"]["16"] / 1e3
+    return {"target x1": compiled["1.5b compiled x1"]["1"] / 1e3, "target": compiled["1.5b compiled x16"]["16"] / 1e3,
+            "drafter": compiled["0.5b compiled x16"]["16"] / 1e3}
 
 
-def device_seconds(stats: dict, target: float, drafter: float) -> float:
+def prompt_lengths(config: dict) -> dict[str, int]:
+    """Each prompt's tokens as the bench encoded them (the catalog target's tokenizer)."""
+    from transformers import AutoTokenizer
+
+    from speculant.api import encode_prompt
+    from speculant.bench.datasets import load_dataset
+    from speculant.models.loading import gguf_file
+
+    tokenizer = AutoTokenizer.from_pretrained(gguf_file(config["target"]).parent)
+    return {p.id: len(encode_prompt(tokenizer, p.text, p.chat))
+            for p in load_dataset(config["prompts"] or config["dataset"])}
+
+
+def device_seconds(stats: dict, prompt: int, costs: dict[str, float]) -> float:
     """One decode's device time after its first token at these costs."""
     if not stats["target_steps"]:  # ar: one forward a token after the first
-        return (stats["new_tokens"] - 1) * target
+        return (stats["new_tokens"] - 1) * costs["target x1"]
     sizes = stats.get("verified_sizes") or []
-    forwards = sum(math.ceil((size + 1) / ROWS) for size in sizes) + stats["target_steps"] - len(sizes)
-    return forwards * target + sum(stats["drafter_steps"].values()) * drafter
+    target = sum(math.ceil((size + 1) / ROWS) for size in sizes) + stats["target_steps"] - len(sizes)
+    prefills = sum(stats["drafter_forwards"].values()) - sum(stats["drafter_steps"].values())
+    drafter = sum(stats["drafter_steps"].values()) + prefills * math.ceil(prompt / ROWS)
+    return target * costs["target"] + drafter * costs["drafter"]
 
 
-def project(rows: list[dict], target: float, drafter: float) -> dict[str, dict]:
+def project(rows: list[dict], lengths: dict[str, int], costs: dict[str, float]) -> dict[str, dict]:
     """Per method: the projected decode tokens per second over all its rows, and the ratio to `ar`'s."""
     tokens, seconds = defaultdict(int), defaultdict(float)
     for row in rows:
@@ -43,7 +60,7 @@ def project(rows: list[dict], target: float, drafter: float) -> dict[str, dict]:
         if stats is None or row["method"].startswith("llamacpp") or "schedule=stage" in row["method"]:
             continue
         tokens[row["method"]] += stats["new_tokens"] - 1
-        seconds[row["method"]] += device_seconds(stats, target, drafter)
+        seconds[row["method"]] += device_seconds(stats, lengths[row["prompt_id"]], costs)
     rate = {method: tokens[method] / seconds[method] for method in tokens}
     return {method: {"tok/s": rate[method], "over ar": rate[method] / rate["ar"]} for method in rate}
 
@@ -56,12 +73,12 @@ def main() -> None:
     with open(args.gpu) as f:
         gpu = json.load(f)
     with open(args.results) as f:
-        rows = json.load(f)["rows"]
-    target, drafter = step_costs(gpu)
-    print(f"projected on {gpu['device']} (target step {target * 1e3:.2f} ms, drafter step {drafter * 1e3:.2f} ms; "
-          "device time only)\n")
+        results = json.load(f)
+    costs = step_costs(gpu)
+    print(f"projected on {gpu['device']} (ms of a compiled step: target x1 {costs['target x1'] * 1e3:.2f}, target "
+          f"x16 {costs['target'] * 1e3:.2f}, drafter x16 {costs['drafter'] * 1e3:.2f}; device time only)\n")
     print("| method | projected decode tok/s | over `ar` |\n|---|---|---|")
-    for method, row in project(rows, target, drafter).items():
+    for method, row in project(results["rows"], prompt_lengths(results["config"]), costs).items():
         print(f"| `{method}` | {row['tok/s']:.0f} | {row['over ar']:.2f}x |")
 
 

@@ -237,10 +237,16 @@ def test_a_tree_grown_in_one_call_is_the_level_by_level_tree(arch):
 
 
 def test_a_compiled_tree_is_one_graph_of_the_same_tree():
-    """Compiled, the levels are one inductor graph: the same tree as the compiled steps grow level by level."""
+    """Compiled, the levels are one inductor graph, grown to a power of two of levels and cut: the same tree as the
+    compiled steps grow level by level, counted as the levels it ran. Only the backend and `Metered` draft trees on
+    the device: any other wrapper's forwards (a server's batched rows, DSI's padded time) would be bypassed."""
+    from speculant.models.base import Delegating
     from speculant.trees.drafter import TreeDrafter
 
     weights = StaticWeights(transformer("qwen2", 2))
     loop, graph = (TreeDrafter(StaticCausalLM(weights, span=96, compiled=True), 2, graph=g) for g in (False, True))
     context = [(5 * i) % 64 for i in range(12)]
-    assert loop.propose_tree(context, 2, 2).tree == graph.propose_tree(context, 2, 2).tree
+    a, b = loop.propose_tree(context, 3, 2), graph.propose_tree(context, 3, 2)
+    assert a.tree == b.tree and len(b.tree) == 7
+    assert graph.model.cache_len == len(context) + 3 * 2 and graph.model.usage.steps == 3  # (4 levels grown: 3 run)
+    assert graph.model.capabilities.drafts_trees and not Delegating(graph.model.model).capabilities.drafts_trees

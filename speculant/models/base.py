@@ -80,6 +80,11 @@ class Capabilities:
     - `reuses_prefixes`: `prefix_block` (int, or None where this model cannot), `export_kv(start, end)` and
       `import_kv(pieces)`: a prompt's leading positions, in whole blocks, restored from another sequence's cache
       hold the bits its own prefill computes, and `continue_prefill` runs the rest (`speculant.prefixes`).
+    - `drafts_trees`: `draft_tree(root_logits, depth, width)` grows an equal-growth tree of `depth` levels of `width`
+      nodes below the last cached token on the device, in one call (`trees.levels`; one compiled graph where the
+      handle is compiled): (tokens, parents, path log-probabilities), the levels it ran left cached as
+      `forward(tree=...)` caches them. Only the backend and `Metered` offer it: a wrapper that changes forwards
+      (logits, batching, padded time) would be bypassed by it.
     """
 
     shares_weights: bool = False
@@ -269,7 +274,14 @@ class Delegating(Backend):
     device = _forwarded("device")
     dtype = _forwarded("dtype")
     numerics = _forwarded("numerics")
-    capabilities = _forwarded("capabilities")
+    passes_trees = False  # whether `draft_tree` goes through this wrapper as its forwards do (`Metered`)
+
+    @property
+    def capabilities(self) -> Capabilities:
+        """The wrapped model's, less `drafts_trees` unless this wrapper passes trees through."""
+        capabilities = self.model.capabilities
+        return capabilities if self.passes_trees else replace(capabilities, drafts_trees=False)
+
     identity = _forwarded("identity", "what the weights are when loaded by name (profiles persist per identity)")
     kernel = _forwarded("kernel", "the kernel its forwards run on")
     batch_load = _forwarded("batch_load")
@@ -352,11 +364,6 @@ class Delegating(Backend):
 
 class Wrapper(Delegating):
     """A CausalLM around another that changes its logits (`models.wrappers`: logprobs, biased, constrained)."""
-
-    @property
-    def capabilities(self) -> Capabilities:
-        """The wrapped model's, less drafting trees on the device (which would skip the changed logits)."""
-        return replace(self.model.capabilities, drafts_trees=False)
 
 
 def unwrapped(model: Any) -> Any:

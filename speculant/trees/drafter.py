@@ -21,13 +21,13 @@ class TreeDrafter(Drafter):
     latency-aware stop). `model` may be a chain drafter's DraftCache: the tree then catches up from where the
     chain left it. With a `chooser` (`trees.shape.WidthChooser`), each tree's width is chosen after its context,
     from the drafter's distribution at its root, instead; with a `shape` (a tree of ranks, `trees.baselines`),
-    every tree has that shape, drafted level by level (Sequoia-style and N-way trees). A tree of a depth decided
-    before drafting, on a model that `drafts_trees` (the static backend), grows on the device in one call (one
-    compiled graph: `trees.levels`) unless `graph` is False."""
+    every tree has that shape, drafted level by level (Sequoia-style and N-way trees). With `graph`, a tree of a
+    depth decided before drafting, on a model that `drafts_trees` (the static backend), grows on the device in one
+    call (one compiled graph: `trees.levels`)."""
 
     def __init__(self, model: CausalLM | DraftCache, width: int,
                  chooser: Callable[[torch.Tensor, int, bool], int] | None = None, shape: TokenTree | None = None,
-                 graph: bool = True):
+                 graph: bool = False):
         self.cache = model if isinstance(model, DraftCache) else DraftCache(metered(model))
         self.model = self.cache.model
         self.name = self.model.name

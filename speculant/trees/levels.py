@@ -7,7 +7,8 @@ Every level chooses the `width` frontier candidates of highest path log-probabil
 buffer of candidates, each level adding `width` x `width`: each new node's `width` likeliest children), then runs the
 new nodes through the model as tree rows: each at its root's position plus its depth, reading its ancestors' keys in
 depth order (`ancestors`, one row per node, scattered into the step's key index). Scores add in float64, as the
-Python loop's floats do, so in eager mode both grow the same tree.
+Python loop's floats do, so in eager mode both grow the same tree, up to the order of candidates of equal scores
+(the loop sorts them by parent and token; `topk` leaves it to the device).
 """
 
 from __future__ import annotations

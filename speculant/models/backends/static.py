@@ -42,7 +42,8 @@ ARCHITECTURES = ("llama", "qwen2", "mistral")
 DEFAULT_SPAN = 2048  # positions a handle's cache holds when the model allows more
 WIDTHS = (1, 2, 4, 8, 16, 32)  # the static widths a handle may run at
 GROWTH = 4  # a full pool's growth: 1, 4, 16, 64, 256, 1024 regions (within torch.compile's 8 recompilations)
-DRAFT_GRAPHS = 64  # compiled draft graphs (one per depth, width and pool size) before torch.compile stops compiling
+DRAFT_GRAPHS = 64  # torch.compile's recompilations of one function, raised to this for the draft graphs (one per
+# depth, width and pool size; compiled depths are powers of two)
 
 
 def default_width(device: torch.device) -> int:
@@ -185,8 +186,13 @@ class StaticWeights(nn.Module):
         return grow(step, root_logits, root, depth, width, rows, span)
 
     def compiled_draft(self) -> Any:
-        """`draft` under `torch.compile`: a tree's levels as one graph (one per depth, width and shape of the pool)."""
+        """`draft` under `torch.compile`: a tree's levels as one graph (one per depth, width and shape of the pool).
+        torch.compile's limit of recompilations per function (8 by default; past it, a full graph fails) is raised
+        to DRAFT_GRAPHS once, process-wide, and never lowered."""
         if self._compiled_draft is None:
+            config = torch._dynamo.config
+            name = "recompile_limit" if hasattr(config, "recompile_limit") else "cache_size_limit"  # (torch < 2.6)
+            setattr(config, name, max(getattr(config, name), DRAFT_GRAPHS))
             self._compiled_draft = torch.compile(self.draft, fullgraph=True, dynamic=False)
         return self._compiled_draft
 
@@ -283,9 +289,8 @@ class KVPool:
 
             def run() -> tuple[torch.Tensor, ...]:
                 draft = self.weights.compiled_draft() if self.compiled else self.weights.draft
-                with torch._dynamo.config.patch(recompile_limit=DRAFT_GRAPHS):
-                    return draft(self.keys, self.values, self._root_logits, self._root[0], self._root[1], depth,
-                                 width, self.width, self.span)
+                return draft(self.keys, self.values, self._root_logits, self._root[0], self._root[1], depth, width,
+                             self.width, self.span)
 
             if not self.compiled or self.device.type != "cuda":
                 out = run()
@@ -349,7 +354,7 @@ class KVPool:
             run()
         torch.cuda.current_stream(self.device).wait_stream(stream)
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
+        with torch.cuda.graph(graph, capture_error_mode="thread_local"):  # (a server's other threads run meanwhile)
             out = run()
         return graph, out
 
@@ -440,13 +445,19 @@ class StaticCausalLM(PointerCache, Backend):
         return self._run(self._place(list(ids), tree, positions))
 
     def draft_tree(self, root_logits: torch.Tensor, depth: int, width: int) -> tuple[list[int], list[int], list[float]]:
-        """`drafts_trees` (see Capabilities): the pool's `draft`, the tree's first depth - 1 levels left cached."""
-        if self._len + (depth - 1) * width > self.span:
-            raise ValueError(f"{self._len + (depth - 1) * width} positions exceed the static cache of {self.span}")
-        tree = self.pool.draft(self, root_logits, depth, width)
-        self._len += (depth - 1) * width
+        """`drafts_trees` (see Capabilities): the pool's `draft`. Compiled, the tree is grown to the next power of two
+        of `depth` where the cache has room and cut to `depth` levels (equal growth's first levels do not depend on
+        later ones), so that a few graphs serve every depth: each graph compiles its levels unrolled."""
+        grown = depth
+        if self.compiled and self._len + (2 ** (depth - 1).bit_length() - 1) * width <= self.span:
+            grown = 2 ** (depth - 1).bit_length()
+        if self._len + (grown - 1) * width > self.span:
+            raise ValueError(f"{self._len + (grown - 1) * width} positions exceed the static cache of {self.span}")
+        tokens, parents, scores = self.pool.draft(self, root_logits, grown, width)
+        self._len += (grown - 1) * width  # (the levels it ran; a DraftCache drops them at its next run)
         self.last_hidden = None
-        return tree
+        nodes = 1 + depth * width
+        return tokens[:nodes], parents[:nodes], scores[:nodes]
 
     def _place(self, ids: list[int], tree: TokenTree | None, positions: Sequence[int] | None = None) -> list[_Row]:
         """A call's rows, after the cached positions: a chain's at consecutive positions, a tree's nodes at their

@@ -50,12 +50,15 @@ class Metered(Delegating):
         self.usage = Usage(u.forwards + 1, u.steps + 1, u.seconds + time.perf_counter() - start)
         return logits
 
+    passes_trees = True
+
     def draft_tree(self, root_logits: torch.Tensor, depth: int, width: int) -> tuple[list[int], list[int], list[float]]:
-        """A tree's levels in one call (`drafts_trees`), counted as the depth - 1 forwards it runs."""
-        start = time.perf_counter()
+        """A tree's levels in one call (`drafts_trees`), counted as the forwards it ran: one per level it cached."""
+        start, cached = time.perf_counter(), self.model.cache_len
         tree = self.model.draft_tree(root_logits, depth, width)
+        levels = (self.model.cache_len - cached) // width
         u = self.usage
-        self.usage = Usage(u.forwards + depth - 1, u.steps + depth - 1, u.seconds + time.perf_counter() - start)
+        self.usage = Usage(u.forwards + levels, u.steps + levels, u.seconds + time.perf_counter() - start)
         return tree
 
 
