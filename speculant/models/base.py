@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 from typing import Any, Protocol, runtime_checkable
@@ -247,6 +248,12 @@ def owner_of(model: Any) -> Any:
     return getattr(model, "owner", model)
 
 
+@functools.cache
+def _without_trees(capabilities: Capabilities) -> Capabilities:
+    """`capabilities` less `drafts_trees` (made once per set: a step reads a wrapper's capabilities)."""
+    return replace(capabilities, drafts_trees=False)
+
+
 def _forwarded(name: str, doc: str = "") -> property:
     return property(lambda self: getattr(self.model, name), doc=doc or f"the wrapped model's `{name}`")
 
@@ -280,7 +287,7 @@ class Delegating(Backend):
     def capabilities(self) -> Capabilities:
         """The wrapped model's, less `drafts_trees` unless this wrapper passes trees through."""
         capabilities = self.model.capabilities
-        return capabilities if self.passes_trees else replace(capabilities, drafts_trees=False)
+        return capabilities if self.passes_trees else _without_trees(capabilities)
 
     identity = _forwarded("identity", "what the weights are when loaded by name (profiles persist per identity)")
     kernel = _forwarded("kernel", "the kernel its forwards run on")
