@@ -178,7 +178,8 @@ def main() -> int:
 
     def speculation() -> dict:
         """Greedy sd and tree on the compiled pair give ar's tokens; their tok/s at random weights' acceptance and
-        with the target drafting for itself (every draft accepted: the mechanics' ceiling)."""
+        with the target drafting for itself (every draft accepted: the mechanics' ceiling), its trees drafted level
+        by level and as one CUDA graph."""
         target = StaticCausalLM(weights["1.5b"], width=16, span=1024, compiled=True)
         drafter = StaticCausalLM(weights["0.5b"], width=16, span=1024, compiled=True)
         prompt = torch.randint(0, 500, (200,)).tolist()
@@ -186,7 +187,8 @@ def main() -> int:
         runs = {"ar": dict(method="ar"), "sd k4 0.5b": dict(method="sd", drafter=drafter, k=4),
                 "sd k4 self": dict(method="sd", drafter=target.share(), k=4),
                 "sd k8 self": dict(method="sd", drafter=target.share(), k=8),
-                "tree self d4 w2": dict(method="tree", drafter=target.share(), depth=4, width=2)}
+                "tree self d4 w2": dict(method="tree", drafter=target.share(), depth=4, width=2, draft_graph=False),
+                "tree self d4 w2, one graph": dict(method="tree", drafter=target.share(), depth=4, width=2)}
         expected = None
         for label, options in runs.items():
             generate(target, prompt_ids=prompt, max_new_tokens=8, **options)
