@@ -332,3 +332,19 @@ def test_the_length_objective_drafts_every_level_and_stays_lossless(arch):
         depths[objective] = sum(result.stats.drafter_forwards.values()) / len(result.stats.draft_lengths)
     assert depths["length"] > 3  # all 4 levels, but where a tree meets max_new_tokens
     assert depths["speedup"] < depths["length"]  # on this tiny model the objective stops trees early
+
+
+def test_trees_grown_in_one_call_keep_the_target_distribution_when_sampling():
+    """The static backend's trees grown in one call (`draft_graph`, a drafter of its own vocabulary's width) verified
+    by multi-draft sampling: the emitted tokens follow the target's distribution."""
+    from helpers import tiny_transformer
+    from test_sampling import VOCAB, assert_follows_target, sampling_pair
+
+    from speculant.models.backends.static import StaticCausalLM, StaticWeights
+
+    target, _, prompt = sampling_pair()
+    drafter = StaticCausalLM(StaticWeights(tiny_transformer("qwen2", 5, vocab=VOCAB, init_std=0.5)), span=64)
+    grown, draft_tree = [], drafter.draft_tree
+    drafter.draft_tree = lambda *args: grown.append(args[1:]) or draft_tree(*args)
+    assert_follows_target(target, prompt, method="tree", drafter=drafter, depth=3, width=2, objective="length")
+    assert (3, 2) in grown  # (the trees were grown in one call)
