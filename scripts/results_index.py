@@ -134,6 +134,8 @@ ENTRIES: dict[str, tuple[str, str, str | None, str | None, str | None]] = {
                          None, ZEN5, None),
     "auto-per-request-4": ("CPU", "the same per request with 4 repeats (A B, B A, A B, B A), 24 mixed prompts and the "
                            "4 long-context ones, beside `llama-completion`", None, ZEN5, None),
+    "sampling-0.7": ("CPU", "`auto` with block verification and token by token against `ar` at temperature 0.7, "
+                     "beside `llama-completion` at 0.7, 24 mixed prompts, 4 repeats", None, ZEN5, None),
     "sampling-verifiers": ("CPU", "`auto` with block verification and token by token against `ar` at temperatures "
                            "0.3, 0.7 and 1.0, in one run, 24 mixed prompts, 2 repeats", None, ZEN5, None),
     "prefill.md": ("CPU", "prompt evaluation of 512 tokens: the lean backend beside `llama-bench` (pp512), and what "
