@@ -173,3 +173,30 @@ def test_a_static_shape_needs_its_size():
     target = tiny_model("llama", 8, 64)
     with pytest.raises(ConfigError, match="shape sequoia needs a depth and a width"):
         generate(target, prompt_ids=[1, 2], drafter=target, method="tree", depth="auto", shape="sequoia")
+
+
+def test_auto_drafts_its_trees_at_the_plan_s_width(monkeypatch):
+    """`auto:tree_widths=auto`: auto's tree candidate for a model drafter takes the execution plan's width for the
+    pair (none where the plan drafts chains); the output stays `ar`'s either way."""
+    from test_auto import costs, invent
+
+    from speculant import Session, generate
+    from speculant.trees import shape
+
+    target = tiny_model("llama", 8, 64, init_std=0.1)
+    invent(monkeypatch, costs(target))  # a flat T(W) and a cheap drafter: trees can pay
+    drafter = perturbed(target, 0.2, 8)
+    drafter.name = "near"
+    prompt = random_prompt(81, 64, 24)
+    expected = generate(target, prompt_ids=prompt, method="ar", max_new_tokens=30).token_ids
+    session = Session(target)
+    result = generate(target, prompt_ids=prompt, method="auto", drafters=[drafter, "maxgram"], tree_widths="auto",
+                      max_new_tokens=30, session=session)  # the plan of the measured coverage and costs
+    assert result.token_ids == expected
+    for width, trees in ((1, set()), (3, {"near tree3"})):
+        monkeypatch.setattr(shape, "plan_width", lambda *args, width=width: width)
+        session = Session(target)
+        result = generate(target, prompt_ids=prompt, method="auto", drafters=[drafter, "maxgram"], tree_widths="auto",
+                          max_new_tokens=30, session=session)
+        assert result.token_ids == expected
+        assert {name for name in session.acceptance if "tree" in name} == trees

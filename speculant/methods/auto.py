@@ -8,7 +8,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from speculant.config import REQUEST_MOST, SCHEDULES, option
+from speculant.config import AUTO, REQUEST_MOST, SCHEDULES, option
 from speculant.drafters.spec import as_drafter
 from speculant.errors import ConfigError
 from speculant.methods.drafting import DRAFTER_DTYPES, parse_drafters
@@ -46,8 +46,8 @@ def catch_up_cost(drafter: Any, profile: Any, prefixes: Any = None) -> Any:
     return seconds
 
 
-def parse_widths(text: str) -> tuple[int, ...]:
-    return tuple(int(w) for w in text.split(",") if w.strip())
+def parse_widths(text: str) -> tuple[int, ...] | str:
+    return AUTO if text.strip() == AUTO else tuple(int(w) for w in text.split(",") if w.strip())
 
 
 @dataclass(frozen=True)
@@ -63,7 +63,9 @@ class AutoOptions:
     draft_confidence: float = option(0.0, "a model drafter's draft ends after a token it gives a probability below "
                                      "this (0: drafts run to the chosen length)")
     tree_widths: Any = option((2,), "widths of the token trees auto may also draft with each model drafter (nodes "
-                              "per step; empty: chains only)", parse=parse_widths)
+                              "per step; empty: chains only), or auto: the execution plan's width for the pair "
+                              "(Yggdrasil 5.2: from the machine profiles and the drafter's rank coverage of the target "
+                              "on the prompt; none where chains pay best)", parse=parse_widths)
     probe_every: int = option(16, "after this many steps in a row without a model draft, try the model drafter again")
     schedule: str = option("serial", "serial, or stage: while the target verifies a token tree, its drafter drafts the "
                            "next one on a thread of its own from the likeliest path (Yggdrasil's stage-based "
@@ -80,7 +82,7 @@ class AutoOptions:
             raise ConfigError(f"draft-confidence must lie in [0, 1), got {self.draft_confidence}")
         if isinstance(self.tree_widths, str):
             object.__setattr__(self, "tree_widths", parse_widths(self.tree_widths))
-        if any(w < 2 for w in self.tree_widths):
+        if self.tree_widths != AUTO and any(w < 2 for w in self.tree_widths):
             raise ConfigError(f"tree widths must be >= 2 (1 is a chain), got {self.tree_widths}")
         if self.schedule not in SCHEDULES:
             raise ConfigError(f"schedule must be one of {', '.join(SCHEDULES)}, got {self.schedule!r}")
@@ -103,6 +105,7 @@ def build(request: Request, options: AutoOptions) -> Any:
     from speculant.drafters.maxgram import MaxGramDrafter
     from speculant.drafters.model import ModelDrafter
     from speculant.trees.drafter import TreeDrafter
+    from speculant.trees.shape import plan_width
 
     target, session = request.target, request.session
     cost = Rescaled(session.profile(target).cost_at, session.timings)
@@ -131,7 +134,13 @@ def build(request: Request, options: AutoOptions) -> Any:
                           growth=lambda length, profile=profile: profile.cost_at(1, length) / profile.cost(1))
         candidates.append(chain)
         same_ids = isinstance(drafter, ModelDrafter)  # trees and reviews need the target's ids
-        for width in options.tree_widths if same_ids else ():
+        widths = options.tree_widths
+        if widths == AUTO and same_ids:
+            widths = (plan_width(target, source, request.prompt_ids, cost, profile.cost, session.measured),)
+            session.cache(source).forget()  # (the coverage ran its cache apart)
+        for width in widths if same_ids else ():
+            if width < 2:  # (the plan's chain)
+                continue
             if not can_pay(profile.cost(width), cost, options.k_max, width):
                 continue
             name = f"{source.name} tree{width}"

@@ -74,6 +74,15 @@ def measured_coverage(target: CausalLM, drafter: CausalLM, context: list[int], m
     return per_target[key]
 
 
+def plan_width(target: CausalLM, drafter: CausalLM, prompt_ids: list[int], target_cost: Callable[[int], float],
+               draft_cost: Callable[[int], float], measured: Any, depths: Sequence[int] = PLAN_DEPTHS,
+               most_nodes: int = max(MACHINE_WIDTHS) - 1) -> int:
+    """The drafting width of the execution plan (`plan.search`, Yggdrasil 5.2) for this pair at these costs, from the
+    drafter's rank coverage of the target on the prompt (`measured_coverage`): 1 where chains, or nothing, pay best."""
+    coverage = measured_coverage(target, drafter, prompt_ids, measured)
+    return search(coverage, target_cost, draft_cost, depths, PLAN_WIDTHS, most_nodes=most_nodes).width
+
+
 def tree_shape(target: CausalLM, drafter: CausalLM, prompt_ids: list[int], depth: int | str, width: int | str,
                verify_width: int | str | None, profile: LatencyProfile | None, measured: Any) -> TreeShape:
     """Resolve `auto` sizes. With a profile or any `auto`, the objective decides how deep to draft (up
@@ -89,10 +98,9 @@ def tree_shape(target: CausalLM, drafter: CausalLM, prompt_ids: list[int], depth
     if width == AUTO:  # the plan's width, and each tree's own by the objective after its context
         draft_costs = measured_costs(drafter, prompt_ids, PLAN_WIDTHS, measured)
         draft_cost = draft_costs.__getitem__
-        coverage = measured_coverage(target, drafter, prompt_ids, measured)
         depths = range(1, depth + 1) if isinstance(depth, int) else PLAN_DEPTHS
         nodes = (most_nodes or max(MACHINE_WIDTHS)) - 1  # drafted nodes within the target's measured T(W)
-        width = search(coverage, cost, draft_cost, depths, PLAN_WIDTHS, most_nodes=nodes).width
+        width = plan_width(target, drafter, prompt_ids, cost, draft_cost, measured, depths, nodes)
         chooser = WidthChooser(PLAN_WIDTHS, cost, draft_cost, nodes)
     if depth == AUTO:
         depth = AUTO_MAX_DEPTH
