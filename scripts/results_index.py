@@ -121,6 +121,9 @@ ENTRIES: dict[str, tuple[str, str, str | None, str | None, str | None]] = {
     "auto-no-accept": ("speculation", "`auto` against `ar` where nothing is accepted, ~2 ms a forward on the CPU "
                        "(random static models)", "python scripts/auto_no_accept.py "
                        "docs/results/auto-no-accept/results.json --repeats 10", "2-core AMD EPYC (AVX-512)", "c87d007"),
+    "auto-plan": ("speculation", "`auto` with its tree candidates at the execution plan's width (`tree_widths=auto`) "
+                  "against the default width 2, beside `llama-completion`, mixed prompts and HumanEval[:10], 2 repeats",
+                  None, ZEN5, None),
     "tree-breakdown": ("speculation", "Yggdrasil's breakdown (its Fig. 12) at this scale: chain speculation, then "
                        "equal-growth trees, the latency-aware objective, the hidden-state depth predictor, stage "
                        "scheduling, beside `llama-completion` in one run, with GPU projections "
