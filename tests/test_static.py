@@ -250,3 +250,19 @@ def test_a_compiled_tree_is_one_graph_of_the_same_tree():
     assert a.tree == b.tree and len(b.tree) == 7
     assert graph.model.cache_len == len(context) + 3 * 2 and graph.model.usage.steps == 3  # (4 levels grown: 3 run)
     assert graph.model.capabilities.drafts_trees and not Delegating(graph.model.model).capabilities.drafts_trees
+
+
+def test_a_handle_s_work_on_its_region_waits_for_the_pool():
+    """`keep`, `export_kv` and `import_kv` take the pool's lock: a pool growing on another thread (a new handle
+    taking a region) moves every region's storage, and a compaction meanwhile would write into the old one."""
+    import threading
+
+    handle = static(transformer("llama", 0))
+    handle.prefill([1, 2, 3, 4])
+    done = threading.Event()
+    with handle.pool.lock:
+        worker = threading.Thread(target=lambda: (handle.keep([0, 1]), done.set()))
+        worker.start()
+        assert not done.wait(0.2)  # it waits while another thread holds the pool
+    worker.join(5)
+    assert done.is_set() and handle.cache_len == 2

@@ -231,16 +231,16 @@ class KVPool:
         self._root = torch.zeros(2, dtype=torch.long, device=self.device)  # a tree's root position and region offset
         self._root_logits = torch.zeros(weights.vocab_size, device=self.device)  # the drafter's logits at the root
         self._drafts: dict[tuple[int, int], tuple[torch.cuda.CUDAGraph, Any]] = {}  # (depth, width): a CUDA graph
-        self._lock = threading.RLock()  # steps, and the regions' bookkeeping
+        self.lock = threading.RLock()  # steps, the regions' bookkeeping, and a handle's work on its region
 
     def take(self) -> int:
-        with self._lock:
+        with self.lock:
             if not self.free:
                 self._grow(max(GROWTH * self.capacity, 1))
             return self.free.pop()
 
     def give(self, region: int) -> None:
-        with self._lock:  # (re-entrant: a handle's finalizer may run inside a step of this thread)
+        with self.lock:  # (re-entrant: a handle's finalizer may run inside a step of this thread)
             self.free.append(region)
 
     def _grow(self, capacity: int) -> None:
@@ -270,7 +270,7 @@ class KVPool:
             if interrupt is not None and interrupt():
                 raise Interrupted()
             chunk = rows[at:at + self.width]
-            with self._lock:  # one step at a time through the pool's buffers (a drafter's thread shares them)
+            with self.lock:  # one step at a time through the pool's buffers (a drafter's thread shares them)
                 out, x = self._step(chunk)  # copies: a CUDA graph's output buffers are rewritten by its next replay
                 logits.append(out[:len(chunk)].to(torch.float32, copy=True))
                 hidden.append(x[:len(chunk)].clone())
@@ -283,7 +283,7 @@ class KVPool:
               width: int) -> tuple[list[int], list[int], list[float]]:
         """An equal-growth tree below `handle`'s last cached token, its levels in one call (`StaticWeights.draft`;
         compiled: one graph, on a GPU one CUDA graph per depth and width): tokens, parents, path log-probabilities."""
-        with self._lock:
+        with self.lock:
             self._root.copy_(torch.tensor([handle.cache_len - 1, handle.offset]))
             self._root_logits.copy_(root_logits)
 
@@ -443,6 +443,18 @@ class StaticCausalLM(PointerCache, Backend):
         """With `tree`, `ids` are its last len(ids) nodes, its earlier nodes the last cached positions; each node
         attends to the cache before the tree and its own ancestors."""
         return self._run(self._place(list(ids), tree, positions))
+
+    def keep(self, indices: Sequence[int]) -> None:
+        with self.pool.lock:  # (the pool growing on another thread moves every region's storage)
+            super().keep(indices)
+
+    def export_kv(self, start: int, end: int) -> tuple[torch.Tensor, torch.Tensor]:
+        with self.pool.lock:
+            return super().export_kv(start, end)
+
+    def import_kv(self, pieces: Sequence[tuple[torch.Tensor, torch.Tensor]]) -> None:
+        with self.pool.lock:
+            super().import_kv(pieces)
 
     def draft_tree(self, root_logits: torch.Tensor, depth: int, width: int) -> tuple[list[int], list[int], list[float]]:
         """`drafts_trees` (see Capabilities): the pool's `draft`. Compiled, the tree is grown to the next power of two
