@@ -145,11 +145,11 @@ class GenerationStats:
         if self.tree_shape is not None:  # also when the objective chose to verify nothing
             n = max(len(self.verified_sizes), 1)
             depth, width, verify = self.tree_shape
-            if len(set(self.tree_widths)) > 1:
-                width = f"{sum(self.tree_widths) / len(self.tree_widths):.1f} ({min(self.tree_widths)}-{max(self.tree_widths)})"
+            widths = self.tree_widths
+            shown = f"{sum(widths) / len(widths):.1f} ({min(widths)}-{max(widths)})" if len(set(widths)) > 1 else width
             line += (f", trees: depth {sum(self.draft_lengths) / n:.1f}, {self.verified_nodes / n:.1f} of "
                      f"{self.drafted_nodes / n:.1f} drafted nodes verified "
-                     f"(depth <= {depth}, width {width}, verify <= {verify or depth * self.tree_shape[1]})")
+                     f"(depth <= {depth}, width {shown}, verify <= {verify or depth * width})")
         if self.stage is not None:
             line += (f", stage: {self.stage.hits} of {self.stage.drafted} trees drafted ahead used, "
                      f"{self.stage.overlap:.0%} of their drafting overlapped")

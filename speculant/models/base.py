@@ -333,9 +333,6 @@ class Delegating(Backend):
     def import_kv(self, pieces: Sequence[Any]) -> None:
         self.model.import_kv(pieces)
 
-    def draft_tree(self, root_logits: torch.Tensor, depth: int, width: int) -> tuple[list[int], list[int], list[float]]:
-        return self.model.draft_tree(root_logits, depth, width)
-
     @property
     def weights_key(self) -> int:
         return self.model.weights_key

@@ -64,8 +64,7 @@ class TreeDrafter(Drafter):
         if self.graph and cost is None and depth > 1:
             tokens, parents, scores = self.model.draft_tree(logits[-1], depth, width)
             tokens[0] = context[-1]
-            return Draft([], usage={self.name: self.model.usage - before}, tree=TokenTree(tuple(tokens), tuple(parents)),
-                         path_probs=[math.exp(v) for v in scores])
+            return self._drafted(tokens, parents, scores, before)
         tokens, parents, scores = [context[-1]], [-1], [0.0]
         frontier: list[tuple[float, int, int]] = []  # (path log-probability, parent node, token)
         new_nodes = [0]
@@ -88,9 +87,7 @@ class TreeDrafter(Drafter):
                 break
             tree = TokenTree(tuple(tokens), tuple(parents))
             logits = self.model.forward(tokens[-len(chosen):], tree=tree)
-        return Draft([], usage={self.name: self.model.usage - before}, tree=TokenTree(tuple(tokens), tuple(parents)),
-                     path_probs=[math.exp(v) for v in scores])
-
+        return self._drafted(tokens, parents, scores, before)
 
     def propose_shape(self, context: list[int], depth: int) -> Draft:
         """The drafter's `shape`, its levels up to `depth`: a node of rank r is the drafter's r-th likeliest token
@@ -115,6 +112,11 @@ class TreeDrafter(Drafter):
                 tree = TokenTree(tuple(tokens), tuple(parents))
                 logits = self.model.forward(tokens[-len(added):], tree=tree)
             row_of = {node: i for i, node in enumerate(added)}
+        return self._drafted(tokens, parents, scores, before)
+
+    def _drafted(self, tokens: list[int], parents: list[int], scores: list[float], before: Usage) -> Draft:
+        """The tree of `tokens` and `parents` with its nodes' path probabilities (from the log-probabilities
+        `scores`), and the drafter's usage since `before`."""
         return Draft([], usage={self.name: self.model.usage - before}, tree=TokenTree(tuple(tokens), tuple(parents)),
                      path_probs=[math.exp(v) for v in scores])
 

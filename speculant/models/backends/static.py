@@ -460,9 +460,9 @@ class StaticCausalLM(PointerCache, Backend):
         """`drafts_trees` (see Capabilities): the pool's `draft`. Compiled, the tree is grown to the next power of two
         of `depth` where the cache has room and cut to `depth` levels (equal growth's first levels do not depend on
         later ones), so that a few graphs serve every depth: each graph compiles its levels unrolled."""
-        grown = depth
-        if self.compiled and self._len + (2 ** (depth - 1).bit_length() - 1) * width <= self.span:
-            grown = 2 ** (depth - 1).bit_length()
+        grown = 2 ** (depth - 1).bit_length() if self.compiled else depth
+        if self._len + (grown - 1) * width > self.span:  # (no room to grow: the depth asked)
+            grown = depth
         if self._len + (grown - 1) * width > self.span:
             raise ValueError(f"{self._len + (grown - 1) * width} positions exceed the static cache of {self.span}")
         tokens, parents, scores = self.pool.draft(self, root_logits, grown, width)
@@ -495,9 +495,14 @@ class StaticCausalLM(PointerCache, Backend):
 
     def _run(self, rows: list[_Row], prompt: bool = False) -> torch.Tensor:
         logits, hidden = self.pool.run(rows, self.interrupt)  # (interrupted: the cache as it was before this forward)
-        self._len += len(rows)
-        self.last_hidden = hidden[-1:].clone() if prompt else hidden  # (not a view keeping the prompt's rows)
+        self._ran(len(rows), hidden, prompt)
         return logits
+
+    def _ran(self, n: int, hidden: torch.Tensor, prompt: bool) -> None:
+        """After a call of `n` rows, alone or in a batch: the cache holds them; `last_hidden` their last layer's rows
+        (a prompt's last only: not a view keeping the prompt's rows)."""
+        self._len += n
+        self.last_hidden = hidden[-1:].clone() if prompt else hidden
 
 
 def forward_rows(rows: Sequence[tuple[StaticCausalLM, Call]]) -> list[torch.Tensor]:
@@ -516,14 +521,13 @@ def forward_rows(rows: Sequence[tuple[StaticCausalLM, Call]]) -> list[torch.Tens
     with torch.inference_mode():
         for handle, call in rows:
             if call.prefill and not call.resumes:
-                handle._len = 0
+                handle.rollback(0)
             placed.append(handle._place(list(call.ids), call.tree, call.positions))
         logits, hidden = pool.run([row for calls in placed for row in calls])
     out, at = [], 0
     for (handle, call), calls in zip(rows, placed):
-        handle._len += len(calls)
-        mine, states = logits[at:at + len(calls)], hidden[at:at + len(calls)]
+        mine = logits[at:at + len(calls)]
         out.append(mine[-1] if call.prefill else mine)
-        handle.last_hidden = states[-1:].clone() if call.prefill else states
+        handle._ran(len(calls), hidden[at:at + len(calls)], call.prefill)
         at += len(calls)
     return out
