@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import bisect
 import functools
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
@@ -186,13 +187,19 @@ class PointerCache:
         self._len = n
 
     def keep(self, indices: Sequence[int]) -> None:
-        """Compact the cache in place to `indices` (ascending): the storage is never reallocated."""
-        where = torch.as_tensor(list(indices), dtype=torch.long, device=self._keys.device)
+        """Compact the cache in place to `indices` (ascending): the storage is never reallocated, and only the
+        positions that move are copied (after a tree, its kept path; the context before it stays where it is)."""
+        indices = list(indices)
+        where = torch.as_tensor(indices, dtype=torch.long)
         m = where.numel()
-        if m and (int(where[-1]) >= self._len or int(where[0]) < 0 or bool((where[1:] <= where[:-1]).any())):
+        if m and (indices[-1] >= self._len or indices[0] < 0 or bool((where[1:] <= where[:-1]).any())):
             raise ValueError("indices must ascend within the cache")
-        self._keys[:, :, :m] = self._keys[:, :, where]
-        self._values[:, :, :m] = self._values[:, :, where]
+        # ascending distinct positions: indices[i] - i never decreases, so those left in place are a prefix
+        moved = bisect.bisect_left(range(m), True, key=lambda i: indices[i] != i)
+        if moved < m:
+            where = where[moved:].to(self._keys.device)
+            self._keys[:, :, moved:m] = self._keys[:, :, where]
+            self._values[:, :, moved:m] = self._values[:, :, where]
         self._len = m
 
     def export_kv(self, start: int, end: int) -> tuple[torch.Tensor, torch.Tensor]:
