@@ -135,8 +135,6 @@ ENTRIES: dict[str, tuple[str, str, str | None, str | None, str | None]] = {
     "auto-per-request": ("CPU", "`auto` against `ar` per request and per category (decode), 24 mixed prompts, 4 "
                          "long-context ones (1.7-3.2k tokens) and HumanEval[:20], 2 repeats (`scripts/per_request.py`)",
                          None, ZEN5, None),
-    "auto-per-request-4": ("CPU", "the same per request with 4 repeats (A B, B A, A B, B A), 24 mixed prompts and the "
-                           "4 long-context ones, beside `llama-completion`", None, ZEN5, None),
     "sampling-0.7": ("CPU", "`auto` with block verification and token by token against `ar` at temperature 0.7, "
                      "beside `llama-completion` at 0.7, 24 mixed prompts, 4 repeats", None, ZEN5, None),
     "sampling-verifiers": ("CPU", "`auto` with block verification and token by token against `ar` at temperatures "
