@@ -14,8 +14,8 @@ from speculant import cli, generate, latency, load_model
 from speculant.config import SamplingConfig
 from speculant.decoding import adaptive as adaptive_module
 from speculant.decoding.adaptive import (COST_FOLLOWS, LOOK_FIRST, PACE_STEPS, PROBE_SHARE, SCALE_RANGE, TIME_FOLLOWS,
-                                         Acceptance, AutoPolicy, Candidate, Rescaled, Timings, adaptive, best_length,
-                                         can_pay, expected_remaining, first_children_accepted, batched_cost)
+                                         Acceptance, Candidate, Rescaled, Timings, adaptive, best_length, can_pay,
+                                         expected_remaining, first_children_accepted, batched_cost)
 from speculant.decoding.run import timed
 from speculant.drafters.base import Draft
 from speculant.latency import LatencyProfile
@@ -553,20 +553,3 @@ def test_auto_with_stage_scheduling_keeps_the_sampling_distribution():
 
     target, drafter, prompt = sampling_pair()
     assert_follows_target(target, prompt, method="auto", drafters=[drafter], tree_widths=(2,), schedule="stage")
-
-
-def test_a_draft_is_planned_only_where_it_promises_sure_gain_times_plain_goodput():
-    """`sure_gain` is the margin a draft's expected goodput must clear over plain decoding's: a draft expected to be
-    barely faster, by estimates that err, is left alone."""
-    prompt = random_prompt(1, VOCAB)
-    drafter = ScriptedDrafter(prompt, prompt, error_rate=0.5, vocab=VOCAB, seed=0)
-    cost = lambda w: 1.0 + 0.01 * w  # noqa: E731
-
-    def planned(sure_gain: float) -> bool:
-        policy = AutoPolicy([Candidate("scripted", drafter, 0.3, 0.6)], cost, 40, sure_gain=sure_gain)
-        policy.without_model = 0  # (not a generation's first step, which probes)
-        return policy.choose(prompt, 1, frozenset()).candidate is not None
-
-    gain = best_length(Acceptance(0.6), 0.3, cost, 16)[0] * cost(1)  # the draft's goodput over plain decoding's
-    assert 1 < gain < 1.5
-    assert planned(1.0) and planned(gain * 0.99) and not planned(gain * 1.01)

@@ -354,9 +354,9 @@ class StepPlan:
 class AutoPolicy:
     """`auto`'s choices for one generation, apart from running them (`auto_decoder` runs each step it plans).
 
-    `choose` weighs every candidate's expected goodput (`best_length`) against `sure_gain` times plain decoding's
-    1 / T(1) and plans the best, or a probe: after `probe_every` steps without any model drafter, the model drafter
-    likeliest to be accepted drafts two tokens, so that one that stopped paying can come back when the text changes. A
+    `choose` weighs every candidate's expected goodput (`best_length`) against plain decoding's 1 / T(1) and
+    plans the best, or a probe: after `probe_every` steps without any model drafter, the model drafter likeliest to
+    be accepted drafts two tokens, so that one that stopped paying can come back when the text changes. A
     generation starts with a probe; one that does not bring the drafter back doubles the wait before the next,
     and the probes since a drafter last paid may cost (catching up, drafting, the wider verification) at most
     `PROBE_SHARE` of the generation's plain decoding time, times the drafter's `promise` (its long-run acceptance):
@@ -377,10 +377,9 @@ class AutoPolicy:
     step's tokens, an investment paid once), it decodes plainly to the end of the generation."""
 
     def __init__(self, candidates: list[Candidate], cost: Callable[[int], float], max_new_tokens: int,
-                 k_max: int = 16, probe_every: int = 16, lengths: deque[float] | None = None, sure_gain: float = 1.0):
+                 k_max: int = 16, probe_every: int = 16, lengths: deque[float] | None = None):
         self.candidates = sorted(candidates, key=lambda c: c.match is None)  # model-free first: they tell `matched`
         self.cost, self.max_new_tokens, self.k_max, self.probe_every = cost, max_new_tokens, k_max, probe_every
-        self.sure_gain = sure_gain
         self.lengths = lengths
         self.learn_costs = isinstance(cost, Rescaled)  # (not where a server batches the forwards: they time the batch)
         self.wait = probe_every  # steps without a model draft before the next probe
@@ -402,7 +401,7 @@ class AutoPolicy:
         for candidate in self.candidates:
             candidate.length = len(context)  # and drafting
         room = min(self.k_max, self.max_new_tokens - produced - 1)
-        best: tuple[float, Candidate | None, int, Draft | None, int] = (self.sure_gain / cost(1), None, 0, None, 0)
+        best: tuple[float, Candidate | None, int, Draft | None, int] = (1 / cost(1), None, 0, None, 0)
         matched = False
         remaining = expected_remaining(self.lengths or (), produced, self.max_new_tokens)
         repays = expected_remaining(self.lengths or (), produced, self.max_new_tokens, CATCH_UP_QUANTILE)
@@ -480,11 +479,10 @@ def adaptive(
     probe_every: int = 16,
     lengths: deque[float] | None = None,
     schedule: str = "serial",
-    sure_gain: float = 1.0,
 ) -> Decoder:
     """Lossless speculation that re-chooses drafter and draft length every step (`cost` is the target's T(W) in
     seconds): `AutoPolicy` chooses, `auto_decoder` runs."""
-    policy = AutoPolicy(candidates, cost, max_new_tokens, k_max, probe_every, lengths, sure_gain)
+    policy = AutoPolicy(candidates, cost, max_new_tokens, k_max, probe_every, lengths)
     return auto_decoder(target, policy, prompt_ids, max_new_tokens, sampling, generator, schedule)
 
 

@@ -67,9 +67,6 @@ class AutoOptions:
                               "(Yggdrasil 5.2: from the machine profiles and the drafter's rank coverage of the target "
                               "on the prompt; none where chains pay best)", parse=parse_widths)
     probe_every: int = option(16, "after this many steps in a row without a model draft, try the model drafter again")
-    sure_gain: float = option(1.03, "a draft is planned only where its expected goodput is at least this many times "
-                              "plain decoding's (estimates err, and a step's own work is in none; 1: wherever a draft "
-                              "is expected to pay)")
     schedule: str = option("serial", "serial, or stage: while the target verifies a token tree, its drafter drafts the "
                            "next one on a thread of its own from the likeliest path (Yggdrasil's stage-based "
                            "scheduling; used where auto chooses that tree again)", choices=SCHEDULES)
@@ -91,8 +88,6 @@ class AutoOptions:
             raise ConfigError(f"schedule must be one of {', '.join(SCHEDULES)}, got {self.schedule!r}")
         if self.probe_every < 1:
             raise ConfigError(f"probe_every must be >= 1, got {self.probe_every}")
-        if not 1 <= self.sure_gain <= 2:
-            raise ConfigError(f"sure_gain must lie in [1, 2], got {self.sure_gain}")
 
 
 @register("auto", AutoOptions, "chooses drafter, chain, tree or cascade and draft length every step from measured "
@@ -174,6 +169,5 @@ def build(request: Request, options: AutoOptions) -> Any:
             candidate.load = target.batch_load
         cost = batched_cost(cost, target.batch_load)
     decoder = adaptive(target, candidates, request.prompt_ids, request.max_new_tokens, cost, request.sampling,
-                       request.generator, options.k_max, options.probe_every, session.lengths, options.schedule,
-                       options.sure_gain)
+                       request.generator, options.k_max, options.probe_every, session.lengths, options.schedule)
     return ending(decoder, begun, request.prompt_ids)
