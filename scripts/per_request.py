@@ -7,7 +7,9 @@ Decode speed is a generation's tokens after its first over its time after the fi
 bench's decode columns count it. A request (a prompt) is compared with the baseline's same prompt over all the
 run's repeats of both (total tokens over total time: the bench runs them A B, then B A, so a drift of the machine
 within the prompt's runs weighs on both alike); each single run with the baseline's run of the same repeat too (the
-noise of one generation on a shared machine); each category by its total tokens over total time. Pure Python."""
+noise of one generation on a shared machine); the baseline against itself, its even repeats over its odd ones (how
+far apart the same method's runs of a request fall, minutes apart, the machine's drift over the run included); each
+category by its total tokens over total time. Pure Python."""
 
 from __future__ import annotations
 
@@ -56,6 +58,11 @@ def main(argv: list[str]) -> None:
     single_below = [r for r in singles if r[0] < args.below]
     print(f"single runs: {len(singles)}, {len(single_below)} below {args.below}x; lowest {singles[0][0]:.3f}x "
           f"({singles[0][1]}, repeat {singles[0][2]})")
+    halves = sorted((ratio(base[0::2], base[1::2]), prompt) for prompt, (_, base) in pairs.items() if len(base) > 1)
+    if halves:  # the noise floor: the baseline against itself, its even repeats over its odd ones
+        apart = [r for r in halves if not args.below < r[0] < 1 / args.below]
+        print(f"{args.baseline} against itself (even repeats over odd, a run's length apart): {len(apart)} of "
+              f"{len(halves)} requests beyond {args.below}x either way; {halves[0][0]:.3f}x to {halves[-1][0]:.3f}x")
     for name in sorted(set(category.values())):
         mine = [r for p, (m, _) in pairs.items() if category[p] == name for r in m]
         base = [r for p, (_, b) in pairs.items() if category[p] == name for r in b]
