@@ -217,12 +217,12 @@ def test_a_drafter_that_texts_have_shown_never_right_is_hardly_probed():
     drafter = ScriptedDrafter(prompt, reference, error_rate=1.0, vocab=VOCAB, seed=0)
     candidate = Candidate("scripted", drafter, 0.5, 0.6, catch_up=lambda context: 2.0)
     probes = []
-    for _ in range(4):
+    for _ in range(6):
         tokens, stats = run(target, [candidate], prompt, n=200)
         assert tokens == reference
         probes.append(stats.choices.count("scripted"))
-    assert candidate.acceptance().promise() < 0.2
-    assert probes[0] >= 3 and probes[-1] <= 1
+    assert candidate.acceptance().promise() < 0.3
+    assert probes[0] >= 3 and probes[-1] <= 1, probes
 
 
 def test_auto_that_falls_behind_plain_decoding_decodes_plainly(monkeypatch):
@@ -553,3 +553,21 @@ def test_auto_with_stage_scheduling_keeps_the_sampling_distribution():
 
     target, drafter, prompt = sampling_pair()
     assert_follows_target(target, prompt, method="auto", drafters=[drafter], tree_widths=(2,), schedule="stage")
+
+
+def test_one_text_where_a_drafter_was_never_right_does_not_shut_it_out_of_the_next():
+    """A drafter's long-run promise counts pseudo-observations at one half (`PROMISE_WEIGHT`): one short text whose
+    few probes all failed (a chat reply, say) leaves the next text a probe, where the drafter may be right every time
+    (code, say). Counted as half an observation, those failures starved every later probe of its budget, and auto
+    decoded plainly for the rest of the process."""
+    target = tiny_model("llama", 1, VOCAB, init_std=0.1)
+    prompt = random_prompt(1, VOCAB)
+    reference = generate(target, prompt_ids=prompt, method="ar", max_new_tokens=60).token_ids
+    wrong = ScriptedDrafter(prompt, reference, error_rate=1.0, vocab=VOCAB, seed=0)
+    candidate = Candidate("scripted", wrong, 0.1, 0.6, catch_up=lambda context: 2.0)
+    tokens, stats = run(target, [candidate], prompt, n=60)
+    assert tokens == reference and stats.choices.count("scripted") >= 2
+    candidate.drafter = ScriptedDrafter(prompt, reference, error_rate=0.0, vocab=VOCAB, seed=0)
+    tokens, stats = run(target, [candidate], prompt, n=60)
+    assert tokens == reference
+    assert stats.choices.count("scripted") > len(stats.choices) / 2

@@ -43,6 +43,7 @@ from speculant.trees.tree import TokenTree
 PLAIN = "plain"
 CARRY_OVER = 4.0  # observations per draft position a new generation's estimates start with, at the long-run rates
 LONG_RUN = 0.995  # decay of the long-run estimates: over the last few hundred drafts, of many texts
+PROMISE_WEIGHT = 4.0  # observations of one half beside a drafter's long-run first-position acceptance (`promise`)
 COST_FOLLOWS = 0.2  # how far a measured candidate's cost estimate moves toward each draft's cost
 PROBE_SHARE = 0.1  # probes that brought no drafter back may cost at most this share of a generation's plain time
 LOOK_FIRST = 4  # steps a text shows before a drafter's catch-up dearer than PROBE_SHARE of the rest is paid
@@ -157,13 +158,14 @@ class Acceptance:
 
     def promise(self) -> float:
         """How likely this drafter is to be worth a probe, from its long-run first-position acceptance (with
-        half an acceptance in one more observation): 1 for a drafter not yet seen or whose first token is accepted
-        half the time or more; near 0 for one that many texts have shown is never right (random weights, another
-        language), whose probes then cost next to nothing (on a GPU, where a forward takes a few ms, even one probe's
-        catch-up weighs as much as many plain steps)."""
+        `PROMISE_WEIGHT` observations of one half beside them): 1 for a drafter not yet seen or whose first token is
+        accepted half the time or more; near 0 for one that many texts have shown is never right (random weights,
+        another language), whose probes then cost next to nothing (on a GPU, where a forward takes a few ms, even one
+        probe's catch-up weighs as much as many plain steps). The weight keeps one text's few failed probes from
+        starving every later text's probe of its budget."""
         if not self.long_reached:
             return 1.0
-        return min(1.0, 2 * (self.long_accepted[0] + 0.5) / (self.long_reached[0] + 1))
+        return min(1.0, 2 * (self.long_accepted[0] + PROMISE_WEIGHT / 2) / (self.long_reached[0] + PROMISE_WEIGHT))
 
     def restart(self, observations: float) -> None:
         """A new text: the long-run rates, counted as at most `observations` drafts per position, so that
