@@ -65,6 +65,14 @@ def scripted(seed, error_rate, step_s, n, **kwargs):
     return tokens, reference, stats
 
 
+def never_right(n: int):
+    """A tiny target, a prompt, the target's `n` greedy tokens after it, and a drafter that never agrees with them."""
+    target = tiny_model("llama", 1, VOCAB, init_std=0.1)
+    prompt = random_prompt(1, VOCAB)
+    reference = generate(target, prompt_ids=prompt, method="ar", max_new_tokens=n).token_ids
+    return target, prompt, reference, ScriptedDrafter(prompt, reference, error_rate=1.0, vocab=VOCAB, seed=0)
+
+
 def yield_all(decoder):
     while True:
         try:
@@ -194,10 +202,7 @@ def test_a_drafter_that_never_agrees_is_turned_off_and_probed_again():
 def test_probes_that_bring_nothing_back_cost_at_most_a_tenth_of_plain_decoding():
     """Where no drafter pays, probing costs at most PROBE_SHARE of the generation's plain time in all: on a GPU a
     probe's catch-up weighs as much as many 3 ms steps (docs/results/gpu.md: auto was 0.84x ar there)."""
-    target = tiny_model("llama", 1, VOCAB, init_std=0.1)
-    prompt = random_prompt(1, VOCAB)
-    reference = generate(target, prompt_ids=prompt, method="ar", max_new_tokens=200).token_ids
-    drafter = ScriptedDrafter(prompt, reference, error_rate=1.0, vocab=VOCAB, seed=0)
+    target, prompt, reference, drafter = never_right(200)
     # each probe: a 6 s catch-up, two 0.5 s drafting steps and a 3-token verification at T(W) = 1 + 0.01 W
     candidate = Candidate("scripted", drafter, 0.5, 0.1, catch_up=lambda context: 6.0)
     tokens, stats = run(target, [candidate], prompt, n=200)
@@ -211,10 +216,7 @@ def test_a_drafter_that_texts_have_shown_never_right_is_hardly_probed():
     """Probes are budgeted by the drafter's long-run acceptance (`Acceptance.promise`): after generations in which it
     was never right, a new one probes it far less than the first did (auto must not lose to `ar` on a GPU, where
     a probe's catch-up weighs as much as many plain steps)."""
-    target = tiny_model("llama", 1, VOCAB, init_std=0.1)
-    prompt = random_prompt(1, VOCAB)
-    reference = generate(target, prompt_ids=prompt, method="ar", max_new_tokens=200).token_ids
-    drafter = ScriptedDrafter(prompt, reference, error_rate=1.0, vocab=VOCAB, seed=0)
+    target, prompt, reference, drafter = never_right(200)
     candidate = Candidate("scripted", drafter, 0.5, 0.6, catch_up=lambda context: 2.0)
     probes = []
     for _ in range(6):
@@ -560,10 +562,7 @@ def test_one_text_where_a_drafter_was_never_right_does_not_shut_it_out_of_the_ne
     few probes all failed (a chat reply, say) leaves the next text a probe, where the drafter may be right every time
     (code, say). Counted as half an observation, those failures starved every later probe of its budget, and auto
     decoded plainly for the rest of the process."""
-    target = tiny_model("llama", 1, VOCAB, init_std=0.1)
-    prompt = random_prompt(1, VOCAB)
-    reference = generate(target, prompt_ids=prompt, method="ar", max_new_tokens=60).token_ids
-    wrong = ScriptedDrafter(prompt, reference, error_rate=1.0, vocab=VOCAB, seed=0)
+    target, prompt, reference, wrong = never_right(60)
     candidate = Candidate("scripted", wrong, 0.1, 0.6, catch_up=lambda context: 2.0)
     tokens, stats = run(target, [candidate], prompt, n=60)
     assert tokens == reference and stats.choices.count("scripted") >= 2
