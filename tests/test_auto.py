@@ -560,8 +560,8 @@ def test_auto_with_stage_scheduling_keeps_the_sampling_distribution():
 def test_one_text_where_a_drafter_was_never_right_does_not_shut_it_out_of_the_next():
     """A drafter's long-run promise counts pseudo-observations at one half (`PROMISE_WEIGHT`): one short text whose
     few probes all failed (a chat reply, say) leaves the next text a probe, where the drafter may be right every time
-    (code, say). Counted as half an observation, those failures starved every later probe of its budget, and auto
-    decoded plainly for the rest of the process."""
+    (code, say). Beside one pseudo-observation of one half, those failures starved every later probe of its budget,
+    and auto decoded plainly for the rest of the process."""
     target, prompt, reference, wrong = never_right(60)
     candidate = Candidate("scripted", wrong, 0.1, 0.6, catch_up=lambda context: 2.0)
     tokens, stats = run(target, [candidate], prompt, n=60)
