@@ -96,6 +96,19 @@ def test_keep_compacts_the_cache_in_place_as_plain_decoding_would(lean_files, va
         assert torch.equal(after, torch.cat(rows[-2:])), node
 
 
+def test_keep_refuses_positions_that_do_not_ascend_within_the_cache(lean_files):
+    """`keep` copies only the positions that move (after the prefix left in place) and checks all of them."""
+    model = lean(lean_files, "qwen2")
+    model.prefill(prompt_ids(4, 9))
+    for indices in ([0, 2, 1], [1, 0], [0, 1, 9], [-1, 3], [0, 1, 1], [3, 3], [0, 1, 2, 3, 4, 5, 6, 7, 8, 9]):
+        with pytest.raises(ValueError):
+            model.keep(indices)
+    assert model.cache_len == 9
+    keys = model._keys[:, :, :9].clone()
+    model.keep([0, 1, 4, 6])
+    assert model.cache_len == 4 and torch.equal(model._keys[:, :, :4], keys[:, :, [0, 1, 4, 6]])
+
+
 @pytest.mark.parametrize("variant", VARIANTS)
 def test_every_method_equals_ar_on_the_lean_model(lean_files, variant):
     for seed in (0, 1):
