@@ -25,23 +25,33 @@ def sha256_file(path: Path, chunk: int = 16 << 20) -> str:
     return digest.hexdigest()
 
 
+REMEMBERED_KEYS = 64  # per file: the most recently used (keys of temporary models and superseded kernels age out)
+
+
 def remembered(name: str, key: str, measure: Callable[[], Any]) -> Any:
-    """`measure()` (a JSON value) for `key`, measured once and kept in the cache's JSON file `name`. Written
+    """`measure()` (a JSON value) for `key`, measured once and kept in the cache's JSON file `name` among its
+    REMEMBERED_KEYS most recently used keys (a key used again from the older half moves to the newest end). Written
     through a temporary file: a process that races another loses at most a measurement, never the file."""
     path = cache_root() / name
     try:
         known = json.loads(path.read_text())
     except (OSError, ValueError):
         known = {}
-    if key not in known:
+    if key in known:
+        if list(known).index(key) >= len(known) - REMEMBERED_KEYS // 2:
+            return known[key]
+        known[key] = known.pop(key)
+    else:
         known[key] = measure()
-        try:
-            path.parent.mkdir(parents=True, exist_ok=True)
-            tmp = path.with_suffix(f".{os.getpid()}.tmp")
-            tmp.write_text(json.dumps(known, indent=1))
-            tmp.replace(path)
-        except OSError:
-            pass  # measured again next time
+    for old in list(known)[:-REMEMBERED_KEYS]:
+        del known[old]
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_suffix(f".{os.getpid()}.tmp")
+        tmp.write_text(json.dumps(known, indent=1))
+        tmp.replace(path)
+    except OSError:
+        pass  # measured again next time
     return known[key]
 
 

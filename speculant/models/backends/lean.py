@@ -23,6 +23,7 @@ import inspect
 import json
 import os
 import shutil
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 from functools import lru_cache
@@ -48,6 +49,7 @@ DRAFT_HEAD = 49152  # a drafter's head rows (FR-Spec keeps 32k of Llama-3's 128k
 # its coder's drafter serves code and prose; docs/results/cpu.md measures the share of the target's tokens it covers)
 PREFILL_BLOCK = 64  # prompt rows one block of a prefill computes (`LeanCausalLM.continue_prefill`)
 DEFAULT_POSITIONS = 4096  # cache capacity when the model allows more
+UNUSED_DAYS = 14  # a repack not loaded for this long is removed when another is written (stale layouts, moved files)
 CACHE_LAYOUT = 1  # of the repacked files and layout.json: a change here re-packs every cached model (as an edit
 # of formats.py or of _repack does)
 
@@ -118,7 +120,9 @@ class LeanWeights:
         directory = self.directory = _cache_directory(path, head)  # where its repacked matrices lie
         if not directory.is_dir():
             _repack(path, directory, head)
+            _remove_unused(directory.parent)
         layout = json.loads((directory / "layout.json").read_text())
+        _mark_used(directory)
         self.head = None if head is None else torch.tensor(head, dtype=torch.long)
         self.config = LeanConfig(**{**layout["config"], "sliding": tuple(layout["config"]["sliding"])})
         self.types = layout["types"]  # the file's matrices' GGUF types
@@ -244,6 +248,27 @@ def _repack(path: Path, directory: Path, head: tuple[int, ...] | None) -> None:
         tmp.rename(directory)
     except OSError:  # another process cached it first
         shutil.rmtree(tmp, ignore_errors=True)
+
+
+def _mark_used(directory: Path) -> None:
+    """Date the repack's layout.json to now: what `_remove_unused` reads as its last use."""
+    try:
+        os.utime(directory / "layout.json")
+    except OSError:
+        pass  # a read-only cache is never pruned either
+
+
+def _remove_unused(root: Path) -> None:
+    """Remove the repacks not loaded for UNUSED_DAYS: those of an earlier layout or writer (an upgrade writes the
+    file's matrices again beside them) and of files that moved or changed. The cache is only a cache: a removed
+    repack is written again at its next load."""
+    oldest = time.time() - UNUSED_DAYS * 86400
+    for directory in root.iterdir():
+        try:
+            if (directory / "layout.json").stat().st_mtime < oldest:
+                shutil.rmtree(directory, ignore_errors=True)
+        except OSError:
+            pass  # not a repack, or another process removed it first
 
 
 def _read(reader: Any) -> tuple[LeanConfig, dict[str, Any], list[tuple[str, str, np.ndarray, int]]]:
