@@ -244,6 +244,7 @@ def test_a_compiled_tree_is_one_graph_of_the_same_tree():
     from speculant.models.base import Delegating
     from speculant.trees.drafter import TreeDrafter
 
+    limit = torch._dynamo.config.recompile_limit
     weights = StaticWeights(transformer("qwen2", 2))
     loop, graph = (TreeDrafter(StaticCausalLM(weights, span=96, compiled=True), 2, graph=g) for g in (False, True))
     context = [(5 * i) % 64 for i in range(12)]
@@ -251,6 +252,7 @@ def test_a_compiled_tree_is_one_graph_of_the_same_tree():
     assert a.tree == b.tree and len(b.tree) == 7
     assert graph.model.cache_len == len(context) + 3 * 2 and graph.model.usage.steps == 3  # (4 levels grown: 3 run)
     assert graph.model.capabilities.drafts_trees and not Delegating(graph.model.model).capabilities.drafts_trees
+    assert torch._dynamo.config.recompile_limit == limit  # raised only while a draft graph is called
 
 
 def test_a_handle_s_work_on_its_region_waits_for_the_pool():

@@ -186,15 +186,20 @@ class StaticWeights(nn.Module):
         return grow(step, root_logits, root, depth, width, rows, span)
 
     def compiled_draft(self) -> Any:
-        """`draft` under `torch.compile`: a tree's levels as one graph (one per depth, width and shape of the pool).
-        torch.compile's limit of recompilations per function (8 by default; past it, a full graph fails) is raised
-        to DRAFT_GRAPHS once, process-wide, and never lowered."""
+        """`draft` under `torch.compile`: a tree's levels as one graph (one per depth, width and shape of the pool),
+        called within `draft_graphs_allowed`."""
         if self._compiled_draft is None:
-            config = torch._dynamo.config
-            name = "recompile_limit" if hasattr(config, "recompile_limit") else "cache_size_limit"  # (torch < 2.6)
-            setattr(config, name, max(getattr(config, name), DRAFT_GRAPHS))
             self._compiled_draft = torch.compile(self.draft, fullgraph=True, dynamic=False)
         return self._compiled_draft
+
+
+def draft_graphs_allowed() -> Any:
+    """torch.compile's limit of recompilations per function (8 by default; past it, a full graph fails) raised to
+    DRAFT_GRAPHS while a draft graph is called (and compiled), and only then: the process's own compiled functions
+    keep their limit."""
+    config = torch._dynamo.config
+    name = "recompile_limit" if hasattr(config, "recompile_limit") else "cache_size_limit"  # (torch < 2.6)
+    return config.patch(**{name: DRAFT_GRAPHS})
 
 
 @dataclass(frozen=True)
@@ -288,9 +293,11 @@ class KVPool:
             self._root_logits.copy_(root_logits)
 
             def run() -> tuple[torch.Tensor, ...]:
-                draft = self.weights.compiled_draft() if self.compiled else self.weights.draft
-                return draft(self.keys, self.values, self._root_logits, self._root[0], self._root[1], depth, width,
-                             self.width, self.span)
+                args = (self.keys, self.values, self._root_logits, *self._root, depth, width, self.width, self.span)
+                if not self.compiled:
+                    return self.weights.draft(*args)
+                with draft_graphs_allowed():
+                    return self.weights.compiled_draft()(*args)
 
             if not self.compiled or self.device.type != "cuda":
                 out = run()
