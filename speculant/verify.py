@@ -174,18 +174,31 @@ def verify_tree_sampling(tree: TokenTree, p: torch.Tensor, generator: torch.Gene
     itself); a rejected child is removed from r (r <- norm(max(0, r - onehot(x)))) before the next one
     is tried. If one is accepted the walk moves to it; if none is, the token is drawn from r. Each
     emitted token is then distributed exactly as under p, whatever the tree.
+
+    The walk runs on the host from one transfer: the children's probabilities and a uniform draw per child (a
+    child is tried at most once); removing rejected children x_1..x_j from a row of p (a distribution: its total is
+    1) leaves the residual's total at 1 - sum_i p(x_i). Only the last node's residual is built, for the final draw.
     """
+    edges = [(node, child) for node, children in enumerate(tree.child_lists) for child in children]
+    rows = torch.tensor([node for node, _ in edges], dtype=torch.long, device=p.device)
+    tokens = torch.tensor([tree.tokens[child] for _, child in edges], dtype=torch.long, device=p.device)
+    mass, draws = torch.stack([p[rows, tokens].float(), uniform((len(edges),), generator, p.device)]).tolist()
+    edge_of = {child: i for i, (_, child) in enumerate(edges)}
     path, node = [], 0
     while True:
-        residual = p[node].clone()
+        total, removed = 1.0, []
         for child in tree.child_lists[node]:
-            token = tree.tokens[child]
-            total = float(residual.sum())
-            if total > 0 and float(uniform((), generator, p.device)) * total < float(residual[token]):
+            token, i = tree.tokens[child], edge_of[child]
+            left = 0.0 if token in removed else mass[i]  # a sibling's token already removed has no mass left
+            if total > 0 and draws[i] * total < left:
                 break
-            residual[token] = 0.0
+            total -= left
+            removed.append(token)
         else:
-            total = residual.sum()
-            return path, sample(residual / total if total > 0 else p[node], generator)
+            residual = p[node]
+            if removed:  # `sample` draws in proportion: the residual needs no normalizing
+                residual = residual.clone()
+                residual[removed] = 0.0
+            return path, sample(residual if residual.sum() > 0 else p[node], generator)
         path.append(child)
         node = child
