@@ -8,7 +8,7 @@ model eager, and compiled with CUDA graphs; greedy `ar` tok/s compiled against t
 with a static cache under torch.compile (the gpt-fast-style reference); the drafter's cost ratio; and that greedy
 `sd` and `tree` on the compiled pair give `ar`'s tokens; `auto` against `ar` where nothing is accepted (A B B A);
 8 sequences' rows batched in the compiled step against each alone; a tree's draft levels as one CUDA graph against one
-replay per level. `--smoke` runs the same code on tiny
+replay per level; the host syncs per target forward of `ar`, `sd` and `tree`, greedy and sampled. `--smoke` runs the same code on tiny
 configurations (on the CPU, to check the script)."""
 
 from __future__ import annotations
@@ -256,7 +256,36 @@ def main() -> int:
 
         return draft_costs(weights["0.5b"], 4, [2] if args.smoke else [4], args.repeats, compiled=True, rows=16)
 
-    sections = {"auto": auto, "speculation": speculation, "drafter": drafter_cost, "rows": rows, "draft": draft,
+    def syncs() -> dict:
+        """Host syncs of a generation on the compiled pair (`torch.cuda.set_sync_debug_mode`'s warnings, counted),
+        per target forward: `ar`, `sd` and `tree` of the 0.5B, greedy and at temperature 0.7. What reads back after a
+        forward: greedy verification once, a draw once (`sample`), a sampled tree's walk once more."""
+        import warnings
+
+        target = StaticCausalLM(weights["1.5b"], width=16, span=1024, compiled=True)
+        drafter = StaticCausalLM(weights["0.5b"], width=16, span=1024, compiled=True)
+        prompt = torch.randint(0, 500, (200,)).tolist()
+        out = {}
+        for label, options in (("ar", dict(method="ar")), ("sd k4", dict(method="sd", drafter=drafter, k=4)),
+                               ("tree d4 w2", dict(method="tree", drafter=drafter, depth=4, width=2))):
+            for temperature in (0.0, 0.7):
+                run = dict(options, temperature=temperature, seed=0, prompt_ids=prompt)
+                generate(target, max_new_tokens=8, **run)  # compiled and captured before counting
+                with warnings.catch_warnings(record=True) as caught:
+                    warnings.simplefilter("always")
+                    if device == "cuda":
+                        torch.cuda.set_sync_debug_mode("warn")
+                    try:
+                        result = generate(target, max_new_tokens=32, **run)
+                    finally:
+                        if device == "cuda":
+                            torch.cuda.set_sync_debug_mode(0)
+                forwards = result.stats.target_forwards
+                out[f"{label} T={temperature}"] = {"syncs": len(caught), "target forwards": forwards,
+                                                   "syncs per forward": len(caught) / max(forwards, 1)}
+        return out
+
+    sections = {"auto": auto, "speculation": speculation, "syncs": syncs, "drafter": drafter_cost, "rows": rows, "draft": draft,
                 "compiled T(W) ms": compiled_costs, "ar": tokens_per_second, "eager T(W) ms": eager_costs}
     for name in args.sections or sections:
         section(name, sections[name])

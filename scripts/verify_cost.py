@@ -1,11 +1,12 @@
-"""Seconds of one tree verification at temperature > 0 (`verify_tree_sampling`), the host work a sampled tree step
-pays after the target's forward (CHANGELOG, "Tree sampling verification from one transfer").
+"""Seconds of one tree verification at temperature > 0 (`verify_tree_sampling`) and of one draw (`sample`), the host
+work a sampled step pays after the target's forward (CHANGELOG, "Bounded caches, tree sampling verification from one
+transfer").
 
     python scripts/verify_cost.py --vocab 151936 --widths 2 4 --depth 4 [--device cuda]
 
 For each width: an equal-growth-like tree of that width and depth (every node's `width` children on the first
 level, one child after), target distributions under which a lone child is accepted about half the time, and the
-median seconds of `--repeats` verifications, in us."""
+median seconds of `--repeats` verifications, in us; then the median of `--repeats` draws from one such row."""
 
 from __future__ import annotations
 
@@ -40,7 +41,7 @@ def main(argv: list[str]) -> None:
 
     import torch
 
-    from speculant.sampling import seeded
+    from speculant.sampling import sample, seeded
     from speculant.verify import verify_tree_sampling
 
     device = torch.device(args.device)
@@ -61,6 +62,12 @@ def main(argv: list[str]) -> None:
             seconds.append(time.perf_counter() - began)
         print(f"{len(tree)} nodes (width {width}, depth {args.depth}), vocab {args.vocab}: "
               f"{statistics.median(seconds) * 1e6:.0f} us")
+    seconds = []
+    for _ in range(args.repeats):
+        began = time.perf_counter()
+        sample(p[0], generator)  # (on a GPU, its read-back waits for it)
+        seconds.append(time.perf_counter() - began)
+    print(f"a draw, vocab {args.vocab}: {statistics.median(seconds) * 1e6:.0f} us")
 
 
 if __name__ == "__main__":

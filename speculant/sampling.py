@@ -33,7 +33,8 @@ SAMPLE_BLOCK = 512  # tokens per block of `sample`'s two-level CDF
 
 
 def sample(probs: torch.Tensor, generator: torch.Generator | None) -> int:
-    """Draw one token id from a distribution [vocab] (on the generator's device; its total need not be 1) by
+    """Draw one token id from a distribution [vocab] (on the generator's device; its total need not be 1, but it
+    must have mass) by
     inverting its CDF at one uniform draw u: the block of SAMPLE_BLOCK tokens whose cumulative mass first exceeds
     u * total, then the token within it, every sum in fp64 and no copy of the distribution, so a token of mass 0 is
     never drawn. Why not torch.multinomial: one draw from a large vocabulary cost it a sizeable share of a forward

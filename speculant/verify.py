@@ -27,16 +27,22 @@ def verify_greedy(
     With `leniency` l > 1 (CS Drafting, section 3.1; inner reviews of a cascade only, never the
     target's) a token that is not the argmax is accepted too when l * p(x) > q(x), with p the
     reviewer's softmax and q(x) `draft_probs` [k], the drafter's probability of its token (1 if None).
+
+    Without leniency the target's tokens are read back once and compared on the host with the draft (a host tensor
+    costs no read-back: on a GPU, the step's only sync).
     """
     target_tokens = target_logits.argmax(-1)  # [k + 1]
     k = draft.shape[0]
-    accepted = draft == target_tokens[:k]
     if leniency > 1 and k:
+        draft = draft.to(target_logits.device)
         p_x = torch.softmax(target_logits[:k], -1).gather(-1, draft[:, None])[:, 0]
         q_x = draft_probs if draft_probs is not None else torch.ones_like(p_x)
-        accepted |= leniency * p_x > q_x
-    n = int(accepted.int().cumprod(0).sum())
-    return n, int(target_tokens[n])
+        accepted = (draft == target_tokens[:k]) | (leniency * p_x > q_x)
+        n = int(accepted.int().cumprod(0).sum())
+        return n, int(target_tokens[n])
+    wanted = target_tokens.tolist()
+    n = next((i for i, (drafted, target) in enumerate(zip(draft.tolist(), wanted)) if drafted != target), k)
+    return n, wanted[n]
 
 
 def verify_sampling(

@@ -10,7 +10,7 @@ from helpers import DEVICES, MarkovLM, random_prompt, tiny_model, total_variatio
 from speculant import generate
 from speculant.config import SamplingConfig
 from speculant.errors import ConfigError
-from speculant.sampling import logits_to_probs, next_token
+from speculant.sampling import SAMPLE_BLOCK, logits_to_probs, next_token, sample
 
 LOGITS = torch.tensor([2.0, 1.0, 0.5, 0.0, -1.0])
 
@@ -44,6 +44,24 @@ def test_sampling_uses_the_generator():
     draws = [[next_token(LOGITS, config, torch.Generator().manual_seed(s)) for _ in range(1)] for s in range(20)]
     again = [[next_token(LOGITS, config, torch.Generator().manual_seed(s)) for _ in range(1)] for s in range(20)]
     assert draws == again and len({d[0] for d in draws}) > 1
+
+
+@pytest.mark.parametrize("vocab", [100, 2 * SAMPLE_BLOCK, 3 * SAMPLE_BLOCK + 100])
+def test_a_draw_inverts_the_cdf_at_the_generator_s_uniform_over_blocks_and_their_tail(vocab):
+    """`sample` within one partial block, over whole blocks, and over whole blocks and a partial one, a third of the
+    tokens without mass, the total not 1: the token the one-level inversion of the fp64 CDF gives at the same
+    uniform draw, never a token of mass 0."""
+    gen = torch.Generator().manual_seed(0)
+    probs = torch.rand(vocab, generator=gen) * (torch.rand(vocab, generator=gen) > 0.3) * 3
+    probs[-40:] = 0.0  # the last tokens have no mass
+    cdf = probs.double().cumsum(0)
+    blocks = set()
+    for _ in range(300):
+        u = torch.rand(1, generator=torch.Generator().set_state(gen.get_state())).double() * cdf[-1]
+        token = sample(probs, gen)
+        assert token == int(torch.searchsorted(cdf, u, right=True)) and probs[token] > 0
+        blocks.add(token // SAMPLE_BLOCK)
+    assert blocks == set(range(-(-vocab // SAMPLE_BLOCK)))
 
 
 @pytest.mark.parametrize("kwargs", [dict(temperature=-0.1), dict(temperature=math.nan), dict(temperature=math.inf),

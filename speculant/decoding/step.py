@@ -56,12 +56,12 @@ def verify_draft(target: CausalLM, last: int, draft: Draft, sampling: SamplingCo
     forward takes a few ms, that work is not noise)."""
     if not draft.tokens:
         return 0, next_token(target.forward([last])[-1], sampling, generator)
-    drafted = torch.tensor(draft.tokens, dtype=torch.long, device=target.device)
     cached = target.cache_len
     target_logits = target.forward([last, *draft.tokens])  # [1 + len(draft), vocab]
     if sampling.greedy:
-        n, token = verify_greedy(drafted, target_logits)
+        n, token = verify_greedy(torch.tensor(draft.tokens, dtype=torch.long), target_logits)  # compared on the host
     else:
+        drafted = torch.tensor(draft.tokens, dtype=torch.long, device=target.device)
         q = draft.probs.to(target.device) if draft.probs is not None else None
         verify = verify_block if sampling.verifier == "block" else verify_sampling
         n, token = verify(drafted, logits_to_probs(target_logits, sampling), q, generator)

@@ -133,15 +133,15 @@ class CascadeDrafter(Drafter):
         """One forward of `reviewer` over `sub`: its accepted prefix plus the reviewer's own next token,
         each with the distribution it was drawn from (CS Drafting, Algorithm 1, inner review)."""
         logits = reviewer.score(context, sub)  # [len(sub) + 1, vocab]
-        drafted = torch.tensor(sub, dtype=torch.long, device=logits.device)
         if self.sampling.greedy:
             q_x = None if self.leniency == 1 else torch.tensor(
                 [float(r[t]) if r is not None else 1.0 for t, r in zip(sub, sub_rows)], device=logits.device)
-            n, token = verify_greedy(drafted, logits, self.leniency, q_x)
+            n, token = verify_greedy(torch.tensor(sub, dtype=torch.long), logits, self.leniency, q_x)  # (host tensor)
             rows: Rows = [None] * (n + 1)
             if reviewer.keep_probs:  # an outer lenient review weighs the reviewer's confidence
                 rows = list(torch.softmax(logits[: n + 1], -1))
             return sub[:n] + [token], rows
+        drafted = torch.tensor(sub, dtype=torch.long, device=logits.device)
         p = logits_to_probs(logits, self.sampling)
         q = stack_rows(sub, sub_rows, logits.shape[-1])  # None: every sub-draft token is deterministic
         n, token = verify_sampling(drafted, p, q, self.generator, self.leniency)
