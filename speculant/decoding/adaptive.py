@@ -327,16 +327,17 @@ def best_length(acceptance: Acceptance, step_s: float, cost: Callable[[int], flo
                for k in range(1, most + 1))
 
 
-def expected_remaining(lengths: Sequence[float], produced: int, budget: int, quantile: float = CATCH_UP_QUANTILE) -> float:
-    """Tokens a generation that has produced `produced` of at most `budget` can count on adding: the `quantile` of
-    what earlier generations that got past `produced` added after it (`lengths`: inf for one that ran to its own
-    budget, cut at this one's), or the whole rest of the budget where none did. What auto pays once and loses if
-    the reply ends early (a drafter's catch-up, a probe) is weighed against it: a short reply to a short question
-    does not count on the budget, nor on the average reply, to repay it; a long one earns it as it goes."""
+def expected_remaining(lengths: Sequence[float], produced: int, budget: int, quantile: float | None = None) -> float:
+    """Tokens a generation that has produced `produced` of at most `budget` is expected to add: the mean of
+    what earlier generations that got past `produced` added after it (`lengths`: inf for one that ran to its
+    own budget, cut at this one's), or the whole rest of the budget where none did. A short reply to a short
+    question thus does not count on the budget to repay a drafter's prefill; a long one earns it as it goes.
+    With `quantile` q, what a q-quantile of them added instead: where a cost is paid once and lost if the reply
+    ends early (a drafter's catch-up), auto counts on the short replies, not the average one."""
     later = sorted(min(length, budget) - produced for length in lengths if length > produced)
     if not later:
         return float(budget - produced)
-    return later[int(quantile * (len(later) - 1))]
+    return later[int(quantile * (len(later) - 1))] if quantile is not None else sum(later) / len(later)
 
 
 @dataclass(frozen=True)
@@ -360,9 +361,8 @@ class AutoPolicy:
     be accepted drafts two tokens, so that one that stopped paying can come back when the text changes. A
     generation starts with a probe; one that does not bring the drafter back doubles the wait before the next,
     and the probes since a drafter last paid may cost (catching up, drafting, the wider verification) at most
-    `PROBE_SHARE` of the generation's plain decoding time, counted at the lower quartile of replies as a catch-up
-    is (below), times the drafter's `promise` (its long-run acceptance): where no drafter pays, a generation shorter
-    than most is at most that much slower than plain decoding, and once earlier texts
+    `PROBE_SHARE` of the generation's plain decoding time, times the drafter's `promise` (its long-run acceptance):
+    where no drafter pays, a generation is at most that much slower than plain decoding, and once earlier texts
     have shown a drafter never right, its probes cost next to nothing (on a GPU, where a forward takes a few ms, a
     probe's catch-up weighs as much as many steps). A drafter's catch-up is weighed against the tokens the generation is still expected to
     produce, from the `lengths` of earlier generations (this one's is appended at its `end`; their lower quartile,
@@ -405,7 +405,8 @@ class AutoPolicy:
         room = min(self.k_max, self.max_new_tokens - produced - 1)
         best: tuple[float, Candidate | None, int, Draft | None, int] = (1 / cost(1), None, 0, None, 0)
         matched = False
-        repays = expected_remaining(self.lengths or (), produced, self.max_new_tokens)
+        remaining = expected_remaining(self.lengths or (), produced, self.max_new_tokens)
+        repays = expected_remaining(self.lengths or (), produced, self.max_new_tokens, CATCH_UP_QUANTILE)
         # under load, a served model drafter that could not pay even if always right is neither weighed nor probed
         weighed = [c for c in self.candidates if c.match is not None or not c.hopeless(cost, self.k_max)]
         for candidate in weighed if room > 0 else ():
@@ -433,7 +434,7 @@ class AutoPolicy:
         elif self.without_model >= self.wait and probe is not None and room > 0:
             steps = min(2, room)
             price = probe.catch_up_s(context) + steps * probe.cost_s + cost(steps + 1) - cost(1)
-            if self.probed + price <= PROBE_SHARE * probe.acceptance().promise() * cost(1) * (produced + repays):
+            if self.probed + price <= PROBE_SHARE * probe.acceptance().promise() * cost(1) * (produced + remaining):
                 chosen, k, draft, bucket = probe, steps, None, 0
                 self.wait, self.probed = 2 * self.wait, self.probed + price
         self.without_model = 0 if chosen is not None and chosen.match is None else self.without_model + 1
