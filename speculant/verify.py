@@ -7,6 +7,8 @@ after a rejection) or the *bonus* token (drawn from the target after all k were 
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
 
 from speculant.sampling import sample, uniform
@@ -14,34 +16,34 @@ from speculant.trees.tree import TokenTree
 
 
 def verify_greedy(
-    draft: torch.Tensor,
+    draft: Sequence[int],
     target_logits: torch.Tensor,
     leniency: float = 1.0,
     draft_probs: torch.Tensor | None = None,
 ) -> tuple[int, int]:
     """Greedy verification: the longest prefix of `draft` that matches the target's argmax.
 
-    draft [k] token ids; target_logits [k + 1, vocab], row i scoring the position after draft[:i].
+    draft: k token ids; target_logits [k + 1, vocab], row i scoring the position after draft[:i].
     Returns the accepted count n and the target's own token after it (its argmax at row n).
 
     With `leniency` l > 1 (CS Drafting, section 3.1; inner reviews of a cascade only, never the
     target's) a token that is not the argmax is accepted too when l * p(x) > q(x), with p the
     reviewer's softmax and q(x) `draft_probs` [k], the drafter's probability of its token (1 if None).
 
-    Without leniency the target's tokens are read back once and compared on the host with the draft (a host tensor
-    costs no read-back: on a GPU, the step's only sync).
+    Without leniency the target's tokens are read back once and compared on the host with the draft (on a GPU,
+    the step's only sync).
     """
     target_tokens = target_logits.argmax(-1)  # [k + 1]
-    k = draft.shape[0]
+    k = len(draft)
     if leniency > 1 and k:
-        draft = draft.to(target_logits.device)
-        p_x = torch.softmax(target_logits[:k], -1).gather(-1, draft[:, None])[:, 0]
+        drafted = torch.tensor(draft, dtype=torch.long, device=target_logits.device)
+        p_x = torch.softmax(target_logits[:k], -1).gather(-1, drafted[:, None])[:, 0]
         q_x = draft_probs if draft_probs is not None else torch.ones_like(p_x)
-        accepted = (draft == target_tokens[:k]) | (leniency * p_x > q_x)
+        accepted = (drafted == target_tokens[:k]) | (leniency * p_x > q_x)
         n = int(accepted.int().cumprod(0).sum())
         return n, int(target_tokens[n])
     wanted = target_tokens.tolist()
-    n = next((i for i, (drafted, target) in enumerate(zip(draft.tolist(), wanted)) if drafted != target), k)
+    n = next((i for i, (drafted, target) in enumerate(zip(draft, wanted)) if drafted != target), k)
     return n, wanted[n]
 
 

@@ -23,7 +23,7 @@ def one_hot_logits(tokens: list[int], vocab: int = 10) -> torch.Tensor:
     ],
 )
 def test_greedy_verification_takes_longest_matching_prefix(draft, target, expected):
-    assert verify_greedy(torch.tensor(draft, dtype=torch.long), one_hot_logits(target)) == expected
+    assert verify_greedy(draft, one_hot_logits(target)) == expected
 
 
 P = torch.tensor([0.4, 0.3, 0.1, 0.1, 0.05, 0.05])

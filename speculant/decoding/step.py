@@ -59,7 +59,7 @@ def verify_draft(target: CausalLM, last: int, draft: Draft, sampling: SamplingCo
     cached = target.cache_len
     target_logits = target.forward([last, *draft.tokens])  # [1 + len(draft), vocab]
     if sampling.greedy:
-        n, token = verify_greedy(torch.tensor(draft.tokens, dtype=torch.long), target_logits)  # compared on the host
+        n, token = verify_greedy(draft.tokens, target_logits)
     else:
         drafted = torch.tensor(draft.tokens, dtype=torch.long, device=target.device)
         q = draft.probs.to(target.device) if draft.probs is not None else None

@@ -136,7 +136,7 @@ class CascadeDrafter(Drafter):
         if self.sampling.greedy:
             q_x = None if self.leniency == 1 else torch.tensor(
                 [float(r[t]) if r is not None else 1.0 for t, r in zip(sub, sub_rows)], device=logits.device)
-            n, token = verify_greedy(torch.tensor(sub, dtype=torch.long), logits, self.leniency, q_x)  # (host tensor)
+            n, token = verify_greedy(sub, logits, self.leniency, q_x)
             rows: Rows = [None] * (n + 1)
             if reviewer.keep_probs:  # an outer lenient review weighs the reviewer's confidence
                 rows = list(torch.softmax(logits[: n + 1], -1))
