@@ -8,8 +8,8 @@ model eager, and compiled with CUDA graphs; greedy `ar` tok/s compiled against t
 with a static cache under torch.compile (the gpt-fast-style reference); the drafter's cost ratio; and that greedy
 `sd` and `tree` on the compiled pair give `ar`'s tokens; `auto` against `ar` where nothing is accepted (A B B A);
 8 sequences' rows batched in the compiled step against each alone; a tree's draft levels as one CUDA graph against one
-replay per level; the host syncs per target forward of `ar`, `sd` and `tree`, greedy and sampled. `--smoke` runs the same code on tiny
-configurations (on the CPU, to check the script)."""
+replay per level; the host syncs per target forward of `ar`, `sd` and `tree`, greedy and sampled. `--smoke` runs
+the same code on tiny configurations (on the CPU, to check the script)."""
 
 from __future__ import annotations
 
@@ -258,8 +258,9 @@ def main() -> int:
 
     def syncs() -> dict:
         """Host syncs of a generation on the compiled pair (`torch.cuda.set_sync_debug_mode`'s warnings, counted),
-        per target forward: `ar`, `sd` and `tree` of the 0.5B, greedy and at temperature 0.7. What reads back after a
-        forward: greedy verification once, a draw once (`sample`), a sampled tree's walk once more."""
+        per target forward: `ar`, `sd` and `tree` of the 0.5B, greedy and at temperature 0.7. What reads back after
+        a forward: greedy verification once, a draw twice (`sample`: its block, then its token), a sampled tree's
+        walk once more."""
         import warnings
 
         target = StaticCausalLM(weights["1.5b"], width=16, span=1024, compiled=True)
@@ -285,8 +286,9 @@ def main() -> int:
                                                    "syncs per forward": len(caught) / max(forwards, 1)}
         return out
 
-    sections = {"auto": auto, "speculation": speculation, "syncs": syncs, "drafter": drafter_cost, "rows": rows, "draft": draft,
-                "compiled T(W) ms": compiled_costs, "ar": tokens_per_second, "eager T(W) ms": eager_costs}
+    sections = {"auto": auto, "speculation": speculation, "syncs": syncs, "drafter": drafter_cost, "rows": rows,
+                "draft": draft, "compiled T(W) ms": compiled_costs, "ar": tokens_per_second,
+                "eager T(W) ms": eager_costs}
     for name in args.sections or sections:
         section(name, sections[name])
     print(json.dumps(results, indent=1))

@@ -43,7 +43,7 @@ def verify_greedy(
         n = int(accepted.int().cumprod(0).sum())
         return n, int(target_tokens[n])
     wanted = target_tokens.tolist()
-    n = next((i for i, (drafted, target) in enumerate(zip(draft, wanted)) if drafted != target), k)
+    n = next((i for i, (token, target_token) in enumerate(zip(draft, wanted)) if token != target_token), k)
     return n, wanted[n]
 
 
@@ -207,6 +207,8 @@ def verify_tree_sampling(tree: TokenTree, p: torch.Tensor, generator: torch.Gene
             if removed:  # `sample` draws in proportion: the residual needs no normalizing
                 residual = residual.clone()
                 residual[removed] = 0.0
-            return path, sample(residual if residual.sum() > 0 else p[node], generator)
+                if not residual.sum() > 0:  # rejected children that held all the mass: only by rounding
+                    residual = p[node]
+            return path, sample(residual, generator)
         path.append(child)
         node = child
