@@ -82,11 +82,13 @@ def forward_cost(model, width: int, repeats: int, device: str) -> float:
 
 def alternated(target, runs: dict[str, dict], repeats: int, tokens: int, session: Session) -> dict:
     """Decode tok/s of each of two `runs` (generate's options) on one random 200-token prompt, alternated A B B A
-    `repeats` times in one `session` after a warm-up of each: each one's rates, the second's mean ratio to the
-    first's, the second's choices (auto's), and whether every output equals the first run's."""
+    `repeats` times in one `session` after a warm-up generation of each as long as the measured ones (a shorter one
+    may never run auto's drafter, whose handle's first use, a CUDA graph captured, would fall in a measured
+    generation): each one's rates, the second's mean ratio to the first's, the second's choices (auto's), and
+    whether every output equals the first run's."""
     (a, b), prompt = list(runs), torch.randint(0, 500, (200,)).tolist()
     for options in runs.values():
-        generate(target, prompt_ids=prompt, max_new_tokens=8, session=session, **options)
+        generate(target, prompt_ids=prompt, max_new_tokens=tokens, session=session, **options)
     rates, outputs, choices = {a: [], b: []}, [], Counter()
     for _ in range(repeats):
         for label in (a, b, b, a):
@@ -188,7 +190,9 @@ def main() -> int:
                 "sd k4 self": dict(method="sd", drafter=target.share(), k=4),
                 "sd k8 self": dict(method="sd", drafter=target.share(), k=8),
                 "tree self d4 w2": dict(method="tree", drafter=target.share(), depth=4, width=2, draft_graph=False),
-                "tree self d4 w2, one graph": dict(method="tree", drafter=target.share(), depth=4, width=2)}
+                "tree self d4 w2, one graph": dict(method="tree", drafter=target.share(), depth=4, width=2),
+                "tree self d4 w2, one graph, stage": dict(method="tree", drafter=target.share(), depth=4, width=2,
+                                                          schedule="stage")}
         expected = None
         for label, options in runs.items():
             generate(target, prompt_ids=prompt, max_new_tokens=8, **options)
@@ -196,7 +200,8 @@ def main() -> int:
             expected = expected or result.token_ids
             out[label] = {"decode tok/s": decode_rate(result.stats),
                           "mean accepted": result.stats.mean_accepted_length,
-                          "equals ar": result.token_ids == expected}
+                          "equals ar": result.token_ids == expected,
+                          **({"stage": str(result.stats.stage)} if result.stats.stage else {})}
         return out
 
     def drafter_cost() -> dict:
@@ -268,7 +273,8 @@ def main() -> int:
         prompt = torch.randint(0, 500, (200,)).tolist()
         out = {}
         for label, options in (("ar", dict(method="ar")), ("sd k4", dict(method="sd", drafter=drafter, k=4)),
-                               ("tree d4 w2", dict(method="tree", drafter=drafter, depth=4, width=2))):
+                               ("tree d4 w2, levels", dict(method="tree", drafter=drafter, depth=4, width=2,
+                                                           draft_graph=False))):  # (one graph: minutes to compile)
             for temperature in (0.0, 0.7):
                 run = dict(options, temperature=temperature, seed=0, prompt_ids=prompt)
                 generate(target, max_new_tokens=8, **run)  # compiled and captured before counting

@@ -119,6 +119,10 @@ ENTRIES: dict[str, tuple[str, str, str | None, str | None, str | None]] = {
     "gpu-h200.json": ("GPU", "`auto` against `ar` where nothing is accepted, speculation and the drafter's cost on "
                       "the compiled pair (gpu.md)", "python scripts/gpu_static.py OUT.json --ab-repeats 5 --sections "
                       "auto speculation drafter", "NVIDIA H200 (lent)", "c87d007"),
+    "gpu-h200-runtime.json": ("GPU", "Yggdrasil's runtime half on the compiled pair: `auto` against `ar` where "
+                              "nothing is accepted, batch rows, host syncs per forward (gpu.md)",
+                              "python scripts/gpu_static.py OUT.json --ab-repeats 5 --sections auto rows syncs",
+                              "NVIDIA H200 (lent)", None),
     "auto-no-accept": ("speculation", "`auto` against `ar` where nothing is accepted, ~2 ms a forward on the CPU "
                        "(random static models)", "python scripts/auto_no_accept.py "
                        "docs/results/auto-no-accept/results.json --repeats 10", "2-core AMD EPYC (AVX-512)", "c87d007"),

@@ -323,6 +323,17 @@ def test_drafts_grow_while_everything_is_accepted():
     assert stats.draft_lengths[0] < 12 and max(stats.draft_lengths) == 12 and stats.acceptance_rate == 1.0
 
 
+def test_a_drafter_is_weighed_only_at_lengths_it_could_be_accepted_at():
+    """`best_length` prices the draft lengths whose last position has at least a `NEGLIGIBLE` chance: a drafter that
+    is never right costs one or two of T(W)'s lookups a step, not k_max (host time a GPU's few-ms step feels)."""
+    widths = []
+    cost = lambda width: widths.append(width) or 0.05  # noqa: E731
+    assert best_length(Acceptance(prior=0.01), 0.01, cost, 16)[1] == 1 and widths == [2]
+    widths.clear()
+    best_length(Acceptance(prior=0.9), 0.01, cost, 16)
+    assert widths == list(range(2, 18))
+
+
 def test_a_drafter_pays_its_catch_up_only_where_enough_tokens_remain_to_share_it():
     """A drafter whose cache lags the context first runs what it lacks: that time is shared by the tokens
     left to generate, so catching up on a long prompt pays for a long generation and not for a short one."""

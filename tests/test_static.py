@@ -167,16 +167,17 @@ def test_an_interrupted_forward_leaves_the_cache_as_it_was():
     assert model.cache_len == 3
 
 
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("arch", ARCHS)
-def test_rows_of_several_sequences_in_one_forward_equal_their_own_forwards(arch, dtype):
+def test_rows_of_several_sequences_in_one_forward_equal_their_own_forwards(arch, dtype, device):
     """`static.forward_rows`: prefills, chains, a tree and a continued prefill of different sequences packed into
     steps of `width` rows; each gets bit for bit the logits, hidden states and cache length of its own calls, and the
     pool grows under handles already running (their caches kept)."""
     from speculant.models.backends.static import forward_rows
     from speculant.models.base import Call
 
-    base = static(transformer(arch, 0, DTYPES[dtype]))
+    base = static(transformer(arch, 0, DTYPES[dtype], device))
     batched, alone = [base.share() for _ in range(3)], [base.share() for _ in range(3)]
     tree = TokenTree((5, 9, 7, 11, 3, 8, 2), (-1, 0, 0, 1, 2, 4, 5))
     rounds = [[Call([1, 2, 3, 4, 5], prefill=True), Call(list(range(3, 14)), prefill=True), Call([7, 8], prefill=True)],
@@ -198,7 +199,8 @@ def test_rows_of_several_sequences_in_one_forward_equal_their_own_forwards(arch,
     del grown
 
 
-def test_served_static_requests_batch_and_equal_their_solo_runs(monkeypatch):
+@pytest.mark.parametrize("device", DEVICES)
+def test_served_static_requests_batch_and_equal_their_solo_runs(device, monkeypatch):
     """A server on the static backend runs concurrent requests' calls as one forward per model (the pool's
     steps); each greedy output equals the request alone and the model's `ar`, for sd and auto."""
     from helpers import assert_served_rows_batch_and_equal_solo
@@ -211,20 +213,21 @@ def test_served_static_requests_batch_and_equal_their_solo_runs(monkeypatch):
                 for parameter in model.parameters():
                     parameter.add_(torch.randn(parameter.shape, generator=torch.Generator().manual_seed(1)) * noise *
                                    parameter.std())
-        return StaticCausalLM(StaticWeights(model), byte_tokenizer(), name="tiny", span=96, width=4)
+        return StaticCausalLM(StaticWeights(model.to(device)), byte_tokenizer(), name="tiny", span=96, width=4)
 
     prompts = [list(f"prompt {i}: {'ab' * i}".encode()) for i in range(5)]
     assert_served_rows_batch_and_equal_solo(static_module, served(0.0), served(0.3), prompts, monkeypatch)
 
 
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("arch", ARCHS)
-def test_a_tree_grown_in_one_call_is_the_level_by_level_tree(arch):
+def test_a_tree_grown_in_one_call_is_the_level_by_level_tree(arch, device):
     """`draft_tree` (a tree's levels in one call, `trees.levels`) grows the tree the Python loop grows, eager: the same
     tokens, parents and path probabilities, bit for bit, and the same keys cached for its levels; levels wider than
     the step's rows (6 > 4) run in several steps; Mistral's window shorter than the context."""
     from speculant.trees.drafter import TreeDrafter
 
-    weights = StaticWeights(transformer(arch, 1))
+    weights = StaticWeights(transformer(arch, 1, device=device))
     context = [(7 * i) % 64 for i in range(20)]
     for width, depth in ((1, 5), (2, 4), (6, 3)):
         loop, graph = (TreeDrafter(StaticCausalLM(weights, span=96), width, graph=g) for g in (False, True))
@@ -237,7 +240,8 @@ def test_a_tree_grown_in_one_call_is_the_level_by_level_tree(arch):
         assert torch.equal(loop.model.model._keys[:, :, :n], graph.model.model._keys[:, :, :n])
 
 
-def test_a_compiled_tree_is_one_graph_of_the_same_tree():
+@pytest.mark.parametrize("device", DEVICES)
+def test_a_compiled_tree_is_one_graph_of_the_same_tree(device):
     """Compiled, the levels are one inductor graph, grown to a power of two of levels and cut: the same tree as the
     compiled steps grow level by level, counted as the levels it ran. Only the backend and `Metered` draft trees on
     the device: any other wrapper's forwards (a server's batched rows, DSI's padded time) would be bypassed."""
@@ -245,7 +249,7 @@ def test_a_compiled_tree_is_one_graph_of_the_same_tree():
     from speculant.trees.drafter import TreeDrafter
 
     limit = torch._dynamo.config.recompile_limit
-    weights = StaticWeights(transformer("qwen2", 2))
+    weights = StaticWeights(transformer("qwen2", 2, device=device))
     loop, graph = (TreeDrafter(StaticCausalLM(weights, span=96, compiled=True), 2, graph=g) for g in (False, True))
     context = [(5 * i) % 64 for i in range(12)]
     a, b = loop.propose_tree(context, 3, 2), graph.propose_tree(context, 3, 2)

@@ -207,8 +207,9 @@ def test_tree_sampling_end_to_end_matches_target_distribution(device):
     assert_follows_target(target, prompt, method="tree", drafter=drafter, depth=2, width=3)
 
 
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("arch", [*ARCHS, "mistral"])
-def test_stage_scheduling_keeps_the_output_and_uses_the_trees_it_drafted_ahead(arch):
+def test_stage_scheduling_keeps_the_output_and_uses_the_trees_it_drafted_ahead(arch, device):
     """`schedule="stage"`: each next tree is drafted during verification from the likeliest path; where the
     target commits that path and the drafter's next token, the step starts with it, else it is dropped and the
     drafter's cache rolled back. Greedy output equals `ar`'s whatever the drafter; Mistral with a window of 6 on
@@ -219,10 +220,10 @@ def test_stage_scheduling_keeps_the_output_and_uses_the_trees_it_drafted_ahead(a
     from speculant import generate
 
     if arch == "mistral":
-        target, other, near = static(transformer(arch, 3)), static(transformer(arch, 10)), \
-            static(transformer(arch, 3, noise=0.3))
+        target, other, near = (static(transformer(arch, seed, device=device, noise=noise))
+                               for seed, noise in ((3, 0.0), (10, 0.0), (3, 0.3)))
     else:
-        target, other = tiny_model(arch, 3, 64), tiny_model(arch, 10, 64)
+        target, other = tiny_model(arch, 3, 64, device=device), tiny_model(arch, 10, 64, device=device)
         near = perturbed(target, 0.3, 3)
     prompt = random_prompt(53, 64)
     expected = generate(target, prompt_ids=prompt, method="ar", max_new_tokens=40).token_ids

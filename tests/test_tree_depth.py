@@ -6,7 +6,7 @@ import random
 import pytest
 import torch
 
-from helpers import MORE_ARCHS, perturbed, random_prompt, tiny_model
+from helpers import DEVICES, MORE_ARCHS, perturbed, random_prompt, tiny_model
 from speculant import cli, generate
 from speculant.analysis.depth import fit, log_trees
 from speculant.trees.depth import DepthPredictor, Observation, Recent, features
@@ -63,9 +63,10 @@ def test_features_read_the_target_distribution_and_the_recent_acceptance():
     assert deep.rate < 0.9
 
 
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("arch", ["llama", *MORE_ARCHS[:1]])
-def test_trees_of_the_predicted_depth_equal_ar(arch, tmp_path, monkeypatch):
-    target = tiny_model(arch, 3, 64, init_std=0.1)
+def test_trees_of_the_predicted_depth_equal_ar(arch, device, tmp_path, monkeypatch):
+    target = tiny_model(arch, 3, 64, init_std=0.1, device=device)
     drafter = perturbed(target, 0.1, 3)
     prompts = [random_prompt(seed, 64, 6) * 2 for seed in range(6)]
     assert len(log_trees(target, drafter, prompts[:2], 24, 5, 2)) >= 4  # trees of width 2 log too

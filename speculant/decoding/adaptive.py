@@ -51,6 +51,7 @@ TIME_FOLLOWS = 0.2  # how far a measured/profiled time ratio moves toward each f
 SCALE_RANGE = (0.5, 2.0)  # a forward's measured/profiled ratio is clipped to this: drift, not a spike
 PACE_STEPS = 32  # auto compares its own pace over this many recent steps with plain decoding's T(1) per token
 PACE_MARGIN = 1.02  # ... and decodes plainly for the rest of a generation where it was this much slower
+NEGLIGIBLE = 1e-3  # a draft position less likely than this to be accepted is not weighed (`expected_tokens`)
 CATCH_UP_QUANTILE = 0.25  # a drafter's catch-up is repaid over the tokens a reply adds at this quantile of replies
 
 
@@ -149,10 +150,15 @@ class Acceptance:
         return rates
 
     def expected_tokens(self, most: int) -> list[float]:
-        """For k = 0..most, 1 + expected accepted tokens of a k-token draft: what one verification commits."""
+        """For k = 0..most, 1 + expected accepted tokens of a k-token draft: what one verification commits; cut
+        after the first position whose chance of being accepted falls below `NEGLIGIBLE` (a longer draft adds
+        less than that per token and is not weighed: a drafter that is never right is weighed at one or two lengths,
+        not at every length up to k_max, which on a GPU's few-ms step is time)."""
         totals, run = [1.0], 1.0
         for rate in self.rates(most):
             run *= rate
+            if run < NEGLIGIBLE and len(totals) > 1:
+                break
             totals.append(totals[-1] + run)
         return totals
 
@@ -324,7 +330,7 @@ def best_length(acceptance: Acceptance, step_s: float, cost: Callable[[int], flo
     so a step is charged its tokens' part of it."""
     expected = acceptance.expected_tokens(most)
     return max((expected[k] / (k * step_s + cost(1 + k * width) + catch_up_s * expected[k] / max(remaining, 1)), k)
-               for k in range(1, most + 1))
+               for k in range(1, len(expected)))
 
 
 def expected_remaining(lengths: Sequence[float], produced: int, budget: int, quantile: float | None = None) -> float:
