@@ -37,6 +37,8 @@ def main(argv: list[str]) -> None:
     parser.add_argument("--method", default="auto")
     parser.add_argument("--baseline", default="ar")
     parser.add_argument("--below", type=float, default=0.95, help="list the requests below this ratio")
+    parser.add_argument("--short", type=int, default=0, help="list the requests whose replies are shorter than this, "
+                        "with what the method's first step chose (a model drafter first catches up on the prompt)")
     args = parser.parse_args(argv)
     rows = json.loads(open(args.results).read())["rows"]
     runs = collections.defaultdict(lambda: collections.defaultdict(list))  # prompt -> method -> its repeats' rows
@@ -68,6 +70,14 @@ def main(argv: list[str]) -> None:
         base = [r for p, (_, b) in pairs.items() if category[p] == name for r in b]
         print(f"  {name}: {ratio(mine, base):.3f}x")
     print(f"  all: {ratio([r for m, _ in pairs.values() for r in m], [r for _, b in pairs.values() for r in b]):.3f}x")
+    short = [(value, prompt, pairs[prompt][0]) for value, prompt, _ in requests
+             if args.short and max(r["stats"]["new_tokens"] for r in pairs[prompt][0]) < args.short]
+    if short:  # where a drafter's catch-up on the prompt has the fewest tokens to be repaid over
+        print(f"replies under {args.short} tokens: {len(short)} requests")
+        for value, prompt, mine in short:
+            first = collections.Counter(r["stats"]["choices"][0] for r in mine if r["stats"].get("choices"))
+            print(f"  {value:.3f}x  {prompt} ({max(r['stats']['new_tokens'] for r in mine)} tokens; first step: "
+                  f"{', '.join(f'{c} x{n}' for c, n in first.items())})")
 
 
 if __name__ == "__main__":

@@ -27,15 +27,15 @@ XEON = "Intel Xeon, Sapphire Rapids class (AVX-512, AMX), 2 cores"
 # name -> (group, what it is, command or None (the report's), machine or None (the report's), commit or None (git's))
 ENTRIES: dict[str, tuple[str, str, str | None, str | None, str | None]] = {
     "bench-core-mixed": ("CPU", "**The CPU headline**: `ar` and `auto` on the lean backend against llama.cpp's "
-                         "`llama-completion` (`llamacpp-cli-ar`), 24 mixed prompts, 2 repeats, at 78b90d4 (bounded caches, "
-                         "verification that reads back once), run by `scripts/bench_commits.sh 8ac601a 78b90d4` beside "
-                         "bench-core-before-*",
+                         "`llama-completion` (`llamacpp-cli-ar`), 24 mixed prompts, 2 repeats, at 488dcd9 (a drafter "
+                         "weighed only at lengths it could be accepted at), run by `scripts/bench_commits.sh 45636d9 "
+                         "488dcd9` beside bench-core-before-*",
                          None, ZEN5, None),
     "bench-core-humaneval": ("CPU", "**The CPU headline** on HumanEval[:10], 3 repeats, the same sitting", None, ZEN5,
                              None),
-    "bench-core-before-mixed": ("CPU", "the same bench at 8ac601a, before those changes, in the same sitting "
+    "bench-core-before-mixed": ("CPU", "the same bench at 45636d9, before those changes, in the same sitting "
                                 "(A B B A)", None, ZEN5, None),
-    "bench-core-before-humaneval": ("CPU", "the same on HumanEval[:10] at 8ac601a", None, ZEN5, None),
+    "bench-core-before-humaneval": ("CPU", "the same on HumanEval[:10] at 45636d9", None, ZEN5, None),
     "bench-humaneval-10-30": ("CPU", "`auto` on twenty HumanEval problems never used while tuning (HumanEval[10:30])",
                               None, ZEN4, None),
     "bench-lean-mixed": ("CPU", "llama.cpp's own speculative tools (`llamacpp-cli-spec`, `llamacpp-cli-ngram`) against "
