@@ -255,8 +255,8 @@ def main() -> int:
 
     def draft() -> dict:
         """T(draft) of the compiled 0.5B (x16 rows): a tree of width 4 level by level (a CUDA graph replayed per
-        level, the frontier chosen on the host between them) against its levels as one CUDA graph
-        (scripts/draft_graph.py)."""
+        level, the frontier chosen on the host between them) against its levels as one CUDA graph, each level the
+        compiled step (`KVPool.levels_in_steps`; scripts/draft_graph.py)."""
         from draft_graph import draft_costs
 
         return draft_costs(weights["0.5b"], 4, [2] if args.smoke else [4], args.repeats, compiled=True, rows=16)
@@ -274,7 +274,7 @@ def main() -> int:
         out = {}
         for label, options in (("ar", dict(method="ar")), ("sd k4", dict(method="sd", drafter=drafter, k=4)),
                                ("tree d4 w2, levels", dict(method="tree", drafter=drafter, depth=4, width=2,
-                                                           draft_graph=False))):  # (one graph: minutes to compile)
+                                                           draft_graph=False))):
             for temperature in (0.0, 0.7):
                 run = dict(options, temperature=temperature, seed=0, prompt_ids=prompt)
                 generate(target, max_new_tokens=8, **run)  # compiled and captured before counting

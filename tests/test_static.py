@@ -259,6 +259,25 @@ def test_a_compiled_tree_is_one_graph_of_the_same_tree(device):
     assert torch._dynamo.config.recompile_limit == limit  # raised only while a draft graph is called
 
 
+def test_a_compiled_tree_s_levels_run_by_the_compiled_step_are_the_same_tree():
+    """`levels_in_steps` (a GPU's default: the levels and the choices between them captured as one CUDA graph, each
+    level the compiled step, where one inductor graph of every level compiles for minutes at a real drafter's size):
+    the same tree as the compiled steps grow level by level, grown to the depth asked (nothing to round up to)."""
+    from speculant.trees.drafter import TreeDrafter
+
+    weights = StaticWeights(transformer("llama", 2))
+    loop, steps = (TreeDrafter(StaticCausalLM(weights, span=96, compiled=True), 2, graph=g) for g in (False, True))
+    steps.model.model.pool.levels_in_steps = True
+    context = [(3 * i) % 64 for i in range(12)]
+    loop.propose_tree(context, 2, 2)  # (the step compiled)
+    compiled = torch._dynamo.utils.counters["stats"]["unique_graphs"]
+    for depth in (3, 5):
+        a, b = loop.propose_tree(context, depth, 2), steps.propose_tree(context, depth, 2)
+        assert a.tree == b.tree and a.path_probs == b.path_probs and len(b.tree) == 1 + 2 * depth
+        assert steps.model.cache_len == len(context) + (depth - 1) * 2
+    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == compiled  # the steps' graph: nothing compiled
+
+
 def test_a_handle_s_work_on_its_region_waits_for_the_pool():
     """`keep`, `export_kv` and `import_kv` take the pool's lock: a pool growing on another thread (a new handle
     taking a region) moves every region's storage, and a compaction meanwhile would write into the old one."""

@@ -175,13 +175,17 @@ class StaticWeights(nn.Module):
         return self._compiled
 
     def draft(self, keys: torch.Tensor, values: torch.Tensor, root_logits: torch.Tensor, root: torch.Tensor,
-              offset: torch.Tensor, depth: int, width: int, rows: int,
-              span: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+              offset: torch.Tensor, depth: int, width: int, rows: int, span: int,
+              forward: Callable[..., tuple[torch.Tensor, torch.Tensor]] | None = None,
+              ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """An equal-growth tree below the root cached at `root` of the region at `offset` (`trees.levels.grow`), its
-        levels run as steps of `rows` rows: what `compiled_draft` makes one graph of."""
+        levels run as steps of `rows` rows by `forward` (this module's own by default: what `compiled_draft` makes
+        one graph of; or the compiled step, whose inputs are then laid out as the pool's steps lay out theirs, so
+        that it runs the graph compiled for them)."""
+        forward = forward or self.forward
 
         def step(ids: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
-            return self.forward(keys, values, ids, positions, offset + slots, index, offset.expand(rows))[0]
+            return forward(keys, values, ids, positions, offset + slots, index, offset.expand(rows).contiguous())[0]
 
         return grow(step, root_logits, root, depth, width, rows, span)
 
@@ -228,14 +232,19 @@ class KVPool:
         self.device, self.dtype = weights.device, weights.dtype
         self.capacity, self.free = 0, []
         self.keys = self.values = torch.empty(0)
-        self._rows = torch.zeros(4, width, dtype=torch.long, device=self.device)  # ids, positions, slots, offsets
-        self._index = torch.arange(span, device=self.device).repeat(width, 1)  # row r's key j: slot j of its region
+        with torch.inference_mode():  # (as a draft's levels make theirs: they then run the graph compiled for steps)
+            self._rows = torch.zeros(4, width, dtype=torch.long, device=self.device)  # ids, positions, slots, offsets
+            self._index = torch.arange(span, device=self.device).repeat(width, 1)  # row r's key j: slot j of its region
         self._index_moved = False  # a tree's step left the index other than the identity
         self._graph: torch.cuda.CUDAGraph | None = None
         self._out: tuple[torch.Tensor, torch.Tensor] | None = None
         self._root = torch.zeros(2, dtype=torch.long, device=self.device)  # a tree's root position and region offset
         self._root_logits = torch.zeros(weights.vocab_size, device=self.device)  # the drafter's logits at the root
         self._drafts: dict[tuple[int, int], tuple[torch.cuda.CUDAGraph, Any]] = {}  # (depth, width): a CUDA graph
+        # A compiled tree's levels each run by the compiled step, not compiled together (one inductor graph unrolls
+        # depth x layers: on a GPU the 0.5B's depth-4 graph compiled for minutes); on a GPU the levels and the
+        # choices between them are one CUDA graph all the same.
+        self.levels_in_steps = self.device.type == "cuda"
         self.lock = threading.RLock()  # steps, the regions' bookkeeping, and a handle's work on its region
 
     def take(self) -> int:
@@ -296,6 +305,8 @@ class KVPool:
                 args = (self.keys, self.values, self._root_logits, *self._root, depth, width, self.width, self.span)
                 if not self.compiled:
                     return self.weights.draft(*args)
+                if self.levels_in_steps:
+                    return self.weights.draft(*args, forward=self.weights.compiled())
                 with draft_graphs_allowed():
                     return self.weights.compiled_draft()(*args)
 
@@ -464,10 +475,11 @@ class StaticCausalLM(PointerCache, Backend):
             super().import_kv(pieces)
 
     def draft_tree(self, root_logits: torch.Tensor, depth: int, width: int) -> tuple[list[int], list[int], list[float]]:
-        """`drafts_trees` (see Capabilities): the pool's `draft`. Compiled, the tree is grown to the next power of two
-        of `depth` where the cache has room and cut to `depth` levels (equal growth's first levels do not depend on
-        later ones), so that a few graphs serve every depth: each graph compiles its levels unrolled."""
-        grown = 2 ** (depth - 1).bit_length() if self.compiled else depth
+        """`drafts_trees` (see Capabilities): the pool's `draft`. Where its levels compile together, the tree is grown
+        to the next power of two of `depth` where the cache has room and cut to `depth` levels (equal growth's first
+        levels do not depend on later ones), so that a few graphs serve every depth: each graph compiles its levels
+        unrolled."""
+        grown = 2 ** (depth - 1).bit_length() if self.compiled and not self.pool.levels_in_steps else depth
         if self._len + (grown - 1) * width > self.span:  # (no room to grow: the depth asked)
             grown = depth
         if self._len + (grown - 1) * width > self.span:
