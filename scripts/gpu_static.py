@@ -8,8 +8,9 @@ model eager, and compiled with CUDA graphs; greedy `ar` tok/s compiled against t
 with a static cache under torch.compile (the gpt-fast-style reference); the drafter's cost ratio; and that greedy
 `sd` and `tree` on the compiled pair give `ar`'s tokens; `auto` against `ar` where nothing is accepted (A B B A);
 8 sequences' rows batched in the compiled step against each alone; a tree's draft levels as one CUDA graph against one
-replay per level; the host syncs per target forward of `ar`, `sd` and `tree`, greedy and sampled. `--smoke` runs
-the same code on tiny configurations (on the CPU, to check the script)."""
+replay per level; the host syncs per target forward of `ar`, `sd` and `tree`, greedy and sampled; and first the
+suite's CUDA cases (`--sections tests`). `--smoke` runs the same code on tiny configurations (on the CPU, to check
+the script; the tests only collected)."""
 
 from __future__ import annotations
 
@@ -292,7 +293,22 @@ def main() -> int:
                                                    "syncs per forward": len(caught) / max(forwards, 1)}
         return out
 
-    sections = {"auto": auto, "speculation": speculation, "syncs": syncs, "drafter": drafter_cost, "rows": rows,
+    def tests() -> dict:
+        """The CUDA cases of the test suite (`-k cuda`; the served static case needs the server's `greenlet`, which a
+        bare GPU image may lack: carry its wheel). `--smoke` only collects them."""
+        import subprocess
+
+        files = ["tests/test_static.py", "tests/test_tree.py", "tests/test_tree_depth.py", "tests/test_hf_backend.py",
+                 "tests/test_speculative.py", "tests/test_cascade.py", "tests/test_sampling.py"]
+        command = [sys.executable, "-m", "pytest", "-n0", "-q", "-p", "no:cacheprovider", *files, "-k", "cuda",
+                   *(["--collect-only"] if args.smoke else [])]
+        done = subprocess.run(command, capture_output=True, text=True)
+        lines = done.stdout.strip().splitlines()
+        failed = [line for line in lines if line.startswith(("FAILED", "ERROR"))]
+        return {"command": " ".join(command[1:]), "exit": done.returncode, "summary": lines[-1] if lines else "",
+                "failed": failed, **({"error": done.stdout[-2000:]} if done.returncode not in (0, 5) else {})}
+
+    sections = {"tests": tests, "auto": auto, "speculation": speculation, "syncs": syncs, "drafter": drafter_cost, "rows": rows,
                 "draft": draft, "compiled T(W) ms": compiled_costs, "ar": tokens_per_second,
                 "eager T(W) ms": eager_costs}
     for name in args.sections or sections:
