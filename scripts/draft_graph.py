@@ -1,7 +1,8 @@
 """T(draft) of one equal-growth tree, level by level from Python against its levels in one call (`trees.levels`;
 one compiled graph where the drafter is compiled), on the static backend: the median milliseconds of a tree of each
-depth below a 200-token context, the trees compared (tokens and parents). Compiled, a depth is grown to the next
-power of two and cut (`StaticCausalLM.draft_tree`), so depth 2, 4 and 8 time their own graphs. The drafter: a random Qwen2-shaped model (a
+depth below a 200-token context, the trees compared (tokens and parents). Compiled on the CPU, a depth is grown to
+the next power of two and cut (`StaticCausalLM.draft_tree`), so depth 2, 4 and 8 time their own graphs; on a GPU each
+level runs the compiled step, the levels captured as one CUDA graph (`KVPool.levels_in_steps`). The drafter: a random Qwen2-shaped model (a
 forward of ~1-2 ms on a 2-core CPU at the defaults), eager and compiled, one thread. scripts/gpu_static.py's `draft`
 section calls `draft_costs` on a GPU with the 0.5B's shape.
 

@@ -21,6 +21,7 @@ import sys
 import time
 import traceback
 from collections import Counter
+from pathlib import Path
 
 import torch
 from transformers import Qwen2Config, Qwen2ForCausalLM
@@ -40,6 +41,8 @@ CONFIGS = {  # Qwen2.5-Coder-1.5B / 0.5B (Instruct)
 SMOKE = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
              vocab_size=512, tie_word_embeddings=True, max_position_embeddings=1024)
 CONTEXT = 256
+SECTIONS = ["auto", "speculation", "syncs", "drafter", "rows", "draft", "compiled T(W) ms", "ar", "eager T(W) ms"]
+TESTS_TIMEOUT_S = 300
 
 
 def model_of(name: str, device: str, smoke: bool) -> Qwen2ForCausalLM:
@@ -109,7 +112,8 @@ def main() -> int:
     parser.add_argument("--repeats", type=int, default=20)
     parser.add_argument("--tokens", type=int, default=128)
     parser.add_argument("--ab-repeats", type=int, default=3, help="A B B A rounds of the auto section")
-    parser.add_argument("--sections", nargs="*", help="the sections to run (default: all)")
+    parser.add_argument("--sections", nargs="*", choices=["tests", *SECTIONS],
+                        help="the sections to run (default: all)")
     parser.add_argument("--strict", action="store_true", help="exit 1 if a section failed (CI's smoke run)")
     args = parser.parse_args()
     device = "cpu" if args.smoke else "cuda"
@@ -129,6 +133,28 @@ def main() -> int:
         print(f"{name} ({time.perf_counter() - began:.0f} s): {json.dumps(results[name])[:600]}", flush=True)
         save()
 
+    def tests() -> dict:
+        """The CUDA cases of the test suite (`-k cuda`; the served static case needs the server's `greenlet`, which a
+        bare GPU image may lack: carry its wheel). `--smoke` only collects them."""
+        import subprocess
+
+        files = ["tests/test_static.py", "tests/test_tree.py", "tests/test_tree_depth.py", "tests/test_hf_backend.py",
+                 "tests/test_speculative.py", "tests/test_cascade.py", "tests/test_sampling.py"]
+        command = [sys.executable, "-m", "pytest", "-n0", "-q", "-p", "no:cacheprovider", *files, "-k", "cuda",
+                   *(["--collect-only"] if args.smoke else [])]
+        done = subprocess.run(command, capture_output=True, text=True, timeout=TESTS_TIMEOUT_S,
+                              cwd=Path(__file__).resolve().parents[1])
+        lines = done.stdout.strip().splitlines()
+        failed = [line for line in lines if line.startswith(("FAILED", "ERROR"))]
+        return {"command": " ".join(command[1:]), "exit": done.returncode, "summary": lines[-1] if lines else "",
+                "failed": failed, **({"error": done.stdout[-2000:]} if done.returncode not in (0, 5) else {})}
+
+    chosen = args.sections or ["tests", *SECTIONS]
+    if "tests" in chosen:  # (before the models load: they take the device's memory and time)
+        section("tests", tests)
+    if not set(chosen) - {"tests"}:
+        print(json.dumps(results, indent=1))
+        return 1 if args.strict and "error" in results["tests"] else 0
     models = {name: model_of(name, device, args.smoke) for name in CONFIGS}
     weights = {name: StaticWeights(m) for name, m in models.items()}
     widths = (1, 2, 4, 8, 16, 32)
@@ -264,7 +290,8 @@ def main() -> int:
 
     def syncs() -> dict:
         """Host syncs of a generation on the compiled pair (`torch.cuda.set_sync_debug_mode`'s warnings, counted),
-        per target forward: `ar`, `sd` and `tree` of the 0.5B, greedy and at temperature 0.7. What reads back after
+        per target forward: `ar`, `sd` and `tree` of the 0.5B (level by level, and with `objective=length` its levels
+        as one CUDA graph), greedy and at temperature 0.7. What reads back after
         a forward: greedy verification once, a draw twice (`sample`: its block, then its token), a sampled tree's
         walk once more."""
         import warnings
@@ -275,7 +302,9 @@ def main() -> int:
         out = {}
         for label, options in (("ar", dict(method="ar")), ("sd k4", dict(method="sd", drafter=drafter, k=4)),
                                ("tree d4 w2, levels", dict(method="tree", drafter=drafter, depth=4, width=2,
-                                                           draft_graph=False))):
+                                                           draft_graph=False)),
+                               ("tree d4 w2, one graph", dict(method="tree", drafter=drafter, depth=4, width=2,
+                                                              objective="length"))):
             for temperature in (0.0, 0.7):
                 run = dict(options, temperature=temperature, seed=0, prompt_ids=prompt)
                 generate(target, max_new_tokens=8, **run)  # compiled and captured before counting
@@ -293,26 +322,13 @@ def main() -> int:
                                                    "syncs per forward": len(caught) / max(forwards, 1)}
         return out
 
-    def tests() -> dict:
-        """The CUDA cases of the test suite (`-k cuda`; the served static case needs the server's `greenlet`, which a
-        bare GPU image may lack: carry its wheel). `--smoke` only collects them."""
-        import subprocess
-
-        files = ["tests/test_static.py", "tests/test_tree.py", "tests/test_tree_depth.py", "tests/test_hf_backend.py",
-                 "tests/test_speculative.py", "tests/test_cascade.py", "tests/test_sampling.py"]
-        command = [sys.executable, "-m", "pytest", "-n0", "-q", "-p", "no:cacheprovider", *files, "-k", "cuda",
-                   *(["--collect-only"] if args.smoke else [])]
-        done = subprocess.run(command, capture_output=True, text=True)
-        lines = done.stdout.strip().splitlines()
-        failed = [line for line in lines if line.startswith(("FAILED", "ERROR"))]
-        return {"command": " ".join(command[1:]), "exit": done.returncode, "summary": lines[-1] if lines else "",
-                "failed": failed, **({"error": done.stdout[-2000:]} if done.returncode not in (0, 5) else {})}
-
-    sections = {"tests": tests, "auto": auto, "speculation": speculation, "syncs": syncs, "drafter": drafter_cost, "rows": rows,
+    sections = {"auto": auto, "speculation": speculation, "syncs": syncs, "drafter": drafter_cost, "rows": rows,
                 "draft": draft, "compiled T(W) ms": compiled_costs, "ar": tokens_per_second,
                 "eager T(W) ms": eager_costs}
-    for name in args.sections or sections:
-        section(name, sections[name])
+    assert list(sections) == SECTIONS
+    for name in chosen:
+        if name != "tests":
+            section(name, sections[name])
     print(json.dumps(results, indent=1))
     failed = [name for name, value in results.items() if isinstance(value, dict) and "error" in value]
     return 1 if args.strict and failed else 0

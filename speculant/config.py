@@ -19,6 +19,7 @@ from speculant.errors import ConfigError
 
 T = TypeVar("T")
 AUTO = "auto"  # a size, dtype or method that speculant chooses from measurements
+CATCH_UPS = ("expected", "safe")  # when `auto` pays a model drafter's catch-up on the prompt (AutoOptions.catch_up)
 SCHEDULES = ("serial", "stage")  # a `tree`'s or `auto`'s drafting: after verification, or during it (Yggdrasil 5.1)
 DEFAULT_TARGET = "qwen2.5-coder-1.5b"  # catalog names (speculant.models.catalog)
 DEFAULT_DRAFTER = "qwen2.5-coder-0.5b"

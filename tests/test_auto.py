@@ -13,9 +13,9 @@ from helpers import ScriptedDrafter, byte_tokenizer, perturbed, random_prompt, t
 from speculant import cli, generate, latency, load_model
 from speculant.config import SamplingConfig
 from speculant.decoding import adaptive as adaptive_module
-from speculant.decoding.adaptive import (COST_FOLLOWS, LOOK_FIRST, PACE_STEPS, PROBE_SHARE, SCALE_RANGE, TIME_FOLLOWS,
-                                         Acceptance, Candidate, Rescaled, Timings, adaptive, best_length, can_pay,
-                                         expected_remaining, first_children_accepted, batched_cost)
+from speculant.decoding.adaptive import (COST_FOLLOWS, LOOK_FIRST, PACE_STEPS, PROBE_SHARE, SAFE_SHARE, SCALE_RANGE,
+                                         TIME_FOLLOWS, Acceptance, Candidate, Rescaled, Timings, adaptive, best_length,
+                                         can_pay, expected_remaining, first_children_accepted, batched_cost)
 from speculant.decoding.run import timed
 from speculant.drafters.base import Draft
 from speculant.latency import LatencyProfile
@@ -293,6 +293,27 @@ def test_a_prefill_is_risked_only_where_generations_run_long_enough_to_repay_it(
 
     assert first_choice([]) == "scripted"  # 100 tokens to come: a probe may spend 10 s on catching up
     assert first_choice([10, 20]) == "plain"  # replies of 15 tokens: a 4 s prefill would not pay back
+
+def test_a_safe_catch_up_waits_until_the_reply_could_repay_it():
+    """catch_up="safe": a model drafter whose catch-up costs more than SAFE_SHARE of the plain time of the reply so
+    far (and the step to come) waits, so that a reply ending early is never slowed by more than that; by default the
+    catch-up is paid at once where the replies seen so far (none here: the whole budget) would repay it."""
+    target = tiny_model("llama", 3, VOCAB, init_std=0.1)
+    prompt = random_prompt(3, VOCAB)
+    reference = generate(target, prompt_ids=prompt, method="ar", max_new_tokens=100).token_ids
+
+    def choices(catch_up):  # a drafter always right, whose catch-up costs two plain steps (T(1) = 1.01 s)
+        candidate = Candidate("scripted", ScriptedDrafter(prompt, reference, 0.0, VOCAB, 0), 0.1, 0.9,
+                              catch_up=lambda context: 2.0)
+        tokens, stats = run(target, [candidate], prompt, n=100, catch_up=catch_up)
+        assert tokens == reference
+        return stats.choices
+
+    assert choices("expected")[0] == "scripted"
+    safe = choices("safe")
+    first = safe.index("scripted")  # step i follows i + 1 plain tokens
+    assert set(safe[:first]) == {"plain"} and first + 1 < 2.0 / (SAFE_SHARE * 1.01) <= first + 2
+
 
 def test_a_large_catch_up_waits_to_see_what_free_drafts_commit():
     """A model drafter whose catch-up costs more than PROBE_SHARE of the generation's plain time joins only after

@@ -251,6 +251,7 @@ def test_a_compiled_tree_is_one_graph_of_the_same_tree(device):
     limit = torch._dynamo.config.recompile_limit
     weights = StaticWeights(transformer("qwen2", 2, device=device))
     loop, graph = (TreeDrafter(StaticCausalLM(weights, span=96, compiled=True), 2, graph=g) for g in (False, True))
+    graph.model.model.pool.levels_in_steps = False  # (a GPU's default is the next test's)
     context = [(5 * i) % 64 for i in range(12)]
     a, b = loop.propose_tree(context, 3, 2), graph.propose_tree(context, 3, 2)
     assert a.tree == b.tree and len(b.tree) == 7
@@ -259,14 +260,18 @@ def test_a_compiled_tree_is_one_graph_of_the_same_tree(device):
     assert torch._dynamo.config.recompile_limit == limit  # raised only while a draft graph is called
 
 
-def test_a_compiled_tree_s_levels_run_by_the_compiled_step_are_the_same_tree():
+@pytest.mark.parametrize("rows", (1, 4))
+@pytest.mark.parametrize("device", DEVICES)
+def test_a_compiled_tree_s_levels_run_by_the_compiled_step_are_the_same_tree(device, rows):
     """`levels_in_steps` (a GPU's default: the levels and the choices between them captured as one CUDA graph, each
     level the compiled step, where one inductor graph of every level compiles for minutes at a real drafter's size):
-    the same tree as the compiled steps grow level by level, grown to the depth asked (nothing to round up to)."""
+    the same tree as the compiled steps grow level by level, grown to the depth asked (nothing to round up to), with
+    nothing compiled beyond the steps' graph, at one row a step as at four."""
     from speculant.trees.drafter import TreeDrafter
 
-    weights = StaticWeights(transformer("llama", 2))
-    loop, steps = (TreeDrafter(StaticCausalLM(weights, span=96, compiled=True), 2, graph=g) for g in (False, True))
+    weights = StaticWeights(transformer("llama", 2, device=device))
+    loop, steps = (TreeDrafter(StaticCausalLM(weights, span=96, width=rows, compiled=True), 2, graph=g)
+                   for g in (False, True))
     steps.model.model.pool.levels_in_steps = True
     context = [(3 * i) % 64 for i in range(12)]
     loop.propose_tree(context, 2, 2)  # (the step compiled)

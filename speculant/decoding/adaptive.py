@@ -52,6 +52,7 @@ SCALE_RANGE = (0.5, 2.0)  # a forward's measured/profiled ratio is clipped to th
 PACE_STEPS = 32  # auto compares its own pace over this many recent steps with plain decoding's T(1) per token
 PACE_MARGIN = 1.02  # ... and decodes plainly for the rest of a generation where it was this much slower
 NEGLIGIBLE = 1e-3  # a draft position less likely than this to be accepted is not weighed (`expected_tokens`)
+SAFE_SHARE = 0.05  # catch_up="safe": a catch-up waits until it costs at most this share of the reply's plain time
 CATCH_UP_QUANTILE = 0.25  # a drafter's catch-up is repaid over the tokens a reply adds at this quantile of replies
 
 
@@ -151,9 +152,9 @@ class Acceptance:
 
     def expected_tokens(self, most: int) -> list[float]:
         """For k = 0..most, 1 + expected accepted tokens of a k-token draft: what one verification commits; cut
-        after the first position whose chance of being accepted falls below `NEGLIGIBLE` (a longer draft adds
-        less than that per token and is not weighed: a drafter that is never right is weighed at one or two lengths,
-        not at every length up to k_max, which on a GPU's few-ms step is time)."""
+        before the first position whose chance of being reached and accepted is below `NEGLIGIBLE` (the first is
+        always kept): a longer draft adds less than that per token and is not weighed, so a drafter that is never
+        right is weighed at one or two lengths, not at every length up to k_max (on a GPU's few-ms step, time)."""
         totals, run = [1.0], 1.0
         for rate in self.rates(most):
             run *= rate
@@ -325,9 +326,9 @@ def can_pay(step_s: float, cost: Callable[[int], float], most: int, width: int =
 
 def best_length(acceptance: Acceptance, step_s: float, cost: Callable[[int], float], most: int,
                 width: int = 1, catch_up_s: float = 0.0, remaining: int = 1) -> tuple[float, int]:
-    """(goodput, k) of the best draft length 1..most (steps of `width` nodes). A drafter whose cache lags
-    the context first spends `catch_up_s` on it: a cost the `remaining` tokens of the generation share,
-    so a step is charged its tokens' part of it."""
+    """(goodput, k) of the best draft length 1..most that `expected_tokens` weighs (steps of `width` nodes). A
+    drafter whose cache lags the context first spends `catch_up_s` on it: a cost the `remaining` tokens of the
+    generation share, so a step is charged its tokens' part of it."""
     expected = acceptance.expected_tokens(most)
     return max((expected[k] / (k * step_s + cost(1 + k * width) + catch_up_s * expected[k] / max(remaining, 1)), k)
                for k in range(1, len(expected)))
@@ -370,12 +371,15 @@ class AutoPolicy:
     `PROBE_SHARE` of the generation's plain decoding time, times the drafter's `promise` (its long-run acceptance):
     where no drafter pays, a generation is at most that much slower than plain decoding, and once earlier texts
     have shown a drafter never right, its probes cost next to nothing (on a GPU, where a forward takes a few ms, a
-    probe's catch-up weighs as much as many steps). A drafter's catch-up is weighed against the tokens the generation is still expected to
-    produce, from the `lengths` of earlier generations (this one's is appended at its `end`; their lower quartile,
-    `CATCH_UP_QUANTILE`: a catch-up is lost where the reply ends early), less the share that
-    model-free drafts have committed so far (where Max-Gram copies an article into its summary, a model drafter is
-    left few tokens to repay its catch-up on the article); a catch-up dearer than `PROBE_SHARE` of that time waits
-    `LOOK_FIRST` steps, until the text has shown what free drafts commit.
+    probe's catch-up weighs as much as many steps). A drafter's catch-up is weighed against the tokens the
+    generation is still expected to produce, from the `lengths` of earlier generations (this one's is appended at
+    its `end`; their lower quartile, `CATCH_UP_QUANTILE`: a catch-up is lost where the reply ends early), less the
+    share that model-free drafts have committed so far (where Max-Gram copies an article into its summary, a model
+    drafter is left few tokens to repay its catch-up on the article); a catch-up dearer than `PROBE_SHARE` of that
+    time waits `LOOK_FIRST` steps, until the text has shown what free drafts commit. With `catch_up="safe"` no reply is
+    counted on: a catch-up waits until it would cost at most `SAFE_SHARE` of the reply were the reply to end after
+    the step (a reply's length is unknown before it ends; replies shorter than what a catch-up needs to be repaid
+    over are where `auto` runs slower than plain decoding).
 
     `observe` learns from each step: acceptance per candidate, and, where `cost` is `Rescaled` (measured seconds),
     every verification's time rescales it (its `Timings`, whose `speed` the candidates share) and every draft's
@@ -385,10 +389,12 @@ class AutoPolicy:
     step's tokens, an investment paid once), it decodes plainly to the end of the generation."""
 
     def __init__(self, candidates: list[Candidate], cost: Callable[[int], float], max_new_tokens: int,
-                 k_max: int = 16, probe_every: int = 16, lengths: deque[float] | None = None):
+                 k_max: int = 16, probe_every: int = 16, lengths: deque[float] | None = None,
+                 catch_up: str = "expected"):
         self.candidates = sorted(candidates, key=lambda c: c.match is None)  # model-free first: they tell `matched`
         self.cost, self.max_new_tokens, self.k_max, self.probe_every = cost, max_new_tokens, k_max, probe_every
         self.lengths = lengths
+        self.safe = catch_up == "safe"  # a catch-up waits until this reply, ending now, would repay it (SAFE_SHARE)
         self.learn_costs = isinstance(cost, Rescaled)  # (not where a server batches the forwards: they time the batch)
         self.wait = probe_every  # steps without a model draft before the next probe
         self.probed = 0.0  # estimated seconds spent on probes since a model drafter last paid on its own
@@ -415,6 +421,9 @@ class AutoPolicy:
         repays = expected_remaining(self.lengths or (), produced, self.max_new_tokens, CATCH_UP_QUANTILE)
         # under load, a served model drafter that could not pay even if always right is neither weighed nor probed
         weighed = [c for c in self.candidates if c.match is not None or not c.hopeless(cost, self.k_max)]
+        if self.safe:  # were the reply to end after this step, the catch-up would cost at most SAFE_SHARE of it
+            weighed = [c for c in weighed if c.match is not None or
+                       c.catch_up_s(context) <= SAFE_SHARE * cost(1) * (produced + 1)]
         for candidate in weighed if room > 0 else ():
             if candidate.needs_match and not matched:
                 continue
@@ -487,10 +496,11 @@ def adaptive(
     probe_every: int = 16,
     lengths: deque[float] | None = None,
     schedule: str = "serial",
+    catch_up: str = "expected",
 ) -> Decoder:
     """Lossless speculation that re-chooses drafter and draft length every step (`cost` is the target's T(W) in
     seconds): `AutoPolicy` chooses, `auto_decoder` runs."""
-    policy = AutoPolicy(candidates, cost, max_new_tokens, k_max, probe_every, lengths)
+    policy = AutoPolicy(candidates, cost, max_new_tokens, k_max, probe_every, lengths, catch_up)
     return auto_decoder(target, policy, prompt_ids, max_new_tokens, sampling, generator, schedule)
 
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from speculant.config import AUTO, REQUEST_MOST, SCHEDULES, option
+from speculant.config import AUTO, CATCH_UPS, REQUEST_MOST, SCHEDULES, option
 from speculant.drafters.spec import as_drafter
 from speculant.errors import ConfigError
 from speculant.methods.drafting import DRAFTER_DTYPES, parse_drafters
@@ -70,6 +70,11 @@ class AutoOptions:
     schedule: str = option("serial", "serial, or stage: while the target verifies a token tree, its drafter drafts the "
                            "next one on a thread of its own from the likeliest path (Yggdrasil's stage-based "
                            "scheduling; used where auto chooses that tree again)", choices=SCHEDULES)
+    catch_up: str = option("expected", "expected: a model drafter's catch-up on the prompt is paid where the replies "
+                           "seen so far would repay it (fastest on average); safe: only once this reply has run long "
+                           "enough that the catch-up costs at most 5%% of its plain time, so that no reply runs more "
+                           "than that slower than plain decoding (it gives up a drafter's gains on short replies and "
+                           "at the start of long ones)", choices=CATCH_UPS)
 
     def __post_init__(self) -> None:
         if isinstance(self.drafters, str):
@@ -86,6 +91,8 @@ class AutoOptions:
             raise ConfigError(f"tree widths must be >= 2 (1 is a chain), got {self.tree_widths}")
         if self.schedule not in SCHEDULES:
             raise ConfigError(f"schedule must be one of {', '.join(SCHEDULES)}, got {self.schedule!r}")
+        if self.catch_up not in CATCH_UPS:
+            raise ConfigError(f"catch_up must be one of {', '.join(CATCH_UPS)}, got {self.catch_up!r}")
         if self.probe_every < 1:
             raise ConfigError(f"probe_every must be >= 1, got {self.probe_every}")
 
@@ -169,5 +176,6 @@ def build(request: Request, options: AutoOptions) -> Any:
             candidate.load = target.batch_load
         cost = batched_cost(cost, target.batch_load)
     decoder = adaptive(target, candidates, request.prompt_ids, request.max_new_tokens, cost, request.sampling,
-                       request.generator, options.k_max, options.probe_every, session.lengths, options.schedule)
+                       request.generator, options.k_max, options.probe_every, session.lengths, options.schedule,
+                       options.catch_up)
     return ending(decoder, begun, request.prompt_ids)

@@ -43,7 +43,8 @@ DEFAULT_SPAN = 2048  # positions a handle's cache holds when the model allows mo
 WIDTHS = (1, 2, 4, 8, 16, 32)  # the static widths a handle may run at
 GROWTH = 4  # a full pool's growth: 1, 4, 16, 64, 256, 1024 regions (within torch.compile's 8 recompilations)
 DRAFT_GRAPHS = 64  # torch.compile's recompilations of one function, raised to this for the draft graphs (one per
-# depth, width and pool size; compiled depths are powers of two)
+# depth, width and pool size; compiled depths are powers of two). On a GPU the levels run the step's own graph
+# (`KVPool.levels_in_steps`): nothing compiles, and each depth and width drafted is a CUDA graph of its own.
 
 
 def default_width(device: torch.device) -> int:
@@ -185,7 +186,7 @@ class StaticWeights(nn.Module):
         forward = forward or self.forward
 
         def step(ids: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
-            return forward(keys, values, ids, positions, offset + slots, index, offset.expand(rows).contiguous())[0]
+            return forward(keys, values, ids, positions, offset + slots, index, offset.repeat(rows))[0]
 
         return grow(step, root_logits, root, depth, width, rows, span)
 
@@ -296,7 +297,8 @@ class KVPool:
     def draft(self, handle: StaticCausalLM, root_logits: torch.Tensor, depth: int,
               width: int) -> tuple[list[int], list[int], list[float]]:
         """An equal-growth tree below `handle`'s last cached token, its levels in one call (`StaticWeights.draft`;
-        compiled: one graph, on a GPU one CUDA graph per depth and width): tokens, parents, path log-probabilities."""
+        compiled: one inductor graph of every level, or on a GPU each level the compiled step, captured together as
+        one CUDA graph per depth and width): tokens, parents, path log-probabilities."""
         with self.lock:
             self._root.copy_(torch.tensor([handle.cache_len - 1, handle.offset]))
             self._root_logits.copy_(root_logits)
