@@ -137,8 +137,9 @@ ENTRIES: dict[str, tuple[str, str, str | None, str | None, str | None]] = {
                     "by level, on the static backend, eager and compiled (Yggdrasil's one-graph drafting)",
                     "python scripts/draft_graph.py docs/results/draft-graph/results.json --depths 2 4 8 --repeats 30",
                     ZEN5, None),
-    "auto-per-request": ("CPU", "`auto` against `ar` per request and per category (decode), 24 mixed prompts, 4 "
-                         "long-context ones (1.7-3.2k tokens) and HumanEval[:20], 2 repeats (`scripts/per_request.py`)",
+    "auto-per-request": ("CPU", "`auto` and `auto:catch_up=safe` against `ar` per request and per category "
+                         "(decode), 24 mixed prompts, 4 long-context ones (1.7-3.2k tokens) and HumanEval[:20], 2 "
+                         "repeats (`scripts/per_request.py`)",
                          None, ZEN5, None),
     "sampling-0.7": ("CPU", "`auto` with block verification and token by token against `ar` at temperature 0.7, "
                      "beside `llama-completion` at 0.7, 24 mixed prompts, 4 repeats", None, ZEN5, None),
