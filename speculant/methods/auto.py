@@ -72,9 +72,9 @@ class AutoOptions:
                            "scheduling; used where auto chooses that tree again)", choices=SCHEDULES)
     catch_up: str = option("expected", "expected: a model drafter's catch-up on the prompt is paid where the replies "
                            "seen so far would repay it (fastest on average); safe: only once this reply has run long "
-                           "enough that the catch-up costs at most 5 percent of its plain time, so that no reply runs more "
-                           "than that slower than plain decoding (it gives up a drafter's gains on short replies and "
-                           "at the start of long ones)", choices=CATCH_UPS)
+                           "enough that the catch-up costs at most 5 percent of its plain time, so that no reply runs "
+                           "more than that slower than plain decoding (it gives up a drafter's gains on short replies "
+                           "and at the start of long ones)", choices=CATCH_UPS)
 
     def __post_init__(self) -> None:
         if isinstance(self.drafters, str):
