@@ -41,8 +41,19 @@ CONFIGS = {  # Qwen2.5-Coder-1.5B / 0.5B (Instruct)
 SMOKE = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
              vocab_size=512, tie_word_embeddings=True, max_position_embeddings=1024)
 CONTEXT = 256
-SECTIONS = ["auto", "speculation", "syncs", "drafter", "rows", "draft", "compiled T(W) ms", "ar", "eager T(W) ms"]
 TESTS_TIMEOUT_S = 300
+
+
+class Loaded(dict):
+    """name -> what `make(name)` returns, made on first use."""
+
+    def __init__(self, make) -> None:
+        super().__init__()
+        self.make = make
+
+    def __missing__(self, name):
+        self[name] = value = self.make(name)
+        return value
 
 
 def model_of(name: str, device: str, smoke: bool) -> Qwen2ForCausalLM:
@@ -112,8 +123,7 @@ def main() -> int:
     parser.add_argument("--repeats", type=int, default=20)
     parser.add_argument("--tokens", type=int, default=128)
     parser.add_argument("--ab-repeats", type=int, default=3, help="A B B A rounds of the auto section")
-    parser.add_argument("--sections", nargs="*", choices=["tests", *SECTIONS],
-                        help="the sections to run (default: all)")
+    parser.add_argument("--sections", nargs="*", help="the sections to run (default: all)")
     parser.add_argument("--strict", action="store_true", help="exit 1 if a section failed (CI's smoke run)")
     args = parser.parse_args()
     device = "cpu" if args.smoke else "cuda"
@@ -149,14 +159,8 @@ def main() -> int:
         return {"command": " ".join(command[1:]), "exit": done.returncode, "summary": lines[-1] if lines else "",
                 "failed": failed, **({"error": done.stdout[-2000:]} if done.returncode not in (0, 5) else {})}
 
-    chosen = args.sections or ["tests", *SECTIONS]
-    if "tests" in chosen:  # (before the models load: they take the device's memory and time)
-        section("tests", tests)
-    if not set(chosen) - {"tests"}:
-        print(json.dumps(results, indent=1))
-        return 1 if args.strict and "error" in results["tests"] else 0
-    models = {name: model_of(name, device, args.smoke) for name in CONFIGS}
-    weights = {name: StaticWeights(m) for name, m in models.items()}
+    models = Loaded(lambda name: model_of(name, device, args.smoke))  # (a section loads what it uses)
+    weights = Loaded(lambda name: StaticWeights(models[name]))
     widths = (1, 2, 4, 8, 16, 32)
 
     def eager_costs() -> dict:
@@ -291,9 +295,8 @@ def main() -> int:
     def syncs() -> dict:
         """Host syncs of a generation on the compiled pair (`torch.cuda.set_sync_debug_mode`'s warnings, counted),
         per target forward: `ar`, `sd` and `tree` of the 0.5B (level by level, and with `objective=length` its levels
-        as one CUDA graph), greedy and at temperature 0.7. What reads back after
-        a forward: greedy verification once, a draw twice (`sample`: its block, then its token), a sampled tree's
-        walk once more."""
+        as one CUDA graph), greedy and at temperature 0.7. What reads back after a forward: greedy verification once,
+        a draw twice (`sample`: its block, then its token), a sampled tree's walk once more."""
         import warnings
 
         target = StaticCausalLM(weights["1.5b"], width=16, span=1024, compiled=True)
@@ -322,13 +325,13 @@ def main() -> int:
                                                    "syncs per forward": len(caught) / max(forwards, 1)}
         return out
 
-    sections = {"auto": auto, "speculation": speculation, "syncs": syncs, "drafter": drafter_cost, "rows": rows,
-                "draft": draft, "compiled T(W) ms": compiled_costs, "ar": tokens_per_second,
+    sections = {"tests": tests, "auto": auto, "speculation": speculation, "syncs": syncs, "drafter": drafter_cost,
+                "rows": rows, "draft": draft, "compiled T(W) ms": compiled_costs, "ar": tokens_per_second,
                 "eager T(W) ms": eager_costs}
-    assert list(sections) == SECTIONS
-    for name in chosen:
-        if name != "tests":
-            section(name, sections[name])
+    if unknown := set(args.sections or ()) - set(sections):
+        parser.error(f"unknown sections {sorted(unknown)}: choose from {', '.join(sections)}")
+    for name in args.sections or sections:
+        section(name, sections[name])
     print(json.dumps(results, indent=1))
     failed = [name for name, value in results.items() if isinstance(value, dict) and "error" in value]
     return 1 if args.strict and failed else 0

@@ -421,9 +421,10 @@ class AutoPolicy:
         repays = expected_remaining(self.lengths or (), produced, self.max_new_tokens, CATCH_UP_QUANTILE)
         # under load, a served model drafter that could not pay even if always right is neither weighed nor probed
         weighed = [c for c in self.candidates if c.match is not None or not c.hopeless(cost, self.k_max)]
+        catch_ups = {id(c): c.catch_up_s(context) for c in weighed if c.match is None}  # (its cache compared: once)
         if self.safe:  # were the reply to end after this step, the catch-up would cost at most SAFE_SHARE of it
             weighed = [c for c in weighed if c.match is not None or
-                       c.catch_up_s(context) <= SAFE_SHARE * cost(1) * (produced + 1)]
+                       catch_ups[id(c)] <= SAFE_SHARE * cost(1) * (produced + 1)]
         for candidate in weighed if room > 0 else ():
             if candidate.needs_match and not matched:
                 continue
@@ -435,7 +436,7 @@ class AutoPolicy:
                     if goodput > best[0]:
                         best = (goodput, candidate, k, Draft(draft.tokens[:k], None, draft.usage), bucket)
             else:
-                catch_up = candidate.catch_up_s(context)
+                catch_up = catch_ups[id(candidate)]
                 if catch_up > PROBE_SHARE * cost(1) * repays and self.steps < LOOK_FIRST:
                     continue  # a large catch-up waits until the text has shown what free drafts commit
                 goodput, k = best_length(candidate.acceptance(), candidate.cost_s, cost, room, candidate.width,
@@ -448,7 +449,7 @@ class AutoPolicy:
             self.wait, self.probed = self.probe_every, 0.0  # a model drafter pays on its own: probes start again
         elif self.without_model >= self.wait and probe is not None and room > 0:
             steps = min(2, room)
-            price = probe.catch_up_s(context) + steps * probe.cost_s + cost(steps + 1) - cost(1)
+            price = catch_ups[id(probe)] + steps * probe.cost_s + cost(steps + 1) - cost(1)
             if self.probed + price <= PROBE_SHARE * probe.acceptance().promise() * cost(1) * (produced + remaining):
                 chosen, k, draft, bucket = probe, steps, None, 0
                 self.wait, self.probed = 2 * self.wait, self.probed + price
