@@ -7,7 +7,11 @@
 #include <immintrin.h>
 #include "common.h"
 
-#define TILE 4
+#define TILE 8  // rows per unpacked block; the accumulators beyond the 16 registers live in L1
+
+// Keeps a row's int16 sum in a register, its adds in program order: integer adds being associative, GCC otherwise
+// sums a block's vpmaddubsw products as a tree and spills them to the stack (a store and a load per product).
+#define IN_ORDER(sum) __asm__("" : "+x"(sum))
 
 static inline __m256i pairs(__m256i w, const int8_t *a) {  // u8 weights x four s8 activations, broadcast
     return _mm256_maddubs_epi16(w, _mm256_set1_epi32(load32(a)));
@@ -44,6 +48,7 @@ static inline __attribute__((always_inline)) void q4k_tile(const int rows, const
                         const int8_t *a = qa + r * K + kb * 32;
                         sum[r] = _mm256_add_epi16(sum[r], pairs(lo, a + 4 * c));
                         sum[r] = _mm256_add_epi16(sum[r], pairs(hi, a + 16 + 4 * c));
+                        IN_ORDER(sum[r]);
                     }
                 }
                 for (int r = 0; r < rows; r++)
@@ -168,6 +173,7 @@ static inline __attribute__((always_inline)) void q4b_tile(const int rows, const
                         const int8_t *a = qa + r * K + kb * 32;
                         sum[r] = _mm256_add_epi16(sum[r], pairs(lo, a + 4 * c));
                         sum[r] = _mm256_add_epi16(sum[r], pairs(hi, a + 16 + 4 * c));
+                        IN_ORDER(sum[r]);
                     }
                 }
                 for (int r = 0; r < rows; r++) {
