@@ -23,6 +23,7 @@ RESULTS = ROOT / "docs" / "results"
 ZEN4 = "AMD EPYC Zen4 (AVX-512 VNNI and BF16, no AMX), 2 cores"
 ZEN5 = "AMD EPYC, CPU family 26 (AVX-512 VNNI, BF16 and VP2INTERSECT, no AMX), 2 cores"
 XEON = "Intel Xeon, Sapphire Rapids class (AVX-512, AMX), 2 cores"
+ZEN3 = "AMD EPYC, CPU family 25 model 1 (Zen3: AVX2, no AVX-512), 2 cores"
 
 # name -> (group, what it is, command or None (the report's), machine or None (the report's), commit or None (git's))
 ENTRIES: dict[str, tuple[str, str, str | None, str | None, str | None]] = {
@@ -36,6 +37,17 @@ ENTRIES: dict[str, tuple[str, str, str | None, str | None, str | None]] = {
     "bench-core-before-mixed": ("CPU", "the same bench at 45636d9, before those changes, in the same sitting "
                                 "(A B B A)", None, ZEN5, None),
     "bench-core-before-humaneval": ("CPU", "the same on HumanEval[:10] at 45636d9", None, ZEN5, None),
+    "bench-avx2-mixed": ("CPU", "The CPU headline on an AVX2-only EPYC (Zen3) at 3a1772c (the AVX2 kernels' sums kept "
+                         "in registers, tiles of 8 rows), 24 mixed prompts, 1 repeat, run by `scripts/bench_commits.sh "
+                         "da7519b 3a1772c` beside bench-avx2-before-*", None, ZEN3, None),
+    "bench-avx2-humaneval": ("CPU", "the same on HumanEval[:10], 1 repeat, the same sitting", None, ZEN3, None),
+    "bench-avx2-before-mixed": ("CPU", "the same bench at da7519b, before the kernel change, in the same sitting "
+                                "(A B B A)", None, ZEN3, None),
+    "bench-avx2-before-humaneval": ("CPU", "the same on HumanEval[:10] at da7519b", None, ZEN3, None),
+    "kernels-avx2.json": ("CPU", "T(W) of the 4-bit kernels' AVX2 path alone on the 1.5B's 197 matrices, on the CPU "
+                          "where it is the path that runs, after the kernel change",
+                          "speculant bench-kernels --widths 1,2,4,8,16 --isa avx2 --repeats 5 "
+                          "--out docs/results/kernels-avx2.json", ZEN3, None),
     "bench-humaneval-10-30": ("CPU", "`auto` on twenty HumanEval problems never used while tuning (HumanEval[10:30])",
                               None, ZEN4, None),
     "bench-lean-mixed": ("CPU", "llama.cpp's own speculative tools (`llamacpp-cli-spec`, `llamacpp-cli-ngram`) against "
@@ -47,7 +59,7 @@ ENTRIES: dict[str, tuple[str, str, str | None, str | None, str | None]] = {
                           "speculant bench-kernels --widths 1,2,4,8,16 --isa avx512_vnni avx2 "
                           "--out docs/results/kernels-1.5b.json", ZEN4, None),
     "cpu.md": ("CPU", "speculant and llama.cpp on the CPU: ggml's paths, the lean model's kernels and T(W), drafters "
-               "on them, every bench's reasons", "commands and scripts in the page", f"{XEON}; {ZEN4}", "7b6e0cf"),
+               "on them, every bench's reasons", "commands and scripts in the page", f"{XEON}; {ZEN4}; {ZEN3}", None),
     "bench-suffix-mixed": ("CPU", "suffix decoding as a drafter (`sd`) and inside `auto`, in process", None, ZEN4,
                            None),
     "bench-suffix-humaneval": ("CPU", "the same on HumanEval[:10]", None, ZEN4, None),
