@@ -48,6 +48,10 @@ ENTRIES: dict[str, tuple[str, str, str | None, str | None, str | None]] = {
                           "where it is the path that runs, after the kernel change",
                           "speculant bench-kernels --widths 1,2,4,8,16 --isa avx2 --repeats 5 "
                           "--out docs/results/kernels-avx2.json", ZEN3, None),
+    "lean-avx2-profiles.json": ("CPU", "the machine profiles (T(W) of the whole lean forward, TTFT) that the 1.5B and "
+                                "its 0.5B drafter measured for the AVX2 kernels before and after their change, copied "
+                                "from the profile cache", "measured by the bench-avx2-* runs (`speculant profile` "
+                                "shows one)", ZEN3, None),
     "bench-humaneval-10-30": ("CPU", "`auto` on twenty HumanEval problems never used while tuning (HumanEval[10:30])",
                               None, ZEN4, None),
     "bench-lean-mixed": ("CPU", "llama.cpp's own speculative tools (`llamacpp-cli-spec`, `llamacpp-cli-ngram`) against "

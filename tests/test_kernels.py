@@ -116,7 +116,7 @@ def test_every_row_equals_its_one_row_call_and_the_scalar_reference(kind, isa, i
     x = torch.randn(19, inputs, generator=torch.Generator().manual_seed(2)) * 3
     x[4, 100] = 80.0  # an outlier, as LLM activations have
     reference = kernels.matmul(kernels.quantize_rows(x, "scalar"), weight, "scalar", threads=1)
-    for width in (1, 2, 3, 4, 5, 8, 9, 16, 19):  # AMX: 4 to 16 rows a tile, fewer on vpdpbusd
+    for width in (1, 2, 3, 4, 5, 6, 7, 8, 9, 16, 19):  # every tile height up to 8 (AVX2, AVX-512); AMX: 4 to 16
         rows = kernels.matmul(kernels.quantize_rows(x[:width], isa), weight, isa)
         assert torch.equal(rows, reference[:width]), (isa, width)
     dense = x @ torch.from_numpy(formats.dequantize(kind, raw)[:, :inputs]).T
@@ -230,7 +230,7 @@ def test_every_type_s_rows_equal_their_one_row_calls_and_the_scalar_reference(gg
     x = torch.randn(19, weights.shape[1], generator=torch.Generator().manual_seed(2)) * 3
     x[4, 100] = 80.0
     reference = kernels.matmul(kernels.quantize_rows(x, "scalar"), weight, "scalar", threads=1)
-    for width in (1, 2, 3, 8, 9, 19):
+    for width in (1, 2, 3, 4, 5, 6, 7, 8, 9, 19):  # every tile height up to 8
         assert torch.equal(kernels.matmul(kernels.quantize_rows(x[:width], isa), weight, isa), reference[:width])
     dense = x @ torch.from_numpy(gguf.quants.dequantize(raw, gguf.GGMLQuantizationType[ggml_type])).float().T
     assert (reference - dense).norm() / dense.norm() < (1e-6 if ggml_type in FLOATS else 0.02)
