@@ -17,6 +17,24 @@ static inline __m256i pairs(__m256i w, const int8_t *a) {  // u8 weights x four 
     return _mm256_maddubs_epi16(w, _mm256_set1_epi32(load32(a)));
 }
 
+// A block of 32 inputs' int16 sums for each row of a tile, half a panel (h) at a time: q4_k's and q4_b's nibbles
+// (byte c*64 + j*4 + t: input 4c + t of output j low, 16 + 4c + t high), eight vpmaddubsw pairs a row.
+static inline __attribute__((always_inline)) void nibble_sums(const int rows, const uint8_t *nibbles, int h,
+                                                             const int8_t *qa, int64_t K, int64_t kb, __m256i *sum) {
+    const __m256i low = _mm256_set1_epi8(0x0F);
+    for (int r = 0; r < rows; r++) sum[r] = _mm256_setzero_si256();
+    for (int c = 0; c < 4; c++) {
+        __m256i raw = _mm256_loadu_si256((const __m256i *)(nibbles + c * 64 + h * 32));
+        __m256i lo = _mm256_and_si256(raw, low), hi = _mm256_and_si256(_mm256_srli_epi16(raw, 4), low);
+        for (int r = 0; r < rows; r++) {
+            const int8_t *a = qa + r * K + kb * 32;
+            sum[r] = _mm256_add_epi16(sum[r], pairs(lo, a + 4 * c));
+            sum[r] = _mm256_add_epi16(sum[r], pairs(hi, a + 16 + 4 * c));
+            IN_ORDER(sum[r]);
+        }
+    }
+}
+
 // A super-block's sums land in y, the tile's outputs (one half of the panel's: y points at it).
 static inline __attribute__((always_inline)) void add_super(const int rows, const __m256 *sb, const float *sa,
                                                            int64_t s, int64_t K, float *y, int64_t O) {
@@ -28,7 +46,7 @@ static inline __attribute__((always_inline)) void add_super(const int rows, cons
 static inline __attribute__((always_inline)) void q4k_tile(const int rows, const int8_t *qa, const float *sa,
                                                           const int16_t *s32, const int32_t *o16, int64_t K,
                                                           const uint8_t *panel, float *y, int64_t O) {
-    const __m256i low = _mm256_set1_epi8(0x0F), ones = _mm256_set1_epi16(1);
+    const __m256i ones = _mm256_set1_epi16(1);
     for (int h = 0; h < 2; h++)
         for (int64_t s = 0; s < supers(K); s++) {
             const uint8_t *sp = panel + s * Q4K_SUPER;
@@ -40,17 +58,7 @@ static inline __attribute__((always_inline)) void q4k_tile(const int rows, const
                 __m256 scale = _mm256_mul_ps(d, _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(bp + h * 8)))));
                 int64_t kb = s * 8 + b;
                 __m256i sum[TILE];  // int16: the block's eight vpmaddubsw per row
-                for (int r = 0; r < rows; r++) sum[r] = _mm256_setzero_si256();
-                for (int c = 0; c < 4; c++) {
-                    __m256i raw = _mm256_loadu_si256((const __m256i *)(bp + 32 + c * 64 + h * 32));
-                    __m256i lo = _mm256_and_si256(raw, low), hi = _mm256_and_si256(_mm256_srli_epi16(raw, 4), low);
-                    for (int r = 0; r < rows; r++) {
-                        const int8_t *a = qa + r * K + kb * 32;
-                        sum[r] = _mm256_add_epi16(sum[r], pairs(lo, a + 4 * c));
-                        sum[r] = _mm256_add_epi16(sum[r], pairs(hi, a + 16 + 4 * c));
-                        IN_ORDER(sum[r]);
-                    }
-                }
+                nibble_sums(rows, bp + 32, h, qa, K, kb, sum);
                 for (int r = 0; r < rows; r++)
                     sb[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_madd_epi16(sum[r], ones)), scale, sb[r]);
             }
@@ -152,7 +160,7 @@ static inline __attribute__((always_inline)) void q8b_tile(const int rows, const
 static inline __attribute__((always_inline)) void q4b_tile(const int rows, const int8_t *qa, const float *sa,
                                                           const int16_t *s32, const int32_t *o16, int64_t K,
                                                           const uint8_t *panel, float *y, int64_t O) {
-    const __m256i low = _mm256_set1_epi8(0x0F), ones = _mm256_set1_epi16(1);
+    const __m256i ones = _mm256_set1_epi16(1);
     for (int h = 0; h < 2; h++)
         for (int64_t s = 0; s < supers(K); s++) {
             const uint8_t *sp = panel + s * Q4B_SUPER;
@@ -165,17 +173,7 @@ static inline __attribute__((always_inline)) void q4b_tile(const int rows, const
                 __m256 m = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(bp + 32 + h * 16)));
                 int64_t kb = s * 8 + b;
                 __m256i sum[TILE];
-                for (int r = 0; r < rows; r++) sum[r] = _mm256_setzero_si256();
-                for (int c = 0; c < 4; c++) {
-                    __m256i raw = _mm256_loadu_si256((const __m256i *)(bp + 64 + c * 64 + h * 32));
-                    __m256i lo = _mm256_and_si256(raw, low), hi = _mm256_and_si256(_mm256_srli_epi16(raw, 4), low);
-                    for (int r = 0; r < rows; r++) {
-                        const int8_t *a = qa + r * K + kb * 32;
-                        sum[r] = _mm256_add_epi16(sum[r], pairs(lo, a + 4 * c));
-                        sum[r] = _mm256_add_epi16(sum[r], pairs(hi, a + 16 + 4 * c));
-                        IN_ORDER(sum[r]);
-                    }
-                }
+                nibble_sums(rows, bp + 64, h, qa, K, kb, sum);
                 for (int r = 0; r < rows; r++) {
                     sb[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_madd_epi16(sum[r], ones)), d, sb[r]);
                     sb[r] = _mm256_fmadd_ps(_mm256_set1_ps((float)s32[r * (K / 32) + kb]), m, sb[r]);
