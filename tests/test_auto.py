@@ -39,14 +39,15 @@ def invent(patch, profile):
     """Make auto decide from the invented machine `profile`s alone: not rescaled by what the tiny models'
     forwards really take (a thousandth of them), and with every metered forward taking its profile's time, so
     that what auto measures as it drafts (a cascade's cost) does not depend on the machine's speed either."""
-    def forward(self, ids, positions=None, tree=None):
-        logits = self.model.forward(ids, positions, tree=tree)
+    def timed(self, logits, ids):
         u = self.usage
         self.usage = Usage(u.forwards + 1, u.steps + 1, u.seconds + profile(self.model).cost(len(ids)))
         return logits
     patch.setattr(latency, "machine_profile", profile)
     patch.setattr(adaptive_module, "SCALE_RANGE", (1.0, 1.0))
-    patch.setattr(Metered, "forward", forward)
+    patch.setattr(Metered, "forward", lambda self, ids, positions=None, tree=None:
+                  timed(self, self.model.forward(ids, positions, tree=tree), ids))
+    patch.setattr(Metered, "catch_up", lambda self, ids, rows=1: timed(self, self.model.catch_up(ids, rows), ids))
 
 
 def run(target, candidates, prompt, n=40, cost=lambda w: 1.0 + 0.01 * w, **kwargs):

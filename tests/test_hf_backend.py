@@ -25,6 +25,9 @@ def test_incremental_forward_matches_one_pass(arch, device):
     torch.testing.assert_close(model.forward(ids[5:9]), whole[5:9], atol=1e-5, rtol=0)
     torch.testing.assert_close(model.forward(ids[9:]), whole[9:], atol=1e-5, rtol=0)
     assert model.cache_len == len(ids)
+    model.rollback(5)
+    torch.testing.assert_close(model.catch_up(ids[5:], 2), whole[-2:], atol=1e-5, rtol=0)
+    assert model.cache_len == len(ids)
 
 
 @pytest.mark.parametrize("arch", ARCHS)

@@ -76,6 +76,8 @@ def test_a_w_token_forward_equals_w_one_token_forwards_bit_for_bit(lean_files, v
     model.rollback(4)
     rows = torch.cat([model.forward([token]) for token in ids[4:]])
     assert torch.equal(block, rows)
+    model.rollback(4)  # a catch-up runs the same rows and skips the head for all but its last
+    assert torch.equal(model.catch_up(ids[4:-1], 2), block[-3:-1]) and torch.equal(model.forward(ids[-1:]), block[-1:])
 
 
 @pytest.mark.parametrize("variant", VARIANTS)

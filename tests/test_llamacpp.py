@@ -97,7 +97,10 @@ def test_keep_leaves_the_cache_as_plain_decoding_would_bit_for_bit(gguf_files, a
         path = TREE.path_to(node)
         model.keep(list(range(len(prefix))) + [len(prefix) + i for i in path])
         assert model.cache_len == len(prefix) + len(path)
+        caught = model.catch_up([33, 34])  # the path's kept cells pending, as a forward finds them
+        model.rollback(len(prefix) + len(path))
         after = model.forward([33, 34])
+        assert torch.equal(caught, after[-1:])
         plain = gguf_model(gguf_files, arch, quant)
         plain.prefill(prefix)
         rows = [plain.forward([token]) for token in [TREE.tokens[i] for i in path] + [33, 34]]

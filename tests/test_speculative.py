@@ -157,9 +157,9 @@ def test_a_cache_catches_up_by_a_prefill_where_it_keeps_little():
             self.calls.append(("prefill", len(ids)))
             return super().prefill(ids)
 
-        def forward(self, ids, positions=None, tree=None):
-            self.calls.append(("forward", len(ids)))
-            return super().forward(ids, positions, tree)
+        def catch_up(self, ids, rows=1):
+            self.calls.append(("catch_up", len(ids)))
+            return super().catch_up(ids, rows)
 
     target = tiny_model("llama", 4, VOCAB)
     cache = DraftCache(Counted(target.model, None, "counted"))
@@ -171,7 +171,7 @@ def test_a_cache_catches_up_by_a_prefill_where_it_keeps_little():
     Counted.calls.clear()
     longer = old[:2] + new + new[:2 * PREFILL_AFTER]
     cache.run(longer)  # 42 kept, 16 to run
-    assert Counted.calls == [("forward", 2 * PREFILL_AFTER)]
+    assert Counted.calls == [("catch_up", 2 * PREFILL_AFTER)]
 
 
 def test_drafts_end_at_end_of_sequence_and_generation_at_the_last_position():

@@ -110,6 +110,13 @@ class Backend:
     batch_load: Callable[[], int] | None = None  # a served request's handle: the rows its target's batches hold now
     draft_guide: Any = None  # structured output: what a drafter's rows may hold (`models.wrappers.constrained`)
 
+    def catch_up(self, ids: Sequence[int], rows: int = 1) -> torch.Tensor:
+        """`forward(ids)` returning only its last `rows` logits rows [rows, vocab]: a drafter catching up on a
+        context needs the logits after its end alone, and a backend that skips the output head for the other rows
+        (most of a small drafter's vocabulary projection) overrides this. A wrapper runs it through its own
+        `forward`, so whatever it changes of forwards (logits, batching, padded time) holds for it too."""
+        return self.forward(ids)[len(ids) - rows:]
+
     def prefill_parts(self, ids: Sequence[int]) -> list[list[int]]:
         """A backend that `prefills_in_parts`: the parts of a prompt (`prompt_parts`), each run after the ones
         before it by `continue_prefill`."""
@@ -425,7 +432,7 @@ def resync(model: CausalLM, cached: list[int], context: list[int], extra: Sequen
         logits = model.prefill(context)[None]
         return torch.cat([logits, model.forward(list(extra))]) if extra else logits
     model.rollback(keep)
-    return model.forward(context[keep:] + list(extra))[len(context) - keep - 1 :]
+    return model.catch_up(context[keep:] + list(extra), 1 + len(extra))
 
 
 class DraftCache:

@@ -170,6 +170,12 @@ class HFCausalLM(Backend):
         return self._run(ids, positions, mask, logits_to_keep=1)[0]
 
     @torch.inference_mode()
+    def catch_up(self, ids: Sequence[int], rows: int = 1) -> torch.Tensor:
+        """The rows run as a forward's, the output head only for the last `rows`."""
+        positions, mask = self._layout(ids, None, None)
+        return self._run(ids, positions, mask, logits_to_keep=rows)
+
+    @torch.inference_mode()
     def forward(
         self, ids: Sequence[int], positions: Sequence[int] | None = None, tree: TokenTree | None = None
     ) -> torch.Tensor:

@@ -460,7 +460,7 @@ class LeanCausalLM(PointerCache, Backend):
             raise ValueError("prefill needs at least one token")
         self._len = 0
         if self._masked_prompt(ids):
-            return _run_rows([self._place(ids, prompt=True)])[0][0]
+            return _run_rows([self._place(ids, read=1)])[0][0]
         for part in prompt_parts(ids):  # (a prompt within the window: its `prefill_parts`)
             logits = self.continue_prefill(part)
         return logits
@@ -482,8 +482,13 @@ class LeanCausalLM(PointerCache, Backend):
         node attends to the cache before the tree and its own ancestors."""
         return _run_rows([self._place(ids, positions, tree)])[0]
 
+    @torch.inference_mode()
+    def catch_up(self, ids: Sequence[int], rows: int = 1) -> torch.Tensor:
+        """The rows run as a forward's, the output head only for the last `rows`."""
+        return _run_rows([self._place(ids, read=rows)])[0]
+
     def _place(self, ids: Sequence[int], positions: Sequence[int] | None = None, tree: TokenTree | None = None,
-               prompt: bool = False) -> _Rows:
+               read: int | None = None) -> _Rows:
         """A call's rows: written after the cached positions, each seeing the cache up to itself, or up to the
         call's end where its mask row allows (a tree's ancestors), and in windowed layers only the keys within
         the window."""
@@ -506,7 +511,7 @@ class LeanCausalLM(PointerCache, Backend):
             keys = torch.arange(end)[None, :]
             near = keys > where[:, None] - config.window
             windowed = near & (keys <= torch.arange(start, end)[:, None] if mask is None else mask)
-        return _Rows(self, list(ids), where, mask, windowed, prompt)
+        return _Rows(self, list(ids), where, mask, windowed, read)
 
     @torch.inference_mode()
     def continue_prefill(self, ids: Sequence[int]) -> torch.Tensor:
@@ -607,13 +612,14 @@ def _head(weights: LeanWeights, x: torch.Tensor) -> torch.Tensor:
 
 @dataclass
 class _Rows:
-    """One call's rows, placed in its handle's cache (`LeanCausalLM._place`); a prompt's logits are its last row's."""
+    """One call's rows, placed in its handle's cache (`LeanCausalLM._place`); the logits of its last `read` rows are
+    computed (a prompt's: its last row's), of every row where `read` is None."""
     handle: LeanCausalLM
     ids: list[int]
     positions: torch.Tensor
     mask: torch.Tensor | None  # [n, end] bool; None: each row sees the cache up to itself
     windowed: torch.Tensor | None  # the same in windowed layers
-    prompt: bool = False
+    read: int | None = None
 
 
 def _run_rows(calls: Sequence[_Rows]) -> list[torch.Tensor]:
@@ -629,13 +635,14 @@ def _run_rows(calls: Sequence[_Rows]) -> list[torch.Tensor]:
             raise Interrupted()  # nothing past the cache lengths was committed
         kernels.layer(config, weights.structs[index], slot, x, places[config.windowed(index)], *weights.rope_of(index),
                       neox)
-    picks, at = [], 0  # the rows whose logits are read: a prompt's last, every row of a forward
+    picks, sizes, at = [], [], 0  # the rows whose logits are read: each call's last `read`, or all of them
     for call in calls:
         n = len(call.ids)
-        picks += [at + n - 1] if call.prompt else range(at, at + n)
+        sizes.append(min(call.read or n, n))
+        picks += range(at + n - sizes[-1], at + n)
         call.handle._len += n
         at += n
-    rows, sizes = x[picks], [1 if call.prompt else len(call.ids) for call in calls]
+    rows = x[picks]
     for call, hidden in zip(calls, rows.split(sizes)):
         call.handle.last_hidden = hidden
     return list(_head(weights, rows).split(sizes))
@@ -684,8 +691,8 @@ def forward_rows(rows: Sequence[tuple[LeanCausalLM, Call]]) -> list[torch.Tensor
             continue
         if call.prefill:
             handle.rollback(0)
-        together.append((i, handle._place(call.ids, call.positions, call.tree, prompt=call.prefill)))
+        together.append((i, handle._place(call.ids, call.positions, call.tree, read=1 if call.prefill else None)))
     if together:
         for (i, placed), logits in zip(together, _run_rows([placed for _, placed in together])):
-            out[i] = logits[0] if placed.prompt else logits
+            out[i] = logits[0] if rows[i][1].prefill else logits
     return [out[i] for i in range(len(rows))]

@@ -388,13 +388,17 @@ class LlamaCppCausalLM(Backend):
         """With `tree`, `ids` are its last nodes, the earlier ones cached (see CausalLM.forward)."""
         if tree is not None:
             return self._forward_tree(list(ids), positions, tree)
-        if self._tree is not None:
-            raise ValueError("the cache holds a draft tree: keep() its accepted path or roll it back first")
         start = self.cache_len
         if positions is not None and list(positions) != list(range(start, start + len(ids))):
             raise ValueError("the llama.cpp backend runs new tokens at the next positions only")
-        physical, pending = self._physical, self._pending
-        entries = self._take_pending() + [_Entry(t, start + i, [0], True) for i, t in enumerate(ids)]
+        return self.catch_up(ids, len(ids))
+
+    def catch_up(self, ids: Sequence[int], rows: int = 1) -> torch.Tensor:
+        """The tokens at the next positions, logits asked of llama.cpp for the last `rows` only."""
+        if self._tree is not None:
+            raise ValueError("the cache holds a draft tree: keep() its accepted path or roll it back first")
+        start, physical, pending = self.cache_len, self._physical, self._pending
+        entries = self._take_pending() + [_Entry(t, start + i, [0], i >= len(ids) - rows) for i, t in enumerate(ids)]
         try:
             logits = self._decode(entries, self.width)
         except Interrupted:  # drop what the cut-short forward cached

@@ -46,9 +46,20 @@ class Metered(Delegating):
     ) -> torch.Tensor:
         start = time.perf_counter()
         logits = self.model.forward(ids, positions, tree=tree)
-        u = self.usage
-        self.usage = Usage(u.forwards + 1, u.steps + 1, u.seconds + time.perf_counter() - start)
+        self._stepped(time.perf_counter() - start)
         return logits
+
+    def catch_up(self, ids: Sequence[int], rows: int = 1) -> torch.Tensor:
+        """The wrapped model's own `catch_up` (it may skip the head for the rows it does not return), counted and
+        timed as the forward it is."""
+        start = time.perf_counter()
+        logits = self.model.catch_up(ids, rows)
+        self._stepped(time.perf_counter() - start)
+        return logits
+
+    def _stepped(self, seconds: float) -> None:
+        u = self.usage
+        self.usage = Usage(u.forwards + 1, u.steps + 1, u.seconds + seconds)
 
     passes_trees = True
 
