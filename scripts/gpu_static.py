@@ -212,7 +212,8 @@ def main() -> int:
     def speculation() -> dict:
         """Greedy sd and tree on the compiled pair give ar's tokens; their tok/s at random weights' acceptance and
         with the target drafting for itself (every draft accepted: the mechanics' ceiling), its trees drafted level
-        by level and as one CUDA graph."""
+        by level and as one CUDA graph; trees of the 0.5B with and without stage scheduling (its drafter's thread on
+        a CUDA stream of its own, beside the target's: the hit rate and the overlap in `stage`)."""
         target = StaticCausalLM(weights["1.5b"], width=16, span=1024, compiled=True)
         drafter = StaticCausalLM(weights["0.5b"], width=16, span=1024, compiled=True)
         prompt = torch.randint(0, 500, (200,)).tolist()
@@ -223,7 +224,9 @@ def main() -> int:
                 "tree self d4 w2": dict(method="tree", drafter=target.share(), depth=4, width=2, draft_graph=False),
                 "tree self d4 w2, one graph": dict(method="tree", drafter=target.share(), depth=4, width=2),
                 "tree self d4 w2, one graph, stage": dict(method="tree", drafter=target.share(), depth=4, width=2,
-                                                          schedule="stage")}
+                                                          schedule="stage"),
+                "tree 0.5b d4 w2": dict(method="tree", drafter=drafter, depth=4, width=2),
+                "tree 0.5b d4 w2, stage": dict(method="tree", drafter=drafter, depth=4, width=2, schedule="stage")}
         expected = None
         for label, options in runs.items():
             generate(target, prompt_ids=prompt, max_new_tokens=8, **options)

@@ -3,14 +3,19 @@ verifies tree t, the drafter drafts tree t+1 on a thread of its own, assuming th
 node's first child, its likeliest) is accepted and that the target's next token is the drafter's own choice after it.
 When verification commits exactly that, the next step starts with its tree already drafted; otherwise the tree is
 dropped, and the drafter's cache is brought back to the committed context by its next `DraftCache.run` (which rolls
-back to the common prefix). Verification is unchanged, so output is too."""
+back to the common prefix). Verification is unchanged, so output is too. On a GPU the drafter's thread queues its
+work on a CUDA stream of its own, so that its kernels run beside the target's (the paper's two streams); on the CPU
+the two threads share the cores."""
 
 from __future__ import annotations
 
 import time
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
+from contextlib import nullcontext
 from dataclasses import dataclass, replace
+
+import torch
 
 from speculant.drafters.base import Draft
 from speculant.models.wrappers.metered import Usage
@@ -52,20 +57,27 @@ class Ahead:
         self.pool = ThreadPoolExecutor(1, thread_name_prefix="speculant-stage")
         self.pending: Future[tuple[list[int], Draft, float]] | None = None
         self.record = StageRecord()
+        device = drafter.model.device
+        self.stream = torch.cuda.Stream(device) if device.type == "cuda" else None
 
     def start(self, context: list[int], tree: TokenTree, depth: int, width: int,
               cost: Callable[[int], float] | None) -> None:
         """Draft, on the drafter's thread, the tree after `context` + the likeliest path of `tree` + the
         drafter's own next token."""
         assumed = context + tree.first_child_path()
+        if self.stream is not None:  # after what this thread has queued (it last wrote the drafter's cache), not
+            self.stream.wait_stream(torch.cuda.current_stream(self.stream.device))  # after the verification to come
         self.pending = self.pool.submit(self._draft, assumed, depth, width, cost)
 
     def _draft(self, assumed: list[int], depth: int, width: int,
                cost: Callable[[int], float] | None) -> tuple[list[int], Draft, float]:
         began, before = time.perf_counter(), self.drafter.model.usage
-        guess = int(self.drafter.cache.run(assumed)[-1].argmax())
-        context = assumed + [guess]
-        tree = self.drafter.propose_tree(context, depth, width, cost)
+        with torch.cuda.stream(self.stream) if self.stream is not None else nullcontext():
+            guess = int(self.drafter.cache.run(assumed)[-1].argmax())
+            context = assumed + [guess]
+            tree = self.drafter.propose_tree(context, depth, width, cost)
+            if self.stream is not None:  # done before the decoder's thread uses the drafter's cache again
+                self.stream.synchronize()
         spent = {self.drafter.name: self.drafter.model.usage - before}  # (the catch-up on the path included)
         return context, replace(tree, usage=spent), time.perf_counter() - began
 

@@ -252,7 +252,7 @@ class HFCausalLM(Backend):
         # the logits' rows (a copy: not a view keeping a prompt's every row)
         self.last_hidden = hidden[0, -logits.shape[0]:].clone() if hidden is not None else None
         if self.device.type == "cuda":  # return once computed, so that a timer around a forward is honest
-            torch.cuda.synchronize(self.device)
+            torch.cuda.current_stream(self.device).synchronize()
         return logits
 
     def rollback(self, n: int) -> None:
@@ -359,7 +359,7 @@ def forward_rows(rows: Sequence[tuple[HFCausalLM, Call]]) -> list[torch.Tensor]:
     picked, _running.hidden = hidden.index_select(0, index), None
     logits = model.get_output_embeddings()(picked).float()
     if device.type == "cuda":
-        torch.cuda.synchronize(device)
+        torch.cuda.current_stream(device).synchronize()
     out, at = [], 0
     for (handle, call), pick in zip(rows, picks):
         handle._len += len(call.ids)

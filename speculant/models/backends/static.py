@@ -247,6 +247,7 @@ class KVPool:
         # choices between them are one CUDA graph all the same.
         self.levels_in_steps = self.device.type == "cuda"
         self.lock = threading.RLock()  # steps, the regions' bookkeeping, and a handle's work on its region
+        self._last: torch.cuda.Event | None = None  # on a GPU: the last step's work, queued on its thread's stream
 
     def take(self) -> int:
         with self.lock:
@@ -286,12 +287,25 @@ class KVPool:
                 raise Interrupted()
             chunk = rows[at:at + self.width]
             with self.lock:  # one step at a time through the pool's buffers (a drafter's thread shares them)
+                self._follow()
                 out, x = self._step(chunk)  # copies: a CUDA graph's output buffers are rewritten by its next replay
                 logits.append(out[:len(chunk)].to(torch.float32, copy=True))
                 hidden.append(x[:len(chunk)].clone())
-        if self.device.type == "cuda":  # return once computed, so that a timer around a forward is honest
-            torch.cuda.synchronize(self.device)
+                self._mark()
+        if self.device.type == "cuda":  # return once computed (this thread's stream: a timer around it is honest)
+            torch.cuda.current_stream(self.device).synchronize()
         return torch.cat(logits), torch.cat(hidden)
+
+    def _follow(self) -> None:
+        """On a GPU, queue the next step after the pool's last one: another thread's stream (stage scheduling's
+        drafter, drafting for itself) may have queued it, and the two share the input buffers and CUDA graphs."""
+        if self._last is not None:
+            torch.cuda.current_stream(self.device).wait_event(self._last)
+
+    def _mark(self) -> None:
+        if self.device.type == "cuda":
+            self._last = torch.cuda.Event()
+            self._last.record(torch.cuda.current_stream(self.device))
 
     @torch.inference_mode()
     def draft(self, handle: StaticCausalLM, root_logits: torch.Tensor, depth: int,
@@ -300,6 +314,7 @@ class KVPool:
         compiled: one inductor graph of every level, or on a GPU each level the compiled step, captured together as
         one CUDA graph per depth and width): tokens, parents, path log-probabilities."""
         with self.lock:
+            self._follow()
             self._root.copy_(torch.tensor([handle.cache_len - 1, handle.offset]))
             self._root_logits.copy_(root_logits)
 
@@ -320,6 +335,7 @@ class KVPool:
                 graph, out = self._drafts[depth, width]
                 graph.replay()
             tokens, parents, scores = (tensor.tolist() for tensor in out)  # (read before another replay rewrites them)
+            self._mark()
         return tokens, parents, scores
 
     def _step(self, chunk: Sequence[_Row]) -> tuple[torch.Tensor, torch.Tensor]:
@@ -360,7 +376,7 @@ class KVPool:
         began = time.perf_counter()
         out = step(self.keys, self.values, *self._inputs)
         if self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)
+            torch.cuda.current_stream(self.device).synchronize()
         self.weights.compile_seconds = time.perf_counter() - began
         return out
 
