@@ -44,6 +44,17 @@ ENTRIES: dict[str, tuple[str, str, str | None, str | None, str | None]] = {
     "bench-avx2-before-mixed": ("CPU", "the same bench at da7519b, before the kernel change, in the same sitting "
                                 "(A B B A)", None, ZEN3, None),
     "bench-avx2-before-humaneval": ("CPU", "the same on HumanEval[:10] at da7519b", None, ZEN3, None),
+    "bench-avx2-catchup-mixed": ("CPU", "The CPU headline on the AVX2-only EPYC (Zen3) at a9b317e (a drafter's "
+                                 "catch-up computes only the logits it returns), 24 mixed prompts, 1 repeat, run by "
+                                 "`scripts/bench_commits.sh fd7c031 a9b317e` beside bench-avx2-catchup-before-*",
+                                 None, ZEN3, None),
+    "bench-avx2-catchup-humaneval": ("CPU", "the same on HumanEval[:10], 1 repeat, the same sitting", None, ZEN3, None),
+    "bench-avx2-catchup-before-mixed": ("CPU", "the same bench at fd7c031, before the catch-up change, in the same "
+                                        "sitting (A B B A)", None, ZEN3, None),
+    "bench-avx2-catchup-before-humaneval": ("CPU", "the same on HumanEval[:10] at fd7c031", None, ZEN3, None),
+    "catch-up-avx2.json": ("CPU", "a drafter's catch-up (the 0.5B on lean) as a forward of every row against "
+                           "`catch_up` (the last row's logits only)", "python scripts/catch_up_cost.py --out "
+                           "docs/results/catch-up-avx2.json", ZEN3, None),
     "kernels-avx2.json": ("CPU", "T(W) of the 4-bit kernels' AVX2 path alone on the 1.5B's 197 matrices, on the CPU "
                           "where it is the path that runs, after the kernel change",
                           "speculant bench-kernels --widths 1,2,4,8,16 --isa avx2 --repeats 5 "
