@@ -1,17 +1,18 @@
-"""A cache's catch-up on a new prompt run as a forward against the same run as a prefill (docs/results/cpu.md,
-"Catch-ups by prefill").
+"""A cache's catch-up on a new prompt three ways: as a forward (a logits row per token), as `catch_up` (the forward's
+rows, the output head for the last only: what `models.base.resync` runs) and as a prefill of the whole prompt
+(docs/results/cpu.md, "A drafter's catch-up without the rows it throws away").
 
-    python scripts/catch_up_prefill.py                 # HumanEval/6 after HumanEval/5, medians of 5
+    python scripts/catch_up_prefill.py [--out F.json]   # HumanEval/6 after HumanEval/5, medians of 5, interleaved
 
-Loads the lean 1.5B and its `@lean` 0.5B drafter; for each, prefills what the two prompts share, then times the
-rest of the new prompt as one forward (a logits row per token) and the whole prompt as a prefill (one logits row),
-and prints both medians in seconds. Why: where a cache keeps less than an eighth of what it lacks,
-`models.base.prefills` catches up by a prefill, and `auto` prices a catch-up as one; this shows the difference.
+Loads the lean 1.5B and its `@lean` 0.5B drafter; for each, prefills what the two prompts share, then times the rest
+of the new prompt each way and prints the medians in seconds. Why: where a cache keeps less than an eighth of what it
+lacks, `models.base.prefills` catches up by a prefill, else by `catch_up`; `auto` prices a catch-up as the one it is.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import statistics
 import sys
 import time
@@ -23,6 +24,7 @@ def main(argv: list[str]) -> None:
     parser.add_argument("--new", type=int, default=6, help="index of the prompt caught up on")
     parser.add_argument("--last", type=int, default=5, help="index of the prompt the cache held")
     parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--out", help="write the medians (seconds) here as JSON")
     args = parser.parse_args(argv)
 
     from speculant.api import encode_prompt
@@ -35,19 +37,22 @@ def main(argv: list[str]) -> None:
     prompts = load_dataset(args.dataset)
     ids, last = (encode_prompt(target.tokenizer, prompts[i].text) for i in (args.new, args.last))
     keep = common_prefix_len(ids, last)
+    results = {"kept": keep, "prompt": len(ids)}
     for model in (drafter, target):
-        as_forward, as_prefill = [], []
+        times: dict[str, list[float]] = {"forward": [], "catch_up": [], "prefill": []}
         for _ in range(args.repeats):
-            model.prefill(ids[:keep])
-            began = time.perf_counter()
-            model.forward(ids[keep:])
-            as_forward.append(time.perf_counter() - began)
-            began = time.perf_counter()
-            model.prefill(ids)
-            as_prefill.append(time.perf_counter() - began)
-        print(model.name, f"kept {keep} of {len(ids)}; as a forward {statistics.median(as_forward):.3f} s, "
-              f"as a prefill {statistics.median(as_prefill):.3f} s")
-
+            for way, run in (("forward", lambda: model.forward(ids[keep:])),
+                             ("catch_up", lambda: model.catch_up(ids[keep:])), ("prefill", lambda: model.prefill(ids))):
+                model.prefill(ids[:keep])
+                began = time.perf_counter()
+                run()
+                times[way].append(time.perf_counter() - began)
+        results[model.name] = {way: statistics.median(values) for way, values in times.items()}
+        print(model.name, f"kept {keep} of {len(ids)};", ", ".join(
+            f"as a {way} {seconds:.3f} s" for way, seconds in results[model.name].items()))
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump(results, f, indent=1)
 
 if __name__ == "__main__":
     main(sys.argv[1:])

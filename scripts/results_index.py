@@ -52,9 +52,9 @@ ENTRIES: dict[str, tuple[str, str, str | None, str | None, str | None]] = {
     "bench-avx2-catchup-before-mixed": ("CPU", "the same bench at fd7c031, before the catch-up change, in the same "
                                         "sitting (A B B A)", None, ZEN3, None),
     "bench-avx2-catchup-before-humaneval": ("CPU", "the same on HumanEval[:10] at fd7c031", None, ZEN3, None),
-    "catch-up-avx2.json": ("CPU", "a drafter's catch-up (the 0.5B on lean) as a forward of every row against "
-                           "`catch_up` (the last row's logits only)", "python scripts/catch_up_cost.py --out "
-                           "docs/results/catch-up-avx2.json", ZEN3, None),
+    "catch-up-avx2.json": ("CPU", "a cache's catch-up on a new prompt (the 0.5B and the 1.5B on lean) as a forward of "
+                           "every row, as `catch_up` (the last row's logits only) and as a prefill",
+                           "python scripts/catch_up_prefill.py --out docs/results/catch-up-avx2.json", ZEN3, None),
     "kernels-avx2.json": ("CPU", "T(W) of the 4-bit kernels' AVX2 path alone on the 1.5B's 197 matrices, on the CPU "
                           "where it is the path that runs, after the kernel change",
                           "speculant bench-kernels --widths 1,2,4,8,16 --isa avx2 --repeats 5 "
