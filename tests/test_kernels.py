@@ -93,7 +93,7 @@ def test_the_cut_over_is_the_fewest_rows_from_which_tiles_win_at_every_width(mon
     assert kernels.cut_over("amx_int8_emulated", repeats=3, panels=1) == 6
     assert setting == [4]  # put back as found
     monkeypatch.undo()
-    assert kernels.cut_over("amx_int8_emulated", repeats=2, panels=16) == 17  # the emulated tiles: far slower
+    assert kernels.cut_over("amx_int8_emulated", repeats=5, panels=16) == 17  # the emulated tiles: far slower
     assert kernels.library("amx_int8_emulated").amx_set_rows(4) == 4
 
 

@@ -145,9 +145,9 @@ def test_model_drafter_resyncs_its_cache_after_rejections():
 
 
 def test_a_cache_catches_up_by_a_prefill_where_it_keeps_little():
-    """A drafter's cache that shares a few tokens with a new prompt prefills all of it (its logits are one row's,
-    where a forward over the rest computes every row's); one that shares most of the context runs the rest. The
-    logits are the same either way."""
+    """A drafter's cache that shares a few tokens with a new prompt prefills all of it; one that shares most of the
+    context catches up on the rest (`catch_up`: the last row's logits). The logits are those of the context either
+    way."""
     from speculant.models.base import PREFILL_AFTER, DraftCache
 
     class Counted(HFCausalLM):
@@ -170,8 +170,9 @@ def test_a_cache_catches_up_by_a_prefill_where_it_keeps_little():
     assert Counted.calls == [("prefill", 42)] and torch.equal(logits, target.share().prefill(old[:2] + new)[None])
     Counted.calls.clear()
     longer = old[:2] + new + new[:2 * PREFILL_AFTER]
-    cache.run(longer)  # 42 kept, 16 to run
+    logits = cache.run(longer)  # 42 kept, 16 to run
     assert Counted.calls == [("catch_up", 2 * PREFILL_AFTER)]
+    torch.testing.assert_close(logits, target.share().prefill(longer)[None], atol=1e-5, rtol=0)
 
 
 def test_drafts_end_at_end_of_sequence_and_generation_at_the_last_position():

@@ -317,9 +317,10 @@ def test_summary_reports_the_tree_shape_when_the_objective_verifies_nothing():
 @pytest.mark.parametrize("arch", ARCHS)
 def test_the_length_objective_drafts_every_level_and_stays_lossless(arch):
     """objective=length (the paper's Fig. 14 baseline): each tree is drafted to its full depth and verified within
-    the same verify width, costs left out; the speedup objective may stop earlier. Both equal `ar`."""
+    the same verify width, costs left out; the speedup objective, on a steep T(n), stops earlier. Both equal `ar`."""
     from helpers import perturbed
     from speculant import generate
+    from speculant.latency import LatencyProfile
 
     target = tiny_model(arch, 8, 64, init_std=0.1)
     drafter = perturbed(target, 0.2, 8)
@@ -328,11 +329,12 @@ def test_the_length_objective_drafts_every_level_and_stays_lossless(arch):
     depths = {}  # drafting levels per tree
     for objective in ("speedup", "length"):
         result = generate(target, prompt_ids=prompt, drafter=drafter, method="tree", depth=4, width=2,
-                          verify_width="auto", objective=objective, max_new_tokens=30)
+                          verify_width="auto", objective=objective, max_new_tokens=30,
+                          target_profile=LatencyProfile("t", "fp32", "cpu", 0, 1.0, 1.0, {1: 1.0, 64: 64.0}))
         assert result.token_ids == expected, objective
         depths[objective] = sum(result.stats.drafter_forwards.values()) / len(result.stats.draft_lengths)
     assert depths["length"] > 3  # all 4 levels, but where a tree meets max_new_tokens
-    assert depths["speedup"] < depths["length"]  # on this tiny model the objective stops trees early
+    assert depths["speedup"] < depths["length"]  # (measured costs, not a fixed profile, made this depend on the load)
 
 
 def test_trees_grown_in_one_call_keep_the_target_distribution_when_sampling():

@@ -50,6 +50,10 @@ class CausalLM(Protocol):
         positions) and each node attends only to the cache before the tree and its ancestors."""
         ...
 
+    def catch_up(self, ids: Sequence[int], rows: int = 1) -> torch.Tensor:
+        """`forward(ids)`'s last `rows` logits rows [rows, vocab] (`Backend.catch_up`)."""
+        ...
+
     def rollback(self, n: int) -> None:
         """Keep the first `n` cached positions, drop the rest."""
         ...
@@ -82,6 +86,9 @@ class Capabilities:
     - `reuses_prefixes`: `prefix_block` (int, or None where this model cannot), `export_kv(start, end)` and
       `import_kv(pieces)`: a prompt's leading positions, in whole blocks, restored from another sequence's cache
       hold the bits its own prefill computes, and `continue_prefill` runs the rest (`speculant.prefixes`).
+    - `fixed_cache`: the KV cache is allocated once and a pointer moves over it, so a forward frees no tensor that
+      another forward queued on another CUDA stream might still read: a drafter that has it drafts on a stream of
+      its own during the target's verification (stage scheduling, `trees.stage`).
     - `drafts_trees`: `draft_tree(root_logits, depth, width)` grows an equal-growth tree of `depth` levels of `width`
       nodes below the last cached token on the device, in one call (`trees.levels`; one compiled graph where the
       handle is compiled): (tokens, parents, path log-probabilities), the levels it ran left cached as
@@ -99,6 +106,7 @@ class Capabilities:
     hidden_states: bool = False
     gguf: bool = False
     reuses_prefixes: bool = False
+    fixed_cache: bool = False
     drafts_trees: bool = False
 
 
@@ -114,8 +122,9 @@ class Backend:
         """`forward(ids)` returning only its last `rows` logits rows [rows, vocab]: a drafter catching up on a
         context needs the logits after its end alone, and a backend that skips the output head for the other rows
         (most of a small drafter's vocabulary projection) overrides this. A wrapper runs it through its own
-        `forward`, so whatever it changes of forwards (logits, batching, padded time) holds for it too."""
-        return self.forward(ids)[len(ids) - rows:]
+        `forward`, so whatever it changes of forwards (logits, batching, padded time) holds for it too. (A backend
+        that runs it as a forward may leave `last_hidden` at every row it ran.)"""
+        return self.forward(ids)[max(len(ids) - rows, 0):]
 
     def prefill_parts(self, ids: Sequence[int]) -> list[list[int]]:
         """A backend that `prefills_in_parts`: the parts of a prompt (`prompt_parts`), each run after the ones
@@ -418,8 +427,9 @@ PREFILL_AFTER = 8  # a catch-up this many times longer than the cached prefix it
 
 def prefills(keep: int, lag: int) -> bool:
     """Whether a cache that shares `keep` leading positions with a context, and lacks `lag` more, catches up by
-    prefilling the whole context: running the kept prefix again costs less than the logits of every row that a
-    forward over the rest computes (a new prompt beside a few shared tokens; docs/results/cpu.md measures it)."""
+    prefilling the whole context rather than by a `catch_up` on the rest: a new prompt beside a few shared tokens
+    (measured on Zen5 against forwards of every row; on the AVX2 EPYC a prefill is no cheaper than a catch-up:
+    docs/results/cpu.md, "A drafter's catch-up without the rows it throws away")."""
     return keep * PREFILL_AFTER < lag
 
 

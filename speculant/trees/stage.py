@@ -4,8 +4,9 @@ node's first child, its likeliest) is accepted and that the target's next token 
 When verification commits exactly that, the next step starts with its tree already drafted; otherwise the tree is
 dropped, and the drafter's cache is brought back to the committed context by its next `DraftCache.run` (which rolls
 back to the common prefix). Verification is unchanged, so output is too. On a GPU the drafter's thread queues its
-work on a CUDA stream of its own, so that its kernels run beside the target's (the paper's two streams); on the CPU
-the two threads share the cores."""
+work on a CUDA stream of its own, so that its kernels run beside the target's (the paper's two streams), where the
+drafter's cache is allocated once (`fixed_cache`: a growing one would free blocks the target's stream could reuse
+while the drafter's still reads them); on the CPU the two threads share the cores."""
 
 from __future__ import annotations
 
@@ -57,8 +58,9 @@ class Ahead:
         self.pool = ThreadPoolExecutor(1, thread_name_prefix="speculant-stage")
         self.pending: Future[tuple[list[int], Draft, float]] | None = None
         self.record = StageRecord()
-        device = drafter.model.device
-        self.stream = torch.cuda.Stream(device) if device.type == "cuda" else None
+        model = drafter.model  # on a GPU, a stream of its own where its forwards free nothing the target's might reuse
+        fixed = model.device.type == "cuda" and model.capabilities.fixed_cache  # (a growing cache drafts in turn)
+        self.stream = torch.cuda.Stream(model.device) if fixed else None
 
     def start(self, context: list[int], tree: TokenTree, depth: int, width: int,
               cost: Callable[[int], float] | None) -> None:
@@ -73,11 +75,13 @@ class Ahead:
                cost: Callable[[int], float] | None) -> tuple[list[int], Draft, float]:
         began, before = time.perf_counter(), self.drafter.model.usage
         with torch.cuda.stream(self.stream) if self.stream is not None else nullcontext():
-            guess = int(self.drafter.cache.run(assumed)[-1].argmax())
-            context = assumed + [guess]
-            tree = self.drafter.propose_tree(context, depth, width, cost)
-            if self.stream is not None:  # done before the decoder's thread uses the drafter's cache again
-                self.stream.synchronize()
+            try:
+                guess = int(self.drafter.cache.run(assumed)[-1].argmax())
+                context = assumed + [guess]
+                tree = self.drafter.propose_tree(context, depth, width, cost)
+            finally:
+                if self.stream is not None:  # done before the decoder's thread uses the drafter's cache again
+                    self.stream.synchronize()
         spent = {self.drafter.name: self.drafter.model.usage - before}  # (the catch-up on the path included)
         return context, replace(tree, usage=spent), time.perf_counter() - began
 

@@ -265,7 +265,10 @@ class KVPool:
         values = torch.zeros(shape, dtype=self.dtype, device=self.device)
         if self.capacity:
             used = self.capacity * self.stride
+            self._follow()  # (after the steps that wrote them, on whichever stream; freed once copied)
             keys[:, :, :used], values[:, :, :used] = self.keys, self.values
+            if self.device.type == "cuda":
+                torch.cuda.current_stream(self.device).synchronize()
         self.keys, self.values = keys, values
         self.free = list(range(capacity - 1, self.capacity - 1, -1)) + self.free
         self.capacity, self._graph = capacity, None  # (graphs over the old tensors: captured again)
@@ -403,6 +406,7 @@ class StaticCausalLM(PointerCache, Backend):
 
     backend = "static"
     capabilities = Capabilities(shares_weights=True, batches_rows=True, prefills_in_parts=True, interruptible=True,
+                                fixed_cache=True,
                                 sliding_window=True, hidden_states=True, drafts_trees=True)
 
     def draft_model(self, spec: Any, dtype: str | None) -> Any:
