@@ -6,7 +6,8 @@ rows, the output head for the last only: what `models.base.resync` runs) and as 
 
 Loads the lean 1.5B and its `@lean` 0.5B drafter; for each, prefills what the two prompts share, then times the rest
 of the new prompt each way and prints the medians in seconds. Why: where a cache keeps less than an eighth of what it
-lacks, `models.base.prefills` catches up by a prefill, else by `catch_up`; `auto` prices a catch-up as the one it is.
+lacks, `models.base.prefills` catches up by a prefill, else by `catch_up`; `auto` prices a prefill as the prefill it
+is and a `catch_up` as a forward of its rows (`methods.auto.catch_up_cost`).
 """
 
 from __future__ import annotations
@@ -53,6 +54,8 @@ def main(argv: list[str]) -> None:
     if args.out:
         with open(args.out, "w") as f:
             json.dump(results, f, indent=1)
+            f.write("\n")
+
 
 if __name__ == "__main__":
     main(sys.argv[1:])

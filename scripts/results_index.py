@@ -37,8 +37,9 @@ ENTRIES: dict[str, tuple[str, str, str | None, str | None, str | None]] = {
     "bench-core-before-mixed": ("CPU", "the same bench at 45636d9, before those changes, in the same sitting "
                                 "(A B B A)", None, ZEN5, None),
     "bench-core-before-humaneval": ("CPU", "the same on HumanEval[:10] at 45636d9", None, ZEN5, None),
-    "bench-avx2-mixed": ("CPU", "The CPU headline on an AVX2-only EPYC (Zen3) at 3a1772c (the AVX2 kernels' sums kept "
-                         "in registers, tiles of 8 rows), 24 mixed prompts, 1 repeat, run by `scripts/bench_commits.sh "
+    "bench-avx2-mixed": ("CPU", "The kernel change's bench on an AVX2-only EPYC (Zen3) at 3a1772c (the AVX2 kernels' "
+                         "sums kept in registers, tiles of 8 rows), 24 mixed prompts, 1 repeat, run by "
+                         "`scripts/bench_commits.sh "
                          "da7519b 3a1772c` beside bench-avx2-before-*", None, ZEN3, None),
     "bench-avx2-humaneval": ("CPU", "the same on HumanEval[:10], 1 repeat, the same sitting", None, ZEN3, None),
     "bench-avx2-before-mixed": ("CPU", "the same bench at da7519b, before the kernel change, in the same sitting "

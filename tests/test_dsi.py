@@ -196,7 +196,7 @@ def test_theorem_1_dsi_is_never_slower_than_non_si_in_the_twin():
 
 
 def test_preemption_cuts_twin_forwards_short():
-    """Cancelling a job stops its padded forward at once: most preempted bars end well before 30 ms."""
+    """Cancelling a job stops its padded forward at once: most preempted bars end before their 30 ms."""
     pool = make_executor("thread", ServerSpec(partial(oracle_server, seed=2), ["cpu"] * 5, GREEDY, Latency(0.03, 0.03)))
     drafter = SyntheticDrafter(OracleLM(100, 2), 0.7, 0.003, seed=2)
     _, stats = run(dsi(pool, drafter, [1, 2, 3], 40, 2, GREEDY, None, frozenset()))

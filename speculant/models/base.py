@@ -86,9 +86,9 @@ class Capabilities:
     - `reuses_prefixes`: `prefix_block` (int, or None where this model cannot), `export_kv(start, end)` and
       `import_kv(pieces)`: a prompt's leading positions, in whole blocks, restored from another sequence's cache
       hold the bits its own prefill computes, and `continue_prefill` runs the rest (`speculant.prefixes`).
-    - `fixed_cache`: the KV cache is allocated once and a pointer moves over it, so a forward frees no tensor that
-      another forward queued on another CUDA stream might still read: a drafter that has it drafts on a stream of
-      its own during the target's verification (stage scheduling, `trees.stage`).
+    - `fixed_cache`: each handle's KV cache is a fixed region a pointer moves over (a pool grows only when a handle
+      is made), so a forward frees no tensor that another forward queued on another CUDA stream might still read: a
+      drafter that has it drafts on a stream of its own during the target's verification (`trees.stage`).
     - `drafts_trees`: `draft_tree(root_logits, depth, width)` grows an equal-growth tree of `depth` levels of `width`
       nodes below the last cached token on the device, in one call (`trees.levels`; one compiled graph where the
       handle is compiled): (tokens, parents, path log-probabilities), the levels it ran left cached as
@@ -122,7 +122,8 @@ class Backend:
         """`forward(ids)` returning only its last `rows` logits rows [rows, vocab]: a drafter catching up on a
         context needs the logits after its end alone, and a backend that skips the output head for the other rows
         (most of a small drafter's vocabulary projection) overrides this. A wrapper runs it through its own
-        `forward`, so whatever it changes of forwards (logits, batching, padded time) holds for it too. (A backend
+        `forward`, so whatever it changes of forwards (logits, batching, padded time) holds for it too (`Metered`,
+        which changes nothing, passes it to the model it counts). (A backend
         that runs it as a forward may leave `last_hidden` at every row it ran.)"""
         return self.forward(ids)[max(len(ids) - rows, 0):]
 
@@ -282,7 +283,8 @@ def _forwarded(name: str, doc: str = "") -> property:
 
 
 class Delegating(Backend):
-    """A CausalLM around another (`model`) that forwards, explicitly, every member of the contract, the declared
+    """A CausalLM around another (`model`) that forwards, explicitly, every member of the contract (`catch_up` runs
+    through its own `forward`, as `Backend`'s does), the declared
     capabilities and what they make available, and the backend's choices: whatever it wraps, a wrapper is a
     CausalLM with the same capabilities, in any order of wrapping. A subclass overrides the calls it changes
     (`Wrapper`s change logits, `models.wrappers.metered` counts forwards, a server's `Row` batches them, DSI's twin pads
@@ -428,8 +430,7 @@ PREFILL_AFTER = 8  # a catch-up this many times longer than the cached prefix it
 def prefills(keep: int, lag: int) -> bool:
     """Whether a cache that shares `keep` leading positions with a context, and lacks `lag` more, catches up by
     prefilling the whole context rather than by a `catch_up` on the rest: a new prompt beside a few shared tokens
-    (measured on Zen5 against forwards of every row; on the AVX2 EPYC a prefill is no cheaper than a catch-up:
-    docs/results/cpu.md, "A drafter's catch-up without the rows it throws away")."""
+    (docs/results/cpu.md, "A drafter's catch-up without the rows it throws away", says where this holds)."""
     return keep * PREFILL_AFTER < lag
 
 
