@@ -235,7 +235,8 @@ def main() -> int:
             out[label] = {"decode tok/s": decode_rate(result.stats),
                           "mean accepted": result.stats.mean_accepted_length,
                           "equals ar": result.token_ids == expected,
-                          **({"stage": str(result.stats.stage)} if result.stats.stage else {})}
+                          **({"stage": {"drafted": stage.drafted, "hits": stage.hits, "hit rate": stage.hit_rate,
+                                        "overlap": stage.overlap}} if (stage := result.stats.stage) else {})}
         return out
 
     def drafter_cost() -> dict:

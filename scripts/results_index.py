@@ -25,34 +25,35 @@ ZEN5 = "AMD EPYC, CPU family 26 (AVX-512 VNNI, BF16 and VP2INTERSECT, no AMX), 2
 XEON = "Intel Xeon, Sapphire Rapids class (AVX-512, AMX), 2 cores"
 ZEN3 = "AMD EPYC, CPU family 25 model 1 (Zen3: AVX2, no AVX-512), 2 cores"
 
+def plural(n: int, noun: str) -> str:
+    return f"{n} {noun}{'s' * (n != 1)}"
+
+
+def bench_commits(prefix: str, title: str, before: str, after: str, change: str, repeats: tuple[int, int],
+                  machine: str) -> dict[str, tuple[str, str, None, str, None]]:
+    """The four results of one `scripts/bench_commits.sh BEFORE AFTER` sitting (mixed prompts and HumanEval[:10], each
+    commit; `repeats`: of each set)."""
+    return {
+        f"{prefix}-mixed": ("CPU", f"{title} at {after} ({change}), 24 mixed prompts, {plural(repeats[0], 'repeat')}, "
+                                   f"run by `scripts/bench_commits.sh {before} {after}` beside {prefix}-before-*", None,
+                            machine, None),
+        f"{prefix}-humaneval": ("CPU", f"the same on HumanEval[:10], {plural(repeats[1], 'repeat')}, the same sitting",
+                                None, machine, None),
+        f"{prefix}-before-mixed": ("CPU", f"the same bench at {before}, before that change, in the same sitting "
+                                          "(A B B A)", None, machine, None),
+        f"{prefix}-before-humaneval": ("CPU", f"the same on HumanEval[:10] at {before}", None, machine, None),
+    }
+
+
 # name -> (group, what it is, command or None (the report's), machine or None (the report's), commit or None (git's))
 ENTRIES: dict[str, tuple[str, str, str | None, str | None, str | None]] = {
-    "bench-core-mixed": ("CPU", "**The CPU headline**: `ar` and `auto` on the lean backend against llama.cpp's "
-                         "`llama-completion` (`llamacpp-cli-ar`), 24 mixed prompts, 2 repeats, at 488dcd9 (a drafter "
-                         "weighed only at lengths it could be accepted at), run by `scripts/bench_commits.sh 45636d9 "
-                         "488dcd9` beside bench-core-before-*",
-                         None, ZEN5, None),
-    "bench-core-humaneval": ("CPU", "**The CPU headline** on HumanEval[:10], 3 repeats, the same sitting", None, ZEN5,
-                             None),
-    "bench-core-before-mixed": ("CPU", "the same bench at 45636d9, before those changes, in the same sitting "
-                                "(A B B A)", None, ZEN5, None),
-    "bench-core-before-humaneval": ("CPU", "the same on HumanEval[:10] at 45636d9", None, ZEN5, None),
-    "bench-avx2-mixed": ("CPU", "The kernel change's bench on an AVX2-only EPYC (Zen3) at 3a1772c (the AVX2 kernels' "
-                         "sums kept in registers, tiles of 8 rows), 24 mixed prompts, 1 repeat, run by "
-                         "`scripts/bench_commits.sh "
-                         "da7519b 3a1772c` beside bench-avx2-before-*", None, ZEN3, None),
-    "bench-avx2-humaneval": ("CPU", "the same on HumanEval[:10], 1 repeat, the same sitting", None, ZEN3, None),
-    "bench-avx2-before-mixed": ("CPU", "the same bench at da7519b, before the kernel change, in the same sitting "
-                                "(A B B A)", None, ZEN3, None),
-    "bench-avx2-before-humaneval": ("CPU", "the same on HumanEval[:10] at da7519b", None, ZEN3, None),
-    "bench-avx2-catchup-mixed": ("CPU", "The CPU headline on the AVX2-only EPYC (Zen3) at a9b317e (a drafter's "
-                                 "catch-up computes only the logits it returns), 24 mixed prompts, 1 repeat, run by "
-                                 "`scripts/bench_commits.sh fd7c031 a9b317e` beside bench-avx2-catchup-before-*",
-                                 None, ZEN3, None),
-    "bench-avx2-catchup-humaneval": ("CPU", "the same on HumanEval[:10], 1 repeat, the same sitting", None, ZEN3, None),
-    "bench-avx2-catchup-before-mixed": ("CPU", "the same bench at fd7c031, before the catch-up change, in the same "
-                                        "sitting (A B B A)", None, ZEN3, None),
-    "bench-avx2-catchup-before-humaneval": ("CPU", "the same on HumanEval[:10] at fd7c031", None, ZEN3, None),
+    **bench_commits("bench-core", "**The CPU headline**: `ar` and `auto` on the lean backend against llama.cpp's "
+                    "`llama-completion` (`llamacpp-cli-ar`)", "45636d9", "488dcd9",
+                    "a drafter weighed only at lengths it could be accepted at", (2, 3), ZEN5),
+    **bench_commits("bench-avx2", "The kernel change's bench on an AVX2-only EPYC (Zen3)", "da7519b", "3a1772c",
+                    "the AVX2 kernels' sums kept in registers, tiles of 8 rows", (1, 1), ZEN3),
+    **bench_commits("bench-avx2-catchup", "The CPU headline on the AVX2-only EPYC (Zen3)", "fd7c031", "a9b317e",
+                    "a drafter's catch-up computes only the logits it returns", (1, 1), ZEN3),
     "catch-up-avx2.json": ("CPU", "a cache's catch-up on a new prompt (the 0.5B and the 1.5B on lean) as a forward of "
                            "every row, as `catch_up` (the last row's logits only) and as a prefill",
                            "python scripts/catch_up_prefill.py --out docs/results/catch-up-avx2.json", ZEN3, None),

@@ -151,15 +151,11 @@ def test_a_cache_catches_up_by_a_prefill_where_it_keeps_little():
     from speculant.models.base import PREFILL_AFTER, DraftCache
 
     class Counted(HFCausalLM):
-        calls: list = []
+        calls: list = []  # (tokens run, logits rows kept: 0 for all)
 
-        def prefill(self, ids):
-            self.calls.append(("prefill", len(ids)))
-            return super().prefill(ids)
-
-        def catch_up(self, ids, rows=1):
-            self.calls.append(("catch_up", len(ids)))
-            return super().catch_up(ids, rows)
+        def _run(self, ids, positions, mask, logits_to_keep):
+            self.calls.append((len(ids), logits_to_keep))
+            return super()._run(ids, positions, mask, logits_to_keep)
 
     target = tiny_model("llama", 4, VOCAB)
     cache = DraftCache(Counted(target.model, None, "counted"))
@@ -167,11 +163,11 @@ def test_a_cache_catches_up_by_a_prefill_where_it_keeps_little():
     cache.run(old)
     Counted.calls.clear()
     logits = cache.run(old[:2] + new)  # 2 shared tokens, 40 to run: a prefill of 42
-    assert Counted.calls == [("prefill", 42)] and torch.equal(logits, target.share().prefill(old[:2] + new)[None])
+    assert Counted.calls == [(42, 1)] and torch.equal(logits, target.share().prefill(old[:2] + new)[None])
     Counted.calls.clear()
     longer = old[:2] + new + new[:2 * PREFILL_AFTER]
     logits = cache.run(longer)  # 42 kept, 16 to run
-    assert Counted.calls == [("catch_up", 2 * PREFILL_AFTER)]
+    assert Counted.calls == [(2 * PREFILL_AFTER, 1)]
     torch.testing.assert_close(logits, target.share().prefill(longer)[None], atol=1e-5, rtol=0)
 
 

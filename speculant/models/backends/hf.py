@@ -166,8 +166,7 @@ class HFCausalLM(Backend):
     @torch.inference_mode()
     def continue_prefill(self, ids: Sequence[int]) -> torch.Tensor:
         """A later part of a prompt after the parts before it; the logits of its last token."""
-        positions, mask = self._layout(ids, None, None)
-        return self._run(ids, positions, mask, logits_to_keep=1)[0]
+        return self.catch_up(ids)[0]
 
     @torch.inference_mode()
     def catch_up(self, ids: Sequence[int], rows: int = 1) -> torch.Tensor:

@@ -247,7 +247,8 @@ class KVPool:
         # choices between them are one CUDA graph all the same.
         self.levels_in_steps = self.device.type == "cuda"
         self.lock = threading.RLock()  # steps, the regions' bookkeeping, and a handle's work on its region
-        self._last: torch.cuda.Event | None = None  # on a GPU: the last step's work, queued on its thread's stream
+        # on a GPU: recorded after each step's work on its thread's stream (not yet recorded, it is waited for at once)
+        self._done = torch.cuda.Event() if self.device.type == "cuda" else None
 
     def take(self) -> int:
         with self.lock:
@@ -302,13 +303,12 @@ class KVPool:
     def _follow(self) -> None:
         """On a GPU, queue the next step after the pool's last one: another thread's stream (stage scheduling's
         drafter, drafting for itself) may have queued it, and the two share the input buffers and CUDA graphs."""
-        if self._last is not None:
-            torch.cuda.current_stream(self.device).wait_event(self._last)
+        if self._done is not None:
+            torch.cuda.current_stream(self.device).wait_event(self._done)
 
     def _mark(self) -> None:
-        if self.device.type == "cuda":
-            self._last = torch.cuda.Event()
-            self._last.record(torch.cuda.current_stream(self.device))
+        if self._done is not None:  # (a wait queued before this record still waits for the record before it)
+            self._done.record(torch.cuda.current_stream(self.device))
 
     @torch.inference_mode()
     def draft(self, handle: StaticCausalLM, root_logits: torch.Tensor, depth: int,
