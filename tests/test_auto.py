@@ -405,13 +405,38 @@ def test_a_drafter_follows_the_machine_while_it_does_not_draft():
     timings = Timings()
     candidate = Candidate("model", None, 0.01, 0.6, catch_up=lambda context: 0.1, speed=timings.speed)
     for _ in range(30):
-        timings.observe(1, 0.2, 0.1)  # the machine runs at half its profiled speed
+        timings.observe(1, 0.2, lambda width: 0.1)  # the machine runs at half its profiled speed
     candidate.observe_cost({"model": Usage(3, 3, 0.06)}, steps=3, lag=1)  # and so does the drafter
     assert candidate.cost_s == pytest.approx(0.02) and candidate.scale.value == pytest.approx(1.0, rel=0.01)
     for _ in range(30):
-        timings.observe(1, 0.1, 0.1)  # back to its profiled speed; the drafter does not run meanwhile
+        timings.observe(1, 0.1, lambda width: 0.1)  # back to its profiled speed; the drafter does not run meanwhile
     assert candidate.cost_s == pytest.approx(0.01, rel=0.01)
     assert candidate.catch_up_s([1]) == pytest.approx(0.1, rel=0.01)
+
+
+def test_a_plain_step_left_unmeasured_in_a_slow_stretch_does_not_stay_dear():
+    """A drafter that is never right, drafting one token a step, verifies width 2 only. Width 1 was last timed as
+    the machine slowed, before `speed` had followed, so its own ratio kept the rest of the slowdown; once the machine
+    is fast again, only width 2 shows it. T(1) is then estimated no dearer than T(2) (a forward of fewer tokens never
+    costs more), and plain decoding, the step that pays, is chosen again (else the draft kept being chosen, T(1) never
+    timed again, and the governor compared auto's pace with the stale T(1))."""
+    from speculant.decoding.adaptive import AutoPolicy
+
+    timing = Rescaled(lambda width, length: 0.1 * (1 + 0.1 * (width - 1)))
+    for _ in range(30):
+        timing.observe(1, 0.1)  # as profiled
+    for _ in range(3):
+        timing.observe(1, 0.2)  # the machine slows down
+    for _ in range(60):
+        timing.observe(2, 0.11)  # fast again; a one-token draft every step
+    assert timing(1) <= timing(2) == pytest.approx(0.11, rel=1e-3)
+
+    target, prompt, reference, drafter = never_right(8)
+    candidate = Candidate("never right", drafter, 0.02, 0.6)
+    for _ in range(60):
+        candidate.acceptance().observe(1, 0)
+    policy = AutoPolicy([candidate], timing, max_new_tokens=64, probe_every=1000)
+    assert policy.choose(prompt + reference[:4], 4, frozenset()).candidate is None
 
 
 def test_auto_measures_every_verification_and_draft():

@@ -78,7 +78,8 @@ class Timings:
     """How this process's target forwards compare with the target's machine profile: `speed`, followed over
     every forward whatever its width, is how much slower the machine runs now than when it was profiled (a
     shared machine's drift, which the drafters' forwards share); per verified width, the ratio left after
-    it (the profile's own error at that width). A width never verified takes the nearest verified width's."""
+    it (the profile's own error at that width). A width never verified takes the nearest verified width's; a width
+    estimated dearer than a wider one just verified is brought down to it (`_no_dearer_below`)."""
 
     def __init__(self) -> None:
         self.speed = Scale()
@@ -92,12 +93,28 @@ class Timings:
         nearest = min(self.widths[max(i - 1, 0):i + 1], key=lambda w: abs(w - width))
         return self.speed.value * self.scales[nearest].value
 
-    def observe(self, width: int, measured_s: float, profiled_s: float) -> None:
+    def observe(self, width: int, measured_s: float, profiled: Callable[[int], float]) -> None:
+        """Follow a forward of `width` tokens that took `measured_s`, where `profiled(W)` is the profile's T(W) now."""
         if width not in self.scales:
             self.scales[width] = Scale()
             insort(self.widths, width)
-        self.speed.observe(measured_s, profiled_s)
-        self.scales[width].observe(measured_s, profiled_s * self.speed.value)
+        self.speed.observe(measured_s, profiled(width))
+        self.scales[width].observe(measured_s, profiled(width) * self.speed.value)
+        self._no_dearer_below(width, profiled)
+
+    def _no_dearer_below(self, width: int, profiled: Callable[[int], float]) -> None:
+        """A forward of fewer tokens costs no more than this one: a narrower width estimated dearer than this one's
+        fresh estimate is brought down to it. Such an estimate is stale (its ratio last followed in another stretch of
+        the machine's speed, keeping the part of that stretch's drift `speed` had not yet followed) or the profile's
+        noise where T(W) is flat (a GPU's, or a static backend's padded width: T(1) measured above T(3)). Left dear,
+        plain decoding (width 1) looks slower than a draft that is never accepted, that draft goes on being chosen,
+        width 1 is never timed again to correct it, and `AutoPolicy.pace`, which compares with T(1), does not see
+        the loss."""
+        now = self.at(width) * profiled(width)
+        for narrower in self.widths[:bisect_left(self.widths, width)]:
+            estimate = self.at(narrower) * profiled(narrower)
+            if estimate > now:
+                self.scales[narrower].value *= now / estimate
 
 
 class Rescaled:
@@ -114,7 +131,7 @@ class Rescaled:
         return self.profiled(width, self.length) * self.timings.at(width)
 
     def observe(self, width: int, seconds: float) -> None:
-        self.timings.observe(width, seconds, self.profiled(width, self.length))
+        self.timings.observe(width, seconds, lambda w: self.profiled(w, self.length))
 
 
 @dataclass
