@@ -417,9 +417,10 @@ def test_a_drafter_follows_the_machine_while_it_does_not_draft():
 def test_a_plain_step_left_unmeasured_in_a_slow_stretch_does_not_stay_dear():
     """A drafter that is never right, drafting one token a step, verifies width 2 only. Width 1 was last timed as
     the machine slowed, before `speed` had followed, so its own ratio kept the rest of the slowdown; once the machine
-    is fast again, only width 2 shows it. T(1) is then estimated no dearer than T(2) (a forward of fewer tokens never
+    is fast again, only width 2 shows it. T(1) is then read as no dearer than T(2) (a forward of fewer tokens never
     costs more), and plain decoding, the step that pays, is chosen again (else the draft kept being chosen, T(1) never
-    timed again, and the governor compared auto's pace with the stale T(1))."""
+    timed again, and the governor compared auto's pace with the stale T(1)). The cap is on what is read: width 1's
+    own ratio is left as it was, for its next timing to correct."""
     from speculant.decoding.adaptive import AutoPolicy
 
     timing = Rescaled(lambda width, length: 0.1 * (1 + 0.1 * (width - 1)))
@@ -427,16 +428,22 @@ def test_a_plain_step_left_unmeasured_in_a_slow_stretch_does_not_stay_dear():
         timing.observe(1, 0.1)  # as profiled
     for _ in range(3):
         timing.observe(1, 0.2)  # the machine slows down
+    stale = timing.timings.scales[1].value
+    assert timing(1) > 0.12
     for _ in range(60):
         timing.observe(2, 0.11)  # fast again; a one-token draft every step
-    assert timing(1) <= timing(2) == pytest.approx(0.11, rel=1e-3)
+    assert timing(1) == pytest.approx(timing(2)) and timing(2) == pytest.approx(0.11, rel=1e-3)
+    assert timing.timings.scales[1].value == stale
 
     target, prompt, reference, drafter = never_right(8)
     candidate = Candidate("never right", drafter, 0.02, 0.6)
     for _ in range(60):
         candidate.acceptance().observe(1, 0)
-    policy = AutoPolicy([candidate], timing, max_new_tokens=64, probe_every=1000)
+    policy = AutoPolicy([candidate], timing, max_new_tokens=64)
+    policy.without_model = 0  # (no probe due: the choice alone)
     assert policy.choose(prompt + reference[:4], 4, frozenset()).candidate is None
+    timing.observe(1, 0.1)  # timed again: its own ratio follows, no ceiling
+    assert timing.timings.plain_ceiling == math.inf
 
 
 def test_auto_measures_every_verification_and_draft():

@@ -78,43 +78,43 @@ class Timings:
     """How this process's target forwards compare with the target's machine profile: `speed`, followed over
     every forward whatever its width, is how much slower the machine runs now than when it was profiled (a
     shared machine's drift, which the drafters' forwards share); per verified width, the ratio left after
-    it (the profile's own error at that width). A width never verified takes the nearest verified width's; a width
-    estimated dearer than a wider one just verified is brought down to it (`_no_dearer_below`)."""
+    it (the profile's own error at that width). A width never verified takes the nearest verified width's.
+
+    A plain step, T(1), is estimated no dearer than the width verified last (`plain_ceiling`; a forward of fewer
+    tokens costs no more). Width 1's own ratio may be stale (last followed in another stretch of the machine's
+    speed, it kept the part of that stretch's drift `speed` had not yet followed) or the profile's noise where T(W)
+    is flat (a GPU's, or a static backend's padded width: T(1) measured above T(3)). Left dear, plain decoding looks
+    slower than a draft that is never accepted, that draft goes on being chosen, width 1 is never timed again to
+    correct it, and `AutoPolicy.pace`, which compares with T(1), does not see the loss. The ceiling caps what is
+    read, not the ratio: once the wider width's own estimate rises again (its first sample, or one taken while
+    `speed` lagged, can be low), so does T(1)'s."""
 
     def __init__(self) -> None:
         self.speed = Scale()
         self.scales: dict[int, Scale] = {}
         self.widths: list[int] = []
+        self.plain_ceiling = math.inf  # width 1's ratio at most: the last wider width's estimate, in its units
 
     def at(self, width: float) -> float:
         if not self.widths:
             return self.speed.value
         i = bisect_left(self.widths, width)
         nearest = min(self.widths[max(i - 1, 0):i + 1], key=lambda w: abs(w - width))
-        return self.speed.value * self.scales[nearest].value
+        scale = self.scales[nearest].value
+        return self.speed.value * (min(scale, self.plain_ceiling) if nearest == 1 else scale)
 
     def observe(self, width: int, measured_s: float, profiled: Callable[[int], float]) -> None:
         """Follow a forward of `width` tokens that took `measured_s`, where `profiled(W)` is the profile's T(W) now."""
         if width not in self.scales:
             self.scales[width] = Scale()
             insort(self.widths, width)
-        self.speed.observe(measured_s, profiled(width))
-        self.scales[width].observe(measured_s, profiled(width) * self.speed.value)
-        self._no_dearer_below(width, profiled)
-
-    def _no_dearer_below(self, width: int, profiled: Callable[[int], float]) -> None:
-        """A forward of fewer tokens costs no more than this one: a narrower width estimated dearer than this one's
-        fresh estimate is brought down to it. Such an estimate is stale (its ratio last followed in another stretch of
-        the machine's speed, keeping the part of that stretch's drift `speed` had not yet followed) or the profile's
-        noise where T(W) is flat (a GPU's, or a static backend's padded width: T(1) measured above T(3)). Left dear,
-        plain decoding (width 1) looks slower than a draft that is never accepted, that draft goes on being chosen,
-        width 1 is never timed again to correct it, and `AutoPolicy.pace`, which compares with T(1), does not see
-        the loss."""
-        now = self.at(width) * profiled(width)
-        for narrower in self.widths[:bisect_left(self.widths, width)]:
-            estimate = self.at(narrower) * profiled(narrower)
-            if estimate > now:
-                self.scales[narrower].value *= now / estimate
+        profiled_s = profiled(width)
+        self.speed.observe(measured_s, profiled_s)
+        self.scales[width].observe(measured_s, profiled_s * self.speed.value)
+        if width == 1:
+            self.plain_ceiling = math.inf  # timed itself: its own ratio holds
+        elif 1 in self.scales and self.scales[width].seen:
+            self.plain_ceiling = self.scales[width].value * profiled_s / profiled(1)
 
 
 class Rescaled:
