@@ -123,8 +123,8 @@ class Backend:
         context needs the logits after its end alone, and a backend that skips the output head for the other rows
         (most of a small drafter's vocabulary projection) overrides this. A wrapper runs it through its own
         `forward`, so whatever it changes of forwards (logits, batching, padded time) holds for it too (`Metered`,
-        which changes nothing, passes it to the model it counts). (A backend
-        that runs it as a forward may leave `last_hidden` at every row it ran.)"""
+        which changes nothing, passes it to the model it counts). A backend that runs it as a forward may leave
+        `last_hidden` at every row it ran."""
         return self.forward(ids)[max(len(ids) - rows, 0):]
 
     def prefill_parts(self, ids: Sequence[int]) -> list[list[int]]:
@@ -284,11 +284,10 @@ def _forwarded(name: str, doc: str = "") -> property:
 
 class Delegating(Backend):
     """A CausalLM around another (`model`) that forwards, explicitly, every member of the contract (`catch_up` runs
-    through its own `forward`, as `Backend`'s does), the declared
-    capabilities and what they make available, and the backend's choices: whatever it wraps, a wrapper is a
-    CausalLM with the same capabilities, in any order of wrapping. A subclass overrides the calls it changes
-    (`Wrapper`s change logits, `models.wrappers.metered` counts forwards, a server's `Row` batches them, DSI's twin pads
-    their time)."""
+    through its own `forward`, as `Backend`'s does), the declared capabilities and what they make available, and the
+    backend's choices: whatever it wraps, a wrapper is a CausalLM with the same capabilities, in any order of
+    wrapping. A subclass overrides the calls it changes (`Wrapper`s change logits, `models.wrappers.metered` counts
+    forwards, a server's `Row` batches them, DSI's twin pads their time)."""
 
     def __init__(self, model: CausalLM):
         self.model = model
