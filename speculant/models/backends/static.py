@@ -146,7 +146,7 @@ class StaticWeights(nn.Module):
     def forward(self, keys: torch.Tensor, values: torch.Tensor, ids: torch.Tensor, positions: torch.Tensor,
                 slots: torch.Tensor, index: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
         rows, span = index.shape
-        index = index + offsets[:, None]
+        index = (index + offsets[:, None]).flatten()  # (index_select: a plain gather, several times advanced indexing's)
         heads, kv_heads, dim = self.heads, self.kv_heads, self.head_dim
         x = self.embedding[ids]  # [rows, hidden]
         cos, sin = self.cos[positions][:, None], self.sin[positions][:, None]
@@ -160,9 +160,11 @@ class StaticWeights(nn.Module):
             values[i, :, slots] = v.view(rows, kv_heads, dim).transpose(0, 1)
             visible = seen if layer.window is None else seen & (key_positions > positions[:, None] - layer.window)
             q = q.view(rows, kv_heads, heads // kv_heads, dim).transpose(0, 1)  # [kv_heads, rows, group, dim]
-            scores = q @ keys[i][:, index].transpose(-1, -2)  # [kv_heads, rows, group, span]
+            cached_keys = keys[i].index_select(1, index).view(kv_heads, rows, span, dim)
+            scores = q @ cached_keys.transpose(-1, -2)  # [kv_heads, rows, group, span]
             scores = scores.float().masked_fill(~visible[None, :, None], float("-inf"))
-            attended = scores.softmax(-1).to(x.dtype) @ values[i][:, index]  # [kv_heads, rows, group, dim]
+            cached_values = values[i].index_select(1, index).view(kv_heads, rows, span, dim)
+            attended = scores.softmax(-1).to(x.dtype) @ cached_values  # [kv_heads, rows, group, dim]
             x = x + F.linear(attended.transpose(0, 1).reshape(rows, heads * dim), layer.w_o, layer.b_o)
             gate, up = F.linear(self._norm(x, layer.ffn_norm), layer.w_gate_up).chunk(2, dim=-1)
             x = x + F.linear(F.silu(gate) * up, layer.w_down)  # SwiGLU (Shazeer 2020)
