@@ -99,19 +99,23 @@ def alternated(target, runs: dict[str, dict], repeats: int, tokens: int, session
     """Decode tok/s of each of two `runs` (generate's options) on one random 200-token prompt, alternated A B B A
     `repeats` times in one `session` after a warm-up generation of each as long as the measured ones (a shorter one
     may never run auto's drafter, whose handle's first use, a CUDA graph captured, would fall in a measured
-    generation): each one's rates, the second's mean ratio to the first's, the second's choices (auto's), and
-    whether every output equals the first run's."""
+    generation): each one's rates and CPU seconds of this thread per generation (prefill included; on a CPU, the
+    work itself, which a shared machine's neighbours do not slow as much as the wall clock), the second's mean
+    ratio to the first's, the second's choices (auto's), and whether every output equals the first run's."""
     (a, b), prompt = list(runs), torch.randint(0, 500, (200,)).tolist()
     for options in runs.values():
         generate(target, prompt_ids=prompt, max_new_tokens=tokens, session=session, **options)
-    rates, outputs, choices = {a: [], b: []}, [], Counter()
+    rates, host, outputs, choices = {a: [], b: []}, {a: [], b: []}, [], Counter()
     for _ in range(repeats):
         for label in (a, b, b, a):
+            began = time.thread_time()
             result = generate(target, prompt_ids=prompt, max_new_tokens=tokens, session=session, **runs[label])
+            host[label].append(time.thread_time() - began)
             rates[label].append(decode_rate(result.stats))
             outputs.append(result.token_ids)
             choices.update(result.stats.choices if label == b else ())
     return {**{f"{label} decode tok/s": values for label, values in rates.items()},
+            **{f"{label} thread cpu s": values for label, values in host.items()},
             f"{b} / {a}": statistics.mean(rates[b]) / statistics.mean(rates[a]), f"{b} choices": dict(choices),
             "outputs equal": all(output == outputs[0] for output in outputs)}
 

@@ -155,11 +155,12 @@ ENTRIES: dict[str, tuple[str, str, str | None, str | None, str | None]] = {
                               "python scripts/gpu_static.py OUT.json --ab-repeats 5 --sections auto rows syncs",
                               "NVIDIA H200 (lent)", None),
     "auto-no-accept": ("speculation", "`auto` against `ar` where nothing is accepted, ~2 ms a forward on the CPU "
-                       "(random static models): results.json on an AVX-512 EPYC at c87d007; "
-                       "zen3-{before,after}-{1,2}.json on the Zen3 EPYC (7-9 ms a forward there) at 73dfba0 and "
-                       "after a plain step stopped being estimated dearer than the width verified last",
-                       "python scripts/auto_no_accept.py docs/results/auto-no-accept/results.json --repeats 10",
-                       "2-core AMD EPYC (AVX-512); zen3-*: " + ZEN3, None),
+                       "(random static models), A B B A with 95% intervals over rounds, in wall and CPU time: "
+                       "results.json; zen3-rest-{before,after}-{1,2}.json before and after a losing model candidate "
+                       "rests REST_STEPS steps (one sitting, alternated); zen3-{before,after}-{1,2}.json at 73dfba0 "
+                       "and after a plain step stopped being estimated dearer than the width verified last (then "
+                       "at 3 layers and a 2048-position cache, 7-9 ms a forward)",
+                       "python scripts/auto_no_accept.py docs/results/auto-no-accept/results.json", ZEN3, None),
     "auto-plan": ("speculation", "`auto` with its tree candidates at the execution plan's width (`tree_widths=auto`) "
                   "against the default width 2, beside `llama-completion`, mixed prompts and HumanEval[:10], 2 repeats",
                   None, ZEN5, None),

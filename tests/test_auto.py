@@ -13,8 +13,8 @@ from helpers import ScriptedDrafter, byte_tokenizer, perturbed, random_prompt, t
 from speculant import cli, generate, latency, load_model
 from speculant.config import SamplingConfig
 from speculant.decoding import adaptive as adaptive_module
-from speculant.decoding.adaptive import (COST_FOLLOWS, LOOK_FIRST, PACE_STEPS, PROBE_SHARE, SAFE_SHARE, SCALE_RANGE,
-                                         TIME_FOLLOWS, Acceptance, Candidate, Rescaled, Timings, adaptive, best_length,
+from speculant.decoding.adaptive import (COST_FOLLOWS, LOOK_FIRST, PACE_STEPS, PROBE_SHARE, REST_STEPS, SAFE_SHARE,
+                                         SCALE_RANGE, TIME_FOLLOWS, Acceptance, Candidate, Rescaled, Timings, adaptive, best_length,
                                          can_pay, expected_remaining, first_children_accepted, batched_cost)
 from speculant.decoding.run import timed
 from speculant.drafters.base import Draft
@@ -354,6 +354,27 @@ def test_a_drafter_is_weighed_only_at_lengths_it_could_be_accepted_at():
     widths.clear()
     best_length(Acceptance(prior=0.9), 0.01, cost, 16)
     assert widths == list(range(2, 18))
+
+
+def test_a_drafter_that_lost_to_plain_decoding_rests_before_it_is_weighed_again(monkeypatch):
+    """Weighing the model candidates is most of `choose`'s host time: one that lost to plain decoding is weighed
+    again `REST_STEPS` steps later, or at once after a model draft moved the estimates (here the probe that starts
+    the generation). Without the rest it would be weighed at every step."""
+    weighed = []
+    weigh = adaptive_module.best_length
+    monkeypatch.setattr(adaptive_module, "best_length", lambda *args, **kwargs: weighed.append(1) or weigh(*args,
+                                                                                                           **kwargs))
+    target, prompt, reference, drafter = never_right(60)
+    counts = {}
+    for rest in (REST_STEPS, 1):
+        monkeypatch.setattr(adaptive_module, "REST_STEPS", rest)
+        weighed.clear()
+        tokens, stats = run(target, [Candidate("scripted", drafter, 0.5, 0.1)], prompt, n=60, probe_every=1000)
+        assert tokens == reference
+        assert stats.choices[0] == "scripted" and set(stats.choices[1:]) == {"plain"}  # the probe, then plain
+        counts[rest] = len(weighed)
+    steps = len(stats.choices)  # (the last has no room to draft: nothing is weighed)
+    assert counts[1] == steps - 1 and counts[REST_STEPS] <= 2 + steps / REST_STEPS, counts
 
 
 def test_a_drafter_pays_its_catch_up_only_where_enough_tokens_remain_to_share_it():

@@ -22,8 +22,9 @@ from __future__ import annotations
 import math
 import time
 from bisect import bisect_left, insort
+from itertools import count, islice
 from collections import deque
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -52,6 +53,7 @@ SCALE_RANGE = (0.5, 2.0)  # a forward's measured/profiled ratio is clipped to th
 PACE_STEPS = 32  # auto compares its own pace over this many recent steps with plain decoding's T(1) per token
 PACE_MARGIN = 1.02  # ... and decodes plainly for the rest of a generation where it was this much slower
 NEGLIGIBLE = 1e-3  # a draft position less likely than this to be accepted is not weighed (`expected_tokens`)
+REST_STEPS = 4  # a model candidate that lost to plain decoding is weighed again this many steps later (or after a draft)
 SAFE_SHARE = 0.05  # catch_up="safe": a catch-up waits until it costs at most this share of the reply's plain time
 CATCH_UP_QUANTILE = 0.25  # a drafter's catch-up is repaid over the tokens a reply adds at this quantile of replies
 
@@ -160,12 +162,16 @@ class Acceptance:
         it holds), and one that was reached a few times, in another text, does not hold drafts short in this one
         (a single rejection of a probe's second token would otherwise keep every later draft at one token, whose
         verification never shows the second position again)."""
-        rates: list[float] = []
-        for j in range(most):
-            prior, weight = (self.prior, self.weight) if j == 0 else (rates[-1], CARRY_OVER)
+        return list(islice(self._rates(), most))
+
+    def _rates(self) -> Iterator[float]:
+        """a_1, a_2, ... (`rates`), each computed only when asked for."""
+        rate, weight = self.prior, self.weight
+        for j in count():
             accepted, reached = (self.accepted[j], self.reached[j]) if j < len(self.reached) else (0.0, 0.0)
-            rates.append((accepted + prior * weight) / (reached + weight))
-        return rates
+            rate = (accepted + rate * weight) / (reached + weight)
+            weight = CARRY_OVER
+            yield rate
 
     def expected_tokens(self, most: int) -> list[float]:
         """For k = 0..most, 1 + expected accepted tokens of a k-token draft: what one verification commits; cut
@@ -173,7 +179,7 @@ class Acceptance:
         always kept): a longer draft adds less than that per token and is not weighed, so a drafter that is never
         right is weighed at one or two lengths, not at every length up to k_max (on a GPU's few-ms step, time)."""
         totals, run = [1.0], 1.0
-        for rate in self.rates(most):
+        for rate in islice(self._rates(), most):  # (a position past the cut is never computed)
             run *= rate
             if run < NEGLIGIBLE and len(totals) > 1:
                 break
@@ -381,7 +387,11 @@ class AutoPolicy:
     """`auto`'s choices for one generation, apart from running them (`auto_decoder` runs each step it plans).
 
     `choose` weighs every candidate's expected goodput (`best_length`) against plain decoding's 1 / T(1) and
-    plans the best, or a probe: after `probe_every` steps without any model drafter, the model drafter likeliest to
+    plans the best, or a probe. A model candidate that lost to plain decoding rests `REST_STEPS` steps before it is
+    weighed again, unless a model draft moves the acceptance estimates first: nothing else it is weighed by (the
+    machine's speed, the context's length, the tokens left to repay a catch-up) moves much in a few steps, and
+    weighing every losing candidate at every step was most of `choose`'s host time, which a GPU's few-ms step feels.
+    The probe: after `probe_every` steps without any model drafter, the model drafter likeliest to
     be accepted drafts two tokens, so that one that stopped paying can come back when the text changes. A
     generation starts with a probe; one that does not bring the drafter back doubles the wait before the next,
     and the probes since a drafter last paid may cost (catching up, drafting, the wider verification) at most
@@ -420,6 +430,7 @@ class AutoPolicy:
         self.steps = 0
         self.recent: deque[tuple[float, int]] = deque(maxlen=PACE_STEPS)  # (seconds, tokens) of the last steps
         self.governed = False  # slower than plain decoding over the recent steps: plain to the end of this generation
+        self.resting: dict[int, int] = {}  # model candidate -> the step from which it is weighed again
         for candidate in candidates:  # estimates may come from earlier generations: a new text, a new start
             for estimate in candidate.estimates.values():
                 estimate.restart(CARRY_OVER)
@@ -432,16 +443,23 @@ class AutoPolicy:
         for candidate in self.candidates:
             candidate.length = len(context)  # and drafting
         room = min(self.k_max, self.max_new_tokens - produced - 1)
-        best: tuple[float, Candidate | None, int, Draft | None, int] = (1 / cost(1), None, 0, None, 0)
+        plain = 1 / cost(1)  # plain decoding's goodput
+        best: tuple[float, Candidate | None, int, Draft | None, int] = (plain, None, 0, None, 0)
         matched = False
         remaining = expected_remaining(self.lengths or (), produced, self.max_new_tokens)
         repays = expected_remaining(self.lengths or (), produced, self.max_new_tokens, CATCH_UP_QUANTILE)
         # under load, a served model drafter that could not pay even if always right is neither weighed nor probed
         weighed = [c for c in self.candidates if c.match is not None or not c.hopeless(cost, self.k_max)]
-        catch_ups = {id(c): c.catch_up_s(context) for c in weighed if c.match is None}  # (its cache compared: once)
+        catch_ups: dict[int, float] = {}  # by candidate, where asked for: its cache compared with the context once
+
+        def catch_up_s(candidate: Candidate) -> float:
+            if id(candidate) not in catch_ups:
+                catch_ups[id(candidate)] = candidate.catch_up_s(context)
+            return catch_ups[id(candidate)]
+
         if self.safe:  # were the reply to end after this step, the catch-up would cost at most SAFE_SHARE of it
             weighed = [c for c in weighed if c.match is not None or
-                       catch_ups[id(c)] <= SAFE_SHARE * cost(1) * (produced + 1)]
+                       catch_up_s(c) <= SAFE_SHARE * cost(1) * (produced + 1)]
         for candidate in weighed if room > 0 else ():
             if candidate.needs_match and not matched:
                 continue
@@ -452,21 +470,23 @@ class AutoPolicy:
                     goodput, k = best_length(candidate.acceptance(bucket), 0.0, cost, len(draft.tokens))
                     if goodput > best[0]:
                         best = (goodput, candidate, k, Draft(draft.tokens[:k], None, draft.usage), bucket)
-            else:
-                catch_up = catch_ups[id(candidate)]
+            elif self.resting.get(id(candidate), 0) <= self.steps:
+                catch_up = catch_up_s(candidate)
                 if catch_up > PROBE_SHARE * cost(1) * repays and self.steps < LOOK_FIRST:
                     continue  # a large catch-up waits until the text has shown what free drafts commit
                 goodput, k = best_length(candidate.acceptance(), candidate.cost_s, cost, room, candidate.width,
                                          catch_up, repays * (1 - self.free / produced))
                 if goodput > best[0]:
                     best = (goodput, candidate, k, None, 0)
+                if goodput <= plain:
+                    self.resting[id(candidate)] = self.steps + REST_STEPS
         _, chosen, k, draft, bucket = best
         probe = max((c for c in weighed if c.match is None), key=lambda c: c.acceptance().rate(0), default=None)
         if chosen is not None and chosen.match is None:
             self.wait, self.probed = self.probe_every, 0.0  # a model drafter pays on its own: probes start again
         elif self.without_model >= self.wait and probe is not None and room > 0:
             steps = min(2, room)
-            price = catch_ups[id(probe)] + steps * probe.cost_s + cost(steps + 1) - cost(1)
+            price = catch_up_s(probe) + steps * probe.cost_s + cost(steps + 1) - cost(1)
             if self.probed + price <= PROBE_SHARE * probe.acceptance().promise() * cost(1) * (produced + remaining):
                 chosen, k, draft, bucket = probe, steps, None, 0
                 self.wait, self.probed = 2 * self.wait, self.probed + price
@@ -481,6 +501,8 @@ class AutoPolicy:
             self.cost.observe(step.width, verify_s)
         if chosen is None:
             return
+        if chosen.match is None:  # a model draft: acceptance estimates moved, so every model candidate is weighed again
+            self.resting.clear()
         if draft.tree is not None and chosen.chain is not None and greedy:
             chosen.chain.acceptance().observe(*first_children_accepted(draft.tree, step.tokens))
         if chosen.measured or self.learn_costs:  # (a cascade follows its own cost)
