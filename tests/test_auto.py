@@ -14,8 +14,9 @@ from speculant import cli, generate, latency, load_model
 from speculant.config import SamplingConfig
 from speculant.decoding import adaptive as adaptive_module
 from speculant.decoding.adaptive import (COST_FOLLOWS, LOOK_FIRST, PACE_STEPS, PROBE_SHARE, REST_STEPS, SAFE_SHARE,
-                                         SCALE_RANGE, TIME_FOLLOWS, Acceptance, Candidate, Rescaled, Timings, adaptive, best_length,
-                                         can_pay, expected_remaining, first_children_accepted, batched_cost)
+                                         SCALE_RANGE, TIME_FOLLOWS, Acceptance, AutoPolicy, Candidate, Rescaled, Timings,
+                                         adaptive, best_length, can_pay, expected_remaining, first_children_accepted,
+                                         batched_cost)
 from speculant.decoding.run import timed
 from speculant.drafters.base import Draft
 from speculant.latency import LatencyProfile
@@ -357,24 +358,31 @@ def test_a_drafter_is_weighed_only_at_lengths_it_could_be_accepted_at():
 
 
 def test_a_drafter_that_lost_to_plain_decoding_rests_before_it_is_weighed_again(monkeypatch):
-    """Weighing the model candidates is most of `choose`'s host time: one that lost to plain decoding is weighed
-    again `REST_STEPS` steps later, or at once after a model draft moved the estimates (here the probe that starts
-    the generation). Without the rest it would be weighed at every step."""
-    weighed = []
-    weigh = adaptive_module.best_length
-    monkeypatch.setattr(adaptive_module, "best_length", lambda *args, **kwargs: weighed.append(1) or weigh(*args,
-                                                                                                           **kwargs))
+    """Weighing a model candidate at every step is host time a GPU's few-ms step feels: one that lost to plain
+    decoding is weighed again `REST_STEPS` steps later, or at the step after a model draft (here the probe that starts
+    the generation). With a rest of one step it is weighed at every step, as before there was a rest."""
+    at_step, weighed = [], []
+    choose, weigh = AutoPolicy.choose, adaptive_module.best_length
+
+    def choosing(policy, *args):
+        at_step.append(policy.steps)
+        return choose(policy, *args)
+
+    def weighing(*args, **kwargs):
+        weighed.append(at_step[-1])
+        return weigh(*args, **kwargs)
+
+    monkeypatch.setattr(AutoPolicy, "choose", choosing)
+    monkeypatch.setattr(adaptive_module, "best_length", weighing)
     target, prompt, reference, drafter = never_right(60)
-    counts = {}
     for rest in (REST_STEPS, 1):
         monkeypatch.setattr(adaptive_module, "REST_STEPS", rest)
         weighed.clear()
         tokens, stats = run(target, [Candidate("scripted", drafter, 0.5, 0.1)], prompt, n=60, probe_every=1000)
         assert tokens == reference
         assert stats.choices[0] == "scripted" and set(stats.choices[1:]) == {"plain"}  # the probe, then plain
-        counts[rest] = len(weighed)
-    steps = len(stats.choices)  # (the last has no room to draft: nothing is weighed)
-    assert counts[1] == steps - 1 and counts[REST_STEPS] <= 2 + steps / REST_STEPS, counts
+        last = len(stats.choices) - 1  # (the last step has no room to draft: nothing is weighed)
+        assert weighed == [0, *range(1, last, rest)], (rest, weighed)
 
 
 def test_a_drafter_pays_its_catch_up_only_where_enough_tokens_remain_to_share_it():

@@ -22,10 +22,10 @@ from __future__ import annotations
 import math
 import time
 from bisect import bisect_left, insort
-from itertools import count, islice
 from collections import deque
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
+from itertools import count, islice
 from typing import Any
 
 import torch
@@ -53,7 +53,8 @@ SCALE_RANGE = (0.5, 2.0)  # a forward's measured/profiled ratio is clipped to th
 PACE_STEPS = 32  # auto compares its own pace over this many recent steps with plain decoding's T(1) per token
 PACE_MARGIN = 1.02  # ... and decodes plainly for the rest of a generation where it was this much slower
 NEGLIGIBLE = 1e-3  # a draft position less likely than this to be accepted is not weighed (`expected_tokens`)
-REST_STEPS = 4  # a model candidate that lost to plain decoding is weighed again this many steps later (or after a draft)
+REST_STEPS = 4  # a model candidate that lost to plain decoding is weighed again this many steps later (or after a
+# model draft)
 SAFE_SHARE = 0.05  # catch_up="safe": a catch-up waits until it costs at most this share of the reply's plain time
 CATCH_UP_QUANTILE = 0.25  # a drafter's catch-up is repaid over the tokens a reply adds at this quantile of replies
 
@@ -387,11 +388,10 @@ class AutoPolicy:
     """`auto`'s choices for one generation, apart from running them (`auto_decoder` runs each step it plans).
 
     `choose` weighs every candidate's expected goodput (`best_length`) against plain decoding's 1 / T(1) and
-    plans the best, or a probe. A model candidate that lost to plain decoding rests `REST_STEPS` steps before it is
-    weighed again, unless a model draft moves the acceptance estimates first: nothing else it is weighed by (the
-    machine's speed, the context's length, the tokens left to repay a catch-up) moves much in a few steps, and
-    weighing every losing candidate at every step was most of `choose`'s host time, which a GPU's few-ms step feels.
-    The probe: after `probe_every` steps without any model drafter, the model drafter likeliest to
+    plans the best, or a probe. A model candidate that lost to plain decoding is weighed again `REST_STEPS` steps
+    later, or at the step after a model draft, which moves the acceptance estimates: what else it is weighed by (the
+    machine's speed, the context's length, the tokens left to repay a catch-up) rarely moves much in a few steps, and
+    weighing a losing candidate at every step is host time that a GPU's few-ms step feels. The probe: after `probe_every` steps without any model drafter, the model drafter likeliest to
     be accepted drafts two tokens, so that one that stopped paying can come back when the text changes. A
     generation starts with a probe; one that does not bring the drafter back doubles the wait before the next,
     and the probes since a drafter last paid may cost (catching up, drafting, the wider verification) at most
@@ -457,9 +457,11 @@ class AutoPolicy:
                 catch_ups[id(candidate)] = candidate.catch_up_s(context)
             return catch_ups[id(candidate)]
 
-        if self.safe:  # were the reply to end after this step, the catch-up would cost at most SAFE_SHARE of it
-            weighed = [c for c in weighed if c.match is not None or
-                       catch_up_s(c) <= SAFE_SHARE * cost(1) * (produced + 1)]
+        def allowed(candidate: Candidate) -> bool:
+            """With catch_up="safe": were the reply to end after this step, the catch-up would cost at most
+            SAFE_SHARE of it."""
+            return not self.safe or catch_up_s(candidate) <= SAFE_SHARE * cost(1) * (produced + 1)
+
         for candidate in weighed if room > 0 else ():
             if candidate.needs_match and not matched:
                 continue
@@ -470,7 +472,7 @@ class AutoPolicy:
                     goodput, k = best_length(candidate.acceptance(bucket), 0.0, cost, len(draft.tokens))
                     if goodput > best[0]:
                         best = (goodput, candidate, k, Draft(draft.tokens[:k], None, draft.usage), bucket)
-            elif self.resting.get(id(candidate), 0) <= self.steps:
+            elif self.resting.get(id(candidate), 0) <= self.steps and allowed(candidate):
                 catch_up = catch_up_s(candidate)
                 if catch_up > PROBE_SHARE * cost(1) * repays and self.steps < LOOK_FIRST:
                     continue  # a large catch-up waits until the text has shown what free drafts commit
@@ -481,15 +483,17 @@ class AutoPolicy:
                 if goodput <= plain:
                     self.resting[id(candidate)] = self.steps + REST_STEPS
         _, chosen, k, draft, bucket = best
-        probe = max((c for c in weighed if c.match is None), key=lambda c: c.acceptance().rate(0), default=None)
         if chosen is not None and chosen.match is None:
             self.wait, self.probed = self.probe_every, 0.0  # a model drafter pays on its own: probes start again
-        elif self.without_model >= self.wait and probe is not None and room > 0:
-            steps = min(2, room)
-            price = catch_up_s(probe) + steps * probe.cost_s + cost(steps + 1) - cost(1)
-            if self.probed + price <= PROBE_SHARE * probe.acceptance().promise() * cost(1) * (produced + remaining):
-                chosen, k, draft, bucket = probe, steps, None, 0
-                self.wait, self.probed = 2 * self.wait, self.probed + price
+        elif self.without_model >= self.wait and room > 0:  # a probe is due: the model drafter likeliest accepted
+            probe = max((c for c in weighed if c.match is None and allowed(c)), key=lambda c: c.acceptance().rate(0),
+                        default=None)
+            if probe is not None:
+                steps = min(2, room)
+                price = catch_up_s(probe) + steps * probe.cost_s + cost(steps + 1) - cost(1)
+                if self.probed + price <= PROBE_SHARE * probe.acceptance().promise() * cost(1) * (produced + remaining):
+                    chosen, k, draft, bucket = probe, steps, None, 0
+                    self.wait, self.probed = 2 * self.wait, self.probed + price
         self.without_model = 0 if chosen is not None and chosen.match is None else self.without_model + 1
         return StepPlan(chosen, k, draft, bucket, chosen.drafter.lag(context) if chosen is not None else 0)
 

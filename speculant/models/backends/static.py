@@ -146,7 +146,7 @@ class StaticWeights(nn.Module):
     def forward(self, keys: torch.Tensor, values: torch.Tensor, ids: torch.Tensor, positions: torch.Tensor,
                 slots: torch.Tensor, index: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
         rows, span = index.shape
-        index = (index + offsets[:, None]).flatten()  # (index_select: a plain gather, several times advanced indexing's)
+        index = (index + offsets[:, None]).flatten()  # (flat for index_select: eager, cheaper than advanced indexing)
         heads, kv_heads, dim = self.heads, self.kv_heads, self.head_dim
         x = self.embedding[ids]  # [rows, hidden]
         cos, sin = self.cos[positions][:, None], self.sin[positions][:, None]
