@@ -54,8 +54,10 @@ ENTRIES: dict[str, tuple[str, str, str | None, str | None, str | None]] = {
                     "the AVX2 kernels' sums kept in registers, tiles of 8 rows", (1, 1), ZEN3),
     **bench_commits("bench-avx2-catchup", "The catch-up change's bench on the Zen3 EPYC", "fd7c031", "a9b317e",
                     "a drafter's catch-up computes only the logits it returns", (1, 1), ZEN3),
-    **bench_commits("bench-avx2-ceiling", "The CPU headline on the AVX2-only EPYC (Zen3)", "73dfba0", "e47a4ef",
+    **bench_commits("bench-avx2-ceiling", "The plain-step ceiling's bench on the Zen3 EPYC", "73dfba0", "e47a4ef",
                     "a plain step read no dearer than the width verified last", (1, 1), ZEN3),
+    **bench_commits("bench-avx2-rest", "The CPU headline on the AVX2-only EPYC (Zen3)", "e9be6dd", "b28a79d",
+                    "a model candidate that lost to plain decoding rests before it is weighed again", (1, 1), ZEN3),
     "catch-up-avx2.json": ("CPU", "a cache's catch-up on a new prompt (the 0.5B and the 1.5B on lean) as a forward of "
                            "every row, as `catch_up` (the last row's logits only) and as a prefill",
                            "python scripts/catch_up_prefill.py --out docs/results/catch-up-avx2.json", ZEN3, None),
