@@ -15,7 +15,7 @@ import statistics
 import time
 
 import torch
-from auto_no_accept import random_model
+from auto_no_accept import pair, pair_options
 
 from speculant import Session, generate
 from speculant.decoding.adaptive import PACE_STEPS, AutoPolicy
@@ -28,13 +28,9 @@ PREFILL_ROWS = 20  # a call of more rows than this is the prompt's prefill, not 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--rounds", type=int, default=10)
-    parser.add_argument("--tokens", type=int, default=256)
-    parser.add_argument("--layers", type=int, default=2)
-    parser.add_argument("--span", type=int, default=512)
+    pair_options(parser)
     args = parser.parse_args()
-    torch.manual_seed(0)
-    torch.set_num_threads(1)
-    target, drafter = random_model(args.layers, 128, args.span), random_model(1, 64, args.span)
+    target, drafter = pair(args)
     session, prompt = Session(target), torch.randint(0, 500, (PROMPT,)).tolist()
     starts: list[float] = []
     chosen: list[float] = []
@@ -71,7 +67,8 @@ def main() -> None:
     for _ in range(args.rounds):
         for label in ("ar", "auto", "auto", "ar"):
             generation(label)
-    names = {"before": f"steps 1-{PACE_STEPS}, ms", "after": f"steps after {PACE_STEPS}, ms", "choose": "choose, us a call"}
+    names = {"before": f"steps 1-{PACE_STEPS}, ms", "after": f"steps after {PACE_STEPS}, ms",
+             "choose": "choose, us a call"}
     scale = {"before": 1e3, "after": 1e3, "choose": 1e6}
     result = {label: {names[part]: statistics.median(values) * scale[part] for part, values in parts.items()}
               for label, parts in found.items()}

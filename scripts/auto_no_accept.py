@@ -16,10 +16,9 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-import time
 
 import torch
-from gpu_static import alternated
+from gpu_static import alternated, timed
 from transformers import Qwen2Config, Qwen2ForCausalLM
 
 from speculant import Session
@@ -48,23 +47,30 @@ def random_model(layers: int, hidden: int, span: int) -> StaticCausalLM:
     return StaticCausalLM(StaticWeights(Qwen2ForCausalLM(config).eval()), width=4, span=span)
 
 
+def pair_options(parser: argparse.ArgumentParser) -> None:
+    """The options of `pair`, shared by the scripts that time it."""
+    parser.add_argument("--tokens", type=int, default=256)
+    parser.add_argument("--layers", type=int, default=2, help="the target's layers: as many as give a forward of "
+                                                                "~2 ms (the results carry T(1))")
+    parser.add_argument("--span", type=int, default=512, help="cached positions (200 prompt tokens, the new ones)")
+
+
+def pair(args: argparse.Namespace) -> tuple[StaticCausalLM, StaticCausalLM]:
+    """The target and the never-right drafter, from seed 0, on one thread."""
+    torch.manual_seed(0)
+    torch.set_num_threads(1)
+    return random_model(args.layers, 128, args.span), random_model(1, 64, args.span)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("out")
     parser.add_argument("--repeats", type=int, default=40, help="A B B A rounds")
-    parser.add_argument("--tokens", type=int, default=256)
-    parser.add_argument("--layers", type=int, default=2, help="the target's layers (~2 ms a forward on a Zen3 EPYC "
-                                                                "at 2; more where a forward is faster)")
-    parser.add_argument("--span", type=int, default=512, help="cached positions (200 prompt tokens, the new ones)")
+    pair_options(parser)
     args = parser.parse_args()
-    torch.manual_seed(0)
-    torch.set_num_threads(1)
-    target, drafter = random_model(args.layers, 128, args.span), random_model(1, 64, args.span)
+    target, drafter = pair(args)
     target.prefill(list(range(200)))
-    began = time.perf_counter()
-    for _ in range(50):
-        target.forward([1])
-    t1 = (time.perf_counter() - began) / 50
+    t1 = timed(lambda: target.forward([1]), 50, "cpu")  # (the median: a shared machine's forwards spike)
     runs = {"ar": dict(method="ar"), "auto": dict(method="auto", drafters=[drafter, "maxgram"])}
     result = {"machine": machine_info(), "layers": args.layers, "span": args.span, "T(1) ms": t1 * 1e3,
               **alternated(target, runs, args.repeats, args.tokens, Session(target))}

@@ -53,8 +53,7 @@ SCALE_RANGE = (0.5, 2.0)  # a forward's measured/profiled ratio is clipped to th
 PACE_STEPS = 32  # auto compares its own pace over this many recent steps with plain decoding's T(1) per token
 PACE_MARGIN = 1.02  # ... and decodes plainly for the rest of a generation where it was this much slower
 NEGLIGIBLE = 1e-3  # a draft position less likely than this to be accepted is not weighed (`expected_tokens`)
-REST_STEPS = 4  # a model candidate that lost to plain decoding is weighed again this many steps later (or after a
-# model draft)
+REST_STEPS = 4  # steps after a model candidate lost to plain decoding before it is weighed again (a model draft: next)
 SAFE_SHARE = 0.05  # catch_up="safe": a catch-up waits until it costs at most this share of the reply's plain time
 CATCH_UP_QUANTILE = 0.25  # a drafter's catch-up is repaid over the tokens a reply adds at this quantile of replies
 
@@ -154,19 +153,15 @@ class Acceptance:
 
     def rate(self, j: int) -> float:
         """a_{j+1}: acceptance of draft position j (0-based) given the positions before it were accepted."""
-        return self.rates(j + 1)[j]
+        return next(islice(self.rates(), j, None))
 
-    def rates(self, most: int) -> list[float]:
-        """a_1 .. a_most. Position 0 starts from the prior; each deeper one from the estimate of the position
-        before it, worth what a new text carries over (`CARRY_OVER` observations): a position not yet reached is
-        like the one before (so that drafts grow where acceptance is high: the first longer draft shows whether
-        it holds), and one that was reached a few times, in another text, does not hold drafts short in this one
-        (a single rejection of a probe's second token would otherwise keep every later draft at one token, whose
-        verification never shows the second position again)."""
-        return list(islice(self._rates(), most))
-
-    def _rates(self) -> Iterator[float]:
-        """a_1, a_2, ... (`rates`), each computed only when asked for."""
+    def rates(self) -> Iterator[float]:
+        """a_1, a_2, ..., each computed only when asked for. Position 0 starts from the prior; each deeper one from the
+        estimate of the position before it, worth what a new text carries over (`CARRY_OVER` observations): a position
+        not yet reached is like the one before (so that drafts grow where acceptance is high: the first longer draft
+        shows whether it holds), and one that was reached a few times, in another text, does not hold drafts short in
+        this one (a single rejection of a probe's second token would otherwise keep every later draft at one token,
+        whose verification never shows the second position again)."""
         rate, weight = self.prior, self.weight
         for j in count():
             accepted, reached = (self.accepted[j], self.reached[j]) if j < len(self.reached) else (0.0, 0.0)
@@ -180,7 +175,7 @@ class Acceptance:
         always kept): a longer draft adds less than that per token and is not weighed, so a drafter that is never
         right is weighed at one or two lengths, not at every length up to k_max (on a GPU's few-ms step, time)."""
         totals, run = [1.0], 1.0
-        for rate in islice(self._rates(), most):  # (a position past the cut is never computed)
+        for rate in islice(self.rates(), most):  # (a position past the cut is never computed)
             run *= rate
             if run < NEGLIGIBLE and len(totals) > 1:
                 break
@@ -387,26 +382,26 @@ class StepPlan:
 class AutoPolicy:
     """`auto`'s choices for one generation, apart from running them (`auto_decoder` runs each step it plans).
 
-    `choose` weighs every candidate's expected goodput (`best_length`) against plain decoding's 1 / T(1) and
-    plans the best, or a probe. A model candidate that lost to plain decoding is weighed again `REST_STEPS` steps
-    later, or at the step after a model draft, which moves the acceptance estimates: what else it is weighed by (the
-    machine's speed, the context's length, the tokens left to repay a catch-up) rarely moves much in a few steps, and
-    weighing a losing candidate at every step is host time that a GPU's few-ms step feels. The probe: after `probe_every` steps without any model drafter, the model drafter likeliest to
-    be accepted drafts two tokens, so that one that stopped paying can come back when the text changes. A
-    generation starts with a probe; one that does not bring the drafter back doubles the wait before the next,
-    and the probes since a drafter last paid may cost (catching up, drafting, the wider verification) at most
-    `PROBE_SHARE` of the generation's plain decoding time, times the drafter's `promise` (its long-run acceptance):
-    where no drafter pays, a generation is at most that much slower than plain decoding, and once earlier texts
-    have shown a drafter never right, its probes cost next to nothing (on a GPU, where a forward takes a few ms, a
-    probe's catch-up weighs as much as many steps). A drafter's catch-up is weighed against the tokens the
-    generation is still expected to produce, from the `lengths` of earlier generations (this one's is appended at
-    its `end`; their lower quartile, `CATCH_UP_QUANTILE`: a catch-up is lost where the reply ends early), less the
-    share that model-free drafts have committed so far (where Max-Gram copies an article into its summary, a model
-    drafter is left few tokens to repay its catch-up on the article); a catch-up dearer than `PROBE_SHARE` of that
-    time waits `LOOK_FIRST` steps, until the text has shown what free drafts commit. With `catch_up="safe"` no reply is
-    counted on: a catch-up waits until it would cost at most `SAFE_SHARE` of the reply were the reply to end after
-    the step (a reply's length is unknown before it ends; replies shorter than what a catch-up needs to be repaid
-    over are where `auto` runs slower than plain decoding).
+    `choose` weighs every candidate's expected goodput (`best_length`) against plain decoding's 1 / T(1) and plans the
+    best, or a probe. A model candidate that lost to plain decoding is weighed again `REST_STEPS` steps later, or at the
+    step after a model draft, which moves the acceptance estimates: what else it is weighed by (the machine's speed, the
+    context's length, the tokens left to repay a catch-up) rarely moves much in a few steps, and weighing a losing
+    candidate at every step is host time that a GPU's few-ms step feels. The probe: after `probe_every` steps without
+    any model drafter, the model drafter likeliest to be accepted drafts two tokens, so that one that stopped paying can
+    come back when the text changes. A generation starts with a probe; one that does not bring the drafter back doubles
+    the wait before the next, and the probes since a drafter last paid may cost (catching up, drafting, the wider
+    verification) at most `PROBE_SHARE` of the generation's plain decoding time, times the drafter's `promise` (its
+    long-run acceptance): where no drafter pays, a generation is at most that much slower than plain decoding, and once
+    earlier texts have shown a drafter never right, its probes cost next to nothing (on a GPU, where a forward takes a
+    few ms, a probe's catch-up weighs as much as many steps). A drafter's catch-up is weighed against the tokens the
+    generation is still expected to produce, from the `lengths` of earlier generations (this one's is appended at its
+    `end`; their lower quartile, `CATCH_UP_QUANTILE`: a catch-up is lost where the reply ends early), less the share
+    that model-free drafts have committed so far (where Max-Gram copies an article into its summary, a model drafter is
+    left few tokens to repay its catch-up on the article); a catch-up dearer than `PROBE_SHARE` of that time waits
+    `LOOK_FIRST` steps, until the text has shown what free drafts commit. With `catch_up="safe"` no reply is counted on:
+    a catch-up waits until it would cost at most `SAFE_SHARE` of the reply were the reply to end after the step (a
+    reply's length is unknown before it ends; replies shorter than what a catch-up needs to be repaid over are where
+    `auto` runs slower than plain decoding).
 
     `observe` learns from each step: acceptance per candidate, and, where `cost` is `Rescaled` (measured seconds),
     every verification's time rescales it (its `Timings`, whose `speed` the candidates share) and every draft's
