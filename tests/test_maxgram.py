@@ -5,7 +5,7 @@ import pytest
 
 from helpers import ARCHS, byte_tokenizer, random_prompt, tiny_model
 from speculant import generate
-from speculant.drafters.maxgram import MaxGramDrafter, bigram_table, load_bigram, longest_suffix_match
+from speculant.drafters.maxgram import ContextArray, MaxGramDrafter, bigram_table, load_bigram, longest_suffix_match
 
 
 def test_longest_match_wins():
@@ -35,6 +35,30 @@ def test_no_match_falls_back_to_bigram():
     assert drafter.propose([3, 4, 7], 1).tokens == [8]
     # After the bigram token the context matches itself again ("7 8" ... ) or keeps using the bigram.
     assert drafter.propose([3, 4, 7], 3).tokens == [8, 7, 8]
+
+
+def test_a_context_s_array_is_its_tokens_whatever_came_before():
+    """ContextArray converts only what differs from the last context: the array equals the whole context's after
+    growth, a replaced draft (within and beyond its tail), truncation, a new prompt, and a list changed in place."""
+    rng = np.random.default_rng(0)
+    arrays, context = ContextArray(), rng.integers(0, 50, 300).tolist()
+    for _ in range(400):
+        move = rng.integers(6)
+        if move == 0:
+            context = context + rng.integers(0, 50, rng.integers(1, 20)).tolist()  # a step's tokens
+        elif move == 1:
+            cut = len(context) - int(rng.integers(1, 120))  # a draft replaced (beyond TAIL as well)
+            context = context[:max(cut, 1)] + rng.integers(0, 50, rng.integers(0, 20)).tolist()
+        elif move == 2:
+            context = context[:int(rng.integers(1, len(context) + 1))]  # a shorter one
+        elif move == 3:
+            context[int(rng.integers(len(context)))] += 1  # the same list, changed in place
+        elif move == 4:
+            context = rng.integers(0, 50, rng.integers(1, 400)).tolist()  # another prompt
+        assert arrays(context).tolist() == context
+        assert arrays(tuple(context)).tolist() == context
+    drafter = MaxGramDrafter()
+    assert drafter.begin([1]).array is not drafter.array  # each generation its own
 
 
 def test_empty_or_unmatched_context_without_bigram_proposes_nothing():

@@ -41,6 +41,35 @@ def suffix_ends(corpus: np.ndarray, query: np.ndarray, limit: int = MAX_MATCH) -
     return ends, length
 
 
+class ContextArray:
+    """A drafter's contexts as int64 arrays, each converted only after the longest prefix it shares with the last one.
+    A generation's contexts extend one another (a step's committed tokens; a cascade's draft on top, replaced at the
+    next step), and converting a whole list is most of a lookup's time at thousands of tokens; comparing it with the
+    last one is a fifth of that. The last context is kept as a copy (a caller may change its list in place) and read
+    once per call, with its array, as one pair."""
+
+    TAIL = 64  # tokens at the end of the last context that the next one may replace (a draft) without a full conversion
+
+    def __init__(self) -> None:
+        self._last: tuple[list[int], np.ndarray] = ([], np.empty(0, dtype=np.int64))
+
+    def __call__(self, context: list[int]) -> np.ndarray:
+        context = context if type(context) is list else list(context)  # (compared as lists)
+        tokens, array = self._last
+        n, common = len(tokens), min(len(tokens), len(context))
+        if context[:common] == tokens[:common]:
+            shared = common
+        elif (cut := common - self.TAIL) > 0 and context[:cut] == tokens[:cut]:
+            shared = next(i for i in range(cut, common) if context[i] != tokens[i])
+        else:
+            shared = 0
+        if shared == n == len(context):
+            return array
+        array = np.concatenate([array[:shared], np.asarray(context[shared:], dtype=np.int64)])
+        self._last = (list(context), array)
+        return array
+
+
 def longest_suffix_match(tokens: np.ndarray) -> tuple[int, int]:
     """(end, length) of the longest suffix of `tokens` that also ends earlier, at the latest such end.
 
@@ -59,14 +88,19 @@ class MaxGramDrafter(Drafter):
     def __init__(self, bigram: np.ndarray | None = None, min_match: int = MIN_MATCH):
         self.bigram = bigram  # bigram[a] = most likely token after a, or -1
         self.min_match = min_match
+        self.array = ContextArray()
+
+    def begin(self, prompt_ids: list[int]) -> MaxGramDrafter:
+        """A drafter of its own for each generation (its contexts' array), on the same bigram table."""
+        return MaxGramDrafter(self.bigram, self.min_match)
 
     def match_length(self, context: list[int]) -> int:
         """The length of the suffix match a proposal after `context` would follow (0: none)."""
-        length = longest_suffix_match(np.asarray(context, dtype=np.int64))[1]
+        length = longest_suffix_match(self.array(context))[1]
         return length if length >= self.min_match else 0
 
     def propose(self, context: list[int], k: int) -> Draft:
-        tokens = np.asarray(context, dtype=np.int64)
+        tokens = self.array(context)
         draft: list[int] = []
         while len(draft) < k:
             end, length = longest_suffix_match(tokens)

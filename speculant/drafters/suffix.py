@@ -21,7 +21,7 @@ from typing import Any
 import numpy as np
 
 from speculant.drafters.base import Draft, Drafter
-from speculant.drafters.maxgram import MIN_MATCH, suffix_ends
+from speculant.drafters.maxgram import MIN_MATCH, ContextArray, suffix_ends
 from speculant.drafters.registry import register_drafter
 
 MIN_PROB = 0.1  # a draft's path probability below this ends it
@@ -73,6 +73,7 @@ class SuffixDrafter(Drafter):
         self.history, self.min_match, self.min_prob = history, min_match, min_prob
         self._past = history.without(prompt_key(prompt)) if prompt is not None else None  # None: all of it, now
         self._found: tuple[list[int] | None, int, list[tuple[np.ndarray, np.ndarray]], int] = (None, 0, [], 0)
+        self._array = ContextArray()
 
     def begin(self, prompt_ids: list[int]) -> SuffixDrafter:
         """This drafter for one generation of `prompt_ids`: the history as it is now, without that prompt's."""
@@ -86,7 +87,7 @@ class SuffixDrafter(Drafter):
         """[(corpus, ends)] of the longest match of the context's suffix, in the context and in the history."""
         if self._found[0] is context and self._found[1] == len(context):  # auto asks for the length, then the draft
             return self._found[2], self._found[3]
-        query = np.asarray(context, dtype=np.int64)
+        query = self._array(context)
         past = self._past if self._past is not None else self.history.tokens
         found = [(corpus, *suffix_ends(corpus, query)) for corpus in (query, past)]
         length = max(n for _, _, n in found)
