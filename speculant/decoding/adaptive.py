@@ -483,10 +483,12 @@ class AutoPolicy:
         elif self.without_model >= self.wait and room > 0:  # a probe is due: the model drafter likeliest accepted
             probe = max((c for c in weighed if c.match is None and allowed(c)), key=lambda c: c.acceptance().rate(0),
                         default=None)
-            if probe is not None:
+            budget = 0.0 if probe is None else \
+                PROBE_SHARE * probe.acceptance().promise() * cost(1) * (produced + remaining)
+            if self.probed < budget:  # (where it is spent, no price is read: no catch-up compared with the context)
                 steps = min(2, room)
                 price = catch_up_s(probe) + steps * probe.cost_s + cost(steps + 1) - cost(1)
-                if self.probed + price <= PROBE_SHARE * probe.acceptance().promise() * cost(1) * (produced + remaining):
+                if self.probed + price <= budget:
                     chosen, k, draft, bucket = probe, steps, None, 0
                     self.wait, self.probed = 2 * self.wait, self.probed + price
         self.without_model = 0 if chosen is not None and chosen.match is None else self.without_model + 1
