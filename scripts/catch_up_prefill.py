@@ -3,11 +3,12 @@ rows, the output head for the last only: what `models.base.resync` runs) and as 
 (docs/results/cpu.md, "A drafter's catch-up without the rows it throws away").
 
     python scripts/catch_up_prefill.py [--out F.json]   # HumanEval/6 after HumanEval/5, medians of 5, interleaved
+    python scripts/catch_up_prefill.py --lags 100 400 1000 2000 [--keep 6]   # the 0.5B, a synthetic context
 
 Loads the lean 1.5B and its `@lean` 0.5B drafter; for each, prefills what the two prompts share, then times the rest
-of the new prompt each way and prints the medians in seconds. Why: where a cache keeps less than an eighth of what it
-lacks, `models.base.prefills` catches up by a prefill, else by `catch_up`; `auto` prices a prefill as the prefill it
-is and a `catch_up` as a forward of its rows (`methods.auto.catch_up_cost`).
+of the new prompt each way and prints the medians in seconds. With `--lags`, the 0.5B alone after `--keep` tokens:
+`catch_up` and prefill at each lag, beside what its machine profile predicts of each (`LatencyProfile.catch_up_s`,
+`prefill_s`) and the way `LatencyProfile.prefills` chooses, which a drafter's cache runs where auto read its profile.
 """
 
 from __future__ import annotations
@@ -26,6 +27,8 @@ def main(argv: list[str]) -> None:
     parser.add_argument("--last", type=int, default=5, help="index of the prompt the cache held")
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--out", help="write the medians (seconds) here as JSON")
+    parser.add_argument("--lags", type=int, nargs="*", help="the 0.5B's catch-ups of these lengths after --keep")
+    parser.add_argument("--keep", type=int, default=6)
     args = parser.parse_args(argv)
 
     from speculant.api import encode_prompt
@@ -35,6 +38,8 @@ def main(argv: list[str]) -> None:
 
     target = load_lean("qwen2.5-coder-1.5b")
     drafter = load_lean("qwen2.5-coder-0.5b", target.tokenizer, draft=True)
+    if args.lags:
+        return lags(drafter, args)
     prompts = load_dataset(args.dataset)
     ids, last = (encode_prompt(target.tokenizer, prompts[i].text) for i in (args.new, args.last))
     keep = common_prefix_len(ids, last)
@@ -54,6 +59,32 @@ def main(argv: list[str]) -> None:
     if args.out:
         with open(args.out, "w") as f:
             json.dump(results, f, indent=1)
+            f.write("\n")
+
+
+def lags(model, args) -> None:
+    """`catch_up` against a prefill after `args.keep` tokens, at each of `args.lags`, alternated, medians."""
+    from speculant.latency import machine_profile
+
+    profile, keep = machine_profile(model), args.keep
+    ids = [(7919 * i + 11) % model.vocab_size for i in range(keep + max(args.lags))]
+    results = {}
+    for lag in args.lags:
+        times: dict[str, list[float]] = {"catch_up": [], "prefill": []}
+        for _ in range(args.repeats):
+            for way in ("catch_up", "prefill", "prefill", "catch_up"):
+                model.prefill(ids[:keep])
+                began = time.perf_counter()
+                model.catch_up(ids[keep:keep + lag]) if way == "catch_up" else model.prefill(ids[:keep + lag])
+                times[way].append(time.perf_counter() - began)
+        results[lag] = {**{way: statistics.median(values) for way, values in times.items()},
+                        "profile: catch_up": profile.catch_up_s(keep, lag),
+                        "profile: prefill": profile.prefill_s(keep + lag),
+                        "chosen": "prefill" if profile.prefills(keep, lag) else "catch_up"}
+        print(lag, json.dumps(results[lag]), flush=True)
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump({"model": model.name, "keep": keep, "seconds": results}, f, indent=1)
             f.write("\n")
 
 

@@ -27,6 +27,7 @@ class LatencyProfile:
     long_context_len: int | None = None  # a second, longer context, where attention weighs more
     long_ttft_s: float | None = None  # the prefill of that many tokens
     long_forward_s: dict[int, float] = field(default_factory=dict)  # W -> time of W new tokens after it
+    catch_up_rows_s: float | None = None  # a catch-up on context_len - 1 rows after one cached (`catch_up_s`)
 
     def cost_at(self, width: float, length: int) -> float:
         """T(W, L): T(W) after `length` cached tokens, from T(W) at `context_len` and at `long_context_len`, linear in
@@ -59,6 +60,35 @@ class LatencyProfile:
         b = max((t2 / n2 - t1 / n1) / (n2 - n1), 0.0)
         a = t1 / n1 - b * n1
         return max(a * tokens + b * tokens * tokens, 0.0)
+
+    def catch_up_s(self, keep: int, lag: int) -> float:
+        """A catch-up on `lag` tokens after `keep` cached ones (`CausalLM.catch_up`: a forward of its rows, the output
+        head for the last only). Up to the widest measured W, T(lag) after the keys its rows read on average
+        (`cost_at`); beyond it, linear from there to the measured catch-up of context_len - 1 rows (a CPU's rows
+        share each weight's reads, a GPU's curve is flat), then per row as that, plus each row's attention to the
+        keys past those it read there, at the long forward's cost per key and row."""
+        widths, times = self._curve
+        if lag <= widths[-1] or self.catch_up_rows_s is None:
+            return self.cost_at(lag, keep + lag // 2) if lag else 0.0
+        rows, widest = self.context_len - 1, widths[-1]  # (measured only where rows > widest)
+        base = times[-1] + (self.catch_up_rows_s - times[-1]) * (lag - widest) / (rows - widest) if lag <= rows \
+            else self.catch_up_rows_s * lag / rows
+        per_key = 0.0
+        if self.long_forward_s:
+            w = max(self.long_forward_s)
+            per_key = max(self.long_forward_s[w] - self.cost(w), 0.0) / (w * (self.long_context_len - self.context_len))
+        return base + lag * per_key * max(keep + lag / 2 - rows / 2, 0.0)
+
+    def prefills(self, keep: int, lag: int) -> bool:
+        """Whether a cache that keeps `keep` positions of a context and lacks `lag` more catches up sooner by a
+        prefill of the whole context than by a catch-up on the rest (`models.base.resync`), by these costs: a
+        catch-up's rows read the cache one by one, a prefill's attention runs as blocks, so a long catch-up loses
+        even where much is kept. A prefill costs at least a forward of as many rows up to the widest measured
+        (`prefill_s`, linear below the measured prompt, does not floor a short one: a GPU's is flat there)."""
+        if lag <= 0:
+            return False
+        rows = min(keep + lag, max(self.forward_s))
+        return max(self.prefill_s(keep + lag), self.cost(rows)) < self.catch_up_s(keep, lag)
 
     def cost(self, width: float) -> float:
         """T(W), interpolated linearly between measured widths; beyond them, along the last segment but never below
@@ -143,7 +173,7 @@ MACHINE_WIDTHS = (1, 2, 3, 4, 5, 6, 8, 10, 12, 16)  # what `auto` chooses draft 
 MACHINE_CONTEXT = 256
 LONG_CONTEXT = 2048  # T(W) measured again after this many cached tokens, at LONG_WIDTHS: T(W, L) (`cost_at`)
 LONG_WIDTHS = (1, 2, 4, 8, 16)
-PROFILE_VERSION = 2  # of what a machine profile holds: a profile of an older one is measured again
+PROFILE_VERSION = 3  # of what a machine profile holds: a profile of an older one is measured again
 MACHINE_PROFILES = "profiles.json"
 
 
@@ -198,8 +228,12 @@ def _measure(model, repeats: int, progress: bool) -> LatencyProfile:
         ttft = _timed(lambda: model.prefill(context[:length]))
         bar.update()
         costs = forward_costs(model, context[:length], MACHINE_WIDTHS, repeats, done=bar.update)
+        catch_up = None
+        if length - 1 > max(MACHINE_WIDTHS):
+            model.prefill(context[:1])
+            catch_up = _timed(lambda: model.catch_up(context[1:length]))
         profile = LatencyProfile(model.name, getattr(model, "numerics", ""), str(model.device), length, ttft,
-                                 costs[1], costs)
+                                 costs[1], costs, catch_up_rows_s=catch_up)
         if long > 2 * length:  # (a cache too short for a long context keeps T(W) alone)
             profile.long_context_len = long
             profile.long_ttft_s = _timed(lambda: model.prefill(context[:long]))

@@ -611,6 +611,58 @@ def test_verification_cost_follows_the_cached_length():
     assert LatencyProfile.from_dict(json.loads(json.dumps(asdict(profile)))) == profile
 
 
+def test_a_cache_catches_up_by_a_prefill_where_its_profile_says_that_is_sooner():
+    """`LatencyProfile.prefills`: a prefill of the whole context where it costs less than a catch-up's rows, whose
+    attention grows with the keys they read, however much is kept; where a model was never profiled the fixed rule
+    (`models.base.prefills`) would run a long catch-up after a kept prefix as rows. A DraftCache runs the rule it
+    holds, and auto prices the catch-up it runs."""
+    from speculant.methods.auto import catch_up_cost
+    from speculant.models.base import DraftCache, prefills
+
+    # the lean 0.5B on the AVX2 EPYC: T(W) after 256 and 2048 cached tokens, prefills of 256 and 2048, a catch-up
+    # of 255 rows (s); measured there (scripts/catch_up_prefill.py --lags): after 6 kept, a catch-up of 100 is
+    # cheaper than a prefill, of 1000 dearer; after 300 kept, of 300 cheaper, of 1500 dearer
+    profile = LatencyProfile("0.5b", "", "cpu", 256, 1.223, 0.018, {1: 0.0183, 4: 0.0312, 8: 0.0517, 16: 0.0725},
+                             2048, 10.82, {1: 0.025, 4: 0.0579, 8: 0.0992, 16: 0.1945}, catch_up_rows_s=0.946)
+    assert not profile.prefills(6, 100) and profile.prefills(6, 1000) and prefills(6, 100)  # (the fixed rule)
+    assert not profile.prefills(300, 300) and profile.prefills(300, 1500) and not prefills(300, 1500)
+    assert not profile.prefills(1500, 40) and not profile.prefills(300, 2) and not profile.prefills(10, 0)
+    assert profile.catch_up_s(6, 16) == profile.cost_at(16, 14) and profile.catch_up_s(6, 0) == 0.0
+    assert profile.catch_up_s(0, 255) == pytest.approx(0.946) and profile.catch_up_s(0, 510) > 2 * 0.946  # attention
+    flat = LatencyProfile("gpu", "", "cuda", 256, 0.004, 0.002, {1: 0.002, 16: 0.0022})  # a 256-token prefill: 2 steps
+    assert not flat.prefills(40, 5) and flat.prefills(0, 600)  # a short prefill is no cheaper than 16 rows
+    model = tiny_model("llama", 3, VOCAB)
+    ran = []
+    for name in ("prefill", "catch_up"):
+        def spy(*args, run=getattr(model, name), name=name, **kwargs):
+            ran.append(name)
+            return run(*args, **kwargs)
+        setattr(model, name, spy)
+    context = random_prompt(5, VOCAB, 40)
+    for rule, way in ((lambda keep, lag: True, "prefill"), (lambda keep, lag: False, "catch_up")):
+        cache = DraftCache(model)
+        cache.run(context[:30])
+        ran.clear()
+        cache.prefills = rule
+        cache.run(context)
+        assert ran[0] == way and ("prefill" in ran) == (way == "prefill")  # (a prefill may run catch_up within)
+
+    class Lagging:  # a model drafter 1500 tokens behind, 200 kept
+        def __init__(self, rule):
+            self.cache, self.model = DraftCache(model), model
+            self.cache.prefills = rule
+
+        def lag(self, context):
+            return 1500
+
+    long = list(range(1700))
+    assert catch_up_cost(Lagging(profile.prefills), profile)(long) == pytest.approx(profile.prefill_s(1700))
+    assert catch_up_cost(Lagging(prefills), profile)(long) == pytest.approx(profile.catch_up_s(200, 1500))
+    assert profile.prefill_s(1700) < profile.catch_up_s(200, 1500)
+    old = LatencyProfile.from_dict({k: v for k, v in asdict(profile).items() if k != "catch_up_rows_s"})
+    assert old.catch_up_s(6, 100) == old.cost_at(100, 56)  # (a profile without the catch-up measured)
+
+
 @pytest.mark.parametrize("arch", ["llama", "qwen2", "mistral"])
 def test_auto_with_stage_scheduling_keeps_the_output_and_uses_trees_drafted_ahead(arch, monkeypatch):
     """`auto:schedule=stage`: where auto drafts a token tree, the next one is drafted during its verification and

@@ -13,6 +13,7 @@ from speculant.config import SamplingConfig
 from speculant.methods import get_method
 from speculant.models import load_model
 from speculant.models.backends import lean as lean_module
+from speculant.models.base import DraftCache
 from speculant.prefixes import PrefixCache
 from speculant.serve.engine import Engine, ServeJob
 from speculant.serve.metrics import Metrics
@@ -235,6 +236,7 @@ def test_auto_weighs_a_drafters_catch_up_less_what_the_prefix_cache_restores(fil
     class Lagging:  # a model drafter whose cache holds nothing
         def __init__(self):
             self.model = model.share()
+            self.cache = DraftCache(self.model)  # (its rule: a prefill, nothing kept)
 
         def lag(self, context):
             return len(context)

@@ -21,27 +21,27 @@ REVIEW = 6  # Max-Gram tokens a model drafter reviews in one forward in auto's c
 
 
 def catch_up_cost(drafter: Any, profile: Any, prefixes: Any = None) -> Any:
-    """Seconds for `drafter` (a ModelDrafter or TreeDrafter) to run the context its cache lacks, from its
-    T(W), or, where it catches up by a prefill of the context (a new prompt: `models.base.prefills`), from its
-    prefill time (`LatencyProfile.prefill_s`: measured at two lengths, each token's attention growing with the
-    context; where only one was measured, no more than a forward of the context), less what a server's prefix cache
-    (`prefixes`) restores of it; None for drafters that keep no cache (another tokenizer's re-tokenize the text
-    every time)."""
+    """Seconds for `drafter` (a ModelDrafter or TreeDrafter) to run the context its cache lacks, as its cache runs
+    it (`DraftCache.prefills`, the profile's rule): a catch-up on the rest (`LatencyProfile.catch_up_s`), or a
+    prefill of the context (`LatencyProfile.prefill_s`: measured at two lengths, each token's attention growing with
+    the context; where only one was measured, no more than a forward of the context), less what a server's prefix
+    cache (`prefixes`) restores of it; None for drafters that keep no cache (another tokenizer's re-tokenize the
+    text every time)."""
     from speculant.drafters.cross_vocab import CrossVocabDrafter
-    from speculant.models.base import prefills
 
     if isinstance(drafter, CrossVocabDrafter):
         return None
 
     def seconds(context: list[int]) -> float:
         lag = drafter.lag(context)
-        if prefills(len(context) - lag, lag):
+        keep = len(context) - lag
+        if drafter.cache.prefills(keep, lag):
             prefill = profile.prefill_s(len(context))
             if profile.long_ttft_s is None:
                 prefill = min(profile.cost(len(context)), prefill)
             restored = prefixes.cached(drafter.model, context) if prefixes is not None else 0
             return prefill - profile.prefill_s(restored) if restored else prefill
-        return profile.cost(lag) if lag else 0.0
+        return profile.catch_up_s(keep, lag)
 
     return seconds
 
@@ -131,7 +131,9 @@ def build(request: Request, options: AutoOptions) -> Any:
         profile = session.profile(source)
         if not can_pay(profile.tpot_s, cost, options.k_max):  # too slow to pay even if always right
             continue
-        drafter = model_drafter(session.cache(source), target, request.sampling, request.generator,
+        cache = session.cache(source)
+        cache.prefills = profile.prefills  # (catch-ups priced as they run)
+        drafter = model_drafter(cache, target, request.sampling, request.generator,
                                 draft_confidence=options.draft_confidence, pairs=session.vocab_pairs)
         step_s = profile.tpot_s * (drafter.tokens_per_target_token(request.prompt_ids)
                                    if isinstance(drafter, CrossVocabDrafter) else 1.0)

@@ -423,22 +423,24 @@ def prompt_parts(ids: Sequence[int]) -> list[list[int]]:
     return [list(ids[start:start + PREFILL_PART]) for start in range(0, len(ids), PREFILL_PART)]
 
 
-PREFILL_AFTER = 8  # a catch-up this many times longer than the cached prefix it could keep runs as a prefill
+PREFILL_AFTER = 8  # unmeasured: a catch-up this many times longer than the prefix it could keep runs as a prefill
 
 
 def prefills(keep: int, lag: int) -> bool:
     """Whether a cache that shares `keep` leading positions with a context, and lacks `lag` more, catches up by
-    prefilling the whole context rather than by a `catch_up` on the rest: a new prompt beside a few shared tokens
-    (docs/results/cpu.md, "A drafter's catch-up without the rows it throws away", says where this holds)."""
+    prefilling the whole context rather than by a `catch_up` on the rest, where the model's costs on this machine
+    are unknown: a new prompt beside a few shared tokens. Where they are known, `LatencyProfile.prefills` decides
+    (docs/results/cpu.md, "A drafter's catch-up without the rows it throws away")."""
     return keep * PREFILL_AFTER < lag
 
 
-def resync(model: CausalLM, cached: list[int], context: list[int], extra: Sequence[int] = ()) -> torch.Tensor:
+def resync(model: CausalLM, cached: list[int], context: list[int], extra: Sequence[int] = (),
+           rule: Callable[[int, int], bool] = prefills) -> torch.Tensor:
     """Bring `model`'s cache (holding `cached`) to `context` + `extra`, re-running only what differs (at
-    least context[-1]; all of it where that `prefills`); return the logits after context[-1] and after each extra
-    token, [1 + len(extra), vocab]."""
+    least context[-1]; all of it where `rule`(kept, lacking) says a prefill is cheaper); return the logits after
+    context[-1] and after each extra token, [1 + len(extra), vocab]."""
     keep = min(common_prefix_len(cached, context), len(context) - 1)
-    if prefills(keep, len(context) - keep):
+    if rule(keep, len(context) - keep):
         logits = model.prefill(context)[None]
         return torch.cat([logits, model.forward(list(extra))]) if extra else logits
     model.rollback(keep)
@@ -454,6 +456,7 @@ class DraftCache:
     def __init__(self, model: CausalLM):
         self.model = model
         self.ids: list[int] = []
+        self.prefills: Callable[[int, int], bool] = prefills  # its machine profile's rule where one is read (auto)
 
     def lag(self, context: list[int]) -> int:
         """Tokens of `context` the cache lacks: what the next `run` runs before the rest."""
@@ -461,7 +464,7 @@ class DraftCache:
 
     def run(self, context: list[int], extra: Sequence[int] = ()) -> torch.Tensor:
         """`resync` to `context` + `extra`, then record that the cache holds them."""
-        logits = resync(self.model, self.ids, context, extra)
+        logits = resync(self.model, self.ids, context, extra, self.prefills)
         self.ids = context + list(extra)
         return logits
 
