@@ -615,7 +615,7 @@ def test_a_cache_catches_up_by_a_prefill_where_its_profile_says_that_is_sooner()
     """`LatencyProfile.prefills`: a prefill of the whole context where it costs less than a catch-up's rows, whose
     attention grows with the keys they read, however much is kept; where a model was never profiled the fixed rule
     (`models.base.prefills`) would run a long catch-up after a kept prefix as rows. A DraftCache runs the rule it
-    holds, and auto prices the catch-up it runs."""
+    holds, and auto prices the way it runs."""
     from speculant.methods.auto import catch_up_cost
     from speculant.models.base import DraftCache, prefills
 
@@ -657,7 +657,7 @@ def test_a_cache_catches_up_by_a_prefill_where_its_profile_says_that_is_sooner()
 
     long = list(range(1700))
     assert catch_up_cost(Lagging(profile.prefills), profile)(long) == pytest.approx(profile.prefill_s(1700))
-    assert catch_up_cost(Lagging(prefills), profile)(long) == pytest.approx(profile.catch_up_s(200, 1500))
+    assert catch_up_cost(Lagging(prefills), profile)(long) == pytest.approx(profile.cost(1500))  # (a forward's rows)
     assert profile.prefill_s(1700) < profile.catch_up_s(200, 1500)
     old = LatencyProfile.from_dict({k: v for k, v in asdict(profile).items() if k != "catch_up_rows_s"})
     assert old.catch_up_s(6, 100) == old.cost_at(100, 56)  # (a profile without the catch-up measured)

@@ -22,11 +22,13 @@ REVIEW = 6  # Max-Gram tokens a model drafter reviews in one forward in auto's c
 
 def catch_up_cost(drafter: Any, profile: Any, prefixes: Any = None) -> Any:
     """Seconds for `drafter` (a ModelDrafter or TreeDrafter) to run the context its cache lacks, as its cache runs
-    it (`DraftCache.prefills`, the profile's rule): a catch-up on the rest (`LatencyProfile.catch_up_s`), or a
-    prefill of the context (`LatencyProfile.prefill_s`: measured at two lengths, each token's attention growing with
-    the context; where only one was measured, no more than a forward of the context), less what a server's prefix
-    cache (`prefixes`) restores of it; None for drafters that keep no cache (another tokenizer's re-tokenize the
-    text every time)."""
+    it (`DraftCache.prefills`, the profile's rule): a catch-up on the rest, priced as a forward of its rows (T(lag);
+    beyond 16 rows that overstates it, by the output head's rows and the rows' shared weight reads: priced as it
+    costs, `LatencyProfile.catch_up_s`, auto gambled on more short replies, docs/results/cpu.md), or a prefill of the
+    context (`LatencyProfile.prefill_s`: measured at two lengths, each token's attention growing with the context;
+    where only one was measured, no more than a forward of the context), less what a server's prefix cache
+    (`prefixes`) restores of it; None for drafters that keep no cache (another tokenizer's re-tokenize the text every
+    time)."""
     from speculant.drafters.cross_vocab import CrossVocabDrafter
 
     if isinstance(drafter, CrossVocabDrafter):
@@ -41,7 +43,7 @@ def catch_up_cost(drafter: Any, profile: Any, prefixes: Any = None) -> Any:
                 prefill = min(profile.cost(len(context)), prefill)
             restored = prefixes.cached(drafter.model, context) if prefixes is not None else 0
             return prefill - profile.prefill_s(restored) if restored else prefill
-        return profile.catch_up_s(keep, lag)
+        return profile.cost(lag) if lag else 0.0
 
     return seconds
 
