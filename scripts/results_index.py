@@ -58,6 +58,19 @@ ENTRIES: dict[str, tuple[str, str, str | None, str | None, str | None]] = {
                     "a plain step read no dearer than the width verified last", (1, 1), ZEN3),
     **bench_commits("bench-avx2-rest", "The CPU headline on the AVX2-only EPYC (Zen3)", "e9be6dd", "b28a79d",
                     "a model candidate that lost to plain decoding rests before it is weighed again", (1, 1), ZEN3),
+    **bench_commits("bench-avx2-catchrule", "Catch-ups priced as they cost, on the Zen3 EPYC", "49c934f", "4f1b570",
+                    "a cache's catch-up or prefill by its profile, and auto pricing a catch-up as it costs", (1, 1),
+                    ZEN3),
+    "bench-avx2-catchrule-mixed-2": ("CPU", "bench-avx2-catchrule-mixed's bench again at 4f1b570 right after that "
+                                     "sitting, then bench-avx2-catchrule-before-mixed-2's (B A)", None, ZEN3, None),
+    "bench-avx2-catchrule-before-mixed-2": ("CPU", "the same second sitting at 49c934f", None, ZEN3, None),
+    "catch-up-lags-avx2.json": ("CPU", "the 0.5B's catch-up on 100 to 2000 tokens after 6 kept, against a prefill of "
+                                "the whole, beside what its machine profile predicts and the way it chooses",
+                                "python scripts/catch_up_prefill.py --lags 100 400 1000 2000 --repeats 2 "
+                                "--out docs/results/catch-up-lags-avx2.json", ZEN3, None),
+    "catch-up-lags-keep300-avx2.json": ("CPU", "the same after 300 kept, on 40 to 1500 tokens",
+                                        "python scripts/catch_up_prefill.py --keep 300 --lags 40 300 1500 --repeats 1 "
+                                        "--out docs/results/catch-up-lags-keep300-avx2.json", ZEN3, None),
     "catch-up-avx2.json": ("CPU", "a cache's catch-up on a new prompt (the 0.5B and the 1.5B on lean) as a forward of "
                            "every row, as `catch_up` (the last row's logits only) and as a prefill",
                            "python scripts/catch_up_prefill.py --out docs/results/catch-up-avx2.json", ZEN3, None),
