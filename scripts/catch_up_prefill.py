@@ -2,7 +2,7 @@
 rows, the output head for the last only: what `models.base.resync` runs) and as a prefill of the whole prompt
 (docs/results/cpu.md, "A drafter's catch-up without the rows it throws away").
 
-    python scripts/catch_up_prefill.py [--out F.json]   # HumanEval/6 after HumanEval/5, medians of 5, interleaved
+    python scripts/catch_up_prefill.py [--out F.json]   # HumanEval/6 after HumanEval/5, medians, A B B A
     python scripts/catch_up_prefill.py --lags 100 400 1000 2000 [--keep 6]   # the 0.5B, a synthetic context
 
 Loads the lean 1.5B and its `@lean` 0.5B drafter; for each, prefills what the two prompts share, then times the rest
@@ -18,6 +18,7 @@ import json
 import statistics
 import sys
 import time
+from collections.abc import Callable
 
 
 def main(argv: list[str]) -> None:
@@ -45,21 +46,28 @@ def main(argv: list[str]) -> None:
     keep = common_prefix_len(ids, last)
     results = {"kept": keep, "prompt": len(ids)}
     for model in (drafter, target):
-        times: dict[str, list[float]] = {"forward": [], "catch_up": [], "prefill": []}
-        for _ in range(args.repeats):
-            for way, run in (("forward", lambda: model.forward(ids[keep:])),
-                             ("catch_up", lambda: model.catch_up(ids[keep:])), ("prefill", lambda: model.prefill(ids))):
-                model.prefill(ids[:keep])
-                began = time.perf_counter()
-                run()
-                times[way].append(time.perf_counter() - began)
-        results[model.name] = {way: statistics.median(values) for way, values in times.items()}
+        results[model.name] = medians(model, ids[:keep], {"forward": lambda: model.forward(ids[keep:]),
+                                                          "catch_up": lambda: model.catch_up(ids[keep:]),
+                                                          "prefill": lambda: model.prefill(ids)}, args.repeats)
         print(model.name, f"kept {keep} of {len(ids)};", ", ".join(
             f"as a {way} {seconds:.3f} s" for way, seconds in results[model.name].items()))
     if args.out:
         with open(args.out, "w") as f:
             json.dump(results, f, indent=1)
             f.write("\n")
+
+
+def medians(model, kept: list[int], ways: dict[str, Callable[[], object]], repeats: int) -> dict[str, float]:
+    """Median seconds of each way, each run after a prefill of `kept`; every repeat runs the ways in order, then
+    back (A B B A: a drift of the machine falls on each alike)."""
+    times: dict[str, list[float]] = {way: [] for way in ways}
+    for _ in range(repeats):
+        for way in [*ways, *reversed(ways)]:
+            model.prefill(kept)
+            began = time.perf_counter()
+            ways[way]()
+            times[way].append(time.perf_counter() - began)
+    return {way: statistics.median(values) for way, values in times.items()}
 
 
 def lags(model, args) -> None:
@@ -70,14 +78,9 @@ def lags(model, args) -> None:
     ids = [(7919 * i + 11) % model.vocab_size for i in range(keep + max(args.lags))]
     results = {}
     for lag in args.lags:
-        times: dict[str, list[float]] = {"catch_up": [], "prefill": []}
-        for _ in range(args.repeats):
-            for way in ("catch_up", "prefill", "prefill", "catch_up"):
-                model.prefill(ids[:keep])
-                began = time.perf_counter()
-                model.catch_up(ids[keep:keep + lag]) if way == "catch_up" else model.prefill(ids[:keep + lag])
-                times[way].append(time.perf_counter() - began)
-        results[lag] = {**{way: statistics.median(values) for way, values in times.items()},
+        ways = {"catch_up": lambda: model.catch_up(ids[keep:keep + lag]),
+                "prefill": lambda: model.prefill(ids[:keep + lag])}
+        results[lag] = {**medians(model, ids[:keep], ways, args.repeats),
                         "profile: catch_up": profile.catch_up_s(keep, lag),
                         "profile: prefill": profile.prefill_s(keep + lag),
                         "chosen": "prefill" if profile.prefills(keep, lag) else "catch_up"}

@@ -335,7 +335,8 @@ def main() -> int:
 
     sections = {  # what no GPU has measured yet first (a lent call's limit may cut the last ones off)
         "tests": tests, "speculation": speculation, "draft": draft, "auto": auto, "syncs": syncs, "rows": rows,
-        "drafter": drafter_cost, "compiled T(W) ms": compiled_costs, "ar": tokens_per_second, "eager T(W) ms": eager_costs}
+        "drafter": drafter_cost, "compiled T(W) ms": compiled_costs, "ar": tokens_per_second,
+        "eager T(W) ms": eager_costs}
     if unknown := set(args.sections or ()) - set(sections):
         parser.error(f"unknown sections {sorted(unknown)}: choose from {', '.join(sections)}")
     for name in args.sections or sections:

@@ -67,16 +67,16 @@ class LatencyProfile:
         (`cost_at`); beyond it, linear from there to the measured catch-up of context_len - 1 rows (a CPU's rows
         share each weight's reads, a GPU's curve is flat), then per row as that, plus each row's attention to the
         keys past those it read there, at the long forward's cost per key and row."""
-        widths, times = self._curve
-        if lag <= widths[-1] or self.catch_up_rows_s is None:
+        measured, times = self._curve
+        if lag <= measured[-1] or self.catch_up_rows_s is None:
             return self.cost_at(lag, keep + lag // 2) if lag else 0.0
-        rows, widest = self.context_len - 1, widths[-1]  # (measured only where rows > widest)
+        rows, widest = self.context_len - 1, measured[-1]  # (measured only where rows > widest)
         base = times[-1] + (self.catch_up_rows_s - times[-1]) * (lag - widest) / (rows - widest) if lag <= rows \
             else self.catch_up_rows_s * lag / rows
-        per_key = 0.0
-        if self.long_forward_s:
-            w = max(self.long_forward_s)
-            per_key = max(self.long_forward_s[w] - self.cost(w), 0.0) / (w * (self.long_context_len - self.context_len))
+        if not self.long_forward_s:
+            return base
+        widths, growths = self._growth  # per cached token, relative to T(W): per key and row at the widest
+        per_key = growths[-1] * self.cost(widths[-1]) / widths[-1]
         return base + lag * per_key * max(keep + lag / 2 - rows / 2, 0.0)
 
     def prefills(self, keep: int, lag: int) -> bool:

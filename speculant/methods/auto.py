@@ -23,8 +23,8 @@ REVIEW = 6  # Max-Gram tokens a model drafter reviews in one forward in auto's c
 def catch_up_cost(drafter: Any, profile: Any, prefixes: Any = None) -> Any:
     """Seconds for `drafter` (a ModelDrafter or TreeDrafter) to run the context its cache lacks, as its cache runs
     it (`DraftCache.prefills`, the profile's rule): a catch-up on the rest, priced as a forward of its rows (T(lag);
-    beyond 16 rows that overstates it, by the output head's rows and the rows' shared weight reads: priced as it
-    costs, `LatencyProfile.catch_up_s`, auto gambled on more short replies, docs/results/cpu.md), or a prefill of the
+    beyond the widest measured W that overstates it, the head's rows and the rows' shared weight reads: the price of
+    `LatencyProfile.catch_up_s` made auto gamble on more short replies, docs/results/cpu.md), or a prefill of the
     context (`LatencyProfile.prefill_s`: measured at two lengths, each token's attention growing with the context;
     where only one was measured, no more than a forward of the context), less what a server's prefix cache
     (`prefixes`) restores of it; None for drafters that keep no cache (another tokenizer's re-tokenize the text every
@@ -134,7 +134,7 @@ def build(request: Request, options: AutoOptions) -> Any:
         if not can_pay(profile.tpot_s, cost, options.k_max):  # too slow to pay even if always right
             continue
         cache = session.cache(source)
-        cache.prefills = profile.prefills  # (catch-ups priced as they run)
+        cache.prefills = profile.prefills  # its way (prefill or rows) by this machine's costs: `catch_up_cost`'s too
         drafter = model_drafter(cache, target, request.sampling, request.generator,
                                 draft_confidence=options.draft_confidence, pairs=session.vocab_pairs)
         step_s = profile.tpot_s * (drafter.tokens_per_target_token(request.prompt_ids)
