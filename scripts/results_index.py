@@ -58,6 +58,9 @@ ENTRIES: dict[str, tuple[str, str, str | None, str | None, str | None]] = {
                     "a plain step read no dearer than the width verified last", (1, 1), ZEN3),
     **bench_commits("bench-avx2-rest", "The CPU headline on the AVX2-only EPYC (Zen3)", "e9be6dd", "b28a79d",
                     "a model candidate that lost to plain decoding rests before it is weighed again", (1, 1), ZEN3),
+    **bench_commits("bench-avx2-head", "The CPU headline on the AVX2-only EPYC (Zen3)", "b28a79d", "6a648d5",
+                    "Max-Gram's lookups from the last context's array, a cache's catch-up or prefill by its profile, "
+                    "a spent probe budget read first", (1, 1), ZEN3),
     **bench_commits("bench-avx2-catchrule", "Catch-ups priced as they cost, on the Zen3 EPYC", "49c934f", "4f1b570",
                     "a cache's catch-up or prefill by its profile, and auto pricing a catch-up as it costs", (1, 1),
                     ZEN3),

@@ -6,6 +6,7 @@ head, `frequent_tokens`)."""
 from __future__ import annotations
 
 import hashlib
+import itertools
 import json
 import sysconfig
 from pathlib import Path
@@ -58,12 +59,15 @@ def prose_counts(tokenizer: Any, vocab_size: int) -> np.ndarray:
 
     def count() -> np.ndarray:
         words = sorted(get_frequency_dict("en", wordlist="large").items(), key=lambda item: -item[1])[:PROSE_WORDS]
+        frequencies = np.array([frequency for _, frequency in words])
         counts = np.zeros(vocab_size)
         for form, share in WORD_FORMS:
             texts = [form.format(word=word, Word=word.capitalize()) for word, _ in words]
-            for (_, frequency), ids in zip(words, tokenizer(texts, add_special_tokens=False)["input_ids"]):
-                ids = np.asarray(ids, dtype=np.int64)
-                np.add.at(counts, ids[ids < vocab_size], frequency * share)
+            encoded = tokenizer(texts, add_special_tokens=False)["input_ids"]
+            ids = np.fromiter(itertools.chain.from_iterable(encoded), dtype=np.int64)
+            weights = np.repeat(frequencies * share, [len(word_ids) for word_ids in encoded])  # each token its word's
+            kept = ids < vocab_size
+            counts += np.bincount(ids[kept], weights[kept], minlength=vocab_size)
         return counts
 
     forms = json.dumps([PROSE_WORDS, WORD_FORMS])
