@@ -6,6 +6,7 @@ own `ar`'s."""
 import random
 
 import gguf
+import numpy as np
 import pytest
 import torch
 from helpers import BYTE_VOCAB, byte_tokenizer, every_method, greedy
@@ -13,7 +14,9 @@ from tiny_gguf import dequantized_transformer, write_tiny_gguf
 
 from speculant import generate, kernels
 from speculant.models import load_model
+from speculant.errors import ConfigError
 from speculant.models.backends.lean import LeanCausalLM
+from speculant.models.gguf_file import GGUFFile
 from speculant.trees.tree import TokenTree
 
 VARIANTS = {"qwen2": ("qwen2", None), "llama": ("llama", None), "llama-window": ("llama", 6)}
@@ -306,7 +309,6 @@ def test_a_handle_skipping_layers_computes_the_model_without_them(lean_files, tm
 def test_the_model_drafts_for_itself_with_calibrated_layers_left_out(lean_files, tmp_path, monkeypatch):
     """`self@skip` (Draft & Verify; SWIFT): the calibration leaves out middle layers only and is remembered;
     sd and auto drafting with it emit what `ar` emits."""
-    from speculant.errors import ConfigError
     from speculant.models.backends import layer_skip
 
     path = tmp_path / "six.gguf"
@@ -463,3 +465,27 @@ def test_greedy_decoding_of_a_windowed_model_is_transformers_own(typed_files, tm
     lean = load_model(str(path), backend="lean", tokenizer=byte_tokenizer())
     for label, options in WINDOWED_METHODS.items():
         assert generate(lean, prompt_ids=prompt, max_new_tokens=16, **options).token_ids == expected, label
+
+
+def test_a_gguf_file_reads_as_gguf_s_own_reader_reads_it(typed_files, lean_files, tmp_path):
+    """`GGUFFile` (the metadata and tensor table as the format lays them out) against gguf's `GGUFReader`: every
+    metadata value (the tokenizer's string arrays, Gemma 3's window pattern) and every tensor's type, shape, offset
+    and data view alike, for each architecture and each type the kernels read; a file that is not GGUF: one line."""
+    from gguf import GGUFReader
+
+    paths = [typed_files(arch, "Q8_0")[0] for arch in ARCHITECTURES] + \
+        [typed_files("qwen3", t)[0] for t in TYPES] + [lean_files["llama-window", 0][0]]
+    for path in paths:
+        ours, theirs = GGUFFile(path), GGUFReader(path)
+        assert ours.fields == {key: field.contents() for key, field in theirs.fields.items()
+                               if not key.startswith("GGUF.")}, path.name
+        assert len(ours.tensors) == len(theirs.tensors)
+        for mine, reference in zip(ours.tensors, theirs.tensors):
+            assert (mine.name, mine.tensor_type, mine.shape, mine.data_offset, mine.n_bytes) == \
+                (reference.name, reference.tensor_type, tuple(int(n) for n in reference.shape), reference.data_offset,
+                 reference.n_bytes)
+            assert mine.data.dtype == reference.data.dtype and np.array_equal(mine.data, reference.data), mine.name
+    bad = tmp_path / "not.gguf"
+    bad.write_bytes(b"PK\x03\x04" + bytes(60))
+    with pytest.raises(ConfigError, match="not a GGUF file"):
+        GGUFFile(bad)

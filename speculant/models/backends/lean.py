@@ -39,6 +39,7 @@ from speculant.cache import cache_root
 from speculant.kernels import formats
 from speculant.errors import ConfigError
 from speculant.models.base import Backend, Call, Capabilities, Interrupted, PointerCache, prompt_parts
+from speculant.models.gguf_file import GGUFFile
 from speculant.trees.tree import TokenTree
 
 ARCHITECTURES = {"qwen2": "neox", "llama": "norm", "qwen3": "neox", "phi3": "neox", "gemma2": "neox",
@@ -212,9 +213,7 @@ def _repack(path: Path, directory: Path, head: tuple[int, ...] | None) -> None:
     """Read the file's configuration, repack its matrices (a drafter's: see LeanWeights) and write them with a
     layout.json into `directory` (through a temporary sibling renamed into place: readers see all of it or
     nothing)."""
-    from gguf import GGUFReader
-
-    reader = GGUFReader(path)
+    reader = GGUFFile(path)
     config, tensors, matrices = _read(reader)
     if head is None and (untyped := _untyped(matrices)):
         raise ConfigError(f"{untyped} (a drafter's weights may be quantized again: `name@lean`)")
@@ -271,7 +270,7 @@ def _remove_unused(root: Path) -> None:
             pass  # not a repack, or another process removed it first
 
 
-def _read(reader: Any) -> tuple[LeanConfig, dict[str, Any], list[tuple[str, str, np.ndarray, int]]]:
+def _read(reader: GGUFFile) -> tuple[LeanConfig, dict[str, Any], list[tuple[str, str, np.ndarray, int]]]:
     """A GGUF file's configuration, its tensors by name, and the matrices the kernels multiply: (name, GGUF type,
     data [outputs, bytes or values], inputs), the output head first, then each layer's MATRICES (Phi-3's fused
     attn_qkv and ffn_up split by rows: q, k, v; gate, up). ConfigError where the lean model does not compute what
@@ -345,10 +344,8 @@ def coverage(path: Path) -> tuple[bool, str]:
     """Whether the lean backend runs the GGUF file at `path` exactly as it is, and why: what it runs (the
     architecture and its matrices' types), or what it lacks (the architecture, its rope scaling or a matrix's type).
     Read from the header, before anything is repacked."""
-    from gguf import GGUFReader
-
     try:
-        config, _, matrices = _read(GGUFReader(path))
+        config, _, matrices = _read(GGUFFile(path))
     except ConfigError as error:
         return False, str(error)
     if untyped := _untyped(matrices):
@@ -366,13 +363,12 @@ def shared_weights(path: Path, head: tuple[int, ...] | None = None) -> LeanWeigh
     return LeanWeights(path, head)
 
 
-def _field(reader: Any, key: str, default: Any = ConfigError) -> Any:
-    field = reader.fields.get(key)
-    if field is None:
+def _field(reader: GGUFFile, key: str, default: Any = ConfigError) -> Any:
+    if key not in reader.fields:
         if default is ConfigError:
             raise ConfigError(f"the GGUF file has no {key}")
         return default
-    return field.contents()
+    return reader.fields[key]
 
 
 def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
