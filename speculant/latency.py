@@ -156,7 +156,7 @@ def forward_costs(model, context: list[int], widths: Sequence[int], repeats: int
                   done: Callable[[], object] = lambda: None, cached: bool = False) -> dict[int, float]:
     """T(W): the median seconds of a forward of W new tokens after `context` is cached, for each W
     (`done` is called after each). `cached`: the model's cache holds `context` already (a prefill just timed), so
-    none is run again: on a CPU the long context's prefill is most of a profile's time."""
+    none is run again (a long context's prefill is the dearest step of a machine profile)."""
     if not cached:
         model.prefill(context)
     costs = {}

@@ -13,10 +13,10 @@ from helpers import BYTE_VOCAB, byte_tokenizer, every_method, greedy
 from tiny_gguf import dequantized_transformer, write_tiny_gguf
 
 from speculant import generate, kernels
-from speculant.models import load_model
 from speculant.errors import ConfigError
+from speculant.models import load_model
 from speculant.models.backends.lean import LeanCausalLM
-from speculant.models.gguf_file import GGUFFile
+from speculant.models.gguf_header import GGUFFile, same_as_gguf_reader
 from speculant.trees.tree import TokenTree
 
 VARIANTS = {"qwen2": ("qwen2", None), "llama": ("llama", None), "llama-window": ("llama", 6)}
@@ -469,23 +469,37 @@ def test_greedy_decoding_of_a_windowed_model_is_transformers_own(typed_files, tm
 
 def test_a_gguf_file_reads_as_gguf_s_own_reader_reads_it(typed_files, lean_files, tmp_path):
     """`GGUFFile` (the metadata and tensor table as the format lays them out) against gguf's `GGUFReader`: every
-    metadata value (the tokenizer's string arrays, Gemma 3's window pattern) and every tensor's type, shape, offset
-    and data view alike, for each architecture and each type the kernels read; a file that is not GGUF: one line."""
-    from gguf import GGUFReader
-
+    metadata value and every tensor's type, shape, offset and data view alike, for each architecture and each type the
+    kernels read, and for a file of every value type (a bool array, an empty one, strings with non-ASCII text), an
+    alignment of 256, as GGUF version 3 and 2; a file that is not GGUF, or is cut short: one line."""
+    values = tmp_path / "values.gguf"
+    writer = gguf.GGUFWriter(str(values), "llama")
+    writer.add_custom_alignment(256)
+    for kind, value in [("uint8", 7), ("int8", -7), ("uint16", 700), ("int16", -700), ("uint32", 7 << 20),
+                        ("int32", -(7 << 20)), ("float32", 0.1), ("uint64", 7 << 40), ("int64", -(7 << 40)),
+                        ("float64", 0.1), ("bool", True), ("string", "Écris 用中文 🐍")]:
+        getattr(writer, f"add_{kind}")(f"test.{kind}", value)
+    writer.add_array("test.bools", [True, False, True])
+    writer.add_array("test.empty", [])
+    writer.add_array("test.strings", ["a", "Ġb", "é", ""])
+    writer.add_array("test.floats", [0.5, -1.25])
+    writer.add_tensor("odd", np.arange(15, dtype=np.float32).reshape(3, 5))
+    writer.add_tensor("half", np.ones((2, 8), dtype=np.float16))
+    for write in (writer.write_header_to_file, writer.write_kv_data_to_file, writer.write_tensors_to_file):
+        write()
+    writer.close()
+    second = tmp_path / "version2.gguf"
+    second.write_bytes(values.read_bytes()[:4] + (2).to_bytes(4, "little") + values.read_bytes()[8:])
     paths = [typed_files(arch, "Q8_0")[0] for arch in ARCHITECTURES] + \
-        [typed_files("qwen3", t)[0] for t in TYPES] + [lean_files["llama-window", 0][0]]
+        [typed_files("qwen3", t)[0] for t in TYPES] + [lean_files["llama-window", 0][0], values, second]
     for path in paths:
-        ours, theirs = GGUFFile(path), GGUFReader(path)
-        assert ours.fields == {key: field.contents() for key, field in theirs.fields.items()
-                               if not key.startswith("GGUF.")}, path.name
-        assert len(ours.tensors) == len(theirs.tensors)
-        for mine, reference in zip(ours.tensors, theirs.tensors):
-            assert (mine.name, mine.tensor_type, mine.shape, mine.data_offset, mine.n_bytes) == \
-                (reference.name, reference.tensor_type, tuple(int(n) for n in reference.shape), reference.data_offset,
-                 reference.n_bytes)
-            assert mine.data.dtype == reference.data.dtype and np.array_equal(mine.data, reference.data), mine.name
+        assert same_as_gguf_reader(path) == [], path.name
+    assert GGUFFile(values).fields["test.bools"] == [True, False, True]
+    assert all(tensor.data_offset % 256 == 0 for tensor in GGUFFile(second).tensors)
     bad = tmp_path / "not.gguf"
     bad.write_bytes(b"PK\x03\x04" + bytes(60))
-    with pytest.raises(ConfigError, match="not a GGUF file"):
-        GGUFFile(bad)
+    short = tmp_path / "short.gguf"
+    short.write_bytes(values.read_bytes()[:200])
+    for path, message in [(bad, "not a GGUF file"), (short, "damaged GGUF header")]:
+        with pytest.raises(ConfigError, match=message):
+            GGUFFile(path)

@@ -5,12 +5,11 @@ import numpy as np
 import pytest
 
 from helpers import MarkovLM, random_prompt, tiny_model
-from speculant import cli
+from speculant import cli, latency
 from speculant.analysis.acceptance import estimate, match_runs, position_counts
-from speculant import latency
-from speculant.latency import LatencyProfile, profile_model
 from speculant.config import SamplingConfig
 from speculant.errors import ConfigError
+from speculant.latency import LatencyProfile, profile_model
 
 
 def test_match_runs_and_position_counts():
@@ -54,16 +53,22 @@ def test_a_machine_profile_prefills_each_context_it_times_once():
     """The forwards a machine profile times after a context run on the prefill it timed of that context (on a CPU
     the long context's prefill is most of a profile's time): a warm-up, the short context, the catch-up's one
     cached token and the long context, each prefilled once."""
-    prefilled = []
+    prefilled, cached = [], set()
 
     class Counted(MarkovLM):
         def prefill(self, ids):
             prefilled.append(len(ids))
             return super().prefill(ids)
 
+        def forward(self, ids, positions=None, tree=None):
+            cached.add(self.cache_len)  # what each timed forward (and the catch-up) runs after
+            return super().forward(ids, positions, tree)
+
     profile = latency._measure(Counted(12, 0), repeats=1, progress=False)
     assert sorted(prefilled) == sorted([8, latency.MACHINE_CONTEXT, 1, latency.LONG_CONTEXT])
-    assert set(profile.forward_s) == set(latency.MACHINE_WIDTHS) and set(profile.long_forward_s) == set(latency.LONG_WIDTHS)
+    assert cached == {latency.MACHINE_CONTEXT, 1, latency.LONG_CONTEXT}
+    assert set(profile.forward_s) == set(latency.MACHINE_WIDTHS)
+    assert set(profile.long_forward_s) == set(latency.LONG_WIDTHS)
 
 
 def test_profile_cli_rejects_bad_widths(capsys):

@@ -39,7 +39,7 @@ from speculant.cache import cache_root
 from speculant.kernels import formats
 from speculant.errors import ConfigError
 from speculant.models.base import Backend, Call, Capabilities, Interrupted, PointerCache, prompt_parts
-from speculant.models.gguf_file import GGUFFile
+from speculant.models import gguf_header
 from speculant.trees.tree import TokenTree
 
 ARCHITECTURES = {"qwen2": "neox", "llama": "norm", "qwen3": "neox", "phi3": "neox", "gemma2": "neox",
@@ -199,10 +199,10 @@ def _rope(config: LeanConfig, theta: float, scale: float, factors: torch.Tensor 
 def _cache_directory(path: Path, head: tuple[int, ...] | None) -> Path:
     stat = path.stat()
     digest = hashlib.sha256(f"{path.resolve()}|{stat.st_size}|{stat.st_mtime_ns}".encode())
-    # what writes the cache: the layouts (formats.py) and the writer (_repack's source), so that an edit to either
-    # repacks rather than reading files of another layout
-    digest.update(Path(formats.__file__).read_bytes() + inspect.getsource(_repack).encode() +
-                  inspect.getsource(_read).encode())
+    # what writes the cache: the layouts (formats.py), the file's reader (gguf_header.py) and the writer (_repack's
+    # source), so that an edit to any repacks rather than reading files of another layout
+    digest.update(Path(formats.__file__).read_bytes() + Path(gguf_header.__file__).read_bytes() +
+                  inspect.getsource(_repack).encode() + inspect.getsource(_read).encode())
     digest.update(f"layout {CACHE_LAYOUT}".encode())
     if head is not None:
         digest.update(np.asarray(head, dtype=np.int64).tobytes())
@@ -213,7 +213,7 @@ def _repack(path: Path, directory: Path, head: tuple[int, ...] | None) -> None:
     """Read the file's configuration, repack its matrices (a drafter's: see LeanWeights) and write them with a
     layout.json into `directory` (through a temporary sibling renamed into place: readers see all of it or
     nothing)."""
-    reader = GGUFFile(path)
+    reader = gguf_header.GGUFFile(path)
     config, tensors, matrices = _read(reader)
     if head is None and (untyped := _untyped(matrices)):
         raise ConfigError(f"{untyped} (a drafter's weights may be quantized again: `name@lean`)")
@@ -270,7 +270,8 @@ def _remove_unused(root: Path) -> None:
             pass  # not a repack, or another process removed it first
 
 
-def _read(reader: GGUFFile) -> tuple[LeanConfig, dict[str, Any], list[tuple[str, str, np.ndarray, int]]]:
+def _read(reader: gguf_header.GGUFFile) -> tuple[LeanConfig, dict[str, Any],
+                                                 list[tuple[str, str, np.ndarray, int]]]:
     """A GGUF file's configuration, its tensors by name, and the matrices the kernels multiply: (name, GGUF type,
     data [outputs, bytes or values], inputs), the output head first, then each layer's MATRICES (Phi-3's fused
     attn_qkv and ffn_up split by rows: q, k, v; gate, up). ConfigError where the lean model does not compute what
@@ -345,7 +346,7 @@ def coverage(path: Path) -> tuple[bool, str]:
     architecture and its matrices' types), or what it lacks (the architecture, its rope scaling or a matrix's type).
     Read from the header, before anything is repacked."""
     try:
-        config, _, matrices = _read(GGUFFile(path))
+        config, _, matrices = _read(gguf_header.GGUFFile(path))
     except ConfigError as error:
         return False, str(error)
     if untyped := _untyped(matrices):
@@ -363,7 +364,7 @@ def shared_weights(path: Path, head: tuple[int, ...] | None = None) -> LeanWeigh
     return LeanWeights(path, head)
 
 
-def _field(reader: GGUFFile, key: str, default: Any = ConfigError) -> Any:
+def _field(reader: gguf_header.GGUFFile, key: str, default: Any = ConfigError) -> Any:
     if key not in reader.fields:
         if default is ConfigError:
             raise ConfigError(f"the GGUF file has no {key}")
