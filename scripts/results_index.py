@@ -77,18 +77,15 @@ ENTRIES: dict[str, tuple[str, str, str | None, str | None, str | None]] = {
     "catch-up-avx2.json": ("CPU", "a cache's catch-up on a new prompt (the 0.5B and the 1.5B on lean) as a forward of "
                            "every row, as `catch_up` (the last row's logits only) and as a prefill",
                            "python scripts/catch_up_prefill.py --out docs/results/catch-up-avx2.json", ZEN3, None),
-    "lean-avx2-profiles-head.json": ("CPU", "the machine profiles of the 1.5B and its 0.5B drafter for the AVX2 kernel "
-                                     "that bench-avx2-head-* ran, as version 2 and version 3 of the profile measured "
-                                     "them, copied from the profile cache", "measured by the bench-avx2-head-* runs "
-                                     "(`speculant profile` shows one)", ZEN3, None),
     "kernels-avx2.json": ("CPU", "T(W) of the 4-bit kernels' AVX2 path alone on the 1.5B's 197 matrices, on the CPU "
                           "where it is the path that runs, after the kernel change",
                           "speculant bench-kernels --widths 1,2,4,8,16 --isa avx2 --repeats 5 "
                           "--out docs/results/kernels-avx2.json", ZEN3, None),
     "lean-avx2-profiles.json": ("CPU", "the machine profiles (T(W) of the whole lean forward, TTFT) that the 1.5B and "
-                                "its 0.5B drafter measured for the AVX2 kernels before and after their change, copied "
-                                "from the profile cache", "measured by the bench-avx2-* runs (`speculant profile` "
-                                "shows one)", ZEN3, None),
+                                "its 0.5B drafter measured for the AVX2 kernels before and after their change, and for "
+                                "the kernel bench-avx2-head-* ran as profile versions 2 and 3 measured it, copied from "
+                                "the profile cache", "measured by the bench-avx2-* runs (`speculant profile` shows one)",
+                                ZEN3, None),
     "bench-humaneval-10-30": ("CPU", "`auto` on twenty HumanEval problems never used while tuning (HumanEval[10:30])",
                               None, ZEN4, None),
     "bench-lean-mixed": ("CPU", "llama.cpp's own speculative tools (`llamacpp-cli-spec`, `llamacpp-cli-ngram`) against "

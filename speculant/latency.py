@@ -148,17 +148,16 @@ def profile_model(model, prompts: list[list[int]], widths: list[int], context_le
         for step in range(decode_steps):
             tpots.append(_timed(lambda: model.forward([ids[step % len(ids)]])))
     context = (sum(prompts, []) * (context_len // max(1, sum(map(len, prompts))) + 1))[:context_len]
+    model.prefill(context)
     return LatencyProfile(model.name, dtype, str(model.device), context_len, statistics.median(ttfts),
                           statistics.median(tpots), forward_costs(model, context, widths, repeats))
 
 
 def forward_costs(model, context: list[int], widths: Sequence[int], repeats: int = 3,
-                  done: Callable[[], object] = lambda: None, cached: bool = False) -> dict[int, float]:
-    """T(W): the median seconds of a forward of W new tokens after `context` is cached, for each W
-    (`done` is called after each). `cached`: the model's cache holds `context` already (a prefill just timed), so
-    none is run again (a long context's prefill is the dearest step of a machine profile)."""
-    if not cached:
-        model.prefill(context)
+                  done: Callable[[], object] = lambda: None) -> dict[int, float]:
+    """T(W): the median seconds of a forward of W new tokens after `context`, which the model's cache holds (the
+    caller's prefill, often one it timed: a long context's prefill is the dearest step of a machine profile), for
+    each W; the cache holds `context` again after each (`done` is called after each)."""
     costs = {}
     for width in widths:
         new = (context * (width // len(context) + 1))[:width]
@@ -229,7 +228,7 @@ def _measure(model, repeats: int, progress: bool) -> LatencyProfile:
         model.prefill(context[:8])  # warm-up
         ttft = _timed(lambda: model.prefill(context[:length]))
         bar.update()
-        costs = forward_costs(model, context[:length], MACHINE_WIDTHS, repeats, done=bar.update, cached=True)
+        costs = forward_costs(model, context[:length], MACHINE_WIDTHS, repeats, done=bar.update)
         catch_up = None
         if length - 1 > max(MACHINE_WIDTHS):
             model.prefill(context[:1])
@@ -240,6 +239,5 @@ def _measure(model, repeats: int, progress: bool) -> LatencyProfile:
             profile.long_context_len = long
             profile.long_ttft_s = _timed(lambda: model.prefill(context[:long]))
             bar.update()
-            profile.long_forward_s = forward_costs(model, context[:long], LONG_WIDTHS, repeats, done=bar.update,
-                                                    cached=True)
+            profile.long_forward_s = forward_costs(model, context[:long], LONG_WIDTHS, repeats, done=bar.update)
     return profile

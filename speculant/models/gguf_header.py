@@ -40,7 +40,6 @@ class Tensor:
     tensor_type: Any  # gguf.GGMLQuantizationType
     shape: tuple[int, ...]  # ggml's order: the row length first
     data_offset: int  # from the start of the file
-    n_bytes: int
     data: np.ndarray  # [..., rows, row] typed (F16, F32, F64, I8-I64), else [..., rows, row bytes]
 
 
@@ -95,7 +94,7 @@ class GGUFFile:
                 data = data.view(TYPED[ggml_type.name]).reshape(shape)
             else:
                 data = data.reshape(quant_shape_to_byte_shape(shape, ggml_type))
-            tensors.append(Tensor(name, ggml_type, dims, where, n_bytes, data))
+            tensors.append(Tensor(name, ggml_type, dims, where, data))
         return tensors
 
     def _unpack(self, layout: str) -> Any:
@@ -145,7 +144,7 @@ def same_as_gguf_reader(path: str | Path) -> list[str]:
     if len(ours.tensors) != len(theirs.tensors):
         differences.append(f"{len(ours.tensors)} tensors, not {len(theirs.tensors)}")
     for mine, reference in zip(ours.tensors, theirs.tensors):
-        if (mine.name, mine.tensor_type, mine.shape, mine.data_offset, mine.n_bytes, mine.data.dtype,
+        if (mine.name, mine.tensor_type, mine.shape, mine.data_offset, mine.data.nbytes, mine.data.dtype,
                 mine.data.shape) != (reference.name, reference.tensor_type, tuple(int(n) for n in reference.shape),
                                      reference.data_offset, reference.n_bytes, reference.data.dtype,
                                      reference.data.shape) or not np.array_equal(mine.data, reference.data):

@@ -50,6 +50,7 @@ def measured_costs(model: CausalLM, context: list[int], widths: Sequence[int], m
     `measured` ({model: {widths: costs}}, a `Session`'s)."""
     per_model = measured.setdefault(owner_of(model), {})
     if tuple(widths) not in per_model:
+        model.prefill(context)
         forward_costs(model, context, widths[:1], repeats=1)  # warm-up
         per_model[tuple(widths)] = forward_costs(model, context, widths, repeats=1)
     return per_model[tuple(widths)]

@@ -234,7 +234,7 @@ def _repack(path: Path, directory: Path, head: tuple[int, ...] | None) -> None:
     eos = _field(reader, "tokenizer.ggml.eos_token_id", None)
     layout = {"config": vars(config), "eos": [] if eos is None else [int(eos)], "output": output, "matrices": {},
               "types": _types(matrices),
-              "tensors": {name: [t.tensor_type.name, [int(n) for n in t.shape], int(t.data_offset), int(t.n_bytes)]
+              "tensors": {name: [t.tensor_type.name, [int(n) for n in t.shape], int(t.data_offset), t.data.nbytes]
                           for name, t in tensors.items() if name not in names or name == "token_embd.weight"}}
     tmp = directory.with_name(f".tmp-{directory.name}-{os.getpid()}")
     tmp.mkdir(parents=True, exist_ok=True)
