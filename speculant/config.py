@@ -27,6 +27,10 @@ DTYPES = ("auto", "bf16", "fp32")
 BACKENDS = ("hf", "llamacpp", "lean", "static")  # transformers; GGUF on llama.cpp; GGUF on speculant's own kernels;
 # transformers weights on torch kernels with a static cache (models/backends/static.py)
 EXECUTORS = ("thread", "process", "ray")  # where DSI's target servers run
+# A model's weights as `name@SUFFIX` picks them (a target's quant, a drafter spec's suffix):
+QUANTS = ("int8", "int4")  # transformers weights, their linear layers quantized at load (models/numerics/quant.py)
+GGUF = "gguf"  # the packaged GGUF weights as they are, on the llama.cpp backend
+LEAN = "lean"  # the packaged GGUF on the lean backend as a drafter (models/backends/lean.py: head cut, types re-quantized)
 
 
 def count_or_auto(text: str) -> int | str:

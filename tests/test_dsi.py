@@ -285,38 +285,49 @@ def test_process_executor_survives_a_server_killed_mid_generation():
     assert tokens == reference(target, prompt, 40)
 
 
-@pytest.mark.parametrize("executor", ["thread", "process", pytest.param("ray", marks=RAY)])
-def test_greedy_dsi_equals_autoregressive_on_every_executor(executor):
-    """N in {1, 3} (Ray: 3, its actors take seconds each to start) and lookahead in {1, 3, 5}, one pool per N
-    serving every lookahead, random twin latencies to shake out races; a pool of 3 loses server 1 (it exits
-    at its third job: a fault injected) on the way, and the generations after it hear so at once (they waited
-    for a timeout when only the first was told)."""
-    if executor == "ray":
-        pytest.importorskip("ray")
-    rng = random.Random(7)
+def exercise_pool(make_pool, servers: int, rng: random.Random, check=None) -> None:
+    """DSI on a pool of `servers` (made by `make_pool(spec)`) serving generations of lookahead 1, 3 and 5, random
+    twin latencies shaking out races; a pool of 3 loses server 1 on the way (it exits at its third job: a fault
+    injected) and the generations after it hear so at once (they waited for a timeout when only the first was
+    told). `check(pool)` runs once the pool has started."""
     target = tiny_model("llama", 61, VOCAB)
-    for servers in (1, 3) if executor != "ray" else (3,):
-        spec = ServerSpec(partial(hf_replica, target.model, target.name, frozenset()), ["cpu"] * servers, GREEDY,
-                          Latency(rng.uniform(0, 0.004), rng.uniform(0.001, 0.004)),
-                          die_after={1: 2} if servers == 3 else {})
-        pool = make_executor(executor, spec)
-        pool.start()
-        lost = []
-        try:
-            for lookahead in (1, 3, 5):
-                drafter = perturbed(target, rng.choice([0.1, 0.3]), rng.randrange(1000))
-                prompt = random_prompt(rng.randrange(1000), VOCAB, 8)
-                tokens, stats = run_dsi(pool, drafter, prompt, 24, lookahead, Latency(0, rng.uniform(0, 0.002)))
-                assert tokens == reference(target, prompt, 24), f"{servers} servers, lookahead {lookahead}"
-                lost += [server.lost for server in stats.dsi.servers if server.lost]
-            assert bool(lost) == (servers == 3), lost  # the output stayed the same where server 1 died
-            if servers == 3:  # the next generation on the pool is told that server 1 is gone, it does not time out
-                prompt = random_prompt(rng.randrange(1000), VOCAB, 8)
-                tokens, stats = run(dsi(pool, ModelDrafter(target, GREEDY, None), prompt, 24, 3, GREEDY, None,
-                                        frozenset(), timeout_s=20, close_executor=False))
-                assert tokens == reference(target, prompt, 24) and stats.dsi.servers[1].lost == lost[0]
-        finally:
-            pool.close()
+    spec = ServerSpec(partial(hf_replica, target.model, target.name, frozenset()), ["cpu"] * servers, GREEDY,
+                      Latency(rng.uniform(0, 0.004), rng.uniform(0.001, 0.004)),
+                      die_after={1: 2} if servers == 3 else {})
+    pool = make_pool(spec)
+    pool.start()
+    lost = []
+    try:
+        if check is not None:
+            check(pool)
+        for lookahead in (1, 3, 5):
+            drafter = perturbed(target, rng.choice([0.1, 0.3]), rng.randrange(1000))
+            prompt = random_prompt(rng.randrange(1000), VOCAB, 8)
+            tokens, stats = run_dsi(pool, drafter, prompt, 24, lookahead, Latency(0, rng.uniform(0, 0.002)))
+            assert tokens == reference(target, prompt, 24), f"{servers} servers, lookahead {lookahead}"
+            lost += [server.lost for server in stats.dsi.servers if server.lost]
+        assert bool(lost) == (servers == 3), lost  # the output stayed the same where server 1 died
+        if servers == 3:  # the next generation on the pool is told that server 1 is gone, it does not time out
+            prompt = random_prompt(rng.randrange(1000), VOCAB, 8)
+            tokens, stats = run(dsi(pool, ModelDrafter(target, GREEDY, None), prompt, 24, 3, GREEDY, None,
+                                    frozenset(), timeout_s=20, close_executor=False))
+            assert tokens == reference(target, prompt, 24) and stats.dsi.servers[1].lost == lost[0]
+    finally:
+        pool.close()
+
+
+@pytest.mark.parametrize("executor", ["thread", "process"])
+def test_greedy_dsi_equals_autoregressive_on_every_executor(executor):
+    """Pools of 1 and 3 servers (`exercise_pool`); Ray's executor runs the same on a cluster of two nodes
+    (`test_dsi_on_two_ray_nodes_equals_autoregressive`)."""
+    rng = random.Random(7)
+
+    def forked(pool):  # process servers fork from multiprocessing's forkserver (torch imported there once)
+        parents = {int(Path(f"/proc/{p.pid}/stat").read_text().rpartition(")")[2].split()[1]) for p in pool.processes}
+        assert len(parents) == 1 and os.getpid() not in parents, parents
+
+    for servers in (1, 3):
+        exercise_pool(partial(make_executor, executor), servers, rng, forked if executor == "process" else None)
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA")
@@ -544,25 +555,23 @@ def two_ray_nodes():
 
 
 @RAY
-def test_dsi_across_two_ray_nodes_equals_autoregressive(two_ray_nodes):
+def test_dsi_on_two_ray_nodes_equals_autoregressive(two_ray_nodes):
+    """Ray's executor joins the cluster (and leaves it on close), its 3 servers spread over both nodes, and DSI on
+    them runs as on the other executors, a server lost on the way (`exercise_pool`)."""
     import ray
 
-    target, drafter, prompt = pair(52, noise=0.1)
-    spec = ServerSpec(partial(hf_replica, target.model, target.name, frozenset()), ["cpu"] * 2, GREEDY,
-                      Latency(0.003, 0.003))
     ray.init(address=two_ray_nodes, log_to_driver=False, configure_logging=False)
-    for _ in range(100):  # the second node registers within seconds of `ray start` returning
-        if sum(node["Alive"] for node in ray.nodes()) == 2:
-            break
-        time.sleep(0.2)
-    assert sum(node["Alive"] for node in ray.nodes()) == 2, ray.nodes()
-    pool = make_executor("ray", spec, two_ray_nodes)
-    pool.start()
     try:
-        assert len(set(pool.nodes())) == 2, "the servers should run on both nodes"
-        for seed, lookahead in ((52, 1), (53, 3)):
-            _, drafter_s, prompt_s = pair(seed, noise=0.1)
-            assert run_dsi(pool, drafter_s, prompt_s, 30, lookahead)[0] == reference(target, prompt_s, 30)
+        for _ in range(100):  # the second node registers within seconds of `ray start` returning
+            if sum(node["Alive"] for node in ray.nodes()) == 2:
+                break
+            time.sleep(0.2)
+        assert sum(node["Alive"] for node in ray.nodes()) == 2, ray.nodes()
     finally:
-        pool.close()
-        ray.shutdown()
+        ray.shutdown()  # the executor connects on its own
+
+    def on_both_nodes(pool):
+        assert pool.owns_ray and len(set(pool.nodes())) == 2, "the servers should run on both nodes"
+
+    exercise_pool(lambda spec: make_executor("ray", spec, two_ray_nodes), 3, random.Random(7), on_both_nodes)
+    assert not ray.is_initialized()

@@ -114,6 +114,20 @@ def test_fr_spec_s_frequent_tokens_keep_every_special_token(tmp_path, monkeypatc
     assert len(list(tmp_path.glob("frequency/*.npy"))) == 2  # the code's counts and the prose's
 
 
+def test_prose_words_are_encoded_as_the_tokenizer_encodes_them():
+    """`words_ids` (a fast tokenizer's own batch encoder) gives the ids the tokenizer gives, special tokens left
+    out: here a tokenizer whose template opens every text with one."""
+    from tokenizers.processors import TemplateProcessing
+
+    from speculant.corpus import words_ids
+
+    tokenizer = byte_tokenizer()
+    tokenizer.backend_tokenizer.post_processor = TemplateProcessing(single="<eos> $A", special_tokens=[("<eos>", 256)])
+    words = [" the", " Über", "Naïve", " 🐍", "x" * 40, ""]
+    assert tokenizer(words[0])["input_ids"][0] == 256  # (the template applies)
+    assert words_ids(tokenizer, words) == tokenizer(words, add_special_tokens=False)["input_ids"]
+
+
 def test_fr_spec_s_head_keeps_what_code_and_what_prose_use_most(tmp_path, monkeypatch):
     """A coder's drafter serves code and chat: the head ranks tokens by the larger of their shares of the code
     corpus and of English prose (wordfreq's words), so neither crowds the other out."""

@@ -34,14 +34,20 @@ def test_self_drafting_accepts_every_draft_and_matches_autoregressive(model):
 
 
 def test_cli_generate_runs():
+    """`speculant generate` on a GGUF, which needs only a tokenizer from transformers: its models, seconds of imports
+    in every process (each CLI call, server and DSI worker), stay unimported (Python's -X importtime lists every
+    module a process imports)."""
     pytest.importorskip("llama_cpp")
     gguf = f"{MODEL}@gguf"  # (llama.cpp loads it in a second; the module's fp32 model takes ten)
-    command = [sys.executable, "-m", "speculant.cli", "generate", "def add(a, b):", "--target", gguf,
-               "--drafter", gguf, "--max-new-tokens", "8", "--k", "3"]
+    command = [sys.executable, "-X", "importtime", "-m", "speculant.cli", "generate", "def add(a, b):", "--target",
+               gguf, "--drafter", gguf, "--max-new-tokens", "8", "--k", "3"]
     done = subprocess.run(command, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr
     assert done.stdout.strip()
     assert "8 tokens in" in done.stderr and "acceptance 100%" in done.stderr
+    imported = {line.split("|")[-1].strip() for line in done.stderr.splitlines() if line.startswith("import time:")}
+    assert "speculant.models.backends.llamacpp" in imported
+    assert not imported & {"transformers.modeling_utils", "speculant.models.backends.hf"}
 
 
 def test_catalog_gguf_loads_in_seconds_and_auto_is_exact():

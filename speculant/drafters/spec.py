@@ -9,13 +9,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+from speculant.config import GGUF, LEAN, QUANTS
 from speculant.errors import ConfigError, IncompatibleModels
 
 MAXGRAM = "maxgram"  # prompt lookup with a bigram fallback, no model (drafters.maxgram)
 SELF = "self"  # the target's own weights (quantized with @int8 / @int4, else shared)
-QUANTS = ("int8", "int4")
-GGUF = "gguf"  # the model's packaged GGUF weights as they are, on the llama.cpp backend
-LEAN = "lean"  # its GGUF on the lean backend, as a drafter (models/backends/lean.py: head cut, types re-quantized)
 SKIP = "skip"  # self@skip: a lean target's own weights with some layers left out (models/backends/layer_skip.py)
 
 

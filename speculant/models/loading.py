@@ -11,25 +11,24 @@ import logging
 from copy import deepcopy
 from functools import lru_cache
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
-from speculant.config import AUTO, BACKENDS
+from speculant.config import AUTO, BACKENDS, GGUF, LEAN, QUANTS
 from speculant.errors import ConfigError, ModelNotAvailable
 from speculant.machine import native_bf16
 from speculant.models.base import CausalLM
 from speculant.models.catalog import CATALOG, gguf_checkpoint, materialize
-from speculant.models.backends.hf import HFCausalLM, eos_ids
 from speculant.models.backends import llamacpp
 from speculant.models.numerics.native import KERNELS
-from speculant.models.numerics.quant import QUANTS, quantize
+
+if TYPE_CHECKING:
+    from speculant.models.backends.hf import HFCausalLM
 
 log = logging.getLogger("speculant")
 
 DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
-GGUF = "gguf"  # `name@gguf`: the packaged GGUF weights as they are, on the llama.cpp backend
-LEAN = "lean"  # `name@lean`: the packaged GGUF on the lean backend as a drafter (FR-Spec head, types re-quantized)
 
 
 def dtype_name(dtype: torch.dtype) -> str:
@@ -79,6 +78,9 @@ def split_quant(spec: str) -> tuple[str, str | None]:
 
 def quantized_copy(model: HFCausalLM, quant: str, group_size: int = 32) -> HFCausalLM:
     """A quantized copy of a loaded model's weights, e.g. the target as its own drafter (`self@int8`)."""
+    from speculant.models.backends.hf import HFCausalLM
+    from speculant.models.numerics.quant import quantize
+
     copy = quantize(deepcopy(model.model), quant, group_size)
     identity = f"{model.identity}@{quant}" if model.identity else None
     return HFCausalLM(copy, model.tokenizer, f"{model.name}@{quant}", model.eos_token_ids, identity)
@@ -243,6 +245,9 @@ def load_model(spec: Any, dtype: str | None = None, device: str | None = None, t
         return load_gguf(spec, tokenizer) if chosen == "llamacpp" else load_lean(spec, tokenizer, quant == LEAN)
     if compile and chosen != "static":
         raise ConfigError("compile applies to the static backend")
+    from speculant.models.backends.hf import HFCausalLM, eos_ids  # (transformers' models: imported when they load)
+    from speculant.models.numerics.quant import quantize
+
     model, tokenizer, name, extra_eos = _load_transformers(spec, dtype, device, tokenizer)
     identity = f"{name} {dtype_name(model.dtype)}" if isinstance(spec, (str, Path)) else None
     if chosen == "static":

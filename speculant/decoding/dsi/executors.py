@@ -141,8 +141,10 @@ def _process_main(spec: ServerSpec, index: int, conn: Any, canceller: Canceller,
 
 
 class ProcessExecutor:
-    """One OS process per target server (spawned; transformers weights travel through shared memory),
-    so forwards truly run in parallel. A server process that exits is reported lost."""
+    """One OS process per target server, so forwards truly run in parallel; transformers weights travel through
+    shared memory. Servers fork from multiprocessing's forkserver, a clean process (no threads, no CUDA) that
+    imported torch, transformers and this module once: a fresh interpreter per server (`spawn`) would import them
+    again for each server, seconds apiece. A server process that exits is reported lost."""
 
     name = "process"
 
@@ -161,7 +163,8 @@ class ProcessExecutor:
             return
         import torch.multiprocessing as mp
 
-        context = mp.get_context("spawn")
+        context = mp.get_context("forkserver")
+        context.set_forkserver_preload([__name__, "speculant.models.backends.hf"])  # (before its first start)
         n = len(self.spec.devices)
         threads = self.spec.threads or max(1, (os.cpu_count() or 1) // (n + 1))
         for index in range(n):

@@ -22,12 +22,12 @@ from torch import nn
 from tqdm import tqdm
 from transformers.pytorch_utils import Conv1D
 
+from speculant.config import QUANTS
 from speculant.errors import ConfigError
 from speculant.models.numerics import native
 from speculant.models.numerics.exact import ExactLinear
 from speculant.models.numerics.invariant import use_row_invariant_attention
 
-QUANTS = ("int8", "int4")
 CUDA_INT4_GROUP_SIZES = (32, 64, 128, 256)  # what the CUDA tinygemm kernel supports
 INT4_ROWS = 16  # the packed int4 kernels need output sizes in multiples of this: odd sizes are padded
 log = logging.getLogger("speculant")
