@@ -51,9 +51,11 @@ def code_counts(tokenizer: Any, vocab_size: int) -> np.ndarray:
 
 def words_ids(tokenizer: Any, texts: list[str]) -> list[list[int]]:
     """Each short text's token ids, without special tokens. A fast tokenizer's own batch encoder, where there is
-    one: transformers' wrapper around it spends more time building its output than the encoder does on words."""
-    if getattr(tokenizer, "is_fast", False):
-        return [encoding.ids for encoding in tokenizer.backend_tokenizer.encode_batch(texts, add_special_tokens=False)]
+    one and it neither pads nor truncates (a tokenizer.json may set either; transformers' call turns them off):
+    transformers' wrapper around it spends more time building its output than the encoder does on words."""
+    backend = getattr(tokenizer, "backend_tokenizer", None) if getattr(tokenizer, "is_fast", False) else None
+    if backend is not None and backend.padding is None and backend.truncation is None:
+        return [encoding.ids for encoding in backend.encode_batch(texts, add_special_tokens=False)]
     return tokenizer(texts, add_special_tokens=False)["input_ids"]
 
 

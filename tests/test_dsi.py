@@ -28,7 +28,7 @@ from speculant.drafters.base import Draft, Drafter
 from speculant.drafters.maxgram import MaxGramDrafter
 from speculant.drafters.model import ModelDrafter
 from speculant.errors import ConfigError
-from speculant.models.backends.hf import hf_replica
+from speculant.models.backends.hf import HFCausalLM, hf_replica
 from test_sampling import TEMPERATURE, assert_follows_target, sampling_pair
 
 VOCAB = 64
@@ -295,9 +295,9 @@ def exercise_pool(make_pool, servers: int, rng: random.Random, check=None) -> No
                       Latency(rng.uniform(0, 0.004), rng.uniform(0.001, 0.004)),
                       die_after={1: 2} if servers == 3 else {})
     pool = make_pool(spec)
-    pool.start()
     lost = []
     try:
+        pool.start()
         if check is not None:
             check(pool)
         for lookahead in (1, 3, 5):
@@ -314,6 +314,22 @@ def exercise_pool(make_pool, servers: int, rng: random.Random, check=None) -> No
             assert tokens == reference(target, prompt, 24) and stats.dsi.servers[1].lost == lost[0]
     finally:
         pool.close()
+
+
+def test_a_process_server_gets_a_model_of_more_tensors_than_a_forkserver_start_takes():
+    """Each shared weight tensor travels to a process server as a file descriptor: a model of 300 (the catalog's
+    0.5B has 290) reaches it, where a forkserver's start arguments take at most 256."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    config = LlamaConfig(vocab_size=VOCAB, hidden_size=16, intermediate_size=32, num_hidden_layers=33,
+                         num_attention_heads=2, num_key_value_heads=1)
+    model = LlamaForCausalLM(config).eval()
+    assert len(list(model.parameters())) > 256
+    target = HFCausalLM(model, None, name="tiny-llama-33-layers")
+    prompt = random_prompt(3, VOCAB, 8)
+    pool = make_executor("process", ServerSpec(replica_factory(target), ["cpu"], GREEDY))
+    assert run_dsi(pool, target, prompt, 8, 2, close=True)[0] == reference(target, prompt, 8)
 
 
 @pytest.mark.parametrize("executor", ["thread", "process"])

@@ -116,7 +116,8 @@ def test_fr_spec_s_frequent_tokens_keep_every_special_token(tmp_path, monkeypatc
 
 def test_prose_words_are_encoded_as_the_tokenizer_encodes_them():
     """`words_ids` (a fast tokenizer's own batch encoder) gives the ids the tokenizer gives, special tokens left
-    out: here a tokenizer whose template opens every text with one."""
+    out: here a tokenizer whose template opens every text with one, then one whose tokenizer.json pads and
+    truncates (which transformers' own call turns off)."""
     from tokenizers.processors import TemplateProcessing
 
     from speculant.corpus import words_ids
@@ -126,6 +127,9 @@ def test_prose_words_are_encoded_as_the_tokenizer_encodes_them():
     words = [" the", " Über", "Naïve", " 🐍", "x" * 40, ""]
     assert tokenizer(words[0])["input_ids"][0] == 256  # (the template applies)
     assert words_ids(tokenizer, words) == tokenizer(words, add_special_tokens=False)["input_ids"]
+    tokenizer.backend_tokenizer.enable_padding(pad_id=256, pad_token="<eos>")
+    tokenizer.backend_tokenizer.enable_truncation(max_length=3)
+    assert words_ids(tokenizer, words) == [list(word.encode()) for word in words]  # byte i is token i here
 
 
 def test_fr_spec_s_head_keeps_what_code_and_what_prose_use_most(tmp_path, monkeypatch):

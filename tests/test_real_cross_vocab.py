@@ -1,4 +1,4 @@
-"""SmolLM2-135M (another tokenizer) drafting for the packaged Qwen2.5-Coder targets (the lean kernels): greedy
+"""SmolLM2-135M (another tokenizer) drafting for the packaged Qwen2.5-Coder targets (on the backend `auto` picks): greedy
 speculative decoding equals the target's own greedy decoding. Skipped locally when a package is missing; required
 in CI."""
 

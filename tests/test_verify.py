@@ -120,20 +120,24 @@ def emitted_joint(verify, draws: int, deterministic: bool, seed: int = 1) -> tup
 
 
 @pytest.mark.parametrize("deterministic", [False, True])
-def test_block_verification_emits_the_target_s_joint_distribution_and_accepts_more(deterministic):
-    """The joint law of 27 three-token sequences, 10000 draws (noise ~0.015; a residual left unweighted gives 0.12-
-    0.13, h_i taken as w_i 0.05 with drafted drafts); block verification accepts more tokens than token-level (Sun et
-    al. 2024, Theorem 2), and as many for a fixed draft, where both accept a prefix with the probability that the
-    target emits it, the most any valid verifier can."""
+def test_block_verification_emits_the_target_s_joint_distribution_and_accepts_at_least_as_many(deterministic):
+    """The joint law of 27 three-token sequences, 10000 draws (noise ~0.012; a residual left unweighted gives 0.12-
+    0.13, h_i taken as w_i 0.05 with drafted drafts). Token-level verification accepts its exact expected count;
+    block verification accepts more of drafted drafts (Sun et al. 2024, Theorem 2: 0.818 against 0.777 here), and
+    as many of a fixed draft, where both accept a prefix with the probability that the target emits it, the most
+    any valid verifier can. (A count's standard error is ~0.006, a difference's ~0.01.)"""
     from speculant.verify import verify_block
 
     block, block_accepted = emitted_joint(verify_block, 10000, deterministic)
     token, token_accepted = emitted_joint(verify_sampling, 10000, deterministic)
     assert block < 0.03 and token < 0.03, (block, token)
-    if deterministic:
-        target, _ = chains()
-        expected = float(target[3, 2] * (1 + target[2, 2]))  # P(x1 = 2) + P(x1 = 2, x2 = 2): standard error ~0.008
+    target, drafter = chains()
+    if deterministic:  # P(x1 = 2) + P(x1 = 2, x2 = 2)
+        expected = float(target[3, 2] * (1 + target[2, 2]))
         assert abs(block_accepted - expected) < 0.025 and abs(token_accepted - expected) < 0.025, \
             (block_accepted, token_accepted, expected)
-    else:
-        assert block_accepted > token_accepted + 0.03, (block_accepted, token_accepted)
+    else:  # x1 accepted with min(p, q) summed over x1, then x2 likewise given x1
+        kept = torch.minimum(target, drafter)
+        expected = float(sum(kept[3, x] * (1 + kept[x].sum()) for x in range(3)))
+        assert abs(token_accepted - expected) < 0.025, (token_accepted, expected)
+        assert block_accepted > token_accepted + 0.01, (block_accepted, token_accepted)

@@ -18,7 +18,7 @@ __all__ = ["CATALOG", "DTYPES", "QUANTS", "CausalLM", "HFCausalLM", "dtype_name"
            "resolve_device", "resolve_dtype", "split_quant"]
 
 
-def __getattr__(name: str):
+def __getattr__(name: str) -> type:
     if name == "HFCausalLM":  # (PEP 562: imported on first use)
         from speculant.models.backends.hf import HFCausalLM
 

@@ -89,7 +89,7 @@ def quantized_copy(model: HFCausalLM, quant: str, group_size: int = 32) -> HFCau
 def transformers_drafter(target: Any, spec: Any, dtype: str | None, backend: str) -> CausalLM:
     """A drafter for a transformers-weights target (`backend` hf or static): on the target's device in `dtype`
     (default: the target's) and backend, compiled as the target is; `@gguf` on llama.cpp."""
-    if spec.backend == "gguf":
+    if spec.backend == GGUF:
         return load_model(str(spec))
     return load_model(str(spec), dtype=dtype or dtype_name(target.dtype), device=str(target.device), backend=backend,
                       compile=backend == "static" and target.compiled)
@@ -246,7 +246,6 @@ def load_model(spec: Any, dtype: str | None = None, device: str | None = None, t
     if compile and chosen != "static":
         raise ConfigError("compile applies to the static backend")
     from speculant.models.backends.hf import HFCausalLM, eos_ids  # (transformers' models: imported when they load)
-    from speculant.models.numerics.quant import quantize
 
     model, tokenizer, name, extra_eos = _load_transformers(spec, dtype, device, tokenizer)
     identity = f"{name} {dtype_name(model.dtype)}" if isinstance(spec, (str, Path)) else None
@@ -257,6 +256,8 @@ def load_model(spec: Any, dtype: str | None = None, device: str | None = None, t
         identity = identity and f"{identity} static{' compiled' if compile else ''}"
         return StaticCausalLM(StaticWeights(model), tokenizer, name, eos, identity, compiled=compile)
     if quant is not None:
+        from speculant.models.numerics.quant import quantize
+
         if model is spec:
             model = deepcopy(spec)  # quantization rewrites the modules: never the caller's
         quantize(model, quant, group_size)

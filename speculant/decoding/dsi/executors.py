@@ -120,7 +120,16 @@ class ThreadExecutor:
             thread.join(timeout=5)
 
 
-def _process_main(spec: ServerSpec, index: int, conn: Any, canceller: Canceller, threads: int) -> None:
+def _process_main(index: int, conn: Any, canceller: Canceller, threads: int) -> None:
+    """A server process: the spec comes through its pipe (torch hands each shared weight tensor over as a file
+    descriptor, which a pipe passes in any number; a forkserver's start arguments take at most 256, fewer than a
+    0.5B model's tensors), with the environment and cores of the process that starts the pool now (the forkserver
+    kept those of the first pool's)."""
+    spec, environ, cores = conn.recv()
+    os.environ.clear()
+    os.environ.update(environ)
+    if cores is not None:
+        os.sched_setaffinity(0, cores)
     torch.set_num_threads(threads)
     try:
         server = spec.build(index, canceller, own_process=True)
@@ -142,9 +151,10 @@ def _process_main(spec: ServerSpec, index: int, conn: Any, canceller: Canceller,
 
 class ProcessExecutor:
     """One OS process per target server, so forwards truly run in parallel; transformers weights travel through
-    shared memory. Servers fork from multiprocessing's forkserver, a clean process (no threads, no CUDA) that
-    imported torch, transformers and this module once: a fresh interpreter per server (`spawn`) would import them
-    again for each server, seconds apiece. A server process that exits is reported lost."""
+    shared memory. Servers fork from multiprocessing's forkserver, a fresh interpreter (no CUDA, none of the
+    caller's state) that imported torch, this module and the first pool's replica factory's once: a fresh
+    interpreter per server (`spawn`, where there is no forkserver) imports them again for each server, seconds
+    apiece. A server process that exits is reported lost."""
 
     name = "process"
 
@@ -163,18 +173,24 @@ class ProcessExecutor:
             return
         import torch.multiprocessing as mp
 
-        context = mp.get_context("forkserver")
-        context.set_forkserver_preload([__name__, "speculant.models.backends.hf"])  # (before its first start)
+        if "forkserver" in mp.get_all_start_methods():
+            context = mp.get_context("forkserver")
+            factory = getattr(self.spec.factory, "func", self.spec.factory)  # (a partial's function)
+            context.set_forkserver_preload([__name__, factory.__module__])  # (what its first start imports)
+        else:
+            context = mp.get_context("spawn")
         n = len(self.spec.devices)
         threads = self.spec.threads or max(1, (os.cpu_count() or 1) // (n + 1))
+        cores = os.sched_getaffinity(0) if hasattr(os, "sched_getaffinity") else None
         for index in range(n):
             parent, child = context.Pipe()
             # The id needs no lock: one aligned 64-bit word, written by the coordinator only, read at every layer.
             canceller = Canceller(context.Event(), context.Value("q", -1, lock=False))
-            process = context.Process(target=_process_main, args=(self.spec, index, child, canceller, threads),
-                                      daemon=True, name=f"dsi-target-{index}")
+            process = context.Process(target=_process_main, args=(index, child, canceller, threads), daemon=True,
+                                      name=f"dsi-target-{index}")
             process.start()
             child.close()
+            parent.send((self.spec, dict(os.environ), cores))
             self.conns.append(parent)
             self.cancellers.append(canceller)
             self.processes.append(process)
