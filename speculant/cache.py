@@ -12,9 +12,15 @@ from typing import Any
 
 import numpy as np
 
+from speculant.errors import ConfigError
+
 
 def cache_root() -> Path:
-    return Path(os.environ.get("SPECULANT_CACHE", Path.home() / ".cache" / "speculant"))
+    """`$SPECULANT_CACHE` (unset or empty: `~/.cache/speculant`); a ConfigError where a file holds its path."""
+    root = Path(os.environ.get("SPECULANT_CACHE") or Path.home() / ".cache" / "speculant")
+    if root.exists() and not root.is_dir():
+        raise ConfigError(f"SPECULANT_CACHE={root} is a file: it names the directory speculant keeps its cache in")
+    return root
 
 
 def sha256_file(path: Path, chunk: int = 16 << 20) -> str:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import sys
 from collections.abc import Sequence
 from pathlib import Path
@@ -91,7 +92,7 @@ def build_parser() -> argparse.ArgumentParser:
     acc.add_argument("--drafter-dtype", choices=("bf16", "fp32"), default=None)
     acc.add_argument("--dataset", default="humaneval[:10]")
     acc.add_argument("--max-new-tokens", type=int, default=128)
-    acc.add_argument("--temperature", type=float, default=0.0, help="> 0 also reports sum_x min(p, q)")
+    acc.add_argument("--temperature", type=non_negative, default=0.0, help="> 0 also reports sum_x min(p, q)")
     acc.add_argument("--depth", type=int, default=8, help="draft positions in the per-position curve")
     add_options(acc, ModelConfig)
     acc.add_argument("--json", action="store_true")
@@ -137,12 +138,12 @@ def build_parser() -> argparse.ArgumentParser:
     load.add_argument("--requests", type=int, default=32, help="requests to send, cycling over the prompts (with "
                       "--rate: conversations)")
     load.add_argument("--concurrency", type=int, nargs="+", default=[1, 4, 16], help="clients at once; one run each")
-    load.add_argument("--rate", type=float, nargs="+", default=None, help="open loop instead: conversations arrive "
+    load.add_argument("--rate", type=non_negative, nargs="+", default=None, help="open loop instead: conversations arrive "
                       "at this Poisson rate per second, whatever the backlog; one run each")
     load.add_argument("--turns", type=int, default=1, help="with --rate: turns per conversation, each resending the "
                       "history with the reply and a follow-up question")
     load.add_argument("--max-tokens", type=int, default=64)
-    load.add_argument("--temperature", type=float, default=0.0)
+    load.add_argument("--temperature", type=non_negative, default=0.0)
     load.add_argument("--check-solo", action="store_true",
                       help="then send each distinct prompt alone and count outputs that differ (greedy)")
     load.add_argument("--label", default=None, help="a name for this server's configuration in the results")
@@ -172,8 +173,8 @@ def build_parser() -> argparse.ArgumentParser:
     sims = simulate.add_subparsers(dest="simulation", required=True)
     from speculant.analysis.commands import LOOKAHEADS  # numpy only
     one = sims.add_parser("run", help="expected latency of non-SI, SI and DSI for one configuration")
-    one.add_argument("--target-latency", type=float, default=None, metavar="MS", help="target forward (TPOT), ms")
-    one.add_argument("--drafter-latency", type=float, default=None, metavar="MS", help="drafter forward, ms")
+    one.add_argument("--target-latency", type=non_negative, default=None, metavar="MS", help="target forward (TPOT), ms")
+    one.add_argument("--drafter-latency", type=non_negative, default=None, metavar="MS", help="drafter forward, ms")
     one.add_argument("--target-profile", default=None, metavar="JSON",
                      help="take the target's TPOT and TTFT from a `speculant profile` file")
     one.add_argument("--drafter-profile", default=None, metavar="JSON", help="take the drafter's TPOT from a profile")
@@ -181,15 +182,15 @@ def build_parser() -> argparse.ArgumentParser:
     one.add_argument("--lookahead", type=int, required=True, help="draft tokens per verification")
     one.add_argument("--servers", type=int, default=1, help="target servers for DSI (default: 1)")
     one.add_argument("--tokens", type=int, default=100, help="tokens to generate (default: 100)")
-    one.add_argument("--ttft", type=float, default=None, metavar="MS", help="the target's first forward (default: TPOT)")
+    one.add_argument("--ttft", type=non_negative, default=None, metavar="MS", help="the target's first forward (default: TPOT)")
     one.add_argument("--repeats", type=int, default=1000)
     one.add_argument("--seed", type=int, default=0)
     one.add_argument("--json", action="store_true", help="print one JSON object (keys non_si_ms, si_ms, dsi_ms, ...)")
     online = sims.add_parser("online", help="the latency twin: non-SI, SI and DSI through the real engine, "
                              "every forward padded to the given latencies (pure mode: i.i.d. acceptance, no model)")
-    online.add_argument("--target-latency", type=float, required=True, metavar="MS", help="target forward (TPOT), ms")
-    online.add_argument("--drafter-latency", type=float, required=True, metavar="MS", help="drafter forward, ms")
-    online.add_argument("--ttft", type=float, default=None, metavar="MS", help="the target's first forward (default: TPOT)")
+    online.add_argument("--target-latency", type=non_negative, required=True, metavar="MS", help="target forward (TPOT), ms")
+    online.add_argument("--drafter-latency", type=non_negative, required=True, metavar="MS", help="drafter forward, ms")
+    online.add_argument("--ttft", type=non_negative, default=None, metavar="MS", help="the target's first forward (default: TPOT)")
     online.add_argument("--acceptance", type=float, required=True, help="per-token acceptance rate in [0, 1]")
     online.add_argument("--servers", type=int, default=7, help="target servers (default: 7, an 8-GPU node)")
     online.add_argument("--lookahead", type=int, default=None, help="default: planned for the servers")
@@ -349,12 +350,7 @@ def run_bench(args: argparse.Namespace, argv: Sequence[str]) -> None:
     from speculant.bench.summary import rows_from_json, summarize, summarize_by_category, to_json
     from speculant.machine import machine_info
 
-    saved = None
-    if args.report_from:
-        try:
-            saved = json.loads(Path(args.report_from).read_text())
-        except (OSError, ValueError) as error:
-            raise ConfigError(f"cannot read the results of a run from {args.report_from}: {error}") from None
+    saved = read_results(Path(args.report_from)) if args.report_from else None
     methods = [parse_method(m) for m in (saved["config"]["methods"] if saved else args.methods)]
     if len({m.label for m in methods}) != len(methods):
         raise ConfigError("each method may be listed once")
@@ -382,6 +378,20 @@ def run_bench(args: argparse.Namespace, argv: Sequence[str]) -> None:
         (out / "report.md").write_text(markdown_report(summaries, by_category, command, machine, args.baseline))
         plots = plot(summaries, by_category, out)
         print(f"wrote {out / 'results.json'}, {out / 'report.md'} and {len(plots)} plots", file=sys.stderr)
+
+
+def read_results(path: Path) -> dict[str, Any]:
+    """The results.json of an earlier `speculant bench --out` run, or a ConfigError saying why not."""
+    try:
+        saved = json.loads(path.read_text())
+    except (OSError, ValueError) as error:
+        raise ConfigError(f"cannot read the results of a run from {path}: {error}") from None
+    config = saved.get("config") if isinstance(saved, dict) else None
+    if not (isinstance(config, dict) and all(key in config for key in ("methods", "command", "machine"))
+            and isinstance(saved.get("rows"), list)):
+        raise ConfigError(f"{path} is not the results.json of a `speculant bench --out` run (its config names the "
+                          "methods, command and machine; its rows follow)")
+    return saved
 
 
 def measure_bench(args: argparse.Namespace, methods: list[Any]) -> list[Any]:
@@ -432,17 +442,22 @@ def measure_bench(args: argparse.Namespace, methods: list[Any]) -> list[Any]:
                           on_row=lambda row: bar.update(), isolated=isolated if args.isolate else None)
 
 
+MAX_WIDTH = 4096  # the widest forward a profile times (tokens in one call)
+
+
 def parse_width_ranges(text: str) -> list[int]:
-    """`1-16,24,32` -> [1, ..., 16, 24, 32]."""
+    """`1-16,24,32` -> [1, ..., 16, 24, 32], each within [1, MAX_WIDTH]."""
     widths: set[int] = set()
-    try:
-        for part in text.split(","):
-            low, _, high = part.partition("-")
-            widths.update(range(int(low), int(high or low) + 1))
-    except ValueError:
-        raise ConfigError(f"widths must look like 1-16,24,32, got '{text}'") from None
-    if not widths or min(widths) < 1:
-        raise ConfigError("widths must be positive")
+    for part in text.split(","):
+        low, _, high = part.partition("-")
+        try:
+            first, last = int(low), int(high or low)
+        except ValueError:
+            raise ConfigError(f"widths must look like 1-16,24,32, got '{text}'") from None
+        if not 1 <= first <= last <= MAX_WIDTH:
+            raise ConfigError(f"widths must lie in [1, {MAX_WIDTH}], each range's first no larger than its last; "
+                              f"got '{part}'")
+        widths.update(range(first, last + 1))
     return sorted(widths)
 
 
@@ -576,6 +591,7 @@ def run_serve(args: argparse.Namespace) -> None:
     method = get_method(resolve_method(args.method, given))
     options = method.parse_options(given)
     served_name = config.served_name or args.target
+    check_listen(config.host, config.port)
     if config.on_ray:
         from speculant.serve.replicas import serve_replicas
 
@@ -584,6 +600,20 @@ def run_serve(args: argparse.Namespace) -> None:
         from speculant.serve.app import serve
 
         serve(args.target, model_config, method.name, options, config, served_name)
+
+
+def check_listen(host: str, port: int) -> None:
+    """Refuse, before any model loads, an address this process cannot listen on (a port in use, a host that is not
+    this machine's)."""
+    import socket
+
+    try:
+        family, kind, proto, _, address = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0]
+        with socket.socket(family, kind, proto) as probe:
+            probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as uvicorn binds: a listener still refuses
+            probe.bind(address)
+    except OSError as error:
+        raise ConfigError(f"cannot listen on {host}:{port}: {error.strerror or error}") from None
 
 
 def run_bench_serve(args: argparse.Namespace) -> None:
@@ -611,6 +641,9 @@ def run_bench_serve(args: argparse.Namespace) -> None:
             with (out / "results.jsonl").open("a") as f:
                 f.write(json.dumps(result) + "\n")
             write_report(out)
+        if result["errors"] == result["requests"]:  # (a server that refuses every request: not a measurement)
+            samples = "; ".join(result["error_samples"]) or "no answer"
+            raise SpeculantError(f"all {result['requests']} requests failed: {samples}")
 
 
 def run_simulate(args: argparse.Namespace) -> None:
@@ -668,10 +701,38 @@ def run_bench_kernels(args: argparse.Namespace) -> None:
         Path(args.out).write_text(json.dumps(result, indent=2) + "\n")
 
 
+def check_outputs(args: argparse.Namespace) -> None:
+    """Refuse, before any work, an output path that cannot be written: a directory's path taken by a file, a file's
+    path taken by a directory or within a directory that does not exist."""
+    for name in ("out", "timeline"):
+        if not getattr(args, name, None):
+            continue
+        path = Path(getattr(args, name))
+        if name == "out" and (args.command in ("bench", "bench-serve") or getattr(args, "simulation", None) == "heatmap"):
+            if path.exists() and not path.is_dir():
+                raise ConfigError(f"--{name} {path} is a file: it names a directory here")
+        elif path.is_dir():
+            raise ConfigError(f"--{name} {path} is a directory: it names a file here")
+        elif not path.parent.is_dir():
+            raise ConfigError(f"--{name} {path}: the directory {path.parent} does not exist")
+
+
+def non_negative(text: str) -> float:
+    """A flag's finite number >= 0 (a latency, a rate, a temperature)."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a number: {text!r}") from None
+    if not 0 <= value < math.inf:
+        raise argparse.ArgumentTypeError(f"must be a finite number >= 0, got {text!r}")
+    return value
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     args = build_parser().parse_args(argv)
     try:
+        check_outputs(args)
         if args.command == "generate":
             run_generate(args)
         elif args.command == "bench":

@@ -9,6 +9,7 @@ the same way (`speculant.methods`); nothing else lists options.
 from __future__ import annotations
 
 import argparse
+import functools
 import math
 import types
 import typing
@@ -139,12 +140,14 @@ class ServeConfig:
             raise ConfigError(f"port must lie in [1, 65535], got {self.port}")
         if self.max_batch < 1 or self.max_queue < 0:
             raise ConfigError("max-batch must be >= 1 and max-queue >= 0")
-        if self.prefix_cache_mb < 0:
-            raise ConfigError(f"prefix-cache-mb must be >= 0, got {self.prefix_cache_mb}")
-        if not self.max_body_mb > 0:
-            raise ConfigError(f"max-body-mb must be > 0, got {self.max_body_mb}")
-        if self.replicas < 1 or self.replica_cpus <= 0:
-            raise ConfigError("replicas must be >= 1 and replica-cpus > 0")
+        if not 0 <= self.prefix_cache_mb < math.inf:
+            raise ConfigError(f"prefix-cache-mb must be a number >= 0, got {self.prefix_cache_mb}")
+        if not 0 < self.max_body_mb < math.inf:
+            raise ConfigError(f"max-body-mb must be a number > 0, got {self.max_body_mb}")
+        if self.replicas < 1 or not 0 < self.replica_cpus < math.inf:
+            raise ConfigError("replicas must be >= 1 and replica-cpus a number > 0")
+        if self.open_metrics and self.api_key is None:
+            raise ConfigError("--open-metrics opens /metrics to callers without the --api-key: give one")
 
     @property
     def on_ray(self) -> bool:
@@ -181,6 +184,8 @@ def parse_value(f: Field, text: str) -> Any:
         raise
     except (ValueError, TypeError):
         raise ConfigError(f"bad value '{text}' for {f.name}") from None
+    if isinstance(value, float) and math.isnan(value):
+        raise ConfigError(f"bad value '{text}' for {f.name}: not a number")
     choices = f.metadata.get("choices")
     if choices is not None and value not in choices:
         raise ConfigError(f"{f.name} must be one of {', '.join(map(str, choices))}, got '{text}'")
@@ -199,8 +204,16 @@ def add_options(parser: argparse.ArgumentParser, config: type, **overrides: Any)
             parser.add_argument(flag(f.name), dest=f.name, action=argparse.BooleanOptionalAction, default=default,
                                 help=f"{f.metadata.get('help', '')} (default: {'on' if default else 'off'})")
             continue
-        parser.add_argument(flag(f.name), dest=f.name, type=lambda text, f=f: parse_value(f, text), default=default,
+        parser.add_argument(flag(f.name), dest=f.name, type=functools.partial(parse_flag, f), default=default,
                             metavar=f.name.upper(), help=f"{f.metadata.get('help', '')} (default: {default})")
+
+
+def parse_flag(f: Field, text: str) -> Any:
+    """`parse_value` for argparse, whose message then says what is wrong (not "invalid <lambda> value")."""
+    try:
+        return parse_value(f, text)
+    except ConfigError as error:
+        raise argparse.ArgumentTypeError(str(error)) from None
 
 
 def from_args(config: type[T], args: argparse.Namespace) -> T:

@@ -9,6 +9,14 @@ class ConfigError(SpeculantError, ValueError):
     """A knob has a value outside its domain (k < 1, top_p outside (0, 1], ...)."""
 
 
+class OptionError(ConfigError):
+    """One named option of a method has a bad name or value: `option` names it (a server answers with that field)."""
+
+    def __init__(self, option: str, message: str):
+        super().__init__(message)
+        self.option = option
+
+
 class ModelNotAvailable(SpeculantError):
     """A model cannot be loaded: unknown name, missing package, missing device."""
 

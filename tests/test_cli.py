@@ -68,7 +68,6 @@ def test_sampling_with_seed_is_reproducible(model_dirs, capsys):
     [
         (["--k", "0"], "k must be >= 1"),
         (["--temperature", "-1"], "temperature"),
-        (["--temperature", "nan"], "temperature"),
         (["--top-p", "0"], "top-p"),
         (["--top-p", "1.5"], "top-p"),
         (["--max-new-tokens", "0"], "max-new-tokens"),
@@ -212,6 +211,51 @@ def test_drafter_with_another_tokenizer_drafts_across_vocabularies(model_dirs, c
     sd = json.loads(run(capsys, *common, "--drafter", model_dirs["cross"], "--k", "3")[1])
     ar = json.loads(run(capsys, *common, "--drafter", "none")[1])
     assert sd["token_ids"] == ar["token_ids"] and sd["stats"]["drafter_forwards"]
+
+
+def test_bad_files_paths_and_settings_are_one_line_before_any_model_loads(tmp_path, capsys, monkeypatch):
+    """Files that are not what they should be, outputs that cannot be written, settings out of range: one line,
+    exit 2, no traceback, and no model loaded (a catalog model would take seconds; a file is refused as its load
+    starts)."""
+    import socket
+
+    (tmp_path / "empty.gguf").write_bytes(b"")
+    (tmp_path / "page.gguf").write_text("<html>not found</html>")
+    (tmp_path / "file").write_text("")
+    (tmp_path / "empty.json").write_text("{}")
+    target = ["--target", "qwen2.5-coder-0.5b"]
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = str(taken.getsockname()[1])
+        for argv, message in [
+            (["generate", "x", "--target", str(tmp_path / "empty.gguf")], "is not a GGUF file"),
+            (["generate", "x", "--target", str(tmp_path / "page.gguf")], "is not a GGUF file"),
+            (["generate", "x", "--target", str(tmp_path / "no" / "model")], "no model at"),
+            (["bench", "--report-from", str(tmp_path / "empty.json")], "is not the results.json"),
+            (["bench", "--methods", "ar", "--out", str(tmp_path / "file"), *target], "is a file: it names a directory"),
+            (["bench", "--methods", "sd:k=2,k=3", *target], "option 'k' given twice"),
+            (["profile", "--model", "qwen2.5-coder-0.5b", "--out", str(tmp_path / "no" / "p.json")], "does not exist"),
+            (["profile", "--model", "qwen2.5-coder-0.5b", "--widths", "1-100000000"], "widths must lie in"),
+            (["serve", *target, "--port", port], "cannot listen on"),
+            (["serve", *target, "--prefix-cache-mb", "inf"], "prefix-cache-mb must be a number >= 0"),
+            (["serve", *target, "--open-metrics"], "--open-metrics opens /metrics"),
+        ]:
+            code, _, err = run(capsys, *argv)
+            lines = [line for line in err.splitlines() if line.startswith("speculant: error")]
+            assert code == 2 and len(lines) == 1 and message in lines[0], (argv, err)
+            assert "Traceback" not in err and ("loading target" not in err or argv[0] == "generate"), argv
+    monkeypatch.setenv("SPECULANT_CACHE", str(tmp_path / "file"))
+    code, _, err = run(capsys, "generate", "x", *target)
+    assert code == 2 and "SPECULANT_CACHE" in err and "Traceback" not in err
+    for argv, message in [(["generate", "x", "--dtype", "fp16"], "dtype must be one of auto, bf16, fp32"),
+                          (["serve", "--prefix-cache-mb", "nan"], "not a number"),
+                          (["generate", "x", "--temperature", "nan"], "temperature: not a number"),
+                          (["simulate", "online", "--target-latency", "nan", "--drafter-latency", "1",
+                            "--acceptance", "0.5"], "must be a finite number >= 0")]:
+        with pytest.raises(SystemExit) as exit_info:
+            cli.main(argv)
+        assert exit_info.value.code == 2 and message in capsys.readouterr().err, argv
 
 
 def test_argparse_errors_exit_2(capsys):

@@ -224,11 +224,13 @@ def test_a_long_prompt_prefills_in_parts_that_compute_the_whole_prompt(lean_file
     """Each part attends to the parts before it: the logits and the cache are the unsplit prefill's up to
     rounding, and a part's call gives what the prefill's own loop gives."""
     from speculant.models import base
+    from speculant.models.backends import lean as lean_module
 
     model, ids = lean(lean_files, variant), prompt_ids(50, 13)
     whole = model.prefill(ids)
     keys = model._keys[:, :, :13].clone()
-    monkeypatch.setattr(base, "PREFILL_PART", 5)
+    monkeypatch.setattr(base, "PREFILL_PART", 5)  # the parts prefill runs
+    monkeypatch.setattr(lean_module, "SERVED_PART", 5)  # and those a server runs
     assert model.prefill_parts(ids) == [ids[:5], ids[5:10], ids[10:]]
     parts = []  # what prefill ran, part by part (whether their bits equal the whole's depends on the CPU's kernels)
     continue_prefill = type(model).continue_prefill
@@ -254,11 +256,10 @@ def test_a_served_long_prompt_prefills_in_parts_while_others_decode(lean_files, 
     them, and every output equals its solo run."""
     from speculant.config import SamplingConfig
     from speculant.methods import get_method
-    from speculant.models import base
     from speculant.models.backends import lean as lean_module
     from speculant.serve.engine import Engine, ServeJob
 
-    monkeypatch.setattr(base, "PREFILL_PART", 4)
+    monkeypatch.setattr(lean_module, "SERVED_PART", 4)
     batches = []  # per forward: (prefill, continues) of each call
     forward_rows = lean_module.forward_rows
     monkeypatch.setattr(lean_module, "forward_rows", lambda rows: batches.append(

@@ -64,10 +64,10 @@ def test_a_block_put_together_from_two_prompts_holds_the_bits_of_a_fresh_prefill
     """A and B share 100 tokens and part within the block [64, 128): stored one after the other, the tree splits
     there, and C (B's first 250 tokens) restores [0, 100) from A's computation and [100, 128) from B's; each
     position is a function of the tokens up to it, so C's logits and cache equal its fresh prefill's. The parts a
-    restored prompt continues in stay on the block grid (PREFILL_PART a multiple of PREFILL_BLOCK)."""
+    restored prompt continues in stay on the block grid (PREFILL_PART and SERVED_PART multiples of PREFILL_BLOCK)."""
     from speculant.models import base
 
-    assert base.PREFILL_PART % lean_module.PREFILL_BLOCK == 0
+    assert base.PREFILL_PART % lean_module.PREFILL_BLOCK == lean_module.SERVED_PART % lean_module.PREFILL_BLOCK == 0
     model, cache = lean(files[0]), PrefixCache(64)
     a = ids_of(11, 100) + ids_of(12, 150)
     b = a[:100] + ids_of(13, 200)

@@ -1,4 +1,4 @@
-"""SmolLM2-135M (another tokenizer) drafting for the packaged Qwen2.5-Coder targets (on the backend `auto` picks): greedy
+"""SmolLM2-135M (another tokenizer) drafting for a packaged Qwen2.5-Coder target (on the backend `auto` picks): greedy
 speculative decoding equals the target's own greedy decoding. Skipped locally when a package is missing; required
 in CI."""
 
@@ -26,7 +26,7 @@ def loaded(name: str, target=None):
 
 
 def test_smollm2_drafting_for_qwen_equals_autoregressive():
-    target = loaded("qwen2.5-coder-1.5b")  # (the 0.5B reads the same vocabulary: one target suffices)
+    target = loaded("qwen2.5-coder-0.5b")  # (the 1.5B reads the same vocabulary: one target suffices)
     drafter = loaded("smollm2-135m", target)
     prompts = [p.text for p in load_dataset("humaneval[:2]")]
     accepted = 0

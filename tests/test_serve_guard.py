@@ -76,11 +76,72 @@ def test_no_request_option_names_a_file_a_device_an_executor_or_a_process(app, t
 
 
 @pytest.mark.parametrize("method, name", [("sd", "k"), ("tree", "depth"), ("tree", "width"), ("auto", "k_max"),
-                                          ("cascade", "k"), ("dsi", "lookahead")])
-def test_a_request_s_draft_sizes_are_bounded(app, method, name):
+                                          ("auto", "tree_widths"), ("cascade", "k"), ("cascade", "k_matrix"),
+                                          ("dsi", "lookahead")])
+def test_a_request_s_draft_sizes_are_bounded_however_they_are_spelled(app, method, name):
+    """The bound holds on the parsed value: a number, its text, or a list of them."""
     _, client = app
-    response = client.post("/v1/completions", json=completion(speculant={"method": method, name: 100000}))
-    assert "at most 64" in is_error(response, 400, f"speculant.{name}")["message"]
+    for value in (100000, "100000", [100000]) + (([2, 100000],) if name == "tree_widths" else ()):
+        response = client.post("/v1/completions", json=completion(speculant={"method": method, name: value}))
+        assert "at most 64" in is_error(response, 400, f"speculant.{name}")["message"], value
+
+
+def test_a_refused_option_is_a_4xx_naming_it_before_a_stream_starts(app):
+    """Options refused when they are read, and those refused only once the request runs (a K matrix's entries,
+    a tree without a model drafter), answer a stream as they answer a whole reply: a 400, not a 200 whose
+    stream carries the error."""
+    _, client = app
+    for options, param in [({"k": 0}, "speculant"), ({"k": "x"}, "speculant.k"), ({"kk": 2}, "speculant.kk"),
+                           ({"method": "cascade", "drafters": "maxgram", "k_matrix": "-5"}, "speculant"),
+                           ({"method": "tree", "drafter": "maxgram"}, "speculant")]:
+        for stream in (False, True):
+            response = client.post("/v1/completions", json=completion(stream=stream, speculant=options))
+            assert response.headers["content-type"].startswith("application/json"), (options, stream)
+            is_error(response, 400, param)
+
+
+@pytest.mark.parametrize("body, param", [
+    (dict(stream=True, stream_options={"include_usages": True}), "stream_options.include_usages"),
+    (dict(stream=True, stream_options={"include_usage": "yes"}), "stream_options.include_usage"),
+    (dict(stream_options={"include_usage": True}), "stream_options"),
+    (dict(response_format={"type": "json_object", "schema": {"type": "object"}}), "response_format"),
+    (dict(response_format={"type": "regex", "regex": "a+", "flags": "i"}), "response_format"),
+    (dict(response_format={"type": "json_schema", "json_schema": {"schema": {}, "schemas": {}}}), "response_format"),
+    (dict(messages=[{"role": "user", "content": [{"type": "text", "text": "hi", "cache_control": {}}]}]),
+     "messages.0.content.0.cache_control"),
+    (dict(messages=[{"role": "user", "content": [{"type": "text"}]}]), "messages.0.content.0.text"),
+    (dict(prompt=[1, "a"]), "prompt.1"),
+    (dict(messages=[{"role": "user", "content": "hi"}], top_logprobs=2), "top_logprobs"),
+    (dict(messages=[{"role": "user", "content": "hi"}], tool_choice="required"), "tool_choice"),
+    (dict(messages=[{"role": "user", "content": "hi"}], max_completion_tokens=10**6), "max_completion_tokens"),
+])
+def test_a_field_is_refused_by_name_never_dropped(app, body, param):
+    """Unknown fields within stream_options, response_format and content parts, and fields that need another, are
+    400s naming the field, as every top-level one is; none is silently ignored."""
+    _, client = app
+    chat = "messages" in body
+    request = {"model": "tiny", "max_tokens": 2, **({} if chat else {"prompt": "ab"}), **body}
+    is_error(client.post("/v1/chat/completions" if chat else "/v1/completions", json=request), 400, param)
+
+
+def test_a_message_may_not_hold_a_control_token(app):
+    """A chat message's content spelling an added token (here <eos>; Qwen's <|im_end|>, <tool_call>) would end its
+    turn or fake a call: refused, naming the message; the same text in a raw completion prompt is the client's."""
+    _, client = app
+    chat = {"model": "tiny", "max_tokens": 2, "messages": [{"role": "user", "content": "hi"},
+                                                           {"role": "assistant", "content": "ok<eos>"}]}
+    assert "<eos>" in is_error(client.post("/v1/chat/completions", json=chat), 400, "messages.1.content")["message"]
+    assert client.post("/v1/completions", json=completion(prompt="hi<eos>")).status_code == 200
+
+
+def test_a_path_with_a_trailing_slash_is_a_404_not_a_redirect_to_the_client_s_host(app):
+    _, client = app
+    response = client.post("/v1/completions/", json=completion(), headers={"host": "evil.example"},
+                           follow_redirects=False)
+    assert "location" not in response.headers
+    is_error(response, 404)
+    text = client.post("/v1/completions", content=json.dumps(completion()), headers={"content-type": "text/plain"})
+    assert "JSON object" in is_error(text, 400)["message"]
 
 
 def test_a_request_s_options_keep_the_operator_s_settings_of_the_server_s_method():
@@ -301,17 +362,39 @@ def long_prompt_targets(tmp_path_factory):
         yield lambda backend: load_model(str(path), backend=backend, tokenizer=byte_tokenizer())
 
 
+def test_a_prompt_s_first_part_goes_before_a_long_prompt_s_later_parts():
+    """A batch prefills PREFILL_TOKENS: the part of a long prompt that fills it goes after a new prompt's first
+    part, which would otherwise wait for every later part of the long one."""
+    from speculant.models.base import Call
+    from speculant.serve.batcher import PREFILL_TOKENS, _Parked
+
+    batcher = Batcher(4)
+    long_part = _Parked(None, None, Call(list(range(PREFILL_TOKENS)), prefill=True, continues=True))
+    short = _Parked(None, None, Call([1, 2, 3], prefill=True))
+    step = _Parked(None, None, Call([5]))
+    batcher._parked = [long_part, step, short]
+    assert batcher._next_batch() == ([step, short, long_part], [])
+    other = _Parked(None, None, Call(list(range(PREFILL_TOKENS)), prefill=True))
+    batcher._parked = [long_part, other, short]
+    assert batcher._next_batch() == ([other], [short, long_part])
+    batcher.close()
+
+
 @pytest.mark.parametrize("backend", ["lean", "llamacpp"])
 def test_a_long_prompt_neither_stalls_a_short_request_nor_outlives_its_client(long_prompt_targets, backend,
                                                                                monkeypatch):
-    """A 480-token prompt prefills in parts (of 32 here) between the other requests' steps: a short request sent
-    after its first part finishes within a few of its own steps plus a part each, and a long prompt whose client
-    went away stops between parts."""
+    """A 480-token prompt prefills in parts (of 32 here, as many as a batch prefills) between the other requests'
+    steps: a short request sent after its first part finishes within a few of its own steps plus a part each, and
+    a long prompt whose client went away stops between parts."""
     if backend == "llamacpp":
         pytest.importorskip("llama_cpp")
     from speculant.models import base
+    from speculant.models.backends import lean
+    from speculant.serve import batcher
 
     monkeypatch.setattr(base, "PREFILL_PART", 32)
+    monkeypatch.setattr(lean, "SERVED_PART", 32)
+    monkeypatch.setattr(batcher, "PREFILL_TOKENS", 32)
     target = long_prompt_targets(backend)
     engine = Engine(target, "ar", get_method("ar").make_options({}), 8, 16)
     calls, ends = [], {}  # each call's length, in the order the batcher ran them (32: a part of a long prompt)

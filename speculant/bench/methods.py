@@ -48,6 +48,8 @@ def parse_method(spec: str) -> MethodSpec:
         key, eq, value = item.partition("=")
         if not eq:
             raise ConfigError(f"bad option '{item}' in '{spec}' (options are name=value)")
+        if key in given:
+            raise ConfigError(f"option '{key}' given twice in '{spec}'")
         given[key] = value
     dtype = given.pop("dtype", None)
     if dtype is not None and dtype not in DTYPES:

@@ -67,7 +67,7 @@ class AutoOptions:
     tree_widths: Any = option((2,), "widths of the token trees auto may also draft with each model drafter (nodes "
                               "per step; empty: chains only), or auto: the execution plan's width for the pair "
                               "(Yggdrasil 5.2: from the machine profiles and the drafter's rank coverage of the target "
-                              "on the prompt; none where chains pay best)", parse=parse_widths)
+                              "on the prompt; none where chains pay best)", parse=parse_widths, most=REQUEST_MOST)
     probe_every: int = option(16, "after this many steps in a row without a model draft, try the model drafter again")
     schedule: str = option("serial", "serial, or stage: while the target verifies a token tree, its drafter drafts the "
                            "next one on a thread of its own from the likeliest path (Yggdrasil's stage-based "

@@ -18,7 +18,7 @@ class CascadeOptions:
     drafters: Any = option((), "drafter levels, largest first, maxgram last, e.g. qwen2.5-coder-0.5b@int8,maxgram",
                            parse=parse_drafters)
     k_matrix: Any = option(None, "the upper-triangular K matrix, rows split by ';' (e.g. '4,2;0,6' or '4,2;6'; "
-                           "default: k tokens per level plus 2 maxgram tokens after each)")
+                           "default: k tokens per level plus 2 maxgram tokens after each)", most=REQUEST_MOST)
     k: int = option(4, "draft tokens per level when no K matrix is given", most=REQUEST_MOST)
     leniency: float = option(1.0, "leniency l >= 1 of the inner reviews (the target's stays exact)")
     drafter_dtype: str | None = option(None, "dtype of model drafters (default: the target's)",

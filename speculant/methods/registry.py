@@ -8,12 +8,12 @@ parser, `speculant simulate`) must not need torch.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import Field, dataclass, fields
 from typing import TYPE_CHECKING, Any
 
 from speculant.config import SamplingConfig, parse_value
-from speculant.errors import ConfigError
+from speculant.errors import ConfigError, OptionError
 
 if TYPE_CHECKING:
     import torch
@@ -51,6 +51,10 @@ class Method:
         """The options dataclass from text values (bench specs, CLI flags), each parsed by its field."""
         return make_options(self.options, self.name, given, text=True)
 
+    def parse_values(self, given: Mapping[str, str]) -> dict[str, Any]:
+        """Text values, each parsed by its field (`parse_values`)."""
+        return parse_values(self.options, self.name, given)
+
 
 METHODS: dict[str, Method] = {}
 
@@ -81,23 +85,59 @@ def owners(option: str) -> list[str]:
 def make_options(options: type, method: str, given: Mapping[str, Any], text: bool = False) -> Any:
     """`options(**given)` for `method`, values parsed by their fields when `text`; an unknown or misplaced
     name is one clear error naming the methods it belongs to and what `method` takes."""
-    by_name = {f.name: f for f in fields(options)}
-    for name in given:
-        if name not in by_name:
-            takes = ", ".join(by_name) or "no options"
-            if where := owners(name):
-                raise ConfigError(f"option '{name}' does not apply to method '{method}' (it belongs to "
-                                  f"{', '.join(where)}; '{method}' takes: {takes})")
-            raise ConfigError(f"unknown option '{name}' for method '{method}' ('{method}' takes: {takes})")
     if text:
-        given = {name: parse_value(by_name[name], value) for name, value in given.items()}
+        given = parse_values(options, method, given)
+    else:
+        check_names(options, method, given)
     return options(**given)
+
+
+def parse_values(options: type, method: str, given: Mapping[str, str]) -> dict[str, Any]:
+    """Text values parsed by their fields of `options`; an unknown name or a bad value is an OptionError naming it."""
+    by_name = {f.name: f for f in fields(options)}
+    check_names(options, method, given)
+    parsed = {}
+    for name, value in given.items():
+        try:
+            parsed[name] = parse_value(by_name[name], value)
+        except ConfigError as error:
+            raise OptionError(name, str(error)) from None
+    return parsed
+
+
+def check_names(options: type, method: str, given: Iterable[str]) -> None:
+    """An unknown or misplaced name is an OptionError naming the methods it belongs to and what `method` takes."""
+    names = [f.name for f in fields(options)]
+    for name in given:
+        if name not in names:
+            takes = ", ".join(names) or "no options"
+            if where := owners(name):
+                raise OptionError(name, f"option '{name}' does not apply to method '{method}' (it belongs to "
+                                  f"{', '.join(where)}; '{method}' takes: {takes})")
+            raise OptionError(name, f"unknown option '{name}' for method '{method}' ('{method}' takes: {takes})")
 
 
 def request_options(method: str) -> list[str]:
     """The options a server's client may set per request for `method`: every option but the operator's (fields
     marked `operator`, which name files, devices, executors, addresses or server resources)."""
     return [f.name for f in fields(get_method(method).options) if not f.metadata.get("operator")]
+
+
+def check_most(options: Any, names: Iterable[str]) -> None:
+    """Refuse a named option whose value, or any number within it (a list of widths, a K matrix), is beyond its
+    field's `most`: checked on the parsed options, whatever type the client spelled the value in."""
+    by_name = {f.name: f for f in fields(options)}
+    for name in names:
+        most = by_name[name].metadata.get("most") if name in by_name else None
+        if most is not None and any(number > most for number in numbers(getattr(options, name))):
+            raise OptionError(name, f"{name} is at most {most} per request")
+
+
+def numbers(value: Any) -> list[float]:
+    """The numbers in an option's value: itself, or those of a (nested) list or tuple; none in text or a model."""
+    if isinstance(value, (list, tuple)):
+        return [n for item in value for n in numbers(item)]
+    return [value] if isinstance(value, (int, float)) and not isinstance(value, bool) else []
 
 
 def all_options() -> dict[str, Field]:

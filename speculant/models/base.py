@@ -418,9 +418,11 @@ PREFILL_PART = 512  # prompt tokens per part of a prefill (`prompt_parts`): a se
 # forwards, so the running requests decode between them instead of waiting for the whole prompt
 
 
-def prompt_parts(ids: Sequence[int]) -> list[list[int]]:
-    """A prompt in the parts of PREFILL_PART tokens that a backend with `prefill_parts` prefills it in."""
-    return [list(ids[start:start + PREFILL_PART]) for start in range(0, len(ids), PREFILL_PART)]
+def prompt_parts(ids: Sequence[int], size: int | None = None) -> list[list[int]]:
+    """A prompt in the parts of `size` tokens (default PREFILL_PART) that a backend with `prefill_parts` prefills
+    it in."""
+    size = size or PREFILL_PART
+    return [list(ids[start:start + size]) for start in range(0, len(ids), size)]
 
 
 PREFILL_AFTER = 8  # unmeasured: a catch-up this many times longer than the prefix it could keep runs as a prefill

@@ -145,6 +145,7 @@ def _file_route(path: Path) -> str:
 
     if not path.is_file():
         raise ConfigError(f"no GGUF file at {path}")
+    check_gguf(path)
     runs, why = lean.coverage(path)
     if not _simd_kernels():
         runs, why = False, "speculant's kernels have no SIMD path on this CPU"
@@ -166,7 +167,20 @@ def gguf_file(spec: str | Path) -> Path:
     path = Path(name)
     if not path.is_file():
         raise ModelNotAvailable(f"no GGUF file at {path} (catalog models: {catalog_listing()})")
+    check_gguf(path)
     return path
+
+
+def check_gguf(path: Path) -> None:
+    """Refuse a file that does not open with GGUF's magic (an empty file, a download's error page) before a backend
+    maps it."""
+    try:
+        with path.open("rb") as file:
+            magic = file.read(4)
+    except OSError as error:
+        raise ModelNotAvailable(f"cannot read {path}: {error.strerror}") from None
+    if magic != b"GGUF":
+        raise ModelNotAvailable(f"{path} is not a GGUF file (it does not open with GGUF's magic bytes)")
 
 
 def _gguf_source(spec: str | Path, tokenizer: Any | None) -> tuple[Path, str, Any | None, frozenset[int]]:
@@ -238,6 +252,9 @@ def load_model(spec: Any, dtype: str | None = None, device: str | None = None, t
         spec, quant = split_quant(spec)
     if quant is not None and quant not in (*QUANTS, GGUF, LEAN):
         raise ConfigError(f"unknown quantization '{quant}' (choose from {', '.join(QUANTS)}, gguf or lean)")
+    if isinstance(spec, (str, Path)) and str(spec).startswith(("/", "./", "../", "~")) and \
+            not str(spec).endswith(".gguf") and not Path(spec).expanduser().exists():  # a path, not a hub id
+        raise ModelNotAvailable(f"no model at {spec} (catalog models: {catalog_listing()})")
     chosen = resolve_backend(backend, spec, quant, device, dtype)
     if chosen in ("llamacpp", "lean"):
         if dtype not in (None, AUTO):

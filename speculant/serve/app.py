@@ -11,6 +11,7 @@ those that name something on the machine are the operator's (`check_request_opti
 from __future__ import annotations
 
 import asyncio
+import functools
 import hmac
 import json
 import logging
@@ -31,7 +32,7 @@ from starlette.exceptions import HTTPException
 
 from speculant.api import encode_prompt
 from speculant.config import ModelConfig, SamplingConfig, ServeConfig
-from speculant.errors import ConfigError
+from speculant.errors import ConfigError, OptionError
 from speculant.methods.registry import get_method, request_options
 from speculant.models.wrappers.biased import check_bias
 from speculant.models.wrappers.constrained import Constraint, Matcher
@@ -80,7 +81,8 @@ def create_app(engine: Engine, served_name: str, config: ServeConfig | None = No
         await asyncio.to_thread(engine.close)  # SIGTERM: uvicorn stops taking requests, the running ones finish
 
     pages = {} if config.docs else {"docs_url": None, "redoc_url": None, "openapi_url": None}
-    app = FastAPI(title="speculant", lifespan=lifespan, **pages)
+    # A path with a trailing slash is a 404, not a redirect, whose Location would echo the client's Host header.
+    app = FastAPI(title="speculant", lifespan=lifespan, redirect_slashes=False, **pages)
 
     @app.exception_handler(ApiError)
     async def api_error(request: Request, error: ApiError) -> JSONResponse:
@@ -95,12 +97,17 @@ def create_app(engine: Engine, served_name: str, config: ServeConfig | None = No
 
     @app.exception_handler(RequestValidationError)
     async def invalid(request: Request, error: RequestValidationError) -> JSONResponse:
-        first = error.errors()[0]
-        if first.get("type") == "json_invalid":
+        errors = error.errors()
+        if any(e.get("type") == "json_invalid" for e in errors):
             return JSONResponse(ApiError(400, "the body is not valid JSON").body, status_code=400)
+        first = max(errors, key=lambda e: len(e.get("loc", ())))  # the deepest: within a union, the member it meant
         where = ".".join(str(p) for p in first.get("loc", ()) if p != "body" and not is_type_tag(p))
-        message = f"{where} is not implemented by this server" if first.get("type") == "extra_forbidden" else \
-            f"{where or 'body'}: {first.get('msg', 'invalid')}"
+        if first.get("type") == "extra_forbidden":
+            message = f"{where} is not implemented by this server"
+        elif not where:
+            message = "the body must be a JSON object (sent as Content-Type: application/json)"
+        else:
+            message = f"{where}: {first.get('msg', 'invalid')}"
         return JSONResponse(ApiError(400, message, param=where or None).body, status_code=400)
 
     app.add_middleware(Guard, metrics=metrics, replica=replica, max_body=int(config.max_body_mb * 1e6),
@@ -153,8 +160,14 @@ def create_app(engine: Engine, served_name: str, config: ServeConfig | None = No
                 raise ApiError(400, "response_format cannot constrain a reply that may call tools", "response_format")
             calls = tools.constraint(tokenizer, [t.function.model_dump() for t in body.tools], choice,
                                      body.parallel_tool_calls)
+        messages = [tools.template_message(m) for m in body.messages]
+        controls = control_tokens(tokenizer) if tokenizer is not None else None
+        for i, message in enumerate(messages):
+            if controls is not None and (found := controls.search(message["content"])):
+                raise ApiError(400, f"messages.{i}.content holds {found.group()!r}, which this model reads as a "
+                               "control token (a turn's end, a call)", f"messages.{i}.content")
         try:  # (off the event loop: a long conversation must not hold up the other requests)
-            ids = await asyncio.to_thread(encode_prompt, tokenizer, [tools.template_message(m) for m in body.messages],
+            ids = await asyncio.to_thread(encode_prompt, tokenizer, messages,
                                           True, [t.model_dump(exclude_none=True) for t in body.tools]
                                           if choice != "none" else None)
         except ConfigError as error:
@@ -186,39 +199,45 @@ def create_app(engine: Engine, served_name: str, config: ServeConfig | None = No
         except QueueFull as error:
             raise ApiError(429, f"the server is busy: {error}", code="queue_full") from None
         except ConfigError as error:
-            raise ApiError(400, str(error), "speculant") from None
+            raise ApiError(400, str(error), option_param(error)) from None
         ident = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex[:24]
         spelled_now = await asyncio.to_thread(spelling) if job.logprobs is not None else None  # (the first: a scan)
         shape = Shape(ident, served_name, chat, spelled_now, calling, body.parallel_tool_calls if calling else True)
-        if body.stream:
-            include_usage = body.stream_options is not None and body.stream_options.include_usage
-            return StreamingResponse(stream(queue, ticket, shape, include_usage, http.scope["route"].path),
-                                     media_type="text/event-stream")
+        refused = "speculant" if body.speculant else None  # what a ConfigError of the running request is about
         try:
             if (item := await next_item(queue, http)) is GONE:
                 return Response(status_code=499)  # nobody reads it: the client closed its connection
+            if body.stream and not (isinstance(item, _End) and not isinstance(item.outcome, Outcome)):
+                # the stream's headers go out with its first item: a request refused before it runs is a 4xx
+                include_usage = body.stream_options is not None and body.stream_options.include_usage
+                streaming = stream(item, queue, ticket, shape, include_usage, http.scope["route"].path, refused)
+                ticket = None  # the stream cancels it when it ends
+                return StreamingResponse(streaming, media_type="text/event-stream")
         finally:
-            ticket.cancel()  # a client that went away frees its row within a step
-        outcome = ended(item)
+            if ticket is not None:
+                ticket.cancel()  # a client that went away frees its row within a step
+        outcome = ended(item, refused)
         metrics.usage(outcome.prompt_tokens, outcome.completion_tokens)
         return shape.whole(outcome)
 
-    async def stream(queue: asyncio.Queue, ticket: Any, shape: Shape, include_usage: bool,
-                     route: str) -> AsyncIterator[str]:
+    async def stream(item: Any, queue: asyncio.Queue, ticket: Any, shape: Shape, include_usage: bool,
+                     route: str, refused: str | None) -> AsyncIterator[str]:
+        """The SSE stream of a request whose first `item` came (the rest follow on `queue`)."""
         held = tools.ToolStream() if shape.calling else None  # a reply that may call: its calls held to the end
         try:
             if shape.chat:
                 yield sse(shape.chunk({"role": "assistant", "content": ""}, []))
-            while not isinstance(item := await queue.get(), _End):
+            while not isinstance(item, _End):
                 if isinstance(item, _Step):
                     yield sse(shape.step(item.event, engine.target.tokenizer))
-                    continue
-                piece, entries = item
-                if held is not None:
-                    piece = held.push(piece)
-                if piece or entries:
-                    yield sse(shape.chunk(piece, entries))
-            outcome = ended(item)
+                else:
+                    piece, entries = item
+                    if held is not None:
+                        piece = held.push(piece)
+                    if piece or entries:
+                        yield sse(shape.chunk(piece, entries))
+                item = await queue.get()
+            outcome = ended(item, refused)
             metrics.usage(outcome.prompt_tokens, outcome.completion_tokens)
             finish = outcome.finish_reason
             if held is not None:
@@ -249,8 +268,9 @@ def create_app(engine: Engine, served_name: str, config: ServeConfig | None = No
         if max_tokens is None:
             max_tokens = (limit - len(ids)) if limit is not None else 1 << 30
         elif limit is not None and len(ids) + max_tokens > limit:
-            raise ApiError(400, f"max_tokens {max_tokens} after a {len(ids)}-token prompt exceeds this model's "
-                           f"{limit} positions", "max_tokens", "context_length_exceeded")
+            field = "max_completion_tokens" if getattr(body, "max_completion_tokens", None) else "max_tokens"
+            raise ApiError(400, f"{field} {max_tokens} after a {len(ids)}-token prompt exceeds this model's "
+                           f"{limit} positions", field, "context_length_exceeded")
         sampling = SamplingConfig(body.temperature, None, body.top_p if body.top_p < 1 else None)
         overrides = dict(body.speculant or {})
         method = overrides.pop("method", None)
@@ -286,20 +306,32 @@ def is_type_tag(part: Any) -> bool:
 
 def check_request_options(method: str, given: dict[str, Any]) -> None:
     """Refuse, naming the field, a request's `speculant` option that is the operator's (a file, a device, an
-    executor, an address, a number of processes: `request_options`) before anything reads it, or a draft size
-    beyond its `most`."""
+    executor, an address, a number of processes: `request_options`) before anything reads it (the engine refuses a
+    draft size beyond its `most` once the values are parsed)."""
     try:
         allowed = request_options(method)
     except ConfigError as error:
         raise ApiError(400, str(error), "speculant.method") from None
-    by_name = {f.name: f for f in fields(get_method(method).options)}
-    for name, value in given.items():
-        if name not in allowed and name in by_name:
+    names = {f.name for f in fields(get_method(method).options)}
+    for name in given:
+        if name not in allowed and name in names:
             raise ApiError(400, f"speculant.{name} names something on the server: only its operator sets it, when "
                            f"starting it (per request: {', '.join(allowed) or 'none'})", f"speculant.{name}")
-        most = by_name[name].metadata.get("most") if name in by_name else None
-        if most is not None and isinstance(value, (int, float)) and value > most:
-            raise ApiError(400, f"speculant.{name} is at most {most} per request", f"speculant.{name}")
+
+
+@functools.lru_cache(maxsize=4)
+def control_tokens(tokenizer: Any) -> re.Pattern | None:
+    """The texts the tokenizer reads as one added token (<|im_end|>, <tool_call>, ...), as one pattern: in a chat
+    message's content they would end its turn or fake a call, so a client's messages may not hold them (as
+    tiktoken refuses special tokens in text by default)."""
+    added = getattr(tokenizer, "added_tokens_decoder", None) or {}
+    texts = sorted({token.content for token in added.values() if token.content}, key=len, reverse=True)
+    return re.compile("|".join(map(re.escape, texts))) if texts else None
+
+
+def option_param(error: ConfigError) -> str:
+    """The request field a refused `speculant` option is answered with: the option where the error names one."""
+    return f"speculant.{error.option}" if isinstance(error, OptionError) else "speculant"
 
 
 def real_vocabulary(target: Any) -> int:
@@ -414,12 +446,14 @@ async def next_item(queue: asyncio.Queue, http: Request) -> Any:
                 return GONE
 
 
-def ended(item: _End) -> Outcome:
-    """The job's outcome, or the ApiError its failure is answered with."""
+def ended(item: _End, refused: str | None = None) -> Outcome:
+    """The job's outcome, or the ApiError its failure is answered with (a ConfigError: about the field `refused`,
+    or the option it names)."""
     if isinstance(item.outcome, Outcome):
         return item.outcome
     if isinstance(item.outcome, ConfigError):
-        raise ApiError(400, str(item.outcome))
+        raise ApiError(400, str(item.outcome), option_param(item.outcome) if isinstance(item.outcome, OptionError)
+                       else refused)
     raise ApiError(500, f"generation failed: {type(item.outcome).__name__}: {item.outcome}")
 
 

@@ -126,11 +126,13 @@ class Batcher:
                 self._run(batch)
 
     def _next_batch(self) -> tuple[list[_Parked], list[_Parked]]:
-        """(the calls to run now, those left for the next batch): every decoding call, and new prompts up to
-        PREFILL_TOKENS (at least one), oldest first, so that a burst of new requests does not hold every
-        running one (nor each other's first token) until all of them are prefilled."""
+        """(the calls to run now, those left for the next batch): every decoding call, and prompts' prefills up to
+        PREFILL_TOKENS (at least one), so that a burst of new requests does not hold every running one (nor each
+        other's first token) until all of them are prefilled. Prompts' first parts go before the later parts of
+        long ones, oldest first: a short prompt that arrives during a long one's prefill waits for one part of it,
+        not for all of them."""
         now, later, budget = [], [], PREFILL_TOKENS
-        for parked in self._parked:
+        for parked in sorted(self._parked, key=lambda parked: parked.call.continues):  # (a stable sort)
             if parked.call.prefill:
                 if budget <= 0:
                     later.append(parked)

@@ -20,6 +20,7 @@ from speculant.config import SamplingConfig, ServeConfig
 from speculant.drafters.spec import MAXGRAM, SELF, DrafterSpec, as_drafter
 from speculant.errors import ConfigError
 from speculant.methods import Request, get_method
+from speculant.methods.registry import check_most
 from speculant.methods.drafting import with_drafters
 from speculant.models.base import Call, CausalLM, Interrupted
 from speculant.models.wrappers.constrained import Constraint
@@ -236,9 +237,12 @@ class Engine:
             loaded["drafter"] = self.drafters[models[0]] if models else MAXGRAM
         if "drafters" in names and "drafters" not in given:
             loaded["drafters"] = tuple(self.drafters.values()) or MAXGRAM
-        parsed = spec.parse_options(text)
-        base = self.options if spec is self.method else parsed  # (the server's method: the operator's settings stay)
-        options = replace(base, **{name: getattr(parsed, name) for name in given}, **loaded)
+        values = spec.parse_values(text)
+        if spec is self.method:  # the server's method: the operator's settings stay
+            options = replace(self.options, **values, **loaded)
+        else:
+            options = spec.make_options({**values, **loaded})
+        check_most(options, given)
         for held in [getattr(options, "drafter", None), *(getattr(options, "drafters", None) or ())]:
             if held is None or any(held is m for m in self.drafters.values()) or str(held) in self.drafters:
                 continue

@@ -46,8 +46,11 @@ def serve_replicas(target: str, model: ModelConfig, method: str, options: Any, c
     except ImportError:
         raise ConfigError("--replicas and --ray-cluster need Ray Serve: pip install 'speculant[ray]'") from None
     local = config.ray_cluster is None  # then a cluster of its own, never one that another process started
-    ray.init(address=config.ray_cluster or "local", log_to_driver=True, configure_logging=False,
-             **({"include_dashboard": False} if local else {}))
+    try:
+        ray.init(address=config.ray_cluster or "local", log_to_driver=True, configure_logging=False,
+                 **({"include_dashboard": False} if local else {}))
+    except ConnectionError as error:
+        raise ConfigError(f"cannot join the Ray cluster at {config.ray_cluster}: {error}") from None
     cpus = ray.cluster_resources().get("CPU", 0)
     if local and config.replicas * config.replica_cpus > cpus:
         ray.shutdown()

@@ -51,6 +51,8 @@ def depth(value: Any) -> int:
 
 
 class StreamOptions(BaseModel):
+    model_config = ConfigDict(strict=True, extra="forbid")
+
     include_usage: bool = False
     include_provenance: bool = Field(False, description="speculant's extension: after each step, a chunk with no "
                                      "choices whose `speculant` field gives the step's tokens, each an accepted "
@@ -98,6 +100,13 @@ class Sampling(BaseModel):
             raise ValueError("up to 4 stop strings, none empty")
         return value
 
+    @field_validator("stream_options")
+    @classmethod
+    def _with_stream(cls, value: StreamOptions | None, info: Any) -> StreamOptions | None:
+        if value is not None and not info.data.get("stream"):
+            raise ValueError("stream_options needs stream: true")
+        return value
+
     @field_validator("response_format")
     @classmethod
     def _format_type(cls, value: dict[str, Any] | None) -> dict[str, Any] | None:
@@ -127,7 +136,7 @@ class CompletionRequest(Sampling):
 
 
 class TextPart(BaseModel):
-    model_config = ConfigDict(strict=True)
+    model_config = ConfigDict(strict=True, extra="forbid")
 
     type: Literal["text"]
     text: Text
@@ -222,27 +231,35 @@ class ChatRequest(Sampling):
         None, description="none, auto (the default with tools), required, or a named function")
     parallel_tool_calls: bool = Field(True, description="false: at most one call per reply")
 
-    @model_validator(mode="after")
-    def _alternatives_need_logprobs(self) -> ChatRequest:
-        if self.top_logprobs is not None and not self.logprobs:
+    @field_validator("top_logprobs")
+    @classmethod
+    def _alternatives_need_logprobs(cls, value: int | None, info: Any) -> int | None:
+        if value is not None and not info.data.get("logprobs"):
             raise ValueError("top_logprobs needs logprobs: true")
-        return self
+        return value
 
-    @model_validator(mode="after")
-    def _tools(self) -> ChatRequest:
-        names = [tool.function.name for tool in self.tools or ()]
+    @field_validator("tools")
+    @classmethod
+    def _tools(cls, value: list[Tool] | None) -> list[Tool] | None:
+        names = [tool.function.name for tool in value or ()]
         if len(set(names)) < len(names):
-            raise ValueError("tools: function names must differ")
-        for tool in self.tools or ():
+            raise ValueError("function names must differ")
+        for tool in value or ():
             if tool.function.parameters is not None and (tool.function.parameters.get("type", "object") != "object"
                                                          or depth(tool.function.parameters) > MAX_FORMAT_DEPTH):
-                raise ValueError(f"tools: {tool.function.name}'s parameters must be an object's JSON schema, at most "
+                raise ValueError(f"{tool.function.name}'s parameters must be an object's JSON schema, at most "
                                  f"{MAX_FORMAT_DEPTH} levels deep")
-        if self.tool_choice not in (None, "none") and not self.tools:
+        return value
+
+    @field_validator("tool_choice")
+    @classmethod
+    def _choice(cls, value: Any, info: Any) -> Any:
+        tools = info.data.get("tools")
+        if value not in (None, "none") and not tools:
             raise ValueError("tool_choice needs tools")
-        if isinstance(self.tool_choice, NamedTool) and self.tool_choice.function.name not in names:
-            raise ValueError(f"tool_choice names '{self.tool_choice.function.name}', which is not among the tools")
-        return self
+        if isinstance(value, NamedTool) and value.function.name not in [t.function.name for t in tools]:
+            raise ValueError(f"names '{value.function.name}', which is not among the tools")
+        return value
 
     @property
     def choice(self) -> Any:

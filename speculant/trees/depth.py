@@ -24,6 +24,7 @@ from pathlib import Path
 import torch
 
 from speculant.cache import cache_root
+from speculant.errors import ConfigError
 
 FEATURES = 4
 HIDDEN = 16  # the features predictor's layer
@@ -119,9 +120,14 @@ class DepthPredictor:
 
     @classmethod
     def load(cls, path: Path) -> DepthPredictor:
-        saved = json.loads(path.read_text())
-        return cls(saved["max_depth"], saved.get("inputs", "features"), saved.get("width", FEATURES),
-                   {name: torch.tensor(value) for name, value in saved["state"].items()})
+        """A predictor `save` wrote; a ConfigError for a file that is not one."""
+        try:
+            saved = json.loads(path.read_text())
+            return cls(saved["max_depth"], saved.get("inputs", "features"), saved.get("width", FEATURES),
+                       {name: torch.tensor(value) for name, value in saved["state"].items()})
+        except (OSError, ValueError, KeyError, TypeError, AttributeError, RuntimeError) as error:
+            raise ConfigError(f"{path} is not a depth predictor `speculant train-depth` wrote "
+                              f"({type(error).__name__}: {error})") from None
 
 
 def train(samples: Sequence[tuple[Observation, int]], max_depth: int, inputs: str = "features",

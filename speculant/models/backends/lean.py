@@ -49,6 +49,8 @@ GEMMA_27B = {"gemma2": 46, "gemma3": 62}  # layers of the 27B models, whose quer
 DRAFT_HEAD = 49152  # a drafter's head rows (FR-Spec keeps 32k of Llama-3's 128k; Qwen2's vocabulary is 152k, and
 # its coder's drafter serves code and prose; docs/results/cpu.md measures the share of the target's tokens it covers)
 PREFILL_BLOCK = 64  # prompt rows one block of a prefill computes (`LeanCausalLM.continue_prefill`)
+SERVED_PART = 2 * PREFILL_BLOCK  # a served prompt's part (`prefill_parts`): its blocks cost what they cost in one
+# call, so a long prompt holds each step of the running requests for 128 tokens' prefill (scripts/prefill_parts.py)
 DEFAULT_POSITIONS = 4096  # cache capacity when the model allows more
 UNUSED_DAYS = 14  # a repack not loaded for this long is removed when another is written (stale layouts, moved files)
 CACHE_LAYOUT = 1  # of the repacked files and layout.json: a change here re-packs every cached model (as an edit
@@ -464,10 +466,11 @@ class LeanCausalLM(PointerCache, Backend):
         return logits
 
     def prefill_parts(self, ids: Sequence[int]) -> list[list[int]]:
-        """The parts `prefill` runs a prompt in, one after another (`continue_prefill` runs each after the first),
-        so that a batching server can run them in separate forwards and give each the same bits: `prompt_parts`,
-        or the whole prompt where it outruns the sliding window (its rows run masked, in one)."""
-        return [list(ids)] if self._masked_prompt(ids) else prompt_parts(ids)
+        """The parts a batching server runs a prompt in, in separate forwards (`continue_prefill` runs each after
+        the first), so that the running requests decode between them: SERVED_PART tokens, whole blocks, which hold
+        the bits `prefill` gives them whatever the split; or the whole prompt where it outruns the sliding window
+        (its rows run masked, in one)."""
+        return [list(ids)] if self._masked_prompt(ids) else prompt_parts(ids, SERVED_PART)
 
     def _masked_prompt(self, ids: Sequence[int]) -> bool:
         """Whether a prompt outruns the sliding window: then its rows run one by one, each masked."""

@@ -26,6 +26,9 @@ from speculant.models.base import CausalLM, Wrapper, common_prefix_len
 from speculant.trees.tree import TokenTree
 
 KINDS = ("json_object", "json_schema", "grammar", "regex")
+FORMAT_FIELDS = {"text": (), "json_object": (), "json_schema": ("json_schema",), "grammar": ("grammar",),
+                 "regex": ("regex",)}  # a response_format's fields beside its type: any other is refused, not dropped
+JSON_SCHEMA_FIELDS = {"name", "description", "schema", "strict"}  # OpenAI's json_schema (strict: always followed)
 # JSON as models write it (newlines and indentation between tokens), but never padded without end: at most 16
 # whitespace characters between two tokens.
 JSON_OPTIONS = {"whitespace_flexible": True, "whitespace_pattern": r"[ \n]{0,16}"}
@@ -45,6 +48,10 @@ class Constraint:
         {"json_schema": {"schema": ...}}), plus speculant's {"type": "grammar", "grammar": LARK} and {"type":
         "regex", "regex": PATTERN}. A ConfigError says what is wrong."""
         kind = response_format.get("type")
+        unknown = sorted(set(response_format) - {"type", *FORMAT_FIELDS.get(kind, ())})
+        if unknown and kind in FORMAT_FIELDS:
+            raise ConfigError(f"response_format of type {kind} takes no field {unknown[0]!r} (it takes: "
+                              f"{', '.join(('type', *FORMAT_FIELDS[kind]))})")
         if kind == "text":
             return None
         if kind == "json_object":
@@ -52,6 +59,9 @@ class Constraint:
         if kind == "json_schema":
             spec = response_format.get("json_schema")
             schema = spec.get("schema") if isinstance(spec, Mapping) else None
+            if isinstance(spec, Mapping) and (extra := sorted(set(spec) - JSON_SCHEMA_FIELDS)):
+                raise ConfigError(f"response_format json_schema takes no field {extra[0]!r} (it takes: "
+                                  f"{', '.join(sorted(JSON_SCHEMA_FIELDS))})")
             if not isinstance(schema, Mapping):
                 raise ConfigError("response_format json_schema needs {\"json_schema\": {\"schema\": {...}}}")
             return cls("json_schema", dict(schema))
