@@ -591,7 +591,8 @@ def run_serve(args: argparse.Namespace) -> None:
     method = get_method(resolve_method(args.method, given))
     options = method.parse_options(given)
     served_name = config.served_name or args.target
-    check_listen(config.host, config.port)
+    if config.ray_cluster is None:  # (on a cluster, its own HTTP proxy binds the port, maybe on another node)
+        check_listen(config.host, config.port)
     if config.on_ray:
         from speculant.serve.replicas import serve_replicas
 
@@ -713,7 +714,7 @@ def check_outputs(args: argparse.Namespace) -> None:
                 raise ConfigError(f"--{name} {path} is a file: it names a directory here")
         elif path.is_dir():
             raise ConfigError(f"--{name} {path} is a directory: it names a file here")
-        elif not path.parent.is_dir():
+        elif not path.parent.is_dir() and args.command != "train-depth":  # (train-depth makes its directory)
             raise ConfigError(f"--{name} {path}: the directory {path.parent} does not exist")
 
 

@@ -125,8 +125,8 @@ def test_a_field_is_refused_by_name_never_dropped(app, body, param):
 
 
 def test_a_message_may_not_hold_a_control_token(app):
-    """A chat message's content spelling an added token (here <eos>; Qwen's <|im_end|>, <tool_call>) would end its
-    turn or fake a call: refused, naming the message; the same text in a raw completion prompt is the client's."""
+    """A chat message's content spelling a special token (here <eos>; Qwen's <|im_end|>) would end its turn:
+    refused, naming the message; the same text in a raw completion prompt is the client's."""
     _, client = app
     chat = {"model": "tiny", "max_tokens": 2, "messages": [{"role": "user", "content": "hi"},
                                                            {"role": "assistant", "content": "ok<eos>"}]}
@@ -364,7 +364,8 @@ def long_prompt_targets(tmp_path_factory):
 
 def test_a_prompt_s_first_part_goes_before_a_long_prompt_s_later_parts():
     """A batch prefills PREFILL_TOKENS: the part of a long prompt that fills it goes after a new prompt's first
-    part, which would otherwise wait for every later part of the long one."""
+    part, which would otherwise wait for another part of the long one; once left for a later batch, it goes first
+    (new prompts arriving all the time never starve it)."""
     from speculant.models.base import Call
     from speculant.serve.batcher import PREFILL_TOKENS, _Parked
 
@@ -377,6 +378,9 @@ def test_a_prompt_s_first_part_goes_before_a_long_prompt_s_later_parts():
     other = _Parked(None, None, Call(list(range(PREFILL_TOKENS)), prefill=True))
     batcher._parked = [long_part, other, short]
     assert batcher._next_batch() == ([other], [short, long_part])
+    newcomer = _Parked(None, None, Call(list(range(PREFILL_TOKENS)), prefill=True))
+    batcher._parked = [short, long_part, newcomer]  # a part left once goes ahead of the arrivals after it
+    assert batcher._next_batch() == ([short, long_part], [newcomer])
     batcher.close()
 
 

@@ -321,11 +321,13 @@ def check_request_options(method: str, given: dict[str, Any]) -> None:
 
 @functools.lru_cache(maxsize=4)
 def control_tokens(tokenizer: Any) -> re.Pattern | None:
-    """The texts the tokenizer reads as one added token (<|im_end|>, <tool_call>, ...), as one pattern: in a chat
-    message's content they would end its turn or fake a call, so a client's messages may not hold them (as
-    tiktoken refuses special tokens in text by default)."""
+    """The texts of the tokenizer's special tokens (<|im_start|>, <|im_end|>, ...), as one pattern: in a chat
+    message's content they would end its turn, so a client's messages may not hold them (as tiktoken refuses
+    special tokens in text by default). Added tokens that are not special (<tool_call>) stay allowed: a reply cut
+    short keeps a raw call in its content, which the client sends back in the next turn."""
     added = getattr(tokenizer, "added_tokens_decoder", None) or {}
-    texts = sorted({token.content for token in added.values() if token.content}, key=len, reverse=True)
+    texts = sorted({token.content for token in added.values() if token.special and token.content}, key=len,
+                   reverse=True)
     return re.compile("|".join(map(re.escape, texts))) if texts else None
 
 

@@ -39,6 +39,7 @@ class _Parked:
     request: greenlet
     handle: CausalLM
     call: Call
+    waited: bool = False  # left for a later batch once: then it goes ahead of new prompts' first parts
 
 
 class Batcher:
@@ -130,11 +131,12 @@ class Batcher:
         PREFILL_TOKENS (at least one), so that a burst of new requests does not hold every running one (nor each
         other's first token) until all of them are prefilled. Prompts' first parts go before the later parts of
         long ones, oldest first: a short prompt that arrives during a long one's prefill waits for one part of it,
-        not for all of them."""
+        not for all of them; a part left for a later batch once goes first then, so arrivals never starve it."""
         now, later, budget = [], [], PREFILL_TOKENS
-        for parked in sorted(self._parked, key=lambda parked: parked.call.continues):  # (a stable sort)
+        for parked in sorted(self._parked, key=lambda p: p.call.continues and not p.waited):  # (a stable sort)
             if parked.call.prefill:
                 if budget <= 0:
+                    parked.waited = True
                     later.append(parked)
                     continue
                 budget -= len(parked.call.ids)

@@ -25,7 +25,8 @@ class TreeOptions(DrafterOptions):
                                "and the drafter's agreement on the prompt (Yggdrasil 5.2)", parse=count_or_auto,
                                most=REQUEST_MOST)
     verify_width: int | str | None = option(None, "verify at most this many drafted nodes, the subtree chosen by "
-                                            "dynamic programming, or auto (default: all)", parse=count_or_auto)
+                                            "dynamic programming, or auto (default: all)", parse=count_or_auto,
+                                            most=REQUEST_MOST)
     target_profile: Any = option(None, "the target's `speculant profile` JSON: its T(W) lets the latency-aware "
                                  "objective choose tree depth and verify width", parse=Path, operator=True)
     schedule: str = option("serial", "serial, or stage: while the target verifies a tree, the drafter drafts the "
