@@ -25,6 +25,9 @@ from speculant.errors import ConfigError, SpeculantError
 from speculant.methods.registry import METHODS, all_options, get_method, owners
 
 
+FILE, FILE_ANYWHERE, DIRECTORY = "file", "file anywhere", "directory"  # what a command's --out names (out_kind)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="speculant", description="Lossless speculative inference of language models.")
     commands = parser.add_subparsers(dest="command", required=True)
@@ -71,6 +74,7 @@ def build_parser() -> argparse.ArgumentParser:
                        help="speedups over this method of the list, e.g. llamacpp-cli-ar (default: the first ar)")
     add_options(bench, ModelConfig)
     bench.add_argument("--out", default=None, help="directory for results.json and report.md")
+    bench.set_defaults(out_kind=DIRECTORY)
 
     prof = commands.add_parser("profile", help="show the machine profile auto uses (T(W) of a model, measured once "
                                "per machine), or measure TTFT, TPOT and T(W) on prompts with --widths")
@@ -115,6 +119,7 @@ def build_parser() -> argparse.ArgumentParser:
                        "the same logged trees")
     add_options(depth, ModelConfig)
     depth.add_argument("--out", default=None, help="write it here (default: where the tree method finds it)")
+    depth.set_defaults(out_kind=FILE_ANYWHERE)  # (its directories are made)
 
     serve = commands.add_parser("serve", help="an OpenAI-compatible server (completions, chat, streaming, /metrics) "
                                 "with speculative decoding and continuous batching")
@@ -149,6 +154,7 @@ def build_parser() -> argparse.ArgumentParser:
     load.add_argument("--label", default=None, help="a name for this server's configuration in the results")
     load.add_argument("--out", default=None, help="append the results to OUT/results.jsonl and redraw OUT/report.md and "
                       "OUT/throughput.png from all of them")
+    load.set_defaults(out_kind=DIRECTORY)
 
     peers = commands.add_parser("peers", help="set up the peers speculant bench compares with")
     what = peers.add_subparsers(dest="peers", required=True)
@@ -206,6 +212,7 @@ def build_parser() -> argparse.ArgumentParser:
     online.add_argument("--json", action="store_true")
     heat = sims.add_parser("heatmap", help="the DSI paper's Figure 2 and 7 heatmaps, CSV and summary")
     heat.add_argument("--out", required=True, help="directory for grid.csv, figure2.png, figure7.png, summary.json")
+    heat.set_defaults(out_kind=DIRECTORY)
     heat.add_argument("--ndim", type=int, default=20, help="grid intervals per axis on the paper's axes (default: 20; "
                       "the paper's heatmaps: 100, about 100 x 99 cells)")
     heat.add_argument("--lookaheads", default=",".join(map(str, LOOKAHEADS)),
@@ -704,17 +711,17 @@ def run_bench_kernels(args: argparse.Namespace) -> None:
 
 def check_outputs(args: argparse.Namespace) -> None:
     """Refuse, before any work, an output path that cannot be written: a directory's path taken by a file, a file's
-    path taken by a directory or within a directory that does not exist."""
+    path taken by a directory or within a directory that does not exist (where the command does not make it)."""
     for name in ("out", "timeline"):
         if not getattr(args, name, None):
             continue
-        path = Path(getattr(args, name))
-        if name == "out" and (args.command in ("bench", "bench-serve") or getattr(args, "simulation", None) == "heatmap"):
+        path, kind = Path(getattr(args, name)), getattr(args, "out_kind", FILE) if name == "out" else FILE
+        if kind == DIRECTORY:
             if path.exists() and not path.is_dir():
                 raise ConfigError(f"--{name} {path} is a file: it names a directory here")
         elif path.is_dir():
             raise ConfigError(f"--{name} {path} is a directory: it names a file here")
-        elif not path.parent.is_dir() and args.command != "train-depth":  # (train-depth makes its directory)
+        elif kind == FILE and not path.parent.is_dir():
             raise ConfigError(f"--{name} {path}: the directory {path.parent} does not exist")
 
 

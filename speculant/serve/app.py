@@ -331,9 +331,9 @@ def control_tokens(tokenizer: Any) -> re.Pattern | None:
     return re.compile("|".join(map(re.escape, texts))) if texts else None
 
 
-def option_param(error: ConfigError) -> str:
+def option_param(error: ConfigError, otherwise: str | None = "speculant") -> str | None:
     """The request field a refused `speculant` option is answered with: the option where the error names one."""
-    return f"speculant.{error.option}" if isinstance(error, OptionError) else "speculant"
+    return f"speculant.{error.option}" if isinstance(error, OptionError) else otherwise
 
 
 def real_vocabulary(target: Any) -> int:
@@ -454,8 +454,7 @@ def ended(item: _End, refused: str | None = None) -> Outcome:
     if isinstance(item.outcome, Outcome):
         return item.outcome
     if isinstance(item.outcome, ConfigError):
-        raise ApiError(400, str(item.outcome), option_param(item.outcome) if isinstance(item.outcome, OptionError)
-                       else refused)
+        raise ApiError(400, str(item.outcome), option_param(item.outcome, refused))
     raise ApiError(500, f"generation failed: {type(item.outcome).__name__}: {item.outcome}")
 
 
