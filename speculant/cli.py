@@ -15,6 +15,7 @@ from speculant.config import (
     DEFAULT_TARGET,
     ModelConfig,
     RunConfig,
+    Given,
     SamplingConfig,
     ServeConfig,
     add_options,
@@ -22,14 +23,17 @@ from speculant.config import (
     from_args,
 )
 from speculant.errors import ConfigError, SpeculantError
+from speculant.methods.drafting import held_drafters
 from speculant.methods.registry import METHODS, all_options, get_method, owners
 
 
 FILE, FILE_ANYWHERE, DIRECTORY = "file", "file anywhere", "directory"  # what a command's --out names (out_kind)
+PARSER_KEYS = ("command", "out_kind", "given", "needs")  # what the parser notes beside the flags (no run's settings)
 
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="speculant", description="Lossless speculative inference of language models.")
+    parser.set_defaults(given=frozenset(), needs={})  # flags given; what a flag applies with (`check_needs`)
     commands = parser.add_subparsers(dest="command", required=True)
 
     gen = commands.add_parser("generate", help="generate text, streaming it as tokens are committed")
@@ -80,12 +84,16 @@ def build_parser() -> argparse.ArgumentParser:
                                "per machine), or measure TTFT, TPOT and T(W) on prompts with --widths")
     prof.add_argument("--model", default=DEFAULT_TARGET, help=f"model to profile (default: {DEFAULT_TARGET})")
     prof.add_argument("--drafter", default=None, help="also profile this drafter and report its cost ratio c")
-    prof.add_argument("--drafter-dtype", choices=("bf16", "fp32"), default=None)
+    prof.add_argument("--drafter-dtype", choices=("bf16", "fp32"), default=None, action=Given)
     prof.add_argument("--widths", default=None, help="measure now, on prompts, these new-token counts W, e.g. 1-64 "
                       "or 1,2,4,8 (default: show the machine profile, measuring it once if it is missing)")
-    prof.add_argument("--dataset", default="humaneval[:5]", help="with --widths: prompts for TTFT and TPOT")
-    prof.add_argument("--context-len", type=int, default=256, help="with --widths: cached tokens before the T(W) forwards")
-    prof.add_argument("--repeats", type=int, default=3)
+    prof.add_argument("--dataset", default="humaneval[:5]", action=Given, help="with --widths: prompts for TTFT and "
+                      "TPOT")
+    prof.add_argument("--context-len", type=int, default=256, action=Given,
+                      help="with --widths: cached tokens before the T(W) forwards")
+    prof.add_argument("--repeats", type=int, default=3, action=Given, help="with --widths: timings per width")
+    prof.set_defaults(needs={"dataset": "widths", "context_len": "widths", "repeats": "widths",
+                             "drafter_dtype": "drafter"})
     add_options(prof, ModelConfig)
     prof.add_argument("--out", default=None, help="write the profile as JSON (the drafter's to OUT.drafter.json)")
 
@@ -142,11 +150,14 @@ def build_parser() -> argparse.ArgumentParser:
     data.add_argument("--prompts", default=None, metavar="FILE.jsonl[:N]", help="JSONL prompts (chat when 'turns')")
     load.add_argument("--requests", type=int, default=32, help="requests to send, cycling over the prompts (with "
                       "--rate: conversations)")
-    load.add_argument("--concurrency", type=int, nargs="+", default=[1, 4, 16], help="clients at once; one run each")
-    load.add_argument("--rate", type=non_negative, nargs="+", default=None, help="open loop instead: conversations arrive "
-                      "at this Poisson rate per second, whatever the backlog; one run each")
-    load.add_argument("--turns", type=int, default=1, help="with --rate: turns per conversation, each resending the "
-                      "history with the reply and a follow-up question")
+    arrivals = load.add_mutually_exclusive_group()
+    arrivals.add_argument("--concurrency", type=int, nargs="+", default=[1, 4, 16],
+                          help="clients at once; one run each")
+    arrivals.add_argument("--rate", type=non_negative, nargs="+", default=None, help="open loop instead: conversations "
+                          "arrive at this Poisson rate per second, whatever the backlog; one run each")
+    load.add_argument("--turns", type=int, default=1, action=Given, help="with --rate: turns per conversation, each "
+                      "resending the history with the reply and a follow-up question")
+    load.set_defaults(needs={"turns": "rate"})
     load.add_argument("--max-tokens", type=int, default=64)
     load.add_argument("--temperature", type=non_negative, default=0.0)
     load.add_argument("--check-solo", action="store_true",
@@ -179,11 +190,16 @@ def build_parser() -> argparse.ArgumentParser:
     sims = simulate.add_subparsers(dest="simulation", required=True)
     from speculant.analysis.commands import LOOKAHEADS  # numpy only
     one = sims.add_parser("run", help="expected latency of non-SI, SI and DSI for one configuration")
-    one.add_argument("--target-latency", type=non_negative, default=None, metavar="MS", help="target forward (TPOT), ms")
-    one.add_argument("--drafter-latency", type=non_negative, default=None, metavar="MS", help="drafter forward, ms")
-    one.add_argument("--target-profile", default=None, metavar="JSON",
-                     help="take the target's TPOT and TTFT from a `speculant profile` file")
-    one.add_argument("--drafter-profile", default=None, metavar="JSON", help="take the drafter's TPOT from a profile")
+    target = one.add_mutually_exclusive_group()
+    target.add_argument("--target-latency", type=non_negative, default=None, metavar="MS",
+                        help="target forward (TPOT), ms")
+    target.add_argument("--target-profile", default=None, metavar="JSON",
+                        help="take the target's TPOT and TTFT from a `speculant profile` file")
+    drafter = one.add_mutually_exclusive_group()
+    drafter.add_argument("--drafter-latency", type=non_negative, default=None, metavar="MS",
+                         help="drafter forward, ms")
+    drafter.add_argument("--drafter-profile", default=None, metavar="JSON", help="take the drafter's TPOT from a "
+                         "profile")
     one.add_argument("--acceptance", type=float, required=True, help="per-token acceptance rate in [0, 1]")
     one.add_argument("--lookahead", type=int, required=True, help="draft tokens per verification")
     one.add_argument("--servers", type=int, default=1, help="target servers for DSI (default: 1)")
@@ -203,7 +219,9 @@ def build_parser() -> argparse.ArgumentParser:
     online.add_argument("--tokens", type=int, default=50, help="tokens to generate (default: 50, as in the paper)")
     online.add_argument("--repeats", type=int, default=5, help="prompts, each run by every method (default: 5)")
     online.add_argument("--executor", choices=("thread", "process", "ray"), default="thread")
-    online.add_argument("--ray-address", default=None)
+    online.add_argument("--ray-address", default=None, action=Given, help="with --executor ray: join this cluster "
+                        "(default: start one)")
+    online.set_defaults(needs={"ray_address": "executor=ray"})
     online.add_argument("--more-drafter", action="append", default=[], metavar="MS:ACCEPTANCE",
                         help="a costlier drafter beside the first (repeatable): DSI with each alone and with all "
                         "together (Algorithm 1 with m > 2 models)")
@@ -291,7 +309,8 @@ def run_generate(args: argparse.Namespace) -> None:
     model_config = from_args(ModelConfig, args)
     if not args.prompt.strip():
         raise ConfigError("the prompt is empty")
-    sources = ([options.drafter] if hasattr(options, "drafter") else []) + list(getattr(options, "drafters", None) or ())
+    sources = held_drafters(options)
+    check_models([args.target], sources)
     if args.bigram_corpus and not any(isinstance(d, DrafterSpec) and d.kind == MAXGRAM for d in sources):
         raise ConfigError("--bigram-corpus applies to the maxgram drafter only")
     files = [Path(f) for f in args.bigram_corpus or []]
@@ -378,7 +397,7 @@ def run_bench(args: argparse.Namespace, argv: Sequence[str]) -> None:
     if args.out:
         out = Path(args.out)
         out.mkdir(parents=True, exist_ok=True)
-        config = {"command": command, "machine": machine, **{k: v for k, v in vars(args).items() if k != "command"}}
+        config = {"command": command, "machine": machine, **{k: v for k, v in vars(args).items() if k not in PARSER_KEYS}}
         if saved:
             config = {**saved["config"], "command": command, "baseline": args.baseline}
         (out / "results.json").write_text(json.dumps(to_json(config, rows, summaries, by_category), indent=1))
@@ -418,6 +437,7 @@ def measure_bench(args: argparse.Namespace, methods: list[Any]) -> list[Any]:
 
     if any(m.method in CLI_PEERS for m in methods):
         tool("llama-completion")  # llama.cpp's tools are built: one line now, before any model loads
+    check_models([args.target], [d for m in methods for d in held_drafters(m.options)])
     run = from_args(RunConfig, args)
     sampling = from_args(SamplingConfig, args)
     model_config = from_args(ModelConfig, args)
@@ -481,6 +501,7 @@ def run_profile(args: argparse.Namespace) -> None:
         raise ConfigError("context length and repeats must be >= 1")
     config = from_args(ModelConfig, args)
     prompts = load_dataset(args.dataset) if widths else []
+    check_models([args.model], [args.drafter] if args.drafter else [])
     model = load_model(args.model, dtype=config.dtype, device=config.device, backend=config.backend,
                         compile=config.compile)
     models = [model]
@@ -529,9 +550,10 @@ def run_acceptance(args: argparse.Namespace) -> None:
         raise ConfigError(f"depth must be >= 1, got {args.depth}")
     config = from_args(ModelConfig, args)
     prompts = load_dataset(args.dataset)
+    names = [name for name in args.drafter.split(",") if name]
+    check_models([args.target], names)
     target = load_model(args.target, dtype=config.dtype, device=config.device, backend=config.backend,
                         compile=config.compile)
-    names = [name for name in args.drafter.split(",") if name]
     session = Session(target)
     drafters = [session.drafter(name, args.drafter_dtype) for name in names]
     if not names or any(isinstance(d, Drafter) for d in drafters):
@@ -566,6 +588,7 @@ def run_train_depth(args: argparse.Namespace) -> None:
         raise ConfigError("max new tokens, max depth and width must be >= 1")
     config = from_args(ModelConfig, args)
     prompts = load_dataset(args.prompts or args.dataset or CORPUS)
+    check_models([args.target], [args.drafter])
     target = load_model(args.target, dtype=config.dtype, device=config.device, backend=config.backend,
                         compile=config.compile)
     drafter = tree_drafter_model(Session(target).drafter(args.drafter, args.drafter_dtype), target)
@@ -597,6 +620,7 @@ def run_serve(args: argparse.Namespace) -> None:
     given = {name: getattr(args, name) for name in all_options() if getattr(args, name) is not None}
     method = get_method(resolve_method(args.method, given))
     options = method.parse_options(given)
+    check_models([args.target], held_drafters(options))
     served_name = config.served_name or args.target
     if config.ray_cluster is None:  # (on a cluster, its own HTTP proxy binds the port, maybe on another node)
         check_listen(config.host, config.port)
@@ -608,6 +632,19 @@ def run_serve(args: argparse.Namespace) -> None:
         from speculant.serve.app import serve
 
         serve(args.target, model_config, method.name, options, config, served_name)
+
+
+def check_models(targets: Sequence[str], drafters: Sequence[Any] = ()) -> None:
+    """Refuse, before any model loads, a target or a model drafter (a spec, or its text) that no loader takes: a name
+    neither in the catalog, nor a local path, nor a Hugging Face id (`catalog.check_name`)."""
+    from speculant.drafters.spec import DrafterSpec, as_drafter
+    from speculant.models.catalog import check_name
+
+    for target in targets:
+        check_name(target)
+    for drafter in map(as_drafter, drafters):
+        if isinstance(drafter, DrafterSpec) and drafter.kind == "model":
+            check_name(drafter.source)
 
 
 def check_listen(host: str, port: int) -> None:
@@ -632,8 +669,6 @@ def run_bench_serve(args: argparse.Namespace) -> None:
         raise ConfigError("requests, concurrency, turns and max-tokens must be >= 1")
     if args.rate is not None and (min(args.rate) <= 0 or args.check_solo):
         raise ConfigError("--rate must be > 0, and open-loop runs do not --check-solo")
-    if args.turns > 1 and args.rate is None:
-        raise ConfigError("--turns runs conversations: give their arrival --rate")
     prompts = load_dataset(args.prompts or args.dataset)
     runs = [lambda rate=rate: run_sessions(args.url, prompts, args.requests, args.turns, rate, args.max_tokens,
                                            args.temperature, args.model, args.api_key, args.label)
@@ -654,6 +689,15 @@ def run_bench_serve(args: argparse.Namespace) -> None:
             raise SpeculantError(f"all {result['requests']} requests failed: {samples}")
 
 
+def more_drafter(text: str) -> tuple[float, float]:
+    """`--more-drafter MS:ACCEPTANCE` as numbers; a ValueError holding the text where it is not two numbers."""
+    try:
+        ms, acceptance = text.split(":")
+        return float(ms), float(acceptance)
+    except ValueError:
+        raise ValueError(text) from None
+
+
 def run_simulate(args: argparse.Namespace) -> None:
     from speculant.analysis.commands import format_heatmap, format_one, run_heatmap, simulate_one
 
@@ -661,9 +705,9 @@ def run_simulate(args: argparse.Namespace) -> None:
         from speculant.analysis.online import format_online, simulate_online
 
         try:
-            more = tuple((float(ms), float(a)) for ms, a in (text.split(":") for text in args.more_drafter))
-        except ValueError:
-            raise ConfigError(f"--more-drafter takes MS:ACCEPTANCE, got {args.more_drafter}") from None
+            more = tuple(more_drafter(text) for text in args.more_drafter)
+        except ValueError as error:
+            raise ConfigError(f"--more-drafter takes MS:ACCEPTANCE, got '{error}'") from None
         result = simulate_online(args.target_latency, args.drafter_latency, args.acceptance, args.servers, args.tokens,
                                  args.lookahead, args.ttft, args.repeats, args.executor, args.seed,
                                  Path(args.timeline) if args.timeline else None, args.ray_address, more)
@@ -725,6 +769,19 @@ def check_outputs(args: argparse.Namespace) -> None:
             raise ConfigError(f"--{name} {path}: the directory {path.parent} does not exist")
 
 
+def check_needs(args: argparse.Namespace) -> None:
+    """Refuse, before any work, a flag given where it does nothing: its command's `needs` name the flag (or flag=value)
+    it applies with; and sampling's flags without a temperature to sample at."""
+    for name, needed in args.needs.items():
+        other, _, value = needed.partition("=")
+        if name in args.given and (getattr(args, other) != value if value else not getattr(args, other)):
+            raise ConfigError(f"{flag(name)} applies with {flag(other)}{' ' + value if value else ''} only")
+    sampled = getattr(args, "temperature", 0) or any("temperature=" in m for m in getattr(args, "methods", ()))
+    if not sampled and (given := [flag(name) for name in ("top_k", "top_p", "verifier") if name in args.given]):
+        raise ConfigError(f"{', '.join(given)} appl{'y' if len(given) > 1 else 'ies'} when sampling: add --temperature "
+                          "above 0")
+
+
 def non_negative(text: str) -> float:
     """A flag's finite number >= 0 (a latency, a rate, a temperature)."""
     try:
@@ -741,6 +798,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         check_outputs(args)
+        check_needs(args)
         if args.command == "generate":
             run_generate(args)
         elif args.command == "bench":

@@ -41,6 +41,9 @@ def count_or_auto(text: str) -> int | str:
 
 REQUEST_MOST = 64  # the largest value a server's client may give a draft-size option (`most`): a tree of a
 # thousand levels is a request for the server's memory and time, not for tokens
+REQUEST_ITEMS = 8  # the most items a server's client may give a list option (drafter levels, tree widths, K rows)
+REQUEST_NODES = 128  # the most nodes a server's client's draft tree may have (depth x width): its verification is one
+# forward that the other requests' streams wait on, so no wider than a long prompt's part (lean's SERVED_PART)
 
 
 def option(default: Any, help: str, **extra: Any) -> Any:
@@ -146,6 +149,11 @@ class ServeConfig:
             raise ConfigError(f"max-body-mb must be a number > 0, got {self.max_body_mb}")
         if self.replicas < 1 or not 0 < self.replica_cpus < math.inf:
             raise ConfigError("replicas must be >= 1 and replica-cpus a number > 0")
+        for name in ("api_key", "served_name", "allowed_hosts"):  # (empty: a key anyone sends, a name no one, any host)
+            value = getattr(self, name)
+            parts = value.split(",") if name == "allowed_hosts" and value is not None else [value]
+            if value is not None and not all(part.strip() for part in parts):
+                raise ConfigError(f"{flag(name)} has an empty value: give one, or leave the flag out")
         if self.open_metrics and self.api_key is None:
             raise ConfigError("--open-metrics opens /metrics to callers without the --api-key: give one")
 
@@ -196,6 +204,16 @@ def default_of(f: Field) -> Any:
     return None if f.default is MISSING else f.default
 
 
+class Given(argparse.Action):
+    """argparse's store, which also records the flag in `namespace.given` where the command line gives it (a default
+    records nothing): what a flag that applies only with another is checked by (the CLI's `needs`)."""
+
+    def __call__(self, parser: argparse.ArgumentParser, namespace: argparse.Namespace, values: Any,
+                 option_string: str | None = None) -> None:
+        setattr(namespace, self.dest, values)
+        namespace.given = getattr(namespace, "given", frozenset()) | {self.dest}
+
+
 def add_options(parser: argparse.ArgumentParser, config: type, **overrides: Any) -> None:
     """Add one `--flag` per field of a config dataclass; `overrides` replace defaults."""
     for f in fields(config):
@@ -205,7 +223,8 @@ def add_options(parser: argparse.ArgumentParser, config: type, **overrides: Any)
                                 help=f"{f.metadata.get('help', '')} (default: {'on' if default else 'off'})")
             continue
         parser.add_argument(flag(f.name), dest=f.name, type=functools.partial(parse_flag, f), default=default,
-                            metavar=f.name.upper(), help=f"{f.metadata.get('help', '')} (default: {default})")
+                            action=Given, metavar=f.name.upper(),
+                            help=f"{f.metadata.get('help', '')} (default: {default})")
 
 
 def parse_flag(f: Field, text: str) -> Any:

@@ -240,11 +240,21 @@ def test_bad_files_paths_and_settings_are_one_line_before_any_model_loads(tmp_pa
             (["serve", *target, "--port", port], "cannot listen on"),
             (["serve", *target, "--prefix-cache-mb", "inf"], "prefix-cache-mb must be a number >= 0"),
             (["serve", *target, "--open-metrics"], "--open-metrics opens /metrics"),
+            (["serve", *target, "--api-key", " "], "--api-key has an empty value"),
+            (["serve", *target, "--served-name", ""], "--served-name has an empty value"),
+            (["serve", *target, "--allowed-hosts", "localhost,"], "--allowed-hosts has an empty value"),
+            (["generate", "x", *target, "--method", "sd", "--drafter", "nonsense"], "unknown model 'nonsense'"),
+            (["generate", "x", *target, "--method", "cascade", "--drafters", "maxgram,./nowhere"], "no model at"),
+            (["serve", *target, "--method", "sd", "--drafter", "nonsense"], "unknown model 'nonsense'"),
+            (["bench", *target, "--methods", "ar", "sd:drafter=nonsense"], "unknown model 'nonsense'"),
+            (["acceptance", *target, "--drafter", "nonsense"], "unknown model 'nonsense'"),
+            (["train-depth", *target, "--drafter", str(tmp_path / "none.gguf")], "no GGUF file at"),
+            (["profile", "--model", "nonsense"], "unknown model 'nonsense'"),
         ]:
             code, _, err = run(capsys, *argv)
             lines = [line for line in err.splitlines() if line.startswith("speculant: error")]
             assert code == 2 and len(lines) == 1 and message in lines[0], (argv, err)
-            assert "Traceback" not in err and ("loading target" not in err or argv[0] == "generate"), argv
+            assert "Traceback" not in err and ("loading target" not in err or str(tmp_path) in argv[3]), argv
     monkeypatch.setenv("SPECULANT_CACHE", str(tmp_path / "file"))
     code, _, err = run(capsys, "generate", "x", *target)
     assert code == 2 and "SPECULANT_CACHE" in err and "Traceback" not in err
@@ -266,3 +276,40 @@ def test_argparse_errors_exit_2(capsys):
     assert "bad value 'two' for k" in capsys.readouterr().err
 
 
+
+
+def test_a_flag_given_where_it_does_nothing_is_one_line_never_ignored(capsys):
+    """A flag that applies only with another (or with sampling, or with a model drafter) is refused when given
+    without it, before any work; flags that exclude each other are argparse's usage error. Their defaults alone pass."""
+    for argv, message in [
+        (["profile", "--context-len", "10"], "--context-len applies with --widths only"),
+        (["profile", "--repeats", "2", "--dataset", "humaneval[:2]"], "applies with --widths only"),
+        (["profile", "--drafter-dtype", "bf16"], "--drafter-dtype applies with --drafter only"),
+        (["bench-serve", "--turns", "2"], "--turns applies with --rate only"),
+        (["simulate", "online", "--target-latency", "1", "--drafter-latency", "1", "--acceptance", "0.5",
+          "--ray-address", "auto"], "--ray-address applies with --executor ray only"),
+        (["simulate", "online", "--target-latency", "1", "--drafter-latency", "1", "--acceptance", "0.5",
+          "--more-drafter", "2:0.5", "--more-drafter", "3"], "got '3'"),
+        (["generate", "x", "--top-p", "0.9"], "--top-p applies when sampling"),
+        (["generate", "x", "--top-k", "4", "--verifier", "token", "--temperature", "0"], "--top-k, --verifier apply"),
+        (["bench", "--top-k", "3"], "--top-k applies when sampling"),
+        (["generate", "x", "--method", "sd", "--drafter", "maxgram", "--drafter-dtype", "bf16"], "maxgram loads none"),
+        (["generate", "x", "--method", "cascade", "--drafters", "self,maxgram", "--drafter-dtype", "fp32"],
+         "loads none"),
+        (["generate", "x", "--method", "dsi", "--ray-address", "auto"], "add executor ray"),
+    ]:
+        code, _, err = run(capsys, *argv)
+        assert code == 2 and err.count("speculant: error") == 1 and message in err, (argv, err)
+        assert "loading target" not in err and "Traceback" not in err, argv
+    for argv in (["bench-serve", "--rate", "1", "--concurrency", "2"],
+                 ["simulate", "run", "--target-latency", "1", "--target-profile", "p.json", "--drafter-latency", "1",
+                  "--acceptance", "0.5", "--lookahead", "2"]):
+        with pytest.raises(SystemExit) as exit_info:
+            cli.main(argv)
+        assert exit_info.value.code == 2 and "not allowed with argument" in capsys.readouterr().err, argv
+    args = cli.build_parser().parse_args(["profile"])
+    cli.check_needs(args)  # (the defaults of flags that need another: nothing given)
+    assert args.given == frozenset() and args.context_len == 256
+    args = cli.build_parser().parse_args(["generate", "x", "--top-p", "0.9", "--temperature", "0.7"])
+    cli.check_needs(args)
+    assert args.given == {"top_p", "temperature"}

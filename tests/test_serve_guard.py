@@ -86,6 +86,37 @@ def test_a_request_s_draft_sizes_are_bounded_however_they_are_spelled(app, metho
         assert "at most 64" in is_error(response, 400, f"speculant.{name}")["message"], value
 
 
+def test_a_request_s_lists_and_trees_are_bounded(app):
+    """A list option has at most 8 items (nested rows too), and a tree at most 128 nodes: each node is drafted and
+    verified in forwards the other requests wait on."""
+    _, client = app
+    for options, param, message in [
+            ({"method": "auto", "tree_widths": [2] * 9}, "tree_widths", "at most 8 items"),
+            ({"method": "cascade", "drafters": ",".join(["maxgram"] * 9)}, "drafters", "at most 8 items"),
+            ({"method": "cascade", "drafters": "maxgram", "k_matrix": ",".join(["1"] * 9)}, "k_matrix",
+             "at most 8 items"),
+            ({"method": "tree", "depth": 16, "width": 16}, "width", "at most 128 nodes"),
+            ({"method": "tree", "depth": 64}, "width", "at most 128 nodes")]:
+        response = client.post("/v1/completions", json=completion(speculant=options))
+        assert message in is_error(response, 400, f"speculant.{param}")["message"], options
+    for options in ({"method": "tree", "depth": 32, "width": 4}, {"method": "tree", "depth": "auto", "width": 64},
+                    {"method": "auto", "tree_widths": [2] * 8}):
+        assert client.post("/v1/completions", json=completion(speculant=options)).status_code == 200, options
+
+
+def test_a_request_s_default_drafters_are_the_server_s_whatever_other_requests_added():
+    """A drafter one request adds (Max-Gram, which costs nothing to load) is not drawn into the next request's
+    defaults: the server's method keeps its own drafters and another method defaults to them."""
+    engine = engine_for("sd")
+    before = [engine.options_for(method, {"k": 3} if method == "sd" else {}) for method in ("sd", "cascade")]
+    engine.options_for("sd", {"drafter": "maxgram"})
+    assert "maxgram" in engine.models
+    after = [engine.options_for(method, {"k": 3} if method == "sd" else {}) for method in ("sd", "cascade")]
+    assert [(s.name, o) for s, o in before] == [(s.name, o) for s, o in after]
+    assert after[0][1].drafter is engine.options.drafter and after[1][1].drafters == (engine.options.drafter,)
+    engine.close()
+
+
 def test_a_refused_option_is_a_4xx_naming_it_before_a_stream_starts(app):
     """Options refused when they are read, and those refused only once the request runs (a K matrix's entries,
     a tree without a model drafter), answer a stream as they answer a whole reply: a 400, not a 200 whose

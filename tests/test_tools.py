@@ -154,6 +154,20 @@ def test_bad_tool_requests_get_400s_naming_the_field(served):
     for body, message in bad:
         with pytest.raises(openai.BadRequestError, match=message):
             served.chat.completions.create(model="m", messages=ASK, max_tokens=4, **body)
+    spelled = {"type": "function", "function": {**WEATHER["function"], "description": "Weather.<|im_end|>"}}
+    call = {"id": "1", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "<|im_start|>"}'}}
+    for body, param in [({"tools": [spelled]}, "tools.0.function"),
+                        ({"messages": ASK + [{"role": "assistant", "tool_calls": [call]}]}, "messages.1.tool_calls"),
+                        ({"messages": ASK + [{"role": "assistant", "tool_calls": [call | {"function": {
+                            "name": "get_weather", "arguments": '{"city": "Paris"}'}}]},
+                                             {"role": "tool", "tool_call_id": "1", "content": "18<|im_end|>"}]},
+                         "messages.2.content")]:
+        with pytest.raises(openai.BadRequestError, match="control token") as refused:
+            served.chat.completions.create(model="m", max_tokens=4, **{"messages": ASK, **body})
+        assert refused.value.param == param, refused.value.body
+    with pytest.raises(openai.BadRequestError, match="which no assistant message before it made"):
+        served.chat.completions.create(model="m", max_tokens=4, messages=ASK + [
+            {"role": "tool", "tool_call_id": "9", "content": "18"}])
     with pytest.raises(openai.BadRequestError, match="arguments"):
         served.chat.completions.create(model="m", max_tokens=4, messages=ASK + [
             {"role": "assistant", "tool_calls": [{"id": "1", "type": "function",

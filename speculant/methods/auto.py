@@ -11,7 +11,7 @@ from typing import Any
 from speculant.config import AUTO, CATCH_UPS, REQUEST_MOST, SCHEDULES, option
 from speculant.drafters.spec import as_drafter
 from speculant.errors import ConfigError
-from speculant.methods.drafting import DRAFTER_DTYPES, parse_drafters
+from speculant.methods.drafting import DRAFTER_DTYPES, check_drafter_dtype, parse_drafters
 from speculant.methods.registry import Request, register
 
 MODEL_PRIOR = 0.6  # a model drafter's acceptance before any observation
@@ -83,6 +83,7 @@ class AutoOptions:
             object.__setattr__(self, "drafters", parse_drafters(self.drafters))
         if self.drafters is not None:
             object.__setattr__(self, "drafters", tuple(as_drafter(d) for d in self.drafters))
+            check_drafter_dtype(self)
         if self.k_max < 1:
             raise ConfigError(f"k_max must be >= 1, got {self.k_max}")
         if not 0 <= self.draft_confidence < 1:

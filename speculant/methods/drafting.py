@@ -35,6 +35,16 @@ class DrafterOptions:
         object.__setattr__(self, "drafter", as_drafter(self.drafter))
         if self.drafter_dtype not in (None, *DRAFTER_DTYPES):
             raise ConfigError(f"drafter dtype must be one of {', '.join(DRAFTER_DTYPES)}, got {self.drafter_dtype}")
+        check_drafter_dtype(self)
+
+
+def check_drafter_dtype(options: Any) -> None:
+    """A drafter dtype is refused where `options` name no model drafter to load in it (Max-Gram, suffix and `self`
+    load none; a given model keeps its own): never silently ignored."""
+    if options.drafter_dtype is not None and \
+            not any(isinstance(d, DrafterSpec) and d.kind == "model" for d in held_drafters(options)):
+        raise ConfigError(f"drafter dtype {options.drafter_dtype} applies to a model drafter named by its catalog "
+                          f"name, Hugging Face id or path; {', '.join(map(str, held_drafters(options)))} loads none")
 
 
 def with_drafters(options: Any, load: Callable[[Any], Any]) -> Any:
@@ -47,6 +57,13 @@ def with_drafters(options: Any, load: Callable[[Any], Any]) -> Any:
     if "drafters" in names and options.drafters is not None:
         changes["drafters"] = tuple(load(d) for d in options.drafters)
     return replace(options, **changes) if changes else options
+
+
+def held_drafters(options: Any) -> list[Any]:
+    """Every drafter `options` holds: its `drafter`, then its `drafters` (none for a method that drafts with none)."""
+    names = {f.name for f in fields(options)}
+    return ([options.drafter] if "drafter" in names else []) + \
+        list((options.drafters if "drafters" in names else None) or ())
 
 
 def as_keywords(options: Any) -> dict[str, Any]:

@@ -70,6 +70,8 @@ class DSIOptions(DrafterOptions):
     ray_address: str | None = option(None, "with executor ray: join this cluster (default: start one)", operator=True)
 
     def __post_init__(self) -> None:
+        if isinstance(self.drafters, str):
+            object.__setattr__(self, "drafters", parse_drafters(self.drafters))
         super().__post_init__()
         if self.servers < 1:
             raise ConfigError(f"servers must be >= 1, got {self.servers}")
@@ -77,12 +79,12 @@ class DSIOptions(DrafterOptions):
             raise ConfigError(f"lookahead must be >= 1, got {self.lookahead}")
         if isinstance(self.executor, str) and self.executor not in EXECUTORS:
             raise ConfigError(f"unknown executor '{self.executor}' (choose from {', '.join(EXECUTORS)})")
+        if self.ray_address is not None and self.executor != "ray":
+            raise ConfigError("ray_address names the cluster of executor ray: add executor ray")
         if isinstance(self.target_devices, str):
             object.__setattr__(self, "target_devices", parse_devices(self.target_devices))
         if self.target_devices is not None and len(self.target_devices) != self.servers:
             raise ConfigError(f"{len(self.target_devices)} target devices given for {self.servers} servers")
-        if isinstance(self.drafters, str):
-            object.__setattr__(self, "drafters", parse_drafters(self.drafters))
         if self.drafters is not None and len(self.drafters) < 1:
             raise ConfigError("drafters needs at least one drafter")
         if isinstance(self.twin_latency, str):

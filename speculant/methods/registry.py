@@ -12,7 +12,7 @@ from collections.abc import Callable, Iterable, Mapping
 from dataclasses import Field, dataclass, fields
 from typing import TYPE_CHECKING, Any
 
-from speculant.config import SamplingConfig, parse_value
+from speculant.config import REQUEST_ITEMS, SamplingConfig, parse_value
 from speculant.errors import ConfigError, OptionError
 
 if TYPE_CHECKING:
@@ -42,6 +42,14 @@ class Method:
     options: type  # a frozen dataclass; its __post_init__ validates and normalises
     build: Callable[[Request, Any], Decoder]
     help: str
+    bounds: Callable[[Any], None] | None = None  # refuses options a server's client may not give together
+
+    def check_request(self, options: Any, names: Iterable[str]) -> None:
+        """Refuse what a server's client may not ask of this method: a named option beyond its field's `most` or
+        with more than REQUEST_ITEMS items (`check_most`), or options that are too much together (`bounds`)."""
+        check_most(options, names)
+        if self.bounds is not None:
+            self.bounds(options)
 
     def make_options(self, given: Mapping[str, Any]) -> Any:
         """The options dataclass from keyword values; an unknown or misplaced name is one clear error."""
@@ -59,13 +67,15 @@ class Method:
 METHODS: dict[str, Method] = {}
 
 
-def register(name: str, options: type, help: str) -> Callable[[Callable[[Request, Any], Decoder]], Method]:
-    """Decorator for a method's decoder factory: `@register("sd", SDOptions, "...")`."""
+def register(name: str, options: type, help: str, bounds: Callable[[Any], None] | None = None
+             ) -> Callable[[Callable[[Request, Any], Decoder]], Method]:
+    """Decorator for a method's decoder factory: `@register("sd", SDOptions, "...")`; `bounds(options)` raises an
+    OptionError where a server's client asks too much of the options together (`Method.check_request`)."""
 
     def wrap(build: Callable[[Request, Any], Decoder]) -> Method:
         if name in METHODS:
             raise ValueError(f"method '{name}' registered twice")
-        METHODS[name] = Method(name, options, build, help)
+        METHODS[name] = Method(name, options, build, help, bounds)
         return METHODS[name]
 
     return wrap
@@ -125,12 +135,17 @@ def request_options(method: str) -> list[str]:
 
 def check_most(options: Any, names: Iterable[str]) -> None:
     """Refuse a named option whose value, or any number within it (a list of widths, a K matrix), is beyond its
-    field's `most`: checked on the parsed options, whatever type the client spelled the value in."""
+    field's `most`, or whose list, or any list within it, has more than REQUEST_ITEMS items: checked on the parsed
+    options, whatever type the client spelled the value in."""
     by_name = {f.name: f for f in fields(options)}
     for name in names:
-        most = by_name[name].metadata.get("most") if name in by_name else None
-        if most is not None and any(number > most for number in numbers(getattr(options, name))):
+        if name not in by_name:
+            continue
+        value, most = getattr(options, name), by_name[name].metadata.get("most")
+        if most is not None and any(number > most for number in numbers(value)):
             raise OptionError(name, f"{name} is at most {most} per request")
+        if longest(value) > REQUEST_ITEMS:
+            raise OptionError(name, f"{name} has at most {REQUEST_ITEMS} items per request")
 
 
 def numbers(value: Any) -> list[float]:
@@ -138,6 +153,13 @@ def numbers(value: Any) -> list[float]:
     if isinstance(value, (list, tuple)):
         return [n for item in value for n in numbers(item)]
     return [value] if isinstance(value, (int, float)) and not isinstance(value, bool) else []
+
+
+def longest(value: Any) -> int:
+    """The most items of a list or tuple in an option's value, itself or nested (0: none)."""
+    if isinstance(value, (list, tuple)):
+        return max([len(value), *map(longest, value)])
+    return 0
 
 
 def all_options() -> dict[str, Field]:

@@ -3,7 +3,7 @@ the transformers backend: a GGUF on llama.cpp or the lean kernels needs only a t
 
 from speculant.config import QUANTS
 from speculant.models.base import CausalLM
-from speculant.models.catalog import CATALOG
+from speculant.models.catalog import CATALOG, split_quant
 from speculant.models.loading import (
     DTYPES,
     dtype_name,
@@ -11,7 +11,6 @@ from speculant.models.loading import (
     quantized_copy,
     resolve_device,
     resolve_dtype,
-    split_quant,
 )
 
 __all__ = ["CATALOG", "DTYPES", "QUANTS", "CausalLM", "HFCausalLM", "dtype_name", "load_model", "quantized_copy",

@@ -22,7 +22,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from speculant.cache import cache_root, sha256_file
-from speculant.errors import ModelNotAvailable
+from speculant.config import GGUF, LEAN, QUANTS
+from speculant.errors import ConfigError, ModelNotAvailable
 
 MANIFEST = "speculant-cache.json"
 log = logging.getLogger("speculant")
@@ -123,6 +124,35 @@ CATALOG: dict[str, CatalogEntry] = {
         ),
     )
 }
+
+
+def split_quant(spec: str) -> tuple[str, str | None]:
+    """`qwen2.5-coder-0.5b@int8` -> ("qwen2.5-coder-0.5b", "int8")."""
+    name, at, quant = spec.rpartition("@")
+    return (name, quant) if at else (spec, None)
+
+
+def catalog_listing() -> str:
+    return ", ".join(CATALOG)
+
+
+def check_name(name: str) -> None:
+    """Refuse, before anything loads, a model name (with or without its `@suffix`) that no loader takes: a path (it
+    starts with /, ./, ../ or ~, or ends with .gguf) that names nothing, or a name that is neither in the catalog, nor
+    a local path, nor a Hugging Face id (owner/name)."""
+    name = split_quant(name)[0] if name.rpartition("@")[2] in (*QUANTS, GGUF, LEAN) else name
+    if not name:
+        raise ConfigError(f"empty model name; catalog models: {catalog_listing()}")
+    if name in CATALOG:
+        return
+    exists = Path(name).expanduser().exists()
+    if name.endswith(".gguf") and not exists:
+        raise ModelNotAvailable(f"no GGUF file at {name} (catalog models: {catalog_listing()})")
+    if name.startswith(("/", "./", "../", "~")) and not exists:
+        raise ModelNotAvailable(f"no model at {name} (catalog models: {catalog_listing()})")
+    if not (exists or "/" in name):
+        raise ModelNotAvailable(f"unknown model '{name}'; catalog models: {catalog_listing()} "
+                                "(or give a Hugging Face id or a local path)")
 
 
 def _stamp(path: Path) -> list[int]:

@@ -19,7 +19,7 @@ from speculant.config import AUTO, BACKENDS, GGUF, LEAN, QUANTS
 from speculant.errors import ConfigError, ModelNotAvailable
 from speculant.machine import native_bf16
 from speculant.models.base import CausalLM
-from speculant.models.catalog import CATALOG, gguf_checkpoint, materialize
+from speculant.models.catalog import CATALOG, catalog_listing, check_name, gguf_checkpoint, materialize, split_quant
 from speculant.models.backends import llamacpp
 from speculant.models.numerics.native import KERNELS
 
@@ -64,16 +64,6 @@ def resolve_device(device: str) -> torch.device:
     elif parsed.type != "cpu":
         raise ConfigError(f"unsupported device '{device}' (use cpu, cuda or cuda:N)")
     return parsed
-
-
-def catalog_listing() -> str:
-    return ", ".join(CATALOG)
-
-
-def split_quant(spec: str) -> tuple[str, str | None]:
-    """`qwen2.5-coder-0.5b@int8` -> ("qwen2.5-coder-0.5b", "int8")."""
-    name, at, quant = spec.rpartition("@")
-    return (name, quant) if at else (spec, None)
 
 
 def quantized_copy(model: HFCausalLM, quant: str, group_size: int = 32) -> HFCausalLM:
@@ -252,9 +242,8 @@ def load_model(spec: Any, dtype: str | None = None, device: str | None = None, t
         spec, quant = split_quant(spec)
     if quant is not None and quant not in (*QUANTS, GGUF, LEAN):
         raise ConfigError(f"unknown quantization '{quant}' (choose from {', '.join(QUANTS)}, gguf or lean)")
-    if isinstance(spec, (str, Path)) and str(spec).startswith(("/", "./", "../", "~")) and \
-            not str(spec).endswith(".gguf") and not Path(spec).expanduser().exists():  # a path, not a hub id
-        raise ModelNotAvailable(f"no model at {spec} (catalog models: {catalog_listing()})")
+    if isinstance(spec, (str, Path)):
+        check_name(str(spec))
     chosen = resolve_backend(backend, spec, quant, device, dtype)
     if chosen in ("llamacpp", "lean"):
         if dtype not in (None, AUTO):
@@ -302,17 +291,12 @@ def _load_transformers(spec: Any, dtype: str | None, device: str | None, tokeniz
     torch_device = resolve_device(device or "cpu")
     dtype = resolve_dtype(dtype or AUTO, torch_device)
     name = str(spec)
-    if not name:
-        raise ConfigError(f"empty model name; catalog models: {catalog_listing()}")
+    check_name(name)
     extra_eos: tuple[str, ...] = ()
+    path: str | Path = name
     if name in CATALOG:
-        path: str | Path = materialize(CATALOG[name], dtype)
+        path = materialize(CATALOG[name], dtype)
         extra_eos = CATALOG[name].extra_eos
-    elif Path(name).exists() or "/" in name:
-        path = name
-    else:
-        raise ModelNotAvailable(f"unknown model '{name}'; catalog models: {catalog_listing()} "
-                                "(or give a Hugging Face id or a local path)")
     try:
         model = AutoModelForCausalLM.from_pretrained(path, dtype=DTYPES[dtype]).to(torch_device)
     except (OSError, ValueError) as error:

@@ -162,10 +162,14 @@ def create_app(engine: Engine, served_name: str, config: ServeConfig | None = No
                                      body.parallel_tool_calls)
         messages = [tools.template_message(m) for m in body.messages]
         controls = control_tokens(tokenizer) if tokenizer is not None else None
-        for i, message in enumerate(messages):
-            if controls is not None and (found := controls.search(message["content"])):
-                raise ApiError(400, f"messages.{i}.content holds {found.group()!r}, which this model reads as a "
-                               "control token (a turn's end, a call)", f"messages.{i}.content")
+        rendered = [(f"messages.{i}.{name}", value) for i, message in enumerate(messages)
+                    for name, value in message.items()]
+        if choice != "none":  # (the template writes the tools' names, descriptions and schemas into the prompt)
+            rendered += [(f"tools.{i}.function", tool.function.model_dump()) for i, tool in enumerate(body.tools)]
+        for param, value in rendered if controls is not None else ():
+            if found := next(filter(None, map(controls.search, texts(value))), None):
+                raise ApiError(400, f"{param} holds {found.group()!r}, which this model reads as a control token "
+                               "(a turn's end, a call)", param)
         try:  # (off the event loop: a long conversation must not hold up the other requests)
             ids = await asyncio.to_thread(encode_prompt, tokenizer, messages,
                                           True, [t.model_dump(exclude_none=True) for t in body.tools]
@@ -329,6 +333,17 @@ def control_tokens(tokenizer: Any) -> re.Pattern | None:
     texts = sorted({token.content for token in added.values() if token.special and token.content}, key=len,
                    reverse=True)
     return re.compile("|".join(map(re.escape, texts))) if texts else None
+
+
+def texts(value: Any) -> list[str]:
+    """Every string in a JSON value, object keys too: what a chat template may write into the prompt."""
+    if isinstance(value, str):
+        return [value]
+    if isinstance(value, dict):
+        return [text for key, item in value.items() for text in texts(key) + texts(item)]
+    if isinstance(value, list):
+        return [text for item in value for text in texts(item)]
+    return []
 
 
 def option_param(error: ConfigError, otherwise: str | None = "speculant") -> str | None:

@@ -20,8 +20,7 @@ from speculant.config import SamplingConfig, ServeConfig
 from speculant.drafters.spec import MAXGRAM, SELF, DrafterSpec, as_drafter
 from speculant.errors import ConfigError
 from speculant.methods import Request, get_method
-from speculant.methods.registry import check_most
-from speculant.methods.drafting import with_drafters
+from speculant.methods.drafting import held_drafters, with_drafters
 from speculant.models.base import Call, CausalLM, Interrupted
 from speculant.models.wrappers.constrained import Constraint
 from speculant.models.wrappers.logprobs import TokenLogprob
@@ -201,6 +200,7 @@ class Engine:
         self.drafters: dict[str, Any] = {}  # spec -> the served model (or Drafter) requests draft with
         self.options = options
         self.batcher.run(lambda: with_drafters(options, self._load))
+        self.served = tuple(self.drafters)  # the server's own drafters: a request's defaults, whatever others added
         self.max_batch, self.max_queue = max_batch, max_queue
         self._lock = threading.Lock()  # submissions and their count of waiting requests
         self._running_apart: set[threading.Thread] = set()
@@ -233,17 +233,17 @@ class Engine:
         text = {k: as_text(v) for k, v in given.items()}  # values as a bench spec gives them: parsed, checked
         loaded: dict[str, Any] = {}
         if "drafter" in names and "drafter" not in given:  # the server's first model drafter, else Max-Gram
-            models = [k for k in self.drafters if k != MAXGRAM]
+            models = [k for k in self.served if k != MAXGRAM]
             loaded["drafter"] = self.drafters[models[0]] if models else MAXGRAM
         if "drafters" in names and "drafters" not in given:
-            loaded["drafters"] = tuple(self.drafters.values()) or MAXGRAM
+            loaded["drafters"] = tuple(self.drafters[k] for k in self.served) or MAXGRAM
         values = spec.parse_values(text)
-        if spec is self.method:  # the server's method: the operator's settings stay
-            options = replace(self.options, **values, **loaded)
+        if spec is self.method:  # the server's method: the operator's settings stay, its drafters too
+            options = replace(self.options, **values)
         else:
             options = spec.make_options({**values, **loaded})
-        check_most(options, given)
-        for held in [getattr(options, "drafter", None), *(getattr(options, "drafters", None) or ())]:
+        spec.check_request(options, given)
+        for held in held_drafters(options):
             if held is None or any(held is m for m in self.drafters.values()) or str(held) in self.drafters:
                 continue
             if str(held) != MAXGRAM:

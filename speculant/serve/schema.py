@@ -231,6 +231,17 @@ class ChatRequest(Sampling):
         None, description="none, auto (the default with tools), required, or a named function")
     parallel_tool_calls: bool = Field(True, description="false: at most one call per reply")
 
+    @field_validator("messages")
+    @classmethod
+    def _answers(cls, value: list[Message]) -> list[Message]:
+        called: set[str] = set()
+        for i, message in enumerate(value):
+            called.update(call.id for call in message.tool_calls or ())
+            if message.role == "tool" and message.tool_call_id not in called:
+                raise ValueError(f"message {i} answers tool call '{message.tool_call_id}', which no assistant message "
+                                 "before it made")
+        return value
+
     @field_validator("top_logprobs")
     @classmethod
     def _alternatives_need_logprobs(cls, value: int | None, info: Any) -> int | None:

@@ -7,8 +7,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from speculant.config import AUTO, REQUEST_MOST, SCHEDULES, count_or_auto, option
-from speculant.errors import ConfigError
+from speculant.config import AUTO, REQUEST_MOST, REQUEST_NODES, SCHEDULES, count_or_auto, option
+from speculant.errors import ConfigError, OptionError
 from speculant.methods.drafting import DrafterOptions
 from speculant.methods.registry import Request, register
 
@@ -69,7 +69,16 @@ class TreeOptions(DrafterOptions):
                               "train-depth`)")
 
 
-@register("tree", TreeOptions, "token trees: depth x width drafted nodes verified in one forward")
+def bounds(options: TreeOptions) -> None:
+    """A server's client's tree has at most REQUEST_NODES drafted nodes: each is drafted and verified in forwards
+    the other requests wait on."""
+    if isinstance(options.depth, int) and isinstance(options.width, int) and \
+            options.depth * options.width > REQUEST_NODES:
+        raise OptionError("width", f"a tree's depth x width is at most {REQUEST_NODES} nodes per request, got "
+                          f"{options.depth} x {options.width}")
+
+
+@register("tree", TreeOptions, "token trees: depth x width drafted nodes verified in one forward", bounds)
 def build(request: Request, options: TreeOptions) -> Any:
     from speculant.trees.decoder import tree_speculative
     from speculant.trees.shape import tree_shape

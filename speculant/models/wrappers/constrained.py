@@ -113,6 +113,9 @@ class Matcher:
                                              log_level=0)
         if self._matcher.is_error():
             raise ConfigError(f"the {constraint.kind} does not compile: {self._matcher.get_error()}")
+        self._matcher.compute_bitmask()  # (a grammar no text matches stops here: no token, not even the end, allowed)
+        if self._matcher.is_error():
+            raise ConfigError(f"the {constraint.kind} matches no text: nothing could be generated")
         self.consumed: list[int] = []  # the tokens it has consumed, all allowed
 
     def twin(self) -> Matcher:
