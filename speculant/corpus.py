@@ -9,6 +9,7 @@ import hashlib
 import itertools
 import json
 import sysconfig
+import weakref
 from pathlib import Path
 from typing import Any
 
@@ -25,9 +26,16 @@ def corpus_key(files: list[Path]) -> str:
     return hashlib.sha256("\n".join(f"{f}:{f.stat().st_size}" for f in files).encode()).hexdigest()[:16]
 
 
+FINGERPRINTS: weakref.WeakKeyDictionary[Any, str] = weakref.WeakKeyDictionary()  # per tokenizer object, while it lives
+
+
 def tokenizer_fingerprint(tokenizer: Any) -> str:
-    vocab = json.dumps(sorted(tokenizer.get_vocab().items()), ensure_ascii=False)
-    return hashlib.sha256(vocab.encode()).hexdigest()[:16]
+    """A digest of the tokenizer's vocabulary, the key of what is counted with it. Taken once per tokenizer object
+    (hashing a 150k-token vocabulary takes a good part of a second; a drafter's load asks for it three times)."""
+    if tokenizer not in FINGERPRINTS:
+        vocab = json.dumps(sorted(tokenizer.get_vocab().items()), ensure_ascii=False)
+        FINGERPRINTS[tokenizer] = hashlib.sha256(vocab.encode()).hexdigest()[:16]
+    return FINGERPRINTS[tokenizer]
 
 
 def tokenize_corpus(tokenizer: Any, files: list[Path]) -> list[list[int]]:
