@@ -19,6 +19,7 @@ from speculant.config import (
     SamplingConfig,
     ServeConfig,
     add_options,
+    check_sampled,
     flag,
     from_args,
 )
@@ -305,6 +306,7 @@ def run_generate(args: argparse.Namespace) -> None:
     method = get_method(resolve_method(args.method, given))
     options = method.parse_options(given)
     sampling = from_args(SamplingConfig, args)
+    check_sampled(sampling, args.given, flag)
     run = from_args(RunConfig, args)
     model_config = from_args(ModelConfig, args)
     if not args.prompt.strip():
@@ -440,6 +442,10 @@ def measure_bench(args: argparse.Namespace, methods: list[Any]) -> list[Any]:
     check_models([args.target], [d for m in methods for d in held_drafters(m.options)])
     run = from_args(RunConfig, args)
     sampling = from_args(SamplingConfig, args)
+    for method in methods:  # (a method's own settings, and the run's where no method samples)
+        check_sampled(method.sampled(sampling), dict(method.sampling), where=f" in '{method.label}'")
+    if all(method.sampled(sampling).greedy for method in methods):
+        check_sampled(sampling, args.given, flag)
     model_config = from_args(ModelConfig, args)
     if args.repeats < 1:
         raise ConfigError(f"repeats must be >= 1, got {args.repeats}")
@@ -637,13 +643,13 @@ def run_serve(args: argparse.Namespace) -> None:
 def check_models(targets: Sequence[str], drafters: Sequence[Any] = ()) -> None:
     """Refuse, before any model loads, a target or a model drafter (a spec, or its text) that no loader takes: a name
     neither in the catalog, nor a local path, nor a Hugging Face id (`catalog.check_name`)."""
-    from speculant.drafters.spec import DrafterSpec, as_drafter
+    from speculant.drafters.spec import MODEL, DrafterSpec, as_drafter
     from speculant.models.catalog import check_name
 
     for target in targets:
         check_name(target)
     for drafter in map(as_drafter, drafters):
-        if isinstance(drafter, DrafterSpec) and drafter.kind == "model":
+        if isinstance(drafter, DrafterSpec) and drafter.kind == MODEL:
             check_name(drafter.source)
 
 
@@ -690,12 +696,12 @@ def run_bench_serve(args: argparse.Namespace) -> None:
 
 
 def more_drafter(text: str) -> tuple[float, float]:
-    """`--more-drafter MS:ACCEPTANCE` as numbers; a ValueError holding the text where it is not two numbers."""
+    """`--more-drafter MS:ACCEPTANCE` as numbers; a ConfigError naming the text where it is not two numbers."""
     try:
         ms, acceptance = text.split(":")
         return float(ms), float(acceptance)
     except ValueError:
-        raise ValueError(text) from None
+        raise ConfigError(f"--more-drafter takes MS:ACCEPTANCE, got '{text}'") from None
 
 
 def run_simulate(args: argparse.Namespace) -> None:
@@ -704,10 +710,7 @@ def run_simulate(args: argparse.Namespace) -> None:
     if args.simulation == "online":
         from speculant.analysis.online import format_online, simulate_online
 
-        try:
-            more = tuple(more_drafter(text) for text in args.more_drafter)
-        except ValueError as error:
-            raise ConfigError(f"--more-drafter takes MS:ACCEPTANCE, got '{error}'") from None
+        more = tuple(more_drafter(text) for text in args.more_drafter)
         result = simulate_online(args.target_latency, args.drafter_latency, args.acceptance, args.servers, args.tokens,
                                  args.lookahead, args.ttft, args.repeats, args.executor, args.seed,
                                  Path(args.timeline) if args.timeline else None, args.ray_address, more)
@@ -771,15 +774,11 @@ def check_outputs(args: argparse.Namespace) -> None:
 
 def check_needs(args: argparse.Namespace) -> None:
     """Refuse, before any work, a flag given where it does nothing: its command's `needs` name the flag (or flag=value)
-    it applies with; and sampling's flags without a temperature to sample at."""
+    it applies with."""
     for name, needed in args.needs.items():
         other, _, value = needed.partition("=")
         if name in args.given and (getattr(args, other) != value if value else not getattr(args, other)):
             raise ConfigError(f"{flag(name)} applies with {flag(other)}{' ' + value if value else ''} only")
-    sampled = getattr(args, "temperature", 0) or any("temperature=" in m for m in getattr(args, "methods", ()))
-    if not sampled and (given := [flag(name) for name in ("top_k", "top_p", "verifier") if name in args.given]):
-        raise ConfigError(f"{', '.join(given)} appl{'y' if len(given) > 1 else 'ies'} when sampling: add --temperature "
-                          "above 0")
 
 
 def non_negative(text: str) -> float:

@@ -13,6 +13,7 @@ import functools
 import math
 import types
 import typing
+from collections.abc import Callable, Iterable
 from dataclasses import MISSING, Field, dataclass, field, fields
 from typing import Any, TypeVar
 
@@ -79,6 +80,17 @@ class SamplingConfig:
     @property
     def greedy(self) -> bool:
         return self.temperature == 0
+
+
+SAMPLED_ONLY = ("top_k", "top_p", "verifier")  # sampling settings that do nothing at temperature 0
+
+
+def check_sampled(sampling: SamplingConfig, given: Iterable[str], spell: Callable[[str], str] = str,
+                  where: str = "") -> None:
+    """Refuse settings given for sampling (`SAMPLED_ONLY`) where `sampling` is greedy: they would do nothing."""
+    if sampling.greedy and (names := [spell(name) for name in SAMPLED_ONLY if name in given]):
+        raise ConfigError(f"{', '.join(names)}{where} appl{'y' if len(names) > 1 else 'ies'} when sampling: give a "
+                          "temperature above 0")
 
 
 @dataclass(frozen=True)

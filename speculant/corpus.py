@@ -31,7 +31,8 @@ FINGERPRINTS: weakref.WeakKeyDictionary[Any, str] = weakref.WeakKeyDictionary() 
 
 def tokenizer_fingerprint(tokenizer: Any) -> str:
     """A digest of the tokenizer's vocabulary, the key of what is counted with it. Taken once per tokenizer object
-    (hashing a 150k-token vocabulary takes a good part of a second; a drafter's load asks for it three times)."""
+    (hashing a 150k-token vocabulary takes a good part of a second; a drafter's load asks for it three times): a
+    tokenizer given tokens after its first digest (`add_tokens`) keeps that digest."""
     if tokenizer not in FINGERPRINTS:
         vocab = json.dumps(sorted(tokenizer.get_vocab().items()), ensure_ascii=False)
         FINGERPRINTS[tokenizer] = hashlib.sha256(vocab.encode()).hexdigest()[:16]

@@ -96,12 +96,27 @@ def test_a_request_s_lists_and_trees_are_bounded(app):
             ({"method": "cascade", "drafters": "maxgram", "k_matrix": ",".join(["1"] * 9)}, "k_matrix",
              "at most 8 items"),
             ({"method": "tree", "depth": 16, "width": 16}, "width", "at most 128 nodes"),
-            ({"method": "tree", "depth": 64}, "width", "at most 128 nodes")]:
+            ({"method": "tree", "depth": 64}, "depth", "at most 128 nodes"),
+            ({"method": "tree", "depth": "auto", "width": 64}, "width", "auto (up to 16) x 64"),
+            ({"method": "auto", "tree_widths": [16]}, "tree_widths", "at most 128 nodes"),
+            ({"method": "auto", "tree_widths": [4], "k_max": 64}, "tree_widths", "4 x 64")]:
         response = client.post("/v1/completions", json=completion(speculant=options))
         assert message in is_error(response, 400, f"speculant.{param}")["message"], options
-    for options in ({"method": "tree", "depth": 32, "width": 4}, {"method": "tree", "depth": "auto", "width": 64},
-                    {"method": "auto", "tree_widths": [2] * 8}):
+    for options in ({"method": "tree", "depth": 32, "width": 4}, {"method": "tree", "depth": "auto", "width": 8},
+                    {"method": "tree", "width": "auto", "depth": 16}, {"method": "auto", "tree_widths": [2] * 8},
+                    {"method": "auto", "k_max": 64}):
         assert client.post("/v1/completions", json=completion(speculant=options)).status_code == 200, options
+
+
+def test_an_operator_s_own_sizes_bind_only_the_client_that_names_a_size():
+    """The operator may serve larger trees than a client may ask for: a request naming other options keeps them."""
+    engine = engine_for("tree", depth=16, width=16, depth_predictor="off")
+    for method in (None, "tree"):
+        spec, options = engine.options_for(method, {"objective": "length"})
+        assert (options.depth, options.width) == (16, 16) if method is None else (4, 4)
+    with pytest.raises(ConfigError, match="at most 128 nodes"):
+        engine.options_for(None, {"depth": 12})
+    engine.close()
 
 
 def test_a_request_s_default_drafters_are_the_server_s_whatever_other_requests_added():

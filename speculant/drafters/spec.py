@@ -15,6 +15,7 @@ from speculant.errors import ConfigError, IncompatibleModels
 MAXGRAM = "maxgram"  # prompt lookup with a bigram fallback, no model (drafters.maxgram)
 SELF = "self"  # the target's own weights (quantized with @int8 / @int4, else shared)
 SKIP = "skip"  # self@skip: a lean target's own weights with some layers left out (models/backends/layer_skip.py)
+MODEL = "model"  # the kind of a spec naming a model to load (a catalog name, Hugging Face id or path)
 
 
 @dataclass(frozen=True)
@@ -33,7 +34,7 @@ class DrafterSpec:
         """`self`, a registered drafter's name, or `model`."""
         from speculant.drafters.registry import is_registered
 
-        return self.source if self.source == SELF or is_registered(self.source) else "model"
+        return self.source if self.source == SELF or is_registered(self.source) else MODEL
 
     def __str__(self) -> str:
         suffix = self.quant or self.backend or (SKIP if self.skip else None)
@@ -96,7 +97,7 @@ def load_drafter(drafter: Any, target: Any, dtype: str | None = None, session: A
     if isinstance(drafter, Drafter):
         return drafter
     target = unwrapped(target)  # drafters stand on the model, not on what records or biases its logits
-    if isinstance(drafter, DrafterSpec) and drafter.kind not in (SELF, "model"):
+    if isinstance(drafter, DrafterSpec) and drafter.kind not in (SELF, MODEL):
         return make_drafter(drafter.source, target, session)
     if isinstance(drafter, DrafterSpec) and drafter.kind == SELF:
         return target.self_drafter(drafter)

@@ -5,12 +5,13 @@ goodput, or plain decoding when no draft pays (`decoding.adaptive`)."""
 
 from __future__ import annotations
 
+from collections.abc import Collection
 from dataclasses import dataclass
 from typing import Any
 
-from speculant.config import AUTO, CATCH_UPS, REQUEST_MOST, SCHEDULES, option
+from speculant.config import AUTO, CATCH_UPS, REQUEST_MOST, REQUEST_NODES, SCHEDULES, option
 from speculant.drafters.spec import as_drafter
-from speculant.errors import ConfigError
+from speculant.errors import ConfigError, OptionError
 from speculant.methods.drafting import DRAFTER_DTYPES, check_drafter_dtype, parse_drafters
 from speculant.methods.registry import Request, register
 
@@ -100,8 +101,20 @@ class AutoOptions:
             raise ConfigError(f"probe_every must be >= 1, got {self.probe_every}")
 
 
+def bounds(options: AutoOptions, names: Collection[str]) -> None:
+    """A server's client that sizes auto's trees (names `tree_widths` or `k_max`) gets trees of at most REQUEST_NODES
+    nodes: a tree of width w may be drafted k_max levels deep. `auto` widths count as the widest a plan may choose."""
+    from speculant.trees.plan import PLAN_WIDTHS
+
+    named = [name for name in ("tree_widths", "k_max") if name in names]
+    widest = max(PLAN_WIDTHS) if options.tree_widths == AUTO else max(options.tree_widths, default=0)
+    if named and widest * options.k_max > REQUEST_NODES:
+        raise OptionError(named[0], f"auto's trees are at most {REQUEST_NODES} nodes per request (width x k_max), "
+                          f"got {widest} x {options.k_max}")
+
+
 @register("auto", AutoOptions, "chooses drafter, chain, tree or cascade and draft length every step from measured "
-          "costs and acceptance (plain decoding where nothing pays)")
+          "costs and acceptance (plain decoding where nothing pays)", bounds)
 def build(request: Request, options: AutoOptions) -> Any:
     """The candidates auto chooses from, from the session's drafters (loaded once, each model drafter's cache kept:
     a drafter catches up only on what its cache lacks, as the next turn of a conversation shares its history) and

@@ -8,7 +8,7 @@ from dataclasses import dataclass, fields, replace
 from typing import Any
 
 from speculant.config import DEFAULT_DRAFTER, option
-from speculant.drafters.spec import DrafterSpec, as_drafter
+from speculant.drafters.spec import MODEL, DrafterSpec, as_drafter
 from speculant.errors import ConfigError
 
 DRAFTER_DTYPES = ("bf16", "fp32")
@@ -42,7 +42,7 @@ def check_drafter_dtype(options: Any) -> None:
     """A drafter dtype is refused where `options` name no model drafter to load in it (Max-Gram, suffix and `self`
     load none; a given model keeps its own): never silently ignored."""
     if options.drafter_dtype is not None and \
-            not any(isinstance(d, DrafterSpec) and d.kind == "model" for d in held_drafters(options)):
+            not any(isinstance(d, DrafterSpec) and d.kind == MODEL for d in held_drafters(options)):
         raise ConfigError(f"drafter dtype {options.drafter_dtype} applies to a model drafter named by its catalog "
                           f"name, Hugging Face id or path; {', '.join(map(str, held_drafters(options)))} loads none")
 

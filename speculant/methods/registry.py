@@ -8,7 +8,7 @@ parser, `speculant simulate`) must not need torch.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Collection, Iterable, Mapping
 from dataclasses import Field, dataclass, fields
 from typing import TYPE_CHECKING, Any
 
@@ -42,14 +42,14 @@ class Method:
     options: type  # a frozen dataclass; its __post_init__ validates and normalises
     build: Callable[[Request, Any], Decoder]
     help: str
-    bounds: Callable[[Any], None] | None = None  # refuses options a server's client may not give together
+    bounds: Callable[[Any, Collection[str]], None] | None = None  # refuses sizes too large together (`register`)
 
-    def check_request(self, options: Any, names: Iterable[str]) -> None:
-        """Refuse what a server's client may not ask of this method: a named option beyond its field's `most` or
-        with more than REQUEST_ITEMS items (`check_most`), or options that are too much together (`bounds`)."""
+    def check_request(self, options: Any, names: Collection[str]) -> None:
+        """Refuse what a server's client may not ask of this method with the options it `names`: one beyond its
+        field's `most` or with more than REQUEST_ITEMS items (`check_most`), or sizes too large together (`bounds`)."""
         check_most(options, names)
         if self.bounds is not None:
-            self.bounds(options)
+            self.bounds(options, names)
 
     def make_options(self, given: Mapping[str, Any]) -> Any:
         """The options dataclass from keyword values; an unknown or misplaced name is one clear error."""
@@ -67,10 +67,11 @@ class Method:
 METHODS: dict[str, Method] = {}
 
 
-def register(name: str, options: type, help: str, bounds: Callable[[Any], None] | None = None
+def register(name: str, options: type, help: str, bounds: Callable[[Any, Collection[str]], None] | None = None
              ) -> Callable[[Callable[[Request, Any], Decoder]], Method]:
-    """Decorator for a method's decoder factory: `@register("sd", SDOptions, "...")`; `bounds(options)` raises an
-    OptionError where a server's client asks too much of the options together (`Method.check_request`)."""
+    """Decorator for a method's decoder factory: `@register("sd", SDOptions, "...")`; `bounds(options, names)` raises
+    an OptionError, naming one of `names`, where a server's client that set those options asks too much of them
+    together (`Method.check_request`)."""
 
     def wrap(build: Callable[[Request, Any], Decoder]) -> Method:
         if name in METHODS:

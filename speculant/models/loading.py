@@ -290,8 +290,7 @@ def _load_transformers(spec: Any, dtype: str | None, device: str | None, tokeniz
         raise ConfigError(f"cannot load a model from {type(spec).__name__}")
     torch_device = resolve_device(device or "cpu")
     dtype = resolve_dtype(dtype or AUTO, torch_device)
-    name = str(spec)
-    check_name(name)
+    name = str(spec)  # (a name `load_model` checked)
     extra_eos: tuple[str, ...] = ()
     path: str | Path = name
     if name in CATALOG:

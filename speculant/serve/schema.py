@@ -234,6 +234,8 @@ class ChatRequest(Sampling):
     @field_validator("messages")
     @classmethod
     def _answers(cls, value: list[Message]) -> list[Message]:
+        """A tool message answers a call an earlier assistant message made (OpenAI's rule): a template would write
+        a result of nothing into the prompt."""
         called: set[str] = set()
         for i, message in enumerate(value):
             called.update(call.id for call in message.tool_calls or ())

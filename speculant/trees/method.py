@@ -3,6 +3,7 @@ forward with tree attention, optionally pruned to the subtree the latency-aware 
 
 from __future__ import annotations
 
+from collections.abc import Collection
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -69,13 +70,21 @@ class TreeOptions(DrafterOptions):
                               "train-depth`)")
 
 
-def bounds(options: TreeOptions) -> None:
-    """A server's client's tree has at most REQUEST_NODES drafted nodes: each is drafted and verified in forwards
-    the other requests wait on."""
-    if isinstance(options.depth, int) and isinstance(options.width, int) and \
-            options.depth * options.width > REQUEST_NODES:
-        raise OptionError("width", f"a tree's depth x width is at most {REQUEST_NODES} nodes per request, got "
-                          f"{options.depth} x {options.width}")
+def bounds(options: TreeOptions, names: Collection[str]) -> None:
+    """A server's client that sizes a tree (names its depth or width) gets at most REQUEST_NODES drafted nodes: each
+    level is a drafter forward and the tree one target forward that the other requests wait on. `auto` counts as the
+    most it may choose."""
+    from speculant.trees.plan import PLAN_WIDTHS
+    from speculant.trees.shape import AUTO_MAX_DEPTH
+
+    named = [name for name in ("width", "depth") if name in names]
+    depth = AUTO_MAX_DEPTH if options.depth == AUTO else options.depth
+    width = max(PLAN_WIDTHS) if options.width == AUTO else options.width
+    if named and depth * width > REQUEST_NODES:
+        sizes = [f"auto (up to {size})" if given == AUTO else str(size)
+                 for given, size in ((options.depth, depth), (options.width, width))]
+        raise OptionError(named[0], f"a tree's depth x width is at most {REQUEST_NODES} nodes per request, got "
+                          f"{sizes[0]} x {sizes[1]}")
 
 
 @register("tree", TreeOptions, "token trees: depth x width drafted nodes verified in one forward", bounds)
