@@ -119,6 +119,30 @@ def test_an_operator_s_own_sizes_bind_only_the_client_that_names_a_size():
     engine.close()
 
 
+@pytest.mark.parametrize("options, param", [
+    ({"k": 0}, "k"), ({"method": "auto", "k_max": 0}, "k_max"), ({"method": "auto", "probe_every": 0}, "probe_every"),
+    ({"method": "auto", "tree_widths": [1, 2]}, "tree_widths"), ({"draft_confidence": 2}, "draft_confidence"),
+    ({"drafter": "nope"}, "drafter"), ({"drafter": None}, "drafter"), ({"method": "cascade", "drafters": []}, "drafters"),
+    ({"method": "cascade", "drafters": "maxgram", "k_matrix": "2,2", "leniency": 0.5}, "leniency"),
+    ({"method": "tree", "schedule": "stage"}, "schedule")])
+def test_an_option_an_options_class_refuses_is_named(app, options, param):
+    """A value each option's own parse takes but its options class refuses (a range, a combination) is named: the
+    first option that, added to the method's defaults, makes them fail."""
+    _, client = app
+    is_error(client.post("/v1/completions", json=completion(speculant=options)), 400, f"speculant.{param}")
+
+
+def test_a_chat_prompt_is_named_messages_and_one_limit_is_given():
+    engine = engine_for("sd")
+    with TestClient(create_app(engine, "tiny"), raise_server_exceptions=False) as client:
+        many = [{"role": "user", "content": "ab"}] * 200
+        response = client.post("/v1/chat/completions", json={"model": "tiny", "messages": many, "max_tokens": 2})
+        assert "positions" in is_error(response, 400, "messages")["message"]
+        both = {"model": "tiny", "messages": many[:1], "max_tokens": 2, "max_completion_tokens": 4}
+        is_error(client.post("/v1/chat/completions", json=both), 400, "max_completion_tokens")
+    engine.close()
+
+
 def test_a_request_s_default_drafters_are_the_server_s_whatever_other_requests_added():
     """A drafter one request adds (Max-Gram, which costs nothing to load) is not drawn into the next request's
     defaults: the server's method keeps its own drafters and another method defaults to them."""
@@ -137,7 +161,7 @@ def test_a_refused_option_is_a_4xx_naming_it_before_a_stream_starts(app):
     a tree without a model drafter), answer a stream as they answer a whole reply: a 400, not a 200 whose
     stream carries the error."""
     _, client = app
-    for options, param in [({"k": 0}, "speculant"), ({"k": "x"}, "speculant.k"), ({"kk": 2}, "speculant.kk"),
+    for options, param in [({"k": 0}, "speculant.k"), ({"k": "x"}, "speculant.k"), ({"kk": 2}, "speculant.kk"),
                            ({"method": "cascade", "drafters": "maxgram", "k_matrix": "-5"}, "speculant"),
                            ({"method": "tree", "drafter": "maxgram"}, "speculant")]:
         for stream in (False, True):

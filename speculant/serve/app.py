@@ -263,11 +263,12 @@ def create_app(engine: Engine, served_name: str, config: ServeConfig | None = No
         yield "data: [DONE]\n\n"
 
     def make_job(body: Sampling, ids: list[int], max_tokens: int | None, calls: Constraint | None = None) -> ServeJob:
+        prompt = "messages" if isinstance(body, ChatRequest) else "prompt"  # (the field the prompt came from)
         if not ids:
-            raise ApiError(400, "the prompt is empty", "prompt")
+            raise ApiError(400, "the prompt is empty", prompt)
         limit = engine.target.max_positions
         if limit is not None and len(ids) >= limit:
-            raise ApiError(400, f"the prompt has {len(ids)} tokens; this model holds {limit} positions", "prompt",
+            raise ApiError(400, f"the prompt has {len(ids)} tokens; this model holds {limit} positions", prompt,
                            "context_length_exceeded")
         if max_tokens is None:
             max_tokens = (limit - len(ids)) if limit is not None else 1 << 30

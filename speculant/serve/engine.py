@@ -18,9 +18,9 @@ from typing import Any
 from speculant.api import check_request, decoded_target
 from speculant.config import SamplingConfig, ServeConfig
 from speculant.drafters.spec import MAXGRAM, SELF, DrafterSpec, as_drafter
-from speculant.errors import ConfigError
+from speculant.errors import ConfigError, OptionError
 from speculant.methods import Request, get_method
-from speculant.methods.drafting import held_drafters, with_drafters
+from speculant.methods.drafting import with_drafters
 from speculant.models.base import Call, CausalLM, Interrupted
 from speculant.models.wrappers.constrained import Constraint
 from speculant.models.wrappers.logprobs import TokenLogprob
@@ -157,6 +157,20 @@ def provenance(call: Call | None, tokens: list[int]) -> list[str]:
     return kinds
 
 
+def culprit(build: Callable[[Mapping[str, Any]], Any], values: Mapping[str, Any]) -> str:
+    """The option a request's refused `values` fail on: the first that makes `build` fail, added in turn to what the
+    method defaults to; `method` where that fails already (a method that needs what the server did not load)."""
+    kept: dict[str, Any] = {}
+    for name, value in [("method", None), *values.items()]:
+        if name != "method":
+            kept[name] = value
+        try:
+            build(kept)
+        except ConfigError:
+            return name
+    return next(iter(values), "method")  # (they fail only together)
+
+
 class Ticket:
     """A submitted job: `cancel()` ends it after the forward it waits on (a client went away)."""
 
@@ -231,26 +245,39 @@ class Engine:
         spec = get_method(method or self.method.name)
         names = {f.name for f in fields(spec.options)}
         text = {k: as_text(v) for k, v in given.items()}  # values as a bench spec gives them: parsed, checked
-        loaded: dict[str, Any] = {}
-        if "drafter" in names and "drafter" not in given:  # the server's first model drafter, else Max-Gram
+        loaded: dict[str, Any] = {}  # the defaults a request's values replace
+        if "drafter" in names:  # the server's first model drafter, else Max-Gram
             models = [k for k in self.served if k != MAXGRAM]
             loaded["drafter"] = self.drafters[models[0]] if models else MAXGRAM
-        if "drafters" in names and "drafters" not in given:
+        if "drafters" in names:
             loaded["drafters"] = tuple(self.drafters[k] for k in self.served) or MAXGRAM
+        def build(values: Mapping[str, Any]) -> Any:
+            if spec is self.method:  # the server's method: the operator's settings stay, its drafters too
+                return replace(self.options, **values)
+            return spec.make_options({**loaded, **values})
+
         values = spec.parse_values(text)
-        if spec is self.method:  # the server's method: the operator's settings stay, its drafters too
-            options = replace(self.options, **values)
-        else:
-            options = spec.make_options({**values, **loaded})
+        try:
+            options = build(values)
+        except OptionError:
+            raise
+        except ConfigError as error:  # (an options class's own check: named after the option it fails on)
+            raise OptionError(culprit(build, values), str(error)) from None
         spec.check_request(options, given)
-        for held in held_drafters(options):
-            if held is None or any(held is m for m in self.drafters.values()) or str(held) in self.drafters:
-                continue
-            if str(held) != MAXGRAM:
-                raise ConfigError(f"drafter '{held}' is not loaded on this server (loaded: "
-                                  f"{', '.join(self.drafters) or 'none'})")
-            self._load(held)  # Max-Gram costs nothing to add
-        on_own_thread(spec.name, options)
+        held = {name: list(getattr(options, name) or ()) if name == "drafters" else [getattr(options, name)]
+                for name in ("drafter", "drafters") if name in names}
+        for name, drafters in held.items():
+            for drafter in drafters:
+                if any(drafter is m for m in self.drafters.values()) or str(drafter) in self.drafters:
+                    continue
+                if str(drafter) != MAXGRAM:
+                    raise OptionError(name, f"drafter '{drafter}' is not loaded on this server (loaded: "
+                                      f"{', '.join(self.drafters) or 'none'})")
+                self._load(drafter)  # Max-Gram costs nothing to add
+        try:
+            on_own_thread(spec.name, options)
+        except ConfigError as error:
+            raise OptionError("schedule", str(error)) from None
         return spec, options
 
     def submit(self, job: ServeJob, on_text: Callable[[str, list[TokenLogprob]], None],

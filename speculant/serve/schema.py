@@ -244,6 +244,14 @@ class ChatRequest(Sampling):
                                  "before it made")
         return value
 
+    @field_validator("max_completion_tokens")
+    @classmethod
+    def _one_limit(cls, value: int | None, info: Any) -> int | None:
+        """OpenAI's chat takes max_completion_tokens for max_tokens: given both, one would be dropped."""
+        if value is not None and info.data.get("max_tokens") is not None:
+            raise ValueError("give max_completion_tokens or max_tokens, not both")
+        return value
+
     @field_validator("top_logprobs")
     @classmethod
     def _alternatives_need_logprobs(cls, value: int | None, info: Any) -> int | None:
