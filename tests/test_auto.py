@@ -716,3 +716,25 @@ def test_one_text_where_a_drafter_was_never_right_does_not_shut_it_out_of_the_ne
     tokens, stats = run(target, [candidate], prompt, n=60)
     assert tokens == reference
     assert stats.choices.count("scripted") > len(stats.choices) / 2
+
+
+def test_options_for_model_drafters_are_refused_where_auto_has_none():
+    """draft_confidence, tree_widths, probe_every, schedule and catch_up act on model drafters: set away from their
+    defaults for auto with only Max-Gram, they would do nothing, so they are refused (by spec before anything
+    loads, by object when the method builds); their defaults pass. (With a model drafter they apply: the tests
+    above.)"""
+    from speculant.drafters.maxgram import MaxGramDrafter
+    from speculant.errors import ConfigError
+
+    target = tiny_model("llama", 0, 64)
+    prompt = random_prompt(0, 64, 8)
+    for option, value in (("tree_widths", (4,)), ("draft_confidence", 0.5), ("probe_every", 4), ("catch_up", "safe")):
+        with pytest.raises(ConfigError, match=f"{option} applies to model drafters"):
+            generate(target, prompt_ids=prompt, method="auto", drafters=["maxgram"], max_new_tokens=4,
+                     **{option: value})
+    session = Session(target)  # (its profile of the target measured once)
+    with pytest.raises(ConfigError, match="tree_widths applies to model drafters"):
+        generate(target, prompt_ids=prompt, method="auto", drafters=[MaxGramDrafter()], max_new_tokens=4,
+                 tree_widths=(4,), session=session)
+    generate(target, prompt_ids=prompt, method="auto", drafters=[MaxGramDrafter()], max_new_tokens=4, tree_widths=(2,),
+             session=session)

@@ -299,6 +299,8 @@ def test_a_flag_given_where_it_does_nothing_is_one_line_never_ignored(capsys):
         (["generate", "x", "--method", "cascade", "--drafters", "self,maxgram", "--drafter-dtype", "fp32"],
          "loads none"),
         (["generate", "x", "--method", "dsi", "--ray-address", "auto"], "add executor ray"),
+        (["generate", "x", "--method", "auto", "--drafters", "maxgram", "--tree-widths", "4"],
+         "tree_widths applies to model drafters"),
     ]:
         code, _, err = run(capsys, *argv)
         assert code == 2 and err.count("speculant: error") == 1 and message in err, (argv, err)

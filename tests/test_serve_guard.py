@@ -124,7 +124,8 @@ def test_an_operator_s_own_sizes_bind_only_the_client_that_names_a_size():
     ({"method": "auto", "tree_widths": [1, 2]}, "tree_widths"), ({"draft_confidence": 2}, "draft_confidence"),
     ({"drafter": "nope"}, "drafter"), ({"drafter": None}, "drafter"), ({"method": "cascade", "drafters": []}, "drafters"),
     ({"method": "cascade", "drafters": "maxgram", "k_matrix": "2,2", "leniency": 0.5}, "leniency"),
-    ({"method": "tree", "schedule": "stage"}, "schedule")])
+    ({"method": "tree", "schedule": "stage"}, "schedule"),
+    ({"method": "auto", "drafters": "maxgram", "tree_widths": [4]}, "tree_widths")])
 def test_an_option_an_options_class_refuses_is_named(app, options, param):
     """A value each option's own parse takes but its options class refuses (a range, a combination) is named: the
     first option that, added to the method's defaults, makes them fail."""

@@ -6,11 +6,11 @@ goodput, or plain decoding when no draft pays (`decoding.adaptive`)."""
 from __future__ import annotations
 
 from collections.abc import Collection
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from typing import Any
 
 from speculant.config import AUTO, CATCH_UPS, REQUEST_MOST, REQUEST_NODES, SCHEDULES, option
-from speculant.drafters.spec import as_drafter
+from speculant.drafters.spec import MODEL, SELF, DrafterSpec, as_drafter
 from speculant.errors import ConfigError, OptionError
 from speculant.methods.drafting import DRAFTER_DTYPES, check_drafter_dtype, parse_drafters
 from speculant.methods.registry import Request, register
@@ -64,20 +64,22 @@ class AutoOptions:
                                        choices=DRAFTER_DTYPES, operator=True)
     k_max: int = option(16, "the longest draft auto may choose", most=REQUEST_MOST)
     draft_confidence: float = option(0.0, "a model drafter's draft ends after a token it gives a probability below "
-                                     "this (0: drafts run to the chosen length)")
+                                     "this (0: drafts run to the chosen length)", model_only=True)
     tree_widths: Any = option((2,), "widths of the token trees auto may also draft with each model drafter (nodes "
                               "per step; empty: chains only), or auto: the execution plan's width for the pair "
                               "(Yggdrasil 5.2: from the machine profiles and the drafter's rank coverage of the target "
-                              "on the prompt; none where chains pay best)", parse=parse_widths, most=REQUEST_MOST)
-    probe_every: int = option(16, "after this many steps in a row without a model draft, try the model drafter again")
+                              "on the prompt; none where chains pay best)", parse=parse_widths, most=REQUEST_MOST,
+                              model_only=True)
+    probe_every: int = option(16, "after this many steps in a row without a model draft, try the model drafter again",
+                              model_only=True)
     schedule: str = option("serial", "serial, or stage: while the target verifies a token tree, its drafter drafts the "
                            "next one on a thread of its own from the likeliest path (Yggdrasil's stage-based "
-                           "scheduling; used where auto chooses that tree again)", choices=SCHEDULES)
+                           "scheduling; used where auto chooses that tree again)", choices=SCHEDULES, model_only=True)
     catch_up: str = option("expected", "expected: a model drafter's catch-up on the prompt is paid where the replies "
                            "seen so far would repay it (fastest on average); safe: only once this reply has run long "
                            "enough that the catch-up costs at most 5 percent of its plain time, so that no reply runs "
                            "more than that slower than plain decoding (it gives up a drafter's gains on short replies "
-                           "and at the start of long ones)", choices=CATCH_UPS)
+                           "and at the start of long ones)", choices=CATCH_UPS, model_only=True)
 
     def __post_init__(self) -> None:
         if isinstance(self.drafters, str):
@@ -99,6 +101,18 @@ class AutoOptions:
             raise ConfigError(f"catch_up must be one of {', '.join(CATCH_UPS)}, got {self.catch_up!r}")
         if self.probe_every < 1:
             raise ConfigError(f"probe_every must be >= 1, got {self.probe_every}")
+        if self.drafters is not None and all(isinstance(d, DrafterSpec) and d.kind not in (MODEL, SELF)
+                                             for d in self.drafters):
+            check_model_only(self, models=0)
+
+
+def check_model_only(options: AutoOptions, models: int) -> None:
+    """Options that act only on model drafters (`model_only`), set away from their defaults where auto has no model
+    drafter (`models`: how many it has) to apply them to, are refused: never silently ignored."""
+    changed = [f.name for f in fields(options) if f.metadata.get("model_only") and getattr(options, f.name) != f.default]
+    if changed and not models:
+        raise ConfigError(f"{', '.join(changed)} appl{'ies' if len(changed) == 1 else 'y'} to model drafters; auto "
+                          f"drafts here with {', '.join(map(str, options.drafters or ())) or 'none'} only")
 
 
 def bounds(options: AutoOptions, names: Collection[str]) -> None:
@@ -133,7 +147,7 @@ def build(request: Request, options: AutoOptions) -> Any:
     target, session = request.target, request.session
     cost = Rescaled(session.profile(target).cost_at, session.timings)
     speed = cost.timings.speed  # the machine's drift: the drafters' forwards share it
-    candidates, begun = [], []
+    candidates, begun, models = [], [], 0
     for spec in options.drafters if options.drafters is not None else target.default_drafters():
         source = session.drafter(spec, options.drafter_dtype)  # named: loaded once; an object: the caller's
         estimates = session.estimates(source.name)
@@ -144,6 +158,7 @@ def build(request: Request, options: AutoOptions) -> Any:
             candidates.append(Candidate(source.name, drafter, 0.0, 0.0 if match is not None else FREE_PRIOR, match,
                                         estimates))
             continue
+        models += 1
         profile = session.profile(source)
         if not can_pay(profile.tpot_s, cost, options.k_max):  # too slow to pay even if always right
             continue
@@ -176,6 +191,7 @@ def build(request: Request, options: AutoOptions) -> Any:
                                         scale=scale,
                                         speed=speed, growth=lambda length, profile=profile, width=width:
                                         profile.cost_at(width, length) / profile.cost(width)))
+    check_model_only(options, models)
     # A vertical cascade (CS Drafting) where Max-Gram finds a match: each model drafter reviews Max-Gram's
     # draft in one forward, keeping what it would itself have drafted, so its drafts are its chain's (the
     # same acceptance estimates), cheaper where Max-Gram guesses right. Its cost per token is measured as
