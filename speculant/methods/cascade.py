@@ -36,10 +36,12 @@ class CascadeOptions:
             raise ConfigError(f"k must be >= 1, got {self.k}")
         if not self.leniency >= 1:
             raise ConfigError(f"leniency must be >= 1, got {self.leniency}")
-        if isinstance(self.k_matrix, str):
-            from speculant.drafters.cascade import parse_k_matrix
+        if self.k_matrix is not None:  # (checked here, so that a bad matrix is refused before anything loads)
+            from speculant.drafters.cascade import check_k_matrix, parse_k_matrix
 
-            object.__setattr__(self, "k_matrix", parse_k_matrix(self.k_matrix, len(self.drafters)))
+            if isinstance(self.k_matrix, str):
+                object.__setattr__(self, "k_matrix", parse_k_matrix(self.k_matrix, len(self.drafters)))
+            check_k_matrix(self.k_matrix, len(self.drafters))
 
 
 @register("cascade", CascadeOptions, "cascade speculative drafting over several drafters")
