@@ -13,9 +13,10 @@ from typing import Any
 from speculant.config import (
     DEFAULT_DRAFTER,
     DEFAULT_TARGET,
+    MOST_LATENCY_MS,
+    Given,
     ModelConfig,
     RunConfig,
-    Given,
     SamplingConfig,
     ServeConfig,
     add_options,
@@ -58,16 +59,19 @@ def build_parser() -> argparse.ArgumentParser:
     shape.add_argument("--grammar", default=None, metavar="FILE", help="structured output: a Lark grammar (llguidance's)")
 
     bench = commands.add_parser("bench", help="run a method matrix over a prompt set and compare speed")
-    bench.add_argument("--target", default=DEFAULT_TARGET, help=f"target model (default: {DEFAULT_TARGET})")
-    bench.add_argument("--methods", nargs="+", default=["ar", "sd:k=4"],
+    bench.add_argument("--target", default=DEFAULT_TARGET, action=Given,
+                       help=f"target model (default: {DEFAULT_TARGET})")
+    bench.add_argument("--methods", nargs="+", default=["ar", "sd:k=4"], action=Given,
                        help="methods with options, e.g. ar sd:drafter=qwen2.5-coder-0.5b,k=4,dtype=bf16")
     data = bench.add_mutually_exclusive_group()
-    data.add_argument("--dataset", default="humaneval[:10]", help="humaneval[:N] (default: humaneval[:10])")
-    data.add_argument("--prompts", default=None, metavar="FILE.jsonl[:N]",
+    data.add_argument("--dataset", default="humaneval[:10]", action=Given,
+                      help="humaneval[:N] (default: humaneval[:10])")
+    data.add_argument("--prompts", default=None, metavar="FILE.jsonl[:N]", action=Given,
                       help="JSONL records with 'prompt', or MT-bench style 'turns' and 'category' (first turn, chat template)")
     add_options(bench, RunConfig, seed=0)
     add_options(bench, SamplingConfig)
-    bench.add_argument("--repeats", type=int, default=1, help="run the whole interleaved matrix this many times")
+    bench.add_argument("--repeats", type=int, default=1, action=Given,
+                       help="run the whole interleaved matrix this many times")
     bench.add_argument("--isolate", action="store_true",
                        help="run each of speculant's generations in a fresh process after a warm-up generation, as "
                             "llama.cpp's tools (llamacpp-cli-*) and `speculant generate` run")
@@ -192,12 +196,12 @@ def build_parser() -> argparse.ArgumentParser:
     from speculant.analysis.commands import LOOKAHEADS  # numpy only
     one = sims.add_parser("run", help="expected latency of non-SI, SI and DSI for one configuration")
     target = one.add_mutually_exclusive_group()
-    target.add_argument("--target-latency", type=non_negative, default=None, metavar="MS",
+    target.add_argument("--target-latency", type=latency_ms, default=None, metavar="MS",
                         help="target forward (TPOT), ms")
     target.add_argument("--target-profile", default=None, metavar="JSON",
                         help="take the target's TPOT and TTFT from a `speculant profile` file")
     drafter = one.add_mutually_exclusive_group()
-    drafter.add_argument("--drafter-latency", type=non_negative, default=None, metavar="MS",
+    drafter.add_argument("--drafter-latency", type=latency_ms, default=None, metavar="MS",
                          help="drafter forward, ms")
     drafter.add_argument("--drafter-profile", default=None, metavar="JSON", help="take the drafter's TPOT from a "
                          "profile")
@@ -205,15 +209,15 @@ def build_parser() -> argparse.ArgumentParser:
     one.add_argument("--lookahead", type=int, required=True, help="draft tokens per verification")
     one.add_argument("--servers", type=int, default=1, help="target servers for DSI (default: 1)")
     one.add_argument("--tokens", type=int, default=100, help="tokens to generate (default: 100)")
-    one.add_argument("--ttft", type=non_negative, default=None, metavar="MS", help="the target's first forward (default: TPOT)")
+    one.add_argument("--ttft", type=latency_ms, default=None, metavar="MS", help="the target's first forward (default: TPOT)")
     one.add_argument("--repeats", type=int, default=1000)
     one.add_argument("--seed", type=int, default=0)
     one.add_argument("--json", action="store_true", help="print one JSON object (keys non_si_ms, si_ms, dsi_ms, ...)")
     online = sims.add_parser("online", help="the latency twin: non-SI, SI and DSI through the real engine, "
                              "every forward padded to the given latencies (pure mode: i.i.d. acceptance, no model)")
-    online.add_argument("--target-latency", type=non_negative, required=True, metavar="MS", help="target forward (TPOT), ms")
-    online.add_argument("--drafter-latency", type=non_negative, required=True, metavar="MS", help="drafter forward, ms")
-    online.add_argument("--ttft", type=non_negative, default=None, metavar="MS", help="the target's first forward (default: TPOT)")
+    online.add_argument("--target-latency", type=latency_ms, required=True, metavar="MS", help="target forward (TPOT), ms")
+    online.add_argument("--drafter-latency", type=latency_ms, required=True, metavar="MS", help="drafter forward, ms")
+    online.add_argument("--ttft", type=latency_ms, default=None, metavar="MS", help="the target's first forward (default: TPOT)")
     online.add_argument("--acceptance", type=float, required=True, help="per-token acceptance rate in [0, 1]")
     online.add_argument("--servers", type=int, default=7, help="target servers (default: 7, an 8-GPU node)")
     online.add_argument("--lookahead", type=int, default=None, help="default: planned for the servers")
@@ -379,6 +383,10 @@ def run_bench(args: argparse.Namespace, argv: Sequence[str]) -> None:
     from speculant.machine import machine_info
 
     saved = read_results(Path(args.report_from)) if args.report_from else None
+    run_flags = sorted(args.given) + [name for name in ("isolate", "ignore_response_format") if getattr(args, name)]
+    if saved and run_flags:
+        raise ConfigError(f"--report-from reports a finished run again, as it ran: {', '.join(map(flag, run_flags))} "
+                          "would change nothing (only --baseline and --out apply)")
     methods = [parse_method(m) for m in (saved["config"]["methods"] if saved else args.methods)]
     if len({m.label for m in methods}) != len(methods):
         raise ConfigError("each method may be listed once")
@@ -698,10 +706,12 @@ def run_bench_serve(args: argparse.Namespace) -> None:
 def more_drafter(text: str) -> tuple[float, float]:
     """`--more-drafter MS:ACCEPTANCE` as numbers; a ConfigError naming the text where it is not two numbers."""
     try:
-        ms, acceptance = text.split(":")
-        return float(ms), float(acceptance)
+        ms, acceptance = map(float, text.split(":"))
     except ValueError:
         raise ConfigError(f"--more-drafter takes MS:ACCEPTANCE, got '{text}'") from None
+    if not 0 < ms <= MOST_LATENCY_MS:
+        raise ConfigError(f"--more-drafter's latency must lie in (0, {MOST_LATENCY_MS}] ms, got '{text}'")
+    return ms, acceptance
 
 
 def run_simulate(args: argparse.Namespace) -> None:
@@ -779,6 +789,14 @@ def check_needs(args: argparse.Namespace) -> None:
         other, _, value = needed.partition("=")
         if name in args.given and (getattr(args, other) != value if value else not getattr(args, other)):
             raise ConfigError(f"{flag(name)} applies with {flag(other)}{' ' + value if value else ''} only")
+
+
+def latency_ms(text: str) -> float:
+    """A latency flag: milliseconds, a finite number from 0 to MOST_LATENCY_MS."""
+    value = non_negative(text)
+    if value > MOST_LATENCY_MS:
+        raise argparse.ArgumentTypeError(f"must be at most {MOST_LATENCY_MS} ms, got {text!r}")
+    return value
 
 
 def non_negative(text: str) -> float:

@@ -278,10 +278,29 @@ def test_argparse_errors_exit_2(capsys):
 
 
 
-def test_a_flag_given_where_it_does_nothing_is_one_line_never_ignored(capsys):
+def test_a_flag_given_where_it_does_nothing_is_one_line_never_ignored(capsys, tmp_path):
     """A flag that applies only with another (or with sampling, or with a model drafter) is refused when given
     without it, before any work; flags that exclude each other are argparse's usage error. Their defaults alone pass."""
+    saved = tmp_path / "results.json"
+    saved.write_text(json.dumps({"config": {"methods": ["ar"], "command": "speculant bench", "machine": "m"},
+                                 "rows": []}))
+    online = ["simulate", "online", "--target-latency", "1", "--drafter-latency", "1", "--acceptance", "0.5"]
+    one = ["simulate", "run", "--target-latency", "10", "--drafter-latency", "1", "--acceptance", "0.5", "--lookahead",
+           "2"]
     for argv, message in [
+        (["bench", "--report-from", str(saved), "--target", "smollm2-135m", "--max-new-tokens", "9"],
+         "--max-new-tokens, --target would change nothing"),
+        (["bench", "--report-from", str(saved), "--isolate"], "--isolate would change nothing"),
+        (["bench", "--dataset", "humaneval[:-1]"], "A and B >= 0"),
+        (["generate", "x", "--method", "cascade", "--drafters", "maxgram", "--k", "3", "--k-matrix", "2"],
+         "give k or k_matrix, not both"),
+        (["generate", "x", "--method", "dsi", "--drafter", "maxgram", "--twin-latency", "1e308,1e308"],
+         "numbers from 0 to 60000"),
+        ([*one, "--seed", "-1"], "seed must be >= 0"),
+        ([*one, "--tokens", "100000000"], "100000 tokens"),
+        ([*one, "--servers", "100000"], "at most 1024 servers"),
+        ([*online, "--servers", "1000"], "at most 64 servers"),
+        ([*online, "--more-drafter", "1e308:0.5"], "must lie in (0, 60000] ms"),
         (["profile", "--context-len", "10"], "--context-len applies with --widths only"),
         (["profile", "--repeats", "2", "--dataset", "humaneval[:2]"], "applies with --widths only"),
         (["profile", "--drafter-dtype", "bf16"], "--drafter-dtype applies with --drafter only"),
@@ -305,12 +324,14 @@ def test_a_flag_given_where_it_does_nothing_is_one_line_never_ignored(capsys):
         code, _, err = run(capsys, *argv)
         assert code == 2 and err.count("speculant: error") == 1 and message in err, (argv, err)
         assert "loading target" not in err and "Traceback" not in err, argv
-    for argv in (["bench-serve", "--rate", "1", "--concurrency", "2"],
-                 ["simulate", "run", "--target-latency", "1", "--target-profile", "p.json", "--drafter-latency", "1",
-                  "--acceptance", "0.5", "--lookahead", "2"]):
+    for argv, message in ((["bench-serve", "--rate", "1", "--concurrency", "2"], "not allowed with argument"),
+                          (["simulate", "run", "--target-latency", "1", "--target-profile", "p.json",
+                            "--drafter-latency", "1", "--acceptance", "0.5", "--lookahead", "2"],
+                           "not allowed with argument"),
+                          ([*online[:2], "--target-latency", "1e308", *online[4:]], "at most 60000 ms")):
         with pytest.raises(SystemExit) as exit_info:
             cli.main(argv)
-        assert exit_info.value.code == 2 and "not allowed with argument" in capsys.readouterr().err, argv
+        assert exit_info.value.code == 2 and message in capsys.readouterr().err, argv
     args = cli.build_parser().parse_args(["profile"])
     cli.check_needs(args)  # (the defaults of flags that need another: nothing given)
     assert args.given == frozenset() and args.context_len == 256

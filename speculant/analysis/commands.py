@@ -15,6 +15,19 @@ from speculant.analysis.simulate import (draws, paired, paper_axes, simulate_dsi
 from speculant.errors import ConfigError
 
 
+MOST_SERVERS, MOST_TOKENS, MOST_DRAWS = 1024, 100_000, 10_000_000  # a simulation's size: its memory and time
+
+
+def check_size(servers: int, lookahead: int, tokens: int, repeats: int, seed: int) -> None:
+    """Refuse a simulation larger than this machine runs in seconds (its draws are repeats x tokens floats; its
+    servers and lookahead loops), or a seed numpy cannot take."""
+    if max(servers, lookahead) > MOST_SERVERS or tokens > MOST_TOKENS or repeats * tokens > MOST_DRAWS:
+        raise ConfigError(f"a simulation takes at most {MOST_SERVERS} servers and lookahead, {MOST_TOKENS} tokens and "
+                          f"{MOST_DRAWS} drawn tokens in all (repeats x tokens)")
+    if seed < 0:
+        raise ConfigError(f"seed must be >= 0, got {seed}")
+
+
 def _mean_ci(samples: np.ndarray) -> tuple[float, float]:
     """Mean and the half-width of its 95% normal confidence interval."""
     return float(samples.mean()), float(1.96 * samples.std(ddof=1) / math.sqrt(len(samples))) if len(samples) > 1 else 0.0
@@ -30,6 +43,7 @@ def simulate_one(target_ms: float, drafter_ms: float, acceptance: float, lookahe
         raise ConfigError(f"acceptance must lie in [0, 1], got {acceptance}")
     if lookahead < 1 or servers < 1 or tokens < 1 or repeats < 2:
         raise ConfigError("lookahead, servers and tokens must be >= 1, repeats >= 2")
+    check_size(servers, lookahead, tokens, repeats, seed)
     wrong = draws(np.random.default_rng(seed), np.array([acceptance]), repeats, tokens)
     r, c, first = np.arange(repeats), drafter_ms / target_ms, None if ttft_ms is None else ttft_ms / target_ms
     si = simulate_si(wrong, r, 0, c, lookahead, tokens, 1.0, first) * target_ms

@@ -48,6 +48,9 @@ def best_si_lookahead(acceptance: float, c: float, limit: int = 32) -> int:
     return max(range(1, limit + 1), key=lambda k: sd_walltime_improvement(acceptance, k, c))
 
 
+MOST_ONLINE_SERVERS, MOST_ONLINE_TOKENS = 64, 100_000  # the twin's servers are real threads or processes
+
+
 def simulate_online(target_ms: float, drafter_ms: float, acceptance: float, servers: int, tokens: int = 50,
                     lookahead: int | None = None, ttft_ms: float | None = None, repeats: int = 5,
                     executor: str = "thread", seed: int = 0, timeline: Path | None = None,
@@ -65,6 +68,9 @@ def simulate_online(target_ms: float, drafter_ms: float, acceptance: float, serv
         raise ConfigError("drafter latencies must be positive")
     if tokens < 2 or repeats < 1:
         raise ConfigError("tokens must be >= 2 and repeats >= 1")
+    if servers > MOST_ONLINE_SERVERS or tokens * repeats > MOST_ONLINE_TOKENS or seed < 0:
+        raise ConfigError(f"the twin runs at most {MOST_ONLINE_SERVERS} servers (each a thread or process) and "
+                          f"{MOST_ONLINE_TOKENS} tokens in all (repeats x tokens), from a seed >= 0")
     chosen = plan(servers, lookahead, target_ms / 1000, drafter_ms / 1000)
     target_latency = Latency.from_ms(target_ms, ttft_ms)
     greedy = SamplingConfig()

@@ -91,6 +91,8 @@ def load_dataset(spec: str) -> list[Prompt]:
         name = match["name"]
         start = int(match["start"]) if match["start"] else None
         stop = int(match["stop"]) if match["stop"] else None
+        if min(start or 0, stop or 0) < 0:  # (Python's "all but the last N" would run nearly the whole set)
+            raise ConfigError(f"dataset '{spec}': a slice [A:B] counts prompts from the start, A and B >= 0")
     if name == "humaneval":
         prompts = load_humaneval()
     elif Path(name).is_file():

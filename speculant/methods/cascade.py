@@ -13,13 +13,16 @@ from speculant.methods.drafting import DRAFTER_DTYPES, check_drafter_dtype, pars
 from speculant.methods.registry import Request, register
 
 
+DEFAULT_K = 4
+
+
 @dataclass(frozen=True)
 class CascadeOptions:
     drafters: Any = option((), "drafter levels, largest first, maxgram last, e.g. qwen2.5-coder-0.5b@int8,maxgram",
                            parse=parse_drafters)
     k_matrix: Any = option(None, "the upper-triangular K matrix, rows split by ';' (e.g. '4,2;0,6' or '4,2;6'; "
                            "default: k tokens per level plus 2 maxgram tokens after each)", most=REQUEST_MOST)
-    k: int = option(4, "draft tokens per level when no K matrix is given", most=REQUEST_MOST)
+    k: int = option(DEFAULT_K, "draft tokens per level when no K matrix is given", most=REQUEST_MOST)
     leniency: float = option(1.0, "leniency l >= 1 of the inner reviews (the target's stays exact)")
     drafter_dtype: str | None = option(None, "dtype of model drafters (default: the target's)",
                                        choices=DRAFTER_DTYPES, operator=True)
@@ -36,6 +39,8 @@ class CascadeOptions:
             raise ConfigError(f"k must be >= 1, got {self.k}")
         if not self.leniency >= 1:
             raise ConfigError(f"leniency must be >= 1, got {self.leniency}")
+        if self.k_matrix is not None and self.k != DEFAULT_K:
+            raise ConfigError("k sizes the default K matrix: give k or k_matrix, not both")
         if self.k_matrix is not None:  # (checked here, so that a bad matrix is refused before anything loads)
             from speculant.drafters.cascade import check_k_matrix, parse_k_matrix
 

@@ -178,7 +178,8 @@ class Backend:
     def replicas(self, servers: int, drafting: bool) -> Callable[[str], CausalLM]:
         """A picklable factory of this model's replicas, `factory(device)`, for DSI's `servers` target servers
         (threads, processes or Ray actors), a model drafting beside them where `drafting`."""
-        raise ConfigError(f"DSI needs a factory for target servers of type {type(self).__name__}")
+        raise ConfigError("DSI's target servers are replicas of the target, which this target's backend does not "
+                          "make: load the target with --backend hf or llamacpp")
 
     def describe(self) -> list[str]:
         """Lines about the kernels this model runs on, for `speculant profile`."""
