@@ -35,7 +35,8 @@ PARSER_KEYS = ("command", "out_kind", "given", "needs")  # what the parser notes
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="speculant", description="Lossless speculative inference of language models.")
-    parser.set_defaults(given=frozenset(), needs={})  # flags given; what a flag applies with (`check_needs`)
+    # Flags given; what a flag applies with (`check_needs`); what --out names (`check_outputs`).
+    parser.set_defaults(given=frozenset(), needs={}, out_kind=FILE)
     commands = parser.add_subparsers(dest="command", required=True)
 
     gen = commands.add_parser("generate", help="generate text, streaming it as tokens are committed")
@@ -72,10 +73,10 @@ def build_parser() -> argparse.ArgumentParser:
     add_options(bench, SamplingConfig)
     bench.add_argument("--repeats", type=int, default=1, action=Given,
                        help="run the whole interleaved matrix this many times")
-    bench.add_argument("--isolate", action="store_true",
+    bench.add_argument("--isolate", action=Given, nargs=0, const=True, default=False,
                        help="run each of speculant's generations in a fresh process after a warm-up generation, as "
                             "llama.cpp's tools (llamacpp-cli-*) and `speculant generate` run")
-    bench.add_argument("--ignore-response-format", action="store_true",
+    bench.add_argument("--ignore-response-format", action=Given, nargs=0, const=True, default=False,
                        help="generate free text where the prompts ask for structured output (to compare the two)")
     bench.add_argument("--report-from", default=None, metavar="RESULTS.json",
                        help="run nothing: report a finished run's results.json again (with --baseline, --out)")
@@ -383,10 +384,10 @@ def run_bench(args: argparse.Namespace, argv: Sequence[str]) -> None:
     from speculant.machine import machine_info
 
     saved = read_results(Path(args.report_from)) if args.report_from else None
-    run_flags = sorted(args.given) + [name for name in ("isolate", "ignore_response_format") if getattr(args, name)]
-    if saved and run_flags:
-        raise ConfigError(f"--report-from reports a finished run again, as it ran: {', '.join(map(flag, run_flags))} "
-                          "would change nothing (only --baseline and --out apply)")
+    if saved and args.given:
+        raise ConfigError(f"--report-from reports a finished run again, as it ran: "
+                          f"{', '.join(map(flag, sorted(args.given)))} would change nothing (only --baseline and --out "
+                          "apply)")
     methods = [parse_method(m) for m in (saved["config"]["methods"] if saved else args.methods)]
     if len({m.label for m in methods}) != len(methods):
         raise ConfigError("each method may be listed once")
@@ -772,7 +773,7 @@ def check_outputs(args: argparse.Namespace) -> None:
     for name in ("out", "timeline"):
         if not getattr(args, name, None):
             continue
-        path, kind = Path(getattr(args, name)), getattr(args, "out_kind", FILE) if name == "out" else FILE
+        path, kind = Path(getattr(args, name)), args.out_kind if name == "out" else FILE
         if kind == DIRECTORY:
             if path.exists() and not path.is_dir():
                 raise ConfigError(f"--{name} {path} is a file: it names a directory here")

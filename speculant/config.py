@@ -218,12 +218,13 @@ def default_of(f: Field) -> Any:
 
 
 class Given(argparse.Action):
-    """argparse's store, which also records the flag in `namespace.given` where the command line gives it (a default
-    records nothing): what a flag that applies only with another is checked by (the CLI's `needs`)."""
+    """argparse's store (`store_const` with nargs=0: a switch), which also records the flag in `namespace.given` where
+    the command line gives it (a default records nothing): what a flag that applies only with another is checked by
+    (the CLI's `needs`)."""
 
     def __call__(self, parser: argparse.ArgumentParser, namespace: argparse.Namespace, values: Any,
                  option_string: str | None = None) -> None:
-        setattr(namespace, self.dest, values)
+        setattr(namespace, self.dest, self.const if self.nargs == 0 else values)
         namespace.given = getattr(namespace, "given", frozenset()) | {self.dest}
 
 

@@ -111,7 +111,7 @@ def test_an_operator_s_own_sizes_bind_only_the_client_that_names_a_size():
     engine = engine_for("tree", depth=16, width=16, depth_predictor="off")
     for method in (None, "tree"):
         spec, options = engine.options_for(method, {"objective": "length"})
-        assert (options.depth, options.width) == (16, 16) if method is None else (4, 4)
+        assert (options.depth, options.width) == (16, 16)  # (naming the server's method keeps its settings too)
     with pytest.raises(ConfigError, match="at most 128 nodes"):
         engine.options_for(None, {"depth": 12})
     engine.close()

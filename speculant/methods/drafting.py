@@ -41,29 +41,32 @@ class DrafterOptions:
 def check_drafter_dtype(options: Any) -> None:
     """A drafter dtype is refused where `options` name no model drafter to load in it (Max-Gram, suffix and `self`
     load none; a given model keeps its own): never silently ignored."""
-    if options.drafter_dtype is not None and \
-            not any(isinstance(d, DrafterSpec) and d.kind == MODEL for d in held_drafters(options)):
+    held = held_drafters(options)
+    if options.drafter_dtype is not None and not any(isinstance(d, DrafterSpec) and d.kind == MODEL for d in held):
         raise ConfigError(f"drafter dtype {options.drafter_dtype} applies to a model drafter named by its catalog "
-                          f"name, Hugging Face id or path; {', '.join(map(str, held_drafters(options)))} loads none")
+                          f"name, Hugging Face id or path; {', '.join(map(str, held))} loads none")
+
+
+def drafters_by_field(options: Any) -> dict[str, list[Any]]:
+    """The drafters `options` holds, by the field holding them: `drafter` (one), `drafters` (several, where given)."""
+    names = {f.name for f in fields(options)}
+    held = {"drafter": [options.drafter]} if "drafter" in names else {}
+    if "drafters" in names and options.drafters is not None:
+        held["drafters"] = list(options.drafters)
+    return held
+
+
+def held_drafters(options: Any) -> list[Any]:
+    """Every drafter `options` holds: its `drafter`, then its `drafters` (none for a method that drafts with none)."""
+    return [drafter for drafters in drafters_by_field(options).values() for drafter in drafters]
 
 
 def with_drafters(options: Any, load: Callable[[Any], Any]) -> Any:
     """`options` with every drafter it holds (`drafter`, `drafters`) replaced by `load(drafter)`: how the
     CLI and the bench load drafters once, before generating."""
-    names = {f.name for f in fields(options)}
-    changes: dict[str, Any] = {}
-    if "drafter" in names:
-        changes["drafter"] = load(options.drafter)
-    if "drafters" in names and options.drafters is not None:
-        changes["drafters"] = tuple(load(d) for d in options.drafters)
+    changes = {name: load(drafters[0]) if name == "drafter" else tuple(map(load, drafters))
+               for name, drafters in drafters_by_field(options).items()}
     return replace(options, **changes) if changes else options
-
-
-def held_drafters(options: Any) -> list[Any]:
-    """Every drafter `options` holds: its `drafter`, then its `drafters` (none for a method that drafts with none)."""
-    names = {f.name for f in fields(options)}
-    return ([options.drafter] if "drafter" in names else []) + \
-        list((options.drafters if "drafters" in names else None) or ())
 
 
 def as_keywords(options: Any) -> dict[str, Any]:

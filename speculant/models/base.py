@@ -420,8 +420,8 @@ PREFILL_PART = 512  # prompt tokens per part of a prefill (`prompt_parts`): a se
 
 
 def prompt_parts(ids: Sequence[int], size: int | None = None) -> list[list[int]]:
-    """A prompt in the parts of `size` tokens (default PREFILL_PART) that a backend with `prefill_parts` prefills
-    it in."""
+    """A prompt in the parts of `size` tokens (default PREFILL_PART, read when called: tests and
+    scripts/prefill_parts.py set it) that a backend with `prefill_parts` prefills it in."""
     size = size or PREFILL_PART
     return [list(ids[start:start + size]) for start in range(0, len(ids), size)]
 

@@ -140,7 +140,8 @@ def check_name(name: str) -> None:
     """Refuse, before anything loads, a model name (with or without its `@suffix`) that no loader takes: a path (it
     starts with /, ./, ../ or ~, or ends with .gguf) that names nothing, or a name that is neither in the catalog, nor
     a local path, nor a Hugging Face id (owner/name)."""
-    name = split_quant(name)[0] if name.rpartition("@")[2] in (*QUANTS, GGUF, LEAN) else name
+    base, suffix = split_quant(name)
+    name = base if suffix in (*QUANTS, GGUF, LEAN) else name
     if not name:
         raise ConfigError(f"empty model name; catalog models: {catalog_listing()}")
     if name in CATALOG:

@@ -273,7 +273,7 @@ def create_app(engine: Engine, served_name: str, config: ServeConfig | None = No
         if max_tokens is None:
             max_tokens = (limit - len(ids)) if limit is not None else 1 << 30
         elif limit is not None and len(ids) + max_tokens > limit:
-            field = "max_completion_tokens" if getattr(body, "max_completion_tokens", None) else "max_tokens"
+            field = "max_completion_tokens" if prompt == "messages" and body.max_completion_tokens else "max_tokens"
             raise ApiError(400, f"{field} {max_tokens} after a {len(ids)}-token prompt exceeds this model's "
                            f"{limit} positions", field, "context_length_exceeded")
         sampling = SamplingConfig(body.temperature, None, body.top_p if body.top_p < 1 else None)

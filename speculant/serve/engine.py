@@ -20,7 +20,7 @@ from speculant.config import SamplingConfig, ServeConfig
 from speculant.drafters.spec import MAXGRAM, SELF, DrafterSpec, as_drafter
 from speculant.errors import ConfigError, OptionError
 from speculant.methods import Request, get_method
-from speculant.methods.drafting import with_drafters
+from speculant.methods.drafting import drafters_by_field, with_drafters
 from speculant.models.base import Call, CausalLM, Interrupted
 from speculant.models.wrappers.constrained import Constraint
 from speculant.models.wrappers.logprobs import TokenLogprob
@@ -160,15 +160,13 @@ def provenance(call: Call | None, tokens: list[int]) -> list[str]:
 def culprit(build: Callable[[Mapping[str, Any]], Any], values: Mapping[str, Any]) -> str:
     """The option a request's refused `values` fail on: the first that makes `build` fail, added in turn to what the
     method defaults to; `method` where that fails already (a method that needs what the server did not load)."""
-    kept: dict[str, Any] = {}
-    for name, value in [("method", None), *values.items()]:
-        if name != "method":
-            kept[name] = value
+    names = list(values)
+    for count in range(len(names) + 1):
         try:
-            build(kept)
+            build({name: values[name] for name in names[:count]})
         except ConfigError:
-            return name
-    return next(iter(values), "method")  # (they fail only together)
+            return names[count - 1] if count else "method"
+    return names[-1]  # (they fail only all together)
 
 
 class Ticket:
@@ -185,8 +183,8 @@ def on_own_thread(method: str, options: Any) -> None:
     """Refuse options that would run a request's drafter on a thread of its own: the batcher runs every served
     forward on its thread (a tree's stage scheduling drafts on another)."""
     if getattr(options, "schedule", "serial") != "serial":
-        raise ConfigError(f"{method} with schedule={options.schedule} drafts on a thread of its own, which a server's "
-                          "batched forwards cannot run: serve it with schedule=serial")
+        raise OptionError("schedule", f"{method} with schedule={options.schedule} drafts on a thread of its own, "
+                          "which a server's batched forwards cannot run: serve it with schedule=serial")
 
 
 class Engine:
@@ -251,6 +249,7 @@ class Engine:
             loaded["drafter"] = self.drafters[models[0]] if models else MAXGRAM
         if "drafters" in names:
             loaded["drafters"] = tuple(self.drafters[k] for k in self.served) or MAXGRAM
+
         def build(values: Mapping[str, Any]) -> Any:
             if spec is self.method:  # the server's method: the operator's settings stay, its drafters too
                 return replace(self.options, **values)
@@ -264,9 +263,7 @@ class Engine:
         except ConfigError as error:  # (an options class's own check: named after the option it fails on)
             raise OptionError(culprit(build, values), str(error)) from None
         spec.check_request(options, given)
-        held = {name: list(getattr(options, name) or ()) if name == "drafters" else [getattr(options, name)]
-                for name in ("drafter", "drafters") if name in names}
-        for name, drafters in held.items():
+        for name, drafters in drafters_by_field(options).items():
             for drafter in drafters:
                 if any(drafter is m for m in self.drafters.values()) or str(drafter) in self.drafters:
                     continue
@@ -274,10 +271,7 @@ class Engine:
                     raise OptionError(name, f"drafter '{drafter}' is not loaded on this server (loaded: "
                                       f"{', '.join(self.drafters) or 'none'})")
                 self._load(drafter)  # Max-Gram costs nothing to add
-        try:
-            on_own_thread(spec.name, options)
-        except ConfigError as error:
-            raise OptionError("schedule", str(error)) from None
+        on_own_thread(spec.name, options)
         return spec, options
 
     def submit(self, job: ServeJob, on_text: Callable[[str, list[TokenLogprob]], None],

@@ -50,6 +50,19 @@ def depth(value: Any) -> int:
     return deepest
 
 
+def given_with(name: str, other: str, message: str, present: bool = True) -> Any:
+    """A validator of field `name` that refuses it given unless field `other` (declared before it) is given too, or,
+    with `present` false, unless it is not: a field that does nothing alone, or that another replaces, is refused
+    with `message`, never dropped."""
+
+    def check(cls: type, value: Any, info: Any) -> Any:
+        if value is not None and (info.data.get(other) not in (None, False)) != present:
+            raise ValueError(message)
+        return value
+
+    return field_validator(name)(check)
+
+
 class StreamOptions(BaseModel):
     model_config = ConfigDict(strict=True, extra="forbid")
 
@@ -100,12 +113,7 @@ class Sampling(BaseModel):
             raise ValueError("up to 4 stop strings, none empty")
         return value
 
-    @field_validator("stream_options")
-    @classmethod
-    def _with_stream(cls, value: StreamOptions | None, info: Any) -> StreamOptions | None:
-        if value is not None and not info.data.get("stream"):
-            raise ValueError("stream_options needs stream: true")
-        return value
+    _with_stream = given_with("stream_options", "stream", "stream_options needs stream: true")
 
     @field_validator("response_format")
     @classmethod
@@ -244,20 +252,10 @@ class ChatRequest(Sampling):
                                  "before it made")
         return value
 
-    @field_validator("max_completion_tokens")
-    @classmethod
-    def _one_limit(cls, value: int | None, info: Any) -> int | None:
-        """OpenAI's chat takes max_completion_tokens for max_tokens: given both, one would be dropped."""
-        if value is not None and info.data.get("max_tokens") is not None:
-            raise ValueError("give max_completion_tokens or max_tokens, not both")
-        return value
-
-    @field_validator("top_logprobs")
-    @classmethod
-    def _alternatives_need_logprobs(cls, value: int | None, info: Any) -> int | None:
-        if value is not None and not info.data.get("logprobs"):
-            raise ValueError("top_logprobs needs logprobs: true")
-        return value
+    # (OpenAI's chat takes max_completion_tokens for max_tokens: given both, one would be dropped)
+    _one_limit = given_with("max_completion_tokens", "max_tokens", "give max_completion_tokens or max_tokens, not both",
+                            present=False)
+    _alternatives_need_logprobs = given_with("top_logprobs", "logprobs", "top_logprobs needs logprobs: true")
 
     @field_validator("tools")
     @classmethod
