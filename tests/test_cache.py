@@ -3,6 +3,8 @@ weights no model has loaded for weeks go when another repack is written."""
 
 import json
 import os
+import subprocess
+import sys
 import time
 
 from tiny_gguf import write_tiny_gguf
@@ -25,6 +27,19 @@ def test_a_cache_file_keeps_its_most_recently_used_keys(tmp_path, monkeypatch):
     remember("e")  # "a" was used again (moved to the newest end): "b" is the oldest and goes
     assert list(json.loads((tmp_path / "f.json").read_text())) == list("cdae")
     assert remember("b") == "B" and measured == list("abcdeb")
+
+
+def test_a_second_process_waits_for_the_first_s_measurement_instead_of_timing_beside_it(tmp_path, monkeypatch):
+    """Two xdist workers once timed the AMX tiles at the same time, and each chose differently."""
+    monkeypatch.setenv("SPECULANT_CACHE", str(tmp_path))
+    with cache._exclusive(tmp_path / "f.lock"):  # as a first process measuring "k"
+        child = subprocess.Popen([sys.executable, "-c", "from speculant import cache; print('asking', flush=True); "
+                                  "print(cache.remembered('f.json', 'k', lambda: 'measured by the second'))"],
+                                 stdout=subprocess.PIPE, text=True)
+        assert child.stdout.readline() == "asking\n"
+        time.sleep(0.5)
+        (tmp_path / "f.json").write_text(json.dumps({"k": "measured by the first"}))
+    assert child.communicate(timeout=60)[0] == "measured by the first\n"
 
 
 def test_a_repack_no_model_loaded_for_weeks_goes_when_another_is_written(tmp_path, monkeypatch):

@@ -38,13 +38,15 @@ def test_the_repack_keeps_ggml_s_weights(kind):
 
 
 def test_every_path_the_cpu_can_run_compiles_and_loads():
-    """A path that fails to build would fall back, silently, to a slower one."""
-    assert kernels.paths() == [isa.name for isa in kernels.ISAS if cpu_has(*isa.cpu_flags)]
+    """A path that fails to build would fall back, silently, to a slower one; AMX is chosen where its tiles pay."""
+    runs = [isa.name for isa in kernels.ISAS if cpu_has(*isa.cpu_flags)]
+    assert [isa for isa in kernels.paths(emulated=True) if isa != "amx_int8_emulated"] == runs
+    assert kernels.paths() == [isa for isa in runs if isa != "amx_int8" or kernels.amx_rows(isa) <= 16]
     assert kernels.paths()[-1] == "scalar"
 
 
-EMULATES = pytest.mark.skipif("amx_int8_emulated" not in kernels.paths(emulated=True),
-                              reason="no AVX-512 VNNI to emulate AMX on")
+EMULATES = pytest.mark.skipif(kernels.library("amx_int8_emulated") is None, reason="no AVX-512 VNNI to emulate AMX on")
+AMX_PATHS = [isa for isa in ("amx_int8", "amx_int8_emulated") if kernels.library(isa) is not None]
 
 
 @EMULATES
@@ -64,14 +66,14 @@ def test_an_amx_path_is_checked_and_timed_in_a_child_process_before_it_is_chosen
     assert kernels.library("amx_int8_emulated").amx_set_rows(4) == 6  # the tests' tile height again
 
 
-@EMULATES
+@pytest.mark.parametrize("isa", AMX_PATHS)
 @pytest.mark.parametrize("rows", [1, 17])
-def test_the_amx_library_gives_the_reference_s_bits_at_any_cut_over(rows):
+def test_the_amx_library_gives_the_reference_s_bits_at_any_cut_over(rows, isa):
     """Every row on tiles (1), or none (17: the library's vpdpbusd kernels, 8 rows at a time)."""
-    lib = kernels.library("amx_int8_emulated")
+    lib = kernels.library(isa)
     before = lib.amx_set_rows(rows)
     try:
-        kernels.check("amx_int8_emulated")
+        kernels.check(isa)
     finally:
         lib.amx_set_rows(before)
 

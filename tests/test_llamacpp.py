@@ -241,7 +241,7 @@ sys.path.insert(0, {str(Path(__file__).parent)!r})
 from helpers import byte_tokenizer
 from speculant.models import load_model
 from speculant.models.numerics import native
-model = load_model({str(gguf_files["llama", "q8_0", 0][0])!r}, tokenizer=byte_tokenizer())
+model = load_model({str(gguf_files["llama", "q8_0", 0][0])!r}, backend="llamacpp", tokenizer=byte_tokenizer())
 if "AMX" not in model.weights.buffers:
     print("no AMX buffer"); sys.exit(0)
 amx, x, w = native.KERNELS["amx"], torch.randn(5, 64).bfloat16(), torch.randn(48, 64).bfloat16()

@@ -176,10 +176,14 @@ def usable(isa: Isa) -> bool:
 
 
 def paths(emulated: bool = False) -> list[str]:
-    """The ISAs this machine runs, fastest first; with `emulated`, also the AMX kernels emulated where AMX itself
-    does not run (every path the tests hold to the scalar reference)."""
-    found = [isa.name for isa in ISAS if usable(isa)]
-    if emulated and "amx_int8" not in found and library(EMULATED.name) is not None:
+    """The ISAs this machine runs, fastest first (an AMX path only where its tiles pay: `usable`). With `emulated`,
+    every path the tests hold to the scalar reference: each whose library loads (an AMX path: and passes `check`),
+    whether or not it pays, and the AMX kernels emulated where AMX itself does not run. A test's parameters must not
+    hang on a timing: two test processes that each timed the tiles once collected different tests."""
+    if not emulated:
+        return [isa.name for isa in ISAS if usable(isa)]
+    found = [isa.name for isa in ISAS if library(isa.name) is not None and (not isa.amx or amx_rows(isa.name))]
+    if "amx_int8" not in found and library(EMULATED.name) is not None:
         found.insert(found.index("scalar"), EMULATED.name)
     return found
 
