@@ -2,6 +2,8 @@
 
     python scripts/kernels_ab.py OLD.c NEW.c --widths 1,2,4,8,16 --repeats 11
     python scripts/kernels_ab.py OLD.c NEW.c --isa avx2 --repeats 7        # the AVX2 sources
+    python scripts/kernels_ab.py OLD.c NEW.c --isa amx_int8 --amx-rows 1 --kind q6_k   # every row on AMX tiles
+    python scripts/kernels_ab.py avx512.c avx512.c --isa amx_int8 --amx-rows 17,1     # vpdpbusd, then tiles
 
 Measures, for each width W, the time of one pass of W activation rows through all 197 matrices of
 Qwen2.5-Coder-1.5B (its attention and MLP projections and the Q6_K output head, as the lean backend packs
@@ -39,6 +41,9 @@ def main(argv: list[str]) -> None:
     parser.add_argument("--model", default="qwen2.5-coder-1.5b")
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--no-check", action="store_true", help="do not require the same bits from both builds")
+    parser.add_argument("--kind", choices=("q4_k", "q6_k"), help="only the matrices of this kind")
+    parser.add_argument("--amx-rows", help="AMX builds: the fewest rows a tile multiplies on tiles, of every kind, "
+                        "in the old build [and the new]: 1 every row, 17 none (vpdpbusd)")
     args = parser.parse_args(argv)
 
     import torch
@@ -58,9 +63,11 @@ def main(argv: list[str]) -> None:
         lib.quantize_rows.argtypes = [P, I, I, P, P, P, P, ctypes.c_int]
         for kind in kernels.KINDS:
             getattr(lib, f"matmul_{kind}").argtypes = [P, P, P, P, I, I, P, I, P, ctypes.c_int]
+        if isa.amx and not lib.amx_ready():
+            raise SystemExit("Linux refused this process AMX's tile state")
         return lib
 
-    weights = linear_weights(args.model)  # the model's matrices, head included
+    weights = [m for m in linear_weights(args.model) if args.kind in (None, m.kind)]  # the head included
     widths = [int(w) for w in args.widths.split(",")]
 
     def activations(lib: ctypes.CDLL, layout: str) -> dict:
@@ -78,13 +85,17 @@ def main(argv: list[str]) -> None:
                 out[w, k] = a
         return out
 
+    rows = [int(r) for r in args.amx_rows.split(",")] * 2 if args.amx_rows else [None] * 2
     builds = {}
-    for name, source, layout in (("old", args.old, args.old_layout), ("new", args.new, args.new_layout)):
+    for name, source, layout, least in (("old", args.old, args.old_layout, rows[0]),
+                                        ("new", args.new, args.new_layout, rows[1])):
         lib = load(source)
-        builds[name] = (lib, activations(lib, layout))
+        builds[name] = (lib, activations(lib, layout), least)
 
     def run(name: str, w: int) -> tuple[float, list]:
-        lib, acts = builds[name]
+        lib, acts, least = builds[name]
+        for kind in range(len(kernels.AMX_KINDS) if least else 0):  # set at each run: one source loads once
+            lib.amx_set_rows(kind, least)
         outs, start = [], time.perf_counter()
         for m in weights:
             y = torch.empty(w, m.data.shape[0] * 16)

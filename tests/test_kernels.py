@@ -41,7 +41,7 @@ def test_every_path_the_cpu_can_run_compiles_and_loads():
     """A path that fails to build would fall back, silently, to a slower one; AMX is chosen where its tiles pay."""
     runs = [isa.name for isa in kernels.ISAS if cpu_has(*isa.cpu_flags)]
     assert [isa for isa in kernels.paths(emulated=True) if isa != "amx_int8_emulated"] == runs
-    assert kernels.paths() == [isa for isa in runs if isa != "amx_int8" or kernels.amx_rows(isa) <= 16]
+    assert kernels.paths() == [isa for isa in runs if isa != "amx_int8" or min(kernels.amx_rows(isa)) <= 16]
     assert kernels.paths()[-1] == "scalar"
 
 
@@ -51,52 +51,54 @@ AMX_PATHS = [isa for isa in ("amx_int8", "amx_int8_emulated") if kernels.library
 
 @EMULATES
 def test_an_amx_path_is_checked_and_timed_in_a_child_process_before_it_is_chosen(monkeypatch, caplog):
-    """`amx_rows` runs `check` and `cut_over` in a child (here on the emulated tiles: exact, and slower than
-    vpdpbusd at every width), remembered per library build and CPU; a child that fails gives 0, with a warning;
-    `usable` lists the path only where the tiles pay at some width, and sets the library's cut-over."""
+    """`amx_rows` runs `check` and each kind's `cut_over` in a child (here on the emulated tiles: exact, and
+    slower than vpdpbusd at every width), remembered per library build and CPU; a child that fails gives zeros, with
+    a warning; `usable` lists the path only where the tiles pay at some width for some kind, and sets the library's
+    cut-over of each kind."""
     asked = []
     monkeypatch.setattr(kernels, "remembered", lambda name, key, measure: asked.append(key) or measure())
-    assert kernels.amx_rows.__wrapped__("amx_int8_emulated") == 17 and "|" in asked[0]
+    assert kernels.amx_rows.__wrapped__("amx_int8_emulated") == (17, 17) and "|" in asked[0]
     monkeypatch.setattr(kernels.sys, "executable", "false")
-    assert kernels.amx_rows.__wrapped__("amx_int8_emulated") == 0
+    assert kernels.amx_rows.__wrapped__("amx_int8_emulated") == (0, 0)
     assert "amx_int8_emulated kernels failed their check (exit 1" in caplog.text
-    for rows, listed in ((0, False), (17, False), (6, True)):
+    for rows, listed in (((0, 0), False), ((17, 17), False), ((0, 6), False), ((17, 6), True)):
         monkeypatch.setattr(kernels, "amx_rows", lambda name, rows=rows: rows)
         assert kernels.usable(kernels.EMULATED) == listed
-    assert kernels.library("amx_int8_emulated").amx_set_rows(4) == 6  # the tests' tile height again
+    assert kernels.set_amx_rows("amx_int8_emulated", (4, 4)) == (17, 6)  # the tests' tile height again
 
 
 @pytest.mark.parametrize("isa", AMX_PATHS)
 @pytest.mark.parametrize("rows", [1, 17])
 def test_the_amx_library_gives_the_reference_s_bits_at_any_cut_over(rows, isa):
     """Every row on tiles (1), or none (17: the library's vpdpbusd kernels, 8 rows at a time)."""
-    lib = kernels.library(isa)
-    before = lib.amx_set_rows(rows)
+    before = kernels.set_amx_rows(isa, (rows, rows))
     try:
         kernels.check(isa)
     finally:
-        lib.amx_set_rows(before)
+        kernels.set_amx_rows(isa, before)
 
 
 @EMULATES
 def test_the_cut_over_is_the_fewest_rows_from_which_tiles_win_at_every_width(monkeypatch):
-    lib, setting, clock = kernels.library("amx_int8_emulated"), [4], [0.0]
+    lib, setting, clock = kernels.library("amx_int8_emulated"), {0: [4], 1: [4]}, [0.0]
 
-    def set_rows(rows):  # as amx_set_rows: returns the value it replaces
-        setting[:] = [rows, *setting]
-        return setting.pop()
+    def set_rows(kind, rows):  # as amx_set_rows: returns the value it replaces
+        setting[kind][:] = [rows, *setting[kind]]
+        return setting[kind].pop()
 
-    def matmul(act, weight, isa):  # tiles take half the time of vpdpbusd from 6 rows, and at 3
-        clock[0] += 0.5 if setting[0] <= act.rows and act.rows in (3, *range(6, 17)) else 1.0
+    def matmul(act, weight, isa):  # q6_k's tiles take half the time of vpdpbusd from 6 rows, and at 3
+        assert weight.kind == "q6_k"
+        clock[0] += 0.5 if setting[1][0] <= act.rows and act.rows in (3, *range(6, 17)) else 1.0
 
     monkeypatch.setattr(lib, "amx_set_rows", set_rows)
     monkeypatch.setattr(kernels, "matmul", matmul)
     monkeypatch.setattr(kernels, "time", SimpleNamespace(perf_counter=lambda: clock[0]))
-    assert kernels.cut_over("amx_int8_emulated", repeats=3, panels=1) == 6
-    assert setting == [4]  # put back as found
+    assert kernels.cut_over("amx_int8_emulated", "q6_k", repeats=3, panels=1) == 6
+    assert setting == {0: [4], 1: [4]}  # put back as found
     monkeypatch.undo()
-    assert kernels.cut_over("amx_int8_emulated", repeats=5, panels=16) == 17  # the emulated tiles: far slower
-    assert kernels.library("amx_int8_emulated").amx_set_rows(4) == 4
+    for kind in kernels.AMX_KINDS:  # the emulated tiles: far slower
+        assert kernels.cut_over("amx_int8_emulated", kind, repeats=5, panels=16) == 17
+    assert kernels.set_amx_rows("amx_int8_emulated", (4, 4)) == (4, 4)
 
 
 @pytest.mark.skipif("avx2" not in kernels.paths(), reason="no AVX2")

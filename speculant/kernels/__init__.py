@@ -1,11 +1,11 @@
 """speculant's exact kernels: GGUF weights (repacked once, `formats.py`: Q4_K and Q6_K as they are, the types whose
 blocks are integers times a scale plus an offset as nibbles (Q4_0, Q4_1) or a byte per weight, F16/BF16/F32 as fp32
-rows) times int8
-activation rows (fp32 rows for fp32 weights), one C file per ISA (`scalar.c`, `avx2.c`, `avx512.c`), chosen at run time by the CPU's
-features; where the CPU has AMX int8, tiles of up to 16 rows take their integer sums from AMX tile multiplies
-(`amx.h`) from the number of rows where those pay, timed once per machine (`amx_rows`). Each weight block is unpacked once per call for every row of a tile (llamafile's tinyBLAS
-register tiling), and each output is accumulated in the same order whatever the number of rows, the
-tile, the thread or the ISA: row r of a W-row call equals the 1-row call, and every path equals the
+rows) times int8 activation rows (fp32 rows for fp32 weights), one C file per ISA (`scalar.c`, `avx2.c`,
+`avx512.c`), chosen at run time by the CPU's features; where the CPU has AMX int8, tiles of up to 16 rows of Q4_K
+or Q6_K take their integer sums from AMX tile multiplies (`amx.h`) from the number of rows where those pay, timed
+once per machine and kind (`amx_rows`). Each weight block is unpacked once per call for every row of a tile
+(llamafile's tinyBLAS register tiling), and each output is accumulated in the same order whatever the number of
+rows, the tile, the thread or the ISA: row r of a W-row call equals the 1-row call, and every path equals the
 scalar reference, bit for bit.
 
     act = quantize_rows(x)                  # x [W, K] fp32, each row on its own (ggml's Q8_K: a scale per 256)
@@ -77,7 +77,7 @@ def library(name: str) -> ctypes.CDLL | None:
     if lib is None or isa.amx and not lib.amx_ready():
         return None
     if isa.amx:
-        lib.amx_set_rows.argtypes, lib.amx_set_rows.restype = [ctypes.c_int], ctypes.c_int
+        lib.amx_set_rows.argtypes, lib.amx_set_rows.restype = [ctypes.c_int, ctypes.c_int], ctypes.c_int
     lib.quantize_rows.argtypes = [_P, _I, _I, _P, _P, _P, _P, ctypes.c_int]
     for kind in formats.BYTES:
         getattr(lib, f"matmul_{kind}").argtypes = [_P, _P, _P, _P, _I, _I, _P, _I, _P, ctypes.c_int]
@@ -88,39 +88,48 @@ def library(name: str) -> ctypes.CDLL | None:
     return lib
 
 
+AMX_KINDS = ("q4_k", "q6_k")  # the kinds amx.h multiplies on tiles, in amx_set_rows's order
+
+
 @cache
-def amx_rows(name: str) -> int:
-    """For AMX path `name`: the fewest rows a tile must have for its tile multiplies to pay on this machine (17: no
-    width), or 0 where it fails `check`. Found in a child process once per build of its library and CPU
-    (remembered): the tile instructions were tested only on an emulation when they were written, so a fault or a
-    wrong bit costs a child, and the path, never this process."""
-    def measure() -> int:
-        child = subprocess.run([sys.executable, "-c", f"from speculant.kernels import check, cut_over; "
-                                f"check({name!r}); print(cut_over({name!r}))"], capture_output=True, text=True,
-                               timeout=300)
+def amx_rows(name: str) -> tuple[int, ...]:
+    """For AMX path `name`: for each of AMX_KINDS, the fewest rows a tile must have for its tile multiplies to pay
+    on this machine (17: no width), or zeros where it fails `check`. Found in a child process once per build of
+    its library and CPU (remembered): the tile instructions were tested only on an emulation when they were
+    written, so a fault or a wrong bit costs a child, and the path, never this process."""
+    def measure() -> list[int]:
+        child = subprocess.run([sys.executable, "-c", f"from speculant.kernels import AMX_KINDS, check, cut_over; "
+                                f"check({name!r}); print(*(cut_over({name!r}, kind) for kind in AMX_KINDS))"],
+                               capture_output=True, text=True, timeout=300)
         if child.returncode:
             log.warning(f"speculant: the {name} kernels failed their check (exit {child.returncode}; "
                         f"{(child.stderr.strip().splitlines() or ['no message'])[-1]}); they will not be chosen")
-            return 0
-        return int(child.stdout.split()[-1])
+            return [0] * len(AMX_KINDS)
+        return [int(rows) for rows in child.stdout.split()[-len(AMX_KINDS):]]
 
-    return int(remembered("kernels-amx.json", f"{Path(library(name)._name).name}|{cpu_info()[0]}", measure))
+    return tuple(remembered("kernels-amx.json", f"{Path(library(name)._name).name}|{cpu_info()[0]}", measure))
 
 
-def cut_over(name: str, repeats: int = 7, panels: int = 512) -> int:
+def set_amx_rows(name: str, rows: tuple[int, ...]) -> tuple[int, ...]:
+    """Give AMX path `name`'s library its cut-over for each of AMX_KINDS; returns those it replaces."""
+    return tuple(library(name).amx_set_rows(kind, least) for kind, least in enumerate(rows))
+
+
+def cut_over(name: str, kind: str = "q4_k", repeats: int = 7, panels: int = 512) -> int:
     """The fewest rows from which AMX path `name`'s tiles are faster than its vpdpbusd kernels at every width up to
-    16 (17: at none), timed on `panels` x 16 outputs of 4096 inputs of random q4_k blocks (19 MB), the two kernels
-    interleaved, from 16 rows down until the tiles lose (a loss by more than half is plain at the first repeat).
-    Both kernels give the same bits: this decides speed only."""
-    lib, inputs = library(name), 4096
-    data = torch.randint(0, 256, (panels, formats.panel_bytes("q4_k", inputs)), dtype=torch.uint8)
-    scales = torch.from_numpy(np.full(32, 1e-3, dtype=np.float16).view(np.uint8))  # d and dmin: no NaN, no subnormal
-    data.view(panels, -1, formats.BYTES["q4_k"])[:, :, :64] = scales
-    weight = QuantWeight("q4_k", panels * formats.PANEL, inputs, data)
-    before = lib.amx_set_rows(1)
+    16 (17: at none) on weights of `kind`, timed on `panels` x 16 outputs of 4096 inputs of random blocks (19 MB
+    of q4_k), the two kernels interleaved, from 16 rows down until the tiles lose (a loss by more than half is
+    plain at the first repeat). Both kernels give the same bits: this decides speed only."""
+    lib, inputs, index = library(name), 4096, AMX_KINDS.index(kind)
+    data = torch.randint(0, 256, (panels, formats.panel_bytes(kind, inputs)), dtype=torch.uint8)
+    head = {"q4_k": 64, "q6_k": 32}[kind]  # the super-block's f16 scales (d, and q4_k's dmin): no NaN, no subnormal
+    scales = torch.from_numpy(np.full(head // 2, 1e-3, dtype=np.float16).view(np.uint8))
+    data.view(panels, -1, formats.BYTES[kind])[:, :, :head] = scales
+    weight = QuantWeight(kind, panels * formats.PANEL, inputs, data)
+    before = lib.amx_set_rows(index, 1)
 
     def seconds(rows: int, act: Activations) -> float:  # rows: the fewest a tile multiply takes
-        lib.amx_set_rows(rows)
+        lib.amx_set_rows(index, rows)
         start = time.perf_counter()
         matmul(act, weight, name)
         return time.perf_counter() - start
@@ -137,7 +146,7 @@ def cut_over(name: str, repeats: int = 7, panels: int = 512) -> int:
                 return width + 1
         return 1
     finally:
-        lib.amx_set_rows(before)
+        lib.amx_set_rows(index, before)
 
 
 def check(name: str) -> None:
@@ -164,14 +173,14 @@ def check(name: str) -> None:
 
 
 def usable(isa: Isa) -> bool:
-    """Whether the machine runs `isa`; an AMX path only where its tiles pay at some width (`amx_rows`, which its
-    library then follows)."""
+    """Whether the machine runs `isa`; an AMX path only where its tiles pay at some width for some kind
+    (`amx_rows`, which its library then follows)."""
     if library(isa.name) is None or not isa.amx:
         return library(isa.name) is not None
     rows = amx_rows(isa.name)
-    if not 0 < rows <= 16:
+    if not all(rows) or min(rows) > 16:
         return False
-    library(isa.name).amx_set_rows(rows)
+    set_amx_rows(isa.name, rows)
     return True
 
 
@@ -182,7 +191,7 @@ def paths(emulated: bool = False) -> list[str]:
     hang on a timing: two test processes that each timed the tiles once collected different tests."""
     if not emulated:
         return [isa.name for isa in ISAS if usable(isa)]
-    found = [isa.name for isa in ISAS if library(isa.name) is not None and (not isa.amx or amx_rows(isa.name))]
+    found = [isa.name for isa in ISAS if library(isa.name) is not None and (not isa.amx or all(amx_rows(isa.name)))]
     if "amx_int8" not in found and library(EMULATED.name) is not None:
         found.insert(found.index("scalar"), EMULATED.name)
     return found

@@ -8,9 +8,10 @@
 // avx512.c's, in common.h's order (one conversion and one multiply-add per row and block, the mins and offsets
 // as exact integer sums), so every row's bits are the scalar reference's, whichever kernel ran it.
 //
-// Two sets of tiles (activations, weights, sums: tmm0-2 and tmm3-5) take two blocks at a time, so that the second
-// block's tile loads and multiply overlap the first's. Blocks come in pairs: 8 or 16 per super-block, 4 or 8 in
-// a last half one.
+// A super-block's blocks are all unpacked before its first tile load, and all multiplied before the float work
+// reads their sums (no tile instruction waits on the store just before it), two sets of tiles (activations,
+// weights, sums: tmm0-2 and tmm3-5) alternating. Blocks come in pairs: 8 or 16 per super-block, 4 or 8 in a last
+// half one.
 //
 // Built with -DAMX_EMULATED as well, the tile instructions are tiles.h's plain C: how a CPU without AMX tests this
 // file's tiling, layouts and order.
@@ -18,13 +19,14 @@
 
 #define AMX_TILE 16
 
-// Tiles of fewer rows take the vpdpbusd kernels. kernels.amx_rows times where AMX starts to pay on the machine and
-// sets it (amx_set_rows, which returns the value it replaces; 17: never); until then 4, where vpdpbusd turns
-// compute-bound (cpu.md, "One activation scale per 256 inputs").
-static int amx_min = 4;
-int amx_set_rows(int rows) {
-    int before = amx_min;
-    amx_min = rows;
+// Tiles of fewer rows take the vpdpbusd kernels, for each kind (0: q4_k, 1: q6_k, whose tile multiplies take half
+// as many inputs). kernels.amx_rows times where AMX starts to pay for each on the machine and sets it
+// (amx_set_rows, which returns the value it replaces; 17: never); until then 4, where vpdpbusd turns compute-bound
+// (cpu.md, "One activation scale per 256 inputs").
+static int amx_min[2] = {4, 4};
+int amx_set_rows(int kind, int rows) {
+    int before = amx_min[kind];
+    amx_min[kind] = rows;
     return before;
 }
 
@@ -39,44 +41,42 @@ static void tiles_for(int rows, int inputs) {
     tile_configure(&config);
 }
 
-// Two blocks' sums: activations at a0 and a1 (row stride K) times the unpacked weights w0 and w1, into dots.
-#define TWO_BLOCKS(a0, w0, a1, w1, K, dots)                                           \
-    do {                                                                              \
-        tile_load(0, a0, K); tile_load(1, w0, 64); tile_zero(2); tile_dp(2, 0, 1);    \
-        tile_load(3, a1, K); tile_load(4, w1, 64); tile_zero(5); tile_dp(5, 3, 4);    \
-        tile_store(2, dots[0], 64); tile_store(5, dots[1], 64);                       \
-    } while (0)
-
 // Tiles of `rows` rows (a constant in each specialization, so that the rows' sb stay in registers) of q4_k's
-// blocks of 32 inputs, or q6_k's of 16 (`q6`).
+// blocks of 32 inputs, or q6_k's of 16 (`q6`), a super-block in three passes: every block unpacked into `w`,
+// every block's tile multiply with its sums stored to `dots`, the float work block by block in order.
 static inline __attribute__((always_inline)) void amx_tile(const int rows, const int q6, const int8_t *qa,
                                                           const float *sa, const int16_t *s32, const int32_t *o16,
                                                           int64_t K, const uint8_t *panel, float *y, int64_t O) {
     const int super = q6 ? Q6K_SUPER : Q4K_SUPER, block = q6 ? Q6K_BLOCK : Q4K_BLOCK, blocks = q6 ? 16 : 8;
-    const int inputs = 256 / blocks, head = q6 ? 32 : 64;  // a block's inputs; the super-block's f16 scales
-    _Alignas(64) __m512i w[2][8];
-    _Alignas(64) int32_t dots[2][AMX_TILE][PANEL];
+    const int inputs = 256 / blocks, head = q6 ? 32 : 64, regs = q6 ? 4 : 8;  // per block
+    _Alignas(64) __m512i w[16 * 4];
+    _Alignas(64) int32_t dots[16][AMX_TILE][PANEL];
     for (int64_t s = 0; s < supers(K); s++) {
         const uint8_t *sp = panel + s * super;
+        const int n = blocks_in(s, K, blocks);
+        const int8_t *a = qa + s * 256;
         prefetch(sp + PREFETCH * super, super);
-        __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)sp)), sb[AMX_TILE], scale[2];
+        __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)sp)), sb[AMX_TILE], scale[16];
+        for (int b = 0; b < n; b++) {
+            const uint8_t *bp = sp + head + b * block;
+            if (q6) scale[b] = q6k_scale(d, bp), q6k_unpack(bp, w + b * regs);
+            else scale[b] = q4k_scale(d, bp), q4k_unpack(bp, w + b * regs);
+        }
+        for (int b = 0; b < n; b += 2) {
+            tile_load(0, a + b * inputs, K); tile_load(1, w + b * regs, 64); tile_zero(2); tile_dp(2, 0, 1);
+            tile_load(3, a + (b + 1) * inputs, K); tile_load(4, w + (b + 1) * regs, 64); tile_zero(5);
+            tile_dp(5, 3, 4);
+            tile_store(2, dots[b], 64); tile_store(5, dots[b + 1], 64);
+        }
         for (int r = 0; r < rows; r++) sb[r] = _mm512_setzero_ps();
-        for (int b = 0; b < blocks_in(s, K, blocks); b += 2) {
-            for (int h = 0; h < 2; h++) {
-                const uint8_t *bp = sp + head + (b + h) * block;
-                if (q6) scale[h] = q6k_scale(d, bp), q6k_unpack(bp, w[h]);
-                else scale[h] = q4k_scale(d, bp), q4k_unpack(bp, w[h]);
-            }
-            int64_t kb = s * blocks + b;
-            const int8_t *a = qa + kb * inputs;
-            TWO_BLOCKS(a, w[0], a + inputs, w[1], K, dots);
+        for (int b = 0; b < n; b++) {
+            const int64_t kb = s * blocks + b;
 #pragma GCC unroll 16
-            for (int r = 0; r < rows; r++)
-                for (int h = 0; h < 2; h++) {
-                    __m512i dot = _mm512_load_si512(dots[h][r]);
-                    if (q6) dot = _mm512_add_epi32(dot, _mm512_set1_epi32(o16[r * (K / 16) + kb + h]));
-                    sb[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), scale[h], sb[r]);
-                }
+            for (int r = 0; r < rows; r++) {
+                __m512i dot = _mm512_load_si512(dots[b][r]);
+                if (q6) dot = _mm512_add_epi32(dot, _mm512_set1_epi32(o16[r * (K / 16) + kb]));
+                sb[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), scale[b], sb[r]);
+            }
         }
         if (!q6) q4k_mins(rows, sp, s, K, s32, sb);
         add_super(rows, sb, sa, s, K, y, O);
@@ -92,10 +92,11 @@ DISPATCH(q6k_amx, AMX_TILE)
 // common.h's MATMUL with tiles of up to 16 rows. Each thread configures its tiles for the tile heights it meets,
 // in every call that has an AMX tile, and at the end puts back the configuration it found (the tile state is the
 // thread's: ggml's AMX kernels, on the same OpenMP threads, configure theirs once per thread and rely on it).
-#define MATMUL_AMX(NAME, SUPER, TAIL, INPUTS, AMX_FN, VNNI_FN)                                            \
+#define MATMUL_AMX(NAME, KIND, SUPER, TAIL, INPUTS, AMX_FN, VNNI_FN)                                      \
     void NAME(const int8_t *qa, const float *sa, const int16_t *s32, const int32_t *o16, int64_t rows,    \
               int64_t K, const uint8_t *packed, int64_t O, float *y, int threads) {                       \
         int64_t stride = panel_bytes(K, SUPER, TAIL);                                                     \
+        const int least = amx_min[KIND];                                                                  \
         _Pragma("omp parallel num_threads(threads)") {                                                    \
             int configured = 0;                                                                           \
             TileConfig found;                                                                             \
@@ -108,11 +109,11 @@ DISPATCH(q6k_amx, AMX_TILE)
                     const int16_t *m32 = s32 + n * (K / 32);                                              \
                     const int32_t *m16 = o16 + n * (K / 16);                                              \
                     float *out = y + n * O + p * PANEL;                                                   \
-                    for (int j = 0; m < amx_min && j < m; j += TILE)                                      \
+                    for (int j = 0; m < least && j < m; j += TILE)                                        \
                         VNNI_FN(m - j < TILE ? m - j : TILE, q + j * K, s + j * supers(K),                \
                                 m32 + j * (K / 32), m16 + j * (K / 16), K, packed + p * stride,           \
                                 out + j * O, O);                                                          \
-                    if (m < amx_min) continue;                                                            \
+                    if (m < least) continue;                                                              \
                     if (!configured) tile_configuration(&found);                                          \
                     if (m != configured) tiles_for(m, INPUTS), configured = m;                            \
                     AMX_FN(m, q, s, m32, m16, K, packed + p * stride, out, O);                            \
@@ -121,5 +122,5 @@ DISPATCH(q6k_amx, AMX_TILE)
             else if (configured) tile_release();                                                          \
         }                                                                                                 \
     }
-MATMUL_AMX(matmul_q4_k, Q4K_SUPER, Q4K_TAIL, 32, q4k_amx_rows, q4k_tile_rows)
-MATMUL_AMX(matmul_q6_k, Q6K_SUPER, Q6K_TAIL, 16, q6k_amx_rows, q6k_tile_rows)
+MATMUL_AMX(matmul_q4_k, 0, Q4K_SUPER, Q4K_TAIL, 32, q4k_amx_rows, q4k_tile_rows)
+MATMUL_AMX(matmul_q6_k, 1, Q6K_SUPER, Q6K_TAIL, 16, q6k_amx_rows, q6k_tile_rows)
