@@ -83,7 +83,7 @@ class SamplingConfig:
         return self.temperature == 0
 
 
-SAMPLED_ONLY = ("top_k", "top_p", "verifier")  # sampling settings that do nothing at temperature 0
+SAMPLED_ONLY = ("top_k", "top_p", "verifier", "seed")  # settings that do nothing at temperature 0
 
 
 def check_sampled(sampling: SamplingConfig, given: Iterable[str], spell: Callable[[str], str] = str,

@@ -163,7 +163,7 @@ def test_a_refused_option_is_a_4xx_naming_it_before_a_stream_starts(app):
     _, client = app
     for options, param in [({"k": 0}, "speculant.k"), ({"k": "x"}, "speculant.k"), ({"kk": 2}, "speculant.kk"),
                            ({"method": "cascade", "drafters": "maxgram", "k_matrix": "-5"}, "speculant.k_matrix"),
-                           ({"method": "tree", "drafter": "maxgram"}, "speculant")]:
+                           ({"method": "tree", "drafter": "maxgram"}, "speculant.drafter")]:
         for stream in (False, True):
             response = client.post("/v1/completions", json=completion(stream=stream, speculant=options))
             assert response.headers["content-type"].startswith("application/json"), (options, stream)
@@ -226,7 +226,7 @@ def test_stage_scheduling_is_refused_by_the_server_whose_forwards_run_on_one_thr
     response = client.post("/v1/completions", json=completion(speculant={"method": "tree", "schedule": "stage"}))
     assert "schedule=serial" in is_error(response, 400)["message"]
     with pytest.raises(ConfigError, match="schedule=serial"):
-        Engine(engine.target, "tree", get_method("tree").make_options({"drafter": "maxgram", "schedule": "stage"}))
+        Engine(engine.target, "tree", get_method("tree").make_options({"drafter": "self", "schedule": "stage"}))
 
 
 @pytest.mark.parametrize("body, param", [
