@@ -157,8 +157,8 @@ def test_a_request_s_default_drafters_are_the_server_s_whatever_other_requests_a
 
 
 def test_a_refused_option_is_a_4xx_naming_it_before_a_stream_starts(app):
-    """Options refused when they are read, and those refused only once the request runs (a K matrix's entries,
-    a tree without a model drafter), answer a stream as they answer a whole reply: a 400, not a 200 whose
+    """Options refused when they are read (a tree without a model drafter among them), and those refused only once
+    the request runs (a K matrix's entries), answer a stream as they answer a whole reply: a 400, not a 200 whose
     stream carries the error."""
     _, client = app
     for options, param in [({"k": 0}, "speculant.k"), ({"k": "x"}, "speculant.k"), ({"kk": 2}, "speculant.kk"),
