@@ -163,7 +163,8 @@ def test_a_refused_option_is_a_4xx_naming_it_before_a_stream_starts(app):
     _, client = app
     for options, param in [({"k": 0}, "speculant.k"), ({"k": "x"}, "speculant.k"), ({"kk": 2}, "speculant.kk"),
                            ({"method": "cascade", "drafters": "maxgram", "k_matrix": "-5"}, "speculant.k_matrix"),
-                           ({"method": "tree", "drafter": "maxgram"}, "speculant.drafter")]:
+                           ({"method": "tree", "drafter": "maxgram"}, "speculant.drafter"),
+                           ({"method": "dsi", "drafter": "maxgram", "drafters": "maxgram"}, "speculant.drafters")]:
         for stream in (False, True):
             response = client.post("/v1/completions", json=completion(stream=stream, speculant=options))
             assert response.headers["content-type"].startswith("application/json"), (options, stream)

@@ -55,6 +55,8 @@ def parse_twin(text: str) -> tuple[Any, Any]:
 
 @dataclass(frozen=True)
 class DSIOptions(DrafterOptions):
+    EITHER = (("drafter", "drafters"),)  # (`registry.parse_values`)
+
     drafters: Any = option(None, "several drafters of increasing cost instead of one, e.g. maxgram,qwen2.5-coder-0.5b@int4: "
                            "each drafts at its own pace and a costlier one's draft replaces a cheaper one's (DSI's "
                            "Algorithm 1 with m > 2 models); the first sets the lookahead", parse=parse_drafters)

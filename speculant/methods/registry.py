@@ -104,9 +104,14 @@ def make_options(options: type, method: str, given: Mapping[str, Any], text: boo
 
 
 def parse_values(options: type, method: str, given: Mapping[str, str]) -> dict[str, Any]:
-    """Text values parsed by their fields of `options`; an unknown name or a bad value is an OptionError naming it."""
+    """Text values parsed by their fields of `options`; an unknown name or a bad value is an OptionError naming it,
+    and so are both names of a pair of which the options take one or the other (their `EITHER` pairs: a flag, a
+    bench spec or a request that gives both would have one ignored)."""
     by_name = {f.name: f for f in fields(options)}
     check_names(options, method, given)
+    for one, other in getattr(options, "EITHER", ()):
+        if one in given and other in given:
+            raise OptionError(other, f"give {one} or {other}, not both: '{method}' would use {other} only")
     parsed = {}
     for name, value in given.items():
         try:
