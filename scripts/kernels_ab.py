@@ -43,7 +43,8 @@ def main(argv: list[str]) -> None:
     parser.add_argument("--no-check", action="store_true", help="do not require the same bits from both builds")
     parser.add_argument("--kind", choices=("q4_k", "q6_k"), help="only the matrices of this kind")
     parser.add_argument("--amx-rows", help="AMX builds: the fewest rows a tile multiplies on tiles, of every kind, "
-                        "in the old build [and the new]: 1 every row, 17 none (vpdpbusd)")
+                        "in the old build [and the new]: 1 every row, 17 none (vpdpbusd); a build from before the "
+                        "cut-over per kind reads the kind as its one cut-over, so only 1 means what it says there")
     args = parser.parse_args(argv)
 
     import torch
@@ -85,6 +86,8 @@ def main(argv: list[str]) -> None:
                 out[w, k] = a
         return out
 
+    if args.amx_rows and not isa.amx:
+        raise SystemExit(f"--amx-rows applies to an AMX build (--isa amx_int8), not {isa.name}")
     rows = [int(r) for r in args.amx_rows.split(",")] * 2 if args.amx_rows else [None] * 2
     builds = {}
     for name, source, layout, least in (("old", args.old, args.old_layout, rows[0]),
@@ -94,7 +97,7 @@ def main(argv: list[str]) -> None:
 
     def run(name: str, w: int) -> tuple[float, list]:
         lib, acts, least = builds[name]
-        for kind in range(len(kernels.AMX_KINDS) if least else 0):  # set at each run: one source loads once
+        for kind in range(len(kernels.AMX_KINDS) if least is not None else 0):  # each run: a source loads once
             lib.amx_set_rows(kind, least)
         outs, start = [], time.perf_counter()
         for m in weights:

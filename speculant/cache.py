@@ -7,6 +7,7 @@ import fcntl
 import hashlib
 import json
 import os
+import threading
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -38,22 +39,21 @@ REMEMBERED_KEYS = 64  # per file: the most recently used (keys of temporary mode
 
 def remembered(name: str, key: str, measure: Callable[[], Any]) -> Any:
     """`measure()` (a JSON value) for `key`, measured once and kept in the cache's JSON file `name` among its
-    REMEMBERED_KEYS most recently used keys (a key used again from the older half moves to the newest end). One
-    process at a time reads, measures and writes a file (a lock beside it): a second process that wants the same
-    key waits for the first's value instead of timing the machine while the first does. Written through a temporary
-    file: where the lock cannot be had, a process that races another loses at most a measurement, never the file."""
+    REMEMBERED_KEYS most recently used keys (a key used again from the older half moves to the newest end). A key
+    found fresh is read without waiting; otherwise one process at a time reads, measures and writes the file (a
+    lock beside it), so a second process that wants a key being measured waits for the first's value instead of
+    timing the machine while the first does. A `measure` that asks `remembered` of the same file runs unlocked
+    within the lock its caller holds. Written through a temporary file: where no lock can be had, a process that
+    races another loses at most a measurement, never the file."""
     path = cache_root() / name
+    known = _read(path)
+    if _fresh(known, key):
+        return known[key]
     with _exclusive(path.with_suffix(".lock")):
-        try:
-            known = json.loads(path.read_text())
-        except (OSError, ValueError):
-            known = {}
-        if key in known:
-            if list(known).index(key) >= len(known) - REMEMBERED_KEYS // 2:
-                return known[key]
-            known[key] = known.pop(key)
-        else:
-            known[key] = measure()
+        known = _read(path)
+        if _fresh(known, key):
+            return known[key]
+        known[key] = known.pop(key) if key in known else measure()
         for old in list(known)[:-REMEMBERED_KEYS]:
             del known[old]
         try:
@@ -65,21 +65,44 @@ def remembered(name: str, key: str, measure: Callable[[], Any]) -> Any:
         return known[key]
 
 
+def _read(path: Path) -> dict[str, Any]:
+    try:
+        return json.loads(path.read_text())
+    except (OSError, ValueError):
+        return {}
+
+
+def _fresh(known: dict[str, Any], key: str) -> bool:
+    """Whether `key` is among the newer half of `known`'s keys (an older one is moved to the newest end)."""
+    return key in known and list(known).index(key) >= len(known) - REMEMBERED_KEYS // 2
+
+
+_held = threading.local()  # the lock files this thread holds (`_exclusive`)
+
+
 @contextmanager
 def _exclusive(lock: Path) -> Iterator[None]:
-    """`lock` held exclusively for the block (flock: let go when the process ends, however it ends), or nothing
-    where the cache's directory cannot be written."""
+    """`lock` held exclusively for the block (flock: another thread or process waits; let go when the process
+    ends, however it ends), or nothing where this thread holds it already or it cannot be had (the cache's
+    directory is read-only, or its file system keeps no locks)."""
+    held = _held.__dict__.setdefault("paths", set())
+    fd = None
+    if lock not in held:
+        try:
+            lock.parent.mkdir(parents=True, exist_ok=True)
+            fd = os.open(lock, os.O_RDWR | os.O_CREAT, 0o644)
+            fcntl.flock(fd, fcntl.LOCK_EX)
+            held.add(lock)
+        except OSError:
+            if fd is not None:
+                os.close(fd)
+            fd = None
     try:
-        lock.parent.mkdir(parents=True, exist_ok=True)
-        fd = os.open(lock, os.O_RDWR | os.O_CREAT, 0o644)
-    except OSError:
-        yield
-        return
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX)
         yield
     finally:
-        os.close(fd)
+        if fd is not None:
+            held.discard(lock)
+            os.close(fd)
 
 
 def cached_array(path: Path, build: Callable[[], np.ndarray],

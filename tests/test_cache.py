@@ -30,16 +30,25 @@ def test_a_cache_file_keeps_its_most_recently_used_keys(tmp_path, monkeypatch):
 
 
 def test_a_second_process_waits_for_the_first_s_measurement_instead_of_timing_beside_it(tmp_path, monkeypatch):
-    """Two xdist workers once timed the AMX tiles at the same time, and each chose differently."""
+    """Two xdist workers once timed the AMX tiles at the same time, and each chose differently. A key found fresh
+    is read without waiting, and a measurement may ask for another key of its own file."""
     monkeypatch.setenv("SPECULANT_CACHE", str(tmp_path))
+    (tmp_path / "f.json").write_text(json.dumps({"known": 1}))
     with cache._exclusive(tmp_path / "f.lock"):  # as a first process measuring "k"
-        child = subprocess.Popen([sys.executable, "-c", "from speculant import cache; print('asking', flush=True); "
+        child = subprocess.Popen([sys.executable, "-c", "from speculant import cache; "
+                                  "print(cache.remembered('f.json', 'known', lambda: 2), flush=True); "
                                   "print(cache.remembered('f.json', 'k', lambda: 'measured by the second'))"],
                                  stdout=subprocess.PIPE, text=True)
-        assert child.stdout.readline() == "asking\n"
-        time.sleep(0.5)
-        (tmp_path / "f.json").write_text(json.dumps({"k": "measured by the first"}))
+        try:
+            assert child.stdout.readline() == "1\n"
+            time.sleep(0.5)
+            (tmp_path / "f.json").write_text(json.dumps({"known": 1, "k": "measured by the first"}))
+        except BaseException:
+            child.kill()
+            raise
     assert child.communicate(timeout=60)[0] == "measured by the first\n"
+    nested = cache.remembered("f.json", "outer", lambda: cache.remembered("f.json", "inner", lambda: 3) + 1)
+    assert nested == 4 and json.loads((tmp_path / "f.json").read_text())["outer"] == 4
 
 
 def test_a_repack_no_model_loaded_for_weeks_goes_when_another_is_written(tmp_path, monkeypatch):

@@ -156,6 +156,15 @@ def test_a_request_s_default_drafters_are_the_server_s_whatever_other_requests_a
     engine.close()
 
 
+def test_a_request_naming_one_of_a_pair_of_options_is_not_overruled_by_the_other_s_default():
+    """DSI runs `drafters` where given, else `drafter`: a request naming a drafter gets it, whether or not the
+    server's own method is DSI with drafters of its own."""
+    for engine in (engine_for("sd"), engine_for("dsi", drafter="maxgram", drafters="maxgram,maxgram")):
+        _, options = engine.options_for("dsi", {"drafter": "maxgram"})
+        assert str(options.drafter) == "maxgram" and options.drafters is None
+        engine.close()
+
+
 def test_a_refused_option_is_a_4xx_naming_it_before_a_stream_starts(app):
     """Options refused when they are read (a tree without a model drafter among them), and those refused only once
     the request runs (a K matrix's entries), answer a stream as they answer a whole reply: a 400, not a 200 whose

@@ -25,6 +25,7 @@
 // (cpu.md, "One activation scale per 256 inputs").
 static int amx_min[2] = {4, 4};
 int amx_set_rows(int kind, int rows) {
+    if (kind < 0 || kind > 1) return -1;
     int before = amx_min[kind];
     amx_min[kind] = rows;
     return before;
@@ -49,8 +50,8 @@ static inline __attribute__((always_inline)) void amx_tile(const int rows, const
                                                           int64_t K, const uint8_t *panel, float *y, int64_t O) {
     const int super = q6 ? Q6K_SUPER : Q4K_SUPER, block = q6 ? Q6K_BLOCK : Q4K_BLOCK, blocks = q6 ? 16 : 8;
     const int inputs = 256 / blocks, head = q6 ? 32 : 64, regs = q6 ? 4 : 8;  // per block
-    _Alignas(64) __m512i w[16 * 4];
-    _Alignas(64) int32_t dots[16][AMX_TILE][PANEL];
+    _Alignas(64) __m512i w[16 * 4];                       // a super-block unpacked: 16 outputs x 256 inputs
+    _Alignas(64) int32_t dots[16][AMX_TILE][PANEL];       // each of up to 16 blocks' sums (about 22 KB of stack)
     for (int64_t s = 0; s < supers(K); s++) {
         const uint8_t *sp = panel + s * super;
         const int n = blocks_in(s, K, blocks);

@@ -256,6 +256,9 @@ class Engine:
             return spec.make_options({**loaded, **values})
 
         values = spec.parse_values(text)
+        for one, other in getattr(spec.options, "EITHER", ()):  # one named: the other's default, not the server's
+            if one in values and other not in values:
+                values[other] = next(f.default for f in fields(spec.options) if f.name == other)
         try:
             options = build(values)
         except OptionError:
