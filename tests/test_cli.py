@@ -321,6 +321,7 @@ def test_a_flag_given_where_it_does_nothing_is_one_line_never_ignored(capsys, tm
         (["generate", "x", "--method", "cascade", "--drafters", "self,maxgram", "--drafter-dtype", "fp32"],
          "loads none"),
         (["generate", "x", "--method", "dsi", "--ray-address", "auto"], "add executor ray"),
+        (["generate", "x", "--method", "dsi", "--drafter", "maxgram", "--target-devices", "gpu"], "unknown device 'gpu'"),
         (["generate", "x", "--method", "dsi", "--drafter", "maxgram", "--drafters", "maxgram"],
          "give drafter or drafters, not both"),
         (["bench", "--methods", "ar", "dsi:drafter=maxgram,drafters=maxgram"], "give drafter or drafters, not both"),

@@ -88,6 +88,11 @@ class DSIOptions(DrafterOptions):
             object.__setattr__(self, "target_devices", parse_devices(self.target_devices))
         if self.target_devices is not None and len(self.target_devices) != self.servers:
             raise ConfigError(f"{len(self.target_devices)} target devices given for {self.servers} servers")
+        if self.target_devices is not None:  # (here, so that a device that is not there is refused before loading)
+            from speculant.models import resolve_device
+
+            for device in self.target_devices:
+                resolve_device(device)
         if self.drafters is not None and len(self.drafters) < 1:
             raise ConfigError("drafters needs at least one drafter")
         if isinstance(self.twin_latency, str):
@@ -112,7 +117,6 @@ def build(request: Request, options: DSIOptions) -> Any:
     from speculant.decoding.run import ending
     from speculant.drafters.base import Drafter
     from speculant.drafters.cross_vocab import CrossVocabDrafter, model_drafter
-    from speculant.models import resolve_device
     from speculant.sampling import seeded
 
     target, twin = request.target, options.twin_latency
@@ -134,8 +138,6 @@ def build(request: Request, options: DSIOptions) -> Any:
                                       pairs=request.session.vocab_pairs))
         costs.append(pad.step_s if pad is not None else None)
     devices = list(options.target_devices or [str(target.device)] * options.servers)
-    for device in devices:
-        resolve_device(device)
     if twin is not None:
         target_s, drafter_s = twin[0].step_s, costs[0]
     elif options.lookahead is None:
