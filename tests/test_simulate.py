@@ -88,6 +88,10 @@ def test_appendix_f3_example_via_cli(capsys):
     assert code == 0 and result["non_si_ms"] == 3000
     assert result["dsi_ms"] < result["si_ms"] < result["non_si_ms"]
     assert result["si_ms"] == pytest.approx(result["theory"]["si_expected_ms"], rel=0.03)
+    cli.main(["simulate", "run", "--target-latency", "30", "--drafter-latency", "6", "--acceptance", "0.6",
+              "--lookahead", "5", "--tokens", "100", "--ttft", "1000", "--json"])
+    slow_start = json.loads(capsys.readouterr().out)  # the first forward's 970 ms more, in the theory too
+    assert slow_start["si_ms"] == pytest.approx(slow_start["theory"]["si_expected_ms"], rel=0.03)
 
 
 @pytest.mark.parametrize("argv", [["--acceptance", "1.5"], ["--repeats", "1"], ["--lookahead", "0"]])

@@ -52,6 +52,7 @@ def simulate_one(target_ms: float, drafter_ms: float, acceptance: float, lookahe
     (si_mean, si_ci), (dsi_mean, dsi_ci) = _mean_ci(si), _mean_ci(dsi)
     low, high = paired(si, dsi)
     per_iteration = min(theory.sd_expected_tokens(acceptance, lookahead), tokens)
+    first = (ttft_ms or target_ms) - target_ms  # the first target forward's extra cost, in both theories
     return {
         "non_si_ms": non_si,
         "si_ms": si_mean,
@@ -62,10 +63,10 @@ def simulate_one(target_ms: float, drafter_ms: float, acceptance: float, lookahe
         "servers_needed": theory.servers_needed(target_ms, drafter_ms, lookahead),
         "servers": servers,
         "theory": {
-            "si_expected_ms": tokens / per_iteration * (lookahead * drafter_ms + target_ms),
+            "si_expected_ms": tokens / per_iteration * (lookahead * drafter_ms + target_ms) + first,
             # Proposition 1 bounds DSI with lookahead 1 (and enough servers) only
-            "dsi_bound_ms": theory.dsi_time_bound(drafter_ms, target_ms, acceptance, tokens)
-            + ((ttft_ms or target_ms) - target_ms) if lookahead == 1 else None,
+            "dsi_bound_ms": theory.dsi_time_bound(drafter_ms, target_ms, acceptance, tokens) + first
+            if lookahead == 1 else None,
             "tokens_per_si_iteration": per_iteration,
         },
     }
