@@ -65,6 +65,12 @@ class DrafterSpec:
                    suffix == SKIP)
 
 
+def model_free(drafter: Any) -> bool:
+    """Whether `drafter` is the spec of a registered drafter that runs no model (Max-Gram, suffix): neither `self`
+    nor a model to load."""
+    return isinstance(drafter, DrafterSpec) and drafter.kind not in (SELF, MODEL)
+
+
 def as_drafter(value: Any) -> Any:
     """What an option holding a drafter keeps: text becomes a DrafterSpec; models and Drafters stay."""
     return DrafterSpec.parse(value) if isinstance(value, str) else value
@@ -97,7 +103,7 @@ def load_drafter(drafter: Any, target: Any, dtype: str | None = None, session: A
     if isinstance(drafter, Drafter):
         return drafter
     target = unwrapped(target)  # drafters stand on the model, not on what records or biases its logits
-    if isinstance(drafter, DrafterSpec) and drafter.kind not in (SELF, MODEL):
+    if model_free(drafter):
         return make_drafter(drafter.source, target, session)
     if isinstance(drafter, DrafterSpec) and drafter.kind == SELF:
         return target.self_drafter(drafter)

@@ -10,7 +10,7 @@ from dataclasses import dataclass, fields
 from typing import Any
 
 from speculant.config import AUTO, CATCH_UPS, REQUEST_MOST, REQUEST_NODES, SCHEDULES, option
-from speculant.drafters.spec import MODEL, SELF, DrafterSpec, as_drafter
+from speculant.drafters.spec import as_drafter, model_free
 from speculant.errors import ConfigError, OptionError
 from speculant.methods.drafting import DRAFTER_DTYPES, check_drafter_dtype, parse_drafters
 from speculant.methods.registry import Request, register
@@ -101,8 +101,7 @@ class AutoOptions:
             raise ConfigError(f"catch_up must be one of {', '.join(CATCH_UPS)}, got {self.catch_up!r}")
         if self.probe_every < 1:
             raise ConfigError(f"probe_every must be >= 1, got {self.probe_every}")
-        if self.drafters is not None and all(isinstance(d, DrafterSpec) and d.kind not in (MODEL, SELF)
-                                             for d in self.drafters):
+        if self.drafters is not None and all(map(model_free, self.drafters)):
             check_model_only(self, models=0)
 
 

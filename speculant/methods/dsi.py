@@ -17,10 +17,9 @@ def drafts_with_a_model(options: DSIOptions) -> bool:
     """Whether a model drafts (it then needs cores beside the servers) rather than a registered drafter (Max-Gram)
     or a Drafter object."""
     from speculant.drafters.base import Drafter
-    from speculant.drafters.spec import DrafterSpec
+    from speculant.drafters.spec import model_free
 
-    return any(not (isinstance(d, Drafter) or isinstance(d, DrafterSpec) and d.kind not in ("self", "model"))
-               for d in options.drafters or (options.drafter,))
+    return any(not (isinstance(d, Drafter) or model_free(d)) for d in options.drafters or (options.drafter,))
 
 
 def parse_devices(text: str) -> tuple[str, ...]:

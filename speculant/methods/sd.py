@@ -6,7 +6,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from speculant.config import REQUEST_MOST, option
-from speculant.drafters.spec import DrafterSpec
+from speculant.drafters.spec import model_free
 from speculant.errors import ConfigError
 from speculant.methods.drafting import DrafterOptions
 from speculant.methods.registry import Request, register
@@ -24,8 +24,7 @@ class SDOptions(DrafterOptions):
             raise ConfigError(f"k must be >= 1, got {self.k}")
         if not 0 <= self.draft_confidence < 1:
             raise ConfigError(f"draft-confidence must lie in [0, 1), got {self.draft_confidence}")
-        if self.draft_confidence and isinstance(self.drafter, DrafterSpec) and \
-                self.drafter.kind not in ("self", "model"):
+        if self.draft_confidence and model_free(self.drafter):
             raise ConfigError(f"draft_confidence needs a model drafter, not {self.drafter.kind}")
 
 

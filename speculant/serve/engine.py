@@ -16,7 +16,7 @@ from dataclasses import dataclass, field, fields, replace
 from typing import Any
 
 from speculant.api import check_request, decoded_target
-from speculant.config import SamplingConfig, ServeConfig
+from speculant.config import SamplingConfig, ServeConfig, default_of
 from speculant.drafters.spec import MAXGRAM, SELF, DrafterSpec, as_drafter
 from speculant.errors import ConfigError, OptionError
 from speculant.methods import Request, get_method
@@ -241,13 +241,13 @@ class Engine:
         if method is None and not given:
             return self.method, self.options
         spec = get_method(method or self.method.name)
-        names = {f.name for f in fields(spec.options)}
+        by_name = {f.name: f for f in fields(spec.options)}
         text = {k: as_text(v) for k, v in given.items()}  # values as a bench spec gives them: parsed, checked
         loaded: dict[str, Any] = {}  # the defaults a request's values replace
-        if "drafter" in names:  # the server's first model drafter, else Max-Gram
+        if "drafter" in by_name:  # the server's first model drafter, else Max-Gram
             models = [k for k in self.served if k != MAXGRAM]
             loaded["drafter"] = self.drafters[models[0]] if models else MAXGRAM
-        if "drafters" in names:
+        if "drafters" in by_name:
             loaded["drafters"] = tuple(self.drafters[k] for k in self.served) or MAXGRAM
 
         def build(values: Mapping[str, Any]) -> Any:
@@ -258,7 +258,7 @@ class Engine:
         values = spec.parse_values(text)
         for one, other in getattr(spec.options, "EITHER", ()):  # one named: the other's default, not the server's
             if one in values and other not in values:
-                values[other] = next(f.default for f in fields(spec.options) if f.name == other)
+                values[other] = default_of(by_name[other])
         try:
             options = build(values)
         except OptionError:

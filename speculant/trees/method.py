@@ -9,7 +9,7 @@ from pathlib import Path
 from typing import Any
 
 from speculant.config import AUTO, REQUEST_MOST, REQUEST_NODES, SCHEDULES, count_or_auto, option
-from speculant.drafters.spec import MODEL, SELF, DrafterSpec
+from speculant.drafters.spec import model_free
 from speculant.errors import ConfigError, OptionError
 from speculant.methods.drafting import DrafterOptions
 from speculant.methods.registry import Request, register
@@ -58,7 +58,7 @@ class TreeOptions(DrafterOptions):
                 raise ConfigError(f"{name.replace('_', '-')} must be an integer >= 1 or auto, got {value!r}")
         if self.schedule not in SCHEDULES:
             raise ConfigError(f"schedule must be one of {', '.join(SCHEDULES)}, got {self.schedule!r}")
-        if isinstance(self.drafter, DrafterSpec) and self.drafter.kind not in (SELF, MODEL):
+        if model_free(self.drafter):
             raise ConfigError(f"method 'tree' needs a model drafter (self or a model's name), not {self.drafter}")
         if self.shape not in SHAPES:
             raise ConfigError(f"shape must be one of {', '.join(SHAPES)}, got {self.shape!r}")
