@@ -320,6 +320,7 @@ def test_a_flag_given_where_it_does_nothing_is_one_line_never_ignored(capsys, tm
         (["generate", "x", "--method", "sd", "--drafter", "maxgram", "--drafter-dtype", "bf16"], "maxgram loads none"),
         (["generate", "x", "--method", "cascade", "--drafters", "self,maxgram", "--drafter-dtype", "fp32"],
          "loads none"),
+        (["generate", "x", "--method", "dsi", "--drafters", "maxgram", "--drafter-dtype", "fp32"], "loads none"),
         (["generate", "x", "--method", "dsi", "--ray-address", "auto"], "add executor ray"),
         (["generate", "x", "--method", "dsi", "--drafter", "maxgram", "--target-devices", "gpu"], "unknown device 'gpu'"),
         (["generate", "x", "--method", "dsi", "--drafter", "maxgram", "--drafters", "maxgram"],

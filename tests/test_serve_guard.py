@@ -157,11 +157,18 @@ def test_a_request_s_default_drafters_are_the_server_s_whatever_other_requests_a
 
 
 def test_a_request_naming_one_of_a_pair_of_options_is_not_overruled_by_the_other_s_default():
-    """DSI runs `drafters` where given, else `drafter`: a request naming a drafter gets it, whether or not the
-    server's own method is DSI with drafters of its own."""
+    """DSI runs `drafters` where given, else `drafter`; a cascade its `k_matrix` where given, else k per level. A
+    request naming either of a pair gets it, whatever the operator gave the server's own method."""
     for engine in (engine_for("sd"), engine_for("dsi", drafter="maxgram", drafters="maxgram,maxgram")):
         _, options = engine.options_for("dsi", {"drafter": "maxgram"})
         assert str(options.drafter) == "maxgram" and options.drafters is None
+        _, options = engine.options_for("dsi", {"drafters": "maxgram"})
+        assert [str(d) for d in options.drafters] == ["maxgram"]
+        engine.close()
+    for operator, request, expected in [({"k": 5}, {"k_matrix": "2"}, [[2]]), ({"k_matrix": "2"}, {"k": 3}, None)]:
+        engine = engine_for("cascade", drafters="maxgram", **operator)
+        _, options = engine.options_for(None, request)
+        assert (options.k_matrix, options.k) == (expected, request.get("k", 4)), (operator, request)
         engine.close()
 
 

@@ -18,6 +18,8 @@ DEFAULT_K = 4
 
 @dataclass(frozen=True)
 class CascadeOptions:
+    EITHER = (("k", "k_matrix"),)  # one or the other, the second where given (`registry.parse_values`)
+
     drafters: Any = option((), "drafter levels, largest first, maxgram last, e.g. qwen2.5-coder-0.5b@int8,maxgram",
                            parse=parse_drafters)
     k_matrix: Any = option(None, "the upper-triangular K matrix, rows split by ';' (e.g. '4,2;0,6' or '4,2;6'; "

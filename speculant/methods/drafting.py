@@ -48,10 +48,13 @@ def check_drafter_dtype(options: Any) -> None:
 
 
 def drafters_by_field(options: Any) -> dict[str, list[Any]]:
-    """The drafters `options` holds, by the field holding them: `drafter` (one), `drafters` (several, where given)."""
+    """The drafters `options` holds, by the field holding them: `drafter` (one), `drafters` (several, where given).
+    A `drafter` that given `drafters` replace (an `EITHER` pair: DSI's) is not held: nothing loads it."""
     names = {f.name for f in fields(options)}
-    held = {"drafter": [options.drafter]} if "drafter" in names else {}
-    if "drafters" in names and options.drafters is not None:
+    several = "drafters" in names and options.drafters is not None
+    replaced = several and ("drafter", "drafters") in getattr(options, "EITHER", ())
+    held = {"drafter": [options.drafter]} if "drafter" in names and not replaced else {}
+    if several:
         held["drafters"] = list(options.drafters)
     return held
 

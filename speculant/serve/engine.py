@@ -256,9 +256,10 @@ class Engine:
             return spec.make_options({**loaded, **values})
 
         values = spec.parse_values(text)
-        for one, other in getattr(spec.options, "EITHER", ()):  # one named: the other's default, not the server's
-            if one in values and other not in values:
-                values[other] = default_of(by_name[other])
+        for pair in getattr(spec.options, "EITHER", ()):  # one of a pair named: the other's default, not the server's
+            for one, other in (pair, pair[::-1]):
+                if one in values and other not in values:
+                    values[other] = default_of(by_name[other])
         try:
             options = build(values)
         except OptionError:
