@@ -318,6 +318,7 @@ def run_generate(args: argparse.Namespace) -> None:
         raise ConfigError("the prompt is empty")
     sources = held_drafters(options)
     check_models([args.target], sources)
+    check_target(args.target, model_config, options)
     if args.bigram_corpus and not any(isinstance(d, DrafterSpec) and d.kind == MAXGRAM for d in sources):
         raise ConfigError("--bigram-corpus applies to the maxgram drafter only")
     files = [Path(f) for f in args.bigram_corpus or []]
@@ -449,13 +450,16 @@ def measure_bench(args: argparse.Namespace, methods: list[Any]) -> list[Any]:
     if any(m.method in CLI_PEERS for m in methods):
         tool("llama-completion")  # llama.cpp's tools are built: one line now, before any model loads
     check_models([args.target], [d for m in methods for d in held_drafters(m.options)])
+    model_config = from_args(ModelConfig, args)
+    for method in methods:
+        if not method.peer:
+            check_target(args.target, model_config, method.options, method.backend, method.dtype)
     run = from_args(RunConfig, args)
     sampling = from_args(SamplingConfig, args)
     for method in methods:  # (a method's own settings, and the run's where no method samples)
         check_sampled(method.sampled(sampling), dict(method.sampling), where=f" in '{method.label}'")
     if all(method.sampled(sampling).greedy for method in methods):
         check_sampled(sampling, args.given, flag)
-    model_config = from_args(ModelConfig, args)
     if args.repeats < 1:
         raise ConfigError(f"repeats must be >= 1, got {args.repeats}")
     prompts = load_dataset(args.prompts or args.dataset)
@@ -636,6 +640,7 @@ def run_serve(args: argparse.Namespace) -> None:
     method = get_method(resolve_method(args.method, given))
     options = method.parse_options(given)
     check_models([args.target], held_drafters(options))
+    check_target(args.target, model_config, options)
     served_name = config.served_name or args.target
     if config.ray_cluster is None:  # (on a cluster, its own HTTP proxy binds the port, maybe on another node)
         check_listen(config.host, config.port)
@@ -660,6 +665,20 @@ def check_models(targets: Sequence[str], drafters: Sequence[Any] = ()) -> None:
     for drafter in map(as_drafter, drafters):
         if isinstance(drafter, DrafterSpec) and drafter.kind == MODEL:
             check_name(drafter.source)
+
+
+def check_target(target: str, config: ModelConfig, options: Any, backend: str | None = None,
+                 dtype: str | None = None) -> None:
+    """Refuse, before the target loads, `options` its backend cannot run (`methods.drafting.needs`): DSI where the
+    backend makes no replicas, `self@skip` off the lean backend. `backend` and `dtype`: a bench method's own."""
+    from speculant.methods.drafting import needs
+    from speculant.models import split_quant
+    from speculant.models.loading import check_backend, resolve_backend
+
+    if wanted := needs(options):
+        name, quant = split_quant(target)
+        check_backend(resolve_backend(backend or config.backend, name, quant, config.device, dtype or config.dtype),
+                      wanted)
 
 
 def check_listen(host: str, port: int) -> None:

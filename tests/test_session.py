@@ -186,15 +186,23 @@ def test_dropping_a_session_frees_what_it_loaded(tmp_path):
 
 
 def test_every_backend_declares_its_capabilities():
+    """Each backend's capabilities, read by its name before anything loads (`capabilities_of`), are its class's; a
+    capability declared is a method the class has, and `replicates` one it makes, not Backend's refusal."""
+    from speculant.config import BACKENDS
+    from speculant.models.backends import capabilities_of
     from speculant.models.backends.hf import HFCausalLM
     from speculant.models.backends.lean import LeanCausalLM
     from speculant.models.backends.llamacpp import LlamaCppCausalLM
     from speculant.models.backends.static import StaticCausalLM
 
-    for backend in (HFCausalLM, LeanCausalLM, LlamaCppCausalLM, StaticCausalLM):
+    classes = {"hf": HFCausalLM, "llamacpp": LlamaCppCausalLM, "lean": LeanCausalLM, "static": StaticCausalLM}
+    assert set(classes) == set(BACKENDS)
+    for name, backend in classes.items():
         assert issubclass(backend, Backend) and isinstance(backend.capabilities, Capabilities)
         assert backend.capabilities != Capabilities(), backend  # declared, not the default
         declared = backend.capabilities
+        assert capabilities_of(name) is declared
+        assert declared.replicates == (backend.replicas is not Backend.replicas), backend
         for capability, members in (("shares_weights", ["share"]), ("batches_rows", ["rows_forward", "weights_key"]),
                                     ("prefills_in_parts", ["prefill_parts", "continue_prefill"]),
                                     ("skips_layers", ["skipping"])):

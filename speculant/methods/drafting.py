@@ -64,6 +64,15 @@ def held_drafters(options: Any) -> list[Any]:
     return [drafter for drafters in drafters_by_field(options).values() for drafter in drafters]
 
 
+def needs(options: Any) -> list[tuple[str, str]]:
+    """The target capabilities `options` need, each with what needs it (`models.loading.check_backend`): their
+    class's `NEEDS`, and `skips_layers` for a `self@skip` drafter."""
+    needed = list(getattr(options, "NEEDS", ()))
+    if any(isinstance(d, DrafterSpec) and d.skip for d in held_drafters(options)):
+        needed.append(("skips_layers", "self@skip needs a target that drafts with some of its layers left out"))
+    return needed
+
+
 def with_drafters(options: Any, load: Callable[[Any], Any]) -> Any:
     """`options` with every drafter it holds (`drafter`, `drafters`) replaced by `load(drafter)`: how the
     CLI and the bench load drafters once, before generating."""

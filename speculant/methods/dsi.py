@@ -55,6 +55,7 @@ def parse_twin(text: str) -> tuple[Any, Any]:
 @dataclass(frozen=True)
 class DSIOptions(DrafterOptions):
     EITHER = (("drafter", "drafters"),)  # one or the other, the second where given (`registry.parse_values`)
+    NEEDS = (("replicates", "DSI needs replicas of the target for its target servers"),)  # (`drafting.needs`)
 
     drafters: Any = option(None, "several drafters of increasing cost instead of one, e.g. maxgram,qwen2.5-coder-0.5b@int4: "
                            "each drafts at its own pace and a costlier one's draft replaces a cheaper one's (DSI's "

@@ -83,6 +83,7 @@ class Capabilities:
       ([rows, hidden]: a prefill's last token, a forward's every token; on the transformers backend after the
       final norm, as transformers gives it).
     - `gguf`: runs a GGUF file as it is, as llama.cpp's own tools do.
+    - `replicates`: `replicas(servers, drafting)` makes DSI's target servers, replicas of this model.
     - `reuses_prefixes`: `prefix_block` (int, or None where this model cannot), `export_kv(start, end)` and
       `import_kv(pieces)`: a prompt's leading positions, in whole blocks, restored from another sequence's cache
       hold the bits its own prefill computes, and `continue_prefill` runs the rest (`speculant.prefixes`).
@@ -105,6 +106,7 @@ class Capabilities:
     sliding_window: bool = False
     hidden_states: bool = False
     gguf: bool = False
+    replicates: bool = False
     reuses_prefixes: bool = False
     fixed_cache: bool = False
     drafts_trees: bool = False

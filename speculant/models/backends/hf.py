@@ -84,7 +84,8 @@ class HFCausalLM(Backend):
 
     backend = "hf"
     capabilities = Capabilities(shares_weights=True, batches_rows=True, prefills_in_parts=True, interruptible=True,
-                                exact_any_width=True, sliding_window=True, hidden_states=True, reuses_prefixes=True)
+                                exact_any_width=True, sliding_window=True, hidden_states=True, reuses_prefixes=True,
+                                replicates=True)
 
     def catalog_drafter_spec(self, drafter: str) -> str:
         """Quantized to int8 where speculant's AMX int8 kernel runs (its cost stays flat over the several tokens a

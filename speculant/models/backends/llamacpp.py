@@ -280,7 +280,7 @@ class LlamaCppCausalLM(Backend):
 
     backend = "llamacpp"
     capabilities = Capabilities(shares_weights=True, prefills_in_parts=True, interruptible=True, sliding_window=True,
-                                gguf=True)
+                                gguf=True, replicates=True)
 
     def catalog_drafter_spec(self, drafter: str) -> str:
         """Its GGUF on llama.cpp too."""
