@@ -89,16 +89,13 @@ def test_sampling_follows_the_constrained_distribution():
     ({"type": "xml"}, "response_format type must be one of"),
     ({"type": "json_schema", "json_schema": {"name": "x"}}, "needs"),
     ({"type": "regex", "regex": ""}, "non-empty"),
+    ({"type": "grammar", "grammar": "start: undefined_rule"}, "the grammar does not compile: .*undefined_rule"),
+    ({"type": "regex", "regex": "("}, "the regex does not compile: .*unclosed group"),
+    ({"type": "json_schema", "json_schema": {"schema": {"type": "strin"}}}, "Invalid type: strin"),
 ])
 def test_a_bad_response_format_is_refused_before_the_model_loads(response_format, message):
     with pytest.raises(ConfigError, match=message):
         generate("no-such/model", "hi", method="ar", response_format=response_format)
-
-
-def test_a_grammar_that_does_not_compile_is_refused():
-    with pytest.raises(ConfigError, match="does not compile"):
-        generate(byte_model("llama", 0), prompt_ids=[1], method="ar", max_new_tokens=2,
-                 response_format=Constraint("grammar", "start: undefined_rule"))
 
 
 def test_dsi_refuses_structured_output():

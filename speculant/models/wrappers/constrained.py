@@ -13,6 +13,7 @@ follows the cache: rollback and compaction only move where its next sync starts.
 from __future__ import annotations
 
 import json
+import re
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from functools import lru_cache
@@ -41,6 +42,14 @@ class Constraint:
 
     kind: str
     value: Any = None
+
+    def __post_init__(self) -> None:
+        """A grammar, schema or pattern that does not compile is refused when given, before any tokenizer (or
+        model) loads: llguidance checks it without one."""
+        if error := _llguidance().LLMatcher.validate_grammar(self.grammar()):
+            lines = [line.strip() for line in error.splitlines()]  # (one line: without its source echo and caret)
+            shown = [line for line in lines if line and set(line) != {"^"} and not re.match(r"\d+ \|", line)]
+            raise ConfigError(f"the {self.kind} does not compile: {' '.join(shown)}")
 
     @classmethod
     def from_response_format(cls, response_format: Mapping[str, Any]) -> Constraint | None:
