@@ -97,10 +97,13 @@ def test_sampling_with_seed_is_reproducible(model_dirs, capsys):
         (["--method", "ar", "--k", "3"], "does not apply to method 'ar'"),
         (["--json-schema", "missing.json"], "schema file not found: missing.json"),
         (["--json-schema", __file__], "is not JSON"),
-        (["--method", "dsi", "--grammar", __file__], "response_format not available with dsi"),
+        (["--method", "dsi", "--grammar", "YES_NO"], "response_format not available with dsi"),
+        (["--grammar", __file__], "the grammar does not compile"),
     ],
 )
-def test_bad_input_is_one_line_and_exit_2(model_dirs, capsys, extra, message):
+def test_bad_input_is_one_line_and_exit_2(model_dirs, capsys, tmp_path, extra, message):
+    (tmp_path / "yes_no.lark").write_text('start: "yes" | "no"\n')
+    extra = [str(tmp_path / "yes_no.lark") if arg == "YES_NO" else arg for arg in extra]
     code, out, err = run(capsys, "generate", "hi", "--target", model_dirs["target"], "--drafter",
                          model_dirs["drafter"], *extra)
     assert code == 2, err
