@@ -88,7 +88,11 @@ def test_a_request_s_draft_sizes_are_bounded_however_they_are_spelled(app, metho
 
 def test_a_request_s_lists_and_trees_are_bounded(app):
     """A list option has at most 8 items (nested rows too), and a tree at most 128 nodes: each node is drafted and
-    verified in forwards the other requests wait on."""
+    verified in forwards the other requests wait on, no wider than the part of a long prompt they would wait on."""
+    from speculant.config import REQUEST_NODES
+    from speculant.models.backends.lean import SERVED_PART
+
+    assert REQUEST_NODES <= SERVED_PART
     _, client = app
     for options, param, message in [
             ({"method": "auto", "tree_widths": [2] * 9}, "tree_widths", "at most 8 items"),
