@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import Any
 
 from speculant.config import (
+    BACKENDS,
     DEFAULT_DRAFTER,
     DEFAULT_TARGET,
     MOST_LATENCY_MS,
@@ -671,14 +672,18 @@ def check_target(target: str, config: ModelConfig, options: Any, backend: str | 
                  dtype: str | None = None) -> None:
     """Refuse, before the target loads, `options` its backend cannot run (`methods.drafting.needs`): DSI where the
     backend makes no replicas, `self@skip` off the lean backend. `backend` and `dtype`: a bench method's own."""
-    from speculant.methods.drafting import needs
+    from speculant.methods.drafting import needs, unmet
     from speculant.models import split_quant
-    from speculant.models.loading import check_backend, resolve_backend
+    from speculant.models.backends import capabilities_of
+    from speculant.models.loading import resolve_backend
 
-    if wanted := needs(options):
+    if needs(options):
         name, quant = split_quant(target)
-        check_backend(resolve_backend(backend or config.backend, name, quant, config.device, dtype or config.dtype),
-                      wanted)
+        backend = resolve_backend(backend or config.backend, name, quant, config.device, dtype or config.dtype)
+        if need := unmet(options, capabilities_of(backend)):
+            others = [other for other in BACKENDS if not unmet(options, capabilities_of(other))]
+            raise ConfigError(f"{need[1]}: the {backend} backend does not offer that (load the target with --backend "
+                              f"{' or '.join(others)})")
 
 
 def check_listen(host: str, port: int) -> None:

@@ -176,6 +176,21 @@ def test_a_request_naming_one_of_a_pair_of_options_is_not_overruled_by_the_other
         engine.close()
 
 
+def test_a_method_the_target_s_backend_cannot_run_is_a_4xx_naming_it(monkeypatch):
+    """A request for DSI on a target whose backend makes no replicas (the lean one) is refused when read, naming
+    `speculant.method`, as the CLI refuses it before loading."""
+    from dataclasses import replace
+
+    engine = engine_for("sd")
+    with pytest.raises(ConfigError) as refused:  # (an OptionError: the app names speculant.<its name>)
+        monkeypatch.setattr(type(engine.target), "capabilities", replace(engine.target.capabilities, replicates=False))
+        engine.options_for("dsi", {"drafter": "maxgram"})
+    assert refused.value.option == "method" and "does not offer that" in str(refused.value)
+    monkeypatch.undo()
+    assert engine.options_for("dsi", {"drafter": "maxgram"})[0].name == "dsi"
+    engine.close()
+
+
 def test_a_refused_option_is_a_4xx_naming_it_before_a_stream_starts(app):
     """Options refused when they are read (a tree without a model drafter among them), and those refused only once
     the request runs (a K matrix's entries), answer a stream as they answer a whole reply: a 400, not a 200 whose

@@ -64,13 +64,21 @@ def held_drafters(options: Any) -> list[Any]:
     return [drafter for drafters in drafters_by_field(options).values() for drafter in drafters]
 
 
-def needs(options: Any) -> list[tuple[str, str]]:
-    """The target capabilities `options` need, each with what needs it (`models.loading.check_backend`): their
-    class's `NEEDS`, and `skips_layers` for a `self@skip` drafter."""
-    needed = list(getattr(options, "NEEDS", ()))
-    if any(isinstance(d, DrafterSpec) and d.skip for d in held_drafters(options)):
-        needed.append(("skips_layers", "self@skip needs a target that drafts with some of its layers left out"))
+def needs(options: Any) -> list[tuple[str, str, str]]:
+    """The target capabilities `options` need, as (capability, what needs it, the option that asks for it): their
+    own `target_needs` (asked for by the method), and `skips_layers` for a `self@skip` drafter. The CLI checks them
+    against the target's backend before it loads, `generate` and a server's requests against the loaded target's."""
+    needed = [(capability, what, "method") for capability, what in getattr(options, "target_needs", ())]
+    for name, drafters in drafters_by_field(options).items():
+        if any(isinstance(d, DrafterSpec) and d.skip for d in drafters):
+            needed.append(("skips_layers", "self@skip needs a target that drafts with some of its layers left out",
+                           name))
     return needed
+
+
+def unmet(options: Any, capabilities: Any) -> tuple[str, str, str] | None:
+    """The first of `needs(options)` that `capabilities` (a backend's, `models.base.Capabilities`) lack, or None."""
+    return next((need for need in needs(options) if not getattr(capabilities, need[0])), None)
 
 
 def with_drafters(options: Any, load: Callable[[Any], Any]) -> Any:

@@ -55,7 +55,6 @@ def parse_twin(text: str) -> tuple[Any, Any]:
 @dataclass(frozen=True)
 class DSIOptions(DrafterOptions):
     EITHER = (("drafter", "drafters"),)  # one or the other, the second where given (`registry.parse_values`)
-    NEEDS = (("replicates", "DSI needs replicas of the target for its target servers"),)  # (`drafting.needs`)
 
     drafters: Any = option(None, "several drafters of increasing cost instead of one, e.g. maxgram,qwen2.5-coder-0.5b@int4: "
                            "each drafts at its own pace and a costlier one's draft replaces a cheaper one's (DSI's "
@@ -71,6 +70,14 @@ class DSIOptions(DrafterOptions):
                        "forward to D ms: T,D[,TTFT], or TARGET.json,DRAFTER.json (speculant profile files)",
                        parse=parse_twin, operator=True)
     ray_address: str | None = option(None, "with executor ray: join this cluster (default: start one)", operator=True)
+
+    @property
+    def target_needs(self) -> tuple[tuple[str, str], ...]:
+        """The target's capabilities these options need (`drafting.needs`): replicas for the target servers, unless
+        a started executor brings servers of its own."""
+        if not isinstance(self.executor, str):
+            return ()
+        return (("replicates", "DSI needs replicas of the target for its target servers"),)
 
     def __post_init__(self) -> None:
         if isinstance(self.drafters, str):

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import logging
 from copy import deepcopy
-from collections.abc import Sequence
 from functools import lru_cache
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -126,18 +125,6 @@ def resolve_backend(backend: str | None, spec: Any, quant: str | None, device: s
     elif backend == "static" and quant is not None:
         raise ConfigError(f"@{quant}: the static backend runs bf16 or fp32 weights")
     return backend
-
-
-def check_backend(backend: str, needs: Sequence[tuple[str, str]]) -> None:
-    """Refuse, before anything loads, a target `backend` without a capability that what is asked of it `needs`
-    ((capability, what needs it) pairs, `methods.drafting.needs`), naming the backends that have it."""
-    from speculant.models.backends import capabilities_of
-
-    for capability, what in needs:
-        if not getattr(capabilities_of(backend), capability):
-            others = [name for name in BACKENDS if getattr(capabilities_of(name), capability)]
-            raise ConfigError(f"{what}: the {backend} backend does not offer that (load the target with --backend "
-                              f"{' or '.join(others)})")
 
 
 @lru_cache(maxsize=16)
