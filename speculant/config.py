@@ -59,6 +59,9 @@ def option(default: Any, help: str, **extra: Any) -> Any:
 VERIFIERS = ("block", "token")
 
 
+MIN_TEMPERATURE = 1e-3  # below it (but above 0), logits / T overflow toward inf: greedy is temperature 0
+
+
 @dataclass(frozen=True)
 class SamplingConfig:
     temperature: float = option(0.0, "sampling temperature; 0 means greedy (argmax)")
@@ -73,6 +76,8 @@ class SamplingConfig:
             raise ConfigError(f"verifier must be one of {', '.join(VERIFIERS)}, got {self.verifier!r}")
         if not math.isfinite(self.temperature) or self.temperature < 0:
             raise ConfigError(f"temperature must be a finite number >= 0, got {self.temperature}")
+        if 0 < self.temperature < MIN_TEMPERATURE:
+            raise ConfigError(f"temperature must be 0 (greedy) or at least {MIN_TEMPERATURE}, got {self.temperature}")
         if self.top_k is not None and self.top_k < 1:
             raise ConfigError(f"top-k must be >= 1, got {self.top_k}")
         if self.top_p is not None and not 0 < self.top_p <= 1:

@@ -23,7 +23,9 @@ def logits_to_probs(logits: torch.Tensor, sampling: SamplingConfig) -> torch.Ten
     if sampling.top_p is not None and sampling.top_p < 1:
         sorted_probs, order = probs.sort(dim=-1, descending=True)
         mass_before = sorted_probs.cumsum(-1) - sorted_probs
-        sorted_probs = sorted_probs.masked_fill(mass_before >= sampling.top_p, 0.0)  # the top token always stays
+        dropped = mass_before >= sampling.top_p
+        dropped[..., 0] = False  # the top token always stays (a top_p that float32 rounds to 0 too)
+        sorted_probs = sorted_probs.masked_fill(dropped, 0.0)
         probs = torch.zeros_like(probs).scatter_(-1, order, sorted_probs)
         probs = probs / probs.sum(-1, keepdim=True)
     return probs

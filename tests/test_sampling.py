@@ -36,7 +36,8 @@ def test_top_p_keeps_smallest_nucleus():
     probs = logits_to_probs(LOGITS, SamplingConfig(1.0, top_p=0.7))
     torch.testing.assert_close(probs, torch.cat([full[:2] / full[:2].sum(), torch.zeros(3)]))
     # The most likely token survives even a tiny top-p.
-    assert logits_to_probs(LOGITS, SamplingConfig(1.0, top_p=0.01)).tolist() == [1.0, 0.0, 0.0, 0.0, 0.0]
+    for top_p in (0.01, 1e-300):  # (1e-300: float32 rounds it to 0, below any mass)
+        assert logits_to_probs(LOGITS, SamplingConfig(1.0, top_p=top_p)).tolist() == [1.0, 0.0, 0.0, 0.0, 0.0]
 
 
 def test_sampling_uses_the_generator():
@@ -65,7 +66,7 @@ def test_a_draw_inverts_the_cdf_at_the_generator_s_uniform_over_blocks_and_their
 
 
 @pytest.mark.parametrize("kwargs", [dict(temperature=-0.1), dict(temperature=math.nan), dict(temperature=math.inf),
-                                    dict(top_p=0.0), dict(top_p=1.5), dict(top_k=0)])
+                                    dict(temperature=1e-300), dict(top_p=0.0), dict(top_p=1.5), dict(top_k=0)])
 def test_bad_sampling_values_are_refused(kwargs):
     with pytest.raises(ConfigError):
         SamplingConfig(**kwargs)

@@ -150,7 +150,9 @@ def test_bad_tool_requests_get_400s_naming_the_field(served):
            ({"tools": [WEATHER], "tool_choice": "required", "response_format": {"type": "json_object"}},
             "response_format"),
            ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": "array"}}}]},
-            "must be an object's JSON schema")]
+            "must be an object's JSON schema"),
+           ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {
+               "type": "object", "properties": {"a": {"type": "frob"}}}}}]}, "does not compile: Invalid type: frob")]
     for body, message in bad:
         with pytest.raises(openai.BadRequestError, match=message):
             served.chat.completions.create(model="m", messages=ASK, max_tokens=4, **body)

@@ -7,7 +7,10 @@ from typing import Annotated, Any, Literal
 
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, field_validator, model_validator
 
-MIN_TEMPERATURE = 1e-3  # below it (but above 0), logits / T overflow toward inf: greedy is temperature 0
+from speculant.config import MIN_TEMPERATURE
+from speculant.errors import ConfigError
+from speculant.models.wrappers.constrained import Constraint
+
 MAX_FORMAT_DEPTH = 32  # levels of nesting a response_format (a JSON schema) may have
 
 
@@ -208,6 +211,20 @@ class Function(BaseModel):
     strict: bool | None = Field(None, description="accepted: arguments always follow the schema when a call is "
                                 "constrained")
 
+    @field_validator("parameters")
+    @classmethod
+    def _parameters(cls, value: dict[str, Any] | None) -> dict[str, Any] | None:
+        """An object's JSON schema, not too deep, that compiles (a call's arguments are constrained to it)."""
+        if value is None:
+            return value
+        if value.get("type", "object") != "object" or depth(value) > MAX_FORMAT_DEPTH:
+            raise ValueError(f"must be an object's JSON schema, at most {MAX_FORMAT_DEPTH} levels deep")
+        try:
+            Constraint("json_schema", value)
+        except ConfigError as error:
+            raise ValueError(str(error)) from None
+        return value
+
 
 class Tool(BaseModel):
     model_config = ConfigDict(strict=True, extra="forbid")
@@ -263,11 +280,6 @@ class ChatRequest(Sampling):
         names = [tool.function.name for tool in value or ()]
         if len(set(names)) < len(names):
             raise ValueError("function names must differ")
-        for tool in value or ():
-            if tool.function.parameters is not None and (tool.function.parameters.get("type", "object") != "object"
-                                                         or depth(tool.function.parameters) > MAX_FORMAT_DEPTH):
-                raise ValueError(f"{tool.function.name}'s parameters must be an object's JSON schema, at most "
-                                 f"{MAX_FORMAT_DEPTH} levels deep")
         return value
 
     @field_validator("tool_choice")

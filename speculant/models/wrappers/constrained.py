@@ -47,9 +47,7 @@ class Constraint:
         """A grammar, schema or pattern that does not compile is refused when given, before any tokenizer (or
         model) loads: llguidance checks it without one."""
         if error := _llguidance().LLMatcher.validate_grammar(self.grammar()):
-            lines = [line.strip() for line in error.splitlines()]  # (one line: without its source echo and caret)
-            shown = [line for line in lines if line and set(line) != {"^"} and not re.match(r"\d+ \|", line)]
-            raise ConfigError(f"the {self.kind} does not compile: {' '.join(shown)}")
+            raise ConfigError(f"the {self.kind} does not compile: {one_line(error)}")
 
     @classmethod
     def from_response_format(cls, response_format: Mapping[str, Any]) -> Constraint | None:
@@ -94,6 +92,12 @@ class Constraint:
         return text
 
 
+def one_line(error: str) -> str:
+    """An llguidance error in one line: without its source echo, caret and state dump."""
+    lines = [line.strip() for line in error.split("<state>")[0].splitlines()]
+    return " ".join(line for line in lines if line and set(line) != {"^"} and not re.match(r"\d+ \|", line))
+
+
 def _llguidance() -> Any:
     try:
         import llguidance
@@ -121,7 +125,7 @@ class Matcher:
         self._matcher = llguidance.LLMatcher(_llg_tokenizer(tokenizer, vocab_size), constraint.grammar(),
                                              log_level=0)
         if self._matcher.is_error():
-            raise ConfigError(f"the {constraint.kind} does not compile: {self._matcher.get_error()}")
+            raise ConfigError(f"the {constraint.kind} does not compile: {one_line(self._matcher.get_error())}")
         self._matcher.compute_bitmask()  # (a grammar no text matches stops here: no token, not even the end, allowed)
         if self._matcher.is_error():
             raise ConfigError(f"the {constraint.kind} matches no text: nothing could be generated")
@@ -141,13 +145,17 @@ class Matcher:
 
     def follow(self, tokens: Sequence[int]) -> bool:
         """Move to the state after `tokens` (rolling back to what it shares with them first): whether the
-        grammar allows all of them (if not, it stops after the longest allowed prefix)."""
+        grammar allows all of them (if not, it stops after the longest allowed prefix). Where llguidance fails
+        to follow the grammar itself (a limit of its lexer), a ConfigError: never text outside the grammar."""
         common = common_prefix_len(self.consumed, tokens)
         if common < len(self.consumed):
             self._matcher.rollback(len(self.consumed) - common)
             del self.consumed[common:]
         rest = list(tokens[common:])
         taken = self._matcher.try_consume_tokens(rest) if rest else 0
+        if self._matcher.is_error():
+            raise ConfigError(f"the {self.constraint.kind} could not be followed past {len(self.consumed) + taken} "
+                              f"tokens: {one_line(self._matcher.get_error())}")
         self.consumed.extend(rest[:taken])
         return taken == len(rest)
 
