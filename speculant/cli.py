@@ -290,12 +290,16 @@ def read_constraint(schema: str | None, grammar: str | None) -> Any:
         return None
     if not Path(path).is_file():
         raise ConfigError(f"{'schema' if schema else 'grammar'} file not found: {path}")
-    if grammar:
-        return Constraint("grammar", Path(path).read_text())
     try:
-        value = json.loads(Path(path).read_text())
-    except json.JSONDecodeError as error:
-        raise ConfigError(f"{path} is not JSON: {error}") from None
+        text = Path(path).read_text()
+    except (OSError, UnicodeDecodeError) as error:
+        raise ConfigError(f"cannot read {path} as text: {error}") from None
+    if grammar:
+        return Constraint("grammar", text)
+    try:
+        value = json.loads(text)
+    except (ValueError, RecursionError) as error:
+        raise ConfigError(f"{path} is not JSON: {type(error).__name__}: {error}") from None
     if not isinstance(value, dict):
         raise ConfigError(f"{path} holds no JSON schema object")
     return Constraint("json_schema", value)
@@ -396,7 +400,11 @@ def run_bench(args: argparse.Namespace, argv: Sequence[str]) -> None:
     if args.baseline is not None and args.baseline not in {m.label for m in methods}:
         raise ConfigError(f"the baseline '{args.baseline}' is not among the methods")
     if saved:  # a finished run, reported again
-        rows = rows_from_json(saved)
+        try:
+            rows = rows_from_json(saved)
+        except (KeyError, TypeError, ValueError) as error:
+            raise ConfigError(f"{args.report_from}: a row is not a bench run's ({type(error).__name__}: {error})") \
+                from None
         command = saved["config"]["command"] + (f" (reported with --baseline {args.baseline})" if args.baseline else "")
         machine, title = saved["config"]["machine"], f"{args.report_from}; {saved['config']['machine']}"
     else:
@@ -423,11 +431,13 @@ def read_results(path: Path) -> dict[str, Any]:
     """The results.json of an earlier `speculant bench --out` run, or a ConfigError saying why not."""
     try:
         saved = json.loads(path.read_text())
-    except (OSError, ValueError) as error:
-        raise ConfigError(f"cannot read the results of a run from {path}: {error}") from None
+    except (OSError, ValueError, RecursionError) as error:
+        raise ConfigError(f"cannot read the results of a run from {path}: {type(error).__name__}: {error}") from None
     config = saved.get("config") if isinstance(saved, dict) else None
-    if not (isinstance(config, dict) and all(key in config for key in ("methods", "command", "machine"))
-            and isinstance(saved.get("rows"), list)):
+    if not (isinstance(config, dict) and isinstance(config.get("methods"), list)
+            and all(isinstance(m, str) for m in config["methods"])
+            and all(isinstance(config.get(key), str) for key in ("command", "machine"))
+            and isinstance(saved.get("rows"), list) and all(isinstance(row, dict) for row in saved["rows"])):
         raise ConfigError(f"{path} is not the results.json of a `speculant bench --out` run (its config names the "
                           "methods, command and machine; its rows follow)")
     return saved
@@ -635,13 +645,15 @@ def run_train_depth(args: argparse.Namespace) -> None:
 
 
 def run_serve(args: argparse.Namespace) -> None:
+    from speculant.serve import serving_backend
+
     config = from_args(ServeConfig, args)
     model_config = from_args(ModelConfig, args)
     given = {name: getattr(args, name) for name in all_options() if getattr(args, name) is not None}
     method = get_method(resolve_method(args.method, given))
     options = method.parse_options(given)
     check_models([args.target], held_drafters(options))
-    check_target(args.target, model_config, options)
+    check_target(args.target, model_config, options, serving_backend(model_config))
     served_name = config.served_name or args.target
     if config.ray_cluster is None:  # (on a cluster, its own HTTP proxy binds the port, maybe on another node)
         check_listen(config.host, config.port)

@@ -123,8 +123,8 @@ class LatencyProfile:
     def load(cls, path: Path) -> LatencyProfile:
         try:
             return cls.from_dict(json.loads(Path(path).read_text()))
-        except (OSError, ValueError, KeyError, TypeError) as error:
-            raise ConfigError(f"cannot read latency profile {path}: {error}") from None
+        except (OSError, ValueError, KeyError, TypeError, RecursionError) as error:
+            raise ConfigError(f"cannot read latency profile {path}: {type(error).__name__}: {error}") from None
 
 
 def _timed(fn) -> float:

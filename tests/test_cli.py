@@ -112,6 +112,26 @@ def test_bad_input_is_one_line_and_exit_2(model_dirs, capsys, tmp_path, extra, m
     assert "Traceback" not in err
 
 
+def test_a_file_that_is_not_text_json_or_a_run_s_is_one_line(capsys, tmp_path):
+    """Bytes that are not UTF-8, JSON nested past Python's recursion limit, and a results.json whose rows are not a
+    bench run's: one line naming the file, never a traceback."""
+    binary, deep, rows = tmp_path / "bin.dat", tmp_path / "deep.json", tmp_path / "results.json"
+    binary.write_bytes(bytes(range(128, 256)))
+    deep.write_text("[" * 100000)
+    rows.write_text(json.dumps({"config": {"methods": ["ar"], "command": "c", "machine": "m"}, "rows": [{"a": 1}]}))
+    for argv, message in [(["generate", "x", "--json-schema", str(binary)], "cannot read"),
+                          (["generate", "x", "--grammar", str(binary)], "cannot read"),
+                          (["generate", "x", "--json-schema", str(deep)], "RecursionError"),
+                          (["bench", "--prompts", str(binary)], "is not UTF-8 text"),
+                          (["bench", "--report-from", str(deep)], "RecursionError"),
+                          (["bench", "--report-from", str(rows)], "a row is not a bench run's"),
+                          (["simulate", "run", "--target-profile", str(deep), "--drafter-latency", "1",
+                            "--acceptance", "0.5", "--lookahead", "2"], "RecursionError")]:
+        code, _, err = run(capsys, *argv)
+        assert code == 2 and err.count("speculant: error") == 1 and message in err and str(tmp_path) in err, argv
+        assert "Traceback" not in err and "loading target" not in err, argv
+
+
 COMPACT = {"whitespace_flexible": False, "whitespace_pattern": None}  # JSON without whitespace: a random model pads
 
 

@@ -43,6 +43,8 @@ def load_jsonl(path: Path) -> list[Prompt]:
         lines = path.read_text().splitlines()
     except OSError as error:
         raise ConfigError(f"cannot read prompts file {path}: {error.strerror}") from None
+    except UnicodeDecodeError as error:
+        raise ConfigError(f"prompts file {path} is not UTF-8 text: {error}") from None
     for number, line in enumerate(lines, start=1):
         if not line.strip():
             continue
@@ -50,6 +52,8 @@ def load_jsonl(path: Path) -> list[Prompt]:
             record = json.loads(line)
         except json.JSONDecodeError as error:
             raise ConfigError(f"{path}:{number}: not valid JSON ({error.msg})") from None
+        except RecursionError:
+            raise ConfigError(f"{path}:{number}: nested too deeply") from None
         if not isinstance(record, dict):
             raise ConfigError(f"{path}:{number}: expected a JSON object")
         turns, messages = record.get("turns"), record.get("messages")

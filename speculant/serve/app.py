@@ -588,17 +588,6 @@ class Shape:
                 "top_logprobs": [{spelling.text(t): lp for t, lp in e.top} for e in entries], "text_offset": offsets}
 
 
-def serving_backend(config: ModelConfig) -> str:
-    """`auto` for a server: transformers where its batched forwards are fast (AMX or CUDA: a batch of rows
-    costs about one row), else what `auto` picks for one sequence. AVX512-BF16 alone is not enough: there the
-    lean backend serves several times transformers' bf16 (CHANGELOG.md, serving)."""
-    from speculant.machine import cpu_has
-
-    if config.backend != "auto":
-        return config.backend
-    return "hf" if config.device != "cpu" or cpu_has("amx_bf16") else "auto"
-
-
 def build_app(target_name: str, model: ModelConfig, method: str, options: Any, config: ServeConfig,
               served_name: str, replica: str | None = None) -> FastAPI:
     """Load the target (and the method's drafters) and make the app that serves them."""
@@ -606,6 +595,8 @@ def build_app(target_name: str, model: ModelConfig, method: str, options: Any, c
 
     from speculant.models import load_model
     from speculant.models.base import CausalLM
+
+    from speculant.serve import serving_backend
 
     backend = serving_backend(model)
     print(f"loading target {target_name} (backend {backend}, dtype {model.dtype}, {model.device})", file=sys.stderr)

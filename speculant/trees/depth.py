@@ -125,7 +125,7 @@ class DepthPredictor:
             saved = json.loads(path.read_text())
             return cls(saved["max_depth"], saved.get("inputs", "features"), saved.get("width", FEATURES),
                        {name: torch.tensor(value) for name, value in saved["state"].items()})
-        except (OSError, ValueError, KeyError, TypeError, AttributeError, RuntimeError) as error:
+        except (OSError, ValueError, KeyError, TypeError, AttributeError, RuntimeError, RecursionError) as error:
             raise ConfigError(f"{path} is not a depth predictor `speculant train-depth` wrote "
                               f"({type(error).__name__}: {error})") from None
 
