@@ -321,6 +321,10 @@ def run_generate(args: argparse.Namespace) -> None:
     model_config = from_args(ModelConfig, args)
     if not args.prompt.strip():
         raise ConfigError("the prompt is empty")
+    try:
+        args.prompt.encode()
+    except UnicodeEncodeError:  # (bytes the shell passed that are not UTF-8: Python keeps them as lone surrogates)
+        raise ConfigError("the prompt is not UTF-8 text") from None
     sources = held_drafters(options)
     check_models([args.target], sources)
     check_target(args.target, model_config, options)
@@ -817,6 +821,12 @@ def check_outputs(args: argparse.Namespace) -> None:
             raise ConfigError(f"--{name} {path} is a directory: it names a file here")
         elif kind == FILE and not path.parent.is_dir():
             raise ConfigError(f"--{name} {path}: the directory {path.parent} does not exist")
+        if name == "timeline":
+            from matplotlib.backend_bases import FigureCanvasBase
+
+            suffix = path.suffix.lstrip(".").lower()  # (none: matplotlib's png)
+            if suffix and suffix not in FigureCanvasBase.get_supported_filetypes():
+                raise ConfigError(f"--timeline {path}: an image is drawn as .png, .svg or .pdf (not '{suffix}')")
 
 
 def check_needs(args: argparse.Namespace) -> None:

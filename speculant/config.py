@@ -99,6 +99,9 @@ def check_sampled(sampling: SamplingConfig, given: Iterable[str], spell: Callabl
                           "temperature above 0")
 
 
+SEEDS = range(-(1 << 63), 1 << 64)  # what a torch.Generator takes
+
+
 @dataclass(frozen=True)
 class RunConfig:
     """What bounds one generation, whatever the method."""
@@ -109,6 +112,8 @@ class RunConfig:
     def __post_init__(self) -> None:
         if self.max_new_tokens < 1:
             raise ConfigError(f"max-new-tokens must be >= 1, got {self.max_new_tokens}")
+        if self.seed is not None and self.seed not in SEEDS:
+            raise ConfigError(f"seed must be a 64-bit integer (from {SEEDS.start} to {SEEDS.stop - 1}), got {self.seed}")
 
 
 @dataclass(frozen=True)

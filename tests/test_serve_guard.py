@@ -96,7 +96,7 @@ def test_a_request_s_lists_and_trees_are_bounded(app):
     _, client = app
     for options, param, message in [
             ({"method": "auto", "tree_widths": [2] * 9}, "tree_widths", "at most 8 items"),
-            ({"method": "cascade", "drafters": ",".join(["maxgram"] * 9)}, "drafters", "at most 8 items"),
+            ({"method": "cascade", "drafters": ",".join(["self"] * 8 + ["maxgram"])}, "drafters", "at most 8 items"),
             ({"method": "tree", "depth": 16, "width": 16}, "width", "at most 128 nodes"),
             ({"method": "tree", "depth": 64}, "depth", "at most 128 nodes"),
             ({"method": "tree", "depth": "auto", "width": 64}, "width", "auto (up to 16) x 64"),
@@ -125,6 +125,8 @@ def test_an_operator_s_own_sizes_bind_only_the_client_that_names_a_size():
     ({"k": 0}, "k"), ({"method": "auto", "k_max": 0}, "k_max"), ({"method": "auto", "probe_every": 0}, "probe_every"),
     ({"method": "auto", "tree_widths": [1, 2]}, "tree_widths"), ({"draft_confidence": 2}, "draft_confidence"),
     ({"drafter": "nope"}, "drafter"), ({"drafter": None}, "drafter"), ({"method": "cascade", "drafters": []}, "drafters"),
+    ({"method": "auto", "drafters": ""}, "drafters"), ({"method": ""}, "method"),
+    ({"method": "cascade", "drafters": "maxgram,maxgram"}, "drafters"),
     ({"method": "cascade", "drafters": "maxgram", "k_matrix": "2", "leniency": 0.5}, "leniency"),
     ({"method": "cascade", "drafters": "maxgram", "k_matrix": "2,2"}, "k_matrix"),
     ({"method": "tree", "schedule": "stage"}, "schedule"),

@@ -85,6 +85,8 @@ class AutoOptions:
         if isinstance(self.drafters, str):
             object.__setattr__(self, "drafters", parse_drafters(self.drafters))
         if self.drafters is not None:
+            if not self.drafters:
+                raise ConfigError("auto's drafters name none: give at least one (method ar decodes without)")
             object.__setattr__(self, "drafters", tuple(as_drafter(d) for d in self.drafters))
             check_drafter_dtype(self)
         if self.k_max < 1:

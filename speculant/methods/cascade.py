@@ -7,7 +7,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from speculant.config import REQUEST_MOST, option
-from speculant.drafters.spec import as_drafter
+from speculant.drafters.spec import MAXGRAM, DrafterSpec, as_drafter
 from speculant.errors import ConfigError
 from speculant.methods.drafting import DRAFTER_DTYPES, check_drafter_dtype, parse_drafters
 from speculant.methods.registry import Request, register
@@ -36,6 +36,8 @@ class CascadeOptions:
         if not drafters:
             raise ConfigError("method 'cascade' needs drafters, e.g. drafters=qwen2.5-coder-0.5b@int8,maxgram")
         object.__setattr__(self, "drafters", tuple(as_drafter(d) for d in drafters))
+        if any(isinstance(d, DrafterSpec) and d.kind == MAXGRAM for d in self.drafters[:-1]):
+            raise ConfigError("maxgram can only be the last (smallest) drafter of a cascade")
         check_drafter_dtype(self)
         if self.k < 1:
             raise ConfigError(f"k must be >= 1, got {self.k}")

@@ -240,7 +240,10 @@ class Engine:
         default to the server's and must be among those it loaded. A ConfigError names what is wrong."""
         if method is None and not given:
             return self.method, self.options
-        spec = get_method(method or self.method.name)
+        try:
+            spec = get_method(self.method.name if method is None else method)
+        except ConfigError as error:
+            raise OptionError("method", str(error)) from None
         by_name = {f.name: f for f in fields(spec.options)}
         text = {k: as_text(v) for k, v in given.items()}  # values as a bench spec gives them: parsed, checked
         loaded: dict[str, Any] = {}  # the defaults a request's values replace

@@ -7,7 +7,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, field_validator, model_validator
 
-from speculant.config import MIN_TEMPERATURE
+from speculant.config import MIN_TEMPERATURE, SEEDS
 from speculant.errors import ConfigError
 from speculant.models.wrappers.constrained import Constraint
 
@@ -87,7 +87,7 @@ class Sampling(BaseModel):
     max_tokens: int | None = Field(None, gt=0)
     temperature: float = Field(1.0, ge=0, allow_inf_nan=False, description=f"0 (greedy) or >= {MIN_TEMPERATURE}")
     top_p: float = Field(1.0, gt=0, le=1, allow_inf_nan=False)
-    seed: int | None = Field(None, ge=-(1 << 63), lt=1 << 64, description="a 64-bit seed")
+    seed: int | None = Field(None, ge=SEEDS.start, lt=SEEDS.stop, description="a 64-bit seed")
     stop: Text | list[Text] | None = Field(None, description="up to 4 non-empty strings")
     n: int = Field(1, ge=1, le=1, description="one choice per request")
     stream: bool = False
