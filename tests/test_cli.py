@@ -126,7 +126,11 @@ def test_a_file_that_is_not_text_json_or_a_run_s_is_one_line(capsys, tmp_path):
                           (["bench", "--report-from", str(deep)], "RecursionError"),
                           (["bench", "--report-from", str(rows)], "a row is not a bench run's"),
                           (["simulate", "run", "--target-profile", str(deep), "--drafter-latency", "1",
-                            "--acceptance", "0.5", "--lookahead", "2"], "RecursionError")]:
+                            "--acceptance", "0.5", "--lookahead", "2"], "RecursionError"),
+                          (["serve", "--method", "tree", "--drafter", "self", "--target-profile", str(binary)],
+                           "cannot read latency profile"),
+                          (["serve", "--method", "tree", "--drafter", "self", "--depth-predictor", str(deep)],
+                           "is not a depth predictor")]:
         code, _, err = run(capsys, *argv)
         assert code == 2 and err.count("speculant: error") == 1 and message in err and str(tmp_path) in err, argv
         assert "Traceback" not in err and "loading target" not in err, argv
@@ -268,7 +272,8 @@ def test_bad_files_paths_and_settings_are_one_line_before_any_model_loads(tmp_pa
             (["serve", *target, "--served-name", ""], "--served-name has an empty value"),
             (["serve", *target, "--allowed-hosts", "localhost,"], "--allowed-hosts has an empty value"),
             (["generate", "x", *target, "--method", "sd", "--drafter", "nonsense"], "unknown model 'nonsense'"),
-            (["generate", "x", *target, "--method", "cascade", "--drafters", "maxgram,./nowhere"], "no model at"),
+            (["generate", "x", *target, "--method", "cascade", "--drafters", "./nowhere,maxgram"], "no model at"),
+            (["generate", "x", *target, "--method", "cascade", "--drafters", "maxgram,self"], "maxgram can only be"),
             (["serve", *target, "--method", "sd", "--drafter", "nonsense"], "unknown model 'nonsense'"),
             (["bench", *target, "--methods", "ar", "sd:drafter=nonsense"], "unknown model 'nonsense'"),
             (["acceptance", *target, "--drafter", "nonsense"], "unknown model 'nonsense'"),
@@ -349,6 +354,9 @@ def test_a_flag_given_where_it_does_nothing_is_one_line_never_ignored(capsys, tm
          "an image is drawn as .png"),
         (["generate", "x", "--temperature", "0.5", "--seed", str(1 << 64)], "seed must be a 64-bit integer"),
         (["generate", "x", "--temperature", "1e-300"], "at least 0.001"),
+        (["serve", "--replica-cpus", "1.5"], "--replica-cpus applies to Ray Serve replicas"),
+        (["serve", "--ray-cluster", ""], "--ray-cluster has an empty value"),
+        (["serve", "--max-body-mb", "1e-9"], "max-body-mb must be a number >= 0.001"),
         (["generate", "x\udcff"], "the prompt is not UTF-8 text"),
         (["generate", "x", "--method", "dsi", "--drafter", "maxgram", "--backend", "lean"],
          "the lean backend does not offer that (load the target with --backend hf or llamacpp)"),

@@ -118,6 +118,7 @@ def test_trees_of_the_hidden_state_predicted_depth_equal_ar_on_lean(variant, tmp
 
     from speculant.models import load_model
     from speculant.trees.depth import predictor_path
+    from speculant.methods import get_method
     from speculant.trees.method import depth_predictor
 
     monkeypatch.setenv("SPECULANT_CACHE", str(tmp_path / "cache"))
@@ -133,7 +134,8 @@ def test_trees_of_the_hidden_state_predicted_depth_equal_ar_on_lean(variant, tmp
     predictor, _ = fit(samples, 4, "hidden")
     predictor.save(tmp_path / "hidden.json")
     predicted_trees_equal_ar(target, drafter, prompts[:3], tmp_path / "hidden.json", 4, (2,), monkeypatch, 24)
-    assert depth_predictor(str(tmp_path / "hidden.json"), target, drafter).inputs == "hidden"
+    read = get_method("tree").make_options({"drafter": "self", "depth_predictor": str(tmp_path / "hidden.json")})
+    assert depth_predictor(read.depth_predictor, target, drafter).inputs == "hidden"  # (the options read the file)
     for kind in ("features", "hidden"):
         fit(samples, 4, kind)[0].save(predictor_path(target, drafter, kind))
     assert depth_predictor("auto", target, drafter).inputs == "hidden"

@@ -46,7 +46,7 @@ class TreeOptions(DrafterOptions):
                                "depth is decided before drafting (a depth predictor, or objective length), its levels "
                                "run in one call, one graph where the drafter is compiled (Yggdrasil); off: level by "
                                "level from Python")
-    depth_predictor: str = option(AUTO, "a depth predictor's JSON, auto (the one `speculant train-depth` made for "
+    depth_predictor: Any = option(AUTO, "a depth predictor's JSON, auto (the one `speculant train-depth` made for "
                                   "this target and drafter, if any: hidden-state where the backend gives them) or "
                                   "off", operator=True)
 
@@ -66,11 +66,22 @@ class TreeOptions(DrafterOptions):
             raise ConfigError(f"shape {self.shape} needs a depth and a width (its nodes: depth x width), not auto")
         if self.objective not in OBJECTIVES:
             raise ConfigError(f"objective must be one of {', '.join(OBJECTIVES)}, got {self.objective!r}")
-        if isinstance(self.target_profile, (str, Path)) and not Path(self.target_profile).is_file():
-            raise ConfigError(f"target profile not found: {self.target_profile} (make one with `speculant profile --out`)")
-        if self.depth_predictor not in (AUTO, "off") and not Path(self.depth_predictor).is_file():
-            raise ConfigError(f"depth predictor not found: {self.depth_predictor} (make one with `speculant "
-                              "train-depth`)")
+        # The files named are read now, once (a server's requests share what was read): one that is not there or
+        # not what it should be is refused before anything loads.
+        if isinstance(self.target_profile, (str, Path)):
+            from speculant.latency import LatencyProfile
+
+            if not Path(self.target_profile).is_file():
+                raise ConfigError(f"target profile not found: {self.target_profile} (make one with `speculant "
+                                  "profile --out`)")
+            object.__setattr__(self, "target_profile", LatencyProfile.load(Path(self.target_profile)))
+        if isinstance(self.depth_predictor, (str, Path)) and self.depth_predictor not in (AUTO, "off"):
+            from speculant.trees.depth import DepthPredictor
+
+            if not Path(self.depth_predictor).is_file():
+                raise ConfigError(f"depth predictor not found: {self.depth_predictor} (make one with `speculant "
+                                  "train-depth`)")
+            object.__setattr__(self, "depth_predictor", DepthPredictor.load(Path(self.depth_predictor)))
 
 
 def bounds(options: TreeOptions, names: Collection[str]) -> None:
@@ -95,12 +106,9 @@ def build(request: Request, options: TreeOptions) -> Any:
     from speculant.trees.decoder import tree_speculative
     from speculant.trees.shape import tree_shape
     from speculant.trees.drafter import TreeDrafter
-    from speculant.latency import LatencyProfile
 
     model = tree_drafter_model(request.session.drafter(options.drafter, options.drafter_dtype), request.target)
     profile = options.target_profile
-    if profile is not None and not isinstance(profile, LatencyProfile):
-        profile = LatencyProfile.load(profile)
     shape = tree_shape(request.target, model, request.prompt_ids, options.depth, options.width, options.verify_width,
                        profile, request.session.measured)
     static = fixed_shape(options, request.target, model, request.prompt_ids, request.session.measured)
@@ -143,21 +151,21 @@ def tree_drafter_model(model: Any, target: Any) -> Any:
     return model
 
 
-def depth_predictor(choice: str, target: Any, drafter: Any) -> Any:
-    """The DepthPredictor `choice` names: a JSON file, off, or auto (train-depth's for the pair, if any: the
-    hidden-state one where the target's backend gives hidden states, else the features one)."""
+def depth_predictor(choice: Any, target: Any, drafter: Any) -> Any:
+    """The DepthPredictor `choice` names: off, one the options read from the file they named, or auto
+    (train-depth's for the pair, if any: the hidden-state one where the target's backend gives hidden states, else
+    the features one)."""
     from speculant.trees.depth import INPUTS, DepthPredictor, predictor_path
 
     if choice == "off":
         return None
-    if choice == AUTO:
+    predictor, where = choice, "given"
+    if not isinstance(choice, DepthPredictor):  # auto
         kinds = [k for k in INPUTS if k != "hidden" or target.capabilities.hidden_states]
-        path = next((p for p in (predictor_path(target, drafter, k) for k in kinds) if p is not None and p.is_file()),
-                    None)
-    else:
-        path = Path(choice)
-    predictor = DepthPredictor.load(path) if path is not None and path.is_file() else None
+        where = next((p for p in (predictor_path(target, drafter, k) for k in kinds) if p is not None and p.is_file()),
+                     None)
+        predictor = DepthPredictor.load(where) if where is not None else None
     if predictor is not None and predictor.inputs == "hidden" and not target.capabilities.hidden_states:
-        raise ConfigError(f"depth predictor {path} reads the target's hidden states, which its backend does not give "
-                          "(train one with `speculant train-depth --inputs features`)")
+        raise ConfigError(f"the depth predictor ({where}) reads the target's hidden states, which its backend does not "
+                          "give (train one with `speculant train-depth --inputs features`)")
     return predictor
