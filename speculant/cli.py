@@ -526,24 +526,27 @@ def run_profile(args: argparse.Namespace) -> None:
     from speculant.api import encode_prompt
     from speculant.latency import machine_profile, profile_model
     from speculant.bench.datasets import load_dataset
-    from speculant.drafters.base import Drafter
+    from speculant.drafters.spec import as_drafter, model_free
     from speculant.models import load_model
     from speculant.session import Session
 
-    widths = parse_width_ranges(args.widths) if args.widths else None
+    widths = parse_width_ranges(args.widths) if args.widths is not None else None
     if args.context_len < 1 or args.repeats < 1:
         raise ConfigError("context length and repeats must be >= 1")
     config = from_args(ModelConfig, args)
     prompts = load_dataset(args.dataset) if widths else []
+    if args.drafter and model_free(as_drafter(args.drafter)):
+        raise ConfigError(f"'{args.drafter}' runs no model forwards to profile")
     check_models([args.model], [args.drafter] if args.drafter else [])
     model = load_model(args.model, dtype=config.dtype, device=config.device, backend=config.backend,
                         compile=config.compile)
     models = [model]
     if args.drafter:
-        drafter = Session(model).drafter(args.drafter, args.drafter_dtype)
-        if isinstance(drafter, Drafter):
-            raise ConfigError(f"'{args.drafter}' runs no model forwards to profile")
-        models.append(drafter)
+        models.append(Session(model).drafter(args.drafter, args.drafter_dtype))
+    for m in models if widths else ():
+        if m.max_positions is not None and args.context_len + max(widths) > m.max_positions:
+            raise ConfigError(f"--context-len {args.context_len} and width {max(widths)} exceed {m.name}'s "
+                              f"{m.max_positions} positions")
     if widths is None:
         profiles = [machine_profile(m) for m in models]
     else:
@@ -574,7 +577,7 @@ def run_acceptance(args: argparse.Namespace) -> None:
     from speculant.analysis.acceptance import estimate
     from speculant.api import encode_prompt
     from speculant.bench.datasets import load_dataset
-    from speculant.drafters.base import Drafter
+    from speculant.drafters.spec import as_drafter, model_free
     from speculant.models import load_model
     from speculant.session import Session
 
@@ -585,13 +588,13 @@ def run_acceptance(args: argparse.Namespace) -> None:
     config = from_args(ModelConfig, args)
     prompts = load_dataset(args.dataset)
     names = [name for name in args.drafter.split(",") if name]
+    if not names or any(model_free(as_drafter(name)) for name in names):
+        raise ConfigError(f"'{args.drafter}' must name models; acceptance estimation needs them")
     check_models([args.target], names)
     target = load_model(args.target, dtype=config.dtype, device=config.device, backend=config.backend,
                         compile=config.compile)
     session = Session(target)
     drafters = [session.drafter(name, args.drafter_dtype) for name in names]
-    if not names or any(isinstance(d, Drafter) for d in drafters):
-        raise ConfigError(f"'{args.drafter}' must name models; acceptance estimation needs them")
     ids = [encode_prompt(target.tokenizer, p.text, p.chat) for p in prompts]
     reports = estimate(target, drafters, ids, args.max_new_tokens, sampling, args.depth)
     if args.json:

@@ -16,6 +16,8 @@ from speculant.errors import ConfigError
 
 
 MOST_SERVERS, MOST_TOKENS, MOST_DRAWS = 1024, 100_000, 10_000_000  # a simulation's size: its memory and time
+MOST_CELLS, MOST_STEPS = 10_000_000, 1_000_000_000  # a heatmap's (c, a, k, repeat) cells and cells x tokens: five
+# times the paper's grid at the default tokens (ndim 100, 18 lookaheads, 10 repeats), its memory and time
 
 
 def check_size(servers: int, lookahead: int, tokens: int, repeats: int, seed: int) -> None:
@@ -101,6 +103,11 @@ def run_heatmap(out: Path, ndim: int, lookaheads: tuple[int, ...], tokens: int, 
     if ndim < 2 or fixed_lookahead not in lookaheads or tokens < 1 or repeats < 2 or servers < 1 or min(lookaheads) < 1:
         raise ConfigError("need ndim >= 2, the fixed lookahead among the lookaheads (all >= 1), repeats >= 2, "
                           "and positive tokens and servers")
+    check_size(servers, max(lookaheads), tokens, (ndim + 1) * repeats, seed)  # (its draws: every acceptance's)
+    cells = (ndim + 1) ** 2 * len(set(lookaheads)) * repeats
+    if cells > MOST_CELLS or cells * tokens > MOST_STEPS:
+        raise ConfigError(f"a heatmap takes at most {MOST_CELLS} cells ((ndim + 1)^2 x lookaheads x repeats) and "
+                          f"{MOST_STEPS} cell-tokens; this one has {cells} and {cells * tokens}")
     start = time.perf_counter()
     c, a = paper_axes(ndim)
     grid = simulate_grid(c, a, np.array(sorted(set(lookaheads))), tokens, repeats, servers, seed)

@@ -62,8 +62,9 @@ def simulate_online(target_ms: float, drafter_ms: float, acceptance: float, serv
     `more_drafters` ((ms, acceptance), costlier ones) adds DSI with each of them alone (at its own planned
     lookahead) and DSI with all drafters together (Algorithm 1 with m > 2 models, at the first one's
     lookahead), and the latter's gain over the best single drafter."""
-    if not all(0 <= a <= 1 for a in (acceptance, *(a for _, a in more_drafters))):
-        raise ConfigError(f"acceptance must lie in [0, 1], got {acceptance}")
+    for a in (acceptance, *(a for _, a in more_drafters)):
+        if not 0 <= a <= 1:
+            raise ConfigError(f"acceptance must lie in [0, 1], got {a}")
     if any(ms <= 0 for ms, _ in more_drafters):
         raise ConfigError("drafter latencies must be positive")
     if tokens < 2 or repeats < 1:
