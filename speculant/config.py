@@ -215,6 +215,8 @@ def parse_bool(text: str) -> bool:
 def parse_value(f: Field, text: str) -> Any:
     """A field's value from text (a flag, a bench spec); a ConfigError names the field on bad text."""
     parse = f.metadata.get("parse") or scalar_type(f)
+    if parse in (int, float) and (not text.isascii() or "_" in text):  # (Python's int and float take 1_0 and ٣)
+        raise ConfigError(f"bad value '{text}' for {f.name}")
     try:
         value = parse_bool(text) if parse is bool else parse(text)
     except ConfigError:

@@ -259,6 +259,9 @@ class Engine:
             return spec.make_options({**loaded, **values})
 
         values = spec.parse_values(text)
+        for name, value in given.items():
+            if isinstance(value, list) and not isinstance(values[name], (list, tuple)):
+                raise OptionError(name, f"{name} takes one value, not a list")
         for pair in getattr(spec.options, "EITHER", ()):  # one of a pair named: the other's default, not the server's
             for one, other in (pair, pair[::-1]):
                 if one in values and other not in values:
