@@ -9,7 +9,7 @@ from typing import Any
 from speculant.config import RunConfig, SamplingConfig
 from speculant.decoding.run import Decoder, timed
 from speculant.decoding.stats import GenerationStats
-from speculant.errors import ConfigError
+from speculant.errors import ConfigError, RequestError
 from speculant.methods import Request, get_method
 from speculant.methods.drafting import unmet
 from speculant.models import load_model
@@ -106,7 +106,8 @@ def check_request(method: str, logprobs: int | None, logit_bias: Mapping[int, fl
     asked = [name for name, value in (("logprobs", logprobs), ("logit_bias", logit_bias or None),
                                       ("response_format", constraint)) if value is not None]
     if method == "dsi" and asked:
-        raise ConfigError(f"{', '.join(asked)} not available with dsi: its target servers run apart from the decoder")
+        raise RequestError(asked[0], f"{', '.join(asked)} not available with dsi: its target servers run apart from "
+                           "the decoder")
 
 
 def decoded_target(target: Any, logprobs: int | None, logit_bias: Mapping[int, float] | None,

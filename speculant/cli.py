@@ -887,6 +887,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         elif args.command == "peers":
             from speculant.models.backends.llamacpp_build import build
 
+            if args.jobs is not None and args.jobs < 1:
+                raise ConfigError(f"--jobs must be >= 1, got {args.jobs}")
             build(args.jobs, say=lambda line: print(line, file=sys.stderr))
     except SpeculantError as error:
         print(f"speculant: error: {error}", file=sys.stderr)

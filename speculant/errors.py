@@ -17,6 +17,15 @@ class OptionError(ConfigError):
         self.option = option
 
 
+class RequestError(ConfigError):
+    """A request's setting beside the method's options (logprobs, logit_bias, response_format) that the method cannot
+    keep: `field` names it (a server answers with that field)."""
+
+    def __init__(self, field: str, message: str):
+        super().__init__(message)
+        self.field = field
+
+
 class ModelNotAvailable(SpeculantError):
     """A model cannot be loaded: unknown name, missing package, missing device."""
 

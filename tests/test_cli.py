@@ -361,6 +361,7 @@ def test_a_flag_given_where_it_does_nothing_is_one_line_never_ignored(capsys, tm
         (["acceptance", "--drafter", "maxgram"], "must name models"),
         (["profile", "--drafter", "suffix"], "runs no model forwards"),
         (["profile", "--widths", ""], "widths must look like"),
+        (["peers", "build-llamacpp", "--jobs", "0"], "--jobs must be >= 1"),
         (["serve", "--ray-cluster", ""], "--ray-cluster has an empty value"),
         (["serve", "--max-body-mb", "1e-9"], "max-body-mb must be a number >= 0.001"),
         (["generate", "x\udcff"], "the prompt is not UTF-8 text"),

@@ -92,6 +92,7 @@ def test_sampling_follows_the_constrained_distribution():
     ({"type": "grammar", "grammar": "start: undefined_rule"}, "the grammar does not compile: .*undefined_rule"),
     ({"type": "regex", "regex": "("}, "the regex does not compile: .*unclosed group"),
     ({"type": "json_schema", "json_schema": {"schema": {"type": "strin"}}}, "Invalid type: strin"),
+    ({"type": "json_schema", "json_schema": {"schema": {}, "strict": "yes"}}, "strict must be a bool"),
 ])
 def test_a_bad_response_format_is_refused_before_the_model_loads(response_format, message):
     with pytest.raises(ConfigError, match=message):

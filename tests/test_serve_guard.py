@@ -208,6 +208,10 @@ def test_a_refused_option_is_a_4xx_naming_it_before_a_stream_starts(app):
             response = client.post("/v1/completions", json=completion(stream=stream, speculant=options))
             assert response.headers["content-type"].startswith("application/json"), (options, stream)
             is_error(response, 400, param)
+    for stream in (False, True):  # (what DSI cannot keep: the request's own field)
+        response = client.post("/v1/completions", json=completion(
+            stream=stream, logprobs=1, speculant={"method": "dsi", "drafter": "maxgram"}))
+        is_error(response, 400, "logprobs")
 
 
 @pytest.mark.parametrize("body, param", [

@@ -32,7 +32,7 @@ from starlette.exceptions import HTTPException
 
 from speculant.api import encode_prompt
 from speculant.config import ModelConfig, SamplingConfig, ServeConfig
-from speculant.errors import ConfigError, OptionError
+from speculant.errors import ConfigError, OptionError, RequestError
 from speculant.methods.registry import get_method, request_options
 from speculant.models.wrappers.biased import check_bias
 from speculant.models.wrappers.constrained import Constraint, Matcher
@@ -348,7 +348,10 @@ def texts(value: Any) -> list[str]:
 
 
 def option_param(error: ConfigError, otherwise: str | None = "speculant") -> str | None:
-    """The request field a refused `speculant` option is answered with: the option where the error names one."""
+    """The request field a refused `speculant` option is answered with: the option where the error names one (a
+    request's own field where the method cannot keep it)."""
+    if isinstance(error, RequestError):
+        return error.field
     return f"speculant.{error.option}" if isinstance(error, OptionError) else otherwise
 
 

@@ -39,14 +39,14 @@ def plan(servers: int, lookahead: int | None, target_s: float | None, drafter_s:
     known = target_s is not None and drafter_s is not None
     if not known:
         if lookahead is None:
-            raise ConfigError("planning the lookahead needs the target and drafter latencies (or give --lookahead)")
+            raise ConfigError("planning the lookahead needs the target and drafter latencies (or give a lookahead)")
         return Plan(lookahead, servers, None, None)
     if target_s <= 0 or drafter_s < 0:
         raise ConfigError("latencies must be positive")
     if lookahead is None:
         if drafter_s >= target_s:
             raise ConfigError(f"a drafter as slow as the target ({drafter_s * 1000:.1f} ms vs {target_s * 1000:.1f} ms "
-                              "per forward) cannot make DSI faster; give --lookahead to run it anyway")
+                              "per forward) cannot make DSI faster; give a lookahead to run it anyway")
         lookahead = min(MAX_LOOKAHEAD, min_lookahead(target_s, max(drafter_s, 1e-9), servers))
     elif drafter_s > 0 and (needed := servers_needed(target_s, drafter_s, lookahead)) > servers:
         raise ConfigError(f"{servers} target server(s) cannot keep up with lookahead {lookahead}: it needs {needed}; "

@@ -71,6 +71,10 @@ class Constraint:
                                   f"{', '.join(sorted(JSON_SCHEMA_FIELDS))})")
             if not isinstance(schema, Mapping):
                 raise ConfigError("response_format json_schema needs {\"json_schema\": {\"schema\": {...}}}")
+            for name, kind in (("name", str), ("description", str), ("strict", bool)):
+                if spec.get(name) is not None and not isinstance(spec[name], kind):
+                    raise ConfigError(f"response_format json_schema's {name} must be a {kind.__name__}, got "
+                                      f"{spec[name]!r}")
             return cls("json_schema", dict(schema))
         if kind in ("grammar", "regex"):
             value = response_format.get(kind)
