@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import functools
 import math
+import re
 import types
 import typing
 from collections.abc import Callable, Iterable
@@ -136,6 +137,8 @@ class ModelConfig:
             raise ConfigError(f"unknown backend '{self.backend}' (choose from auto, {', '.join(BACKENDS)})")
         if self.compile and self.backend != "static":
             raise ConfigError("--compile compiles the static backend's step: add --backend static")
+        if not re.fullmatch(r"cpu|cuda(:\d+)?", self.device):  # (whether it is there: when the model loads)
+            raise ConfigError(f"unknown device '{self.device}' (use cpu, cuda or cuda:N)")
 
 
 MIN_BODY_MB = 0.001  # the smallest limit on a request's body (1 kB: a short request's JSON)

@@ -50,7 +50,8 @@ def catch_up_cost(drafter: Any, profile: Any, prefixes: Any = None) -> Any:
 
 
 def parse_widths(text: str) -> tuple[int, ...] | str:
-    return AUTO if text.strip() == AUTO else tuple(int(w) for w in text.split(",") if w.strip())
+    """`auto` or comma-separated widths, each a number (an empty one is a mistake, not nothing)."""
+    return AUTO if text.strip() == AUTO else tuple(int(w) for w in text.split(","))
 
 
 @dataclass(frozen=True)
