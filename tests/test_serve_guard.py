@@ -227,6 +227,7 @@ def test_a_refused_option_is_a_4xx_naming_it_before_a_stream_starts(app):
     (dict(prompt=[1, "a"]), "prompt.1"),
     (dict(messages=[{"role": "user", "content": "hi"}], top_logprobs=2), "top_logprobs"),
     (dict(messages=[{"role": "user", "content": "hi"}], tool_choice="required"), "tool_choice"),
+    (dict(messages=[{"role": "user", "content": "hi"}], parallel_tool_calls=False), "parallel_tool_calls"),
     (dict(messages=[{"role": "user", "content": "hi"}], max_completion_tokens=10**6), "max_completion_tokens"),
 ])
 def test_a_field_is_refused_by_name_never_dropped(app, body, param):

@@ -273,6 +273,7 @@ class ChatRequest(Sampling):
     _one_limit = given_with("max_completion_tokens", "max_tokens", "give max_completion_tokens or max_tokens, not both",
                             present=False)
     _alternatives_need_logprobs = given_with("top_logprobs", "logprobs", "top_logprobs needs logprobs: true")
+    _parallel_needs_tools = given_with("parallel_tool_calls", "tools", "parallel_tool_calls needs tools (as OpenAI's)")
 
     @field_validator("tools")
     @classmethod
