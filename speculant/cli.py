@@ -24,6 +24,8 @@ from speculant.config import (
     check_sampled,
     flag,
     from_args,
+    integer,
+    number,
 )
 from speculant.errors import ConfigError, SpeculantError
 from speculant.methods.drafting import held_drafters
@@ -72,7 +74,7 @@ def build_parser() -> argparse.ArgumentParser:
                       help="JSONL records with 'prompt', or MT-bench style 'turns' and 'category' (first turn, chat template)")
     add_options(bench, RunConfig, seed=0)
     add_options(bench, SamplingConfig)
-    bench.add_argument("--repeats", type=int, default=1, action=Given,
+    bench.add_argument("--repeats", type=integer, default=1, action=Given,
                        help="run the whole interleaved matrix this many times")
     bench.add_argument("--isolate", action=Given, nargs=0, const=True, default=False,
                        help="run each of speculant's generations in a fresh process after a warm-up generation, as "
@@ -96,9 +98,9 @@ def build_parser() -> argparse.ArgumentParser:
                       "or 1,2,4,8 (default: show the machine profile, measuring it once if it is missing)")
     prof.add_argument("--dataset", default="humaneval[:5]", action=Given, help="with --widths: prompts for TTFT and "
                       "TPOT")
-    prof.add_argument("--context-len", type=int, default=256, action=Given,
+    prof.add_argument("--context-len", type=integer, default=256, action=Given,
                       help="with --widths: cached tokens before the T(W) forwards")
-    prof.add_argument("--repeats", type=int, default=3, action=Given, help="with --widths: timings per width")
+    prof.add_argument("--repeats", type=integer, default=3, action=Given, help="with --widths: timings per width")
     prof.set_defaults(needs={"dataset": "widths", "context_len": "widths", "repeats": "widths",
                              "drafter_dtype": "drafter"})
     add_options(prof, ModelConfig)
@@ -110,9 +112,9 @@ def build_parser() -> argparse.ArgumentParser:
                      help="one drafter or several, comma-separated (the target generates once for all)")
     acc.add_argument("--drafter-dtype", choices=("bf16", "fp32"), default=None)
     acc.add_argument("--dataset", default="humaneval[:10]")
-    acc.add_argument("--max-new-tokens", type=int, default=128)
+    acc.add_argument("--max-new-tokens", type=integer, default=128)
     acc.add_argument("--temperature", type=non_negative, default=0.0, help="> 0 also reports sum_x min(p, q)")
-    acc.add_argument("--depth", type=int, default=8, help="draft positions in the per-position curve")
+    acc.add_argument("--depth", type=integer, default=8, help="draft positions in the per-position curve")
     add_options(acc, ModelConfig)
     acc.add_argument("--json", action="store_true")
 
@@ -125,9 +127,9 @@ def build_parser() -> argparse.ArgumentParser:
     data.add_argument("--dataset", default=None, help="prompts to log trees on (default: the prompts shipped in "
                       "speculant/analysis/depth_corpus.jsonl and humaneval[30:60], apart from every benchmark's)")
     data.add_argument("--prompts", default=None, metavar="FILE.jsonl[:N]")
-    depth.add_argument("--max-new-tokens", type=int, default=64)
-    depth.add_argument("--max-depth", type=int, default=8, help="depth of the logged trees: the most it predicts")
-    depth.add_argument("--width", type=int, default=1, help="nodes per drafting step of the logged trees")
+    depth.add_argument("--max-new-tokens", type=integer, default=64)
+    depth.add_argument("--max-depth", type=integer, default=8, help="depth of the logged trees: the most it predicts")
+    depth.add_argument("--width", type=integer, default=1, help="nodes per drafting step of the logged trees")
     depth.add_argument("--inputs", nargs="+", choices=("hidden", "features"), default=None,
                        help="what the predictor reads: the target's last hidden state (the paper's; default where the "
                        "backend gives it) or four features of its distribution; several: one predictor each, from "
@@ -155,17 +157,17 @@ def build_parser() -> argparse.ArgumentParser:
     data = load.add_mutually_exclusive_group()
     data.add_argument("--dataset", default="humaneval[:10]", help="humaneval[:N] (default: humaneval[:10])")
     data.add_argument("--prompts", default=None, metavar="FILE.jsonl[:N]", help="JSONL prompts (chat when 'turns')")
-    load.add_argument("--requests", type=int, default=32, help="requests to send, cycling over the prompts (with "
+    load.add_argument("--requests", type=integer, default=32, help="requests to send, cycling over the prompts (with "
                       "--rate: conversations)")
     arrivals = load.add_mutually_exclusive_group()
-    arrivals.add_argument("--concurrency", type=int, nargs="+", default=[1, 4, 16],
+    arrivals.add_argument("--concurrency", type=integer, nargs="+", default=[1, 4, 16],
                           help="clients at once; one run each")
     arrivals.add_argument("--rate", type=non_negative, nargs="+", default=None, help="open loop instead: conversations "
                           "arrive at this Poisson rate per second, whatever the backlog; one run each")
-    load.add_argument("--turns", type=int, default=1, action=Given, help="with --rate: turns per conversation, each "
+    load.add_argument("--turns", type=integer, default=1, action=Given, help="with --rate: turns per conversation, each "
                       "resending the history with the reply and a follow-up question")
     load.set_defaults(needs={"turns": "rate"})
-    load.add_argument("--max-tokens", type=int, default=64)
+    load.add_argument("--max-tokens", type=integer, default=64)
     load.add_argument("--temperature", type=non_negative, default=0.0)
     load.add_argument("--check-solo", action="store_true",
                       help="then send each distinct prompt alone and count outputs that differ (greedy)")
@@ -182,7 +184,7 @@ def build_parser() -> argparse.ArgumentParser:
                             "llamacpp-cli-ar, -spec and -ngram, and the serving peer) and the library the llama.cpp "
                             "backend runs on; installs llama-cpp-python's bindings, without a library of their own, "
                             "where they are missing")
-    tools.add_argument("--jobs", type=int, default=None, help="parallel compile jobs (default: all cores)")
+    tools.add_argument("--jobs", type=integer, default=None, help="parallel compile jobs (default: all cores)")
 
     kern = commands.add_parser("bench-kernels", help="T(W) of speculant's 4-bit kernels on a GGUF model's own "
                                "matrices, W rows through every linear layer, per ISA path of this machine")
@@ -190,7 +192,7 @@ def build_parser() -> argparse.ArgumentParser:
                       f"the lean backend runs (default: {DEFAULT_TARGET})")
     kern.add_argument("--widths", default="1-8,16", help="rows per call, e.g. 1-16 or 1,2,4,8 (default: 1-8,16)")
     kern.add_argument("--isa", nargs="+", default=None, help="paths to time (default: all but scalar)")
-    kern.add_argument("--repeats", type=int, default=5)
+    kern.add_argument("--repeats", type=integer, default=5)
     kern.add_argument("--out", default=None, help="write the result as JSON")
 
     simulate = commands.add_parser("simulate", help="offline simulation of non-SI, SI and DSI (no model needed)")
@@ -207,24 +209,24 @@ def build_parser() -> argparse.ArgumentParser:
                          help="drafter forward, ms")
     drafter.add_argument("--drafter-profile", default=None, metavar="JSON", help="take the drafter's TPOT from a "
                          "profile")
-    one.add_argument("--acceptance", type=float, required=True, help="per-token acceptance rate in [0, 1]")
-    one.add_argument("--lookahead", type=int, required=True, help="draft tokens per verification")
-    one.add_argument("--servers", type=int, default=1, help="target servers for DSI (default: 1)")
-    one.add_argument("--tokens", type=int, default=100, help="tokens to generate (default: 100)")
+    one.add_argument("--acceptance", type=number, required=True, help="per-token acceptance rate in [0, 1]")
+    one.add_argument("--lookahead", type=integer, required=True, help="draft tokens per verification")
+    one.add_argument("--servers", type=integer, default=1, help="target servers for DSI (default: 1)")
+    one.add_argument("--tokens", type=integer, default=100, help="tokens to generate (default: 100)")
     one.add_argument("--ttft", type=latency_ms, default=None, metavar="MS", help="the target's first forward (default: TPOT)")
-    one.add_argument("--repeats", type=int, default=1000)
-    one.add_argument("--seed", type=int, default=0)
+    one.add_argument("--repeats", type=integer, default=1000)
+    one.add_argument("--seed", type=integer, default=0)
     one.add_argument("--json", action="store_true", help="print one JSON object (keys non_si_ms, si_ms, dsi_ms, ...)")
     online = sims.add_parser("online", help="the latency twin: non-SI, SI and DSI through the real engine, "
                              "every forward padded to the given latencies (pure mode: i.i.d. acceptance, no model)")
     online.add_argument("--target-latency", type=latency_ms, required=True, metavar="MS", help="target forward (TPOT), ms")
     online.add_argument("--drafter-latency", type=latency_ms, required=True, metavar="MS", help="drafter forward, ms")
     online.add_argument("--ttft", type=latency_ms, default=None, metavar="MS", help="the target's first forward (default: TPOT)")
-    online.add_argument("--acceptance", type=float, required=True, help="per-token acceptance rate in [0, 1]")
-    online.add_argument("--servers", type=int, default=7, help="target servers (default: 7, an 8-GPU node)")
-    online.add_argument("--lookahead", type=int, default=None, help="default: planned for the servers")
-    online.add_argument("--tokens", type=int, default=50, help="tokens to generate (default: 50, as in the paper)")
-    online.add_argument("--repeats", type=int, default=5, help="prompts, each run by every method (default: 5)")
+    online.add_argument("--acceptance", type=number, required=True, help="per-token acceptance rate in [0, 1]")
+    online.add_argument("--servers", type=integer, default=7, help="target servers (default: 7, an 8-GPU node)")
+    online.add_argument("--lookahead", type=integer, default=None, help="default: planned for the servers")
+    online.add_argument("--tokens", type=integer, default=50, help="tokens to generate (default: 50, as in the paper)")
+    online.add_argument("--repeats", type=integer, default=5, help="prompts, each run by every method (default: 5)")
     online.add_argument("--executor", choices=("thread", "process", "ray"), default="thread")
     online.add_argument("--ray-address", default=None, action=Given, help="with --executor ray: join this cluster "
                         "(default: start one)")
@@ -233,22 +235,22 @@ def build_parser() -> argparse.ArgumentParser:
                         help="a costlier drafter beside the first (repeatable): DSI with each alone and with all "
                         "together (Algorithm 1 with m > 2 models)")
     online.add_argument("--timeline", default=None, metavar="PNG", help="draw the last DSI run")
-    online.add_argument("--seed", type=int, default=0)
+    online.add_argument("--seed", type=integer, default=0)
     online.add_argument("--json", action="store_true")
     heat = sims.add_parser("heatmap", help="the DSI paper's Figure 2 and 7 heatmaps, CSV and summary")
     heat.add_argument("--out", required=True, help="directory for grid.csv, figure2.png, figure7.png, summary.json")
     heat.set_defaults(out_kind=DIRECTORY)
-    heat.add_argument("--ndim", type=int, default=20, help="grid intervals per axis on the paper's axes (default: 20; "
+    heat.add_argument("--ndim", type=integer, default=20, help="grid intervals per axis on the paper's axes (default: 20; "
                       "the paper's heatmaps: 100, about 100 x 99 cells)")
     heat.add_argument("--lookaheads", default=",".join(map(str, LOOKAHEADS)),
                       help="lookaheads searched per cell, comma-separated (default: 18 from 1 to 100; the paper "
                       "searched every one from 1 to ndim)")
-    heat.add_argument("--tokens", type=int, default=100)
-    heat.add_argument("--repeats", type=int, default=10, help="repeats per configuration, common random numbers "
+    heat.add_argument("--tokens", type=integer, default=100)
+    heat.add_argument("--repeats", type=integer, default=10, help="repeats per configuration, common random numbers "
                       "(default: 10)")
-    heat.add_argument("--servers", type=int, default=7, help="target servers, SP degree (default: 7, an 8-GPU node)")
-    heat.add_argument("--fixed-lookahead", type=int, default=5, help="lookahead of Figure 7 (default: 5)")
-    heat.add_argument("--seed", type=int, default=0)
+    heat.add_argument("--servers", type=integer, default=7, help="target servers, SP degree (default: 7, an 8-GPU node)")
+    heat.add_argument("--fixed-lookahead", type=integer, default=5, help="lookahead of Figure 7 (default: 5)")
+    heat.add_argument("--seed", type=integer, default=0)
     return parser
 
 
@@ -512,7 +514,7 @@ def parse_width_ranges(text: str) -> list[int]:
     for part in text.split(","):
         low, _, high = part.partition("-")
         try:
-            first, last = int(low), int(high or low)
+            first, last = integer(low), integer(high or low)
         except ValueError:
             raise ConfigError(f"widths must look like 1-16,24,32, got '{text}'") from None
         if not 1 <= first <= last <= MAX_WIDTH:
@@ -750,7 +752,7 @@ def run_bench_serve(args: argparse.Namespace) -> None:
 def more_drafter(text: str) -> tuple[float, float]:
     """`--more-drafter MS:ACCEPTANCE` as numbers; a ConfigError naming the text where it is not two numbers."""
     try:
-        ms, acceptance = map(float, text.split(":"))
+        ms, acceptance = map(number, text.split(":"))
     except ValueError:
         raise ConfigError(f"--more-drafter takes MS:ACCEPTANCE, got '{text}'") from None
     if not 0 < ms <= MOST_LATENCY_MS:
@@ -790,7 +792,7 @@ def run_simulate(args: argparse.Namespace) -> None:
         print(json.dumps(result, indent=1) if args.json else format_one(result))
     else:
         try:
-            lookaheads = tuple(int(k) for k in args.lookaheads.split(","))
+            lookaheads = tuple(integer(k) for k in args.lookaheads.split(","))
         except ValueError:
             raise ConfigError(f"--lookaheads takes comma-separated integers, got '{args.lookaheads}'") from None
         numbers, paths = run_heatmap(Path(args.out), args.ndim, lookaheads, args.tokens, args.repeats,
@@ -829,7 +831,8 @@ def check_outputs(args: argparse.Namespace) -> None:
 
             suffix = path.suffix.lstrip(".").lower()  # (none: matplotlib's png)
             if suffix and suffix not in FigureCanvasBase.get_supported_filetypes():
-                raise ConfigError(f"--timeline {path}: an image is drawn as .png, .svg or .pdf (not '{suffix}')")
+                raise ConfigError(f"--timeline {path}: '{suffix}' is no image format matplotlib writes (png, svg, pdf, "
+                                  "...)")
 
 
 def check_needs(args: argparse.Namespace) -> None:
@@ -852,7 +855,7 @@ def latency_ms(text: str) -> float:
 def non_negative(text: str) -> float:
     """A flag's finite number >= 0 (a latency, a rate, a temperature)."""
     try:
-        value = float(text)
+        value = number(text)
     except ValueError:
         raise argparse.ArgumentTypeError(f"not a number: {text!r}") from None
     if not 0 <= value < math.inf:

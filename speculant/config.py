@@ -36,9 +36,23 @@ GGUF = "gguf"  # the packaged GGUF weights as they are, on the llama.cpp backend
 LEAN = "lean"  # the packaged GGUF on the lean backend as a drafter (models/backends/lean.py: head cut, types re-quantized)
 
 
+def integer(text: str) -> int:
+    """An integer written in ASCII digits (Python's `int` also takes `1_0` and `٣`); a ValueError otherwise."""
+    if not text.isascii() or "_" in text:
+        raise ValueError(f"not an integer in ASCII digits: {text!r}")
+    return int(text)
+
+
+def number(text: str) -> float:
+    """A number written in ASCII (Python's `float` also takes `1_0` and `٣`); a ValueError otherwise."""
+    if not text.isascii() or "_" in text:
+        raise ValueError(f"not a number in ASCII: {text!r}")
+    return float(text)
+
+
 def count_or_auto(text: str) -> int | str:
     """Parse a count, or `auto`."""
-    return AUTO if text == AUTO else int(text)
+    return AUTO if text == AUTO else integer(text)
 
 
 REQUEST_MOST = 64  # the largest value a server's client may give a draft-size option (`most`): a tree of a
@@ -217,9 +231,7 @@ def parse_bool(text: str) -> bool:
 
 def parse_value(f: Field, text: str) -> Any:
     """A field's value from text (a flag, a bench spec); a ConfigError names the field on bad text."""
-    parse = f.metadata.get("parse") or scalar_type(f)
-    if parse in (int, float) and (not text.isascii() or "_" in text):  # (Python's int and float take 1_0 and ٣)
-        raise ConfigError(f"bad value '{text}' for {f.name}")
+    parse = f.metadata.get("parse") or {int: integer, float: number}.get(scalar_type(f), scalar_type(f))
     try:
         value = parse_bool(text) if parse is bool else parse(text)
     except ConfigError:

@@ -3,6 +3,7 @@
 import json
 
 import pytest
+import torch
 
 from helpers import BYTE_VOCAB, bpe_tokenizer, byte_tokenizer, tiny_transformer
 from speculant import cli
@@ -112,10 +113,32 @@ def test_bad_input_is_one_line_and_exit_2(model_dirs, capsys, tmp_path, extra, m
     assert "Traceback" not in err
 
 
+def test_a_model_drafter_loads_in_the_dtype_given_and_requests_draft_with_what_the_server_loaded(model_dirs, capsys):
+    """`--drafter-dtype` applies to a model drafter named by its path (the loaded model carries it, and options built
+    again around it are not refused for it); a request switching a DSI server to other drafters is not refused for
+    the operator's dtype."""
+    from test_serve import engine_for
+
+    from speculant.models import load_model
+
+    code, _, err = run(capsys, "generate", "hi", "--target", model_dirs["target"], "--drafter", model_dirs["drafter"],
+                       "--drafter-dtype", "fp32", "--max-new-tokens", "4")
+    assert code == 0, err
+    engine = engine_for("dsi", target=load_model(model_dirs["target"], dtype="bf16"), drafter=model_dirs["drafter"],
+                        drafter_dtype="fp32")
+    assert engine.drafters[model_dirs["drafter"]].dtype == torch.float32
+    _, options = engine.options_for(None, {"drafters": ["maxgram"]})
+    assert [str(d) for d in options.drafters] == ["maxgram"] and options.drafter_dtype is None
+    engine.close()
+
+
 def test_a_file_that_is_not_text_json_or_a_run_s_is_one_line(capsys, tmp_path):
     """Bytes that are not UTF-8, JSON nested past Python's recursion limit, and a results.json whose rows are not a
     bench run's: one line naming the file, never a traceback."""
+    from speculant.trees.depth import DepthPredictor
+
     binary, deep, rows = tmp_path / "bin.dat", tmp_path / "deep.json", tmp_path / "results.json"
+    DepthPredictor(4, "hidden", 16).save(tmp_path / "hidden.json")
     binary.write_bytes(bytes(range(128, 256)))
     deep.write_text("[" * 100000)
     rows.write_text(json.dumps({"config": {"methods": ["ar"], "command": "c", "machine": "m"}, "rows": [{"a": 1}]}))
@@ -134,6 +157,9 @@ def test_a_file_that_is_not_text_json_or_a_run_s_is_one_line(capsys, tmp_path):
         code, _, err = run(capsys, *argv)
         assert code == 2 and err.count("speculant: error") == 1 and message in err and str(tmp_path) in err, argv
         assert "Traceback" not in err and "loading target" not in err, argv
+    code, _, err = run(capsys, "serve", "--method", "tree", "--drafter", "self", "--backend", "llamacpp",
+                       "--depth-predictor", str(tmp_path / "hidden.json"))  # (a good file, a backend it cannot use)
+    assert code == 2 and "this depth predictor reads the target's hidden states: the llamacpp backend" in err, err
 
 
 COMPACT = {"whitespace_flexible": False, "whitespace_pattern": None}  # JSON without whitespace: a random model pads
@@ -351,7 +377,7 @@ def test_a_flag_given_where_it_does_nothing_is_one_line_never_ignored(capsys, tm
         (["generate", "x", "--method", "dsi", "--drafters", "maxgram", "--drafter-dtype", "fp32"], "loads none"),
         (["generate", "x", "--method", "dsi", "--ray-address", "auto"], "add executor ray"),
         (["generate", "x", "--method", "dsi", "--drafter", "maxgram", "--timeline", str(tmp_path / "t.txt")],
-         "an image is drawn as .png"),
+         "'txt' is no image format matplotlib writes"),
         (["generate", "x", "--temperature", "0.5", "--seed", str(1 << 64)], "seed must be a 64-bit integer"),
         (["generate", "x", "--temperature", "1e-300"], "at least 0.001"),
         (["serve", "--replica-cpus", "1.5"], "--replica-cpus applies to Ray Serve replicas"),
@@ -361,6 +387,8 @@ def test_a_flag_given_where_it_does_nothing_is_one_line_never_ignored(capsys, tm
         (["acceptance", "--drafter", "maxgram"], "must name models"),
         (["profile", "--drafter", "suffix"], "runs no model forwards"),
         (["profile", "--widths", ""], "widths must look like"),
+        (["generate", "x", "--method", "tree", "--depth", "1_0"], "bad value '1_0' for depth"),
+        (["generate", "x", "--method", "auto", "--tree-widths", "2,,3"], "bad value '2,,3' for tree_widths"),
         (["peers", "build-llamacpp", "--jobs", "0"], "--jobs must be >= 1"),
         (["serve", "--ray-cluster", ""], "--ray-cluster has an empty value"),
         (["serve", "--max-body-mb", "1e-9"], "max-body-mb must be a number >= 0.001"),

@@ -103,11 +103,12 @@ def run_heatmap(out: Path, ndim: int, lookaheads: tuple[int, ...], tokens: int, 
     if ndim < 2 or fixed_lookahead not in lookaheads or tokens < 1 or repeats < 2 or servers < 1 or min(lookaheads) < 1:
         raise ConfigError("need ndim >= 2, the fixed lookahead among the lookaheads (all >= 1), repeats >= 2, "
                           "and positive tokens and servers")
-    check_size(servers, max(lookaheads), tokens, (ndim + 1) * repeats, seed)  # (its draws: every acceptance's)
+    check_size(servers, max(lookaheads), tokens, repeats, seed)
     cells = (ndim + 1) ** 2 * len(set(lookaheads)) * repeats
-    if cells > MOST_CELLS or cells * tokens > MOST_STEPS:
-        raise ConfigError(f"a heatmap takes at most {MOST_CELLS} cells ((ndim + 1)^2 x lookaheads x repeats) and "
-                          f"{MOST_STEPS} cell-tokens; this one has {cells} and {cells * tokens}")
+    if cells > MOST_CELLS or cells * tokens > MOST_STEPS or (ndim + 1) * repeats * tokens > MOST_DRAWS:
+        raise ConfigError(f"a heatmap takes at most {MOST_CELLS} cells ((ndim + 1)^2 x lookaheads x repeats), "
+                          f"{MOST_STEPS} cell-tokens and {MOST_DRAWS} drawn tokens ((ndim + 1) x repeats x tokens); "
+                          f"this one has {cells}, {cells * tokens} and {(ndim + 1) * repeats * tokens}")
     start = time.perf_counter()
     c, a = paper_axes(ndim)
     grid = simulate_grid(c, a, np.array(sorted(set(lookaheads))), tokens, repeats, servers, seed)

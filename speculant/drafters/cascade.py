@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import torch
 
-from speculant.config import SamplingConfig
+from speculant.config import SamplingConfig, integer
 from speculant.drafters.base import Draft, Drafter
 from speculant.drafters.cross_vocab import CrossVocabDrafter
 from speculant.drafters.maxgram import MaxGramDrafter
@@ -38,7 +38,7 @@ def parse_k_matrix(text: str, levels: int) -> list[list[int]]:
     """`"4,2;6"` or `"4,2;0,6"` -> [[4, 2], [0, 6]]: rows split by ';', entries by ','; row i may give
     only its upper-triangular part (levels - i entries)."""
     try:
-        rows = [[int(v) for v in row.split(",")] for row in text.split(";")]
+        rows = [[integer(v) for v in row.split(",")] for row in text.split(";")]
     except ValueError:
         raise ConfigError(f"the K matrix must be integers like '4,2;0,6', got '{text}'") from None
     if len(rows) != levels:

@@ -9,7 +9,7 @@ from collections.abc import Collection
 from dataclasses import dataclass, fields
 from typing import Any
 
-from speculant.config import AUTO, CATCH_UPS, REQUEST_MOST, REQUEST_NODES, SCHEDULES, option
+from speculant.config import AUTO, CATCH_UPS, REQUEST_MOST, REQUEST_NODES, SCHEDULES, integer, option
 from speculant.drafters.spec import as_drafter, model_free
 from speculant.errors import ConfigError, OptionError
 from speculant.methods.drafting import DRAFTER_DTYPES, check_drafter_dtype, parse_drafters
@@ -50,8 +50,10 @@ def catch_up_cost(drafter: Any, profile: Any, prefixes: Any = None) -> Any:
 
 
 def parse_widths(text: str) -> tuple[int, ...] | str:
-    """`auto` or comma-separated widths, each a number (an empty one is a mistake, not nothing)."""
-    return AUTO if text.strip() == AUTO else tuple(int(w) for w in text.split(","))
+    """`auto`, nothing (chains only), or comma-separated widths, each a number (an empty one is a mistake)."""
+    if not text.strip():
+        return ()
+    return AUTO if text.strip() == AUTO else tuple(integer(w) for w in text.split(","))
 
 
 @dataclass(frozen=True)

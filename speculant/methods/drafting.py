@@ -66,9 +66,9 @@ def held_drafters(options: Any) -> list[Any]:
 
 def needs(options: Any) -> list[tuple[str, str, str]]:
     """The target capabilities `options` need, as (capability, what needs it, the option that asks for it): their
-    own `target_needs` (asked for by the method), and `skips_layers` for a `self@skip` drafter. The CLI checks them
-    against the target's backend before it loads, `generate` and a server's requests against the loaded target's."""
-    needed = [(capability, what, "method") for capability, what in getattr(options, "target_needs", ())]
+    own `target_needs`, and `skips_layers` for a `self@skip` drafter. The CLI checks them against the target's
+    backend before it loads, `generate` and a server's requests against the loaded target's."""
+    needed = list(getattr(options, "target_needs", ()))
     for name, drafters in drafters_by_field(options).items():
         if any(isinstance(d, DrafterSpec) and d.skip for d in drafters):
             needed.append(("skips_layers", "self@skip needs a target that drafts with some of its layers left out",
@@ -83,9 +83,11 @@ def unmet(options: Any, capabilities: Any) -> tuple[str, str, str] | None:
 
 def with_drafters(options: Any, load: Callable[[Any], Any]) -> Any:
     """`options` with every drafter it holds (`drafter`, `drafters`) replaced by `load(drafter)`: how the
-    CLI and the bench load drafters once, before generating."""
+    CLI and the bench load drafters once, before generating. Their `drafter_dtype`, which `load` applies, is cleared."""
     changes = {name: load(drafters[0]) if name == "drafter" else tuple(map(load, drafters))
                for name, drafters in drafters_by_field(options).items()}
+    if changes and "drafter_dtype" in {f.name for f in fields(options)}:
+        changes["drafter_dtype"] = None  # (applied: the loaded models are in it, and keep it)
     return replace(options, **changes) if changes else options
 
 

@@ -7,7 +7,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from speculant.config import EXECUTORS, MOST_LATENCY_MS, REQUEST_MOST, option
+from speculant.config import EXECUTORS, MOST_LATENCY_MS, REQUEST_MOST, number, option
 from speculant.errors import ConfigError
 from speculant.methods.drafting import DrafterOptions, parse_drafters
 from speculant.methods.registry import Request, register
@@ -40,8 +40,8 @@ def parse_twin(text: str) -> tuple[Any, Any]:
         target, drafter = (Latency.from_profile(LatencyProfile.load(Path(part))) for part in parts)
         return target, drafter
     try:
-        values = [float(v) for v in parts[:1] + parts[2:]]
-        drafters = [float(v) for v in parts[1].split("/")] if len(parts) > 1 else []
+        values = [number(v) for v in parts[:1] + parts[2:]]
+        drafters = [number(v) for v in parts[1].split("/")] if len(parts) > 1 else []
     except ValueError:
         values = drafters = []
     if len(values) not in (1, 2) or not drafters or not all(0 <= v <= MOST_LATENCY_MS for v in values + drafters):
@@ -72,12 +72,12 @@ class DSIOptions(DrafterOptions):
     ray_address: str | None = option(None, "with executor ray: join this cluster (default: start one)", operator=True)
 
     @property
-    def target_needs(self) -> tuple[tuple[str, str], ...]:
+    def target_needs(self) -> tuple[tuple[str, str, str], ...]:
         """The target's capabilities these options need (`drafting.needs`): replicas for the target servers, unless
         a started executor brings servers of its own."""
         if not isinstance(self.executor, str):
             return ()
-        return (("replicates", "DSI needs replicas of the target for its target servers"),)
+        return (("replicates", "DSI needs replicas of the target for its target servers", "method"),)
 
     def __post_init__(self) -> None:
         if isinstance(self.drafters, str):

@@ -254,8 +254,10 @@ class Engine:
             loaded["drafters"] = tuple(self.drafters[k] for k in self.served) or MAXGRAM
 
         def build(values: Mapping[str, Any]) -> Any:
-            if spec is self.method:  # the server's method: the operator's settings stay, its drafters too
-                return replace(self.options, **values)
+            if spec is self.method:  # the server's method: the operator's settings stay, its drafters too (a
+                # request's own draft with what the server loaded: the operator's drafter dtype is not theirs)
+                switched = "drafter_dtype" in by_name and bool({"drafter", "drafters"} & set(values))
+                return replace(self.options, **values, **({"drafter_dtype": None} if switched else {}))
             return spec.make_options({**loaded, **values})
 
         values = spec.parse_values(text)

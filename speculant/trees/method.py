@@ -83,6 +83,16 @@ class TreeOptions(DrafterOptions):
                                   "train-depth`)")
             object.__setattr__(self, "depth_predictor", DepthPredictor.load(Path(self.depth_predictor)))
 
+    @property
+    def target_needs(self) -> tuple[tuple[str, str, str], ...]:
+        """The target's capabilities these options need (`drafting.needs`): its hidden states, for a depth predictor
+        that reads them."""
+        from speculant.trees.depth import DepthPredictor
+
+        if not (isinstance(self.depth_predictor, DepthPredictor) and self.depth_predictor.inputs == "hidden"):
+            return ()
+        return (("hidden_states", "this depth predictor reads the target's hidden states", "depth_predictor"),)
+
 
 def bounds(options: TreeOptions, names: Collection[str]) -> None:
     """A server's client that sizes a tree (names its depth or width) gets at most REQUEST_NODES drafted nodes: each

@@ -15,7 +15,7 @@ from __future__ import annotations
 import json
 import re
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from functools import lru_cache
 from typing import Any
 
@@ -42,11 +42,13 @@ class Constraint:
 
     kind: str
     value: Any = None
+    text: str = field(init=False, repr=False, compare=False)  # llguidance's grammar text (`grammar`)
 
     def __post_init__(self) -> None:
         """A grammar, schema or pattern that does not compile is refused when given, before any tokenizer (or
         model) loads: llguidance checks it without one."""
-        if error := _llguidance().LLMatcher.validate_grammar(self.grammar()):
+        object.__setattr__(self, "text", self.grammar())
+        if error := _llguidance().LLMatcher.validate_grammar(self.text):
             raise ConfigError(f"the {self.kind} does not compile: {one_line(error)}")
 
     @classmethod
@@ -126,7 +128,7 @@ class Matcher:
             raise ConfigError("structured output needs the model's tokenizer")
         self.vocab_size = vocab_size
         self.constraint, self.tokenizer = constraint, tokenizer
-        self._matcher = llguidance.LLMatcher(_llg_tokenizer(tokenizer, vocab_size), constraint.grammar(),
+        self._matcher = llguidance.LLMatcher(_llg_tokenizer(tokenizer, vocab_size), constraint.text,
                                              log_level=0)
         if self._matcher.is_error():
             raise ConfigError(f"the {constraint.kind} does not compile: {one_line(self._matcher.get_error())}")
