@@ -335,6 +335,8 @@ def run_generate(args: argparse.Namespace) -> None:
     files = [Path(f) for f in args.bigram_corpus or []]
     if missing := [str(f) for f in files if not f.is_file()]:
         raise ConfigError(f"bigram corpus file not found: {', '.join(missing)}")
+    if empty := [str(f) for f in files if f.stat().st_size == 0]:
+        raise ConfigError(f"bigram corpus file is empty: {', '.join(empty)}")
     if args.timeline and method.name != "dsi":
         raise ConfigError("--timeline applies to --method dsi only")
     constraint = read_constraint(args.json_schema, args.grammar)

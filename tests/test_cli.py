@@ -336,6 +336,7 @@ def test_argparse_errors_exit_2(capsys):
 def test_a_flag_given_where_it_does_nothing_is_one_line_never_ignored(capsys, tmp_path):
     """A flag that applies only with another (or with sampling, or with a model drafter) is refused when given
     without it, before any work; flags that exclude each other are argparse's usage error. Their defaults alone pass."""
+    (tmp_path / "empty.txt").write_text("")
     saved = tmp_path / "results.json"
     saved.write_text(json.dumps({"config": {"methods": ["ar"], "command": "speculant bench", "machine": "m"},
                                  "rows": []}))
@@ -390,6 +391,8 @@ def test_a_flag_given_where_it_does_nothing_is_one_line_never_ignored(capsys, tm
         (["generate", "x", "--method", "tree", "--depth", "1_0"], "bad value '1_0' for depth"),
         (["generate", "x", "--method", "auto", "--tree-widths", "2,,3"], "bad value '2,,3' for tree_widths"),
         (["peers", "build-llamacpp", "--jobs", "0"], "--jobs must be >= 1"),
+        (["generate", "x", "--drafter", "maxgram", "--bigram-corpus", str(tmp_path / "empty.txt")],
+         "bigram corpus file is empty"),
         (["serve", "--ray-cluster", ""], "--ray-cluster has an empty value"),
         (["serve", "--max-body-mb", "1e-9"], "max-body-mb must be a number >= 0.001"),
         (["generate", "x\udcff"], "the prompt is not UTF-8 text"),
