@@ -659,6 +659,8 @@ def run_serve(args: argparse.Namespace) -> None:
     from speculant.serve import serving_backend
 
     config = from_args(ServeConfig, args)
+    if "replica_cpus" in args.given and not config.on_ray:
+        raise ConfigError("--replica-cpus applies to Ray Serve replicas: with --replicas above 1 or --ray-cluster")
     model_config = from_args(ModelConfig, args)
     given = {name: getattr(args, name) for name in all_options() if getattr(args, name) is not None}
     method = get_method(resolve_method(args.method, given))

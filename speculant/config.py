@@ -156,7 +156,6 @@ class ModelConfig:
 
 
 MIN_BODY_MB = 0.001  # the smallest limit on a request's body (1 kB: a short request's JSON)
-REPLICA_CPUS = 1.0  # cores Ray reserves for a replica unless told
 
 
 @dataclass(frozen=True)
@@ -178,7 +177,7 @@ class ServeConfig:
                                              "separated (e.g. localhost,api.example.com; default: any)")
     replicas: int = option(1, "serve from this many processes, each with its own models, as a Ray Serve "
                               "deployment behind one port (pip install 'speculant[ray]')")
-    replica_cpus: float = option(REPLICA_CPUS, "CPU cores Ray reserves for each replica (its kernels' threads)")
+    replica_cpus: float = option(1.0, "CPU cores Ray reserves for each replica (its kernels' threads)")
     ray_cluster: str | None = option(None, "deploy the replicas on the Ray cluster at this address (default: "
                                            "start one here)")
 
@@ -193,8 +192,6 @@ class ServeConfig:
             raise ConfigError(f"max-body-mb must be a number >= {MIN_BODY_MB} (a request's body), got {self.max_body_mb}")
         if self.replicas < 1 or not 0 < self.replica_cpus < math.inf:
             raise ConfigError("replicas must be >= 1 and replica-cpus a number > 0")
-        if self.replica_cpus != REPLICA_CPUS and not self.on_ray:
-            raise ConfigError("--replica-cpus applies to Ray Serve replicas: with --replicas above 1 or --ray-cluster")
         for name in ("api_key", "served_name", "allowed_hosts", "ray_cluster"):  # (empty: a key anyone sends, a name no one, any host)
             value = getattr(self, name)
             parts = value.split(",") if name == "allowed_hosts" and value is not None else [value]

@@ -381,7 +381,7 @@ def test_a_flag_given_where_it_does_nothing_is_one_line_never_ignored(capsys, tm
          "'txt' is no image format matplotlib writes"),
         (["generate", "x", "--temperature", "0.5", "--seed", str(1 << 64)], "seed must be a 64-bit integer"),
         (["generate", "x", "--temperature", "1e-300"], "at least 0.001"),
-        (["serve", "--replica-cpus", "1.5"], "--replica-cpus applies to Ray Serve replicas"),
+        (["serve", "--replica-cpus", "1"], "--replica-cpus applies to Ray Serve replicas"),
         ([*online, "--more-drafter", "1:2"], "acceptance must lie in [0, 1], got 2.0"),
         (["simulate", "heatmap", "--out", str(tmp_path / "h"), "--tokens", "100000000"], "100000 tokens"),
         (["simulate", "heatmap", "--out", str(tmp_path / "h"), "--ndim", "1000"], "at most 10000000 cells"),
