@@ -8,7 +8,7 @@ import math
 import sys
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
 from speculant.config import (
     BACKENDS,
@@ -36,8 +36,15 @@ FILE, FILE_ANYWHERE, DIRECTORY = "file", "file anywhere", "directory"  # what a 
 PARSER_KEYS = ("command", "out_kind", "given", "needs")  # what the parser notes beside the flags (no run's settings)
 
 
+class Parser(argparse.ArgumentParser):
+    """argparse's parser (its subcommands' too), whose usage errors are one line as speculant's own errors are."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(2, f"speculant: error: {message} (see {self.prog} --help)\n")
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="speculant", description="Lossless speculative inference of language models.")
+    parser = Parser(prog="speculant", description="Lossless speculative inference of language models.")
     # Flags given; what a flag applies with (`check_needs`); what --out names (`check_outputs`).
     parser.set_defaults(given=frozenset(), needs={}, out_kind=FILE)
     commands = parser.add_subparsers(dest="command", required=True)

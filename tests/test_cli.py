@@ -320,7 +320,9 @@ def test_bad_files_paths_and_settings_are_one_line_before_any_model_loads(tmp_pa
                             "--acceptance", "0.5"], "must be a finite number >= 0")]:
         with pytest.raises(SystemExit) as exit_info:
             cli.main(argv)
-        assert exit_info.value.code == 2 and message in capsys.readouterr().err, argv
+        err = capsys.readouterr().err  # (argparse's usage errors: one line too, naming the help to read)
+        assert exit_info.value.code == 2 and message in err and err.count("\n") == 1, (argv, err)
+        assert err.startswith("speculant: error: ") and "--help)" in err, err
 
 
 def test_argparse_errors_exit_2(capsys):
@@ -417,7 +419,9 @@ def test_a_flag_given_where_it_does_nothing_is_one_line_never_ignored(capsys, tm
                           ([*online[:2], "--target-latency", "1e308", *online[4:]], "at most 60000 ms")):
         with pytest.raises(SystemExit) as exit_info:
             cli.main(argv)
-        assert exit_info.value.code == 2 and message in capsys.readouterr().err, argv
+        err = capsys.readouterr().err  # (argparse's usage errors: one line too, naming the help to read)
+        assert exit_info.value.code == 2 and message in err and err.count("\n") == 1, (argv, err)
+        assert err.startswith("speculant: error: ") and "--help)" in err, err
     args = cli.build_parser().parse_args(["profile"])
     cli.check_needs(args)  # (the defaults of flags that need another: nothing given)
     assert args.given == frozenset() and args.context_len == 256
