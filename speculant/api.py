@@ -11,7 +11,7 @@ from speculant.decoding.run import Decoder, timed
 from speculant.decoding.stats import GenerationStats
 from speculant.errors import ConfigError, RequestError
 from speculant.methods import Request, get_method
-from speculant.methods.drafting import unmet
+from speculant.methods.drafting import check_capabilities
 from speculant.models import load_model
 from speculant.models.wrappers.biased import Biased
 from speculant.models.wrappers.constrained import Constrained, Constraint, Matcher
@@ -183,8 +183,7 @@ def generate(
         else Constraint.from_response_format(response_format)
     check_request(spec.name, logprobs, logit_bias, constraint)
     target = load_model(target)
-    if need := unmet(method_options, target.capabilities):
-        raise ConfigError(f"{need[1]}: the target's backend does not offer that")
+    check_capabilities(method_options, target)
     if prompt_ids is None:
         if prompt is None or not (prompt.strip() if isinstance(prompt, str) else prompt):
             raise ConfigError("the prompt is empty")

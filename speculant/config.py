@@ -36,18 +36,22 @@ GGUF = "gguf"  # the packaged GGUF weights as they are, on the llama.cpp backend
 LEAN = "lean"  # the packaged GGUF on the lean backend as a drafter (models/backends/lean.py: head cut, types re-quantized)
 
 
-def integer(text: str) -> int:
-    """An integer written in ASCII digits (Python's `int` also takes `1_0` and `٣`); a ValueError otherwise."""
+def ascii_text(text: str) -> str:
+    """`text` where it is written in ASCII without `_` (Python's `int` and `float` also take `1_0` and `٣`); a
+    ValueError otherwise."""
     if not text.isascii() or "_" in text:
-        raise ValueError(f"not an integer in ASCII digits: {text!r}")
-    return int(text)
+        raise ValueError(f"not a number in ASCII digits: {text!r}")
+    return text
+
+
+def integer(text: str) -> int:
+    """An integer written in ASCII digits; a ValueError otherwise."""
+    return int(ascii_text(text))
 
 
 def number(text: str) -> float:
-    """A number written in ASCII (Python's `float` also takes `1_0` and `٣`); a ValueError otherwise."""
-    if not text.isascii() or "_" in text:
-        raise ValueError(f"not a number in ASCII: {text!r}")
-    return float(text)
+    """A number written in ASCII; a ValueError otherwise."""
+    return float(ascii_text(text))
 
 
 def count_or_auto(text: str) -> int | str:

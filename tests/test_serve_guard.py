@@ -181,8 +181,9 @@ def test_a_request_naming_one_of_a_pair_of_options_is_not_overruled_by_the_other
 
 
 def test_a_method_the_target_s_backend_cannot_run_is_a_4xx_naming_it(monkeypatch):
-    """A request for DSI on a target whose backend makes no replicas (the lean one) is refused when read, naming
-    `speculant.method`, as the CLI refuses it before loading."""
+    """A request for DSI on a target whose backend makes no replicas (the lean backend's; here transformers' with
+    that capability taken away) is refused when read, naming `speculant.method`, as the CLI refuses it before
+    loading."""
     from dataclasses import replace
 
     engine = engine_for("sd")

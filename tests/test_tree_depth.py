@@ -166,3 +166,19 @@ def test_trees_of_the_hidden_state_predicted_depth_equal_ar_on_static(arch, tmp_
     predictor, _ = fit(samples, 4, "hidden")
     predictor.save(tmp_path / "hidden.json")
     predicted_trees_equal_ar(target, drafter, prompts[:3], tmp_path / "hidden.json", 4, (2,), monkeypatch, 24)
+
+
+def test_a_hidden_state_predictor_is_refused_for_a_target_without_hidden_states(tmp_path):
+    """The options read the predictor and say what it needs of the target (`target_needs`): `generate` refuses a
+    target whose backend gives no hidden states, naming the option, before it drafts."""
+    from helpers import MarkovLM
+
+    from speculant.errors import OptionError
+
+    DepthPredictor(4, "hidden", 16).save(tmp_path / "hidden.json")
+    target = MarkovLM(12, 0)
+    assert not target.capabilities.hidden_states
+    with pytest.raises(OptionError, match="reads the target's hidden states") as refused:
+        generate(target, prompt_ids=[1, 2], method="tree", drafter="self", depth_predictor=str(tmp_path / "hidden.json"),
+                 max_new_tokens=4)
+    assert refused.value.option == "depth_predictor"

@@ -9,7 +9,7 @@ from typing import Any
 
 from speculant.config import DEFAULT_DRAFTER, option
 from speculant.drafters.spec import MODEL, DrafterSpec, as_drafter
-from speculant.errors import ConfigError
+from speculant.errors import ConfigError, OptionError
 
 DRAFTER_DTYPES = ("bf16", "fp32")
 
@@ -79,6 +79,13 @@ def needs(options: Any) -> list[tuple[str, str, str]]:
 def unmet(options: Any, capabilities: Any) -> tuple[str, str, str] | None:
     """The first of `needs(options)` that `capabilities` (a backend's, `models.base.Capabilities`) lack, or None."""
     return next((need for need in needs(options) if not getattr(capabilities, need[0])), None)
+
+
+def check_capabilities(options: Any, target: Any) -> None:
+    """An OptionError naming the option that asks a loaded `target` for what its backend does not offer (`generate`,
+    a server's own options and its requests; the CLI refuses it by the backend's name before loading)."""
+    if need := unmet(options, target.capabilities):
+        raise OptionError(need[2], f"{need[1]}: the target's backend does not offer that")
 
 
 def with_drafters(options: Any, load: Callable[[Any], Any]) -> Any:

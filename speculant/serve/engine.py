@@ -20,7 +20,7 @@ from speculant.config import SamplingConfig, ServeConfig, default_of
 from speculant.drafters.spec import MAXGRAM, SELF, DrafterSpec, as_drafter
 from speculant.errors import ConfigError, OptionError
 from speculant.methods import Request, get_method
-from speculant.methods.drafting import drafters_by_field, unmet, with_drafters
+from speculant.methods.drafting import check_capabilities, drafters_by_field, with_drafters
 from speculant.models.base import Call, CausalLM, Interrupted
 from speculant.models.wrappers.constrained import Constraint
 from speculant.models.wrappers.logprobs import TokenLogprob
@@ -203,6 +203,7 @@ class Engine:
         self.target = self.batcher.run(target) if callable(target) and not isinstance(target, CausalLM) else target
         self.method = get_method(method)
         options = options if options is not None else self.method.make_options({})
+        check_capabilities(options, self.target)
         if self.method.name == "auto" and options.drafters is None:
             options = replace(options, drafters=tuple(as_drafter(d) for d in self.target.default_drafters()))
         # What the requests load and learn, shared by all of them, and the KV of their prompts.
@@ -275,8 +276,7 @@ class Engine:
         except ConfigError as error:  # (an options class's own check: named after the option it fails on)
             raise OptionError(culprit(build, values), str(error)) from None
         spec.check_request(options, given)
-        if need := unmet(options, self.target.capabilities):
-            raise OptionError(need[2], f"{need[1]}: this server's target runs on a backend that does not offer that")
+        check_capabilities(options, self.target)
         for name, drafters in drafters_by_field(options).items():
             for drafter in drafters:
                 if any(drafter is m for m in self.drafters.values()) or str(drafter) in self.drafters:

@@ -162,20 +162,15 @@ def tree_drafter_model(model: Any, target: Any) -> Any:
 
 
 def depth_predictor(choice: Any, target: Any, drafter: Any) -> Any:
-    """The DepthPredictor `choice` names: off, one the options read from the file they named, or auto
-    (train-depth's for the pair, if any: the hidden-state one where the target's backend gives hidden states, else
-    the features one)."""
+    """The DepthPredictor `choice` names: off, one the options read from the file they named (a hidden-state one
+    only on a target that gives them: `target_needs`), or auto (train-depth's for the pair, if any: the
+    hidden-state one where the target's backend gives hidden states, else the features one)."""
     from speculant.trees.depth import INPUTS, DepthPredictor, predictor_path
 
     if choice == "off":
         return None
-    predictor, where = choice, "given"
-    if not isinstance(choice, DepthPredictor):  # auto
-        kinds = [k for k in INPUTS if k != "hidden" or target.capabilities.hidden_states]
-        where = next((p for p in (predictor_path(target, drafter, k) for k in kinds) if p is not None and p.is_file()),
-                     None)
-        predictor = DepthPredictor.load(where) if where is not None else None
-    if predictor is not None and predictor.inputs == "hidden" and not target.capabilities.hidden_states:
-        raise ConfigError(f"the depth predictor ({where}) reads the target's hidden states, which its backend does not "
-                          "give (train one with `speculant train-depth --inputs features`)")
-    return predictor
+    if isinstance(choice, DepthPredictor):
+        return choice
+    kinds = [k for k in INPUTS if k != "hidden" or target.capabilities.hidden_states]
+    path = next((p for p in (predictor_path(target, drafter, k) for k in kinds) if p is not None and p.is_file()), None)
+    return DepthPredictor.load(path) if path is not None else None

@@ -10,11 +10,10 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:
     from speculant.models.base import Capabilities
 
-CLASSES = {"hf": ("hf", "HFCausalLM"), "llamacpp": ("llamacpp", "LlamaCppCausalLM"), "lean": ("lean", "LeanCausalLM"),
-           "static": ("static", "StaticCausalLM")}
+CLASSES = {"hf": "HFCausalLM", "llamacpp": "LlamaCppCausalLM", "lean": "LeanCausalLM", "static": "StaticCausalLM"}
+# (each backend's class, in the module of the backend's name)
 
 
 def capabilities_of(backend: str) -> Capabilities:
     """A backend's declared capabilities, by its name, before any model loads (its module imported, nothing else)."""
-    module, name = CLASSES[backend]
-    return getattr(importlib.import_module(f"{__name__}.{module}"), name).capabilities
+    return getattr(importlib.import_module(f"{__name__}.{backend}"), CLASSES[backend]).capabilities
