@@ -74,9 +74,9 @@ def prose_counts(tokenizer: Any, vocab_size: int) -> np.ndarray:
     each word's frequency spread over the tokens of its forms (`WORD_FORMS`)."""
     from importlib.metadata import version
 
-    from wordfreq import get_frequency_dict
-
     def count() -> np.ndarray:
+        from wordfreq import get_frequency_dict  # (an import that costs a cached count a tenth of a second)
+
         words = sorted(get_frequency_dict("en", wordlist="large").items(), key=lambda item: -item[1])[:PROSE_WORDS]
         frequencies = np.array([frequency for _, frequency in words])
         counts = np.zeros(vocab_size)

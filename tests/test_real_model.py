@@ -68,3 +68,17 @@ def test_catalog_gguf_loads_in_seconds_and_auto_is_exact():
         options = {"drafter": "maxgram"} if method == "sd" else {}
         assert generate(target, prompt, method=method, max_new_tokens=24, chat=True, **options).token_ids == \
             expected.token_ids
+
+
+def test_the_catalog_drafter_reads_with_its_target_s_tokenizer(model):
+    """The catalog's Qwen2.5-Coder models ship the same tokenizer files: a drafter among them takes the target's
+    tokenizer (no second parse); SmolLM2's are other files."""
+    from speculant.models.loading import drafter_tokenizer
+
+    assert drafter_tokenizer(model, "qwen2.5-coder-0.5b@lean") is model.tokenizer
+    try:
+        assert drafter_tokenizer(model, "smollm2-135m") is None
+    except ModelNotAvailable as error:
+        if os.environ.get("CI"):
+            raise
+        pytest.skip(str(error))

@@ -257,3 +257,35 @@ def test_no_backend_is_told_apart_by_its_name_outside_models():
     assert found == []
     assert pattern.search('if getattr(target, "backend", "hf") == "lean":')  # (the pattern finds them)
     assert pattern.search('if model.backend == "lean":') and not pattern.search('if config.backend != "auto":')
+
+
+def test_a_drafter_whose_tokenizer_files_are_the_target_s_reads_with_the_target_s_tokenizer(tmp_path):
+    """A drafter loaded from a folder whose tokenizer files are the target's, byte for byte, takes the target's
+    tokenizer instead of parsing its own (`loading.drafter_tokenizer`); one with other files keeps its own."""
+    from helpers import bpe_tokenizer, byte_tokenizer
+
+    vocab = 257
+    for folder, seed, tokenizer in (("target", 1, byte_tokenizer()), ("same", 2, byte_tokenizer()),
+                                    ("other", 3, bpe_tokenizer(["abc abd"] * 4, vocab, eos="<eos>"))):
+        tiny_transformer("llama", seed, vocab).save_pretrained(tmp_path / folder)
+        tokenizer.save_pretrained(tmp_path / folder)
+    target = load_model(str(tmp_path / "target"))
+    session = Session(target)
+    same, other = session.drafter(str(tmp_path / "same")), session.drafter(str(tmp_path / "other"))
+    assert same.tokenizer is target.tokenizer
+    assert other.tokenizer is not None and other.tokenizer is not target.tokenizer
+    prompt = target.tokenizer.encode("abc abd abc")
+    assert generate(target, prompt_ids=prompt, method="sd", drafter=str(tmp_path / "same"), k=3, max_new_tokens=12,
+                    session=session).token_ids == \
+        generate(target, prompt_ids=prompt, method="ar", max_new_tokens=12).token_ids
+
+
+def test_a_transformers_model_drafts_as_given():
+    """A transformers model object passed as drafter is wrapped as `load_model` wraps it (it had reached the
+    backend's loader of names and failed there)."""
+    target = tiny_model("llama", 1, VOCAB)
+    prompt = random_prompt(1, VOCAB, 8)
+    drafted = generate(target, prompt_ids=prompt, method="sd", drafter=tiny_transformer("llama", 2, VOCAB), k=2,
+                       max_new_tokens=10)
+    assert drafted.token_ids == generate(target, prompt_ids=prompt, method="ar", max_new_tokens=10).token_ids
+    assert drafted.stats.drafter_forwards  # the model drafted

@@ -91,12 +91,12 @@ def check_compatible(target: Any, drafter: Any) -> None:
 def load_drafter(drafter: Any, target: Any, dtype: str | None = None, session: Any = None) -> Any:
     """What drafts for `target` (a CausalLM): a Drafter as given; a registered drafter's (`drafters.registry`:
     maxgram, suffix, a user's), made by its factory (with `session`, where it keeps state there); `self` and its
-    variants, as the target's backend makes them (`Backend.self_drafter`); a loaded model as given; or any model
-    `load_model` accepts, as the target's backend loads a drafter (`Backend.draft_model`: in `dtype`, default
-    the target's)."""
+    variants, as the target's backend makes them (`Backend.self_drafter`); a loaded model as given (a transformers
+    model as `load_model` wraps it); or a model named as `load_model` takes it, as the target's backend loads a
+    drafter (`Backend.draft_model`: in `dtype`, default the target's)."""
     from speculant.drafters.base import Drafter
     from speculant.drafters.registry import make_drafter
-    from speculant.models import CausalLM
+    from speculant.models import load_model
     from speculant.models.base import unwrapped
 
     drafter = as_drafter(drafter)
@@ -111,6 +111,9 @@ def load_drafter(drafter: Any, target: Any, dtype: str | None = None, session: A
         if not target.capabilities.shares_weights:
             raise ConfigError("pass a separate model instance as drafter for this backend")
         return target.share()
-    model = drafter if isinstance(drafter, CausalLM) else target.draft_model(drafter, dtype)
+    if isinstance(drafter, DrafterSpec):
+        model = target.draft_model(drafter, dtype)
+    else:  # a loaded model as given; a transformers model wrapped as one (in `dtype` where given)
+        model = load_model(drafter, dtype=dtype)
     check_compatible(target, model)
     return model

@@ -157,10 +157,11 @@ class Backend:
 
     def draft_model(self, spec: Any, dtype: str | None) -> CausalLM:
         """The model a drafter spec names (not `self`), loaded to draft for this target: as `load_model` loads it
-        (GGUF weights on the CPU go to the backend that runs them best)."""
-        from speculant.models.loading import load_model
+        (GGUF weights on the CPU go to the backend that runs them best), reading ids with the target's tokenizer where
+        its own files are the same (`loading.drafter_tokenizer`)."""
+        from speculant.models.loading import drafter_tokenizer, load_model
 
-        return load_model(str(spec), dtype=dtype)
+        return load_model(str(spec), dtype=dtype, tokenizer=drafter_tokenizer(self, spec.source))
 
     def self_drafter(self, spec: Any) -> CausalLM:
         """`self` (the target's weights with a cache of their own), `self@int8|int4` or `self@skip` for this target."""

@@ -76,13 +76,50 @@ def quantized_copy(model: HFCausalLM, quant: str, group_size: int = 32) -> HFCau
     return HFCausalLM(copy, model.tokenizer, f"{model.name}@{quant}", model.eos_token_ids, identity)
 
 
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "added_tokens.json")  # what
+# a tokenizer's tokens, ids and special tokens are read from (the first, a fast tokenizer's, always)
+
+
+def tokenizer_folder(name: str) -> Path | None:
+    """The folder a model's tokenizer loads from: a catalog model's (under any `@` suffix) or a local model folder;
+    None for anything else (a .gguf file carries its tokenizer inside)."""
+    base = split_quant(name)[0]
+    if base in CATALOG:
+        return gguf_checkpoint(CATALOG[base])
+    path = Path(name).expanduser()
+    return path if path.is_dir() else None
+
+
+def drafter_tokenizer(target: CausalLM, source: str) -> Any | None:
+    """The target's tokenizer where the drafter model named `source` loads its tokenizer from the same files (the same
+    folder, or `TOKENIZER_FILES` the same byte for byte), else None (it loads its own). A drafter reads and writes
+    the target's ids, so it needs no copy of its own, and parsing one is most of a catalog drafter's load time. (Its
+    chat template, which may differ, is never applied: the target's templates every prompt.)"""
+    if target.tokenizer is None:
+        return None
+    mine, theirs = tokenizer_folder(str(target.name)), tokenizer_folder(source)
+    if mine is None or theirs is None:
+        return None
+    if mine.resolve() == theirs.resolve():
+        return target.tokenizer
+    files = [tokenizer_files(folder) for folder in (mine, theirs)]
+    return target.tokenizer if files[0][0] is not None and files[0] == files[1] else None
+
+
+def tokenizer_files(folder: Path) -> tuple[bytes | None, ...]:
+    """The bytes of each of `TOKENIZER_FILES` in `folder` (None where it has none)."""
+    return tuple((folder / name).read_bytes() if (folder / name).is_file() else None for name in TOKENIZER_FILES)
+
+
 def transformers_drafter(target: Any, spec: Any, dtype: str | None, backend: str) -> CausalLM:
     """A drafter for a transformers-weights target (`backend` hf or static): on the target's device in `dtype`
-    (default: the target's) and backend, compiled as the target is; `@gguf` on llama.cpp."""
+    (default: the target's) and backend, compiled as the target is; `@gguf` on llama.cpp. It reads ids with the
+    target's tokenizer where its own files are the same (`drafter_tokenizer`)."""
+    tokenizer = drafter_tokenizer(target, spec.source)
     if spec.backend == GGUF:
-        return load_model(str(spec))
+        return load_model(str(spec), tokenizer=tokenizer)
     return load_model(str(spec), dtype=dtype or dtype_name(target.dtype), device=str(target.device), backend=backend,
-                      compile=backend == "static" and target.compiled)
+                      compile=backend == "static" and target.compiled, tokenizer=tokenizer)
 
 
 def resolve_backend(backend: str | None, spec: Any, quant: str | None, device: str | None,
