@@ -4,8 +4,9 @@ compares on one machine in one run:
 `python scripts/cli_time.py --checkouts /tmp/before . --repeats 4 --beside "$(python -c 'from
 speculant.models.backends.llamacpp_build import tool; print(tool("llama-completion"))') -m
 ~/.cache/speculant/models/qwen2.5-coder-0.5b-gguf/model.gguf -p 'def add(a, b):' -n 8 -no-cnv --temp 0" -- generate
-"def add(a, b):" --target qwen2.5-coder-0.5b --max-new-tokens 8`. Each checkout runs with PYTHONPATH set to it; run
-the command once first (a first run repacks and profiles)."""
+"def add(a, b):" --target qwen2.5-coder-0.5b --max-new-tokens 8`. Each checkout runs with PYTHONPATH set to it and
+Python's -P (so the working directory's package does not stand in for it); run the command once first (a first run
+repacks and profiles)."""
 
 import argparse
 import os
@@ -23,7 +24,8 @@ parser.add_argument("--repeats", type=int, default=3)
 parser.add_argument("command", nargs=argparse.REMAINDER, help="after --: the speculant command line")
 args = parser.parse_args()
 command = args.command[1:] if args.command[:1] == ["--"] else args.command
-runs = {checkout: ([sys.executable, "-m", "speculant.cli", *command],
+runs = {checkout: ([sys.executable, "-P", "-m", "speculant.cli", *command],  # -P: the working directory's own
+                   # `speculant` (the repository root's) must not shadow the checkout PYTHONPATH names
                    {**os.environ, "PYTHONPATH": str(Path(checkout).resolve())}) for checkout in args.checkouts}
 runs |= {line: ([os.path.expanduser(word) for word in shlex.split(line)], dict(os.environ)) for line in args.beside}
 walls: dict[str, list[float]] = {name: [] for name in runs}
