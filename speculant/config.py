@@ -27,8 +27,9 @@ SCHEDULES = ("serial", "stage")  # a `tree`'s or `auto`'s drafting: after verifi
 DEFAULT_TARGET = "qwen2.5-coder-1.5b"  # catalog names (speculant.models.catalog)
 DEFAULT_DRAFTER = "qwen2.5-coder-0.5b"
 DTYPES = ("auto", "bf16", "fp32")
-BACKENDS = ("hf", "llamacpp", "lean", "static")  # transformers; GGUF on llama.cpp; GGUF on speculant's own kernels;
-# transformers weights on torch kernels with a static cache (models/backends/static.py)
+BACKENDS = {"hf": "HFCausalLM", "llamacpp": "LlamaCppCausalLM", "lean": "LeanCausalLM", "static": "StaticCausalLM"}
+# each backend's name and CausalLM class, in `models/backends/NAME.py`: transformers; GGUF on llama.cpp; GGUF on
+# speculant's own kernels; transformers weights on torch kernels with a static cache
 EXECUTORS = ("thread", "process", "ray")  # where DSI's target servers run
 # A model's weights as `name@SUFFIX` picks them (a target's quant, a drafter spec's suffix):
 QUANTS = ("int8", "int4")  # transformers weights, their linear layers quantized at load (models/numerics/quant.py)

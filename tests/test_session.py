@@ -196,7 +196,7 @@ def test_every_backend_declares_its_capabilities():
     from speculant.models.backends.static import StaticCausalLM
 
     classes = {"hf": HFCausalLM, "llamacpp": LlamaCppCausalLM, "lean": LeanCausalLM, "static": StaticCausalLM}
-    assert set(classes) == set(BACKENDS)
+    assert {name: backend.__name__ for name, backend in classes.items()} == BACKENDS
     for name, backend in classes.items():
         assert issubclass(backend, Backend) and isinstance(backend.capabilities, Capabilities)
         assert backend.capabilities != Capabilities(), backend  # declared, not the default

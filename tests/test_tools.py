@@ -167,6 +167,8 @@ def test_bad_tool_requests_get_400s_naming_the_field(served):
         with pytest.raises(openai.BadRequestError, match="control token") as refused:
             served.chat.completions.create(model="m", max_tokens=4, **{"messages": ASK, **body})
         assert refused.value.param == param, refused.value.body
+    with pytest.raises(openai.BadRequestError, match="only an assistant's message has tool_calls"):
+        served.chat.completions.create(model="m", max_tokens=4, messages=[ASK[0] | {"tool_calls": []}])
     with pytest.raises(openai.BadRequestError, match="which no assistant message before it made"):
         served.chat.completions.create(model="m", max_tokens=4, messages=ASK + [
             {"role": "tool", "tool_call_id": "9", "content": "18"}])

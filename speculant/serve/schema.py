@@ -195,7 +195,7 @@ class Message(BaseModel):
     def _roles(self) -> Message:
         if self.content is None and not (self.role == "assistant" and self.tool_calls):
             raise ValueError("content is required (an assistant's may be null where it has tool_calls)")
-        if self.tool_calls and self.role != "assistant":
+        if self.tool_calls is not None and self.role != "assistant":
             raise ValueError("only an assistant's message has tool_calls")
         if (self.role == "tool") != (self.tool_call_id is not None):
             raise ValueError("a tool message, and only a tool message, names its tool_call_id")

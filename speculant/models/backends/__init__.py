@@ -7,13 +7,12 @@ from __future__ import annotations
 import importlib
 from typing import TYPE_CHECKING
 
+from speculant.config import BACKENDS
+
 if TYPE_CHECKING:
     from speculant.models.base import Capabilities
-
-CLASSES = {"hf": "HFCausalLM", "llamacpp": "LlamaCppCausalLM", "lean": "LeanCausalLM", "static": "StaticCausalLM"}
-# (each backend's class, in the module of the backend's name)
 
 
 def capabilities_of(backend: str) -> Capabilities:
     """A backend's declared capabilities, by its name, before any model loads (its module imported, nothing else)."""
-    return getattr(importlib.import_module(f"{__name__}.{backend}"), CLASSES[backend]).capabilities
+    return getattr(importlib.import_module(f"{__name__}.{backend}"), BACKENDS[backend]).capabilities
