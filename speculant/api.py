@@ -2,18 +2,22 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Mapping, Sequence
+import numbers
+import operator
+import threading
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, fields
 from typing import Any
 
-from speculant.config import RunConfig, SamplingConfig
+from speculant.config import RunConfig, SamplingConfig, check_sampled, typed
 from speculant.decoding.run import Decoder, timed
 from speculant.decoding.stats import GenerationStats
 from speculant.errors import ConfigError, RequestError
 from speculant.methods import Request, get_method
+from speculant.methods.registry import check_given_pairs
 from speculant.methods.drafting import check_capabilities
 from speculant.models import load_model
-from speculant.models.wrappers.biased import Biased
+from speculant.models.wrappers.biased import Biased, check_bias_type
 from speculant.models.wrappers.constrained import Constrained, Constraint, Matcher
 from speculant.models.wrappers.logprobs import MAX_TOP, Recorded, TokenLogprob
 from speculant.models.base import owner_of
@@ -40,31 +44,46 @@ class GenerationResult:
 
 
 class GenerationStream:
-    """Iterates over token ids as they are committed; `.logprobs` (where asked for) grows with them, one entry
-    per token before it is yielded; `.result` is set once the stream is exhausted."""
+    """Iterates over token ids as they are committed (it is its own iterator: iterating again goes on where the last
+    left off, and once it is exhausted, yields nothing); `.logprobs` (where asked for) grows with them, one entry per
+    token before it is yielded; `.result` is set once the stream is exhausted. A stream dropped before its end closes
+    its decoder (nothing refers back to the stream, so that happens at once)."""
 
     def __init__(self, decoder: Decoder, tokenizer: Any | None, target: str = "", recorded: Recorded | None = None):
-        self._decoder = decoder
+        self._tokens: list[int] = []
+        self._timing: Decoder | None = timed(decoder, self._tokens)
         self._tokenizer = tokenizer
         self._target = target
         self._recorded = recorded
         self.logprobs: list[TokenLogprob] | None = [] if recorded is not None else None
         self.result: GenerationResult | None = None
 
-    def __iter__(self) -> Iterator[int]:
-        tokens: list[int] = []
-        timing = timed(self._decoder, tokens)
-        while True:
-            try:
-                token = next(timing)
-            except StopIteration as stop:
-                stats = stop.value
-                break
-            if self._recorded is not None:
-                self.logprobs.append(self._recorded.take(token))
-            yield token
-        stats.target = self._target
-        self.result = GenerationResult(tokens, decode(self._tokenizer, tokens), stats, self.logprobs)
+    def __iter__(self) -> GenerationStream:
+        return self
+
+    def __next__(self) -> int:
+        if self._timing is None:
+            raise StopIteration
+        try:
+            token = next(self._timing)
+        except StopIteration as stop:
+            self._timing = None
+            stats: GenerationStats = stop.value
+            stats.target = self._target
+            self.result = GenerationResult(self._tokens, decode(self._tokenizer, self._tokens), stats, self.logprobs)
+            raise StopIteration from None
+        except BaseException:
+            self._timing = None  # (its error is the generation's end)
+            raise
+        if self._recorded is not None:
+            self.logprobs.append(self._recorded.take(token))
+        return token
+
+    def close(self) -> None:
+        """End the generation here (its decoder closed: a drafter's thread stopped, what it learned kept)."""
+        if self._timing is not None:
+            self._timing.close()
+            self._timing = None
 
 
 def decode(tokenizer: Any | None, token_ids: list[int]) -> str | None:
@@ -100,9 +119,11 @@ def check_request(method: str, logprobs: int | None, logit_bias: Mapping[int, fl
                   constraint: Constraint | None = None) -> None:
     """A ConfigError for a count of top log-probabilities out of range, or for options DSI cannot keep: its
     target servers run apart from the decoder, so they neither record nor bias nor mask the target's logits."""
-    if logprobs is not None and (isinstance(logprobs, bool) or not isinstance(logprobs, int)
+    if logprobs is not None and (isinstance(logprobs, bool) or not isinstance(logprobs, numbers.Integral)
                                  or not 0 <= logprobs <= MAX_TOP):
         raise ConfigError(f"logprobs must be an integer in [0, {MAX_TOP}], got {logprobs!r}")
+    if logit_bias is not None:
+        check_bias_type(logit_bias)
     asked = [name for name, value in (("logprobs", logprobs), ("logit_bias", logit_bias or None),
                                       ("response_format", constraint)) if value is not None]
     if method == "dsi" and asked:
@@ -115,7 +136,7 @@ def decoded_target(target: Any, logprobs: int | None, logit_bias: Mapping[int, f
     """(what the method decodes with, what records its logits or None): the target, wrapped to keep its logits
     for `logprobs` (the target's own), to add `logit_bias` to them, and to mask them to `constraint`, in that
     order (a bias never lets a forbidden token through)."""
-    recorded = Recorded(target, logprobs) if logprobs is not None else None
+    recorded = Recorded(target, int(logprobs)) if logprobs is not None else None
     decoded = recorded if recorded is not None else target
     if logit_bias:
         decoded = Biased(decoded, logit_bias)
@@ -176,38 +197,119 @@ def generate(
     default, the target's own (`Session.of`).
     """
     spec = get_method(method_for(method, options))
-    run = RunConfig(max_new_tokens=max_new_tokens, seed=seed)
-    sampling = SamplingConfig(temperature, top_k, top_p, verifier)
+    run = RunConfig(**typed(RunConfig, {"max_new_tokens": max_new_tokens, "seed": seed}))
+    sampling = SamplingConfig(**typed(SamplingConfig, {"temperature": temperature, "top_k": top_k, "top_p": top_p,
+                                                       "verifier": verifier}))
+    given = [name for name, value in (("top_k", top_k), ("top_p", top_p)) if value is not None]
+    check_sampled(sampling, given + (["verifier"] if verifier != SamplingConfig().verifier else []))  # (a seed, which
+    # changes nothing greedy either, is taken: programs pass one whatever the temperature)
+    check_given_pairs(spec.options, spec.name, options)
     method_options = spec.make_options(options)
     constraint = response_format if isinstance(response_format, Constraint) or response_format is None \
         else Constraint.from_response_format(response_format)
     check_request(spec.name, logprobs, logit_bias, constraint)
-    target = load_model(target)
-    check_capabilities(method_options, target)
     if prompt_ids is None:
         if prompt is None or not (prompt.strip() if isinstance(prompt, str) else prompt):
             raise ConfigError("the prompt is empty")
-        prompt_ids = encode_prompt(target.tokenizer, prompt, chat)
     elif prompt is not None:
         raise ConfigError("give either prompt or prompt_ids, not both")
-    prompt_ids = list(prompt_ids)
-    if not prompt_ids:
-        raise ConfigError("the prompt is empty")
+    else:
+        if chat:
+            raise ConfigError("chat templates a text prompt; prompt_ids are taken as they are (give a prompt, or "
+                              "leave chat out)")
+        prompt_ids = token_ids(prompt_ids)
+        if not prompt_ids:
+            raise ConfigError("the prompt is empty")
+    if session is not None and not isinstance(session, Session):
+        raise ConfigError(f"session must be a speculant Session, got {type(session).__name__}")
+    target = load_model(target)
+    check_capabilities(method_options, target)
+    if prompt_ids is None:
+        prompt_ids = encode_prompt(target.tokenizer, prompt, chat)
     if any(not 0 <= t < target.vocab_size for t in prompt_ids):
         raise ConfigError(f"prompt token ids must lie in [0, {target.vocab_size})")
     room = room_for(target, len(prompt_ids))
     decoded, recorded = decoded_target(target, logprobs, logit_bias, constraint)
     if session is None:
         session = Session.of(target)
-    elif session.target is not owner_of(target):
-        raise ConfigError(f"the session is for {session.target.name}, not {target.name}")
+    else:
+        try:
+            owner = session.target
+        except ReferenceError:
+            raise ConfigError("the session's target was dropped (a Session holds its target weakly: keep the "
+                              "loaded model it was made for)") from None
+        if owner is not owner_of(target):
+            raise ConfigError(f"the session is for {owner.name}, not {target.name}" + (
+                " (another instance of it: pass the model load_model returned to both Session and generate)"
+                if owner.name == target.name else ""))
     request = Request(decoded, prompt_ids, min(run.max_new_tokens, room), sampling,
-                      seeded(target.device, seed), session, seed)
+                      seeded(target.device, run.seed), session, run.seed)
     label = f"{getattr(target, 'numerics', '')}, {getattr(target, 'kernel', '')} kernel".strip(", ")
-    result = GenerationStream(spec.build(request, method_options), target.tokenizer, label, recorded)
+    hold = Hold(owner_of(target))
+    with hold.lock:
+        hold.take()  # building a decoder may run the target (a machine profile measured): started streams lose it
+        result = GenerationStream(hold.steps(spec.build(request, method_options)), target.tokenizer, label, recorded)
     if stream:
         return result
-    for _ in result:
-        pass
+    with hold.lock:  # a whole generation: another thread's waits for it
+        for _ in result:
+            pass
     assert result.result is not None
     return result.result
+
+
+def token_ids(value: Any) -> list[int]:
+    """`prompt_ids` as a list of ints: a sequence of integers (Python's, NumPy's) or a 1-D array or tensor of them;
+    a ConfigError otherwise (a 2-D batch of one, text, floats, bools)."""
+    shape = getattr(value, "shape", None)
+    if shape is not None and len(shape) != 1:
+        raise ConfigError(f"prompt_ids must be one sequence of token ids, not an array of shape {tuple(shape)}"
+                          f"{' (a batch of one: pass its row, ids[0])' if len(shape) == 2 and shape[0] == 1 else ''}")
+    items = value.tolist() if hasattr(value, "tolist") else value
+    if isinstance(items, Mapping):
+        raise ConfigError(f"prompt_ids must be a sequence of token ids, not a {type(value).__name__} (a tokenizer's "
+                          "output: pass its ['input_ids'])")
+    if isinstance(items, (str, bytes)) or not isinstance(items, Iterable):
+        raise ConfigError(f"prompt_ids must be a sequence of token ids, not {type(value).__name__}")
+    ids = []
+    for item in items:
+        try:
+            ids.append(operator.index(item) if not isinstance(item, bool) else None)
+        except TypeError:
+            ids.append(None)
+        if ids[-1] is None:
+            raise ConfigError(f"prompt_ids must hold integer token ids, not {item!r}")
+    return ids
+
+
+class Hold:
+    """A generation's hold on its target's KV cache (and its session's drafter caches), which every generation on
+    the target shares. Each step runs under the target's lock, so threads take turns, and the generation that ran a
+    step last holds the caches: an earlier stream resumed after another generation's steps would decode from a cache
+    that holds the other text, so it raises instead of returning other tokens. A stream not yet started holds
+    nothing (its first step takes the caches over), and one finished or closed needs nothing."""
+
+    def __init__(self, model: Any):
+        self.model = model
+        self.lock = model.__dict__.setdefault("generation_lock", threading.RLock())
+        self.claim = object()
+
+    def take(self) -> None:
+        self.model.__dict__["generation"] = self.claim
+
+    def steps(self, decoder: Decoder) -> Decoder:
+        started = False
+        while True:
+            with self.lock:
+                if not started:
+                    self.take()
+                    started = True
+                elif self.model.__dict__.get("generation") is not self.claim:
+                    raise ConfigError(f"another generation ran on {self.model.name} since this stream's last token "
+                                      "(its KV cache holds that text now): finish or close a stream before the next "
+                                      "generation on the same target, or load another instance of it")
+                try:
+                    token = next(decoder)
+                except StopIteration as stop:
+                    return stop.value
+            yield token

@@ -11,6 +11,8 @@ from __future__ import annotations
 import argparse
 import functools
 import math
+import numbers
+import operator
 import re
 import types
 import typing
@@ -18,7 +20,7 @@ from collections.abc import Callable, Iterable
 from dataclasses import MISSING, Field, dataclass, field, fields
 from typing import Any, TypeVar
 
-from speculant.errors import ConfigError
+from speculant.errors import ConfigError, OptionError
 
 T = TypeVar("T")
 AUTO = "auto"  # a size, dtype or method that speculant chooses from measurements
@@ -53,6 +55,32 @@ def integer(text: str) -> int:
 def number(text: str) -> float:
     """A number written in ASCII; a ValueError otherwise."""
     return float(ascii_text(text))
+
+
+def typed(options: type, values: dict[str, Any]) -> dict[str, Any]:
+    """`values` given from Python for fields of the dataclass `options`, each number checked against its field's
+    type: an `int` field takes an integer (Python's, NumPy's, a 0-d tensor's; not a bool), a `float` field any real
+    number (not a bool); an OptionError names the field otherwise (a float's `range(...)` test walks every integer,
+    and a count of 2.5 fails deep in decoding). Text is read by `integer` and `number`."""
+    kinds = {f.name: f.type if isinstance(f.type, str) else getattr(f.type, "__name__", str(f.type))
+             for f in fields(options)}
+    checked = dict(values)
+    for name, value in values.items():
+        parts = {part.strip() for part in kinds.get(name, "").split("|")}
+        if value is None and "None" in parts or isinstance(value, str) and "str" in parts:
+            continue
+        if "int" in parts and "float" not in parts:
+            try:
+                checked[name] = operator.index(value) if not isinstance(value, bool) else None
+            except TypeError:
+                checked[name] = None
+            if checked[name] is None:
+                raise OptionError(name, f"{name} must be an integer, got {value!r}")
+        elif "float" in parts:
+            if isinstance(value, bool) or not isinstance(value, numbers.Real):
+                raise OptionError(name, f"{name} must be a number, got {value!r}")
+            checked[name] = float(value)
+    return checked
 
 
 def count_or_auto(text: str) -> int | str:

@@ -19,6 +19,7 @@ from weakref import WeakKeyDictionary
 
 from speculant.decoding.adaptive import Acceptance, Scale, Timings
 from speculant.drafters.suffix import History
+from speculant.errors import ConfigError
 from speculant import latency
 from speculant.latency import LatencyProfile
 from speculant.models.base import CausalLM, DraftCache, owner_of
@@ -32,6 +33,9 @@ class Session:
     weights (`owner_of`): a server's per-request handles and a wrapped target share their model's session."""
 
     def __init__(self, target: CausalLM, prefixes: PrefixCache | None = None):
+        if not isinstance(owner_of(target), CausalLM):
+            raise ConfigError(f"a Session is for a loaded model (what load_model returns), not "
+                              f"{type(target).__name__}")
         self._target = weakref.ref(owner_of(target))  # (the target's default session lives on it: no cycle)
         self.drafters: dict[tuple[str, str | None], Any] = {}  # (spec, dtype) -> the loaded drafter
         self.caches: dict[int, DraftCache] = {}  # id of a drafter model it loaded -> the DraftCache on its KV cache

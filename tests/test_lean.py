@@ -504,3 +504,19 @@ def test_a_gguf_file_reads_as_gguf_s_own_reader_reads_it(typed_files, lean_files
     for path, message in [(bad, "not a GGUF file"), (short, "damaged GGUF header")]:
         with pytest.raises(ConfigError, match=message):
             GGUFFile(path)
+
+
+def test_a_gguf_file_refuses_what_it_cannot_honour(lean_files):
+    """A .gguf file runs as it is: a quantization, compilation or another device asked of it is refused, not dropped
+    (auto's route had taken it to llama.cpp as it was); so is a setting given with a model already loaded."""
+    path = str(lean_files["llama", 0][0])
+    for kwargs, message in [(dict(quant="int8"), "@int8 quantizes transformers weights"),
+                            (dict(compile=True), "compile applies to the static backend"),
+                            (dict(group_size=0), "group_size must be a positive integer"),
+                            (dict(tokenizer="gpt2"), "tokenizer must be a loaded tokenizer")]:
+        with pytest.raises(ConfigError, match=message):
+            load_model(path, **kwargs)
+    loaded = lean(lean_files, "llama")
+    assert load_model(loaded) is loaded
+    with pytest.raises(ConfigError, match="a loaded model runs as it is: dtype, backend apply"):
+        load_model(loaded, dtype="bf16", backend="lean")

@@ -23,7 +23,7 @@ def test_every_method_equals_biased_ar_and_a_banned_token_never_comes(arch):
 
 
 @pytest.mark.parametrize("bias,message", [({64: 1.0}, "token ids must lie"), ({-1: 1.0}, "token ids must lie"),
-                                          ({3: 101}, "values must lie"), ({3: "x"}, "values must lie")])
+                                          ({3: 101}, "values must lie"), ({3: "x"}, "values must be numbers")])
 def test_bad_biases_are_refused(bias, message):
     with pytest.raises(ConfigError, match=message):
         generate(tiny_model("llama", 0, 64), prompt_ids=[1, 2], method="ar", max_new_tokens=2, logit_bias=bias)

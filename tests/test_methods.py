@@ -120,3 +120,66 @@ def test_decoding_imports_nothing_from_analysis_or_cli():
     assert done.returncode == 0, done.stderr
     imported, above = json.loads(done.stdout)
     assert imported >= 10 and above == []
+
+
+def test_generate_refuses_what_it_cannot_take_in_one_line_and_takes_numpy_and_torch_integers():
+    """generate()'s arguments from Python: a value of the wrong type or shape is a ConfigError naming it (it had
+    hung, for a float seed, or failed deep in decoding), and so are settings that would be ignored; NumPy's and
+    torch's integers and 1-D arrays are taken as Python's."""
+    import numpy as np
+    import torch
+
+    from speculant import Session
+
+    target = tiny_model("llama", 1, 64)
+    prompt = [1, 2, 3, 4, 5]
+    expected = generate(target, prompt_ids=prompt, max_new_tokens=4).token_ids
+    for taken in (dict(prompt_ids=np.array(prompt)), dict(prompt_ids=torch.tensor(prompt)),
+                  dict(max_new_tokens=np.int64(4)), dict(method="sd", drafter="maxgram", k=np.int32(2))):
+        assert generate(target, **{"prompt_ids": prompt, "max_new_tokens": 4, **taken}).token_ids == expected
+    seeded = dict(temperature=0.8, max_new_tokens=4)
+    assert generate(target, prompt_ids=prompt, seed=np.int64(3), **seeded).token_ids == \
+        generate(target, prompt_ids=prompt, seed=3, **seeded).token_ids
+    for refused, message in [
+            (dict(temperature=0.8, seed=1.5), "seed must be an integer"),
+            (dict(temperature=0.8, seed=True), "seed must be an integer"),
+            (dict(max_new_tokens="4"), "max_new_tokens must be an integer"),
+            (dict(temperature="0.5"), "temperature must be a number"),
+            (dict(method="sd", drafter="maxgram", k=2.5), "k must be an integer"),
+            (dict(top_p=0.9), "top_p applies when sampling"),
+            (dict(verifier="token"), "verifier applies when sampling"),
+            (dict(prompt_ids=torch.tensor([prompt])), r"not an array of shape \(1, 5\) \(a batch of one"),
+            (dict(prompt_ids=[1.5, 2]), "must hold integer token ids"),
+            (dict(prompt_ids="12"), "must be a sequence of token ids, not str"),
+            (dict(prompt_ids={"input_ids": prompt}), r"pass its \['input_ids'\]"),
+            (dict(chat=True), "chat templates a text prompt"),
+            (dict(logit_bias=[(7, 5.0)]), "logit_bias must map token ids"),
+            (dict(response_format="json_object"), "response_format must be a mapping"),
+            (dict(session={}), "session must be a speculant Session"),
+            (dict(method="dsi", drafter="self", drafters="maxgram"), "give drafter or drafters, not both"),
+            (dict(method="cascade", drafters=["maxgram"], k_matrix="4", k=3), "give k or k_matrix, not both"),
+            (dict(method="auto", drafters=["maxgram", target], tree_widths="3,"), "comma-separated integers")]:
+        with pytest.raises(ConfigError, match=message):
+            generate(target, **{"prompt_ids": prompt, "max_new_tokens": 4, **refused})
+    with pytest.raises(ConfigError, match="a Session is for a loaded model"):
+        Session("qwen2.5-coder-1.5b")
+
+
+def test_a_stream_is_its_own_iterator_and_closes_when_dropped():
+    import gc
+    import weakref
+
+    target = tiny_model("llama", 1, 64)
+    expected = generate(target, prompt_ids=[1, 2, 3], max_new_tokens=5).token_ids
+    stream = generate(target, prompt_ids=[1, 2, 3], max_new_tokens=5, stream=True)
+    head = [next(stream), next(stream)]
+    assert head + list(stream) == expected and list(stream) == [] and stream.result.token_ids == expected
+    stream = generate(target, prompt_ids=[1, 2, 3], max_new_tokens=5, stream=True)
+    next(stream)
+    gone = weakref.ref(stream)
+    gc.disable()  # (dropped by its count of references, not by the collector: nothing refers back to it)
+    try:
+        del stream
+        assert gone() is None
+    finally:
+        gc.enable()

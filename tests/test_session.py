@@ -76,6 +76,17 @@ def test_a_registered_name_is_a_drafter_spec_and_a_taken_one_is_refused(monkeypa
         register_drafter("maxgram")(echo)  # after
     with pytest.raises(ConfigError, match="cannot name a drafter"):
         register_drafter("self")(echo)
+    with pytest.raises(ConfigError, match="cannot name a drafter"):
+        register_drafter("qwen2.5-coder-0.5b")(echo)  # a catalog model's name would stand in for the model
+    with pytest.raises(ConfigError, match="takes the drafter's name"):
+        register_drafter(echo)  # (the decorator without its name)
+    with pytest.raises(ConfigError, match=r"must be called with \(target, session\)"):
+        register_drafter("one-argument", with_session=True)(echo)
+    class Bare(Drafter):  # a Drafter class whose constructor takes no target
+        name = "bare"
+
+    with pytest.raises(ConfigError, match=r"must be called with \(target\)"):
+        register_drafter("a-class")(Bare)
 
     class NotADrafter:
         name = "plain"
@@ -289,3 +300,34 @@ def test_a_transformers_model_drafts_as_given():
                        max_new_tokens=10)
     assert drafted.token_ids == generate(target, prompt_ids=prompt, method="ar", max_new_tokens=10).token_ids
     assert drafted.stats.drafter_forwards  # the model drafted
+
+
+@pytest.mark.parametrize("method", ["ar", "sd", "auto"])
+def test_generations_on_one_target_never_decode_from_each_other_s_cache(method):
+    """Every generation on a target shares its KV cache: a stream resumed after another generation's steps raises
+    (it would have decoded from the other text), streams read one after another and threads taking turns give what
+    each gives alone (`api.Hold`)."""
+    import threading
+
+    target = tiny_model("llama", 1, VOCAB)
+    options = {"sd": {"drafter": "maxgram"}, "auto": {"drafters": ["maxgram"]}}.get(method, {})
+    prompts = [random_prompt(1, VOCAB, 8), random_prompt(2, VOCAB, 5)]
+
+    def run(prompt, **more):
+        return generate(target, prompt_ids=prompt, method=method, max_new_tokens=12, **options, **more)
+
+    alone = [run(prompt).token_ids for prompt in prompts]
+    first, second = iter(run(prompts[0], stream=True)), run(prompts[1], stream=True)
+    assert next(first) == alone[0][0]
+    assert list(second) == alone[1]
+    with pytest.raises(ConfigError, match="another generation ran on"):
+        next(first)
+    streams = [run(prompt, stream=True) for prompt in prompts]
+    assert [list(stream) for stream in streams] == alone  # a stream not yet started holds nothing
+    out: dict[int, list[int]] = {}
+    threads = [threading.Thread(target=lambda i=i: out.__setitem__(i, run(prompts[i]).token_ids)) for i in (0, 1)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert [out[0], out[1]] == alone

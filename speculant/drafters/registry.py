@@ -14,6 +14,7 @@ likewise. Names are known without importing any of them (parsing a spec needs no
 from __future__ import annotations
 
 import importlib
+import inspect
 from collections.abc import Callable
 from dataclasses import dataclass
 from functools import cache
@@ -41,10 +42,23 @@ def register_drafter(name: str, *, with_session: bool = False) -> Callable[[Call
     """Decorator that registers a drafter factory under `name`: `factory(target)` returns a `speculant.Drafter`
     for a loaded target (with `with_session`, `factory(target, session)`: state that outlives a generation
     belongs in the session)."""
-    if not name or any(c in name for c in "@,:= ") or name in RESERVED:
-        raise ConfigError(f"'{name}' cannot name a drafter (reserved, or holds one of '@,:= ')")
+    from speculant.models.catalog import CATALOG
+
+    if not isinstance(name, str):
+        raise ConfigError(f"register_drafter takes the drafter's name, @register_drafter(\"NAME\"), not "
+                          f"{type(name).__name__}")
+    if not name or any(c in name for c in "@,:= ") or name in RESERVED or name in CATALOG:
+        raise ConfigError(f"'{name}' cannot name a drafter (reserved, a catalog model's, or holds one of '@,:= ')")
 
     def wrap(factory: Callable[..., Any]) -> Callable[..., Any]:
+        arguments = "target, session" if with_session else "target"
+        try:
+            inspect.signature(factory).bind(*arguments.split(", "))
+        except TypeError:
+            raise ConfigError(f"drafter '{name}': its factory must be called with ({arguments}), not "
+                              f"{getattr(factory, '__name__', type(factory).__name__)}") from None
+        except ValueError:
+            pass  # (a callable whose signature Python cannot read)
         held = DRAFTERS.get(name)
         if held is not None and _origin(held.factory) != _origin(factory):
             raise ConfigError(f"drafter '{name}' is already registered by {_origin(held.factory)}")

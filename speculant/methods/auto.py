@@ -5,6 +5,7 @@ goodput, or plain decoding when no draft pays (`decoding.adaptive`)."""
 
 from __future__ import annotations
 
+import numbers
 from collections.abc import Collection
 from dataclasses import dataclass, fields
 from typing import Any
@@ -87,6 +88,8 @@ class AutoOptions:
     def __post_init__(self) -> None:
         if isinstance(self.drafters, str):
             object.__setattr__(self, "drafters", parse_drafters(self.drafters))
+        elif self.drafters is not None and not isinstance(self.drafters, (list, tuple)):
+            object.__setattr__(self, "drafters", (self.drafters,))  # one drafter object
         if self.drafters is not None:
             if not self.drafters:
                 raise ConfigError("auto's drafters name none: give at least one (method ar decodes without)")
@@ -97,7 +100,15 @@ class AutoOptions:
         if not 0 <= self.draft_confidence < 1:
             raise ConfigError(f"draft-confidence must lie in [0, 1), got {self.draft_confidence}")
         if isinstance(self.tree_widths, str):
-            object.__setattr__(self, "tree_widths", parse_widths(self.tree_widths))
+            try:
+                object.__setattr__(self, "tree_widths", parse_widths(self.tree_widths))
+            except ValueError:
+                raise OptionError("tree_widths", f"tree widths are comma-separated integers, or auto; got "
+                                  f"{self.tree_widths!r}") from None
+        elif not isinstance(self.tree_widths, (list, tuple)):
+            object.__setattr__(self, "tree_widths", (self.tree_widths,))  # one width
+        if self.tree_widths != AUTO:
+            object.__setattr__(self, "tree_widths", typed_widths(self.tree_widths))
         if self.tree_widths != AUTO and any(w < 2 for w in self.tree_widths):
             raise ConfigError(f"tree widths must be >= 2 (1 is a chain), got {self.tree_widths}")
         if self.schedule not in SCHEDULES:
@@ -108,6 +119,14 @@ class AutoOptions:
             raise ConfigError(f"probe_every must be >= 1, got {self.probe_every}")
         if self.drafters is not None and all(map(model_free, self.drafters)):
             check_model_only(self, models=0)
+
+
+def typed_widths(widths: Any) -> tuple[int, ...]:
+    """Tree widths given from Python: integers (Python's or NumPy's; not bools, not text)."""
+    for width in widths:
+        if isinstance(width, bool) or not isinstance(width, numbers.Integral):
+            raise OptionError("tree_widths", f"tree widths must be integers, got {width!r}")
+    return tuple(int(width) for width in widths)
 
 
 def check_model_only(options: AutoOptions, models: int) -> None:

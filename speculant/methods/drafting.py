@@ -44,7 +44,14 @@ def check_drafter_dtype(options: Any) -> None:
     held = held_drafters(options)
     if options.drafter_dtype is not None and not any(isinstance(d, DrafterSpec) and d.kind == MODEL for d in held):
         raise ConfigError(f"drafter dtype {options.drafter_dtype} applies to a model drafter named by its catalog "
-                          f"name, Hugging Face id or path; {', '.join(map(str, held))} loads none")
+                          f"name, Hugging Face id or path; {', '.join(map(named, held))} loads none")
+
+
+def named(drafter: Any) -> str:
+    """A drafter as a message names it: its spec, or a given object's name or type (not a module's whole repr)."""
+    if isinstance(drafter, (str, DrafterSpec)):
+        return str(drafter)
+    return str(getattr(drafter, "name", None) or type(drafter).__name__)
 
 
 def drafters_by_field(options: Any) -> dict[str, list[Any]]:

@@ -12,7 +12,7 @@ from collections.abc import Callable, Collection, Iterable, Mapping
 from dataclasses import Field, dataclass, fields
 from typing import TYPE_CHECKING, Any
 
-from speculant.config import REQUEST_ITEMS, SamplingConfig, parse_value
+from speculant.config import REQUEST_ITEMS, SamplingConfig, parse_value, typed
 from speculant.errors import ConfigError, OptionError
 
 if TYPE_CHECKING:
@@ -100,6 +100,7 @@ def make_options(options: type, method: str, given: Mapping[str, Any], text: boo
         given = parse_values(options, method, given)
     else:
         check_names(options, method, given)
+        given = typed(options, dict(given))
     return options(**given)
 
 
@@ -109,9 +110,7 @@ def parse_values(options: type, method: str, given: Mapping[str, str]) -> dict[s
     bench spec or a request that gives both would have one ignored)."""
     by_name = {f.name: f for f in fields(options)}
     check_names(options, method, given)
-    for one, other in getattr(options, "EITHER", ()):
-        if one in given and other in given:
-            raise OptionError(other, f"give {one} or {other}, not both: '{method}' would use {other} only")
+    check_pairs(options, method, given)
     parsed = {}
     for name, value in given.items():
         try:
@@ -119,6 +118,30 @@ def parse_values(options: type, method: str, given: Mapping[str, str]) -> dict[s
         except ConfigError as error:
             raise OptionError(name, str(error)) from None
     return parsed
+
+
+def check_pairs(options: type, method: str, given: Iterable[str]) -> None:
+    """Both names of a pair of which `options` take one or the other (their `EITHER` pairs) is an OptionError: one
+    would be ignored."""
+    for one, other in getattr(options, "EITHER", ()):
+        if one in given and other in given:
+            raise pair_error(one, other, method)
+
+
+def check_given_pairs(options: type, method: str, given: Mapping[str, Any]) -> None:
+    """`check_pairs` for values given from Python, where a caller may pass every field (`as_keywords`): a pair
+    counts as given where each of its values changes the options from what they are without it."""
+    for one, other in getattr(options, "EITHER", ()):
+        if one in given and other in given:
+            built = make_options(options, method, given)
+            without = [make_options(options, method, {k: v for k, v in given.items() if k != name})
+                       for name in (one, other)]
+            if all(getattr(built, name) != getattr(less, name) for name, less in zip((one, other), without)):
+                raise pair_error(one, other, method)
+
+
+def pair_error(one: str, other: str, method: str) -> OptionError:
+    return OptionError(other, f"give {one} or {other}, not both: '{method}' would use {other} only")
 
 
 def check_names(options: type, method: str, given: Iterable[str]) -> None:

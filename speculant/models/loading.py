@@ -143,16 +143,18 @@ def resolve_backend(backend: str | None, spec: Any, quant: str | None, device: s
         on_cpu = device is None or resolve_device(device).type == "cpu"
         as_they_are = quant is None and dtype in (None, AUTO)
         if str(spec).endswith(".gguf"):
-            return _file_route(Path(spec)) if as_they_are and on_cpu else "llamacpp"
-        if not (is_gguf and as_they_are and on_cpu):
+            backend = _file_route(Path(spec)) if as_they_are and on_cpu else "llamacpp"  # (checked below)
+        elif not (is_gguf and as_they_are and on_cpu):
             return "hf"
-        entry = CATALOG.get(str(spec))
-        if entry is not None and entry.kernels and _simd_kernels():
-            return "lean"
-        return "llamacpp" if llamacpp.available() else "hf"
+        else:
+            entry = CATALOG.get(str(spec))
+            if entry is not None and entry.kernels and _simd_kernels():
+                return "lean"
+            return "llamacpp" if llamacpp.available() else "hf"
     if backend in ("llamacpp", "lean"):
         if not is_gguf:
-            raise ConfigError(f"the {backend} backend runs GGUF weights: a catalog name or a .gguf file, not {spec!r}")
+            what = repr(str(spec)) if isinstance(spec, (str, Path)) else f"a {type(spec).__name__}"
+            raise ConfigError(f"the {backend} backend runs GGUF weights: a catalog name or a .gguf file, not {what}")
         if quant not in (None, GGUF, LEAN):
             raise ConfigError(f"@{quant} quantizes transformers weights; the {backend} backend runs the GGUF as it is")
         if device is not None and resolve_device(device).type != "cpu":
@@ -272,7 +274,18 @@ def load_model(spec: Any, dtype: str | None = None, device: str | None = None, t
     if isinstance(spec, CausalLM):
         if quant is not None:
             raise ConfigError("quantize a loaded model with quantized_copy()")
+        given = [name for name, value in (("dtype", dtype), ("device", device), ("backend", backend),
+                                          ("tokenizer", tokenizer), ("compile", compile or None))
+                 if value not in (None, AUTO)]
+        if given:
+            raise ConfigError(f"a loaded model runs as it is: {', '.join(given)} appl{'y' if len(given) > 1 else 'ies'} "
+                              "when loading one (load it from its name)")
         return spec
+    if tokenizer is not None and not hasattr(tokenizer, "convert_tokens_to_ids"):
+        raise ConfigError(f"tokenizer must be a loaded tokenizer (transformers' AutoTokenizer.from_pretrained), not "
+                          f"{type(tokenizer).__name__}")
+    if isinstance(group_size, bool) or not isinstance(group_size, int) or group_size < 1:
+        raise ConfigError(f"group_size must be a positive integer, got {group_size!r}")
     if isinstance(spec, str) and "@" in spec:
         if quant is not None:
             raise ConfigError(f"quantization given twice: '{spec}' and quant={quant}")
@@ -282,12 +295,12 @@ def load_model(spec: Any, dtype: str | None = None, device: str | None = None, t
     if isinstance(spec, (str, Path)):
         check_name(str(spec))
     chosen = resolve_backend(backend, spec, quant, device, dtype)
+    if compile and chosen != "static":
+        raise ConfigError("compile applies to the static backend")
     if chosen in ("llamacpp", "lean"):
         if dtype not in (None, AUTO):
             raise ConfigError(f"the {chosen} backend runs the GGUF's own types: give no dtype")
         return load_gguf(spec, tokenizer) if chosen == "llamacpp" else load_lean(spec, tokenizer, quant == LEAN)
-    if compile and chosen != "static":
-        raise ConfigError("compile applies to the static backend")
     from speculant.models.backends.hf import HFCausalLM, eos_ids  # (transformers' models: imported when they load)
 
     model, tokenizer, name, extra_eos = _load_transformers(spec, dtype, device, tokenizer)

@@ -7,7 +7,10 @@ proposed without it; a draft token the bias rules out is simply rejected.
 
 from __future__ import annotations
 
+import numbers
 from collections.abc import Mapping, Sequence
+from typing import Any
+
 import torch
 
 from speculant.errors import ConfigError
@@ -18,12 +21,24 @@ LIMIT = 100.0  # OpenAI's range: -100 bans a token, 100 forces it
 
 
 def check_bias(bias: Mapping[int, float], vocab_size: int) -> None:
-    """A ConfigError naming the first token id outside the vocabulary or bias outside [-100, 100]."""
+    """A ConfigError naming the first token id that is not an integer in the vocabulary, or bias that is not a number
+    in [-100, 100] (NumPy's integers and floats are numbers too)."""
+    check_bias_type(bias)
     for token, value in bias.items():
-        if isinstance(token, bool) or not isinstance(token, int) or not 0 <= token < vocab_size:
+        if isinstance(token, bool) or not isinstance(token, numbers.Integral):
+            raise ConfigError(f"logit_bias token ids must be integers, got {token!r}")
+        if not 0 <= token < vocab_size:
             raise ConfigError(f"logit_bias token ids must lie in [0, {vocab_size}), got {token!r}")
-        if isinstance(value, bool) or not isinstance(value, (int, float)) or not -LIMIT <= value <= LIMIT:
+        if isinstance(value, bool) or not isinstance(value, numbers.Real):
+            raise ConfigError(f"logit_bias values must be numbers, got {value!r} for {token}")
+        if not -LIMIT <= value <= LIMIT:
             raise ConfigError(f"logit_bias values must lie in [-{LIMIT:g}, {LIMIT:g}], got {value!r} for {token}")
+
+
+def check_bias_type(bias: Any) -> None:
+    """A ConfigError where `bias` is not a mapping of token ids to biases."""
+    if not isinstance(bias, Mapping):
+        raise ConfigError(f"logit_bias must map token ids to biases ({{id: bias}}), got {type(bias).__name__}")
 
 
 class Biased(Wrapper):
@@ -32,8 +47,8 @@ class Biased(Wrapper):
     def __init__(self, model: CausalLM, bias: Mapping[int, float]):
         check_bias(bias, model.vocab_size)
         super().__init__(model)
-        self._ids = torch.tensor(list(bias), dtype=torch.long)
-        self._values = torch.tensor(list(bias.values()), dtype=torch.float32)
+        self._ids = torch.tensor([int(token) for token in bias], dtype=torch.long)
+        self._values = torch.tensor([float(value) for value in bias.values()], dtype=torch.float32)
 
     def _biased(self, logits: torch.Tensor) -> torch.Tensor:
         logits = logits.clone()

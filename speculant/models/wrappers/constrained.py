@@ -56,7 +56,12 @@ class Constraint:
         """From OpenAI's `response_format` ({"type": "text"}: None; "json_object"; "json_schema" with
         {"json_schema": {"schema": ...}}), plus speculant's {"type": "grammar", "grammar": LARK} and {"type":
         "regex", "regex": PATTERN}. A ConfigError says what is wrong."""
+        if not isinstance(response_format, Mapping):
+            raise ConfigError(f"response_format must be a mapping such as {{\"type\": \"json_object\"}}, got "
+                              f"{type(response_format).__name__}")
         kind = response_format.get("type")
+        if not isinstance(kind, str):
+            raise ConfigError(f"response_format type must be one of text, {', '.join(KINDS)}; got {kind!r}")
         unknown = sorted(set(response_format) - {"type", *FORMAT_FIELDS.get(kind, ())})
         if unknown and kind in FORMAT_FIELDS:
             raise ConfigError(f"response_format of type {kind} takes no field {unknown[0]!r} (it takes: "
