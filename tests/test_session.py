@@ -8,6 +8,7 @@ import weakref
 from pathlib import Path
 
 import pytest
+import torch
 
 from helpers import random_prompt, tiny_model, tiny_transformer
 from speculant import Draft, Drafter, Session, generate, load_model, register_drafter
@@ -32,7 +33,7 @@ class Echo(Drafter):
         return self
 
     def propose(self, context, k):
-        return Draft(list(context[-k:]))
+        return Draft(list(context[-k:]) if k > 0 else [])
 
     def observe(self, n_accepted):
         self.observed.append(n_accepted)
@@ -331,3 +332,28 @@ def test_generations_on_one_target_never_decode_from_each_other_s_cache(method):
     for thread in threads:
         thread.join()
     assert [out[0], out[1]] == alone
+
+
+@pytest.mark.parametrize("proposal, message", [
+    (lambda context, k: list(context[-k:]), "propose returned list, not a speculant.Draft"),
+    (lambda context, k: Draft([VOCAB + 3]), "not token ids in"),
+    (lambda context, k: Draft([-1]), "not token ids in"),
+    (lambda context, k: Draft(list(context)), "tokens proposed where"),
+    (lambda context, k: Draft([1], torch.ones(1, VOCAB + 1) / (VOCAB + 1)), "its q is")])
+def test_a_user_drafter_s_bad_draft_is_named_before_verification_reads_it(proposal, message):
+    """A user's drafter is checked (`drafters.base.Checked`): what it proposes must be a Draft of the target's token
+    ids, at most k, with q one row per token as wide as the target's logits; speculant's own drafters are not
+    wrapped."""
+    from speculant.drafters.spec import load_drafter
+
+    class Faulty(Drafter):
+        name = "faulty"
+
+        def propose(self, context, k):
+            return proposal(context, k)
+
+    target = tiny_model("llama", 1, VOCAB)
+    with pytest.raises(ConfigError, match=f"drafter 'faulty': .*{message}"):
+        generate(target, prompt_ids=random_prompt(1, VOCAB, 6), method="sd", drafter=Faulty(), k=2,
+                 max_new_tokens=6, temperature=0.8 if "q is" in message else 0.0)
+    assert type(load_drafter("maxgram", target)).__name__ == "MaxGramDrafter"

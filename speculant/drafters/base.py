@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from speculant.errors import ConfigError
 from speculant.models.wrappers.metered import Usage
 
 if TYPE_CHECKING:
@@ -62,3 +63,49 @@ class Drafter:
         """The generation of `prompt_ids` stopped after `output_ids`."""
 
     match_length = None  # or a method: context -> the length of the match its next draft follows (0: none)
+
+
+class Checked(Drafter):
+    """A user's drafter (one passed in, or registered from outside speculant), its drafts checked before anything
+    reads them: a Draft whose tokens are ids of the target's vocabulary, at most k of them, and whose q has a row per
+    token as wide as the target's logits; else a ConfigError naming the drafter (a list, an id out of range or a q
+    of another width had failed deep in verification, or an id past the vocabulary read another token's row).
+    Everything else is the drafter's own."""
+
+    def __init__(self, inner: Drafter, vocab_size: int):
+        self.inner, self.vocab_size = inner, vocab_size
+        self.name = getattr(inner, "name", type(inner).__name__)
+        self.match_length = inner.match_length
+
+    def begin(self, prompt_ids: list[int]) -> Drafter:
+        began = self.inner.begin(prompt_ids)
+        return self if began is self.inner else Checked(began, self.vocab_size)
+
+    def propose(self, context: list[int], k: int) -> Draft:
+        draft = self.inner.propose(context, k)
+        if not isinstance(draft, Draft):
+            raise ConfigError(f"drafter '{self.name}': propose returned {type(draft).__name__}, not a speculant.Draft")
+        tokens = draft.tree.tokens[1:] if draft.tree is not None else draft.tokens
+        if draft.tree is None and len(tokens) > k:
+            raise ConfigError(f"drafter '{self.name}': {len(tokens)} tokens proposed where {k} were asked for")
+        if any(isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < self.vocab_size for t in tokens):
+            raise ConfigError(f"drafter '{self.name}': its draft holds {tokens!r}, not token ids in "
+                              f"[0, {self.vocab_size})")
+        if draft.tree is None and draft.probs is not None and tuple(draft.probs.shape) != (len(tokens), self.vocab_size):
+            raise ConfigError(f"drafter '{self.name}': its q is {tuple(draft.probs.shape)}, not one row per token of "
+                              f"the target's {self.vocab_size} logits")
+        return draft
+
+    def observe(self, n_accepted: int) -> None:
+        self.inner.observe(n_accepted)
+
+    def lag(self, context: list[int]) -> int:
+        return self.inner.lag(context)
+
+    def end(self, prompt_ids: list[int], output_ids: list[int]) -> None:
+        self.inner.end(prompt_ids, output_ids)
+
+    def __getattr__(self, name: str) -> object:
+        if name == "inner":  # (not yet set: a copy being made)
+            raise AttributeError(name)
+        return getattr(self.inner, name)  # (what else a user's drafter offers)

@@ -88,6 +88,15 @@ def check_compatible(target: Any, drafter: Any) -> None:
         )
 
 
+def checked(drafter: Any, target: Any) -> Any:
+    """A drafter from outside speculant (a user's object or registered factory's), its drafts checked
+    (`drafters.base.Checked`); speculant's own as they are."""
+    from speculant.drafters.base import Checked
+
+    own = type(drafter).__module__.startswith("speculant.")
+    return drafter if own or isinstance(drafter, Checked) else Checked(drafter, target.vocab_size)
+
+
 def load_drafter(drafter: Any, target: Any, dtype: str | None = None, session: Any = None) -> Any:
     """What drafts for `target` (a CausalLM): a Drafter as given; a registered drafter's (`drafters.registry`:
     maxgram, suffix, a user's), made by its factory (with `session`, where it keeps state there); `self` and its
@@ -101,10 +110,10 @@ def load_drafter(drafter: Any, target: Any, dtype: str | None = None, session: A
 
     drafter = as_drafter(drafter)
     if isinstance(drafter, Drafter):
-        return drafter
+        return checked(drafter, target)
     target = unwrapped(target)  # drafters stand on the model, not on what records or biases its logits
     if model_free(drafter):
-        return make_drafter(drafter.source, target, session)
+        return checked(make_drafter(drafter.source, target, session), target)
     if isinstance(drafter, DrafterSpec) and drafter.kind == SELF:
         return target.self_drafter(drafter)
     if drafter is target:  # a model drafting for itself needs a KV cache of its own
