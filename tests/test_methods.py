@@ -158,7 +158,11 @@ def test_generate_refuses_what_it_cannot_take_in_one_line_and_takes_numpy_and_to
             (dict(session={}), "session must be a speculant Session"),
             (dict(method="dsi", drafter="self", drafters="maxgram"), "give drafter or drafters, not both"),
             (dict(method="cascade", drafters=["maxgram"], k_matrix="4", k=3), "give k or k_matrix, not both"),
-            (dict(method="auto", drafters=["maxgram", target], tree_widths="3,"), "comma-separated integers")]:
+            (dict(method="auto", drafters=["maxgram", target], tree_widths="3,"), "comma-separated integers"),
+            (dict(method="dsi", drafter="maxgram", executor=None), "executor is one of"),
+            (dict(method="dsi", drafter="maxgram", twin_latency=(3, "x")), "twin_latency is text"),
+            (dict(method="tree", drafter=target, target_profile={}), "target_profile is"),
+            (dict(method="tree", drafter=target, depth_predictor=5), "depth_predictor is auto, off")]:
         with pytest.raises(ConfigError, match=message):
             generate(target, **{"prompt_ids": prompt, "max_new_tokens": 4, **refused})
     with pytest.raises(ConfigError, match="a Session is for a loaded model"):

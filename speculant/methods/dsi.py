@@ -89,6 +89,9 @@ class DSIOptions(DrafterOptions):
             raise ConfigError(f"lookahead must be >= 1, got {self.lookahead}")
         if isinstance(self.executor, str) and self.executor not in EXECUTORS:
             raise ConfigError(f"unknown executor '{self.executor}' (choose from {', '.join(EXECUTORS)})")
+        if not isinstance(self.executor, str) and not hasattr(self.executor, "spec"):
+            raise ConfigError(f"executor is one of {', '.join(EXECUTORS)} or a started executor "
+                              f"(`decoding.dsi.executors`), not {self.executor!r}")
         if self.ray_address is not None and self.executor != "ray":
             raise ConfigError("ray_address names the cluster of executor ray: add executor ray")
         if isinstance(self.target_devices, str):
@@ -102,8 +105,15 @@ class DSIOptions(DrafterOptions):
                 resolve_device(device)
         if self.drafters is not None and len(self.drafters) < 1:
             raise ConfigError("drafters needs at least one drafter")
+        if isinstance(self.twin_latency, (tuple, list)) and all(
+                isinstance(ms, (int, float)) and not isinstance(ms, bool) for ms in self.twin_latency):
+            object.__setattr__(self, "twin_latency", ",".join(map(str, self.twin_latency)))  # milliseconds, as text
         if isinstance(self.twin_latency, str):
             object.__setattr__(self, "twin_latency", parse_twin(self.twin_latency))
+        if self.twin_latency is not None and not (isinstance(self.twin_latency, tuple) and len(self.twin_latency) == 2
+                                                  and hasattr(self.twin_latency[0], "step_s")):
+            raise ConfigError(f"twin_latency is text ('30,3'), milliseconds ((30, 3)) or a pair of Latency objects, "
+                              f"not {self.twin_latency!r}")
         if self.twin_latency is not None and self.drafters is not None:
             pads = self.twin_latency[1] if isinstance(self.twin_latency[1], tuple) else (self.twin_latency[1],)
             if len(pads) not in (1, len(self.drafters)):

@@ -82,6 +82,15 @@ class TreeOptions(DrafterOptions):
                 raise ConfigError(f"depth predictor not found: {self.depth_predictor} (make one with `speculant "
                                   "train-depth`)")
             object.__setattr__(self, "depth_predictor", DepthPredictor.load(Path(self.depth_predictor)))
+        from speculant.latency import LatencyProfile
+        from speculant.trees.depth import DepthPredictor
+
+        if self.target_profile is not None and not isinstance(self.target_profile, LatencyProfile):
+            raise ConfigError(f"target_profile is a `speculant profile` JSON file or a LatencyProfile, not "
+                              f"{type(self.target_profile).__name__}")
+        if not isinstance(self.depth_predictor, (str, DepthPredictor)):
+            raise ConfigError(f"depth_predictor is auto, off, a predictor's JSON file or a DepthPredictor, not "
+                              f"{type(self.depth_predictor).__name__}")
 
     @property
     def target_needs(self) -> tuple[tuple[str, str, str], ...]:
