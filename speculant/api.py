@@ -2,14 +2,13 @@
 
 from __future__ import annotations
 
-import numbers
-import operator
 import threading
+import weakref
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, fields
 from typing import Any
 
-from speculant.config import RunConfig, SamplingConfig, check_sampled, typed
+from speculant.config import RunConfig, SamplingConfig, as_integer, check_sampled, typed
 from speculant.decoding.run import Decoder, timed
 from speculant.decoding.stats import GenerationStats
 from speculant.errors import ConfigError, RequestError
@@ -119,8 +118,7 @@ def check_request(method: str, logprobs: int | None, logit_bias: Mapping[int, fl
                   constraint: Constraint | None = None) -> None:
     """A ConfigError for a count of top log-probabilities out of range, or for options DSI cannot keep: its
     target servers run apart from the decoder, so they neither record nor bias nor mask the target's logits."""
-    if logprobs is not None and (isinstance(logprobs, bool) or not isinstance(logprobs, numbers.Integral)
-                                 or not 0 <= logprobs <= MAX_TOP):
+    if logprobs is not None and (as_integer(logprobs) is None or not 0 <= logprobs <= MAX_TOP):
         raise ConfigError(f"logprobs must be an integer in [0, {MAX_TOP}], got {logprobs!r}")
     if logit_bias is not None:
         check_bias_type(logit_bias)
@@ -247,7 +245,7 @@ def generate(
     label = f"{getattr(target, 'numerics', '')}, {getattr(target, 'kernel', '')} kernel".strip(", ")
     hold = Hold(owner_of(target))
     with hold.lock:
-        hold.take()  # building a decoder may run the target (a machine profile measured): started streams lose it
+        hold.take()  # building a decoder may run the target (a machine profile measured): a paused stream ends
         result = GenerationStream(hold.steps(spec.build(request, method_options)), target.tokenizer, label, recorded)
     if stream:
         return result
@@ -271,45 +269,55 @@ def token_ids(value: Any) -> list[int]:
                           "output: pass its ['input_ids'])")
     if isinstance(items, (str, bytes)) or not isinstance(items, Iterable):
         raise ConfigError(f"prompt_ids must be a sequence of token ids, not {type(value).__name__}")
-    ids = []
-    for item in items:
-        try:
-            ids.append(operator.index(item) if not isinstance(item, bool) else None)
-        except TypeError:
-            ids.append(None)
-        if ids[-1] is None:
-            raise ConfigError(f"prompt_ids must hold integer token ids, not {item!r}")
+    items = list(items)
+    ids = [as_integer(item) for item in items]
+    if None in ids:
+        raise ConfigError(f"prompt_ids must hold integer token ids, not {items[ids.index(None)]!r}")
     return ids
 
 
 class Hold:
-    """A generation's hold on its target's KV cache (and its session's drafter caches), which every generation on
-    the target shares. Each step runs under the target's lock, so threads take turns, and the generation that ran a
-    step last holds the caches: an earlier stream resumed after another generation's steps would decode from a cache
-    that holds the other text, so it raises instead of returning other tokens. A stream not yet started holds
-    nothing (its first step takes the caches over), and one finished or closed needs nothing."""
+    """A generation's hold on its target's KV cache (and its session's drafter caches), which every generation on the
+    target shares. Each step runs under the target's lock, so threads take turns, and the model records which
+    generation holds the caches: the one made or stepped last. Taking them over ends a paused generation that has
+    started (its decoder closed under the lock: a drafter's thread drafting ahead is waited for, what the generation
+    learned is kept), and that stream, resumed, raises instead of decoding from the other text. A stream not yet
+    started is not ended: it takes the caches at its first step. A stream dropped closes its decoder under the lock.
+    (The model refers to its holder weakly: neither keeps the other alive.)"""
 
     def __init__(self, model: Any):
         self.model = model
         self.lock = model.__dict__.setdefault("generation_lock", threading.RLock())
-        self.claim = object()
+        self.decoder: Decoder | None = None  # once its first step ran
 
     def take(self) -> None:
-        self.model.__dict__["generation"] = self.claim
+        """Hold the caches (under the lock), ending the paused generation that held them."""
+        held = self.holder()
+        if held is not None and held is not self and held.decoder is not None:
+            held.decoder.close()
+        self.model.__dict__["generation"] = weakref.ref(self)
+
+    def holder(self) -> Hold | None:
+        held = self.model.__dict__.get("generation")
+        return held() if held is not None else None
 
     def steps(self, decoder: Decoder) -> Decoder:
-        started = False
-        while True:
+        try:
+            while True:
+                with self.lock:
+                    if self.decoder is None:
+                        self.take()
+                        self.decoder = decoder
+                    elif self.holder() is not self:
+                        raise ConfigError(f"another generation was made or ran on {self.model.name} since this "
+                                          "stream's last token (its KV cache holds that text now): finish or close a "
+                                          "stream before the next generation on the same target, or load another "
+                                          "instance of it")
+                    try:
+                        token = next(decoder)
+                    except StopIteration as stop:
+                        return stop.value
+                yield token
+        finally:
             with self.lock:
-                if not started:
-                    self.take()
-                    started = True
-                elif self.model.__dict__.get("generation") is not self.claim:
-                    raise ConfigError(f"another generation ran on {self.model.name} since this stream's last token "
-                                      "(its KV cache holds that text now): finish or close a stream before the next "
-                                      "generation on the same target, or load another instance of it")
-                try:
-                    token = next(decoder)
-                except StopIteration as stop:
-                    return stop.value
-            yield token
+                decoder.close()

@@ -57,11 +57,31 @@ def number(text: str) -> float:
     return float(ascii_text(text))
 
 
+def as_integer(value: Any) -> int | None:
+    """`value` as an int where it is an integer (Python's, NumPy's, a 0-d tensor's; not a bool), else None. The one
+    test of an integer given from Python (text is read by `integer`)."""
+    if isinstance(value, bool):
+        return None
+    try:
+        return operator.index(value)
+    except TypeError:
+        return None
+
+
+def as_number(value: Any) -> float | None:
+    """`value` as a float where it is a real number (an integer as `as_integer` takes one, a float, NumPy's, a 0-d
+    tensor's; not a bool, not text), else None."""
+    if isinstance(value, (bool, str, bytes)):
+        return None
+    if isinstance(value, numbers.Real):
+        return float(value)
+    return float(value) if getattr(value, "shape", None) == () and hasattr(value, "__float__") else None
+
+
 def typed(options: type, values: dict[str, Any]) -> dict[str, Any]:
     """`values` given from Python for fields of the dataclass `options`, each number checked against its field's
-    type: an `int` field takes an integer (Python's, NumPy's, a 0-d tensor's; not a bool), a `float` field any real
-    number (not a bool); an OptionError names the field otherwise (a float's `range(...)` test walks every integer,
-    and a count of 2.5 fails deep in decoding). Text is read by `integer` and `number`."""
+    type (`as_integer` for an `int` field, `as_number` for a `float` one); an OptionError names the field otherwise
+    (a float's `range(...)` test walks every integer, and a count of 2.5 fails deep in decoding)."""
     kinds = {f.name: f.type if isinstance(f.type, str) else getattr(f.type, "__name__", str(f.type))
              for f in fields(options)}
     checked = dict(values)
@@ -70,16 +90,13 @@ def typed(options: type, values: dict[str, Any]) -> dict[str, Any]:
         if value is None and "None" in parts or isinstance(value, str) and "str" in parts:
             continue
         if "int" in parts and "float" not in parts:
-            try:
-                checked[name] = operator.index(value) if not isinstance(value, bool) else None
-            except TypeError:
-                checked[name] = None
+            checked[name] = as_integer(value)
             if checked[name] is None:
                 raise OptionError(name, f"{name} must be an integer, got {value!r}")
         elif "float" in parts:
-            if isinstance(value, bool) or not isinstance(value, numbers.Real):
+            checked[name] = as_number(value)
+            if checked[name] is None:
                 raise OptionError(name, f"{name} must be a number, got {value!r}")
-            checked[name] = float(value)
     return checked
 
 

@@ -157,7 +157,6 @@ def test_generate_refuses_what_it_cannot_take_in_one_line_and_takes_numpy_and_to
             (dict(response_format="json_object"), "response_format must be a mapping"),
             (dict(session={}), "session must be a speculant Session"),
             (dict(method="dsi", drafter="self", drafters="maxgram"), "give drafter or drafters, not both"),
-            (dict(method="cascade", drafters=["maxgram"], k_matrix="4", k=3), "give k or k_matrix, not both"),
             (dict(method="auto", drafters=["maxgram", target], tree_widths="3,"), "comma-separated integers"),
             (dict(method="dsi", drafter="maxgram", executor=None), "executor is one of"),
             (dict(method="dsi", drafter="maxgram", twin_latency=(3, "x")), "twin_latency is text"),
@@ -169,21 +168,37 @@ def test_generate_refuses_what_it_cannot_take_in_one_line_and_takes_numpy_and_to
         Session("qwen2.5-coder-1.5b")
 
 
-def test_a_stream_is_its_own_iterator_and_closes_when_dropped():
+def test_a_stream_is_its_own_iterator_and_ends_its_generation_when_dropped_or_taken_over():
+    """A stream iterated again goes on where it left off; dropped part way, or paused while another generation on
+    its target is made, its generation ends at once (its drafters told, `Drafter.end`)."""
     import gc
-    import weakref
+
+    from speculant import Draft, Drafter
+
+    class Told(Drafter):
+        name = "told"
+        ended = 0
+
+        def propose(self, context, k):
+            return Draft([])
+
+        def end(self, prompt_ids, output_ids):
+            Told.ended += 1
 
     target = tiny_model("llama", 1, 64)
     expected = generate(target, prompt_ids=[1, 2, 3], max_new_tokens=5).token_ids
     stream = generate(target, prompt_ids=[1, 2, 3], max_new_tokens=5, stream=True)
     head = [next(stream), next(stream)]
     assert head + list(stream) == expected and list(stream) == [] and stream.result.token_ids == expected
-    stream = generate(target, prompt_ids=[1, 2, 3], max_new_tokens=5, stream=True)
-    next(stream)
-    gone = weakref.ref(stream)
-    gc.disable()  # (dropped by its count of references, not by the collector: nothing refers back to it)
+    gc.disable()  # (ended by its count of references, not by the collector: nothing refers back to it)
     try:
+        stream = generate(target, prompt_ids=[1, 2, 3], max_new_tokens=5, stream=True, method="sd", drafter=Told())
+        next(stream)
         del stream
-        assert gone() is None
+        assert Told.ended == 1
+        paused = generate(target, prompt_ids=[1, 2, 3], max_new_tokens=5, stream=True, method="sd", drafter=Told())
+        next(paused)
+        generate(target, prompt_ids=[4, 5], max_new_tokens=2, stream=True)  # made, not read: the paused one ends
+        assert Told.ended == 2
     finally:
         gc.enable()

@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from speculant.config import as_integer
 from speculant.errors import ConfigError
 from speculant.models.wrappers.metered import Usage
 
@@ -79,6 +80,9 @@ class Checked(Drafter):
 
     def begin(self, prompt_ids: list[int]) -> Drafter:
         began = self.inner.begin(prompt_ids)
+        if not isinstance(began, Drafter):
+            raise ConfigError(f"drafter '{self.name}': begin returned {type(began).__name__}, not a speculant.Drafter "
+                              "(itself, or a copy for this generation)")
         return self if began is self.inner else Checked(began, self.vocab_size)
 
     def propose(self, context: list[int], k: int) -> Draft:
@@ -88,9 +92,11 @@ class Checked(Drafter):
         tokens = draft.tree.tokens[1:] if draft.tree is not None else draft.tokens
         if draft.tree is None and len(tokens) > k:
             raise ConfigError(f"drafter '{self.name}': {len(tokens)} tokens proposed where {k} were asked for")
-        if any(isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < self.vocab_size for t in tokens):
+        if any(as_integer(t) is None or not 0 <= t < self.vocab_size for t in tokens):
             raise ConfigError(f"drafter '{self.name}': its draft holds {tokens!r}, not token ids in "
                               f"[0, {self.vocab_size})")
+        if draft.tree is None:
+            draft.tokens = [int(t) for t in draft.tokens]  # (NumPy's integers committed as Python's)
         if draft.tree is None and draft.probs is not None and tuple(draft.probs.shape) != (len(tokens), self.vocab_size):
             raise ConfigError(f"drafter '{self.name}': its q is {tuple(draft.probs.shape)}, not one row per token of "
                               f"the target's {self.vocab_size} logits")

@@ -93,7 +93,8 @@ def checked(drafter: Any, target: Any) -> Any:
     (`drafters.base.Checked`); speculant's own as they are."""
     from speculant.drafters.base import Checked
 
-    own = type(drafter).__module__.startswith("speculant.")
+    own = getattr(type(drafter).propose, "__module__", "").startswith("speculant.")  # (a subclass of one of
+    # speculant's drafters that keeps its propose is speculant's: cascade's levels, say, recognise it)
     return drafter if own or isinstance(drafter, Checked) else Checked(drafter, target.vocab_size)
 
 
@@ -105,7 +106,7 @@ def load_drafter(drafter: Any, target: Any, dtype: str | None = None, session: A
     drafter (`Backend.draft_model`: in `dtype`, default the target's)."""
     from speculant.drafters.base import Drafter
     from speculant.drafters.registry import make_drafter
-    from speculant.models import load_model
+    from speculant.models import CausalLM, load_model
     from speculant.models.base import unwrapped
 
     drafter = as_drafter(drafter)
@@ -122,7 +123,9 @@ def load_drafter(drafter: Any, target: Any, dtype: str | None = None, session: A
         return target.share()
     if isinstance(drafter, DrafterSpec):
         model = target.draft_model(drafter, dtype)
-    else:  # a loaded model as given; a transformers model wrapped as one (in `dtype` where given)
+    elif isinstance(drafter, CausalLM):  # a loaded model as given (a drafter dtype is for the models named beside it)
+        model = drafter
+    else:  # a transformers model, wrapped as one (in `dtype` where given)
         model = load_model(drafter, dtype=dtype)
     check_compatible(target, model)
     return model

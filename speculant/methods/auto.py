@@ -5,12 +5,11 @@ goodput, or plain decoding when no draft pays (`decoding.adaptive`)."""
 
 from __future__ import annotations
 
-import numbers
 from collections.abc import Collection
 from dataclasses import dataclass, fields
 from typing import Any
 
-from speculant.config import AUTO, CATCH_UPS, REQUEST_MOST, REQUEST_NODES, SCHEDULES, integer, option
+from speculant.config import AUTO, CATCH_UPS, REQUEST_MOST, REQUEST_NODES, SCHEDULES, as_integer, integer, option
 from speculant.drafters.spec import as_drafter, model_free
 from speculant.errors import ConfigError, OptionError
 from speculant.methods.drafting import DRAFTER_DTYPES, check_drafter_dtype, parse_drafters
@@ -123,10 +122,10 @@ class AutoOptions:
 
 def typed_widths(widths: Any) -> tuple[int, ...]:
     """Tree widths given from Python: integers (Python's or NumPy's; not bools, not text)."""
-    for width in widths:
-        if isinstance(width, bool) or not isinstance(width, numbers.Integral):
-            raise OptionError("tree_widths", f"tree widths must be integers, got {width!r}")
-    return tuple(int(width) for width in widths)
+    checked = tuple(as_integer(width) for width in widths)
+    if None in checked:
+        raise OptionError("tree_widths", f"tree widths must be integers, got {list(widths)[checked.index(None)]!r}")
+    return checked
 
 
 def check_model_only(options: AutoOptions, models: int) -> None:

@@ -7,7 +7,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from speculant.config import EXECUTORS, MOST_LATENCY_MS, REQUEST_MOST, number, option
+from speculant.config import EXECUTORS, MOST_LATENCY_MS, REQUEST_MOST, as_number, number, option
 from speculant.errors import ConfigError
 from speculant.methods.drafting import DrafterOptions, parse_drafters
 from speculant.methods.registry import Request, register
@@ -105,9 +105,8 @@ class DSIOptions(DrafterOptions):
                 resolve_device(device)
         if self.drafters is not None and len(self.drafters) < 1:
             raise ConfigError("drafters needs at least one drafter")
-        if isinstance(self.twin_latency, (tuple, list)) and all(
-                isinstance(ms, (int, float)) and not isinstance(ms, bool) for ms in self.twin_latency):
-            object.__setattr__(self, "twin_latency", ",".join(map(str, self.twin_latency)))  # milliseconds, as text
+        if isinstance(self.twin_latency, (tuple, list)) and all(as_number(ms) is not None for ms in self.twin_latency):
+            object.__setattr__(self, "twin_latency", ",".join(str(as_number(ms)) for ms in self.twin_latency))  # (ms)
         if isinstance(self.twin_latency, str):
             object.__setattr__(self, "twin_latency", parse_twin(self.twin_latency))
         if self.twin_latency is not None and not (isinstance(self.twin_latency, tuple) and len(self.twin_latency) == 2

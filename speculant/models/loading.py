@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from speculant.cache import cache_root
 from speculant.config import AUTO, BACKENDS, GGUF, LEAN, QUANTS
 from speculant.errors import ConfigError, ModelNotAvailable
 from speculant.machine import native_bf16
@@ -81,11 +82,14 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_ma
 
 
 def tokenizer_folder(name: str) -> Path | None:
-    """The folder a model's tokenizer loads from: a catalog model's (under any `@` suffix) or a local model folder;
-    None for anything else (a .gguf file carries its tokenizer inside)."""
+    """The folder a model's tokenizer loads from: a local model folder, or one a catalog model's loads made (under
+    any `@` suffix: its GGUF's or a de-quantized one's, each with the same tokenizer files; none is made here, so a
+    drafter's first load on a path may read its own); None for anything else (a .gguf file carries its tokenizer
+    inside)."""
     base = split_quant(name)[0]
     if base in CATALOG:
-        return gguf_checkpoint(CATALOG[base])
+        made = [cache_root() / "models" / f"{base}-{kind}" for kind in ("gguf", "bf16", "fp32")]
+        return next((folder for folder in made if (folder / "tokenizer.json").is_file()), None)
     path = Path(name).expanduser()
     return path if path.is_dir() else None
 

@@ -7,12 +7,12 @@ proposed without it; a draft token the bias rules out is simply rejected.
 
 from __future__ import annotations
 
-import numbers
 from collections.abc import Mapping, Sequence
 from typing import Any
 
 import torch
 
+from speculant.config import as_integer, as_number
 from speculant.errors import ConfigError
 from speculant.models.base import CausalLM, Wrapper
 from speculant.trees.tree import TokenTree
@@ -22,14 +22,14 @@ LIMIT = 100.0  # OpenAI's range: -100 bans a token, 100 forces it
 
 def check_bias(bias: Mapping[int, float], vocab_size: int) -> None:
     """A ConfigError naming the first token id that is not an integer in the vocabulary, or bias that is not a number
-    in [-100, 100] (NumPy's integers and floats are numbers too)."""
+    in [-100, 100] (`config.as_integer`, `as_number`)."""
     check_bias_type(bias)
     for token, value in bias.items():
-        if isinstance(token, bool) or not isinstance(token, numbers.Integral):
+        if as_integer(token) is None:
             raise ConfigError(f"logit_bias token ids must be integers, got {token!r}")
         if not 0 <= token < vocab_size:
             raise ConfigError(f"logit_bias token ids must lie in [0, {vocab_size}), got {token!r}")
-        if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        if as_number(value) is None:
             raise ConfigError(f"logit_bias values must be numbers, got {value!r} for {token}")
         if not -LIMIT <= value <= LIMIT:
             raise ConfigError(f"logit_bias values must lie in [-{LIMIT:g}, {LIMIT:g}], got {value!r} for {token}")
