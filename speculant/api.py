@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import atexit
 import threading
 import weakref
 from collections.abc import Iterable, Mapping, Sequence
@@ -289,12 +290,19 @@ class Hold:
         self.model = model
         self.lock = model.__dict__.setdefault("generation_lock", threading.RLock())
         self.decoder: Decoder | None = None  # once its first step ran
+        LIVE.add(self)
+
+    def end(self) -> None:
+        """End the generation where it is (under the lock): its decoder closed, its threads stopped."""
+        with self.lock:
+            if self.decoder is not None:
+                self.decoder.close()
 
     def take(self) -> None:
         """Hold the caches (under the lock), ending the paused generation that held them."""
         held = self.holder()
-        if held is not None and held is not self and held.decoder is not None:
-            held.decoder.close()
+        if held is not None and held is not self:
+            held.end()
         self.model.__dict__["generation"] = weakref.ref(self)
 
     def holder(self) -> Hold | None:
@@ -321,3 +329,8 @@ class Hold:
         finally:
             with self.lock:
                 decoder.close()
+
+
+LIVE: weakref.WeakSet[Hold] = weakref.WeakSet()  # the generations alive: those paused end at the interpreter's
+# exit, before it tears down (a DSI generation's drafter and server threads, left running in torch, aborted it)
+atexit.register(lambda: [hold.end() for hold in list(LIVE)])

@@ -591,3 +591,26 @@ def test_dsi_on_two_ray_nodes_equals_autoregressive(two_ray_nodes):
 
     exercise_pool(lambda spec: make_executor("ray", spec, two_ray_nodes), 3, random.Random(7), on_both_nodes)
     assert not ray.is_initialized()
+
+
+def test_paused_dsi_streams_end_before_the_interpreter_exits():
+    """A DSI stream read part way runs a drafter thread and target server threads; left open at exit, they were
+    still in torch while Python tore down, and the process aborted (two exits in three). Paused generations end at
+    exit (`api.LIVE`)."""
+    import subprocess
+
+    script = """
+import sys
+sys.path.insert(0, {tests!r})
+from helpers import tiny_model
+from speculant import generate
+streams = []
+for seed in range(3):
+    target, drafter = tiny_model("llama", 2 * seed + 1, 64), tiny_model("llama", 2 * seed + 2, 64)
+    streams.append(generate(target, prompt_ids=[1, 2, 3], max_new_tokens=40, method="dsi", drafter=drafter,
+                            lookahead=2, stream=True))
+    next(streams[-1])
+""".format(tests=str(Path(__file__).parent))
+    for _ in range(2):
+        done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+        assert done.returncode == 0, done.stderr[-500:]
