@@ -202,8 +202,8 @@ def generate(
     given = [name for name, value in (("top_k", top_k), ("top_p", top_p)) if value is not None]
     check_sampled(sampling, given + (["verifier"] if verifier != SamplingConfig().verifier else []))  # (a seed, which
     # changes nothing greedy either, is taken: programs pass one whatever the temperature)
-    check_given_pairs(spec.options, spec.name, options)
     method_options = spec.make_options(options)
+    check_given_pairs(method_options, spec.name, options)
     constraint = response_format if isinstance(response_format, Constraint) or response_format is None \
         else Constraint.from_response_format(response_format)
     check_request(spec.name, logprobs, logit_bias, constraint)

@@ -82,18 +82,17 @@ def typed(options: type, values: dict[str, Any]) -> dict[str, Any]:
     """`values` given from Python for fields of the dataclass `options`, each number checked against its field's
     type (`as_integer` for an `int` field, `as_number` for a `float` one); an OptionError names the field otherwise
     (a float's `range(...)` test walks every integer, and a count of 2.5 fails deep in decoding)."""
-    kinds = {f.name: f.type if isinstance(f.type, str) else getattr(f.type, "__name__", str(f.type))
-             for f in fields(options)}
+    kinds = {f.name: hinted(f) for f in fields(options)}
     checked = dict(values)
     for name, value in values.items():
-        parts = {part.strip() for part in kinds.get(name, "").split("|")}
-        if value is None and "None" in parts or isinstance(value, str) and "str" in parts:
+        kind = kinds.get(name, ())
+        if value is None and type(None) in kind or isinstance(value, str) and str in kind:
             continue
-        if "int" in parts and "float" not in parts:
+        if int in kind and float not in kind:
             checked[name] = as_integer(value)
             if checked[name] is None:
                 raise OptionError(name, f"{name} must be an integer, got {value!r}")
-        elif "float" in parts:
+        elif float in kind:
             checked[name] = as_number(value)
             if checked[name] is None:
                 raise OptionError(name, f"{name} must be a number, got {value!r}")
@@ -260,11 +259,16 @@ def flag(name: str) -> str:
     return "--" + name.replace("_", "-")
 
 
-def scalar_type(f: Field) -> type:
-    """`int | None` -> int; `float` -> float (annotations are strings under postponed evaluation)."""
+def hinted(f: Field) -> tuple[Any, ...]:
+    """A field's types: `int | None` -> (int, NoneType); `float` -> (float,) (annotations are strings under postponed
+    evaluation)."""
     hint = eval(f.type, vars(typing)) if isinstance(f.type, str) else f.type  # noqa: S307
-    if isinstance(hint, types.UnionType):
-        hint = next(arg for arg in hint.__args__ if arg is not type(None))
+    return hint.__args__ if isinstance(hint, types.UnionType) else (hint,)
+
+
+def scalar_type(f: Field) -> type:
+    """`int | None` -> int; `float` -> float."""
+    hint = next(arg for arg in hinted(f) if arg is not type(None))
     return hint if hint in (int, float, str, bool) else str
 
 

@@ -200,5 +200,9 @@ def test_a_stream_is_its_own_iterator_and_ends_its_generation_when_dropped_or_ta
         next(paused)
         generate(target, prompt_ids=[4, 5], max_new_tokens=2, stream=True)  # made, not read: the paused one ends
         assert Told.ended == 2
+        closed = generate(target, prompt_ids=[1, 2, 3], max_new_tokens=5, stream=True, method="sd", drafter=Told())
+        next(closed)
+        closed.close()
+        assert Told.ended == 3 and list(closed) == []
     finally:
         gc.enable()

@@ -90,16 +90,18 @@ class Checked(Drafter):
         if not isinstance(draft, Draft):
             raise ConfigError(f"drafter '{self.name}': propose returned {type(draft).__name__}, not a speculant.Draft")
         tokens = draft.tree.tokens[1:] if draft.tree is not None else draft.tokens
-        if draft.tree is None and len(tokens) > k:
-            raise ConfigError(f"drafter '{self.name}': {len(tokens)} tokens proposed where {k} were asked for")
-        if any(as_integer(t) is None or not 0 <= t < self.vocab_size for t in tokens):
+        ids = [as_integer(t) for t in tokens]
+        if any(i is None or not 0 <= i < self.vocab_size for i in ids):
             raise ConfigError(f"drafter '{self.name}': its draft holds {tokens!r}, not token ids in "
                               f"[0, {self.vocab_size})")
-        if draft.tree is None:
-            draft.tokens = [int(t) for t in draft.tokens]  # (NumPy's integers committed as Python's)
-        if draft.tree is None and draft.probs is not None and tuple(draft.probs.shape) != (len(tokens), self.vocab_size):
+        if draft.tree is not None:
+            return draft
+        if len(ids) > k:
+            raise ConfigError(f"drafter '{self.name}': {len(ids)} tokens proposed where {k} were asked for")
+        if draft.probs is not None and tuple(draft.probs.shape) != (len(ids), self.vocab_size):
             raise ConfigError(f"drafter '{self.name}': its q is {tuple(draft.probs.shape)}, not one row per token of "
                               f"the target's {self.vocab_size} logits")
+        draft.tokens = ids  # (NumPy's integers committed as Python's)
         return draft
 
     def observe(self, n_accepted: int) -> None:

@@ -128,12 +128,13 @@ def check_pairs(options: type, method: str, given: Iterable[str]) -> None:
             raise pair_error(one, other, method)
 
 
-def check_given_pairs(options: type, method: str, given: Mapping[str, Any]) -> None:
-    """`check_pairs` for values given from Python, where a caller may pass every field (`as_keywords`): a pair
-    counts as given where each of its values changes the options from what they are without it."""
+def check_given_pairs(built: Any, method: str, given: Mapping[str, Any]) -> None:
+    """`check_pairs` for values given from Python (`built`: the options made of them), where a caller may pass every
+    field (`as_keywords`): a pair counts as given where each of its values changes the options from what they are
+    without it."""
+    options = type(built)
     for one, other in getattr(options, "EITHER", ()):
         if one in given and other in given:
-            built = make_options(options, method, given)
             without = [make_options(options, method, {k: v for k, v in given.items() if k != name})
                        for name in (one, other)]
             if all(getattr(built, name) != getattr(less, name) for name, less in zip((one, other), without)):

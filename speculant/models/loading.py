@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from speculant.cache import cache_root
-from speculant.config import AUTO, BACKENDS, GGUF, LEAN, QUANTS
+from speculant.config import AUTO, BACKENDS, GGUF, LEAN, QUANTS, as_integer
 from speculant.errors import ConfigError, ModelNotAvailable
 from speculant.machine import native_bf16
 from speculant.models.base import CausalLM
@@ -288,7 +288,7 @@ def load_model(spec: Any, dtype: str | None = None, device: str | None = None, t
     if tokenizer is not None and not hasattr(tokenizer, "convert_tokens_to_ids"):
         raise ConfigError(f"tokenizer must be a loaded tokenizer (transformers' AutoTokenizer.from_pretrained), not "
                           f"{type(tokenizer).__name__}")
-    if isinstance(group_size, bool) or not isinstance(group_size, int) or group_size < 1:
+    if as_integer(group_size) is None or group_size < 1:
         raise ConfigError(f"group_size must be a positive integer, got {group_size!r}")
     if isinstance(spec, str) and "@" in spec:
         if quant is not None:

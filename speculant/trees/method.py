@@ -66,25 +66,21 @@ class TreeOptions(DrafterOptions):
             raise ConfigError(f"shape {self.shape} needs a depth and a width (its nodes: depth x width), not auto")
         if self.objective not in OBJECTIVES:
             raise ConfigError(f"objective must be one of {', '.join(OBJECTIVES)}, got {self.objective!r}")
+        from speculant.latency import LatencyProfile
+        from speculant.trees.depth import DepthPredictor
+
         # The files named are read now, once (a server's requests share what was read): one that is not there or
         # not what it should be is refused before anything loads.
         if isinstance(self.target_profile, (str, Path)):
-            from speculant.latency import LatencyProfile
-
             if not Path(self.target_profile).is_file():
                 raise ConfigError(f"target profile not found: {self.target_profile} (make one with `speculant "
                                   "profile --out`)")
             object.__setattr__(self, "target_profile", LatencyProfile.load(Path(self.target_profile)))
         if isinstance(self.depth_predictor, (str, Path)) and self.depth_predictor not in (AUTO, "off"):
-            from speculant.trees.depth import DepthPredictor
-
             if not Path(self.depth_predictor).is_file():
                 raise ConfigError(f"depth predictor not found: {self.depth_predictor} (make one with `speculant "
                                   "train-depth`)")
             object.__setattr__(self, "depth_predictor", DepthPredictor.load(Path(self.depth_predictor)))
-        from speculant.latency import LatencyProfile
-        from speculant.trees.depth import DepthPredictor
-
         if self.target_profile is not None and not isinstance(self.target_profile, LatencyProfile):
             raise ConfigError(f"target_profile is a `speculant profile` JSON file or a LatencyProfile, not "
                               f"{type(self.target_profile).__name__}")
