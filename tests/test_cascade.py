@@ -7,11 +7,12 @@ import torch
 from helpers import ARCHS, DEVICES, perturbed, random_prompt, tiny_model, total_variation
 from speculant import generate
 from speculant.config import SamplingConfig
-from speculant.drafters.base import Draft
+from speculant.drafters.base import Draft, Drafter
 from speculant.drafters.cascade import CascadeDrafter, default_k_matrix, parse_k_matrix
 from speculant.drafters.maxgram import MaxGramDrafter, bigram_table
 from speculant.drafters.model import ModelDrafter
 from speculant.errors import ConfigError
+from speculant.models.wrappers.metered import Usage
 from test_sampling import VOCAB as SMALL_VOCAB, assert_follows_target
 
 VOCAB = 64
@@ -62,6 +63,39 @@ def test_cascade_reports_forwards_per_level_and_swi():
     expected = stats.new_tokens / (stats.target_forwards + sum(
         stats.drafter_forwards[name] * stats.cost_ratios[name] for name in stats.drafter_forwards))
     assert stats.swi == pytest.approx(expected)
+
+
+def test_a_user_s_drafter_is_a_cascade_level_with_a_lifecycle_of_its_own():
+    """A drafter of a user's (here above Max-Gram, and a ModelDrafter subclass with a propose of its own) proposes
+    at its level: the output is still `ar`'s, its usage is counted, and each generation begins and ends it."""
+    target = tiny_model("llama", 0, VOCAB, init_std=0.1)
+    prompt = random_prompt(0, VOCAB, 12)
+    truth = generate(target, prompt_ids=prompt, method="ar", max_new_tokens=MAX_NEW).token_ids
+    calls = []
+
+    class Echo(Drafter):  # the context's last tokens again
+        name = "echo"
+
+        def begin(self, prompt_ids):
+            calls.append("begin")
+            return Echo()
+
+        def propose(self, context, k):
+            return Draft(context[-k:], None, {"echo": Usage(forwards=1)})
+
+        def end(self, prompt_ids, output_ids):
+            calls.append(("end", len(output_ids)))
+
+    class Shorter(ModelDrafter):  # a model drafter proposing one token fewer
+        def propose(self, context, k):
+            return super().propose(context, max(k - 1, 1))
+
+    shorter = Shorter(perturbed(target, 0.2, 0), SamplingConfig(), None)
+    result = generate(target, prompt_ids=prompt, method="cascade", drafters=[shorter, Echo(), "maxgram"],
+                      k_matrix="2,2,1;2,2;3", max_new_tokens=MAX_NEW)
+    assert result.token_ids == truth
+    assert calls == ["begin", ("end", MAX_NEW)]
+    assert result.stats.drafter_forwards["echo"] > 0 and result.stats.drafter_forwards[shorter.model.name] > 0
 
 
 def test_vertical_cascade_drafts_with_reviews_not_autoregression():

@@ -8,7 +8,8 @@ model level that has levels below it does not generate autoregressively: it revi
 from the rows below (vertical cascade), one forward per review, keeping the accepted prefix plus its
 own next token. The last model level with nothing below it drafts autoregressively, and so does a model
 with another tokenizer (`CrossVocabDrafter`): its tokens do not line up with a draft's to review it in one
-forward, so the levels below it only extend its drafts horizontally.
+forward, so the levels below it only extend its drafts horizontally. So does any other drafter (a user's, a
+registered one): it proposes at its level as Max-Gram does. Each generation runs on its levels' own `begin`.
 
 Leniency l >= 1 relaxes these inner reviews only. What an inner review emits is not the reviewer's
 distribution then, so each emitted token carries the distribution it was actually drawn from
@@ -30,7 +31,6 @@ from speculant.models.wrappers.metered import Usage
 from speculant.sampling import logits_to_probs
 from speculant.verify import lenient_distribution, one_hot, verify_greedy, verify_sampling
 
-Level = ModelDrafter | CrossVocabDrafter | MaxGramDrafter
 Rows = list[torch.Tensor | None]  # per drafted token: the distribution it came from, None = one-hot
 
 
@@ -46,7 +46,7 @@ def parse_k_matrix(text: str, levels: int) -> list[list[int]]:
     return [[0] * (levels - len(row)) + row if len(row) == levels - i else row for i, row in enumerate(rows)]
 
 
-def default_k_matrix(levels: list[Level], k: int) -> list[list[int]]:
+def default_k_matrix(levels: list[Drafter], k: int) -> list[list[int]]:
     """k tokens from each level's own drafter, plus a horizontal tail of 2 Max-Gram tokens when
     Max-Gram is the last level: [[k, 2], [0, k]] for [model, maxgram]."""
     n = len(levels)
@@ -74,7 +74,7 @@ class CascadeDrafter(Drafter):
 
     name = "cascade"
 
-    def __init__(self, levels: list[Level], k_matrix: list[list[int]], leniency: float,
+    def __init__(self, levels: list[Drafter], k_matrix: list[list[int]], leniency: float,
                  sampling: SamplingConfig, generator: torch.Generator | None):
         if not levels:
             raise ConfigError("a cascade needs at least one drafter")
@@ -85,25 +85,37 @@ class CascadeDrafter(Drafter):
         check_k_matrix(k_matrix, len(levels))
         self.levels, self.k_matrix, self.leniency = levels, k_matrix, leniency
         self.sampling, self.generator = sampling, generator
-        self.models = [level for level in levels if not isinstance(level, MaxGramDrafter)]
+        self.models = [level for level in levels if isinstance(level, (ModelDrafter, CrossVocabDrafter))]
 
     @property
     def max_draft(self) -> int:
         return sum(self.k_matrix[0])
 
+    def begin(self, prompt_ids: list[int]) -> CascadeDrafter:
+        """The cascade over each level's drafter for this generation (Max-Gram's own context array, say)."""
+        levels = [level.begin(prompt_ids) for level in self.levels]
+        if all(began is level for began, level in zip(levels, self.levels)):
+            return self
+        return CascadeDrafter(levels, self.k_matrix, self.leniency, self.sampling, self.generator)
+
     def propose(self, context: list[int], k: int) -> Draft:
         before = [m.model.usage for m in self.models]
-        tokens, rows = self._draft(0, context, min(k, self.max_draft))
+        usage: dict[str, Usage] = {}  # a model level's forwards, read off its meter; other levels' as they report
+        tokens, rows = self._draft(0, context, min(k, self.max_draft), usage)
         probs = None if self.sampling.greedy else stack_rows(tokens, rows)
-        usage: dict[str, Usage] = {}
         for model, start in zip(self.models, before):  # levels sharing a name add up
-            usage[model.name] = usage.get(model.name, Usage()) + (model.model.usage - start)
+            add_usage(usage, model.name, model.model.usage - start)
         return Draft(tokens, probs, usage)
 
     def observe(self, n_accepted: int) -> None:
-        """Nothing to adapt: every level re-synchronises from the context."""
+        """Nothing to adapt: every model level re-synchronises from the context, and no level's own tokens are
+        known to be the accepted ones."""
 
-    def _draft(self, row: int, context: list[int], budget: int) -> tuple[list[int], Rows]:
+    def end(self, prompt_ids: list[int], output_ids: list[int]) -> None:
+        for level in self.levels:
+            level.end(prompt_ids, output_ids)
+
+    def _draft(self, row: int, context: list[int], budget: int, usage: dict[str, Usage]) -> tuple[list[int], Rows]:
         """Up to `budget` tokens for the reviewer above level `row`, level by level along K[row]."""
         tokens: list[int] = []
         rows: Rows = []
@@ -111,21 +123,26 @@ class CascadeDrafter(Drafter):
         for j in range(row, len(self.levels)):
             goal = min(goal + self.k_matrix[row][j], budget)
             while len(tokens) < goal:
-                new, new_rows = self._generate(j, context + tokens, goal - len(tokens), budget - len(tokens))
+                new, new_rows = self._generate(j, context + tokens, goal - len(tokens), budget - len(tokens), usage)
                 if not new:
                     break  # this level has nothing to offer (Max-Gram without a match)
                 tokens += new
                 rows += new_rows
         return tokens[:budget], rows[:budget]
 
-    def _generate(self, j: int, context: list[int], want: int, room: int) -> tuple[list[int], Rows]:
-        """Tokens from level j: Max-Gram or autoregressive drafting at the bottom, else one review."""
+    def _generate(self, j: int, context: list[int], want: int, room: int, usage: dict[str, Usage]
+                  ) -> tuple[list[int], Rows]:
+        """Tokens from level j: a proposal (Max-Gram, a user's drafter, autoregressive drafting at the bottom),
+        else one review."""
         level = self.levels[j]
         if not isinstance(level, ModelDrafter) or j == len(self.levels) - 1:
             draft = level.propose(context, want)
+            if level not in self.models:
+                for name, used in draft.usage.items():
+                    add_usage(usage, name, used)
             rows = list(draft.probs) if draft.probs is not None else [None] * len(draft.tokens)
             return draft.tokens, rows
-        sub, sub_rows = self._draft(j + 1, context, min(sum(self.k_matrix[j + 1]), room - 1))
+        sub, sub_rows = self._draft(j + 1, context, min(sum(self.k_matrix[j + 1]), room - 1), usage)
         return self._review(level, context, sub, sub_rows)
 
     def _review(self, reviewer: ModelDrafter, context: list[int], sub: list[int], sub_rows: Rows
@@ -154,6 +171,10 @@ class CascadeDrafter(Drafter):
         if n == len(sub):
             rows.append(p[n])  # the bonus token comes from the reviewer itself
         return sub[:n] + [token], rows
+
+
+def add_usage(usage: dict[str, Usage], name: str, used: Usage) -> None:
+    usage[name] = usage.get(name, Usage()) + used
 
 
 def stack_rows(tokens: list[int], rows: Rows, vocab: int | None = None) -> torch.Tensor | None:

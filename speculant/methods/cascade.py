@@ -55,23 +55,21 @@ class CascadeOptions:
 
 @register("cascade", CascadeOptions, "cascade speculative drafting over several drafters")
 def build(request: Request, options: CascadeOptions) -> Any:
+    from speculant.decoding.run import ending
     from speculant.decoding.speculative import speculative
     from speculant.drafters.base import Drafter
     from speculant.drafters.cascade import CascadeDrafter, default_k_matrix
     from speculant.drafters.cross_vocab import model_drafter
-    from speculant.drafters.maxgram import MaxGramDrafter
-    from speculant.drafters.model import ModelDrafter
 
     levels = []
     for item in options.drafters:
         source = request.session.drafter(item, options.drafter_dtype)
-        if isinstance(source, Drafter) and not isinstance(source, (MaxGramDrafter, ModelDrafter)):
-            raise ConfigError(f"cascade levels are models or 'maxgram', not {type(source).__name__}")
         levels.append(source if isinstance(source, Drafter) else
                       model_drafter(request.session.cache(source), request.target, request.sampling, request.generator,
                                     keep_probs=options.leniency > 1, pairs=request.session.vocab_pairs))
     k_matrix = options.k_matrix or default_k_matrix(levels, options.k)
     cascade = CascadeDrafter(levels, [list(row) for row in k_matrix], options.leniency, request.sampling,
-                             request.generator)
-    return speculative(request.target, cascade, request.prompt_ids, cascade.max_draft, request.max_new_tokens,
-                       request.sampling, request.generator, method="cascade")
+                             request.generator).begin(request.prompt_ids)
+    decoder = speculative(request.target, cascade, request.prompt_ids, cascade.max_draft, request.max_new_tokens,
+                          request.sampling, request.generator, method="cascade")
+    return ending(decoder, [cascade], request.prompt_ids)
