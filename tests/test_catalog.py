@@ -138,3 +138,29 @@ def test_catalog_lists_the_design_models():
     assert len(catalog.CATALOG["qwen2.5-coder-1.5b"].parts) == 22
     assert len(catalog.CATALOG["qwen2.5-coder-0.5b"].parts) == 6
     assert all(len(e.sha256) == len(e.parts) for e in catalog.CATALOG.values())
+
+
+def test_a_catalog_folder_s_tokenizer_reads_back_as_its_model_s_class_reads_it(tmp_path):
+    """`save_tokenizer` writes what the tokenizer's class reads back (Qwen2's NFC normalizer, which transformers'
+    conversion of a GGUF leaves out) in the form the `tokenizers` library loads as it is: the same ids, tokens and
+    special tokens as the class's own load of a plain `save_pretrained`, without the class's rebuild."""
+    from transformers import AutoTokenizer, Qwen2Tokenizer
+
+    from speculant.drafters.vocab import byte_of_char
+
+    tokenizer = Qwen2Tokenizer(vocab=byte_of_char() | {"<|endoftext|>": 256, "<|im_end|>": 257}, merges=[],
+                               eos_token="<|im_end|>")
+    tokenizer.backend_tokenizer.normalizer = None  # as the GGUF's conversion leaves it
+    tokenizer.save_pretrained(tmp_path / "plain")
+    catalog.save_tokenizer(tokenizer, tmp_path / "fast")
+    plain, fast = (AutoTokenizer.from_pretrained(tmp_path / name) for name in ("plain", "fast"))
+    assert type(plain).__name__ == "Qwen2Tokenizer" and type(fast).__name__ == "TokenizersBackend"
+    assert plain("e\u0301").input_ids == plain("\u00e9").input_ids  # the class's NFC
+    for text in ["e\u0301 \u00e9 \u212b \u00c5", "<|im_end|> hi<|endoftext|>", "I'M here\r\n\t x"]:
+        assert fast(text).input_ids == plain(text).input_ids
+        assert fast.decode(fast(text).input_ids) == plain.decode(plain(text).input_ids)
+    assert ({i: str(t) for i, t in fast.added_tokens_decoder.items()} ==
+            {i: str(t) for i, t in plain.added_tokens_decoder.items()})
+    assert (fast.eos_token_id, fast.all_special_ids, len(fast)) == (plain.eos_token_id, plain.all_special_ids,
+                                                                     len(plain))
+    assert "added_tokens_decoder" in json.loads((tmp_path / "fast" / "tokenizer_config.json").read_text())

@@ -20,6 +20,7 @@ import shutil
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from speculant.cache import cache_root, sha256_file
 from speculant.config import GGUF, LEAN, QUANTS
@@ -234,6 +235,24 @@ def build_atomically(directory: Path, build: Callable[[Path], None]) -> Path:
     return directory
 
 
+def save_tokenizer(tokenizer: Any, folder: Path) -> None:
+    """`tokenizer` (as transformers converts it from a GGUF) saved in `folder` as its model's class reads it back
+    (Qwen2's NFC normalizer, say, which the conversion lacks), in the form that loads fastest: the whole backend in
+    tokenizer.json, which the `tokenizers` library reads as it is (a model's class instead parses the file in Python
+    and rebuilds the backend), and the added tokens in tokenizer_config.json (else transformers parses tokenizer.json
+    once more for them)."""
+    from transformers import AutoTokenizer
+
+    tokenizer.save_pretrained(folder)
+    AutoTokenizer.from_pretrained(folder).backend_tokenizer.save(str(folder / "tokenizer.json"))
+    added = json.loads((folder / "tokenizer.json").read_text(encoding="utf-8"))["added_tokens"]
+    config_path = folder / "tokenizer_config.json"
+    config = json.loads(config_path.read_text(encoding="utf-8"))
+    config["tokenizer_class"] = "TokenizersBackend"
+    config["added_tokens_decoder"] = {str(token.pop("id")): token for token in added}
+    config_path.write_text(json.dumps(config, indent=2, ensure_ascii=False) + "\n", encoding="utf-8")
+
+
 def materialize(entry: CatalogEntry, dtype_name: str) -> Path:
     """De-quantize `entry` once into a safetensors checkpoint of the given dtype; return its path."""
     entry.part_paths()  # fail early, with the install command, when a package is missing
@@ -258,7 +277,7 @@ def materialize(entry: CatalogEntry, dtype_name: str) -> Path:
         model.is_quantized = False
         model.config.__dict__.pop("quantization_config", None)
         model.save_pretrained(tmp)
-        tokenizer.save_pretrained(tmp)
+        save_tokenizer(tokenizer, tmp)
 
     return build_atomically(cache_root() / "models" / f"{entry.name}-{dtype_name}", build)
 
@@ -276,7 +295,7 @@ def gguf_checkpoint(entry: CatalogEntry) -> Path:
             for part in entry.verified_part_paths():
                 with part.open("rb") as src:
                     shutil.copyfileobj(src, out, length=16 << 20)
-        AutoTokenizer.from_pretrained(tmp, gguf_file="model.gguf").save_pretrained(tmp)
+        save_tokenizer(AutoTokenizer.from_pretrained(tmp, gguf_file="model.gguf"), tmp)
 
     return build_atomically(cache_root() / "models" / f"{entry.name}-gguf", build)
 
