@@ -41,7 +41,8 @@ CONFIGS = {  # Qwen2.5-Coder-1.5B / 0.5B (Instruct)
 SMOKE = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
              vocab_size=512, tie_word_embeddings=True, max_position_embeddings=1024)
 CONTEXT = 256
-TESTS_TIMEOUT_S = 300
+TESTS_TIMEOUT_S = 300  # the CUDA cases together
+TEST_TIMEOUT_S = 120  # one of them (where pytest-timeout is installed)
 
 
 class Loaded(dict):
@@ -138,46 +139,62 @@ def main() -> int:
         with open(args.out, "w") as f:
             json.dump(results, f, indent=1)
 
+    class Saved(dict):
+        """A section's results, the file saved as each entry comes (a section the time limit cuts off keeps what it
+        measured)."""
+
+        def __setitem__(self, key, value) -> None:
+            super().__setitem__(key, value)
+            save()
+
     def section(name: str, fn) -> None:
+        """Run `fn(out)`, which fills `out` (the section's results) entry by entry."""
         began = time.perf_counter()
+        out = results[name] = Saved()
         try:
-            results[name] = fn()
+            fn(out)
         except Exception:  # noqa: BLE001 - one failing section must not lose the others' numbers
-            results[name] = {"error": traceback.format_exc(limit=4)}
-        print(f"{name} ({time.perf_counter() - began:.0f} s): {json.dumps(results[name])[:600]}", flush=True)
+            out["error"] = traceback.format_exc(limit=4)
+        print(f"{name} ({time.perf_counter() - began:.0f} s): {json.dumps(out)[:600]}", flush=True)
         save()
 
-    def tests() -> dict:
-        """The CUDA cases of the test suite (`-k cuda`; the served static case needs the server's `greenlet`, which a
-        bare GPU image may lack: carry its wheel). `--smoke` only collects them."""
+    def tests(out: dict) -> None:
+        """The CUDA cases of the test suite (`-k cuda`, and the one with the drafter on another device than the
+        target; the served static case needs the server's `greenlet`, which a bare GPU image may lack: carry its
+        wheel), each test under a limit of its own where pytest-timeout is installed. `--smoke` only collects them."""
+        import importlib.util
         import subprocess
 
         files = ["tests/test_static.py", "tests/test_tree.py", "tests/test_tree_depth.py", "tests/test_hf_backend.py",
                  "tests/test_speculative.py", "tests/test_cascade.py", "tests/test_sampling.py"]
-        command = [sys.executable, "-m", "pytest", "-n0", "-q", "-p", "no:cacheprovider", *files, "-k", "cuda",
-                   *(["--collect-only"] if args.smoke else [])]
-        done = subprocess.run(command, capture_output=True, text=True, timeout=TESTS_TIMEOUT_S,
-                              cwd=Path(__file__).resolve().parents[1])
+        command = [sys.executable, "-m", "pytest", "-n0", "-q", "-rfE", "-p", "no:cacheprovider", *files,
+                   "-k", "cuda or another_device", *(["--collect-only"] if args.smoke else []),
+                   *(["--timeout", str(TEST_TIMEOUT_S)] if importlib.util.find_spec("pytest_timeout") else [])]
+        out["command"] = " ".join(command[1:])
+        try:
+            done = subprocess.run(command, capture_output=True, text=True, timeout=TESTS_TIMEOUT_S,
+                                  cwd=Path(__file__).resolve().parents[1])
+        except subprocess.TimeoutExpired as cut:  # what ran so far (-q: the failures' lines come only at the end)
+            stdout = cut.stdout.decode(errors="replace") if isinstance(cut.stdout, bytes) else cut.stdout or ""
+            out["error"] = f"cut off after {TESTS_TIMEOUT_S} s:\n{stdout[-4000:]}"
+            return
         lines = done.stdout.strip().splitlines()
-        failed = [line for line in lines if line.startswith(("FAILED", "ERROR"))]
-        return {"command": " ".join(command[1:]), "exit": done.returncode, "summary": lines[-1] if lines else "",
-                "failed": failed, **({"error": done.stdout[-2000:]} if done.returncode not in (0, 5) else {})}
+        out.update({"exit": done.returncode, "summary": lines[-1] if lines else "",
+                    "failed": [line for line in lines if line.startswith(("FAILED", "ERROR"))],
+                    **({"error": done.stdout[-4000:]} if done.returncode not in (0, 5) else {})})
 
     models = Loaded(lambda name: model_of(name, device, args.smoke))  # (a section loads what it uses)
     weights = Loaded(lambda name: StaticWeights(models[name]))
     widths = (1, 2, 4, 8, 16, 32)
 
-    def eager_costs() -> dict:
-        out = {}
+    def eager_costs(out: dict) -> None:
         for name in CONFIGS:
             hf = HFCausalLM(models[name])
             out[f"{name} hf"] = {w: forward_cost(hf, w, 5, device) * 1e3 for w in (1, 4, 16)}
             out[f"{name} static"] = {w: forward_cost(StaticCausalLM(weights[name], width=w, span=1024), w,
                                                      args.repeats, device) * 1e3 for w in widths}
-        return out
 
-    def compiled_costs() -> dict:
-        out = {}
+    def compiled_costs(out: dict) -> None:
         for name, compiled_widths in (("1.5b", (1, 16)), ("0.5b", (16,))):
             for w in compiled_widths:
                 began = time.perf_counter()
@@ -186,11 +203,9 @@ def main() -> int:
                 first = time.perf_counter() - began
                 out[f"{name} compiled x{w}"] = {"first call s": first, **{
                     k: forward_cost(model, k, args.repeats, device) * 1e3 for k in sorted({1, w})}}
-        return out
 
-    def tokens_per_second() -> dict:
+    def tokens_per_second(out: dict) -> None:
         prompt = torch.randint(0, 500, (200,)).tolist()
-        out = {}
         for label, model in (("static eager x16", StaticCausalLM(weights["1.5b"], width=16, span=1024)),
                              ("static compiled x1", StaticCausalLM(weights["1.5b"], width=1, span=1024, compiled=True)),
                              ("static compiled x16", StaticCausalLM(weights["1.5b"], width=16, span=1024,
@@ -211,9 +226,8 @@ def main() -> int:
                 out[label] = {"tok/s (whole request)": args.tokens / seconds}
             except Exception:  # noqa: BLE001
                 out[label] = {"error": traceback.format_exc(limit=3)}
-        return out
 
-    def speculation() -> dict:
+    def speculation(out: dict) -> None:
         """Greedy sd and tree on the compiled pair give ar's tokens; their tok/s at random weights' acceptance and
         with the target drafting for itself (every draft accepted: the mechanics' ceiling), its trees drafted level
         by level and as one CUDA graph; trees of the 0.5B with and without stage scheduling (its drafter's thread on
@@ -221,7 +235,6 @@ def main() -> int:
         target = StaticCausalLM(weights["1.5b"], width=16, span=1024, compiled=True)
         drafter = StaticCausalLM(weights["0.5b"], width=16, span=1024, compiled=True)
         prompt = torch.randint(0, 500, (200,)).tolist()
-        out = {}
         runs = {"ar": dict(method="ar"), "sd k4 0.5b": dict(method="sd", drafter=drafter, k=4),
                 "sd k4 self": dict(method="sd", drafter=target.share(), k=4),
                 "sd k8 self": dict(method="sd", drafter=target.share(), k=8),
@@ -241,26 +254,26 @@ def main() -> int:
                           "equals ar": result.token_ids == expected,
                           **({"stage": {"drafted": stage.drafted, "hits": stage.hits, "hit rate": stage.hit_rate,
                                         "overlap": stage.overlap}} if (stage := result.stats.stage) else {})}
-        return out
 
-    def drafter_cost() -> dict:
+    def drafter_cost(out: dict) -> None:
         """The drafter's cost ratio with the drafter at width 1 (its rows need no invariance: drafts are checked)."""
         target = StaticCausalLM(weights["1.5b"], width=16, span=1024, compiled=True)
         drafter = StaticCausalLM(weights["0.5b"], width=1, span=1024, compiled=True)
         costs = {name: forward_cost(model, 1, args.repeats, device) * 1e3
                  for name, model in (("1.5b x16", target), ("0.5b x1", drafter))}
-        return {**costs, "c": costs["0.5b x1"] / costs["1.5b x16"]}
+        out.update({**costs, "c": costs["0.5b x1"] / costs["1.5b x16"]})
 
-    def auto() -> dict:
+    def auto(out: dict) -> None:
         """`auto` on the compiled pair profiles the compiled steps and chooses; at random weights' acceptance it must
         fall back to `ar`'s speed (the bar: >= 0.97x), with `ar`'s tokens. Alternated `ar`, `auto`, `auto`, `ar` in
         one session, `--ab-repeats` times, after a warm-up of each."""
         target = StaticCausalLM(weights["1.5b"], width=16, span=1024, compiled=True)
         drafter = StaticCausalLM(weights["0.5b"], width=16, span=1024, compiled=True)
-        return alternated(target, {"ar": dict(method="ar"), "auto": dict(method="auto", drafters=[drafter, "maxgram"])},
-                          args.ab_repeats, args.tokens, Session(target))
+        out.update(alternated(target, {"ar": dict(method="ar"),
+                                       "auto": dict(method="auto", drafters=[drafter, "maxgram"])},
+                              args.ab_repeats, args.tokens, Session(target)))
 
-    def rows() -> dict:
+    def rows(out: dict) -> None:
         """Batch rows (`static.forward_rows`, what `serve --backend static` runs): 8 sequences decoding greedily in
         lockstep, their rows packed into the compiled x16 step, against each decoding alone: equal tokens, and the
         tokens per second of both."""
@@ -289,28 +302,29 @@ def main() -> int:
         alone, alone_s = decode(False)
         batched, batched_s = decode(True)
         n = sum(len(t) - 1 for t in alone)
-        return {"rows": len(handles), "equal": batched == alone, "alone tok/s": n / alone_s,
-                "batched tok/s": n / batched_s}
+        out.update({"rows": len(handles), "equal": batched == alone, "alone tok/s": n / alone_s,
+                    "batched tok/s": n / batched_s})
 
-    def draft() -> dict:
+    def draft(out: dict) -> None:
         """T(draft) of the compiled 0.5B (x16 rows): a tree of width 4 level by level (a CUDA graph replayed per
         level, the frontier chosen on the host between them) against its levels as one CUDA graph, each level the
         compiled step (`KVPool.levels_in_steps`; scripts/draft_graph.py)."""
         from draft_graph import draft_costs
 
-        return draft_costs(weights["0.5b"], 4, [2] if args.smoke else [4], args.repeats, compiled=True, rows=16)
+        out.update(draft_costs(weights["0.5b"], 4, [2] if args.smoke else [4], args.repeats, compiled=True, rows=16))
 
-    def syncs() -> dict:
+    def syncs(out: dict) -> None:
         """Host syncs of a generation on the compiled pair (`torch.cuda.set_sync_debug_mode`'s warnings, counted),
         per target forward: `ar`, `sd` and `tree` of the 0.5B (level by level, and with `objective=length` its levels
-        as one CUDA graph), greedy and at temperature 0.7. What reads back after a forward: greedy verification once,
-        a draw twice (`sample`: its block, then its token), a sampled tree's walk once more."""
+        as one CUDA graph), greedy and at temperature 0.7. Every step counts the copies of its inputs from pageable
+        host memory and `KVPool.run`'s wait for its result, so what a method adds is its count beyond `ar`'s per
+        forward at the same temperature. What reads back after a forward: greedy verification once, a draw twice
+        (`sample`: its block, then its token), a sampled tree's walk once more."""
         import warnings
 
         target = StaticCausalLM(weights["1.5b"], width=16, span=1024, compiled=True)
         drafter = StaticCausalLM(weights["0.5b"], width=16, span=1024, compiled=True)
         prompt = torch.randint(0, 500, (200,)).tolist()
-        out = {}
         for label, options in (("ar", dict(method="ar")), ("sd k4", dict(method="sd", drafter=drafter, k=4)),
                                ("tree d4 w2, levels", dict(method="tree", drafter=drafter, depth=4, width=2,
                                                            draft_graph=False)),
@@ -329,9 +343,10 @@ def main() -> int:
                         if device == "cuda":
                             torch.cuda.set_sync_debug_mode(0)
                 forwards = result.stats.target_forwards
+                per_forward = len(caught) / max(forwards, 1)
+                ar = out.get(f"ar T={temperature}", {}).get("syncs per forward", per_forward)  # (ar: its own)
                 out[f"{label} T={temperature}"] = {"syncs": len(caught), "target forwards": forwards,
-                                                   "syncs per forward": len(caught) / max(forwards, 1)}
-        return out
+                                                   "syncs per forward": per_forward, "beyond ar's": per_forward - ar}
 
     sections = {  # what no GPU has measured yet first (a lent call's limit may cut the last ones off)
         "tests": tests, "speculation": speculation, "draft": draft, "auto": auto, "syncs": syncs, "rows": rows,

@@ -41,10 +41,11 @@ from speculant.trees.tree import TokenTree
 ARCHITECTURES = ("llama", "qwen2", "mistral")
 DEFAULT_SPAN = 2048  # positions a handle's cache holds when the model allows more
 WIDTHS = (1, 2, 4, 8, 16, 32)  # the static widths a handle may run at
-GROWTH = 4  # a full pool's growth: 1, 4, 16, 64, 256, 1024 regions (within torch.compile's 8 recompilations)
-DRAFT_GRAPHS = 64  # torch.compile's recompilations of one function, raised to this for the draft graphs (one per
-# depth, width and pool size; compiled depths are powers of two). On a GPU the levels run the step's own graph
-# (`KVPool.levels_in_steps`): nothing compiles, and each depth and width drafted is a CUDA graph of its own.
+GROWTH = 4  # a full pool's growth: 1, 4, 16, 64, 256, 1024 regions
+GRAPHS = 64  # torch.compile's recompilations of one function, raised to this while one compiles: every pool's step
+# (one per weights, width and pool size) is a graph of `StaticWeights.forward`'s, and every draft graph (one per depth,
+# width and pool size; compiled depths are powers of two) one of `StaticWeights.draft`'s. On a GPU the levels run the
+# step's own graph (`KVPool.levels_in_steps`): nothing more compiles, and each depth and width drafted is a CUDA graph.
 
 
 def default_width(device: torch.device) -> int:
@@ -194,19 +195,19 @@ class StaticWeights(nn.Module):
 
     def compiled_draft(self) -> Any:
         """`draft` under `torch.compile`: a tree's levels as one graph (one per depth, width and shape of the pool),
-        called within `draft_graphs_allowed`."""
+        called within `graphs_allowed`."""
         if self._compiled_draft is None:
             self._compiled_draft = torch.compile(self.draft, fullgraph=True, dynamic=False)
         return self._compiled_draft
 
 
-def draft_graphs_allowed() -> Any:
+def graphs_allowed() -> Any:
     """torch.compile's limit of recompilations per function (8 by default; past it, a full graph fails) raised to
-    DRAFT_GRAPHS while a draft graph is called (and compiled), and only then: the process's own compiled functions
-    keep their limit."""
+    GRAPHS while a step or draft graph may compile (the limit counts the graphs of every StaticWeights: one code
+    object), and only then: the process's own compiled functions keep their limit."""
     config = torch._dynamo.config
     name = "recompile_limit" if hasattr(config, "recompile_limit") else "cache_size_limit"  # (torch < 2.6)
-    return config.patch(**{name: DRAFT_GRAPHS})
+    return config.patch(**{name: GRAPHS})
 
 
 @dataclass(frozen=True)
@@ -240,6 +241,7 @@ class KVPool:
             self._index = torch.arange(span, device=self.device).repeat(width, 1)  # row r's key j: slot j of its region
         self._index_moved = False  # a tree's step left the index other than the identity
         self._graph: torch.cuda.CUDAGraph | None = None
+        self._compiled_for = 0  # the capacity the compiled step last ran at (on a CPU: a new one compiles)
         self._out: tuple[torch.Tensor, torch.Tensor] | None = None
         self._root = torch.zeros(2, dtype=torch.long, device=self.device)  # a tree's root position and region offset
         self._root_logits = torch.zeros(weights.vocab_size, device=self.device)  # the drafter's logits at the root
@@ -329,7 +331,7 @@ class KVPool:
                     return self.weights.draft(*args)
                 if self.levels_in_steps:
                     return self.weights.draft(*args, forward=self.weights.compiled())
-                with draft_graphs_allowed():
+                with graphs_allowed():
                     return self.weights.compiled_draft()(*args)
 
             if not self.compiled or self.device.type != "cuda":
@@ -362,7 +364,12 @@ class KVPool:
             return self.weights(self.keys, self.values, *self._inputs)
         step = self.weights.compiled()
         if self.device.type != "cuda":
-            return self._timed(step)
+            if self._compiled_for == self.capacity:
+                return self._timed(step)
+            with graphs_allowed():  # (this size's first step compiles)
+                out = self._timed(step)
+            self._compiled_for = self.capacity
+            return out
         if self._graph is None:
             self._graph, self._out = self._capture(lambda: self._timed(step))
         self._graph.replay()
@@ -390,13 +397,13 @@ class KVPool:
         warm-up runs on a side stream (they compile it, and write what the captured run writes); its outputs."""
         stream = torch.cuda.Stream(self.device)
         stream.wait_stream(torch.cuda.current_stream(self.device))
-        with torch.cuda.stream(stream):
+        with graphs_allowed(), torch.cuda.stream(stream):
             run()
             run()
         torch.cuda.current_stream(self.device).wait_stream(stream)
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, capture_error_mode="thread_local"):  # (a server's other threads run meanwhile)
-            out = run()
+        with graphs_allowed(), torch.cuda.graph(graph, capture_error_mode="thread_local"):  # (a server's other
+            out = run()  # threads run meanwhile)
         return graph, out
 
 
