@@ -30,12 +30,16 @@ FINGERPRINTS: weakref.WeakKeyDictionary[Any, str] = weakref.WeakKeyDictionary() 
 
 
 def tokenizer_fingerprint(tokenizer: Any) -> str:
-    """A digest of the tokenizer's vocabulary, the key of what is counted with it. Taken once per tokenizer object
-    (hashing a 150k-token vocabulary takes a good part of a second; a drafter's load asks for it three times): a
+    """A digest of how the tokenizer splits text, the key of what is counted with it: a fast tokenizer's whole
+    backend as the `tokenizers` library serializes it (vocabulary, merges, normalizer, pre-tokenizer, added tokens:
+    two tokenizers of one vocabulary may count apart), else its vocabulary. Taken once per tokenizer object (a
+    drafter's load asks for it three times, and even serializing takes a tenth of a second at 150k tokens): a
     tokenizer given tokens after its first digest (`add_tokens`) keeps that digest."""
     if tokenizer not in FINGERPRINTS:
-        vocab = json.dumps(sorted(tokenizer.get_vocab().items()), ensure_ascii=False)
-        FINGERPRINTS[tokenizer] = hashlib.sha256(vocab.encode()).hexdigest()[:16]
+        backend = getattr(tokenizer, "backend_tokenizer", None) if getattr(tokenizer, "is_fast", False) else None
+        text = backend.to_str() if backend is not None else \
+            json.dumps(sorted(tokenizer.get_vocab().items()), ensure_ascii=False)
+        FINGERPRINTS[tokenizer] = hashlib.sha256(text.encode()).hexdigest()[:16]
     return FINGERPRINTS[tokenizer]
 
 

@@ -114,6 +114,19 @@ def test_fr_spec_s_frequent_tokens_keep_every_special_token(tmp_path, monkeypatc
     assert len(list(tmp_path.glob("frequency/*.npy"))) == 2  # the code's counts and the prose's
 
 
+def test_counts_are_kept_per_way_of_splitting_text_not_per_vocabulary():
+    """What is counted with a tokenizer is cached under its fingerprint: the same for the same tokenizer made twice,
+    another for one of the same vocabulary that normalizes text first (it counts other tokens)."""
+    from tokenizers import normalizers
+
+    from speculant.corpus import tokenizer_fingerprint
+
+    plain, again, folding = byte_tokenizer(), byte_tokenizer(), byte_tokenizer()
+    folding.backend_tokenizer.normalizer = normalizers.Lowercase()
+    assert plain.get_vocab() == folding.get_vocab()
+    assert tokenizer_fingerprint(plain) == tokenizer_fingerprint(again) != tokenizer_fingerprint(folding)
+
+
 def test_prose_words_are_encoded_as_the_tokenizer_encodes_them():
     """`words_ids` (a fast tokenizer's own batch encoder) gives the ids the tokenizer gives, special tokens left
     out: here a tokenizer whose template opens every text with one, then one whose tokenizer.json pads and
