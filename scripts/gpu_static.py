@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import sys
 import time
@@ -135,9 +136,10 @@ def main() -> int:
     results: dict = {"device": torch.cuda.get_device_name() if device == "cuda" else "cpu",
                      "torch": torch.__version__}
 
-    def save() -> None:
-        with open(args.out, "w") as f:
+    def save() -> None:  # (whole or not at all: the call's limit may kill the script in the middle of a write)
+        with open(f"{args.out}.tmp", "w") as f:
             json.dump(results, f, indent=1)
+        os.replace(f"{args.out}.tmp", args.out)
 
     class Saved(dict):
         """A section's results, the file saved as each entry comes (a section the time limit cuts off keeps what it

@@ -37,8 +37,12 @@ def tokenizer_fingerprint(tokenizer: Any) -> str:
     tokenizer given tokens after its first digest (`add_tokens`) keeps that digest."""
     if tokenizer not in FINGERPRINTS:
         backend = getattr(tokenizer, "backend_tokenizer", None) if getattr(tokenizer, "is_fast", False) else None
-        text = backend.to_str() if backend is not None else \
-            json.dumps(sorted(tokenizer.get_vocab().items()), ensure_ascii=False)
+        if backend is not None:
+            text = backend.to_str()
+            text = text[max(text.find('"added_tokens":'), 0):]  # (not the padding and truncation before it, which
+            # transformers' calls set and unset)
+        else:
+            text = json.dumps(sorted(tokenizer.get_vocab().items()), ensure_ascii=False)
         FINGERPRINTS[tokenizer] = hashlib.sha256(text.encode()).hexdigest()[:16]
     return FINGERPRINTS[tokenizer]
 

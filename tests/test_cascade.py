@@ -13,6 +13,7 @@ from speculant.drafters.maxgram import MaxGramDrafter, bigram_table
 from speculant.drafters.model import ModelDrafter
 from speculant.errors import ConfigError
 from speculant.models.wrappers.metered import Usage
+from speculant.trees.tree import TokenTree
 from test_sampling import VOCAB as SMALL_VOCAB, assert_follows_target
 
 VOCAB = 64
@@ -73,15 +74,18 @@ def test_a_user_s_drafter_is_a_cascade_level_with_a_lifecycle_of_its_own():
     truth = generate(target, prompt_ids=prompt, method="ar", max_new_tokens=MAX_NEW).token_ids
     calls = []
 
-    class Echo(Drafter):  # the context's last tokens again
+    class Echo(Drafter):  # the context's last tokens again (sampled: with its q, in float64)
         name = "echo"
+        sampled = False
 
         def begin(self, prompt_ids):
             calls.append("begin")
             return Echo()
 
         def propose(self, context, k):
-            return Draft(context[-k:], None, {"echo": Usage(forwards=1)})
+            tokens = context[-k:]
+            q = torch.nn.functional.one_hot(torch.tensor(tokens), VOCAB).double() if self.sampled else None
+            return Draft(tokens, q, {"echo": Usage(forwards=1)})
 
         def end(self, prompt_ids, output_ids):
             calls.append(("end", len(output_ids)))
@@ -96,6 +100,17 @@ def test_a_user_s_drafter_is_a_cascade_level_with_a_lifecycle_of_its_own():
     assert result.token_ids == truth
     assert calls == ["begin", ("end", MAX_NEW)]
     assert result.stats.drafter_forwards["echo"] > 0 and result.stats.drafter_forwards[shorter.model.name] > 0
+    Echo.sampled = True  # its rows stacked with the model level's (float32) and reviewed by it
+    sampled = generate(target, prompt_ids=prompt, method="cascade", drafters=[shorter, Echo()], k_matrix="2,2;3",
+                       leniency=2.0, temperature=0.8, seed=0, max_new_tokens=MAX_NEW)
+    assert len(sampled.token_ids) == MAX_NEW
+
+    class Trees(Drafter):
+        def propose(self, context, k):
+            return Draft([], tree=TokenTree((context[-1], 7), (-1, 0)), path_probs=[1.0, 1.0])
+
+    with pytest.raises(ConfigError, match="proposes token trees"):
+        generate(target, prompt_ids=prompt, method="cascade", drafters=[Trees()], max_new_tokens=4)
 
 
 def test_vertical_cascade_drafts_with_reviews_not_autoregression():

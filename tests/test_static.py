@@ -123,7 +123,7 @@ def test_compiled_steps_give_the_eager_tokens(device, monkeypatch):
     """One compiled step per width (inductor on the CPU; a CUDA graph replayed on a GPU): compiled ar, sd, tree and
     cascade give eager ar's tokens, and compiled rows are their tokens decoded alone (compiled) bit for bit. Every
     pool's step is a graph of one function (`StaticWeights.forward`), so torch.compile's limit of recompilations per
-    function (8; here 1) counts them all: the pools compile past it (`graphs_allowed`)."""
+    function (8; here 1) counts them all: the steps have a limit of their own (`compile_graphs`)."""
     monkeypatch.setattr(torch._dynamo.config, "recompile_limit", 1)
     arch = "llama"
     eager = static(transformer(arch, 0, device=device))
@@ -260,7 +260,7 @@ def test_a_compiled_tree_is_one_graph_of_the_same_tree(device):
     assert a.tree == b.tree and len(b.tree) == 7
     assert graph.model.cache_len == len(context) + 3 * 2 and graph.model.usage.steps == 3  # (4 levels grown: 3 run)
     assert graph.model.capabilities.drafts_trees and not Delegating(graph.model.model).capabilities.drafts_trees
-    assert torch._dynamo.config.recompile_limit == limit  # raised only while a draft graph is called
+    assert torch._dynamo.config.recompile_limit == limit  # (the compiled functions' own limit, not the process's)
 
 
 @pytest.mark.parametrize("rows", (1, 4))

@@ -137,6 +137,8 @@ class CascadeDrafter(Drafter):
         level = self.levels[j]
         if not isinstance(level, ModelDrafter) or j == len(self.levels) - 1:
             draft = level.propose(context, want)
+            if draft.tree is not None:
+                raise ConfigError(f"drafter '{level.name}' proposes token trees: a cascade's levels propose chains")
             if level not in self.models:
                 for name, used in draft.usage.items():
                     add_usage(usage, name, used)
@@ -161,6 +163,7 @@ class CascadeDrafter(Drafter):
         drafted = torch.tensor(sub, dtype=torch.long, device=logits.device)
         p = logits_to_probs(logits, self.sampling)
         q = stack_rows(sub, sub_rows, logits.shape[-1])  # None: every sub-draft token is deterministic
+        q = q.to(p.device, p.dtype) if q is not None else None
         n, token = verify_sampling(drafted, p, q, self.generator, self.leniency)
         emitted = range(min(n + 1, len(sub)))
         if self.leniency == 1:
@@ -178,10 +181,11 @@ def add_usage(usage: dict[str, Usage], name: str, used: Usage) -> None:
 
 
 def stack_rows(tokens: list[int], rows: Rows, vocab: int | None = None) -> torch.Tensor | None:
-    """[len(tokens), vocab] draft distributions, one-hot where a row is None; None if all are."""
+    """[len(tokens), vocab] draft distributions, one-hot where a row is None; None if all are. On the first row's
+    device and in its dtype (a user's level may give its q on another device than a model level's)."""
     known = next((r for r in rows if r is not None), None)
     if known is None:
         return None
     ids = torch.tensor(tokens, dtype=torch.long, device=known.device)
-    hot = one_hot(ids, vocab or known.shape[-1])
-    return torch.stack([r if r is not None else hot[i] for i, r in enumerate(rows)])
+    hot = one_hot(ids, vocab or known.shape[-1]).to(known.dtype)
+    return torch.stack([r.to(known.device, known.dtype) if r is not None else hot[i] for i, r in enumerate(rows)])

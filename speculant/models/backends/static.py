@@ -20,6 +20,7 @@ sequences (`forward_rows`, what a server runs), each row computed as it would be
 
 from __future__ import annotations
 
+import inspect
 import threading
 import time
 import weakref
@@ -42,10 +43,10 @@ ARCHITECTURES = ("llama", "qwen2", "mistral")
 DEFAULT_SPAN = 2048  # positions a handle's cache holds when the model allows more
 WIDTHS = (1, 2, 4, 8, 16, 32)  # the static widths a handle may run at
 GROWTH = 4  # a full pool's growth: 1, 4, 16, 64, 256, 1024 regions
-GRAPHS = 64  # torch.compile's recompilations of one function, raised to this while one compiles: every pool's step
-# (one per weights, width and pool size) is a graph of `StaticWeights.forward`'s, and every draft graph (one per depth,
-# width and pool size; compiled depths are powers of two) one of `StaticWeights.draft`'s. On a GPU the levels run the
-# step's own graph (`KVPool.levels_in_steps`): nothing more compiles, and each depth and width drafted is a CUDA graph.
+GRAPHS = 64  # the graphs torch.compile may make of one function here (`compile_graphs`): every pool's step (one per
+# weights, width and pool size) is a graph of `StaticWeights.forward`'s, and every draft graph (one per depth, width and
+# pool size; compiled depths are powers of two) one of `StaticWeights.draft`'s. On a GPU the levels run the step's own
+# graph (`KVPool.levels_in_steps`): nothing more compiles, and each depth and width drafted is a CUDA graph.
 
 
 def default_width(device: torch.device) -> int:
@@ -175,7 +176,7 @@ class StaticWeights(nn.Module):
         """The step under `torch.compile` (inductor; one graph per width and span), made once per weights.
         Inductor keeps what it compiled in its cache directory, so a later process compiles faster."""
         if self._compiled is None:
-            self._compiled = torch.compile(self.forward, fullgraph=True, dynamic=False)
+            self._compiled = compile_graphs(self.forward)
         return self._compiled
 
     def draft(self, keys: torch.Tensor, values: torch.Tensor, root_logits: torch.Tensor, root: torch.Tensor,
@@ -194,20 +195,24 @@ class StaticWeights(nn.Module):
         return grow(step, root_logits, root, depth, width, rows, span)
 
     def compiled_draft(self) -> Any:
-        """`draft` under `torch.compile`: a tree's levels as one graph (one per depth, width and shape of the pool),
-        called within `graphs_allowed`."""
+        """`draft` under `torch.compile`: a tree's levels as one graph (one per depth, width and shape of the pool)."""
         if self._compiled_draft is None:
-            self._compiled_draft = torch.compile(self.draft, fullgraph=True, dynamic=False)
+            self._compiled_draft = compile_graphs(self.draft)
         return self._compiled_draft
 
 
-def graphs_allowed() -> Any:
-    """torch.compile's limit of recompilations per function (8 by default; past it, a full graph fails) raised to
-    GRAPHS while a step or draft graph may compile (the limit counts the graphs of every StaticWeights: one code
-    object), and only then: the process's own compiled functions keep their limit."""
+def compile_graphs(fn: Callable[..., Any]) -> Any:
+    """`fn` under torch.compile, one full graph per shape, GRAPHS of them allowed. torch.compile's limit of
+    recompilations (8 by default; past it, a full graph fails) counts per code object, so the graphs of every
+    StaticWeights count together. The limit is the function's own where torch.compile takes one (the process's other
+    compiled functions keep theirs); with an older torch the process's is raised to GRAPHS (patched around each call
+    instead, it would not be per thread there, and a stage drafter's thread compiles beside the decoder's)."""
+    if "recompile_limit" in inspect.signature(torch.compile).parameters:
+        return torch.compile(fn, fullgraph=True, dynamic=False, recompile_limit=GRAPHS)
     config = torch._dynamo.config
     name = "recompile_limit" if hasattr(config, "recompile_limit") else "cache_size_limit"  # (torch < 2.6)
-    return config.patch(**{name: GRAPHS})
+    setattr(config, name, max(getattr(config, name), GRAPHS))
+    return torch.compile(fn, fullgraph=True, dynamic=False)
 
 
 @dataclass(frozen=True)
@@ -241,7 +246,6 @@ class KVPool:
             self._index = torch.arange(span, device=self.device).repeat(width, 1)  # row r's key j: slot j of its region
         self._index_moved = False  # a tree's step left the index other than the identity
         self._graph: torch.cuda.CUDAGraph | None = None
-        self._compiled_for = 0  # the capacity the compiled step last ran at (on a CPU: a new one compiles)
         self._out: tuple[torch.Tensor, torch.Tensor] | None = None
         self._root = torch.zeros(2, dtype=torch.long, device=self.device)  # a tree's root position and region offset
         self._root_logits = torch.zeros(weights.vocab_size, device=self.device)  # the drafter's logits at the root
@@ -331,8 +335,7 @@ class KVPool:
                     return self.weights.draft(*args)
                 if self.levels_in_steps:
                     return self.weights.draft(*args, forward=self.weights.compiled())
-                with graphs_allowed():
-                    return self.weights.compiled_draft()(*args)
+                return self.weights.compiled_draft()(*args)
 
             if not self.compiled or self.device.type != "cuda":
                 out = run()
@@ -364,12 +367,7 @@ class KVPool:
             return self.weights(self.keys, self.values, *self._inputs)
         step = self.weights.compiled()
         if self.device.type != "cuda":
-            if self._compiled_for == self.capacity:
-                return self._timed(step)
-            with graphs_allowed():  # (this size's first step compiles)
-                out = self._timed(step)
-            self._compiled_for = self.capacity
-            return out
+            return self._timed(step)
         if self._graph is None:
             self._graph, self._out = self._capture(lambda: self._timed(step))
         self._graph.replay()
@@ -397,13 +395,13 @@ class KVPool:
         warm-up runs on a side stream (they compile it, and write what the captured run writes); its outputs."""
         stream = torch.cuda.Stream(self.device)
         stream.wait_stream(torch.cuda.current_stream(self.device))
-        with graphs_allowed(), torch.cuda.stream(stream):
+        with torch.cuda.stream(stream):
             run()
             run()
         torch.cuda.current_stream(self.device).wait_stream(stream)
         graph = torch.cuda.CUDAGraph()
-        with graphs_allowed(), torch.cuda.graph(graph, capture_error_mode="thread_local"):  # (a server's other
-            out = run()  # threads run meanwhile)
+        with torch.cuda.graph(graph, capture_error_mode="thread_local"):  # (a server's other threads run meanwhile)
+            out = run()
         return graph, out
 
 
