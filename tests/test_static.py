@@ -141,6 +141,26 @@ def test_compiled_steps_give_the_eager_tokens(device, monkeypatch):
     assert all(torch.equal(a, b) for a, b in zip(many.forward(chain), rows))
 
 
+def test_an_older_torch_compiles_the_steps_under_the_process_s_raised_limit(monkeypatch):
+    """Where torch.compile takes no `recompile_limit` (the GPU image's torch 2.11), `compile_graphs` raises the
+    process's limit to GRAPHS (never lowers it) and compiles as before."""
+    from speculant.models.backends import static as backend
+
+    made = []
+
+    def old_compile(fn, *, fullgraph=False, dynamic=None):  # (torch.compile's signature without the limit)
+        made.append((fn, fullgraph, dynamic))
+        return fn
+
+    monkeypatch.setattr(torch, "compile", old_compile)
+    monkeypatch.setattr(torch._dynamo.config, "recompile_limit", 8)
+    assert backend.compile_graphs(len) is len and made == [(len, True, False)]
+    assert torch._dynamo.config.recompile_limit == backend.GRAPHS
+    monkeypatch.setattr(torch._dynamo.config, "recompile_limit", 100)
+    backend.compile_graphs(len)
+    assert torch._dynamo.config.recompile_limit == 100
+
+
 def test_load_model_and_cli_take_the_static_backend(tmp_path, capsys):
     transformer("qwen2", 0).save_pretrained(tmp_path / "tiny")
     model = load_model(str(tmp_path / "tiny"), backend="static", dtype="fp32")
