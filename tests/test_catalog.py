@@ -141,9 +141,10 @@ def test_catalog_lists_the_design_models():
 
 
 def test_a_catalog_folder_s_tokenizer_reads_back_as_its_model_s_class_reads_it(tmp_path):
-    """`save_tokenizer` writes what the tokenizer's class reads back (Qwen2's NFC normalizer, which transformers'
-    conversion of a GGUF leaves out) in the form the `tokenizers` library loads as it is: the same ids, tokens and
-    special tokens as the class's own load of a plain `save_pretrained`, without the class's rebuild."""
+    """`save_tokenizer(as_its_class_reads=True)` writes what the tokenizer's class reads back (Qwen2's NFC
+    normalizer, which transformers' conversion of a GGUF leaves out) in the form the `tokenizers` library loads as it
+    is: the same ids, tokens and special tokens as the class's own load of a plain `save_pretrained`, without the
+    class's rebuild."""
     from transformers import AutoTokenizer, Qwen2Tokenizer
 
     from speculant.drafters.vocab import byte_of_char
@@ -152,7 +153,7 @@ def test_a_catalog_folder_s_tokenizer_reads_back_as_its_model_s_class_reads_it(t
                                eos_token="<|im_end|>")
     tokenizer.backend_tokenizer.normalizer = None  # as the GGUF's conversion leaves it
     tokenizer.save_pretrained(tmp_path / "plain")
-    catalog.save_tokenizer(tokenizer, tmp_path / "fast")
+    catalog.save_tokenizer(tokenizer, tmp_path / "fast", as_its_class_reads=True)
     plain, fast = (AutoTokenizer.from_pretrained(tmp_path / name) for name in ("plain", "fast"))
     assert type(plain).__name__ == "Qwen2Tokenizer" and type(fast).__name__ == "TokenizersBackend"
     assert plain("e\u0301").input_ids == plain("\u00e9").input_ids  # the class's NFC
@@ -164,3 +165,42 @@ def test_a_catalog_folder_s_tokenizer_reads_back_as_its_model_s_class_reads_it(t
     assert (fast.eos_token_id, fast.all_special_ids, len(fast)) == (plain.eos_token_id, plain.all_special_ids,
                                                                      len(plain))
     assert "added_tokens_decoder" in json.loads((tmp_path / "fast" / "tokenizer_config.json").read_text())
+
+
+def test_a_gguf_file_s_tokenizer_is_converted_once_per_file(tmp_path, monkeypatch):
+    """A GGUF file given by path (not the catalog's) has its tokenizer converted by transformers once, into a cache
+    folder that loads as the conversion does (the same ids and special tokens), and again only for another file or
+    the same file changed."""
+    import gguf
+    from transformers import AutoTokenizer
+
+    from speculant.drafters.vocab import byte_of_char
+
+    monkeypatch.setenv("SPECULANT_CACHE", str(tmp_path / "cache"))
+    vocab = byte_of_char()
+    tokens = sorted(vocab, key=vocab.get) + ["ab", "<|end|>"]
+    path = tmp_path / "model.gguf"
+    writer = gguf.GGUFWriter(str(path), "qwen2")
+    writer.add_tokenizer_model("gpt2")
+    writer.add_tokenizer_pre("default")
+    writer.add_token_list(tokens)
+    writer.add_token_types([gguf.TokenType.CONTROL if t == "<|end|>" else gguf.TokenType.NORMAL for t in tokens])
+    writer.add_token_merges(["a b"])
+    writer.add_eos_token_id(len(tokens) - 1)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    converted = AutoTokenizer.from_pretrained(tmp_path, gguf_file=path.name)
+    conversions = []
+    monkeypatch.setattr(catalog, "save_tokenizer", lambda *args, saved=catalog.save_tokenizer: (
+        conversions.append(args[1]), saved(*args))[1])
+    folder = catalog.gguf_tokenizer(path)
+    cached = AutoTokenizer.from_pretrained(folder)
+    for text in ["abc ab<|end|>", "e\u0301 \u00e9 x\r\n"]:
+        assert cached(text).input_ids == converted(text).input_ids
+    assert (cached.eos_token_id, cached.all_special_ids, len(cached)) == (converted.eos_token_id,
+                                                                         converted.all_special_ids, len(converted))
+    assert catalog.gguf_tokenizer(path) == folder and len(conversions) == 1
+    os.utime(path, ns=(path.stat().st_atime_ns, path.stat().st_mtime_ns + 10**9))  # the file changed
+    assert catalog.gguf_tokenizer(path) != folder and len(conversions) == 2

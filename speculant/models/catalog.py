@@ -12,6 +12,7 @@ before use, and a cache that fails the check is rebuilt after a one-line warning
 from __future__ import annotations
 
 import fcntl
+import hashlib
 import importlib.util
 import json
 import logging
@@ -235,22 +236,41 @@ def build_atomically(directory: Path, build: Callable[[Path], None]) -> Path:
     return directory
 
 
-def save_tokenizer(tokenizer: Any, folder: Path) -> None:
-    """`tokenizer` (as transformers converts it from a GGUF) saved in `folder` as its model's class reads it back
-    (Qwen2's NFC normalizer, say, which the conversion lacks), in the form that loads fastest: the whole backend in
-    tokenizer.json, which the `tokenizers` library reads as it is (a model's class instead parses the file in Python
-    and rebuilds the backend), and the added tokens in tokenizer_config.json (else transformers parses tokenizer.json
-    once more for them)."""
+def save_tokenizer(tokenizer: Any, folder: Path, as_its_class_reads: bool = False) -> None:
+    """`tokenizer` saved in `folder` in the form that loads fastest: its whole backend in tokenizer.json, which the
+    `tokenizers` library reads as it is (a model's tokenizer class instead parses the file in Python and rebuilds the
+    backend), and the added tokens in tokenizer_config.json (else transformers parses tokenizer.json once more for
+    them). With `as_its_class_reads`, the backend as the model's class reads the saved tokenizer back (Qwen2's NFC
+    normalizer, say, which transformers' conversion of a GGUF leaves out)."""
     from transformers import AutoTokenizer
 
     tokenizer.save_pretrained(folder)
-    AutoTokenizer.from_pretrained(folder).backend_tokenizer.save(str(folder / "tokenizer.json"))
+    if as_its_class_reads:
+        AutoTokenizer.from_pretrained(folder).backend_tokenizer.save(str(folder / "tokenizer.json"))
     added = json.loads((folder / "tokenizer.json").read_text(encoding="utf-8"))["added_tokens"]
     config_path = folder / "tokenizer_config.json"
     config = json.loads(config_path.read_text(encoding="utf-8"))
     config["tokenizer_class"] = "TokenizersBackend"
     config["added_tokens_decoder"] = {str(token.pop("id")): token for token in added}
     config_path.write_text(json.dumps(config, indent=2, ensure_ascii=False) + "\n", encoding="utf-8")
+
+
+def gguf_tokenizer(path: Path) -> Path:
+    """The folder of a GGUF file's tokenizer as transformers converts it from the file (seconds for a large
+    vocabulary, at every load), converted once per file (its path, size and modification time) and transformers
+    version: `$SPECULANT_CACHE/tokenizers/<file's stem>-<digest>`."""
+    import transformers
+
+    stat = path.stat()
+    key = f"{path.resolve()}|{stat.st_size}|{stat.st_mtime_ns}|{transformers.__version__}"
+
+    def build(tmp: Path) -> None:
+        from transformers import AutoTokenizer
+
+        save_tokenizer(AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name), tmp)
+
+    digest = hashlib.sha256(key.encode()).hexdigest()[:16]
+    return build_atomically(cache_root() / "tokenizers" / f"{path.stem}-{digest}", build)
 
 
 def materialize(entry: CatalogEntry, dtype_name: str) -> Path:
@@ -277,7 +297,7 @@ def materialize(entry: CatalogEntry, dtype_name: str) -> Path:
         model.is_quantized = False
         model.config.__dict__.pop("quantization_config", None)
         model.save_pretrained(tmp)
-        save_tokenizer(tokenizer, tmp)
+        save_tokenizer(tokenizer, tmp, as_its_class_reads=True)
 
     return build_atomically(cache_root() / "models" / f"{entry.name}-{dtype_name}", build)
 
@@ -295,7 +315,7 @@ def gguf_checkpoint(entry: CatalogEntry) -> Path:
             for part in entry.verified_part_paths():
                 with part.open("rb") as src:
                     shutil.copyfileobj(src, out, length=16 << 20)
-        save_tokenizer(AutoTokenizer.from_pretrained(tmp, gguf_file="model.gguf"), tmp)
+        save_tokenizer(AutoTokenizer.from_pretrained(tmp, gguf_file="model.gguf"), tmp, as_its_class_reads=True)
 
     return build_atomically(cache_root() / "models" / f"{entry.name}-gguf", build)
 

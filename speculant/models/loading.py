@@ -20,7 +20,8 @@ from speculant.config import AUTO, BACKENDS, GGUF, LEAN, QUANTS, as_integer
 from speculant.errors import ConfigError, ModelNotAvailable
 from speculant.machine import native_bf16
 from speculant.models.base import CausalLM
-from speculant.models.catalog import CATALOG, catalog_listing, check_name, gguf_checkpoint, materialize, split_quant
+from speculant.models.catalog import (CATALOG, catalog_listing, check_name, gguf_checkpoint, gguf_tokenizer, materialize,
+                                      split_quant)
 from speculant.models.backends import llamacpp
 from speculant.models.numerics.native import KERNELS
 
@@ -224,8 +225,7 @@ def _gguf_source(spec: str | Path, tokenizer: Any | None) -> tuple[Path, str, An
         from transformers import AutoTokenizer
 
         try:
-            tokenizer = AutoTokenizer.from_pretrained(path.parent) if entry else \
-                AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
+            tokenizer = AutoTokenizer.from_pretrained(path.parent if entry else gguf_tokenizer(path))
         except Exception:  # noqa: BLE001 - a GGUF whose tokenizer transformers cannot read still runs on ids
             tokenizer = None
     extra_eos = entry.extra_eos if entry else ()
