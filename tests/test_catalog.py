@@ -167,19 +167,14 @@ def test_a_catalog_folder_s_tokenizer_reads_back_as_its_model_s_class_reads_it(t
     assert "added_tokens_decoder" in json.loads((tmp_path / "fast" / "tokenizer_config.json").read_text())
 
 
-def test_a_gguf_file_s_tokenizer_is_converted_once_per_file(tmp_path, monkeypatch):
-    """A GGUF file given by path (not the catalog's) has its tokenizer converted by transformers once, into a cache
-    folder that loads as the conversion does (the same ids and special tokens), and again only for another file or
-    the same file changed."""
+def tokenizer_gguf(path):
+    """A GGUF file holding a tokenizer only (bytes, one merge, an end token) that transformers converts."""
     import gguf
-    from transformers import AutoTokenizer
 
     from speculant.drafters.vocab import byte_of_char
 
-    monkeypatch.setenv("SPECULANT_CACHE", str(tmp_path / "cache"))
     vocab = byte_of_char()
     tokens = sorted(vocab, key=vocab.get) + ["ab", "<|end|>"]
-    path = tmp_path / "model.gguf"
     writer = gguf.GGUFWriter(str(path), "qwen2")
     writer.add_tokenizer_model("gpt2")
     writer.add_tokenizer_pre("default")
@@ -191,6 +186,21 @@ def test_a_gguf_file_s_tokenizer_is_converted_once_per_file(tmp_path, monkeypatc
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
     writer.close()
+    return path
+
+
+def test_a_gguf_file_s_tokenizer_is_converted_once_per_file(tmp_path, monkeypatch):
+    """A GGUF file given by path (not the catalog's) has its tokenizer converted by transformers once, into a cache
+    folder that loads as the conversion does (the same ids and special tokens), and again only for another file or
+    the same file changed; a drafter's GGUF whose converted tokenizer is the target's reads with the target's."""
+    from types import SimpleNamespace
+
+    from transformers import AutoTokenizer
+
+    from speculant.models import loading
+
+    monkeypatch.setenv("SPECULANT_CACHE", str(tmp_path / "cache"))
+    path, small = tokenizer_gguf(tmp_path / "model.gguf"), tokenizer_gguf(tmp_path / "small.gguf")
     converted = AutoTokenizer.from_pretrained(tmp_path, gguf_file=path.name)
     conversions = []
     monkeypatch.setattr(catalog, "save_tokenizer", lambda *args, saved=catalog.save_tokenizer: (
@@ -202,5 +212,9 @@ def test_a_gguf_file_s_tokenizer_is_converted_once_per_file(tmp_path, monkeypatc
     assert (cached.eos_token_id, cached.all_special_ids, len(cached)) == (converted.eos_token_id,
                                                                          converted.all_special_ids, len(converted))
     assert catalog.gguf_tokenizer(path) == folder and len(conversions) == 1
+    target = SimpleNamespace(name=str(path), tokenizer=cached)
+    assert loading.drafter_tokenizer(target, str(small)) is None  # (its tokenizer not converted yet)
+    catalog.gguf_tokenizer(small)
+    assert loading.drafter_tokenizer(target, str(small)) is cached
     os.utime(path, ns=(path.stat().st_atime_ns, path.stat().st_mtime_ns + 10**9))  # the file changed
-    assert catalog.gguf_tokenizer(path) != folder and len(conversions) == 2
+    assert catalog.gguf_tokenizer(path) != folder and len(conversions) == 3

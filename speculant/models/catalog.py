@@ -257,20 +257,23 @@ def save_tokenizer(tokenizer: Any, folder: Path, as_its_class_reads: bool = Fals
 
 def gguf_tokenizer(path: Path) -> Path:
     """The folder of a GGUF file's tokenizer as transformers converts it from the file (seconds for a large
-    vocabulary, at every load), converted once per file (its path, size and modification time) and transformers
-    version: `$SPECULANT_CACHE/tokenizers/<file's stem>-<digest>`."""
-    import transformers
-
-    stat = path.stat()
-    key = f"{path.resolve()}|{stat.st_size}|{stat.st_mtime_ns}|{transformers.__version__}"
-
+    vocabulary, at every load), converted once (`gguf_tokenizer_folder`)."""
     def build(tmp: Path) -> None:
         from transformers import AutoTokenizer
 
         save_tokenizer(AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name), tmp)
 
-    digest = hashlib.sha256(key.encode()).hexdigest()[:16]
-    return build_atomically(cache_root() / "tokenizers" / f"{path.stem}-{digest}", build)
+    return build_atomically(gguf_tokenizer_folder(path), build)
+
+
+def gguf_tokenizer_folder(path: Path) -> Path:
+    """Where a GGUF file's converted tokenizer is kept, per file (its path, size and modification time) and
+    transformers version: `$SPECULANT_CACHE/tokenizers/<file's stem>-<digest>`."""
+    from importlib.metadata import version
+
+    stat = path.stat()
+    key = f"{path.resolve()}|{stat.st_size}|{stat.st_mtime_ns}|{version('transformers')}"
+    return cache_root() / "tokenizers" / f"{path.stem}-{hashlib.sha256(key.encode()).hexdigest()[:16]}"
 
 
 def materialize(entry: CatalogEntry, dtype_name: str) -> Path:

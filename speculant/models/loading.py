@@ -20,8 +20,8 @@ from speculant.config import AUTO, BACKENDS, GGUF, LEAN, QUANTS, as_integer
 from speculant.errors import ConfigError, ModelNotAvailable
 from speculant.machine import native_bf16
 from speculant.models.base import CausalLM
-from speculant.models.catalog import (CATALOG, catalog_listing, check_name, gguf_checkpoint, gguf_tokenizer, materialize,
-                                      split_quant)
+from speculant.models.catalog import (CATALOG, catalog_listing, check_name, gguf_checkpoint, gguf_tokenizer,
+                                      gguf_tokenizer_folder, materialize, split_quant)
 from speculant.models.backends import llamacpp
 from speculant.models.numerics.native import KERNELS
 
@@ -83,15 +83,17 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_ma
 
 
 def tokenizer_folder(name: str) -> Path | None:
-    """The folder a model's tokenizer loads from: a local model folder, or one a catalog model's loads made (under
-    any `@` suffix: its GGUF's or a de-quantized one's, each with the same tokenizer files; none is made here, so a
-    drafter's first load on a path may read its own); None for anything else (a .gguf file carries its tokenizer
-    inside)."""
+    """The folder a model's tokenizer loads from: a local model folder, or one a catalog model's or a .gguf file's
+    loads made (a catalog model's under any `@` suffix: its GGUF's or a de-quantized one's, each with the same
+    tokenizer files; none is made here, so a drafter's first load may read its own); None for anything else."""
     base = split_quant(name)[0]
     if base in CATALOG:
         made = [cache_root() / "models" / f"{base}-{kind}" for kind in ("gguf", "bf16", "fp32")]
         return next((folder for folder in made if (folder / "tokenizer.json").is_file()), None)
     path = Path(name).expanduser()
+    if path.suffix == ".gguf" and path.is_file():
+        folder = gguf_tokenizer_folder(path)
+        return folder if (folder / "tokenizer.json").is_file() else None
     return path if path.is_dir() else None
 
 
