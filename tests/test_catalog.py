@@ -218,3 +218,8 @@ def test_a_gguf_file_s_tokenizer_is_converted_once_per_file(tmp_path, monkeypatc
     assert loading.drafter_tokenizer(target, str(small)) is cached
     os.utime(path, ns=(path.stat().st_atime_ns, path.stat().st_mtime_ns + 10**9))  # the file changed
     assert catalog.gguf_tokenizer(path) != folder and len(conversions) == 3
+    (tmp_path / "tokenizer.json").write_text(cached.backend_tokenizer.to_str())  # a file the conversion reads
+    assert catalog.gguf_tokenizer(path) != folder and len(conversions) == 4
+    (tmp_path / "cache-file").write_text("")
+    monkeypatch.setenv("SPECULANT_CACHE", str(tmp_path / "cache-file"))  # a cache that cannot keep it
+    assert loading.gguf_file_tokenizer(path)("abc ab<|end|>").input_ids == converted("abc ab<|end|>").input_ids

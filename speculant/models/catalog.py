@@ -266,13 +266,18 @@ def gguf_tokenizer(path: Path) -> Path:
     return build_atomically(gguf_tokenizer_folder(path), build)
 
 
+GGUF_NEIGHBOURS = ("tokenizer.json", "tokenizer.model", "tokenizer_config.json", "special_tokens_map.json",
+                   "added_tokens.json", "chat_template.jinja")  # files beside a GGUF that transformers' conversion of
+# its tokenizer reads (a tokenizer.json there replaces the file's own vocabulary)
+
+
 def gguf_tokenizer_folder(path: Path) -> Path:
-    """Where a GGUF file's converted tokenizer is kept, per file (its path, size and modification time) and
-    transformers version: `$SPECULANT_CACHE/tokenizers/<file's stem>-<digest>`."""
+    """Where a GGUF file's converted tokenizer is kept, per file (`_stamp`: size, inode, times), the tokenizer files
+    beside it, and transformers and tokenizers versions: `$SPECULANT_CACHE/tokenizers/<file's stem>-<digest>`."""
     from importlib.metadata import version
 
-    stat = path.stat()
-    key = f"{path.resolve()}|{stat.st_size}|{stat.st_mtime_ns}|{version('transformers')}"
+    beside = [(name, _stamp(path.parent / name)) for name in GGUF_NEIGHBOURS if (path.parent / name).is_file()]
+    key = f"{path.resolve()}|{_stamp(path)}|{beside}|{version('transformers')}|{version('tokenizers')}"
     return cache_root() / "tokenizers" / f"{path.stem}-{hashlib.sha256(key.encode()).hexdigest()[:16]}"
 
 

@@ -227,12 +227,29 @@ def _gguf_source(spec: str | Path, tokenizer: Any | None) -> tuple[Path, str, An
         from transformers import AutoTokenizer
 
         try:
-            tokenizer = AutoTokenizer.from_pretrained(path.parent if entry else gguf_tokenizer(path))
+            tokenizer = AutoTokenizer.from_pretrained(path.parent) if entry else gguf_file_tokenizer(path)
         except Exception:  # noqa: BLE001 - a GGUF whose tokenizer transformers cannot read still runs on ids
             tokenizer = None
     extra_eos = entry.extra_eos if entry else ()
     extra_ids = frozenset(tokenizer.convert_tokens_to_ids(t) for t in extra_eos) if tokenizer else frozenset()
     return path, name, tokenizer, extra_ids
+
+
+def gguf_file_tokenizer(path: Path) -> Any:
+    """A GGUF file's tokenizer as transformers converts it, from the cache's copy of the conversion
+    (`catalog.gguf_tokenizer`), or converted from the file where the cache cannot keep one or its copy does not load."""
+    from transformers import AutoTokenizer
+
+    try:
+        folder = gguf_tokenizer(path)
+    except (OSError, ConfigError) as error:  # (the cache: read-only, full, a file; not the conversion)
+        log.warning(f"speculant: {path}'s tokenizer is not kept in the cache ({error}); converted at every load")
+    else:
+        try:
+            return AutoTokenizer.from_pretrained(folder)
+        except Exception:  # noqa: BLE001 - a kept copy this transformers does not read: the conversion itself
+            pass
+    return AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
 
 
 def load_gguf(spec: str | Path, tokenizer: Any | None = None, threads: int | None = None) -> CausalLM:
