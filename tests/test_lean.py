@@ -406,7 +406,7 @@ def test_every_method_equals_ar_on_every_architecture(typed_files, arch):
 
 def test_a_user_s_gguf_runs_on_lean_where_it_can_and_says_why_in_one_line(typed_files, tmp_path, monkeypatch, caplog):
     """`auto` on a .gguf path: the lean backend where it runs the file as it is, else llama.cpp, the reason in one
-    line read from the header (nothing loaded)."""
+    line read from the header (nothing loaded); a tokenizer transformers cannot read, the reason in one line."""
     from speculant.models import loading
 
     monkeypatch.setattr(loading, "_simd_kernels", lambda: True)
@@ -425,6 +425,11 @@ def test_a_user_s_gguf_runs_on_lean_where_it_can_and_says_why_in_one_line(typed_
                      "speculant: other.gguf runs on llama.cpp: the lean backend runs qwen2, llama, qwen3, phi3, gemma2, gemma3, "
                      "not gpt2"]
     assert "qwen3 with Q5_K matrices" in load_model(str(path), tokenizer=byte_tokenizer()).describe()[0]
+    caplog.clear()  # a tokenizer transformers cannot convert (this file's one merge makes a token it lacks)
+    assert load_model(str(path)).tokenizer is None
+    [line] = [r.getMessage() for r in caplog.records if "tokenizer" in r.getMessage()]
+    assert line.startswith(f"speculant: transformers cannot read {path.name}'s tokenizer (Error while initializing BPE")
+    assert line.endswith("): it runs on token ids only")
 
 
 WINDOWED_METHODS = {"ar": dict(method="ar"), "sd": dict(method="sd", drafter="maxgram", k=4),

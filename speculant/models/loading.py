@@ -228,7 +228,10 @@ def _gguf_source(spec: str | Path, tokenizer: Any | None) -> tuple[Path, str, An
 
         try:
             tokenizer = AutoTokenizer.from_pretrained(path.parent) if entry else gguf_file_tokenizer(path)
-        except Exception:  # noqa: BLE001 - a GGUF whose tokenizer transformers cannot read still runs on ids
+        except Exception as error:  # noqa: BLE001 - a GGUF whose tokenizer transformers cannot read still runs on ids
+            reason = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+            log.warning(f"speculant: transformers cannot read {path.name}'s tokenizer ({reason}): it runs on token "
+                        "ids only")
             tokenizer = None
     extra_eos = entry.extra_eos if entry else ()
     extra_ids = frozenset(tokenizer.convert_tokens_to_ids(t) for t in extra_eos) if tokenizer else frozenset()
