@@ -216,6 +216,7 @@ def test_a_gguf_file_s_tokenizer_is_converted_once_per_file(tmp_path, monkeypatc
     assert loading.drafter_tokenizer(target, str(small)) is None  # (its tokenizer not converted yet)
     catalog.gguf_tokenizer(small)
     assert loading.drafter_tokenizer(target, str(small)) is cached
+    assert loading.drafter_tokenizer(SimpleNamespace(name=f"{path}@lean", tokenizer=cached), str(small)) is cached
     os.utime(path, ns=(path.stat().st_atime_ns, path.stat().st_mtime_ns + 10**9))  # the file changed
     assert catalog.gguf_tokenizer(path) != folder and len(conversions) == 3
     (tmp_path / "tokenizer.json").write_text(cached.backend_tokenizer.to_str())  # a file the conversion reads

@@ -83,14 +83,14 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_ma
 
 
 def tokenizer_folder(name: str) -> Path | None:
-    """The folder a model's tokenizer loads from: a local model folder, or one a catalog model's or a .gguf file's
-    loads made (a catalog model's under any `@` suffix: its GGUF's or a de-quantized one's, each with the same
+    """The folder a model's tokenizer loads from (under any `@` suffix): a local model folder, or one a catalog
+    model's or a .gguf file's loads made (a catalog model's: its GGUF's or a de-quantized one's, each with the same
     tokenizer files; none is made here, so a drafter's first load may read its own); None for anything else."""
     base = split_quant(name)[0]
     if base in CATALOG:
         made = [cache_root() / "models" / f"{base}-{kind}" for kind in ("gguf", "bf16", "fp32")]
         return next((folder for folder in made if (folder / "tokenizer.json").is_file()), None)
-    path = Path(name).expanduser()
+    path = Path(base).expanduser()
     if path.suffix == ".gguf" and path.is_file():
         folder = gguf_tokenizer_folder(path)
         return folder if (folder / "tokenizer.json").is_file() else None
