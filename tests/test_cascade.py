@@ -100,10 +100,12 @@ def test_a_user_s_drafter_is_a_cascade_level_with_a_lifecycle_of_its_own():
     assert result.token_ids == truth
     assert calls == ["begin", ("end", MAX_NEW)]
     assert result.stats.drafter_forwards["echo"] > 0 and result.stats.drafter_forwards[shorter.model.name] > 0
-    Echo.sampled = True  # its rows stacked with the model level's (float32) and reviewed by it
-    sampled = generate(target, prompt_ids=prompt, method="cascade", drafters=[shorter, Echo()], k_matrix="2,2;3",
-                       leniency=2.0, temperature=0.8, seed=0, max_new_tokens=MAX_NEW)
-    assert len(sampled.token_ids) == MAX_NEW
+    sampled = {}  # its rows stacked with the model level's (float32) and reviewed by it: its one-hot q in float64
+    for Echo.sampled in (False, True):  # draws what no q (one-hot) draws, seed for seed
+        sampled[Echo.sampled] = generate(target, prompt_ids=prompt, method="cascade", drafters=[shorter, Echo()],
+                                         k_matrix="2,2;3", leniency=2.0, temperature=0.8, seed=0,
+                                         max_new_tokens=MAX_NEW).token_ids
+    assert sampled[True] == sampled[False] and len(sampled[True]) == MAX_NEW
 
     class Trees(Drafter):
         def propose(self, context, k):

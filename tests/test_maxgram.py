@@ -114,18 +114,26 @@ def test_fr_spec_s_frequent_tokens_keep_every_special_token(tmp_path, monkeypatc
     assert len(list(tmp_path.glob("frequency/*.npy"))) == 2  # the code's counts and the prose's
 
 
-def test_counts_are_kept_per_way_of_splitting_text_not_per_vocabulary():
-    """What is counted with a tokenizer is cached under its fingerprint: the same for the same tokenizer made twice,
-    another for one of the same vocabulary that normalizes text first (it counts other tokens)."""
+def test_counts_are_kept_per_way_of_splitting_text_not_per_vocabulary(tmp_path, monkeypatch):
+    """What is counted with a tokenizer is cached under its fingerprint: the same tokenizer made again (padding set,
+    as a padded call leaves it) reads the first one's counts; one of the same vocabulary that normalizes text first
+    counts its own, not the first one's."""
     from tokenizers import normalizers
 
-    from speculant.corpus import tokenizer_fingerprint
+    from speculant import corpus
 
+    monkeypatch.setenv("SPECULANT_CACHE", str(tmp_path))
+    code = tmp_path / "code.py"
+    code.write_text("THE The the")
+    monkeypatch.setattr(corpus, "default_corpus", lambda: [code])
     plain, again, folding = byte_tokenizer(), byte_tokenizer(), byte_tokenizer()
+    again.backend_tokenizer.enable_padding(pad_id=256, pad_token="<eos>")
     folding.backend_tokenizer.normalizer = normalizers.Lowercase()
-    again.backend_tokenizer.enable_padding(pad_id=256, pad_token="<eos>")  # (as a padded call leaves it)
     assert plain.get_vocab() == folding.get_vocab()
-    assert tokenizer_fingerprint(plain) == tokenizer_fingerprint(again) != tokenizer_fingerprint(folding)
+    assert corpus.code_counts(plain, 257)[ord("T")] == 2
+    assert list(corpus.code_counts(again, 257)) == list(corpus.code_counts(plain, 257))
+    assert len(list(tmp_path.glob("frequency/*.npy"))) == 1  # (read, not counted again)
+    assert corpus.code_counts(folding, 257)[ord("T")] == 0 and corpus.code_counts(folding, 257)[ord("t")] == 3
 
 
 def test_prose_words_are_encoded_as_the_tokenizer_encodes_them():

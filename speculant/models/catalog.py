@@ -266,9 +266,10 @@ def gguf_tokenizer(path: Path) -> Path:
     return build_atomically(gguf_tokenizer_folder(path), build)
 
 
-GGUF_NEIGHBOURS = ("tokenizer.json", "tokenizer.model", "tokenizer_config.json", "special_tokens_map.json",
-                   "added_tokens.json", "chat_template.jinja")  # files beside a GGUF that transformers' conversion of
-# its tokenizer reads (a tokenizer.json there replaces the file's own vocabulary)
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "added_tokens.json")  # what
+# a tokenizer's tokens, ids and special tokens are read from (the first, a fast tokenizer's, always)
+GGUF_NEIGHBOURS = (*TOKENIZER_FILES, "tokenizer.model", "chat_template.jinja")  # files beside a GGUF that transformers'
+# conversion of its tokenizer reads too (a tokenizer.json there replaces the file's own vocabulary)
 
 
 def gguf_tokenizer_folder(path: Path) -> Path:

@@ -20,8 +20,8 @@ from speculant.config import AUTO, BACKENDS, GGUF, LEAN, QUANTS, as_integer
 from speculant.errors import ConfigError, ModelNotAvailable
 from speculant.machine import native_bf16
 from speculant.models.base import CausalLM
-from speculant.models.catalog import (CATALOG, catalog_listing, check_name, gguf_checkpoint, gguf_tokenizer,
-                                      gguf_tokenizer_folder, materialize, split_quant)
+from speculant.models.catalog import (CATALOG, TOKENIZER_FILES, catalog_listing, check_name, gguf_checkpoint,
+                                      gguf_tokenizer, gguf_tokenizer_folder, materialize, split_quant)
 from speculant.models.backends import llamacpp
 from speculant.models.numerics.native import KERNELS
 
@@ -76,10 +76,6 @@ def quantized_copy(model: HFCausalLM, quant: str, group_size: int = 32) -> HFCau
     copy = quantize(deepcopy(model.model), quant, group_size)
     identity = f"{model.identity}@{quant}" if model.identity else None
     return HFCausalLM(copy, model.tokenizer, f"{model.name}@{quant}", model.eos_token_ids, identity)
-
-
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "added_tokens.json")  # what
-# a tokenizer's tokens, ids and special tokens are read from (the first, a fast tokenizer's, always)
 
 
 def tokenizer_folder(name: str) -> Path | None:
@@ -229,7 +225,7 @@ def _gguf_source(spec: str | Path, tokenizer: Any | None) -> tuple[Path, str, An
         try:
             tokenizer = AutoTokenizer.from_pretrained(path.parent) if entry else gguf_file_tokenizer(path)
         except Exception as error:  # noqa: BLE001 - a GGUF whose tokenizer transformers cannot read still runs on ids
-            reason = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+            reason = (str(error).strip().splitlines() or [type(error).__name__])[0]
             log.warning(f"speculant: transformers cannot read {path.name}'s tokenizer ({reason}): it runs on token "
                         "ids only")
             tokenizer = None
