@@ -33,8 +33,8 @@ def tokenizer_fingerprint(tokenizer: Any) -> str:
     """A digest of how the tokenizer splits text, the key of what is counted with it: a fast tokenizer's whole
     backend as the `tokenizers` library serializes it (vocabulary, merges, normalizer, pre-tokenizer, added tokens:
     two tokenizers of one vocabulary may count apart), else its vocabulary. Taken once per tokenizer object (a
-    drafter's load asks for it three times, and even serializing takes a tenth of a second at 150k tokens): a
-    tokenizer given tokens after its first digest (`add_tokens`) keeps that digest."""
+    drafter's load asks for it three times, and serializing a large vocabulary is not free): a tokenizer given
+    tokens after its first digest (`add_tokens`) keeps that digest."""
     if tokenizer not in FINGERPRINTS:
         backend = getattr(tokenizer, "backend_tokenizer", None) if getattr(tokenizer, "is_fast", False) else None
         if backend is not None:
@@ -83,7 +83,7 @@ def prose_counts(tokenizer: Any, vocab_size: int) -> np.ndarray:
     from importlib.metadata import version
 
     def count() -> np.ndarray:
-        from wordfreq import get_frequency_dict  # (an import that costs a cached count a tenth of a second)
+        from wordfreq import get_frequency_dict  # (imported only to count: a cached count needs none of it)
 
         words = sorted(get_frequency_dict("en", wordlist="large").items(), key=lambda item: -item[1])[:PROSE_WORDS]
         frequencies = np.array([frequency for _, frequency in words])

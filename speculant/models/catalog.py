@@ -256,8 +256,8 @@ def save_tokenizer(tokenizer: Any, folder: Path, as_its_class_reads: bool = Fals
 
 
 def gguf_tokenizer(path: Path) -> Path:
-    """The folder of a GGUF file's tokenizer as transformers converts it from the file (seconds for a large
-    vocabulary, at every load), converted once (`gguf_tokenizer_folder`)."""
+    """The folder of a GGUF file's tokenizer as transformers converts it from the file (a conversion of the whole
+    vocabulary, too slow to repeat at every load), converted once (`gguf_tokenizer_folder`)."""
     def build(tmp: Path) -> None:
         from transformers import AutoTokenizer
 
