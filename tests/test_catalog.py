@@ -29,6 +29,18 @@ def test_build_once_then_reuse(tmp_path):
     assert len(calls) == 1
 
 
+def test_a_cache_built_from_other_sources_is_rebuilt_in_place_without_a_warning(tmp_path, caplog):
+    calls = []
+    target = tmp_path / "tokenizer-abc"
+    catalog.build_atomically(target, writer(calls), sources="v1")
+    assert catalog.check_cache(target) == catalog.check_cache(target, "v2") == catalog.STALE
+    with caplog.at_level(logging.WARNING, logger="speculant"):
+        assert catalog.build_atomically(target, writer(calls), sources="v2") == target
+    assert catalog.check_cache(target, "v2") is None and len(calls) == 2 and not caplog.records
+    catalog.build_atomically(target, writer(calls), sources="v2")
+    assert len(calls) == 2
+
+
 def build_slowly(target, log):
     def build(tmp):
         with open(log, "a") as f:
@@ -192,7 +204,7 @@ def tokenizer_gguf(path):
 def test_a_gguf_file_s_tokenizer_is_converted_once_per_file(tmp_path, monkeypatch):
     """A GGUF file given by path (not the catalog's) has its tokenizer converted by transformers once, into a cache
     folder that loads as the conversion does (the same ids and special tokens), and again only for another file or
-    the same file changed; a drafter's GGUF whose converted tokenizer is the target's reads with the target's."""
+    the same file changed (in place: no stale copy stays); a drafter's GGUF whose converted tokenizer is the target's reads with the target's."""
     from types import SimpleNamespace
 
     from transformers import AutoTokenizer
@@ -218,9 +230,12 @@ def test_a_gguf_file_s_tokenizer_is_converted_once_per_file(tmp_path, monkeypatc
     assert loading.drafter_tokenizer(target, str(small)) is cached
     assert loading.drafter_tokenizer(SimpleNamespace(name=f"{path}@lean", tokenizer=cached), str(small)) is cached
     os.utime(path, ns=(path.stat().st_atime_ns, path.stat().st_mtime_ns + 10**9))  # the file changed
-    assert catalog.gguf_tokenizer(path) != folder and len(conversions) == 3
+    assert loading.tokenizer_folder(str(path)) is None  # (its conversion is stale)
+    assert catalog.gguf_tokenizer(path) == folder and len(conversions) == 3
+    assert loading.tokenizer_folder(str(path)) == folder
     (tmp_path / "tokenizer.json").write_text(cached.backend_tokenizer.to_str())  # a file the conversion reads
-    assert catalog.gguf_tokenizer(path) != folder and len(conversions) == 4
+    assert catalog.gguf_tokenizer(path) == folder and len(conversions) == 4
+    assert len(list(folder.parent.iterdir())) == 2 + 2  # one conversion per file, rebuilt in place (and their locks)
     (tmp_path / "cache-file").write_text("")
     monkeypatch.setenv("SPECULANT_CACHE", str(tmp_path / "cache-file"))  # a cache that cannot keep it
     assert loading.gguf_file_tokenizer(path)("abc ab<|end|>").input_ids == converted("abc ab<|end|>").input_ids

@@ -28,6 +28,7 @@ from speculant.config import GGUF, LEAN, QUANTS
 from speculant.errors import ConfigError, ModelNotAvailable
 
 MANIFEST = "speculant-cache.json"
+STALE = "built from other sources"
 log = logging.getLogger("speculant")
 
 
@@ -164,8 +165,9 @@ def _stamp(path: Path) -> list[int]:
     return [st.st_size, st.st_ino, st.st_mtime_ns, st.st_ctime_ns]
 
 
-def check_cache(directory: Path) -> str | None:
-    """None if `directory` holds a complete, intact cache, else what is wrong with it (one phrase).
+def check_cache(directory: Path, sources: str | None = None) -> str | None:
+    """None if `directory` holds a complete, intact cache (built from `sources`, where given), else what is wrong
+    with it (one phrase).
 
     A file is hashed only when its stamp differs from the manifest's (first use after a build, a copy,
     any write); the manifest then takes the new stamp, so a clean cache costs one stat per file."""
@@ -176,6 +178,8 @@ def check_cache(directory: Path) -> str | None:
         return "no manifest" if directory.exists() else "missing"
     except (OSError, ValueError, KeyError, TypeError):
         return "unreadable manifest"
+    if manifest.get("sources") != sources:
+        return STALE
     changed = False
     for name, record in files.items():
         path = directory / name
@@ -203,23 +207,25 @@ def is_complete(directory: Path) -> bool:
     return check_cache(directory) is None
 
 
-def build_atomically(directory: Path, build: Callable[[Path], None]) -> Path:
-    """Return `directory`, first (re)building it with `build(tmp_dir)` unless it is complete and intact.
+def build_atomically(directory: Path, build: Callable[[Path], None], sources: str | None = None) -> Path:
+    """Return `directory`, first (re)building it with `build(tmp_dir)` unless it is complete, intact and built from
+    `sources` (a key of what it is built from, where that can change under the same directory: it is rebuilt in place,
+    so no copy built from what was there before stays behind).
 
     `build` writes into a fresh temporary sibling; the manifest (sizes and SHA-256) is written last and
     the directory is renamed into place, so readers see either nothing or a complete cache. Processes that
     find it missing at once (a server's replicas, the test suite's workers) build it one at a time: the
     ones that waited find it complete, rather than deleting it under a reader to put their own in its place.
     """
-    if check_cache(directory) is None:
+    if check_cache(directory, sources) is None:
         return directory
     directory.parent.mkdir(parents=True, exist_ok=True)
     with (directory.parent / f".{directory.name}.lock").open("w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file closes
-        problem = check_cache(directory)
+        problem = check_cache(directory, sources)
         if problem is None:
             return directory
-        if problem not in ("missing", "no manifest"):
+        if problem not in ("missing", "no manifest", STALE):
             log.warning(f"speculant: the cache {directory} is damaged ({problem}); rebuilding it")
         tmp = directory.parent / f".tmp-{directory.name}-{os.getpid()}"
         shutil.rmtree(tmp, ignore_errors=True)
@@ -228,7 +234,7 @@ def build_atomically(directory: Path, build: Callable[[Path], None]) -> Path:
             build(tmp)
             files = {p.name: {"size": p.stat().st_size, "sha256": sha256_file(p), "stamp": _stamp(p)}
                      for p in tmp.iterdir() if p.is_file()}  # a directory's rename leaves its files' stamps alone
-            (tmp / MANIFEST).write_text(json.dumps({"files": files}, indent=1))
+            (tmp / MANIFEST).write_text(json.dumps({"files": files, "sources": sources}, indent=1))
             shutil.rmtree(directory, ignore_errors=True)
             os.replace(tmp, directory)
         finally:
@@ -257,13 +263,13 @@ def save_tokenizer(tokenizer: Any, folder: Path, as_its_class_reads: bool = Fals
 
 def gguf_tokenizer(path: Path) -> Path:
     """The folder of a GGUF file's tokenizer as transformers converts it from the file (a conversion of the whole
-    vocabulary, too slow to repeat at every load), converted once (`gguf_tokenizer_folder`)."""
+    vocabulary, too slow to repeat at every load), converted once per `gguf_tokenizer_sources`."""
     def build(tmp: Path) -> None:
         from transformers import AutoTokenizer
 
         save_tokenizer(AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name), tmp)
 
-    return build_atomically(gguf_tokenizer_folder(path), build)
+    return build_atomically(gguf_tokenizer_folder(path), build, gguf_tokenizer_sources(path))
 
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "added_tokens.json")  # what
@@ -273,13 +279,18 @@ GGUF_NEIGHBOURS = (*TOKENIZER_FILES, "tokenizer.model", "chat_template.jinja")  
 
 
 def gguf_tokenizer_folder(path: Path) -> Path:
-    """Where a GGUF file's converted tokenizer is kept, per file (`_stamp`: size, inode, times), the tokenizer files
-    beside it, and transformers and tokenizers versions: `$SPECULANT_CACHE/tokenizers/<file's stem>-<digest>`."""
+    """Where a GGUF file's converted tokenizer is kept, one folder per file: `$SPECULANT_CACHE/tokenizers/<file's
+    stem>-<digest of its path>`."""
+    return cache_root() / "tokenizers" / f"{path.stem}-{hashlib.sha256(str(path.resolve()).encode()).hexdigest()[:16]}"
+
+
+def gguf_tokenizer_sources(path: Path) -> str:
+    """What a GGUF file's converted tokenizer is built from: the file (`_stamp`: size, inode, times), the tokenizer
+    files beside it, and the transformers and tokenizers versions that convert and save it."""
     from importlib.metadata import version
 
     beside = [(name, _stamp(path.parent / name)) for name in GGUF_NEIGHBOURS if (path.parent / name).is_file()]
-    key = f"{path.resolve()}|{_stamp(path)}|{beside}|{version('transformers')}|{version('tokenizers')}"
-    return cache_root() / "tokenizers" / f"{path.stem}-{hashlib.sha256(key.encode()).hexdigest()[:16]}"
+    return json.dumps([_stamp(path), beside, version("transformers"), version("tokenizers")])
 
 
 def materialize(entry: CatalogEntry, dtype_name: str) -> Path:

@@ -20,8 +20,9 @@ from speculant.config import AUTO, BACKENDS, GGUF, LEAN, QUANTS, as_integer
 from speculant.errors import ConfigError, ModelNotAvailable
 from speculant.machine import native_bf16
 from speculant.models.base import CausalLM
-from speculant.models.catalog import (CATALOG, TOKENIZER_FILES, catalog_listing, check_name, gguf_checkpoint,
-                                      gguf_tokenizer, gguf_tokenizer_folder, materialize, split_quant)
+from speculant.models.catalog import (CATALOG, TOKENIZER_FILES, catalog_listing, check_cache, check_name,
+                                      gguf_checkpoint, gguf_tokenizer, gguf_tokenizer_folder, gguf_tokenizer_sources,
+                                      materialize, split_quant)
 from speculant.models.backends import llamacpp
 from speculant.models.numerics.native import KERNELS
 
@@ -89,7 +90,7 @@ def tokenizer_folder(name: str) -> Path | None:
     path = Path(base).expanduser()
     if path.suffix == ".gguf" and path.is_file():
         folder = gguf_tokenizer_folder(path)
-        return folder if (folder / "tokenizer.json").is_file() else None
+        return folder if check_cache(folder, gguf_tokenizer_sources(path)) is None else None
     return path if path.is_dir() else None
 
 
