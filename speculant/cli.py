@@ -22,10 +22,12 @@ from speculant.config import (
     ServeConfig,
     add_options,
     check_sampled,
+    default_of,
     flag,
     from_args,
     integer,
     number,
+    with_default,
 )
 from speculant.errors import ConfigError, SpeculantError
 from speculant.methods.drafting import held_drafters
@@ -267,14 +269,7 @@ def add_method_options(parser: argparse.ArgumentParser) -> None:
     for name, f in all_options().items():
         methods = ", ".join(owners(name))
         parser.add_argument(flag(name), dest=name, default=None, metavar=name.upper(),
-                            help=f"{methods}: {f.metadata.get('help', '')} (default: {default_text(f)})")
-
-
-def default_text(f: Any) -> str:
-    from dataclasses import MISSING
-
-    value = None if f.default is MISSING else f.default
-    return ",".join(map(str, value)) or "none" if isinstance(value, tuple) else str(value)
+                            help=f"{methods}: {with_default(f.metadata.get('help', ''), default_of(f))}")
 
 
 def resolve_method(method: str | None, given: dict[str, str]) -> str:

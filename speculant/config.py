@@ -318,11 +318,18 @@ def add_options(parser: argparse.ArgumentParser, config: type, **overrides: Any)
         default = overrides.get(f.name, default_of(f))
         if scalar_type(f) is bool:  # a switch: --name / --no-name
             parser.add_argument(flag(f.name), dest=f.name, action=argparse.BooleanOptionalAction, default=default,
-                                help=f"{f.metadata.get('help', '')} (default: {'on' if default else 'off'})")
+                                help=with_default(f.metadata.get("help", ""), "on" if default else "off"))
             continue
         parser.add_argument(flag(f.name), dest=f.name, type=functools.partial(parse_flag, f), default=default,
-                            action=Given, metavar=f.name.upper(),
-                            help=f"{f.metadata.get('help', '')} (default: {default})")
+                            action=Given, metavar=f.name.upper(), help=with_default(f.metadata.get("help", ""), default))
+
+
+def with_default(help: str, default: Any) -> str:
+    """A flag's help ending in "(default: X)", unless it already says what the default is, or the default is None
+    (what then happens is the help's to say)."""
+    if default is None or "(default:" in help:
+        return help
+    return f"{help} (default: {','.join(map(str, default)) or 'none' if isinstance(default, tuple) else default})"
 
 
 def parse_flag(f: Field, text: str) -> Any:

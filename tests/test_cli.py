@@ -427,3 +427,21 @@ def test_a_flag_given_where_it_does_nothing_is_one_line_never_ignored(capsys, tm
     assert args.given == frozenset() and args.context_len == 256
     assert cli.build_parser().parse_args(["generate", "x", "--top-p", "0.9", "--temperature", "0.7"]).given == \
         {"top_p", "temperature"}
+
+
+def test_every_flag_s_help_names_its_default_once_and_never_as_none():
+    """A default the help already states is not appended again; a None default (the help says what happens) is not
+    shown as "None"; a default the help leaves unsaid is shown."""
+    import argparse
+
+    def parsers(parser):
+        yield parser
+        for action in parser._actions:
+            if isinstance(action, argparse._SubParsersAction):
+                for sub in action.choices.values():
+                    yield from parsers(sub)
+
+    helps = {(p.prog, a.dest): a.help or "" for p in parsers(cli.build_parser()) for a in p._actions}
+    assert not [key for key, text in helps.items() if "default: None" in text or text.count("(default:") > 1]
+    assert helps["speculant generate", "k_max"].endswith("(default: 16)")
+    assert helps["speculant serve", "served_name"].endswith("(default: the target's name)")
