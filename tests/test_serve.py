@@ -223,6 +223,16 @@ def test_logprobs_stream_and_not_equal_plain_decoding_s(server):
                                             logprobs=2, stream=True))
     assert [v for c in chunks if c.choices[0].logprobs for v in c.choices[0].logprobs.token_logprobs] == \
         logprobs.token_logprobs
+    text = done.choices[0].text  # a stop string where a token begins: its tokens leave the log-probabilities too
+    i = next(i for i, (t, at) in enumerate(zip(logprobs.tokens, logprobs.text_offset))
+             if i and t.strip() and not t.startswith("bytes:") and text.find(t) == at)
+    for stream in (False, True):
+        stopped = client.completions.create(model="tiny", prompt="def f(x):", max_tokens=12, temperature=0,
+                                            logprobs=2, stop=logprobs.tokens[i], stream=stream)
+        parts = list(stopped) if stream else [stopped]
+        assert "".join(c.choices[0].text for c in parts) == text[:logprobs.text_offset[i]]
+        assert [v for c in parts if c.choices[0].logprobs for v in c.choices[0].logprobs.token_logprobs] == \
+            logprobs.token_logprobs[:i]
 
 
 def test_logit_bias_is_applied_and_speculation_stays_exact(server):
@@ -293,10 +303,14 @@ BAD = [
     ("completions", {"model": "tiny", "prompt": "x", "top_p": 0}, "top_p"),
     ("completions", {"model": "tiny", "prompt": "x", "top_p": 1.5}, "top_p"),
     ("completions", {"model": "tiny", "prompt": "x" * 600}, "positions"),
+    ("completions", {"model": "tiny", "prompt": "x" * 500}, "max_tokens 16 (the default) after a 500-token prompt"),
     ("completions", {"model": "tiny", "prompt": ""}, "empty"),
     ("completions", {"model": "tiny", "prompt": [1, 9999]}, "token ids"),
     ("completions", {"model": "tiny", "prompt": "x", "n": 2}, "n"),
     ("completions", {"model": "tiny", "prompt": "x", "speculant": {"method": "fast"}}, "unknown method"),
+    ("completions", {"model": "tiny", "prompt": "x", "speculant": {"method": "f" * 5000}}, "unknown method"),
+    ("completions", {"model": "tiny", "prompt": ["x", "y"]}, "one prompt per request"),
+    ("completions", {"model": "tiny", "prompt": [[1, 2]]}, "one prompt per request"),
     ("completions", {"model": "tiny", "prompt": "x", "speculant": {"kk": 1}}, "unknown option"),
     ("completions", {"model": "tiny", "prompt": "x", "speculant": {"k": 0}}, "k must be"),
     ("completions", {"model": "tiny", "prompt": "x", "speculant": {"drafter": "org/big"}}, "not loaded"),
@@ -316,8 +330,17 @@ BAD = [
                           "response_format": {"type": "grammar", "grammar": "start: nowhere"}}, "does not compile"),
     ("chat/completions", {"model": "tiny", "messages": [{"role": "user", "content": "hi"}],
                           "response_format": {"type": "regex", "regex": "[^\\s\\S]"}}, "matches no text"),
+    ("completions", {"model": "tiny", "prompt": "x", "max_tokens": 4, "speculant": {"method": "ar"},
+                     "response_format": {"type": "regex", "regex": "a{1000000}"}}, "response_format"),  # (at run time)
     ("chat/completions", {"model": "tiny", "messages": [{"role": "user", "content": "hi"}],
                           "tool_choice": "auto"}, "tool_choice needs tools"),
+    ("chat/completions", {"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "tools": []}, "tools"),
+    ("chat/completions", {"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "tool_choice": {
+        "type": "function"}, "tools": [{"type": "function", "function": {"name": "f"}}]}, "tool_choice.function"),
+    ("chat/completions", {"model": "tiny", "messages": [  # (a template without tools would leave the call out)
+        {"role": "user", "content": "hi"}, {"role": "assistant", "content": None, "tool_calls": [
+            {"id": "1", "type": "function", "function": {"name": "f", "arguments": "{}"}}]},
+        {"role": "tool", "content": "4", "tool_call_id": "1"}]}, "messages.1.tool_calls"),
     ("chat/completions", {"model": "tiny", "messages": [{"role": "user", "content": "hi"},
                                                         {"role": "tool", "content": "4", "tool_call_id": "1"}]},
      "which no assistant message before it made"),
@@ -342,6 +365,7 @@ def test_bad_requests_get_4xx_json_errors_and_the_server_keeps_serving(server, e
     assert 400 <= response.status_code < 500
     error = response.json()["error"]
     assert message in error["message"] or message == error["param"], error
+    assert len(error["message"]) <= 1003  # (one that quotes the request is cut)
     assert client.completions.create(model="tiny", prompt="ok", max_tokens=2, temperature=0).choices[0].text is not None
 
 

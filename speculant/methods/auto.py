@@ -109,7 +109,7 @@ class AutoOptions:
         if self.tree_widths != AUTO:
             object.__setattr__(self, "tree_widths", typed_widths(self.tree_widths))
         if self.tree_widths != AUTO and any(w < 2 for w in self.tree_widths):
-            raise ConfigError(f"tree widths must be >= 2 (1 is a chain), got {self.tree_widths}")
+            raise ConfigError(f"tree widths must be >= 2 (1 is a chain), got {min(self.tree_widths)}")
         if self.schedule not in SCHEDULES:
             raise ConfigError(f"schedule must be one of {', '.join(SCHEDULES)}, got {self.schedule!r}")
         if self.catch_up not in CATCH_UPS:

@@ -28,6 +28,7 @@ from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import FileResponse, JSONResponse, Response, StreamingResponse
 from fastapi.staticfiles import StaticFiles
+from pydantic import BaseModel
 from starlette.exceptions import HTTPException
 
 from speculant.api import encode_prompt
@@ -38,12 +39,14 @@ from speculant.models.wrappers.biased import check_bias
 from speculant.models.wrappers.constrained import Constraint, Matcher
 from speculant.models.wrappers.logprobs import TokenLogprob
 from speculant.serve.engine import Engine, ServeJob, Outcome, QueueFull
-from speculant.serve import tools
+from speculant.serve import schema, tools
 from speculant.serve.metrics import Metrics
 from speculant.serve.text import TextStream
 from speculant.serve.schema import MAX_FORMAT_DEPTH, ApiError, ChatRequest, CompletionRequest, Sampling, depth
 
 LOG = logging.getLogger("speculant.serve")
+REQUEST_MODELS = {name for name, value in vars(schema).items() if isinstance(value, type) and
+                  issubclass(value, BaseModel)}  # the request's parts: a union of them tags errors with their names
 PLAYGROUND = Path(__file__).parent / "playground"  # the page at / (static files: no build step)
 PAGE = ("/", "/playground/index.html", "/playground/playground.js", "/playground/playground.css")  # open: no secrets
 TOKEN_ID = re.compile(r"0|[1-9][0-9]{0,9}")  # a logit_bias key: a token id in canonical decimal
@@ -152,10 +155,12 @@ def create_app(engine: Engine, served_name: str, config: ServeConfig | None = No
     async def chat(body: ChatRequest, http: Request) -> Any:
         tokenizer, choice = engine.target.tokenizer, body.choice
         calls = None  # where tools may be called: the grammar of the reply
-        if choice != "none":
-            if not tools.speaks_tools(tokenizer):
+        if not tools.speaks_tools(tokenizer):  # (its template would leave them out of the prompt)
+            called = next((i for i, m in enumerate(body.messages) if m.tool_calls), None)
+            if choice != "none" or called is not None:
                 raise ApiError(400, "this model's chat template does not call tools (no Hermes <tool_call> format)",
-                               "tools")
+                               "tools" if choice != "none" else f"messages.{called}.tool_calls")
+        if choice != "none":
             if body.response_format is not None and body.response_format.get("type") != "text":
                 raise ApiError(400, "response_format cannot constrain a reply that may call tools", "response_format")
             calls = tools.constraint(tokenizer, [t.function.model_dump() for t in body.tools], choice,
@@ -274,7 +279,8 @@ def create_app(engine: Engine, served_name: str, config: ServeConfig | None = No
             max_tokens = (limit - len(ids)) if limit is not None else 1 << 30
         elif limit is not None and len(ids) + max_tokens > limit:
             field = "max_completion_tokens" if prompt == "messages" and body.max_completion_tokens else "max_tokens"
-            raise ApiError(400, f"{field} {max_tokens} after a {len(ids)}-token prompt exceeds this model's "
+            default = "" if getattr(body, field) else " (the default)"
+            raise ApiError(400, f"{field} {max_tokens}{default} after a {len(ids)}-token prompt exceeds this model's "
                            f"{limit} positions", field, "context_length_exceeded")
         sampling = SamplingConfig(body.temperature, None, body.top_p if body.top_p < 1 else None)
         overrides = dict(body.speculant or {})
@@ -305,8 +311,9 @@ def create_app(engine: Engine, served_name: str, config: ServeConfig | None = No
 
 def is_type_tag(part: Any) -> bool:
     """Whether a pydantic error location's part names a union member's type ("str", "list[int]",
-    "function-after[...]") rather than a field or an index."""
-    return isinstance(part, str) and (part in ("str", "int", "float", "bool", "list", "dict") or "[" in part)
+    "function-after[...]", a model such as "NamedTool") rather than a field or an index."""
+    return isinstance(part, str) and (part in ("str", "int", "float", "bool", "list", "dict") or "[" in part
+                                      or part in REQUEST_MODELS)
 
 
 def check_request_options(method: str, given: dict[str, Any]) -> None:

@@ -368,7 +368,10 @@ class Engine:
                     entry = recorded.take(token)
                     if token not in self.target.eos_token_ids:
                         entries.append(entry)
-                if piece := text.push(token):
+                piece = text.push(token)
+                if text.stopped:  # (the tokens of the stop string, cut from the text, leave its log-probabilities)
+                    del entries[text.covering():]
+                if piece:
                     on_text(piece, entries[unsent:])
                     unsent = len(entries)
                 if text.stopped or token in self.target.eos_token_ids:

@@ -14,10 +14,15 @@ from speculant.models.wrappers.constrained import Constraint
 MAX_FORMAT_DEPTH = 32  # levels of nesting a response_format (a JSON schema) may have
 
 
+MESSAGE_CHARS = 1000  # the longest error message answered
+
+
 class ApiError(Exception):
     """An error answered as `{"error": {"message", "type", "param", "code"}}` with an HTTP status."""
 
     def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None):
+        if len(message) > MESSAGE_CHARS:  # (a message may quote what the client sent)
+            message = message[:MESSAGE_CHARS] + "..."
         super().__init__(message)
         self.status, self.message, self.param, self.code = status, message, param, code
 
@@ -141,6 +146,14 @@ class CompletionRequest(Sampling):
                                  "likeliest alternatives")
     echo: Literal[False] = False
 
+    @field_validator("prompt", mode="before")
+    @classmethod
+    def _one_prompt(cls, value: Any) -> Any:
+        """OpenAI's prompt may also be a batch (a list of texts or of id lists): refused as such, not as a bad id."""
+        if isinstance(value, list) and any(isinstance(item, (str, list)) for item in value):
+            raise ValueError("one prompt per request: a text or a list of token ids, not a list of prompts")
+        return value
+
     @property
     def alternatives(self) -> int | None:
         return self.logprobs
@@ -251,9 +264,10 @@ class ChatRequest(Sampling):
     logprobs: bool = Field(False, description="each token's log-probability under the target")
     top_logprobs: int | None = Field(None, ge=0, le=20, description="with logprobs: this many likeliest alternatives")
     max_completion_tokens: int | None = Field(None, gt=0)
-    tools: list[Tool] | None = Field(None, max_length=128, description="functions the model may call")
+    tools: list[Tool] | None = Field(None, min_length=1, max_length=128, description="functions the model may call")
     tool_choice: Literal["none", "auto", "required"] | NamedTool | None = Field(
-        None, description="none, auto (the default with tools), required, or a named function")
+        None, description="none (the tools left out of the prompt), auto (the default with tools), required, or a "
+        "named function")
     parallel_tool_calls: bool = Field(True, description="false: at most one call per reply")
 
     @field_validator("messages")

@@ -42,6 +42,18 @@ class TextStream:
             return self._take(len(self.text))
         return self._take(len(text) - self._held(text))
 
+    def covering(self) -> int:
+        """How many of the pushed tokens the text needs: after a stop string, those that begin before it (the ones
+        after add only the stop string's text)."""
+        decode, low, high = self.tokenizer.decode, 0, len(self.ids)
+        while low < high:  # the fewest tokens whose text reaches the text's end (the decoded length only grows)
+            mid = (low + high) // 2
+            if len(decode(self.ids[:mid], skip_special_tokens=True)) >= len(self.text):
+                high = mid
+            else:
+                low = mid + 1
+        return low
+
     def flush(self) -> str:
         """What is left when the generation ends without a stop string (an incomplete character included)."""
         if not self.stopped and self.ids:

@@ -57,7 +57,7 @@ def constraint(tokenizer: Any, functions: list[dict[str, Any]], choice: Any, par
                       "TEXT: /(.|\\n)+/",
                       f'call: {_marker(tokenizer, OPEN)} "\\n" body "\\n" {_marker(tokenizer, CLOSE)} "\\n"?',
                       f"body: {' | '.join(bodies)}"])
-    return Constraint("grammar", lark)
+    return Constraint("grammar", lark, "tools")
 
 
 @dataclass

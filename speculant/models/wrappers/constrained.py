@@ -22,7 +22,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from speculant.errors import ConfigError
+from speculant.errors import ConfigError, RequestError
 from speculant.models.base import CausalLM, Wrapper, common_prefix_len
 from speculant.trees.tree import TokenTree
 
@@ -42,6 +42,8 @@ class Constraint:
 
     kind: str
     value: Any = None
+    source: str = field(default="response_format", compare=False)  # the request field it comes from (a server's
+    # answer to a grammar llguidance fails to follow names it)
     text: str = field(init=False, repr=False, compare=False)  # llguidance's grammar text (`grammar`)
 
     def __post_init__(self) -> None:
@@ -165,8 +167,8 @@ class Matcher:
         rest = list(tokens[common:])
         taken = self._matcher.try_consume_tokens(rest) if rest else 0
         if self._matcher.is_error():
-            raise ConfigError(f"the {self.constraint.kind} could not be followed past {len(self.consumed) + taken} "
-                              f"tokens: {one_line(self._matcher.get_error())}")
+            raise RequestError(self.constraint.source, f"llguidance could not follow the {self.constraint.kind}: "
+                               f"{one_line(self._matcher.get_error())}")
         self.consumed.extend(rest[:taken])
         return taken == len(rest)
 
