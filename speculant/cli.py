@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import statistics
 import sys
 from collections.abc import Sequence
 from pathlib import Path
@@ -332,7 +333,8 @@ def run_generate(args: argparse.Namespace) -> None:
     sources = held_drafters(options)
     check_models([args.target], sources)
     check_target(args.target, model_config, options)
-    if args.bigram_corpus and not any(isinstance(d, DrafterSpec) and d.kind == MAXGRAM for d in sources):
+    own = method.name == "auto" and options.drafters is None  # auto's own drafters: Max-Gram among them
+    if args.bigram_corpus and not own and not any(isinstance(d, DrafterSpec) and d.kind == MAXGRAM for d in sources):
         raise ConfigError("--bigram-corpus applies to the maxgram drafter only")
     files = [Path(f) for f in args.bigram_corpus or []]
     if missing := [str(f) for f in files if not f.is_file()]:
@@ -360,6 +362,8 @@ def run_generate(args: argparse.Namespace) -> None:
             print(f"loading drafter {drafter}", file=sys.stderr)
         return session.drafter(drafter, getattr(options, "drafter_dtype", None))
 
+    if files and own:
+        options = method.parse_options({**given, "drafters": ",".join(target.default_drafters())})
     options = with_drafters(options, load)
     stream = generate(target, args.prompt, method=method.name, max_new_tokens=run.max_new_tokens, seed=run.seed,
                       stream=True, chat=args.chat, response_format=constraint, session=session,
@@ -415,6 +419,10 @@ def run_bench(args: argparse.Namespace, argv: Sequence[str]) -> None:
         except (KeyError, TypeError, ValueError) as error:
             raise ConfigError(f"{args.report_from}: a row is not a bench run's ({type(error).__name__}: {error})") \
                 from None
+        if not rows:
+            raise ConfigError(f"{args.report_from} holds no rows: nothing to report")
+        if stray := sorted({row.method for row in rows} - {m.label for m in methods}):
+            raise ConfigError(f"{args.report_from}: rows of {stray[0]}, which its config's methods do not list")
         command = saved["config"]["command"] + (f" (reported with --baseline {args.baseline})" if args.baseline else "")
         machine, title = saved["config"]["machine"], f"{args.report_from}; {saved['config']['machine']}"
     else:
@@ -422,8 +430,14 @@ def run_bench(args: argparse.Namespace, argv: Sequence[str]) -> None:
         command, machine = "speculant " + " ".join(argv), machine_info()
         title = (f"{args.target} on {args.prompts or args.dataset}, {from_args(RunConfig, args).max_new_tokens} new "
                  f"tokens; {machine}")
-    summaries = summarize(rows, methods, args.baseline)
-    by_category = summarize_by_category(rows, methods, args.baseline)
+    try:
+        summaries = summarize(rows, methods, args.baseline)
+        by_category = summarize_by_category(rows, methods, args.baseline)
+    except (ArithmeticError, KeyError, statistics.StatisticsError) as error:
+        if not saved:
+            raise
+        raise ConfigError(f"{args.report_from}: its rows do not add up to a run ({type(error).__name__}: {error}; "
+                          "every method's rows cover the same prompts and repeats, in seconds > 0)") from None
     print_table(summaries, title)
     if args.out:
         out = Path(args.out)
@@ -733,8 +747,10 @@ def run_bench_serve(args: argparse.Namespace) -> None:
 
     if args.requests < 1 or min(args.concurrency) < 1 or args.max_tokens < 1 or args.turns < 1:
         raise ConfigError("requests, concurrency, turns and max-tokens must be >= 1")
-    if args.rate is not None and (min(args.rate) <= 0 or args.check_solo):
-        raise ConfigError("--rate must be > 0, and open-loop runs do not --check-solo")
+    if args.rate is not None and min(args.rate) <= 0:
+        raise ConfigError("--rate must be > 0")
+    if args.check_solo and (args.rate is not None or args.temperature > 0):
+        raise ConfigError("--check-solo compares greedy replies of a closed loop: not with --rate or --temperature > 0")
     prompts = load_dataset(args.prompts or args.dataset)
     runs = [lambda rate=rate: run_sessions(args.url, prompts, args.requests, args.turns, rate, args.max_tokens,
                                            args.temperature, args.model, args.api_key, args.label)
@@ -763,6 +779,8 @@ def more_drafter(text: str) -> tuple[float, float]:
         raise ConfigError(f"--more-drafter takes MS:ACCEPTANCE, got '{text}'") from None
     if not 0 < ms <= MOST_LATENCY_MS:
         raise ConfigError(f"--more-drafter's latency must lie in (0, {MOST_LATENCY_MS}] ms, got '{text}'")
+    if not 0 <= acceptance <= 1:
+        raise ConfigError(f"--more-drafter's acceptance must lie in [0, 1], got '{text}'")
     return ms, acceptance
 
 
@@ -819,19 +837,34 @@ def run_bench_kernels(args: argparse.Namespace) -> None:
 
 
 def check_outputs(args: argparse.Namespace) -> None:
-    """Refuse, before any work, an output path that cannot be written: a directory's path taken by a file, a file's
-    path taken by a directory or within a directory that does not exist (where the command does not make it)."""
+    """Refuse, before any work, an output path that cannot be written: empty, a directory's path taken by a file, a
+    file's path taken by a directory or within a directory that does not exist (where the command does not make it),
+    or a place where nothing can be written (a file on its way, /proc, no permission)."""
+    import tempfile
+
     for name in ("out", "timeline"):
-        if not getattr(args, name, None):
+        if getattr(args, name, None) is None:
             continue
+        if not getattr(args, name):
+            raise ConfigError(f"--{name} needs a path")
         path, kind = Path(getattr(args, name)), args.out_kind if name == "out" else FILE
         if kind == DIRECTORY:
             if path.exists() and not path.is_dir():
                 raise ConfigError(f"--{name} {path} is a file: it names a directory here")
         elif path.is_dir():
             raise ConfigError(f"--{name} {path} is a directory: it names a file here")
-        elif kind == FILE and not path.parent.is_dir():
-            raise ConfigError(f"--{name} {path}: the directory {path.parent} does not exist")
+        base = path if kind == DIRECTORY else path.parent  # where the command writes (and makes what is missing)
+        while not base.exists() and kind != FILE:
+            base = base.parent
+        if base.exists() and not base.is_dir():
+            raise ConfigError(f"--{name} {path}: {base} is a file, not a directory")
+        if not base.is_dir():
+            raise ConfigError(f"--{name} {path}: the directory {base} does not exist")
+        try:
+            with tempfile.TemporaryFile(dir=base):
+                pass
+        except OSError as error:
+            raise ConfigError(f"--{name} {path}: nothing can be written in {base} ({error.strerror})") from None
         if name == "timeline":
             from matplotlib.backend_bases import FigureCanvasBase
 

@@ -246,6 +246,7 @@ class ServeConfig:
             parts = value.split(",") if name == "allowed_hosts" and value is not None else [value]
             if value is not None and not all(part.strip() for part in parts):
                 raise ConfigError(f"{flag(name)} has an empty value: give one, or leave the flag out")
+        check_ray_address(self.ray_cluster, "--ray-cluster")
         if self.open_metrics and self.api_key is None:
             raise ConfigError("--open-metrics opens /metrics to callers without the --api-key: give one")
 
@@ -257,6 +258,31 @@ class ServeConfig:
 
 def flag(name: str) -> str:
     return "--" + name.replace("_", "-")
+
+
+RAY_ADDRESS = re.compile(r"(ray://)?([^\s:/\[\]]+|\[[0-9a-fA-F:.]+\]):(\d{1,5})")  # a cluster's GCS, or its client
+
+
+def check_ray_address(address: str | None, name: str) -> None:
+    """Refuse an address `ray.init` cannot take (it raises deep inside Ray, or retries for minutes)."""
+    if address is None or address in ("auto", "local"):
+        return
+    found = RAY_ADDRESS.fullmatch(address)
+    if found is None or not 0 < int(found[3]) < 65536:
+        raise ConfigError(f"{name} {address!r} is no Ray cluster's address: HOST:PORT, ray://HOST:PORT or auto")
+
+
+def reach_ray(address: str | None, name: str, timeout_s: float = 5.0) -> None:
+    """A ConfigError where nothing answers at a HOST:PORT address: `ray.init` would retry for minutes first."""
+    found = RAY_ADDRESS.fullmatch(address or "")
+    if found is None:
+        return
+    import socket
+
+    try:
+        socket.create_connection((found[2].strip("[]"), int(found[3])), timeout=timeout_s).close()
+    except OSError as error:
+        raise ConfigError(f"{name}: no Ray cluster answers at {address} ({error.strerror or error})") from None
 
 
 def hinted(f: Field) -> tuple[Any, ...]:

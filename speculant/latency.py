@@ -4,6 +4,7 @@ new tokens at a given context length, saved as JSON that simulators, planners an
 from __future__ import annotations
 
 import json
+import math
 import statistics
 import time
 from bisect import bisect_left
@@ -12,6 +13,7 @@ from dataclasses import asdict, dataclass, field
 from functools import cached_property
 from pathlib import Path
 
+from speculant.config import MOST_LATENCY_MS
 from speculant.errors import ConfigError
 
 
@@ -116,8 +118,25 @@ class LatencyProfile:
 
     @classmethod
     def from_dict(cls, data: dict) -> LatencyProfile:
-        return cls(**dict(data, forward_s={int(w): float(t) for w, t in data["forward_s"].items()},
-                          long_forward_s={int(w): float(t) for w, t in data.get("long_forward_s", {}).items()}))
+        """What `save` wrote; a ValueError naming a value no measurement gives (a file edited, or another's)."""
+        profile = cls(**dict(data, forward_s={int(w): float(t) for w, t in data["forward_s"].items()},
+                             long_forward_s={int(w): float(t) for w, t in data.get("long_forward_s", {}).items()}))
+        seconds = {"ttft_s": profile.ttft_s, "tpot_s": profile.tpot_s, "long_ttft_s": profile.long_ttft_s,
+                   "catch_up_rows_s": profile.catch_up_rows_s,
+                   **{f"forward_s[{w}]": t for w, t in profile.forward_s.items()},
+                   **{f"long_forward_s[{w}]": t for w, t in profile.long_forward_s.items()}}
+        for name, value in seconds.items():
+            if (value is not None or name in ("ttft_s", "tpot_s")) and not (
+                    isinstance(value, (int, float)) and not isinstance(value, bool) and 0 < value < math.inf):
+                raise ValueError(f"{name} must be a number of seconds > 0, got {value!r}")
+        if (slowest := max(profile.tpot_s, *profile.forward_s.values())) > MOST_LATENCY_MS / 1000:
+            raise ValueError(f"a forward takes at most {MOST_LATENCY_MS / 1000:g} s, got one of {slowest!r} s")
+        for name in ("context_len", "long_context_len"):
+            value = getattr(profile, name)
+            if (value is not None or name == "context_len") and not (
+                    isinstance(value, int) and not isinstance(value, bool) and value >= 1):
+                raise ValueError(f"{name} must be a count of tokens >= 1, got {value!r}")
+        return profile
 
     @classmethod
     def load(cls, path: Path) -> LatencyProfile:

@@ -142,12 +142,35 @@ def test_a_file_that_is_not_text_json_or_a_run_s_is_one_line(capsys, tmp_path):
     binary.write_bytes(bytes(range(128, 256)))
     deep.write_text("[" * 100000)
     rows.write_text(json.dumps({"config": {"methods": ["ar"], "command": "c", "machine": "m"}, "rows": [{"a": 1}]}))
+    row = {"prompt_id": "p", "category": "code", "method": "ar", "repeat": 0, "target": "t", "token_ids": [1, 2],
+           "stats": {"new_tokens": 2, "wall_s": 0.5, "ttft_s": 0.1}}
+    edited = {name: tmp_path / f"{name}.json" for name in ("count", "stats", "ids", "seconds", "stray", "none")}
+    for name, changed in [("count", {"stats": {**row["stats"], "new_tokens": "x"}}), ("stats", {"stats": [1]}),
+                          ("ids", {"token_ids": None}), ("seconds", {"stats": {**row["stats"], "wall_s": -1.0}}),
+                          ("stray", {"method": "sd"})]:
+        edited[name].write_text(json.dumps({"config": {"methods": ["ar"], "command": "c", "machine": "m"},
+                                            "rows": [row, {**row, "repeat": 1, **changed}]}))
+    edited["none"].write_text(json.dumps({"config": {"methods": ["ar"], "command": "c", "machine": "m"}, "rows": []}))
+    profile = {"model": "m", "dtype": "bf16", "device": "cpu", "context_len": 64, "ttft_s": 0.1, "tpot_s": 0.03,
+               "forward_s": {"1": 0.03}}
+    for name, changed in [("tpot", {"tpot_s": "x"}), ("ttft", {"ttft_s": None}), ("slow", {"tpot_s": 1e9})]:
+        (tmp_path / f"{name}.json").write_text(json.dumps({**profile, **changed}))
+    one = ["simulate", "run", "--drafter-latency", "1", "--acceptance", "0.5", "--lookahead", "2", "--target-profile"]
     for argv, message in [(["generate", "x", "--json-schema", str(binary)], "cannot read"),
                           (["generate", "x", "--grammar", str(binary)], "cannot read"),
                           (["generate", "x", "--json-schema", str(deep)], "RecursionError"),
                           (["bench", "--prompts", str(binary)], "is not UTF-8 text"),
                           (["bench", "--report-from", str(deep)], "RecursionError"),
                           (["bench", "--report-from", str(rows)], "a row is not a bench run's"),
+                          (["bench", "--report-from", str(edited["count"])], "stats' new_tokens cannot be 'x'"),
+                          (["bench", "--report-from", str(edited["stats"])], "stats must be an object"),
+                          (["bench", "--report-from", str(edited["ids"])], "token_ids must be a list"),
+                          (["bench", "--report-from", str(edited["seconds"])], "stats' wall_s cannot be -1.0"),
+                          (["bench", "--report-from", str(edited["stray"])], "rows of sd, which its config"),
+                          (["bench", "--report-from", str(edited["none"])], "holds no rows"),
+                          ([*one, str(tmp_path / "tpot.json")], "tpot_s must be a number of seconds > 0, got 'x'"),
+                          ([*one, str(tmp_path / "ttft.json")], "ttft_s must be a number of seconds > 0, got None"),
+                          ([*one, str(tmp_path / "slow.json")], "a forward takes at most 60 s"),
                           (["simulate", "run", "--target-profile", str(deep), "--drafter-latency", "1",
                             "--acceptance", "0.5", "--lookahead", "2"], "RecursionError"),
                           (["serve", "--method", "tree", "--drafter", "self", "--target-profile", str(binary)],
@@ -290,6 +313,14 @@ def test_bad_files_paths_and_settings_are_one_line_before_any_model_loads(tmp_pa
             (["bench", "--methods", "ar", "--out", str(tmp_path / "file"), *target], "is a file: it names a directory"),
             (["bench", "--methods", "sd:k=2,k=3", *target], "option 'k' given twice"),
             (["profile", "--model", "qwen2.5-coder-0.5b", "--out", str(tmp_path / "no" / "p.json")], "does not exist"),
+            (["bench", "--methods", "ar", "--out", str(tmp_path / "file" / "run"), *target], "file is a file, not a"),
+            (["bench", "--methods", "ar", "--out", "/proc/speculant-run", *target], "nothing can be written in /proc"),
+            (["bench", "--methods", "ar", "--out", "", *target], "--out needs a path"),
+            (["simulate", "heatmap", "--out", str(tmp_path / "file" / "maps")], "file is a file, not a directory"),
+            (["serve", *target, "--ray-cluster", "foo"], "'foo' is no Ray cluster's address"),
+            (["serve", *target, "--ray-cluster", "127.0.0.1:1"], "no Ray cluster answers at"),
+            (["generate", "x", *target, "--method", "dsi", "--drafter", "maxgram", "--executor", "ray",
+              "--ray-address", "foo"], "'foo' is no Ray cluster's address"),
             (["profile", "--model", "qwen2.5-coder-0.5b", "--widths", "1-100000000"], "widths must lie in"),
             (["serve", *target, "--port", port], "cannot listen on"),
             (["serve", *target, "--prefix-cache-mb", "inf"], "prefix-cache-mb must be a number >= 0"),
@@ -384,7 +415,7 @@ def test_a_flag_given_where_it_does_nothing_is_one_line_never_ignored(capsys, tm
         (["generate", "x", "--temperature", "0.5", "--seed", str(1 << 64)], "seed must be a 64-bit integer"),
         (["generate", "x", "--temperature", "1e-300"], "at least 0.001"),
         (["serve", "--replica-cpus", "1"], "--replica-cpus applies to Ray Serve replicas"),
-        ([*online, "--more-drafter", "1:2"], "acceptance must lie in [0, 1], got 2.0"),
+        ([*online, "--more-drafter", "1:2"], "--more-drafter's acceptance must lie in [0, 1], got '1:2'"),
         (["simulate", "heatmap", "--out", str(tmp_path / "h"), "--tokens", "100000000"], "100000 tokens"),
         (["simulate", "heatmap", "--out", str(tmp_path / "h"), "--ndim", "1000"], "at most 10000000 cells"),
         (["acceptance", "--drafter", "maxgram"], "must name models"),
@@ -445,3 +476,21 @@ def test_every_flag_s_help_names_its_default_once_and_never_as_none():
     assert not [key for key, text in helps.items() if "default: None" in text or text.count("(default:") > 1]
     assert helps["speculant generate", "k_max"].endswith("(default: 16)")
     assert helps["speculant serve", "served_name"].endswith("(default: the target's name)")
+
+
+def test_a_bigram_corpus_reaches_auto_s_own_max_gram(model_dirs, capsys, tmp_path, monkeypatch):
+    """auto with no drafters named drafts with Max-Gram among its own: --bigram-corpus counts its bigrams there, as it
+    does for a maxgram named; a method without Max-Gram refuses it."""
+    from speculant.drafters import maxgram
+
+    corpus = tmp_path / "corpus.txt"
+    corpus.write_text("def f(x): return x + 1\n" * 4)
+    read = []
+    monkeypatch.setattr(maxgram, "load_bigram", lambda *args, real=maxgram.load_bigram: read.append(args[2]) or
+                        real(*args))
+    code, _, err = run(capsys, "generate", "def f(x):", "--target", model_dirs["target"], "--max-new-tokens", "4",
+                       "--bigram-corpus", str(corpus))
+    assert code == 0 and read == [[corpus]], err
+    code, _, err = run(capsys, "generate", "x", "--target", model_dirs["target"], "--drafter", model_dirs["drafter"],
+                       "--bigram-corpus", str(corpus))
+    assert code == 2 and "applies to the maxgram drafter only" in err

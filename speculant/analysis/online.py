@@ -13,7 +13,7 @@ from typing import Any
 
 from speculant.analysis.commands import simulate_one
 from speculant.theory import sd_walltime_improvement
-from speculant.config import SamplingConfig
+from speculant.config import SamplingConfig, check_ray_address
 from speculant.decoding.autoregressive import autoregressive
 from speculant.decoding.dsi.engine import dsi
 from speculant.decoding.dsi.executors import ServerSpec, make_executor
@@ -69,6 +69,7 @@ def simulate_online(target_ms: float, drafter_ms: float, acceptance: float, serv
         raise ConfigError("drafter latencies must be positive")
     if tokens < 2 or repeats < 1:
         raise ConfigError("tokens must be >= 2 and repeats >= 1")
+    check_ray_address(ray_address, "ray_address")
     if servers > MOST_ONLINE_SERVERS or tokens * repeats > MOST_ONLINE_TOKENS or seed < 0:
         raise ConfigError(f"the twin runs at most {MOST_ONLINE_SERVERS} servers (each a thread or process) and "
                           f"{MOST_ONLINE_TOKENS} tokens in all (repeats x tokens), from a seed >= 0")

@@ -22,7 +22,8 @@ import numpy as np
 from speculant.bench.datasets import Prompt
 from speculant.errors import ConfigError
 
-TIMEOUT_S = 600.0
+TIMEOUT_S = 600.0  # a request's (a long generation on a loaded server)
+PROBE_S = 30.0  # the model listing's, before any request: a server that does not answer it is not serving
 # What a speculant server says of each request's speculation, summed over a run's requests.
 SPECULATIVE = ("drafted_tokens", "accepted_tokens", "target_forwards", "drafter_forwards")
 
@@ -102,7 +103,7 @@ def percentiles(values: Sequence[float]) -> dict[str, float | None]:
 def first_model(client: httpx.Client, url: str) -> str:
     """The first model the server lists, or one line saying why there is none to ask for."""
     try:
-        return client.get("/models").raise_for_status().json()["data"][0]["id"]
+        return client.get("/models", timeout=PROBE_S).raise_for_status().json()["data"][0]["id"]
     except (httpx.HTTPError, ValueError, KeyError, IndexError, TypeError) as error:
         raise ConfigError(f"no model listed at {url}/models ({type(error).__name__}: {str(error).splitlines()[0]}); "
                           "--url takes the API's base, e.g. http://127.0.0.1:8000/v1") from None

@@ -150,5 +150,8 @@ def to_json(config: dict[str, Any], rows: list[Measurement], summaries: list[Met
 
 def rows_from_json(data: dict[str, Any]) -> list[Measurement]:
     """The rows `to_json` wrote (enough of each generation's stats to summarize it again)."""
+    for row in data["rows"]:
+        if not (isinstance(row["token_ids"], list) and all(isinstance(t, int) for t in row["token_ids"])):
+            raise ValueError(f"a row's token_ids must be a list of token ids, got {row['token_ids']!r:.60}")
     return [Measurement(r["prompt_id"], r["category"], r["method"], r["repeat"], r["target"], r["token_ids"],
                 GenerationStats.from_dict(r["stats"]), r.get("text")) for r in data["rows"]]

@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, field, fields
+import math
+from dataclasses import MISSING, asdict, dataclass, field, fields
 from typing import TYPE_CHECKING, Any
 
 from speculant.theory import swi
@@ -131,9 +132,16 @@ class GenerationStats:
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> GenerationStats:
-        """What `to_dict` wrote, less the DSI and stage records: enough to summarize the generation again."""
-        known = {f.name for f in fields(cls)} - {"dsi", "stage"}
-        return cls(**{k: (tuple(v) if k == "tree_shape" and v else v) for k, v in data.items() if k in known})
+        """What `to_dict` wrote, less the DSI and stage records: enough to summarize the generation again. A value
+        unlike its field's (a file edited, or not one speculant wrote) is a ValueError naming it."""
+        if not isinstance(data, dict):
+            raise ValueError(f"stats must be an object, got {type(data).__name__}")
+        known = {f.name: f for f in fields(cls)}
+        for name, value in data.items():
+            if name in known and name not in ("dsi", "stage") and not _like(value, _example(known[name])):
+                raise ValueError(f"stats' {name} cannot be {value!r}")
+        return cls(**{k: (tuple(v) if k == "tree_shape" and v else v) for k, v in data.items()
+                      if k in known and k not in ("dsi", "stage")})
 
     def summary(self) -> str:
         """One line for humans: tokens, speed, TTFT and, when speculating, acceptance."""
@@ -161,3 +169,22 @@ class GenerationStats:
             c = self.cost_ratios.get(name)
             line += f", {name}: {forwards} forwards" + (f" (c = {c:.2f})" if c is not None else "")
         return line
+
+
+def _example(f: Any) -> Any:
+    """A field's default: what its values look like."""
+    return f.default_factory() if f.default_factory is not MISSING else None if f.default is MISSING else f.default
+
+
+def _like(value: Any, example: Any) -> bool:
+    """Whether a value read back is of its field's kind: text; a count or seconds (finite, >= 0); a list or a mapping
+    of those; None or a list (a tree's shape)."""
+    if isinstance(example, str):
+        return isinstance(value, str)
+    if isinstance(example, (int, float)):
+        return isinstance(value, (int, float)) and not isinstance(value, bool) and 0 <= value < math.inf
+    if isinstance(example, list):
+        return isinstance(value, list) and all(_like(v, "") or _like(v, 0) for v in value)
+    if isinstance(example, dict):
+        return isinstance(value, dict) and all(_like(v, 0) for v in value.values())
+    return value is None or isinstance(value, list) and all(v is None or _like(v, 0) for v in value)

@@ -7,7 +7,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from speculant.config import EXECUTORS, MOST_LATENCY_MS, REQUEST_MOST, as_number, number, option
+from speculant.config import EXECUTORS, MOST_LATENCY_MS, REQUEST_MOST, as_number, check_ray_address, number, option
 from speculant.errors import ConfigError
 from speculant.methods.drafting import DrafterOptions, parse_drafters
 from speculant.methods.registry import Request, register
@@ -94,6 +94,7 @@ class DSIOptions(DrafterOptions):
                               f"(`decoding.dsi.executors`), not {self.executor!r}")
         if self.ray_address is not None and self.executor != "ray":
             raise ConfigError("ray_address names the cluster of executor ray: add executor ray")
+        check_ray_address(self.ray_address, "ray_address")
         if isinstance(self.target_devices, str):
             object.__setattr__(self, "target_devices", parse_devices(self.target_devices))
         if self.target_devices is not None and len(self.target_devices) != self.servers:

@@ -16,7 +16,7 @@ import sys
 import time
 from typing import Any
 
-from speculant.config import ModelConfig, ServeConfig
+from speculant.config import ModelConfig, ServeConfig, reach_ray
 from speculant.errors import ConfigError
 from speculant.serve.app import build_app
 
@@ -46,6 +46,7 @@ def serve_replicas(target: str, model: ModelConfig, method: str, options: Any, c
     except ImportError:
         raise ConfigError("--replicas and --ray-cluster need Ray Serve: pip install 'speculant[ray]'") from None
     local = config.ray_cluster is None  # then a cluster of its own, never one that another process started
+    reach_ray(config.ray_cluster, "--ray-cluster")
     try:
         ray.init(address=config.ray_cluster or "local", log_to_driver=True, configure_logging=False,
                  **({"include_dashboard": False} if local else {}))

@@ -16,7 +16,7 @@ from typing import Any
 
 import torch
 
-from speculant.config import EXECUTORS, SamplingConfig
+from speculant.config import EXECUTORS, SamplingConfig, reach_ray
 from speculant.decoding.dsi.jobs import Canceller, Job, ServerDied, TargetServer
 from speculant.decoding.dsi.twin import Latency, PaddedModel
 from speculant.errors import ConfigError, ModelNotAvailable
@@ -291,6 +291,7 @@ class RayExecutor:
             raise ModelNotAvailable("executor 'ray' needs Ray: pip install 'speculant[ray]'") from None
         self.owns_ray = not ray.is_initialized()
         if self.owns_ray:
+            reach_ray(self.address, "ray_address")
             local = {} if self.address else {"include_dashboard": False}  # a cluster's head has its own settings
             ray.init(address=self.address, log_to_driver=False, configure_logging=False, **local)
         from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
