@@ -294,7 +294,8 @@ def read_constraint(schema: str | None, grammar: str | None) -> Any:
     if path is None:
         return None
     if not Path(path).is_file():
-        raise ConfigError(f"{'schema' if schema else 'grammar'} file not found: {path}")
+        what = "is a directory, not" if Path(path).is_dir() else "not found:"
+        raise ConfigError(f"{'schema' if schema else 'grammar'} file {what} {path}")
     try:
         text = Path(path).read_text()
     except (OSError, UnicodeDecodeError) as error:
@@ -375,9 +376,14 @@ def run_generate(args: argparse.Namespace) -> None:
         from speculant.serve.text import TextStream
 
         text = TextStream(target.tokenizer)
-        for token in stream:
-            sys.stdout.write(text.push(token))
-            sys.stdout.flush()
+        try:
+            for token in stream:
+                sys.stdout.write(text.push(token))
+                sys.stdout.flush()
+        except BaseException:
+            if text.sent:  # (an error's line, or the shell's prompt, starts on a line of its own)
+                print(flush=True)
+            raise
         sys.stdout.write(text.flush() + "\n")
     result = stream.result
     assert result is not None
@@ -607,10 +613,14 @@ def run_acceptance(args: argparse.Namespace) -> None:
         raise ConfigError(f"depth must be >= 1, got {args.depth}")
     config = from_args(ModelConfig, args)
     prompts = load_dataset(args.dataset)
-    names = [name for name in args.drafter.split(",") if name]
-    if not names or any(model_free(as_drafter(name)) for name in names):
+    names = [name.strip() for name in args.drafter.split(",")]
+    if not all(names) or any(model_free(as_drafter(name)) for name in names):
         raise ConfigError(f"'{args.drafter}' must name models; acceptance estimation needs them")
+    if len(set(names)) < len(names):
+        raise ConfigError(f"'{args.drafter}' names a drafter twice")
     check_models([args.target], names)
+    for name in names:
+        check_target(args.target, config, get_method("sd").parse_options({"drafter": name}))
     target = load_model(args.target, dtype=config.dtype, device=config.device, backend=config.backend,
                         compile=config.compile)
     session = Session(target)
@@ -643,9 +653,13 @@ def run_train_depth(args: argparse.Namespace) -> None:
 
     if min(args.max_new_tokens, args.max_depth, args.width) < 1:
         raise ConfigError("max new tokens, max depth and width must be >= 1")
+    if args.max_new_tokens <= args.max_depth:
+        raise ConfigError(f"--max-new-tokens {args.max_new_tokens} leaves no tree of --max-depth {args.max_depth} to "
+                          "log: give more tokens than the depth")
     config = from_args(ModelConfig, args)
     prompts = load_dataset(args.prompts or args.dataset or CORPUS)
     check_models([args.target], [args.drafter])
+    check_target(args.target, config, get_method("tree").parse_options({"drafter": args.drafter}))
     target = load_model(args.target, dtype=config.dtype, device=config.device, backend=config.backend,
                         compile=config.compile)
     drafter = tree_drafter_model(Session(target).drafter(args.drafter, args.drafter_dtype), target)

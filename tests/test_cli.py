@@ -97,6 +97,7 @@ def test_sampling_with_seed_is_reproducible(model_dirs, capsys):
         (["--drafter", "maxgram@int4"], "maxgram runs no model"),
         (["--method", "ar", "--k", "3"], "does not apply to method 'ar'"),
         (["--json-schema", "missing.json"], "schema file not found: missing.json"),
+        (["--json-schema", "/"], "schema file is a directory, not /"),
         (["--json-schema", __file__], "is not JSON"),
         (["--method", "dsi", "--grammar", "YES_NO"], "response_format not available with dsi"),
         (["--grammar", __file__], "the grammar does not compile"),
@@ -334,6 +335,16 @@ def test_bad_files_paths_and_settings_are_one_line_before_any_model_loads(tmp_pa
             (["serve", *target, "--method", "sd", "--drafter", "nonsense"], "unknown model 'nonsense'"),
             (["bench", *target, "--methods", "ar", "sd:drafter=nonsense"], "unknown model 'nonsense'"),
             (["acceptance", *target, "--drafter", "nonsense"], "unknown model 'nonsense'"),
+            (["acceptance", *target, "--drafter", "qwen2.5-coder-0.5b,qwen2.5-coder-0.5b"], "names a drafter twice"),
+            (["acceptance", *target, "--drafter", "self@skip", "--backend", "hf"], "the hf backend does not offer"),
+            (["train-depth", *target, "--drafter", "self@skip", "--backend", "hf"], "the hf backend does not offer"),
+            (["train-depth", *target, "--drafter", "self", "--max-new-tokens", "8"], "leaves no tree of --max-depth 8"),
+            (["generate", "x", *target, "--drafter", str(tmp_path / "page.gguf")], "is not a GGUF file"),
+            (["generate", "x", "--target", "qwen2.5-coder-0.5b@int3"], "unknown suffix '@int3'"),
+            (["generate", "x", *target, "--drafters", "maxgram,,suffix"], "an empty drafter name in 'maxgram,,suffix'"),
+            (["generate", "x", *target, "--method", "cascade", "--drafters", "maxgram", "--leniency", "inf"],
+             "leniency must be >= 1, got inf"),
+            (["bench-serve", "--check-solo", "--temperature", "0.5"], "--check-solo compares greedy replies"),
             (["train-depth", *target, "--drafter", str(tmp_path / "none.gguf")], "no GGUF file at"),
             (["profile", "--model", "nonsense"], "unknown model 'nonsense'"),
         ]:
@@ -494,3 +505,14 @@ def test_a_bigram_corpus_reaches_auto_s_own_max_gram(model_dirs, capsys, tmp_pat
     code, _, err = run(capsys, "generate", "x", "--target", model_dirs["target"], "--drafter", model_dirs["drafter"],
                        "--bigram-corpus", str(corpus))
     assert code == 2 and "applies to the maxgram drafter only" in err
+
+
+def test_an_error_after_text_was_streamed_starts_a_line_of_its_own(model_dirs, capsys, tmp_path):
+    """A generation that fails once text is out (a pattern that outgrows llguidance's lexer as text comes) ends the
+    streamed line before the error's."""
+    grammar = tmp_path / "long.lark"
+    grammar.write_text("start: /a{1000000}/\n")
+    code, out, err = run(capsys, "generate", "hi", "--target", model_dirs["target"], "--method", "ar", "--grammar",
+                         str(grammar), "--max-new-tokens", "8")
+    assert code == 2 and "llguidance could not follow the grammar" in err, err
+    assert out.startswith("a") and out.endswith("\n"), out

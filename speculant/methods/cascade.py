@@ -3,6 +3,7 @@ first, Max-Gram last, shaped by an upper-triangular K matrix, inner reviews rela
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Any
 
@@ -41,7 +42,7 @@ class CascadeOptions:
         check_drafter_dtype(self)
         if self.k < 1:
             raise ConfigError(f"k must be >= 1, got {self.k}")
-        if not self.leniency >= 1:
+        if not 1 <= self.leniency < math.inf:
             raise ConfigError(f"leniency must be >= 1, got {self.leniency}")
         if self.k_matrix is not None and self.k != DEFAULT_K:
             raise ConfigError("k sizes the default K matrix: give k or k_matrix, not both")

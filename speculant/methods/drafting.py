@@ -15,8 +15,11 @@ DRAFTER_DTYPES = ("bf16", "fp32")
 
 
 def parse_drafters(text: str) -> tuple[DrafterSpec, ...]:
-    """`a@int8,b,maxgram` -> their specs, in order."""
-    return tuple(DrafterSpec.parse(name) for name in text.split(",") if name.strip())
+    """`a@int8,b,maxgram` -> their specs, in order (none for empty text); a name left empty is refused."""
+    names = [name.strip() for name in text.split(",")] if text.strip() else []
+    if not all(names):
+        raise ConfigError(f"an empty drafter name in '{text}'")
+    return tuple(DrafterSpec.parse(name) for name in names)
 
 
 @dataclass(frozen=True)

@@ -135,6 +135,18 @@ def split_quant(spec: str) -> tuple[str, str | None]:
     return (name, quant) if at else (spec, None)
 
 
+def check_gguf(path: Path) -> None:
+    """Refuse a file that does not open with GGUF's magic (an empty file, a download's error page) before a backend
+    maps it."""
+    try:
+        with path.open("rb") as file:
+            magic = file.read(4)
+    except OSError as error:
+        raise ModelNotAvailable(f"cannot read {path}: {error.strerror}") from None
+    if magic != b"GGUF":
+        raise ModelNotAvailable(f"{path} is not a GGUF file (it does not open with GGUF's magic bytes)")
+
+
 def catalog_listing() -> str:
     return ", ".join(CATALOG)
 
@@ -144,6 +156,8 @@ def check_name(name: str) -> None:
     starts with /, ./, ../ or ~, or ends with .gguf) that names nothing, or a name that is neither in the catalog, nor
     a local path, nor a Hugging Face id (owner/name)."""
     base, suffix = split_quant(name)
+    if suffix is not None and suffix not in (*QUANTS, GGUF, LEAN) and (base in CATALOG or Path(base).exists()):
+        raise ConfigError(f"unknown suffix '@{suffix}' on {base} (it takes @{', @'.join((*QUANTS, GGUF, LEAN))})")
     name = base if suffix in (*QUANTS, GGUF, LEAN) else name
     if not name:
         raise ConfigError(f"empty model name; catalog models: {catalog_listing()}")
@@ -152,6 +166,8 @@ def check_name(name: str) -> None:
     exists = Path(name).expanduser().exists()
     if name.endswith(".gguf") and not exists:
         raise ModelNotAvailable(f"no GGUF file at {name} (catalog models: {catalog_listing()})")
+    if name.endswith(".gguf") and Path(name).expanduser().is_file():
+        check_gguf(Path(name).expanduser())
     if name.startswith(("/", "./", "../", "~")) and not exists:
         raise ModelNotAvailable(f"no model at {name} (catalog models: {catalog_listing()})")
     if not (exists or "/" in name):

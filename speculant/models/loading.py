@@ -20,9 +20,9 @@ from speculant.config import AUTO, BACKENDS, GGUF, LEAN, QUANTS, as_integer
 from speculant.errors import ConfigError, ModelNotAvailable
 from speculant.machine import native_bf16
 from speculant.models.base import CausalLM
-from speculant.models.catalog import (CATALOG, TOKENIZER_FILES, catalog_listing, check_cache, check_name,
-                                      gguf_checkpoint, gguf_tokenizer, gguf_tokenizer_folder, gguf_tokenizer_sources,
-                                      materialize, split_quant)
+from speculant.models.catalog import (CATALOG, TOKENIZER_FILES, catalog_listing, check_cache, check_gguf,
+                                      check_name, gguf_checkpoint, gguf_tokenizer, gguf_tokenizer_folder,
+                                      gguf_tokenizer_sources, materialize, split_quant)
 from speculant.models.backends import llamacpp
 from speculant.models.numerics.native import KERNELS
 
@@ -202,18 +202,6 @@ def gguf_file(spec: str | Path) -> Path:
         raise ModelNotAvailable(f"no GGUF file at {path} (catalog models: {catalog_listing()})")
     check_gguf(path)
     return path
-
-
-def check_gguf(path: Path) -> None:
-    """Refuse a file that does not open with GGUF's magic (an empty file, a download's error page) before a backend
-    maps it."""
-    try:
-        with path.open("rb") as file:
-            magic = file.read(4)
-    except OSError as error:
-        raise ModelNotAvailable(f"cannot read {path}: {error.strerror}") from None
-    if magic != b"GGUF":
-        raise ModelNotAvailable(f"{path} is not a GGUF file (it does not open with GGUF's magic bytes)")
 
 
 def _gguf_source(spec: str | Path, tokenizer: Any | None) -> tuple[Path, str, Any | None, frozenset[int]]:

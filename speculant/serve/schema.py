@@ -150,7 +150,7 @@ class CompletionRequest(Sampling):
     @classmethod
     def _one_prompt(cls, value: Any) -> Any:
         """OpenAI's prompt may also be a batch (a list of texts or of id lists): refused as such, not as a bad id."""
-        if isinstance(value, list) and any(isinstance(item, (str, list)) for item in value):
+        if isinstance(value, list) and value and all(isinstance(item, (str, list)) for item in value):
             raise ValueError("one prompt per request: a text or a list of token ids, not a list of prompts")
         return value
 
