@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import atexit
+import logging
 import threading
 import weakref
 from collections.abc import Iterable, Mapping, Sequence
@@ -25,6 +26,7 @@ from speculant.sampling import seeded
 from speculant.session import Session
 
 DEFAULT_METHOD = "auto"
+log = logging.getLogger("speculant")
 
 
 def method_for(method: str | None, options: dict[str, Any]) -> str:
@@ -241,6 +243,9 @@ def generate(
             raise ConfigError(f"the session is for {owner.name}, not {target.name}" + (
                 " (another instance of it: pass the model load_model returned to both Session and generate)"
                 if owner.name == target.name else ""))
+    if run.max_new_tokens > room:
+        log.warning(f"speculant: {target.name} holds {target.max_positions} positions: at most {room} new tokens after "
+                    f"this {len(prompt_ids)}-token prompt, not {run.max_new_tokens}")
     request = Request(decoded, prompt_ids, min(run.max_new_tokens, room), sampling,
                       seeded(target.device, run.seed), session, run.seed)
     label = f"{getattr(target, 'numerics', '')}, {getattr(target, 'kernel', '')} kernel".strip(", ")

@@ -314,7 +314,7 @@ def parse_value(f: Field, text: str) -> Any:
     except ConfigError:
         raise
     except (ValueError, TypeError):
-        raise ConfigError(f"bad value '{text}' for {f.name}") from None
+        raise ConfigError(f"bad value '{text}' for {f.name}" + (": on or off" if parse is bool else "")) from None
     if isinstance(value, float) and math.isnan(value):
         raise ConfigError(f"bad value '{text}' for {f.name}: not a number")
     choices = f.metadata.get("choices")
@@ -344,7 +344,7 @@ def add_options(parser: argparse.ArgumentParser, config: type, **overrides: Any)
         default = overrides.get(f.name, default_of(f))
         if scalar_type(f) is bool:  # a switch: --name / --no-name
             parser.add_argument(flag(f.name), dest=f.name, action=argparse.BooleanOptionalAction, default=default,
-                                help=with_default(f.metadata.get("help", ""), "on" if default else "off"))
+                                help=f"{f.metadata.get('help', '')} (default: {'on' if default else 'off'})")
             continue
         parser.add_argument(flag(f.name), dest=f.name, type=functools.partial(parse_flag, f), default=default,
                             action=Given, metavar=f.name.upper(), help=with_default(f.metadata.get("help", ""), default))
@@ -355,6 +355,8 @@ def with_default(help: str, default: Any) -> str:
     (what then happens is the help's to say)."""
     if default is None or "(default:" in help:
         return help
+    if isinstance(default, bool):
+        return f"{help} (on or off; default: {'on' if default else 'off'})"
     return f"{help} (default: {','.join(map(str, default)) or 'none' if isinstance(default, tuple) else default})"
 
 

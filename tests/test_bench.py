@@ -68,6 +68,9 @@ def test_jsonl_prompts_and_errors(tmp_path):
     (tmp_path / "field.jsonl").write_text('{"text": "a"}\n')
     with pytest.raises(ConfigError, match=r"field.jsonl:1: .*'prompt'"):
         load_dataset(str(tmp_path / "field.jsonl"))
+    (tmp_path / "blank.jsonl").write_text('{"prompt": "a"}\n{"prompt": " "}\n')
+    with pytest.raises(ConfigError, match=r"blank.jsonl:2: the prompt is empty"):
+        load_dataset(str(tmp_path / "blank.jsonl"))
     (tmp_path / "empty.jsonl").write_text("\n")
     with pytest.raises(ConfigError, match="no prompts"):
         load_dataset(str(tmp_path / "empty.jsonl"))

@@ -392,6 +392,8 @@ def test_a_flag_given_where_it_does_nothing_is_one_line_never_ignored(capsys, tm
          "--max-new-tokens, --target would change nothing"),
         (["bench", "--report-from", str(saved), "--isolate"], "--isolate would change nothing"),
         (["bench", "--dataset", "humaneval[:-1]"], "A and B >= 0"),
+        (["bench", "--methods", "sd:"], "'sd:' ends with ':' but gives no option"),
+        (["generate", "x", "--method", "tree", "--draft-graph", "nosuch"], "bad value 'nosuch' for draft_graph: on or off"),
         (["generate", "x", "--method", "cascade", "--drafters", "maxgram", "--k", "3", "--k-matrix", "2"],
          "give k or k_matrix, not both"),
         (["generate", "x", "--method", "dsi", "--drafter", "maxgram", "--twin-latency", "1e308,1e308"],

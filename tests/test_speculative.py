@@ -1,5 +1,6 @@
 """Greedy speculative decoding reproduces autoregressive decoding token for token (fp32 tiny models)."""
 
+import logging
 import random
 
 import pytest
@@ -171,7 +172,7 @@ def test_a_cache_catches_up_by_a_prefill_where_it_keeps_little():
     torch.testing.assert_close(logits, target.share().prefill(longer)[None], atol=1e-5, rtol=0)
 
 
-def test_drafts_end_at_end_of_sequence_and_generation_at_the_last_position():
+def test_drafts_end_at_end_of_sequence_and_generation_at_the_last_position(caplog):
     target = tiny_model("llama", 3, VOCAB, init_std=0.1)
     prompt = random_prompt(3, VOCAB)
     free = generate(target, prompt_ids=prompt, method="ar", max_new_tokens=12).token_ids
@@ -199,7 +200,9 @@ def test_drafts_end_at_end_of_sequence_and_generation_at_the_last_position():
     # The last position ends a generation; a prompt that fills every position is refused.
     short = HFCausalLM(target.model, None, "short")
     short.max_positions = len(prompt) + 5
-    assert len(generate(short, prompt_ids=prompt, drafter=short, k=4, max_new_tokens=50).token_ids) == 5
+    with caplog.at_level(logging.WARNING, logger="speculant"):
+        assert len(generate(short, prompt_ids=prompt, drafter=short, k=4, max_new_tokens=50).token_ids) == 5
+    assert f"at most 5 new tokens after this {len(prompt)}-token prompt, not 50" in caplog.text  # (said, not silent)
     short.max_positions = len(prompt)
     with pytest.raises(ConfigError, match="holds at most"):
         generate(short, prompt_ids=prompt, method="ar")

@@ -68,6 +68,8 @@ def load_jsonl(path: Path) -> list[Prompt]:
         else:
             raise ConfigError(f"{path}:{number}: expected a string field 'prompt', a list of strings 'turns' or a "
                               "list of messages {role, content}")
+        if isinstance(text, str) and not text.strip():
+            raise ConfigError(f"{path}:{number}: the prompt is empty")
         record_id = str(record.get("id", record.get("question_id", number)))
         response_format = record.get("response_format")
         if response_format is not None:

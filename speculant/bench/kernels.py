@@ -39,7 +39,7 @@ def bench_kernels(model: str, widths: list[int], isas: list[str] | None, repeats
     isas = isas or [isa for isa in found if isa != "scalar"]
     missing = [isa for isa in isas if isa not in found]
     if missing:
-        raise ConfigError(f"this machine runs {', '.join(found)}; not {', '.join(missing)}")
+        raise ConfigError(f"this machine runs {', '.join(found)}; not {', '.join(map(repr, missing))}")
     weights = linear_weights(model)
     rows = {isa: {width: pass_seconds(weights, width, isa, repeats) for width in widths} for isa in isas}
     return {"model": model, "threads": torch.get_num_threads(), "matrices": len(weights),

@@ -40,7 +40,9 @@ class MethodSpec:
 
 
 def parse_method(spec: str) -> MethodSpec:
-    name, _, rest = spec.strip().partition(":")
+    name, colon, rest = spec.strip().partition(":")
+    if colon and not rest:
+        raise ConfigError(f"'{spec}' ends with ':' but gives no option (name=value after it, or no ':')")
     if name not in METHODS and name not in PEERS:
         raise ConfigError(f"unknown method '{name}' in '{spec}' (choose from {', '.join([*METHODS, *PEERS])})")
     given: dict[str, str] = {}
