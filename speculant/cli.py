@@ -946,8 +946,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             if args.jobs is not None and args.jobs < 1:
                 raise ConfigError(f"--jobs must be >= 1, got {args.jobs}")
             build(args.jobs, say=lambda line: print(line, file=sys.stderr))
-    except SpeculantError as error:
-        print(f"speculant: error: {error}", file=sys.stderr)
+    except SpeculantError as error:  # (one line, whatever a library's message spanned)
+        print(f"speculant: error: {' '.join(line.strip() for line in str(error).splitlines())}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
         return 130
