@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import os
 import statistics
 import sys
 from collections.abc import Sequence
@@ -28,6 +29,7 @@ from speculant.config import (
     from_args,
     integer,
     number,
+    reach_ray,
     with_default,
 )
 from speculant.errors import ConfigError, SpeculantError
@@ -294,8 +296,9 @@ def read_constraint(schema: str | None, grammar: str | None) -> Any:
     if path is None:
         return None
     if not Path(path).is_file():
-        what = "is a directory, not" if Path(path).is_dir() else "not found:"
-        raise ConfigError(f"{'schema' if schema else 'grammar'} file {what} {path}")
+        kind = "schema" if schema else "grammar"
+        raise ConfigError(f"{kind} file {path} is a directory" if Path(path).is_dir() else
+                          f"{kind} file not found: {path}")
     try:
         text = Path(path).read_text()
     except (OSError, UnicodeDecodeError) as error:
@@ -346,6 +349,8 @@ def run_generate(args: argparse.Namespace) -> None:
         raise ConfigError("--timeline applies to --method dsi only")
     constraint = read_constraint(args.json_schema, args.grammar)
     check_request(method.name, None, None, constraint)
+    if getattr(options, "executor", None) == "ray":
+        reach_ray(options.ray_address, "--ray-address")
 
     print(f"loading target {args.target} (backend {model_config.backend}, dtype {model_config.dtype}, "
           f"{model_config.device})", file=sys.stderr)
@@ -364,7 +369,9 @@ def run_generate(args: argparse.Namespace) -> None:
         return session.drafter(drafter, getattr(options, "drafter_dtype", None))
 
     if files and own:
-        options = method.parse_options({**given, "drafters": ",".join(target.default_drafters())})
+        from speculant.methods.auto import with_own_drafters
+
+        options = with_own_drafters(options, target)
     options = with_drafters(options, load)
     stream = generate(target, args.prompt, method=method.name, max_new_tokens=run.max_new_tokens, seed=run.seed,
                       stream=True, chat=args.chat, response_format=constraint, session=session,
@@ -653,9 +660,9 @@ def run_train_depth(args: argparse.Namespace) -> None:
 
     if min(args.max_new_tokens, args.max_depth, args.width) < 1:
         raise ConfigError("max new tokens, max depth and width must be >= 1")
-    if args.max_new_tokens <= args.max_depth:
+    if args.max_new_tokens < args.max_depth + 2:  # (a tree follows the first token and leaves room for the next)
         raise ConfigError(f"--max-new-tokens {args.max_new_tokens} leaves no tree of --max-depth {args.max_depth} to "
-                          "log: give more tokens than the depth")
+                          "log: give at least the depth + 2")
     config = from_args(ModelConfig, args)
     prompts = load_dataset(args.prompts or args.dataset or CORPUS)
     check_models([args.target], [args.drafter])
@@ -853,9 +860,7 @@ def run_bench_kernels(args: argparse.Namespace) -> None:
 def check_outputs(args: argparse.Namespace) -> None:
     """Refuse, before any work, an output path that cannot be written: empty, a directory's path taken by a file, a
     file's path taken by a directory or within a directory that does not exist (where the command does not make it),
-    or a place where nothing can be written (a file on its way, /proc, no permission)."""
-    import tempfile
-
+    or a place where nothing can be written (`check_writable`)."""
     for name in ("out", "timeline"):
         if getattr(args, name, None) is None:
             continue
@@ -867,18 +872,8 @@ def check_outputs(args: argparse.Namespace) -> None:
                 raise ConfigError(f"--{name} {path} is a file: it names a directory here")
         elif path.is_dir():
             raise ConfigError(f"--{name} {path} is a directory: it names a file here")
-        base = path if kind == DIRECTORY else path.parent  # where the command writes (and makes what is missing)
-        while not base.exists() and kind != FILE:
-            base = base.parent
-        if base.exists() and not base.is_dir():
-            raise ConfigError(f"--{name} {path}: {base} is a file, not a directory")
-        if not base.is_dir():
-            raise ConfigError(f"--{name} {path}: the directory {base} does not exist")
-        try:
-            with tempfile.TemporaryFile(dir=base):
-                pass
-        except OSError as error:
-            raise ConfigError(f"--{name} {path}: nothing can be written in {base} ({error.strerror})") from None
+        if not (path.is_file() and os.access(path, os.W_OK)):  # (a file there already: written over in place)
+            check_writable(path, kind, name)
         if name == "timeline":
             from matplotlib.backend_bases import FigureCanvasBase
 
@@ -886,6 +881,25 @@ def check_outputs(args: argparse.Namespace) -> None:
             if suffix and suffix not in FigureCanvasBase.get_supported_filetypes():
                 raise ConfigError(f"--timeline {path}: '{suffix}' is no image format matplotlib writes (png, svg, pdf, "
                                   "...)")
+
+
+def check_writable(path: Path, kind: str, name: str) -> None:
+    """Refuse a new output `path` where nothing can be made: under a file, in a directory that does not exist (a
+    FILE's is not made), or in one that takes no file (/proc, no permission)."""
+    import tempfile
+
+    base = path if kind == DIRECTORY else path.parent  # where the command writes (and makes what is missing)
+    while not base.exists() and kind != FILE:
+        base = base.parent
+    if base.exists() and not base.is_dir():
+        raise ConfigError(f"--{name} {path}: {base} is a file, not a directory")
+    if not base.is_dir():
+        raise ConfigError(f"--{name} {path}: the directory {base} does not exist")
+    try:
+        with tempfile.TemporaryFile(dir=base):
+            pass
+    except OSError as error:
+        raise ConfigError(f"--{name} {path}: nothing can be written in {base} ({error.strerror})") from None
 
 
 def check_needs(args: argparse.Namespace) -> None:

@@ -162,6 +162,8 @@ def test_text_stream_holds_back_stop_prefixes_and_cuts_at_stops():
     stream = TextStream(byte_tokenizer(), ["END"])
     assert "".join(stream.push(t) for t in "é".encode()) == "é"  # the first byte alone is held back
     assert "".join(stream.push(t) for t in b"EN") == "" and stream.flush() == "EN"
+    stream = TextStream(byte_tokenizer(), ["!"])  # (a character of bytes before the stop: each byte's token counts)
+    assert "".join(stream.push(t) for t in "xé!?".encode()) == "xé" and stream.covering() == 3
 
 
 @pytest.fixture(scope="module")

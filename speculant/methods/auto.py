@@ -6,7 +6,7 @@ goodput, or plain decoding when no draft pays (`decoding.adaptive`)."""
 from __future__ import annotations
 
 from collections.abc import Collection
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, fields, replace
 from typing import Any
 
 from speculant.config import AUTO, CATCH_UPS, REQUEST_MOST, REQUEST_NODES, SCHEDULES, as_integer, integer, option
@@ -135,6 +135,14 @@ def check_model_only(options: AutoOptions, models: int) -> None:
     if changed and not models:
         raise ConfigError(f"{', '.join(changed)} appl{'ies' if len(changed) == 1 else 'y'} to model drafters; auto "
                           f"drafts here with {', '.join(map(str, options.drafters or ())) or 'none'} only")
+
+
+def with_own_drafters(options: AutoOptions, target: Any) -> AutoOptions:
+    """`options` with the drafters auto runs named: the target's defaults (`default_drafters`) where none are given
+    (what a loaded drafter, a server's or a bigram corpus's Max-Gram, then stands in for)."""
+    if options.drafters is not None:
+        return options
+    return replace(options, drafters=tuple(as_drafter(d) for d in target.default_drafters()))
 
 
 def bounds(options: AutoOptions, names: Collection[str]) -> None:

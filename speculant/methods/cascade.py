@@ -43,7 +43,7 @@ class CascadeOptions:
         if self.k < 1:
             raise ConfigError(f"k must be >= 1, got {self.k}")
         if not 1 <= self.leniency < math.inf:
-            raise ConfigError(f"leniency must be >= 1, got {self.leniency}")
+            raise ConfigError(f"leniency must be a finite number >= 1, got {self.leniency}")
         if self.k_matrix is not None and self.k != DEFAULT_K:
             raise ConfigError("k sizes the default K matrix: give k or k_matrix, not both")
         if self.k_matrix is not None:  # (checked here, so that a bad matrix is refused before anything loads)

@@ -135,6 +135,12 @@ def split_quant(spec: str) -> tuple[str, str | None]:
     return (name, quant) if at else (spec, None)
 
 
+def check_suffix(quant: str | None) -> None:
+    """Refuse a model's `@suffix` no loader takes."""
+    if quant is not None and quant not in (*QUANTS, GGUF, LEAN):
+        raise ConfigError(f"unknown quantization '{quant}' (choose from {', '.join(QUANTS)}, gguf or lean)")
+
+
 def check_gguf(path: Path) -> None:
     """Refuse a file that does not open with GGUF's magic (an empty file, a download's error page) before a backend
     maps it."""
@@ -156,8 +162,8 @@ def check_name(name: str) -> None:
     starts with /, ./, ../ or ~, or ends with .gguf) that names nothing, or a name that is neither in the catalog, nor
     a local path, nor a Hugging Face id (owner/name)."""
     base, suffix = split_quant(name)
-    if suffix is not None and suffix not in (*QUANTS, GGUF, LEAN) and (base in CATALOG or Path(base).exists()):
-        raise ConfigError(f"unknown suffix '@{suffix}' on {base} (it takes @{', @'.join((*QUANTS, GGUF, LEAN))})")
+    if base in CATALOG or Path(base).expanduser().exists():  # (else the `@` may be part of a name)
+        check_suffix(suffix)
     name = base if suffix in (*QUANTS, GGUF, LEAN) else name
     if not name:
         raise ConfigError(f"empty model name; catalog models: {catalog_listing()}")
@@ -295,18 +301,19 @@ GGUF_NEIGHBOURS = (*TOKENIZER_FILES, "tokenizer.model", "chat_template.jinja")  
 
 
 def gguf_tokenizer_folder(path: Path) -> Path:
-    """Where a GGUF file's converted tokenizer is kept, one folder per file: `$SPECULANT_CACHE/tokenizers/<file's
-    stem>-<digest of its path>`."""
-    return cache_root() / "tokenizers" / f"{path.stem}-{hashlib.sha256(str(path.resolve()).encode()).hexdigest()[:16]}"
+    """Where a GGUF file's converted tokenizer is kept, one folder per file and per transformers and tokenizers versions
+    (environments that share the cache keep their own): `$SPECULANT_CACHE/tokenizers/<file's stem>-<digest>`."""
+    from importlib.metadata import version
+
+    key = f"{path.resolve()}|{version('transformers')}|{version('tokenizers')}"
+    return cache_root() / "tokenizers" / f"{path.stem}-{hashlib.sha256(key.encode()).hexdigest()[:16]}"
 
 
 def gguf_tokenizer_sources(path: Path) -> str:
-    """What a GGUF file's converted tokenizer is built from: the file (`_stamp`: size, inode, times), the tokenizer
-    files beside it, and the transformers and tokenizers versions that convert and save it."""
-    from importlib.metadata import version
-
+    """What a GGUF file's converted tokenizer is built from: the file (`_stamp`: size, inode, times) and the tokenizer
+    files beside it."""
     beside = [(name, _stamp(path.parent / name)) for name in GGUF_NEIGHBOURS if (path.parent / name).is_file()]
-    return json.dumps([_stamp(path), beside, version("transformers"), version("tokenizers")])
+    return json.dumps([_stamp(path), beside])
 
 
 def materialize(entry: CatalogEntry, dtype_name: str) -> Path:

@@ -16,12 +16,12 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from speculant.cache import cache_root
-from speculant.config import AUTO, BACKENDS, GGUF, LEAN, QUANTS, as_integer
+from speculant.config import AUTO, BACKENDS, GGUF, LEAN, as_integer
 from speculant.errors import ConfigError, ModelNotAvailable
 from speculant.machine import native_bf16
 from speculant.models.base import CausalLM
 from speculant.models.catalog import (CATALOG, TOKENIZER_FILES, catalog_listing, check_cache, check_gguf,
-                                      check_name, gguf_checkpoint, gguf_tokenizer, gguf_tokenizer_folder,
+                                      check_name, check_suffix, gguf_checkpoint, gguf_tokenizer, gguf_tokenizer_folder,
                                       gguf_tokenizer_sources, materialize, split_quant)
 from speculant.models.backends import llamacpp
 from speculant.models.numerics.native import KERNELS
@@ -301,8 +301,7 @@ def load_model(spec: Any, dtype: str | None = None, device: str | None = None, t
         if quant is not None:
             raise ConfigError(f"quantization given twice: '{spec}' and quant={quant}")
         spec, quant = split_quant(spec)
-    if quant is not None and quant not in (*QUANTS, GGUF, LEAN):
-        raise ConfigError(f"unknown quantization '{quant}' (choose from {', '.join(QUANTS)}, gguf or lean)")
+    check_suffix(quant)
     if isinstance(spec, (str, Path)):
         check_name(str(spec))
     chosen = resolve_backend(backend, spec, quant, device, dtype)

@@ -17,9 +17,10 @@ from typing import Any
 
 from speculant.api import check_request, decoded_target
 from speculant.config import SamplingConfig, ServeConfig, default_of
-from speculant.drafters.spec import MAXGRAM, SELF, DrafterSpec, as_drafter
+from speculant.drafters.spec import MAXGRAM, SELF, DrafterSpec
 from speculant.errors import ConfigError, OptionError
 from speculant.methods import Request, get_method
+from speculant.methods.auto import with_own_drafters
 from speculant.methods.drafting import check_capabilities, drafters_by_field, with_drafters
 from speculant.models.base import Call, CausalLM, Interrupted
 from speculant.models.wrappers.constrained import Constraint
@@ -204,8 +205,8 @@ class Engine:
         self.method = get_method(method)
         options = options if options is not None else self.method.make_options({})
         check_capabilities(options, self.target)
-        if self.method.name == "auto" and options.drafters is None:
-            options = replace(options, drafters=tuple(as_drafter(d) for d in self.target.default_drafters()))
+        if self.method.name == "auto":
+            options = with_own_drafters(options, self.target)
         # What the requests load and learn, shared by all of them, and the KV of their prompts.
         self.session = Session(self.target, PrefixCache(prefix_cache_mb, metrics.prefix if metrics else None))
         if metrics:
@@ -371,9 +372,10 @@ class Engine:
                 piece = text.push(token)
                 if text.stopped:  # (the tokens of the stop string, cut from the text, leave its log-probabilities)
                     del entries[text.covering():]
-                if piece:
-                    on_text(piece, entries[unsent:])
-                    unsent = len(entries)
+                if piece:  # entries wait while text is held back (it may begin a stop string, and they with it)
+                    sent = entries[unsent:] if text.stopped or text.sent == len(text.text) else []
+                    on_text(piece, sent)
+                    unsent += len(sent)
                 if text.stopped or token in self.target.eos_token_ids:
                     finish = "stop"
                     break

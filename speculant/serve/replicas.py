@@ -40,13 +40,13 @@ class Replica:
 def serve_replicas(target: str, model: ModelConfig, method: str, options: Any, config: ServeConfig,
                    served_name: str) -> None:
     """Deploy `config.replicas` replicas and serve until SIGTERM or Ctrl-C, then take the deployment down."""
+    reach_ray(config.ray_cluster, "--ray-cluster")
     try:
         import ray
         from ray import serve
     except ImportError:
         raise ConfigError("--replicas and --ray-cluster need Ray Serve: pip install 'speculant[ray]'") from None
     local = config.ray_cluster is None  # then a cluster of its own, never one that another process started
-    reach_ray(config.ray_cluster, "--ray-cluster")
     try:
         ray.init(address=config.ray_cluster or "local", log_to_driver=True, configure_logging=False,
                  **({"include_dashboard": False} if local else {}))

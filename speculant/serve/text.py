@@ -46,9 +46,9 @@ class TextStream:
         """How many of the pushed tokens the text needs: after a stop string, those that begin before it (the ones
         after add only the stop string's text)."""
         decode, low, high = self.tokenizer.decode, 0, len(self.ids)
-        while low < high:  # the fewest tokens whose text reaches the text's end (the decoded length only grows)
-            mid = (low + high) // 2
-            if len(decode(self.ids[:mid], skip_special_tokens=True)) >= len(self.text):
+        while low < high:  # the fewest tokens whose text holds the whole text (so do all longer runs of them; a run
+            mid = (low + high) // 2  # that splits a character ends in U+FFFD, which the text does not have there)
+            if decode(self.ids[:mid], skip_special_tokens=True).startswith(self.text):
                 high = mid
             else:
                 low = mid + 1
