@@ -310,6 +310,7 @@ def test_bad_files_paths_and_settings_are_one_line_before_any_model_loads(tmp_pa
             (["generate", "x", "--target", str(tmp_path / "empty.gguf")], "is not a GGUF file"),
             (["generate", "x", "--target", str(tmp_path / "page.gguf")], "is not a GGUF file"),
             (["generate", "x", "--target", str(tmp_path / "no" / "model")], "no model at"),
+            (["generate", "x", "--target", str(tmp_path)], "holds no config.json: not a model's folder"),
             (["bench", "--report-from", str(tmp_path / "empty.json")], "is not the results.json"),
             (["bench", "--methods", "ar", "--out", str(tmp_path / "file"), *target], "is a file: it names a directory"),
             (["bench", "--methods", "sd:k=2,k=3", *target], "option 'k' given twice"),

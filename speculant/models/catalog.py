@@ -174,6 +174,8 @@ def check_name(name: str) -> None:
         raise ModelNotAvailable(f"no GGUF file at {name} (catalog models: {catalog_listing()})")
     if name.endswith(".gguf") and Path(name).expanduser().is_file():
         check_gguf(Path(name).expanduser())
+    if Path(name).expanduser().is_dir() and not (Path(name).expanduser() / "config.json").is_file():
+        raise ModelNotAvailable(f"{name} holds no config.json: not a model's folder (save_pretrained writes one)")
     if name.startswith(("/", "./", "../", "~")) and not exists:
         raise ModelNotAvailable(f"no model at {name} (catalog models: {catalog_listing()})")
     if not (exists or "/" in name):
