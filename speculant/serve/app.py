@@ -47,6 +47,7 @@ from speculant.serve.schema import MAX_FORMAT_DEPTH, ApiError, ChatRequest, Comp
 LOG = logging.getLogger("speculant.serve")
 REQUEST_MODELS = {name for name, value in vars(schema).items() if isinstance(value, type) and
                   issubclass(value, BaseModel)}  # the request's parts: a union of them tags errors with their names
+BODY_UNREAD = "There was an error parsing the body"
 PLAYGROUND = Path(__file__).parent / "playground"  # the page at / (static files: no build step)
 PAGE = ("/", "/playground/index.html", "/playground/playground.js", "/playground/playground.css")  # open: no secrets
 TOKEN_ID = re.compile(r"0|[1-9][0-9]{0,9}")  # a logit_bias key: a token id in canonical decimal
@@ -93,8 +94,10 @@ def create_app(engine: Engine, served_name: str, config: ServeConfig | None = No
 
     @app.exception_handler(HTTPException)
     async def http_error(request: Request, error: HTTPException) -> JSONResponse:
-        message = {404: f"no route {request.url.path}", 405: f"{request.method} is not allowed on {request.url.path}"
+        message = {404: f"no route {request.url.path}", 405: f"{request.method} is not allowed on {request.url.path}",
                    }.get(error.status_code, str(error.detail))
+        if message == BODY_UNREAD:  # (FastAPI's words for a body it could not decode as JSON)
+            message = "the body is not JSON in UTF-8, or is nested too deeply"
         return JSONResponse(ApiError(error.status_code, message).body, status_code=error.status_code,
                             headers=error.headers)
 
