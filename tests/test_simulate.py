@@ -94,14 +94,16 @@ def test_appendix_f3_example_via_cli(capsys):
     assert slow_start["si_ms"] == pytest.approx(slow_start["theory"]["si_expected_ms"], rel=0.03)
 
 
-@pytest.mark.parametrize("argv", [["--acceptance", "1.5"], ["--repeats", "1"], ["--lookahead", "0"]])
-def test_simulate_run_bad_input(argv, capsys):
+@pytest.mark.parametrize("argv, message", [(["--acceptance", "1.5"], "acceptance must lie in [0, 1]"),
+                                           (["--repeats", "1"], "repeats must be >= 2, got 1"),
+                                           (["--lookahead", "0"], "lookahead must be >= 1, got 0")])
+def test_simulate_run_bad_input(argv, message, capsys):
     base = {"--target-latency": "30", "--drafter-latency": "2", "--acceptance": "0.8", "--lookahead": "5",
             "--servers": "7"}
     for flag, value in zip(argv[::2], argv[1::2]):
         base[flag] = value
     code = cli.main(["simulate", "run", *[x for item in base.items() for x in item]])
-    assert code == 2 and "speculant: error" in capsys.readouterr().err
+    assert code == 2 and f"speculant: error: {message}" in capsys.readouterr().err
 
 
 def test_servers_that_cannot_keep_up_are_simulated_and_said(capsys):
@@ -126,6 +128,10 @@ def test_heatmap_command_writes_data_and_figures(tmp_path, capsys):
     shares = json.loads((tmp_path / "summary.json").read_text())["dsi_vs_si"]["share_dsi_ge"]
     assert 0 <= shares[0] <= shares[1] <= 1
     assert cli.main(["simulate", "heatmap", "--out", str(tmp_path), "--lookaheads", "1,x"]) == 2
+    assert cli.main(["simulate", "heatmap", "--out", str(tmp_path), "--lookaheads", "1,2"]) == 2
+    assert "the fixed lookahead 5 (Figure 7's) must be among the lookaheads 1,2" in capsys.readouterr().err
+    assert cli.main(["simulate", "heatmap", "--out", str(tmp_path), "--ndim", "1"]) == 2
+    assert "ndim must be >= 2, got 1" in capsys.readouterr().err
 
 
 def test_simulate_needs_no_torch():

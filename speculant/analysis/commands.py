@@ -35,6 +35,13 @@ def _mean_ci(samples: np.ndarray) -> tuple[float, float]:
     return float(samples.mean()), float(1.96 * samples.std(ddof=1) / math.sqrt(len(samples))) if len(samples) > 1 else 0.0
 
 
+def at_least(**bounds: tuple[float, float]) -> None:
+    """Refuse, naming it, the first setting below its least value (`name=(value, least)`)."""
+    for name, (value, least) in bounds.items():
+        if value < least:
+            raise ConfigError(f"{name} must be >= {least}, got {value}")
+
+
 def simulate_one(target_ms: float, drafter_ms: float, acceptance: float, lookahead: int, servers: int,
                  tokens: int, ttft_ms: float | None, repeats: int, seed: int) -> dict:
     """Expected latency of non-SI, SI and DSI for one configuration on common random numbers, the paired
@@ -43,8 +50,7 @@ def simulate_one(target_ms: float, drafter_ms: float, acceptance: float, lookahe
         raise ConfigError("latencies must be positive")
     if not 0 <= acceptance <= 1:
         raise ConfigError(f"acceptance must lie in [0, 1], got {acceptance}")
-    if lookahead < 1 or servers < 1 or tokens < 1 or repeats < 2:
-        raise ConfigError("lookahead, servers and tokens must be >= 1, repeats >= 2")
+    at_least(lookahead=(lookahead, 1), servers=(servers, 1), tokens=(tokens, 1), repeats=(repeats, 2))
     check_size(servers, lookahead, tokens, repeats, seed)
     wrong = draws(np.random.default_rng(seed), np.array([acceptance]), repeats, tokens)
     r, c, first = np.arange(repeats), drafter_ms / target_ms, None if ttft_ms is None else ttft_ms / target_ms
@@ -100,9 +106,11 @@ def run_heatmap(out: Path, ndim: int, lookaheads: tuple[int, ...], tokens: int, 
     """The grid on the paper's axes (`paper_axes(ndim)`), its CSV, Figure 2 and Figure 7 PNGs and the summary."""
     from speculant.analysis.heatmap import plot_figure2, plot_figure7, write_csv
 
-    if ndim < 2 or fixed_lookahead not in lookaheads or tokens < 1 or repeats < 2 or servers < 1 or min(lookaheads) < 1:
-        raise ConfigError("need ndim >= 2, the fixed lookahead among the lookaheads (all >= 1), repeats >= 2, "
-                          "and positive tokens and servers")
+    at_least(ndim=(ndim, 2), lookaheads=(min(lookaheads), 1), tokens=(tokens, 1), repeats=(repeats, 2),
+             servers=(servers, 1))
+    if fixed_lookahead not in lookaheads:
+        raise ConfigError(f"the fixed lookahead {fixed_lookahead} (Figure 7's) must be among the lookaheads "
+                          f"{','.join(map(str, lookaheads))}")
     check_size(servers, max(lookaheads), tokens, repeats, seed)
     cells = (ndim + 1) ** 2 * len(set(lookaheads)) * repeats
     if cells > MOST_CELLS or cells * tokens > MOST_STEPS or (ndim + 1) * repeats * tokens > MOST_DRAWS:
