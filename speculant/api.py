@@ -126,7 +126,7 @@ def check_request(method: str, logprobs: int | None, logit_bias: Mapping[int, fl
     if logit_bias is not None:
         check_bias_type(logit_bias)
     asked = [name for name, value in (("logprobs", logprobs), ("logit_bias", logit_bias or None),
-                                      ("response_format", constraint)) if value is not None]
+                                      (constraint.source if constraint else "", constraint)) if value is not None]
     if method == "dsi" and asked:
         raise RequestError(asked[0], f"{', '.join(asked)} not available with dsi: its target servers run apart from "
                            "the decoder")

@@ -348,6 +348,11 @@ BAD = [
      "which no assistant message before it made"),
     ("chat/completions", {"model": "tiny", "messages": [{"role": "user", "content": "hi", "tool_call_id": "1"}]},
      "only a tool message"),
+    ("chat/completions", {"model": "tiny", "messages": [{"role": "user", "content": "hi"}, {
+        "role": "assistant", "content": None, "tool_calls": [
+            {"id": "1", "type": "function", "function": {"name": "f", "arguments": "{}"}},
+            {"id": "1", "type": "function", "function": {"name": "g", "arguments": "{}"}}]}]},
+     "message 1 makes two tool calls of one id"),
     ("chat/completions", {"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "functions": []},
      "functions is not implemented"),
     ("chat/completions", {"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "top_logprobs": 2},

@@ -140,6 +140,17 @@ def test_an_option_an_options_class_refuses_is_named(app, options, param):
     is_error(client.post("/v1/completions", json=completion(speculant=options)), 400, f"speculant.{param}")
 
 
+def test_a_tree_without_a_model_drafter_names_the_drafter_where_the_server_drafts_with_max_gram():
+    """The server's own drafter Max-Gram: a tree request naming it is refused naming `speculant.drafter`, the value
+    at fault (the method's defaults alone fail too, which would name the method)."""
+    engine = engine_for("sd", drafter="maxgram")
+    with TestClient(create_app(engine, "tiny"), raise_server_exceptions=False) as client:
+        request = completion(speculant={"method": "tree", "drafter": "maxgram"})
+        assert "needs a model drafter" in is_error(client.post("/v1/completions", json=request), 400,
+                                                   "speculant.drafter")["message"]
+    engine.close()
+
+
 def test_a_chat_prompt_is_named_messages_and_one_limit_is_given():
     engine = engine_for("sd")
     with TestClient(create_app(engine, "tiny"), raise_server_exceptions=False) as client:

@@ -38,11 +38,16 @@ def test_a_stream_hands_out_content_and_holds_back_the_calls():
     stream = ToolStream()
     pieces = ["Sure", ". <", "tool", '_call>\n{"name": "get_time", "arguments": {"city": "Oslo"}}', "\n</tool_call>"]
     out = [stream.push(p) for p in pieces]
-    assert out == ["Sure", ". ", "", "", ""]
+    assert out == ["Sure", ".", "", "", ""]  # (the space before the call is the format's)
     rest, calls = stream.finish()
     assert rest == "" and [c["function"]["name"] for c in calls] == ["get_time"]
     plain = ToolStream()
-    assert plain.push("a <b") == "a <b" and plain.push(" <to") == " " and plain.finish() == ("<to", [])
+    assert plain.push("a <b") == "a <b" and plain.push(" <to") == "" and plain.finish() == (" <to", [])
+    text = 'Let me check.\n<tool_call>\n{"name": "get_time", "arguments": {"city": "Oslo"}}\n</tool_call>\n'
+    for pieces in ([text], ["Let me check.", "\n", text[14:]], list(text)):  # the stream's content is the reply's
+        stream = ToolStream()
+        streamed = "".join(stream.push(p) for p in pieces)
+        assert streamed + stream.finish()[0] == parse(text).content == "Let me check."
 
 
 @pytest.fixture(scope="module")
@@ -176,3 +181,15 @@ def test_bad_tool_requests_get_400s_naming_the_field(served):
         served.chat.completions.create(model="m", max_tokens=4, messages=ASK + [
             {"role": "assistant", "tool_calls": [{"id": "1", "type": "function",
                                                   "function": {"name": "f", "arguments": "[1]"}}]}])
+
+
+def test_a_method_that_cannot_constrain_a_reply_names_tools():
+    """DSI's target servers run apart from the decoder and mask nothing: a request with tools is refused naming them
+    (their grammar is no response_format of the client's)."""
+    from speculant.api import check_request
+    from speculant.errors import RequestError
+    from speculant.models.wrappers.constrained import Constraint
+
+    with pytest.raises(RequestError, match="tools not available with dsi") as refused:
+        check_request("dsi", None, None, Constraint("grammar", 'start: "a"', "tools"))
+    assert refused.value.field == "tools"

@@ -277,7 +277,10 @@ class ChatRequest(Sampling):
         a result of nothing into the prompt."""
         called: set[str] = set()
         for i, message in enumerate(value):
-            called.update(call.id for call in message.tool_calls or ())
+            ids = [call.id for call in message.tool_calls or ()]
+            if len(set(ids)) < len(ids):  # (which result answers which call?)
+                raise ValueError(f"message {i} makes two tool calls of one id")
+            called.update(ids)
             if message.role == "tool" and message.tool_call_id not in called:
                 raise ValueError(f"message {i} answers tool call '{message.tool_call_id}', which no assistant message "
                                  "before it made")

@@ -92,7 +92,7 @@ def parse(text: str, most: int | None = None) -> Parsed:
 
 class ToolStream:
     """A streamed reply's text split into content, handed out as it comes, and calls, held until the end: the
-    text from the first `<tool_call>` on (or a tail that could begin it) is kept back."""
+    text from the first `<tool_call>` on (or a tail that could begin it, or whitespace) is kept back."""
 
     def __init__(self) -> None:
         self.text = ""
@@ -111,7 +111,8 @@ class ToolStream:
         else:
             end = len(self.text) - max((n for n in range(min(len(OPEN) - 1, len(self.text)), 0, -1)
                                         if self.text.endswith(OPEN[:n])), default=0)
-        piece, self.sent = self.text[self.sent:max(end, self.sent)], max(end, self.sent)
+        end = self.sent + len(self.text[self.sent:max(end, self.sent)].rstrip())  # (whitespace before a call is the
+        piece, self.sent = self.text[self.sent:end], end  # format's: `parse` strips it, so it waits for what follows)
         return piece
 
     def finish(self, most: int | None = None) -> tuple[str, list[dict[str, Any]]]:

@@ -59,7 +59,8 @@ class TreeOptions(DrafterOptions):
         if self.schedule not in SCHEDULES:
             raise ConfigError(f"schedule must be one of {', '.join(SCHEDULES)}, got {self.schedule!r}")
         if model_free(self.drafter):
-            raise ConfigError(f"method 'tree' needs a model drafter (self or a model's name), not {self.drafter}")
+            raise OptionError("drafter", f"method 'tree' needs a model drafter (self or a model's name), not "
+                              f"{self.drafter}")
         if self.shape not in SHAPES:
             raise ConfigError(f"shape must be one of {', '.join(SHAPES)}, got {self.shape!r}")
         if self.shape != "egt" and AUTO in (self.depth, self.width):
