@@ -13,7 +13,7 @@ from dataclasses import asdict, dataclass, field
 from functools import cached_property
 from pathlib import Path
 
-from speculant.config import MOST_LATENCY_MS
+from speculant.config import MOST_LATENCY_MS, as_integer, as_number
 from speculant.errors import ConfigError
 
 
@@ -121,22 +121,22 @@ class LatencyProfile:
         """What `save` wrote; a ValueError naming a value no measurement gives (a file edited, or another's)."""
         profile = cls(**dict(data, forward_s={int(w): float(t) for w, t in data["forward_s"].items()},
                              long_forward_s={int(w): float(t) for w, t in data.get("long_forward_s", {}).items()}))
-        seconds = {"ttft_s": profile.ttft_s, "tpot_s": profile.tpot_s, "long_ttft_s": profile.long_ttft_s,
-                   "catch_up_rows_s": profile.catch_up_rows_s,
+        seconds = {"ttft_s": profile.ttft_s, "tpot_s": profile.tpot_s,
                    **{f"forward_s[{w}]": t for w, t in profile.forward_s.items()},
-                   **{f"long_forward_s[{w}]": t for w, t in profile.long_forward_s.items()}}
+                   **{f"long_forward_s[{w}]": t for w, t in profile.long_forward_s.items()},
+                   **{name: getattr(profile, name) for name in ("long_ttft_s", "catch_up_rows_s")
+                      if getattr(profile, name) is not None}}  # (measured only with a long context, or rows)
         for name, value in seconds.items():
-            if (value is not None or name in ("ttft_s", "tpot_s")) and not (
-                    isinstance(value, (int, float)) and not isinstance(value, bool) and 0 < value < math.inf):
+            if not 0 < (as_number(value) or 0) < math.inf:
                 raise ValueError(f"{name} must be a number of seconds > 0, got {value!r}")
         if profile.tpot_s > MOST_LATENCY_MS / 1000:  # (what a simulation takes as a forward's latency)
             raise ValueError(f"tpot_s is at most {MOST_LATENCY_MS / 1000:g} s, got {profile.tpot_s!r}")
         if not profile.forward_s:
             raise ValueError("forward_s holds no width's time")
-        for name in ("context_len", "long_context_len"):
-            value = getattr(profile, name)
-            if (value is not None or name == "context_len") and not (
-                    isinstance(value, int) and not isinstance(value, bool) and value >= 1):
+        counts = {"context_len": profile.context_len, **({"long_context_len": profile.long_context_len}
+                                                         if profile.long_context_len is not None else {})}
+        for name, value in counts.items():
+            if (as_integer(value) or 0) < 1:
                 raise ValueError(f"{name} must be a count of tokens >= 1, got {value!r}")
         return profile
 

@@ -6,6 +6,7 @@ import math
 from dataclasses import MISSING, asdict, dataclass, field, fields
 from typing import TYPE_CHECKING, Any
 
+from speculant.config import as_number
 from speculant.theory import swi
 from speculant.models.wrappers.metered import Usage
 
@@ -136,12 +137,12 @@ class GenerationStats:
         unlike its field's (a file edited, or not one speculant wrote) is a ValueError naming it."""
         if not isinstance(data, dict):
             raise ValueError(f"stats must be an object, got {type(data).__name__}")
-        known = {f.name: f for f in fields(cls)}
-        for name, value in data.items():
-            if name in known and name not in ("dsi", "stage") and not _like(value, _example(known[name])):
+        known = {f.name: f for f in fields(cls) if f.name not in ("dsi", "stage")}
+        read = {name: value for name, value in data.items() if name in known}
+        for name, value in read.items():
+            if not _like(value, _example(known[name])):
                 raise ValueError(f"stats' {name} cannot be {value!r}")
-        return cls(**{k: (tuple(v) if k == "tree_shape" and v else v) for k, v in data.items()
-                      if k in known and k not in ("dsi", "stage")})
+        return cls(**{k: (tuple(v) if k == "tree_shape" and v else v) for k, v in read.items()})
 
     def summary(self) -> str:
         """One line for humans: tokens, speed, TTFT and, when speculating, acceptance."""
@@ -182,9 +183,10 @@ def _like(value: Any, example: Any) -> bool:
     if isinstance(example, str):
         return isinstance(value, str)
     if isinstance(example, (int, float)):
-        return isinstance(value, (int, float)) and not isinstance(value, bool) and 0 <= value < math.inf
+        number = as_number(value)
+        return number is not None and 0 <= number < math.inf
     if isinstance(example, list):
-        return isinstance(value, list) and all(_like(v, "") or _like(v, 0) for v in value)
+        return isinstance(value, list) and all(isinstance(v, str) or _like(v, 0) for v in value)
     if isinstance(example, dict):
         return isinstance(value, dict) and all(_like(v, 0) for v in value.values())
     return value is None or isinstance(value, list) and all(v is None or _like(v, 0) for v in value)

@@ -159,8 +159,9 @@ def catalog_listing() -> str:
 
 def check_name(name: str) -> None:
     """Refuse, before anything loads, a model name (with or without its `@suffix`) that no loader takes: a path (it
-    starts with /, ./, ../ or ~, or ends with .gguf) that names nothing, or a name that is neither in the catalog, nor
-    a local path, nor a Hugging Face id (owner/name)."""
+    starts with /, ./, ../ or ~, or ends with .gguf) that names nothing, a .gguf that is not one, a folder without a
+    model's config.json, an unknown suffix, or a name that is neither in the catalog, nor a local path, nor a Hugging
+    Face id (owner/name)."""
     base, suffix = split_quant(name)
     if base in CATALOG or Path(base).expanduser().exists():  # (else the `@` may be part of a name)
         check_suffix(suffix)
@@ -169,12 +170,13 @@ def check_name(name: str) -> None:
         raise ConfigError(f"empty model name; catalog models: {catalog_listing()}")
     if name in CATALOG:
         return
-    exists = Path(name).expanduser().exists()
-    if name.endswith(".gguf") and not exists:
-        raise ModelNotAvailable(f"no GGUF file at {name} (catalog models: {catalog_listing()})")
-    if name.endswith(".gguf") and Path(name).expanduser().is_file():
-        check_gguf(Path(name).expanduser())
-    if Path(name).expanduser().is_dir() and not (Path(name).expanduser() / "config.json").is_file():
+    path = Path(name).expanduser()
+    exists = path.exists()
+    if name.endswith(".gguf"):
+        if not exists:
+            raise ModelNotAvailable(f"no GGUF file at {name} (catalog models: {catalog_listing()})")
+        check_gguf(path)
+    elif path.is_dir() and not (path / "config.json").is_file():
         raise ModelNotAvailable(f"{name} holds no config.json: not a model's folder (save_pretrained writes one)")
     if name.startswith(("/", "./", "../", "~")) and not exists:
         raise ModelNotAvailable(f"no model at {name} (catalog models: {catalog_listing()})")

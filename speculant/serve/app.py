@@ -158,11 +158,11 @@ def create_app(engine: Engine, served_name: str, config: ServeConfig | None = No
     async def chat(body: ChatRequest, http: Request) -> Any:
         tokenizer, choice = engine.target.tokenizer, body.choice
         calls = None  # where tools may be called: the grammar of the reply
-        if not tools.speaks_tools(tokenizer):  # (its template would leave them out of the prompt)
-            called = next((i for i, m in enumerate(body.messages) if m.tool_calls), None)
-            if choice != "none" or called is not None:
+        if not tools.speaks_tools(tokenizer):  # (its template would leave tools and calls out of the prompt)
+            called = next((f"messages.{i}.tool_calls" for i, m in enumerate(body.messages) if m.tool_calls), None)
+            if choice != "none" or called:
                 raise ApiError(400, "this model's chat template does not call tools (no Hermes <tool_call> format)",
-                               "tools" if choice != "none" else f"messages.{called}.tool_calls")
+                               "tools" if choice != "none" else called)
         if choice != "none":
             if body.response_format is not None and body.response_format.get("type") != "text":
                 raise ApiError(400, "response_format cannot constrain a reply that may call tools", "response_format")

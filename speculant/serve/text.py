@@ -42,6 +42,11 @@ class TextStream:
             return self._take(len(self.text))
         return self._take(len(text) - self._held(text))
 
+    @property
+    def holding(self) -> bool:
+        """Whether decoded text is held back (a tail that may begin a stop string)."""
+        return self.sent < len(self.text)
+
     def covering(self) -> int:
         """How many of the pushed tokens the text needs: after a stop string, those that begin before it (the ones
         after add only the stop string's text)."""
