@@ -11,7 +11,9 @@ from functools import partial
 from pathlib import Path
 from typing import Any
 
-from speculant.analysis.commands import simulate_one
+import numpy as np
+
+from speculant.analysis.simulate import first_wrong, simulate_dsi
 from speculant.theory import sd_walltime_improvement
 from speculant.config import SamplingConfig, check_ray_address
 from speculant.decoding.autoregressive import autoregressive
@@ -57,7 +59,9 @@ def simulate_online(target_ms: float, drafter_ms: float, acceptance: float, serv
                     ray_address: str | None = None, more_drafters: tuple[tuple[float, float], ...] = ()
                     ) -> dict[str, Any]:
     """Mean wall times (ms) of non-SI, SI (at DSI's lookahead and at its own best k) and DSI over
-    `repeats` prompts, measured in this run; the offline simulator's DSI estimate beside them.
+    `repeats` prompts, measured in this run; beside them the offline simulator's DSI time on the very draws
+    the twin's DSI runs were decided by (the drafter draws per position, as the simulator does), so the two
+    differ by the engine's own overheads only.
 
     `more_drafters` ((ms, acceptance), costlier ones) adds DSI with each of them alone (at its own planned
     lookahead) and DSI with all drafters together (Algorithm 1 with m > 2 models, at the first one's
@@ -86,6 +90,7 @@ def simulate_online(target_ms: float, drafter_ms: float, acceptance: float, serv
     times: dict[str, list[float]] = {"non_si": [], "si": [], "si_best": [], **{name: [] for name in names}}
     identical = True
     stats = None
+    wrong: list[list[bool]] = []  # per repeat, per position: whether the DSI drafter's draft was wrong
     try:
         rng = random.Random(seed)
         warm = [rng.randrange(VOCAB) for _ in range(8)]  # servers start (processes, Ray) before timing
@@ -107,7 +112,8 @@ def simulate_online(target_ms: float, drafter_ms: float, acceptance: float, serv
                 out, s = run(speculative(target(), drafter(offset), prompt, k, tokens, greedy, None))
                 times[name].append(s.wall_s)
                 identical &= out == reference
-            runs = [("dsi", [drafter(3)], chosen.lookahead),
+            first = drafter(3)
+            runs = [("dsi", [first], chosen.lookahead),
                     *((f"dsi_drafter_{d}", [drafter(3, d)], alone[d - 1]) for d in range(1, len(lineup)))]
             if more_drafters:
                 runs.append(("dsi_all", [drafter(3, d) for d in range(len(lineup))], chosen.lookahead))
@@ -115,12 +121,14 @@ def simulate_online(target_ms: float, drafter_ms: float, acceptance: float, serv
                 out, stats = run(dsi(pool, drafters, prompt, tokens, k, greedy, None, frozenset(), close_executor=False))
                 times[name].append(stats.wall_s)
                 identical &= out == reference
+            wrong.append(first.wrong(len(prompt), tokens + 1))
     finally:
         pool.close()
     if not identical:
         raise SpeculantError("an output differed from non-SI's: this is a bug, please report it")
     mean = {name: 1000 * sum(values) / len(values) for name, values in times.items()}
-    offline = simulate_one(target_ms, drafter_ms, acceptance, chosen.lookahead, servers, tokens, ttft_ms, 1000, seed)
+    offline = simulate_dsi(first_wrong(np.array(wrong)[:, None]), np.arange(repeats), 0, drafter_ms / target_ms,
+                           chosen.lookahead, servers, tokens, 1.0, None if ttft_ms is None else ttft_ms / target_ms)
     result = {
         "target_ms": target_ms, "drafter_ms": drafter_ms, "acceptance": acceptance, "servers": servers,
         "lookahead": chosen.lookahead, "si_best_lookahead": si_best, "tokens": tokens, "repeats": repeats,
@@ -129,7 +137,7 @@ def simulate_online(target_ms: float, drafter_ms: float, acceptance: float, serv
         "dsi_speedup_over_si": mean["si"] / mean["dsi"],
         "dsi_speedup_over_best_si": mean["si_best"] / mean["dsi"],
         "dsi_speedup_over_non_si": mean["non_si"] / mean["dsi"],
-        "offline_dsi_ms": offline["dsi_ms"],
+        "offline_dsi_ms": float(offline.mean()) * target_ms,
     }
     if more_drafters:
         singles = [mean[name] for name in names[:-1]]
@@ -146,7 +154,7 @@ def format_online(r: dict[str, Any]) -> str:
             f"mean of {r['repeats']} (outputs identical: {r['identical_outputs']})\n"
             f"  non-SI {r['non_si_ms']:.0f} ms | SI k={r['lookahead']} {r['si_ms']:.0f} ms | "
             f"SI k={r['si_best_lookahead']} (its best) {r['si_best_ms']:.0f} ms | DSI {r['dsi_ms']:.0f} ms "
-            f"(offline simulator: {r['offline_dsi_ms']:.0f} ms)\n"
+            f"(offline simulator on the same draws: {r['offline_dsi_ms']:.0f} ms)\n"
             f"  DSI speedup: {r['dsi_speedup_over_si']:.2f}x over SI at the same lookahead, "
             f"{r['dsi_speedup_over_best_si']:.2f}x over SI at its best, {r['dsi_speedup_over_non_si']:.2f}x over non-SI"
             + "".join(f"\n  DSI with drafter {d + 1} alone ({ms:g} ms, acceptance {a:g}, lookahead {k}): "

@@ -29,10 +29,14 @@ SP_DEGREE = 7  # an 8-GPU node: 7 target servers and 1 drafter, as in the paper'
 def draws(rng: np.random.Generator, a: np.ndarray, repeats: int, n_tokens: int) -> np.ndarray:
     """Common random numbers as `wrong[r, i, j]`: the first position >= j whose draft is wrong in repeat r at
     acceptance a[i] (n_tokens + 1 when none), shape [repeats, len(a), n_tokens + 2]."""
-    u = rng.random((repeats, 1, n_tokens + 1))
-    positions = np.where(u >= np.asarray(a, float)[None, :, None], np.arange(n_tokens + 1), n_tokens + 1)
-    first = np.minimum.accumulate(positions[..., ::-1], axis=-1)[..., ::-1]
-    return np.concatenate([first, np.full((repeats, len(a), 1), n_tokens + 1)], axis=-1)
+    return first_wrong(rng.random((repeats, 1, n_tokens + 1)) >= np.asarray(a, float)[None, :, None])
+
+
+def first_wrong(is_wrong: np.ndarray) -> np.ndarray:
+    """`draws`' layout from whether each position's draft is wrong, `is_wrong[r, i, j]` for j <= n_tokens."""
+    n = is_wrong.shape[-1]
+    first = np.minimum.accumulate(np.where(is_wrong, np.arange(n), n)[..., ::-1], axis=-1)[..., ::-1]
+    return np.concatenate([first, np.full((*is_wrong.shape[:-1], 1), n)], axis=-1)
 
 
 def simulate_non_si(n_tokens: int, target: float = 1.0, target_first: float | None = None) -> float:

@@ -135,8 +135,12 @@ class OracleLM(Backend):
 
 
 class SyntheticDrafter:
-    """Pure mode's drafter: proposes the oracle's token with probability `acceptance`, i.i.d. per token,
-    and a wrong one otherwise; each token costs `latency_s` of sleep (one emulated drafter forward)."""
+    """Pure mode's drafter: proposes the oracle's token with probability `acceptance`, i.i.d. per position,
+    and a wrong one otherwise; each token costs `latency_s` of sleep (one emulated drafter forward).
+
+    Whether position p's draft is right is drawn once per position, as in the offline simulator's common
+    random numbers (`analysis.simulate.draws`): a redraft of p after a preemption draws nothing new, so
+    `wrong` hands the simulator the very draws a run was decided by."""
 
     def __init__(self, oracle: OracleLM, acceptance: float, latency_s: float, seed: int = 0):
         if not 0 <= acceptance <= 1:
@@ -146,6 +150,16 @@ class SyntheticDrafter:
         self.acceptance = acceptance
         self.latency_s = latency_s
         self.rng = random.Random(seed)
+        self.draws: list[tuple[bool, int]] = []  # per position: right?, and the wrong token's offset
+
+    def draw(self, position: int) -> tuple[bool, int]:
+        while len(self.draws) <= position:
+            self.draws.append((self.rng.random() < self.acceptance, 1 + self.rng.randrange(self.oracle.vocab_size - 1)))
+        return self.draws[position]
+
+    def wrong(self, start: int, n: int) -> list[bool]:
+        """Whether the drafts of positions start .. start + n - 1 are wrong."""
+        return [not self.draw(p)[0] for p in range(start, start + n)]
 
     def propose(self, context: list[int], k: int) -> Draft:
         tokens: list[int] = []
@@ -153,8 +167,8 @@ class SyntheticDrafter:
         for i in range(k):
             time.sleep(max(0.0, start + (i + 1) * self.latency_s - time.monotonic()))
             truth = self.oracle.next_token(context + tokens)
-            wrong = (truth + 1 + self.rng.randrange(self.oracle.vocab_size - 1)) % self.oracle.vocab_size
-            tokens.append(truth if self.rng.random() < self.acceptance else wrong)
+            right, offset = self.draw(len(context) + i)
+            tokens.append(truth if right else (truth + offset) % self.oracle.vocab_size)
         return Draft(tokens, None, {self.name: Usage(k, k, time.monotonic() - start)})
 
     def observe(self, n_accepted: int) -> None:
