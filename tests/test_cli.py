@@ -269,6 +269,26 @@ def test_unknown_model_lists_catalog(capsys):
     assert "unknown model 'no-such-model'" in err and "qwen2.5-coder-1.5b" in err and "smollm2-135m" in err
 
 
+def test_a_hub_id_the_cache_lacks_is_refused_at_once_where_the_hub_is_unreachable(capsys, monkeypatch, tmp_path):
+    """One probe, no retries (a download retries for half a minute); an id the cache holds needs no hub."""
+    import time
+
+    from huggingface_hub import constants
+
+    monkeypatch.setattr(constants, "HF_HUB_CACHE", str(tmp_path))
+    monkeypatch.setattr(constants, "ENDPOINT", "http://127.0.0.1:9")  # (the discard port: nothing listens)
+    start = time.monotonic()
+    code, _, err = run(capsys, "generate", "hi", "--target", "owner/uncached", "--drafter", "none")
+    assert code == 2 and time.monotonic() - start < 10
+    assert err.count("\n") == 1 and "'owner/uncached' is not in the local Hugging Face cache and http://127.0.0.1:9" in err
+    snapshot = tmp_path / "models--owner--cached" / "snapshots" / ("0" * 40)
+    snapshot.mkdir(parents=True)
+    (snapshot / "config.json").write_text("{}")
+    (tmp_path / "models--owner--cached" / "refs").mkdir()
+    (tmp_path / "models--owner--cached" / "refs" / "main").write_text("0" * 40)
+    catalog.check_name("owner/cached")  # (no probe: it would fail)
+
+
 def test_missing_model_package_names_pip_command(capsys, monkeypatch):
     entry = catalog.CatalogEntry("fake-model", "test", (("speculant_no_such_package", "data/part01.bin"),),
                                  "pip install speculant-no-such-package==1.0", ("0" * 64,))

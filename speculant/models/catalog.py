@@ -160,8 +160,8 @@ def catalog_listing() -> str:
 def check_name(name: str) -> None:
     """Refuse, before anything loads, a model name (with or without its `@suffix`) that no loader takes: a path (it
     starts with /, ./, ../ or ~, or ends with .gguf) that names nothing, a .gguf that is not one, a folder without a
-    model's config.json, an unknown suffix, or a name that is neither in the catalog, nor a local path, nor a Hugging
-    Face id (owner/name)."""
+    model's config.json, an unknown suffix, a name that is neither in the catalog, nor a local path, nor a Hugging
+    Face id (owner/name), or an id the local cache lacks while the hub cannot be reached (`check_hub`)."""
     base, suffix = split_quant(name)
     if base in CATALOG or Path(base).expanduser().exists():  # (else the `@` may be part of a name)
         check_suffix(suffix)
@@ -183,6 +183,26 @@ def check_name(name: str) -> None:
     if not (exists or "/" in name):
         raise ModelNotAvailable(f"unknown model '{name}'; catalog models: {catalog_listing()} "
                                 "(or give a Hugging Face id or a local path)")
+    if not exists:
+        check_hub(name)
+
+
+def check_hub(name: str) -> None:
+    """Refuse at once a Hugging Face id that is not in the local cache while the hub cannot be reached: one probe
+    without retries, where a download would retry for half a minute before saying so."""
+    try:
+        from huggingface_hub import constants, try_to_load_from_cache
+        from huggingface_hub.utils import get_session
+
+        if constants.HF_HUB_OFFLINE or isinstance(try_to_load_from_cache(name, "config.json"), str):
+            return  # (offline, transformers itself says at once what the cache lacks)
+    except (ImportError, ValueError):  # no huggingface_hub (loading says so), or an id it refuses (it says why)
+        return
+    try:
+        get_session().head(constants.ENDPOINT, timeout=10)
+    except Exception as error:  # noqa: BLE001 - whichever HTTP client this huggingface_hub holds: no hub
+        raise ModelNotAvailable(f"'{name}' is not in the local Hugging Face cache and {constants.ENDPOINT} cannot be "
+                                f"reached ({error}); catalog models: {catalog_listing()}") from None
 
 
 def _stamp(path: Path) -> list[int]:
