@@ -186,6 +186,21 @@ def test_every_kernel_path_runs_the_lean_layers_to_the_same_bits(lean_files, var
     assert "scalar" in outputs and all(torch.equal(outputs["scalar"], out) for out in outputs.values()), list(outputs)
 
 
+def test_a_tree_deeper_than_the_window_sees_each_node_s_window_of_positions(lean_files):
+    """A window of 6 and a branch 8 deep: a node's window counts positions (its depth), not cache slots (where its
+    side branch's nodes sit before it), so each node's logits are, bit for bit, its path's run as a chain."""
+    tree = TokenTree((7, 40, 41, 42, 43, 44, 45, 46, 47, 48), (-1, 0, 0, 2, 3, 4, 5, 6, 7, 8))
+    model, prompt = lean(lean_files, "llama-window"), prompt_ids(60, 9)
+    model.prefill(prompt)
+    rows = model.forward(list(tree.tokens), tree=tree)
+    for node in range(len(tree)):
+        path = [node]
+        while tree.parents[path[-1]] >= 0:
+            path.append(tree.parents[path[-1]])
+        model.prefill(prompt)
+        assert torch.equal(model.forward([tree.tokens[i] for i in reversed(path)])[-1], rows[node]), node
+
+
 @pytest.mark.parametrize("variant", ["qwen2", "llama-window"])
 def test_rows_of_several_sequences_in_one_forward_equal_their_own_forwards(lean_files, variant):
     """`lean.forward_rows`: prefills (short, and past the window), chains and a tree of different sequences in

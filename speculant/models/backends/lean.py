@@ -509,9 +509,11 @@ class LeanCausalLM(PointerCache, Backend):
         where = torch.as_tensor(list(positions if positions is not None else range(start, end)), dtype=torch.long)
         windowed = mask
         if config.window is not None and end > config.window:  # keys within the window of each query's position
-            keys = torch.arange(end)[None, :]
-            near = keys > where[:, None] - config.window
-            windowed = near & (keys <= torch.arange(start, end)[:, None] if mask is None else mask)
+            keys = torch.arange(end)  # each cached key's position: its slot, but within a tree its node's depth's
+            if tree is not None:
+                keys[root:] = torch.as_tensor(tree.positions(root), dtype=torch.long)
+            near = keys[None, :] > where[:, None] - config.window
+            windowed = near & (torch.arange(end)[None, :] <= torch.arange(start, end)[:, None] if mask is None else mask)
         return _Rows(self, list(ids), where, mask, windowed, read)
 
     @torch.inference_mode()
