@@ -94,12 +94,16 @@ class Session:
         return self.caches[id(model)]
 
     def profile(self, model: CausalLM) -> LatencyProfile:
-        """`model`'s machine profile (`latency.machine_profile`), read or measured once per session."""
+        """`model`'s machine profile (`latency.machine_profile`), read or measured once per session. A measurement
+        runs the model's own cache: the session's DraftCaches over it are told (`DraftCache.forget`)."""
         model = owner_of(model)
         key = latency.profile_key(model)
         held = self._profiles.get(model)
         if held is None or held[0] != key:
             held = self._profiles[model] = key, latency.machine_profile(model)
+            for cache in self.caches.values():
+                if owner_of(cache.model) is model:
+                    cache.forget()
         return held[1]
 
     def estimates(self, name: str) -> dict[int, Acceptance]:

@@ -228,6 +228,20 @@ def every_method(other) -> dict[str, dict]:
     }
 
 
+def assert_trees_fit_the_last_positions(model, vocab: int) -> None:
+    """A prompt 12 positions short of the model's cache, trees of 16 nodes: each tree is cut to the slots left, and
+    every tree path (equal growth, a fixed shape, drafted ahead, auto's tree candidates) gives `ar`'s tokens to the
+    last position."""
+    from speculant import generate
+
+    prompt = random_prompt(3, vocab, model.max_positions - 12)
+    expected = generate(model, prompt_ids=prompt, method="ar", max_new_tokens=12).token_ids
+    tree = dict(method="tree", drafter="self", depth=4, width=4)
+    for options in (tree, {**tree, "shape": "nway"}, {**tree, "schedule": "stage"},
+                    dict(method="auto", drafters="self", tree_widths="4")):
+        assert generate(model, prompt_ids=prompt, max_new_tokens=12, **options).token_ids == expected, options
+
+
 def greedy(model, prompt: list[int], n: int = 16, vocab: int = BYTE_VOCAB) -> list[int]:
     """transformers' own greedy decoding of `model`, the whole sequence recomputed at every step."""
     ids = list(prompt)

@@ -9,7 +9,7 @@ import gguf
 import numpy as np
 import pytest
 import torch
-from helpers import BYTE_VOCAB, byte_tokenizer, every_method, greedy
+from helpers import BYTE_VOCAB, assert_trees_fit_the_last_positions, byte_tokenizer, every_method, greedy
 from tiny_gguf import dequantized_transformer, write_tiny_gguf
 
 from speculant import generate, kernels
@@ -124,6 +124,10 @@ def test_every_method_equals_ar_on_the_lean_model(lean_files, variant):
             result = generate(target, prompt_ids=prompt, max_new_tokens=24, logprobs=2, **options)
             assert result.token_ids == expected.token_ids, label
             assert result.logprobs == expected.logprobs, label  # row-invariant: the same values, bit for bit
+
+
+def test_trees_near_the_end_of_the_cache_fit_the_slots_left(lean_files):
+    assert_trees_fit_the_last_positions(lean(lean_files, "qwen2"), BYTE_VOCAB)
 
 
 def test_the_repack_is_cached(lean_files, monkeypatch):

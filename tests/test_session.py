@@ -160,6 +160,22 @@ def test_methods_sharing_a_session_draft_through_one_cache_per_drafter_model(mon
     assert len(session.caches) == 1
 
 
+def test_a_profile_measured_on_a_drafter_s_model_tells_the_session_s_cache_over_it(monkeypatch, tmp_path):
+    """A machine profile is measured on the model's own cache: the session's DraftCache over it must not go on
+    believing what it held (a belief longer than the measurement's text rolls back past the cache's end; a shorter
+    one drafts from the measurement's keys)."""
+    monkeypatch.setenv("SPECULANT_CACHE", str(tmp_path / "cache"))  # (nothing measured before)
+    target = load_model(tiny_transformer("llama", 12, VOCAB))
+    tiny_transformer("llama", 13, VOCAB).save_pretrained(tmp_path / "drafter")
+    session, name = Session(target), str(tmp_path / "drafter")
+    generate(target, prompt_ids=random_prompt(1, VOCAB, 20), method="sd", drafter=name, k=3, max_new_tokens=8,
+             session=session)
+    model = session.drafter(name, None)
+    assert len(session.cache(model).ids) >= 20
+    session.profile(model)
+    assert session.cache(model).ids == []
+
+
 def test_wrappers_forward_the_contract_whatever_they_wrap():
     from speculant.models.wrappers.biased import Biased
     from speculant.models.wrappers.metered import metered

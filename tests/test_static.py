@@ -6,7 +6,7 @@ accepted path is compacted in the cache's own storage."""
 import pytest
 import torch
 
-from helpers import BYTE_VOCAB, DEVICES, byte_tokenizer, tiny_transformer
+from helpers import BYTE_VOCAB, DEVICES, assert_trees_fit_the_last_positions, byte_tokenizer, tiny_transformer
 from speculant import cli, generate
 from speculant.errors import ConfigError
 from speculant.models import load_model
@@ -320,3 +320,7 @@ def test_a_handle_s_work_on_its_region_waits_for_the_pool():
         assert not done.wait(0.2)  # it waits while another thread holds the pool
     worker.join(5)
     assert done.is_set() and handle.cache_len == 2
+
+
+def test_trees_near_the_end_of_the_cache_fit_the_slots_left():
+    assert_trees_fit_the_last_positions(static(transformer("llama", 0)), 64)

@@ -23,11 +23,12 @@ class TreeDrafter(Drafter):
     from the drafter's distribution at its root, instead; with a `shape` (a tree of ranks, `trees.baselines`),
     every tree has that shape, drafted level by level (Sequoia-style and N-way trees). With `graph`, a tree of a
     depth decided before drafting, on a model that `drafts_trees` (the static backend), grows on the device in one
-    call (one compiled graph: `trees.levels`)."""
+    call (one compiled graph: `trees.levels`). `positions`, the most positions its verifier (the target) holds, and
+    the drafter's own bound a tree's nodes: near the end of either, trees are cut to the slots left."""
 
     def __init__(self, model: CausalLM | DraftCache, width: int,
                  chooser: Callable[[torch.Tensor, int, bool], int] | None = None, shape: TokenTree | None = None,
-                 graph: bool = False):
+                 graph: bool = False, positions: int | None = None):
         self.cache = model if isinstance(model, DraftCache) else DraftCache(metered(model))
         self.model = self.cache.model
         self.name = self.model.name
@@ -35,6 +36,20 @@ class TreeDrafter(Drafter):
         self.chooser = chooser
         self.shape = shape
         self.graph = graph and self.model.capabilities.drafts_trees
+        self.limits = [n for n in (positions, self.model.max_positions) if n is not None]
+
+    def free(self, length: int) -> int | None:
+        """The nodes a tree after a context of `length` tokens may draft: each takes a cache slot of the target's
+        (and, but for the last level, of the drafter's) after the context's; None where no model bounds them."""
+        return min(self.limits) - length if self.limits else None
+
+    def fit(self, length: int, depth: int, width: int) -> tuple[int, int]:
+        """`depth` levels of `width` nodes cut to the slots left after a context of `length`: fewer levels, and
+        where not one level fits, one narrower level (no level where no slot is left)."""
+        free = self.free(length)
+        if free is None or depth * width <= free:
+            return depth, width
+        return (free // width, width) if free >= width else (min(depth, 1) if free > 0 else 0, max(free, 1))
 
     def propose(self, context: list[int], k: int) -> Draft:
         return self.propose_tree(context, k, self.width)
@@ -53,7 +68,8 @@ class TreeDrafter(Drafter):
         The drafter's `chooser` replaces `width` by its choice for a tree of up to `depth` levels (without `cost`:
         of `depth` levels, a depth decided).
         """
-        if depth == 0:
+        depth = self.fit(len(context), depth, 1)[0]  # (no slot left, no tree; the width is fitted once known)
+        if depth <= 0:
             return Draft([], usage={self.name: Usage()}, tree=TokenTree((context[-1],), (-1,)), path_probs=[1.0])
         if self.shape is not None:
             return self.propose_shape(context, depth)
@@ -61,6 +77,7 @@ class TreeDrafter(Drafter):
         logits = self.cache.run(context)  # the tree nodes cached after it are dropped by the next run
         if self.chooser is not None:
             width = self.chooser(torch.softmax(logits[-1].float(), -1), depth, cost is None)
+        depth, width = self.fit(len(context), depth, width)
         if self.graph and cost is None and depth > 1:
             tokens, parents, scores = self.model.draft_tree(logits[-1], depth, width)
             tokens[0] = context[-1]
@@ -95,6 +112,11 @@ class TreeDrafter(Drafter):
         assert self.shape is not None
         before = self.model.usage
         depths = self.shape.depths
+        free = self.free(len(context))
+        while free is not None and depth > 0 and sum(0 < d <= depth for d in depths) > free:
+            depth -= 1  # (the levels whose nodes fit the slots left)
+        if depth == 0:
+            return Draft([], usage={self.name: Usage()}, tree=TokenTree((context[-1],), (-1,)), path_probs=[1.0])
         logits = self.cache.run(context)[-1:]  # rows: the last level's nodes, in order
         tokens, parents, scores = [context[-1]], [-1], [0.0]
         row_of = {0: 0}  # the last level's nodes, each's row in `logits`
