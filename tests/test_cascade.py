@@ -172,6 +172,23 @@ def test_cascade_sampling_matches_target_distribution(k_matrix, leniency, device
     assert_follows_target(target, prompt, method="cascade", drafters=levels, k_matrix=k_matrix, leniency=leniency)
 
 
+def test_a_reviewer_reviews_no_further_than_its_own_positions():
+    """A drafter of 48 positions under a 40-token prompt: a review cuts the draft below it to the positions left,
+    as the drafter's own proposals stop there, and the output is ar's."""
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    from speculant.models import HFCausalLM
+
+    target = tiny_model("llama", 0, VOCAB, init_std=0.5)
+    torch.manual_seed(1)
+    short = HFCausalLM(GPT2LMHeadModel(GPT2Config(vocab_size=VOCAB, n_embd=32, n_layer=2, n_head=4, n_positions=48,
+                                                  eos_token_id=None, bos_token_id=None)).eval(), None, name="gpt2-48")
+    prompt = [1, 2, 3, 4, 5, 6, 7, 8] * 5  # (Max-Gram matches)
+    expected = generate(target, prompt_ids=prompt, method="ar", max_new_tokens=20).token_ids
+    assert generate(target, prompt_ids=prompt, method="cascade", drafters=[short, "maxgram"],
+                    max_new_tokens=20).token_ids == expected
+
+
 def test_lenient_review_emits_the_lenient_distribution():
     """One lenient review, drawn many times, emits `lenient_distribution(p, q, l)`, which is not p:
     why the cascade hands that distribution, not the reviewer's, to the target."""

@@ -313,6 +313,14 @@ def test_a_drafter_with_the_same_tokenizer_and_fewer_rows_is_padded_to_the_targe
     for prompt in PROMPTS:
         ar = generate(target, prompt, method="ar", max_new_tokens=12)
         assert generate(target, prompt, drafter=drafter, k=3, max_new_tokens=12).token_ids == ar.token_ids
+    # A cascade's review reads the reviewer's rows as the target's, narrower or wider (Max-Gram always matches here).
+    for big, small in ((target, drafter), (drafter, target)):
+        prompt = "abc abc abc abc abc abc"
+        ar = generate(big, prompt, method="ar", max_new_tokens=12)
+        for temperature in (0.0, 1.0):
+            cascade = generate(big, prompt, method="cascade", drafters=[small, "maxgram"], max_new_tokens=12,
+                               temperature=temperature, seed=0)
+            assert cascade.stats.drafter_forwards and (temperature or cascade.token_ids == ar.token_ids)
 
 
 def test_tree_refuses_a_drafter_with_another_vocabulary(tokenizers):

@@ -80,6 +80,14 @@ class ModelDrafter(Drafter):
         """`logits` [..., vocab] with the ids it may not draft at -inf."""
         return logits if self.banned is None else logits.masked_fill(self.banned, float("-inf"))
 
+    def as_target_rows(self, logits: torch.Tensor) -> torch.Tensor:
+        """`logits` [..., vocab] restricted and fitted to the target's logits width (padded at -inf, or cut): how a
+        review's rows are read beside the target's."""
+        logits = self.restricted(logits)
+        if self.width is None or self.width == logits.shape[-1]:
+            return logits
+        return torch.nn.functional.pad(logits, (0, self.width - logits.shape[-1]), value=float("-inf"))
+
     def guided(self, logits: torch.Tensor, prefix: list[int]) -> torch.Tensor | None:
         """A row with what the `guide` forbids after `prefix` at -inf (structured output: a draft the target's
         grammar would reject at once is not worth its forwards), or None where it allows nothing."""
