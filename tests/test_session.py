@@ -15,6 +15,7 @@ from speculant import Draft, Drafter, Session, generate, load_model, register_dr
 from speculant.drafters import registry
 from speculant.errors import ConfigError
 from speculant.models.base import Backend, Capabilities
+from speculant.trees.tree import TokenTree
 
 VOCAB = 64
 PACKAGE = Path(__file__).resolve().parent.parent / "speculant"
@@ -355,11 +356,14 @@ def test_generations_on_one_target_never_decode_from_each_other_s_cache(method):
     (lambda context, k: Draft([VOCAB + 3]), "not token ids in"),
     (lambda context, k: Draft([-1]), "not token ids in"),
     (lambda context, k: Draft(list(context)), "tokens proposed where"),
-    (lambda context, k: Draft([1], torch.ones(1, VOCAB + 1) / (VOCAB + 1)), "its q is")])
+    (lambda context, k: Draft([1], torch.ones(1, VOCAB + 1) / (VOCAB + 1)), "its q is"),
+    (lambda context, k: Draft([], tree=TokenTree((context[-1] + 1, 7), (-1, 0))), "its tree's root is"),
+    (lambda context, k: Draft([], tree=TokenTree((context[-1],) + (7,) * (k + 1), (-1, *range(k + 1)))),
+     "deep proposed where")])
 def test_a_user_drafter_s_bad_draft_is_named_before_verification_reads_it(proposal, message):
     """A user's drafter is checked (`drafters.base.Checked`): what it proposes must be a Draft of the target's token
-    ids, at most k, with q one row per token as wide as the target's logits; speculant's own drafters are not
-    wrapped."""
+    ids, at most k (a tree: rooted at the context's last token, at most k deep), with q one row per token as wide as
+    the target's logits; speculant's own drafters are not wrapped."""
     from speculant.drafters.spec import load_drafter
 
     class Faulty(Drafter):

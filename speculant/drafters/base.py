@@ -95,6 +95,12 @@ class Checked(Drafter):
             raise ConfigError(f"drafter '{self.name}': its draft holds {tokens!r}, not token ids in "
                               f"[0, {self.vocab_size})")
         if draft.tree is not None:
+            if as_integer(draft.tree.tokens[0]) != context[-1]:
+                raise ConfigError(f"drafter '{self.name}': its tree's root is {draft.tree.tokens[0]!r}, not the "
+                                  f"context's last token {context[-1]}")
+            if max(draft.tree.depths) > k:
+                raise ConfigError(f"drafter '{self.name}': a tree {max(draft.tree.depths)} deep proposed where {k} "
+                                  "tokens were asked for")
             return draft
         if len(ids) > k:
             raise ConfigError(f"drafter '{self.name}': {len(ids)} tokens proposed where {k} were asked for")
