@@ -238,6 +238,15 @@ def test_sampling_with_dsi_keeps_the_target_distribution(device):
         assert_drafts_are_verified(target, prompt, pool, drafter=drafter)
 
 
+@pytest.mark.parametrize("seed", [-(1 << 63), (1 << 64) - 1])
+def test_dsi_takes_every_seed_a_request_may_give(seed):
+    """Each drafter thread's generator is seeded after the request's seed, wrapped to the 64 bits a generator takes."""
+    target, drafter, prompt = pair(23)
+    result = generate(target, prompt_ids=prompt, drafter=drafter, method="dsi", servers=2, lookahead=2,
+                      max_new_tokens=6, temperature=TEMPERATURE, seed=seed)
+    assert len(result.token_ids) == 6
+
+
 def test_generate_api_runs_dsi_with_planned_lookahead():
     target, drafter, prompt = pair(21)
     result = generate(target, prompt_ids=prompt, drafter=drafter, method="dsi", servers=2, max_new_tokens=30,

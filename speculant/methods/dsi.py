@@ -149,7 +149,8 @@ def build(request: Request, options: DSIOptions) -> Any:
             costs.append(0.0)
             continue
         source = source.beside(options.servers)
-        seed = None if request.seed is None else request.seed + 1 + index  # each drafter thread its own stream
+        seed = None if request.seed is None else (request.seed + 1 + index) % 2**64  # each drafter thread its own
+        # stream (a generator's seed is 64 bits: the largest seed a request may give wraps)
         drafts_from = request.session.cache(source) if pad is None else PaddedModel(source, pad)
         drafters.append(model_drafter(drafts_from, target, request.sampling, seeded(target.device, seed),
                                       pairs=request.session.vocab_pairs))
