@@ -120,6 +120,17 @@ def test_every_method_equals_ar_on_the_llamacpp_backend(gguf_files, arch, quant)
             assert generate(target, prompt_ids=prompt, max_new_tokens=30, **options).token_ids == expected, label
 
 
+def test_trees_wider_than_a_verification_takes_are_cut_to_its_tree_nodes(gguf_files):
+    """A tree forward gives each leaf a sequence id of its own, N_SEQ - 1 of them: trees of 2 x 64 drafted nodes are
+    cut to that many (one level of 63), and the output is ar's."""
+    target = gguf_model(gguf_files, "qwen2")
+    prompt = prompt_ids(12)
+    expected = generate(target, prompt_ids=prompt, method="ar", max_new_tokens=12).token_ids
+    result = generate(target, prompt_ids=prompt, method="tree", drafter="self", depth=2, width=64, verify_width=127,
+                      max_new_tokens=12)
+    assert result.token_ids == expected and max(result.stats.tree_widths) == target.capabilities.tree_nodes
+
+
 def test_a_server_on_llamacpp_answers_concurrent_requests_as_it_would_alone(gguf_files):
     """Rows of a llama.cpp target run one after another on contexts of their own: outputs as alone."""
     from concurrent.futures import ThreadPoolExecutor

@@ -34,7 +34,7 @@ def log_trees(target, drafter, prompts: Sequence[list[int]], max_new_tokens: int
     """(observation, accepted depth) of every full-depth tree of greedy tree decoding over the prompts (the
     hidden state in each observation where the target's backend gives it)."""
     log: list[tuple[Observation, int]] = []
-    tree_drafter = TreeDrafter(drafter, width, positions=target.max_positions)
+    tree_drafter = TreeDrafter(drafter, width, verifier=target)
     for ids in prompts:
         for _ in tree_speculative(target, tree_drafter, ids, depth, width, max_new_tokens, log=log):
             pass

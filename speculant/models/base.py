@@ -95,6 +95,7 @@ class Capabilities:
       handle is compiled): (tokens, parents, path log-probabilities), the levels it ran left cached as
       `forward(tree=...)` caches them. Only the backend and `Metered` offer it: a wrapper that changes forwards
       (logits, batching, padded time) would be bypassed by it.
+    - `tree_nodes`: the most drafted nodes one `forward(tree=...)` verifies (None: as many as its cache holds).
     """
 
     shares_weights: bool = False
@@ -110,6 +111,7 @@ class Capabilities:
     reuses_prefixes: bool = False
     fixed_cache: bool = False
     drafts_trees: bool = False
+    tree_nodes: int | None = None
 
 
 class Backend:

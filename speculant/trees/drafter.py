@@ -23,12 +23,13 @@ class TreeDrafter(Drafter):
     from the drafter's distribution at its root, instead; with a `shape` (a tree of ranks, `trees.baselines`),
     every tree has that shape, drafted level by level (Sequoia-style and N-way trees). With `graph`, a tree of a
     depth decided before drafting, on a model that `drafts_trees` (the static backend), grows on the device in one
-    call (one compiled graph: `trees.levels`). `positions`, the most positions its verifier (the target) holds, and
-    the drafter's own bound a tree's nodes: near the end of either, trees are cut to the slots left."""
+    call (one compiled graph: `trees.levels`). Its `verifier` (the target) bounds a tree's nodes, by the positions its
+    cache has left and the nodes one of its tree forwards takes, as the drafter's own positions do: trees are cut to
+    fit."""
 
     def __init__(self, model: CausalLM | DraftCache, width: int,
                  chooser: Callable[[torch.Tensor, int, bool], int] | None = None, shape: TokenTree | None = None,
-                 graph: bool = False, positions: int | None = None):
+                 graph: bool = False, verifier: CausalLM | None = None):
         self.cache = model if isinstance(model, DraftCache) else DraftCache(metered(model))
         self.model = self.cache.model
         self.name = self.model.name
@@ -36,12 +37,15 @@ class TreeDrafter(Drafter):
         self.chooser = chooser
         self.shape = shape
         self.graph = graph and self.model.capabilities.drafts_trees
-        self.limits = [n for n in (positions, self.model.max_positions) if n is not None]
+        self.positions = [m.max_positions for m in (verifier, self.model) if m is not None and m.max_positions]
+        self.most_nodes = verifier.capabilities.tree_nodes if verifier is not None else None
 
     def free(self, length: int) -> int | None:
-        """The nodes a tree after a context of `length` tokens may draft: each takes a cache slot of the target's
-        (and, but for the last level, of the drafter's) after the context's; None where no model bounds them."""
-        return min(self.limits) - length if self.limits else None
+        """The nodes a tree after a context of `length` tokens may draft: each takes a cache slot of the verifier's
+        (and, but for the last level, of the drafter's) after the context's, and one verification takes at most
+        the verifier's `tree_nodes`; None where nothing bounds them."""
+        bounds = [n - length for n in self.positions] + ([self.most_nodes] if self.most_nodes is not None else [])
+        return min(bounds) if bounds else None
 
     def fit(self, length: int, depth: int, width: int) -> tuple[int, int]:
         """`depth` levels of `width` nodes cut to the slots left after a context of `length`: fewer levels, and

@@ -136,7 +136,7 @@ def build(request: Request, options: TreeOptions) -> Any:
         cost = request.session.profile(request.target).cost
     chooser = shape.chooser if options.objective == "speedup" else None  # (length: no cost weighs a width either)
     drafter = TreeDrafter(request.session.cache(model), shape.width, chooser, static, options.draft_graph,
-                          request.target.max_positions)
+                          request.target)
     return tree_speculative(request.target, drafter, request.prompt_ids,
                             shape.depth, shape.width, request.max_new_tokens, request.sampling, request.generator,
                             shape.verify_width, cost, predictor, schedule=options.schedule)

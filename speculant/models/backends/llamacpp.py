@@ -280,7 +280,7 @@ class LlamaCppCausalLM(Backend):
 
     backend = "llamacpp"
     capabilities = Capabilities(shares_weights=True, prefills_in_parts=True, interruptible=True, sliding_window=True,
-                                gguf=True, replicates=True)
+                                gguf=True, replicates=True, tree_nodes=N_SEQ - 1)  # (a sequence id per leaf)
 
     def catalog_drafter_spec(self, drafter: str) -> str:
         """Its GGUF on llama.cpp too."""
