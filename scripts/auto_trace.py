@@ -12,6 +12,7 @@ its first-position acceptance estimate and its promise."""
 
 from __future__ import annotations
 
+import argparse
 import json
 import sys
 
@@ -51,4 +52,8 @@ def main(argv: list[str]) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main(sys.argv[1:]))
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("trace", help="the JSON file the steps are written to")
+    parser.add_argument("bench", nargs=argparse.REMAINDER, help="`speculant` arguments: bench and its options")
+    args = parser.parse_args()
+    sys.exit(main([args.trace, *args.bench]))

@@ -9,6 +9,7 @@ document came from."""
 
 from __future__ import annotations
 
+import argparse
 import json
 import re
 from importlib.metadata import distribution
@@ -47,4 +48,5 @@ def main() -> None:
 
 
 if __name__ == "__main__":
+    argparse.ArgumentParser(description=__doc__.split("\n\n")[0]).parse_args()  # (it takes no arguments)
     main()

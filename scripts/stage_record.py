@@ -7,8 +7,8 @@ during verification rather than while the decoder waited for it.
 
 from __future__ import annotations
 
+import argparse
 import json
-import sys
 
 
 def main(paths: list[str]) -> None:
@@ -24,4 +24,6 @@ def main(paths: list[str]) -> None:
 
 
 if __name__ == "__main__":
-    main(sys.argv[1:])
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("results", nargs="+", help="a bench run's results.json")
+    main(parser.parse_args().results)

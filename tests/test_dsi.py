@@ -554,7 +554,8 @@ def test_dsi_with_maxgram_is_faster_than_the_target_alone_in_the_twin():
 
 @pytest.fixture
 def two_ray_nodes():
-    """A Ray head and a second Ray node started on this machine with `ray start`, as the README's recipe does."""
+    """A Ray head and a second Ray node started on this machine with `ray start`, as a cluster of two machines would
+    be (`--executor ray --ray-address HOST:PORT`)."""
     pytest.importorskip("ray")
     import shutil
     import socket

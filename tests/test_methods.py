@@ -33,11 +33,21 @@ def test_a_conversation_is_a_prompt_and_a_malformed_one_is_refused():
 
 
 def test_every_method_is_registered_with_documented_options():
+    """Each option has its help, and the README's table of methods lists each method's options, no more."""
+    import re
+    from pathlib import Path
+
+    readme = (Path(__file__).resolve().parent.parent / "README.md").read_text()
     assert list(METHODS)[:6] == ["auto", "ar", "sd", "tree", "cascade", "dsi"]
     for method in METHODS.values():
         assert method.help
         for f in fields(method.options):
             assert f.metadata.get("help"), f"{method.name}.{f.name} has no help"
+        row = re.search(rf"^\| `{method.name}`( \(default\))? \|[^|]*\| (.*) \|$", readme, re.M)
+        if method.name in list(METHODS)[:6]:
+            assert row, f"the README's table of methods has no row for {method.name}"
+            listed = set(re.findall(r"`(\w+)`", row[2]))
+            assert listed == {f.name for f in fields(method.options)}, method.name
 
 
 def test_an_option_name_means_one_thing_in_every_method():
