@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from helpers import DEVICES, RAY, MarkovLM, best_of, perturbed, random_prompt, tiny_model
+from helpers import DEVICES, RAY, MarkovLM, best_of, perturbed, random_prompt, tiny_model, total_variation
 from speculant import generate
 from speculant.config import SamplingConfig
 from speculant.decoding.dsi.engine import DrafterFailed, dsi
@@ -28,6 +28,7 @@ from speculant.drafters.base import Draft, Drafter
 from speculant.drafters.maxgram import MaxGramDrafter
 from speculant.drafters.model import ModelDrafter
 from speculant.errors import ConfigError
+from speculant.sampling import logits_to_probs
 from speculant.models.backends.hf import HFCausalLM, hf_replica
 from test_sampling import TEMPERATURE, assert_follows_target, sampling_pair
 
@@ -462,6 +463,33 @@ def test_sampling_with_several_drafters_keeps_the_target_distribution():
         assert_follows_target(target, prompt, method="dsi", drafters=(drafter, other), servers=2, lookahead=2,
                               executor=pool)
         assert_drafts_are_verified(target, prompt, pool, drafters=(drafter, other))
+
+
+def test_a_deterministic_drafter_s_agreement_is_verified_as_its_draft():
+    """Drafters (a sampling one, then one without a q, as Max-Gram is): where the second agrees with the first's
+    token, the position becomes the second's, verified as its one-hot draft. Verified with the first's q instead,
+    a token the first draws rarely and the target gives little was accepted almost surely (TV ~0.14 here)."""
+
+    class Constant(Drafter):
+        name = "constant"
+
+        def propose(self, context, k):
+            time.sleep(0.002)  # (after the sampling drafter has drafted the position)
+            return Draft([0] * k, None)
+
+    target, flat, prompt = MarkovLM(6, 5, scale=1.0), MarkovLM(6, 9, scale=0.2), [1, 2, 3]  # flat: q ~ uniform
+    p = logits_to_probs(target.prefill(prompt), SamplingConfig(1.0))
+    pool = make_executor("thread", ServerSpec(lambda _: target.share(), ["cpu"], SamplingConfig(1.0),
+                                              Latency(0.01, 0.001)))  # (both speak before the first verification)
+    pool.start()
+    try:
+        counts = torch.zeros(6)
+        for seed in range(800):
+            counts[generate(target, prompt_ids=prompt, method="dsi", drafters=(flat, Constant()), servers=1,
+                            lookahead=1, executor=pool, max_new_tokens=2, temperature=1.0, seed=seed).token_ids[0]] += 1
+    finally:
+        pool.close()
+    assert float(p[0]) < 0.2 and total_variation(counts / counts.sum(), p) < 0.06
 
 
 def assert_drafts_are_verified(target, prompt, pool, **drafters):
