@@ -334,6 +334,25 @@ def test_a_byte_tokenizer_and_a_bpe_tokenizer_share_every_byte(tokenizers):
     assert (pair.to_target[:256] >= 0).all() and int(pair.to_target[256]) == -1  # <eos> is not <|end|>
 
 
+def test_a_target_token_several_drafter_tokens_spell_gets_their_summed_probability():
+    """SentencePiece's byte fallback (Llama 2, Mistral, Gemma): `<0x61>` spells what `a` spells, so both map to the
+    target's `a`, and a drafted row on the target's ids keeps all of its mass (one of the two overwrote the other)."""
+    from tokenizers import Tokenizer, decoders, models
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {"<unk>": 0, "a": 1, "b": 2, " ": 3, "<0x61>": 4, "<0x62>": 5}
+    fallback = Tokenizer(models.BPE(vocab=vocab, merges=[], unk_token="<unk>", byte_fallback=True))
+    fallback.decoder = decoders.Sequence([decoders.ByteFallback(), decoders.Fuse()])
+    target = piece_tokenizer(["a", "b", " ", "ab"], [("a", "b")])
+    pair = build_pair(target, PreTrainedTokenizerFast(tokenizer_object=fallback, unk_token="<unk>"), len(target),
+                      len(vocab))
+    assert int(pair.to_target[4]) == int(pair.to_target[1]) >= 0 and int(pair.to_target[5]) == int(pair.to_target[2])
+    q = pair.shared.float()[None]
+    q = q / q.sum()
+    mapped = pair.on_target(q, len(target))
+    assert float(mapped.sum()) == pytest.approx(1) and float(mapped[0, pair.to_target[1]]) == pytest.approx(2 * q[0, 1])
+
+
 def test_acceptance_estimates_for_a_drafter_of_another_vocabulary(char_target):
     from speculant.analysis.acceptance import estimate
 

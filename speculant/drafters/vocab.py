@@ -110,10 +110,10 @@ class VocabPair:
 
     def on_target(self, q: torch.Tensor, width: int) -> torch.Tensor:
         """Drafter distributions [n, drafter width] that are zero outside the shared tokens, on the target's ids
-        [n, width]."""
+        [n, width]: a target id that several drafter ids spell (a byte-fallback token and the character it
+        spells, as Llama 2's `<0x61>` and `a`) gets their summed probability."""
         mapped = torch.zeros(q.shape[0], width, dtype=q.dtype, device=q.device)
-        mapped[:, self._targets.to(q.device)] = q[:, self._columns.to(q.device)]
-        return mapped
+        return mapped.index_add_(1, self._targets.to(q.device), q[:, self._columns.to(q.device)])
 
     def starting_with(self, prefix: bytes) -> torch.Tensor:
         """The drafter ids whose bytes start with `prefix` (special tokens aside): one range of the byte order."""
