@@ -323,6 +323,26 @@ def test_a_drafter_with_the_same_tokenizer_and_fewer_rows_is_padded_to_the_targe
             assert cascade.stats.drafter_forwards and (temperature or cascade.token_ids == ar.token_ids)
 
 
+def test_a_drafter_whose_positions_the_context_outgrows_drafts_nothing(tokenizers):
+    """A byte-level drafter of 32 positions under a prompt of more bytes: no draft (as a drafter of the target's
+    vocabulary stops at its positions), greedy and sampled, and the output is ar's."""
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    from speculant.models import HFCausalLM
+
+    target = tiny_model("llama", 0, len(tokenizers[0]), init_std=0.2, tokenizer=tokenizers[0])
+    torch.manual_seed(1)
+    short = HFCausalLM(GPT2LMHeadModel(GPT2Config(vocab_size=257, n_embd=32, n_layer=2, n_head=4, n_positions=32,
+                                                  eos_token_id=None, bos_token_id=None)).eval(), byte_tokenizer(),
+                       name="bytes-32")
+    prompt = "def quicksort(values): return sorted(values)  # naïve"
+    ar = generate(target, prompt, method="ar", max_new_tokens=8).token_ids
+    for temperature in (0.0, 0.8):
+        result = generate(target, prompt, method="sd", drafter=short, k=3, max_new_tokens=8, temperature=temperature,
+                          seed=0)
+        assert not sum(result.stats.drafter_forwards.values()) and (temperature or result.token_ids == ar)
+
+
 def test_tree_refuses_a_drafter_with_another_vocabulary(tokenizers):
     target, drafter = greedy_pair("llama", 0, tokenizers)
     with pytest.raises(ConfigError, match="another"):
