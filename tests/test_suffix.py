@@ -54,6 +54,12 @@ def test_the_history_keeps_its_capacity_and_the_latest_generations():
     assert len(history.tokens) == 20 and history.tokens[-5:].tolist() == [109, 9, 9, 9, -1]
     assert [start for start, _ in history.keys] == [0, 5, 10, 15]
     assert history.tokens[0] == 106
+    # A generation cut at the front keeps its key while any of it is left: the same prompt never drafts from it.
+    history = History(capacity=12)
+    history.add([1, 2, 3], [4, 5, 6, 7])
+    history.add([9, 9], [8, 8])  # (the first generation's first token goes)
+    assert history.tokens[0] == 2 and [start for start, _ in history.keys] == [0, 7]
+    assert SuffixDrafter(history).begin([1, 2, 3]).propose([1, 2, 3], 4).tokens == []
 
 
 @pytest.mark.parametrize("arch", ARCHS)

@@ -46,8 +46,10 @@ class History:
         sequence = np.asarray([*prompt_ids, *output, GAP], dtype=np.int64)[-self.capacity:]
         keep = max(0, self.capacity - len(sequence))
         drop = max(0, len(self.tokens) - keep)
+        ends = [start for start, _ in self.keys[1:]] + [len(self.tokens)]
         self.tokens = np.concatenate([self.tokens[drop:], sequence])
-        self.keys = [(start - drop, key) for start, key in self.keys if start - drop >= 0]
+        # a generation whose first tokens were dropped keeps its key while any of it is left (`without` blanks it)
+        self.keys = [(max(start - drop, 0), key) for (start, key), end in zip(self.keys, ends) if end > drop]
         self.keys.append((len(self.tokens) - len(sequence), prompt_key(prompt_ids)))
 
     def without(self, key: bytes | None) -> np.ndarray:
