@@ -164,6 +164,18 @@ def test_text_stream_holds_back_stop_prefixes_and_cuts_at_stops():
     assert "".join(stream.push(t) for t in b"EN") == "" and stream.flush() == "EN"
     stream = TextStream(byte_tokenizer(), ["!"])  # (a character of bytes before the stop: each byte's token counts)
     assert "".join(stream.push(t) for t in "xé!?".encode()) == "xé" and stream.covering() == 3
+    # A token that ends with the first byte of a character, after a stop string: the stop ends the text at once.
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    from speculant.drafters.vocab import byte_of_char
+
+    vocab = byte_of_char()
+    a, first = (next(c for c, b in vocab.items() if b == byte) for byte in (ord("A"), 0xE2))  # ("“" is E2 80 9C)
+    merged = Tokenizer(models.BPE(vocab={**vocab, a + first: 256}, merges=[(a, first)]))
+    merged.pre_tokenizer, merged.decoder = pre_tokenizers.ByteLevel(add_prefix_space=False), decoders.ByteLevel()
+    stream = TextStream(PreTrainedTokenizerFast(tokenizer_object=merged), ["A"])
+    assert stream.push(ord("x")) == "x" and stream.push(256) == "" and stream.stopped and stream.text == "x"
 
 
 @pytest.fixture(scope="module")

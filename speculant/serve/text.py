@@ -30,17 +30,24 @@ class TextStream:
         self.ids.append(token)
         decode = self.tokenizer.decode
         window = decode(self.ids[self.start :], skip_special_tokens=True)
-        if window.endswith("\ufffd"):
-            return ""
         text = self.text + window[len(decode(self.ids[self.start : self.done], skip_special_tokens=True)) :]
+        if window.endswith("\ufffd"):  # a character waiting for its last byte; a stop string before it ends now
+            ended = self._ended(text.rstrip("\ufffd"))
+            return "" if ended is None else ended
         self.start, self.done = self.done, len(self.ids)
         self.text = text
+        ended = self._ended(text)
+        return ended if ended is not None else self._take(len(text) - self._held(text))
+
+    def _ended(self, text: str) -> str | None:
+        """Where `text` holds a stop string: the text ends before it (`stopped`), and what of it is left to hand
+        out; else None."""
         longest = max(map(len, self.stops), default=0)
         hits = [i for i in (text.find(s, max(0, self.sent - longest)) for s in self.stops) if i >= 0]
-        if hits:
-            self.text, self.stopped = text[: min(hits)], True
-            return self._take(len(self.text))
-        return self._take(len(text) - self._held(text))
+        if not hits:
+            return None
+        self.text, self.stopped = text[: min(hits)], True
+        return self._take(len(self.text))
 
     @property
     def holding(self) -> bool:
@@ -60,9 +67,12 @@ class TextStream:
         return low
 
     def flush(self) -> str:
-        """What is left when the generation ends without a stop string (an incomplete character included)."""
+        """What is left when the generation ends (an incomplete character included; a stop string still ends it)."""
         if not self.stopped and self.ids:
-            self.text = self.tokenizer.decode(self.ids, skip_special_tokens=True)
+            text = self.tokenizer.decode(self.ids, skip_special_tokens=True)
+            if (ended := self._ended(text)) is not None:
+                return ended
+            self.text = text
         return self._take(len(self.text))
 
     def _held(self, text: str) -> int:
