@@ -231,13 +231,21 @@ def test_logprobs_stream_and_not_equal_plain_decoding_s(server):
     done = client.completions.create(model="tiny", prompt="def f(x):", max_tokens=12, temperature=0, logprobs=2)
     logprobs = done.choices[0].logprobs
     assert len(logprobs.tokens) == len(logprobs.token_logprobs) == len(logprobs.top_logprobs) == done.usage.completion_tokens
-    added = [1 if t.startswith("bytes:") else len(t) for t in logprobs.tokens]  # a split character adds its U+FFFD
-    assert logprobs.text_offset == [sum(added[:i]) for i in range(len(logprobs.tokens))]
+    text = done.choices[0].text  # each token's offset: the characters before it (a split character's at its start)
+    assert logprobs.text_offset == sorted(logprobs.text_offset) and logprobs.text_offset[-1] <= len(text)
+    assert all(text[at:at + len(t)] == t for t, at in zip(logprobs.tokens, logprobs.text_offset)
+               if not t.startswith("bytes:"))
+    from speculant.models.wrappers.logprobs import TokenLogprob
+    from speculant.serve.app import Shape, Spelling
+
+    shape = Shape("id", "tiny", False, Spelling(byte_tokenizer(), BYTE_VOCAB))  # "“" is three bytes, three tokens
+    halves = [shape.entries([TokenLogprob(t, -1.0, ()) for t in part]) for part in (b"a\xe2\x80", b"\x9cb")]
+    assert [at for half in halves for at in half["text_offset"]] == [0, 1, 1, 1, 2]  # (streamed in two chunks)
     chunks = list(client.completions.create(model="tiny", prompt="def f(x):", max_tokens=12, temperature=0,
                                             logprobs=2, stream=True))
     assert [v for c in chunks if c.choices[0].logprobs for v in c.choices[0].logprobs.token_logprobs] == \
         logprobs.token_logprobs
-    text = done.choices[0].text  # a stop string where a token begins: its tokens leave the log-probabilities too
+    # a stop string where a token begins: its tokens leave the log-probabilities too
     i = next(i for i, (t, at) in enumerate(zip(logprobs.tokens, logprobs.text_offset))
              if i and t.strip() and not t.startswith("bytes:") and text.find(t) == at)
     for stream in (False, True):

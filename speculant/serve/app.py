@@ -11,6 +11,7 @@ those that name something on the machine are the operator's (`check_request_opti
 from __future__ import annotations
 
 import asyncio
+import codecs
 import functools
 import hmac
 import json
@@ -532,7 +533,8 @@ class Shape:
         self.most_calls = None if parallel else 1
         self.spelled: TextStream | None = None  # the reply's text as its steps' tokens arrive (`step`)
         self.spelling, self.logprobs = spelling, spelling is not None
-        self.offset = 0  # characters of completion text before the next token (completions' text_offset)
+        self.offset = 0  # characters of completion text before the next token (completions' text_offset), counted
+        self.characters = codecs.getincrementaldecoder("utf-8")("replace")  # whole: a split one counts at its end
 
     def usage(self, outcome: Outcome) -> dict[str, Any]:
         return {"prompt_tokens": outcome.prompt_tokens, "completion_tokens": outcome.completion_tokens,
@@ -596,7 +598,7 @@ class Shape:
         offsets = []
         for e in entries:
             offsets.append(self.offset)
-            self.offset += len(spelling.decoded(e.token))
+            self.offset += len(self.characters.decode(spelling.bytes(e.token)))
         return {"tokens": pieces, "token_logprobs": [e.logprob for e in entries],
                 "top_logprobs": [{spelling.text(t): lp for t, lp in e.top} for e in entries], "text_offset": offsets}
 
