@@ -465,6 +465,13 @@ def test_sampling_with_several_drafters_keeps_the_target_distribution():
         assert_drafts_are_verified(target, prompt, pool, drafters=(drafter, other))
 
 
+def test_one_drafter_model_given_twice_is_refused():
+    """Two drafter threads on one model would share its cache (a rollback past its end, sooner or later)."""
+    target, drafter, prompt = pair(24)
+    with pytest.raises(ConfigError, match="drafters: .* is given twice"):
+        generate(target, prompt_ids=prompt, method="dsi", drafters=[drafter, drafter], servers=2, max_new_tokens=8)
+
+
 def test_a_deterministic_drafter_s_agreement_is_verified_as_its_draft():
     """Drafters (a sampling one, then one without a q, as Max-Gram is): where the second agrees with the first's
     token, the position becomes the second's, verified as its one-hot draft. Verified with the first's q instead,

@@ -142,6 +142,9 @@ def build(request: Request, options: DSIOptions) -> Any:
     drafters, costs, sources, begun = [], [], [], []
     for index, (name, pad) in enumerate(zip(names, pads)):
         source = request.session.drafter(name, options.drafter_dtype)
+        if not isinstance(source, Drafter) and any(source is other for other in sources):
+            raise ConfigError(f"drafters: {getattr(source, 'name', name)} is given twice (each drafter drafts on a "
+                              "thread of its own, from its own model's cache)")
         sources.append(source)
         if isinstance(source, Drafter):  # Max-Gram and other model-free drafters cost next to nothing
             drafters.append(source.begin(request.prompt_ids))
