@@ -475,7 +475,7 @@ def test_one_drafter_model_given_twice_is_refused():
 def test_a_deterministic_drafter_s_agreement_is_verified_as_its_draft():
     """Drafters (a sampling one, then one without a q, as Max-Gram is): where the second agrees with the first's
     token, the position becomes the second's, verified as its one-hot draft. Verified with the first's q instead,
-    a token the first draws rarely and the target gives little was accepted almost surely (TV ~0.14 here)."""
+    a token the first draws rarely and the target gives little was accepted almost surely."""
 
     class Constant(Drafter):
         name = "constant"

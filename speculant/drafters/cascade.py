@@ -152,11 +152,10 @@ class CascadeDrafter(Drafter):
         """One forward of `reviewer` over `sub`: its accepted prefix plus the reviewer's own next token,
         each with the distribution it was drawn from (CS Drafting, Algorithm 1, inner review). Its rows are read
         as the target's (`ModelDrafter.as_target_rows`), and it reviews no further than its own positions."""
-        limit = reviewer.model.max_positions
-        if limit is not None and len(context) + len(sub) > limit:
-            if len(context) >= limit:
-                return [], []
-            sub, sub_rows = sub[:limit - len(context)], sub_rows[:limit - len(context)]
+        room = reviewer.room(len(context))
+        if room <= 0:
+            return [], []
+        sub, sub_rows = sub[:room], sub_rows[:room]
         logits = reviewer.as_target_rows(reviewer.score(context, sub))  # [len(sub) + 1, vocab]
         if self.sampling.greedy:
             q_x = None if self.leniency == 1 else torch.tensor(

@@ -58,14 +58,9 @@ class CrossVocabDrafter(Drafter):
         if text is None:
             return Draft([])
         own = self._encoding.encode(text)
-        if not self.fits(own):
+        if self.drafter.room(len(own)) <= 0:  # (its own tokens fill its positions)
             return Draft([])
         return self._greedy(context, own, k) if self.greedy else self._sampled(own, k)
-
-    def fits(self, own: list[int]) -> bool:
-        """Whether the drafter has a position left after its own tokens `own` (a draft needs one)."""
-        limit = self.drafter.model.max_positions
-        return limit is None or len(own) < limit
 
     def _heal(self, own: list[int]) -> tuple[list[int], list[int], int]:
         """Token healing: the context without its last drafter token, and the drafter's best token that starts
@@ -110,7 +105,7 @@ class CrossVocabDrafter(Drafter):
         and the drafter's own probability outside the shared tokens (what the restriction costs); None where
         it cannot draft."""
         text = self.pair.text(context)
-        if text is None or not self.fits(own := self._encoding.encode(text)):
+        if text is None or self.drafter.room(len(own := self._encoding.encode(text))) <= 0:
             return None
         logits = self.drafter.score(own, [])[0]
         outside = 1 - float(logits_to_probs(logits, self.drafter.sampling)[self.pair.shared.to(logits.device)].sum())

@@ -50,8 +50,7 @@ class ModelDrafter(Drafter):
 
     def propose(self, context: list[int], k: int) -> Draft:
         """Up to k tokens; a draft ends at an end-of-sequence token and within the drafter's positions."""
-        if self.model.max_positions is not None:
-            k = min(k, self.model.max_positions - len(context))
+        k = min(k, self.room(len(context)))
         if k <= 0:
             return Draft([], None)
         before = self.model.usage
@@ -75,6 +74,12 @@ class ModelDrafter(Drafter):
         if kept is not None and self.width is not None and self.width != kept.shape[-1]:
             kept = torch.nn.functional.pad(kept, (0, self.width - kept.shape[-1]))  # negative: cut
         return Draft(tokens, kept, {self.name: self.model.usage - before})
+
+    def room(self, length: int) -> int:
+        """The tokens the drafter may draft after `length` of them: its positions left (1 << 30 where its model
+        sets none)."""
+        limit = self.model.max_positions
+        return 1 << 30 if limit is None else limit - length
 
     def restricted(self, logits: torch.Tensor) -> torch.Tensor:
         """`logits` [..., vocab] with the ids it may not draft at -inf."""

@@ -214,8 +214,8 @@ def build(request: Request, options: AutoOptions) -> Any:
             if not can_pay(profile.cost(width), cost, options.k_max, width):
                 continue
             name = f"{source.name} tree{width}"
-            tree = TreeDrafter(drafter.cache, width, verifier=target)  # the chain's cache: whichever drafts next
-            # catches up from it
+            # the chain's cache: whichever drafts next catches up from it
+            tree = TreeDrafter(drafter.cache, width, verifier=target)
             candidates.append(Candidate(name, tree, profile.cost(width), TREE_PRIOR,
                                         estimates=session.estimates(name), width=width,
                                         catch_up=catch_up_cost(tree, profile, session.prefixes), chain=chain,

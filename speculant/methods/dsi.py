@@ -143,8 +143,8 @@ def build(request: Request, options: DSIOptions) -> Any:
     for index, (name, pad) in enumerate(zip(names, pads)):
         source = request.session.drafter(name, options.drafter_dtype)
         if not isinstance(source, Drafter) and any(source is other for other in sources):
-            raise ConfigError(f"drafters: {getattr(source, 'name', name)} is given twice (each drafter drafts on a "
-                              "thread of its own, from its own model's cache)")
+            raise ConfigError(f"drafters: {source.name} is given twice (each drafter drafts on a thread of its own, "
+                              "from its own model's cache)")
         sources.append(source)
         if isinstance(source, Drafter):  # Max-Gram and other model-free drafters cost next to nothing
             drafters.append(source.begin(request.prompt_ids))
@@ -152,8 +152,8 @@ def build(request: Request, options: DSIOptions) -> Any:
             costs.append(0.0)
             continue
         source = source.beside(options.servers)
-        seed = None if request.seed is None else (request.seed + 1 + index) % 2**64  # each drafter thread its own
-        # stream (a generator's seed is 64 bits: the largest seed a request may give wraps)
+        # each drafter thread its own stream (a generator's seed is 64 bits: the largest seed a request gives wraps)
+        seed = None if request.seed is None else (request.seed + 1 + index) % 2**64
         drafts_from = request.session.cache(source) if pad is None else PaddedModel(source, pad)
         drafters.append(model_drafter(drafts_from, target, request.sampling, seeded(target.device, seed),
                                       pairs=request.session.vocab_pairs))

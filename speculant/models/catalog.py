@@ -12,6 +12,7 @@ before use, and a cache that fails the check is rebuilt after a one-line warning
 from __future__ import annotations
 
 import fcntl
+import functools
 import hashlib
 import importlib.util
 import json
@@ -187,9 +188,11 @@ def check_name(name: str) -> None:
         check_hub(name)
 
 
+@functools.lru_cache(maxsize=16)
 def check_hub(name: str) -> None:
     """Refuse at once a Hugging Face id that is not in the local cache while the hub cannot be reached: one probe
-    without retries, where a download would retry for half a minute before saying so."""
+    without retries, where a download would retry for half a minute before saying so. An id found reachable is
+    not probed again (a CLI checks a name before it loads, and loading checks it too)."""
     try:
         from huggingface_hub import constants, try_to_load_from_cache
         from huggingface_hub.utils import get_session

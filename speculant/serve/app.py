@@ -533,8 +533,8 @@ class Shape:
         self.most_calls = None if parallel else 1
         self.spelled: TextStream | None = None  # the reply's text as its steps' tokens arrive (`step`)
         self.spelling, self.logprobs = spelling, spelling is not None
-        self.offset = 0  # characters of completion text before the next token (completions' text_offset), counted
-        self.characters = codecs.getincrementaldecoder("utf-8")("replace")  # whole: a split one counts at its end
+        self.offset = 0  # characters of completion text before the next token (completions' text_offset)
+        self.characters = codecs.getincrementaldecoder("utf-8")("replace")  # (a split character counts at its end)
 
     def usage(self, outcome: Outcome) -> dict[str, Any]:
         return {"prompt_tokens": outcome.prompt_tokens, "completion_tokens": outcome.completion_tokens,

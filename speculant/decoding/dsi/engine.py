@@ -177,8 +177,9 @@ class Coordinator:
             if index:  # the leader drafts on from here
                 self.workers[0].sync(seq, self.n_committed, self.limit())
             return True
-        if seq[pos] == token:  # agreement; an uncommitted draft becomes the costlier drafter's, q included (None: a
-            if pos >= self.n_committed and index > self.owner.get(pos, -1):  # deterministic drafter's, one-hot)
+        # Agreement: an uncommitted draft becomes the costlier drafter's, q included (None: a deterministic one's).
+        if seq[pos] == token:
+            if pos >= self.n_committed and index > self.owner.get(pos, -1):
                 self.owner[pos], self.q_rows[pos] = index, q
             return True
         if pos < self.n_committed or index < self.owner.get(pos, -1):  # the target or a costlier drafter

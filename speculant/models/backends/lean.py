@@ -509,11 +509,10 @@ class LeanCausalLM(PointerCache, Backend):
         where = torch.as_tensor(list(positions if positions is not None else range(start, end)), dtype=torch.long)
         windowed = mask
         if config.window is not None and end > config.window:  # keys within the window of each query's position
-            keys = torch.arange(end)  # each cached key's position: its slot, but within a tree its node's depth's
-            if tree is not None:
-                keys[root:] = torch.as_tensor(tree.positions(root), dtype=torch.long)
+            slots = torch.arange(end)  # each key's position is its slot's, but a tree node's is its depth's
+            keys = slots if tree is None else torch.cat([slots[:root], torch.as_tensor(tree.positions(root))])
             near = keys[None, :] > where[:, None] - config.window
-            windowed = near & (torch.arange(end)[None, :] <= torch.arange(start, end)[:, None] if mask is None else mask)
+            windowed = near & (slots[None, :] <= torch.arange(start, end)[:, None] if mask is None else mask)
         return _Rows(self, list(ids), where, mask, windowed, read)
 
     @torch.inference_mode()
