@@ -28,6 +28,19 @@ def test_k_larger_than_what_follows_keeps_matching_on_the_draft():
     assert MaxGramDrafter().propose(context, 7).tokens == [3, 1, 2, 3, 1, 2, 3]
 
 
+def test_a_repeated_run_drafts_k_tokens_in_one_lookup(monkeypatch):
+    """A match that runs into the context's end is copied with overlap, not looked up again per token: on a
+    long run of one token, k lookups over the whole context per proposal made Max-Gram cost more than a step."""
+    import speculant.drafters.maxgram as maxgram
+
+    lookups = []
+    monkeypatch.setattr(maxgram, "longest_suffix_match",
+                        lambda tokens: lookups.append(len(tokens)) or longest_suffix_match(tokens))
+    assert MaxGramDrafter().propose([7] * 500, 16).tokens == [7] * 16
+    assert MaxGramDrafter().propose([5, 1, 2, 3] + [1, 2, 3] * 100, 8).tokens == [1, 2, 3, 1, 2, 3, 1, 2]
+    assert len(lookups) == 2
+
+
 def test_no_match_falls_back_to_bigram():
     table = bigram_table([[7, 8, 7, 9, 7, 8]], vocab_size=12)
     assert table[7] == 8 and table[8] == 7 and table[0] == -1

@@ -105,7 +105,10 @@ class MaxGramDrafter(Drafter):
         while len(draft) < k:
             end, length = longest_suffix_match(tokens)
             if length >= self.min_match:
-                follow = tokens[end + 1 : end + 1 + k - len(draft)]
+                # what followed the match, read as an overlapping copy (LZ77's): where it runs into the
+                # context's end it goes on with the tokens it just copied, so a repeated run drafts all k
+                # tokens in one lookup instead of one token per lookup
+                follow = np.resize(tokens[end + 1 :], k - len(draft))
             elif self.bigram is not None and 0 <= tokens[-1] < len(self.bigram) and self.bigram[tokens[-1]] >= 0:
                 follow = self.bigram[tokens[-1:]]
             else:
