@@ -41,7 +41,7 @@ class MethodSummary:
     cost_ratios: dict[str, float] = field(default_factory=dict)  # measured c per drafter
     swi: float | None = None  # standardized wall-time improvement with those c (CS Drafting, section 5)
     ttft_s: float = 0.0
-    identical_to_ar: float | None = None  # share of prompts whose output equals ar's on the same weights
+    identical_to_ar: float | None = None  # share of prompts whose output equals ar's (same weights, same sampling)
     common_prefix_with_ar: float | None = None  # mean tokens in common with that ar before the first difference
 
 
@@ -83,9 +83,9 @@ def summarize(rows: list[Measurement], methods: list[MethodSpec], baseline: str 
         mine = by_method[spec.label]
         if not mine:
             continue
+        alike = [a.label for a in ar_specs if _law(a) == _law(spec)]
         if baseline is None:
-            alike = [a.label for a in ar_specs if _law(a) == _law(spec)] or ar_labels
-            base = by_method[alike[0]] if alike else []
+            base = by_method[(alike or ar_labels)[0]] if ar_labels else []
         else:
             base = by_method[baseline]
         base_rows = {(r.prompt_id, r.repeat): r for r in base}
@@ -114,8 +114,10 @@ def summarize(rows: list[Measurement], methods: list[MethodSpec], baseline: str 
         if base and _decode_rate(base):
             summary.decode_speedup = summary.decode_tokens_per_s / _decode_rate(base)
             summary.decode_speedup_ci95 = ratio_interval(mine, base, _decode_rate, lambda r: r.prompt_id)
-        # Agreement only against an ar on the same weights: another dtype's ar is another model's output.
-        reference = next((by_method[label] for label in ar_labels if by_method[label][0].target == summary.target), None)
+        # Agreement only against an ar on the same weights that samples alike: another dtype's ar is another model's
+        # output, and another temperature's another distribution's.
+        reference = next((by_method[label] for label in alike
+                          if by_method[label] and by_method[label][0].target == summary.target), None)
         if reference:
             same = {(r.prompt_id, r.repeat): r.token_ids for r in reference}
             said = {(r.prompt_id, r.repeat): r.text or "" for r in reference}
