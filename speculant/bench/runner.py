@@ -1,6 +1,6 @@
 """Run a method matrix fairly: one process, one loaded target per dtype, one warm-up per method, methods
-interleaved prompt by prompt and in reverse order every other repeat (A B, B A: a drift of the machine's speed
-within a prompt's runs weighs on every method alike), the same seed for every method, wall time around whole
+interleaved prompt by prompt and in reverse order every other prompt and repeat (A B, B A: a drift of the machine's
+speed weighs on every method alike, with one repeat too), the same seed for every method, wall time around whole
 generations."""
 
 from __future__ import annotations
@@ -47,7 +47,8 @@ def run_matrix(
     on_row: Callable[[Measurement], None] | None = None,
     isolated: Callable[[MethodSpec, list[int], int, dict[str, Any] | None], GenerationResult] | None = None,
 ) -> list[Measurement]:
-    """Every method on every prompt, interleaved, `repeats` times, odd repeats in reverse method order; returns
+    """Every method on every prompt, interleaved, `repeats` times, every other prompt and repeat in reverse method
+    order (prompt i of repeat r when i + r is odd); returns
     the rows in run order.
 
     `target_for(dtype, backend)` returns the loaded target in that dtype on that backend (None: the run's
@@ -99,10 +100,12 @@ def run_matrix(
     try:
         for spec in methods:  # warm-up: allocator, caches, lazy initialisation, DSI's servers
             if isolated is None or spec.peer:  # an isolated generation warms its own process up
-                run(spec, encoded[0], min(8, max_new_tokens), prompts[0].response_format)
+                # on the first prompt's tokens reversed, as `bench.isolated` warms up: the same lengths and code
+                # paths, and no prefix that the method's drafter caches could carry into its first measured run
+                run(spec, encoded[0][::-1], min(8, max_new_tokens), prompts[0].response_format)
         for repeat in range(repeats):
-            for prompt, ids in zip(prompts, encoded):
-                for spec in methods if repeat % 2 == 0 else methods[::-1]:
+            for index, (prompt, ids) in enumerate(zip(prompts, encoded)):
+                for spec in methods if (repeat + index) % 2 == 0 else methods[::-1]:
                     result = run(spec, ids, max_new_tokens, prompt.response_format)
                     row = Measurement(prompt.id, prompt.category, spec.label, repeat, target_key(target_for(spec.dtype, spec.backend)),
                               result.token_ids, result.stats, result.text)
