@@ -44,11 +44,26 @@ def test_speculative_output_is_read_back_and_its_prompt_checked():
     run = read_speculative(SPECULATIVE_OUT, SPECULATIVE_LOG, PROMPT)
     assert run.text == "Hello! How can I assist you today?"
     assert (run.new_tokens, run.prompt_tokens) == (10, 10)
-    assert run.wall_s == pytest.approx(2.493 + 2.825) and run.ttft_s == pytest.approx(2.493)
+    # the first step (of 10 tokens - 2 accepted drafts = 8) is timed with decoding: TTFT takes one step's mean
+    assert run.wall_s == pytest.approx(2.493 + 2.825) and run.ttft_s == pytest.approx(2.493 + 2.825 / 8)
     with pytest.raises(RuntimeError, match="another prompt"):
         read_speculative(SPECULATIVE_OUT, SPECULATIVE_LOG, PROMPT.replace(b"hi", b"ho"))
     with pytest.raises(RuntimeError, match="decoded"):
         read_speculative(SPECULATIVE_OUT, "encoded 3 tokens in 1.0 seconds", PROMPT)
+
+
+def test_each_tool_is_asked_for_the_tokens_the_run_asks(monkeypatch):
+    """llama-completion stops at -n tokens, llama-speculative-simple one token past it."""
+    from types import SimpleNamespace
+
+    from speculant.bench import llamacpp_cli
+    from speculant.config import SamplingConfig
+
+    monkeypatch.setattr(llamacpp_cli, "tool", lambda name: name)
+    target = SimpleNamespace(weights=SimpleNamespace(path="m.gguf"), threads=2, max_positions=4096)
+    for method, n in (("llamacpp-cli-ar", "96"), ("llamacpp-cli-ngram", "95")):
+        args = llamacpp_cli.tool_args(method, target, "p.txt", 96, parse_method(method).options, SamplingConfig(), 0)
+        assert args[args.index("-n") + 1] == n
 
 
 def test_the_amx_tile_configuration_fix_applies_to_the_line_gcc_12_miscompiles(tmp_path):

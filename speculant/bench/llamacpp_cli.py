@@ -6,8 +6,11 @@ special tokens back; the run checks that it counts the same prompt tokens), gree
 and the context settings of speculant's llama.cpp backend (threads, context, micro-batch of 512, flash
 attention, bf16 KV cache; `kv=f16` gives llama.cpp's default cache). Times are the tools' own: prompt evaluation and generation, without loading the model.
 The tools print text, not token ids: a run counts as identical to `ar` when its text starts with ar's.
-`llamacpp-cli-ar` follows a prompt's JSON `response_format` with llama-completion's own `--json-schema`
-(llama.cpp's grammar sampler)."""
+`llama-speculative-simple` is asked for one token fewer than the run, as it stops one token past its -n; its
+drafts may still carry it a few tokens further (a model drafter's last draft is not cut to what is left): those
+count as the tokens it emitted in its time, which favours it a little in whole-request rates (its prompt's time
+spread over more tokens). `llamacpp-cli-ar` follows a prompt's JSON `response_format` with llama-completion's own
+`--json-schema` (llama.cpp's grammar sampler)."""
 
 from __future__ import annotations
 
@@ -91,8 +94,9 @@ def read_completion(stdout: bytes, log: str) -> ToolRun:
 
 def read_speculative(stdout: bytes, log: str, prompt: bytes) -> ToolRun:
     """`llama-speculative-simple`: stdout echoes the prompt, then the new text, then blank lines; the log
-    has the encode and decode times and the draft counts. Its first step is timed with decoding, so TTFT
-    here is the prompt's encoding alone (a little early, in the tool's favour)."""
+    has the encode and decode times and the draft counts. The tool encodes the prompt but its last token, whose
+    forward, the first step, it times with decoding: TTFT here is the encoding and one step of the mean length
+    (steps = tokens - accepted drafts, as each step emits its accepted drafts and one token of its own)."""
     body = stdout.removeprefix(b"\n\n")
     if not body.startswith(prompt):
         raise RuntimeError("llama-speculative-simple echoed another prompt than it was given")
@@ -100,8 +104,9 @@ def read_speculative(stdout: bytes, log: str, prompt: bytes) -> ToolRun:
     encode_s = _number(r"encoded\s+\d+ tokens in\s+([\d.]+) seconds", log, "llama-speculative-simple")
     decode_s = _number(r"decoded\s+\d+ tokens in\s+([\d.]+) seconds", log, "llama-speculative-simple")
     n = int(_number(r"decoded\s+(\d+) tokens", log, "llama-speculative-simple"))
+    steps = max(n - int(_number(r"n_accept\s*=\s*(\d+)", log, "llama-speculative-simple")), 1)
     return ToolRun(text, n, int(_number(r"encoded\s+(\d+) tokens", log, "llama-speculative-simple")),
-                   encode_s + decode_s, encode_s)
+                   encode_s + decode_s, encode_s + decode_s / steps)
 
 
 def schema_args(method: str, response_format: dict[str, Any] | None) -> list[str]:
@@ -131,7 +136,9 @@ def tool_args(method: str, target: Any, prompt_file: Path, max_new_tokens: int, 
         return [str(tool("llama-completion")), *common, "-no-cnv", "--no-display-prompt",
                 *schema_args(method, response_format)]
     schema_args(method, response_format)  # refuses
+    # llama-speculative-simple stops once it has emitted more than -n tokens: one more than asked
     speculative = [str(tool("llama-speculative-simple")), *common]
+    speculative[speculative.index("-n") + 1] = str(max_new_tokens - 1)
     if method == "llamacpp-cli-spec":
         drafter = getattr(options.drafter, "weights", None)
         if drafter is None:
