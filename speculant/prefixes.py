@@ -123,6 +123,7 @@ class PrefixCache:
             if matched < len(child.tokens):
                 if at + matched == len(ids):  # held already, within an edge
                     child.used = self.clock
+                    at = len(ids)
                     break
                 child = self._split(child, matched)
             child.used = self.clock

@@ -125,6 +125,11 @@ def test_shared_prefixes_are_kept_once_and_the_budget_holds():
     assert restored.held.flatten().tolist() == list(range(100, 120))
     assert cache.restore(Positions(), first) == 32
     assert cache.restore(Positions(), second) == 40
+    short = list(range(17)) + [999]  # its whole blocks lie within a held edge: nothing to add, nothing lost
+    model.prefill(short)
+    cache.store(model, short)
+    assert cache.tokens() == 60 and cache.bytes == 60 * 4
+    assert cache.restore(Positions(), second) == 40 and cache.restore(Positions(), short) == 16
 
 
 @pytest.mark.parametrize("method", ["ar", "sd", "auto"])
