@@ -8,7 +8,7 @@ import os
 
 import pytest
 
-from speculant.serve.tools import ToolStream, parse
+from speculant.serve.tools import Parsed, ToolStream, parse
 
 WEATHER = {"type": "function", "function": {
     "name": "get_weather", "description": "The current weather in a city",
@@ -19,19 +19,24 @@ TIME = {"type": "function", "function": {
     "name": "get_time", "description": "The local time in a city",
     "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}
 TOOLS = [WEATHER, TIME]
+NAMES = [tool["function"]["name"] for tool in TOOLS]
 ASK = [{"role": "user", "content": "What is the weather like in Paris today?"}]
 
 
 def test_calls_are_parsed_and_text_before_them_is_content():
     text = 'Let me look.\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>\n' \
            '<tool_call>\n{"name": "get_time", "arguments": {"city": "Rome"}}\n</tool_call>'
-    parsed = parse(text)
+    parsed = parse(text, NAMES)
     assert parsed.content == "Let me look."
     assert [(c["function"]["name"], json.loads(c["function"]["arguments"])) for c in parsed.calls] == [
         ("get_weather", {"city": "Paris"}), ("get_time", {"city": "Rome"})]
     assert len({c["id"] for c in parsed.calls}) == 2
-    assert parse("no calls <tool_call>{oops}</tool_call>").calls == []  # not JSON: stays content
-    assert parse("no calls <tool_call>{oops}</tool_call>").content == "no calls <tool_call>{oops}</tool_call>"
+    assert parse("no calls <tool_call>{oops}</tool_call>", NAMES).calls == []  # not JSON: stays content
+    assert parse("no calls <tool_call>{oops}</tool_call>", NAMES).content == "no calls <tool_call>{oops}</tool_call>"
+    other = '<tool_call>\n{"name": "rm_rf", "arguments": {}}\n</tool_call>'  # a function not declared: content
+    assert parse(other, NAMES) == Parsed(other, [])
+    tagged = '<tool_call>\n{"name": "get_time", "arguments": {"city": "</tool_call>"}}\n</tool_call>'
+    assert [json.loads(c["function"]["arguments"]) for c in parse(tagged, NAMES).calls] == [{"city": "</tool_call>"}]
 
 
 def test_a_stream_hands_out_content_and_holds_back_the_calls():
@@ -39,15 +44,75 @@ def test_a_stream_hands_out_content_and_holds_back_the_calls():
     pieces = ["Sure", ". <", "tool", '_call>\n{"name": "get_time", "arguments": {"city": "Oslo"}}', "\n</tool_call>"]
     out = [stream.push(p) for p in pieces]
     assert out == ["Sure", ".", "", "", ""]  # (the space before the call is the format's)
-    rest, calls = stream.finish()
+    rest, calls = stream.finish(NAMES)
     assert rest == "" and [c["function"]["name"] for c in calls] == ["get_time"]
     plain = ToolStream()
-    assert plain.push("a <b") == "a <b" and plain.push(" <to") == "" and plain.finish() == (" <to", [])
+    assert plain.push("a <b") == "a <b" and plain.push(" <to") == "" and plain.finish(NAMES) == (" <to", [])
     text = 'Let me check.\n<tool_call>\n{"name": "get_time", "arguments": {"city": "Oslo"}}\n</tool_call>\n'
     for pieces in ([text], ["Let me check.", "\n", text[14:]], list(text)):  # the stream's content is the reply's
         stream = ToolStream()
         streamed = "".join(stream.push(p) for p in pieces)
-        assert streamed + stream.finish()[0] == parse(text).content == "Let me check."
+        assert streamed + stream.finish(NAMES)[0] == parse(text, NAMES).content == "Let me check."
+
+
+def accepts(tokenizer, vocabulary, choice, functions=TOOLS):
+    """Whether the tools grammar lets a reply of these token ids end there."""
+    from speculant.models.wrappers.constrained import Matcher
+    from speculant.serve.tools import constraint
+
+    matcher = Matcher(constraint(tokenizer, [t["function"] for t in functions], choice, True), tokenizer, vocabulary)
+
+    def check(ids):
+        twin = matcher.twin()
+        return twin.follow(ids) and bool(twin.allowed()[tokenizer.eos_token_id])
+    return check
+
+
+SHIP = {"type": "function", "function": {"name": "ship", "parameters": {  # as pydantic writes nested models
+    "type": "object", "properties": {"to": {"$ref": "#/$defs/Address"}, "then": {"$ref": "#"}},
+    "$defs": {"Address": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}}}
+
+
+def call(name, arguments):
+    return f"<tool_call>\n{json.dumps({'name': name, 'arguments': arguments})}\n</tool_call>"
+
+
+@pytest.mark.parametrize("choice", ["auto", "required"])
+def test_calls_follow_their_schema_references_and_plain_json(choice):
+    """`$defs` and `#` resolve within each function's parameters; a call's JSON is never padded without end; text
+    before a call (a tag spelled in plain tokens) cannot smuggle in a call that is not checked."""
+    from helpers import BYTE_VOCAB, byte_tokenizer
+
+    tokenizer = byte_tokenizer()
+    ok = accepts(tokenizer, BYTE_VOCAB, choice, [WEATHER, SHIP])
+    ids = lambda text: tokenizer.encode(text, add_special_tokens=False)  # noqa: E731
+    assert ok(ids(call("ship", {"to": {"city": "Oslo"}, "then": {"to": {"city": "Rome"}}})))
+    assert ok(ids(call("get_weather", {"city": "Paris"}) + "\n" + call("ship", {})))
+    assert not ok(ids(call("ship", {"then": {"to": {"town": 1}}})))  # the nested Address has no city
+    assert not ok(ids("<tool_call>\n{" + "\t" * 40 + '"name": "ship", "arguments": {}}\n</tool_call>'))
+    assert ok(ids(call("get_weather", {"city": "see </tool_call>"})))
+    if choice == "auto":
+        assert ok(ids("Plain text.")) and ok(ids("Let me see.\n" + call("ship", {})))
+        assert not ok(ids("Let me see. " + call("rm_rf", {"path": "/"})))
+
+
+@pytest.mark.real_model
+def test_a_tag_spelled_in_plain_tokens_is_text_that_cannot_hold_a_call():
+    """Where the tag is one token (Qwen's), text may not spell it in ordinary tokens: a call is the tag's token."""
+    from transformers import AutoTokenizer
+
+    from speculant.models.loading import tokenizer_folder
+
+    folder = tokenizer_folder("qwen2.5-coder-0.5b")
+    if folder is None:
+        pytest.skip("the packaged 0.5B's tokenizer is not made yet")
+    tokenizer = AutoTokenizer.from_pretrained(folder)
+    ok = accepts(tokenizer, len(tokenizer), "auto")
+    spelled = lambda tag: [tokenizer.convert_tokens_to_ids(p) for p in ("<", tag, "_call", ">")]  # noqa: E731
+    arguments = tokenizer.encode('\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n', add_special_tokens=False)
+    opening, closing = (tokenizer.convert_tokens_to_ids(tag) for tag in ("<tool_call>", "</tool_call>"))
+    assert ok(tokenizer.encode("Hello", add_special_tokens=False) + [opening] + arguments + [closing])
+    assert not ok(spelled("tool") + arguments + [tokenizer.convert_tokens_to_ids(p) for p in ("</", "tool", "_call", ">")])
 
 
 @pytest.fixture(scope="module")

@@ -167,8 +167,11 @@ def create_app(engine: Engine, served_name: str, config: ServeConfig | None = No
         if choice != "none":
             if body.response_format is not None and body.response_format.get("type") != "text":
                 raise ApiError(400, "response_format cannot constrain a reply that may call tools", "response_format")
-            calls = tools.constraint(tokenizer, [t.function.model_dump() for t in body.tools], choice,
-                                     body.parallel_tool_calls)
+            try:  # (the grammar compiles off the event loop; a schema llguidance refuses is the client's to mend)
+                functions = [t.function.model_dump() for t in body.tools]
+                calls = await asyncio.to_thread(tools.constraint, tokenizer, functions, choice, body.parallel_tool_calls)
+            except ConfigError as error:
+                raise ApiError(400, str(error), "tools") from None
         messages = [tools.template_message(m) for m in body.messages]
         controls = control_tokens(tokenizer) if tokenizer is not None else None
         rendered = [(f"messages.{i}.{name}", value) for i, message in enumerate(messages)
@@ -185,11 +188,11 @@ def create_app(engine: Engine, served_name: str, config: ServeConfig | None = No
                                           if choice != "none" else None)
         except ConfigError as error:
             raise ApiError(400, str(error), "messages") from None
-        return await respond(body, ids, body.max_completion_tokens or body.max_tokens, True, http, choice != "none",
-                             calls)
+        return await respond(body, ids, body.max_completion_tokens or body.max_tokens, True, http,
+                             [t.function.name for t in body.tools] if choice != "none" else None, calls)
 
     async def respond(body: Sampling, ids: list[int], max_tokens: int | None, chat: bool, http: Request,
-                      calling: bool = False, calls: Constraint | None = None) -> Any:
+                      calling: list[str] | None = None, calls: Constraint | None = None) -> Any:
         if body.model != served_name:
             raise ApiError(404, f"model '{body.model}' is not served here (this server has '{served_name}')",
                            "model", "model_not_found")
@@ -215,7 +218,8 @@ def create_app(engine: Engine, served_name: str, config: ServeConfig | None = No
             raise ApiError(400, str(error), option_param(error)) from None
         ident = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex[:24]
         spelled_now = await asyncio.to_thread(spelling) if job.logprobs is not None else None  # (the first: a scan)
-        shape = Shape(ident, served_name, chat, spelled_now, calling, body.parallel_tool_calls if calling else True)
+        shape = Shape(ident, served_name, chat, spelled_now, calling,
+                      body.parallel_tool_calls if calling is not None else True)
         refused = "speculant" if body.speculant else None  # what a ConfigError of the running request is about
         try:
             if (item := await next_item(queue, http)) is GONE:
@@ -236,7 +240,7 @@ def create_app(engine: Engine, served_name: str, config: ServeConfig | None = No
     async def stream(item: Any, queue: asyncio.Queue, ticket: Any, shape: Shape, include_usage: bool,
                      route: str, refused: str | None) -> AsyncIterator[str]:
         """The SSE stream of a request whose first `item` came (the rest follow on `queue`)."""
-        held = tools.ToolStream() if shape.calling else None  # a reply that may call: its calls held to the end
+        held = tools.ToolStream() if shape.calling is not None else None  # a reply that may call: calls held to the end
         try:
             if shape.chat:
                 yield sse(shape.chunk({"role": "assistant", "content": ""}, []))
@@ -254,7 +258,7 @@ def create_app(engine: Engine, served_name: str, config: ServeConfig | None = No
             metrics.usage(outcome.prompt_tokens, outcome.completion_tokens)
             finish = outcome.finish_reason
             if held is not None:
-                rest, calls = held.finish(shape.most_calls)
+                rest, calls = held.finish(shape.calling, shape.most_calls)
                 if rest:
                     yield sse(shape.chunk(rest, []))
                 if calls:
@@ -526,10 +530,11 @@ class Shape:
     carries its tokens' log-probabilities in the endpoint's form (chat: `content` entries; completions: parallel
     lists)."""
 
-    def __init__(self, ident: str, model: str, chat: bool, spelling: Spelling | None = None, calling: bool = False,
+    def __init__(self, ident: str, model: str, chat: bool, spelling: Spelling | None = None,
+                 calling: list[str] | None = None,
                  parallel: bool = True):
         self.ident, self.model, self.chat, self.created = ident, model, chat, int(time.time())
-        self.calling = calling  # the reply may call tools: parsed into `tool_calls`
+        self.calling = calling  # the tools the reply may call (None: none): its calls of them parsed into `tool_calls`
         self.most_calls = None if parallel else 1
         self.spelled: TextStream | None = None  # the reply's text as its steps' tokens arrive (`step`)
         self.spelling, self.logprobs = spelling, spelling is not None
@@ -545,7 +550,7 @@ class Shape:
         if self.chat:
             message: dict[str, Any] = {"role": "assistant", "content": outcome.text}
             finish = outcome.finish_reason
-            if self.calling and (parsed := tools.parse(outcome.text, self.most_calls)).calls:
+            if self.calling is not None and (parsed := tools.parse(outcome.text, self.calling, self.most_calls)).calls:
                 message = {"role": "assistant", "content": parsed.content, "tool_calls": parsed.calls}
                 finish = self.finish(finish, parsed.calls)
             choice = {"index": 0, "message": message, "finish_reason": finish, "logprobs": logprobs}

@@ -13,13 +13,15 @@ from __future__ import annotations
 import json
 import re
 import uuid
+from collections.abc import Collection
 from dataclasses import dataclass
 from typing import Any
 
-from speculant.models.wrappers.constrained import Constraint
+from speculant.models.wrappers.constrained import JSON_OPTIONS, Constraint
 
 OPEN, CLOSE = "<tool_call>", "</tool_call>"
-CALL = re.compile(re.escape(OPEN) + r"\s*(.*?)\s*" + re.escape(CLOSE), re.DOTALL)
+CLOSING = re.compile(r"\s*" + re.escape(CLOSE))  # after a call's JSON
+DECODER = json.JSONDecoder()
 ANY_OBJECT = {"type": "object"}  # a function declared without `parameters`
 
 
@@ -29,17 +31,35 @@ def speaks_tools(tokenizer: Any) -> bool:
     return "tools" in template and OPEN in template
 
 
-def _marker(tokenizer: Any, text: str) -> str:
-    """`text` in a Lark grammar: its token where the vocabulary has it as one (`<[id]>`), else the string."""
+def _marker(tokenizer: Any, text: str) -> str | None:
+    """`text`'s token in a Lark grammar (`<[id]>`) where the vocabulary has it as one, else None."""
     token = tokenizer.convert_tokens_to_ids(text)
     if isinstance(token, int) and token != tokenizer.unk_token_id and tokenizer.decode([token]) == text:
         return f"<[{token}]>"
-    return json.dumps(text)
+    return None
+
+
+def _arguments(parameters: dict[str, Any]) -> dict[str, Any]:
+    """A function's parameters with every local `$ref` pointing where they now sit, at `#/$defs/arguments` of the call
+    object's schema (a reference resolves from the root of the schema it is in: `#/$defs/Address` or a recursive
+    `#` meant the parameters' own root)."""
+    def moved(node: Any) -> Any:
+        if isinstance(node, dict):
+            return {key: "#/$defs/arguments" + value[1:] if key == "$ref" and isinstance(value, str)
+                    and value.startswith("#") else moved(value) for key, value in node.items()}
+        return [moved(value) for value in node] if isinstance(node, list) else node
+
+    return moved(parameters)
 
 
 def constraint(tokenizer: Any, functions: list[dict[str, Any]], choice: Any, parallel: bool) -> Constraint | None:
     """The grammar a reply must match: `auto`, text or calls (text may come before them); `required`, calls
-    only; a named function, one call of it; with `parallel` false, at most one call. None for `none`."""
+    only; a named function, one call of it; with `parallel` false, at most one call. None for `none`.
+
+    Text never holds the call tag (spelled in plain tokens it would parse as a call the grammar never checked): where
+    the vocabulary has the tag as one token the text excludes its spelling, else the text before a call ends, lazily,
+    at the first tag, which the call follows. Each call's JSON is written as `response_format`'s is
+    (`JSON_OPTIONS`: no whitespace without end)."""
     if choice == "none":
         return None
     named = choice["function"]["name"] if isinstance(choice, dict) else None
@@ -48,16 +68,28 @@ def constraint(tokenizer: Any, functions: list[dict[str, Any]], choice: Any, par
         if named is not None and function["name"] != named:
             continue
         schema = {"type": "object", "properties": {"name": {"const": function["name"]},
-                                                   "arguments": function.get("parameters") or ANY_OBJECT},
-                  "required": ["name", "arguments"], "additionalProperties": False}
+                                                   "arguments": {"$ref": "#/$defs/arguments"}},
+                  "required": ["name", "arguments"], "additionalProperties": False,
+                  "$defs": {"arguments": _arguments(function.get("parameters") or ANY_OBJECT)},
+                  "x-guidance": JSON_OPTIONS}
         bodies.append(f"%json {json.dumps(schema)}")
-    calls = "call" if named is not None or not parallel else "call+"
-    start = calls if choice != "auto" else f"TEXT | TEXT? {calls}"
-    lark = "\n".join([f"start: {start}",
-                      "TEXT: /(.|\\n)+/",
-                      f'call: {_marker(tokenizer, OPEN)} "\\n" body "\\n" {_marker(tokenizer, CLOSE)} "\\n"?',
-                      f"body: {' | '.join(bodies)}"])
-    return Constraint("grammar", lark, "tools")
+    opening, closing = _marker(tokenizer, OPEN), _marker(tokenizer, CLOSE) or json.dumps(CLOSE)
+    rest = f'"\\n" body "\\n" {closing} "\\n"?'  # a call after its opening tag
+    call = f"{opening or json.dumps(OPEN)} {rest}"
+    more = "" if named is not None or not parallel else " call*"
+    if choice != "auto":
+        start = f"call{more}"
+    elif opening is not None:
+        start = f"TEXT | TEXT? call{more}"
+    else:  # text up to the first tag, lazily (a greedy lexeme would run past it), then the rest of that call
+        start = f"TEXT | head rest{more}"
+    lark = [f"start: {start}",
+            f"TEXT: /(?s:.+)/ & ~/(?s:.*){re.escape(OPEN)}(?s:.*)/",
+            f"head[lazy]: /(?s:.*)/ {json.dumps(OPEN)}",
+            f"rest: {rest}",
+            f"call: {call}",
+            f"body: {' | '.join(bodies)}"]
+    return Constraint("grammar", "\n".join(lark), "tools")
 
 
 @dataclass
@@ -66,22 +98,25 @@ class Parsed:
     calls: list[dict[str, Any]]  # OpenAI's tool_calls entries
 
 
-def parse(text: str, most: int | None = None) -> Parsed:
+def parse(text: str, names: Collection[str], most: int | None = None) -> Parsed:
     """The calls in a reply, at most `most` (each with an id, its arguments as JSON text of an object) and the text
-    before them (None where there is none). A block that is not a call's JSON object stays in the content."""
-    calls, kept, at = [], [], 0
-    for match in CALL.finditer(text):
-        if most is not None and len(calls) >= most:
-            break
+    before them (None where there is none). A block that is not a call's JSON object, or that calls a function other
+    than `names`, stays in the content. A call's JSON is read whole before its closing tag is looked for: an
+    argument may hold the tag's text."""
+    calls, kept, at, search = [], [], 0, 0
+    while (start := text.find(OPEN, search)) >= 0 and (most is None or len(calls) < most):
+        search = start + len(OPEN)
+        body = search + len(text[search:]) - len(text[search:].lstrip())
         try:
-            call = json.loads(match.group(1))
+            call, end = DECODER.raw_decode(text, body)
         except (ValueError, RecursionError):
             continue
-        if not isinstance(call, dict) or not isinstance(call.get("name"), str) or \
+        close = CLOSING.match(text, end)
+        if close is None or not isinstance(call, dict) or call.get("name") not in names or \
                 not isinstance(call.get("arguments", {}), dict):
             continue
-        kept.append(text[at:match.start()])
-        at = match.end()
+        kept.append(text[at:start])
+        at = search = close.end()
         calls.append({"id": "call_" + uuid.uuid4().hex[:24], "type": "function",
                       "function": {"name": call["name"], "arguments": json.dumps(call.get("arguments", {}))}})
     if not calls:
@@ -115,9 +150,9 @@ class ToolStream:
         piece, self.sent = self.text[self.sent:end], end  # format's: `parse` strips it, so it waits for what follows)
         return piece
 
-    def finish(self, most: int | None = None) -> tuple[str, list[dict[str, Any]]]:
-        """(the content not yet handed out, the calls: at most `most`)."""
-        parsed = parse(self.text, most)
+    def finish(self, names: Collection[str], most: int | None = None) -> tuple[str, list[dict[str, Any]]]:
+        """(the content not yet handed out, the calls of functions `names`: at most `most`)."""
+        parsed = parse(self.text, names, most)
         if not parsed.calls:
             rest, self.sent = self.text[self.sent:], len(self.text)
             return rest, []
