@@ -396,6 +396,18 @@ def test_bad_requests_get_4xx_json_errors_and_the_server_keeps_serving(server, e
     assert client.completions.create(model="tiny", prompt="ok", max_tokens=2, temperature=0).choices[0].text is not None
 
 
+def test_nulls_are_the_defaults_openai_gives_them(server):
+    _, url, _ = server
+    nulls = dict.fromkeys(("temperature", "top_p", "n", "stream", "presence_penalty", "frequency_penalty", "seed",
+                           "stop", "max_tokens"))
+    for endpoint, body in (("chat/completions", {"messages": [{"role": "user", "content": "hi"}], "logprobs": None}),
+                           ("completions", {"prompt": "hi", "logprobs": None, "echo": None})):
+        response = httpx.post(f"{url}/{endpoint}", json={"model": "tiny", **body, **nulls})
+        assert response.status_code == 200 and response.json()["choices"][0]["finish_reason"], response.text
+    response = httpx.post(f"{url}/completions", json={"model": "tiny", "prompt": "hi", "functions": None})
+    assert response.status_code == 400 and response.json()["error"]["param"] == "functions"
+
+
 class SlowDrafter(Drafter):
     """Drafts nothing, slowly: a request that takes long enough to test queues and disconnects."""
 

@@ -106,6 +106,15 @@ class Sampling(BaseModel):
     speculant: dict[str, Any] | None = None
     user: Text | None = Field(None, description="accepted and ignored: the server keeps no per-user state")
 
+    @model_validator(mode="before")
+    @classmethod
+    def _nulls_mean_defaults(cls, data: Any) -> Any:
+        """OpenAI's API takes null for its optional fields (`"temperature": null`, as some clients send): the field's
+        default. A field this server does not know is still refused by name, null or not."""
+        if isinstance(data, dict):
+            return {key: value for key, value in data.items() if value is not None or key not in cls.model_fields}
+        return data
+
     @field_validator("temperature")
     @classmethod
     def _not_tiny(cls, value: float) -> float:
