@@ -304,13 +304,15 @@ def test_stop_strings_cut_the_text_across_tokens(server):
 
 
 def test_per_request_method_and_options(server):
-    _, _, client = server
+    engine, _, client = server
+    loaded = dict(engine.drafters)  # (changed only on the batcher's thread, which reads them in a step)
     plain = client.completions.create(model="tiny", prompt="xyz", max_tokens=16, temperature=0)
     for extra in ({"method": "ar"}, {"k": 2}, {"method": "sd", "drafter": "maxgram"}, {"method": "tree", "depth": 2}):
         other = client.completions.create(model="tiny", prompt="xyz", max_tokens=16, temperature=0,
                                           extra_body={"speculant": extra})
         assert other.choices[0].text == plain.choices[0].text, extra
         assert other.usage.model_dump()["speculative"]["method"] == extra.get("method", "sd")
+    assert engine.drafters == loaded
 
 
 BAD = [

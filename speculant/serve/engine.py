@@ -215,6 +215,9 @@ class Engine:
         self.options = options
         self.batcher.run(lambda: with_drafters(options, self._load))
         self.served = tuple(self.drafters)  # the server's own drafters: a request's defaults, whatever others added
+        # Max-Gram costs nothing to hold, so any request may draft with it: loaded now, on the batcher's thread, as a
+        # request's first use on the event loop's would change the session's drafters while a step reads them
+        self.batcher.run(lambda: self._load(MAXGRAM))
         self.max_batch, self.max_queue = max_batch, max_queue
         self._lock = threading.Lock()  # submissions and their count of waiting requests
         self._running_apart: set[threading.Thread] = set()
@@ -280,12 +283,9 @@ class Engine:
         check_capabilities(options, self.target)
         for name, drafters in drafters_by_field(options).items():
             for drafter in drafters:
-                if any(drafter is m for m in self.drafters.values()) or str(drafter) in self.drafters:
-                    continue
-                if str(drafter) != MAXGRAM:
+                if not any(drafter is m for m in self.drafters.values()) and str(drafter) not in self.drafters:
                     raise OptionError(name, f"drafter '{drafter}' is not loaded on this server (loaded: "
-                                      f"{', '.join(self.drafters) or 'none'})")
-                self._load(drafter)  # Max-Gram costs nothing to add
+                                      f"{', '.join(self.drafters)})")
         on_own_thread(spec.name, options)
         return spec, options
 
