@@ -451,6 +451,79 @@ def test_a_user_s_gguf_runs_on_lean_where_it_can_and_says_why_in_one_line(typed_
     assert line.endswith("): it runs on token ids only")
 
 
+def variant(tmp_path, monkeypatch, name, arch="llama", **writes):
+    """A tiny F32 GGUF whose writer's `writes` (GGUFWriter method: its replacement, called with the writer and the
+    original's arguments) change what it writes: the metadata and tensors of files written by other tools."""
+    with monkeypatch.context() as patch:
+        for method, replacement in writes.items():
+            original = getattr(gguf.GGUFWriter, method)
+            patch.setattr(gguf.GGUFWriter, method,
+                          lambda self, *args, f=replacement, o=original, **kw: f(self, o, *args, **kw))
+        path = tmp_path / f"{name}.gguf"
+        write_tiny_gguf(path, arch, 0, "F32", hidden=128)
+    return path
+
+
+def test_metadata_llama_cpp_reads_with_defaults_computes_as_llama_cpp_does(tmp_path, monkeypatch):
+    """A linear rope scaling given only by its factor, or under the older `rope.scale_linear` key, and a Gemma 2 file
+    without its soft caps (llama.cpp's defaults: linear; 50 and 30) compute as the file that names them."""
+    ids = prompt_ids(3, 40)
+
+    def logits(path):
+        return load_model(str(path), backend="lean", tokenizer=byte_tokenizer()).prefill(ids)
+
+    def then(*more):  # after the rope's dimension count: keys of the writer's own
+        return lambda writer, original, n: (original(writer, n), *(add(writer) for add in more))
+
+    named = logits(variant(tmp_path, monkeypatch, "named", add_rope_dimension_count=then(
+        lambda w: w.add_rope_scaling_type(gguf.RopeScalingType.LINEAR), lambda w: w.add_rope_scaling_factor(4.0))))
+    for name, key in (("factor", lambda w: w.add_rope_scaling_factor(4.0)),
+                      ("old", lambda w: w.add_float32("llama.rope.scale_linear", 4.0))):
+        assert torch.equal(logits(variant(tmp_path, monkeypatch, name, add_rope_dimension_count=then(key))), named)
+    assert not torch.equal(logits(variant(tmp_path, monkeypatch, "plain")), named)
+    capped = logits(variant(tmp_path, monkeypatch, "capped", "gemma2", add_attn_logit_softcapping=lambda w, o, v: o(
+        w, 50.0), add_final_logit_softcapping=lambda w, o, v: o(w, 30.0)))
+    bare = variant(tmp_path, monkeypatch, "bare", "gemma2", add_attn_logit_softcapping=lambda w, o, v: None,
+                   add_final_logit_softcapping=lambda w, o, v: None)
+    assert "softcapping" not in str(GGUFFile(bare).fields) and torch.equal(logits(bare), capped)
+
+
+def test_files_the_lean_model_would_compute_otherwise_run_on_llama_cpp(tmp_path, monkeypatch):
+    """Each says why in one line read from the header: a tensor it does not compute (a bias of the output
+    projection), experts, one part of a split model, per-layer head counts, a norm not in F32."""
+    from speculant.models.backends.lean import coverage
+
+    extra = lambda name, values: lambda w, o, n: (o(w, n), w.add_tensor(name, values))  # noqa: E731
+    cases = {
+        "blk.0.attn_output.bias, which": dict(add_rope_dimension_count=extra("blk.0.attn_output.bias",
+                                                                             np.ones(128, np.float32))),
+        "with experts": dict(add_rope_dimension_count=lambda w, o, n: (o(w, n), w.add_uint32("llama.expert_count", 4))),
+        "one part of a split model": dict(add_rope_dimension_count=lambda w, o, n: (o(w, n), w.add_uint16(
+            "split.count", 3))),
+        "head_count_kv is list": dict(add_head_count_kv=lambda w, o, n: w.add_array("llama.attention.head_count_kv",
+                                                                                    [n, n])),
+        "attn_norm.weight is F16": dict(add_tensor=lambda w, o, name, values, *rest, **kw: o(
+            w, name, values.astype(np.float16) if name.endswith("attn_norm.weight") else values, *rest, **kw)),
+    }
+    for reason, writes in cases.items():
+        runs, why = coverage(variant(tmp_path, monkeypatch, reason.split()[0], **writes))
+        assert not runs and reason in why, why
+
+
+def test_a_header_with_an_array_longer_than_the_file_or_nested_without_end_is_refused(tmp_path):
+    import struct
+
+    def header(value: bytes) -> bytes:  # one key, "k", of array type (9)
+        return b"GGUF" + struct.pack("<IQQ", 3, 0, 1) + struct.pack("<Q", 1) + b"k" + struct.pack("<I", 9) + value
+
+    long = header(struct.pack("<IQ", 0, 2**63))  # 2^63 uint8s
+    deep = header(b"".join(struct.pack("<IQ", 9, 1) for _ in range(3000)))  # arrays of one array, 3000 deep
+    for name, data in (("long", long), ("deep", deep)):
+        (tmp_path / name).write_bytes(data)
+        with pytest.raises(ConfigError, match="damaged GGUF header"):
+            GGUFFile(tmp_path / name)
+
+
 WINDOWED_METHODS = {"ar": dict(method="ar"), "sd": dict(method="sd", drafter="maxgram", k=4),
                     "tree": dict(method="tree", drafter="self", depth=3, width=3),
                     "cascade": dict(method="cascade", drafters=["self", "maxgram"])}

@@ -30,6 +30,7 @@ def _scalars() -> dict[int, np.dtype]:
 
 TYPED = {"F16": np.float16, "F32": np.float32, "F64": np.float64, "I8": np.int8, "I16": np.int16, "I32": np.int32,
          "I64": np.int64}  # tensor types whose data GGUFReader gives as a typed array (the others': bytes)
+MAX_NESTING = 8  # levels of arrays within arrays a header may have (GGUF files use one)
 
 
 @dataclass(frozen=True, eq=False)
@@ -55,7 +56,7 @@ class GGUFFile:
             raise ConfigError(f"{self.path} is not a GGUF file")
         try:
             self.tensors = self._read()
-        except (struct.error, ValueError) as error:  # past the end of the file; an unknown tensor type
+        except (struct.error, ValueError, OverflowError) as error:  # past the end of the file; an unknown tensor type
             raise ConfigError(f"{self.path}: a damaged GGUF header ({error})") from None
 
     def _read(self) -> list[Tensor]:
@@ -110,7 +111,7 @@ class GGUFFile:
         self._offset += length
         return text
 
-    def _value(self, kind: int) -> Any:
+    def _value(self, kind: int, depth: int = 0) -> Any:
         from gguf import GGUFValueType
 
         scalars = _scalars()
@@ -122,13 +123,15 @@ class GGUFFile:
             return value.item()
         if kind == GGUFValueType.ARRAY:
             item, count = self._unpack("<I"), self._unpack("<Q")
+            if count > len(self._buffer) - self._offset or depth >= MAX_NESTING:  # (an item takes a byte at least)
+                raise ValueError("an array longer than the file, or nested too deep")
             if item in scalars:
                 values = np.frombuffer(self._buffer, scalars[item], count, self._offset)
                 self._offset += values.nbytes
                 return values.tolist()
             if item == GGUFValueType.STRING:  # (a tokenizer's tokens and merges: the bulk of a header)
                 return [self._string() for _ in range(count)]
-            return [self._value(item) for _ in range(count)]
+            return [self._value(item, depth + 1) for _ in range(count)]
         raise ConfigError(f"{self.path}: a metadata value of unknown GGUF type {kind}")
 
 

@@ -106,6 +106,14 @@ class Layer:
 
 
 MATRICES = ("attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate", "ffn_up", "ffn_down")
+# Every tensor the lean model computes with; a file holding another (a bias of the output projection or the MLP, an
+# expert's weights) computes something else, and runs on llama.cpp
+TENSORS = frozenset({"token_embd.weight", "output_norm.weight", "output.weight", "rope_freqs.weight"})
+LAYER_TENSORS = frozenset({*(f"{part}.weight" for part in MATRICES), "attn_qkv.weight", "attn_q.bias", "attn_k.bias",
+                           "attn_v.bias", "attn_norm.weight", "attn_q_norm.weight", "attn_k_norm.weight",
+                           "post_attention_norm.weight", "ffn_norm.weight", "post_ffw_norm.weight"})
+GEMMA2_DEFAULTS = {"attention.sliding_window": 4096, "attn_logit_softcapping": 50.0, "final_logit_softcapping": 30.0}
+# (what llama.cpp assumes where a Gemma 2 file predates these keys)
 
 
 class LeanWeights:
@@ -281,39 +289,54 @@ def _read(reader: gguf_header.GGUFFile) -> tuple[LeanConfig, dict[str, Any],
     arch = _field(reader, "general.architecture")
     if arch not in ARCHITECTURES:
         raise ConfigError(f"the lean backend runs {', '.join(ARCHITECTURES)}, not {arch}")
-    heads = int(_field(reader, f"{arch}.attention.head_count"))
-    hidden = int(_field(reader, f"{arch}.embedding_length"))
-    head_dim = int(_field(reader, f"{arch}.attention.key_length", hidden // heads))
-    window = _field(reader, f"{arch}.attention.sliding_window", None)
-    scaling = str(_field(reader, f"{arch}.rope.scaling.type", "none"))
+    if int(_number(reader, "split.count", 1)) > 1:
+        raise ConfigError("the GGUF file is one part of a split model: the lean backend reads whole files")
+    if int(_number(reader, f"{arch}.expert_count", 0)) > 0:
+        raise ConfigError(f"{arch} with experts: the lean backend computes dense layers")
+    defaults = GEMMA2_DEFAULTS if arch == "gemma2" else {}
+    heads = int(_number(reader, f"{arch}.attention.head_count"))
+    hidden = int(_number(reader, f"{arch}.embedding_length"))
+    head_dim = int(_number(reader, f"{arch}.attention.key_length", hidden // heads))
+    window = _number(reader, f"{arch}.attention.sliding_window", defaults.get("attention.sliding_window"))
+    # as llama.cpp reads them: linear unless named, its factor under either key (0: none)
+    scaling = str(_field(reader, f"{arch}.rope.scaling.type", "linear"))
     if scaling not in ("none", "linear"):
         raise ConfigError(f"{arch} with {scaling} rope scaling: the lean backend computes none, linear and Llama 3's")
-    if int(_field(reader, f"{arch}.rope.dimension_count", head_dim)) != head_dim:
+    factor = float(_number(reader, f"{arch}.rope.scaling.factor", _number(reader, f"{arch}.rope.scale_linear", 0.0)))
+    if int(_number(reader, f"{arch}.rope.dimension_count", head_dim)) != head_dim:
         raise ConfigError(f"{arch} rotates part of each head: the lean backend rotates whole heads")
     tensors = {t.name: t for t in reader.tensors}
     if "rope_factors_long.weight" in tensors:
         raise ConfigError(f"{arch} with LongRoPE factors: the lean backend computes none, linear and Llama 3's")
-    layers = int(_field(reader, f"{arch}.block_count"))
+    if other := next((name for name in tensors if name not in TENSORS and not (
+            name.startswith("blk.") and name.split(".", 2)[-1] in LAYER_TENSORS)), None):
+        raise ConfigError(f"the GGUF file holds {other}, which the lean backend does not compute")
+    if bad := next((t.name for t in tensors.values() if len(t.shape) == 1 and t.tensor_type.name != "F32"), None):
+        raise ConfigError(f"{bad} is {tensors[bad].tensor_type.name}: the lean backend reads vectors in F32")
+    layers = int(_number(reader, f"{arch}.block_count"))
     gemma = {}
     if arch in GEMMA:  # as llama.cpp's llama-model.cpp builds them
         every = _field(reader, f"{arch}.attention.sliding_window_pattern", GEMMA[arch])
         sliding = [bool(s) for s in every] if isinstance(every, list) else [i % every < every - 1 for i in range(layers)]
         queries = hidden // heads if layers == GEMMA_27B[arch] else head_dim
-        local_theta = float(_field(reader, f"{arch}.rope.freq_base_swa", 10000.0)) if arch == "gemma3" else None
+        local_theta = float(_number(reader, f"{arch}.rope.freq_base_swa", 10000.0)) if arch == "gemma3" else None
         gemma = dict(sliding=tuple(sliding), local_theta=local_theta,
                      attn_scale=queries ** -0.5, gelu=True, post_norms=True, embed_scale=float(np.float32(hidden ** 0.5)),
-                     attn_softcap=float(_field(reader, f"{arch}.attn_logit_softcapping", 0.0)),
-                     final_softcap=float(_field(reader, f"{arch}.final_logit_softcapping", 0.0)))
+                     attn_softcap=float(_number(reader, f"{arch}.attn_logit_softcapping",
+                                                defaults.get("attn_logit_softcapping", 0.0))),
+                     final_softcap=float(_number(reader, f"{arch}.final_logit_softcapping",
+                                                 defaults.get("final_logit_softcapping", 0.0))))
     config = LeanConfig(
-        arch, layers, hidden, heads, int(_field(reader, f"{arch}.attention.head_count_kv", heads)), head_dim,
-        float(_field(reader, f"{arch}.rope.freq_base", 10000.0)),
-        float(_field(reader, f"{arch}.attention.layer_norm_rms_epsilon")),
-        int(_field(reader, f"{arch}.context_length")), int(window) if window else None,
-        "blk.0.attn_q_norm.weight" in tensors,
-        float(_field(reader, f"{arch}.rope.scaling.factor", 1.0)) if scaling == "linear" else 1.0, **gemma)
+        arch, layers, hidden, heads, int(_number(reader, f"{arch}.attention.head_count_kv", heads)), head_dim,
+        float(_number(reader, f"{arch}.rope.freq_base", 10000.0)),
+        float(_number(reader, f"{arch}.attention.layer_norm_rms_epsilon")),
+        int(_number(reader, f"{arch}.context_length")), int(window) if window else None,
+        "blk.0.attn_q_norm.weight" in tensors, factor if scaling == "linear" and factor else 1.0, **gemma)
     output = "output.weight" if "output.weight" in tensors else "token_embd.weight"  # tied embeddings
 
     def rows(name: str, start: int = 0, stop: int | None = None) -> tuple[str, np.ndarray, int]:
+        if name not in tensors:
+            raise ConfigError(f"the GGUF file has no {name}")
         tensor = tensors[name]
         return tensor.tensor_type.name, np.asarray(tensor.data)[start:stop], int(tensor.shape[0])
 
@@ -372,6 +395,14 @@ def _field(reader: gguf_header.GGUFFile, key: str, default: Any = ConfigError) -
             raise ConfigError(f"the GGUF file has no {key}")
         return default
     return reader.fields[key]
+
+
+def _number(reader: gguf_header.GGUFFile, key: str, default: Any = ConfigError) -> Any:
+    """A field that must be one number (a per-layer list, as some files give head counts, is a ConfigError)."""
+    value = _field(reader, key, default)
+    if value is not None and (isinstance(value, (bool, str, list)) or not np.isscalar(value)):
+        raise ConfigError(f"the GGUF file's {key} is {type(value).__name__}: the lean backend reads one number")
+    return value
 
 
 def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
