@@ -92,6 +92,19 @@ def decode(tokenizer: Any | None, token_ids: list[int]) -> str | None:
     return tokenizer.decode(token_ids, skip_special_tokens=True) if tokenizer is not None else None
 
 
+def check_prompt(prompt: Any) -> None:
+    """A ConfigError unless `prompt` is a text or a sequence of messages, each text encodable as UTF-8 (a lone
+    surrogate, as JSON's escapes can write one, is not)."""
+    if not isinstance(prompt, (str, Sequence)):
+        raise ConfigError(f"the prompt must be a text or a list of messages, not {type(prompt).__name__}")
+    texts = [prompt] if isinstance(prompt, str) else [m.get("content") for m in prompt if isinstance(m, dict)]
+    for text in (t for t in texts if isinstance(t, str)):
+        try:
+            text.encode()
+        except UnicodeEncodeError as error:
+            raise ConfigError(f"the prompt is not UTF-8 text ({error.reason} at character {error.start})") from None
+
+
 def encode_prompt(tokenizer: Any | None, prompt: str | Sequence[dict[str, Any]], chat: bool = False,
                   tools: Sequence[dict[str, Any]] | None = None) -> list[int]:
     """Token ids of a text prompt, optionally wrapped in the tokenizer's chat template, or of a conversation
@@ -99,6 +112,7 @@ def encode_prompt(tokenizer: Any | None, prompt: str | Sequence[dict[str, Any]],
     given) for the model to answer."""
     if tokenizer is None:
         raise ConfigError("a text prompt needs a model with a tokenizer; pass prompt_ids instead")
+    check_prompt(prompt)
     if chat or not isinstance(prompt, str):
         if not getattr(tokenizer, "chat_template", None):
             raise ConfigError("this tokenizer has no chat template")
@@ -209,7 +223,12 @@ def generate(
     constraint = response_format if isinstance(response_format, Constraint) or response_format is None \
         else Constraint.from_response_format(response_format)
     check_request(spec.name, logprobs, logit_bias, constraint)
+    for name, value in (("stream", stream), ("chat", chat)):
+        if not isinstance(value, bool):
+            raise ConfigError(f"{name} must be True or False, got {value!r}")
     if prompt_ids is None:
+        if prompt is not None:
+            check_prompt(prompt)
         if prompt is None or not (prompt.strip() if isinstance(prompt, str) else prompt):
             raise ConfigError("the prompt is empty")
     elif prompt is not None:

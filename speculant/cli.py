@@ -772,6 +772,16 @@ def run_bench_serve(args: argparse.Namespace) -> None:
         raise ConfigError("--rate must be > 0")
     if args.check_solo and (args.rate is not None or args.temperature > 0):
         raise ConfigError("--check-solo compares greedy replies of a closed loop: not with --rate or --temperature > 0")
+    import httpx
+
+    try:
+        url = httpx.URL(args.url)
+    except httpx.InvalidURL as error:
+        raise ConfigError(f"--url {args.url!r} is not a URL: {error}") from None
+    if url.scheme not in ("http", "https") or not url.host:
+        raise ConfigError(f"--url {args.url!r} is not an http(s) URL, e.g. http://127.0.0.1:8000/v1")
+    if args.api_key is not None and not args.api_key.isascii():
+        raise ConfigError("--api-key must be ASCII (it goes in an HTTP header)")
     prompts = load_dataset(args.prompts or args.dataset)
     runs = [lambda rate=rate: run_sessions(args.url, prompts, args.requests, args.turns, rate, args.max_tokens,
                                            args.temperature, args.model, args.api_key, args.label)

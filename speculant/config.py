@@ -88,7 +88,10 @@ def typed(options: type, values: dict[str, Any]) -> dict[str, Any]:
         kind = kinds.get(name, ())
         if value is None and type(None) in kind or isinstance(value, str) and str in kind:
             continue
-        if int in kind and float not in kind:
+        if bool in kind:  # (before int's test: a bool is an int; "no" would be true)
+            if not isinstance(value, bool):
+                raise OptionError(name, f"{name} must be True or False, got {value!r}")
+        elif int in kind and float not in kind:
             checked[name] = as_integer(value)
             if checked[name] is None:
                 raise OptionError(name, f"{name} must be an integer, got {value!r}")

@@ -83,6 +83,15 @@ def test_jsonl_prompts_and_errors(tmp_path):
                                       "summarization-long-1", "summarization-long-2"]
     with pytest.raises(ConfigError, match="prompt ids repeat"):
         load_dataset("humaneval[:2]+humaneval[1:3]")
+    for name, lines, message in (  # within one file too: a bench pairs methods' runs by prompt id
+            ("ids", '{"prompt": "a"}\n{"prompt": "b", "id": 1}\n', r"ids.jsonl:2: the prompt id '1' is line 1's too"),
+            ("chat", '{"prompt": "a", "chat": "false"}\n', r"chat.jsonl:1: chat must be true or false"),
+            ("surrogate", '{"prompt": "a\\udcffb"}\n', r"surrogate.jsonl:1: the prompt is not UTF-8 text")):
+        (tmp_path / f"{name}.jsonl").write_text(lines)
+        with pytest.raises(ConfigError, match=message):
+            load_dataset(str(tmp_path / f"{name}.jsonl"))
+    (tmp_path / "a+b.jsonl").write_text('{"prompt": "a"}\n')
+    assert load_dataset(str(tmp_path / "a+b.jsonl"))[0].text == "a"
 
 
 @pytest.fixture(scope="module")

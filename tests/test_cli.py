@@ -145,10 +145,10 @@ def test_a_file_that_is_not_text_json_or_a_run_s_is_one_line(capsys, tmp_path):
     rows.write_text(json.dumps({"config": {"methods": ["ar"], "command": "c", "machine": "m"}, "rows": [{"a": 1}]}))
     row = {"prompt_id": "p", "category": "code", "method": "ar", "repeat": 0, "target": "t", "token_ids": [1, 2],
            "stats": {"new_tokens": 2, "wall_s": 0.5, "ttft_s": 0.1}}
-    edited = {name: tmp_path / f"{name}.json" for name in ("count", "stats", "ids", "seconds", "stray", "none")}
+    edited = {name: tmp_path / f"{name}.json" for name in ("count", "stats", "ids", "seconds", "stray", "none", "id")}
     for name, changed in [("count", {"stats": {**row["stats"], "new_tokens": "x"}}), ("stats", {"stats": [1]}),
                           ("ids", {"token_ids": None}), ("seconds", {"stats": {**row["stats"], "wall_s": -1.0}}),
-                          ("stray", {"method": "sd"})]:
+                          ("stray", {"method": "sd"}), ("id", {"prompt_id": ["p"]})]:
         edited[name].write_text(json.dumps({"config": {"methods": ["ar"], "command": "c", "machine": "m"},
                                             "rows": [row, {**row, "repeat": 1, **changed}]}))
     edited["none"].write_text(json.dumps({"config": {"methods": ["ar"], "command": "c", "machine": "m"}, "rows": []}))
@@ -166,6 +166,7 @@ def test_a_file_that_is_not_text_json_or_a_run_s_is_one_line(capsys, tmp_path):
                           (["bench", "--report-from", str(edited["count"])], "stats' new_tokens cannot be 'x'"),
                           (["bench", "--report-from", str(edited["stats"])], "stats must be an object"),
                           (["bench", "--report-from", str(edited["ids"])], "token_ids must be a list"),
+                          (["bench", "--report-from", str(edited["id"])], "prompt_id must be str, got ['p']"),
                           (["bench", "--report-from", str(edited["seconds"])], "stats' wall_s cannot be -1.0"),
                           (["bench", "--report-from", str(edited["stray"])], "rows of sd, which its config"),
                           (["bench", "--report-from", str(edited["none"])], "holds no rows"),
@@ -366,6 +367,9 @@ def test_bad_files_paths_and_settings_are_one_line_before_any_model_loads(tmp_pa
             (["generate", "x", *target, "--method", "cascade", "--drafters", "maxgram", "--leniency", "inf"],
              "leniency must be a finite number >= 1, got inf"),
             (["bench-serve", "--check-solo", "--temperature", "0.5"], "--check-solo compares greedy replies"),
+            (["bench-serve", "--url", "http://[::1"], "is not a URL: Invalid port"),
+            (["bench-serve", "--url", "localhost:8000"], "is not an http(s) URL"),
+            (["bench-serve", "--api-key", "clé"], "--api-key must be ASCII"),
             (["train-depth", *target, "--drafter", str(tmp_path / "none.gguf")], "no GGUF file at"),
             (["profile", "--model", "nonsense"], "unknown model 'nonsense'"),
         ]:

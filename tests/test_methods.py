@@ -171,7 +171,14 @@ def test_generate_refuses_what_it_cannot_take_in_one_line_and_takes_numpy_and_to
             (dict(method="dsi", drafter="maxgram", executor=None), "executor is one of"),
             (dict(method="dsi", drafter="maxgram", twin_latency=(3, "x")), "twin_latency is text"),
             (dict(method="tree", drafter=target, target_profile={}), "target_profile is"),
-            (dict(method="tree", drafter=target, depth_predictor=5), "depth_predictor is auto, off")]:
+            (dict(method="tree", drafter=target, depth_predictor=5), "depth_predictor is auto, off"),
+            (dict(method="tree", drafter=target, draft_graph="no"), "draft_graph must be True or False"),
+            (dict(stream="no"), "stream must be True or False"),
+            (dict(method="cascade", drafters=[target, "maxgram"], k_matrix=[[1.5, 2], [0, 3]]), "entries must be integ"),
+            (dict(method="cascade", drafters=[target, "maxgram"], k_matrix=[["1", 2], [0, 3]]), "entries must be integ"),
+            (dict(prompt_ids=None, prompt=123), "the prompt must be a text or a list of messages, not int"),
+            (dict(prompt_ids=None, prompt="a\udcffb"), "the prompt is not UTF-8 text"),
+            (dict(prompt_ids=None, prompt=[{"role": "user", "content": "a\udcff"}]), "not UTF-8 text")]:
         with pytest.raises(ConfigError, match=message):
             generate(target, **{"prompt_ids": prompt, "max_new_tokens": 4, **refused})
     with pytest.raises(ConfigError, match="a Session is for a loaded model"):

@@ -351,3 +351,15 @@ def test_trees_grown_in_one_call_keep_the_target_distribution_when_sampling():
     drafter.draft_tree = lambda *args: grown.append(args[1:]) or draft_tree(*args)
     assert_follows_target(target, prompt, method="tree", drafter=drafter, depth=3, width=2, objective="length")
     assert (3, 2) in grown  # (the trees were grown in one call)
+
+
+@pytest.mark.parametrize("shape", ["egt", "nway"])
+def test_a_width_beyond_the_drafter_s_vocabulary_is_refused_by_name(shape):
+    from speculant import generate
+    from speculant.errors import OptionError
+
+    target = tiny_model("llama", 0)
+    with pytest.raises(OptionError, match=f"width 300 exceeds the drafter's vocabulary of {target.vocab_size}") as refused:
+        generate(target, prompt_ids=[1, 2, 3], method="tree", drafter=target, depth=2, width=300, shape=shape,
+                 max_new_tokens=4)
+    assert refused.value.option == "width"

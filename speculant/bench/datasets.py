@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from speculant.api import check_prompt
 from speculant.errors import ConfigError
 from speculant.models.wrappers.constrained import Constraint
 
@@ -38,7 +39,7 @@ def load_humaneval() -> list[Prompt]:
 def load_jsonl(path: Path) -> list[Prompt]:
     """Records with a `prompt` string, or `turns` (the first turn is used, as a chat message), or `messages`,
     and optional `id` / `question_id`, `category` and `response_format` (OpenAI's); errors name the line."""
-    prompts = []
+    prompts, lines_of = [], {}  # (the line of each id)
     try:
         lines = path.read_text().splitlines()
     except OSError as error:
@@ -57,8 +58,10 @@ def load_jsonl(path: Path) -> list[Prompt]:
         if not isinstance(record, dict):
             raise ConfigError(f"{path}:{number}: expected a JSON object")
         turns, messages = record.get("turns"), record.get("messages")
+        if not isinstance(record.get("chat", False), bool):
+            raise ConfigError(f"{path}:{number}: chat must be true or false")
         if isinstance(record.get("prompt"), str):
-            text, chat = record["prompt"], bool(record.get("chat", False))
+            text, chat = record["prompt"], record.get("chat", False)
         elif isinstance(turns, list) and turns and isinstance(turns[0], str):
             text, chat = turns[0], True
         elif isinstance(messages, list) and messages and all(
@@ -70,7 +73,14 @@ def load_jsonl(path: Path) -> list[Prompt]:
                               "list of messages {role, content}")
         if isinstance(text, str) and not text.strip():
             raise ConfigError(f"{path}:{number}: the prompt is empty")
+        try:
+            check_prompt(text)
+        except ConfigError as error:
+            raise ConfigError(f"{path}:{number}: {error}") from None
         record_id = str(record.get("id", record.get("question_id", number)))
+        if record_id in lines_of:  # (a bench pairs each method's runs by prompt id)
+            raise ConfigError(f"{path}:{number}: the prompt id '{record_id}' is line {lines_of[record_id]}'s too")
+        lines_of[record_id] = number
         response_format = record.get("response_format")
         if response_format is not None:
             try:
@@ -86,7 +96,7 @@ def load_jsonl(path: Path) -> list[Prompt]:
 def load_dataset(spec: str) -> list[Prompt]:
     """`humaneval`, `humaneval[:10]`, or a path to a JSONL file, optionally sliced the same way; several joined by
     `+` (`prompts/mixed.jsonl+prompts/long.jsonl+humaneval[:20]`), their prompt ids unique."""
-    if "+" in spec:
+    if "+" in spec and not Path(spec).is_file():  # (a file's name may hold a +)
         prompts = [prompt for part in spec.split("+") for prompt in load_dataset(part)]
         ids = [prompt.id for prompt in prompts]
         if len(set(ids)) < len(ids):

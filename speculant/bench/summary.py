@@ -155,5 +155,8 @@ def rows_from_json(data: dict[str, Any]) -> list[Measurement]:
     for row in data["rows"]:
         if not (isinstance(row["token_ids"], list) and all(isinstance(t, int) for t in row["token_ids"])):
             raise ValueError(f"a row's token_ids must be a list of token ids, got {row['token_ids']!r:.60}")
+        for name, kind in (("prompt_id", str), ("category", str), ("method", str), ("target", str), ("repeat", int)):
+            if not isinstance(row[name], kind) or isinstance(row[name], bool):
+                raise ValueError(f"a row's {name} must be {kind.__name__}, got {row[name]!r:.60}")
     return [Measurement(r["prompt_id"], r["category"], r["method"], r["repeat"], r["target"], r["token_ids"],
                 GenerationStats.from_dict(r["stats"]), r.get("text")) for r in data["rows"]]

@@ -57,9 +57,18 @@ def default_k_matrix(levels: list[Drafter], k: int) -> list[list[int]]:
     return matrix
 
 
-def check_k_matrix(matrix: list[list[int]], levels: int) -> None:
+def check_k_matrix(matrix: list[list[int]], levels: int) -> list[list[int]]:
+    """`matrix` (from a spec or from Python: its entries as `as_integer` takes them), checked; a ConfigError says
+    what is wrong with it."""
+    from speculant.config import as_integer
+
+    if not isinstance(matrix, (list, tuple)) or not all(isinstance(row, (list, tuple)) for row in matrix):
+        raise ConfigError("the K matrix is a list of rows of integers")
     if len(matrix) != levels or any(len(row) != levels for row in matrix):
         raise ConfigError(f"the K matrix must be {levels} x {levels}, one row and column per drafter level")
+    matrix = [[as_integer(v) for v in row] for row in matrix]
+    if any(v is None for row in matrix for v in row):
+        raise ConfigError("K matrix entries must be integers")
     for i, row in enumerate(matrix):
         if any(v < 0 for v in row):
             raise ConfigError("K matrix entries must be >= 0")
@@ -67,6 +76,7 @@ def check_k_matrix(matrix: list[list[int]], levels: int) -> None:
             raise ConfigError(f"the K matrix is upper triangular: row {i + 1} must start with {i} zero(s)")
     if sum(matrix[0]) < 1:
         raise ConfigError("the K matrix's first row must draft at least one token")
+    return matrix
 
 
 class CascadeDrafter(Drafter):
@@ -82,8 +92,7 @@ class CascadeDrafter(Drafter):
             raise ConfigError("maxgram can only be the last (smallest) drafter of a cascade")
         if leniency < 1:
             raise ConfigError(f"leniency must be >= 1, got {leniency}")
-        check_k_matrix(k_matrix, len(levels))
-        self.levels, self.k_matrix, self.leniency = levels, k_matrix, leniency
+        self.levels, self.k_matrix, self.leniency = levels, check_k_matrix(k_matrix, len(levels)), leniency
         self.sampling, self.generator = sampling, generator
         self.models = [level for level in levels if isinstance(level, (ModelDrafter, CrossVocabDrafter))]
 

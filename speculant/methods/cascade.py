@@ -9,7 +9,7 @@ from typing import Any
 
 from speculant.config import REQUEST_MOST, option
 from speculant.drafters.spec import MAXGRAM, DrafterSpec, as_drafter
-from speculant.errors import ConfigError
+from speculant.errors import ConfigError, OptionError
 from speculant.methods.drafting import DRAFTER_DTYPES, check_drafter_dtype, parse_drafters
 from speculant.methods.registry import Request, register
 
@@ -51,7 +51,10 @@ class CascadeOptions:
 
             if isinstance(self.k_matrix, str):
                 object.__setattr__(self, "k_matrix", parse_k_matrix(self.k_matrix, len(self.drafters)))
-            check_k_matrix(self.k_matrix, len(self.drafters))
+            try:
+                object.__setattr__(self, "k_matrix", check_k_matrix(self.k_matrix, len(self.drafters)))
+            except ConfigError as error:
+                raise OptionError("k_matrix", str(error)) from None
 
 
 @register("cascade", CascadeOptions, "cascade speculative drafting over several drafters")

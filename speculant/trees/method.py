@@ -124,6 +124,9 @@ def build(request: Request, options: TreeOptions) -> Any:
     from speculant.trees.drafter import TreeDrafter
 
     model = tree_drafter_model(request.session.drafter(options.drafter, options.drafter_dtype), request.target)
+    if options.width != AUTO and options.width > model.vocab_size:  # (a node's children: its likeliest tokens)
+        raise OptionError("width", f"width {options.width} exceeds the drafter's vocabulary of {model.vocab_size} "
+                          "tokens")
     profile = options.target_profile
     shape = tree_shape(request.target, model, request.prompt_ids, options.depth, options.width, options.verify_width,
                        profile, request.session.measured)
