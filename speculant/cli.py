@@ -670,7 +670,8 @@ def run_train_depth(args: argparse.Namespace) -> None:
     target = load_model(args.target, dtype=config.dtype, device=config.device, backend=config.backend,
                         compile=config.compile)
     drafter = tree_drafter_model(Session(target).drafter(args.drafter, args.drafter_dtype), target)
-    kinds = args.inputs or ["hidden" if target.capabilities.hidden_states else "features"]
+    kinds = list(dict.fromkeys(args.inputs)) if args.inputs else \
+        ["hidden" if target.capabilities.hidden_states else "features"]
     if "hidden" in kinds and not target.capabilities.hidden_states:
         raise ConfigError("--inputs hidden: this target's backend gives no hidden states (use --inputs features)")
     outs = {kind: predictor_path(target, drafter, kind) for kind in kinds} if not args.out else \
@@ -732,16 +733,17 @@ def check_models(targets: Sequence[str], drafters: Sequence[Any] = ()) -> None:
 
 def check_target(target: str, config: ModelConfig, options: Any, backend: str | None = None,
                  dtype: str | None = None) -> None:
-    """Refuse, before the target loads, `options` its backend cannot run (`methods.drafting.needs`): DSI where the
-    backend makes no replicas, `self@skip` off the lean backend. `backend` and `dtype`: a bench method's own."""
+    """Refuse, before the target loads, a backend its name refuses (`@gguf` off llama.cpp, a .gguf file on
+    transformers) and `options` its backend cannot run (`methods.drafting.needs`): DSI where the backend makes no
+    replicas, `self@skip` off the lean backend. `backend` and `dtype`: a bench method's own."""
     from speculant.methods.drafting import needs, unmet
     from speculant.models import split_quant
     from speculant.models.backends import capabilities_of
     from speculant.models.loading import resolve_backend
 
+    name, quant = split_quant(target)  # (a backend the target's name or suffix refuses is refused here too)
+    backend = resolve_backend(backend or config.backend, name, quant, config.device, dtype or config.dtype)
     if needs(options):
-        name, quant = split_quant(target)
-        backend = resolve_backend(backend or config.backend, name, quant, config.device, dtype or config.dtype)
         if need := unmet(options, capabilities_of(backend)):
             others = [other for other in BACKENDS if not unmet(options, capabilities_of(other))]
             raise ConfigError(f"{need[1]}: the {backend} backend does not offer that (load the target with --backend "

@@ -33,6 +33,7 @@ BACKENDS = {"hf": "HFCausalLM", "llamacpp": "LlamaCppCausalLM", "lean": "LeanCau
 # each backend's name and CausalLM class, in `models/backends/NAME.py`: transformers; GGUF on llama.cpp; GGUF on
 # speculant's own kernels; transformers weights on torch kernels with a static cache
 EXECUTORS = ("thread", "process", "ray")  # where DSI's target servers run
+MOST_SERVERS = 64  # DSI's target servers in one run: each a thread, process or actor of the executor's
 # A model's weights as `name@SUFFIX` picks them (a target's quant, a drafter spec's suffix):
 QUANTS = ("int8", "int4")  # transformers weights, their linear layers quantized at load (models/numerics/quant.py)
 GGUF = "gguf"  # the packaged GGUF weights as they are, on the llama.cpp backend

@@ -81,7 +81,8 @@ def test_sampling_with_seed_is_reproducible(model_dirs, capsys):
         (["--verify-width", "3"], "option 'verify_width' does not apply to method 'sd' (it belongs to tree"),
         (["--method", "tree", "--depth", "deep"], "bad value 'deep' for depth"),
         (["--method", "tree", "--target-profile", "missing.json"], "target profile not found"),
-        (["--method", "dsi", "--servers", "0"], "servers must be >= 1"),
+        (["--method", "dsi", "--servers", "0"], "servers must be in 1..64, got 0"),
+        (["--method", "dsi", "--servers", "3000"], "servers must be in 1..64, got 3000"),
         (["--method", "dsi", "--lookahead", "0"], "lookahead must be >= 1"),
         (["--method", "dsi", "--twin-latency", "30"], "twin takes T,D or T,D,TTFT"),
         (["--method", "dsi", "--twin-latency", "a.json,b.json"], "profile not found"),
@@ -318,10 +319,17 @@ def test_bad_files_paths_and_settings_are_one_line_before_any_model_loads(tmp_pa
     starts)."""
     import socket
 
+    import gguf
+
     (tmp_path / "empty.gguf").write_bytes(b"")
     (tmp_path / "page.gguf").write_text("<html>not found</html>")
     (tmp_path / "file").write_text("")
     (tmp_path / "empty.json").write_text("{}")
+    writer = gguf.GGUFWriter(str(tmp_path / "header.gguf"), "llama")  # a GGUF file's header, nothing more
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
     target = ["--target", "qwen2.5-coder-0.5b"]
     with socket.socket() as taken:
         taken.bind(("127.0.0.1", 0))
@@ -352,6 +360,11 @@ def test_bad_files_paths_and_settings_are_one_line_before_any_model_loads(tmp_pa
             (["serve", *target, "--served-name", ""], "--served-name has an empty value"),
             (["serve", *target, "--allowed-hosts", "localhost,"], "--allowed-hosts has an empty value"),
             (["generate", "x", *target, "--method", "sd", "--drafter", "nonsense"], "unknown model 'nonsense'"),
+            (["generate", "x", *target, "--drafter", "qwen2.5-coder-0.5b@int8@int4"], "has more than one @ suffix"),
+            (["generate", "x", *target, "--backend", "lean", "--drafter", "self@int8"],
+             "self@int8 quantizes the target's transformers weights: the lean backend does not offer that"),
+            (["generate", "x", "--target", "qwen2.5-coder-0.5b@gguf", "--backend", "lean"], "@gguf runs on the llama"),
+            (["generate", "x", "--target", str(tmp_path / "header.gguf"), "--backend", "hf"], "is a GGUF file: it runs"),
             (["generate", "x", *target, "--method", "cascade", "--drafters", "./nowhere,maxgram"], "no model at"),
             (["generate", "x", *target, "--method", "cascade", "--drafters", "maxgram,self"], "maxgram can only be"),
             (["serve", *target, "--method", "sd", "--drafter", "nonsense"], "unknown model 'nonsense'"),

@@ -15,7 +15,7 @@ import numpy as np
 
 from speculant.analysis.simulate import first_wrong, simulate_dsi
 from speculant.theory import sd_walltime_improvement
-from speculant.config import SamplingConfig, check_ray_address
+from speculant.config import MOST_SERVERS, SamplingConfig, check_ray_address
 from speculant.decoding.autoregressive import autoregressive
 from speculant.decoding.dsi.engine import dsi
 from speculant.decoding.dsi.executors import ServerSpec, make_executor
@@ -50,7 +50,7 @@ def best_si_lookahead(acceptance: float, c: float, limit: int = 32) -> int:
     return max(range(1, limit + 1), key=lambda k: sd_walltime_improvement(acceptance, k, c))
 
 
-MOST_ONLINE_SERVERS, MOST_ONLINE_TOKENS = 64, 100_000  # the twin's servers are real threads or processes
+MOST_ONLINE_TOKENS = 100_000  # what the twin generates in all (its servers are real threads or processes)
 
 
 def simulate_online(target_ms: float, drafter_ms: float, acceptance: float, servers: int, tokens: int = 50,
@@ -74,8 +74,8 @@ def simulate_online(target_ms: float, drafter_ms: float, acceptance: float, serv
     if tokens < 2 or repeats < 1:
         raise ConfigError("tokens must be >= 2 and repeats >= 1")
     check_ray_address(ray_address, "ray_address")
-    if servers > MOST_ONLINE_SERVERS or tokens * repeats > MOST_ONLINE_TOKENS or seed < 0:
-        raise ConfigError(f"the twin runs at most {MOST_ONLINE_SERVERS} servers (each a thread or process) and "
+    if servers > MOST_SERVERS or tokens * repeats > MOST_ONLINE_TOKENS or seed < 0:
+        raise ConfigError(f"the twin runs at most {MOST_SERVERS} servers (each a thread or process) and "
                           f"{MOST_ONLINE_TOKENS} tokens in all (repeats x tokens), from a seed >= 0")
     chosen = plan(servers, lookahead, target_ms / 1000, drafter_ms / 1000)
     target_latency = Latency.from_ms(target_ms, ttft_ms)

@@ -7,6 +7,7 @@ before anything loads)."""
 from __future__ import annotations
 
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 from speculant.config import GGUF, LEAN, QUANTS
@@ -49,6 +50,8 @@ class DrafterSpec:
             source, suffix = text.strip(), None
         if not source:
             raise ConfigError(f"empty drafter name in '{text}'")
+        if "@" in source and not Path(source).expanduser().exists():  # (a folder's name may hold one)
+            raise ConfigError(f"drafter '{text}' has more than one @ suffix")
         if source == "none":
             raise ConfigError("'none' is not a drafter (it means plain autoregressive decoding: method 'ar')")
         if suffix is not None and suffix not in (*QUANTS, GGUF, LEAN, SKIP):

@@ -8,7 +8,7 @@ from dataclasses import dataclass, fields, replace
 from typing import Any
 
 from speculant.config import DEFAULT_DRAFTER, option
-from speculant.drafters.spec import MODEL, DrafterSpec, as_drafter
+from speculant.drafters.spec import MODEL, SELF, DrafterSpec, as_drafter
 from speculant.errors import ConfigError, OptionError
 
 DRAFTER_DTYPES = ("bf16", "fp32")
@@ -76,13 +76,16 @@ def held_drafters(options: Any) -> list[Any]:
 
 def needs(options: Any) -> list[tuple[str, str, str]]:
     """The target capabilities `options` need, as (capability, what needs it, the option that asks for it): their
-    own `target_needs`, and `skips_layers` for a `self@skip` drafter. The CLI checks them against the target's
-    backend before it loads, `generate` and a server's requests against the loaded target's."""
+    own `target_needs`, `skips_layers` for a `self@skip` drafter, `quantizes_self` for `self@int8|int4`. The CLI
+    checks them against the target's backend before it loads, `generate` and a server's requests against the loaded
+    target's."""
     needed = list(getattr(options, "target_needs", ()))
     for name, drafters in drafters_by_field(options).items():
         if any(isinstance(d, DrafterSpec) and d.skip for d in drafters):
             needed.append(("skips_layers", "self@skip needs a target that drafts with some of its layers left out",
                            name))
+        if quantized := next((d for d in drafters if isinstance(d, DrafterSpec) and d.kind == SELF and d.quant), None):
+            needed.append(("quantizes_self", f"{quantized} quantizes the target's transformers weights", name))
     return needed
 
 

@@ -7,7 +7,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from speculant.config import EXECUTORS, MOST_LATENCY_MS, REQUEST_MOST, as_number, check_ray_address, number, option
+from speculant.config import EXECUTORS, MOST_LATENCY_MS, MOST_SERVERS, REQUEST_MOST, as_number, check_ray_address, number, option
 from speculant.errors import ConfigError
 from speculant.methods.drafting import DrafterOptions, parse_drafters
 from speculant.methods.registry import Request, register
@@ -83,8 +83,8 @@ class DSIOptions(DrafterOptions):
         if isinstance(self.drafters, str):
             object.__setattr__(self, "drafters", parse_drafters(self.drafters))
         super().__post_init__()
-        if self.servers < 1:
-            raise ConfigError(f"servers must be >= 1, got {self.servers}")
+        if not 1 <= self.servers <= MOST_SERVERS:
+            raise ConfigError(f"servers must be in 1..{MOST_SERVERS}, got {self.servers}")
         if self.lookahead is not None and self.lookahead < 1:
             raise ConfigError(f"lookahead must be >= 1, got {self.lookahead}")
         if isinstance(self.executor, str) and self.executor not in EXECUTORS:

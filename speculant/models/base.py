@@ -96,6 +96,7 @@ class Capabilities:
       `forward(tree=...)` caches them. Only the backend and `Metered` offer it: a wrapper that changes forwards
       (logits, batching, padded time) would be bypassed by it.
     - `tree_nodes`: the most drafted nodes one `forward(tree=...)` verifies (None: as many as its cache holds).
+    - `quantizes_self`: `self_drafter` of `self@int8|int4` drafts with the target's weights quantized again.
     """
 
     shares_weights: bool = False
@@ -112,6 +113,7 @@ class Capabilities:
     fixed_cache: bool = False
     drafts_trees: bool = False
     tree_nodes: int | None = None
+    quantizes_self: bool = False
 
 
 class Backend:
@@ -167,8 +169,8 @@ class Backend:
 
     def self_drafter(self, spec: Any) -> CausalLM:
         """`self` (the target's weights with a cache of their own), `self@int8|int4` or `self@skip` for this target."""
-        if spec.quant:
-            raise ConfigError(f"self@{spec.quant} quantizes transformers weights; this target runs on another backend")
+        if spec.quant:  # (`quantizes_self` backends do)
+            raise ConfigError(f"self@{spec.quant} quantizes transformers weights: load the target with --backend hf")
         if spec.skip:
             raise ConfigError("self@skip runs on the lean backend (--backend lean)")
         if not self.capabilities.shares_weights:

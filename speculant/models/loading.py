@@ -143,6 +143,10 @@ def resolve_backend(backend: str | None, spec: Any, quant: str | None, device: s
             raise ConfigError(f"@{LEAN} runs on the lean backend, not {backend}")
     elif quant == GGUF:
         backend = "llamacpp" if backend == AUTO else backend
+        if backend != "llamacpp":
+            raise ConfigError(f"@{GGUF} runs on the llama.cpp backend, not {backend}")
+    if backend in ("hf", "static") and str(spec).endswith(".gguf"):
+        raise ConfigError(f"{spec} is a GGUF file: it runs on the lean or llamacpp backend, not {backend}")
     if backend == AUTO:
         on_cpu = device is None or resolve_device(device).type == "cpu"
         as_they_are = quant is None and dtype in (None, AUTO)
@@ -163,8 +167,6 @@ def resolve_backend(backend: str | None, spec: Any, quant: str | None, device: s
             raise ConfigError(f"@{quant} quantizes transformers weights; the {backend} backend runs the GGUF as it is")
         if device is not None and resolve_device(device).type != "cpu":
             raise ConfigError(f"speculant's {backend} backend runs on the CPU")
-    elif quant == GGUF:
-        raise ConfigError("@gguf runs on the llama.cpp backend, not transformers")
     elif backend == "static" and quant is not None:
         raise ConfigError(f"@{quant}: the static backend runs bf16 or fp32 weights")
     return backend
@@ -304,12 +306,14 @@ def load_model(spec: Any, dtype: str | None = None, device: str | None = None, t
     check_suffix(quant)
     if isinstance(spec, (str, Path)):
         check_name(str(spec))
+    if dtype not in (None, AUTO, *DTYPES):
+        raise ConfigError(f"unknown dtype '{dtype}' (choose from {AUTO}, {', '.join(DTYPES)})")
     chosen = resolve_backend(backend, spec, quant, device, dtype)
     if compile and chosen != "static":
         raise ConfigError("compile applies to the static backend")
     if chosen in ("llamacpp", "lean"):
         if dtype not in (None, AUTO):
-            raise ConfigError(f"the {chosen} backend runs the GGUF's own types: give no dtype")
+            raise ConfigError(f"{spec} runs its GGUF's own types (on the {chosen} backend): give no dtype")
         return load_gguf(spec, tokenizer) if chosen == "llamacpp" else load_lean(spec, tokenizer, quant == LEAN)
     from speculant.models.backends.hf import HFCausalLM, eos_ids  # (transformers' models: imported when they load)
 

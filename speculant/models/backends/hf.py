@@ -85,7 +85,7 @@ class HFCausalLM(Backend):
     backend = "hf"
     capabilities = Capabilities(shares_weights=True, batches_rows=True, prefills_in_parts=True, interruptible=True,
                                 exact_any_width=True, sliding_window=True, hidden_states=True, reuses_prefixes=True,
-                                replicates=True)
+                                replicates=True, quantizes_self=True)
 
     def catalog_drafter_spec(self, drafter: str) -> str:
         """Quantized to int8 where speculant's AMX int8 kernel runs (its cost stays flat over the several tokens a
