@@ -295,7 +295,7 @@ def read_constraint(schema: str | None, grammar: str | None) -> Any:
     path = schema or grammar
     if path is None:
         return None
-    if not Path(path).is_file():
+    if not Path(path).exists() or Path(path).is_dir():  # (a pipe, as a shell's <(...) gives, is read as a file)
         kind = "schema" if schema else "grammar"
         raise ConfigError(f"{kind} file {path} is a directory" if Path(path).is_dir() else
                           f"{kind} file not found: {path}")
@@ -543,9 +543,9 @@ def parse_width_ranges(text: str) -> list[int]:
     """`1-16,24,32` -> [1, ..., 16, 24, 32], each within [1, MAX_WIDTH]."""
     widths: set[int] = set()
     for part in text.split(","):
-        low, _, high = part.partition("-")
+        low, dash, high = part.partition("-")
         try:
-            first, last = integer(low), integer(high or low)
+            first, last = integer(low), integer(high if dash else low)
         except ValueError:
             raise ConfigError(f"widths must look like 1-16,24,32, got '{text}'") from None
         if not 1 <= first <= last <= MAX_WIDTH:

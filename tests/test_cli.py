@@ -353,6 +353,7 @@ def test_bad_files_paths_and_settings_are_one_line_before_any_model_loads(tmp_pa
             (["generate", "x", *target, "--method", "dsi", "--drafter", "maxgram", "--executor", "ray",
               "--ray-address", "foo"], "'foo' is no Ray cluster's address"),
             (["profile", "--model", "qwen2.5-coder-0.5b", "--widths", "1-100000000"], "widths must lie in"),
+            (["profile", "--model", "qwen2.5-coder-0.5b", "--widths", "1-"], "widths must look like 1-16,24,32"),
             (["serve", *target, "--port", port], "cannot listen on"),
             (["serve", *target, "--prefix-cache-mb", "inf"], "prefix-cache-mb must be a number >= 0"),
             (["serve", *target, "--open-metrics"], "--open-metrics opens /metrics"),
@@ -556,3 +557,18 @@ def test_an_error_after_text_was_streamed_starts_a_line_of_its_own(model_dirs, c
                          str(grammar), "--max-new-tokens", "8")
     assert code == 2 and "llguidance could not follow the grammar" in err, err
     assert out.startswith("a") and out.endswith("\n"), out
+
+
+def test_a_schema_may_come_through_a_pipe():
+    """`--json-schema <(...)`: the shell's /dev/fd path is no regular file, but it reads as one."""
+    import os
+
+    from speculant.cli import read_constraint
+
+    read, write = os.pipe()
+    os.write(write, b'{"type": "object"}')
+    os.close(write)
+    try:
+        assert read_constraint(f"/dev/fd/{read}", None).value == {"type": "object"}
+    finally:
+        os.close(read)

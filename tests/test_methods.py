@@ -177,6 +177,8 @@ def test_generate_refuses_what_it_cannot_take_in_one_line_and_takes_numpy_and_to
             (dict(method="cascade", drafters=[target, "maxgram"], k_matrix=[[1.5, 2], [0, 3]]), "entries must be integ"),
             (dict(method="cascade", drafters=[target, "maxgram"], k_matrix=[["1", 2], [0, 3]]), "entries must be integ"),
             (dict(prompt_ids=None, prompt=123), "the prompt must be a text or a list of messages, not int"),
+            (dict(method="sd", drafter=object()), "drafter must be a drafter's name, a model or a Drafter, not object"),
+            (dict(method="cascade", drafters=5), "drafters must be a drafter.s name, a model or a Drafter, not int"),
             (dict(prompt_ids=None, prompt="a\udcffb"), "the prompt is not UTF-8 text"),
             (dict(prompt_ids=None, prompt=[{"role": "user", "content": "a\udcff"}]), "not UTF-8 text")]:
         with pytest.raises(ConfigError, match=message):

@@ -12,7 +12,7 @@ from typing import Any
 from speculant.config import AUTO, CATCH_UPS, REQUEST_MOST, REQUEST_NODES, SCHEDULES, as_integer, integer, option
 from speculant.drafters.spec import as_drafter, model_free
 from speculant.errors import ConfigError, OptionError
-from speculant.methods.drafting import DRAFTER_DTYPES, check_drafter_dtype, parse_drafters
+from speculant.methods.drafting import DRAFTER_DTYPES, as_drafters, check_drafters, parse_drafters
 from speculant.methods.registry import Request, register
 
 MODEL_PRIOR = 0.6  # a model drafter's acceptance before any observation
@@ -85,15 +85,11 @@ class AutoOptions:
                            "and at the start of long ones)", choices=CATCH_UPS, model_only=True)
 
     def __post_init__(self) -> None:
-        if isinstance(self.drafters, str):
-            object.__setattr__(self, "drafters", parse_drafters(self.drafters))
-        elif self.drafters is not None and not isinstance(self.drafters, (list, tuple)):
-            object.__setattr__(self, "drafters", (self.drafters,))  # one drafter object
+        object.__setattr__(self, "drafters", as_drafters(self.drafters))
         if self.drafters is not None:
             if not self.drafters:
                 raise ConfigError("auto's drafters name none: give at least one (method ar decodes without)")
-            object.__setattr__(self, "drafters", tuple(as_drafter(d) for d in self.drafters))
-            check_drafter_dtype(self)
+            check_drafters(self)
         if self.k_max < 1:
             raise ConfigError(f"k_max must be >= 1, got {self.k_max}")
         if not 0 <= self.draft_confidence < 1:

@@ -8,9 +8,9 @@ from dataclasses import dataclass
 from typing import Any
 
 from speculant.config import REQUEST_MOST, option
-from speculant.drafters.spec import MAXGRAM, DrafterSpec, as_drafter
+from speculant.drafters.spec import MAXGRAM, DrafterSpec
 from speculant.errors import ConfigError, OptionError
-from speculant.methods.drafting import DRAFTER_DTYPES, check_drafter_dtype, parse_drafters
+from speculant.methods.drafting import DRAFTER_DTYPES, as_drafters, check_drafters, parse_drafters
 from speculant.methods.registry import Request, register
 
 
@@ -31,15 +31,12 @@ class CascadeOptions:
                                        choices=DRAFTER_DTYPES, operator=True)
 
     def __post_init__(self) -> None:
-        drafters = self.drafters
-        if isinstance(drafters, str):
-            drafters = parse_drafters(drafters)
-        if not drafters:
+        object.__setattr__(self, "drafters", as_drafters(self.drafters))
+        if not self.drafters:
             raise ConfigError("method 'cascade' needs drafters, e.g. drafters=qwen2.5-coder-0.5b@int8,maxgram")
-        object.__setattr__(self, "drafters", tuple(as_drafter(d) for d in drafters))
         if any(isinstance(d, DrafterSpec) and d.kind == MAXGRAM for d in self.drafters[:-1]):
             raise ConfigError("maxgram can only be the last (smallest) drafter of a cascade")
-        check_drafter_dtype(self)
+        check_drafters(self)
         if self.k < 1:
             raise ConfigError(f"k must be >= 1, got {self.k}")
         if not 1 <= self.leniency < math.inf:

@@ -22,6 +22,16 @@ def parse_drafters(text: str) -> tuple[DrafterSpec, ...]:
     return tuple(DrafterSpec.parse(name) for name in names)
 
 
+def as_drafters(value: Any) -> tuple[Any, ...] | None:
+    """A `drafters` option as its options keep it: text parsed (`parse_drafters`), one drafter given alone as a
+    tuple of one, each name a DrafterSpec (None stays None)."""
+    if value is None:
+        return None
+    if isinstance(value, str):
+        return parse_drafters(value)
+    return tuple(map(as_drafter, value if isinstance(value, (list, tuple)) else (value,)))
+
+
 @dataclass(frozen=True)
 class DrafterOptions:
     drafter: Any = option(DEFAULT_DRAFTER, "drafter: a model NAME[@int8|@int4] (its tokenizer may differ from the "
@@ -38,12 +48,20 @@ class DrafterOptions:
         object.__setattr__(self, "drafter", as_drafter(self.drafter))
         if self.drafter_dtype not in (None, *DRAFTER_DTYPES):
             raise ConfigError(f"drafter dtype must be one of {', '.join(DRAFTER_DTYPES)}, got {self.drafter_dtype}")
-        check_drafter_dtype(self)
+        check_drafters(self)
 
 
-def check_drafter_dtype(options: Any) -> None:
-    """A drafter dtype is refused where `options` name no model drafter to load in it (Max-Gram, suffix and `self`
-    load none; a given model keeps its own): never silently ignored."""
+def check_drafters(options: Any) -> None:
+    """Each drafter `options` hold is a spec, a model or a Drafter (`drafters` a sequence of them), and a drafter
+    dtype is refused where they name no model drafter to load in it (Max-Gram, suffix and `self` load none; a given
+    model keeps its own): never silently ignored."""
+    from speculant.drafters.base import Drafter
+    from speculant.models.base import CausalLM
+
+    for name, drafters in drafters_by_field(options).items():
+        if odd := next((d for d in drafters if not isinstance(d, (DrafterSpec, CausalLM, Drafter))), None):
+            raise OptionError(name, f"{name} must be a drafter's name, a model or a Drafter, not "
+                              f"{type(odd).__name__}")
     held = held_drafters(options)
     if options.drafter_dtype is not None and not any(isinstance(d, DrafterSpec) and d.kind == MODEL for d in held):
         raise ConfigError(f"drafter dtype {options.drafter_dtype} applies to a model drafter named by its catalog "

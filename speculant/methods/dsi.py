@@ -9,7 +9,7 @@ from typing import Any
 
 from speculant.config import EXECUTORS, MOST_LATENCY_MS, MOST_SERVERS, REQUEST_MOST, as_number, check_ray_address, number, option
 from speculant.errors import ConfigError
-from speculant.methods.drafting import DrafterOptions, parse_drafters
+from speculant.methods.drafting import DrafterOptions, as_drafters, parse_drafters
 from speculant.methods.registry import Request, register
 
 
@@ -80,8 +80,7 @@ class DSIOptions(DrafterOptions):
         return (("replicates", "DSI needs replicas of the target for its target servers", "method"),)
 
     def __post_init__(self) -> None:
-        if isinstance(self.drafters, str):
-            object.__setattr__(self, "drafters", parse_drafters(self.drafters))
+        object.__setattr__(self, "drafters", as_drafters(self.drafters))
         super().__post_init__()
         if not 1 <= self.servers <= MOST_SERVERS:
             raise ConfigError(f"servers must be in 1..{MOST_SERVERS}, got {self.servers}")
