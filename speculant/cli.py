@@ -506,8 +506,12 @@ def measure_bench(args: argparse.Namespace, methods: list[Any]) -> list[Any]:
     sampling = from_args(SamplingConfig, args)
     for method in methods:  # (a method's own settings, and the run's where no method samples)
         check_sampled(method.sampled(sampling), dict(method.sampling), where=f" in '{method.label}'")
-    if all(method.sampled(sampling).greedy for method in methods):
-        check_sampled(sampling, args.given, flag)
+    some = not all(method.sampled(sampling).greedy for method in methods)  # (then name the greedy one)
+    for method in methods:  # the run's settings reach every method that does not set its own
+        if method.sampled(sampling).greedy:
+            run_only = [name for name in args.given if name not in dict(method.sampling)]
+            check_sampled(method.sampled(sampling), run_only, flag,
+                          f" (for '{method.label}', which decodes greedily)" if some else "")
     if args.repeats < 1:
         raise ConfigError(f"repeats must be >= 1, got {args.repeats}")
     prompts = load_dataset(args.prompts or args.dataset)

@@ -40,7 +40,8 @@ def test_method_specs_parse():
                                  "cascade:drafters=maxgram,leniency=0.5", "sd:drafter=x,leniency=2",
                                  "dsi:servers=0", "dsi:executor=mpi", "sd:servers=2", "dsi:lookahead=x",
                                  "sd:draft_confidence=1.5", "sd:draft_confidence=x", "tree:draft_confidence=0.5",
-                                 "sd:drafter=maxgram,draft_confidence=0.5"])
+                                 "sd:drafter=maxgram,draft_confidence=0.5", "hf-assisted:drafter=maxgram",
+                                 "llamacpp-cli-spec:drafter=suffix"])
 def test_bad_method_specs_are_refused(bad):
     with pytest.raises(ConfigError):
         parse_method(bad)

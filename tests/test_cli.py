@@ -455,6 +455,7 @@ def test_a_flag_given_where_it_does_nothing_is_one_line_never_ignored(capsys, tm
         (["bench", "--top-k", "3"], "--top-k applies when sampling"),
         (["generate", "x", "--seed", "3"], "--seed applies when sampling"),
         (["bench", "--methods", "ar", "sd:k=2", "--seed", "3"], "--seed applies when sampling"),
+        (["bench", "--methods", "ar", "sd:temperature=0.5", "--top-k", "3"], "--top-k (for 'ar', which decodes gre"),
         (["bench", "--methods", "ar", "sd:top_p=0.9,k=2"], "top_p in 'sd:top_p=0.9,k=2' applies when sampling"),
         (["bench", "--methods", "ar", "sd:temperature=0,k=2", "--top-p", "0.9"], "--top-p applies when sampling"),
         (["generate", "x", "--method", "sd", "--drafter", "maxgram", "--drafter-dtype", "bf16"], "maxgram loads none"),

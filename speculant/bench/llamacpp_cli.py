@@ -23,7 +23,7 @@ from pathlib import Path
 from typing import Any
 
 from speculant.config import SamplingConfig, option
-from speculant.errors import ConfigError
+from speculant.errors import ConfigError, OptionError
 from speculant.methods.drafting import DrafterOptions
 from speculant.models.backends import llamacpp
 from speculant.models.backends.llamacpp_build import tool
@@ -50,6 +50,16 @@ class CLISpecOptions(DrafterOptions, CLIAROptions):
     def __post_init__(self) -> None:
         DrafterOptions.__post_init__(self)
         CLIAROptions.__post_init__(self)
+        check_model_drafter("llamacpp-cli-spec", self)
+
+
+def check_model_drafter(peer: str, options: Any) -> None:
+    """A peer that drafts with a model, refused a drafter that runs none (Max-Gram, suffix) when its spec is parsed."""
+    from speculant.drafters.spec import model_free
+
+    if model_free(options.drafter):
+        raise OptionError("drafter", f"{peer} drafts with a model, not {options.drafter}: give drafter=NAME of a "
+                          "model (a catalog name or a path)")
 
 
 @dataclass(frozen=True)
