@@ -7,7 +7,7 @@
 A pass against port 8021 is `ar`'s, against 8022 `auto`'s; warm-up passes (labels starting "warm") are left out;
 passes with the same concurrency and label form a pair. Prints, per concurrency: the pairs, the mean ratio with a
 95% Student t-interval, the range, how many pairs are at or above 1, mean tok/s, and the medians over pairs of the
-TTFT and ITL p50. Why: a pair of passes a minute apart sees the same state of this VM, so the ratio per pair is
+TTFT and TPOT p50 (a request's time per output token after its first). Why: a pair of passes a minute apart sees the same state of this VM, so the ratio per pair is
 the comparison, and the interval says whether a few percent are decided. Pure Python (json, statistics).
 """
 
@@ -39,7 +39,7 @@ def main(argv: list[str]) -> None:
                 pairs[r["concurrency"], i, r["label"]]["ar" if r["url"].endswith(":8021/v1") else "auto"] = r
     if args.markdown:
         print("| C | pairs | `auto` / `ar` (95% t-interval) | tok/s `ar` / `auto` | TTFT p50 `ar` / `auto` | "
-              "ITL p50 `ar` / `auto` |")
+              "TPOT p50 `ar` / `auto` |")
         print("|---:|---:|---|---|---|---|")
     for c in sorted({c for c, _, _ in pairs}, reverse=not args.markdown):
         both = [p for (cc, _, _), p in sorted(pairs.items()) if cc == c and len(p) == 2]
@@ -51,12 +51,12 @@ def main(argv: list[str]) -> None:
         if args.markdown:
             print(f"| {c} | {n} | **{mean:.3f}x** ({mean - half:.3f}-{mean + half:.3f}) | {tok['ar']:.1f} / "
                   f"{tok['auto']:.1f} | {med('ar', 'ttft_ms') / 1000:.2f} / {med('auto', 'ttft_ms') / 1000:.2f} s | "
-                  f"{med('ar', 'itl_ms'):.1f} / {med('auto', 'itl_ms'):.1f} ms |")
+                  f"{med('ar', 'tpot_ms'):.1f} / {med('auto', 'tpot_ms'):.1f} ms |")
             continue
         print(f"C={c}: {n} pairs, auto/ar {mean:.3f} (t-interval {mean - half:.3f}-{mean + half:.3f}; "
               f"{min(ratios):.2f}-{max(ratios):.2f}), {sum(r >= 1 for r in ratios)} at or above 1; tok/s ar "
               f"{tok['ar']:.1f} auto {tok['auto']:.1f}; TTFT p50 {med('ar', 'ttft_ms'):.0f} / "
-              f"{med('auto', 'ttft_ms'):.0f} ms; ITL p50 {med('ar', 'itl_ms'):.1f} / {med('auto', 'itl_ms'):.1f} ms")
+              f"{med('auto', 'ttft_ms'):.0f} ms; TPOT p50 {med('ar', 'tpot_ms'):.1f} / {med('auto', 'tpot_ms'):.1f} ms")
 
 
 if __name__ == "__main__":

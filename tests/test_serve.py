@@ -624,3 +624,17 @@ def test_two_replicas_on_ray_serve_both_answer_as_one_process_would(tmp_path):
         process.send_signal(signal.SIGTERM)  # the local cluster goes down with it
         done = process.wait(60)
     assert done == 0 and "Traceback" not in process.stderr.read()
+
+
+def test_a_stall_shows_in_itl_and_tpot_is_a_request_s_mean():
+    """ITL: every gap between two chunks (a stall whole, a chunk of several tokens one gap); TPOT: each request's
+    time per token after its first."""
+    from speculant.bench.serve import summarize
+
+    steady = {"tokens": 65, "times": [0.1 + 0.02 * i for i in range(65)]}
+    stalled = {"tokens": 65, "times": [0.1 + 0.02 * i + 0.5 * (i // 8) for i in range(65)]}  # a stall every 8
+    chunked = {"tokens": 64, "times": [0.1 + 0.08 * i for i in range(16)]}  # 4 tokens every 80 ms
+    result = summarize([steady] * 9 + [stalled], 10.0)
+    assert result["itl_ms"]["p50"] == pytest.approx(20.0) and result["itl_ms"]["p99"] > 500
+    assert result["tpot_ms"]["p50"] == pytest.approx(20.0) and result["tpot_ms"]["p99"] < 100
+    assert summarize([chunked], 1.0)["itl_ms"]["p50"] == pytest.approx(80.0)

@@ -3,7 +3,9 @@ each sending its next when one ends) or open loop (multi-turn conversations arri
 `run_sessions`).
 
 Each client streams its completions (chat for chat prompts) and times the first text and every later
-chunk; the run reports throughput over the wall time, TTFT and inter-token latency percentiles, errors
+chunk; the run reports throughput over the wall time, percentiles of TTFT, of TPOT (a request's time per output
+token after its first) and of ITL (every gap between two chunks of a stream, as vLLM's benchmark counts it: a chunk
+that carries several tokens, as a speculative step may, is one gap, and a stall shows whole), errors
 and lost requests (sent, never finished), what a speculant server says it drafted and verified, and with
 `check_solo` how many outputs differ from the same prompt sent alone (greedy)."""
 
@@ -44,16 +46,19 @@ def messages_of(prompt: Prompt) -> list[dict[str, str]]:
 
 
 def summarize(results: Sequence[dict[str, Any] | None], wall: float) -> dict[str, Any]:
-    """What a run's requests (None: never finished) add up to: throughput over the wall time, TTFT and ITL
+    """What a run's requests (None: never finished) add up to: throughput over the wall time, TTFT, TPOT and ITL
     percentiles, errors, lost streams, and what a speculant server says it drafted and verified."""
     done = [r for r in results if r is not None and "error" not in r]
     tokens = sum(r["tokens"] for r in done)
     spoken = [r["speculative"] for r in done if r.get("speculative")]  # speculant's servers say what they drafted
-    itl = [(r["times"][-1] - r["times"][0]) / (r["tokens"] - 1) for r in done if r["tokens"] > 1 and len(r["times"]) > 1]
+    tpot = [(r["times"][-1] - r["times"][0]) / (r["tokens"] - 1) for r in done
+            if r["tokens"] > 1 and len(r["times"]) > 1]
+    itl = [later - earlier for r in done for earlier, later in zip(r["times"], r["times"][1:])]
     return {
         "wall_s": round(wall, 2), "throughput_tok_s": round(tokens / wall, 2),
         "requests_per_s": round(len(done) / wall, 3), "completion_tokens": tokens,
-        "ttft_ms": percentiles([r["times"][0] for r in done if r["times"]]), "itl_ms": percentiles(itl),
+        "ttft_ms": percentiles([r["times"][0] for r in done if r["times"]]), "tpot_ms": percentiles(tpot),
+        "itl_ms": percentiles(itl),
         "errors": sum(r is None or "error" in r for r in results),
         "lost": sum(r is None or bool(r.get("lost")) for r in results),
         "speculative": {key: sum(s.get(key, 0) for s in spoken) for key in SPECULATIVE} if spoken else None,
@@ -209,11 +214,12 @@ def run_sessions(url: str, prompts: Sequence[Prompt], conversations: int, turns:
 
 
 def format_load(result: dict[str, Any]) -> str:
-    ttft, itl = result["ttft_ms"], result["itl_ms"]
+    ttft, tpot, itl = result["ttft_ms"], result["tpot_ms"], result["itl_ms"]
     line = (f"{result['label'] or result['url']}: {arrivals(result)}, {result['requests']} requests x "
             f"{result['max_tokens']} tokens in {result['wall_s']:.1f} s: {result['throughput_tok_s']:.1f} tok/s, "
-            f"TTFT p50/p90/p99 {ttft['p50']}/{ttft['p90']}/{ttft['p99']} ms, ITL {itl['p50']}/{itl['p90']}/{itl['p99']} ms, "
-            f"{result['errors']} errors, {result['lost']} lost")
+            f"TTFT p50/p90/p99 {ttft['p50']}/{ttft['p90']}/{ttft['p99']} ms, TPOT {tpot['p50']}/{tpot['p90']}/"
+            f"{tpot['p99']} ms, ITL {itl['p50']}/{itl['p90']}/{itl['p99']} ms, {result['errors']} errors, "
+            f"{result['lost']} lost")
     if later := result.get("ttft_later_turns_ms"):
         first = result["ttft_first_turn_ms"]
         line += f"; TTFT p50/p90 first turns {first['p50']}/{first['p90']} ms, later turns {later['p50']}/{later['p90']} ms"
@@ -234,7 +240,7 @@ def arrivals(result: dict[str, Any]) -> str:
 
 def write_report(out: Path) -> list[Path]:
     """`report.md` (a table) and `throughput.png` (tok/s against concurrency, a line per label) from every
-    run in `out/results.jsonl`."""
+    run in `out/results.jsonl` (runs made before ITL was counted by chunk show none)."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -242,12 +248,13 @@ def write_report(out: Path) -> list[Path]:
 
     runs = [json.loads(line) for line in (out / "results.jsonl").read_text().splitlines() if line.strip()]
     rows = ["| server | arrivals | requests | tok/s | TTFT p50 / p90 ms | later turns' TTFT p50 / p90 ms | "
-            "ITL p50 / p90 ms | errors | lost | differ from solo |", "|---|---|---|---|---|---|---|---|---|---|"]
+            "TPOT p50 / p90 ms | ITL p50 / p90 ms | errors | lost | differ from solo |",
+            "|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in runs:
-        later = r.get("ttft_later_turns_ms") or {}
+        later, itl = r.get("ttft_later_turns_ms") or {}, r.get("itl_ms") or {}
         rows.append(f"| {r['label']} | {arrivals(r)} | {r['requests']} | {r['throughput_tok_s']:.1f} | "
                     f"{r['ttft_ms']['p50']} / {r['ttft_ms']['p90']} | {later.get('p50', '')} / {later.get('p90', '')} | "
-                    f"{r['itl_ms']['p50']} / {r['itl_ms']['p90']} | "
+                    f"{r['tpot_ms']['p50']} / {r['tpot_ms']['p90']} | {itl.get('p50', '')} / {itl.get('p90', '')} | "
                     f"{r['errors']} | {r['lost']} | {'' if r['mismatches_vs_solo'] is None else r['mismatches_vs_solo']} |")
     (out / "report.md").write_text("\n".join(rows) + "\n")
     runs = [r for r in runs if r.get("rate") is None]  # the plot: closed-loop runs, by concurrency
