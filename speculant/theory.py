@@ -61,6 +61,14 @@ def servers_needed(t_target: float, t_drafter: float, k: int) -> int:
     return math.ceil(t_target / (k * t_drafter) - 1e-12)
 
 
+def drafts_ahead(lookahead: int, servers: int) -> int:
+    """How far DSI's drafter runs ahead of the committed tokens: (k + 1)(N + 1). N jobs in flight, each of k
+    drafts that commit k + 1 positions where all agree (the target's own token after them), and the job being
+    drafted; with less, at high acceptance the drafter waits on verification even with `servers_needed` servers
+    (Proposition 1's bound is then not met), and drafts further ahead would wait for a server anyway."""
+    return (lookahead + 1) * (servers + 1)
+
+
 def min_lookahead(t_target: float, t_drafter: float, servers: int) -> int:
     """The smallest lookahead for which `servers` target servers suffice (DSI, Appendix D)."""
     if servers < 1:

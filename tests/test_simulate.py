@@ -29,11 +29,13 @@ def test_exact_extremes():
     # ... while DSI pays exactly the target alone, every draft's rejection costing one forward.
     assert simulate_dsi(wrong, r, 0, c, k, 7, n)[0] == pytest.approx(n)
     # Everything accepted: SI commits k + 1 tokens per iteration; DSI with servers to spare pays only drafts
-    # plus one check; one server that cannot keep up (it needs ceil(1 / (k c)) = 2) makes DSI wait.
+    # plus one check; one server that cannot keep up (it needs ceil(1 / (k c)) = 2) makes DSI wait on it, though
+    # it still beats SI, whose drafter and target take turns.
     wrong, r = one(1.0, 1, n)
     assert simulate_si(wrong, r, 0, c, k, n)[0] == pytest.approx(10 * (k * c + 1))
     assert simulate_dsi(wrong, r, 0, c, k, 7, n)[0] == pytest.approx((n - 1) * c + 1)
-    assert simulate_dsi(wrong, r, 0, 0.5, 1, 1, n)[0] > simulate_si(wrong, r, 0, 0.5, 1, n)[0]
+    assert simulate_si(wrong, r, 0, 0.5, 1, n)[0] > simulate_dsi(wrong, r, 0, 0.5, 1, 1, n)[0] > \
+        simulate_dsi(wrong, r, 0, 0.5, 1, 2, n)[0] == pytest.approx((n - 1) * 0.5 + 1)
     assert simulate_non_si(n, 1.0, 3.0) == n + 2
 
 
@@ -54,6 +56,17 @@ def test_dsi_with_lookahead_one_meets_proposition_1_up_to_the_prefill():
         samples = simulate_dsi(wrong, r, 0, 0.25, 1, 7, 100)
         bound = theory.dsi_time_bound(0.25, 1.0, a, 100)
         assert bound - 0.3 <= samples.mean() <= bound + 1 + 3 * samples.std() / np.sqrt(len(samples))
+
+
+def test_the_servers_appendix_d_asks_for_are_enough_at_any_acceptance():
+    """With ceil(T / (k c)) servers the drafter never waits on verification, so Proposition 1's bound holds up to the
+    prefill at acceptance 1 too: the drafter runs (k + 1)(N + 1) drafts ahead (`theory.drafts_ahead`), as each job
+    commits k + 1 positions (k N + k left it waiting about one step in six)."""
+    for a, c in ((1.0, 0.05), (0.9, 0.05), (1.0, 0.2)):
+        wrong, r = one(a, 300, 100, seed=3)
+        samples = simulate_dsi(wrong, r, 0, c, 1, theory.servers_needed(1.0, c, 1), 100)
+        bound = theory.dsi_time_bound(c, 1.0, a, 100)
+        assert samples.mean() == pytest.approx(bound) if a == 1 else samples.mean() <= bound + 1
 
 
 def test_dsi_simulation_agrees_with_the_latency_twin():

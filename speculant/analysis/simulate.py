@@ -9,12 +9,13 @@ target's first forward costs `target_first` (TTFT), later ones `target` (TPOT); 
 - non-SI: one target forward per token.
 - SI: each iteration drafts k tokens, then one target forward verifies them.
 - DSI: an event simulation of the engine's own policy (`decoding.dsi.engine`) on N target servers, not a
-  formula: the drafter drafts one token per `c` up to lookahead x (N + 1) tokens ahead; a job goes to an
-  idle server with the pending drafts when nothing in flight predicts the next position and another
-  server is free, when k drafts wait, or when the drafter waits; a job returns after one target forward; a rejection commits the
-  target's token, preempts the jobs built on the rejected draft (their servers free at once) and restarts
-  the drafter after it; a bonus token past the drafts restarts it too. Servers that cannot keep up make
-  jobs wait, and DSI is then slower: nothing is clamped, the simulation says what happens.
+  formula: the drafter drafts one token per `c` up to (lookahead + 1)(N + 1) tokens ahead
+  (`theory.drafts_ahead`); a job goes to an idle server with the pending drafts when nothing in flight predicts
+  the next position and another server is free, when k drafts wait, or when the drafter waits; a job returns
+  after one target forward; a rejection commits the target's token, preempts the jobs built on the rejected
+  draft (their servers free at once) and restarts the drafter after it; a bonus token past the drafts restarts
+  it too. Servers that cannot keep up make jobs wait, and DSI is then slower: nothing is clamped, the
+  simulation says what happens.
 """
 
 from __future__ import annotations
@@ -22,6 +23,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import numpy as np
+
+from speculant.theory import drafts_ahead
 
 SP_DEGREE = 7  # an 8-GPU node: 7 target servers and 1 drafter, as in the paper's heatmaps
 
@@ -70,7 +73,7 @@ def simulate_dsi(wrong: np.ndarray, r: np.ndarray, i: np.ndarray, c: np.ndarray,
         raise ValueError("drafter latency must be > 0")
     M, N, inf = r.size, servers, np.inf
     cap = n_tokens - 1  # drafts beyond this position are never needed
-    ahead = k * (N + 1)
+    ahead = drafts_ahead(k, N)
     m = np.zeros(M, np.int64)  # committed tokens
     L = np.zeros(M, np.int64)  # committed tokens + drafts
     f = np.ones(M, np.int64)  # the first position no job in flight predicts

@@ -36,6 +36,7 @@ from speculant.errors import SpeculantError
 from speculant.models.base import common_prefix_len
 from speculant.models.wrappers.metered import Usage
 from speculant.sampling import sample
+from speculant.theory import drafts_ahead
 from speculant.verify import verify_one
 
 
@@ -132,7 +133,7 @@ class Coordinator:
         self.seq = list(prompt)  # committed tokens, then drafts
         self.n_committed = len(prompt)
         self.cap = len(prompt) + max_new_tokens - 1  # drafts beyond this position are never needed
-        self.max_ahead = lookahead * (n + 1)
+        self.max_ahead = drafts_ahead(lookahead, n)
         self.frontier = len(prompt)  # the first position no live job has been asked to predict
         self.q_rows: dict[int, torch.Tensor] = {}
         self.owner: dict[int, int] = {}  # drafted position -> the drafter whose token it holds
