@@ -7,8 +7,9 @@
 A pass against port 8021 is `ar`'s, against 8022 `auto`'s; warm-up passes (labels starting "warm") are left out;
 passes with the same concurrency and label form a pair. Prints, per concurrency: the pairs, the mean ratio with a
 95% Student t-interval, the range, how many pairs are at or above 1, mean tok/s, and the medians over pairs of the
-TTFT and TPOT p50 (a request's time per output token after its first). Why: a pair of passes a minute apart sees the same state of this VM, so the ratio per pair is
-the comparison, and the interval says whether a few percent are decided. Pure Python (json, statistics).
+TTFT and TPOT p50 (a request's time per output token after its first). Why: a pair of passes a minute apart sees
+the same state of this VM, so the ratio per pair is the comparison, and the interval says whether a few percent are
+decided. Pure Python (json, statistics).
 """
 
 from __future__ import annotations

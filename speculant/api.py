@@ -95,7 +95,7 @@ def decode(tokenizer: Any | None, token_ids: list[int]) -> str | None:
 def check_prompt(prompt: Any) -> None:
     """A ConfigError unless `prompt` is a text or a sequence of messages, each text encodable as UTF-8 (a lone
     surrogate, as JSON's escapes can write one, is not)."""
-    if not isinstance(prompt, (str, Sequence)):
+    if isinstance(prompt, (bytes, bytearray)) or not isinstance(prompt, (str, Sequence)):
         raise ConfigError(f"the prompt must be a text or a list of messages, not {type(prompt).__name__}")
     texts = [prompt] if isinstance(prompt, str) else [m.get("content") for m in prompt if isinstance(m, dict)]
     for text in (t for t in texts if isinstance(t, str)):

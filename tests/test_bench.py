@@ -140,6 +140,21 @@ def test_matrix_is_interleaved_and_speedup_comes_from_the_same_run(tiny_dir, mon
     assert sd2.identical_to_ar == 1.0 and sd2.acceptance_rate == 1.0
 
 
+def test_a_peer_warms_up_on_the_prompt_itself(monkeypatch):
+    """llama.cpp's tools take the prompt as text and tokenize it again: reversed ids need not come back as they were
+    (the tool then counted other prompt tokens and the run stopped), and a peer keeps no cache to mislead."""
+    from speculant.api import GenerationResult
+    from speculant.bench import runner
+    from speculant.decoding.stats import GenerationStats
+
+    given = []
+    monkeypatch.setattr(runner, "peer_generate", lambda method, target, ids, *rest: given.append(list(ids)) or
+                        GenerationResult([1], "a", GenerationStats(new_tokens=1, wall_s=0.1, ttft_s=0.05)))
+    target = HFCausalLM(tiny_transformer("llama", 0, 257), byte_tokenizer(), "tiny")
+    run_matrix(lambda dtype, backend: target, [parse_method("hf-ar")], [Prompt("p1", "def f(x):")], 4)
+    assert given[0] == given[1]  # the warm-up's, then the measured run's
+
+
 def test_prompts_with_a_response_format_are_followed_by_every_method(tiny_dir, tmp_path):
     pytest.importorskip("llguidance")
     path = tmp_path / "json.jsonl"

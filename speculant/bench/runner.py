@@ -48,8 +48,7 @@ def run_matrix(
     isolated: Callable[[MethodSpec, list[int], int, dict[str, Any] | None], GenerationResult] | None = None,
 ) -> list[Measurement]:
     """Every method on every prompt, interleaved, `repeats` times, every other prompt and repeat in reverse method
-    order (prompt i of repeat r when i + r is odd); returns
-    the rows in run order.
+    order (prompt i of repeat r when i + r is odd); returns the rows in run order.
 
     `target_for(dtype, backend)` returns the loaded target in that dtype on that backend (None: the run's
     default); it should load each once, so that all methods share the same weights. With `isolated`,
@@ -100,9 +99,12 @@ def run_matrix(
     try:
         for spec in methods:  # warm-up: allocator, caches, lazy initialisation, DSI's servers
             if isolated is None or spec.peer:  # an isolated generation warms its own process up
-                # on the first prompt's tokens reversed, as `bench.isolated` warms up: the same lengths and code
-                # paths, and no prefix that the method's drafter caches could carry into its first measured run
-                run(spec, encoded[0][::-1], min(8, max_new_tokens), prompts[0].response_format)
+                # speculant's on the first prompt's tokens reversed, as `bench.isolated` warms up: the same lengths
+                # and code paths, and no prefix that the method's drafter caches could carry into its first measured
+                # run (a peer keeps nothing across generations, and llama.cpp's tools take text: the prompt itself,
+                # whose text they tokenize as speculant does)
+                run(spec, encoded[0] if spec.peer else encoded[0][::-1], min(8, max_new_tokens),
+                    prompts[0].response_format)
         for repeat in range(repeats):
             for index, (prompt, ids) in enumerate(zip(prompts, encoded)):
                 for spec in methods if (repeat + index) % 2 == 0 else methods[::-1]:

@@ -7,7 +7,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from speculant.config import EXECUTORS, MOST_LATENCY_MS, MOST_SERVERS, REQUEST_MOST, as_number, check_ray_address, number, option
+from speculant.config import (EXECUTORS, MOST_LATENCY_MS, MOST_SERVERS, REQUEST_MOST, as_number, check_ray_address,
+                              number, option)
 from speculant.errors import ConfigError
 from speculant.methods.drafting import DrafterOptions, as_drafters, parse_drafters
 from speculant.methods.registry import Request, register

@@ -77,18 +77,14 @@ def constraint(tokenizer: Any, functions: list[dict[str, Any]], choice: Any, par
     rest = f'"\\n" body "\\n" {closing} "\\n"?'  # a call after its opening tag
     call = f"{opening or json.dumps(OPEN)} {rest}"
     more = "" if named is not None or not parallel else " call*"
+    text = f"TEXT: /(?s:.+)/ & ~/(?s:.*){re.escape(OPEN)}(?s:.*)/"
     if choice != "auto":
-        start = f"call{more}"
+        lark = [f"start: call{more}"]
     elif opening is not None:
-        start = f"TEXT | TEXT? call{more}"
+        lark = [f"start: TEXT | TEXT? call{more}", text]
     else:  # text up to the first tag, lazily (a greedy lexeme would run past it), then the rest of that call
-        start = f"TEXT | head rest{more}"
-    lark = [f"start: {start}",
-            f"TEXT: /(?s:.+)/ & ~/(?s:.*){re.escape(OPEN)}(?s:.*)/",
-            f"head[lazy]: /(?s:.*)/ {json.dumps(OPEN)}",
-            f"rest: {rest}",
-            f"call: {call}",
-            f"body: {' | '.join(bodies)}"]
+        lark = [f"start: TEXT | head rest{more}", text, f"head[lazy]: /(?s:.*)/ {json.dumps(OPEN)}", f"rest: {rest}"]
+    lark += [f"call: {call}", f"body: {' | '.join(bodies)}"]
     return Constraint("grammar", "\n".join(lark), "tools")
 
 
