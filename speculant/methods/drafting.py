@@ -52,14 +52,16 @@ class DrafterOptions:
 
 
 def check_drafters(options: Any) -> None:
-    """Each drafter `options` hold is a spec, a model or a Drafter (`drafters` a sequence of them), and a drafter
-    dtype is refused where they name no model drafter to load in it (Max-Gram, suffix and `self` load none; a given
-    model keeps its own): never silently ignored."""
+    """Each drafter `options` hold is a spec, a model (speculant's, or a torch module `load_model` wraps) or a Drafter
+    (`drafters` a sequence of them), and a drafter dtype is refused where they name no model drafter to load in it
+    (Max-Gram, suffix and `self` load none; a given model keeps its own): never silently ignored."""
+    from torch import nn
+
     from speculant.drafters.base import Drafter
     from speculant.models.base import CausalLM
 
     for name, drafters in drafters_by_field(options).items():
-        if odd := next((d for d in drafters if not isinstance(d, (DrafterSpec, CausalLM, Drafter))), None):
+        if odd := next((d for d in drafters if not isinstance(d, (DrafterSpec, CausalLM, Drafter, nn.Module))), None):
             raise OptionError(name, f"{name} must be a drafter's name, a model or a Drafter, not "
                               f"{type(odd).__name__}")
     held = held_drafters(options)
