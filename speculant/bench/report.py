@@ -57,12 +57,12 @@ def markdown_report(summaries: list[MethodSummary], by_category: dict[str, list[
     over = f"`{baseline}`" if baseline else "the first `ar`"
     parts.append(f"\nspeedup = total tokens / total time (whole requests, prefill included) over {over} of "
                  "the same run, with a 95% bootstrap interval over prompts (a prompt's repeats resampled together); "
-                 "median speedup = median of per-prompt ratios; decode = after the first token: tokens after the "
-                 "first over time after TTFT; mean accepted length = tokens committed per target verification; "
-                 "SWI = standardized wall-time improvement, tokens / (target forwards + sum of drafter forwards x c), "
-                 "c = a drafter's measured forward time over the target's (CS Drafting, section 5); "
+                 "median speedup = median of the ratios per prompt and repeat; decode = after the first token: tokens "
+                 "after the first over time after TTFT; mean accepted length = tokens committed per target "
+                 "verification; SWI = standardized wall-time improvement, tokens / (target forwards + sum of drafter "
+                 "forwards x c), c = a drafter's measured forward time over the target's (CS Drafting, section 5); "
                  "identical to ar = share of prompts whose output equals that of an `ar` on the same target weights "
-                 "(\"-\" where the run has none); \"-\" marks what was not measured.")
+                 "that samples alike (\"-\" where the run has none); \"-\" marks what was not measured.")
     return "\n".join(parts) + "\n"
 
 

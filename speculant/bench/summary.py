@@ -1,6 +1,6 @@
 """What a bench run measured, per method: speeds and speedups over `ar` from the same run (with a 95%
-bootstrap interval over prompts and the median of per-prompt ratios), the decode phase after the first
-token on its own, acceptance, forward counts, and agreement with `ar` on the same target weights.
+bootstrap interval over prompts and the median of the ratios per prompt and repeat), the decode phase after the
+first token on its own, acceptance, forward counts, and agreement with `ar` on the same target weights sampling alike.
 A field nobody measured (acceptance of `ar`, forwards inside a peer) stays None and prints as "-"."""
 
 from __future__ import annotations
