@@ -194,6 +194,18 @@ def test_bad_tree_calls_and_rollbacks_are_refused(gguf_files):
     model.prefill(prompt_ids(4))
     with pytest.raises(ValueError, match="last nodes"):
         model.forward([11, 12], tree=TREE)
+    plain = gguf_model(gguf_files, "llama")
+    plain.prefill(prompt_ids(4))
+    expected = plain.forward([5])
+    plain.rollback(12)
+    # refused calls leave the cache as it was: a tree at the wrong positions (with the root cached, or waiting to
+    # run after a keep) and a chain past the context
+    with pytest.raises(ValueError, match="root's position plus their depth"):
+        model.forward(list(TREE.tokens[1:]), positions=[0] * (len(TREE) - 1), tree=TREE)
+    with pytest.raises(ValueError, match="exceed the llama.cpp context"):
+        model.forward([5] * model.max_positions)
+    assert model.cache_len == 12 and torch.equal(model.forward([5]), expected)
+    model.rollback(12)
     with pytest.raises(ValueError, match="next positions"):
         model.forward([5], positions=[40])
     model.forward(list(TREE.tokens), tree=TREE)
@@ -202,6 +214,7 @@ def test_bad_tree_calls_and_rollbacks_are_refused(gguf_files):
     with pytest.raises(ValueError, match="root-to-node path"):
         model.keep(list(range(12)) + [12, 16])  # node 4 hangs below node 1, not the root
     wide = TokenTree((1, *range(2, 70)), (-1, *[0] * 68))
+    model.rollback(model.cache_len)  # (keeping every position, a tree's too, changes nothing)
     model.rollback(12)
     with pytest.raises(ValueError, match="at most 63 leaves"):
         model.forward(list(wide.tokens), tree=wide)

@@ -398,10 +398,12 @@ class LlamaCppCausalLM(Backend):
         if self._tree is not None:
             raise ValueError("the cache holds a draft tree: keep() its accepted path or roll it back first")
         start, physical, pending = self.cache_len, self._physical, self._pending
+        if start + len(ids) > self.max_positions:
+            raise ValueError(f"{start + len(ids)} positions exceed the llama.cpp context of {self.max_positions}")
         entries = self._take_pending() + [_Entry(t, start + i, [0], i >= len(ids) - rows) for i, t in enumerate(ids)]
         try:
             logits = self._decode(entries, self.width)
-        except Interrupted:  # drop what the cut-short forward cached
+        except Exception:  # cut short or failed: drop what it cached, so the cache is what it says
             self.lib.llama_memory_seq_rm(self.memory, 0, physical, -1)
             self._physical, self._pending = physical, pending
             raise
@@ -415,22 +417,27 @@ class LlamaCppCausalLM(Backend):
 
     def _forward_tree(self, ids: list[int], positions: Sequence[int] | None, tree: TokenTree) -> torch.Tensor:
         start = len(tree) - len(ids)  # the first new node
-        state, skip = self._tree, 0
-        if state is None:
+        state, skip, fresh = self._tree, 0, self._tree is None
+        if fresh:  # (checked before the cache changes: a refused call leaves it as it was)
             if start > 1:
                 raise ValueError("ids must be the last nodes of the tree, with the earlier ones cached")
             if start == 1 and self._pending:  # the root is committed but not yet in the cache: run it too
-                self._pending.pop()
                 ids, start, skip = [tree.tokens[0], *ids], 0, 1
-            state = _Tree(self.cache_len - start)
+            state = _Tree(self.cache_len - start - skip)
             if start == 1:  # the root sits in the cache as plain text: it becomes the tree's first cell
                 state.tokens, state.parents, state.depths, state.seq, state.cell = [tree.tokens[0]], [-1], [0], [0], [0]
                 state.tip[0] = 0
-                self._physical -= 1
         if start != len(state.tokens) or ids != list(tree.tokens[start:]) or list(tree.parents[:start]) != state.parents:
             raise ValueError("ids must be the last nodes of the tree, with the earlier ones cached")
         if positions is not None and list(positions) != tree.positions(state.begin)[start + skip:]:
             raise ValueError("tree nodes run at their root's position plus their depth")
+        if state.begin + len(tree) > self.max_positions:
+            raise ValueError(f"a tree of {len(tree)} nodes after {state.begin} positions exceeds the llama.cpp "
+                             f"context of {self.max_positions}")
+        if fresh and skip:
+            self._pending.pop()
+        elif fresh and start == 1:
+            self._physical -= 1
         boundary = self._physical  # committed cells before this batch: a new sequence copies them
         entries = self._take_pending()
         self._physical = state.begin
@@ -500,6 +507,8 @@ class LlamaCppCausalLM(Backend):
     def rollback(self, n: int) -> None:
         if not 0 <= n <= self.cache_len:
             raise ValueError(f"cannot roll back to {n} cached positions: {self.cache_len} are cached")
+        if n == self.cache_len:
+            return
         state = self._tree
         if state is not None:
             if any(state.parents[i] != i - 1 or state.cell[i] != i for i in range(1, n - state.begin)):
