@@ -61,7 +61,7 @@ ENTRIES: dict[str, tuple[str, str, str | None, str | None, str | None]] = {
     **bench_commits("bench-avx2-head", "The CPU headline on the AVX2-only EPYC (Zen3)", "b28a79d", "6a648d5",
                     "Max-Gram's lookups from the last context's array, a cache's catch-up or prefill by its profile, "
                     "a spent probe budget read first", (1, 1), ZEN3),
-    **bench_commits("bench-xeon-amx", "The CPU headline on the Xeon with AMX", "0edc90b", "70ed6f3",
+    **bench_commits("bench-xeon-amx", "The AMX cut-over's bench on the Xeon", "0edc90b", "70ed6f3",
                     "the AMX tiles' cut-over per kind, a super-block unpacked before its first tile load", (1, 1),
                     XEON),
     "bench-xeon-review-mixed": ("CPU", "**The CPU headline on the Xeon with AMX** at b844c7d (a session of "

@@ -315,7 +315,7 @@ def read_constraint(schema: str | None, grammar: str | None) -> Any:
 
 
 def run_generate(args: argparse.Namespace) -> None:
-    from speculant.api import check_request, generate
+    from speculant.api import check_prompt, check_request, generate
     from speculant.drafters.spec import MAXGRAM, DrafterSpec
     from speculant.session import Session
     from speculant.methods.drafting import as_keywords, with_drafters
@@ -330,10 +330,7 @@ def run_generate(args: argparse.Namespace) -> None:
     model_config = from_args(ModelConfig, args)
     if not args.prompt.strip():
         raise ConfigError("the prompt is empty")
-    try:
-        args.prompt.encode()
-    except UnicodeEncodeError:  # (bytes the shell passed that are not UTF-8: Python keeps them as lone surrogates)
-        raise ConfigError("the prompt is not UTF-8 text") from None
+    check_prompt(args.prompt)  # (bytes the shell passed that are not UTF-8: Python keeps them as lone surrogates)
     sources = held_drafters(options)
     check_models([args.target], sources)
     check_target(args.target, model_config, options)

@@ -241,7 +241,7 @@ def test_methods_sample_with_settings_of_their_own_each_against_its_own_ar(tiny_
     hot, cold, sd = summarize(rows, methods)
     assert sd.speedup == pytest.approx(sd.tokens_per_s / cold.tokens_per_s)
     # agreement too is with the ar that samples alike: each ar agrees with itself, whatever the other drew
-    assert rows[0].token_ids != rows[1].token_ids and hot.identical_to_ar == cold.identical_to_ar == 1.0
+    assert hot.identical_to_ar == cold.identical_to_ar == 1.0
     assert sd.identical_to_ar == (rows[2].token_ids == rows[1].token_ids)
 
 

@@ -460,7 +460,7 @@ def variant(tmp_path, monkeypatch, name, arch="llama", **writes):
             patch.setattr(gguf.GGUFWriter, method,
                           lambda self, *args, f=replacement, o=original, **kw: f(self, o, *args, **kw))
         path = tmp_path / f"{name}.gguf"
-        write_tiny_gguf(path, arch, 0, "F32", hidden=128)
+        variant.model = write_tiny_gguf(path, arch, 0, "F32", hidden=128)  # (the last written: a reference's weights)
     return path
 
 
@@ -475,12 +475,19 @@ def test_metadata_llama_cpp_reads_with_defaults_computes_as_llama_cpp_does(tmp_p
     def then(*more):  # after the rope's dimension count: keys of the writer's own
         return lambda writer, original, n: (original(writer, n), *(add(writer) for add in more))
 
-    named = logits(variant(tmp_path, monkeypatch, "named", add_rope_dimension_count=then(
-        lambda w: w.add_rope_scaling_type(gguf.RopeScalingType.LINEAR), lambda w: w.add_rope_scaling_factor(4.0))))
+    path = variant(tmp_path, monkeypatch, "named", add_rope_dimension_count=then(
+        lambda w: w.add_rope_scaling_type(gguf.RopeScalingType.LINEAR), lambda w: w.add_rope_scaling_factor(4.0)))
+    named = logits(path)
+    plain = dequantized_transformer(path, variant.model, "llama")  # transformers' own linear scaling, the reference
+    scaled = type(plain)(type(plain.config)(**{**plain.config.to_dict(), "rope_parameters": dict(
+        rope_type="linear", factor=4.0, rope_theta=plain.config.rope_parameters["rope_theta"])})).eval()
+    scaled.load_state_dict(plain.state_dict())
+    with torch.no_grad():
+        expected = scaled(torch.tensor([ids])).logits[0, -1]
+    assert (named[:len(expected)] - expected).norm() / expected.norm() < 1e-4
     for name, key in (("factor", lambda w: w.add_rope_scaling_factor(4.0)),
                       ("old", lambda w: w.add_float32("llama.rope.scale_linear", 4.0))):
         assert torch.equal(logits(variant(tmp_path, monkeypatch, name, add_rope_dimension_count=then(key))), named)
-    assert not torch.equal(logits(variant(tmp_path, monkeypatch, "plain")), named)
     capped = logits(variant(tmp_path, monkeypatch, "capped", "gemma2", add_attn_logit_softcapping=lambda w, o, v: o(
         w, 50.0), add_final_logit_softcapping=lambda w, o, v: o(w, 30.0)))
     bare = variant(tmp_path, monkeypatch, "bare", "gemma2", add_attn_logit_softcapping=lambda w, o, v: None,

@@ -61,7 +61,7 @@ def test_dsi_with_lookahead_one_meets_proposition_1_up_to_the_prefill():
 def test_the_servers_appendix_d_asks_for_are_enough_at_any_acceptance():
     """With ceil(T / (k c)) servers the drafter never waits on verification, so Proposition 1's bound holds up to the
     prefill at acceptance 1 too: the drafter runs (k + 1)(N + 1) drafts ahead (`theory.drafts_ahead`), as each job
-    commits k + 1 positions (k N + k left it waiting about one step in six)."""
+    commits k + 1 positions."""
     for a, c in ((1.0, 0.05), (0.9, 0.05), (1.0, 0.2)):
         wrong, r = one(a, 300, 100, seed=3)
         samples = simulate_dsi(wrong, r, 0, c, 1, theory.servers_needed(1.0, c, 1), 100)

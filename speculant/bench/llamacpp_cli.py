@@ -133,7 +133,9 @@ def schema_args(method: str, response_format: dict[str, Any] | None) -> list[str
 
 def tool_args(method: str, target: Any, prompt_file: Path, max_new_tokens: int, options: Any,
               sampling: SamplingConfig, seed: int, response_format: dict[str, Any] | None = None) -> list[str]:
-    common = ["-m", str(target.weights.path), "-f", str(prompt_file), "-n", str(max_new_tokens),
+    # llama-speculative-simple stops once it has emitted more than -n tokens: it is asked for one fewer
+    asked = max_new_tokens if method == "llamacpp-cli-ar" else max_new_tokens - 1
+    common = ["-m", str(target.weights.path), "-f", str(prompt_file), "-n", str(asked),
               "-t", str(target.threads), "-tb", str(target.threads), "-c", str(target.max_positions),
               "-b", "2048", "-ub", str(llamacpp.N_BATCH), "-fa", "on", "-ctk", options.kv, "-ctv", options.kv,
               "--seed", str(seed), "--no-escape"]  # the prompt's backslashes are text
@@ -146,9 +148,7 @@ def tool_args(method: str, target: Any, prompt_file: Path, max_new_tokens: int, 
         return [str(tool("llama-completion")), *common, "-no-cnv", "--no-display-prompt",
                 *schema_args(method, response_format)]
     schema_args(method, response_format)  # refuses
-    # llama-speculative-simple stops once it has emitted more than -n tokens: one more than asked
     speculative = [str(tool("llama-speculative-simple")), *common]
-    speculative[speculative.index("-n") + 1] = str(max_new_tokens - 1)
     if method == "llamacpp-cli-spec":
         drafter = getattr(options.drafter, "weights", None)
         if drafter is None:

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import torch
 
-from speculant.config import SamplingConfig, integer
+from speculant.config import SamplingConfig, as_integer, integer
 from speculant.drafters.base import Draft, Drafter
 from speculant.drafters.cross_vocab import CrossVocabDrafter
 from speculant.drafters.maxgram import MaxGramDrafter
@@ -60,8 +60,6 @@ def default_k_matrix(levels: list[Drafter], k: int) -> list[list[int]]:
 def check_k_matrix(matrix: list[list[int]], levels: int) -> list[list[int]]:
     """`matrix` (from a spec or from Python: its entries as `as_integer` takes them), checked; a ConfigError says
     what is wrong with it."""
-    from speculant.config import as_integer
-
     if not isinstance(matrix, (list, tuple)) or not all(isinstance(row, (list, tuple)) for row in matrix):
         raise ConfigError("the K matrix is a list of rows of integers")
     if len(matrix) != levels or any(len(row) != levels for row in matrix):

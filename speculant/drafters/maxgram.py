@@ -106,14 +106,13 @@ class MaxGramDrafter(Drafter):
             end, length = longest_suffix_match(tokens)
             if length >= self.min_match:
                 # what followed the match, read as an overlapping copy (LZ77's): where it runs into the
-                # context's end it goes on with the tokens it just copied, so a repeated run drafts all k
-                # tokens in one lookup instead of one token per lookup
-                follow = np.resize(tokens[end + 1 :], k - len(draft))
-            elif self.bigram is not None and 0 <= tokens[-1] < len(self.bigram) and self.bigram[tokens[-1]] >= 0:
-                follow = self.bigram[tokens[-1:]]
-            else:
+                # context's end it goes on with the tokens it just copied, so one lookup drafts the rest
+                draft += np.resize(tokens[end + 1 :], k - len(draft)).tolist()
                 break
-            draft += follow.tolist()
+            if self.bigram is None or not 0 <= tokens[-1] < len(self.bigram) or self.bigram[tokens[-1]] < 0:
+                break
+            follow = self.bigram[tokens[-1:]]  # no match: the bigram's token, and a lookup after it
+            draft.append(int(follow[0]))
             tokens = np.concatenate([tokens, follow])
         return Draft(draft, None, {})
 

@@ -23,7 +23,7 @@ from speculant.models.base import CausalLM
 from speculant.models.catalog import (CATALOG, TOKENIZER_FILES, catalog_listing, check_cache, check_gguf,
                                       check_name, check_suffix, gguf_checkpoint, gguf_tokenizer, gguf_tokenizer_folder,
                                       gguf_tokenizer_sources, materialize, split_quant)
-from speculant.models.backends import llamacpp
+from speculant.models.backends import capabilities_of, llamacpp
 from speculant.models.numerics.native import KERNELS
 
 if TYPE_CHECKING:
@@ -145,8 +145,9 @@ def resolve_backend(backend: str | None, spec: Any, quant: str | None, device: s
         backend = "llamacpp" if backend == AUTO else backend
         if backend != "llamacpp":
             raise ConfigError(f"@{GGUF} runs on the llama.cpp backend, not {backend}")
-    if backend in ("hf", "static") and str(spec).endswith(".gguf"):
-        raise ConfigError(f"{spec} is a GGUF file: it runs on the lean or llamacpp backend, not {backend}")
+    if backend != AUTO and str(spec).endswith(".gguf") and not capabilities_of(backend).gguf:
+        runs = " or ".join(name for name in BACKENDS if capabilities_of(name).gguf)
+        raise ConfigError(f"{spec} is a GGUF file: it runs on the {runs} backend, not {backend}")
     if backend == AUTO:
         on_cpu = device is None or resolve_device(device).type == "cpu"
         as_they_are = quant is None and dtype in (None, AUTO)
