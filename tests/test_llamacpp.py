@@ -14,6 +14,7 @@ from tiny_gguf import GGUF_ARCHS, write_tiny_gguf  # noqa: E402
 
 from speculant import generate  # noqa: E402
 from speculant.errors import ConfigError  # noqa: E402
+from speculant.models.base import Interrupted  # noqa: E402
 from speculant.models import HFCausalLM, load_model  # noqa: E402
 from speculant.models.loading import resolve_backend  # noqa: E402
 from speculant.trees.tree import TokenTree  # noqa: E402
@@ -218,6 +219,54 @@ def test_bad_tree_calls_and_rollbacks_are_refused(gguf_files):
     model.rollback(12)
     with pytest.raises(ValueError, match="at most 63 leaves"):
         model.forward(list(wide.tokens), tree=wide)
+
+
+@pytest.mark.parametrize("root_cached", [False, True])
+def test_a_failed_or_interrupted_tree_forward_leaves_the_cache_as_it_was(gguf_files, root_cached):
+    """Whether the tree is new (its root cached as text or not) or grows by a level, a forward cut short (DSI's
+    preemption) or refused inside (too many leaves) drops what it cached: the same calls then give what an
+    untouched model gives."""
+    def fresh():
+        model = gguf_model(gguf_files, "llama")
+        model.prefill(prompt_ids(4))
+        if root_cached:
+            model.forward([TREE.tokens[0]])
+        return model
+
+    head, rest = list(TREE.tokens[root_cached:4]), list(TREE.tokens[4:])
+    first, grown = TokenTree(TREE.tokens[:4], TREE.parents[:4]), TREE
+    untouched = fresh()
+    expected_first, expected_grown = untouched.forward(head, tree=first), untouched.forward(rest, tree=grown)
+    model = fresh()
+    cached = model.cache_len
+    model.interrupt = lambda: True
+    with pytest.raises(Interrupted):
+        model.forward(head, tree=first)
+    model.interrupt = None
+    wide = TokenTree((TREE.tokens[0], *range(2, 70)), (-1, *[0] * 68))
+    with pytest.raises(ValueError, match="at most 63 leaves"):
+        model.forward(list(wide.tokens[1:]) if root_cached else list(wide.tokens), tree=wide)
+    assert model.cache_len == cached
+    assert torch.equal(model.forward(head, tree=first), expected_first)
+    model.interrupt = lambda: True
+    with pytest.raises(Interrupted):
+        model.forward(rest, tree=grown)
+    model.interrupt = None
+    assert model.cache_len == 12 + len(first)
+    assert torch.equal(model.forward(rest, tree=grown), expected_grown)
+
+
+def test_a_prompt_part_after_a_kept_branch_follows_it(gguf_files):
+    """`keep` of a path whose nodes left their plain positions leaves them waiting to be written; a prompt's next
+    part (`continue_prefill`) runs after them, not over them."""
+    model, plain = gguf_model(gguf_files, "llama"), gguf_model(gguf_files, "llama")
+    model.prefill(prompt_ids(4))
+    model.forward(list(TREE.tokens), tree=TREE)
+    model.keep(list(range(12)) + [12, 14])  # the root and its second child, which sat in the third cell
+    plain.prefill(prompt_ids(4) + [TREE.tokens[0], TREE.tokens[2]])
+    assert model.cache_len == plain.cache_len == 14
+    assert torch.allclose(model.continue_prefill([5, 6]), plain.continue_prefill([5, 6]), atol=1e-4)
+    assert model.cache_len == 16
 
 
 def test_backend_choice_and_clear_errors_before_loading(tmp_path, monkeypatch):

@@ -190,6 +190,21 @@ def test_an_interrupted_forward_leaves_the_cache_as_it_was():
     assert model.cache_len == 3
 
 
+def test_an_empty_forward_and_a_tree_at_other_positions():
+    """No tokens: no rows, the cache unchanged (as on the other backends); a tree's nodes run at their root's
+    position plus their depth, and other positions are refused (they were ignored) before the cache changes."""
+    model, reference = static(transformer("llama", 0)), static(transformer("llama", 0))
+    for handle in (model, reference):
+        handle.prefill([1, 2, 3, 4, 5])
+        handle.forward([7])
+    assert model.forward([]).shape == (0, 64) and model.cache_len == 6
+    tree = TokenTree((7, 11, 12), (-1, 0, 0))
+    with pytest.raises(ValueError, match="root's position plus their depth"):
+        model.forward([11, 12], positions=[0, 0], tree=tree)
+    assert model.cache_len == 6
+    assert torch.equal(model.forward([11, 12], positions=[6, 6], tree=tree), reference.forward([11, 12], tree=tree))
+
+
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("arch", ARCHS)

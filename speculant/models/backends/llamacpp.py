@@ -374,14 +374,7 @@ class LlamaCppCausalLM(Backend):
     def continue_prefill(self, ids: Sequence[int]) -> torch.Tensor:
         """A part of a prompt after its earlier parts (`prefill_parts`); the logits of its last token. An interrupted
         part leaves the cache as the earlier parts left it."""
-        start = self._physical
-        try:
-            logits = self._decode([_Entry(t, start + i, [0], i == len(ids) - 1) for i, t in enumerate(ids)], N_BATCH)
-        except Interrupted:
-            self.lib.llama_memory_seq_rm(self.memory, 0, start, -1)
-            raise
-        self._physical = start + len(ids)
-        return logits[0]
+        return self._chain(ids, 1, N_BATCH)[0]
 
     def forward(self, ids: Sequence[int], positions: Sequence[int] | None = None,
                 tree: TokenTree | None = None) -> torch.Tensor:
@@ -395,6 +388,11 @@ class LlamaCppCausalLM(Backend):
 
     def catch_up(self, ids: Sequence[int], rows: int = 1) -> torch.Tensor:
         """The tokens at the next positions, logits asked of llama.cpp for the last `rows` only."""
+        return self._chain(ids, rows, self.width)
+
+    def _chain(self, ids: Sequence[int], rows: int, width: int) -> torch.Tensor:
+        """The tokens at the next positions (after any waiting to be written), `width` per llama_decode; the logits
+        of the last `rows`. Cut short or failed, it drops what it cached."""
         if self._tree is not None:
             raise ValueError("the cache holds a draft tree: keep() its accepted path or roll it back first")
         start, physical, pending = self.cache_len, self._physical, self._pending
@@ -402,7 +400,7 @@ class LlamaCppCausalLM(Backend):
             raise ValueError(f"{start + len(ids)} positions exceed the llama.cpp context of {self.max_positions}")
         entries = self._take_pending() + [_Entry(t, start + i, [0], i >= len(ids) - rows) for i, t in enumerate(ids)]
         try:
-            logits = self._decode(entries, self.width)
+            logits = self._decode(entries, width)
         except Exception:  # cut short or failed: drop what it cached, so the cache is what it says
             self.lib.llama_memory_seq_rm(self.memory, 0, physical, -1)
             self._physical, self._pending = physical, pending
@@ -434,6 +432,15 @@ class LlamaCppCausalLM(Backend):
         if state.begin + len(tree) > self.max_positions:
             raise ValueError(f"a tree of {len(tree)} nodes after {state.begin} positions exceeds the llama.cpp "
                              f"context of {self.max_positions}")
+        before = (self._physical, list(self._pending), list(self._free_seqs), len(state.tokens), dict(state.tip))
+        try:
+            return self._extend_tree(ids, tree, state, start, skip, fresh)
+        except Exception:  # refused, cut short or failed: the cache and the tree as they were before the call
+            self._undo_tree(state, fresh, *before)
+            raise
+
+    def _extend_tree(self, ids: list[int], tree: TokenTree, state: _Tree, start: int, skip: int,
+                     fresh: bool) -> torch.Tensor:
         if fresh and skip:
             self._pending.pop()
         elif fresh and start == 1:
@@ -464,6 +471,24 @@ class LlamaCppCausalLM(Backend):
         rows = self._decode(entries, self.width)  # [new nodes in depth-first order, vocab]
         where = {node: i for i, node in enumerate(order)}
         return rows[[where[n] for n in range(start + skip, len(tree))]]
+
+    def _undo_tree(self, state: _Tree, fresh: bool, physical: int, pending: list[int], free: list[int], nodes: int,
+                   tip: dict[int, int]) -> None:
+        """Drop what a tree forward cached: the sequences it began, and the cells past each earlier sequence's tip
+        (past the committed cells where the tree was new)."""
+        for seq in set(free) - set(self._free_seqs):
+            self.lib.llama_memory_seq_rm(self.memory, seq, -1, -1)
+        if fresh:
+            self.lib.llama_memory_seq_rm(self.memory, 0, physical, -1)
+            self._tree = None
+        else:
+            for seq, node in tip.items():
+                self.lib.llama_memory_seq_rm(self.memory, seq, state.begin + state.depths[node] + 1, -1)
+            for column in (state.tokens, state.parents, state.depths, state.seq, state.cell):
+                del column[nodes:]
+            state.tip.clear()
+            state.tip.update(tip)
+        self._physical, self._pending, self._free_seqs = physical, pending, free
 
     def _new_seq(self, state: _Tree, parent: int, in_batch: dict[int, int], entries: list[_Entry],
                  boundary: int) -> int:

@@ -489,7 +489,8 @@ class StaticCausalLM(PointerCache, Backend):
                 tree: TokenTree | None = None) -> torch.Tensor:
         """With `tree`, `ids` are its last len(ids) nodes, its earlier nodes the last cached positions; each node
         attends to the cache before the tree and its own ancestors."""
-        return self._run(self._place(list(ids), tree, positions))
+        rows = self._place(list(ids), tree, positions)
+        return self._run(rows) if rows else torch.empty(0, self.vocab_size, device=self.device)
 
     def keep(self, indices: Sequence[int]) -> None:
         with self.pool.lock:  # (the pool growing on another thread moves every region's storage)
@@ -533,6 +534,8 @@ class StaticCausalLM(PointerCache, Backend):
         root = start - first  # cache position of the tree's root
         if first < 0 or root < 0 or list(ids) != list(tree.tokens[first:]):
             raise ValueError("ids must be the last nodes of the tree, with the earlier ones cached")
+        if positions is not None and list(positions) != tree.positions(root)[first:]:
+            raise ValueError("tree nodes run at their root's position plus their depth")
         rows = []
         for i, node in enumerate(range(first, len(tree))):
             index = np.arange(self.span)
