@@ -175,7 +175,8 @@ class RunConfig:
     """What bounds one generation, whatever the method."""
 
     max_new_tokens: int = option(128, "stop after this many new tokens")
-    seed: int | None = option(None, "seed of the one random generator (sampling only)")
+    seed: int | None = option(None, "seed of the one random generator (sampling only: a named method repeats its "
+                                     "output under one seed; auto's choices follow measured times, so its may differ)")
 
     def __post_init__(self) -> None:
         if self.max_new_tokens < 1:
