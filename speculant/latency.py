@@ -53,13 +53,16 @@ class LatencyProfile:
 
     def prefill_s(self, tokens: int) -> float:
         """A prefill of `tokens` new tokens onto an empty cache: a * n + b * n^2 through (context_len, ttft_s) and
-        (long_context_len, long_ttft_s) (each token's attention reads the tokens before it), linear in n where no long
-        prefill was measured."""
+        (long_context_len, long_ttft_s) (each token's attention reads the tokens before it); where a token costs less
+        in the longer prompt (a GPU's fixed cost per call), the line through both; linear in n where no long prefill
+        was measured."""
         n1, t1 = self.context_len, self.ttft_s
         if self.long_ttft_s is None or not self.long_context_len:
             return t1 * tokens / n1
         n2, t2 = self.long_context_len, self.long_ttft_s
-        b = max((t2 / n2 - t1 / n1) / (n2 - n1), 0.0)
+        b = (t2 / n2 - t1 / n1) / (n2 - n1)
+        if b < 0:
+            return max(t1 + max(t2 - t1, 0.0) / (n2 - n1) * (tokens - n1), 0.0)
         a = t1 / n1 - b * n1
         return max(a * tokens + b * tokens * tokens, 0.0)
 

@@ -585,7 +585,8 @@ def test_a_model_is_profiled_once_per_machine_with_a_progress_line(tmp_path, mon
 
 def test_verification_cost_follows_the_cached_length():
     """T(W, L) from T(W) at 256 and at 2048 cached tokens: linear in L (attention), the nearest measured width's
-    growth for the others, never below T(W) at 256; a prefill grows as a n + b n^2 through both prefills; `Rescaled`
+    growth for the others, never below T(W) at 256; a prefill grows as a n + b n^2 through both prefills (a line
+    through both where a token costs less in the longer one); `Rescaled`
     asks the profile at the length the policy set."""
     from speculant.decoding.adaptive import Rescaled
 
@@ -597,6 +598,8 @@ def test_verification_cost_follows_the_cached_length():
     assert profile.cost_at(16, 2048) == pytest.approx(0.02 * 1.5)  # width 4's growth, the nearest measured
     assert profile.prefill_s(256) == pytest.approx(0.256) and profile.prefill_s(2048) == pytest.approx(3.84)
     assert profile.prefill_s(4096) > 2 * profile.prefill_s(2048)  # superlinear
+    gpu = LatencyProfile("m", "", "cuda", 256, 0.01, 0.003, {1: 0.003}, 2048, 0.04, {1: 0.004})  # a call's own cost
+    assert gpu.prefill_s(256) == pytest.approx(0.01) and gpu.prefill_s(2048) == pytest.approx(0.04)
     flat = LatencyProfile("m", "", "cpu", 256, 0.256, 0.01, {1: 0.01, 4: 0.012})
     assert flat.cost_at(4, 3000) == 0.012 and flat.prefill_s(512) == pytest.approx(0.512)
     cost = Rescaled(profile.cost_at)
@@ -738,3 +741,50 @@ def test_options_for_model_drafters_are_refused_where_auto_has_none():
                  tree_widths=(4,), session=session)
     generate(target, prompt_ids=prompt, method="auto", drafters=[MaxGramDrafter()], max_new_tokens=4, tree_widths=(2,),
              session=session)
+
+
+def test_a_drafter_many_texts_showed_never_right_is_probed_again_once_texts_change():
+    """After a run of texts where a drafter was never right its promise, and so its probe budget, fall near 0; the
+    long-run counts age with every new text (`TEXT_AGE`), so it is probed again and drafts where it is now right,
+    rather than never again in the session."""
+    target = tiny_model("llama", 1, VOCAB, init_std=0.1)
+    prompt = random_prompt(1, VOCAB)
+    n = 200
+    reference = generate(target, prompt_ids=prompt, method="ar", max_new_tokens=n).token_ids
+    estimates = {}
+    for text in range(34):
+        right = text >= 32
+        drafter = ScriptedDrafter(prompt, reference, error_rate=0.0 if right else 1.0, vocab=VOCAB, seed=text)
+        candidate = Candidate("scripted", drafter, 0.1, 0.6, catch_up=lambda context: 2.0, estimates=estimates)
+        tokens, stats = run(target, [candidate], prompt, n=n)
+        assert tokens == reference
+    assert stats.choices.count("scripted") > len(stats.choices) / 2
+
+
+def test_a_k_max_beyond_the_reply_is_weighed_only_up_to_it(monkeypatch):
+    """`can_pay` weighs every draft length up to k_max: a CLI's or a script's k_max of a billion took its time before
+    the first token. No draft is longer than the reply's tokens, so that bounds what is weighed."""
+    from speculant.decoding import adaptive as module
+
+    target = load_model(tiny_transformer("llama", 0, VOCAB, init_std=0.1))
+    drafter = load_model(perturbed(target, 0.1, 0).model)
+    prompt = random_prompt(0, VOCAB, 6) * 3
+    expected = generate(target, prompt_ids=prompt, method="ar", max_new_tokens=12).token_ids
+    weighed, can_pay = [], module.can_pay
+    monkeypatch.setattr(module, "can_pay", lambda step, cost, most, width=1: weighed.append(most) or
+                        can_pay(step, cost, most, width))
+    invent(monkeypatch, costs(target))
+    result = generate(target, prompt_ids=prompt, method="auto", drafters=[drafter], k_max=10 ** 9, max_new_tokens=12)
+    assert result.token_ids == expected and weighed and max(weighed) <= 12
+
+
+def test_a_reply_s_length_is_learned_where_its_reader_stops_it():
+    """A server stops reading at an end-of-sequence token or a stop string and closes the decoder: the length it
+    reached joins the session's `lengths` as a whole generation's does (only replies that ran to their budget were)."""
+    target, prompt, reference, drafter = never_right(30)
+    history = deque()
+    decoder = adaptive(target, [Candidate("never", drafter, 0.1, 0.6)], prompt, 30, lambda w: 1.0,
+                       SamplingConfig(), None, lengths=history)
+    assert [next(decoder) for _ in range(7)] == reference[:7]
+    decoder.close()
+    assert list(history) == [7]

@@ -44,6 +44,7 @@ from speculant.trees.tree import TokenTree
 PLAIN = "plain"
 CARRY_OVER = 4.0  # observations per draft position a new generation's estimates start with, at the long-run rates
 LONG_RUN = 0.995  # decay of the long-run estimates: over the last few hundred drafts, of many texts
+TEXT_AGE = 8  # a new text ages the long-run estimates as this many drafts would (`Acceptance.restart`)
 PROMISE_WEIGHT = 4.0  # observations of one half beside a drafter's long-run first-position acceptance (`promise`)
 COST_FOLLOWS = 0.2  # how far a measured candidate's cost estimate moves toward each draft's cost
 PROBE_SHARE = 0.1  # probes that brought no drafter back may cost at most this share of a generation's plain time
@@ -195,7 +196,12 @@ class Acceptance:
 
     def restart(self, observations: float) -> None:
         """A new text: the long-run rates, counted as at most `observations` drafts per position, so that
-        what the new text shows soon outweighs them."""
+        what the new text shows soon outweighs them. The long-run counts age by `TEXT_AGE` drafts' decay: a drafter
+        that many texts showed never right, and so no longer probed (its `promise`, and with it its probe budget, near
+        0), is probed again after some texts rather than never again in the session."""
+        age = LONG_RUN ** TEXT_AGE
+        self.long_reached = [age * r for r in self.long_reached]
+        self.long_accepted = [age * a for a in self.long_accepted]
         self.reached = [min(r, observations) for r in self.long_reached]
         self.accepted = [a / r * n if r else 0.0
                          for a, r, n in zip(self.long_accepted, self.long_reached, self.reached)]
@@ -487,7 +493,7 @@ class AutoPolicy:
                 PROBE_SHARE * probe.acceptance().promise() * cost(1) * (produced + remaining)
             if self.probed < budget:  # (where it is spent, no price is read: no catch-up compared with the context)
                 steps = min(2, room)
-                price = catch_up_s(probe) + steps * probe.cost_s + cost(steps + 1) - cost(1)
+                price = catch_up_s(probe) + steps * probe.cost_s + cost(1 + steps * probe.width) - cost(1)
                 if self.probed + price <= budget:
                     chosen, k, draft, bucket = probe, steps, None, 0
                     self.wait, self.probed = 2 * self.wait, self.probed + price
@@ -521,7 +527,8 @@ class AutoPolicy:
                 self.candidates = []
 
     def end(self, produced: int) -> None:
-        if self.lengths is not None:  # one that ran to its budget might have gone on: it lasts as long as any budget
+        """The generation ended after `produced` tokens: its length joins those `expected_remaining` reads."""
+        if self.lengths is not None and produced:  # one that ran to its budget might have gone on: it lasts as long as any budget
             self.lengths.append(produced if produced < self.max_new_tokens else math.inf)
 
 
@@ -598,11 +605,11 @@ def auto_decoder(target: CausalLM, policy: AutoPolicy, prompt_ids: list[int], ma
             stats.choices.append(chosen.name if chosen is not None else PLAIN)
             pending = step.tokens
             policy.pace(plan, time.perf_counter() - began, len(pending))
-    finally:
+    finally:  # (also where its caller stopped reading: at an end-of-sequence token, a stop string, a cancel)
         for ahead in aheads.values():
             ahead.close()
         stats.stage = sum((ahead.record for ahead in aheads.values()), StageRecord()) if aheads else None
+        policy.end(len(out))
     stats.new_tokens = len(out)
     stats.record_target(target.usage)
-    policy.end(len(out))
     return stats

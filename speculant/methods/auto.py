@@ -171,6 +171,7 @@ def build(request: Request, options: AutoOptions) -> Any:
     from speculant.trees.shape import plan_width
 
     target, session = request.target, request.session
+    k_max = min(options.k_max, request.max_new_tokens, target.max_positions)  # (no longer draft could be verified)
     cost = Rescaled(session.profile(target).cost_at, session.timings)
     speed = cost.timings.speed  # the machine's drift: the drafters' forwards share it
     candidates, begun, models = [], [], 0
@@ -186,7 +187,7 @@ def build(request: Request, options: AutoOptions) -> Any:
             continue
         models += 1
         profile = session.profile(source)
-        if not can_pay(profile.tpot_s, cost, options.k_max):  # too slow to pay even if always right
+        if not can_pay(profile.tpot_s, cost, k_max):  # too slow to pay even if always right
             continue
         cache = session.cache(source)
         cache.prefills = profile.prefills  # its way (prefill or rows) by this machine's costs: `catch_up_cost`'s too
@@ -207,7 +208,7 @@ def build(request: Request, options: AutoOptions) -> Any:
         for width in widths if same_ids else ():
             if width < 2:  # (the plan's chain)
                 continue
-            if not can_pay(profile.cost(width), cost, options.k_max, width):
+            if not can_pay(profile.cost(width), cost, k_max, width):
                 continue
             name = f"{source.name} tree{width}"
             # the chain's cache: whichever drafts next catches up from it
@@ -225,7 +226,7 @@ def build(request: Request, options: AutoOptions) -> Any:
     # it drafts; until then a review is taken to yield two tokens.
     lookup = next((c.drafter for c in candidates if isinstance(c.drafter, MaxGramDrafter)), None)
     for chain in [c for c in candidates if isinstance(c.drafter, ModelDrafter)] if lookup else ():
-        cascade = CascadeDrafter([chain.drafter, lookup], [[options.k_max, 0], [0, REVIEW]], 1.0,
+        cascade = CascadeDrafter([chain.drafter, lookup], [[k_max, 0], [0, REVIEW]], 1.0,
                                  request.sampling, request.generator)
         candidates.append(Candidate(f"{chain.name} cascade", cascade, chain.step_s / 2, chain.prior,
                                     estimates=chain.estimates, measured=True, needs_match=True,
@@ -237,6 +238,6 @@ def build(request: Request, options: AutoOptions) -> Any:
             candidate.load = target.batch_load
         cost = batched_cost(cost, target.batch_load)
     decoder = adaptive(target, candidates, request.prompt_ids, request.max_new_tokens, cost, request.sampling,
-                       request.generator, options.k_max, options.probe_every, session.lengths, options.schedule,
+                       request.generator, k_max, options.probe_every, session.lengths, options.schedule,
                        options.catch_up)
     return ending(decoder, begun, request.prompt_ids)
