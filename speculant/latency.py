@@ -17,6 +17,21 @@ from speculant.config import MOST_LATENCY_MS, as_integer, as_number
 from speculant.errors import ConfigError
 
 
+def interpolated(widths: Sequence[float], times: Sequence[float], width: float) -> float:
+    """T(W) from T at ascending `widths`: linear between them; beyond them, along the last segment but never below
+    T(widest) per token of it (a curve flat at its end, such as a GPU's, would make a 200-token catch-up cost one
+    forward, or a tree's nodes past the widest free to verify; a forward can always run as chunks of the widest).
+    Plain Python: `auto` asks this hundreds of times per step, and numpy's interp costs twice as much."""
+    if width > widths[-1] and len(widths) > 1:
+        (a, b), (ta, tb) = widths[-2:], times[-2:]
+        return max(tb + max(tb - ta, 0.0) / (b - a) * (width - b), tb * width / b)
+    i = bisect_left(widths, width)
+    if i == 0 or i == len(widths):
+        return float(times[min(i, len(widths) - 1)])
+    a, b = widths[i - 1], widths[i]
+    return float(times[i - 1] + (times[i] - times[i - 1]) * (width - a) / (b - a))
+
+
 @dataclass
 class LatencyProfile:
     model: str
@@ -96,19 +111,8 @@ class LatencyProfile:
         return max(self.prefill_s(keep + lag), self.cost(rows)) < self.catch_up_s(keep, lag)
 
     def cost(self, width: float) -> float:
-        """T(W), interpolated linearly between measured widths; beyond them, along the last segment but never below
-        T(widest) per token of it (a curve flat at its end, such as a GPU's, would make a 200-token catch-up cost
-        one forward; a forward can always run as chunks of the widest). Plain Python: `auto` asks this hundreds of
-        times per step, and numpy's interp costs twice as much."""
-        widths, times = self._curve
-        if width > widths[-1] and len(widths) > 1:
-            (a, b), (ta, tb) = widths[-2:], times[-2:]
-            return max(tb + max(tb - ta, 0.0) / (b - a) * (width - b), tb * width / b)
-        i = bisect_left(widths, width)
-        if i == 0 or i == len(widths):
-            return float(times[min(i, len(widths) - 1)])
-        a, b = widths[i - 1], widths[i]
-        return float(times[i - 1] + (times[i] - times[i - 1]) * (width - a) / (b - a))
+        """T(W) from the measured widths (`interpolated`)."""
+        return interpolated(*self._curve, width)
 
     @cached_property
     def _curve(self) -> tuple[list[int], list[float]]:

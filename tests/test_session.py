@@ -377,3 +377,46 @@ def test_a_user_drafter_s_bad_draft_is_named_before_verification_reads_it(propos
         generate(target, prompt_ids=random_prompt(1, VOCAB, 6), method="sd", drafter=Faulty(), k=2,
                  max_new_tokens=6, temperature=0.8 if "q is" in message else 0.0)
     assert type(load_drafter("maxgram", target)).__name__ == "MaxGramDrafter"
+
+
+def test_a_drafter_cache_s_failed_catch_up_leaves_it_holding_nothing_known():
+    """A catch-up cut short (a stage thread's error, an interrupt) after its rollback left `ids` describing the old
+    cache: the next run rolled back past the cache's end. It now catches up from nothing known, to the same logits."""
+    from speculant.models.base import DraftCache
+
+    model, reference = tiny_model("llama", 3, 64, init_std=0.1), tiny_model("llama", 3, 64, init_std=0.1)
+    cache = DraftCache(model)
+    text = random_prompt(1, 64, 40)
+    cache.run(text)
+    catch_up = model.catch_up
+
+    def failing(*args, **kwargs):
+        raise RuntimeError("cut short")
+
+    model.catch_up = failing
+    with pytest.raises(RuntimeError, match="cut short"):
+        cache.run(text[:10] + random_prompt(2, 64, 5))  # a miss after 10 shared tokens: rolled back, then failed
+    model.catch_up = catch_up
+    assert torch.allclose(cache.run(text + [5, 6])[-1], reference.prefill(text + [5, 6]), atol=1e-4)
+
+
+def test_a_tree_s_next_turn_catches_up_from_the_drafter_s_kept_cache(tmp_path):
+    """`tree` forgot the session drafter's cache at every generation (where measuring auto sizes had run it apart,
+    and where nothing had): the next turn of a conversation prefilled the drafter on its whole history again."""
+    from helpers import perturbed
+
+    target = load_model(tiny_transformer("llama", 12, VOCAB))
+    perturbed(target, 0.05, 12).model.save_pretrained(tmp_path / "drafter")
+    session = Session(target)
+    first_turn = random_prompt(1, VOCAB, 40)
+    reply = generate(target, prompt_ids=first_turn, method="tree", drafter=str(tmp_path / "drafter"), depth=3,
+                     width=2, max_new_tokens=8, session=session).token_ids
+    (cache,) = session.caches.values()
+    model = cache.model.model  # (under its meter)
+    prefilled, prefill = [], model.prefill
+    model.prefill = lambda ids: prefilled.append(len(ids)) or prefill(ids)
+    second_turn = first_turn + reply + [3, 4]
+    result = generate(target, prompt_ids=second_turn, method="tree", drafter=str(tmp_path / "drafter"), depth=3,
+                      width=2, max_new_tokens=8, session=session)
+    assert result.token_ids == generate(target, prompt_ids=second_turn, method="ar", max_new_tokens=8).token_ids
+    assert not prefilled

@@ -54,6 +54,8 @@ def test_features_read_the_target_distribution_and_the_recent_acceptance():
     x = features(torch.tensor([10.0, 0.0, 0.0, 0.0]), recent)
     assert x[0] > 0.99 and x[1] < 0.01 and x[2] < 0.01 and x[3] == 0.5
     assert features(torch.zeros(4), recent)[:3] == pytest.approx([0.25, 0.25, 1.0])
+    masked = torch.tensor([0.0, 0.0, float("-inf"), float("-inf")])  # a grammar's (response_format) masked logits
+    assert features(masked, recent)[:3] == pytest.approx([0.5, 0.5, 0.5])  # (entropy was NaN: depth 1 ever after)
     shallow, deep = Recent(), Recent()
     for _ in range(6):  # every level accepted, at whatever depth it drafts: the same high rate
         shallow.observe(2, 2)
@@ -182,3 +184,19 @@ def test_a_hidden_state_predictor_is_refused_for_a_target_without_hidden_states(
         generate(target, prompt_ids=[1, 2], method="tree", drafter="self", depth_predictor=str(tmp_path / "hidden.json"),
                  max_new_tokens=4)
     assert refused.value.option == "depth_predictor"
+
+
+def test_a_hidden_state_predictor_for_another_hidden_size_is_refused_before_any_token(tmp_path):
+    """A predictor file made for another target (its hidden states another size) is an error naming the option,
+    raised before the first token (it failed inside the predictor a few tokens into the reply)."""
+    from speculant.errors import OptionError
+
+    DepthPredictor(4, "hidden", 16).save(tmp_path / "hidden.json")
+    target = tiny_model("llama", 0, 64)
+    assert target.capabilities.hidden_states
+    tokens = []
+    with pytest.raises(OptionError, match="hidden states of 16 numbers") as refused:
+        for token in generate(target, prompt_ids=random_prompt(0, 64), method="tree", drafter="self", depth=3,
+                              depth_predictor=str(tmp_path / "hidden.json"), max_new_tokens=8, stream=True):
+            tokens.append(token)
+    assert refused.value.option == "depth_predictor" and not tokens

@@ -200,3 +200,25 @@ def test_auto_drafts_its_trees_at_the_plan_s_width(monkeypatch):
                           max_new_tokens=30, session=session)
         assert result.token_ids == expected
         assert {name for name in session.acceptance if "tree" in name} == trees
+
+
+@pytest.mark.parametrize("options", [dict(depth="auto", width=2), dict(depth=3, width="auto")])
+def test_auto_sizes_after_a_prompt_near_the_end_of_the_cache(options):
+    """Measuring T(W) for `auto` sizes runs forwards of up to 32 tokens after the prompt: it measures after the prompt's
+    last positions where those would run past the target's cache (a 90-token prompt in 96 positions crashed), and
+    beyond the widest measured width the cost grows along the last segment (held flat, nodes past 32 were free)."""
+    from speculant import generate
+    from speculant.models.backends.static import StaticCausalLM, StaticWeights
+    from speculant.trees.shape import tree_shape
+    from test_static import transformer
+
+    def static(seed, noise=0.0):
+        return StaticCausalLM(StaticWeights(transformer("llama", seed, noise=noise)), name=f"s{seed}{noise}", span=96)
+
+    target, drafter = static(0), static(0, 0.05)
+    prompt = random_prompt(3, 64, 90)
+    expected = generate(target, prompt_ids=prompt, method="ar", max_new_tokens=5).token_ids
+    assert generate(target, prompt_ids=prompt, method="tree", drafter=drafter, max_new_tokens=5,
+                    **options).token_ids == expected
+    cost = tree_shape(target, drafter, prompt, "auto", 2, None, None, {}).cost
+    assert cost(64) > cost(32)

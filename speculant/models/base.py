@@ -473,8 +473,10 @@ class DraftCache:
         return len(context) - common_prefix_len(self.ids, context)
 
     def run(self, context: list[int], extra: Sequence[int] = ()) -> torch.Tensor:
-        """`resync` to `context` + `extra`, then record that the cache holds them."""
-        logits = resync(self.model, self.ids, context, extra, self.prefills)
+        """`resync` to `context` + `extra`, then record that the cache holds them (cut short or failed, that it
+        holds nothing known: the cache may have been rolled back or prefilled in part)."""
+        cached, self.ids = self.ids, []
+        logits = resync(self.model, cached, context, extra, self.prefills)
         self.ids = context + list(extra)
         return logits
 

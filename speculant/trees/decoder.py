@@ -13,6 +13,7 @@ from speculant.config import SamplingConfig
 from speculant.decoding.run import Decoder, emit
 from speculant.decoding.stats import GenerationStats
 from speculant.decoding.step import verify_step
+from speculant.errors import OptionError
 from speculant.drafters.base import Draft
 from speculant.trees.drafter import TreeDrafter
 from speculant.models.base import CausalLM
@@ -54,6 +55,10 @@ def tree_speculative(
     reads = set(INPUTS) if log is not None else {predictor.inputs} if predictor is not None else set()
     reads_hidden = target.capabilities.hidden_states and "hidden" in reads
     hidden = target.last_hidden[-1] if reads_hidden else None  # its hidden state there
+    if predictor is not None and predictor.inputs == "hidden" and hidden is not None and \
+            hidden.numel() != predictor.width:  # (a file made for another target: before any token)
+        raise OptionError("depth_predictor", f"this depth predictor reads hidden states of {predictor.width} numbers; "
+                          f"the target's have {hidden.numel()} (train one for it: speculant train-depth)")
     pending = [next_token(last, sampling, generator)]
     recent, step_s = Recent(), None  # the trees' acceptance; the drafter's seconds per level, once measured
     ahead = Ahead(drafter, stats.record_usage) if schedule == "stage" else None

@@ -64,7 +64,7 @@ def features(logits: torch.Tensor, recent: Recent) -> list[float]:
     committed token (`logits`, one row), and the recent trees' per-level acceptance."""
     logp = torch.log_softmax(logits.float(), -1)
     top = logp.topk(2).values.exp()
-    entropy = -float((logp.exp() * logp).sum()) / math.log(logits.shape[-1])
+    entropy = float(torch.special.entr(logp.exp()).sum()) / math.log(logits.shape[-1])  # (0 log 0 = 0: masked)
     return [float(top[0]), float(top[1]), entropy, recent.rate]
 
 

@@ -23,8 +23,8 @@ SHAPES = ("egt", "sequoia", "nway")  # equal growth, or a static shape of `trees
 class TreeOptions(DrafterOptions):
     depth: int | str = option(4, "drafting steps per tree, or auto", parse=count_or_auto, most=REQUEST_MOST)
     width: int | str = option(4, "nodes added per drafting step, or auto: each tree's width chosen after its context "
-                               "by the latency-aware objective, the execution plan's depth and width from the costs "
-                               "and the drafter's agreement on the prompt (Yggdrasil 5.2)", parse=count_or_auto,
+                               "by the latency-aware objective, around the execution plan's width for the costs and "
+                               "the drafter's agreement on the prompt (Yggdrasil 5.2)", parse=count_or_auto,
                                most=REQUEST_MOST)
     verify_width: int | str | None = option(None, "verify at most this many drafted nodes, the subtree chosen by "
                                             "dynamic programming, or auto (default: all)", parse=count_or_auto,
@@ -128,10 +128,13 @@ def build(request: Request, options: TreeOptions) -> Any:
         raise OptionError("width", f"width {options.width} exceeds the drafter's vocabulary of {model.vocab_size} "
                           "tokens")
     profile = options.target_profile
+    measured = request.session.measured
+    before = sum(map(len, measured.values()))
     shape = tree_shape(request.target, model, request.prompt_ids, options.depth, options.width, options.verify_width,
                        profile, request.session.measured)
     static = fixed_shape(options, request.target, model, request.prompt_ids, request.session.measured)
-    request.session.cache(model).forget()  # (measuring its T(W) and coverage ran its cache apart)
+    if sum(map(len, measured.values())) != before:  # measuring T(W) or coverage ran the drafter's cache apart
+        request.session.cache(model).forget()
     predictor, cost = depth_predictor(options.depth_predictor, request.target, model), shape.cost
     if options.objective == "length":  # the sizes stand; no cost weighs a level or a node
         predictor, cost = None, None

@@ -9,10 +9,9 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-import numpy as np
 import torch
 
-from speculant.latency import MACHINE_WIDTHS, LatencyProfile, forward_costs
+from speculant.latency import MACHINE_WIDTHS, LatencyProfile, forward_costs, interpolated
 from speculant.config import AUTO
 from speculant.models.base import CausalLM, owner_of
 from speculant.trees.plan import COVERAGE_RANKS, PLAN_DEPTHS, PLAN_WIDTHS, choose_width, rank_coverage, search
@@ -46,10 +45,13 @@ class WidthChooser:
 
 
 def measured_costs(model: CausalLM, context: list[int], widths: Sequence[int], measured: Any) -> dict[int, float]:
-    """T(W) of `model` after `context` for each W, measured once per model object (after a warm-up) and kept in
-    `measured` ({model: {widths: costs}}, a `Session`'s)."""
+    """T(W) of `model` after `context` (its last positions, where the widest forward would run past the model's
+    cache) for each W, measured once per model object (after a warm-up) and kept in `measured` ({model: {widths:
+    costs}}, a `Session`'s)."""
     per_model = measured.setdefault(owner_of(model), {})
     if tuple(widths) not in per_model:
+        if model.max_positions is not None:
+            context = context[max(len(context) - (model.max_positions - max(widths)), 0):]
         model.prefill(context)
         forward_costs(model, context, widths[:1], repeats=1)  # warm-up
         per_model[tuple(widths)] = forward_costs(model, context, widths, repeats=1)
@@ -87,14 +89,15 @@ def plan_width(target: CausalLM, drafter: CausalLM, prompt_ids: list[int], targe
 def tree_shape(target: CausalLM, drafter: CausalLM, prompt_ids: list[int], depth: int | str, width: int | str,
                verify_width: int | str | None, profile: LatencyProfile | None, measured: Any) -> TreeShape:
     """Resolve `auto` sizes. With a profile or any `auto`, the objective decides how deep to draft (up
-    to `depth`) and how many nodes to verify (up to `verify_width`, else the whole tree). Costs measured here are
-    kept in `measured` (`measured_costs`)."""
+    to `depth`) and how many nodes to verify (up to `verify_width`; else the whole tree, within the widest T(W)
+    measured here where no profile is given). `width=auto` takes the execution plan's width (`plan_width`) and
+    chooses each tree's after its context. Costs measured here are kept in `measured` (`measured_costs`)."""
     auto = AUTO in (depth, width, verify_width)
     cost, most_nodes = (profile.cost, None) if profile is not None else (None, None)
     if cost is None and auto:
         costs = measured_costs(target, prompt_ids, TARGET_WIDTHS, measured)
         widths, seconds = list(costs), list(costs.values())
-        cost, most_nodes = (lambda n: float(np.interp(n, widths, seconds))), TARGET_WIDTHS[-1]
+        cost, most_nodes = (lambda n: interpolated(widths, seconds, n)), TARGET_WIDTHS[-1]
     chooser = None
     if width == AUTO:  # the plan's width, and each tree's own by the objective after its context
         draft_costs = measured_costs(drafter, prompt_ids, PLAN_WIDTHS, measured)
