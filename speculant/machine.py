@@ -13,16 +13,22 @@ BF16_FLAGS = ("amx_bf16", "avx512_bf16")  # a CPU with either multiplies bf16 na
 
 @cache
 def cpu_info() -> tuple[str, frozenset[str]]:
-    """(model name, feature flags) of the first CPU, from /proc/cpuinfo where there is one."""
+    """(model name, feature flags) of the first CPU, from /proc/cpuinfo where there is one. An Arm CPU's has no model
+    name: its implementer and part numbers name it (profiles are kept per CPU model), its `Features` are its flags."""
     model, flags = platform.processor() or platform.machine(), frozenset()
     cpuinfo = Path("/proc/cpuinfo")
     if cpuinfo.exists():
+        arm: dict[str, str] = {}
         for line in cpuinfo.read_text().splitlines():
-            key, _, value = line.partition(":")
-            if key.strip() == "model name" and model in (platform.processor(), platform.machine()):
-                model = value.strip()
-            elif key.strip() == "flags" and not flags:
+            key, _, value = (part.strip() for part in line.partition(":"))
+            if key == "model name" and model in (platform.processor(), platform.machine()):
+                model = value
+            elif key in ("flags", "Features") and not flags:
                 flags = frozenset(value.split())
+            elif key in ("CPU implementer", "CPU part"):
+                arm.setdefault(key, value)
+        if len(arm) == 2 and model in (platform.processor(), platform.machine()):
+            model = f"{platform.machine()} implementer {arm['CPU implementer']} part {arm['CPU part']}"
     return model, flags
 
 

@@ -16,7 +16,7 @@ from speculant.decoding import adaptive as adaptive_module
 from speculant.decoding.adaptive import (COST_FOLLOWS, LOOK_FIRST, PACE_STEPS, PROBE_SHARE, REST_STEPS, SAFE_SHARE,
                                          SCALE_RANGE, TIME_FOLLOWS, Acceptance, AutoPolicy, Candidate, Rescaled, Timings,
                                          adaptive, best_length, can_pay, expected_remaining, first_children_accepted,
-                                         batched_cost)
+                                         Batched)
 from speculant.decoding.run import timed
 from speculant.drafters.base import Draft
 from speculant.latency import LatencyProfile
@@ -128,15 +128,22 @@ def test_the_chain_its_cascade_and_its_trees_prefill_the_prompt_once(monkeypatch
 
 
 def test_a_served_row_sees_the_batch_s_cost_at_the_load_of_the_moment():
-    """One of n batched rows, all taken to draft alike: T(n * W) scaled so that plain decoding costs T(1)."""
+    """One of n batched rows, all taken to draft alike: T(n * W) scaled so that plain decoding costs T(1); after
+    the context's cached tokens, as the drafters' costs are (it was T(W) at the profile's context, whatever the
+    context)."""
     profile = lambda w: 0.03 + 0.005 * max(w - 4, 0)  # noqa: E731 - flat up to 4 rows, then compute-bound
     rows = [1]
-    cost = batched_cost(profile, lambda: rows[0])
+    cost = Batched(Rescaled(lambda w, length: profile(w)), lambda: rows[0])
     assert cost(1) == profile(1) and cost(4) == profile(4)
     rows[0] = 4
     assert cost(1) == profile(1) and cost(4) == pytest.approx(profile(16) * profile(1) / profile(4))
     rows[0] = 1  # the load falls: the values of the moment, not those first asked for
     assert cost(4) == profile(4)
+    measured = LatencyProfile("m", "", "cpu", 256, 0.256, 0.01, {1: 0.01, 4: 0.012}, 2048, 3.84, {1: 0.0125, 4: 0.018})
+    served = Batched(Rescaled(measured.cost_at), lambda: 1)
+    short = served(4)
+    served.length = 2048
+    assert short == pytest.approx(0.012) and served(4) == pytest.approx(0.018)
 
 
 def test_under_load_a_served_drafter_that_could_not_pay_even_if_always_right_is_neither_weighed_nor_probed():
@@ -155,12 +162,12 @@ def test_under_load_a_served_drafter_that_could_not_pay_even_if_always_right_is_
         drafter.propose = lambda context, k: proposed.append(k) or propose(context, k)
         candidate = Candidate("perfect", drafter, 0.006, 0.9, load=lambda: rows[0])
         proposed.clear()
-        tokens, stats = run(target, [candidate], prompt, n=30, cost=batched_cost(profile, lambda: rows[0]))
+        tokens, stats = run(target, [candidate], prompt, n=30, cost=Batched(Rescaled(lambda w, length: profile(w)), lambda: rows[0]))
         assert tokens == reference
         assert bool(proposed) == drafts and (set(stats.choices) == {"plain"}) != drafts, stats.choices
-        assert candidate.hopeless(batched_cost(profile, lambda: rows[0]), 16) != drafts
+        assert candidate.hopeless(Batched(Rescaled(lambda w, length: profile(w)), lambda: rows[0]), 16) != drafts
     rows[0] = 16
-    assert candidate.hopeless(batched_cost(profile, lambda: rows[0]), 16)
+    assert candidate.hopeless(Batched(Rescaled(lambda w, length: profile(w)), lambda: rows[0]), 16)
 
 
 def test_a_drafter_that_could_not_pay_even_if_always_right_is_never_tried(monkeypatch):
@@ -788,3 +795,30 @@ def test_a_reply_s_length_is_learned_where_its_reader_stops_it():
     assert [next(decoder) for _ in range(7)] == reference[:7]
     decoder.close()
     assert list(history) == [7]
+
+
+def test_a_user_drafter_s_cost_is_learned_from_its_drafts(monkeypatch):
+    """A Drafter object without `match_length` (a user's) has no profile: it was weighed as free forever, so one
+    that costs forty target forwards a draft drafted every step. Its drafts' time is now its cost."""
+    import time
+
+    from speculant import Drafter
+
+    target = load_model(tiny_transformer("llama", 0, VOCAB, init_std=0.1))
+    prompt = random_prompt(0, VOCAB, 6)
+    reference = generate(target, prompt_ids=prompt, method="ar", max_new_tokens=40).token_ids
+
+    class Slow(Drafter):  # always right, 0.2 s a draft
+        name = "slow"
+        proposals = 0
+
+        def propose(self, context, k):
+            Slow.proposals += 1
+            time.sleep(0.2)
+            done = len(context) - len(prompt)
+            return Draft(reference[done:done + k])
+
+    invent(monkeypatch, costs(target, target_step=0.005))
+    result = generate(target, prompt_ids=prompt, method="auto", drafters=[Slow()], k_max=2, max_new_tokens=40)
+    assert result.token_ids == reference
+    assert Slow.proposals <= 4, result.stats.choices

@@ -265,3 +265,18 @@ def test_extreme_quants_overflow_no_path(isa, ggml_type):
     assert torch.equal(rows, kernels.matmul(kernels.quantize_rows(x, "scalar"), weight, "scalar", threads=1))
     dense = x @ torch.from_numpy(gguf.quants.dequantize(raw, gguf.GGMLQuantizationType[ggml_type])).T
     assert (rows - dense).norm() / dense.norm() < 0.02
+
+
+def test_an_arm_cpu_is_named_by_its_implementer_and_part(tmp_path, monkeypatch):
+    """Linux on Arm writes no `model name` in /proc/cpuinfo: every Arm CPU was "aarch64", so machine profiles kept
+    per CPU model could not tell two apart in a shared cache; its `Features` are its flags."""
+    from speculant import machine
+
+    info = tmp_path / "cpuinfo"
+    info.write_text("processor\t: 0\nBogoMIPS\t: 50.00\nFeatures\t: fp asimd sve bf16\nCPU implementer\t: 0x41\n"
+                    "CPU part\t: 0xd40\n\nprocessor\t: 1\nCPU implementer\t: 0x41\nCPU part\t: 0xd40\n")
+    monkeypatch.setattr(machine, "Path", lambda _: info)
+    monkeypatch.setattr(machine.platform, "processor", lambda: "")
+    monkeypatch.setattr(machine.platform, "machine", lambda: "aarch64")
+    monkeypatch.setattr(machine, "cpu_info", machine.cpu_info.__wrapped__)  # (this machine's is cached)
+    assert machine.cpu_info() == ("aarch64 implementer 0x41 part 0xd40", frozenset({"fp", "asimd", "sve", "bf16"}))

@@ -36,7 +36,7 @@ from speculant.decoding.stats import GenerationStats
 from speculant.decoding.step import Verified, until_eos, verify_step
 from speculant.drafters.base import Draft
 from speculant.models.base import CausalLM, common_prefix_len
-from speculant.models.wrappers.metered import metered
+from speculant.models.wrappers.metered import Usage, metered
 from speculant.sampling import next_token
 from speculant.trees.stage import Ahead, StageRecord
 from speculant.trees.tree import TokenTree
@@ -55,6 +55,7 @@ PACE_STEPS = 32  # auto compares its own pace over this many recent steps with p
 PACE_MARGIN = 1.02  # ... and decodes plainly for the rest of a generation where it was this much slower
 NEGLIGIBLE = 1e-3  # a draft position less likely than this to be accepted is not weighed (`expected_tokens`)
 REST_STEPS = 4  # steps after a model candidate lost to plain decoding before it is weighed again (a model draft: next)
+LENGTH_BUCKET = 64  # a served target's T(W, L) is worked out again when the context crosses a multiple of this
 SAFE_SHARE = 0.05  # catch_up="safe": a catch-up waits until it costs at most this share of the reply's plain time
 CATCH_UP_QUANTILE = 0.25  # a drafter's catch-up is repaid over the tokens a reply adds at this quantile of replies
 
@@ -225,8 +226,8 @@ class Candidate:
     """One way `auto` may draft: `step_s` seconds per drafting step (0 for a model-free drafter, which then
     proposes before the choice: `match` tells how much context its draft follows); `width` nodes per step:
     1 drafts a chain, more a token tree (`drafter` is then a TreeDrafter). A `measured` candidate's cost
-    per drafted token varies with the text (a cascade's reviews of Max-Gram drafts): `step_s` then follows
-    what its drafts cost. A candidate that `needs_match` (a cascade over Max-Gram) is considered only where
+    per drafted token varies with the text (a cascade's reviews of Max-Gram drafts) or is known only from its drafts
+    (a user's Drafter: their time): `step_s` then follows what its drafts cost. A candidate that `needs_match` (a cascade over Max-Gram) is considered only where
 a model-free candidate matches the context."""
 
     name: str
@@ -285,7 +286,9 @@ a model-free candidate matches the context."""
         `lag` tokens behind the context: a measured candidate's cost per step, or else its drafter's scale.
         A draft that began by catching up on more than a verification's leftovers says little of a step."""
         seconds = sum(u.seconds for u in usage.values())
-        if self.measured and steps:  # a stall counts as SCALE_RANGE's slowest: drift, not a spike
+        if self.measured and steps and not self.step_s:  # its first draft: what it costs, from nothing known
+            self.step_s = seconds / steps
+        elif self.measured and steps:  # a stall counts as SCALE_RANGE's slowest: drift, not a spike
             self.step_s += COST_FOLLOWS * (min(seconds / steps, SCALE_RANGE[1] * self.step_s) - self.step_s)
         elif steps and lag <= 2 and self.step_s > 0:
             self.scale.observe(seconds / steps, self.step_s * self.speed.value * self._grown())
@@ -309,29 +312,39 @@ def first_children_accepted(tree: TokenTree, emitted: list[int]) -> tuple[int, i
     return len(path), common_prefix_len(path, emitted)
 
 
-def batched_cost(cost: Callable[[int], float], rows: Callable[[], int]) -> Callable[[float], float]:
+class Batched:
     """T(W) as seen by one of `rows()` requests whose forwards a server batches, taking the others to draft
     alike: the batch runs rows x W tokens, scaled so that plain decoding still costs T(1). Where T(W) is
     flat a batch of drafts costs little more than one; under load a draft competes with the other
-    requests' tokens and stops paying, and plain decoding takes over."""
+    requests' tokens and stops paying, and plain decoding takes over. It follows the context's `length` as the
+    drafters' costs do (`Rescaled`'s T(W, L)); a served target's T(W) otherwise stays as profiled while it is served
+    (its forwards time whole batches, so nothing observes them)."""
 
-    one, known = cost(1), {}  # T(1); T(n * W) * T(1) / T(n) by (load n, W): a served target's T(W) stays as
-    # profiled while it is served (its forwards time whole batches, so nothing observes them), and every row
-    # of every step asks for the same few values
+    def __init__(self, cost: Rescaled, rows: Callable[[], int]):
+        self.cost, self.rows = cost, rows
+        self.known: dict[tuple[int, float, int], float] = {}  # by (load, W, length bucket): every row of every step
+        # asks for the same few values
 
-    def batched(width: float) -> float:
-        n = max(rows(), 1)
-        if (n, width) not in known:
-            known[n, width] = cost(n * width) * one / cost(n)
-        return known[n, width]
+    @property
+    def length(self) -> int:
+        return self.cost.length
 
-    return batched
+    @length.setter
+    def length(self, value: int) -> None:
+        self.cost.length = value
+
+    def __call__(self, width: float) -> float:
+        n, cost = max(self.rows(), 1), self.cost
+        key = (n, width, cost.length // LENGTH_BUCKET)
+        if key not in self.known:
+            self.known[key] = cost(n * width) * cost(1) / cost(n)
+        return self.known[key]
 
 
 def batched_catch_up(catch_up: Callable[[list[int]], float], cost: Callable[[int], float],
                     rows: Callable[[], int]) -> Callable[[list[int]], float]:
     """A drafter's catch-up on the context as one of `rows()` requests a server batches sees it, in
-    `batched_cost`'s terms: every row waits while it runs (a prompt's prefill runs alone; a lagging cache adds
+    `Batched`'s terms: every row waits while it runs (a prompt's prefill runs alone; a lagging cache adds
     its tokens to the batch's drafter forward), and the others, taken to catch up alike, make each row wait
     `rows()` times as long, in forwards that cost T(rows) where plain decoding is counted at T(1)."""
 
@@ -439,7 +452,7 @@ class AutoPolicy:
     def choose(self, context: list[int], produced: int, eos: frozenset[int]) -> StepPlan:
         """The step after `context`, of which the generation `produced` the last tokens."""
         cost = self.cost
-        if self.learn_costs:
+        if isinstance(cost, (Rescaled, Batched)):
             cost.length = len(context)  # T(W, L): verification after this many cached tokens
         for candidate in self.candidates:
             candidate.length = len(context)  # and drafting
@@ -590,7 +603,10 @@ def auto_decoder(target: CausalLM, policy: AutoPolicy, prompt_ids: list[int], ma
             elif ahead_draft is not None:
                 draft = ahead_draft
             else:
+                proposing = time.perf_counter()
                 draft = until_eos(chosen.drafter.propose(context, plan.k), target.eos_token_ids)
+                if chosen.measured and not draft.usage:  # a user's drafter, metering nothing: its time is its cost
+                    draft.usage = {chosen.name: Usage(0, 1, time.perf_counter() - proposing)}
             if stage and chosen is not None and draft.tree is not None and len(draft.tree) > 1:
                 if id(chosen.drafter) not in aheads:
                     aheads[id(chosen.drafter)] = Ahead(chosen.drafter, stats.record_usage)

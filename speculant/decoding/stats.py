@@ -88,7 +88,8 @@ class GenerationStats:
 
     @property
     def mean_accepted_length(self) -> float:
-        """Tokens committed per verification forward: accepted drafts plus the target's own token (tau)."""
+        """Tokens per verification forward: accepted drafts plus the target's own token (tau; a last step whose
+        accepted draft ends at an end-of-sequence token counts the target's token after it, which is not emitted)."""
         if not self.accepted_lengths:
             return 1.0
         return 1.0 + sum(self.accepted_lengths) / len(self.accepted_lengths)

@@ -73,16 +73,18 @@ class AutoOptions:
                               "(Yggdrasil 5.2: from the machine profiles and the drafter's rank coverage of the target "
                               "on the prompt; none where chains pay best)", parse=parse_widths, most=REQUEST_MOST,
                               model_only=True)
-    probe_every: int = option(16, "after this many steps in a row without a model draft, try the model drafter again",
+    probe_every: int = option(16, "steps without a model draft before a model drafter is tried again (the wait "
+                              "doubles after each try that does not pay on its own, and tries cost at most a tenth of "
+                              "the reply's plain time, less for a drafter many texts showed rarely right)",
                               model_only=True)
     schedule: str = option("serial", "serial, or stage: while the target verifies a token tree, its drafter drafts the "
                            "next one on a thread of its own from the likeliest path (Yggdrasil's stage-based "
                            "scheduling; used where auto chooses that tree again)", choices=SCHEDULES, model_only=True)
     catch_up: str = option("expected", "expected: a model drafter's catch-up on the prompt is paid where the replies "
                            "seen so far would repay it (fastest on average); safe: only once this reply has run long "
-                           "enough that the catch-up costs at most 5 percent of its plain time, so that no reply runs "
-                           "more than that slower than plain decoding (it gives up a drafter's gains on short replies "
-                           "and at the start of long ones)", choices=CATCH_UPS, model_only=True)
+                           "enough that the catch-up costs at most 5 percent of its plain time, so that no catch-up "
+                           "slows a reply by more than that (it gives up a drafter's gains on short replies and at the "
+                           "start of long ones)", choices=CATCH_UPS, model_only=True)
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "drafters", as_drafters(self.drafters))
@@ -160,7 +162,7 @@ def build(request: Request, options: AutoOptions) -> Any:
     a drafter catches up only on what its cache lacks, as the next turn of a conversation shares its history) and
     what the session learned of them (acceptance, forward times, generation lengths): a new request starts from
     what the last ones observed."""
-    from speculant.decoding.adaptive import Candidate, Rescaled, adaptive, can_pay, batched_catch_up, batched_cost
+    from speculant.decoding.adaptive import Batched, Candidate, Rescaled, adaptive, can_pay, batched_catch_up
     from speculant.decoding.run import ending
     from speculant.drafters.base import Drafter
     from speculant.drafters.cascade import CascadeDrafter
@@ -171,7 +173,7 @@ def build(request: Request, options: AutoOptions) -> Any:
     from speculant.trees.shape import plan_width
 
     target, session = request.target, request.session
-    k_max = min(options.k_max, request.max_new_tokens, target.max_positions)  # (no longer draft could be verified)
+    k_max = min(options.k_max, request.max_new_tokens)  # (no longer draft could be committed)
     cost = Rescaled(session.profile(target).cost_at, session.timings)
     speed = cost.timings.speed  # the machine's drift: the drafters' forwards share it
     candidates, begun, models = [], [], 0
@@ -183,7 +185,7 @@ def build(request: Request, options: AutoOptions) -> Any:
             begun.append(drafter)
             match = drafter.match_length
             candidates.append(Candidate(source.name, drafter, 0.0, 0.0 if match is not None else FREE_PRIOR, match,
-                                        estimates))
+                                        estimates, measured=match is None))  # (a user's: its drafts' time, once seen)
             continue
         models += 1
         profile = session.profile(source)
@@ -236,7 +238,7 @@ def build(request: Request, options: AutoOptions) -> Any:
             if candidate.catch_up is not None:
                 candidate.catch_up = batched_catch_up(candidate.catch_up, cost, target.batch_load)
             candidate.load = target.batch_load
-        cost = batched_cost(cost, target.batch_load)
+        cost = Batched(cost, target.batch_load)
     decoder = adaptive(target, candidates, request.prompt_ids, request.max_new_tokens, cost, request.sampling,
                        request.generator, k_max, options.probe_every, session.lengths, options.schedule,
                        options.catch_up)
