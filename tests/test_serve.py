@@ -19,6 +19,7 @@ from pathlib import Path
 import httpx
 import pytest
 import torch
+from fastapi.testclient import TestClient
 from openai import APIStatusError, OpenAI
 
 from helpers import ARCHS, BYTE_VOCAB, MORE_ARCHS, RAY, byte_tokenizer, perturbed, run_job, tiny_model
@@ -33,8 +34,8 @@ from speculant.models import load_model
 from speculant.models.base import Call
 from speculant.models.backends.hf import forward_rows
 from speculant.serve.app import create_app
-from speculant.serve.batcher import Batcher, Row
-from speculant.serve.engine import Engine
+from speculant.serve.batcher import Batcher, Row, WorkerStopped
+from speculant.serve.engine import Engine, QueueFull, ServeJob, Steps
 from speculant.serve.metrics import Metrics
 from speculant.serve.text import TextStream
 from speculant.trees.tree import TokenTree
@@ -474,13 +475,149 @@ def test_a_served_row_counts_the_requests_waiting_to_join_its_next_batch():
             gate.wait()
             seen.append(Row(batcher, model).batch_load())
 
-        batcher.start(first)
+        batcher.start(first, seen.append)
         started.wait()
         for _ in range(3):
-            batcher.start(lambda: seen.append(Row(batcher, model).batch_load()))
+            batcher.start(lambda: seen.append(Row(batcher, model).batch_load()), seen.append)
         gate.set()
         batcher.close()
         assert seen == [first_sees, 3, 2, 1], seen  # the other three, admitted together, each ending at once
+
+
+def submitted(engine, job, ends, name, on_step=None):
+    """Submit `job`; its Outcome (or error) goes to `ends[name]`."""
+    return engine.submit(job, lambda piece, logprobs: None, lambda outcome: ends.setdefault(name, outcome), on_step)
+
+
+def wait_until(condition, seconds=60.0):
+    deadline = time.monotonic() + seconds
+    while not condition():
+        assert time.monotonic() < deadline, "timed out"
+        time.sleep(0.001)
+
+
+def test_max_queue_requests_wait_beside_the_free_rows_and_max_batch_run_apart():
+    """While one of two rows runs a long call, one request takes the free row and `max_queue` (1) more wait: the
+    next is refused. Requests apart (DSI) never wait: `max_batch` of them run at once, the next is refused."""
+    engine = engine_for("ar", max_batch=2, max_queue=1)
+    gate, started, ends = threading.Event(), threading.Event(), {}
+    threading.Thread(target=engine.batcher.run, args=(lambda: started.set() or gate.wait(30),), daemon=True).start()
+    assert started.wait(30)
+    job = ServeJob(list(b"hello"), 4, SamplingConfig())
+    for name in ("row", "queued"):
+        submitted(engine, job, ends, name)
+    with pytest.raises(QueueFull):
+        submitted(engine, job, ends, "refused")
+    gate.set()
+    dsi = ServeJob(list(b"hello"), 40, SamplingConfig(), method="dsi",
+                   options={"drafter": "maxgram", "twin_latency": "50,5"})  # (forwards padded to 50 ms: seconds)
+    for name in ("dsi 1", "dsi 2"):
+        submitted(engine, dsi, ends, name)
+    with pytest.raises(QueueFull):
+        submitted(engine, dsi, ends, "dsi refused")
+    wait_until(lambda: len(ends) == 4)
+    assert all(end.completion_tokens for end in ends.values()), ends
+    engine.close()
+
+
+def test_the_queue_depth_gauge_is_what_waits_when_it_is_read():
+    """Other work the worker queues (a warm-up's) holds a request back without a submission: the gauge reads the
+    queue then, and 0 once all of it has run."""
+    engine = engine_for("ar", max_batch=1)
+    gate, started, ends = threading.Event(), threading.Event(), {}
+
+    def depth():
+        return engine.metrics.registry.get_sample_value("speculant_queue_depth")
+
+    threading.Thread(target=engine.batcher.run, args=(lambda: started.set() or gate.wait(30),), daemon=True).start()
+    assert started.wait(30)
+    submitted(engine, ServeJob(list(b"hello"), 4, SamplingConfig()), ends, "request")
+    warm_up = threading.Thread(target=engine.batcher.run, args=(lambda: None,))
+    warm_up.start()
+    wait_until(lambda: engine.batcher.waiting == 2)
+    assert depth() == 2
+    gate.set()
+    warm_up.join(30)
+    wait_until(lambda: ends)
+    assert depth() == 0
+    engine.close()
+
+
+def test_draft_metrics_count_a_tree_s_nodes_by_depth():
+    """Per position: a chain's drafts at positions 0..W-2, a tree's nodes at their depth's (several at a depth),
+    and an accepted path at positions 0..accepted-1."""
+    metrics = Metrics()
+    steps = Steps(metrics)
+    tree = TokenTree([1, 2, 3, 4, 5, 6], [-1, 0, 0, 1, 2, 3])  # depths 0, 1, 1, 2, 2, 3
+    steps.on_target(Call([9], prefill=True))
+    steps.on_token(1)
+    steps.on_target(Call(list(tree.tokens), tree=tree))
+    for token in (2, 4, 7):  # nodes 1 and 3 accepted, then the target's own
+        steps.on_token(token)
+    steps.on_target(Call([7, 8, 9]))  # a chain of two drafts, one accepted
+    for token in (8, 5):
+        steps.on_token(token)
+    steps.close()
+
+    def by_position(name):
+        return {str(j): metrics.registry.get_sample_value(name, {"position": str(j)}) for j in range(5)}
+
+    assert by_position("speculant_draft_tokens_total") == {"0": 3, "1": 3, "2": 1, "3": None, "4": None}
+    assert by_position("speculant_accepted_tokens_total") == {"0": 2, "1": 1, "2": None, "3": None, "4": None}
+    assert (steps.drafted, steps.accepted) == (7, 3)
+
+
+def test_a_fault_of_one_row_fails_its_request_alone_and_the_others_decode_as_alone():
+    """A batched forward that raises for one request's row (here its prompt's, at the second layer: the first has
+    cached its keys for every row) fails that request alone: the others, decoding in that forward, run again alone
+    from their caches as they were before it, and generate what they would alone."""
+    engine = engine_for("ar")
+    model, bad = engine.target.model.model, list(b"a faulty prompt")
+    running, faults = [], []  # the ids of the forward running now; the widths of those that failed
+
+    def fault(module, args):
+        if ", ".join(map(str, bad)) in ", ".join(map(str, running)):
+            faults.append(len(running))
+            raise RuntimeError("a fault of one row")
+
+    model.embed_tokens.register_forward_pre_hook(lambda module, args: running.__setitem__(
+        slice(None), args[0].flatten().tolist()))
+    model.layers[1].register_forward_pre_hook(fault)
+    prompts, ends, joined = [list(f"prompt {i}: ".encode()) for i in range(3)], {}, []
+
+    def join(step):  # the first request's first token: the faulty request joins the others' next forward
+        if not joined:
+            joined.append(submitted(engine, ServeJob(bad, 24, SamplingConfig()), ends, "bad"))
+
+    for i, prompt in enumerate(prompts):
+        submitted(engine, ServeJob(prompt, 24, SamplingConfig()), ends, i, join if i == 0 else None)
+    wait_until(lambda: len(ends) == 4)
+    engine.close()
+    assert isinstance(ends["bad"], RuntimeError) and max(faults) > len(bad) and len(bad) in faults
+    assert [ends[i].text for i in range(3)] == \
+        [generate(engine.target, prompt_ids=p, method="ar", max_new_tokens=24).text for p in prompts]
+
+
+def test_a_stopped_worker_fails_its_requests_and_health_says_so():
+    """An error outside a call's forward (here the batch metrics' hook) ends the batcher's one worker: the request
+    it ran and the one it queued fail with WorkerStopped, a later request is refused with a 503, and /health is a
+    503 too."""
+    engine = engine_for("ar", max_batch=1)
+    with TestClient(create_app(engine, "tiny"), raise_server_exceptions=False) as client:
+        assert client.get("/health").status_code == 200
+
+        def broken(rows, tokens, seconds):
+            raise RuntimeError("a fault of the worker's own")
+
+        engine.batcher.on_batch = broken
+        ends, job = {}, ServeJob(list(b"hello"), 4, SamplingConfig())
+        engine.batcher.run(lambda: [submitted(engine, job, ends, name) for name in ("running", "queued")])
+        wait_until(lambda: len(ends) == 2)
+        assert all(isinstance(end, WorkerStopped) for end in ends.values()), ends
+        for response in (client.post("/v1/completions", json={"model": "tiny", "prompt": "hi"}),
+                         client.get("/health")):
+            assert response.status_code == 503 and response.json()["error"]["code"] == "worker_stopped"
+    engine.close()
 
 
 def test_a_full_queue_answers_429_and_a_wrong_key_401():

@@ -18,9 +18,11 @@ from fastapi.testclient import TestClient
 from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 from helpers import byte_tokenizer
-from test_serve import engine_for, serving
+from test_serve import engine_for, serving, submitted, wait_until
 
+from speculant import generate
 from speculant.config import SamplingConfig, ServeConfig
+from speculant.drafters.base import Draft, Drafter
 from speculant.errors import ConfigError
 from speculant.methods import get_method
 from speculant.methods.registry import METHODS, request_options
@@ -346,6 +348,55 @@ def test_unknown_paths_share_one_metrics_label_and_a_server_fault_is_a_counted_5
     assert 'endpoint="/v1/completions",status="500"} 1.0' in client.get("/metrics").text
 
 
+class BrokenDrafter(Drafter):
+    """Drafts nothing twice, then breaks: a request that fails mid-generation."""
+
+    name = "broken"
+
+    def __init__(self):
+        self.proposals = 0
+
+    def propose(self, context, k):
+        self.proposals += 1
+        if self.proposals > 2:
+            raise RuntimeError("the drafter broke")
+        return Draft([], None)
+
+    def observe(self, n_accepted):
+        pass
+
+
+def test_a_stream_is_counted_once_by_how_it_ended(monkeypatch):
+    """A stream's headers go out as a 200 before it ends: one that ends whole counts as a 200, one the engine fails
+    mid-stream as a 500 (not a 200), one a fault of the server's own ends mid-stream as one 500 (not a 200 and a
+    500)."""
+    engine = engine_for("sd", drafter=BrokenDrafter())
+    body = {"model": "tiny", "prompt": "ab", "max_tokens": 12, "stream": True, "logit_bias": {"256": -100},
+            "stream_options": {"include_provenance": True}}  # (a step's event: the stream starts at the first)
+    chunk = Shape.chunk
+
+    def broken(self, delta, entries, finish_reason=None):
+        if finish_reason is not None:
+            raise RuntimeError("a bug of the server's own")
+        return chunk(self, delta, entries, finish_reason)
+
+    with TestClient(create_app(engine, "tiny"), raise_server_exceptions=False) as client:
+        def streamed(**fields):
+            response = client.post("/v1/completions", json={**body, **fields})
+            assert response.status_code == 200 and response.text.rstrip().endswith("data: [DONE]"), response.text
+            return response.text
+
+        assert '"error"' not in streamed(speculant={"method": "ar"})
+        with monkeypatch.context() as patch:
+            patch.setattr(Shape, "chunk", broken)
+            assert "server_error" in streamed(speculant={"method": "ar"})
+        assert "generation failed" in streamed()  # (its drafter breaks at its third draft)
+        counted = dict(re.findall(r'speculant_requests_total\{endpoint="/v1/completions",status="(\d+)"\} (\S+)',
+                                  client.get("/metrics").text))
+    engine.close()
+    assert counted == {"200": "1.0", "500": "2.0"}
+
+
 def test_the_api_key_guards_every_route_but_health_and_the_page_and_the_flags_open_what_they_name():
     """The playground's page is open (it holds no secret and asks for the key); its API calls are not."""
     engine = engine_for("sd")
@@ -471,13 +522,6 @@ def test_logprobs_name_distinct_tokens_apart_and_carry_their_real_bytes(app):
         assert byte >= 0x80 and one["token"] == f"bytes:\\x{byte:02x}"  # not U+FFFD's three bytes
 
 
-def wait_until(condition, seconds=60.0):
-    deadline = time.monotonic() + seconds
-    while not condition():
-        assert time.monotonic() < deadline, "timed out"
-        time.sleep(0.001)
-
-
 @pytest.fixture(scope="module")
 def long_prompt_targets(tmp_path_factory):
     """A tiny GGUF (Q4_K/Q6_K, 256 wide) on the lean and llama.cpp backends; profiles go to a throwaway cache."""
@@ -563,3 +607,39 @@ def test_a_long_prompt_neither_stalls_a_short_request_nor_outlives_its_client(lo
     assert gone.finish_reason == "cancelled" and gone.completion_tokens == 0
     assert calls.count(32) - at_cancel <= 1 and calls.count(32) < 15, str(calls)  # at most the part then running
     engine.close()
+
+
+def test_a_fault_of_one_row_fails_its_request_alone_on_a_pointer_cache(long_prompt_targets, monkeypatch):
+    """On the lean backend (a pointer over a fixed cache), a batched forward that raises for one request's row after
+    computing every row (each row's pointer past what it wrote) fails that request alone: the others' pointers move
+    back, they run again alone, and generate what they would alone."""
+    from speculant.models.backends import lean
+
+    target = long_prompt_targets("lean")
+    prompts, bad = [[1 + i, 2, 3, 4] for i in range(3)], [9, 8, 7, 6]
+    expected = [generate(target, prompt_ids=p, method="ar", max_new_tokens=8).text for p in prompts]
+    faulty, faults = set(), []  # the faulty request's handle; the rows of each forward that failed
+    prefill, run_rows = lean.LeanCausalLM.prefill, lean._run_rows
+
+    def marked(self, ids):
+        if list(ids) == bad:
+            faulty.add(id(self))
+        return prefill(self, ids)
+
+    def faulted(calls):
+        logits = run_rows(calls)
+        if any(id(call.handle) in faulty for call in calls):
+            faults.append(len(calls))
+            raise RuntimeError("a fault of one row")
+        return logits
+
+    monkeypatch.setattr(lean.LeanCausalLM, "prefill", marked)
+    monkeypatch.setattr(lean, "_run_rows", faulted)
+    engine = Engine(target, "ar", get_method("ar").make_options({}), 8, 16)
+    ends = {}
+    engine.batcher.run(lambda: [submitted(engine, ServeJob(ids, 8, SamplingConfig()), ends, name)
+                                for name, ids in [*enumerate(prompts), ("bad", bad)]])  # (admitted together)
+    wait_until(lambda: len(ends) == 4)
+    engine.close()
+    assert isinstance(ends["bad"], RuntimeError) and max(faults) > 1 and 1 in faults
+    assert [ends[i].text for i in range(3)] == expected

@@ -39,6 +39,7 @@ from speculant.methods.registry import get_method, request_options
 from speculant.models.wrappers.biased import check_bias
 from speculant.models.wrappers.constrained import Constraint, Matcher
 from speculant.models.wrappers.logprobs import TokenLogprob
+from speculant.serve.batcher import WorkerStopped
 from speculant.serve.engine import Engine, ServeJob, Outcome, QueueFull
 from speculant.serve import schema, tools
 from speculant.serve.metrics import Metrics
@@ -52,6 +53,7 @@ BODY_UNREAD = "There was an error parsing the body"
 PLAYGROUND = Path(__file__).parent / "playground"  # the page at / (static files: no build step)
 PAGE = ("/", "/playground/index.html", "/playground/playground.js", "/playground/playground.css")  # open: no secrets
 TOKEN_ID = re.compile(r"0|[1-9][0-9]{0,9}")  # a logit_bias key: a token id in canonical decimal
+ENDED = "speculant.status"  # a stream's status by how it ended, in its ASGI scope: what `Guard` counts it as
 
 
 class _End:
@@ -131,6 +133,8 @@ def create_app(engine: Engine, served_name: str, config: ServeConfig | None = No
 
     @app.get("/health")
     async def health() -> dict[str, str]:
+        if engine.batcher.failure is not None:  # (every request would fail)
+            raise ApiError(503, engine.batcher.failure, code="worker_stopped")
         return {"status": "ok"}
 
     @app.get("/metrics")
@@ -214,6 +218,8 @@ def create_app(engine: Engine, served_name: str, config: ServeConfig | None = No
                                    (lambda event: put(_Step(event))) if provenance else None)
         except QueueFull as error:
             raise ApiError(429, f"the server is busy: {error}", code="queue_full") from None
+        except WorkerStopped as error:
+            raise ApiError(503, str(error), code="worker_stopped") from None
         except ConfigError as error:
             raise ApiError(400, str(error), option_param(error)) from None
         ident = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex[:24]
@@ -227,7 +233,7 @@ def create_app(engine: Engine, served_name: str, config: ServeConfig | None = No
             if body.stream and not (isinstance(item, _End) and not isinstance(item.outcome, Outcome)):
                 # the stream's headers go out with its first item: a request refused before it runs is a 4xx
                 include_usage = body.stream_options is not None and body.stream_options.include_usage
-                streaming = stream(item, queue, ticket, shape, include_usage, http.scope["route"].path, refused)
+                streaming = stream(item, queue, ticket, shape, include_usage, http.scope, refused)
                 ticket = None  # the stream cancels it when it ends
                 return StreamingResponse(streaming, media_type="text/event-stream")
         finally:
@@ -238,9 +244,11 @@ def create_app(engine: Engine, served_name: str, config: ServeConfig | None = No
         return shape.whole(outcome)
 
     async def stream(item: Any, queue: asyncio.Queue, ticket: Any, shape: Shape, include_usage: bool,
-                     route: str, refused: str | None) -> AsyncIterator[str]:
-        """The SSE stream of a request whose first `item` came (the rest follow on `queue`)."""
+                     scope: dict[str, Any], refused: str | None) -> AsyncIterator[str]:
+        """The SSE stream of a request whose first `item` came (the rest follow on `queue`); its status, by how it
+        ends, goes to `scope` (`ENDED`): 200 once its outcome is sent, an error's, or 499 where its client left."""
         held = tools.ToolStream() if shape.calling is not None else None  # a reply that may call: calls held to the end
+        scope[ENDED] = 499
         try:
             if shape.chat:
                 yield sse(shape.chunk({"role": "assistant", "content": ""}, []))
@@ -267,10 +275,13 @@ def create_app(engine: Engine, served_name: str, config: ServeConfig | None = No
             yield sse(shape.chunk(None, [], finish))
             if include_usage:
                 yield sse({**shape.chunk(None, []), "choices": [], "usage": shape.usage(outcome)})
+            scope[ENDED] = 200
         except ApiError as error:  # the engine failed mid-stream: say so in the stream
+            scope[ENDED] = error.status
             yield sse(error.body)
         except Exception as error:  # noqa: BLE001 - a fault of the server's own, after the headers went out
-            yield sse(server_fault(error, metrics, route).body)
+            scope[ENDED] = 500
+            yield sse(server_fault(error, scope["route"].path).body)
         finally:
             ticket.cancel()  # a client that went away frees its row after the current forward
         yield "data: [DONE]\n\n"
@@ -376,11 +387,10 @@ def real_vocabulary(target: Any) -> int:
     return min(target.vocab_size, len(tokenizer)) if tokenizer is not None else target.vocab_size
 
 
-def server_fault(error: BaseException, metrics: Metrics, where: str) -> ApiError:
-    """A fault of the server's own: logged with an id that the client's error names, counted, answered 500."""
+def server_fault(error: BaseException, where: str) -> ApiError:
+    """A fault of the server's own: logged with an id that the client's error names, answered 500."""
     ident = uuid.uuid4().hex[:12]
     LOG.error("server error %s in %s", ident, where, exc_info=error)
-    metrics.request(where, 500)
     return ApiError(500, f"the server failed (error id {ident}; its log has the details)", code="server_error")
 
 
@@ -389,8 +399,9 @@ class Guard:
     client's disconnect from the endpoints, which poll for it): the trusted-host check; the API key, on every path
     but `open_paths`; the body limit (413 from the declared length before a byte is read; every body is read here,
     counted, so that a length the transfer does not keep to cannot pass more); one 500 in the API's shape, logged and counted, for any fault of the server's own;
-    each API request counted by its route's template (an unknown path counts as `unmatched`, so that clients
-    cannot grow the metrics), and the replica named in a header."""
+    each API request counted once, when it ends, by its route's template (an unknown path counts as `unmatched`, so
+    that clients cannot grow the metrics) and by its status (a stream's by how it ended, `ENDED`: its headers went
+    out as 200 before it knew), and the replica named in a header."""
 
     def __init__(self, app: Any, metrics: Metrics, replica: str | None = None, max_body: int = 4_000_000,
                  hosts: list[str] | None = None, key: str | None = None, open_paths: tuple[str, ...] = ("/health",),
@@ -402,7 +413,7 @@ class Guard:
     async def __call__(self, scope: dict[str, Any], receive: Callable, send: Callable) -> None:
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
-        started = False
+        status = None  # the response's, once its headers went out
 
         async def answer(error: ApiError, count: bool = True) -> None:  # a refusal before routing, counted by path
             if count and scope["path"].startswith("/v1/"):
@@ -416,12 +427,10 @@ class Guard:
             route = scope.get("route")
             return route.path if route is not None else "unmatched"
 
-        async def counted(message: dict[str, Any]) -> None:
-            nonlocal started
+        async def sent(message: dict[str, Any]) -> None:
+            nonlocal status
             if message["type"] == "http.response.start":
-                started = True
-                if scope["path"].startswith("/v1/"):
-                    self.metrics.request(label(), message["status"])
+                status = message["status"]
                 message = {**message, "headers": [*message.get("headers", []), *self.header]}
             await send(message)
 
@@ -455,11 +464,15 @@ class Guard:
 
             receive = replayed
         try:
-            await self.app(scope, receive, counted)
+            await self.app(scope, receive, sent)
         except Exception as error:  # noqa: BLE001 - the one 500 path: logged, counted, in the API's shape
-            fault = server_fault(error, self.metrics, label())  # (counted there)
-            if not started:
+            scope[ENDED] = 500
+            fault = server_fault(error, label())
+            if status is None:
                 await answer(fault, count=False)
+        finally:
+            if scope["path"].startswith("/v1/") and (ended := scope.get(ENDED, status)) is not None:
+                self.metrics.request(label(), ended)
 
 
 def too_large(limit: int) -> ApiError:

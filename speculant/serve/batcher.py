@@ -12,10 +12,22 @@ runs the calls one after another.
 One thread runs every forward and every request's tensor work, not a thread per request: CPU kernels
 slow down when their thread pools answer to several threads (a forward runs slower once another long-lived
 thread has run one), and no request waits on a timer for the others.
+
+A batched forward that raises is run again row by row, so that a fault of one row (its tree, its cache's
+capacity, its prompt's memory) fails its request alone: each row's cache is first put back as it was (`rewind`).
+That is exact for a prompt's first part (a prefill starts its cache afresh), a pointer cache (`fixed_cache`: lean,
+static) and a cache that exports its positions (`reuses_prefixes`: transformers, whose failed forward may have
+appended to some layers of each row's cache); the other rows of a failed forward on a backend with neither fail
+with it, their caches unknown.
+
+The worker is the one thread every request needs: should it end on an error of its own (outside a call's
+forward), every request it held or queued fails with `WorkerStopped`, and so does every later one (the server's
+/health then answers 503).
 """
 
 from __future__ import annotations
 
+import logging
 import threading
 import time
 from collections import deque
@@ -32,6 +44,11 @@ from speculant.trees.tree import TokenTree
 
 
 PREFILL_TOKENS = 512  # prompt tokens one batch prefills (one prompt at least): what the others wait for
+LOG = logging.getLogger("speculant.serve")
+
+
+class WorkerStopped(RuntimeError):
+    """The batcher's worker ended on an error: what it held or queued fails, and it takes nothing more."""
 
 
 @dataclass
@@ -42,15 +59,20 @@ class _Parked:
     waited: bool = False  # left for a later batch once: then it goes ahead of new prompts' first parts
 
 
+Fail = Callable[[BaseException], None]  # what tells a request that the worker stopped before it began
+Answer = tuple[_Parked, torch.Tensor | None, Exception | None]  # a call's logits, or what it raised
+
+
 class Batcher:
     """Runs up to `max_rows` requests' work together on one thread; more wait in order. `on_batch(rows,
     tokens, seconds)` hears of each model forward it runs (for metrics)."""
 
     def __init__(self, max_rows: int = 16, on_batch: Callable[[int, int, float], None] | None = None):
         self.max_rows, self.on_batch = max_rows, on_batch
+        self.failure: str | None = None  # why the worker stopped (None: it runs)
         self._cond = threading.Condition()
-        self._inbox: deque[Callable[[], None]] = deque()
-        self._live: set[greenlet] = set()
+        self._inbox: deque[tuple[Callable[[], None], Fail]] = deque()
+        self._live: dict[greenlet, Fail] = {}  # the running requests, each with what tells it that the worker stopped
         self._parked: list[_Parked] = []
         self._closed = False
         self._worker = threading.Thread(target=self._loop, name="speculant-batcher", daemon=True)
@@ -66,12 +88,15 @@ class Batcher:
         """Requests waiting for a row."""
         return len(self._inbox)
 
-    def start(self, work: Callable[[], None]) -> None:
-        """Run `work` (one request's decoding, which must not raise) on the worker once a row is free."""
+    def start(self, work: Callable[[], None], fail: Fail) -> None:
+        """Run `work` (one request's decoding, which must not raise) on the worker once a row is free; `fail(error)`
+        instead where the worker stops before `work` began (`WorkerStopped`). Raises WorkerStopped once it has."""
         with self._cond:
+            if self.failure is not None:
+                raise WorkerStopped(self.failure)
             if self._closed:
                 raise RuntimeError("the batcher is closed")
-            self._inbox.append(work)
+            self._inbox.append((work, fail))
             self._cond.notify()
 
     def run(self, function: Callable[[], Any]) -> Any:
@@ -85,7 +110,11 @@ class Batcher:
                 out.append((None, error))
             done.set()
 
-        self.start(work)
+        def fail(error: BaseException) -> None:
+            out.append((None, error))
+            done.set()
+
+        self.start(work, fail)
         done.wait()
         value, error = out[0]
         if error is not None:
@@ -98,6 +127,8 @@ class Batcher:
         request = greenlet.getcurrent()
         if request not in self._live:
             return call.run(handle)
+        if self.failure is not None:  # (a request unwinding after the worker stopped)
+            raise WorkerStopped(self.failure)
         self._parked.append(_Parked(request, handle, call))
         return request.parent.switch()
 
@@ -109,22 +140,46 @@ class Batcher:
         self._worker.join()
 
     def _loop(self) -> None:
+        try:
+            self._serve()
+        except BaseException as error:  # noqa: BLE001 - the one worker: its requests must hear that it stopped
+            LOG.error("the batcher's worker stopped", exc_info=error)
+            self._stop(f"the server's batching worker stopped on {type(error).__name__} (its log has the details)")
+
+    def _serve(self) -> None:
         while True:
             with self._cond:
                 while not self._inbox and not self._parked and not (self._closed and not self._live):
                     self._cond.wait()
                 if self._closed and not self._inbox and not self._live:
                     return
-                admitted = []
+                admitted = {}  # (running from here: `load` counts a request the moment it leaves the inbox)
                 while self._inbox and len(self._live) + len(admitted) < self.max_rows:
-                    admitted.append(self._inbox.popleft())
-            requests = [greenlet(work) for work in admitted]
-            self._live.update(requests)  # each starts knowing the others admitted with it (Row.batch_load)
-            for request in requests:
+                    work, fail = self._inbox.popleft()
+                    admitted[greenlet(work)] = fail
+                self._live.update(admitted)  # each starts knowing the others admitted with it (Row.batch_load)
+            for request in admitted:
                 self._resume(request)
             batch, self._parked = self._next_batch()
             if batch:
                 self._run(batch)
+
+    def _stop(self, failure: str) -> None:
+        """Fail every request the worker held (a started one hears WorkerStopped where it waits on its call) or
+        queued, and refuse later ones, with `failure`."""
+        with self._cond:
+            self.failure = failure
+            queued, self._inbox = [(None, fail) for _, fail in self._inbox], deque()
+        self._parked = []
+        for request, fail in [*self._live.items(), *queued]:
+            try:
+                if request:  # started, and waiting on a call: it unwinds, and its work reports the error
+                    request.throw(WorkerStopped(failure))
+                else:  # queued, not started yet, or ended by the error that stopped the worker
+                    fail(WorkerStopped(failure))
+            except BaseException:  # noqa: BLE001 - the others must still hear of it
+                LOG.exception("a request failed on the stopped worker")
+        self._live.clear()
 
     def _next_batch(self) -> tuple[list[_Parked], list[_Parked]]:
         """(the calls to run now, those left for the next batch): every decoding call, and prompts' prefills up to
@@ -152,32 +207,59 @@ class Batcher:
         else:
             request.switch(logits)
         if request.dead:
-            self._live.discard(request)
+            self._live.pop(request)
 
     def _run(self, batch: Sequence[_Parked]) -> None:
         groups: dict[int, list[_Parked]] = {}
         for parked in batch:
             groups.setdefault(weights_of(parked.handle), []).append(parked)
-        outcomes: list[tuple[_Parked, torch.Tensor | None, Exception | None]] = []
+        outcomes: list[Answer] = []
         for group in groups.values():
             start = time.perf_counter()
             rows_forward = batched_forward(group[0].handle)
             if len(group) > 1 and rows_forward is not None:
+                lengths = [p.handle.cache_len for p in group]
                 try:
                     results = rows_forward([(p.handle, p.call) for p in group])
                     outcomes += [(p, logits, None) for p, logits in zip(group, results)]
-                except Exception as error:  # noqa: BLE001 - every row of a failed forward hears of it
-                    outcomes += [(p, None, error) for p in group]
+                except Exception as error:  # noqa: BLE001 - each row again alone: a faulty row fails by itself
+                    outcomes += [alone(p, (length, error)) for p, length in zip(group, lengths)]
             else:
-                for parked in group:
-                    try:
-                        outcomes.append((parked, parked.call.run(parked.handle), None))
-                    except Exception as error:  # noqa: BLE001 - raised in the request that made the call
-                        outcomes.append((parked, None, error))
+                outcomes += [alone(p) for p in group]
             if self.on_batch is not None:
                 self.on_batch(len(group), sum(len(p.call.ids) for p in group), time.perf_counter() - start)
         for parked, logits, error in outcomes:
             self._resume(parked.request, logits, error)
+
+
+def alone(parked: _Parked, failed: tuple[int, Exception] | None = None) -> Answer:
+    """`parked`'s call run by itself. With `failed` (the length its cache had before a batched forward that raised,
+    and the error) its cache is put back first (`rewind`); where it cannot be, the call fails with that error."""
+    try:
+        if failed is not None and not rewind(parked.handle, parked.call, failed[0]):
+            return parked, None, failed[1]
+        return parked, parked.call.run(parked.handle), None
+    except Exception as error:  # noqa: BLE001 - raised in the request that made the call
+        return parked, None, error
+
+
+def rewind(handle: CausalLM, call: Call, length: int) -> bool:
+    """Put `handle`'s cache back to the `length` positions it held before a batched forward with `call` raised,
+    where that can be done exactly, and say whether it was: a prompt's first part needs nothing (a prefill starts
+    afresh), a cache that held nothing is emptied, a pointer cache (`fixed_cache`) moves back (what the forward wrote
+    past it is never read), a cache that exports its positions (`reuses_prefixes`) is rebuilt from its first
+    `length` (the failed forward may have appended to some of its layers). Any other cache may hold part of the
+    failed forward."""
+    capabilities = handle.capabilities
+    if call.prefill and not call.resumes:
+        return True
+    if capabilities.fixed_cache or not length:
+        handle.rollback(length)
+    elif capabilities.reuses_prefixes:
+        handle.import_kv([handle.export_kv(0, length)])
+    else:
+        return False
+    return True
 
 
 def batched_forward(handle: CausalLM) -> Callable[[Sequence[tuple[Any, Call]]], list[torch.Tensor]] | None:

@@ -4,7 +4,8 @@ The engine loads the target and its method's drafters once. Each request decodes
 worker, on `Row` handles of those models (a KV cache per request, forwards batched with the other
 requests'), so every method and drafter works unchanged and a request's greedy output is what it would
 be alone. At most `max_batch` requests decode at once; up to `max_queue` more wait for a row, the rest
-are refused. DSI requests decode apart, each on a thread of its own (`APART`).
+are refused. DSI requests decode apart, each on a thread of its own (`APART`), at most `max_batch` at once: they
+never wait, so the rest are refused.
 """
 
 from __future__ import annotations
@@ -79,15 +80,14 @@ class Outcome:
 
 class Steps:
     """What speculation did for one request, read off its target forwards: each forward after the prefill
-    verifies W - 1 draft tokens, and the tokens committed before the next forward are the accepted ones
-    plus the target's own. Counted outside the decoder, so that it holds for every method, and for a
-    generation cut short by a stop string or a disconnect."""
+    verifies its draft tokens (a chain's W - 1, a tree's nodes below its root), and the tokens committed before
+    the next forward are the accepted ones plus the target's own. Counted outside the decoder, so that it holds
+    for every method, and for a generation cut short by a stop string or a disconnect."""
 
     def __init__(self, metrics: Metrics | None, on_step: Callable[[dict[str, Any]], None] | None = None):
         self.metrics, self.on_step = metrics, on_step
         self.forwards = self.drafted = self.accepted = self.committed = 0
-        self.width = 0  # the open step's forward width (0: none yet, or the prefill)
-        self.call: Call | None = None  # the open step's verification (None: the prefill)
+        self.call: Call | None = None  # the open step's verification (None: none yet, or the prefill)
         self.drafter_forwards = 0
         self.tokens: list[int] = []  # the open step's committed tokens
         self.drafter: str | None = None  # the model drafter that drafted what the open step verifies
@@ -98,7 +98,6 @@ class Steps:
             return
         self.close()
         self.forwards += 1
-        self.width = 0 if call.prefill else len(call.ids)
         self.call = None if call.prefill else call
         self.drafter, self.drafting = self.drafting, None
 
@@ -111,21 +110,20 @@ class Steps:
         self.tokens.append(token)
 
     def close(self) -> None:
-        """End the open step: of its W - 1 drafts, the committed tokens but one were accepted; `on_step` hears
-        each token's provenance (`provenance`) and how deep the draft went."""
-        if self.width > 0:
-            drafted, accepted = self.width - 1, min(max(self.committed - 1, 0), self.width - 1)
-            self.drafted += drafted
-            self.accepted += accepted
-            if self.metrics is not None:
-                self.metrics.step(drafted, accepted)
+        """End the open step: of its drafts, the committed tokens but one were accepted (a path: one at each depth
+        from the first); `on_step` hears each token's provenance (`provenance`) and how deep the draft went."""
+        depths = draft_depths(self.call)
+        accepted = min(max(self.committed - 1, 0), len(depths))
+        self.drafted += len(depths)
+        self.accepted += accepted
+        if self.metrics is not None:
+            self.metrics.step(depths, accepted)
         if self.on_step is not None and self.tokens:
             kinds = provenance(self.call, self.tokens)
-            depth = 0 if self.call is None else max(self.call.tree.depths) if self.call.tree is not None else \
-                len(self.call.ids) - 1
+            depth = max(depths, default=0)
             self.on_step({"tokens": self.tokens, "kinds": kinds, "drafted": depth,
                           "accepted": kinds.count("accepted"), "drafter": self.drafter if depth else None})
-        self.width, self.committed, self.tokens, self.drafter, self.call = 0, 0, [], None, None
+        self.committed, self.tokens, self.drafter, self.call = 0, [], None, None
 
     def summary(self, method: str, tokens: int) -> dict[str, Any]:
         self.close()
@@ -133,6 +131,16 @@ class Steps:
         return {"method": method, "drafted_tokens": self.drafted, "accepted_tokens": self.accepted,
                 "mean_accepted_length": round((tokens - 1) / steps, 3) if steps and tokens > 1 else 1.0,
                 "target_forwards": self.forwards, "drafter_forwards": self.drafter_forwards}
+
+
+def draft_depths(call: Call | None) -> list[int]:
+    """The depth of each draft token a verification `call` verifies (1: right after the last committed token): a
+    chain's 1..W-1, a tree's nodes below its root, several at a depth (None, the prefill: none)."""
+    if call is None:
+        return []
+    if call.tree is None:
+        return list(range(1, len(call.ids)))
+    return [depth for depth in call.tree.depths[len(call.tree) - len(call.ids):] if depth]
 
 
 def provenance(call: Call | None, tokens: list[int]) -> list[str]:
@@ -211,6 +219,7 @@ class Engine:
         self.session = Session(self.target, PrefixCache(prefix_cache_mb, metrics.prefix if metrics else None))
         if metrics:
             metrics.prefix_bytes.set_function(lambda: self.session.prefixes.bytes)
+            metrics.queue_depth.set_function(lambda: self.batcher.waiting)
         self.drafters: dict[str, Any] = {}  # spec -> the served model (or Drafter) requests draft with
         self.options = options
         self.batcher.run(lambda: with_drafters(options, self._load))
@@ -295,32 +304,30 @@ class Engine:
         """Start `job`; text increments (with the log-probabilities of the tokens committed since the last
         one, where the job asks for them) go to `on_text`, each step's tokens and their provenance to `on_step`
         (`Steps.close`) where given, and the end to `on_end`, from the batcher's thread. Raises QueueFull when the
-        queue is full, a ConfigError for options the server cannot run."""
+        queue is full (or, for a request apart, `max_batch` run apart already), WorkerStopped once the batcher's
+        worker has stopped, a ConfigError for options the server cannot run."""
         spec, options = self.options_for(job.method, job.options)
         check_request(spec.name, job.logprobs, job.logit_bias, job.constraint)
-        ticket, submitted = Ticket(), time.perf_counter()
+        ticket, submitted, apart = Ticket(), time.perf_counter(), spec.name in APART
 
         def work() -> None:
-            if self.metrics:
-                self.metrics.queue(self.batcher.waiting)
             try:
                 if not ticket.cancelled.is_set():
-                    on_end(self._decode(job, spec, options, ticket, on_text, submitted, spec.name in APART,
-                                        on_step))
+                    on_end(self._decode(job, spec, options, ticket, on_text, submitted, apart, on_step))
             except Exception as error:  # noqa: BLE001 - the request's caller reports it
                 on_end(error)
 
         with self._lock:
-            if self.batcher.waiting >= self.max_queue and self.batcher.load >= self.max_batch:
+            if apart and len(self._running_apart) >= self.max_batch:
+                raise QueueFull(f"{len(self._running_apart)} {spec.name} requests are decoding; try again later")
+            if not apart and self.batcher.waiting + self.batcher.load >= self.max_batch + self.max_queue:
                 raise QueueFull(f"{self.batcher.waiting} requests are waiting; try again later")
-            if spec.name in APART:
+            if apart:
                 thread = threading.Thread(target=self._apart, args=(work,), name=f"speculant-{spec.name}", daemon=True)
                 self._running_apart.add(thread)
                 thread.start()
             else:
-                self.batcher.start(work)
-            if self.metrics:
-                self.metrics.queue(self.batcher.waiting)
+                self.batcher.start(work, on_end)
         return ticket
 
     def _apart(self, work: Callable[[], None]) -> None:

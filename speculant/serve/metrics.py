@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30)
@@ -16,12 +18,13 @@ class Metrics:
                                 ["endpoint", "status"], registry=r)
         self.prompt_tokens = Counter("speculant_prompt_tokens", "prompt tokens of finished requests", registry=r)
         self.completion_tokens = Counter("speculant_completion_tokens", "tokens generated", registry=r)
-        self.drafted = Counter("speculant_draft_tokens", "draft tokens verified, by draft position", ["position"],
-                               registry=r)
-        self.accepted = Counter("speculant_accepted_tokens", "draft tokens accepted, by draft position", ["position"],
-                                registry=r)
-        self.ttft = Histogram("speculant_time_to_first_token_seconds", "from a request's arrival to its first token "
-                              "(queueing and prefill included)", buckets=LATENCY_BUCKETS, registry=r)
+        self.drafted = Counter("speculant_draft_tokens", "draft tokens verified, by draft position (a tree's nodes "
+                               "by depth)", ["position"], registry=r)
+        self.accepted = Counter("speculant_accepted_tokens", "draft tokens accepted, by draft position (a tree's "
+                                "accepted path by depth)", ["position"], registry=r)
+        self.ttft = Histogram("speculant_time_to_first_token_seconds", "from the engine taking a request (its body "
+                              "read, its prompt encoded) to its first token (queueing and prefill included)",
+                              buckets=LATENCY_BUCKETS, registry=r)
         self.itl = Histogram("speculant_inter_token_latency_seconds", "between consecutive tokens of a request",
                              buckets=LATENCY_BUCKETS, registry=r)
         self.queue_depth = Gauge("speculant_queue_depth", "requests waiting for a batch slot", registry=r)
@@ -46,18 +49,17 @@ class Metrics:
         self.prompt_tokens.inc(prompt)
         self.completion_tokens.inc(completion)
 
-    def step(self, drafted: int, accepted: int) -> None:
-        """One verification: draft positions 0..drafted-1 verified, 0..accepted-1 accepted."""
-        for j in range(drafted):
-            self.drafted.labels(str(min(j, POSITIONS - 1))).inc()
+    def step(self, depths: Sequence[int], accepted: int) -> None:
+        """One verification: a draft token verified at each of `depths` (1: the first after the last committed
+        token; a tree has several at a depth), one accepted at each depth 1..`accepted`. Depth d counts at position
+        d - 1."""
+        for depth in depths:
+            self.drafted.labels(str(min(depth - 1, POSITIONS - 1))).inc()
         for j in range(accepted):
             self.accepted.labels(str(min(j, POSITIONS - 1))).inc()
 
     def token(self, seconds: float, first: bool) -> None:
         (self.ttft if first else self.itl).observe(seconds)
-
-    def queue(self, waiting: int) -> None:
-        self.queue_depth.set(waiting)
 
     def batch(self, rows: int, tokens: int, seconds: float) -> None:
         self.batch_rows.observe(rows)
