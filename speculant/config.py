@@ -230,7 +230,8 @@ class ServeConfig:
     allowed_hosts: str | None = option(None, "answer only requests whose Host header is one of these, comma "
                                              "separated (e.g. localhost,api.example.com; default: any)")
     replicas: int = option(1, "serve from this many processes, each with its own models, as a Ray Serve "
-                              "deployment behind one port (pip install 'speculant[ray]')")
+                              "deployment behind one port (pip install 'speculant[ray]'); each counts its own "
+                              "/metrics")
     replica_cpus: float = option(1.0, "CPU cores Ray reserves for each replica (its kernels' threads)")
     ray_cluster: str | None = option(None, "deploy the replicas on the Ray cluster at this address (default: "
                                            "start one here)")

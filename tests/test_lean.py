@@ -207,8 +207,8 @@ def test_a_tree_deeper_than_the_window_sees_each_node_s_window_of_positions(lean
 
 @pytest.mark.parametrize("variant", ["qwen2", "llama-window"])
 def test_rows_of_several_sequences_in_one_forward_equal_their_own_forwards(lean_files, variant):
-    """`lean.forward_rows`: prefills (short, and past the window), chains and a tree of different sequences in
-    one forward; each gets bit for bit the logits and cache length of its own calls."""
+    """`lean.forward_rows`: prefills (short, and past the window), chains, a catch-up and a tree of different
+    sequences in one forward; each gets bit for bit the logits and cache length of its own calls."""
     from speculant.models.base import Call
     from speculant.models.backends.lean import forward_rows
 
@@ -218,7 +218,7 @@ def test_rows_of_several_sequences_in_one_forward_equal_their_own_forwards(lean_
     rounds = [[Call(p, prefill=True) for p in prompts],
               [Call([1, 2, 3]), Call([4]), Call(TREE.tokens, tree=TREE)],
               [Call([5, 6]), Call(prompts[1], prefill=True), Call([11])],
-              [Call(prompt_ids(33, 9)), Call([12, 13, 14, 15]), Call([16])],
+              [Call(prompt_ids(33, 9), rows=2), Call([12, 13, 14, 15]), Call([16])],  # a catch-up's last 2 rows
               [Call([17, 18, 19], prefill=True, continues=True), Call([20]), Call([21, 22], prefill=True, continues=True)]]
     for calls in rounds:
         got = forward_rows(list(zip(batched, calls)))

@@ -93,6 +93,7 @@ def test_rows_of_one_forward_equal_their_own_forwards(arch):
     rounds = [[Call(p, prefill=True) for p in prompts],
               [Call([1, 2, 3]), Call([4]), Call(tree.tokens, tree=tree)],
               [Call([5, 6]), Call(prompts[0], prefill=True), Call([11])],
+              [Call([18, 19, 20, 21], rows=2), Call([22]), Call([23, 24])],  # a catch-up's last 2 rows
               [Call([12, 13, 14], prefill=True, continues=True), Call([15]), Call([16, 17], prefill=True, continues=True)]]
     for calls in rounds:
         got = forward_rows(list(zip(batched, calls)))
@@ -775,3 +776,24 @@ def test_a_stall_shows_in_itl_and_tpot_is_a_request_s_mean():
     assert result["itl_ms"]["p50"] == pytest.approx(20.0) and result["itl_ms"]["p99"] > 500
     assert result["tpot_ms"]["p50"] == pytest.approx(20.0) and result["tpot_ms"]["p99"] < 100
     assert summarize([chunked], 1.0)["itl_ms"]["p50"] == pytest.approx(80.0)
+
+
+def test_a_served_drafter_s_catch_up_computes_the_head_for_its_last_rows_only(monkeypatch):
+    """A drafter catching up through a request's Row ran a forward (the output head over every row, logits of a
+    whole vocabulary per token); it now runs the backend's catch_up, batched or not."""
+    base = tiny_model("llama", 3, vocab=64)
+    alone = base.share()
+    batcher = Batcher(max_rows=2)
+    try:
+        for row in (Row(None, base), Row(batcher, base)):
+            def served(work, row=row):  # (a batched row's calls run on the batcher's worker)
+                return work() if row.batcher is None else batcher.run(work)
+
+            served(lambda: row.prefill([1, 2, 3]))
+            alone.prefill([1, 2, 3])
+            asked, catch_up = [], row.handle.catch_up
+            monkeypatch.setattr(row.handle, "catch_up", lambda ids, rows=1: asked.append(rows) or catch_up(ids, rows))
+            got = served(lambda: row.catch_up([4, 5, 6, 7], 2))
+            assert asked == [2] and torch.equal(got, alone.catch_up([4, 5, 6, 7], 2))
+    finally:
+        batcher.close()

@@ -261,6 +261,7 @@ class Call:
     tree: TokenTree | None = None
     continues: bool = False  # with prefill: a later part of a prompt (`prefill_parts`), after the earlier ones
     restored: bool = False  # with prefill: the first part run, after the prompt's prefix restored from a prefix cache
+    rows: int | None = None  # with a forward: the logits of its last `rows` tokens only (`catch_up`)
 
     @property
     def resumes(self) -> bool:
@@ -270,6 +271,8 @@ class Call:
     def run(self, model: CausalLM) -> torch.Tensor:
         if self.prefill:
             return model.continue_prefill(self.ids) if self.resumes else model.prefill(self.ids)
+        if self.rows is not None:
+            return model.catch_up(self.ids, self.rows)
         return model.forward(self.ids, self.positions, tree=self.tree)
 
 

@@ -329,6 +329,11 @@ class Row(Delegating):
                 tree: TokenTree | None = None) -> torch.Tensor:
         return self._submit(Call(list(ids), positions=positions, tree=tree))
 
+    def catch_up(self, ids: Sequence[int], rows: int = 1) -> torch.Tensor:
+        """A forward whose logits only the last `rows` tokens need (a drafter catching up): the backend computes the
+        output head for those alone, batched or not."""
+        return self._submit(Call(list(ids), rows=rows))
+
     def _submit(self, call: Call) -> torch.Tensor:
         if self.on_forward is not None:
             self.on_forward(call)

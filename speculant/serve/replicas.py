@@ -6,6 +6,9 @@ own engine (continuous batching inside it); Ray's HTTP proxy on `--port` spreads
 (to the less loaded of two). On a local cluster (the default) replicas share this machine's cores, each
 reserving `--replica-cpus` of them (Ray sets its kernels' thread count to that); with `--ray-cluster` they go
 wherever that cluster has room, on several machines.
+
+Each replica counts its own metrics: `/metrics` through the port answers from whichever replica the proxy chose (its
+`x-speculant-replica` header names it), so its counters jump between replicas' and are not the deployment's totals.
 """
 
 from __future__ import annotations

@@ -348,7 +348,8 @@ def forward_rows(rows: Sequence[tuple[HFCausalLM, Call]]) -> list[torch.Tensor]:
                 handle.rollback(0)
         where, mask = handle._layout(new, call.positions, call.tree)
         segments.append(Segment(len(ids), len(new), handle._cache, mask))
-        picks.append(range(len(ids) + len(new) - 1 if call.prefill else len(ids), len(ids) + len(new)))
+        read = 1 if call.prefill else len(new) if call.rows is None else min(call.rows, len(new))
+        picks.append(range(len(ids) + len(new) - read, len(ids) + len(new)))
         ids.extend(new)
         positions.extend(where)
     device = rows[0][0].device

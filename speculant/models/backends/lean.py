@@ -724,7 +724,7 @@ def forward_rows(rows: Sequence[tuple[LeanCausalLM, Call]]) -> list[torch.Tensor
             continue
         if call.prefill:
             handle.rollback(0)
-        together.append((i, handle._place(call.ids, call.positions, call.tree, read=1 if call.prefill else None)))
+        together.append((i, handle._place(call.ids, call.positions, call.tree, read=1 if call.prefill else call.rows)))
     if together:
         for (i, placed), logits in zip(together, _run_rows([placed for _, placed in together])):
             out[i] = logits[0] if rows[i][1].prefill else logits

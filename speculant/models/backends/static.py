@@ -578,7 +578,7 @@ def forward_rows(rows: Sequence[tuple[StaticCausalLM, Call]]) -> list[torch.Tens
     out, at = [], 0
     for (handle, call), calls in zip(rows, placed):
         mine = logits[at:at + len(calls)]
-        out.append(mine[-1] if call.prefill else mine)
+        out.append(mine[-1] if call.prefill else mine if call.rows is None else mine[max(len(mine) - call.rows, 0):])
         handle._ran(len(calls), hidden[at:at + len(calls)], call.prefill)
         at += len(calls)
     return out
