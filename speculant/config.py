@@ -127,7 +127,7 @@ def option(default: Any, help: str, **extra: Any) -> Any:
 VERIFIERS = ("block", "token")
 
 
-MIN_TEMPERATURE = 1e-3  # below it (but above 0), logits / T overflow toward inf: greedy is temperature 0
+MIN_TEMPERATURE = 1e-3  # below it (but above 0) sampling is greedy decoding in all but name: ask for temperature 0
 
 
 @dataclass(frozen=True)

@@ -105,7 +105,7 @@ def verify_block(draft: torch.Tensor, p: torch.Tensor, q: torch.Tensor | None,
     denominator = mass + 1 - w[:k]
     h = torch.where(denominator > 0, mass / denominator.clamp_min(1e-30), torch.ones_like(mass))
     h = torch.cat([h[1:], w[k:]])  # h_1 .. h_k
-    kept = (uniform((k,), generator, p.device) <= h).nonzero()
+    kept = (uniform((k,), generator, p.device) < h).nonzero()  # (P = h; a draw of 0 keeps no h of 0: a p(x) of 0)
     n = int(kept[-1]) + 1 if kept.numel() else 0
     if n == k:
         return k, sample(p[k], generator)
@@ -190,7 +190,7 @@ def verify_tree_sampling(tree: TokenTree, p: torch.Tensor, generator: torch.Gene
     edges = [(node, child) for node, children in enumerate(tree.child_lists) for child in children]
     rows = torch.tensor([node for node, _ in edges], dtype=torch.long, device=p.device)
     tokens = torch.tensor([tree.tokens[child] for _, child in edges], dtype=torch.long, device=p.device)
-    mass, draws = torch.stack([p[rows, tokens].float(), uniform((len(edges),), generator, p.device)]).tolist()
+    mass, draws = torch.stack([p[rows, tokens].double(), uniform((len(edges),), generator, p.device)]).tolist()
     edge_of = {child: i for i, (_, child) in enumerate(edges)}
     path, node = [], 0
     while True:

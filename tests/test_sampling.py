@@ -58,7 +58,7 @@ def test_a_draw_inverts_the_cdf_at_the_generator_s_uniform_over_blocks_and_their
     cdf = probs.double().cumsum(0)
     blocks = set()
     for _ in range(300):
-        u = torch.rand(1, generator=torch.Generator().set_state(gen.get_state())).double() * cdf[-1]
+        u = torch.rand(1, generator=torch.Generator().set_state(gen.get_state()), dtype=torch.float64) * cdf[-1]
         token = sample(probs, gen)
         assert token == int(torch.searchsorted(cdf, u, right=True)) and probs[token] > 0
         blocks.add(token // SAMPLE_BLOCK)

@@ -84,6 +84,21 @@ def test_token_impossible_under_target_is_rejected_and_never_recovered():
         assert n == 0 and token in (0, 1)
 
 
+@pytest.mark.parametrize("q", [torch.tensor([[0.0, 0.0, 1.0]]), None])
+def test_a_draw_of_exactly_zero_never_keeps_a_token_the_target_gives_nothing(q, monkeypatch):
+    """A uniform draw of exactly 0 (once in 2^24 float32 draws) kept block verification's token of p = 0 (`u <= h`,
+    h = 0): a token outside top-k/top-p, or one a grammar forbids, was emitted. Draws are now float64 as well."""
+    from speculant import sampling, verify
+
+    monkeypatch.setattr(verify, "uniform", lambda size, generator, device: torch.zeros(size, dtype=torch.float64))
+    p = torch.tensor([[0.5, 0.5, 0.0], [0.2, 0.3, 0.5]])
+    for verifier in (verify.verify_block, verify_sampling):
+        n, token = verifier(torch.tensor([2]), p, q, torch.Generator().manual_seed(0))
+        assert n == 0 and token in (0, 1), verifier.__name__
+    masses = sampling.uniform((4096,), torch.Generator().manual_seed(0), torch.device("cpu")) * 2 ** 24
+    assert (masses != masses.floor()).any()  # draws finer than float32's 2^-24 grid: a smaller mass can be drawn
+
+
 def chains() -> tuple[torch.Tensor, torch.Tensor]:
     """A target's and a drafter's Markov chains on three tokens, [4, 3]: row i follows token i (3: none yet)."""
     generator = torch.Generator().manual_seed(0)
