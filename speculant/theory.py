@@ -38,7 +38,11 @@ def sd_tokens_limit(a: float) -> float:
 def si_expected_time(t_target: float, t_drafter: float, k: int, mean_accepted: float, n_tokens: int) -> float:
     """Expected latency of speculative inference (SI) for `n_tokens` when each iteration drafts k
     tokens and accepts `mean_accepted` of them on average, plus one target token (DSI paper,
-    Appendix F.3: 30 ms target, 6 ms drafter, k = 5, 1.5 accepted -> 2400 ms for 100 tokens)."""
+    Appendix F.3: 30 ms target, 6 ms drafter, k = 5, 1.5 accepted -> 2400 ms for 100 tokens).
+
+    This is the paper's SI, whose first target forward already verifies k drafts; speculant's engine
+    (`decoding.speculative`, simulated by `analysis.simulate.simulate_si`) prefills the prompt first and
+    drafts after its token."""
     iterations = n_tokens / (mean_accepted + 1)
     return iterations * (k * t_drafter + t_target)
 
@@ -48,16 +52,25 @@ def non_si_time(t_target: float, n_tokens: int) -> float:
     return n_tokens * t_target
 
 
-def dsi_time_bound(t_drafter: float, t_target: float, a: float, n_tokens: int) -> float:
+def dsi_time_bound(t_drafter: float, t_target: float, a: float, n_tokens: int, t_first: float | None = None) -> float:
     """DSI Proposition 1: expected latency at most t1 a (N - 1) + t2 ((1 - a)(N - 1) + 1), with t1 the
-    drafter and t2 the target latency (Timor et al. 2025), versus t2 N without speculation."""
+    drafter and t2 the target latency (Timor et al. 2025), versus t2 N without speculation. It assumes
+    lookahead 1 and target servers enough that no job waits for one (`servers_needed`).
+
+    With `t_first`, the first target forward is a prefill that takes t_first and checks no draft, as
+    speculant's engine runs DSI (every server prefills the prompt before a draft can be checked): the first
+    token costs t_first and the proposition bounds the other N - 1,
+    t_first + t1 a (N - 2) + t2 ((1 - a)(N - 2) + 1)."""
     _check_rate(a)
+    if t_first is not None:
+        return t_first + (dsi_time_bound(t_drafter, t_target, a, n_tokens - 1) if n_tokens > 1 else 0.0)
     return t_drafter * a * (n_tokens - 1) + t_target * ((1 - a) * (n_tokens - 1) + 1)
 
 
 def servers_needed(t_target: float, t_drafter: float, k: int) -> int:
-    """Target servers for verification never to wait on drafting: ceil(t_target / (k t_drafter))
-    (DSI, Appendix D: a server frees up every t_target, a job is ready every k t_drafter)."""
+    """Target servers for a job never to wait for a server: ceil(t_target / (k t_drafter)) (DSI, Appendix D:
+    a job of k drafts is ready every k t_drafter and holds a server for t_target). With fewer, jobs queue and
+    verification falls behind drafting."""
     return math.ceil(t_target / (k * t_drafter) - 1e-12)
 
 

@@ -209,6 +209,29 @@ def oracle_server(device, seed):
     return OracleLM(100, seed)
 
 
+def test_one_server_never_gets_a_job_on_the_bare_prefix(monkeypatch):
+    """With one server a job on the bare committed prefix would make the drafts wait a whole forward (`dispatch`):
+    a job goes once `lookahead` drafts wait that no job carries yet, or when the drafter waits. A drafter that is
+    always wrong leaves nothing new after each rejection, so the next job waits for its next draft."""
+    from speculant.decoding.dsi import engine
+
+    sent = []  # per job: its sequence's length, the tokens committed, whether the drafter waits
+    send = engine.Coordinator.send
+
+    def recording(self, server, tokens, first_row):
+        sent.append((len(tokens), self.n_committed, len(tokens) >= self.limit() or self.stuck == len(tokens)))
+        send(self, server, tokens, first_row)
+
+    monkeypatch.setattr(engine.Coordinator, "send", recording)
+    prompt = [1, 2, 3]
+    expected, _ = run(autoregressive(OracleLM(100, 3), prompt, 20, GREEDY, None))
+    pool = make_executor("thread", ServerSpec(partial(oracle_server, seed=3), ["cpu"], GREEDY, Latency(0.002, 0.002)))
+    tokens, _ = run(dsi(pool, SyntheticDrafter(OracleLM(100, 3), 0.0, 0.0005, seed=3), prompt, 20, 1, GREEDY, None,
+                        frozenset()))
+    assert tokens == expected and len(sent) == 20  # the prefill, then one job per rejected draft
+    assert all(length > committed or waits for length, committed, waits in sent[1:])
+
+
 def test_simulate_online_with_several_drafters_reports_their_gain():
     """A cheap, often wrong drafter and a costlier, often right one: each alone, then both (Algorithm 1 with
     m > 2 models); outputs identical to non-SI's, and the pair's gain over the better single one reported."""

@@ -89,3 +89,18 @@ def test_horizontal_cascade_matches_monte_carlo(rates, ks, costs):
 def test_swi_weighs_drafter_forwards_by_cost():
     assert theory.swi(100, 40, {"small": 120, "maxgram": 0}, {"small": 0.25}) == pytest.approx(100 / (40 + 30))
     assert theory.swi(100, 100, {}, {}) == 1.0
+
+
+def test_geometric_fit_counts_a_run_the_text_cuts_off_as_censored():
+    """Nine texts the drafter matches throughout and one whose only mismatch opens it: 639 matches and one
+    rejection give a = 639 / 640, not 0 (the runs a text's end cuts off are censored, not dropped)."""
+    from speculant.analysis.acceptance import geometric_fit
+
+    flags = [np.array([False] + [True] * 63)] + [np.ones(64, bool)] * 9
+    mean_run, a = geometric_fit(flags)
+    assert mean_run == 639 and a == pytest.approx(639 / 640)
+    # With i.i.d. matches the fit recovers the rate from short texts (dropping their unfinished runs biased it down).
+    rng = np.random.default_rng(0)
+    for rate in (0.7, 0.9, 0.97):
+        assert geometric_fit([rng.random(32) < rate for _ in range(2000)])[1] == pytest.approx(rate, abs=0.01)
+    assert geometric_fit([np.ones(5, bool)]) == (5.0, pytest.approx(5 / 6))  # no mismatch: at least the positions seen

@@ -2,7 +2,8 @@
 
 The target generates greedily; the drafter, teacher-forced on the same text, predicts every position.
 Runs of exact matches between drafter and target give the geometric-fit acceptance rate
-a = 1 - 1 / (1 + mean run); with sampling, sum_x min(p, q) is the expected acceptance of one draft.
+a = 1 - 1 / (1 + mean run), a run that a text's end cuts off counted as censored (`geometric_fit`); with
+sampling, sum_x min(p, q) is the expected acceptance of one draft.
 
 A drafter with another vocabulary predicts each target token as it would draft it (`CrossVocabDrafter`): greedy,
 its first string-level draft token; sampling, q on the shared tokens, and the probability it loses there.
@@ -24,7 +25,7 @@ from speculant.sampling import logits_to_probs
 class AcceptanceReport:
     positions: int
     agreement: float  # share of positions where the drafter's argmax is the target's token
-    mean_run: float  # mean accepted drafts before a rejection
+    mean_run: float  # accepted drafts per rejection, unfinished runs censored (`geometric_fit`)
     geometric_rate: float  # a = 1 - 1 / (1 + mean run)
     per_position: list[float]  # acceptance at draft position j, given positions < j were accepted
     expected_sampling_acceptance: float | None  # mean of sum_x min(p, q), at temperature > 0
@@ -41,6 +42,19 @@ def match_runs(flags: np.ndarray) -> list[int]:
             runs.append(current)
             current = 0
     return runs
+
+
+def geometric_fit(flags: Sequence[np.ndarray]) -> tuple[float, float]:
+    """(mean run, a) of the geometric fit to the runs of matches in each text's `flags` (DSI paper, Appendix
+    F.2: a = 1 - 1 / (1 + mean run)). A run a mismatch ends is one rejection after its matches; a run the text's
+    end cuts off is censored, its matches counted but no rejection, so the maximum-likelihood mean run is
+    matches / mismatches and a = matches / (matches + mismatches). Dropping censored runs would bias a down,
+    to 0 where the only mismatch opens a text. With no mismatch, the mean run is the positions seen (a lower
+    bound)."""
+    matches = sum(int(np.count_nonzero(f)) for f in flags)
+    mismatches = sum(len(f) for f in flags) - matches
+    mean_run = matches / mismatches if mismatches else float(matches)
+    return mean_run, 1 - 1 / (1 + mean_run)
 
 
 def position_counts(flags: np.ndarray, depth: int) -> tuple[np.ndarray, np.ndarray]:
@@ -118,13 +132,12 @@ def _report(drafter, target, prompts: list[list[int]], outputs: list[list[int]],
         reached += counts[0]
         matched += counts[1]
     all_flags = np.concatenate(flags)
-    runs = [r for f in flags for r in match_runs(f)]
-    mean_run = float(np.mean(runs)) if runs else float(len(all_flags))
+    mean_run, rate = geometric_fit(flags)
     return AcceptanceReport(
         positions=len(all_flags),
         agreement=float(all_flags.mean()),
         mean_run=mean_run,
-        geometric_rate=1 - 1 / (1 + mean_run),
+        geometric_rate=rate,
         per_position=[float(m / r) for m, r in zip(matched, reached) if r > 0],
         expected_sampling_acceptance=float(np.concatenate(overlaps).mean()) if overlaps else None,
         outside_mass=float(np.mean(outside)) if outside else None,

@@ -10,22 +10,27 @@ from pathlib import Path
 import numpy as np
 
 from speculant import theory
-from speculant.analysis.simulate import (draws, paired, paper_axes, simulate_dsi, simulate_grid, simulate_non_si,
-                                         simulate_si, summary)
+from speculant.analysis.simulate import (SP_DEGREE, draws, dsi_bound, paired, paper_axes, simulate_dsi,
+                                         simulate_grid, simulate_non_si, simulate_si, summary)
 from speculant.errors import ConfigError
 
 
 MOST_SERVERS, MOST_TOKENS, MOST_DRAWS = 1024, 100_000, 10_000_000  # a simulation's size: its memory and time
+MOST_SERVER_DRAWS = 200_000_000  # repeats x tokens x servers: a run's time (each event visits every server)
 MOST_CELLS, MOST_STEPS = 10_000_000, 1_000_000_000  # a heatmap's (c, a, k, repeat) cells and cells x tokens: five
-# times the paper's grid at the default tokens (ndim 100, 18 lookaheads, 10 repeats), its memory and time
+# times the paper's grid at the default tokens (ndim 100, 18 lookaheads, 10 repeats), its memory and time; times
+# SP_DEGREE for cells x servers and cells x tokens x servers, five times that grid on the paper's 7 servers
 
 
 def check_size(servers: int, lookahead: int, tokens: int, repeats: int, seed: int) -> None:
-    """Refuse a simulation larger than this machine runs in seconds (its draws are repeats x tokens floats; its
-    servers and lookahead loops), or a seed numpy cannot take."""
-    if max(servers, lookahead) > MOST_SERVERS or tokens > MOST_TOKENS or repeats * tokens > MOST_DRAWS:
-        raise ConfigError(f"a simulation takes at most {MOST_SERVERS} servers and lookahead, {MOST_TOKENS} tokens and "
-                          f"{MOST_DRAWS} drawn tokens in all (repeats x tokens)")
+    """Refuse a simulation larger than this machine runs in seconds (its draws are repeats x tokens floats, its
+    servers' state repeats x servers; each event visits every server), or a seed numpy cannot take."""
+    if (max(servers, lookahead) > MOST_SERVERS or tokens > MOST_TOKENS or repeats * tokens > MOST_DRAWS
+            or repeats * servers > MOST_DRAWS or repeats * tokens * servers > MOST_SERVER_DRAWS):
+        raise ConfigError(f"a simulation takes at most {MOST_SERVERS} servers and lookahead, {MOST_TOKENS} tokens, "
+                          f"{MOST_DRAWS} drawn tokens in all (repeats x tokens) and repeats x servers, and "
+                          f"{MOST_SERVER_DRAWS} repeats x tokens x servers; this one has {repeats * tokens}, "
+                          f"{repeats * servers} and {repeats * tokens * servers}")
     if seed < 0:
         raise ConfigError(f"seed must be >= 0, got {seed}")
 
@@ -59,8 +64,14 @@ def simulate_one(target_ms: float, drafter_ms: float, acceptance: float, lookahe
     non_si = simulate_non_si(tokens, target_ms, ttft_ms)
     (si_mean, si_ci), (dsi_mean, dsi_ci) = _mean_ci(si), _mean_ci(dsi)
     low, high = paired(si, dsi)
-    per_iteration = min(theory.sd_expected_tokens(acceptance, lookahead), tokens)
-    first = (ttft_ms or target_ms) - target_ms  # the first target forward's extra cost, in both theories
+    # SI as the engine runs it: the prefill gives the first token, then iterations of k drafts (no more than fit).
+    k = min(lookahead, max(tokens - 2, 0))
+    per_iteration = theory.sd_expected_tokens(acceptance, k)
+    first_ms = target_ms if ttft_ms is None else ttft_ms
+    # Proposition 1 bounds DSI at lookahead 1 on servers enough that no job waits (and two at least: with one,
+    # no job on the bare prefix can run beside the drafts)
+    bound_servers = max(2, theory.servers_needed(target_ms, drafter_ms, 1))
+    bounded = lookahead == 1 and servers >= bound_servers
     return {
         "non_si_ms": non_si,
         "si_ms": si_mean,
@@ -71,10 +82,13 @@ def simulate_one(target_ms: float, drafter_ms: float, acceptance: float, lookahe
         "servers_needed": theory.servers_needed(target_ms, drafter_ms, lookahead),
         "servers": servers,
         "theory": {
-            "si_expected_ms": tokens / per_iteration * (lookahead * drafter_ms + target_ms) + first,
-            # Proposition 1 bounds DSI with lookahead 1 (and enough servers) only
-            "dsi_bound_ms": theory.dsi_time_bound(drafter_ms, target_ms, acceptance, tokens) + first
-            if lookahead == 1 else None,
+            "si_expected_ms": first_ms + (tokens - 1) / per_iteration * (k * drafter_ms + target_ms),
+            # the bound on the very draws simulated (never below the simulated DSI), and in expectation
+            "dsi_bound_ms": float(dsi_bound(wrong, r, 0, c, tokens, 1.0, first).mean()) * target_ms
+            if bounded else None,
+            "dsi_bound_expected_ms": theory.dsi_time_bound(drafter_ms, target_ms, acceptance, tokens, first_ms)
+            if bounded else None,
+            "dsi_bound_servers": bound_servers,
             "tokens_per_si_iteration": per_iteration,
         },
     }
@@ -82,8 +96,9 @@ def simulate_one(target_ms: float, drafter_ms: float, acceptance: float, lookahe
 
 def format_one(result: dict) -> str:
     t = result["theory"]
-    bound = (f"Proposition 1 bound {t['dsi_bound_ms']:.1f} ms" if t["dsi_bound_ms"] is not None
-             else "(Proposition 1 bounds lookahead 1 only)")
+    bound = (f"Proposition 1 bound {t['dsi_bound_ms']:.1f} ms on these draws ({t['dsi_bound_expected_ms']:.1f} "
+             "expected; the first forward a prefill)" if t["dsi_bound_ms"] is not None
+             else f"(Proposition 1 bounds lookahead 1 on >= {t['dsi_bound_servers']} servers only)")
     low, high = result["dsi_saving_over_si_ci95_ms"]
     lines = [
         f"non-SI  {result['non_si_ms']:10.1f} ms",
@@ -113,10 +128,13 @@ def run_heatmap(out: Path, ndim: int, lookaheads: tuple[int, ...], tokens: int, 
                           f"{','.join(map(str, lookaheads))}")
     check_size(servers, max(lookaheads), tokens, repeats, seed)
     cells = (ndim + 1) ** 2 * len(set(lookaheads)) * repeats
-    if cells > MOST_CELLS or cells * tokens > MOST_STEPS or (ndim + 1) * repeats * tokens > MOST_DRAWS:
+    if (cells > MOST_CELLS or cells * tokens > MOST_STEPS or (ndim + 1) * repeats * tokens > MOST_DRAWS
+            or cells * servers > MOST_CELLS * SP_DEGREE or cells * tokens * servers > MOST_STEPS * SP_DEGREE):
         raise ConfigError(f"a heatmap takes at most {MOST_CELLS} cells ((ndim + 1)^2 x lookaheads x repeats), "
-                          f"{MOST_STEPS} cell-tokens and {MOST_DRAWS} drawn tokens ((ndim + 1) x repeats x tokens); "
-                          f"this one has {cells}, {cells * tokens} and {(ndim + 1) * repeats * tokens}")
+                          f"{MOST_STEPS} cell-tokens, {MOST_DRAWS} drawn tokens ((ndim + 1) x repeats x tokens), "
+                          f"{MOST_CELLS * SP_DEGREE} cell-servers and {MOST_STEPS * SP_DEGREE} cell-token-servers; "
+                          f"this one has {cells}, {cells * tokens}, {(ndim + 1) * repeats * tokens}, "
+                          f"{cells * servers} and {cells * tokens * servers}")
     start = time.perf_counter()
     c, a = paper_axes(ndim)
     grid = simulate_grid(c, a, np.array(sorted(set(lookaheads))), tokens, repeats, servers, seed)

@@ -30,6 +30,7 @@ def _panel(ax, values: np.ndarray, grid: Grid, title: str, fig) -> None:
     from matplotlib.ticker import FuncFormatter
 
     log_speedup = np.log2(values)
+    log_speedup[np.abs(log_speedup) < 1e-9] = 0.0  # equal but for rounding (see `simulate.paired`): no line there
     if log_speedup.min() < -1e-9:
         cmap, norm = "RdYlGn", TwoSlopeNorm(vmin=log_speedup.min(), vcenter=0.0, vmax=max(log_speedup.max(), 1e-3))
     else:  # never slower: a one-sided scale starting at 1x

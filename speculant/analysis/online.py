@@ -59,18 +59,20 @@ def simulate_online(target_ms: float, drafter_ms: float, acceptance: float, serv
                     ray_address: str | None = None, more_drafters: tuple[tuple[float, float], ...] = ()
                     ) -> dict[str, Any]:
     """Mean wall times (ms) of non-SI, SI (at DSI's lookahead and at its own best k) and DSI over
-    `repeats` prompts, measured in this run; beside them the offline simulator's DSI time on the very draws
+    `repeats` prompts, measured in this run, every method's drafter drawing the same acceptances per position
+    in a repeat (a paired comparison); beside them the offline simulator's DSI time on the very draws
     the twin's DSI runs were decided by (the drafter draws per position, as the simulator does), so the two
     differ by the engine's own overheads only.
 
     `more_drafters` ((ms, acceptance), costlier ones) adds DSI with each of them alone (at its own planned
     lookahead) and DSI with all drafters together (Algorithm 1 with m > 2 models, at the first one's
     lookahead), and the latter's gain over the best single drafter."""
-    for a in (acceptance, *(a for _, a in more_drafters)):
+    lineup = ((drafter_ms, acceptance), *more_drafters)
+    for _, a in lineup:
         if not 0 <= a <= 1:
             raise ConfigError(f"acceptance must lie in [0, 1], got {a}")
-    if any(ms <= 0 for ms, _ in more_drafters):
-        raise ConfigError("drafter latencies must be positive")
+    if any(ms <= 0 for ms, _ in lineup):  # the offline simulation beside the twin's DSI needs a drafter's cost
+        raise ConfigError(f"drafter latencies must be > 0 ms, got {', '.join(f'{ms:g}' for ms, _ in lineup)}")
     if tokens < 2 or repeats < 1:
         raise ConfigError("tokens must be >= 2 and repeats >= 1")
     check_ray_address(ray_address, "ray_address")
@@ -84,7 +86,6 @@ def simulate_online(target_ms: float, drafter_ms: float, acceptance: float, serv
     spec = ServerSpec(partial(oracle, seed=seed), ["cpu"] * servers, greedy, target_latency)
     pool = make_executor(executor, spec, ray_address)
     pool.start()
-    lineup = ((drafter_ms, acceptance), *more_drafters)
     alone = [plan(servers, None, target_ms / 1000, ms / 1000).lookahead for ms, _ in more_drafters]
     names = ["dsi", *(f"dsi_drafter_{d + 1}" for d in range(len(more_drafters)))] + (["dsi_all"] if more_drafters else [])
     times: dict[str, list[float]] = {"non_si": [], "si": [], "si_best": [], **{name: [] for name in names}}
@@ -102,21 +103,24 @@ def simulate_online(target_ms: float, drafter_ms: float, acceptance: float, serv
             def target() -> PaddedModel:
                 return PaddedModel(OracleLM(VOCAB, seed), target_latency)
 
-            def drafter(offset: int, which: int = 0) -> SyntheticDrafter:
+            def drafter(which: int = 0) -> SyntheticDrafter:
+                """Drafter `which` of this repeat, afresh: one seed per repeat and drafter whatever the method, so
+                every method is decided by the same per-position draws (a paired comparison)."""
                 ms, a = lineup[which]
-                return SyntheticDrafter(OracleLM(VOCAB, seed), a, ms / 1000, seed * 1000 + r * 10 + offset + 100 * which)
+                return SyntheticDrafter(OracleLM(VOCAB, seed), a, ms / 1000,
+                                        (seed * MOST_ONLINE_TOKENS + r) * len(lineup) + which)
 
             reference, s = run(autoregressive(target(), prompt, tokens, greedy, None))
             times["non_si"].append(s.wall_s)
-            for name, k, offset in (("si", chosen.lookahead, 1), ("si_best", si_best, 2)):
-                out, s = run(speculative(target(), drafter(offset), prompt, k, tokens, greedy, None))
+            for name, k in (("si", chosen.lookahead), ("si_best", si_best)):
+                out, s = run(speculative(target(), drafter(), prompt, k, tokens, greedy, None))
                 times[name].append(s.wall_s)
                 identical &= out == reference
-            first = drafter(3)
+            first = drafter()
             runs = [("dsi", [first], chosen.lookahead),
-                    *((f"dsi_drafter_{d}", [drafter(3, d)], alone[d - 1]) for d in range(1, len(lineup)))]
+                    *((f"dsi_drafter_{d}", [drafter(d)], alone[d - 1]) for d in range(1, len(lineup)))]
             if more_drafters:
-                runs.append(("dsi_all", [drafter(3, d) for d in range(len(lineup))], chosen.lookahead))
+                runs.append(("dsi_all", [drafter(d) for d in range(len(lineup))], chosen.lookahead))
             for name, drafters, k in runs:
                 out, stats = run(dsi(pool, drafters, prompt, tokens, k, greedy, None, frozenset(), close_executor=False))
                 times[name].append(stats.wall_s)

@@ -223,12 +223,14 @@ class Coordinator:
         """Give idle servers work: a job on the bare prefix when nothing live predicts the next position
         and another server stays free for the drafts (with one server that job would make the drafts wait a
         whole forward: it then runs as pipelined SI), otherwise one as soon as `lookahead` new drafts (or the
-        last ones) are waiting."""
+        last ones) are waiting. New drafts are those no job carries yet: from max(frontier - 1, n_committed) on
+        (the draft at frontier - 1 sits where the last job predicts, but no job carries it)."""
         while True:
-            wanted = len(self.seq) + 1 - self.frontier  # positions frontier .. len(seq)
+            wanted = len(self.seq) + 1 - self.frontier  # positions frontier .. len(seq) to predict
+            new = len(self.seq) - max(self.frontier - 1, self.n_committed)
             drafter_waits = len(self.seq) >= self.limit() or self.stuck == len(self.seq)
             bare = self.frontier <= self.n_committed and len(self.idle) >= 2
-            ready = wanted >= 1 and (bare or wanted >= self.lookahead or drafter_waits)
+            ready = wanted >= 1 and (bare or new >= self.lookahead or drafter_waits)
             if not ready or (not self.idle if self.alive else self.in_process in self.running):
                 return
             tokens, first_row = tuple(self.seq), self.frontier
