@@ -95,16 +95,21 @@ class Session:
 
     def profile(self, model: CausalLM) -> LatencyProfile:
         """`model`'s machine profile (`latency.machine_profile`), read or measured once per session. A measurement
-        runs the model's own cache: the session's DraftCaches over it are told (`DraftCache.forget`)."""
+        runs the model's own cache (`ran_apart`)."""
         model = owner_of(model)
         key = latency.profile_key(model)
         held = self._profiles.get(model)
         if held is None or held[0] != key:
             held = self._profiles[model] = key, latency.machine_profile(model)
-            for cache in self.caches.values():
-                if owner_of(cache.model) is model:
-                    cache.forget()
+            self.ran_apart(model)
         return held[1]
+
+    def ran_apart(self, model: CausalLM) -> None:
+        """A measurement ran `model`'s own cache: the session's DraftCaches over it are told (`DraftCache.forget`)."""
+        model = owner_of(model)
+        for cache in self.caches.values():
+            if owner_of(cache.model) is model:
+                cache.forget()
 
     def estimates(self, name: str) -> dict[int, Acceptance]:
         return self.acceptance.setdefault(name, {})

@@ -6,15 +6,15 @@ import pytest
 
 from helpers import MarkovLM, random_prompt, tiny_model
 from speculant import cli, latency
-from speculant.analysis.acceptance import estimate, match_runs, position_counts
+from speculant.analysis.acceptance import estimate, geometric_fit, position_counts
 from speculant.config import SamplingConfig
 from speculant.errors import ConfigError
 from speculant.latency import LatencyProfile, profile_model
 
 
-def test_match_runs_and_position_counts():
+def test_geometric_fit_and_position_counts():
     flags = np.array([1, 1, 0, 1, 0, 0, 1, 1, 1], dtype=bool)
-    assert match_runs(flags) == [2, 1, 0]  # the trailing run of 3 is unfinished
+    assert geometric_fit([flags]) == pytest.approx((2.0, 2 / 3))  # 6 matches, 3 rejections: the trailing run of 3 is censored
     reached, matched = position_counts(flags, 3)
     # Position 0 is reached from every start; position 1 from starts whose first token matched.
     assert reached.tolist() == [9, 5, 2] and matched.tolist() == [6, 3, 1]

@@ -271,20 +271,21 @@ def test_objective_decides_the_depth():
 
 
 def test_tree_shape_resolves_auto_from_a_profile_or_measured_costs():
+    from speculant import Session
     from speculant.latency import LatencyProfile
     from speculant.trees.shape import AUTO_MAX_DEPTH, TARGET_WIDTHS, tree_shape
 
     target, drafter = tiny_model("llama", 1, 64), tiny_model("llama", 2, 64)
     prompt = random_prompt(1, 64)
-    fixed = tree_shape(target, drafter, prompt, 3, 2, None, None, {})
+    fixed = tree_shape(target, drafter, prompt, 3, 2, None, None, Session(target))
     assert (fixed.depth, fixed.width, fixed.verify_width, fixed.cost) == (3, 2, None, None)
     flat = LatencyProfile("t", "fp32", "cpu", 0, 1.0, 1.0, {1: 1.0, 64: 1.0})
-    profiled = tree_shape(target, drafter, prompt, "auto", 2, None, flat, {})
+    profiled = tree_shape(target, drafter, prompt, "auto", 2, None, flat, Session(target))
     assert (profiled.depth, profiled.width, profiled.verify_width) == (AUTO_MAX_DEPTH, 2, 2 * AUTO_MAX_DEPTH)
     assert profiled.cost(10) == 1.0
-    measured = tree_shape(target, drafter, prompt, 3, 2, "auto", None, {})
+    measured = tree_shape(target, drafter, prompt, 3, 2, "auto", None, Session(target))
     assert measured.verify_width == 6 and measured.cost(1) > 0  # T(n) measured on the target
-    deep = tree_shape(target, drafter, prompt, "auto", 4, "auto", None, {})
+    deep = tree_shape(target, drafter, prompt, "auto", 4, "auto", None, Session(target))
     assert deep.verify_width == TARGET_WIDTHS[-1]  # the objective stays within the measured T(n)
 
 

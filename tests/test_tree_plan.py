@@ -207,7 +207,7 @@ def test_auto_sizes_after_a_prompt_near_the_end_of_the_cache(options):
     """Measuring T(W) for `auto` sizes runs forwards of up to 32 tokens after the prompt: it measures after the prompt's
     last positions where those would run past the target's cache (a 90-token prompt in 96 positions crashed), and
     beyond the widest measured width the cost grows along the last segment (held flat, nodes past 32 were free)."""
-    from speculant import generate
+    from speculant import Session, generate
     from speculant.models.backends.static import StaticCausalLM, StaticWeights
     from speculant.trees.shape import tree_shape
     from test_static import transformer
@@ -220,5 +220,5 @@ def test_auto_sizes_after_a_prompt_near_the_end_of_the_cache(options):
     expected = generate(target, prompt_ids=prompt, method="ar", max_new_tokens=5).token_ids
     assert generate(target, prompt_ids=prompt, method="tree", drafter=drafter, max_new_tokens=5,
                     **options).token_ids == expected
-    cost = tree_shape(target, drafter, prompt, "auto", 2, None, None, {}).cost
+    cost = tree_shape(target, drafter, prompt, "auto", 2, None, None, Session(target)).cost
     assert cost(64) > cost(32)

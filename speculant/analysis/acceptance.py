@@ -32,18 +32,6 @@ class AcceptanceReport:
     outside_mass: float | None = None  # another vocabulary, sampling: the drafter's mean mass off the shared tokens
 
 
-def match_runs(flags: np.ndarray) -> list[int]:
-    """Lengths of the runs of matches that a mismatch ends (a trailing unfinished run is left out)."""
-    runs, current = [], 0
-    for flag in flags:
-        if flag:
-            current += 1
-        else:
-            runs.append(current)
-            current = 0
-    return runs
-
-
 def geometric_fit(flags: Sequence[np.ndarray]) -> tuple[float, float]:
     """(mean run, a) of the geometric fit to the runs of matches in each text's `flags` (DSI paper, Appendix
     F.2: a = 1 - 1 / (1 + mean run)). A run a mismatch ends is one rejection after its matches; a run the text's

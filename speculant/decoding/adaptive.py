@@ -227,8 +227,8 @@ class Candidate:
     proposes before the choice: `match` tells how much context its draft follows); `width` nodes per step:
     1 drafts a chain, more a token tree (`drafter` is then a TreeDrafter). A `measured` candidate's cost
     per drafted token varies with the text (a cascade's reviews of Max-Gram drafts) or is known only from its drafts
-    (a user's Drafter: their time): `step_s` then follows what its drafts cost. A candidate that `needs_match` (a cascade over Max-Gram) is considered only where
-a model-free candidate matches the context."""
+    (a user's Drafter: their time): `step_s` then follows what its drafts cost. A candidate that `needs_match` (a
+    cascade over Max-Gram) is considered only where a model-free candidate matches the context."""
 
     name: str
     drafter: Any
@@ -541,7 +541,7 @@ class AutoPolicy:
 
     def end(self, produced: int) -> None:
         """The generation ended after `produced` tokens: its length joins those `expected_remaining` reads."""
-        if self.lengths is not None and produced:  # one that ran to its budget might have gone on: it lasts as long as any budget
+        if self.lengths is not None and produced:  # one that ran to its budget might have gone on: as long as any
             self.lengths.append(produced if produced < self.max_new_tokens else math.inf)
 
 

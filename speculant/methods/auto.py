@@ -205,8 +205,7 @@ def build(request: Request, options: AutoOptions) -> Any:
         same_ids = isinstance(drafter, ModelDrafter)  # trees and reviews need the target's ids
         widths = options.tree_widths
         if widths == AUTO and same_ids:
-            widths = (plan_width(target, source, request.prompt_ids, cost, profile.cost, session.measured),)
-            session.cache(source).forget()  # (the coverage ran its cache apart)
+            widths = (plan_width(target, source, request.prompt_ids, cost, profile.cost, session),)
         for width in widths if same_ids else ():
             if width < 2:  # (the plan's chain)
                 continue

@@ -128,13 +128,9 @@ def build(request: Request, options: TreeOptions) -> Any:
         raise OptionError("width", f"width {options.width} exceeds the drafter's vocabulary of {model.vocab_size} "
                           "tokens")
     profile = options.target_profile
-    measured = request.session.measured
-    before = sum(map(len, measured.values()))
     shape = tree_shape(request.target, model, request.prompt_ids, options.depth, options.width, options.verify_width,
-                       profile, request.session.measured)
-    static = fixed_shape(options, request.target, model, request.prompt_ids, request.session.measured)
-    if sum(map(len, measured.values())) != before:  # measuring T(W) or coverage ran the drafter's cache apart
-        request.session.cache(model).forget()
+                       profile, request.session)
+    static = fixed_shape(options, request.target, model, request.prompt_ids, request.session)
     predictor, cost = depth_predictor(options.depth_predictor, request.target, model), shape.cost
     if options.objective == "length":  # the sizes stand; no cost weighs a level or a node
         predictor, cost = None, None
@@ -148,7 +144,7 @@ def build(request: Request, options: TreeOptions) -> Any:
                             shape.verify_width, cost, predictor, schedule=options.schedule)
 
 
-def fixed_shape(options: TreeOptions, target: Any, drafter: Any, prompt_ids: list[int], measured: Any) -> Any:
+def fixed_shape(options: TreeOptions, target: Any, drafter: Any, prompt_ids: list[int], session: Any) -> Any:
     """The tree of ranks every tree is drafted as (`trees.baselines`), or None for equal growth."""
     from speculant.trees.baselines import nway_shape, sequoia_shape
     from speculant.trees.shape import measured_coverage
@@ -156,7 +152,7 @@ def fixed_shape(options: TreeOptions, target: Any, drafter: Any, prompt_ids: lis
     if options.shape == "nway":
         return nway_shape(options.width, options.depth)
     if options.shape == "sequoia":
-        coverage = measured_coverage(target, drafter, prompt_ids, measured)
+        coverage = measured_coverage(target, drafter, prompt_ids, session)
         return sequoia_shape(coverage, options.depth * options.width, options.depth)
     return None
 

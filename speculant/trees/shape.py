@@ -44,26 +44,27 @@ class WidthChooser:
         return choose_width(probs, self.widths, self.target_cost, self.draft_cost, self.most_nodes, depth, exact)
 
 
-def measured_costs(model: CausalLM, context: list[int], widths: Sequence[int], measured: Any) -> dict[int, float]:
+def measured_costs(model: CausalLM, context: list[int], widths: Sequence[int], session: Any) -> dict[int, float]:
     """T(W) of `model` after `context` (its last positions, where the widest forward would run past the model's
-    cache) for each W, measured once per model object (after a warm-up) and kept in `measured` ({model: {widths:
-    costs}}, a `Session`'s)."""
-    per_model = measured.setdefault(owner_of(model), {})
+    cache) for each W, measured once per model object (after a warm-up) and kept in the `session`'s `measured`
+    ({model: {widths: costs}}); a measurement runs the model's cache apart (`Session.ran_apart`)."""
+    per_model = session.measured.setdefault(owner_of(model), {})
     if tuple(widths) not in per_model:
         if model.max_positions is not None:
             context = context[max(len(context) - (model.max_positions - max(widths)), 0):]
         model.prefill(context)
         forward_costs(model, context, widths[:1], repeats=1)  # warm-up
         per_model[tuple(widths)] = forward_costs(model, context, widths, repeats=1)
+        session.ran_apart(model)
     return per_model[tuple(widths)]
 
 
-def measured_coverage(target: CausalLM, drafter: CausalLM, context: list[int], measured: Any) -> list[float]:
+def measured_coverage(target: CausalLM, drafter: CausalLM, context: list[int], session: Any) -> list[float]:
     """The drafter's rank coverage of the target (`plan.rank_coverage`) over the last `COVERAGE_TOKENS` tokens of
-    `context`, teacher forced (one forward of each model over them), measured once per pair and kept in `measured`
-    beside their T(W) (the models' caches are left holding the text: the caller prefills or forgets)."""
+    `context`, teacher forced (one forward of each model over them), measured once per pair and kept in the
+    `session`'s `measured` beside their T(W) (the models' caches are run apart: `Session.ran_apart`)."""
     key = ("coverage", id(owner_of(drafter)))
-    per_target = measured.setdefault(owner_of(target), {})
+    per_target = session.measured.setdefault(owner_of(target), {})
     if key not in per_target:
         text = context[-COVERAGE_TOKENS:]
         if len(text) < 3:  # no position to score: nothing known to pay
@@ -73,38 +74,39 @@ def measured_coverage(target: CausalLM, drafter: CausalLM, context: list[int], m
             for model in (target, drafter):
                 model.prefill(text[:1])
                 logits.append(model.forward(text[1:-1]))
+                session.ran_apart(model)
             per_target[key] = rank_coverage(*logits)
     return per_target[key]
 
 
 def plan_width(target: CausalLM, drafter: CausalLM, prompt_ids: list[int], target_cost: Callable[[int], float],
-               draft_cost: Callable[[int], float], measured: Any, depths: Sequence[int] = PLAN_DEPTHS,
+               draft_cost: Callable[[int], float], session: Any, depths: Sequence[int] = PLAN_DEPTHS,
                most_nodes: int = max(MACHINE_WIDTHS) - 1) -> int:
     """The drafting width of the execution plan (`plan.search`, Yggdrasil 5.2) for this pair at these costs, from the
     drafter's rank coverage of the target on the prompt (`measured_coverage`): 1 where chains, or nothing, pay best."""
-    coverage = measured_coverage(target, drafter, prompt_ids, measured)
+    coverage = measured_coverage(target, drafter, prompt_ids, session)
     return search(coverage, target_cost, draft_cost, depths, PLAN_WIDTHS, most_nodes=most_nodes).width
 
 
 def tree_shape(target: CausalLM, drafter: CausalLM, prompt_ids: list[int], depth: int | str, width: int | str,
-               verify_width: int | str | None, profile: LatencyProfile | None, measured: Any) -> TreeShape:
+               verify_width: int | str | None, profile: LatencyProfile | None, session: Any) -> TreeShape:
     """Resolve `auto` sizes. With a profile or any `auto`, the objective decides how deep to draft (up
     to `depth`) and how many nodes to verify (up to `verify_width`; else the whole tree, within the widest T(W)
     measured here where no profile is given). `width=auto` takes the execution plan's width (`plan_width`) and
-    chooses each tree's after its context. Costs measured here are kept in `measured` (`measured_costs`)."""
+    chooses each tree's after its context. Costs measured here are kept in the `session` (`measured_costs`)."""
     auto = AUTO in (depth, width, verify_width)
     cost, most_nodes = (profile.cost, None) if profile is not None else (None, None)
     if cost is None and auto:
-        costs = measured_costs(target, prompt_ids, TARGET_WIDTHS, measured)
+        costs = measured_costs(target, prompt_ids, TARGET_WIDTHS, session)
         widths, seconds = list(costs), list(costs.values())
         cost, most_nodes = (lambda n: interpolated(widths, seconds, n)), TARGET_WIDTHS[-1]
     chooser = None
     if width == AUTO:  # the plan's width, and each tree's own by the objective after its context
-        draft_costs = measured_costs(drafter, prompt_ids, PLAN_WIDTHS, measured)
+        draft_costs = measured_costs(drafter, prompt_ids, PLAN_WIDTHS, session)
         draft_cost = draft_costs.__getitem__
         depths = range(1, depth + 1) if isinstance(depth, int) else PLAN_DEPTHS
         nodes = (most_nodes or max(MACHINE_WIDTHS)) - 1  # drafted nodes within the target's measured T(W)
-        width = plan_width(target, drafter, prompt_ids, cost, draft_cost, measured, depths, nodes)
+        width = plan_width(target, drafter, prompt_ids, cost, draft_cost, session, depths, nodes)
         chooser = WidthChooser(PLAN_WIDTHS, cost, draft_cost, nodes)
     if depth == AUTO:
         depth = AUTO_MAX_DEPTH
