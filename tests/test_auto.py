@@ -170,6 +170,23 @@ def test_under_load_a_served_drafter_that_could_not_pay_even_if_always_right_is_
     assert candidate.hopeless(Batched(Rescaled(lambda w, length: profile(w)), lambda: rows[0]), 16)
 
 
+def test_the_verdict_under_load_is_remembered_by_load_not_by_each_step_s_drift():
+    """A served model drafter's verdict under load is kept per load (and draft length, context bucket): its cost per
+    step drifts a little every step, and a memo keyed by that cost grew by an entry a step for as long as the server
+    ran. The verdict still follows the drift across the break-even cost."""
+    from speculant.decoding.adaptive import break_even
+
+    profile = lambda w: 0.03 + 0.005 * max(w - 4, 0)  # noqa: E731
+    cost = Batched(Rescaled(lambda w, length: profile(w)), lambda: 16)
+    edge = break_even(cost, 16)
+    assert 0 < edge < 0.03 and can_pay(0.999 * edge, cost, 16) and not can_pay(edge, cost, 16)
+    candidate = Candidate("drifting", None, edge, 0.9, load=lambda: 16)
+    for step in range(1000):
+        candidate.speed.value = 1 + (step % 50 - 25) / 1000  # its drift, around the break-even cost
+        assert candidate.hopeless(cost, 16) == (candidate.speed.value >= 1)
+    assert len(candidate.break_evens) == 1
+
+
 def test_a_drafter_that_could_not_pay_even_if_always_right_is_never_tried(monkeypatch):
     """Where verification costs as much per token as decoding (ggml on 2 cores), a model drafter whose
     step costs half a target forward cannot pay however often it agrees: auto never runs it."""

@@ -246,7 +246,7 @@ class Candidate:
     load: Callable[[], int] | None = None  # a served request's: how many rows its target's batches hold now
     growth: Callable[[int], float] | None = None  # its step's cost after L cached tokens over its profiled cost
     length: int = 0  # the context's length now (set by the policy every step)
-    pays_at: dict[tuple[int, float], bool] = field(default_factory=dict, repr=False)  # can_pay by (load, cost_s)
+    break_evens: dict[tuple[int, int, int], float] = field(default_factory=dict, repr=False)  # by (load, most, L bucket)
 
     @property
     def drift(self) -> float:
@@ -267,16 +267,16 @@ class Candidate:
 
     def hopeless(self, cost: Callable[[int], float], most: int) -> bool:
         """Whether, at a served target's current load, not even drafts that are always accepted would beat plain
-        decoding (`can_pay`; a batch of 16 rows verifying 2 tokens each costs nearly twice a plain batch):
-        remembered per load and cost per step, which stay put while a server runs, so that under load a model
-        drafter costs a dictionary lookup per step instead of its weighing on every row of every step. A measured
-        candidate's cost follows its drafts: never."""
+        decoding (`break_even`; a batch of 16 rows verifying 2 tokens each costs nearly twice a plain batch). The
+        break-even cost per step is remembered per load, draft length and context-length bucket (`Batched`'s), so
+        that under load a model drafter costs a lookup per step instead of its weighing on every row of every
+        step, whatever its drift. A measured candidate's cost follows its drafts: never."""
         if self.load is None or self.measured:
             return False
-        key = (self.load(), self.cost_s)
-        if key not in self.pays_at:
-            self.pays_at[key] = can_pay(self.cost_s, cost, most, self.width)
-        return not self.pays_at[key]
+        key = (self.load(), most, self.length // LENGTH_BUCKET)
+        if key not in self.break_evens:
+            self.break_evens[key] = break_even(cost, most, self.width)
+        return self.cost_s >= self.break_evens[key]
 
     def acceptance(self, bucket: int = 0) -> Acceptance:
         return self.estimates.setdefault(bucket, Acceptance(MATCH_PRIORS.get(bucket, self.prior)))
@@ -355,11 +355,17 @@ def batched_catch_up(catch_up: Callable[[list[int]], float], cost: Callable[[int
     return shared
 
 
+def break_even(cost: Callable[[int], float], most: int, width: int = 1) -> float:
+    """The most seconds a drafting step may cost for drafts that are always accepted to beat plain decoding: k
+    steps of `width` nodes then emit 1 + k tokens in k s + T(1 + k width), plain decoding in (1 + k) T(1), so
+    s must stay below ((1 + k) T(1) - T(1 + k width)) / k for some k = 1..most."""
+    return max(((1 + k) * cost(1) - cost(1 + k * width)) / k for k in range(1, most + 1))
+
+
 def can_pay(step_s: float, cost: Callable[[int], float], most: int, width: int = 1) -> bool:
-    """Whether drafting at `step_s` a step could beat plain decoding at all: with every draft accepted, the
-    best goodput over k = 1..most exceeds 1 / T(1). A drafter that fails this is never worth its cost (nor
-    its cache: it would catch up on the context every time it is tried)."""
-    return max((1 + k) / (k * step_s + cost(1 + k * width)) for k in range(1, most + 1)) > 1 / cost(1)
+    """Whether drafting at `step_s` a step could beat plain decoding at all (`break_even`). A drafter that fails
+    this is never worth its cost (nor its cache: it would catch up on the context every time it is tried)."""
+    return step_s < break_even(cost, most, width)
 
 
 def best_length(acceptance: Acceptance, step_s: float, cost: Callable[[int], float], most: int,
