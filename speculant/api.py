@@ -198,12 +198,12 @@ def generate(
     is an error naming the methods that do.
 
     `target` may be a catalog name (with an optional `@int8`/`@int4` suffix), a Hugging Face id or path,
-    a transformers model or a loaded CausalLM; a drafter may be any of those, `self[@int8|@int4]`,
-    "maxgram" or a Drafter. Greedy at temperature 0; sampled drafts are verified as blocks (`verifier`="block", Sun et
+    a transformers model or a loaded CausalLM; a drafter may be any of those (also `@gguf`, `@lean`),
+    `self[@int8|@int4|@skip]`, "maxgram", "suffix", a registered drafter's name, or a Drafter. Greedy at temperature 0; sampled drafts are verified as blocks (`verifier`="block", Sun et
     al. 2024) or token by token ("token"), either way lossless. With `stream=True` the returned GenerationStream
     yields token ids as they are committed. A generation ends at the target's last position. With `logprobs`
     = n (0-20), the result's `logprobs` give each token's log-probability under the target and the n likeliest
-    tokens there (`models.wrappers.logprobs`; not with "dsi", whose target servers are other processes). `logit_bias`
+    tokens there (`models.wrappers.logprobs`; not with "dsi", whose target servers run apart from the decoder). `logit_bias`
     ({token id: -100..100}) is added to the target's logits, which then verify (`models.wrappers.biased`; logprobs
     stay the unbiased target's). `response_format` (OpenAI's: {"type": "json_object"}, {"type": "json_schema",
     "json_schema": {"schema": ...}}; or {"type": "grammar", "grammar": LARK}, {"type": "regex", "regex": ...})

@@ -9,6 +9,7 @@ import os
 import statistics
 import sys
 from collections.abc import Sequence
+from dataclasses import fields
 from pathlib import Path
 from typing import Any, NoReturn
 
@@ -34,15 +35,31 @@ from speculant.config import (
 )
 from speculant.errors import ConfigError, SpeculantError
 from speculant.methods.drafting import held_drafters
-from speculant.methods.registry import METHODS, all_options, get_method, owners
+from speculant.methods.registry import METHODS, all_options, get_method
 
 
 FILE, FILE_ANYWHERE, DIRECTORY = "file", "file anywhere", "directory"  # what a command's --out names (out_kind)
 PARSER_KEYS = ("command", "out_kind", "given", "needs")  # what the parser notes beside the flags (no run's settings)
 
 
+class Defaults(argparse.HelpFormatter):
+    """Every flag's help ends in its default (`with_default`), unless it says it already, the default is None (the
+    help says what then happens) or the flag is a switch."""
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        text = action.help or ""
+        if not action.option_strings or action.nargs == 0 or action.default in (None, argparse.SUPPRESS):
+            return text
+        default = " ".join(map(str, action.default)) if isinstance(action.default, list) else action.default
+        return text + with_default(text, default)[len(text):].replace("%", "%%")  # (argparse %-formats help)
+
+
 class Parser(argparse.ArgumentParser):
-    """argparse's parser (its subcommands' too), whose usage errors are one line as speculant's own errors are."""
+    """argparse's parser (its subcommands' too), whose usage errors are one line as speculant's own errors are,
+    and whose help shows every flag's default."""
+
+    def __init__(self, *args: Any, **kwargs: Any):
+        super().__init__(*args, formatter_class=Defaults, **kwargs)
 
     def error(self, message: str) -> NoReturn:
         self.exit(2, f"speculant: error: {message} (see {self.prog} --help)\n")
@@ -78,12 +95,16 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--target", default=DEFAULT_TARGET, action=Given,
                        help=f"target model (default: {DEFAULT_TARGET})")
     bench.add_argument("--methods", nargs="+", default=["ar", "sd:k=4"], action=Given,
-                       help="methods with options, e.g. ar sd:drafter=qwen2.5-coder-0.5b,k=4,dtype=bf16")
+                       help="methods with options, e.g. ar sd:drafter=qwen2.5-coder-0.5b,k=4,dtype=bf16, and peers: "
+                       "hf-ar, hf-assisted, hf-pld, llamacpp-ar, llamacpp-pld (in-process), llamacpp-cli-ar, "
+                       "llamacpp-cli-spec, llamacpp-cli-ngram (llama.cpp's own tools)")
     data = bench.add_mutually_exclusive_group()
     data.add_argument("--dataset", default="humaneval[:10]", action=Given,
                       help="humaneval[:N] (default: humaneval[:10])")
     data.add_argument("--prompts", default=None, metavar="FILE.jsonl[:N]", action=Given,
-                      help="JSONL records with 'prompt', or MT-bench style 'turns' and 'category' (first turn, chat template)")
+                      help="JSONL records with 'prompt' (and 'chat': true for the chat template), MT-bench style "
+                      "'turns' (the first, chat template) or 'messages'; optional 'id', 'category' and "
+                      "'response_format' (structured output, as OpenAI's)")
     add_options(bench, RunConfig, seed=0)
     add_options(bench, SamplingConfig)
     bench.add_argument("--repeats", type=integer, default=1, action=Given,
@@ -105,7 +126,8 @@ def build_parser() -> argparse.ArgumentParser:
                                "per machine), or measure TTFT, TPOT and T(W) on prompts with --widths")
     prof.add_argument("--model", default=DEFAULT_TARGET, help=f"model to profile (default: {DEFAULT_TARGET})")
     prof.add_argument("--drafter", default=None, help="also profile this drafter and report its cost ratio c")
-    prof.add_argument("--drafter-dtype", choices=("bf16", "fp32"), default=None, action=Given)
+    prof.add_argument("--drafter-dtype", choices=("bf16", "fp32"), default=None, action=Given,
+                      help="dtype of the drafter (default: the target's)")
     prof.add_argument("--widths", default=None, help="measure now, on prompts, these new-token counts W, e.g. 1-64 "
                       "or 1,2,4,8 (default: show the machine profile, measuring it once if it is missing)")
     prof.add_argument("--dataset", default="humaneval[:5]", action=Given, help="with --widths: prompts for TTFT and "
@@ -119,27 +141,31 @@ def build_parser() -> argparse.ArgumentParser:
     prof.add_argument("--out", default=None, help="write the profile as JSON (the drafter's to OUT.drafter.json)")
 
     acc = commands.add_parser("acceptance", help="estimate how often a drafter agrees with the target")
-    acc.add_argument("--target", default=DEFAULT_TARGET)
+    acc.add_argument("--target", default=DEFAULT_TARGET, help="target model")
     acc.add_argument("--drafter", default=DEFAULT_DRAFTER,
                      help="one drafter or several, comma-separated (the target generates once for all)")
-    acc.add_argument("--drafter-dtype", choices=("bf16", "fp32"), default=None)
-    acc.add_argument("--dataset", default="humaneval[:10]")
-    acc.add_argument("--max-new-tokens", type=integer, default=128)
+    acc.add_argument("--drafter-dtype", choices=("bf16", "fp32"), default=None,
+                     help="dtype of model drafters (default: the target's)")
+    acc.add_argument("--dataset", default="humaneval[:10]", help="humaneval[:N]: the target's outputs the drafters "
+                     "are judged on")
+    acc.add_argument("--max-new-tokens", type=integer, default=128, help="tokens the target generates per prompt")
     acc.add_argument("--temperature", type=non_negative, default=0.0, help="> 0 also reports sum_x min(p, q)")
     acc.add_argument("--depth", type=integer, default=8, help="draft positions in the per-position curve")
     add_options(acc, ModelConfig)
-    acc.add_argument("--json", action="store_true")
+    acc.add_argument("--json", action="store_true", help="print the estimates as JSON")
 
     depth = commands.add_parser("train-depth", help="train Yggdrasil's depth predictor for a target and drafter "
                                 "(the tree method then drafts the depth it predicts pays best)")
-    depth.add_argument("--target", default=DEFAULT_TARGET)
+    depth.add_argument("--target", default=DEFAULT_TARGET, help="target model")
     depth.add_argument("--drafter", default=DEFAULT_DRAFTER, help="a model drafter with the target's vocabulary")
-    depth.add_argument("--drafter-dtype", choices=("bf16", "fp32"), default=None)
+    depth.add_argument("--drafter-dtype", choices=("bf16", "fp32"), default=None,
+                       help="dtype of the drafter (default: the target's)")
     data = depth.add_mutually_exclusive_group()
     data.add_argument("--dataset", default=None, help="prompts to log trees on (default: the prompts shipped in "
                       "speculant/analysis/depth_corpus.jsonl and humaneval[30:60], apart from every benchmark's)")
-    data.add_argument("--prompts", default=None, metavar="FILE.jsonl[:N]")
-    depth.add_argument("--max-new-tokens", type=integer, default=64)
+    data.add_argument("--prompts", default=None, metavar="FILE.jsonl[:N]",
+                      help="prompts to log trees on, as bench reads them")
+    depth.add_argument("--max-new-tokens", type=integer, default=64, help="tokens generated per prompt")
     depth.add_argument("--max-depth", type=integer, default=8, help="depth of the logged trees: the most it predicts")
     depth.add_argument("--width", type=integer, default=1, help="nodes per drafting step of the logged trees")
     depth.add_argument("--inputs", nargs="+", choices=("hidden", "features"), default=None,
@@ -164,7 +190,7 @@ def build_parser() -> argparse.ArgumentParser:
                                "conversations arriving at a Poisson rate; throughput, "
                                "TTFT and inter-token latency percentiles, errors")
     load.add_argument("--url", default="http://127.0.0.1:8000/v1", help="the server's base URL")
-    load.add_argument("--api-key", default=None)
+    load.add_argument("--api-key", default=None, help="the server's key, sent as a bearer token")
     load.add_argument("--model", default=None, help="model name to send (default: the server's first)")
     data = load.add_mutually_exclusive_group()
     data.add_argument("--dataset", default="humaneval[:10]", help="humaneval[:N] (default: humaneval[:10])")
@@ -179,8 +205,8 @@ def build_parser() -> argparse.ArgumentParser:
     load.add_argument("--turns", type=integer, default=1, action=Given, help="with --rate: turns per conversation, each "
                       "resending the history with the reply and a follow-up question")
     load.set_defaults(needs={"turns": "rate"})
-    load.add_argument("--max-tokens", type=integer, default=64)
-    load.add_argument("--temperature", type=non_negative, default=0.0)
+    load.add_argument("--max-tokens", type=integer, default=64, help="max_tokens of each request")
+    load.add_argument("--temperature", type=non_negative, default=0.0, help="temperature of each request")
     load.add_argument("--check-solo", action="store_true",
                       help="then send each distinct prompt alone and count outputs that differ (greedy)")
     load.add_argument("--label", default=None, help="a name for this server's configuration in the results")
@@ -204,7 +230,7 @@ def build_parser() -> argparse.ArgumentParser:
                       f"the lean backend runs (default: {DEFAULT_TARGET})")
     kern.add_argument("--widths", default="1-8,16", help="rows per call, e.g. 1-16 or 1,2,4,8 (default: 1-8,16)")
     kern.add_argument("--isa", nargs="+", default=None, help="paths to time (default: all but scalar)")
-    kern.add_argument("--repeats", type=integer, default=5)
+    kern.add_argument("--repeats", type=integer, default=5, help="timings per width")
     kern.add_argument("--out", default=None, help="write the result as JSON")
 
     simulate = commands.add_parser("simulate", help="offline simulation of non-SI, SI and DSI (no model needed)")
@@ -226,8 +252,8 @@ def build_parser() -> argparse.ArgumentParser:
     one.add_argument("--servers", type=integer, default=1, help="target servers for DSI (default: 1)")
     one.add_argument("--tokens", type=integer, default=100, help="tokens to generate (default: 100)")
     one.add_argument("--ttft", type=latency_ms, default=None, metavar="MS", help="the target's first forward (default: TPOT)")
-    one.add_argument("--repeats", type=integer, default=1000)
-    one.add_argument("--seed", type=integer, default=0)
+    one.add_argument("--repeats", type=integer, default=1000, help="simulated generations per method")
+    one.add_argument("--seed", type=integer, default=0, help="seed of the simulated acceptances")
     one.add_argument("--json", action="store_true", help="print one JSON object (keys non_si_ms, si_ms, dsi_ms, ...)")
     online = sims.add_parser("online", help="the latency twin: non-SI, SI and DSI through the real engine, "
                              "every forward padded to the given latencies (pure mode: i.i.d. acceptance, no model)")
@@ -239,7 +265,8 @@ def build_parser() -> argparse.ArgumentParser:
     online.add_argument("--lookahead", type=integer, default=None, help="default: planned for the servers")
     online.add_argument("--tokens", type=integer, default=50, help="tokens to generate (default: 50, as in the paper)")
     online.add_argument("--repeats", type=integer, default=5, help="prompts, each run by every method (default: 5)")
-    online.add_argument("--executor", choices=("thread", "process", "ray"), default="thread")
+    online.add_argument("--executor", choices=("thread", "process", "ray"), default="thread",
+                        help="where DSI's target servers run")
     online.add_argument("--ray-address", default=None, action=Given, help="with --executor ray: join this cluster "
                         "(default: start one)")
     online.set_defaults(needs={"ray_address": "executor=ray"})
@@ -247,8 +274,8 @@ def build_parser() -> argparse.ArgumentParser:
                         help="a costlier drafter beside the first (repeatable): DSI with each alone and with all "
                         "together (Algorithm 1 with m > 2 models)")
     online.add_argument("--timeline", default=None, metavar="PNG", help="draw the last DSI run")
-    online.add_argument("--seed", type=integer, default=0)
-    online.add_argument("--json", action="store_true")
+    online.add_argument("--seed", type=integer, default=0, help="seed of the acceptances")
+    online.add_argument("--json", action="store_true", help="print one JSON object")
     heat = sims.add_parser("heatmap", help="the DSI paper's Figure 2 and 7 heatmaps, CSV and summary")
     heat.add_argument("--out", required=True, help="directory for grid.csv, figure2.png, figure7.png, summary.json")
     heat.set_defaults(out_kind=DIRECTORY)
@@ -257,22 +284,26 @@ def build_parser() -> argparse.ArgumentParser:
     heat.add_argument("--lookaheads", default=",".join(map(str, LOOKAHEADS)),
                       help="lookaheads searched per cell, comma-separated (default: 18 from 1 to 100; the paper "
                       "searched every one from 1 to ndim)")
-    heat.add_argument("--tokens", type=integer, default=100)
+    heat.add_argument("--tokens", type=integer, default=100, help="tokens per simulated generation")
     heat.add_argument("--repeats", type=integer, default=10, help="repeats per configuration, common random numbers "
                       "(default: 10)")
     heat.add_argument("--servers", type=integer, default=7, help="target servers, SP degree (default: 7, an 8-GPU node)")
     heat.add_argument("--fixed-lookahead", type=integer, default=5, help="lookahead of Figure 7 (default: 5)")
-    heat.add_argument("--seed", type=integer, default=0)
+    heat.add_argument("--seed", type=integer, default=0, help="seed of the common random numbers")
     return parser
 
 
 def add_method_options(parser: argparse.ArgumentParser) -> None:
     """One flag per option of any registered method, kept as text: the chosen method parses and validates
     what was given, so a flag its method does not take is one clear error."""
-    for name, f in all_options().items():
-        methods = ", ".join(owners(name))
+    for name in all_options():
+        meanings: dict[str, list[str]] = {}  # what the flag means -> the methods it means that for
+        for method in METHODS.values():
+            for f in fields(method.options):
+                if f.name == name:
+                    meanings.setdefault(with_default(f.metadata.get("help", ""), default_of(f)), []).append(method.name)
         parser.add_argument(flag(name), dest=name, default=None, metavar=name.upper(),
-                            help=f"{methods}: {with_default(f.metadata.get('help', ''), default_of(f))}")
+                            help="; ".join(f"{', '.join(methods)}: {text}" for text, methods in meanings.items()))
 
 
 def resolve_method(method: str | None, given: dict[str, str]) -> str:

@@ -190,10 +190,12 @@ class ModelConfig:
     dtype: str = option(AUTO, "weight dtype: auto (the fastest exact path this device has), bf16 or fp32",
                         choices=DTYPES)
     device: str = option("cpu", "cpu, cuda or cuda:N")
-    backend: str = option(AUTO, "auto (catalog/GGUF models on the CPU: lean where its kernels read them, else "
-                                "llama.cpp where it is built), hf (transformers), llamacpp, lean (GGUF K-quants on "
-                                "speculant's exact kernels) or static (torch kernels, a static cache: the GPU's fast "
-                                "path)",
+    backend: str = option(AUTO, "auto (catalog/GGUF models run as stored on the CPU: on lean where its kernels read "
+                                "them, else on llama.cpp where it is built; with --dtype, @int8/@int4 or on a GPU, on "
+                                "transformers; `serve` takes transformers on AMX CPUs too, where a batch of rows costs "
+                                "about one row), hf (transformers), llamacpp, lean (GGUFs on speculant's exact kernels: "
+                                "Q4_0-Q8_0, K-quants, F16/BF16/F32) or static (torch kernels, a static cache: the "
+                                "GPU's fast path)",
                         choices=(AUTO, *BACKENDS))
     compile: bool = option(False, "static backend: compile its step with torch.compile and, on a GPU, replay it as "
                                   "a CUDA graph")

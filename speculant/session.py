@@ -6,8 +6,8 @@ prefix cache (`speculant.prefixes`).
 A generation's speed depends on this state, so it lives in one object a caller can see, pass and drop:
 `generate(target, ..., session=s)`; without one, `generate` uses the target's default session (`Session.of`),
 which lives as long as the target does. The CLI, the server and the bench each make their own. Nothing in
-`methods/`, `decoding/`, `drafters/`, `trees/` or `latency.py` keeps state of its own: they are handed what they
-need from here.
+`methods/`, `decoding/`, `drafters/`, `trees/` or `latency.py` keeps module-level state a generation's speed depends on
+(registries of names, memos of pure functions and DSI's id counters aside): they are handed what they need from here.
 """
 
 from __future__ import annotations

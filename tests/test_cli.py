@@ -1,12 +1,14 @@
 """The CLI on tiny models saved to disk: streaming output, JSON stats, and one-line errors with exit 2."""
 
 import json
+import re
 
 import pytest
 import torch
 
 from helpers import BYTE_VOCAB, bpe_tokenizer, byte_tokenizer, tiny_transformer
 from speculant import cli
+from speculant.methods import METHODS
 from speculant.models import catalog
 
 
@@ -515,8 +517,11 @@ def test_a_flag_given_where_it_does_nothing_is_one_line_never_ignored(capsys, tm
 
 def test_every_flag_s_help_names_its_default_once_and_never_as_none():
     """A default the help already states is not appended again; a None default (the help says what happens) is not
-    shown as "None"; a default the help leaves unsaid is shown."""
+    shown as "None"; a default the help leaves unsaid is shown; a flag several methods take says what it means for
+    each."""
     import argparse
+
+    from speculant.bench.peers import PEERS
 
     def parsers(parser):
         yield parser
@@ -526,7 +531,15 @@ def test_every_flag_s_help_names_its_default_once_and_never_as_none():
                     yield from parsers(sub)
 
     helps = {(p.prog, a.dest): a.help or "" for p in parsers(cli.build_parser()) for a in p._actions}
-    assert not [key for key, text in helps.items() if "default: None" in text or text.count("(default:") > 1]
+    meaning = re.compile(f"; (?=(?:{'|'.join(METHODS)})(?:, [a-z]+)*: )")  # a method option's meanings, each its own
+
+    def repeated(text):
+        return any(part.count("(default:") > 1 for part in meaning.split(text))
+
+    assert not [key for key, text in helps.items() if "default: None" in text or repeated(text)]
+    assert all(peer in helps["speculant bench", "methods"] for peer in PEERS)  # (written out: they import torch)
+    assert helps["speculant generate", "k"] == ("sd: draft tokens per speculation step (default: 4); cascade: draft "
+                                                "tokens per level when no K matrix is given (default: 4)")
     assert helps["speculant generate", "k_max"].endswith("(default: 16)")
     assert helps["speculant serve", "served_name"].endswith("(default: the target's name)")
 

@@ -33,8 +33,8 @@ class Echo(Drafter):
         self.began += 1
         return self
 
-    def propose(self, context, k):
-        return Draft(list(context[-k:]) if k > 0 else [])
+    def propose(self, context, k):  # as the README's: k >= 1
+        return Draft(list(context[-k:]))
 
     def observe(self, n_accepted):
         self.observed.append(n_accepted)
@@ -59,6 +59,10 @@ def test_a_drafter_registered_outside_the_package_drives_sd_and_auto_by_name():
     auto = generate(target, prompt_ids=prompt, method="auto", drafters=["echo", "maxgram"], max_new_tokens=24)
     assert auto.token_ids == expected
     assert "echo" in auto.stats.choices  # auto weighed it and chose it, as a drafter of unknown cost
+    for n in (1, 2, 3, 5):  # replies that end where one token is left: a drafter is never asked for 0 (`[-0:]`: all)
+        assert generate(target, prompt_ids=prompt, drafter="echo", k=4, max_new_tokens=n).token_ids == expected[:n]
+        assert generate(target, prompt_ids=prompt, method="cascade", drafters=["echo", "maxgram"],
+                        max_new_tokens=n).token_ids == expected[:n]
 
 
 def test_a_registered_name_is_a_drafter_spec_and_a_taken_one_is_refused(monkeypatch):

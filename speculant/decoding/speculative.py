@@ -12,7 +12,7 @@ from speculant.config import SamplingConfig
 from speculant.decoding.run import Decoder, emit
 from speculant.decoding.stats import GenerationStats
 from speculant.decoding.step import until_eos, verify_step
-from speculant.drafters.base import Drafter
+from speculant.drafters.base import Draft, Drafter
 from speculant.models.base import CausalLM
 from speculant.models.wrappers.metered import metered
 from speculant.sampling import next_token
@@ -36,9 +36,9 @@ def speculative(
     logits = target.prefill(prompt_ids)
     pending = [next_token(logits, sampling, generator)]  # committed next, not yet run by the target
     while not (yield from emit(pending, out, max_new_tokens, target.eos_token_ids)):
-        # Draft no more than can still be emitted: n accepted plus one target token.
-        draft = until_eos(drafter.propose(prompt_ids + out, min(k, max_new_tokens - len(out) - 1)),
-                          target.eos_token_ids)
+        # Draft no more than can still be emitted: n accepted plus one target token (a drafter is asked for k >= 1).
+        room = min(k, max_new_tokens - len(out) - 1)
+        draft = until_eos(drafter.propose(prompt_ids + out, room), target.eos_token_ids) if room else Draft([])
         step = verify_step(target, out[-1], draft, sampling, generator)
         drafter.observe(len(step.accepted))
         stats.record_draft(step.drafted, len(step.accepted), draft.usage)

@@ -50,7 +50,7 @@ class Drafter:
         return self
 
     def propose(self, context: list[int], k: int) -> Draft:
-        """Propose up to k tokens to follow `context` (prompt plus everything committed so far)."""
+        """Propose up to k tokens to follow `context` (prompt plus everything committed so far); k >= 1."""
         raise NotImplementedError
 
     def observe(self, n_accepted: int) -> None:

@@ -76,8 +76,8 @@ def _origin(factory: Callable[..., Any]) -> str:
 
 @cache
 def _plugins() -> dict[str, Any]:
-    """The installed plugins' entry points by name, read once per process (a scan of every installed package's
-    metadata takes milliseconds, and specs are parsed on every request)."""
+    """The installed plugins' entry points by name, read once per process (specs are parsed on every request; a scan
+    of every installed package's metadata is not free)."""
     return {entry.name: entry for entry in entry_points(group=ENTRY_POINTS)}
 
 

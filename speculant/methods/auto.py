@@ -58,10 +58,9 @@ def parse_widths(text: str) -> tuple[int, ...] | str:
 
 @dataclass(frozen=True)
 class AutoOptions:
-    drafters: Any = option(None, "auto: candidate drafters (default: the target's catalog drafter as its backend "
-                           "runs it best - on the lean kernels for a lean target, its GGUF for a llama.cpp one, else "
-                           "int8 on AMX CPUs and int4 elsewhere - and maxgram; suffix may be added); cascade: "
-                           "levels, largest first, maxgram last",
+    drafters: Any = option(None, "candidate drafters (default: the target's catalog drafter as its backend runs it "
+                           "best - on the lean kernels for a lean target, its GGUF for a llama.cpp one, else int8 on "
+                           "AMX CPUs and int4 elsewhere - and maxgram; suffix may be added)",
                            parse=parse_drafters)
     drafter_dtype: str | None = option(None, "dtype of model drafters (default: the target's)",
                                        choices=DRAFTER_DTYPES, operator=True)

@@ -34,12 +34,14 @@ def as_drafters(value: Any) -> tuple[Any, ...] | None:
 
 @dataclass(frozen=True)
 class DrafterOptions:
-    drafter: Any = option(DEFAULT_DRAFTER, "drafter: a model NAME[@int8|@int4] (its tokenizer may differ from the "
-                          "target's), self[@int8|@int4|@skip] (the target's own weights; @skip: with layers left "
-                          "out, lean backend), maxgram (prompt lookup with a bigram fallback), suffix (suffix "
-                          "decoding over the context and earlier generations), or a model or Drafter object",
+    drafter: Any = option(DEFAULT_DRAFTER, "drafter: a model NAME[@int8|@int4|@gguf|@lean] (its tokenizer may differ "
+                          "from the target's; @gguf: its GGUF on llama.cpp, @lean: on speculant's kernels), "
+                          "self[@int8|@int4|@skip] (the target's own weights; @skip: with layers left out, lean "
+                          "backend), maxgram (prompt lookup with a bigram fallback), suffix (suffix decoding over the "
+                          "context and earlier generations), a registered drafter's name (plugins: the "
+                          "speculant.drafters entry points), or from Python a model or Drafter object",
                           parse=DrafterSpec.parse)
-    drafter_dtype: str | None = option(None, "dtype of a model drafter (default: the target's)",
+    drafter_dtype: str | None = option(None, "dtype of model drafters (default: the target's)",
                                        choices=DRAFTER_DTYPES, operator=True)
 
     def __post_init__(self) -> None:

@@ -15,8 +15,8 @@ from speculant.methods.registry import Request, register
 @dataclass(frozen=True)
 class SDOptions(DrafterOptions):
     k: int = option(4, "draft tokens per speculation step", most=REQUEST_MOST)
-    draft_confidence: float = option(0.0, "end a model drafter's draft after a token it gives a probability below "
-                                     "this (0: always draft k)")
+    draft_confidence: float = option(0.0, "a model drafter's draft ends after a token it gives a probability below "
+                                     "this (0: drafts run to the chosen length)")
 
     def __post_init__(self) -> None:
         super().__post_init__()
