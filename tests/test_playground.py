@@ -120,3 +120,40 @@ def test_a_drafter_that_always_agrees_streams_accepted_drafts_then_the_targets_t
     assert kinds[0] == ["target"]  # the prefill's token
     for step, kind in zip(steps[1:-1], kinds[1:-1]):
         assert kind == ["accepted"] * step["drafted"] + ["target"] and step["accepted"] == step["drafted"] > 0
+
+
+def test_each_reply_s_panel_and_the_chat_show_only_what_the_model_sees(browser):
+    """Each send empties "This reply": an `sd` reply names its drafter (the model's name), an `ar` reply after it
+    shows no drafter and no acceptance, and a refused request no stats at all. The refused turn leaves the page
+    (its text back in the box) and the next request sends only the turns shown."""
+    engine = engine_for("sd", k=3)
+    with serving(engine) as url:
+        page = browser.new_page()
+        page.goto(url.removesuffix("/v1") + "/")
+        page.wait_for_function("document.getElementById('model').textContent === 'tiny'")
+        page.fill("#max-tokens", "20")
+
+        def ask(text):
+            page.fill("#message", text)
+            with page.expect_request("**/v1/chat/completions") as sent:
+                page.press("#message", "Enter")
+            page.wait_for_function("!document.getElementById('send').disabled")
+            shown = {name: page.text_content(f"#{name}") for name in ("rate", "acceptance", "mean", "drafter")}
+            return json.loads(sent.value.post_data), shown
+
+        _, shown = ask("hello")
+        assert shown["drafter"] == engine.options.drafter.name and shown["acceptance"].endswith("%")
+        page.select_option("#method", "ar")
+        _, shown = ask("again")
+        assert shown["drafter"] == "-" and shown["acceptance"] == "-"
+        page.select_option("#method", "")
+        page.fill("#max-tokens", "100000")  # more than the model's positions: refused
+        _, shown = ask("too long")
+        assert page.text_content("#error") and set(shown.values()) == {"-"}, shown
+        assert page.eval_on_selector_all(".turn.user", "turns => turns.map(t => t.lastChild.textContent)") == [
+            "hello", "again"] and page.locator(".turn.assistant").count() == 2
+        assert page.input_value("#message") == "too long"
+        page.fill("#max-tokens", "20")
+        request, _ = ask("last")
+        assert [m["content"] for m in request["messages"] if m["role"] == "user"] == ["hello", "again", "last"]
+    engine.close()

@@ -55,6 +55,18 @@ def test_a_stream_hands_out_content_and_holds_back_the_calls():
         assert streamed + stream.finish(NAMES)[0] == parse(text, NAMES).content == "Let me check."
 
 
+def test_a_call_s_arguments_are_the_text_the_model_wrote_and_strict_json():
+    """`arguments` is the model's own text of the object (its strings, numbers and a key given twice as written),
+    not a re-serialization; arguments that are not strict JSON (NaN, infinities, a number that overflows a double,
+    which the grammar's numbers allow) make no call: the block stays content."""
+    block = '<tool_call>\n{{"name": "get_time", "arguments": {}}}\n</tool_call>'.format
+    for written in ('{"city":"Zürich ☃ 😀"}', '{"n":1.50,"m":1E2,"k":-0}', '{"a":1,"a":2}',
+                    '{ "x": [1, {"y": "}"}] }'):
+        assert [c["function"]["arguments"] for c in parse(block(written), NAMES).calls] == [written]
+    for written in ('{"n":NaN}', '{"n":Infinity}', '{"n":[-Infinity]}', '{"n":1e400}'):
+        assert parse(block(written), NAMES) == Parsed(block(written), [])
+
+
 def accepts(tokenizer, vocabulary, choice, functions=TOOLS):
     """Whether the tools grammar lets a reply of these token ids end there."""
     from speculant.models.wrappers.constrained import Matcher
@@ -94,6 +106,38 @@ def test_calls_follow_their_schema_references_and_plain_json(choice):
     if choice == "auto":
         assert ok(ids("Plain text.")) and ok(ids("Let me see.\n" + call("ship", {})))
         assert not ok(ids("Let me see. " + call("rm_rf", {"path": "/"})))
+
+
+def test_a_call_s_arguments_are_an_object_whatever_its_parameters_allow():
+    """OpenAI's `parameters` describe an object, and `parse` takes no other arguments: a schema that also allows
+    an integer still constrains a call to an object."""
+    from helpers import BYTE_VOCAB, byte_tokenizer
+
+    tokenizer = byte_tokenizer()
+    either = {"type": "function", "function": {"name": "f", "parameters": {"anyOf": [
+        {"type": "object", "properties": {"a": {"type": "integer"}}}, {"type": "integer"}]}}}
+    ok = accepts(tokenizer, BYTE_VOCAB, "required", [either])
+    ids = lambda text: tokenizer.encode(text, add_special_tokens=False)  # noqa: E731
+    assert ok(ids(call("f", {"a": 1}))) and not ok(ids(call("f", 1)))
+
+
+@pytest.mark.parametrize("parameters", [{"type": "array"}, {"anyOf": [{"type": "integer"}]}, {"enum": [1, 2]},
+                                        {"const": "x"}, {"$ref": "#/$defs/a", "$defs": {"a": {"type": "string"}}}])
+def test_parameters_no_object_matches_get_a_400_naming_them(parameters):
+    """Such a function could never be called (its arguments would not be an object): refused, not served with a
+    reply that has no call."""
+    import httpx
+    from test_serve import engine_for, serving
+
+    engine = engine_for("ar")
+    with serving(engine) as url:
+        reply = httpx.post(f"{url}/chat/completions", timeout=60, json={
+            "model": "tiny", "messages": ASK, "tool_choice": "required", "max_tokens": 4,
+            "tools": [{"type": "function", "function": {"name": "f", "parameters": parameters}}]})
+    engine.close()
+    assert reply.status_code == 400, reply.text
+    assert reply.json()["error"]["param"] == "tools.0.function.parameters"
+    assert "must be an object's JSON schema" in reply.json()["error"]["message"]
 
 
 @pytest.mark.real_model

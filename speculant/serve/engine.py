@@ -351,7 +351,7 @@ class Engine:
 
         def for_request(held: Any) -> Any:
             loaded = self.drafters.get(str(held), held)
-            return row(loaded, lambda call, name=str(held): steps.on_drafter(call, name)) \
+            return row(loaded, lambda call, name=loaded.name: steps.on_drafter(call, name)) \
                 if isinstance(loaded, CausalLM) else loaded
 
         target = Row(batcher, self.target, steps.on_target, ticket.cancelled.is_set, self.session.prefixes)

@@ -10,6 +10,7 @@ from pydantic import AfterValidator, BaseModel, ConfigDict, Field, field_validat
 from speculant.config import MIN_TEMPERATURE, SEEDS
 from speculant.errors import ConfigError
 from speculant.models.wrappers.constrained import Constraint
+from speculant.serve.tools import call_schema
 
 MAX_FORMAT_DEPTH = 32  # levels of nesting a response_format (a JSON schema) may have
 
@@ -235,16 +236,18 @@ class Function(BaseModel):
 
     @field_validator("parameters")
     @classmethod
-    def _parameters(cls, value: dict[str, Any] | None) -> dict[str, Any] | None:
-        """An object's JSON schema, not too deep, that compiles (a call's arguments are constrained to it)."""
+    def _parameters(cls, value: dict[str, Any] | None, info: Any) -> dict[str, Any] | None:
+        """A JSON schema, not too deep, that some object matches and that compiles as a call's arguments (a call's
+        arguments are constrained to it, and are an object whatever it says: `tools.call_schema`)."""
         if value is None:
             return value
-        if value.get("type", "object") != "object" or depth(value) > MAX_FORMAT_DEPTH:
+        if depth(value) > MAX_FORMAT_DEPTH:
             raise ValueError(f"must be an object's JSON schema, at most {MAX_FORMAT_DEPTH} levels deep")
         try:
-            Constraint("json_schema", value)
+            Constraint("json_schema", call_schema(info.data.get("name", ""), value))
         except ConfigError as error:
-            raise ValueError(str(error)) from None
+            raise ValueError(f"must be an object's JSON schema, one that compiles as a call's arguments ({error})") \
+                from None
         return value
 
 

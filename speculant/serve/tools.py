@@ -11,6 +11,7 @@ speak it gets a 400 naming `tools`.
 from __future__ import annotations
 
 import json
+import math
 import re
 import uuid
 from collections.abc import Collection
@@ -21,8 +22,23 @@ from speculant.models.wrappers.constrained import JSON_OPTIONS, Constraint
 
 OPEN, CLOSE = "<tool_call>", "</tool_call>"
 CLOSING = re.compile(r"\s*" + re.escape(CLOSE))  # after a call's JSON
-DECODER = json.JSONDecoder()
-ANY_OBJECT = {"type": "object"}  # a function declared without `parameters`
+WHITESPACE = re.compile(r"[ \t\n\r]*")  # JSON's
+
+
+def _refuse(constant: str) -> Any:
+    """NaN and the infinities, which Python's `json` reads and writes but JSON has not: refused."""
+    raise ValueError(f"{constant} is not JSON")
+
+
+def _finite(number: str) -> float:
+    """A JSON number as a float; one that overflows a double (1e400: JSON, but a client reads it as infinity,
+    which it cannot write back) refused."""
+    if not math.isfinite(value := float(number)):
+        raise ValueError(f"{number} overflows a double")
+    return value
+
+
+DECODER = json.JSONDecoder(parse_constant=_refuse, parse_float=_finite)  # strict JSON: no NaN, no infinities
 
 
 def speaks_tools(tokenizer: Any) -> bool:
@@ -52,6 +68,16 @@ def _arguments(parameters: dict[str, Any]) -> dict[str, Any]:
     return moved(parameters)
 
 
+def call_schema(name: str, parameters: dict[str, Any] | None) -> dict[str, Any]:
+    """The JSON schema of a call of function `name`: its name and its arguments, an object that matches
+    `parameters` (none: any object). The arguments are an object whatever `parameters` allow (OpenAI's describe
+    one, and `parse` takes no other), so parameters no object matches make a schema that does not compile."""
+    return {"type": "object", "properties": {"name": {"const": name}, "arguments": {
+                "allOf": [{"type": "object"}, {"$ref": "#/$defs/arguments"}]}},
+            "required": ["name", "arguments"], "additionalProperties": False,
+            "$defs": {"arguments": _arguments(parameters or {})}, "x-guidance": JSON_OPTIONS}
+
+
 def constraint(tokenizer: Any, functions: list[dict[str, Any]], choice: Any, parallel: bool) -> Constraint | None:
     """The grammar a reply must match: `auto`, text or calls (text may come before them); `required`, calls
     only; a named function, one call of it; with `parallel` false, at most one call. None for `none`.
@@ -59,7 +85,7 @@ def constraint(tokenizer: Any, functions: list[dict[str, Any]], choice: Any, par
     Text never holds the call tag (spelled in plain tokens it would parse as a call the grammar never checked): where
     the vocabulary has the tag as one token the text excludes its spelling, else the text before a call ends, lazily,
     at the first tag, which the call follows. Each call's JSON is written as `response_format`'s is
-    (`JSON_OPTIONS`: no whitespace without end)."""
+    (`JSON_OPTIONS`: no whitespace without end), as `call_schema` has it."""
     if choice == "none":
         return None
     named = choice["function"]["name"] if isinstance(choice, dict) else None
@@ -67,12 +93,7 @@ def constraint(tokenizer: Any, functions: list[dict[str, Any]], choice: Any, par
     for function in functions:
         if named is not None and function["name"] != named:
             continue
-        schema = {"type": "object", "properties": {"name": {"const": function["name"]},
-                                                   "arguments": {"$ref": "#/$defs/arguments"}},
-                  "required": ["name", "arguments"], "additionalProperties": False,
-                  "$defs": {"arguments": _arguments(function.get("parameters") or ANY_OBJECT)},
-                  "x-guidance": JSON_OPTIONS}
-        bodies.append(f"%json {json.dumps(schema)}")
+        bodies.append(f"%json {json.dumps(call_schema(function['name'], function.get('parameters')))}")
     opening, closing = _marker(tokenizer, OPEN), _marker(tokenizer, CLOSE) or json.dumps(CLOSE)
     rest = f'"\\n" body "\\n" {closing} "\\n"?'  # a call after its opening tag
     call = f"{opening or json.dumps(OPEN)} {rest}"
@@ -94,27 +115,53 @@ class Parsed:
     calls: list[dict[str, Any]]  # OpenAI's tool_calls entries
 
 
+def _members(text: str, at: int) -> tuple[dict[str, tuple[Any, str]], int]:
+    """The JSON object that starts at `text[at]`, read strictly (`DECODER`): each key's value and the text it is
+    written in (a key given twice: its last, as `json` reads it), and where the object ends. A ValueError where no
+    such object starts there."""
+    if not text.startswith("{", at):
+        raise ValueError("not an object")
+    members: dict[str, tuple[Any, str]] = {}
+    at = WHITESPACE.match(text, at + 1).end()
+    if text.startswith("}", at):
+        return members, at + 1
+    while True:
+        key, at = DECODER.raw_decode(text, at)
+        at = WHITESPACE.match(text, at).end()
+        if not isinstance(key, str) or not text.startswith(":", at):
+            raise ValueError("not an object's key")
+        start = WHITESPACE.match(text, at + 1).end()
+        value, at = DECODER.raw_decode(text, start)
+        members[key] = value, text[start:at]
+        at = WHITESPACE.match(text, at).end()
+        if text.startswith("}", at):
+            return members, at + 1
+        if not text.startswith(",", at):
+            raise ValueError("not an object's member")
+        at = WHITESPACE.match(text, at + 1).end()
+
+
 def parse(text: str, names: Collection[str], most: int | None = None) -> Parsed:
-    """The calls in a reply, at most `most` (each with an id, its arguments as JSON text of an object) and the text
-    before them (None where there is none). A block that is not a call's JSON object, or that calls a function other
-    than `names`, stays in the content. A call's JSON is read whole before its closing tag is looked for: an
-    argument may hold the tag's text."""
+    """The calls in a reply, at most `most` (each with an id, its arguments as JSON text of an object: the text the
+    model wrote, strict JSON) and the text before them (None where there is none). A block that is not a call's JSON
+    object, or that calls a function other than `names`, stays in the content. A call's JSON is read whole before
+    its closing tag is looked for: an argument may hold the tag's text."""
     calls, kept, at, search = [], [], 0, 0
     while (start := text.find(OPEN, search)) >= 0 and (most is None or len(calls) < most):
         search = start + len(OPEN)
-        body = search + len(text[search:]) - len(text[search:].lstrip())
         try:
-            call, end = DECODER.raw_decode(text, body)
+            call, end = _members(text, WHITESPACE.match(text, search).end())
         except (ValueError, RecursionError):
             continue
+        name, _ = call.get("name", (None, ""))
+        arguments, written = call.get("arguments", ({}, "{}"))
         close = CLOSING.match(text, end)
-        if close is None or not isinstance(call, dict) or call.get("name") not in names or \
-                not isinstance(call.get("arguments", {}), dict):
+        if close is None or name not in names or not isinstance(arguments, dict):
             continue
         kept.append(text[at:start])
         at = search = close.end()
         calls.append({"id": "call_" + uuid.uuid4().hex[:24], "type": "function",
-                      "function": {"name": call["name"], "arguments": json.dumps(call.get("arguments", {}))}})
+                      "function": {"name": name, "arguments": written}})
     if not calls:
         return Parsed(text, [])
     content = ("".join(kept) + text[at:]).rstrip()  # (the newlines between calls are the format's)

@@ -59,13 +59,35 @@ function body(text) {
   return request;
 }
 
+// The "This reply" panel emptied: what it shows is always the reply being sent or the last one.
+function resetStats() {
+  for (const id of ["rate", "acceptance", "mean", "drafter"]) $(id).textContent = "-";
+  delete $("drafter").dataset.method;
+  plot([]);
+}
+
+// A turn: the user's text and the model's reply drawn, and added to the history once the reply is complete. A
+// turn that fails is taken off the page, its stats with it (its text back in the box to send again), so that the
+// chat shows what the model will see next time.
 async function send(text) {
   $("error").textContent = "";
+  resetStats();
   if (!model) await loadModel();
   const request = body(text);
-  turn("user").append(text);
-  const reply = turn("assistant");
-  const stats = { tokens: 0, drafted: 0, accepted: 0, steps: 0, positions: [], start: performance.now() };
+  const asked = turn("user"), reply = turn("assistant");
+  asked.append(text);
+  try {
+    history.push({ role: "user", content: text }, { role: "assistant", content: await stream(request, reply) });
+  } catch (error) {
+    asked.remove(); reply.remove(); resetStats();
+    if (!$("message").value) $("message").value = text;
+    throw error;
+  }
+}
+
+// The reply to `request` streamed into `reply` (its tokens marked by provenance) and the stats; its text.
+async function stream(request, reply) {
+  const stats = { tokens: 0, drafted: 0, accepted: 0, steps: 0, positions: [] };
   let content = "", first = null;
   const response = await api("/v1/chat/completions", { method: "POST", body: JSON.stringify(request) });
   if (!response.ok) {
@@ -110,7 +132,7 @@ async function send(text) {
       if (chunk.usage) $("drafter").dataset.method = chunk.usage.speculative.method;
     }
   }
-  history.push({ role: "user", content: text }, { role: "assistant", content });
+  return content;
 }
 
 function show(stats, first) {
