@@ -105,6 +105,25 @@ def test_the_kernel_is_measured_once_per_machine_and_remembered(tmp_path, monkey
     assert first in exact.kernels_for(torch.float32, torch.device("cpu")) and (tmp_path / "machine" / exact.PLANS).is_file()
 
 
+def test_threads_that_load_models_at_once_measure_the_kernel_once(tmp_path, monkeypatch):
+    """The plans file is read, timed and written by one thread at a time: the second finds the first's choice."""
+    import threading
+    import time
+
+    monkeypatch.setenv("SPECULANT_CACHE", str(tmp_path))
+    chosen, barrier, found = [], threading.Barrier(2), []
+    monkeypatch.setattr(exact, "choose_kernel", lambda *args: chosen.append(1) or time.sleep(0.3) or "rows")
+
+    def load():
+        barrier.wait()
+        found.append(exact.kernel_for((48, 32), torch.float32, torch.device("cpu")))
+
+    threads = [threading.Thread(target=load) for _ in range(2)]
+    [thread.start() for thread in threads]
+    [thread.join() for thread in threads]
+    assert found == ["rows", "rows"] and len(chosen) == 1
+
+
 def test_the_weights_read_back_from_every_kernel_layout():
     for kernel in KERNELS:
         for dtype in DTYPES.values():

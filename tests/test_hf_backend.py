@@ -128,3 +128,45 @@ def test_a_sliding_window_is_what_transformers_full_recomputation_applies(arch, 
                             ("cascade", dict(drafters=(model.share(), "maxgram")))]:
         assert generate(model, prompt_ids=prompt * 2, method=method, max_new_tokens=24, **options).token_ids == \
             generate(model, prompt_ids=prompt * 2, method="ar", max_new_tokens=24).token_ids, method
+
+
+def test_gemma_2_s_soft_capped_attention_is_the_model_s_own_and_row_invariant():
+    """Gemma 2 caps its attention scores (softcap * tanh(score / softcap)); row-invariant attention computes the cap,
+    so the hf backend's logits are the model's eager forward's, greedy `ar` is its own greedy `generate`, and a row of
+    a W-token forward still equals its one-token forward bit for bit."""
+    from transformers import Gemma2Config, Gemma2ForCausalLM
+
+    from speculant import generate
+
+    torch.manual_seed(0)
+    config = Gemma2Config(vocab_size=64, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                          num_attention_heads=4, num_key_value_heads=2, head_dim=64, query_pre_attn_scalar=64,
+                          sliding_window=4, attn_logit_softcapping=0.5, initializer_range=0.5, eos_token_id=None,
+                          bos_token_id=None, pad_token_id=None, attn_implementation="eager")
+    reference = Gemma2ForCausalLM(config).eval()
+    model, prompt = load_model(reference), random_prompt(2, 64, 11)
+    with torch.no_grad():
+        own = reference(torch.tensor([prompt])).logits[0]
+    rows = torch.cat([model.prefill(prompt[:5])[None], model.forward(prompt[5:])])
+    torch.testing.assert_close(rows, own[4:], atol=1e-5, rtol=0)
+    model.rollback(5)
+    assert torch.equal(torch.cat([model.forward([token]) for token in prompt[5:]]), rows[1:])
+    with torch.no_grad():
+        greedy = reference.generate(torch.tensor([prompt]), do_sample=False, max_new_tokens=16, min_new_tokens=16)
+    assert generate(model, prompt_ids=prompt, method="ar", max_new_tokens=16).token_ids == greedy[0, 11:].tolist()
+
+
+def test_attention_arguments_that_change_the_numbers_are_refused_not_dropped():
+    """GPT-OSS's attention sinks (`s_aux`) are not computed by row-invariant attention: one ConfigError line."""
+    from speculant.errors import ConfigError
+    from speculant.models.numerics.invariant import row_invariant_attention
+
+    query, key = torch.randn(1, 4, 3, 8), torch.randn(1, 2, 3, 8)
+    out, _ = row_invariant_attention(torch.nn.Module(), query, key, key, None, sliding_window=None, position_ids=None)
+    assert out.shape == (1, 3, 4, 8)
+    row_invariant_attention(torch.nn.Module(), query, key, key, None, is_causal=True)
+    with pytest.raises(ConfigError, match="^speculant's row-invariant attention does not compute s_aux, which Module "
+                                          "passes$"):
+        row_invariant_attention(torch.nn.Module(), query, key, key, None, s_aux=torch.zeros(4))
+    with pytest.raises(ConfigError, match="does not compute is_causal=False, which"):
+        row_invariant_attention(torch.nn.Module(), query, key, key, None, is_causal=False)

@@ -70,6 +70,30 @@ def test_an_amx_path_is_checked_and_timed_in_a_child_process_before_it_is_chosen
     assert kernels.set_amx_rows("amx_int8_emulated", (4, 4)) == (17, 6)  # the tests' tile height again
 
 
+@EMULATES
+def test_an_amx_check_whose_child_hangs_or_cannot_start_fails_the_path_not_the_process(tmp_path, monkeypatch, caplog):
+    """A child that gives no answer in time (or cannot be started) fails the check: a warning, zeros remembered like a
+    failed check's, and nothing raised into the user's process."""
+    import subprocess
+
+    monkeypatch.setenv("SPECULANT_CACHE", str(tmp_path))
+    started, run = [], subprocess.run
+
+    def hung(args, **kw):
+        started.append(args)
+        raise subprocess.TimeoutExpired(args, kw["timeout"])
+
+    monkeypatch.setattr(kernels.subprocess, "run", hung)
+    assert kernels.amx_rows.__wrapped__("amx_int8_emulated") == (0, 0)
+    assert kernels.amx_rows.__wrapped__("amx_int8_emulated") == (0, 0) and len(started) == 1  # remembered
+    assert "amx_int8_emulated kernels failed their check (no answer in 300 s)" in caplog.text
+    monkeypatch.setenv("SPECULANT_CACHE", str(tmp_path / "other"))
+    monkeypatch.setattr(kernels.sys, "executable", str(tmp_path / "no-python"))
+    monkeypatch.setattr(kernels.subprocess, "run", run)
+    assert kernels.amx_rows.__wrapped__("amx_int8_emulated") == (0, 0)
+    assert "No such file or directory" in caplog.text
+
+
 @pytest.mark.parametrize("isa", AMX_PATHS)
 @pytest.mark.parametrize("rows", [1, 17])
 def test_the_amx_library_gives_the_reference_s_bits_at_any_cut_over(rows, isa):
@@ -280,3 +304,62 @@ def test_an_arm_cpu_is_named_by_its_implementer_and_part(tmp_path, monkeypatch):
     monkeypatch.setattr(machine.platform, "machine", lambda: "aarch64")
     monkeypatch.setattr(machine, "cpu_info", machine.cpu_info.__wrapped__)  # (this machine's is cached)
     assert machine.cpu_info() == ("aarch64 implementer 0x41 part 0xd40", frozenset({"fp", "asimd", "sve", "bf16"}))
+
+
+def test_without_a_working_c_compiler_the_kernels_say_so_in_one_line(tmp_path, monkeypatch, caplog):
+    """A compiler that fails: each library's failure is logged once with the compiler's last line of error, no path
+    is listed, `auto` routes elsewhere, and the kernels' dispatcher raises one ConfigError line (not an IndexError)."""
+    from functools import cache
+
+    from speculant.errors import ConfigError
+    from speculant.kernels.build import compile_library
+    from speculant.models.loading import _simd_kernels
+
+    compiler = tmp_path / "cc"
+    compiler.write_text("#!/bin/sh\necho 'In file included from x.c:1:' >&2\necho 'fatal error: omp.h: missing' >&2\n"
+                        "exit 1\n")
+    compiler.chmod(0o755)
+    monkeypatch.setenv("CC", str(compiler))
+    monkeypatch.setenv("SPECULANT_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setattr(kernels, "library", cache(kernels.library.__wrapped__))  # (this process's are cached)
+    monkeypatch.setattr(kernels, "best", kernels.best.__wrapped__)
+    assert kernels.paths() == [] and not _simd_kernels()
+    with pytest.raises(ConfigError, match=r"^speculant's kernels need a C compiler with OpenMP \(gcc\): fatal error: "
+                                          r"omp.h: missing$"):
+        kernels.build()
+    assert compile_library(kernels.Path(kernels.__file__).with_name("scalar.c"), kernels.FLAGS) is None
+    warnings = [r.getMessage() for r in caplog.records if "scalar.c" in r.getMessage()]
+    assert warnings == ["speculant: scalar.c with -fno-trapping-math did not build (fatal error: omp.h: missing); its "
+                        "kernels will not be used"]
+
+
+def test_threads_that_first_build_a_library_at_once_all_load_it(tmp_path, monkeypatch):
+    """Each build writes a temporary file of its own, and one build runs at a time: no thread loads another's
+    half-written library or loses its temporary file to another's rename."""
+    import subprocess
+    import threading
+    import time
+
+    from speculant.kernels.build import compile_library
+
+    monkeypatch.setenv("SPECULANT_CACHE", str(tmp_path))
+    run = subprocess.run
+
+    def slow_run(*args, **kw):  # builds that overlap, each finishing before any renames its file into place
+        time.sleep(0.2)
+        done = run(*args, **kw)
+        time.sleep(0.3)
+        return done
+
+    monkeypatch.setattr(subprocess, "run", slow_run)
+    source, barrier, loaded = kernels.Path(kernels.__file__).with_name("scalar.c"), threading.Barrier(3), []
+
+    def first_use():
+        barrier.wait()
+        loaded.append(compile_library(source, kernels.FLAGS))
+
+    threads = [threading.Thread(target=first_use) for _ in range(3)]
+    [thread.start() for thread in threads]
+    [thread.join() for thread in threads]
+    assert len(loaded) == 3 and None not in loaded
+    assert [path.name for path in (tmp_path / "kernels").iterdir()] == [kernels.Path(loaded[0]._name).name]

@@ -624,3 +624,124 @@ def test_a_gguf_file_refuses_what_it_cannot_honour(lean_files):
     assert load_model(loaded) is loaded
     with pytest.raises(ConfigError, match="a loaded model runs as it is: dtype, backend apply"):
         load_model(loaded, dtype="bf16", backend="lean")
+
+
+def run_at_once(load, threads: int = 2) -> list:
+    """What `load()` returns in each of `threads` threads started together (a thread that raises returns nothing)."""
+    import threading
+
+    barrier, loaded = threading.Barrier(threads), []
+
+    def first_use():
+        barrier.wait()
+        loaded.append(load())
+
+    started = [threading.Thread(target=first_use) for _ in range(threads)]
+    [thread.start() for thread in started]
+    [thread.join() for thread in started]
+    return loaded
+
+
+def slowed_pack(monkeypatch, every=None):
+    """Count (and slow, so that threads overlap) the matrices repacked; raise KeyboardInterrupt at the `every`-th."""
+    import time
+
+    from speculant.kernels import formats
+
+    pack, packed = formats.pack, []
+
+    def counted(*args):
+        packed.append(1)
+        if len(packed) == every:
+            raise KeyboardInterrupt
+        time.sleep(0.02)
+        return pack(*args)
+
+    monkeypatch.setattr(formats, "pack", counted)
+    return packed
+
+
+def test_threads_that_first_load_one_file_at_once_both_load_it_and_share_one_repack(tmp_path, monkeypatch):
+    """Each repack writes a temporary directory of its own (two at once, as two processes would, both load), and
+    `shared_weights` repacks a file once however many threads first ask for it at once."""
+    from speculant.models.backends import lean as lean_module
+
+    path = tmp_path / "m.gguf"
+    write_tiny_gguf(path, "qwen2", 0, "k", hidden=256)
+    monkeypatch.setenv("SPECULANT_CACHE", str(tmp_path / "cache"))
+    packed = slowed_pack(monkeypatch)
+    assert len(run_at_once(lambda: lean_module.LeanWeights(path))) == 2
+    monkeypatch.setenv("SPECULANT_CACHE", str(tmp_path / "again"))
+    packed.clear()
+    first, second = run_at_once(lambda: lean_module.shared_weights(path))
+    assert first is second and len(packed) == 1 + 2 * 7  # the head and 7 matrices per layer, once
+    assert [p.name.startswith(".tmp-") for p in (tmp_path / "again" / "lean").iterdir()] == [False]
+
+
+def test_a_repack_that_stops_part_way_leaves_no_temporary_directory(tmp_path, monkeypatch):
+    """Ctrl-C (or an error, a full disk) part-way through the first load removes the repack's temporary directory;
+    one a killed process left is removed once untouched for a day."""
+    import os
+    import time
+
+    from speculant.models.backends import lean as lean_module
+
+    path = tmp_path / "m.gguf"
+    write_tiny_gguf(path, "qwen2", 0, "k", hidden=256)
+    monkeypatch.setenv("SPECULANT_CACHE", str(tmp_path / "cache"))
+    slowed_pack(monkeypatch, every=5)
+    with pytest.raises(KeyboardInterrupt):
+        lean_module.LeanWeights(path)
+    root = tmp_path / "cache" / "lean"
+    assert list(root.iterdir()) == []
+    for name in (".tmp-killed", ".tmp-running"):
+        (root / name).mkdir()
+        (root / name / "output.weight.npy").write_bytes(b"")
+    two_days_ago = time.time() - 2 * 86400
+    os.utime(root / ".tmp-killed", (two_days_ago, two_days_ago))
+    lean_module._remove_unused(root)
+    assert [p.name for p in root.iterdir()] == [".tmp-running"]
+
+
+def test_an_interrupted_prefill_leaves_the_cache_as_the_earlier_parts_left_it(lean_files):
+    """An `Interrupted` in a later block of a prompt part drops the part's finished blocks too (base.Interrupted: the
+    cache as it was before the call); a prefill starts from an empty cache, and leaves it empty."""
+    from speculant.models.base import Interrupted
+
+    model, ids = lean(lean_files, "qwen2"), prompt_ids(3, 150)
+    model.prefill(ids[:20])
+    expected = model.continue_prefill(ids[20:])  # blocks [20, 64), [64, 128), [128, 150)
+    checks = [0]
+
+    def second_block():  # True from the second block's second layer
+        checks[0] += 1
+        return checks[0] > model.config.layers + 1
+
+    for run, left in ((lambda: model.continue_prefill(ids[20:]), 20), (lambda: model.prefill(ids), 0)):
+        model.prefill(ids[:20])
+        checks[0], model.interrupt = 0, second_block
+        with pytest.raises(Interrupted):
+            run()
+        model.interrupt = None
+        assert model.cache_len == left
+    model.prefill(ids[:20])
+    assert torch.equal(model.continue_prefill(ids[20:]), expected)
+
+
+def test_a_file_without_what_the_lean_model_reads_is_refused_in_one_line(tmp_path, monkeypatch):
+    """A Phi-3 file without its fused ffn_up, and a tensor of a type llama.cpp removed (Q4_0_4_4, type 31): a
+    ConfigError that says so, not a KeyError or "a damaged header"."""
+    import struct
+
+    from speculant.models.backends.lean import coverage
+
+    no_up = variant(tmp_path, monkeypatch, "no-up", "phi3", add_tensor=lambda w, o, name, *args, **kw: None
+                    if name == "blk.1.ffn_up.weight" else o(w, name, *args, **kw))
+    assert coverage(no_up) == (False, "the GGUF file has no blk.1.ffn_up.weight")
+    removed = tmp_path / "removed.gguf"  # one tensor "w" [1, 32] of type 31, its data at the alignment of 32
+    header = b"GGUF" + struct.pack("<IQQ", 3, 1, 0) + struct.pack("<Q", 1) + b"w" + struct.pack("<I2QIQ", 2, 32, 1,
+                                                                                               31, 0)
+    removed.write_bytes(header + bytes(-len(header) % 32 + 64))
+    with pytest.raises(ConfigError) as refused:
+        GGUFFile(removed)
+    assert str(refused.value).startswith(f"{removed}: the tensor w is of an unsupported tensor type (31; removed")

@@ -32,8 +32,9 @@ import torch
 import torch.nn.functional as F
 
 from speculant.cache import remembered
+from speculant.errors import ConfigError
 from speculant.kernels import formats
-from speculant.kernels.build import compile_library
+from speculant.kernels.build import build_error, compile_library
 from speculant.machine import cpu_has, cpu_info
 
 _P, _I = ctypes.c_void_p, ctypes.c_int64
@@ -73,7 +74,7 @@ def library(name: str) -> ctypes.CDLL | None:
     isa = next(isa for isa in (*ISAS, EMULATED) if isa.name == name)
     if not cpu_has(*isa.cpu_flags):
         return None
-    lib = compile_library(Path(__file__).with_name(isa.source), (*FLAGS, *isa.flags))
+    lib = compile_library(*_build(isa))
     if lib is None or isa.amx and not lib.amx_ready():
         return None
     if isa.amx:
@@ -88,7 +89,13 @@ def library(name: str) -> ctypes.CDLL | None:
     return lib
 
 
+def _build(isa: Isa) -> tuple[Path, tuple[str, ...]]:
+    """The C source and flags of `isa`'s library."""
+    return Path(__file__).with_name(isa.source), (*FLAGS, *isa.flags)
+
+
 AMX_KINDS = ("q4_k", "q6_k")  # the kinds amx.h multiplies on tiles, in amx_set_rows's order
+CHECK_SECONDS = 300  # what `amx_rows`'s child may take: a child still running then has hung
 
 
 @cache
@@ -96,15 +103,22 @@ def amx_rows(name: str) -> tuple[int, ...]:
     """For AMX path `name`: for each of AMX_KINDS, the fewest rows a tile must have for its tile multiplies to pay
     on this machine (17: no width), or zeros where it fails `check`. Found in a child process once per build of
     its library and CPU (remembered): the tile instructions were tested only on an emulation when they were
-    written, so a fault or a wrong bit costs a child, and the path, never this process."""
+    written, so a fault, a wrong bit or a hang costs a child, and the path, never this process."""
+    def failed(why: str) -> list[int]:
+        log.warning(f"speculant: the {name} kernels failed their check ({why}); they will not be chosen")
+        return [0] * len(AMX_KINDS)
+
     def measure() -> list[int]:
-        child = subprocess.run([sys.executable, "-c", f"from speculant.kernels import AMX_KINDS, check, cut_over; "
-                                f"check({name!r}); print(*(cut_over({name!r}, kind) for kind in AMX_KINDS))"],
-                               capture_output=True, text=True, timeout=300)
+        try:
+            child = subprocess.run([sys.executable, "-c", f"from speculant.kernels import AMX_KINDS, check, cut_over; "
+                                    f"check({name!r}); print(*(cut_over({name!r}, kind) for kind in AMX_KINDS))"],
+                                   capture_output=True, text=True, timeout=CHECK_SECONDS)
+        except subprocess.TimeoutExpired:
+            return failed(f"no answer in {CHECK_SECONDS} s")
+        except OSError as error:
+            return failed(str(error))
         if child.returncode:
-            log.warning(f"speculant: the {name} kernels failed their check (exit {child.returncode}; "
-                        f"{(child.stderr.strip().splitlines() or ['no message'])[-1]}); they will not be chosen")
-            return [0] * len(AMX_KINDS)
+            return failed(f"exit {child.returncode}; {(child.stderr.strip().splitlines() or ['no message'])[-1]}")
         return [int(rows) for rows in child.stdout.split()[-len(AMX_KINDS):]]
 
     return tuple(remembered("kernels-amx.json", f"{Path(library(name)._name).name}|{cpu_info()[0]}", measure))
@@ -199,8 +213,12 @@ def paths(emulated: bool = False) -> list[str]:
 
 @cache
 def best() -> str:
-    """The fastest ISA this machine runs (asked on every call of `quantize_rows` and `matmul`: found once)."""
-    return paths()[0]
+    """The fastest ISA this machine runs (asked on every call of `quantize_rows` and `matmul`: found once); a
+    ConfigError where none builds (the scalar reference needs only a C compiler with OpenMP)."""
+    found = paths()
+    if not found:
+        raise ConfigError(f"speculant's kernels need a C compiler with OpenMP (gcc): {build_error(*_build(ISAS[-1]))}")
+    return found[0]
 
 
 def build() -> str:

@@ -5,36 +5,74 @@ from __future__ import annotations
 
 import ctypes
 import hashlib
+import logging
 import os
 import shutil
 import subprocess
+import tempfile
+import threading
 from pathlib import Path
 
 from speculant.cache import cache_root
 
 HEADERS = Path(__file__).parent  # kernels/: every C source of speculant and the headers they share (tiles.h)
+log = logging.getLogger("speculant")
+_lock = threading.Lock()  # one build or load at a time: threads that first use a library at once wait for one build
+_failures: dict[Path, str] = {}  # this process's failed builds: the compiler's last line of error
 
 
 def compile_library(source: Path, flags: tuple[str, ...]) -> ctypes.CDLL | None:
     """`source` built with `flags` (and the headers beside it and in kernels/, which every source may include), or
-    None where no C compiler is found or the build fails. The library is keyed by the sources' bytes and the flags,
-    so an edit rebuilds it."""
-    compiler = os.environ.get("CC") or shutil.which("gcc") or shutil.which("cc")
-    if compiler is None:
-        return None
-    flags = ("-O3", "-ffp-contract=off", *flags, "-fopenmp", "-shared", "-fPIC")
-    digest = hashlib.sha256(" ".join(flags).encode())
+    None where no C compiler is found or the build fails: said once per process in a warning with the compiler's
+    last line of error (`build_error`), so that a slower path taken instead is visible. The library is keyed by
+    the sources' bytes and the flags, so an edit rebuilds it."""
+    path = _library_path(source, flags)
+    with _lock:
+        if path in _failures:
+            return None
+        if not path.is_file():
+            error = _compile(source, _all_flags(flags), path)
+            if error is not None:
+                _failures[path] = error
+                log.warning(f"speculant: {source.name} with {' '.join(flags) or 'no flags'} did not build ({error}); "
+                            f"its kernels will not be used")
+                return None
+        return ctypes.CDLL(str(path))
+
+
+def build_error(source: Path, flags: tuple[str, ...]) -> str | None:
+    """Why `compile_library(source, flags)` returned None in this process (the compiler's last line of error), or
+    None where it did not."""
+    return _failures.get(_library_path(source, flags))
+
+
+def _all_flags(flags: tuple[str, ...]) -> tuple[str, ...]:
+    return ("-O3", "-ffp-contract=off", *flags, "-fopenmp", "-shared", "-fPIC")
+
+
+def _library_path(source: Path, flags: tuple[str, ...]) -> Path:
+    digest = hashlib.sha256(" ".join(_all_flags(flags)).encode())
     for path in sorted({*source.parent.glob("*.h"), *HEADERS.glob("*.h")}) + [source]:
         digest.update(path.read_bytes())
-    path = cache_root() / "kernels" / f"{source.stem}-{digest.hexdigest()[:16]}.so"
-    if not path.is_file():
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_suffix(f".{os.getpid()}.tmp")
+    return cache_root() / "kernels" / f"{source.stem}-{digest.hexdigest()[:16]}.so"
+
+
+def _compile(source: Path, flags: tuple[str, ...], path: Path) -> str | None:
+    """Build the library at `path` (in a temporary directory of its own beside it, then renamed into place: a reader
+    sees all of it or nothing); None, or why it failed in one line."""
+    compiler = os.environ.get("CC") or shutil.which("gcc") or shutil.which("cc")
+    if compiler is None:
+        return "no C compiler found: install gcc or set CC"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(prefix=f".{path.stem}-", dir=path.parent) as tmp:
         try:
-            subprocess.run([compiler, *flags, f"-I{HEADERS}", "-o", str(tmp), str(source)], check=True,
-                           capture_output=True, timeout=120)
-        except (OSError, subprocess.SubprocessError):
-            tmp.unlink(missing_ok=True)
-            return None
-        tmp.replace(path)
-    return ctypes.CDLL(str(path))
+            subprocess.run([compiler, *flags, f"-I{HEADERS}", "-o", f"{tmp}/{path.name}", str(source)], check=True,
+                           capture_output=True, text=True, timeout=120)
+        except subprocess.CalledProcessError as error:
+            return (error.stderr.strip().splitlines() or [f"{compiler} exited with {error.returncode}"])[-1]
+        except subprocess.TimeoutExpired:
+            return f"{compiler} ran for more than 120 s"
+        except OSError as error:
+            return f"{compiler}: {error}"
+        os.replace(f"{tmp}/{path.name}", path)
+    return None

@@ -46,7 +46,8 @@ class Tensor:
 
 class GGUFFile:
     """`fields`: every metadata key's value (int, float, bool, str or a list of them); `tensors`: the tensor table.
-    A file that is not GGUF, or whose header is cut short or repeats a name: ConfigError, one line."""
+    A file that is not GGUF, whose header is cut short or repeats a name, or that holds a tensor of a type gguf does
+    not know: ConfigError, one line."""
 
     def __init__(self, path: str | Path):
         self.path = Path(path)
@@ -56,11 +57,13 @@ class GGUFFile:
             raise ConfigError(f"{self.path} is not a GGUF file")
         try:
             self.tensors = self._read()
-        except (struct.error, ValueError, OverflowError) as error:  # past the end of the file; an unknown tensor type
+        except ConfigError:
+            raise
+        except (struct.error, ValueError, OverflowError) as error:  # past the end of the file, nested too deep
             raise ConfigError(f"{self.path}: a damaged GGUF header ({error})") from None
 
     def _read(self) -> list[Tensor]:
-        from gguf import GGML_QUANT_SIZES, GGUF_DEFAULT_ALIGNMENT, GGMLQuantizationType
+        from gguf import GGML_QUANT_SIZES, GGUF_DEFAULT_ALIGNMENT
         from gguf.quants import quant_shape_to_byte_shape
 
         self._offset = 4
@@ -81,7 +84,7 @@ class GGUFFile:
                 raise ConfigError(f"{self.path}: the GGUF tensor {name} appears twice")
             dims = struct.unpack_from(f"<{self._unpack('<I')}Q", self._buffer, self._offset)
             self._offset += 8 * len(dims)
-            table[name] = dims, GGMLQuantizationType(self._unpack("<I")), self._unpack("<Q")
+            table[name] = dims, self._tensor_type(name, self._unpack("<I")), self._unpack("<Q")
         alignment = int(self.fields.get("general.alignment", GGUF_DEFAULT_ALIGNMENT))
         if alignment <= 0 or alignment & (alignment - 1):
             raise ConfigError(f"{self.path}: a GGUF alignment of {alignment}, not a power of two")
@@ -97,6 +100,17 @@ class GGUFFile:
                 data = data.reshape(quant_shape_to_byte_shape(shape, ggml_type))
             tensors.append(Tensor(name, ggml_type, dims, where, data))
         return tensors
+
+    def _tensor_type(self, name: str, code: int) -> Any:
+        """The gguf.GGMLQuantizationType numbered `code`; a ConfigError where gguf knows none (a type llama.cpp has
+        removed, such as Q4_0_4_4, whose files it no longer reads either; or one newer than the gguf package)."""
+        from gguf import GGMLQuantizationType
+
+        try:
+            return GGMLQuantizationType(code)
+        except ValueError:
+            raise ConfigError(f"{self.path}: the tensor {name} is of an unsupported tensor type ({code}; removed "
+                              f"from llama.cpp, such as Q4_0_4_4, or unknown to gguf)") from None
 
     def _unpack(self, layout: str) -> Any:
         (value,) = struct.unpack_from(layout, self._buffer, self._offset)

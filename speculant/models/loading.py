@@ -184,15 +184,20 @@ def _file_route(path: Path) -> str:
     check_gguf(path)
     runs, why = lean.coverage(path)
     if not _simd_kernels():
-        runs, why = False, "speculant's kernels have no SIMD path on this CPU"
+        from speculant import kernels
+
+        runs, why = False, ("speculant's kernels have no SIMD path on this CPU" if kernels.paths() else
+                            "speculant's kernels did not build (no C compiler with OpenMP)")
     log.warning(f"speculant: {path.name} runs on {'the lean backend' if runs else 'llama.cpp'}: {why}")
     return "lean" if runs else "llamacpp"
 
 
 def _simd_kernels() -> bool:
+    """Whether speculant's kernels run here on a path faster than the scalar reference (none without a C compiler)."""
     from speculant import kernels
 
-    return kernels.best() != "scalar"
+    found = kernels.paths()
+    return bool(found) and found[0] != "scalar"
 
 
 def gguf_file(spec: str | Path) -> Path:

@@ -23,7 +23,9 @@ import inspect
 import json
 import os
 import shutil
+import threading
 import time
+import uuid
 from collections.abc import Sequence
 from dataclasses import dataclass
 from functools import lru_cache
@@ -53,6 +55,7 @@ SERVED_PART = 2 * PREFILL_BLOCK  # a served prompt's part (`prefill_parts`): its
 # call, so a long prompt holds each step of the running requests for 128 tokens' prefill (scripts/prefill_parts.py)
 DEFAULT_POSITIONS = 4096  # cache capacity when the model allows more
 UNUSED_DAYS = 14  # a repack not loaded for this long is removed when another is written (stale layouts, moved files)
+STALE_TEMPORARY_DAYS = 1  # a repack's temporary directory untouched this long was left by a process that died
 CACHE_LAYOUT = 1  # of the repacked files and layout.json: a change here re-packs every cached model (as an edit
 # of formats.py or of _repack does)
 
@@ -118,7 +121,7 @@ GEMMA2_DEFAULTS = {"attention.sliding_window": 4096, "attn_logit_softcapping": 5
 
 class LeanWeights:
     """A GGUF file's weights in the kernels' layout, shared by every handle on them. The first load reads the
-    file's header with `gguf` and repacks its matrices into the speculant cache (once per file and layout
+    file's header (`gguf_header.GGUFFile`) and repacks its matrices into the speculant cache (once per file and layout
     version); later loads map them copy-on-write, as llama.cpp maps the GGUF.
 
     With `head` (token ids, ascending), the weights of a drafter: the output head keeps only those tokens'
@@ -221,8 +224,8 @@ def _cache_directory(path: Path, head: tuple[int, ...] | None) -> Path:
 
 def _repack(path: Path, directory: Path, head: tuple[int, ...] | None) -> None:
     """Read the file's configuration, repack its matrices (a drafter's: see LeanWeights) and write them with a
-    layout.json into `directory` (through a temporary sibling renamed into place: readers see all of it or
-    nothing)."""
+    layout.json into `directory` (through a temporary sibling of this call's own, renamed into place: readers see all
+    of it or nothing, and a repack that stops part-way removes it)."""
     reader = gguf_header.GGUFFile(path)
     config, tensors, matrices = _read(reader)
     if head is None and (untyped := _untyped(matrices)):
@@ -246,16 +249,20 @@ def _repack(path: Path, directory: Path, head: tuple[int, ...] | None) -> None:
               "types": _types(matrices),
               "tensors": {name: [t.tensor_type.name, [int(n) for n in t.shape], int(t.data_offset), t.data.nbytes]
                           for name, t in tensors.items() if name not in names or name == "token_embd.weight"}}
-    tmp = directory.with_name(f".tmp-{directory.name}-{os.getpid()}")
-    tmp.mkdir(parents=True, exist_ok=True)
-    for name, ggml_type, raw, width in matrices:
-        kind, data, inputs, outputs = packed(name, ggml_type, raw, width)
-        layout["matrices"][name] = [kind, [inputs, outputs]]
-        np.save(tmp / f"{name}.npy", data)
-    (tmp / "layout.json").write_text(json.dumps(layout))
+    tmp = directory.with_name(f".tmp-{directory.name}-{uuid.uuid4().hex[:12]}")  # (unique: threads share a pid)
+    tmp.mkdir(parents=True)
+    try:
+        for name, ggml_type, raw, width in matrices:
+            kind, data, inputs, outputs = packed(name, ggml_type, raw, width)
+            layout["matrices"][name] = [kind, [inputs, outputs]]
+            np.save(tmp / f"{name}.npy", data)
+        (tmp / "layout.json").write_text(json.dumps(layout))
+    except BaseException:  # an error, a full disk, Ctrl-C
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
     try:
         tmp.rename(directory)
-    except OSError:  # another process cached it first
+    except OSError:  # another process or thread cached it first
         shutil.rmtree(tmp, ignore_errors=True)
 
 
@@ -269,12 +276,15 @@ def _mark_used(directory: Path) -> None:
 
 def _remove_unused(root: Path) -> None:
     """Remove the repacks not loaded for UNUSED_DAYS: those of an earlier layout or writer (an upgrade writes the
-    file's matrices again beside them) and of files that moved or changed. The cache is only a cache: a removed
-    repack is written again at its next load."""
-    oldest = time.time() - UNUSED_DAYS * 86400
+    file's matrices again beside them) and of files that moved or changed; and the temporary directories of repacks
+    that stopped part-way untouched for STALE_TEMPORARY_DAYS (a process killed before it could remove its own). The
+    cache is only a cache: a removed repack is written again at its next load."""
+    now = time.time()
     for directory in root.iterdir():
+        temporary = directory.name.startswith(".tmp-")
         try:
-            if (directory / "layout.json").stat().st_mtime < oldest:
+            used = (directory if temporary else directory / "layout.json").stat().st_mtime
+            if used < now - (STALE_TEMPORARY_DAYS if temporary else UNUSED_DAYS) * 86400:
                 shutil.rmtree(directory, ignore_errors=True)
         except OSError:
             pass  # not a repack, or another process removed it first
@@ -350,9 +360,9 @@ def _read(reader: gguf_header.GGUFFile) -> tuple[LeanConfig, dict[str, Any],
                 size = q_rows if part == "attn_q" else kv_rows
                 matrices.append((name, *rows(f"blk.{i}.attn_qkv.weight", start, start + size)))
             elif arch == "phi3" and part in ("ffn_gate", "ffn_up"):  # gate first, as llama.cpp's swiglu splits it
-                fused = tensors[f"blk.{i}.ffn_up.weight"]
-                half = int(fused.shape[1]) // 2
-                matrices.append((name, *rows(f"blk.{i}.ffn_up.weight", *((0, half) if part == "ffn_gate" else (half,)))))
+                ggml_type, fused, width = rows(f"blk.{i}.ffn_up.weight")
+                half = len(fused) // 2
+                matrices.append((name, ggml_type, fused[:half] if part == "ffn_gate" else fused[half:], width))
             else:
                 matrices.append((name, *rows(name)))
     return config, tensors, matrices
@@ -383,9 +393,17 @@ def _types(matrices: Sequence[tuple[str, str, Any, int]]) -> str:
     return "/".join(sorted({ggml_type for _, ggml_type, _, _ in matrices}))
 
 
-@lru_cache(maxsize=4)
+_loading = threading.Lock()  # one first load at a time: threads that load one file at once share one repack
+
+
 def shared_weights(path: Path, head: tuple[int, ...] | None = None) -> LeanWeights:
     """The weights of a GGUF file, repacked once per process and shared by every model handle on them."""
+    with _loading:
+        return _weights(path, head)
+
+
+@lru_cache(maxsize=4)
+def _weights(path: Path, head: tuple[int, ...] | None) -> LeanWeights:
     return LeanWeights(path, head)
 
 
@@ -552,13 +570,18 @@ class LeanCausalLM(PointerCache, Backend):
         parts); the logits of its last token. Its rows run in blocks of PREFILL_BLOCK positions aligned to the
         cache's start, each block's layers in torch and its attention as one causal block: a whole block is the
         same computation whichever part or call runs it, so the positions of a prompt's whole blocks hold the same
-        bits however the prompt was split, or restored by a server's prefix cache (`speculant.prefixes`)."""
+        bits however the prompt was split, or restored by a server's prefix cache (`speculant.prefixes`). An
+        interrupted part leaves the cache as the earlier parts left it, its finished blocks dropped too."""
         start, end = self._len, self._len + len(ids)
         if end > self.max_positions:
             raise ValueError(f"{end} positions exceed the lean model's cache of {self.max_positions}")
         bounds = [start, *range((start // PREFILL_BLOCK + 1) * PREFILL_BLOCK, end, PREFILL_BLOCK), end]
-        for lo, hi in zip(bounds, bounds[1:]):
-            x = self._prefill_block(ids[lo - start:hi - start])
+        try:
+            for lo, hi in zip(bounds, bounds[1:]):
+                x = self._prefill_block(ids[lo - start:hi - start])
+        except Interrupted:
+            self._len = start
+            raise
         self.last_hidden = x[-1:]
         return _head(self.weights, x[-1:])[0]
 

@@ -25,6 +25,7 @@ from __future__ import annotations
 import json
 import os
 import statistics
+import threading
 import time
 
 import torch
@@ -39,6 +40,7 @@ from speculant.models.numerics.native import KERNELS
 
 PLANS = "linear-kernels.json"
 ROWS = "rows"
+_planning = threading.Lock()  # one thread at a time reads, times and writes the plans: each key is measured once
 
 
 class ExactLinear(nn.Module):
@@ -123,22 +125,24 @@ def choose_kernel(typical: tuple[int, int], dtype: torch.dtype, device: torch.de
 
 
 def kernel_for(typical: tuple[int, int], dtype: torch.dtype, device: torch.device) -> str:
-    """`choose_kernel`, remembered per machine, dtype and shape in the speculant cache."""
+    """`choose_kernel`, remembered per machine, dtype and shape in the speculant cache (by one thread at a time: two
+    that load models at once neither time the kernels together nor write the file over each other)."""
     path = cache_root() / "machine" / PLANS
     where = torch.cuda.get_device_name(device) if device.type == "cuda" else cpu_info()[0]
     key = f"{where}|torch {torch.__version__}|{dtype}|{list(typical)}"
-    try:
-        known = json.loads(path.read_text())
-    except (OSError, ValueError):
-        known = {}
-    if known.get(key) in kernels_for(dtype, device):
+    with _planning:
+        try:
+            known = json.loads(path.read_text())
+        except (OSError, ValueError):
+            known = {}
+        if known.get(key) in kernels_for(dtype, device):
+            return known[key]
+        known[key] = choose_kernel(typical, dtype, device)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_suffix(f".{os.getpid()}.tmp")
+        tmp.write_text(json.dumps(known, indent=1))
+        tmp.replace(path)
         return known[key]
-    known[key] = choose_kernel(typical, dtype, device)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_suffix(f".{os.getpid()}.tmp")
-    tmp.write_text(json.dumps(known, indent=1))
-    tmp.replace(path)
-    return known[key]
 
 
 def make_exact(model: nn.Module) -> str | None:

@@ -21,7 +21,11 @@ import torch.nn.functional as F
 from torch import nn
 from transformers import AttentionInterface
 
+from speculant.errors import ConfigError
+
 ROW_INVARIANT = "speculant_row_invariant"
+HARMLESS = frozenset({"sliding_window", "position_ids", "cache_position", "use_cache", "output_attentions"})
+# what transformers passes that the mask, the rotated q and k or the cache carry already
 
 
 @dataclass(frozen=True)
@@ -39,6 +43,7 @@ class Segment:
 def row_invariant_attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                             attention_mask: torch.Tensor | None, scaling: float | None = None,
                             dropout: float = 0.0, segments: Sequence[Segment] | None = None,
+                            softcap: float | None = None, is_causal: bool | None = None,
                             **kwargs) -> tuple[torch.Tensor, None]:
     """transformers attention function (batch 1): query [1, heads, q, d], key/value [1, kv_heads, k, d].
 
@@ -46,13 +51,21 @@ def row_invariant_attention(module: nn.Module, query: torch.Tensor, key: torch.T
     additive, such as a token tree's (each node sees the cache before the tree and its ancestors).
     With `segments` the input holds several sequences' new tokens (key/value: theirs only, no cache
     given to the model): each segment's keys join its own cache and its queries attend there, exactly
-    as in a forward of that sequence alone."""
+    as in a forward of that sequence alone. `softcap` (Gemma 2): scores become softcap * tanh(score / softcap)
+    before the softmax. Any other argument that would change the numbers (attention sinks: `s_aux`, `sinks`;
+    `is_causal=False`) is refused, never dropped."""
+    refused = sorted(name for name, value in kwargs.items() if name not in HARMLESS and value is not None)
+    refused += ["is_causal=False"] if is_causal is False else []
+    if refused:
+        raise ConfigError(f"speculant's row-invariant attention does not compute {', '.join(refused)}, which "
+                          f"{type(module).__name__} passes")
     if segments is not None:
         parts = []
         for s in segments:
             rows = slice(s.start, s.start + s.n)
             key_s, value_s = s.cache.update(key[:, :, rows], value[:, :, rows], module.layer_idx)
-            parts.append(row_invariant_attention(module, query[:, :, rows], key_s, value_s, s.mask, scaling)[0])
+            parts.append(row_invariant_attention(module, query[:, :, rows], key_s, value_s, s.mask, scaling,
+                                                 softcap=softcap)[0])
         return torch.cat(parts, dim=1), None
     if query.shape[0] != 1:
         raise ValueError("row-invariant attention runs one sequence at a time")
@@ -70,9 +83,22 @@ def row_invariant_attention(module: nn.Module, query: torch.Tensor, key: torch.T
             key_i, value_i = key[:, :, :visible], value[:, :, :visible]
         else:
             key_i, value_i = key.index_select(2, visible), value.index_select(2, visible)
-        rows.append(F.scaled_dot_product_attention(query[:, :, i : i + 1], key_i, value_i, scale=scaling,
-                                                   enable_gqa=key.shape[1] != query.shape[1]))
+        rows.append(_attend(query[:, :, i : i + 1], key_i, value_i, scaling, softcap))
     return torch.cat(rows, dim=2).transpose(1, 2).contiguous(), None
+
+
+def _attend(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scaling: float | None,
+            softcap: float | None) -> torch.Tensor:
+    """One query token's attention, query [1, heads, 1, d] over the keys and values it sees [1, kv_heads, k, d];
+    scores soft-capped where `softcap` (which torch's fused attention does not do), as transformers' eager
+    attention computes them (softmax in fp32)."""
+    heads, kv_heads, dim = query.shape[1], key.shape[1], query.shape[-1]
+    if not softcap:
+        return F.scaled_dot_product_attention(query, key, value, scale=scaling, enable_gqa=kv_heads != heads)
+    grouped = query.reshape(1, kv_heads, heads // kv_heads, dim)  # the heads that share each kv head (repeat_kv's order)
+    scores = grouped @ key.transpose(2, 3) * (scaling if scaling is not None else dim ** -0.5)
+    weights = (torch.tanh(scores / softcap) * softcap).softmax(-1, dtype=torch.float32).to(value.dtype)
+    return (weights @ value).view(1, heads, 1, dim)
 
 
 AttentionInterface.register(ROW_INVARIANT, row_invariant_attention)
