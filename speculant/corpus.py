@@ -112,7 +112,8 @@ def frequent_tokens(tokenizer: Any, vocab_size: int, n: int) -> np.ndarray:
     coder's drafter serves both code and chat."""
     code, prose = code_counts(tokenizer, vocab_size), prose_counts(tokenizer, vocab_size)
     counts = np.maximum(code / max(code.sum(), 1), prose / max(prose.sum(), 1))
-    special = [i for i in (*tokenizer.all_special_ids, *tokenizer.get_added_vocab().values()) if i < vocab_size]
+    special = np.unique(np.asarray([i for i in (*tokenizer.all_special_ids, *tokenizer.get_added_vocab().values())
+                                    if i < vocab_size], dtype=np.int64))
     ranked = np.argsort(-counts, kind="stable")
-    chosen = np.union1d(np.asarray(special, dtype=np.int64), ranked[:max(n - len(set(special)), 0)])
-    return chosen[:n] if len(chosen) > n else chosen
+    ranked = ranked[~np.isin(ranked, special)]  # (ranked among the rest: a frequent special token is in already)
+    return np.union1d(special, ranked[:max(n - len(special), 0)])[:n]

@@ -4,14 +4,14 @@ models), sampling keeps the target distribution, and the K matrix is parsed and 
 import pytest
 import torch
 
-from helpers import ARCHS, DEVICES, perturbed, random_prompt, tiny_model, total_variation
+from helpers import ARCHS, DEVICES, MarkovLM, perturbed, random_prompt, tiny_model, total_variation
 from speculant import generate
 from speculant.config import SamplingConfig
 from speculant.drafters.base import Draft, Drafter
 from speculant.drafters.cascade import CascadeDrafter, default_k_matrix, parse_k_matrix
 from speculant.drafters.maxgram import MaxGramDrafter, bigram_table
 from speculant.drafters.model import ModelDrafter
-from speculant.errors import ConfigError
+from speculant.errors import ConfigError, OptionError
 from speculant.models.wrappers.metered import Usage
 from speculant.trees.tree import TokenTree
 from test_sampling import VOCAB as SMALL_VOCAB, assert_follows_target
@@ -36,8 +36,8 @@ def levels_for(names, target, seed, prompt):
 
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("arch", ARCHS)
-@pytest.mark.parametrize("shape", list(SHAPES))
-@pytest.mark.parametrize("leniency", [1.0, 3.0])
+@pytest.mark.parametrize(("shape", "leniency"), [(shape, leniency) for shape in SHAPES for leniency in (1.0, 3.0)
+                                                 if leniency == 1 or len(SHAPES[shape][0]) > 1])  # (else: refused)
 def test_greedy_cascades_match_autoregressive(arch, shape, leniency, device):
     names, matrices = SHAPES[shape]
     for seed in range(3):
@@ -103,7 +103,7 @@ def test_a_user_s_drafter_is_a_cascade_level_with_a_lifecycle_of_its_own():
     sampled = {}  # its rows stacked with the model level's (float32) and reviewed by it: its one-hot q in float64
     for Echo.sampled in (False, True):  # draws what no q (one-hot) draws, seed for seed
         sampled[Echo.sampled] = generate(target, prompt_ids=prompt, method="cascade", drafters=[shorter, Echo()],
-                                         k_matrix="2,2;3", leniency=2.0, temperature=0.8, seed=0,
+                                         k_matrix="2,2;3", temperature=0.8, seed=0,
                                          max_new_tokens=MAX_NEW).token_ids
     assert sampled[True] == sampled[False] and len(sampled[True]) == MAX_NEW
 
@@ -158,6 +158,68 @@ def test_k_matrix_parsing_and_checks():
         generate(target, prompt_ids=[1, 2], method="cascade")
 
 
+def test_a_k_matrix_refused_while_parsed_names_its_option():
+    for text in ("4,x", "4,2", "4;2;1", "2.5,1;1"):
+        with pytest.raises(OptionError, match="K matrix") as refused:
+            generate(MarkovLM(8, 0), prompt_ids=[1, 2, 3], method="cascade", drafters=[MarkovLM(8, 1), "maxgram"],
+                     k_matrix=text, max_new_tokens=4)
+        assert refused.value.option == "k_matrix", text
+
+
+def test_a_leniency_where_no_level_reviews_another_is_refused():
+    """Leniency relaxes a model level's review of the levels below it: one level, Max-Gram alone, or a user's drafter
+    or one of another tokenizer above Max-Gram (they propose, as Max-Gram does) review nothing, and a leniency
+    there would be ignored."""
+
+    class Echo(Drafter):
+        def propose(self, context, k):
+            return Draft(context[-k:])
+
+    target = MarkovLM(8, 0)
+    for drafters in (["maxgram"], [MarkovLM(8, 1)], [Echo(), "maxgram"]):
+        with pytest.raises(OptionError, match="no level of this cascade reviews another") as refused:
+            generate(target, prompt_ids=[1, 2, 3], method="cascade", drafters=drafters, leniency=2, max_new_tokens=4)
+        assert refused.value.option == "leniency"
+    assert generate(target, prompt_ids=[1, 2, 3], method="cascade", drafters=[MarkovLM(8, 1), "maxgram"], leniency=2,
+                    max_new_tokens=4).token_ids == generate(target, prompt_ids=[1, 2, 3], method="ar",
+                                                            max_new_tokens=4).token_ids
+
+
+def test_a_cascade_drafts_no_further_than_an_end_of_sequence_token():
+    """Nothing after the target's end-of-sequence token could be committed: a level whose draft ended there is not
+    asked again, and a review that reads it emits nothing after it."""
+    model = MarkovLM(16, 3)
+    context = [1, 2, 3]
+    continuation = ModelDrafter(model.share(), SamplingConfig(), None).propose(context, 6).tokens
+    eos = frozenset({continuation[1]})
+    assert continuation[0] not in eos and len(continuation) == 6
+    stopping = model.share()
+    stopping.eos_token_ids = eos  # its own drafts end there
+    drafter = ModelDrafter(stopping, SamplingConfig(), None)
+    draft = CascadeDrafter([drafter], [[6]], 1.0, SamplingConfig(), None, eos).propose(context, 6)
+    assert draft.tokens == continuation[:2] and draft.usage[model.name].forwards == 2  # (its prefill, one forward)
+
+    class Oracle(Drafter):  # the reviewer's own continuation
+        def propose(self, context, k):
+            return Draft(continuation[len(context) - 3:][:k])
+
+    reviewer = ModelDrafter(model.share(), SamplingConfig(), None)
+    for k_matrix in ([[4, 0], [0, 3]], [[1, 3], [0, 0]]):  # a review of the draft below; a horizontal tail
+        cascade = CascadeDrafter([reviewer, Oracle()], k_matrix, 1.0, SamplingConfig(), None, eos)
+        assert cascade.propose(context, 4).tokens == continuation[:2], k_matrix
+
+
+def test_levels_on_one_loaded_drafter_count_its_forwards_once():
+    """Two levels of one drafter share its meter: its forwards are counted as it ran them, not once per level."""
+    drafter = ModelDrafter(MarkovLM(16, 3), SamplingConfig(), None)
+    cascade = CascadeDrafter([drafter, drafter], [[2, 0], [0, 3]], 1.0, SamplingConfig(), None)
+    before = drafter.model.usage
+    draft = cascade.propose([1, 2, 3], 4)
+    ran = drafter.model.usage - before
+    assert ran.forwards > 0 and (draft.usage[drafter.name].forwards, draft.usage[drafter.name].steps) == \
+        (ran.forwards, ran.steps)
+
+
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize(("k_matrix", "leniency"), [("2,1;2", 1.0), ("1,2;3", 4.0)])
 def test_cascade_sampling_matches_target_distribution(k_matrix, leniency, device):
@@ -187,6 +249,33 @@ def test_a_reviewer_reviews_no_further_than_its_own_positions():
     expected = generate(target, prompt_ids=prompt, method="ar", max_new_tokens=20).token_ids
     assert generate(target, prompt_ids=prompt, method="cascade", drafters=[short, "maxgram"],
                     max_new_tokens=20).token_ids == expected
+
+
+def test_a_model_drafter_drafts_what_its_positions_allow_and_runs_none_past_them():
+    """m tokens after L take L + m - 1 positions (the last one drafted is never run): a drafter of 20 positions
+    drafts min(k, 21 - L) tokens after L, its cache never past its positions, and sd and a cascade on it near its
+    limit give ar's output, sampled ones run."""
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    from speculant.models import HFCausalLM
+
+    torch.manual_seed(1)
+    short = HFCausalLM(GPT2LMHeadModel(GPT2Config(vocab_size=VOCAB, n_embd=32, n_layer=2, n_head=4, n_positions=20,
+                                                  eos_token_id=None, bos_token_id=None)).eval(), None, name="gpt2-20")
+    drafter = ModelDrafter(short, SamplingConfig(), None)
+    for length in range(15, 23):
+        assert len(drafter.propose(list(range(length)), 4).tokens) == max(0, min(4, 21 - length)), length
+        assert short.cache_len <= short.max_positions == 20
+    target = tiny_model("llama", 0, VOCAB, init_std=0.5)
+    for length in (16, 18, 19, 20):
+        prompt = ([1, 2, 3, 4] * 5)[:length]  # (Max-Gram matches)
+        expected = generate(target, prompt_ids=prompt, method="ar", max_new_tokens=8).token_ids
+        for options in ({"method": "sd", "drafter": short, "k": 5},
+                        {"method": "cascade", "drafters": [short, "maxgram"], "k_matrix": "3,2;4"}):
+            assert generate(target, prompt_ids=prompt, max_new_tokens=8, **options).token_ids == expected
+            assert len(generate(target, prompt_ids=prompt, max_new_tokens=8, temperature=0.9, seed=0,
+                                **options).token_ids) == 8
+            assert short.cache_len <= 20
 
 
 def test_lenient_review_emits_the_lenient_distribution():

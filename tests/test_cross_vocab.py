@@ -386,3 +386,41 @@ def test_acceptance_estimates_for_a_drafter_of_another_vocabulary(char_target):
     target, drafter, prompt = sampling_cross_pair()
     (report,) = estimate(target, [drafter], [prompt], 6, SamplingConfig(TEMPERATURE))
     assert 0 < report.expected_sampling_acceptance < 1 and 0 < report.outside_mass < 1
+
+
+def test_a_session_keeps_a_cross_vocabulary_drafter_s_cache_across_turns(tokenizers, tmp_path):
+    """A drafter of another tokenizer drafts from the session's DraftCache, as one of the target's does: the next
+    turn of a conversation catches up on its new text instead of prefilling the drafter again, and `auto` prices that
+    catch-up on the drafter's own tokens (`lag`)."""
+    from speculant import Session
+    from speculant.methods.auto import catch_up_cost
+
+    target, drafter = greedy_pair("llama", 0, tokenizers)
+    drafter.model.save_pretrained(tmp_path / "drafter")
+    tokenizers[1].save_pretrained(tmp_path / "drafter")
+    session, name = Session(target), str(tmp_path / "drafter")
+    ids = target.tokenizer.encode("def quick sort(x):\n    return")
+    for turn in range(3):
+        result = generate(target, prompt_ids=ids, method="sd", drafter=name, k=4, max_new_tokens=12, session=session)
+        assert result.token_ids == generate(target, prompt_ids=ids, method="ar", max_new_tokens=12).token_ids
+        (model,) = result.stats.drafter_forwards
+        prefills = result.stats.drafter_forwards[model] - result.stats.drafter_steps[model]
+        assert prefills == (turn == 0), turn
+        ids = ids + result.token_ids + target.tokenizer.encode(" return x")
+    cache = session.cache(session.drafter(name))
+    made = model_drafter(cache, target, SamplingConfig(), None)
+    assert isinstance(made, CrossVocabDrafter) and made.cache is cache
+    own = made.own_ids(ids)
+    assert len(own) != len(ids) and 0 < made.lag(ids) < len(own) / 4  # (the last turn's new text)
+
+    class Profile:  # a prefill and a forward cost a millisecond a token
+        long_ttft_s = 1.0
+
+        @staticmethod
+        def prefill_s(tokens):
+            return tokens / 1000
+
+        cost = prefill_s
+
+    cache.forget()  # (a prefill of its whole context: priced on its own tokens, not the target's)
+    assert catch_up_cost(made, Profile)(ids) == pytest.approx(len(own) / 1000)

@@ -76,6 +76,7 @@ def test_a_context_s_array_is_its_tokens_whatever_came_before():
 
 def test_empty_or_unmatched_context_without_bigram_proposes_nothing():
     assert MaxGramDrafter().propose([], 4).tokens == []
+    assert MaxGramDrafter(bigram_table([[1, 2, 1]], 4)).propose([], 4).tokens == []  # (a bigram follows nothing)
     assert MaxGramDrafter().propose([5], 4).tokens == []
     assert MaxGramDrafter().propose([1, 2, 3], 4).tokens == []
     assert MaxGramDrafter(np.full(10, -1)).propose([1, 2, 3], 4).tokens == []
@@ -125,6 +126,26 @@ def test_fr_spec_s_frequent_tokens_keep_every_special_token(tmp_path, monkeypatc
     assert {ord(" "), ord("e")} <= set(ids.tolist()) and ord("~") not in ids
     assert list(frequent_tokens(tokenizer, 257, 40)) == list(ids)  # again, from the cache
     assert len(list(tmp_path.glob("frequency/*.npy"))) == 2  # the code's counts and the prose's
+
+
+def test_fr_spec_s_frequent_tokens_are_n_where_special_tokens_are_frequent_too(monkeypatch):
+    """The special and added tokens go in whatever their count, and the rest of the n are ranked among the others:
+    a special token that is also among the commonest takes no place twice."""
+    from speculant import corpus
+
+    counts = np.arange(10, 0, -1, dtype=float)  # id 0 the commonest
+    monkeypatch.setattr(corpus, "code_counts", lambda tokenizer, vocab_size: counts)
+    monkeypatch.setattr(corpus, "prose_counts", lambda tokenizer, vocab_size: counts)
+
+    class Tokenizer:
+        all_special_ids = [1, 9]
+
+        @staticmethod
+        def get_added_vocab():
+            return {"<x>": 0, "<y>": 1}
+
+    assert corpus.frequent_tokens(Tokenizer(), 10, 5).tolist() == [0, 1, 2, 3, 9]
+    assert corpus.frequent_tokens(Tokenizer(), 10, 2).tolist() == [0, 1]
 
 
 def test_counts_are_kept_per_way_of_splitting_text_not_per_vocabulary(tmp_path, monkeypatch):

@@ -361,13 +361,15 @@ def test_generations_on_one_target_never_decode_from_each_other_s_cache(method):
     (lambda context, k: Draft([-1]), "not token ids in"),
     (lambda context, k: Draft(list(context)), "tokens proposed where"),
     (lambda context, k: Draft([1], torch.ones(1, VOCAB + 1) / (VOCAB + 1)), "its q is"),
+    (lambda context, k: Draft([1, 2], torch.eye(VOCAB)[[1, 3]]), r"its q gives its own token 2 \(draft position 1\) "
+                                                                 "probability 0.0"),
     (lambda context, k: Draft([], tree=TokenTree((context[-1] + 1, 7), (-1, 0))), "its tree's root is"),
     (lambda context, k: Draft([], tree=TokenTree((context[-1],) + (7,) * (k + 1), (-1, *range(k + 1)))),
      "deep proposed where")])
 def test_a_user_drafter_s_bad_draft_is_named_before_verification_reads_it(proposal, message):
     """A user's drafter is checked (`drafters.base.Checked`): what it proposes must be a Draft of the target's token
     ids, at most k (a tree: rooted at the context's last token, at most k deep), with q one row per token as wide as
-    the target's logits; speculant's own drafters are not wrapped."""
+    the target's logits, above 0 at each drafted token; speculant's own drafters are not wrapped."""
     from speculant.drafters.spec import load_drafter
 
     class Faulty(Drafter):
@@ -379,7 +381,7 @@ def test_a_user_drafter_s_bad_draft_is_named_before_verification_reads_it(propos
     target = tiny_model("llama", 1, VOCAB)
     with pytest.raises(ConfigError, match=f"drafter 'faulty': .*{message}"):
         generate(target, prompt_ids=random_prompt(1, VOCAB, 6), method="sd", drafter=Faulty(), k=2,
-                 max_new_tokens=6, temperature=0.8 if "q is" in message else 0.0)
+                 max_new_tokens=6, temperature=0.8 if "its q" in message else 0.0)
     assert type(load_drafter("maxgram", target)).__name__ == "MaxGramDrafter"
 
 

@@ -91,3 +91,13 @@ def test_suffix_takes_no_quantization_or_confidence():
         generate(tiny_model("llama", 0, VOCAB), prompt_ids=[1, 2], method="sd", drafter="suffix@int4")
     with pytest.raises(ConfigError, match="not suffix"):
         generate(tiny_model("llama", 0, VOCAB), prompt_ids=[1, 2], method="sd", drafter="suffix", draft_confidence=0.5)
+
+
+def test_a_repeated_run_in_the_context_drafts_k_tokens_not_one_period():
+    """An occurrence in the context that runs into its end goes on with what it drafted (an overlapping copy, as
+    Max-Gram's): a run of period 2 or 1 drafts k tokens; the history's occurrences still end at their gap."""
+    assert SuffixDrafter(History()).begin([]).propose([3, 4] * 10, 8).tokens == [3, 4] * 4
+    assert SuffixDrafter(History()).begin([]).propose([9, 7, 7, 7], 5).tokens == [7] * 5
+    history = History()
+    history.add([0], [5, 6, 1, 2])
+    assert SuffixDrafter(history).begin([1]).propose([5, 6], 4).tokens == [1, 2]

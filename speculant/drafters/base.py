@@ -69,8 +69,9 @@ class Drafter:
 class Checked(Drafter):
     """A user's drafter (one passed in, or registered from outside speculant), its drafts checked before anything
     reads them: a Draft whose tokens are ids of the target's vocabulary, at most k of them, and whose q has a row per
-    token as wide as the target's logits; else a ConfigError naming the drafter (a list, an id out of range or a q
-    of another width had failed deep in verification, or an id past the vocabulary read another token's row).
+    token as wide as the target's logits and gives each drafted token a probability above 0; else a ConfigError
+    naming the drafter (a list, an id out of range or a q of another width had failed deep in verification, an id
+    past the vocabulary read another token's row, and a q of 0 for its own token made p/q infinite).
     Everything else is the drafter's own."""
 
     def __init__(self, inner: Drafter, vocab_size: int):
@@ -104,11 +105,22 @@ class Checked(Drafter):
             return draft
         if len(ids) > k:
             raise ConfigError(f"drafter '{self.name}': {len(ids)} tokens proposed where {k} were asked for")
-        if draft.probs is not None and tuple(draft.probs.shape) != (len(ids), self.vocab_size):
-            raise ConfigError(f"drafter '{self.name}': its q is {tuple(draft.probs.shape)}, not one row per token of "
-                              f"the target's {self.vocab_size} logits")
+        if draft.probs is not None:
+            self._check_q(ids, draft.probs)
         draft.tokens = ids  # (NumPy's integers committed as Python's)
         return draft
+
+    def _check_q(self, ids: list[int], q: torch.Tensor) -> None:
+        """q [len(ids), vocab]: a row per drafted token, as wide as the target's logits, each above 0 at its own token
+        (verification divides by it)."""
+        if tuple(q.shape) != (len(ids), self.vocab_size):
+            raise ConfigError(f"drafter '{self.name}': its q is {tuple(q.shape)}, not one row per token of the "
+                              f"target's {self.vocab_size} logits")
+        drawn = q.gather(-1, torch.tensor(ids, dtype=torch.long, device=q.device)[:, None])[:, 0]  # q(x_i)
+        if not bool((drawn > 0).all()):
+            i = int((~(drawn > 0)).nonzero()[0])
+            raise ConfigError(f"drafter '{self.name}': its q gives its own token {ids[i]} (draft position {i}) "
+                              f"probability {float(drawn[i])}, where it must be above 0 (it drew that token)")
 
     def observe(self, n_accepted: int) -> None:
         self.inner.observe(n_accepted)

@@ -14,7 +14,11 @@ registered one): it proposes at its level as Max-Gram does. Each generation runs
 Leniency l >= 1 relaxes these inner reviews only. What an inner review emits is not the reviewer's
 distribution then, so each emitted token carries the distribution it was actually drawn from
 (`lenient_distribution`); the target reviews the final draft exactly against it, so the output is
-lossless whatever l and K are.
+lossless whatever l and K are. It relaxes nothing where no model level reviews another (one level, Max-Gram
+alone, a drafter of another tokenizer or a user's above Max-Gram): a leniency there is refused.
+
+A draft ends at the target's first end-of-sequence token, at every level: nothing after it could be committed, so
+no level drafts or reviews past it.
 """
 
 from __future__ import annotations
@@ -26,7 +30,7 @@ from speculant.drafters.base import Draft, Drafter
 from speculant.drafters.cross_vocab import CrossVocabDrafter
 from speculant.drafters.maxgram import MaxGramDrafter
 from speculant.drafters.model import ModelDrafter
-from speculant.errors import ConfigError
+from speculant.errors import ConfigError, OptionError
 from speculant.models.wrappers.metered import Usage
 from speculant.sampling import logits_to_probs
 from speculant.verify import lenient_distribution, one_hot, verify_greedy, verify_sampling
@@ -78,21 +82,27 @@ def check_k_matrix(matrix: list[list[int]], levels: int) -> list[list[int]]:
 
 
 class CascadeDrafter(Drafter):
-    """Vertical and horizontal cascade over `levels` (largest first) with the K matrix `k_matrix`."""
+    """Vertical and horizontal cascade over `levels` (largest first) with the K matrix `k_matrix`; drafts end at an
+    id of `eos` (the target's end-of-sequence tokens)."""
 
     name = "cascade"
 
     def __init__(self, levels: list[Drafter], k_matrix: list[list[int]], leniency: float,
-                 sampling: SamplingConfig, generator: torch.Generator | None):
+                 sampling: SamplingConfig, generator: torch.Generator | None, eos: frozenset[int] = frozenset()):
         if not levels:
             raise ConfigError("a cascade needs at least one drafter")
         if any(isinstance(level, MaxGramDrafter) for level in levels[:-1]):
             raise ConfigError("maxgram can only be the last (smallest) drafter of a cascade")
         if leniency < 1:
             raise ConfigError(f"leniency must be >= 1, got {leniency}")
+        if leniency != 1 and not any(isinstance(level, ModelDrafter) for level in levels[:-1]):
+            raise OptionError("leniency", f"leniency {leniency} relaxes a model level's review of the levels below "
+                              "it, and no level of this cascade reviews another: give 1, or a model drafter of the "
+                              "target's vocabulary above another level")
         self.levels, self.k_matrix, self.leniency = levels, check_k_matrix(k_matrix, len(levels)), leniency
-        self.sampling, self.generator = sampling, generator
+        self.sampling, self.generator, self.eos = sampling, generator, eos
         self.models = [level for level in levels if isinstance(level, (ModelDrafter, CrossVocabDrafter))]
+        self.meters = list({id(m.model): m.model for m in self.models}.values())  # (levels on one drafter: one)
 
     @property
     def max_draft(self) -> int:
@@ -103,15 +113,15 @@ class CascadeDrafter(Drafter):
         levels = [level.begin(prompt_ids) for level in self.levels]
         if all(began is level for began, level in zip(levels, self.levels)):
             return self
-        return CascadeDrafter(levels, self.k_matrix, self.leniency, self.sampling, self.generator)
+        return CascadeDrafter(levels, self.k_matrix, self.leniency, self.sampling, self.generator, self.eos)
 
     def propose(self, context: list[int], k: int) -> Draft:
-        before = [m.model.usage for m in self.models]
+        before = [meter.usage for meter in self.meters]
         usage: dict[str, Usage] = {}  # a model level's forwards, read off its meter; other levels' as they report
         tokens, rows = self._draft(0, context, min(k, self.max_draft), usage)
         probs = None if self.sampling.greedy else stack_rows(tokens, rows)
-        for model, start in zip(self.models, before):  # levels sharing a name add up
-            add_usage(usage, model.name, model.model.usage - start)
+        for meter, start in zip(self.meters, before):  # each meter once; models sharing a name add up
+            add_usage(usage, meter.name, meter.usage - start)
         return Draft(tokens, probs, usage)
 
     def observe(self, n_accepted: int) -> None:
@@ -133,9 +143,16 @@ class CascadeDrafter(Drafter):
                 new, new_rows = self._generate(j, context + tokens, goal - len(tokens), budget - len(tokens), usage)
                 if not new:
                     break  # this level has nothing to offer (Max-Gram without a match)
-                tokens += new
-                rows += new_rows
+                tokens, rows = self._until_eos(tokens + new, rows + new_rows)
+                if tokens[-1] in self.eos:
+                    return tokens[:budget], rows[:budget]
         return tokens[:budget], rows[:budget]
+
+    def _until_eos(self, tokens: list[int], rows: Rows) -> tuple[list[int], Rows]:
+        """`tokens` and their rows up to the first end-of-sequence token: nothing after it could be committed. (Every
+        level's tokens pass here, a review's too: the draft a review reads ends at its first one.)"""
+        stop = next((i + 1 for i, token in enumerate(tokens) if token in self.eos), len(tokens))
+        return tokens[:stop], rows[:stop]
 
     def _generate(self, j: int, context: list[int], want: int, room: int, usage: dict[str, Usage]
                   ) -> tuple[list[int], Rows]:

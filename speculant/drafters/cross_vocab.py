@@ -35,15 +35,19 @@ class CrossVocabDrafter(Drafter):
     when sampling (see the module docstring). A context holding an id that spells nothing (a padded row), or
     ending inside a multi-byte character, gets an empty draft."""
 
-    def __init__(self, model: CausalLM, target: CausalLM, sampling: SamplingConfig,
+    def __init__(self, model: CausalLM | DraftCache, target: CausalLM, sampling: SamplingConfig,
                  generator: torch.Generator | None, draft_confidence: float = 0.0, pairs: dict | None = None):
-        """`pairs`: where the two vocabularies' table is kept between drafters (a `Session`'s), else built anew."""
-        self.pair = vocab_pair(target, model, pairs if pairs is not None else {})
+        """`model` may be a DraftCache on it (a `Session`'s), which its drafts go on from: the next turn of a
+        conversation catches up only on its new text. `pairs`: where the two vocabularies' table is kept between
+        drafters (a `Session`'s), else built anew."""
+        base = model.model if isinstance(model, DraftCache) else model
+        self.pair = vocab_pair(target, base, pairs if pairs is not None else {})
         self.greedy = sampling.greedy
         allowed = self.pair.spelled if self.greedy else self.pair.shared
         self.drafter = ModelDrafter(model, sampling, generator, draft_confidence=draft_confidence, allowed=allowed)
+        self.cache = self.drafter.cache
         self.model = self.drafter.model  # metered: the cascade and the stats read its usage
-        self.name = model.name
+        self.name = base.name
         self.width = target.vocab_size
         self._ahead: list[int] = []  # greedy: a context and the safe draft tokens that followed it last time
         self._encoding = GrowingEncoding(self.pair)  # the context's text in the drafter's tokens, kept as it grows
@@ -115,6 +119,11 @@ class CrossVocabDrafter(Drafter):
     def observe(self, n_accepted: int) -> None:
         """Nothing to learn: the next proposal re-tokenizes the context's new text itself."""
 
+    def lag(self, context: list[int]) -> int:
+        """Tokens of its own for the text of `context` that the drafter's cache lacks: what its next proposal runs
+        before drafting."""
+        return self.cache.lag(self.own_ids(context))
+
     def own_ids(self, context: list[int]) -> list[int]:
         """The drafter's own tokens for the text of `context` (empty where it spells nothing): what to time or
         prefill the drafter model on."""
@@ -130,12 +139,12 @@ class CrossVocabDrafter(Drafter):
 def model_drafter(model: CausalLM | DraftCache, target: CausalLM, sampling: SamplingConfig,
                   generator: torch.Generator | None, keep_probs: bool = False, draft_confidence: float = 0.0,
                   pairs: dict | None = None) -> Any:
-    """What drafts for `target` with `model` (or a DraftCache on it, whose cached ids a ModelDrafter goes on
-    from): a ModelDrafter when their ids mean the same tokens (with its rows fitted to the target's logits width
-    where the two differ), else a CrossVocabDrafter."""
+    """What drafts for `target` with `model` (or a DraftCache on it, whose cached ids the drafter goes on from): a
+    ModelDrafter when their ids mean the same tokens (with its rows fitted to the target's logits width where the
+    two differ), else a CrossVocabDrafter."""
     base = model.model if isinstance(model, DraftCache) else model
     if not same_vocabulary(target, base):
-        return CrossVocabDrafter(base, target, sampling, generator, draft_confidence, pairs)
+        return CrossVocabDrafter(model, target, sampling, generator, draft_confidence, pairs)
     guide = getattr(target, "draft_guide", None)  # structured output: drafts follow the target's grammar
     if base.vocab_size == target.vocab_size:
         return ModelDrafter(model, sampling, generator, keep_probs, draft_confidence, guide=guide)

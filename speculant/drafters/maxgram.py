@@ -100,6 +100,10 @@ class MaxGramDrafter(Drafter):
         return length if length >= self.min_match else 0
 
     def propose(self, context: list[int], k: int) -> Draft:
+        """Up to k tokens after `context`: the match's continuation, else the bigram's; none after an empty
+        context."""
+        if not len(context):
+            return Draft([])
         tokens = self.array(context)
         draft: list[int] = []
         while len(draft) < k:
@@ -115,7 +119,6 @@ class MaxGramDrafter(Drafter):
             draft.append(int(follow[0]))
             tokens = np.concatenate([tokens, follow])
         return Draft(draft, None, {})
-
 
 
 @register_drafter("maxgram")

@@ -49,8 +49,9 @@ class ModelDrafter(Drafter):
         self.guide = guide
 
     def propose(self, context: list[int], k: int) -> Draft:
-        """Up to k tokens; a draft ends at an end-of-sequence token and within the drafter's positions."""
-        k = min(k, self.room(len(context)))
+        """Up to k tokens; a draft ends at an end-of-sequence token and within the drafter's positions: m tokens
+        after L take L + m - 1 of them (the last token drafted is never run), so one more than its `room`."""
+        k = min(k, self.room(len(context)) + 1)
         if k <= 0:
             return Draft([], None)
         before = self.model.usage
@@ -76,8 +77,8 @@ class ModelDrafter(Drafter):
         return Draft(tokens, kept, {self.name: self.model.usage - before})
 
     def room(self, length: int) -> int:
-        """The tokens the drafter may draft after `length` of them: its positions left (1 << 30 where its model
-        sets none)."""
+        """The drafter's positions left after `length` tokens (1 << 30 where its model sets none): the most tokens a
+        review runs on top of them (a draft may hold one more, its last never run)."""
         limit = self.model.max_positions
         return 1 << 30 if limit is None else limit - length
 

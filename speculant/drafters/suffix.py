@@ -1,15 +1,16 @@
 """Suffix decoding (Oliaro et al., "SuffixDecoding: A Model-Free Approach to Speeding Up Large Language Model
 Inference", 2024): drafts continue the longest suffix of the context that occurred before, in the context itself
-or in any earlier generation of this process, along the continuation seen most often after it.
+or in an earlier generation of the same `Session`, along the continuation seen most often after it.
 
 Where Max-Gram follows the latest occurrence of its match, this drafter counts every occurrence of the longest
 match (section 3: a suffix tree's node frequencies) and extends the draft one token at a time with the most
 frequent next token among the occurrences that agree so far; a token's empirical probability is the share of
 those occurrences that continue with it, and the draft stops where the path's probability (their product, the
-paper's score) falls below `min_prob`. Earlier generations (prompt and output, by target) live in a bounded
-`History`; a generation never drafts from earlier ones that had the same prompt (a benchmark's repeats, or a
-method run after another on the same prompt, would otherwise read their own answer). A proposal costs no model
-forward: well under a millisecond.
+paper's score) falls below `min_prob`. An occurrence in the context that runs into the context's end goes on
+with the tokens drafted after it (an overlapping copy, as Max-Gram's), so a repeated run drafts k tokens, not one
+period. Earlier generations (prompt and output) live in the session's bounded `History`; a generation never drafts
+from earlier ones that had the same prompt (a benchmark's repeats, or a method run after another on the same
+prompt, would otherwise read their own answer). A proposal costs no model forward: well under a millisecond.
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ from speculant.drafters.registry import register_drafter
 MIN_PROB = 0.1  # a draft's path probability below this ends it
 CAPACITY = 1 << 18  # tokens of earlier generations kept (the oldest go first): a search reads them all
 GAP = -1  # separates generations in the history
+Source = tuple[np.ndarray, np.ndarray, bool]  # a corpus, where the match ends in it, whether it is the context
 
 
 def prompt_key(prompt_ids: list[int]) -> bytes:
@@ -74,7 +76,7 @@ class SuffixDrafter(Drafter):
                  prompt: list[int] | None = None):
         self.history, self.min_match, self.min_prob = history, min_match, min_prob
         self._past = history.without(prompt_key(prompt)) if prompt is not None else None  # None: all of it, now
-        self._found: tuple[list[int] | None, int, list[tuple[np.ndarray, np.ndarray]], int] = (None, 0, [], 0)
+        self._found: tuple[list[int] | None, int, list[Source], int] = (None, 0, [], 0)
         self._array = ContextArray()
 
     def begin(self, prompt_ids: list[int]) -> SuffixDrafter:
@@ -85,15 +87,16 @@ class SuffixDrafter(Drafter):
         """Keep the generation, finished or stopped, in the history."""
         self.history.add(prompt_ids, output_ids)
 
-    def _occurrences(self, context: list[int]) -> tuple[list[tuple[np.ndarray, np.ndarray]], int]:
-        """[(corpus, ends)] of the longest match of the context's suffix, in the context and in the history."""
+    def _occurrences(self, context: list[int]) -> tuple[list[Source], int]:
+        """[(corpus, ends, whether it is the context)] of the longest match of the context's suffix, in the context
+        and in the history."""
         if self._found[0] is context and self._found[1] == len(context):  # auto asks for the length, then the draft
             return self._found[2], self._found[3]
         query = self._array(context)
         past = self._past if self._past is not None else self.history.tokens
-        found = [(corpus, *suffix_ends(corpus, query)) for corpus in (query, past)]
-        length = max(n for _, _, n in found)
-        sources = [(corpus, ends) for corpus, ends, n in found if n == length] if length >= self.min_match else []
+        found = [(corpus, *suffix_ends(corpus, query), corpus is query) for corpus in (query, past)]
+        length = max(n for _, _, n, _ in found)
+        sources = [(corpus, ends, own) for corpus, ends, n, own in found if n == length >= self.min_match]
         self._found = (context, len(context), sources, length if sources else 0)
         return sources, self._found[3]
 
@@ -107,26 +110,28 @@ class SuffixDrafter(Drafter):
         probability = 1.0
         while len(draft) < k and sources:
             step = len(draft) + 1
-            nexts = []  # (corpus, ends, the token `step` after each end) where one follows
-            for corpus, ends in sources:
-                ends = ends[ends + step < len(corpus)]
-                follow = corpus[ends + step]
-                nexts.append((corpus, ends[follow != GAP], follow[follow != GAP]))
-            seen = np.concatenate([follow for _, _, follow in nexts])
+            nexts = []  # (corpus, ends, own, the token `step` after each end) where one follows
+            for corpus, ends, own in sources:
+                # the context goes on with the draft: an occurrence that runs into its end copies what it drafted
+                read = np.concatenate([corpus, np.asarray(draft, dtype=np.int64)]) if own else corpus
+                ends = ends[ends + step < len(read)]
+                follow = read[ends + step]
+                nexts.append((corpus, ends[follow != GAP], own, follow[follow != GAP]))
+            seen = np.concatenate([follow for *_, follow in nexts])
             if not seen.size:
                 break
             values, counts = np.unique(seen, return_counts=True)
             best = counts.max()
             # Ties go to the token of the latest occurrence in the context (Max-Gram's choice), then the history.
             tied = set(values[counts == best].tolist())
-            token = next((int(t) for _, _, follow in nexts for t in follow[::-1] if int(t) in tied))
+            token = next((int(t) for *_, follow in nexts for t in follow[::-1] if int(t) in tied))
             probability *= best / seen.size
             if probability < self.min_prob:
                 break
             draft.append(token)
-            sources = [(corpus, ends[follow == token]) for corpus, ends, follow in nexts if (follow == token).any()]
+            sources = [(corpus, ends[follow == token], own) for corpus, ends, own, follow in nexts
+                       if (follow == token).any()]
         return Draft(draft, None, {})
-
 
 
 @register_drafter("suffix", with_session=True)

@@ -28,21 +28,19 @@ def catch_up_cost(drafter: Any, profile: Any, prefixes: Any = None) -> Any:
     `LatencyProfile.catch_up_s` made auto gamble on more short replies, docs/results/cpu.md), or a prefill of the
     context (`LatencyProfile.prefill_s`: measured at two lengths, each token's attention growing with the context;
     where only one was measured, no more than a forward of the context), less what a server's prefix cache
-    (`prefixes`) restores of it; None for drafters that keep no cache (another tokenizer's re-tokenize the text every
-    time)."""
+    (`prefixes`) restores of it. A drafter of another tokenizer (a CrossVocabDrafter) is priced on its own tokens of
+    the context's text, which its cache holds."""
     from speculant.drafters.cross_vocab import CrossVocabDrafter
 
-    if isinstance(drafter, CrossVocabDrafter):
-        return None
-
     def seconds(context: list[int]) -> float:
+        ids = drafter.own_ids(context) if isinstance(drafter, CrossVocabDrafter) else context  # what its cache runs
         lag = drafter.lag(context)
-        keep = len(context) - lag
+        keep = len(ids) - lag
         if drafter.cache.prefills(keep, lag):
-            prefill = profile.prefill_s(len(context))
+            prefill = profile.prefill_s(len(ids))
             if profile.long_ttft_s is None:
-                prefill = min(profile.cost(len(context)), prefill)
-            restored = prefixes.cached(drafter.model, context) if prefixes is not None else 0
+                prefill = min(profile.cost(len(ids)), prefill)
+            restored = prefixes.cached(drafter.model, ids) if prefixes is not None else 0
             return prefill - profile.prefill_s(restored) if restored else prefill
         return profile.cost(lag) if lag else 0.0
 
@@ -227,7 +225,7 @@ def build(request: Request, options: AutoOptions) -> Any:
     lookup = next((c.drafter for c in candidates if isinstance(c.drafter, MaxGramDrafter)), None)
     for chain in [c for c in candidates if isinstance(c.drafter, ModelDrafter)] if lookup else ():
         cascade = CascadeDrafter([chain.drafter, lookup], [[k_max, 0], [0, REVIEW]], 1.0,
-                                 request.sampling, request.generator)
+                                 request.sampling, request.generator, target.eos_token_ids)
         candidates.append(Candidate(f"{chain.name} cascade", cascade, chain.step_s / 2, chain.prior,
                                     estimates=chain.estimates, measured=True, needs_match=True,
                                     catch_up=chain.catch_up, scale=chain.scale, speed=speed))  # the chain's

@@ -46,9 +46,9 @@ class CascadeOptions:
         if self.k_matrix is not None:  # (checked here, so that a bad matrix is refused before anything loads)
             from speculant.drafters.cascade import check_k_matrix, parse_k_matrix
 
-            if isinstance(self.k_matrix, str):
-                object.__setattr__(self, "k_matrix", parse_k_matrix(self.k_matrix, len(self.drafters)))
             try:
+                if isinstance(self.k_matrix, str):
+                    object.__setattr__(self, "k_matrix", parse_k_matrix(self.k_matrix, len(self.drafters)))
                 object.__setattr__(self, "k_matrix", check_k_matrix(self.k_matrix, len(self.drafters)))
             except ConfigError as error:
                 raise OptionError("k_matrix", str(error)) from None
@@ -70,7 +70,7 @@ def build(request: Request, options: CascadeOptions) -> Any:
                                     keep_probs=options.leniency > 1, pairs=request.session.vocab_pairs))
     k_matrix = options.k_matrix or default_k_matrix(levels, options.k)
     cascade = CascadeDrafter(levels, [list(row) for row in k_matrix], options.leniency, request.sampling,
-                             request.generator).begin(request.prompt_ids)
+                             request.generator, request.target.eos_token_ids).begin(request.prompt_ids)
     decoder = speculative(request.target, cascade, request.prompt_ids, cascade.max_draft, request.max_new_tokens,
                           request.sampling, request.generator, method="cascade")
     return ending(decoder, [cascade], request.prompt_ids)
