@@ -64,14 +64,14 @@ ENTRIES: dict[str, tuple[str, str, str | None, str | None, str | None]] = {
     **bench_commits("bench-xeon-amx", "The AMX cut-over's bench on the Xeon", "0edc90b", "70ed6f3",
                     "the AMX tiles' cut-over per kind, a super-block unpacked before its first tile load", (1, 1),
                     XEON),
-    "bench-xeon-review-mixed": ("CPU", "**The CPU headline on the Xeon with AMX** at 38bfc94 (a session of "
+    "bench-xeon-review-mixed": ("CPU", "**The CPU headline on the Xeon with AMX** at 246cc1c (a session of "
                                 "correctness fixes), 24 mixed prompts, one repeat, run by `scripts/bench_commits.sh "
-                                "87288cb 38bfc94` beside bench-xeon-review-before-mixed", None, XEON, None),
-    "bench-xeon-review-before-mixed": ("CPU", "the same bench at 87288cb, before those fixes, in the same sitting",
+                                "bd9408d 246cc1c` beside bench-xeon-review-before-mixed", None, XEON, None),
+    "bench-xeon-review-before-mixed": ("CPU", "the same bench at bd9408d, before those fixes, in the same sitting",
                                        None, XEON, None),
-    "bench-xeon-review-humaneval": ("CPU", "the same on HumanEval[:10] at 38bfc94, one repeat, in the same sitting",
+    "bench-xeon-review-humaneval": ("CPU", "the same on HumanEval[:10] at 246cc1c, one repeat, in the same sitting",
                                     None, XEON, None),
-    "bench-xeon-review-before-humaneval": ("CPU", "the same on HumanEval[:10] at 87288cb, after it in that sitting",
+    "bench-xeon-review-before-humaneval": ("CPU", "the same on HumanEval[:10] at bd9408d, after it in that sitting",
                                            None, XEON, None),
     **bench_commits("bench-avx2-catchrule", "Catch-ups priced as they cost, on the Zen3 EPYC", "49c934f", "4f1b570",
                     "a cache's catch-up or prefill by its profile, and auto pricing a catch-up as it costs", (1, 1),
