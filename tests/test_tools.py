@@ -286,10 +286,11 @@ def test_bad_tool_requests_get_400s_naming_the_field(served):
     with pytest.raises(openai.BadRequestError, match="which no assistant message before it made"):
         served.chat.completions.create(model="m", max_tokens=4, messages=ASK + [
             {"role": "tool", "tool_call_id": "9", "content": "18"}])
-    with pytest.raises(openai.BadRequestError, match="arguments"):
-        served.chat.completions.create(model="m", max_tokens=4, messages=ASK + [
-            {"role": "assistant", "tool_calls": [{"id": "1", "type": "function",
-                                                  "function": {"name": "f", "arguments": "[1]"}}]}])
+    for arguments in ("[1]", '{"a": NaN}', '{"a": 1e400}'):  # an object, in strict JSON, as a reply's calls are
+        with pytest.raises(openai.BadRequestError, match="arguments"):
+            served.chat.completions.create(model="m", max_tokens=4, messages=ASK + [
+                {"role": "assistant", "tool_calls": [{"id": "1", "type": "function",
+                                                      "function": {"name": "f", "arguments": arguments}}]}])
 
 
 def test_a_method_that_cannot_constrain_a_reply_names_tools():

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 from typing import Annotated, Any, Literal
 
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, field_validator, model_validator
@@ -10,7 +9,7 @@ from pydantic import AfterValidator, BaseModel, ConfigDict, Field, field_validat
 from speculant.config import MIN_TEMPERATURE, SEEDS
 from speculant.errors import ConfigError
 from speculant.models.wrappers.constrained import Constraint
-from speculant.serve.tools import call_schema
+from speculant.serve.tools import DECODER, call_schema
 
 MAX_FORMAT_DEPTH = 32  # levels of nesting a response_format (a JSON schema) may have
 
@@ -180,9 +179,9 @@ FUNCTION_NAME = r"^[A-Za-z0-9_-]{1,64}$"
 
 
 def json_object_text(text: str) -> str:
-    """A call's `arguments`: JSON text of an object."""
+    """A call's `arguments`: JSON text of an object, strict (no NaN or infinities: `tools.DECODER`), as a reply's."""
     try:
-        value = json.loads(text)
+        value = DECODER.decode(text)
     except (ValueError, RecursionError):
         raise ValueError("must be JSON text of an object") from None
     if not isinstance(value, dict) or depth(value) > MAX_FORMAT_DEPTH:
