@@ -62,8 +62,7 @@ def sample(probs: torch.Tensor, generator: torch.Generator | None) -> int:
 
 def uniform(size: tuple[int, ...], generator: torch.Generator | None, device: torch.device) -> torch.Tensor:
     """U[0, 1) draws from `generator` (on its own device), returned on `device`, in float64: a float32 draw lies on a
-    2^-24 grid, so a token of smaller mass was never drawn, or drawn as if it had 2^-24 (over a 150k vocabulary the
-    law drawn from was 1e-3 in total variation from the one given)."""
+    2^-24 grid, so a token of smaller mass would never be drawn, or be drawn as if it had 2^-24."""
     source = generator.device if generator is not None else device
     return torch.rand(size, generator=generator, device=source, dtype=torch.float64).to(device)
 

@@ -120,8 +120,11 @@ def test_latencies_equal_but_for_rounding_are_a_tie():
     another order, is a tie for the paired interval, not DSI slower or faster."""
     wrong, r = one(0.02, 10, 100)
     si, dsi = simulate_si(wrong, r, 0, 0.3, 1, 100), simulate_dsi(wrong, r, 0, 0.3, 1, 1, 100)
-    assert np.allclose(si, dsi, rtol=1e-12) and (si != dsi).any()
+    assert np.allclose(si, dsi, rtol=1e-12)
     low, high = paired(si[None], dsi[None])
+    assert low[0] == high[0] == 0
+    in_one_order, in_another = np.full((1, 10), 0.1 + 0.2 + 0.3), np.full((1, 10), 0.3 + 0.2 + 0.1)  # 1 ulp apart
+    low, high = paired(in_one_order, in_another)
     assert low[0] == high[0] == 0
 
 
