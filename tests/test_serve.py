@@ -180,6 +180,26 @@ def test_text_stream_holds_back_stop_prefixes_and_cuts_at_stops():
     assert stream.push(ord("x")) == "x" and stream.push(256) == "" and stream.stopped and stream.text == "x"
 
 
+def test_text_stream_holds_back_the_longest_tail_that_begins_a_stop_string():
+    """Against the definition, on texts of few letters (many partial matches), and for a stop string far longer than
+    the text at linear cost (each push searched every tail of the text: 20000 pushes under a long stop string
+    took a minute instead of a fraction of a second)."""
+    rng = random.Random(0)
+    for _ in range(200):
+        stops = ["".join(rng.choices("ab", k=rng.randint(1, 6))) for _ in range(rng.randint(1, 3))]
+        stream = TextStream(byte_tokenizer(), stops)
+        for token in rng.choices(b"ab", k=30):
+            stream.push(token)
+            if stream.stopped:
+                break
+            held = max((n for s in stops for n in range(1, len(s)) if stream.text.endswith(s[:n])), default=0)
+            assert len(stream.text) - stream.sent == held, (stops, stream.text)
+    stream = TextStream(byte_tokenizer(), ["a" * 30000 + "b"])
+    started = time.perf_counter()
+    assert not any(stream.push(ord("a")) for _ in range(20000)) and time.perf_counter() - started < 5
+    assert stream.push(ord("c")) == "a" * 20000 + "c"
+
+
 @pytest.fixture(scope="module")
 def server():
     engine = engine_for("sd", max_batch=8, max_queue=32)

@@ -22,6 +22,12 @@ class TextStream:
         # from a few tokens back (`start`) so that merges across the boundary come out right; `done` ids
         # are already in `text`.
         self.start = self.done = 0
+        # Each stop string's Knuth-Morris-Pratt failure table and state over `text` (its first `fed` characters):
+        # the longest tail that begins a stop string costs the characters a token adds, not a search of every tail
+        # of the text (under a long stop string from a client, a long generation stalled the engine).
+        self.failures = [_failure(s) for s in self.stops]
+        self.matched = [0] * len(self.stops)
+        self.fed = 0
 
     def push(self, token: int) -> str:
         """The text that `token` makes final ("" while held back or after a stop)."""
@@ -76,11 +82,30 @@ class TextStream:
         return self._take(len(self.text))
 
     def _held(self, text: str) -> int:
-        """Length of the longest tail of `text` that begins a stop string."""
-        return max((n for s in self.stops for n in range(min(len(s) - 1, len(text)), 0, -1)
-                    if text.endswith(s[:n])), default=0)
+        """Length of the longest tail of `text` (which extends the text of the last call) that begins a stop string."""
+        new = text[self.fed :]
+        for i, (stop, failure) in enumerate(zip(self.stops, self.failures)):
+            n = self.matched[i]
+            for c in new:
+                while n and (n == len(stop) or stop[n] != c):
+                    n = failure[n - 1]
+                n += stop[n] == c
+            self.matched[i] = n
+        self.fed = len(text)
+        return max((min(n, len(s) - 1) for n, s in zip(self.matched, self.stops)), default=0)
 
     def _take(self, end: int) -> str:
         end = max(end, self.sent)
         piece, self.sent = self.text[self.sent : end], end
         return piece
+
+
+def _failure(stop: str) -> list[int]:
+    """failure[i]: the length of the longest proper prefix of stop[: i + 1] that is also its suffix (KMP's table)."""
+    failure, n = [0] * len(stop), 0
+    for i in range(1, len(stop)):
+        while n and stop[i] != stop[n]:
+            n = failure[n - 1]
+        n += stop[i] == stop[n]
+        failure[i] = n
+    return failure
