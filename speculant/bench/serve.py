@@ -14,7 +14,7 @@ from __future__ import annotations
 import json
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -72,7 +72,8 @@ def piece_of(chunk: dict) -> str:
 
 
 def stream_one(client: httpx.Client, endpoint: str, body: dict) -> dict[str, Any]:
-    """One streamed request: its text, completion tokens, TTFT and chunk arrival times (seconds from the send)."""
+    """One streamed request: its text, completion tokens, TTFT and chunk arrival times (seconds from the send), or
+    its error (a chunk not in the API's form, too)."""
     start = time.perf_counter()
     text, times, usage, done = [], [], None, False
     with client.stream("POST", endpoint, json=body) as response:
@@ -85,17 +86,31 @@ def stream_one(client: httpx.Client, endpoint: str, body: dict) -> dict[str, Any
             if line == "data: [DONE]":
                 done = True
                 break
-            chunk = json.loads(line[6:])
+            try:
+                chunk = json.loads(line[6:])
+            except ValueError:
+                return {"error": f"a chunk that is not JSON: {line[6:106]}"}
+            if not isinstance(chunk, dict):
+                return {"error": f"a chunk that is not a JSON object: {line[6:106]}"}
             if "error" in chunk:
-                return {"error": chunk["error"].get("message", "error")}
+                error = chunk["error"]
+                return {"error": str(error.get("message", "error") if isinstance(error, dict) else error)}
             usage = chunk.get("usage") or usage
             if piece := piece_of(chunk):
                 text.append(piece)
                 times.append(time.perf_counter() - start)
     if not done:
         return {"error": "the stream ended without [DONE]", "lost": True}
-    tokens = (usage or {}).get("completion_tokens", len(times))
+    tokens = (usage or {}).get("completion_tokens") or len(times)
     return {"text": "".join(text), "tokens": tokens, "times": times, "speculative": (usage or {}).get("speculative")}
+
+
+def reply_to(client: httpx.Client, endpoint: str, body: dict) -> dict[str, Any]:
+    """`stream_one`, or the transport's error as the request's."""
+    try:
+        return stream_one(client, endpoint, body)
+    except httpx.HTTPError as error:
+        return {"error": f"{type(error).__name__}: {error}"}
 
 
 def percentiles(values: Sequence[float]) -> dict[str, float | None]:
@@ -103,6 +118,27 @@ def percentiles(values: Sequence[float]) -> dict[str, float | None]:
         return {"p50": None, "p90": None, "p99": None}
     p = np.percentile(np.asarray(values) * 1000, [50, 90, 99])
     return {"p50": round(float(p[0]), 1), "p90": round(float(p[1]), 1), "p99": round(float(p[2]), 1)}
+
+
+def client_for(url: str, api_key: str | None, connections: int) -> httpx.Client:
+    """A client that holds `connections` requests open at once (httpx's pool holds 100: more would wait here, unseen
+    by the server, their TTFT counted from the send), and a few more (the model listing, solo requests)."""
+    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+    return httpx.Client(base_url=url, headers=headers, timeout=TIMEOUT_S,
+                        limits=httpx.Limits(max_connections=connections + 4))
+
+
+def run_threads(jobs: Sequence[Callable[[], None]], stop: threading.Event) -> None:
+    """Each job on a thread of its own, until all end; `stop` is set on the way out, Ctrl-C's included, for the
+    jobs to send nothing more on a client about to close. The threads are daemons: none holds the process open."""
+    threads = [threading.Thread(target=job, daemon=True) for job in jobs]
+    try:
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+    finally:
+        stop.set()
 
 
 def first_model(client: httpx.Client, url: str) -> str:
@@ -117,44 +153,35 @@ def first_model(client: httpx.Client, url: str) -> str:
 def run_load(url: str, prompts: Sequence[Prompt], requests: int, concurrency: int, max_tokens: int,
              temperature: float = 0.0, model: str | None = None, api_key: str | None = None,
              check_solo: bool = False, label: str | None = None) -> dict[str, Any]:
-    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
-    with httpx.Client(base_url=url, headers=headers, timeout=TIMEOUT_S) as client:
+    with client_for(url, api_key, concurrency) as client:
         model = model or first_model(client, url)
         order = [i % len(prompts) for i in range(requests)]
         results: list[dict[str, Any] | None] = [None] * requests
         next_index = iter(range(requests))
-        lock = threading.Lock()
+        lock, stop = threading.Lock(), threading.Event()
 
         def worker() -> None:
-            while True:
+            while not stop.is_set():
                 with lock:
                     i = next(next_index, None)
                 if i is None:
                     return
                 endpoint, body = request_body(prompts[order[i]], model, max_tokens, temperature, stream=True)
-                try:
-                    results[i] = stream_one(client, endpoint, body)
-                except httpx.HTTPError as error:
-                    results[i] = {"error": f"{type(error).__name__}: {error}"}
+                results[i] = reply_to(client, endpoint, body)
 
         start = time.perf_counter()
-        threads = [threading.Thread(target=worker) for _ in range(min(concurrency, requests))]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join()
+        run_threads([worker] * min(concurrency, requests), stop)
         wall = time.perf_counter() - start
-        mismatches = None
+        mismatches, solo_errors = None, None
         if check_solo:
-            solo: dict[int, str] = {}
-            for p in sorted(set(order)):
-                endpoint, body = request_body(prompts[p], model, max_tokens, temperature, stream=True)
-                solo[p] = stream_one(client, endpoint, body).get("text", "")
-            mismatches = sum(r is not None and "error" not in r and r["text"] != solo[order[i]]
-                             for i, r in enumerate(results))
+            solo = {p: reply_to(client, *request_body(prompts[p], model, max_tokens, temperature, stream=True))
+                    for p in sorted(set(order))}
+            mismatches = sum(r is not None and "error" not in r and "error" not in solo[order[i]]
+                             and r["text"] != solo[order[i]]["text"] for i, r in enumerate(results))
+            solo_errors = [reply["error"] for reply in solo.values() if "error" in reply]
     return {"label": label, "url": url, "model": model, "concurrency": concurrency, "requests": requests,
             "max_tokens": max_tokens, "temperature": temperature, **summarize(results, wall),
-            "mismatches_vs_solo": mismatches}
+            "mismatches_vs_solo": mismatches, "solo_errors": solo_errors}
 
 
 FOLLOW_UPS = ("Thank you. Can you say that again more briefly?", "Which point matters most, and why?",
@@ -168,37 +195,29 @@ def run_sessions(url: str, prompts: Sequence[Prompt], conversations: int, turns:
     Poisson process of `rate` conversations per second, whatever the server's backlog; its `turns` turns run one
     after another, each sending the whole history (every earlier message and reply) and the next of FOLLOW_UPS.
     TTFT is reported for first turns and later turns apart: a later turn's history is what a prefix cache keeps."""
-    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
     arrivals = np.cumsum(np.random.default_rng(seed).exponential(1 / rate, conversations))
     arrivals -= arrivals[0]  # the first conversation starts at once
     results: list[list[dict[str, Any]]] = [[] for _ in range(conversations)]
-    with httpx.Client(base_url=url, headers=headers, timeout=TIMEOUT_S,
-                      limits=httpx.Limits(max_connections=conversations + 4)) as client:
+    with client_for(url, api_key, conversations) as client:
         model = model or first_model(client, url)
-        start = time.perf_counter()
+        start, stop = time.perf_counter(), threading.Event()
 
         def conversation(i: int) -> None:
-            time.sleep(max(0.0, arrivals[i] - (time.perf_counter() - start)))
+            if stop.wait(max(0.0, arrivals[i] - (time.perf_counter() - start))):
+                return
             messages = messages_of(prompts[i % len(prompts)])
             for turn in range(turns):
                 if turn:
                     messages.append({"role": "user", "content": FOLLOW_UPS[(turn - 1) % len(FOLLOW_UPS)]})
                 body = {"model": model, "max_tokens": max_tokens, "temperature": temperature, "stream": True,
                         "stream_options": {"include_usage": True}, "messages": list(messages)}
-                try:
-                    result = stream_one(client, "/chat/completions", body)
-                except httpx.HTTPError as error:
-                    result = {"error": f"{type(error).__name__}: {error}"}
+                result = reply_to(client, "/chat/completions", body)
                 results[i].append({**result, "turn": turn})
-                if "error" in result:
+                if "error" in result or stop.is_set():
                     return
                 messages.append({"role": "assistant", "content": result["text"]})
 
-        threads = [threading.Thread(target=conversation, args=(i,)) for i in range(conversations)]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join()
+        run_threads([lambda i=i: conversation(i) for i in range(conversations)], stop)
         wall = time.perf_counter() - start
     flat = [r for turns_of in results for r in turns_of]
     flat += [None] * (conversations * turns - len(flat))  # turns never sent after an error
@@ -225,6 +244,8 @@ def format_load(result: dict[str, Any]) -> str:
         line += f"; TTFT p50/p90 first turns {first['p50']}/{first['p90']} ms, later turns {later['p50']}/{later['p90']} ms"
     if result["mismatches_vs_solo"] is not None:
         line += f", {result['mismatches_vs_solo']} outputs differ from solo"
+    if failed := result.get("solo_errors"):
+        line += f" ({len(failed)} prompt(s) not compared, their solo request failed: {failed[0]})"
     if spec := result.get("speculative"):
         line += (f"; {spec['drafted_tokens']} tokens drafted, {spec['accepted_tokens']} accepted, "
                  f"{spec['target_forwards']} target and {spec['drafter_forwards']} drafter forwards")

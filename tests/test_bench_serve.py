@@ -1,0 +1,138 @@
+"""`speculant bench-serve` against stand-in servers: every request in flight at once at any concurrency, replies not
+in the API's form counted as that request's errors, solo requests that fail left out of the comparison, and Ctrl-C
+sending nothing more."""
+
+import http.server
+import json
+import signal
+import threading
+import time
+from functools import partial
+
+import httpx
+import pytest
+
+from speculant.bench.datasets import Prompt
+from speculant.bench.serve import format_load, run_load
+
+URL = "http://stand-in/v1"
+PROMPTS = [Prompt("p1", "a"), Prompt("p2", "b")]
+
+
+def sse(*chunks: object) -> httpx.Response:
+    """A stream of `chunks` (text as it is, else as JSON), then [DONE]."""
+    lines = [f"data: {chunk if isinstance(chunk, str) else json.dumps(chunk)}\n\n" for chunk in (*chunks, "[DONE]")]
+    return httpx.Response(200, content="".join(lines).encode())
+
+
+def text(piece: str) -> dict:
+    return {"choices": [{"text": piece}]}
+
+
+def stand_in(monkeypatch, answer) -> None:
+    """bench-serve's client talks to `answer(request) -> httpx.Response` (the model listing answered here)."""
+    def handler(request: httpx.Request) -> httpx.Response:
+        if request.url.path.endswith("/models"):
+            return httpx.Response(200, json={"data": [{"id": "m"}]})
+        return answer(request)
+
+    monkeypatch.setattr(httpx, "Client", partial(httpx.Client, transport=httpx.MockTransport(handler)))
+
+
+def test_more_than_a_hundred_clients_are_in_flight_at_once():
+    """httpx's pool holds 100 connections by default: the 110 clients' requests must all reach the server."""
+    clients, lock = 110, threading.Condition()
+    seen = {"in_flight": 0, "most": 0}
+
+    class Handler(http.server.BaseHTTPRequestHandler):
+        protocol_version = "HTTP/1.1"
+
+        def log_message(self, *args):
+            pass
+
+        def do_POST(self):
+            self.rfile.read(int(self.headers["Content-Length"]))
+            with lock:
+                seen["in_flight"] += 1
+                seen["most"] = max(seen["most"], seen["in_flight"])
+                lock.notify_all()
+                lock.wait_for(lambda: seen["most"] >= clients, timeout=3)
+                seen["in_flight"] -= 1
+            body = b'data: {"choices": [{"text": "x"}]}\n\ndata: [DONE]\n\n'
+            self.send_response(200)
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def do_GET(self):
+            body = b'{"data": [{"id": "m"}]}'
+            self.send_response(200)
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+    class Server(http.server.ThreadingHTTPServer):
+        request_queue_size = 256
+
+    server = Server(("127.0.0.1", 0), Handler)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        result = run_load(f"http://127.0.0.1:{server.server_port}/v1", PROMPTS, clients, clients, 1)
+    finally:
+        server.shutdown()
+    assert result["errors"] == 0 and seen["most"] == clients
+
+
+@pytest.mark.parametrize("chunk, error", [("{not json", "a chunk that is not JSON: {not json"),
+                                          ("[1, 2]", "a chunk that is not a JSON object: [1, 2]"),
+                                          ({"error": "overloaded"}, "overloaded"),
+                                          ({"error": {"message": "too long"}}, "too long")])
+def test_a_reply_not_in_the_api_s_form_is_that_request_s_error(chunk, error, monkeypatch):
+    stand_in(monkeypatch, lambda request: sse(text("x"), chunk))
+    result = run_load(URL, PROMPTS, requests=3, concurrency=2, max_tokens=4)
+    assert (result["errors"], result["lost"], result["error_samples"]) == (3, 0, [error])
+
+
+def test_a_usage_without_a_token_count_counts_the_chunks(monkeypatch):
+    usage = {"choices": [], "usage": {"completion_tokens": None}}
+    stand_in(monkeypatch, lambda request: sse(text("x"), text("y"), usage))
+    result = run_load(URL, PROMPTS, requests=2, concurrency=2, max_tokens=4)
+    assert result["errors"] == 0 and result["completion_tokens"] == 4
+
+
+def test_prompts_whose_solo_request_failed_are_not_compared(monkeypatch):
+    """The load's 4 requests answer; then p1's solo request fails (the transport's error) and p2's answers."""
+    sent = []
+
+    def answer(request: httpx.Request) -> httpx.Response:
+        sent.append(json.loads(request.content)["prompt"])
+        if len(sent) == 5:
+            raise httpx.ConnectError("refused")
+        return sse(text("same"))
+
+    stand_in(monkeypatch, answer)
+    result = run_load(URL, PROMPTS, requests=4, concurrency=2, max_tokens=4, check_solo=True)
+    assert sent[4:] == ["a", "b"] and result["mismatches_vs_solo"] == 0
+    assert result["solo_errors"] == ["ConnectError: refused"]
+    assert "0 outputs differ from solo (1 prompt(s) not compared, their solo request failed: ConnectError: refused)" \
+        in format_load({**result, "label": "x"})
+
+
+def test_after_ctrl_c_no_client_sends_another_request(monkeypatch):
+    """Ctrl-C while the first requests are in flight: they end, no client takes the next (the client is closed)."""
+    sent, failures = [], []
+    monkeypatch.setattr(threading, "excepthook", failures.append)
+
+    def answer(request: httpx.Request) -> httpx.Response:
+        sent.append(request)
+        if len(sent) == 1:
+            signal.pthread_kill(threading.main_thread().ident, signal.SIGINT)
+        time.sleep(0.2)
+        return sse(text("x"))
+
+    stand_in(monkeypatch, answer)
+    with pytest.raises(KeyboardInterrupt):
+        run_load(URL, PROMPTS, requests=40, concurrency=2, max_tokens=4)
+    time.sleep(0.5)
+    assert len(sent) <= 2 and not failures
+
