@@ -40,6 +40,47 @@ def test_completion_output_is_read_back():
     assert run.ttft_s == pytest.approx((267.31 + 4.47 / 10) / 1000)
 
 
+def test_a_completion_that_decoded_nothing_counts_one_token():
+    """One token asked for (or an end token first): llama.cpp prints '0.00 ms / 1 runs' for no forward at all."""
+    log = COMPLETION_LOG.replace("1316.85 ms /     9 runs", "   0.00 ms /     1 runs")
+    assert read_completion(b" \n\n", log).new_tokens == 1
+    assert read_completion(b"  #\n\n", COMPLETION_LOG.replace("/     9 runs", "/     1 runs")).new_tokens == 2
+
+
+def test_a_tool_that_fails_or_hangs_is_one_line_naming_why(monkeypatch):
+    from types import SimpleNamespace
+
+    from speculant.bench import llamacpp_cli
+    from speculant.config import SamplingConfig
+    from speculant.errors import SpeculantError
+    from speculant.models.backends import llamacpp
+
+    monkeypatch.setattr(llamacpp_cli, "tool", lambda name: name)
+    monkeypatch.setattr(llamacpp, "LlamaCppCausalLM", SimpleNamespace)
+    tokenizer = SimpleNamespace(decode=lambda ids, **kwargs: "def f():")
+    target = SimpleNamespace(weights=SimpleNamespace(path="m.gguf"), threads=2, max_positions=4096, tokenizer=tokenizer)
+    options = parse_method("llamacpp-cli-ar").options
+
+    def generate():
+        return llamacpp_cli.cli_generate("llamacpp-cli-ar", target, [1, 2], 4, options, SamplingConfig(), 0)
+
+    failed = subprocess.CompletedProcess([], 1, b"", b"0.00.1 I loading\n0.02.183.367 E failed to initialize\n")
+    monkeypatch.setattr(subprocess, "run", lambda *args, **kwargs: failed)
+    with pytest.raises(SpeculantError, match="^llama-completion exited with 1: failed to initialize$"):
+        generate()
+    read = subprocess.CompletedProcess([], 0, b"x", COMPLETION_LOG.encode())  # a prompt of 10 tokens, not 2
+    monkeypatch.setattr(subprocess, "run", lambda *args, **kwargs: read)
+    with pytest.raises(SpeculantError, match="into 10 tokens, speculant into 2"):
+        generate()
+
+    def hangs(args, **kwargs):
+        raise subprocess.TimeoutExpired(args, kwargs["timeout"])
+
+    monkeypatch.setattr(subprocess, "run", hangs)
+    with pytest.raises(SpeculantError, match="llama-completion did not finish in 1800 s"):
+        generate()
+
+
 def test_speculative_output_is_read_back_and_its_prompt_checked():
     run = read_speculative(SPECULATIVE_OUT, SPECULATIVE_LOG, PROMPT)
     assert run.text == "Hello! How can I assist you today?"

@@ -95,7 +95,9 @@ def read_completion(stdout: bytes, log: str) -> ToolRun:
     text = stdout.decode(errors="replace").removesuffix("\n\n").removesuffix(" [end of text]\n")
     prompt_ms = _number(r"prompt eval time =\s*([\d.]+) ms", log, "llama-completion")
     eval_ms = _number(r"(?<!prompt )eval time =\s*([\d.]+) ms", log, "llama-completion")
-    runs = int(_number(r"(?<!prompt )eval time =\s*[\d.]+ ms /\s*(\d+) runs", log, "llama-completion"))
+    # llama.cpp prints at least 1 run, in 0 ms where none ran (one token asked for, or an end token first)
+    runs = int(_number(r"(?<!prompt )eval time =\s*[\d.]+ ms /\s*(\d+) runs", log, "llama-completion")) \
+        if eval_ms > 0 else 0
     sampling_ms = _number(r"sampling time =\s*([\d.]+) ms", log, "llama-completion")
     n = runs + 1  # the last token sampled (an end token, or the n-th) is never evaluated
     return ToolRun(text, n, int(_number(r"prompt eval time =\s*[\d.]+ ms /\s*(\d+) tokens", log, "llama-completion")),
@@ -175,15 +177,19 @@ def cli_generate(method: str, target: Any, prompt_ids: list[int], max_new_tokens
         prompt_file = Path(scratch) / "prompt.txt"
         prompt_file.write_bytes(prompt.encode() + b"\n")  # `-f` drops the file's last newline
         args = tool_args(method, target, prompt_file, max_new_tokens, options, sampling, seed, response_format)
-        done = subprocess.run(args, capture_output=True, timeout=TIMEOUT_S)
+        try:
+            done = subprocess.run(args, capture_output=True, timeout=TIMEOUT_S)
+        except subprocess.TimeoutExpired:
+            raise ConfigError(f"{Path(args[0]).name} did not finish in {TIMEOUT_S} s") from None
     log = done.stderr.decode(errors="replace")
     if done.returncode != 0:
-        raise RuntimeError(f"{Path(args[0]).name} exited with {done.returncode}: {log.strip()[-400:]}")
+        last = re.sub(r"^[\d.]+ [A-Z] ", "", (log.strip().splitlines() or ["no message"])[-1])  # (its timestamp)
+        raise ConfigError(f"{Path(args[0]).name} exited with {done.returncode}: {last}")
     run = read_completion(done.stdout, log) if method == "llamacpp-cli-ar" else \
         read_speculative(done.stdout, log, prompt.encode())
     if run.prompt_tokens != len(prompt_ids):
-        raise RuntimeError(f"{Path(args[0]).name} tokenized the prompt into {run.prompt_tokens} tokens, "
-                           f"speculant into {len(prompt_ids)}: the runs would not be comparable")
+        raise ConfigError(f"{Path(args[0]).name} tokenized the prompt into {run.prompt_tokens} tokens, "
+                          f"speculant into {len(prompt_ids)}: the runs would not be comparable")
     stats = GenerationStats(method=method, new_tokens=run.new_tokens, wall_s=run.wall_s, ttft_s=run.ttft_s)
     token_ids = target.tokenizer.encode(run.text, add_special_tokens=False)
     return GenerationResult(token_ids, run.text, stats)
