@@ -22,9 +22,10 @@ def interpolated(widths: Sequence[float], times: Sequence[float], width: float) 
     T(widest) per token of it (a curve flat at its end, such as a GPU's, would make a 200-token catch-up cost one
     forward, or a tree's nodes past the widest free to verify; a forward can always run as chunks of the widest).
     Plain Python: `auto` asks this hundreds of times per step, and numpy's interp costs twice as much."""
-    if width > widths[-1] and len(widths) > 1:
-        (a, b), (ta, tb) = widths[-2:], times[-2:]
-        return max(tb + max(tb - ta, 0.0) / (b - a) * (width - b), tb * width / b)
+    if width > widths[-1]:
+        b, tb = widths[-1], times[-1]
+        slope = max(tb - times[-2], 0.0) / (b - widths[-2]) if len(widths) > 1 else 0.0
+        return max(tb + slope * (width - b), tb * width / b)
     i = bisect_left(widths, width)
     if i == 0 or i == len(widths):
         return float(times[min(i, len(widths) - 1)])
@@ -140,11 +141,19 @@ class LatencyProfile:
             raise ValueError(f"tpot_s is at most {MOST_LATENCY_MS / 1000:g} s, got {profile.tpot_s!r}")
         if not profile.forward_s:
             raise ValueError("forward_s holds no width's time")
+        narrowest = min([*profile.forward_s, *profile.long_forward_s])
+        if narrowest < 1:
+            raise ValueError(f"a width must be >= 1 token, got {narrowest}")
         counts = {"context_len": profile.context_len, **({"long_context_len": profile.long_context_len}
                                                          if profile.long_context_len is not None else {})}
         for name, value in counts.items():
             if (as_integer(value) or 0) < 1:
                 raise ValueError(f"{name} must be a count of tokens >= 1, got {value!r}")
+        if profile.long_forward_s and profile.long_context_len is None:
+            raise ValueError("long_forward_s needs the long_context_len it was measured after")
+        if profile.long_context_len is not None and profile.long_context_len <= profile.context_len:
+            raise ValueError(f"long_context_len must exceed context_len {profile.context_len}, "
+                             f"got {profile.long_context_len!r}")
         return profile
 
     @classmethod
@@ -230,15 +239,19 @@ def machine_profile(model, repeats: int = 3, progress: bool = True) -> LatencyPr
     and remembered in the speculant cache for models
     loaded by name (a model built in memory is measured every call: a `Session` keeps what it measured);
     `speculant profile` shows it."""
-    from speculant.cache import remembered
+    from speculant.cache import cache_root, remembered
     from speculant.models.base import owner_of
 
     model = owner_of(model)
     key = profile_key(model)
     if key is None:
         return _measure(model, repeats, False)
-    return LatencyProfile.from_dict(remembered(f"machine/{MACHINE_PROFILES}", key,
-                                               lambda: asdict(_measure(model, repeats, progress))))
+    known = remembered(f"machine/{MACHINE_PROFILES}", key, lambda: asdict(_measure(model, repeats, progress)))
+    try:
+        return LatencyProfile.from_dict(known)
+    except (ValueError, KeyError, TypeError) as error:  # an edited or corrupted file
+        raise ConfigError(f"the machine profile of {model.name} in {cache_root() / 'machine' / MACHINE_PROFILES} is "
+                          f"malformed ({type(error).__name__}: {error}): delete the file to measure again") from None
 
 
 def _measure(model, repeats: int, progress: bool) -> LatencyProfile:

@@ -71,6 +71,18 @@ def test_a_machine_profile_prefills_each_context_it_times_once():
     assert set(profile.long_forward_s) == set(latency.LONG_WIDTHS)
 
 
+def test_a_malformed_machine_profile_in_the_cache_is_one_line_naming_the_file(tmp_path, monkeypatch):
+    monkeypatch.setenv("SPECULANT_CACHE", str(tmp_path))
+    model = MarkovLM(12, 0)
+    model.identity = "markov-12-0"
+    good = latency.machine_profile(model, repeats=1, progress=False)
+    assert latency.machine_profile(model, repeats=1, progress=False) == good  # (read back, not measured again)
+    path = tmp_path / "machine" / latency.MACHINE_PROFILES
+    path.write_text(path.read_text().replace('"long_context_len": ', '"long_context_len": -'))
+    with pytest.raises(ConfigError, match="delete the file"):
+        latency.machine_profile(model, repeats=1, progress=False)
+
+
 def test_profile_cli_rejects_bad_widths(capsys):
     assert cli.main(["profile", "--widths", "a-b"]) == 2
     assert "widths" in capsys.readouterr().err

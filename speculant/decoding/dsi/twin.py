@@ -16,11 +16,11 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-import numpy as np
 import torch
 
 from speculant.decoding.dsi.jobs import Canceller
 from speculant.drafters.base import Draft
+from speculant.latency import interpolated
 from speculant.models.base import Backend, CausalLM, Delegating, Interrupted
 from speculant.models.wrappers.metered import Usage
 from speculant.trees.tree import TokenTree
@@ -29,7 +29,7 @@ from speculant.trees.tree import TokenTree
 @dataclass(frozen=True)
 class Latency:
     """Emulated forward latencies in seconds: `first_s` for a prefill (TTFT), `step_s` per later
-    forward (TPOT), or T(W) interpolated from `widths` (W new tokens -> seconds) when profiled."""
+    forward (TPOT), or T(W) from `widths` (W new tokens -> seconds, ascending; `latency.interpolated`) when profiled."""
 
     first_s: float
     step_s: float
@@ -42,8 +42,7 @@ class Latency:
     def forward(self, n_tokens: int) -> float:
         if not self.widths:
             return self.step_s
-        widths, seconds = zip(*self.widths)
-        return float(np.interp(n_tokens, widths, seconds))
+        return interpolated(*zip(*self.widths), n_tokens)
 
     @classmethod
     def from_ms(cls, step_ms: float, first_ms: float | None = None) -> Latency:

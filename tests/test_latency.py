@@ -1,0 +1,39 @@
+"""Latency profiles: T(W) between and beyond the measured widths, and profiles no measurement gives refused."""
+
+import json
+
+import pytest
+
+from speculant.decoding.dsi.twin import Latency
+from speculant.errors import ConfigError
+from speculant.latency import LatencyProfile, interpolated
+
+
+def test_beyond_a_single_profiled_width_each_token_costs_at_least_the_widest_s_share():
+    """A forward wider than the widest measured runs as chunks of it: never free, even with one width measured."""
+    assert interpolated([4], [0.02], 4) == 0.02
+    assert interpolated([4], [0.02], 8) == pytest.approx(0.04)
+    assert interpolated([1, 4], [0.01, 0.02], 8) == pytest.approx(0.04)  # (the segment's slope, 1/300 s, is less)
+    profile = LatencyProfile("m", "", "cuda", 256, 0.01, 0.003, {16: 0.003})
+    assert profile.cost(64) == pytest.approx(0.012)
+    assert Latency.from_profile(profile).forward(64) == pytest.approx(0.012)  # the latency twin pads as much
+    assert Latency(0.01, 0.003, ((1, 0.003), (4, 0.006))).forward(2) == pytest.approx(0.004)
+
+
+@pytest.mark.parametrize("change, message", [
+    ({"long_context_len": 256, "long_ttft_s": 0.2, "long_forward_s": {"1": 0.02}}, "long_context_len must exceed"),
+    ({"long_context_len": 100, "long_ttft_s": 0.2, "long_forward_s": {"1": 0.02}}, "long_context_len must exceed"),
+    ({"long_forward_s": {"1": 0.02}}, "long_forward_s needs the long_context_len"),
+    ({"forward_s": {"0": 0.01}}, "a width must be >= 1 token, got 0"),
+    ({"forward_s": {"-4": 0.01, "1": 0.02}}, "a width must be >= 1 token, got -4"),
+    ({"long_context_len": 2048, "long_forward_s": {"0": 0.02}}, "a width must be >= 1 token, got 0"),
+])
+def test_a_profile_no_measurement_gives_is_refused_in_one_line(change, message, tmp_path):
+    data = {"model": "m", "dtype": "fp32", "device": "cpu", "context_len": 256, "ttft_s": 0.1, "tpot_s": 0.01,
+            "forward_s": {"1": 0.01, "4": 0.02}, **change}
+    with pytest.raises(ValueError, match=message):
+        LatencyProfile.from_dict(data)
+    path = tmp_path / "profile.json"
+    path.write_text(json.dumps(data))
+    with pytest.raises(ConfigError, match=f"cannot read latency profile {path}: ValueError: {message}"):
+        LatencyProfile.load(path)
