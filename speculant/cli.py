@@ -869,7 +869,7 @@ def run_simulate(args: argparse.Namespace) -> None:
             from speculant.latency import LatencyProfile
 
             profile = LatencyProfile.load(Path(args.target_profile))
-            target_ms, ttft_ms = profile.tpot_s * 1000, ttft_ms or profile.ttft_s * 1000
+            target_ms, ttft_ms = profile.tpot_s * 1000, profile.ttft_s * 1000 if ttft_ms is None else ttft_ms
         if args.drafter_profile:
             from speculant.latency import LatencyProfile
 

@@ -213,6 +213,29 @@ def test_si_theory_drafts_no_more_than_fit_and_takes_a_zero_ttft(capsys):
     assert result["si_ms"] == pytest.approx(10 * (4 * 6 + 30)) == pytest.approx(result["theory"]["si_expected_ms"])
 
 
+def test_si_theory_is_exact_where_the_last_iterations_draft_fewer(capsys):
+    """Near the end an iteration drafts only what can still be emitted: the theory counts each such iteration, so
+    the simulated mean lies within its noise of it (k drafts every iteration would say 520 ms here)."""
+    base = ["simulate", "run", "--target-latency", "30", "--drafter-latency", "6", "--json"]
+    cli.main([*base, "--acceptance", "0.8", "--lookahead", "16", "--tokens", "20", "--repeats", "4000"])
+    result = json.loads(capsys.readouterr().out)
+    assert abs(result["si_ms"] - result["theory"]["si_expected_ms"]) < 3 * result["si_ci95_ms"]
+    cli.main([*base, "--acceptance", "0.5", "--lookahead", "5", "--tokens", "3"])  # one draft, then one more token
+    assert json.loads(capsys.readouterr().out)["theory"]["si_expected_ms"] == pytest.approx(30 + 36 + 0.5 * 30)
+
+
+def test_a_zero_ttft_is_kept_beside_a_target_profile(tmp_path, capsys):
+    from speculant.latency import LatencyProfile
+
+    profile = tmp_path / "target.json"
+    LatencyProfile("t", "", "cpu", 256, 0.5, 0.03, {1: 0.03}).save(profile)
+    base = ["simulate", "run", "--target-profile", str(profile), "--drafter-latency", "6", "--acceptance", "0.8",
+            "--lookahead", "2", "--tokens", "11", "--repeats", "2", "--json"]
+    assert cli.main(base) == 0 and json.loads(capsys.readouterr().out)["non_si_ms"] == pytest.approx(500 + 10 * 30)
+    assert cli.main([*base, "--ttft", "0"]) == 0
+    assert json.loads(capsys.readouterr().out)["non_si_ms"] == pytest.approx(300)
+
+
 @pytest.mark.parametrize("argv, message", [
     (["run", "--target-latency", "30", "--drafter-latency", "2", "--acceptance", "0.8", "--lookahead", "1",
       "--servers", "1024", "--repeats", "1000000", "--tokens", "10"], "repeats x tokens x servers"),
@@ -258,6 +281,30 @@ def test_online_methods_see_the_same_draws(monkeypatch):
     assert len(made) == 6  # SI, SI at its best k and DSI, per repeat
     drawn = [tuple(d.wrong(0, 64)) for d in made]
     assert len(set(drawn[:3])) == len(set(drawn[3:])) == 1 and drawn[0] != drawn[3]
+
+
+def test_heatmap_cells_sit_on_the_uneven_grid_points():
+    """Each cell's colour is its grid point's, and spans what lies nearer that point than any other (the paper's
+    axes are uneven: 0.01, 0.25, ...)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    from matplotlib.collections import QuadMesh
+
+    from speculant.analysis.heatmap import _panel
+
+    c, a = paper_axes(4)
+    grid = simulate_grid(c, a, np.array([1, 2]), 10, 2, servers=2)
+    values = 2.0 ** np.linspace(-1, 1, c.size * a.size).reshape(c.size, a.size)
+    fig, ax = plt.subplots()
+    _panel(ax, values, grid, "", fig)
+    (mesh,) = [m for m in ax.collections if isinstance(m, QuadMesh)]
+    edges = mesh.get_coordinates()  # [C + 1, A + 1, 2] corners (a, c)
+    np.testing.assert_allclose(edges[0, 1:-1, 0], (a[:-1] + a[1:]) / 2)
+    np.testing.assert_allclose(edges[1:-1, 0, 1], (c[:-1] + c[1:]) / 2)
+    np.testing.assert_allclose(np.asarray(mesh.get_array()).reshape(values.shape), np.log2(values))
+    plt.close(fig)
 
 
 def test_heatmap_command_writes_data_and_figures(tmp_path, capsys):

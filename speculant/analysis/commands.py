@@ -64,9 +64,7 @@ def simulate_one(target_ms: float, drafter_ms: float, acceptance: float, lookahe
     non_si = simulate_non_si(tokens, target_ms, ttft_ms)
     (si_mean, si_ci), (dsi_mean, dsi_ci) = _mean_ci(si), _mean_ci(dsi)
     low, high = paired(si, dsi)
-    # SI as the engine runs it: the prefill gives the first token, then iterations of k drafts (no more than fit).
-    k = min(lookahead, max(tokens - 2, 0))
-    per_iteration = theory.sd_expected_tokens(acceptance, k)
+    per_iteration = theory.sd_expected_tokens(acceptance, min(lookahead, max(tokens - 2, 0)))
     first_ms = target_ms if ttft_ms is None else ttft_ms
     # Proposition 1 bounds DSI at lookahead 1 on servers enough that no job waits (and two at least: with one,
     # no job on the bare prefix can run beside the drafts)
@@ -82,7 +80,7 @@ def simulate_one(target_ms: float, drafter_ms: float, acceptance: float, lookahe
         "servers_needed": theory.servers_needed(target_ms, drafter_ms, lookahead),
         "servers": servers,
         "theory": {
-            "si_expected_ms": first_ms + (tokens - 1) / per_iteration * (k * drafter_ms + target_ms),
+            "si_expected_ms": si_expected_ms(target_ms, drafter_ms, acceptance, lookahead, tokens, first_ms),
             # the bound on the very draws simulated (never below the simulated DSI), and in expectation
             "dsi_bound_ms": float(dsi_bound(wrong, r, 0, c, tokens, 1.0, first).mean()) * target_ms
             if bounded else None,
@@ -92,6 +90,21 @@ def simulate_one(target_ms: float, drafter_ms: float, acceptance: float, lookahe
             "tokens_per_si_iteration": per_iteration,
         },
     }
+
+
+def si_expected_ms(target_ms: float, drafter_ms: float, acceptance: float, lookahead: int, tokens: int,
+                   first_ms: float) -> float:
+    """SI's expected latency as the engine runs it (and `simulate_si` simulates it): the prefill gives the first
+    token, then each iteration drafts no more than can still be emitted, min(k, tokens - 1 - position), and accepts
+    j of them with probability a^j (1 - a), all with a^d. Exact: the expected time left, from the last position
+    back."""
+    left = np.zeros(tokens + 1)  # left[pos]: the expected time from `pos` tokens emitted to the end
+    chance = acceptance ** np.arange(lookahead + 1)  # a^j
+    for pos in range(tokens - 1, 0, -1):
+        d = min(lookahead, tokens - 1 - pos)
+        later = (1 - acceptance) * chance[:d] @ left[pos + 1:pos + d + 1] + chance[d] * left[pos + d + 1]
+        left[pos] = d * drafter_ms + target_ms + later
+    return float(first_ms + left[1])
 
 
 def format_one(result: dict) -> str:
