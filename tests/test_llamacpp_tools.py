@@ -87,9 +87,9 @@ def test_speculative_output_is_read_back_and_its_prompt_checked():
     assert (run.new_tokens, run.prompt_tokens) == (10, 10)
     # the first step (of 10 tokens - 2 accepted drafts = 8) is timed with decoding: TTFT takes one step's mean
     assert run.wall_s == pytest.approx(2.493 + 2.825) and run.ttft_s == pytest.approx(2.493 + 2.825 / 8)
-    with pytest.raises(RuntimeError, match="another prompt"):
+    with pytest.raises(ConfigError, match="another prompt"):
         read_speculative(SPECULATIVE_OUT, SPECULATIVE_LOG, PROMPT.replace(b"hi", b"ho"))
-    with pytest.raises(RuntimeError, match="decoded"):
+    with pytest.raises(ConfigError, match="decoded"):
         read_speculative(SPECULATIVE_OUT, "encoded 3 tokens in 1.0 seconds", PROMPT)
 
 

@@ -85,7 +85,7 @@ class ToolRun:
 def _number(pattern: str, log: str, tool_name: str) -> float:
     match = re.search(pattern, log)
     if match is None:
-        raise RuntimeError(f"{tool_name} printed no '{pattern}': {log.strip()[-300:]}")
+        raise ConfigError(f"{tool_name} printed no '{pattern}': {log.strip()[-300:]}")
     return float(match.group(1))
 
 
@@ -111,7 +111,7 @@ def read_speculative(stdout: bytes, log: str, prompt: bytes) -> ToolRun:
     (steps = tokens - accepted drafts, as each step emits its accepted drafts and one token of its own)."""
     body = stdout.removeprefix(b"\n\n")
     if not body.startswith(prompt):
-        raise RuntimeError("llama-speculative-simple echoed another prompt than it was given")
+        raise ConfigError("llama-speculative-simple echoed another prompt than it was given")
     text = body[len(prompt):].decode(errors="replace").rstrip("\n")
     encode_s = _number(r"encoded\s+\d+ tokens in\s+([\d.]+) seconds", log, "llama-speculative-simple")
     decode_s = _number(r"decoded\s+\d+ tokens in\s+([\d.]+) seconds", log, "llama-speculative-simple")
