@@ -18,6 +18,7 @@ from speculant.methods import Request, get_method
 from speculant.methods.registry import check_given_pairs
 from speculant.methods.drafting import check_capabilities
 from speculant.models import load_model
+from speculant.models.catalog import check_name
 from speculant.models.wrappers.biased import Biased, check_bias_type
 from speculant.models.wrappers.constrained import Constrained, Constraint, Matcher
 from speculant.models.wrappers.logprobs import MAX_TOP, Recorded, TokenLogprob
@@ -242,6 +243,8 @@ def generate(
             raise ConfigError("the prompt is empty")
     if session is not None and not isinstance(session, Session):
         raise ConfigError(f"session must be a speculant Session, got {type(session).__name__}")
+    if isinstance(target, str):
+        check_name(target)  # (a target's name: `@lean`, a drafter's form of a model, is refused)
     target = load_model(target)
     check_capabilities(method_options, target)
     if prompt_ids is None:

@@ -18,6 +18,7 @@ import types
 import typing
 from collections.abc import Callable, Iterable
 from dataclasses import MISSING, Field, dataclass, field, fields
+from pathlib import Path
 from typing import Any, TypeVar
 
 from speculant.errors import ConfigError, OptionError
@@ -38,6 +39,16 @@ MOST_SERVERS = 64  # DSI's target servers in one run: each a thread, process or 
 QUANTS = ("int8", "int4")  # transformers weights, their linear layers quantized at load (models/numerics/quant.py)
 GGUF = "gguf"  # the packaged GGUF weights as they are, on the llama.cpp backend
 LEAN = "lean"  # the packaged GGUF on the lean backend as a drafter (models/backends/lean.py: head cut, types re-quantized)
+SUFFIXES = (*QUANTS, GGUF, LEAN)  # what may follow a model's name after an `@`
+
+
+def split_quant(spec: str) -> tuple[str, str | None]:
+    """`qwen2.5-coder-0.5b@int8` -> ("qwen2.5-coder-0.5b", "int8"). An `@` followed by none of `SUFFIXES` in a path
+    that exists (a folder `model@v2`) is part of its name."""
+    name, at, quant = spec.rpartition("@")
+    if not at or (quant not in SUFFIXES and Path(spec).expanduser().exists()):
+        return spec, None
+    return name, quant
 
 
 def ascii_text(text: str) -> str:
@@ -229,8 +240,9 @@ class ServeConfig:
     max_body_mb: float = option(4.0, "largest request body taken, in MB (413 beyond it, before it is read)")
     open_metrics: bool = option(False, "with --api-key: let /metrics answer without the key (a scraper's)")
     docs: bool = option(False, "serve the API's generated pages (/docs, /redoc, /openapi.json)")
-    allowed_hosts: str | None = option(None, "answer only requests whose Host header is one of these, comma "
-                                             "separated (e.g. localhost,api.example.com; default: any)")
+    allowed_hosts: str | None = option(None, "answer only requests whose Host header, its port aside, is one of "
+                                             "these, comma separated (e.g. localhost,api.example.com,[::1]; "
+                                             "default: any)")
     replicas: int = option(1, "serve from this many processes, each with its own models, as a Ray Serve "
                               "deployment behind one port (pip install 'speculant[ray]'); each counts its own "
                               "/metrics")
@@ -254,6 +266,10 @@ class ServeConfig:
             parts = value.split(",") if name == "allowed_hosts" and value is not None else [value]
             if value is not None and not all(part.strip() for part in parts):
                 raise ConfigError(f"{flag(name)} has an empty value: give one, or leave the flag out")
+        for host in self.allowed_hosts.split(",") if self.allowed_hosts else ():
+            if not re.fullmatch(r"\[[^\[\]]+\]|[^:\[\]]+", host.strip()):  # (a Host header's port is not compared)
+                raise ConfigError(f"--allowed-hosts names hosts without a port (an IPv6 address in brackets, as "
+                                  f"[::1]), got '{host.strip()}'")
         check_ray_address(self.ray_cluster, "--ray-cluster")
         if self.open_metrics and self.api_key is None:
             raise ConfigError("--open-metrics opens /metrics to callers without the --api-key: give one")

@@ -16,6 +16,7 @@ from typing import Any
 import numpy as np
 
 from speculant.cache import cache_root, cached_array
+from speculant.errors import ModelNotAvailable
 
 
 def default_corpus() -> list[Path]:
@@ -79,8 +80,9 @@ def words_ids(tokenizer: Any, texts: list[str]) -> list[list[int]]:
 def prose_counts(tokenizer: Any, vocab_size: int) -> np.ndarray:
     """How often each token occurs in running English text, estimated from `wordfreq`'s frequencies of the
     `PROSE_WORDS` commonest English words (Speer 2022: Wikipedia, subtitles, news, books, web text and more),
-    each word's frequency spread over the tokens of its forms (`WORD_FORMS`)."""
-    from importlib.metadata import version
+    each word's frequency spread over the tokens of its forms (`WORD_FORMS`). Without `wordfreq` (its version keys
+    the cached counts): ModelNotAvailable, one line."""
+    from importlib.metadata import PackageNotFoundError, version
 
     def count() -> np.ndarray:
         from wordfreq import get_frequency_dict  # (imported only to count: a cached count needs none of it)
@@ -97,8 +99,13 @@ def prose_counts(tokenizer: Any, vocab_size: int) -> np.ndarray:
             counts += np.bincount(ids[kept], weights[kept], minlength=vocab_size)
         return counts
 
+    try:
+        wordfreq = version("wordfreq")
+    except PackageNotFoundError:
+        raise ModelNotAvailable("a drafter's FR-Spec head ranks tokens by English word frequencies from the wordfreq "
+                                "package, which is not installed; run: pip install wordfreq") from None
     forms = json.dumps([PROSE_WORDS, WORD_FORMS])
-    key = hashlib.sha256(f"{version('wordfreq')}|{forms}".encode()).hexdigest()[:16]
+    key = hashlib.sha256(f"{wordfreq}|{forms}".encode()).hexdigest()[:16]
     return cached_array(cache_root() / "frequency" / f"{tokenizer_fingerprint(tokenizer)}-prose-{key}.npy",
                         count)[:vocab_size]
 

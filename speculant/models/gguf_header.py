@@ -16,7 +16,16 @@ from typing import Any
 
 import numpy as np
 
-from speculant.errors import ConfigError
+from speculant.errors import ConfigError, ModelNotAvailable
+
+
+def require_gguf() -> None:
+    """Refuse, in one line with the command that installs it, to read GGUF files without the gguf package."""
+    try:
+        import gguf  # noqa: F401
+    except ImportError:
+        raise ModelNotAvailable("reading GGUF files needs the gguf package, which is not installed; run: pip install "
+                                "gguf") from None
 
 
 @cache
@@ -47,9 +56,10 @@ class Tensor:
 class GGUFFile:
     """`fields`: every metadata key's value (int, float, bool, str or a list of them); `tensors`: the tensor table.
     A file that is not GGUF, whose header is cut short or repeats a name, or that holds a tensor of a type gguf does
-    not know: ConfigError, one line."""
+    not know: ConfigError, one line (without the gguf package, whose tables name the types: ModelNotAvailable)."""
 
     def __init__(self, path: str | Path):
+        require_gguf()
         self.path = Path(path)
         self._memory = np.memmap(self.path, dtype=np.uint8, mode="r")
         self._buffer = memoryview(self._memory)

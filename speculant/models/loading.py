@@ -117,11 +117,13 @@ def tokenizer_files(folder: Path) -> tuple[bytes | None, ...]:
 
 def transformers_drafter(target: Any, spec: Any, dtype: str | None, backend: str) -> CausalLM:
     """A drafter for a transformers-weights target (`backend` hf or static): on the target's device in `dtype`
-    (default: the target's) and backend, compiled as the target is; `@gguf` on llama.cpp. It reads ids with the
-    target's tokenizer where its own files are the same (`drafter_tokenizer`)."""
+    (default: the target's) and backend, compiled as the target is; GGUF weights (`@gguf`, `@lean`, a .gguf file) on
+    the backend that runs them, as `load_model` routes them (the target verifies every token, whatever runs the
+    drafts; a dtype given for them is refused there). It reads ids with the target's tokenizer where its own files
+    are the same (`drafter_tokenizer`)."""
     tokenizer = drafter_tokenizer(target, spec.source)
-    if spec.backend == GGUF:
-        return load_model(str(spec), tokenizer=tokenizer)
+    if spec.backend is not None or spec.source.endswith(".gguf"):
+        return load_model(str(spec), dtype=dtype, tokenizer=tokenizer)
     return load_model(str(spec), dtype=dtype or dtype_name(target.dtype), device=str(target.device), backend=backend,
                       compile=backend == "static" and target.compiled, tokenizer=tokenizer)
 
@@ -305,10 +307,11 @@ def load_model(spec: Any, dtype: str | None = None, device: str | None = None, t
                           f"{type(tokenizer).__name__}")
     if as_integer(group_size) is None or group_size < 1:
         raise ConfigError(f"group_size must be a positive integer, got {group_size!r}")
-    if isinstance(spec, str) and "@" in spec:
-        if quant is not None:
+    if isinstance(spec, str):
+        name, suffix = split_quant(spec)
+        if suffix is not None and quant is not None:
             raise ConfigError(f"quantization given twice: '{spec}' and quant={quant}")
-        spec, quant = split_quant(spec)
+        spec, quant = name, suffix or quant
     check_suffix(quant)
     if isinstance(spec, (str, Path)):
         check_name(str(spec))
