@@ -49,7 +49,7 @@ def remembered(name: str, key: str, measure: Callable[[], Any]) -> Any:
     known = _read(path)
     if _fresh(known, key):
         return known[key]
-    with _exclusive(path.with_suffix(".lock")):
+    with exclusive(path.with_suffix(".lock")):
         known = _read(path)
         if _fresh(known, key):
             return known[key]
@@ -77,11 +77,11 @@ def _fresh(known: dict[str, Any], key: str) -> bool:
     return key in known and list(known).index(key) >= len(known) - REMEMBERED_KEYS // 2
 
 
-_held = threading.local()  # the lock files this thread holds (`_exclusive`)
+_held = threading.local()  # the lock files this thread holds (`exclusive`)
 
 
 @contextmanager
-def _exclusive(lock: Path) -> Iterator[None]:
+def exclusive(lock: Path) -> Iterator[None]:
     """`lock` held exclusively for the block (flock: another thread or process waits; let go when the process
     ends, however it ends), or nothing where this thread holds it already or it cannot be had (the cache's
     directory is read-only, or its file system keeps no locks)."""

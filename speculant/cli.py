@@ -34,7 +34,7 @@ from speculant.config import (
     with_default,
 )
 from speculant.errors import ConfigError, SpeculantError
-from speculant.methods.drafting import held_drafters
+from speculant.methods.drafting import check_dtype, held_drafters
 from speculant.methods.registry import METHODS, all_options, get_method
 
 
@@ -222,7 +222,8 @@ def build_parser() -> argparse.ArgumentParser:
                             "llamacpp-cli-ar, -spec and -ngram, and the serving peer) and the library the llama.cpp "
                             "backend runs on; installs llama-cpp-python's bindings, without a library of their own, "
                             "where they are missing")
-    tools.add_argument("--jobs", type=integer, default=None, help="parallel compile jobs (default: all cores)")
+    tools.add_argument("--jobs", type=integer, default=None,
+                       help="parallel compile jobs (default: the cores this process may run on)")
 
     kern = commands.add_parser("bench-kernels", help="T(W) of speculant's 4-bit kernels on a GGUF model's own "
                                "matrices, W rows through every linear layer, per ISA path of this machine")
@@ -602,6 +603,7 @@ def run_profile(args: argparse.Namespace) -> None:
     prompts = load_dataset(args.dataset) if widths else []
     if args.drafter and model_free(as_drafter(args.drafter)):
         raise ConfigError(f"'{args.drafter}' runs no model forwards to profile")
+    check_dtype(args.drafter_dtype, [as_drafter(args.drafter)] if args.drafter else [])
     check_models([args.model], [args.drafter] if args.drafter else [])
     model = load_model(args.model, dtype=config.dtype, device=config.device, backend=config.backend,
                         compile=config.compile)
@@ -657,6 +659,7 @@ def run_acceptance(args: argparse.Namespace) -> None:
         raise ConfigError(f"'{args.drafter}' must name models; acceptance estimation needs them")
     if len(set(names)) < len(names):
         raise ConfigError(f"'{args.drafter}' names a drafter twice")
+    check_dtype(args.drafter_dtype, [as_drafter(name) for name in names])
     check_models([args.target], names)
     for name in names:
         check_target(args.target, config, get_method("sd").parse_options({"drafter": name}))
@@ -685,6 +688,7 @@ def run_train_depth(args: argparse.Namespace) -> None:
     from speculant.analysis.depth import CORPUS, fit, log_trees
     from speculant.api import encode_prompt
     from speculant.bench.datasets import load_dataset
+    from speculant.drafters.spec import as_drafter
     from speculant.trees.method import tree_drafter_model
     from speculant.models import load_model
     from speculant.session import Session
@@ -699,6 +703,7 @@ def run_train_depth(args: argparse.Namespace) -> None:
     prompts = load_dataset(args.prompts or args.dataset or CORPUS)
     check_models([args.target], [args.drafter])
     check_target(args.target, config, get_method("tree").parse_options({"drafter": args.drafter}))
+    check_dtype(args.drafter_dtype, [as_drafter(args.drafter)])
     target = load_model(args.target, dtype=config.dtype, device=config.device, backend=config.backend,
                         compile=config.compile)
     drafter = tree_drafter_model(Session(target).drafter(args.drafter, args.drafter_dtype), target)

@@ -767,6 +767,31 @@ def test_options_for_model_drafters_are_refused_where_auto_has_none():
              session=session)
 
 
+
+def test_options_for_token_trees_are_refused_where_every_model_drafter_has_another_vocabulary(monkeypatch):
+    """Trees are drafted in the target's ids, so auto drafts none with a drafter of another tokenizer: tree_widths
+    and schedule=stage set for it would do nothing, and are refused once the drafter loads, before a token is
+    generated; their defaults pass, and a drafter in the target's vocabulary beside it takes them."""
+    from helpers import bpe_tokenizer
+
+    from speculant.errors import ConfigError
+    from speculant.models import HFCausalLM
+
+    other = bpe_tokenizer(["def foo(x):\n    return x + 1\n"] * 20, 300)
+    target = HFCausalLM(tiny_transformer("llama", 0, vocab=257), byte_tokenizer(), name="t")
+    cross = HFCausalLM(tiny_transformer("llama", 1, vocab=len(other)), other, name="cross")
+    invent(monkeypatch, costs(target))
+    session = Session(target)
+    for options in (dict(tree_widths=(4,)), dict(tree_widths="auto"), dict(schedule="stage")):
+        with pytest.raises(ConfigError, match=f"{next(iter(options))} applies to token trees"):
+            generate(target, "def foo(x):", method="auto", drafters=[cross], max_new_tokens=4, session=session,
+                     **options)
+    expected = generate(target, "def foo(x):", method="ar", max_new_tokens=8).token_ids
+    assert generate(target, "def foo(x):", method="auto", drafters=[cross], max_new_tokens=8,
+                    session=session).token_ids == expected
+    assert generate(target, "def foo(x):", method="auto", drafters=[cross, perturbed(target, 0.05, 1)],
+                    max_new_tokens=8, tree_widths=(4,), schedule="stage", session=session).token_ids == expected
+
 def test_a_drafter_many_texts_showed_never_right_is_probed_again_once_texts_change():
     """After a run of texts where a drafter was never right its promise, and so its probe budget, fall near 0; the
     long-run counts age with every new text (`TEXT_AGE`), so it is probed again and drafts where it is now right,

@@ -586,3 +586,42 @@ def test_a_schema_may_come_through_a_pipe():
         assert read_constraint(f"/dev/fd/{read}", None).value == {"type": "object"}
     finally:
         os.close(read)
+
+
+def test_a_drafter_dtype_nothing_loads_in_is_one_line_before_any_model_loads(capsys, monkeypatch):
+    """auto's own drafters (for smollm2: Max-Gram alone), `self` in profile, acceptance and train-depth, and a GGUF
+    drafter run as stored take no drafter dtype: each is refused before a model loads, never ignored."""
+    from speculant import models
+    from speculant.errors import ConfigError
+
+    def load_model(*args, **kwargs):
+        raise ConfigError("a model loaded")
+
+    monkeypatch.setattr(models, "load_model", load_model)
+    for argv, message in [
+        (["generate", "hi", "--target", "smollm2-135m"], "named in auto's drafters"),
+        (["generate", "hi", "--drafter", "qwen2.5-coder-0.5b@lean"], "@lean runs its GGUF's own types"),
+        (["profile", "--drafter", "self"], "self loads none"),
+        (["acceptance", "--drafter", "self"], "self loads none"),
+        (["train-depth", "--drafter", "self"], "self loads none"),
+    ]:
+        code, _, err = run(capsys, *argv, "--drafter-dtype", "bf16")
+        assert code == 2 and err.count("speculant: error") == 1 and message in err, (argv, err)
+
+
+def test_a_target_s_lean_suffix_is_one_line_before_any_model_loads(capsys, monkeypatch):
+    """`--target NAME@lean` would load the model's drafter form (its head cut to frequent tokens), whose greedy output
+    is not the model's: generate, bench and serve refuse it, saying how to run the model on the lean backend."""
+    from speculant import models
+    from speculant.errors import ConfigError
+    from speculant.serve import app
+
+    def load(*args, **kwargs):
+        raise ConfigError("a model loaded")
+
+    monkeypatch.setattr(models, "load_model", load)
+    monkeypatch.setattr(app, "serve", load)
+    for command in (["generate", "hi", "--method", "ar"], ["bench", "--methods", "ar"], ["serve"]):
+        code, _, err = run(capsys, *command, "--target", "qwen2.5-coder-0.5b@lean")
+        assert code == 2 and err.count("\n") == 1 and "@lean is a drafter's form" in err, (command, err)
+        assert "--target qwen2.5-coder-0.5b --backend lean" in err

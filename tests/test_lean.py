@@ -352,6 +352,16 @@ def test_the_model_drafts_for_itself_with_calibrated_layers_left_out(lean_files,
             generate(target, prompt_ids=prompt, max_new_tokens=4, method="sd", drafter=bad)
 
 
+def test_self_skip_where_calibration_finds_no_layer_worth_skipping_is_one_error(lean_files, tmp_path):
+    """A model with no middle layer (two layers) calibrates to none skipped: `self@skip` would draft at the model's
+    own cost, so sd and auto, which name it, say so in one line rather than draft with the whole model."""
+    path = tmp_path / "two.gguf"
+    write_tiny_gguf(path, "qwen2", 6, "k", layers=2, hidden=256)
+    target = load_model(str(path), backend="lean", tokenizer=byte_tokenizer())
+    for options in (dict(method="sd", drafter="self@skip"), dict(method="auto", drafters=["self@skip", "maxgram"])):
+        with pytest.raises(ConfigError, match=f"calibration found no layer worth skipping in {target.name}"):
+            generate(target, prompt_ids=[1, 2, 3], max_new_tokens=4, **options)
+
 def test_a_windowed_model_agrees_with_transformers_mistral_on_the_same_weights(lean_files):
     """A llama GGUF with a sliding window of 6 is Mistral: its logits, for a prompt past the window, are those of
     transformers' Mistral on the de-quantized weights, which applies the window itself (and not those of the same
@@ -745,3 +755,52 @@ def test_a_file_without_what_the_lean_model_reads_is_refused_in_one_line(tmp_pat
     with pytest.raises(ConfigError) as refused:
         GGUFFile(removed)
     assert str(refused.value).startswith(f"{removed}: the tensor w is of an unsupported tensor type (31; removed")
+
+
+def test_a_gguf_drafter_drafts_for_a_transformers_target_on_the_backend_that_runs_it(lean_files, monkeypatch):
+    """`x.gguf@lean` drafting for an hf target loads on the lean backend (the target verifies every token, whatever
+    runs the drafts): the target's own greedy output. A drafter dtype, which its GGUF's own types leave nothing to
+    apply to, is refused, never dropped."""
+    from speculant.models import loading
+    from speculant.models.backends import lean as lean_module
+
+    monkeypatch.setattr(lean_module, "DRAFT_HEAD", 64)
+    monkeypatch.setattr(loading, "drafter_tokenizer", lambda target, source: target.tokenizer)  # (the tiny file's
+    # own tokenizer does not convert; a drafter whose tokenizer files are the target's reads with the target's)
+    path, model = lean_files["qwen2", 0]
+    target = load_model(model, tokenizer=byte_tokenizer())
+    prompt = prompt_ids(40)
+    expected = generate(target, prompt_ids=prompt, method="ar", max_new_tokens=16).token_ids
+    result = generate(target, prompt_ids=prompt, method="sd", drafter=f"{path}@lean", k=4, max_new_tokens=16)
+    assert result.token_ids == expected and result.stats.acceptance_rate > 0
+    with pytest.raises(ConfigError, match="runs its GGUF's own types"):
+        generate(target, prompt_ids=prompt, method="sd", drafter=f"{path}@lean", drafter_dtype="fp32",
+                 max_new_tokens=4)
+
+
+def test_without_gguf_or_wordfreq_a_load_is_one_line_with_the_install_command(lean_files, tmp_path, monkeypatch):
+    """A GGUF target without the gguf package, and a drafter's FR-Spec head without wordfreq, even where its counts
+    are cached (their key is wordfreq's version): ModelNotAvailable, not a ModuleNotFoundError's traceback."""
+    import importlib.metadata
+    import sys
+
+    from speculant.corpus import frequent_tokens
+    from speculant.errors import ModelNotAvailable
+
+    frequent_tokens(byte_tokenizer(), BYTE_VOCAB, 64)  # (counted and cached)
+    found = importlib.metadata.version
+
+    def version(name):
+        if name == "wordfreq":
+            raise importlib.metadata.PackageNotFoundError(name)
+        return found(name)
+
+    monkeypatch.setattr(importlib.metadata, "version", version)
+    with pytest.raises(ModelNotAvailable, match="wordfreq package, which is not installed; run: pip install wordfreq"):
+        frequent_tokens(byte_tokenizer(), BYTE_VOCAB, 64)
+    copy = tmp_path / "copy.gguf"  # (a file no test routed yet)
+    copy.write_bytes(lean_files["qwen2", 0][0].read_bytes())
+    monkeypatch.setitem(sys.modules, "gguf", None)
+    for backend in (None, "lean"):
+        with pytest.raises(ModelNotAvailable, match="needs the gguf package, which is not installed; run: pip install"):
+            load_model(str(copy), backend=backend, tokenizer=byte_tokenizer())

@@ -3,6 +3,7 @@ with transformers on the same weights, tree attention through sequence ids is ri
 greedy output equals the backend's own `ar` token for token."""
 
 import random
+from pathlib import Path
 
 import pytest
 import torch
@@ -368,3 +369,104 @@ def test_greedy_decoding_of_a_windowed_gemma_is_transformers_own(tmp_path, priva
     model = load_model(str(path), backend="llamacpp", tokenizer=byte_tokenizer())
     for label, options in WINDOWED_METHODS.items():
         assert generate(model, prompt_ids=prompt, max_new_tokens=16, **options).token_ids == expected, label
+
+
+@pytest.fixture
+def fake_build(tmp_path, monkeypatch):
+    """`llamacpp_build.build` in a throwaway cache with its tools faked: an sdist of one file, and a cmake whose
+    build makes the tools' files (slowly, so that builds started together overlap). Yields the cmake calls."""
+    import io
+    import subprocess
+    import tarfile
+    import time
+    from types import SimpleNamespace
+
+    from speculant.models.backends import llamacpp_build
+
+    calls = []
+
+    def fetch_sdist(version, into, run):
+        archive = into / f"llama_cpp_python-{version}.tar.gz"
+        with tarfile.open(archive, "w:gz") as tar:
+            member = tarfile.TarInfo(f"{archive.name.removesuffix('.tar.gz')}/vendor/llama.cpp/CMakeLists.txt")
+            tar.addfile(member, io.BytesIO())
+        return archive
+
+    def run(command, stdout=None, stderr=None, env=None):
+        calls.append(command)
+        if "--build" in command:
+            time.sleep(0.5)
+            bin_dir = Path(command[command.index("--build") + 1]) / "bin"
+            bin_dir.mkdir(parents=True)
+            for name in llamacpp_build.TOOLS:
+                (bin_dir / name).write_text("")
+        return SimpleNamespace(returncode=0)
+
+    monkeypatch.setenv("SPECULANT_CACHE", str(tmp_path))
+    monkeypatch.setattr(llamacpp_build, "installed_version", lambda: "9.9.9")
+    monkeypatch.setattr(llamacpp_build, "fetch_sdist", fetch_sdist)
+    monkeypatch.setattr(llamacpp_build, "subprocess", SimpleNamespace(run=run, STDOUT=subprocess.STDOUT))
+    monkeypatch.setattr(llamacpp_build.shutil, "which", lambda name: f"/usr/bin/{name}")
+    yield calls
+
+
+def test_builds_started_together_make_one_build_on_the_cores_the_process_may_use(fake_build, monkeypatch):
+    """`peers build-llamacpp` run twice at once: one builds, the other waits and finds its build (never both
+    building into one directory, nor one deleting the other's); `-j` counts the cores of this process's affinity."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from speculant.models.backends import llamacpp_build
+
+    monkeypatch.setattr("os.sched_getaffinity", lambda pid: {0, 1, 2}, raising=False)
+    with ThreadPoolExecutor(2) as pool:
+        built = list(pool.map(lambda _: llamacpp_build.build(say=lambda line: None), range(2)))
+    builds = [call for call in fake_build if "--build" in call]
+    assert len(builds) == 1 and builds[0][builds[0].index("-j") + 1] == "3"
+    assert built[0] == built[1] and not llamacpp_build.missing(built[0])
+
+
+def test_a_build_is_made_again_when_its_cmake_flags_or_amx_fix_change(fake_build, monkeypatch):
+    from speculant.models.backends import llamacpp_build
+
+    def builds():
+        bin_dir = llamacpp_build.build(jobs=1, say=lambda line: None)
+        assert llamacpp_build.manifest()["bin"] == str(bin_dir) and not llamacpp_build.missing(bin_dir)
+        return sum("--build" in call for call in fake_build)
+
+    assert builds() == 1 and builds() == 1
+    first = Path(llamacpp_build.manifest()["bin"]).parent
+    monkeypatch.setattr(llamacpp_build, "CMAKE_FLAGS", (*llamacpp_build.CMAKE_FLAGS, "-DGGML_AVX512=OFF"))
+    assert builds() == 2 and "-DGGML_AVX512=OFF" in fake_build[-2] and not first.exists()  # (the one it replaced)
+    monkeypatch.setattr(llamacpp_build, "AMX_FIXED", llamacpp_build.AMX_FIXED + " ")
+    assert builds() == 3 and builds() == 3
+
+
+def test_an_sdist_extracts_where_python_has_no_tar_filters_but_never_outside_its_tree(tmp_path, monkeypatch):
+    """Python 3.11.0-3.11.3 take no `filter` (a TypeError): the tree is extracted without one, and a member whose path
+    leaves the tree, or that is no plain file or folder, is refused."""
+    import io
+    import tarfile
+
+    from speculant.models.backends import llamacpp_build
+
+    def extractall(self, path=".", members=None, *, numeric_owner=False, real=tarfile.TarFile.extractall):
+        return real(self, path, members, numeric_owner=numeric_owner, filter="fully_trusted")
+
+    monkeypatch.delattr(tarfile, "data_filter")
+    monkeypatch.setattr(tarfile.TarFile, "extractall", extractall)
+    tree = "llama_cpp_python-9.9.9/vendor/llama.cpp/"
+    for name, extra in (("good", None), ("escaping", tarfile.TarInfo(tree + "../../../../evil")),
+                        ("linked", tarfile.TarInfo(tree + "link"))):
+        archive = tmp_path / name / "llama_cpp_python-9.9.9.tar.gz"
+        archive.parent.mkdir()
+        with tarfile.open(archive, "w:gz") as tar:
+            tar.addfile(tarfile.TarInfo(tree + "CMakeLists.txt"), io.BytesIO())
+            if extra is not None:
+                extra.type, extra.linkname = (tarfile.SYMTYPE, "/etc") if name == "linked" else (tarfile.REGTYPE, "")
+                tar.addfile(extra, io.BytesIO())
+        if extra is None:
+            assert (llamacpp_build.extract_source(archive, archive.parent / "x") / "CMakeLists.txt").is_file()
+        else:
+            with pytest.raises(ConfigError, match="no file or folder inside its tree"):
+                llamacpp_build.extract_source(archive, archive.parent / "x")
+            assert not (archive.parent / "evil").exists() and not (archive.parent / "x").exists()

@@ -2,6 +2,7 @@
 imports point downward only."""
 
 import json
+import re
 import subprocess
 import sys
 from dataclasses import dataclass, fields
@@ -225,3 +226,22 @@ def test_a_stream_is_its_own_iterator_and_ends_its_generation_when_dropped_or_ta
         assert Told.ended == 3 and list(closed) == []
     finally:
         gc.enable()
+
+
+def test_a_drafter_dtype_no_named_drafter_loads_in_is_refused_when_the_options_are_made():
+    """A GGUF run as stored (`@gguf`, `@lean`, a .gguf file) keeps its own types, `self` the target's, and the drafters
+    auto picks itself are the target's backend's to load: a drafter dtype for them is refused with the options, before
+    anything loads, never dropped; a model named by its name (quantized or not) takes it."""
+    for method, given, message in [
+        ("sd", {"drafter": "qwen2.5-coder-0.5b@lean"}, "qwen2.5-coder-0.5b@lean runs its GGUF's own types"),
+        ("tree", {"drafter": "/models/m.gguf"}, "/models/m.gguf runs its GGUF's own types"),
+        ("cascade", {"drafters": "qwen2.5-coder-0.5b,smollm2-135m@gguf"}, "smollm2-135m@gguf runs its GGUF's"),
+        ("auto", {"drafters": "qwen2.5-coder-0.5b@gguf,maxgram"}, "qwen2.5-coder-0.5b@gguf runs its GGUF's"),
+        ("auto", {}, "applies to the model drafters named in auto's drafters"),
+        ("sd", {"drafter": "self"}, "self loads none"),
+    ]:
+        with pytest.raises(ConfigError, match=re.escape(message)):
+            get_method(method).parse_options({**given, "drafter_dtype": "bf16"})
+    for method, given in [("sd", {"drafter": "qwen2.5-coder-0.5b@int8"}),
+                          ("auto", {"drafters": "smollm2-135m,maxgram"}), ("cascade", {"drafters": "self,smollm2-135m"})]:
+        assert get_method(method).parse_options({**given, "drafter_dtype": "bf16"}).drafter_dtype == "bf16"

@@ -29,6 +29,7 @@ from speculant.bench.datasets import Prompt
 from speculant.bench.serve import run_load
 from speculant.config import SamplingConfig, ServeConfig
 from speculant.drafters.base import Draft, Drafter
+from speculant.errors import ConfigError
 from speculant.methods import get_method
 from speculant.models import load_model
 from speculant.models.base import Call
@@ -817,3 +818,17 @@ def test_a_served_drafter_s_catch_up_computes_the_head_for_its_last_rows_only(mo
             assert asked == [2] and torch.equal(got, alone.catch_up([4, 5, 6, 7], 2))
     finally:
         batcher.close()
+
+
+def test_allowed_hosts_name_hosts_without_a_port_and_requests_match_them_whatever_their_port():
+    """A Host header's port is not compared, so a port in --allowed-hosts (which no request could match) is refused
+    when the options are read; an IPv6 address is written in brackets, as Host headers write it."""
+    for hosts in ("localhost:8000", "api.example,[::1]:8000", "::1"):
+        with pytest.raises(ConfigError, match="without a port"):
+            ServeConfig(allowed_hosts=hosts)
+    engine = engine_for("ar")
+    with TestClient(create_app(engine, "tiny", ServeConfig(allowed_hosts="Localhost,[::1]"))) as client:
+        for host, status in (("localhost:8000", 200), ("localhost", 200), ("[::1]:8000", 200), ("[::1]", 200),
+                             ("api.example:8000", 400)):
+            assert client.get("/v1/models", headers={"host": host}).status_code == status, host
+    engine.close()

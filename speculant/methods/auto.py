@@ -69,14 +69,15 @@ class AutoOptions:
                               "per step; empty: chains only), or auto: the execution plan's width for the pair "
                               "(Yggdrasil 5.2: from the machine profiles and the drafter's rank coverage of the target "
                               "on the prompt; none where chains pay best)", parse=parse_widths, most=REQUEST_MOST,
-                              model_only=True)
+                              model_only=True, tree_only=True)
     probe_every: int = option(16, "steps without a model draft before a model drafter is tried again (the wait "
                               "doubles after each try that does not pay on its own, and tries cost at most a tenth of "
                               "the reply's plain time, less for a drafter many texts showed rarely right)",
                               model_only=True)
     schedule: str = option("serial", "serial, or stage: while the target verifies a token tree, its drafter drafts the "
                            "next one on a thread of its own from the likeliest path (Yggdrasil's stage-based "
-                           "scheduling; used where auto chooses that tree again)", choices=SCHEDULES, model_only=True)
+                           "scheduling; used where auto chooses that tree again)", choices=SCHEDULES, model_only=True,
+                           tree_only=True)
     catch_up: str = option("expected", "expected: a model drafter's catch-up on the prompt is paid where the replies "
                            "seen so far would repay it (fastest on average); safe: only once this reply has run long "
                            "enough that the catch-up costs at most 5 percent of its plain time, so that no catch-up "
@@ -89,6 +90,9 @@ class AutoOptions:
             if not self.drafters:
                 raise ConfigError("auto's drafters name none: give at least one (method ar decodes without)")
             check_drafters(self)
+        elif self.drafter_dtype is not None:  # (its own drafters are the target's backend's to choose and load)
+            raise ConfigError(f"drafter dtype {self.drafter_dtype} applies to the model drafters named in auto's "
+                              "drafters; those auto picks itself run as the target's backend runs them")
         if self.k_max < 1:
             raise ConfigError(f"k_max must be >= 1, got {self.k_max}")
         if not 0 <= self.draft_confidence < 1:
@@ -123,13 +127,23 @@ def typed_widths(widths: Any) -> tuple[int, ...]:
     return checked
 
 
-def check_model_only(options: AutoOptions, models: int) -> None:
+def check_model_only(options: AutoOptions, models: int, trees: int | None = None) -> None:
     """Options that act only on model drafters (`model_only`), set away from their defaults where auto has no model
-    drafter (`models`: how many it has) to apply them to, are refused: never silently ignored."""
-    changed = [f.name for f in fields(options) if f.metadata.get("model_only") and getattr(options, f.name) != f.default]
-    if changed and not models:
-        raise ConfigError(f"{', '.join(changed)} appl{'ies' if len(changed) == 1 else 'y'} to model drafters; auto "
-                          f"drafts here with {', '.join(map(str, options.drafters or ())) or 'none'} only")
+    drafter (`models`: how many it has) to apply them to, are refused: never silently ignored. So are those that act
+    only on token trees (`tree_only`) where no model drafter drafts in the target's vocabulary, as a tree's tokens
+    must (`trees`: how many do, known once they load)."""
+    changed = {kind: [f.name for f in fields(options) if f.metadata.get(kind) and getattr(options, f.name) != f.default]
+               for kind in ("model_only", "tree_only")}
+
+    def applies(names: list[str]) -> str:
+        return f"{', '.join(names)} appl{'ies' if len(names) == 1 else 'y'}"
+
+    if changed["model_only"] and not models:
+        raise ConfigError(f"{applies(changed['model_only'])} to model drafters; auto drafts here with "
+                          f"{', '.join(map(str, options.drafters or ())) or 'none'} only")
+    if changed["tree_only"] and trees == 0:
+        raise OptionError(changed["tree_only"][0], f"{applies(changed['tree_only'])} to token trees, which need a "
+                          "model drafter in the target's vocabulary; auto's model drafters here draft in another")
 
 
 def with_own_drafters(options: AutoOptions, target: Any) -> AutoOptions:
@@ -166,6 +180,7 @@ def build(request: Request, options: AutoOptions) -> Any:
     from speculant.drafters.cross_vocab import CrossVocabDrafter, model_drafter
     from speculant.drafters.maxgram import MaxGramDrafter
     from speculant.drafters.model import ModelDrafter
+    from speculant.drafters.vocab import same_vocabulary
     from speculant.trees.drafter import TreeDrafter
     from speculant.trees.shape import plan_width
 
@@ -173,7 +188,7 @@ def build(request: Request, options: AutoOptions) -> Any:
     k_max = min(options.k_max, request.max_new_tokens)  # (no longer draft could be committed)
     cost = Rescaled(session.profile(target).cost_at, session.timings)
     speed = cost.timings.speed  # the machine's drift: the drafters' forwards share it
-    candidates, begun, models = [], [], 0
+    candidates, begun, models, trees = [], [], 0, 0
     for spec in options.drafters if options.drafters is not None else target.default_drafters():
         source = session.drafter(spec, options.drafter_dtype)  # named: loaded once; an object: the caller's
         estimates = session.estimates(source.name)
@@ -185,6 +200,7 @@ def build(request: Request, options: AutoOptions) -> Any:
                                         estimates, measured=match is None))  # (a user's: its drafts' time, once seen)
             continue
         models += 1
+        trees += same_vocabulary(target, source)
         profile = session.profile(source)
         if not can_pay(profile.tpot_s, cost, k_max):  # too slow to pay even if always right
             continue
@@ -217,7 +233,7 @@ def build(request: Request, options: AutoOptions) -> Any:
                                         scale=scale,
                                         speed=speed, growth=lambda length, profile=profile, width=width:
                                         profile.cost_at(width, length) / profile.cost(width)))
-    check_model_only(options, models)
+    check_model_only(options, models, trees)
     # A vertical cascade (CS Drafting) where Max-Gram finds a match: each model drafter reviews Max-Gram's
     # draft in one forward, keeping what it would itself have drafted, so its drafts are its chain's (the
     # same acceptance estimates), cheaper where Max-Gram guesses right. Its cost per token is measured as

@@ -3,7 +3,7 @@ holds into a Drafter for one generation."""
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, fields, replace
 from typing import Any
 
@@ -55,8 +55,7 @@ class DrafterOptions:
 
 def check_drafters(options: Any) -> None:
     """Each drafter `options` hold is a spec, a model (speculant's, or a torch module `load_model` wraps) or a Drafter
-    (`drafters` a sequence of them), and a drafter dtype is refused where they name no model drafter to load in it
-    (Max-Gram, suffix and `self` load none; a given model keeps its own): never silently ignored."""
+    (`drafters` a sequence of them), and their drafter dtype fits them (`check_dtype`)."""
     from torch import nn
 
     from speculant.drafters.base import Drafter
@@ -66,10 +65,28 @@ def check_drafters(options: Any) -> None:
         if odd := next((d for d in drafters if not isinstance(d, (DrafterSpec, CausalLM, Drafter, nn.Module))), None):
             raise OptionError(name, f"{name} must be a drafter's name, a model or a Drafter, not "
                               f"{type(odd).__name__}")
-    held = held_drafters(options)
-    if options.drafter_dtype is not None and not any(isinstance(d, DrafterSpec) and d.kind == MODEL for d in held):
-        raise ConfigError(f"drafter dtype {options.drafter_dtype} applies to a model drafter named by its catalog "
-                          f"name, Hugging Face id or path; {', '.join(map(named, held))} loads none")
+    check_dtype(options.drafter_dtype, held_drafters(options))
+
+
+def takes_dtype(drafter: Any) -> bool:
+    """Whether `drafter` is the spec of a model that loads in a drafter dtype: not a GGUF run as stored (`@gguf`,
+    `@lean`, a .gguf file), not `self` (the target's weights) nor a drafter that runs no model."""
+    return (isinstance(drafter, DrafterSpec) and drafter.kind == MODEL and drafter.backend is None
+            and not drafter.source.endswith(".gguf"))
+
+
+def check_dtype(dtype: str | None, drafters: Sequence[Any]) -> None:
+    """A drafter dtype is refused, before anything loads, where `drafters` name a GGUF that runs its own types, or
+    none that loads in it (Max-Gram, suffix and `self` load none; a given model keeps its own): never silently
+    ignored."""
+    if dtype is None:
+        return
+    if gguf := next((d for d in drafters if isinstance(d, DrafterSpec) and d.kind == MODEL and not takes_dtype(d)),
+                    None):
+        raise ConfigError(f"drafter dtype {dtype}: {gguf} runs its GGUF's own types; give no drafter dtype")
+    if not any(map(takes_dtype, drafters)):
+        raise ConfigError(f"drafter dtype {dtype} applies to a model drafter named by its catalog name, Hugging Face "
+                          f"id or path; {', '.join(map(named, drafters))} loads none")
 
 
 def named(drafter: Any) -> str:

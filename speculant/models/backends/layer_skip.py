@@ -29,8 +29,13 @@ LOOKAHEADS = range(1, 9)  # draft lengths the expected improvement is maximised 
 
 
 def skipped_layers(model: LeanCausalLM) -> tuple[int, ...]:
-    """The layers a lean model (`models.backends.lean.LeanCausalLM`) skips when it drafts for itself, ascending."""
-    return tuple(calibration(model)["skipped"])
+    """The layers a lean model (`models.backends.lean.LeanCausalLM`) skips when it drafts for itself, ascending; a
+    ConfigError where calibration found none worth skipping (the draft would cost a whole forward of the model)."""
+    skipped = tuple(calibration(model)["skipped"])
+    if not skipped:
+        raise ConfigError(f"self@skip: calibration found no layer worth skipping in {model.name} (a draft would cost "
+                          "as much as the model's own forward): draft with another drafter")
+    return skipped
 
 
 def calibration(model: LeanCausalLM) -> dict:

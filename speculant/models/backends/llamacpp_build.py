@@ -1,7 +1,9 @@
 """llama.cpp built for this machine: its shared libraries and its own tools (`llama-bench`,
 `llama-completion`, `llama-speculative-simple`, and `llama-server`, the serving peer), compiled natively
 (`-march=native`) from the sdist of llama-cpp-python (the installed release, else `VERSION`), once per version
-and CPU, into the cache (`speculant peers build-llamacpp`; a build that lacks a tool is made again).
+and CPU, into the cache (`speculant peers build-llamacpp`; a build that lacks a tool, or was made with other CMake
+flags or another AMX fix, is made again). One process builds at a time, beside the build others may be running; the
+manifest names the new one once it is whole.
 
 It is the only native build of llama.cpp an install makes. llama-cpp-python's bindings, where they are missing,
 are installed from the same sdist without their own copy of the library (`-DLLAMA_BUILD=OFF`: pure Python, a
@@ -29,7 +31,7 @@ from collections.abc import Callable
 from importlib import metadata
 from pathlib import Path
 
-from speculant.cache import cache_root
+from speculant.cache import exclusive, cache_root
 from speculant.errors import ConfigError, ModelNotAvailable
 from speculant.machine import cpu_info
 
@@ -64,6 +66,11 @@ def cpu_key() -> str:
     """The CPU a native build is for: its model and feature flags (a build for one CPU may fault on another)."""
     model, flags = cpu_info()
     return hashlib.sha256(f"{model}|{' '.join(sorted(flags))}".encode()).hexdigest()[:12]
+
+
+def build_key() -> str:
+    """What a build is made with beside its version and CPU: the CMake flags and the AMX fix."""
+    return hashlib.sha256("\n".join((*CMAKE_FLAGS, AMX_BROKEN, AMX_FIXED)).encode()).hexdigest()[:12]
 
 
 def build_root(version: str | None = None) -> Path:
@@ -116,7 +123,14 @@ def extract_source(archive: Path, into: Path) -> Path:
     prefix = archive.name.removesuffix(".tar.gz") + "/vendor/llama.cpp/"
     with tarfile.open(archive) as tar:
         members = [m for m in tar.getmembers() if m.name.startswith(prefix)]
-        tar.extractall(into, members=members, filter="data")
+        if hasattr(tarfile, "data_filter"):
+            tar.extractall(into, members=members, filter="data")
+        else:  # (Python 3.11 before 3.11.4 has no extraction filters: plain files and folders inside `into` only)
+            inside = into.resolve()
+            if odd := next((m for m in members if not (m.isfile() or m.isdir())
+                            or not (inside / m.name).resolve().is_relative_to(inside)), None):
+                raise ConfigError(f"{archive.name} holds {odd.name}, which is no file or folder inside its tree")
+            tar.extractall(into, members=members)
     return into / prefix
 
 
@@ -131,6 +145,8 @@ def install_bindings(sdist: Path | str, run: Callable[..., None]) -> None:
 def build(jobs: int | None = None, say: Callable[[str], None] = print) -> Path:
     """Build llama.cpp natively into the cache (see the module docstring) and install llama-cpp-python's bindings
     for it where they are missing; returns the directory of the tools."""
+    from speculant.models.backends.llamacpp import default_threads
+
     version = build_version()
     bindings = installed_version() is not None
     root = build_root(version)
@@ -143,38 +159,48 @@ def build(jobs: int | None = None, say: Callable[[str], None] = print) -> Path:
             if subprocess.run(command, stdout=out, stderr=subprocess.STDOUT, env=env).returncode != 0:
                 raise ConfigError(f"building llama.cpp failed: `{' '.join(command[:4])} ...` (log: {log})")
 
-    built = manifest()
-    if built is not None and not missing(Path(built["bin"])):
-        if not bindings:
-            say(f"installing the {PACKAGE} {version} bindings (Python only: they run on this build) ...")
-            install_bindings(f"{PACKAGE}=={version}", run)
-        say(f"already built: {root}")
-        return Path(built["bin"])
-    for program in ("cmake", "c++"):
-        if shutil.which(program) is None:
-            raise ConfigError(f"building llama.cpp needs {program} on PATH")
-    shutil.rmtree(root, ignore_errors=True)
-    root.mkdir(parents=True)
-
-    with tempfile.TemporaryDirectory() as scratch:
-        say(f"fetching the {PACKAGE} {version} sdist ...")
-        sdist = fetch_sdist(version, Path(scratch), run)
-        source = extract_source(sdist, Path(scratch))
-        patched = patch_amx(source)
-        build_dir = root / "build"
-        generator = ["-G", "Ninja"] if shutil.which("ninja") else []
-        say(f"configuring llama.cpp (native, {'AMX fix applied' if patched else 'no AMX fix needed'}) ...")
-        run(["cmake", "-S", str(source), "-B", str(build_dir), *generator, *CMAKE_FLAGS])
-        say(f"building {', '.join(TOOLS)} and libllama (about 7 minutes on 2 cores) ...")
-        run(["cmake", "--build", str(build_dir), "-j", str(jobs or os.cpu_count() or 1), "--target", "llama", *TOOLS])
-        bin_dir = build_dir / "bin"
-        if lacking := missing(bin_dir):
-            raise ConfigError(f"building llama.cpp left no {', '.join(lacking)} (log: {log})")
-        (root / "manifest.json").write_text(json.dumps({
-            "version": version, "cpu": cpu_info()[0], "bin": str(bin_dir), "lib": str(bin_dir),
-            "amx_fix": patched, "cmake": list(CMAKE_FLAGS)}, indent=1))
-        if not bindings:
-            say(f"installing the {PACKAGE} {version} bindings (Python only: they run on this build) ...")
-            install_bindings(sdist, run)
+    root.mkdir(parents=True, exist_ok=True)
+    with exclusive(root / "build.lock"):  # (a process that waited here finds the build the other made)
+        built = manifest()
+        if built is not None and built.get("key") == build_key() and not missing(Path(built["bin"])):
+            if not bindings:
+                say(f"installing the {PACKAGE} {version} bindings (Python only: they run on this build) ...")
+                install_bindings(f"{PACKAGE}=={version}", run)
+            say(f"already built: {root}")
+            return Path(built["bin"])
+        for program in ("cmake", "c++"):
+            if shutil.which(program) is None:
+                raise ConfigError(f"building llama.cpp needs {program} on PATH")
+        log.write_text("")
+        with tempfile.TemporaryDirectory() as scratch:
+            build_dir = Path(tempfile.mkdtemp(prefix="build-", dir=root))  # (its tools find its libraries by path)
+            try:
+                say(f"fetching the {PACKAGE} {version} sdist ...")
+                sdist = fetch_sdist(version, Path(scratch), run)
+                source = extract_source(sdist, Path(scratch))
+                patched = patch_amx(source)
+                generator = ["-G", "Ninja"] if shutil.which("ninja") else []
+                say(f"configuring llama.cpp (native, {'AMX fix applied' if patched else 'no AMX fix needed'}) ...")
+                run(["cmake", "-S", str(source), "-B", str(build_dir), *generator, *CMAKE_FLAGS])
+                say(f"building {', '.join(TOOLS)} and libllama (about 7 minutes on 2 cores) ...")
+                run(["cmake", "--build", str(build_dir), "-j", str(jobs or default_threads()), "--target", "llama",
+                     *TOOLS])
+                bin_dir = build_dir / "bin"
+                if lacking := missing(bin_dir):
+                    raise ConfigError(f"building llama.cpp left no {', '.join(lacking)} (log: {log})")
+            except BaseException:
+                shutil.rmtree(build_dir, ignore_errors=True)
+                raise
+            tmp = root / f"manifest.{os.getpid()}.tmp"
+            tmp.write_text(json.dumps({
+                "version": version, "cpu": cpu_info()[0], "bin": str(bin_dir), "lib": str(bin_dir),
+                "amx_fix": patched, "cmake": list(CMAKE_FLAGS), "key": build_key()}, indent=1))
+            tmp.replace(root / "manifest.json")
+            for old in root.iterdir():  # the builds before it, which the manifest no longer names
+                if old.is_dir() and old != build_dir:
+                    shutil.rmtree(old, ignore_errors=True)
+            if not bindings:
+                say(f"installing the {PACKAGE} {version} bindings (Python only: they run on this build) ...")
+                install_bindings(sdist, run)
     say(f"built: {bin_dir}")
     return bin_dir
