@@ -34,7 +34,7 @@ def test_a_second_process_waits_for_the_first_s_measurement_instead_of_timing_be
     is read without waiting, and a measurement may ask for another key of its own file."""
     monkeypatch.setenv("SPECULANT_CACHE", str(tmp_path))
     (tmp_path / "f.json").write_text(json.dumps({"known": 1}))
-    with cache._exclusive(tmp_path / "f.lock"):  # as a first process measuring "k"
+    with cache.exclusive(tmp_path / "f.lock"):  # as a first process measuring "k"
         child = subprocess.Popen([sys.executable, "-c", "from speculant import cache; "
                                   "print(cache.remembered('f.json', 'known', lambda: 2), flush=True); "
                                   "print(cache.remembered('f.json', 'k', lambda: 'measured by the second'))"],

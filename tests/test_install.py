@@ -116,7 +116,7 @@ def test_one_native_build_then_the_bindings_alone_from_the_same_sdist(tmp_path, 
     fake = FakeTools()
     monkeypatch.setattr(llamacpp_build.subprocess, "run", fake)
     bin_dir = llamacpp_build.build(jobs=2, say=lambda line: None)
-    assert bin_dir == llamacpp_build.build_root(llamacpp_build.VERSION) / "build" / "bin"
+    assert bin_dir.parent.parent == llamacpp_build.build_root(llamacpp_build.VERSION) and bin_dir.name == "bin"
     steps = [c for c, _ in fake.commands]
     assert [c[:2] for c in steps if c[0] == "cmake"] == [["cmake", "-S"], ["cmake", "--build"]]  # one native build
     install = [(c, args) for c, args in fake.commands if c[1:4] == ["-m", "pip", "install"]]

@@ -134,6 +134,7 @@ def check_model_only(options: AutoOptions, models: int, trees: int | None = None
     must (`trees`: how many do, known once they load)."""
     changed = {kind: [f.name for f in fields(options) if f.metadata.get(kind) and getattr(options, f.name) != f.default]
                for kind in ("model_only", "tree_only")}
+    changed["tree_only"] = [name for name in changed["tree_only"] if getattr(options, name) != ()]  # (no trees: fine)
 
     def applies(names: list[str]) -> str:
         return f"{', '.join(names)} appl{'ies' if len(names) == 1 else 'y'}"
