@@ -11,7 +11,6 @@ before use, and a cache that fails the check is rebuilt after a one-line warning
 
 from __future__ import annotations
 
-import fcntl
 import functools
 import hashlib
 import importlib.util
@@ -25,7 +24,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from speculant.cache import cache_root, sha256_file
+from speculant.cache import cache_root, exclusive, sha256_file
 from speculant.config import GGUF, LEAN, QUANTS, SUFFIXES, split_quant
 from speculant.errors import ConfigError, ModelNotAvailable
 from speculant.models.gguf_header import require_gguf
@@ -272,8 +271,7 @@ def build_atomically(directory: Path, build: Callable[[Path], None], sources: st
     if check_cache(directory, sources) is None:
         return directory
     directory.parent.mkdir(parents=True, exist_ok=True)
-    with (directory.parent / f".{directory.name}.lock").open("w") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file closes
+    with exclusive(directory.parent / f".{directory.name}.lock"):
         problem = check_cache(directory, sources)
         if problem is None:
             return directory
