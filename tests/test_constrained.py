@@ -85,6 +85,11 @@ def test_sampling_follows_the_constrained_distribution():
     assert total_variation(got, torch.tensor([exact[k] for k in keys])) < 0.1
 
 
+DEEP = {"type": "string"}
+for _ in range(300):  # (nested past what llguidance follows; a server refuses it sooner, at MAX_FORMAT_DEPTH)
+    DEEP = {"type": "array", "items": DEEP}
+
+
 @pytest.mark.parametrize("response_format,message", [
     ({"type": "xml"}, "response_format type must be one of"),
     ({"type": "json_schema", "json_schema": {"name": "x"}}, "needs"),
@@ -93,6 +98,10 @@ def test_sampling_follows_the_constrained_distribution():
     ({"type": "regex", "regex": "("}, "the regex does not compile: .*unclosed group"),
     ({"type": "json_schema", "json_schema": {"schema": {"type": "strin"}}}, "Invalid type: strin"),
     ({"type": "json_schema", "json_schema": {"schema": {}, "strict": "yes"}}, "strict must be a bool"),
+    ({"type": "json_schema", "json_schema": {"schema": DEEP}}, "the json_schema does not compile: recursion limit"),
+    ({"type": "json_schema", "json_schema": {"schema": {"type": "number", "maximum": float("nan")}}},
+     "the json_schema does not compile: Out of range float"),
+    ({"type": "json_schema", "json_schema": {"schema": {"enum": [b"x"]}}}, "the json_schema does not compile: .*bytes"),
 ])
 def test_a_bad_response_format_is_refused_before_the_model_loads(response_format, message):
     with pytest.raises(ConfigError, match=message):

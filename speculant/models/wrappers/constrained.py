@@ -49,7 +49,10 @@ class Constraint:
     def __post_init__(self) -> None:
         """A grammar, schema or pattern that does not compile is refused when given, before any tokenizer (or
         model) loads: llguidance checks it without one."""
-        object.__setattr__(self, "text", self.grammar())
+        try:
+            object.__setattr__(self, "text", self.grammar())
+        except (ValueError, TypeError, RecursionError) as error:  # (not JSON; nested past llguidance's limit)
+            raise ConfigError(f"the {self.kind} does not compile: {one_line(str(error))}") from None
         if error := _llguidance().LLMatcher.validate_grammar(self.text):
             raise ConfigError(f"the {self.kind} does not compile: {one_line(error)}")
 
@@ -97,7 +100,7 @@ class Constraint:
         llguidance = _llguidance()
         if self.kind in ("json_object", "json_schema"):
             schema = {"type": "object"} if self.kind == "json_object" else self.value
-            text = llguidance.LLMatcher.grammar_from_json_schema(json.dumps(schema), JSON_OPTIONS)
+            text = llguidance.LLMatcher.grammar_from_json_schema(json.dumps(schema, allow_nan=False), JSON_OPTIONS)
         elif self.kind == "grammar":
             text = llguidance.LLMatcher.grammar_from_lark(self.value)
         else:
