@@ -57,12 +57,21 @@ def remembered(name: str, key: str, measure: Callable[[], Any]) -> Any:
         for old in list(known)[:-REMEMBERED_KEYS]:
             del known[old]
         try:
-            tmp = path.with_suffix(f".{os.getpid()}.tmp")
-            tmp.write_text(json.dumps(known, indent=1))
-            tmp.replace(path)
+            write_json(path, known)
         except OSError:
             pass  # measured again next time
         return known[key]
+
+
+def write_json(path: Path, value: Any) -> None:
+    """`value` as JSON at `path`, written beside it and renamed over it: a reader sees the old file or the new one,
+    never part of one (the temporary file is the writing thread's own: processes and threads may race)."""
+    tmp = path.with_name(f".{path.name}.{os.getpid()}-{threading.get_ident()}.tmp")
+    try:
+        tmp.write_text(json.dumps(value, indent=1))
+        tmp.replace(path)
+    finally:
+        tmp.unlink(missing_ok=True)
 
 
 def _read(path: Path) -> dict[str, Any]:

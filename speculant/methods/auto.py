@@ -33,8 +33,11 @@ def catch_up_cost(drafter: Any, profile: Any, prefixes: Any = None) -> Any:
     from speculant.drafters.cross_vocab import CrossVocabDrafter
 
     def seconds(context: list[int]) -> float:
-        ids = drafter.own_ids(context) if isinstance(drafter, CrossVocabDrafter) else context  # what its cache runs
-        lag = drafter.lag(context)
+        if isinstance(drafter, CrossVocabDrafter):  # its cache runs its own tokens of the text (encoded once here)
+            ids = drafter.own_ids(context)
+            lag = drafter.cache.lag(ids)
+        else:
+            ids, lag = context, drafter.lag(context)
         keep = len(ids) - lag
         if drafter.cache.prefills(keep, lag):
             prefill = profile.prefill_s(len(ids))

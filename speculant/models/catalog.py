@@ -18,14 +18,13 @@ import json
 import logging
 import os
 import shutil
-import threading
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from speculant.cache import cache_root, exclusive, sha256_file
-from speculant.config import GGUF, LEAN, QUANTS, SUFFIXES, split_quant
+from speculant.cache import cache_root, exclusive, sha256_file, write_json
+from speculant.config import LEAN, QUANTS, SUFFIXES, split_quant
 from speculant.errors import ConfigError, ModelNotAvailable
 from speculant.models.gguf_header import require_gguf
 
@@ -244,10 +243,8 @@ def check_cache(directory: Path, sources: str | None = None) -> str | None:
                 return f"{name} changed (SHA-256 mismatch)"
             record["stamp"], changed = stamp, True
     if changed:
-        tmp = directory / f".{MANIFEST}.{os.getpid()}-{threading.get_ident()}"
         try:
-            tmp.write_text(json.dumps(manifest, indent=1))
-            tmp.replace(directory / MANIFEST)
+            write_json(directory / MANIFEST, manifest)
         except OSError:
             pass  # a read-only cache is checked again next time
     return None

@@ -31,7 +31,7 @@ from collections.abc import Callable
 from importlib import metadata
 from pathlib import Path
 
-from speculant.cache import exclusive, cache_root
+from speculant.cache import cache_root, exclusive, write_json
 from speculant.errors import ConfigError, ModelNotAvailable
 from speculant.machine import cpu_info
 
@@ -191,11 +191,9 @@ def build(jobs: int | None = None, say: Callable[[str], None] = print) -> Path:
             except BaseException:
                 shutil.rmtree(build_dir, ignore_errors=True)
                 raise
-            tmp = root / f"manifest.{os.getpid()}.tmp"
-            tmp.write_text(json.dumps({
+            write_json(root / "manifest.json", {
                 "version": version, "cpu": cpu_info()[0], "bin": str(bin_dir), "lib": str(bin_dir),
-                "amx_fix": patched, "cmake": list(CMAKE_FLAGS), "key": build_key()}, indent=1))
-            tmp.replace(root / "manifest.json")
+                "amx_fix": patched, "cmake": list(CMAKE_FLAGS), "key": build_key()})
             for old in root.iterdir():  # the builds before it, which the manifest no longer names
                 if old.is_dir() and old != build_dir:
                     shutil.rmtree(old, ignore_errors=True)

@@ -23,7 +23,6 @@ The kernel is chosen per machine, dtype and weight shapes by timing the availabl
 from __future__ import annotations
 
 import json
-import os
 import statistics
 import threading
 import time
@@ -33,7 +32,7 @@ import torch.nn.functional as F
 from torch import nn
 from transformers.pytorch_utils import Conv1D
 
-from speculant.cache import cache_root
+from speculant.cache import cache_root, write_json
 from speculant.machine import cpu_info
 from speculant.models.numerics.invariant import use_row_invariant_attention
 from speculant.models.numerics.native import KERNELS
@@ -139,9 +138,7 @@ def kernel_for(typical: tuple[int, int], dtype: torch.dtype, device: torch.devic
             return known[key]
         known[key] = choose_kernel(typical, dtype, device)
         path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_suffix(f".{os.getpid()}.tmp")
-        tmp.write_text(json.dumps(known, indent=1))
-        tmp.replace(path)
+        write_json(path, known)
         return known[key]
 
 
