@@ -7,7 +7,8 @@ does (it is the CPU's, measured on the real weights). Measured, each at 256 cach
 model eager, and compiled with CUDA graphs; greedy `ar` tok/s compiled against transformers' own `generate`
 with a static cache under torch.compile (the gpt-fast-style reference); the drafter's cost ratio; and that greedy
 `sd` and `tree` on the compiled pair give `ar`'s tokens; `auto` against `ar` where nothing is accepted (A B B A);
-8 sequences' rows batched in the compiled step against each alone; a tree's draft levels as one CUDA graph against one
+8 sequences' rows batched in the compiled step against each alone; whether a quantized (int8, int4)
+transformers target's greedy `sd` and `tree` give its `ar`'s tokens; a tree's draft levels as one CUDA graph against one
 replay per level; the host syncs per target forward of `ar`, `sd` and `tree`, greedy and sampled; and first the
 suite's CUDA cases (`--sections tests`). `--smoke` runs the same code on tiny configurations (on the CPU, to check
 the script; the tests only collected)."""
@@ -307,6 +308,23 @@ def main() -> int:
         out.update({"rows": len(handles), "equal": batched == alone, "alone tok/s": n / alone_s,
                     "batched tok/s": n / batched_s})
 
+    def quantized(out: dict) -> None:
+        """Whether a quantized transformers target stays exact: the 0.5B with its linears int8 or int4 (the hf backend;
+        `make_exact` leaves quantized layers to their own kernels, which on CUDA may sum a row differently with the
+        call's other rows), greedy `sd` and `tree` with the target drafting for itself (every draft verified in one
+        call) against its `ar`: equal tokens, or where the first difference falls."""
+        from speculant.models.numerics.quant import quantize
+
+        prompt = torch.randint(0, 500, (100,)).tolist()
+        for quant in ("int8", "int4"):
+            target = HFCausalLM(quantize(model_of("0.5b", device, args.smoke), quant))
+            ar = generate(target, prompt_ids=prompt, method="ar", max_new_tokens=args.tokens // 2).token_ids
+            for label, options in (("sd k4 self", dict(method="sd", drafter="self", k=4)),
+                                   ("tree self d4 w2", dict(method="tree", drafter="self", depth=4, width=2))):
+                tokens = generate(target, prompt_ids=prompt, max_new_tokens=args.tokens // 2, **options).token_ids
+                out[f"{quant} {label}"] = {"equals ar": tokens == ar, "first difference": next(
+                    (i for i, (x, y) in enumerate(zip(tokens, ar)) if x != y), None), "tokens": len(tokens)}
+
     def draft(out: dict) -> None:
         """T(draft) of the compiled 0.5B (x16 rows): a tree of width 4 level by level (a CUDA graph replayed per
         level, the frontier chosen on the host between them) against its levels as one CUDA graph, each level the
@@ -352,7 +370,7 @@ def main() -> int:
 
     sections = {  # what no GPU has measured yet first (a lent call's limit may cut the last ones off)
         "tests": tests, "speculation": speculation, "draft": draft, "auto": auto, "syncs": syncs, "rows": rows,
-        "drafter": drafter_cost, "compiled T(W) ms": compiled_costs, "ar": tokens_per_second,
+        "quantized": quantized, "drafter": drafter_cost, "compiled T(W) ms": compiled_costs, "ar": tokens_per_second,
         "eager T(W) ms": eager_costs}
     if unknown := set(args.sections or ()) - set(sections):
         parser.error(f"unknown sections {sorted(unknown)}: choose from {', '.join(sections)}")

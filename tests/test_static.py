@@ -339,3 +339,51 @@ def test_a_handle_s_work_on_its_region_waits_for_the_pool():
 
 def test_trees_near_the_end_of_the_cache_fit_the_slots_left():
     assert_trees_fit_the_last_positions(static(transformer("llama", 0)), 64)
+
+
+def test_the_compiled_step_writes_the_caches_in_place():
+    """Functionalized, as torch.compile runs it, the step writes the pool's caches by `index_put` on the whole tensors,
+    which inductor does in place: written through a view (`keys[i, :, slots] = ...`), each layer's write became a
+    `select_scatter` of every region's cache, a compiled step's cost growing with the handles on its weights."""
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    handle = static(transformer("qwen2", 0))
+    for _ in range(3):
+        handle.share()
+    handle.prefill([1, 2, 3])
+    pool = handle.pool
+    def step(keys, values, ids, positions, slots, index, offsets):
+        return pool.weights(keys, values, ids, positions, slots, index, offsets)
+
+    graph = make_fx(torch.func.functionalize(step))(pool.keys, pool.values, *pool._inputs)
+    ops = [str(node.target) for node in graph.graph.nodes if node.op == "call_function"]
+    assert sum("index_put" in op for op in ops) == 2 * len(pool.weights.layers)
+    assert not [op for op in ops if "scatter" in op]
+
+
+def test_a_tree_s_levels_read_no_tensor_made_on_the_host():
+    """A CUDA graph (a tree's levels captured as one) cannot copy from the host's pageable memory: every tensor an
+    operation of `trees.levels.grow` reads is one of its inputs or an earlier operation's output, none made on the
+    host on the way (`frontier[best] = -inf` made its scalar there)."""
+    from torch.utils import _pytree as pytree
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from speculant.trees.levels import grow
+
+    class Provenance(TorchDispatchMode):
+        def __init__(self, inputs):
+            super().__init__()
+            self.known, self.foreign = {id(t): t for t in inputs}, []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.foreign += [str(func) for a in pytree.tree_leaves((args, kwargs))
+                             if isinstance(a, torch.Tensor) and id(a) not in self.known]
+            out = func(*args, **(kwargs or {}))
+            self.known.update((id(t), t) for t in pytree.tree_leaves(out) if isinstance(t, torch.Tensor))
+            return out
+
+    table, root_logits, root = torch.randn(64, 64), torch.randn(64), torch.tensor(10)
+    with Provenance([table, root_logits, root]) as mode:
+        tokens, parents, _ = grow(lambda ids, positions, slots, index: table[ids], root_logits, root, 3, 2, 4, 96)
+    assert len(tokens) == 7 and parents[0] == -1
+    assert mode.foreign == []

@@ -52,7 +52,7 @@ def grow(step: Step, root_logits: torch.Tensor, root: torch.Tensor, depth: int, 
         best = frontier.topk(width).indices  # in descending order, as the Python loop's sort
         new = 1 + (level - 1) * width + torch.arange(width, device=device)
         tokens[new], parents[new], scores[new] = frontier_tokens[best], frontier_parents[best], frontier[best]
-        frontier[best] = float("-inf")
+        frontier.index_fill_(0, best, float("-inf"))  # (`frontier[best] = -inf` copies a host scalar: no CUDA graph)
         if level == depth:
             break
         depths[new] = depths[parents[new]] + 1

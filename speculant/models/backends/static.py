@@ -154,12 +154,17 @@ class StaticWeights(nn.Module):
         cos, sin = self.cos[positions][:, None], self.sin[positions][:, None]
         key_positions = torch.arange(span, device=ids.device)[None]
         seen = key_positions <= positions[:, None]  # [rows, span]
+        # The caches are written by index_put_ on the whole tensors: written through a view (`keys[i, :, slots] = k`),
+        # compiled (functionalized) code scatters the view back into a copy of the whole pool, once per layer.
+        layer_at = torch.arange(len(self.layers), device=ids.device)
+        kv_at = torch.arange(kv_heads, device=ids.device)[:, None]
         for i, layer in enumerate(self.layers):
             qkv = F.linear(self._norm(x, layer.attn_norm), layer.w_qkv, layer.b_qkv)
             q, k, v = qkv.split([heads * dim, kv_heads * dim, kv_heads * dim], dim=-1)
             q = self._rotate(q.view(rows, heads, dim), cos, sin) * dim ** -0.5
-            keys[i, :, slots] = self._rotate(k.view(rows, kv_heads, dim), cos, sin).transpose(0, 1)
-            values[i, :, slots] = v.view(rows, kv_heads, dim).transpose(0, 1)
+            written = (layer_at[i], kv_at, slots)  # [kv_heads, rows] of layer i
+            keys.index_put_(written, self._rotate(k.view(rows, kv_heads, dim), cos, sin).transpose(0, 1))
+            values.index_put_(written, v.view(rows, kv_heads, dim).transpose(0, 1))
             visible = seen if layer.window is None else seen & (key_positions > positions[:, None] - layer.window)
             q = q.view(rows, kv_heads, heads // kv_heads, dim).transpose(0, 1)  # [kv_heads, rows, group, dim]
             cached_keys = keys[i].index_select(1, index).view(kv_heads, rows, span, dim)
