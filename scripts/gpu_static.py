@@ -18,6 +18,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import statistics
 import sys
 import time
@@ -170,21 +171,27 @@ def main() -> int:
 
         files = ["tests/test_static.py", "tests/test_tree.py", "tests/test_tree_depth.py", "tests/test_hf_backend.py",
                  "tests/test_speculative.py", "tests/test_cascade.py", "tests/test_sampling.py"]
-        command = [sys.executable, "-m", "pytest", "-n0", "-q", "-rfE", "-p", "no:cacheprovider", *files,
+        command = [sys.executable, "-m", "pytest", "-n0", "-v", "-rfE", "--tb=line", "-p", "no:cacheprovider", *files,
                    "-k", "cuda or another_device", *(["--collect-only"] if args.smoke else []),
                    *(["--timeout", str(TEST_TIMEOUT_S)] if importlib.util.find_spec("pytest_timeout") else [])]
         out["command"] = " ".join(command[1:])
         try:
             done = subprocess.run(command, capture_output=True, text=True, timeout=TESTS_TIMEOUT_S,
                                   cwd=Path(__file__).resolve().parents[1])
-        except subprocess.TimeoutExpired as cut:  # what ran so far (-q: the failures' lines come only at the end)
-            stdout = cut.stdout.decode(errors="replace") if isinstance(cut.stdout, bytes) else cut.stdout or ""
-            out["error"] = f"cut off after {TESTS_TIMEOUT_S} s:\n{stdout[-4000:]}"
+            stdout = done.stdout
+        except subprocess.TimeoutExpired as cut:  # (what ran so far: -v names each test as it ends)
+            done, stdout = None, cut.stdout or ""
+            stdout = stdout.decode(errors="replace") if isinstance(stdout, bytes) else stdout
+        outcomes = re.findall(r"^(\S+::\S+) (PASSED|FAILED|ERROR|SKIPPED)", stdout, re.MULTILINE)
+        out.update({"counts": dict(Counter(outcome for _, outcome in outcomes)),
+                    "failed": [name for name, outcome in outcomes if outcome in ("FAILED", "ERROR")]})
+        if done is None:
+            out["error"] = f"cut off after {TESTS_TIMEOUT_S} s, {len(outcomes)} tests run"
             return
-        lines = done.stdout.strip().splitlines()
+        lines = stdout.strip().splitlines()
         out.update({"exit": done.returncode, "summary": lines[-1] if lines else "",
-                    "failed": [line for line in lines if line.startswith(("FAILED", "ERROR"))],
-                    **({"error": done.stdout[-4000:]} if done.returncode not in (0, 5) else {})})
+                    "failures": [line for line in lines if line.startswith(("FAILED", "ERROR"))],
+                    **({"error": stdout[-4000:]} if done.returncode not in (0, 5) else {})})
 
     models = Loaded(lambda name: model_of(name, device, args.smoke))  # (a section loads what it uses)
     weights = Loaded(lambda name: StaticWeights(models[name]))

@@ -362,13 +362,12 @@ def test_the_compiled_step_writes_the_caches_in_place():
 
 
 def test_a_tree_s_levels_read_no_tensor_made_on_the_host():
-    """A CUDA graph (a tree's levels captured as one) cannot copy from the host's pageable memory: every tensor an
-    operation of `trees.levels.grow` reads is one of its inputs or an earlier operation's output, none made on the
-    host on the way (`frontier[best] = -inf` made its scalar there)."""
+    """A CUDA graph (a tree's levels captured as one, `KVPool.draft`) cannot copy from the host's pageable memory:
+    every tensor an operation of the levels reads (`StaticWeights.draft`: `trees.levels.grow` and the step) is an
+    input, a weight or an earlier operation's output, none made on the host on the way (`frontier[best] = -inf` made
+    its scalar there)."""
     from torch.utils import _pytree as pytree
     from torch.utils._python_dispatch import TorchDispatchMode
-
-    from speculant.trees.levels import grow
 
     class Provenance(TorchDispatchMode):
         def __init__(self, inputs):
@@ -382,8 +381,12 @@ def test_a_tree_s_levels_read_no_tensor_made_on_the_host():
             self.known.update((id(t), t) for t in pytree.tree_leaves(out) if isinstance(t, torch.Tensor))
             return out
 
-    table, root_logits, root = torch.randn(64, 64), torch.randn(64), torch.tensor(10)
-    with Provenance([table, root_logits, root]) as mode:
-        tokens, parents, _ = grow(lambda ids, positions, slots, index: table[ids], root_logits, root, 3, 2, 4, 96)
+    handle = static(transformer("mistral", 0))  # (its window: the masks of both kinds of layer)
+    handle.prefill(list(range(10)))
+    pool = handle.pool
+    root, offset = pool._root  # (as `KVPool.draft` passes them)
+    inputs = (pool.keys, pool.values, pool._root_logits, root, offset)
+    with torch.inference_mode(), Provenance([*inputs, *pool.weights.buffers()]) as mode:
+        tokens, parents, _ = pool.weights.draft(*inputs, 3, 2, pool.width, pool.span)
     assert len(tokens) == 7 and parents[0] == -1
     assert mode.foreign == []

@@ -237,8 +237,9 @@ class KVPool:
     tensors ([layers, kv_heads, regions x (span + width), head_dim]; a region's last `width` slots are written by
     padded rows), so that one step runs rows of several handles (`forward_rows`), each row reading only its own
     region. A handle takes a region when made and gives it back when dropped; where none is free the pool grows
-    fourfold (`GROWTH`: each size is a compiled step of its own and a CUDA graph captured again, so few sizes). The step's input buffers, and on a GPU its one CUDA graph, are the pool's:
-    a solo call and a batch run the same step at the same shapes, so a row's bits never depend on its company."""
+    fourfold (`GROWTH`: each size is a compiled step of its own and a CUDA graph captured again, so few sizes). The
+    step's input buffers, and on a GPU its one CUDA graph, are the pool's: a solo call and a batch run the same step
+    at the same shapes, so a row's bits never depend on its company."""
 
     def __init__(self, weights: StaticWeights, span: int, width: int, compiled: bool) -> None:
         self.weights, self.span, self.width, self.compiled = weights, span, width, compiled
@@ -357,7 +358,8 @@ class KVPool:
         """One step of `width` rows (the CUDA graph where one is captured): its inputs copied into the pool's
         buffers, the key index (one copy) only where a tree moves it or moved it."""
         first = chunk[0].handle.offset  # padded rows write the first row's region's last slots
-        inputs = np.array([(row.token, row.position, row.handle.offset + row.slot, row.handle.offset) for row in chunk] +
+        inputs = np.array([(row.token, row.position, row.handle.offset + row.slot, row.handle.offset)
+                           for row in chunk] +
                           [(0, self.span + r, first + self.span + r, first) for r in range(len(chunk), self.width)],
                           dtype=np.int64).T
         trees = [(r, row.index) for r, row in enumerate(chunk) if row.index is not None]
