@@ -1,9 +1,10 @@
 """T(draft) of one equal-growth tree, level by level from Python against its levels in one call (`trees.levels`;
 one compiled graph where the drafter is compiled), on the static backend: the median milliseconds of a tree of each
-depth below a 200-token context, the trees compared (tokens and parents). Compiled on the CPU, a depth is grown to
+depth below a 200-token context, the trees compared (each node's tokens from the root and its path probability;
+the order of candidates of equal scores is the device's, `trees.levels`). Compiled on the CPU, a depth is grown to
 the next power of two and cut (`StaticCausalLM.draft_tree`), so depth 2, 4 and 8 time their own graphs; on a GPU each
-level runs the compiled step, the levels captured as one CUDA graph (`KVPool.levels_in_steps`). The drafter: a random Qwen2-shaped model (a
-forward of ~1-2 ms on a 2-core CPU at the defaults), eager and compiled, one thread. scripts/gpu_static.py's `draft`
+level runs the compiled step, the levels captured as one CUDA graph (`KVPool.levels_in_steps`). The drafter: a
+random Qwen2-shaped model (a forward of ~1-2 ms on a 2-core CPU at the defaults), eager and compiled, one thread. scripts/gpu_static.py's `draft`
 section calls `draft_costs` on a GPU with the 0.5B's shape.
 
     python scripts/draft_graph.py docs/results/draft-graph/results.json [--depths 2 4 8 --width 4 --repeats 30]
@@ -26,18 +27,30 @@ from speculant.trees.drafter import TreeDrafter
 CONTEXT = 200
 
 
+def nodes(tree, path_probs) -> list[tuple[tuple[int, ...], float]]:
+    """A tree as its nodes' (tokens from the root, path probability), sorted: the tree whatever its nodes' order."""
+    paths: list[tuple[int, ...]] = []
+    for token, parent in zip(tree.tokens, tree.parents):
+        paths.append((*paths[parent], token) if parent >= 0 else (token,))
+    return sorted(zip(paths, path_probs))
+
+
 def draft_costs(weights: StaticWeights, width: int, depths: list[int], repeats: int, compiled: bool,
                 rows: int = 4) -> dict:
     """Per depth: the milliseconds of one tree drafted level by level and in one call (median of `repeats` after a
-    warm-up, which compiles), and whether both gave the same tree."""
+    warm-up, which compiles), and whether both gave the same tree up to the order of its nodes (random weights over a
+    large vocabulary give many candidates of equal scores, which the loop orders by parent and token, `topk` as the
+    device does). Both drafters draft on one handle (a second would grow its weights' pool: new shapes, compiled
+    again)."""
     device = weights.device
     context = torch.randint(0, weights.vocab_size, (CONTEXT,), generator=torch.Generator().manual_seed(0)).tolist()
     out = {}
     for depth in depths:
         row = {}
         trees = {}
+        model = StaticCausalLM(weights, width=rows, span=1024, compiled=compiled)
         for label, graph in (("levels", False), ("one call", True)):
-            drafter = TreeDrafter(StaticCausalLM(weights, width=rows, span=1024, compiled=compiled), width, graph=graph)
+            drafter = TreeDrafter(model, width, graph=graph)
             samples, trees[label] = [], []
             for i in range(repeats + 1):
                 if device.type == "cuda":
@@ -47,10 +60,10 @@ def draft_costs(weights: StaticWeights, width: int, depths: list[int], repeats: 
                 if device.type == "cuda":
                     torch.cuda.synchronize()
                 samples.append(time.perf_counter() - began)
-                trees[label].append(draft.tree)
+                trees[label].append(nodes(draft.tree, draft.path_probs))
             row[f"{label} ms"] = statistics.median(samples[1:]) * 1e3
             row[f"{label} first ms"] = samples[0] * 1e3
-        row["equal"] = trees["levels"] == trees["one call"]  # every tree: tokens and parents
+        row["equal"] = trees["levels"] == trees["one call"]  # every tree
         row["levels / one call"] = row["levels ms"] / row["one call ms"]
         out[f"depth {depth}"] = row
     return out

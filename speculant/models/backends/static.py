@@ -24,7 +24,8 @@ import inspect
 import threading
 import time
 import weakref
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
@@ -304,15 +305,24 @@ class KVPool:
             if interrupt is not None and interrupt():
                 raise Interrupted()
             chunk = rows[at:at + self.width]
-            with self.lock:  # one step at a time through the pool's buffers (a drafter's thread shares them)
-                self._follow()
+            with self.ordered():  # one step at a time through the pool's buffers (a drafter's thread shares them)
                 out, x = self._step(chunk)  # copies: a CUDA graph's output buffers are rewritten by its next replay
                 logits.append(out[:len(chunk)].to(torch.float32, copy=True))
                 hidden.append(x[:len(chunk)].clone())
-                self._mark()
         if self.device.type == "cuda":  # return once computed (this thread's stream: a timer around it is honest)
             torch.cuda.current_stream(self.device).synchronize()
         return torch.cat(logits), torch.cat(hidden)
+
+    @contextmanager
+    def ordered(self) -> Iterator[None]:
+        """The pool's lock, and on a GPU work queued on this thread's stream after the pool's last work (`_follow`) and
+        marked as its last (`_mark`): a step, a tree's levels, or a handle's work on its region's storage."""
+        with self.lock:
+            self._follow()
+            try:
+                yield
+            finally:
+                self._mark()
 
     def _follow(self) -> None:
         """On a GPU, queue the next step after the pool's last one: another thread's stream (stage scheduling's
@@ -330,8 +340,7 @@ class KVPool:
         """An equal-growth tree below `handle`'s last cached token, its levels in one call (`StaticWeights.draft`;
         compiled: one inductor graph of every level, or on a GPU each level the compiled step, captured together as
         one CUDA graph per depth and width): tokens, parents, path log-probabilities."""
-        with self.lock:
-            self._follow()
+        with self.ordered():
             self._root.copy_(torch.tensor([handle.cache_len - 1, handle.offset]))
             self._root_logits.copy_(root_logits)
 
@@ -351,7 +360,6 @@ class KVPool:
                 graph, out = self._drafts[depth, width]
                 graph.replay()
             tokens, parents, scores = (tensor.tolist() for tensor in out)  # (read before another replay rewrites them)
-            self._mark()
         return tokens, parents, scores
 
     def _step(self, chunk: Sequence[_Row]) -> tuple[torch.Tensor, torch.Tensor]:
@@ -500,15 +508,15 @@ class StaticCausalLM(PointerCache, Backend):
         return self._run(rows) if rows else torch.empty(0, self.vocab_size, device=self.device)
 
     def keep(self, indices: Sequence[int]) -> None:
-        with self.pool.lock:  # (the pool growing on another thread moves every region's storage)
+        with self.pool.ordered():  # (the pool growing on another thread moves every region's storage)
             super().keep(indices)
 
     def export_kv(self, start: int, end: int) -> tuple[torch.Tensor, torch.Tensor]:
-        with self.pool.lock:
+        with self.pool.ordered():
             return super().export_kv(start, end)
 
     def import_kv(self, pieces: Sequence[tuple[torch.Tensor, torch.Tensor]]) -> None:
-        with self.pool.lock:
+        with self.pool.ordered():
             super().import_kv(pieces)
 
     def draft_tree(self, root_logits: torch.Tensor, depth: int, width: int) -> tuple[list[int], list[int], list[float]]:
