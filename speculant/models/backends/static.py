@@ -415,7 +415,9 @@ class KVPool:
             run()
         torch.cuda.current_stream(self.device).wait_stream(stream)
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, capture_error_mode="thread_local"):  # (a server's other threads run meanwhile)
+        # On the capture's own stream: torch.cuda.graph's default is one stream for the whole process, which a stage
+        # drafter's thread and the decoder's, each capturing a graph of its pool, would share. Other threads run on.
+        with torch.cuda.graph(graph, stream=stream, capture_error_mode="thread_local"):
             out = run()
         return graph, out
 
