@@ -4,8 +4,8 @@ depth below a 200-token context, the trees compared (each node's tokens from the
 the order of candidates of equal scores is the device's, `trees.levels`). Compiled on the CPU, a depth is grown to
 the next power of two and cut (`StaticCausalLM.draft_tree`), so depth 2, 4 and 8 time their own graphs; on a GPU each
 level runs the compiled step, the levels captured as one CUDA graph (`KVPool.levels_in_steps`). The drafter: a
-random Qwen2-shaped model (a forward of ~1-2 ms on a 2-core CPU at the defaults), eager and compiled, one thread. scripts/gpu_static.py's `draft`
-section calls `draft_costs` on a GPU with the 0.5B's shape.
+random Qwen2-shaped model (2 layers of 128 by default), eager and compiled, one thread. scripts/gpu_static.py's
+`draft` section calls `draft_costs` on a GPU with the 0.5B's shape.
 
     python scripts/draft_graph.py docs/results/draft-graph/results.json [--depths 2 4 8 --width 4 --repeats 30]
 """
@@ -45,10 +45,10 @@ def draft_costs(weights: StaticWeights, width: int, depths: list[int], repeats: 
     device = weights.device
     context = torch.randint(0, weights.vocab_size, (CONTEXT,), generator=torch.Generator().manual_seed(0)).tolist()
     out = {}
+    model = StaticCausalLM(weights, width=rows, span=1024, compiled=compiled)
     for depth in depths:
         row = {}
         trees = {}
-        model = StaticCausalLM(weights, width=rows, span=1024, compiled=compiled)
         for label, graph in (("levels", False), ("one call", True)):
             drafter = TreeDrafter(model, width, graph=graph)
             samples, trees[label] = [], []

@@ -9,6 +9,7 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 if [[ ${1:-} == --wheels ]]; then  # (for the image's Python, 3.12; .whl is git-ignored)
+    # (the greenlet installed here; where none is, 3.5.6, the one the server's extra installed when this was written)
     exec python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
         --platform manylinux_2_28_x86_64 --platform manylinux_2_24_x86_64 --platform manylinux_2_17_x86_64 \
         -d .whl "greenlet==$(python3 -c 'import greenlet; print(greenlet.__version__)' 2> /dev/null || echo 3.5.6)"

@@ -190,7 +190,7 @@ def main() -> int:
             return
         lines = stdout.strip().splitlines()
         out.update({"exit": done.returncode, "summary": lines[-1] if lines else "",
-                    "failures": [line for line in lines if line.startswith(("FAILED", "ERROR"))],
+                    "failure lines": [line for line in lines if line.startswith(("FAILED", "ERROR"))],
                     **({"error": stdout[-4000:]} if done.returncode not in (0, 5) else {})})
 
     models = Loaded(lambda name: model_of(name, device, args.smoke))  # (a section loads what it uses)
@@ -212,7 +212,8 @@ def main() -> int:
                 model = StaticCausalLM(weights[name], width=w, span=1024, compiled=True)
                 model.prefill([1, 2, 3])
                 first = time.perf_counter() - began
-                out[f"{name} compiled x{w}"] = {"first call s" if fresh else "first call s, compiled before": first, **{
+                out[f"{name} compiled x{w}"] = {"first call s" if fresh else "first call s, compiled before": first,
+                                                "regions": model.pool.capacity, **{
                     k: forward_cost(model, k, args.repeats, device) * 1e3 for k in sorted({1, w})}}
 
     def tokens_per_second(out: dict) -> None:
@@ -313,7 +314,8 @@ def main() -> int:
         alone, alone_s = decode(False)
         batched, batched_s = decode(True)
         n = sum(len(t) - 1 for t in alone)
-        out.update({"rows": len(handles), "equal": batched == alone, "alone tok/s": n / alone_s,
+        out.update({"rows": len(handles), "regions": target.pool.capacity, "equal": batched == alone,
+                    "alone tok/s": n / alone_s,
                     "batched tok/s": n / batched_s})
 
     def quantized(out: dict) -> None:

@@ -189,7 +189,7 @@ ENTRIES: dict[str, tuple[str, str, str | None, str | None, str | None]] = {
     "gpu-h200-pool.json": ("GPU", "every section of gpu_static.py in one call (30 Nov): the CUDA tests' failures (a "
                            "tree's levels captured as one graph), each compiled row on a pool of 16 regions (slowed by "
                            "a copy of the whole pool per layer, since fixed), a quantized target's exactness (gpu.md)",
-                           "bash scripts/gpu_lent.sh", "NVIDIA H200 (lent)", None),
+                           "bash scripts/gpu_lent.sh", "NVIDIA H200 (lent)", "9dcd546"),
     "auto-no-accept": ("speculation", "`auto` against `ar` where nothing is accepted, ~2 ms a forward on the CPU "
                        "(random static models), A B B A with 95% intervals over rounds, in wall and CPU time: "
                        "results.json; zen3-rest-{before,after}-{1,2}.json before and after a losing model candidate "

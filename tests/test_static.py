@@ -337,21 +337,51 @@ def test_a_handle_s_work_on_its_region_waits_for_the_pool():
     assert done.is_set() and handle.cache_len == 2
 
 
+def test_a_handle_s_work_on_its_region_is_queued_after_the_pool_s_last(monkeypatch):
+    """`keep`, `export_kv` and `import_kv` queue after the pool's last work and mark theirs (`KVPool.ordered`, on a GPU
+    an event), as steps do: a stage drafter's thread queues the pool's work on a stream of its own."""
+    handle = static(transformer("llama", 0))
+    handle.prefill([1, 2, 3, 4])
+    log = []
+    monkeypatch.setattr(handle.pool, "_follow", lambda: log.append("follow"))
+    monkeypatch.setattr(handle.pool, "_mark", lambda: log.append("mark"))
+    handle.import_kv([handle.export_kv(0, 3)])
+    handle.keep([0, 1])
+    assert log == ["follow", "mark"] * 3 and handle.cache_len == 2
+
+
+def test_a_dropped_handle_gives_its_region_back_without_waiting_for_the_pool():
+    """A handle's finalizer hands its region back without the pool's lock: it may run on any thread (the garbage
+    collection a CUDA graph capture starts, holding the process's `CAPTURING`) while another thread holds the lock
+    and waits for that capture. The next handle takes the region."""
+    import threading
+
+    handle = static(transformer("llama", 0))
+    handles = [handle.share()]
+    region, returned = handles[0]._region, threading.Event()
+    with handle.pool.lock:
+        worker = threading.Thread(target=lambda: (handles.clear(), returned.set()))
+        worker.start()
+        assert returned.wait(5)  # (before: it waited for the lock)
+    worker.join(5)
+    assert handle.share()._region == region
+
+
 def test_trees_near_the_end_of_the_cache_fit_the_slots_left():
     assert_trees_fit_the_last_positions(static(transformer("llama", 0)), 64)
 
 
 def test_the_compiled_step_writes_the_caches_in_place():
-    """Functionalized, as torch.compile runs it, the step writes the pool's caches by `index_put` on the whole tensors,
-    which inductor does in place: written through a view (`keys[i, :, slots] = ...`), each layer's write became a
-    `select_scatter` of every region's cache, a compiled step's cost growing with the handles on its weights."""
+    """Functionalized, as torch.compile runs it (the test reads that graph; inductor then writes in place), the step
+    writes the pool's caches by `index_put` on the whole tensors: written through a view (`keys[i, :, slots] = ...`),
+    each layer's write became a `select_scatter` of every region's cache, a compiled step's cost growing with the
+    handles on its weights."""
     from torch.fx.experimental.proxy_tensor import make_fx
 
     handle = static(transformer("qwen2", 0))
-    for _ in range(3):
-        handle.share()
     handle.prefill([1, 2, 3])
     pool = handle.pool
+
     def step(keys, values, ids, positions, slots, index, offsets):
         return pool.weights(keys, values, ids, positions, slots, index, offsets)
 

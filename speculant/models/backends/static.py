@@ -21,6 +21,7 @@ sequences (`forward_rows`, what a server runs), each row computed as it would be
 from __future__ import annotations
 
 import inspect
+import queue
 import threading
 import time
 import weakref
@@ -44,6 +45,7 @@ ARCHITECTURES = ("llama", "qwen2", "mistral")
 DEFAULT_SPAN = 2048  # positions a handle's cache holds when the model allows more
 WIDTHS = (1, 2, 4, 8, 16, 32)  # the static widths a handle may run at
 GROWTH = 4  # a full pool's growth: 1, 4, 16, 64, 256, 1024 regions
+CAPTURING = threading.Lock()  # torch allows one CUDA graph capture underway at a time in a process
 GRAPHS = 64  # the graphs torch.compile may make of one function here (`compile_graphs`): every pool's step (one per
 # weights, width and pool size) is a graph of `StaticWeights.forward`'s, and every draft graph (one per depth, width and
 # pool size; compiled depths are powers of two) one of `StaticWeights.draft`'s. On a GPU the levels run the step's own
@@ -247,6 +249,7 @@ class KVPool:
         self.stride = span + width
         self.device, self.dtype = weights.device, weights.dtype
         self.capacity, self.free = 0, []
+        self._given: queue.SimpleQueue[int] = queue.SimpleQueue()  # regions handed back, not yet in `free`
         self.keys = self.values = torch.empty(0)
         with torch.inference_mode():  # (as a draft's levels make theirs: they then run the graph compiled for steps)
             self._rows = torch.zeros(4, width, dtype=torch.long, device=self.device)  # ids, positions, slots, offsets
@@ -267,13 +270,17 @@ class KVPool:
 
     def take(self) -> int:
         with self.lock:
+            while not self._given.empty():
+                self.free.append(self._given.get())
             if not self.free:
                 self._grow(max(GROWTH * self.capacity, 1))
             return self.free.pop()
 
     def give(self, region: int) -> None:
-        with self.lock:  # (re-entrant: a handle's finalizer may run inside a step of this thread)
-            self.free.append(region)
+        """Hand a region back without waiting for the lock: a handle's finalizer may run on any thread at any
+        allocation, e.g. in the garbage collection `torch.cuda.graph` starts while another pool's capture holds
+        `CAPTURING` and this pool's step waits for it."""
+        self._given.put(region)
 
     def _grow(self, capacity: int) -> None:
         shape = (len(self.weights.layers), self.weights.kv_heads, capacity * self.stride, self.weights.head_dim)
@@ -408,16 +415,16 @@ class KVPool:
     def _capture(self, run: Callable[[], Any]) -> tuple[torch.cuda.CUDAGraph, Any]:
         """`run` (a step, or a tree's draft levels, over the pool's caches and input buffers) as a CUDA graph, after two
         warm-up runs on a side stream (they compile it, and write what the captured run writes); its outputs."""
-        stream = torch.cuda.Stream(self.device)
+        # High priority: a stream from the pool apart from the default-priority streams (a stage drafter's among them)
+        # that torch hands out in turn, so no other thread queues work on the stream being captured.
+        stream = torch.cuda.Stream(self.device, priority=-1)
         stream.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(stream):
             run()
             run()
         torch.cuda.current_stream(self.device).wait_stream(stream)
         graph = torch.cuda.CUDAGraph()
-        # On the capture's own stream: torch.cuda.graph's default is one stream for the whole process, which a stage
-        # drafter's thread and the decoder's, each capturing a graph of its pool, would share. Other threads run on.
-        with torch.cuda.graph(graph, stream=stream, capture_error_mode="thread_local"):
+        with CAPTURING, torch.cuda.graph(graph, stream=stream, capture_error_mode="thread_local"):  # (others run on)
             out = run()
         return graph, out
 
