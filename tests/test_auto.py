@@ -767,7 +767,6 @@ def test_options_for_model_drafters_are_refused_where_auto_has_none():
              session=session)
 
 
-
 def test_options_for_token_trees_are_refused_where_every_model_drafter_has_another_vocabulary(monkeypatch):
     """Trees are drafted in the target's ids, so auto drafts none with a drafter of another tokenizer: tree_widths
     and schedule=stage set for it would do nothing, and are refused once the drafter loads, before a token is
@@ -791,6 +790,7 @@ def test_options_for_token_trees_are_refused_where_every_model_drafter_has_anoth
                     session=session).token_ids == expected
     assert generate(target, "def foo(x):", method="auto", drafters=[cross, perturbed(target, 0.05, 1)],
                     max_new_tokens=8, tree_widths=(4,), schedule="stage", session=session).token_ids == expected
+
 
 def test_a_drafter_many_texts_showed_never_right_is_probed_again_once_texts_change():
     """After a run of texts where a drafter was never right its promise, and so its probe budget, fall near 0; the

@@ -362,6 +362,7 @@ def test_self_skip_where_calibration_finds_no_layer_worth_skipping_is_one_error(
         with pytest.raises(ConfigError, match=f"calibration found no layer worth skipping in {target.name}"):
             generate(target, prompt_ids=[1, 2, 3], max_new_tokens=4, **options)
 
+
 def test_a_windowed_model_agrees_with_transformers_mistral_on_the_same_weights(lean_files):
     """A llama GGUF with a sliding window of 6 is Mistral: its logits, for a prompt past the window, are those of
     transformers' Mistral on the de-quantized weights, which applies the window itself (and not those of the same

@@ -10,7 +10,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from speculant.config import GGUF, LEAN, QUANTS, split_quant
+from speculant.config import GGUF, LEAN, QUANTS, SUFFIXES, split_quant
 from speculant.errors import ConfigError, IncompatibleModels
 
 MAXGRAM = "maxgram"  # prompt lookup with a bigram fallback, no model (drafters.maxgram)
@@ -52,7 +52,7 @@ class DrafterSpec:
             raise ConfigError(f"drafter '{text}' has more than one @ suffix")
         if source == "none":
             raise ConfigError("'none' is not a drafter (it means plain autoregressive decoding: method 'ar')")
-        if suffix is not None and suffix not in (*QUANTS, GGUF, LEAN, SKIP):
+        if suffix is not None and suffix not in (*SUFFIXES, SKIP):
             raise ConfigError(f"unknown quantization '{suffix}' in drafter '{text}' (choose from {', '.join(QUANTS)}, "
                               f"{GGUF} for llama.cpp, {LEAN} for speculant's kernels, or self@{SKIP})")
         if suffix == SKIP and source != SELF:

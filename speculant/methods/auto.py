@@ -135,19 +135,20 @@ def check_model_only(options: AutoOptions, models: int, trees: int | None = None
     drafter (`models`: how many it has) to apply them to, are refused: never silently ignored. So are those that act
     only on token trees (`tree_only`) where no model drafter drafts in the target's vocabulary, as a tree's tokens
     must (`trees`: how many do, known once they load)."""
-    changed = {kind: [f.name for f in fields(options) if f.metadata.get(kind) and getattr(options, f.name) != f.default]
-               for kind in ("model_only", "tree_only")}
-    changed["tree_only"] = [name for name in changed["tree_only"] if getattr(options, name) != ()]  # (no trees: fine)
+
+    def changed(kind: str, *fine: Any) -> list[str]:
+        return [f.name for f in fields(options)
+                if f.metadata.get(kind) and getattr(options, f.name) not in (f.default, *fine)]
 
     def applies(names: list[str]) -> str:
         return f"{', '.join(names)} appl{'ies' if len(names) == 1 else 'y'}"
 
-    if changed["model_only"] and not models:
-        raise ConfigError(f"{applies(changed['model_only'])} to model drafters; auto drafts here with "
+    if (names := changed("model_only")) and not models:
+        raise ConfigError(f"{applies(names)} to model drafters; auto drafts here with "
                           f"{', '.join(map(str, options.drafters or ())) or 'none'} only")
-    if changed["tree_only"] and trees == 0:
-        raise OptionError(changed["tree_only"][0], f"{applies(changed['tree_only'])} to token trees, which need a "
-                          "model drafter in the target's vocabulary; auto's model drafters here draft in another")
+    if (names := changed("tree_only", ())) and trees == 0:  # (an empty tree_widths asks for no trees)
+        raise OptionError(names[0], f"{applies(names)} to token trees, which need a model drafter in the target's "
+                          "vocabulary; auto's model drafters here draft in another")
 
 
 def with_own_drafters(options: AutoOptions, target: Any) -> AutoOptions:

@@ -159,13 +159,16 @@ def build(jobs: int | None = None, say: Callable[[str], None] = print) -> Path:
             if subprocess.run(command, stdout=out, stderr=subprocess.STDOUT, env=env).returncode != 0:
                 raise ConfigError(f"building llama.cpp failed: `{' '.join(command[:4])} ...` (log: {log})")
 
+    def bind(sdist: Path | str) -> None:
+        if not bindings:
+            say(f"installing the {PACKAGE} {version} bindings (Python only: they run on this build) ...")
+            install_bindings(sdist, run)
+
     root.mkdir(parents=True, exist_ok=True)
     with exclusive(root / "build.lock"):  # (a process that waited here finds the build the other made)
         built = manifest()
         if built is not None and built.get("key") == build_key() and not missing(Path(built["bin"])):
-            if not bindings:
-                say(f"installing the {PACKAGE} {version} bindings (Python only: they run on this build) ...")
-                install_bindings(f"{PACKAGE}=={version}", run)
+            bind(f"{PACKAGE}=={version}")
             say(f"already built: {root}")
             return Path(built["bin"])
         for program in ("cmake", "c++"):
@@ -197,8 +200,6 @@ def build(jobs: int | None = None, say: Callable[[str], None] = print) -> Path:
             for old in root.iterdir():  # the builds before it, which the manifest no longer names
                 if old.is_dir() and old != build_dir:
                     shutil.rmtree(old, ignore_errors=True)
-            if not bindings:
-                say(f"installing the {PACKAGE} {version} bindings (Python only: they run on this build) ...")
-                install_bindings(sdist, run)
+            bind(sdist)
     say(f"built: {bin_dir}")
     return bin_dir
