@@ -44,7 +44,8 @@ CONFIGS = {  # Qwen2.5-Coder-1.5B / 0.5B (Instruct)
 SMOKE = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
              vocab_size=512, tie_word_embeddings=True, max_position_embeddings=1024)
 CONTEXT = 256
-TESTS_TIMEOUT_S = 300  # the CUDA cases together
+TESTS_TIMEOUT_S = 240  # the CUDA cases together
+TEST_WORKERS = 6  # pytest-xdist workers sharing the cores (a CUDA case is mostly host work: compiles, launches)
 TEST_TIMEOUT_S = 120  # one of them (where pytest-timeout is installed)
 
 
@@ -159,20 +160,22 @@ def main() -> int:
             fn(out)
         except Exception:  # noqa: BLE001 - one failing section must not lose the others' numbers
             out["error"] = traceback.format_exc(limit=4)
-        print(f"{name} ({time.perf_counter() - began:.0f} s): {json.dumps(out)[:600]}", flush=True)
-        save()
+        out["seconds"] = round(time.perf_counter() - began, 1)  # (what the next call's plan can budget)
+        print(f"{name} ({out['seconds']:.0f} s): {json.dumps(out)[:600]}", flush=True)
 
     def tests(out: dict) -> None:
         """The CUDA cases of the test suite (`-k cuda`, and the one with the drafter on another device than the
         target; the served static case needs the server's `greenlet`, which a bare GPU image may lack: carry its
-        wheel), each test under a limit of its own where pytest-timeout is installed. `--smoke` only collects them."""
+        wheel), on `TEST_WORKERS` workers sharing the cores (tests/conftest.py), each test under a limit of its own
+        where pytest-timeout is installed. `--smoke` runs them where they all skip (no CUDA), to read their outcomes."""
         import importlib.util
         import subprocess
 
         files = ["tests/test_static.py", "tests/test_tree.py", "tests/test_tree_depth.py", "tests/test_hf_backend.py",
                  "tests/test_speculative.py", "tests/test_cascade.py", "tests/test_sampling.py"]
-        command = [sys.executable, "-m", "pytest", "-n0", "-v", "-rfE", "--tb=line", "-p", "no:cacheprovider", *files,
-                   "-k", "cuda or another_device", *(["--collect-only"] if args.smoke else []),
+        workers = min(TEST_WORKERS, os.cpu_count() or 1)
+        command = [sys.executable, "-m", "pytest", "-n", str(workers), "-v", "-rfE", "--tb=line",
+                   "-p", "no:cacheprovider", *files, "-k", "cuda or another_device",
                    *(["--timeout", str(TEST_TIMEOUT_S)] if importlib.util.find_spec("pytest_timeout") else [])]
         out["command"] = " ".join(command[1:])
         try:
@@ -182,16 +185,18 @@ def main() -> int:
         except subprocess.TimeoutExpired as cut:  # (what ran so far: -v names each test as it ends)
             done, stdout = None, cut.stdout or ""
             stdout = stdout.decode(errors="replace") if isinstance(stdout, bytes) else stdout
-        outcomes = re.findall(r"^(\S+::\S+) (PASSED|FAILED|ERROR|SKIPPED)", stdout, re.MULTILINE)
-        out.update({"counts": dict(Counter(outcome for _, outcome in outcomes)),
-                    "failed": [name for name, outcome in outcomes if outcome in ("FAILED", "ERROR")]})
+        # (-v names each test as a worker ends it: "[gw0] [  5%] PASSED tests/x.py::name")
+        outcomes = re.findall(r"^\[gw\d+\] \[ *\d+%\] (PASSED|FAILED|ERROR|SKIPPED) (\S+::\S+)", stdout, re.MULTILINE)
+        out.update({"counts": dict(Counter(outcome for outcome, _ in outcomes)),
+                    "failed": [name for outcome, name in outcomes if outcome in ("FAILED", "ERROR")]})
         if done is None:
             out["error"] = f"cut off after {TESTS_TIMEOUT_S} s, {len(outcomes)} tests run"
             return
         lines = stdout.strip().splitlines()
         out.update({"exit": done.returncode, "summary": lines[-1] if lines else "",
                     "failure lines": [line for line in lines if line.startswith(("FAILED", "ERROR"))],
-                    **({"error": stdout[-4000:]} if done.returncode not in (0, 5) else {})})
+                    **({"error": stdout[-4000:]} if done.returncode not in (0, 5) else
+                       {"error": "no test's outcome read"} if not outcomes else {})})
 
     models = Loaded(lambda name: model_of(name, device, args.smoke))  # (a section loads what it uses)
     weights = Loaded(lambda name: StaticWeights(models[name]))

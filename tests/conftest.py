@@ -3,11 +3,14 @@ import sys
 from pathlib import Path
 
 # The suite runs on two pytest-xdist workers (pyproject's addopts). Most tests are single-threaded Python around
-# tiny models, so each worker gets a core of its own, set before torch, llama.cpp or the kernels count the cores
-# they may use: two workers each running two threads on two cores spin against each other and run slower than one.
+# tiny models, so each worker gets cores of its own (an equal share; on two cores, one each), set before torch,
+# llama.cpp or the kernels count the cores they may use: two workers each running two threads on two cores spin
+# against each other and run slower than one.
 if "PYTEST_XDIST_WORKER" in os.environ and hasattr(os, "sched_setaffinity"):
     cores = sorted(os.sched_getaffinity(0))
-    os.sched_setaffinity(0, {cores[int(os.environ["PYTEST_XDIST_WORKER"].removeprefix("gw")) % len(cores)]})
+    share = max(1, len(cores) // int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", len(cores))))
+    first = int(os.environ["PYTEST_XDIST_WORKER"].removeprefix("gw")) * share % len(cores)
+    os.sched_setaffinity(0, set(cores[first:first + share]))
 
 sys.path.insert(0, str(Path(__file__).parent))
 # Every Ray cluster the tests start (ray.init's and `ray start`'s) is a throwaway local one: no auth token,
