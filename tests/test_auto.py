@@ -18,7 +18,7 @@ from speculant.decoding.adaptive import (COST_FOLLOWS, LOOK_FIRST, PACE_STEPS, P
                                          adaptive, best_length, can_pay, expected_remaining, first_children_accepted,
                                          Batched)
 from speculant.decoding.run import timed
-from speculant.drafters.base import Draft
+from speculant.drafters.base import Draft, Drafter
 from speculant.latency import LatencyProfile
 from speculant.trees.tree import TokenTree
 from speculant.models.wrappers.metered import Metered, Usage
@@ -674,15 +674,13 @@ def test_a_cache_catches_up_by_a_prefill_where_its_profile_says_that_is_sooner()
         cache.run(context)
         assert ran[0] == way and ("prefill" in ran) == (way == "prefill")  # (a prefill may run catch_up within)
 
-    class Lagging:  # a model drafter 1500 tokens behind, 200 kept
+    long = list(range(1700))
+
+    class Lagging(Drafter):  # a model drafter 1500 tokens behind, 200 kept
         def __init__(self, rule):
             self.cache, self.model = DraftCache(model), model
-            self.cache.prefills = rule
+            self.cache.prefills, self.cache.ids = rule, long[:200]
 
-        def lag(self, context):
-            return 1500
-
-    long = list(range(1700))
     assert catch_up_cost(Lagging(profile.prefills), profile)(long) == pytest.approx(profile.prefill_s(1700))
     assert catch_up_cost(Lagging(prefills), profile)(long) == pytest.approx(profile.cost(1500))  # (a forward's rows)
     assert profile.prefill_s(1700) < profile.catch_up_s(200, 1500)

@@ -60,6 +60,14 @@ class Drafter:
         """Tokens of `context` its model's cache lacks: what its next draft runs first (0: it keeps no cache)."""
         return 0
 
+    def own_ids(self, context: list[int]) -> list[int]:
+        """The ids its model runs for `context`: the target's own, but for a drafter of another tokenizer."""
+        return context
+
+    def tokens_per_target_token(self, ids: list[int]) -> float:
+        """Its forwards per drafted target token of the text of `ids`: one, but for a drafter of another tokenizer."""
+        return 1.0
+
     def end(self, prompt_ids: list[int], output_ids: list[int]) -> None:
         """The generation of `prompt_ids` stopped after `output_ids`."""
 

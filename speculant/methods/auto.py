@@ -30,14 +30,10 @@ def catch_up_cost(drafter: Any, profile: Any, prefixes: Any = None) -> Any:
     where only one was measured, no more than a forward of the context), less what a server's prefix cache
     (`prefixes`) restores of it. A drafter of another tokenizer (a CrossVocabDrafter) is priced on its own tokens of
     the context's text, which its cache holds."""
-    from speculant.drafters.cross_vocab import CrossVocabDrafter
 
     def seconds(context: list[int]) -> float:
-        if isinstance(drafter, CrossVocabDrafter):  # its cache runs its own tokens of the text (encoded once here)
-            ids = drafter.own_ids(context)
-            lag = drafter.cache.lag(ids)
-        else:
-            ids, lag = context, drafter.lag(context)
+        ids = drafter.own_ids(context)  # (encoded once here for a drafter of another tokenizer)
+        lag = drafter.cache.lag(ids)
         keep = len(ids) - lag
         if drafter.cache.prefills(keep, lag):
             prefill = profile.prefill_s(len(ids))
@@ -182,7 +178,7 @@ def build(request: Request, options: AutoOptions) -> Any:
     from speculant.decoding.run import ending
     from speculant.drafters.base import Drafter
     from speculant.drafters.cascade import CascadeDrafter
-    from speculant.drafters.cross_vocab import CrossVocabDrafter, model_drafter
+    from speculant.drafters.cross_vocab import model_drafter
     from speculant.drafters.maxgram import MaxGramDrafter
     from speculant.drafters.model import ModelDrafter
     from speculant.drafters.vocab import same_vocabulary
@@ -213,8 +209,7 @@ def build(request: Request, options: AutoOptions) -> Any:
         cache.prefills = profile.prefills  # its way (prefill or rows) by this machine's costs: `catch_up_cost`'s too
         drafter = model_drafter(cache, target, request.sampling, request.generator,
                                 draft_confidence=options.draft_confidence, pairs=session.vocab_pairs)
-        step_s = profile.tpot_s * (drafter.tokens_per_target_token(request.prompt_ids)
-                                   if isinstance(drafter, CrossVocabDrafter) else 1.0)
+        step_s = profile.tpot_s * drafter.tokens_per_target_token(request.prompt_ids)
         scale = session.scale(source.name)
         chain = Candidate(source.name, drafter, step_s, MODEL_PRIOR, estimates=estimates,
                           catch_up=catch_up_cost(drafter, profile, session.prefixes), scale=scale, speed=speed,

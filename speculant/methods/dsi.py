@@ -133,7 +133,7 @@ def build(request: Request, options: DSIOptions) -> Any:
     from speculant.decoding.dsi.twin import PaddedModel
     from speculant.decoding.run import ending
     from speculant.drafters.base import Drafter
-    from speculant.drafters.cross_vocab import CrossVocabDrafter, model_drafter
+    from speculant.drafters.cross_vocab import model_drafter
     from speculant.sampling import seeded
 
     target, twin = request.target, options.twin_latency
@@ -165,9 +165,7 @@ def build(request: Request, options: DSIOptions) -> Any:
         target_s = measure_step(target, request.prompt_ids)
         drafter_s = costs[0]
         if drafter_s is None:  # timed on its own tokens of the prompt (another vocabulary: the text re-tokenized)
-            first, own = drafters[0], request.prompt_ids
-            if isinstance(first, CrossVocabDrafter):
-                own = first.own_ids(own)
+            own = drafters[0].own_ids(request.prompt_ids)
             drafter_s = measure_step(sources[0], own) if own else target_s
             if not isinstance(sources[0], Drafter):
                 request.session.cache(sources[0]).forget()
