@@ -8,6 +8,7 @@ import hashlib
 import json
 import os
 import threading
+import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -32,6 +33,26 @@ def sha256_file(path: Path, chunk: int = 16 << 20) -> str:
         while block := f.read(chunk):
             digest.update(block)
     return digest.hexdigest()
+
+
+UNUSED_DAYS = 14  # a built file (a repack, a kernel library) not used this long goes when another of its kind is built
+
+
+def mark_used(path: Path) -> None:
+    """Date `path` to now: what `unused` reads as its last use (a read-only cache is never pruned either)."""
+    try:
+        os.utime(path)
+    except OSError:
+        pass
+
+
+def unused(path: Path, days: float = UNUSED_DAYS) -> bool:
+    """Whether `path` was last used (`mark_used`, or written) more than `days` ago; False where it is gone (another
+    process removed it first)."""
+    try:
+        return path.stat().st_mtime < time.time() - days * 86400
+    except OSError:
+        return False
 
 
 REMEMBERED_KEYS = 64  # per file: the most recently used (keys of temporary models and superseded kernels age out)

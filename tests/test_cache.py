@@ -62,7 +62,7 @@ def test_a_repack_no_model_loaded_for_weeks_goes_when_another_is_written(tmp_pat
         return directory
 
     old, used = repack_of("old"), repack_of("used")
-    weeks_ago = time.time() - (lean.UNUSED_DAYS + 1) * 86400
+    weeks_ago = time.time() - (cache.UNUSED_DAYS + 1) * 86400
     for directory in (old, used):
         os.utime(directory / "layout.json", (weeks_ago, weeks_ago))
     assert repack_of("used") == used  # loaded again: dated to now

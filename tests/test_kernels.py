@@ -363,3 +363,30 @@ def test_threads_that_first_build_a_library_at_once_all_load_it(tmp_path, monkey
     [thread.join() for thread in threads]
     assert len(loaded) == 3 and None not in loaded
     assert [path.name for path in (tmp_path / "kernels").iterdir()] == [kernels.Path(loaded[0]._name).name]
+
+
+def test_a_build_removes_the_source_s_libraries_no_process_loaded_for_weeks(tmp_path, monkeypatch):
+    """Libraries of earlier bytes or flags of the source (an upgrade's, an edit's): the one unused for weeks goes when
+    another is built, the one loaded since stays, and so do other sources' and what is not a library."""
+    import os
+    import time
+
+    from speculant.cache import UNUSED_DAYS
+    from speculant.kernels.build import compile_library
+
+    monkeypatch.setenv("SPECULANT_CACHE", str(tmp_path))
+    root = tmp_path / "kernels"
+    root.mkdir()
+    old, loaded, other, note = (root / "scalar-00000000000000aa.so", root / "scalar-00000000000000bb.so",
+                                root / "avx2-00000000000000aa.so", root / "scalar-notes.so")
+    weeks_ago = time.time() - (UNUSED_DAYS + 1) * 86400
+    for path in (old, loaded, other, note):
+        path.write_bytes(b"")
+        os.utime(path, (weeks_ago, weeks_ago))
+    os.utime(loaded)  # (a process loaded it since)
+    library = compile_library(kernels.Path(kernels.__file__).with_name("scalar.c"), kernels.FLAGS)
+    built = kernels.Path(library._name)
+    assert sorted(path.name for path in root.iterdir()) == sorted([built.name, loaded.name, other.name, note.name])
+    os.utime(built, (weeks_ago, weeks_ago))
+    compile_library(kernels.Path(kernels.__file__).with_name("scalar.c"), kernels.FLAGS)
+    assert built.stat().st_mtime > time.time() - 86400  # loading dates it to now

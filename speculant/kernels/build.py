@@ -13,11 +13,12 @@ import tempfile
 import threading
 from pathlib import Path
 
-from speculant.cache import cache_root
+from speculant.cache import cache_root, mark_used, unused
 
 HEADERS = Path(__file__).parent  # kernels/: every C source of speculant and the headers they share (tiles.h)
 log = logging.getLogger("speculant")
 _lock = threading.Lock()  # one build or load at a time: threads that first use a library at once wait for one build
+DIGEST_CHARS = 16  # of a library's name: its sources' and flags' digest
 _failures: dict[Path, str] = {}  # this process's failed builds: the compiler's last line of error
 
 
@@ -25,7 +26,8 @@ def compile_library(source: Path, flags: tuple[str, ...]) -> ctypes.CDLL | None:
     """`source` built with `flags` (and the headers beside it and in kernels/, which every source may include), or
     None where no C compiler is found or the build fails: said once per process in a warning with the compiler's
     last line of error (`build_error`), so that a slower path taken instead is visible. The library is keyed by
-    the sources' bytes and the flags, so an edit rebuilds it."""
+    the sources' bytes and the flags, so an edit rebuilds it; a build removes the source's libraries of other
+    bytes or flags that no process loaded for `cache.UNUSED_DAYS` (an upgrade's, an edit's)."""
     path = _library_path(source, flags)
     with _lock:
         if path in _failures:
@@ -37,6 +39,10 @@ def compile_library(source: Path, flags: tuple[str, ...]) -> ctypes.CDLL | None:
                 log.warning(f"speculant: {source.name} with {' '.join(flags) or 'no flags'} did not build ({error}); "
                             f"its kernels will not be used")
                 return None
+            for other in path.parent.glob(f"{source.stem}-{'?' * DIGEST_CHARS}.so"):
+                if other != path and unused(other):
+                    other.unlink(missing_ok=True)  # (a process that has it loaded keeps its mapping)
+        mark_used(path)
         return ctypes.CDLL(str(path))
 
 
@@ -54,7 +60,7 @@ def _library_path(source: Path, flags: tuple[str, ...]) -> Path:
     digest = hashlib.sha256(" ".join(_all_flags(flags)).encode())
     for path in sorted({*source.parent.glob("*.h"), *HEADERS.glob("*.h")}) + [source]:
         digest.update(path.read_bytes())
-    return cache_root() / "kernels" / f"{source.stem}-{digest.hexdigest()[:16]}.so"
+    return cache_root() / "kernels" / f"{source.stem}-{digest.hexdigest()[:DIGEST_CHARS]}.so"
 
 
 def _compile(source: Path, flags: tuple[str, ...], path: Path) -> str | None:

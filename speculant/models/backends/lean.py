@@ -21,10 +21,8 @@ from __future__ import annotations
 import hashlib
 import inspect
 import json
-import os
 import shutil
 import threading
-import time
 import uuid
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -37,7 +35,7 @@ import torch
 import torch.nn.functional as F
 
 from speculant import kernels
-from speculant.cache import cache_root
+from speculant.cache import cache_root, mark_used, unused
 from speculant.kernels import formats
 from speculant.errors import ConfigError
 from speculant.models.base import Backend, Call, Capabilities, Interrupted, PointerCache, prompt_parts
@@ -54,7 +52,6 @@ PREFILL_BLOCK = 64  # prompt rows one block of a prefill computes (`LeanCausalLM
 SERVED_PART = 2 * PREFILL_BLOCK  # a served prompt's part (`prefill_parts`): its blocks cost what they cost in one
 # call, so a long prompt holds each step of the running requests for 128 tokens' prefill (scripts/prefill_parts.py)
 DEFAULT_POSITIONS = 4096  # cache capacity when the model allows more
-UNUSED_DAYS = 14  # a repack not loaded for this long is removed when another is written (stale layouts, moved files)
 STALE_TEMPORARY_DAYS = 1  # a repack's temporary directory untouched this long was left by a process that died
 CACHE_LAYOUT = 1  # of the repacked files and layout.json: a change here re-packs every cached model (as an edit
 # of formats.py or of _repack does)
@@ -136,7 +133,7 @@ class LeanWeights:
             _repack(path, directory, head)
             _remove_unused(directory.parent)
         layout = json.loads((directory / "layout.json").read_text())
-        _mark_used(directory)
+        mark_used(directory / "layout.json")  # (its last use: `_remove_unused` reads it)
         self.head = None if head is None else torch.tensor(head, dtype=torch.long)
         self.config = LeanConfig(**{**layout["config"], "sliding": tuple(layout["config"]["sliding"])})
         self.types = layout["types"]  # the file's matrices' GGUF types
@@ -266,28 +263,15 @@ def _repack(path: Path, directory: Path, head: tuple[int, ...] | None) -> None:
         shutil.rmtree(tmp, ignore_errors=True)
 
 
-def _mark_used(directory: Path) -> None:
-    """Date the repack's layout.json to now: what `_remove_unused` reads as its last use."""
-    try:
-        os.utime(directory / "layout.json")
-    except OSError:
-        pass  # a read-only cache is never pruned either
-
-
 def _remove_unused(root: Path) -> None:
-    """Remove the repacks not loaded for UNUSED_DAYS: those of an earlier layout or writer (an upgrade writes the
-    file's matrices again beside them) and of files that moved or changed; and the temporary directories of repacks
-    that stopped part-way untouched for STALE_TEMPORARY_DAYS (a process killed before it could remove its own). The
-    cache is only a cache: a removed repack is written again at its next load."""
-    now = time.time()
+    """Remove the repacks not loaded for `cache.UNUSED_DAYS`: those of an earlier layout or writer (an upgrade writes
+    the file's matrices again beside them) and of files that moved or changed; and the temporary directories of
+    repacks that stopped part-way untouched for STALE_TEMPORARY_DAYS (a process killed before it could remove its
+    own). The cache is only a cache: a removed repack is written again at its next load."""
     for directory in root.iterdir():
-        temporary = directory.name.startswith(".tmp-")
-        try:
-            used = (directory if temporary else directory / "layout.json").stat().st_mtime
-            if used < now - (STALE_TEMPORARY_DAYS if temporary else UNUSED_DAYS) * 86400:
-                shutil.rmtree(directory, ignore_errors=True)
-        except OSError:
-            pass  # not a repack, or another process removed it first
+        if (unused(directory, STALE_TEMPORARY_DAYS) if directory.name.startswith(".tmp-")
+                else unused(directory / "layout.json")):  # (not a repack, or removed by another process: False)
+            shutil.rmtree(directory, ignore_errors=True)
 
 
 def _read(reader: gguf_header.GGUFFile) -> tuple[LeanConfig, dict[str, Any],
