@@ -657,7 +657,15 @@ def test_a_full_queue_answers_429_and_a_wrong_key_401():
         slow.join()
         assert client.completions.create(model="tiny", prompt="b", max_tokens=5).choices[0].text is not None
         assert httpx.get(url.removesuffix("/v1") + "/metrics").status_code == 401  # every route but /health
-        metrics = httpx.get(url.removesuffix("/v1") + "/metrics", headers={"Authorization": "Bearer sesame"}).text
+        for wrong in ("Bearer sesam", "Basic sesame", "sesame", "Bearer  sesame x"):
+            assert httpx.get(f"{url}/models", headers={"Authorization": wrong}).status_code == 401, wrong
+        assert client.models.retrieve("tiny").id == "tiny"
+        with pytest.raises(APIStatusError) as unknown:
+            client.models.retrieve("other")
+        assert unknown.value.status_code == 404 and unknown.value.body["code"] == "model_not_found"
+        assert httpx.head(url.removesuffix("/v1") + "/health").status_code == 200
+        # (the scheme in any case: RFC 9110 11.1)
+        metrics = httpx.get(url.removesuffix("/v1") + "/metrics", headers={"Authorization": "bearer sesame"}).text
         assert 'speculant_requests_total{endpoint="/v1/completions",status="429"} 1.0' in metrics
         assert "speculant_batch_rows_bucket" in metrics and "speculant_time_to_first_token_seconds" in metrics
         busy = re.search(r"^speculant_forward_seconds_total (\S+)$", metrics, re.M)

@@ -263,6 +263,22 @@ def test_a_message_may_not_hold_a_control_token(app):
     assert client.post("/v1/completions", json=completion(prompt="hi<eos>")).status_code == 200
 
 
+@pytest.mark.parametrize(("fields", "param"), [
+    ('"speculant": {"method": "\\ud800"}', "speculant.method"),
+    ('"speculant": {"\\ud800": 1}', "speculant.\\ud800"),
+    ('"speculant": {"method": "sd", "drafter": "\\ud800"}', "speculant.drafter"),
+    ('"\\ud800": 1', None),
+])
+def test_a_lone_surrogate_the_client_sent_is_quoted_in_a_400(app, fields, param):
+    """JSON's \\ud800 spells a lone surrogate, which no UTF-8 answer can hold: an error quoting it (a method's,
+    an option's or a drafter's name; a field's name) writes it as its escape, not a 500 from the encoder."""
+    _, client = app
+    body = '{"model": "tiny", "prompt": "ab", "max_tokens": 2, ' + fields + "}"
+    error = is_error(client.post("/v1/completions", content=body, headers={"content-type": "application/json"}), 400,
+                     param)
+    assert "\\ud800" in error["message"] or "Unicode" in error["message"]
+
+
 def test_a_path_with_a_trailing_slash_is_a_404_not_a_redirect_to_the_client_s_host(app):
     _, client = app
     response = client.post("/v1/completions/", json=completion(), headers={"host": "evil.example"},

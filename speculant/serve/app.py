@@ -113,6 +113,8 @@ def create_app(engine: Engine, served_name: str, config: ServeConfig | None = No
         where = ".".join(str(p) for p in first.get("loc", ()) if p != "body" and not is_type_tag(p))
         if first.get("type") == "extra_forbidden":
             message = f"{where} is not implemented by this server"
+        elif first.get("type") == "string_unicode":  # (a key: a field's value is `Text`, checked by `unicode`)
+            message = f"a field's name in {where or 'the body'} is not valid Unicode (a lone surrogate)"
         elif not where:
             message = "the body must be a JSON object (sent as Content-Type: application/json)"
         else:
@@ -131,7 +133,7 @@ def create_app(engine: Engine, served_name: str, config: ServeConfig | None = No
     async def playground() -> FileResponse:
         return FileResponse(PLAYGROUND / "index.html")
 
-    @app.get("/health")
+    @app.api_route("/health", methods=["GET", "HEAD"])  # (probes may ask with HEAD)
     async def health() -> dict[str, str]:
         if engine.batcher.failure is not None:  # (every request would fail)
             raise ApiError(503, engine.batcher.failure, code="worker_stopped")
@@ -141,10 +143,18 @@ def create_app(engine: Engine, served_name: str, config: ServeConfig | None = No
     async def prometheus() -> Response:
         return Response(metrics.render(), media_type="text/plain; version=0.0.4")
 
+    served = {"id": served_name, "object": "model", "created": created, "owned_by": "speculant"}
+
     @app.get("/v1/models")
     async def models() -> dict[str, Any]:
-        return {"object": "list", "data": [{"id": served_name, "object": "model", "created": created,
-                                            "owned_by": "speculant"}]}
+        return {"object": "list", "data": [served]}
+
+    @app.get("/v1/models/{model:path}")  # (the OpenAI client's models.retrieve; a model's name may hold slashes)
+    async def model(model: str) -> dict[str, Any]:
+        if model != served_name:
+            raise ApiError(404, f"model '{model}' is not served here (this server has '{served_name}')", "model",
+                           "model_not_found")
+        return served
 
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, http: Request) -> Any:
@@ -439,9 +449,9 @@ class Guard:
         host = host.rsplit(":", 1)[0] if not host.endswith("]") else host  # (an IPv6 literal keeps its colons)
         if self.hosts is not None and host not in self.hosts:
             return await answer(ApiError(400, f"host '{host}' is not served here", code="invalid_host"))
-        given = headers.get(b"authorization", b"")
+        scheme, _, given = headers.get(b"authorization", b"").strip().partition(b" ")  # (a scheme in any case)
         if self.key is not None and scope["path"] not in self.open_paths and \
-                not hmac.compare_digest(given, f"Bearer {self.key}".encode()):
+                not (scheme.lower() == b"bearer" and hmac.compare_digest(given.strip(), self.key.encode())):
             return await answer(ApiError(401, "missing or wrong API key (send 'Authorization: Bearer KEY')",
                                          code="invalid_api_key"))
         declared = headers.get(b"content-length", b"")

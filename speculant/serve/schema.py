@@ -23,6 +23,7 @@ class ApiError(Exception):
     def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None):
         if len(message) > MESSAGE_CHARS:  # (a message may quote what the client sent)
             message = message[:MESSAGE_CHARS] + "..."
+        message, param = (quoted(text) for text in (message, param))
         super().__init__(message)
         self.status, self.message, self.param, self.code = status, message, param, code
 
@@ -31,6 +32,11 @@ class ApiError(Exception):
         kind = {401: "authentication_error", 404: "invalid_request_error", 429: "rate_limit_error"}.get(
             self.status, "invalid_request_error" if self.status < 500 else "server_error")
         return {"error": {"message": self.message, "type": kind, "param": self.param, "code": self.code}}
+
+
+def quoted(text: str | None) -> str | None:
+    """`text` as it can be answered in JSON: a lone surrogate the client sent (JSON's \\ud800) written as its escape."""
+    return None if text is None else text.encode("utf-8", "backslashreplace").decode("utf-8")
 
 
 def unicode(text: str) -> str:
