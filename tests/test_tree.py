@@ -318,24 +318,34 @@ def test_summary_reports_the_tree_shape_when_the_objective_verifies_nothing():
 @pytest.mark.parametrize("arch", ARCHS)
 def test_the_length_objective_drafts_every_level_and_stays_lossless(arch):
     """objective=length (the paper's Fig. 14 baseline): each tree is drafted to its full depth and verified within
-    the same verify width, costs left out; the speedup objective, on a steep T(n), stops earlier. Both equal `ar`."""
+    the same verify width, costs left out; the speedup objective, on a steep T(n), stops earlier. Both equal `ar`.
+    What only costs decide (an auto depth, a profile, a depth predictor) is refused beside length, not dropped."""
     from helpers import perturbed
     from speculant import generate
+    from speculant.errors import OptionError
     from speculant.latency import LatencyProfile
+    from speculant.trees.depth import FEATURES, DepthPredictor
 
     target = tiny_model(arch, 8, 64, init_std=0.1)
     drafter = perturbed(target, 0.2, 8)
     prompt = random_prompt(81, 64)
     expected = generate(target, prompt_ids=prompt, method="ar", max_new_tokens=30).token_ids
+    profile = LatencyProfile("t", "fp32", "cpu", 0, 1.0, 1.0, {1: 1.0, 64: 64.0})
     depths = {}  # drafting levels per tree
-    for objective in ("speedup", "length"):
+    for objective, costs in (("speedup", dict(target_profile=profile)), ("length", {})):
         result = generate(target, prompt_ids=prompt, drafter=drafter, method="tree", depth=4, width=2,
-                          verify_width="auto", objective=objective, max_new_tokens=30,
-                          target_profile=LatencyProfile("t", "fp32", "cpu", 0, 1.0, 1.0, {1: 1.0, 64: 64.0}))
+                          verify_width="auto", objective=objective, max_new_tokens=30, **costs)
         assert result.token_ids == expected, objective
         depths[objective] = sum(result.stats.drafter_forwards.values()) / len(result.stats.draft_lengths)
     assert depths["length"] > 3  # all 4 levels, but where a tree meets max_new_tokens
     assert depths["speedup"] < depths["length"]  # the profile's steep T(n): deeper levels do not pay
+    predictor = DepthPredictor(3, "features", FEATURES)
+    for name, value in (("depth", "auto"), ("target_profile", profile), ("depth_predictor", predictor)):
+        refused = f"objective length .*: {name.replace('_', '-')} .*does not apply"
+        with pytest.raises(OptionError, match=refused) as error:
+            generate(target, prompt_ids=prompt, drafter=drafter, method="tree", objective="length",
+                     **{"depth": 4, "width": 2, name: value})
+        assert error.value.option == name
 
 
 def test_trees_grown_in_one_call_keep_the_target_distribution_when_sampling():
