@@ -239,7 +239,7 @@ def test_a_zero_ttft_is_kept_beside_a_target_profile(tmp_path, capsys):
 @pytest.mark.parametrize("argv, message", [
     (["run", "--target-latency", "30", "--drafter-latency", "2", "--acceptance", "0.8", "--lookahead", "1",
       "--servers", "1024", "--repeats", "1000000", "--tokens", "10"], "repeats x tokens x servers"),
-    (["heatmap", "--ndim", "100", "--servers", "1024"], "cell-token-servers"),
+    (["heatmap", "--ndim", "100", "--servers", "1024"], "cells x tokens x servers"),
 ])
 def test_a_simulation_too_large_for_its_servers_is_refused_up_front(argv, message, tmp_path, capsys, monkeypatch):
     """Its servers' state and events grow with the servers: the size checks count them, before any work."""

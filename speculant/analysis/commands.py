@@ -22,15 +22,19 @@ MOST_CELLS, MOST_STEPS = 10_000_000, 1_000_000_000  # a heatmap's (c, a, k, repe
 # SP_DEGREE for cells x servers and cells x tokens x servers, five times that grid on the paper's 7 servers
 
 
+def refuse_over(what: str, sizes: list[tuple[str, int, int]]) -> None:
+    """A ConfigError naming each (name, size, most) of `sizes` over its most, where any is."""
+    if over := [f"{name} {size} > {most}" for name, size, most in sizes if size > most]:
+        raise ConfigError(f"{what} this large would not run in seconds here: {', '.join(over)}")
+
+
 def check_size(servers: int, lookahead: int, tokens: int, repeats: int, seed: int) -> None:
     """Refuse a simulation larger than this machine runs in seconds (its draws are repeats x tokens floats, its
     servers' state repeats x servers; each event visits every server), or a seed numpy cannot take."""
-    if (max(servers, lookahead) > MOST_SERVERS or tokens > MOST_TOKENS or repeats * tokens > MOST_DRAWS
-            or repeats * servers > MOST_DRAWS or repeats * tokens * servers > MOST_SERVER_DRAWS):
-        raise ConfigError(f"a simulation takes at most {MOST_SERVERS} servers and lookahead, {MOST_TOKENS} tokens, "
-                          f"{MOST_DRAWS} drawn tokens in all (repeats x tokens) and repeats x servers, and "
-                          f"{MOST_SERVER_DRAWS} repeats x tokens x servers; this one has {repeats * tokens}, "
-                          f"{repeats * servers} and {repeats * tokens * servers}")
+    refuse_over("a simulation", [
+        ("servers", servers, MOST_SERVERS), ("lookahead", lookahead, MOST_SERVERS), ("tokens", tokens, MOST_TOKENS),
+        ("repeats x tokens", repeats * tokens, MOST_DRAWS), ("repeats x servers", repeats * servers, MOST_DRAWS),
+        ("repeats x tokens x servers", repeats * tokens * servers, MOST_SERVER_DRAWS)])
     if seed < 0:
         raise ConfigError(f"seed must be >= 0, got {seed}")
 
@@ -141,13 +145,12 @@ def run_heatmap(out: Path, ndim: int, lookaheads: tuple[int, ...], tokens: int, 
                           f"{','.join(map(str, lookaheads))}")
     check_size(servers, max(lookaheads), tokens, repeats, seed)
     cells = (ndim + 1) ** 2 * len(set(lookaheads)) * repeats
-    if (cells > MOST_CELLS or cells * tokens > MOST_STEPS or (ndim + 1) * repeats * tokens > MOST_DRAWS
-            or cells * servers > MOST_CELLS * SP_DEGREE or cells * tokens * servers > MOST_STEPS * SP_DEGREE):
-        raise ConfigError(f"a heatmap takes at most {MOST_CELLS} cells ((ndim + 1)^2 x lookaheads x repeats), "
-                          f"{MOST_STEPS} cell-tokens, {MOST_DRAWS} drawn tokens ((ndim + 1) x repeats x tokens), "
-                          f"{MOST_CELLS * SP_DEGREE} cell-servers and {MOST_STEPS * SP_DEGREE} cell-token-servers; "
-                          f"this one has {cells}, {cells * tokens}, {(ndim + 1) * repeats * tokens}, "
-                          f"{cells * servers} and {cells * tokens * servers}")
+    refuse_over("a heatmap", [
+        ("cells ((ndim + 1)^2 x lookaheads x repeats)", cells, MOST_CELLS),
+        ("cells x tokens", cells * tokens, MOST_STEPS),
+        ("(ndim + 1) x repeats x tokens", (ndim + 1) * repeats * tokens, MOST_DRAWS),
+        ("cells x servers", cells * servers, MOST_CELLS * SP_DEGREE),
+        ("cells x tokens x servers", cells * tokens * servers, MOST_STEPS * SP_DEGREE)])
     start = time.perf_counter()
     c, a = paper_axes(ndim)
     grid = simulate_grid(c, a, np.array(sorted(set(lookaheads))), tokens, repeats, servers, seed)
