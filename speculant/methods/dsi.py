@@ -63,8 +63,9 @@ class DSIOptions(DrafterOptions):
     servers: int = option(1, "target servers verifying in parallel (the speculation-parallelism degree)", operator=True)
     lookahead: int | None = option(None, "drafts per verification job (default: the smallest the servers keep up "
                                    "with, planned from the latencies)", most=REQUEST_MOST)
-    executor: Any = option("thread", "where target servers run: thread, process or ray (or a started executor)",
-                           operator=True)
+    executor: Any = option("thread", "where target servers run: thread, process or ray (or a started executor; "
+                           "process from a script: under `if __name__ == '__main__':`, as Python's spawned processes "
+                           "import the script again)", operator=True)
     target_devices: Any = option(None, "one device per target server, e.g. cpu,cpu or cuda:0,cuda:1 (default: the "
                                  "target's device for each)", parse=parse_devices, operator=True)
     twin_latency: Any = option(None, "latency twin: pad every target forward to T ms (its first to TTFT) and every drafter "
