@@ -227,6 +227,7 @@ def test_the_transformers_backend_restores_any_prefix_with_a_fresh_prefills_bits
 def test_auto_weighs_a_drafters_catch_up_less_what_the_prefix_cache_restores(files):
     """A drafter that lacks a 300-token context catches up by a prefill; with 256 of its positions in the prefix
     cache, auto's estimate of that catch-up is the prefill of the rest (prefill_s(300) - prefill_s(256))."""
+    from speculant.drafters.base import Drafter
     from speculant.methods.auto import catch_up_cost
 
     class Profile:  # a prefill costs a millisecond a token
@@ -238,13 +239,10 @@ def test_auto_weighs_a_drafters_catch_up_less_what_the_prefix_cache_restores(fil
 
     model = lean(files[1])
 
-    class Lagging:  # a model drafter whose cache holds nothing
+    class Lagging(Drafter):  # a model drafter whose cache holds nothing
         def __init__(self):
             self.model = model.share()
             self.cache = DraftCache(self.model)  # (its rule: a prefill, nothing kept)
-
-        def lag(self, context):
-            return len(context)
 
     context, cache = ids_of(31, 300), PrefixCache(64)
     assert catch_up_cost(Lagging(), Profile, cache)(context) == pytest.approx(0.3)
