@@ -8,9 +8,12 @@ from pathlib import Path
 # against each other and run slower than one.
 if "PYTEST_XDIST_WORKER" in os.environ and hasattr(os, "sched_setaffinity"):
     cores = sorted(os.sched_getaffinity(0))
-    share = max(1, len(cores) // int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", len(cores))))
-    first = int(os.environ["PYTEST_XDIST_WORKER"].removeprefix("gw")) * share % len(cores)
-    os.sched_setaffinity(0, set(cores[first:first + share]))
+    workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", len(cores)))
+    worker = int(os.environ["PYTEST_XDIST_WORKER"].removeprefix("gw")) % workers  # (a restarted worker: gw<n> on)
+    if len(cores) >= workers:  # (every core in one share: 16 over 6 workers, three of 3 and three of 2)
+        os.sched_setaffinity(0, set(cores[worker * len(cores) // workers:(worker + 1) * len(cores) // workers]))
+    else:
+        os.sched_setaffinity(0, {cores[worker % len(cores)]})
 
 sys.path.insert(0, str(Path(__file__).parent))
 # Every Ray cluster the tests start (ray.init's and `ray start`'s) is a throwaway local one: no auth token,

@@ -136,6 +136,12 @@ class Checked(Drafter):
     def lag(self, context: list[int]) -> int:
         return self.inner.lag(context)
 
+    def own_ids(self, context: list[int]) -> list[int]:
+        return self.inner.own_ids(context)
+
+    def tokens_per_target_token(self, ids: list[int]) -> float:
+        return self.inner.tokens_per_target_token(ids)
+
     def end(self, prompt_ids: list[int], output_ids: list[int]) -> None:
         self.inner.end(prompt_ids, output_ids)
 

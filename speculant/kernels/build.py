@@ -32,6 +32,7 @@ def compile_library(source: Path, flags: tuple[str, ...]) -> ctypes.CDLL | None:
     with _lock:
         if path in _failures:
             return None
+        mark_used(path)  # (first: a build of another version now leaves it be)
         if not path.is_file():
             error = _compile(source, _all_flags(flags), path)
             if error is not None:
@@ -41,8 +42,10 @@ def compile_library(source: Path, flags: tuple[str, ...]) -> ctypes.CDLL | None:
                 return None
             for other in path.parent.glob(f"{source.stem}-{'?' * DIGEST_CHARS}.so"):
                 if other != path and unused(other):
-                    other.unlink(missing_ok=True)  # (a process that has it loaded keeps its mapping)
-        mark_used(path)
+                    try:
+                        other.unlink()  # (a process that has it loaded keeps its mapping)
+                    except OSError:
+                        pass  # another process removed it first, or it is another user's
         return ctypes.CDLL(str(path))
 
 

@@ -89,12 +89,11 @@ class TreeOptions(DrafterOptions):
             raise ConfigError(f"depth_predictor is auto, off, a predictor's JSON file or a DepthPredictor, not "
                               f"{type(self.depth_predictor).__name__}")
         if self.objective == "length":  # (every tree drafted to its depth, no cost weighed: these would be dropped)
-            for name, given in (("depth", self.depth == AUTO), ("target_profile", self.target_profile is not None),
-                                ("depth_predictor", isinstance(self.depth_predictor, DepthPredictor))):
-                if given:
-                    raise OptionError(name, f"objective length drafts every tree to its depth with the costs left "
-                                      f"out: {name.replace('_', '-')} {'auto' if name == 'depth' else ''} does not "
-                                      "apply (objective speedup weighs them)".replace("  ", " "))
+            for name, given in (("depth auto", self.depth == AUTO), ("target-profile", self.target_profile is not None),
+                                ("depth-predictor", isinstance(self.depth_predictor, DepthPredictor))):
+                if given:  # (named by the objective: a server's client may ask for it beside the operator's others)
+                    raise OptionError("objective", f"objective length drafts every tree to its depth with the costs "
+                                      f"left out: {name} does not apply (objective speedup weighs them)")
 
     @property
     def target_needs(self) -> tuple[tuple[str, str, str], ...]:
