@@ -25,6 +25,7 @@ ZEN5 = "AMD EPYC, CPU family 26 (AVX-512 VNNI, BF16 and VP2INTERSECT, no AMX), 2
 XEON = "Intel Xeon, Sapphire Rapids class (AVX-512, AMX), 2 cores"
 ZEN3 = "AMD EPYC, CPU family 25 model 1 (Zen3: AVX2, no AVX-512), 2 cores"
 
+
 def plural(n: int, noun: str) -> str:
     return f"{n} {noun}{'s' * (n != 1)}"
 

@@ -320,6 +320,7 @@ def test_a_prefill_is_risked_only_where_generations_run_long_enough_to_repay_it(
     assert first_choice([]) == "scripted"  # 100 tokens to come: a probe may spend 10 s on catching up
     assert first_choice([10, 20]) == "plain"  # replies of 15 tokens: a 4 s prefill would not pay back
 
+
 def test_a_safe_catch_up_waits_until_the_reply_could_repay_it():
     """catch_up="safe": a model drafter whose catch-up costs more than SAFE_SHARE of the plain time of the reply so
     far (and the step to come) waits, so that a reply ending early is never slowed by more than that; by default the

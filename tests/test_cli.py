@@ -416,8 +416,6 @@ def test_argparse_errors_exit_2(capsys):
     assert "bad value 'two' for k" in capsys.readouterr().err
 
 
-
-
 def test_a_flag_given_where_it_does_nothing_is_one_line_never_ignored(capsys, tmp_path):
     """A flag that applies only with another (or with sampling, or with a model drafter) is refused when given
     without it, before any work; flags that exclude each other are argparse's usage error. Their defaults alone pass."""
