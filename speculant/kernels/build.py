@@ -40,12 +40,7 @@ def compile_library(source: Path, flags: tuple[str, ...]) -> ctypes.CDLL | None:
                 log.warning(f"speculant: {source.name} with {' '.join(flags) or 'no flags'} did not build ({error}); "
                             f"its kernels will not be used")
                 return None
-            for other in path.parent.glob(f"{source.stem}-{'?' * DIGEST_CHARS}.so"):
-                if other != path and unused(other):
-                    try:
-                        other.unlink()  # (a process that has it loaded keeps its mapping)
-                    except OSError:
-                        pass  # another process removed it first, or it is another user's
+            _remove_unused(path, source.stem)
         return ctypes.CDLL(str(path))
 
 
@@ -53,6 +48,17 @@ def build_error(source: Path, flags: tuple[str, ...]) -> str | None:
     """Why `compile_library(source, flags)` returned None in this process (the compiler's last line of error), or
     None where it did not."""
     return _failures.get(_library_path(source, flags))
+
+
+def _remove_unused(path: Path, stem: str) -> None:
+    """Remove the libraries of `stem` beside `path` (its source's, of other bytes or flags) unused for
+    `cache.UNUSED_DAYS`; a process that has one loaded keeps its mapping."""
+    for other in path.parent.glob(f"{stem}-{'?' * DIGEST_CHARS}.so"):
+        if other != path and unused(other):
+            try:
+                other.unlink()
+            except OSError:
+                pass  # another process removed it first, or it is another user's
 
 
 def _all_flags(flags: tuple[str, ...]) -> tuple[str, ...]:
