@@ -9,7 +9,7 @@ from collections import deque
 
 import pytest
 
-from helpers import ScriptedDrafter, byte_tokenizer, perturbed, random_prompt, tiny_model, tiny_transformer
+from helpers import MarkovLM, ScriptedDrafter, byte_tokenizer, perturbed, random_prompt, tiny_model, tiny_transformer
 from speculant import cli, generate, latency, load_model
 from speculant.config import SamplingConfig
 from speculant.decoding import adaptive as adaptive_module
@@ -58,8 +58,8 @@ def run(target, candidates, prompt, n=40, cost=lambda w: 1.0 + 0.01 * w, **kwarg
 
 
 def scripted(seed, error_rate, step_s, n, **kwargs):
-    """auto with one scripted drafter (see helpers.ScriptedDrafter): (tokens, ar's tokens, stats)."""
-    target = tiny_model("llama", seed, VOCAB, init_std=0.1)
+    """auto with one scripted drafter (see helpers.ScriptedDrafter) on a Markov target: (tokens, ar's tokens, stats)."""
+    target = MarkovLM(VOCAB, seed)
     prompt = random_prompt(seed, VOCAB)
     reference = generate(target, prompt_ids=prompt, method="ar", max_new_tokens=n).token_ids
     drafter = ScriptedDrafter(prompt, reference, error_rate=error_rate, vocab=VOCAB, seed=0)
@@ -68,8 +68,8 @@ def scripted(seed, error_rate, step_s, n, **kwargs):
 
 
 def never_right(n: int):
-    """A tiny target, a prompt, the target's `n` greedy tokens after it, and a drafter that never agrees with them."""
-    target = tiny_model("llama", 1, VOCAB, init_std=0.1)
+    """A Markov target, a prompt, the target's `n` greedy tokens after it, and a drafter that never agrees with them."""
+    target = MarkovLM(VOCAB, 1)
     prompt = random_prompt(1, VOCAB)
     reference = generate(target, prompt_ids=prompt, method="ar", max_new_tokens=n).token_ids
     return target, prompt, reference, ScriptedDrafter(prompt, reference, error_rate=1.0, vocab=VOCAB, seed=0)
@@ -150,7 +150,7 @@ def test_under_load_a_served_drafter_that_could_not_pay_even_if_always_right_is_
     """At 16 rows a compute-bound batch verifying 2 tokens a row costs twice a plain one: a drafter that is
     always right at a fifth of a forward cannot pay, and auto neither weighs it nor probes it; at 1 row it pays.
     The verdict follows the load of the moment."""
-    target = tiny_model("llama", 2, VOCAB, init_std=0.1)
+    target = MarkovLM(VOCAB, 2)
     prompt = random_prompt(2, VOCAB)
     reference = generate(target, prompt_ids=prompt, method="ar", max_new_tokens=30).token_ids
     profile = lambda w: 0.03 + 0.005 * max(w - 4, 0)  # noqa: E731 - flat up to 4 rows, then compute-bound
@@ -305,7 +305,7 @@ def test_a_prefill_is_risked_only_where_generations_run_long_enough_to_repay_it(
     lengths = [20, 25, 30, math.inf, math.inf, math.inf, math.inf, math.inf, math.inf]
     assert expected_remaining(lengths, 10, 100, 0.25) == 20 < expected_remaining(lengths, 10, 100)  # the short ones
     assert expected_remaining(lengths, 40, 100, 0.25) == 60  # past them: the long ones are left
-    target = tiny_model("llama", 3, VOCAB, init_std=0.1)
+    target = MarkovLM(VOCAB, 3)
     prompt = random_prompt(3, VOCAB)
     reference = generate(target, prompt_ids=prompt, method="ar", max_new_tokens=100).token_ids
 
@@ -325,7 +325,7 @@ def test_a_safe_catch_up_waits_until_the_reply_could_repay_it():
     """catch_up="safe": a model drafter whose catch-up costs more than SAFE_SHARE of the plain time of the reply so
     far (and the step to come) waits, so that a reply ending early is never slowed by more than that; by default the
     catch-up is paid at once where the replies seen so far (none here: the whole budget) would repay it."""
-    target = tiny_model("llama", 3, VOCAB, init_std=0.1)
+    target = MarkovLM(VOCAB, 3)
     prompt = random_prompt(3, VOCAB)
     reference = generate(target, prompt_ids=prompt, method="ar", max_new_tokens=100).token_ids
 
@@ -346,7 +346,7 @@ def test_a_large_catch_up_waits_to_see_what_free_drafts_commit():
     """A model drafter whose catch-up costs more than PROBE_SHARE of the generation's plain time joins only after
     LOOK_FIRST steps; where model-free drafts (Max-Gram copying an article into its summary) have committed most
     of the text by then, the catch-up is weighed against the few tokens they leave it, and is not paid."""
-    target = tiny_model("llama", 4, VOCAB, init_std=0.1)
+    target = MarkovLM(VOCAB, 4)
     prompt = random_prompt(4, VOCAB)
     reference = generate(target, prompt_ids=prompt, method="ar", max_new_tokens=100).token_ids
 
@@ -502,7 +502,7 @@ def test_a_plain_step_left_unmeasured_in_a_slow_stretch_does_not_stay_dear():
 
 def test_auto_measures_every_verification_and_draft():
     seed, n = 3, 40
-    target = tiny_model("llama", seed, VOCAB, init_std=0.1)
+    target = MarkovLM(VOCAB, seed)
     prompt = random_prompt(seed, VOCAB)
     reference = generate(target, prompt_ids=prompt, method="ar", max_new_tokens=n).token_ids
 
@@ -794,8 +794,8 @@ def test_options_for_token_trees_are_refused_where_every_model_drafter_has_anoth
 def test_a_drafter_many_texts_showed_never_right_is_probed_again_once_texts_change():
     """After a run of texts where a drafter was never right its promise, and so its probe budget, fall near 0; the
     long-run counts age with every new text (`TEXT_AGE`), so it is probed again and drafts where it is now right,
-    rather than never again in the session."""
-    target = tiny_model("llama", 1, VOCAB, init_std=0.1)
+    rather than never again in the session. (A Markov target: 34 texts of 200 tokens, each forward ~free.)"""
+    target = MarkovLM(VOCAB, 1)
     prompt = random_prompt(1, VOCAB)
     n = 200
     reference = generate(target, prompt_ids=prompt, method="ar", max_new_tokens=n).token_ids

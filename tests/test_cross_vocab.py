@@ -6,7 +6,7 @@ import random
 import pytest
 import torch
 
-from helpers import ARCHS, MORE_ARCHS, bpe_tokenizer, byte_tokenizer, piece_tokenizer, tiny_model, tiny_transformer
+from helpers import ARCHS, MORE_ARCHS, MarkovLM, bpe_tokenizer, byte_tokenizer, piece_tokenizer, tiny_model, tiny_transformer
 from speculant import generate
 from speculant.config import SamplingConfig
 from speculant.decoding.dsi.twin import OracleLM
@@ -250,10 +250,10 @@ DRAFTER_PIECES = ["a", "b", "c", "d", " ", "é", "bc", "a ", "bcd"]
 
 
 def sampling_cross_pair(seed: int = 21):
-    target = tiny_model("llama", seed, VOCAB, init_std=0.5,
-                        tokenizer=piece_tokenizer(TARGET_PIECES, [("a", "b"), ("c", "d"), ("b", "a"), ("d", "d")]))
-    drafter = tiny_model("qwen2", seed + 1, len(DRAFTER_PIECES) + 1, init_std=0.5,
-                         tokenizer=piece_tokenizer(DRAFTER_PIECES, [("b", "c"), ("a", " "), ("bc", "d")]))
+    """Markov models with tokenizers, so that thousands of generations take seconds."""
+    target, drafter = MarkovLM(VOCAB, seed, scale=1.0), MarkovLM(len(DRAFTER_PIECES) + 1, seed + 1, scale=1.0)
+    target.tokenizer = piece_tokenizer(TARGET_PIECES, [("a", "b"), ("c", "d"), ("b", "a"), ("d", "d")])
+    drafter.tokenizer = piece_tokenizer(DRAFTER_PIECES, [("b", "c"), ("a", " "), ("bc", "d")])
     return target, drafter, target.tokenizer.encode("ab cd é")
 
 
