@@ -217,8 +217,10 @@ def generate(
     sampling = SamplingConfig(**typed(SamplingConfig, {"temperature": temperature, "top_k": top_k, "top_p": top_p,
                                                        "verifier": verifier}))
     given = [name for name, value in (("top_k", top_k), ("top_p", top_p)) if value is not None]
-    check_sampled(sampling, given + (["verifier"] if verifier != SamplingConfig().verifier else []))  # (a seed, which
-    # changes nothing greedy either, is taken: programs pass one whatever the temperature)
+    given += ["verifier"] if verifier != SamplingConfig().verifier else []
+    check_sampled(sampling, given)  # (a seed, which changes nothing greedy either, is taken: programs pass one
+    # whatever the temperature)
+    spec.check_verifier(given)
     method_options = spec.make_options(options)
     check_given_pairs(method_options, spec.name, options)
     constraint = response_format if isinstance(response_format, Constraint) or response_format is None \

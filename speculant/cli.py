@@ -358,6 +358,7 @@ def run_generate(args: argparse.Namespace) -> None:
     options = method.parse_options(given)
     sampling = from_args(SamplingConfig, args)
     check_sampled(sampling, args.given, flag)
+    method.check_verifier(args.given, flag)
     run = from_args(RunConfig, args)
     model_config = from_args(ModelConfig, args)
     if not args.prompt.strip():
@@ -541,6 +542,10 @@ def measure_bench(args: argparse.Namespace, methods: list[Any]) -> list[Any]:
             run_only = [name for name in args.given if name not in dict(method.sampling)]
             check_sampled(method.sampled(sampling), run_only, flag,
                           f" (for '{method.label}', which decodes greedily)" if some else "")
+    if "verifier" in args.given and not any(not m.peer and get_method(m.method).chains and "verifier" not in
+                                            dict(m.sampling) for m in methods):
+        raise ConfigError(f"--verifier applies to methods that verify sampled draft chains "
+                          f"({', '.join(m.name for m in METHODS.values() if m.chains)}): none of this run's takes it")
     if args.repeats < 1:
         raise ConfigError(f"repeats must be >= 1, got {args.repeats}")
     prompts = load_dataset(args.prompts or args.dataset)

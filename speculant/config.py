@@ -146,7 +146,8 @@ class SamplingConfig:
     temperature: float = option(0.0, "sampling temperature; 0 means greedy (argmax)")
     top_k: int | None = option(None, "sample only among the k most likely tokens")
     top_p: float | None = option(None, "sample only from the smallest set of tokens with this total probability")
-    verifier: str = option("block", "how a sampled draft chain is verified: block (Sun et al. 2024: the chain judged "
+    verifier: str = option("block", "how a sampled draft chain is verified (sd, cascade, auto's chains; tree verifies "
+                           "by multi-draft sampling, dsi token by token): block (Sun et al. 2024: the chain judged "
                            "as a whole, as many accepted tokens or more) or token (token by token); both emit the "
                            "target's distribution", choices=VERIFIERS)
 

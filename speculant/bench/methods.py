@@ -64,6 +64,10 @@ def parse_method(spec: str) -> MethodSpec:
         options = make_options(PEERS[name], name, given, text=True) if name in PEERS else \
             get_method(name).parse_options(given)
         sampling = make_options(SamplingConfig, name, own, text=True)
+        if name in PEERS and "verifier" in own:
+            raise ConfigError(f"verifier applies to speculant's methods, not the peer '{name}'")
+        if name in METHODS:
+            get_method(name).check_verifier(own)
     except ConfigError as error:
         raise ConfigError(f"{error} in '{spec}'") from None
     return MethodSpec(spec.strip(), name, options, dtype, backend, tuple((key, getattr(sampling, key)) for key in own))

@@ -168,7 +168,7 @@ def bounds(options: AutoOptions, names: Collection[str]) -> None:
 
 
 @register("auto", AutoOptions, "chooses drafter, chain, tree or cascade and draft length every step from measured "
-          "costs and acceptance (plain decoding where nothing pays)", bounds)
+          "costs and acceptance (plain decoding where nothing pays)", bounds, chains=True)
 def build(request: Request, options: AutoOptions) -> Any:
     """The candidates auto chooses from, from the session's drafters (loaded once, each model drafter's cache kept:
     a drafter catches up only on what its cache lacks, as the next turn of a conversation shares its history) and

@@ -54,7 +54,7 @@ class CascadeOptions:
                 raise OptionError("k_matrix", str(error)) from None
 
 
-@register("cascade", CascadeOptions, "cascade speculative drafting over several drafters")
+@register("cascade", CascadeOptions, "cascade speculative drafting over several drafters", chains=True)
 def build(request: Request, options: CascadeOptions) -> Any:
     from speculant.decoding.run import ending
     from speculant.decoding.speculative import speculative

@@ -43,6 +43,14 @@ class Method:
     build: Callable[[Request, Any], Decoder]
     help: str
     bounds: Callable[[Any, Collection[str]], None] | None = None  # refuses sizes too large together (`register`)
+    chains: bool = False  # its sampled draft chains are verified as `SamplingConfig.verifier` says
+
+    def check_verifier(self, given: Collection[str], spell: Callable[[str], str] = str) -> None:
+        """Refuse a `verifier` given (`given` names the sampling settings set) to a method that verifies no chain:
+        it would do nothing."""
+        if "verifier" in given and not self.chains:
+            raise OptionError("verifier", f"{spell('verifier')} applies to methods that verify sampled draft chains "
+                              f"({', '.join(m.name for m in METHODS.values() if m.chains)}), not '{self.name}'")
 
     def check_request(self, options: Any, names: Collection[str]) -> None:
         """Refuse what a server's client may not ask of this method with the options it `names`: one beyond its
@@ -67,16 +75,16 @@ class Method:
 METHODS: dict[str, Method] = {}
 
 
-def register(name: str, options: type, help: str, bounds: Callable[[Any, Collection[str]], None] | None = None
-             ) -> Callable[[Callable[[Request, Any], Decoder]], Method]:
+def register(name: str, options: type, help: str, bounds: Callable[[Any, Collection[str]], None] | None = None,
+             chains: bool = False) -> Callable[[Callable[[Request, Any], Decoder]], Method]:
     """Decorator for a method's decoder factory: `@register("sd", SDOptions, "...")`; `bounds(options, names)` raises
     an OptionError, naming one of `names`, where a server's client that set those options asks too much of them
-    together (`Method.check_request`)."""
+    together (`Method.check_request`); `chains`: its sampled draft chains are verified as `verifier` says."""
 
     def wrap(build: Callable[[Request, Any], Decoder]) -> Method:
         if name in METHODS:
             raise ValueError(f"method '{name}' registered twice")
-        METHODS[name] = Method(name, options, build, help, bounds)
+        METHODS[name] = Method(name, options, build, help, bounds, chains)
         return METHODS[name]
 
     return wrap

@@ -28,7 +28,7 @@ class SDOptions(DrafterOptions):
             raise ConfigError(f"draft_confidence needs a model drafter, not {self.drafter.kind}")
 
 
-@register("sd", SDOptions, "speculative decoding: k drafts per step, verified in one target forward")
+@register("sd", SDOptions, "speculative decoding: k drafts per step, verified in one target forward", chains=True)
 def build(request: Request, options: SDOptions) -> Any:
     from speculant.decoding.run import ending
     from speculant.decoding.speculative import speculative
