@@ -70,13 +70,11 @@ def run_matrix(
 
     def pool_for(spec: MethodSpec, target: Any) -> Any:
         if spec.label not in pools:
-            from speculant.decoding.dsi.executors import ServerSpec, make_executor, replica_factory
-            from speculant.methods.dsi import drafts_with_a_model
+            from speculant.decoding.dsi.executors import make_executor
+            from speculant.methods.dsi import server_spec
 
-            n = spec.options.servers
-            servers = ServerSpec(replica_factory(target, n, drafts_with_a_model(spec.options)), [str(target.device)] * n,
-                                 sampling)
-            pools[spec.label] = make_executor(spec.options.executor, servers)
+            servers = server_spec(target, spec.options, spec.sampled(sampling))  # (its twin's padding, its devices)
+            pools[spec.label] = make_executor(spec.options.executor, servers, spec.options.ray_address)
             pools[spec.label].start()
         return pools[spec.label]
 
@@ -89,7 +87,7 @@ def run_matrix(
         if spec.peer:
             return peer_generate(spec.method, target, ids, n, options, spec.sampled(sampling), seed, response_format)
         if spec.method == "dsi":
-            options = replace(options, executor=pool_for(spec, target))
+            options = replace(options, executor=pool_for(spec, target), ray_address=None)  # (the pool is on it)
         return generate(target, prompt_ids=ids, method=spec.method, max_new_tokens=n, seed=seed,
                         response_format=response_format, session=session_for(target, spec),
                         **as_keywords(spec.sampled(sampling)), **as_keywords(options))

@@ -129,7 +129,7 @@ def build(request: Request, options: DSIOptions) -> Any:
     first drafter, unless given. A started executor (`decoding.dsi.executors`) runs
     the servers instead and stays open for the next generation."""
     from speculant.decoding.dsi.engine import dsi
-    from speculant.decoding.dsi.executors import ServerSpec, make_executor, replica_factory
+    from speculant.decoding.dsi.executors import make_executor
     from speculant.decoding.dsi.plan import measure_step, plan
     from speculant.decoding.dsi.twin import PaddedModel
     from speculant.decoding.run import ending
@@ -159,7 +159,6 @@ def build(request: Request, options: DSIOptions) -> Any:
         drafters.append(model_drafter(drafts_from, target, request.sampling, seeded(target.device, seed),
                                       pairs=request.session.vocab_pairs))
         costs.append(pad.step_s if pad is not None else None)
-    devices = list(options.target_devices or [str(target.device)] * options.servers)
     if twin is not None:
         target_s, drafter_s = twin[0].step_s, costs[0]
     elif options.lookahead is None:
@@ -180,6 +179,17 @@ def build(request: Request, options: DSIOptions) -> Any:
         if pool.spec.sampling != request.sampling or len(pool.spec.devices) != options.servers:
             raise ConfigError("the given executor's servers were built for other sampling settings or server count")
         return ending(dsi(pool, *common, close_executor=False), begun, request.prompt_ids)
-    spec = ServerSpec(replica_factory(target, len(devices), drafts_with_a_model(options)), devices, request.sampling,
+    servers = make_executor(options.executor, server_spec(target, options, request.sampling), options.ray_address)
+    return ending(dsi(servers, *common), begun, request.prompt_ids)
+
+
+def server_spec(target: Any, options: DSIOptions, sampling: Any) -> Any:
+    """The target servers `options` ask for (`decoding.dsi.executors.ServerSpec`): `servers` replicas of `target` on
+    `target_devices` (default: the target's device), sampling as `sampling`, each forward padded to the twin's target
+    latency where `twin_latency` is given. What `build` starts per generation, and a bench run once per method."""
+    from speculant.decoding.dsi.executors import ServerSpec, replica_factory
+
+    devices = list(options.target_devices or [str(target.device)] * options.servers)
+    twin = options.twin_latency
+    return ServerSpec(replica_factory(target, len(devices), drafts_with_a_model(options)), devices, sampling,
                       twin[0] if twin else None)
-    return ending(dsi(make_executor(options.executor, spec, options.ray_address), *common), begun, request.prompt_ids)
