@@ -284,3 +284,16 @@ def test_bench_cli_bad_input_exits_2(tmp_path, capsys):
     assert cli.main(["bench", "--methods", "ar", "zz"]) == 2
     assert cli.main(["bench", "--methods", "ar", "ar"]) == 2
     assert cli.main(["bench", "--methods", "ar", "--repeats", "0"]) == 2
+
+
+def test_a_generation_refused_in_its_own_process_is_one_line(tiny_dir):
+    """`--isolate`: what speculant refuses in the child (here structured output with dsi) reaches the bench as the
+    child's one line, a ConfigError, not as a RuntimeError holding the tail of a traceback."""
+    from speculant.bench.isolated import isolated_generate
+
+    request = {"target": tiny_dir, "dtype": "fp32", "device": "cpu", "backend": "hf", "method": "dsi:drafter=maxgram",
+               "prompt_ids": [100, 101], "max_new_tokens": 2, "temperature": 0.0, "verifier": "block",
+               "response_format": {"type": "json_object"}}
+    with pytest.raises(ConfigError, match=r"^response_format not available with dsi: .*\(in the isolated generation of "
+                                          r"dsi:drafter=maxgram\)$"):
+        isolated_generate(request)

@@ -12,7 +12,10 @@ import sys
 from dataclasses import asdict
 from typing import Any
 
+from speculant.errors import ConfigError, SpeculantError
+
 TIMEOUT_S = 1800  # one generation, the model's loading included
+REFUSED = 2  # the exit status of a generation speculant refused (a SpeculantError), its message the last line
 
 
 def isolated_generate(request: dict[str, Any]) -> Any:
@@ -22,6 +25,8 @@ def isolated_generate(request: dict[str, Any]) -> Any:
 
     done = subprocess.run([sys.executable, "-m", "speculant.bench.isolated"], input=json.dumps(request),
                           capture_output=True, text=True, timeout=TIMEOUT_S)
+    if done.returncode == REFUSED:  # speculant refused the request there: its one line
+        raise ConfigError(f"{done.stderr.strip().splitlines()[-1]} (in the isolated generation of {request['method']})")
     if done.returncode != 0:
         raise RuntimeError(f"an isolated generation of {request['method']} failed: {done.stderr.strip()[-400:]}")
     out = json.loads(done.stdout.strip().splitlines()[-1])
@@ -59,4 +64,8 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    try:
+        main()
+    except SpeculantError as error:  # (one line, as the CLI gives it)
+        print(" ".join(line.strip() for line in str(error).splitlines()), file=sys.stderr)
+        sys.exit(REFUSED)
