@@ -136,3 +136,18 @@ def test_after_ctrl_c_no_client_sends_another_request(monkeypatch):
     time.sleep(0.5)
     assert len(sent) <= 2 and not failures
 
+
+
+def test_a_prompt_s_response_format_is_sent_with_each_of_its_requests(monkeypatch):
+    """A prompt that asks for structured output asks the server for it, in a closed loop and in every turn of an
+    open-loop conversation (the dataset's check of it was all it got)."""
+    from speculant.bench.serve import run_sessions
+
+    sent = []
+    stand_in(monkeypatch, lambda request: sent.append(json.loads(request.content)) or sse(text("{}")))
+    schema = {"type": "json_object"}
+    prompts = [Prompt("j", "give json", response_format=schema), Prompt("c", "chat", chat=True)]
+    run_load(URL, prompts, requests=2, concurrency=1, max_tokens=4)
+    run_sessions(URL, prompts[:1], conversations=1, turns=2, rate=100.0, max_tokens=4)
+    assert [body.get("response_format") for body in sent] == [schema, None, schema, schema]
+    assert [len(body["messages"]) for body in sent[2:]] == [1, 3]

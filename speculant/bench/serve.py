@@ -15,6 +15,7 @@ import json
 import threading
 import time
 from collections.abc import Callable, Sequence
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -31,10 +32,13 @@ SPECULATIVE = ("drafted_tokens", "accepted_tokens", "target_forwards", "drafter_
 
 
 def request_body(prompt: Prompt, model: str, max_tokens: int, temperature: float, stream: bool) -> tuple[str, dict]:
-    """(endpoint, body) for one prompt: chat for chat prompts and conversations, else a completion."""
+    """(endpoint, body) for one prompt: chat for chat prompts and conversations, else a completion; with the
+    prompt's `response_format` where it has one."""
     body: dict[str, Any] = {"model": model, "max_tokens": max_tokens, "temperature": temperature, "stream": stream}
     if stream:
         body["stream_options"] = {"include_usage": True}
+    if prompt.response_format is not None:
+        body["response_format"] = prompt.response_format
     if prompt.chat:
         return "/chat/completions", {**body, "messages": messages_of(prompt)}
     return "/completions", {**body, "prompt": prompt.text}
@@ -205,13 +209,14 @@ def run_sessions(url: str, prompts: Sequence[Prompt], conversations: int, turns:
         def conversation(i: int) -> None:
             if stop.wait(max(0.0, arrivals[i] - (time.perf_counter() - start))):
                 return
-            messages = messages_of(prompts[i % len(prompts)])
+            prompt = prompts[i % len(prompts)]
+            messages = messages_of(prompt)
             for turn in range(turns):
                 if turn:
                     messages.append({"role": "user", "content": FOLLOW_UPS[(turn - 1) % len(FOLLOW_UPS)]})
-                body = {"model": model, "max_tokens": max_tokens, "temperature": temperature, "stream": True,
-                        "stream_options": {"include_usage": True}, "messages": list(messages)}
-                result = reply_to(client, "/chat/completions", body)
+                endpoint, body = request_body(replace(prompt, text=tuple(messages), chat=True), model, max_tokens,
+                                              temperature, stream=True)
+                result = reply_to(client, endpoint, body)
                 results[i].append({**result, "turn": turn})
                 if "error" in result or stop.is_set():
                     return
