@@ -51,6 +51,13 @@ class CLISpecOptions(DrafterOptions, CLIAROptions):
         DrafterOptions.__post_init__(self)
         CLIAROptions.__post_init__(self)
         check_model_drafter("llamacpp-cli-spec", self)
+        check_draft_length(self.k)
+
+
+def check_draft_length(k: int | None) -> None:
+    """A peer's longest draft `k`: None (the peer's default) or at least 1 (0 was taken for the default)."""
+    if k is not None and k < 1:
+        raise OptionError("k", f"k must be >= 1, got {k} (leave k out for the peer's default)")
 
 
 def check_model_drafter(peer: str, options: Any) -> None:
@@ -65,6 +72,10 @@ def check_model_drafter(peer: str, options: Any) -> None:
 @dataclass(frozen=True)
 class CLINgramOptions(CLIAROptions):
     k: int | None = option(None, "--spec-ngram-simple-size-m, the longest draft (default: llama.cpp's)")
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        check_draft_length(self.k)
 
 
 CLI_PEERS: dict[str, type] = {"llamacpp-cli-ar": CLIAROptions, "llamacpp-cli-spec": CLISpecOptions,

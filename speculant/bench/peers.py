@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from typing import Any
 from weakref import WeakKeyDictionary
 
-from speculant.bench.llamacpp_cli import CLI_PEERS, check_model_drafter, cli_generate, schema_args
+from speculant.bench.llamacpp_cli import CLI_PEERS, check_draft_length, check_model_drafter, cli_generate, schema_args
 from speculant.config import SamplingConfig, option
 from speculant.errors import ConfigError
 from speculant.methods.drafting import DrafterOptions
@@ -44,11 +44,15 @@ class HFAssistedOptions(DrafterOptions):
     def __post_init__(self) -> None:
         super().__post_init__()
         check_model_drafter("hf-assisted", self)
+        check_draft_length(self.k)
 
 
 @dataclass(frozen=True)
 class HFPLDOptions:
     k: int | None = option(None, "prompt_lookup_num_tokens (default: 10)")
+
+    def __post_init__(self) -> None:
+        check_draft_length(self.k)
 
 
 PEERS: dict[str, type] = {"hf-ar": HFAROptions, "hf-assisted": HFAssistedOptions, "hf-pld": HFPLDOptions,
