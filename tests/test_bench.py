@@ -41,8 +41,8 @@ def test_method_specs_parse():
                                  "dsi:servers=0", "dsi:executor=mpi", "sd:servers=2", "dsi:lookahead=x",
                                  "sd:draft_confidence=1.5", "sd:draft_confidence=x", "tree:draft_confidence=0.5",
                                  "sd:drafter=maxgram,draft_confidence=0.5", "hf-assisted:drafter=maxgram",
-                                 "llamacpp-cli-spec:drafter=suffix", "hf-pld:k=0", "hf-pld:k=-1", "hf-assisted:drafter=x,k=0",
-                                 "llamacpp-cli-ngram:k=0", "llamacpp-cli-spec:drafter=x,k=-1", "llamacpp-pld:k=0"])
+                                 "llamacpp-cli-spec:drafter=suffix", "hf-pld:k=0", "hf-pld:k=-1",
+                                 "hf-assisted:drafter=x,k=0", "llamacpp-cli-ngram:k=0", "llamacpp-cli-spec:drafter=x,k=-1", "llamacpp-pld:k=0"])
 def test_bad_method_specs_are_refused(bad):
     with pytest.raises(ConfigError):
         parse_method(bad)

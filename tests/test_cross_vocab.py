@@ -6,7 +6,8 @@ import random
 import pytest
 import torch
 
-from helpers import ARCHS, MORE_ARCHS, MarkovLM, bpe_tokenizer, byte_tokenizer, piece_tokenizer, tiny_model, tiny_transformer
+from helpers import (ARCHS, MORE_ARCHS, MarkovLM, bpe_tokenizer, byte_tokenizer, piece_tokenizer, tiny_model,
+                     tiny_transformer)
 from speculant import generate
 from speculant.config import SamplingConfig
 from speculant.decoding.dsi.twin import OracleLM
