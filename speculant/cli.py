@@ -806,14 +806,22 @@ def check_listen(host: str, port: int) -> None:
         raise ConfigError(f"cannot listen on {host}:{port}: {error.strerror or error}") from None
 
 
+MOST_ARRIVAL_S = 24 * 3600  # bench-serve --rate: the conversations of one run arrive within a day
+
+
 def run_bench_serve(args: argparse.Namespace) -> None:
     from speculant.bench.datasets import load_dataset
-    from speculant.bench.serve import format_load, run_load, run_sessions, write_report
+    from speculant.bench.serve import format_load, read_runs, run_load, run_sessions, write_report
 
     if args.requests < 1 or min(args.concurrency) < 1 or args.max_tokens < 1 or args.turns < 1:
         raise ConfigError("requests, concurrency, turns and max-tokens must be >= 1")
     if args.rate is not None and min(args.rate) <= 0:
         raise ConfigError("--rate must be > 0")
+    if args.rate is not None and args.requests / min(args.rate) > MOST_ARRIVAL_S:
+        raise ConfigError(f"--rate {min(args.rate):g} spreads {args.requests} conversations' arrivals over more than "
+                          f"{MOST_ARRIVAL_S // 3600} hours")
+    if args.out:
+        read_runs(Path(args.out))  # (one that is not this command's: said now, not after the run)
     if args.check_solo and (args.rate is not None or args.temperature > 0):
         raise ConfigError("--check-solo compares greedy replies of a closed loop: not with --rate or --temperature > 0")
     import httpx

@@ -264,6 +264,36 @@ def arrivals(result: dict[str, Any]) -> str:
     return f"{result['rate']:g} conversations/s x {result['turns']} turns"
 
 
+REPORTED = ("label", "requests", "throughput_tok_s", "ttft_ms", "tpot_ms", "errors", "lost", "mismatches_vs_solo")
+
+
+def read_runs(out: Path) -> list[dict[str, Any]]:
+    """The runs `out/results.jsonl` holds (none where it is not there yet); a ConfigError naming the line where one
+    is not a run this command wrote (checked before a new run appends to it, not after)."""
+    path = out / "results.jsonl"
+    if not path.exists():
+        return []
+    runs = []
+    try:
+        lines = path.read_text().splitlines()
+    except (OSError, UnicodeDecodeError) as error:
+        raise ConfigError(f"{path} cannot be read: {error}") from None
+    for number, line in enumerate(lines, 1):
+        if not line.strip():
+            continue
+        try:
+            run = json.loads(line)
+        except ValueError:
+            run = None
+        if not isinstance(run, dict):
+            raise ConfigError(f"{path}:{number} is not a JSON object: not a run of bench-serve (give another --out)")
+        if lacking := [key for key in REPORTED if key not in run]:
+            raise ConfigError(f"{path}:{number} has no {', '.join(lacking)}: not a run of bench-serve (give another "
+                              "--out)")
+        runs.append(run)
+    return runs
+
+
 def write_report(out: Path) -> list[Path]:
     """`report.md` (a table) and `throughput.png` (tok/s against concurrency, a line per label) from every
     run in `out/results.jsonl` (runs made before ITL was counted by chunk show none)."""
@@ -272,7 +302,7 @@ def write_report(out: Path) -> list[Path]:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    runs = [json.loads(line) for line in (out / "results.jsonl").read_text().splitlines() if line.strip()]
+    runs = read_runs(out)
     rows = ["| server | arrivals | requests | tok/s | TTFT p50 / p90 ms | later turns' TTFT p50 / p90 ms | "
             "TPOT p50 / p90 ms | ITL p50 / p90 ms | errors | lost | differ from solo |",
             "|---|---|---|---|---|---|---|---|---|---|---|"]
