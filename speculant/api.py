@@ -13,10 +13,10 @@ from typing import Any
 from speculant.config import RunConfig, SamplingConfig, as_integer, check_sampled, typed
 from speculant.decoding.run import Decoder, timed
 from speculant.decoding.stats import GenerationStats
-from speculant.errors import ConfigError, RequestError
+from speculant.errors import ConfigError, RequestError, SpeculantError
 from speculant.methods import Request, get_method
 from speculant.methods.registry import check_given_pairs
-from speculant.methods.drafting import check_capabilities
+from speculant.methods.drafting import check_capabilities, held_drafters
 from speculant.models import load_model
 from speculant.models.catalog import check_name
 from speculant.models.wrappers.biased import Biased, check_bias_type
@@ -245,8 +245,8 @@ def generate(
             raise ConfigError("the prompt is empty")
     if session is not None and not isinstance(session, Session):
         raise ConfigError(f"session must be a speculant Session, got {type(session).__name__}")
-    if isinstance(target, str):
-        check_name(target)  # (a target's name: `@lean`, a drafter's form of a model, is refused)
+    check_models([target] if isinstance(target, str) else [], held_drafters(method_options))  # (a target's name:
+    # `@lean`, a drafter's form of a model, is refused)
     target = load_model(target)
     check_capabilities(method_options, target)
     if prompt_ids is None:
@@ -284,6 +284,23 @@ def generate(
             pass
     assert result.result is not None
     return result.result
+
+
+def check_models(targets: Sequence[str], drafters: Sequence[Any] = ()) -> None:
+    """Refuse, before any model loads, a target or a model drafter (a spec, or its text) that no loader takes: a name
+    neither in the catalog, nor a local path, nor a Hugging Face id (`catalog.check_name`); a drafter's refusal also
+    names the drafters that load no model (a misspelt "maxgram" is taken for a model's name)."""
+    from speculant.drafters.registry import DRAFTERS
+    from speculant.drafters.spec import MODEL, DrafterSpec, as_drafter
+
+    for target in targets:
+        check_name(target)
+    for drafter in map(as_drafter, drafters):
+        if isinstance(drafter, DrafterSpec) and drafter.kind == MODEL:
+            try:
+                check_name(drafter.source)
+            except SpeculantError as error:
+                raise ConfigError(f"drafter: {error}; or a drafter without a model: {', '.join(DRAFTERS)}") from None
 
 
 def token_ids(value: Any) -> list[int]:

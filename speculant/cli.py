@@ -347,7 +347,7 @@ def read_constraint(schema: str | None, grammar: str | None) -> Any:
 
 
 def run_generate(args: argparse.Namespace) -> None:
-    from speculant.api import check_prompt, check_request, generate
+    from speculant.api import check_models, check_prompt, check_request, generate
     from speculant.drafters.spec import MAXGRAM, DrafterSpec
     from speculant.session import Session
     from speculant.methods.drafting import as_keywords, with_drafters
@@ -516,6 +516,7 @@ def measure_bench(args: argparse.Namespace, methods: list[Any]) -> list[Any]:
 
     from tqdm import tqdm
 
+    from speculant.api import check_models
     from speculant.bench.datasets import load_dataset
     from speculant.bench.isolated import isolated_generate
     from speculant.bench.llamacpp_cli import CLI_PEERS
@@ -594,7 +595,7 @@ def parse_width_ranges(text: str) -> list[int]:
 
 
 def run_profile(args: argparse.Namespace) -> None:
-    from speculant.api import encode_prompt
+    from speculant.api import check_models, encode_prompt
     from speculant.latency import machine_profile, profile_model
     from speculant.bench.datasets import load_dataset
     from speculant.drafters.spec import as_drafter, model_free
@@ -647,7 +648,7 @@ def run_acceptance(args: argparse.Namespace) -> None:
     from dataclasses import asdict
 
     from speculant.analysis.acceptance import estimate
-    from speculant.api import encode_prompt
+    from speculant.api import check_models, encode_prompt
     from speculant.bench.datasets import load_dataset
     from speculant.drafters.spec import as_drafter, model_free
     from speculant.models import load_model
@@ -691,7 +692,7 @@ def run_acceptance(args: argparse.Namespace) -> None:
 
 def run_train_depth(args: argparse.Namespace) -> None:
     from speculant.analysis.depth import CORPUS, fit, log_trees
-    from speculant.api import encode_prompt
+    from speculant.api import check_models, encode_prompt
     from speculant.bench.datasets import load_dataset
     from speculant.drafters.spec import as_drafter
     from speculant.trees.method import tree_drafter_model
@@ -736,6 +737,7 @@ def run_train_depth(args: argparse.Namespace) -> None:
 
 
 def run_serve(args: argparse.Namespace) -> None:
+    from speculant.api import check_models
     from speculant.serve import serving_backend
 
     config = from_args(ServeConfig, args)
@@ -758,19 +760,6 @@ def run_serve(args: argparse.Namespace) -> None:
         from speculant.serve.app import serve
 
         serve(args.target, model_config, method.name, options, config, served_name)
-
-
-def check_models(targets: Sequence[str], drafters: Sequence[Any] = ()) -> None:
-    """Refuse, before any model loads, a target or a model drafter (a spec, or its text) that no loader takes: a name
-    neither in the catalog, nor a local path, nor a Hugging Face id (`catalog.check_name`)."""
-    from speculant.drafters.spec import MODEL, DrafterSpec, as_drafter
-    from speculant.models.catalog import check_name
-
-    for target in targets:
-        check_name(target)
-    for drafter in map(as_drafter, drafters):
-        if isinstance(drafter, DrafterSpec) and drafter.kind == MODEL:
-            check_name(drafter.source)
 
 
 def check_target(target: str, config: ModelConfig, options: Any, backend: str | None = None,

@@ -60,9 +60,9 @@ class Session:
     def of(cls, target: CausalLM) -> Session:
         """The target's default session: made on first use, kept on the model object, dropped with it."""
         model = owner_of(target)
-        session = model.__dict__.get("default_session")
+        session = getattr(model, "__dict__", {}).get("default_session")
         if session is None:
-            session = model.__dict__["default_session"] = cls(model)
+            session = model.__dict__["default_session"] = cls(model)  # (not a model: refused there)
         return session
 
     def drafter(self, spec: Any, dtype: str | None = None) -> Any:

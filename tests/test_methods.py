@@ -184,11 +184,14 @@ def test_generate_refuses_what_it_cannot_take_in_one_line_and_takes_numpy_and_to
             (dict(method="sd", drafter=object()), "drafter must be a drafter's name, a model or a Drafter, not object"),
             (dict(method="cascade", drafters=5), "drafters must be a drafter.s name, a model or a Drafter, not int"),
             (dict(prompt_ids=None, prompt="a\udcffb"), "the prompt is not UTF-8 text"),
-            (dict(prompt_ids=None, prompt=[{"role": "user", "content": "a\udcff"}]), "not UTF-8 text")]:
+            (dict(prompt_ids=None, prompt=[{"role": "user", "content": "a\udcff"}]), "not UTF-8 text"),
+            (dict(method="sd", drafter="maxgrm"), "drafter: unknown model 'maxgrm'.* without a model: maxgram, suffix"),
+            (dict(method="auto", drafters=["maxgram", "nosuch"]), "drafter: unknown model 'nosuch'")]:
         with pytest.raises(ConfigError, match=message):
             generate(target, **{"prompt_ids": prompt, "max_new_tokens": 4, **refused})
-    with pytest.raises(ConfigError, match="a Session is for a loaded model"):
-        Session("qwen2.5-coder-1.5b")
+    for made in (Session, Session.of):
+        with pytest.raises(ConfigError, match="a Session is for a loaded model"):
+            made("qwen2.5-coder-1.5b")
 
 
 def test_a_stream_is_its_own_iterator_and_ends_its_generation_when_dropped_or_taken_over():
@@ -229,6 +232,15 @@ def test_a_stream_is_its_own_iterator_and_ends_its_generation_when_dropped_or_ta
         assert Told.ended == 3 and list(closed) == []
     finally:
         gc.enable()
+
+
+def test_a_drafter_name_nothing_loads_is_refused_before_the_target_loads(monkeypatch):
+    """generate() checks its drafters' names as the CLI does, before loading the target by its name."""
+    from speculant import api
+
+    monkeypatch.setattr(api, "load_model", lambda *args, **kwargs: pytest.fail("the target was loaded first"))
+    with pytest.raises(ConfigError, match="drafter: unknown model 'maxgrm'"):
+        generate("smollm2-135m", "x", method="sd", drafter="maxgrm")
 
 
 def test_a_drafter_dtype_no_named_drafter_loads_in_is_refused_when_the_options_are_made():
