@@ -31,11 +31,13 @@ log = logging.getLogger("speculant")
 
 
 def method_for(method: str | None, options: dict[str, Any]) -> str:
-    """The method to run when none is named: auto, or sd when an option auto does not take is given
-    (a `drafter`, a `k`; sd then names any option it does not take either)."""
+    """The method to run when none is named: auto, or sd when an option of sd's that auto does not take is given
+    (a `drafter`, a `k`; sd then names any other option it does not take). A name neither takes is refused as
+    auto's, the default's, naming the methods that take it where any does."""
     if method is not None:
         return method
-    return DEFAULT_METHOD if set(options) <= {f.name for f in fields(get_method(DEFAULT_METHOD).options)} else "sd"
+    beyond = set(options) - {f.name for f in fields(get_method(DEFAULT_METHOD).options)}
+    return "sd" if beyond & {f.name for f in fields(get_method("sd").options)} else DEFAULT_METHOD
 
 
 @dataclass

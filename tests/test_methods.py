@@ -63,6 +63,8 @@ def test_unknown_and_misplaced_options_name_the_method():
         generate(target, prompt_ids=[1, 2], method="sd", drafter="maxgram", depth=3)
     with pytest.raises(ConfigError, match="unknown option 'kk' for method 'sd'.*takes: drafter, drafter_dtype, k"):
         generate(target, prompt_ids=[1, 2], method="sd", kk=3)
+    with pytest.raises(ConfigError, match="unknown option 'stop' for method 'auto'"):  # no method named: the default's
+        generate(target, prompt_ids=[1, 2], stop=["\n"])
     with pytest.raises(ConfigError, match="unknown method 'fast'"):
         generate(target, prompt_ids=[1, 2], method="fast")
 
