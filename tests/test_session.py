@@ -361,6 +361,12 @@ def test_generations_on_one_target_never_decode_from_each_other_s_cache(method):
     (lambda context, k: Draft([-1]), "not token ids in"),
     (lambda context, k: Draft(list(context)), "tokens proposed where"),
     (lambda context, k: Draft([1], torch.ones(1, VOCAB + 1) / (VOCAB + 1)), "its q is"),
+    (lambda context, k: Draft(None), "its draft holds None, not token ids"),
+    (lambda context, k: Draft([1], [[1 / VOCAB] * VOCAB]), "its q is list, not a float tensor"),
+    (lambda context, k: Draft([1], torch.ones(1, VOCAB, dtype=torch.long)), "its q is Tensor of torch.int64"),
+    (lambda context, k: Draft([1], torch.ones(1, VOCAB) * 5 / VOCAB), r"its q's rows are not distributions \(sums "
+                                                                      r"\[5.0\]"),
+    (lambda context, k: Draft([1], torch.eye(VOCAB)[[1]] * 2 - 1 / VOCAB), "least entry -0.0"),
     (lambda context, k: Draft([1, 2], torch.eye(VOCAB)[[1, 3]]), r"its q gives its own token 2 \(draft position 1\) "
                                                                  "probability 0.0"),
     (lambda context, k: Draft([], tree=TokenTree((context[-1] + 1, 7), (-1, 0))), "its tree's root is"),
@@ -368,8 +374,9 @@ def test_generations_on_one_target_never_decode_from_each_other_s_cache(method):
      "deep proposed where")])
 def test_a_user_drafter_s_bad_draft_is_named_before_verification_reads_it(proposal, message):
     """A user's drafter is checked (`drafters.base.Checked`): what it proposes must be a Draft of the target's token
-    ids, at most k (a tree: rooted at the context's last token, at most k deep), with q one row per token as wide as
-    the target's logits, above 0 at each drafted token; speculant's own drafters are not wrapped."""
+    ids, at most k (a tree: rooted at the context's last token, at most k deep), with q a float tensor of one row per
+    token as wide as the target's logits, each a distribution above 0 at its drafted token; speculant's own drafters
+    are not wrapped."""
     from speculant.drafters.spec import load_drafter
 
     class Faulty(Drafter):

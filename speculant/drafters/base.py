@@ -74,6 +74,9 @@ class Drafter:
     match_length = None  # or a method: context -> the length of the match its next draft follows (0: none)
 
 
+Q_SUM_TOLERANCE = 1e-2  # a user's q row may sum this far from 1 (rounded in half precision over a large vocabulary)
+
+
 class Checked(Drafter):
     """A user's drafter (one passed in, or registered from outside speculant), its drafts checked before anything
     reads them: a Draft whose tokens are ids of the target's vocabulary, at most k of them, and whose q has a row per
@@ -99,7 +102,10 @@ class Checked(Drafter):
         if not isinstance(draft, Draft):
             raise ConfigError(f"drafter '{self.name}': propose returned {type(draft).__name__}, not a speculant.Draft")
         tokens = draft.tree.tokens[1:] if draft.tree is not None else draft.tokens
-        ids = [as_integer(t) for t in tokens]
+        try:
+            ids = [as_integer(t) for t in tokens]
+        except TypeError:
+            ids = [None]
         if any(i is None or not 0 <= i < self.vocab_size for i in ids):
             raise ConfigError(f"drafter '{self.name}': its draft holds {tokens!r}, not token ids in "
                               f"[0, {self.vocab_size})")
@@ -119,11 +125,19 @@ class Checked(Drafter):
         return draft
 
     def _check_q(self, ids: list[int], q: torch.Tensor) -> None:
-        """q [len(ids), vocab]: a row per drafted token, as wide as the target's logits, each above 0 at its own token
+        """q [len(ids), vocab]: a float tensor, a row per drafted token, as wide as the target's logits, each row a
+        distribution (what verification's p/q takes it for: another voids the output's) above 0 at its own token
         (verification divides by it)."""
+        if not isinstance(q, torch.Tensor) or not q.is_floating_point():
+            raise ConfigError(f"drafter '{self.name}': its q is {type(q).__name__}"
+                              f"{f' of {q.dtype}' if isinstance(q, torch.Tensor) else ''}, not a float tensor")
         if tuple(q.shape) != (len(ids), self.vocab_size):
             raise ConfigError(f"drafter '{self.name}': its q is {tuple(q.shape)}, not one row per token of the "
                               f"target's {self.vocab_size} logits")
+        sums = q.float().sum(-1)
+        if not (bool((q >= 0).all()) and bool(((sums - 1).abs() <= Q_SUM_TOLERANCE).all())):
+            raise ConfigError(f"drafter '{self.name}': its q's rows are not distributions (sums "
+                              f"{[round(float(x), 4) for x in sums]}, least entry {float(q.min())})")
         drawn = q.gather(-1, torch.tensor(ids, dtype=torch.long, device=q.device)[:, None])[:, 0]  # q(x_i)
         if not bool((drawn > 0).all()):
             i = int((~(drawn > 0)).nonzero()[0])
