@@ -127,6 +127,11 @@ class LatencyProfile:
     @classmethod
     def from_dict(cls, data: dict) -> LatencyProfile:
         """What `save` wrote; a ValueError naming a value no measurement gives (a file edited, or another's)."""
+        if not isinstance(data, dict):
+            raise ValueError(f"a profile is a JSON object, not {type(data).__name__}")
+        for name in ("forward_s", "long_forward_s"):
+            if not isinstance(data.get(name, {}), dict):
+                raise ValueError(f"{name} must map widths to seconds, got {data[name]!r}")
         profile = cls(**dict(data, forward_s={int(w): float(t) for w, t in data["forward_s"].items()},
                              long_forward_s={int(w): float(t) for w, t in data.get("long_forward_s", {}).items()}))
         seconds = {"ttft_s": profile.ttft_s, "tpot_s": profile.tpot_s,

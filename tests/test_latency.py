@@ -27,6 +27,7 @@ def test_beyond_a_single_profiled_width_each_token_costs_at_least_the_widest_s_s
     ({"forward_s": {"0": 0.01}}, "a width must be >= 1 token, got 0"),
     ({"forward_s": {"-4": 0.01, "1": 0.02}}, "a width must be >= 1 token, got -4"),
     ({"long_context_len": 2048, "long_forward_s": {"0": 0.02}}, "a width must be >= 1 token, got 0"),
+    ({"forward_s": [1]}, r"forward_s must map widths to seconds, got \[1\]"),
 ])
 def test_a_profile_no_measurement_gives_is_refused_in_one_line(change, message, tmp_path):
     data = {"model": "m", "dtype": "fp32", "device": "cpu", "context_len": 256, "ttft_s": 0.1, "tpot_s": 0.01,
