@@ -641,7 +641,7 @@ def run_profile(args: argparse.Namespace) -> None:
     if args.out:
         profiles[0].save(Path(args.out))
         if args.drafter:
-            profiles[1].save(Path(args.out).with_suffix(".drafter.json"))
+            profiles[1].save(drafter_profile_path(Path(args.out)))
 
 
 def run_acceptance(args: argparse.Namespace) -> None:
@@ -718,8 +718,7 @@ def run_train_depth(args: argparse.Namespace) -> None:
     if "hidden" in kinds and not target.capabilities.hidden_states:
         raise ConfigError("--inputs hidden: this target's backend gives no hidden states (use --inputs features)")
     outs = {kind: predictor_path(target, drafter, kind) for kind in kinds} if not args.out else \
-        {kind: Path(args.out) if len(kinds) == 1 else Path(args.out).with_name(f"{Path(args.out).stem}-{kind}.json")
-         for kind in kinds}
+        {kind: predictor_out(Path(args.out), kind, len(kinds)) for kind in kinds}
     if None in outs.values():
         raise ConfigError("models built in memory have no place in the cache: pass --out")
     ids = [encode_prompt(target.tokenizer, p.text, p.chat) for p in prompts]
@@ -917,21 +916,50 @@ def check_outputs(args: argparse.Namespace) -> None:
             continue
         if not getattr(args, name):
             raise ConfigError(f"--{name} needs a path")
-        path, kind = Path(getattr(args, name)), args.out_kind if name == "out" else FILE
-        if kind == DIRECTORY:
-            if path.exists() and not path.is_dir():
-                raise ConfigError(f"--{name} {path} is a file: it names a directory here")
-        elif path.is_dir():
-            raise ConfigError(f"--{name} {path} is a directory: it names a file here")
-        if not (path.is_file() and os.access(path, os.W_OK)):  # (a file there already: written over in place)
-            check_writable(path, kind, name)
-        if name == "timeline":
-            from matplotlib.backend_bases import FigureCanvasBase
+        check_output(Path(getattr(args, name)), args.out_kind if name == "out" else FILE, name)
+    for path in companions(args):
+        check_output(path, FILE, "out")
 
-            suffix = path.suffix.lstrip(".").lower()  # (none: matplotlib's png)
-            if suffix and suffix not in FigureCanvasBase.get_supported_filetypes():
-                raise ConfigError(f"--timeline {path}: '{suffix}' is no image format matplotlib writes (png, svg, pdf, "
-                                  "...)")
+
+def companions(args: argparse.Namespace) -> list[Path]:
+    """The files a command writes beside --out's: a profiled drafter's, train-depth's predictor of each input kind
+    where it trains several."""
+    if not getattr(args, "out", None):
+        return []
+    if args.command == "profile" and args.drafter:
+        return [drafter_profile_path(Path(args.out))]
+    if args.command == "train-depth":
+        kinds = list(dict.fromkeys(args.inputs or []))
+        return [predictor_out(Path(args.out), kind, len(kinds)) for kind in kinds] if len(kinds) > 1 else []
+    return []
+
+
+def drafter_profile_path(out: Path) -> Path:
+    """Where `profile --out OUT --drafter` writes the drafter's profile."""
+    return out.with_suffix(".drafter.json")
+
+
+def predictor_out(out: Path, kind: str, kinds: int) -> Path:
+    """Where `train-depth --out OUT` writes the predictor of inputs `kind`, one of `kinds` it trains."""
+    return out if kinds == 1 else out.with_name(f"{out.stem}-{kind}.json")
+
+
+def check_output(path: Path, kind: str, name: str) -> None:
+    """`check_outputs` for one path that --`name` writes, a FILE or a DIRECTORY."""
+    if kind == DIRECTORY:
+        if path.exists() and not path.is_dir():
+            raise ConfigError(f"--{name} {path} is a file: it names a directory here")
+    elif path.is_dir():
+        raise ConfigError(f"--{name} {path} is a directory: it names a file here")
+    if not (path.is_file() and os.access(path, os.W_OK)):  # (a file there already: written over in place)
+        check_writable(path, kind, name)
+    if name == "timeline":
+        from matplotlib.backend_bases import FigureCanvasBase
+
+        suffix = path.suffix.lstrip(".").lower()  # (none: matplotlib's png)
+        if suffix and suffix not in FigureCanvasBase.get_supported_filetypes():
+            raise ConfigError(f"--timeline {path}: '{suffix}' is no image format matplotlib writes (png, svg, pdf, "
+                              "...)")
 
 
 def check_writable(path: Path, kind: str, name: str) -> None:

@@ -424,6 +424,8 @@ def test_a_flag_given_where_it_does_nothing_is_one_line_never_ignored(capsys, tm
     saved.write_text(json.dumps({"config": {"methods": ["ar"], "command": "speculant bench", "machine": "m"},
                                  "rows": []}))
     (tmp_path / "runs").mkdir()
+    (tmp_path / "p.drafter.json").mkdir()
+    (tmp_path / "d-hidden.json").mkdir()
     (tmp_path / "runs" / "results.jsonl").write_text('{"label": "a"}\n')
     online = ["simulate", "online", "--target-latency", "1", "--drafter-latency", "1", "--acceptance", "0.5"]
     one = ["simulate", "run", "--target-latency", "10", "--drafter-latency", "1", "--acceptance", "0.5", "--lookahead",
@@ -456,6 +458,9 @@ def test_a_flag_given_where_it_does_nothing_is_one_line_never_ignored(capsys, tm
         (["generate", "x", "--top-k", "4", "--verifier", "token", "--temperature", "0"], "--top-k, --verifier apply"),
         (["bench", "--top-k", "3"], "--top-k applies when sampling"),
         (["bench-serve", "--out", str(tmp_path / "runs")], "results.jsonl:1 has no requests, throughput_tok_s"),
+        (["profile", "--drafter", "maxgram", "--out", str(tmp_path / "p.json")], "p.drafter.json is a directory"),
+        (["train-depth", "--inputs", "hidden", "features", "--out", str(tmp_path / "d.json")],
+         "d-hidden.json is a directory"),
         (["bench-serve", "--rate", "1e-300"], "spreads 32 conversations' arrivals over more than 24 hours"),
         (["generate", "x", "--method", "ar", "--temperature", "1", "--verifier", "token"],
          "chains (auto, sd, cascade), not 'ar'"),
