@@ -466,6 +466,7 @@ def run_bench(args: argparse.Namespace, argv: Sequence[str]) -> None:
             raise ConfigError(f"{args.report_from} holds no rows: nothing to report")
         if stray := sorted({row.method for row in rows} - {m.label for m in methods}):
             raise ConfigError(f"{args.report_from}: rows of {stray[0]}, which its config's methods do not list")
+        check_cells(rows, [m.label for m in methods], args.report_from)
         command = saved["config"]["command"] + (f" (reported with --baseline {args.baseline})" if args.baseline else "")
         machine, title = saved["config"]["machine"], f"{args.report_from}; {saved['config']['machine']}"
     else:
@@ -492,6 +493,21 @@ def run_bench(args: argparse.Namespace, argv: Sequence[str]) -> None:
         (out / "report.md").write_text(markdown_report(summaries, by_category, command, machine, args.baseline))
         plots = plot(summaries, by_category, out)
         print(f"wrote {out / 'results.json'}, {out / 'report.md'} and {len(plots)} plots", file=sys.stderr)
+
+
+def check_cells(rows: Sequence[Any], methods: Sequence[str], path: str) -> None:
+    """A saved run's rows as a run makes them, or a ConfigError naming what is not: each method one row per prompt
+    and repeat, all methods the same ones, each measured in more than 0 s."""
+    cells = {label: [(row.prompt_id, row.repeat) for row in rows if row.method == label] for label in methods}
+    for label, mine in cells.items():
+        if not mine:
+            raise ConfigError(f"{path}: {label} has no rows")
+        if len(set(mine)) != len(mine):
+            raise ConfigError(f"{path}: {label} has two rows of one prompt and repeat")
+        if set(mine) != set(cells[methods[0]]):
+            raise ConfigError(f"{path}: {label}'s rows cover other prompts or repeats than {methods[0]}'s")
+    if slow := next((row for row in rows if not row.stats.wall_s > 0), None):
+        raise ConfigError(f"{path}: a row of {slow.method} was measured in {slow.stats.wall_s} s")
 
 
 def read_results(path: Path) -> dict[str, Any]:

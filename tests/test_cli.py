@@ -155,6 +155,12 @@ def test_a_file_that_is_not_text_json_or_a_run_s_is_one_line(capsys, tmp_path):
         edited[name].write_text(json.dumps({"config": {"methods": ["ar"], "command": "c", "machine": "m"},
                                             "rows": [row, {**row, "repeat": 1, **changed}]}))
     edited["none"].write_text(json.dumps({"config": {"methods": ["ar"], "command": "c", "machine": "m"}, "rows": []}))
+    for name, methods, rows_of in [("twice", ["ar"], [row, row]), ("absent", ["ar", "sd"], [row]),
+                                   ("other", ["ar", "sd"], [row, {**row, "method": "sd", "prompt_id": "q"}]),
+                                   ("zero", ["ar"], [{**row, "stats": {**row["stats"], "wall_s": 0.0}}])]:
+        edited[name] = tmp_path / f"{name}.json"
+        edited[name].write_text(json.dumps({"config": {"methods": methods, "command": "c", "machine": "m"},
+                                            "rows": rows_of}))
     profile = {"model": "m", "dtype": "bf16", "device": "cpu", "context_len": 64, "ttft_s": 0.1, "tpot_s": 0.03,
                "forward_s": {"1": 0.03}}
     for name, changed in [("tpot", {"tpot_s": "x"}), ("ttft", {"ttft_s": None}), ("slow", {"tpot_s": 1e9})]:
@@ -173,6 +179,10 @@ def test_a_file_that_is_not_text_json_or_a_run_s_is_one_line(capsys, tmp_path):
                           (["bench", "--report-from", str(edited["seconds"])], "stats' wall_s cannot be -1.0"),
                           (["bench", "--report-from", str(edited["stray"])], "rows of sd, which its config"),
                           (["bench", "--report-from", str(edited["none"])], "holds no rows"),
+                          (["bench", "--report-from", str(edited["twice"])], "ar has two rows of one prompt and repeat"),
+                          (["bench", "--report-from", str(edited["absent"])], ": sd has no rows"),
+                          (["bench", "--report-from", str(edited["other"])], "sd's rows cover other prompts or repeats"),
+                          (["bench", "--report-from", str(edited["zero"])], "a row of ar was measured in 0.0 s"),
                           ([*one, str(tmp_path / "tpot.json")], "tpot_s must be a number of seconds > 0, got 'x'"),
                           ([*one, str(tmp_path / "ttft.json")], "ttft_s must be a number of seconds > 0, got None"),
                           ([*one, str(tmp_path / "slow.json")], "tpot_s is at most 60 s"),
