@@ -549,6 +549,13 @@ def measure_bench(args: argparse.Namespace, methods: list[Any]) -> list[Any]:
     for method in methods:
         if not method.peer:
             check_target(args.target, model_config, method.options, method.backend, method.dtype)
+            continue
+        name, quant = split_quant(args.target)  # (a peer's backend: llama.cpp's refuses weights not GGUF here)
+        backend = resolve_backend(method.backend or model_config.backend, name, quant, model_config.device,
+                                  method.dtype or model_config.dtype)
+        if method.method.startswith("hf-") and backend != "hf":
+            raise ConfigError(f"{method.label} runs transformers' generate, and the target loads on the {backend} "
+                              f"backend: give {method.method}:backend=hf or --backend hf")
     run = from_args(RunConfig, args)
     sampling = from_args(SamplingConfig, args)
     for method in methods:  # (a method's own settings, and the run's where no method samples)
