@@ -94,6 +94,9 @@ def test_jsonl_prompts_and_errors(tmp_path):
             load_dataset(str(tmp_path / f"{name}.jsonl"))
     (tmp_path / "a+b.jsonl").write_text('{"prompt": "a"}\n')
     assert load_dataset(str(tmp_path / "a+b.jsonl"))[0].text == "a"
+    assert load_dataset(f"{tmp_path / 'a+b.jsonl'}[:1]")[0].text == "a"  # (sliced too)
+    with pytest.raises(ConfigError, match=r"a slice is written in brackets, .*a\+b.jsonl\[:1\]"):
+        load_dataset(f"{tmp_path / 'a+b.jsonl'}:1")
 
 
 @pytest.fixture(scope="module")

@@ -96,14 +96,19 @@ def load_jsonl(path: Path) -> list[Prompt]:
 def load_dataset(spec: str) -> list[Prompt]:
     """`humaneval`, `humaneval[:10]`, or a path to a JSONL file, optionally sliced the same way; several joined by
     `+` (`prompts/mixed.jsonl+prompts/long.jsonl+humaneval[:20]`), their prompt ids unique."""
-    if "+" in spec and not Path(spec).is_file():  # (a file's name may hold a +)
+    match = _SLICE.fullmatch(spec)
+    file, colon, rest = spec.rpartition(":")
+    if not match and colon and Path(file).is_file():
+        raise ConfigError(f"dataset '{spec}': a slice is written in brackets, {file}[:{rest}]")
+    if "+" in spec and not Path(match["name"] if match else spec).is_file():  # (a file's name, sliced or not, may
+        # hold a +)
         prompts = [prompt for part in spec.split("+") for prompt in load_dataset(part)]
         ids = [prompt.id for prompt in prompts]
         if len(set(ids)) < len(ids):
             raise ConfigError(f"prompt ids repeat across '{spec}'")
         return prompts
     name, start, stop = spec, None, None
-    if match := _SLICE.fullmatch(spec):
+    if match:
         name = match["name"]
         start = int(match["start"]) if match["start"] else None
         stop = int(match["stop"]) if match["stop"] else None
