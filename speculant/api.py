@@ -200,19 +200,20 @@ def generate(
     are the method's own (e.g. sd: `drafter`, `k`, `draft_confidence`); a name the method does not take
     is an error naming the methods that do.
 
-    `target` may be a catalog name (with an optional `@int8`/`@int4` suffix), a Hugging Face id or path,
-    a transformers model or a loaded CausalLM; a drafter may be any of those (also `@gguf`, `@lean`),
-    `self[@int8|@int4|@skip]`, "maxgram", "suffix", a registered drafter's name, or a Drafter. Greedy at temperature 0; sampled drafts are verified as blocks (`verifier`="block", Sun et
-    al. 2024) or token by token ("token"), either way lossless. With `stream=True` the returned GenerationStream
-    yields token ids as they are committed. A generation ends at the target's last position. With `logprobs`
-    = n (0-20), the result's `logprobs` give each token's log-probability under the target and the n likeliest
-    tokens there (`models.wrappers.logprobs`; not with "dsi", whose target servers run apart from the decoder). `logit_bias`
+    `target` may be a catalog name (with an optional `@int8`/`@int4` suffix), a Hugging Face id or path, a
+    transformers model or a loaded CausalLM; a drafter may be any of those (also `@gguf`, `@lean`),
+    `self[@int8|@int4|@skip]`, "maxgram", "suffix", a registered drafter's name, or a Drafter. Greedy at temperature
+    0; sampled draft chains (sd, cascade, auto's) are verified as blocks (`verifier`="block", Sun et al. 2024) or
+    token by token ("token"), either way lossless. With `stream=True` the returned GenerationStream yields token ids
+    as they are committed. A generation ends at the target's last position. With `logprobs` = n (0-20), the result's
+    `logprobs` give each token's log-probability under the target and the n likeliest tokens there
+    (`models.wrappers.logprobs`; not with "dsi", whose target servers run apart from the decoder). `logit_bias`
     ({token id: -100..100}) is added to the target's logits, which then verify (`models.wrappers.biased`; logprobs
     stay the unbiased target's). `response_format` (OpenAI's: {"type": "json_object"}, {"type": "json_schema",
-    "json_schema": {"schema": ...}}; or {"type": "grammar", "grammar": LARK}, {"type": "regex", "regex": ...})
-    masks the target's logits to what it allows (`models.wrappers.constrained`); greedy output then equals constrained
-    `ar`'s. `session` holds what generations load and learn (drafters and their caches, acceptance, timings):
-    default, the target's own (`Session.of`).
+    "json_schema": {"schema": ...}}; or {"type": "grammar", "grammar": LARK}, {"type": "regex", "regex": ...}) masks
+    the target's logits to what it allows (`models.wrappers.constrained`); greedy output then equals constrained
+    `ar`'s. `session` holds what generations load and learn (drafters and their caches, acceptance, timings): default,
+    the target's own (`Session.of`).
     """
     spec = get_method(method_for(method, options))
     run = RunConfig(**typed(RunConfig, {"max_new_tokens": max_new_tokens, "seed": seed}))
@@ -288,11 +289,12 @@ def generate(
     return result.result
 
 
-def check_models(targets: Sequence[str], drafters: Sequence[Any] = ()) -> None:
+def check_models(targets: Sequence[str], drafters: Sequence[Any] = (), model_free: bool = True) -> None:
     """Refuse, before any model loads, a target or a model drafter (a spec, or its text) that no loader takes: a name
-    neither in the catalog, nor a local path, nor a Hugging Face id (`catalog.check_name`); a drafter's refusal also
-    names the drafters that load no model (a misspelt "maxgram" is taken for a model's name)."""
-    from speculant.drafters.registry import DRAFTERS
+    neither in the catalog, nor a local path, nor a Hugging Face id (`catalog.check_name`). Where drafters without a
+    model are taken (`model_free`), a drafter's refusal also names them (a misspelt "maxgram" is read as a model's
+    name)."""
+    from speculant.drafters.registry import names
     from speculant.drafters.spec import MODEL, DrafterSpec, as_drafter
 
     for target in targets:
@@ -302,7 +304,8 @@ def check_models(targets: Sequence[str], drafters: Sequence[Any] = ()) -> None:
             try:
                 check_name(drafter.source)
             except SpeculantError as error:
-                raise ConfigError(f"drafter: {error}; or a drafter without a model: {', '.join(DRAFTERS)}") from None
+                raise ConfigError(f"drafter: {error}" + (f"; or a drafter without a model: {', '.join(names())}"
+                                                         if model_free else "")) from None
 
 
 def token_ids(value: Any) -> list[int]:

@@ -35,7 +35,7 @@ from speculant.config import (
 )
 from speculant.errors import ConfigError, SpeculantError
 from speculant.methods.drafting import check_dtype, held_drafters
-from speculant.methods.registry import METHODS, all_options, get_method
+from speculant.methods.registry import METHODS, all_options, chain_methods, get_method
 
 
 FILE, FILE_ANYWHERE, DIRECTORY = "file", "file anywhere", "directory"  # what a command's --out names (out_kind)
@@ -480,8 +480,8 @@ def run_bench(args: argparse.Namespace, argv: Sequence[str]) -> None:
     except (ArithmeticError, KeyError, statistics.StatisticsError) as error:
         if not saved:
             raise
-        raise ConfigError(f"{args.report_from}: its rows do not add up to a run ({type(error).__name__}: {error}; "
-                          "every method's rows cover the same prompts and repeats, in seconds > 0)") from None
+        raise ConfigError(f"{args.report_from}: its rows do not add up to a run ({type(error).__name__}: "
+                          f"{error})") from None
     print_table(summaries, title)
     if args.out:
         out = Path(args.out)
@@ -536,6 +536,7 @@ def measure_bench(args: argparse.Namespace, methods: list[Any]) -> list[Any]:
     from speculant.bench.datasets import load_dataset
     from speculant.bench.isolated import isolated_generate
     from speculant.bench.llamacpp_cli import CLI_PEERS
+    from speculant.bench.peers import HF_PEERS
     from speculant.bench.runner import run_matrix
     from speculant.methods.drafting import as_keywords
     from speculant.models import CausalLM, load_model, split_quant
@@ -551,9 +552,12 @@ def measure_bench(args: argparse.Namespace, methods: list[Any]) -> list[Any]:
             check_target(args.target, model_config, method.options, method.backend, method.dtype)
             continue
         name, quant = split_quant(args.target)  # (a peer's backend: llama.cpp's refuses weights not GGUF here)
-        backend = resolve_backend(method.backend or model_config.backend, name, quant, model_config.device,
-                                  method.dtype or model_config.dtype)
-        if method.method.startswith("hf-") and backend != "hf":
+        try:
+            backend = resolve_backend(method.backend or model_config.backend, name, quant, model_config.device,
+                                      method.dtype or model_config.dtype)
+        except ConfigError as error:
+            raise ConfigError(f"{error} in '{method.label}'") from None
+        if method.method in HF_PEERS and backend != "hf":
             raise ConfigError(f"{method.label} runs transformers' generate, and the target loads on the {backend} "
                               f"backend: give {method.method}:backend=hf or --backend hf")
     run = from_args(RunConfig, args)
@@ -568,8 +572,7 @@ def measure_bench(args: argparse.Namespace, methods: list[Any]) -> list[Any]:
                           f" (for '{method.label}', which decodes greedily)" if some else "")
     if "verifier" in args.given and not any(not m.peer and get_method(m.method).chains and "verifier" not in
                                             dict(m.sampling) for m in methods):
-        raise ConfigError(f"--verifier applies to methods that verify sampled draft chains "
-                          f"({', '.join(m.name for m in METHODS.values() if m.chains)}): none of this run's takes it")
+        raise ConfigError(f"--verifier applies to {chain_methods()}: none of this run's takes it")
     if args.repeats < 1:
         raise ConfigError(f"repeats must be >= 1, got {args.repeats}")
     prompts = load_dataset(args.prompts or args.dataset)
@@ -633,7 +636,7 @@ def run_profile(args: argparse.Namespace) -> None:
     if args.drafter and model_free(as_drafter(args.drafter)):
         raise ConfigError(f"'{args.drafter}' runs no model forwards to profile")
     check_dtype(args.drafter_dtype, [as_drafter(args.drafter)] if args.drafter else [])
-    check_models([args.model], [args.drafter] if args.drafter else [])
+    check_models([args.model], [args.drafter] if args.drafter else [], model_free=False)
     model = load_model(args.model, dtype=config.dtype, device=config.device, backend=config.backend,
                         compile=config.compile)
     models = [model]
@@ -689,7 +692,7 @@ def run_acceptance(args: argparse.Namespace) -> None:
     if len(set(names)) < len(names):
         raise ConfigError(f"'{args.drafter}' names a drafter twice")
     check_dtype(args.drafter_dtype, [as_drafter(name) for name in names])
-    check_models([args.target], names)
+    check_models([args.target], names, model_free=False)
     for name in names:
         check_target(args.target, config, get_method("sd").parse_options({"drafter": name}))
     target = load_model(args.target, dtype=config.dtype, device=config.device, backend=config.backend,
@@ -730,7 +733,7 @@ def run_train_depth(args: argparse.Namespace) -> None:
                           "log: give at least the depth + 2")
     config = from_args(ModelConfig, args)
     prompts = load_dataset(args.prompts or args.dataset or CORPUS)
-    check_models([args.target], [args.drafter])
+    check_models([args.target], [args.drafter], model_free=False)
     check_target(args.target, config, get_method("tree").parse_options({"drafter": args.drafter}))
     check_dtype(args.drafter_dtype, [as_drafter(args.drafter)])
     target = load_model(args.target, dtype=config.dtype, device=config.device, backend=config.backend,

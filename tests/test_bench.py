@@ -41,10 +41,16 @@ def test_method_specs_parse():
                                  "dsi:servers=0", "dsi:executor=mpi", "sd:servers=2", "dsi:lookahead=x",
                                  "sd:draft_confidence=1.5", "sd:draft_confidence=x", "tree:draft_confidence=0.5",
                                  "sd:drafter=maxgram,draft_confidence=0.5", "hf-assisted:drafter=maxgram",
-                                 "llamacpp-cli-spec:drafter=suffix", "hf-pld:k=0", "hf-pld:k=-1",
-                                 "hf-assisted:drafter=x,k=0", "llamacpp-cli-ngram:k=0", "llamacpp-cli-spec:drafter=x,k=-1", "llamacpp-pld:k=0"])
+                                 "llamacpp-cli-spec:drafter=suffix"])
 def test_bad_method_specs_are_refused(bad):
     with pytest.raises(ConfigError):
+        parse_method(bad)
+
+
+@pytest.mark.parametrize("bad", ["hf-pld:k=0", "hf-pld:k=-1", "hf-assisted:drafter=x,k=0", "llamacpp-cli-ngram:k=0",
+                                 "llamacpp-cli-spec:drafter=x,k=-1", "llamacpp-pld:k=0"])
+def test_a_peer_s_draft_length_below_1_is_refused_by_name(bad):
+    with pytest.raises(ConfigError, match=r"k must be >= 1, got -?\d \(leave k out for the peer's default\)"):
         parse_method(bad)
 
 
@@ -95,8 +101,8 @@ def test_jsonl_prompts_and_errors(tmp_path):
     (tmp_path / "a+b.jsonl").write_text('{"prompt": "a"}\n')
     assert load_dataset(str(tmp_path / "a+b.jsonl"))[0].text == "a"
     assert load_dataset(f"{tmp_path / 'a+b.jsonl'}[:1]")[0].text == "a"  # (sliced too)
-    with pytest.raises(ConfigError, match=r"a slice is written in brackets, .*a\+b.jsonl\[:1\]"):
-        load_dataset(f"{tmp_path / 'a+b.jsonl'}:1")
+    with pytest.raises(ConfigError, match=r"a slice is written in brackets, .*good.jsonl\[:1\]"):
+        load_dataset(f"{good}:1")
 
 
 @pytest.fixture(scope="module")
@@ -191,6 +197,19 @@ def test_dsi_in_the_matrix_keeps_its_servers_across_prompts(tiny_dir):
     ar, dsi = summarize(rows, methods)
     assert dsi.identical_to_ar == 1.0 and dsi.acceptance_rate in (None, 1.0)  # same weights: never rejected
     assert [r.stats.dsi.lookahead for r in rows if r.method == dsi.method] == [3, 3]
+
+
+def test_a_run_s_verifier_reaches_the_methods_that_take_one(tiny_dir):
+    """A run's verifier (`bench --verifier token`) is for the methods whose sampled chains follow it: `ar` and `tree`
+    in the same run sample as the run says and decode with the default they take (they refuse one given them)."""
+    from speculant.config import SamplingConfig
+
+    target = HFCausalLM(tiny_transformer("llama", 0, 257), byte_tokenizer(), "tiny")
+    methods = [parse_method("ar"), parse_method("sd:drafter=maxgram,k=2"), parse_method(f"tree:drafter={tiny_dir}")]
+    rows = run_matrix(lambda dtype, backend: target, methods, [Prompt("p1", "def f(x):")], 4, seed=0,
+                      sampling=SamplingConfig(1.0, verifier="token"))
+    assert [len(row.token_ids) for row in rows] == [4, 4, 4]
+    assert [m.sampled(SamplingConfig(1.0, verifier="token")).verifier for m in methods] == ["block", "token", "block"]
 
 
 def test_dsi_in_the_matrix_runs_its_servers_as_its_spec_says(tiny_dir):

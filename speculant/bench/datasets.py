@@ -97,9 +97,6 @@ def load_dataset(spec: str) -> list[Prompt]:
     """`humaneval`, `humaneval[:10]`, or a path to a JSONL file, optionally sliced the same way; several joined by
     `+` (`prompts/mixed.jsonl+prompts/long.jsonl+humaneval[:20]`), their prompt ids unique."""
     match = _SLICE.fullmatch(spec)
-    file, colon, rest = spec.rpartition(":")
-    if not match and colon and Path(file).is_file():
-        raise ConfigError(f"dataset '{spec}': a slice is written in brackets, {file}[:{rest}]")
     if "+" in spec and not Path(match["name"] if match else spec).is_file():  # (a file's name, sliced or not, may
         # hold a +)
         prompts = [prompt for part in spec.split("+") for prompt in load_dataset(part)]
@@ -114,6 +111,9 @@ def load_dataset(spec: str) -> list[Prompt]:
         stop = int(match["stop"]) if match["stop"] else None
         if min(start or 0, stop or 0) < 0:  # (Python's "all but the last N" would run nearly the whole set)
             raise ConfigError(f"dataset '{spec}': a slice [A:B] counts prompts from the start, A and B >= 0")
+    file, colon, rest = spec.rpartition(":")
+    if not match and colon and not Path(spec).is_file() and Path(file).is_file():
+        raise ConfigError(f"dataset '{spec}': a slice is written in brackets, {file}[:{rest}]")
     if name == "humaneval":
         prompts = load_humaneval()
     elif Path(name).is_file():

@@ -26,7 +26,8 @@ def isolated_generate(request: dict[str, Any]) -> Any:
     done = subprocess.run([sys.executable, "-m", "speculant.bench.isolated"], input=json.dumps(request),
                           capture_output=True, text=True, timeout=TIMEOUT_S)
     if done.returncode == REFUSED:  # speculant refused the request there: its one line
-        raise ConfigError(f"{done.stderr.strip().splitlines()[-1]} (in the isolated generation of {request['method']})")
+        said = done.stderr.strip().splitlines() or ["no message"]
+        raise ConfigError(f"{said[-1]} (in the isolated generation of {request['method']})")
     if done.returncode != 0:
         raise RuntimeError(f"an isolated generation of {request['method']} failed: {done.stderr.strip()[-400:]}")
     out = json.loads(done.stdout.strip().splitlines()[-1])
@@ -39,6 +40,7 @@ def main() -> None:
     one JSON line."""
     from speculant.api import generate
     from speculant.bench.methods import parse_method
+    from speculant.config import SamplingConfig
     from speculant.methods.drafting import as_keywords, with_drafters
     from speculant.models import load_model
     from speculant.session import Session
@@ -51,8 +53,10 @@ def main() -> None:
     session = Session(target)
     options = with_drafters(spec.options, lambda d: session.drafter(d, getattr(spec.options, "drafter_dtype", None)))
     ids, n = request["prompt_ids"], request["max_new_tokens"]
-    asked = {k: request.get(k) for k in ("temperature", "top_k", "top_p", "verifier", "seed", "response_format")}
-    asked.update(spec.sampling)  # the method's own settings
+    run = SamplingConfig(**{k: request[k] for k in ("temperature", "top_k", "top_p", "verifier")
+                            if request.get(k) is not None})
+    asked = {**as_keywords(spec.sampled(run)), "seed": request.get("seed"),  # (the method's own settings in place)
+             "response_format": request.get("response_format")}
     # The warm-up runs the prompt's tokens reversed: the same lengths and code paths, and no prefix that a cache
     # kept across generations (auto's drafters keep theirs) could carry into the measured run.
     generate(target, prompt_ids=ids[::-1], method=spec.method, max_new_tokens=min(8, n), session=session, **asked,

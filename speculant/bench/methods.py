@@ -35,8 +35,12 @@ class MethodSpec:
         return self.method in PEERS
 
     def sampled(self, sampling: SamplingConfig) -> SamplingConfig:
-        """The run's sampling with this method's own settings."""
-        return replace(sampling, **dict(self.sampling))
+        """The run's sampling with this method's own settings; the run's verifier reaches only methods whose sampled
+        chains follow it (the others refuse one: a run's --verifier is for those that take it)."""
+        own = dict(self.sampling)
+        if "verifier" not in own and (self.peer or not get_method(self.method).chains):
+            own["verifier"] = SamplingConfig().verifier
+        return replace(sampling, **own)
 
 
 def parse_method(spec: str) -> MethodSpec:

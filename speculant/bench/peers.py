@@ -58,6 +58,7 @@ class HFPLDOptions:
 PEERS: dict[str, type] = {"hf-ar": HFAROptions, "hf-assisted": HFAssistedOptions, "hf-pld": HFPLDOptions,
                           "llamacpp-ar": HFAROptions, "llamacpp-pld": HFPLDOptions, **CLI_PEERS}
 LLAMACPP_PEERS = ("llamacpp-ar", "llamacpp-pld", *CLI_PEERS)
+HF_PEERS = ("hf-ar", "hf-assisted", "hf-pld")  # transformers' generate: a target on the transformers backend
 _llama: WeakKeyDictionary = WeakKeyDictionary()  # (llama.cpp target, method) -> its llama_cpp.Llama
 
 

@@ -79,10 +79,11 @@ Q_SUM_TOLERANCE = 1e-2  # a user's q row may sum this far from 1 (rounded in hal
 
 class Checked(Drafter):
     """A user's drafter (one passed in, or registered from outside speculant), its drafts checked before anything
-    reads them: a Draft whose tokens are ids of the target's vocabulary, at most k of them, and whose q has a row per
-    token as wide as the target's logits and gives each drafted token a probability above 0; else a ConfigError
-    naming the drafter (a list, an id out of range or a q of another width had failed deep in verification, an id
-    past the vocabulary read another token's row, and a q of 0 for its own token made p/q infinite).
+    reads them: a Draft whose tokens are ids of the target's vocabulary, at most k of them, and whose q is a float
+    tensor with a row per token as wide as the target's logits, each row a distribution giving its drafted token a
+    probability above 0; else a ConfigError naming the drafter (a list, an id out of range or a q of another width
+    had failed deep in verification, an id past the vocabulary read another token's row, a q of 0 for its own token
+    made p/q infinite, and rows that are not distributions voided the output's).
     Everything else is the drafter's own."""
 
     def __init__(self, inner: Drafter, vocab_size: int):
@@ -134,10 +135,10 @@ class Checked(Drafter):
         if tuple(q.shape) != (len(ids), self.vocab_size):
             raise ConfigError(f"drafter '{self.name}': its q is {tuple(q.shape)}, not one row per token of the "
                               f"target's {self.vocab_size} logits")
-        sums = q.float().sum(-1)
-        if not (bool((q >= 0).all()) and bool(((sums - 1).abs() <= Q_SUM_TOLERANCE).all())):
+        sums, least = q.sum(-1, dtype=torch.float32), q.min()
+        if not bool((least >= 0) & ((sums - 1).abs() <= Q_SUM_TOLERANCE).all()):  # (one pass each, one sync)
             raise ConfigError(f"drafter '{self.name}': its q's rows are not distributions (sums "
-                              f"{[round(float(x), 4) for x in sums]}, least entry {float(q.min())})")
+                              f"{[round(float(x), 4) for x in sums]}, least entry {float(least)})")
         drawn = q.gather(-1, torch.tensor(ids, dtype=torch.long, device=q.device)[:, None])[:, 0]  # q(x_i)
         if not bool((drawn > 0).all()):
             i = int((~(drawn > 0)).nonzero()[0])

@@ -49,8 +49,7 @@ class Method:
         """Refuse a `verifier` given (`given` names the sampling settings set) to a method that verifies no chain:
         it would do nothing."""
         if "verifier" in given and not self.chains:
-            raise OptionError("verifier", f"{spell('verifier')} applies to methods that verify sampled draft chains "
-                              f"({', '.join(m.name for m in METHODS.values() if m.chains)}), not '{self.name}'")
+            raise OptionError("verifier", f"{spell('verifier')} applies to {chain_methods()}, not '{self.name}'")
 
     def check_request(self, options: Any, names: Collection[str]) -> None:
         """Refuse what a server's client may not ask of this method with the options it `names`: one beyond its
@@ -88,6 +87,11 @@ def register(name: str, options: type, help: str, bounds: Callable[[Any, Collect
         return METHODS[name]
 
     return wrap
+
+
+def chain_methods() -> str:
+    """The methods whose sampled draft chains follow `verifier`, as a refusal of one names them."""
+    return f"methods that verify sampled draft chains ({', '.join(m.name for m in METHODS.values() if m.chains)})"
 
 
 def get_method(name: str) -> Method:
