@@ -575,8 +575,12 @@ def measure_bench(args: argparse.Namespace, methods: list[Any]) -> list[Any]:
         raise ConfigError(f"--verifier applies to {chain_methods()}: none of this run's takes it")
     if args.repeats < 1:
         raise ConfigError(f"repeats must be >= 1, got {args.repeats}")
+    if args.isolate and all(method.peer for method in methods):
+        raise ConfigError("--isolate runs speculant's methods in processes of their own: this run lists peers only")
     prompts = load_dataset(args.prompts or args.dataset)
     if args.ignore_response_format:
+        if all(p.response_format is None for p in prompts):
+            raise ConfigError("--ignore-response-format: no prompt of this run has a response_format")
         prompts = [replace(p, response_format=None) for p in prompts]
     targets: dict[tuple[str, str], CausalLM] = {}
 

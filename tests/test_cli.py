@@ -469,6 +469,8 @@ def test_a_flag_given_where_it_does_nothing_is_one_line_never_ignored(capsys, tm
         (["bench", "--top-k", "3"], "--top-k applies when sampling"),
         (["bench-serve", "--out", str(tmp_path / "runs")], "results.jsonl:1 has no requests, throughput_tok_s"),
         (["bench", "--backend", "lean", "--methods", "ar", "hf-pld"], "hf-pld runs transformers' generate, and"),
+        (["bench", "--backend", "hf", "--methods", "hf-ar", "--isolate"], "this run lists peers only"),
+        (["bench", "--prompts", "humaneval[:2]", "--ignore-response-format"], "no prompt of this run has a"),
         (["profile", "--drafter", "maxgram", "--out", str(tmp_path / "p.json")], "p.drafter.json is a directory"),
         (["train-depth", "--inputs", "hidden", "features", "--out", str(tmp_path / "d.json")],
          "d-hidden.json is a directory"),
