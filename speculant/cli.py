@@ -548,13 +548,8 @@ def measure_bench(args: argparse.Namespace, methods: list[Any]) -> list[Any]:
     check_models([args.target], [d for m in methods for d in held_drafters(m.options)])
     model_config = from_args(ModelConfig, args)
     for method in methods:
-        if not method.peer:
-            check_target(args.target, model_config, method.options, method.backend, method.dtype)
-            continue
-        name, quant = split_quant(args.target)  # (a peer's backend: llama.cpp's refuses weights not GGUF here)
-        try:
-            backend = resolve_backend(method.backend or model_config.backend, name, quant, model_config.device,
-                                      method.dtype or model_config.dtype)
+        try:  # (a peer's backend too: llama.cpp's refuses weights that are no GGUF)
+            backend = check_target(args.target, model_config, method.options, method.backend, method.dtype)
         except ConfigError as error:
             raise ConfigError(f"{error} in '{method.label}'") from None
         if method.method in HF_PEERS and backend != "hf":
@@ -570,8 +565,7 @@ def measure_bench(args: argparse.Namespace, methods: list[Any]) -> list[Any]:
             run_only = [name for name in args.given if name not in dict(method.sampling)]
             check_sampled(method.sampled(sampling), run_only, flag,
                           f" (for '{method.label}', which decodes greedily)" if some else "")
-    if "verifier" in args.given and not any(not m.peer and get_method(m.method).chains and "verifier" not in
-                                            dict(m.sampling) for m in methods):
+    if "verifier" in args.given and not any(m.chains and "verifier" not in dict(m.sampling) for m in methods):
         raise ConfigError(f"--verifier applies to {chain_methods()}: none of this run's takes it")
     if args.repeats < 1:
         raise ConfigError(f"repeats must be >= 1, got {args.repeats}")
@@ -792,10 +786,11 @@ def run_serve(args: argparse.Namespace) -> None:
 
 
 def check_target(target: str, config: ModelConfig, options: Any, backend: str | None = None,
-                 dtype: str | None = None) -> None:
-    """Refuse, before the target loads, a backend its name refuses (`@gguf` off llama.cpp, a .gguf file on
-    transformers) and `options` its backend cannot run (`methods.drafting.needs`): DSI where the backend makes no
-    replicas, `self@skip` off the lean backend. `backend` and `dtype`: a bench method's own."""
+                 dtype: str | None = None) -> str:
+    """The backend the target will load on; refuse, before it loads, a backend its name refuses (`@gguf` off
+    llama.cpp, a .gguf file on transformers) and `options` its backend cannot run (`methods.drafting.needs`): DSI
+    where the backend makes no replicas, `self@skip` off the lean backend. `backend` and `dtype`: a bench method's
+    own."""
     from speculant.methods.drafting import needs, unmet
     from speculant.models import split_quant
     from speculant.models.backends import capabilities_of
@@ -808,6 +803,7 @@ def check_target(target: str, config: ModelConfig, options: Any, backend: str | 
             others = [other for other in BACKENDS if not unmet(options, capabilities_of(other))]
             raise ConfigError(f"{need[1]}: the {backend} backend does not offer that (load the target with --backend "
                               f"{' or '.join(others)})")
+    return backend
 
 
 def check_listen(host: str, port: int) -> None:

@@ -34,11 +34,16 @@ class MethodSpec:
     def peer(self) -> bool:
         return self.method in PEERS
 
+    @property
+    def chains(self) -> bool:
+        """Whether its sampled draft chains follow `verifier` (a peer's never do)."""
+        return not self.peer and get_method(self.method).chains
+
     def sampled(self, sampling: SamplingConfig) -> SamplingConfig:
         """The run's sampling with this method's own settings; the run's verifier reaches only methods whose sampled
         chains follow it (the others refuse one: a run's --verifier is for those that take it)."""
         own = dict(self.sampling)
-        if "verifier" not in own and (self.peer or not get_method(self.method).chains):
+        if "verifier" not in own and not self.chains:
             own["verifier"] = SamplingConfig().verifier
         return replace(sampling, **own)
 
