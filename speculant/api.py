@@ -16,7 +16,7 @@ from speculant.decoding.stats import GenerationStats
 from speculant.errors import ConfigError, RequestError, SpeculantError
 from speculant.methods import Request, get_method
 from speculant.methods.registry import check_given_pairs
-from speculant.methods.drafting import check_capabilities, held_drafters
+from speculant.methods.drafting import check_capabilities, held_drafters, takes_model_free
 from speculant.models import load_model
 from speculant.models.catalog import check_name
 from speculant.models.wrappers.biased import Biased, check_bias_type
@@ -248,8 +248,9 @@ def generate(
             raise ConfigError("the prompt is empty")
     if session is not None and not isinstance(session, Session):
         raise ConfigError(f"session must be a speculant Session, got {type(session).__name__}")
-    check_models([target] if isinstance(target, str) else [], held_drafters(method_options))  # (a target's name:
-    # `@lean`, a drafter's form of a model, is refused)
+    # (a target's name: `@lean`, a drafter's form of a model, is refused)
+    check_models([target] if isinstance(target, str) else [], held_drafters(method_options),
+                 takes_model_free(method_options))
     target = load_model(target)
     check_capabilities(method_options, target)
     if prompt_ids is None:

@@ -34,7 +34,7 @@ from speculant.config import (
     with_default,
 )
 from speculant.errors import ConfigError, SpeculantError
-from speculant.methods.drafting import check_dtype, held_drafters
+from speculant.methods.drafting import check_dtype, held_drafters, takes_model_free
 from speculant.methods.registry import METHODS, all_options, chain_methods, get_method
 
 
@@ -365,7 +365,7 @@ def run_generate(args: argparse.Namespace) -> None:
         raise ConfigError("the prompt is empty")
     check_prompt(args.prompt)  # (bytes the shell passed that are not UTF-8: Python keeps them as lone surrogates)
     sources = held_drafters(options)
-    check_models([args.target], sources)
+    check_models([args.target], sources, takes_model_free(options))
     check_target(args.target, model_config, options)
     own = method.name == "auto" and options.drafters is None  # auto's own drafters: Max-Gram among them
     if args.bigram_corpus and not own and not any(isinstance(d, DrafterSpec) and d.kind == MAXGRAM for d in sources):
@@ -545,7 +545,8 @@ def measure_bench(args: argparse.Namespace, methods: list[Any]) -> list[Any]:
 
     if any(m.method in CLI_PEERS for m in methods):
         tool("llama-completion")  # llama.cpp's tools are built: one line now, before any model loads
-    check_models([args.target], [d for m in methods for d in held_drafters(m.options)])
+    for method in methods:
+        check_models([args.target], held_drafters(method.options), takes_model_free(method.options))
     model_config = from_args(ModelConfig, args)
     for method in methods:
         try:  # (a peer's backend too: llama.cpp's refuses weights that are no GGUF)
@@ -770,7 +771,7 @@ def run_serve(args: argparse.Namespace) -> None:
     given = {name: getattr(args, name) for name in all_options() if getattr(args, name) is not None}
     method = get_method(resolve_method(args.method, given))
     options = method.parse_options(given)
-    check_models([args.target], held_drafters(options))
+    check_models([args.target], held_drafters(options), takes_model_free(options))
     check_target(args.target, model_config, options, serving_backend(model_config))
     served_name = config.served_name or args.target
     if config.ray_cluster is None:  # (on a cluster, its own HTTP proxy binds the port, maybe on another node)

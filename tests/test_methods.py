@@ -188,6 +188,7 @@ def test_generate_refuses_what_it_cannot_take_in_one_line_and_takes_numpy_and_to
             (dict(prompt_ids=None, prompt="a\udcffb"), "the prompt is not UTF-8 text"),
             (dict(prompt_ids=None, prompt=[{"role": "user", "content": "a\udcff"}]), "not UTF-8 text"),
             (dict(method="sd", drafter="maxgrm"), "drafter: unknown model 'maxgrm'.* model: .*maxgram, suffix"),
+            (dict(method="tree", drafter="maxgrm"), "drafter: unknown model 'maxgrm'(?!.*without a model)"),
             (dict(method="auto", drafters=["maxgram", "nosuch"]), "drafter: unknown model 'nosuch'")]:
         with pytest.raises(ConfigError, match=message):
             generate(target, **{"prompt_ids": prompt, "max_new_tokens": 4, **refused})

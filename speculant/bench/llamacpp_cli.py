@@ -45,12 +45,12 @@ class CLIAROptions:
 
 @dataclass(frozen=True)
 class CLISpecOptions(DrafterOptions, CLIAROptions):
+    MODEL_ONLY = "llamacpp-cli-spec"
     k: int | None = option(None, "--spec-draft-n-max, the longest draft (default: llama.cpp's)")
 
     def __post_init__(self) -> None:
         DrafterOptions.__post_init__(self)
         CLIAROptions.__post_init__(self)
-        check_model_drafter("llamacpp-cli-spec", self)
         check_draft_length(self.k)
 
 
@@ -58,15 +58,6 @@ def check_draft_length(k: int | None) -> None:
     """A peer's longest draft `k`: None (the peer's default) or at least 1 (0 was taken for the default)."""
     if k is not None and k < 1:
         raise OptionError("k", f"k must be >= 1, got {k} (leave k out for the peer's default)")
-
-
-def check_model_drafter(peer: str, options: Any) -> None:
-    """A peer that drafts with a model, refused a drafter that runs none (Max-Gram, suffix) when its spec is parsed."""
-    from speculant.drafters.spec import model_free
-
-    if model_free(options.drafter):
-        raise OptionError("drafter", f"{peer} drafts with a model, not {options.drafter}: give drafter=NAME of a "
-                          "model (a catalog name or a path)")
 
 
 @dataclass(frozen=True)

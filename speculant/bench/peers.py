@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from typing import Any
 from weakref import WeakKeyDictionary
 
-from speculant.bench.llamacpp_cli import CLI_PEERS, check_draft_length, check_model_drafter, cli_generate, schema_args
+from speculant.bench.llamacpp_cli import CLI_PEERS, check_draft_length, cli_generate, schema_args
 from speculant.config import SamplingConfig, option
 from speculant.errors import ConfigError
 from speculant.methods.drafting import DrafterOptions
@@ -39,11 +39,11 @@ class HFAROptions:
 
 @dataclass(frozen=True)
 class HFAssistedOptions(DrafterOptions):
+    MODEL_ONLY = "hf-assisted"
     k: int | None = option(None, "fix num_assistant_tokens (default: transformers' heuristic schedule)")
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        check_model_drafter("hf-assisted", self)
         check_draft_length(self.k)
 
 

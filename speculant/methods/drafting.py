@@ -5,10 +5,10 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, fields, replace
-from typing import Any
+from typing import Any, ClassVar
 
 from speculant.config import DEFAULT_DRAFTER, option
-from speculant.drafters.spec import MODEL, SELF, DrafterSpec, as_drafter
+from speculant.drafters.spec import MODEL, SELF, DrafterSpec, as_drafter, model_free
 from speculant.errors import ConfigError, OptionError
 
 DRAFTER_DTYPES = ("bf16", "fp32")
@@ -43,6 +43,9 @@ class DrafterOptions:
                           parse=DrafterSpec.parse)
     drafter_dtype: str | None = option(None, "dtype of model drafters (default: the target's)",
                                        choices=DRAFTER_DTYPES, operator=True)
+    # Who drafts only with a model (a refusal names them: "method 'tree'"); empty where a drafter that runs none
+    # (Max-Gram, suffix, a registered one) is taken too.
+    MODEL_ONLY: ClassVar[str] = ""
 
     def __post_init__(self) -> None:
         if self.drafter is None:
@@ -50,7 +53,16 @@ class DrafterOptions:
         object.__setattr__(self, "drafter", as_drafter(self.drafter))
         if self.drafter_dtype not in (None, *DRAFTER_DTYPES):
             raise ConfigError(f"drafter dtype must be one of {', '.join(DRAFTER_DTYPES)}, got {self.drafter_dtype}")
+        if self.MODEL_ONLY and model_free(self.drafter):
+            raise OptionError("drafter", f"{self.MODEL_ONLY} needs a model drafter (self or a model's name), not "
+                              f"{self.drafter}")
         check_drafters(self)
+
+
+def takes_model_free(options: Any) -> bool:
+    """Whether `options` take a drafter that runs no model (`DrafterOptions.MODEL_ONLY`): a refusal of a drafter's
+    name then names those drafters too."""
+    return not (isinstance(options, DrafterOptions) and options.MODEL_ONLY)
 
 
 def check_drafters(options: Any) -> None:

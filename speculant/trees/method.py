@@ -9,7 +9,6 @@ from pathlib import Path
 from typing import Any
 
 from speculant.config import AUTO, REQUEST_MOST, REQUEST_NODES, SCHEDULES, count_or_auto, option
-from speculant.drafters.spec import model_free
 from speculant.errors import ConfigError, OptionError
 from speculant.methods.drafting import DrafterOptions
 from speculant.methods.registry import Request, register
@@ -21,6 +20,7 @@ SHAPES = ("egt", "sequoia", "nway")  # equal growth, or a static shape of `trees
 
 @dataclass(frozen=True)
 class TreeOptions(DrafterOptions):
+    MODEL_ONLY = "method 'tree'"
     depth: int | str = option(4, "drafting steps per tree, or auto", parse=count_or_auto, most=REQUEST_MOST)
     width: int | str = option(4, "nodes added per drafting step, or auto: each tree's width chosen after its context "
                                "by the latency-aware objective, around the execution plan's width for the costs and "
@@ -58,9 +58,6 @@ class TreeOptions(DrafterOptions):
                 raise ConfigError(f"{name.replace('_', '-')} must be an integer >= 1 or auto, got {value!r}")
         if self.schedule not in SCHEDULES:
             raise ConfigError(f"schedule must be one of {', '.join(SCHEDULES)}, got {self.schedule!r}")
-        if model_free(self.drafter):
-            raise OptionError("drafter", f"method 'tree' needs a model drafter (self or a model's name), not "
-                              f"{self.drafter}")
         if self.shape not in SHAPES:
             raise ConfigError(f"shape must be one of {', '.join(SHAPES)}, got {self.shape!r}")
         if self.shape != "egt" and AUTO in (self.depth, self.width):
