@@ -451,7 +451,7 @@ def run_bench(args: argparse.Namespace, argv: Sequence[str]) -> None:
         raise ConfigError(f"--report-from reports a finished run again, as it ran: "
                           f"{', '.join(map(flag, sorted(args.given)))} would change nothing (only --baseline and --out "
                           "apply)")
-    methods = [parse_method(m) for m in (saved["config"]["methods"] if saved else args.methods)]
+    methods = [parse_method(m, build=not saved) for m in (saved["config"]["methods"] if saved else args.methods)]
     if len({m.label for m in methods}) != len(methods):
         raise ConfigError("each method may be listed once")
     if args.baseline is not None and args.baseline not in {m.label for m in methods}:

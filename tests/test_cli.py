@@ -426,6 +426,20 @@ def test_argparse_errors_exit_2(capsys):
     assert "bad value 'two' for k" in capsys.readouterr().err
 
 
+def test_a_finished_run_is_reported_again_though_a_file_its_specs_name_is_gone(capsys, tmp_path):
+    """`--report-from` builds no method's options (it runs none): a tree spec whose target profile was a file since
+    removed is reported again, its speedup over `ar` from the rows."""
+    tree = f"tree:drafter=self,target_profile={tmp_path / 'gone.json'}"
+    rows = [{"prompt_id": "p", "category": "code", "method": method, "repeat": 0, "target": "t", "token_ids": [1, 2],
+             "stats": {"new_tokens": 2, "wall_s": wall_s, "ttft_s": 0.1}} for method, wall_s in (("ar", 1.0),
+                                                                                            (tree, 0.5))]
+    saved = tmp_path / "results.json"
+    saved.write_text(json.dumps({"config": {"methods": ["ar", tree], "command": "c", "machine": "m"}, "rows": rows}))
+    code, out, err = run(capsys, "bench", "--report-from", str(saved), "--out", str(tmp_path / "again"))
+    assert code == 0, err
+    assert json.loads((tmp_path / "again" / "results.json").read_text())["summary"][1]["speedup"] == 2.0
+
+
 def test_a_flag_given_where_it_does_nothing_is_one_line_never_ignored(capsys, tmp_path):
     """A flag that applies only with another (or with sampling, or with a model drafter) is refused when given
     without it, before any work; flags that exclude each other are argparse's usage error. Their defaults alone pass."""

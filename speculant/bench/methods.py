@@ -25,7 +25,7 @@ from speculant.methods.registry import make_options
 class MethodSpec:
     label: str  # the spec as written, used as the method's name in reports
     method: str
-    options: Any  # the method's (or peer's) options dataclass
+    options: Any  # the method's (or peer's) options dataclass (None where reported again, not run)
     dtype: str | None = None  # the target's dtype for this method; None: the run's
     backend: str | None = None  # the target's backend for this method; None: the run's
     sampling: tuple[tuple[str, Any], ...] = ()  # sampling settings of this method in place of the run's
@@ -48,7 +48,10 @@ class MethodSpec:
         return replace(sampling, **own)
 
 
-def parse_method(spec: str) -> MethodSpec:
+def parse_method(spec: str, build: bool = True) -> MethodSpec:
+    """A bench method spec, `name:key=value,...`, its options built and checked; `build=False`: a finished run's spec
+    reported again (`--report-from`), whose options are left unbuilt, none of them run (the files they name may be
+    gone since)."""
     name, colon, rest = spec.strip().partition(":")
     if colon and not rest:
         raise ConfigError(f"'{spec}' ends with ':' but gives no option (name=value after it, or no ':')")
@@ -70,7 +73,7 @@ def parse_method(spec: str) -> MethodSpec:
         raise ConfigError(f"backend must be one of auto, {', '.join(BACKENDS)} in '{spec}'")
     own = {key: given.pop(key) for key in [f.name for f in fields(SamplingConfig)] if key in given}
     try:
-        options = make_options(PEERS[name], name, given, text=True) if name in PEERS else \
+        options = None if not build else make_options(PEERS[name], name, given, text=True) if name in PEERS else \
             get_method(name).parse_options(given)
         sampling = make_options(SamplingConfig, name, own, text=True)
         if name in PEERS and "verifier" in own:
