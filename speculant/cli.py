@@ -832,6 +832,8 @@ def run_bench_serve(args: argparse.Namespace) -> None:
         raise ConfigError("requests, concurrency, turns and max-tokens must be >= 1")
     if args.rate is not None and min(args.rate) <= 0:
         raise ConfigError("--rate must be > 0")
+    if not 0 <= args.temperature <= 2:  # (a server refuses more: OpenAI's range)
+        raise ConfigError(f"--temperature must lie in [0, 2], got {args.temperature:g}")
     if args.rate is not None and args.requests / min(args.rate) > MOST_ARRIVAL_S:
         raise ConfigError(f"--rate {min(args.rate):g} spreads {args.requests} conversations' arrivals over more than "
                           f"{MOST_ARRIVAL_S // 3600} hours")

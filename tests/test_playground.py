@@ -84,6 +84,30 @@ def test_the_stream_carries_provenance_only_when_asked(browser):
     assert all(step["drafter"] for step in steps if step["drafted"])
 
 
+def test_the_texts_of_a_stream_s_provenance_tokens_join_to_its_reply_under_stop_strings():
+    """Each provenance token's text is what it made final in the reply: cut at a stop string, and a tail held back
+    as it might begin one given with the last token, so that the texts join to the reply's content."""
+    import httpx
+
+    engine = engine_for("sd", k=3)
+    request = {"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 24, "temperature": 0,
+               "stream": True, "stream_options": {"include_provenance": True}}
+
+    def streamed(stop):
+        events = [json.loads(line[6:]) for line in httpx.post(f"{url}/chat/completions", timeout=60, json={
+            **request, "stop": stop}).text.splitlines() if line.startswith("data: {")]
+        content = "".join(e["choices"][0]["delta"].get("content") or "" for e in events if e["choices"])
+        return content, "".join(t["text"] for e in events if "speculant" in e for t in e["speculant"]["tokens"])
+
+    with serving(engine) as url:
+        whole, _ = streamed(None)
+        assert len(whole) > 8
+        cut, tail = streamed(whole[4:6]), streamed(whole[-1] + "\x01\x02")  # (a stop the reply begins at its end)
+    engine.close()
+    assert cut[0] == cut[1] == whole[:whole.index(whole[4:6])]
+    assert tail[0] == tail[1] == whole
+
+
 def test_provenance_follows_the_verified_draft_chains_and_trees():
     from speculant.models.base import Call
     from speculant.serve.engine import provenance

@@ -347,6 +347,7 @@ BAD = [
     ("completions", {"model": "tiny", "prompt": "x", "max_tokens": -3}, "max_tokens"),
     ("completions", {"model": "tiny", "prompt": "x", "max_tokens": 10**6}, "exceeds"),
     ("completions", {"model": "tiny", "prompt": "x", "temperature": -0.5}, "temperature"),
+    ("completions", {"model": "tiny", "prompt": "x", "temperature": 2.5}, "temperature"),
     ("completions", {"model": "tiny", "prompt": "x", "top_p": 0}, "top_p"),
     ("completions", {"model": "tiny", "prompt": "x", "top_p": 1.5}, "top_p"),
     ("completions", {"model": "tiny", "prompt": "x" * 600}, "positions"),
@@ -572,13 +573,13 @@ def test_draft_metrics_count_a_tree_s_nodes_by_depth():
     steps = Steps(metrics)
     tree = TokenTree([1, 2, 3, 4, 5, 6], [-1, 0, 0, 1, 2, 3])  # depths 0, 1, 1, 2, 2, 3
     steps.on_target(Call([9], prefill=True))
-    steps.on_token(1)
+    steps.on_token(1, "")
     steps.on_target(Call(list(tree.tokens), tree=tree))
     for token in (2, 4, 7):  # nodes 1 and 3 accepted, then the target's own
-        steps.on_token(token)
+        steps.on_token(token, "")
     steps.on_target(Call([7, 8, 9]))  # a chain of two drafts, one accepted
     for token in (8, 5):
-        steps.on_token(token)
+        steps.on_token(token, "")
     steps.close()
 
     def by_position(name):

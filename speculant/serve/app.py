@@ -43,7 +43,6 @@ from speculant.serve.batcher import WorkerStopped
 from speculant.serve.engine import Engine, ServeJob, Outcome, QueueFull
 from speculant.serve import schema, tools
 from speculant.serve.metrics import Metrics
-from speculant.serve.text import TextStream
 from speculant.serve.schema import MAX_FORMAT_DEPTH, ApiError, ChatRequest, CompletionRequest, Sampling, depth
 
 LOG = logging.getLogger("speculant.serve")
@@ -264,7 +263,7 @@ def create_app(engine: Engine, served_name: str, config: ServeConfig | None = No
                 yield sse(shape.chunk({"role": "assistant", "content": ""}, []))
             while not isinstance(item, _End):
                 if isinstance(item, _Step):
-                    yield sse(shape.step(item.event, engine.target.tokenizer))
+                    yield sse(shape.step(item.event))
                 else:
                     piece, entries = item
                     if held is not None:
@@ -559,7 +558,6 @@ class Shape:
         self.ident, self.model, self.chat, self.created = ident, model, chat, int(time.time())
         self.calling = calling  # the tools the reply may call (None: none): its calls of them parsed into `tool_calls`
         self.most_calls = None if parallel else 1
-        self.spelled: TextStream | None = None  # the reply's text as its steps' tokens arrive (`step`)
         self.spelling, self.logprobs = spelling, spelling is not None
         self.offset = 0  # characters of completion text before the next token (completions' text_offset)
         self.characters = codecs.getincrementaldecoder("utf-8")("replace")  # (a split character counts at its end)
@@ -587,15 +585,11 @@ class Shape:
         """A reply's finish_reason where it holds calls: `tool_calls`, unless it was cut short (`length`)."""
         return "tool_calls" if calls and reason == "stop" else reason
 
-    def step(self, event: dict[str, Any], tokenizer: Any) -> dict[str, Any]:
+    def step(self, event: dict[str, Any]) -> dict[str, Any]:
         """A chunk with no choices that carries one step's provenance (`stream_options.include_provenance`): each
-        token with the text it makes final in the reply (`TextStream`: a character split across tokens comes with
-        its last byte)."""
-        ids = event["tokens"]
-        if self.spelled is None:
-            self.spelled = TextStream(tokenizer) if tokenizer is not None else None
-        pieces = [self.spelled.push(t) for t in ids] if self.spelled is not None else [str(t) for t in ids]
-        tokens = [{"id": t, "text": text, "kind": kind} for t, text, kind in zip(ids, pieces, event["kinds"])]
+        token with the text it made final in the reply (`engine.Steps.on_token`: joined, they are the reply's)."""
+        tokens = [{"id": t, "text": text, "kind": kind}
+                  for t, text, kind in zip(event["tokens"], event["texts"], event["kinds"])]
         return {"id": self.ident, "object": "chat.completion.chunk" if self.chat else "text_completion",
                 "created": self.created, "model": self.model, "choices": [],
                 "speculant": {"tokens": tokens, "drafted": event["drafted"], "accepted": event["accepted"],

@@ -90,6 +90,7 @@ class Steps:
         self.call: Call | None = None  # the open step's verification (None: none yet, or the prefill)
         self.drafter_forwards = 0
         self.tokens: list[int] = []  # the open step's committed tokens
+        self.texts: list[str] = []  # the reply's text each of them made final (`on_token`)
         self.drafter: str | None = None  # the model drafter that drafted what the open step verifies
         self.drafting: str | None = None  # the model drafter that ran since the last target forward
 
@@ -105,9 +106,17 @@ class Steps:
         self.drafter_forwards += 1
         self.drafting = name
 
-    def on_token(self, token: int) -> None:
+    def on_token(self, token: int, text: str) -> None:
+        """A committed token, with the text of the reply it made final (the request's TextStream: "" while a split
+        character or a tail that may begin a stop string is held back, a stop string never)."""
         self.committed += 1
         self.tokens.append(token)
+        self.texts.append(text)
+
+    def on_rest(self, text: str) -> None:
+        """The text held back when the reply ended, made final with its last token."""
+        if self.texts:
+            self.texts[-1] += text
 
     def close(self) -> None:
         """End the open step: of its drafts, the committed tokens but one were accepted (a path: one at each depth
@@ -121,9 +130,9 @@ class Steps:
         if self.on_step is not None and self.tokens:
             kinds = provenance(self.call, self.tokens)
             depth = max(depths, default=0)
-            self.on_step({"tokens": self.tokens, "kinds": kinds, "drafted": depth,
+            self.on_step({"tokens": self.tokens, "texts": self.texts, "kinds": kinds, "drafted": depth,
                           "accepted": kinds.count("accepted"), "drafter": self.drafter if depth else None})
-        self.committed, self.tokens, self.drafter, self.call = 0, [], None, None
+        self.committed, self.tokens, self.texts, self.drafter, self.call = 0, [], [], None, None
 
     def summary(self, method: str, tokens: int) -> dict[str, Any]:
         self.close()
@@ -371,12 +380,12 @@ class Engine:
                     self.metrics.token(now - (last if last is not None else submitted), first=last is None)
                 last = now
                 tokens += 1
-                steps.on_token(token)
                 if recorded is not None:  # (the end-of-sequence token adds nothing to the content: no entry)
                     entry = recorded.take(token)
                     if token not in self.target.eos_token_ids:
                         entries.append(entry)
                 piece = text.push(token)
+                steps.on_token(token, piece)
                 if text.stopped:  # (the tokens of the stop string, cut from the text, leave its log-probabilities)
                     del entries[text.covering():]
                 if piece:  # entries wait while text is held back (it may begin a stop string, and they with it)
@@ -397,6 +406,7 @@ class Engine:
             decoder.close()
         if (piece := text.flush()) or unsent < len(entries):
             on_text(piece, entries[unsent:])
+            steps.on_rest(piece)
         return Outcome(text.text, finish, len(job.prompt_ids), tokens, steps.summary(spec.name, tokens),
                        entries if recorded is not None else None)
 

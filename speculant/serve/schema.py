@@ -96,9 +96,13 @@ class Sampling(BaseModel):
 
     model: Text
     max_tokens: int | None = Field(None, gt=0)
-    temperature: float = Field(1.0, ge=0, allow_inf_nan=False, description=f"0 (greedy) or >= {MIN_TEMPERATURE}")
+    temperature: float = Field(1.0, ge=0, le=2, allow_inf_nan=False,
+                               description=f"0 (greedy), or from {MIN_TEMPERATURE} to 2 (OpenAI's range)")
     top_p: float = Field(1.0, gt=0, le=1, allow_inf_nan=False)
-    seed: int | None = Field(None, ge=SEEDS.start, lt=SEEDS.stop, description="a 64-bit seed")
+    seed: int | None = Field(None, ge=SEEDS.start, lt=SEEDS.stop,
+                             description="a 64-bit seed: a sampled reply repeats under one seed for a named method and "
+                             "its options; auto's (the default) and dsi's may differ, as their choices follow measured "
+                             "times (their distribution never does)")
     stop: Text | list[Text] | None = Field(None, description="up to 4 non-empty strings")
     n: int = Field(1, ge=1, le=1, description="one choice per request")
     stream: bool = False
