@@ -6,7 +6,8 @@ import atexit
 import logging
 import threading
 import weakref
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
+from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass, fields
 from typing import Any
 
@@ -22,7 +23,7 @@ from speculant.models.catalog import check_name
 from speculant.models.wrappers.biased import Biased, check_bias_type
 from speculant.models.wrappers.constrained import Constrained, Constraint, Matcher
 from speculant.models.wrappers.logprobs import MAX_TOP, Recorded, TokenLogprob
-from speculant.models.base import owner_of
+from speculant.models.base import CausalLM, owner_of
 from speculant.sampling import seeded
 from speculant.session import Session
 
@@ -277,13 +278,13 @@ def generate(
     request = Request(decoded, prompt_ids, min(run.max_new_tokens, room), sampling,
                       seeded(target.device, run.seed), session, run.seed)
     label = f"{getattr(target, 'numerics', '')}, {getattr(target, 'kernel', '')} kernel".strip(", ")
-    hold = Hold(owner_of(target))
-    with hold.lock:
-        hold.take()  # building a decoder may run the target (a machine profile measured): a paused stream ends
+    hold = Hold([owner_of(target), *(owner_of(model) for model in held_drafters(method_options)
+                                     if isinstance(model, CausalLM))])
+    with hold.taken():  # building a decoder may run the target (a machine profile measured): a paused stream ends
         result = GenerationStream(hold.steps(spec.build(request, method_options)), target.tokenizer, label, recorded)
     if stream:
         return result
-    with hold.lock:  # a whole generation: another thread's waits for it
+    with hold.taken():  # a whole generation: another thread's waits for it
         for _ in result:
             pass
     assert result.result is not None
@@ -330,57 +331,79 @@ def token_ids(value: Any) -> list[int]:
 
 
 class Hold:
-    """A generation's hold on its target's KV cache (and its session's drafter caches), which every generation on the
-    target shares. Each step runs under the target's lock, so threads take turns, and the model records which
-    generation holds the caches: the one made or stepped last. Taking them over ends a paused generation that has
-    started (its decoder closed under the lock: a drafter's thread drafting ahead is waited for, what the generation
-    learned is kept), and that stream, resumed, raises instead of decoding from the other text. A stream not yet
-    started is not ended: it takes the caches at its first step. A stream dropped closes its decoder under the lock.
-    (The model refers to its holder weakly: neither keeps the other alive.)"""
+    """A generation's hold on the KV caches it runs: its target's (and its session's drafter caches), which every
+    generation on the target shares, and those of drafter models the caller passed in, which another generation may
+    run too (as its target or its drafter). Each step runs under the locks of those models, so threads take turns,
+    and each model records which generation holds its cache: the one made or stepped last. Taking one over ends a
+    paused generation that has started (its decoder closed under its own models' locks: a drafter's thread drafting
+    ahead is waited for, what the generation learned is kept), and that stream, resumed, raises instead of decoding
+    from the other text. A stream not yet started is not ended: it takes the caches at its first step. A stream
+    dropped closes its decoder under the locks. (A model refers to its holder weakly: neither keeps the other
+    alive.)"""
 
-    def __init__(self, model: Any):
-        self.model = model
-        self.lock = model.__dict__.setdefault("generation_lock", threading.RLock())
+    def __init__(self, models: Sequence[Any]):
+        self.models = list({id(model): model for model in models}.values())
         self.decoder: Decoder | None = None  # once its first step ran
         LIVE.add(self)
 
+    @contextmanager
+    def locked(self, *others: Hold) -> Iterator[None]:
+        """Under the locks of this generation's models and of `others`', taken in one order (by id), so that two
+        generations that share a model never wait on each other crosswise."""
+        models = {id(model): model for hold in (self, *others) for model in hold.models}
+        with ExitStack() as stack:
+            for key in sorted(models):
+                stack.enter_context(models[key].__dict__.setdefault("generation_lock", threading.RLock()))
+            yield
+
+    @contextmanager
+    def taken(self) -> Iterator[None]:
+        """Under the locks, holding every model's cache: the paused generations that held one end first, under
+        their models' locks taken with these (a generation that takes one over meanwhile is seen on the next try)."""
+        others: list[Hold] = []
+        while True:
+            with self.locked(*others):
+                holders = [held for held in map(holder, self.models) if held is not None and held is not self]
+                if all(any(held is other for other in others) for held in holders):
+                    for held in holders:
+                        held.end()
+                    for model in self.models:
+                        model.__dict__["generation"] = weakref.ref(self)
+                    yield
+                    return
+            others = holders
+
     def end(self) -> None:
-        """End the generation where it is (under the lock): its decoder closed, its threads stopped."""
-        with self.lock:
+        """End the generation where it is (under the locks): its decoder closed, its threads stopped."""
+        with self.locked():
             if self.decoder is not None:
                 self.decoder.close()
-
-    def take(self) -> None:
-        """Hold the caches (under the lock), ending the paused generation that held them."""
-        held = self.holder()
-        if held is not None and held is not self:
-            held.end()
-        self.model.__dict__["generation"] = weakref.ref(self)
-
-    def holder(self) -> Hold | None:
-        held = self.model.__dict__.get("generation")
-        return held() if held is not None else None
 
     def steps(self, decoder: Decoder) -> Decoder:
         try:
             while True:
-                with self.lock:
+                with self.taken() if self.decoder is None else self.locked():
                     if self.decoder is None:
-                        self.take()
                         self.decoder = decoder
-                    elif self.holder() is not self:
-                        raise ConfigError(f"another generation was made or ran on {self.model.name} since this "
-                                          "stream's last token (its KV cache holds that text now): finish or close a "
-                                          "stream before the next generation on the same target, or load another "
-                                          "instance of it")
+                    elif lost := next((model for model in self.models if holder(model) is not self), None):
+                        raise ConfigError(f"another generation was made or ran on {lost.name} since this stream's "
+                                          "last token (its KV cache holds that text now): finish or close a stream "
+                                          "before the next generation on the same model, or load another instance "
+                                          "of it")
                     try:
                         token = next(decoder)
                     except StopIteration as stop:
                         return stop.value
                 yield token
         finally:
-            with self.lock:
+            with self.locked():
                 decoder.close()
+
+
+def holder(model: Any) -> Hold | None:
+    """The generation that holds `model`'s cache (None: none alive)."""
+    held = model.__dict__.get("generation")
+    return held() if held is not None else None
 
 
 LIVE: weakref.WeakSet[Hold] = weakref.WeakSet()  # the generations alive: those paused end at the interpreter's

@@ -355,6 +355,41 @@ def test_generations_on_one_target_never_decode_from_each_other_s_cache(method):
     assert [out[0], out[1]] == alone
 
 
+@pytest.mark.parametrize("method", ["sd", "tree", "auto"])
+def test_a_drafter_model_passed_in_is_held_as_a_target_is(method):
+    """A loaded model passed in as a drafter is held with the target (`api.Hold`): a paused stream on it as a target
+    raises after a generation drafted with it (it had decoded from the drafted text), a paused stream drafting with
+    it raises after a generation on it, and threads whose targets share it take turns (they had rolled its cache
+    back past its end)."""
+    import threading
+
+    targets, drafter = [tiny_model("llama", 1, VOCAB), tiny_model("llama", 3, VOCAB)], tiny_model("llama", 2, VOCAB)
+    options = {"auto": {"drafters": [drafter]}}.get(method, {"drafter": drafter})
+    prompt = random_prompt(1, VOCAB, 8)
+
+    def run(target, **more):
+        return generate(target, prompt_ids=prompt, max_new_tokens=12, **more)
+
+    drafted, alone = [run(target, method=method, **options).token_ids for target in targets], run(drafter).token_ids
+    assert drafted == [run(target).token_ids for target in targets]
+    paused = iter(run(drafter, stream=True))
+    assert next(paused) == alone[0] and run(targets[0], method=method, **options).token_ids == drafted[0]
+    with pytest.raises(ConfigError, match=f"another generation was made or ran on {drafter.name}"):
+        next(paused)
+    paused = iter(run(targets[0], method=method, stream=True, **options))
+    assert next(paused) == drafted[0][0] and run(drafter).token_ids == alone
+    with pytest.raises(ConfigError, match=f"another generation was made or ran on {drafter.name}"):
+        next(paused)
+    out: dict[int, list[int]] = {}
+    threads = [threading.Thread(target=lambda i=i: out.__setitem__(i, run(targets[i % 2], method=method,
+                                                                            **options).token_ids)) for i in range(4)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert [out[i] for i in range(4)] == drafted * 2
+
+
 @pytest.mark.parametrize("proposal, message", [
     (lambda context, k: list(context[-k:]), "propose returned list, not a speculant.Draft"),
     (lambda context, k: Draft([VOCAB + 3]), "not token ids in"),
