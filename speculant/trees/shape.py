@@ -47,14 +47,17 @@ class WidthChooser:
 def measured_costs(model: CausalLM, context: list[int], widths: Sequence[int], session: Any) -> dict[int, float]:
     """T(W) of `model` after `context` (its last positions, where the widest forward would run past the model's
     cache) for each W, measured once per model object (after a warm-up) and kept in the `session`'s `measured`
-    ({model: {widths: costs}}); a measurement runs the model's cache apart (`Session.ran_apart`)."""
+    ({model: {widths: costs}}); a measurement runs the model's cache apart (`Session.ran_apart`). A W the model's
+    positions cannot hold after a token of context is never run: its T is extrapolated (`interpolated`)."""
     per_model = session.measured.setdefault(owner_of(model), {})
     if tuple(widths) not in per_model:
+        fit = [w for w in widths if model.max_positions is None or w < model.max_positions] or [1]
         if model.max_positions is not None:
-            context = context[max(len(context) - (model.max_positions - max(widths)), 0):]
+            context = context[max(len(context) - (model.max_positions - max(fit)), 0):]
         model.prefill(context)
-        forward_costs(model, context, widths[:1], repeats=1)  # warm-up
-        per_model[tuple(widths)] = forward_costs(model, context, widths, repeats=1)
+        forward_costs(model, context, fit[:1], repeats=1)  # warm-up
+        costs = forward_costs(model, context, fit, repeats=1)
+        per_model[tuple(widths)] = {w: costs.get(w) or interpolated(fit, [costs[f] for f in fit], w) for w in widths}
         session.ran_apart(model)
     return per_model[tuple(widths)]
 
