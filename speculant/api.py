@@ -7,7 +7,7 @@ import logging
 import threading
 import weakref
 from collections.abc import Iterable, Iterator, Mapping, Sequence
-from contextlib import ExitStack, contextmanager
+from contextlib import AbstractContextManager, ExitStack, contextmanager
 from dataclasses import dataclass, fields
 from typing import Any
 
@@ -342,19 +342,21 @@ class Hold:
     alive.)"""
 
     def __init__(self, models: Sequence[Any]):
-        self.models = list({id(model): model for model in models}.values())
+        self.models = sorted({id(model): model for model in models}.values(), key=id)  # (the order locks are taken in)
+        self.locks = [model.__dict__.setdefault("generation_lock", threading.RLock()) for model in self.models]
         self.decoder: Decoder | None = None  # once its first step ran
         LIVE.add(self)
 
-    @contextmanager
-    def locked(self, *others: Hold) -> Iterator[None]:
+    def locked(self, *others: Hold) -> AbstractContextManager[Any]:
         """Under the locks of this generation's models and of `others`', taken in one order (by id), so that two
         generations that share a model never wait on each other crosswise."""
-        models = {id(model): model for hold in (self, *others) for model in hold.models}
-        with ExitStack() as stack:
-            for key in sorted(models):
-                stack.enter_context(models[key].__dict__.setdefault("generation_lock", threading.RLock()))
-            yield
+        if not others and len(self.locks) == 1:
+            return self.locks[0]  # (one model, every step: its lock alone)
+        locks = {id(model): lock for hold in (self, *others) for model, lock in zip(hold.models, hold.locks)}
+        stack = ExitStack()
+        for key in sorted(locks):
+            stack.enter_context(locks[key])
+        return stack
 
     @contextmanager
     def taken(self) -> Iterator[None]:
