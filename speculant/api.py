@@ -345,6 +345,7 @@ class Hold:
         self.models = sorted({id(model): model for model in models}.values(), key=id)  # (the order locks are taken in)
         self.locks = [model.__dict__.setdefault("generation_lock", threading.RLock()) for model in self.models]
         self.decoder: Decoder | None = None  # once its first step ran
+        self.ended = False  # its decoder closed by a generation that took a cache over (it holds the others no more)
         LIVE.add(self)
 
     def locked(self, *others: Hold) -> AbstractContextManager[Any]:
@@ -353,10 +354,7 @@ class Hold:
         if not others and len(self.locks) == 1:
             return self.locks[0]  # (one model, every step: its lock alone)
         locks = {id(model): lock for hold in (self, *others) for model, lock in zip(hold.models, hold.locks)}
-        stack = ExitStack()
-        for key in sorted(locks):
-            stack.enter_context(locks[key])
-        return stack
+        return all_of([locks[key] for key in sorted(locks)])
 
     @contextmanager
     def taken(self) -> Iterator[None]:
@@ -365,7 +363,8 @@ class Hold:
         others: list[Hold] = []
         while True:
             with self.locked(*others):
-                holders = [held for held in map(holder, self.models) if held is not None and held is not self]
+                holders = [held for held in map(holder, self.models)
+                           if held is not None and held is not self and not held.ended]
                 if all(any(held is other for other in others) for held in holders):
                     for held in holders:
                         held.end()
@@ -380,6 +379,7 @@ class Hold:
         with self.locked():
             if self.decoder is not None:
                 self.decoder.close()
+                self.ended = True
 
     def steps(self, decoder: Decoder) -> Decoder:
         try:
@@ -400,6 +400,15 @@ class Hold:
         finally:
             with self.locked():
                 decoder.close()
+
+
+@contextmanager
+def all_of(locks: Sequence[Any]) -> Iterator[None]:
+    """Under each of `locks`, taken in their order."""
+    with ExitStack() as stack:
+        for lock in locks:
+            stack.enter_context(lock)
+        yield
 
 
 def holder(model: Any) -> Hold | None:

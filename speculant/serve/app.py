@@ -587,7 +587,8 @@ class Shape:
 
     def step(self, event: dict[str, Any]) -> dict[str, Any]:
         """A chunk with no choices that carries one step's provenance (`stream_options.include_provenance`): each
-        token with the text it made final in the reply (`engine.Steps.on_token`: joined, they are the reply's)."""
+        token with the text it made final (`engine.Steps.on_token`: joined, they are the generated text, tool calls
+        included)."""
         tokens = [{"id": t, "text": text, "kind": kind}
                   for t, text, kind in zip(event["tokens"], event["texts"], event["kinds"])]
         return {"id": self.ident, "object": "chat.completion.chunk" if self.chat else "text_completion",
