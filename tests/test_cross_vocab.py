@@ -16,6 +16,7 @@ from speculant.drafters.model import ModelDrafter
 from speculant.drafters.vocab import GrowingEncoding, byte_of_char, build_pair, incomplete_tail, token_bytes
 from speculant.errors import ConfigError
 from speculant.models import HFCausalLM
+from speculant.models.base import owner_of
 from speculant.sampling import logits_to_probs
 from test_sampling import TEMPERATURE, VOCAB, assert_follows_target, exact_marginals
 
@@ -219,16 +220,29 @@ def test_token_healing_drafts_from_where_the_drafter_would_split(char_target):
     assert out.stats.target_forwards <= 16, out.stats  # 20 without healing, 40 for ar
 
 
-def test_dsi_plans_its_lookahead_on_the_drafters_own_tokens(tokenizers, char_target):
+def test_dsi_plans_its_lookahead_on_the_drafters_own_tokens(tokenizers, char_target, monkeypatch):
     """Without a lookahead DSI times one drafter forward on the prompt: in the drafter's tokens, not the target's
-    (whose ids here lie past the drafter's 10 rows)."""
-    model = tiny_transformer("llama", 7, len(tokenizers[0]), init_std=0.3, layers=8, hidden=256)  # slower than it
-    target = HFCausalLM(model, tokenizers[0], name="tiny-slow-target")
+    (whose ids here lie past the drafter's 10 rows). The forwards timed run; the times planned with are fixed (the
+    target's ten times the drafter's), so that a loaded machine's timings cannot refuse the plan."""
+    from speculant.decoding.dsi import plan
+
+    target = tiny_model("llama", 7, len(tokenizers[0]), init_std=0.3, tokenizer=tokenizers[0])
+    timed = []
+
+    def measure_step(model, prompt, repeats=3):
+        plan_measure(model, prompt, repeats)  # (the target's ids past the drafter's rows failed here)
+        timed.append((owner_of(model), list(prompt)))
+        return 0.01 if owner_of(model) is target else 0.001
+
+    plan_measure = plan.measure_step
+    monkeypatch.setattr(plan, "measure_step", measure_step)
     prompt = "ab 中( é"
     assert max(target.tokenizer.encode(prompt)) >= len(CHARS)
     ar = generate(target, prompt, method="ar", max_new_tokens=12)
     assert generate(target, prompt, method="dsi", drafter=char_target, servers=1, max_new_tokens=12).token_ids == \
         ar.token_ids
+    assert [(model, ids) for model, ids in timed if model is char_target] == \
+        [(char_target, char_target.tokenizer.encode(prompt))]
 
 
 def test_greedy_drafts_are_reused_until_spent(char_target):
