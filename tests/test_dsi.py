@@ -639,6 +639,37 @@ def two_ray_nodes():
 
 
 @RAY
+def test_ray_executors_started_at_once_share_one_ray_until_the_last_closes():
+    """Two generations' Ray executors (a server's concurrent DSI requests) starting at once: one local Ray, started
+    once (both calling ray.init failed one), up while either runs, shut down with the last."""
+    ray = pytest.importorskip("ray")
+    target = tiny_model("llama", 61, VOCAB)
+    pools = [make_executor("ray", ServerSpec(partial(hf_replica, target.model, target.name, frozenset()), ["cpu"],
+                                             GREEDY, Latency(0, 0))) for _ in range(2)]
+    errors = []
+
+    def start(pool):
+        try:
+            pool.start()
+        except Exception as error:  # noqa: BLE001 - said by the assert below
+            errors.append(error)
+
+    try:
+        threads = [threading.Thread(target=start, args=(pool,)) for pool in pools]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join()
+        assert errors == [] and all(pool.owns_ray for pool in pools)
+        pools[0].close()
+        assert ray.is_initialized() and len(pools[1].nodes()) == 1
+    finally:
+        for pool in pools:
+            pool.close()
+    assert not ray.is_initialized()
+
+
+@RAY
 def test_dsi_on_two_ray_nodes_equals_autoregressive(two_ray_nodes):
     """Ray's executor joins the cluster (and leaves it on close), its 3 servers spread over both nodes, and DSI on
     them runs as on the other executors, a server lost on the way (`exercise_pool`)."""

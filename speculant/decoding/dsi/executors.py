@@ -268,10 +268,24 @@ class _RayServer:
         return ray.get_runtime_context().get_node_id()
 
 
+@dataclass
+class RayUse:
+    """The process's Ray connection, which every RayExecutor shares (a server's concurrent DSI requests each start
+    one): joined or started by the first under the lock (two calling ray.init at once failed), and shut down when
+    the last executor closes where speculant started it."""
+
+    lock: threading.Lock = field(default_factory=threading.Lock)
+    users: int = 0  # executors started and not closed
+    owned: bool = False  # speculant started the Ray it runs on
+
+
+RAY_USE = RayUse()
+
+
 class RayExecutor:
     """Target servers as Ray actors (`pip install speculant[ray]`); joins `address` when given, otherwise
-    starts a local Ray. CPU server i runs on the cluster's node i mod (nodes), GPU servers wherever a GPU
-    is free. A lost actor is reported like a dead process."""
+    starts a local Ray (`RAY_USE`). CPU server i runs on the cluster's node i mod (nodes), GPU servers wherever a
+    GPU is free. A lost actor is reported like a dead process."""
 
     name = "ray"
 
@@ -279,7 +293,8 @@ class RayExecutor:
         self.spec = spec
         self.address = address
         self.actors: list[Any] = []
-        self.owns_ray = False
+        self.owns_ray = False  # it runs on a Ray speculant started (`RAY_USE`)
+        self.joined = False  # counted among RAY_USE's users
         self.events: queue.Queue = queue.Queue()
 
     def start(self) -> None:
@@ -289,11 +304,14 @@ class RayExecutor:
             import ray
         except ImportError:
             raise ModelNotAvailable("executor 'ray' needs Ray: pip install 'speculant[ray]'") from None
-        self.owns_ray = not ray.is_initialized()
-        if self.owns_ray:
-            reach_ray(self.address, "ray_address")
-            local = {} if self.address else {"include_dashboard": False}  # a cluster's head has its own settings
-            ray.init(address=self.address, log_to_driver=False, configure_logging=False, **local)
+        with RAY_USE.lock:
+            if not ray.is_initialized():
+                reach_ray(self.address, "ray_address")
+                local = {} if self.address else {"include_dashboard": False}  # a cluster's head has its own settings
+                ray.init(address=self.address, log_to_driver=False, configure_logging=False, **local)
+                RAY_USE.owned = True
+            RAY_USE.users += 1
+            self.joined, self.owns_ray = True, RAY_USE.owned
         from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
         actor = ray.remote(max_concurrency=2)(_RayServer)
@@ -344,8 +362,13 @@ class RayExecutor:
 
         for actor in self.actors:
             ray.kill(actor)
-        if self.owns_ray:  # a Ray this executor started stops with it (its workers hold memory and cores)
-            ray.shutdown()
+        self.actors = []
+        with RAY_USE.lock:
+            if self.joined:
+                self.joined, RAY_USE.users = False, RAY_USE.users - 1
+                if RAY_USE.users == 0 and RAY_USE.owned:  # the Ray speculant started stops with its last executor
+                    ray.shutdown()  # (its workers hold memory and cores)
+                    RAY_USE.owned = False
 
 
 def make_executor(name: str, spec: ServerSpec, ray_address: str | None = None) -> Any:
