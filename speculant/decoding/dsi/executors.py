@@ -308,8 +308,8 @@ class RayExecutor:
             if not ray.is_initialized():
                 reach_ray(self.address, "ray_address")
                 local = {} if self.address else {"include_dashboard": False}  # a cluster's head has its own settings
-                try:  # ("local": a Ray of its own, never a cluster that RAY_ADDRESS or `ray start` left on the machine)
-                    ray.init(address=self.address or "local", log_to_driver=False, configure_logging=False, **local)
+                try:
+                    ray.init(address=self.address, log_to_driver=False, configure_logging=False, **local)
                 except ConnectionError as error:
                     raise ConfigError(f"cannot join the Ray cluster at {self.address}: {error}") from None
                 RAY_USE.owned = True
