@@ -545,8 +545,9 @@ def measure_bench(args: argparse.Namespace, methods: list[Any]) -> list[Any]:
 
     if any(m.method in CLI_PEERS for m in methods):
         tool("llama-completion")  # llama.cpp's tools are built: one line now, before any model loads
-    for method in methods:
-        check_models([args.target], held_drafters(method.options), takes_model_free(method.options))
+    check_models([args.target])
+    for method in methods:  # (each method's drafters, named as that method takes them)
+        check_models([], held_drafters(method.options), takes_model_free(method.options))
     model_config = from_args(ModelConfig, args)
     for method in methods:
         try:  # (a peer's backend too: llama.cpp's refuses weights that are no GGUF)

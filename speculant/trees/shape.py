@@ -57,8 +57,8 @@ def measured_costs(model: CausalLM, context: list[int], widths: Sequence[int], s
         model.prefill(context)
         forward_costs(model, context, fit[:1], repeats=1)  # warm-up
         costs = forward_costs(model, context, fit, repeats=1)
-        per_model[tuple(widths)] = {w: costs[w] if w in costs else interpolated(fit, [costs[f] for f in fit], w)
-                                  for w in widths}
+        seconds = [costs[w] for w in fit]
+        per_model[tuple(widths)] = {w: costs[w] if w in costs else interpolated(fit, seconds, w) for w in widths}
         session.ran_apart(model)
     return per_model[tuple(widths)]
 
