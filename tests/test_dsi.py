@@ -641,32 +641,45 @@ def two_ray_nodes():
 @RAY
 def test_ray_executors_started_at_once_share_one_ray_until_the_last_closes():
     """Two generations' Ray executors (a server's concurrent DSI requests) starting at once: one local Ray, started
-    once (both calling ray.init failed one), up while either runs, shut down with the last."""
-    ray = pytest.importorskip("ray")
+    once (both calling ray.init failed one), up while either runs, shut down with the last. The threads that started
+    them end first, as requests' threads do: Ray's processes, bound to the thread that spawned them, died with it
+    (`RayUse.keeper`). In a process of its own on a Ray of its own (`RAY_ADDRESS=local`): a driver whose Ray died
+    ends its whole process a minute on, which must not be a test worker."""
+    import subprocess
+
+    pytest.importorskip("ray")
+    done = subprocess.run([sys.executable, "-c", "import test_dsi; test_dsi.share_one_ray()"], capture_output=True,
+                          text=True, timeout=300, cwd=Path(__file__).parent, env={**os.environ, "RAY_ADDRESS": "local"})
+    assert done.returncode == 0 and done.stdout.strip().endswith("shared"), done.stderr[-2000:]
+
+
+def share_one_ray() -> None:
+    """The body of the test above, in its child process."""
+    import ray
+
     target = tiny_model("llama", 61, VOCAB)
     pools = [make_executor("ray", ServerSpec(partial(hf_replica, target.model, target.name, frozenset()), ["cpu"],
-                                             GREEDY, Latency(0, 0))) for _ in range(2)]
-    errors = []
+                                             GREEDY, Latency(0, 0))) for _ in range(3)]
 
-    def start(pool):
-        try:
-            pool.start()
-        except Exception as error:  # noqa: BLE001 - said by the assert below
-            errors.append(error)
-
-    try:
-        threads = [threading.Thread(target=start, args=(pool,)) for pool in pools]
+    def start(*started):  # each on a thread of its own, as a request's, which ends when it has started
+        done = []  # (a pool that failed to start does not answer here)
+        threads = [threading.Thread(target=lambda pool=pool: done.append(pool.start())) for pool in started]
         for thread in threads:
             thread.start()
         for thread in threads:
             thread.join()
-        assert errors == [] and all(pool.owns_ray for pool in pools)
+        assert len(done) == len(started) and all(pool.owns_ray for pool in started)
+
+    try:
+        start(pools[0], pools[1])
         pools[0].close()
-        assert ray.is_initialized() and len(pools[1].nodes()) == 1
+        start(pools[2])  # a later request, while the second runs: its actors need Ray's head, which must be alive
+        assert ray.is_initialized() and len(pools[1].nodes() + pools[2].nodes()) == 2
     finally:
         for pool in pools:
             pool.close()
     assert not ray.is_initialized()
+    print("shared")
 
 
 @RAY

@@ -272,11 +272,69 @@ class _RayServer:
 class RayUse:
     """The process's Ray connection, which every RayExecutor shares (a server's concurrent DSI requests each start
     one): joined or started by the first under the lock (two calling ray.init at once failed), and shut down when
-    the last executor closes where speculant started it."""
+    the last executor closes where speculant started it.
+
+    Ray starts its local processes bound to the *thread* that spawned them (Linux's PR_SET_PDEATHSIG): started from
+    a request's thread, they were killed when that request ended, under every other request still running on them.
+    So `ray.init` runs on a thread of its own, `keeper`, which lives until the shutdown."""
 
     lock: threading.Lock = field(default_factory=threading.Lock)
     users: int = 0  # executors started and not closed
     owned: bool = False  # speculant started the Ray it runs on
+    keeper: threading.Thread | None = None  # the thread that called ray.init, alive while that Ray runs
+    release: threading.Event = field(default_factory=threading.Event)  # lets `keeper` end after the shutdown
+
+    def join(self, address: str | None) -> bool:
+        """Count one more executor, starting or joining Ray where none is up; whether speculant started it."""
+        import ray
+
+        with self.lock:
+            if not ray.is_initialized():
+                reach_ray(address, "ray_address")
+                self._init(address)
+                self.owned = True
+            self.users += 1
+            return self.owned
+
+    def leave(self) -> None:
+        """Count one executor fewer; the Ray speculant started stops with the last (its workers hold memory and
+        cores)."""
+        import ray
+
+        with self.lock:
+            self.users -= 1
+            if self.users == 0 and self.owned:
+                ray.shutdown()
+                self.owned = False
+                self.release.set()
+                if self.keeper is not None:
+                    self.keeper.join()
+                    self.keeper = None
+
+    def _init(self, address: str | None) -> None:
+        import ray
+
+        outcome: queue.Queue = queue.Queue()
+        local = {} if address else {"include_dashboard": False}  # a cluster's head has its own settings
+
+        def keep() -> None:
+            try:
+                ray.init(address=address, log_to_driver=False, configure_logging=False, **local)
+            except BaseException as error:  # noqa: BLE001 - raised again in the caller's thread below
+                outcome.put(error)
+                return
+            outcome.put(None)
+            self.release.wait()
+
+        self.release.clear()
+        self.keeper = threading.Thread(target=keep, name="speculant-ray", daemon=True)
+        self.keeper.start()
+        error = outcome.get()
+        if error is not None:
+            self.keeper = None
+            if isinstance(error, ConnectionError):
+                raise ConfigError(f"cannot join the Ray cluster at {address}: {error}") from None
+            raise error
 
 
 RAY_USE = RayUse()
@@ -304,17 +362,7 @@ class RayExecutor:
             import ray
         except ImportError:
             raise ModelNotAvailable("executor 'ray' needs Ray: pip install 'speculant[ray]'") from None
-        with RAY_USE.lock:
-            if not ray.is_initialized():
-                reach_ray(self.address, "ray_address")
-                local = {} if self.address else {"include_dashboard": False}  # a cluster's head has its own settings
-                try:
-                    ray.init(address=self.address, log_to_driver=False, configure_logging=False, **local)
-                except ConnectionError as error:
-                    raise ConfigError(f"cannot join the Ray cluster at {self.address}: {error}") from None
-                RAY_USE.owned = True
-            RAY_USE.users += 1
-            self.joined, self.owns_ray = True, RAY_USE.owned
+        self.owns_ray, self.joined = RAY_USE.join(self.address), True
         from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
         actor = ray.remote(max_concurrency=2)(_RayServer)
@@ -366,12 +414,9 @@ class RayExecutor:
         for actor in self.actors:
             ray.kill(actor)
         self.actors = []
-        with RAY_USE.lock:
-            if self.joined:
-                self.joined, RAY_USE.users = False, RAY_USE.users - 1
-                if RAY_USE.users == 0 and RAY_USE.owned:  # the Ray speculant started stops with its last executor
-                    ray.shutdown()  # (its workers hold memory and cores)
-                    RAY_USE.owned = False
+        if self.joined:
+            self.joined = False
+            RAY_USE.leave()
 
 
 def make_executor(name: str, spec: ServerSpec, ray_address: str | None = None) -> Any:
