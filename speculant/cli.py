@@ -775,7 +775,7 @@ def run_serve(args: argparse.Namespace) -> None:
     check_models([args.target], held_drafters(options), takes_model_free(options))
     check_target(args.target, model_config, options, serving_backend(model_config))
     served_name = config.served_name or args.target
-    if config.ray_cluster is None:  # (on a cluster, its own HTTP proxy binds the port, maybe on another node)
+    if config.own_ray:  # (on a cluster, its own HTTP proxy binds the port, maybe on another node)
         check_listen(config.host, config.port)
     if config.on_ray:
         from speculant.serve.replicas import serve_replicas

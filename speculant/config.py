@@ -250,8 +250,8 @@ class ServeConfig:
                               "deployment behind one port (pip install 'speculant[ray]'); each counts its own "
                               "/metrics")
     replica_cpus: float = option(1.0, "CPU cores Ray reserves for each replica (its kernels' threads)")
-    ray_cluster: str | None = option(None, "deploy the replicas on the Ray cluster at this address (default: "
-                                           "start one here)")
+    ray_cluster: str | None = option(None, "deploy the replicas on the Ray cluster at this address (default, "
+                                           "or local: start one here)")
 
     def __post_init__(self) -> None:
         if not 0 < self.port < 65536:
@@ -281,6 +281,12 @@ class ServeConfig:
     def on_ray(self) -> bool:
         """Served as a Ray Serve deployment (several replicas, or a cluster named)."""
         return self.replicas > 1 or self.ray_cluster is not None
+
+    @property
+    def own_ray(self) -> bool:
+        """The replicas run on a Ray cluster this process starts (no `--ray-cluster`, or `local`): its CPUs are this
+        machine's, and it ends with the process."""
+        return self.ray_cluster in (None, "local")
 
 
 def flag(name: str) -> str:

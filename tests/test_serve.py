@@ -794,6 +794,21 @@ def test_two_replicas_on_ray_serve_both_answer_as_one_process_would(tmp_path):
     assert done == 0 and "Traceback" not in process.stderr.read()
 
 
+@RAY
+def test_replicas_that_do_not_fit_a_local_cluster_are_refused_however_it_is_named(tmp_path):
+    """`--ray-cluster local` starts a cluster on this machine as no `--ray-cluster` does: 50 replicas of a core each
+    are refused in one line, not waited for (it was taken for a remote cluster: no check, and a hang)."""
+    model = byte_model()
+    model.model.save_pretrained(tmp_path / "m")
+    model.tokenizer.save_pretrained(tmp_path / "m")
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).parent.parent), "RAY_AUTH_MODE": "disabled"}
+    done = subprocess.run([sys.executable, "-m", "speculant.cli", "serve", "--target", str(tmp_path / "m"),
+                           "--backend", "hf", "--method", "ar", "--port", str(free_port()), "--ray-cluster", "local",
+                           "--replicas", "50"], capture_output=True, text=True, env=env, timeout=120)
+    assert done.returncode != 0 and "50 replicas of 1 CPUs do not fit this machine's" in done.stderr, done.stderr
+    assert "Traceback" not in done.stderr
+
+
 def test_a_stall_shows_in_itl_and_tpot_is_a_request_s_mean():
     """ITL: every gap between two chunks (a stall whole, a chunk of several tokens one gap); TPOT: each request's
     time per token after its first."""

@@ -49,7 +49,7 @@ def serve_replicas(target: str, model: ModelConfig, method: str, options: Any, c
         from ray import serve
     except ImportError:
         raise ConfigError("--replicas and --ray-cluster need Ray Serve: pip install 'speculant[ray]'") from None
-    local = config.ray_cluster is None  # then a cluster of its own, never one that another process started
+    local = config.own_ray  # then a cluster of its own, never one that another process started
     try:
         ray.init(address=config.ray_cluster or "local", log_to_driver=True, configure_logging=False,
                  **({"include_dashboard": False} if local else {}))
