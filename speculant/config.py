@@ -13,6 +13,7 @@ import functools
 import math
 import numbers
 import operator
+import os
 import re
 import types
 import typing
@@ -306,14 +307,22 @@ def check_ray_address(address: str | None, name: str) -> None:
 
 
 def reach_ray(address: str | None, name: str, timeout_s: float = 5.0) -> None:
-    """A ConfigError where nothing answers at a HOST:PORT address: `ray.init` would retry for minutes first."""
+    """A ConfigError where nothing answers at a HOST:PORT address, or something that speaks no gRPC (a web server):
+    `ray.init` would retry for minutes first. A Ray cluster's GCS and its client server are gRPC servers, which
+    answer HTTP/2's connection preface with a SETTINGS frame (RFC 9113 section 3.4); a TLS cluster (RAY_USE_TLS)
+    is only reached."""
     found = RAY_ADDRESS.fullmatch(address or "")
     if found is None:
         return
     import socket
 
     try:
-        socket.create_connection((found[2].strip("[]"), int(found[3])), timeout=timeout_s).close()
+        with socket.create_connection((found[2].strip("[]"), int(found[3])), timeout=timeout_s) as connection:
+            if os.environ.get("RAY_USE_TLS", "0").lower() in ("0", "false", ""):
+                connection.sendall(b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n" + bytes([0, 0, 0, 4, 0, 0, 0, 0, 0]))
+                head = connection.recv(9)
+                if len(head) < 4 or head[3] != 4:  # a frame's type is its 4th byte; 4 is SETTINGS
+                    raise ConfigError(f"{name}: what answers at {address} is no Ray cluster (it speaks no gRPC)")
     except OSError as error:
         raise ConfigError(f"{name}: no Ray cluster answers at {address} ({error.strerror or error})") from None
 

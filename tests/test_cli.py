@@ -329,7 +329,9 @@ def test_bad_files_paths_and_settings_are_one_line_before_any_model_loads(tmp_pa
     """Files that are not what they should be, outputs that cannot be written, settings out of range: one line,
     exit 2, no traceback, and no model loaded (a catalog model would take seconds; a file is refused as its load
     starts)."""
+    import http.server
     import socket
+    import threading
 
     import gguf
 
@@ -343,7 +345,9 @@ def test_bad_files_paths_and_settings_are_one_line_before_any_model_loads(tmp_pa
     writer.write_tensors_to_file()
     writer.close()
     target = ["--target", "qwen2.5-coder-0.5b"]
-    with socket.socket() as taken:
+    web = http.server.ThreadingHTTPServer(("127.0.0.1", 0), http.server.BaseHTTPRequestHandler)  # not Ray: no gRPC
+    threading.Thread(target=web.serve_forever, daemon=True).start()
+    with socket.socket() as taken, web:
         taken.bind(("127.0.0.1", 0))
         taken.listen()
         port = str(taken.getsockname()[1])
@@ -362,6 +366,7 @@ def test_bad_files_paths_and_settings_are_one_line_before_any_model_loads(tmp_pa
             (["simulate", "heatmap", "--out", str(tmp_path / "file" / "maps")], "file is a file, not a directory"),
             (["serve", *target, "--ray-cluster", "foo"], "'foo' is no Ray cluster's address"),
             (["serve", *target, "--ray-cluster", "127.0.0.1:1"], "no Ray cluster answers at"),
+            (["serve", *target, "--ray-cluster", f"127.0.0.1:{web.server_address[1]}"], "is no Ray cluster (it speaks"),
             (["generate", "x", *target, "--method", "dsi", "--drafter", "maxgram", "--executor", "ray",
               "--ray-address", "foo"], "'foo' is no Ray cluster's address"),
             (["profile", "--model", "qwen2.5-coder-0.5b", "--widths", "1-100000000"], "widths must lie in"),
