@@ -351,8 +351,8 @@ class Hold:
     def locked(self, *others: Hold) -> AbstractContextManager[Any]:
         """Under the locks of this generation's models and of `others`', taken in one order (by id), so that two
         generations that share a model never wait on each other crosswise."""
-        if not others and len(self.locks) == 1:
-            return self.locks[0]  # (one model, every step: its lock alone)
+        if not others:  # (every step: the locks already in that order; one model's alone)
+            return self.locks[0] if len(self.locks) == 1 else all_of(self.locks)
         locks = {id(model): lock for hold in (self, *others) for model, lock in zip(hold.models, hold.locks)}
         return all_of([locks[key] for key in sorted(locks)])
 

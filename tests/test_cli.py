@@ -345,8 +345,8 @@ def test_bad_files_paths_and_settings_are_one_line_before_any_model_loads(tmp_pa
     writer.write_tensors_to_file()
     writer.close()
     target = ["--target", "qwen2.5-coder-0.5b"]
-    web = http.server.ThreadingHTTPServer(("127.0.0.1", 0), http.server.BaseHTTPRequestHandler)  # not Ray: no gRPC
-    threading.Thread(target=web.serve_forever, daemon=True).start()
+    web = http.server.HTTPServer(("127.0.0.1", 0), http.server.BaseHTTPRequestHandler)  # not Ray: it speaks no gRPC
+    threading.Thread(target=web.handle_request, daemon=True).start()  # (the one probe the rows below send it)
     with socket.socket() as taken, web:
         taken.bind(("127.0.0.1", 0))
         taken.listen()

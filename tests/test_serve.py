@@ -796,16 +796,18 @@ def test_two_replicas_on_ray_serve_both_answer_as_one_process_would(tmp_path):
 
 @RAY
 def test_replicas_that_do_not_fit_a_local_cluster_are_refused_however_it_is_named(tmp_path):
-    """`--ray-cluster local` starts a cluster on this machine as no `--ray-cluster` does: 50 replicas of a core each
-    are refused in one line, not waited for (it was taken for a remote cluster: no check, and a hang)."""
+    """`--ray-cluster local` starts a cluster on this machine as no `--ray-cluster` does: more replicas of a core each
+    than it has cores are refused in one line, not waited for (it was taken for a remote cluster: no check, and a
+    hang)."""
+    many = 4 * (os.cpu_count() or 1)  # (whatever the machine)
     model = byte_model()
     model.model.save_pretrained(tmp_path / "m")
     model.tokenizer.save_pretrained(tmp_path / "m")
     env = {**os.environ, "PYTHONPATH": str(Path(__file__).parent.parent), "RAY_AUTH_MODE": "disabled"}
     done = subprocess.run([sys.executable, "-m", "speculant.cli", "serve", "--target", str(tmp_path / "m"),
                            "--backend", "hf", "--method", "ar", "--port", str(free_port()), "--ray-cluster", "local",
-                           "--replicas", "50"], capture_output=True, text=True, env=env, timeout=120)
-    assert done.returncode != 0 and "50 replicas of 1 CPUs do not fit this machine's" in done.stderr, done.stderr
+                           "--replicas", str(many)], capture_output=True, text=True, env=env, timeout=120)
+    assert done.returncode != 0 and f"{many} replicas of 1 CPUs do not fit this machine's" in done.stderr, done.stderr
     assert "Traceback" not in done.stderr
 
 

@@ -280,8 +280,8 @@ class RayUse:
 
     lock: threading.Lock = field(default_factory=threading.Lock)
     users: int = 0  # executors started and not closed
-    owned: bool = False  # speculant started the Ray it runs on
-    keeper: threading.Thread | None = None  # the thread that called ray.init, alive while that Ray runs
+    keeper: threading.Thread | None = None  # the thread that called ray.init, alive while that Ray runs (None: no
+    # Ray speculant started)
     release: threading.Event = field(default_factory=threading.Event)  # lets `keeper` end after the shutdown
 
     def join(self, address: str | None) -> bool:
@@ -292,9 +292,8 @@ class RayUse:
             if not ray.is_initialized():
                 reach_ray(address, "ray_address")
                 self._init(address)
-                self.owned = True
             self.users += 1
-            return self.owned
+            return self.keeper is not None
 
     def leave(self) -> None:
         """Count one executor fewer; the Ray speculant started stops with the last (its workers hold memory and
@@ -303,13 +302,11 @@ class RayUse:
 
         with self.lock:
             self.users -= 1
-            if self.users == 0 and self.owned:
+            if self.users == 0 and self.keeper is not None:
                 ray.shutdown()
-                self.owned = False
                 self.release.set()
-                if self.keeper is not None:
-                    self.keeper.join()
-                    self.keeper = None
+                self.keeper.join()
+                self.keeper = None
 
     def _init(self, address: str | None) -> None:
         import ray
@@ -327,14 +324,14 @@ class RayUse:
             self.release.wait()
 
         self.release.clear()
-        self.keeper = threading.Thread(target=keep, name="speculant-ray", daemon=True)
-        self.keeper.start()
+        keeper = threading.Thread(target=keep, name="speculant-ray", daemon=True)
+        keeper.start()
         error = outcome.get()
+        if isinstance(error, ConnectionError):
+            raise ConfigError(f"cannot join the Ray cluster at {address}: {error}") from None
         if error is not None:
-            self.keeper = None
-            if isinstance(error, ConnectionError):
-                raise ConfigError(f"cannot join the Ray cluster at {address}: {error}") from None
             raise error
+        self.keeper = keeper
 
 
 RAY_USE = RayUse()
