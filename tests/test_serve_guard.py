@@ -4,6 +4,8 @@ over both endpoints finds no 500), the body limit answers before the body is rea
 label, the API key guards every route but /health, logprobs keep bytes, and a long prompt neither stalls a short
 request nor outlives its client (lean and llama.cpp)."""
 
+import asyncio
+import contextlib
 import json
 import re
 import socket
@@ -18,7 +20,7 @@ from fastapi.testclient import TestClient
 from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 from helpers import byte_tokenizer
-from test_serve import engine_for, serving, submitted, wait_until
+from test_serve import SlowDrafter, engine_for, serving, submitted, wait_until
 
 from speculant import generate
 from speculant.config import SamplingConfig, ServeConfig
@@ -411,6 +413,50 @@ def test_a_stream_is_counted_once_by_how_it_ended(monkeypatch):
                                   client.get("/metrics").text))
     engine.close()
     assert counted == {"200": "1.0", "500": "2.0"}
+
+
+@pytest.mark.parametrize("stream", [False, True])
+@pytest.mark.parametrize("lost", ["receive fails", "task cancelled"])
+def test_a_request_whose_client_the_server_lost_is_counted_as_gone_not_as_a_fault(lost, stream):
+    """Ray Serve's replica hears its client through a call to the proxy, which raises once the proxy has cancelled
+    the request (Ray's TaskCancelledError), or Ray cancels the replica's task itself: either way the request ends as
+    one 499 and frees its row (it was a logged 500, or not counted at all)."""
+    engine = engine_for("sd", drafter=SlowDrafter())  # 400 tokens (<eos> banned) would take 8 s or more
+    body = json.dumps({"model": "tiny", "prompt": "abc", "max_tokens": 400, "stream": stream,
+                       "logit_bias": {"256": -100}}).encode()
+    app, received, sent = create_app(engine, "tiny"), [], []
+
+    async def receive():
+        received.append(None)
+        if len(received) == 1:
+            return {"type": "http.request", "body": body, "more_body": False}
+        if lost == "receive fails":
+            raise RuntimeError("the proxy's call was cancelled")  # (Ray's proxy raises it at once, from its queue)
+        await asyncio.Event().wait()  # the client stays until the task is cancelled
+
+    async def send(message):
+        sent.append(message)
+
+    async def run():
+        scope = {"type": "http", "asgi": {"version": "3.0"}, "http_version": "1.1", "method": "POST",
+                 "scheme": "http", "path": "/v1/completions", "raw_path": b"/v1/completions", "root_path": "",
+                 "query_string": b"", "headers": [(b"host", b"test"), (b"content-type", b"application/json")],
+                 "client": ("127.0.0.1", 1), "server": ("test", 80)}
+        task = asyncio.create_task(app(scope, receive, send))
+        if lost == "task cancelled":
+            while not (sent if stream else engine.active):  # (a stream: once its first chunk went out)
+                await asyncio.sleep(0.01)
+            task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await asyncio.wait_for(task, 10)
+
+    asyncio.run(run())
+    wait_until(lambda: engine.active == 0)
+    counted = dict(re.findall(r'speculant_requests_total\{endpoint="/v1/completions",status="(\d+)"\} (\S+)',
+                              engine.metrics.render().decode()))
+    engine.close()
+    assert counted == {"499": "1.0"}, counted
+    assert not sent or sent[0]["status"] == (200 if stream else 499), sent[0]
 
 
 def test_the_api_key_guards_every_route_but_health_and_the_page_and_the_flags_open_what_they_name():

@@ -407,10 +407,12 @@ class Guard:
     """What every request passes first, as a plain ASGI middleware (Starlette's BaseHTTPMiddleware would hide a
     client's disconnect from the endpoints, which poll for it): the trusted-host check; the API key, on every path
     but `open_paths`; the body limit (413 from the declared length before a byte is read; every body is read here,
-    counted, so that a length the transfer does not keep to cannot pass more); one 500 in the API's shape, logged and counted, for any fault of the server's own;
-    each API request counted once, when it ends, by its route's template (an unknown path counts as `unmatched`, so
-    that clients cannot grow the metrics) and by its status (a stream's by how it ended, `ENDED`: its headers went
-    out as 200 before it knew), and the replica named in a header."""
+    counted, so that a length the transfer does not keep to cannot pass more); one 500 in the API's shape, logged
+    and counted, for any fault of the server's own; each API request counted once, when it ends, by its route's
+    template (an unknown path counts as `unmatched`, so that clients cannot grow the metrics) and by its status (a
+    stream's by how it ended, `ENDED`: its headers went out as 200 before it knew; 499 for one whose client left,
+    whether the app saw it go, the server cancelled the request, or `receive` failed), and the replica named in a
+    header."""
 
     def __init__(self, app: Any, metrics: Metrics, replica: str | None = None, max_body: int = 4_000_000,
                  hosts: list[str] | None = None, key: str | None = None, open_paths: tuple[str, ...] = ("/health",),
@@ -423,6 +425,7 @@ class Guard:
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
         status = None  # the response's, once its headers went out
+        receive = heard(receive)
 
         async def answer(error: ApiError, count: bool = True) -> None:  # a refusal before routing, counted by path
             if count and scope["path"].startswith("/v1/"):
@@ -474,6 +477,9 @@ class Guard:
             receive = replayed
         try:
             await self.app(scope, receive, sent)
+        except asyncio.CancelledError:  # the server dropped the request: Ray Serve does once its client left
+            scope.setdefault(ENDED, 499)
+            raise
         except Exception as error:  # noqa: BLE001 - the one 500 path: logged, counted, in the API's shape
             scope[ENDED] = 500
             fault = server_fault(error, label())
@@ -482,6 +488,19 @@ class Guard:
         finally:
             if scope["path"].startswith("/v1/") and (ended := scope.get(ENDED, status)) is not None:
                 self.metrics.request(label(), ended)
+
+
+def heard(receive: Callable) -> Callable:
+    """`receive`, where a channel that fails is a client that left: Ray Serve's replica hears its client through a
+    call to the proxy, which raises (TaskCancelledError) once the proxy has cancelled the request; that is a
+    disconnect (a 499), not a fault of the server's."""
+    async def received() -> dict[str, Any]:
+        try:
+            return await receive()
+        except Exception:  # noqa: BLE001 - whatever the transport raised, the client can no longer be heard
+            return {"type": "http.disconnect"}
+
+    return received
 
 
 def too_large(limit: int) -> ApiError:
