@@ -6,6 +6,7 @@ import argparse
 import json
 import math
 import os
+import re
 import statistics
 import sys
 from collections.abc import Sequence
@@ -14,7 +15,6 @@ from pathlib import Path
 from typing import Any, NoReturn
 
 from speculant.config import (
-    BACKENDS,
     DEFAULT_DRAFTER,
     DEFAULT_TARGET,
     MOST_LATENCY_MS,
@@ -117,7 +117,8 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--report-from", default=None, metavar="RESULTS.json",
                        help="run nothing: report a finished run's results.json again (with --baseline, --out)")
     bench.add_argument("--baseline", default=None, metavar="METHOD",
-                       help="speedups over this method of the list, e.g. llamacpp-cli-ar (default: the first ar)")
+                       help="speedups over this method of the list, e.g. llamacpp-cli-ar (default: each method's over the "
+                            "first ar that samples as it does, else the first ar)")
     add_options(bench, ModelConfig)
     bench.add_argument("--out", default=None, help="directory for results.json and report.md")
     bench.set_defaults(out_kind=DIRECTORY)
@@ -209,7 +210,8 @@ def build_parser() -> argparse.ArgumentParser:
     load.add_argument("--temperature", type=non_negative, default=0.0, help="temperature of each request")
     load.add_argument("--check-solo", action="store_true",
                       help="then send each distinct prompt alone and count outputs that differ (greedy)")
-    load.add_argument("--label", default=None, help="a name for this server's configuration in the results")
+    load.add_argument("--label", default=None, help="a name for this server's configuration in the results "
+                      "(default: the --url)")
     load.add_argument("--out", default=None, help="append the results to OUT/results.jsonl and redraw OUT/report.md and "
                       "OUT/throughput.png from all of them")
     load.set_defaults(out_kind=DIRECTORY)
@@ -452,10 +454,12 @@ def run_bench(args: argparse.Namespace, argv: Sequence[str]) -> None:
                           f"{', '.join(map(flag, sorted(args.given)))} would change nothing (only --baseline and --out "
                           "apply)")
     methods = [parse_method(m, build=not saved) for m in (saved["config"]["methods"] if saved else args.methods)]
+    ran_over = saved["config"].get("baseline") if saved else None  # (a run reported again keeps its baseline)
+    baseline = args.baseline if args.baseline is not None else ran_over
     if len({m.label for m in methods}) != len(methods):
         raise ConfigError("each method may be listed once")
-    if args.baseline is not None and args.baseline not in {m.label for m in methods}:
-        raise ConfigError(f"the baseline '{args.baseline}' is not among the methods")
+    if baseline is not None and baseline not in {m.label for m in methods}:
+        raise ConfigError(f"the baseline '{baseline}' is not among the methods")
     if saved:  # a finished run, reported again
         try:
             rows = rows_from_json(saved)
@@ -467,7 +471,10 @@ def run_bench(args: argparse.Namespace, argv: Sequence[str]) -> None:
         if stray := sorted({row.method for row in rows} - {m.label for m in methods}):
             raise ConfigError(f"{args.report_from}: rows of {stray[0]}, which its config's methods do not list")
         check_cells(rows, [m.label for m in methods], args.report_from)
-        command = saved["config"]["command"] + (f" (reported with --baseline {args.baseline})" if args.baseline else "")
+        command = saved["config"]["command"]
+        if baseline != ran_over:  # another than it ran over (an earlier report's note is replaced)
+            command = re.sub(r" \(reported with --baseline [^)]*\)$", "", command) + \
+                f" (reported with --baseline {baseline})"
         machine, title = saved["config"]["machine"], f"{args.report_from}; {saved['config']['machine']}"
     else:
         rows = measure_bench(args, methods)
@@ -475,8 +482,8 @@ def run_bench(args: argparse.Namespace, argv: Sequence[str]) -> None:
         title = (f"{args.target} on {args.prompts or args.dataset}, {from_args(RunConfig, args).max_new_tokens} new "
                  f"tokens; {machine}")
     try:
-        summaries = summarize(rows, methods, args.baseline)
-        by_category = summarize_by_category(rows, methods, args.baseline)
+        summaries = summarize(rows, methods, baseline)
+        by_category = summarize_by_category(rows, methods, baseline)
     except (ArithmeticError, KeyError, statistics.StatisticsError) as error:
         if not saved:
             raise
@@ -488,9 +495,9 @@ def run_bench(args: argparse.Namespace, argv: Sequence[str]) -> None:
         out.mkdir(parents=True, exist_ok=True)
         config = {"command": command, "machine": machine, **{k: v for k, v in vars(args).items() if k not in PARSER_KEYS}}
         if saved:
-            config = {**saved["config"], "command": command, "baseline": args.baseline}
+            config = {**saved["config"], "command": command, "baseline": baseline}
         (out / "results.json").write_text(json.dumps(to_json(config, rows, summaries, by_category), indent=1))
-        (out / "report.md").write_text(markdown_report(summaries, by_category, command, machine, args.baseline))
+        (out / "report.md").write_text(markdown_report(summaries, by_category, command, machine, baseline))
         plots = plot(summaries, by_category, out)
         print(f"wrote {out / 'results.json'}, {out / 'report.md'} and {len(plots)} plots", file=sys.stderr)
 
@@ -793,7 +800,7 @@ def check_target(target: str, config: ModelConfig, options: Any, backend: str | 
     llama.cpp, a .gguf file on transformers) and `options` its backend cannot run (`methods.drafting.needs`): DSI
     where the backend makes no replicas, `self@skip` off the lean backend. `backend` and `dtype`: a bench method's
     own."""
-    from speculant.methods.drafting import needs, unmet
+    from speculant.methods.drafting import needs, offered_by, unmet
     from speculant.models import split_quant
     from speculant.models.backends import capabilities_of
     from speculant.models.loading import resolve_backend
@@ -802,9 +809,8 @@ def check_target(target: str, config: ModelConfig, options: Any, backend: str | 
     backend = resolve_backend(backend or config.backend, name, quant, config.device, dtype or config.dtype)
     if needs(options):
         if need := unmet(options, capabilities_of(backend)):
-            others = [other for other in BACKENDS if not unmet(options, capabilities_of(other))]
             raise ConfigError(f"{need[1]}: the {backend} backend does not offer that (load the target with --backend "
-                              f"{' or '.join(others)})")
+                              f"{' or '.join(offered_by(options))})")
     return backend
 
 
@@ -853,11 +859,12 @@ def run_bench_serve(args: argparse.Namespace) -> None:
     if args.api_key is not None and not args.api_key.isascii():
         raise ConfigError("--api-key must be ASCII (it goes in an HTTP header)")
     prompts = load_dataset(args.prompts or args.dataset)
+    label = args.url if args.label is None else args.label  # (what names the server in the report and plot)
     runs = [lambda rate=rate: run_sessions(args.url, prompts, args.requests, args.turns, rate, args.max_tokens,
-                                           args.temperature, args.model, args.api_key, args.label)
+                                           args.temperature, args.model, args.api_key, label)
             for rate in args.rate] if args.rate is not None else \
         [lambda c=c: run_load(args.url, prompts, args.requests, c, args.max_tokens, args.temperature, args.model,
-                              args.api_key, args.check_solo, args.label) for c in args.concurrency]
+                              args.api_key, args.check_solo, label) for c in args.concurrency]
     for run in runs:
         result = run()
         print(format_load(result))

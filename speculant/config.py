@@ -380,12 +380,21 @@ class Given(argparse.Action):
         namespace.given = getattr(namespace, "given", frozenset()) | {self.dest}
 
 
+class GivenSwitch(argparse.BooleanOptionalAction):
+    """A `--name` / `--no-name` switch that records the flag in `namespace.given`, as `Given` does."""
+
+    def __call__(self, parser: argparse.ArgumentParser, namespace: argparse.Namespace, values: Any,
+                 option_string: str | None = None) -> None:
+        super().__call__(parser, namespace, values, option_string)
+        namespace.given = getattr(namespace, "given", frozenset()) | {self.dest}
+
+
 def add_options(parser: argparse.ArgumentParser, config: type, **overrides: Any) -> None:
     """Add one `--flag` per field of a config dataclass; `overrides` replace defaults."""
     for f in fields(config):
         default = overrides.get(f.name, default_of(f))
         if scalar_type(f) is bool:  # a switch: --name / --no-name
-            parser.add_argument(flag(f.name), dest=f.name, action=argparse.BooleanOptionalAction, default=default,
+            parser.add_argument(flag(f.name), dest=f.name, action=GivenSwitch, default=default,
                                 help=f"{f.metadata.get('help', '')} (default: {'on' if default else 'off'})")
             continue
         parser.add_argument(flag(f.name), dest=f.name, type=functools.partial(parse_flag, f), default=default,

@@ -181,6 +181,10 @@ def profile_model(model, prompts: list[list[int]], widths: list[int], context_le
     the median T(W) over `repeats` at `context_len` cached tokens (after one warm-up forward)."""
     if not prompts or not widths or context_len < 1:
         raise ConfigError("profiling needs prompts, widths and a positive context length")
+    longest = max(map(len, prompts))
+    if model.max_positions is not None and longest + decode_steps > model.max_positions:
+        raise ConfigError(f"a prompt of {longest} tokens and {decode_steps} decoded after it exceed {model.name}'s "
+                          f"{model.max_positions} positions")
     if warmup:
         model.prefill(prompts[0][:8])
         model.forward(prompts[0][:2])

@@ -320,3 +320,17 @@ def test_a_generation_refused_in_its_own_process_is_one_line(tiny_dir):
     with pytest.raises(ConfigError, match=r"^response_format not available with dsi: .*\(in the isolated generation of "
                                           r"dsi:drafter=maxgram\)$"):
         isolated_generate(request)
+
+
+def test_the_printed_table_folds_a_long_method_label_and_never_cuts_it():
+    """Two labels that part only at their ends print whole (they were cut to one same prefix with an ellipsis)."""
+    from rich.console import Console
+
+    from speculant.bench.report import print_table
+    from speculant.bench.summary import MethodSummary
+
+    labels = [f"tree:drafter=qwen2.5-coder-0.5b@lean,depth=4,width=2{tail}" for tail in ("", ",schedule=stage")]
+    console = Console(record=True, width=100)
+    print_table([MethodSummary(label, "t", 10, 1.0, 10.0, 10.0) for label in labels], "title", console)
+    printed = "".join(line.split("│")[1].strip() for line in console.export_text().splitlines() if "│" in line)
+    assert "…" not in printed and all(label in printed for label in labels), printed

@@ -151,3 +151,40 @@ def test_a_prompt_s_response_format_is_sent_with_each_of_its_requests(monkeypatc
     run_sessions(URL, prompts[:1], conversations=1, turns=2, rate=100.0, max_tokens=4)
     assert [body.get("response_format") for body in sent] == [schema, None, schema, schema]
     assert [len(body["messages"]) for body in sent[2:]] == [1, 3]
+
+
+def test_a_conversation_that_failed_counts_one_error_and_its_unsent_turns_not_at_all(monkeypatch):
+    """Open loop, three turns: one conversation's first turn is refused (HTTP 500), so its later turns are never
+    sent. One error, nothing lost (sent, never finished), the other conversation's three turns done (the unsent
+    turns were counted as errors and lost, 3 and 2)."""
+    from speculant.bench.serve import run_sessions
+
+    def answer(request):
+        first = json.loads(request.content)["messages"][0]["content"]
+        return httpx.Response(500, json={"error": "nope"}) if first == "bad" else sse(text("hi"))
+
+    stand_in(monkeypatch, answer)
+    prompts = [Prompt("b", "bad", chat=True), Prompt("g", "good", chat=True)]
+    result = run_sessions(URL, prompts, conversations=2, turns=3, rate=100.0, max_tokens=4)
+    assert (result["requests"], result["errors"], result["lost"], result["completion_tokens"]) == (4, 1, 0, 3), result
+
+
+def test_a_server_given_no_label_is_named_by_its_url_in_the_results_report_and_table(monkeypatch, tmp_path):
+    """bench-serve without --label wrote `"label": null`: the report named the server "None" and
+    scripts/serve_table.py failed on it."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    from speculant import cli
+
+    stand_in(monkeypatch, lambda request: sse(text("x")))
+    (tmp_path / "p.jsonl").write_text('{"prompt": "a"}\n')
+    assert cli.main(["bench-serve", "--url", URL, "--prompts", str(tmp_path / "p.jsonl"), "--requests", "2",
+                     "--concurrency", "1", "--max-tokens", "2", "--out", str(tmp_path)]) == 0
+    assert json.loads((tmp_path / "results.jsonl").read_text())["label"] == URL
+    assert f"| {URL} |" in (tmp_path / "report.md").read_text()
+    script = Path(__file__).resolve().parent.parent / "scripts" / "serve_table.py"
+    table = subprocess.run([sys.executable, str(script), str(tmp_path / "results.jsonl")], capture_output=True,
+                           text=True)
+    assert table.returncode == 0 and URL in table.stdout, table.stderr

@@ -446,6 +446,33 @@ def test_a_finished_run_is_reported_again_though_a_file_its_specs_name_is_gone(c
     assert json.loads((tmp_path / "again" / "results.json").read_text())["summary"][1]["speedup"] == 2.0
 
 
+def test_a_run_reported_again_keeps_the_baseline_it_ran_over_unless_told_another(capsys, tmp_path):
+    """`--report-from` without `--baseline` reports over the baseline the run was reported over (it fell back to the
+    first `ar` while the command it printed still named the run's own); another baseline is noted after the command,
+    once however often the run is reported again."""
+    rows = [{"prompt_id": "p", "category": "code", "method": method, "repeat": 0, "target": "t", "token_ids": [1, 2],
+             "stats": {"new_tokens": 2, "wall_s": wall_s, "ttft_s": 0.1}}
+            for method, wall_s in (("ar", 1.0), ("sd", 0.5), ("sd:k=2", 0.25))]
+    saved = tmp_path / "results.json"
+    saved.write_text(json.dumps({"config": {"methods": ["ar", "sd", "sd:k=2"], "command": "c --baseline sd",
+                                            "machine": "m", "baseline": "sd"}, "rows": rows}))
+
+    def again(source, out, *baseline):
+        code, _, err = run(capsys, "bench", "--report-from", str(source), *baseline, "--out", str(tmp_path / out))
+        assert code == 0, err
+        result = json.loads((tmp_path / out / "results.json").read_text())
+        report = (tmp_path / out / "report.md").read_text()
+        return result["summary"][2]["speedup"], result["config"]["command"], report
+
+    speedup, command, report = again(saved, "same")
+    assert (speedup, command) == (2.0, "c --baseline sd") and "c --baseline sd`" in report
+    speedup, command, _ = again(saved, "over-ar", "--baseline", "ar")
+    assert (speedup, command) == (4.0, "c --baseline sd (reported with --baseline ar)")
+    assert again(tmp_path / "over-ar" / "results.json", "still-ar")[:2] == (4.0, command)
+    assert again(tmp_path / "over-ar" / "results.json", "back", "--baseline", "sd")[:2] == \
+        (2.0, "c --baseline sd (reported with --baseline sd)")
+
+
 def test_a_flag_given_where_it_does_nothing_is_one_line_never_ignored(capsys, tmp_path):
     """A flag that applies only with another (or with sampling, or with a model drafter) is refused when given
     without it, before any work; flags that exclude each other are argparse's usage error. Their defaults alone pass."""
@@ -464,6 +491,7 @@ def test_a_flag_given_where_it_does_nothing_is_one_line_never_ignored(capsys, tm
         (["bench", "--report-from", str(saved), "--target", "smollm2-135m", "--max-new-tokens", "9"],
          "--max-new-tokens, --target would change nothing"),
         (["bench", "--report-from", str(saved), "--isolate"], "--isolate would change nothing"),
+        (["bench", "--report-from", str(saved), "--no-compile"], "--compile would change nothing"),
         (["bench", "--dataset", "humaneval[:-1]"], "A and B >= 0"),
         (["bench", "--methods", "sd:"], "'sd:' ends with ':' but gives no option"),
         (["generate", "x", "--method", "tree", "--draft-graph", "nosuch"], "bad value 'nosuch' for draft_graph: on or off"),

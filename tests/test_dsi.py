@@ -246,6 +246,17 @@ def test_simulate_online_with_several_drafters_reports_their_gain():
         min(result["dsi_ms"], result["dsi_drafter_1_ms"]) / result["dsi_all_ms"])
 
 
+def test_a_more_drafter_as_slow_as_the_target_runs_at_the_lookahead_given():
+    """Planning refuses a drafter no faster than the target ("give a lookahead to run it anyway"); a more-drafter's
+    run took no lookahead given, so the advice could not be followed. It runs at the lookahead given now, and without
+    one the refusal comes before any server starts."""
+    result = simulate_online(5, 1, 0.8, servers=2, tokens=6, repeats=1, lookahead=3, more_drafters=((10, 0.9),))
+    assert result["identical_outputs"] and result["lookaheads_alone"] == [3]
+    with pytest.raises(ConfigError, match="give a lookahead"):
+        simulate_online(5, 1, 0.8, servers=2, tokens=6, repeats=1, executor="nosuch",  # (none would start)
+                        more_drafters=((10, 0.9),))
+
+
 def test_simulate_online_beats_si_and_non_si_on_paper_like_settings():
     def beats(result):
         return result["dsi_speedup_over_non_si"] > 1.5 and result["dsi_speedup_over_si"] > 1.0

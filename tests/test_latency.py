@@ -38,3 +38,16 @@ def test_a_profile_no_measurement_gives_is_refused_in_one_line(change, message, 
     path.write_text(json.dumps(data))
     with pytest.raises(ConfigError, match=f"cannot read latency profile {path}: ValueError: {message}"):
         LatencyProfile.load(path)
+
+
+def test_profiling_refuses_a_prompt_the_model_has_no_positions_for():
+    """`speculant profile --widths` timed prompts beyond the model's positions (a number of nothing) where `bench`
+    refuses them: one line before any forward."""
+    from helpers import tiny_model
+
+    from speculant.latency import profile_model
+
+    model = tiny_model("llama", 0)  # (512 positions)
+    with pytest.raises(ConfigError, match="a prompt of 510 tokens and 4 decoded after it exceed .* 512 positions"):
+        profile_model(model, [[1] * 8, [2] * 510], [1, 2], 16)
+    assert profile_model(model, [[2] * 508], [1], 16, repeats=1).ttft_s > 0

@@ -65,7 +65,7 @@ def simulate_online(target_ms: float, drafter_ms: float, acceptance: float, serv
     differ by the engine's own overheads only.
 
     `more_drafters` ((ms, acceptance), costlier ones) adds DSI with each of them alone (at its own planned
-    lookahead) and DSI with all drafters together (Algorithm 1 with m > 2 models, at the first one's
+    lookahead, or at `lookahead` where one is given) and DSI with all drafters together (Algorithm 1 with m > 2 models, at the first one's
     lookahead), and the latter's gain over the best single drafter."""
     lineup = ((drafter_ms, acceptance), *more_drafters)
     for _, a in lineup:
@@ -84,9 +84,9 @@ def simulate_online(target_ms: float, drafter_ms: float, acceptance: float, serv
     greedy = SamplingConfig()
     si_best = best_si_lookahead(acceptance, drafter_ms / target_ms)
     spec = ServerSpec(partial(oracle, seed=seed), ["cpu"] * servers, greedy, target_latency)
+    alone = [plan(servers, lookahead, target_ms / 1000, ms / 1000).lookahead for ms, _ in more_drafters]
     pool = make_executor(executor, spec, ray_address)
     pool.start()
-    alone = [plan(servers, None, target_ms / 1000, ms / 1000).lookahead for ms, _ in more_drafters]
     names = ["dsi", *(f"dsi_drafter_{d + 1}" for d in range(len(more_drafters)))] + (["dsi_all"] if more_drafters else [])
     times: dict[str, list[float]] = {"non_si": [], "si": [], "si_best": [], **{name: [] for name in names}}
     identical = True

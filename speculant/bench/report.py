@@ -40,7 +40,8 @@ def markdown_table(summaries: list[MethodSummary]) -> str:
 def print_table(summaries: list[MethodSummary], title: str, console: Console | None = None) -> None:
     table = Table(title=title)
     for i, column in enumerate(COLUMNS):
-        table.add_column(column, justify="left" if i == 0 else "right")
+        table.add_column(column, justify="left" if i == 0 else "right",  # a long label folds, never cut short
+                         overflow="fold" if i == 0 else "ellipsis")
     for s in summaries:
         table.add_row(*_cells(s))
     console = console or Console()
@@ -54,10 +55,10 @@ def markdown_report(summaries: list[MethodSummary], by_category: dict[str, list[
     parts = [f"# speculant bench\n\nCommand: `{command}`\n\nMachine: {machine}\n", markdown_table(summaries)]
     for category, summary in by_category.items():
         parts.append(f"\n## {category}\n\n{markdown_table(summary)}")
-    over = f"`{baseline}`" if baseline else "the first `ar`"
-    parts.append(f"\nspeedup = total tokens / total time (whole requests, prefill included) over {over} of "
-                 "the same run, with a 95% bootstrap interval over prompts (a prompt's repeats resampled together); "
-                 "median speedup = median of the ratios per prompt and repeat; decode = after the first token: tokens "
+    over = f"`{baseline}` of the same run" if baseline else \
+        "the same run's first `ar` that samples as the method does (else its first `ar`)"
+    parts.append(f"\nspeedup = total tokens / total time (whole requests, prefill included) over {over}, with a "
+                 "95% bootstrap interval over prompts (a prompt's repeats resampled together); median speedup = median of the ratios per prompt and repeat; decode = after the first token: tokens "
                  "after the first over time after TTFT; mean accepted length = tokens committed per target "
                  "verification; SWI = standardized wall-time improvement, tokens / (target forwards + sum of drafter "
                  "forwards x c), c = a drafter's measured forward time over the target's (CS Drafting, section 5); "

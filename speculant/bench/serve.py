@@ -224,12 +224,11 @@ def run_sessions(url: str, prompts: Sequence[Prompt], conversations: int, turns:
 
         run_threads([lambda i=i: conversation(i) for i in range(conversations)], stop)
         wall = time.perf_counter() - start
-    flat = [r for turns_of in results for r in turns_of]
-    flat += [None] * (conversations * turns - len(flat))  # turns never sent after an error
-    done = [r for r in flat if r is not None and "error" not in r]
+    flat = [r for turns_of in results for r in turns_of]  # the turns sent (none after a turn's error)
+    done = [r for r in flat if "error" not in r]
     return {
         "label": label, "url": url, "model": model, "concurrency": None, "rate": rate, "turns": turns,
-        "conversations": conversations, "requests": conversations * turns, "max_tokens": max_tokens,
+        "conversations": conversations, "requests": len(flat), "max_tokens": max_tokens,
         "temperature": temperature, **summarize(flat, wall),
         "ttft_first_turn_ms": percentiles([r["times"][0] for r in done if r["times"] and r["turn"] == 0]),
         "ttft_later_turns_ms": percentiles([r["times"][0] for r in done if r["times"] and r["turn"] > 0]),

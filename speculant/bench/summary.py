@@ -28,7 +28,7 @@ class MethodSummary:
     seconds: float
     tokens_per_s: float  # whole requests: total tokens / total time, prefill included
     decode_tokens_per_s: float  # after the first token: tokens after the first / time after TTFT
-    speedup: float | None = None  # tokens_per_s over the baseline ar's (the first ar listed)
+    speedup: float | None = None  # tokens_per_s over the baseline's (see `summarize`)
     speedup_ci95: tuple[float, float] | None = None  # bootstrap over prompts (repeats kept together)
     median_speedup: float | None = None  # median of per-prompt, per-repeat ratios
     decode_speedup: float | None = None  # decode_tokens_per_s over the baseline ar's

@@ -7,7 +7,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, fields, replace
 from typing import Any, ClassVar
 
-from speculant.config import DEFAULT_DRAFTER, option
+from speculant.config import BACKENDS, DEFAULT_DRAFTER, option
 from speculant.drafters.spec import MODEL, SELF, DrafterSpec, as_drafter, model_free
 from speculant.errors import ConfigError, OptionError
 
@@ -145,11 +145,19 @@ def unmet(options: Any, capabilities: Any) -> tuple[str, str, str] | None:
     return next((need for need in needs(options) if not getattr(capabilities, need[0])), None)
 
 
+def offered_by(options: Any) -> list[str]:
+    """The backends that offer everything `options` need (what a refusal of the target's backend points to)."""
+    from speculant.models.backends import capabilities_of
+
+    return [backend for backend in BACKENDS if not unmet(options, capabilities_of(backend))]
+
+
 def check_capabilities(options: Any, target: Any) -> None:
     """An OptionError naming the option that asks a loaded `target` for what its backend does not offer (`generate`,
     a server's own options and its requests; the CLI refuses it by the backend's name before loading)."""
     if need := unmet(options, target.capabilities):
-        raise OptionError(need[2], f"{need[1]}: the target's backend does not offer that")
+        raise OptionError(need[2], f"{need[1]}: the target's backend does not offer that (load it on the "
+                                   f"{' or '.join(offered_by(options))} backend)")
 
 
 def with_drafters(options: Any, load: Callable[[Any], Any]) -> Any:
