@@ -38,6 +38,7 @@ class Session:
                               f"{type(target).__name__}")
         self._target = weakref.ref(owner_of(target))  # (the target's default session lives on it: no cycle)
         self.drafters: dict[tuple[str, str | None], Any] = {}  # (spec, dtype) -> the loaded drafter
+        self.made_by: dict[tuple[str, str | None], Any] = {}  # (spec, dtype) -> the registered kind that made it
         self.caches: dict[int, DraftCache] = {}  # id of a drafter model it loaded -> the DraftCache on its KV cache
         self.acceptance: dict[str, dict[int, Acceptance]] = {}  # candidate name -> estimates by match bucket
         self.scales: dict[str, Scale] = {}  # drafter name -> its forwards' time over its profile's
@@ -68,15 +69,18 @@ class Session:
     def drafter(self, spec: Any, dtype: str | None = None) -> Any:
         """The drafter `spec` names for this session's target (`drafters.spec.load_drafter`), loaded once: a
         model drafter keeps its weights and, through `cache`, its KV cache across generations. A model or a
-        Drafter object passed in is the caller's to keep and is returned as loaded for this call only."""
+        Drafter object passed in is the caller's to keep and is returned as loaded for this call only. A name
+        registered again since (a notebook's cell run again) loads afresh, from its new factory."""
+        from speculant.drafters.registry import DRAFTERS
         from speculant.drafters.spec import DrafterSpec, as_drafter, load_drafter
 
         spec = as_drafter(spec)
         if not isinstance(spec, DrafterSpec):
             return load_drafter(spec, self.target, dtype, self)
         key = (str(spec), dtype)
-        if key not in self.drafters:
+        if key not in self.drafters or self.made_by[key] is not DRAFTERS.get(spec.source):
             self.drafters[key] = load_drafter(spec, self.target, dtype, self)
+            self.made_by[key] = DRAFTERS.get(spec.source)  # (after loading: a plugin registers as it is imported)
         return self.drafters[key]
 
     def cache(self, model: CausalLM) -> DraftCache:

@@ -144,6 +144,19 @@ def test_an_option_an_options_class_refuses_is_named(app, options, param):
     is_error(client.post("/v1/completions", json=completion(speculant=options)), 400, f"speculant.{param}")
 
 
+def test_an_unknown_option_is_told_what_a_request_may_set_not_the_operator_s_options(app):
+    """The refusal of a name no option of the method has lists what a client may set: it listed the operator's
+    options too (`drafter_dtype`), which a request that then sent one found refused in turn."""
+    _, client = app
+    for options, where in (({"method": "sd", "foo": 1}, "unknown option 'foo'"),
+                           ({"method": "sd", "depth": 3}, "option 'depth' does not apply to method 'sd'")):
+        error = is_error(client.post("/v1/completions", json=completion(speculant=options)), 400,
+                         f"speculant.{next(iter(options.keys() - {'method'}))}")
+        takes = re.search(r"'sd' takes: ([^)]*)\)", error["message"])
+        assert where in error["message"] and takes, error["message"]
+        assert takes.group(1).split(", ") == request_options("sd"), error["message"]
+
+
 def test_a_tree_without_a_model_drafter_names_the_drafter_where_the_server_drafts_with_max_gram():
     """The server's own drafter Max-Gram: a tree request naming it is refused naming `speculant.drafter`, the value
     at fault (the method's defaults alone fail too, which would name the method)."""
@@ -206,6 +219,7 @@ def test_a_method_the_target_s_backend_cannot_run_is_a_4xx_naming_it(monkeypatch
         monkeypatch.setattr(type(engine.target), "capabilities", replace(engine.target.capabilities, replicates=False))
         engine.options_for("dsi", {"drafter": "maxgram"})
     assert refused.value.option == "method" and "does not offer that" in str(refused.value)
+    assert str(refused.value).endswith("(load it on the llamacpp backend)")  # (transformers' taken away here)
     monkeypatch.undo()
     assert engine.options_for("dsi", {"drafter": "maxgram"})[0].name == "dsi"
     engine.close()

@@ -65,6 +65,25 @@ def test_a_drafter_registered_outside_the_package_drives_sd_and_auto_by_name():
                         max_new_tokens=n).token_ids == expected[:n]
 
 
+def test_a_drafter_registered_again_under_its_name_drafts_from_its_new_factory(monkeypatch):
+    """A notebook's cell run again registers its factory again (the same name, module and qualname: allowed); the
+    target's session had kept the drafter the first factory made, so the new one never ran."""
+    monkeypatch.setattr(registry, "DRAFTERS", dict(registry.DRAFTERS))  # what it registers goes with the test
+    target, prompt, made_by = tiny_model("llama", 11, VOCAB), random_prompt(3, VOCAB, 8), []
+
+    def cell(mark):
+        @register_drafter("echo-cell")
+        def factory(target):
+            made_by.append(mark)
+            return Echo(target.vocab_size)
+
+    for mark in ("first", "first", "second"):  # (the second generation reuses the first's drafter)
+        if mark not in made_by:
+            cell(mark)
+        generate(target, prompt_ids=prompt, drafter="echo-cell", k=2, max_new_tokens=4)
+    assert made_by == ["first", "second"]
+
+
 def test_a_registered_name_is_a_drafter_spec_and_a_taken_one_is_refused(monkeypatch):
     from speculant.drafters.spec import DrafterSpec
 

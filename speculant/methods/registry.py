@@ -8,7 +8,7 @@ parser, `speculant simulate`) must not need torch.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Collection, Iterable, Mapping
+from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
 from dataclasses import Field, dataclass, fields
 from typing import TYPE_CHECKING, Any
 
@@ -157,12 +157,13 @@ def pair_error(one: str, other: str, method: str) -> OptionError:
     return OptionError(other, f"give {one} or {other}, not both: '{method}' would use {other} only")
 
 
-def check_names(options: type, method: str, given: Iterable[str]) -> None:
-    """An unknown or misplaced name is an OptionError naming the methods it belongs to and what `method` takes."""
+def check_names(options: type, method: str, given: Iterable[str], offered: Sequence[str] | None = None) -> None:
+    """An unknown or misplaced name is an OptionError naming the methods it belongs to and what `method` takes (of
+    its options, those `offered` where given: a server's client is offered `request_options`)."""
     names = [f.name for f in fields(options)]
     for name in given:
         if name not in names:
-            takes = ", ".join(names) or "no options"
+            takes = ", ".join(names if offered is None else offered) or "no options"
             if where := owners(name):
                 raise OptionError(name, f"option '{name}' does not apply to method '{method}' (it belongs to "
                                   f"{', '.join(where)}; '{method}' takes: {takes})")

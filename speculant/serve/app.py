@@ -35,7 +35,7 @@ from starlette.exceptions import HTTPException
 from speculant.api import encode_prompt
 from speculant.config import ModelConfig, SamplingConfig, ServeConfig
 from speculant.errors import ConfigError, OptionError, RequestError
-from speculant.methods.registry import get_method, request_options
+from speculant.methods.registry import check_names, get_method, request_options
 from speculant.models.wrappers.biased import check_bias
 from speculant.models.wrappers.constrained import Constraint, Matcher
 from speculant.models.wrappers.logprobs import TokenLogprob
@@ -352,7 +352,12 @@ def check_request_options(method: str, given: dict[str, Any]) -> None:
         allowed = request_options(method)
     except ConfigError as error:
         raise ApiError(400, str(error), "speculant.method") from None
-    names = {f.name for f in fields(get_method(method).options)}
+    options = get_method(method).options
+    try:  # (an unknown name: what the client may set is what it is told of)
+        check_names(options, method, given, allowed)
+    except OptionError as error:
+        raise ApiError(400, str(error), f"speculant.{error.option}") from None
+    names = {f.name for f in fields(options)}
     for name in given:
         if name not in allowed and name in names:
             raise ApiError(400, f"speculant.{name} names something on the server: only its operator sets it, when "
