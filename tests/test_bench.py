@@ -89,7 +89,7 @@ def test_jsonl_prompts_and_errors(tmp_path):
     joined = load_dataset(f"{good}[1:]+humaneval[:2]+{Path(__file__).parents[1] / 'prompts' / 'long.jsonl'}")
     assert [p.id for p in joined] == ["two", "HumanEval/0", "HumanEval/1", "rag-long-1", "rag-long-2",
                                       "summarization-long-1", "summarization-long-2"]
-    with pytest.raises(ConfigError, match="prompt ids repeat"):
+    with pytest.raises(ConfigError, match="prompt ids repeat across .*: 'HumanEval/1'"):
         load_dataset("humaneval[:2]+humaneval[1:3]")
     for name, lines, message in (  # within one file too: a bench pairs methods' runs by prompt id
             ("ids", '{"prompt": "a"}\n{"prompt": "b", "id": 1}\n', r"ids.jsonl:2: the prompt id '1' is line 1's too"),

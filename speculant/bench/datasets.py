@@ -101,8 +101,9 @@ def load_dataset(spec: str) -> list[Prompt]:
         # hold a +)
         prompts = [prompt for part in spec.split("+") for prompt in load_dataset(part)]
         ids = [prompt.id for prompt in prompts]
-        if len(set(ids)) < len(ids):
-            raise ConfigError(f"prompt ids repeat across '{spec}'")
+        if repeated := next((i for n, i in enumerate(ids) if i in ids[:n]), None):
+            raise ConfigError(f"prompt ids repeat across '{spec}': '{repeated}' (a prompt with no \"id\" is named by "
+                              "its line: give the prompts of joined files ids of their own)")
         return prompts
     name, start, stop = spec, None, None
     if match:
