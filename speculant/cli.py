@@ -498,7 +498,7 @@ def run_bench(args: argparse.Namespace, argv: Sequence[str]) -> None:
             config = {**saved["config"], "command": command, "baseline": baseline}
         (out / "results.json").write_text(json.dumps(to_json(config, rows, summaries, by_category), indent=1))
         (out / "report.md").write_text(markdown_report(summaries, by_category, command, machine, baseline))
-        plots = plot(summaries, by_category, out)
+        plots = plot(summaries, by_category, out, baseline)
         print(f"wrote {out / 'results.json'}, {out / 'report.md'} and {len(plots)} plots", file=sys.stderr)
 
 

@@ -334,3 +334,23 @@ def test_the_printed_table_folds_a_long_method_label_and_never_cuts_it():
     print_table([MethodSummary(label, "t", 10, 1.0, 10.0, 10.0) for label in labels], "title", console)
     printed = "".join(line.split("│")[1].strip() for line in console.export_text().splitlines() if "│" in line)
     assert "…" not in printed and all(label in printed for label in labels), printed
+
+
+def test_the_speedup_plot_names_its_baseline_and_leaves_out_methods_without_a_speedup(tmp_path, monkeypatch):
+    """speedup.png said "over ar" whatever the baseline, and drew a method without a speedup (a peers-only run with no
+    baseline) as a bar at 0."""
+    import matplotlib.axes
+
+    from speculant.bench.report import plot
+    from speculant.bench.summary import MethodSummary
+
+    labels, bars = [], []
+    monkeypatch.setattr(matplotlib.axes.Axes, "set_ylabel", lambda self, text, *a, **k: labels.append(text))
+    bar = matplotlib.axes.Axes.bar
+    monkeypatch.setattr(matplotlib.axes.Axes, "bar", lambda self, x, heights, *a, **k:
+                        bars.append(list(heights)) or bar(self, x, heights, *a, **k))
+    rows = [MethodSummary("llamacpp-cli-ar", "t", 10, 1.0, 10.0, 10.0, speedup=1.0),
+            MethodSummary("ar", "t", 10, 1.0, 15.0, 15.0, speedup=1.5), MethodSummary("hf-ar", "t", 10, 1.0, 9.0, 9.0)]
+    assert (tmp_path / "speedup.png") in plot(rows, {}, tmp_path, "llamacpp-cli-ar")
+    assert bars == [[1.0, 1.5]] and labels[0] == "speedup over llamacpp-cli-ar (same run)"
+    assert [path.name for path in plot(rows[2:], {}, tmp_path)] == ["acceptance.png"]

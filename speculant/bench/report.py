@@ -67,8 +67,10 @@ def markdown_report(summaries: list[MethodSummary], by_category: dict[str, list[
     return "\n".join(parts) + "\n"
 
 
-def plot(summaries: list[MethodSummary], by_category: dict[str, list[MethodSummary]], out: Path) -> list[Path]:
-    """speedup.png, acceptance.png and (with categories) categories.png under `out`."""
+def plot(summaries: list[MethodSummary], by_category: dict[str, list[MethodSummary]], out: Path,
+         baseline: str | None = None) -> list[Path]:
+    """speedup.png (the methods with a speedup over `baseline`, as `summarize` took it; none where no method has
+    one), acceptance.png and (with categories) categories.png under `out`."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -76,16 +78,17 @@ def plot(summaries: list[MethodSummary], by_category: dict[str, list[MethodSumma
 
     paths = []
     names = [s.method for s in summaries]
-    fig, ax = plt.subplots(figsize=(max(6, 1.2 * len(names)), 4))
-    ax.bar(range(len(names)), [s.speedup or 0 for s in summaries], color="tab:blue")
-    ax.axhline(1.0, color="grey", linestyle="--", linewidth=1)
-    ax.set_xticks(range(len(names)), names, rotation=30, ha="right", fontsize=8)
-    ax.set_ylabel("speedup over ar (same run)")
-    ax.set_title("Speedup per method")
-    fig.tight_layout()
-    paths.append(out / "speedup.png")
-    fig.savefig(paths[-1], dpi=120)
-    plt.close(fig)
+    if sped := [s for s in summaries if s.speedup is not None]:
+        fig, ax = plt.subplots(figsize=(max(6, 1.2 * len(sped)), 4))
+        ax.bar(range(len(sped)), [s.speedup for s in sped], color="tab:blue")
+        ax.axhline(1.0, color="grey", linestyle="--", linewidth=1)
+        ax.set_xticks(range(len(sped)), [s.method for s in sped], rotation=30, ha="right", fontsize=8)
+        ax.set_ylabel(f"speedup over {baseline or 'ar'} (same run)")
+        ax.set_title("Speedup per method")
+        fig.tight_layout()
+        paths.append(out / "speedup.png")
+        fig.savefig(paths[-1], dpi=120)
+        plt.close(fig)
 
     fig, ax = plt.subplots(figsize=(6, 4))
     for s in summaries:
