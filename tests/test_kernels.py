@@ -390,3 +390,23 @@ def test_a_build_removes_the_source_s_libraries_no_process_loaded_for_weeks(tmp_
     os.utime(built, (weeks_ago, weeks_ago))
     compile_library(kernels.Path(kernels.__file__).with_name("scalar.c"), kernels.FLAGS)
     assert built.stat().st_mtime > time.time() - 86400  # loading dates it to now
+
+
+def test_bench_kernels_times_a_gguf_s_matrices_and_refuses_a_machine_with_the_scalar_path_alone(tmp_path, capsys,
+                                                                                                monkeypatch):
+    """`speculant bench-kernels`: T(W) of every matrix of a tiny GGUF on each path, the first width in ms and the
+    others as ratios to it (labelled so); where only the scalar reference runs (no SIMD path builds), one line
+    naming `--isa scalar` before any weight is read (it failed with a StopIteration after repacking them)."""
+    from speculant import cli
+    from tiny_gguf import write_tiny_gguf
+
+    path = tmp_path / "t.gguf"
+    write_tiny_gguf(path, "qwen2", 3, "q8_0")
+    assert cli.main(["bench-kernels", "--model", str(path), "--widths", "1,2", "--repeats", "1", "--isa",
+                     "scalar"]) == 0
+    out = capsys.readouterr().out
+    assert "15 matrices" in out and "| path | T(1) | T(2) / T(1) |" in out and "| scalar | " in out, out
+    monkeypatch.setattr(kernels, "paths", lambda emulated=False: ["scalar"])
+    monkeypatch.setattr("speculant.bench.kernels.linear_weights", lambda model: pytest.fail("read the weights"))
+    assert cli.main(["bench-kernels", "--model", str(path), "--widths", "1"]) == 2
+    assert "runs only the scalar reference: give --isa scalar" in capsys.readouterr().err

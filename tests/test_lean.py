@@ -508,7 +508,8 @@ def test_metadata_llama_cpp_reads_with_defaults_computes_as_llama_cpp_does(tmp_p
 
 def test_files_the_lean_model_would_compute_otherwise_run_on_llama_cpp(tmp_path, monkeypatch):
     """Each says why in one line read from the header: a tensor it does not compute (a bias of the output
-    projection), experts, one part of a split model, per-layer head counts, a norm not in F32."""
+    projection), experts, one part of a split model, per-layer head counts, a norm not in F32, a count of 0, a
+    matrix of more than two dimensions."""
     from speculant.models.backends.lean import coverage
 
     extra = lambda name, values: lambda w, o, n: (o(w, n), w.add_tensor(name, values))  # noqa: E731
@@ -522,6 +523,9 @@ def test_files_the_lean_model_would_compute_otherwise_run_on_llama_cpp(tmp_path,
                                                                                     [n, n])),
         "attn_norm.weight is F16": dict(add_tensor=lambda w, o, name, values, *rest, **kw: o(
             w, name, values.astype(np.float16) if name.endswith("attn_norm.weight") else values, *rest, **kw)),
+        "attention.head_count is 0": dict(add_head_count=lambda w, o, n: o(w, 0)),  # (it divided by it)
+        "output.weight has 3 dimensions": dict(add_tensor=lambda w, o, name, values, *rest, **kw: o(
+            w, name, values[None] if name == "output.weight" else values, *rest, **kw)),
     }
     for reason, writes in cases.items():
         runs, why = coverage(variant(tmp_path, monkeypatch, reason.split()[0], **writes))

@@ -137,6 +137,10 @@ def test_a_build_is_per_version_and_cpu_and_missing_tools_say_how_to_build(tmp_p
     assert llamacpp_build.tool("llama-completion") == bin_dir / "llama-completion"
     with pytest.raises(ModelNotAvailable, match="llama-server is not built.*build-llamacpp"):
         llamacpp_build.tool("llama-server")
+    for damaged in ([], {"bin": 3}, {"key": "k"}):  # a manifest of another shape names no build (they were tracebacks)
+        (llamacpp_build.build_root() / "manifest.json").write_text(json.dumps(damaged))
+        with pytest.raises(ModelNotAvailable, match="llama-completion is not built.*build-llamacpp"):
+            llamacpp_build.tool("llama-completion")
 
 
 def test_cli_peer_specs_parse_and_refuse_bad_options():

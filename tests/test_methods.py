@@ -14,7 +14,7 @@ from speculant import cli, generate
 from speculant.bench.methods import parse_method
 from speculant.config import option, scalar_type
 from speculant.drafters.spec import DrafterSpec
-from speculant.errors import ConfigError
+from speculant.errors import ConfigError, OptionError
 from speculant.methods import METHODS, all_options, get_method
 from speculant.methods.registry import Method
 
@@ -263,3 +263,14 @@ def test_a_drafter_dtype_no_named_drafter_loads_in_is_refused_when_the_options_a
     for method, given in [("sd", {"drafter": "qwen2.5-coder-0.5b@int8"}),
                           ("auto", {"drafters": "smollm2-135m,maxgram"}), ("cascade", {"drafters": "self,smollm2-135m"})]:
         assert get_method(method).parse_options({**given, "drafter_dtype": "bf16"}).drafter_dtype == "bf16"
+
+
+def test_a_drafter_dtype_from_python_is_one_of_its_choices_for_every_method_that_loads_drafters():
+    """`drafter_dtype="auto"` passed from Python was refused by sd and tree but taken by auto and cascade, and
+    fp16 refused only when the drafter loaded, in the loader's words: every method refuses it with its options."""
+    for method, given in [("sd", {"drafter": "smollm2-135m"}), ("tree", {"drafter": "smollm2-135m"}),
+                          ("auto", {"drafters": "smollm2-135m,maxgram"}), ("cascade", {"drafters": "smollm2-135m"})]:
+        for dtype in ("auto", "fp16"):
+            with pytest.raises(OptionError, match=f"drafter dtype must be one of bf16, fp32, got '{dtype}'") as refused:
+                get_method(method).make_options({**given, "drafter_dtype": dtype})
+            assert refused.value.option == "drafter_dtype"

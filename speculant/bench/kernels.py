@@ -36,7 +36,11 @@ def pass_seconds(weights: list[kernels.QuantWeight], width: int, isa: str, repea
 
 def bench_kernels(model: str, widths: list[int], isas: list[str] | None, repeats: int) -> dict:
     found = kernels.paths()
-    isas = isas or [isa for isa in found if isa != "scalar"]
+    if isas is None:
+        kernels.best()  # (where none builds: the compiler's refusal, in one line)
+        isas = [isa for isa in found if isa != "scalar"]
+        if not isas:
+            raise ConfigError("this machine runs only the scalar reference: give --isa scalar to time it")
     missing = [isa for isa in isas if isa not in found]
     if missing:
         raise ConfigError(f"this machine runs {', '.join(found)}; not {', '.join(map(repr, missing))}")
@@ -50,7 +54,8 @@ def report(result: dict) -> str:
     widths = list(next(iter(result["seconds"].values())))
     lines = [f"{result['model']}: {result['matrices']} matrices, {result['bytes'] / 1e6:.0f} MB packed, "
              f"{result['threads']} threads",
-             "| path | " + " | ".join(f"T({w})" for w in widths) + " |",
+             "| path | " + " | ".join(f"T({w})" if w == widths[0] else f"T({w}) / T({widths[0]})"
+                                    for w in widths) + " |",
              "|---|" + "---:|" * len(widths)]
     for isa, seconds in result["seconds"].items():
         one = seconds[widths[0]]

@@ -51,8 +51,6 @@ class DrafterOptions:
         if self.drafter is None:
             raise ConfigError("this method needs a drafter")
         object.__setattr__(self, "drafter", as_drafter(self.drafter))
-        if self.drafter_dtype not in (None, *DRAFTER_DTYPES):
-            raise ConfigError(f"drafter dtype must be one of {', '.join(DRAFTER_DTYPES)}, got {self.drafter_dtype}")
         if self.MODEL_ONLY and model_free(self.drafter):
             raise OptionError("drafter", f"{self.MODEL_ONLY} needs a model drafter (self or a model's name), not "
                               f"{self.drafter}")
@@ -88,11 +86,13 @@ def takes_dtype(drafter: Any) -> bool:
 
 
 def check_dtype(dtype: str | None, drafters: Sequence[Any]) -> None:
-    """A drafter dtype is refused, before anything loads, where `drafters` name a GGUF that runs its own types, or
-    none that loads in it (Max-Gram, suffix and `self` load none; a given model keeps its own): never silently
+    """A drafter dtype is refused, before anything loads, where it is none of DRAFTER_DTYPES, where `drafters` name a
+    GGUF that runs its own types, or none that loads in it (Max-Gram, suffix and `self` load none; a given model keeps its own): never silently
     ignored."""
     if dtype is None:
         return
+    if dtype not in DRAFTER_DTYPES:
+        raise OptionError("drafter_dtype", f"drafter dtype must be one of {', '.join(DRAFTER_DTYPES)}, got {dtype!r}")
     if gguf := next((d for d in drafters if isinstance(d, DrafterSpec) and d.kind == MODEL and not takes_dtype(d)),
                     None):
         raise ConfigError(f"drafter dtype {dtype}: {gguf} runs its GGUF's own types; give no drafter dtype")

@@ -288,9 +288,9 @@ def _read(reader: gguf_header.GGUFFile) -> tuple[LeanConfig, dict[str, Any],
     if int(_number(reader, f"{arch}.expert_count", 0)) > 0:
         raise ConfigError(f"{arch} with experts: the lean backend computes dense layers")
     defaults = GEMMA2_DEFAULTS if arch == "gemma2" else {}
-    heads = int(_number(reader, f"{arch}.attention.head_count"))
-    hidden = int(_number(reader, f"{arch}.embedding_length"))
-    head_dim = int(_number(reader, f"{arch}.attention.key_length", hidden // heads))
+    heads = _count(reader, f"{arch}.attention.head_count")
+    hidden = _count(reader, f"{arch}.embedding_length")
+    head_dim = _count(reader, f"{arch}.attention.key_length", hidden // heads)
     window = _number(reader, f"{arch}.attention.sliding_window", defaults.get("attention.sliding_window"))
     # as llama.cpp reads them: linear unless named, its factor under either key (0: none)
     scaling = str(_field(reader, f"{arch}.rope.scaling.type", "linear"))
@@ -307,7 +307,10 @@ def _read(reader: gguf_header.GGUFFile) -> tuple[LeanConfig, dict[str, Any],
         raise ConfigError(f"the GGUF file holds {other}, which the lean backend does not compute")
     if bad := next((t.name for t in tensors.values() if len(t.shape) == 1 and t.tensor_type.name != "F32"), None):
         raise ConfigError(f"{bad} is {tensors[bad].tensor_type.name}: the lean backend reads vectors in F32")
-    layers = int(_number(reader, f"{arch}.block_count"))
+    if bad := next((t.name for t in tensors.values() if len(t.shape) > 2), None):
+        raise ConfigError(f"{bad} has {len(tensors[bad].shape)} dimensions: the lean backend reads vectors and "
+                          "matrices")
+    layers = _count(reader, f"{arch}.block_count")
     gemma = {}
     if arch in GEMMA:  # as llama.cpp's llama-model.cpp builds them
         every = _field(reader, f"{arch}.attention.sliding_window_pattern", GEMMA[arch])
@@ -321,10 +324,10 @@ def _read(reader: gguf_header.GGUFFile) -> tuple[LeanConfig, dict[str, Any],
                      final_softcap=float(_number(reader, f"{arch}.final_logit_softcapping",
                                                  defaults.get("final_logit_softcapping", 0.0))))
     config = LeanConfig(
-        arch, layers, hidden, heads, int(_number(reader, f"{arch}.attention.head_count_kv", heads)), head_dim,
+        arch, layers, hidden, heads, _count(reader, f"{arch}.attention.head_count_kv", heads), head_dim,
         float(_number(reader, f"{arch}.rope.freq_base", 10000.0)),
         float(_number(reader, f"{arch}.attention.layer_norm_rms_epsilon")),
-        int(_number(reader, f"{arch}.context_length")), int(window) if window else None,
+        _count(reader, f"{arch}.context_length"), int(window) if window else None,
         "blk.0.attn_q_norm.weight" in tensors, factor if scaling == "linear" and factor else 1.0, **gemma)
     output = "output.weight" if "output.weight" in tensors else "token_embd.weight"  # tied embeddings
 
@@ -405,6 +408,14 @@ def _number(reader: gguf_header.GGUFFile, key: str, default: Any = ConfigError) 
     if value is not None and (isinstance(value, (bool, str, list)) or not np.isscalar(value)):
         raise ConfigError(f"the GGUF file's {key} is {type(value).__name__}: the lean backend reads one number")
     return value
+
+
+def _count(reader: gguf_header.GGUFFile, key: str, default: Any = ConfigError) -> int:
+    """A field that must be a whole number >= 1 (a count of heads, layers, positions or widths)."""
+    value = _number(reader, key, default)
+    if not (np.isfinite(value) and value >= 1 and value == int(value)):
+        raise ConfigError(f"the GGUF file's {key} is {value}: the lean backend reads a whole number >= 1")
+    return int(value)
 
 
 def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
