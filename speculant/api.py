@@ -115,7 +115,8 @@ def encode_prompt(tokenizer: Any | None, prompt: str | Sequence[dict[str, Any]],
     (a sequence of {"role", "content"} messages, always templated, with the `tools` the model may call where
     given) for the model to answer."""
     if tokenizer is None:
-        raise ConfigError("a text prompt needs a model with a tokenizer; pass prompt_ids instead")
+        raise ConfigError("a text prompt needs a model with a tokenizer, and this one has none that can be read (from "
+                          "Python: pass prompt_ids instead)")
     check_prompt(prompt)
     if chat or not isinstance(prompt, str):
         if not getattr(tokenizer, "chat_template", None):

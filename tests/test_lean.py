@@ -546,6 +546,18 @@ def test_a_header_with_an_array_longer_than_the_file_or_nested_without_end_is_re
             GGUFFile(tmp_path / name)
 
 
+def test_a_damaged_gguf_is_refused_as_damaged_not_sent_to_llama_cpp(tmp_path):
+    """A truncated file's header cannot be read: it was routed to llama.cpp, whose refusal (or the advice to build it)
+    hid the cause, said only in a warning line."""
+    from speculant.models import load_model
+
+    path = tmp_path / "t.gguf"
+    write_tiny_gguf(path, "qwen2", 3, "q8_0")
+    path.write_bytes(path.read_bytes()[:len(path.read_bytes()) // 2])
+    with pytest.raises(ConfigError, match="t.gguf: a damaged GGUF header"):
+        load_model(str(path))
+
+
 WINDOWED_METHODS = {"ar": dict(method="ar"), "sd": dict(method="sd", drafter="maxgram", k=4),
                     "tree": dict(method="tree", drafter="self", depth=3, width=3),
                     "cascade": dict(method="cascade", drafters=["self", "maxgram"])}
