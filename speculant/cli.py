@@ -117,8 +117,8 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--report-from", default=None, metavar="RESULTS.json",
                        help="run nothing: report a finished run's results.json again (with --baseline, --out)")
     bench.add_argument("--baseline", default=None, metavar="METHOD",
-                       help="speedups over this method of the list, e.g. llamacpp-cli-ar (default: each method's over the "
-                            "first ar that samples as it does, else the first ar)")
+                       help="speedups over this method of the list, e.g. llamacpp-cli-ar (default: each method's over "
+                            "the first ar that samples as it does, else the first ar)")
     add_options(bench, ModelConfig)
     bench.add_argument("--out", default=None, help="directory for results.json and report.md")
     bench.set_defaults(out_kind=DIRECTORY)
@@ -629,7 +629,7 @@ def parse_width_ranges(text: str) -> list[int]:
 
 def run_profile(args: argparse.Namespace) -> None:
     from speculant.api import check_models, encode_prompt
-    from speculant.latency import machine_profile, profile_model
+    from speculant.latency import check_room, machine_profile, profile_model
     from speculant.bench.datasets import load_dataset
     from speculant.drafters.spec import as_drafter, model_free
     from speculant.models import load_model
@@ -656,11 +656,13 @@ def run_profile(args: argparse.Namespace) -> None:
     if widths is None:
         profiles = [machine_profile(m) for m in models]
     else:
-        profiles = []
-        for m in models:  # each on the prompts in its own tokens (a drafter's tokenizer may be another)
-            tokenizer = m.tokenizer if m.tokenizer is not None else model.tokenizer
-            ids = [encode_prompt(tokenizer, p.text, p.chat) for p in prompts]
-            profiles.append(profile_model(m, ids, widths, args.context_len, repeats=args.repeats, dtype=m.numerics))
+        encoded = []  # each model's prompts in its own tokens (a drafter's tokenizer may be another), all checked
+        for m in models:  # before any is timed
+            encoded.append([encode_prompt(m.tokenizer if m.tokenizer is not None else model.tokenizer, p.text, p.chat)
+                            for p in prompts])
+            check_room(m, encoded[-1])
+        profiles = [profile_model(m, ids, widths, args.context_len, repeats=args.repeats, dtype=m.numerics)
+                    for m, ids in zip(models, encoded)]
     for profile, measured in zip(profiles, models):
         for line in measured.describe():
             print(line)
@@ -800,7 +802,7 @@ def check_target(target: str, config: ModelConfig, options: Any, backend: str | 
     llama.cpp, a .gguf file on transformers) and `options` its backend cannot run (`methods.drafting.needs`): DSI
     where the backend makes no replicas, `self@skip` off the lean backend. `backend` and `dtype`: a bench method's
     own."""
-    from speculant.methods.drafting import needs, offered_by, unmet
+    from speculant.methods.drafting import elsewhere, needs, unmet
     from speculant.models import split_quant
     from speculant.models.backends import capabilities_of
     from speculant.models.loading import resolve_backend
@@ -809,8 +811,8 @@ def check_target(target: str, config: ModelConfig, options: Any, backend: str | 
     backend = resolve_backend(backend or config.backend, name, quant, config.device, dtype or config.dtype)
     if needs(options):
         if need := unmet(options, capabilities_of(backend)):
-            raise ConfigError(f"{need[1]}: the {backend} backend does not offer that (load the target with --backend "
-                              f"{' or '.join(offered_by(options))})")
+            raise ConfigError(f"{need[1]}: the {backend} backend does not offer that "
+                              f"({elsewhere(options, 'load the target with --backend {}')})")
     return backend
 
 

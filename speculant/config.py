@@ -377,7 +377,7 @@ class Given(argparse.Action):
     def __call__(self, parser: argparse.ArgumentParser, namespace: argparse.Namespace, values: Any,
                  option_string: str | None = None) -> None:
         setattr(namespace, self.dest, self.const if self.nargs == 0 else values)
-        namespace.given = getattr(namespace, "given", frozenset()) | {self.dest}
+        record_given(namespace, self.dest)
 
 
 class GivenSwitch(argparse.BooleanOptionalAction):
@@ -386,7 +386,12 @@ class GivenSwitch(argparse.BooleanOptionalAction):
     def __call__(self, parser: argparse.ArgumentParser, namespace: argparse.Namespace, values: Any,
                  option_string: str | None = None) -> None:
         super().__call__(parser, namespace, values, option_string)
-        namespace.given = getattr(namespace, "given", frozenset()) | {self.dest}
+        record_given(namespace, self.dest)
+
+
+def record_given(namespace: argparse.Namespace, dest: str) -> None:
+    """Record that the command line gave the flag of `dest`."""
+    namespace.given = getattr(namespace, "given", frozenset()) | {dest}
 
 
 def add_options(parser: argparse.ArgumentParser, config: type, **overrides: Any) -> None:

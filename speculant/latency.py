@@ -169,22 +169,23 @@ class LatencyProfile:
             raise ConfigError(f"cannot read latency profile {path}: {type(error).__name__}: {error}") from None
 
 
+DECODE_STEPS = 4  # the forwards of one token timed after each prompt (TPOT)
+
+
 def _timed(fn) -> float:
     start = time.perf_counter()
     fn()
     return time.perf_counter() - start
 
 
-def profile_model(model, prompts: list[list[int]], widths: list[int], context_len: int, decode_steps: int = 4,
-                  repeats: int = 3, dtype: str = "", warmup: bool = True) -> LatencyProfile:
+def profile_model(model, prompts: list[list[int]], widths: list[int], context_len: int,
+                  decode_steps: int = DECODE_STEPS, repeats: int = 3, dtype: str = "",
+                  warmup: bool = True) -> LatencyProfile:
     """Measure a CausalLM: median TTFT over `prompts`, median TPOT over `decode_steps` per prompt, and
     the median T(W) over `repeats` at `context_len` cached tokens (after one warm-up forward)."""
     if not prompts or not widths or context_len < 1:
         raise ConfigError("profiling needs prompts, widths and a positive context length")
-    longest = max(map(len, prompts))
-    if model.max_positions is not None and longest + decode_steps > model.max_positions:
-        raise ConfigError(f"a prompt of {longest} tokens and {decode_steps} decoded after it exceed {model.name}'s "
-                          f"{model.max_positions} positions")
+    check_room(model, prompts, decode_steps)
     if warmup:
         model.prefill(prompts[0][:8])
         model.forward(prompts[0][:2])
@@ -197,6 +198,15 @@ def profile_model(model, prompts: list[list[int]], widths: list[int], context_le
     model.prefill(context)
     return LatencyProfile(model.name, dtype, str(model.device), context_len, statistics.median(ttfts),
                           statistics.median(tpots), forward_costs(model, context, widths, repeats))
+
+
+def check_room(model, prompts: list[list[int]], decode_steps: int = DECODE_STEPS) -> None:
+    """Refuse prompts that, with `decode_steps` decoded after them, do not fit `model`'s positions (what
+    `profile_model` would time beyond them)."""
+    longest = max(map(len, prompts), default=0)
+    if model.max_positions is not None and longest + decode_steps > model.max_positions:
+        raise ConfigError(f"a prompt of {longest} tokens and {decode_steps} decoded after it exceed {model.name}'s "
+                          f"{model.max_positions} positions")
 
 
 def forward_costs(model, context: list[int], widths: Sequence[int], repeats: int = 3,

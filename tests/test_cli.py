@@ -559,6 +559,8 @@ def test_a_flag_given_where_it_does_nothing_is_one_line_never_ignored(capsys, tm
         (["generate", "x\udcff"], "the prompt is not UTF-8 text"),
         (["generate", "x", "--method", "dsi", "--drafter", "maxgram", "--backend", "lean"],
          "the lean backend does not offer that (load the target with --backend hf or llamacpp)"),
+        (["generate", "x", "--method", "dsi", "--drafter", "self@skip", "--backend", "lean"],
+         "does not offer that (no backend offers all of that)"),  # (replicas and skipped layers: none has both)
         (["bench", "--methods", "ar", "sd:drafter=self@skip,backend=hf"], "the hf backend does not offer that"),
         (["serve", "--method", "tree", "--drafter", "self@skip", "--backend", "static"], "--backend lean)"),
         (["generate", "x", "--method", "dsi", "--drafter", "maxgram", "--target-devices", "gpu"], "unknown device 'gpu'"),

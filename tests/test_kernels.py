@@ -407,6 +407,7 @@ def test_bench_kernels_times_a_gguf_s_matrices_and_refuses_a_machine_with_the_sc
     out = capsys.readouterr().out
     assert "15 matrices" in out and "| path | T(1) | T(2) / T(1) |" in out and "| scalar | " in out, out
     monkeypatch.setattr(kernels, "paths", lambda emulated=False: ["scalar"])
+    monkeypatch.setattr(kernels, "best", lambda: "scalar")
     monkeypatch.setattr("speculant.bench.kernels.linear_weights", lambda model: pytest.fail("read the weights"))
     assert cli.main(["bench-kernels", "--model", str(path), "--widths", "1"]) == 2
     assert "runs only the scalar reference: give --isa scalar" in capsys.readouterr().err

@@ -772,6 +772,7 @@ def test_a_file_without_what_the_lean_model_reads_is_refused_in_one_line(tmp_pat
     with pytest.raises(ConfigError) as refused:
         GGUFFile(removed)
     assert str(refused.value).startswith(f"{removed}: the tensor w is of an unsupported tensor type (31; removed")
+    assert coverage(removed) == (False, str(refused.value))  # left to llama.cpp (a type newer than gguf: it may run)
 
 
 def test_a_gguf_drafter_drafts_for_a_transformers_target_on_the_backend_that_runs_it(lean_files, monkeypatch):

@@ -65,8 +65,8 @@ def simulate_online(target_ms: float, drafter_ms: float, acceptance: float, serv
     differ by the engine's own overheads only.
 
     `more_drafters` ((ms, acceptance), costlier ones) adds DSI with each of them alone (at its own planned
-    lookahead, or at `lookahead` where one is given) and DSI with all drafters together (Algorithm 1 with m > 2 models, at the first one's
-    lookahead), and the latter's gain over the best single drafter."""
+    lookahead, or at `lookahead` where one is given) and DSI with all drafters together (Algorithm 1 with m > 2
+    models, at the first one's lookahead), and the latter's gain over the best single drafter."""
     lineup = ((drafter_ms, acceptance), *more_drafters)
     for _, a in lineup:
         if not 0 <= a <= 1:

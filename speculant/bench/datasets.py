@@ -100,8 +100,8 @@ def load_dataset(spec: str) -> list[Prompt]:
     if "+" in spec and not Path(match["name"] if match else spec).is_file():  # (a file's name, sliced or not, may
         # hold a +)
         prompts = [prompt for part in spec.split("+") for prompt in load_dataset(part)]
-        ids = [prompt.id for prompt in prompts]
-        if repeated := next((i for n, i in enumerate(ids) if i in ids[:n]), None):
+        seen: set[str] = set()
+        if repeated := next((p.id for p in prompts if p.id in seen or seen.add(p.id)), None):
             raise ConfigError(f"prompt ids repeat across '{spec}': '{repeated}' (a prompt with no \"id\" is named by "
                               "its line: give the prompts of joined files ids of their own)")
         return prompts

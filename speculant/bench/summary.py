@@ -31,7 +31,7 @@ class MethodSummary:
     speedup: float | None = None  # tokens_per_s over the baseline's (see `summarize`)
     speedup_ci95: tuple[float, float] | None = None  # bootstrap over prompts (repeats kept together)
     median_speedup: float | None = None  # median of per-prompt, per-repeat ratios
-    decode_speedup: float | None = None  # decode_tokens_per_s over the baseline ar's
+    decode_speedup: float | None = None  # decode_tokens_per_s over the baseline's
     decode_speedup_ci95: tuple[float, float] | None = None
     mean_accepted_length: float | None = None  # None: nothing was drafted (ar, peers)
     acceptance_rate: float | None = None

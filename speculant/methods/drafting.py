@@ -87,8 +87,8 @@ def takes_dtype(drafter: Any) -> bool:
 
 def check_dtype(dtype: str | None, drafters: Sequence[Any]) -> None:
     """A drafter dtype is refused, before anything loads, where it is none of DRAFTER_DTYPES, where `drafters` name a
-    GGUF that runs its own types, or none that loads in it (Max-Gram, suffix and `self` load none; a given model keeps its own): never silently
-    ignored."""
+    GGUF that runs its own types, or none that loads in it (Max-Gram, suffix and `self` load none; a given model keeps
+    its own): never silently ignored."""
     if dtype is None:
         return
     if dtype not in DRAFTER_DTYPES:
@@ -152,12 +152,18 @@ def offered_by(options: Any) -> list[str]:
     return [backend for backend in BACKENDS if not unmet(options, capabilities_of(backend))]
 
 
+def elsewhere(options: Any, advice: str) -> str:
+    """Where what `options` need is offered: `advice` with the backends' names in its {} (or that none offers it)."""
+    others = offered_by(options)
+    return advice.format(" or ".join(others)) if others else "no backend offers all of that"
+
+
 def check_capabilities(options: Any, target: Any) -> None:
     """An OptionError naming the option that asks a loaded `target` for what its backend does not offer (`generate`,
     a server's own options and its requests; the CLI refuses it by the backend's name before loading)."""
     if need := unmet(options, target.capabilities):
-        raise OptionError(need[2], f"{need[1]}: the target's backend does not offer that (load it on the "
-                                   f"{' or '.join(offered_by(options))} backend)")
+        raise OptionError(need[2], f"{need[1]}: the target's backend does not offer that "
+                                   f"({elsewhere(options, 'load it on the {} backend')})")
 
 
 def with_drafters(options: Any, load: Callable[[Any], Any]) -> Any:

@@ -53,6 +53,10 @@ class Tensor:
     data: np.ndarray  # [..., rows, row] typed (F16, F32, F64, I8-I64), else [..., rows, row bytes]
 
 
+class DamagedGGUF(ConfigError):
+    """A GGUF file whose header cannot be read to its end (truncated, or sizes past the file): no backend reads it."""
+
+
 class GGUFFile:
     """`fields`: every metadata key's value (int, float, bool, str or a list of them); `tensors`: the tensor table.
     A file that is not GGUF, whose header is cut short or repeats a name, or that holds a tensor of a type gguf does
@@ -70,7 +74,7 @@ class GGUFFile:
         except ConfigError:
             raise
         except (struct.error, ValueError, OverflowError) as error:  # past the end of the file, nested too deep
-            raise ConfigError(f"{self.path}: a damaged GGUF header ({error})") from None
+            raise DamagedGGUF(f"{self.path}: a damaged GGUF header ({error})") from None
 
     def _read(self) -> list[Tensor]:
         from gguf import GGML_QUANT_SIZES, GGUF_DEFAULT_ALIGNMENT

@@ -21,7 +21,6 @@ import time
 import uuid
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
-from dataclasses import fields
 from pathlib import Path
 from typing import Any
 
@@ -352,14 +351,12 @@ def check_request_options(method: str, given: dict[str, Any]) -> None:
         allowed = request_options(method)
     except ConfigError as error:
         raise ApiError(400, str(error), "speculant.method") from None
-    options = get_method(method).options
     try:  # (an unknown name: what the client may set is what it is told of)
-        check_names(options, method, given, allowed)
+        check_names(get_method(method).options, method, given, allowed)
     except OptionError as error:
         raise ApiError(400, str(error), f"speculant.{error.option}") from None
-    names = {f.name for f in fields(options)}
     for name in given:
-        if name not in allowed and name in names:
+        if name not in allowed:
             raise ApiError(400, f"speculant.{name} names something on the server: only its operator sets it, when "
                            f"starting it (per request: {', '.join(allowed) or 'none'})", f"speculant.{name}")
 
@@ -416,8 +413,8 @@ class Guard:
     and counted, for any fault of the server's own; each API request counted once, when it ends, by its route's
     template (an unknown path counts as `unmatched`, so that clients cannot grow the metrics) and by its status (a
     stream's by how it ended, `ENDED`: its headers went out as 200 before it knew; 499 for one whose client left,
-    whether the app saw it go, the server cancelled the request, or `receive` failed), and the replica named in a
-    header."""
+    whether the app saw it go, the server cancelled the request, or `receive` failed; a request the server itself
+    cancels, past Ray Serve's request timeout or at a shutdown, counts so too), and the replica named in a header."""
 
     def __init__(self, app: Any, metrics: Metrics, replica: str | None = None, max_body: int = 4_000_000,
                  hosts: list[str] | None = None, key: str | None = None, open_paths: tuple[str, ...] = ("/health",),
@@ -496,14 +493,20 @@ class Guard:
 
 
 def heard(receive: Callable) -> Callable:
-    """`receive`, where a channel that fails is a client that left: Ray Serve's replica hears its client through a
-    call to the proxy, which raises (TaskCancelledError) once the proxy has cancelled the request; that is a
-    disconnect (a 499), not a fault of the server's."""
+    """`receive`, where a channel that fails is a client that left, for good: Ray Serve's replica hears its client
+    through a call to the proxy, which raises (TaskCancelledError) once the proxy has cancelled the request, and
+    then never answers again; that is a disconnect (a 499), not a fault of the server's."""
+    failed = False
+
     async def received() -> dict[str, Any]:
-        try:
-            return await receive()
-        except Exception:  # noqa: BLE001 - whatever the transport raised, the client can no longer be heard
-            return {"type": "http.disconnect"}
+        nonlocal failed
+        if not failed:
+            try:
+                return await receive()
+            except Exception as error:  # noqa: BLE001 - whatever the transport raised, the client cannot be heard
+                LOG.debug("receive failed (%s): taken for a disconnect", type(error).__name__)
+                failed = True
+        return {"type": "http.disconnect"}
 
     return received
 

@@ -366,10 +366,13 @@ def _untyped(matrices: Sequence[tuple[str, str, Any, int]]) -> str | None:
 def coverage(path: Path) -> tuple[bool, str]:
     """Whether the lean backend runs the GGUF file at `path` exactly as it is, and why: what it runs (the
     architecture and its matrices' types), or what it lacks (the architecture, its rope scaling or a matrix's type).
-    Read from the header, before anything is repacked; a damaged header is a ConfigError (no backend reads it)."""
-    reader = gguf_header.GGUFFile(path)
+    Read from the header, before anything is repacked; a damaged header is refused (`DamagedGGUF`: no backend reads
+    it), and what the header reader alone does not know (a tensor type newer than the gguf package) is left to
+    llama.cpp."""
     try:
-        config, _, matrices = _read(reader)
+        config, _, matrices = _read(gguf_header.GGUFFile(path))
+    except gguf_header.DamagedGGUF:
+        raise
     except ConfigError as error:
         return False, str(error)
     if untyped := _untyped(matrices):
