@@ -713,9 +713,10 @@ def run_acceptance(args: argparse.Namespace) -> None:
     if args.json:
         print(json.dumps({name: asdict(report) for name, report in zip(names, reports)}, indent=1))
         return
-    for name, report in zip(names, reports):
-        print(f"{name}: {report.positions} positions: agreement {report.agreement:.1%}, mean accepted run "
-              f"{report.mean_run:.2f}, geometric acceptance rate a = {report.geometric_rate:.3f}")
+    print(f"target {args.target} ({target.numerics})")  # (a local model's dtype is the device's fastest exact one)
+    for name, drafter, report in zip(names, drafters, reports):
+        print(f"{name} ({drafter.numerics}): {report.positions} positions: agreement {report.agreement:.1%}, mean "
+              f"accepted run {report.mean_run:.2f}, geometric acceptance rate a = {report.geometric_rate:.3f}")
         print("  acceptance per draft position: " + " ".join(f"{x:.2f}" for x in report.per_position))
         if report.expected_sampling_acceptance is not None:
             print(f"  expected acceptance when sampling (mean of sum min(p, q)): "

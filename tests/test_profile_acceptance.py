@@ -4,7 +4,7 @@
 import numpy as np
 import pytest
 
-from helpers import MarkovLM, random_prompt, tiny_model
+from helpers import BYTE_VOCAB, MarkovLM, byte_tokenizer, random_prompt, tiny_model
 from speculant import cli, latency
 from speculant.analysis.acceptance import estimate, geometric_fit, position_counts
 from speculant.config import SamplingConfig
@@ -93,3 +93,18 @@ def test_t_of_w_beyond_the_widest_measured_width_never_falls_below_chunks_of_it(
     assert rising.cost(4) == pytest.approx(0.01 + 0.01 * 3 / 7) and rising.cost(32) == pytest.approx(0.08)
     flat = LatencyProfile("m", "", "cuda", 256, 0.1, 0.003, {1: 0.003, 12: 0.003, 16: 0.003})  # a GPU's curve
     assert flat.cost(16) == 0.003 and flat.cost(200) == pytest.approx(0.003 * 200 / 16)  # not one forward's cost
+
+
+def test_acceptance_names_the_numerics_each_model_ran_in(tmp_path, capsys):
+    """`speculant acceptance` printed its estimates without the dtype the models ran in (a local model loads in the
+    device's fastest exact one, bf16 on some CPUs), which moves sum min(p, q); each model's numerics now lead its
+    line. Self-drafting agrees at every position."""
+    model = tiny_model("llama", 3, vocab=BYTE_VOCAB, tokenizer=byte_tokenizer())
+    model.model.save_pretrained(tmp_path / "m")
+    model.tokenizer.save_pretrained(tmp_path / "m")
+    (tmp_path / "p.jsonl").write_text('{"prompt": "abc"}\n')
+    assert cli.main(["acceptance", "--target", str(tmp_path / "m"), "--drafter", str(tmp_path / "m"), "--dataset",
+                     str(tmp_path / "p.jsonl"), "--max-new-tokens", "6", "--dtype", "fp32", "--backend", "hf"]) == 0
+    out = capsys.readouterr().out
+    assert out.startswith(f"target {tmp_path / 'm'} (fp32)\n") and f"{tmp_path / 'm'} (fp32): " in out, out
+    assert "agreement 100.0%" in out, out
