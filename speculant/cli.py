@@ -656,11 +656,10 @@ def run_profile(args: argparse.Namespace) -> None:
     if widths is None:
         profiles = [machine_profile(m) for m in models]
     else:
-        encoded = []  # each model's prompts in its own tokens (a drafter's tokenizer may be another), all checked
-        for m in models:  # before any is timed
-            encoded.append([encode_prompt(m.tokenizer if m.tokenizer is not None else model.tokenizer, p.text, p.chat)
-                            for p in prompts])
-            check_room(m, encoded[-1])
+        encoded = [[encode_prompt(m.tokenizer if m.tokenizer is not None else model.tokenizer, p.text, p.chat)
+                    for p in prompts] for m in models]  # (each in its own tokens: a drafter's tokenizer may be another)
+        for m, ids in zip(models, encoded):  # every model's checked before any is timed
+            check_room(m, ids)
         profiles = [profile_model(m, ids, widths, args.context_len, repeats=args.repeats, dtype=m.numerics)
                     for m, ids in zip(models, encoded)]
     for profile, measured in zip(profiles, models):

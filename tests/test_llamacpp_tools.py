@@ -133,7 +133,7 @@ def test_a_build_is_per_version_and_cpu_and_missing_tools_say_how_to_build(tmp_p
     bin_dir = llamacpp_build.build_root() / "build" / "bin"  # a build from before llama-server was among the tools
     bin_dir.mkdir(parents=True)
     (bin_dir / "llama-completion").write_text("")
-    (llamacpp_build.build_root() / "manifest.json").write_text(json.dumps({"bin": str(bin_dir)}))
+    (llamacpp_build.build_root() / "manifest.json").write_text(json.dumps({"bin": str(bin_dir), "lib": str(bin_dir)}))
     assert llamacpp_build.tool("llama-completion") == bin_dir / "llama-completion"
     with pytest.raises(ModelNotAvailable, match="llama-server is not built.*build-llamacpp"):
         llamacpp_build.tool("llama-server")

@@ -145,16 +145,12 @@ def unmet(options: Any, capabilities: Any) -> tuple[str, str, str] | None:
     return next((need for need in needs(options) if not getattr(capabilities, need[0])), None)
 
 
-def offered_by(options: Any) -> list[str]:
-    """The backends that offer everything `options` need (what a refusal of the target's backend points to)."""
+def elsewhere(options: Any, advice: str) -> str:
+    """Where what `options` need is offered: `advice` with the names of the backends that offer it all in its {}
+    (or that none does)."""
     from speculant.models.backends import capabilities_of
 
-    return [backend for backend in BACKENDS if not unmet(options, capabilities_of(backend))]
-
-
-def elsewhere(options: Any, advice: str) -> str:
-    """Where what `options` need is offered: `advice` with the backends' names in its {} (or that none offers it)."""
-    others = offered_by(options)
+    others = [backend for backend in BACKENDS if not unmet(options, capabilities_of(backend))]
     return advice.format(" or ".join(others)) if others else "no backend offers all of that"
 
 

@@ -67,7 +67,7 @@ def choose_library() -> None:
         from speculant.models.backends.llamacpp_build import manifest
 
         built = manifest()
-        if built is not None and "lib" in built:
+        if built is not None:
             os.environ["LLAMA_CPP_LIB_PATH"] = built["lib"]
 
 
@@ -150,8 +150,7 @@ def extra_buffers_fault(path: Path) -> bool:
 
     built = manifest()
     if "AMX_INT8" not in system_info()["features"].split() or (
-            built is not None and built.get("amx_fix") and "lib" in built and
-            library_path().parent == Path(built["lib"]).resolve()):
+            built is not None and built.get("amx_fix") and library_path().parent == Path(built["lib"]).resolve()):
         return False  # no AMX matmul, or speculant's own build, which carries the fix
     stat = path.stat()
     key = f"{_library_key()}|{cpu_info()[0]}|{path.resolve()}|{stat.st_size}|{stat.st_mtime_ns}"

@@ -77,7 +77,8 @@ def build_root(version: str | None = None) -> Path:
     return cache_root() / "llamacpp" / f"{version or build_version()}-{cpu_key()}"
 
 
-MANIFEST = {"bin": str, "lib": str, "key": str, "amx_fix": bool}  # what is read of a manifest (each may be absent)
+MANIFEST = {"bin": str, "lib": str, "key": str, "amx_fix": bool}  # what is read of a manifest, by its type
+NAMED = ("bin", "lib")  # what a manifest must name to name a build (`build` writes all of MANIFEST)
 
 
 def manifest() -> dict | None:
@@ -87,8 +88,8 @@ def manifest() -> dict | None:
         built = json.loads((build_root() / "manifest.json").read_text())
     except (OSError, ValueError):
         return None
-    if not isinstance(built, dict) or any(key in built and not isinstance(built[key], kind)
-                                          for key, kind in MANIFEST.items()):
+    if not isinstance(built, dict) or any(key not in built for key in NAMED) or \
+            any(key in built and not isinstance(built[key], kind) for key, kind in MANIFEST.items()):
         return None
     return built
 
@@ -101,7 +102,7 @@ def missing(bin_dir: Path, names: tuple[str, ...] = TOOLS) -> list[str]:
 def tool(name: str) -> Path:
     """The path of one of llama.cpp's tools built for this machine; one line if it is not built yet."""
     built = manifest()
-    if built is None or "bin" not in built or missing(Path(built["bin"]), (name,)):
+    if built is None or missing(Path(built["bin"]), (name,)):
         raise ModelNotAvailable(f"llama.cpp's {name} is not built on this machine: run `speculant peers "
                                 "build-llamacpp` once (a few minutes)")
     return Path(built["bin"]) / name
@@ -175,7 +176,7 @@ def build(jobs: int | None = None, say: Callable[[str], None] = print) -> Path:
     root.mkdir(parents=True, exist_ok=True)
     with exclusive(root / "build.lock"):  # (a process that waited here finds the build the other made)
         built = manifest()
-        if built is not None and built.get("key") == build_key() and "bin" in built and not missing(Path(built["bin"])):
+        if built is not None and built.get("key") == build_key() and not missing(Path(built["bin"])):
             bind(f"{PACKAGE}=={version}")
             say(f"already built: {root}")
             return Path(built["bin"])
