@@ -18,6 +18,7 @@ from speculant.config import (
     DEFAULT_DRAFTER,
     DEFAULT_TARGET,
     MOST_LATENCY_MS,
+    REQUEST_MOST,
     Given,
     ModelConfig,
     RunConfig,
@@ -56,10 +57,28 @@ class Defaults(argparse.HelpFormatter):
 
 class Parser(argparse.ArgumentParser):
     """argparse's parser (its subcommands' too), whose usage errors are one line as speculant's own errors are,
-    and whose help shows every flag's default."""
+    and whose help shows every flag's default. A flag is spelled whole (no prefix of it stands for it), given once
+    (but for the repeatable ones, `action="append"`: a second `--methods` would drop the first list unseen) and never
+    empty (`--prompts ''` would read as no flag given, and run on the default prompts)."""
 
     def __init__(self, *args: Any, **kwargs: Any):
-        super().__init__(*args, formatter_class=Defaults, **kwargs)
+        super().__init__(*args, formatter_class=Defaults, allow_abbrev=False, **kwargs)
+        self.flags_given: set[argparse.Action] = set()
+
+    def parse_known_args(self, args: Any = None, namespace: Any = None) -> Any:
+        self.flags_given = set()  # (a parser parses once per command line, a subcommand's parser included)
+        return super().parse_known_args(args, namespace)
+
+    def _get_values(self, action: argparse.Action, arg_strings: list[str]) -> Any:
+        # argparse calls this once per flag on the command line, with the strings given to it: the one place that
+        # sees a flag given twice, and an empty value before its action reads it as nothing given.
+        if action.option_strings:
+            if action in self.flags_given and not isinstance(action, argparse._AppendAction):
+                self.error(f"{'/'.join(action.option_strings)} given twice: give it once")
+            self.flags_given.add(action)
+            if "" in arg_strings:
+                self.error(f"{'/'.join(action.option_strings)} has an empty value: give one, or leave the flag out")
+        return super()._get_values(action, arg_strings)
 
     def error(self, message: str) -> NoReturn:
         self.exit(2, f"speculant: error: {message} (see {self.prog} --help)\n")
@@ -373,6 +392,8 @@ def run_generate(args: argparse.Namespace) -> None:
     if args.bigram_corpus and not own and not any(isinstance(d, DrafterSpec) and d.kind == MAXGRAM for d in sources):
         raise ConfigError("--bigram-corpus applies to the maxgram drafter only")
     files = [Path(f) for f in args.bigram_corpus or []]
+    if folders := [str(f) for f in files if f.is_dir()]:
+        raise ConfigError(f"bigram corpus file is a directory: {', '.join(folders)}")
     if missing := [str(f) for f in files if not f.is_file()]:
         raise ConfigError(f"bigram corpus file not found: {', '.join(missing)}")
     if empty := [str(f) for f in files if f.stat().st_size == 0]:
@@ -564,6 +585,9 @@ def measure_bench(args: argparse.Namespace, methods: list[Any]) -> list[Any]:
         if method.method in HF_PEERS and backend != "hf":
             raise ConfigError(f"{method.label} runs transformers' generate, and the target loads on the {backend} "
                               f"backend: give {method.method}:backend=hf or --backend hf")
+    for name in ("temperature", "top_k", "top_p", "dtype", "backend"):  # (--verifier's: below)
+        if name in args.given and all(method.sets(name) for method in methods):
+            raise ConfigError(f"{flag(name)} reaches no method: each of this run's sets its own {name}")
     run = from_args(RunConfig, args)
     sampling = from_args(SamplingConfig, args)
     for method in methods:  # (a method's own settings, and the run's where no method samples)
@@ -730,13 +754,16 @@ def run_train_depth(args: argparse.Namespace) -> None:
     from speculant.api import check_models, encode_prompt
     from speculant.bench.datasets import load_dataset
     from speculant.drafters.spec import as_drafter
-    from speculant.trees.method import tree_drafter_model
+    from speculant.trees.method import check_width, tree_drafter_model
     from speculant.models import load_model
     from speculant.session import Session
     from speculant.trees.depth import predictor_path
 
     if min(args.max_new_tokens, args.max_depth, args.width) < 1:
         raise ConfigError("max new tokens, max depth and width must be >= 1")
+    if args.max_depth > REQUEST_MOST:
+        raise ConfigError(f"--max-depth {args.max_depth}: at most {REQUEST_MOST}, the deepest tree a server's client "
+                          "may ask for")
     if args.max_new_tokens < args.max_depth + 2:  # (a tree follows the first token and leaves room for the next)
         raise ConfigError(f"--max-new-tokens {args.max_new_tokens} leaves no tree of --max-depth {args.max_depth} to "
                           "log: give at least the depth + 2")
@@ -748,6 +775,7 @@ def run_train_depth(args: argparse.Namespace) -> None:
     target = load_model(args.target, dtype=config.dtype, device=config.device, backend=config.backend,
                         compile=config.compile)
     drafter = tree_drafter_model(Session(target).drafter(args.drafter, args.drafter_dtype), target)
+    check_width(args.width, drafter)
     kinds = list(dict.fromkeys(args.inputs)) if args.inputs else \
         ["hidden" if target.capabilities.hidden_states else "features"]
     if "hidden" in kinds and not target.capabilities.hidden_states:
@@ -947,14 +975,12 @@ def run_bench_kernels(args: argparse.Namespace) -> None:
 
 
 def check_outputs(args: argparse.Namespace) -> None:
-    """Refuse, before any work, an output path that cannot be written: empty, a directory's path taken by a file, a
+    """Refuse, before any work, an output path that cannot be written: a directory's path taken by a file, a
     file's path taken by a directory or within a directory that does not exist (where the command does not make it),
     or a place where nothing can be written (`check_writable`)."""
     for name in ("out", "timeline"):
         if getattr(args, name, None) is None:
             continue
-        if not getattr(args, name):
-            raise ConfigError(f"--{name} needs a path")
         check_output(Path(getattr(args, name)), args.out_kind if name == "out" else FILE, name)
     for path in companions(args):
         check_output(path, FILE, "out")
@@ -1082,6 +1108,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"speculant: error: {' '.join(line.strip() for line in str(error).splitlines())}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
+        print("speculant: interrupted", file=sys.stderr)
         return 130
     return 0
 

@@ -109,8 +109,8 @@ def test_sampling_with_seed_is_reproducible(model_dirs, capsys):
 def test_bad_input_is_one_line_and_exit_2(model_dirs, capsys, tmp_path, extra, message):
     (tmp_path / "yes_no.lark").write_text('start: "yes" | "no"\n')
     extra = [str(tmp_path / "yes_no.lark") if arg == "YES_NO" else arg for arg in extra]
-    code, out, err = run(capsys, "generate", "hi", "--target", model_dirs["target"], "--drafter",
-                         model_dirs["drafter"], *extra)
+    drafter = [] if "--drafter" in extra else ["--drafter", model_dirs["drafter"]]  # (a flag is given once)
+    code, out, err = run(capsys, "generate", "hi", "--target", model_dirs["target"], *drafter, *extra)
     assert code == 2, err
     lines = [line for line in err.splitlines() if line.startswith("speculant: error")]
     assert len(lines) == 1 and message in lines[0]
@@ -252,6 +252,29 @@ def test_dsi_from_the_command_line(model_dirs, capsys, tmp_path):
     assert (tmp_path / "t.png").stat().st_size > 1000
 
 
+def test_ctrl_c_during_dsi_on_server_processes_is_one_line(model_dirs):
+    """Ctrl-C reaches the terminal's whole process group, DSI's server processes too: each printed its own
+    KeyboardInterrupt traceback (some 50 lines) around the command's exit. Now the command alone answers it."""
+    import os
+    import signal
+    import subprocess
+    import sys
+
+    child = subprocess.Popen(
+        [sys.executable, "-m", "speculant.cli", "generate", "hello", "--target", model_dirs["target"], "--dtype", "fp32",
+         "--method", "dsi", "--drafter", model_dirs["drafter"], "--servers", "2", "--executor", "process",
+         "--twin-latency", "20,2", "--max-new-tokens", "2000"],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True)  # (a group of its own: the terminal's)
+    try:
+        assert child.stdout.read(1), child.stderr.read().decode()[-2000:]  # the servers run: text streams
+        os.killpg(child.pid, signal.SIGINT)
+        _, err = child.communicate(timeout=60)
+    finally:
+        child.kill()
+    err = err.decode()
+    assert child.returncode == 130 and "Traceback" not in err and err.endswith("speculant: interrupted\n"), err
+
+
 def test_simulate_online_from_the_command_line(capsys):
     code, out, err = run(capsys, "simulate", "online", "--target-latency", "10", "--drafter-latency", "1",
                          "--acceptance", "0.8", "--servers", "3", "--tokens", "12", "--repeats", "1", "--json")
@@ -344,6 +367,9 @@ def test_bad_files_paths_and_settings_are_one_line_before_any_model_loads(tmp_pa
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
     writer.close()
+    tiny_transformer("llama", 0, 64).save_pretrained(tmp_path / "cut")
+    weights = tmp_path / "cut" / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[:100])  # (a download cut short)
     target = ["--target", "qwen2.5-coder-0.5b"]
     web = http.server.HTTPServer(("127.0.0.1", 0), http.server.BaseHTTPRequestHandler)  # not Ray: it speaks no gRPC
     threading.Thread(target=web.handle_request, daemon=True).start()  # (the one probe the rows below send it)
@@ -356,13 +382,13 @@ def test_bad_files_paths_and_settings_are_one_line_before_any_model_loads(tmp_pa
             (["generate", "x", "--target", str(tmp_path / "page.gguf")], "is not a GGUF file"),
             (["generate", "x", "--target", str(tmp_path / "no" / "model")], "no model at"),
             (["generate", "x", "--target", str(tmp_path)], "holds no config.json: not a model's folder"),
+            (["generate", "x", "--target", str(tmp_path / "cut")], "cannot load model"),
             (["bench", "--report-from", str(tmp_path / "empty.json")], "is not the results.json"),
             (["bench", "--methods", "ar", "--out", str(tmp_path / "file"), *target], "is a file: it names a directory"),
             (["bench", "--methods", "sd:k=2,k=3", *target], "option 'k' given twice"),
             (["profile", "--model", "qwen2.5-coder-0.5b", "--out", str(tmp_path / "no" / "p.json")], "does not exist"),
             (["bench", "--methods", "ar", "--out", str(tmp_path / "file" / "run"), *target], "file is a file, not a"),
             (["bench", "--methods", "ar", "--out", "/proc/speculant-run", *target], "nothing can be written in /proc"),
-            (["bench", "--methods", "ar", "--out", "", *target], "--out needs a path"),
             (["simulate", "heatmap", "--out", str(tmp_path / "file" / "maps")], "file is a file, not a directory"),
             (["serve", *target, "--ray-cluster", "foo"], "'foo' is no Ray cluster's address"),
             (["serve", *target, "--ray-cluster", "127.0.0.1:1"], "no Ray cluster answers at"),
@@ -375,7 +401,6 @@ def test_bad_files_paths_and_settings_are_one_line_before_any_model_loads(tmp_pa
             (["serve", *target, "--prefix-cache-mb", "inf"], "prefix-cache-mb must be a number >= 0"),
             (["serve", *target, "--open-metrics"], "--open-metrics opens /metrics"),
             (["serve", *target, "--api-key", " "], "--api-key has an empty value"),
-            (["serve", *target, "--served-name", ""], "--served-name has an empty value"),
             (["serve", *target, "--allowed-hosts", "localhost,"], "--allowed-hosts has an empty value"),
             (["generate", "x", *target, "--method", "sd", "--drafter", "nonsense"], "unknown model 'nonsense'"),
             (["generate", "x", *target, "--drafter", "qwen2.5-coder-0.5b@int8@int4"], "has more than one @ suffix"),
@@ -430,6 +455,42 @@ def test_argparse_errors_exit_2(capsys):
     assert exit_info.value.code == 2
     assert cli.main(["generate", "hi", "--k", "two"]) == 2
     assert "bad value 'two' for k" in capsys.readouterr().err
+
+
+def test_a_flag_given_twice_empty_or_abbreviated_is_a_usage_error(capsys):
+    """argparse takes a repeated flag's last value (a second --methods dropped the first list), reads an empty value
+    as the flag left out (`--report-from ''` ran a whole default bench, `--prompts ''` the default prompts) and a
+    flag's prefix as the flag: each is one line and exit 2 now, before any work. Repeatable flags repeat."""
+    for argv, message in [
+        (["bench", "--methods", "ar", "--methods", "sd:k=2"], "--methods given twice"),
+        (["generate", "x", "--method", "sd", "--method", "ar"], "--method given twice"),
+        (["generate", "x", "--method", "tree", "--compile", "--no-compile"], "--compile/--no-compile given twice"),
+        (["bench", "--report-from", ""], "--report-from has an empty value"),
+        (["bench", "--prompts", ""], "--prompts has an empty value"),
+        (["bench", "--out", ""], "--out has an empty value"),
+        (["train-depth", "--dataset="], "--dataset has an empty value"),
+        (["profile", "--drafter", ""], "--drafter has an empty value"),
+        (["profile", "--widths", ""], "--widths has an empty value"),
+        (["bench-serve", "--model", ""], "--model has an empty value"),
+        (["generate", "x", "--bigram-corpus", "a.txt", ""], "--bigram-corpus has an empty value"),
+        (["serve", "--served-name", ""], "--served-name has an empty value"),
+        (["serve", "--ray-cluster", ""], "--ray-cluster has an empty value"),
+        (["generate", "x", "--max-new", "3"], "unrecognized arguments: --max-new"),
+    ]:
+        with pytest.raises(SystemExit) as exit_info:
+            cli.main(argv)
+        err = capsys.readouterr().err
+        assert exit_info.value.code == 2 and message in err and err.count("\n") == 1, (argv, err)
+    args = cli.build_parser().parse_args(["simulate", "online", "--target-latency", "1", "--drafter-latency", "1",
+                                          "--acceptance", "0.5", "--more-drafter", "2:0.5", "--more-drafter", "3:0.5"])
+    assert args.more_drafter == ["2:0.5", "3:0.5"]  # (a repeatable flag: each one a drafter)
+
+
+def test_ctrl_c_is_one_line_and_exit_130(capsys, monkeypatch):
+    monkeypatch.setattr(cli, "run_simulate", lambda args: (_ for _ in ()).throw(KeyboardInterrupt))
+    assert cli.main(["simulate", "run", "--target-latency", "1", "--drafter-latency", "1", "--acceptance", "0.5",
+                     "--lookahead", "2"]) == 130
+    assert capsys.readouterr().err == "speculant: interrupted\n"
 
 
 def test_a_finished_run_is_reported_again_though_a_file_its_specs_name_is_gone(capsys, tmp_path):
@@ -548,13 +609,11 @@ def test_a_flag_given_where_it_does_nothing_is_one_line_never_ignored(capsys, tm
         (["simulate", "heatmap", "--out", str(tmp_path / "h"), "--ndim", "1000"], "repeats) 180360180 > 10000000"),
         (["acceptance", "--drafter", "maxgram"], "must name models"),
         (["profile", "--drafter", "suffix"], "runs no model forwards"),
-        (["profile", "--widths", ""], "widths must look like"),
         (["generate", "x", "--method", "tree", "--depth", "1_0"], "bad value '1_0' for depth"),
         (["generate", "x", "--method", "auto", "--tree-widths", "2,,3"], "bad value '2,,3' for tree_widths"),
         (["peers", "build-llamacpp", "--jobs", "0"], "--jobs must be >= 1"),
         (["generate", "x", "--drafter", "maxgram", "--bigram-corpus", str(tmp_path / "empty.txt")],
          "bigram corpus file is empty"),
-        (["serve", "--ray-cluster", ""], "--ray-cluster has an empty value"),
         (["serve", "--max-body-mb", "1e-9"], "max-body-mb must be a number >= 0.001"),
         (["generate", "x\udcff"], "the prompt is not UTF-8 text"),
         (["generate", "x", "--method", "dsi", "--drafter", "maxgram", "--backend", "lean"],
@@ -569,6 +628,14 @@ def test_a_flag_given_where_it_does_nothing_is_one_line_never_ignored(capsys, tm
         (["bench", "--methods", "ar", "dsi:drafter=maxgram,drafters=maxgram"], "give drafter or drafters, not both"),
         (["generate", "x", "--method", "auto", "--drafters", "maxgram", "--tree-widths", "4"],
          "tree_widths applies to model drafters"),
+        (["bench", "--temperature", "0.7", "--methods", "ar:temperature=0", "sd:temperature=0,k=2"],
+         "--temperature reaches no method: each of this run's sets its own temperature"),
+        (["bench", "--dtype", "fp32", "--methods", "ar:dtype=bf16"], "--dtype reaches no method"),
+        (["bench", "--methods", "ar", "llamacpp-ar:backend=hf"], "llamacpp-ar runs on llama.cpp: backend=hf does not"),
+        (["train-depth", "--max-depth", "65", "--max-new-tokens", "100"], "--max-depth 65: at most 64"),
+        (["bench", "--prompts", str(tmp_path / "runs")], "runs is a directory: give a JSONL file of prompts"),
+        (["generate", "x", "--drafter", "maxgram", "--bigram-corpus", str(tmp_path / "runs")],
+         "bigram corpus file is a directory"),
     ]:
         code, _, err = run(capsys, *argv)
         assert code == 2 and err.count("speculant: error") == 1 and message in err, (argv, err)

@@ -29,6 +29,8 @@ def test_self_drafting_agrees_everywhere_and_other_models_rarely():
     (other,) = estimate(target, [tiny_model("llama", 99, 64)], prompts, 20, SamplingConfig(temperature=1.0))
     assert other.agreement < 0.5 and other.geometric_rate == pytest.approx(1 - 1 / (1 + other.mean_run))
     assert 0 < other.expected_sampling_acceptance < 1
+    (deep,) = estimate(target, [target.share()], prompts, 20, SamplingConfig(), depth=10**12)  # (was 16 TB of zeros)
+    assert deep.per_position == [1.0] * 20  # every position of the replies, none past them
 
 
 def test_profile_measures_and_round_trips(tmp_path):

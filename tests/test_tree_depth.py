@@ -19,6 +19,8 @@ def test_the_predictor_learns_the_accepted_depth_and_drafts_deeper_where_more_is
         p1 = rng.random()
         accepted = min(4, round(4 * p1) + rng.choice([0, 0, 0, 1]))
         samples.append((Observation([p1, (1 - p1) / 2, 1 - p1, rng.random()]), accepted))
+    with pytest.raises(ValueError, match="2 logged trees are too few"):  # (one tree to train on: no spread, NaN)
+        fit(samples[:2], 4)
     predictor, report = fit(samples, 4)
     assert report.accuracy > report.baseline + 0.25 and report.mean_error < 0.6 < report.baseline_error
     flat = lambda n: 1.0  # noqa: E731 - verification costs the same whatever the tree
@@ -108,6 +110,9 @@ def test_train_depth_writes_the_predictor_and_refuses_bad_input(tmp_path, capsys
     assert "needs a model drafter" in capsys.readouterr().err
     assert cli.main(["train-depth", "--target", weights, "--width", "0"]) == 2
     assert "must be >= 1" in capsys.readouterr().err
+    assert cli.main(["train-depth", "--target", weights, "--drafter", weights, "--width", "1000",
+                     "--out", str(out)]) == 2  # (a traceback from topk, after the models loaded)
+    assert "width 1000 exceeds the drafter's vocabulary" in capsys.readouterr().err
 
 
 @pytest.mark.parametrize("variant", ["qwen2", "llama", "llama-window"])

@@ -72,6 +72,7 @@ def estimate(target, drafters: Sequence, prompts: list[list[int]], max_new_token
 
     outputs = [generate(target, prompt_ids=ids, method="ar", max_new_tokens=max_new_tokens).token_ids
                for ids in prompts]
+    depth = min(depth, max(map(len, outputs)))  # (no draft position past the longest reply is reached)
     p_rows = [None] * len(prompts)
     if not sampling.greedy:
         p_rows = [logits_to_probs(_logits_along(target, ids, out), sampling) for ids, out in zip(prompts, outputs)]

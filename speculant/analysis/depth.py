@@ -47,7 +47,7 @@ def fit(samples: Sequence[tuple[Observation, int]], max_depth: int,
     rest."""
     shuffled = random.Random(0).sample(list(samples), len(samples))
     cut = int(len(shuffled) * (1 - HELD_OUT))
-    if cut < 1 or cut == len(shuffled):
+    if cut < 2 or cut == len(shuffled):  # (a spread to scale the inputs by needs two trees)
         raise ValueError(f"{len(samples)} logged trees are too few to train and score a depth predictor")
     seen, rest = shuffled[:cut], shuffled[cut:]
     trial = train(seen, max_depth, inputs)

@@ -119,6 +119,8 @@ def load_dataset(spec: str) -> list[Prompt]:
         prompts = load_humaneval()
     elif Path(name).is_file():
         prompts = load_jsonl(Path(name))
+    elif Path(name).is_dir():
+        raise ConfigError(f"{name} is a directory: give a JSONL file of prompts")
     elif name.endswith(".jsonl") or "/" in name:
         raise ConfigError(f"no such file: {name}")
     else:

@@ -34,6 +34,11 @@ class MethodSpec:
     def peer(self) -> bool:
         return self.method in PEERS
 
+    def sets(self, name: str) -> bool:
+        """Whether it sets `name` (a sampling setting, dtype or backend) itself, in place of the run's."""
+        return name in dict(self.sampling) or (name == "dtype" and self.dtype is not None) or \
+            (name == "backend" and self.backend is not None)
+
     @property
     def chains(self) -> bool:
         """Whether its sampled draft chains follow `verifier` (a peer's never do)."""
@@ -71,6 +76,8 @@ def parse_method(spec: str, build: bool = True) -> MethodSpec:
     backend = given.pop("backend", "llamacpp" if name in LLAMACPP_PEERS else None)
     if backend is not None and backend not in (AUTO, *BACKENDS):
         raise ConfigError(f"backend must be one of auto, {', '.join(BACKENDS)} in '{spec}'")
+    if name in LLAMACPP_PEERS and backend != "llamacpp":
+        raise ConfigError(f"{name} runs on llama.cpp: backend={backend} does not apply in '{spec}' (leave it out)")
     own = {key: given.pop(key) for key in [f.name for f in fields(SamplingConfig)] if key in given}
     try:
         options = None if not build else make_options(PEERS[name], name, given, text=True) if name in PEERS else \

@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
+from safetensors import SafetensorError
 
 from speculant.cache import cache_root
 from speculant.config import AUTO, BACKENDS, GGUF, LEAN, as_integer
@@ -371,7 +372,7 @@ def _load_transformers(spec: Any, dtype: str | None, device: str | None, tokeniz
         extra_eos = CATALOG[name].extra_eos
     try:
         model = AutoModelForCausalLM.from_pretrained(path, dtype=DTYPES[dtype]).to(torch_device)
-    except (OSError, ValueError) as error:
+    except (OSError, ValueError, SafetensorError) as error:  # (the last: weights cut short or damaged)
         raise ModelNotAvailable(f"cannot load model '{name}': {str(error).splitlines()[0]}") from None
     if tokenizer is None:
         try:

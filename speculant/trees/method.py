@@ -120,6 +120,12 @@ def bounds(options: TreeOptions, names: Collection[str]) -> None:
                           f"{sizes[0]} x {sizes[1]}")
 
 
+def check_width(width: int | str, model: Any) -> None:
+    """Refuse a width beyond the drafter's vocabulary: a node's children are its likeliest tokens."""
+    if width != AUTO and width > model.vocab_size:
+        raise OptionError("width", f"width {width} exceeds the drafter's vocabulary of {model.vocab_size} tokens")
+
+
 @register("tree", TreeOptions, "token trees: depth x width drafted nodes verified in one forward", bounds)
 def build(request: Request, options: TreeOptions) -> Any:
     from speculant.trees.decoder import tree_speculative
@@ -127,9 +133,7 @@ def build(request: Request, options: TreeOptions) -> Any:
     from speculant.trees.drafter import TreeDrafter
 
     model = tree_drafter_model(request.session.drafter(options.drafter, options.drafter_dtype), request.target)
-    if options.width != AUTO and options.width > model.vocab_size:  # (a node's children: its likeliest tokens)
-        raise OptionError("width", f"width {options.width} exceeds the drafter's vocabulary of {model.vocab_size} "
-                          "tokens")
+    check_width(options.width, model)
     profile = options.target_profile
     shape = tree_shape(request.target, model, request.prompt_ids, options.depth, options.width, options.verify_width,
                        profile, request.session)

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 import queue
+import signal
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -124,7 +125,9 @@ def _process_main(index: int, conn: Any, canceller: Canceller, threads: int) -> 
     """A server process: the spec comes through its pipe (torch hands each shared weight tensor over as a file
     descriptor, which a pipe passes in any number; a forkserver's start arguments take at most 256, fewer than a
     0.5B model's tensors), with the environment and cores of the process that starts the pool now (the forkserver
-    kept those of the first pool's)."""
+    kept those of the first pool's). Ctrl-C, which the terminal sends the whole process group, is the starting
+    process's to act on: it closes the pool (the server, interrupted, would print its own traceback)."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
     spec, environ, cores = conn.recv()
     os.environ.clear()
     os.environ.update(environ)
@@ -144,7 +147,10 @@ def _process_main(index: int, conn: Any, canceller: Canceller, threads: int) -> 
             break
         if job is None:
             break
-        conn.send(server.run(job))
+        try:
+            conn.send(server.run(job))
+        except (BrokenPipeError, ConnectionResetError):  # the starting process is gone: no one to answer
+            break
     conn.close()
     os._exit(0)  # nothing to clean up; skip an interpreter teardown racing torch's worker threads
 
