@@ -201,6 +201,65 @@ def test_text_stream_holds_back_the_longest_tail_that_begins_a_stop_string():
     assert stream.push(ord("c")) == "a" * 20000 + "c"
 
 
+def test_text_stream_decodes_a_few_tokens_per_push_while_the_text_ends_in_a_replacement_character():
+    """Bytes no character begins with (a client's logit_bias can force them) decode as U+FFFD for good: the window
+    waited for the character to end and grew, each push decoding every one of them again (10,000 tokens took minutes
+    of the batcher's thread). Now it stays a few tokens long, and what the pushes hand out is the text all the ids
+    decode to, up to a stop string, for random runs of whole, cut and stray bytes."""
+    tokenizer, widest = byte_tokenizer(), []
+
+    class Counting:
+        def decode(self, ids, **kwargs):
+            widest.append(len(ids))
+            return tokenizer.decode(ids, **kwargs)
+
+    stream = TextStream(Counting(), ["zz"])
+    pieces = [stream.push(0x80) for _ in range(2000)]
+    assert max(widest) <= 8 and sum(map(len, pieces)) >= 1990  # (handed out as it comes, not at the end)
+    assert "".join(pieces) + stream.flush() == "\ufffd" * 2000
+    rng = random.Random(0)
+    for _ in range(1000):
+        ids = []
+        for _ in range(rng.randint(1, 30)):
+            kind = rng.random()
+            if kind < 0.3:  # a character, whole or a cut of it
+                ids += list("é€😀".encode()[rng.choice([0, 2, 5]):][:rng.randint(1, 4)])
+            else:
+                ids.append(rng.randint(0x80, 0xFF) if kind < 0.5 else rng.choice(b"abz "))
+        stops = rng.choice([[], ["zz"], ["a z"], ["\ufffda"]])
+        stream = TextStream(tokenizer, stops)
+        pieces = [stream.push(token) for token in ids]  # (after a stop: "")
+        text = tokenizer.decode(ids)
+        expected = text[:min([text.find(stop) for stop in stops if stop in text], default=len(text))]
+        assert "".join(pieces) + stream.flush() == expected, (ids, stops)
+
+
+def test_a_server_measures_its_models_as_it_starts_whatever_its_method(tmp_path, monkeypatch):
+    """A request may pick auto on a server of another method: its models' machine profiles were measured in that
+    request, on the batcher's thread, every other stream waiting (a 1.5B's first profile takes over a minute). They
+    are measured as the server starts, on that thread, and a request picking auto measures nothing."""
+    from speculant import latency
+    from speculant.config import ModelConfig
+    from speculant.serve.app import build_app
+
+    monkeypatch.setenv("SPECULANT_CACHE", str(tmp_path / "cache"))
+    for name, seed in (("target", 0), ("drafter", 1)):
+        model = byte_model(seed=seed)
+        model.model.save_pretrained(tmp_path / name)
+        model.tokenizer.save_pretrained(tmp_path / name)
+    measured, measure = [], latency._measure
+    monkeypatch.setattr(latency, "_measure", lambda model, *args: measured.append(threading.current_thread().name)
+                        or measure(model, *args))
+    options = get_method("sd").make_options({"drafter": str(tmp_path / "drafter")})
+    app = build_app(str(tmp_path / "target"), ModelConfig(), "sd", options, ServeConfig(), "tiny")
+    assert measured == ["speculant-batcher"] * 2  # the target's and the drafter's
+    with TestClient(app) as client:
+        reply = client.post("/v1/completions", json={"model": "tiny", "prompt": "ab", "max_tokens": 4,
+                                                     "speculant": {"method": "auto"}})
+    assert reply.status_code == 200 and reply.json()["usage"]["speculative"]["method"] == "auto"
+    assert len(measured) == 2
+
+
 @pytest.fixture(scope="module")
 def server():
     engine = engine_for("sd", max_batch=8, max_queue=32)
@@ -855,6 +914,9 @@ def test_allowed_hosts_name_hosts_without_a_port_and_requests_match_them_whateve
     engine = engine_for("ar")
     with TestClient(create_app(engine, "tiny", ServeConfig(allowed_hosts="Localhost,[::1]"))) as client:
         for host, status in (("localhost:8000", 200), ("localhost", 200), ("[::1]:8000", 200), ("[::1]", 200),
-                             ("api.example:8000", 400)):
+                             ("api.example:8000", 400), ("api.example:x@localhost", 400),
+                             ("localhost:x@api.example", 400), ("localhost:8000/", 400)):  # (what passed before)
             assert client.get("/v1/models", headers={"host": host}).status_code == status, host
+        two = client.get("/v1/models", headers=[("host", "api.example"), ("host", "localhost")])  # (the last counted)
+        assert two.status_code == 400 and "api.example, localhost" in two.json()["error"]["message"]
     engine.close()

@@ -140,6 +140,42 @@ def test_parameters_no_object_matches_get_a_400_naming_them(parameters):
     assert "must be an object's JSON schema" in reply.json()["error"]["message"]
 
 
+def test_tools_schemas_compile_off_the_event_loop(monkeypatch):
+    """A request's tool schemas (up to 128, the body up to its limit) compiled while FastAPI validated the body, on
+    the event loop: seconds in which no other stream got a chunk, with tool_choice none too. They compile on a
+    worker thread now, and one that does not still gets its 400 naming it."""
+    import asyncio
+
+    import httpx
+    from test_serve import engine_for, serving
+
+    from speculant.serve import schema
+
+    on_loop, real = [], schema.Constraint
+
+    def compiled(*args):
+        try:
+            asyncio.get_running_loop()
+            on_loop.append(True)
+        except RuntimeError:  # (no loop runs on this thread)
+            on_loop.append(False)
+        return real(*args)
+
+    monkeypatch.setattr(schema, "Constraint", compiled)
+    parameters = {"type": "object", "properties": {"a": {"type": "integer"}}}
+    engine = engine_for("ar")
+    with serving(engine) as url:
+        replies = [httpx.post(f"{url}/chat/completions", timeout=60, json={
+            "model": "tiny", "messages": ASK, "tool_choice": "none", "max_tokens": 2,
+            "tools": [{"type": "function", "function": {"name": "f", "parameters": parameters}},
+                      {"type": "function", "function": {"name": "g", "parameters": schema_}}]})
+                   for schema_ in (parameters, {"type": "array"})]
+    engine.close()
+    assert on_loop and not any(on_loop)
+    assert replies[0].status_code == 200 and replies[1].status_code == 400, replies[1].text
+    assert replies[1].json()["error"]["param"] == "tools.1.function.parameters"
+
+
 @pytest.mark.real_model
 def test_a_tag_spelled_in_plain_tokens_is_text_that_cannot_hold_a_call():
     """Where the tag is one token (Qwen's), text may not spell it in ordinary tokens: a call is the tag's token."""

@@ -42,7 +42,8 @@ from speculant.serve.batcher import WorkerStopped
 from speculant.serve.engine import Engine, ServeJob, Outcome, QueueFull
 from speculant.serve import schema, tools
 from speculant.serve.metrics import Metrics
-from speculant.serve.schema import MAX_FORMAT_DEPTH, ApiError, ChatRequest, CompletionRequest, Sampling, depth
+from speculant.serve.schema import (MAX_FORMAT_DEPTH, ApiError, ChatRequest, CompletionRequest, Sampling, depth,
+                                    refused_parameters)
 
 LOG = logging.getLogger("speculant.serve")
 REQUEST_MODELS = {name for name, value in vars(schema).items() if isinstance(value, type) and
@@ -170,6 +171,8 @@ def create_app(engine: Engine, served_name: str, config: ServeConfig | None = No
     @app.post("/v1/chat/completions")
     async def chat(body: ChatRequest, http: Request) -> Any:
         tokenizer, choice = engine.target.tokenizer, body.choice
+        if body.tools and (refused := await asyncio.to_thread(refused_parameters, body.tools)):  # (they compile)
+            raise ApiError(400, f"{refused[0]}: {refused[1]}", refused[0])
         calls = None  # where tools may be called: the grammar of the reply
         if not tools.speaks_tools(tokenizer):  # (its template would leave tools and calls out of the prompt)
             called = next((f"messages.{i}.tool_calls" for i, m in enumerate(body.messages) if m.tool_calls), None)
@@ -405,6 +408,9 @@ def server_fault(error: BaseException, where: str) -> ApiError:
     return ApiError(500, f"the server failed (error id {ident}; its log has the details)", code="server_error")
 
 
+HOST = re.compile(r"(?P<name>\[[0-9a-f:.]+\]|[^\s:/@\[\]]+)(:\d{1,5})?")  # a Host header: RFC 9110's uri-host [":" port]
+
+
 class Guard:
     """What every request passes first, as a plain ASGI middleware (Starlette's BaseHTTPMiddleware would hide a
     client's disconnect from the endpoints, which poll for it): the trusted-host check; the API key, on every path
@@ -449,10 +455,13 @@ class Guard:
             await send(message)
 
         headers = dict(scope.get("headers", ()))
-        host = headers.get(b"host", b"").decode("latin-1").strip().lower()
-        host = host.rsplit(":", 1)[0] if not host.endswith("]") else host  # (an IPv6 literal keeps its colons)
-        if self.hosts is not None and host not in self.hosts:
-            return await answer(ApiError(400, f"host '{host}' is not served here", code="invalid_host"))
+        if self.hosts is not None:  # one Host header, a name (or an IPv6 literal) and a port of digits, a trusted name
+            named = [value.decode("latin-1").strip().lower() for name, value in scope.get("headers", ())
+                     if name == b"host"]
+            found = HOST.fullmatch(named[0]) if len(named) == 1 else None
+            if found is None or found["name"] not in self.hosts:
+                shown = found["name"] if found else ", ".join(named) or "none"
+                return await answer(ApiError(400, f"host '{shown}' is not served here", code="invalid_host"))
         scheme, _, given = headers.get(b"authorization", b"").strip().partition(b" ")  # (a scheme in any case)
         if self.key is not None and scope["path"] not in self.open_paths and \
                 not (scheme.lower() == b"bearer" and hmac.compare_digest(given.strip(), self.key.encode())):
@@ -668,9 +677,10 @@ def build_app(target_name: str, model: ModelConfig, method: str, options: Any, c
     engine = Engine(lambda: load_model(target_name, dtype=model.dtype, device=model.device, backend=backend,
                                        compile=model.compile),
                     method, options, config.max_batch, config.max_queue, Metrics(), config.prefix_cache_mb)
-    if method == "auto":  # measure T(W) now (once per machine, on the thread that runs forwards), not in a request
-        for each in [engine.target, *(m for m in engine.drafters.values() if isinstance(m, CausalLM))]:
-            engine.batcher.run(lambda each=each: engine.session.profile(each))
+    # Measure T(W) now (once per machine, on the thread that runs forwards), not in a request: whatever the server's
+    # method, a request may pick auto, which reads the profiles, and every other request's stream would wait.
+    for each in [engine.target, *(m for m in engine.drafters.values() if isinstance(m, CausalLM))]:
+        engine.batcher.run(lambda each=each: engine.session.profile(each))
     print(f"ready: {served_name} ({engine.target.numerics}, {method}; drafters: {', '.join(engine.models) or 'none'})",
           file=sys.stderr)
     return create_app(engine, served_name, config, replica)

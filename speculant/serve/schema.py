@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Annotated, Any, Literal
 
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, field_validator, model_validator
@@ -243,28 +244,30 @@ class Function(BaseModel):
     strict: bool | None = Field(None, description="accepted: arguments always follow the schema when a call is "
                                 "constrained")
 
-    @field_validator("parameters")
-    @classmethod
-    def _parameters(cls, value: dict[str, Any] | None, info: Any) -> dict[str, Any] | None:
-        """A JSON schema, not too deep, that some object matches and that compiles as a call's arguments (a call's
-        arguments are constrained to it, and are an object whatever it says: `tools.call_schema`)."""
-        if value is None:
-            return value
-        if depth(value) > MAX_FORMAT_DEPTH:
-            raise ValueError(f"must be an object's JSON schema, at most {MAX_FORMAT_DEPTH} levels deep")
-        try:
-            Constraint("json_schema", call_schema(info.data.get("name", ""), value))
-        except ConfigError as error:
-            raise ValueError(f"must be an object's JSON schema, one that compiles as a call's arguments ({error})") \
-                from None
-        return value
-
 
 class Tool(BaseModel):
     model_config = ConfigDict(strict=True, extra="forbid")
 
     type: Literal["function"]
     function: Function
+
+
+def refused_parameters(tools: Sequence[Tool]) -> tuple[str, str] | None:
+    """The first function's `parameters` that are not a JSON schema, not too deep, that some object matches and that
+    compiles as a call's arguments (a call's arguments are constrained to it, and are an object whatever it says:
+    `tools.call_schema`), as (its field, why); None where all are. Not a validator: a client's schemas may take
+    seconds to compile, which the app spends off the event loop."""
+    for i, tool in enumerate(tools):
+        parameters, field = tool.function.parameters, f"tools.{i}.function.parameters"
+        if parameters is None:
+            continue
+        if depth(parameters) > MAX_FORMAT_DEPTH:
+            return field, f"must be an object's JSON schema, at most {MAX_FORMAT_DEPTH} levels deep"
+        try:
+            Constraint("json_schema", call_schema(tool.function.name, parameters))
+        except ConfigError as error:
+            return field, f"must be an object's JSON schema, one that compiles as a call's arguments ({error})"
+    return None
 
 
 class NamedFunction(BaseModel):

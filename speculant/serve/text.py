@@ -6,6 +6,9 @@ from collections.abc import Sequence
 from typing import Any
 
 
+PENDING = 4  # tokens the decoding window keeps back while the text ends in U+FFFD: a character's longest run
+
+
 class TextStream:
     """Push token ids, get text increments. Holds back an incomplete character (the tokenizer decodes it
     as U+FFFD until its last byte arrives) and any tail that could begin a stop string; at a stop string
@@ -39,11 +42,28 @@ class TextStream:
         text = self.text + window[len(decode(self.ids[self.start : self.done], skip_special_tokens=True)) :]
         if window.endswith("\ufffd"):  # a character waiting for its last byte; a stop string before it ends now
             ended = self._ended(text.rstrip("\ufffd"))
-            return "" if ended is None else ended
+            return self._settled(window) if ended is None else ended
         self.start, self.done = self.done, len(self.ids)
         self.text = text
         ended = self._ended(text)
         return ended if ended is not None else self._take(len(text) - self._held(text))
+
+    def _settled(self, window: str) -> str:
+        """While the text ends in U+FFFD, what the ids before the last few make final: a character's bytes span at
+        most four tokens, so those before end in characters that are whole, or bytes that no later byte mends (a
+        byte no character begins with, as a client's logit_bias can force). Taken where they decode apart as they
+        do together (no character cut in two); else none, and the window waits for the next token. Without this
+        the window grew while the text ended in U+FFFD: each token decoded all of them again."""
+        cut = len(self.ids) - PENDING
+        if cut <= self.done:
+            return ""
+        decode, ids = self.tokenizer.decode, self.ids
+        head = decode(ids[self.start : cut], skip_special_tokens=True)
+        if head + decode(ids[cut:], skip_special_tokens=True) != window:  # (`window`: the ids from `start` on)
+            return ""
+        self.text += head[len(decode(ids[self.start : self.done], skip_special_tokens=True)) :]
+        self.start, self.done = self.done, cut
+        return self._take(len(self.text) - self._held(self.text))
 
     def _ended(self, text: str) -> str | None:
         """Where `text` holds a stop string: the text ends before it (`stopped`), and what of it is left to hand

@@ -33,6 +33,11 @@ JSON_SCHEMA_FIELDS = {"name", "description", "schema", "strict"}  # OpenAI's jso
 # JSON as models write it (newlines and indentation between tokens), but never padded without end: at most 16
 # whitespace characters between two tokens.
 JSON_OPTIONS = {"whitespace_flexible": True, "whitespace_pattern": r"[ \n]{0,16}"}
+# The most Earley items one row of the parse may hold (llguidance's default: 2000). An ambiguous grammar (`e: e e |
+# "a"`) adds items with every token, and a mask's cost grows faster than they do: at 2000, 0.1 s per token of the
+# one thread that steps every request. A grammar past it fails its request, naming the limit; JSON schemas, tool
+# calls and grammars that parse without such ambiguity stay far below it.
+MAX_ITEMS_IN_ROW = 500
 
 
 @dataclass(frozen=True)
@@ -138,8 +143,8 @@ class Matcher:
             raise ConfigError("structured output needs the model's tokenizer")
         self.vocab_size = vocab_size
         self.constraint, self.tokenizer = constraint, tokenizer
-        self._matcher = llguidance.LLMatcher(_llg_tokenizer(tokenizer, vocab_size), constraint.text,
-                                             log_level=0)
+        self._matcher = llguidance.LLMatcher(_llg_tokenizer(tokenizer, vocab_size), constraint.text, log_level=0,
+                                             limits=llguidance.LLParserLimits(max_items_in_row=MAX_ITEMS_IN_ROW))
         if self._matcher.is_error():
             raise ConfigError(f"the {constraint.kind} does not compile: {one_line(self._matcher.get_error())}")
         self._matcher.compute_bitmask()  # (a grammar no text matches stops here: no token, not even the end, allowed)
