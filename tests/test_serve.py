@@ -204,8 +204,15 @@ def test_text_stream_holds_back_the_longest_tail_that_begins_a_stop_string():
 def test_text_stream_decodes_a_few_tokens_per_push_while_the_text_ends_in_a_replacement_character():
     """Bytes no character begins with (a client's logit_bias can force them) decode as U+FFFD for good: the window
     waited for the character to end and grew, each push decoding every one of them again (10,000 tokens took minutes
-    of the batcher's thread). Now it stays a few tokens long, and what the pushes hand out is the text all the ids
-    decode to, up to a stop string, for random runs of whole, cut and stray bytes."""
+    of the batcher's thread). Now it stays a few tokens long. Over random runs of whole, cut and stray bytes, tokens
+    of bytes that end inside a character and special tokens (skipped: the bytes on either side join), with stop
+    strings that end in U+FFFD too: the text never hands out what decoding every id would not begin with, its final
+    ids (`done`, which a server's per-token entries follow) decode to it, and it ends as that decoding does."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    from speculant.drafters.vocab import byte_of_char
+
     tokenizer, widest = byte_tokenizer(), []
 
     class Counting:
@@ -217,21 +224,37 @@ def test_text_stream_decodes_a_few_tokens_per_push_while_the_text_ends_in_a_repl
     pieces = [stream.push(0x80) for _ in range(2000)]
     assert max(widest) <= 8 and sum(map(len, pieces)) >= 1990  # (handed out as it comes, not at the end)
     assert "".join(pieces) + stream.flush() == "\ufffd" * 2000
+    chars = byte_of_char()
+    spelled = {byte: char for char, byte in chars.items()}
+    pairs = [bytes(p) for p in ((0xAD, 0xE4), (0xB8, 0xAD), (0x61, 0xE4), (0x9F, 0x98))]  # (ending inside one)
+    vocab = {**chars, **{"".join(spelled[b] for b in pair): 256 + i for i, pair in enumerate(pairs)}, "<sp>": 260}
+    rich = Tokenizer(models.BPE(vocab=vocab, merges=[]))
+    rich.pre_tokenizer, rich.decoder = pre_tokenizers.ByteLevel(add_prefix_space=False), decoders.ByteLevel()
+    rich = PreTrainedTokenizerFast(tokenizer_object=rich, additional_special_tokens=["<sp>"])
     rng = random.Random(0)
-    for _ in range(1000):
+    for trial in range(1500):
         ids = []
         for _ in range(rng.randint(1, 30)):
             kind = rng.random()
             if kind < 0.3:  # a character, whole or a cut of it
-                ids += list("é€😀".encode()[rng.choice([0, 2, 5]):][:rng.randint(1, 4)])
+                ids += list("é€😀中".encode()[rng.choice([0, 2, 5, 9]):][:rng.randint(1, 4)])
+            elif kind < 0.45:
+                ids.append(rng.randint(0x80, 0xFF))
+            elif kind < 0.6 and trial % 2:
+                ids.append(rng.choice([256, 257, 258, 259, 260, 260]))
             else:
-                ids.append(rng.randint(0x80, 0xFF) if kind < 0.5 else rng.choice(b"abz "))
-        stops = rng.choice([[], ["zz"], ["a z"], ["\ufffda"]])
-        stream = TextStream(tokenizer, stops)
-        pieces = [stream.push(token) for token in ids]  # (after a stop: "")
-        text = tokenizer.decode(ids)
+                ids.append(rng.choice(b"abz "))
+        stops = rng.choice([[], ["zz"], ["a z"], ["\ufffda"], ["\ufffd"], ["z\ufffd"]])
+        chosen = rich if trial % 2 else tokenizer
+        stream, handed = TextStream(chosen, stops), ""
+        text = chosen.decode(ids, skip_special_tokens=True)
+        for n, token in enumerate(ids, 1):
+            handed += stream.push(token)  # (after a stop: "")
+            assert text.startswith(handed), (ids, stops)
+            if not stream.stopped:
+                assert chosen.decode(ids[: stream.done], skip_special_tokens=True) == stream.text, (ids, n)
         expected = text[:min([text.find(stop) for stop in stops if stop in text], default=len(text))]
-        assert "".join(pieces) + stream.flush() == expected, (ids, stops)
+        assert handed + stream.flush() == expected, (ids, stops)
 
 
 def test_a_server_measures_its_models_as_it_starts_whatever_its_method(tmp_path, monkeypatch):
@@ -915,7 +938,8 @@ def test_allowed_hosts_name_hosts_without_a_port_and_requests_match_them_whateve
     with TestClient(create_app(engine, "tiny", ServeConfig(allowed_hosts="Localhost,[::1]"))) as client:
         for host, status in (("localhost:8000", 200), ("localhost", 200), ("[::1]:8000", 200), ("[::1]", 200),
                              ("api.example:8000", 400), ("api.example:x@localhost", 400),
-                             ("localhost:x@api.example", 400), ("localhost:8000/", 400)):  # (what passed before)
+                             ("localhost:x@api.example", 400), ("localhost:8000/", 400),  # (what passed before)
+                             ("localhost:", 200)):
             assert client.get("/v1/models", headers={"host": host}).status_code == status, host
         two = client.get("/v1/models", headers=[("host", "api.example"), ("host", "localhost")])  # (the last counted)
         assert two.status_code == 400 and "api.example, localhost" in two.json()["error"]["message"]

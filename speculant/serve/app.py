@@ -408,7 +408,7 @@ def server_fault(error: BaseException, where: str) -> ApiError:
     return ApiError(500, f"the server failed (error id {ident}; its log has the details)", code="server_error")
 
 
-HOST = re.compile(r"(?P<name>\[[0-9a-f:.]+\]|[^\s:/@\[\]]+)(:\d{1,5})?")  # a Host header: RFC 9110's uri-host [":" port]
+HOST = re.compile(r"(?P<name>\[[^\s/@\[\]]+\]|[^\s:/@\[\]]+)(:\d{0,5})?")  # a Host header: uri-host [":" port]
 
 
 class Guard:

@@ -389,7 +389,7 @@ class Engine:
                 if text.stopped:  # (the tokens of the stop string, cut from the text, leave its log-probabilities)
                     del entries[text.covering():]
                 if piece:  # entries wait while text is held back (it may begin a stop string, and they with it)
-                    sent = entries[unsent:] if not text.holding else []
+                    sent = entries[unsent : text.done] if not text.holding else []  # (those whose text is final)
                     on_text(piece, sent)
                     unsent += len(sent)
                 if text.stopped or token in self.target.eos_token_ids:

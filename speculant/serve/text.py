@@ -6,7 +6,7 @@ from collections.abc import Sequence
 from typing import Any
 
 
-PENDING = 4  # tokens the decoding window keeps back while the text ends in U+FFFD: a character's longest run
+PENDING = 4  # ids the decoding window keeps back while the text ends in U+FFFD (a character's bytes: at most four)
 
 
 class TextStream:
@@ -23,7 +23,7 @@ class TextStream:
         self.stopped = False
         # Decoding every id again per token would cost O(n^2) on the decode loop: decode a window instead,
         # from a few tokens back (`start`) so that merges across the boundary come out right; `done` ids
-        # are already in `text`.
+        # are already in `text` (their text final: a caller's per-token entries go with it).
         self.start = self.done = 0
         # Each stop string's Knuth-Morris-Pratt failure table and state over `text` (its first `fed` characters):
         # the longest tail that begins a stop string costs the characters a token adds, not a search of every tail
@@ -41,7 +41,7 @@ class TextStream:
         window = decode(self.ids[self.start :], skip_special_tokens=True)
         text = self.text + window[len(decode(self.ids[self.start : self.done], skip_special_tokens=True)) :]
         if window.endswith("\ufffd"):  # a character waiting for its last byte; a stop string before it ends now
-            ended = self._ended(text.rstrip("\ufffd"))
+            ended = self._ended(self.text + text[len(self.text) :].rstrip("\ufffd"))  # (settled U+FFFDs stay)
             return self._settled(window) if ended is None else ended
         self.start, self.done = self.done, len(self.ids)
         self.text = text
@@ -49,21 +49,23 @@ class TextStream:
         return ended if ended is not None else self._take(len(text) - self._held(text))
 
     def _settled(self, window: str) -> str:
-        """While the text ends in U+FFFD, what the ids before the last few make final: a character's bytes span at
-        most four tokens, so those before end in characters that are whole, or bytes that no later byte mends (a
-        byte no character begins with, as a client's logit_bias can force). Taken where they decode apart as they
-        do together (no character cut in two); else none, and the window waits for the next token. Without this
-        the window grew while the text ended in U+FFFD: each token decoded all of them again."""
+        """While the text ends in U+FFFD, the text of all but the last PENDING ids, made final where the ids split
+        there: they decode apart as they do together, and the last ones carry text (bytes after the first ones',
+        which no later byte can join to them). So a character cut in two, or followed only by special tokens, waits;
+        a byte no character begins with (a client's logit_bias can force runs of them) is final. Without it, the
+        window grew for as long as the text ended in U+FFFD, each token decoding all of them again; it still does
+        where no split is clean (tokens that each end inside a character)."""
         cut = len(self.ids) - PENDING
         if cut <= self.done:
             return ""
         decode, ids = self.tokenizer.decode, self.ids
-        head = decode(ids[self.start : cut], skip_special_tokens=True)
-        if head + decode(ids[cut:], skip_special_tokens=True) != window:  # (`window`: the ids from `start` on)
+        head, tail = (decode(part, skip_special_tokens=True) for part in (ids[self.start : cut], ids[cut:]))
+        if not tail or head + tail != window:  # (`window`: the ids from `start` on)
             return ""
         self.text += head[len(decode(ids[self.start : self.done], skip_special_tokens=True)) :]
         self.start, self.done = self.done, cut
-        return self._take(len(self.text) - self._held(self.text))
+        ended = self._ended(self.text)  # (a stop string that ends in U+FFFD: found once that is settled)
+        return ended if ended is not None else self._take(len(self.text) - self._held(self.text))
 
     def _ended(self, text: str) -> str | None:
         """Where `text` holds a stop string: the text ends before it (`stopped`), and what of it is left to hand
