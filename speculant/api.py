@@ -63,11 +63,20 @@ class GenerationStream:
         self._recorded = recorded
         self.logprobs: list[TokenLogprob] | None = [] if recorded is not None else None
         self.result: GenerationResult | None = None
+        self._reading = threading.Lock()  # held by the thread taking the next token
 
     def __iter__(self) -> GenerationStream:
         return self
 
     def __next__(self) -> int:
+        if not self._reading.acquire(blocking=False):  # (a second thread had ended the stream for the first)
+            raise ConfigError("a stream is read by one thread at a time: another thread is taking its next token")
+        try:
+            return self._next()
+        finally:
+            self._reading.release()
+
+    def _next(self) -> int:
         if self._timing is None:
             raise StopIteration
         try:
@@ -132,6 +141,9 @@ def encode_prompt(tokenizer: Any | None, prompt: str | Sequence[dict[str, Any]],
                                                 add_generation_prompt=True, tokenize=True, return_dict=False)
         except TemplateError as error:  # (a template that refuses a role or an order of messages)
             raise ConfigError(f"the chat template refuses these messages: {error}") from None
+        except Exception as error:  # noqa: BLE001 - a template is the model's code: whatever else it raises
+            raise ConfigError(f"the chat template fails on these messages ({type(error).__name__}: {error})") \
+                from None
         return list(ids)
     return tokenizer(prompt, add_special_tokens=True)["input_ids"]
 
@@ -257,6 +269,8 @@ def generate(
     check_capabilities(method_options, target)
     if prompt_ids is None:
         prompt_ids = encode_prompt(target.tokenizer, prompt, chat)
+        if not prompt_ids:  # (a text the tokenizer has no tokens for, a template that renders nothing)
+            raise ConfigError("the prompt encodes to no tokens")
     if any(not 0 <= t < target.vocab_size for t in prompt_ids):
         raise ConfigError(f"prompt token ids must lie in [0, {target.vocab_size})")
     room = room_for(target, len(prompt_ids))

@@ -425,7 +425,12 @@ def test_a_drafter_model_passed_in_is_held_as_a_target_is(method):
                                                                  "probability 0.0"),
     (lambda context, k: Draft([], tree=TokenTree((context[-1] + 1, 7), (-1, 0))), "its tree's root is"),
     (lambda context, k: Draft([], tree=TokenTree((context[-1],) + (7,) * (k + 1), (-1, *range(k + 1)))),
-     "deep proposed where")])
+     "deep proposed where"),
+    (lambda context, k: Draft([VOCAB + 3, 0], tree=TokenTree((context[-1], 7), (-1, 0))),  # (tokens had reached the
+     r"holds a tree of TokenTree and tokens \[67, 0\]"),  # embedding as a chain, unchecked, where an EOS came first)
+    (lambda context, k: Draft([], tree=5), "holds a tree of int"),
+    (lambda context, k: Draft([1], usage=None), "its draft's usage is None, not a dict of speculant Usage"),
+    (lambda context, k: Draft([1], usage={"x": 5}), "its draft's usage is {'x': 5}")])
 def test_a_user_drafter_s_bad_draft_is_named_before_verification_reads_it(proposal, message):
     """A user's drafter is checked (`drafters.base.Checked`): what it proposes must be a Draft of the target's token
     ids, at most k (a tree: rooted at the context's last token, at most k deep), with q a float tensor of one row per
@@ -487,3 +492,50 @@ def test_a_tree_s_next_turn_catches_up_from_the_drafter_s_kept_cache(tmp_path):
                       width=2, max_new_tokens=8, session=session)
     assert result.token_ids == generate(target, prompt_ids=second_turn, method="ar", max_new_tokens=8).token_ids
     assert not prefilled
+
+
+def test_python_callers_get_one_clear_error_where_a_raw_one_came_from_deep_inside():
+    """A text the tokenizer has no tokens for, a chat template that raises (it is the model's code), a None among a
+    method's drafters (refused once the models before it had loaded, naming no option), DSI's target devices that are
+    no list, and a stream read from two threads at once (the second's ValueError ended the first's stream early,
+    as if complete): each a ConfigError naming the cause, the stream read on to its end by the first thread."""
+    import threading
+
+    from helpers import piece_tokenizer
+
+    target = tiny_model("llama", 5, VOCAB, tokenizer=piece_tokenizer([chr(ord("a") + i) for i in range(VOCAB)]))
+    with pytest.raises(ConfigError, match="the prompt encodes to no tokens"):
+        generate(target, "???", method="ar", max_new_tokens=2)
+    target.tokenizer.chat_template = "{{ 1 / 0 }}"
+    with pytest.raises(ConfigError, match=r"the chat template fails on these messages \(ZeroDivisionError"):
+        generate(target, "abc", chat=True, method="ar", max_new_tokens=2)
+    for method in ("auto", "cascade", "dsi"):
+        with pytest.raises(ConfigError, match="drafters must be a drafter's name, a model or a Drafter, not NoneType"):
+            generate(target, prompt_ids=[1, 2], method=method, drafters=[None, "maxgram"], max_new_tokens=2)
+    with pytest.raises(ConfigError, match="target_devices is a list of devices"):
+        generate(target, prompt_ids=[1, 2], method="dsi", drafter="maxgram", target_devices=5, max_new_tokens=2)
+    prompt = random_prompt(5, VOCAB, 8) * 3
+    alone = generate(target, prompt_ids=prompt, method="sd", drafter="maxgram", max_new_tokens=200).token_ids
+    stream = generate(target, prompt_ids=prompt, method="sd", drafter="maxgram", max_new_tokens=200, stream=True)
+    first, inside, asked = [], threading.Event(), threading.Event()
+    real = stream._next
+
+    def slow():  # the first thread holds the stream while the second asks
+        inside.set()
+        asked.wait(10)
+        return real()
+
+    def read():
+        for token in stream:
+            first.append(token)
+            if len(first) == 1:
+                stream._next = slow
+
+    reader = threading.Thread(target=read)
+    reader.start()
+    inside.wait(10)
+    with pytest.raises(ConfigError, match="a stream is read by one thread at a time"):
+        next(stream)
+    asked.set()
+    reader.join(60)
+    assert first == alone and stream.result is not None

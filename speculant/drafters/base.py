@@ -102,6 +102,15 @@ class Checked(Drafter):
         draft = self.inner.propose(context, k)
         if not isinstance(draft, Draft):
             raise ConfigError(f"drafter '{self.name}': propose returned {type(draft).__name__}, not a speculant.Draft")
+        if not (isinstance(draft.usage, dict) and all(isinstance(u, Usage) for u in draft.usage.values())):
+            raise ConfigError(f"drafter '{self.name}': its draft's usage is {draft.usage!r}, not a dict of "
+                              "speculant Usage by drafter name (leave it empty where it runs no model)")
+        if draft.tree is not None:
+            from speculant.trees.tree import TokenTree
+
+            if not isinstance(draft.tree, TokenTree) or draft.tokens:  # (tokens read as a chain had dropped the tree)
+                raise ConfigError(f"drafter '{self.name}': its draft holds a tree of {type(draft.tree).__name__} and "
+                                  f"tokens {draft.tokens!r}: a draft is a TokenTree (tokens empty) or tokens")
         tokens = draft.tree.tokens[1:] if draft.tree is not None else draft.tokens
         try:
             ids = [as_integer(t) for t in tokens]

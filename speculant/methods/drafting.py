@@ -72,9 +72,10 @@ def check_drafters(options: Any) -> None:
     from speculant.models.base import CausalLM
 
     for name, drafters in drafters_by_field(options).items():
-        if odd := next((d for d in drafters if not isinstance(d, (DrafterSpec, CausalLM, Drafter, nn.Module))), None):
+        odd = [d for d in drafters if not isinstance(d, (DrafterSpec, CausalLM, Drafter, nn.Module))]
+        if odd:  # (a list: None among the drafters is odd too)
             raise OptionError(name, f"{name} must be a drafter's name, a model or a Drafter, not "
-                              f"{type(odd).__name__}")
+                              f"{type(odd[0]).__name__}")
     check_dtype(options.drafter_dtype, held_drafters(options))
 
 

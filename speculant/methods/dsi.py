@@ -98,6 +98,10 @@ class DSIOptions(DrafterOptions):
         check_ray_address(self.ray_address, "ray_address")
         if isinstance(self.target_devices, str):
             object.__setattr__(self, "target_devices", parse_devices(self.target_devices))
+        if self.target_devices is not None and not (isinstance(self.target_devices, (list, tuple)) and
+                                                    all(isinstance(d, str) for d in self.target_devices)):
+            raise ConfigError(f"target_devices is a list of devices (cpu, cuda:N) or one text of them, comma separated, "
+                              f"not {self.target_devices!r}")
         if self.target_devices is not None and len(self.target_devices) != self.servers:
             raise ConfigError(f"{len(self.target_devices)} target devices given for {self.servers} servers")
         if self.target_devices is not None:  # (here, so that a device that is not there is refused before loading)
