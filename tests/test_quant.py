@@ -178,3 +178,15 @@ def test_a_layer_int4_cannot_take_stays_in_full_precision_and_says_so(caplog):
         quantize(layer, "int4")
     assert isinstance(layer[0], Int4WeightOnlyLinear) and type(layer[1]) is nn.Linear
     assert "kept 1 of 2 linear layers in full precision" in caplog.text
+
+
+def test_a_group_size_is_int4_s_and_refused_where_nothing_takes_it():
+    """`load_model`'s group_size was dropped without a word where nothing quantized to int4 (no quantization, int8,
+    a model already loaded, where a dtype or device given is refused)."""
+    model = tiny_transformer("llama", 0, 64)
+    for kwargs in (dict(group_size=64), dict(quant="int8", group_size=64)):
+        with pytest.raises(ConfigError, match="group_size applies to int4 quantization"):
+            load_model(model, **kwargs)
+    with pytest.raises(ConfigError, match="a loaded model runs as it is: group_size applies"):
+        load_model(load_model(model), group_size=64)
+    assert load_model(model, quant="int4", group_size=16).name.endswith("@int4")

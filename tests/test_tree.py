@@ -399,3 +399,16 @@ def test_a_width_beyond_the_drafter_s_vocabulary_is_refused_by_name(shape):
         generate(target, prompt_ids=[1, 2, 3], method="tree", drafter=target, depth=2, width=300, shape=shape,
                  max_new_tokens=4)
     assert refused.value.option == "width"
+
+
+def test_a_tree_width_of_auto_beyond_the_drafter_s_vocabulary_is_refused_by_name():
+    """auto took tree_widths wider than the vocabulary and never drafted those trees, without a word."""
+    from speculant import generate
+    from speculant.errors import OptionError
+
+    target = tiny_model("llama", 0)
+    with pytest.raises(OptionError, match=f"tree_widths 300 exceeds the drafter's vocabulary of {target.vocab_size}") \
+            as refused:
+        generate(target, prompt_ids=[1, 2, 3], method="auto", drafters=[target.share()], tree_widths=(2, 300),
+                 max_new_tokens=4)
+    assert refused.value.option == "tree_widths"

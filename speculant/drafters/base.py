@@ -51,7 +51,7 @@ class Drafter:
 
     def propose(self, context: list[int], k: int) -> Draft:
         """Propose up to k tokens to follow `context` (prompt plus everything committed so far); k >= 1."""
-        raise NotImplementedError
+        raise ConfigError(f"drafter '{self.name}' ({type(self).__name__}) implements no propose(context, k)")
 
     def observe(self, n_accepted: int) -> None:
         """Learn how many of the last proposal's tokens the target accepted."""

@@ -183,6 +183,7 @@ def build(request: Request, options: AutoOptions) -> Any:
     from speculant.drafters.model import ModelDrafter
     from speculant.drafters.vocab import same_vocabulary
     from speculant.trees.drafter import TreeDrafter
+    from speculant.trees.method import check_width
     from speculant.trees.shape import plan_width
 
     target, session = request.target, request.session
@@ -202,6 +203,8 @@ def build(request: Request, options: AutoOptions) -> Any:
             continue
         models += 1
         trees += same_vocabulary(target, source)
+        for width in options.tree_widths if options.tree_widths != AUTO else ():  # (whether or not it pays)
+            check_width(width, source, "tree_widths")  # (a node's children: its likeliest tokens)
         profile = session.profile(source)
         if not can_pay(profile.tpot_s, cost, k_max):  # too slow to pay even if always right
             continue

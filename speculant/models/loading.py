@@ -279,7 +279,7 @@ def load_lean(spec: str | Path, tokenizer: Any | None = None, draft: bool = Fals
 
 
 def load_model(spec: Any, dtype: str | None = None, device: str | None = None, tokenizer: Any | None = None,
-               quant: str | None = None, group_size: int = 32, backend: str | None = None,
+               quant: str | None = None, group_size: int | None = None, backend: str | None = None,
                compile: bool = False) -> CausalLM:
     """Load a CausalLM from a catalog name, a Hugging Face id or local path, a .gguf file, or a transformers model.
 
@@ -290,15 +290,15 @@ def load_model(spec: Any, dtype: str | None = None, device: str | None = None, t
     `dtype` is auto (the default for names: see `resolve_dtype`), bf16 or fp32; a transformers model keeps
     its own dtype and device unless they are given, and is never modified (speculant works on a copy).
     Catalog models are de-quantized from their packaged GGUF once and cached as safetensors. `quant`
-    ("int8", "int4"; or a `name@int8` suffix) quantizes every linear layer after loading. A CausalLM
-    passes through unchanged.
+    ("int8", "int4"; or a `name@int8` suffix) quantizes every linear layer after loading; `group_size` is int4's
+    (default 32). A CausalLM passes through unchanged.
     """
     if isinstance(spec, CausalLM):
         if quant is not None:
             raise ConfigError("quantize a loaded model with quantized_copy()")
         given = [name for name, value in (("dtype", dtype), ("device", device), ("backend", backend),
-                                          ("tokenizer", tokenizer), ("compile", compile or None))
-                 if value not in (None, AUTO)]
+                                          ("tokenizer", tokenizer), ("compile", compile or None),
+                                          ("group_size", group_size)) if value not in (None, AUTO)]
         if given:
             raise ConfigError(f"a loaded model runs as it is: {', '.join(given)} appl{'y' if len(given) > 1 else 'ies'} "
                               "when loading one (load it from its name)")
@@ -306,7 +306,7 @@ def load_model(spec: Any, dtype: str | None = None, device: str | None = None, t
     if tokenizer is not None and not hasattr(tokenizer, "convert_tokens_to_ids"):
         raise ConfigError(f"tokenizer must be a loaded tokenizer (transformers' AutoTokenizer.from_pretrained), not "
                           f"{type(tokenizer).__name__}")
-    if as_integer(group_size) is None or group_size < 1:
+    if group_size is not None and (as_integer(group_size) is None or group_size < 1):
         raise ConfigError(f"group_size must be a positive integer, got {group_size!r}")
     if isinstance(spec, str):
         name, suffix = split_quant(spec)
@@ -314,6 +314,8 @@ def load_model(spec: Any, dtype: str | None = None, device: str | None = None, t
             raise ConfigError(f"quantization given twice: '{spec}' and quant={quant}")
         spec, quant = name, suffix or quant
     check_suffix(quant)
+    if group_size is not None and quant != "int4":
+        raise ConfigError("group_size applies to int4 quantization (quant='int4' or a name@int4)")
     if isinstance(spec, (str, Path)):
         check_name(str(spec))
     if dtype not in (None, AUTO, *DTYPES):
@@ -340,7 +342,7 @@ def load_model(spec: Any, dtype: str | None = None, device: str | None = None, t
 
         if model is spec:
             model = deepcopy(spec)  # quantization rewrites the modules: never the caller's
-        quantize(model, quant, group_size)
+        quantize(model, quant, *([group_size] if group_size is not None else []))  # (else int4's default)
         name = f"{name}@{quant}"
         identity = identity and f"{name} {dtype_name(model.dtype)}"
     return HFCausalLM(model, tokenizer, name, extra_eos, identity)

@@ -120,10 +120,11 @@ def bounds(options: TreeOptions, names: Collection[str]) -> None:
                           f"{sizes[0]} x {sizes[1]}")
 
 
-def check_width(width: int | str, model: Any) -> None:
-    """Refuse a width beyond the drafter's vocabulary: a node's children are its likeliest tokens."""
+def check_width(width: int | str, model: Any, field: str = "width") -> None:
+    """Refuse a width (of option `field`) beyond the drafter's vocabulary: a node's children are its likeliest
+    tokens."""
     if width != AUTO and width > model.vocab_size:
-        raise OptionError("width", f"width {width} exceeds the drafter's vocabulary of {model.vocab_size} tokens")
+        raise OptionError(field, f"{field} {width} exceeds the drafter's vocabulary of {model.vocab_size} tokens")
 
 
 @register("tree", TreeOptions, "token trees: depth x width drafted nodes verified in one forward", bounds)
