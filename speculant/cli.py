@@ -69,6 +69,16 @@ class Parser(argparse.ArgumentParser):
         self.flags_given = set()  # (a parser parses once per command line, a subcommand's parser included)
         return super().parse_known_args(args, namespace)
 
+    def parse_args(self, args: Any = None, namespace: Any = None) -> Any:
+        """argparse's, but a flag no parser knows is named by the subcommand's parser, which points to its help."""
+        parsed, unknown = self.parse_known_args(args, namespace)
+        if unknown:
+            where: argparse.ArgumentParser = self
+            while chosen := next((a for a in where._actions if isinstance(a, argparse._SubParsersAction)), None):
+                where = chosen.choices[getattr(parsed, chosen.dest)]
+            where.error(f"unrecognized arguments: {' '.join(unknown)}")
+        return parsed
+
     def _get_values(self, action: argparse.Action, arg_strings: list[str]) -> Any:
         # argparse calls this once per flag on the command line, with the strings given to it: the one place that
         # sees a flag given twice, and an empty value before its action reads it as nothing given.

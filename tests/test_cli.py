@@ -475,7 +475,9 @@ def test_a_flag_given_twice_empty_or_abbreviated_is_a_usage_error(capsys):
         (["generate", "x", "--bigram-corpus", "a.txt", ""], "--bigram-corpus has an empty value"),
         (["serve", "--served-name", ""], "--served-name has an empty value"),
         (["serve", "--ray-cluster", ""], "--ray-cluster has an empty value"),
-        (["generate", "x", "--max-new", "3"], "unrecognized arguments: --max-new"),
+        (["generate", "x", "--max-new", "3"], "unrecognized arguments: --max-new 3 (see speculant generate --help)"),
+        (["simulate", "heatmap", "--out", "h", "--nope"], "unrecognized arguments: --nope (see speculant simulate "
+                                                          "heatmap --help)"),
     ]:
         with pytest.raises(SystemExit) as exit_info:
             cli.main(argv)

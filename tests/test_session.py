@@ -514,6 +514,17 @@ def test_python_callers_get_one_clear_error_where_a_raw_one_came_from_deep_insid
             generate(target, prompt_ids=[1, 2], method=method, drafters=[None, "maxgram"], max_new_tokens=2)
     with pytest.raises(ConfigError, match=r"drafter 'drafter' \(Drafter\) implements no propose"):
         generate(target, prompt_ids=[1, 2], method="sd", drafter=Drafter(), max_new_tokens=3)
+    class Matching(Drafter):  # (auto buckets a lookup's acceptance by its match length)
+        name = "matching"
+
+        def propose(self, context, k):
+            return Draft([1])
+
+        def match_length(self, context):
+            return "3"
+
+    with pytest.raises(ConfigError, match="drafter 'matching': match_length returned '3', not a whole number >= 0"):
+        generate(target, prompt_ids=[1, 2], method="auto", drafters=[Matching()], max_new_tokens=3)
     with pytest.raises(ConfigError, match="target_devices is a list of devices"):
         generate(target, prompt_ids=[1, 2], method="dsi", drafter="maxgram", target_devices=5, max_new_tokens=2)
     prompt = random_prompt(5, VOCAB, 8) * 3

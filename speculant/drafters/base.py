@@ -89,7 +89,15 @@ class Checked(Drafter):
     def __init__(self, inner: Drafter, vocab_size: int):
         self.inner, self.vocab_size = inner, vocab_size
         self.name = getattr(inner, "name", type(inner).__name__)
-        self.match_length = inner.match_length
+        if inner.match_length is not None:
+            self.match_length = self._match_length
+
+    def _match_length(self, context: list[int]) -> int:
+        """The inner drafter's `match_length`, a whole number >= 0 (auto buckets its acceptance by it)."""
+        n = self.inner.match_length(context)
+        if as_integer(n) is None or n < 0:
+            raise ConfigError(f"drafter '{self.name}': match_length returned {n!r}, not a whole number >= 0")
+        return as_integer(n)
 
     def begin(self, prompt_ids: list[int]) -> Drafter:
         began = self.inner.begin(prompt_ids)
