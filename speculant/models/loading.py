@@ -338,11 +338,11 @@ def load_model(spec: Any, dtype: str | None = None, device: str | None = None, t
         identity = identity and f"{identity} static{' compiled' if compile else ''}"
         return StaticCausalLM(StaticWeights(model), tokenizer, name, eos, identity, compiled=compile)
     if quant is not None:
-        from speculant.models.numerics.quant import quantize
+        from speculant.models.numerics.quant import GROUP_SIZE, quantize
 
         if model is spec:
             model = deepcopy(spec)  # quantization rewrites the modules: never the caller's
-        quantize(model, quant, *([group_size] if group_size is not None else []))  # (else int4's default)
+        quantize(model, quant, group_size or GROUP_SIZE)
         name = f"{name}@{quant}"
         identity = identity and f"{name} {dtype_name(model.dtype)}"
     return HFCausalLM(model, tokenizer, name, extra_eos, identity)

@@ -39,16 +39,21 @@ class TextStream:
         self.ids.append(token)
         decode = self.tokenizer.decode
         window = decode(self.ids[self.start :], skip_special_tokens=True)
-        text = self.text + window[len(decode(self.ids[self.start : self.done], skip_special_tokens=True)) :]
+        known = len(decode(self.ids[self.start : self.done], skip_special_tokens=True))  # (of `window`, in `text`)
+        text = self.text + window[known:]
         if window.endswith("\ufffd"):  # a character waiting for its last byte; a stop string before it ends now
             ended = self._ended(self.text + text[len(self.text) :].rstrip("\ufffd"))  # (settled U+FFFDs stay)
-            return self._settled(window) if ended is None else ended
+            return self._settled(window, known) if ended is None else ended
         self.start, self.done = self.done, len(self.ids)
         self.text = text
-        ended = self._ended(text)
-        return ended if ended is not None else self._take(len(text) - self._held(text))
+        return self._final()
 
-    def _settled(self, window: str) -> str:
+    def _final(self) -> str:
+        """What the text, final so far, hands out: up to a stop string, or all but a tail that may begin one."""
+        ended = self._ended(self.text)
+        return ended if ended is not None else self._take(len(self.text) - self._held(self.text))
+
+    def _settled(self, window: str, known: int) -> str:
         """While the text ends in U+FFFD, the text of all but the last PENDING ids, made final where the ids split
         there: they decode apart as they do together, and the last ones carry text (bytes after the first ones',
         which no later byte can join to them). So a character cut in two, or followed only by special tokens, waits;
@@ -62,10 +67,9 @@ class TextStream:
         head, tail = (decode(part, skip_special_tokens=True) for part in (ids[self.start : cut], ids[cut:]))
         if not tail or head + tail != window:  # (`window`: the ids from `start` on)
             return ""
-        self.text += head[len(decode(ids[self.start : self.done], skip_special_tokens=True)) :]
+        self.text += head[known:]
         self.start, self.done = self.done, cut
-        ended = self._ended(self.text)  # (a stop string that ends in U+FFFD: found once that is settled)
-        return ended if ended is not None else self._take(len(self.text) - self._held(self.text))
+        return self._final()  # (a stop string that ends in U+FFFD: found once that is settled)
 
     def _ended(self, text: str) -> str | None:
         """Where `text` holds a stop string: the text ends before it (`stopped`), and what of it is left to hand

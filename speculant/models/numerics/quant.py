@@ -29,6 +29,7 @@ from speculant.models.numerics.exact import ExactLinear
 from speculant.models.numerics.invariant import use_row_invariant_attention
 
 CUDA_INT4_GROUP_SIZES = (32, 64, 128, 256)  # what the CUDA tinygemm kernel supports
+GROUP_SIZE = 32  # int4's weights per scale and offset, unless told another
 INT4_ROWS = 16  # the packed int4 kernels need output sizes in multiples of this: odd sizes are padded
 log = logging.getLogger("speculant")
 
@@ -174,7 +175,7 @@ def as_linear(module: nn.Module) -> nn.Linear:
     return linear
 
 
-def quantize(model: nn.Module, quant: str, group_size: int = 32) -> nn.Module:
+def quantize(model: nn.Module, quant: str, group_size: int = GROUP_SIZE) -> nn.Module:
     """Replace every linear layer of `model` (nn.Linear and GPT-2's Conv1D; the LM head too, untied) by its
     quantized version, in place. A layer int4 cannot take (an input size not divisible by the group
     size) stays in full precision, and a one-line warning says how many did."""
