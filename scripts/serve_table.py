@@ -51,6 +51,7 @@ def main(argv: list[str]) -> None:
         for line in open(path):
             if line.strip():
                 r = json.loads(line)
+                r["label"] = r.get("label") or r["url"]  # (files of older versions: no label given, none written)
                 if not r["label"].startswith("warm"):
                     passes[r["label"], arrivals(r)].append(r)
     servers = args.servers or list(dict.fromkeys(label for label, _ in passes))

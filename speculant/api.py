@@ -392,6 +392,10 @@ class Hold:
     def end(self) -> None:
         """End the generation where it is (under the locks): its decoder closed, its threads stopped."""
         with self.locked():
+            if getattr(self.decoder, "gi_running", False):  # (this thread, inside its step: a drafter's propose)
+                raise ConfigError(f"a generation on {', '.join(model.name for model in self.models)} was asked for "
+                                  "from inside a step of another on the same model: a model's KV cache runs one "
+                                  "generation at a time; load another instance of it")
             if self.decoder is not None:
                 self.decoder.close()
                 self.ended = True

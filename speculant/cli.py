@@ -34,7 +34,7 @@ from speculant.config import (
     reach_ray,
     with_default,
 )
-from speculant.errors import ConfigError, SpeculantError
+from speculant.errors import ConfigError, SpeculantError, interrupted
 from speculant.methods.drafting import check_dtype, held_drafters, takes_model_free
 from speculant.methods.registry import METHODS, all_options, chain_methods, get_method
 
@@ -1084,6 +1084,25 @@ def non_negative(text: str) -> float:
     return value
 
 
+OPTION = re.compile(r"(?<![\w-])[a-z][a-z0-9]*(_[a-z0-9]+)*(?![\w-])")  # a word, or a name like k_max
+
+
+def as_flags(message: str, argv: Sequence[str]) -> str:
+    """A library's message names options as Python callers and the server's clients give them (`k_max`); where the
+    command line gave one as a flag, the message names the flag (`--k-max`): a name of two words or more wherever it
+    stands, a one-word name where it is quoted ("option 'k'") or opens a sentence on what it must be ('k must be >= 1'),
+    not in prose ('the drafter's vocabulary'). A name in a spec (`bench --methods sd:k=0`) stays."""
+    given = {arg.split("=")[0] for arg in argv if arg.startswith("--")}
+
+    def named(found: re.Match) -> str:
+        word, before = found[0], message[:found.start()]
+        opens = (not before or before.endswith((": ", "; "))) and message[found.end():].startswith(" must ")
+        spelled = "_" in word or opens or before.endswith("'") and message[found.end():].startswith("'")
+        return flag(word) if spelled and flag(word) in given else word
+
+    return OPTION.sub(named, message)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     args = build_parser().parse_args(argv)
@@ -1115,11 +1134,11 @@ def main(argv: Sequence[str] | None = None) -> int:
                 raise ConfigError(f"--jobs must be >= 1, got {args.jobs}")
             build(args.jobs, say=lambda line: print(line, file=sys.stderr))
     except SpeculantError as error:  # (one line, whatever a library's message spanned)
-        print(f"speculant: error: {' '.join(line.strip() for line in str(error).splitlines())}", file=sys.stderr)
+        message = " ".join(line.strip() for line in str(error).splitlines())
+        print(f"speculant: error: {as_flags(message, argv)}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
-        print("speculant: interrupted", file=sys.stderr)
-        return 130
+        return interrupted()
     return 0
 
 

@@ -160,9 +160,9 @@ class SamplingConfig:
         if 0 < self.temperature < MIN_TEMPERATURE:
             raise ConfigError(f"temperature must be 0 (greedy) or at least {MIN_TEMPERATURE}, got {self.temperature}")
         if self.top_k is not None and self.top_k < 1:
-            raise ConfigError(f"top-k must be >= 1, got {self.top_k}")
+            raise ConfigError(f"top_k must be >= 1, got {self.top_k}")
         if self.top_p is not None and not 0 < self.top_p <= 1:
-            raise ConfigError(f"top-p must lie in (0, 1], got {self.top_p}")
+            raise ConfigError(f"top_p must lie in (0, 1], got {self.top_p}")
 
     @property
     def greedy(self) -> bool:
@@ -195,7 +195,7 @@ class RunConfig:
 
     def __post_init__(self) -> None:
         if self.max_new_tokens < 1:
-            raise ConfigError(f"max-new-tokens must be >= 1, got {self.max_new_tokens}")
+            raise ConfigError(f"max_new_tokens must be >= 1, got {self.max_new_tokens}")
         if self.seed is not None and self.seed not in SEEDS:
             raise ConfigError(f"seed must be a 64-bit integer (from {SEEDS.start} to {SEEDS.stop - 1}), got {self.seed}")
 
@@ -257,14 +257,18 @@ class ServeConfig:
     def __post_init__(self) -> None:
         if not 0 < self.port < 65536:
             raise ConfigError(f"port must lie in [1, 65535], got {self.port}")
-        if self.max_batch < 1 or self.max_queue < 0:
-            raise ConfigError("max-batch must be >= 1 and max-queue >= 0")
+        if self.max_batch < 1:
+            raise ConfigError(f"max_batch must be >= 1, got {self.max_batch}")
+        if self.max_queue < 0:
+            raise ConfigError(f"max_queue must be >= 0, got {self.max_queue}")
         if not 0 <= self.prefix_cache_mb < math.inf:
-            raise ConfigError(f"prefix-cache-mb must be a number >= 0, got {self.prefix_cache_mb}")
+            raise ConfigError(f"prefix_cache_mb must be a number >= 0, got {self.prefix_cache_mb}")
         if not MIN_BODY_MB <= self.max_body_mb < math.inf:
-            raise ConfigError(f"max-body-mb must be a number >= {MIN_BODY_MB} (a request's body), got {self.max_body_mb}")
-        if self.replicas < 1 or not 0 < self.replica_cpus < math.inf:
-            raise ConfigError("replicas must be >= 1 and replica-cpus a number > 0")
+            raise ConfigError(f"max_body_mb must be a number >= {MIN_BODY_MB} (a request's body), got {self.max_body_mb}")
+        if self.replicas < 1:
+            raise ConfigError(f"replicas must be >= 1, got {self.replicas}")
+        if not 0 < self.replica_cpus < math.inf:
+            raise ConfigError(f"replica_cpus must be a number > 0, got {self.replica_cpus}")
         for name in ("api_key", "served_name", "allowed_hosts", "ray_cluster"):  # (empty: a key anyone sends, a name no one, any host)
             value = getattr(self, name)
             parts = value.split(",") if name == "allowed_hosts" and value is not None else [value]

@@ -1,5 +1,7 @@
 """Errors that speculant reports to users as one line (CLI exit code 2, server 4xx)."""
 
+import sys
+
 
 class SpeculantError(Exception):
     """Base class: the message is complete and meant for the user."""
@@ -32,3 +34,9 @@ class ModelNotAvailable(SpeculantError):
 
 class IncompatibleModels(SpeculantError):
     """Target and drafter cannot be paired (different tokenizers or vocabularies)."""
+
+
+def interrupted() -> int:
+    """The CLI's answer to Ctrl-C: one line, and exit code 130 (128 + SIGINT), as a shell's."""
+    print("speculant: interrupted", file=sys.stderr)
+    return 130

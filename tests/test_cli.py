@@ -76,11 +76,11 @@ def test_sampling_with_seed_is_reproducible(model_dirs, capsys):
         (["--max-new-tokens", "0"], "max-new-tokens"),
         (["--device", "cuda:7"], "not available"),
         (["--method", "sd", "--drafter", "none"], "needs a drafter"),
-        (["--method", "cascade"], "option 'drafter' does not apply to method 'cascade'"),
-        (["--k-matrix", "2"], "option 'k_matrix' does not apply to method 'sd' (it belongs to cascade"),
+        (["--method", "cascade"], "option '--drafter' does not apply to method 'cascade'"),
+        (["--k-matrix", "2"], "option '--k-matrix' does not apply to method 'sd' (it belongs to cascade"),
         (["--method", "tree", "--verify-width", "0"], "verify-width"),
         (["--method", "tree", "--depth", "-2"], "depth must be an integer >= 1 or auto"),
-        (["--verify-width", "3"], "option 'verify_width' does not apply to method 'sd' (it belongs to tree"),
+        (["--verify-width", "3"], "option '--verify-width' does not apply to method 'sd' (it belongs to tree"),
         (["--method", "tree", "--depth", "deep"], "bad value 'deep' for depth"),
         (["--method", "tree", "--target-profile", "missing.json"], "target profile not found"),
         (["--method", "dsi", "--servers", "0"], "servers must be in 1..64, got 0"),
@@ -91,9 +91,9 @@ def test_sampling_with_seed_is_reproducible(model_dirs, capsys):
         (["--method", "dsi", "--servers", "2", "--target-devices", "cpu"], "1 target devices given for 2"),
         (["--method", "dsi", "--servers", "2", "--lookahead", "1", "--twin-latency", "30,3"], "needs 10"),
         (["--method", "dsi", "--twin-latency", "3,30"], "as slow as the target"),
-        (["--servers", "2"], "option 'servers' does not apply to method 'sd' (it belongs to dsi"),
-        (["--draft-confidence", "1"], "draft-confidence must lie in [0, 1)"),
-        (["--method", "tree", "--draft-confidence", "0.5"], "option 'draft_confidence' does not apply to method 'tree'"),
+        (["--servers", "2"], "option '--servers' does not apply to method 'sd' (it belongs to dsi"),
+        (["--draft-confidence", "1"], "--draft-confidence must lie in [0, 1)"),
+        (["--method", "tree", "--draft-confidence", "0.5"], "option '--draft-confidence' does not apply to method 'tree'"),
         (["--drafter", "maxgram", "--draft-confidence", "0.5"], "needs a model drafter"),
         (["--method", "tree", "--drafter", "maxgram"], "method 'tree' needs a model drafter (self or a model's"),
         (["--timeline", "x.png"], "--timeline applies to --method dsi only"),
@@ -495,6 +495,23 @@ def test_ctrl_c_is_one_line_and_exit_130(capsys, monkeypatch):
     assert capsys.readouterr().err == "speculant: interrupted\n"
 
 
+def test_ctrl_c_while_the_cli_s_modules_load_is_one_line_too(capsys, monkeypatch):
+    """The `speculant` command imports the CLI inside its handler (a Ctrl-C there printed a traceback)."""
+    import importlib.abc
+    import sys
+
+    from speculant.__main__ import main
+
+    class Interrupting(importlib.abc.MetaPathFinder):
+        def find_spec(self, name, path, target=None):
+            if name == "speculant.cli":
+                raise KeyboardInterrupt
+
+    monkeypatch.delitem(sys.modules, "speculant.cli")
+    monkeypatch.setattr(sys, "meta_path", [Interrupting(), *sys.meta_path])
+    assert main() == 130 and capsys.readouterr().err == "speculant: interrupted\n"
+
+
 def test_a_finished_run_is_reported_again_though_a_file_its_specs_name_is_gone(capsys, tmp_path):
     """`--report-from` builds no method's options (it runs none): a tree spec whose target profile was a file since
     removed is reported again, its speedup over `ar` from the rows."""
@@ -557,9 +574,9 @@ def test_a_flag_given_where_it_does_nothing_is_one_line_never_ignored(capsys, tm
         (["bench", "--report-from", str(saved), "--no-compile"], "--compile would change nothing"),
         (["bench", "--dataset", "humaneval[:-1]"], "A and B >= 0"),
         (["bench", "--methods", "sd:"], "'sd:' ends with ':' but gives no option"),
-        (["generate", "x", "--method", "tree", "--draft-graph", "nosuch"], "bad value 'nosuch' for draft_graph: on or off"),
+        (["generate", "x", "--method", "tree", "--draft-graph", "nosuch"], "bad value 'nosuch' for --draft-graph: on or off"),
         (["generate", "x", "--method", "cascade", "--drafters", "maxgram", "--k", "3", "--k-matrix", "2"],
-         "give k or k_matrix, not both"),
+         "give '--k' or '--k-matrix', not both: 'cascade' would use '--k-matrix' only"),
         (["generate", "x", "--method", "dsi", "--drafter", "maxgram", "--twin-latency", "1e308,1e308"],
          "numbers from 0 to 60000"),
         ([*one, "--seed", "-1"], "seed must be >= 0"),
@@ -600,7 +617,7 @@ def test_a_flag_given_where_it_does_nothing_is_one_line_never_ignored(capsys, tm
         (["generate", "x", "--method", "cascade", "--drafters", "self,maxgram", "--drafter-dtype", "fp32"],
          "loads none"),
         (["generate", "x", "--method", "dsi", "--drafters", "maxgram", "--drafter-dtype", "fp32"], "loads none"),
-        (["generate", "x", "--method", "dsi", "--ray-address", "auto"], "add executor ray"),
+        (["generate", "x", "--method", "dsi", "--ray-address", "auto"], "--ray-address names the cluster executor 'ray' runs on: give executor 'ray' too"),
         (["generate", "x", "--method", "dsi", "--drafter", "maxgram", "--timeline", str(tmp_path / "t.txt")],
          "'txt' is no image format matplotlib writes"),
         (["generate", "x", "--temperature", "0.5", "--seed", str(1 << 64)], "seed must be a 64-bit integer"),
@@ -612,7 +629,7 @@ def test_a_flag_given_where_it_does_nothing_is_one_line_never_ignored(capsys, tm
         (["acceptance", "--drafter", "maxgram"], "must name models"),
         (["profile", "--drafter", "suffix"], "runs no model forwards"),
         (["generate", "x", "--method", "tree", "--depth", "1_0"], "bad value '1_0' for depth"),
-        (["generate", "x", "--method", "auto", "--tree-widths", "2,,3"], "bad value '2,,3' for tree_widths"),
+        (["generate", "x", "--method", "auto", "--tree-widths", "2,,3"], "bad value '2,,3' for --tree-widths"),
         (["peers", "build-llamacpp", "--jobs", "0"], "--jobs must be >= 1"),
         (["generate", "x", "--drafter", "maxgram", "--bigram-corpus", str(tmp_path / "empty.txt")],
          "bigram corpus file is empty"),
@@ -626,10 +643,12 @@ def test_a_flag_given_where_it_does_nothing_is_one_line_never_ignored(capsys, tm
         (["serve", "--method", "tree", "--drafter", "self@skip", "--backend", "static"], "--backend lean)"),
         (["generate", "x", "--method", "dsi", "--drafter", "maxgram", "--target-devices", "gpu"], "unknown device 'gpu'"),
         (["generate", "x", "--method", "dsi", "--drafter", "maxgram", "--drafters", "maxgram"],
-         "give drafter or drafters, not both"),
-        (["bench", "--methods", "ar", "dsi:drafter=maxgram,drafters=maxgram"], "give drafter or drafters, not both"),
+         "give '--drafter' or '--drafters', not both"),
+        (["bench", "--methods", "ar", "dsi:drafter=maxgram,drafters=maxgram"], "give 'drafter' or 'drafters', not both"),
+        (["bench", "--methods", "ar", "auto:k_max=0"], "error: k_max must be >= 1, got 0 in 'auto:k_max=0'"),  # (a spec's)
+        (["generate", "x", "--method", "auto", "--k-max", "0"], "error: --k-max must be >= 1, got 0"),  # (a flag's)
         (["generate", "x", "--method", "auto", "--drafters", "maxgram", "--tree-widths", "4"],
-         "tree_widths applies to model drafters"),
+         "--tree-widths applies to model drafters"),
         (["bench", "--temperature", "0.7", "--methods", "ar:temperature=0", "sd:temperature=0,k=2"],
          "--temperature reaches no method: each of this run's sets its own temperature"),
         (["bench", "--dtype", "fp32", "--methods", "ar:dtype=bf16"], "--dtype reaches no method"),

@@ -172,7 +172,7 @@ def test_generate_refuses_what_it_cannot_take_in_one_line_and_takes_numpy_and_to
             (dict(logit_bias=[(7, 5.0)]), "logit_bias must map token ids"),
             (dict(response_format="json_object"), "response_format must be a mapping"),
             (dict(session={}), "session must be a speculant Session"),
-            (dict(method="dsi", drafter="self", drafters="maxgram"), "give drafter or drafters, not both"),
+            (dict(method="dsi", drafter="self", drafters="maxgram"), "give 'drafter' or 'drafters', not both"),
             (dict(method="auto", drafters=["maxgram", target], tree_widths="3,"), "comma-separated integers"),
             (dict(method="dsi", drafter="maxgram", executor=None), "executor is one of"),
             (dict(method="dsi", drafter="maxgram", twin_latency=(3, "x")), "twin_latency is text"),

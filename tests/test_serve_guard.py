@@ -25,7 +25,7 @@ from test_serve import SlowDrafter, engine_for, serving, submitted, wait_until
 from speculant import generate
 from speculant.config import SamplingConfig, ServeConfig
 from speculant.drafters.base import Draft, Drafter
-from speculant.errors import ConfigError
+from speculant.errors import ConfigError, OptionError
 from speculant.methods import get_method
 from speculant.methods.registry import METHODS, request_options
 from speculant.models import load_model
@@ -189,6 +189,12 @@ def test_a_request_s_default_drafters_are_the_server_s_whatever_other_requests_a
     after = [engine.options_for(method, {"k": 3} if method == "sd" else {}) for method in ("sd", "cascade")]
     assert [(s.name, o) for s, o in before] == [(s.name, o) for s, o in after]
     assert after[0][1].drafter is engine.options.drafter and after[1][1].drafters == (engine.options.drafter,)
+    # a drafter the server was handed as a model is listed, and named by a request, by its name
+    named = engine.options.drafter.name
+    assert engine.models == [named, "maxgram"]
+    with pytest.raises(OptionError, match=f"'foo' is not loaded on this server \\(loaded: {named}, maxgram\\)$"):
+        engine.options_for("sd", {"drafter": "foo"})
+    assert str(engine.options_for("sd", {"drafter": named})[1].drafter) == named
     engine.close()
 
 
@@ -486,6 +492,11 @@ def test_the_api_key_guards_every_route_but_health_and_the_page_and_the_flags_op
                 response = client.request(method, route.path, json={})
                 assert (response.status_code != 401) == (route.path in open_routes), (route.path, response.text)
             assert {"/docs", "/openapi.json"} <= {r.path for r in app.routes} or not config.docs
+    with TestClient(create_app(engine, "tiny", ServeConfig(api_key="k"))) as client:
+        assert client.get("/v1/models", headers={"authorization": "bearer k"}).status_code == 200
+        for twice in ([("authorization", "Bearer wrong"), ("authorization", "Bearer k")],
+                      [("authorization", "Bearer k"), ("authorization", "Bearer wrong")]):  # neither is chosen
+            is_error(client.get("/v1/models", headers=twice), 401)
     with TestClient(create_app(engine, "tiny", ServeConfig(allowed_hosts="api.example"))) as client:
         is_error(client.get("/v1/models"), 400)
         assert client.get("/v1/models", headers={"host": "api.example"}).status_code == 200

@@ -552,3 +552,54 @@ def test_python_callers_get_one_clear_error_where_a_raw_one_came_from_deep_insid
     asked.set()
     reader.join(60)
     assert first == alone and stream.result is not None
+
+
+def test_drafter_names_a_meta_model_and_a_generation_asked_for_inside_a_step_are_refused_in_one_line():
+    """A drafter named by no text (auto's estimates are kept by name: a TypeError deep inside), two of auto's drafters
+    of one name (their acceptance mixed), a transformers model built on the meta device (torch's RuntimeError at the
+    first forward) and a drafter that calls generate() on the target it drafts for (the target's own decoder closed
+    from inside its step: Python's ValueError): each a ConfigError naming the cause. A user's drafter named after a
+    built-in learns its acceptance apart from it."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    target = tiny_model("llama", 5, VOCAB)
+    prompt = random_prompt(5, VOCAB, 8) * 3
+
+    class Named(Drafter):
+        def __init__(self, name):
+            self.name = name
+
+        def propose(self, context, k):
+            return Draft([])
+
+    for method, drafters in (("sd", {"drafter": Named(["x"])}), ("auto", {"drafters": [Named(["x"]), "maxgram"]})):
+        with pytest.raises(ConfigError, match=r"a drafter's name is a non-empty text, got \['x'\] \(Named\)"):
+            generate(target, prompt_ids=prompt, method=method, max_new_tokens=3, **drafters)
+    with pytest.raises(ConfigError, match="two of auto's drafters are named 'drafter'"):
+        generate(target, prompt_ids=prompt, method="auto", drafters=[Named("drafter"), Named("drafter")],
+                 max_new_tokens=3)
+    one = Named("mine")
+    session = Session(target)
+    expected = generate(target, prompt_ids=prompt, method="ar", max_new_tokens=20).token_ids
+    for drafters in ([one, one, "maxgram", "maxgram"], [Named("maxgram")]):  # (one drafter twice is still one)
+        assert generate(target, prompt_ids=prompt, method="auto", drafters=drafters, max_new_tokens=20,
+                        session=session).token_ids == expected
+    learned = {name.split(" (")[0] for name in session.acceptance if name.endswith(".Named)")}
+    assert "maxgram" in session.acceptance and learned == {"mine", "maxgram"}, session.acceptance.keys()
+    with torch.device("meta"):
+        meta = LlamaForCausalLM(LlamaConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=64,
+                                            num_hidden_layers=1, num_attention_heads=4, num_key_value_heads=4))
+    for run in (lambda: load_model(meta), lambda: generate(meta, prompt_ids=[1, 2], method="ar", max_new_tokens=2)):
+        with pytest.raises(ConfigError, match="the model's weights are on the meta device"):
+            run()
+
+    class Reentrant(Drafter):
+        name = "reentrant"
+
+        def propose(self, context, k):
+            generate(target, prompt_ids=list(context), method="ar", max_new_tokens=2)
+            return Draft([])
+
+    with pytest.raises(ConfigError, match="asked for from inside a step of another on the same model"):
+        generate(target, prompt_ids=prompt, method="sd", drafter=Reentrant(), max_new_tokens=4)
+    assert generate(target, prompt_ids=prompt, method="ar", max_new_tokens=20).token_ids == expected

@@ -89,6 +89,8 @@ class Checked(Drafter):
     def __init__(self, inner: Drafter, vocab_size: int):
         self.inner, self.vocab_size = inner, vocab_size
         self.name = getattr(inner, "name", type(inner).__name__)
+        if not isinstance(self.name, str) or not self.name:  # (stats and auto's estimates are kept by name)
+            raise ConfigError(f"a drafter's name is a non-empty text, got {self.name!r} ({type(inner).__name__})")
         if inner.match_length is not None:
             self.match_length = self._match_length
 

@@ -95,7 +95,7 @@ class AutoOptions:
         if self.k_max < 1:
             raise ConfigError(f"k_max must be >= 1, got {self.k_max}")
         if not 0 <= self.draft_confidence < 1:
-            raise ConfigError(f"draft-confidence must lie in [0, 1), got {self.draft_confidence}")
+            raise ConfigError(f"draft_confidence must lie in [0, 1), got {self.draft_confidence}")
         if isinstance(self.tree_widths, str):
             try:
                 object.__setattr__(self, "tree_widths", parse_widths(self.tree_widths))
@@ -176,7 +176,7 @@ def build(request: Request, options: AutoOptions) -> Any:
     what the last ones observed."""
     from speculant.decoding.adaptive import Batched, Candidate, Rescaled, adaptive, can_pay, batched_catch_up
     from speculant.decoding.run import ending
-    from speculant.drafters.base import Drafter
+    from speculant.drafters.base import Checked, Drafter
     from speculant.drafters.cascade import CascadeDrafter
     from speculant.drafters.cross_vocab import model_drafter
     from speculant.drafters.maxgram import MaxGramDrafter
@@ -191,9 +191,15 @@ def build(request: Request, options: AutoOptions) -> Any:
     cost = Rescaled(session.profile(target).cost_at, session.timings)
     speed = cost.timings.speed  # the machine's drift: the drafters' forwards share it
     candidates, begun, models, trees = [], [], 0, 0
+    sources: dict[str, Any] = {}  # by name: what auto learns of a drafter is kept by its name
     for spec in options.drafters if options.drafters is not None else target.default_drafters():
         source = session.drafter(spec, options.drafter_dtype)  # named: loaded once; an object: the caller's
-        estimates = session.estimates(source.name)
+        if sources.setdefault(source.name, getattr(source, "inner", source)) is not getattr(source, "inner", source):
+            raise OptionError("drafters", f"two of auto's drafters are named '{source.name}': auto learns each "
+                                          "drafter's acceptance by its name, so give each its own")
+        # a user's Drafter learns apart from a built-in of its name (and from another class of that name)
+        estimates = session.estimates(source.name if not isinstance(source, Checked) else
+                                      f"{source.name} ({type(source.inner).__qualname__})")
         if isinstance(source, Drafter):  # model-free: a lookup (known before the choice) or a user's drafter
             drafter = source.begin(request.prompt_ids)
             begun.append(drafter)

@@ -154,7 +154,7 @@ def check_given_pairs(built: Any, method: str, given: Mapping[str, Any]) -> None
 
 
 def pair_error(one: str, other: str, method: str) -> OptionError:
-    return OptionError(other, f"give {one} or {other}, not both: '{method}' would use {other} only")
+    return OptionError(other, f"give '{one}' or '{other}', not both: '{method}' would use '{other}' only")
 
 
 def check_names(options: type, method: str, given: Iterable[str], offered: Sequence[str] | None = None) -> None:

@@ -23,7 +23,7 @@ class SDOptions(DrafterOptions):
         if self.k < 1:
             raise ConfigError(f"k must be >= 1, got {self.k}")
         if not 0 <= self.draft_confidence < 1:
-            raise ConfigError(f"draft-confidence must lie in [0, 1), got {self.draft_confidence}")
+            raise ConfigError(f"draft_confidence must lie in [0, 1), got {self.draft_confidence}")
         if self.draft_confidence and model_free(self.drafter):
             raise ConfigError(f"draft_confidence needs a model drafter, not {self.drafter.kind}")
 

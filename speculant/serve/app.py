@@ -462,7 +462,9 @@ class Guard:
             if found is None or found["name"] not in self.hosts:
                 shown = found["name"] if found else ", ".join(named) or "none"
                 return await answer(ApiError(400, f"host '{shown}' is not served here", code="invalid_host"))
-        scheme, _, given = headers.get(b"authorization", b"").strip().partition(b" ")  # (a scheme in any case)
+        # one Authorization header, naming its scheme in any case (of two, a proxy's and a client's, neither is chosen)
+        keys = [value for name, value in scope.get("headers", ()) if name == b"authorization"]
+        scheme, _, given = (keys[0] if len(keys) == 1 else b"").strip().partition(b" ")
         if self.key is not None and scope["path"] not in self.open_paths and \
                 not (scheme.lower() == b"bearer" and hmac.compare_digest(given.strip(), self.key.encode())):
             return await answer(ApiError(401, "missing or wrong API key (send 'Authorization: Bearer KEY')",

@@ -229,7 +229,7 @@ class Engine:
         if metrics:
             metrics.prefix_bytes.set_function(lambda: self.session.prefixes.bytes)
             metrics.queue_depth.set_function(lambda: self.batcher.waiting)
-        self.drafters: dict[str, Any] = {}  # spec -> the served model (or Drafter) requests draft with
+        self.drafters: dict[str, Any] = {}  # spec (an object's name) -> the served model (or Drafter) requests draft with
         self.options = options
         self.batcher.run(lambda: with_drafters(options, self._load))
         self.served = tuple(self.drafters)  # the server's own drafters: a request's defaults, whatever others added
@@ -241,7 +241,9 @@ class Engine:
         self._running_apart: set[threading.Thread] = set()
 
     def _load(self, spec: Any) -> Any:
-        key = str(spec)
+        key = str(spec) if isinstance(spec, (str, DrafterSpec)) else getattr(spec, "name", type(spec).__name__)
+        if key in self.drafters and self.drafters[key] is not spec and not isinstance(spec, (str, DrafterSpec)):
+            raise ConfigError(f"two drafters are named '{key}': a request names a server's drafter by its name")
         if key not in self.drafters:
             if isinstance(spec, DrafterSpec) and spec.kind == SELF and not (spec.quant or spec.skip):
                 self.drafters[key] = self.target  # its rows share the target's weights (and its batched forwards)
