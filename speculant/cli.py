@@ -146,8 +146,9 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--report-from", default=None, metavar="RESULTS.json",
                        help="run nothing: report a finished run's results.json again (with --baseline, --out)")
     bench.add_argument("--baseline", default=None, metavar="METHOD",
-                       help="speedups over this method of the list, e.g. llamacpp-cli-ar (default: each method's over "
-                            "the first ar that samples as it does, else the first ar)")
+                       help="speedups over this method of the list, e.g. llamacpp-cli-ar, or default: each method's "
+                            "over the first ar that samples as it does, else the first ar (a run reported again: the "
+                            "baseline it was reported over)")
     add_options(bench, ModelConfig)
     bench.add_argument("--out", default=None, help="directory for results.json and report.md")
     bench.set_defaults(out_kind=DIRECTORY)
@@ -486,7 +487,7 @@ def run_bench(args: argparse.Namespace, argv: Sequence[str]) -> None:
                           "apply)")
     methods = [parse_method(m, build=not saved) for m in (saved["config"]["methods"] if saved else args.methods)]
     ran_over = saved["config"].get("baseline") if saved else None  # (a run reported again keeps its baseline)
-    baseline = args.baseline if args.baseline is not None else ran_over
+    baseline = ran_over if args.baseline is None else None if args.baseline == "default" else args.baseline
     if len({m.label for m in methods}) != len(methods):
         raise ConfigError("each method may be listed once")
     if baseline is not None and baseline not in {m.label for m in methods}:
@@ -503,9 +504,11 @@ def run_bench(args: argparse.Namespace, argv: Sequence[str]) -> None:
             raise ConfigError(f"{args.report_from}: rows of {stray[0]}, which its config's methods do not list")
         check_cells(rows, [m.label for m in methods], args.report_from)
         command = saved["config"]["command"]
-        if baseline != ran_over:  # another than it ran over (an earlier report's note is replaced)
-            command = re.sub(r" \(reported with --baseline [^)]*\)$", "", command) + \
-                f" (reported with --baseline {baseline})"
+        if baseline != ran_over:  # another than it ran over: noted, unless the command's own (an earlier note replaced)
+            command = re.sub(r" \(reported with --baseline [^)]*\)$", "", command)
+            own = re.search(r" --baseline[= ](\S+)", command)
+            if baseline != (own[1] if own else None):
+                command += f" (reported with --baseline {baseline or 'default'})"
         machine, title = saved["config"]["machine"], f"{args.report_from}; {saved['config']['machine']}"
     else:
         rows = measure_bench(args, methods)

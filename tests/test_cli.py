@@ -529,7 +529,7 @@ def test_a_finished_run_is_reported_again_though_a_file_its_specs_name_is_gone(c
 def test_a_run_reported_again_keeps_the_baseline_it_ran_over_unless_told_another(capsys, tmp_path):
     """`--report-from` without `--baseline` reports over the baseline the run was reported over (it fell back to the
     first `ar` while the command it printed still named the run's own); another baseline is noted after the command,
-    once however often the run is reported again."""
+    once however often the run is reported again, and `--baseline default` returns to each method's own `ar`."""
     rows = [{"prompt_id": "p", "category": "code", "method": method, "repeat": 0, "target": "t", "token_ids": [1, 2],
              "stats": {"new_tokens": 2, "wall_s": wall_s, "ttft_s": 0.1}}
             for method, wall_s in (("ar", 1.0), ("sd", 0.5), ("sd:k=2", 0.25))]
@@ -549,8 +549,10 @@ def test_a_run_reported_again_keeps_the_baseline_it_ran_over_unless_told_another
     speedup, command, _ = again(saved, "over-ar", "--baseline", "ar")
     assert (speedup, command) == (4.0, "c --baseline sd (reported with --baseline ar)")
     assert again(tmp_path / "over-ar" / "results.json", "still-ar")[:2] == (4.0, command)
-    assert again(tmp_path / "over-ar" / "results.json", "back", "--baseline", "sd")[:2] == \
-        (2.0, "c --baseline sd (reported with --baseline sd)")
+    assert again(tmp_path / "over-ar" / "results.json", "back", "--baseline", "sd")[:2] == (2.0, "c --baseline sd")
+    speedup, command, report = again(tmp_path / "over-ar" / "results.json", "default", "--baseline", "default")
+    assert (speedup, command) == (4.0, "c --baseline sd (reported with --baseline default)")  # (each over its ar)
+    assert again(tmp_path / "default" / "results.json", "back-again", "--baseline", "sd")[:2] == (2.0, "c --baseline sd")
 
 
 def test_a_flag_given_where_it_does_nothing_is_one_line_never_ignored(capsys, tmp_path):
