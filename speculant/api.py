@@ -381,6 +381,12 @@ class Hold:
                 holders = [held for held in map(holder, self.models)
                            if held is not None and held is not self and not held.ended]
                 if all(any(held is other for other in others) for held in holders):
+                    if stepping := [held for held in holders if getattr(held.decoder, "gi_running", False)]:
+                        # (this thread, inside a step of the generation it would end: a drafter's propose)
+                        shared = [m.name for m in self.models if any(m is other for other in stepping[0].models)]
+                        raise ConfigError(f"a generation on {', '.join(shared)} was asked for from inside a step of "
+                                          "another on the same model: a model's KV cache runs one generation at a "
+                                          "time; load another instance of it")
                     for held in holders:
                         held.end()
                     for model in self.models:
@@ -392,10 +398,6 @@ class Hold:
     def end(self) -> None:
         """End the generation where it is (under the locks): its decoder closed, its threads stopped."""
         with self.locked():
-            if getattr(self.decoder, "gi_running", False):  # (this thread, inside its step: a drafter's propose)
-                raise ConfigError(f"a generation on {', '.join(model.name for model in self.models)} was asked for "
-                                  "from inside a step of another on the same model: a model's KV cache runs one "
-                                  "generation at a time; load another instance of it")
             if self.decoder is not None:
                 self.decoder.close()
                 self.ended = True

@@ -29,6 +29,7 @@ from speculant.config import (
     default_of,
     flag,
     from_args,
+    from_flags,
     integer,
     number,
     reach_ray,
@@ -387,7 +388,7 @@ def run_generate(args: argparse.Namespace) -> None:
 
     given = {name: getattr(args, name) for name in all_options() if getattr(args, name) is not None}
     method = get_method(resolve_method(args.method, given))
-    options = method.parse_options(given)
+    options = from_flags(lambda: method.parse_options(given), all_options())
     sampling = from_args(SamplingConfig, args)
     check_sampled(sampling, args.given, flag)
     method.check_verifier(args.given, flag)
@@ -739,7 +740,8 @@ def run_acceptance(args: argparse.Namespace) -> None:
     check_dtype(args.drafter_dtype, [as_drafter(name) for name in names])
     check_models([args.target], names, model_free=False)
     for name in names:
-        check_target(args.target, config, get_method("sd").parse_options({"drafter": name}))
+        check_target(args.target, config, from_flags(lambda: get_method("sd").parse_options({"drafter": name}),
+                                                     ["drafter"]))
     target = load_model(args.target, dtype=config.dtype, device=config.device, backend=config.backend,
                         compile=config.compile)
     session = Session(target)
@@ -783,7 +785,8 @@ def run_train_depth(args: argparse.Namespace) -> None:
     config = from_args(ModelConfig, args)
     prompts = load_dataset(args.prompts or args.dataset or CORPUS)
     check_models([args.target], [args.drafter], model_free=False)
-    check_target(args.target, config, get_method("tree").parse_options({"drafter": args.drafter}))
+    check_target(args.target, config, from_flags(lambda: get_method("tree").parse_options({"drafter": args.drafter}),
+                                                 ["drafter"]))
     check_dtype(args.drafter_dtype, [as_drafter(args.drafter)])
     target = load_model(args.target, dtype=config.dtype, device=config.device, backend=config.backend,
                         compile=config.compile)
@@ -821,7 +824,7 @@ def run_serve(args: argparse.Namespace) -> None:
     model_config = from_args(ModelConfig, args)
     given = {name: getattr(args, name) for name in all_options() if getattr(args, name) is not None}
     method = get_method(resolve_method(args.method, given))
-    options = method.parse_options(given)
+    options = from_flags(lambda: method.parse_options(given), all_options())
     check_models([args.target], held_drafters(options), takes_model_free(options))
     check_target(args.target, model_config, options, serving_backend(model_config))
     served_name = config.served_name or args.target
@@ -1087,29 +1090,10 @@ def non_negative(text: str) -> float:
     return value
 
 
-OPTION = re.compile(r"(?<![\w-])[a-z][a-z0-9]*(_[a-z0-9]+)*(?![\w-])")  # a word, or a name like k_max
-
-
-def as_flags(message: str, argv: Sequence[str]) -> str:
-    """A library's message names options as Python callers and the server's clients give them (`k_max`); where the
-    command line gave one as a flag, the message names the flag (`--k-max`): a name of two words or more wherever it
-    stands, a one-word name where it is quoted ("option 'k'") or opens a sentence on what it must be ('k must be >= 1'),
-    not in prose ('the drafter's vocabulary'). A name in a spec (`bench --methods sd:k=0`) stays."""
-    given = {arg.split("=")[0] for arg in argv if arg.startswith("--")}
-
-    def named(found: re.Match) -> str:
-        word, before = found[0], message[:found.start()]
-        opens = (not before or before.endswith((": ", "; "))) and message[found.end():].startswith(" must ")
-        spelled = "_" in word or opens or before.endswith("'") and message[found.end():].startswith("'")
-        return flag(word) if spelled and flag(word) in given else word
-
-    return OPTION.sub(named, message)
-
-
 def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
-    args = build_parser().parse_args(argv)
     try:
+        args = build_parser().parse_args(argv)  # (a usage error exits 2 from inside)
         check_outputs(args)
         check_needs(args)
         if args.command == "generate":
@@ -1137,8 +1121,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                 raise ConfigError(f"--jobs must be >= 1, got {args.jobs}")
             build(args.jobs, say=lambda line: print(line, file=sys.stderr))
     except SpeculantError as error:  # (one line, whatever a library's message spanned)
-        message = " ".join(line.strip() for line in str(error).splitlines())
-        print(f"speculant: error: {as_flags(message, argv)}", file=sys.stderr)
+        print(f"speculant: error: {' '.join(line.strip() for line in str(error).splitlines())}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
         return interrupted()

@@ -17,7 +17,7 @@ import os
 import re
 import types
 import typing
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Collection, Iterable
 from dataclasses import MISSING, Field, dataclass, field, fields
 from pathlib import Path
 from typing import Any, TypeVar
@@ -429,5 +429,30 @@ def parse_flag(f: Field, text: str) -> Any:
 
 
 def from_args(config: type[T], args: argparse.Namespace) -> T:
-    """Build a config dataclass from parsed options (validation happens in the dataclass)."""
-    return config(**{f.name: getattr(args, f.name) for f in fields(config)})
+    """Build a config dataclass from parsed options (validation happens in the dataclass; its refusal names flags)."""
+    return from_flags(lambda: config(**{f.name: getattr(args, f.name) for f in fields(config)}),
+                      [f.name for f in fields(config)])
+
+
+OPTION = re.compile(r"(?<![\w-])[a-z][a-z0-9]*(_[a-z0-9]+)*(?![\w-])")  # a word, or a name like k_max
+
+
+def from_flags(make: Callable[[], T], names: Collection[str]) -> T:
+    """`make()`, whose options `names` came from the command line's flags: a refusal names them as flags. A message
+    names an option as Python callers and the server's clients give it (`k_max`); here `--k-max` where the name opens
+    it ('k must be >= 1', 'tree_widths applies to ...'; a word alone: only before "must"), is quoted ("option 'k'", "give 'k' or 'k_matrix'") or follows
+    "for" as the option refused ("bad value 'x' for tree_widths"); not in prose ('the drafter's vocabulary'), a path
+    or a list of what a method takes."""
+    try:
+        return make()
+    except ConfigError as error:
+        message, option = str(error), getattr(error, "option", None)
+
+        def named(found: re.Match) -> str:
+            word, before, after = found[0], message[:found.start()], message[found.end():]
+            opens = not before and after.startswith(" must " if "_" not in word else " ")
+            spelled = opens or before.endswith("'") and after.startswith("'") or \
+                word == option and before.endswith("for ")
+            return flag(word) if spelled and word in names else word
+
+        raise ConfigError(OPTION.sub(named, message)) from None

@@ -81,7 +81,7 @@ def test_sampling_with_seed_is_reproducible(model_dirs, capsys):
         (["--method", "tree", "--verify-width", "0"], "verify-width"),
         (["--method", "tree", "--depth", "-2"], "depth must be an integer >= 1 or auto"),
         (["--verify-width", "3"], "option '--verify-width' does not apply to method 'sd' (it belongs to tree"),
-        (["--method", "tree", "--depth", "deep"], "bad value 'deep' for depth"),
+        (["--method", "tree", "--depth", "deep"], "bad value 'deep' for --depth"),
         (["--method", "tree", "--target-profile", "missing.json"], "target profile not found"),
         (["--method", "dsi", "--servers", "0"], "servers must be in 1..64, got 0"),
         (["--method", "dsi", "--servers", "3000"], "servers must be in 1..64, got 3000"),
@@ -454,7 +454,7 @@ def test_argparse_errors_exit_2(capsys):
         cli.main(["generate", "hi", "--temperature", "warm"])
     assert exit_info.value.code == 2
     assert cli.main(["generate", "hi", "--k", "two"]) == 2
-    assert "bad value 'two' for k" in capsys.readouterr().err
+    assert "bad value 'two' for --k" in capsys.readouterr().err
 
 
 def test_a_flag_given_twice_empty_or_abbreviated_is_a_usage_error(capsys):
@@ -619,7 +619,7 @@ def test_a_flag_given_where_it_does_nothing_is_one_line_never_ignored(capsys, tm
         (["generate", "x", "--method", "cascade", "--drafters", "self,maxgram", "--drafter-dtype", "fp32"],
          "loads none"),
         (["generate", "x", "--method", "dsi", "--drafters", "maxgram", "--drafter-dtype", "fp32"], "loads none"),
-        (["generate", "x", "--method", "dsi", "--ray-address", "auto"], "--ray-address names the cluster executor 'ray' runs on: give executor 'ray' too"),
+        (["generate", "x", "--method", "dsi", "--ray-address", "auto"], "--ray-address names a Ray cluster: it applies with '--executor' ray"),
         (["generate", "x", "--method", "dsi", "--drafter", "maxgram", "--timeline", str(tmp_path / "t.txt")],
          "'txt' is no image format matplotlib writes"),
         (["generate", "x", "--temperature", "0.5", "--seed", str(1 << 64)], "seed must be a 64-bit integer"),
@@ -630,7 +630,7 @@ def test_a_flag_given_where_it_does_nothing_is_one_line_never_ignored(capsys, tm
         (["simulate", "heatmap", "--out", str(tmp_path / "h"), "--ndim", "1000"], "repeats) 180360180 > 10000000"),
         (["acceptance", "--drafter", "maxgram"], "must name models"),
         (["profile", "--drafter", "suffix"], "runs no model forwards"),
-        (["generate", "x", "--method", "tree", "--depth", "1_0"], "bad value '1_0' for depth"),
+        (["generate", "x", "--method", "tree", "--depth", "1_0"], "bad value '1_0' for --depth"),
         (["generate", "x", "--method", "auto", "--tree-widths", "2,,3"], "bad value '2,,3' for --tree-widths"),
         (["peers", "build-llamacpp", "--jobs", "0"], "--jobs must be >= 1"),
         (["generate", "x", "--drafter", "maxgram", "--bigram-corpus", str(tmp_path / "empty.txt")],
@@ -647,8 +647,17 @@ def test_a_flag_given_where_it_does_nothing_is_one_line_never_ignored(capsys, tm
         (["generate", "x", "--method", "dsi", "--drafter", "maxgram", "--drafters", "maxgram"],
          "give '--drafter' or '--drafters', not both"),
         (["bench", "--methods", "ar", "dsi:drafter=maxgram,drafters=maxgram"], "give 'drafter' or 'drafters', not both"),
-        (["bench", "--methods", "ar", "auto:k_max=0"], "error: k_max must be >= 1, got 0 in 'auto:k_max=0'"),  # (a spec's)
-        (["generate", "x", "--method", "auto", "--k-max", "0"], "error: --k-max must be >= 1, got 0"),  # (a flag's)
+        # a name in a bench spec as the spec gave it, though a flag of that name is given; a flag's as a flag
+        (["bench", "--methods", "ar:top_k=0", "--top-k", "5", "--temperature", "1"],
+         "error: top_k must be >= 1, got 0 in 'ar:top_k=0'"),
+        (["bench", "--methods", "sd:top_p=2,k=0", "--top-p", "0.9", "--temperature", "1"],
+         "error: k must be >= 1, got 0 in 'sd:top_p=2,k=0'"),
+        (["generate", "x", "--method", "auto", "--k-max", "0"], "error: --k-max must be >= 1, got 0"),
+        (["generate", "x", "--method", "sd", "--k-max", "3", "--draft-confidence", "0.5"],
+         "option '--k-max' does not apply to method 'sd' (it belongs to auto; 'sd' takes: drafter, drafter_dtype, k, "
+         "draft_confidence)"),  # (a list of names stays one spelling)
+        (["generate", "x", "--method", "tree", "--depth-predictor", "depth_predictor"],  # (a path, whatever its name)
+         "error: depth predictor not found: depth_predictor (make one"),
         (["generate", "x", "--method", "auto", "--drafters", "maxgram", "--tree-widths", "4"],
          "--tree-widths applies to model drafters"),
         (["bench", "--temperature", "0.7", "--methods", "ar:temperature=0", "sd:temperature=0,k=2"],

@@ -197,6 +197,26 @@ def test_a_request_s_default_drafters_are_the_server_s_whatever_other_requests_a
     assert str(engine.options_for("sd", {"drafter": named})[1].drafter) == named
     engine.close()
 
+    class Named(Drafter):
+        def __init__(self, name):
+            self.name = name
+
+        def propose(self, context, k):
+            return Draft([])
+
+    # a user's Drafter object serves requests that give options (its check is what the server holds); a name of a
+    # built-in, or of another drafter, would stand for two: refused as the server starts
+    for method, options, asked in (("sd", {"drafter": Named("mine")}, {"k": 3}),
+                                   ("auto", {"drafters": (Named("mine"), "maxgram")}, {"k_max": 4})):
+        engine = engine_for(method, **options)
+        assert engine.models == ["mine", "maxgram"] and engine.options_for(method, asked)[0].name == method
+        engine.close()
+    for options, taken in (({"drafter": Named("maxgram")}, "a drafter object is named 'maxgram', as a built-in"),
+                           ({"drafter": Named("self")}, "a drafter object is named 'self', as a built-in"),
+                           ({"drafters": (Named("a"), Named("a"))}, "two of the server's drafters go by 'a'")):
+        with pytest.raises(ConfigError, match=taken):
+            engine_for("auto" if "drafters" in options else "sd", **options)
+
 
 def test_a_request_naming_one_of_a_pair_of_options_is_not_overruled_by_the_other_s_default():
     """DSI runs `drafters` where given, else `drafter`; a cascade its `k_matrix` where given, else k per level. A
@@ -496,7 +516,8 @@ def test_the_api_key_guards_every_route_but_health_and_the_page_and_the_flags_op
         assert client.get("/v1/models", headers={"authorization": "bearer k"}).status_code == 200
         for twice in ([("authorization", "Bearer wrong"), ("authorization", "Bearer k")],
                       [("authorization", "Bearer k"), ("authorization", "Bearer wrong")]):  # neither is chosen
-            is_error(client.get("/v1/models", headers=twice), 401)
+            assert is_error(client.get("/v1/models", headers=twice), 401)["message"] == \
+                "2 Authorization headers: send one"
     with TestClient(create_app(engine, "tiny", ServeConfig(allowed_hosts="api.example"))) as client:
         is_error(client.get("/v1/models"), 400)
         assert client.get("/v1/models", headers={"host": "api.example"}).status_code == 200

@@ -554,12 +554,12 @@ def test_python_callers_get_one_clear_error_where_a_raw_one_came_from_deep_insid
     assert first == alone and stream.result is not None
 
 
-def test_drafter_names_a_meta_model_and_a_generation_asked_for_inside_a_step_are_refused_in_one_line():
-    """A drafter named by no text (auto's estimates are kept by name: a TypeError deep inside), two of auto's drafters
-    of one name (their acceptance mixed), a transformers model built on the meta device (torch's RuntimeError at the
-    first forward) and a drafter that calls generate() on the target it drafts for (the target's own decoder closed
-    from inside its step: Python's ValueError): each a ConfigError naming the cause. A user's drafter named after a
-    built-in learns its acceptance apart from it."""
+def test_drafter_names_a_meta_model_and_a_generation_asked_for_inside_a_step_are_refused_in_one_line(monkeypatch):
+    """A drafter named by no text (auto's estimates are kept by name: a TypeError deep inside), a transformers model
+    built on the meta device (torch's RuntimeError at the first forward) and a drafter that calls generate() on the
+    target it drafts for (the target's own decoder closed from inside its step: Python's ValueError): each a
+    ConfigError naming the cause. What auto learns of a drafter is its own: a user's drafter named after a built-in,
+    two drafters of one name and two registered drafters whose classes name them nothing each learn apart."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
     target = tiny_model("llama", 5, VOCAB)
@@ -575,17 +575,20 @@ def test_drafter_names_a_meta_model_and_a_generation_asked_for_inside_a_step_are
     for method, drafters in (("sd", {"drafter": Named(["x"])}), ("auto", {"drafters": [Named(["x"]), "maxgram"]})):
         with pytest.raises(ConfigError, match=r"a drafter's name is a non-empty text, got \['x'\] \(Named\)"):
             generate(target, prompt_ids=prompt, method=method, max_new_tokens=3, **drafters)
-    with pytest.raises(ConfigError, match="two of auto's drafters are named 'drafter'"):
-        generate(target, prompt_ids=prompt, method="auto", drafters=[Named("drafter"), Named("drafter")],
-                 max_new_tokens=3)
     one = Named("mine")
     session = Session(target)
     expected = generate(target, prompt_ids=prompt, method="ar", max_new_tokens=20).token_ids
-    for drafters in ([one, one, "maxgram", "maxgram"], [Named("maxgram")]):  # (one drafter twice is still one)
+    # one drafter twice is one; two of one name (left unnamed) are numbered; registered, one goes by its registration
+    monkeypatch.setattr(registry, "DRAFTERS", dict(registry.DRAFTERS))
+    register_drafter("unnamed-a")(lambda target: Named("drafter"))
+    register_drafter("unnamed-b")(lambda target: Named("drafter"))
+    for drafters in ([one, one, "maxgram", "maxgram"], [Named("maxgram")], [Named("drafter"), Named("drafter")],
+                     ["unnamed-a", "unnamed-b"]):
         assert generate(target, prompt_ids=prompt, method="auto", drafters=drafters, max_new_tokens=20,
                         session=session).token_ids == expected
     learned = {name.split(" (")[0] for name in session.acceptance if name.endswith(".Named)")}
-    assert "maxgram" in session.acceptance and learned == {"mine", "maxgram"}, session.acceptance.keys()
+    assert "maxgram" in session.acceptance and learned == {"mine", "maxgram", "drafter", "drafter #2", "unnamed-a",
+                                                           "unnamed-b"}, session.acceptance.keys()
     with torch.device("meta"):
         meta = LlamaForCausalLM(LlamaConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=64,
                                             num_hidden_layers=1, num_attention_heads=4, num_key_value_heads=4))

@@ -86,9 +86,9 @@ class Checked(Drafter):
     made p/q infinite, and rows that are not distributions voided the output's).
     Everything else is the drafter's own."""
 
-    def __init__(self, inner: Drafter, vocab_size: int):
+    def __init__(self, inner: Drafter, vocab_size: int, name: str | None = None):
         self.inner, self.vocab_size = inner, vocab_size
-        self.name = getattr(inner, "name", type(inner).__name__)
+        self.name = name or getattr(inner, "name", type(inner).__name__)
         if not isinstance(self.name, str) or not self.name:  # (stats and auto's estimates are kept by name)
             raise ConfigError(f"a drafter's name is a non-empty text, got {self.name!r} ({type(inner).__name__})")
         if inner.match_length is not None:

@@ -89,14 +89,17 @@ def check_compatible(target: Any, drafter: Any) -> None:
         )
 
 
-def checked(drafter: Any, target: Any) -> Any:
+def checked(drafter: Any, target: Any, registered: str | None = None) -> Any:
     """A drafter from outside speculant (a user's object or registered factory's), its drafts checked
-    (`drafters.base.Checked`); speculant's own as they are."""
-    from speculant.drafters.base import Checked
+    (`drafters.base.Checked`); speculant's own as they are. A registered one whose class names it nothing of its own
+    goes by the name it was registered under."""
+    from speculant.drafters.base import Checked, Drafter
 
     own = getattr(type(drafter).propose, "__module__", "").startswith("speculant.")  # (a subclass of one of
     # speculant's drafters that keeps its propose is speculant's: cascade's levels, say, recognise it)
-    return drafter if own or isinstance(drafter, Checked) else Checked(drafter, target.vocab_size)
+    if own or isinstance(drafter, Checked):
+        return drafter
+    return Checked(drafter, target.vocab_size, registered if getattr(drafter, "name", None) == Drafter.name else None)
 
 
 def load_drafter(drafter: Any, target: Any, dtype: str | None = None, session: Any = None) -> Any:
@@ -115,7 +118,7 @@ def load_drafter(drafter: Any, target: Any, dtype: str | None = None, session: A
         return checked(drafter, target)
     target = unwrapped(target)  # drafters stand on the model, not on what records or biases its logits
     if model_free(drafter):
-        return checked(make_drafter(drafter.source, target, session), target)
+        return checked(make_drafter(drafter.source, target, session), target, drafter.source)
     if isinstance(drafter, DrafterSpec) and drafter.kind == SELF:
         return target.self_drafter(drafter)
     if drafter is target:  # a model drafting for itself needs a KV cache of its own

@@ -167,6 +167,18 @@ def bounds(options: AutoOptions, names: Collection[str]) -> None:
                           f"got {widest} x {options.k_max}")
 
 
+def own_name(source: Any, named: dict[str, list[Any]]) -> str:
+    """`source`'s name among a request's drafters: its own, and where another drafter of its name came before (two
+    user Drafters left unnamed, two models of one class), its own numbered ("drafter #2"), so that what auto learns
+    and records of each stays its own. One drafter given twice is one."""
+    own = getattr(source, "inner", source)  # (a user's Drafter as given, not its check)
+    those = named.setdefault(source.name, [])
+    if not any(own is other for other in those):
+        those.append(own)
+    n = next(i for i, other in enumerate(those) if own is other)
+    return source.name if n == 0 else f"{source.name} #{n + 1}"
+
+
 @register("auto", AutoOptions, "chooses drafter, chain, tree or cascade and draft length every step from measured "
           "costs and acceptance (plain decoding where nothing pays)", bounds, chains=True)
 def build(request: Request, options: AutoOptions) -> Any:
@@ -191,20 +203,18 @@ def build(request: Request, options: AutoOptions) -> Any:
     cost = Rescaled(session.profile(target).cost_at, session.timings)
     speed = cost.timings.speed  # the machine's drift: the drafters' forwards share it
     candidates, begun, models, trees = [], [], 0, 0
-    sources: dict[str, Any] = {}  # by name: what auto learns of a drafter is kept by its name
+    named: dict[str, list[Any]] = {}  # the distinct drafters of each name, in the order given
     for spec in options.drafters if options.drafters is not None else target.default_drafters():
         source = session.drafter(spec, options.drafter_dtype)  # named: loaded once; an object: the caller's
-        if sources.setdefault(source.name, getattr(source, "inner", source)) is not getattr(source, "inner", source):
-            raise OptionError("drafters", f"two of auto's drafters are named '{source.name}': auto learns each "
-                                          "drafter's acceptance by its name, so give each its own")
-        # a user's Drafter learns apart from a built-in of its name (and from another class of that name)
-        estimates = session.estimates(source.name if not isinstance(source, Checked) else
-                                      f"{source.name} ({type(source.inner).__qualname__})")
+        name = own_name(source, named)
+        # what auto learns is kept by name: a user's Drafter apart from a built-in of its name
+        estimates = session.estimates(name if not isinstance(source, Checked) else
+                                      f"{name} ({type(source.inner).__qualname__})")
         if isinstance(source, Drafter):  # model-free: a lookup (known before the choice) or a user's drafter
             drafter = source.begin(request.prompt_ids)
             begun.append(drafter)
             match = drafter.match_length
-            candidates.append(Candidate(source.name, drafter, 0.0, 0.0 if match is not None else FREE_PRIOR, match,
+            candidates.append(Candidate(name, drafter, 0.0, 0.0 if match is not None else FREE_PRIOR, match,
                                         estimates, measured=match is None))  # (a user's: its drafts' time, once seen)
             continue
         models += 1
@@ -219,8 +229,8 @@ def build(request: Request, options: AutoOptions) -> Any:
         drafter = model_drafter(cache, target, request.sampling, request.generator,
                                 draft_confidence=options.draft_confidence, pairs=session.vocab_pairs)
         step_s = profile.tpot_s * drafter.tokens_per_target_token(request.prompt_ids)
-        scale = session.scale(source.name)
-        chain = Candidate(source.name, drafter, step_s, MODEL_PRIOR, estimates=estimates,
+        scale = session.scale(name)
+        chain = Candidate(name, drafter, step_s, MODEL_PRIOR, estimates=estimates,
                           catch_up=catch_up_cost(drafter, profile, session.prefixes), scale=scale, speed=speed,
                           growth=lambda length, profile=profile: profile.cost_at(1, length) / profile.cost(1))
         candidates.append(chain)
@@ -233,11 +243,11 @@ def build(request: Request, options: AutoOptions) -> Any:
                 continue
             if not can_pay(profile.cost(width), cost, k_max, width):
                 continue
-            name = f"{source.name} tree{width}"
+            tree_name = f"{name} tree{width}"
             # the chain's cache: whichever drafts next catches up from it
             tree = TreeDrafter(drafter.cache, width, verifier=target)
-            candidates.append(Candidate(name, tree, profile.cost(width), TREE_PRIOR,
-                                        estimates=session.estimates(name), width=width,
+            candidates.append(Candidate(tree_name, tree, profile.cost(width), TREE_PRIOR,
+                                        estimates=session.estimates(tree_name), width=width,
                                         catch_up=catch_up_cost(tree, profile, session.prefixes), chain=chain,
                                         scale=scale,
                                         speed=speed, growth=lambda length, profile=profile, width=width:

@@ -357,8 +357,9 @@ def _load_transformers(spec: Any, dtype: str | None, device: str | None, tokeniz
     if isinstance(spec, PreTrainedModel):
         first = next(spec.parameters())
         if any(t.is_meta for t in (*spec.parameters(), *spec.buffers())):  # (built under `torch.device("meta")`)
-            raise ConfigError("the model's weights are on the meta device, shapes without values: load its weights "
-                              "(from_pretrained, or to_empty() then load_state_dict()) before passing it in")
+            raise ConfigError("the model's weights are on the meta device, shapes without values (or offloaded, "
+                              "device_map's disk or CPU offload): load them whole (from_pretrained without offload, "
+                              "or to_empty() then load_state_dict()) before passing it in")
         torch_device = resolve_device(device) if device is not None else first.device
         torch_dtype = DTYPES[resolve_dtype(dtype, torch_device)] if dtype is not None else first.dtype
         dtype_name(torch_dtype)

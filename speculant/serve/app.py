@@ -467,7 +467,8 @@ class Guard:
         scheme, _, given = (keys[0] if len(keys) == 1 else b"").strip().partition(b" ")
         if self.key is not None and scope["path"] not in self.open_paths and \
                 not (scheme.lower() == b"bearer" and hmac.compare_digest(given.strip(), self.key.encode())):
-            return await answer(ApiError(401, "missing or wrong API key (send 'Authorization: Bearer KEY')",
+            return await answer(ApiError(401, "missing or wrong API key (send 'Authorization: Bearer KEY')" if
+                                         len(keys) < 2 else f"{len(keys)} Authorization headers: send one",
                                          code="invalid_api_key"))
         declared = headers.get(b"content-length", b"")
         if declared.isdigit() and int(declared) > self.max_body:

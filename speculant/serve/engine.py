@@ -230,6 +230,7 @@ class Engine:
             metrics.prefix_bytes.set_function(lambda: self.session.prefixes.bytes)
             metrics.queue_depth.set_function(lambda: self.batcher.waiting)
         self.drafters: dict[str, Any] = {}  # spec (an object's name) -> the served model (or Drafter) requests draft with
+        self.given: dict[str, Any] = {}  # an object's name -> the object as the server was given it
         self.options = options
         self.batcher.run(lambda: with_drafters(options, self._load))
         self.served = tuple(self.drafters)  # the server's own drafters: a request's defaults, whatever others added
@@ -241,15 +242,35 @@ class Engine:
         self._running_apart: set[threading.Thread] = set()
 
     def _load(self, spec: Any) -> Any:
-        key = str(spec) if isinstance(spec, (str, DrafterSpec)) else getattr(spec, "name", type(spec).__name__)
-        if key in self.drafters and self.drafters[key] is not spec and not isinstance(spec, (str, DrafterSpec)):
-            raise ConfigError(f"two drafters are named '{key}': a request names a server's drafter by its name")
+        """The served drafter for `spec`, loaded once: a request names it by its spec, or by the name of an object the
+        server was given (neither the name of another drafter nor a built-in's, which requests may always name)."""
+        from speculant.drafters.registry import DRAFTERS
+
+        given = not isinstance(spec, (str, DrafterSpec))
+        name = getattr(spec, "name", None)
+        key = str(spec) if not given else name if isinstance(name, str) and name else type(spec).__name__
+        if given and (key == SELF or key in DRAFTERS):
+            raise ConfigError(f"a drafter object is named '{key}', as a built-in drafter that requests may name: give "
+                              "it a name of its own")
+        if given and self.given.get(key, spec) is not spec or given and key in self.drafters and key not in self.given:
+            raise ConfigError(f"two of the server's drafters go by '{key}', by which a request names one: give the "
+                              "drafter object a name of its own")
+        if given:
+            self.given[key] = spec
         if key not in self.drafters:
             if isinstance(spec, DrafterSpec) and spec.kind == SELF and not (spec.quant or spec.skip):
                 self.drafters[key] = self.target  # its rows share the target's weights (and its batched forwards)
             else:
                 self.drafters[key] = self.session.drafter(spec, getattr(self.options, "drafter_dtype", None))
         return self.drafters[key]
+
+    def loaded_for(self, drafter: Any) -> Any | None:
+        """What the server loaded for a request's `drafter`: by its spec or name, or the object it was given (or
+        loaded); None where it loaded nothing for it."""
+        if isinstance(drafter, (str, DrafterSpec)):
+            return self.drafters.get(str(drafter))
+        return next((loaded for key, loaded in self.drafters.items()
+                     if drafter is loaded or drafter is self.given.get(key)), None)
 
     @property
     def models(self) -> list[str]:
@@ -303,7 +324,7 @@ class Engine:
         check_capabilities(options, self.target)
         for name, drafters in drafters_by_field(options).items():
             for drafter in drafters:
-                if not any(drafter is m for m in self.drafters.values()) and str(drafter) not in self.drafters:
+                if self.loaded_for(drafter) is None:
                     raise OptionError(name, f"drafter '{drafter}' is not loaded on this server (loaded: "
                                       f"{', '.join(self.drafters)})")
         on_own_thread(spec.name, options)
@@ -361,7 +382,8 @@ class Engine:
             return rows[id(model)]
 
         def for_request(held: Any) -> Any:
-            loaded = self.drafters.get(str(held), held)
+            loaded = self.loaded_for(held)
+            loaded = held if loaded is None else loaded
             return row(loaded, lambda call, name=loaded.name: steps.on_drafter(call, name)) \
                 if isinstance(loaded, CausalLM) else loaded
 
