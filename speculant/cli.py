@@ -36,7 +36,7 @@ from speculant.config import (
     with_default,
 )
 from speculant.errors import ConfigError, SpeculantError, interrupted
-from speculant.methods.drafting import check_dtype, held_drafters, takes_model_free
+from speculant.methods.drafting import check_dtype, held_drafters, takes_model_free, with_default_drafter
 from speculant.methods.registry import METHODS, all_options, chain_methods, get_method
 
 
@@ -397,8 +397,9 @@ def run_generate(args: argparse.Namespace) -> None:
     if not args.prompt.strip():
         raise ConfigError("the prompt is empty")
     check_prompt(args.prompt)  # (bytes the shell passed that are not UTF-8: Python keeps them as lone surrogates)
+    check_models([args.target], held_drafters(options), takes_model_free(options))
+    options = from_flags(lambda: with_default_drafter(options, args.target), all_options())
     sources = held_drafters(options)
-    check_models([args.target], sources, takes_model_free(options))
     check_target(args.target, model_config, options)
     own = method.name == "auto" and options.drafters is None  # auto's own drafters: Max-Gram among them
     if args.bigram_corpus and not own and not any(isinstance(d, DrafterSpec) and d.kind == MAXGRAM for d in sources):
@@ -826,6 +827,7 @@ def run_serve(args: argparse.Namespace) -> None:
     method = get_method(resolve_method(args.method, given))
     options = from_flags(lambda: method.parse_options(given), all_options())
     check_models([args.target], held_drafters(options), takes_model_free(options))
+    options = from_flags(lambda: with_default_drafter(options, args.target), all_options())
     check_target(args.target, model_config, options, serving_backend(model_config))
     served_name = config.served_name or args.target
     if config.own_ray:  # (on a cluster, its own HTTP proxy binds the port, maybe on another node)

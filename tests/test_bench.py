@@ -24,7 +24,7 @@ def test_method_specs_parse():
     assert parse_method("ar").dtype is None and parse_method("sd").options.k == 4
     assert parse_method("sd:k=15,draft_confidence=0.4").options.draft_confidence == 0.4
     tree = parse_method("tree:depth=3,width=auto")
-    assert (tree.options.depth, tree.options.width, str(tree.options.drafter)) == (3, "auto", "qwen2.5-coder-0.5b")
+    assert (tree.options.depth, tree.options.width, str(tree.options.drafter)) == (3, "auto", "default")
     cascade = parse_method("cascade:drafters=a@int8,b,maxgram,k_matrix=2,1,1;0,2,1;0,0,3,leniency=2,dtype=fp32")
     assert ([str(d) for d in cascade.options.drafters], cascade.options.k_matrix, cascade.options.leniency,
             cascade.dtype) == (["a@int8", "b", "maxgram"], [[2, 1, 1], [0, 2, 1], [0, 0, 3]], 2.0, "fp32")

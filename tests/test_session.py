@@ -606,3 +606,35 @@ def test_drafter_names_a_meta_model_and_a_generation_asked_for_inside_a_step_are
     with pytest.raises(ConfigError, match="asked for from inside a step of another on the same model"):
         generate(target, prompt_ids=prompt, method="sd", drafter=Reentrant(), max_new_tokens=4)
     assert generate(target, prompt_ids=prompt, method="ar", max_new_tokens=20).token_ids == expected
+
+
+def test_a_method_s_default_drafter_is_the_target_s_catalog_drafter_else_maxgram(monkeypatch):
+    """A drafter left unnamed is `default`: the catalog's drafter for a target loaded under its catalog name, else
+    Max-Gram, which any target runs (it was the catalog's 0.5B for every target, loaded to draft across vocabularies
+    for a model of the caller's own). Where only a model drafts, or a drafter dtype is given, a target the catalog
+    pairs none with is refused, naming why; a server lists and names what `default` stands for."""
+    from speculant.drafters.spec import DEFAULT, MAXGRAM, DrafterSpec, resolved
+    from speculant.methods import get_method
+    from speculant.methods.drafting import with_default_drafter
+
+    assert str(resolved(DrafterSpec.parse(DEFAULT), "qwen2.5-coder-1.5b@lean")) == "qwen2.5-coder-0.5b"
+    assert str(resolved(DrafterSpec.parse(DEFAULT), "./my-model")) == MAXGRAM
+    with pytest.raises(ConfigError, match="takes no suffix"):
+        DrafterSpec.parse("default@int8")
+    target = tiny_model("llama", 5, VOCAB)
+    prompt = random_prompt(5, VOCAB, 8) * 3
+    expected = generate(target, prompt_ids=prompt, method="ar", max_new_tokens=20).token_ids
+    for method in ("sd", "dsi"):
+        result = generate(target, prompt_ids=prompt, method=method, max_new_tokens=20)
+        assert result.token_ids == expected and not result.stats.drafter_forwards  # (Max-Gram runs no model)
+    assert str(with_default_drafter(get_method("sd").make_options({}), target.name).drafter) == MAXGRAM
+    for kwargs, refused in ((dict(method="tree"), "method 'tree' needs a model drafter, and the catalog pairs none "
+                                                  "with tiny-llama-5: name one"),
+                            (dict(method="sd", drafter_dtype="bf16"), "drafter dtype bf16 applies to a model drafter")):
+        with pytest.raises(ConfigError, match=refused):
+            generate(target, prompt_ids=prompt, max_new_tokens=4, **kwargs)
+    from test_serve import engine_for
+
+    engine = engine_for("sd", drafter=DEFAULT)
+    assert engine.models == [MAXGRAM] and str(engine.options_for("sd", {"drafter": DEFAULT})[1].drafter) == DEFAULT
+    engine.close()

@@ -1,4 +1,5 @@
-"""Drafter specs, parsed in one place: a registered drafter (`maxgram`, `suffix`, a user's), `self`, `self@int8`,
+"""Drafter specs, parsed in one place: `default` (the target's own: `resolved`), a registered drafter (`maxgram`,
+`suffix`, a user's), `self`, `self@int8`,
 `self@skip`, `NAME`, `NAME@int4`, `NAME@gguf`, `NAME@lean` (a catalog name, Hugging Face id or path; @gguf: its
 GGUF on llama.cpp; @lean: its GGUF on speculant's kernels with FR-Spec's head); and `load_drafter`, which turns a
 spec (or a model, or a Drafter) into what drafts for a given target. Parsing needs no torch (the CLI reads specs
@@ -17,6 +18,7 @@ MAXGRAM = "maxgram"  # prompt lookup with a bigram fallback, no model (drafters.
 SELF = "self"  # the target's own weights (quantized with @int8 / @int4, else shared)
 SKIP = "skip"  # self@skip: a lean target's own weights with some layers left out (models/backends/layer_skip.py)
 MODEL = "model"  # the kind of a spec naming a model to load (a catalog name, Hugging Face id or path)
+DEFAULT = "default"  # the target's catalog drafter where the catalog pairs it one, else maxgram (`resolved`)
 
 
 @dataclass(frozen=True)
@@ -32,10 +34,10 @@ class DrafterSpec:
 
     @property
     def kind(self) -> str:
-        """`self`, a registered drafter's name, or `model`."""
+        """`default`, `self`, a registered drafter's name, or `model`."""
         from speculant.drafters.registry import is_registered
 
-        return self.source if self.source == SELF or is_registered(self.source) else MODEL
+        return self.source if self.source in (DEFAULT, SELF) or is_registered(self.source) else MODEL
 
     def __str__(self) -> str:
         suffix = self.quant or self.backend or (SKIP if self.skip else None)
@@ -59,6 +61,9 @@ class DrafterSpec:
             raise ConfigError(f"@{SKIP} leaves layers of the target out: write self@{SKIP}, not '{text}'")
         if suffix and is_registered(source):
             raise ConfigError(f"{source} runs no model; it takes no quantization")
+        if suffix and source == DEFAULT:
+            raise ConfigError(f"{DEFAULT} is the target's own drafter, as the catalog pairs them; it takes no suffix: "
+                              "name the drafter to give one")
         if source == SELF and suffix in (GGUF, LEAN):
             raise ConfigError(f"self@{suffix} is the target itself: run the target on that backend and draft with "
                               "'self'")
@@ -68,8 +73,24 @@ class DrafterSpec:
 
 def model_free(drafter: Any) -> bool:
     """Whether `drafter` is the spec of a registered drafter that runs no model (Max-Gram, suffix): neither `self`
-    nor a model to load."""
-    return isinstance(drafter, DrafterSpec) and drafter.kind not in (SELF, MODEL)
+    nor a model to load (nor `default`, which may be one)."""
+    return isinstance(drafter, DrafterSpec) and drafter.kind not in (DEFAULT, SELF, MODEL)
+
+
+def resolved(drafter: Any, target: str, model_only: str = "") -> Any:
+    """`drafter`, or for `default` the drafter it stands for with the target named `target`: the catalog's drafter for
+    a target loaded under its catalog name (as the method loads a model it names), else Max-Gram, which every target
+    can run (a model of the catalog's would draft across vocabularies for any other target: loaded, rarely paying).
+    Where only a model drafts (`model_only` names who: "method 'tree'"), a target the catalog pairs none with is
+    refused."""
+    from speculant.models.catalog import catalog_drafter
+
+    if not (isinstance(drafter, DrafterSpec) and drafter.kind == DEFAULT):
+        return drafter
+    if (named := catalog_drafter(target)) is None and model_only:
+        raise ConfigError(f"{model_only} needs a model drafter, and the catalog pairs none with {target}: name one "
+                          "(self, or a model's name)")
+    return DrafterSpec.parse(named or MAXGRAM)
 
 
 def as_drafter(value: Any) -> Any:
@@ -113,7 +134,10 @@ def load_drafter(drafter: Any, target: Any, dtype: str | None = None, session: A
     from speculant.models import CausalLM, load_model
     from speculant.models.base import unwrapped
 
-    drafter = as_drafter(drafter)
+    given, drafter = as_drafter(drafter), resolved(as_drafter(drafter), target.name)
+    if drafter is not given and dtype is not None and model_free(drafter):
+        raise ConfigError(f"drafter dtype {dtype} applies to a model drafter, and the catalog pairs none with "
+                          f"{target.name} (its default drafter is {drafter}): name one")
     if isinstance(drafter, Drafter):
         return checked(drafter, target)
     target = unwrapped(target)  # drafters stand on the model, not on what records or biases its logits

@@ -7,8 +7,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, fields, replace
 from typing import Any, ClassVar
 
-from speculant.config import BACKENDS, DEFAULT_DRAFTER, option
-from speculant.drafters.spec import MODEL, SELF, DrafterSpec, as_drafter, model_free
+from speculant.config import BACKENDS, option
+from speculant.drafters.spec import DEFAULT, MODEL, SELF, DrafterSpec, as_drafter, model_free, resolved
 from speculant.errors import ConfigError, OptionError
 
 DRAFTER_DTYPES = ("bf16", "fp32")
@@ -34,7 +34,8 @@ def as_drafters(value: Any) -> tuple[Any, ...] | None:
 
 @dataclass(frozen=True)
 class DrafterOptions:
-    drafter: Any = option(DEFAULT_DRAFTER, "drafter: a model NAME[@int8|@int4|@gguf|@lean] (its tokenizer may differ "
+    drafter: Any = option(DEFAULT, "drafter: default (the target's catalog drafter where the catalog pairs it one, else "
+                          "maxgram), a model NAME[@int8|@int4|@gguf|@lean] (its tokenizer may differ "
                           "from the target's; @gguf: its GGUF on llama.cpp, @lean: on speculant's kernels), "
                           "self[@int8|@int4|@skip] (the target's own weights; @skip: with layers left out, lean "
                           "backend), maxgram (prompt lookup with a bigram fallback), suffix (suffix decoding over the "
@@ -81,9 +82,12 @@ def check_drafters(options: Any) -> None:
 
 def takes_dtype(drafter: Any) -> bool:
     """Whether `drafter` is the spec of a model that loads in a drafter dtype: not a GGUF run as stored (`@gguf`,
-    `@lean`, a .gguf file), not `self` (the target's weights) nor a drafter that runs no model."""
-    return (isinstance(drafter, DrafterSpec) and drafter.kind == MODEL and drafter.backend is None
-            and not drafter.source.endswith(".gguf"))
+    `@lean`, a .gguf file), not `self` (the target's weights) nor a drafter that runs no model. `default` may stand
+    for one (where it stands for none, loading it refuses the dtype: `spec.load_drafter`)."""
+    if not isinstance(drafter, DrafterSpec):
+        return False
+    return drafter.kind == DEFAULT or (drafter.kind == MODEL and drafter.backend is None
+                                       and not drafter.source.endswith(".gguf"))
 
 
 def check_dtype(dtype: str | None, drafters: Sequence[Any]) -> None:
@@ -161,6 +165,15 @@ def check_capabilities(options: Any, target: Any) -> None:
     if need := unmet(options, target.capabilities):
         raise OptionError(need[2], f"{need[1]}: the target's backend does not offer that "
                                    f"({elsewhere(options, 'load it on the {} backend')})")
+
+
+def with_default_drafter(options: Any, target: str) -> Any:
+    """`options` with a `default` drafter replaced by the drafter it stands for with the target named `target`
+    (`spec.resolved`; refused where only a model drafts and the catalog pairs none): what the CLI and a server load
+    and name."""
+    drafter = getattr(options, "drafter", None)
+    stands_for = resolved(drafter, target, getattr(options, "MODEL_ONLY", ""))
+    return options if stands_for is drafter else replace(options, drafter=stands_for)
 
 
 def with_drafters(options: Any, load: Callable[[Any], Any]) -> Any:

@@ -18,11 +18,11 @@ from typing import Any
 
 from speculant.api import check_request, decoded_target
 from speculant.config import SamplingConfig, ServeConfig, default_of
-from speculant.drafters.spec import MAXGRAM, SELF, DrafterSpec
+from speculant.drafters.spec import MAXGRAM, SELF, DrafterSpec, as_drafter, resolved
 from speculant.errors import ConfigError, OptionError
 from speculant.methods import Request, get_method
 from speculant.methods.auto import with_own_drafters
-from speculant.methods.drafting import check_capabilities, drafters_by_field, with_drafters
+from speculant.methods.drafting import check_capabilities, drafters_by_field, with_default_drafter, with_drafters
 from speculant.models.base import Call, CausalLM, Interrupted
 from speculant.models.wrappers.constrained import Constraint
 from speculant.models.wrappers.logprobs import TokenLogprob
@@ -220,7 +220,8 @@ class Engine:
         self.batcher = Batcher(max_batch, metrics.batch if metrics else None)
         self.target = self.batcher.run(target) if callable(target) and not isinstance(target, CausalLM) else target
         self.method = get_method(method)
-        options = options if options is not None else self.method.make_options({})
+        options = with_default_drafter(options if options is not None else self.method.make_options({}),
+                                       self.target.name)
         check_capabilities(options, self.target)
         if self.method.name == "auto":
             options = with_own_drafters(options, self.target)
@@ -268,7 +269,7 @@ class Engine:
         """What the server loaded for a request's `drafter`: by its spec or name, or the object it was given (or
         loaded); None where it loaded nothing for it."""
         if isinstance(drafter, (str, DrafterSpec)):
-            return self.drafters.get(str(drafter))
+            return self.drafters.get(str(resolved(as_drafter(drafter), self.target.name)))
         return next((loaded for key, loaded in self.drafters.items()
                      if drafter is loaded or drafter is self.given.get(key)), None)
 

@@ -131,9 +131,11 @@ def check_width(width: int | str, model: Any, field: str = "width") -> None:
 def build(request: Request, options: TreeOptions) -> Any:
     from speculant.trees.decoder import tree_speculative
     from speculant.trees.shape import tree_shape
+    from speculant.drafters.spec import resolved
     from speculant.trees.drafter import TreeDrafter
 
-    model = tree_drafter_model(request.session.drafter(options.drafter, options.drafter_dtype), request.target)
+    drafter = resolved(options.drafter, request.target.name, options.MODEL_ONLY)  # (`default`: a model, or refused)
+    model = tree_drafter_model(request.session.drafter(drafter, options.drafter_dtype), request.target)
     check_width(options.width, model)
     profile = options.target_profile
     shape = tree_shape(request.target, model, request.prompt_ids, options.depth, options.width, options.verify_width,
@@ -171,7 +173,7 @@ def tree_drafter_model(model: Any, target: Any) -> Any:
     from speculant.drafters.vocab import same_vocabulary
 
     if isinstance(model, Drafter):
-        raise ConfigError("method 'tree' needs a model drafter")
+        raise ConfigError(f"method 'tree' needs a model drafter (self or a model's name), not {model.name}")
     if not same_vocabulary(target, model) or model.vocab_size != target.vocab_size:
         raise ConfigError(f"method 'tree' needs a drafter with the target's vocabulary; '{model.name}' has another "
                           "(it can draft chains: sd, auto, cascade, dsi)")
