@@ -17,7 +17,7 @@ from speculant.decoding.stats import GenerationStats
 from speculant.errors import ConfigError, RequestError, SpeculantError
 from speculant.methods import Request, get_method
 from speculant.methods.registry import check_given_pairs
-from speculant.methods.drafting import check_capabilities, held_drafters, takes_model_free
+from speculant.methods.drafting import check_capabilities, held_drafters, takes_model_free, with_default_drafter
 from speculant.models import load_model
 from speculant.models.catalog import check_name
 from speculant.models.wrappers.biased import Biased, check_bias_type
@@ -266,6 +266,7 @@ def generate(
     check_models([target] if isinstance(target, str) else [], held_drafters(method_options),
                  takes_model_free(method_options))
     target = load_model(target)
+    method_options = with_default_drafter(method_options, target.name)
     check_capabilities(method_options, target)
     if prompt_ids is None:
         prompt_ids = encode_prompt(target.tokenizer, prompt, chat)

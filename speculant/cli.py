@@ -509,7 +509,7 @@ def run_bench(args: argparse.Namespace, argv: Sequence[str]) -> None:
         if baseline != ran_over:  # another than it ran over: noted, unless the command's own (an earlier note replaced)
             command = re.sub(r" \(reported with --baseline [^)]*\)$", "", command)
             own = re.search(r" --baseline[= ](\S+)", command)
-            if baseline != (own[1] if own else None):
+            if baseline != (own[1] if own and own[1] != "default" else None):
                 command += f" (reported with --baseline {baseline or 'default'})"
         machine, title = saved["config"]["machine"], f"{args.report_from}; {saved['config']['machine']}"
     else:
@@ -589,8 +589,12 @@ def measure_bench(args: argparse.Namespace, methods: list[Any]) -> list[Any]:
     if any(m.method in CLI_PEERS for m in methods):
         tool("llama-completion")  # llama.cpp's tools are built: one line now, before any model loads
     check_models([args.target])
-    for method in methods:  # (each method's drafters, named as that method takes them)
-        check_models([], held_drafters(method.options), takes_model_free(method.options))
+    for i, method in enumerate(methods):  # (each method's drafters, named as that method takes them; `default`: the
+        check_models([], held_drafters(method.options), takes_model_free(method.options))  # target's, or refused)
+        try:
+            methods[i] = replace(method, options=with_default_drafter(method.options, args.target))
+        except ConfigError as error:
+            raise ConfigError(f"{error} in '{method.label}'") from None
     model_config = from_args(ModelConfig, args)
     for method in methods:
         try:  # (a peer's backend too: llama.cpp's refuses weights that are no GGUF)
@@ -670,7 +674,7 @@ def run_profile(args: argparse.Namespace) -> None:
     from speculant.api import check_models, encode_prompt
     from speculant.latency import check_room, machine_profile, profile_model
     from speculant.bench.datasets import load_dataset
-    from speculant.drafters.spec import as_drafter, model_free
+    from speculant.drafters.spec import as_drafter, model_free, resolved
     from speculant.models import load_model
     from speculant.session import Session
 
@@ -679,8 +683,10 @@ def run_profile(args: argparse.Namespace) -> None:
         raise ConfigError("context length and repeats must be >= 1")
     config = from_args(ModelConfig, args)
     prompts = load_dataset(args.dataset) if widths else []
-    if args.drafter and model_free(as_drafter(args.drafter)):
-        raise ConfigError(f"'{args.drafter}' runs no model forwards to profile")
+    if args.drafter and model_free(drafter := resolved(as_drafter(args.drafter), args.model)):  # (`default`: its own)
+        raise ConfigError(f"'{args.drafter}' runs no model forwards to profile" +
+                          (f" (the catalog pairs no drafter with {args.model})" if str(drafter) != args.drafter else ""))
+    args.drafter = args.drafter and str(resolved(as_drafter(args.drafter), args.model))
     check_dtype(args.drafter_dtype, [as_drafter(args.drafter)] if args.drafter else [])
     check_models([args.model], [args.drafter] if args.drafter else [], model_free=False)
     model = load_model(args.model, dtype=config.dtype, device=config.device, backend=config.backend,
@@ -723,7 +729,7 @@ def run_acceptance(args: argparse.Namespace) -> None:
     from speculant.analysis.acceptance import estimate
     from speculant.api import check_models, encode_prompt
     from speculant.bench.datasets import load_dataset
-    from speculant.drafters.spec import as_drafter, model_free
+    from speculant.drafters.spec import as_drafter, model_free, resolved
     from speculant.models import load_model
     from speculant.session import Session
 
@@ -734,6 +740,7 @@ def run_acceptance(args: argparse.Namespace) -> None:
     config = from_args(ModelConfig, args)
     prompts = load_dataset(args.dataset)
     names = [name.strip() for name in args.drafter.split(",")]
+    names = [str(resolved(as_drafter(name), args.target)) if name else name for name in names]  # (`default`: its own)
     if not all(names) or any(model_free(as_drafter(name)) for name in names):
         raise ConfigError(f"'{args.drafter}' must name models; acceptance estimation needs them")
     if len(set(names)) < len(names):

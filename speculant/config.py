@@ -264,7 +264,8 @@ class ServeConfig:
         if not 0 <= self.prefix_cache_mb < math.inf:
             raise ConfigError(f"prefix_cache_mb must be a number >= 0, got {self.prefix_cache_mb}")
         if not MIN_BODY_MB <= self.max_body_mb < math.inf:
-            raise ConfigError(f"max_body_mb must be a number >= {MIN_BODY_MB} (a request's body), got {self.max_body_mb}")
+            raise ConfigError(f"max_body_mb must be a number >= {MIN_BODY_MB} (a request's body), got "
+                              f"{self.max_body_mb}")
         if self.replicas < 1:
             raise ConfigError(f"replicas must be >= 1, got {self.replicas}")
         if not 0 < self.replica_cpus < math.inf:
@@ -435,14 +436,16 @@ def from_args(config: type[T], args: argparse.Namespace) -> T:
 
 
 OPTION = re.compile(r"(?<![\w-])[a-z][a-z0-9]*(_[a-z0-9]+)*(?![\w-])")  # a word, or a name like k_max
+QUOTED = ("option '", "give '", " or '", "use '")  # how messages quote an option's name: "option 'k'", "give 'k' or"
 
 
 def from_flags(make: Callable[[], T], names: Collection[str]) -> T:
     """`make()`, whose options `names` came from the command line's flags: a refusal names them as flags. A message
     names an option as Python callers and the server's clients give it (`k_max`); here `--k-max` where the name opens
-    it ('k must be >= 1', 'tree_widths applies to ...'; a word alone: only before "must"), is quoted ("option 'k'", "give 'k' or 'k_matrix'") or follows
-    "for" as the option refused ("bad value 'x' for tree_widths"); not in prose ('the drafter's vocabulary'), a path
-    or a list of what a method takes."""
+    it ('k must be >= 1', 'tree_widths applies to ...'; a word alone: only before "must"), is quoted as an option
+    ("option 'k'", "give 'k' or 'k_matrix'"; not a value: "bad value 'depth'") or follows "for" as the option refused
+    ("bad value 'x' for tree_widths"); not in prose ('the drafter's vocabulary'), a path or a list of what a method
+    takes."""
     try:
         return make()
     except ConfigError as error:
@@ -451,8 +454,8 @@ def from_flags(make: Callable[[], T], names: Collection[str]) -> T:
         def named(found: re.Match) -> str:
             word, before, after = found[0], message[:found.start()], message[found.end():]
             opens = not before and after.startswith(" must " if "_" not in word else " ")
-            spelled = opens or before.endswith("'") and after.startswith("'") or \
-                word == option and before.endswith("for ")
+            quoted = before.endswith(QUOTED) and after.startswith("'")  # (an option named so; not a value quoted)
+            spelled = opens or quoted or word == option and before.endswith("for ")
             return flag(word) if spelled and word in names else word
 
         raise ConfigError(OPTION.sub(named, message)) from None

@@ -72,9 +72,9 @@ class Session:
         Drafter object passed in is the caller's to keep and is returned as loaded for this call only. A name
         registered again since (a notebook's cell run again) loads afresh, from its new factory."""
         from speculant.drafters.registry import DRAFTERS
-        from speculant.drafters.spec import DrafterSpec, as_drafter, load_drafter
+        from speculant.drafters.spec import DrafterSpec, as_drafter, load_drafter, resolved
 
-        spec = as_drafter(spec)
+        spec = resolved(as_drafter(spec), self.target.name)  # (`default`: loaded once, under what it stands for)
         if not isinstance(spec, DrafterSpec):
             return load_drafter(spec, self.target, dtype, self)
         key = (str(spec), dtype)

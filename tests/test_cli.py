@@ -559,6 +559,8 @@ def test_a_flag_given_where_it_does_nothing_is_one_line_never_ignored(capsys, tm
     """A flag that applies only with another (or with sampling, or with a model drafter) is refused when given
     without it, before any work; flags that exclude each other are argparse's usage error. Their defaults alone pass."""
     (tmp_path / "empty.txt").write_text("")
+    (tmp_path / "mine").mkdir()  # a model of one's own, which the catalog pairs no drafter with
+    (tmp_path / "mine" / "config.json").write_text("{}")
     saved = tmp_path / "results.json"
     saved.write_text(json.dumps({"config": {"methods": ["ar"], "command": "speculant bench", "machine": "m"},
                                  "rows": []}))
@@ -619,7 +621,7 @@ def test_a_flag_given_where_it_does_nothing_is_one_line_never_ignored(capsys, tm
         (["generate", "x", "--method", "cascade", "--drafters", "self,maxgram", "--drafter-dtype", "fp32"],
          "loads none"),
         (["generate", "x", "--method", "dsi", "--drafters", "maxgram", "--drafter-dtype", "fp32"], "loads none"),
-        (["generate", "x", "--method", "dsi", "--ray-address", "auto"], "--ray-address names a Ray cluster: it applies with '--executor' ray"),
+        (["generate", "x", "--method", "dsi", "--ray-address", "auto"], "--ray-address names a Ray cluster: give '--executor' ray with it"),
         (["generate", "x", "--method", "dsi", "--drafter", "maxgram", "--timeline", str(tmp_path / "t.txt")],
          "'txt' is no image format matplotlib writes"),
         (["generate", "x", "--temperature", "0.5", "--seed", str(1 << 64)], "seed must be a 64-bit integer"),
@@ -658,6 +660,14 @@ def test_a_flag_given_where_it_does_nothing_is_one_line_never_ignored(capsys, tm
          "draft_confidence)"),  # (a list of names stays one spelling)
         (["generate", "x", "--method", "tree", "--depth-predictor", "depth_predictor"],  # (a path, whatever its name)
          "error: depth predictor not found: depth_predictor (make one"),
+        (["generate", "x", "--method", "tree", "--width", "depth"], "error: bad value 'depth' for --width"),  # (a value)
+        # the default drafter, where only a model drafts and the catalog pairs none: before the target loads
+        (["generate", "x", "--target", str(tmp_path / "mine"), "--method", "tree"],
+         f"method 'tree' needs a model drafter, and the catalog pairs none with {tmp_path / 'mine'}: name one"),
+        (["bench", "--target", str(tmp_path / "mine"), "--methods", "ar", "tree"],
+         f"the catalog pairs none with {tmp_path / 'mine'}: name one (self, or a model's name) in 'tree'"),
+        (["generate", "x", "--target", str(tmp_path / "mine"), "--method", "sd", "--drafter-dtype", "bf16"],
+         "(the catalog pairs no drafter with"),
         (["generate", "x", "--method", "auto", "--drafters", "maxgram", "--tree-widths", "4"],
          "--tree-widths applies to model drafters"),
         (["bench", "--temperature", "0.7", "--methods", "ar:temperature=0", "sd:temperature=0,k=2"],

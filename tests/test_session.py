@@ -582,6 +582,16 @@ def test_drafter_names_a_meta_model_and_a_generation_asked_for_inside_a_step_are
     monkeypatch.setattr(registry, "DRAFTERS", dict(registry.DRAFTERS))
     register_drafter("unnamed-a")(lambda target: Named("drafter"))
     register_drafter("unnamed-b")(lambda target: Named("drafter"))
+
+    class Copying(Drafter):  # (a copy per generation keeps the registered name)
+        def begin(self, prompt_ids):
+            return Copying()
+
+        def propose(self, context, k):
+            return Draft([])
+
+    register_drafter("copying")(lambda target: Copying())
+    assert Session(target).drafter("copying").begin(prompt).name == "copying"
     for drafters in ([one, one, "maxgram", "maxgram"], [Named("maxgram")], [Named("drafter"), Named("drafter")],
                      ["unnamed-a", "unnamed-b"]):
         assert generate(target, prompt_ids=prompt, method="auto", drafters=drafters, max_new_tokens=20,
@@ -633,8 +643,29 @@ def test_a_method_s_default_drafter_is_the_target_s_catalog_drafter_else_maxgram
                             (dict(method="sd", drafter_dtype="bf16"), "drafter dtype bf16 applies to a model drafter")):
         with pytest.raises(ConfigError, match=refused):
             generate(target, prompt_ids=prompt, max_new_tokens=4, **kwargs)
+    session = Session(target)  # (loaded once, under what it stands for)
+    assert session.drafter(DEFAULT) is session.drafter(MAXGRAM)
+    for method, drafters in (("auto", "default,maxgram"), ("cascade", ["default", "maxgram"]), ("dsi", "default")):
+        with pytest.raises(ConfigError, match="'default' stands for a method's one drafter; a list of drafters names"):
+            generate(target, prompt_ids=prompt, method=method, drafters=drafters, max_new_tokens=4)
+    with pytest.raises(ConfigError, match="reserved|'default'"):
+        register_drafter("default")(lambda target: None)
     from test_serve import engine_for
 
     engine = engine_for("sd", drafter=DEFAULT)
-    assert engine.models == [MAXGRAM] and str(engine.options_for("sd", {"drafter": DEFAULT})[1].drafter) == DEFAULT
+    assert engine.models == [MAXGRAM] and str(engine.options_for("sd", {"drafter": DEFAULT})[1].drafter) == MAXGRAM
+    with pytest.raises(ConfigError, match="needs a model drafter, and the catalog pairs none with tiny-llama-0"):
+        engine.options_for("tree", {"drafter": DEFAULT})  # (refused as the request is read)
     engine.close()
+
+    class Named(Drafter):
+        def __init__(self, name):
+            self.name = name
+
+        def propose(self, context, k):
+            return Draft([])
+
+    with pytest.raises(ConfigError, match="a drafter object is named 'default', as a built-in"):
+        engine_for("sd", drafter=Named(DEFAULT))
+    with pytest.raises(ConfigError, match="two of the server's drafters go by 'self@int8'"):  # (an object, then a spec)
+        engine_for("auto", drafters=(Named("self@int8"), "self@int8"))

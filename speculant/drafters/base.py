@@ -106,7 +106,7 @@ class Checked(Drafter):
         if not isinstance(began, Drafter):
             raise ConfigError(f"drafter '{self.name}': begin returned {type(began).__name__}, not a speculant.Drafter "
                               "(itself, or a copy for this generation)")
-        return self if began is self.inner else Checked(began, self.vocab_size)
+        return self if began is self.inner else Checked(began, self.vocab_size, self.name)  # (a registered name too)
 
     def propose(self, context: list[int], k: int) -> Draft:
         draft = self.inner.propose(context, k)

@@ -25,7 +25,8 @@ from speculant.errors import ConfigError
 
 BUILTIN = {"maxgram": "speculant.drafters.maxgram", "suffix": "speculant.drafters.suffix"}  # name -> its module
 ENTRY_POINTS = "speculant.drafters"
-RESERVED = ("self", "none", "model")  # the target's own weights; plain decoding; what names a model drafter
+RESERVED = ("self", "none", "model", "default")  # the target's own weights; plain decoding; what names a model
+# drafter; a method's drafter where none is named (drafters.spec.DEFAULT)
 
 
 @dataclass(frozen=True)

@@ -62,7 +62,7 @@ class DrafterSpec:
         if suffix and is_registered(source):
             raise ConfigError(f"{source} runs no model; it takes no quantization")
         if suffix and source == DEFAULT:
-            raise ConfigError(f"{DEFAULT} is the target's own drafter, as the catalog pairs them; it takes no suffix: "
+            raise ConfigError(f"{DEFAULT} stands for the target's catalog drafter, else maxgram; it takes no suffix: "
                               "name the drafter to give one")
         if source == SELF and suffix in (GGUF, LEAN):
             raise ConfigError(f"self@{suffix} is the target itself: run the target on that backend and draft with "
@@ -134,10 +134,9 @@ def load_drafter(drafter: Any, target: Any, dtype: str | None = None, session: A
     from speculant.models import CausalLM, load_model
     from speculant.models.base import unwrapped
 
-    given, drafter = as_drafter(drafter), resolved(as_drafter(drafter), target.name)
-    if drafter is not given and dtype is not None and model_free(drafter):
-        raise ConfigError(f"drafter dtype {dtype} applies to a model drafter, and the catalog pairs none with "
-                          f"{target.name} (its default drafter is {drafter}): name one")
+    drafter = as_drafter(drafter)
+    if isinstance(drafter, DrafterSpec) and drafter.kind == DEFAULT:  # (`Session.drafter` resolves it for the target)
+        raise ConfigError(f"'{DEFAULT}' stands for the target's own drafter: resolve it first (`resolved`)")
     if isinstance(drafter, Drafter):
         return checked(drafter, target)
     target = unwrapped(target)  # drafters stand on the model, not on what records or biases its logits

@@ -24,18 +24,20 @@ def parse_drafters(text: str) -> tuple[DrafterSpec, ...]:
 
 def as_drafters(value: Any) -> tuple[Any, ...] | None:
     """A `drafters` option as its options keep it: text parsed (`parse_drafters`), one drafter given alone as a
-    tuple of one, each name a DrafterSpec (None stays None)."""
+    tuple of one, each name a DrafterSpec (None stays None; `default`, a method's one drafter, refused)."""
     if value is None:
         return None
-    if isinstance(value, str):
-        return parse_drafters(value)
-    return tuple(map(as_drafter, value if isinstance(value, (list, tuple)) else (value,)))
+    drafters = parse_drafters(value) if isinstance(value, str) else \
+        tuple(map(as_drafter, value if isinstance(value, (list, tuple)) else (value,)))
+    if any(isinstance(d, DrafterSpec) and d.kind == DEFAULT for d in drafters):
+        raise ConfigError(f"'{DEFAULT}' stands for a method's one drafter; a list of drafters names each")
+    return drafters
 
 
 @dataclass(frozen=True)
 class DrafterOptions:
-    drafter: Any = option(DEFAULT, "drafter: default (the target's catalog drafter where the catalog pairs it one, else "
-                          "maxgram), a model NAME[@int8|@int4|@gguf|@lean] (its tokenizer may differ "
+    drafter: Any = option(DEFAULT, "drafter: default (the target's catalog drafter where the catalog pairs it one, "
+                          "else maxgram), a model NAME[@int8|@int4|@gguf|@lean] (its tokenizer may differ "
                           "from the target's; @gguf: its GGUF on llama.cpp, @lean: on speculant's kernels), "
                           "self[@int8|@int4|@skip] (the target's own weights; @skip: with layers left out, lean "
                           "backend), maxgram (prompt lookup with a bigram fallback), suffix (suffix decoding over the "
@@ -173,7 +175,13 @@ def with_default_drafter(options: Any, target: str) -> Any:
     and name."""
     drafter = getattr(options, "drafter", None)
     stands_for = resolved(drafter, target, getattr(options, "MODEL_ONLY", ""))
-    return options if stands_for is drafter else replace(options, drafter=stands_for)
+    if stands_for is drafter:
+        return options
+    try:
+        return replace(options, drafter=stands_for)
+    except ConfigError as error:  # (a drafter dtype, a draft confidence: what a model drafter takes)
+        raise OptionError("drafter", f"{error} (the catalog pairs no drafter with {target}: its default is "
+                                     f"{stands_for}; name a model drafter)") from None
 
 
 def with_drafters(options: Any, load: Callable[[Any], Any]) -> Any:

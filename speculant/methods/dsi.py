@@ -94,7 +94,7 @@ class DSIOptions(DrafterOptions):
             raise ConfigError(f"executor is one of {', '.join(EXECUTORS)} or a started executor "
                               f"(`decoding.dsi.executors`), not {self.executor!r}")
         if self.ray_address is not None and self.executor != "ray":
-            raise ConfigError("ray_address names a Ray cluster: it applies with 'executor' ray")
+            raise ConfigError("ray_address names a Ray cluster: give 'executor' ray with it")
         check_ray_address(self.ray_address, "ray_address")
         if isinstance(self.target_devices, str):
             object.__setattr__(self, "target_devices", parse_devices(self.target_devices))

@@ -18,7 +18,7 @@ from typing import Any
 
 from speculant.api import check_request, decoded_target
 from speculant.config import SamplingConfig, ServeConfig, default_of
-from speculant.drafters.spec import MAXGRAM, SELF, DrafterSpec, as_drafter, resolved
+from speculant.drafters.spec import MAXGRAM, SELF, DrafterSpec
 from speculant.errors import ConfigError, OptionError
 from speculant.methods import Request, get_method
 from speculant.methods.auto import with_own_drafters
@@ -230,7 +230,7 @@ class Engine:
         if metrics:
             metrics.prefix_bytes.set_function(lambda: self.session.prefixes.bytes)
             metrics.queue_depth.set_function(lambda: self.batcher.waiting)
-        self.drafters: dict[str, Any] = {}  # spec (an object's name) -> the served model (or Drafter) requests draft with
+        self.drafters: dict[str, Any] = {}  # spec (an object's name) -> the served model or Drafter requests draft with
         self.given: dict[str, Any] = {}  # an object's name -> the object as the server was given it
         self.options = options
         self.batcher.run(lambda: with_drafters(options, self._load))
@@ -245,15 +245,15 @@ class Engine:
     def _load(self, spec: Any) -> Any:
         """The served drafter for `spec`, loaded once: a request names it by its spec, or by the name of an object the
         server was given (neither the name of another drafter nor a built-in's, which requests may always name)."""
-        from speculant.drafters.registry import DRAFTERS
+        from speculant.drafters.registry import RESERVED, is_registered
 
         given = not isinstance(spec, (str, DrafterSpec))
         name = getattr(spec, "name", None)
         key = str(spec) if not given else name if isinstance(name, str) and name else type(spec).__name__
-        if given and (key == SELF or key in DRAFTERS):
+        if given and (key in RESERVED or is_registered(key)):
             raise ConfigError(f"a drafter object is named '{key}', as a built-in drafter that requests may name: give "
                               "it a name of its own")
-        if given and self.given.get(key, spec) is not spec or given and key in self.drafters and key not in self.given:
+        if self.given.get(key, spec) is not spec or given and key in self.drafters and key not in self.given:
             raise ConfigError(f"two of the server's drafters go by '{key}', by which a request names one: give the "
                               "drafter object a name of its own")
         if given:
@@ -269,7 +269,7 @@ class Engine:
         """What the server loaded for a request's `drafter`: by its spec or name, or the object it was given (or
         loaded); None where it loaded nothing for it."""
         if isinstance(drafter, (str, DrafterSpec)):
-            return self.drafters.get(str(resolved(as_drafter(drafter), self.target.name)))
+            return self.drafters.get(str(drafter))
         return next((loaded for key, loaded in self.drafters.items()
                      if drafter is loaded or drafter is self.given.get(key)), None)
 
@@ -316,7 +316,7 @@ class Engine:
                 if one in values and other not in values:
                     values[other] = default_of(by_name[other])
         try:
-            options = build(values)
+            options = with_default_drafter(build(values), self.target.name)  # (`default`: refused now, where it is)
         except OptionError:
             raise
         except ConfigError as error:  # (an options class's own check: named after the option it fails on)
