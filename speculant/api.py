@@ -264,9 +264,10 @@ def generate(
         raise ConfigError(f"session must be a speculant Session, got {type(session).__name__}")
     # (a target's name: `@lean`, a drafter's form of a model, is refused)
     check_models([target] if isinstance(target, str) else [], held_drafters(method_options),
-                 takes_model_free(method_options))
+                 takes_model_free(method_options))  # `default`: the target's own, or refused before it loads
+    method_options = with_default_drafter(method_options, target if isinstance(target, str) else
+                                          getattr(target, "name", ""))
     target = load_model(target)
-    method_options = with_default_drafter(method_options, target.name)
     check_capabilities(method_options, target)
     if prompt_ids is None:
         prompt_ids = encode_prompt(target.tokenizer, prompt, chat)

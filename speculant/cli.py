@@ -776,7 +776,7 @@ def run_train_depth(args: argparse.Namespace) -> None:
     from speculant.analysis.depth import CORPUS, fit, log_trees
     from speculant.api import check_models, encode_prompt
     from speculant.bench.datasets import load_dataset
-    from speculant.drafters.spec import as_drafter
+    from speculant.drafters.spec import as_drafter, resolved
     from speculant.trees.method import check_width, tree_drafter_model
     from speculant.models import load_model
     from speculant.session import Session
@@ -793,6 +793,7 @@ def run_train_depth(args: argparse.Namespace) -> None:
     config = from_args(ModelConfig, args)
     prompts = load_dataset(args.prompts or args.dataset or CORPUS)
     check_models([args.target], [args.drafter], model_free=False)
+    args.drafter = str(from_flags(lambda: resolved(as_drafter(args.drafter), args.target, "train-depth"), ["drafter"]))
     check_target(args.target, config, from_flags(lambda: get_method("tree").parse_options({"drafter": args.drafter}),
                                                  ["drafter"]))
     check_dtype(args.drafter_dtype, [as_drafter(args.drafter)])

@@ -72,9 +72,12 @@ class Session:
         Drafter object passed in is the caller's to keep and is returned as loaded for this call only. A name
         registered again since (a notebook's cell run again) loads afresh, from its new factory."""
         from speculant.drafters.registry import DRAFTERS
-        from speculant.drafters.spec import DrafterSpec, as_drafter, load_drafter, resolved
+        from speculant.drafters.spec import DrafterSpec, as_drafter, load_drafter, model_free, resolved
 
-        spec = resolved(as_drafter(spec), self.target.name)  # (`default`: loaded once, under what it stands for)
+        given, spec = as_drafter(spec), resolved(as_drafter(spec), self.target.name)  # (`default`: loaded once, under
+        if spec is not given and dtype is not None and model_free(spec):  # what it stands for)
+            raise ConfigError(f"drafter dtype {dtype} applies to a model drafter, and the catalog pairs none with "
+                              f"{self.target.name} (its default drafter is {spec}): name one")
         if not isinstance(spec, DrafterSpec):
             return load_drafter(spec, self.target, dtype, self)
         key = (str(spec), dtype)

@@ -624,6 +624,7 @@ def test_a_method_s_default_drafter_is_the_target_s_catalog_drafter_else_maxgram
     for a model of the caller's own). Where only a model drafts, or a drafter dtype is given, a target the catalog
     pairs none with is refused, naming why; a server lists and names what `default` stands for."""
     from speculant.drafters.spec import DEFAULT, MAXGRAM, DrafterSpec, resolved
+    from speculant.errors import OptionError
     from speculant.methods import get_method
     from speculant.methods.drafting import with_default_drafter
 
@@ -654,9 +655,14 @@ def test_a_method_s_default_drafter_is_the_target_s_catalog_drafter_else_maxgram
 
     engine = engine_for("sd", drafter=DEFAULT)
     assert engine.models == [MAXGRAM] and str(engine.options_for("sd", {"drafter": DEFAULT})[1].drafter) == MAXGRAM
-    with pytest.raises(ConfigError, match="needs a model drafter, and the catalog pairs none with tiny-llama-0"):
-        engine.options_for("tree", {"drafter": DEFAULT})  # (refused as the request is read)
+    for asked in ({"drafter": DEFAULT, "depth": 2}, {"depth": 2, "drafter": DEFAULT}):  # (refused as it is read, as
+        with pytest.raises(OptionError, match="needs a model drafter, and the catalog pairs none with tiny-llama-0") \
+                as refused:  # the drafter's, whatever the order)
+            engine.options_for("tree", asked)
+        assert refused.value.option == "drafter"
     engine.close()
+    with pytest.raises(ConfigError, match="drafter dtype bf16 applies to a model drafter, and the catalog pairs none"):
+        Session(target).drafter(DEFAULT, "bf16")
 
     class Named(Drafter):
         def __init__(self, name):

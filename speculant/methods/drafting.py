@@ -174,14 +174,14 @@ def with_default_drafter(options: Any, target: str) -> Any:
     (`spec.resolved`; refused where only a model drafts and the catalog pairs none): what the CLI and a server load
     and name."""
     drafter = getattr(options, "drafter", None)
-    stands_for = resolved(drafter, target, getattr(options, "MODEL_ONLY", ""))
-    if stands_for is drafter:
-        return options
     try:
-        return replace(options, drafter=stands_for)
+        stands_for = resolved(drafter, target, getattr(options, "MODEL_ONLY", ""))
+        return options if stands_for is drafter else replace(options, drafter=stands_for)
     except ConfigError as error:  # (a drafter dtype, a draft confidence: what a model drafter takes)
-        raise OptionError("drafter", f"{error} (the catalog pairs no drafter with {target}: its default is "
-                                     f"{stands_for}; name a model drafter)") from None
+        unpaired = drafter is not None and model_free(resolved(drafter, target))
+        raise OptionError("drafter", f"{error}" + (f" (the catalog pairs no drafter with {target}: its default is "
+                                                   "maxgram; name a model drafter)" if unpaired and
+                                                   "catalog pairs" not in str(error) else "")) from None
 
 
 def with_drafters(options: Any, load: Callable[[Any], Any]) -> Any:
