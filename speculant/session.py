@@ -74,8 +74,9 @@ class Session:
         from speculant.drafters.registry import DRAFTERS
         from speculant.drafters.spec import DrafterSpec, as_drafter, load_drafter, model_free, resolved
 
-        given, spec = as_drafter(spec), resolved(as_drafter(spec), self.target.name)  # (`default`: loaded once, under
-        if spec is not given and dtype is not None and model_free(spec):  # what it stands for)
+        given = as_drafter(spec)
+        spec = resolved(given, self.target.name)  # (`default`: loaded once, under what it stands for)
+        if spec is not given and dtype is not None and model_free(spec):
             raise ConfigError(f"drafter dtype {dtype} applies to a model drafter, and the catalog pairs none with "
                               f"{self.target.name} (its default drafter is {spec}): name one")
         if not isinstance(spec, DrafterSpec):
