@@ -739,10 +739,11 @@ def run_acceptance(args: argparse.Namespace) -> None:
         raise ConfigError(f"depth must be >= 1, got {args.depth}")
     config = from_args(ModelConfig, args)
     prompts = load_dataset(args.dataset)
-    names = [name.strip() for name in args.drafter.split(",")]
-    names = [str(resolved(as_drafter(name), args.target)) if name else name for name in names]  # (`default`: its own)
+    given = [name.strip() for name in args.drafter.split(",")]
+    names = [str(resolved(as_drafter(name), args.target)) if name else name for name in given]  # (`default`: its own)
     if not all(names) or any(model_free(as_drafter(name)) for name in names):
-        raise ConfigError(f"'{args.drafter}' must name models; acceptance estimation needs them")
+        raise ConfigError(f"'{args.drafter}' must name models; acceptance estimation needs them" +
+                          (f" (the catalog pairs no drafter with {args.target})" if names != given else ""))
     if len(set(names)) < len(names):
         raise ConfigError(f"'{args.drafter}' names a drafter twice")
     check_dtype(args.drafter_dtype, [as_drafter(name) for name in names])
