@@ -589,9 +589,9 @@ def measure_bench(args: argparse.Namespace, methods: list[Any]) -> list[Any]:
     if any(m.method in CLI_PEERS for m in methods):
         tool("llama-completion")  # llama.cpp's tools are built: one line now, before any model loads
     check_models([args.target])
-    for i, method in enumerate(methods):  # (each method's drafters, named as that method takes them; `default`: the
-        check_models([], held_drafters(method.options), takes_model_free(method.options))  # target's, or refused)
-        try:
+    for i, method in enumerate(methods):  # (each method's drafters, named as that method takes them)
+        check_models([], held_drafters(method.options), takes_model_free(method.options))
+        try:  # (`default`: the target's drafter, or refused before it loads)
             methods[i] = replace(method, options=with_default_drafter(method.options, args.target))
         except ConfigError as error:
             raise ConfigError(f"{error} in '{method.label}'") from None
@@ -683,10 +683,11 @@ def run_profile(args: argparse.Namespace) -> None:
         raise ConfigError("context length and repeats must be >= 1")
     config = from_args(ModelConfig, args)
     prompts = load_dataset(args.dataset) if widths else []
-    if args.drafter and model_free(drafter := resolved(as_drafter(args.drafter), args.model)):  # (`default`: its own)
+    drafter = args.drafter and str(resolved(as_drafter(args.drafter), args.model))  # (`default`: the model's own)
+    if drafter and model_free(as_drafter(drafter)):
         raise ConfigError(f"'{args.drafter}' runs no model forwards to profile" +
-                          (f" (the catalog pairs no drafter with {args.model})" if str(drafter) != args.drafter else ""))
-    args.drafter = args.drafter and str(resolved(as_drafter(args.drafter), args.model))
+                          (f" (the catalog pairs no drafter with {args.model})" if drafter != args.drafter else ""))
+    args.drafter = drafter
     check_dtype(args.drafter_dtype, [as_drafter(args.drafter)] if args.drafter else [])
     check_models([args.model], [args.drafter] if args.drafter else [], model_free=False)
     model = load_model(args.model, dtype=config.dtype, device=config.device, backend=config.backend,

@@ -134,9 +134,7 @@ def load_drafter(drafter: Any, target: Any, dtype: str | None = None, session: A
     from speculant.models import CausalLM, load_model
     from speculant.models.base import unwrapped
 
-    drafter = as_drafter(drafter)
-    if isinstance(drafter, DrafterSpec) and drafter.kind == DEFAULT:  # (`Session.drafter` resolves it for the target)
-        raise ConfigError(f"'{DEFAULT}' stands for the target's own drafter: resolve it first (`resolved`)")
+    drafter = as_drafter(drafter)  # (`default` resolved by its caller, `Session.drafter`)
     if isinstance(drafter, Drafter):
         return checked(drafter, target)
     target = unwrapped(target)  # drafters stand on the model, not on what records or biases its logits

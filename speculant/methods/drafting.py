@@ -85,7 +85,7 @@ def check_drafters(options: Any) -> None:
 def takes_dtype(drafter: Any) -> bool:
     """Whether `drafter` is the spec of a model that loads in a drafter dtype: not a GGUF run as stored (`@gguf`,
     `@lean`, a .gguf file), not `self` (the target's weights) nor a drafter that runs no model. `default` may stand
-    for one (where it stands for none, loading it refuses the dtype: `spec.load_drafter`)."""
+    for one (where it stands for none, `with_default_drafter` and `Session.drafter` refuse the dtype)."""
     if not isinstance(drafter, DrafterSpec):
         return False
     return drafter.kind == DEFAULT or (drafter.kind == MODEL and drafter.backend is None
@@ -176,12 +176,15 @@ def with_default_drafter(options: Any, target: str) -> Any:
     drafter = getattr(options, "drafter", None)
     try:
         stands_for = resolved(drafter, target, getattr(options, "MODEL_ONLY", ""))
-        return options if stands_for is drafter else replace(options, drafter=stands_for)
+    except ConfigError as error:
+        raise OptionError("drafter", str(error)) from None
+    if stands_for is drafter:
+        return options
+    try:
+        return replace(options, drafter=stands_for)
     except ConfigError as error:  # (a drafter dtype, a draft confidence: what a model drafter takes)
-        unpaired = drafter is not None and model_free(resolved(drafter, target))
-        raise OptionError("drafter", f"{error}" + (f" (the catalog pairs no drafter with {target}: its default is "
-                                                   "maxgram; name a model drafter)" if unpaired and
-                                                   "catalog pairs" not in str(error) else "")) from None
+        unpaired = f" (the catalog pairs no drafter with {target}: its default is {stands_for}; name a model drafter)"
+        raise OptionError("drafter", f"{error}{unpaired if model_free(stands_for) else ''}") from None
 
 
 def with_drafters(options: Any, load: Callable[[Any], Any]) -> Any:
