@@ -294,7 +294,8 @@ def generate(
                     f"this {len(prompt_ids)}-token prompt, not {run.max_new_tokens}")
     request = Request(decoded, prompt_ids, min(run.max_new_tokens, room), sampling,
                       seeded(target.device, run.seed), session, run.seed)
-    label = f"{getattr(target, 'numerics', '')}, {getattr(target, 'kernel', '')} kernel".strip(", ")
+    kernel = getattr(target, "kernel", "")  # (a CausalLM of the caller's own may name none)
+    label = ", ".join(part for part in (getattr(target, "numerics", ""), kernel and f"{kernel} kernel") if part)
     hold = Hold([owner_of(target), *(owner_of(model) for model in held_drafters(method_options)
                                      if isinstance(model, CausalLM))])
     with hold.taken():  # building a decoder may run the target (a machine profile measured): a paused stream ends

@@ -34,7 +34,7 @@ from speculant.methods import get_method
 from speculant.models import load_model
 from speculant.models.base import Call
 from speculant.models.backends.hf import forward_rows
-from speculant.serve.app import create_app
+from speculant.serve.app import create_app, uvicorn_options
 from speculant.serve.batcher import Batcher, Row, WorkerStopped
 from speculant.serve.engine import Engine, QueueFull, ServeJob, Steps
 from speculant.serve.metrics import Metrics
@@ -63,7 +63,7 @@ def serving(engine, api_key=None, name="tiny"):
 
     port = free_port()
     app = create_app(engine, name, ServeConfig(api_key=api_key))
-    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, **uvicorn_options()))
     thread = threading.Thread(target=server.run, daemon=True)
     thread.start()
     while not server.started:

@@ -362,12 +362,26 @@ def test_stage_scheduling_is_refused_by_the_server_whose_forwards_run_on_one_thr
     ('{"model": "tiny", "prompt": "ab", "max_tokens": 2, "response_format": {"type": "json_schema", "json_schema": '
      '{"name": "x", "schema": ' + '{"type": "array", "items": ' * 200 + '{}' + '}' * 200 + '}}}', "response_format"),
     ('{"model": "tiny", "prompt": "ab"', None),  # truncated: no character offset as param
+    # what Python's json reads past: a key twice (the last would win), a number below a double's (read as 0: greedy)
+    ('{"model": "tiny", "prompt": "ab", "max_tokens": 2, "max_tokens": 500}', "max_tokens"),
+    ('{"model": "tiny", "prompt": "ab", "speculant": {"k": 2, "method": "sd", "k": 3}}', "speculant.k"),
+    ('{"model": "tiny", "messages": [{"role": "user", "content": "x", "role": "system"}]}', "messages.0.role"),
+    ('{"model": "tiny", "prompt": "ab", "temperature": 1e-400}', "temperature"),
+    ('{"model": "tiny", "prompt": "ab", "temperature": 0.000e-400, "logit_bias": {"3": -2.5E-999}}', "logit_bias.3"),
 ])
 def test_bad_numbers_text_and_shapes_are_400s_naming_the_field(app, body, param):
     _, client = app
     path = "/v1/chat/completions" if "messages" in body else "/v1/completions"
     response = client.post(path, content=body.encode(), headers={"content-type": "application/json"})
     is_error(response, 400, param)
+
+
+def test_zeros_and_the_smallest_doubles_are_taken_as_sent(app):
+    _, client = app
+    body = ('{"model": "tiny", "prompt": "ab", "max_tokens": 2, "temperature": 0.0e-400, "top_p": 1E0, '
+            '"logit_bias": {"3": 5e-324, "4": -0e5}}')
+    response = client.post("/v1/completions", content=body.encode(), headers={"content-type": "application/json"})
+    assert response.status_code == 200, response.text
 
 
 def test_a_token_id_beyond_the_tokenizer_is_refused_even_where_the_embedding_has_a_row(app):
@@ -563,6 +577,24 @@ def test_a_body_beyond_the_limit_is_refused_unread_while_health_answers():
             except (ConnectionResetError, BrokenPipeError):
                 answer = b"HTTP/1.1 400 (the server closed the connection)"
         assert answer.split(b" ")[1] in (b"400", b"413"), answer[:80]  # never the app's 200 or 500
+    engine.close()
+
+
+def test_a_request_the_http_parser_refuses_is_a_json_400_in_the_api_shape():
+    engine = engine_for("sd")
+    with serving(engine) as url:
+        port = int(url.split(":")[2].split("/")[0])
+        for request in (b"HELLO\r\n\r\n", b"GET /health HTTP/1.1\r\nHost: x\r\nno colon here\r\n\r\n",
+                        b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Length: ten\r\n\r\n"):
+            with socket.create_connection(("127.0.0.1", port), timeout=30) as raw:
+                raw.sendall(request)
+                answer = b""
+                while chunk := raw.recv(4096):
+                    answer += chunk
+            head, _, body = answer.partition(b"\r\n\r\n")
+            assert head.startswith(b"HTTP/1.1 400 ") and b"content-type: application/json" in head.lower(), answer
+            error = json.loads(body)["error"]
+            assert error["code"] == "invalid_http" and "not valid HTTP/1.1" in error["message"], error
     engine.close()
 
 

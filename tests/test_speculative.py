@@ -6,7 +6,7 @@ import random
 import pytest
 import torch
 
-from helpers import ARCHS, DEVICES, ScriptedDrafter, perturbed, random_prompt, tiny_model
+from helpers import ARCHS, DEVICES, MarkovLM, ScriptedDrafter, perturbed, random_prompt, tiny_model
 from speculant import generate
 from speculant.config import SamplingConfig
 from speculant.drafters.base import Draft, Drafter
@@ -103,6 +103,11 @@ def test_stats_count_forwards_and_acceptance():
     assert stats.drafter_forwards[target.name] == sum(stats.draft_lengths)
     assert stats.acceptance_per_position == [1.0] * 4
     assert stats.wall_s > 0 and 0 < stats.ttft_s <= stats.wall_s
+    assert stats.target_steps == stats.target_forwards - 1 and stats.target_seconds > 0  # (the prefill not a step)
+    plain = generate(target, prompt_ids=prompt, method="ar", max_new_tokens=21).stats
+    assert plain.target_steps == plain.target_forwards - 1 == 20 and plain.target_seconds > 0
+    assert plain.target.endswith(" kernel") and generate(MarkovLM(VOCAB, 0), prompt_ids=prompt, method="ar",
+                                                         max_new_tokens=2).stats.target == "fp32"  # (no kernel named)
 
 
 @pytest.mark.parametrize("arch", ARCHS)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import time
+
 import torch
 
 from speculant.config import SamplingConfig
@@ -27,7 +29,10 @@ def autoregressive(
         token = next_token(logits, sampling, generator)
         if (yield from emit([token], out, max_new_tokens, target.eos_token_ids)):
             break
+        began = time.perf_counter()
         logits = target.forward([token])[-1]
+        stats.target_seconds += time.perf_counter() - began
         stats.target_forwards += 1
+        stats.target_steps += 1
     stats.new_tokens = len(out)
     return stats

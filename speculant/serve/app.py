@@ -42,8 +42,8 @@ from speculant.serve.batcher import WorkerStopped
 from speculant.serve.engine import Engine, ServeJob, Outcome, QueueFull
 from speculant.serve import schema, tools
 from speculant.serve.metrics import Metrics
-from speculant.serve.schema import (MAX_FORMAT_DEPTH, ApiError, ChatRequest, CompletionRequest, Sampling, depth,
-                                    refused_parameters)
+from speculant.serve.schema import (MAX_FORMAT_DEPTH, ApiError, ChatRequest, CompletionRequest, Sampling, body_fault,
+                                    depth, refused_parameters)
 
 LOG = logging.getLogger("speculant.serve")
 REQUEST_MODELS = {name for name, value in vars(schema).items() if isinstance(value, type) and
@@ -483,6 +483,8 @@ class Guard:
                 more = message.get("more_body", False)
                 if len(body) > self.max_body:
                     return await answer(too_large(self.max_body))
+            if (fault := body_fault(bytes(body))) is not None:
+                return await answer(fault)
             whole, after = [{"type": "http.request", "body": bytes(body), "more_body": False}], receive
 
             async def replayed() -> dict[str, Any]:
@@ -698,4 +700,21 @@ def serve(target_name: str, model: ModelConfig, method: str, options: Any, confi
 
     app = build_app(target_name, model, method, options, config, served_name)
     print(f"serving on http://{config.host}:{config.port}/v1", file=sys.stderr)
-    uvicorn.run(app, host=config.host, port=config.port, log_level="warning")
+    uvicorn.run(app, host=config.host, port=config.port, **uvicorn_options())
+
+
+def uvicorn_options() -> dict[str, Any]:
+    """How `serve` runs uvicorn: quiet, and answering a request its HTTP/1.1 parser refuses (bad framing, a malformed
+    header) as every other refusal, a JSON 400 in the API's shape, not uvicorn's plain text. (Ray Serve's proxy parses
+    a replica's requests with its own uvicorn.)"""
+    from uvicorn.protocols.http.auto import AutoHTTPProtocol
+
+    class JsonRefusals(AutoHTTPProtocol):  # type: ignore[misc, valid-type]  # (uvicorn's parser: httptools', else h11's)
+        def send_400_response(self, msg: str) -> None:
+            body = json.dumps(ApiError(400, "the request is not valid HTTP/1.1 (its framing or a header could not be "
+                                       "parsed)", code="invalid_http").body).encode()
+            self.transport.write(b"HTTP/1.1 400 Bad Request\r\ncontent-type: application/json\r\n"
+                                 b"content-length: %d\r\nconnection: close\r\n\r\n%b" % (len(body), body))
+            self.transport.close()
+
+    return {"log_level": "warning", "http": JsonRefusals}

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from collections.abc import Sequence
 from typing import Annotated, Any, Literal
 
@@ -63,6 +64,62 @@ def depth(value: Any) -> int:
             children = item.values() if isinstance(item, dict) else item if isinstance(item, list) else ()
             stack.extend((child, level + 1) for child in children)
     return deepest
+
+
+class _Twice(dict):
+    """A JSON object that named a key more than once (`twice`: the first such key)."""
+
+    twice: str
+
+
+class _Underflow(float):
+    """A JSON number that is not 0 but reads as 0.0 (`literal`: as sent)."""
+
+    literal: str
+
+
+def body_fault(body: bytes) -> ApiError | None:
+    """What Python's `json` reads past in a request body without a word, as a 400 naming where: a key given twice in
+    one object (the last would win and the others be dropped) or a number that is not 0 but reads as 0 (`1e-400`: a
+    temperature so would decode greedily). None where the body has neither, or is no JSON (FastAPI answers that)."""
+    marked = False
+
+    def pairs(items: list[tuple[str, Any]]) -> dict[str, Any]:
+        nonlocal marked
+        value = dict(items)
+        if len(value) == len(items):
+            return value
+        seen: set[str] = set()
+        marked, value = True, _Twice(items)
+        value.twice = next(key for key, _ in items if key in seen or seen.add(key))
+        return value
+
+    def number(literal: str) -> float:
+        nonlocal marked
+        value = float(literal)
+        if value != 0 or not any(digit in "123456789" for digit in literal.lower().partition("e")[0]):
+            return value
+        marked, value = True, _Underflow(value)
+        value.literal = literal
+        return value
+
+    try:
+        parsed = json.loads(body, object_pairs_hook=pairs, parse_float=number)
+    except (ValueError, RecursionError):  # (UnicodeDecodeError is a ValueError)
+        return None
+    stack: list[tuple[Any, str]] = [(parsed, "")] if marked else []
+    while stack:
+        value, where = stack.pop()
+        named = where + "." if where else ""
+        if isinstance(value, _Twice):
+            return ApiError(400, f"'{named}{value.twice}' is given twice in the body: give each field once",
+                            param=named + value.twice)
+        if isinstance(value, _Underflow):
+            return ApiError(400, f"{where or 'the body'}: {value.literal} is not 0 but is below the smallest double, "
+                            "which reads it as 0: send 0 or a larger number", param=where or None)
+        children = value.items() if isinstance(value, dict) else enumerate(value) if isinstance(value, list) else ()
+        stack.extend((child, f"{named}{key}") for key, child in children)
+    return None
 
 
 def given_with(name: str, other: str, message: str, present: bool = True) -> Any:
