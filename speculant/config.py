@@ -95,7 +95,7 @@ def typed(options: type, values: dict[str, Any]) -> dict[str, Any]:
     """`values` given from Python for fields of the dataclass `options`, each number checked against its field's
     type (`as_integer` for an `int` field, `as_number` for a `float` one); an OptionError names the field otherwise
     (a float's `range(...)` test walks every integer, and a count of 2.5 fails deep in decoding)."""
-    kinds = {f.name: hinted(f) for f in fields(options)}
+    kinds = field_kinds(options)
     checked = dict(values)
     for name, value in values.items():
         kind = kinds.get(name, ())
@@ -330,6 +330,12 @@ def reach_ray(address: str | None, name: str, timeout_s: float = 5.0) -> None:
                     raise ConfigError(f"{name}: what answers at {address} is no Ray cluster (it speaks no gRPC)")
     except OSError as error:
         raise ConfigError(f"{name}: no Ray cluster answers at {address} ({error.strerror or error})") from None
+
+
+@functools.cache
+def field_kinds(options: type) -> dict[str, tuple[Any, ...]]:
+    """Each field of the dataclass `options` by name: its types (`hinted`), read once per class."""
+    return {f.name: hinted(f) for f in fields(options)}
 
 
 def hinted(f: Field) -> tuple[Any, ...]:
