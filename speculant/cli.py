@@ -15,7 +15,6 @@ from pathlib import Path
 from typing import Any, NoReturn
 
 from speculant.config import (
-    DEFAULT_DRAFTER,
     DEFAULT_TARGET,
     MOST_LATENCY_MS,
     REQUEST_MOST,
@@ -35,6 +34,7 @@ from speculant.config import (
     reach_ray,
     with_default,
 )
+from speculant.drafters.spec import DEFAULT
 from speculant.errors import ConfigError, SpeculantError, interrupted
 from speculant.methods.drafting import check_dtype, held_drafters, takes_model_free, with_default_drafter
 from speculant.methods.registry import METHODS, all_options, chain_methods, get_method
@@ -174,8 +174,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     acc = commands.add_parser("acceptance", help="estimate how often a drafter agrees with the target")
     acc.add_argument("--target", default=DEFAULT_TARGET, help="target model")
-    acc.add_argument("--drafter", default=DEFAULT_DRAFTER,
-                     help="one drafter or several, comma-separated (the target generates once for all)")
+    acc.add_argument("--drafter", default=DEFAULT, help="one model drafter or several, comma-separated (the target "
+                     "generates once for all; default: the target's catalog drafter)")
     acc.add_argument("--drafter-dtype", choices=("bf16", "fp32"), default=None,
                      help="dtype of model drafters (default: the target's)")
     acc.add_argument("--dataset", default="humaneval[:10]", help="humaneval[:N]: the target's outputs the drafters "
@@ -189,7 +189,8 @@ def build_parser() -> argparse.ArgumentParser:
     depth = commands.add_parser("train-depth", help="train Yggdrasil's depth predictor for a target and drafter "
                                 "(the tree method then drafts the depth it predicts pays best)")
     depth.add_argument("--target", default=DEFAULT_TARGET, help="target model")
-    depth.add_argument("--drafter", default=DEFAULT_DRAFTER, help="a model drafter with the target's vocabulary")
+    depth.add_argument("--drafter", default=DEFAULT, help="a model drafter with the target's vocabulary (default: the "
+                       "target's catalog drafter)")
     depth.add_argument("--drafter-dtype", choices=("bf16", "fp32"), default=None,
                        help="dtype of the drafter (default: the target's)")
     data = depth.add_mutually_exclusive_group()
@@ -740,15 +741,18 @@ def run_acceptance(args: argparse.Namespace) -> None:
         raise ConfigError(f"depth must be >= 1, got {args.depth}")
     config = from_args(ModelConfig, args)
     prompts = load_dataset(args.dataset)
+    check_models([args.target])
     given = [name.strip() for name in args.drafter.split(",")]
     names = [str(resolved(as_drafter(name), args.target)) if name else name for name in given]  # (`default`: its own)
+    if any(name == DEFAULT and model_free(as_drafter(drafter)) for name, drafter in zip(given, names)):
+        raise ConfigError(f"acceptance estimation needs a model drafter, and the catalog pairs none with "
+                          f"{args.target}: name one with --drafter (self, or a model's name)")
     if not all(names) or any(model_free(as_drafter(name)) for name in names):
-        raise ConfigError(f"'{args.drafter}' must name models; acceptance estimation needs them" +
-                          (f" (the catalog pairs no drafter with {args.target})" if names != given else ""))
+        raise ConfigError(f"'{args.drafter}' must name models; acceptance estimation needs them")
     if len(set(names)) < len(names):
         raise ConfigError(f"'{args.drafter}' names a drafter twice")
     check_dtype(args.drafter_dtype, [as_drafter(name) for name in names])
-    check_models([args.target], names, model_free=False)
+    check_models([], names, model_free=False)
     for name in names:
         check_target(args.target, config, from_flags(lambda: get_method("sd").parse_options({"drafter": name}),
                                                      ["drafter"]))

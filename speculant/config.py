@@ -29,7 +29,6 @@ AUTO = "auto"  # a size, dtype or method that speculant chooses from measurement
 CATCH_UPS = ("expected", "safe")  # when `auto` pays a model drafter's catch-up on the prompt (AutoOptions.catch_up)
 SCHEDULES = ("serial", "stage")  # a `tree`'s or `auto`'s drafting: after verification, or during it (Yggdrasil 5.1)
 DEFAULT_TARGET = "qwen2.5-coder-1.5b"  # catalog names (speculant.models.catalog)
-DEFAULT_DRAFTER = "qwen2.5-coder-0.5b"
 DTYPES = ("auto", "bf16", "fp32")
 BACKENDS = {"hf": "HFCausalLM", "llamacpp": "LlamaCppCausalLM", "lean": "LeanCausalLM", "static": "StaticCausalLM"}
 # each backend's name and CausalLM class, in `models/backends/NAME.py`: transformers; GGUF on llama.cpp; GGUF on

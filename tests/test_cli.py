@@ -667,9 +667,14 @@ def test_a_flag_given_where_it_does_nothing_is_one_line_never_ignored(capsys, tm
         (["bench", "--target", str(tmp_path / "mine"), "--methods", "ar", "tree"],
          f"the catalog pairs none with {tmp_path / 'mine'}: name one (self, or a model's name) in 'tree'"),
         (["acceptance", "--target", str(tmp_path / "mine"), "--drafter", "default"],
-         f"'default' must name models; acceptance estimation needs them (the catalog pairs no drafter with "
-         f"{tmp_path / 'mine'})"),
+         f"acceptance estimation needs a model drafter, and the catalog pairs none with {tmp_path / 'mine'}: name "
+         "one with --drafter"),
+        (["acceptance", "--target", str(tmp_path / "mine")],  # (the flag's default is `default` too)
+         f"acceptance estimation needs a model drafter, and the catalog pairs none with {tmp_path / 'mine'}"),
+        (["acceptance", "--target", str(tmp_path / "absent"), "--drafter", "maxgram"], "no model at"),  # (target first)
         (["train-depth", "--target", str(tmp_path / "mine"), "--drafter", "default"],
+         f"train-depth needs a model drafter, and the catalog pairs none with {tmp_path / 'mine'}"),
+        (["train-depth", "--target", str(tmp_path / "mine")],
          f"train-depth needs a model drafter, and the catalog pairs none with {tmp_path / 'mine'}"),
         (["generate", "x", "--target", str(tmp_path / "mine"), "--method", "sd", "--drafter-dtype", "bf16"],
          "(the catalog pairs no drafter with"),

@@ -1,4 +1,5 @@
-"""Drafter specs, parsed in one place: `default` (the target's own: `resolved`), a registered drafter (`maxgram`,
+"""Drafter specs, parsed in one place: `default` (the target's catalog drafter, else
+maxgram: `resolved`), a registered drafter (`maxgram`,
 `suffix`, a user's), `self`, `self@int8`,
 `self@skip`, `NAME`, `NAME@int4`, `NAME@gguf`, `NAME@lean` (a catalog name, Hugging Face id or path; @gguf: its
 GGUF on llama.cpp; @lean: its GGUF on speculant's kernels with FR-Spec's head); and `load_drafter`, which turns a

@@ -1,5 +1,6 @@
-"""Options shared by the methods that draft with one drafter, and the helper that turns what an option
-holds into a Drafter for one generation."""
+"""Options shared by the methods that draft with one drafter, and their checks: `default` resolved
+(`with_default_drafter`), drafters checked against dtypes and the backends' capabilities, and loaded for a
+generation (`with_drafters`, through `Session.drafter`)."""
 
 from __future__ import annotations
 

@@ -50,7 +50,7 @@ class Latency:
 
     @classmethod
     def from_profile(cls, profile: Any) -> Latency:
-        """From an `analysis.profile.LatencyProfile` (TTFT, TPOT and its T(W) curve)."""
+        """From a `latency.LatencyProfile` (TTFT, TPOT and its T(W) curve)."""
         return cls(profile.ttft_s, profile.tpot_s, tuple(sorted(profile.forward_s.items())))
 
 
