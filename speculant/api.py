@@ -6,7 +6,7 @@ import atexit
 import logging
 import threading
 import weakref
-from collections.abc import Iterable, Iterator, Mapping, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence, Set as AbstractSet
 from contextlib import AbstractContextManager, ExitStack, contextmanager
 from dataclasses import dataclass, fields
 from typing import Any
@@ -249,7 +249,7 @@ def generate(
     if prompt_ids is None:
         if prompt is not None:
             check_prompt(prompt)
-        if prompt is None or not (prompt.strip() if isinstance(prompt, str) else prompt):
+        if not prompt:  # (a text of white space is a prompt, as the server takes it: it encodes to tokens)
             raise ConfigError("the prompt is empty")
     elif prompt is not None:
         raise ConfigError("give either prompt or prompt_ids, not both")
@@ -341,6 +341,8 @@ def token_ids(value: Any) -> list[int]:
                           "output: pass its ['input_ids'])")
     if isinstance(items, (str, bytes)) or not isinstance(items, Iterable):
         raise ConfigError(f"prompt_ids must be a sequence of token ids, not {type(value).__name__}")
+    if isinstance(items, AbstractSet):
+        raise ConfigError(f"prompt_ids must be a sequence of token ids in order, not a {type(value).__name__}")
     items = list(items)
     ids = [as_integer(item) for item in items]
     if None in ids:

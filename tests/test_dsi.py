@@ -112,6 +112,9 @@ def test_server_keeps_the_sequence_catches_up_and_rolls_back_its_cache():
     # prefill and forward differ in numerics, and plain decoding prefills.
     third = server.run(Job(2, 9, 0, tuple(seq[:12]), 12))
     assert third.forwarded == 12 and third.forwards == 1
+    # a prefill is no step (GenerationStats: incremental forwards and their seconds), whatever else the job ran
+    assert [(r.usage.forwards, r.usage.steps) for r in (first, second, third)] == [(2, 1), (1, 1), (1, 0)]
+    assert 0 < first.usage.seconds < first.end - first.start and 0 <= third.usage.seconds < third.end - third.start
     with pytest.raises(ValueError, match="never saw"):
         server.run(Job(2, 8, 3, (1, 2), 4))
     with pytest.raises(ValueError, match="holds 12"):

@@ -28,9 +28,11 @@ def test_a_conversation_is_a_prompt_and_a_malformed_one_is_refused():
     target.tokenizer.chat_template = "{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}>"
     text = generate(target, "hi", method="ar", max_new_tokens=8, chat=True).token_ids
     assert generate(target, [{"role": "user", "content": "hi"}], method="ar", max_new_tokens=8).token_ids == text
-    for bad in ([], ["hi"], [{"role": "user"}], [{"role": "user", "content": 3}]):
+    for bad in ([], ["hi"], [{"role": "user"}], [{"role": "user", "content": 3}], ""):
         with pytest.raises(ConfigError, match="empty|role"):
             generate(target, bad, method="ar", max_new_tokens=8)
+    for spaces, chat in ((" \n", False), ("  ", True)):  # (tokens all the same, as the server takes them)
+        assert generate(target, spaces, method="ar", max_new_tokens=2, chat=chat).stats.new_tokens == 2
 
 
 def test_every_method_is_registered_with_documented_options():
@@ -168,6 +170,7 @@ def test_generate_refuses_what_it_cannot_take_in_one_line_and_takes_numpy_and_to
             (dict(prompt_ids=[1.5, 2]), "must hold integer token ids"),
             (dict(prompt_ids="12"), "must be a sequence of token ids, not str"),
             (dict(prompt_ids={"input_ids": prompt}), r"pass its \['input_ids'\]"),
+            (dict(prompt_ids={2, 1}), "in order, not a set"),
             (dict(chat=True), "chat templates a text prompt"),
             (dict(logit_bias=[(7, 5.0)]), "logit_bias must map token ids"),
             (dict(response_format="json_object"), "response_format must be a mapping"),

@@ -368,12 +368,33 @@ def test_stage_scheduling_is_refused_by_the_server_whose_forwards_run_on_one_thr
     ('{"model": "tiny", "messages": [{"role": "user", "content": "x", "role": "system"}]}', "messages.0.role"),
     ('{"model": "tiny", "prompt": "ab", "temperature": 1e-400}', "temperature"),
     ('{"model": "tiny", "prompt": "ab", "temperature": 0.000e-400, "logit_bias": {"3": -2.5E-999}}', "logit_bias.3"),
+    ('{"model": "tiny", "prompt": "ab", "seed": ' + "9" * 5000 + '}', "seed"),  # (json: "not JSON")
+    ('{"model": "tiny", "prompt": "ab", "stop": [{"a": 1, "a": 2}, {"b": 1, "b": 2}], "logit_bias": {"3": 1e-999}}',
+     "stop.0.a"),  # the first in the text's order
+    *[('{"model": "tiny", "messages": [{"role": "user", "content": "x"}, {"role": "assistant", "tool_calls": [{"id": '
+       '"1", "type": "function", "function": {"name": "f", "arguments": ' + json.dumps(arguments) + '}}]}]}',
+       "messages.1.tool_calls.0.function.arguments")  # (JSON in a string: read as written too)
+      for arguments in ('{"a": 1, "a": 2}', '{"a": 1e-400}', '{"a": ' + "1" * 5000 + '}')],
 ])
 def test_bad_numbers_text_and_shapes_are_400s_naming_the_field(app, body, param):
     _, client = app
     path = "/v1/chat/completions" if "messages" in body else "/v1/completions"
     response = client.post(path, content=body.encode(), headers={"content-type": "application/json"})
-    is_error(response, 400, param)
+    assert not is_error(response, 400, param)["message"].startswith(f"{param}: Value error"), response.text
+
+
+def test_a_body_s_route_and_type_are_answered_before_what_it_holds(app):
+    """A key given twice where no route takes the body, or in a body that is no JSON: what the app answers there."""
+    _, client = app
+    twice = b'{"model": "tiny", "prompt": "ab", "max_tokens": 2, "max_tokens": 3}'
+    json_type = {"content-type": "application/json"}
+    is_error(client.post("/v1/nothing", content=twice, headers=json_type), 404)
+    is_error(client.post("/health", content=twice, headers=json_type), 405)
+    assert "twice" not in is_error(client.post("/v1/completions", content=twice,
+                                               headers={"content-type": "text/plain"}), 400)["message"]
+    for kind in ("application/json; charset=utf-8", "application/vnd.api+json", None):  # (JSON to FastAPI)
+        response = client.post("/v1/completions", content=twice, headers={"content-type": kind} if kind else {})
+        assert "max_tokens: a key given twice" in is_error(response, 400, "max_tokens")["message"], kind
 
 
 def test_zeros_and_the_smallest_doubles_are_taken_as_sent(app):

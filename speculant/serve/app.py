@@ -116,8 +116,8 @@ def create_app(engine: Engine, served_name: str, config: ServeConfig | None = No
             message = f"a field's name in {where or 'the body'} is not valid Unicode (a lone surrogate)"
         elif not where:
             message = "the body must be a JSON object (sent as Content-Type: application/json)"
-        else:
-            message = f"{where}: {first.get('msg', 'invalid')}"
+        else:  # (a validator's own ValueError: its words, without pydantic's "Value error, " before them)
+            message = f"{where}: {first.get('msg', 'invalid').removeprefix('Value error, ')}"
         return JSONResponse(ApiError(400, message, param=where or None).body, status_code=400)
 
     app.add_middleware(Guard, metrics=metrics, replica=replica, max_body=int(config.max_body_mb * 1e6),
@@ -415,7 +415,8 @@ class Guard:
     """What every request passes first, as a plain ASGI middleware (Starlette's BaseHTTPMiddleware would hide a
     client's disconnect from the endpoints, which poll for it): the trusted-host check; the API key, on every path
     but `open_paths`; the body limit (413 from the declared length before a byte is read; every body is read here,
-    counted, so that a length the transfer does not keep to cannot pass more); one 500 in the API's shape, logged
+    counted, so that a length the transfer does not keep to cannot pass more); a JSON body to a POST route that
+    Python's `json` would read past without a word (`schema.body_fault`: a 400 naming where); one 500 in the API's shape, logged
     and counted, for any fault of the server's own; each API request counted once, when it ends, by its route's
     template (an unknown path counts as `unmatched`, so that clients cannot grow the metrics) and by its status (a
     stream's by how it ended, `ENDED`: its headers went out as 200 before it knew; 499 for one whose client left,
@@ -428,6 +429,11 @@ class Guard:
         self.app, self.metrics, self.max_body, self.hosts = app, metrics, max_body, hosts
         self.key, self.open_paths, self.routes = key, open_paths, routes
         self.header = [(b"x-speculant-replica", replica.encode())] if replica else []
+
+    def posted(self, scope: dict[str, Any]) -> bool:
+        """Whether the request is a POST to a route that takes one (elsewhere the app answers 404 or 405 first)."""
+        return scope["method"] == "POST" and any(getattr(route, "path", None) == scope["path"] and
+                                                 "POST" in getattr(route, "methods", ()) for route in self.routes)
 
     async def __call__(self, scope: dict[str, Any], receive: Callable, send: Callable) -> None:
         if scope["type"] != "http":
@@ -483,7 +489,8 @@ class Guard:
                 more = message.get("more_body", False)
                 if len(body) > self.max_body:
                     return await answer(too_large(self.max_body))
-            if (fault := body_fault(bytes(body))) is not None:
+            if self.posted(scope) and is_json(headers.get(b"content-type", b"")) and \
+                    (fault := await asyncio.to_thread(body_fault, bytes(body))) is not None:  # (a long read: off the loop)
                 return await answer(fault)
             whole, after = [{"type": "http.request", "body": bytes(body), "more_body": False}], receive
 
@@ -504,6 +511,12 @@ class Guard:
         finally:
             if scope["path"].startswith("/v1/") and (ended := scope.get(ENDED, status)) is not None:
                 self.metrics.request(label(), ended)
+
+
+def is_json(content_type: bytes) -> bool:
+    """Whether FastAPI reads a body of this Content-Type as JSON: none given, application/json, application/*+json."""
+    kind = content_type.decode("latin-1").partition(";")[0].strip().lower()
+    return not kind or kind == "application/json" or kind.startswith("application/") and kind.endswith("+json")
 
 
 def heard(receive: Callable) -> Callable:

@@ -72,16 +72,19 @@ class _Twice(dict):
     twice: str
 
 
-class _Underflow(float):
-    """A JSON number that is not 0 but reads as 0.0 (`literal`: as sent)."""
+class _Marked(float):
+    """A JSON number Python reads as another: not 0 but read as 0.0 (below a double's range), or an integer of more
+    digits than Python converts (read as 0 here, so that the rest of the text is read); `literal`: as sent."""
 
     literal: str
 
 
-def body_fault(body: bytes) -> ApiError | None:
-    """What Python's `json` reads past in a request body without a word, as a 400 naming where: a key given twice in
-    one object (the last would win and the others be dropped) or a number that is not 0 but reads as 0 (`1e-400`: a
-    temperature so would decode greedily). None where the body has neither, or is no JSON (FastAPI answers that)."""
+def json_fault(text: str | bytes) -> tuple[str, str] | None:
+    """What Python's `json` reads past in JSON text without a word, as (where: the dotted path, "" for the whole
+    text; why, a sentence after it): a key given twice in one object (the last would win, the others be dropped), a
+    number that is not 0 but reads as 0 (`1e-400`: a temperature so would decode greedily), or an integer too long
+    for Python to read (which `json` reports as no JSON at all). The outermost first, then in the text's order; None
+    where it has none, or is no JSON (its readers say so)."""
     marked = False
 
     def pairs(items: list[tuple[str, Any]]) -> dict[str, Any]:
@@ -99,12 +102,26 @@ def body_fault(body: bytes) -> ApiError | None:
         value = float(literal)
         if value != 0 or not any(digit in "123456789" for digit in literal.lower().partition("e")[0]):
             return value
-        marked, value = True, _Underflow(value)
+        marked, value = True, _Marked(value)
         value.literal = literal
         return value
 
+    def integer(literal: str) -> int | float:
+        nonlocal marked
+        try:
+            return int(literal)
+        except ValueError:  # (more digits than sys.get_int_max_str_digits())
+            marked, value = True, _Marked(0.0)
+            value.literal = literal
+            return value
+
     try:
-        parsed = json.loads(body, object_pairs_hook=pairs, parse_float=number)
+        try:
+            parsed = json.loads(text, object_pairs_hook=pairs, parse_float=number)
+        except ValueError as error:
+            if "integer string conversion" not in str(error):
+                raise
+            parsed = json.loads(text, object_pairs_hook=pairs, parse_float=number, parse_int=integer)
     except (ValueError, RecursionError):  # (UnicodeDecodeError is a ValueError)
         return None
     stack: list[tuple[Any, str]] = [(parsed, "")] if marked else []
@@ -112,14 +129,23 @@ def body_fault(body: bytes) -> ApiError | None:
         value, where = stack.pop()
         named = where + "." if where else ""
         if isinstance(value, _Twice):
-            return ApiError(400, f"'{named}{value.twice}' is given twice in the body: give each field once",
-                            param=named + value.twice)
-        if isinstance(value, _Underflow):
-            return ApiError(400, f"{where or 'the body'}: {value.literal} is not 0 but is below the smallest double, "
-                            "which reads it as 0: send 0 or a larger number", param=where or None)
+            return named + value.twice, "a key given twice (give each field once)"
+        if isinstance(value, _Marked) and value.literal.lstrip("-").isdigit():
+            return where, f"an integer of {len(value.literal.lstrip('-'))} digits is more than this server reads"
+        if isinstance(value, _Marked):
+            return where, (f"{value.literal} is not 0 but below the smallest double, which reads it as 0: send 0 "
+                           "where the field takes it, or a larger number")
         children = value.items() if isinstance(value, dict) else enumerate(value) if isinstance(value, list) else ()
-        stack.extend((child, f"{named}{key}") for key, child in children)
+        stack.extend(reversed([(child, f"{named}{key}") for key, child in children]))  # (popped in the text's order)
     return None
+
+
+def body_fault(body: bytes) -> ApiError | None:
+    """`json_fault` of a request body, as the 400 that names where."""
+    if (fault := json_fault(body)) is None:
+        return None
+    where, why = fault
+    return ApiError(400, f"{where or 'the body'}: {why}", param=where or None)
 
 
 def given_with(name: str, other: str, message: str, present: bool = True) -> Any:
@@ -247,11 +273,16 @@ FUNCTION_NAME = r"^[A-Za-z0-9_-]{1,64}$"
 
 
 def json_object_text(text: str) -> str:
-    """A call's `arguments`: JSON text of an object, strict (no NaN or infinities: `tools.DECODER`), as a reply's."""
+    """A call's `arguments`: JSON text of an object, strict (no NaN or infinities: `tools.DECODER`), as a reply's, and
+    read as written (`json_fault`: no key given twice, no number read as another)."""
     try:
         value = DECODER.decode(text)
     except (ValueError, RecursionError):
-        raise ValueError("must be JSON text of an object") from None
+        value = None  # (no JSON, NaN or an infinity; or an integer too long to read, which `json_fault` names)
+    if (fault := json_fault(text)) is not None:
+        raise ValueError(f"must be JSON text of an object, read as written ({fault[0] or 'the text'}: {fault[1]})")
+    if value is None:
+        raise ValueError("must be JSON text of an object")
     if not isinstance(value, dict) or depth(value) > MAX_FORMAT_DEPTH:
         raise ValueError(f"must be JSON text of an object, at most {MAX_FORMAT_DEPTH} levels deep")
     return text

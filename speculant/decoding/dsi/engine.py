@@ -278,7 +278,7 @@ class Coordinator:
         del self.running[result.server]
         if result.server in self.alive:
             self.idle.add(result.server)
-        self.target_usage += Usage(result.forwards, result.forwards, result.end - result.start)
+        self.target_usage += result.usage
         rec = self.record.servers[result.server]
         rec.jobs += 1
         rec.forwards += result.forwards

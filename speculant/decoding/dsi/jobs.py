@@ -24,6 +24,7 @@ import torch
 from speculant.config import SamplingConfig
 from speculant.errors import SpeculantError
 from speculant.models.base import CausalLM, Interrupted, common_prefix_len
+from speculant.models.wrappers.metered import Usage
 from speculant.sampling import logits_to_probs
 
 
@@ -48,6 +49,13 @@ class JobResult:
     forwards: int
     forwarded: int = 0  # tokens run through the model (those its cache lacked)
     preempted: bool = False  # cancelled while it ran: no rows
+    prefill_s: float | None = None  # the time of the prompt's prefill where the job ran one (one of its forwards)
+
+    @property
+    def usage(self) -> Usage:
+        """Its forwards as the target's usage: a prefill is no step, its time none of the steps' (`Usage`)."""
+        prefilled = self.prefill_s is not None
+        return Usage(self.forwards, self.forwards - prefilled, self.end - self.start - (self.prefill_s or 0.0))
 
     @property
     def rows(self) -> int:
@@ -137,11 +145,13 @@ class TargetServer:
             raise ValueError(f"job {job.id} builds on {job.base} tokens; the server holds {len(self.sequence)}")
         tokens = self.sequence = self.sequence[: job.base] + list(job.tokens)
         forwards = forwarded = 0
+        prefill_s = None
         try:
             keep = min(common_prefix_len(self.cached, tokens), job.first_row - 1)
             if keep == 0:  # nothing reusable: prefill up to the first wanted row, then the rest
                 forwards, forwarded = 1, job.first_row
                 rows = [self.model.prefill(tokens[: job.first_row])[None]]
+                prefill_s = time.monotonic() - start
                 if len(tokens) > job.first_row:
                     forwards, forwarded = 2, len(tokens)
                     rows.append(self.model.forward(tokens[job.first_row:]))
@@ -152,13 +162,14 @@ class TargetServer:
                 logits, rows_start = self.model.forward(tokens[keep:]), keep + 1
         except Interrupted:
             return JobResult(job.id, self.index, job.first_row, None, None, start, time.monotonic(), forwards,
-                             forwarded, preempted=True)
+                             forwarded, preempted=True, prefill_s=prefill_s)
         finally:
             self.cached = tokens[: self.model.cache_len]
         if self.sampling.greedy:
             return JobResult(job.id, self.index, rows_start, logits.argmax(-1).tolist(), None, start,
-                             time.monotonic(), forwards, forwarded)
+                             time.monotonic(), forwards, forwarded, prefill_s=prefill_s)
         probs = logits_to_probs(logits, self.sampling)
         if self.own_process:  # results cross a pipe: plain CPU tensors, not CUDA IPC handles
             probs = probs.cpu()
-        return JobResult(job.id, self.index, rows_start, None, probs, start, time.monotonic(), forwards, forwarded)
+        return JobResult(job.id, self.index, rows_start, None, probs, start, time.monotonic(), forwards, forwarded,
+                         prefill_s=prefill_s)
