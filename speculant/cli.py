@@ -137,7 +137,7 @@ def build_parser() -> argparse.ArgumentParser:
                       "'response_format' (structured output, as OpenAI's)")
     add_options(bench, RunConfig, seed=0)
     add_options(bench, SamplingConfig)
-    bench.add_argument("--repeats", type=integer, default=1, action=Given,
+    bench.add_argument("--repeats", type=count, default=1, action=Given,
                        help="run the whole interleaved matrix this many times")
     bench.add_argument("--isolate", action=Given, nargs=0, const=True, default=False,
                        help="run each of speculant's generations in a fresh process after a warm-up generation, as "
@@ -156,7 +156,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     prof = commands.add_parser("profile", help="show the machine profile auto uses (T(W) of a model, measured once "
                                "per machine), or measure TTFT, TPOT and T(W) on prompts with --widths")
-    prof.add_argument("--model", default=DEFAULT_TARGET, help=f"model to profile (default: {DEFAULT_TARGET})")
+    prof.add_argument("--model", "--target", default=DEFAULT_TARGET, help=f"model to profile (default: "
+                      f"{DEFAULT_TARGET}; --target as the other commands spell it)")
     prof.add_argument("--drafter", default=None, help="also profile this drafter and report its cost ratio c")
     prof.add_argument("--drafter-dtype", choices=("bf16", "fp32"), default=None, action=Given,
                       help="dtype of the drafter (default: the target's)")
@@ -164,9 +165,9 @@ def build_parser() -> argparse.ArgumentParser:
                       "or 1,2,4,8 (default: show the machine profile, measuring it once if it is missing)")
     prof.add_argument("--dataset", default="humaneval[:5]", action=Given, help="with --widths: prompts for TTFT and "
                       "TPOT")
-    prof.add_argument("--context-len", type=integer, default=256, action=Given,
+    prof.add_argument("--context-len", type=count, default=256, action=Given,
                       help="with --widths: cached tokens before the T(W) forwards")
-    prof.add_argument("--repeats", type=integer, default=3, action=Given, help="with --widths: timings per width")
+    prof.add_argument("--repeats", type=count, default=3, action=Given, help="with --widths: timings per width")
     prof.set_defaults(needs={"dataset": "widths", "context_len": "widths", "repeats": "widths",
                              "drafter_dtype": "drafter"})
     add_options(prof, ModelConfig)
@@ -198,9 +199,9 @@ def build_parser() -> argparse.ArgumentParser:
                       "speculant/analysis/depth_corpus.jsonl and humaneval[30:60], apart from every benchmark's)")
     data.add_argument("--prompts", default=None, metavar="FILE.jsonl[:N]",
                       help="prompts to log trees on, as bench reads them")
-    depth.add_argument("--max-new-tokens", type=integer, default=64, help="tokens generated per prompt")
-    depth.add_argument("--max-depth", type=integer, default=8, help="depth of the logged trees: the most it predicts")
-    depth.add_argument("--width", type=integer, default=1, help="nodes per drafting step of the logged trees")
+    depth.add_argument("--max-new-tokens", type=count, default=64, help="tokens generated per prompt")
+    depth.add_argument("--max-depth", type=count, default=8, help="depth of the logged trees: the most it predicts")
+    depth.add_argument("--width", type=count, default=1, help="nodes per drafting step of the logged trees")
     depth.add_argument("--inputs", nargs="+", choices=("hidden", "features"), default=None,
                        help="what the predictor reads: the target's last hidden state (the paper's; default where the "
                        "backend gives it) or four features of its distribution; several: one predictor each, from "
@@ -228,17 +229,17 @@ def build_parser() -> argparse.ArgumentParser:
     data = load.add_mutually_exclusive_group()
     data.add_argument("--dataset", default="humaneval[:10]", help="humaneval[:N] (default: humaneval[:10])")
     data.add_argument("--prompts", default=None, metavar="FILE.jsonl[:N]", help="JSONL prompts (chat when 'turns')")
-    load.add_argument("--requests", type=integer, default=32, help="requests to send, cycling over the prompts (with "
+    load.add_argument("--requests", type=count, default=32, help="requests to send, cycling over the prompts (with "
                       "--rate: conversations)")
     arrivals = load.add_mutually_exclusive_group()
-    arrivals.add_argument("--concurrency", type=integer, nargs="+", default=[1, 4, 16],
+    arrivals.add_argument("--concurrency", type=count, nargs="+", default=[1, 4, 16],
                           help="clients at once; one run each")
-    arrivals.add_argument("--rate", type=non_negative, nargs="+", default=None, help="open loop instead: conversations "
+    arrivals.add_argument("--rate", type=positive, nargs="+", default=None, help="open loop instead: conversations "
                           "arrive at this Poisson rate per second, whatever the backlog; one run each")
-    load.add_argument("--turns", type=integer, default=1, action=Given, help="with --rate: turns per conversation, each "
+    load.add_argument("--turns", type=count, default=1, action=Given, help="with --rate: turns per conversation, each "
                       "resending the history with the reply and a follow-up question")
     load.set_defaults(needs={"turns": "rate"})
-    load.add_argument("--max-tokens", type=integer, default=64, help="max_tokens of each request")
+    load.add_argument("--max-tokens", type=count, default=64, help="max_tokens of each request")
     load.add_argument("--temperature", type=non_negative, default=0.0, help="temperature of each request")
     load.add_argument("--check-solo", action="store_true",
                       help="then send each distinct prompt alone and count outputs that differ (greedy)")
@@ -265,7 +266,7 @@ def build_parser() -> argparse.ArgumentParser:
                       f"the lean backend runs (default: {DEFAULT_TARGET})")
     kern.add_argument("--widths", default="1-8,16", help="rows per call, e.g. 1-16 or 1,2,4,8 (default: 1-8,16)")
     kern.add_argument("--isa", nargs="+", default=None, help="paths to time (default: all but scalar)")
-    kern.add_argument("--repeats", type=integer, default=5, help="timings per width")
+    kern.add_argument("--repeats", type=count, default=5, help="timings per width")
     kern.add_argument("--out", default=None, help="write the result as JSON")
 
     simulate = commands.add_parser("simulate", help="offline simulation of non-SI, SI and DSI (no model needed)")
@@ -287,7 +288,7 @@ def build_parser() -> argparse.ArgumentParser:
     one.add_argument("--servers", type=integer, default=1, help="target servers for DSI (default: 1)")
     one.add_argument("--tokens", type=integer, default=100, help="tokens to generate (default: 100)")
     one.add_argument("--ttft", type=latency_ms, default=None, metavar="MS", help="the target's first forward (default: TPOT)")
-    one.add_argument("--repeats", type=integer, default=1000, help="simulated generations per method")
+    one.add_argument("--repeats", type=count, default=1000, help="simulated generations per method")
     one.add_argument("--seed", type=integer, default=0, help="seed of the simulated acceptances")
     one.add_argument("--json", action="store_true", help="print one JSON object (keys non_si_ms, si_ms, dsi_ms, ...)")
     online = sims.add_parser("online", help="the latency twin: non-SI, SI and DSI through the real engine, "
@@ -299,7 +300,7 @@ def build_parser() -> argparse.ArgumentParser:
     online.add_argument("--servers", type=integer, default=7, help="target servers (default: 7, an 8-GPU node)")
     online.add_argument("--lookahead", type=integer, default=None, help="default: planned for the servers")
     online.add_argument("--tokens", type=integer, default=50, help="tokens to generate (default: 50, as in the paper)")
-    online.add_argument("--repeats", type=integer, default=5, help="prompts, each run by every method (default: 5)")
+    online.add_argument("--repeats", type=count, default=5, help="prompts, each run by every method (default: 5)")
     online.add_argument("--executor", choices=("thread", "process", "ray"), default="thread",
                         help="where DSI's target servers run")
     online.add_argument("--ray-address", default=None, action=Given, help="with --executor ray: join this cluster "
@@ -320,7 +321,7 @@ def build_parser() -> argparse.ArgumentParser:
                       help="lookaheads searched per cell, comma-separated (default: 18 from 1 to 100; the paper "
                       "searched every one from 1 to ndim)")
     heat.add_argument("--tokens", type=integer, default=100, help="tokens per simulated generation")
-    heat.add_argument("--repeats", type=integer, default=10, help="repeats per configuration, common random numbers "
+    heat.add_argument("--repeats", type=count, default=10, help="repeats per configuration, common random numbers "
                       "(default: 10)")
     heat.add_argument("--servers", type=integer, default=7, help="target servers, SP degree (default: 7, an 8-GPU node)")
     heat.add_argument("--fixed-lookahead", type=integer, default=5, help="lookahead of Figure 7 (default: 5)")
@@ -531,12 +532,15 @@ def run_bench(args: argparse.Namespace, argv: Sequence[str]) -> None:
         out = Path(args.out)
         out.mkdir(parents=True, exist_ok=True)
         config = {"command": command, "machine": machine, **{k: v for k, v in vars(args).items() if k not in PARSER_KEYS}}
+        if args.prompts:
+            config["dataset"] = None  # (the flag's default, which the prompts replaced)
         if saved:
             config = {**saved["config"], "command": command, "baseline": baseline}
         (out / "results.json").write_text(json.dumps(to_json(config, rows, summaries, by_category), indent=1))
         (out / "report.md").write_text(markdown_report(summaries, by_category, command, machine, baseline))
         plots = plot(summaries, by_category, out, baseline)
-        print(f"wrote {out / 'results.json'}, {out / 'report.md'} and {len(plots)} plots", file=sys.stderr)
+        print(f"wrote {', '.join(str(path) for path in [out / 'results.json', out / 'report.md', *plots])}",
+              file=sys.stderr)
 
 
 def check_cells(rows: Sequence[Any], methods: Sequence[str], path: str) -> None:
@@ -620,8 +624,6 @@ def measure_bench(args: argparse.Namespace, methods: list[Any]) -> list[Any]:
                           f" (for '{method.label}', which decodes greedily)" if some else "")
     if "verifier" in args.given and not any(m.chains and "verifier" not in dict(m.sampling) for m in methods):
         raise ConfigError(f"--verifier applies to {chain_methods()}: none of this run's takes it")
-    if args.repeats < 1:
-        raise ConfigError(f"repeats must be >= 1, got {args.repeats}")
     if args.isolate and all(method.peer for method in methods):
         raise ConfigError("--isolate runs speculant's methods in processes of their own: this run lists peers only")
     prompts = load_dataset(args.prompts or args.dataset)
@@ -680,8 +682,6 @@ def run_profile(args: argparse.Namespace) -> None:
     from speculant.session import Session
 
     widths = parse_width_ranges(args.widths) if args.widths is not None else None
-    if args.context_len < 1 or args.repeats < 1:
-        raise ConfigError("context length and repeats must be >= 1")
     config = from_args(ModelConfig, args)
     prompts = load_dataset(args.dataset) if widths else []
     drafter = args.drafter and str(resolved(as_drafter(args.drafter), args.model))  # (`default`: the model's own)
@@ -788,8 +788,6 @@ def run_train_depth(args: argparse.Namespace) -> None:
     from speculant.session import Session
     from speculant.trees.depth import predictor_path
 
-    if min(args.max_new_tokens, args.max_depth, args.width) < 1:
-        raise ConfigError("max new tokens, max depth and width must be >= 1")
     if args.max_depth > REQUEST_MOST:
         raise ConfigError(f"--max-depth {args.max_depth}: at most {REQUEST_MOST}, the deepest tree a server's client "
                           "may ask for")
@@ -897,10 +895,6 @@ def run_bench_serve(args: argparse.Namespace) -> None:
     from speculant.bench.datasets import load_dataset
     from speculant.bench.serve import format_load, read_runs, run_load, run_sessions, write_report
 
-    if args.requests < 1 or min(args.concurrency) < 1 or args.max_tokens < 1 or args.turns < 1:
-        raise ConfigError("requests, concurrency, turns and max-tokens must be >= 1")
-    if args.rate is not None and min(args.rate) <= 0:
-        raise ConfigError("--rate must be > 0")
     if not 0 <= args.temperature <= 2:  # (a server refuses more: OpenAI's range)
         raise ConfigError(f"--temperature must lie in [0, 2], got {args.temperature:g}")
     if args.rate is not None and args.requests / min(args.rate) > MOST_ARRIVAL_S:
@@ -930,15 +924,15 @@ def run_bench_serve(args: argparse.Namespace) -> None:
     for run in runs:
         result = run()
         print(format_load(result))
+        if result["errors"] == result["requests"]:  # (a server that refuses every request: not a measurement)
+            samples = "; ".join(result["error_samples"]) or "no answer"
+            raise SpeculantError(f"all {result['requests']} requests failed: {samples}")
         if args.out:
             out = Path(args.out)
             out.mkdir(parents=True, exist_ok=True)
             with (out / "results.jsonl").open("a") as f:
                 f.write(json.dumps(result) + "\n")
             write_report(out)
-        if result["errors"] == result["requests"]:  # (a server that refuses every request: not a measurement)
-            samples = "; ".join(result["error_samples"]) or "no answer"
-            raise SpeculantError(f"all {result['requests']} requests failed: {samples}")
 
 
 def more_drafter(text: str) -> tuple[float, float]:
@@ -998,8 +992,6 @@ def run_simulate(args: argparse.Namespace) -> None:
 def run_bench_kernels(args: argparse.Namespace) -> None:
     from speculant.bench.kernels import bench_kernels, report
 
-    if args.repeats < 1:
-        raise ConfigError("repeats must be >= 1")
     result = bench_kernels(args.model, parse_width_ranges(args.widths), args.isa, args.repeats)
     print(report(result))
     if args.out:
@@ -1092,6 +1084,25 @@ def latency_ms(text: str) -> float:
     value = non_negative(text)
     if value > MOST_LATENCY_MS:
         raise argparse.ArgumentTypeError(f"must be at most {MOST_LATENCY_MS} ms, got {text!r}")
+    return value
+
+
+def count(text: str) -> int:
+    """A flag's integer >= 1 (requests, clients, repeats, tokens)."""
+    try:
+        value = integer(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not an integer: {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1, got {text!r}")
+    return value
+
+
+def positive(text: str) -> float:
+    """A flag's finite number > 0 (a rate)."""
+    value = non_negative(text)
+    if value == 0:
+        raise argparse.ArgumentTypeError(f"must be > 0, got {text!r}")
     return value
 
 

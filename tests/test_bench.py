@@ -92,7 +92,12 @@ def test_jsonl_prompts_and_errors(tmp_path):
     with pytest.raises(ConfigError, match="prompt ids repeat across .*: 'HumanEval/1'"):
         load_dataset("humaneval[:2]+humaneval[1:3]")
     for name, lines, message in (  # within one file too: a bench pairs methods' runs by prompt id
-            ("ids", '{"prompt": "a"}\n{"prompt": "b", "id": 1}\n', r"ids.jsonl:2: the prompt id '1' is line 1's too"),
+            ("ids", '{"prompt": "a"}\n{"prompt": "b", "id": 1}\n', r"ids.jsonl:2: the prompt id '1' is line 1's too "
+             r"\(a prompt without an id is named by its line\)"),
+            ("both", '{"prompt": "a", "turns": ["b"]}\n', r"both.jsonl:1: give one of 'prompt', 'turns' and 'messages', "
+             "not prompt and turns"),  # (turns were dropped)
+            ("null", '{"prompt": "a", "id": null}\n', r"null.jsonl:1: id must be text or an integer, got null"),
+            ("kind", '{"prompt": "a", "category": ["x"]}\n', r"kind.jsonl:1: category must be text, got \[\"x\"\]"),
             ("chat", '{"prompt": "a", "chat": "false"}\n', r"chat.jsonl:1: chat must be true or false"),
             ("surrogate", '{"prompt": "a\\udcffb"}\n', r"surrogate.jsonl:1: the prompt is not UTF-8 text")):
         (tmp_path / f"{name}.jsonl").write_text(lines)
@@ -236,6 +241,7 @@ def test_bench_cli_writes_json_markdown_and_plots(tiny_dir, tmp_path, capsys):
     assert "hf-assisted" in stdout and "speedup" in stdout
     results = json.loads((out / "results.json").read_text())
     assert len(results["rows"]) == 14
+    assert results["config"]["prompts"] == str(prompts) and results["config"]["dataset"] is None  # (not its default)
     summary = {s["method"]: s for s in results["summary"]}
     # Greedy peers and speculant's methods all reproduce the target's greedy output.
     assert all(s["identical_to_ar"] == 1.0 for s in summary.values())
@@ -306,7 +312,8 @@ def test_bench_cli_bad_input_exits_2(tmp_path, capsys):
     assert "bad.jsonl:1" in capsys.readouterr().err
     assert cli.main(["bench", "--methods", "ar", "zz"]) == 2
     assert cli.main(["bench", "--methods", "ar", "ar"]) == 2
-    assert cli.main(["bench", "--methods", "ar", "--repeats", "0"]) == 2
+    with pytest.raises(SystemExit, match="2"):  # (a flag's own type: argparse's usage error)
+        cli.main(["bench", "--methods", "ar", "--repeats", "0"])
 
 
 def test_a_generation_refused_in_its_own_process_is_one_line(tiny_dir):
@@ -353,4 +360,5 @@ def test_the_speedup_plot_names_its_baseline_and_leaves_out_methods_without_a_sp
             MethodSummary("ar", "t", 10, 1.0, 15.0, 15.0, speedup=1.5), MethodSummary("hf-ar", "t", 10, 1.0, 9.0, 9.0)]
     assert (tmp_path / "speedup.png") in plot(rows, {}, tmp_path, "llamacpp-cli-ar")
     assert bars == [[1.0, 1.5]] and labels[0] == "speedup over llamacpp-cli-ar (same run)"
-    assert [path.name for path in plot(rows[2:], {}, tmp_path)] == ["acceptance.png"]
+    # nothing to draw (a peer without a baseline, no drafts): no plot, and none left from the run before
+    assert plot(rows[2:], {}, tmp_path) == [] and not list(tmp_path.glob("*.png"))

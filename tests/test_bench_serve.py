@@ -153,6 +153,30 @@ def test_a_prompt_s_response_format_is_sent_with_each_of_its_requests(monkeypatc
     assert [len(body["messages"]) for body in sent[2:]] == [1, 3]
 
 
+def test_a_one_turn_conversation_sends_its_prompt_as_it_is(monkeypatch):
+    """Open loop, one turn: a text prompt is sent as a completion (a model without a chat template answers it), a
+    conversation as a chat; more turns are a conversation whatever the prompt."""
+    from speculant.bench.serve import run_sessions
+
+    paths = []
+    stand_in(monkeypatch, lambda request: paths.append(request.url.path) or sse(text("x")))
+    prompts = [Prompt("t", "text"), Prompt("c", "chat", chat=True)]
+    run_sessions(URL, prompts, conversations=2, turns=1, rate=100.0, max_tokens=2)
+    assert sorted(paths) == ["/v1/chat/completions", "/v1/completions"]
+    run_sessions(URL, prompts[:1], conversations=1, turns=2, rate=100.0, max_tokens=2)
+    assert paths[2:] == ["/v1/chat/completions"] * 2
+
+
+def test_a_run_whose_every_request_failed_is_an_error_and_no_result(monkeypatch, tmp_path, capsys):
+    from speculant import cli
+
+    stand_in(monkeypatch, lambda request: httpx.Response(400, json={"error": {"message": "no"}}))
+    (tmp_path / "p.jsonl").write_text('{"prompt": "a"}\n')
+    assert cli.main(["bench-serve", "--url", URL, "--prompts", str(tmp_path / "p.jsonl"), "--requests", "2",
+                     "--concurrency", "1", "--max-tokens", "2", "--out", str(tmp_path / "out")]) == 2
+    assert "all 2 requests failed" in capsys.readouterr().err and not (tmp_path / "out" / "results.jsonl").exists()
+
+
 def test_a_conversation_that_failed_counts_one_error_and_its_unsent_turns_not_at_all(monkeypatch):
     """Open loop, three turns: one conversation's first turn is refused (HTTP 500), so its later turns are never
     sent. One error, nothing lost (sent, never finished), the other conversation's three turns done (the unsent

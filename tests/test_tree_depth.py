@@ -108,8 +108,9 @@ def test_train_depth_writes_the_predictor_and_refuses_bad_input(tmp_path, capsys
     assert "trees logged" in capsys.readouterr().out and DepthPredictor.load(out).max_depth == 3
     assert cli.main(["train-depth", "--target", weights, "--drafter", "maxgram", "--out", str(out)]) == 2
     assert "needs a model drafter" in capsys.readouterr().err
-    assert cli.main(["train-depth", "--target", weights, "--width", "0"]) == 2
-    assert "must be >= 1" in capsys.readouterr().err
+    with pytest.raises(SystemExit, match="2"):  # (a flag's own type: argparse's usage error)
+        cli.main(["train-depth", "--target", weights, "--width", "0"])
+    assert "argument --width: must be >= 1" in capsys.readouterr().err
     assert cli.main(["train-depth", "--target", weights, "--drafter", weights, "--width", "1000",
                      "--out", str(out)]) == 2  # (a traceback from topk, after the models loaded)
     assert "width 1000 exceeds the drafter's vocabulary" in capsys.readouterr().err

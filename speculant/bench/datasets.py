@@ -36,6 +36,9 @@ def load_humaneval() -> list[Prompt]:
     return [Prompt(task_id, problem["prompt"], "humaneval") for task_id, problem in read_problems().items()]
 
 
+KIND = {str: "text", int: "an integer"}  # (a prompt file's fields, as its errors name their types)
+
+
 def load_jsonl(path: Path) -> list[Prompt]:
     """Records with a `prompt` string, or `turns` (the first turn is used, as a chat message), or `messages`,
     and optional `id` / `question_id`, `category` and `response_format` (OpenAI's); errors name the line."""
@@ -58,6 +61,12 @@ def load_jsonl(path: Path) -> list[Prompt]:
         if not isinstance(record, dict):
             raise ConfigError(f"{path}:{number}: expected a JSON object")
         turns, messages = record.get("turns"), record.get("messages")
+        if len(given := [name for name in ("prompt", "turns", "messages") if name in record]) > 1:
+            raise ConfigError(f"{path}:{number}: give one of 'prompt', 'turns' and 'messages', not {' and '.join(given)}")
+        for name, kinds in (("id", (str, int)), ("question_id", (str, int)), ("category", (str,))):
+            if name in record and (not isinstance(record[name], kinds) or isinstance(record[name], bool)):
+                raise ConfigError(f"{path}:{number}: {name} must be {' or '.join(KIND[kind] for kind in kinds)}, got "
+                                  f"{json.dumps(record[name])[:40]}")
         if not isinstance(record.get("chat", False), bool):
             raise ConfigError(f"{path}:{number}: chat must be true or false")
         if isinstance(record.get("prompt"), str):
@@ -79,7 +88,8 @@ def load_jsonl(path: Path) -> list[Prompt]:
             raise ConfigError(f"{path}:{number}: {error}") from None
         record_id = str(record.get("id", record.get("question_id", number)))
         if record_id in lines_of:  # (a bench pairs each method's runs by prompt id)
-            raise ConfigError(f"{path}:{number}: the prompt id '{record_id}' is line {lines_of[record_id]}'s too")
+            raise ConfigError(f"{path}:{number}: the prompt id '{record_id}' is line {lines_of[record_id]}'s too (a prompt "
+                              "without an id is named by its line)")
         lines_of[record_id] = number
         response_format = record.get("response_format")
         if response_format is not None:

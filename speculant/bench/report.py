@@ -64,14 +64,20 @@ def markdown_report(summaries: list[MethodSummary], by_category: dict[str, list[
                  "verification; SWI = standardized wall-time improvement, tokens / (target forwards + sum of drafter "
                  "forwards x c), c = a drafter's measured forward time over the target's (CS Drafting, section 5); "
                  "identical to ar = share of prompts whose output equals that of an `ar` on the same target weights "
-                 "that samples alike (\"-\" where the run has none); \"-\" marks what was not measured.")
+                 "that samples alike (\"-\" where the run has none; when sampling, outputs of one distribution, "
+                 "not of one draw, so a low share is expected: the distribution is what the tests check); \"-\" marks "
+                 "what was not measured.")
     return "\n".join(parts) + "\n"
+
+
+PLOTS = ("speedup.png", "acceptance.png", "categories.png")  # what `plot` writes
 
 
 def plot(summaries: list[MethodSummary], by_category: dict[str, list[MethodSummary]], out: Path,
          baseline: str | None = None) -> list[Path]:
     """speedup.png (the methods with a speedup over `baseline`, as `summarize` took it; none where no method has
-    one), acceptance.png and (with categories) categories.png under `out`."""
+    one), acceptance.png (where a method drafted) and (with categories) categories.png under `out`; a plot this run
+    has nothing for is removed, not left from an earlier run beside this one's report."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -91,21 +97,20 @@ def plot(summaries: list[MethodSummary], by_category: dict[str, list[MethodSumma
         fig.savefig(paths[-1], dpi=120)
         plt.close(fig)
 
-    fig, ax = plt.subplots(figsize=(6, 4))
-    for s in summaries:
-        if s.acceptance_per_position:
+    if drafted := [s for s in summaries if s.acceptance_per_position]:
+        fig, ax = plt.subplots(figsize=(6, 4))
+        for s in drafted:
             positions = range(1, len(s.acceptance_per_position) + 1)
             ax.plot(positions, s.acceptance_per_position, marker="o", label=s.method)
-    ax.set_xlabel("draft position")
-    ax.set_ylabel("acceptance (given the position was reached)")
-    ax.set_ylim(0, 1.05)
-    ax.set_title("Acceptance per draft position")
-    if ax.get_legend_handles_labels()[0]:
+        ax.set_xlabel("draft position")
+        ax.set_ylabel("acceptance (given the position was reached)")
+        ax.set_ylim(0, 1.05)
+        ax.set_title("Acceptance per draft position")
         ax.legend(fontsize=7)
-    fig.tight_layout()
-    paths.append(out / "acceptance.png")
-    fig.savefig(paths[-1], dpi=120)
-    plt.close(fig)
+        fig.tight_layout()
+        paths.append(out / "acceptance.png")
+        fig.savefig(paths[-1], dpi=120)
+        plt.close(fig)
 
     if by_category:
         categories = list(by_category)
@@ -122,4 +127,7 @@ def plot(summaries: list[MethodSummary], by_category: dict[str, list[MethodSumma
         paths.append(out / "categories.png")
         fig.savefig(paths[-1], dpi=120)
         plt.close(fig)
+    for name in PLOTS:
+        if out / name not in paths:
+            (out / name).unlink(missing_ok=True)
     return paths

@@ -197,7 +197,8 @@ def run_sessions(url: str, prompts: Sequence[Prompt], conversations: int, turns:
                  label: str | None = None, seed: int = 0) -> dict[str, Any]:
     """Open loop, multi-turn: conversation i (its first message prompt i, cycling) starts at the i-th arrival of a
     Poisson process of `rate` conversations per second, whatever the server's backlog; its `turns` turns run one
-    after another, each sending the whole history (every earlier message and reply) and the next of FOLLOW_UPS.
+    after another, each sending the whole history (every earlier message and reply) and the next of FOLLOW_UPS (a
+    conversation of one turn sends its prompt as it is: a text prompt as a completion).
     TTFT is reported for first turns and later turns apart: a later turn's history is what a prefix cache keeps."""
     arrivals = np.cumsum(np.random.default_rng(seed).exponential(1 / rate, conversations))
     arrivals -= arrivals[0]  # the first conversation starts at once
@@ -214,8 +215,8 @@ def run_sessions(url: str, prompts: Sequence[Prompt], conversations: int, turns:
             for turn in range(turns):
                 if turn:
                     messages.append({"role": "user", "content": FOLLOW_UPS[(turn - 1) % len(FOLLOW_UPS)]})
-                endpoint, body = request_body(replace(prompt, text=tuple(messages), chat=True), model, max_tokens,
-                                              temperature, stream=True)
+                asked = prompt if turns == 1 else replace(prompt, text=tuple(messages), chat=True)  # (one turn: as
+                endpoint, body = request_body(asked, model, max_tokens, temperature, stream=True)  # the prompt is)
                 result = reply_to(client, endpoint, body)
                 results[i].append({**result, "turn": turn})
                 if "error" in result or stop.is_set():
@@ -237,15 +238,17 @@ def run_sessions(url: str, prompts: Sequence[Prompt], conversations: int, turns:
 
 
 def format_load(result: dict[str, Any]) -> str:
-    ttft, tpot, itl = result["ttft_ms"], result["tpot_ms"], result["itl_ms"]
+    def spread(p: dict[str, float | None], keys: tuple[str, ...] = ("p50", "p90", "p99")) -> str:
+        return "/".join("-" if p[key] is None else f"{p[key]}" for key in keys)  # ("-": none measured)
+
     line = (f"{result['label'] or result['url']}: {arrivals(result)}, {result['requests']} requests x "
             f"{result['max_tokens']} tokens in {result['wall_s']:.1f} s: {result['throughput_tok_s']:.1f} tok/s, "
-            f"TTFT p50/p90/p99 {ttft['p50']}/{ttft['p90']}/{ttft['p99']} ms, TPOT {tpot['p50']}/{tpot['p90']}/"
-            f"{tpot['p99']} ms, ITL {itl['p50']}/{itl['p90']}/{itl['p99']} ms, {result['errors']} errors, "
-            f"{result['lost']} lost")
+            f"TTFT p50/p90/p99 {spread(result['ttft_ms'])} ms, TPOT {spread(result['tpot_ms'])} ms, ITL "
+            f"{spread(result['itl_ms'])} ms, {result['errors']} errors, {result['lost']} lost")
     if later := result.get("ttft_later_turns_ms"):
         first = result["ttft_first_turn_ms"]
-        line += f"; TTFT p50/p90 first turns {first['p50']}/{first['p90']} ms, later turns {later['p50']}/{later['p90']} ms"
+        line += (f"; TTFT p50/p90 first turns {spread(first, ('p50', 'p90'))} ms, later turns "
+                 f"{spread(later, ('p50', 'p90'))} ms")
     if result["mismatches_vs_solo"] is not None:
         line += f", {result['mismatches_vs_solo']} outputs differ from solo"
     if failed := result.get("solo_errors"):
