@@ -183,7 +183,7 @@ def build_parser() -> argparse.ArgumentParser:
                      "are judged on")
     acc.add_argument("--max-new-tokens", type=integer, default=128, help="tokens the target generates per prompt")
     acc.add_argument("--temperature", type=non_negative, default=0.0, help="> 0 also reports sum_x min(p, q)")
-    acc.add_argument("--depth", type=integer, default=8, help="draft positions in the per-position curve")
+    acc.add_argument("--depth", type=count, default=8, help="draft positions in the per-position curve")
     add_options(acc, ModelConfig)
     acc.add_argument("--json", action="store_true", help="print the estimates as JSON")
 
@@ -288,7 +288,7 @@ def build_parser() -> argparse.ArgumentParser:
     one.add_argument("--servers", type=integer, default=1, help="target servers for DSI (default: 1)")
     one.add_argument("--tokens", type=integer, default=100, help="tokens to generate (default: 100)")
     one.add_argument("--ttft", type=latency_ms, default=None, metavar="MS", help="the target's first forward (default: TPOT)")
-    one.add_argument("--repeats", type=count, default=1000, help="simulated generations per method")
+    one.add_argument("--repeats", type=integer, default=1000, help="simulated generations per method")
     one.add_argument("--seed", type=integer, default=0, help="seed of the simulated acceptances")
     one.add_argument("--json", action="store_true", help="print one JSON object (keys non_si_ms, si_ms, dsi_ms, ...)")
     online = sims.add_parser("online", help="the latency twin: non-SI, SI and DSI through the real engine, "
@@ -321,7 +321,7 @@ def build_parser() -> argparse.ArgumentParser:
                       help="lookaheads searched per cell, comma-separated (default: 18 from 1 to 100; the paper "
                       "searched every one from 1 to ndim)")
     heat.add_argument("--tokens", type=integer, default=100, help="tokens per simulated generation")
-    heat.add_argument("--repeats", type=count, default=10, help="repeats per configuration, common random numbers "
+    heat.add_argument("--repeats", type=integer, default=10, help="repeats per configuration, common random numbers "
                       "(default: 10)")
     heat.add_argument("--servers", type=integer, default=7, help="target servers, SP degree (default: 7, an 8-GPU node)")
     heat.add_argument("--fixed-lookahead", type=integer, default=5, help="lookahead of Figure 7 (default: 5)")
@@ -737,8 +737,6 @@ def run_acceptance(args: argparse.Namespace) -> None:
 
     sampling = SamplingConfig(temperature=args.temperature)
     RunConfig(max_new_tokens=args.max_new_tokens)
-    if args.depth < 1:
-        raise ConfigError(f"depth must be >= 1, got {args.depth}")
     config = from_args(ModelConfig, args)
     prompts = load_dataset(args.dataset)
     check_models([args.target])

@@ -19,6 +19,7 @@ from speculant.config import SamplingConfig
 from speculant.decoding.dsi.engine import DrafterFailed, dsi
 from speculant.decoding.dsi.executors import ServerSpec, make_executor, replica_factory
 from speculant.decoding.dsi.jobs import Canceller, Job, ServerDied, TargetServer
+from speculant.models.base import Interrupted
 from speculant.analysis.online import run, simulate_online
 from speculant.decoding.dsi.plan import plan
 from speculant.decoding.dsi.timeline import plot_timeline
@@ -115,6 +116,9 @@ def test_server_keeps_the_sequence_catches_up_and_rolls_back_its_cache():
     # a prefill is no step (GenerationStats: incremental forwards and their seconds), whatever else the job ran
     assert [(r.usage.forwards, r.usage.steps) for r in (first, second, third)] == [(2, 1), (1, 1), (1, 0)]
     assert 0 < first.usage.seconds < first.end - first.start and 0 <= third.usage.seconds < third.end - third.start
+    cut = TargetServer(1, target.share(), GREEDY)
+    cut.model.prefill = lambda ids: (_ for _ in ()).throw(Interrupted())  # (preempted inside the prefill)
+    assert cut.run(Job(0, 7, 0, tuple(seq[:10]), 6)).usage.steps == 0
     with pytest.raises(ValueError, match="never saw"):
         server.run(Job(2, 8, 3, (1, 2), 4))
     with pytest.raises(ValueError, match="holds 12"):

@@ -392,6 +392,10 @@ def test_a_body_s_route_and_type_are_answered_before_what_it_holds(app):
     is_error(client.post("/health", content=twice, headers=json_type), 405)
     assert "twice" not in is_error(client.post("/v1/completions", content=twice,
                                                headers={"content-type": "text/plain"}), 400)["message"]
+    two = [("content-type", "application/json"), ("content-type", "text/plain")]  # (the first is what FastAPI reads)
+    is_error(client.post("/v1/completions", content=twice, headers=two), 400, "max_tokens")
+    assert "twice" not in is_error(client.post("/v1/completions", content=b"[" + twice + b"]", headers=json_type),
+                                   400)["message"]  # (no object: that is what is wrong)
     for kind in ("application/json; charset=utf-8", "application/vnd.api+json", None):  # (JSON to FastAPI)
         response = client.post("/v1/completions", content=twice, headers={"content-type": kind} if kind else {})
         assert "max_tokens: a key given twice" in is_error(response, 400, "max_tokens")["message"], kind

@@ -35,6 +35,9 @@ def test_calls_are_parsed_and_text_before_them_is_content():
     assert parse("no calls <tool_call>{oops}</tool_call>", NAMES).content == "no calls <tool_call>{oops}</tool_call>"
     other = '<tool_call>\n{"name": "rm_rf", "arguments": {}}\n</tool_call>'  # a function not declared: content
     assert parse(other, NAMES) == Parsed(other, [])
+    for arguments in ('{"city": "a", "city": "b"}', '{"days": 1e-400}'):  # read otherwise than written: a server
+        twice = f'<tool_call>\n{{"name": "get_time", "arguments": {arguments}}}\n</tool_call>'  # refuses it sent back
+        assert parse(twice, NAMES) == Parsed(twice, [])
     tagged = '<tool_call>\n{"name": "get_time", "arguments": {"city": "</tool_call>"}}\n</tool_call>'
     assert [json.loads(c["function"]["arguments"]) for c in parse(tagged, NAMES).calls] == [{"city": "</tool_call>"}]
 
@@ -56,14 +59,14 @@ def test_a_stream_hands_out_content_and_holds_back_the_calls():
 
 
 def test_a_call_s_arguments_are_the_text_the_model_wrote_and_strict_json():
-    """`arguments` is the model's own text of the object (its strings, numbers and a key given twice as written),
-    not a re-serialization; arguments that are not strict JSON (NaN, infinities, a number that overflows a double,
-    which the grammar's numbers allow) make no call: the block stays content."""
+    """`arguments` is the model's own text of the object (its strings and numbers as written), not a
+    re-serialization; arguments that are not strict JSON read as written (NaN, infinities, a number that overflows a
+    double or reads as 0, which the grammar's numbers allow; a key given twice, of which JSON readers keep one: the
+    server itself refuses such arguments sent back) make no call: the block stays content."""
     block = '<tool_call>\n{{"name": "get_time", "arguments": {}}}\n</tool_call>'.format
-    for written in ('{"city":"Zürich ☃ 😀"}', '{"n":1.50,"m":1E2,"k":-0}', '{"a":1,"a":2}',
-                    '{ "x": [1, {"y": "}"}] }'):
+    for written in ('{"city":"Zürich ☃ 😀"}', '{"n":1.50,"m":1E2,"k":-0}', '{ "x": [1, {"y": "}"}] }'):
         assert [c["function"]["arguments"] for c in parse(block(written), NAMES).calls] == [written]
-    for written in ('{"n":NaN}', '{"n":Infinity}', '{"n":[-Infinity]}', '{"n":1e400}'):
+    for written in ('{"n":NaN}', '{"n":Infinity}', '{"n":[-Infinity]}', '{"n":1e400}', '{"a":1,"a":2}', '{"n":1e-400}'):
         assert parse(block(written), NAMES) == Parsed(block(written), [])
 
 

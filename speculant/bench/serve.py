@@ -237,18 +237,22 @@ def run_sessions(url: str, prompts: Sequence[Prompt], conversations: int, turns:
     }
 
 
-def format_load(result: dict[str, Any]) -> str:
-    def spread(p: dict[str, float | None], keys: tuple[str, ...] = ("p50", "p90", "p99")) -> str:
-        return "/".join("-" if p[key] is None else f"{p[key]}" for key in keys)  # ("-": none measured)
+P50_90 = ("p50", "p90")  # the percentiles a report's table shows
 
+
+def spread(p: dict[str, float | None], keys: tuple[str, ...] = ("p50", "p90", "p99"), sep: str = "/") -> str:
+    """Percentiles as text: "-" where none was measured, nothing where the run recorded none (an older run's)."""
+    return sep.join("" if key not in p else "-" if p[key] is None else f"{p[key]}" for key in keys)
+
+
+def format_load(result: dict[str, Any]) -> str:
     line = (f"{result['label'] or result['url']}: {arrivals(result)}, {result['requests']} requests x "
             f"{result['max_tokens']} tokens in {result['wall_s']:.1f} s: {result['throughput_tok_s']:.1f} tok/s, "
             f"TTFT p50/p90/p99 {spread(result['ttft_ms'])} ms, TPOT {spread(result['tpot_ms'])} ms, ITL "
             f"{spread(result['itl_ms'])} ms, {result['errors']} errors, {result['lost']} lost")
     if later := result.get("ttft_later_turns_ms"):
         first = result["ttft_first_turn_ms"]
-        line += (f"; TTFT p50/p90 first turns {spread(first, ('p50', 'p90'))} ms, later turns "
-                 f"{spread(later, ('p50', 'p90'))} ms")
+        line += f"; TTFT p50/p90 first turns {spread(first, P50_90)} ms, later turns {spread(later, P50_90)} ms"
     if result["mismatches_vs_solo"] is not None:
         line += f", {result['mismatches_vs_solo']} outputs differ from solo"
     if failed := result.get("solo_errors"):
@@ -311,8 +315,8 @@ def write_report(out: Path) -> list[Path]:
     for r in runs:
         later, itl = r.get("ttft_later_turns_ms") or {}, r.get("itl_ms") or {}
         rows.append(f"| {r['label']} | {arrivals(r)} | {r['requests']} | {r['throughput_tok_s']:.1f} | "
-                    f"{r['ttft_ms']['p50']} / {r['ttft_ms']['p90']} | {later.get('p50', '')} / {later.get('p90', '')} | "
-                    f"{r['tpot_ms']['p50']} / {r['tpot_ms']['p90']} | {itl.get('p50', '')} / {itl.get('p90', '')} | "
+                    f"{spread(r['ttft_ms'], P50_90, ' / ')} | {spread(later, P50_90, ' / ')} | "
+                    f"{spread(r['tpot_ms'], P50_90, ' / ')} | {spread(itl, P50_90, ' / ')} | "
                     f"{r['errors']} | {r['lost']} | {'' if r['mismatches_vs_solo'] is None else r['mismatches_vs_solo']} |")
     (out / "report.md").write_text("\n".join(rows) + "\n")
     runs = [r for r in runs if r.get("rate") is None]  # the plot: closed-loop runs, by concurrency

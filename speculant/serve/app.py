@@ -489,9 +489,12 @@ class Guard:
                 more = message.get("more_body", False)
                 if len(body) > self.max_body:
                     return await answer(too_large(self.max_body))
-            if self.posted(scope) and is_json(headers.get(b"content-type", b"")) and \
-                    (fault := await asyncio.to_thread(body_fault, bytes(body))) is not None:  # (a long read: off the loop)
-                return await answer(fault)
+            kind = next((value for name, value in scope.get("headers", ()) if name == b"content-type"), b"")  # (the
+            if self.posted(scope) and is_json(kind):  # first, as the app reads it)
+                read = bytes(body)  # (a long read off the event loop, a short one here: the thread pool may be busy)
+                fault = body_fault(read) if len(read) <= INLINE_BODY else await asyncio.to_thread(body_fault, read)
+                if fault is not None:
+                    return await answer(fault)
             whole, after = [{"type": "http.request", "body": bytes(body), "more_body": False}], receive
 
             async def replayed() -> dict[str, Any]:
@@ -511,6 +514,9 @@ class Guard:
         finally:
             if scope["path"].startswith("/v1/") and (ended := scope.get(ENDED, status)) is not None:
                 self.metrics.request(label(), ended)
+
+
+INLINE_BODY = 1 << 16  # bytes of a body `Guard` checks on the event loop (a longer one: on a thread)
 
 
 def is_json(content_type: bytes) -> bool:

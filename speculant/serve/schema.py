@@ -11,7 +11,7 @@ from pydantic import AfterValidator, BaseModel, ConfigDict, Field, field_validat
 from speculant.config import MIN_TEMPERATURE, SEEDS
 from speculant.errors import ConfigError
 from speculant.models.wrappers.constrained import Constraint
-from speculant.serve.tools import DECODER, call_schema
+from speculant.serve.tools import DECODER, call_schema, json_fault
 
 MAX_FORMAT_DEPTH = 32  # levels of nesting a response_format (a JSON schema) may have
 
@@ -64,80 +64,6 @@ def depth(value: Any) -> int:
             children = item.values() if isinstance(item, dict) else item if isinstance(item, list) else ()
             stack.extend((child, level + 1) for child in children)
     return deepest
-
-
-class _Twice(dict):
-    """A JSON object that named a key more than once (`twice`: the first such key)."""
-
-    twice: str
-
-
-class _Marked(float):
-    """A JSON number Python reads as another: not 0 but read as 0.0 (below a double's range), or an integer of more
-    digits than Python converts (read as 0 here, so that the rest of the text is read); `literal`: as sent."""
-
-    literal: str
-
-
-def json_fault(text: str | bytes) -> tuple[str, str] | None:
-    """What Python's `json` reads past in JSON text without a word, as (where: the dotted path, "" for the whole
-    text; why, a sentence after it): a key given twice in one object (the last would win, the others be dropped), a
-    number that is not 0 but reads as 0 (`1e-400`: a temperature so would decode greedily), or an integer too long
-    for Python to read (which `json` reports as no JSON at all). The outermost first, then in the text's order; None
-    where it has none, or is no JSON (its readers say so)."""
-    marked = False
-
-    def pairs(items: list[tuple[str, Any]]) -> dict[str, Any]:
-        nonlocal marked
-        value = dict(items)
-        if len(value) == len(items):
-            return value
-        seen: set[str] = set()
-        marked, value = True, _Twice(items)
-        value.twice = next(key for key, _ in items if key in seen or seen.add(key))
-        return value
-
-    def number(literal: str) -> float:
-        nonlocal marked
-        value = float(literal)
-        if value != 0 or not any(digit in "123456789" for digit in literal.lower().partition("e")[0]):
-            return value
-        marked, value = True, _Marked(value)
-        value.literal = literal
-        return value
-
-    def integer(literal: str) -> int | float:
-        nonlocal marked
-        try:
-            return int(literal)
-        except ValueError:  # (more digits than sys.get_int_max_str_digits())
-            marked, value = True, _Marked(0.0)
-            value.literal = literal
-            return value
-
-    try:
-        try:
-            parsed = json.loads(text, object_pairs_hook=pairs, parse_float=number)
-        except ValueError as error:
-            if "integer string conversion" not in str(error):
-                raise
-            parsed = json.loads(text, object_pairs_hook=pairs, parse_float=number, parse_int=integer)
-    except (ValueError, RecursionError):  # (UnicodeDecodeError is a ValueError)
-        return None
-    stack: list[tuple[Any, str]] = [(parsed, "")] if marked else []
-    while stack:
-        value, where = stack.pop()
-        named = where + "." if where else ""
-        if isinstance(value, _Twice):
-            return named + value.twice, "a key given twice (give each field once)"
-        if isinstance(value, _Marked) and value.literal.lstrip("-").isdigit():
-            return where, f"an integer of {len(value.literal.lstrip('-'))} digits is more than this server reads"
-        if isinstance(value, _Marked):
-            return where, (f"{value.literal} is not 0 but below the smallest double, which reads it as 0: send 0 "
-                           "where the field takes it, or a larger number")
-        children = value.items() if isinstance(value, dict) else enumerate(value) if isinstance(value, list) else ()
-        stack.extend(reversed([(child, f"{named}{key}") for key, child in children]))  # (popped in the text's order)
-    return None
 
 
 def body_fault(body: bytes) -> ApiError | None:
