@@ -62,7 +62,8 @@ def load_jsonl(path: Path) -> list[Prompt]:
             raise ConfigError(f"{path}:{number}: expected a JSON object")
         turns, messages = record.get("turns"), record.get("messages")
         if len(given := [name for name in ("prompt", "turns", "messages") if name in record]) > 1:
-            raise ConfigError(f"{path}:{number}: give one of 'prompt', 'turns' and 'messages', not {' and '.join(given)}")
+            raise ConfigError(f"{path}:{number}: give one of 'prompt', 'turns' and 'messages', not "
+                              f"{' and '.join(given)}")
         for name, kinds in (("id", (str, int)), ("question_id", (str, int)), ("category", (str,))):
             if name in record and (not isinstance(record[name], kinds) or isinstance(record[name], bool)):
                 raise ConfigError(f"{path}:{number}: {name} must be {' or '.join(KIND[kind] for kind in kinds)}, got "
@@ -88,8 +89,8 @@ def load_jsonl(path: Path) -> list[Prompt]:
             raise ConfigError(f"{path}:{number}: {error}") from None
         record_id = str(record.get("id", record.get("question_id", number)))
         if record_id in lines_of:  # (a bench pairs each method's runs by prompt id)
-            raise ConfigError(f"{path}:{number}: the prompt id '{record_id}' is line {lines_of[record_id]}'s too (a prompt "
-                              "without an id is named by its line)")
+            raise ConfigError(f"{path}:{number}: the prompt id '{record_id}' is line {lines_of[record_id]}'s too "
+                              "(a prompt without an id is named by its line)")
         lines_of[record_id] = number
         response_format = record.get("response_format")
         if response_format is not None:

@@ -1,6 +1,6 @@
 """Method specs on the command line: `NAME[:option=value,...]` where NAME is a registered method (`auto`,
-`ar`, `sd`, `tree`, `cascade`, `dsi`) or a peer (`hf-*`, `llamacpp-*`, `llamacpp-cli-*`: `bench.peers`) and the options are that
-method's own (`speculant.methods`; a value may hold commas: it ends where the next `name=` begins),
+`ar`, `sd`, `tree`, `cascade`, `dsi`) or a peer (`hf-*`, `llamacpp-*`, `llamacpp-cli-*`: `bench.peers`) and the
+options are that method's own (`speculant.methods`; a value may hold commas: it ends where the next `name=` begins),
 plus `dtype` and `backend`, the target's dtype and backend for this method (default: the run's --dtype and
 --backend; the llamacpp-* peers run on llama.cpp), and any sampling setting, this method's in place of the run's
 (`auto:verifier=token`, `ar:temperature=1`). Examples:

@@ -2,14 +2,13 @@
 
 from __future__ import annotations
 
-import time
-
 import torch
 
 from speculant.config import SamplingConfig
 from speculant.decoding.run import Decoder, emit
 from speculant.decoding.stats import GenerationStats
 from speculant.models.base import CausalLM
+from speculant.models.wrappers.metered import metered
 from speculant.sampling import next_token
 
 
@@ -23,16 +22,13 @@ def autoregressive(
     """One target forward per token. Yields each token as it is committed."""
     stats = GenerationStats(method="ar")
     out: list[int] = []
+    target = metered(target)  # (its forwards counted and timed, as every method's)
     logits = target.prefill(prompt_ids)
-    stats.target_forwards += 1
     while True:
         token = next_token(logits, sampling, generator)
         if (yield from emit([token], out, max_new_tokens, target.eos_token_ids)):
             break
-        began = time.perf_counter()
         logits = target.forward([token])[-1]
-        stats.target_seconds += time.perf_counter() - began
-        stats.target_forwards += 1
-        stats.target_steps += 1
+    stats.record_target(target.usage)
     stats.new_tokens = len(out)
     return stats

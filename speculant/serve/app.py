@@ -416,12 +416,13 @@ class Guard:
     client's disconnect from the endpoints, which poll for it): the trusted-host check; the API key, on every path
     but `open_paths`; the body limit (413 from the declared length before a byte is read; every body is read here,
     counted, so that a length the transfer does not keep to cannot pass more); a JSON body to a POST route that
-    Python's `json` would read past without a word (`schema.body_fault`: a 400 naming where); one 500 in the API's shape, logged
-    and counted, for any fault of the server's own; each API request counted once, when it ends, by its route's
-    template (an unknown path counts as `unmatched`, so that clients cannot grow the metrics) and by its status (a
-    stream's by how it ended, `ENDED`: its headers went out as 200 before it knew; 499 for one whose client left,
-    whether the app saw it go, the server cancelled the request, or `receive` failed; a request the server itself
-    cancels, past Ray Serve's request timeout or at a shutdown, counts so too), and the replica named in a header."""
+    Python's `json` would read past without a word (`schema.body_fault`: a 400 naming where); one 500 in the API's
+    shape, logged and counted, for any fault of the server's own; each API request counted once, when it ends, by its
+    route's template (an unknown path counts as `unmatched`, so that clients cannot grow the metrics) and by its
+    status (a stream's by how it ended, `ENDED`: its headers went out as 200 before it knew; 499 for one whose client
+    left, whether the app saw it go, the server cancelled the request, or `receive` failed; a request the server
+    itself cancels, past Ray Serve's request timeout or at a shutdown, counts so too), and the replica named in a
+    header."""
 
     def __init__(self, app: Any, metrics: Metrics, replica: str | None = None, max_body: int = 4_000_000,
                  hosts: list[str] | None = None, key: str | None = None, open_paths: tuple[str, ...] = ("/health",),
@@ -728,7 +729,7 @@ def uvicorn_options() -> dict[str, Any]:
     a replica's requests with its own uvicorn.)"""
     from uvicorn.protocols.http.auto import AutoHTTPProtocol
 
-    class JsonRefusals(AutoHTTPProtocol):  # type: ignore[misc, valid-type]  # (uvicorn's parser: httptools', else h11's)
+    class JsonRefusals(AutoHTTPProtocol):  # type: ignore[misc, valid-type]  # (httptools', else h11's)
         def send_400_response(self, msg: str) -> None:
             body = json.dumps(ApiError(400, "the request is not valid HTTP/1.1 (its framing or a header could not be "
                                        "parsed)", code="invalid_http").body).encode()

@@ -49,9 +49,9 @@ class _Twice(dict):
 
 class _Marked(float):
     """A JSON number Python reads as another: not 0 but read as 0.0 (below a double's range), or an integer of more
-    digits than Python converts (read as 0 here, so that the rest of the text is read); `literal`: as sent."""
+    digits than Python converts (read as 0 here, so that the rest of the text is read); `why`: what is wrong."""
 
-    literal: str
+    why: str
 
 
 def json_fault(text: str | bytes) -> tuple[str, str] | None:
@@ -78,7 +78,8 @@ def json_fault(text: str | bytes) -> tuple[str, str] | None:
         if value != 0 or not any(digit in "123456789" for digit in literal.lower().partition("e")[0]):
             return value
         marked, value = True, _Marked(value)
-        value.literal = literal
+        value.why = (f"{literal} is not 0 but below the smallest double, which reads it as 0: send 0 where the field "
+                     "takes it, or a larger number")
         return value
 
     def integer(literal: str) -> int | float:
@@ -87,7 +88,7 @@ def json_fault(text: str | bytes) -> tuple[str, str] | None:
             return int(literal)
         except ValueError:  # (more digits than sys.get_int_max_str_digits())
             marked, value = True, _Marked(0.0)
-            value.literal = literal
+            value.why = f"an integer of {len(literal.lstrip('-'))} digits is more than this server reads"
             return value
 
     try:
@@ -105,11 +106,8 @@ def json_fault(text: str | bytes) -> tuple[str, str] | None:
         named = where + "." if where else ""
         if isinstance(value, _Twice):
             return named + value.twice, "a key given twice (give each field once)"
-        if isinstance(value, _Marked) and value.literal.lstrip("-").isdigit():
-            return where, f"an integer of {len(value.literal.lstrip('-'))} digits is more than this server reads"
         if isinstance(value, _Marked):
-            return where, (f"{value.literal} is not 0 but below the smallest double, which reads it as 0: send 0 "
-                           "where the field takes it, or a larger number")
+            return where, value.why
         children = value.items() if isinstance(value, dict) else enumerate(value) if isinstance(value, list) else ()
         stack.extend(reversed([(child, f"{named}{key}") for key, child in children]))  # (popped in the text's order)
     return None
@@ -217,9 +215,9 @@ def _members(text: str, at: int) -> tuple[dict[str, tuple[Any, str]], int]:
 
 def parse(text: str, names: Collection[str], most: int | None = None) -> Parsed:
     """The calls in a reply, at most `most` (each with an id, its arguments as JSON text of an object: the text the
-    model wrote, strict JSON, read as written: `json_fault`) and the text before them (None where there is none). A block that is not a call's JSON
-    object, or that calls a function other than `names`, stays in the content. A call's JSON is read whole before
-    its closing tag is looked for: an argument may hold the tag's text."""
+    model wrote, strict JSON, read as written: `json_fault`) and the text before them (None where there is none). A
+    block that is not a call's JSON object, or that calls a function other than `names`, stays in the content. A
+    call's JSON is read whole before its closing tag is looked for: an argument may hold the tag's text."""
     calls, kept, at, search = [], [], 0, 0
     while (start := text.find(OPEN, search)) >= 0 and (most is None or len(calls) < most):
         search = start + len(OPEN)

@@ -131,11 +131,9 @@ def check_width(width: int | str, model: Any, field: str = "width") -> None:
 def build(request: Request, options: TreeOptions) -> Any:
     from speculant.trees.decoder import tree_speculative
     from speculant.trees.shape import tree_shape
-    from speculant.drafters.spec import resolved
     from speculant.trees.drafter import TreeDrafter
 
-    drafter = resolved(options.drafter, request.target.name, options.MODEL_ONLY)  # (`default`: a model, or refused)
-    model = tree_drafter_model(request.session.drafter(drafter, options.drafter_dtype), request.target)
+    model = tree_drafter_model(request.session.drafter(options.drafter, options.drafter_dtype), request.target)
     check_width(options.width, model)
     profile = options.target_profile
     shape = tree_shape(request.target, model, request.prompt_ids, options.depth, options.width, options.verify_width,

@@ -149,9 +149,11 @@ class TargetServer:
         try:
             keep = min(common_prefix_len(self.cached, tokens), job.first_row - 1)
             if keep == 0:  # nothing reusable: prefill up to the first wanted row, then the rest
-                forwards, forwarded, prefill_s = 1, job.first_row, 0.0  # (a prefill, should it be interrupted)
-                rows = [self.model.prefill(tokens[: job.first_row])[None]]
-                prefill_s = time.monotonic() - start
+                forwards, forwarded = 1, job.first_row
+                try:
+                    rows = [self.model.prefill(tokens[: job.first_row])[None]]
+                finally:  # (its time, interrupted or not, is none of the steps')
+                    prefill_s = time.monotonic() - start
                 if len(tokens) > job.first_row:
                     forwards, forwarded = 2, len(tokens)
                     rows.append(self.model.forward(tokens[job.first_row:]))
@@ -161,8 +163,6 @@ class TargetServer:
                 self.model.rollback(keep)
                 logits, rows_start = self.model.forward(tokens[keep:]), keep + 1
         except Interrupted:
-            if prefill_s == 0.0:  # (interrupted in the prefill: its time is none of the steps')
-                prefill_s = time.monotonic() - start
             return JobResult(job.id, self.index, job.first_row, None, None, start, time.monotonic(), forwards,
                              forwarded, preempted=True, prefill_s=prefill_s)
         finally:
