@@ -7,6 +7,7 @@ import json
 import math
 import os
 import re
+import select
 import statistics
 import sys
 from collections.abc import Sequence
@@ -16,6 +17,7 @@ from typing import Any, NoReturn
 
 from speculant.config import (
     DEFAULT_TARGET,
+    LEAST_LATENCY_MS,
     MOST_LATENCY_MS,
     REQUEST_MOST,
     Given,
@@ -52,7 +54,7 @@ class Defaults(argparse.HelpFormatter):
         text = action.help or ""
         if not action.option_strings or action.nargs == 0 or action.default in (None, argparse.SUPPRESS):
             return text
-        default = " ".join(map(str, action.default)) if isinstance(action.default, list) else action.default
+        default = " ".join(map(str, action.default)) or "none" if isinstance(action.default, list) else action.default
         return text + with_default(text, default)[len(text):].replace("%", "%%")  # (argparse %-formats help)
 
 
@@ -455,9 +457,9 @@ def run_generate(args: argparse.Namespace) -> None:
             for token in stream:
                 sys.stdout.write(text.push(token))
                 sys.stdout.flush()
-        except BaseException:
-            if text.sent:  # (an error's line, or the shell's prompt, starts on a line of its own)
-                print(flush=True)
+        except BaseException as error:
+            if text.sent and not isinstance(error, BrokenPipeError):  # (an error's line, or the shell's prompt,
+                print(flush=True)  # starts on a line of its own)
             raise
         sys.stdout.write(text.flush() + "\n")
     result = stream.result
@@ -735,8 +737,8 @@ def run_acceptance(args: argparse.Namespace) -> None:
     from speculant.models import load_model
     from speculant.session import Session
 
-    sampling = SamplingConfig(temperature=args.temperature)
-    RunConfig(max_new_tokens=args.max_new_tokens)
+    sampling = from_flags(lambda: SamplingConfig(temperature=args.temperature), ["temperature"])
+    from_flags(lambda: RunConfig(max_new_tokens=args.max_new_tokens), ["max_new_tokens"])
     config = from_args(ModelConfig, args)
     prompts = load_dataset(args.dataset)
     check_models([args.target])
@@ -778,7 +780,7 @@ def run_acceptance(args: argparse.Namespace) -> None:
 
 def run_train_depth(args: argparse.Namespace) -> None:
     from speculant.analysis.depth import CORPUS, fit, log_trees
-    from speculant.api import check_models, encode_prompt
+    from speculant.api import check_models, encode_prompt, room_for
     from speculant.bench.datasets import load_dataset
     from speculant.drafters.spec import as_drafter, resolved
     from speculant.trees.method import check_width, tree_drafter_model
@@ -812,6 +814,11 @@ def run_train_depth(args: argparse.Namespace) -> None:
     if None in outs.values():
         raise ConfigError("models built in memory have no place in the cache: pass --out")
     ids = [encode_prompt(target.tokenizer, p.text, p.chat) for p in prompts]
+    for prompt, encoded in zip(prompts, ids):
+        try:
+            room_for(target, len(encoded))
+        except ConfigError as error:
+            raise ConfigError(f"prompt {prompt.id}: {error}") from None
     samples = log_trees(target, drafter, ids, args.max_new_tokens, args.max_depth, args.width)
     print(f"{len(samples)} trees logged")
     for kind, out in outs.items():
@@ -939,11 +946,15 @@ def more_drafter(text: str) -> tuple[float, float]:
         ms, acceptance = map(number, text.split(":"))
     except ValueError:
         raise ConfigError(f"--more-drafter takes MS:ACCEPTANCE, got '{text}'") from None
-    if not 0 < ms <= MOST_LATENCY_MS:
-        raise ConfigError(f"--more-drafter's latency must lie in (0, {MOST_LATENCY_MS}] ms, got '{text}'")
+    if not LEAST_LATENCY_MS <= ms <= MOST_LATENCY_MS:
+        raise ConfigError(f"--more-drafter's latency must lie in [{LEAST_LATENCY_MS:g}, {MOST_LATENCY_MS}] ms, got "
+                          f"'{text}'")
     if not 0 <= acceptance <= 1:
         raise ConfigError(f"--more-drafter's acceptance must lie in [0, 1], got '{text}'")
     return ms, acceptance
+
+
+SIMULATION_FLAGS = ("acceptance", "lookahead", "servers", "tokens", "repeats", "seed")  # what its refusals name
 
 
 def run_simulate(args: argparse.Namespace) -> None:
@@ -953,9 +964,12 @@ def run_simulate(args: argparse.Namespace) -> None:
         from speculant.analysis.online import format_online, simulate_online
 
         more = tuple(more_drafter(text) for text in args.more_drafter)
-        result = simulate_online(args.target_latency, args.drafter_latency, args.acceptance, args.servers, args.tokens,
-                                 args.lookahead, args.ttft, args.repeats, args.executor, args.seed,
-                                 Path(args.timeline) if args.timeline else None, args.ray_address, more)
+        if args.executor == "ray":
+            reach_ray(args.ray_address, "--ray-address")
+        result = from_flags(lambda: simulate_online(
+            args.target_latency, args.drafter_latency, args.acceptance, args.servers, args.tokens, args.lookahead,
+            args.ttft, args.repeats, args.executor, args.seed, Path(args.timeline) if args.timeline else None,
+            args.ray_address, more), SIMULATION_FLAGS)
         print(json.dumps(result, indent=1) if args.json else format_online(result))
         if "timeline" in result and not args.json:
             print(f"wrote {result['timeline']}")
@@ -973,8 +987,9 @@ def run_simulate(args: argparse.Namespace) -> None:
             drafter_ms = LatencyProfile.load(Path(args.drafter_profile)).tpot_s * 1000
         if target_ms is None or drafter_ms is None:
             raise ConfigError("give --target-latency and --drafter-latency, or profiles with --target-profile/--drafter-profile")
-        result = simulate_one(target_ms, drafter_ms, args.acceptance, args.lookahead,
-                              args.servers, args.tokens, ttft_ms, args.repeats, args.seed)
+        result = from_flags(lambda: simulate_one(target_ms, drafter_ms, args.acceptance, args.lookahead,
+                                                 args.servers, args.tokens, ttft_ms, args.repeats, args.seed),
+                            SIMULATION_FLAGS)
         print(json.dumps(result, indent=1) if args.json else format_one(result))
     else:
         try:
@@ -1078,10 +1093,12 @@ def check_needs(args: argparse.Namespace) -> None:
 
 
 def latency_ms(text: str) -> float:
-    """A latency flag: milliseconds, a finite number from 0 to MOST_LATENCY_MS."""
+    """A latency flag: milliseconds, 0 (a first forward's, or a drafter's refused by name) or a number from
+    LEAST_LATENCY_MS to MOST_LATENCY_MS."""
     value = non_negative(text)
-    if value > MOST_LATENCY_MS:
-        raise argparse.ArgumentTypeError(f"must be at most {MOST_LATENCY_MS} ms, got {text!r}")
+    if value and not LEAST_LATENCY_MS <= value <= MOST_LATENCY_MS:
+        raise argparse.ArgumentTypeError(f"must be 0 or lie in [{LEAST_LATENCY_MS:g}, {MOST_LATENCY_MS}] ms, got "
+                                         f"{text!r}")
     return value
 
 
@@ -1150,7 +1167,23 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 2
     except KeyboardInterrupt:
         return interrupted()
+    except BrokenPipeError:
+        if not reader_gone():  # (another pipe: a server process's, a socket's)
+            raise
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # (Python's flush at exit would fail again)
+        return 141  # quietly, as a shell's tools end on SIGPIPE (128 + 13)
     return 0
+
+
+def reader_gone() -> bool:
+    """Whether standard output is a pipe whose reader went away (`speculant generate ... | head`): its end reports
+    an error (POLLERR, as Linux and the BSDs report a pipe with no reader)."""
+    try:
+        poller = select.poll()
+        poller.register(sys.stdout.fileno(), select.POLLERR)
+        return bool(poller.poll(0))
+    except (AttributeError, OSError, ValueError):  # (no poll; stdout no file: a test's capture)
+        return False
 
 
 if __name__ == "__main__":

@@ -122,6 +122,7 @@ def count_or_auto(text: str) -> int | str:
 REQUEST_MOST = 64  # the largest value a server's client may give a draft-size option (`most`): a tree of a
 # thousand levels is a request for the server's memory and time, not for tokens
 MOST_LATENCY_MS = 60_000  # the longest forward a latency twin or a simulation is given (a minute: none takes longer)
+LEAST_LATENCY_MS = 1e-6  # the shortest (a nanosecond: none is shorter; below it, ratios of latencies overflow)
 REQUEST_ITEMS = 8  # the most items a server's client may give a list option (drafter levels, tree widths, K rows)
 REQUEST_NODES = 128  # the most nodes a server's client's draft tree may have (depth x width): its verification is one
 # forward that the other requests' streams wait on, so no wider than a long prompt's part (lean's SERVED_PART)
@@ -419,7 +420,7 @@ def add_options(parser: argparse.ArgumentParser, config: type, **overrides: Any)
 def with_default(help: str, default: Any) -> str:
     """A flag's help ending in "(default: X)", unless it already says what the default is, or the default is None
     (what then happens is the help's to say)."""
-    if default is None or "(default:" in help:
+    if default is None or "(default:" in help or "; default:" in help:
         return help
     if isinstance(default, bool):
         return f"{help} (on or off; default: {'on' if default else 'off'})"

@@ -13,7 +13,7 @@ from dataclasses import asdict, dataclass, field
 from functools import cached_property
 from pathlib import Path
 
-from speculant.config import MOST_LATENCY_MS, as_integer, as_number
+from speculant.config import LEAST_LATENCY_MS, MOST_LATENCY_MS, as_integer, as_number
 from speculant.errors import ConfigError
 
 
@@ -140,10 +140,11 @@ class LatencyProfile:
                    **{name: getattr(profile, name) for name in ("long_ttft_s", "catch_up_rows_s")
                       if getattr(profile, name) is not None}}  # (measured only with a long context, or rows)
         for name, value in seconds.items():
-            if not 0 < (as_number(value) or 0) < math.inf:
-                raise ValueError(f"{name} must be a number of seconds > 0, got {value!r}")
-        if profile.tpot_s > MOST_LATENCY_MS / 1000:  # (what a simulation takes as a forward's latency)
-            raise ValueError(f"tpot_s is at most {MOST_LATENCY_MS / 1000:g} s, got {profile.tpot_s!r}")
+            if not LEAST_LATENCY_MS / 1000 <= (as_number(value) or 0) < math.inf:
+                raise ValueError(f"{name} must be a number of seconds >= {LEAST_LATENCY_MS / 1000:g}, got {value!r}")
+        for name in ("tpot_s", "ttft_s"):  # (what a simulation takes as a forward's latency, as its flags do)
+            if getattr(profile, name) > MOST_LATENCY_MS / 1000:
+                raise ValueError(f"{name} is at most {MOST_LATENCY_MS / 1000:g} s, got {getattr(profile, name)!r}")
         if not profile.forward_s:
             raise ValueError("forward_s holds no width's time")
         narrowest = min([*profile.forward_s, *profile.long_forward_s])

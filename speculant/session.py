@@ -42,6 +42,7 @@ class Session:
         self.caches: dict[int, DraftCache] = {}  # id of a drafter model it loaded -> the DraftCache on its KV cache
         self.acceptance: dict[str, dict[int, Acceptance]] = {}  # candidate name -> estimates by match bucket
         self.scales: dict[str, Scale] = {}  # drafter name -> its forwards' time over its profile's
+        self.named: dict[str, list[Any]] = {}  # a drafter name -> (weak) references to its drafters, numbered
         self.timings = Timings()  # the target's forwards' time over its profile's
         self.lengths: deque[float] = deque(maxlen=LENGTHS_KEPT)  # the last generations' lengths
         self.history = History()  # suffix decoding's earlier generations
@@ -118,6 +119,20 @@ class Session:
         for cache in self.caches.values():
             if owner_of(cache.model) is model:
                 cache.forget()
+
+    def own_name(self, drafter: Any) -> str:
+        """`drafter`'s name for what `auto` learns of it: its own, and where another drafter of its name came
+        first (two user Drafters left unnamed, two models of one class), its own numbered ("drafter #2"). The number
+        stays the drafter's for as long as it lives, whatever order later requests give them in; a number whose
+        drafter was dropped goes to the next new one of its name, so a caller that makes its drafter afresh per
+        request keeps what was learned of it."""
+        own = owner_of(getattr(drafter, "inner", drafter))  # (a user's Drafter as given, not its check; a server's
+        held = self.named.setdefault(drafter.name, [])  # per-request handle: the model it shares)
+        n = next((i for i, ref in enumerate(held) if ref() is own), None)
+        if n is None:
+            n = next((i for i, ref in enumerate(held) if ref() is None), len(held))
+            held[n:n + 1] = [weakref.ref(own)]  # (drafters and models take weak references: no __slots__)
+        return drafter.name if n == 0 else f"{drafter.name} #{n + 1}"
 
     def estimates(self, name: str) -> dict[int, Acceptance]:
         return self.acceptance.setdefault(name, {})

@@ -764,6 +764,12 @@ def test_options_for_model_drafters_are_refused_where_auto_has_none():
                  tree_widths=(4,), session=session)
     generate(target, prompt_ids=prompt, method="auto", drafters=[MaxGramDrafter()], max_new_tokens=4, tree_widths=(2,),
              session=session)
+    # no trees (`none`, as a flag spells it: its empty value is refused as a slip) asks for nothing; where the
+    # target's own drafters are model-free, a refusal names them
+    for widths in ((), "none", " "):
+        generate(target, prompt_ids=prompt, method="auto", max_new_tokens=4, tree_widths=widths, session=session)
+    with pytest.raises(ConfigError, match="tree_widths applies to model drafters; auto drafts here with maxgram only"):
+        generate(target, prompt_ids=prompt, method="auto", max_new_tokens=4, tree_widths=(4,), session=session)
 
 
 def test_options_for_token_trees_are_refused_where_every_model_drafter_has_another_vocabulary(monkeypatch):

@@ -154,7 +154,7 @@ def test_k_matrix_parsing_and_checks():
         generate(target, prompt_ids=[1, 2], method="cascade", drafters=["maxgram"], leniency=0.5)
     with pytest.raises(ConfigError, match="option 'leniency' does not apply to method 'sd' \\(it belongs to cascade"):
         generate(target, prompt_ids=[1, 2], method="sd", drafter="maxgram", leniency=2)
-    with pytest.raises(ConfigError, match="needs drafters"):
+    with pytest.raises(ConfigError, match="needs option 'drafters'"):
         generate(target, prompt_ids=[1, 2], method="cascade")
 
 

@@ -163,7 +163,8 @@ def test_a_file_that_is_not_text_json_or_a_run_s_is_one_line(capsys, tmp_path):
                                             "rows": rows_of}))
     profile = {"model": "m", "dtype": "bf16", "device": "cpu", "context_len": 64, "ttft_s": 0.1, "tpot_s": 0.03,
                "forward_s": {"1": 0.03}}
-    for name, changed in [("tpot", {"tpot_s": "x"}), ("ttft", {"ttft_s": None}), ("slow", {"tpot_s": 1e9})]:
+    for name, changed in [("tpot", {"tpot_s": "x"}), ("ttft", {"ttft_s": None}), ("slow", {"tpot_s": 1e9}),
+                          ("slow-first", {"ttft_s": 1e300}), ("fast", {"tpot_s": 1e-320})]:
         (tmp_path / f"{name}.json").write_text(json.dumps({**profile, **changed}))
     one = ["simulate", "run", "--drafter-latency", "1", "--acceptance", "0.5", "--lookahead", "2", "--target-profile"]
     for argv, message in [(["generate", "x", "--json-schema", str(binary)], "cannot read"),
@@ -183,9 +184,11 @@ def test_a_file_that_is_not_text_json_or_a_run_s_is_one_line(capsys, tmp_path):
                           (["bench", "--report-from", str(edited["absent"])], ": sd has no rows"),
                           (["bench", "--report-from", str(edited["other"])], "sd's rows cover other prompts"),
                           (["bench", "--report-from", str(edited["zero"])], "a row of ar was measured in 0.0 s"),
-                          ([*one, str(tmp_path / "tpot.json")], "tpot_s must be a number of seconds > 0, got 'x'"),
-                          ([*one, str(tmp_path / "ttft.json")], "ttft_s must be a number of seconds > 0, got None"),
+                          ([*one, str(tmp_path / "tpot.json")], "tpot_s must be a number of seconds >= 1e-09, got 'x'"),
+                          ([*one, str(tmp_path / "ttft.json")], "ttft_s must be a number of seconds >= 1e-09, got"),
                           ([*one, str(tmp_path / "slow.json")], "tpot_s is at most 60 s"),
+                          ([*one, str(tmp_path / "slow-first.json")], "ttft_s is at most 60 s"),
+                          ([*one, str(tmp_path / "fast.json")], "tpot_s must be a number of seconds >= 1e-09, got 1e-3"),
                           (["simulate", "run", "--target-profile", str(deep), "--drafter-latency", "1",
                             "--acceptance", "0.5", "--lookahead", "2"], "RecursionError"),
                           (["serve", "--method", "tree", "--drafter", "self", "--target-profile", str(binary)],
@@ -250,6 +253,9 @@ def test_dsi_from_the_command_line(model_dirs, capsys, tmp_path):
     assert dsi["token_ids"] == ar["token_ids"] and dsi["stats"]["method"] == "dsi"
     assert dsi["stats"]["dsi"]["lookahead"] == 3 and len(dsi["stats"]["dsi"]["servers"]) == 2
     assert (tmp_path / "t.png").stat().st_size > 1000
+    # several drafters (`--drafters`): the drafter left unnamed is not given too (its `default` was resolved first)
+    code, out, err = run(capsys, *common, "--method", "dsi", "--drafters", f"maxgram,{model_dirs['drafter']}")
+    assert code == 0 and json.loads(out)["token_ids"] == ar["token_ids"], err
 
 
 def test_ctrl_c_during_dsi_on_server_processes_is_one_line(model_dirs):
@@ -273,6 +279,26 @@ def test_ctrl_c_during_dsi_on_server_processes_is_one_line(model_dirs):
         child.kill()
     err = err.decode()
     assert child.returncode == 130 and "Traceback" not in err and err.endswith("speculant: interrupted\n"), err
+
+
+def test_generate_piped_into_a_reader_that_goes_away_ends_quietly(model_dirs):
+    """`speculant generate ... | head -c 1`: the text's next write met a closed pipe, and two chained BrokenPipeError
+    tracebacks followed (the second from the newline written after the first). Now it ends as a shell's tools do on
+    SIGPIPE: no output, exit 141."""
+    import os
+    import subprocess
+    import sys
+
+    read, write = os.pipe()
+    os.close(read)  # (gone before the first token: whenever the child writes, no one reads)
+    try:
+        done = subprocess.run(
+            [sys.executable, "-m", "speculant.cli", "generate", "hello", "--target", model_dirs["target"], "--dtype",
+             "fp32", "--method", "ar", "--max-new-tokens", "8"], stdout=write, stderr=subprocess.PIPE, timeout=120)
+    finally:
+        os.close(write)
+    err = done.stderr.decode()
+    assert done.returncode == 141 and "Traceback" not in err and "Error" not in err, err
 
 
 def test_simulate_online_from_the_command_line(capsys):
@@ -415,6 +441,8 @@ def test_bad_files_paths_and_settings_are_one_line_before_any_model_loads(tmp_pa
             (["acceptance", *target, "--drafter", "nonsense"], "unknown model 'nonsense'"),
             (["acceptance", *target, "--drafter", "qwen2.5-coder-0.5b,qwen2.5-coder-0.5b"], "names a drafter twice"),
             (["acceptance", *target, "--drafter", "self@skip", "--backend", "hf"], "the hf backend does not offer"),
+            (["acceptance", *target, "--max-new-tokens", "0"], "--max-new-tokens must be >= 1, got 0"),
+            (["acceptance", *target, "--temperature", "1e-300"], "--temperature must be 0 (greedy) or at least"),
             (["train-depth", *target, "--drafter", "self@skip", "--backend", "hf"], "the hf backend does not offer"),
             (["train-depth", *target, "--drafter", "self", "--max-new-tokens", "9"], "leaves no tree of --max-depth 8"),
             (["generate", "x", *target, "--drafter", str(tmp_path / "page.gguf")], "is not a GGUF file"),
@@ -478,6 +506,10 @@ def test_a_flag_given_twice_empty_or_abbreviated_is_a_usage_error(capsys):
         (["generate", "x", "--max-new", "3"], "unrecognized arguments: --max-new 3 (see speculant generate --help)"),
         (["simulate", "heatmap", "--out", "h", "--nope"], "unrecognized arguments: --nope (see speculant simulate "
                                                           "heatmap --help)"),
+        (["simulate", "run", "--target-latency", "60000", "--drafter-latency", "1e-320", "--acceptance", "0.5",
+          "--lookahead", "3"], "--drafter-latency: must be 0 or lie in [1e-06, 60000] ms"),  # (an overflow, once)
+        (["simulate", "run", "--target-latency", "1e-310", "--drafter-latency", "1", "--acceptance", "0.5",
+          "--lookahead", "3"], "--target-latency: must be 0 or lie in [1e-06, 60000] ms"),  # (a stalled simulation)
     ]:
         with pytest.raises(SystemExit) as exit_info:
             cli.main(argv)
@@ -582,12 +614,16 @@ def test_a_flag_given_where_it_does_nothing_is_one_line_never_ignored(capsys, tm
         (["generate", "x", "--method", "cascade", "--drafters", "maxgram", "--k", "3", "--k-matrix", "2"],
          "give '--k' or '--k-matrix', not both: 'cascade' would use '--k-matrix' only"),
         (["generate", "x", "--method", "dsi", "--drafter", "maxgram", "--twin-latency", "1e308,1e308"],
-         "numbers from 0 to 60000"),
+         "numbers from 1e-06 to 60000"),
+        (["generate", "x", "--method", "dsi", "--drafter", "maxgram", "--twin-latency", "0,0"], "from 1e-06 to 60000"),
         ([*one, "--seed", "-1"], "seed must be >= 0"),
         ([*one, "--tokens", "100000000"], "tokens 100000000 > 100000"),
         ([*one, "--servers", "100000"], "servers 100000 > 1024"),
         ([*online, "--servers", "1000"], "at most 64 servers"),
-        ([*online, "--more-drafter", "1e308:0.5"], "must lie in (0, 60000] ms"),
+        (["generate", "x", "--method", "cascade"], "method 'cascade' needs option '--drafters', e.g. "),
+        ([*online, "--lookahead", "99999999999999999999"], "--lookahead must be at most 1024, got 9999999999"),
+        ([*online, "--executor", "ray", "--ray-address", "127.0.0.1:1"], "--ray-address: no Ray cluster answers at"),
+        ([*online, "--more-drafter", "1e308:0.5"], "must lie in [1e-06, 60000] ms"),
         (["profile", "--context-len", "10"], "--context-len applies with --widths only"),
         (["profile", "--repeats", "2", "--dataset", "humaneval[:2]"], "applies with --widths only"),
         (["profile", "--drafter-dtype", "bf16"], "--drafter-dtype applies with --drafter only"),
@@ -696,7 +732,7 @@ def test_a_flag_given_where_it_does_nothing_is_one_line_never_ignored(capsys, tm
                           (["simulate", "run", "--target-latency", "1", "--target-profile", "p.json",
                             "--drafter-latency", "1", "--acceptance", "0.5", "--lookahead", "2"],
                            "not allowed with argument"),
-                          ([*online[:2], "--target-latency", "1e308", *online[4:]], "at most 60000 ms")):
+                          ([*online[:2], "--target-latency", "1e308", *online[4:]], "or lie in [1e-06, 60000] ms")):
         with pytest.raises(SystemExit) as exit_info:
             cli.main(argv)
         err = capsys.readouterr().err  # (argparse's usage errors: one line too, naming the help to read)

@@ -597,8 +597,8 @@ def test_drafter_names_a_meta_model_and_a_generation_asked_for_inside_a_step_are
         assert generate(target, prompt_ids=prompt, method="auto", drafters=drafters, max_new_tokens=20,
                         session=session).token_ids == expected
     learned = {name.split(" (")[0] for name in session.acceptance if name.endswith(".Named)")}
-    assert "maxgram" in session.acceptance and learned == {"mine", "maxgram", "drafter", "drafter #2", "unnamed-a",
-                                                           "unnamed-b"}, session.acceptance.keys()
+    assert "maxgram" in session.acceptance and learned == {"mine", "maxgram #2", "drafter", "drafter #2",
+                                                           "unnamed-a", "unnamed-b"}, session.acceptance.keys()
     with torch.device("meta"):
         meta = LlamaForCausalLM(LlamaConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=64,
                                             num_hidden_layers=1, num_attention_heads=4, num_key_value_heads=4))
@@ -616,6 +616,52 @@ def test_drafter_names_a_meta_model_and_a_generation_asked_for_inside_a_step_are
     with pytest.raises(ConfigError, match="asked for from inside a step of another on the same model"):
         generate(target, prompt_ids=prompt, method="sd", drafter=Reentrant(), max_new_tokens=4)
     assert generate(target, prompt_ids=prompt, method="ar", max_new_tokens=20).token_ids == expected
+
+
+def test_what_auto_learns_of_two_drafters_of_one_name_stays_each_one_s_whatever_order_they_come_in():
+    """Two drafters of one name are told apart by number, and each keeps its number on the session: given in the
+    other order, or one alone, in a later generation, neither takes what was learned of the other. A number whose
+    drafter was dropped goes to the next new one of the name (a drafter made afresh per request learns on)."""
+    target = tiny_model("llama", 5, VOCAB)
+    prompt = random_prompt(5, VOCAB, 8) * 3
+    expected = generate(target, prompt_ids=prompt, method="ar", max_new_tokens=20).token_ids
+
+    class Guess(Drafter):
+        name = "guess"
+
+        def __init__(self, right):
+            self.right = right
+
+        def propose(self, context, k):
+            n = len(context) - len(prompt)
+            return Draft(expected[n:n + k] if self.right else [(t + 1) % VOCAB for t in expected[n:n + k]])
+
+    def learned(name):  # (a user's Drafter learns under its name and class)
+        return next((v for k, v in session.acceptance.items() if k.startswith(f"{name} (")), {})
+
+    def observed(name):
+        return sum(sum(e.long_reached) for e in learned(name).values())
+
+    session, right, wrong = Session(target), Guess(True), Guess(False)
+    assert [session.own_name(d) for d in (right, wrong, right)] == ["guess", "guess #2", "guess"]
+    for drafters in ([right, wrong], [wrong, right], [wrong]):
+        before = observed("guess"), observed("guess #2")
+        assert generate(target, prompt_ids=prompt, method="auto", drafters=drafters, max_new_tokens=20,
+                        session=session).token_ids == expected
+        if drafters == [wrong]:
+            assert observed("guess") == before[0] and observed("guess #2") > before[1]
+    rates = {name: next(iter(learned(name).values())).rate(0) for name in ("guess", "guess #2")}
+    assert rates["guess"] > 0.5 > rates["guess #2"], rates
+    del right
+    gc.collect()
+    assert session.own_name(Guess(True)) == "guess" and session.own_name(wrong) == "guess #2"
+
+    class Handle:  # a server's per-request handle on a drafter model (`Row`): what it learns is the model's
+        def __init__(self, owner):
+            self.owner, self.name = owner, owner.name
+
+    handles = [Handle(target), Handle(target)]  # (two requests at once)
+    assert [session.own_name(h) for h in handles] == [target.name] * 2
 
 
 def test_a_method_s_default_drafter_is_the_target_s_catalog_drafter_else_maxgram(monkeypatch):

@@ -162,9 +162,9 @@ def test_appendix_f3_example_via_cli(capsys):
     assert slow_start["si_ms"] == pytest.approx(slow_start["theory"]["si_expected_ms"], rel=0.03)
 
 
-@pytest.mark.parametrize("argv, message", [(["--acceptance", "1.5"], "acceptance must lie in [0, 1]"),
-                                           (["--repeats", "1"], "repeats must be >= 2, got 1"),
-                                           (["--lookahead", "0"], "lookahead must be >= 1, got 0")])
+@pytest.mark.parametrize("argv, message", [(["--acceptance", "1.5"], "--acceptance must lie in [0, 1]"),
+                                           (["--repeats", "1"], "--repeats must be >= 2, got 1"),
+                                           (["--lookahead", "0"], "--lookahead must be >= 1, got 0")])
 def test_simulate_run_bad_input(argv, message, capsys):
     base = {"--target-latency": "30", "--drafter-latency": "2", "--acceptance": "0.8", "--lookahead": "5",
             "--servers": "7"}

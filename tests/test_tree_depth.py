@@ -67,6 +67,18 @@ def test_features_read_the_target_distribution_and_the_recent_acceptance():
     assert deep.rate < 0.9
 
 
+def test_trees_are_logged_within_the_target_s_positions():
+    """train-depth's generations ran past a short target's positions (40 positions, a 27-token prompt, 100 new
+    tokens: 94 trees logged, most of them past its context); they stop where `generate` stops."""
+    target = tiny_model("llama", 3, 64, init_std=0.1)
+    drafter = perturbed(target, 0.1, 3)
+    prompt = random_prompt(3, 64, 9) * 3
+    target.max_positions = 40
+    samples = log_trees(target, drafter, [prompt], 100, 4, 1)
+    assert samples and target.cache_len <= 40
+    assert len(generate(target, prompt_ids=prompt, method="ar", max_new_tokens=100).token_ids) == 13
+
+
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("arch", ["llama", *MORE_ARCHS[:1]])
 def test_trees_of_the_predicted_depth_equal_ar(arch, device, tmp_path, monkeypatch):
@@ -114,6 +126,10 @@ def test_train_depth_writes_the_predictor_and_refuses_bad_input(tmp_path, capsys
     assert cli.main(["train-depth", "--target", weights, "--drafter", weights, "--width", "1000",
                      "--out", str(out)]) == 2  # (a traceback from topk, after the models loaded)
     assert "width 1000 exceeds the drafter's vocabulary" in capsys.readouterr().err
+    (tmp_path / "long.jsonl").write_text('{"id": "long", "prompt": "%s"}\n' % ("x" * 600))  # (600 bytes: 600 ids)
+    assert cli.main(["train-depth", "--target", weights, "--drafter", weights, "--prompts",
+                     str(tmp_path / "long.jsonl"), "--out", str(out)]) == 2
+    assert "prompt long: the prompt has 600 tokens but" in capsys.readouterr().err
 
 
 @pytest.mark.parametrize("variant", ["qwen2", "llama", "llama-window"])

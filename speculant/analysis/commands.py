@@ -10,7 +10,7 @@ from pathlib import Path
 import numpy as np
 
 from speculant import theory
-from speculant.analysis.simulate import (SP_DEGREE, draws, dsi_bound, paired, paper_axes, simulate_dsi,
+from speculant.analysis.simulate import (MOST_LOOKAHEAD, SP_DEGREE, draws, dsi_bound, paired, paper_axes, simulate_dsi,
                                          simulate_grid, simulate_non_si, simulate_si, summary)
 from speculant.errors import ConfigError
 
@@ -32,7 +32,7 @@ def check_size(servers: int, lookahead: int, tokens: int, repeats: int, seed: in
     """Refuse a simulation larger than this machine runs in seconds (its draws are repeats x tokens floats, its
     servers' state repeats x servers; each event visits every server), or a seed numpy cannot take."""
     refuse_over("a simulation", [
-        ("servers", servers, MOST_SERVERS), ("lookahead", lookahead, MOST_SERVERS), ("tokens", tokens, MOST_TOKENS),
+        ("servers", servers, MOST_SERVERS), ("lookahead", lookahead, MOST_LOOKAHEAD), ("tokens", tokens, MOST_TOKENS),
         ("repeats x tokens", repeats * tokens, MOST_DRAWS), ("repeats x servers", repeats * servers, MOST_DRAWS),
         ("repeats x tokens x servers", repeats * tokens * servers, MOST_SERVER_DRAWS)])
     if seed < 0:

@@ -32,11 +32,15 @@ class DepthReport:
 def log_trees(target, drafter, prompts: Sequence[list[int]], max_new_tokens: int, depth: int,
               width: int) -> list[tuple[Observation, int]]:
     """(observation, accepted depth) of every full-depth tree of greedy tree decoding over the prompts (the
-    hidden state in each observation where the target's backend gives it)."""
+    hidden state in each observation where the target's backend gives it), each generation stopping where the
+    target's positions end (a prompt that fills them is refused, as `generate` refuses it)."""
+    from speculant.api import room_for
+
     log: list[tuple[Observation, int]] = []
     tree_drafter = TreeDrafter(drafter, width, verifier=target)
     for ids in prompts:
-        for _ in tree_speculative(target, tree_drafter, ids, depth, width, max_new_tokens, log=log):
+        room = min(max_new_tokens, room_for(target, len(ids)))
+        for _ in tree_speculative(target, tree_drafter, ids, depth, width, room, log=log):
             pass
     return log
 

@@ -13,7 +13,7 @@ from typing import Any
 
 import numpy as np
 
-from speculant.analysis.simulate import first_wrong, simulate_dsi
+from speculant.analysis.simulate import MOST_LOOKAHEAD, first_wrong, simulate_dsi
 from speculant.theory import sd_walltime_improvement
 from speculant.config import MOST_SERVERS, SamplingConfig, check_ray_address
 from speculant.decoding.autoregressive import autoregressive
@@ -79,6 +79,8 @@ def simulate_online(target_ms: float, drafter_ms: float, acceptance: float, serv
     if servers > MOST_SERVERS or tokens * repeats > MOST_ONLINE_TOKENS or seed < 0:
         raise ConfigError(f"the twin runs at most {MOST_SERVERS} servers (each a thread or process) and "
                           f"{MOST_ONLINE_TOKENS} tokens in all (repeats x tokens), from a seed >= 0")
+    if lookahead is not None and lookahead > MOST_LOOKAHEAD:  # (the offline simulation beside it is that wide)
+        raise ConfigError(f"lookahead must be at most {MOST_LOOKAHEAD}, got {lookahead}")
     chosen = plan(servers, lookahead, target_ms / 1000, drafter_ms / 1000)
     target_latency = Latency.from_ms(target_ms, ttft_ms)
     greedy = SamplingConfig()

@@ -29,6 +29,7 @@ import numpy as np
 from speculant.theory import drafts_ahead
 
 SP_DEGREE = 7  # an 8-GPU node: 7 target servers and 1 drafter, as in the paper's heatmaps
+MOST_LOOKAHEAD = 1024  # a simulated job's draft tokens (its state is as wide)
 
 
 def draws(rng: np.random.Generator, a: np.ndarray, repeats: int, n_tokens: int) -> np.ndarray:

@@ -5,7 +5,7 @@ goodput, or plain decoding when no draft pays (`decoding.adaptive`)."""
 
 from __future__ import annotations
 
-from collections.abc import Collection
+from collections.abc import Collection, Sequence
 from dataclasses import dataclass, fields, replace
 from typing import Any
 
@@ -47,8 +47,9 @@ def catch_up_cost(drafter: Any, profile: Any, prefixes: Any = None) -> Any:
 
 
 def parse_widths(text: str) -> tuple[int, ...] | str:
-    """`auto`, nothing (chains only), or comma-separated widths, each a number (an empty one is a mistake)."""
-    if not text.strip():
+    """`auto`, `none` or nothing (chains only: a flag's empty value is refused as a slip, so `none` spells it), or
+    comma-separated widths, each a number (an empty one is a mistake)."""
+    if text.strip() in ("", "none"):
         return ()
     return AUTO if text.strip() == AUTO else tuple(integer(w) for w in text.split(","))
 
@@ -65,7 +66,7 @@ class AutoOptions:
     draft_confidence: float = option(0.0, "a model drafter's draft ends after a token it gives a probability below "
                                      "this (0: drafts run to the chosen length)", model_only=True)
     tree_widths: Any = option((2,), "widths of the token trees auto may also draft with each model drafter (nodes "
-                              "per step; empty: chains only), or auto: the execution plan's width for the pair "
+                              "per step; none: chains only), or auto: the execution plan's width for the pair "
                               "(Yggdrasil 5.2: from the machine profiles and the drafter's rank coverage of the target "
                               "on the prompt; none where chains pay best)", parse=parse_widths, most=REQUEST_MOST,
                               model_only=True, tree_only=True)
@@ -126,11 +127,12 @@ def typed_widths(widths: Any) -> tuple[int, ...]:
     return checked
 
 
-def check_model_only(options: AutoOptions, models: int, trees: int | None = None) -> None:
+def check_model_only(options: AutoOptions, models: int, trees: int | None = None,
+                     drafters: Sequence[Any] = ()) -> None:
     """Options that act only on model drafters (`model_only`), set away from their defaults where auto has no model
     drafter (`models`: how many it has) to apply them to, are refused: never silently ignored. So are those that act
     only on token trees (`tree_only`) where no model drafter drafts in the target's vocabulary, as a tree's tokens
-    must (`trees`: how many do, known once they load)."""
+    must (`trees`: how many do, known once they load). `drafters`: the ones auto runs, where options name none."""
 
     def changed(kind: str, *fine: Any) -> list[str]:
         return [f.name for f in fields(options)
@@ -139,9 +141,9 @@ def check_model_only(options: AutoOptions, models: int, trees: int | None = None
     def applies(names: list[str]) -> str:
         return f"{', '.join(names)} appl{'ies' if len(names) == 1 else 'y'}"
 
-    if (names := changed("model_only")) and not models:
+    if (names := changed("model_only", ())) and not models:  # (an empty tree_widths asks for no trees)
         raise ConfigError(f"{applies(names)} to model drafters; auto drafts here with "
-                          f"{', '.join(map(str, options.drafters or ())) or 'none'} only")
+                          f"{', '.join(map(str, drafters or options.drafters or ())) or 'none'} only")
     if (names := changed("tree_only", ())) and trees == 0:  # (an empty tree_widths asks for no trees)
         raise OptionError(names[0], f"{applies(names)} to token trees, which need a model drafter in the target's "
                           "vocabulary; auto's model drafters here draft in another")
@@ -165,18 +167,6 @@ def bounds(options: AutoOptions, names: Collection[str]) -> None:
     if named and widest * options.k_max > REQUEST_NODES:
         raise OptionError(named[0], f"auto's trees are at most {REQUEST_NODES} nodes per request (width x k_max), "
                           f"got {widest} x {options.k_max}")
-
-
-def own_name(source: Any, named: dict[str, list[Any]]) -> str:
-    """`source`'s name among a request's drafters: its own, and where another drafter of its name came before (two
-    user Drafters left unnamed, two models of one class), its own numbered ("drafter #2"), so that what auto learns
-    and records of each stays its own. One drafter given twice is one."""
-    own = getattr(source, "inner", source)  # (a user's Drafter as given, not its check)
-    those = named.setdefault(source.name, [])
-    if not any(own is other for other in those):
-        those.append(own)
-    n = next(i for i, other in enumerate(those) if own is other)
-    return source.name if n == 0 else f"{source.name} #{n + 1}"
 
 
 @register("auto", AutoOptions, "chooses drafter, chain, tree or cascade and draft length every step from measured "
@@ -203,10 +193,10 @@ def build(request: Request, options: AutoOptions) -> Any:
     cost = Rescaled(session.profile(target).cost_at, session.timings)
     speed = cost.timings.speed  # the machine's drift: the drafters' forwards share it
     candidates, begun, models, trees = [], [], 0, 0
-    named: dict[str, list[Any]] = {}  # the distinct drafters of each name, in the order given
-    for spec in options.drafters if options.drafters is not None else target.default_drafters():
+    specs = options.drafters if options.drafters is not None else target.default_drafters()
+    for spec in specs:
         source = session.drafter(spec, options.drafter_dtype)  # named: loaded once; an object: the caller's
-        name = own_name(source, named)
+        name = session.own_name(source)
         # what auto learns is kept by name: a user's Drafter apart from a built-in of its name
         estimates = session.estimates(name if not isinstance(source, Checked) else
                                       f"{name} ({type(source.inner).__qualname__})")
@@ -252,7 +242,7 @@ def build(request: Request, options: AutoOptions) -> Any:
                                         scale=scale,
                                         speed=speed, growth=lambda length, profile=profile, width=width:
                                         profile.cost_at(width, length) / profile.cost(width)))
-    check_model_only(options, models, trees)
+    check_model_only(options, models, trees, specs)
     # A vertical cascade (CS Drafting) where Max-Gram finds a match: each model drafter reviews Max-Gram's
     # draft in one forward, keeping what it would itself have drafted, so its drafts are its chain's (the
     # same acceptance estimates), cheaper where Max-Gram guesses right. Its cost per token is measured as

@@ -33,7 +33,7 @@ class CascadeOptions:
     def __post_init__(self) -> None:
         object.__setattr__(self, "drafters", as_drafters(self.drafters))
         if not self.drafters:
-            raise ConfigError("method 'cascade' needs drafters, e.g. drafters=qwen2.5-coder-0.5b@int8,maxgram")
+            raise ConfigError("method 'cascade' needs option 'drafters', e.g. qwen2.5-coder-0.5b@int8,maxgram")
         if any(isinstance(d, DrafterSpec) and d.kind == MAXGRAM for d in self.drafters[:-1]):
             raise ConfigError("maxgram can only be the last (smallest) drafter of a cascade")
         check_drafters(self)

@@ -174,7 +174,9 @@ def with_default_drafter(options: Any, target: str) -> Any:
     """`options` with a `default` drafter replaced by the drafter it stands for with the target named `target`
     (`spec.resolved`; refused where only a model drafts and the catalog pairs none): what the CLI and a server load
     and name."""
-    drafter = getattr(options, "drafter", None)
+    if "drafter" not in drafters_by_field(options):  # (none, or one that given `drafters` replace: DSI's)
+        return options
+    drafter = options.drafter
     try:
         stands_for = resolved(drafter, target, getattr(options, "MODEL_ONLY", ""))
     except ConfigError as error:

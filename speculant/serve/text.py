@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import functools
+from collections.abc import Hashable, Sequence
 from typing import Any
 
 
@@ -17,14 +18,19 @@ class TextStream:
     def __init__(self, tokenizer: Any, stops: Sequence[str] = ()):
         self.tokenizer = tokenizer
         self.stops = tuple(s for s in stops if s)
-        self.ids: list[int] = []
+        self.ids: list[int] = []  # every id pushed
+        self.kept: list[int] = []  # the ids decoding keeps (not the special ones it skips)
+        self.at: list[int] = []  # where each kept id is among `ids`
+        self.skipped = skipped_ids(tokenizer) if isinstance(tokenizer, Hashable) else skipped_ids.__wrapped__(tokenizer)
         self.text = ""  # the text so far, up to a stop string
         self.sent = 0  # characters of `text` handed out
         self.stopped = False
-        # Decoding every id again per token would cost O(n^2) on the decode loop: decode a window instead,
-        # from a few tokens back (`start`) so that merges across the boundary come out right; `done` ids
-        # are already in `text` (their text final: a caller's per-token entries go with it).
-        self.start = self.done = 0
+        # Decoding every id again per token would cost O(n^2) on the decode loop: decode a window of `kept` instead,
+        # from a few tokens back (`start`) so that merges across the boundary come out right; the first `final` kept
+        # ids, and the first `done` ids, are already in `text` (their text final: a caller's per-token entries go
+        # with it). A window never begins with a skipped id: decoding drops it, and a decoder's Strip (Llama's,
+        # Mistral's) would then take the leading space of the next token, which the text has.
+        self.start = self.final = self.done = 0
         # Each stop string's Knuth-Morris-Pratt failure table and state over `text` (its first `fed` characters):
         # the longest tail that begins a stop string costs the characters a token adds, not a search of every tail
         # of the text (under a long stop string from a client, a long generation stalled the engine).
@@ -37,16 +43,30 @@ class TextStream:
         if self.stopped:
             return ""
         self.ids.append(token)
-        decode = self.tokenizer.decode
-        window = decode(self.ids[self.start :], skip_special_tokens=True)
-        known = len(decode(self.ids[self.start : self.done], skip_special_tokens=True))  # (of `window`, in `text`)
+        if token in self.skipped:  # (no text of its own: final where the ids around it are)
+            return ""
+        self.kept.append(token)
+        self.at.append(len(self.ids) - 1)
+        window, known = self._window()
         text = self.text + window[known:]
         if window.endswith("\ufffd"):  # a character waiting for its last byte; a stop string before it ends now
             ended = self._ended(self.text + text[len(self.text) :].rstrip("\ufffd"))  # (settled U+FFFDs stay)
             return self._settled(window, known) if ended is None else ended
-        self.start, self.done = self.done, len(self.ids)
+        self.start, self.final, self.done = self.final, len(self.kept), len(self.ids)
         self.text = text
         return self._final()
+
+    def _window(self) -> tuple[str, int]:
+        """The text of the kept ids from `start` on, and how much of it the final ones make (it is in `text`).
+        Where that text no longer begins with theirs, a byte-fallback decoder (Llama's, Gemma's) rendered a run of
+        byte tokens across the two whole, each byte a U+FFFD where the run ends inside a character (a stray byte):
+        the window then begins at the first id not final, whose bytes are the run's rest."""
+        decode = self.tokenizer.decode
+        window, known = (decode(self.kept[self.start : end], skip_special_tokens=True) for end in (None, self.final))
+        if not window.startswith(known):
+            self.start = self.final
+            window, known = decode(self.kept[self.start :], skip_special_tokens=True), ""
+        return window, len(known)
 
     def _final(self) -> str:
         """What the text, final so far, hands out: up to a stop string, or all but a tail that may begin one."""
@@ -60,15 +80,15 @@ class TextStream:
         a byte no character begins with (a client's logit_bias can force runs of them) is final. Without it, the
         window grew for as long as the text ended in U+FFFD, each token decoding all of them again; it still does
         where no split is clean (tokens that each end inside a character)."""
-        cut = len(self.ids) - PENDING
-        if cut <= self.done:
+        cut = len(self.kept) - PENDING
+        if cut <= self.final:
             return ""
-        decode, ids = self.tokenizer.decode, self.ids
-        head, tail = (decode(part, skip_special_tokens=True) for part in (ids[self.start : cut], ids[cut:]))
-        if not tail or head + tail != window:  # (`window`: the ids from `start` on)
+        decode, kept = self.tokenizer.decode, self.kept
+        head, tail = (decode(part, skip_special_tokens=True) for part in (kept[self.start : cut], kept[cut:]))
+        if not tail or head + tail != window:  # (`window`: the kept ids from `start` on)
             return ""
         self.text += head[known:]
-        self.start, self.done = self.done, cut
+        self.start, self.final, self.done = self.final, cut, self.at[cut]
         return self._final()  # (a stop string that ends in U+FFFD: found once that is settled)
 
     def _ended(self, text: str) -> str | None:
@@ -99,12 +119,17 @@ class TextStream:
         return low
 
     def flush(self) -> str:
-        """What is left when the generation ends (an incomplete character included; a stop string still ends it)."""
-        if not self.stopped and self.ids:
-            text = self.tokenizer.decode(self.ids, skip_special_tokens=True)
+        """What is left when the generation ends (an incomplete character included; a stop string still ends it).
+        The window's text, not every id decoded again: a byte-fallback decoder (Llama's, Gemma's) turns a whole run
+        of byte tokens into U+FFFDs where the run ends inside a character, and the characters of the run already
+        handed out stay as they were sent."""
+        if not self.stopped and self.final < len(self.kept):
+            window, known = self._window()
+            text = self.text + window[known:]
             if (ended := self._ended(text)) is not None:
                 return ended
             self.text = text
+            self.start, self.final, self.done = self.final, len(self.kept), len(self.ids)
         return self._take(len(self.text))
 
     def _held(self, text: str) -> int:
@@ -135,3 +160,12 @@ def _failure(stop: str) -> list[int]:
         n += stop[i] == stop[n]
         failure[i] = n
     return failure
+
+
+@functools.lru_cache(maxsize=8)
+def skipped_ids(tokenizer: Any) -> frozenset[int]:
+    """The ids `decode(..., skip_special_tokens=True)` drops: special tokens, which decode to their own text
+    otherwise (an added token that is not special, e.g. <tool_call>, is text)."""
+    added = {*getattr(tokenizer, "added_tokens_decoder", {}), *getattr(tokenizer, "all_special_ids", ())}
+    return frozenset(i for i in added if tokenizer.decode([i], skip_special_tokens=True) == ""
+                     and tokenizer.decode([i], skip_special_tokens=False) != "")
