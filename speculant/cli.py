@@ -516,8 +516,12 @@ def run_bench(args: argparse.Namespace, argv: Sequence[str]) -> None:
             if baseline != (own[1] if own and own[1] != "default" else None):
                 command += f" (reported with --baseline {baseline or 'default'})"
         machine, title = saved["config"]["machine"], f"{args.report_from}; {saved['config']['machine']}"
+        drafters = saved["config"].get("drafters")
+        if not (isinstance(drafters, dict) and all(isinstance(v, str) for v in drafters.values())):
+            drafters = {}  # (a run from before drafters were recorded, or a file edited)
     else:
-        rows = measure_bench(args, methods)
+        rows = measure_bench(args, methods)  # (each method's `default` drafter resolved in place: what it ran)
+        drafters = {m.label: ", ".join(map(str, held)) for m in methods if (held := held_drafters(m.options))}
         command, machine = "speculant " + " ".join(argv), machine_info()
         title = (f"{args.target} on {args.prompts or args.dataset}, {from_args(RunConfig, args).max_new_tokens} new "
                  f"tokens; {machine}")
@@ -533,13 +537,14 @@ def run_bench(args: argparse.Namespace, argv: Sequence[str]) -> None:
     if args.out:
         out = Path(args.out)
         out.mkdir(parents=True, exist_ok=True)
-        config = {"command": command, "machine": machine, **{k: v for k, v in vars(args).items() if k not in PARSER_KEYS}}
+        config = {"command": command, "machine": machine, "drafters": drafters,
+                  **{k: v for k, v in vars(args).items() if k not in PARSER_KEYS}}
         if args.prompts:
             config["dataset"] = None  # (the flag's default, which the prompts replaced)
         if saved:
             config = {**saved["config"], "command": command, "baseline": baseline}
         (out / "results.json").write_text(json.dumps(to_json(config, rows, summaries, by_category), indent=1))
-        (out / "report.md").write_text(markdown_report(summaries, by_category, command, machine, baseline))
+        (out / "report.md").write_text(markdown_report(summaries, by_category, command, machine, baseline, drafters))
         plots = plot(summaries, by_category, out, baseline)
         print(f"wrote {', '.join(str(path) for path in [out / 'results.json', out / 'report.md', *plots])}",
               file=sys.stderr)

@@ -234,13 +234,21 @@ def test_bench_cli_writes_json_markdown_and_plots(tiny_dir, tmp_path, capsys):
     out = tmp_path / "out"
     code = cli.main(["bench", "--target", tiny_dir, "--dtype", "fp32", "--methods", "ar", f"sd:drafter={tiny_dir},k=2",
                      "hf-ar", f"hf-assisted:drafter={tiny_dir},k=2", "hf-pld:k=3", f"tree:drafter={tiny_dir},depth=2,width=2,verify_width=3",
-                     f"cascade:drafters={tiny_dir},maxgram,k_matrix=2,1;3",
+                     f"cascade:drafters={tiny_dir},maxgram,k_matrix=2,1;3", "sd:k=2",
                      "--prompts", str(prompts), "--max-new-tokens", "6", "--out", str(out)])
     stdout, _ = capsys.readouterr()
     assert code == 0
     assert "hf-assisted" in stdout and "speedup" in stdout
     results = json.loads((out / "results.json").read_text())
-    assert len(results["rows"]) == 14
+    assert len(results["rows"]) == 16
+    # what each method's drafters were: `default` as it resolved for this target (no catalog pair: Max-Gram)
+    assert results["config"]["drafters"] == {f"sd:drafter={tiny_dir},k=2": tiny_dir, "sd:k=2": "maxgram",
+                                             f"tree:drafter={tiny_dir},depth=2,width=2,verify_width=3": tiny_dir,
+                                             f"cascade:drafters={tiny_dir},maxgram,k_matrix=2,1;3": f"{tiny_dir}, maxgram",
+                                             f"hf-assisted:drafter={tiny_dir},k=2": tiny_dir}
+    assert "`sd:k=2`: maxgram" in (out / "report.md").read_text()
+    assert cli.main(["bench", "--report-from", str(out / "results.json"), "--out", str(tmp_path / "again")]) == 0
+    assert "`sd:k=2`: maxgram" in (tmp_path / "again" / "report.md").read_text()
     assert results["config"]["prompts"] == str(prompts) and results["config"]["dataset"] is None  # (not its default)
     summary = {s["method"]: s for s in results["summary"]}
     # Greedy peers and speculant's methods all reproduce the target's greedy output.

@@ -51,8 +51,13 @@ def print_table(summaries: list[MethodSummary], title: str, console: Console | N
 
 
 def markdown_report(summaries: list[MethodSummary], by_category: dict[str, list[MethodSummary]],
-                    command: str, machine: str, baseline: str | None = None) -> str:
-    parts = [f"# speculant bench\n\nCommand: `{command}`\n\nMachine: {machine}\n", markdown_table(summaries)]
+                    command: str, machine: str, baseline: str | None = None,
+                    drafters: dict[str, str] | None = None) -> str:
+    """The run's report: its command and machine, the drafters each method ran (`drafters`: by method label, as its
+    `default` resolved for the target), its table overall and per category, and what the columns mean."""
+    ran = "; ".join(f"`{label}`: {names}" for label, names in (drafters or {}).items())
+    parts = [f"# speculant bench\n\nCommand: `{command}`\n\nMachine: {machine}\n"
+             + (f"\nDrafters: {ran}\n" if ran else ""), markdown_table(summaries)]
     for category, summary in by_category.items():
         parts.append(f"\n## {category}\n\n{markdown_table(summary)}")
     over = f"`{baseline}` of the same run" if baseline else \
