@@ -126,8 +126,9 @@ class Session:
         stays the drafter's for as long as it lives, whatever order later requests give them in; a number whose
         drafter was dropped goes to the next new one of its name, so a caller that makes its drafter afresh per
         request keeps what was learned of it."""
-        own = owner_of(getattr(drafter, "inner", drafter))  # (a user's Drafter as given, not its check; a server's
-        held = self.named.setdefault(drafter.name, [])  # per-request handle: the model it shares)
+        own = getattr(drafter, "inner", drafter)  # (a user's Drafter as given, not its check; a server's per-request
+        own = owner_of(own) if isinstance(own, CausalLM) else own  # handle: the model it shares)
+        held = self.named.setdefault(drafter.name, [])
         n = next((i for i, ref in enumerate(held) if ref() is own), None)
         if n is None:
             n = next((i for i, ref in enumerate(held) if ref() is None), len(held))

@@ -176,6 +176,29 @@ def test_drafter_failure_is_a_clear_error_not_a_hang():
         run(dsi(pool, failing, prompt, 40, 2, GREEDY, None, frozenset(), timeout_s=30))
 
 
+def test_a_drafter_that_changes_the_context_it_is_given_drafts_as_any_other():
+    """A drafter that appended to the context list it was handed (its own scratch) made DSI's drafting thread take
+    every draft for a stale one, for ever: DSI hung where sd runs. It gets a copy, as the other methods give it."""
+
+    class Appender(Drafter):
+        name = "appender"
+
+        def propose(self, context, k):
+            for _ in range(k):
+                context.append(context[-1])
+            return Draft(context[-k:])
+
+    target = tiny_model("llama", 3, 64, init_std=0.5)
+    prompt = random_prompt(3, 64, 8)
+    expected = generate(target, prompt_ids=prompt, method="ar", max_new_tokens=12).token_ids
+    outcome = []
+    worker = threading.Thread(target=lambda: outcome.append(generate(
+        target, prompt_ids=prompt, method="dsi", drafter=Appender(), max_new_tokens=12).token_ids), daemon=True)
+    worker.start()
+    worker.join(timeout=60)
+    assert outcome == [expected]
+
+
 def test_theorem_1_dsi_is_never_slower_than_non_si_in_the_twin():
     """Drafter faster than the target, worst case (a drafter that is always wrong) and a middling one:
     DSI's wall time stays within overhead of non-SI's (Timor et al., Theorem 1; the best of three tries under load)."""

@@ -659,8 +659,10 @@ def test_max_queue_requests_wait_beside_the_free_rows_and_max_batch_run_apart():
     threading.Thread(target=engine.batcher.run, args=(lambda: started.set() or gate.wait(30),), daemon=True).start()
     assert started.wait(30)
     job = ServeJob(list(b"hello"), 4, SamplingConfig())
-    for name in ("row", "queued"):
-        submitted(engine, job, ends, name)
+    submitted(engine, job, ends, "row")
+    # a queued request whose client went away leaves the queue (it held the place a live one was refused for)
+    submitted(engine, job, ends, "gone").cancel()
+    submitted(engine, job, ends, "queued")
     with pytest.raises(QueueFull):
         submitted(engine, job, ends, "refused")
     gate.set()
@@ -671,8 +673,20 @@ def test_max_queue_requests_wait_beside_the_free_rows_and_max_batch_run_apart():
     with pytest.raises(QueueFull):
         submitted(engine, dsi, ends, "dsi refused")
     wait_until(lambda: len(ends) == 4)
-    assert all(end.completion_tokens for end in ends.values()), ends
+    assert all(end.completion_tokens for end in ends.values()) and "gone" not in ends, ends
     engine.close()
+
+
+def test_a_stop_string_found_as_the_text_settles_at_the_end_stops_the_reply():
+    """A stop string that ends in U+FFFD is found once the text settles: where that is only at the end (the reply
+    ends on a character's first byte), the reply said "length" and kept the stop string's log-probabilities."""
+    engine = engine_for("ar", max_batch=1)
+    ends = {}
+    job = ServeJob(list(b"hello"), 1, SamplingConfig(), stops=("\ufffd",), logprobs=0, logit_bias={0xEF: 100.0})
+    submitted(engine, job, ends, "reply")  # (its one token: 0xEF, a three-byte character's first)
+    wait_until(lambda: ends)
+    engine.close()
+    assert (ends["reply"].text, ends["reply"].finish_reason, ends["reply"].logprobs) == ("", "stop", [])
 
 
 def test_the_queue_depth_gauge_is_what_waits_when_it_is_read():
@@ -720,6 +734,11 @@ def test_draft_metrics_count_a_tree_s_nodes_by_depth():
     assert by_position("speculant_draft_tokens_total") == {"0": 3, "1": 3, "2": 1, "3": None, "4": None}
     assert by_position("speculant_accepted_tokens_total") == {"0": 2, "1": 1, "2": None, "3": None, "4": None}
     assert (steps.drafted, steps.accepted) == (7, 3)
+    steps.on_target(Call([5, 6, 7]))  # a reply that ends on a draft's token (an end of sequence, a stop string):
+    for token in (6, 7):  # both accepted, no token of the target's own after them
+        steps.on_token(token, "")
+    steps.close()
+    assert (steps.drafted, steps.accepted) == (9, 5)
 
 
 def test_a_fault_of_one_row_fails_its_request_alone_and_the_others_decode_as_alone():

@@ -451,6 +451,24 @@ def test_a_user_drafter_s_bad_draft_is_named_before_verification_reads_it(propos
     assert type(load_drafter("maxgram", target)).__name__ == "MaxGramDrafter"
 
 
+def test_a_user_drafter_s_empty_sampled_draft_and_an_attribute_named_owner_are_its_own():
+    """An empty draft with its (empty) q, as a drafter that stops early slices it, failed the q check on an empty
+    tensor's minimum; a user drafter with an attribute `owner` (a server's handle names its model so) was taken for
+    a handle by auto's naming. Both run."""
+
+    class Early(Drafter):
+        name, owner = "early", "alice"
+
+        def propose(self, context, k):
+            return Draft([], torch.ones(1, VOCAB)[:0] / VOCAB)
+
+    target = tiny_model("llama", 1, VOCAB)
+    prompt = random_prompt(1, VOCAB, 6)
+    for method, options in (("sd", {"drafter": Early()}), ("auto", {"drafters": [Early()]})):
+        assert len(generate(target, prompt_ids=prompt, method=method, max_new_tokens=6, temperature=0.8, seed=0,
+                            **options).token_ids) == 6
+
+
 def test_a_drafter_cache_s_failed_catch_up_leaves_it_holding_nothing_known():
     """A catch-up cut short (a stage thread's error, an interrupt) after its rollback left `ids` describing the old
     cache: the next run rolled back past the cache's end. It now catches up from nothing known, to the same logits."""

@@ -154,6 +154,8 @@ class Checked(Drafter):
         if tuple(q.shape) != (len(ids), self.vocab_size):
             raise ConfigError(f"drafter '{self.name}': its q is {tuple(q.shape)}, not one row per token of the "
                               f"target's {self.vocab_size} logits")
+        if not ids:  # (an empty draft's rows: none to check)
+            return
         sums, least = q.sum(-1, dtype=torch.float32), q.min()
         if not bool((least >= 0) & ((sums - 1).abs() <= Q_SUM_TOLERANCE).all()):  # (one pass each, one sync)
             raise ConfigError(f"drafter '{self.name}': its q's rows are not distributions (sums "

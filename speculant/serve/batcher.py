@@ -99,6 +99,16 @@ class Batcher:
             self._inbox.append((work, fail))
             self._cond.notify()
 
+    def withdraw(self, work: Callable[[], None]) -> bool:
+        """Take `work` out of the queue where it still waits for a row (its request was cancelled: it would hold a
+        place that a live request is refused for); whether it was there."""
+        with self._cond:
+            for i, (waiting, _) in enumerate(self._inbox):
+                if waiting is work:
+                    del self._inbox[i]
+                    return True
+        return False
+
     def run(self, function: Callable[[], Any]) -> Any:
         """`function()` on the worker thread, waited for (warm-ups: their kernels' threads stay the worker's)."""
         done, out = threading.Event(), []

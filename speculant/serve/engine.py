@@ -14,6 +14,7 @@ import threading
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field, fields, replace
+from functools import partial
 from typing import Any
 
 from speculant.api import check_request, decoded_target
@@ -86,7 +87,7 @@ class Steps:
 
     def __init__(self, metrics: Metrics | None, on_step: Callable[[dict[str, Any]], None] | None = None):
         self.metrics, self.on_step = metrics, on_step
-        self.forwards = self.drafted = self.accepted = self.committed = 0
+        self.forwards = self.drafted = self.accepted = 0
         self.call: Call | None = None  # the open step's verification (None: none yet, or the prefill)
         self.drafter_forwards = 0
         self.tokens: list[int] = []  # the open step's committed tokens
@@ -109,7 +110,6 @@ class Steps:
     def on_token(self, token: int, text: str) -> None:
         """A committed token, with the text of the reply it made final (the request's TextStream: "" while a split
         character or a tail that may begin a stop string is held back, a stop string never)."""
-        self.committed += 1
         self.tokens.append(token)
         self.texts.append(text)
 
@@ -119,20 +119,21 @@ class Steps:
             self.texts[-1] += text
 
     def close(self) -> None:
-        """End the open step: of its drafts, the committed tokens but one were accepted (a path: one at each depth
-        from the first); `on_step` hears each token's provenance (`provenance`) and how deep the draft went."""
+        """End the open step: of its drafts, those its committed tokens took (`provenance`: a path, one at each depth
+        from the first; all of them where the reply ended on a draft's token, at an end of sequence or a stop
+        string); `on_step` hears each token's provenance and how deep the draft went."""
         depths = draft_depths(self.call)
-        accepted = min(max(self.committed - 1, 0), len(depths))
+        kinds = provenance(self.call, self.tokens)
+        accepted = kinds.count("accepted")
         self.drafted += len(depths)
         self.accepted += accepted
         if self.metrics is not None:
             self.metrics.step(depths, accepted)
         if self.on_step is not None and self.tokens:
-            kinds = provenance(self.call, self.tokens)
             depth = max(depths, default=0)
             self.on_step({"tokens": self.tokens, "texts": self.texts, "kinds": kinds, "drafted": depth,
-                          "accepted": kinds.count("accepted"), "drafter": self.drafter if depth else None})
-        self.committed, self.tokens, self.texts, self.drafter, self.call = 0, [], [], None, None
+                          "accepted": accepted, "drafter": self.drafter if depth else None})
+        self.tokens, self.texts, self.drafter, self.call = [], [], None, None
 
     def summary(self, method: str, tokens: int) -> dict[str, Any]:
         self.close()
@@ -188,13 +189,17 @@ def culprit(build: Callable[[Mapping[str, Any]], Any], values: Mapping[str, Any]
 
 
 class Ticket:
-    """A submitted job: `cancel()` ends it after the forward it waits on (a client went away)."""
+    """A submitted job: `cancel()` ends it after the forward it waits on (a client went away), or takes it out of the
+    queue where it waits for a row (`withdraw`)."""
 
     def __init__(self) -> None:
         self.cancelled = threading.Event()
+        self.withdraw: Callable[[], Any] | None = None
 
     def cancel(self) -> None:
         self.cancelled.set()
+        if self.withdraw is not None:
+            self.withdraw()
 
 
 def on_own_thread(method: str, options: Any) -> None:
@@ -361,6 +366,7 @@ class Engine:
                 thread.start()
             else:
                 self.batcher.start(work, on_end)
+                ticket.withdraw = partial(self.batcher.withdraw, work)
         return ticket
 
     def _apart(self, work: Callable[[], None]) -> None:
@@ -429,7 +435,11 @@ class Engine:
             finish = "cancelled"
         finally:
             decoder.close()
-        if (piece := text.flush()) or unsent < len(entries):
+        piece = text.flush()
+        if text.stopped and finish != "stop":  # (a stop string that ends in U+FFFD, found as the rest settles)
+            finish = "stop"
+            del entries[text.covering():]
+        if piece or unsent < len(entries):
             on_text(piece, entries[unsent:])
             steps.on_rest(piece)
         return Outcome(text.text, finish, len(job.prompt_ids), tokens, steps.summary(spec.name, tokens),

@@ -99,7 +99,7 @@ class DraftWorker:
                 context, epoch = list(self.context), self.epoch
             start = time.monotonic()
             try:
-                draft = self.drafter.propose(context, 1)
+                draft = self.drafter.propose(list(context), 1)  # (its own copy: one it changed read as stale ever after)
             except Exception as error:  # noqa: BLE001 - reported to the coordinator, which stops
                 self.events.put(("drafter_failed", f"{type(error).__name__}: {error}"))
                 return
