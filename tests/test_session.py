@@ -674,12 +674,10 @@ def test_what_auto_learns_of_two_drafters_of_one_name_stays_each_one_s_whatever_
     gc.collect()
     assert session.own_name(Guess(True)) == "guess" and session.own_name(wrong) == "guess #2"
 
-    class Handle:  # a server's per-request handle on a drafter model (`Row`): what it learns is the model's
-        def __init__(self, owner):
-            self.owner, self.name = owner, owner.name
+    from speculant.serve.batcher import Row
 
-    handles = [Handle(target), Handle(target)]  # (two requests at once)
-    assert [session.own_name(h) for h in handles] == [target.name] * 2
+    handles = [Row(None, target), Row(None, target)]  # a server's per-request handles on a drafter model, two
+    assert [session.own_name(h) for h in handles] == [target.name] * 2  # requests at once: the model's estimates
 
 
 def test_a_method_s_default_drafter_is_the_target_s_catalog_drafter_else_maxgram(monkeypatch):
