@@ -17,8 +17,7 @@ from typing import Any, NoReturn
 
 from speculant.config import (
     DEFAULT_TARGET,
-    LEAST_LATENCY_MS,
-    MOST_LATENCY_MS,
+    LATENCY_RANGE,
     REQUEST_MOST,
     Given,
     ModelConfig,
@@ -32,6 +31,7 @@ from speculant.config import (
     from_args,
     from_flags,
     integer,
+    latency_fits,
     number,
     reach_ray,
     with_default,
@@ -951,9 +951,8 @@ def more_drafter(text: str) -> tuple[float, float]:
         ms, acceptance = map(number, text.split(":"))
     except ValueError:
         raise ConfigError(f"--more-drafter takes MS:ACCEPTANCE, got '{text}'") from None
-    if not LEAST_LATENCY_MS <= ms <= MOST_LATENCY_MS:
-        raise ConfigError(f"--more-drafter's latency must lie in [{LEAST_LATENCY_MS:g}, {MOST_LATENCY_MS}] ms, got "
-                          f"'{text}'")
+    if not latency_fits(ms):
+        raise ConfigError(f"--more-drafter's latency must lie in {LATENCY_RANGE}, got '{text}'")
     if not 0 <= acceptance <= 1:
         raise ConfigError(f"--more-drafter's acceptance must lie in [0, 1], got '{text}'")
     return ms, acceptance
@@ -1101,18 +1100,14 @@ def latency_ms(text: str) -> float:
     """A latency flag: milliseconds, 0 (a first forward's, or a drafter's refused by name) or a number from
     LEAST_LATENCY_MS to MOST_LATENCY_MS."""
     value = non_negative(text)
-    if value and not LEAST_LATENCY_MS <= value <= MOST_LATENCY_MS:
-        raise argparse.ArgumentTypeError(f"must be 0 or lie in [{LEAST_LATENCY_MS:g}, {MOST_LATENCY_MS}] ms, got "
-                                         f"{text!r}")
+    if value and not latency_fits(value):
+        raise argparse.ArgumentTypeError(f"must be 0 or lie in {LATENCY_RANGE}, got {text!r}")
     return value
 
 
 def count(text: str) -> int:
     """A flag's integer >= 1 (requests, clients, repeats, tokens)."""
-    try:
-        value = integer(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"not an integer: {text!r}") from None
+    value = read_flag(text, integer, "an integer")
     if value < 1:
         raise argparse.ArgumentTypeError(f"must be >= 1, got {text!r}")
     return value
@@ -1128,13 +1123,18 @@ def positive(text: str) -> float:
 
 def non_negative(text: str) -> float:
     """A flag's finite number >= 0 (a latency, a rate, a temperature)."""
-    try:
-        value = number(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"not a number: {text!r}") from None
+    value = read_flag(text, number, "a number")
     if not 0 <= value < math.inf:
         raise argparse.ArgumentTypeError(f"must be a finite number >= 0, got {text!r}")
     return value
+
+
+def read_flag(text: str, read: Any, kind: str) -> Any:
+    """`read(text)`, or argparse's usage error saying the text is not `kind`."""
+    try:
+        return read(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not {kind}: {text!r}") from None
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -123,6 +123,12 @@ REQUEST_MOST = 64  # the largest value a server's client may give a draft-size o
 # thousand levels is a request for the server's memory and time, not for tokens
 MOST_LATENCY_MS = 60_000  # the longest forward a latency twin or a simulation is given (a minute: none takes longer)
 LEAST_LATENCY_MS = 1e-6  # the shortest (a nanosecond: none is shorter; below it, ratios of latencies overflow)
+LATENCY_RANGE = f"[{LEAST_LATENCY_MS:g}, {MOST_LATENCY_MS}] ms"  # (as refusals say it)
+
+
+def latency_fits(ms: float) -> bool:
+    """Whether a forward's latency (ms) lies from LEAST_LATENCY_MS to MOST_LATENCY_MS."""
+    return LEAST_LATENCY_MS <= ms <= MOST_LATENCY_MS
 REQUEST_ITEMS = 8  # the most items a server's client may give a list option (drafter levels, tree widths, K rows)
 REQUEST_NODES = 128  # the most nodes a server's client's draft tree may have (depth x width): its verification is one
 # forward that the other requests' streams wait on, so no wider than a long prompt's part (lean's SERVED_PART)

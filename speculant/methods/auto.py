@@ -116,7 +116,7 @@ class AutoOptions:
         if self.probe_every < 1:
             raise ConfigError(f"probe_every must be >= 1, got {self.probe_every}")
         if self.drafters is not None and all(map(model_free, self.drafters)):
-            check_model_only(self, models=0)
+            check_model_only(self, self.drafters, models=0)
 
 
 def typed_widths(widths: Any) -> tuple[int, ...]:
@@ -127,12 +127,11 @@ def typed_widths(widths: Any) -> tuple[int, ...]:
     return checked
 
 
-def check_model_only(options: AutoOptions, models: int, trees: int | None = None,
-                     drafters: Sequence[Any] = ()) -> None:
+def check_model_only(options: AutoOptions, drafters: Sequence[Any], models: int, trees: int | None = None) -> None:
     """Options that act only on model drafters (`model_only`), set away from their defaults where auto has no model
     drafter (`models`: how many it has) to apply them to, are refused: never silently ignored. So are those that act
     only on token trees (`tree_only`) where no model drafter drafts in the target's vocabulary, as a tree's tokens
-    must (`trees`: how many do, known once they load). `drafters`: the ones auto runs, where options name none."""
+    must (`trees`: how many do, known once they load). `drafters`: the ones auto runs (a refusal names them)."""
 
     def changed(kind: str, *fine: Any) -> list[str]:
         return [f.name for f in fields(options)
@@ -143,7 +142,7 @@ def check_model_only(options: AutoOptions, models: int, trees: int | None = None
 
     if (names := changed("model_only", ())) and not models:  # (an empty tree_widths asks for no trees)
         raise ConfigError(f"{applies(names)} to model drafters; auto drafts here with "
-                          f"{', '.join(map(str, drafters or options.drafters or ())) or 'none'} only")
+                          f"{', '.join(map(str, drafters)) or 'none'} only")
     if (names := changed("tree_only", ())) and trees == 0:  # (an empty tree_widths asks for no trees)
         raise OptionError(names[0], f"{applies(names)} to token trees, which need a model drafter in the target's "
                           "vocabulary; auto's model drafters here draft in another")
@@ -242,7 +241,7 @@ def build(request: Request, options: AutoOptions) -> Any:
                                         scale=scale,
                                         speed=speed, growth=lambda length, profile=profile, width=width:
                                         profile.cost_at(width, length) / profile.cost(width)))
-    check_model_only(options, models, trees, specs)
+    check_model_only(options, specs, models, trees)
     # A vertical cascade (CS Drafting) where Max-Gram finds a match: each model drafter reviews Max-Gram's
     # draft in one forward, keeping what it would itself have drafted, so its drafts are its chain's (the
     # same acceptance estimates), cheaper where Max-Gram guesses right. Its cost per token is measured as

@@ -8,7 +8,7 @@ from pathlib import Path
 from typing import Any
 
 from speculant.config import (EXECUTORS, LEAST_LATENCY_MS, MOST_LATENCY_MS, MOST_SERVERS, REQUEST_MOST, as_number,
-                              check_ray_address, number, option)
+                              check_ray_address, latency_fits, number, option)
 from speculant.errors import ConfigError
 from speculant.methods.drafting import DrafterOptions, as_drafters, parse_drafters
 from speculant.methods.registry import Request, register
@@ -45,8 +45,8 @@ def parse_twin(text: str) -> tuple[Any, Any]:
         drafters = [number(v) for v in parts[1].split("/")] if len(parts) > 1 else []
     except ValueError:
         values = drafters = []
-    if len(values) not in (1, 2) or not drafters or not all(
-            LEAST_LATENCY_MS <= v <= MOST_LATENCY_MS for v in [*values[:1], *(v for v in values[1:] + drafters if v)]):
+    zero = values[1:] + drafters  # (a TTFT and a drafter's latency may be 0)
+    if len(values) not in (1, 2) or not drafters or not all(map(latency_fits, values[:1] + [v for v in zero if v])):
         raise ConfigError(f"twin takes T,D or T,D,TTFT in ms (numbers from {LEAST_LATENCY_MS:g} to {MOST_LATENCY_MS}; "
                           f"D and TTFT may be 0; D1/D2/.. for several drafters), got '{text}'")
     latencies = tuple(Latency.from_ms(d) for d in drafters)

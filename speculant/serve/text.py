@@ -52,9 +52,13 @@ class TextStream:
         if window.endswith("\ufffd"):  # a character waiting for its last byte; a stop string before it ends now
             ended = self._ended(self.text + text[len(self.text) :].rstrip("\ufffd"))  # (settled U+FFFDs stay)
             return self._settled(window, known) if ended is None else ended
-        self.start, self.final, self.done = self.final, len(self.kept), len(self.ids)
-        self.text = text
+        self._commit(text)
         return self._final()
+
+    def _commit(self, text: str) -> None:
+        """`text`, the window's, is final: every id pushed is in it."""
+        self.text = text
+        self.start, self.final, self.done = self.final, len(self.kept), len(self.ids)
 
     def _window(self) -> tuple[str, int]:
         """The text of the kept ids from `start` on, and how much of it the final ones make (it is in `text`).
@@ -128,8 +132,7 @@ class TextStream:
             text = self.text + window[known:]
             if (ended := self._ended(text)) is not None:
                 return ended
-            self.text = text
-            self.start, self.final, self.done = self.final, len(self.kept), len(self.ids)
+            self._commit(text)
         return self._take(len(self.text))
 
     def _held(self, text: str) -> int:
