@@ -873,10 +873,11 @@ def check_target(target: str, config: ModelConfig, options: Any, backend: str | 
     from speculant.methods.drafting import elsewhere, needs, unmet
     from speculant.models import split_quant
     from speculant.models.backends import capabilities_of
-    from speculant.models.loading import resolve_backend
+    from speculant.models.loading import check_dtype, resolve_backend
 
     name, quant = split_quant(target)  # (a backend the target's name or suffix refuses is refused here too)
     backend = resolve_backend(backend or config.backend, name, quant, config.device, dtype or config.dtype)
+    check_dtype(target, backend, dtype or config.dtype)
     if needs(options):
         if need := unmet(options, capabilities_of(backend)):
             raise ConfigError(f"{need[1]}: the {backend} backend does not offer that "

@@ -839,6 +839,24 @@ def test_a_drafter_dtype_nothing_loads_in_is_one_line_before_any_model_loads(cap
         assert code == 2 and err.count("speculant: error") == 1 and message in err, (argv, err)
 
 
+def test_a_dtype_for_a_target_run_as_its_gguf_is_one_line_before_any_model_loads(capsys, monkeypatch):
+    """A GGUF target on llama.cpp or the lean backend runs its own types: a --dtype was refused only once the target
+    was loading (after 'loading target' was printed)."""
+    from speculant import models
+    from speculant.errors import ConfigError
+    from speculant.serve import app
+
+    def load(*args, **kwargs):
+        raise ConfigError("a model loaded")
+
+    monkeypatch.setattr(models, "load_model", load)
+    monkeypatch.setattr(app, "serve", load)
+    for command in (["generate", "hi", "--method", "ar"], ["bench", "--methods", "ar"], ["serve"]):
+        for target in (["--backend", "lean"], ["--target", "qwen2.5-coder-0.5b@gguf"]):
+            code, _, err = run(capsys, *command, *target, "--dtype", "bf16")
+            assert code == 2 and err.count("\n") == 1 and "runs its GGUF's own types" in err, (command, err)
+
+
 def test_a_target_s_lean_suffix_is_one_line_before_any_model_loads(capsys, monkeypatch):
     """`--target NAME@lean` would load the model's drafter form (its head cut to frequent tokens), whose greedy output
     is not the model's: generate, bench and serve refuse it, saying how to run the model on the lean backend."""

@@ -172,8 +172,22 @@ def test_drafter_failure_is_a_clear_error_not_a_hang():
     target, drafter, prompt = pair(13)
     pool = make_executor("thread", ServerSpec(replica_factory(target), ["cpu"] * 2, GREEDY, Latency(0.01, 0.01)))
     failing = FailingDrafter(ModelDrafter(drafter, GREEDY, None), after=3)
-    with pytest.raises(DrafterFailed, match="out of memory"):
+    with pytest.raises(DrafterFailed, match="RuntimeError: out of memory") as failed:
         run(dsi(pool, failing, prompt, 40, 2, GREEDY, None, frozenset(), timeout_s=30))
+    assert isinstance(failed.value.__cause__, RuntimeError)  # (its traceback kept)
+
+
+def test_a_user_drafter_s_bad_draft_is_the_config_error_other_methods_raise():
+    class Listing(Drafter):
+        name = "listing"
+
+        def propose(self, context, k):
+            return list(context[-k:])
+
+    target, _, prompt = pair(13)
+    for method in ("sd", "dsi"):  # (DSI had wrapped it in DrafterFailed, its drafting thread's error as text)
+        with pytest.raises(ConfigError, match="drafter 'listing': propose returned list, not a speculant.Draft"):
+            generate(target, prompt_ids=prompt, method=method, drafter=Listing(), max_new_tokens=8)
 
 
 def test_a_drafter_that_changes_the_context_it_is_given_drafts_as_any_other():

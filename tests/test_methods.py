@@ -53,6 +53,24 @@ def test_every_method_is_registered_with_documented_options():
             assert listed == {f.name for f in fields(method.options)}, method.name
 
 
+def test_a_method_registers_with_a_name_specs_can_hold_and_frozen_options_once():
+    from speculant.methods.registry import register
+
+    @dataclass(frozen=True)
+    class Options:
+        k: int = 4
+
+    for name in ("sd:fast", "two words", "Tree", "", 3):  # (bench specs split `NAME:k=4`, flags take `--method NAME`)
+        with pytest.raises(ConfigError, match="cannot name a method"):
+            register(name, Options, "help")
+    for options in (dict, dataclass(type("Loose", (), {"__annotations__": {"k": int}, "k": 4})), Options()):
+        with pytest.raises(ConfigError, match="frozen dataclass"):
+            register("mine", options, "help")
+    with pytest.raises(ConfigError, match="already registered"):
+        register("sd", Options, "help")(lambda request, options: None)
+    assert "mine" not in METHODS
+
+
 def test_an_option_name_means_one_thing_in_every_method():
     for name in all_options():
         kinds = {str(f.type) for m in METHODS.values() for f in fields(m.options) if f.name == name}

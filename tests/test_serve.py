@@ -396,6 +396,9 @@ def test_logprobs_stream_and_not_equal_plain_decoding_s(server):
     shape = Shape("id", "tiny", False, Spelling(byte_tokenizer(), BYTE_VOCAB))  # "“" is three bytes, three tokens
     halves = [shape.entries([TokenLogprob(t, -1.0, ()) for t in part]) for part in (b"a\xe2\x80", b"\x9cb")]
     assert [at for half in halves for at in half["text_offset"]] == [0, 1, 1, 1, 2]  # (streamed in two chunks)
+    shape = Shape("id", "tiny", False, Spelling(byte_tokenizer(), BYTE_VOCAB))  # a character cut short by "b"
+    halves = [shape.entries([TokenLogprob(t, -1.0, ()) for t in part]) for part in (b"a\xe2\x80", b"b\xffc")]
+    assert [at for half in halves for at in half["text_offset"]] == [0, 1, 1, 2, 3, 4]  # (text "a\ufffdb\ufffdc")
     chunks = list(client.completions.create(model="tiny", prompt="def f(x):", max_tokens=12, temperature=0,
                                             logprobs=2, stream=True))
     assert [v for c in chunks if c.choices[0].logprobs for v in c.choices[0].logprobs.token_logprobs] == \

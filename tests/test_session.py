@@ -14,7 +14,7 @@ from helpers import random_prompt, tiny_model, tiny_transformer
 from speculant import Draft, Drafter, Session, generate, load_model, register_drafter
 from speculant.drafters import registry
 from speculant.errors import ConfigError
-from speculant.models.base import Backend, Capabilities
+from speculant.models.base import Backend, Capabilities, CausalLM
 from speculant.trees.tree import TokenTree
 
 VOCAB = 64
@@ -103,6 +103,9 @@ def test_a_registered_name_is_a_drafter_spec_and_a_taken_one_is_refused(monkeypa
         register_drafter("self")(echo)
     with pytest.raises(ConfigError, match="cannot name a drafter"):
         register_drafter("qwen2.5-coder-0.5b")(echo)  # a catalog model's name would stand in for the model
+    for name in ("org/model", "mine.gguf", "tab\tname", "two\nlines", "", "-flag"):  # a model's id or path; unreadable
+        with pytest.raises(ConfigError, match="cannot name a drafter"):
+            register_drafter(name)(echo)
     with pytest.raises(ConfigError, match="takes the drafter's name"):
         register_drafter(echo)  # (the decorator without its name)
     with pytest.raises(ConfigError, match=r"must be called with \(target, session\)"):
@@ -136,6 +139,21 @@ def test_an_installed_plugin_registers_through_the_entry_point_group(monkeypatch
     expected = generate(target, prompt_ids=prompt, method="ar", max_new_tokens=12).token_ids
     assert generate(target, prompt_ids=prompt, drafter="plugged", k=3, max_new_tokens=12).token_ids == expected
     assert "plugged" in registry.DRAFTERS  # loaded on first use
+
+
+def test_a_plugin_whose_name_cannot_name_a_drafter_is_left_out_with_a_warning(monkeypatch, caplog):
+    class EntryPoint:
+        value = "theirs:factory"
+
+        def __init__(self, name):
+            self.name = name
+
+    names = ("plugged", "qwen2.5-coder-0.5b", "org/model", "self")
+    monkeypatch.setattr(registry, "entry_points", lambda group: [EntryPoint(n) for n in names])
+    with caplog.at_level("WARNING", logger=registry.__name__):
+        plugins = registry._plugins.__wrapped__()
+    assert list(plugins) == ["plugged"]  # (the others had stood for a catalog model, a Hugging Face id, the target)
+    assert sum("left out" in r.message for r in caplog.records) == 3
 
 
 def test_two_sessions_on_one_target_keep_separate_learned_state():
@@ -449,6 +467,11 @@ def test_a_user_drafter_s_bad_draft_is_named_before_verification_reads_it(propos
         generate(target, prompt_ids=random_prompt(1, VOCAB, 6), method="sd", drafter=Faulty(), k=2,
                  max_new_tokens=6, temperature=0.8 if "its q" in message else 0.0)
     assert type(load_drafter("maxgram", target)).__name__ == "MaxGramDrafter"
+    given = Drafter()  # speculant's base class, given a propose of a user's, is a user's drafter: checked
+    given.propose, given.name = proposal, "faulty"
+    with pytest.raises(ConfigError, match=f"drafter 'faulty': .*{message}"):
+        generate(target, prompt_ids=random_prompt(1, VOCAB, 6), method="sd", drafter=given, k=2,
+                 max_new_tokens=6, temperature=0.8 if "its q" in message else 0.0)
 
 
 def test_a_user_drafter_s_empty_sampled_draft_and_an_attribute_named_owner_are_its_own():
@@ -512,6 +535,29 @@ def test_a_tree_s_next_turn_catches_up_from_the_drafter_s_kept_cache(tmp_path):
     assert not prefilled
 
 
+def test_a_model_of_one_s_own_that_implements_the_protocol_alone_is_refused_in_one_line():
+    """A CausalLM of a user's that does not derive from Backend ran `ar` and `sd`, then failed with an AttributeError
+    where auto asked it for its default drafters (self drafting, DSI likewise): refused as it is given, target or
+    drafter."""
+
+    class Mine:  # (every member of the protocol, none of Backend's choices)
+        def __init__(self, model):
+            self.model = model
+
+        def __getattr__(self, name):
+            if name in ("model", "default_drafters", "self_drafter", "replicas"):
+                raise AttributeError(name)
+            return getattr(self.model, name)
+
+    target = tiny_model("llama", 5, VOCAB)
+    assert isinstance(Mine(target), CausalLM)
+    for method, options in (("auto", {}), ("ar", {}), ("sd", {"drafter": "self"})):
+        with pytest.raises(ConfigError, match=r"a model of your own \(Mine\) derives from speculant.models.base"):
+            generate(Mine(target), prompt_ids=[1, 2], method=method, max_new_tokens=2, **options)
+    with pytest.raises(ConfigError, match=r"\(Mine\) derives from"):
+        generate(target, prompt_ids=[1, 2], method="sd", drafter=Mine(tiny_model("llama", 6, VOCAB)), max_new_tokens=2)
+
+
 def test_python_callers_get_one_clear_error_where_a_raw_one_came_from_deep_inside():
     """A text the tokenizer has no tokens for, a chat template that raises (it is the model's code), a None among a
     method's drafters (refused once the models before it had loaded, naming no option), DSI's target devices that are
@@ -543,6 +589,17 @@ def test_python_callers_get_one_clear_error_where_a_raw_one_came_from_deep_insid
 
     with pytest.raises(ConfigError, match="drafter 'matching': match_length returned '3', not a whole number >= 0"):
         generate(target, prompt_ids=[1, 2], method="auto", drafters=[Matching()], max_new_tokens=3)
+    class Lagging(Drafter):  # (auto weighs a drafter's catch-up by its lag)
+        name = "lagging"
+
+        def propose(self, context, k):
+            return Draft([1])
+
+        def lag(self, context):
+            return -1
+
+    with pytest.raises(ConfigError, match="drafter 'lagging': lag returned -1, not a whole number >= 0"):
+        generate(target, prompt_ids=[1, 2], method="auto", drafters=[Lagging()], max_new_tokens=3)
     with pytest.raises(ConfigError, match="target_devices is a list of devices"):
         generate(target, prompt_ids=[1, 2], method="dsi", drafter="maxgram", target_devices=5, max_new_tokens=2)
     prompt = random_prompt(5, VOCAB, 8) * 3

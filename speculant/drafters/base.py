@@ -170,7 +170,12 @@ class Checked(Drafter):
         self.inner.observe(n_accepted)
 
     def lag(self, context: list[int]) -> int:
-        return self.inner.lag(context)
+        """The inner drafter's `lag`, a whole number >= 0 (auto weighs its catch-up by it)."""
+        n = self.inner.lag(context)
+        if as_integer(n) is None or n < 0:
+            raise ConfigError(f"drafter '{self.name}': lag returned {n!r}, not a whole number >= 0 (the tokens of "
+                              "the context its cache lacks)")
+        return as_integer(n)
 
     def own_ids(self, context: list[int]) -> list[int]:
         return self.inner.own_ids(context)

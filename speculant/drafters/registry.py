@@ -15,6 +15,8 @@ from __future__ import annotations
 
 import importlib
 import inspect
+import logging
+import re
 from collections.abc import Callable
 from dataclasses import dataclass
 from functools import cache
@@ -22,6 +24,8 @@ from importlib.metadata import entry_points
 from typing import Any
 
 from speculant.errors import ConfigError
+
+log = logging.getLogger(__name__)
 
 BUILTIN = {"maxgram": "speculant.drafters.maxgram", "suffix": "speculant.drafters.suffix"}  # name -> its module
 ENTRY_POINTS = "speculant.drafters"
@@ -43,13 +47,10 @@ def register_drafter(name: str, *, with_session: bool = False) -> Callable[[Call
     """Decorator that registers a drafter factory under `name`: `factory(target)` returns a `speculant.Drafter`
     for a loaded target (with `with_session`, `factory(target, session)`: state that outlives a generation
     belongs in the session)."""
-    from speculant.models.catalog import CATALOG
-
     if not isinstance(name, str):
         raise ConfigError(f"register_drafter takes the drafter's name, @register_drafter(\"NAME\"), not "
                           f"{type(name).__name__}")
-    if not name or any(c in name for c in "@,:= ") or name in RESERVED or name in CATALOG:
-        raise ConfigError(f"'{name}' cannot name a drafter (reserved, a catalog model's, or holds one of '@,:= ')")
+    check_name(name)
 
     def wrap(factory: Callable[..., Any]) -> Callable[..., Any]:
         arguments = "target, session" if with_session else "target"
@@ -71,6 +72,19 @@ def register_drafter(name: str, *, with_session: bool = False) -> Callable[[Call
     return wrap
 
 
+NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_-]*")  # (no '.', '/', '@', ',', ':', '=' or space: a model's path or id, a
+# spec's suffix or a list's separator; the name is typed on command lines and read back from stats)
+
+
+def check_name(name: str) -> None:
+    """A drafter's name: letters, digits, '_' and '-', not reserved and no catalog model's (a ConfigError says why)."""
+    from speculant.models.catalog import CATALOG
+
+    if not NAME.fullmatch(name) or name in RESERVED or name in CATALOG:
+        raise ConfigError(f"{name!r} cannot name a drafter: a name is letters, digits, '_' and '-', neither reserved "
+                          f"({', '.join(RESERVED)}) nor a catalog model's")
+
+
 def _origin(factory: Callable[..., Any]) -> str:
     return f"{factory.__module__}.{factory.__qualname__}"
 
@@ -78,8 +92,17 @@ def _origin(factory: Callable[..., Any]) -> str:
 @cache
 def _plugins() -> dict[str, Any]:
     """The installed plugins' entry points by name, read once per process (specs are parsed on every request; a scan
-    of every installed package's metadata is not free)."""
-    return {entry.name: entry for entry in entry_points(group=ENTRY_POINTS)}
+    of every installed package's metadata is not free). One whose name cannot name a drafter is left out, with a
+    warning: it would otherwise stand for a catalog model, a path or `self` wherever a spec names them."""
+    plugins = {}
+    for entry in entry_points(group=ENTRY_POINTS):
+        try:
+            check_name(entry.name)
+        except ConfigError as refused:
+            log.warning("plugin %s (entry point group %s) left out: %s", entry.value, ENTRY_POINTS, refused)
+            continue
+        plugins[entry.name] = entry
+    return plugins
 
 
 def is_registered(name: str) -> bool:

@@ -117,8 +117,8 @@ def checked(drafter: Any, target: Any, registered: str | None = None) -> Any:
     goes by the name it was registered under."""
     from speculant.drafters.base import Checked, Drafter
 
-    own = getattr(type(drafter).propose, "__module__", "").startswith("speculant.")  # (a subclass of one of
-    # speculant's drafters that keeps its propose is speculant's: cascade's levels, say, recognise it)
+    own = getattr(drafter.propose, "__module__", "").startswith("speculant.")  # (a subclass of one of speculant's
+    # drafters that keeps its propose is speculant's, as cascade's levels recognise it; one given a propose is not)
     if own or isinstance(drafter, Checked):
         return drafter
     return Checked(drafter, target.vocab_size, registered if getattr(drafter, "name", None) == Drafter.name else None)
@@ -133,7 +133,7 @@ def load_drafter(drafter: Any, target: Any, dtype: str | None = None, session: A
     from speculant.drafters.base import Drafter
     from speculant.drafters.registry import make_drafter
     from speculant.models import CausalLM, load_model
-    from speculant.models.base import unwrapped
+    from speculant.models.base import adopted, unwrapped
 
     drafter = as_drafter(drafter)  # (`default` resolved by its caller, `Session.drafter`)
     if isinstance(drafter, Drafter):
@@ -150,7 +150,7 @@ def load_drafter(drafter: Any, target: Any, dtype: str | None = None, session: A
     if isinstance(drafter, DrafterSpec):
         model = target.draft_model(drafter, dtype)
     elif isinstance(drafter, CausalLM):  # a loaded model as given (a drafter dtype is for the models named beside it)
-        model = drafter
+        model = adopted(drafter)
     else:  # a transformers model, wrapped as one (in `dtype` where given)
         model = load_model(drafter, dtype=dtype)
     check_compatible(target, model)

@@ -8,8 +8,9 @@ parser, `speculant simulate`) must not need torch.
 
 from __future__ import annotations
 
+import re
 from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
-from dataclasses import Field, dataclass, fields
+from dataclasses import Field, dataclass, fields, is_dataclass
 from typing import TYPE_CHECKING, Any
 
 from speculant.config import REQUEST_ITEMS, SamplingConfig, parse_value, typed
@@ -80,9 +81,15 @@ def register(name: str, options: type, help: str, bounds: Callable[[Any, Collect
     an OptionError, naming one of `names`, where a server's client that set those options asks too much of them
     together (`Method.check_request`); `chains`: its sampled draft chains are verified as `verifier` says."""
 
+    if not (isinstance(name, str) and re.fullmatch(r"[a-z][a-z0-9_-]*", name)):  # (`--method NAME`, `NAME:k=4`)
+        raise ConfigError(f"{name!r} cannot name a method: a name is lowercase letters, digits, '_' and '-'")
+    if not (isinstance(options, type) and is_dataclass(options) and options.__dataclass_params__.frozen):
+        raise ConfigError(f"method '{name}': its options are a frozen dataclass (the CLI's flags, bench specs and "
+                          f"request options are read from its fields), not {options!r}")
+
     def wrap(build: Callable[[Request, Any], Decoder]) -> Method:
         if name in METHODS:
-            raise ValueError(f"method '{name}' registered twice")
+            raise ConfigError(f"method '{name}' is already registered ({METHODS[name].build.__module__})")
         METHODS[name] = Method(name, options, build, help, bounds, chains)
         return METHODS[name]
 

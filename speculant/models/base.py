@@ -293,6 +293,17 @@ def _forwarded(name: str, doc: str = "") -> property:
     return property(lambda self: getattr(self.model, name), doc=doc or f"the wrapped model's `{name}`")
 
 
+def adopted(model: CausalLM) -> CausalLM:
+    """`model`, a CausalLM given loaded, where its class derives from `Backend`: the choices that depend on the
+    backend (what `auto` tries, how self drafting and DSI's servers are made) are asked of it. A class that
+    implements the protocol alone gets a ConfigError saying so, before a method asks it for one of them."""
+    if not isinstance(model, Backend):
+        raise ConfigError(f"a model of your own ({type(model).__name__}) derives from speculant.models.base.Backend, "
+                          "whose defaults answer what auto, self drafting and DSI ask of a backend "
+                          "(docs/architecture.md, 'A backend')")
+    return model
+
+
 class Delegating(Backend):
     """A CausalLM around another (`model`) that forwards, explicitly, every member of the contract (`catch_up` runs
     through its own `forward`, as `Backend`'s does), the declared capabilities and what they make available, and the

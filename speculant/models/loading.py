@@ -20,7 +20,7 @@ from speculant.cache import cache_root
 from speculant.config import AUTO, BACKENDS, GGUF, LEAN, as_integer
 from speculant.errors import ConfigError, ModelNotAvailable
 from speculant.machine import native_bf16
-from speculant.models.base import CausalLM
+from speculant.models.base import CausalLM, adopted
 from speculant.models.catalog import (CATALOG, TOKENIZER_FILES, catalog_listing, check_cache, check_gguf,
                                       check_name, check_suffix, gguf_checkpoint, gguf_tokenizer, gguf_tokenizer_folder,
                                       gguf_tokenizer_sources, materialize, split_quant)
@@ -278,6 +278,12 @@ def load_lean(spec: str | Path, tokenizer: Any | None = None, draft: bool = Fals
                              f"{name} lean draft {len(head)}")
 
 
+def check_dtype(spec: Any, backend: str, dtype: str | None) -> None:
+    """Refuse a dtype where the backend runs a GGUF's own types (llama.cpp, lean)."""
+    if backend in ("llamacpp", "lean") and dtype not in (None, AUTO):
+        raise ConfigError(f"{spec} runs its GGUF's own types (on the {backend} backend): give no dtype")
+
+
 def load_model(spec: Any, dtype: str | None = None, device: str | None = None, tokenizer: Any | None = None,
                quant: str | None = None, group_size: int | None = None, backend: str | None = None,
                compile: bool = False) -> CausalLM:
@@ -302,7 +308,7 @@ def load_model(spec: Any, dtype: str | None = None, device: str | None = None, t
         if given:
             raise ConfigError(f"a loaded model runs as it is: {', '.join(given)} appl{'y' if len(given) > 1 else 'ies'} "
                               "when loading one (load it from its name)")
-        return spec
+        return adopted(spec)
     if tokenizer is not None and not hasattr(tokenizer, "convert_tokens_to_ids"):
         raise ConfigError(f"tokenizer must be a loaded tokenizer (transformers' AutoTokenizer.from_pretrained), not "
                           f"{type(tokenizer).__name__}")
@@ -323,9 +329,8 @@ def load_model(spec: Any, dtype: str | None = None, device: str | None = None, t
     chosen = resolve_backend(backend, spec, quant, device, dtype)
     if compile and chosen != "static":
         raise ConfigError("compile applies to the static backend")
+    check_dtype(spec, chosen, dtype)
     if chosen in ("llamacpp", "lean"):
-        if dtype not in (None, AUTO):
-            raise ConfigError(f"{spec} runs its GGUF's own types (on the {chosen} backend): give no dtype")
         return load_gguf(spec, tokenizer) if chosen == "llamacpp" else load_lean(spec, tokenizer, quant == LEAN)
     from speculant.models.backends.hf import HFCausalLM, eos_ids  # (transformers' models: imported when they load)
 

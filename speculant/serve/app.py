@@ -623,6 +623,18 @@ class Shape:
         self.offset = 0  # characters of completion text before the next token (completions' text_offset)
         self.characters = codecs.getincrementaldecoder("utf-8")("replace")  # (a split character counts at its end)
 
+    def cut_short(self, data: bytes) -> int:
+        """1 where `data` cannot go on the character whose first bytes are pending (that one becomes a U+FFFD of the
+        tokens before, so this token's text begins after it), else 0."""
+        pending = self.characters.getstate()[0]
+        if not pending or not data:
+            return 0
+        try:
+            codecs.getincrementaldecoder("utf-8")().decode(pending + data[:1])
+        except UnicodeDecodeError:
+            return 1
+        return 0
+
     def usage(self, outcome: Outcome) -> dict[str, Any]:
         return {"prompt_tokens": outcome.prompt_tokens, "completion_tokens": outcome.completion_tokens,
                 "total_tokens": outcome.prompt_tokens + outcome.completion_tokens, "speculative": outcome.speculative}
@@ -681,8 +693,9 @@ class Shape:
         pieces = [spelling.text(e.token) for e in entries]
         offsets = []
         for e in entries:
-            offsets.append(self.offset)
-            self.offset += len(self.characters.decode(spelling.bytes(e.token)))
+            data = spelling.bytes(e.token)
+            offsets.append(self.offset + self.cut_short(data))
+            self.offset += len(self.characters.decode(data))
         return {"tokens": pieces, "token_logprobs": [e.logprob for e in entries],
                 "top_logprobs": [{spelling.text(t): lp for t, lp in e.top} for e in entries], "text_offset": offsets}
 

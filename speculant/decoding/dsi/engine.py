@@ -101,7 +101,7 @@ class DraftWorker:
             try:
                 draft = self.drafter.propose(list(context), 1)  # (its own copy: one it changed read as stale ever after)
             except Exception as error:  # noqa: BLE001 - reported to the coordinator, which stops
-                self.events.put(("drafter_failed", f"{type(error).__name__}: {error}"))
+                self.events.put(("drafter_failed", error))
                 return
             end = time.monotonic()
             with self.cond:
@@ -439,8 +439,10 @@ def dsi(executor: Any, drafters: Drafter | Sequence[Drafter], prompt_ids: list[i
                 done = yield from emit(state.on_result(event[1]), out, max_new_tokens, eos_token_ids)
             elif event[0] == "lost":
                 state.on_lost(*event[1:])
+            elif isinstance(event[1], SpeculantError):  # (a user's bad draft: the ConfigError the other methods raise)
+                raise event[1]
             else:
-                raise DrafterFailed(f"the drafter failed: {event[1]}")
+                raise DrafterFailed(f"the drafter failed: {type(event[1]).__name__}: {event[1]}") from event[1]
     finally:
         for worker in workers:
             worker.stop()
