@@ -129,6 +129,8 @@ LATENCY_RANGE = f"[{LEAST_LATENCY_MS:g}, {MOST_LATENCY_MS}] ms"  # (as refusals 
 def latency_fits(ms: float) -> bool:
     """Whether a forward's latency (ms) lies from LEAST_LATENCY_MS to MOST_LATENCY_MS."""
     return LEAST_LATENCY_MS <= ms <= MOST_LATENCY_MS
+
+
 REQUEST_ITEMS = 8  # the most items a server's client may give a list option (drafter levels, tree widths, K rows)
 REQUEST_NODES = 128  # the most nodes a server's client's draft tree may have (depth x width): its verification is one
 # forward that the other requests' streams wait on, so no wider than a long prompt's part (lean's SERVED_PART)

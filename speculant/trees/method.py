@@ -55,7 +55,7 @@ class TreeOptions(DrafterOptions):
         for name in ("depth", "width", "verify_width"):
             value = getattr(self, name)
             if value not in (None, AUTO) and not (isinstance(value, int) and value >= 1):
-                raise ConfigError(f"{name.replace('_', '-')} must be an integer >= 1 or auto, got {value!r}")
+                raise ConfigError(f"{name} must be an integer >= 1 or auto, got {value!r}")
         if self.schedule not in SCHEDULES:
             raise ConfigError(f"schedule must be one of {', '.join(SCHEDULES)}, got {self.schedule!r}")
         if self.shape not in SHAPES:
