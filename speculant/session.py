@@ -22,7 +22,7 @@ from speculant.drafters.suffix import History
 from speculant.errors import ConfigError
 from speculant import latency
 from speculant.latency import LatencyProfile
-from speculant.models.base import CausalLM, DraftCache, owner_of
+from speculant.models.base import CausalLM, DraftCache, adopted, owner_of
 from speculant.prefixes import PrefixCache
 
 LENGTHS_KEPT = 32  # the generations whose lengths `auto` weighs a drafter's catch-up against
@@ -36,6 +36,7 @@ class Session:
         if not isinstance(owner_of(target), CausalLM):
             raise ConfigError(f"a Session is for a loaded model (what load_model returns), not "
                               f"{type(target).__name__}")
+        adopted(target)
         self._target = weakref.ref(owner_of(target))  # (the target's default session lives on it: no cycle)
         self.drafters: dict[tuple[str, str | None], Any] = {}  # (spec, dtype) -> the loaded drafter
         self.made_by: dict[tuple[str, str | None], Any] = {}  # (spec, dtype) -> the registered kind that made it

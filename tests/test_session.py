@@ -15,6 +15,7 @@ from speculant import Draft, Drafter, Session, generate, load_model, register_dr
 from speculant.drafters import registry
 from speculant.errors import ConfigError
 from speculant.models.base import Backend, Capabilities, CausalLM
+from speculant.models.wrappers.metered import Metered
 from speculant.trees.tree import TokenTree
 
 VOCAB = 64
@@ -468,7 +469,9 @@ def test_a_user_drafter_s_bad_draft_is_named_before_verification_reads_it(propos
                  max_new_tokens=6, temperature=0.8 if "its q" in message else 0.0)
     assert type(load_drafter("maxgram", target)).__name__ == "MaxGramDrafter"
     given = Drafter()  # speculant's base class, given a propose of a user's, is a user's drafter: checked
-    given.propose, given.name = proposal, "faulty"
+    made = {"proposal": proposal}  # (one made by exec, as a notebook's tools may: a function of no module)
+    exec("def propose(context, k):\n    return proposal(context, k)", made)
+    given.propose, given.name = made["propose"], "faulty"
     with pytest.raises(ConfigError, match=f"drafter 'faulty': .*{message}"):
         generate(target, prompt_ids=random_prompt(1, VOCAB, 6), method="sd", drafter=given, k=2,
                  max_new_tokens=6, temperature=0.8 if "its q" in message else 0.0)
@@ -552,10 +555,14 @@ def test_a_model_of_one_s_own_that_implements_the_protocol_alone_is_refused_in_o
     target = tiny_model("llama", 5, VOCAB)
     assert isinstance(Mine(target), CausalLM)
     for method, options in (("auto", {}), ("ar", {}), ("sd", {"drafter": "self"})):
-        with pytest.raises(ConfigError, match=r"a model of your own \(Mine\) derives from speculant.models.base"):
+        with pytest.raises(ConfigError, match=r"a model of your own \(Mine\) must derive from speculant.models.base"):
             generate(Mine(target), prompt_ids=[1, 2], method=method, max_new_tokens=2, **options)
-    with pytest.raises(ConfigError, match=r"\(Mine\) derives from"):
+    with pytest.raises(ConfigError, match=r"\(Mine\) must derive from"):
         generate(target, prompt_ids=[1, 2], method="sd", drafter=Mine(tiny_model("llama", 6, VOCAB)), max_new_tokens=2)
+    with pytest.raises(ConfigError, match=r"\(Mine\) must derive from"):
+        Session(Mine(target))
+    with pytest.raises(ConfigError, match=r"\(Mine\) must derive from"):  # (a wrapper asks the model it wraps)
+        generate(Metered(Mine(target)), prompt_ids=[1, 2], method="auto", max_new_tokens=2)
 
 
 def test_python_callers_get_one_clear_error_where_a_raw_one_came_from_deep_inside():

@@ -96,9 +96,12 @@ class Checked(Drafter):
 
     def _match_length(self, context: list[int]) -> int:
         """The inner drafter's `match_length`, a whole number >= 0 (auto buckets its acceptance by it)."""
-        n = self.inner.match_length(context)
+        return self._count("match_length", self.inner.match_length(context))
+
+    def _count(self, what: str, n: object) -> int:
+        """`n`, what the inner drafter's `what` returned, as a whole number >= 0; else a ConfigError naming both."""
         if as_integer(n) is None or n < 0:
-            raise ConfigError(f"drafter '{self.name}': match_length returned {n!r}, not a whole number >= 0")
+            raise ConfigError(f"drafter '{self.name}': {what} returned {n!r}, not a whole number >= 0")
         return as_integer(n)
 
     def begin(self, prompt_ids: list[int]) -> Drafter:
@@ -171,11 +174,7 @@ class Checked(Drafter):
 
     def lag(self, context: list[int]) -> int:
         """The inner drafter's `lag`, a whole number >= 0 (auto weighs its catch-up by it)."""
-        n = self.inner.lag(context)
-        if as_integer(n) is None or n < 0:
-            raise ConfigError(f"drafter '{self.name}': lag returned {n!r}, not a whole number >= 0 (the tokens of "
-                              "the context its cache lacks)")
-        return as_integer(n)
+        return self._count("lag", self.inner.lag(context))
 
     def own_ids(self, context: list[int]) -> list[int]:
         return self.inner.own_ids(context)

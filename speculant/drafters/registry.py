@@ -50,7 +50,7 @@ def register_drafter(name: str, *, with_session: bool = False) -> Callable[[Call
     if not isinstance(name, str):
         raise ConfigError(f"register_drafter takes the drafter's name, @register_drafter(\"NAME\"), not "
                           f"{type(name).__name__}")
-    check_name(name)
+    check_drafter_name(name)
 
     def wrap(factory: Callable[..., Any]) -> Callable[..., Any]:
         arguments = "target, session" if with_session else "target"
@@ -76,13 +76,13 @@ NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_-]*")  # (no '.', '/', '@', ',', ':', 
 # spec's suffix or a list's separator; the name is typed on command lines and read back from stats)
 
 
-def check_name(name: str) -> None:
+def check_drafter_name(name: str) -> None:
     """A drafter's name: letters, digits, '_' and '-', not reserved and no catalog model's (a ConfigError says why)."""
     from speculant.models.catalog import CATALOG
 
     if not NAME.fullmatch(name) or name in RESERVED or name in CATALOG:
-        raise ConfigError(f"{name!r} cannot name a drafter: a name is letters, digits, '_' and '-', neither reserved "
-                          f"({', '.join(RESERVED)}) nor a catalog model's")
+        raise ConfigError(f"{name!r} cannot name a drafter: a name is letters, digits, '_' and '-', beginning with a letter "
+                          f"or digit, neither reserved ({', '.join(RESERVED)}) nor a catalog model's")
 
 
 def _origin(factory: Callable[..., Any]) -> str:
@@ -97,7 +97,7 @@ def _plugins() -> dict[str, Any]:
     plugins = {}
     for entry in entry_points(group=ENTRY_POINTS):
         try:
-            check_name(entry.name)
+            check_drafter_name(entry.name)
         except ConfigError as refused:
             log.warning("plugin %s (entry point group %s) left out: %s", entry.value, ENTRY_POINTS, refused)
             continue

@@ -117,7 +117,7 @@ def checked(drafter: Any, target: Any, registered: str | None = None) -> Any:
     goes by the name it was registered under."""
     from speculant.drafters.base import Checked, Drafter
 
-    own = getattr(drafter.propose, "__module__", "").startswith("speculant.")  # (a subclass of one of speculant's
+    own = (getattr(drafter.propose, "__module__", None) or "").startswith("speculant.")  # (a subclass of one of speculant's
     # drafters that keeps its propose is speculant's, as cascade's levels recognise it; one given a propose is not)
     if own or isinstance(drafter, Checked):
         return drafter

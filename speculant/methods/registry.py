@@ -82,7 +82,8 @@ def register(name: str, options: type, help: str, bounds: Callable[[Any, Collect
     together (`Method.check_request`); `chains`: its sampled draft chains are verified as `verifier` says."""
 
     if not (isinstance(name, str) and re.fullmatch(r"[a-z][a-z0-9_-]*", name)):  # (`--method NAME`, `NAME:k=4`)
-        raise ConfigError(f"{name!r} cannot name a method: a name is lowercase letters, digits, '_' and '-'")
+        raise ConfigError(f"{name!r} cannot name a method: a name is lowercase letters, digits, '_' and '-', "
+                          "beginning with a letter")
     if not (isinstance(options, type) and is_dataclass(options) and options.__dataclass_params__.frozen):
         raise ConfigError(f"method '{name}': its options are a frozen dataclass (the CLI's flags, bench specs and "
                           f"request options are read from its fields), not {options!r}")

@@ -297,10 +297,13 @@ def adopted(model: CausalLM) -> CausalLM:
     """`model`, a CausalLM given loaded, where its class derives from `Backend`: the choices that depend on the
     backend (what `auto` tries, how self drafting and DSI's servers are made) are asked of it. A class that
     implements the protocol alone gets a ConfigError saying so, before a method asks it for one of them."""
-    if not isinstance(model, Backend):
-        raise ConfigError(f"a model of your own ({type(model).__name__}) derives from speculant.models.base.Backend, "
-                          "whose defaults answer what auto, self drafting and DSI ask of a backend "
-                          "(docs/architecture.md, 'A backend')")
+    inner = model
+    while isinstance(inner, Delegating):  # (a wrapper forwards those questions to the model it wraps)
+        inner = inner.model
+    if not isinstance(inner, Backend):
+        raise ConfigError(f"a model of your own ({type(inner).__name__}) must derive from "
+                          "speculant.models.base.Backend, whose defaults answer what auto, self drafting and DSI ask "
+                          "of a backend (docs/architecture.md, 'A backend')")
     return model
 
 

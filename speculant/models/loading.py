@@ -297,7 +297,7 @@ def load_model(spec: Any, dtype: str | None = None, device: str | None = None, t
     its own dtype and device unless they are given, and is never modified (speculant works on a copy).
     Catalog models are de-quantized from their packaged GGUF once and cached as safetensors. `quant`
     ("int8", "int4"; or a `name@int8` suffix) quantizes every linear layer after loading; `group_size` is int4's
-    (default 32). A CausalLM passes through unchanged.
+    (default 32). A CausalLM passes through unchanged, where it derives from `Backend` (`models.base.adopted`).
     """
     if isinstance(spec, CausalLM):
         if quant is not None:
