@@ -81,8 +81,8 @@ def check_drafter_name(name: str) -> None:
     from speculant.models.catalog import CATALOG
 
     if not NAME.fullmatch(name) or name in RESERVED or name in CATALOG:
-        raise ConfigError(f"{name!r} cannot name a drafter: a name is letters, digits, '_' and '-', beginning with a letter "
-                          f"or digit, neither reserved ({', '.join(RESERVED)}) nor a catalog model's")
+        raise ConfigError(f"{name!r} cannot name a drafter: a name is letters, digits, '_' and '-', beginning with "
+                          f"a letter or digit, neither reserved ({', '.join(RESERVED)}) nor a catalog model's")
 
 
 def _origin(factory: Callable[..., Any]) -> str:

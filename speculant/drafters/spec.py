@@ -117,8 +117,9 @@ def checked(drafter: Any, target: Any, registered: str | None = None) -> Any:
     goes by the name it was registered under."""
     from speculant.drafters.base import Checked, Drafter
 
-    own = (getattr(drafter.propose, "__module__", None) or "").startswith("speculant.")  # (a subclass of one of speculant's
-    # drafters that keeps its propose is speculant's, as cascade's levels recognise it; one given a propose is not)
+    module = getattr(drafter.propose, "__module__", None) or ""  # (a function made by exec has None)
+    own = module.startswith("speculant.")  # (a subclass of one of speculant's drafters that keeps its propose is
+    # speculant's, as cascade's levels recognise it; one given a propose of its own is not)
     if own or isinstance(drafter, Checked):
         return drafter
     return Checked(drafter, target.vocab_size, registered if getattr(drafter, "name", None) == Drafter.name else None)
