@@ -1051,6 +1051,10 @@ def predictor_out(out: Path, kind: str, kinds: int) -> Path:
     return out if kinds == 1 else out.with_name(f"{out.stem}-{kind}.json")
 
 
+OUTPUT_SUFFIXES = (".json", ".jsonl", ".md", ".png")  # what a command writes in an --out directory (results, reports,
+# plots): one there that cannot be written over is refused before the work, not once it is done
+
+
 def check_output(path: Path, kind: str, name: str) -> None:
     """`check_outputs` for one path that --`name` writes, a FILE or a DIRECTORY."""
     if kind == DIRECTORY:
@@ -1058,6 +1062,10 @@ def check_output(path: Path, kind: str, name: str) -> None:
             raise ConfigError(f"--{name} {path} is a file: it names a directory here")
     elif path.is_dir():
         raise ConfigError(f"--{name} {path} is a directory: it names a file here")
+    written = [path] if kind == FILE else [p for p in path.glob("*.*") if p.suffix in OUTPUT_SUFFIXES]
+    if locked := [str(p) for p in written if p.is_file() and not os.access(p, os.W_OK)]:
+        raise ConfigError(f"--{name} {path}: {', '.join(sorted(locked))} cannot be written over (this process may "
+                          "not write it)")
     if not (path.is_file() and os.access(path, os.W_OK)):  # (a file there already: written over in place)
         check_writable(path, kind, name)
     if name == "timeline":
@@ -1178,6 +1186,10 @@ def main(argv: Sequence[str] | None = None) -> int:
             raise
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # (Python's flush at exit would fail again)
         return 141  # quietly, as a shell's tools end on SIGPIPE (128 + 13)
+    except OSError as error:  # the machine's answer to a write (a disk full, /dev/full): one line, not a traceback
+        where = f": {error.filename}" if error.filename else ""
+        print(f"speculant: error: {error.strerror or error}{where}", file=sys.stderr)
+        return 1
     return 0
 
 

@@ -212,3 +212,30 @@ def test_a_server_given_no_label_is_named_by_its_url_in_the_results_report_and_t
     table = subprocess.run([sys.executable, str(script), str(tmp_path / "results.jsonl")], capture_output=True,
                            text=True)
     assert table.returncode == 0 and URL in table.stdout, table.stderr
+
+
+def test_a_run_of_another_kind_in_results_jsonl_is_refused_before_the_load_and_settings_tell_runs_apart(
+        monkeypatch, tmp_path, capsys):
+    """A run whose field the report reads held another type (null throughput, a text concurrency) was appended to,
+    then the report failed with a traceback, on every later run again; runs of other settings (temperature, max
+    tokens) of one server were one line of the plot and alike in the table."""
+    from speculant import cli
+
+    stand_in(monkeypatch, lambda request: sse(text("x")))
+    (tmp_path / "p.jsonl").write_text('{"prompt": "a"}\n')
+    load = ["bench-serve", "--url", URL, "--prompts", str(tmp_path / "p.jsonl"), "--requests", "2", "--concurrency",
+            "1", "--out", str(tmp_path)]
+    for tokens, temperature in (("2", "0"), ("3", "1")):
+        assert cli.main([*load, "--max-tokens", tokens, "--temperature", temperature]) == 0
+    table = (tmp_path / "report.md").read_text()
+    assert f"| {URL} | C=1 | 2 | 2 | 0.0 |" in table and f"| {URL} | C=1 | 2 | 3 | 1.0 |" in table, table
+    good = (tmp_path / "results.jsonl").read_text()
+    for field, value, kind in (("throughput_tok_s", None, "a number >= 0"), ("concurrency", "many", "a whole number"),
+                               ("ttft_ms", 5, "percentiles"), ("label", 3, "a text or null")):
+        run = json.loads(good.splitlines()[0])
+        (tmp_path / "results.jsonl").write_text(json.dumps({**run, field: value}) + "\n")
+        capsys.readouterr()
+        assert cli.main([*load, "--max-tokens", "2"]) == 2
+        err = capsys.readouterr().err
+        assert err.count("\n") == 1 and f"results.jsonl:1: {field} is {json.dumps(value)}, not {kind}" in err, err
+        assert len((tmp_path / "results.jsonl").read_text().splitlines()) == 1  # (nothing appended)

@@ -857,6 +857,40 @@ def test_a_dtype_for_a_target_run_as_its_gguf_is_one_line_before_any_model_loads
             assert code == 2 and err.count("\n") == 1 and "runs its GGUF's own types" in err, (command, err)
 
 
+def test_an_output_that_cannot_be_written_over_is_one_line_before_the_work_and_a_failed_write_one_after(
+        capsys, monkeypatch, tmp_path):
+    """A file --out names, or a report in the directory it names, that this process may not write (immutable, another
+    owner's) failed with a traceback once the work was done, beside the files already written; a write the machine
+    refuses at the end (a disk full) is one line too."""
+    import os
+    from pathlib import Path
+
+    from speculant import models
+    from speculant.errors import ConfigError
+
+    def load(*args, **kwargs):
+        raise ConfigError("a model loaded")
+
+    (tmp_path / "runs").mkdir()
+    locked = {tmp_path / "p.json", tmp_path / "runs" / "report.md"}
+    for path in locked:
+        path.write_text("{}")
+    access = os.access
+    monkeypatch.setattr(os, "access", lambda path, mode: Path(path) not in locked and access(path, mode))
+    monkeypatch.setattr(models, "load_model", load)
+    for argv, named in ((["profile", "--out", str(tmp_path / "p.json")], "p.json"),
+                        (["bench", "--methods", "ar", "--out", str(tmp_path / "runs")], "report.md")):
+        code, _, err = run(capsys, *argv)
+        assert code == 2 and err.count("\n") == 1 and f"{named} cannot be written over" in err, err
+
+    def full(args):
+        raise OSError(28, "No space left on device", "/dev/full")
+
+    monkeypatch.setattr(cli, "run_profile", full)
+    code, _, err = run(capsys, "profile")
+    assert code == 1 and err == "speculant: error: No space left on device: /dev/full\n"
+
+
 def test_a_target_s_lean_suffix_is_one_line_before_any_model_loads(capsys, monkeypatch):
     """`--target NAME@lean` would load the model's drafter form (its head cut to frequent tokens), whose greedy output
     is not the model's: generate, bench and serve refuse it, saying how to run the model on the lean backend."""

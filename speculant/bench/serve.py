@@ -271,6 +271,24 @@ def arrivals(result: dict[str, Any]) -> str:
 
 
 REPORTED = ("label", "requests", "throughput_tok_s", "ttft_ms", "tpot_ms", "errors", "lost", "mismatches_vs_solo")
+COUNT, NUMBER, OR_NONE = "a whole number >= 0", "a number >= 0", " or null"
+KINDS = {"label": "a text or null", "requests": COUNT, "throughput_tok_s": NUMBER, "errors": COUNT, "lost": COUNT,
+         "mismatches_vs_solo": COUNT + OR_NONE, "concurrency": COUNT + OR_NONE, "rate": NUMBER + OR_NONE,
+         "turns": COUNT, "max_tokens": COUNT, "temperature": NUMBER, "ttft_ms": "percentiles",
+         "tpot_ms": "percentiles", "itl_ms": "percentiles", "ttft_first_turn_ms": "percentiles",
+         "ttft_later_turns_ms": "percentiles"}  # what the report reads of a run: each checked where the run has it
+
+
+def fits(value: Any, kind: str) -> bool:
+    """Whether a run's field holds what `KINDS` says the report reads there."""
+    if value is None:
+        return kind.endswith(OR_NONE) or kind == "a text or null"
+    if kind == "a text or null":
+        return isinstance(value, str)
+    if kind == "percentiles":
+        return isinstance(value, dict) and all(fits(v, NUMBER + OR_NONE) for v in value.values())
+    number = isinstance(value, (int, float)) and not isinstance(value, bool) and 0 <= value < float("inf")
+    return number and (isinstance(value, int) if kind.startswith(COUNT) else True)
 
 
 def read_runs(out: Path) -> list[dict[str, Any]]:
@@ -296,6 +314,9 @@ def read_runs(out: Path) -> list[dict[str, Any]]:
         if lacking := [key for key in REPORTED if key not in run]:
             raise ConfigError(f"{path}:{number} has no {', '.join(lacking)}: not a run of bench-serve (give another "
                               "--out)")
+        if odd := next((key for key, kind in KINDS.items() if key in run and not fits(run[key], kind)), None):
+            raise ConfigError(f"{path}:{number}: {odd} is {json.dumps(run[odd])}, not {KINDS[odd]}: not a run of "
+                              "bench-serve (give another --out)")
         runs.append(run)
     return runs
 
@@ -309,12 +330,13 @@ def write_report(out: Path) -> list[Path]:
     import matplotlib.pyplot as plt
 
     runs = read_runs(out)
-    rows = ["| server | arrivals | requests | tok/s | TTFT p50 / p90 ms | later turns' TTFT p50 / p90 ms | "
-            "TPOT p50 / p90 ms | ITL p50 / p90 ms | errors | lost | differ from solo |",
-            "|---|---|---|---|---|---|---|---|---|---|---|"]
+    rows = ["| server | arrivals | requests | max tokens | temperature | tok/s | TTFT p50 / p90 ms | later turns' TTFT "
+            "p50 / p90 ms | TPOT p50 / p90 ms | ITL p50 / p90 ms | errors | lost | differ from solo |",
+            "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in runs:
         later, itl = r.get("ttft_later_turns_ms") or {}, r.get("itl_ms") or {}
-        rows.append(f"| {r['label']} | {arrivals(r)} | {r['requests']} | {r['throughput_tok_s']:.1f} | "
+        rows.append(f"| {r['label']} | {arrivals(r)} | {r['requests']} | {r.get('max_tokens', '')} | "
+                    f"{r.get('temperature', '')} | {r['throughput_tok_s']:.1f} | "
                     f"{spread(r['ttft_ms'], P50_90, ' / ')} | {spread(later, P50_90, ' / ')} | "
                     f"{spread(r['tpot_ms'], P50_90, ' / ')} | {spread(itl, P50_90, ' / ')} | "
                     f"{r['errors']} | {r['lost']} | {'' if r['mismatches_vs_solo'] is None else r['mismatches_vs_solo']} |")
@@ -323,9 +345,13 @@ def write_report(out: Path) -> list[Path]:
     if not runs:
         return [out / "report.md"]
     figure, axis = plt.subplots(figsize=(6, 4))
-    for label in dict.fromkeys(r["label"] for r in runs):
-        points = sorted((r["concurrency"], r["throughput_tok_s"]) for r in runs if r["label"] == label)
-        axis.plot(*zip(*points), marker="o", label=label)
+    lines = dict.fromkeys((r["label"], r.get("max_tokens"), r.get("temperature")) for r in runs)  # (a line joins
+    for label, tokens, temperature in lines:  # the runs of one server and settings alone)
+        points = sorted((r["concurrency"], r["throughput_tok_s"]) for r in runs
+                        if (r["label"], r.get("max_tokens"), r.get("temperature")) == (label, tokens, temperature))
+        alike = sum(other == label for other, _, _ in lines) == 1
+        axis.plot(*zip(*points), marker="o", label=f"{label}" + ("" if alike else
+                                                                  f" ({tokens} tokens, temperature {temperature})"))
     axis.set_xlabel("concurrent clients")
     axis.set_ylabel("tokens/s over the run")
     axis.set_xscale("log", base=2)
