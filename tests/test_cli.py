@@ -148,16 +148,21 @@ def test_a_file_that_is_not_text_json_or_a_run_s_is_one_line(capsys, tmp_path):
     rows.write_text(json.dumps({"config": {"methods": ["ar"], "command": "c", "machine": "m"}, "rows": [{"a": 1}]}))
     row = {"prompt_id": "p", "category": "code", "method": "ar", "repeat": 0, "target": "t", "token_ids": [1, 2],
            "stats": {"new_tokens": 2, "wall_s": 0.5, "ttft_s": 0.1}}
-    edited = {name: tmp_path / f"{name}.json" for name in ("count", "stats", "ids", "seconds", "stray", "none", "id")}
+    edited = {name: tmp_path / f"{name}.json" for name in ("count", "stats", "ids", "seconds", "stray", "none", "id",
+                                                            "lengths", "accepted", "first", "category")}
     for name, changed in [("count", {"stats": {**row["stats"], "new_tokens": "x"}}), ("stats", {"stats": [1]}),
                           ("ids", {"token_ids": None}), ("seconds", {"stats": {**row["stats"], "wall_s": -1.0}}),
-                          ("stray", {"method": "sd"}), ("id", {"prompt_id": ["p"]})]:
+                          ("stray", {"method": "sd"}), ("id", {"prompt_id": ["p"]}),
+                          ("lengths", {"stats": {**row["stats"], "accepted_lengths": ["x"], "draft_lengths": [1]}}),
+                          ("accepted", {"stats": {**row["stats"], "accepted_lengths": [5, 5], "draft_lengths": [2, 1]}}),
+                          ("first", {"stats": {**row["stats"], "ttft_s": 100.0}}),
+                          ("category", {"prompt_id": "p", "category": "chat"})]:
         edited[name].write_text(json.dumps({"config": {"methods": ["ar"], "command": "c", "machine": "m"},
                                             "rows": [row, {**row, "repeat": 1, **changed}]}))
     edited["none"].write_text(json.dumps({"config": {"methods": ["ar"], "command": "c", "machine": "m"}, "rows": []}))
     for name, methods, rows_of in [("twice", ["ar"], [row, row]), ("absent", ["ar", "sd"], [row]),
                                    ("other", ["ar", "sd"], [row, {**row, "method": "sd", "prompt_id": "q"}]),
-                                   ("zero", ["ar"], [{**row, "stats": {**row["stats"], "wall_s": 0.0}}])]:
+                                   ("zero", ["ar"], [{**row, "stats": {**row["stats"], "wall_s": 0.0, "ttft_s": 0.0}}])]:
         edited[name] = tmp_path / f"{name}.json"
         edited[name].write_text(json.dumps({"config": {"methods": methods, "command": "c", "machine": "m"},
                                             "rows": rows_of}))
@@ -184,6 +189,12 @@ def test_a_file_that_is_not_text_json_or_a_run_s_is_one_line(capsys, tmp_path):
                           (["bench", "--report-from", str(edited["absent"])], ": sd has no rows"),
                           (["bench", "--report-from", str(edited["other"])], "sd's rows cover other prompts"),
                           (["bench", "--report-from", str(edited["zero"])], "a row of ar was measured in 0.0 s"),
+                          (["bench", "--report-from", str(edited["lengths"])], "stats' accepted_lengths cannot be"),
+                          (["bench", "--report-from", str(edited["accepted"])], "accepted_lengths [5, 5] do not go "
+                                                                                "with draft_lengths [2, 1]"),
+                          (["bench", "--report-from", str(edited["first"])], "ttft_s 100.0 is longer than its wall_s"),
+                          (["bench", "--report-from", str(edited["category"])], "prompt p is of category code in one "
+                                                                                "row and chat in another"),
                           ([*one, str(tmp_path / "tpot.json")], "tpot_s must be a number of seconds >= 1e-09, got 'x'"),
                           ([*one, str(tmp_path / "ttft.json")], "ttft_s must be a number of seconds >= 1e-09, got"),
                           ([*one, str(tmp_path / "slow.json")], "tpot_s is at most 60 s"),

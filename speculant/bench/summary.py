@@ -158,5 +158,10 @@ def rows_from_json(data: dict[str, Any]) -> list[Measurement]:
         for name, kind in (("prompt_id", str), ("category", str), ("method", str), ("target", str), ("repeat", int)):
             if not isinstance(row[name], kind) or isinstance(row[name], bool):
                 raise ValueError(f"a row's {name} must be {kind.__name__}, got {row[name]!r:.60}")
-    return [Measurement(r["prompt_id"], r["category"], r["method"], r["repeat"], r["target"], r["token_ids"],
-                GenerationStats.from_dict(r["stats"]), r.get("text")) for r in data["rows"]]
+    rows = [Measurement(r["prompt_id"], r["category"], r["method"], r["repeat"], r["target"], r["token_ids"],
+                        GenerationStats.from_dict(r["stats"]), r.get("text")) for r in data["rows"]]
+    categories: dict[str, str] = {}
+    if odd := next((r for r in rows if categories.setdefault(r.prompt_id, r.category) != r.category), None):
+        raise ValueError(f"prompt {odd.prompt_id} is of category {categories[odd.prompt_id]} in one row and "
+                         f"{odd.category} in another")
+    return rows

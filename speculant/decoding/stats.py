@@ -141,9 +141,16 @@ class GenerationStats:
         known = {f.name: f for f in fields(cls) if f.name not in ("dsi", "stage")}
         read = {name: value for name, value in data.items() if name in known}
         for name, value in read.items():
-            if not _like(value, _example(known[name])):
+            if not _like(value, _example(known[name]), "str]" in str(known[name].type)):
                 raise ValueError(f"stats' {name} cannot be {value!r}")
-        return cls(**{k: (tuple(v) if k == "tree_shape" and v else v) for k, v in read.items()})
+        stats = cls(**{k: (tuple(v) if k == "tree_shape" and v else v) for k, v in read.items()})
+        drafted, accepted = stats.draft_lengths, stats.accepted_lengths
+        if len(drafted) != len(accepted) or any(a > d for d, a in zip(drafted, accepted)):
+            raise ValueError(f"stats' accepted_lengths {accepted!r:.60} do not go with draft_lengths {drafted!r:.60} "
+                             "(one per step, none above it)")
+        if stats.ttft_s > stats.wall_s:
+            raise ValueError(f"stats' ttft_s {stats.ttft_s} is longer than its wall_s {stats.wall_s}")
+        return stats
 
     def summary(self) -> str:
         """One line for humans: tokens, speed, TTFT and, when speculating, acceptance."""
@@ -178,16 +185,16 @@ def _example(f: Any) -> Any:
     return f.default_factory() if f.default_factory is not MISSING else None if f.default is MISSING else f.default
 
 
-def _like(value: Any, example: Any) -> bool:
-    """Whether a value read back is of its field's kind: text; a count or seconds (finite, >= 0); a list or a mapping
-    of those; None or a list (a tree's shape)."""
+def _like(value: Any, example: Any, texts: bool = False) -> bool:
+    """Whether a value read back is of its field's kind: text; a count or seconds (finite, >= 0); a list of texts
+    (`texts`) or of those; a mapping of those; None or a list (a tree's shape)."""
     if isinstance(example, str):
         return isinstance(value, str)
     if isinstance(example, (int, float)):
         number = as_number(value)
         return number is not None and 0 <= number < math.inf
     if isinstance(example, list):
-        return isinstance(value, list) and all(isinstance(v, str) or _like(v, 0) for v in value)
+        return isinstance(value, list) and all(isinstance(v, str) if texts else _like(v, 0) for v in value)
     if isinstance(example, dict):
         return isinstance(value, dict) and all(_like(v, 0) for v in value.values())
     return value is None or isinstance(value, list) and all(v is None or _like(v, 0) for v in value)
