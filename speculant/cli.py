@@ -565,6 +565,15 @@ def check_cells(rows: Sequence[Any], methods: Sequence[str], path: str) -> None:
         raise ConfigError(f"{path}: a row of {slow.method} was measured in {slow.stats.wall_s} s")
 
 
+def free_text(prompts: list[Any], command: str) -> list[Any]:
+    """`prompts`, which `command` decodes as free text: one with a response_format (which bench and servers follow)
+    is refused rather than run unconstrained without a word."""
+    if odd := next((p for p in prompts if p.response_format is not None), None):
+        raise ConfigError(f"{command} decodes its prompts as free text: prompt {odd.id} has a response_format, which "
+                          "it would not follow (bench follows it; leave it out of the file)")
+    return prompts
+
+
 def read_results(path: Path) -> dict[str, Any]:
     """The results.json of an earlier `speculant bench --out` run, or a ConfigError saying why not."""
     try:
@@ -745,7 +754,7 @@ def run_acceptance(args: argparse.Namespace) -> None:
     sampling = from_flags(lambda: SamplingConfig(temperature=args.temperature), ["temperature"])
     from_flags(lambda: RunConfig(max_new_tokens=args.max_new_tokens), ["max_new_tokens"])
     config = from_args(ModelConfig, args)
-    prompts = load_dataset(args.dataset)
+    prompts = free_text(load_dataset(args.dataset), "acceptance")
     check_models([args.target])
     given = [name.strip() for name in args.drafter.split(",")]
     names = [str(resolved(as_drafter(name), args.target)) if name else name for name in given]  # (`default`: its own)
@@ -800,7 +809,7 @@ def run_train_depth(args: argparse.Namespace) -> None:
         raise ConfigError(f"--max-new-tokens {args.max_new_tokens} leaves no tree of --max-depth {args.max_depth} to "
                           "log: give at least the depth + 2")
     config = from_args(ModelConfig, args)
-    prompts = load_dataset(args.prompts or args.dataset or CORPUS)
+    prompts = free_text(load_dataset(args.prompts or args.dataset or CORPUS), "train-depth")
     check_models([args.target], [args.drafter], model_free=False)
     args.drafter = str(from_flags(lambda: resolved(as_drafter(args.drafter), args.target, "train-depth"), ["drafter"]))
     check_target(args.target, config, from_flags(lambda: get_method("tree").parse_options({"drafter": args.drafter}),

@@ -611,6 +611,7 @@ def test_a_flag_given_where_it_does_nothing_is_one_line_never_ignored(capsys, tm
     (tmp_path / "p.drafter.json").mkdir()
     (tmp_path / "d-hidden.json").mkdir()
     (tmp_path / "runs" / "results.jsonl").write_text('{"label": "a"}\n')
+    (tmp_path / "formatted.jsonl").write_text('{"id": "f", "prompt": "a", "response_format": {"type": "json_object"}}\n')
     online = ["simulate", "online", "--target-latency", "1", "--drafter-latency", "1", "--acceptance", "0.5"]
     one = ["simulate", "run", "--target-latency", "10", "--drafter-latency", "1", "--acceptance", "0.5", "--lookahead",
            "2"]
@@ -647,6 +648,9 @@ def test_a_flag_given_where_it_does_nothing_is_one_line_never_ignored(capsys, tm
         (["generate", "x", "--top-k", "4", "--verifier", "token", "--temperature", "0"], "--top-k, --verifier apply"),
         (["bench", "--top-k", "3"], "--top-k applies when sampling"),
         (["bench-serve", "--out", str(tmp_path / "runs")], "results.jsonl:1 has no requests, throughput_tok_s"),
+        (["acceptance", "--dataset", str(tmp_path / "formatted.jsonl")], "acceptance decodes its prompts as free "
+                                                                         "text: prompt f has a response_format"),
+        (["train-depth", "--prompts", str(tmp_path / "formatted.jsonl")], "train-depth decodes its prompts as free"),
         (["bench", "--backend", "lean", "--methods", "ar", "hf-pld"], "hf-pld runs transformers' generate, and"),
         (["bench", "--backend", "hf", "--methods", "hf-ar", "--isolate"], "this run lists peers only"),
         (["bench", "--prompts", "humaneval[:2]", "--ignore-response-format"], "no prompt of this run has a"),
