@@ -24,9 +24,18 @@ MARK = re.compile(r"^<!-- generated: (.*) -->$")
 
 
 def render(command: str) -> list[str]:
-    args = shlex.split(command)
-    if args[0] in ("python", "python3"):
-        args[0] = sys.executable
+    """What COMMAND prints: one of this directory's scripts, run by this Python (anything else is refused: a marker
+    is text in a file, not a command line to trust)."""
+    try:
+        args = shlex.split(command)
+    except ValueError as error:
+        raise SystemExit(f"<!-- generated: {command} -->: {error}") from None
+    script = Path(args[1]) if len(args) > 1 else None
+    if args[:1] not in (["python"], ["python3"]) or script is None or script.parent != Path("scripts") or \
+            not (ROOT / script).is_file():
+        raise SystemExit(f"<!-- generated: {command} -->: not one of this directory's scripts "
+                         "(python scripts/NAME.py ...)")
+    args[0] = sys.executable
     out = subprocess.run(args, cwd=ROOT, capture_output=True, text=True)
     if out.returncode:
         raise SystemExit(f"{command}: exit {out.returncode}\n{out.stderr}")
@@ -35,13 +44,17 @@ def render(command: str) -> list[str]:
 
 def main(argv: list[str]) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("file", nargs="?", default="README.md")
+    parser.add_argument("file", nargs="?", type=Path, default=ROOT / "README.md",
+                        help="the markdown file (default: the repository's README.md)")
     what = parser.add_mutually_exclusive_group(required=True)
     what.add_argument("--check", action="store_true")
     what.add_argument("--write", action="store_true")
     args = parser.parse_args(argv)
-    path = ROOT / args.file
-    lines = path.read_text().split("\n")
+    path = args.file
+    try:
+        lines = path.read_text().split("\n")
+    except (OSError, UnicodeDecodeError) as error:
+        raise SystemExit(f"{path}: cannot be read ({error})") from None
     out, i, stale = [], 0, []
     while i < len(lines):
         out.append(lines[i])

@@ -1,4 +1,4 @@
-"""Write docs/results/index.md: one row per entry of docs/results (what it is, its command, the commit that produced
+"""Print docs/results/index.md: one row per entry of docs/results (what it is, its command, the commit that produced
 it, the machine, the date), so the index is generated from the entries and git, not kept by hand.
 
     python scripts/results_index.py > docs/results/index.md
@@ -290,7 +290,7 @@ def main(argv: list[str]) -> None:
     text = index()
     if not args.check:
         print(text, end="")
-    elif text != (RESULTS / "index.md").read_text():
+    elif not (RESULTS / "index.md").is_file() or text != (RESULTS / "index.md").read_text():
         sys.exit("docs/results/index.md is not what this writes: python scripts/results_index.py > "
                  "docs/results/index.md (or name an entry's data commit in ENTRIES where a commit only edited words)")
 
