@@ -16,9 +16,15 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import os
+import re
 from collections import defaultdict
+from pathlib import Path
 
 ROWS = 16  # the compiled steps' width on a GPU
+ROOT = Path(__file__).resolve().parent.parent
+PRICED = ("qwen2.5-coder-1.5b", ("qwen2.5-coder-0.5b", "default", "maxgram", "suffix"))  # the target and the drafters
+# whose steps the GPU's costs price (a model drafter at the 0.5B's cost; Max-Gram and suffix run no forwards)
 
 
 def step_costs(gpu: dict) -> dict[str, float]:
@@ -37,8 +43,31 @@ def prompt_lengths(config: dict) -> dict[str, int]:
     from speculant.models.loading import gguf_file
 
     tokenizer = AutoTokenizer.from_pretrained(gguf_file(config["target"]).parent)
-    return {p.id: len(encode_prompt(tokenizer, p.text, p.chat))
-            for p in load_dataset(config["prompts"] or config["dataset"])}
+    spec = config["prompts"] or config["dataset"]
+    here = os.getcwd()
+    try:
+        os.chdir(ROOT)  # (a bench run in the repository names its prompt files from there)
+        prompts = load_dataset(spec)
+    finally:
+        os.chdir(here)
+    return {p.id: len(encode_prompt(tokenizer, p.text, p.chat)) for p in prompts}
+
+
+def check_priced(results: dict) -> None:
+    """Refuse a run these costs do not price: another target, or a method drafting with another model."""
+    config = results["config"]
+    if config.get("target") != PRICED[0]:
+        raise SystemExit(f"the GPU's costs are {PRICED[0]}'s (target) and qwen2.5-coder-0.5b's (drafter): this run's "
+                         f"target is {config.get('target')}")
+    methods = {row["method"] for row in results["rows"]}
+    if "ar" not in methods:
+        raise SystemExit("the projection is over `ar`: this run has no `ar` rows")
+    for method in sorted(methods):
+        named = re.findall(r"drafters?=([^,:]+(?:,[^,:=]+(?=,|$))*)", method)
+        drafters = [d.split("@")[0] for group in named for d in group.split(",") if d]
+        if odd := [d for d in drafters if d not in PRICED[1]]:
+            raise SystemExit(f"`{method}` drafts with {odd[0]}, which the GPU's costs do not price (they are "
+                             "qwen2.5-coder-0.5b's)")
 
 
 def device_seconds(stats: dict, prompt: int, costs: dict[str, float]) -> float:
@@ -68,13 +97,19 @@ def project(rows: list[dict], lengths: dict[str, int], costs: dict[str, float]) 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("results", help="a CPU bench's results.json (with `ar` among its methods)")
-    parser.add_argument("--gpu", default="docs/results/gpu-h100.json", help="a gpu_static.py run's JSON")
+    parser.add_argument("--gpu", default=ROOT / "docs" / "results" / "gpu-h100.json", type=Path,
+                        help="a gpu_static.py run's JSON (default: the H100's)")
     args = parser.parse_args()
-    with open(args.gpu) as f:
-        gpu = json.load(f)
-    with open(args.results) as f:
-        results = json.load(f)
-    costs = step_costs(gpu)
+    try:
+        gpu, results = (json.loads(Path(path).read_text()) for path in (args.gpu, args.results))
+    except (OSError, ValueError) as error:
+        raise SystemExit(f"cannot read {error}") from None
+    try:
+        costs = step_costs(gpu)
+    except (KeyError, TypeError):
+        raise SystemExit(f"{args.gpu} holds no compiled T(W) of the 1.5B at x1 and x16 and the 0.5B at x16: not a "
+                         "scripts/gpu_static.py run's JSON") from None
+    check_priced(results)
     print(f"projected on {gpu['device']} (ms of a compiled step: target x1 {costs['target x1'] * 1e3:.2f}, target "
           f"x16 {costs['target'] * 1e3:.2f}, drafter x16 {costs['drafter'] * 1e3:.2f}; device time only)\n")
     print("| method | projected decode tok/s | over `ar` |\n|---|---|---|")

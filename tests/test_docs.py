@@ -34,3 +34,23 @@ def test_a_table_marker_runs_only_this_repository_s_scripts_and_a_file_is_read_w
         done = script("readme_tables.py", "--check", name, cwd=tmp_path)
         assert done.returncode == 1 and said in done.stderr and "Traceback" not in done.stderr, (name, done.stderr)
     assert not (tmp_path / "ran").exists()
+
+
+def test_the_gpu_projection_refuses_a_run_its_costs_do_not_price(tmp_path):
+    """The H100's compiled costs are the 1.5B's and the 0.5B's: a run of another target, or a method drafting with
+    another model (`self`), was projected at them without a word, and a run without `ar` was a KeyError."""
+    import json
+
+    def run_of(target, methods):
+        path = tmp_path / f"{len(list(tmp_path.iterdir()))}.json"
+        path.write_text(json.dumps({"config": {"target": target, "prompts": None, "dataset": "humaneval[:1]"},
+                                    "rows": [{"method": m, "prompt_id": "p", "stats": None} for m in methods]}))
+        return str(path)
+
+    for path, said in ((run_of("smollm2-135m", ["ar"]), "this run's target is smollm2-135m"),
+                       (run_of("qwen2.5-coder-1.5b", ["sd:k=4"]), "this run has no `ar` rows"),
+                       (run_of("qwen2.5-coder-1.5b", ["ar", "sd:drafter=self,k=4"]), "drafts with self"),
+                       (run_of("qwen2.5-coder-1.5b", ["ar", "cascade:drafters=qwen2.5-coder-0.5b,smollm2-135m"]),
+                        "drafts with smollm2-135m")):
+        done = script("gpu_projection.py", path, cwd=tmp_path)
+        assert done.returncode == 1 and said in done.stderr and "Traceback" not in done.stderr, (path, done.stderr)
