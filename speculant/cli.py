@@ -639,7 +639,9 @@ def measure_bench(args: argparse.Namespace, methods: list[Any]) -> list[Any]:
             check_sampled(method.sampled(sampling), run_only, flag,
                           f" (for '{method.label}', which decodes greedily)" if some else "")
     if "verifier" in args.given and not any(m.chains and "verifier" not in dict(m.sampling) for m in methods):
-        raise ConfigError(f"--verifier applies to {chain_methods()}: none of this run's takes it")
+        own = [m.label for m in methods if m.chains]
+        raise ConfigError(f"--verifier applies to {chain_methods()}: " + (
+            f"those of this run set their own ({', '.join(own)})" if own else "none of this run's takes it"))
     if args.isolate and all(method.peer for method in methods):
         raise ConfigError("--isolate runs speculant's methods in processes of their own: this run lists peers only")
     prompts = load_dataset(args.prompts or args.dataset)

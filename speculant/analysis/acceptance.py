@@ -128,6 +128,7 @@ def _report(drafter, target, prompts: list[list[int]], outputs: list[list[int]],
         mean_run=mean_run,
         geometric_rate=rate,
         per_position=[float(m / r) for m, r in zip(matched, reached) if r > 0],
-        expected_sampling_acceptance=float(np.concatenate(overlaps).mean()) if overlaps else None,
+        expected_sampling_acceptance=min(float(np.concatenate(overlaps).mean()), 1.0) if overlaps else None,  # (a
+        # sum of float32 minima may pass 1 by rounding)
         outside_mass=float(np.mean(outside)) if outside else None,
     )

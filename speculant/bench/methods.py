@@ -63,8 +63,10 @@ def parse_method(spec: str, build: bool = True) -> MethodSpec:
     if name not in METHODS and name not in PEERS:
         raise ConfigError(f"unknown method '{name}' in '{spec}' (choose from {', '.join([*METHODS, *PEERS])})")
     given: dict[str, str] = {}
-    for item in filter(None, re.split(r",(?=\w+=)", rest)):
+    for item in re.split(r",(?=\w+=)", rest) if rest else []:
         key, eq, value = item.partition("=")
+        if not item:
+            raise ConfigError(f"an empty option in '{spec}' (options are name=value, separated by ',')")
         if not eq:
             raise ConfigError(f"bad option '{item}' in '{spec}' (options are name=value)")
         if key in given:
