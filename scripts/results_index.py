@@ -320,9 +320,10 @@ def index() -> str:
         cmd = (command or found_command).replace("|", "\\|")
         if cmd.startswith(("speculant", "python", "scripts/")):
             cmd = "; ".join(f"`{part}`" for part in cmd.split("; "))
-        mach = (machine or found_machine).replace("|", "\\|")
+        mach = machine or found_machine
         if machine and found_machine:
             mach = f"{machine} (report: {found_machine.split(';')[0]})"
+        mach = mach.replace("|", "\\|")
         lines.append(f"| {link} | {what} | {cmd} | {found_commit} | {mach} |")
     return "\n".join(lines) + "\n"
 
