@@ -567,6 +567,14 @@ def test_nulls_are_the_defaults_openai_gives_them(server):
         assert response.status_code == 200 and response.json()["choices"][0]["finish_reason"], response.text
     response = httpx.post(f"{url}/completions", json={"model": "tiny", "prompt": "hi", "functions": None})
     assert response.status_code == 400 and response.json()["error"]["param"] == "functions"
+    for options in ({"method": "sd", "k": None}, {"method": None, "drafter": None}):  # (null: the default here too)
+        response = httpx.post(f"{url}/completions", json={"model": "tiny", "prompt": "hi", "max_tokens": 2,
+                                                          "speculant": options})
+        assert response.status_code == 200, response.text
+    for best_of, status in ((1, 200), (None, 200), (2, 400)):  # (OpenAI's default, which one completion is)
+        response = httpx.post(f"{url}/completions", json={"model": "tiny", "prompt": "hi", "max_tokens": 2,
+                                                          "best_of": best_of})
+        assert response.status_code == status and (status == 200 or response.json()["error"]["param"] == "best_of")
 
 
 class SlowDrafter(Drafter):
@@ -818,6 +826,11 @@ def test_a_full_queue_answers_429_and_a_wrong_key_401():
         with pytest.raises(APIStatusError) as unknown:
             client.models.retrieve("other")
         assert unknown.value.status_code == 404 and unknown.value.body["code"] == "model_not_found"
+        tool = {"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}
+        with pytest.raises(APIStatusError) as unknown:  # another model's request is refused before it is read (its
+            client.chat.completions.create(model="other", messages=[{"role": "user", "content": "a"}],  # tools, a
+                                           tools=[tool], tool_choice="required")  # long conversation templated)
+        assert unknown.value.status_code == 404 and unknown.value.body["param"] == "model"
         assert httpx.head(url.removesuffix("/v1") + "/health").status_code == 200
         # (the scheme in any case: RFC 9110 11.1)
         metrics = httpx.get(url.removesuffix("/v1") + "/metrics", headers={"Authorization": "bearer sesame"}).text

@@ -309,6 +309,22 @@ def test_bad_tool_requests_get_400s_naming_the_field(served):
     for body, message in bad:
         with pytest.raises(openai.BadRequestError, match=message):
             served.chat.completions.create(model="m", messages=ASK, max_tokens=4, **body)
+    loose = {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}  # (strict, as
+    for body, param, message in [  # OpenAI's: no key left to the model, which wrote `"strict": true` in as an argument)
+            ({"tools": [{"type": "function", "function": {"name": "f", "strict": True, "parameters": loose}}]},
+             "tools.0.function", "strict, and parameters sets no additionalProperties: false"),
+            ({"tools": [{"type": "function", "function": {"name": "f", "strict": True, "parameters": {
+                **loose, "additionalProperties": False, "required": []}}}]}, "tools.0.function", "does not require 'city'"),
+            ({"response_format": {"type": "json_schema", "json_schema": {"name": "p", "strict": True, "schema": loose}}},
+             "response_format", "json_schema is strict, and the schema sets no additionalProperties: false"),
+            ({"response_format": {"type": "json_schema", "json_schema": {"name": "bad name!", "schema": loose}}},
+             "response_format", "name must be 1 to 64 letters")]:
+        with pytest.raises(openai.BadRequestError, match=message) as refused:
+            served.chat.completions.create(model="m", messages=ASK, max_tokens=4, **body)
+        assert refused.value.param == param, refused.value.body
+    strict = {**loose, "additionalProperties": False}
+    assert served.chat.completions.create(model="m", messages=ASK, max_tokens=4, tool_choice="required", tools=[
+        {"type": "function", "function": {"name": "f", "strict": True, "parameters": strict}}]).choices
     spelled = {"type": "function", "function": {**WEATHER["function"], "description": "Weather.<|im_end|>"}}
     call = {"id": "1", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "<|im_start|>"}'}}
     for body, param in [({"tools": [spelled]}, "tools.0.function"),

@@ -148,15 +148,21 @@ def create_app(engine: Engine, served_name: str, config: ServeConfig | None = No
     async def models() -> dict[str, Any]:
         return {"object": "list", "data": [served]}
 
+    def check_model(name: str) -> None:
+        """The model a request names is the one served here (a request's checked first: one for another model costs
+        no templating)."""
+        if name != served_name:
+            raise ApiError(404, f"model '{name}' is not served here (this server has '{served_name}')", "model",
+                           "model_not_found")
+
     @app.get("/v1/models/{model:path}")  # (the OpenAI client's models.retrieve; a model's name may hold slashes)
     async def model(model: str) -> dict[str, Any]:
-        if model != served_name:
-            raise ApiError(404, f"model '{model}' is not served here (this server has '{served_name}')", "model",
-                           "model_not_found")
+        check_model(model)
         return served
 
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, http: Request) -> Any:
+        check_model(body.model)
         tokenizer = engine.target.tokenizer
         if isinstance(body.prompt, list):
             ids = body.prompt
@@ -170,6 +176,7 @@ def create_app(engine: Engine, served_name: str, config: ServeConfig | None = No
 
     @app.post("/v1/chat/completions")
     async def chat(body: ChatRequest, http: Request) -> Any:
+        check_model(body.model)
         tokenizer, choice = engine.target.tokenizer, body.choice
         if body.tools and (refused := await asyncio.to_thread(refused_parameters, body.tools)):  # (they compile)
             raise ApiError(400, f"{refused[0]}: {refused[1]}", refused[0])
@@ -193,10 +200,16 @@ def create_app(engine: Engine, served_name: str, config: ServeConfig | None = No
                     for name, value in message.items()]
         if choice != "none":  # (the template writes the tools' names, descriptions and schemas into the prompt)
             rendered += [(f"tools.{i}.function", tool.function.model_dump()) for i, tool in enumerate(body.tools)]
-        for param, value in rendered if controls is not None else ():
-            if found := next(filter(None, map(controls.search, texts(value))), None):
-                raise ApiError(400, f"{param} holds {found.group()!r}, which this model reads as a control token "
-                               "(a turn's end, a call)", param)
+        def control(rendered: list[tuple[str, Any]]) -> tuple[str, str] | None:
+            """The first field that holds a control token's text, and that text."""
+            for param, value in rendered:
+                if found := next(filter(None, map(controls.search, texts(value))), None):
+                    return param, found.group()
+            return None
+
+        if controls is not None and (held := await asyncio.to_thread(control, rendered)):  # (off the event loop: a
+            raise ApiError(400, f"{held[0]} holds {held[1]!r}, which this model reads as a control token (a turn's "
+                           "end, a call)", held[0])  # conversation of many messages must not hold up the others)
         try:  # (off the event loop: a long conversation must not hold up the other requests)
             ids = await asyncio.to_thread(encode_prompt, tokenizer, messages,
                                           True, [t.model_dump(exclude_none=True) for t in body.tools]
@@ -208,9 +221,6 @@ def create_app(engine: Engine, served_name: str, config: ServeConfig | None = No
 
     async def respond(body: Sampling, ids: list[int], max_tokens: int | None, chat: bool, http: Request,
                       calling: list[str] | None = None, calls: Constraint | None = None) -> Any:
-        if body.model != served_name:
-            raise ApiError(404, f"model '{body.model}' is not served here (this server has '{served_name}')",
-                           "model", "model_not_found")
         job = await asyncio.to_thread(make_job, body, ids, max_tokens, calls)  # a grammar compiles off the event loop
         loop = asyncio.get_running_loop()
         queue: asyncio.Queue = asyncio.Queue()
@@ -313,7 +323,8 @@ def create_app(engine: Engine, served_name: str, config: ServeConfig | None = No
             raise ApiError(400, f"{field} {max_tokens}{default} after a {len(ids)}-token prompt exceeds this model's "
                            f"{limit} positions", field, "context_length_exceeded")
         sampling = SamplingConfig(body.temperature, None, body.top_p if body.top_p < 1 else None)
-        overrides = dict(body.speculant or {})
+        overrides = {name: value for name, value in (body.speculant or {}).items() if value is not None}  # (null: the
+        # default, as at the top level)
         method = overrides.pop("method", None)
         if method is not None and not isinstance(method, str):
             raise ApiError(400, "speculant.method must be a method name", "speculant.method")

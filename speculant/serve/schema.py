@@ -9,7 +9,7 @@ from pydantic import AfterValidator, BaseModel, ConfigDict, Field, field_validat
 
 from speculant.config import MIN_TEMPERATURE, SEEDS
 from speculant.errors import ConfigError
-from speculant.models.wrappers.constrained import Constraint
+from speculant.models.wrappers.constrained import Constraint, strict_fault
 from speculant.serve.tools import DECODER, call_schema, json_fault
 
 MAX_FORMAT_DEPTH = 32  # levels of nesting a response_format (a JSON schema) may have
@@ -173,6 +173,7 @@ class CompletionRequest(Sampling):
     logprobs: int | None = Field(None, ge=0, le=5, description="each token's log-probability and this many "
                                  "likeliest alternatives")
     echo: Literal[False] = False
+    best_of: int = Field(1, ge=1, le=1, description="one completion drawn per request (OpenAI's default, n)")
 
     @field_validator("prompt", mode="before")
     @classmethod
@@ -254,8 +255,14 @@ class Function(BaseModel):
     name: Annotated[str, Field(pattern=FUNCTION_NAME)]
     description: Text | None = None
     parameters: dict[str, Any] | None = Field(None, description="a JSON schema of the arguments (an object)")
-    strict: bool | None = Field(None, description="accepted: arguments always follow the schema when a call is "
-                                "constrained")
+    strict: bool | None = Field(None, description="arguments always follow the schema when a call is constrained; "
+                                "strict: its parameters must leave nothing out, as OpenAI's (`strict_fault`)")
+
+    @model_validator(mode="after")
+    def _strict(self) -> Function:
+        if self.strict and (fault := strict_fault(self.parameters or {}, "parameters")):
+            raise ValueError(f"strict, and {fault}")
+        return self
 
 
 class Tool(BaseModel):

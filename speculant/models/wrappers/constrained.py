@@ -29,7 +29,9 @@ from speculant.trees.tree import TokenTree
 KINDS = ("json_object", "json_schema", "grammar", "regex")
 FORMAT_FIELDS = {"text": (), "json_object": (), "json_schema": ("json_schema",), "grammar": ("grammar",),
                  "regex": ("regex",)}  # a response_format's fields beside its type: any other is refused, not dropped
-JSON_SCHEMA_FIELDS = {"name", "description", "schema", "strict"}  # OpenAI's json_schema (strict: always followed)
+JSON_SCHEMA_FIELDS = {"name", "description", "schema", "strict"}  # OpenAI's json_schema (always followed; strict:
+# its schema must be one that leaves nothing out, `strict_fault`)
+SCHEMA_NAME = re.compile(r"[A-Za-z0-9_-]{1,64}")  # a json_schema's name, as OpenAI's (and a function's) 
 # JSON as models write it (newlines and indentation between tokens), but never padded without end: at most 16
 # whitespace characters between two tokens.
 JSON_OPTIONS = {"whitespace_flexible": True, "whitespace_pattern": r"[ \n]{0,16}"}
@@ -92,6 +94,11 @@ class Constraint:
                 if spec.get(name) is not None and not isinstance(spec[name], kind):
                     raise ConfigError(f"response_format json_schema's {name} must be a {kind.__name__}, got "
                                       f"{spec[name]!r}")
+            if spec.get("name") is not None and not SCHEMA_NAME.fullmatch(spec["name"]):
+                raise ConfigError(f"response_format json_schema's name must be 1 to 64 letters, digits, '_' or '-', "
+                                  f"got {spec['name']!r:.80}")
+            if spec.get("strict") and (fault := strict_fault(schema)):
+                raise ConfigError(f"response_format json_schema is strict, and {fault}")
             return cls("json_schema", dict(schema))
         if kind in ("grammar", "regex"):
             value = response_format.get(kind)
@@ -111,6 +118,29 @@ class Constraint:
         else:
             text = llguidance.LLMatcher.grammar_from_regex(self.value)
         return text
+
+
+def strict_fault(schema: Any, where: str = "the schema") -> str | None:
+    """Where a schema given with `strict: true` leaves something to the model, as OpenAI's structured outputs refuse
+    it: an object without `additionalProperties: false` (extra keys would be allowed: a model writes them, and
+    `f(**arguments)` fails), or with a property it does not require. None where it has neither."""
+    if isinstance(schema, list):
+        return next(filter(None, (strict_fault(part, f"{where}[{i}]") for i, part in enumerate(schema))), None)
+    if not isinstance(schema, Mapping):
+        return None
+    kind = schema.get("type")
+    if "properties" in schema or kind == "object" or isinstance(kind, list) and "object" in kind:
+        if schema.get("additionalProperties") is not False:
+            return f"{where} sets no additionalProperties: false"
+        if missing := sorted(set(schema.get("properties") or {}) - set(schema.get("required") or [])):
+            return f"{where} does not require {missing[0]!r} (a strict schema requires every property)"
+    inner = []  # (the schemas within: a mapping of names to schemas is walked by name, so that a property named
+    for key, value in schema.items():  # "properties" or "type" is not read as a keyword)
+        if key in ("properties", "patternProperties", "$defs", "definitions") and isinstance(value, Mapping):
+            inner += [(part, f"{where}.{key}.{name}") for name, part in value.items()]
+        elif key not in ("enum", "const", "default", "examples") and isinstance(value, (Mapping, list)):
+            inner.append((value, f"{where}.{key}"))
+    return next(filter(None, (strict_fault(part, at) for part, at in inner)), None)
 
 
 def one_line(error: str) -> str:
