@@ -100,10 +100,16 @@ def main() -> None:
     parser.add_argument("--gpu", default=ROOT / "docs" / "results" / "gpu-h100.json", type=Path,
                         help="a gpu_static.py run's JSON (default: the H100's)")
     args = parser.parse_args()
-    try:
-        gpu, results = (json.loads(Path(path).read_text()) for path in (args.gpu, args.results))
-    except (OSError, ValueError) as error:
-        raise SystemExit(f"cannot read {error}") from None
+    read = {}
+    for path in (args.gpu, args.results):
+        try:
+            read[path] = json.loads(Path(path).read_text())
+        except (OSError, ValueError) as error:
+            raise SystemExit(f"cannot read {path}: {error}") from None
+    gpu, results = read[args.gpu], read[args.results]
+    if not (isinstance(results, dict) and isinstance(results.get("config"), dict)
+            and isinstance(results.get("rows"), list)):
+        raise SystemExit(f"{args.results} is not a bench run's results.json (its config and rows)")
     try:
         costs = step_costs(gpu)
     except (KeyError, TypeError):

@@ -1037,6 +1037,22 @@ def check_outputs(args: argparse.Namespace) -> None:
         check_output(Path(getattr(args, name)), args.out_kind if name == "out" else FILE, name)
     for path in companions(args):
         check_output(path, FILE, "out")
+    if getattr(args, "out", None) and args.out_kind == DIRECTORY:  # (a file there that cannot be written over: refused
+        out = Path(args.out)  # before the work, not once it is done, beside the files already written)
+        for path in (out / name for name in written_in(args)):
+            if path.is_file() and not os.access(path, os.W_OK):
+                raise ConfigError(f"--out {out}: {path} cannot be written over (this process may not write it)")
+
+
+def written_in(args: argparse.Namespace) -> tuple[str, ...]:
+    """The files a command whose --out names a directory writes there."""
+    if args.command == "bench":
+        from speculant.bench.report import PLOTS
+
+        return ("results.json", "report.md", *PLOTS)
+    if args.command == "bench-serve":
+        return ("results.jsonl", "report.md", "throughput.png")
+    return ("grid.csv", "figure2.png", "figure7.png", "summary.json")  # (simulate heatmap)
 
 
 def companions(args: argparse.Namespace) -> list[Path]:
@@ -1062,10 +1078,6 @@ def predictor_out(out: Path, kind: str, kinds: int) -> Path:
     return out if kinds == 1 else out.with_name(f"{out.stem}-{kind}.json")
 
 
-OUTPUT_SUFFIXES = (".json", ".jsonl", ".md", ".png")  # what a command writes in an --out directory (results, reports,
-# plots): one there that cannot be written over is refused before the work, not once it is done
-
-
 def check_output(path: Path, kind: str, name: str) -> None:
     """`check_outputs` for one path that --`name` writes, a FILE or a DIRECTORY."""
     if kind == DIRECTORY:
@@ -1073,10 +1085,8 @@ def check_output(path: Path, kind: str, name: str) -> None:
             raise ConfigError(f"--{name} {path} is a file: it names a directory here")
     elif path.is_dir():
         raise ConfigError(f"--{name} {path} is a directory: it names a file here")
-    written = [path] if kind == FILE else [p for p in path.glob("*.*") if p.suffix in OUTPUT_SUFFIXES]
-    if locked := [str(p) for p in written if p.is_file() and not os.access(p, os.W_OK)]:
-        raise ConfigError(f"--{name} {path}: {', '.join(sorted(locked))} cannot be written over (this process may "
-                          "not write it)")
+    if kind != DIRECTORY and path.is_file() and not os.access(path, os.W_OK):
+        raise ConfigError(f"--{name} {path} cannot be written over (this process may not write it)")
     if not (path.is_file() and os.access(path, os.W_OK)):  # (a file there already: written over in place)
         check_writable(path, kind, name)
     if name == "timeline":
@@ -1198,8 +1208,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # (Python's flush at exit would fail again)
         return 141  # quietly, as a shell's tools end on SIGPIPE (128 + 13)
     except OSError as error:  # the machine's answer to a write (a disk full, /dev/full): one line, not a traceback
-        where = f": {error.filename}" if error.filename else ""
-        print(f"speculant: error: {error.strerror or error}{where}", file=sys.stderr)
+        where = "".join(f": {name}" for name in (error.filename, error.filename2) if name)
+        print(f"speculant: error: {' '.join(str(error.strerror or error).split())}{where}", file=sys.stderr)
         return 1
     return 0
 

@@ -890,23 +890,28 @@ def test_an_output_that_cannot_be_written_over_is_one_line_before_the_work_and_a
         raise ConfigError("a model loaded")
 
     (tmp_path / "runs").mkdir()
-    locked = {tmp_path / "p.json", tmp_path / "runs" / "report.md"}
+    (tmp_path / "notes").mkdir()
+    locked = {tmp_path / "p.json", tmp_path / "d.json", tmp_path / "runs" / "report.md", tmp_path / "notes" / "a.md"}
     for path in locked:
         path.write_text("{}")
     access = os.access
     monkeypatch.setattr(os, "access", lambda path, mode: Path(path) not in locked and access(path, mode))
     monkeypatch.setattr(models, "load_model", load)
-    for argv, named in ((["profile", "--out", str(tmp_path / "p.json")], "p.json"),
-                        (["bench", "--methods", "ar", "--out", str(tmp_path / "runs")], "report.md")):
-        code, _, err = run(capsys, *argv)
-        assert code == 2 and err.count("\n") == 1 and f"{named} cannot be written over" in err, err
+    for argv, named in ((["profile", "--out", str(tmp_path / "p.json")], "p.json cannot be written over"),
+                        (["train-depth", "--out", str(tmp_path / "d.json")], "d.json cannot be written over"),
+                        (["bench", "--methods", "ar", "--out", str(tmp_path / "runs")], "report.md cannot be written"),
+                        (["bench", "--methods", "ar", "--out", str(tmp_path / "notes")], "a model loaded")):  # (a
+        code, _, err = run(capsys, *argv)  # file of its own there, which bench does not write)
+        assert code == 2 and named in err and (err.count("\n") == 1 or named == "a model loaded"), err
 
-    def full(args):
-        raise OSError(28, "No space left on device", "/dev/full")
+    for error, said in ((OSError(28, "No space left on device", "/dev/full"), "No space left on device: /dev/full"),
+                        (OSError("a\nb"), "a b")):
+        def full(args, error=error):
+            raise error
 
-    monkeypatch.setattr(cli, "run_profile", full)
-    code, _, err = run(capsys, "profile")
-    assert code == 1 and err == "speculant: error: No space left on device: /dev/full\n"
+        monkeypatch.setattr(cli, "run_profile", full)
+        code, _, err = run(capsys, "profile")
+        assert code == 1 and err == f"speculant: error: {said}\n"
 
 
 def test_a_target_s_lean_suffix_is_one_line_before_any_model_loads(capsys, monkeypatch):

@@ -141,7 +141,7 @@ class GenerationStats:
         known = {f.name: f for f in fields(cls) if f.name not in ("dsi", "stage")}
         read = {name: value for name, value in data.items() if name in known}
         for name, value in read.items():
-            if not _like(value, _example(known[name]), "str]" in str(known[name].type)):
+            if not _like(value, _example(known[name]), known[name].type == "list[str]"):  # (annotations are text)
                 raise ValueError(f"stats' {name} cannot be {value!r}")
         stats = cls(**{k: (tuple(v) if k == "tree_shape" and v else v) for k, v in read.items()})
         drafted, accepted = stats.draft_lengths, stats.accepted_lengths

@@ -323,12 +323,13 @@ def create_app(engine: Engine, served_name: str, config: ServeConfig | None = No
             raise ApiError(400, f"{field} {max_tokens}{default} after a {len(ids)}-token prompt exceeds this model's "
                            f"{limit} positions", field, "context_length_exceeded")
         sampling = SamplingConfig(body.temperature, None, body.top_p if body.top_p < 1 else None)
-        overrides = {name: value for name, value in (body.speculant or {}).items() if value is not None}  # (null: the
-        # default, as at the top level)
+        overrides = dict(body.speculant or {})
         method = overrides.pop("method", None)
         if method is not None and not isinstance(method, str):
             raise ApiError(400, "speculant.method must be a method name", "speculant.method")
-        check_request_options(method or engine.method.name, overrides)
+        check_request_options(method or engine.method.name, overrides)  # (names: a null one's too)
+        overrides = {name: value for name, value in overrides.items() if value is not None}  # (null: the default,
+        # as at the top level)
         if any(not TOKEN_ID.fullmatch(token) for token in body.logit_bias or {}):
             raise ApiError(400, "logit_bias keys must be token ids in decimal, e.g. \"1234\"", "logit_bias")
         bias = {int(token): value for token, value in (body.logit_bias or {}).items()}

@@ -260,7 +260,8 @@ class Function(BaseModel):
 
     @model_validator(mode="after")
     def _strict(self) -> Function:
-        if self.strict and (fault := strict_fault(self.parameters or {}, "parameters")):
+        if self.strict and depth(self.parameters or {}) <= MAX_FORMAT_DEPTH and \
+                (fault := strict_fault(self.parameters or {}, "parameters")):  # (deeper: refused as too deep)
             raise ValueError(f"strict, and {fault}")
         return self
 
