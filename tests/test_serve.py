@@ -572,7 +572,7 @@ def test_nulls_are_the_defaults_openai_gives_them(server):
                                                           "speculant": options})
         assert response.status_code == 200, response.text
     response = httpx.post(f"{url}/completions", json={"model": "tiny", "prompt": "hi", "speculant": {"nosuch": None}})
-    assert response.status_code == 400 and response.json()["error"]["param"] == "speculant.nosuch"  # (named, null or not)
+    assert response.status_code == 400 and response.json()["error"]["param"] == "speculant.nosuch"  # (null or not)
     for best_of, status in ((1, 200), (None, 200), (2, 400)):  # (OpenAI's default, which one completion is)
         response = httpx.post(f"{url}/completions", json={"model": "tiny", "prompt": "hi", "max_tokens": 2,
                                                           "best_of": best_of})
