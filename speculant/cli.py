@@ -944,7 +944,7 @@ def run_bench_serve(args: argparse.Namespace) -> None:
         [lambda c=c: run_load(args.url, prompts, args.requests, c, args.max_tokens, args.temperature, args.model,
                               args.api_key, args.check_solo, label) for c in args.concurrency]
     for run in runs:
-        result = run()
+        result = {**run(), "prompts": args.prompts or args.dataset}  # (what the report tells runs apart by)
         print(format_load(result))
         if result["errors"] == result["requests"]:  # (a server that refuses every request: not a measurement)
             samples = "; ".join(result["error_samples"]) or "no answer"

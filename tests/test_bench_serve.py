@@ -228,7 +228,8 @@ def test_a_run_of_another_kind_in_results_jsonl_is_refused_before_the_load_and_s
     for tokens, temperature in (("2", "0"), ("3", "1")):
         assert cli.main([*load, "--max-tokens", tokens, "--temperature", temperature]) == 0
     table = (tmp_path / "report.md").read_text()
-    assert f"| {URL} | C=1 | 2 | 2 | 0.0 |" in table and f"| {URL} | C=1 | 2 | 3 | 1.0 |" in table, table
+    prompts = str(tmp_path / "p.jsonl")  # (the prompt set: runs of others are told apart too)
+    assert f"| {URL} | {prompts} | C=1 | 2 | 2 | 0.0 |" in table and f"| {URL} | {prompts} | C=1 | 2 | 3 | 1.0 |" in table
     good = (tmp_path / "results.jsonl").read_text()
     for field, value, kind in (("throughput_tok_s", None, "a number >= 0"), ("concurrency", "many", "a whole number"),
                                ("ttft_ms", 5, "percentiles"), ("label", 3, "a text or null")):

@@ -274,7 +274,8 @@ REPORTED = ("label", "requests", "throughput_tok_s", "ttft_ms", "tpot_ms", "erro
 COUNT, NUMBER, OR_NONE = "a whole number >= 0", "a number >= 0", " or null"
 KINDS = {"label": "a text or null", "requests": COUNT, "throughput_tok_s": NUMBER, "errors": COUNT, "lost": COUNT,
          "mismatches_vs_solo": COUNT + OR_NONE, "concurrency": COUNT + OR_NONE, "rate": NUMBER + OR_NONE,
-         "turns": COUNT, "max_tokens": COUNT, "temperature": NUMBER, "ttft_ms": "percentiles",
+         "turns": COUNT, "max_tokens": COUNT, "temperature": NUMBER, "prompts": "a text or null",
+         "ttft_ms": "percentiles",
          "tpot_ms": "percentiles", "itl_ms": "percentiles", "ttft_first_turn_ms": "percentiles",
          "ttft_later_turns_ms": "percentiles"}  # what the report reads of a run: each checked where the run has it
 
@@ -330,12 +331,13 @@ def write_report(out: Path) -> list[Path]:
     import matplotlib.pyplot as plt
 
     runs = read_runs(out)
-    rows = ["| server | arrivals | requests | max tokens | temperature | tok/s | TTFT p50 / p90 ms | later turns' TTFT "
-            "p50 / p90 ms | TPOT p50 / p90 ms | ITL p50 / p90 ms | errors | lost | differ from solo |",
-            "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    rows = ["| server | prompts | arrivals | requests | max tokens | temperature | tok/s | TTFT p50 / p90 ms | later "
+            "turns' TTFT p50 / p90 ms | TPOT p50 / p90 ms | ITL p50 / p90 ms | errors | lost | differ from solo |",
+            "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in runs:
         later, itl = r.get("ttft_later_turns_ms") or {}, r.get("itl_ms") or {}
-        rows.append(f"| {r['label']} | {arrivals(r)} | {r['requests']} | {r.get('max_tokens', '')} | "
+        rows.append(f"| {r['label']} | {r.get('prompts') or ''} | {arrivals(r)} | {r['requests']} | "
+                    f"{r.get('max_tokens', '')} | "
                     f"{r.get('temperature', '')} | {r['throughput_tok_s']:.1f} | "
                     f"{spread(r['ttft_ms'], P50_90, ' / ')} | {spread(later, P50_90, ' / ')} | "
                     f"{spread(r['tpot_ms'], P50_90, ' / ')} | {spread(itl, P50_90, ' / ')} | "
@@ -345,13 +347,16 @@ def write_report(out: Path) -> list[Path]:
     if not runs:
         return [out / "report.md"]
     figure, axis = plt.subplots(figsize=(6, 4))
-    lines = dict.fromkeys((r["label"], r.get("max_tokens"), r.get("temperature")) for r in runs)  # (a line joins
-    for label, tokens, temperature in lines:  # the runs of one server and settings alone)
-        points = sorted((r["concurrency"], r["throughput_tok_s"]) for r in runs
-                        if (r["label"], r.get("max_tokens"), r.get("temperature")) == (label, tokens, temperature))
-        alike = sum(other == label for other, _, _ in lines) == 1
+    def setting(r: dict[str, Any]) -> tuple[Any, ...]:
+        return r["label"], r.get("prompts"), r.get("max_tokens"), r.get("temperature")
+
+    lines = dict.fromkeys(map(setting, runs))  # (a line joins the runs of one server and settings alone)
+    for line in lines:
+        label, prompts, tokens, temperature = line
+        points = sorted((r["concurrency"], r["throughput_tok_s"]) for r in runs if setting(r) == line)
+        alike = sum(other[0] == label for other in lines) == 1
         axis.plot(*zip(*points), marker="o", label=f"{label}" + ("" if alike else
-                                                                  f" ({tokens} tokens, temperature {temperature})"))
+                                                                  f" ({prompts}, {tokens} tokens, T {temperature})"))
     axis.set_xlabel("concurrent clients")
     axis.set_ylabel("tokens/s over the run")
     axis.set_xscale("log", base=2)
