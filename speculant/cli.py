@@ -884,11 +884,11 @@ def check_target(target: str, config: ModelConfig, options: Any, backend: str | 
     from speculant.methods.drafting import elsewhere, needs, unmet
     from speculant.models import split_quant
     from speculant.models.backends import capabilities_of
-    from speculant.models.loading import check_dtype, resolve_backend
+    from speculant.models.loading import check_gguf_dtype, resolve_backend
 
     name, quant = split_quant(target)  # (a backend the target's name or suffix refuses is refused here too)
     backend = resolve_backend(backend or config.backend, name, quant, config.device, dtype or config.dtype)
-    check_dtype(target, backend, dtype or config.dtype)
+    check_gguf_dtype(target, backend, dtype or config.dtype)
     if needs(options):
         if need := unmet(options, capabilities_of(backend)):
             raise ConfigError(f"{need[1]}: the {backend} backend does not offer that "
@@ -915,7 +915,7 @@ MOST_ARRIVAL_S = 24 * 3600  # bench-serve --rate: the conversations of one run a
 
 def run_bench_serve(args: argparse.Namespace) -> None:
     from speculant.bench.datasets import load_dataset
-    from speculant.bench.serve import format_load, read_runs, run_load, run_sessions, write_report
+    from speculant.bench.serve import RESULTS, format_load, read_runs, run_load, run_sessions, write_report
 
     if not 0 <= args.temperature <= 2:  # (a server refuses more: OpenAI's range)
         raise ConfigError(f"--temperature must lie in [0, 2], got {args.temperature:g}")
@@ -952,7 +952,7 @@ def run_bench_serve(args: argparse.Namespace) -> None:
         if args.out:
             out = Path(args.out)
             out.mkdir(parents=True, exist_ok=True)
-            with (out / "results.jsonl").open("a") as f:
+            with (out / RESULTS).open("a") as f:
                 f.write(json.dumps(result) + "\n")
             write_report(out)
 
@@ -1037,11 +1037,10 @@ def check_outputs(args: argparse.Namespace) -> None:
         check_output(Path(getattr(args, name)), args.out_kind if name == "out" else FILE, name)
     for path in companions(args):
         check_output(path, FILE, "out")
-    if getattr(args, "out", None) and args.out_kind == DIRECTORY:  # (a file there that cannot be written over: refused
-        out = Path(args.out)  # before the work, not once it is done, beside the files already written)
-        for path in (out / name for name in written_in(args)):
-            if path.is_file() and not os.access(path, os.W_OK):
-                raise ConfigError(f"--out {out}: {path} cannot be written over (this process may not write it)")
+    if getattr(args, "out", None) and args.out_kind == DIRECTORY:  # (one of its files there already: checked as a
+        for path in (Path(args.out) / name for name in written_in(args)):  # file --out names, before the work)
+            if path.is_file():
+                check_output(path, FILE, "out")
 
 
 def written_in(args: argparse.Namespace) -> tuple[str, ...]:
@@ -1051,8 +1050,12 @@ def written_in(args: argparse.Namespace) -> tuple[str, ...]:
 
         return ("results.json", "report.md", *PLOTS)
     if args.command == "bench-serve":
-        return ("results.jsonl", "report.md", "throughput.png")
-    return ("grid.csv", "figure2.png", "figure7.png", "summary.json")  # (simulate heatmap)
+        from speculant.bench.serve import PLOT, REPORT, RESULTS
+
+        return RESULTS, REPORT, PLOT
+    from speculant.analysis.commands import HEATMAP_FILES
+
+    return HEATMAP_FILES
 
 
 def companions(args: argparse.Namespace) -> list[Path]:
@@ -1085,9 +1088,9 @@ def check_output(path: Path, kind: str, name: str) -> None:
             raise ConfigError(f"--{name} {path} is a file: it names a directory here")
     elif path.is_dir():
         raise ConfigError(f"--{name} {path} is a directory: it names a file here")
-    if kind != DIRECTORY and path.is_file() and not os.access(path, os.W_OK):
+    if path.is_file() and not os.access(path, os.W_OK):  # (a file there already: written over in place)
         raise ConfigError(f"--{name} {path} cannot be written over (this process may not write it)")
-    if not (path.is_file() and os.access(path, os.W_OK)):  # (a file there already: written over in place)
+    if not path.is_file():
         check_writable(path, kind, name)
     if name == "timeline":
         from matplotlib.backend_bases import FigureCanvasBase

@@ -130,6 +130,7 @@ def format_one(result: dict) -> str:
     return "\n".join(lines)
 
 
+HEATMAP_FILES = ("grid.csv", "figure2.png", "figure7.png", "summary.json")  # what `simulate heatmap` writes in --out
 LOOKAHEADS = (1, 2, 3, 4, 5, 6, 8, 10, 12, 15, 20, 25, 30, 40, 50, 65, 80, 100)
 
 
@@ -156,7 +157,7 @@ def run_heatmap(out: Path, ndim: int, lookaheads: tuple[int, ...], tokens: int, 
     grid = simulate_grid(c, a, np.array(sorted(set(lookaheads))), tokens, repeats, servers, seed)
     numbers = {**summary(grid), "seconds": time.perf_counter() - start, "configurations": int(grid.si.size)}
     out.mkdir(parents=True, exist_ok=True)
-    paths = [out / "grid.csv", out / "figure2.png", out / "figure7.png", out / "summary.json"]
+    paths = [out / name for name in HEATMAP_FILES]
     write_csv(grid, paths[0])
     plot_figure2(grid, paths[1])
     plot_figure7(grid, paths[2], fixed_lookahead)

@@ -270,23 +270,24 @@ def arrivals(result: dict[str, Any]) -> str:
     return f"{result['rate']:g} conversations/s x {result['turns']} turns"
 
 
+RESULTS, REPORT, PLOT = "results.jsonl", "report.md", "throughput.png"  # what bench-serve writes in its --out
 REPORTED = ("label", "requests", "throughput_tok_s", "ttft_ms", "tpot_ms", "errors", "lost", "mismatches_vs_solo")
-COUNT, NUMBER, OR_NONE = "a whole number >= 0", "a number >= 0", " or null"
-KINDS = {"label": "a text or null", "requests": COUNT, "throughput_tok_s": NUMBER, "errors": COUNT, "lost": COUNT,
+COUNT, NUMBER, OR_NONE, TEXT, PERCENTILES = "a whole number >= 0", "a number >= 0", " or null", "a text or null", \
+    "percentiles"
+KINDS = {"label": TEXT, "prompts": TEXT, "requests": COUNT, "throughput_tok_s": NUMBER, "errors": COUNT, "lost": COUNT,
          "mismatches_vs_solo": COUNT + OR_NONE, "concurrency": COUNT + OR_NONE, "rate": NUMBER + OR_NONE,
-         "turns": COUNT, "max_tokens": COUNT, "temperature": NUMBER, "prompts": "a text or null",
-         "ttft_ms": "percentiles",
-         "tpot_ms": "percentiles", "itl_ms": "percentiles", "ttft_first_turn_ms": "percentiles",
-         "ttft_later_turns_ms": "percentiles"}  # what the report reads of a run: each checked where the run has it
+         "turns": COUNT, "max_tokens": COUNT, "temperature": NUMBER, "ttft_ms": PERCENTILES, "tpot_ms": PERCENTILES,
+         "itl_ms": PERCENTILES, "ttft_first_turn_ms": PERCENTILES, "ttft_later_turns_ms": PERCENTILES}  # what the
+# report reads of a run: each checked where the run has it
 
 
 def fits(value: Any, kind: str) -> bool:
     """Whether a run's field holds what `KINDS` says the report reads there."""
     if value is None:
-        return kind.endswith(OR_NONE) or kind == "a text or null"
-    if kind == "a text or null":
+        return kind.endswith(OR_NONE) or kind == TEXT
+    if kind == TEXT:
         return isinstance(value, str)
-    if kind == "percentiles":
+    if kind == PERCENTILES:
         return isinstance(value, dict) and all(fits(v, NUMBER + OR_NONE) for v in value.values())
     number = isinstance(value, (int, float)) and not isinstance(value, bool) and 0 <= value < float("inf")
     return number and (isinstance(value, int) if kind.startswith(COUNT) else True)
@@ -295,7 +296,7 @@ def fits(value: Any, kind: str) -> bool:
 def read_runs(out: Path) -> list[dict[str, Any]]:
     """The runs `out/results.jsonl` holds (none where it is not there yet); a ConfigError naming the line where one
     is not a run this command wrote (checked before a new run appends to it, not after)."""
-    path = out / "results.jsonl"
+    path = out / RESULTS
     if not path.exists():
         return []
     runs = []
@@ -342,10 +343,10 @@ def write_report(out: Path) -> list[Path]:
                     f"{spread(r['ttft_ms'], P50_90, ' / ')} | {spread(later, P50_90, ' / ')} | "
                     f"{spread(r['tpot_ms'], P50_90, ' / ')} | {spread(itl, P50_90, ' / ')} | "
                     f"{r['errors']} | {r['lost']} | {'' if r['mismatches_vs_solo'] is None else r['mismatches_vs_solo']} |")
-    (out / "report.md").write_text("\n".join(rows) + "\n")
+    (out / REPORT).write_text("\n".join(rows) + "\n")
     runs = [r for r in runs if r.get("rate") is None]  # the plot: closed-loop runs, by concurrency
     if not runs:
-        return [out / "report.md"]
+        return [out / REPORT]
     figure, axis = plt.subplots(figsize=(6, 4))
     def setting(r: dict[str, Any]) -> tuple[Any, ...]:
         return r["label"], r.get("prompts"), r.get("max_tokens"), r.get("temperature")
@@ -363,6 +364,6 @@ def write_report(out: Path) -> list[Path]:
     axis.legend()
     axis.grid(alpha=0.3)
     figure.tight_layout()
-    figure.savefig(out / "throughput.png", dpi=120)
+    figure.savefig(out / PLOT, dpi=120)
     plt.close(figure)
-    return [out / "report.md", out / "throughput.png"]
+    return [out / REPORT, out / PLOT]

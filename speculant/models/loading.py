@@ -278,9 +278,9 @@ def load_lean(spec: str | Path, tokenizer: Any | None = None, draft: bool = Fals
                              f"{name} lean draft {len(head)}")
 
 
-def check_dtype(spec: Any, backend: str, dtype: str | None) -> None:
-    """Refuse a dtype where the backend runs a GGUF's own types (llama.cpp, lean)."""
-    if backend in ("llamacpp", "lean") and dtype not in (None, AUTO):
+def check_gguf_dtype(spec: Any, backend: str, dtype: str | None) -> None:
+    """Refuse a dtype where the backend runs a GGUF's own types (its `gguf` capability: llama.cpp, lean)."""
+    if capabilities_of(backend).gguf and dtype not in (None, AUTO):
         raise ConfigError(f"{spec} runs its GGUF's own types (on the {backend} backend): give no dtype")
 
 
@@ -329,7 +329,7 @@ def load_model(spec: Any, dtype: str | None = None, device: str | None = None, t
     chosen = resolve_backend(backend, spec, quant, device, dtype)
     if compile and chosen != "static":
         raise ConfigError("compile applies to the static backend")
-    check_dtype(spec, chosen, dtype)
+    check_gguf_dtype(spec, chosen, dtype)
     if chosen in ("llamacpp", "lean"):
         return load_gguf(spec, tokenizer) if chosen == "llamacpp" else load_lean(spec, tokenizer, quant == LEAN)
     from speculant.models.backends.hf import HFCausalLM, eos_ids  # (transformers' models: imported when they load)

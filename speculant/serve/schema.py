@@ -9,7 +9,7 @@ from pydantic import AfterValidator, BaseModel, ConfigDict, Field, field_validat
 
 from speculant.config import MIN_TEMPERATURE, SEEDS
 from speculant.errors import ConfigError
-from speculant.models.wrappers.constrained import Constraint, strict_fault
+from speculant.models.wrappers.constrained import SCHEMA_NAME, Constraint, strict_fault
 from speculant.serve.tools import DECODER, call_schema, json_fault
 
 MAX_FORMAT_DEPTH = 32  # levels of nesting a response_format (a JSON schema) may have
@@ -195,7 +195,7 @@ class TextPart(BaseModel):
     text: Text
 
 
-FUNCTION_NAME = r"^[A-Za-z0-9_-]{1,64}$"
+FUNCTION_NAME = f"^{SCHEMA_NAME.pattern}$"  # (a function's name is a schema's)
 
 
 def json_object_text(text: str) -> str:

@@ -31,7 +31,7 @@ FORMAT_FIELDS = {"text": (), "json_object": (), "json_schema": ("json_schema",),
                  "regex": ("regex",)}  # a response_format's fields beside its type: any other is refused, not dropped
 JSON_SCHEMA_FIELDS = {"name", "description", "schema", "strict"}  # OpenAI's json_schema (always followed; strict:
 # its schema must be one that leaves nothing out, `strict_fault`)
-SCHEMA_NAME = re.compile(r"[A-Za-z0-9_-]{1,64}")  # a json_schema's name, as OpenAI's (and a function's) 
+SCHEMA_NAME = re.compile(r"[A-Za-z0-9_-]{1,64}")  # a json_schema's or a function's name, as OpenAI's
 # JSON as models write it (newlines and indentation between tokens), but never padded without end: at most 16
 # whitespace characters between two tokens.
 JSON_OPTIONS = {"whitespace_flexible": True, "whitespace_pattern": r"[ \n]{0,16}"}
