@@ -301,9 +301,8 @@ def index() -> str:
              "`python scripts/results_index.py > docs/results/index.md`. Speed claims are ratios measured in one run; "
              "this VM's speed drifts between runs, so compare rows of one run only. Runs that later runs superseded "
              "are removed from the tree and listed in [CHANGELOG.md](../../CHANGELOG.md) with the commit that holds "
-             "them (`git show COMMIT:docs/results/NAME/report.md`). Bench directories keep their `report.md`; the raw "
-             "rows (`results.json`) are kept for the CPU headline runs and bench-lean-*, and for the others are in git "
-             "at the commit named.\n"]
+             "them (`git show COMMIT:docs/results/NAME/report.md`). Bench directories keep their `report.md` and most "
+             "their raw rows (`results.json`); where those are missing, they are in git at the commit named.\n"]
     group = None
     for name, (g, what, command, machine, commit) in ENTRIES.items():
         if g != group:
