@@ -359,10 +359,11 @@ def test_openai_client_completions_chat_and_streams(server):
                                                  stream_options={"include_usage": True}))
     assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == chat.choices[0].message.content
     assert chunks[-1].usage.completion_tokens == chat.usage.completion_tokens
+    assert all("usage" in c.model_fields_set and c.usage is None for c in chunks[:-1])  # (a null, as OpenAI's)
     assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == chat.choices[0].finish_reason
-    streamed = "".join(c.choices[0].text for c in client.completions.create(
-        model="tiny", prompt="def f(x):", max_tokens=20, temperature=0, stream=True))
-    assert streamed == done.choices[0].text
+    chunks = list(client.completions.create(model="tiny", prompt="def f(x):", max_tokens=20, temperature=0, stream=True))
+    assert "".join(c.choices[0].text for c in chunks) == done.choices[0].text
+    assert not any("usage" in c.model_fields_set for c in chunks)  # (no usage asked for: none)
 
 
 def test_logprobs_stream_and_not_equal_plain_decoding_s(server):
@@ -700,6 +701,22 @@ def test_a_stop_string_found_as_the_text_settles_at_the_end_stops_the_reply():
     wait_until(lambda: ends)
     engine.close()
     assert (ends["reply"].text, ends["reply"].finish_reason, ends["reply"].logprobs) == ("", "stop", [])
+
+
+@pytest.mark.parametrize("stop, text", [("\ufffd", "L)]"), ("]\ufffd", "L)")])
+def test_a_stop_string_found_as_the_text_settles_after_the_end_of_sequence_cuts_the_log_probabilities(stop, text):
+    """The same where the reply ended on its end-of-sequence token (the finish reason already "stop"): the
+    log-probabilities of the tokens after the cut went out with the reply."""
+    engine = engine_for("ar", max_batch=1)
+    ends = {}
+    for name, stops in (("whole", ()), ("cut", (stop,))):
+        submitted(engine, ServeJob(list(b"The cat"), 12, SamplingConfig(), stops=stops, logprobs=0), ends, name)
+        wait_until(lambda: name in ends)
+    engine.close()
+    whole, cut = ends["whole"], ends["cut"]  # (the tiny model's reply: three characters, two stray bytes, <eos>)
+    assert (whole.text, whole.finish_reason, len(whole.logprobs)) == ("L)]\ufffd\ufffd", "stop", 5)
+    assert (cut.text, cut.finish_reason) == (text, "stop")
+    assert cut.logprobs == whole.logprobs[: len(text)]
 
 
 def test_the_queue_depth_gauge_is_what_waits_when_it_is_read():

@@ -280,6 +280,7 @@ def test_a_refused_option_is_a_4xx_naming_it_before_a_stream_starts(app):
     (dict(messages=[{"role": "user", "content": [{"type": "text", "text": "hi", "cache_control": {}}]}]),
      "messages.0.content.0.cache_control"),
     (dict(messages=[{"role": "user", "content": [{"type": "text"}]}]), "messages.0.content.0.text"),
+    (dict(messages=[{"role": "user", "content": []}]), "messages.0.content"),
     (dict(prompt=[1, "a"]), "prompt.1"),
     (dict(messages=[{"role": "user", "content": "hi"}], top_logprobs=2), "top_logprobs"),
     (dict(messages=[{"role": "user", "content": "hi"}], tool_choice="required"), "tool_choice"),

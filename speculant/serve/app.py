@@ -267,21 +267,25 @@ def create_app(engine: Engine, served_name: str, config: ServeConfig | None = No
     async def stream(item: Any, queue: asyncio.Queue, ticket: Any, shape: Shape, include_usage: bool,
                      scope: dict[str, Any], refused: str | None) -> AsyncIterator[str]:
         """The SSE stream of a request whose first `item` came (the rest follow on `queue`); its status, by how it
-        ends, goes to `scope` (`ENDED`): 200 once its outcome is sent, an error's, or 499 where its client left."""
+        ends, goes to `scope` (`ENDED`): 200 once its outcome is sent, an error's, or 499 where its client left. With
+        `include_usage`, every chunk before the last carries a null `usage`, as OpenAI's do."""
+        def chunk(fields: dict[str, Any]) -> str:
+            return sse({**fields, "usage": None} if include_usage else fields)
+
         held = tools.ToolStream() if shape.calling is not None else None  # a reply that may call: calls held to the end
         scope[ENDED] = 499
         try:
             if shape.chat:
-                yield sse(shape.chunk({"role": "assistant", "content": ""}, []))
+                yield chunk(shape.chunk({"role": "assistant", "content": ""}, []))
             while not isinstance(item, _End):
                 if isinstance(item, _Step):
-                    yield sse(shape.step(item.event))
+                    yield chunk(shape.step(item.event))
                 else:
                     piece, entries = item
                     if held is not None:
                         piece = held.push(piece)
                     if piece or entries:
-                        yield sse(shape.chunk(piece, entries))
+                        yield chunk(shape.chunk(piece, entries))
                 item = await queue.get()
             outcome = ended(item, refused)
             metrics.usage(outcome.prompt_tokens, outcome.completion_tokens)
@@ -289,11 +293,11 @@ def create_app(engine: Engine, served_name: str, config: ServeConfig | None = No
             if held is not None:
                 rest, calls = held.finish(shape.calling, shape.most_calls)
                 if rest:
-                    yield sse(shape.chunk(rest, []))
+                    yield chunk(shape.chunk(rest, []))
                 if calls:
-                    yield sse(shape.chunk({"tool_calls": [{"index": i, **call} for i, call in enumerate(calls)]}, []))
+                    yield chunk(shape.chunk({"tool_calls": [{"index": i, **call} for i, call in enumerate(calls)]}, []))
                     finish = shape.finish(finish, calls)
-            yield sse(shape.chunk(None, [], finish))
+            yield chunk(shape.chunk(None, [], finish))
             if include_usage:
                 yield sse({**shape.chunk(None, []), "choices": [], "usage": shape.usage(outcome)})
             scope[ENDED] = 200

@@ -435,9 +435,10 @@ class Engine:
             finish = "cancelled"
         finally:
             decoder.close()
+        stopped = text.stopped
         piece = text.flush()
-        if text.stopped and finish != "stop":  # (a stop string that ends in U+FFFD, found as the rest settles)
-            finish = "stop"
+        if text.stopped and not stopped:  # (a stop string that ends in U+FFFD, found as the rest settles, also after
+            finish = "stop"  # the end of sequence)
             del entries[text.covering():]
         if piece or unsent < len(entries):
             on_text(piece, entries[unsent:])

@@ -238,6 +238,13 @@ class Message(BaseModel):
     tool_calls: list[ToolCall] | None = Field(None, description="an assistant's calls, in a later turn")
     tool_call_id: Text | None = Field(None, description="a tool message: the call it answers")
 
+    @field_validator("content")
+    @classmethod
+    def _parts(cls, content: str | list[TextPart] | None) -> str | list[TextPart] | None:
+        if content == []:
+            raise ValueError("a text or a list of at least one part, not an empty list (as OpenAI's)")
+        return content
+
     @model_validator(mode="after")
     def _roles(self) -> Message:
         if self.content is None and not (self.role == "assistant" and self.tool_calls):
