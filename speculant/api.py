@@ -173,7 +173,7 @@ def decoded_target(target: Any, logprobs: int | None, logit_bias: Mapping[int, f
     if logit_bias:
         decoded = Biased(decoded, logit_bias)
     if constraint is not None:
-        decoded = Constrained(decoded, Matcher(constraint, target.tokenizer, target.vocab_size))
+        decoded = Constrained(decoded, Matcher(constraint, target.tokenizer, target.vocab_size, target.eos_token_ids))
     return decoded, recorded
 
 

@@ -7,7 +7,7 @@ from collections import Counter
 
 import pytest
 import torch
-from helpers import ARCHS, byte_tokenizer, every_method, perturbed, tiny_model, total_variation
+from helpers import ARCHS, bpe_tokenizer, byte_tokenizer, every_method, perturbed, tiny_model, total_variation
 
 from speculant import generate
 from speculant.errors import ConfigError
@@ -88,6 +88,11 @@ def test_sampling_follows_the_constrained_distribution():
 DEEP = {"type": "string"}
 for _ in range(300):  # (nested past what llguidance follows; a server refuses it sooner, at MAX_FORMAT_DEPTH)
     DEEP = {"type": "array", "items": DEEP}
+DEEPER = {"type": "integer"}
+for _ in range(600):  # (strict: nested past Python's stack, where the strict check walks it)
+    DEEPER = {"type": "object", "properties": {"a": DEEPER}, "required": ["a"], "additionalProperties": False}
+CYCLE = {"type": "object", "required": ["a"], "additionalProperties": False}
+CYCLE["properties"] = {"a": CYCLE}
 
 
 @pytest.mark.parametrize("response_format,message", [
@@ -99,6 +104,8 @@ for _ in range(300):  # (nested past what llguidance follows; a server refuses i
     ({"type": "json_schema", "json_schema": {"schema": {"type": "strin"}}}, "Invalid type: strin"),
     ({"type": "json_schema", "json_schema": {"schema": {}, "strict": "yes"}}, "strict must be a bool"),
     ({"type": "json_schema", "json_schema": {"schema": DEEP}}, "the json_schema does not compile: recursion limit"),
+    ({"type": "json_schema", "json_schema": {"schema": DEEPER, "strict": True}}, "the json_schema does not compile"),
+    ({"type": "json_schema", "json_schema": {"schema": CYCLE, "strict": True}}, "the json_schema does not compile"),
     ({"type": "json_schema", "json_schema": {"schema": {"type": "number", "maximum": float("nan")}}},
      "the json_schema does not compile: Out of range float"),
     ({"type": "json_schema", "json_schema": {"schema": {"enum": [b"x"]}}}, "the json_schema does not compile: .*bytes"),
@@ -115,6 +122,24 @@ def test_a_grammar_llguidance_cannot_follow_fails_loudly_never_leaves_it():
         generate(byte_model("llama", 0), prompt_ids=[1], method="ar", max_new_tokens=4,
                  response_format={"type": "regex", "regex": "a{1000000}"})
     assert refused.value.field == "response_format"  # (what a server's answer names)
+
+
+def test_structured_output_needs_an_end_of_sequence_token_and_a_tokenizer_llguidance_reads():
+    """Without an end-of-sequence token, the text went on past the grammar's end unconstrained (llguidance ended it
+    with an id of its own choosing, which ends nothing here); a decoder llguidance cannot read was its traceback."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    endless = bpe_tokenizer(["abc abd xyz"] * 10, 300, eos=None)
+    with pytest.raises(ConfigError, match="needs a model with an end-of-sequence token"):
+        generate(tiny_model("llama", 1, len(endless), tokenizer=endless), "abc", method="ar", max_new_tokens=8,
+                 response_format={"type": "regex", "regex": "ab"})
+    words = Tokenizer(models.WordLevel(vocab={c: i for i, c in enumerate("abcxyz")} | {"<eos>": 6}, unk_token="<eos>"))
+    words.pre_tokenizer, words.decoder = pre_tokenizers.Split("", "isolated"), decoders.Metaspace()
+    unread = PreTrainedTokenizerFast(tokenizer_object=words, eos_token="<eos>")
+    with pytest.raises(ConfigError, match="llguidance cannot read this tokenizer"):
+        generate(tiny_model("llama", 1, len(unread), tokenizer=unread), "abc", method="ar", max_new_tokens=4,
+                 response_format={"type": "regex", "regex": "ab"})
 
 
 def test_dsi_refuses_structured_output():

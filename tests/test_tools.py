@@ -75,7 +75,8 @@ def accepts(tokenizer, vocabulary, choice, functions=TOOLS):
     from speculant.models.wrappers.constrained import Matcher
     from speculant.serve.tools import constraint
 
-    matcher = Matcher(constraint(tokenizer, [t["function"] for t in functions], choice, True), tokenizer, vocabulary)
+    matcher = Matcher(constraint(tokenizer, [t["function"] for t in functions], choice, True), tokenizer, vocabulary,
+                      [tokenizer.eos_token_id])
 
     def check(ids):
         twin = matcher.twin()

@@ -346,7 +346,7 @@ def create_app(engine: Engine, served_name: str, config: ServeConfig | None = No
         try:
             constraint = calls or Constraint.from_response_format(body.response_format or {"type": "text"})
             if constraint is not None:  # compiled here, so that a bad schema is a 400 before the request runs
-                Matcher(constraint, engine.target.tokenizer, engine.target.vocab_size)
+                Matcher(constraint, engine.target.tokenizer, engine.target.vocab_size, engine.target.eos_token_ids)
         except ConfigError as error:
             raise ApiError(400, str(error), "tools" if calls else "response_format") from None
         return ServeJob(ids, max_tokens, sampling, body.seed, body.stops, method, overrides, body.alternatives, bias,

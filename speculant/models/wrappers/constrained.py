@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import json
 import re
-from collections.abc import Mapping, Sequence
+from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass, field
 from functools import lru_cache
 from typing import Any
@@ -97,7 +97,11 @@ class Constraint:
             if spec.get("name") is not None and not SCHEMA_NAME.fullmatch(spec["name"]):
                 raise ConfigError(f"response_format json_schema's name must be 1 to 64 letters, digits, '_' or '-', "
                                   f"got {spec['name']!r:.80}")
-            if spec.get("strict") and (fault := strict_fault(schema)):
+            try:
+                fault = strict_fault(schema) if spec.get("strict") else None
+            except RecursionError:  # (nested past Python's stack, or a cycle: its compile below says so)
+                fault = None
+            if fault:
                 raise ConfigError(f"response_format json_schema is strict, and {fault}")
             return cls("json_schema", dict(schema))
         if kind in ("grammar", "regex"):
@@ -159,21 +163,29 @@ def _llguidance() -> Any:
 
 
 @lru_cache(maxsize=8)
-def _llg_tokenizer(tokenizer: Any, vocab_size: int) -> Any:
-    """llguidance's view of a Hugging Face tokenizer (built once per tokenizer: it walks the vocabulary)."""
-    return _llguidance().hf.from_tokenizer(tokenizer, n_vocab=vocab_size)
+def _llg_tokenizer(tokenizer: Any, vocab_size: int, eos_token_ids: tuple[int, ...]) -> Any:
+    """llguidance's view of a Hugging Face tokenizer (built once per tokenizer: it walks the vocabulary), whose
+    end-of-sequence tokens, where a grammar lets the text end, are the model's (those that end a generation)."""
+    try:
+        return _llguidance().hf.from_tokenizer(tokenizer, n_vocab=vocab_size, eos_token=list(eos_token_ids))
+    except ValueError as error:  # (a slow tokenizer; a decoder it cannot read: Metaspace, WordPiece, ...)
+        raise ConfigError(f"structured output: llguidance cannot read this tokenizer ({one_line(str(error)):.200})") \
+            from None
 
 
 class Matcher:
     """A grammar's state over generated tokens (llguidance's LLMatcher): which tokens may come next."""
 
-    def __init__(self, constraint: Constraint, tokenizer: Any, vocab_size: int):
+    def __init__(self, constraint: Constraint, tokenizer: Any, vocab_size: int, eos_token_ids: Collection[int]):
         llguidance = _llguidance()
         if tokenizer is None:
             raise ConfigError("structured output needs the model's tokenizer")
-        self.vocab_size = vocab_size
+        if not eos_token_ids:  # (the text would go on past the grammar's end: nothing could end it there)
+            raise ConfigError("structured output needs a model with an end-of-sequence token: the text ends with it")
+        self.vocab_size, self.eos_token_ids = vocab_size, tuple(sorted(eos_token_ids))
         self.constraint, self.tokenizer = constraint, tokenizer
-        self._matcher = llguidance.LLMatcher(_llg_tokenizer(tokenizer, vocab_size), constraint.text, log_level=0,
+        self._matcher = llguidance.LLMatcher(_llg_tokenizer(tokenizer, vocab_size, self.eos_token_ids), constraint.text,
+                                             log_level=0,
                                              limits=llguidance.LLParserLimits(max_items_in_row=MAX_ITEMS_IN_ROW))
         if self._matcher.is_error():
             raise ConfigError(f"the {constraint.kind} does not compile: {one_line(self._matcher.get_error())}")
@@ -184,7 +196,7 @@ class Matcher:
 
     def twin(self) -> Matcher:
         """A matcher of its own on the same grammar (drafting follows other prefixes than verification)."""
-        return Matcher(self.constraint, self.tokenizer, self.vocab_size)
+        return Matcher(self.constraint, self.tokenizer, self.vocab_size, self.eos_token_ids)
 
     def allowed(self) -> torch.Tensor:
         """[vocab_size] bool: the tokens that may come next."""
