@@ -36,9 +36,9 @@ from speculant.config import (
     reach_ray,
     with_default,
 )
-from speculant.drafters.spec import DEFAULT
+from speculant.drafters.spec import DEFAULT, check_dtype
 from speculant.errors import ConfigError, SpeculantError, interrupted
-from speculant.methods.drafting import check_dtype, held_drafters, takes_model_free, with_default_drafter
+from speculant.methods.drafting import held_drafters, takes_model_free, with_default_drafter
 from speculant.methods.registry import METHODS, all_options, chain_methods, get_method
 
 

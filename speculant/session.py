@@ -74,9 +74,10 @@ class Session:
         Drafter object passed in is the caller's to keep and is returned as loaded for this call only. A name
         registered again since (a notebook's cell run again) loads afresh, from its new factory."""
         from speculant.drafters.registry import DRAFTERS
-        from speculant.drafters.spec import DrafterSpec, as_drafter, load_drafter, model_free, resolved
+        from speculant.drafters.spec import DrafterSpec, as_drafter, check_dtype_of, load_drafter, model_free, resolved
 
         given = as_drafter(spec)
+        check_dtype_of(dtype, given)  # (where it loads none, a dtype meant for a method's other drafters passes it by)
         spec = resolved(given, self.target.name)  # (`default`: loaded once, under what it stands for)
         if spec is not given and dtype is not None and model_free(spec):
             raise ConfigError(f"drafter dtype {dtype} applies to a model drafter, and the catalog pairs none with "

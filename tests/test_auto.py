@@ -797,6 +797,18 @@ def test_options_for_token_trees_are_refused_where_every_model_drafter_has_anoth
                     max_new_tokens=8, tree_widths=(4,), schedule="stage", session=session).token_ids == expected
 
 
+def test_stage_scheduling_with_no_tree_widths_is_refused_before_loading():
+    """tree_widths=() asks for chains only, so auto:schedule=stage had nothing to schedule and was dropped without a
+    word; where trees are asked for, it stands."""
+    from speculant.errors import ConfigError
+    from speculant.methods import get_method
+
+    for make, widths in ((get_method("auto").make_options, ()), (get_method("auto").parse_options, "none")):
+        with pytest.raises(ConfigError, match="schedule stage applies to token trees, and tree_widths asks for none"):
+            make({"tree_widths": widths, "schedule": "stage"})
+    assert get_method("auto").make_options({"tree_widths": (2,), "schedule": "stage"}).schedule == "stage"
+
+
 def test_a_drafter_many_texts_showed_never_right_is_probed_again_once_texts_change():
     """After a run of texts where a drafter was never right its promise, and so its probe budget, fall near 0; the
     long-run counts age with every new text (`TEXT_AGE`), so it is probed again and drafts where it is now right,

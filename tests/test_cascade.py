@@ -12,6 +12,7 @@ from speculant.drafters.cascade import CascadeDrafter, default_k_matrix, parse_k
 from speculant.drafters.maxgram import MaxGramDrafter, bigram_table
 from speculant.drafters.model import ModelDrafter
 from speculant.errors import ConfigError, OptionError
+from speculant.methods import get_method
 from speculant.models.wrappers.metered import Usage
 from speculant.trees.tree import TokenTree
 from test_sampling import VOCAB as SMALL_VOCAB, assert_follows_target
@@ -141,6 +142,8 @@ def test_k_matrix_parsing_and_checks():
     assert parse_k_matrix("4,2;0,6", 2) == [[4, 2], [0, 6]]
     assert parse_k_matrix("3", 1) == [[3]]
     assert default_k_matrix([MaxGramDrafter()], 5) == [[5]]
+    options = get_method("cascade").make_options  # (a list's rows may be short as the text's: they were refused)
+    assert options({"drafters": ["self", "maxgram"], "k_matrix": [[3, 1], [2]]}).k_matrix == [[3, 1], [0, 2]]
     for text, levels in [("4,x", 1), ("4;2", 1), ("1,2,3;4", 2)]:
         with pytest.raises(ConfigError):
             CascadeDrafter([MaxGramDrafter()] * levels, parse_k_matrix(text, levels), 1.0, SamplingConfig(), None)

@@ -189,4 +189,17 @@ def test_a_group_size_is_int4_s_and_refused_where_nothing_takes_it():
             load_model(model, **kwargs)
     with pytest.raises(ConfigError, match="a loaded model runs as it is: group_size applies"):
         load_model(load_model(model), group_size=64)
-    assert load_model(model, quant="int4", group_size=16).name.endswith("@int4")
+    assert load_model(model, quant="int4", group_size=16).name == "LlamaForCausalLM@int4"  # (was "None@int4")
+
+
+@pytest.mark.parametrize("args, message", [
+    (("int4", 0), "group_size must be a positive integer"), (("int4", -1), "group_size must be a positive integer"),
+    (("int4", 1.5), "group_size must be a positive integer"), (("int8", 7), "group_size applies to int4"),
+    (("int3",), "unknown quantization 'int3'")])
+def test_quantized_copy_checks_what_load_model_checks(args, message):
+    """`quantized_copy`, which `load_model`'s refusal of a loaded model's quant points to, took a group size of 0
+    (ZeroDivisionError), -1 (a RuntimeError) or one int8 ignores, and any model (an AttributeError for a GGUF's)."""
+    with pytest.raises(ConfigError, match=message):
+        quantized_copy(tiny_model("llama", 0, VOCAB), *args)
+    with pytest.raises(ConfigError, match="a model on the transformers backend"):
+        quantized_copy(object(), "int8")

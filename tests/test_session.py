@@ -157,6 +157,19 @@ def test_a_plugin_whose_name_cannot_name_a_drafter_is_left_out_with_a_warning(mo
     assert sum("left out" in r.message for r in caplog.records) == 3
 
 
+def test_a_session_s_drafter_checks_the_dtype_it_is_given():
+    """`Session.drafter(spec, dtype)` took any dtype for a drafter that loads no model ("fp16" for maxgram,
+    "nonsense" for self); the dtype a method gives all its drafters still passes those that load none."""
+    target = tiny_model("llama", 1, 64)
+    session = Session(target)
+    for spec, dtype in (("maxgram", "fp16"), ("self", "nonsense")):
+        with pytest.raises(ConfigError, match=f"drafter dtype must be one of bf16, fp32, got '{dtype}'"):
+            session.drafter(spec, dtype)
+    with pytest.raises(ConfigError, match="runs its GGUF's own types"):
+        session.drafter("model.gguf", "fp32")
+    assert session.drafter("maxgram", "fp32").name == "maxgram"
+
+
 def test_two_sessions_on_one_target_keep_separate_learned_state():
     target = tiny_model("llama", 7, VOCAB)
     prompt = random_prompt(5, VOCAB, 6) * 3

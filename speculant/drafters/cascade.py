@@ -47,7 +47,12 @@ def parse_k_matrix(text: str, levels: int) -> list[list[int]]:
         raise ConfigError(f"the K matrix must be integers like '4,2;0,6', got '{text}'") from None
     if len(rows) != levels:
         raise ConfigError(f"the K matrix needs one row per drafter level ({levels}), got {len(rows)}")
-    return [[0] * (levels - len(row)) + row if len(row) == levels - i else row for i, row in enumerate(rows)]
+    return full_rows(rows, levels)
+
+
+def full_rows(rows: list[list[int]], levels: int) -> list[list[int]]:
+    """Each row i that gives only its upper-triangular part (levels - i entries) with its i leading zeros."""
+    return [[0] * (levels - len(row)) + list(row) if len(row) == levels - i else row for i, row in enumerate(rows)]
 
 
 def default_k_matrix(levels: list[Drafter], k: int) -> list[list[int]]:
@@ -66,8 +71,11 @@ def check_k_matrix(matrix: list[list[int]], levels: int) -> list[list[int]]:
     what is wrong with it."""
     if not isinstance(matrix, (list, tuple)) or not all(isinstance(row, (list, tuple)) for row in matrix):
         raise ConfigError("the K matrix is a list of rows of integers")
+    if len(matrix) == levels:
+        matrix = full_rows(matrix, levels)
     if len(matrix) != levels or any(len(row) != levels for row in matrix):
-        raise ConfigError(f"the K matrix must be {levels} x {levels}, one row and column per drafter level")
+        raise ConfigError(f"the K matrix must be {levels} x {levels}, one row and column per drafter level (row i "
+                          "may give only its last levels - i entries)")
     matrix = [[as_integer(v) for v in row] for row in matrix]
     if any(v is None for row in matrix for v in row):
         raise ConfigError("K matrix entries must be integers")

@@ -8,18 +8,20 @@ before anything loads)."""
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from speculant.config import GGUF, LEAN, QUANTS, SUFFIXES, split_quant
-from speculant.errors import ConfigError, IncompatibleModels
+from speculant.errors import ConfigError, IncompatibleModels, OptionError
 
 MAXGRAM = "maxgram"  # prompt lookup with a bigram fallback, no model (drafters.maxgram)
 SELF = "self"  # the target's own weights (quantized with @int8 / @int4, else shared)
 SKIP = "skip"  # self@skip: a lean target's own weights with some layers left out (models/backends/layer_skip.py)
 MODEL = "model"  # the kind of a spec naming a model to load (a catalog name, Hugging Face id or path)
 DEFAULT = "default"  # the target's catalog drafter where the catalog pairs it one, else maxgram (`resolved`)
+DRAFTER_DTYPES = ("bf16", "fp32")  # what a model drafter named by its catalog name, HF id or path may load in
 
 
 @dataclass(frozen=True)
@@ -123,6 +125,47 @@ def checked(drafter: Any, target: Any, registered: str | None = None) -> Any:
     if own or isinstance(drafter, Checked):
         return drafter
     return Checked(drafter, target.vocab_size, registered if getattr(drafter, "name", None) == Drafter.name else None)
+
+
+def takes_dtype(drafter: Any) -> bool:
+    """Whether `drafter` is the spec of a model that loads in a drafter dtype: not a GGUF run as stored (`@gguf`,
+    `@lean`, a .gguf file), not `self` (the target's weights) nor a drafter that runs no model. `default` may stand
+    for one (where it stands for none, `with_default_drafter` and `Session.drafter` refuse the dtype)."""
+    if not isinstance(drafter, DrafterSpec):
+        return False
+    return drafter.kind == DEFAULT or (drafter.kind == MODEL and drafter.backend is None
+                                       and not drafter.source.endswith(".gguf"))
+
+
+def check_dtype_of(dtype: str | None, drafter: Any = None) -> None:
+    """A drafter dtype given with `drafter` (one of a method's drafters: the dtype goes to those that load in one) is
+    refused where it is none of DRAFTER_DTYPES, or where `drafter` names a GGUF that runs its own types."""
+    if dtype is None:
+        return
+    if dtype not in DRAFTER_DTYPES:
+        raise OptionError("drafter_dtype", f"drafter dtype must be one of {', '.join(DRAFTER_DTYPES)}, got {dtype!r}")
+    if isinstance(drafter, DrafterSpec) and drafter.kind == MODEL and not takes_dtype(drafter):
+        raise ConfigError(f"drafter dtype {dtype}: {drafter} runs its GGUF's own types; give no drafter dtype")
+
+
+def check_dtype(dtype: str | None, drafters: Sequence[Any]) -> None:
+    """A drafter dtype is refused, before anything loads, where `check_dtype_of` refuses it for one of `drafters`, or
+    where none of them loads in it (Max-Gram, suffix and `self` load none; a given model keeps its own): never
+    silently ignored."""
+    if dtype is None:
+        return
+    for drafter in (None, *drafters):  # (None: the dtype's name checked where no drafter is given)
+        check_dtype_of(dtype, drafter)
+    if not any(map(takes_dtype, drafters)):
+        raise ConfigError(f"drafter dtype {dtype} applies to a model drafter named by its catalog name, Hugging Face "
+                          f"id or path; {', '.join(map(named, drafters))} loads none")
+
+
+def named(drafter: Any) -> str:
+    """A drafter as a message names it: its spec, or a given object's name or type (not a module's whole repr)."""
+    if isinstance(drafter, (str, DrafterSpec)):
+        return str(drafter)
+    return str(getattr(drafter, "name", None) or type(drafter).__name__)
 
 
 def load_drafter(drafter: Any, target: Any, dtype: str | None = None, session: Any = None) -> Any:

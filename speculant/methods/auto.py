@@ -10,9 +10,9 @@ from dataclasses import dataclass, fields, replace
 from typing import Any
 
 from speculant.config import AUTO, CATCH_UPS, REQUEST_MOST, REQUEST_NODES, SCHEDULES, as_integer, integer, option
-from speculant.drafters.spec import as_drafter, model_free
+from speculant.drafters.spec import DRAFTER_DTYPES, as_drafter, model_free
 from speculant.errors import ConfigError, OptionError
-from speculant.methods.drafting import DRAFTER_DTYPES, as_drafters, check_drafters, parse_drafters
+from speculant.methods.drafting import as_drafters, check_drafters, parse_drafters
 from speculant.methods.registry import Request, register
 
 MODEL_PRIOR = 0.6  # a model drafter's acceptance before any observation
@@ -109,6 +109,9 @@ class AutoOptions:
             object.__setattr__(self, "tree_widths", typed_widths(self.tree_widths))
         if self.tree_widths != AUTO and any(w < 2 for w in self.tree_widths):
             raise ConfigError(f"tree widths must be >= 2 (1 is a chain), got {min(self.tree_widths)}")
+        if self.schedule != "serial" and not self.tree_widths:  # (it would be dropped without a word)
+            raise OptionError("schedule", f"schedule {self.schedule} applies to token trees, and tree_widths asks for "
+                              "none (chains only)")
         if self.schedule not in SCHEDULES:
             raise ConfigError(f"schedule must be one of {', '.join(SCHEDULES)}, got {self.schedule!r}")
         if self.catch_up not in CATCH_UPS:

@@ -8,9 +8,9 @@ from dataclasses import dataclass
 from typing import Any
 
 from speculant.config import REQUEST_MOST, option
-from speculant.drafters.spec import MAXGRAM, DrafterSpec
+from speculant.drafters.spec import DRAFTER_DTYPES, MAXGRAM, DrafterSpec
 from speculant.errors import ConfigError, OptionError
-from speculant.methods.drafting import DRAFTER_DTYPES, as_drafters, check_drafters, parse_drafters
+from speculant.methods.drafting import as_drafters, check_drafters, parse_drafters
 from speculant.methods.registry import Request, register
 
 

@@ -4,16 +4,14 @@ generation (`with_drafters`, through `Session.drafter`)."""
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from dataclasses import dataclass, fields, replace
 from typing import Any, ClassVar
 
 from speculant.config import BACKENDS, option
-from speculant.drafters.spec import DEFAULT, MODEL, SELF, DrafterSpec, as_drafter, model_free, resolved
+from speculant.drafters.spec import (DEFAULT, DRAFTER_DTYPES, SELF, DrafterSpec, as_drafter, check_dtype, model_free,
+                                    resolved)
 from speculant.errors import ConfigError, OptionError
-
-DRAFTER_DTYPES = ("bf16", "fp32")
-
 
 def parse_drafters(text: str) -> tuple[DrafterSpec, ...]:
     """`a@int8,b,maxgram` -> their specs, in order (none for empty text); a name left empty is refused."""
@@ -81,39 +79,6 @@ def check_drafters(options: Any) -> None:
             raise OptionError(name, f"{name} must be a drafter's name, a model or a Drafter, not "
                               f"{type(odd[0]).__name__}")
     check_dtype(options.drafter_dtype, held_drafters(options))
-
-
-def takes_dtype(drafter: Any) -> bool:
-    """Whether `drafter` is the spec of a model that loads in a drafter dtype: not a GGUF run as stored (`@gguf`,
-    `@lean`, a .gguf file), not `self` (the target's weights) nor a drafter that runs no model. `default` may stand
-    for one (where it stands for none, `with_default_drafter` and `Session.drafter` refuse the dtype)."""
-    if not isinstance(drafter, DrafterSpec):
-        return False
-    return drafter.kind == DEFAULT or (drafter.kind == MODEL and drafter.backend is None
-                                       and not drafter.source.endswith(".gguf"))
-
-
-def check_dtype(dtype: str | None, drafters: Sequence[Any]) -> None:
-    """A drafter dtype is refused, before anything loads, where it is none of DRAFTER_DTYPES, where `drafters` name a
-    GGUF that runs its own types, or none that loads in it (Max-Gram, suffix and `self` load none; a given model keeps
-    its own): never silently ignored."""
-    if dtype is None:
-        return
-    if dtype not in DRAFTER_DTYPES:
-        raise OptionError("drafter_dtype", f"drafter dtype must be one of {', '.join(DRAFTER_DTYPES)}, got {dtype!r}")
-    if gguf := next((d for d in drafters if isinstance(d, DrafterSpec) and d.kind == MODEL and not takes_dtype(d)),
-                    None):
-        raise ConfigError(f"drafter dtype {dtype}: {gguf} runs its GGUF's own types; give no drafter dtype")
-    if not any(map(takes_dtype, drafters)):
-        raise ConfigError(f"drafter dtype {dtype} applies to a model drafter named by its catalog name, Hugging Face "
-                          f"id or path; {', '.join(map(named, drafters))} loads none")
-
-
-def named(drafter: Any) -> str:
-    """A drafter as a message names it: its spec, or a given object's name or type (not a module's whole repr)."""
-    if isinstance(drafter, (str, DrafterSpec)):
-        return str(drafter)
-    return str(getattr(drafter, "name", None) or type(drafter).__name__)
 
 
 def drafters_by_field(options: Any) -> dict[str, list[Any]]:

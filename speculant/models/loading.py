@@ -17,7 +17,7 @@ import torch
 from safetensors import SafetensorError
 
 from speculant.cache import cache_root
-from speculant.config import AUTO, BACKENDS, GGUF, LEAN, as_integer
+from speculant.config import AUTO, BACKENDS, GGUF, LEAN, QUANTS, as_integer
 from speculant.errors import ConfigError, ModelNotAvailable
 from speculant.machine import native_bf16
 from speculant.models.base import CausalLM, adopted
@@ -70,12 +70,19 @@ def resolve_device(device: str) -> torch.device:
     return parsed
 
 
-def quantized_copy(model: HFCausalLM, quant: str, group_size: int = 32) -> HFCausalLM:
-    """A quantized copy of a loaded model's weights, e.g. the target as its own drafter (`self@int8`)."""
+def quantized_copy(model: HFCausalLM, quant: str, group_size: int | None = None) -> HFCausalLM:
+    """A quantized copy of a loaded transformers model's weights, e.g. the target as its own drafter (`self@int8`);
+    `group_size` is int4's (default 32)."""
     from speculant.models.backends.hf import HFCausalLM
-    from speculant.models.numerics.quant import quantize
+    from speculant.models.numerics.quant import GROUP_SIZE, quantize
 
-    copy = quantize(deepcopy(model.model), quant, group_size)
+    if not isinstance(model, HFCausalLM):
+        raise ConfigError(f"quantized_copy quantizes a model on the transformers backend (hf), not "
+                          f"{type(model).__name__}")
+    if quant not in QUANTS:
+        raise ConfigError(f"unknown quantization {quant!r} (choose from {', '.join(QUANTS)})")
+    check_group_size(group_size, quant)
+    copy = quantize(deepcopy(model.model), quant, group_size or GROUP_SIZE)
     identity = f"{model.identity}@{quant}" if model.identity else None
     return HFCausalLM(copy, model.tokenizer, f"{model.name}@{quant}", model.eos_token_ids, identity)
 
@@ -284,6 +291,16 @@ def check_gguf_dtype(spec: Any, backend: str, dtype: str | None) -> None:
         raise ConfigError(f"{spec} runs its GGUF's own types (on the {backend} backend): give no dtype")
 
 
+def check_group_size(group_size: Any, quant: str | None = "int4") -> None:
+    """Refuse a `group_size` that is no positive integer, or given to a quantization other than int4's."""
+    if group_size is None:
+        return
+    if as_integer(group_size) is None or group_size < 1:
+        raise ConfigError(f"group_size must be a positive integer, got {group_size!r}")
+    if quant != "int4":
+        raise ConfigError("group_size applies to int4 quantization (quant='int4' or a name@int4)")
+
+
 def load_model(spec: Any, dtype: str | None = None, device: str | None = None, tokenizer: Any | None = None,
                quant: str | None = None, group_size: int | None = None, backend: str | None = None,
                compile: bool = False) -> CausalLM:
@@ -312,16 +329,14 @@ def load_model(spec: Any, dtype: str | None = None, device: str | None = None, t
     if tokenizer is not None and not hasattr(tokenizer, "convert_tokens_to_ids"):
         raise ConfigError(f"tokenizer must be a loaded tokenizer (transformers' AutoTokenizer.from_pretrained), not "
                           f"{type(tokenizer).__name__}")
-    if group_size is not None and (as_integer(group_size) is None or group_size < 1):
-        raise ConfigError(f"group_size must be a positive integer, got {group_size!r}")
+    check_group_size(group_size)
     if isinstance(spec, str):
         name, suffix = split_quant(spec)
         if suffix is not None and quant is not None:
             raise ConfigError(f"quantization given twice: '{spec}' and quant={quant}")
         spec, quant = name, suffix or quant
     check_suffix(quant)
-    if group_size is not None and quant != "int4":
-        raise ConfigError("group_size applies to int4 quantization (quant='int4' or a name@int4)")
+    check_group_size(group_size, quant)
     if isinstance(spec, (str, Path)):
         check_name(str(spec))
     if dtype not in (None, AUTO, *DTYPES):
@@ -332,7 +347,7 @@ def load_model(spec: Any, dtype: str | None = None, device: str | None = None, t
     check_gguf_dtype(spec, chosen, dtype)
     if chosen in ("llamacpp", "lean"):
         return load_gguf(spec, tokenizer) if chosen == "llamacpp" else load_lean(spec, tokenizer, quant == LEAN)
-    from speculant.models.backends.hf import HFCausalLM, eos_ids  # (transformers' models: imported when they load)
+    from speculant.models.backends.hf import HFCausalLM, eos_ids, model_name  # (transformers' models: on their load)
 
     model, tokenizer, name, extra_eos = _load_transformers(spec, dtype, device, tokenizer)
     identity = f"{name} {dtype_name(model.dtype)}" if isinstance(spec, (str, Path)) else None
@@ -348,7 +363,7 @@ def load_model(spec: Any, dtype: str | None = None, device: str | None = None, t
         if model is spec:
             model = deepcopy(spec)  # quantization rewrites the modules: never the caller's
         quantize(model, quant, group_size or GROUP_SIZE)
-        name = f"{name}@{quant}"
+        name = f"{name or model_name(model)}@{quant}"
         identity = identity and f"{name} {dtype_name(model.dtype)}"
     return HFCausalLM(model, tokenizer, name, extra_eos, identity)
 

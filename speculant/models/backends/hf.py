@@ -31,6 +31,11 @@ def cache_argument(model: PreTrainedModel) -> str:
     return "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
 
 
+def model_name(model: PreTrainedModel) -> str:
+    """What a transformers model object is called where no name was given: its checkpoint's, else its class's."""
+    return getattr(model.config, "_name_or_path", "") or type(model).__name__
+
+
 def eos_ids(model: PreTrainedModel, tokenizer: Any | None) -> frozenset[int]:
     """Every token id that ends generation: the generation config's, the model config's, the tokenizer's."""
     ids: set[int] = set()
@@ -126,7 +131,7 @@ class HFCausalLM(Backend):
         self.model = model
         self.kernel = kernel  # the batch-invariant linear kernel
         self.tokenizer = tokenizer
-        self.name = name or getattr(model.config, "_name_or_path", "") or type(model).__name__
+        self.name = name or model_name(model)
         self.identity = identity  # what the weights are when loaded by name: machine profiles persist per identity
         self.vocab_size = model.get_output_embeddings().out_features  # width of a logits row
         self.eos_token_ids = eos_ids(model, tokenizer) | extra_eos
