@@ -302,7 +302,8 @@ def index() -> str:
              "this VM's speed drifts between runs, so compare rows of one run only. Runs that later runs superseded "
              "are removed from the tree and listed in [CHANGELOG.md](../../CHANGELOG.md) with the commit that holds "
              "them (`git show COMMIT:docs/results/NAME/report.md`). Bench directories keep their `report.md` and most "
-             "their raw rows (`results.json`); where those are missing, they are in git at the commit named.\n"]
+             "their raw rows (`results.json`); the others' rows were left out of the tree, and of git for some runs "
+             "(`git log -- docs/results/NAME` shows what it holds).\n"]
     group = None
     for name, (g, what, command, machine, commit) in ENTRIES.items():
         if g != group:

@@ -34,8 +34,9 @@ def stream_seconds(token: int, n: int) -> float:
 
 def worst_mask_seconds(items_in_row: int, steps: int = 300) -> tuple[float, int]:
     """The slowest mask over up to `steps` tokens of the ambiguous grammar, and the steps before it failed."""
-    matcher = llguidance.LLMatcher(_llg_tokenizer(byte_tokenizer(), 257), Constraint("grammar", AMBIGUOUS).text,
-                                   log_level=0, limits=llguidance.LLParserLimits(max_items_in_row=items_in_row))
+    tokenizer = _llg_tokenizer(byte_tokenizer(), 257, (256,))  # (256: its <eos>)
+    matcher = llguidance.LLMatcher(tokenizer, Constraint("grammar", AMBIGUOUS).text, log_level=0,
+                                   limits=llguidance.LLParserLimits(max_items_in_row=items_in_row))
     worst = 0.0
     for step in range(1, steps + 1):
         start = time.perf_counter()

@@ -7,7 +7,8 @@ from collections import Counter
 
 import pytest
 import torch
-from helpers import ARCHS, bpe_tokenizer, byte_tokenizer, every_method, perturbed, tiny_model, total_variation
+from helpers import (ARCHS, bpe_tokenizer, byte_tokenizer, every_method, perturbed, tiny_model, tiny_transformer,
+                     total_variation)
 
 from speculant import generate
 from speculant.errors import ConfigError
@@ -140,6 +141,21 @@ def test_structured_output_needs_an_end_of_sequence_token_and_a_tokenizer_llguid
     with pytest.raises(ConfigError, match="llguidance cannot read this tokenizer"):
         generate(tiny_model("llama", 1, len(unread), tokenizer=unread), "abc", method="ar", max_new_tokens=4,
                  response_format={"type": "regex", "regex": "ab"})
+
+
+def test_the_grammar_ends_the_text_with_the_model_s_end_of_sequence_tokens():
+    """The text a grammar completes ends with any token that ends the model's generation: llguidance's end was the
+    tokenizer's `eos_token_id` alone, so a model's other end tokens (a chat model's turn end beside the tokenizer's
+    text end) were masked where the text was complete, and an id past the logits was its error."""
+    from speculant.models import HFCausalLM
+
+    target = HFCausalLM(tiny_transformer("llama", 0, vocab=257), byte_tokenizer(), name="t", extra_eos=frozenset({7}))
+    regex = {"type": "regex", "regex": "ab"}
+    for method, options in (("ar", {}), ("sd", {"drafter": "self"})):
+        assert generate(target, prompt_ids=[1, 2], method=method, max_new_tokens=6, response_format=regex,
+                        logit_bias={7: 50.0}, **options).token_ids == [97, 98, 7]  # (7 was masked: 256 ended it)
+    past = HFCausalLM(tiny_transformer("llama", 0, vocab=257), byte_tokenizer(), name="t", extra_eos=frozenset({300}))
+    assert generate(past, prompt_ids=[1, 2], method="ar", max_new_tokens=6, response_format=regex).text == "ab"
 
 
 def test_dsi_refuses_structured_output():

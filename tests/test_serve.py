@@ -361,7 +361,8 @@ def test_openai_client_completions_chat_and_streams(server):
     assert chunks[-1].usage.completion_tokens == chat.usage.completion_tokens
     assert all("usage" in c.model_fields_set and c.usage is None for c in chunks[:-1])  # (a null, as OpenAI's)
     assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == chat.choices[0].finish_reason
-    chunks = list(client.completions.create(model="tiny", prompt="def f(x):", max_tokens=20, temperature=0, stream=True))
+    chunks = list(client.completions.create(model="tiny", prompt="def f(x):", max_tokens=20, temperature=0,
+                                            stream=True))
     assert "".join(c.choices[0].text for c in chunks) == done.choices[0].text
     assert not any("usage" in c.model_fields_set for c in chunks)  # (no usage asked for: none)
 

@@ -109,11 +109,11 @@ class AutoOptions:
             object.__setattr__(self, "tree_widths", typed_widths(self.tree_widths))
         if self.tree_widths != AUTO and any(w < 2 for w in self.tree_widths):
             raise ConfigError(f"tree widths must be >= 2 (1 is a chain), got {min(self.tree_widths)}")
+        if self.schedule not in SCHEDULES:
+            raise ConfigError(f"schedule must be one of {', '.join(SCHEDULES)}, got {self.schedule!r}")
         if self.schedule != "serial" and not self.tree_widths:  # (it would be dropped without a word)
             raise OptionError("schedule", f"schedule {self.schedule} applies to token trees, and tree_widths asks for "
                               "none (chains only)")
-        if self.schedule not in SCHEDULES:
-            raise ConfigError(f"schedule must be one of {', '.join(SCHEDULES)}, got {self.schedule!r}")
         if self.catch_up not in CATCH_UPS:
             raise ConfigError(f"catch_up must be one of {', '.join(CATCH_UPS)}, got {self.catch_up!r}")
         if self.probe_every < 1:

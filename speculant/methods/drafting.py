@@ -13,6 +13,7 @@ from speculant.drafters.spec import (DEFAULT, DRAFTER_DTYPES, SELF, DrafterSpec,
                                     resolved)
 from speculant.errors import ConfigError, OptionError
 
+
 def parse_drafters(text: str) -> tuple[DrafterSpec, ...]:
     """`a@int8,b,maxgram` -> their specs, in order (none for empty text); a name left empty is refused."""
     names = [name.strip() for name in text.split(",")] if text.strip() else []

@@ -291,7 +291,7 @@ def check_gguf_dtype(spec: Any, backend: str, dtype: str | None) -> None:
         raise ConfigError(f"{spec} runs its GGUF's own types (on the {backend} backend): give no dtype")
 
 
-def check_group_size(group_size: Any, quant: str | None = "int4") -> None:
+def check_group_size(group_size: Any, quant: str | None) -> None:
     """Refuse a `group_size` that is no positive integer, or given to a quantization other than int4's."""
     if group_size is None:
         return
@@ -329,7 +329,6 @@ def load_model(spec: Any, dtype: str | None = None, device: str | None = None, t
     if tokenizer is not None and not hasattr(tokenizer, "convert_tokens_to_ids"):
         raise ConfigError(f"tokenizer must be a loaded tokenizer (transformers' AutoTokenizer.from_pretrained), not "
                           f"{type(tokenizer).__name__}")
-    check_group_size(group_size)
     if isinstance(spec, str):
         name, suffix = split_quant(spec)
         if suffix is not None and quant is not None:

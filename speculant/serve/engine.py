@@ -437,8 +437,9 @@ class Engine:
             decoder.close()
         stopped = text.stopped
         piece = text.flush()
-        if text.stopped and not stopped:  # (a stop string that ends in U+FFFD, found as the rest settles, also after
-            finish = "stop"  # the end of sequence)
+        # A stop string that ends in U+FFFD, found as the rest settles (also after the end-of-sequence token):
+        if text.stopped and not stopped:
+            finish = "stop"
             del entries[text.covering():]
         if piece or unsent < len(entries):
             on_text(piece, entries[unsent:])

@@ -180,9 +180,10 @@ class Matcher:
         llguidance = _llguidance()
         if tokenizer is None:
             raise ConfigError("structured output needs the model's tokenizer")
-        if not eos_token_ids:  # (the text would go on past the grammar's end: nothing could end it there)
+        ends = tuple(sorted(t for t in eos_token_ids if t < vocab_size))  # (one past the logits is never generated)
+        if not ends:  # (the text would go on past the grammar's end: nothing could end it there)
             raise ConfigError("structured output needs a model with an end-of-sequence token: the text ends with it")
-        self.vocab_size, self.eos_token_ids = vocab_size, tuple(sorted(eos_token_ids))
+        self.vocab_size, self.eos_token_ids = vocab_size, ends
         self.constraint, self.tokenizer = constraint, tokenizer
         self._matcher = llguidance.LLMatcher(_llg_tokenizer(tokenizer, vocab_size, self.eos_token_ids), constraint.text,
                                              log_level=0,
