@@ -197,9 +197,10 @@ class RunConfig:
 
     max_new_tokens: int = option(128, "stop after this many new tokens")
     seed: int | None = option(None, "seed of the one random generator (sampling only: a named method repeats its "
-                                     "output under one seed, but for auto and a tree of auto sizes, whose choices "
-                                     "follow measured times, and dsi, whose drafts arrive as its drafter threads and "
-                                     "servers run: theirs may differ, their distribution never)")
+                                     "output under one seed, but for auto and a tree whose choices follow measured "
+                                     "times (an auto size or verify width, a target profile, a depth predictor: "
+                                     "train-depth's is read by default), and dsi, whose drafts arrive as its drafter "
+                                     "threads and servers run: theirs may differ, their distribution never)")
 
     def __post_init__(self) -> None:
         if self.max_new_tokens < 1:
