@@ -878,10 +878,11 @@ def run_serve(args: argparse.Namespace) -> None:
 def check_target(target: str, config: ModelConfig, options: Any, backend: str | None = None,
                  dtype: str | None = None) -> str:
     """The backend the target will load on; refuse, before it loads, a backend its name refuses (`@gguf` off
-    llama.cpp, a .gguf file on transformers) and `options` its backend cannot run (`methods.drafting.needs`): DSI
-    where the backend makes no replicas, `self@skip` off the lean backend. `backend` and `dtype`: a bench method's
-    own."""
-    from speculant.methods.drafting import elsewhere, needs, unmet
+    llama.cpp, a .gguf file on transformers), a model drafter's suffix its weights refuse as well, and `options` its
+    backend cannot run (`methods.drafting.needs`): DSI where the backend makes no replicas, `self@skip` off the lean
+    backend. `backend` and `dtype`: a bench method's own."""
+    from speculant.drafters.spec import MODEL, DrafterSpec
+    from speculant.methods.drafting import elsewhere, held_drafters, needs, unmet
     from speculant.models import split_quant
     from speculant.models.backends import capabilities_of
     from speculant.models.loading import check_gguf_dtype, resolve_backend
@@ -889,6 +890,12 @@ def check_target(target: str, config: ModelConfig, options: Any, backend: str | 
     name, quant = split_quant(target)  # (a backend the target's name or suffix refuses is refused here too)
     backend = resolve_backend(backend or config.backend, name, quant, config.device, dtype or config.dtype)
     check_gguf_dtype(target, backend, dtype or config.dtype)
+    for drafter in held_drafters(options) if options is not None else ():
+        if isinstance(drafter, DrafterSpec) and drafter.kind == MODEL and (given := split_quant(str(drafter)))[1]:
+            try:  # (@gguf or @lean of transformers weights, @int8 of a GGUF's)
+                resolve_backend(None, *given, None, None)
+            except ConfigError as error:
+                raise ConfigError(f"drafter {drafter}: {error}") from None
     if needs(options):
         if need := unmet(options, capabilities_of(backend)):
             raise ConfigError(f"{need[1]}: the {backend} backend does not offer that "
@@ -1036,10 +1043,10 @@ def check_outputs(args: argparse.Namespace) -> None:
             continue
         check_output(Path(getattr(args, name)), args.out_kind if name == "out" else FILE, name)
     for path in companions(args):
-        check_output(path, FILE, "out")
-    if getattr(args, "out", None) and args.out_kind == DIRECTORY:  # (one of its files there already: checked as a
-        for path in (Path(args.out) / name for name in written_in(args)):  # file --out names, before the work)
-            if path.is_file():
+        check_output(path, args.out_kind, "out")
+    if getattr(args, "out", None) and args.out_kind == DIRECTORY:  # (one of its files there already, or a directory
+        for path in (Path(args.out) / name for name in written_in(args)):  # in its place: checked as a file --out
+            if path.exists():  # names, before the work)
                 check_output(path, FILE, "out")
 
 

@@ -192,6 +192,9 @@ def test_prompts_with_a_response_format_are_followed_by_every_method(tiny_dir, t
     (tmp_path / "bad.jsonl").write_text('{"prompt": "a", "response_format": {"type": "xml"}}\n')
     with pytest.raises(ConfigError, match=r"bad.jsonl:1: response_format type must be one of"):
         load_dataset(str(tmp_path / "bad.jsonl"))
+    (tmp_path / "text.jsonl").write_text('{"prompt": "a", "response_format": {"type": "text"}}\n')
+    assert load_dataset(str(tmp_path / "text.jsonl"))[0].response_format is None  # (free text: acceptance took it
+    # for structured output, and --ignore-response-format for a format to ignore)
 
 
 def test_dsi_in_the_matrix_keeps_its_servers_across_prompts(tiny_dir):
@@ -221,7 +224,7 @@ def test_dsi_in_the_matrix_runs_its_servers_as_its_spec_says(tiny_dir):
     """The servers a bench run starts for a DSI method carry its own options, as `generate` starts them: the twin's
     padding (a run's time at least its forwards' padded time) and the method's sampling (its servers sample alike)."""
     target = HFCausalLM(tiny_transformer("llama", 0, 257), byte_tokenizer(), "tiny")
-    methods = [parse_method("dsi:drafter=maxgram,twin_latency=60,1"),
+    methods = [parse_method("dsi:drafter=maxgram,twin_latency=60,0"),
                parse_method("dsi:drafter=maxgram,lookahead=2,temperature=1")]
     rows = run_matrix(lambda dtype, backend: target, methods, [Prompt("p1", "def f(x):")], 4, seed=0)
     padded, sampled = rows

@@ -258,12 +258,12 @@ def test_dsi_from_the_command_line(model_dirs, capsys, tmp_path):
     common = ["generate", "hello", "--target", model_dirs["target"], "--dtype", "fp32", "--max-new-tokens", "16", "--json"]
     ar = json.loads(run(capsys, *common, "--drafter", "none")[1])
     code, out, err = run(capsys, *common, "--method", "dsi", "--drafter", model_dirs["drafter"], "--servers", "2",
-                         "--twin-latency", "6,1", "--timeline", str(tmp_path / "t.png"))
+                         "--twin-latency", "6,1", "--timeline", str(tmp_path / "t"))
     assert code == 0, err
     dsi = json.loads(out)
     assert dsi["token_ids"] == ar["token_ids"] and dsi["stats"]["method"] == "dsi"
     assert dsi["stats"]["dsi"]["lookahead"] == 3 and len(dsi["stats"]["dsi"]["servers"]) == 2
-    assert (tmp_path / "t.png").stat().st_size > 1000
+    assert (tmp_path / "t").read_bytes()[:4] == b"\x89PNG" and f"wrote {tmp_path / 't'}" in err  # (not at t.png)
     # several drafters (`--drafters`): the drafter left unnamed is not given too (its `default` was resolved first)
     code, out, err = run(capsys, *common, "--method", "dsi", "--drafters", f"maxgram,{model_dirs['drafter']}")
     assert code == 0 and json.loads(out)["token_ids"] == ar["token_ids"], err
@@ -399,6 +399,7 @@ def test_bad_files_paths_and_settings_are_one_line_before_any_model_loads(tmp_pa
     (tmp_path / "page.gguf").write_text("<html>not found</html>")
     (tmp_path / "file").write_text("")
     (tmp_path / "empty.json").write_text("{}")
+    (tmp_path / "taken" / "results.json").mkdir(parents=True)  # (where a bench run writes its rows, a directory)
     writer = gguf.GGUFWriter(str(tmp_path / "header.gguf"), "llama")  # a GGUF file's header, nothing more
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
@@ -427,6 +428,13 @@ def test_bad_files_paths_and_settings_are_one_line_before_any_model_loads(tmp_pa
             (["bench", "--methods", "ar", "--out", str(tmp_path / "file" / "run"), *target], "file is a file, not a"),
             (["bench", "--methods", "ar", "--out", "/proc/speculant-run", *target], "nothing can be written in /proc"),
             (["simulate", "heatmap", "--out", str(tmp_path / "file" / "maps")], "file is a file, not a directory"),
+            (["bench", "--methods", "ar", "--out", str(tmp_path / "taken"), *target], "is a directory: it names a file"),
+            (["generate", "x", *target, "--method", "dsi", "--drafter", "maxgram", "--twin-latency", "30,2"],
+             "pads the drafter maxgram to 2 ms a forward, and it runs none"),
+            (["generate", "x", *target, "--method", "cascade", "--drafters", "maxgram", "--leniency", "2"],
+             "no level of this cascade reviews another"),
+            (["generate", "x", *target, "--drafter", f"{tmp_path / 'cut'}@gguf"], "the llamacpp backend runs GGUF"),
+            (["generate", "x", *target, "--drafter", "qwen2.5-coder-0.5b@gguf@int8"], "has more than one @ suffix"),
             (["serve", *target, "--ray-cluster", "foo"], "'foo' is no Ray cluster's address"),
             (["serve", *target, "--ray-cluster", "127.0.0.1:1"], "no Ray cluster answers at"),
             (["serve", *target, "--ray-cluster", f"127.0.0.1:{web.server_address[1]}"], "is no Ray cluster (it speaks"),
@@ -834,6 +842,15 @@ def test_a_schema_may_come_through_a_pipe():
         assert read_constraint(f"/dev/fd/{read}", None).value == {"type": "object"}
     finally:
         os.close(read)
+
+
+def test_train_depth_makes_the_directories_of_every_predictor_it_writes(tmp_path):
+    """With one input kind train-depth made --out's missing directories; with several, their files' directories
+    were refused as missing (checked as a file --out names where the command makes none)."""
+    for inputs in ([], ["--inputs", "hidden", "features"]):
+        args = cli.build_parser().parse_args(["train-depth", "--target", "t", "--drafter", "d", *inputs,
+                                              "--out", str(tmp_path / "new" / "sub" / "p.json")])
+        cli.check_outputs(args)  # (no refusal: the directories are made)
 
 
 def test_a_drafter_dtype_nothing_loads_in_is_one_line_before_any_model_loads(capsys, monkeypatch):

@@ -97,7 +97,8 @@ def load_jsonl(path: Path) -> list[Prompt]:
             try:
                 if not isinstance(response_format, dict):
                     raise ConfigError("response_format must be an object")
-                Constraint.from_response_format(response_format)
+                if Constraint.from_response_format(response_format) is None:
+                    response_format = None  # ({"type": "text"}: free text, as OpenAI's)
             except ConfigError as error:
                 raise ConfigError(f"{path}:{number}: {error}") from None
         prompts.append(Prompt(record_id, text, str(record.get("category", "all")), chat, response_format))

@@ -50,6 +50,14 @@ def parse_k_matrix(text: str, levels: int) -> list[list[int]]:
     return full_rows(rows, levels)
 
 
+def unreviewed(leniency: float) -> OptionError:
+    """The refusal of a leniency where no level of a cascade reviews another (no model level above another level):
+    it would change nothing."""
+    return OptionError("leniency", f"leniency {leniency} relaxes a model level's review of the levels below it, and "
+                       "no level of this cascade reviews another: give 1, or a model drafter of the target's "
+                       "vocabulary above another level")
+
+
 def full_rows(rows: list[list[int]], levels: int) -> list[list[int]]:
     """Each row i that gives only its upper-triangular part (levels - i entries) with its i leading zeros."""
     return [[0] * (levels - len(row)) + list(row) if len(row) == levels - i else row for i, row in enumerate(rows)]
@@ -104,9 +112,7 @@ class CascadeDrafter(Drafter):
         if leniency < 1:
             raise ConfigError(f"leniency must be >= 1, got {leniency}")
         if leniency != 1 and not any(isinstance(level, ModelDrafter) for level in levels[:-1]):
-            raise OptionError("leniency", f"leniency {leniency} relaxes a model level's review of the levels below "
-                              "it, and no level of this cascade reviews another: give 1, or a model drafter of the "
-                              "target's vocabulary above another level")
+            raise unreviewed(leniency)
         self.levels, self.k_matrix, self.leniency = levels, check_k_matrix(k_matrix, len(levels)), leniency
         self.sampling, self.generator, self.eos = sampling, generator, eos
         self.models = [level for level in levels if isinstance(level, (ModelDrafter, CrossVocabDrafter))]

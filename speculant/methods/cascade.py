@@ -8,7 +8,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from speculant.config import REQUEST_MOST, option
-from speculant.drafters.spec import DRAFTER_DTYPES, MAXGRAM, DrafterSpec
+from speculant.drafters.spec import DRAFTER_DTYPES, MAXGRAM, DrafterSpec, model_free
 from speculant.errors import ConfigError, OptionError
 from speculant.methods.drafting import as_drafters, check_drafters, parse_drafters
 from speculant.methods.registry import Request, register
@@ -41,6 +41,10 @@ class CascadeOptions:
             raise ConfigError(f"k must be >= 1, got {self.k}")
         if not 1 <= self.leniency < math.inf:
             raise ConfigError(f"leniency must be a finite number >= 1, got {self.leniency}")
+        if self.leniency != 1 and all(map(model_free, self.drafters[:-1])):  # (before loading: a model may review)
+            from speculant.drafters.cascade import unreviewed
+
+            raise unreviewed(self.leniency)
         if self.k_matrix is not None and self.k != DEFAULT_K:
             raise ConfigError("k sizes the default K matrix: give k or k_matrix, not both")
         if self.k_matrix is not None:  # (checked here, so that a bad matrix is refused before anything loads)

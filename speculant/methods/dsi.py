@@ -9,7 +9,8 @@ from typing import Any
 
 from speculant.config import (EXECUTORS, LEAST_LATENCY_MS, MOST_LATENCY_MS, MOST_SERVERS, REQUEST_MOST, as_number,
                               check_ray_address, latency_fits, number, option)
-from speculant.errors import ConfigError
+from speculant.drafters.spec import DEFAULT, DrafterSpec, model_free
+from speculant.errors import ConfigError, OptionError
 from speculant.methods.drafting import DrafterOptions, as_drafters, parse_drafters
 from speculant.methods.registry import Request, register
 
@@ -124,6 +125,25 @@ class DSIOptions(DrafterOptions):
             pads = self.twin_latency[1] if isinstance(self.twin_latency[1], tuple) else (self.twin_latency[1],)
             if len(pads) not in (1, len(self.drafters)):
                 raise ConfigError(f"twin latency gives {len(pads)} drafter latencies for {len(self.drafters)} drafters")
+        if self.twin_latency is not None:
+            self._check_twin()
+
+    def _check_twin(self) -> None:
+        """Before anything loads: a drafter latency given to a drafter that runs no model (it pads no forward: it
+        would be dropped without a word), and a plan the twin's latencies refuse (`plan`)."""
+        from speculant.decoding.dsi.plan import plan
+        from speculant.drafters.base import Drafter
+
+        names = self.drafters or (self.drafter,)
+        given = self.twin_latency[1]
+        pads = given if isinstance(given, tuple) else (given,) * len(names)
+        free = [model_free(name) or isinstance(name, Drafter) for name in names]
+        for name, pad, none in zip(names, pads, free):
+            if none and pad.step_s > 0:
+                raise OptionError("twin_latency", f"twin_latency pads the drafter {name} to {pad.step_s * 1000:g} ms a "
+                                  "forward, and it runs none: give it 0")
+        if not (isinstance(names[0], DrafterSpec) and names[0].kind == DEFAULT):  # (default: a model or none, later)
+            plan(self.servers, self.lookahead, self.twin_latency[0].step_s, 0.0 if free[0] else pads[0].step_s)
 
 
 @register("dsi", DSIOptions, "distributed speculative inference: servers verify while the drafter drafts on")

@@ -38,6 +38,6 @@ def plot_timeline(record: DSIRecord, path: Path, title: str = "") -> Path:
     ax.set_title(title or f"DSI timeline ({record.executor}, lookahead {record.lookahead}); red lines: rejections")
     ax.legend(loc="upper right", fontsize=7, ncol=6)
     fig.tight_layout()
-    fig.savefig(path, dpi=120)
+    fig.savefig(path, dpi=120, format=path.suffix.lstrip(".").lower() or "png")  # (no suffix: a PNG there, not at .png)
     plt.close(fig)
     return path
