@@ -289,7 +289,8 @@ def build_parser() -> argparse.ArgumentParser:
     one.add_argument("--lookahead", type=integer, required=True, help="draft tokens per verification")
     one.add_argument("--servers", type=integer, default=1, help="target servers for DSI (default: 1)")
     one.add_argument("--tokens", type=integer, default=100, help="tokens to generate (default: 100)")
-    one.add_argument("--ttft", type=latency_ms, default=None, metavar="MS", help="the target's first forward (default: TPOT)")
+    one.add_argument("--ttft", type=latency_ms, default=None, metavar="MS",
+                     help="the target's first forward (default: --target-profile's TTFT, else TPOT)")
     one.add_argument("--repeats", type=integer, default=1000, help="simulated generations per method")
     one.add_argument("--seed", type=integer, default=0, help="seed of the simulated acceptances")
     one.add_argument("--json", action="store_true", help="print one JSON object (keys non_si_ms, si_ms, dsi_ms, ...)")
@@ -1038,16 +1039,40 @@ def check_outputs(args: argparse.Namespace) -> None:
     """Refuse, before any work, an output path that cannot be written: a directory's path taken by a file, a
     file's path taken by a directory or within a directory that does not exist (where the command does not make it),
     or a place where nothing can be written (`check_writable`)."""
+    written = []  # the files it writes that are there already
     for name in ("out", "timeline"):
         if getattr(args, name, None) is None:
             continue
         check_output(Path(getattr(args, name)), args.out_kind if name == "out" else FILE, name)
+        written += [(Path(getattr(args, name)), name)] if name == "timeline" or args.out_kind != DIRECTORY else []
     for path in companions(args):
         check_output(path, args.out_kind, "out")
+        written.append((path, "out"))
     if getattr(args, "out", None) and args.out_kind == DIRECTORY:  # (one of its files there already, or a directory
         for path in (Path(args.out) / name for name in written_in(args)):  # in its place: checked as a file --out
             if path.exists():  # names, before the work)
                 check_output(path, FILE, "out")
+                written.append((path, "out"))
+    for path, name in written:
+        if read := next((flag for flag, given in read_files(args) if path.is_file() and path.samefile(given)), None):
+            raise ConfigError(f"--{name} {path} is the file {read} reads: it would be written over")
+
+
+READ_FLAGS = ("prompts", "dataset", "model", "target", "drafter", "json_schema", "grammar", "report_from",
+              "target_profile", "drafter_profile", "bigram_corpus")  # the flags that name files a command reads
+
+
+def read_files(args: argparse.Namespace) -> list[tuple[str, Path]]:
+    """(flag, file) for each existing file a command's flags name to read (a dataset's parts and slices too)."""
+    found = []
+    for name in READ_FLAGS:
+        given = getattr(args, name, None)
+        for value in given if isinstance(given, list) else [given] if isinstance(given, str) else []:
+            for part in {value, *value.split("+")}:
+                for path in {Path(part), Path(re.sub(r"\[[^]]*\]$", "", part))}:
+                    if path.is_file():
+                        found.append((flag(name), path))
+    return found
 
 
 def written_in(args: argparse.Namespace) -> tuple[str, ...]:

@@ -215,11 +215,11 @@ class ModelConfig:
                         choices=DTYPES)
     device: str = option("cpu", "cpu, cuda or cuda:N")
     backend: str = option(AUTO, "auto (catalog/GGUF models run as stored on the CPU: on lean where its kernels read "
-                                "them, else on llama.cpp where it is built; with --dtype, @int8/@int4 or on a GPU, on "
-                                "transformers; `serve` takes transformers on AMX CPUs too, where a batch of rows costs "
-                                "about one row), hf (transformers), llamacpp, lean (GGUFs on speculant's exact kernels: "
-                                "Q4_0-Q8_0, Q4_K/Q5_K/Q6_K, F16/BF16/F32) or static (torch kernels, a static cache: "
-                                "the GPU's fast path)",
+                                "them, else on llama.cpp where it is built; a catalog model with --dtype, @int8/@int4 "
+                                "or on a GPU, on transformers; `serve` takes transformers on AMX CPUs too, where a "
+                                "batch of rows costs about one row), hf (transformers), llamacpp, lean (GGUFs on "
+                                "speculant's exact kernels: Q4_0-Q8_0, Q4_K/Q5_K/Q6_K, F16/BF16/F32) or static (torch "
+                                "kernels, a static cache: the GPU's fast path)",
                         choices=(AUTO, *BACKENDS))
     compile: bool = option(False, "static backend: compile its step with torch.compile and, on a GPU, replay it as "
                                   "a CUDA graph")

@@ -400,6 +400,7 @@ def test_bad_files_paths_and_settings_are_one_line_before_any_model_loads(tmp_pa
     (tmp_path / "file").write_text("")
     (tmp_path / "empty.json").write_text("{}")
     (tmp_path / "taken" / "results.json").mkdir(parents=True)  # (where a bench run writes its rows, a directory)
+    (tmp_path / "p.jsonl").write_text('{"prompt": "a"}\n')
     writer = gguf.GGUFWriter(str(tmp_path / "header.gguf"), "llama")  # a GGUF file's header, nothing more
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
@@ -435,6 +436,9 @@ def test_bad_files_paths_and_settings_are_one_line_before_any_model_loads(tmp_pa
              "no level of this cascade reviews another"),
             (["generate", "x", *target, "--drafter", f"{tmp_path / 'cut'}@gguf"], "the llamacpp backend runs GGUF"),
             (["generate", "x", *target, "--drafter", "qwen2.5-coder-0.5b@gguf@int8"], "has more than one @ suffix"),
+            (["train-depth", *target, "--drafter", "self", "--prompts", f"{tmp_path / 'p.jsonl'}[:1]", "--out",
+              str(tmp_path / "p.jsonl")], "is the file --prompts reads: it would be written over"),
+            (["bench", "--methods", "ar", "--prompts", f"{tmp_path / 'p.jsonl'}+", *target], "an empty name among"),
             (["serve", *target, "--ray-cluster", "foo"], "'foo' is no Ray cluster's address"),
             (["serve", *target, "--ray-cluster", "127.0.0.1:1"], "no Ray cluster answers at"),
             (["serve", *target, "--ray-cluster", f"127.0.0.1:{web.server_address[1]}"], "is no Ray cluster (it speaks"),

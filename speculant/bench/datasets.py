@@ -111,7 +111,9 @@ def load_dataset(spec: str) -> list[Prompt]:
     match = _SLICE.fullmatch(spec)
     if "+" in spec and not Path(match["name"] if match else spec).is_file():  # (a file's name, sliced or not, may
         # hold a +)
-        prompts = [prompt for part in spec.split("+") for prompt in load_dataset(part)]
+        if not all(parts := spec.split("+")):
+            raise ConfigError(f"an empty name among the datasets joined by '+' in '{spec}'")
+        prompts = [prompt for part in parts for prompt in load_dataset(part)]
         seen: set[str] = set()
         if repeated := next((p.id for p in prompts if p.id in seen or seen.add(p.id)), None):
             raise ConfigError(f"prompt ids repeat across '{spec}': '{repeated}' (a prompt with no \"id\" is named by "
