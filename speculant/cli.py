@@ -1043,7 +1043,7 @@ def check_outputs(args: argparse.Namespace) -> None:
     """Refuse, before any work, an output path that cannot be written: a directory's path taken by a file, a
     file's path taken by a directory or within a directory that does not exist (where the command does not make it),
     or a place where nothing can be written (`check_writable`)."""
-    written = []  # the files it writes that are there already
+    written = []  # the files it writes (where one is a file it reads, that is refused)
     for name in ("out", "timeline"):
         if getattr(args, name, None) is None:
             continue
@@ -1057,13 +1057,24 @@ def check_outputs(args: argparse.Namespace) -> None:
             if path.exists():  # names, before the work)
                 check_output(path, FILE, "out")
                 written.append((path, "out"))
+    reads = read_files(args)
     for path, name in written:
-        if read := next((flag for flag, given in read_files(args) if path.is_file() and path.samefile(given)), None):
+        if read := next((flag for flag, given in reads if is_file(path) and path.samefile(given)), None):
             raise ConfigError(f"--{name} {path} is the file {read} reads: it would be written over")
 
 
-READ_FLAGS = ("prompts", "dataset", "model", "target", "drafter", "json_schema", "grammar", "report_from",
-              "target_profile", "drafter_profile", "bigram_corpus")  # the flags that name files a command reads
+# The flags that name files a command reads (not bench's --report-from: a run is reported again in place, its rows
+# read whole before they are written)
+READ_FLAGS = ("prompts", "dataset", "model", "target", "drafter", "json_schema", "grammar", "target_profile",
+              "drafter_profile", "bigram_corpus")
+
+
+def is_file(path: Path) -> bool:
+    """Whether `path` is a file (False for a name the system cannot hold, as one too long)."""
+    try:
+        return path.is_file()
+    except OSError:
+        return False
 
 
 def read_files(args: argparse.Namespace) -> list[tuple[str, Path]]:
@@ -1074,7 +1085,7 @@ def read_files(args: argparse.Namespace) -> list[tuple[str, Path]]:
         for value in given if isinstance(given, list) else [given] if isinstance(given, str) else []:
             for part in {value, *value.split("+")}:
                 for path in {Path(part), Path(re.sub(r"\[[^]]*\]$", "", part))}:
-                    if path.is_file():
+                    if is_file(path):
                         found.append((flag(name), path))
     return found
 

@@ -224,7 +224,7 @@ def test_dsi_in_the_matrix_runs_its_servers_as_its_spec_says(tiny_dir):
     """The servers a bench run starts for a DSI method carry its own options, as `generate` starts them: the twin's
     padding (a run's time at least its forwards' padded time) and the method's sampling (its servers sample alike)."""
     target = HFCausalLM(tiny_transformer("llama", 0, 257), byte_tokenizer(), "tiny")
-    methods = [parse_method("dsi:drafter=maxgram,twin_latency=60,0"),
+    methods = [parse_method("dsi:drafter=maxgram,twin_latency=60,1"),
                parse_method("dsi:drafter=maxgram,lookahead=2,temperature=1")]
     rows = run_matrix(lambda dtype, backend: target, methods, [Prompt("p1", "def f(x):")], 4, seed=0)
     padded, sampled = rows

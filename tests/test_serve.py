@@ -620,7 +620,7 @@ def test_a_dsi_request_runs_apart_and_does_not_stall_the_others():
                 if len(generate(engine.target, prompt_ids=p, method="ar", max_new_tokens=60).token_ids) == 60)
     finished = []
     dsi = threading.Thread(target=lambda: finished.append(run_job(  # 60 forwards padded to 50 ms: ~3 s
-        engine, long, max_tokens=60, method="dsi", options={"drafter": "maxgram", "twin_latency": "50,0"})))
+        engine, long, max_tokens=60, method="dsi", options={"drafter": "maxgram", "twin_latency": "50,5"})))
     dsi.start()
     deadline = time.monotonic() + 10
     while not engine.active and time.monotonic() < deadline:
@@ -682,7 +682,7 @@ def test_max_queue_requests_wait_beside_the_free_rows_and_max_batch_run_apart():
         submitted(engine, job, ends, "refused")
     gate.set()
     dsi = ServeJob(list(b"hello"), 40, SamplingConfig(), method="dsi",
-                   options={"drafter": "maxgram", "twin_latency": "50,0"})  # (forwards padded to 50 ms: seconds)
+                   options={"drafter": "maxgram", "twin_latency": "50,5"})  # (forwards padded to 50 ms: seconds)
     for name in ("dsi 1", "dsi 2"):
         submitted(engine, dsi, ends, name)
     with pytest.raises(QueueFull):

@@ -9,8 +9,8 @@ from typing import Any
 
 from speculant.config import (EXECUTORS, LEAST_LATENCY_MS, MOST_LATENCY_MS, MOST_SERVERS, REQUEST_MOST, as_number,
                               check_ray_address, latency_fits, number, option)
-from speculant.drafters.spec import DEFAULT, DrafterSpec, model_free
-from speculant.errors import ConfigError, OptionError
+from speculant.drafters.spec import model_free
+from speculant.errors import ConfigError
 from speculant.methods.drafting import DrafterOptions, as_drafters, parse_drafters
 from speculant.methods.registry import Request, register
 
@@ -19,9 +19,15 @@ def drafts_with_a_model(options: DSIOptions) -> bool:
     """Whether a model drafts (it then needs cores beside the servers) rather than a registered drafter (Max-Gram)
     or a Drafter object."""
     from speculant.drafters.base import Drafter
-    from speculant.drafters.spec import model_free
 
     return any(not (isinstance(d, Drafter) or model_free(d)) for d in options.drafters or (options.drafter,))
+
+
+def drafter_pads(twin: Any, drafters: int) -> tuple[Any, ...]:
+    """The twin's drafter latency for each of `drafters` drafters (one given: the same for each; None: no twin)."""
+    if twin is None:
+        return (None,) * drafters
+    return twin[1] if isinstance(twin[1], tuple) else (twin[1],) * drafters
 
 
 def parse_devices(text: str) -> tuple[str, ...]:
@@ -117,33 +123,19 @@ class DSIOptions(DrafterOptions):
             object.__setattr__(self, "twin_latency", ",".join(str(as_number(ms)) for ms in self.twin_latency))  # (ms)
         if isinstance(self.twin_latency, str):
             object.__setattr__(self, "twin_latency", parse_twin(self.twin_latency))
-        if self.twin_latency is not None and not (isinstance(self.twin_latency, tuple) and len(self.twin_latency) == 2
-                                                  and hasattr(self.twin_latency[0], "step_s")):
-            raise ConfigError(f"twin_latency is text ('30,3'), milliseconds ((30, 3)) or a pair of Latency objects, "
-                              f"not {self.twin_latency!r}")
-        if self.twin_latency is not None and self.drafters is not None:
-            pads = self.twin_latency[1] if isinstance(self.twin_latency[1], tuple) else (self.twin_latency[1],)
+        twin = self.twin_latency
+        if twin is not None and not (isinstance(twin, tuple) and len(twin) == 2 and hasattr(twin[0], "step_s") and all(
+                hasattr(pad, "step_s") for pad in (twin[1] if isinstance(twin[1], tuple) else (twin[1],)))):
+            raise ConfigError(f"twin_latency is text ('30,3'), milliseconds ((30, 3)) or a pair of Latency objects "
+                              f"(the second may be a tuple of them, one per drafter), not {twin!r}")
+        if twin is not None and self.drafters is not None:
+            pads = twin[1] if isinstance(twin[1], tuple) else (twin[1],)
             if len(pads) not in (1, len(self.drafters)):
                 raise ConfigError(f"twin latency gives {len(pads)} drafter latencies for {len(self.drafters)} drafters")
-        if self.twin_latency is not None:
-            self._check_twin()
+        if twin is not None:  # (before anything loads: the plan the twin's latencies refuse)
+            from speculant.decoding.dsi.plan import plan
 
-    def _check_twin(self) -> None:
-        """Before anything loads: a drafter latency given to a drafter that runs no model (it pads no forward: it
-        would be dropped without a word), and a plan the twin's latencies refuse (`plan`)."""
-        from speculant.decoding.dsi.plan import plan
-        from speculant.drafters.base import Drafter
-
-        names = self.drafters or (self.drafter,)
-        given = self.twin_latency[1]
-        pads = given if isinstance(given, tuple) else (given,) * len(names)
-        free = [model_free(name) or isinstance(name, Drafter) for name in names]
-        for name, pad, none in zip(names, pads, free):
-            if none and pad.step_s > 0:
-                raise OptionError("twin_latency", f"twin_latency pads the drafter {name} to {pad.step_s * 1000:g} ms a "
-                                  "forward, and it runs none: give it 0")
-        if not (isinstance(names[0], DrafterSpec) and names[0].kind == DEFAULT):  # (default: a model or none, later)
-            plan(self.servers, self.lookahead, self.twin_latency[0].step_s, 0.0 if free[0] else pads[0].step_s)
+            plan(self.servers, self.lookahead, twin[0].step_s, drafter_pads(twin, 1)[0].step_s)
 
 
 @register("dsi", DSIOptions, "distributed speculative inference: servers verify while the drafter drafts on")
@@ -156,7 +148,7 @@ def build(request: Request, options: DSIOptions) -> Any:
     from speculant.decoding.dsi.engine import dsi
     from speculant.decoding.dsi.executors import make_executor
     from speculant.decoding.dsi.plan import measure_step, plan
-    from speculant.decoding.dsi.twin import PaddedModel
+    from speculant.decoding.dsi.twin import PacedDrafter, PaddedModel
     from speculant.decoding.run import ending
     from speculant.drafters.base import Drafter
     from speculant.drafters.cross_vocab import model_drafter
@@ -164,7 +156,7 @@ def build(request: Request, options: DSIOptions) -> Any:
 
     target, twin = request.target, options.twin_latency
     names = options.drafters or (options.drafter,)
-    pads = (twin[1] if isinstance(twin[1], tuple) else (twin[1],) * len(names)) if twin else (None,) * len(names)
+    pads = drafter_pads(twin, len(names))
     drafters, costs, sources, begun = [], [], [], []
     for index, (name, pad) in enumerate(zip(names, pads)):
         source = request.session.drafter(name, options.drafter_dtype)
@@ -172,10 +164,10 @@ def build(request: Request, options: DSIOptions) -> Any:
             raise ConfigError(f"drafters: {source.name} is given twice (each drafter drafts on a thread of its own, "
                               "from its own model's cache)")
         sources.append(source)
-        if isinstance(source, Drafter):  # Max-Gram and other model-free drafters cost next to nothing
-            drafters.append(source.begin(request.prompt_ids))
-            begun.append(drafters[-1])
-            costs.append(0.0)
+        if isinstance(source, Drafter):  # Max-Gram and other model-free drafters cost next to nothing, but in the twin
+            begun.append(source.begin(request.prompt_ids))
+            drafters.append(begun[-1] if pad is None or not pad.step_s else PacedDrafter(begun[-1], pad))
+            costs.append(0.0 if pad is None else pad.step_s)
             continue
         source = source.beside(options.servers)
         # each drafter thread its own stream (a generator's seed is 64 bits: the largest seed a request gives wraps)

@@ -1,11 +1,11 @@
 """The latency twin: real servers, real tokens, real concurrency, emulated hardware.
 
-A `PaddedModel` computes its real outputs and then waits until the forward has taken as long as a
-latency profile says (TTFT for a prefill, TPOT or T(W) for later forwards), so a 2-core machine can
-play an 8-GPU node: the DSI paper's online methodology, but driving the real engine. The wait can be
-cut short by the coordinator (preemption). Pure mode drops the models too: `OracleLM` is a target
-whose next token is a fixed function of the prefix and `SyntheticDrafter` agrees with it with a given
-probability, i.i.d. per token, as in the paper's simulations.
+A `PaddedModel` computes its real outputs and then waits until the forward has taken as long as a latency profile
+says (TTFT for a prefill, TPOT or T(W) for later forwards), so a 2-core machine can play an 8-GPU node: the DSI
+paper's online methodology, but driving the real engine. The wait can be cut short by the coordinator (preemption);
+a `PacedDrafter` paces a drafter that runs no model alike. Pure mode drops the models too: `OracleLM` is a target
+whose next token is a fixed function of the prefix and `SyntheticDrafter` agrees with it with a given probability,
+i.i.d. per token, as in the paper's simulations.
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ from typing import Any
 import torch
 
 from speculant.decoding.dsi.jobs import Canceller
-from speculant.drafters.base import Draft
+from speculant.drafters.base import Draft, Drafter
 from speculant.latency import interpolated
 from speculant.models.base import Backend, CausalLM, Delegating, Interrupted
 from speculant.models.wrappers.metered import Usage
@@ -52,6 +52,21 @@ class Latency:
     def from_profile(cls, profile: Any) -> Latency:
         """From a `latency.LatencyProfile` (TTFT, TPOT and its T(W) curve)."""
         return cls(profile.ttft_s, profile.tpot_s, tuple(sorted(profile.forward_s.items())))
+
+
+class PacedDrafter(Drafter):
+    """A drafter that runs no model (Max-Gram, suffix decoding, a Drafter object) paced in the twin: each drafted token
+    takes `latency.step_s` at least, as a model drafter's padded forwards do (`PaddedModel`), so that the twin's
+    drafter latency holds whichever drafter drafts."""
+
+    def __init__(self, inner: Drafter, latency: Latency):
+        self.inner, self.latency, self.name = inner, latency, inner.name
+
+    def propose(self, context: list[int], k: int) -> Draft:
+        start = time.monotonic()
+        draft = self.inner.propose(context, k)
+        time.sleep(max(0.0, start + len(draft.tokens) * self.latency.step_s - time.monotonic()))
+        return draft
 
 
 class PaddedModel(Delegating):
