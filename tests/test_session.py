@@ -56,6 +56,23 @@ def test_a_drafter_registered_outside_the_package_drives_sd_and_auto_by_name():
     expected = generate(target, prompt_ids=prompt, method="ar", max_new_tokens=24).token_ids
     sd = generate(target, prompt_ids=prompt, drafter="echo", k=4, max_new_tokens=24)
     assert sd.token_ids == expected and made[-1].began == 1 and made[-1].observed  # its lifecycle ran
+
+    class Wrong(Drafter):  # every proposal rejected: one token a step, the last step with no room to draft
+        name = "wrong"
+
+        def __init__(self):
+            self.proposed, self.observed = 0, []
+
+        def propose(self, context, k):
+            self.proposed += 1
+            return Draft([(expected[len(context) - len(prompt)] + 1) % VOCAB])
+
+        def observe(self, n_accepted):
+            self.observed.append(n_accepted)
+
+    wrong = Wrong()
+    assert generate(target, prompt_ids=prompt, drafter=wrong, k=2, max_new_tokens=6).token_ids == expected[:6]
+    assert wrong.proposed == 4 and wrong.observed == [0] * 4  # (told once more, of a step that proposed nothing)
     assert sd.stats.draft_lengths and max(sd.stats.draft_lengths) == 4
     auto = generate(target, prompt_ids=prompt, method="auto", drafters=["echo", "maxgram"], max_new_tokens=24)
     assert auto.token_ids == expected

@@ -40,7 +40,8 @@ def speculative(
         room = min(k, max_new_tokens - len(out) - 1)
         draft = until_eos(drafter.propose(prompt_ids + out, room), target.eos_token_ids) if room else Draft([])
         step = verify_step(target, out[-1], draft, sampling, generator)
-        drafter.observe(len(step.accepted))
+        if room:  # (told of its own proposals only: the last step, with no room, proposed nothing)
+            drafter.observe(len(step.accepted))
         stats.record_draft(step.drafted, len(step.accepted), draft.usage)
         pending = step.tokens
     stats.new_tokens = len(out)
