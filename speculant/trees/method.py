@@ -3,6 +3,7 @@ forward with tree attention, optionally pruned to the subtree the latency-aware 
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Collection
 from dataclasses import dataclass
 from pathlib import Path
@@ -136,6 +137,9 @@ def build(request: Request, options: TreeOptions) -> Any:
     model = tree_drafter_model(request.session.drafter(options.drafter, options.drafter_dtype), request.target)
     check_width(options.width, model)
     profile = options.target_profile
+    if profile is not None and profile.model != request.target.name:  # (the same weights may go by another name)
+        logging.getLogger("speculant").warning("the target profile was measured on %s, and the target is %s: its "
+                                               "costs shape the trees", profile.model, request.target.name)
     shape = tree_shape(request.target, model, request.prompt_ids, options.depth, options.width, options.verify_width,
                        profile, request.session)
     static = fixed_shape(options, request.target, model, request.prompt_ids, request.session)
