@@ -471,10 +471,6 @@ def run_generate(args: argparse.Namespace) -> None:
                           "text": result.text, "token_ids": result.token_ids, "stats": result.stats.to_dict()},
                          indent=1))
     print(result.stats.summary(), file=sys.stderr)
-    ids = result.token_ids
-    if len(ids) < args.max_new_tokens and not (ids and ids[-1] in target.eos_token_ids):  # (no end token: the room)
-        print(f"the reply stopped where the model's {target.max_positions} positions end, before --max-new-tokens "
-              f"{args.max_new_tokens}", file=sys.stderr)
     compiled = getattr(getattr(target, "weights", None), "compile_seconds", None)
     if compiled is not None:  # the static backend's first compiled step (inductor caches it for later runs)
         print(f"compiled the step in {compiled:.1f} s (its first call; inductor's cache keeps it for later runs)",
@@ -1059,7 +1055,7 @@ def check_outputs(args: argparse.Namespace) -> None:
                 written.append((path, "out"))
     reads = read_files(args)
     for path, name in written:
-        if read := next((flag for flag, given in reads if is_file(path) and path.samefile(given)), None):
+        if read := next((named for named, given in reads if is_file(path) and path.samefile(given)), None):
             raise ConfigError(f"--{name} {path} is the file {read} reads: it would be written over")
 
 

@@ -848,23 +848,6 @@ def test_a_schema_may_come_through_a_pipe():
         os.close(read)
 
 
-def test_a_reply_the_model_s_positions_end_says_so(tmp_path, capsys):
-    """A reply cut where the model's positions end (shorter than --max-new-tokens, no end token) ended without a
-    word: the summary counted fewer tokens than asked for."""
-    model = tiny_transformer("llama", 0, BYTE_VOCAB)
-    model.config.max_position_embeddings = 12
-    model.generation_config.eos_token_id = None
-    model.save_pretrained(tmp_path / "short")
-    byte_tokenizer().save_pretrained(tmp_path / "short")
-    code, out, err = run(capsys, "generate", "abc", "--target", str(tmp_path / "short"), "--dtype", "fp32",
-                         "--method", "ar", "--max-new-tokens", "20", "--json")
-    assert code == 0 and len(json.loads(out)["token_ids"]) == 9, err
-    assert "the reply stopped where the model's 12 positions end, before --max-new-tokens 20" in err
-    code, out, err = run(capsys, "generate", "abc", "--target", str(tmp_path / "short"), "--dtype", "fp32",
-                         "--method", "ar", "--max-new-tokens", "5")
-    assert code == 0 and "positions end" not in err
-
-
 def test_train_depth_makes_the_directories_of_every_predictor_it_writes(tmp_path):
     """With one input kind train-depth made --out's missing directories; with several, their files' directories
     were refused as missing (checked as a file --out names where the command makes none)."""

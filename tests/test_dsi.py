@@ -643,6 +643,21 @@ def test_jobs_carry_only_what_a_server_lacks():
     assert sent < whole / 5 and sent - 2 * 64 < 8 * jobs  # the prompt once per server, then a few tokens a job
 
 
+def test_the_twin_paces_drafters_that_run_no_model():
+    """The twin's drafter latency held for model drafters only: Max-Gram's and suffix decoding's drafts came at once
+    (the latency dropped without a word); each drafted token now takes it, one given for all or one per drafter."""
+    target = tiny_model("llama", 3, VOCAB)
+    prompt = random_prompt(3, VOCAB, 8) * 3  # (repeated: what Max-Gram and suffix decoding draft from)
+    expected = reference(target, prompt, 12)
+    for options, least in ((dict(drafter="maxgram", twin_latency="20,5"), (0.005,)),
+                           (dict(drafters="maxgram,suffix", twin_latency="20,2/5", lookahead=10), (0.002, 0.005))):
+        result = generate(target, prompt_ids=prompt, method="dsi", max_new_tokens=12, **options)
+        assert result.token_ids == expected
+        for d, seconds in enumerate(least):
+            bars = [b.end - b.start for b in result.stats.dsi.bars if b.row == -1 - d]
+            assert bars and min(bars) >= seconds * 0.95, (options, d, bars)
+
+
 def test_dsi_with_maxgram_is_faster_than_the_target_alone_in_the_twin():
     """A repetitive continuation (tiny random models loop) is what Max-Gram drafts: with every target forward
     padded to 15 ms, DSI beats the target alone on the same servers."""

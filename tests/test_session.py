@@ -72,7 +72,7 @@ def test_a_drafter_registered_outside_the_package_drives_sd_and_auto_by_name():
 
     wrong = Wrong()
     assert generate(target, prompt_ids=prompt, drafter=wrong, k=2, max_new_tokens=6).token_ids == expected[:6]
-    assert wrong.proposed == 4 and wrong.observed == [0] * 4  # (told once more, of a step that proposed nothing)
+    assert wrong.proposed == 4 and wrong.observed == [0] * 4  # (not told of the last step, which proposed nothing)
     assert sd.stats.draft_lengths and max(sd.stats.draft_lengths) == 4
     auto = generate(target, prompt_ids=prompt, method="auto", drafters=["echo", "maxgram"], max_new_tokens=24)
     assert auto.token_ids == expected

@@ -27,7 +27,8 @@ def drafter_pads(twin: Any, drafters: int) -> tuple[Any, ...]:
     """The twin's drafter latency for each of `drafters` drafters (one given: the same for each; None: no twin)."""
     if twin is None:
         return (None,) * drafters
-    return twin[1] if isinstance(twin[1], tuple) else (twin[1],) * drafters
+    pads = twin[1] if isinstance(twin[1], tuple) else (twin[1],)
+    return pads * drafters if len(pads) == 1 else pads
 
 
 def parse_devices(text: str) -> tuple[str, ...]:
@@ -76,9 +77,10 @@ class DSIOptions(DrafterOptions):
                            "import the script again)", operator=True)
     target_devices: Any = option(None, "one device per target server, e.g. cpu,cpu or cuda:0,cuda:1 (default: the "
                                  "target's device for each)", parse=parse_devices, operator=True)
-    twin_latency: Any = option(None, "latency twin: pad every target forward to T ms (its first to TTFT) and every drafter "
-                       "forward to D ms: T,D[,TTFT], or TARGET.json,DRAFTER.json (speculant profile files)",
-                       parse=parse_twin, operator=True)
+    twin_latency: Any = option(None, "latency twin: pad every target forward to T ms (its first to TTFT) and every "
+                               "drafter forward (a drafted token, for a drafter that runs no model) to D ms: "
+                               "T,D[,TTFT], or TARGET.json,DRAFTER.json (speculant profile files)",
+                               parse=parse_twin, operator=True)
     ray_address: str | None = option(None, "with executor ray: join this cluster (default: start one)", operator=True)
 
     @property
@@ -128,14 +130,13 @@ class DSIOptions(DrafterOptions):
                 hasattr(pad, "step_s") for pad in (twin[1] if isinstance(twin[1], tuple) else (twin[1],)))):
             raise ConfigError(f"twin_latency is text ('30,3'), milliseconds ((30, 3)) or a pair of Latency objects "
                               f"(the second may be a tuple of them, one per drafter), not {twin!r}")
-        if twin is not None and self.drafters is not None:
-            pads = twin[1] if isinstance(twin[1], tuple) else (twin[1],)
-            if len(pads) not in (1, len(self.drafters)):
-                raise ConfigError(f"twin latency gives {len(pads)} drafter latencies for {len(self.drafters)} drafters")
-        if twin is not None:  # (before anything loads: the plan the twin's latencies refuse)
-            from speculant.decoding.dsi.plan import plan
+        if twin is not None:
+            drafters = len(self.drafters or (self.drafter,))
+            if (given := len(twin[1]) if isinstance(twin[1], tuple) else 1) not in (1, drafters):
+                raise ConfigError(f"twin latency gives {given} drafter latencies for {drafters} drafter(s)")
+            from speculant.decoding.dsi.plan import plan  # (before anything loads: the plan the twin's latencies refuse)
 
-            plan(self.servers, self.lookahead, twin[0].step_s, drafter_pads(twin, 1)[0].step_s)
+            plan(self.servers, self.lookahead, twin[0].step_s, drafter_pads(twin, drafters)[0].step_s)
 
 
 @register("dsi", DSIOptions, "distributed speculative inference: servers verify while the drafter drafts on")
