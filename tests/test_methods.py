@@ -68,7 +68,18 @@ def test_a_method_registers_with_a_name_specs_can_hold_and_frozen_options_once()
             register("mine", options, "help")
     with pytest.raises(ConfigError, match="already registered"):
         register("sd", Options, "help")(lambda request, options: None)
+    for taken in ("seed", "temperature", "session", "stream", "dtype"):  # (generate() and the CLI take them first:
+        clashing = dataclass(frozen=True)(type("Clash", (), {"__annotations__": {taken: int}, taken: 0}))  # --seed
+        with pytest.raises(ConfigError, match=f"an option may not be called '{taken}'"):  # broke every command's
+            register("mine", clashing, "help")  # parser, and generate()'s keyword never reached the method)
     assert "mine" not in METHODS
+    import inspect
+
+    from speculant.api import generate
+    from speculant.methods.registry import RESERVED
+
+    own = {p.name for p in inspect.signature(generate).parameters.values() if p.kind is not p.VAR_KEYWORD}
+    assert own <= RESERVED, own - RESERVED  # (generate()'s keywords all taken, as it grows)
 
 
 def test_an_option_name_means_one_thing_in_every_method():

@@ -13,7 +13,7 @@ from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
 from dataclasses import Field, dataclass, fields, is_dataclass
 from typing import TYPE_CHECKING, Any
 
-from speculant.config import REQUEST_ITEMS, SamplingConfig, parse_value, typed
+from speculant.config import REQUEST_ITEMS, ModelConfig, RunConfig, SamplingConfig, parse_value, typed
 from speculant.errors import ConfigError, OptionError
 
 if TYPE_CHECKING:
@@ -75,6 +75,13 @@ class Method:
 METHODS: dict[str, Method] = {}
 
 
+# What a method's option may not be called: `generate()`'s own keywords and the run's settings, which `generate()`,
+# the CLI's flags and bench specs take for themselves (an option of that name could never be set, or clash as a flag)
+RESERVED = frozenset({"target", "prompt", "prompt_ids", "method", "stream", "chat", "logprobs", "logit_bias",
+                      "response_format", "session", *(f.name for c in (SamplingConfig, RunConfig, ModelConfig)
+                                                       for f in fields(c))})
+
+
 def register(name: str, options: type, help: str, bounds: Callable[[Any, Collection[str]], None] | None = None,
              chains: bool = False) -> Callable[[Callable[[Request, Any], Decoder]], Method]:
     """Decorator for a method's decoder factory: `@register("sd", SDOptions, "...")`; `bounds(options, names)` raises
@@ -87,6 +94,9 @@ def register(name: str, options: type, help: str, bounds: Callable[[Any, Collect
     if not (isinstance(options, type) and is_dataclass(options) and options.__dataclass_params__.frozen):
         raise ConfigError(f"method '{name}': its options are a frozen dataclass (the CLI's flags, bench specs and "
                           f"request options are read from its fields), not {options!r}")
+    if taken := sorted({f.name for f in fields(options)} & RESERVED):
+        raise ConfigError(f"method '{name}': an option may not be called {taken[0]!r}, a setting of every run's "
+                          f"(taken: {', '.join(sorted(RESERVED))})")
 
     def wrap(build: Callable[[Request, Any], Decoder]) -> Method:
         if name in METHODS:
