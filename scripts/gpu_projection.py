@@ -17,7 +17,6 @@ import argparse
 import json
 import math
 import os
-import re
 from collections import defaultdict
 from pathlib import Path
 
@@ -62,9 +61,16 @@ def check_priced(results: dict) -> None:
     methods = {row["method"] for row in results["rows"]}
     if "ar" not in methods:
         raise SystemExit("the projection is over `ar`: this run has no `ar` rows")
+    from speculant.bench.methods import split_spec
+    from speculant.errors import ConfigError
+    from speculant.methods.drafting import parse_drafters
+
     for method in sorted(methods):
-        named = re.findall(r"drafters?=([^,:]+(?:,[^,:=]+(?=,|$))*)", method)
-        drafters = [d.split("@")[0] for group in named for d in group.split(",") if d]
+        try:  # (the spec's own drafters, as bench reads them)
+            given = split_spec(method)[1]
+            drafters = [d.source for key in ("drafter", "drafters") for d in parse_drafters(given.get(key, ""))]
+        except ConfigError as error:
+            raise SystemExit(f"`{method}`: {error}") from None
         if odd := [d for d in drafters if d not in PRICED[1]]:
             raise SystemExit(f"`{method}` drafts with {odd[0]}, which the GPU's costs do not price (they are "
                              "qwen2.5-coder-0.5b's)")

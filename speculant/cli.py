@@ -892,9 +892,9 @@ def check_target(target: str, config: ModelConfig, options: Any, backend: str | 
     backend = resolve_backend(backend or config.backend, name, quant, config.device, dtype or config.dtype)
     check_gguf_dtype(target, backend, dtype or config.dtype)
     for drafter in held_drafters(options) if options is not None else ():
-        if isinstance(drafter, DrafterSpec) and drafter.kind == MODEL and (given := split_quant(str(drafter)))[1]:
-            try:  # (@gguf or @lean of transformers weights, @int8 of a GGUF's)
-                resolve_backend(None, *given, None, None)
+        if isinstance(drafter, DrafterSpec) and drafter.kind == MODEL and (suffix := drafter.quant or drafter.backend):
+            try:  # (@gguf or @lean of transformers weights, @int8 of a GGUF's: as its load would refuse it)
+                resolve_backend(None, drafter.source, suffix, None, None)
             except ConfigError as error:
                 raise ConfigError(f"drafter {drafter}: {error}") from None
     if needs(options):
@@ -1059,10 +1059,11 @@ def check_outputs(args: argparse.Namespace) -> None:
             raise ConfigError(f"--{name} {path} is the file {read} reads: it would be written over")
 
 
-# The flags that name files a command reads (not bench's --report-from: a run is reported again in place, its rows
-# read whole before they are written)
-READ_FLAGS = ("prompts", "dataset", "model", "target", "drafter", "json_schema", "grammar", "target_profile",
-              "drafter_profile", "bigram_corpus")
+# The flags that name files a command reads: datasets, and the others (not bench's --report-from: a run is reported
+# again in place, its rows read whole before they are written)
+DATASET_FLAGS = ("prompts", "dataset")
+READ_FLAGS = ("model", "target", "drafter", "json_schema", "grammar", "target_profile", "drafter_profile",
+              "bigram_corpus")
 
 
 def is_file(path: Path) -> bool:
@@ -1074,15 +1075,15 @@ def is_file(path: Path) -> bool:
 
 
 def read_files(args: argparse.Namespace) -> list[tuple[str, Path]]:
-    """(flag, file) for each existing file a command's flags name to read (a dataset's parts and slices too)."""
+    """(flag, file) for each existing file a command's flags name to read (a dataset's parts too)."""
+    from speculant.bench.datasets import dataset_files
+
     found = []
-    for name in READ_FLAGS:
+    for name in (*DATASET_FLAGS, *READ_FLAGS):
         given = getattr(args, name, None)
         for value in given if isinstance(given, list) else [given] if isinstance(given, str) else []:
-            for part in {value, *value.split("+")}:
-                for path in {Path(part), Path(re.sub(r"\[[^]]*\]$", "", part))}:
-                    if is_file(path):
-                        found.append((flag(name), path))
+            paths = dataset_files(value) if name in DATASET_FLAGS else [Path(value)]
+            found += [(flag(name), path) for path in paths if is_file(path)]
     return found
 
 

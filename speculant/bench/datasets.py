@@ -105,6 +105,15 @@ def load_jsonl(path: Path) -> list[Prompt]:
     return prompts
 
 
+def dataset_files(spec: str) -> list[Path]:
+    """The files a dataset spec (`load_dataset`'s) reads: each part's, its slice left out (none for `humaneval`)."""
+    match = _SLICE.fullmatch(spec)
+    whole = Path(match["name"] if match else spec)
+    if "+" in spec and not whole.is_file():  # (parts joined as `load_dataset` joins them)
+        return [file for part in spec.split("+") for file in dataset_files(part)]
+    return [whole] if whole.is_file() else []
+
+
 def load_dataset(spec: str) -> list[Prompt]:
     """`humaneval`, `humaneval[:10]`, or a path to a JSONL file, optionally sliced the same way; several joined by
     `+` (`prompts/mixed.jsonl+prompts/long.jsonl+humaneval[:20]`), their prompt ids unique."""

@@ -53,10 +53,8 @@ class MethodSpec:
         return replace(sampling, **own)
 
 
-def parse_method(spec: str, build: bool = True) -> MethodSpec:
-    """A bench method spec, `name:key=value,...`, its options built and checked; `build=False`: a finished run's spec
-    reported again (`--report-from`), whose options are left unbuilt, none of them run (the files they name may be
-    gone since)."""
+def split_spec(spec: str) -> tuple[str, dict[str, str]]:
+    """A bench method spec, `name:key=value,...`, as its name and its options' text (a method's or a peer's)."""
     name, colon, rest = spec.strip().partition(":")
     if colon and not rest:
         raise ConfigError(f"'{spec}' ends with ':' but gives no option (name=value after it, or no ':')")
@@ -72,6 +70,14 @@ def parse_method(spec: str, build: bool = True) -> MethodSpec:
         if key in given:
             raise ConfigError(f"option '{key}' given twice in '{spec}'")
         given[key] = value
+    return name, given
+
+
+def parse_method(spec: str, build: bool = True) -> MethodSpec:
+    """A bench method spec, `name:key=value,...`, its options built and checked; `build=False`: a finished run's spec
+    reported again (`--report-from`), whose options are left unbuilt, none of them run (the files they name may be
+    gone since)."""
+    name, given = split_spec(spec)
     dtype = given.pop("dtype", None)
     if dtype is not None and dtype not in DTYPES:
         raise ConfigError(f"dtype must be one of {', '.join(DTYPES)} in '{spec}'")

@@ -27,8 +27,7 @@ def drafter_pads(twin: Any, drafters: int) -> tuple[Any, ...]:
     """The twin's drafter latency for each of `drafters` drafters (one given: the same for each; None: no twin)."""
     if twin is None:
         return (None,) * drafters
-    pads = twin[1] if isinstance(twin[1], tuple) else (twin[1],)
-    return pads * drafters if len(pads) == 1 else pads
+    return twin[1] * drafters if len(twin[1]) == 1 else twin[1]
 
 
 def parse_devices(text: str) -> tuple[str, ...]:
@@ -126,14 +125,17 @@ class DSIOptions(DrafterOptions):
         if isinstance(self.twin_latency, str):
             object.__setattr__(self, "twin_latency", parse_twin(self.twin_latency))
         twin = self.twin_latency
+        if isinstance(twin, tuple) and len(twin) == 2 and not isinstance(twin[1], tuple):
+            twin = (twin[0], (twin[1],))  # (kept as the target's latency and a tuple of the drafters')
+            object.__setattr__(self, "twin_latency", twin)
         if twin is not None and not (isinstance(twin, tuple) and len(twin) == 2 and hasattr(twin[0], "step_s") and all(
-                hasattr(pad, "step_s") for pad in (twin[1] if isinstance(twin[1], tuple) else (twin[1],)))):
+                hasattr(pad, "step_s") for pad in twin[1])):
             raise ConfigError(f"twin_latency is text ('30,3'), milliseconds ((30, 3)) or a pair of Latency objects "
                               f"(the second may be a tuple of them, one per drafter), not {twin!r}")
         if twin is not None:
             drafters = len(self.drafters or (self.drafter,))
-            if (given := len(twin[1]) if isinstance(twin[1], tuple) else 1) not in (1, drafters):
-                raise ConfigError(f"twin latency gives {given} drafter latencies for {drafters} drafter(s)")
+            if len(twin[1]) not in (1, drafters):
+                raise ConfigError(f"twin latency gives {len(twin[1])} drafter latencies for {drafters} drafter(s)")
             from speculant.decoding.dsi.plan import plan  # (before anything loads: the plan the twin's latencies refuse)
 
             plan(self.servers, self.lookahead, twin[0].step_s, drafter_pads(twin, drafters)[0].step_s)
