@@ -1076,12 +1076,12 @@ def is_file(path: Path) -> bool:
 
 def read_files(args: argparse.Namespace) -> list[tuple[str, Path]]:
     """(flag, file) for each existing file a command's flags name to read (a dataset's parts too)."""
-    from speculant.bench.datasets import dataset_files
-
     found = []
     for name in (*DATASET_FLAGS, *READ_FLAGS):
         given = getattr(args, name, None)
         for value in given if isinstance(given, list) else [given] if isinstance(given, str) else []:
+            if name in DATASET_FLAGS:  # (imported where a dataset is named: `simulate` runs without torch)
+                from speculant.bench.datasets import dataset_files
             paths = dataset_files(value) if name in DATASET_FLAGS else [Path(value)]
             found += [(flag(name), path) for path in paths if is_file(path)]
     return found

@@ -635,8 +635,11 @@ def test_python_callers_get_one_clear_error_where_a_raw_one_came_from_deep_insid
         def lag(self, context):
             return -1
 
+    from speculant.drafters.spec import checked
+
     with pytest.raises(ConfigError, match="drafter 'lagging': lag returned -1, not a whole number >= 0"):
-        generate(target, prompt_ids=[1, 2], method="auto", drafters=[Lagging()], max_new_tokens=3)
+        checked(Lagging(), target).lag([1, 2])  # (what auto reads it through; auto asks only a drafter it chose, and
+        # in three tokens timing decides whether it chooses one)
     with pytest.raises(ConfigError, match="target_devices is a list of devices"):
         generate(target, prompt_ids=[1, 2], method="dsi", drafter="maxgram", target_devices=5, max_new_tokens=2)
     prompt = random_prompt(5, VOCAB, 8) * 3
