@@ -13,7 +13,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from helpers import DEVICES, RAY, MarkovLM, best_of, perturbed, random_prompt, tiny_model, total_variation
+from helpers import (DEVICES, RAY, MarkovLM, best_of, perturbed, random_prompt, tiny_model, tiny_transformer,
+                     total_variation)
 from speculant import generate
 from speculant.config import SamplingConfig
 from speculant.decoding.dsi.engine import DrafterFailed, dsi
@@ -247,6 +248,44 @@ def test_preemption_cuts_twin_forwards_short():
     _, stats = run(dsi(pool, drafter, [1, 2, 3], 40, 2, GREEDY, None, frozenset()))
     preempted = [bar for bar in stats.dsi.bars if bar.outcome == "preempted"]
     assert preempted and sum(bar.end - bar.start < 0.030 for bar in preempted) > len(preempted) / 2  # (not cut: 30)
+
+
+def slowed(model, seconds):
+    """`model` with each decoder layer taking `seconds` longer: a forward long enough to be cut in the middle."""
+    for layer in next(m for m in model.model.modules() if isinstance(m, torch.nn.ModuleList)):
+        layer.register_forward_hook(lambda *_: time.sleep(seconds))
+    return model
+
+
+@pytest.mark.parametrize("kind", ["twin", "model"])
+def test_a_restart_cuts_the_drafter_s_stale_draft_short(kind):
+    """DSI restarts a drafter whose context a rejection changed (Algorithm 1 terminates it): the draft in flight
+    stops, a twin's emulated latency at once, a model's forward at its next layer boundary, so the first draft
+    after the restart is of the new context, a drafter latency later, not after the stale draft's remainder; a
+    stop cuts it alike. The model's interrupt check is its own again once the thread ends."""
+    from speculant.decoding.dsi.engine import DraftWorker
+
+    events, model = __import__("queue").Queue(), None
+    if kind == "twin":
+        drafter = SyntheticDrafter(OracleLM(100, 1), 1.0, 1.0)  # a second a token
+    else:
+        model = slowed(HFCausalLM(tiny_transformer("llama", 1, VOCAB, layers=8)), 0.125)  # a second a forward
+        drafter = ModelDrafter(model, GREEDY, None)
+    worker = DraftWorker(0, drafter, events, model)
+    worker.sync([1, 2, 3], 3, 10)
+    worker.thread.start()
+    time.sleep(0.3)
+    worker.sync([1, 2, 4], 2, 10)  # diverged: the draft after [1, 2, 3] is stale
+    started = time.monotonic()
+    event = events.get(timeout=10)
+    assert event[0] == "draft" and event[2] == worker.epoch and event[3] == 3, event[:4]  # (-1: a stale draft)
+    assert time.monotonic() - started < 1.5  # (the stale one's remainder too: 1.7 s)
+    time.sleep(0.3)
+    started = time.monotonic()
+    worker.stop()
+    worker.thread.join(timeout=10)
+    assert not worker.thread.is_alive() and time.monotonic() - started < 0.6
+    assert model is None or model.interrupt is None
 
 
 def oracle_server(device, seed):

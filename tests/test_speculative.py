@@ -177,6 +177,26 @@ def test_a_cache_catches_up_by_a_prefill_where_it_keeps_little():
     torch.testing.assert_close(logits, target.share().prefill(longer)[None], atol=1e-5, rtol=0)
 
 
+def test_an_interrupted_catch_up_leaves_the_cache_holding_what_it_kept():
+    """A drafter's catch-up cut short (`Interrupted`: DSI restarting its drafter) leaves the model's cache at the
+    positions it kept, and the DraftCache knows it: the next run catches up from there instead of prefilling the whole
+    context again, to the logits of a fresh model."""
+    from speculant.models.base import DraftCache, Interrupted
+
+    target = tiny_model("llama", 4, VOCAB)
+    model = target.share()
+    cache, context = DraftCache(model), random_prompt(4, VOCAB, 30)
+    cache.run(context)
+    longer = context + random_prompt(5, VOCAB, 3)
+    model.interrupt = lambda: True
+    with pytest.raises(Interrupted):
+        cache.run(longer)
+    model.interrupt = None
+    assert cache.ids == context and model.cache_len == len(context)
+    assert cache.lag(longer) == 3
+    torch.testing.assert_close(cache.run(longer), target.share().prefill(longer)[None], atol=1e-5, rtol=0)
+
+
 def test_drafts_end_at_end_of_sequence_and_generation_at_the_last_position(caplog):
     target = tiny_model("llama", 3, VOCAB, init_std=0.1)
     prompt = random_prompt(3, VOCAB)

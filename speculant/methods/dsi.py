@@ -160,7 +160,7 @@ def build(request: Request, options: DSIOptions) -> Any:
     target, twin = request.target, options.twin_latency
     names = options.drafters or (options.drafter,)
     pads = drafter_pads(twin, len(names))
-    drafters, costs, sources, begun = [], [], [], []
+    drafters, costs, sources, begun, models = [], [], [], [], []
     for index, (name, pad) in enumerate(zip(names, pads)):
         source = request.session.drafter(name, options.drafter_dtype)
         if not isinstance(source, Drafter) and any(source is other for other in sources):
@@ -171,11 +171,13 @@ def build(request: Request, options: DSIOptions) -> Any:
             begun.append(source.begin(request.prompt_ids))
             drafters.append(begun[-1] if pad is None or not pad.step_s else PacedDrafter(begun[-1], pad))
             costs.append(0.0 if pad is None else pad.step_s)
+            models.append(None)
             continue
         source = source.beside(options.servers)
         # each drafter thread its own stream (a generator's seed is 64 bits: the largest seed a request gives wraps)
         seed = None if request.seed is None else (request.seed + 1 + index) % 2**64
         drafts_from = request.session.cache(source) if pad is None else PaddedModel(source, pad)
+        models.append(source if pad is None else drafts_from)
         drafters.append(model_drafter(drafts_from, target, request.sampling, seeded(target.device, seed),
                                       pairs=request.session.vocab_pairs))
         costs.append(pad.step_s if pad is not None else None)
@@ -198,9 +200,9 @@ def build(request: Request, options: DSIOptions) -> Any:
         pool = options.executor
         if pool.spec.sampling != request.sampling or len(pool.spec.devices) != options.servers:
             raise ConfigError("the given executor's servers were built for other sampling settings or server count")
-        return ending(dsi(pool, *common, close_executor=False), begun, request.prompt_ids)
+        return ending(dsi(pool, *common, close_executor=False, drafter_models=models), begun, request.prompt_ids)
     servers = make_executor(options.executor, server_spec(target, options, request.sampling), options.ray_address)
-    return ending(dsi(servers, *common), begun, request.prompt_ids)
+    return ending(dsi(servers, *common, drafter_models=models), begun, request.prompt_ids)
 
 
 def server_spec(target: Any, options: DSIOptions, sampling: Any) -> Any:

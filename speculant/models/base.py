@@ -490,10 +490,15 @@ class DraftCache:
         return len(context) - common_prefix_len(self.ids, context)
 
     def run(self, context: list[int], extra: Sequence[int] = ()) -> torch.Tensor:
-        """`resync` to `context` + `extra`, then record that the cache holds them (cut short or failed, that it
-        holds nothing known: the cache may have been rolled back or prefilled in part)."""
+        """`resync` to `context` + `extra`, then record that the cache holds them (failed, that it holds nothing
+        known: the cache may have been rolled back or prefilled in part; `Interrupted`, what the model kept, the
+        cache being as before that forward)."""
         cached, self.ids = self.ids, []
-        logits = resync(self.model, cached, context, extra, self.prefills)
+        try:
+            logits = resync(self.model, cached, context, extra, self.prefills)
+        except Interrupted:
+            self.ids = (context + list(extra))[: self.model.cache_len]
+            raise
         self.ids = context + list(extra)
         return logits
 

@@ -33,7 +33,7 @@ from speculant.decoding.run import Decoder, emit
 from speculant.decoding.stats import GenerationStats
 from speculant.drafters.base import Drafter
 from speculant.errors import SpeculantError
-from speculant.models.base import common_prefix_len
+from speculant.models.base import CausalLM, Interrupted, common_prefix_len
 from speculant.models.wrappers.metered import Usage
 from speculant.sampling import sample
 from speculant.theory import drafts_ahead
@@ -51,14 +51,18 @@ class DrafterFailed(SpeculantError):
 class DraftWorker:
     """A drafter server: a thread that extends its own context one token at a time, up to `limit`
     tokens, and posts ("draft", index, epoch, position, token, q, usage, start, end) events. The
-    coordinator keeps it in step with `sync`; drafts of an older epoch are stale. A drafter with nothing
-    to propose (Max-Gram without a match) posts ("idle", index, epoch, position) and sleeps until its
-    context changes: it never retries a context it had nothing for."""
+    coordinator keeps it in step with `sync`; drafts of an older epoch are stale, and a restart cuts the one
+    in flight short, as the paper's drafter is terminated and restarted: its `model`'s forward at the next layer
+    boundary where the backend is interruptible (`CausalLM.interrupt`), a twin's emulated latency at once
+    (`jobs.pause`). A drafter with nothing to propose (Max-Gram without a match) posts ("idle", index, epoch,
+    position) and sleeps until its context changes: it never retries a context it had nothing for."""
 
-    def __init__(self, index: int, drafter: Drafter, events: queue.Queue):
+    def __init__(self, index: int, drafter: Drafter, events: queue.Queue, model: CausalLM | None = None):
         self.index = index  # 0: the cheapest drafter, the leader; higher: costlier, trusted more
         self.drafter = drafter
         self.events = events
+        self.model = model if model is not None and model.capabilities.interruptible else None
+        self.canceller = Canceller()  # its jobs are epochs: a restart cancels the epoch it leaves
         self.cond = threading.Condition()
         self.context: list[int] = []
         self.epoch = 0
@@ -77,6 +81,7 @@ class DraftWorker:
             if context[:overlap] != seq[:overlap]:
                 n = common_prefix_len(context, seq)
                 self.context = list(seq if self.index == 0 else seq[: n + 1])
+                self.canceller.cancel(self.epoch)
                 self.epoch += 1
             elif len(context) < (len(seq) if self.index == 0 else committed):
                 self.context = list(seq if self.index == 0 else seq[:committed])
@@ -86,9 +91,20 @@ class DraftWorker:
     def stop(self) -> None:
         with self.cond:
             self.stopped = True
+            self.canceller.cancel(self.epoch)
             self.cond.notify()
 
     def _run(self) -> None:
+        self.canceller.cuts_pauses()
+        if self.model is not None:
+            self.model.interrupt = self.canceller.cancelled_now
+        try:
+            self._draft()
+        finally:
+            if self.model is not None:
+                self.model.interrupt = None
+
+    def _draft(self) -> None:
         tried: tuple[int, int] | None = None  # (epoch, length) of a context the drafter had nothing for
         while True:
             with self.cond:
@@ -97,9 +113,12 @@ class DraftWorker:
                 if self.stopped:
                     return
                 context, epoch = list(self.context), self.epoch
+                self.canceller.running = epoch
             start = time.monotonic()
             try:
                 draft = self.drafter.propose(list(context), 1)  # (its own copy: one it changed read as stale ever after)
+            except Interrupted:  # a restart made it stale
+                continue
             except Exception as error:  # noqa: BLE001 - reported to the coordinator, which stops
                 self.events.put(("drafter_failed", error))
                 return
@@ -399,17 +418,22 @@ class Coordinator:
 
 def dsi(executor: Any, drafters: Drafter | Sequence[Drafter], prompt_ids: list[int], max_new_tokens: int,
         lookahead: int, sampling: SamplingConfig, generator: torch.Generator | None, eos_token_ids: frozenset[int],
-        timeout_s: float = 300.0, close_executor: bool = True) -> Decoder:
+        timeout_s: float = 300.0, close_executor: bool = True,
+        drafter_models: Sequence[CausalLM | None] = ()) -> Decoder:
     """Lossless DSI over `executor`'s target servers (see the module docstring) with one drafter, or several
     of increasing cost (each in its own thread; a costlier one's draft replaces a cheaper one's). Yields
     committed tokens; returns GenerationStats with `dsi` holding per-server records and the timeline.
+    `drafter_models` names each drafter's model (None: it runs none), whose forward a restart interrupts.
 
     The executor is started here unless it already runs (start it beforehand to keep its start-up out
     of the timing); it is closed at the end when `close_executor`."""
     drafters = list(drafters) if isinstance(drafters, (list, tuple)) else [drafters]
     executor.start()
     events = executor.events
-    workers = [DraftWorker(index, drafter, events) for index, drafter in enumerate(drafters)]
+    models = list(drafter_models) or [None] * len(drafters)
+    if len(models) != len(drafters):
+        raise ValueError(f"{len(models)} drafter models for {len(drafters)} drafters")
+    workers = [DraftWorker(index, drafter, events, model) for index, (drafter, model) in enumerate(zip(drafters, models))]
     spec = executor.spec
 
     def fallback(index: int) -> Any:

@@ -99,6 +99,24 @@ class Canceller:
                 return False
             self.event.wait(left)
 
+    def cuts_pauses(self) -> None:
+        """Make this thread's `pause`s wake, raising `Interrupted`, once its running job is cancelled (a DSI drafter's
+        thread: a restart cancels the draft it works on)."""
+        _drafting.canceller = self
+
+
+_drafting = threading.local()  # `canceller`: that of the draft this thread works on, in a DSI drafter's thread
+
+
+def pause(seconds: float) -> None:
+    """Sleep `seconds` (an emulated latency of the twin's); in a DSI drafter's thread, a restart that makes its draft
+    stale cuts the sleep short, raising `Interrupted`, as it cuts a drafter model's forward (`DraftWorker`)."""
+    canceller = getattr(_drafting, "canceller", None)
+    if canceller is None:
+        time.sleep(seconds)
+    elif canceller.wait(seconds):
+        raise Interrupted
+
 
 class ServerDied(SpeculantError):
     """A target server is gone (killed, crashed, timed out; its job runs elsewhere) or could not start."""

@@ -18,7 +18,7 @@ from typing import Any
 
 import torch
 
-from speculant.decoding.dsi.jobs import Canceller
+from speculant.decoding.dsi.jobs import Canceller, pause
 from speculant.drafters.base import Draft, Drafter
 from speculant.latency import interpolated
 from speculant.models.base import Backend, CausalLM, Delegating, Interrupted
@@ -65,14 +65,14 @@ class PacedDrafter(Drafter):
     def propose(self, context: list[int], k: int) -> Draft:
         start = time.monotonic()
         draft = self.inner.propose(context, k)
-        time.sleep(max(0.0, start + len(draft.tokens) * self.latency.step_s - time.monotonic()))
+        pause(max(0.0, start + len(draft.tokens) * self.latency.step_s - time.monotonic()))
         return draft
 
 
 class PaddedModel(Delegating):
     """A CausalLM whose forwards take at least the emulated latency; a cancellation of the job its
-    server is running (`canceller`) interrupts the wait, raising `Interrupted` (the real forward, when it
-    is interruptible itself, stops at its next layer boundary)."""
+    server is running (`canceller`), or a DSI drafter's restart (`jobs.pause`), interrupts the wait, raising
+    `Interrupted` (the real forward, when it is interruptible itself, stops at its next layer boundary)."""
 
     def __init__(self, model: CausalLM, latency: Latency, canceller: Canceller | None = None):
         super().__init__(model)
@@ -84,7 +84,7 @@ class PaddedModel(Delegating):
         if left <= 0:
             return
         if self.canceller is None:
-            time.sleep(left)
+            pause(left)
         elif self.canceller.wait(left):
             raise Interrupted
 
@@ -179,7 +179,7 @@ class SyntheticDrafter:
         tokens: list[int] = []
         start = time.monotonic()
         for i in range(k):
-            time.sleep(max(0.0, start + (i + 1) * self.latency_s - time.monotonic()))
+            pause(max(0.0, start + (i + 1) * self.latency_s - time.monotonic()))
             truth = self.oracle.next_token(context + tokens)
             right, offset = self.draw(len(context) + i)
             tokens.append(truth if right else (truth + offset) % self.oracle.vocab_size)
