@@ -14,7 +14,7 @@ Where the run's own baseline is the one asked for, the numbers are the run's sum
 A directory that keeps only its report.md (its results.json removed from the tree; git keeps it) is read from
 the report's tables: its own baseline then, or ratios of its point estimates for another.
 
-Pure Python (json, argparse, random): no torch, no model, nothing from speculant is imported.
+Pure Python (json, argparse, random, and speculant.bench.bootstrap, which imports no torch): no model is loaded.
 """
 
 from __future__ import annotations

@@ -8,6 +8,7 @@ import math
 import os
 import re
 import select
+import shlex
 import statistics
 import sys
 from collections.abc import Sequence
@@ -262,10 +263,10 @@ def build_parser() -> argparse.ArgumentParser:
     tools.add_argument("--jobs", type=integer, default=None,
                        help="parallel compile jobs (default: the cores this process may run on)")
 
-    kern = commands.add_parser("bench-kernels", help="T(W) of speculant's 4-bit kernels on a GGUF model's own "
+    kern = commands.add_parser("bench-kernels", help="T(W) of speculant's quantized kernels on a GGUF model's own "
                                "matrices, W rows through every linear layer, per ISA path of this machine")
-    kern.add_argument("--model", default=DEFAULT_TARGET, help=f"catalog name or .gguf file of Q4_K/Q6_K matrices, as "
-                      f"the lean backend runs (default: {DEFAULT_TARGET})")
+    kern.add_argument("--model", default=DEFAULT_TARGET, help=f"catalog name or .gguf file, its matrices as the lean "
+                      f"backend runs them (default: {DEFAULT_TARGET})")
     kern.add_argument("--widths", default="1-8,16", help="rows per call, e.g. 1-16 or 1,2,4,8 (default: 1-8,16)")
     kern.add_argument("--isa", nargs="+", default=None, help="paths to time (default: all but scalar)")
     kern.add_argument("--repeats", type=count, default=5, help="timings per width")
@@ -494,6 +495,7 @@ def run_bench(args: argparse.Namespace, argv: Sequence[str]) -> None:
                           "apply)")
     methods = [parse_method(m, build=not saved) for m in (saved["config"]["methods"] if saved else args.methods)]
     ran_over = saved["config"].get("baseline") if saved else None  # (a run reported again keeps its baseline)
+    ran_over = None if ran_over == "default" else ran_over  # (as a run before this was saved said the default)
     baseline = ran_over if args.baseline is None else None if args.baseline == "default" else args.baseline
     if len({m.label for m in methods}) != len(methods):
         raise ConfigError("each method may be listed once")
@@ -523,12 +525,13 @@ def run_bench(args: argparse.Namespace, argv: Sequence[str]) -> None:
     else:
         rows = measure_bench(args, methods)  # (each method's `default` drafter resolved in place: what it ran)
         drafters = {m.label: ", ".join(map(str, held)) for m in methods if (held := held_drafters(m.options))}
-        command, machine = "speculant " + " ".join(argv), machine_info()
+        command, machine = "speculant " + shlex.join(argv), machine_info()  # (as a shell reads it back)
         title = (f"{args.target} on {args.prompts or args.dataset}, {from_args(RunConfig, args).max_new_tokens} new "
                  f"tokens; {machine}")
+    sampling = saved_sampling(saved["config"], args.report_from) if saved else from_args(SamplingConfig, args)
     try:
-        summaries = summarize(rows, methods, baseline)
-        by_category = summarize_by_category(rows, methods, baseline)
+        summaries = summarize(rows, methods, baseline, sampling)
+        by_category = summarize_by_category(rows, methods, baseline, sampling)
     except (ArithmeticError, KeyError, statistics.StatisticsError) as error:
         if not saved:
             raise
@@ -539,7 +542,7 @@ def run_bench(args: argparse.Namespace, argv: Sequence[str]) -> None:
         out = Path(args.out)
         out.mkdir(parents=True, exist_ok=True)
         config = {"command": command, "machine": machine, "drafters": drafters,
-                  **{k: v for k, v in vars(args).items() if k not in PARSER_KEYS}}
+                  **{k: v for k, v in vars(args).items() if k not in PARSER_KEYS}, "baseline": baseline}
         if args.prompts:
             config["dataset"] = None  # (the flag's default, which the prompts replaced)
         if saved:
@@ -549,6 +552,15 @@ def run_bench(args: argparse.Namespace, argv: Sequence[str]) -> None:
         plots = plot(summaries, by_category, out, baseline)
         print(f"wrote {', '.join(str(path) for path in [out / 'results.json', out / 'report.md', *plots])}",
               file=sys.stderr)
+
+
+def saved_sampling(config: dict[str, Any], path: str) -> SamplingConfig:
+    """The sampling flags a saved run ran with (its methods' own settings apart), as its config holds them."""
+    fields = {name: config[name] for name in ("temperature", "top_k", "top_p", "verifier") if name in config}
+    try:
+        return SamplingConfig(**fields)
+    except (TypeError, ValueError) as error:  # (a ConfigError among them)
+        raise ConfigError(f"{path}: its config's sampling is not a run's: {error}") from None
 
 
 def check_cells(rows: Sequence[Any], methods: Sequence[str], path: str) -> None:

@@ -238,7 +238,7 @@ def test_bench_cli_writes_json_markdown_and_plots(tiny_dir, tmp_path, capsys):
     code = cli.main(["bench", "--target", tiny_dir, "--dtype", "fp32", "--methods", "ar", f"sd:drafter={tiny_dir},k=2",
                      "hf-ar", f"hf-assisted:drafter={tiny_dir},k=2", "hf-pld:k=3", f"tree:drafter={tiny_dir},depth=2,width=2,verify_width=3",
                      f"cascade:drafters={tiny_dir},maxgram,k_matrix=2,1;3", "sd:k=2",
-                     "--prompts", str(prompts), "--max-new-tokens", "6", "--out", str(out)])
+                     "--prompts", str(prompts), "--max-new-tokens", "6", "--out", str(out), "--baseline", "default"])
     stdout, _ = capsys.readouterr()
     assert code == 0
     assert "hf-assisted" in stdout and "speedup" in stdout
@@ -250,6 +250,10 @@ def test_bench_cli_writes_json_markdown_and_plots(tiny_dir, tmp_path, capsys):
                                              f"cascade:drafters={tiny_dir},maxgram,k_matrix=2,1;3": f"{tiny_dir}, maxgram",
                                              f"hf-assisted:drafter={tiny_dir},k=2": tiny_dir}
     assert "`sd:k=2`: maxgram" in (out / "report.md").read_text()
+    # `--baseline default` saved as what it resolved to (it was saved as its text, which --report-from took for a label)
+    assert results["config"]["baseline"] is None
+    # the command as a shell reads it back (a spec's ';' quoted)
+    assert f"'cascade:drafters={tiny_dir},maxgram,k_matrix=2,1;3'" in results["config"]["command"]
     assert cli.main(["bench", "--report-from", str(out / "results.json"), "--out", str(tmp_path / "again")]) == 0
     assert "`sd:k=2`: maxgram" in (tmp_path / "again" / "report.md").read_text()
     assert results["config"]["prompts"] == str(prompts) and results["config"]["dataset"] is None  # (not its default)
@@ -293,6 +297,14 @@ def test_methods_sample_with_settings_of_their_own_each_against_its_own_ar(tiny_
     assert sd.speedup == pytest.approx(sd.tokens_per_s / cold.tokens_per_s)
     # agreement too is with the ar that samples alike: each ar agrees with itself, whatever the other drew
     assert hot.identical_to_ar == cold.identical_to_ar == 1.0
+    assert sd.identical_to_ar == (rows[2].token_ids == rows[1].token_ids)
+    # a method sampling as the run does (--temperature 0.3), no temperature of its own: over the ar at 0.3 too
+    from dataclasses import replace
+
+    run_s = parse_method("sd:drafter=maxgram,verifier=token")
+    again = [*rows[:2], replace(rows[2], method=run_s.label)]
+    *_, sd = summarize(again, [*methods[:2], run_s], sampling=SamplingConfig(0.3))
+    assert sd.speedup == pytest.approx(sd.tokens_per_s / cold.tokens_per_s)
     assert sd.identical_to_ar == (rows[2].token_ids == rows[1].token_ids)
 
 

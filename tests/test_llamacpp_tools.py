@@ -81,6 +81,39 @@ def test_a_tool_that_fails_or_hangs_is_one_line_naming_why(monkeypatch):
         generate()
 
 
+def test_a_tool_whose_logger_cut_its_output_short_runs_again(monkeypatch):
+    """llama.cpp's logger prints a tool's text and times from a thread and drops what it has not printed when the tool
+    exits (rc 0, no text, a few lines of log): the run is made again, up to TRIES times, then refused in one line."""
+    from types import SimpleNamespace
+
+    from speculant.bench import llamacpp_cli
+    from speculant.config import SamplingConfig
+    from speculant.models.backends import llamacpp
+
+    monkeypatch.setattr(llamacpp_cli, "tool", lambda name: name)
+    monkeypatch.setattr(llamacpp, "LlamaCppCausalLM", SimpleNamespace)
+    tokenizer = SimpleNamespace(decode=lambda ids, **kwargs: PROMPT.decode(), encode=lambda text, **kwargs: [7])
+    target = SimpleNamespace(weights=SimpleNamespace(path="m.gguf"), threads=2, max_positions=4096, tokenizer=tokenizer)
+    cut = subprocess.CompletedProcess([], 0, b"", "0.00.001.529 I llama_completion: llama backend init\n".encode())
+    whole = {"llamacpp-cli-ar": subprocess.CompletedProcess([], 0, COMPLETION_OUT, COMPLETION_LOG.encode()),
+             "llamacpp-cli-ngram": subprocess.CompletedProcess([], 0, SPECULATIVE_OUT, (
+                 SPECULATIVE_LOG + COMPLETION_LOG).encode())}
+    for method, done in whole.items():
+        # (llama-speculative-simple writes its text's second end after its times: the log whole, the text cut)
+        ended = [] if method == "llamacpp-cli-ar" else [[done.__class__([], 0, done.stdout[:-2], done.stderr)] * 2]
+        for runs in ([cut, cut, done], *[[*early, done] for early in ended]):
+            calls = iter(runs)
+            monkeypatch.setattr(subprocess, "run", lambda *args, **kwargs: next(calls))
+            result = llamacpp_cli.cli_generate(method, target, [1] * 10, 10, parse_method(method).options,
+                                               SamplingConfig(), 0)
+            assert result.text == "Hello! How can I assist you today?" and next(calls, None) is None
+    monkeypatch.setattr(subprocess, "run", lambda *args, **kwargs: cut)
+    with pytest.raises(ConfigError, match=f"^llama-completion exited 0 with its output cut short {llamacpp_cli.TRIES} "
+                                          "times: llama.cpp's logger drops"):
+        llamacpp_cli.cli_generate("llamacpp-cli-ar", target, [1] * 10, 10, parse_method("llamacpp-cli-ar").options,
+                                  SamplingConfig(), 0)
+
+
 def test_speculative_output_is_read_back_and_its_prompt_checked():
     run = read_speculative(SPECULATIVE_OUT, SPECULATIVE_LOG, PROMPT)
     assert run.text == "Hello! How can I assist you today?"
@@ -91,6 +124,8 @@ def test_speculative_output_is_read_back_and_its_prompt_checked():
         read_speculative(SPECULATIVE_OUT, SPECULATIVE_LOG, PROMPT.replace(b"hi", b"ho"))
     with pytest.raises(ConfigError, match="decoded"):
         read_speculative(SPECULATIVE_OUT, "encoded 3 tokens in 1.0 seconds", PROMPT)
+    # the newlines a text ends with are its own: only the tool's two ends go
+    assert read_speculative(b"\n\n" + PROMPT + b"  x\n" + b"\n\n\n\n", SPECULATIVE_LOG, PROMPT).text == "  x\n"
 
 
 def test_each_tool_is_asked_for_the_tokens_the_run_asks(monkeypatch):

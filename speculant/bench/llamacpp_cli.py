@@ -31,6 +31,8 @@ from speculant.models.backends.llamacpp_build import tool
 KV_TYPES = ("bf16", "f16")
 FOLLOWS_SCHEMAS = ("llamacpp-cli-ar",)  # the tool that takes --json-schema
 TIMEOUT_S = 1800  # one generation
+TRIES = 8  # runs of a tool whose output its logger cut short (`printed_all`) before the bench gives up
+SPECULATIVE_END = "\n\n\n\n"  # what llama-speculative-simple writes after its text: two ends of two newlines each
 
 
 @dataclass(frozen=True)
@@ -91,6 +93,13 @@ def _number(pattern: str, log: str, tool_name: str) -> float:
     return float(match.group(1))
 
 
+def printed_all(method: str, stdout: bytes, log: str) -> bool:
+    """Whether a tool that exited 0 printed all it prints: its logger, which prints both its text and its log from a
+    thread, drops what it has not printed when the tool exits (a singleton it never flushes), often on short runs.
+    Each tool ends with common_perf_print's times; llama-speculative-simple then writes its text's second end."""
+    return "total time =" in log and (method == "llamacpp-cli-ar" or stdout.endswith(SPECULATIVE_END.encode()))
+
+
 def read_completion(stdout: bytes, log: str) -> ToolRun:
     """`llama-completion -no-cnv --no-display-prompt`: stdout is the new text, then ' [end of text]' at an
     end-of-generation token, then a blank line; the log ends with common_perf_print's times."""
@@ -114,7 +123,7 @@ def read_speculative(stdout: bytes, log: str, prompt: bytes) -> ToolRun:
     body = stdout.removeprefix(b"\n\n")
     if not body.startswith(prompt):
         raise ConfigError("llama-speculative-simple echoed another prompt than it was given")
-    text = body[len(prompt):].decode(errors="replace").rstrip("\n")
+    text = body[len(prompt):].decode(errors="replace").removesuffix(SPECULATIVE_END)
     encode_s = _number(r"encoded\s+\d+ tokens in\s+([\d.]+) seconds", log, "llama-speculative-simple")
     decode_s = _number(r"decoded\s+\d+ tokens in\s+([\d.]+) seconds", log, "llama-speculative-simple")
     n = int(_number(r"decoded\s+(\d+) tokens", log, "llama-speculative-simple"))
@@ -179,14 +188,21 @@ def cli_generate(method: str, target: Any, prompt_ids: list[int], max_new_tokens
         prompt_file = Path(scratch) / "prompt.txt"
         prompt_file.write_bytes(prompt.encode() + b"\n")  # `-f` drops the file's last newline
         args = tool_args(method, target, prompt_file, max_new_tokens, options, sampling, seed, response_format)
-        try:
-            done = subprocess.run(args, capture_output=True, timeout=TIMEOUT_S)
-        except subprocess.TimeoutExpired:
-            raise ConfigError(f"{Path(args[0]).name} did not finish in {TIMEOUT_S} s") from None
-    log = done.stderr.decode(errors="replace")
-    if done.returncode != 0:
-        last = re.sub(r"^[\d.]+ [A-Z] ", "", (log.strip().splitlines() or ["no message"])[-1])  # (its timestamp)
-        raise ConfigError(f"{Path(args[0]).name} exited with {done.returncode}: {last}")
+        name = Path(args[0]).name
+        for _ in range(TRIES):
+            try:
+                done = subprocess.run(args, capture_output=True, timeout=TIMEOUT_S)
+            except subprocess.TimeoutExpired:
+                raise ConfigError(f"{name} did not finish in {TIMEOUT_S} s") from None
+            log = done.stderr.decode(errors="replace")
+            if done.returncode != 0:
+                last = re.sub(r"^[\d.]+ [A-Z] ", "", (log.strip().splitlines() or ["no message"])[-1])  # (timestamp)
+                raise ConfigError(f"{name} exited with {done.returncode}: {last}")
+            if printed_all(method, done.stdout, log):
+                break
+        else:
+            raise ConfigError(f"{name} exited 0 with its output cut short {TRIES} times: llama.cpp's logger drops "
+                              "what it has not printed when the tool exits")
     run = read_completion(done.stdout, log) if method == "llamacpp-cli-ar" else \
         read_speculative(done.stdout, log, prompt.encode())
     if run.prompt_tokens != len(prompt_ids):

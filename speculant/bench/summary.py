@@ -14,6 +14,7 @@ from speculant.bench.bootstrap import ratio_interval
 from speculant.bench.llamacpp_cli import CLI_PEERS
 from speculant.bench.methods import MethodSpec
 from speculant.bench.runner import Measurement
+from speculant.config import SamplingConfig
 from speculant.decoding.stats import GenerationStats
 from speculant.models.base import common_prefix_len
 
@@ -67,14 +68,19 @@ def _speed(row: Measurement) -> float:
     return row.stats.new_tokens / row.stats.wall_s if row.stats.wall_s > 0 else 0.0
 
 
-def _law(spec: MethodSpec) -> dict[str, Any]:
-    """The sampling settings a method's output distribution depends on (not how drafts are verified)."""
-    return {key: value for key, value in spec.sampling if key != "verifier"}
+def _law(spec: MethodSpec, sampling: SamplingConfig) -> tuple[float, int | None, float | None] | None:
+    """What a method's output distribution depends on in a run of `sampling`, its own settings applied: None where it
+    decodes greedily (top-k and top-p then change nothing), else its temperature, top-k and top-p (not how drafts are
+    verified)."""
+    own = spec.sampled(sampling)
+    return None if own.greedy else (own.temperature, own.top_k, own.top_p)
 
 
-def summarize(rows: list[Measurement], methods: list[MethodSpec], baseline: str | None = None) -> list[MethodSummary]:
+def summarize(rows: list[Measurement], methods: list[MethodSpec], baseline: str | None = None,
+              sampling: SamplingConfig = SamplingConfig()) -> list[MethodSummary]:
     """Per method; speedups over the method labelled `baseline` (default: the first `ar` listed that samples as the
-    method does: a run may compare methods at several temperatures, each against its own `ar`)."""
+    method does in a run of `sampling`: a run may compare methods at several temperatures, each against its own
+    `ar`)."""
     by_method = {spec.label: [r for r in rows if r.method == spec.label] for spec in methods}
     ar_specs = [spec for spec in methods if spec.method == "ar"]
     ar_labels = [spec.label for spec in ar_specs]
@@ -83,7 +89,7 @@ def summarize(rows: list[Measurement], methods: list[MethodSpec], baseline: str 
         mine = by_method[spec.label]
         if not mine:
             continue
-        alike = [a.label for a in ar_specs if _law(a) == _law(spec)]
+        alike = [a.label for a in ar_specs if _law(a, sampling) == _law(spec, sampling)]
         if baseline is None:
             base = by_method[(alike or ar_labels)[0]] if ar_labels else []
         else:
@@ -130,13 +136,13 @@ def summarize(rows: list[Measurement], methods: list[MethodSpec], baseline: str 
     return summaries
 
 
-def summarize_by_category(rows: list[Measurement], methods: list[MethodSpec],
-                          baseline: str | None = None) -> dict[str, list[MethodSummary]]:
+def summarize_by_category(rows: list[Measurement], methods: list[MethodSpec], baseline: str | None = None,
+                          sampling: SamplingConfig = SamplingConfig()) -> dict[str, list[MethodSummary]]:
     """The same summaries within each prompt category (only when there is more than one)."""
     categories = sorted({r.category for r in rows})
     if len(categories) < 2:
         return {}
-    return {c: summarize([r for r in rows if r.category == c], methods, baseline) for c in categories}
+    return {c: summarize([r for r in rows if r.category == c], methods, baseline, sampling) for c in categories}
 
 
 def to_json(config: dict[str, Any], rows: list[Measurement], summaries: list[MethodSummary],
