@@ -360,7 +360,8 @@ def test_summary_reports_the_tree_shape_when_the_objective_verifies_nothing():
 def test_the_length_objective_drafts_every_level_and_stays_lossless(arch):
     """objective=length (the paper's Fig. 14 baseline): each tree is drafted to its full depth and verified within
     the same verify width, costs left out; the speedup objective, on a steep T(n), stops earlier. Both equal `ar`.
-    What only costs decide (an auto depth, a profile, a depth predictor) is refused beside length, not dropped."""
+    What only costs decide (an auto depth or width, a profile, a depth predictor) is refused beside length, not
+    dropped."""
     from helpers import perturbed
     from speculant import generate
     from speculant.errors import OptionError
@@ -381,7 +382,7 @@ def test_the_length_objective_drafts_every_level_and_stays_lossless(arch):
     assert depths["length"] > 3  # all 4 levels, but where a tree meets max_new_tokens
     assert depths["speedup"] < depths["length"]  # the profile's steep T(n): deeper levels do not pay
     predictor = DepthPredictor(3, "features", FEATURES)
-    for name, value in (("depth", "auto"), ("target_profile", profile), ("depth_predictor", predictor)):
+    for name, value in (("depth", "auto"), ("width", "auto"), ("target_profile", profile), ("depth_predictor", predictor)):
         refused = f"objective length .*: {name.replace('_', '-')} .*does not apply"
         with pytest.raises(OptionError, match=refused) as error:
             generate(target, prompt_ids=prompt, drafter=drafter, method="tree", objective="length",

@@ -1,6 +1,7 @@
 """Yggdrasil's depth predictor: it learns what decides how deep a tree is accepted, drafts the depth the
 objective prefers, and leaves the output exactly the target's."""
 
+import os
 import random
 
 import pytest
@@ -9,6 +10,7 @@ import torch
 from helpers import DEVICES, MORE_ARCHS, perturbed, random_prompt, tiny_model
 from speculant import cli, generate
 from speculant.analysis.depth import fit, log_trees
+from speculant.session import Session
 from speculant.trees.depth import DepthPredictor, Observation, Recent, features
 
 
@@ -159,10 +161,19 @@ def test_trees_of_the_hidden_state_predicted_depth_equal_ar_on_lean(variant, tmp
     predictor.save(tmp_path / "hidden.json")
     predicted_trees_equal_ar(target, drafter, prompts[:3], tmp_path / "hidden.json", 4, (2,), monkeypatch, 24)
     read = get_method("tree").make_options({"drafter": "self", "depth_predictor": str(tmp_path / "hidden.json")})
-    assert depth_predictor(read.depth_predictor, target, drafter).inputs == "hidden"  # (the options read the file)
+    session = Session(target)
+    assert depth_predictor(read.depth_predictor, target, drafter, session).inputs == "hidden"  # (options read it)
     for kind in ("features", "hidden"):
         fit(samples, 4, kind)[0].save(predictor_path(target, drafter, kind))
-    assert depth_predictor("auto", target, drafter).inputs == "hidden"
+    found = depth_predictor("auto", target, drafter, session)
+    assert found.inputs == "hidden"
+    # read once per version of its file (a server's every tree request had read it again)
+    assert depth_predictor("auto", target, drafter, session) is found
+    retrained = fit(samples, 4, "hidden")[0]
+    path = predictor_path(target, drafter, "hidden")
+    retrained.save(path)
+    os.utime(path, ns=(path.stat().st_mtime_ns + 10**9,) * 2)
+    assert depth_predictor("auto", target, drafter, session) is not found
 
 
 @pytest.mark.parametrize("arch", ["llama", "qwen2", "mistral"])

@@ -81,6 +81,29 @@ def test_tree_with_auto_width_is_lossless(arch):
     assert result.stats.tree_widths and set(result.stats.tree_widths) <= set(PLAN_WIDTHS)
 
 
+def test_the_summary_names_the_widths_drafted():
+    """`width=auto` chooses each tree's width: the summary says the width the trees were drafted at, not the shape's
+    (the execution plan's), where every tree took one other width."""
+    from speculant.config import SamplingConfig
+    from speculant.decoding.autoregressive import autoregressive
+    from speculant.trees.decoder import tree_speculative
+    from speculant.trees.drafter import TreeDrafter
+
+    target = tiny_model("llama", 8, 64, init_std=0.1)
+    prompt = random_prompt(81, 64, 12)
+    drafter = TreeDrafter(perturbed(target, 0.2, 8), 2, chooser=lambda probs, depth, exact: 3)
+    decoder = tree_speculative(target, drafter, prompt, 3, 2, 20)
+    tokens = []
+    while True:
+        try:
+            tokens.append(next(decoder))
+        except StopIteration as stop:
+            stats = stop.value
+            break
+    assert tokens == list(autoregressive(target, prompt, 20, SamplingConfig(), None))
+    assert set(stats.tree_widths) == {3} and stats.tree_shape[1] == 2 and "width 3, " in stats.summary()
+
+
 @pytest.mark.parametrize("arch", [*ARCHS, "mistral"])
 def test_trees_of_changing_widths_stay_lossless(arch):
     """Each tree drafted at the width its chooser gives after its context (here: in turn 1, 3, 2, 8), verified

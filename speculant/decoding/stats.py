@@ -163,7 +163,8 @@ class GenerationStats:
             n = max(len(self.verified_sizes), 1)
             depth, width, verify = self.tree_shape
             widths = self.tree_widths
-            shown = f"{sum(widths) / len(widths):.1f} ({min(widths)}-{max(widths)})" if len(set(widths)) > 1 else width
+            shown = f"{sum(widths) / len(widths):.1f} ({min(widths)}-{max(widths)})" if len(set(widths)) > 1 else \
+                widths[0] if widths else width  # (the widths drafted: `width=auto` chooses each tree's)
             line += (f", trees: depth {sum(self.draft_lengths) / n:.1f}, {self.verified_nodes / n:.1f} of "
                      f"{self.drafted_nodes / n:.1f} drafted nodes verified "
                      f"(depth <= {depth}, width {shown}, verify <= {verify or depth * width})")

@@ -24,9 +24,10 @@ class TreeOptions(DrafterOptions):
     MODEL_ONLY = "method 'tree'"
     depth: int | str = option(4, "drafting steps per tree, or auto", parse=count_or_auto, most=REQUEST_MOST)
     width: int | str = option(4, "nodes added per drafting step, or auto: each tree's width chosen after its context "
-                               "by the latency-aware objective, around the execution plan's width for the costs and "
-                               "the drafter's agreement on the prompt (Yggdrasil 5.2)", parse=count_or_auto,
-                               most=REQUEST_MOST)
+                               "by the latency-aware objective, from the drafter's distribution at the tree's root "
+                               "and the costs (the execution plan's width, for the costs and the drafter's agreement "
+                               "on the prompt (Yggdrasil 5.2), is the one a depth predictor assumes)",
+                               parse=count_or_auto, most=REQUEST_MOST)
     verify_width: int | str | None = option(None, "verify at most this many drafted nodes, the subtree chosen by "
                                             "dynamic programming, or auto (default: all)", parse=count_or_auto,
                                             most=REQUEST_MOST)
@@ -38,8 +39,9 @@ class TreeOptions(DrafterOptions):
     objective: str = option("speedup", "speedup: Yggdrasil's latency-aware objective (accepted tokens per second of "
                             "drafting and verification, Eq. 3) decides how deep to draft and which nodes to verify, "
                             "within depth and verify-width, where it knows the costs (a profile or an auto size); "
-                            "length: every tree drafted to depth and verified for the most expected accepted tokens, "
-                            "the costs left out", choices=OBJECTIVES)
+                            "length: every tree drafted to depth and verified for the most expected accepted tokens "
+                            "(within verify-width, auto the same cap as speedup's), the costs left out",
+                            choices=OBJECTIVES)
     shape: str = option("egt", "egt: equal-growth trees (Yggdrasil); sequoia: every tree the static shape of depth x "
                         "width nodes that the drafter's rank coverage on the prompt favours (Sequoia); nway: width "
                         "greedy chains of depth nodes from the root's likeliest tokens", choices=SHAPES)
@@ -87,7 +89,8 @@ class TreeOptions(DrafterOptions):
             raise ConfigError(f"depth_predictor is auto, off, a predictor's JSON file or a DepthPredictor, not "
                               f"{type(self.depth_predictor).__name__}")
         if self.objective == "length":  # (every tree drafted to its depth, no cost weighed: these would be dropped)
-            for name, given in (("depth auto", self.depth == AUTO), ("target-profile", self.target_profile is not None),
+            for name, given in (("depth auto", self.depth == AUTO), ("width auto", self.width == AUTO),
+                                ("target-profile", self.target_profile is not None),
                                 ("depth-predictor", isinstance(self.depth_predictor, DepthPredictor))):
                 if given:  # (named by the objective: a server's client may ask for it beside the operator's others)
                     raise OptionError("objective", f"objective length drafts every tree to its depth with the costs "
@@ -143,7 +146,7 @@ def build(request: Request, options: TreeOptions) -> Any:
     shape = tree_shape(request.target, model, request.prompt_ids, options.depth, options.width, options.verify_width,
                        profile, request.session)
     static = fixed_shape(options, request.target, model, request.prompt_ids, request.session)
-    predictor, cost = depth_predictor(options.depth_predictor, request.target, model), shape.cost
+    predictor, cost = depth_predictor(options.depth_predictor, request.target, model, request.session), shape.cost
     if options.objective == "length":  # the sizes stand; no cost weighs a level or a node
         predictor, cost = None, None
     elif predictor is not None and cost is None:
@@ -182,10 +185,12 @@ def tree_drafter_model(model: Any, target: Any) -> Any:
     return model
 
 
-def depth_predictor(choice: Any, target: Any, drafter: Any) -> Any:
+def depth_predictor(choice: Any, target: Any, drafter: Any, session: Any) -> Any:
     """The DepthPredictor `choice` names: off, one the options read from the file they named (a hidden-state one
     only on a target that gives them: `target_needs`), or auto (train-depth's for the pair, if any: the
-    hidden-state one where the target's backend gives hidden states, else the features one)."""
+    hidden-state one where the target's backend gives hidden states, else the features one), read once per version
+    of its file and kept in the `session` beside the pair's measured costs (a server's requests share it)."""
+    from speculant.models.base import owner_of
     from speculant.trees.depth import INPUTS, DepthPredictor, predictor_path
 
     if choice == "off":
@@ -194,4 +199,10 @@ def depth_predictor(choice: Any, target: Any, drafter: Any) -> Any:
         return choice
     kinds = [k for k in INPUTS if k != "hidden" or target.capabilities.hidden_states]
     path = next((p for p in (predictor_path(target, drafter, k) for k in kinds) if p is not None and p.is_file()), None)
-    return DepthPredictor.load(path) if path is not None else None
+    if path is None:
+        return None
+    known = session.measured.setdefault(owner_of(target), {})
+    key = ("depth predictor", str(path), path.stat().st_mtime_ns)  # (retrained: read again)
+    if key not in known:
+        known[key] = DepthPredictor.load(path)
+    return known[key]

@@ -96,8 +96,9 @@ def tree_shape(target: CausalLM, drafter: CausalLM, prompt_ids: list[int], depth
                verify_width: int | str | None, profile: LatencyProfile | None, session: Any) -> TreeShape:
     """Resolve `auto` sizes. With a profile or any `auto`, the objective decides how deep to draft (up
     to `depth`) and how many nodes to verify (up to `verify_width`; else the whole tree, within the widest T(W)
-    measured here where no profile is given). `width=auto` takes the execution plan's width (`plan_width`) and
-    chooses each tree's after its context. Costs measured here are kept in the `session` (`measured_costs`)."""
+    measured here where no profile is given). `width=auto` chooses each tree's width after its context (the
+    `chooser`, over PLAN_WIDTHS); the shape's `width` is then the execution plan's (`plan_width`), the one a depth
+    predictor assumes before the tree's is chosen. Costs measured here are kept in the `session` (`measured_costs`)."""
     auto = AUTO in (depth, width, verify_width)
     cost, most_nodes = (profile.cost, None) if profile is not None else (None, None)
     if cost is None and auto:
@@ -105,7 +106,7 @@ def tree_shape(target: CausalLM, drafter: CausalLM, prompt_ids: list[int], depth
         widths, seconds = list(costs), list(costs.values())
         cost, most_nodes = (lambda n: interpolated(widths, seconds, n)), TARGET_WIDTHS[-1]
     chooser = None
-    if width == AUTO:  # the plan's width, and each tree's own by the objective after its context
+    if width == AUTO:  # the plan's width (a depth predictor's guess), and each tree's own after its context
         draft_costs = measured_costs(drafter, prompt_ids, PLAN_WIDTHS, session)
         draft_cost = draft_costs.__getitem__
         depths = range(1, depth + 1) if isinstance(depth, int) else PLAN_DEPTHS
