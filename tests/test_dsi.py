@@ -114,6 +114,14 @@ def test_server_keeps_the_sequence_catches_up_and_rolls_back_its_cache():
     # prefill and forward differ in numerics, and plain decoding prefills.
     third = server.run(Job(2, 9, 0, tuple(seq[:12]), 12))
     assert third.forwarded == 12 and third.forwards == 1
+    # A server new to a request after its first tokens (the in-process fallback once every server is lost) prefills
+    # the prompt alone and runs the tokens generated since as a forward, as plain decoding ran them.
+    spied, prefilled = TargetServer(2, target.share(), GREEDY), []
+    prefill = spied.model.prefill
+    spied.model.prefill = lambda ids: prefilled.append(len(ids)) or prefill(ids)
+    late = spied.run(Job(4, 11, 0, tuple(seq[:14]), 12, 8))
+    assert prefilled == [8] and late.rows_start == 12 and late.forwards == 2 and late.forwarded == 14
+    assert late.tokens == [int(fresh.prefill(seq[:position]).argmax()) for position in (12, 13, 14)]
     # a prefill is no step (GenerationStats: incremental forwards and their seconds), whatever else the job ran
     assert [(r.usage.forwards, r.usage.steps) for r in (first, second, third)] == [(2, 1), (1, 1), (1, 0)]
     assert 0 < first.usage.seconds < first.end - first.start and 0 <= third.usage.seconds < third.end - third.start

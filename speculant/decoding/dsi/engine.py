@@ -150,6 +150,7 @@ class Coordinator:
         n = len(executor.spec.devices)
         self.request = next(REQUEST_IDS)
         self.seq = list(prompt)  # committed tokens, then drafts
+        self.prompt = len(prompt)
         self.n_committed = len(prompt)
         self.cap = len(prompt) + max_new_tokens - 1  # drafts beyond this position are never needed
         self.max_ahead = drafts_ahead(lookahead, n)
@@ -270,7 +271,7 @@ class Coordinator:
         """A job asking `server` for the rows from `first_row` on `tokens`, carrying only what it lacks."""
         held = self.sent.get(server, ())
         base = common_prefix_len(held, tokens)
-        job = Job(next(JOB_IDS), self.request, base, tokens[base:], first_row)
+        job = Job(next(JOB_IDS), self.request, base, tokens[base:], first_row, self.prompt)
         self.sent[server] = tokens
         self.running[server] = (job, tokens, time.monotonic())
         rec = self.record.servers[server]

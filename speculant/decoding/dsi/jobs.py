@@ -35,6 +35,8 @@ class Job:
     base: int  # leading tokens of the sequence this server was last sent for `request` that still hold
     tokens: tuple[int, ...]  # the speculated sequence from `base` up to the job's last draft
     first_row: int  # the first position (index into the whole sequence, or its length) to predict; >= 1
+    prompt: int | None = None  # the request's prompt length: all a server new to the request prefills (None: up to
+    # first_row), the rest run as forwards, as plain decoding runs them (llama.cpp's prefill and forward differ in bits)
 
 
 @dataclass
@@ -166,16 +168,17 @@ class TargetServer:
         prefill_s = None
         try:
             keep = min(common_prefix_len(self.cached, tokens), job.first_row - 1)
-            if keep == 0:  # nothing reusable: prefill up to the first wanted row, then the rest
-                forwards, forwarded = 1, job.first_row
+            if keep == 0:  # nothing reusable: prefill the prompt (up to the first wanted row), then the rest
+                head = min(job.first_row, job.prompt or job.first_row)
+                forwards, forwarded = 1, head
                 try:
-                    rows = [self.model.prefill(tokens[: job.first_row])[None]]
+                    rows = [self.model.prefill(tokens[:head])[None]]
                 finally:  # (its time, interrupted or not, is none of the steps')
                     prefill_s = time.monotonic() - start
-                if len(tokens) > job.first_row:
+                if len(tokens) > head:
                     forwards, forwarded = 2, len(tokens)
-                    rows.append(self.model.forward(tokens[job.first_row:]))
-                logits, rows_start = torch.cat(rows), job.first_row
+                    rows.append(self.model.forward(tokens[head:]))
+                logits, rows_start = torch.cat(rows)[job.first_row - head:], job.first_row
             else:
                 forwards, forwarded = 1, len(tokens) - keep
                 self.model.rollback(keep)
