@@ -254,7 +254,7 @@ ENTRIES: dict[str, tuple[str, str, str | None, str | None, str | None]] = {
                                "speculant simulate heatmap --out docs/results/heatmap-paper-1-server --ndim 100 "
                                "--repeats 10 --servers 1", "any (a simulation)", None),
     "dsi-online.md": ("analysis", "DSI in the latency twin through the real engine (online), against SI and non-SI",
-                      "python scripts/dsi_online.py", XEON, None),
+                      "python scripts/dsi_online.py", ZEN4, None),
 }
 
 
