@@ -35,6 +35,7 @@ from speculant.config import (
     latency_fits,
     number,
     reach_ray,
+    sampling_of,
     with_default,
 )
 from speculant.drafters.spec import DEFAULT, check_dtype
@@ -515,8 +516,8 @@ def run_bench(args: argparse.Namespace, argv: Sequence[str]) -> None:
         command = saved["config"]["command"]
         if baseline != ran_over:  # another than it ran over: noted, unless the command's own (an earlier note replaced)
             command = re.sub(r" \(reported with --baseline [^)]*\)$", "", command)
-            own = re.search(r" --baseline[= ](\S+)", command)
-            if baseline != (own[1] if own and own[1] != "default" else None):
+            own = baseline_in(command)
+            if baseline != (own if own != "default" else None):
                 command += f" (reported with --baseline {baseline or 'default'})"
         machine, title = saved["config"]["machine"], f"{args.report_from}; {saved['config']['machine']}"
         drafters = saved["config"].get("drafters")
@@ -554,11 +555,25 @@ def run_bench(args: argparse.Namespace, argv: Sequence[str]) -> None:
               file=sys.stderr)
 
 
+def baseline_in(command: str) -> str | None:
+    """The --baseline a saved bench command gives, if any, its words read as a shell reads them (a run saved before
+    commands were quoted: split at spaces)."""
+    try:
+        words = shlex.split(command)
+    except ValueError:  # (an unquoted command's stray quote)
+        words = command.split()
+    for i, word in enumerate(words):
+        if word == "--baseline" and i + 1 < len(words):
+            return words[i + 1]
+        if word.startswith("--baseline="):
+            return word.removeprefix("--baseline=")
+    return None
+
+
 def saved_sampling(config: dict[str, Any], path: str) -> SamplingConfig:
     """The sampling flags a saved run ran with (its methods' own settings apart), as its config holds them."""
-    fields = {name: config[name] for name in ("temperature", "top_k", "top_p", "verifier") if name in config}
     try:
-        return SamplingConfig(**fields)
+        return sampling_of(config)
     except (TypeError, ValueError) as error:  # (a ConfigError among them)
         raise ConfigError(f"{path}: its config's sampling is not a run's: {error}") from None
 

@@ -180,6 +180,12 @@ class SamplingConfig:
 SAMPLED_ONLY = ("top_k", "top_p", "verifier", "seed")  # settings that do nothing at temperature 0
 
 
+def sampling_of(saved: dict[str, Any]) -> SamplingConfig:
+    """The SamplingConfig a run's saved settings hold (a bench's config, an isolated generation's request), by field
+    name; a field absent or None at its default."""
+    return SamplingConfig(**{f.name: saved[f.name] for f in fields(SamplingConfig) if saved.get(f.name) is not None})
+
+
 def check_sampled(sampling: SamplingConfig, given: Iterable[str], spell: Callable[[str], str] = str,
                   where: str = "") -> None:
     """Refuse settings given for sampling (`SAMPLED_ONLY`) where `sampling` is greedy: they would do nothing."""

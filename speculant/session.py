@@ -48,7 +48,7 @@ class Session:
         self.lengths: deque[float] = deque(maxlen=LENGTHS_KEPT)  # the last generations' lengths
         self.history = History()  # suffix decoding's earlier generations
         self.vocab_pairs: dict[tuple[int, int, int, int], Any] = {}  # cross-vocabulary tables (`drafters.vocab`)
-        self.measured: WeakKeyDictionary = WeakKeyDictionary()  # the tree methods' T(W): model -> {widths: costs}
+        self.measured: WeakKeyDictionary = WeakKeyDictionary()  # the tree methods' T(W), coverage, depth predictors
         self._profiles: WeakKeyDictionary = WeakKeyDictionary()  # model -> (its machine key, its profile)
         self.prefixes = prefixes or PrefixCache(0)  # prompts' KV kept across a server's requests (default: off)
 

@@ -608,6 +608,12 @@ def test_a_run_reported_again_keeps_the_baseline_it_ran_over_unless_told_another
     speedup, command, report = again(tmp_path / "over-ar" / "results.json", "default", "--baseline", "default")
     assert (speedup, command) == (4.0, "c --baseline sd (reported with --baseline default)")  # (each over its ar)
     assert again(tmp_path / "default" / "results.json", "back-again", "--baseline", "sd")[:2] == (2.0, "c --baseline sd")
+    # the command's own baseline read as a shell reads the command (quoted since commands are saved shell-quoted)
+    from speculant.cli import baseline_in
+
+    assert baseline_in("speculant bench --baseline 'cascade:k_matrix=2,1;3' --out o") == "cascade:k_matrix=2,1;3"
+    assert baseline_in("speculant bench '--baseline=sd;x'") == "sd;x" and baseline_in("c it's --baseline sd") == "sd"
+    assert baseline_in("speculant bench --out o") is None
 
 
 def test_a_flag_given_where_it_does_nothing_is_one_line_never_ignored(capsys, tmp_path):

@@ -287,7 +287,7 @@ def test_a_restart_cuts_the_drafter_s_stale_draft_short(kind):
     started = time.monotonic()
     event = events.get(timeout=10)
     assert event[0] == "draft" and event[2] == worker.epoch and event[3] == 3, event[:4]  # (-1: a stale draft)
-    assert time.monotonic() - started < 1.5  # (the stale one's remainder too: 1.7 s)
+    assert time.monotonic() - started < 2.5  # (a drafter latency, ~1 s; the stale draft told apart above)
     time.sleep(0.3)
     started = time.monotonic()
     worker.stop()

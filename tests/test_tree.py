@@ -382,7 +382,8 @@ def test_the_length_objective_drafts_every_level_and_stays_lossless(arch):
     assert depths["length"] > 3  # all 4 levels, but where a tree meets max_new_tokens
     assert depths["speedup"] < depths["length"]  # the profile's steep T(n): deeper levels do not pay
     predictor = DepthPredictor(3, "features", FEATURES)
-    for name, value in (("depth", "auto"), ("width", "auto"), ("target_profile", profile), ("depth_predictor", predictor)):
+    for name, value in (("depth", "auto"), ("width", "auto"), ("target_profile", profile),
+                        ("depth_predictor", predictor)):
         refused = f"objective length .*: {name.replace('_', '-')} .*does not apply"
         with pytest.raises(OptionError, match=refused) as error:
             generate(target, prompt_ids=prompt, drafter=drafter, method="tree", objective="length",

@@ -40,7 +40,7 @@ def main() -> None:
     one JSON line."""
     from speculant.api import generate
     from speculant.bench.methods import parse_method
-    from speculant.config import SamplingConfig
+    from speculant.config import sampling_of
     from speculant.methods.drafting import as_keywords, with_drafters
     from speculant.models import load_model
     from speculant.session import Session
@@ -53,8 +53,7 @@ def main() -> None:
     session = Session(target)
     options = with_drafters(spec.options, lambda d: session.drafter(d, getattr(spec.options, "drafter_dtype", None)))
     ids, n = request["prompt_ids"], request["max_new_tokens"]
-    run = SamplingConfig(**{k: request[k] for k in ("temperature", "top_k", "top_p", "verifier")
-                            if request.get(k) is not None})
+    run = sampling_of(request)
     asked = {**as_keywords(spec.sampled(run)), "seed": request.get("seed"),  # (the method's own settings in place)
              "response_format": request.get("response_format")}
     # The warm-up runs the prompt's tokens reversed: the same lengths and code paths, and no prefix that a cache

@@ -37,7 +37,7 @@ class GenerationStats:
     drafted_nodes: int = 0  # token trees: all drafted nodes (draft_lengths then holds tree depths)
     verified_sizes: list[int] = field(default_factory=list)  # token trees: nodes verified per iteration, after pruning
     tree_shape: tuple[int, int, int | None] | None = None  # token trees: (depth cap, width, verify-width cap)
-    tree_widths: list[int] = field(default_factory=list)  # token trees: each tree's drafting width (auto: per context)
+    tree_widths: list[int] = field(default_factory=list)  # token trees: each tree's first level (auto: per context)
     dsi: DSIRecord | None = None  # DSI: per-server records and the timeline
     choices: list[str] = field(default_factory=list)  # auto: per iteration, the drafter used ("plain": none)
     stage: Any = None  # token trees with stage scheduling: trees.stage.StageRecord (hits, overlap)

@@ -96,13 +96,14 @@ class DraftWorker:
 
     def _run(self) -> None:
         self.canceller.cuts_pauses()
+        before = self.model.interrupt if self.model is not None else None
         if self.model is not None:
             self.model.interrupt = self.canceller.cancelled_now
         try:
             self._draft()
         finally:
             if self.model is not None:
-                self.model.interrupt = None
+                self.model.interrupt = before
 
     def _draft(self) -> None:
         tried: tuple[int, int] | None = None  # (epoch, length) of a context the drafter had nothing for
@@ -434,7 +435,8 @@ def dsi(executor: Any, drafters: Drafter | Sequence[Drafter], prompt_ids: list[i
     models = list(drafter_models) or [None] * len(drafters)
     if len(models) != len(drafters):
         raise ValueError(f"{len(models)} drafter models for {len(drafters)} drafters")
-    workers = [DraftWorker(index, drafter, events, model) for index, (drafter, model) in enumerate(zip(drafters, models))]
+    workers = [DraftWorker(index, drafter, events, model)
+               for index, (drafter, model) in enumerate(zip(drafters, models))]
     spec = executor.spec
 
     def fallback(index: int) -> Any:
