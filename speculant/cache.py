@@ -96,10 +96,12 @@ def write_json(path: Path, value: Any) -> None:
 
 
 def _read(path: Path) -> dict[str, Any]:
+    """The file's keys, or none where it is missing, unreadable or not a JSON object (rewritten at the next write)."""
     try:
-        return json.loads(path.read_text())
+        known = json.loads(path.read_text())
     except (OSError, ValueError):
         return {}
+    return known if isinstance(known, dict) else {}
 
 
 def _fresh(known: dict[str, Any], key: str) -> bool:

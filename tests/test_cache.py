@@ -27,6 +27,10 @@ def test_a_cache_file_keeps_its_most_recently_used_keys(tmp_path, monkeypatch):
     remember("e")  # "a" was used again (moved to the newest end): "b" is the oldest and goes
     assert list(json.loads((tmp_path / "f.json").read_text())) == list("cdae")
     assert remember("b") == "B" and measured == list("abcdeb")
+    # a file of JSON that is not an object (edited, or another program's) is no keys, rewritten: it crashed after the
+    # measurement with a TypeError
+    (tmp_path / "f.json").write_text("[1]")
+    assert remember("z") == "Z" and json.loads((tmp_path / "f.json").read_text()) == {"z": "Z"}
 
 
 def test_a_second_process_waits_for_the_first_s_measurement_instead_of_timing_beside_it(tmp_path, monkeypatch):

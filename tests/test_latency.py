@@ -1,6 +1,7 @@
 """Latency profiles: T(W) between and beyond the measured widths, and profiles no measurement gives refused."""
 
 import json
+import os
 
 import pytest
 
@@ -51,3 +52,30 @@ def test_profiling_refuses_a_prompt_the_model_has_no_positions_for():
     with pytest.raises(ConfigError, match="a prompt of 510 tokens and 4 decoded after it exceed .* 512 positions"):
         profile_model(model, [[1] * 8, [2] * 510], [1, 2], 16)
     assert profile_model(model, [[2] * 508], [1], 16, repeats=1).ttft_s > 0
+
+
+def test_a_model_file_is_known_by_what_it_holds_not_by_how_its_path_is_spelled(tmp_path, monkeypatch):
+    """A machine profile is kept under the model's identity: a local file by its resolved path and its size and time,
+    so one replaced in place (or another file at the same relative path) is measured anew, and one path spelled
+    relative, absolute or with `~` is one model (`--target=~/m.gguf`: no shell expands it); int4's group size is part
+    of a quantized model's identity."""
+    from tiny_gguf import write_tiny_gguf
+
+    from helpers import byte_tokenizer, tiny_transformer
+    from speculant.latency import profile_key
+    from speculant.models import load_model
+
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("HOME", str(tmp_path))
+    path = tmp_path / "m.gguf"
+    write_tiny_gguf(path, "llama", 1, "q8_0")
+    keys = {spelled: profile_key(load_model(spelled, backend="lean", tokenizer=byte_tokenizer()))
+            for spelled in ("m.gguf", str(path), "~/m.gguf")}
+    assert len(set(keys.values())) == 1 and None not in keys.values()
+    write_tiny_gguf(path, "llama", 2, "q8_0", hidden=128)  # replaced in place
+    os.utime(path, ns=(path.stat().st_mtime_ns + 10**9,) * 2)
+    assert profile_key(load_model("m.gguf", backend="lean", tokenizer=byte_tokenizer())) != keys["m.gguf"]
+    tiny_transformer("llama", 3, 257).save_pretrained(tmp_path / "hf")
+    byte_tokenizer().save_pretrained(tmp_path / "hf")
+    groups = {profile_key(load_model("hf@int4", dtype="fp32", group_size=size)) for size in (32, 64)}
+    assert len(groups) == 2

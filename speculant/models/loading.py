@@ -7,7 +7,9 @@ settings stay as they were.
 
 from __future__ import annotations
 
+import hashlib
 import logging
+import os
 from copy import deepcopy
 from functools import lru_cache
 from pathlib import Path
@@ -83,8 +85,29 @@ def quantized_copy(model: HFCausalLM, quant: str, group_size: int | None = None)
         raise ConfigError(f"unknown quantization {quant!r} (choose from {', '.join(QUANTS)})")
     check_group_size(group_size, quant)
     copy = quantize(deepcopy(model.model), quant, group_size or GROUP_SIZE)
-    identity = f"{model.identity}@{quant}" if model.identity else None
+    identity = f"{model.identity}@{quantized_as(quant, group_size)}" if model.identity else None
     return HFCausalLM(copy, model.tokenizer, f"{model.name}@{quant}", model.eos_token_ids, identity)
+
+
+def quantized_as(quant: str, group_size: int | None) -> str:
+    """A quantization as a model's identity names it: int4's group size with it (another group size, another model)."""
+    from speculant.models.numerics.quant import GROUP_SIZE
+
+    return f"{quant} group {group_size or GROUP_SIZE}" if quant == "int4" else quant
+
+
+def weights_id(spec: str | Path) -> str:
+    """What a model loaded from `spec` is known by where what is measured of it is kept (machine profiles, depth
+    predictors): a catalog name or a hub id as it is (its package or revision pins the weights); a local file or
+    folder by its resolved path and its files' sizes and times, so that one replaced in place, or spelled another
+    way, is measured as what it is."""
+    name, path = str(spec), Path(spec)
+    if name in CATALOG or not path.exists():
+        return name
+    files = [path] if path.is_file() else sorted(f for f in path.rglob("*") if f.is_file())
+    stamp = hashlib.sha256("|".join(f"{f.relative_to(path) if f != path else f.name}:{f.stat().st_size}:"
+                                    f"{f.stat().st_mtime_ns}" for f in files).encode()).hexdigest()[:16]
+    return f"{path.resolve()} ({stamp})"
 
 
 def tokenizer_folder(name: str) -> Path | None:
@@ -162,7 +185,7 @@ def resolve_backend(backend: str | None, spec: Any, quant: str | None, device: s
         on_cpu = device is None or resolve_device(device).type == "cpu"
         as_they_are = quant is None and dtype in (None, AUTO)
         if str(spec).endswith(".gguf"):
-            backend = _file_route(Path(spec)) if as_they_are and on_cpu else "llamacpp"  # (checked below)
+            backend = _file_route(Path(spec).expanduser()) if as_they_are and on_cpu else "llamacpp"  # (checked below)
         elif not (is_gguf and as_they_are and on_cpu):
             return "hf"
         else:
@@ -215,7 +238,7 @@ def gguf_file(spec: str | Path) -> Path:
     name = str(spec)
     if name in CATALOG:
         return gguf_checkpoint(CATALOG[name]) / "model.gguf"
-    path = Path(name)
+    path = Path(name).expanduser()
     if not path.is_file():
         raise ModelNotAvailable(f"no GGUF file at {path} (catalog models: {catalog_listing()})")
     check_gguf(path)
@@ -262,7 +285,7 @@ def load_gguf(spec: str | Path, tokenizer: Any | None = None, threads: int | Non
     """A catalog model's packaged GGUF or a .gguf file, on llama.cpp."""
     path, name, tokenizer, extra_ids = _gguf_source(spec, tokenizer)
     weights = llamacpp.shared_weights(path)
-    return llamacpp.LlamaCppCausalLM(weights, tokenizer, name, extra_ids, f"{name} gguf", threads)
+    return llamacpp.LlamaCppCausalLM(weights, tokenizer, name, extra_ids, f"{weights_id(spec)} gguf", threads)
 
 
 def load_lean(spec: str | Path, tokenizer: Any | None = None, draft: bool = False) -> CausalLM:
@@ -277,12 +300,12 @@ def load_lean(spec: str | Path, tokenizer: Any | None = None, draft: bool = Fals
     if tokenizer is not None and tokenizer.eos_token_id is not None:
         eos.add(tokenizer.eos_token_id)
     if not draft:
-        return lean.LeanCausalLM(lean.shared_weights(path), tokenizer, name, frozenset(eos), f"{name} lean")
+        return lean.LeanCausalLM(lean.shared_weights(path), tokenizer, name, frozenset(eos), f"{weights_id(spec)} lean")
     if tokenizer is None:
         raise ConfigError(f"{name}@{LEAN} ranks its head's tokens with the model's tokenizer, which did not load")
     head = tuple(int(i) for i in frequent_tokens(tokenizer, len(tokenizer), lean.DRAFT_HEAD))
     return lean.LeanCausalLM(lean.shared_weights(path, head), tokenizer, f"{name}@{LEAN}", frozenset(eos),
-                             f"{name} lean draft {len(head)}")
+                             f"{weights_id(spec)} lean draft {len(head)}")
 
 
 def check_gguf_dtype(spec: Any, backend: str, dtype: str | None) -> None:
@@ -333,7 +356,7 @@ def load_model(spec: Any, dtype: str | None = None, device: str | None = None, t
         name, suffix = split_quant(spec)
         if suffix is not None and quant is not None:
             raise ConfigError(f"quantization given twice: '{spec}' and quant={quant}")
-        spec, quant = name, suffix or quant
+        spec, quant = os.path.expanduser(name), suffix or quant  # ('--target=~/m.gguf': no shell expands it)
     check_suffix(quant)
     check_group_size(group_size, quant)
     if isinstance(spec, (str, Path)):
@@ -349,7 +372,7 @@ def load_model(spec: Any, dtype: str | None = None, device: str | None = None, t
     from speculant.models.backends.hf import HFCausalLM, eos_ids, model_name  # (transformers' models: on their load)
 
     model, tokenizer, name, extra_eos = _load_transformers(spec, dtype, device, tokenizer)
-    identity = f"{name} {dtype_name(model.dtype)}" if isinstance(spec, (str, Path)) else None
+    identity = f"{weights_id(spec)} {dtype_name(model.dtype)}" if isinstance(spec, (str, Path)) else None
     if chosen == "static":
         from speculant.models.backends.static import StaticCausalLM, StaticWeights
 
@@ -363,7 +386,7 @@ def load_model(spec: Any, dtype: str | None = None, device: str | None = None, t
             model = deepcopy(spec)  # quantization rewrites the modules: never the caller's
         quantize(model, quant, group_size or GROUP_SIZE)
         name = f"{name or model_name(model)}@{quant}"
-        identity = identity and f"{name} {dtype_name(model.dtype)}"
+        identity = identity and f"{weights_id(spec)}@{quantized_as(quant, group_size)} {dtype_name(model.dtype)}"
     return HFCausalLM(model, tokenizer, name, extra_eos, identity)
 
 
