@@ -68,6 +68,29 @@ def test_a_call_s_arguments_are_the_text_the_model_wrote_and_strict_json():
         assert [c["function"]["arguments"] for c in parse(block(written), NAMES).calls] == [written]
     for written in ('{"n":NaN}', '{"n":Infinity}', '{"n":[-Infinity]}', '{"n":1e400}', '{"a":1,"a":2}', '{"n":1e-400}'):
         assert parse(block(written), NAMES) == Parsed(block(written), [])
+    # where the reply had to call (tool_choice required or named) the call the grammar allowed is the call, as written
+    # (it was content, the reply without the call it was asked for); what no JSON grammar writes stays content
+    for written in ('{"n":1e400}', '{"a":1,"a":2}', '{"n":1e-400}'):
+        assert [c["function"]["arguments"] for c in parse(block(written), NAMES, forced=True).calls] == [written]
+        held = ToolStream()
+        held.push(block(written))
+        assert [c["function"]["arguments"] for c in held.finish(NAMES, forced=True)[1]] == [written]
+    for written in ('{"n":NaN}', '{"n":Infinity}'):
+        assert parse(block(written), NAMES, forced=True) == Parsed(block(written), [])
+
+
+def test_named_chat_templates_call_tools_with_the_one_transformers_renders_tools_with():
+    """A tokenizer of named templates (Hermes-2-Pro's `default` and `tool_use`, a dict) speaks tools where the
+    template transformers renders tools with does: it was refused, its dict's keys searched for the call tag."""
+    from types import SimpleNamespace
+
+    from speculant.serve.tools import speaks_tools
+
+    calling = "{% for tool in tools %}{{ tool }}{% endfor %}<tool_call>"
+    assert speaks_tools(SimpleNamespace(chat_template={"default": "{{ messages }}", "tool_use": calling}))
+    assert speaks_tools(SimpleNamespace(chat_template={"default": calling}))
+    assert not speaks_tools(SimpleNamespace(chat_template={"default": "{{ messages }}", "rag": calling}))
+    assert speaks_tools(SimpleNamespace(chat_template=calling)) and not speaks_tools(SimpleNamespace(chat_template=None))
 
 
 def accepts(tokenizer, vocabulary, choice, functions=TOOLS):

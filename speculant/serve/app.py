@@ -217,10 +217,11 @@ def create_app(engine: Engine, served_name: str, config: ServeConfig | None = No
         except ConfigError as error:
             raise ApiError(400, str(error), "messages") from None
         return await respond(body, ids, body.max_completion_tokens or body.max_tokens, True, http,
-                             [t.function.name for t in body.tools] if choice != "none" else None, calls)
+                             [t.function.name for t in body.tools] if choice != "none" else None, calls,
+                             choice not in ("none", "auto"))
 
     async def respond(body: Sampling, ids: list[int], max_tokens: int | None, chat: bool, http: Request,
-                      calling: list[str] | None = None, calls: Constraint | None = None) -> Any:
+                      calling: list[str] | None = None, calls: Constraint | None = None, forced: bool = False) -> Any:
         job = await asyncio.to_thread(make_job, body, ids, max_tokens, calls)  # a grammar compiles off the event loop
         loop = asyncio.get_running_loop()
         queue: asyncio.Queue = asyncio.Queue()
@@ -246,7 +247,7 @@ def create_app(engine: Engine, served_name: str, config: ServeConfig | None = No
         ident = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex[:24]
         spelled_now = await asyncio.to_thread(spelling) if job.logprobs is not None else None  # (the first: a scan)
         shape = Shape(ident, served_name, chat, spelled_now, calling,
-                      body.parallel_tool_calls if calling is not None else True)
+                      body.parallel_tool_calls if calling is not None else True, forced)
         refused = "speculant" if body.speculant else None  # what a ConfigError of the running request is about
         try:
             if (item := await next_item(queue, http)) is GONE:
@@ -291,7 +292,7 @@ def create_app(engine: Engine, served_name: str, config: ServeConfig | None = No
             metrics.usage(outcome.prompt_tokens, outcome.completion_tokens)
             finish = outcome.finish_reason
             if held is not None:
-                rest, calls = held.finish(shape.calling, shape.most_calls)
+                rest, calls = held.finish(shape.calling, shape.most_calls, shape.forced)
                 if rest:
                     yield chunk(shape.chunk(rest, []))
                 if calls:
@@ -630,10 +631,10 @@ class Shape:
     lists)."""
 
     def __init__(self, ident: str, model: str, chat: bool, spelling: Spelling | None = None,
-                 calling: list[str] | None = None,
-                 parallel: bool = True):
+                 calling: list[str] | None = None, parallel: bool = True, forced: bool = False):
         self.ident, self.model, self.chat, self.created = ident, model, chat, int(time.time())
         self.calling = calling  # the tools the reply may call (None: none): its calls of them parsed into `tool_calls`
+        self.forced = forced  # the reply had to call (`tools.parse`)
         self.most_calls = None if parallel else 1
         self.spelling, self.logprobs = spelling, spelling is not None
         self.offset = 0  # characters of completion text before the next token (completions' text_offset)
@@ -660,7 +661,8 @@ class Shape:
         if self.chat:
             message: dict[str, Any] = {"role": "assistant", "content": outcome.text}
             finish = outcome.finish_reason
-            if self.calling is not None and (parsed := tools.parse(outcome.text, self.calling, self.most_calls)).calls:
+            if self.calling is not None and \
+                    (parsed := tools.parse(outcome.text, self.calling, self.most_calls, self.forced)).calls:
                 message = {"role": "assistant", "content": parsed.content, "tool_calls": parsed.calls}
                 finish = self.finish(finish, parsed.calls)
             choice = {"index": 0, "message": message, "finish_reason": finish, "logprobs": logprobs}

@@ -39,6 +39,7 @@ def _finite(number: str) -> float:
 
 
 DECODER = json.JSONDecoder(parse_constant=_refuse, parse_float=_finite)  # strict JSON: no NaN, no infinities
+WRITTEN = json.JSONDecoder(parse_constant=_refuse)  # JSON text as a grammar's numbers allow it: 1e999 too
 
 
 class _Twice(dict):
@@ -114,8 +115,11 @@ def json_fault(text: str | bytes) -> tuple[str, str] | None:
 
 
 def speaks_tools(tokenizer: Any) -> bool:
-    """Whether the tokenizer's chat template renders tools and asks for Hermes-style calls."""
+    """Whether the tokenizer's chat template renders tools and asks for Hermes-style calls: of named templates (a
+    dict), the one transformers renders tools with (`tool_use`, else `default`)."""
     template = getattr(tokenizer, "chat_template", None) or ""
+    if isinstance(template, dict):
+        template = template.get("tool_use") or template.get("default") or ""
     return "tools" in template and OPEN in template
 
 
@@ -187,10 +191,10 @@ class Parsed:
     calls: list[dict[str, Any]]  # OpenAI's tool_calls entries
 
 
-def _members(text: str, at: int) -> tuple[dict[str, tuple[Any, str]], int]:
-    """The JSON object that starts at `text[at]`, read strictly (`DECODER`): each key's value and the text it is
-    written in (a key given twice: its last, as `json` reads it), and where the object ends. A ValueError where no
-    such object starts there."""
+def _members(text: str, at: int, decoder: json.JSONDecoder = DECODER) -> tuple[dict[str, tuple[Any, str]], int]:
+    """The JSON object that starts at `text[at]`, read by `decoder` (strictly by default): each key's value and the
+    text it is written in (a key given twice: its last, as `json` reads it), and where the object ends. A ValueError
+    where no such object starts there."""
     if not text.startswith("{", at):
         raise ValueError("not an object")
     members: dict[str, tuple[Any, str]] = {}
@@ -198,12 +202,12 @@ def _members(text: str, at: int) -> tuple[dict[str, tuple[Any, str]], int]:
     if text.startswith("}", at):
         return members, at + 1
     while True:
-        key, at = DECODER.raw_decode(text, at)
+        key, at = decoder.raw_decode(text, at)
         at = WHITESPACE.match(text, at).end()
         if not isinstance(key, str) or not text.startswith(":", at):
             raise ValueError("not an object's key")
         start = WHITESPACE.match(text, at + 1).end()
-        value, at = DECODER.raw_decode(text, start)
+        value, at = decoder.raw_decode(text, start)
         members[key] = value, text[start:at]
         at = WHITESPACE.match(text, at).end()
         if text.startswith("}", at):
@@ -213,22 +217,26 @@ def _members(text: str, at: int) -> tuple[dict[str, tuple[Any, str]], int]:
         at = WHITESPACE.match(text, at + 1).end()
 
 
-def parse(text: str, names: Collection[str], most: int | None = None) -> Parsed:
+def parse(text: str, names: Collection[str], most: int | None = None, forced: bool = False) -> Parsed:
     """The calls in a reply, at most `most` (each with an id, its arguments as JSON text of an object: the text the
     model wrote, strict JSON, read as written: `json_fault`) and the text before them (None where there is none). A
-    block that is not a call's JSON object, or that calls a function other than `names`, stays in the content. A
-    call's JSON is read whole before its closing tag is looked for: an argument may hold the tag's text."""
+    block that is not a call's JSON object, or that calls a function other than `names`, stays in the content; so
+    does one whose arguments JSON readers would read otherwise than written (a key twice, a number past a double),
+    unless the reply had to call (`forced`: tool_choice required or a function named), where the grammar allowed it:
+    then it is the call, as written (sent back, it is refused naming the fault). A call's JSON is read whole before
+    its closing tag is looked for: an argument may hold the tag's text."""
     calls, kept, at, search = [], [], 0, 0
     while (start := text.find(OPEN, search)) >= 0 and (most is None or len(calls) < most):
         search = start + len(OPEN)
         try:
-            call, end = _members(text, WHITESPACE.match(text, search).end())
+            call, end = _members(text, WHITESPACE.match(text, search).end(), WRITTEN if forced else DECODER)
         except (ValueError, RecursionError):
             continue
         name, _ = call.get("name", (None, ""))
         arguments, written = call.get("arguments", ({}, "{}"))
         close = CLOSING.match(text, end)
-        if close is None or name not in names or not isinstance(arguments, dict) or json_fault(written) is not None:
+        if close is None or name not in names or not isinstance(arguments, dict) or \
+                (not forced and json_fault(written) is not None):
             continue  # (arguments read otherwise than written, a key twice say, would be refused sent back)
         kept.append(text[at:start])
         at = search = close.end()
@@ -265,9 +273,10 @@ class ToolStream:
         piece, self.sent = self.text[self.sent:end], end  # format's: `parse` strips it, so it waits for what follows)
         return piece
 
-    def finish(self, names: Collection[str], most: int | None = None) -> tuple[str, list[dict[str, Any]]]:
-        """(the content not yet handed out, the calls of functions `names`: at most `most`)."""
-        parsed = parse(self.text, names, most)
+    def finish(self, names: Collection[str], most: int | None = None,
+               forced: bool = False) -> tuple[str, list[dict[str, Any]]]:
+        """(the content not yet handed out, the calls of functions `names`: at most `most`; `parse`'s `forced`)."""
+        parsed = parse(self.text, names, most, forced)
         if not parsed.calls:
             rest, self.sent = self.text[self.sent:], len(self.text)
             return rest, []
