@@ -122,6 +122,10 @@ def kind(name: str) -> DrafterKind:
         loaded = plugins[name].load()  # a module that registers itself, or the factory
         if name not in DRAFTERS and callable(loaded):
             register_drafter(name)(loaded)
+        elif name not in DRAFTERS:
+            raise ConfigError(f"plugin '{name}' ({plugins[name].value}) registered no drafter named '{name}': an entry "
+                              "point's name is its drafter's, so its module registers that name (or the entry point "
+                              "names a factory, module:function)")
     if name not in DRAFTERS:
         raise ConfigError(f"unknown drafter '{name}' (registered: {', '.join(names())})")
     return DRAFTERS[name]

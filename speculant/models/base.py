@@ -76,9 +76,6 @@ class Capabilities:
       with the same bits as one `prefill`.
     - `interruptible`: `interrupt` (None, or a check called at every layer boundary; True raises `Interrupted`).
     - `skips_layers`: `skipping(layers)` drafts with the target's weights less some layers (`self@skip`).
-    - `exact_any_width`: a forward's row r equals the one-token forward's bits at any width (else up to the
-      backend's `width`, past which forwards run in chunks).
-    - `sliding_window`: the backend attends within a sliding window where the model has one.
     - `hidden_states`: `last_hidden`, the last layer's output at the rows the last call returned logits for
       ([rows, hidden]: a prefill's last token, a forward's every token; on the transformers backend after the
       final norm, as transformers gives it).
@@ -104,8 +101,6 @@ class Capabilities:
     prefills_in_parts: bool = False
     interruptible: bool = False
     skips_layers: bool = False
-    exact_any_width: bool = False
-    sliding_window: bool = False
     hidden_states: bool = False
     gguf: bool = False
     replicates: bool = False

@@ -89,7 +89,7 @@ class HFCausalLM(Backend):
 
     backend = "hf"
     capabilities = Capabilities(shares_weights=True, batches_rows=True, prefills_in_parts=True, interruptible=True,
-                                exact_any_width=True, sliding_window=True, hidden_states=True, reuses_prefixes=True,
+                                hidden_states=True, reuses_prefixes=True,
                                 replicates=True, quantizes_self=True)
 
     def catalog_drafter_spec(self, drafter: str) -> str:
@@ -272,7 +272,7 @@ class HFCausalLM(Backend):
     @property
     def prefix_block(self) -> int | None:
         """Any position of a prompt may be restored: every row of a prefill has its one-token forward's bits however
-        the prompt is split (`exact_any_width`); None for quantized kernels, whose rows are not tested so."""
+        the prompt is split (its exact kernels' rows); None for quantized kernels, whose rows are not tested so."""
         return None if self.kernel == "quantized" else 1
 
     def export_kv(self, start: int, end: int) -> tuple[torch.Tensor, ...]:

@@ -442,7 +442,7 @@ class LeanCausalLM(PointerCache, Backend):
     backend = "lean"
     capabilities = Capabilities(shares_weights=True, batches_rows=True, prefills_in_parts=True, interruptible=True,
                                 fixed_cache=True,
-                                skips_layers=True, exact_any_width=True, sliding_window=True, gguf=True,
+                                skips_layers=True, gguf=True,
                                 reuses_prefixes=True, hidden_states=True)
     device = torch.device("cpu")
     dtype = torch.float32

@@ -279,7 +279,7 @@ class LlamaCppCausalLM(Backend):
     """A llama.cpp context on GGUF weights: the KV cache of one sequence (see the module docstring)."""
 
     backend = "llamacpp"
-    capabilities = Capabilities(shares_weights=True, prefills_in_parts=True, interruptible=True, sliding_window=True,
+    capabilities = Capabilities(shares_weights=True, prefills_in_parts=True, interruptible=True,
                                 gguf=True, replicates=True, tree_nodes=N_SEQ - 1)  # (a sequence id per leaf)
 
     def catalog_drafter_spec(self, drafter: str) -> str:

@@ -437,8 +437,7 @@ class StaticCausalLM(PointerCache, Backend):
 
     backend = "static"
     capabilities = Capabilities(shares_weights=True, batches_rows=True, prefills_in_parts=True, interruptible=True,
-                                fixed_cache=True,
-                                sliding_window=True, hidden_states=True, drafts_trees=True)
+                                fixed_cache=True, hidden_states=True, drafts_trees=True)
 
     def draft_model(self, spec: Any, dtype: str | None) -> Any:
         from speculant.models.loading import transformers_drafter
