@@ -783,6 +783,9 @@ def run_acceptance(args: argparse.Namespace) -> None:
 
     sampling = from_flags(lambda: SamplingConfig(temperature=args.temperature), ["temperature"])
     from_flags(lambda: RunConfig(max_new_tokens=args.max_new_tokens), ["max_new_tokens"])
+    if args.depth > args.max_new_tokens:  # (no draft position past a reply is reached)
+        raise ConfigError(f"--depth {args.depth} exceeds --max-new-tokens {args.max_new_tokens}: a reply has no draft "
+                          "position past its last token")
     config = from_args(ModelConfig, args)
     prompts = free_text(load_dataset(args.dataset), "acceptance")
     check_models([args.target])

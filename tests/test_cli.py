@@ -465,6 +465,7 @@ def test_bad_files_paths_and_settings_are_one_line_before_any_model_loads(tmp_pa
             (["acceptance", *target, "--drafter", "qwen2.5-coder-0.5b,qwen2.5-coder-0.5b"], "names a drafter twice"),
             (["acceptance", *target, "--drafter", "self@skip", "--backend", "hf"], "the hf backend does not offer"),
             (["acceptance", *target, "--max-new-tokens", "0"], "--max-new-tokens must be >= 1, got 0"),
+            (["acceptance", *target, "--depth", "100000"], "--depth 100000 exceeds --max-new-tokens 128"),
             (["acceptance", *target, "--temperature", "1e-300"], "--temperature must be 0 (greedy) or at least"),
             (["train-depth", *target, "--drafter", "self@skip", "--backend", "hf"], "the hf backend does not offer"),
             (["train-depth", *target, "--drafter", "self", "--max-new-tokens", "9"], "leaves no tree of --max-depth 8"),
