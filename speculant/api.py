@@ -164,16 +164,19 @@ def check_request(method: str, logprobs: int | None, logit_bias: Mapping[int, fl
 
 
 def decoded_target(target: Any, logprobs: int | None, logit_bias: Mapping[int, float] | None,
-                   constraint: Constraint | None = None) -> tuple[Any, Recorded | None]:
+                   constraint: Constraint | Matcher | None = None) -> tuple[Any, Recorded | None]:
     """(what the method decodes with, what records its logits or None): the target, wrapped to keep its logits
-    for `logprobs` (the target's own), to add `logit_bias` to them, and to mask them to `constraint`, in that
-    order (a bias never lets a forbidden token through)."""
+    for `logprobs` (the target's own), to add `logit_bias` to them, and to mask them to `constraint` (compiled here,
+    or given compiled: a server compiles it apart from the thread that runs the forwards), in that order (a bias
+    never lets a forbidden token through)."""
     recorded = Recorded(target, int(logprobs)) if logprobs is not None else None
     decoded = recorded if recorded is not None else target
     if logit_bias:
         decoded = Biased(decoded, logit_bias)
     if constraint is not None:
-        decoded = Constrained(decoded, Matcher(constraint, target.tokenizer, target.vocab_size, target.eos_token_ids))
+        matcher = constraint if isinstance(constraint, Matcher) else \
+            Matcher(constraint, target.tokenizer, target.vocab_size, target.eos_token_ids)
+        decoded = Constrained(decoded, matcher)
     return decoded, recorded
 
 

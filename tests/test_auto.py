@@ -750,7 +750,7 @@ def test_options_for_model_drafters_are_refused_where_auto_has_none():
     loads, by object when the method builds); their defaults pass. (With a model drafter they apply: the tests
     above.)"""
     from speculant.drafters.maxgram import MaxGramDrafter
-    from speculant.errors import ConfigError
+    from speculant.errors import ConfigError, OptionError
 
     target = tiny_model("llama", 0, 64)
     prompt = random_prompt(0, 64, 8)
@@ -759,9 +759,11 @@ def test_options_for_model_drafters_are_refused_where_auto_has_none():
             generate(target, prompt_ids=prompt, method="auto", drafters=["maxgram"], max_new_tokens=4,
                      **{option: value})
     session = Session(target)  # (its profile of the target measured once)
-    with pytest.raises(ConfigError, match="tree_widths applies to model drafters"):
+    with pytest.raises(OptionError, match="^probe_every applies to model drafters; auto drafts here with maxgram only$") \
+            as refused:  # (a loaded drafter by its name, not its repr; the option named: a server's answer names it)
         generate(target, prompt_ids=prompt, method="auto", drafters=[MaxGramDrafter()], max_new_tokens=4,
-                 tree_widths=(4,), session=session)
+                 probe_every=4, session=session)
+    assert refused.value.option == "probe_every"
     generate(target, prompt_ids=prompt, method="auto", drafters=[MaxGramDrafter()], max_new_tokens=4, tree_widths=(2,),
              session=session)
     # no trees (`none`, as a flag spells it: its empty value is refused as a slip) asks for nothing; where the

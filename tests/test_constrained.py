@@ -123,6 +123,13 @@ def test_a_grammar_llguidance_cannot_follow_fails_loudly_never_leaves_it():
         generate(byte_model("llama", 0), prompt_ids=[1], method="ar", max_new_tokens=4,
                  response_format={"type": "regex", "regex": "a{1000000}"})
     assert refused.value.field == "response_format"  # (what a server's answer names)
+    # a grammar past MAX_GRAMMAR_CHARS is refused before it compiles (a server's client's 700 KB of literals took 3 GB)
+    from speculant.models.wrappers.constrained import MAX_GRAMMAR_CHARS
+
+    words = " ".join(f'"w{i}x"' for i in range(MAX_GRAMMAR_CHARS // 6))
+    with pytest.raises(ConfigError, match=f"characters as compiled; at most {MAX_GRAMMAR_CHARS} compile"):
+        generate(byte_model("llama", 0), prompt_ids=[1], method="ar", max_new_tokens=4,
+                 response_format={"type": "grammar", "grammar": f"start: {words}"})
 
 
 def test_structured_output_needs_an_end_of_sequence_token_and_a_tokenizer_llguidance_reads():

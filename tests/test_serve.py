@@ -428,9 +428,17 @@ def test_logit_bias_is_applied_and_speculation_stays_exact(server):
     assert done.choices[0].text == expected and done.usage.model_dump()["speculative"]["method"] == "sd"
 
 
-def test_structured_output_is_schema_valid_json_and_equals_constrained_ar(server):
+def test_structured_output_is_schema_valid_json_and_equals_constrained_ar(server, monkeypatch):
+    """A reply follows its schema exactly as constrained `ar`, streamed too; its grammar compiles once, on the
+    request's handler thread: never on the thread that runs every request's forwards (a client's large grammar held
+    up every stream there), the drafter's matcher a copy of it."""
     pytest.importorskip("llguidance")
+    from speculant.models.wrappers import constrained
+
     engine, _, client = server
+    compiled, init = [], constrained.Matcher.__init__
+    monkeypatch.setattr(constrained.Matcher, "__init__",
+                        lambda self, *args: compiled.append(threading.current_thread().name) or init(self, *args))
     schema = {"type": "object", "properties": {"n": {"type": "integer", "minimum": 0, "maximum": 9}}, "required": ["n"],
               "additionalProperties": False,  # compact JSON: a random model pads with all the whitespace it may
               "x-guidance": {"whitespace_flexible": False, "whitespace_pattern": None}}
@@ -440,6 +448,7 @@ def test_structured_output_is_schema_valid_json_and_equals_constrained_ar(server
                                           response_format=response_format)
     text = done.choices[0].message.content
     assert set(json.loads(text)) == {"n"} and done.choices[0].finish_reason == "stop"
+    assert len(compiled) == 1 and not compiled[0].startswith("speculant-"), compiled
     ids = encode_prompt(engine.target.tokenizer, messages)
     assert text == generate(engine.target, prompt_ids=ids, method="ar", max_new_tokens=40,
                             response_format=response_format).text

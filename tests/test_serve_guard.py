@@ -354,6 +354,7 @@ def test_stage_scheduling_is_refused_by_the_server_whose_forwards_run_on_one_thr
     ('{"model": "tiny", "prompt": "ab", "temperature": 1e-38}', "temperature"),
     ('{"model": "tiny", "prompt": "ab", "seed": 18446744073709551616}', "seed"),
     ('{"model": "tiny", "prompt": "ab", "stop": ""}', "stop"),
+    ('{"model": "tiny", "prompt": "ab", "stop": ["a", "' + "x" * 4097 + '"]}', "stop"),  # (its tables: forwards wait)
     ('{"model": "tiny", "prompt": "ab", "response_format": {}}', "response_format"),
     ('{"model": "tiny", "prompt": "ab", "logit_bias": {" 12 ": 1}}', "logit_bias"),
     ('{"model": "tiny", "prompt": "ab", "logit_bias": {"1_0": 1}}', "logit_bias"),
@@ -464,10 +465,11 @@ class BrokenDrafter(Drafter):
         pass
 
 
-def test_a_stream_is_counted_once_by_how_it_ended(monkeypatch):
+def test_a_stream_is_counted_once_by_how_it_ended(monkeypatch, caplog):
     """A stream's headers go out as a 200 before it ends: one that ends whole counts as a 200, one the engine fails
     mid-stream as a 500 (not a 200), one a fault of the server's own ends mid-stream as one 500 (not a 200 and a
-    500)."""
+    500). A generation's failure is a fault of the server's: the client gets an error id its log holds with the
+    exception, not the exception's text (which may hold paths), as it got, with nothing logged."""
     engine = engine_for("sd", drafter=BrokenDrafter())
     body = {"model": "tiny", "prompt": "ab", "max_tokens": 12, "stream": True, "logit_bias": {"256": -100},
             "stream_options": {"include_provenance": True}}  # (a step's event: the stream starts at the first)
@@ -488,7 +490,10 @@ def test_a_stream_is_counted_once_by_how_it_ended(monkeypatch):
         with monkeypatch.context() as patch:
             patch.setattr(Shape, "chunk", broken)
             assert "server_error" in streamed(speculant={"method": "ar"})
-        assert "generation failed" in streamed()  # (its drafter breaks at its third draft)
+        failed = streamed()  # (its drafter breaks at its third draft)
+        ident = re.search(r"error id (\w+)", failed)[1]
+        assert "the drafter broke" not in failed
+        assert any(ident in r.getMessage() and "the drafter broke" in str(r.exc_info[1]) for r in caplog.records)
         counted = dict(re.findall(r'speculant_requests_total\{endpoint="/v1/completions",status="(\d+)"\} (\S+)',
                                   client.get("/metrics").text))
     engine.close()

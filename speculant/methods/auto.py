@@ -10,7 +10,7 @@ from dataclasses import dataclass, fields, replace
 from typing import Any
 
 from speculant.config import AUTO, CATCH_UPS, REQUEST_MOST, REQUEST_NODES, SCHEDULES, as_integer, integer, option
-from speculant.drafters.spec import DRAFTER_DTYPES, as_drafter, model_free
+from speculant.drafters.spec import DRAFTER_DTYPES, as_drafter, model_free, named
 from speculant.errors import ConfigError, OptionError
 from speculant.methods.drafting import as_drafters, check_drafters, parse_drafters
 from speculant.methods.registry import Request, register
@@ -144,8 +144,8 @@ def check_model_only(options: AutoOptions, drafters: Sequence[Any], models: int,
         return f"{', '.join(names)} appl{'ies' if len(names) == 1 else 'y'}"
 
     if (names := changed("model_only", ())) and not models:  # (an empty tree_widths asks for no trees)
-        raise ConfigError(f"{applies(names)} to model drafters; auto drafts here with "
-                          f"{', '.join(map(str, drafters)) or 'none'} only")
+        raise OptionError(names[0], f"{applies(names)} to model drafters; auto drafts here with "
+                          f"{', '.join(map(named, drafters)) or 'none'} only")
     if (names := changed("tree_only", ())) and trees == 0:  # (an empty tree_widths asks for no trees)
         raise OptionError(names[0], f"{applies(names)} to token trees, which need a model drafter in the target's "
                           "vocabulary; auto's model drafters here draft in another")

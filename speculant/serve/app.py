@@ -17,6 +17,7 @@ import hmac
 import json
 import logging
 import re
+import threading
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable
@@ -87,6 +88,7 @@ def create_app(engine: Engine, served_name: str, config: ServeConfig | None = No
         await asyncio.to_thread(engine.close)  # SIGTERM: uvicorn stops taking requests, the running ones finish
 
     pages = {} if config.docs else {"docs_url": None, "redoc_url": None, "openapi_url": None}
+    compiling = threading.Lock()  # one grammar compiles at a time: a client's may hold a GB while it does
     # A path with a trailing slash is a 404, not a redirect, whose Location would echo the client's Host header.
     app = FastAPI(title="speculant", lifespan=lifespan, redirect_slashes=False, **pages)
 
@@ -346,12 +348,15 @@ def create_app(engine: Engine, served_name: str, config: ServeConfig | None = No
             raise ApiError(400, f"response_format nests deeper than {MAX_FORMAT_DEPTH} levels", "response_format")
         try:
             constraint = calls or Constraint.from_response_format(body.response_format or {"type": "text"})
-            if constraint is not None:  # compiled here, so that a bad schema is a 400 before the request runs
-                Matcher(constraint, engine.target.tokenizer, engine.target.vocab_size, engine.target.eos_token_ids)
+            matcher = None
+            if constraint is not None:  # compiled here, one at a time: a bad schema is a 400 before the request
+                with compiling:  # runs, and the forwards' thread never compiles
+                    matcher = Matcher(constraint, engine.target.tokenizer, engine.target.vocab_size,
+                                      engine.target.eos_token_ids)
         except ConfigError as error:
             raise ApiError(400, str(error), "tools" if calls else "response_format") from None
         return ServeJob(ids, max_tokens, sampling, body.seed, body.stops, method, overrides, body.alternatives, bias,
-                        constraint)
+                        matcher)
 
     return app
 
@@ -589,7 +594,7 @@ def ended(item: _End, refused: str | None = None) -> Outcome:
         return item.outcome
     if isinstance(item.outcome, ConfigError):
         raise ApiError(400, str(item.outcome), option_param(item.outcome, refused))
-    raise ApiError(500, f"generation failed: {type(item.outcome).__name__}: {item.outcome}")
+    raise server_fault(item.outcome, "a generation")  # (its text stays in the log: it may hold paths)
 
 
 def sse(payload: dict[str, Any]) -> str:

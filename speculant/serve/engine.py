@@ -25,7 +25,7 @@ from speculant.methods import Request, get_method
 from speculant.methods.auto import with_own_drafters
 from speculant.methods.drafting import check_capabilities, drafters_by_field, with_default_drafter, with_drafters
 from speculant.models.base import Call, CausalLM, Interrupted
-from speculant.models.wrappers.constrained import Constraint
+from speculant.models.wrappers.constrained import Matcher
 from speculant.models.wrappers.logprobs import TokenLogprob
 from speculant.prefixes import PrefixCache
 from speculant.sampling import seeded
@@ -66,7 +66,8 @@ class ServeJob:
     options: Mapping[str, Any] = field(default_factory=dict)  # the method's options, overriding the server's
     logprobs: int | None = None  # None: none; n: each token's log-probability and its n likeliest alternatives
     logit_bias: Mapping[int, float] = field(default_factory=dict)  # added to the target's logits
-    constraint: Constraint | None = None  # what the output must match (structured output)
+    constraint: Matcher | None = None  # what the output must match (structured output), compiled (off the forwards'
+    # thread: the request's handler compiles it)
 
 
 @dataclass
@@ -345,7 +346,7 @@ class Engine:
         queue is full (or, for a request apart, `max_batch` run apart already), WorkerStopped once the batcher's
         worker has stopped, a ConfigError for options the server cannot run."""
         spec, options = self.options_for(job.method, job.options)
-        check_request(spec.name, job.logprobs, job.logit_bias, job.constraint)
+        check_request(spec.name, job.logprobs, job.logit_bias, job.constraint and job.constraint.constraint)
         ticket, submitted, apart = Ticket(), time.perf_counter(), spec.name in APART
 
         def work() -> None:

@@ -12,6 +12,8 @@ from speculant.errors import ConfigError
 from speculant.models.wrappers.constrained import SCHEMA_NAME, Constraint, strict_fault
 from speculant.serve.tools import DECODER, call_schema, json_fault
 
+MAX_STOP = 4096  # characters of one stop string: its match tables are built where every request's forwards run
+
 MAX_FORMAT_DEPTH = 32  # levels of nesting a response_format (a JSON schema) may have
 
 
@@ -112,7 +114,8 @@ class Sampling(BaseModel):
                              description="a 64-bit seed: a sampled reply repeats under one seed for a named method and "
                              "its options; auto's (the default), dsi's and a tree's of auto sizes may differ, as their "
                              "choices follow measured times (their distribution never does)")
-    stop: Text | list[Text] | None = Field(None, description="up to 4 non-empty strings")
+    stop: Text | list[Text] | None = Field(None, description=f"up to 4 non-empty strings of at most {MAX_STOP} "
+                                           "characters")
     n: int = Field(1, ge=1, le=1, description="one choice per request")
     stream: bool = False
     stream_options: StreamOptions | None = None
@@ -147,6 +150,8 @@ class Sampling(BaseModel):
         stops = [value] if isinstance(value, str) else value or []
         if any(stop == "" for stop in stops) or len(stops) > 4:
             raise ValueError("up to 4 stop strings, none empty")
+        if too_long := next((stop for stop in stops if len(stop) > MAX_STOP), None):  # (its match tables are built
+            raise ValueError(f"a stop string of {len(too_long)} characters: at most {MAX_STOP}")  # where forwards run)
         return value
 
     _with_stream = given_with("stream_options", "stream", "stream_options needs stream: true")
