@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from helpers import ARCHS, perturbed, random_prompt, tiny_model
+from speculant.analysis.online import run
 from speculant.trees.plan import PLAN_WIDTHS, choose_width, expected_accepted, expected_tree, rank_coverage, search
 
 
@@ -92,14 +93,7 @@ def test_the_summary_names_the_widths_drafted():
     target = tiny_model("llama", 8, 64, init_std=0.1)
     prompt = random_prompt(81, 64, 12)
     drafter = TreeDrafter(perturbed(target, 0.2, 8), 2, chooser=lambda probs, depth, exact: 3)
-    decoder = tree_speculative(target, drafter, prompt, 3, 2, 20)
-    tokens = []
-    while True:
-        try:
-            tokens.append(next(decoder))
-        except StopIteration as stop:
-            stats = stop.value
-            break
+    tokens, stats = run(tree_speculative(target, drafter, prompt, 3, 2, 20))
     assert tokens == list(autoregressive(target, prompt, 20, SamplingConfig(), None))
     assert set(stats.tree_widths) == {3} and stats.tree_shape[1] == 2 and "width 3, " in stats.summary()
 
@@ -118,14 +112,7 @@ def test_trees_of_changing_widths_stay_lossless(arch):
     expected = list(autoregressive(target, prompt, 40, SamplingConfig(), None))
     turns = iter([1, 3, 2, 8] * 40)
     drafter = TreeDrafter(perturbed(target, 0.2, 8), 2, chooser=lambda probs, depth, exact: next(turns))
-    decoder = tree_speculative(target, drafter, prompt, 3, 2, 40)
-    tokens = []
-    while True:
-        try:
-            tokens.append(next(decoder))
-        except StopIteration as stop:
-            stats = stop.value
-            break
+    tokens, stats = run(tree_speculative(target, drafter, prompt, 3, 2, 40))
     assert tokens == expected
     assert set(stats.tree_widths) == {1, 3, 2, 8} and "(1-8)" in stats.summary()
 
