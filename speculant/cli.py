@@ -187,7 +187,8 @@ def build_parser() -> argparse.ArgumentParser:
                      "are judged on")
     acc.add_argument("--max-new-tokens", type=integer, default=128, help="tokens the target generates per prompt")
     acc.add_argument("--temperature", type=non_negative, default=0.0, help="> 0 also reports sum_x min(p, q)")
-    acc.add_argument("--depth", type=count, default=8, help="draft positions in the per-position curve")
+    acc.add_argument("--depth", type=count, default=None,
+                     help="draft positions in the per-position curve (default: 8, or --max-new-tokens if fewer)")
     add_options(acc, ModelConfig)
     acc.add_argument("--json", action="store_true", help="print the estimates as JSON")
 
@@ -783,9 +784,10 @@ def run_acceptance(args: argparse.Namespace) -> None:
 
     sampling = from_flags(lambda: SamplingConfig(temperature=args.temperature), ["temperature"])
     from_flags(lambda: RunConfig(max_new_tokens=args.max_new_tokens), ["max_new_tokens"])
-    if args.depth > args.max_new_tokens:  # (no draft position past a reply is reached)
+    if args.depth is not None and args.depth > args.max_new_tokens:  # (no draft position past a reply is reached)
         raise ConfigError(f"--depth {args.depth} exceeds --max-new-tokens {args.max_new_tokens}: a reply has no draft "
                           "position past its last token")
+    depth = min(8, args.max_new_tokens) if args.depth is None else args.depth
     config = from_args(ModelConfig, args)
     prompts = free_text(load_dataset(args.dataset), "acceptance")
     check_models([args.target])
@@ -808,7 +810,7 @@ def run_acceptance(args: argparse.Namespace) -> None:
     session = Session(target)
     drafters = [session.drafter(name, args.drafter_dtype) for name in names]
     ids = [encode_prompt(target.tokenizer, p.text, p.chat) for p in prompts]
-    reports = estimate(target, drafters, ids, args.max_new_tokens, sampling, args.depth)
+    reports = estimate(target, drafters, ids, args.max_new_tokens, sampling, depth)
     if args.json:
         print(json.dumps({name: asdict(report) for name, report in zip(names, reports)}, indent=1))
         return
