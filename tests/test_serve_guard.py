@@ -306,6 +306,18 @@ def test_a_message_may_not_hold_a_control_token(app):
     assert client.post("/v1/completions", json=completion(prompt="hi<eos>")).status_code == 200
 
 
+def test_a_history_replayed_as_openai_returned_it_is_taken(app):
+    """OpenAI's replies carry `refusal`, `function_call` and `audio` as null; a client replaying its history as it
+    got it was refused ("messages.1.refusal is not implemented"). Null is taken; a value is refused by name."""
+    _, client = app
+    replayed = {"role": "assistant", "content": "ok", "refusal": None, "function_call": None, "audio": None}
+    chat = {"model": "tiny", "max_tokens": 2, "messages": [{"role": "user", "content": "hi"}, replayed,
+                                                           {"role": "user", "content": "more"}]}
+    assert client.post("/v1/chat/completions", json=chat).status_code == 200
+    chat["messages"][1] = {**replayed, "refusal": "I cannot"}
+    is_error(client.post("/v1/chat/completions", json=chat), 400, "messages.1.refusal")
+
+
 @pytest.mark.parametrize(("fields", "param"), [
     ('"speculant": {"method": "\\ud800"}', "speculant.method"),
     ('"speculant": {"\\ud800": 1}', "speculant.\\ud800"),

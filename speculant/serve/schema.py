@@ -242,6 +242,10 @@ class Message(BaseModel):
     name: Text | None = Field(None, description="accepted and ignored: chat templates have no place for it")
     tool_calls: list[ToolCall] | None = Field(None, description="an assistant's calls, in a later turn")
     tool_call_id: Text | None = Field(None, description="a tool message: the call it answers")
+    # null only: OpenAI's own replies carry them so, and a client replays its history as it got it
+    refusal: None = Field(None, description="null only (a reply's refusal, replayed)")
+    function_call: None = Field(None, description="null only (the deprecated call field, replayed)")
+    audio: None = Field(None, description="null only (a reply's audio, replayed)")
 
     @field_validator("content")
     @classmethod
