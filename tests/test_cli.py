@@ -609,6 +609,13 @@ def test_a_run_reported_again_keeps_the_baseline_it_ran_over_unless_told_another
     speedup, command, report = again(tmp_path / "over-ar" / "results.json", "default", "--baseline", "default")
     assert (speedup, command) == (4.0, "c --baseline sd (reported with --baseline default)")  # (each over its ar)
     assert again(tmp_path / "default" / "results.json", "back-again", "--baseline", "sd")[:2] == (2.0, "c --baseline sd")
+    # a run saved before the resolved baseline was: "default" in its config is the default (it was read as a label);
+    # the sampling flags it ran with are read back, and what is not sampling is refused naming the file
+    for config, code in (({"baseline": "default"}, 0), ({"temperature": "hot"}, 2)):
+        saved.write_text(json.dumps({"config": {"methods": ["ar", "sd", "sd:k=2"], "command": "c", "machine": "m",
+                                                **config}, "rows": rows}))
+        done, _, err = run(capsys, "bench", "--report-from", str(saved))
+        assert done == code and (code == 0 or "its config's sampling is not a run's" in err), err
     # the command's own baseline read as a shell reads the command (quoted since commands are saved shell-quoted)
     from speculant.cli import baseline_in
 
