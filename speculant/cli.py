@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any, NoReturn
 
 from speculant.config import (
+    API_KEY_ENV,
     DEFAULT_TARGET,
     LATENCY_RANGE,
     REQUEST_MOST,
@@ -885,6 +886,8 @@ def run_serve(args: argparse.Namespace) -> None:
     from speculant.api import check_models
     from speculant.serve import serving_backend
 
+    if args.api_key is None and os.environ.get(API_KEY_ENV):  # (`ps` shows a flag's value to any user)
+        args.api_key = os.environ[API_KEY_ENV]
     config = from_args(ServeConfig, args)
     if "replica_cpus" in args.given and not config.on_ray:
         raise ConfigError("--replica-cpus applies to Ray Serve replicas: with --replicas above 1 or --ray-cluster")

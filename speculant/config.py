@@ -34,6 +34,7 @@ BACKENDS = {"hf": "HFCausalLM", "llamacpp": "LlamaCppCausalLM", "lean": "LeanCau
 # each backend's name and CausalLM class, in `models/backends/NAME.py`: transformers; GGUF on llama.cpp; GGUF on
 # speculant's own kernels; transformers weights on torch kernels with a static cache
 EXECUTORS = ("thread", "process", "ray")  # where DSI's target servers run
+API_KEY_ENV = "SPECULANT_API_KEY"  # `serve`'s API key where --api-key is not given
 MOST_SERVERS = 64  # DSI's target servers in one run: each a thread, process or actor of the executor's
 # A model's weights as `name@SUFFIX` picks them (a target's quant, a drafter spec's suffix):
 QUANTS = ("int8", "int4")  # transformers weights, their linear layers quantized at load (models/numerics/quant.py)
@@ -250,7 +251,8 @@ class ServeConfig:
 
     host: str = option("127.0.0.1", "address to bind (127.0.0.1: this machine only)")
     port: int = option(8000, "TCP port")
-    api_key: str | None = option(None, "require 'Authorization: Bearer KEY' (401 otherwise)")
+    api_key: str | None = option(None, f"require 'Authorization: Bearer KEY' (401 otherwise; default: ${API_KEY_ENV} "
+                                 "where set, which, unlike a flag, other users' `ps` does not show)")
     served_name: str | None = option(None, "the model name clients send (default: the target's name)")
     max_batch: int = option(16, "requests decoded together, their forwards batched (1: one request at a time)")
     max_queue: int = option(64, "requests waiting for a batch slot; more are answered 429")

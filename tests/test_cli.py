@@ -965,3 +965,21 @@ def test_a_target_s_lean_suffix_is_one_line_before_any_model_loads(capsys, monke
         code, _, err = run(capsys, *command, "--target", "qwen2.5-coder-0.5b@lean")
         assert code == 2 and err.count("\n") == 1 and "@lean is a drafter's form" in err, (command, err)
         assert "--target qwen2.5-coder-0.5b --backend lean" in err
+
+
+def test_serve_takes_its_api_key_from_the_environment_where_no_flag_gives_one(tmp_path, monkeypatch):
+    """`--api-key KEY` is on the command line, which `ps` shows any user: $SPECULANT_API_KEY gives it unseen (the flag
+    wins where both are given, and --open-metrics, which needs a key, takes the environment's)."""
+    from speculant.serve import app
+
+    tiny_transformer("llama", 1, BYTE_VOCAB).save_pretrained(tmp_path / "m")
+    byte_tokenizer().save_pretrained(tmp_path / "m")
+    keys = []
+    monkeypatch.setattr(app, "serve", lambda target, model, method, options, config, name: keys.append(config.api_key))
+    monkeypatch.setenv("SPECULANT_API_KEY", "from-env")
+    serve = ["serve", "--target", str(tmp_path / "m"), "--method", "ar"]
+    assert cli.main(serve) == 0 and cli.main([*serve, "--open-metrics"]) == 0
+    assert cli.main([*serve, "--api-key", "from-flag"]) == 0
+    monkeypatch.delenv("SPECULANT_API_KEY")
+    assert cli.main(serve) == 0
+    assert keys == ["from-env", "from-env", "from-flag", None]
