@@ -1088,9 +1088,9 @@ def check_outputs(args: argparse.Namespace) -> None:
             if path.exists():  # names, before the work)
                 check_output(path, FILE, "out")
                 written.append((path, "out"))
-    reads = read_files(args)
+    reads = read_files(args) if written else []  # (a dataset's files: bench.datasets, torch, only where one is written)
     for path, name in written:
-        if read := next((named for named, given in reads if is_file(path) and path.samefile(given)), None):
+        if is_file(path) and (read := next((named for named, given in reads if path.samefile(given)), None)):
             raise ConfigError(f"--{name} {path} is the file {read} reads: it would be written over")
 
 
@@ -1117,8 +1117,8 @@ def read_files(args: argparse.Namespace) -> list[tuple[str, Path]]:
         for value in given if isinstance(given, list) else [given] if isinstance(given, str) else []:
             if name in DATASET_FLAGS:  # (imported where a dataset is named: `simulate` runs without torch)
                 from speculant.bench.datasets import dataset_files
-            paths = dataset_files(value) if name in DATASET_FLAGS else [Path(value)]
-            found += [(flag(name), path) for path in paths if is_file(path)]
+            paths = dataset_files(value) if name in DATASET_FLAGS else [Path(value)] if is_file(Path(value)) else []
+            found += [(flag(name), path) for path in paths]  # (dataset_files gives files only)
     return found
 
 

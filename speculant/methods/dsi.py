@@ -138,7 +138,7 @@ class DSIOptions(DrafterOptions):
                 raise ConfigError(f"twin latency gives {len(twin[1])} drafter latencies for {drafters} drafter(s)")
             from speculant.decoding.dsi.plan import plan  # (before anything loads: the plan the twin's latencies refuse)
 
-            plan(self.servers, self.lookahead, twin[0].step_s, drafter_pads(twin, drafters)[0].step_s)
+            plan(self.servers, self.lookahead, twin[0].step_s, twin[1][0].step_s)
 
 
 @register("dsi", DSIOptions, "distributed speculative inference: servers verify while the drafter drafts on")

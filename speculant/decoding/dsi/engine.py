@@ -96,14 +96,13 @@ class DraftWorker:
 
     def _run(self) -> None:
         self.canceller.cuts_pauses()
-        before = self.model.interrupt if self.model is not None else None
-        if self.model is not None:
-            self.model.interrupt = self.canceller.cancelled_now
+        if self.model is None:
+            return self._draft()
+        before, self.model.interrupt = self.model.interrupt, self.canceller.cancelled_now
         try:
             self._draft()
         finally:
-            if self.model is not None:
-                self.model.interrupt = before
+            self.model.interrupt = before
 
     def _draft(self) -> None:
         tried: tuple[int, int] | None = None  # (epoch, length) of a context the drafter had nothing for

@@ -57,7 +57,8 @@ class Latency:
 class PacedDrafter(Drafter):
     """A drafter that runs no model (Max-Gram, suffix decoding, a Drafter object) paced in the twin: each drafted token
     takes `latency.step_s` at least, as a model drafter's padded forwards do (`PaddedModel`), so that the twin's
-    drafter latency holds whichever drafter drafts."""
+    drafter latency holds whichever drafter drafts. Only `propose` reaches the inner drafter: all DSI's threads ask
+    (its `begin` and `end` are the method's, on the inner drafter itself)."""
 
     def __init__(self, inner: Drafter, latency: Latency):
         self.inner, self.latency, self.name = inner, latency, inner.name
