@@ -238,10 +238,11 @@ def test_served_lean_requests_batch_and_equal_their_solo_runs(lean_files, monkey
     assert_served_rows_batch_and_equal_solo(lean_module, target, drafter, prompts, monkeypatch)
 
 
-@pytest.mark.parametrize("variant", ["qwen2", "llama"])
+@pytest.mark.parametrize("variant", ["qwen2", "llama", "llama-window"])
 def test_a_long_prompt_prefills_in_parts_that_compute_the_whole_prompt(lean_files, variant, monkeypatch):
-    """Each part attends to the parts before it: the logits and the cache are the unsplit prefill's up to
-    rounding, and a part's call gives what the prefill's own loop gives."""
+    """Each part attends to the parts before it (within the window, where the model has one, so that a prompt
+    past it runs in parts too and stalls no other request): the logits and the cache are the unsplit prefill's up
+    to rounding, and a part's call gives what the prefill's own loop gives."""
     from speculant.models import base
     from speculant.models.backends import lean as lean_module
 

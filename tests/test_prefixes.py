@@ -22,9 +22,10 @@ from speculant.serve.metrics import Metrics
 @pytest.fixture(scope="module")
 def files(tmp_path_factory):
     root = tmp_path_factory.mktemp("prefixes")
-    paths = [root / f"qwen2-{seed}.gguf" for seed in (0, 7)]
+    paths = [root / f"qwen2-{seed}.gguf" for seed in (0, 7)] + [root / "llama-window.gguf"]
     for seed, path in zip((0, 7), paths):
         write_tiny_gguf(path, "qwen2", seed, "k", hidden=256)
+    write_tiny_gguf(paths[2], "llama", 0, "k", hidden=256, window=40)  # a prompt part sees less than its blocks
     with pytest.MonkeyPatch.context() as patch:
         patch.setenv("SPECULANT_CACHE", str(root / "cache"))
         yield paths
@@ -39,11 +40,13 @@ def ids_of(seed: int, n: int) -> list[int]:
     return [rng.randrange(BYTE_VOCAB - 1) for _ in range(n)]
 
 
-def test_a_restored_prefix_holds_the_bits_of_the_prompts_own_prefill(files):
+@pytest.mark.parametrize("file", [0, 2], ids=["qwen2", "llama-window"])
+def test_a_restored_prefix_holds_the_bits_of_the_prompts_own_prefill(files, file):
     """Prompt B shares 150 tokens with A: restored from A's cached blocks (128 positions) and continued, B's
-    logits and cache equal B's fresh prefill bit for bit. Only whole blocks are kept: the positions of a block a
-    prompt cuts short ran in a shorter call than a longer prompt's, whose bits may differ."""
-    model = lean(files[0])
+    logits and cache equal B's fresh prefill bit for bit, with a sliding window too. Only whole blocks are kept:
+    the positions of a block a prompt cuts short ran in a shorter call than a longer prompt's, whose bits may
+    differ."""
+    model = lean(files[file])
     a = ids_of(1, 150) + ids_of(2, 40)
     b = a[:150] + ids_of(3, 60)
     fresh = model.share()

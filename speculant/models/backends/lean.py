@@ -11,8 +11,8 @@ Every computation acts on one token row at a time or in a fixed order per row: a
 attention runs one query token at a time over exactly the keys it may see; norms, rotary embeddings and
 activations act per row). So verifying W tokens in one forward gives the logits of W one-token forwards,
 and greedy speculation on it equals greedy decoding token for token. A prompt's prefill (the same for the
-same prompt) runs its layers in torch with attention as one causal block. Rollback moves the length; a
-tree's accepted path is compacted in place. A server's requests, each with a cache of its own, run their
+same prompt) runs its layers in torch with attention as one causal block (in windowed layers, each row's window
+of it). Rollback moves the length; a tree's accepted path is compacted in place. A server's requests, each with a cache of its own, run their
 calls as one forward (`forward_rows`): the same per-row computation, so each gets what it gets alone.
 """
 
@@ -507,22 +507,15 @@ class LeanCausalLM(PointerCache, Backend):
         if len(ids) == 0:
             raise ValueError("prefill needs at least one token")
         self._len = 0
-        if self._masked_prompt(ids):
-            return _run_rows([self._place(ids, read=1)])[0][0]
-        for part in prompt_parts(ids):  # (a prompt within the window: its `prefill_parts`)
+        for part in prompt_parts(ids):
             logits = self.continue_prefill(part)
         return logits
 
     def prefill_parts(self, ids: Sequence[int]) -> list[list[int]]:
         """The parts a batching server runs a prompt in, in separate forwards (`continue_prefill` runs each after
         the first), so that the running requests decode between them: SERVED_PART tokens, whole blocks, which hold
-        the bits `prefill` gives them whatever the split; or the whole prompt where it outruns the sliding window
-        (its rows run masked, in one)."""
-        return [list(ids)] if self._masked_prompt(ids) else prompt_parts(ids, SERVED_PART)
-
-    def _masked_prompt(self, ids: Sequence[int]) -> bool:
-        """Whether a prompt outruns the sliding window: then its rows run one by one, each masked."""
-        return self.config.window is not None and len(ids) > self.config.window
+        the bits `prefill` gives them whatever the split."""
+        return prompt_parts(ids, SERVED_PART)
 
     @torch.inference_mode()
     def forward(self, ids: Sequence[int], positions: Sequence[int] | None = None,
@@ -585,10 +578,9 @@ class LeanCausalLM(PointerCache, Backend):
         return _head(self.weights, x[-1:])[0]
 
     @property
-    def prefix_block(self) -> int | None:
-        """Positions a prefix cache may restore come in whole PREFILL_BLOCKs (see `continue_prefill`); None where
-        a prompt outruns the sliding window (its rows run masked, all in one call)."""
-        return None if self.config.window is not None else PREFILL_BLOCK
+    def prefix_block(self) -> int:
+        """Positions a prefix cache may restore come in whole PREFILL_BLOCKs (see `continue_prefill`)."""
+        return PREFILL_BLOCK
 
     def _prefill_block(self, ids: Sequence[int]) -> torch.Tensor:
         """One block of `continue_prefill`: its rows' last hidden states [n, hidden]."""
@@ -597,6 +589,10 @@ class LeanCausalLM(PointerCache, Backend):
         layout, scale = ARCHITECTURES[config.architecture], config.attn_scale or config.head_dim ** -0.5
         where = torch.arange(start, end)
         causal = None if start == 0 else torch.ones(n, end, dtype=torch.bool).tril(start)  # row i sees start + i
+        near = causal  # windowed layers: only the keys within the window of each row's position
+        if config.window is not None and end > config.window:
+            keys = torch.arange(end)[None, :]
+            near = (keys <= where[:, None]) & (keys > where[:, None] - config.window)
         x = weights.embed(ids).contiguous()  # [n, hidden]
         for slot, index in enumerate(self.layers):
             layer = weights.layers[index]
@@ -612,8 +608,9 @@ class LeanCausalLM(PointerCache, Backend):
             q, k = _rotate(q, cos, sin, layout), _rotate(k, cos, sin, layout)
             self._keys[slot, :, start:end] = k.transpose(0, 1)
             self._values[slot, :, start:end] = v.view(n, config.kv_heads, config.head_dim).transpose(0, 1)
-            attended = _attention(q.transpose(0, 1), self._keys[slot, :, :end], self._values[slot, :, :end], causal,
-                                  scale, config.attn_softcap).transpose(0, 1).reshape(n, -1)
+            attended = _attention(q.transpose(0, 1), self._keys[slot, :, :end], self._values[slot, :, :end],
+                                  near if config.windowed(index) else causal, scale,
+                                  config.attn_softcap).transpose(0, 1).reshape(n, -1)
             x = x + _norm(kernels.matmul(kernels.quantize_rows(attended), layer.o), layer.post_attn_norm, config.eps)
             h = kernels.quantize_rows(_rms_norm(x, layer.ffn_norm, config.eps))
             gate = kernels.matmul(h, layer.gate)
@@ -730,8 +727,8 @@ def _places(calls: Sequence[_Rows], windowed: bool) -> kernels.Places:
 def forward_rows(rows: Sequence[tuple[LeanCausalLM, Call]]) -> list[torch.Tensor]:
     """One forward for several sequences on the same weights, each a (handle, call) row with a cache of its
     own; each gets what its call returns alone (a prefill: its last token's logits [vocab]; a forward: one
-    row per token [n, vocab]), bit for bit, so batching never changes what a request generates. Prefills
-    of prompts that need no mask run on their own, as `prefill` runs them."""
+    row per token [n, vocab]), bit for bit, so batching never changes what a request generates. Prefills run
+    on their own, as `prefill` runs them."""
     first = rows[0][0]
     if any((handle.weights, handle.layers, handle.max_positions) != (first.weights, first.layers, first.max_positions)
            for handle, _ in rows):
@@ -741,13 +738,11 @@ def forward_rows(rows: Sequence[tuple[LeanCausalLM, Call]]) -> list[torch.Tensor
     out: dict[int, torch.Tensor] = {}
     together = []
     for i, (handle, call) in enumerate(rows):
-        if call.prefill and not handle._masked_prompt(call.ids):
-            out[i] = call.run(handle)
-            continue
         if call.prefill:
-            handle.rollback(0)
-        together.append((i, handle._place(call.ids, call.positions, call.tree, read=1 if call.prefill else call.rows)))
+            out[i] = call.run(handle)
+        else:
+            together.append((i, handle._place(call.ids, call.positions, call.tree, read=call.rows)))
     if together:
         for (i, placed), logits in zip(together, _run_rows([placed for _, placed in together])):
-            out[i] = logits[0] if rows[i][1].prefill else logits
+            out[i] = logits
     return [out[i] for i in range(len(rows))]
