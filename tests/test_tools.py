@@ -93,13 +93,13 @@ def test_named_chat_templates_call_tools_with_the_one_transformers_renders_tools
     assert speaks_tools(SimpleNamespace(chat_template=calling)) and not speaks_tools(SimpleNamespace(chat_template=None))
 
 
-def accepts(tokenizer, vocabulary, choice, functions=TOOLS):
-    """Whether the tools grammar lets a reply of these token ids end there."""
+def accepts(tokenizer, vocabulary, choice, functions=TOOLS, answer=None):
+    """Whether the tools grammar (an `answer` schema's, if given) lets a reply of these token ids end there."""
     from speculant.models.wrappers.constrained import Matcher
     from speculant.serve.tools import constraint
 
-    matcher = Matcher(constraint(tokenizer, [t["function"] for t in functions], choice, True), tokenizer, vocabulary,
-                      [tokenizer.eos_token_id])
+    matcher = Matcher(constraint(tokenizer, [t["function"] for t in functions], choice, True, answer), tokenizer,
+                      vocabulary, [tokenizer.eos_token_id])
 
     def check(ids):
         twin = matcher.twin()
@@ -114,6 +114,22 @@ SHIP = {"type": "function", "function": {"name": "ship", "parameters": {  # as p
 
 def call(name, arguments):
     return f"<tool_call>\n{json.dumps({'name': name, 'arguments': arguments})}\n</tool_call>"
+
+
+def test_a_response_format_beside_tools_formats_the_answer_and_leaves_the_calls_free():
+    """tool_choice auto with a json_schema response_format: the reply is an answer that matches the schema, or calls;
+    never text, nor JSON the schema refuses, nor an answer beside calls."""
+    from helpers import BYTE_VOCAB, byte_tokenizer
+
+    tokenizer = byte_tokenizer()
+    answer = {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"],
+              "additionalProperties": False}
+    ok = accepts(tokenizer, BYTE_VOCAB, "auto", [WEATHER], answer)
+    ids = lambda text: tokenizer.encode(text, add_special_tokens=False)  # noqa: E731
+    assert ok(ids('{"city": "Oslo"}')) and ok(ids(call("get_weather", {"city": "Paris"})))
+    assert not ok(ids("Oslo.")) and not ok(ids('{"town": "Oslo"}')) and not ok(ids('{"city": 1}'))
+    assert not ok(ids('{"city": "Oslo"}' + call("get_weather", {"city": "Paris"})))
+    assert accepts(tokenizer, BYTE_VOCAB, "auto", [WEATHER])(ids("Oslo."))  # (without one, text)
 
 
 @pytest.mark.parametrize("choice", ["auto", "required"])
@@ -318,14 +334,36 @@ def test_a_two_step_agent_loop_completes_and_equals_speculation_off(served):
 
 
 @pytest.mark.real_model
+def test_an_answer_beside_tools_follows_the_response_format(served):
+    """tool_choice auto with a json_schema response_format (OpenAI's structured outputs beside tools): the packaged
+    model answers with JSON of the schema rather than prose, as with speculation off; with the call tag favoured, it
+    calls instead; tool_choice required takes the format too (its reply is calls)."""
+    jsonschema = pytest.importorskip("jsonschema")
+    client, tag = served
+    schema = {"type": "object", "properties": {"answer": {"type": "string"}}, "required": ["answer"],
+              "additionalProperties": False}
+    body = {"tools": TOOLS, "response_format": {"type": "json_schema", "json_schema": {"name": "a", "schema": schema}}}
+    content, calls, finish = reply = ask(client, **body)
+    assert calls == [] and finish in ("stop", "length") and content.lstrip().startswith("{"), reply
+    if finish == "stop":
+        jsonschema.validate(json.loads(content), schema)
+    assert ask(client, method="ar", **body) == reply
+    content, calls, finish = ask(client, logit_bias={str(tag): 100}, parallel_tool_calls=False, **body)
+    assert content is None and valid(calls) and finish == "tool_calls"
+    assert valid(ask(client, **body, tool_choice="required")[1])
+
+
+@pytest.mark.real_model
 def test_bad_tool_requests_get_400s_naming_the_field(served):
     import openai
 
     served, _ = served
     bad = [({"tools": [WEATHER], "tool_choice": {"type": "function", "function": {"name": "nope"}}}, "tool_choice"),
            ({"tools": [WEATHER, WEATHER]}, "names must differ"),
-           ({"tools": [WEATHER], "tool_choice": "required", "response_format": {"type": "json_object"}},
-            "response_format"),
+           ({"tools": [WEATHER], "response_format": {"type": "regex", "regex": "[a-z]+"}},
+            "response_format of type regex cannot be combined with tools"),
+           ({"tools": [WEATHER], "response_format": {"type": "json_schema", "json_schema": {"schema": []}}},
+            "response_format json_schema needs"),
            ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": "array"}}}]},
             "must be an object's JSON schema"),
            ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {

@@ -189,11 +189,14 @@ def create_app(engine: Engine, served_name: str, config: ServeConfig | None = No
                 raise ApiError(400, "this model's chat template does not call tools (no Hermes <tool_call> format)",
                                "tools" if choice != "none" else called)
         if choice != "none":
-            if body.response_format is not None and body.response_format.get("type") != "text":
-                raise ApiError(400, "response_format cannot constrain a reply that may call tools", "response_format")
+            answer = await asyncio.to_thread(answer_format, body.response_format) if choice == "auto" else None
+            if answer is not None and answer.schema is None:  # (a reply that must call has no answer to format)
+                raise ApiError(400, f"a response_format of type {answer.kind} cannot be combined with tools "
+                               "(json_object and json_schema can)", "response_format")
             try:  # (the grammar compiles off the event loop; a schema llguidance refuses is the client's to mend)
                 functions = [t.function.model_dump() for t in body.tools]
-                calls = await asyncio.to_thread(tools.constraint, tokenizer, functions, choice, body.parallel_tool_calls)
+                calls = await asyncio.to_thread(tools.constraint, tokenizer, functions, choice, body.parallel_tool_calls,
+                                                answer and answer.schema)
             except ConfigError as error:
                 raise ApiError(400, str(error), "tools") from None
         messages = [tools.template_message(m) for m in body.messages]
@@ -344,21 +347,30 @@ def create_app(engine: Engine, served_name: str, config: ServeConfig | None = No
             check_bias(bias, vocabulary)
         except ConfigError as error:
             raise ApiError(400, str(error), "logit_bias") from None
-        if body.response_format is not None and depth(body.response_format) > MAX_FORMAT_DEPTH:
-            raise ApiError(400, f"response_format nests deeper than {MAX_FORMAT_DEPTH} levels", "response_format")
+        constraint = calls or answer_format(body.response_format)
         try:
-            constraint = calls or Constraint.from_response_format(body.response_format or {"type": "text"})
             matcher = None
             if constraint is not None:  # compiled here, one at a time: a bad schema is a 400 before the request
                 with compiling:  # runs, and the forwards' thread never compiles
                     matcher = Matcher(constraint, engine.target.tokenizer, engine.target.vocab_size,
                                       engine.target.eos_token_ids)
         except ConfigError as error:
-            raise ApiError(400, str(error), "tools" if calls else "response_format") from None
+            raise ApiError(400, str(error), constraint.source) from None
         return ServeJob(ids, max_tokens, sampling, body.seed, body.stops, method, overrides, body.alternatives, bias,
                         matcher)
 
     return app
+
+
+def answer_format(response_format: dict[str, Any] | None) -> Constraint | None:
+    """What a request's `response_format` asks of the answer (None: text), checked (a schema compiles: off the event
+    loop); a 400 naming the field where it is not one."""
+    if response_format is not None and depth(response_format) > MAX_FORMAT_DEPTH:
+        raise ApiError(400, f"response_format nests deeper than {MAX_FORMAT_DEPTH} levels", "response_format")
+    try:
+        return Constraint.from_response_format(response_format or {"type": "text"})
+    except ConfigError as error:
+        raise ApiError(400, str(error), "response_format") from None
 
 
 def is_type_tag(part: Any) -> bool:

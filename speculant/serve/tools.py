@@ -154,9 +154,12 @@ def call_schema(name: str, parameters: dict[str, Any] | None) -> dict[str, Any]:
             "$defs": {"arguments": _arguments(parameters or {})}, "x-guidance": JSON_OPTIONS}
 
 
-def constraint(tokenizer: Any, functions: list[dict[str, Any]], choice: Any, parallel: bool) -> Constraint | None:
-    """The grammar a reply must match: `auto`, text or calls (text may come before them); `required`, calls
-    only; a named function, one call of it; with `parallel` false, at most one call. None for `none`.
+def constraint(tokenizer: Any, functions: list[dict[str, Any]], choice: Any, parallel: bool,
+               answer: dict[str, Any] | None = None) -> Constraint | None:
+    """The grammar a reply must match: `auto`, text or calls (text may come before them), or where the request's
+    `response_format` gives the `answer`'s JSON schema, an answer that matches it or calls; `required`, calls only
+    (a format has no text to constrain); a named function, one call of it; with `parallel` false, at most one call.
+    None for `none`.
 
     Text never holds the call tag (spelled in plain tokens it would parse as a call the grammar never checked): where
     the vocabulary has the tag as one token the text excludes its spelling, else the text before a call ends, lazily,
@@ -177,6 +180,8 @@ def constraint(tokenizer: Any, functions: list[dict[str, Any]], choice: Any, par
     text = f"TEXT: /(?s:.+)/ & ~/(?s:.*){re.escape(OPEN)}(?s:.*)/"
     if choice != "auto":
         lark = [f"start: call{more}"]
+    elif answer is not None:
+        lark = [f"start: answer | call{more}", f"answer: %json {json.dumps({**answer, 'x-guidance': JSON_OPTIONS})}"]
     elif opening is not None:
         lark = [f"start: TEXT | TEXT? call{more}", text]
     else:  # text up to the first tag, lazily (a greedy lexeme would run past it), then the rest of that call

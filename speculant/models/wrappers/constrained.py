@@ -115,12 +115,16 @@ class Constraint:
             return cls(kind, value)
         raise ConfigError(f"response_format type must be one of text, {', '.join(KINDS)}; got {kind!r}")
 
+    @property
+    def schema(self) -> dict[str, Any] | None:
+        """The JSON schema the output must match (any object for `json_object`); None for a grammar or a regex."""
+        return {"type": "object"} if self.kind == "json_object" else self.value if self.kind == "json_schema" else None
+
     def grammar(self) -> str:
         """The constraint as llguidance's grammar text."""
         llguidance = _llguidance()
-        if self.kind in ("json_object", "json_schema"):
-            schema = {"type": "object"} if self.kind == "json_object" else self.value
-            text = llguidance.LLMatcher.grammar_from_json_schema(json.dumps(schema, allow_nan=False), JSON_OPTIONS)
+        if self.schema is not None:
+            text = llguidance.LLMatcher.grammar_from_json_schema(json.dumps(self.schema, allow_nan=False), JSON_OPTIONS)
         elif self.kind == "grammar":
             text = llguidance.LLMatcher.grammar_from_lark(self.value)
         else:
