@@ -50,6 +50,7 @@ class Session:
         self.vocab_pairs: dict[tuple[int, int, int, int], Any] = {}  # cross-vocabulary tables (`drafters.vocab`)
         self.measured: WeakKeyDictionary = WeakKeyDictionary()  # the tree methods' T(W), coverage, depth predictors
         self._profiles: WeakKeyDictionary = WeakKeyDictionary()  # model -> (its machine key, its profile)
+        self.said: set[str] = set()  # warnings about a setting, given once per session, not per generation
         self.prefixes = prefixes or PrefixCache(0)  # prompts' KV kept across a server's requests (default: off)
 
     @property

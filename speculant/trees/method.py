@@ -141,8 +141,11 @@ def build(request: Request, options: TreeOptions) -> Any:
     check_width(options.width, model)
     profile = options.target_profile
     if profile is not None and profile.model != request.target.name:  # (the same weights may go by another name)
-        logging.getLogger("speculant").warning("the target profile was measured on %s, and the target is %s: its "
-                                               "costs shape the trees", profile.model, request.target.name)
+        said = f"the target profile was measured on {profile.model}, and the target is {request.target.name}: its " \
+            "costs shape the trees"
+        if said not in request.session.said:
+            request.session.said.add(said)
+            logging.getLogger("speculant").warning(said)
     shape = tree_shape(request.target, model, request.prompt_ids, options.depth, options.width, options.verify_width,
                        profile, request.session)
     static = fixed_shape(options, request.target, model, request.prompt_ids, request.session)
