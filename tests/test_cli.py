@@ -439,6 +439,8 @@ def test_bad_files_paths_and_settings_are_one_line_before_any_model_loads(tmp_pa
             (["train-depth", *target, "--drafter", "self", "--prompts", f"{tmp_path / 'p.jsonl'}[:1]", "--out",
               str(tmp_path / "p.jsonl")], "is the file --prompts reads: it would be written over"),
             (["bench", "--methods", "ar", "--prompts", f"{tmp_path / 'p.jsonl'}+", *target], "an empty name among"),
+            (["bench", "--methods", "ar", "--prompts", "p" * 5000, *target], "unknown dataset 'ppp"),  # (too long for
+            (["bench", "--methods", "ar", "--prompts", "p" * 5000 + "+humaneval", *target], "unknown dataset"),  # a name)
             (["serve", *target, "--ray-cluster", "foo"], "'foo' is no Ray cluster's address"),
             (["serve", *target, "--ray-cluster", "127.0.0.1:1"], "no Ray cluster answers at"),
             (["serve", *target, "--ray-cluster", f"127.0.0.1:{web.server_address[1]}"], "is no Ray cluster (it speaks"),

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import re
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -107,27 +108,43 @@ def load_jsonl(path: Path) -> list[Prompt]:
 
 def dataset_files(spec: str) -> list[Path]:
     """The files a dataset spec (`load_dataset`'s) reads: each part's, its slice left out (none for `humaneval`)."""
+    if (parts := _joined(spec)) is not None:
+        return [file for part in parts for file in dataset_files(part)]
     match = _SLICE.fullmatch(spec)
     whole = Path(match["name"] if match else spec)
-    if "+" in spec and not whole.is_file():  # (parts joined as `load_dataset` joins them)
-        return [file for part in spec.split("+") for file in dataset_files(part)]
-    return [whole] if whole.is_file() else []
+    return [whole] if _is(whole) else []
+
+
+def _joined(spec: str) -> list[str] | None:
+    """The datasets a spec joins by `+`; None where it names one (a file's name, sliced or not, may hold a `+`)."""
+    match = _SLICE.fullmatch(spec)
+    if "+" not in spec or _is(Path(match["name"] if match else spec)):
+        return None
+    if not all(parts := spec.split("+")):
+        raise ConfigError(f"an empty name among the datasets joined by '+' in '{spec}'")
+    return parts
+
+
+def _is(path: Path, test: Callable[[Path], bool] = Path.is_file) -> bool:
+    """Whether `path` is a file (or passes another of Path's `test`s): a name too long for the file system names
+    none."""
+    try:
+        return test(path)
+    except OSError:
+        return False
 
 
 def load_dataset(spec: str) -> list[Prompt]:
     """`humaneval`, `humaneval[:10]`, or a path to a JSONL file, optionally sliced the same way; several joined by
     `+` (`prompts/mixed.jsonl+prompts/long.jsonl+humaneval[:20]`), their prompt ids unique."""
-    match = _SLICE.fullmatch(spec)
-    if "+" in spec and not Path(match["name"] if match else spec).is_file():  # (a file's name, sliced or not, may
-        # hold a +)
-        if not all(parts := spec.split("+")):
-            raise ConfigError(f"an empty name among the datasets joined by '+' in '{spec}'")
+    if (parts := _joined(spec)) is not None:
         prompts = [prompt for part in parts for prompt in load_dataset(part)]
         seen: set[str] = set()
         if repeated := next((p.id for p in prompts if p.id in seen or seen.add(p.id)), None):
             raise ConfigError(f"prompt ids repeat across '{spec}': '{repeated}' (a prompt with no \"id\" is named by "
                               "its line: give the prompts of joined files ids of their own)")
         return prompts
+    match = _SLICE.fullmatch(spec)
     name, start, stop = spec, None, None
     if match:
         name = match["name"]
@@ -136,13 +153,13 @@ def load_dataset(spec: str) -> list[Prompt]:
         if min(start or 0, stop or 0) < 0:  # (Python's "all but the last N" would run nearly the whole set)
             raise ConfigError(f"dataset '{spec}': a slice [A:B] counts prompts from the start, A and B >= 0")
     file, colon, rest = spec.rpartition(":")
-    if not match and colon and not Path(spec).is_file() and Path(file).is_file():
+    if not match and colon and not _is(Path(spec)) and _is(Path(file)):
         raise ConfigError(f"dataset '{spec}': a slice is written in brackets, {file}[:{rest}]")
     if name == "humaneval":
         prompts = load_humaneval()
-    elif Path(name).is_file():
+    elif _is(Path(name)):
         prompts = load_jsonl(Path(name))
-    elif Path(name).is_dir():
+    elif _is(Path(name), Path.is_dir):
         raise ConfigError(f"{name} is a directory: give a JSONL file of prompts")
     elif name.endswith(".jsonl") or "/" in name:
         raise ConfigError(f"no such file: {name}")
