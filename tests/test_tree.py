@@ -355,7 +355,7 @@ def test_summary_reports_the_tree_shape_when_the_objective_verifies_nothing():
 
     stats = GenerationStats(method="tree", new_tokens=2, target_forwards=3, tree_shape=(16, 1, 16),
                             draft_lengths=[0, 0], accepted_lengths=[0, 0], drafted_nodes=2, verified_sizes=[0, 0])
-    assert "0.0 of 1.0 drafted nodes verified (depth <= 16, width 1, verify <= 16)" in stats.summary()
+    assert "0.0 of 1.0 drafted nodes verified (depth <= 16, first level 1, verify <= 16)" in stats.summary()
 
 
 @pytest.mark.parametrize("arch", ARCHS)

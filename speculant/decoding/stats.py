@@ -164,10 +164,11 @@ class GenerationStats:
             depth, width, verify = self.tree_shape
             widths = self.tree_widths
             shown = f"{sum(widths) / len(widths):.1f} ({min(widths)}-{max(widths)})" if len(set(widths)) > 1 else \
-                widths[0] if widths else width  # (the widths drafted: `width=auto` chooses each tree's)
+                widths[0] if widths else width  # (the widths drafted: `width=auto` chooses each tree's; a static
+            # shape's first level, Sequoia's, is what the drafter's coverage favours)
             line += (f", trees: depth {sum(self.draft_lengths) / n:.1f}, {self.verified_nodes / n:.1f} of "
                      f"{self.drafted_nodes / n:.1f} drafted nodes verified "
-                     f"(depth <= {depth}, width {shown}, verify <= {verify or depth * width})")
+                     f"(depth <= {depth}, first level {shown}, verify <= {verify or depth * width})")
         if self.stage is not None:
             line += (f", stage: {self.stage.hits} of {self.stage.drafted} trees drafted ahead used, "
                      f"{self.stage.overlap:.0%} of their drafting overlapped")
