@@ -12,11 +12,45 @@ import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any
-
-import numpy as np
+from typing import TYPE_CHECKING, Any
 
 from speculant.errors import ConfigError
+
+if TYPE_CHECKING:
+    import numpy as np
+
+
+def is_file(path: Path) -> bool:
+    """Whether `path` is a file: False for a name the system cannot hold, as one too long (Path's test raises)."""
+    return _holds(Path.is_file, path)
+
+
+def is_dir(path: Path) -> bool:
+    """Whether `path` is a directory (`is_file`'s sense)."""
+    return _holds(Path.is_dir, path)
+
+
+def exists(path: Path) -> bool:
+    """Whether anything is at `path` (`is_file`'s sense)."""
+    return _holds(Path.exists, path)
+
+
+def _holds(test: Callable[[Path], bool], path: Path) -> bool:
+    try:
+        return test(path)
+    except OSError:
+        return False
+
+
+def readable(path: str | Path, what: str, make: str = "") -> Path:
+    """`path` as the file to read `what` from (a pipe too, as a shell's `<(...)` gives); a ConfigError where it is a
+    directory or nothing (`make`: how to make one)."""
+    path = Path(path)
+    if is_dir(path):
+        raise ConfigError(f"{what} {path} is a directory: give a file")
+    if not exists(path):
+        raise ConfigError(f"{what} not found: {path}{make}")
+    return path
 
 
 def cache_root() -> Path:
@@ -141,6 +175,8 @@ def cached_array(path: Path, build: Callable[[], np.ndarray],
                  fits: Callable[[np.ndarray], bool] = lambda array: True) -> np.ndarray:
     """The array kept at `path` (.npy), or, where it is missing, unreadable or does not fit, `build()`, kept there
     through a temporary file (a process that races another writes a whole file or none)."""
+    import numpy as np
+
     try:
         array = np.load(path)
         if fits(array):

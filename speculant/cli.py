@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import errno
 import json
 import math
 import os
@@ -16,6 +17,7 @@ from dataclasses import fields
 from pathlib import Path
 from typing import Any, NoReturn
 
+from speculant.cache import exists, is_dir, is_file, readable
 from speculant.config import (
     API_KEY_ENV,
     DEFAULT_TARGET,
@@ -369,12 +371,8 @@ def read_constraint(schema: str | None, grammar: str | None) -> Any:
     path = schema or grammar
     if path is None:
         return None
-    if not Path(path).exists() or Path(path).is_dir():  # (a pipe, as a shell's <(...) gives, is read as a file)
-        kind = "schema" if schema else "grammar"
-        raise ConfigError(f"{kind} file {path} is a directory" if Path(path).is_dir() else
-                          f"{kind} file not found: {path}")
     try:
-        text = Path(path).read_text()
+        text = readable(path, f"{'schema' if schema else 'grammar'} file").read_text()
     except (OSError, UnicodeDecodeError) as error:
         raise ConfigError(f"cannot read {path} as text: {error}") from None
     if grammar:
@@ -413,12 +411,8 @@ def run_generate(args: argparse.Namespace) -> None:
     own = method.name == "auto" and options.drafters is None  # auto's own drafters: Max-Gram among them
     if args.bigram_corpus and not own and not any(isinstance(d, DrafterSpec) and d.kind == MAXGRAM for d in sources):
         raise ConfigError("--bigram-corpus applies to the maxgram drafter only")
-    files = [Path(f) for f in args.bigram_corpus or []]
-    if folders := [str(f) for f in files if f.is_dir()]:
-        raise ConfigError(f"bigram corpus file is a directory: {', '.join(folders)}")
-    if missing := [str(f) for f in files if not f.is_file()]:
-        raise ConfigError(f"bigram corpus file not found: {', '.join(missing)}")
-    if empty := [str(f) for f in files if f.stat().st_size == 0]:
+    files = [readable(f, "bigram corpus file") for f in args.bigram_corpus or []]
+    if empty := [str(f) for f in files if is_file(f) and f.stat().st_size == 0]:  # (a pipe's size is not known)
         raise ConfigError(f"bigram corpus file is empty: {', '.join(empty)}")
     if args.timeline and method.name != "dsi":
         raise ConfigError("--timeline applies to --method dsi only")
@@ -1078,7 +1072,10 @@ def check_outputs(args: argparse.Namespace) -> None:
     for name in ("out", "timeline"):
         if getattr(args, name, None) is None:
             continue
-        check_output(Path(getattr(args, name)), args.out_kind if name == "out" else FILE, name)
+        try:
+            check_output(Path(getattr(args, name)), args.out_kind if name == "out" else FILE, name)
+        except OSError as error:  # (a name the system cannot hold, as one too long)
+            raise ConfigError(f"--{name} {getattr(args, name)}: {error.strerror or error}") from None
         written += [(Path(getattr(args, name)), name)] if name == "timeline" or args.out_kind != DIRECTORY else []
     for path in companions(args):
         check_output(path, args.out_kind, "out")
@@ -1090,35 +1087,38 @@ def check_outputs(args: argparse.Namespace) -> None:
                 written.append((path, "out"))
     reads = read_files(args) if written else []  # (a dataset's files: bench.datasets, torch, only where one is written)
     for path, name in written:
-        if is_file(path) and (read := next((named for named, given in reads if path.samefile(given)), None)):
+        if not is_file(path):
+            continue
+        if read := next((named for named, given in reads if is_file(given) and path.samefile(given)), None):
             raise ConfigError(f"--{name} {path} is the file {read} reads: it would be written over")
+        if read := next((named for named, given in reads if path.resolve().is_relative_to(given.resolve())), None):
+            raise ConfigError(f"--{name} {path} is a file of the model {read} reads: it would be written over")
 
 
-# The flags that name files a command reads: datasets, and the others (not bench's --report-from: a run is reported
-# again in place, its rows read whole before they are written)
+# The flags that name files a command reads: datasets, models (a file, or a folder of them), and the others (not
+# bench's --report-from: a run is reported again in place, its rows read whole before they are written)
 DATASET_FLAGS = ("prompts", "dataset")
-READ_FLAGS = ("model", "target", "drafter", "json_schema", "grammar", "target_profile", "drafter_profile",
-              "bigram_corpus")
-
-
-def is_file(path: Path) -> bool:
-    """Whether `path` is a file (False for a name the system cannot hold, as one too long)."""
-    try:
-        return path.is_file()
-    except OSError:
-        return False
+MODEL_FLAGS = ("model", "target", "drafter", "drafters")
+READ_FLAGS = ("json_schema", "grammar", "target_profile", "drafter_profile", "bigram_corpus")
 
 
 def read_files(args: argparse.Namespace) -> list[tuple[str, Path]]:
-    """(flag, file) for each existing file a command's flags name to read (a dataset's parts too)."""
+    """(flag, path) for each existing file a command's flags name to read (a dataset's parts too), and each model
+    folder (a model named with a suffix, `path@int8`, is its path's)."""
     found = []
-    for name in (*DATASET_FLAGS, *READ_FLAGS):
+    for name in (*DATASET_FLAGS, *MODEL_FLAGS, *READ_FLAGS):
         given = getattr(args, name, None)
         for value in given if isinstance(given, list) else [given] if isinstance(given, str) else []:
             if name in DATASET_FLAGS:  # (imported where a dataset is named: `simulate` runs without torch)
                 from speculant.bench.datasets import dataset_files
-            paths = dataset_files(value) if name in DATASET_FLAGS else [Path(value)] if is_file(Path(value)) else []
-            found += [(flag(name), path) for path in paths]  # (dataset_files gives files only)
+
+                found += [(flag(name), path) for path in dataset_files(value)]  # (files only)
+                continue
+            for named in value.split(",") if name == "drafters" else [value]:
+                path = Path(named) if name not in MODEL_FLAGS or exists(Path(named)) else \
+                    Path(named.rpartition("@")[0] or named)
+                if is_file(path) or name in MODEL_FLAGS and is_dir(path):
+                    found.append((flag(name), path))
     return found
 
 
@@ -1292,7 +1292,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     except OSError as error:  # the machine's answer to a write (a disk full, /dev/full): one line, not a traceback
         where = "".join(f": {name}" for name in (error.filename, error.filename2) if name)
         print(f"speculant: error: {' '.join(str(error.strerror or error).split())}{where}", file=sys.stderr)
-        return 1
+        return 2 if error.errno == errno.ENAMETOOLONG else 1  # (a name given too long is the input's error)
     return 0
 
 

@@ -292,6 +292,9 @@ class ServeConfig:
             parts = value.split(",") if name == "allowed_hosts" and value is not None else [value]
             if value is not None and not all(part.strip() for part in parts):
                 raise ConfigError(f"{flag(name)} has an empty value: give one, or leave the flag out")
+        if self.api_key is not None and not all(" " < char < "\x7f" for char in self.api_key):
+            raise ConfigError(f"--api-key (or ${API_KEY_ENV}) must be printable ASCII without spaces: a client sends "
+                              "it in an HTTP header")
         for host in self.allowed_hosts.split(",") if self.allowed_hosts else ():
             if not re.fullmatch(r"\[[^\[\]]+\]|[^:\[\]]+", host.strip()):  # (a Host header's port is not compared)
                 raise ConfigError(f"--allowed-hosts names hosts without a port (an IPv6 address in brackets, as "

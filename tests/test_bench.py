@@ -84,7 +84,7 @@ def test_jsonl_prompts_and_errors(tmp_path):
         load_dataset(str(tmp_path / "empty.jsonl"))
     with pytest.raises(ConfigError, match="unknown dataset"):
         load_dataset("nope[:2]")
-    with pytest.raises(ConfigError, match="no such file: .*missing.jsonl"):
+    with pytest.raises(ConfigError, match="prompts file not found: .*missing.jsonl"):
         load_dataset(str(tmp_path / "missing.jsonl") + "[:2]")
     joined = load_dataset(f"{good}[1:]+humaneval[:2]+{Path(__file__).parents[1] / 'prompts' / 'long.jsonl'}")
     assert [p.id for p in joined] == ["two", "HumanEval/0", "HumanEval/1", "rag-long-1", "rag-long-2",

@@ -240,3 +240,13 @@ def test_a_run_of_another_kind_in_results_jsonl_is_refused_before_the_load_and_s
         err = capsys.readouterr().err
         assert err.count("\n") == 1 and f"results.jsonl:1: {field} is {json.dumps(value)}, not {kind}" in err, err
         assert len((tmp_path / "results.jsonl").read_text().splitlines()) == 1  # (nothing appended)
+
+
+def test_a_server_that_refuses_the_key_is_said_to_refuse_it(monkeypatch):
+    """A 401 at the model listing is the key's fault, not the URL's."""
+    from speculant.errors import ConfigError
+
+    monkeypatch.setattr(httpx, "Client", partial(httpx.Client, transport=httpx.MockTransport(
+        lambda request: httpx.Response(401, json={"error": {"message": "invalid API key"}}))))
+    with pytest.raises(ConfigError, match="the server at http://stand-in/v1 refused the API key \\(HTTP 401\\)"):
+        run_load(URL, PROMPTS, 2, 1, 4, api_key="wrong")

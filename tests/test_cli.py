@@ -439,6 +439,11 @@ def test_bad_files_paths_and_settings_are_one_line_before_any_model_loads(tmp_pa
             (["train-depth", *target, "--drafter", "self", "--prompts", f"{tmp_path / 'p.jsonl'}[:1]", "--out",
               str(tmp_path / "p.jsonl")], "is the file --prompts reads: it would be written over"),
             (["bench", "--methods", "ar", "--prompts", f"{tmp_path / 'p.jsonl'}+", *target], "an empty name among"),
+            (["profile", "--model", str(tmp_path / "cut"), "--out", str(tmp_path / "cut" / "config.json")],
+             "is a file of the model --model reads"),  # (a model folder's file: written over, the model is gone)
+            (["train-depth", *target, "--drafter", f"{tmp_path / 'cut'}@int8", "--out", str(weights)],
+             "is a file of the model --drafter reads"),
+            (["profile", "--model", "qwen2.5-coder-0.5b", "--out", str(tmp_path / ("p" * 300))], "File name too long"),
             (["bench", "--methods", "ar", "--prompts", "p" * 5000, *target], "unknown dataset 'ppp"),  # (too long for
             (["bench", "--methods", "ar", "--prompts", "p" * 5000 + "+humaneval", *target], "unknown dataset"),  # a name)
             (["serve", *target, "--ray-cluster", "foo"], "'foo' is no Ray cluster's address"),
@@ -452,6 +457,7 @@ def test_bad_files_paths_and_settings_are_one_line_before_any_model_loads(tmp_pa
             (["serve", *target, "--prefix-cache-mb", "inf"], "prefix-cache-mb must be a number >= 0"),
             (["serve", *target, "--open-metrics"], "--open-metrics opens /metrics"),
             (["serve", *target, "--api-key", " "], "--api-key has an empty value"),
+            (["serve", *target, "--api-key", "ké"], "--api-key (or $SPECULANT_API_KEY) must be printable ASCII"),
             (["serve", *target, "--allowed-hosts", "localhost,"], "--allowed-hosts has an empty value"),
             (["generate", "x", *target, "--method", "sd", "--drafter", "nonsense"], "unknown model 'nonsense'"),
             (["generate", "x", *target, "--drafter", "qwen2.5-coder-0.5b@int8@int4"], "has more than one @ suffix"),
@@ -769,7 +775,9 @@ def test_a_flag_given_where_it_does_nothing_is_one_line_never_ignored(capsys, tm
         (["train-depth", "--max-depth", "65", "--max-new-tokens", "100"], "--max-depth 65: at most 64"),
         (["bench", "--prompts", str(tmp_path / "runs")], "runs is a directory: give a JSONL file of prompts"),
         (["generate", "x", "--drafter", "maxgram", "--bigram-corpus", str(tmp_path / "runs")],
-         "bigram corpus file is a directory"),
+         "runs is a directory: give a file"),
+        (["generate", "x", "--method", "tree", "--drafter", "self", "--target-profile", str(tmp_path / "runs")],
+         "target profile " + str(tmp_path / "runs") + " is a directory"),
     ]:
         code, _, err = run(capsys, *argv)
         assert code == 2 and err.count("speculant: error") == 1 and message in err, (argv, err)

@@ -95,7 +95,7 @@ def test_the_summary_names_the_widths_drafted():
     drafter = TreeDrafter(perturbed(target, 0.2, 8), 2, chooser=lambda probs, depth, exact: 3)
     tokens, stats = run(tree_speculative(target, drafter, prompt, 3, 2, 20))
     assert tokens == list(autoregressive(target, prompt, 20, SamplingConfig(), None))
-    assert set(stats.tree_widths) == {3} and stats.tree_shape[1] == 2 and "width 3, " in stats.summary()
+    assert set(stats.tree_widths) == {3} and stats.tree_shape[1] == 2 and "first level 3, " in stats.summary()
 
 
 @pytest.mark.parametrize("arch", [*ARCHS, "mistral"])

@@ -8,12 +8,12 @@ from __future__ import annotations
 
 import json
 import re
-from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from speculant.api import check_prompt
+from speculant.cache import is_dir, is_file, readable
 from speculant.errors import ConfigError
 from speculant.models.wrappers.constrained import Constraint
 
@@ -112,26 +112,17 @@ def dataset_files(spec: str) -> list[Path]:
         return [file for part in parts for file in dataset_files(part)]
     match = _SLICE.fullmatch(spec)
     whole = Path(match["name"] if match else spec)
-    return [whole] if _is(whole) else []
+    return [whole] if is_file(whole) else []
 
 
 def _joined(spec: str) -> list[str] | None:
     """The datasets a spec joins by `+`; None where it names one (a file's name, sliced or not, may hold a `+`)."""
     match = _SLICE.fullmatch(spec)
-    if "+" not in spec or _is(Path(match["name"] if match else spec)):
+    if "+" not in spec or is_file(Path(match["name"] if match else spec)):
         return None
     if not all(parts := spec.split("+")):
         raise ConfigError(f"an empty name among the datasets joined by '+' in '{spec}'")
     return parts
-
-
-def _is(path: Path, test: Callable[[Path], bool] = Path.is_file) -> bool:
-    """Whether `path` is a file (or passes another of Path's `test`s): a name too long for the file system names
-    none."""
-    try:
-        return test(path)
-    except OSError:
-        return False
 
 
 def load_dataset(spec: str) -> list[Prompt]:
@@ -153,16 +144,14 @@ def load_dataset(spec: str) -> list[Prompt]:
         if min(start or 0, stop or 0) < 0:  # (Python's "all but the last N" would run nearly the whole set)
             raise ConfigError(f"dataset '{spec}': a slice [A:B] counts prompts from the start, A and B >= 0")
     file, colon, rest = spec.rpartition(":")
-    if not match and colon and not _is(Path(spec)) and _is(Path(file)):
+    if not match and colon and not is_file(Path(spec)) and is_file(Path(file)):
         raise ConfigError(f"dataset '{spec}': a slice is written in brackets, {file}[:{rest}]")
     if name == "humaneval":
         prompts = load_humaneval()
-    elif _is(Path(name)):
-        prompts = load_jsonl(Path(name))
-    elif _is(Path(name), Path.is_dir):
+    elif is_dir(Path(name)):
         raise ConfigError(f"{name} is a directory: give a JSONL file of prompts")
-    elif name.endswith(".jsonl") or "/" in name:
-        raise ConfigError(f"no such file: {name}")
+    elif is_file(Path(name)) or name.endswith(".jsonl") or "/" in name:
+        prompts = load_jsonl(readable(name, "prompts file"))  # (a pipe too, as a shell's <(...) gives)
     else:
         raise ConfigError(f"unknown dataset '{spec}' (use humaneval[:N] or a JSONL file with a 'prompt' field)")
     prompts = prompts[start:stop]

@@ -148,7 +148,11 @@ def run_threads(jobs: Sequence[Callable[[], None]], stop: threading.Event) -> No
 def first_model(client: httpx.Client, url: str) -> str:
     """The first model the server lists, or one line saying why there is none to ask for."""
     try:
-        return client.get("/models", timeout=PROBE_S).raise_for_status().json()["data"][0]["id"]
+        listed = client.get("/models", timeout=PROBE_S)
+        if listed.status_code in (401, 403):
+            raise ConfigError(f"the server at {url} refused the API key (HTTP {listed.status_code}): give its key "
+                              "with --api-key")
+        return listed.raise_for_status().json()["data"][0]["id"]
     except (httpx.HTTPError, ValueError, KeyError, IndexError, TypeError) as error:
         raise ConfigError(f"no model listed at {url}/models ({type(error).__name__}: {str(error).splitlines()[0]}); "
                           "--url takes the API's base, e.g. http://127.0.0.1:8000/v1") from None

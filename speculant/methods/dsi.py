@@ -4,9 +4,9 @@ servers verify in parallel while the drafter keeps drafting."""
 from __future__ import annotations
 
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
+from speculant.cache import readable
 from speculant.config import (EXECUTORS, LEAST_LATENCY_MS, MOST_LATENCY_MS, MOST_SERVERS, REQUEST_MOST, as_number,
                               check_ray_address, latency_fits, number, option)
 from speculant.drafters.spec import model_free
@@ -43,9 +43,7 @@ def parse_twin(text: str) -> tuple[Any, Any]:
 
     parts = text.split(",")
     if len(parts) == 2 and all(part.endswith(".json") for part in parts):
-        if missing := [part for part in parts if not Path(part).is_file()]:
-            raise ConfigError(f"profile not found: {', '.join(missing)}")
-        target, drafter = (Latency.from_profile(LatencyProfile.load(Path(part))) for part in parts)
+        target, drafter = (Latency.from_profile(LatencyProfile.load(readable(part, "profile"))) for part in parts)
         return target, drafter
     try:
         values = [number(v) for v in parts[:1] + parts[2:]]

@@ -9,6 +9,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from speculant.cache import readable
 from speculant.config import AUTO, REQUEST_MOST, REQUEST_NODES, SCHEDULES, count_or_auto, option
 from speculant.errors import ConfigError, OptionError
 from speculant.methods.drafting import DrafterOptions
@@ -73,15 +74,11 @@ class TreeOptions(DrafterOptions):
         # The files named are read now, once (a server's requests share what was read): one that is not there or
         # not what it should be is refused before anything loads.
         if isinstance(self.target_profile, (str, Path)):
-            if not Path(self.target_profile).is_file():
-                raise ConfigError(f"target profile not found: {self.target_profile} (make one with `speculant "
-                                  "profile --out`)")
-            object.__setattr__(self, "target_profile", LatencyProfile.load(Path(self.target_profile)))
+            object.__setattr__(self, "target_profile", LatencyProfile.load(readable(
+                self.target_profile, "target profile", " (make one with `speculant profile --out`)")))
         if isinstance(self.depth_predictor, (str, Path)) and self.depth_predictor not in (AUTO, "off"):
-            if not Path(self.depth_predictor).is_file():
-                raise ConfigError(f"depth predictor not found: {self.depth_predictor} (make one with `speculant "
-                                  "train-depth`)")
-            object.__setattr__(self, "depth_predictor", DepthPredictor.load(Path(self.depth_predictor)))
+            object.__setattr__(self, "depth_predictor", DepthPredictor.load(readable(
+                self.depth_predictor, "depth predictor", " (make one with `speculant train-depth`)")))
         if self.target_profile is not None and not isinstance(self.target_profile, LatencyProfile):
             raise ConfigError(f"target_profile is a `speculant profile` JSON file or a LatencyProfile, not "
                               f"{type(self.target_profile).__name__}")
