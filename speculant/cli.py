@@ -494,8 +494,9 @@ def run_bench(args: argparse.Namespace, argv: Sequence[str]) -> None:
     ran_over = saved["config"].get("baseline") if saved else None  # (a run reported again keeps its baseline)
     ran_over = None if ran_over == "default" else ran_over  # (as a run before this was saved said the default)
     baseline = ran_over if args.baseline is None else None if args.baseline == "default" else args.baseline
-    if len({m.label for m in methods}) != len(methods):
-        raise ConfigError("each method may be listed once")
+    for i, method in enumerate(methods):
+        if same := next((earlier for earlier in methods[:i] if earlier.runs == method.runs), None):
+            raise ConfigError(f"each method may be listed once: '{method.label}' runs what '{same.label}' runs")
     if baseline is not None and baseline not in {m.label for m in methods}:
         raise ConfigError(f"the baseline '{baseline}' is not among the methods")
     if saved:  # a finished run, reported again

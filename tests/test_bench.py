@@ -74,6 +74,9 @@ def test_jsonl_prompts_and_errors(tmp_path):
     turns.write_text('{"question_id": 81, "category": "writing", "turns": ["Write a poem.", "Shorter."]}\n')
     assert load_dataset(str(turns)) == [Prompt("81", "Write a poem.", "writing", chat=True)]
     (tmp_path / "field.jsonl").write_text('{"text": "a"}\n')
+    with pytest.raises(ConfigError, match=r"field.jsonl:1: no prompt has a field \"text\" \(the fields: prompt,"):
+        load_dataset(str(tmp_path / "field.jsonl"))
+    (tmp_path / "field.jsonl").write_text('{"id": "a"}\n')
     with pytest.raises(ConfigError, match=r"field.jsonl:1: .*'prompt'"):
         load_dataset(str(tmp_path / "field.jsonl"))
     (tmp_path / "blank.jsonl").write_text('{"prompt": "a"}\n{"prompt": " "}\n')
@@ -99,6 +102,8 @@ def test_jsonl_prompts_and_errors(tmp_path):
             ("null", '{"prompt": "a", "id": null}\n', r"null.jsonl:1: id must be text or an integer, got null"),
             ("kind", '{"prompt": "a", "category": ["x"]}\n', r"kind.jsonl:1: category must be text, got \[\"x\"\]"),
             ("chat", '{"prompt": "a", "chat": "false"}\n', r"chat.jsonl:1: chat must be true or false"),
+            ("typo", '{"prompt": "a", "caht": true}\n', r"typo.jsonl:1: no prompt has a field \"caht\" \(the fields: "
+             "prompt, turns,"),  # (it would run without the chat template)
             ("surrogate", '{"prompt": "a\\udcffb"}\n', r"surrogate.jsonl:1: the prompt is not UTF-8 text")):
         (tmp_path / f"{name}.jsonl").write_text(lines)
         with pytest.raises(ConfigError, match=message):

@@ -425,6 +425,8 @@ def test_bad_files_paths_and_settings_are_one_line_before_any_model_loads(tmp_pa
             (["bench", "--report-from", str(tmp_path / "empty.json")], "is not the results.json"),
             (["bench", "--methods", "ar", "--out", str(tmp_path / "file"), *target], "is a file: it names a directory"),
             (["bench", "--methods", "sd:k=2,k=3", *target], "option 'k' given twice"),
+            (["bench", "--methods", "ar", "sd:k=4", "sd:k=04", *target], "'sd:k=04' runs what 'sd:k=4' runs"),
+            (["bench", "--methods", "sd:drafter=maxgram,k=4", "sd:k=4,drafter=maxgram", *target], "listed once"),
             (["profile", "--model", "qwen2.5-coder-0.5b", "--out", str(tmp_path / "no" / "p.json")], "does not exist"),
             (["bench", "--methods", "ar", "--out", str(tmp_path / "file" / "run"), *target], "file is a file, not a"),
             (["bench", "--methods", "ar", "--out", "/proc/speculant-run", *target], "nothing can be written in /proc"),

@@ -38,11 +38,17 @@ def load_humaneval() -> list[Prompt]:
 
 
 KIND = {str: "text", int: "an integer"}  # (a prompt file's fields, as its errors name their types)
+FIELDS = ("prompt", "turns", "messages", "id", "question_id", "category", "chat", "response_format")
+# Fields of the datasets whose records `load_jsonl` reads that a benchmark's prompt does not use: MT-Bench's reference
+# answers, HumanEval's task id, solution and tests. Any other field is refused: a misspelled one ("caht") would run
+# the prompt otherwise than written.
+UNUSED_FIELDS = ("reference", "task_id", "canonical_solution", "test", "entry_point")
 
 
 def load_jsonl(path: Path) -> list[Prompt]:
     """Records with a `prompt` string, or `turns` (the first turn is used, as a chat message), or `messages`,
-    and optional `id` / `question_id`, `category` and `response_format` (OpenAI's); errors name the line."""
+    and optional `id` / `question_id`, `category`, `chat` (a `prompt` in the chat template) and `response_format`
+    (OpenAI's); errors name the line. A field of none of these (nor of UNUSED_FIELDS) is refused."""
     prompts, lines_of = [], {}  # (the line of each id)
     try:
         lines = path.read_text().splitlines()
@@ -61,6 +67,9 @@ def load_jsonl(path: Path) -> list[Prompt]:
             raise ConfigError(f"{path}:{number}: nested too deeply") from None
         if not isinstance(record, dict):
             raise ConfigError(f"{path}:{number}: expected a JSON object")
+        if unknown := next((name for name in record if name not in FIELDS + UNUSED_FIELDS), None):
+            raise ConfigError(f"{path}:{number}: no prompt has a field {json.dumps(unknown)[:60]} (the fields: "
+                              f"{', '.join(FIELDS)})")
         turns, messages = record.get("turns"), record.get("messages")
         if len(given := [name for name in ("prompt", "turns", "messages") if name in record]) > 1:
             raise ConfigError(f"{path}:{number}: give one of 'prompt', 'turns' and 'messages', not "

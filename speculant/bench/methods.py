@@ -34,6 +34,13 @@ class MethodSpec:
     def peer(self) -> bool:
         return self.method in PEERS
 
+    @property
+    def runs(self) -> tuple[Any, ...]:
+        """What it runs, however it was written (`sd:k=04` and `sd:k=4` alike; as written where not built)."""
+        if self.options is None:
+            return (self.label,)
+        return self.method, self.options, self.dtype, self.backend, tuple(sorted(self.sampling))
+
     def sets(self, name: str) -> bool:
         """Whether it sets `name` (a sampling setting, dtype or backend) itself, in place of the run's."""
         return name in dict(self.sampling) or (name == "dtype" and self.dtype is not None) or \
