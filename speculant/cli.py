@@ -1011,6 +1011,9 @@ def more_drafter(text: str) -> tuple[float, float]:
 SIMULATION_FLAGS = ("acceptance", "lookahead", "servers", "tokens", "repeats", "seed")  # what its refusals name
 
 
+PATIENT_S = 30  # seconds a command may run before a word on how long it will take
+
+
 def run_simulate(args: argparse.Namespace) -> None:
     from speculant.analysis.commands import format_heatmap, format_one, run_heatmap, simulate_one
 
@@ -1020,6 +1023,10 @@ def run_simulate(args: argparse.Namespace) -> None:
         more = tuple(more_drafter(text) for text in args.more_drafter)
         if args.executor == "ray":
             reach_ray(args.ray_address, "--ray-address")
+        plain_s = args.repeats * ((args.ttft or args.target_latency) + (args.tokens - 1) * args.target_latency) / 1000
+        if plain_s > PATIENT_S:  # (its forwards wait out their latencies: a run this long says so before it starts)
+            print(f"the twin runs in real time: its non-SI runs alone take {plain_s:.0f} s, SI and DSI theirs",
+                  file=sys.stderr)
         result = from_flags(lambda: simulate_online(
             args.target_latency, args.drafter_latency, args.acceptance, args.servers, args.tokens, args.lookahead,
             args.ttft, args.repeats, args.executor, args.seed, Path(args.timeline) if args.timeline else None,

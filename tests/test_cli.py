@@ -323,6 +323,19 @@ def test_simulate_online_from_the_command_line(capsys):
     assert code == 2 and "acceptance" in err
 
 
+def test_a_long_run_of_the_latency_twin_says_how_long_before_it_starts(capsys, monkeypatch):
+    """Its forwards wait out their latencies: 50 tokens of a 60 s target ran for most of an hour without a word."""
+    from speculant.analysis import online
+
+    monkeypatch.setattr(online, "simulate_online", lambda *args: {})
+    code, _, err = run(capsys, "simulate", "online", "--target-latency", "60000", "--drafter-latency", "1",
+                       "--acceptance", "0.5", "--json")
+    assert code == 0 and "its non-SI runs alone take 15000 s" in err, err
+    code, _, err = run(capsys, "simulate", "online", "--target-latency", "10", "--drafter-latency", "1",
+                       "--acceptance", "0.5", "--json")
+    assert code == 0 and not err
+
+
 def test_acceptance_of_several_drafters(model_dirs, capsys):
     code, out, err = run(capsys, "acceptance", "--target", model_dirs["target"], "--drafter",
                          f"{model_dirs['target']},{model_dirs['drafter']}", "--dataset", "humaneval[:1]", "--dtype", "fp32",
