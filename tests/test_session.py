@@ -469,6 +469,21 @@ def test_a_drafter_model_passed_in_is_held_as_a_target_is(method):
     assert [out[i] for i in range(4)] == drafted * 2
 
 
+def test_a_user_drafter_s_q_rounded_off_one_is_verified_as_a_distribution():
+    """A row within Q_SUM_TOLERANCE of 1 (a half-precision softmax) is divided by its sum before verification
+    reads it: its residual max(p - q, 0) is the one of the distribution the drafter drew from."""
+    from speculant.drafters.base import Checked
+
+    class Rounded(Drafter):
+        name = "rounded"
+
+        def propose(self, context, k):
+            return Draft([1, 2], torch.full((2, VOCAB), 1.008 / VOCAB))
+
+    q = Checked(Rounded(), VOCAB).propose([3, 4], 2).probs
+    assert torch.allclose(q.sum(-1), torch.ones(2), atol=1e-6) and torch.allclose(q, torch.full_like(q, 1 / VOCAB))
+
+
 @pytest.mark.parametrize("proposal, message", [
     (lambda context, k: list(context[-k:]), "propose returned list, not a speculant.Draft"),
     (lambda context, k: Draft([VOCAB + 3]), "not token ids in"),

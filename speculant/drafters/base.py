@@ -143,14 +143,17 @@ class Checked(Drafter):
         if len(ids) > k:
             raise ConfigError(f"drafter '{self.name}': {len(ids)} tokens proposed where {k} were asked for")
         if draft.probs is not None:
-            self._check_q(ids, draft.probs)
+            draft.probs = self._check_q(ids, draft.probs)
         draft.tokens = ids  # (NumPy's integers committed as Python's)
         return draft
 
-    def _check_q(self, ids: list[int], q: torch.Tensor) -> None:
+    def _check_q(self, ids: list[int], q: torch.Tensor) -> torch.Tensor:
         """q [len(ids), vocab]: a float tensor, a row per drafted token, as wide as the target's logits, each row a
         distribution (what verification's p/q takes it for: another voids the output's) above 0 at its own token
-        (verification divides by it)."""
+        (verification divides by it). Returned with each row divided by its sum: a row rounded off 1 (within
+        Q_SUM_TOLERANCE) would bias the residual max(p - q, 0) that verification samples from (Leviathan et al.
+        2023, Algorithm 1), where the distribution the drafter drew from (`torch.multinomial` normalises) sums to
+        1."""
         if not isinstance(q, torch.Tensor) or not q.is_floating_point():
             raise ConfigError(f"drafter '{self.name}': its q is {type(q).__name__}"
                               f"{f' of {q.dtype}' if isinstance(q, torch.Tensor) else ''}, not a float tensor")
@@ -158,7 +161,7 @@ class Checked(Drafter):
             raise ConfigError(f"drafter '{self.name}': its q is {tuple(q.shape)}, not one row per token of the "
                               f"target's {self.vocab_size} logits")
         if not ids:  # (an empty draft's rows: none to check)
-            return
+            return q
         sums, least = q.sum(-1, dtype=torch.float32), q.min()
         if not bool((least >= 0) & ((sums - 1).abs() <= Q_SUM_TOLERANCE).all()):  # (one pass each, one sync)
             raise ConfigError(f"drafter '{self.name}': its q's rows are not distributions (sums "
@@ -168,6 +171,7 @@ class Checked(Drafter):
             i = int((~(drawn > 0)).nonzero()[0])
             raise ConfigError(f"drafter '{self.name}': its q gives its own token {ids[i]} (draft position {i}) "
                               f"probability {float(drawn[i])}, where it must be above 0 (it drew that token)")
+        return q / sums.to(q.dtype)[:, None]
 
     def observe(self, n_accepted: int) -> None:
         self.inner.observe(n_accepted)

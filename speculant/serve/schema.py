@@ -112,8 +112,9 @@ class Sampling(BaseModel):
     top_p: float = Field(1.0, gt=0, le=1, allow_inf_nan=False)
     seed: int | None = Field(None, ge=SEEDS.start, lt=SEEDS.stop,
                              description="a 64-bit seed: a sampled reply repeats under one seed for a named method and "
-                             "its options; auto's (the default), dsi's and a tree's of auto sizes may differ, as their "
-                             "choices follow measured times (their distribution never does)")
+                             "its options; auto's (the default), dsi's and a tree's of auto sizes or depth predicted "
+                             "may differ, as their choices follow measured times, and so may a reply drafted by "
+                             "suffix, whose history grows with every reply (their distribution never differs)")
     stop: Text | list[Text] | None = Field(None, description=f"up to 4 non-empty strings of at most {MAX_STOP} "
                                            "characters")
     n: int = Field(1, ge=1, le=1, description="one choice per request")
