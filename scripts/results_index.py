@@ -134,9 +134,9 @@ ENTRIES: dict[str, tuple[str, str, str | None, str | None, str | None]] = {
                                           None, XEON, None),
     "bench-llamacpp-cli-isolated-humaneval": ("llama.cpp backend", "the same on HumanEval[:10]", None, XEON, None),
     "bench-dsi-1-server-mixed": ("llama.cpp backend", "DSI with one target server in its own process against `sd` with "
-                                 "the same drafter (Max-Gram, the 0.5B)", None, XEON, None),
-    "bench-dsi-1-server-humaneval": ("llama.cpp backend", "the same on HumanEval[:8], after the dispatch changes of "
-                                     "sessions 32 and 33", None, XEON, None),
+                                 "the same drafter (Max-Gram, the 0.5B), after the drafter's restart fix", None, ZEN4,
+                                 None),
+    "bench-dsi-1-server-humaneval": ("llama.cpp backend", "the same on HumanEval[:8]", None, ZEN4, None),
     "dsi-preemption.md": ("llama.cpp backend", "DSI: preempted forwards cut short inside the model, before and after",
                           "commands and script in the page", XEON, "5dcedce"),
     "dsi-timeline-real-process.png": ("llama.cpp backend", "DSI timeline of a real two-server run (dsi-preemption.md)",
