@@ -17,6 +17,7 @@ from dataclasses import fields
 from pathlib import Path
 from typing import Any, NoReturn
 
+from speculant import __version__
 from speculant.cache import exists, is_dir, is_file, readable
 from speculant.config import (
     API_KEY_ENV,
@@ -106,6 +107,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser = Parser(prog="speculant", description="Lossless speculative inference of language models.")
     # Flags given; what a flag applies with (`check_needs`); what --out names (`check_outputs`).
     parser.set_defaults(given=frozenset(), needs={}, out_kind=FILE)
+    parser.add_argument("--version", action="version", version=f"speculant {__version__}")
     commands = parser.add_subparsers(dest="command", required=True)
 
     gen = commands.add_parser("generate", help="generate text, streaming it as tokens are committed")

@@ -1008,3 +1008,11 @@ def test_serve_takes_its_api_key_from_the_environment_where_no_flag_gives_one(tm
     monkeypatch.delenv("SPECULANT_API_KEY")
     assert cli.main(serve) == 0
     assert keys == ["from-env", "from-env", "from-flag", None]
+
+
+def test_version_is_one_line(capsys):
+    from speculant import __version__
+
+    with pytest.raises(SystemExit) as ended:
+        cli.main(["--version"])
+    assert ended.value.code == 0 and capsys.readouterr().out == f"speculant {__version__}\n"
