@@ -322,7 +322,7 @@ def test_auto_tree_is_lossless_and_reports_its_shape(arch):
     assert result.token_ids == expected
     depth, width, verify = result.stats.tree_shape
     assert depth == AUTO_MAX_DEPTH and width in PLAN_WIDTHS and max(result.stats.verified_sizes) <= verify
-    assert "width" in result.stats.summary()
+    assert "first level" in result.stats.summary()
 
 
 @pytest.mark.parametrize("backend", ["hf", "static"])
