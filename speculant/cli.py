@@ -1050,6 +1050,9 @@ def run_simulate(args: argparse.Namespace) -> None:
             drafter_ms = LatencyProfile.load(Path(args.drafter_profile)).tpot_s * 1000
         if target_ms is None or drafter_ms is None:
             raise ConfigError("give --target-latency and --drafter-latency, or profiles with --target-profile/--drafter-profile")
+        if zero := next((name for name, ms in (("target", target_ms), ("drafter", drafter_ms)) if not ms), None):
+            raise ConfigError(f"--{zero}-latency must be > 0 ms in a simulation (its {zero}'s forwards take time), "
+                              "got 0")
         result = from_flags(lambda: simulate_one(target_ms, drafter_ms, args.acceptance, args.lookahead,
                                                  args.servers, args.tokens, ttft_ms, args.repeats, args.seed),
                             SIMULATION_FLAGS)
