@@ -759,8 +759,9 @@ def test_options_for_model_drafters_are_refused_where_auto_has_none():
             generate(target, prompt_ids=prompt, method="auto", drafters=["maxgram"], max_new_tokens=4,
                      **{option: value})
     session = Session(target)  # (its profile of the target measured once)
-    with pytest.raises(OptionError, match="^probe_every applies to model drafters; auto drafts here with maxgram only$") \
-            as refused:  # (a loaded drafter by its name, not its repr; the option named: a server's answer names it)
+    only = "^probe_every applies to model drafters; auto drafts here with maxgram only$"
+    with pytest.raises(OptionError, match=only) as refused:  # (a loaded drafter by its name, not its repr; the option
+        # named: a server's answer names it)
         generate(target, prompt_ids=prompt, method="auto", drafters=[MaxGramDrafter()], max_new_tokens=4,
                  probe_every=4, session=session)
     assert refused.value.option == "probe_every"

@@ -459,11 +459,11 @@ def test_bad_files_paths_and_settings_are_one_line_before_any_model_loads(tmp_pa
             (["train-depth", *target, "--drafter", f"{tmp_path / 'cut'}@int8", "--out", str(weights)],
              "is a file of the model --drafter reads"),
             (["profile", "--model", "qwen2.5-coder-0.5b", "--out", str(tmp_path / ("p" * 300))], "File name too long"),
-            (["simulate", "run", "--target-latency", "0", "--drafter-latency", "1", "--acceptance", "0.5", "--lookahead",
-              "3"],
+            (["simulate", "run", "--target-latency", "0", "--drafter-latency", "1", "--acceptance", "0.5",
+              "--lookahead", "3"],
              "--target-latency must be > 0 ms in a simulation"),
-            (["bench", "--methods", "ar", "--prompts", "p" * 5000, *target], "unknown dataset 'ppp"),  # (too long for
-            (["bench", "--methods", "ar", "--prompts", "p" * 5000 + "+humaneval", *target], "unknown dataset"),  # a name)
+            (["bench", "--methods", "ar", "--prompts", "p" * 5000, *target], "unknown dataset 'ppp"),  # (names too
+            (["bench", "--methods", "ar", "--prompts", "p" * 5000 + "+humaneval", *target], "unknown dataset"),  # long)
             (["serve", *target, "--ray-cluster", "foo"], "'foo' is no Ray cluster's address"),
             (["serve", *target, "--ray-cluster", "127.0.0.1:1"], "no Ray cluster answers at"),
             (["serve", *target, "--ray-cluster", f"127.0.0.1:{web.server_address[1]}"], "is no Ray cluster (it speaks"),

@@ -90,7 +90,8 @@ def test_named_chat_templates_call_tools_with_the_one_transformers_renders_tools
     assert speaks_tools(SimpleNamespace(chat_template={"default": "{{ messages }}", "tool_use": calling}))
     assert speaks_tools(SimpleNamespace(chat_template={"default": calling}))
     assert not speaks_tools(SimpleNamespace(chat_template={"default": "{{ messages }}", "rag": calling}))
-    assert speaks_tools(SimpleNamespace(chat_template=calling)) and not speaks_tools(SimpleNamespace(chat_template=None))
+    assert speaks_tools(SimpleNamespace(chat_template=calling))
+    assert not speaks_tools(SimpleNamespace(chat_template=None))
 
 
 def accepts(tokenizer, vocabulary, choice, functions=TOOLS, answer=None):
@@ -362,6 +363,8 @@ def test_bad_tool_requests_get_400s_naming_the_field(served):
            ({"tools": [WEATHER, WEATHER]}, "names must differ"),
            ({"tools": [WEATHER], "response_format": {"type": "regex", "regex": "[a-z]+"}},
             "response_format of type regex cannot be combined with tools"),
+           ({"tools": [WEATHER], "tool_choice": "required", "response_format": {"type": "frob"}},
+            "response_format type must be one of"),  # (checked where the reply must call too, never dropped)
            ({"tools": [WEATHER], "response_format": {"type": "json_schema", "json_schema": {"schema": []}}},
             "response_format json_schema needs"),
            ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": "array"}}}]},

@@ -164,8 +164,7 @@ class GenerationStats:
             depth, width, verify = self.tree_shape
             widths = self.tree_widths
             shown = f"{sum(widths) / len(widths):.1f} ({min(widths)}-{max(widths)})" if len(set(widths)) > 1 else \
-                widths[0] if widths else width  # (the widths drafted: `width=auto` chooses each tree's; a static
-            # shape's first level, Sequoia's, is what the drafter's coverage favours)
+                widths[0] if widths else width  # (each tree's first level: `width=auto` chooses it per tree)
             line += (f", trees: depth {sum(self.draft_lengths) / n:.1f}, {self.verified_nodes / n:.1f} of "
                      f"{self.drafted_nodes / n:.1f} drafted nodes verified "
                      f"(depth <= {depth}, first level {shown}, verify <= {verify or depth * width})")

@@ -189,14 +189,15 @@ def create_app(engine: Engine, served_name: str, config: ServeConfig | None = No
                 raise ApiError(400, "this model's chat template does not call tools (no Hermes <tool_call> format)",
                                "tools" if choice != "none" else called)
         if choice != "none":
-            answer = await asyncio.to_thread(answer_format, body.response_format) if choice == "auto" else None
-            if answer is not None and answer.schema is None:  # (a reply that must call has no answer to format)
+            answer = await asyncio.to_thread(answer_format, body.response_format)  # (checked whatever the choice)
+            if answer is not None and answer.schema is None:
                 raise ApiError(400, f"a response_format of type {answer.kind} cannot be combined with tools "
                                "(json_object and json_schema can)", "response_format")
-            try:  # (the grammar compiles off the event loop; a schema llguidance refuses is the client's to mend)
-                functions = [t.function.model_dump() for t in body.tools]
-                calls = await asyncio.to_thread(tools.constraint, tokenizer, functions, choice, body.parallel_tool_calls,
-                                                answer and answer.schema)
+            schema = answer.schema if answer is not None and choice == "auto" else None  # (a reply that must call
+            try:  # has no answer to format; the grammar compiles off the event loop; a schema llguidance refuses is
+                functions = [t.function.model_dump() for t in body.tools]  # the client's to mend)
+                calls = await asyncio.to_thread(tools.constraint, tokenizer, functions, choice,
+                                                body.parallel_tool_calls, schema)
             except ConfigError as error:
                 raise ApiError(400, str(error), "tools") from None
         messages = [tools.template_message(m) for m in body.messages]

@@ -12,8 +12,9 @@ attention runs one query token at a time over exactly the keys it may see; norms
 activations act per row). So verifying W tokens in one forward gives the logits of W one-token forwards,
 and greedy speculation on it equals greedy decoding token for token. A prompt's prefill (the same for the
 same prompt) runs its layers in torch with attention as one causal block (in windowed layers, each row's window
-of it). Rollback moves the length; a tree's accepted path is compacted in place. A server's requests, each with a cache of its own, run their
-calls as one forward (`forward_rows`): the same per-row computation, so each gets what it gets alone.
+of it). Rollback moves the length; a tree's accepted path is compacted in place. A server's requests, each with a
+cache of its own, run their calls as one forward (`forward_rows`): the same per-row computation, so each gets what
+it gets alone.
 """
 
 from __future__ import annotations
