@@ -181,6 +181,21 @@ def test_text_stream_holds_back_stop_prefixes_and_cuts_at_stops():
     assert stream.push(ord("x")) == "x" and stream.push(256) == "" and stream.stopped and stream.text == "x"
 
 
+def test_stop_strings_end_an_answer_but_never_a_call():
+    """A reply that may call tools: a stop string in the text before a call ends it; one inside the call does not
+    (cut there, the reply's call was raw markup in its content, finish "stop"); a tail held back as the start of a
+    stop string goes out with the call."""
+    calls = "<tool_call>"
+    stream = TextStream(byte_tokenizer(), ["Oslo"], calls)
+    assert "".join(stream.push(t) for t in b"Hi Osl") == "Hi " and not stream.stopped
+    assert stream.push(ord("o")) == "" and stream.stopped and stream.text == "Hi "
+    stream = TextStream(byte_tokenizer(), ["Oslo", "<tool_call>\n{"], calls)
+    call = b'Hi <tool_call>\n{"city": "Oslo"}</tool_call>'
+    assert "".join(stream.push(t) for t in call) + stream.flush() == call.decode() and not stream.stopped
+    stream = TextStream(byte_tokenizer(), ["Os"], calls)  # (held back as a stop string's start, then a call)
+    assert "".join(stream.push(t) for t in b"O<tool_call>Os") == "O<tool_call>Os" and not stream.stopped
+
+
 def test_text_stream_holds_back_the_longest_tail_that_begins_a_stop_string():
     """Against the definition, on texts of few letters (many partial matches), and for a stop string far longer than
     the text at linear cost (each push searched every tail of the text: 20000 pushes under a long stop string
@@ -351,9 +366,22 @@ def test_openai_client_completions_chat_and_streams(server):
     assert usage["completion_tokens"] <= 20 and usage["prompt_tokens"] == len(ids)
     spec = usage["speculative"]
     assert spec["method"] == "sd" and spec["target_forwards"] >= 1 and 0 <= spec["accepted_tokens"] <= spec["drafted_tokens"]
-    chat = client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "hi", "name": "ann"}],
-                                          max_tokens=16, temperature=0, user="ann")  # accepted, ignored
+    chat = client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "hi"}],
+                                          max_tokens=16, temperature=0, user="ann")  # (`user`: accepted, ignored)
     assert chat.choices[0].message.role == "assistant" and chat.choices[0].finish_reason in ("stop", "length")
+    replayed = client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "hi"}, {
+        "role": "assistant", "content": "hello", "refusal": None, "annotations": []}, {"role": "user", "content": "hi"}],
+        max_tokens=2, temperature=0)  # (a reply sent back as OpenAI's come)
+    assert replayed.usage.prompt_tokens > chat.usage.prompt_tokens
+    engine.target.tokenizer.chat_template = TEMPLATE.replace("{{ m['role'] }}", "{{ m['name'] or m['role'] }}")
+    try:  # (a template that writes a participant's name: it reaches the prompt)
+        named = client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "hi", "name": "ann"}],
+                                               max_tokens=1, temperature=0)
+        plain = client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "hi"}],
+                                               max_tokens=1, temperature=0)
+    finally:
+        engine.target.tokenizer.chat_template = TEMPLATE
+    assert named.usage.prompt_tokens == plain.usage.prompt_tokens - len("user") + len("ann")
     chunks = list(client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "hi"}],
                                                  max_tokens=16, temperature=0, stream=True,
                                                  stream_options={"include_usage": True}))
@@ -398,6 +426,10 @@ def test_logprobs_stream_and_not_equal_plain_decoding_s(server):
     shape = Shape("id", "tiny", False, Spelling(byte_tokenizer(), BYTE_VOCAB))  # "“" is three bytes, three tokens
     halves = [shape.entries([TokenLogprob(t, -1.0, ()) for t in part]) for part in (b"a\xe2\x80", b"\x9cb")]
     assert [at for half in halves for at in half["text_offset"]] == [0, 1, 1, 1, 2]  # (streamed in two chunks)
+    shape = Shape("id", "tiny", False, Spelling(byte_tokenizer(), BYTE_VOCAB))  # a special token: no text, no width
+    special = shape.entries([TokenLogprob(t, -1.0, [(ord("c"), -0.5)]) for t in (ord("a"), 256, ord("b"))])
+    assert special["text_offset"] == [0, 1, 1]
+    assert special["top_logprobs"] == [{"c": -0.5, "a": -1.0}, {"c": -0.5, "<eos>": -1.0}, {"c": -0.5, "b": -1.0}]
     shape = Shape("id", "tiny", False, Spelling(byte_tokenizer(), BYTE_VOCAB))  # a character cut short by "b"
     halves = [shape.entries([TokenLogprob(t, -1.0, ()) for t in part]) for part in (b"a\xe2\x80", b"b\xffc")]
     assert [at for half in halves for at in half["text_offset"]] == [0, 1, 1, 2, 3, 4]  # (text "a\ufffdb\ufffdc")
@@ -553,6 +585,21 @@ BAD = [
                           "top_logprobs": 21}, "top_logprobs"),
     ("completions", {"model": "tiny", "prompt": "x", "logprobs": 6}, "logprobs"),
     ("completions", {"model": "tiny", "prompt": "x", "logprobs": True}, "logprobs"),
+    ("chat/completions", {"model": "tiny", "messages": [{"role": "user", "content": "hi", "name": "ann"}]},
+     "messages.0.name"),  # (this template writes no name: refused, not dropped)
+    ("chat/completions", {"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "response_format": {
+        "type": "json_schema", "json_schema": {"name": "a", "description": "Reply in French", "schema": {}}}},
+     "description would go unread"),
+    ("chat/completions", {"model": "tiny", "messages": [{"role": "user", "content": "hi"}, {
+        "role": "assistant", "content": "ok", "annotations": [{"type": "url_citation"}]}]},
+     "messages.1.annotations"),
+    ("chat/completions", {"model": "tiny", "messages": [{"role": "user", "content": "hi"}, {
+        "role": "assistant", "content": None, "tool_calls": [
+            {"id": "1", "type": "function", "function": {"name": "f", "arguments": '{"\\ud800": 1}'}}]}]},
+     "messages.1.tool_calls.0.function.arguments"),
+    ("chat/completions", {"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "tools": [{
+        "type": "function", "function": {"name": "f", "parameters": {"properties": {"\ud800": {}}}}}]},
+     "tools.0.function.parameters"),
 ]
 
 

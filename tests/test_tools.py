@@ -277,8 +277,9 @@ def ask(client, messages=ASK, stream=False, method=None, **body):
         calls = [(c.function.name, c.function.arguments) for c in choice.message.tool_calls or ()]
         return choice.message.content, calls, choice.finish_reason
     content, calls, finish = "", {}, None
-    for chunk in reply:
+    for i, chunk in enumerate(reply):
         delta = chunk.choices[0].delta
+        assert i == 0 or delta.content != "", chunk  # (a chunk of a call's log-probabilities has no content)
         content += delta.content or ""
         for call in delta.tool_calls or ():
             assert call.id and call.type == "function"
@@ -303,7 +304,7 @@ def test_the_openai_client_gets_schema_valid_calls_equal_with_speculation_off(se
     """`auto` lets the model choose: the packaged coder model answers in prose unless its first token is the call
     tag, which a logit_bias on the tag makes it choose here; then one call (`parallel_tool_calls` false)."""
     client, tag = served
-    body = {"tools": TOOLS, "tool_choice": choice}
+    body = {"tools": TOOLS, "tool_choice": choice, "logprobs": True}
     if choice == "auto":
         body |= {"logit_bias": {str(tag): 100}, "parallel_tool_calls": False}
     content, calls, finish = ask(client, stream=stream, **body)
@@ -311,6 +312,8 @@ def test_the_openai_client_gets_schema_valid_calls_equal_with_speculation_off(se
     if isinstance(choice, dict):
         assert [name for name, _ in calls] == ["get_time"]
     assert ask(client, stream=stream, method="ar", **body) == (content, calls, finish)
+    if choice == "required":  # a stop string ends an answer, never a call (cut there, a call was content)
+        assert ask(client, stream=stream, stop=["Paris", "get_"], **body) == (content, calls, finish)
 
 
 @pytest.mark.real_model

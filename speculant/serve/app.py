@@ -43,8 +43,9 @@ from speculant.serve.batcher import WorkerStopped
 from speculant.serve.engine import Engine, ServeJob, Outcome, QueueFull
 from speculant.serve import schema, tools
 from speculant.serve.metrics import Metrics
+from speculant.serve.text import skipped_ids
 from speculant.serve.schema import (MAX_FORMAT_DEPTH, ApiError, ChatRequest, CompletionRequest, Sampling, body_fault,
-                                    depth, refused_parameters)
+                                    depth, refused_parameters, texts)
 
 LOG = logging.getLogger("speculant.serve")
 REQUEST_MODELS = {name for name, value in vars(schema).items() if isinstance(value, type) and
@@ -216,10 +217,15 @@ def create_app(engine: Engine, served_name: str, config: ServeConfig | None = No
         if controls is not None and (held := await asyncio.to_thread(control, rendered)):  # (off the event loop: a
             raise ApiError(400, f"{held[0]} holds {held[1]!r}, which this model reads as a control token (a turn's "
                            "end, a call)", held[0])  # conversation of many messages must not hold up the others)
+        functions = [t.model_dump(exclude_none=True) for t in body.tools] if choice != "none" else None
         try:  # (off the event loop: a long conversation must not hold up the other requests)
-            ids = await asyncio.to_thread(encode_prompt, tokenizer, messages,
-                                          True, [t.model_dump(exclude_none=True) for t in body.tools]
-                                          if choice != "none" else None)
+            ids = await asyncio.to_thread(encode_prompt, tokenizer, messages, True, functions)
+            named = next((i for i, message in enumerate(messages) if "name" in message), None)
+            if named is not None and ids == await asyncio.to_thread(
+                    encode_prompt, tokenizer, [{k: v for k, v in m.items() if k != "name"} for m in messages], True,
+                    functions):
+                raise ApiError(400, "this model's chat template has no place for a participant's name (leave it out, "
+                               "or say it in the content)", f"messages.{named}.name")
         except ConfigError as error:
             raise ApiError(400, str(error), "messages") from None
         return await respond(body, ids, body.max_completion_tokens or body.max_tokens, True, http,
@@ -291,8 +297,8 @@ def create_app(engine: Engine, served_name: str, config: ServeConfig | None = No
                     piece, entries = item
                     if held is not None:
                         piece = held.push(piece)
-                    if piece or entries:
-                        yield chunk(shape.chunk(piece, entries))
+                    if piece or entries:  # (log-probabilities alone: a call's tokens, a split character's)
+                        yield chunk(shape.chunk(piece or None, entries))
                 item = await queue.get()
             outcome = ended(item, refused)
             metrics.usage(outcome.prompt_tokens, outcome.completion_tokens)
@@ -358,7 +364,7 @@ def create_app(engine: Engine, served_name: str, config: ServeConfig | None = No
         except ConfigError as error:
             raise ApiError(400, str(error), constraint.source) from None
         return ServeJob(ids, max_tokens, sampling, body.seed, body.stops, method, overrides, body.alternatives, bias,
-                        matcher)
+                        matcher, tools.OPEN if calls else None)
 
     return app
 
@@ -409,17 +415,6 @@ def control_tokens(tokenizer: Any) -> re.Pattern | None:
     texts = sorted({token.content for token in added.values() if token.special and token.content}, key=len,
                    reverse=True)
     return re.compile("|".join(map(re.escape, texts))) if texts else None
-
-
-def texts(value: Any) -> list[str]:
-    """Every string in a JSON value, object keys too: what a chat template may write into the prompt."""
-    if isinstance(value, str):
-        return [value]
-    if isinstance(value, dict):
-        return [text for key, item in value.items() for text in texts(key) + texts(item)]
-    if isinstance(value, list):
-        return [text for item in value for text in texts(item)]
-    return []
 
 
 def option_param(error: ConfigError, otherwise: str | None = "speculant") -> str | None:
@@ -624,6 +619,7 @@ class Spelling:
 
         self.tokenizer = tokenizer
         self.spelled = token_bytes(tokenizer, width)[0] if tokenizer is not None else [None] * width
+        self.skipped = skipped_ids(tokenizer) if tokenizer is not None else frozenset()  # (no text in the reply)
 
     def bytes(self, token: int) -> bytes:
         spelled = self.spelled[token] if token < len(self.spelled) else None
@@ -729,11 +725,16 @@ class Shape:
         pieces = [spelling.text(e.token) for e in entries]
         offsets = []
         for e in entries:
+            if e.token in spelling.skipped:  # (a special token: the text leaves it out)
+                offsets.append(self.offset)
+                continue
             data = spelling.bytes(e.token)
             offsets.append(self.offset + self.cut_short(data))
             self.offset += len(self.characters.decode(data))
-        return {"tokens": pieces, "token_logprobs": [e.logprob for e in entries],
-                "top_logprobs": [{spelling.text(t): lp for t, lp in e.top} for e in entries], "text_offset": offsets}
+        # Each position's alternatives and, as OpenAI's (up to logprobs + 1 of them), the token it emitted.
+        top = [{spelling.text(t): lp for t, lp in [*e.top, (e.token, e.logprob)]} for e in entries]
+        return {"tokens": pieces, "token_logprobs": [e.logprob for e in entries], "top_logprobs": top,
+                "text_offset": offsets}
 
 
 def build_app(target_name: str, model: ModelConfig, method: str, options: Any, config: ServeConfig,

@@ -68,6 +68,7 @@ class ServeJob:
     logit_bias: Mapping[int, float] = field(default_factory=dict)  # added to the target's logits
     constraint: Matcher | None = None  # what the output must match (structured output), compiled (off the forwards'
     # thread: the request's handler compiles it)
+    calls: str | None = None  # where the reply may call tools: a call's opening tag (no stop string cuts a call)
 
 
 @dataclass
@@ -401,7 +402,7 @@ class Engine:
         request = Request(decoded, job.prompt_ids, job.max_tokens, job.sampling,
                           seeded(self.target.device, job.seed), self.session, job.seed)
         decoder = spec.build(request, options)
-        text = TextStream(self.target.tokenizer, job.stops)
+        text = TextStream(self.target.tokenizer, job.stops, job.calls)
         tokens, finish, last = 0, "length", None
         entries: list[TokenLogprob] = []  # where the job asks for log-probabilities
         unsent = 0  # entries not yet handed out with a piece of text

@@ -52,6 +52,24 @@ def unicode(text: str) -> str:
 
 
 Text = Annotated[str, AfterValidator(unicode)]
+
+
+def texts(value: Any) -> list[str]:
+    """Every string in a JSON value, object keys too: what a chat template may write into the prompt."""
+    if isinstance(value, str):
+        return [value]
+    if isinstance(value, dict):
+        return [text for key, item in value.items() for text in texts(key) + texts(item)]
+    if isinstance(value, list):
+        return [text for item in value for text in texts(item)]
+    return []
+
+
+def unicode_json(value: Any) -> Any:
+    """A JSON value whose every string is valid Unicode (`unicode`): one a chat template writes into the prompt."""
+    for text in texts(value):
+        unicode(text)
+    return value
 Number = Annotated[float, Field(allow_inf_nan=False)]
 
 
@@ -217,6 +235,7 @@ def json_object_text(text: str) -> str:
         raise ValueError("must be JSON text of an object")
     if not isinstance(value, dict) or depth(value) > MAX_FORMAT_DEPTH:
         raise ValueError(f"must be JSON text of an object, at most {MAX_FORMAT_DEPTH} levels deep")
+    unicode_json(value)  # (its escapes can spell a lone surrogate, which the template cannot write)
     return text
 
 
@@ -240,13 +259,16 @@ class Message(BaseModel):
 
     role: Literal["system", "user", "assistant", "developer", "tool"]
     content: Text | list[TextPart] | None = None
-    name: Text | None = Field(None, description="accepted and ignored: chat templates have no place for it")
+    name: Text | None = Field(None, description="the participant's name, where the model's chat template writes it "
+                              "(elsewhere refused: a name the model never reads is not dropped unsaid)")
     tool_calls: list[ToolCall] | None = Field(None, description="an assistant's calls, in a later turn")
     tool_call_id: Text | None = Field(None, description="a tool message: the call it answers")
     # null only: OpenAI's own replies carry them so, and a client replays its history as it got it
     refusal: None = Field(None, description="null only (a reply's refusal, replayed)")
     function_call: None = Field(None, description="null only (the deprecated call field, replayed)")
     audio: None = Field(None, description="null only (a reply's audio, replayed)")
+    annotations: Annotated[list[Any], Field(max_length=0)] | None = Field(
+        None, description="null or empty only (a reply's citations, replayed)")
 
     @field_validator("content")
     @classmethod
@@ -271,7 +293,8 @@ class Function(BaseModel):
 
     name: Annotated[str, Field(pattern=FUNCTION_NAME)]
     description: Text | None = None
-    parameters: dict[str, Any] | None = Field(None, description="a JSON schema of the arguments (an object)")
+    parameters: Annotated[dict[str, Any], AfterValidator(unicode_json)] | None = Field(
+        None, description="a JSON schema of the arguments (an object)")
     strict: bool | None = Field(None, description="arguments always follow the schema when a call is constrained; "
                                 "strict: its parameters must leave nothing out, as OpenAI's (`strict_fault`)")
 

@@ -13,15 +13,19 @@ PENDING = 4  # ids the decoding window keeps back while the text ends in U+FFFD 
 class TextStream:
     """Push token ids, get text increments. Holds back an incomplete character (the tokenizer decodes it
     as U+FFFD until its last byte arrives) and any tail that could begin a stop string; at a stop string
-    it sets `stopped` and the text ends before it (as in OpenAI's API)."""
+    it sets `stopped` and the text ends before it (as in OpenAI's API). Stop strings end an answer, never a call:
+    none is matched from `calls` (a tool call's opening tag) on."""
 
-    def __init__(self, tokenizer: Any, stops: Sequence[str] = ()):
+    def __init__(self, tokenizer: Any, stops: Sequence[str] = (), calls: str | None = None):
         self.tokenizer = tokenizer
         self.stops = tuple(s for s in stops if s)
+        self.calls = calls
+        self.call_at: int | None = None  # where in `text` a call begins (None: not yet)
+        self.looked = 0  # the final text before it has no call tag
         self.ids: list[int] = []  # every id pushed
         self.kept: list[int] = []  # the ids decoding keeps (not the special ones it skips)
         self.at: list[int] = []  # where each kept id is among `ids`
-        self.skipped = skipped_ids(tokenizer) if isinstance(tokenizer, Hashable) else skipped_ids.__wrapped__(tokenizer)
+        self.skipped = skipped_ids(tokenizer)
         self.text = ""  # the text so far, up to a stop string
         self.sent = 0  # characters of `text` handed out
         self.stopped = False
@@ -99,7 +103,8 @@ class TextStream:
         """Where `text` holds a stop string: the text ends before it (`stopped`), and what of it is left to hand
         out; else None."""
         longest = max(map(len, self.stops), default=0)
-        hits = [i for i in (text.find(s, max(0, self.sent - longest)) for s in self.stops) if i >= 0]
+        answer = text[: self._answer_end(text)]
+        hits = [i for i in (answer.find(s, max(0, self.sent - longest)) for s in self.stops) if i >= 0]
         if not hits:
             return None
         self.text, self.stopped = text[: min(hits)], True
@@ -137,6 +142,8 @@ class TextStream:
 
     def _held(self, text: str) -> int:
         """Length of the longest tail of `text` (which extends the text of the last call) that begins a stop string."""
+        if self._answer_end(text) < len(text):  # (a call: no stop string holds it back)
+            return 0
         new = text[self.fed :]
         for i, (stop, failure) in enumerate(zip(self.stops, self.failures)):
             n = self.matched[i]
@@ -147,6 +154,16 @@ class TextStream:
             self.matched[i] = n
         self.fed = len(text)
         return max((min(n, len(s) - 1) for n, s in zip(self.matched, self.stops)), default=0)
+
+    def _answer_end(self, text: str) -> int:
+        """Where the answer in `text` (the final text, extended) ends: at a call's opening tag, else at its end. The
+        final text is searched once (it never changes), so each token costs the characters it adds."""
+        if self.call_at is None and self.calls is not None and self.stops:
+            if (at := text.find(self.calls, self.looked)) >= 0:
+                self.call_at = at if at + len(self.calls) <= len(self.text) else None  # (final: a tag for good)
+                return at
+            self.looked = max(self.looked, len(self.text) - len(self.calls) + 1)
+        return len(text) if self.call_at is None else min(self.call_at, len(text))
 
     def _take(self, end: int) -> str:
         end = max(end, self.sent)
@@ -165,10 +182,14 @@ def _failure(stop: str) -> list[int]:
     return failure
 
 
-@functools.lru_cache(maxsize=8)
 def skipped_ids(tokenizer: Any) -> frozenset[int]:
     """The ids `decode(..., skip_special_tokens=True)` drops: special tokens, which decode to their own text
-    otherwise (an added token that is not special, e.g. <tool_call>, is text)."""
+    otherwise (an added token that is not special, e.g. <tool_call>, is text). Found once per tokenizer."""
+    return _skipped_ids(tokenizer) if isinstance(tokenizer, Hashable) else _skipped_ids.__wrapped__(tokenizer)
+
+
+@functools.lru_cache(maxsize=8)
+def _skipped_ids(tokenizer: Any) -> frozenset[int]:
     added = {*getattr(tokenizer, "added_tokens_decoder", {}), *getattr(tokenizer, "all_special_ids", ())}
     return frozenset(i for i in added if tokenizer.decode([i], skip_special_tokens=True) == ""
                      and tokenizer.decode([i], skip_special_tokens=False) != "")

@@ -292,7 +292,7 @@ class ToolStream:
 
 def template_message(message: Any) -> dict[str, Any]:
     """A request's message as chat templates take it: an assistant's calls with their arguments as objects (the
-    templates write them with `tojson`), a tool's result with its call's id."""
+    templates write them with `tojson`), a tool's result with its call's id, a participant's name."""
     content = message.content if isinstance(message.content, str) or message.content is None else \
         "".join(p.text for p in message.content)
     out: dict[str, Any] = {"role": "system" if message.role == "developer" else message.role,
@@ -303,4 +303,6 @@ def template_message(message: Any) -> dict[str, Any]:
             for call in message.tool_calls]
     if message.tool_call_id is not None:
         out["tool_call_id"] = message.tool_call_id
+    if message.name is not None:
+        out["name"] = message.name
     return out

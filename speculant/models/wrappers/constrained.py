@@ -94,7 +94,10 @@ class Constraint:
                                   f"{', '.join(sorted(JSON_SCHEMA_FIELDS))})")
             if not isinstance(schema, Mapping):
                 raise ConfigError("response_format json_schema needs {\"json_schema\": {\"schema\": {...}}}")
-            for name, kind in (("name", str), ("description", str), ("strict", bool)):
+            if spec.get("description") is not None:  # (OpenAI's model reads it; here only the schema constrains)
+                raise ConfigError("response_format json_schema's description would go unread: the schema constrains "
+                                  "the reply, and no prompt holds the description (say it in the prompt instead)")
+            for name, kind in (("name", str), ("strict", bool)):
                 if spec.get(name) is not None and not isinstance(spec[name], kind):
                     raise ConfigError(f"response_format json_schema's {name} must be a {kind.__name__}, got "
                                       f"{spec[name]!r}")
