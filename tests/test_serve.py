@@ -369,14 +369,14 @@ def test_openai_client_completions_chat_and_streams(server):
     chat = client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "hi"}],
                                           max_tokens=16, temperature=0, user="ann")  # (`user`: accepted, ignored)
     assert chat.choices[0].message.role == "assistant" and chat.choices[0].finish_reason in ("stop", "length")
-    replayed = client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "hi"}, {
-        "role": "assistant", "content": "hello", "refusal": None, "annotations": []}, {"role": "user", "content": "hi"}],
-        max_tokens=2, temperature=0)  # (a reply sent back as OpenAI's come)
+    reply = {"role": "assistant", "content": "hello", "refusal": None, "annotations": []}  # (as OpenAI's come)
+    replayed = client.chat.completions.create(model="tiny", max_tokens=2, temperature=0, messages=[
+        {"role": "user", "content": "hi"}, reply, {"role": "user", "content": "hi"}])
     assert replayed.usage.prompt_tokens > chat.usage.prompt_tokens
     engine.target.tokenizer.chat_template = TEMPLATE.replace("{{ m['role'] }}", "{{ m['name'] or m['role'] }}")
     try:  # (a template that writes a participant's name: it reaches the prompt)
-        named = client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "hi", "name": "ann"}],
-                                               max_tokens=1, temperature=0)
+        named = client.chat.completions.create(model="tiny", max_tokens=1, temperature=0,
+                                               messages=[{"role": "user", "content": "hi", "name": "ann"}])
         plain = client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "hi"}],
                                                max_tokens=1, temperature=0)
     finally:
