@@ -14,7 +14,7 @@ from speculant.decoding.dsi.twin import OracleLM
 from speculant.drafters.cross_vocab import CrossVocabDrafter, model_drafter
 from speculant.drafters.model import ModelDrafter
 from speculant.drafters.vocab import GrowingEncoding, byte_of_char, build_pair, incomplete_tail, token_bytes
-from speculant.errors import ConfigError
+from speculant.errors import ConfigError, OptionError
 from speculant.models import HFCausalLM
 from speculant.models.base import owner_of
 from speculant.sampling import logits_to_probs
@@ -336,6 +336,23 @@ def test_a_drafter_with_the_same_tokenizer_and_fewer_rows_is_padded_to_the_targe
             cascade = generate(big, prompt, method="cascade", drafters=[small, "maxgram"], max_new_tokens=12,
                                temperature=temperature, seed=0)
             assert cascade.stats.drafter_forwards and (temperature or cascade.token_ids == ar.token_ids)
+    # An id the narrower drafter has no row for, in the context (a client's logit_bias or prompt puts it there): it
+    # drafts nothing from there on (its embedding would fail), and the output is still ar's.
+    lacked = {len(tokenizer) + 5: 100.0}
+    ar = generate(target, prompt_ids=[1, 2, 3], method="ar", max_new_tokens=6, logit_bias=lacked).token_ids
+    assert ar == [len(tokenizer) + 5] * 6
+    for options in (dict(drafter=drafter), dict(method="cascade", drafters=[drafter, "maxgram"]),
+                    dict(method="auto", drafters=[drafter])):
+        assert generate(target, prompt_ids=[1, 2, 3], max_new_tokens=6, logit_bias=lacked, **options).token_ids == ar
+    prompt = [1, 2, len(tokenizer) + 5, 3]
+    ar = generate(target, prompt_ids=prompt, method="ar", max_new_tokens=6).token_ids
+    for options in (dict(drafter=drafter), dict(method="dsi", drafter=drafter, lookahead=2)):
+        assert generate(target, prompt_ids=prompt, max_new_tokens=6, **options).token_ids == ar
+    # Trees need the target's rows (method tree refuses another width): auto drafts chains with a wider drafter.
+    wide = generate(drafter, prompt_ids=[1, 2, 3], method="ar", max_new_tokens=12).token_ids
+    assert generate(drafter, prompt_ids=[1, 2, 3], drafters=[target], max_new_tokens=12).token_ids == wide
+    with pytest.raises(OptionError, match="tree_widths"):
+        generate(drafter, prompt_ids=[1, 2, 3], drafters=[target], tree_widths=[4], max_new_tokens=12)
 
 
 def test_a_drafter_whose_positions_the_context_outgrows_drafts_nothing(tokenizers):

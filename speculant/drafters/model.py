@@ -52,7 +52,7 @@ class ModelDrafter(Drafter):
         """Up to k tokens; a draft ends at an end-of-sequence token and within the drafter's positions: m tokens
         after L take L + m - 1 of them (the last token drafted is never run), so one more than its `room`."""
         k = min(k, self.room(len(context)) + 1)
-        if k <= 0:
+        if k <= 0 or self.readable(context) < len(context):
             return Draft([], None)
         before = self.model.usage
         logits = self.score(context, [])[0]
@@ -81,6 +81,15 @@ class ModelDrafter(Drafter):
         review runs on top of them (a draft may hold one more, its last never run)."""
         limit = self.model.max_positions
         return 1 << 30 if limit is None else limit - length
+
+    def readable(self, ids: list[int]) -> int:
+        """How many leading `ids` the drafter has rows for: all, unless it has fewer than the target (an id past
+        them, which a client's prompt or logit_bias may put in the context, has no embedding to run; the drafter
+        drafts nothing from there)."""
+        rows = self.model.vocab_size
+        if self.width is None or self.width <= rows or max(ids, default=0) < rows:
+            return len(ids)
+        return next(i for i, token in enumerate(ids) if token >= rows)
 
     def restricted(self, logits: torch.Tensor) -> torch.Tensor:
         """`logits` [..., vocab] with the ids it may not draft at -inf."""

@@ -133,8 +133,8 @@ def typed_widths(widths: Any) -> tuple[int, ...]:
 def check_model_only(options: AutoOptions, drafters: Sequence[Any], models: int, trees: int | None = None) -> None:
     """Options that act only on model drafters (`model_only`), set away from their defaults where auto has no model
     drafter (`models`: how many it has) to apply them to, are refused: never silently ignored. So are those that act
-    only on token trees (`tree_only`) where no model drafter drafts in the target's vocabulary, as a tree's tokens
-    must (`trees`: how many do, known once they load). `drafters`: the ones auto runs (a refusal names them)."""
+    only on token trees (`tree_only`) where no model drafter drafts in the target's vocabulary and rows, as a tree's
+    tokens must (`trees`: how many do, known once they load). `drafters`: the ones auto runs (a refusal names them)."""
 
     def changed(kind: str, *fine: Any) -> list[str]:
         return [f.name for f in fields(options)
@@ -210,7 +210,7 @@ def build(request: Request, options: AutoOptions) -> Any:
                                         estimates, measured=match is None))  # (a user's: its drafts' time, once seen)
             continue
         models += 1
-        trees += same_vocabulary(target, source)
+        trees += same_vocabulary(target, source) and source.vocab_size == target.vocab_size  # (its rows too)
         for width in options.tree_widths if options.tree_widths != AUTO else ():  # (whether or not it pays)
             check_width(width, source, "tree_widths")  # (a node's children: its likeliest tokens)
         profile = session.profile(source)
@@ -226,8 +226,8 @@ def build(request: Request, options: AutoOptions) -> Any:
                           catch_up=catch_up_cost(drafter, profile, session.prefixes), scale=scale, speed=speed,
                           growth=lambda length, profile=profile: profile.cost_at(1, length) / profile.cost(1))
         candidates.append(chain)
-        same_ids = isinstance(drafter, ModelDrafter)  # trees and reviews need the target's ids
-        widths = options.tree_widths
+        same_ids = isinstance(drafter, ModelDrafter)  # trees and reviews need the target's ids; trees its rows too
+        widths = options.tree_widths if same_ids and drafter.width is None else ()  # (`tree_drafter_model`)
         if widths == AUTO and same_ids:
             widths = (plan_width(target, source, request.prompt_ids, cost, profile.cost, session),)
         for width in widths if same_ids else ():
