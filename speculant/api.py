@@ -64,6 +64,7 @@ class GenerationStream:
         self.logprobs: list[TokenLogprob] | None = [] if recorded is not None else None
         self.result: GenerationResult | None = None
         self._reading = threading.Lock()  # held by the thread taking the next token
+        self._closing = False  # closed by another thread while one took a token: ends before the next
 
     def __iter__(self) -> GenerationStream:
         return self
@@ -77,13 +78,18 @@ class GenerationStream:
             self._reading.release()
 
     def _next(self) -> int:
+        if self._closing and self._timing is not None:  # (`close` from another thread, during the last token)
+            self._timing.close()
+            self._timing = None
         if self._timing is None:
             raise StopIteration
         try:
             token = next(self._timing)
         except StopIteration as stop:
             self._timing = None
-            stats: GenerationStats = stop.value
+            stats: GenerationStats | None = stop.value
+            if stats is None:  # (ended from outside between its steps, at the interpreter's exit: no result)
+                raise StopIteration from None
             stats.target = self._target
             self.result = GenerationResult(self._tokens, decode(self._tokenizer, self._tokens), stats, self.logprobs)
             raise StopIteration from None
@@ -95,10 +101,17 @@ class GenerationStream:
         return token
 
     def close(self) -> None:
-        """End the generation here (its decoder closed: a drafter's thread stopped, what it learned kept)."""
-        if self._timing is not None:
-            self._timing.close()
-            self._timing = None
+        """End the generation here (its decoder closed: a drafter's thread stopped, what it learned kept); closed
+        while another thread takes its next token, it ends once that token is taken."""
+        if not self._reading.acquire(blocking=False):
+            self._closing = True
+            return
+        try:
+            if self._timing is not None:
+                self._timing.close()
+                self._timing = None
+        finally:
+            self._reading.release()
 
 
 def decode(tokenizer: Any | None, token_ids: list[int]) -> str | None:
@@ -110,6 +123,8 @@ def check_prompt(prompt: Any) -> None:
     surrogate, as JSON's escapes can write one, is not)."""
     if isinstance(prompt, (bytes, bytearray)) or not isinstance(prompt, (str, Sequence)):
         raise ConfigError(f"the prompt must be a text or a list of messages, not {type(prompt).__name__}")
+    if not isinstance(prompt, str) and prompt and all(isinstance(item, int) for item in prompt):
+        raise ConfigError("the prompt is a text or a list of messages: token ids go in prompt_ids")
     texts = [prompt] if isinstance(prompt, str) else [m.get("content") for m in prompt if isinstance(m, dict)]
     for text in (t for t in texts if isinstance(t, str)):
         try:

@@ -95,6 +95,28 @@ def test_one_executor_serves_many_generations_and_stops_at_eos():
         pool.close()
 
 
+def test_a_started_executor_serves_its_own_target_and_starts_again_once_closed():
+    """A started executor passed to generate: its servers run the target it was built for, so a generation of
+    another is refused (it decoded the other's text, reported as this one's), as are options its servers were
+    built without; closed, it starts again (its requests waited forever on servers that had stopped)."""
+    from speculant.methods.dsi import DSIOptions, server_spec
+
+    (target, _, prompt), other = pair(7), tiny_model("qwen2", 8, VOCAB)
+    options = DSIOptions(drafter="maxgram", lookahead=2)
+    pool = make_executor("thread", server_spec(target, options, GREEDY))
+    given = dict(prompt_ids=prompt, method="dsi", drafter="maxgram", lookahead=2, executor=pool, max_new_tokens=12)
+    pool.start()
+    try:
+        for model, extra, what in ((other, {}, "another target"),
+                                   (target, {"servers": 2, "target_devices": ["cpu"] * 2}, "another server count")):
+            with pytest.raises(ConfigError, match=what):
+                generate(model, **given, **extra)
+        pool.close()
+        assert generate(target, **given).token_ids == reference(target, prompt, 12)
+    finally:
+        pool.close()
+
+
 def test_server_keeps_the_sequence_catches_up_and_rolls_back_its_cache():
     """A job carries only the tokens after the `base` the server holds for its request; the server runs only
     what its cache lacks, rolls back where the cache disagrees, and its rows equal a fresh computation.

@@ -170,6 +170,55 @@ def test_an_installed_plugin_registers_through_the_entry_point_group(monkeypatch
     with pytest.raises(ConfigError, match="^plugin 'echo2' \\(my_plugin\\) registered no drafter named 'echo2'"):
         registry.kind("echo2")  # (it said "unknown drafter 'echo2'" and listed echo2 among the registered)
 
+    class Broken:  # an entry point naming what its package lacks: importlib's raw error named no plugin
+        name, value = "broken", "their_plugin:nonexistent"
+
+        def load(self):
+            raise AttributeError("module 'their_plugin' has no attribute 'nonexistent'")
+
+    monkeypatch.setattr(registry, "_plugins", lambda: {"broken": Broken()})
+    with pytest.raises(ConfigError, match="^plugin 'broken' \\(their_plugin:nonexistent\\) failed to load: Attr"):
+        registry.kind("broken")
+
+
+def test_a_stream_closed_from_another_thread_or_ended_at_exit_ends_quietly():
+    """`close` while another thread takes a token (it raised "generator already executing", and the stream went on):
+    the stream ends once that token is taken. A generation ended between its steps, as the interpreter's exit ends
+    the paused ones (`api.LIVE`): its reader's next call ends the stream (it raised AttributeError in a timer)."""
+    import threading
+    import time
+
+    from speculant import api
+
+    class Slow(Drafter):
+        name = "slow"
+
+        def propose(self, context, k):
+            time.sleep(0.05)
+            return Draft([], None)
+
+    target = tiny_model("llama", 2, VOCAB)
+    stream = generate(target, prompt_ids=[1, 2, 3], drafter=Slow(), max_new_tokens=64, stream=True)
+    read, failed = [], []
+
+    def take() -> None:
+        try:
+            read.extend(stream)
+        except Exception as error:  # noqa: BLE001
+            failed.append(error)
+
+    reader = threading.Thread(target=take)
+    reader.start()
+    time.sleep(0.3)
+    stream.close()
+    reader.join(10)
+    assert not failed and 0 < len(read) < 64 and stream.result is None
+    stream = generate(target, prompt_ids=[1, 2, 3], method="ar", max_new_tokens=8, stream=True)
+    first = next(stream)
+    for hold in list(api.LIVE):
+        hold.end()
+    assert first is not None and list(stream) == [] and stream.result is None
+
 
 def test_a_plugin_whose_name_cannot_name_a_drafter_is_left_out_with_a_warning(monkeypatch, caplog):
     class EntryPoint:
@@ -633,6 +682,8 @@ def test_python_callers_get_one_clear_error_where_a_raw_one_came_from_deep_insid
     target = tiny_model("llama", 5, VOCAB, tokenizer=piece_tokenizer([chr(ord("a") + i) for i in range(VOCAB)]))
     with pytest.raises(ConfigError, match="the prompt encodes to no tokens"):
         generate(target, "???", method="ar", max_new_tokens=2)
+    with pytest.raises(ConfigError, match="token ids go in prompt_ids"):  # (it said: no chat template)
+        generate(target, [1, 2, 3], method="ar", max_new_tokens=2)
     target.tokenizer.chat_template = "{{ 1 / 0 }}"
     with pytest.raises(ConfigError, match=r"the chat template fails on these messages \(ZeroDivisionError"):
         generate(target, "abc", chat=True, method="ar", max_new_tokens=2)

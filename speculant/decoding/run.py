@@ -22,15 +22,16 @@ def timed(decoder: Decoder, committed: list[int]) -> Decoder:
         try:
             token = next(decoder)
         except StopIteration as stop:
-            stats: GenerationStats = stop.value
+            stats: GenerationStats | None = stop.value  # (None: closed between its steps, from another thread)
             break
         last = time.perf_counter() - start
         if ttft is None:
             ttft = last
         committed.append(token)
         yield token
-    stats.wall_s = last if last is not None else time.perf_counter() - start
-    stats.ttft_s = ttft or 0.0
+    if stats is not None:
+        stats.wall_s = last if last is not None else time.perf_counter() - start
+        stats.ttft_s = ttft or 0.0
     return stats
 
 

@@ -119,7 +119,11 @@ def kind(name: str) -> DrafterKind:
     if name not in DRAFTERS and name in BUILTIN:
         importlib.import_module(BUILTIN[name])
     elif name not in DRAFTERS and name in (plugins := _plugins()):
-        loaded = plugins[name].load()  # a module that registers itself, or the factory
+        try:
+            loaded = plugins[name].load()  # a module that registers itself, or the factory
+        except Exception as error:  # noqa: BLE001 - a plugin is another package's code: whatever its import raises
+            raise ConfigError(f"plugin '{name}' ({plugins[name].value}) failed to load: {type(error).__name__}: "
+                              f"{error}") from None
         if name not in DRAFTERS and callable(loaded):
             register_drafter(name)(loaded)
         elif name not in DRAFTERS:

@@ -147,7 +147,7 @@ def build(request: Request, options: DSIOptions) -> Any:
     first drafter, unless given. A started executor (`decoding.dsi.executors`) runs
     the servers instead and stays open for the next generation."""
     from speculant.decoding.dsi.engine import dsi
-    from speculant.decoding.dsi.executors import make_executor
+    from speculant.decoding.dsi.executors import make_executor, target_key
     from speculant.decoding.dsi.plan import measure_step, plan
     from speculant.decoding.dsi.twin import PacedDrafter, PaddedModel
     from speculant.decoding.run import ending
@@ -196,8 +196,14 @@ def build(request: Request, options: DSIOptions) -> Any:
               request.generator, target.eos_token_ids)
     if not isinstance(options.executor, str):  # servers already running, kept for the next generation
         pool = options.executor
-        if pool.spec.sampling != request.sampling or len(pool.spec.devices) != options.servers:
-            raise ConfigError("the given executor's servers were built for other sampling settings or server count")
+        for differs, what in ((pool.spec.target not in ("", target_key(target)), "another target"),
+                              (pool.spec.sampling != request.sampling, "other sampling settings"),
+                              (len(pool.spec.devices) != options.servers, "another server count"),
+                              (options.target_devices is not None and list(options.target_devices) != pool.spec.devices,
+                               "other target_devices"),
+                              (twin is not None and pool.spec.latency != twin[0], "another twin_latency")):
+            if differs:
+                raise ConfigError(f"the given executor's servers were built for {what}")
         return ending(dsi(pool, *common, close_executor=False, drafter_models=models), begun, request.prompt_ids)
     servers = make_executor(options.executor, server_spec(target, options, request.sampling), options.ray_address)
     return ending(dsi(servers, *common, drafter_models=models), begun, request.prompt_ids)
@@ -207,9 +213,9 @@ def server_spec(target: Any, options: DSIOptions, sampling: Any) -> Any:
     """The target servers `options` ask for (`decoding.dsi.executors.ServerSpec`): `servers` replicas of `target` on
     `target_devices` (default: the target's device), sampling as `sampling`, each forward padded to the twin's target
     latency where `twin_latency` is given. What `build` starts per generation, and a bench run once per method."""
-    from speculant.decoding.dsi.executors import ServerSpec, replica_factory
+    from speculant.decoding.dsi.executors import ServerSpec, replica_factory, target_key
 
     devices = list(options.target_devices or [str(target.device)] * options.servers)
     twin = options.twin_latency
     return ServerSpec(replica_factory(target, len(devices), drafts_with_a_model(options)), devices, sampling,
-                      twin[0] if twin else None)
+                      twin[0] if twin else None, target=target_key(target))

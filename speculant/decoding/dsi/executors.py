@@ -37,12 +37,19 @@ class ServerSpec:
     latency: Latency | None = None
     die_after: dict[int, int] = field(default_factory=dict)
     threads: int | None = None  # torch threads in a server process (default: the cores shared out)
+    target: str = ""  # the target its replicas copy (`target_key`; "": not said): a started executor serves its own
 
     def build(self, index: int, canceller: Canceller, own_process: bool, device: str | None = None) -> TargetServer:
         model = self.factory(device or self.devices[index])
         if self.latency is not None:
             model = PaddedModel(model, self.latency, canceller)
         return TargetServer(index, model, self.sampling, self.die_after.get(index), own_process, canceller)
+
+
+def target_key(target: CausalLM) -> str:
+    """What tells a loaded target apart from any other alive (its name and identity), as `ServerSpec.target`."""
+    owner = owner_of(target)
+    return f"{owner.name}#{id(owner)}"
 
 
 def replica_factory(target: CausalLM, servers: int = 1, drafting: bool = False) -> Callable[[str], CausalLM]:
@@ -115,10 +122,12 @@ class ThreadExecutor:
         self.cancellers[index].cancel(job_id)
 
     def close(self) -> None:
+        """Stop every server; a later `start` starts them again."""
         for inbox in self.inboxes:
             inbox.put(None)
         for thread in self.threads:
             thread.join(timeout=5)
+        self.__init__(self.spec)  # type: ignore[misc]
 
 
 def _process_main(index: int, conn: Any, canceller: Canceller, threads: int) -> None:
@@ -250,6 +259,7 @@ class ProcessExecutor:
                 process.kill()
         for reader in self.readers:
             reader.join(timeout=5)
+        self.__init__(self.spec)  # type: ignore[misc]  # (a later `start` starts them again)
 
 
 class _RayServer:
@@ -433,4 +443,4 @@ def make_executor(name: str, spec: ServerSpec, ray_address: str | None = None) -
 
 
 __all__ = ["EXECUTORS", "ProcessExecutor", "RayExecutor", "ServerDied", "ServerSpec", "ThreadExecutor",
-           "make_executor", "replica_factory"]
+           "make_executor", "replica_factory", "target_key"]
