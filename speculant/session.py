@@ -99,6 +99,7 @@ class Session:
         it."""
         from speculant.models.wrappers.metered import metered
 
+        check_model(model, "cache")
         if not any(model is loaded for loaded in self.drafters.values()):
             return DraftCache(metered(model))
         if id(model) not in self.caches:  # (its models live as long as the session: their ids stay theirs)
@@ -108,6 +109,7 @@ class Session:
     def profile(self, model: CausalLM) -> LatencyProfile:
         """`model`'s machine profile (`latency.machine_profile`), read or measured once per session. A measurement
         runs the model's own cache (`ran_apart`)."""
+        check_model(model, "profile")
         model = owner_of(model)
         key = latency.profile_key(model)
         held = self._profiles.get(model)
@@ -143,3 +145,10 @@ class Session:
 
     def scale(self, name: str) -> Scale:
         return self.scales.setdefault(name, Scale())
+
+
+def check_model(model: Any, what: str) -> None:
+    """A ConfigError unless `model` is a loaded CausalLM (`what`: the Session method given it)."""
+    if not isinstance(model, CausalLM):
+        raise ConfigError(f"Session.{what} takes a loaded model (a CausalLM: speculant.load_model), not "
+                          f"{type(model).__name__}")

@@ -684,6 +684,9 @@ def test_python_callers_get_one_clear_error_where_a_raw_one_came_from_deep_insid
         generate(target, "???", method="ar", max_new_tokens=2)
     with pytest.raises(ConfigError, match="token ids go in prompt_ids"):  # (it said: no chat template)
         generate(target, [1, 2, 3], method="ar", max_new_tokens=2)
+    for call in (Session(target).profile, Session(target).cache):  # (a raw TypeError; a cache of a string)
+        with pytest.raises(ConfigError, match="takes a loaded model .* not NoneType"):
+            call(None)
     target.tokenizer.chat_template = "{{ 1 / 0 }}"
     with pytest.raises(ConfigError, match=r"the chat template fails on these messages \(ZeroDivisionError"):
         generate(target, "abc", chat=True, method="ar", max_new_tokens=2)
