@@ -64,21 +64,26 @@ class GenerationStream:
         self.logprobs: list[TokenLogprob] | None = [] if recorded is not None else None
         self.result: GenerationResult | None = None
         self._reading = threading.Lock()  # held by the thread taking the next token
-        self._closing = False  # closed by another thread while one took a token: ends before the next
+        self._closing = False  # closed: ends before the next token (`close`)
+        self._reader: int | None = None  # the thread taking the next token
 
     def __iter__(self) -> GenerationStream:
         return self
 
     def __next__(self) -> int:
         if not self._reading.acquire(blocking=False):  # (a second thread had ended the stream for the first)
+            if self._closing:  # (another thread is closing it)
+                raise StopIteration
             raise ConfigError("a stream is read by one thread at a time: another thread is taking its next token")
+        self._reader = threading.get_ident()
         try:
             return self._next()
         finally:
+            self._reader = None
             self._reading.release()
 
     def _next(self) -> int:
-        if self._closing and self._timing is not None:  # (`close` from another thread, during the last token)
+        if self._closing and self._timing is not None:  # (`close` from inside the last token's step)
             self._timing.close()
             self._timing = None
         if self._timing is None:
@@ -102,16 +107,15 @@ class GenerationStream:
 
     def close(self) -> None:
         """End the generation here (its decoder closed: a drafter's thread stopped, what it learned kept); closed
-        while another thread takes its next token, it ends once that token is taken."""
-        if not self._reading.acquire(blocking=False):
-            self._closing = True
+        while another thread takes its next token, once that token is taken (this call waits for it); closed from
+        inside a step of its own (a drafter's), before the next."""
+        self._closing = True
+        if self._reader == threading.get_ident():
             return
-        try:
+        with self._reading:
             if self._timing is not None:
                 self._timing.close()
                 self._timing = None
-        finally:
-            self._reading.release()
 
 
 def decode(tokenizer: Any | None, token_ids: list[int]) -> str | None:

@@ -348,6 +348,10 @@ def test_a_drafter_with_the_same_tokenizer_and_fewer_rows_is_padded_to_the_targe
     ar = generate(target, prompt_ids=prompt, method="ar", max_new_tokens=6).token_ids
     for options in (dict(drafter=drafter), dict(method="dsi", drafter=drafter, lookahead=2)):
         assert generate(target, prompt_ids=prompt, max_new_tokens=6, **options).token_ids == ar
+    slow = HFCausalLM(tiny_transformer("llama", 3, len(tokenizer) + 7, 0.5, layers=8, hidden=128), tokenizer)
+    ar = generate(slow, prompt_ids=prompt, method="ar", max_new_tokens=6).token_ids  # (DSI's lookahead planned on
+    assert generate(slow, prompt_ids=prompt, method="dsi", drafter=drafter, max_new_tokens=6).token_ids == ar  # the
+    # drafter's time over the prompt's ids it has rows for: timed on the whole prompt, its embedding failed)
     # Trees need the target's rows (method tree refuses another width): auto drafts chains with a wider drafter.
     wide = generate(drafter, prompt_ids=[1, 2, 3], method="ar", max_new_tokens=12).token_ids
     assert generate(drafter, prompt_ids=[1, 2, 3], drafters=[target], max_new_tokens=12).token_ids == wide

@@ -108,9 +108,10 @@ def test_a_started_executor_serves_its_own_target_and_starts_again_once_closed()
     pool.start()
     try:
         for model, extra, what in ((other, {}, "another target"),
-                                   (target, {"servers": 2, "target_devices": ["cpu"] * 2}, "another server count")):
+                                   (target, {"servers": 2, "target_devices": ["cpu"] * 2}, "another server count"),
+                                   (target, {"twin_latency": "5,1", "lookahead": 5}, "another twin_latency")):
             with pytest.raises(ConfigError, match=what):
-                generate(model, **given, **extra)
+                generate(model, **{**given, **extra})
         pool.close()
         assert generate(target, **given).token_ids == reference(target, prompt, 12)
     finally:

@@ -194,6 +194,12 @@ def test_stop_strings_end_an_answer_but_never_a_call():
     assert "".join(stream.push(t) for t in call) + stream.flush() == call.decode() and not stream.stopped
     stream = TextStream(byte_tokenizer(), ["Os"], calls)  # (held back as a stop string's start, then a call)
     assert "".join(stream.push(t) for t in b"O<tool_call>Os") == "O<tool_call>Os" and not stream.stopped
+    for stop in ("tool", "<", "call", "_"):  # a tag of several tokens (here bytes): while it may be one, no cut
+        stream = TextStream(byte_tokenizer(), [stop], calls)
+        assert "".join(stream.push(t) for t in call) + stream.flush() == call.decode() and not stream.stopped, stop
+    for text, stop, cut in (("a <b", "<", "a "), ("a <tool", "<", "a ")):  # (not a tag after all; a tag never ended)
+        stream = TextStream(byte_tokenizer(), [stop], calls)
+        assert "".join(stream.push(t) for t in text.encode()) + stream.flush() == cut and stream.stopped, text
 
 
 def test_text_stream_holds_back_the_longest_tail_that_begins_a_stop_string():
@@ -379,9 +385,16 @@ def test_openai_client_completions_chat_and_streams(server):
                                                messages=[{"role": "user", "content": "hi", "name": "ann"}])
         plain = client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "hi"}],
                                                max_tokens=1, temperature=0)
+        # One that writes a user's name but not an assistant's: that one is refused, naming its message.
+        engine.target.tokenizer.chat_template = TEMPLATE.replace(
+            "{{ m['role'] }}", "{{ m['name'] if m['role'] == 'user' and m['name'] else m['role'] }}")
+        partly = httpx.post(f"{url}/chat/completions", json={"model": "tiny", "max_tokens": 1, "messages": [
+            {"role": "user", "content": "hi", "name": "ann"}, {"role": "assistant", "content": "x", "name": "bob"},
+            {"role": "user", "content": "hi"}]})
     finally:
         engine.target.tokenizer.chat_template = TEMPLATE
     assert named.usage.prompt_tokens == plain.usage.prompt_tokens - len("user") + len("ann")
+    assert partly.status_code == 400 and partly.json()["error"]["param"] == "messages.1.name", partly.text
     chunks = list(client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "hi"}],
                                                  max_tokens=16, temperature=0, stream=True,
                                                  stream_options={"include_usage": True}))

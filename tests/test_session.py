@@ -190,12 +190,17 @@ def test_a_stream_closed_from_another_thread_or_ended_at_exit_ends_quietly():
 
     from speculant import api
 
+    ended = []
+
     class Slow(Drafter):
         name = "slow"
 
         def propose(self, context, k):
             time.sleep(0.05)
             return Draft([], None)
+
+        def end(self, prompt_ids, output_ids):
+            ended.append(len(output_ids))
 
     target = tiny_model("llama", 2, VOCAB)
     stream = generate(target, prompt_ids=[1, 2, 3], drafter=Slow(), max_new_tokens=64, stream=True)
@@ -210,7 +215,8 @@ def test_a_stream_closed_from_another_thread_or_ended_at_exit_ends_quietly():
     reader = threading.Thread(target=take)
     reader.start()
     time.sleep(0.3)
-    stream.close()
+    stream.close()  # (it returns once the generation has ended: its drafter told)
+    assert ended
     reader.join(10)
     assert not failed and 0 < len(read) < 64 and stream.result is None
     stream = generate(target, prompt_ids=[1, 2, 3], method="ar", max_new_tokens=8, stream=True)

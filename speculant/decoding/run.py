@@ -11,7 +11,7 @@ from speculant.decoding.stats import GenerationStats
 Decoder = Generator[int, None, GenerationStats]
 
 
-def timed(decoder: Decoder, committed: list[int]) -> Decoder:
+def timed(decoder: Decoder, committed: list[int]) -> Generator[int, None, GenerationStats | None]:
     """Pass a decoder's tokens through, appending them to `committed`; set `ttft_s` and `wall_s` (from
     the start, prefill included, to the last token: a decoder's clean-up after it, such as stopping
     DSI's servers, is not decoding time) on its stats."""

@@ -191,9 +191,10 @@ class CascadeDrafter(Drafter):
         each with the distribution it was drawn from (CS Drafting, Algorithm 1, inner review). Its rows are read
         as the target's (`ModelDrafter.as_target_rows`), and it reviews no further than its own positions and ids
         (`ModelDrafter.readable`)."""
-        room = min(reviewer.room(len(context)), reviewer.readable(sub))
+        room = reviewer.room(len(context))
         if room <= 0 or reviewer.readable(context) < len(context):
             return [], []
+        room = min(room, reviewer.readable(sub))  # (none: the reviewer's own next token)
         sub, sub_rows = sub[:room], sub_rows[:room]
         logits = reviewer.as_target_rows(reviewer.score(context, sub))  # [len(sub) + 1, vocab]
         if self.sampling.greedy:

@@ -82,6 +82,10 @@ class ModelDrafter(Drafter):
         limit = self.model.max_positions
         return 1 << 30 if limit is None else limit - length
 
+    def own_ids(self, context: list[int]) -> list[int]:
+        """The ids its model can run for `context`: up to the first it has no row for (`readable`)."""
+        return context[: self.readable(context)]
+
     def readable(self, ids: list[int]) -> int:
         """How many leading `ids` the drafter has rows for: all, unless it has fewer than the target (an id past
         them, which a client's prompt or logit_bias may put in the context, has no embedding to run; the drafter

@@ -123,7 +123,7 @@ def kind(name: str) -> DrafterKind:
             loaded = plugins[name].load()  # a module that registers itself, or the factory
         except Exception as error:  # noqa: BLE001 - a plugin is another package's code: whatever its import raises
             raise ConfigError(f"plugin '{name}' ({plugins[name].value}) failed to load: {type(error).__name__}: "
-                              f"{error}") from None
+                              f"{error}") from error
         if name not in DRAFTERS and callable(loaded):
             register_drafter(name)(loaded)
         elif name not in DRAFTERS:

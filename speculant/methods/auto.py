@@ -147,8 +147,8 @@ def check_model_only(options: AutoOptions, drafters: Sequence[Any], models: int,
         raise OptionError(names[0], f"{applies(names)} to model drafters; auto drafts here with "
                           f"{', '.join(map(named, drafters)) or 'none'} only")
     if (names := changed("tree_only", ())) and trees == 0:  # (an empty tree_widths asks for no trees)
-        raise OptionError(names[0], f"{applies(names)} to token trees, which need a model drafter in the target's "
-                          "vocabulary; auto's model drafters here draft in another")
+        raise OptionError(names[0], f"{applies(names)} to token trees, which need a model drafter with the target's "
+                          "vocabulary and rows; auto's model drafters here have other ones")
 
 
 def with_own_drafters(options: AutoOptions, target: Any) -> AutoOptions:

@@ -201,7 +201,8 @@ def build(request: Request, options: DSIOptions) -> Any:
                               (len(pool.spec.devices) != options.servers, "another server count"),
                               (options.target_devices is not None and list(options.target_devices) != pool.spec.devices,
                                "other target_devices"),
-                              (twin is not None and pool.spec.latency != twin[0], "another twin_latency")):
+                              (pool.spec.latency != (twin[0] if twin else None) and (twin or pool.spec.target),
+                               "another twin_latency")):
             if differs:
                 raise ConfigError(f"the given executor's servers were built for {what}")
         return ending(dsi(pool, *common, close_executor=False, drafter_models=models), begun, request.prompt_ids)

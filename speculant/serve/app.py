@@ -220,12 +220,10 @@ def create_app(engine: Engine, served_name: str, config: ServeConfig | None = No
         functions = [t.model_dump(exclude_none=True) for t in body.tools] if choice != "none" else None
         try:  # (off the event loop: a long conversation must not hold up the other requests)
             ids = await asyncio.to_thread(encode_prompt, tokenizer, messages, True, functions)
-            named = next((i for i, message in enumerate(messages) if "name" in message), None)
-            if named is not None and ids == await asyncio.to_thread(
-                    encode_prompt, tokenizer, [{k: v for k, v in m.items() if k != "name"} for m in messages], True,
-                    functions):
-                raise ApiError(400, "this model's chat template has no place for a participant's name (leave it out, "
-                               "or say it in the content)", f"messages.{named}.name")
+            if any("name" in message for message in messages) and \
+                    (unwritten := await asyncio.to_thread(tools.unwritten_names, tokenizer, messages, functions)):
+                raise ApiError(400, "this model's chat template has no place for this participant's name (leave it "
+                               "out, or say it in the content)", f"messages.{unwritten[0]}.name")
         except ConfigError as error:
             raise ApiError(400, str(error), "messages") from None
         return await respond(body, ids, body.max_completion_tokens or body.max_tokens, True, http,

@@ -99,12 +99,13 @@ class TextStream:
         self.start, self.final, self.done = self.final, cut, self.at[cut]
         return self._final()  # (a stop string that ends in U+FFFD: found once that is settled)
 
-    def _ended(self, text: str) -> str | None:
+    def _ended(self, text: str, final: bool = False) -> str | None:
         """Where `text` holds a stop string: the text ends before it (`stopped`), and what of it is left to hand
-        out; else None."""
+        out; else None. A stop string must lie within the answer, before a call and before a tail that may begin
+        one (unless the text is `final`: the generation ended)."""
         longest = max(map(len, self.stops), default=0)
-        answer = text[: self._answer_end(text)]
-        hits = [i for i in (answer.find(s, max(0, self.sent - longest)) for s in self.stops) if i >= 0]
+        end = self._answer_end(text) - (0 if final else self._undecided(text))
+        hits = [i for i in (text.find(s, max(0, self.sent - longest), end) for s in self.stops) if i >= 0]
         if not hits:
             return None
         self.text, self.stopped = text[: min(hits)], True
@@ -132,16 +133,20 @@ class TextStream:
         The window's text, not every id decoded again: a byte-fallback decoder (Llama's, Gemma's) turns a whole run
         of byte tokens into U+FFFDs where the run ends inside a character, and the characters of the run already
         handed out stay as they were sent."""
-        if not self.stopped and self.final < len(self.kept):
-            window, known = self._window()
-            text = self.text + window[known:]
-            if (ended := self._ended(text)) is not None:
+        if not self.stopped:
+            text = self.text
+            if self.final < len(self.kept):
+                window, known = self._window()
+                text += window[known:]
+            if (ended := self._ended(text, final=True)) is not None:  # (a tail held as a call's tag's start too)
                 return ended
-            self._commit(text)
+            if self.final < len(self.kept):
+                self._commit(text)
         return self._take(len(self.text))
 
     def _held(self, text: str) -> int:
-        """Length of the longest tail of `text` (which extends the text of the last call) that begins a stop string."""
+        """Length of the longest tail of `text` (which extends the text of the last call) that begins a stop string,
+        or a call's opening tag where stop strings may still end the answer before it."""
         if self._answer_end(text) < len(text):  # (a call: no stop string holds it back)
             return 0
         new = text[self.fed :]
@@ -153,7 +158,8 @@ class TextStream:
                 n += stop[n] == c
             self.matched[i] = n
         self.fed = len(text)
-        return max((min(n, len(s) - 1) for n, s in zip(self.matched, self.stops)), default=0)
+        held = max((min(n, len(s) - 1) for n, s in zip(self.matched, self.stops)), default=0)
+        return max(held, self._undecided(text))
 
     def _answer_end(self, text: str) -> int:
         """Where the answer in `text` (the final text, extended) ends: at a call's opening tag, else at its end. The
@@ -164,6 +170,13 @@ class TextStream:
                 return at
             self.looked = max(self.looked, len(self.text) - len(self.calls) + 1)
         return len(text) if self.call_at is None else min(self.call_at, len(text))
+
+    def _undecided(self, text: str) -> int:
+        """Length of the longest tail of `text` that begins a call's opening tag, where stop strings apply and no
+        tag has come (a tag of several tokens: `<tool` may become `<tool_call>`, or stay answer text)."""
+        if self.calls is None or self.call_at is not None or not self.stops:
+            return 0
+        return next((n for n in range(min(len(self.calls) - 1, len(text)), 0, -1) if text.endswith(self.calls[:n])), 0)
 
     def _take(self, end: int) -> str:
         end = max(end, self.sent)

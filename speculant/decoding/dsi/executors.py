@@ -84,9 +84,12 @@ class ThreadExecutor:
         self.threads: list[threading.Thread] = []
         self.events: queue.Queue = queue.Queue()
         self.lost: dict[int, str] = {}  # servers that failed, and why (`report_lost`, `told_lost`)
+        self.stuck = False  # a server outlived `close` (in a forward): this executor cannot start again
 
     def start(self) -> None:
         """Start every server and return once all have built their model."""
+        if self.stuck:
+            raise ServerDied("a target server of this executor never stopped when it closed: start another executor")
         if self.threads:
             return
         ready: queue.Queue = queue.Queue()
@@ -122,11 +125,15 @@ class ThreadExecutor:
         self.cancellers[index].cancel(job_id)
 
     def close(self) -> None:
-        """Stop every server; a later `start` starts them again."""
+        """Stop every server; a later `start` starts them again (where one outlives the wait, still in a forward,
+        it reads this executor's queues: this one can then not start again)."""
         for inbox in self.inboxes:
             inbox.put(None)
         for thread in self.threads:
             thread.join(timeout=5)
+        if any(thread.is_alive() for thread in self.threads):
+            self.stuck = True
+            return
         self.__init__(self.spec)  # type: ignore[misc]
 
 
@@ -259,7 +266,8 @@ class ProcessExecutor:
                 process.kill()
         for reader in self.readers:
             reader.join(timeout=5)
-        self.__init__(self.spec)  # type: ignore[misc]  # (a later `start` starts them again)
+        if not any(reader.is_alive() for reader in self.readers):  # (their processes are gone: a later `start`
+            self.__init__(self.spec)  # type: ignore[misc]  # starts them again)
 
 
 class _RayServer:

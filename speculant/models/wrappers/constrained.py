@@ -94,7 +94,7 @@ class Constraint:
                                   f"{', '.join(sorted(JSON_SCHEMA_FIELDS))})")
             if not isinstance(schema, Mapping):
                 raise ConfigError("response_format json_schema needs {\"json_schema\": {\"schema\": {...}}}")
-            if spec.get("description") is not None:  # (OpenAI's model reads it; here only the schema constrains)
+            if spec.get("description"):  # (OpenAI's model reads it; here only the schema constrains; "" says nothing)
                 raise ConfigError("response_format json_schema's description would go unread: the schema constrains "
                                   "the reply, and no prompt holds the description (say it in the prompt instead)")
             for name, kind in (("name", str), ("strict", bool)):
