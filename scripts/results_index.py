@@ -131,8 +131,8 @@ ENTRIES: dict[str, tuple[str, str, str | None, str | None, str | None]] = {
     "bench-json-free": ("CPU", "the same prompts as free text (`--ignore-response-format`)", None, ZEN4, None),
     "bench-llamacpp-cli-isolated-mixed": ("llama.cpp backend", "speculant's llama.cpp backend (`ar`, `auto`) against "
                                           "`llama-completion` on the same library, each generation in a fresh process",
-                                          None, XEON, None),
-    "bench-llamacpp-cli-isolated-humaneval": ("llama.cpp backend", "the same on HumanEval[:10]", None, XEON, None),
+                                          None, ZEN4, None),
+    "bench-llamacpp-cli-isolated-humaneval": ("llama.cpp backend", "the same on HumanEval[:10]", None, ZEN4, None),
     "bench-dsi-1-server-mixed": ("llama.cpp backend", "DSI with one target server in its own process against `sd` with "
                                  "the same drafter (Max-Gram, the 0.5B), after the drafter's restart fix", None, ZEN4,
                                  None),
