@@ -214,7 +214,9 @@ def test_a_stream_closed_from_another_thread_or_ended_at_exit_ends_quietly():
 
     reader = threading.Thread(target=take)
     reader.start()
-    time.sleep(0.3)
+    deadline = time.monotonic() + 30
+    while not read and time.monotonic() < deadline:  # (a token read, then closed while the next is being taken)
+        time.sleep(0.01)
     stream.close()  # (it returns once the generation has ended: its drafter told)
     assert ended
     reader.join(10)

@@ -196,12 +196,13 @@ def build(request: Request, options: DSIOptions) -> Any:
               request.generator, target.eos_token_ids)
     if not isinstance(options.executor, str):  # servers already running, kept for the next generation
         pool = options.executor
-        for differs, what in ((pool.spec.target not in ("", target_key(target)), "another target"),
+        built = pool.spec.target != ""  # (by `server_spec`; a pool of one's own ServerSpec may pad as it likes)
+        for differs, what in ((built and pool.spec.target != target_key(target), "another target"),
                               (pool.spec.sampling != request.sampling, "other sampling settings"),
                               (len(pool.spec.devices) != options.servers, "another server count"),
                               (options.target_devices is not None and list(options.target_devices) != pool.spec.devices,
                                "other target_devices"),
-                              (pool.spec.latency != (twin[0] if twin else None) and (twin or pool.spec.target),
+                              ((built or twin) and pool.spec.latency != (twin[0] if twin else None),
                                "another twin_latency")):
             if differs:
                 raise ConfigError(f"the given executor's servers were built for {what}")

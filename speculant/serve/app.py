@@ -217,11 +217,11 @@ def create_app(engine: Engine, served_name: str, config: ServeConfig | None = No
         if controls is not None and (held := await asyncio.to_thread(control, rendered)):  # (off the event loop: a
             raise ApiError(400, f"{held[0]} holds {held[1]!r}, which this model reads as a control token (a turn's "
                            "end, a call)", held[0])  # conversation of many messages must not hold up the others)
-        functions = [t.model_dump(exclude_none=True) for t in body.tools] if choice != "none" else None
-        try:  # (off the event loop: a long conversation must not hold up the other requests)
-            ids = await asyncio.to_thread(encode_prompt, tokenizer, messages, True, functions)
+        declared = [t.model_dump(exclude_none=True) for t in body.tools] if choice != "none" else None  # (as the
+        try:  # template takes them; off the event loop: a long conversation must not hold up the other requests)
+            ids = await asyncio.to_thread(encode_prompt, tokenizer, messages, True, declared)
             if any("name" in message for message in messages) and \
-                    (unwritten := await asyncio.to_thread(tools.unwritten_names, tokenizer, messages, functions)):
+                    (unwritten := await asyncio.to_thread(tools.unwritten_names, tokenizer, messages, declared)):
                 raise ApiError(400, "this model's chat template has no place for this participant's name (leave it "
                                "out, or say it in the content)", f"messages.{unwritten[0]}.name")
         except ConfigError as error:

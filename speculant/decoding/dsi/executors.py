@@ -46,6 +46,9 @@ class ServerSpec:
         return TargetServer(index, model, self.sampling, self.die_after.get(index), own_process, canceller)
 
 
+STUCK = "a target server of this executor never stopped when it closed: start another executor"
+
+
 def target_key(target: CausalLM) -> str:
     """What tells a loaded target apart from any other alive (its name and identity), as `ServerSpec.target`."""
     owner = owner_of(target)
@@ -89,7 +92,7 @@ class ThreadExecutor:
     def start(self) -> None:
         """Start every server and return once all have built their model."""
         if self.stuck:
-            raise ServerDied("a target server of this executor never stopped when it closed: start another executor")
+            raise ServerDied(STUCK)
         if self.threads:
             return
         ready: queue.Queue = queue.Queue()
@@ -189,8 +192,11 @@ class ProcessExecutor:
         self.readers: list[threading.Thread] = []
         self.events: queue.Queue = queue.Queue()
         self.lost: dict[int, str] = {}  # as ThreadExecutor's
+        self.stuck = False  # as ThreadExecutor's
 
     def start(self) -> None:
+        if self.stuck:
+            raise ServerDied(STUCK)
         if self.processes:
             return
         import torch.multiprocessing as mp
@@ -266,8 +272,10 @@ class ProcessExecutor:
                 process.kill()
         for reader in self.readers:
             reader.join(timeout=5)
-        if not any(reader.is_alive() for reader in self.readers):  # (their processes are gone: a later `start`
-            self.__init__(self.spec)  # type: ignore[misc]  # starts them again)
+        if any(reader.is_alive() for reader in self.readers):  # (as ThreadExecutor's)
+            self.stuck = True
+            return
+        self.__init__(self.spec)  # type: ignore[misc]  # (a later `start` starts them again)
 
 
 class _RayServer:
