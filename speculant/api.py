@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import atexit
+import contextvars
 import logging
 import threading
 import weakref
@@ -402,18 +403,17 @@ class Hold:
     def taken(self) -> Iterator[None]:
         """Under the locks, holding every model's cache: the paused generations that held one end first, under
         their models' locks taken with these (a generation that takes one over meanwhile is seen on the next try)."""
+        stepping = STEPPING.get()
+        if stepping is not None and (shared := [m.name for m in self.models if any(m is o for o in stepping.models)]):
+            raise ConfigError(f"a generation on {', '.join(shared)} was asked for from inside a step of another on the "
+                              "same model: a model's KV cache runs one generation at a time; load another instance "
+                              "of it")
         others: list[Hold] = []
         while True:
             with self.locked(*others):
                 holders = [held for held in map(holder, self.models)
                            if held is not None and held is not self and not held.ended]
                 if all(any(held is other for other in others) for held in holders):
-                    if stepping := [held for held in holders if getattr(held.decoder, "gi_running", False)]:
-                        # (this thread, inside a step of the generation it would end: a drafter's propose)
-                        shared = [m.name for m in self.models if any(m is other for other in stepping[0].models)]
-                        raise ConfigError(f"a generation on {', '.join(shared)} was asked for from inside a step of "
-                                          "another on the same model: a model's KV cache runs one generation at a "
-                                          "time; load another instance of it")
                     for held in holders:
                         held.end()
                     for model in self.models:
@@ -440,10 +440,13 @@ class Hold:
                                           "last token (its KV cache holds that text now): finish or close a stream "
                                           "before the next generation on the same model, or load another instance "
                                           "of it")
+                    outer = STEPPING.set(self)
                     try:
                         token = next(decoder)
                     except StopIteration as stop:
                         return stop.value
+                    finally:
+                        STEPPING.reset(outer)
                 yield token
         finally:
             with self.locked():
@@ -465,6 +468,10 @@ def holder(model: Any) -> Hold | None:
     return held() if held is not None else None
 
 
+# The generation whose step the code running now is part of: a drafter's `propose`, on the step's thread or on one
+# the step started (a DSI drafter's, which copies the context). A generation it asks for on a model that one runs
+# would wait for that step's locks, or end it from inside: `Hold.taken` refuses it.
+STEPPING: contextvars.ContextVar[Hold | None] = contextvars.ContextVar("speculant_stepping", default=None)
 LIVE: weakref.WeakSet[Hold] = weakref.WeakSet()  # the generations alive: those paused end at the interpreter's
 # exit, before it tears down (a DSI generation's drafter and server threads, left running in torch, aborted it)
 atexit.register(lambda: [hold.end() for hold in list(LIVE)])

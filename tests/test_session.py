@@ -374,7 +374,9 @@ def test_every_backend_declares_its_capabilities():
         assert declared.replicates == (backend.replicas is not Backend.replicas), backend
         for capability, members in (("shares_weights", ["share"]), ("batches_rows", ["rows_forward", "weights_key"]),
                                     ("prefills_in_parts", ["prefill_parts", "continue_prefill"]),
-                                    ("skips_layers", ["skipping"])):
+                                    ("skips_layers", ["skipping"]),
+                                    ("reuses_prefixes", ["prefix_block", "export_kv", "import_kv"]),
+                                    ("drafts_trees", ["draft_tree"])):  # (the others' members are set per instance)
             if getattr(declared, capability):
                 assert all(hasattr(backend, m) for m in members), (backend, capability)
 
@@ -816,8 +818,9 @@ def test_drafter_names_a_meta_model_and_a_generation_asked_for_inside_a_step_are
             generate(target, prompt_ids=list(context), method="ar", max_new_tokens=2)
             return Draft([])
 
-    with pytest.raises(ConfigError, match="asked for from inside a step of another on the same model"):
-        generate(target, prompt_ids=prompt, method="sd", drafter=Reentrant(), max_new_tokens=4)
+    for method, options in (("sd", {}), ("dsi", {"lookahead": 2})):  # (DSI's drafter: on a thread of its own)
+        with pytest.raises(ConfigError, match="asked for from inside a step of another on the same model"):
+            generate(target, prompt_ids=prompt, method=method, drafter=Reentrant(), max_new_tokens=4, **options)
     assert generate(target, prompt_ids=prompt, method="ar", max_new_tokens=20).token_ids == expected
 
 

@@ -16,6 +16,7 @@ Sampling decides each position by speculative sampling with the draft's q shippe
 
 from __future__ import annotations
 
+import contextvars
 import itertools
 import pickle
 import queue
@@ -68,7 +69,9 @@ class DraftWorker:
         self.epoch = 0
         self.limit = 0
         self.stopped = False
-        self.thread = threading.Thread(target=self._run, daemon=True, name=f"dsi-drafter-{index}")
+        # (in the step's context: a generation its drafter asks for on a model the step runs is refused, `api.Hold`)
+        self.thread = threading.Thread(target=contextvars.copy_context().run, args=(self._run,), daemon=True,
+                                       name=f"dsi-drafter-{index}")
 
     def sync(self, seq: list[int], committed: int, limit: int) -> None:
         """Keep the context consistent with the speculated sequence `seq` (its first `committed` tokens
