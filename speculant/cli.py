@@ -21,6 +21,7 @@ from speculant import __version__
 from speculant.cache import exists, is_dir, is_file, readable
 from speculant.config import (
     API_KEY_ENV,
+    BACKENDS,
     DEFAULT_TARGET,
     LATENCY_RANGE,
     REQUEST_MOST,
@@ -114,7 +115,8 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("prompt", help="the prompt text")
     gen.add_argument("--target", default=DEFAULT_TARGET, help=f"target model: catalog name, HF id or path (default: {DEFAULT_TARGET})")
     gen.add_argument("--method", default=None, choices=list(METHODS),
-                     help="decoding method (default: auto; sd when --drafter is given; --drafter none means ar): " +
+                     help="decoding method (default: auto; sd when an option of sd's that auto does not take is "
+                     "given: --drafter, --k; --drafter none means ar): " +
                           "; ".join(f"{m.name}: {m.help}" for m in METHODS.values()))
     add_method_options(gen)
     gen.add_argument("--bigram-corpus", nargs="+", default=None, metavar="FILE",
@@ -139,7 +141,8 @@ def build_parser() -> argparse.ArgumentParser:
                        "llamacpp-cli-spec, llamacpp-cli-ngram (llama.cpp's own tools)")
     data = bench.add_mutually_exclusive_group()
     data.add_argument("--dataset", default="humaneval[:10]", action=Given,
-                      help="humaneval[:N] (default: humaneval[:10])")
+                      help="humaneval[:N], a JSONL file of prompts (FILE.jsonl[:N]), or several joined with + "
+                      "(default: humaneval[:10])")
     data.add_argument("--prompts", default=None, metavar="FILE.jsonl[:N]", action=Given,
                       help="JSONL records with 'prompt' (and 'chat': true for the chat template), MT-bench style "
                       "'turns' (the first, chat template) or 'messages'; optional 'id', 'category' and "
@@ -180,7 +183,8 @@ def build_parser() -> argparse.ArgumentParser:
     prof.set_defaults(needs={"dataset": "widths", "context_len": "widths", "repeats": "widths",
                              "drafter_dtype": "drafter"})
     add_options(prof, ModelConfig)
-    prof.add_argument("--out", default=None, help="write the profile as JSON (the drafter's to OUT.drafter.json)")
+    prof.add_argument("--out", default=None, help="write the profile as JSON (the drafter's beside it, its suffix "
+                      ".drafter.json: p.json, p.drafter.json)")
 
     acc = commands.add_parser("acceptance", help="estimate how often a drafter agrees with the target")
     acc.add_argument("--target", default=DEFAULT_TARGET, help="target model")
@@ -224,8 +228,8 @@ def build_parser() -> argparse.ArgumentParser:
                                 "with speculative decoding and continuous batching")
     serve.add_argument("--target", default=DEFAULT_TARGET, help=f"target model (default: {DEFAULT_TARGET})")
     serve.add_argument("--method", default=None, choices=list(METHODS),
-                       help="the server's decoding method (default: auto; sd when --drafter is given); a request may "
-                            "pick another through extra_body={'speculant': {'method': ..., 'k': ...}}")
+                       help="the server's decoding method (default: auto; sd when --drafter or --k is given); a "
+                            "request may pick another through extra_body={'speculant': {'method': ..., 'k': ...}}")
     add_method_options(serve)
     add_options(serve, ModelConfig)
     add_options(serve, ServeConfig)
@@ -881,6 +885,7 @@ def run_train_depth(args: argparse.Namespace) -> None:
 
 def run_serve(args: argparse.Namespace) -> None:
     from speculant.api import check_models
+    from speculant.models.backends import capabilities_of
     from speculant.serve import serving_backend
 
     if args.api_key is None and os.environ.get(API_KEY_ENV):  # (`ps` shows a flag's value to any user)
@@ -894,7 +899,10 @@ def run_serve(args: argparse.Namespace) -> None:
     options = from_flags(lambda: method.parse_options(given), all_options())
     check_models([args.target], held_drafters(options), takes_model_free(options))
     options = from_flags(lambda: with_default_drafter(options, args.target), all_options())
-    check_target(args.target, model_config, options, serving_backend(model_config))
+    backend = check_target(args.target, model_config, options, serving_backend(model_config))
+    if "prefix_cache_mb" in args.given and config.prefix_cache_mb and not capabilities_of(backend).reuses_prefixes:
+        raise ConfigError(f"--prefix-cache-mb: the {backend} backend keeps no prompts' KV for reuse (backends that "
+                          f"do: {', '.join(b for b in BACKENDS if capabilities_of(b).reuses_prefixes)})")
     served_name = config.served_name or args.target
     if config.own_ray:  # (on a cluster, its own HTTP proxy binds the port, maybe on another node)
         check_listen(config.host, config.port)
@@ -1023,6 +1031,10 @@ def run_simulate(args: argparse.Namespace) -> None:
         from speculant.analysis.online import format_online, simulate_online
 
         more = tuple(more_drafter(text) for text in args.more_drafter)
+        for (before, _), (ms, _) in zip(((args.drafter_latency, None), *more), more):
+            if ms < before:  # (Algorithm 1's drafters come in increasing cost: a cheaper one would lead)
+                raise ConfigError(f"--more-drafter {ms:g} ms: each is costlier than the drafter before it "
+                                  f"({before:g} ms)")
         if args.executor == "ray":
             reach_ray(args.ray_address, "--ray-address")
         plain_s = args.repeats * ((args.ttft or args.target_latency) + (args.tokens - 1) * args.target_latency) / 1000

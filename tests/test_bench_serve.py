@@ -100,6 +100,15 @@ def test_a_usage_without_a_token_count_counts_the_chunks(monkeypatch):
     assert result["errors"] == 0 and result["completion_tokens"] == 4
 
 
+def test_a_dsi_server_s_uncounted_verifications_are_said_to_be_uncounted_not_summed_as_zero(monkeypatch):
+    counts = {"drafted_tokens": None, "accepted_tokens": None, "target_forwards": None, "drafter_forwards": 3}
+    stand_in(monkeypatch, lambda request: sse(text("x"), {"choices": [], "usage": {"speculative": counts}}))
+    result = run_load(URL, PROMPTS, requests=2, concurrency=2, max_tokens=4)
+    assert result["speculative"] == {**counts, "drafter_forwards": 6}
+    assert "; 6 drafter forwards (the target's verifications: on DSI's servers, uncounted)" in \
+        format_load({**result, "label": "x"})
+
+
 def test_prompts_whose_solo_request_failed_are_not_compared(monkeypatch):
     """The load's 4 requests answer; then p1's solo request fails (the transport's error) and p2's answers."""
     sent = []

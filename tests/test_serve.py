@@ -698,6 +698,9 @@ def test_a_dsi_request_runs_apart_and_does_not_stall_the_others():
     assert not finished  # the other request came back while DSI still decoded
     dsi.join(60)
     assert finished[0].completion_tokens == 60
+    # (its target verified on DSI's servers, which no row counts: unknown, not zero; its drafter's forwards are)
+    assert {k: v for k, v in finished[0].speculative.items() if v is None} == {
+        "drafted_tokens": None, "accepted_tokens": None, "mean_accepted_length": None, "target_forwards": None}
     assert engine.active == 0
     engine.close()
 

@@ -19,7 +19,7 @@ import pytest
 from fastapi.testclient import TestClient
 from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
-from helpers import byte_tokenizer
+from helpers import bpe_tokenizer, byte_tokenizer, tiny_model
 from test_serve import SlowDrafter, engine_for, serving, submitted, wait_until
 
 from speculant import generate
@@ -101,7 +101,8 @@ def test_a_request_s_lists_and_trees_are_bounded(app):
     _, client = app
     for options, param, message in [
             ({"method": "auto", "tree_widths": [2] * 9}, "tree_widths", "at most 8 items"),
-            ({"method": "cascade", "drafters": ",".join(["self"] * 8 + ["maxgram"])}, "drafters", "at most 8 items"),
+            ({"method": "cascade", "drafters": ",".join([f"m{i}" for i in range(8)] + ["maxgram"])}, "drafters",
+             "at most 8 items"),
             ({"method": "tree", "depth": 16, "width": 16}, "width", "at most 128 nodes"),
             ({"method": "tree", "depth": 64}, "depth", "at most 128 nodes"),
             ({"method": "tree", "depth": "auto", "width": 64}, "width", "auto (up to 16) x 64"),
@@ -357,6 +358,14 @@ def test_stage_scheduling_is_refused_by_the_server_whose_forwards_run_on_one_thr
     assert "schedule=serial" in is_error(response, 400)["message"]
     with pytest.raises(ConfigError, match="schedule=serial"):
         Engine(engine.target, "tree", get_method("tree").make_options({"drafter": "self", "schedule": "stage"}))
+
+
+def test_a_server_whose_tree_drafter_has_another_vocabulary_is_refused_at_its_start_not_in_each_request(app):
+    engine, _ = app
+    words = bpe_tokenizer(["a tree drafted in another vocabulary"] * 4, 300)  # (a tokenizer of its own)
+    other = tiny_model("llama", 3, len(words), tokenizer=words)
+    with pytest.raises(ConfigError, match="needs a drafter with the target's vocabulary"):
+        Engine(engine.target, "tree", get_method("tree").make_options({"drafter": other}))
 
 
 @pytest.mark.parametrize("body, param", [

@@ -31,6 +31,11 @@ PROBE_S = 30.0  # the model listing's, before any request: a server that does no
 SPECULATIVE = ("drafted_tokens", "accepted_tokens", "target_forwards", "drafter_forwards")
 
 
+def total(counts: list[int | None]) -> int | None:
+    """The sum of the responses' counts; None (unknown) where one was: DSI's target verifies on servers apart."""
+    return None if None in counts else sum(counts)
+
+
 def request_body(prompt: Prompt, model: str, max_tokens: int, temperature: float, stream: bool) -> tuple[str, dict]:
     """(endpoint, body) for one prompt: chat for chat prompts and conversations, else a completion; with the
     prompt's `response_format` where it has one."""
@@ -65,7 +70,7 @@ def summarize(results: Sequence[dict[str, Any] | None], wall: float) -> dict[str
         "itl_ms": percentiles(itl),
         "errors": sum(r is None or "error" in r for r in results),
         "lost": sum(r is None or bool(r.get("lost")) for r in results),
-        "speculative": {key: sum(s.get(key, 0) for s in spoken) for key in SPECULATIVE} if spoken else None,
+        "speculative": {key: total([s.get(key, 0) for s in spoken]) for key in SPECULATIVE} if spoken else None,
         "error_samples": sorted({r["error"] for r in results if r is not None and "error" in r})[:3],
     }
 
@@ -261,7 +266,10 @@ def format_load(result: dict[str, Any]) -> str:
         line += f", {result['mismatches_vs_solo']} outputs differ from solo"
     if failed := result.get("solo_errors"):
         line += f" ({len(failed)} prompt(s) not compared, their solo request failed: {failed[0]})"
-    if spec := result.get("speculative"):
+    if (spec := result.get("speculative")) and spec["drafted_tokens"] is None:
+        line += f"; {spec['drafter_forwards']} drafter forwards (the target's verifications: on DSI's servers, " \
+                "uncounted)"
+    elif spec:
         line += (f"; {spec['drafted_tokens']} tokens drafted, {spec['accepted_tokens']} accepted, "
                  f"{spec['target_forwards']} target and {spec['drafter_forwards']} drafter forwards")
     return line + ("; " + "; ".join(result["error_samples"]) if result["error_samples"] else "")

@@ -8,7 +8,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from speculant.config import REQUEST_MOST, option
-from speculant.drafters.spec import DRAFTER_DTYPES, MAXGRAM, DrafterSpec, model_free
+from speculant.drafters.spec import DRAFTER_DTYPES, MAXGRAM, DrafterSpec, model_free, named
 from speculant.errors import ConfigError, OptionError
 from speculant.methods.drafting import as_drafters, check_drafters, parse_drafters
 from speculant.methods.registry import Request, register
@@ -21,7 +21,8 @@ DEFAULT_K = 4
 class CascadeOptions:
     EITHER = (("k", "k_matrix"),)  # one or the other, the second where given (`registry.parse_values`)
 
-    drafters: Any = option((), "drafter levels, largest first, maxgram last, e.g. qwen2.5-coder-0.5b@int8,maxgram",
+    drafters: Any = option((), "drafter levels, largest first, maxgram last, e.g. qwen2.5-coder-0.5b@int8,maxgram "
+                           "(required; default: none)",
                            parse=parse_drafters)
     k_matrix: Any = option(None, "the upper-triangular K matrix, rows split by ';' (e.g. '4,2;0,6' or '4,2;6'; "
                            "default: k tokens per level plus 2 maxgram tokens after each)", most=REQUEST_MOST)
@@ -36,6 +37,11 @@ class CascadeOptions:
             raise ConfigError("method 'cascade' needs option 'drafters', e.g. qwen2.5-coder-0.5b@int8,maxgram")
         if any(isinstance(d, DrafterSpec) and d.kind == MAXGRAM for d in self.drafters[:-1]):
             raise ConfigError("maxgram can only be the last (smallest) drafter of a cascade")
+        for i, drafter in enumerate(self.drafters):  # (a spec equal to an earlier one's, or the same object)
+            if any(drafter == other if isinstance(drafter, DrafterSpec) else drafter is other
+                   for other in self.drafters[:i]):
+                raise OptionError("drafters", f"drafters: {named(drafter)} is given twice: each level of a cascade is "
+                                  "a drafter of its own, smaller than the one before")
         check_drafters(self)
         if self.k < 1:
             raise ConfigError(f"k must be >= 1, got {self.k}")

@@ -45,6 +45,7 @@ class Method:
     help: str
     bounds: Callable[[Any, Collection[str]], None] | None = None  # refuses sizes too large together (`register`)
     chains: bool = False  # its sampled draft chains are verified as `SamplingConfig.verifier` says
+    loaded: Callable[[Any, Any], None] | None = None  # refuses loaded drafters it cannot draft with (`register`)
 
     def check_verifier(self, given: Collection[str], spell: Callable[[str], str] = str) -> None:
         """Refuse a `verifier` given (`given` names the sampling settings set) to a method that verifies no chain:
@@ -83,10 +84,13 @@ RESERVED = frozenset({"target", "prompt", "prompt_ids", "method", "stream", "cha
 
 
 def register(name: str, options: type, help: str, bounds: Callable[[Any, Collection[str]], None] | None = None,
-             chains: bool = False) -> Callable[[Callable[[Request, Any], Decoder]], Method]:
+             chains: bool = False, loaded: Callable[[Any, Any], None] | None = None,
+             ) -> Callable[[Callable[[Request, Any], Decoder]], Method]:
     """Decorator for a method's decoder factory: `@register("sd", SDOptions, "...")`; `bounds(options, names)` raises
     an OptionError, naming one of `names`, where a server's client that set those options asks too much of them
-    together (`Method.check_request`); `chains`: its sampled draft chains are verified as `verifier` says."""
+    together (`Method.check_request`); `chains`: its sampled draft chains are verified as `verifier` says;
+    `loaded(options, target)`, with the drafters in `options` loaded, raises a ConfigError where they cannot draft for
+    `target` as the method would (a server checks its own options so at its start, not in every request)."""
 
     if not (isinstance(name, str) and re.fullmatch(r"[a-z][a-z0-9_-]*", name)):  # (`--method NAME`, `NAME:k=4`)
         raise ConfigError(f"{name!r} cannot name a method: a name is lowercase letters, digits, '_' and '-', "
@@ -101,7 +105,7 @@ def register(name: str, options: type, help: str, bounds: Callable[[Any, Collect
     def wrap(build: Callable[[Request, Any], Decoder]) -> Method:
         if name in METHODS:
             raise ConfigError(f"method '{name}' is already registered ({METHODS[name].build.__module__})")
-        METHODS[name] = Method(name, options, build, help, bounds, chains)
+        METHODS[name] = Method(name, options, build, help, bounds, chains, loaded)
         return METHODS[name]
 
     return wrap

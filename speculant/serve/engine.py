@@ -137,12 +137,16 @@ class Steps:
                           "accepted": accepted, "drafter": self.drafter if depth else None})
         self.tokens, self.texts, self.drafter, self.call = [], [], None, None
 
-    def summary(self, method: str, tokens: int) -> dict[str, Any]:
+    def summary(self, method: str, tokens: int, verified: bool = True) -> dict[str, Any]:
+        """What speculation did; `verified`: the target's verifications ran on the rows counted here (not where a
+        method verifies on servers of its own, DSI's: what they did is null, unknown here, rather than zero)."""
         self.close()
         steps = max(self.forwards - 1, 0)  # verification forwards
-        return {"method": method, "drafted_tokens": self.drafted, "accepted_tokens": self.accepted,
+        seen = {"drafted_tokens": self.drafted, "accepted_tokens": self.accepted,
                 "mean_accepted_length": round((tokens - 1) / steps, 3) if steps and tokens > 1 else 1.0,
-                "target_forwards": self.forwards, "drafter_forwards": self.drafter_forwards}
+                "target_forwards": self.forwards}
+        return {"method": method, **{name: value if verified else None for name, value in seen.items()},
+                "drafter_forwards": self.drafter_forwards}
 
 
 def draft_depths(call: Call | None) -> list[int]:
@@ -240,7 +244,9 @@ class Engine:
         self.drafters: dict[str, Any] = {}  # spec (an object's name) -> the served model or Drafter requests draft with
         self.given: dict[str, Any] = {}  # an object's name -> the object as the server was given it
         self.options = options
-        self.batcher.run(lambda: with_drafters(options, self._load))
+        drafting = self.batcher.run(lambda: with_drafters(options, self._load))
+        if self.method.loaded is not None:  # (refused at the start: not as every request's 400)
+            self.method.loaded(drafting, self.target)
         self.served = tuple(self.drafters)  # the server's own drafters: a request's defaults, whatever others added
         # Max-Gram costs nothing to hold, so any request may draft with it: loaded now, on the batcher's thread, as a
         # request's first use on the event loop's would change the session's drafters while a step reads them
@@ -446,7 +452,7 @@ class Engine:
         if piece or unsent < len(entries):
             on_text(piece, entries[unsent:])
             steps.on_rest(piece)
-        return Outcome(text.text, finish, len(job.prompt_ids), tokens, steps.summary(spec.name, tokens),
+        return Outcome(text.text, finish, len(job.prompt_ids), tokens, steps.summary(spec.name, tokens, not apart),
                        entries if recorded is not None else None)
 
     def close(self) -> None:

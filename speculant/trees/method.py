@@ -128,13 +128,29 @@ def check_width(width: int | str, model: Any, field: str = "width") -> None:
         raise OptionError(field, f"{field} {width} exceeds the drafter's vocabulary of {model.vocab_size} tokens")
 
 
-@register("tree", TreeOptions, "token trees: depth x width drafted nodes verified in one forward", bounds)
+def loaded(options: TreeOptions, target: Any) -> None:
+    """Its loaded drafter, refused where it cannot draft `target`'s trees as the options ask (`drafting_model`)."""
+    drafting_model(options.drafter, options, target)
+
+
+def drafting_model(model: Any, options: TreeOptions, target: Any) -> Any:
+    """`model`, checked to draft `target`'s trees (`tree_drafter_model`) as `options` ask: draft_graph off only
+    where its backend would draft a tree's levels in one call (elsewhere it would change nothing)."""
+    model = tree_drafter_model(model, target)
+    if not options.draft_graph and not model.capabilities.drafts_trees:
+        raise OptionError("draft_graph", f"draft_graph off applies where the drafter's backend drafts a tree's levels "
+                          f"in one call (static); {model.name}'s drafts them level by level already")
+    return model
+
+
+@register("tree", TreeOptions, "token trees: depth x width drafted nodes verified in one forward", bounds,
+          loaded=loaded)
 def build(request: Request, options: TreeOptions) -> Any:
     from speculant.trees.decoder import tree_speculative
     from speculant.trees.shape import tree_shape
     from speculant.trees.drafter import TreeDrafter
 
-    model = tree_drafter_model(request.session.drafter(options.drafter, options.drafter_dtype), request.target)
+    model = drafting_model(request.session.drafter(options.drafter, options.drafter_dtype), options, request.target)
     check_width(options.width, model)
     profile = options.target_profile
     if profile is not None and profile.model != request.target.name:  # (the same weights may go by another name)
