@@ -43,7 +43,7 @@ from speculant.config import (
     sampling_of,
     with_default,
 )
-from speculant.drafters.spec import DEFAULT, check_dtype
+from speculant.drafters.spec import DEFAULT, check_dtype, model_free
 from speculant.errors import ConfigError, SpeculantError, interrupted
 from speculant.methods.drafting import held_drafters, takes_model_free, with_default_drafter
 from speculant.methods.registry import METHODS, all_options, chain_methods, get_method
@@ -439,7 +439,7 @@ def run_generate(args: argparse.Namespace) -> None:
             from speculant.drafters.maxgram import MaxGramDrafter, load_bigram
 
             return MaxGramDrafter(load_bigram(target.tokenizer, target.vocab_size, files))
-        if isinstance(drafter, DrafterSpec) and drafter.kind != MAXGRAM:
+        if isinstance(drafter, DrafterSpec) and not model_free(drafter):
             print(f"loading drafter {drafter}", file=sys.stderr)
         return session.drafter(drafter, getattr(options, "drafter_dtype", None))
 
@@ -836,12 +836,13 @@ def run_train_depth(args: argparse.Namespace) -> None:
     from speculant.drafters.spec import as_drafter, resolved
     from speculant.trees.method import check_width, tree_drafter_model
     from speculant.models import load_model
+    from speculant.models.backends import capabilities_of
     from speculant.session import Session
     from speculant.trees.depth import predictor_path
 
-    if args.max_depth > REQUEST_MOST:
-        raise ConfigError(f"--max-depth {args.max_depth}: at most {REQUEST_MOST}, the deepest tree a server's client "
-                          "may ask for")
+    for flag, size, what in (("--max-depth", args.max_depth, "deepest"), ("--width", args.width, "widest")):
+        if size > REQUEST_MOST:
+            raise ConfigError(f"{flag} {size}: at most {REQUEST_MOST}, the {what} tree a server's client may ask for")
     if args.max_new_tokens < args.max_depth + 2:  # (a tree follows the first token and leaves room for the next)
         raise ConfigError(f"--max-new-tokens {args.max_new_tokens} leaves no tree of --max-depth {args.max_depth} to "
                           "log: give at least the depth + 2")
@@ -849,8 +850,10 @@ def run_train_depth(args: argparse.Namespace) -> None:
     prompts = free_text(load_dataset(args.prompts or args.dataset or CORPUS), "train-depth")
     check_models([args.target], [args.drafter], model_free=False)
     args.drafter = str(from_flags(lambda: resolved(as_drafter(args.drafter), args.target, "train-depth"), ["drafter"]))
-    check_target(args.target, config, from_flags(lambda: get_method("tree").parse_options({"drafter": args.drafter}),
-                                                 ["drafter"]))
+    backend = check_target(args.target, config, from_flags(
+        lambda: get_method("tree").parse_options({"drafter": args.drafter}), ["drafter"]))
+    if "hidden" in (args.inputs or ()) and not capabilities_of(backend).hidden_states:
+        raise ConfigError(f"--inputs hidden: the {backend} backend gives no hidden states (use --inputs features)")
     check_dtype(args.drafter_dtype, [as_drafter(args.drafter)])
     target = load_model(args.target, dtype=config.dtype, device=config.device, backend=config.backend,
                         compile=config.compile)
@@ -858,8 +861,6 @@ def run_train_depth(args: argparse.Namespace) -> None:
     check_width(args.width, drafter)
     kinds = list(dict.fromkeys(args.inputs)) if args.inputs else \
         ["hidden" if target.capabilities.hidden_states else "features"]
-    if "hidden" in kinds and not target.capabilities.hidden_states:
-        raise ConfigError("--inputs hidden: this target's backend gives no hidden states (use --inputs features)")
     outs = {kind: predictor_path(target, drafter, kind) for kind in kinds} if not args.out else \
         {kind: predictor_out(Path(args.out), kind, len(kinds)) for kind in kinds}
     if None in outs.values():
@@ -1018,7 +1019,8 @@ def more_drafter(text: str) -> tuple[float, float]:
     return ms, acceptance
 
 
-SIMULATION_FLAGS = ("acceptance", "lookahead", "servers", "tokens", "repeats", "seed")  # what its refusals name
+SIMULATION_FLAGS = ("acceptance", "lookahead", "servers", "tokens", "repeats", "seed", "ray_address")  # what its
+# refusals name
 
 
 PATIENT_S = 30  # seconds a command may run before a word on how long it will take
@@ -1074,8 +1076,9 @@ def run_simulate(args: argparse.Namespace) -> None:
             lookaheads = tuple(integer(k) for k in args.lookaheads.split(","))
         except ValueError:
             raise ConfigError(f"--lookaheads takes comma-separated integers, got '{args.lookaheads}'") from None
-        numbers, paths = run_heatmap(Path(args.out), args.ndim, lookaheads, args.tokens, args.repeats,
-                                     args.servers, args.fixed_lookahead, args.seed)
+        numbers, paths = from_flags(lambda: run_heatmap(Path(args.out), args.ndim, lookaheads, args.tokens,
+                                                        args.repeats, args.servers, args.fixed_lookahead, args.seed),
+                                    (*SIMULATION_FLAGS, "ndim"))
         print(format_heatmap(numbers))
         print("wrote " + ", ".join(str(p) for p in paths))
 
@@ -1307,8 +1310,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     except SpeculantError as error:  # (one line, whatever a library's message spanned)
         print(f"speculant: error: {' '.join(line.strip() for line in str(error).splitlines())}", file=sys.stderr)
         return 2
-    except KeyboardInterrupt:
-        return interrupted()
+    except KeyboardInterrupt as error:
+        return interrupted(error)
     except BrokenPipeError:
         if not reader_gone():  # (another pipe: a server process's, a socket's)
             raise

@@ -1,6 +1,7 @@
 """Errors that speculant reports to users as one line (CLI exit code 2, server 4xx)."""
 
 import sys
+from typing import Any
 
 
 class SpeculantError(Exception):
@@ -36,7 +37,20 @@ class IncompatibleModels(SpeculantError):
     """Target and drafter cannot be paired (different tokenizers or vocabularies)."""
 
 
-def interrupted() -> int:
-    """The CLI's answer to Ctrl-C: one line, and exit code 130 (128 + SIGINT), as a shell's."""
+class Terminated(KeyboardInterrupt):
+    """SIGTERM (as `timeout`, `kill` and service managers send it), raised where the CLI runs, as Ctrl-C is: what a
+    run cleans up on its way out (a half-built model cache's temporary folder, a server's threads) is cleaned up then
+    too, where Python's default would end the process on the spot."""
+
+
+def terminate(signum: int, frame: Any) -> None:
+    raise Terminated
+
+
+def interrupted(error: KeyboardInterrupt | None = None) -> int:
+    """The CLI's answer to Ctrl-C: one line, and exit code 130 (128 + SIGINT), as a shell's; to SIGTERM, 143."""
+    if isinstance(error, Terminated):
+        print("speculant: terminated", file=sys.stderr)
+        return 143
     print("speculant: interrupted", file=sys.stderr)
     return 130

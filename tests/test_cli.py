@@ -292,6 +292,25 @@ def test_ctrl_c_during_dsi_on_server_processes_is_one_line(model_dirs):
     assert child.returncode == 130 and "Traceback" not in err and err.endswith("speculant: interrupted\n"), err
 
 
+def test_sigterm_ends_a_run_as_ctrl_c_does_one_line_and_exit_143():
+    """`timeout` and service managers send SIGTERM: the run's way out is Ctrl-C's (what it cleans up is cleaned up:
+    Python's default ended the process on the spot, leaving a half-built model cache's gigabyte behind)."""
+    import signal
+    import subprocess
+    import sys
+
+    child = subprocess.Popen([sys.executable, "-m", "speculant", "simulate", "online", "--target-latency", "500",
+                              "--drafter-latency", "50", "--acceptance", "0.5", "--tokens", "100"],
+                             stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    try:
+        assert child.stderr.readline().startswith(b"the twin runs in real time")  # (the twin has begun)
+        child.send_signal(signal.SIGTERM)
+        _, err = child.communicate(timeout=60)
+    finally:
+        child.kill()
+    assert child.returncode == 143 and err.decode() == "speculant: terminated\n", err
+
+
 def test_generate_piped_into_a_reader_that_goes_away_ends_quietly(model_dirs):
     """`speculant generate ... | head -c 1`: the text's next write met a closed pipe, and two chained BrokenPipeError
     tracebacks followed (the second from the newline written after the first). Now it ends as a shell's tools do on
@@ -374,6 +393,8 @@ def test_a_hub_id_the_cache_lacks_is_refused_at_once_where_the_hub_is_unreachabl
     (tmp_path / "models--owner--cached" / "refs").mkdir()
     (tmp_path / "models--owner--cached" / "refs" / "main").write_text("0" * 40)
     catalog.check_name("owner/cached")  # (no probe: it would fail)
+    code, out, err = run(capsys, "generate", "hi", "--target", "some/thing/too/deep")  # (no id: refused unloaded)
+    assert code == 2 and "loading" not in out + err and "neither a local path nor a Hugging Face id" in err
 
 
 def test_missing_model_package_names_pip_command(capsys, monkeypatch):
@@ -736,6 +757,7 @@ def test_a_flag_given_where_it_does_nothing_is_one_line_never_ignored(capsys, tm
         (["serve", "--backend", "static", "--prefix-cache-mb", "8"], "the static backend keeps no prompts' KV"),
         ([*online, "--more-drafter", "1:2"], "--more-drafter's acceptance must lie in [0, 1], got '1:2'"),
         ([*online, "--more-drafter", "0.01:0.5"], "--more-drafter 0.01 ms: each is costlier than the drafter before"),
+        ([*online, "--seed", "-5"], "--seed must be >= 0, got -5"),
         (["simulate", "heatmap", "--out", str(tmp_path / "h"), "--tokens", "100000000"], "tokens 100000000 > 100000"),
         (["simulate", "heatmap", "--out", str(tmp_path / "h"), "--ndim", "1000"], "repeats) 180360180 > 10000000"),
         (["acceptance", "--drafter", "maxgram"], "must name models"),
@@ -793,6 +815,8 @@ def test_a_flag_given_where_it_does_nothing_is_one_line_never_ignored(capsys, tm
         (["bench", "--dtype", "fp32", "--methods", "ar:dtype=bf16"], "--dtype reaches no method"),
         (["bench", "--methods", "ar", "llamacpp-ar:backend=hf"], "llamacpp-ar runs on llama.cpp: backend=hf does not"),
         (["train-depth", "--max-depth", "65", "--max-new-tokens", "100"], "--max-depth 65: at most 64"),
+        (["train-depth", "--width", "100000"], "--width 100000: at most 64, the widest tree"),
+        (["train-depth", "--backend", "llamacpp", "--inputs", "hidden"], "the llamacpp backend gives no hidden states"),
         (["bench", "--prompts", str(tmp_path / "runs")], "runs is a directory: give a JSONL file of prompts"),
         (["generate", "x", "--drafter", "maxgram", "--bigram-corpus", str(tmp_path / "runs")],
          "runs is a directory: give a file"),

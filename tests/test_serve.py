@@ -950,7 +950,7 @@ def test_sigterm_drains_running_requests(tmp_path):
     model.tokenizer.save_pretrained(tmp_path / "m")
     port = free_port()
     env = {**os.environ, "PYTHONPATH": str(Path(__file__).parent.parent)}
-    process = subprocess.Popen([sys.executable, "-m", "speculant.cli", "serve", "--target", str(tmp_path / "m"),
+    process = subprocess.Popen([sys.executable, "-m", "speculant", "serve", "--target", str(tmp_path / "m"),
                                 "--backend", "hf", "--method", "sd", "--drafter", "maxgram", "--port", str(port)],
                                stderr=subprocess.PIPE, text=True, env=env)
     try:

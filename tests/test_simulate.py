@@ -322,7 +322,7 @@ def test_heatmap_command_writes_data_and_figures(tmp_path, capsys):
     assert cli.main(["simulate", "heatmap", "--out", str(tmp_path), "--lookaheads", "1,2"]) == 2
     assert "the fixed lookahead 5 (Figure 7's) must be among the lookaheads 1,2" in capsys.readouterr().err
     assert cli.main(["simulate", "heatmap", "--out", str(tmp_path), "--ndim", "1"]) == 2
-    assert "ndim must be >= 2, got 1" in capsys.readouterr().err
+    assert "--ndim must be >= 2, got 1" in capsys.readouterr().err
 
 
 def test_simulate_needs_no_torch():

@@ -76,9 +76,11 @@ def simulate_online(target_ms: float, drafter_ms: float, acceptance: float, serv
     if tokens < 2 or repeats < 1:
         raise ConfigError("tokens must be >= 2 and repeats >= 1")
     check_ray_address(ray_address, "ray_address")
-    if servers > MOST_SERVERS or tokens * repeats > MOST_ONLINE_TOKENS or seed < 0:
+    if seed < 0:
+        raise ConfigError(f"seed must be >= 0, got {seed}")
+    if servers > MOST_SERVERS or tokens * repeats > MOST_ONLINE_TOKENS:
         raise ConfigError(f"the twin runs at most {MOST_SERVERS} servers (each a thread or process) and "
-                          f"{MOST_ONLINE_TOKENS} tokens in all (repeats x tokens), from a seed >= 0")
+                          f"{MOST_ONLINE_TOKENS} tokens in all (repeats x tokens)")
     if lookahead is not None and lookahead > MOST_LOOKAHEAD:  # (the offline simulation beside it is that wide)
         raise ConfigError(f"lookahead must be at most {MOST_LOOKAHEAD}, got {lookahead}")
     chosen = plan(servers, lookahead, target_ms / 1000, drafter_ms / 1000)

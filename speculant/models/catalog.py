@@ -192,11 +192,17 @@ def check_hub(name: str) -> None:
     not probed again (a CLI checks a name before it loads, and loading checks it too)."""
     try:
         from huggingface_hub import constants, try_to_load_from_cache
+        from huggingface_hub.errors import HFValidationError
         from huggingface_hub.utils import get_session
-
+    except ImportError:  # no huggingface_hub (loading says so)
+        return
+    try:
         if constants.HF_HUB_OFFLINE or isinstance(try_to_load_from_cache(name, "config.json"), str):
             return  # (offline, transformers itself says at once what the cache lacks)
-    except (ImportError, ValueError):  # no huggingface_hub (loading says so), or an id it refuses (it says why)
+    except HFValidationError as error:  # not an id's form: no loader takes it
+        raise ModelNotAvailable(f"'{name}' is neither a local path nor a Hugging Face id ({error}); catalog models: "
+                                f"{catalog_listing()}") from None
+    except ValueError:  # (another refusal of the cache's: loading says why)
         return
     try:
         get_session().head(constants.ENDPOINT, timeout=10)

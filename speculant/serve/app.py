@@ -762,12 +762,16 @@ def build_app(target_name: str, model: ModelConfig, method: str, options: Any, c
 def serve(target_name: str, model: ModelConfig, method: str, options: Any, config: ServeConfig,
           served_name: str) -> None:
     """Serve the target with `method` from this process until SIGTERM or Ctrl-C (running requests finish first)."""
+    import signal
     import sys
 
     import uvicorn
 
     app = build_app(target_name, model, method, options, config, served_name)
     print(f"serving on http://{config.host}:{config.port}/v1", file=sys.stderr)
+    # uvicorn drains the requests on SIGTERM, then raises it again: the process ends by the signal, as a service
+    # manager expects (not by the CLI's `errors.Terminated`, which took it while the models loaded)
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
     uvicorn.run(app, host=config.host, port=config.port, **uvicorn_options())
 
 
