@@ -403,8 +403,7 @@ class Hold:
     def taken(self) -> Iterator[None]:
         """Under the locks, holding every model's cache: the paused generations that held one end first, under
         their models' locks taken with these (a generation that takes one over meanwhile is seen on the next try)."""
-        stepping = STEPPING.get()
-        if stepping is not None and (shared := [m.name for m in self.models if any(m is o for o in stepping.models)]):
+        if shared := [m.name for m in self.models if any(m is o for held in STEPPING.get() for o in held.models)]:
             raise ConfigError(f"a generation on {', '.join(shared)} was asked for from inside a step of another on the "
                               "same model: a model's KV cache runs one generation at a time; load another instance "
                               "of it")
@@ -440,7 +439,7 @@ class Hold:
                                           "last token (its KV cache holds that text now): finish or close a stream "
                                           "before the next generation on the same model, or load another instance "
                                           "of it")
-                    outer = STEPPING.set(self)
+                    outer = STEPPING.set((*STEPPING.get(), self))
                     try:
                         token = next(decoder)
                     except StopIteration as stop:
@@ -468,10 +467,11 @@ def holder(model: Any) -> Hold | None:
     return held() if held is not None else None
 
 
-# The generation whose step the code running now is part of: a drafter's `propose`, on the step's thread or on one
-# the step started (a DSI drafter's, which copies the context). A generation it asks for on a model that one runs
-# would wait for that step's locks, or end it from inside: `Hold.taken` refuses it.
-STEPPING: contextvars.ContextVar[Hold | None] = contextvars.ContextVar("speculant_stepping", default=None)
+# The generations whose steps the code running now is part of, outermost first: a drafter's `propose`, on the step's
+# thread or on one the step started (a DSI drafter's, which copies the context), and a generation that runs in it. A
+# generation it asks for on a model one of those runs would wait for that step's locks, or end it from inside:
+# `Hold.taken` refuses it.
+STEPPING: contextvars.ContextVar[tuple[Hold, ...]] = contextvars.ContextVar("speculant_stepping", default=())
 LIVE: weakref.WeakSet[Hold] = weakref.WeakSet()  # the generations alive: those paused end at the interpreter's
 # exit, before it tears down (a DSI generation's drafter and server threads, left running in torch, aborted it)
 atexit.register(lambda: [hold.end() for hold in list(LIVE)])

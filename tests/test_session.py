@@ -818,9 +818,19 @@ def test_drafter_names_a_meta_model_and_a_generation_asked_for_inside_a_step_are
             generate(target, prompt_ids=list(context), method="ar", max_new_tokens=2)
             return Draft([])
 
-    for method, options in (("sd", {}), ("dsi", {"lookahead": 2})):  # (DSI's drafter: on a thread of its own)
+    other = tiny_model("llama", 6, VOCAB)
+
+    class Nested(Drafter):  # (a generation on another model, whose drafter asks for the target: two steps deep)
+        name = "nested"
+
+        def propose(self, context, k):
+            generate(other, prompt_ids=list(context), method="sd", drafter=Reentrant(), max_new_tokens=4)
+            return Draft([])
+
+    for method, options, drafter in (("sd", {}, Reentrant()), ("dsi", {"lookahead": 2}, Reentrant()),
+                                     ("sd", {}, Nested())):  # (DSI's drafter: on a thread of its own)
         with pytest.raises(ConfigError, match="asked for from inside a step of another on the same model"):
-            generate(target, prompt_ids=prompt, method=method, drafter=Reentrant(), max_new_tokens=4, **options)
+            generate(target, prompt_ids=prompt, method=method, drafter=drafter, max_new_tokens=4, **options)
     assert generate(target, prompt_ids=prompt, method="ar", max_new_tokens=20).token_ids == expected
 
 

@@ -255,6 +255,13 @@ def test_served_static_requests_batch_and_equal_their_solo_runs(device, monkeypa
 
     prompts = [list(f"prompt {i}: {'ab' * i}".encode()) for i in range(5)]
     assert_served_rows_batch_and_equal_solo(static_module, served(0.0), served(0.3), prompts, monkeypatch)
+    if device == "cpu":  # a request's rows draft a tree level by level: draft_graph off, refused at the start
+        from speculant.errors import OptionError
+        from speculant.methods import get_method
+        from speculant.serve.engine import Engine
+
+        with pytest.raises(OptionError, match="draft_graph off applies where"):
+            Engine(served(0.0), "tree", get_method("tree").make_options({"drafter": "self", "draft_graph": False}))
 
 
 @pytest.mark.parametrize("device", DEVICES)

@@ -161,8 +161,8 @@ def check_name(name: str) -> None:
     if suffix == LEAN:
         raise ConfigError(f"{name}: @{LEAN} is a drafter's form of a model (its head cut to frequent tokens), not a "
                           f"target's; to run the model itself on speculant's kernels: --target {base} --backend lean")
-    if base in CATALOG or Path(base).expanduser().exists():  # (else the `@` may be part of a name)
-        check_suffix(suffix)
+    if base in CATALOG or Path(base).expanduser().exists() or "/" in base:  # (else the `@` may be part of a name;
+        check_suffix(suffix)  # a hub id holds none)
     name = base if suffix in SUFFIXES else name
     if not name:
         raise ConfigError(f"empty model name; catalog models: {catalog_listing()}")
@@ -193,15 +193,17 @@ def check_hub(name: str) -> None:
     try:
         from huggingface_hub import constants, try_to_load_from_cache
         from huggingface_hub.errors import HFValidationError
-        from huggingface_hub.utils import get_session
+        from huggingface_hub.utils import get_session, validate_repo_id
     except ImportError:  # no huggingface_hub (loading says so)
         return
     try:
-        if constants.HF_HUB_OFFLINE or isinstance(try_to_load_from_cache(name, "config.json"), str):
-            return  # (offline, transformers itself says at once what the cache lacks)
+        validate_repo_id(name)
     except HFValidationError as error:  # not an id's form: no loader takes it
         raise ModelNotAvailable(f"'{name}' is neither a local path nor a Hugging Face id ({error}); catalog models: "
                                 f"{catalog_listing()}") from None
+    try:
+        if constants.HF_HUB_OFFLINE or isinstance(try_to_load_from_cache(name, "config.json"), str):
+            return  # (offline, transformers itself says at once what the cache lacks)
     except ValueError:  # (another refusal of the cache's: loading says why)
         return
     try:

@@ -24,7 +24,7 @@ from speculant.errors import ConfigError, OptionError
 from speculant.methods import Request, get_method
 from speculant.methods.auto import with_own_drafters
 from speculant.methods.drafting import check_capabilities, drafters_by_field, with_default_drafter, with_drafters
-from speculant.models.base import Call, CausalLM, Interrupted
+from speculant.models.base import Call, CausalLM, Delegating, Interrupted
 from speculant.models.wrappers.constrained import Matcher
 from speculant.models.wrappers.logprobs import TokenLogprob
 from speculant.prefixes import PrefixCache
@@ -87,8 +87,12 @@ class Steps:
     the next forward are the accepted ones plus the target's own. Counted outside the decoder, so that it holds
     for every method, and for a generation cut short by a stop string or a disconnect."""
 
-    def __init__(self, metrics: Metrics | None, on_step: Callable[[dict[str, Any]], None] | None = None):
-        self.metrics, self.on_step = metrics, on_step
+    def __init__(self, metrics: Metrics | None, on_step: Callable[[dict[str, Any]], None] | None = None,
+                 verified: bool = True):
+        """`verified`: the target's verifications run on the rows counted here (not where a method verifies on
+        servers of its own, DSI's: what those did is unknown here, null in the summary rather than zero, and left
+        out of the acceptance metrics)."""
+        self.metrics, self.on_step, self.verified = metrics, on_step, verified
         self.forwards = self.drafted = self.accepted = 0
         self.call: Call | None = None  # the open step's verification (None: none yet, or the prefill)
         self.drafter_forwards = 0
@@ -129,7 +133,7 @@ class Steps:
         accepted = kinds.count("accepted")
         self.drafted += len(depths)
         self.accepted += accepted
-        if self.metrics is not None:
+        if self.metrics is not None and self.verified:
             self.metrics.step(depths, accepted)
         if self.on_step is not None and self.tokens:
             depth = max(depths, default=0)
@@ -137,15 +141,13 @@ class Steps:
                           "accepted": accepted, "drafter": self.drafter if depth else None})
         self.tokens, self.texts, self.drafter, self.call = [], [], None, None
 
-    def summary(self, method: str, tokens: int, verified: bool = True) -> dict[str, Any]:
-        """What speculation did; `verified`: the target's verifications ran on the rows counted here (not where a
-        method verifies on servers of its own, DSI's: what they did is null, unknown here, rather than zero)."""
+    def summary(self, method: str, tokens: int) -> dict[str, Any]:
         self.close()
         steps = max(self.forwards - 1, 0)  # verification forwards
         seen = {"drafted_tokens": self.drafted, "accepted_tokens": self.accepted,
                 "mean_accepted_length": round((tokens - 1) / steps, 3) if steps and tokens > 1 else 1.0,
                 "target_forwards": self.forwards}
-        return {"method": method, **{name: value if verified else None for name, value in seen.items()},
+        return {"method": method, **{name: value if self.verified else None for name, value in seen.items()},
                 "drafter_forwards": self.drafter_forwards}
 
 
@@ -246,7 +248,9 @@ class Engine:
         self.options = options
         drafting = self.batcher.run(lambda: with_drafters(options, self._load))
         if self.method.loaded is not None:  # (refused at the start: not as every request's 400)
-            self.method.loaded(drafting, self.target)
+            # each model as a request drafts with it: through a wrapper, as its `Row` (no tree's levels in one call)
+            self.method.loaded(with_drafters(drafting, lambda m: Delegating(m) if isinstance(m, CausalLM) else m),
+                               self.target)
         self.served = tuple(self.drafters)  # the server's own drafters: a request's defaults, whatever others added
         # Max-Gram costs nothing to hold, so any request may draft with it: loaded now, on the batcher's thread, as a
         # request's first use on the event loop's would change the session's drafters while a step reads them
@@ -387,7 +391,7 @@ class Engine:
     def _decode(self, job: ServeJob, spec: Any, options: Any, ticket: Ticket,
                 on_text: Callable[[str, list[TokenLogprob]], None], submitted: float, apart: bool = False,
                 on_step: Callable[[dict[str, Any]], None] | None = None) -> Outcome:
-        steps = Steps(self.metrics, on_step)
+        steps = Steps(self.metrics, on_step, verified=not apart)
         rows: dict[int, Row] = {}
         batcher = None if apart else self.batcher  # a request apart runs its own forwards on its own thread
 
@@ -452,7 +456,7 @@ class Engine:
         if piece or unsent < len(entries):
             on_text(piece, entries[unsent:])
             steps.on_rest(piece)
-        return Outcome(text.text, finish, len(job.prompt_ids), tokens, steps.summary(spec.name, tokens, not apart),
+        return Outcome(text.text, finish, len(job.prompt_ids), tokens, steps.summary(spec.name, tokens),
                        entries if recorded is not None else None)
 
     def close(self) -> None:
