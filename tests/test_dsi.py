@@ -791,6 +791,7 @@ def test_ray_executors_started_at_once_share_one_ray_until_the_last_closes():
     done = subprocess.run([sys.executable, "-c", "import test_dsi; test_dsi.share_one_ray()"], capture_output=True,
                           text=True, timeout=300, cwd=Path(__file__).parent, env={**os.environ, "RAY_ADDRESS": "local"})
     assert done.returncode == 0 and done.stdout.strip().endswith("shared"), done.stderr[-2000:]
+    assert "SIGTERM handler is not set" not in done.stderr and "Token authentication" not in done.stderr  # (Ray's)
 
 
 def share_one_ray() -> None:

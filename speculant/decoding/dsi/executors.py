@@ -7,6 +7,7 @@ never knows which one it drives.
 
 from __future__ import annotations
 
+import logging
 import os
 import queue
 import signal
@@ -347,11 +348,16 @@ class RayUse:
         local = {} if address else {"include_dashboard": False}  # a cluster's head has its own settings
 
         def keep() -> None:
+            notes = logging.getLogger("ray._private")  # (on a cluster of its own, Ray's warnings that its SIGTERM
+            level = notes.level  # handler waits for the main thread and that it made a token are not the user's)
+            notes.setLevel(logging.ERROR if not address else level)
             try:
                 ray.init(address=address, log_to_driver=False, configure_logging=False, **local)
             except BaseException as error:  # noqa: BLE001 - raised again in the caller's thread below
                 outcome.put(error)
                 return
+            finally:
+                notes.setLevel(level)
             outcome.put(None)
             self.release.wait()
 
