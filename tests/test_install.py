@@ -5,9 +5,9 @@ compiler here: pip and cmake are stood in for."""
 
 import io
 import json
-import subprocess
 import sys
 import tarfile
+import types
 import tomllib
 from pathlib import Path
 
@@ -85,13 +85,13 @@ def test_the_version_built_is_the_installed_bindings_else_the_pinned_one(monkeyp
 
 
 class FakeTools:
-    """Stands in for pip and cmake in `build`: pip download writes a small sdist, cmake --build writes the tools
-    and libllama; every command is recorded with its CMAKE_ARGS."""
+    """Stands in for pip and cmake in `build` (`subprocess.Popen`'s process, done at once): pip download writes a
+    small sdist, cmake --build writes the tools and libllama; every command is recorded with its CMAKE_ARGS."""
 
     def __init__(self):
         self.commands: list[tuple[list[str], str | None]] = []
 
-    def __call__(self, command, stdout=None, stderr=None, env=None):
+    def __call__(self, command, stdout=None, stderr=None, env=None, start_new_session=False):
         self.commands.append((list(command), (env or {}).get("CMAKE_ARGS")))
         if command[1:4] == ["-m", "pip", "download"]:
             into = Path(command[command.index("-d") + 1])
@@ -106,7 +106,7 @@ class FakeTools:
             bin_dir.mkdir(parents=True, exist_ok=True)
             for name in (*llamacpp_build.TOOLS, "libllama.so"):
                 (bin_dir / name).write_text("")
-        return subprocess.CompletedProcess(command, 0)
+        return types.SimpleNamespace(pid=0, wait=lambda: 0)
 
 
 def test_one_native_build_then_the_bindings_alone_from_the_same_sdist(tmp_path, monkeypatch):
@@ -114,7 +114,7 @@ def test_one_native_build_then_the_bindings_alone_from_the_same_sdist(tmp_path, 
     monkeypatch.setattr(llamacpp_build, "installed_version", lambda: None)
     monkeypatch.setattr(llamacpp_build.shutil, "which", lambda program: f"/usr/bin/{program}")
     fake = FakeTools()
-    monkeypatch.setattr(llamacpp_build.subprocess, "run", fake)
+    monkeypatch.setattr(llamacpp_build.subprocess, "Popen", fake)
     bin_dir = llamacpp_build.build(jobs=2, say=lambda line: None)
     assert bin_dir.parent.parent == llamacpp_build.build_root(llamacpp_build.VERSION) and bin_dir.name == "bin"
     steps = [c for c, _ in fake.commands]
@@ -135,3 +135,29 @@ def test_one_native_build_then_the_bindings_alone_from_the_same_sdist(tmp_path, 
     fake.commands.clear()
     monkeypatch.setattr(llamacpp_build, "installed_version", lambda: llamacpp_build.VERSION)
     assert llamacpp_build.build(say=lambda line: None) == bin_dir and fake.commands == []
+
+
+def test_a_build_stopped_by_ctrl_c_or_sigterm_stops_its_compilers_too(tmp_path, monkeypatch):
+    """Each build command runs in a session of its own, whose whole group is killed when the build is interrupted
+    (cmake's compilers would go on writing into the build directory the interrupted build removes)."""
+    from speculant.errors import Terminated
+
+    monkeypatch.setenv("SPECULANT_CACHE", str(tmp_path))
+    monkeypatch.setattr(llamacpp_build, "installed_version", lambda: None)
+    monkeypatch.setattr(llamacpp_build.shutil, "which", lambda program: f"/usr/bin/{program}")
+    sessions, killed = [], []
+
+    def stopped(command, stdout=None, stderr=None, env=None, start_new_session=False):
+        sessions.append(start_new_session)
+
+        def wait():
+            if not killed:
+                raise Terminated
+            return -9
+        return types.SimpleNamespace(pid=4242, wait=wait)
+
+    monkeypatch.setattr(llamacpp_build.subprocess, "Popen", stopped)
+    monkeypatch.setattr(llamacpp_build.os, "killpg", lambda pid, sig: killed.append((pid, sig)))
+    with pytest.raises(Terminated):
+        llamacpp_build.build(jobs=2, say=lambda line: None)
+    assert sessions == [True] and killed == [(4242, llamacpp_build.signal.SIGKILL)]

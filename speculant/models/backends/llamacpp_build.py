@@ -23,6 +23,7 @@ import hashlib
 import json
 import os
 import shutil
+import signal
 import subprocess
 import sys
 import tarfile
@@ -165,7 +166,16 @@ def build(jobs: int | None = None, say: Callable[[str], None] = print) -> Path:
         with log.open("a") as out:
             out.write("$ " + " ".join(command) + "\n")
             out.flush()
-            if subprocess.run(command, stdout=out, stderr=subprocess.STDOUT, env=env).returncode != 0:
+            # (a session of its own: cmake's compilers die with it when this process is stopped, by Ctrl-C or
+            # SIGTERM, rather than go on writing into the build directory it removes)
+            process = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+            try:
+                code = process.wait()
+            except BaseException:
+                os.killpg(process.pid, signal.SIGKILL)
+                process.wait()
+                raise
+            if code != 0:
                 raise ConfigError(f"building llama.cpp failed: `{' '.join(command[:4])} ...` (log: {log})")
 
     def bind(sdist: Path | str) -> None:
