@@ -379,14 +379,44 @@ def test_the_speedup_plot_names_its_baseline_and_leaves_out_methods_without_a_sp
     from speculant.bench.report import plot
     from speculant.bench.summary import MethodSummary
 
-    labels, bars = [], []
+    labels, bars, errors = [], [], []
     monkeypatch.setattr(matplotlib.axes.Axes, "set_ylabel", lambda self, text, *a, **k: labels.append(text))
     bar = matplotlib.axes.Axes.bar
     monkeypatch.setattr(matplotlib.axes.Axes, "bar", lambda self, x, heights, *a, **k:
-                        bars.append(list(heights)) or bar(self, x, heights, *a, **k))
+                        bars.append(list(heights)) or errors.append(k.get("yerr")) or bar(self, x, heights, *a, **k))
     rows = [MethodSummary("llamacpp-cli-ar", "t", 10, 1.0, 10.0, 10.0, speedup=1.0),
-            MethodSummary("ar", "t", 10, 1.0, 15.0, 15.0, speedup=1.5), MethodSummary("hf-ar", "t", 10, 1.0, 9.0, 9.0)]
+            MethodSummary("ar", "t", 10, 1.0, 15.0, 15.0, speedup=1.5, speedup_ci95=(1.25, 2.0)),
+            MethodSummary("hf-ar", "t", 10, 1.0, 9.0, 9.0)]
     assert (tmp_path / "speedup.png") in plot(rows, {}, tmp_path, "llamacpp-cli-ar")
-    assert bars == [[1.0, 1.5]] and labels[0] == "speedup over llamacpp-cli-ar (same run)"
+    assert bars == [[1.0, 1.5]] and labels[0] == "speedup over llamacpp-cli-ar (same run, 95% CI)"
+    assert errors[0] == [[0.0, 0.25], [0.0, 0.5]]  # (its interval drawn: none where the summary has none)
+    assert plot(rows[:2], {}, tmp_path)[0].name == "speedup.png"
+    assert labels[-1] == "speedup over its ar (same run, 95% CI)"
     # nothing to draw (a peer without a baseline, no drafts): no plot, and none left from the run before
     assert plot(rows[2:], {}, tmp_path) == [] and not list(tmp_path.glob("*.png"))
+
+
+def test_each_method_is_sped_up_over_the_ar_of_its_own_weights_and_a_mismatch_never_reads_100_percent(tmp_path):
+    """With `ar`, `ar:dtype=fp32` and `sd:...,dtype=fp32`, sd's speedup was over the first ar (other weights: 0.22x
+    where its own gave 0.85x) while its identity was checked against its own; and one output in 250 unlike ar's
+    printed as 100% identical."""
+    from speculant.bench.report import markdown_table
+    from speculant.bench.runner import Measurement
+    from speculant.decoding.stats import GenerationStats
+
+    methods = [parse_method(m) for m in ("ar", "ar:dtype=fp32", "sd:drafter=maxgram,dtype=fp32")]
+    weights = {methods[0].label: "lean", methods[1].label: "fp32", methods[2].label: "fp32"}
+    seconds = {methods[0].label: 1.0, methods[1].label: 4.0, methods[2].label: 2.0}
+    rows = [Measurement(f"p{i}", "c", spec.label, 0, weights[spec.label],
+                        [9] if spec is methods[2] and i == 0 else [1], GenerationStats(new_tokens=10,
+                        wall_s=seconds[spec.label], ttft_s=0.1)) for i in range(250) for spec in methods]
+    _, _, sd = summarize(rows, methods)
+    assert sd.speedup == pytest.approx(2.0) and sd.identical_to_ar == pytest.approx(0.996)
+    assert "| 99.6% |" in markdown_table([sd])
+
+
+def test_a_prompt_too_long_for_the_target_is_refused_before_the_first_generation():
+    target = HFCausalLM(tiny_transformer("llama", 0, 257), byte_tokenizer(), "tiny")
+    long = Prompt("long", "x" * (target.max_positions + 5))
+    with pytest.raises(ConfigError, match="prompt long: the prompt has .* holds at most"):
+        run_matrix(lambda dtype, backend: target, [parse_method("ar")], [Prompt("p1", "def f(x):"), long], 4)

@@ -79,8 +79,8 @@ def _law(spec: MethodSpec, sampling: SamplingConfig) -> tuple[float, int | None,
 def summarize(rows: list[Measurement], methods: list[MethodSpec], baseline: str | None = None,
               sampling: SamplingConfig = SamplingConfig()) -> list[MethodSummary]:
     """Per method; speedups over the method labelled `baseline` (default: the first `ar` listed that samples as the
-    method does in a run of `sampling`: a run may compare methods at several temperatures, each against its own
-    `ar`)."""
+    method does in a run of `sampling`, on the method's target weights where one does: a run may compare methods at
+    several temperatures, or dtypes, each against its own `ar`)."""
     by_method = {spec.label: [r for r in rows if r.method == spec.label] for spec in methods}
     ar_specs = [spec for spec in methods if spec.method == "ar"]
     ar_labels = [spec.label for spec in ar_specs]
@@ -90,8 +90,9 @@ def summarize(rows: list[Measurement], methods: list[MethodSpec], baseline: str 
         if not mine:
             continue
         alike = [a.label for a in ar_specs if _law(a, sampling) == _law(spec, sampling)]
+        mine_too = [label for label in alike if by_method[label] and by_method[label][0].target == mine[0].target]
         if baseline is None:
-            base = by_method[(alike or ar_labels)[0]] if ar_labels else []
+            base = by_method[(mine_too or alike or ar_labels)[0]] if ar_labels else []
         else:
             base = by_method[baseline]
         base_rows = {(r.prompt_id, r.repeat): r for r in base}
@@ -122,8 +123,7 @@ def summarize(rows: list[Measurement], methods: list[MethodSpec], baseline: str 
             summary.decode_speedup_ci95 = ratio_interval(mine, base, _decode_rate, lambda r: r.prompt_id)
         # Agreement only against an ar on the same weights that samples alike: another dtype's ar is another model's
         # output, and another temperature's another distribution's.
-        reference = next((by_method[label] for label in alike
-                          if by_method[label] and by_method[label][0].target == summary.target), None)
+        reference = by_method[mine_too[0]] if mine_too else None
         if reference:
             same = {(r.prompt_id, r.repeat): r.token_ids for r in reference}
             said = {(r.prompt_id, r.repeat): r.text or "" for r in reference}
