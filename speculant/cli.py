@@ -160,8 +160,8 @@ def build_parser() -> argparse.ArgumentParser:
                        help="run nothing: report a finished run's results.json again (with --baseline, --out)")
     bench.add_argument("--baseline", default=None, metavar="METHOD",
                        help="speedups over this method of the list, e.g. llamacpp-cli-ar, or default: each method's "
-                            "over the first ar that samples as it does, else the first ar (a run reported again: the "
-                            "baseline it was reported over)")
+                            "over the first ar that samples as it does (on its target weights where one ran), else "
+                            "the first ar (a run reported again: the baseline it was reported over)")
     add_options(bench, ModelConfig)
     bench.add_argument("--out", default=None, help="directory for results.json and report.md")
     bench.set_defaults(out_kind=DIRECTORY)
