@@ -69,10 +69,12 @@ def markdown_report(summaries: list[MethodSummary], by_category: dict[str, list[
     for category, summary in by_category.items():
         parts.append(f"\n## {category}\n\n{markdown_table(summary)}")
     over = f"`{baseline}` of the same run" if baseline else \
-        "the same run's first `ar` that samples as the method does (else its first `ar`)"
+        "the same run's first `ar` that samples as the method does, on its target weights where one ran (else " \
+        "its first `ar`)"
     parts.append(f"\nspeedup = total tokens / total time (whole requests, prefill included) over {over}, with a "
-                 "95% bootstrap interval over prompts (a prompt's repeats resampled together); median speedup = "
-                 "median of the ratios per prompt and repeat; decode = after the first token: tokens after the first "
+                 "95% bootstrap interval over prompts (a prompt's repeats resampled together; none over a single "
+                 "prompt); median speedup = median of the ratios per prompt and repeat; decode = after the first "
+                 "token: tokens after the first "
                  "over time after TTFT; mean accepted length = tokens committed per target "
                  "verification; SWI = standardized wall-time improvement, tokens / (target forwards + sum of drafter "
                  "forwards x c), c = a drafter's measured forward time over the target's (CS Drafting, section 5); "
