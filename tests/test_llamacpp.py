@@ -392,7 +392,7 @@ def fake_build(tmp_path, monkeypatch):
             tar.addfile(member, io.BytesIO())
         return archive
 
-    def run(command, stdout=None, stderr=None, env=None):
+    def popen(command, stdout=None, stderr=None, env=None, start_new_session=False):  # (done at once)
         calls.append(command)
         if "--build" in command:
             time.sleep(0.5)
@@ -400,12 +400,12 @@ def fake_build(tmp_path, monkeypatch):
             bin_dir.mkdir(parents=True)
             for name in llamacpp_build.TOOLS:
                 (bin_dir / name).write_text("")
-        return SimpleNamespace(returncode=0)
+        return SimpleNamespace(pid=0, wait=lambda: 0)
 
     monkeypatch.setenv("SPECULANT_CACHE", str(tmp_path))
     monkeypatch.setattr(llamacpp_build, "installed_version", lambda: "9.9.9")
     monkeypatch.setattr(llamacpp_build, "fetch_sdist", fetch_sdist)
-    monkeypatch.setattr(llamacpp_build, "subprocess", SimpleNamespace(run=run, STDOUT=subprocess.STDOUT))
+    monkeypatch.setattr(llamacpp_build, "subprocess", SimpleNamespace(Popen=popen, STDOUT=subprocess.STDOUT))
     monkeypatch.setattr(llamacpp_build.shutil, "which", lambda name: f"/usr/bin/{name}")
     yield calls
 
