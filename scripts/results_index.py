@@ -177,8 +177,8 @@ ENTRIES: dict[str, tuple[str, str, str | None, str | None, str | None]] = {
                             "`auto` with the prefix cache, `ar` without it, `llama-server` with its cache",
                             "OUT=docs/results/serve-conversations scripts/serve_conversations.sh", ZEN5, None),
     "gpu.md": ("GPU", "the static backend eager and compiled on an H100, then H200s (random weights): T(W), `ar` "
-               "against "
-               "transformers' compiled `generate`, speculation, `auto`", "python scripts/gpu_static.py OUT.json",
+               "against transformers' compiled `generate`, speculation, `auto`",
+               "python scripts/gpu_static.py OUT.json",
                "NVIDIA H100 80GB HBM3 (lent)", "8322759"),
     "gpu-h100.json": ("GPU", "the numbers of gpu.md", "python scripts/gpu_static.py OUT.json",
                       "NVIDIA H100 80GB HBM3 (lent)", None),

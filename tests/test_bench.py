@@ -397,9 +397,8 @@ def test_the_speedup_plot_names_its_baseline_and_leaves_out_methods_without_a_sp
 
 
 def test_each_method_is_sped_up_over_the_ar_of_its_own_weights_and_a_mismatch_never_reads_100_percent(tmp_path):
-    """With `ar`, `ar:dtype=fp32` and `sd:...,dtype=fp32`, sd's speedup was over the first ar (other weights: 0.22x
-    where its own gave 0.85x) while its identity was checked against its own; and one output in 250 unlike ar's
-    printed as 100% identical."""
+    """With `ar`, `ar:dtype=fp32` and `sd:...,dtype=fp32`, sd's speedup was over the first ar (other weights) while
+    its identity was checked against its own; and one output in 250 unlike ar's printed as 100% identical."""
     from speculant.bench.report import markdown_table
     from speculant.bench.runner import Measurement
     from speculant.decoding.stats import GenerationStats

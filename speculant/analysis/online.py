@@ -73,6 +73,10 @@ def simulate_online(target_ms: float, drafter_ms: float, acceptance: float, serv
             raise ConfigError(f"acceptance must lie in [0, 1], got {a}")
     if any(ms <= 0 for ms, _ in lineup):  # the offline simulation beside the twin's DSI needs a drafter's cost
         raise ConfigError(f"drafter latencies must be > 0 ms, got {', '.join(f'{ms:g}' for ms, _ in lineup)}")
+    costs = [ms for ms, _ in lineup]
+    for before, ms in zip(costs, costs[1:]):  # (Algorithm 1's drafters come in increasing cost: a cheaper one leads)
+        if ms < before:
+            raise ConfigError(f"more_drafter {ms:g} ms: each is costlier than the drafter before it ({before:g} ms)")
     if tokens < 2 or repeats < 1:
         raise ConfigError("tokens must be >= 2 and repeats >= 1")
     check_ray_address(ray_address, "ray_address")

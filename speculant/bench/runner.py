@@ -93,10 +93,11 @@ def run_matrix(
                         response_format=response_format, session=session_for(target, spec),
                         **as_keywords(spec.sampled(sampling)), **as_keywords(options))
 
-    encoded = [encode_prompt(target_for(None, None).tokenizer, p.text, p.chat) for p in prompts]
+    reference = target_for(None, None)
+    encoded = [encode_prompt(reference.tokenizer, p.text, p.chat) for p in prompts]
     for prompt, ids in zip(prompts, encoded):  # (refused before the first generation: not after the rows before it)
         try:
-            room_for(target_for(None, None), len(ids))
+            room_for(reference, len(ids))
         except ConfigError as error:
             raise ConfigError(f"prompt {prompt.id}: {error}") from None
     rows = []

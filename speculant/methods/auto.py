@@ -185,9 +185,8 @@ def build(request: Request, options: AutoOptions) -> Any:
     from speculant.drafters.cross_vocab import model_drafter
     from speculant.drafters.maxgram import MaxGramDrafter
     from speculant.drafters.model import ModelDrafter
-    from speculant.drafters.vocab import same_vocabulary
     from speculant.trees.drafter import TreeDrafter
-    from speculant.trees.method import check_width
+    from speculant.trees.method import check_width, drafts_trees_for
     from speculant.trees.shape import plan_width
 
     target, session = request.target, request.session
@@ -210,7 +209,8 @@ def build(request: Request, options: AutoOptions) -> Any:
                                         estimates, measured=match is None))  # (a user's: its drafts' time, once seen)
             continue
         models += 1
-        trees += same_vocabulary(target, source) and source.vocab_size == target.vocab_size  # (its rows too)
+        with_trees = drafts_trees_for(source, target)
+        trees += with_trees
         for width in options.tree_widths if options.tree_widths != AUTO else ():  # (whether or not it pays)
             check_width(width, source, "tree_widths")  # (a node's children: its likeliest tokens)
         profile = session.profile(source)
@@ -226,11 +226,10 @@ def build(request: Request, options: AutoOptions) -> Any:
                           catch_up=catch_up_cost(drafter, profile, session.prefixes), scale=scale, speed=speed,
                           growth=lambda length, profile=profile: profile.cost_at(1, length) / profile.cost(1))
         candidates.append(chain)
-        same_ids = isinstance(drafter, ModelDrafter)  # trees and reviews need the target's ids; trees its rows too
-        widths = options.tree_widths if same_ids and drafter.width is None else ()  # (`tree_drafter_model`)
-        if widths == AUTO and same_ids:
+        widths = options.tree_widths if with_trees else ()
+        if widths == AUTO:
             widths = (plan_width(target, source, request.prompt_ids, cost, profile.cost, session),)
-        for width in widths if same_ids else ():
+        for width in widths:
             if width < 2:  # (the plan's chain)
                 continue
             if not can_pay(profile.cost(width), cost, k_max, width):

@@ -144,11 +144,12 @@ class Steps:
     def summary(self, method: str, tokens: int) -> dict[str, Any]:
         self.close()
         steps = max(self.forwards - 1, 0)  # verification forwards
-        seen = {"drafted_tokens": self.drafted, "accepted_tokens": self.accepted,
+        if not self.verified:
+            return {"method": method, "drafted_tokens": None, "accepted_tokens": None, "mean_accepted_length": None,
+                    "target_forwards": None, "drafter_forwards": self.drafter_forwards}
+        return {"method": method, "drafted_tokens": self.drafted, "accepted_tokens": self.accepted,
                 "mean_accepted_length": round((tokens - 1) / steps, 3) if steps and tokens > 1 else 1.0,
-                "target_forwards": self.forwards}
-        return {"method": method, **{name: value if self.verified else None for name, value in seen.items()},
-                "drafter_forwards": self.drafter_forwards}
+                "target_forwards": self.forwards, "drafter_forwards": self.drafter_forwards}
 
 
 def draft_depths(call: Call | None) -> list[int]:

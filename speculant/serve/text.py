@@ -176,12 +176,18 @@ class TextStream:
         tag has come (a tag of several tokens: `<tool` may become `<tool_call>`, or stay answer text)."""
         if self.calls is None or self.call_at is not None or not self.stops:
             return 0
-        return next((n for n in range(min(len(self.calls) - 1, len(text)), 0, -1) if text.endswith(self.calls[:n])), 0)
+        return tag_tail(text, self.calls)
 
     def _take(self, end: int) -> str:
         end = max(end, self.sent)
         piece, self.sent = self.text[self.sent : end], end
         return piece
+
+
+def tag_tail(text: str, tag: str) -> int:
+    """Length of the longest tail of `text` that begins `tag` (and is not all of it): text that may yet become the
+    tag, as more tokens come."""
+    return next((n for n in range(min(len(tag) - 1, len(text)), 0, -1) if text.endswith(tag[:n])), 0)
 
 
 def _failure(stop: str) -> list[int]:

@@ -19,6 +19,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from speculant.models.wrappers.constrained import JSON_OPTIONS, Constraint
+from speculant.serve.text import tag_tail
 
 OPEN, CLOSE = "<tool_call>", "</tool_call>"
 CLOSING = re.compile(r"\s*" + re.escape(CLOSE))  # after a call's JSON
@@ -272,8 +273,7 @@ class ToolStream:
             self.calling = True
             end = at
         else:
-            end = len(self.text) - max((n for n in range(min(len(OPEN) - 1, len(self.text)), 0, -1)
-                                        if self.text.endswith(OPEN[:n])), default=0)
+            end = len(self.text) - tag_tail(self.text, OPEN)
         end = self.sent + len(self.text[self.sent:max(end, self.sent)].rstrip())  # (whitespace before a call is the
         piece, self.sent = self.text[self.sent:end], end  # format's: `parse` strips it, so it waits for what follows)
         return piece
@@ -299,8 +299,8 @@ def unwritten_names(tokenizer: Any, messages: list[dict[str, Any]], functions: l
               for i, message in enumerate(messages)]
     try:
         text = tokenizer.apply_chat_template(marked, tools=functions, add_generation_prompt=True, tokenize=False)
-    except Exception:  # noqa: BLE001 - the template is the model's code (it rendered these messages with their names)
-        text = ""
+    except Exception:  # noqa: BLE001 - the template is the model's code (it rendered these messages with their names,
+        return []  # so a failure on the markers alone says nothing of where it writes them)
     return [i for i, message in enumerate(messages) if "name" in message and f"{marker}{i}." not in text]
 
 

@@ -188,14 +188,21 @@ def fixed_shape(options: TreeOptions, target: Any, drafter: Any, prompt_ids: lis
     return None
 
 
-def tree_drafter_model(model: Any, target: Any) -> Any:
-    """`model`, checked to draft trees for `target`: a model with the target's vocabulary."""
-    from speculant.drafters.base import Drafter
+def drafts_trees_for(model: Any, target: Any) -> bool:
+    """Whether a loaded `model` can draft `target`'s trees: the target's vocabulary and rows (a tree's tokens are
+    its nodes' ids)."""
     from speculant.drafters.vocab import same_vocabulary
+
+    return same_vocabulary(target, model) and model.vocab_size == target.vocab_size
+
+
+def tree_drafter_model(model: Any, target: Any) -> Any:
+    """`model`, checked to draft trees for `target` (`drafts_trees_for`)."""
+    from speculant.drafters.base import Drafter
 
     if isinstance(model, Drafter):
         raise ConfigError(f"method 'tree' needs a model drafter (self or a model's name), not {model.name}")
-    if not same_vocabulary(target, model) or model.vocab_size != target.vocab_size:
+    if not drafts_trees_for(model, target):
         raise ConfigError(f"method 'tree' needs a drafter with the target's vocabulary; '{model.name}' has another "
                           "(it can draft chains: sd, auto, cascade, dsi)")
     return model

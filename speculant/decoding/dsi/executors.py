@@ -350,7 +350,8 @@ class RayUse:
         def keep() -> None:
             notes = logging.getLogger("ray._private")  # (on a cluster of its own, Ray's warnings that its SIGTERM
             level = notes.level  # handler waits for the main thread and that it made a token are not the user's)
-            notes.setLevel(logging.ERROR if not address else level)
+            if not address:
+                notes.setLevel(logging.ERROR)
             try:
                 ray.init(address=address, log_to_driver=False, configure_logging=False, **local)
             except BaseException as error:  # noqa: BLE001 - raised again in the caller's thread below

@@ -19,6 +19,7 @@ whole configuration as its operand; nothing else changes.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import os
@@ -172,7 +173,8 @@ def build(jobs: int | None = None, say: Callable[[str], None] = print) -> Path:
             try:
                 code = process.wait()
             except BaseException:
-                os.killpg(process.pid, signal.SIGKILL)
+                with contextlib.suppress(ProcessLookupError):  # (the group gone already: the interrupt stands)
+                    os.killpg(process.pid, signal.SIGKILL)
                 process.wait()
                 raise
             if code != 0:
