@@ -500,8 +500,10 @@ def run_bench(args: argparse.Namespace, argv: Sequence[str]) -> None:
     ran_over = saved["config"].get("baseline") if saved else None  # (a run reported again keeps its baseline)
     ran_over = None if ran_over == "default" else ran_over  # (as a run before this was saved said the default)
     baseline = ran_over if args.baseline is None else None if args.baseline == "default" else args.baseline
+    model = from_args(ModelConfig, args)
+    runs = [method.runs(model.dtype, model.backend, from_args(SamplingConfig, args)) for method in methods]
     for i, method in enumerate(methods):
-        if same := next((earlier for earlier in methods[:i] if earlier.runs == method.runs), None):
+        if same := next((earlier for earlier, its in zip(methods[:i], runs) if its == runs[i]), None):
             raise ConfigError(f"each method may be listed once: '{method.label}' runs what '{same.label}' runs")
     if baseline is not None and baseline not in {m.label for m in methods}:
         raise ConfigError(f"the baseline '{baseline}' is not among the methods")

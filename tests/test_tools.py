@@ -165,6 +165,19 @@ def test_a_call_s_arguments_are_an_object_whatever_its_parameters_allow():
     assert ok(ids(call("f", {"a": 1}))) and not ok(ids(call("f", 1)))
 
 
+def test_a_function_without_parameters_takes_no_arguments():
+    """OpenAI: omitting `parameters` defines a function with an empty parameter list (`{}` allows any object)."""
+    from helpers import BYTE_VOCAB, byte_tokenizer
+
+    tokenizer = byte_tokenizer()
+    ids = lambda text: tokenizer.encode(text, add_special_tokens=False)  # noqa: E731
+    bare = accepts(tokenizer, BYTE_VOCAB, "required", [{"type": "function", "function": {"name": "ping"}}])
+    assert bare(ids(call("ping", {}))) and not bare(ids(call("ping", {"city": "Paris"})))
+    anything = accepts(tokenizer, BYTE_VOCAB, "required", [{"type": "function", "function": {"name": "ping",
+                                                                                              "parameters": {}}}])
+    assert anything(ids(call("ping", {"city": "Paris"})))
+
+
 @pytest.mark.parametrize("parameters", [{"type": "array"}, {"anyOf": [{"type": "integer"}]}, {"enum": [1, 2]},
                                         {"const": "x"}, {"$ref": "#/$defs/a", "$defs": {"a": {"type": "string"}}}])
 def test_parameters_no_object_matches_get_a_400_naming_them(parameters):

@@ -34,12 +34,12 @@ class MethodSpec:
     def peer(self) -> bool:
         return self.method in PEERS
 
-    @property
-    def runs(self) -> tuple[Any, ...]:
-        """What it runs, however it was written (`sd:k=04` and `sd:k=4` alike; as written where not built)."""
+    def runs(self, dtype: str, backend: str, sampling: SamplingConfig) -> tuple[Any, ...]:
+        """What it runs in a run of `dtype`, `backend` and `sampling`, however it was written (`sd:k=04` and `sd:k=4`
+        alike, `ar:temperature=0` and `ar` in a greedy run; as written where not built)."""
         if self.options is None:
             return (self.label,)
-        return self.method, self.options, self.dtype, self.backend, tuple(sorted(self.sampling))
+        return self.method, self.options, self.dtype or dtype, self.backend or backend, self.sampled(sampling)
 
     def sets(self, name: str) -> bool:
         """Whether it sets `name` (a sampling setting, dtype or backend) itself, in place of the run's."""

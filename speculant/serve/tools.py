@@ -132,6 +132,9 @@ def _marker(tokenizer: Any, text: str) -> str | None:
     return None
 
 
+NO_PARAMETERS = {"type": "object", "properties": {}, "additionalProperties": False}  # a function that omits them
+
+
 def _arguments(parameters: dict[str, Any]) -> dict[str, Any]:
     """A function's parameters with every local `$ref` pointing where they now sit, at `#/$defs/arguments` of the call
     object's schema (a reference resolves from the root of the schema it is in: `#/$defs/Address` or a recursive
@@ -147,12 +150,14 @@ def _arguments(parameters: dict[str, Any]) -> dict[str, Any]:
 
 def call_schema(name: str, parameters: dict[str, Any] | None) -> dict[str, Any]:
     """The JSON schema of a call of function `name`: its name and its arguments, an object that matches
-    `parameters` (none: any object). The arguments are an object whatever `parameters` allow (OpenAI's describe
-    one, and `parse` takes no other), so parameters no object matches make a schema that does not compile."""
+    `parameters` (none: the empty object, OpenAI's "empty parameter list"; `{}`: any object). The arguments are an
+    object whatever `parameters` allow (OpenAI's describe one, and `parse` takes no other), so parameters no object
+    matches make a schema that does not compile."""
+    arguments = _arguments(NO_PARAMETERS if parameters is None else parameters)
     return {"type": "object", "properties": {"name": {"const": name}, "arguments": {
                 "allOf": [{"type": "object"}, {"$ref": "#/$defs/arguments"}]}},
             "required": ["name", "arguments"], "additionalProperties": False,
-            "$defs": {"arguments": _arguments(parameters or {})}, "x-guidance": JSON_OPTIONS}
+            "$defs": {"arguments": arguments}, "x-guidance": JSON_OPTIONS}
 
 
 def constraint(tokenizer: Any, functions: list[dict[str, Any]], choice: Any, parallel: bool,
