@@ -47,6 +47,8 @@ def test_every_method_equals_constrained_ar_and_the_text_matches(arch, name):
     for label, options in every_method(other).items():
         result = generate(target, prompt_ids=prompt, max_new_tokens=60, response_format=response_format, **options)
         assert result.token_ids == expected.token_ids, label
+        if label in ("sd itself", "sd other", "tree itself", "tree other", "cascade"):  # drafts the grammar allows
+            assert sum(result.stats.accepted_lengths) > 0, label
 
 
 def test_a_model_drafter_drafts_only_what_the_grammar_allows():
@@ -65,6 +67,26 @@ def test_a_model_drafter_drafts_only_what_the_grammar_allows():
         text = bytes(draft).decode("latin-1")
         valid = bool(re.fullmatch("(ab|ba)[0-9]{0,3}|(a|b)", text))  # the first five characters of a sentence
         assert valid == guided, text
+
+
+def test_a_tree_drafter_grows_only_paths_the_grammar_allows():
+    from speculant.api import decoded_target
+    from speculant.trees.baselines import nway_shape
+    from speculant.trees.drafter import TreeDrafter
+
+    target = byte_model("llama", 0)
+    other = byte_model("qwen2", 9)  # another random model: unguided, it drafts arbitrary bytes
+    prompt = list(b"Reply: ")
+    prefix = re.compile("(ab|ba)[0-9]{0,3}|(a|b)")  # the first characters of a sentence of "(ab|ba)[0-9]{2,5}"
+    constrained, _ = decoded_target(target, None, None, Constraint("regex", "(ab|ba)[0-9]{2,5}"))
+    constrained.prefill(prompt)
+    for guided, verifier in ((True, constrained), (False, target)):
+        for shape in (None, nway_shape(2, 3)):  # equal growth; a fixed shape (two ways: the grammar allows two)
+            drafter = TreeDrafter(other, 3, shape=shape, verifier=verifier)
+            tree = drafter.propose_tree(prompt, 3, 3).tree
+            paths = [bytes(tree.tokens[n] for n in tree.path_to(node)[1:]).decode("latin-1")
+                     for node in range(1, len(tree))]
+            assert len(paths) >= 6 and all(prefix.fullmatch(path) for path in paths) == guided, (shape, paths)
 
 
 def test_sampling_follows_the_constrained_distribution():

@@ -189,14 +189,15 @@ class CascadeDrafter(Drafter):
                 ) -> tuple[list[int], Rows]:
         """One forward of `reviewer` over `sub`: its accepted prefix plus the reviewer's own next token,
         each with the distribution it was drawn from (CS Drafting, Algorithm 1, inner review). Its rows are read
-        as the target's (`ModelDrafter.as_target_rows`), and it reviews no further than its own positions and ids
+        as the target's (`ModelDrafter.as_target_rows`; under structured output, as the grammar allows:
+        `guided_rows`), and it reviews no further than its own positions and ids
         (`ModelDrafter.readable`)."""
         room = reviewer.room(len(context))
         if room <= 0 or reviewer.readable(context) < len(context):
             return [], []
         room = min(room, reviewer.readable(sub))  # (none: the reviewer's own next token)
         sub, sub_rows = sub[:room], sub_rows[:room]
-        logits = reviewer.as_target_rows(reviewer.score(context, sub))  # [len(sub) + 1, vocab]
+        logits = reviewer.guided_rows(reviewer.as_target_rows(reviewer.score(context, sub)), context, sub)
         if self.sampling.greedy:
             q_x = None if self.leniency == 1 else torch.tensor(
                 [float(r[t]) if r is not None else 1.0 for t, r in zip(sub, sub_rows)], device=logits.device)

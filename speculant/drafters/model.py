@@ -60,7 +60,7 @@ class ModelDrafter(Drafter):
         probs: list[torch.Tensor] = []
         for i in range(k):
             logits = self.restricted(logits)
-            if self.guide is not None and (logits := self.guided(logits, context + tokens)) is None:
+            if self.guide is not None and (logits := guided(self.guide, logits, context + tokens)) is None:
                 break  # the grammar allows nothing after this prefix: the draft ends
             q = logits_to_probs(logits, self.sampling) if not self.sampling.greedy else None
             tokens.append(next_token(logits, self.sampling, None) if q is None else sample(q, self.generator))
@@ -107,18 +107,14 @@ class ModelDrafter(Drafter):
             return logits
         return torch.nn.functional.pad(logits, (0, self.width - logits.shape[-1]), value=float("-inf"))
 
-    def guided(self, logits: torch.Tensor, prefix: list[int]) -> torch.Tensor | None:
-        """A row with what the `guide` forbids after `prefix` at -inf (structured output: a draft the target's
-        grammar would reject at once is not worth its forwards), or None where it allows nothing."""
-        allowed = self.guide(prefix)
-        if allowed is None:  # the context has left the grammar: draft as usual, the target rejects
+    def guided_rows(self, logits: torch.Tensor, context: list[int], tokens: list[int]) -> torch.Tensor:
+        """`score`'s rows (after `context`, then after each of `tokens`) with what the guide forbids after each prefix
+        at -inf, as the drafter's own tokens would be drawn (a row after which the grammar allows nothing stays as
+        it is: the target rejects what follows)."""
+        if self.guide is None:
             return logits
-        if not bool(allowed.any()):
-            return None
-        n = min(len(allowed), logits.shape[-1])
-        row = torch.full_like(logits, float("-inf"))
-        row[..., :n] = logits[..., :n].masked_fill(~allowed[:n].to(logits.device), float("-inf"))
-        return row
+        return torch.stack([row if (kept := guided(self.guide, row, context + tokens[:i])) is None else kept
+                            for i, row in enumerate(logits)])
 
     def score(self, context: list[int], draft: list[int]) -> torch.Tensor:
         """Logits after context[-1] and after each draft token, [1 + len(draft), vocab], in one forward."""
@@ -130,3 +126,19 @@ class ModelDrafter(Drafter):
 
     def observe(self, n_accepted: int) -> None:
         """Nothing to do: the next proposal re-synchronises the cache from the context itself."""
+
+
+def guided(guide: Callable[[list[int]], torch.Tensor | None], logits: torch.Tensor, prefix: list[int]
+           ) -> torch.Tensor | None:
+    """`logits` (a row, or rows) with what `guide` (the target's `draft_guide` under structured output) forbids after
+    `prefix` at -inf: a draft token the target's grammar would reject at once is not worth its forwards. None where
+    the grammar allows nothing after `prefix`; `logits` as they are where `prefix` has left the grammar."""
+    allowed = guide(prefix)
+    if allowed is None:  # the context has left the grammar: draft as usual, the target rejects
+        return logits
+    if not bool(allowed.any()):
+        return None
+    n = min(len(allowed), logits.shape[-1])
+    row = torch.full_like(logits, float("-inf"))
+    row[..., :n] = logits[..., :n].masked_fill(~allowed[:n].to(logits.device), float("-inf"))
+    return row

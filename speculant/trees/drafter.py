@@ -10,6 +10,7 @@ from collections.abc import Callable
 import torch
 
 from speculant.drafters.base import Draft, Drafter
+from speculant.drafters.model import guided
 from speculant.models.base import CausalLM, DraftCache
 from speculant.models.wrappers.metered import Usage, metered
 from speculant.trees.tree import TokenTree
@@ -25,7 +26,8 @@ class TreeDrafter(Drafter):
     depth decided before drafting, on a model that `drafts_trees` (the static backend), grows on the device in one
     call (one compiled graph: `trees.levels`). Its `verifier` (the target) bounds a tree's nodes, by the positions its
     cache has left and the nodes one of its tree forwards takes, as the drafter's own positions do: trees are cut to
-    fit."""
+    fit. Under structured output (the verifier's `draft_guide`) each node's children are those the grammar allows
+    after its path, as a chain drafter's tokens are (the target rejects any other at once), drafted level by level."""
 
     def __init__(self, model: CausalLM | DraftCache, width: int,
                  chooser: Callable[[torch.Tensor, int, bool], int] | None = None, shape: TokenTree | None = None,
@@ -36,7 +38,8 @@ class TreeDrafter(Drafter):
         self.width = width
         self.chooser = chooser
         self.shape = shape
-        self.graph = graph and self.model.capabilities.drafts_trees
+        self.guide = verifier.draft_guide if verifier is not None else None
+        self.graph = graph and self.model.capabilities.drafts_trees and self.guide is None
         self.positions = [m.max_positions for m in (verifier, self.model) if m is not None and m.max_positions]
         self.most_nodes = verifier.capabilities.tree_nodes if verifier is not None else None
 
@@ -79,6 +82,9 @@ class TreeDrafter(Drafter):
             return self.propose_shape(context, depth)
         before = self.model.usage
         logits = self.cache.run(context)  # the tree nodes cached after it are dropped by the next run
+        if self.guide is not None and (logits := guided(self.guide, logits, context)) is None:
+            return Draft([], usage={self.name: self.model.usage - before}, tree=TokenTree((context[-1],), (-1,)),
+                         path_probs=[1.0])
         if self.chooser is not None:
             width = self.chooser(torch.softmax(logits[-1].float(), -1), depth, cost is None)
         depth, width = self.fit(len(context), depth, width)
@@ -90,11 +96,17 @@ class TreeDrafter(Drafter):
         frontier: list[tuple[float, int, int]] = []  # (path log-probability, parent node, token)
         new_nodes = [0]
         for step in range(depth):
-            for node, row in zip(new_nodes, torch.log_softmax(logits, -1)):
+            rows = torch.log_softmax(logits, -1) if self.guide is None or step == 0 else \
+                self._guided_rows(logits, context, tokens, parents, new_nodes)
+            for node, row in zip(new_nodes, rows):
+                if row is None:  # (the grammar allows nothing after its path)
+                    continue
                 values, ids = row.topk(width)
-                frontier += [(scores[node] + float(v), node, int(t)) for v, t in zip(values, ids)]
+                frontier += [(scores[node] + float(v), node, int(t)) for v, t in zip(values, ids) if v > -math.inf]
             frontier.sort(reverse=True)
             chosen, frontier = frontier[:width], frontier[width:]
+            if not chosen:  # (no token the drafter gives a probability, or the grammar allows)
+                break
             new_nodes = list(range(len(tokens), len(tokens) + len(chosen)))
             for score, parent, token in chosen:
                 tokens.append(token)
@@ -126,6 +138,9 @@ class TreeDrafter(Drafter):
         row_of = {0: 0}  # the last level's nodes, each's row in `logits`
         for d in range(1, min(depth, max(depths)) + 1):
             rows = torch.log_softmax(logits.float(), -1)
+            if self.guide is not None:  # (a node the grammar allows no child of keeps the shape's: it is rejected)
+                rows = [row if guide is None else guide for row, guide in
+                        zip(rows, self._guided_rows(logits.float(), context, tokens, parents, list(row_of)))]
             added = []
             for node in (n for n in range(len(self.shape)) if depths[n] == d):
                 parent = self.shape.parents[node]
@@ -139,6 +154,20 @@ class TreeDrafter(Drafter):
                 logits = self.model.forward(tokens[-len(added):], tree=tree)
             row_of = {node: i for i, node in enumerate(added)}
         return self._drafted(tokens, parents, scores, before)
+
+    def _guided_rows(self, logits: torch.Tensor, context: list[int], tokens: list[int], parents: list[int],
+                     nodes: list[int]) -> list[torch.Tensor | None]:
+        """The log-probabilities of each of `nodes`' children (`logits`, a row per node) with what the guide forbids
+        after the node's path at -inf; None for a node after which it allows nothing."""
+        rows: list[torch.Tensor | None] = []
+        for node, row in zip(nodes, logits):
+            path = []
+            while node > 0:
+                path.append(tokens[node])
+                node = parents[node]
+            allowed = guided(self.guide, row, context + path[::-1])
+            rows.append(None if allowed is None else torch.log_softmax(allowed, -1))
+        return rows
 
     def _drafted(self, tokens: list[int], parents: list[int], scores: list[float], before: Usage) -> Draft:
         """The tree of `tokens` and `parents` with its nodes' path probabilities (from the log-probabilities
