@@ -213,6 +213,10 @@ class ScriptedDrafter(Drafter):
         pass
 
 
+DRAFTS_ACCEPTED = ("sd itself", "sd other", "tree itself", "tree other", "cascade")  # `every_method`'s runs whose
+# drafts a test asserts are accepted, where `other` agrees with the target often (a perturbed copy, other quants)
+
+
 def every_method(other) -> dict[str, dict]:
     """The method runs a backend's exactness test compares with its greedy `ar`; `other` is a second model
     on the same backend."""

@@ -35,10 +35,14 @@ def levels_for(names, target, seed, prompt):
     return [sources[name] for name in names]
 
 
+# A leniency per cascade of several levels at which its lenient reviews keep drafts an exact review would not (with
+# Max-Gram reviewed, whose q is 1, where p > 1 / leniency: these peaked models ask much of it).
+LENIENT = {"model+maxgram": 30.0, "big+small+maxgram": 3.0}
+
+
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("arch", ARCHS)
-@pytest.mark.parametrize(("shape", "leniency"), [(shape, leniency) for shape in SHAPES for leniency in (1.0, 3.0)
-                                                 if leniency == 1 or len(SHAPES[shape][0]) > 1])  # (else: refused)
+@pytest.mark.parametrize(("shape", "leniency"), [(shape, 1.0) for shape in SHAPES] + list(LENIENT.items()))
 def test_greedy_cascades_match_autoregressive(arch, shape, leniency, device):
     names, matrices = SHAPES[shape]
     for seed in range(3):

@@ -138,6 +138,9 @@ PROMPTS = ["def quick", "naïve élan 中", "递归 🐍 return value"]
 
 @pytest.mark.parametrize("arch", ARCHS + MORE_ARCHS)
 def test_greedy_drafts_across_vocabularies_match_autoregressive(arch, tokenizers):
+    """A random drafter of another vocabulary (its drafts rejected), and one that knows the text in its own tokens
+    (its drafts accepted, as far as they spell the target's text)."""
+    accepted = 0
     for seed in range(3):
         target, drafter = greedy_pair(arch, seed, tokenizers)
         for prompt in PROMPTS:
@@ -145,6 +148,11 @@ def test_greedy_drafts_across_vocabularies_match_autoregressive(arch, tokenizers
             for k in (1, 3, 5):
                 sd = generate(target, prompt, drafter=drafter, k=k, max_new_tokens=20)
                 assert sd.token_ids == ar.token_ids, (arch, seed, prompt, k)
+            oracle = TextOracle(drafter.tokenizer, prompt + ar.text)
+            sd = generate(target, prompt, drafter=oracle, k=4, max_new_tokens=20)
+            assert sd.token_ids == ar.token_ids, (arch, seed, prompt, "oracle")
+            accepted += sum(sd.stats.accepted_lengths)
+    assert accepted > 30, arch  # (of 180 tokens: the oracle is lost where the text splits a character)
 
 
 class TextOracle(OracleLM):

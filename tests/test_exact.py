@@ -8,7 +8,7 @@ import torch
 import torch.nn.functional as F
 
 import speculant.models.backends.hf as hf
-from helpers import ARCHS, MORE_ARCHS, random_prompt, tiny_transformer
+from helpers import ARCHS, MORE_ARCHS, perturbed, random_prompt, tiny_transformer
 from speculant import generate, load_model
 from speculant.models.numerics import exact
 from speculant.models.numerics import native
@@ -63,7 +63,7 @@ def test_every_method_equals_ar_in_bf16_and_fp32(arch, dtype):
     for seed in range(2):
         model = tiny_transformer(arch, seed, 97, init_std=0.1, hidden=64)
         target = load_model(model, dtype=dtype)
-        drafter = load_model(tiny_transformer(arch, seed + 10, 97, init_std=0.1, hidden=64), dtype=dtype)
+        drafter = perturbed(target, 0.05, seed)  # (it agrees often: the accepted paths are what is tested)
         prompt = random_prompt(seed, 97, 5) * 3
         expected = generate(target, prompt_ids=prompt, method="ar", max_new_tokens=30).token_ids
         runs = {
@@ -74,8 +74,9 @@ def test_every_method_equals_ar_in_bf16_and_fp32(arch, dtype):
             "dsi": dict(method="dsi", drafter="self", servers=2, lookahead=3),
         }
         for name, options in runs.items():
-            got = generate(target, prompt_ids=prompt, max_new_tokens=30, **options).token_ids
-            assert got == expected, (name, seed)
+            got = generate(target, prompt_ids=prompt, max_new_tokens=30, **options)
+            assert got.token_ids == expected, (name, seed)
+            assert name == "sd-maxgram" or sum(got.stats.accepted_lengths) > 0, (name, seed)  # (drafts accepted)
 
 
 def test_repetitive_prompts_with_maxgram_in_bf16_where_plain_kernels_disagree():

@@ -9,7 +9,8 @@ import gguf
 import numpy as np
 import pytest
 import torch
-from helpers import BYTE_VOCAB, assert_trees_fit_the_last_positions, byte_tokenizer, every_method, greedy
+from helpers import (BYTE_VOCAB, DRAFTS_ACCEPTED, assert_trees_fit_the_last_positions, byte_tokenizer, every_method,
+                     greedy)
 from tiny_gguf import dequantized_transformer, write_tiny_gguf
 
 from speculant import generate, kernels
@@ -25,19 +26,22 @@ TREE = TokenTree((7, 11, 12, 13, 21, 22, 31), (-1, 0, 0, 0, 1, 1, 4))
 
 @pytest.fixture(scope="module")
 def lean_files(tmp_path_factory):
-    """{(variant, seed): (path, the transformers model written)}; repacked weights go to a throwaway cache."""
+    """{(variant, seed): (path, the transformers model written)}, and (variant, "q8_0"): seed 0's weights in Q8_0 (a
+    drafter that agrees with seed 0's often); repacked weights go to a throwaway cache."""
     root = tmp_path_factory.mktemp("lean")
     files = {}
     for variant, (arch, window) in VARIANTS.items():
         for seed in (0, 7):
             path = root / f"{variant}-{seed}.gguf"
             files[variant, seed] = (path, write_tiny_gguf(path, arch, seed, "k", hidden=256, window=window))
+        path = root / f"{variant}-q8_0.gguf"
+        files[variant, "q8_0"] = (path, write_tiny_gguf(path, arch, 0, "q8_0", hidden=256, window=window))
     with pytest.MonkeyPatch.context() as patch:
         patch.setenv("SPECULANT_CACHE", str(root / "cache"))
         yield files
 
 
-def lean(lean_files, variant, seed=0) -> LeanCausalLM:
+def lean(lean_files, variant, seed: int | str = 0) -> LeanCausalLM:
     return load_model(str(lean_files[variant, seed][0]), backend="lean", tokenizer=byte_tokenizer())
 
 
@@ -117,13 +121,14 @@ def test_keep_refuses_positions_that_do_not_ascend_within_the_cache(lean_files):
 @pytest.mark.parametrize("variant", VARIANTS)
 def test_every_method_equals_ar_on_the_lean_model(lean_files, variant):
     for seed in (0, 1):
-        target, other = lean(lean_files, variant), lean(lean_files, variant, 7)
+        target, other = lean(lean_files, variant), lean(lean_files, variant, "q8_0")  # (other: drafts accepted)
         prompt = prompt_ids(seed + 10)
         expected = generate(target, prompt_ids=prompt, method="ar", max_new_tokens=24, logprobs=2)
         for label, options in every_method(other).items():
             result = generate(target, prompt_ids=prompt, max_new_tokens=24, logprobs=2, **options)
             assert result.token_ids == expected.token_ids, label
             assert result.logprobs == expected.logprobs, label  # row-invariant: the same values, bit for bit
+            assert label not in DRAFTS_ACCEPTED or sum(result.stats.accepted_lengths) > 0, label
 
 
 def test_trees_near_the_end_of_the_cache_fit_the_slots_left(lean_files):
@@ -432,7 +437,9 @@ def test_every_method_equals_ar_on_every_architecture(typed_files, arch):
     prompt = prompt_ids(20)
     expected = generate(target, prompt_ids=prompt, method="ar", max_new_tokens=16)
     for label, options in every_method(target.share()).items():
-        assert generate(target, prompt_ids=prompt, max_new_tokens=16, **options).token_ids == expected.token_ids, label
+        result = generate(target, prompt_ids=prompt, max_new_tokens=16, **options)
+        assert result.token_ids == expected.token_ids, label
+        assert label not in DRAFTS_ACCEPTED or sum(result.stats.accepted_lengths) > 0, label
 
 
 def test_a_user_s_gguf_runs_on_lean_where_it_can_and_says_why_in_one_line(typed_files, tmp_path, monkeypatch, caplog):

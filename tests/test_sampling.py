@@ -110,12 +110,16 @@ def empirical_marginals(target, prompt, draws, n=3, config=SamplingConfig(TEMPER
     return counts / draws
 
 
-def sampling_pair(seed: int = 21, device: str = "cpu", drafter_device: str | None = None):
-    """A target and a very different drafter (a very different q) on the 12-token vocabulary, and a prompt: Markov
-    models, so that thousands of generations take seconds (the transformers backends' own sampling runs in
-    `test_autoregressive_sampling_matches_target_distribution`, the cross-vocabulary and constrained tests)."""
-    return (MarkovLM(VOCAB, seed, device=device), MarkovLM(VOCAB, seed + 1, device=drafter_device or device),
-            random_prompt(seed, VOCAB, 6))
+def sampling_pair(seed: int = 21, device: str = "cpu", drafter_device: str | None = None, near: bool = False):
+    """A target and a very different drafter (a very different q; `near`: the target's logits with a little noise)
+    on the 12-token vocabulary, and a prompt: Markov models, so that thousands of generations take seconds (the
+    transformers backends' own sampling runs in `test_autoregressive_sampling_matches_target_distribution`, the
+    cross-vocabulary and constrained tests)."""
+    target = MarkovLM(VOCAB, seed, device=device)
+    noise = torch.randn(target.table.shape, generator=torch.Generator().manual_seed(seed + 1)).to(device)
+    drafter = MarkovLM(VOCAB, seed + 1, device=drafter_device or device,
+                       table=(target.table + 0.3 * noise).to(drafter_device or device) if near else None)
+    return target, drafter, random_prompt(seed, VOCAB, 6)
 
 
 def assert_follows_target(target, prompt, config=SamplingConfig(TEMPERATURE), **kwargs):
@@ -128,11 +132,15 @@ def assert_follows_target(target, prompt, config=SamplingConfig(TEMPERATURE), **
 
 
 @pytest.mark.parametrize("device", DEVICES)
-@pytest.mark.parametrize("k, verifier", [(1, "block"), (3, "block"), (3, "token")])
-def test_speculative_sampling_matches_target_distribution_end_to_end(k, verifier, device):
-    target, drafter, prompt = sampling_pair(device=device)
+@pytest.mark.parametrize("k, verifier, near", [(1, "block", False), (3, "block", False), (3, "token", False),
+                                               (2, "block", True), (2, "token", True)])
+def test_speculative_sampling_matches_target_distribution_end_to_end(k, verifier, near, device):
+    """A very different drafter (a sampler ignoring p would fail; its drafts are never accepted whole) and a near
+    one (its drafts of two are often accepted whole: the third token checked is then the one after them)."""
+    target, drafter, prompt = sampling_pair(device=device, near=near)
     q1 = logits_to_probs(drafter.prefill(prompt), SamplingConfig(TEMPERATURE)).cpu()
-    assert total_variation(exact_marginals(target, prompt, n=1)[0], q1) > 0.3  # a sampler ignoring p would fail
+    distance = total_variation(exact_marginals(target, prompt, n=1)[0], q1)
+    assert distance < 0.2 if near else distance > 0.3
     assert_follows_target(target, prompt, drafter=drafter, k=k, verifier=verifier)
 
 

@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from helpers import total_variation
-from speculant.verify import verify_greedy, verify_sampling
+from speculant.verify import verify_block, verify_greedy, verify_sampling
 
 
 def one_hot_logits(tokens: list[int], vocab: int = 10) -> torch.Tensor:
@@ -66,13 +66,19 @@ def test_deterministic_draft_is_verified_as_one_hot_q(fixed_draft):
     assert total_variation(first, P) < 0.03
 
 
-def test_identical_p_and_q_accept_everything():
+@pytest.mark.parametrize("verify", [verify_sampling, verify_block])
+def test_identical_p_and_q_accept_everything_and_draw_the_next_token_from_the_row_after(verify):
+    """q = p on every drafted position: every draft is kept, and the token after it follows p's row after the last
+    (each row another distribution, so a draw from any other row shows)."""
     generator = torch.Generator().manual_seed(1)
-    p = torch.stack([P, P, P])
-    for _ in range(200):
-        draft = torch.multinomial(P, 2, replacement=True, generator=generator)
-        n, _ = verify_sampling(draft, p, torch.stack([P, P]), generator)
+    p = torch.softmax(torch.randn(3, len(P), generator=generator) * 2, -1)
+    counts = torch.zeros(len(P))
+    for _ in range(3000):
+        draft = torch.stack([torch.multinomial(row, 1, generator=generator)[0] for row in p[:2]])
+        n, token = verify(draft, p, p[:2], generator)
         assert n == 2
+        counts[token] += 1
+    assert total_variation(counts / counts.sum(), p[2]) < 0.04 < total_variation(p[1], p[2])
 
 
 def test_token_impossible_under_target_is_rejected_and_never_recovered():
