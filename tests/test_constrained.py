@@ -68,6 +68,47 @@ def test_a_model_drafter_drafts_only_what_the_grammar_allows():
         assert valid == guided, text
 
 
+def test_a_drafter_that_gives_every_allowed_token_no_chance_passes_on_no_forbidden_token():
+    """A drafter whose logits are -inf on every token the grammar allows (a head without them, as FR-Spec's): its
+    chain ends there, and as a cascade's sampled reviewer its rows stay distributions (a row all -inf made a NaN q,
+    which the verifiers read as accepting any token), so a forbidden token below it is never kept."""
+    from speculant.config import SamplingConfig
+    from speculant.drafters.base import Draft, Drafter
+    from speculant.drafters.cascade import CascadeDrafter
+    from speculant.drafters.model import ModelDrafter
+    from speculant.verify import verify_block, verify_sampling
+
+    class Forbidden(Drafter):
+        name = "forbidden"
+
+        def propose(self, context, k):
+            return Draft([7] * k, None)
+
+    model, prompt, sampling = byte_model("llama", 0), list(b"Reply: "), SamplingConfig(temperature=1.0)
+    generator = torch.Generator().manual_seed(0)
+    reviewer = ModelDrafter(model, sampling, generator, allowed=torch.arange(257) < 200, width=257,
+                            guide=lambda prefix: torch.arange(257) == 250)  # the grammar allows 250 alone
+    assert reviewer.propose(prompt, 3).tokens == []
+    draft = CascadeDrafter([reviewer, Forbidden()], [[3, 0], [3]], 1.0, sampling, generator).propose(prompt, 3)
+    assert draft.probs is not None and bool(torch.isfinite(draft.probs).all())
+    p = torch.zeros(len(draft.tokens) + 1, 257)
+    p[:, 250] = 1.0  # the constrained target
+    for verify in (verify_sampling, verify_block):
+        n, token = verify(torch.tensor(draft.tokens), p, draft.probs, torch.Generator().manual_seed(1))
+        assert 7 not in draft.tokens[:n] and token == 250, verify
+
+
+def test_trees_drafted_ahead_under_a_grammar_start_from_a_token_it_allows():
+    """Stage scheduling guesses the token after the likeliest path as the grammar allows it (the drafter's own
+    likeliest, outside the grammar, was never committed: every tree drafted ahead was dropped)."""
+    target, prompt = byte_model("llama", 0), list(b"Reply: ")
+    hexadecimal = {"type": "regex", "regex": "[0-9a-f]{40}"}
+    expected = generate(target, prompt_ids=prompt, method="ar", max_new_tokens=48, response_format=hexadecimal)
+    result = generate(target, prompt_ids=prompt, method="tree", drafter="self", depth=3, width=3, schedule="stage",
+                      max_new_tokens=48, response_format=hexadecimal)
+    assert result.token_ids == expected.token_ids and result.stats.stage.hits > result.stats.stage.drafted / 2
+
+
 def test_a_tree_drafter_grows_only_paths_the_grammar_allows():
     from speculant.api import decoded_target
     from speculant.trees.baselines import nway_shape

@@ -130,15 +130,14 @@ class ModelDrafter(Drafter):
 
 def guided(guide: Callable[[list[int]], torch.Tensor | None], logits: torch.Tensor, prefix: list[int]
            ) -> torch.Tensor | None:
-    """`logits` (a row, or rows) with what `guide` (the target's `draft_guide` under structured output) forbids after
-    `prefix` at -inf: a draft token the target's grammar would reject at once is not worth its forwards. None where
-    the grammar allows nothing after `prefix`; `logits` as they are where `prefix` has left the grammar."""
+    """`logits` (a row) with what `guide` (the target's `draft_guide` under structured output) forbids after `prefix`
+    at -inf: a draft token the target's grammar would reject at once is not worth its forwards. None where the
+    grammar allows nothing after `prefix` that the drafter gives a chance (its row all -inf: no distribution, and a
+    NaN q would pass any token); `logits` as they are where `prefix` has left the grammar."""
     allowed = guide(prefix)
     if allowed is None:  # the context has left the grammar: draft as usual, the target rejects
         return logits
-    if not bool(allowed.any()):
-        return None
     n = min(len(allowed), logits.shape[-1])
     row = torch.full_like(logits, float("-inf"))
     row[..., :n] = logits[..., :n].masked_fill(~allowed[:n].to(logits.device), float("-inf"))
-    return row
+    return row if bool(torch.isfinite(row).any()) else None

@@ -1,6 +1,7 @@
 """Equal-growth draft trees (Yggdrasil, Guan et al., section 4.1): every drafting step adds exactly
 `width` nodes, the frontier candidates with the highest path probability anywhere in the tree, and
-scores them in one batched tree forward of the drafter model, so shapes stay static."""
+scores them in one batched tree forward of the drafter model, so shapes stay static (fewer only where fewer
+candidates have any probability: under structured output, where the grammar allows fewer)."""
 
 from __future__ import annotations
 

@@ -1,5 +1,6 @@
 """Equal growth on the device (Yggdrasil, Guan et al. 2025, section 6: a tree's draft levels as one graph): the same
-tree `trees.drafter.TreeDrafter` grows level by level from Python, written as tensor operations of static shapes,
+tree `trees.drafter.TreeDrafter` grows level by level from Python (where every level has `width` candidates of some
+probability; a grammar's trees, which may have fewer, grow from Python), written as tensor operations of static shapes,
 so that a backend can run all of a tree's levels as one compiled graph (one CUDA graph on a GPU) with no host work
 and no host sync between them.
 

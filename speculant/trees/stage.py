@@ -19,6 +19,7 @@ from dataclasses import dataclass, replace
 import torch
 
 from speculant.drafters.base import Draft
+from speculant.drafters.model import guided
 from speculant.models.wrappers.metered import Usage
 from speculant.trees.drafter import TreeDrafter
 from speculant.trees.tree import TokenTree
@@ -76,7 +77,9 @@ class Ahead:
         began, before = time.perf_counter(), self.drafter.model.usage
         with torch.cuda.stream(self.stream) if self.stream is not None else nullcontext():
             try:
-                guess = int(self.drafter.cache.run(assumed)[-1].argmax())
+                logits = self.drafter.cache.run(assumed)[-1]  # (under structured output, a token the grammar allows)
+                allowed = guided(self.drafter.guide, logits, assumed) if self.drafter.guide is not None else None
+                guess = int((logits if allowed is None else allowed).argmax())
                 context = assumed + [guess]
                 tree = self.drafter.propose_tree(context, depth, width, cost)
             finally:
