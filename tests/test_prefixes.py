@@ -22,9 +22,9 @@ from speculant.serve.metrics import Metrics
 @pytest.fixture(scope="module")
 def files(tmp_path_factory):
     root = tmp_path_factory.mktemp("prefixes")
-    paths = [root / f"qwen2-{seed}.gguf" for seed in (0, 7)] + [root / "llama-window.gguf"]
-    for seed, path in zip((0, 7), paths):
-        write_tiny_gguf(path, "qwen2", seed, "k", hidden=256)
+    paths = [root / "qwen2-0.gguf", root / "qwen2-0-q8_0.gguf", root / "llama-window.gguf"]
+    for quant, path in zip(("k", "q8_0"), paths):  # (the second, a drafter that agrees with the first often)
+        write_tiny_gguf(path, "qwen2", 0, quant, hidden=256)
     write_tiny_gguf(paths[2], "llama", 0, "k", hidden=256, window=40)  # a prompt part sees less than its blocks
     with pytest.MonkeyPatch.context() as patch:
         patch.setenv("SPECULANT_CACHE", str(root / "cache"))
@@ -136,11 +136,16 @@ def test_shared_prefixes_are_kept_once_and_the_budget_holds():
 
 
 @pytest.mark.parametrize("method", ["ar", "sd", "auto"])
-def test_served_outputs_and_logprobs_equal_with_and_without_the_cache(files, method):
+def test_served_outputs_and_logprobs_equal_with_and_without_the_cache(files, method, monkeypatch):
     """A conversation's second turn resends the first's prompt and reply: with the cache its prefill starts from
     the first turn's blocks (the target's and the drafter's), and every token and log-probability equals a server
-    without the cache's, greedy and sampled with a seed."""
+    without the cache's, greedy and sampled with a seed. The drafter agrees with the target often (and auto is
+    told that it pays), so its restored rows draft what is accepted."""
+    from test_auto import costs, invent
+
     target, drafter = lean(files[0]), lean(files[1])
+    if method == "auto":
+        invent(monkeypatch, costs(target))
     options = {"ar": {}, "sd": {"drafter": drafter, "k": 3}, "auto": {"drafters": (drafter, "maxgram")}}[method]
     outcomes = {}
     for budget in (0, 64):
@@ -156,6 +161,7 @@ def test_served_outputs_and_logprobs_equal_with_and_without_the_cache(files, met
             outcome = done[0]
             assert not isinstance(outcome, BaseException), outcome
             turns.append((outcome.text, [(e.token, e.logprob, e.top) for e in outcome.logprobs]))
+            assert method == "ar" or outcome.speculative["accepted_tokens"] > 0, turn
             history = history + [e.token for e in outcome.logprobs] + ids_of(5 + turn, 30)
         engine.close()
         outcomes[budget] = turns

@@ -71,7 +71,7 @@ def test_eos_inside_accepted_draft_stops_exactly(k):
         target.eos_token_ids = frozenset({free_run[stop_at]})
         expected = reference(target, prompt)
         assert expected == free_run[: free_run.index(free_run[stop_at]) + 1]
-        drafter = ScriptedDrafter(prompt, free_run, 0.0, VOCAB, seed)  # keeps drafting past the EOS
+        drafter = ScriptedDrafter(prompt, free_run, 0.0, VOCAB, seed)  # drafts past the EOS: the decoder cuts them there
         result = generate(target, prompt_ids=prompt, drafter=drafter, k=k, max_new_tokens=MAX_NEW)
         assert result.token_ids == expected
         assert result.stats.new_tokens == len(expected)
