@@ -63,9 +63,9 @@ def test_keep_selects_cached_positions(arch):
 def test_rollback_rejects_out_of_range():
     model = tiny_model("llama", seed=0)
     model.prefill([1, 2, 3])
-    with pytest.raises(ValueError):
+    with pytest.raises(ValueError, match="cannot roll back to 4 cached positions: 3 are cached"):
         model.rollback(4)
-    with pytest.raises(ValueError):
+    with pytest.raises(ValueError, match=r"keep indices must lie in \[0, 3\)"):
         model.keep([0, 5])
 
 

@@ -3,7 +3,7 @@ own forwards, they are the target's distribution at each emitted position, the s
 
 import pytest
 import torch
-from helpers import ARCHS, every_method, perturbed, tiny_model
+from helpers import ARCHS, DRAFTS_ACCEPTED, every_method, perturbed, tiny_model
 
 from speculant import generate
 from speculant.errors import ConfigError
@@ -36,6 +36,7 @@ def test_every_method_gives_ar_s_logprobs(arch):
         result = generate(target, prompt_ids=prompt, max_new_tokens=20, logprobs=2, **options)
         assert result.token_ids == plain.token_ids, label
         assert result.logprobs == plain.logprobs, label  # verification rows are row-invariant: the same bits
+        assert label not in DRAFTS_ACCEPTED or sum(result.stats.accepted_lengths) > 0, label  # (rows of accepted)
 
 
 def test_a_stream_s_logprobs_grow_with_its_tokens_and_plain_runs_have_none():

@@ -470,13 +470,15 @@ def test_generations_on_one_target_never_decode_from_each_other_s_cache(method):
     import threading
 
     target = tiny_model("llama", 1, VOCAB)
-    options = {"sd": {"drafter": "maxgram"}, "auto": {"drafters": ["maxgram"]}}.get(method, {})
+    options = {"sd": {"drafter": "self", "k": 3}, "auto": {"drafters": ["maxgram"]}}.get(method, {})
     prompts = [random_prompt(1, VOCAB, 8), random_prompt(2, VOCAB, 5)]
 
     def run(prompt, **more):
         return generate(target, prompt_ids=prompt, method=method, max_new_tokens=12, **options, **more)
 
-    alone = [run(prompt).token_ids for prompt in prompts]
+    alone = [run(prompt) for prompt in prompts]
+    assert method != "sd" or all(sum(result.stats.accepted_lengths) > 0 for result in alone)  # (its drafts kept)
+    alone = [result.token_ids for result in alone]
     first, second = iter(run(prompts[0], stream=True)), run(prompts[1], stream=True)
     assert next(first) == alone[0][0]
     assert list(second) == alone[1]
