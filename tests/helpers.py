@@ -293,22 +293,26 @@ def run_job(engine, ids, max_tokens=24, sampling=None, seed=None, stops=(), meth
 
 def assert_served_rows_batch_and_equal_solo(backend_module, target, drafter, prompts, monkeypatch):
     """A server on `target`'s backend (`backend_module`, whose `forward_rows` runs its batches) runs concurrent
-    requests' calls as one forward per model; each greedy output equals the model's `ar` alone, for sd and auto."""
+    requests' calls as one forward per model; each greedy output equals the model's `ar` alone, for sd and auto (on a
+    machine where the model drafter pays, so that auto's batched rows draft with it too)."""
     from concurrent.futures import ThreadPoolExecutor
 
     from speculant import generate
     from speculant.methods import get_method
     from speculant.serve.engine import Engine
+    from test_auto import costs, invent
 
     batched = []  # rows per batched forward
     forward_rows = backend_module.forward_rows
     monkeypatch.setattr(backend_module, "forward_rows", lambda rows: batched.append(len(rows)) or forward_rows(rows))
     expected = [generate(target, prompt_ids=p, method="ar", max_new_tokens=16).text for p in prompts]
+    invent(monkeypatch, costs(target))
     for method, options in [("sd", {"drafter": drafter, "k": 3}), ("auto", {"drafters": (drafter, "maxgram")})]:
         batched.clear()
         engine = Engine(target, method, get_method(method).make_options(options), 8, 16)
         with ThreadPoolExecutor(len(prompts)) as pool:
-            together = list(pool.map(lambda p: run_job(engine, p, max_tokens=16).text, prompts))
+            outcomes = list(pool.map(lambda p: run_job(engine, p, max_tokens=16), prompts))
         engine.close()
-        assert together == expected, method
+        assert [outcome.text for outcome in outcomes] == expected, method
         assert max(batched, default=0) > 1, method
+        assert any(o.speculative["drafter_forwards"] for o in outcomes), method  # (the model drafted)
