@@ -113,15 +113,21 @@ def concurrent_equals_solo(engine, prompts, **job):
 
 @pytest.mark.parametrize("method", ["ar", "sd", "tree", "cascade", "auto", "dsi"])
 @pytest.mark.parametrize("arch", ARCHS)
-def test_concurrent_greedy_requests_equal_their_solo_runs_and_ar(method, arch):
+def test_concurrent_greedy_requests_equal_their_solo_runs_and_ar(method, arch, monkeypatch):
+    """(auto on a machine where its model drafter pays: with measured costs it chose Max-Gram or plain steps only)"""
+    from test_auto import costs, invent
+
     target = byte_model(arch, 1)
     options = {"cascade": {"drafters": (perturbed(target, 0.05, 2), "maxgram")},
                "auto": {"drafters": (perturbed(target, 0.05, 2), "maxgram")}, "dsi": {"drafter": "maxgram"},
                "tree": {"width": 2, "depth": 3}}.get(method, {})
+    if method == "auto":
+        invent(monkeypatch, costs(target))
     engine = engine_for(method, target=target, **options)
     prompts = [list(f"prompt {i}: ".encode() * (1 + i % 3)) for i in range(6)]
     solo, together = concurrent_equals_solo(engine, prompts)
     assert solo == together
+    assert method != "auto" or run_job(engine, prompts[0]).speculative["drafter_forwards"]  # (its model drafted)
     for p, text in zip(prompts[:2], solo):
         assert generate(target, prompt_ids=p, method="ar", max_new_tokens=24).text == text
     engine.close()
@@ -133,15 +139,20 @@ def test_long_prompts_prefill_in_parts_and_equal_their_solo_runs(method, monkeyp
     every output is the request's solo run and `ar`'s."""
     from speculant.models import base
 
+    from test_auto import costs, invent
+
     monkeypatch.setattr(base, "PREFILL_PART", 4)
     target = byte_model("llama", 1)
     options = {"drafters": (perturbed(target, 0.05, 2), "maxgram")} if method == "auto" else {}
+    if method == "auto":
+        invent(monkeypatch, costs(target))  # (its model drafter pays: measured costs had it draft little)
     engine = engine_for(method, target=target, **options)
     parts = []
     run = Call.run
     monkeypatch.setattr(Call, "run", lambda call, model: parts.append(call.continues) or run(call, model))
     prompts = [list(f"prompt {i}: ".encode() * (1 + i % 3)) for i in range(4)]
     solo, together = concurrent_equals_solo(engine, prompts)
+    assert method != "auto" or run_job(engine, prompts[3]).speculative["drafter_forwards"]  # (its model drafted)
     engine.close()
     assert solo == together
     assert [generate(target, prompt_ids=p, method="ar", max_new_tokens=24).text for p in prompts] == solo
