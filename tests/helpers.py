@@ -275,6 +275,36 @@ def total_variation(a: torch.Tensor, b: torch.Tensor) -> float:
     return 0.5 * float((a - b).abs().sum())
 
 
+def costs(target, drafter_step=0.05, target_step=1.0):
+    """Machine profiles in which the target's forward is flat in W and model drafters are cheap."""
+    from speculant.latency import LatencyProfile
+
+    def profile(model, *args, **kwargs):
+        step = target_step if model is target else drafter_step
+        return LatencyProfile(model.name, "", "cpu", 256, step, step, {1: step, 16: step * 1.1})
+    return profile
+
+
+def invent(patch, profile):
+    """Make auto decide from the invented machine `profile`s alone: not rescaled by what the tiny models'
+    forwards really take (a thousandth of them), and with every metered forward taking its profile's time, so
+    that what auto measures as it drafts (a cascade's cost) does not depend on the machine's speed either."""
+    from speculant import latency
+    from speculant.decoding import adaptive
+    from speculant.models.wrappers.metered import Metered, Usage
+
+    def timed(self, logits, ids):
+        u = self.usage
+        self.usage = Usage(u.forwards + 1, u.steps + 1, u.seconds + profile(self.model).cost(len(ids)))
+        return logits
+    patch.setattr(latency, "machine_profile", profile)
+    patch.setattr(adaptive, "SCALE_RANGE", (1.0, 1.0))
+    patch.setattr(Metered, "forward", lambda self, ids, positions=None, tree=None:
+                  timed(self, self.model.forward(ids, positions, tree=tree), ids))
+    patch.setattr(Metered, "catch_up", lambda self, ids, rows=1: timed(self, self.model.catch_up(ids, rows), ids))
+
+
+
 def run_job(engine, ids, max_tokens=24, sampling=None, seed=None, stops=(), method=None, options=None):
     """One request through a serving engine (`speculant.serve.engine`), waited for: its Outcome."""
     import threading
@@ -300,7 +330,6 @@ def assert_served_rows_batch_and_equal_solo(backend_module, target, drafter, pro
     from speculant import generate
     from speculant.methods import get_method
     from speculant.serve.engine import Engine
-    from test_auto import costs, invent
 
     batched = []  # rows per batched forward
     forward_rows = backend_module.forward_rows

@@ -9,7 +9,8 @@ from collections import deque
 
 import pytest
 
-from helpers import MarkovLM, ScriptedDrafter, byte_tokenizer, perturbed, random_prompt, tiny_model, tiny_transformer
+from helpers import (MarkovLM, ScriptedDrafter, byte_tokenizer, costs, invent, perturbed, random_prompt, tiny_model,
+                     tiny_transformer)
 from speculant import cli, generate, latency, load_model
 from speculant.config import SamplingConfig
 from speculant.decoding import adaptive as adaptive_module
@@ -21,34 +22,11 @@ from speculant.decoding.run import timed
 from speculant.drafters.base import Draft, Drafter
 from speculant.latency import LatencyProfile
 from speculant.trees.tree import TokenTree
-from speculant.models.wrappers.metered import Metered, Usage
+from speculant.models.wrappers.metered import Usage
 from speculant.session import Session
 from test_sampling import assert_follows_target, sampling_pair
 
 VOCAB = 64
-
-
-def costs(target, drafter_step=0.05, target_step=1.0):
-    """Machine profiles in which the target's forward is flat in W and model drafters are cheap."""
-    def profile(model, *args, **kwargs):
-        step = target_step if model is target else drafter_step
-        return LatencyProfile(model.name, "", "cpu", 256, step, step, {1: step, 16: step * 1.1})
-    return profile
-
-
-def invent(patch, profile):
-    """Make auto decide from the invented machine `profile`s alone: not rescaled by what the tiny models'
-    forwards really take (a thousandth of them), and with every metered forward taking its profile's time, so
-    that what auto measures as it drafts (a cascade's cost) does not depend on the machine's speed either."""
-    def timed(self, logits, ids):
-        u = self.usage
-        self.usage = Usage(u.forwards + 1, u.steps + 1, u.seconds + profile(self.model).cost(len(ids)))
-        return logits
-    patch.setattr(latency, "machine_profile", profile)
-    patch.setattr(adaptive_module, "SCALE_RANGE", (1.0, 1.0))
-    patch.setattr(Metered, "forward", lambda self, ids, positions=None, tree=None:
-                  timed(self, self.model.forward(ids, positions, tree=tree), ids))
-    patch.setattr(Metered, "catch_up", lambda self, ids, rows=1: timed(self, self.model.catch_up(ids, rows), ids))
 
 
 def run(target, candidates, prompt, n=40, cost=lambda w: 1.0 + 0.01 * w, **kwargs):

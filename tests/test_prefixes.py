@@ -6,7 +6,7 @@ import random
 
 import pytest
 import torch
-from helpers import BYTE_VOCAB, byte_tokenizer
+from helpers import BYTE_VOCAB, byte_tokenizer, costs, invent
 from tiny_gguf import write_tiny_gguf
 
 from speculant.config import SamplingConfig
@@ -141,8 +141,6 @@ def test_served_outputs_and_logprobs_equal_with_and_without_the_cache(files, met
     the first turn's blocks (the target's and the drafter's), and every token and log-probability equals a server
     without the cache's, greedy and sampled with a seed. The drafter agrees with the target often (and auto is
     told that it pays), so its restored rows draft what is accepted."""
-    from test_auto import costs, invent
-
     target, drafter = lean(files[0]), lean(files[1])
     if method == "auto":
         invent(monkeypatch, costs(target))

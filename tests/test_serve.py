@@ -22,7 +22,8 @@ import torch
 from fastapi.testclient import TestClient
 from openai import APIStatusError, OpenAI
 
-from helpers import ARCHS, BYTE_VOCAB, MORE_ARCHS, RAY, byte_tokenizer, perturbed, run_job, tiny_model
+from helpers import (ARCHS, BYTE_VOCAB, MORE_ARCHS, RAY, byte_tokenizer, costs, invent, perturbed, run_job,
+                     tiny_model)
 from speculant import generate
 from speculant.api import encode_prompt
 from speculant.bench.datasets import Prompt
@@ -115,8 +116,6 @@ def concurrent_equals_solo(engine, prompts, **job):
 @pytest.mark.parametrize("arch", ARCHS)
 def test_concurrent_greedy_requests_equal_their_solo_runs_and_ar(method, arch, monkeypatch):
     """(auto on a machine where its model drafter pays: with measured costs it chose Max-Gram or plain steps only)"""
-    from test_auto import costs, invent
-
     target = byte_model(arch, 1)
     options = {"cascade": {"drafters": (perturbed(target, 0.05, 2), "maxgram")},
                "auto": {"drafters": (perturbed(target, 0.05, 2), "maxgram")}, "dsi": {"drafter": "maxgram"},
@@ -138,8 +137,6 @@ def test_long_prompts_prefill_in_parts_and_equal_their_solo_runs(method, monkeyp
     """Prompts longer than a prefill part run part by part, in separate forwards beside the other rows, and
     every output is the request's solo run and `ar`'s."""
     from speculant.models import base
-
-    from test_auto import costs, invent
 
     monkeypatch.setattr(base, "PREFILL_PART", 4)
     target = byte_model("llama", 1)

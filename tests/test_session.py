@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from helpers import random_prompt, tiny_model, tiny_transformer
+from helpers import costs, invent, random_prompt, tiny_model, tiny_transformer
 from speculant import Draft, Drafter, Session, generate, load_model, register_drafter
 from speculant.drafters import registry
 from speculant.errors import ConfigError
@@ -278,8 +278,6 @@ def test_methods_sharing_a_session_draft_through_one_cache_per_drafter_model(mon
     believing its cache holds what it held (a stale belief rolls back past the cache's end, or drafts from
     another text's keys)."""
     from helpers import perturbed
-    from test_auto import costs, invent
-
     target = load_model(tiny_transformer("llama", 12, VOCAB))
     perturbed(target, 0.05, 12).model.save_pretrained(tmp_path / "drafter")
     drafter = str(tmp_path / "drafter")  # named: the session loads it and keeps its cache

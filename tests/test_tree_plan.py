@@ -6,7 +6,7 @@ import random
 import pytest
 import torch
 
-from helpers import ARCHS, perturbed, random_prompt, tiny_model
+from helpers import ARCHS, costs, invent, perturbed, random_prompt, tiny_model
 from speculant.analysis.online import run
 from speculant.trees.plan import PLAN_WIDTHS, choose_width, expected_accepted, expected_tree, rank_coverage, search
 
@@ -188,8 +188,6 @@ def test_a_static_shape_needs_its_size():
 def test_auto_drafts_its_trees_at_the_plan_s_width(monkeypatch):
     """`auto:tree_widths=auto`: auto's tree candidate for a model drafter takes the execution plan's width for the
     pair (none where the plan drafts chains); the output stays `ar`'s either way."""
-    from test_auto import costs, invent
-
     from speculant import Session, generate
     from speculant.trees import shape
 

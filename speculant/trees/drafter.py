@@ -98,12 +98,13 @@ class TreeDrafter(Drafter):
         new_nodes = [0]
         for step in range(depth):
             rows = torch.log_softmax(logits, -1) if self.guide is None or step == 0 else \
-                self._guided_rows(logits, context, tokens, parents, new_nodes)
+                self._guided_rows(logits, context, tree, new_nodes)
             for node, row in zip(new_nodes, rows):
                 if row is None:  # (the grammar allows nothing after its path)
                     continue
                 values, ids = row.topk(width)
-                frontier += [(scores[node] + float(v), node, int(t)) for v, t in zip(values, ids) if v > -math.inf]
+                frontier += [(scores[node] + value, node, token) for value, token in zip(values.tolist(), ids.tolist())
+                             if value > -math.inf]
             frontier.sort(reverse=True)
             chosen, frontier = frontier[:width], frontier[width:]
             if not chosen:  # (no token the drafter gives a probability, or the grammar allows)
@@ -137,11 +138,12 @@ class TreeDrafter(Drafter):
         logits = self.cache.run(context)[-1:]  # rows: the last level's nodes, in order
         tokens, parents, scores = [context[-1]], [-1], [0.0]
         row_of = {0: 0}  # the last level's nodes, each's row in `logits`
+        tree = TokenTree((context[-1],), (-1,))
         for d in range(1, min(depth, max(depths)) + 1):
             rows = torch.log_softmax(logits.float(), -1)
             if self.guide is not None:  # (a node the grammar allows no child of keeps the shape's: it is rejected)
                 rows = [row if guide is None else guide for row, guide in
-                        zip(rows, self._guided_rows(logits.float(), context, tokens, parents, list(row_of)))]
+                        zip(rows, self._guided_rows(logits.float(), context, tree, list(row_of)))]
             added = []
             for node in (n for n in range(len(self.shape)) if depths[n] == d):
                 parent = self.shape.parents[node]
@@ -156,17 +158,13 @@ class TreeDrafter(Drafter):
             row_of = {node: i for i, node in enumerate(added)}
         return self._drafted(tokens, parents, scores, before)
 
-    def _guided_rows(self, logits: torch.Tensor, context: list[int], tokens: list[int], parents: list[int],
+    def _guided_rows(self, logits: torch.Tensor, context: list[int], tree: TokenTree,
                      nodes: list[int]) -> list[torch.Tensor | None]:
-        """The log-probabilities of each of `nodes`' children (`logits`, a row per node) with what the guide forbids
-        after the node's path at -inf; None for a node after which it allows nothing."""
+        """The log-probabilities of the children of each of `tree`'s `nodes` (`logits`, a row per node) with what the
+        guide forbids after the node's path at -inf; None for a node after which it allows nothing."""
         rows: list[torch.Tensor | None] = []
         for node, row in zip(nodes, logits):
-            path = []
-            while node > 0:
-                path.append(tokens[node])
-                node = parents[node]
-            allowed = guided(self.guide, row, context + path[::-1])
+            allowed = guided(self.guide, row, context + [tree.tokens[n] for n in tree.path_to(node)[1:]])
             rows.append(None if allowed is None else torch.log_softmax(allowed, -1))
         return rows
 
