@@ -500,8 +500,8 @@ def run_bench(args: argparse.Namespace, argv: Sequence[str]) -> None:
     ran_over = saved["config"].get("baseline") if saved else None  # (a run reported again keeps its baseline)
     ran_over = None if ran_over == "default" else ran_over  # (as a run before this was saved said the default)
     baseline = ran_over if args.baseline is None else None if args.baseline == "default" else args.baseline
-    model = from_args(ModelConfig, args)
-    runs = [method.runs(model.dtype, model.backend, from_args(SamplingConfig, args)) for method in methods]
+    model, run_sampling = from_args(ModelConfig, args), from_args(SamplingConfig, args)
+    runs = [method.runs(model.dtype, model.backend, run_sampling) for method in methods]
     for i, method in enumerate(methods):
         if same := next((earlier for earlier, its in zip(methods[:i], runs) if its == runs[i]), None):
             raise ConfigError(f"each method may be listed once: '{method.label}' runs what '{same.label}' runs")
@@ -534,7 +534,7 @@ def run_bench(args: argparse.Namespace, argv: Sequence[str]) -> None:
         command, machine = "speculant " + shlex.join(argv), machine_info()  # (as a shell reads it back)
         title = (f"{args.target} on {args.prompts or args.dataset}, {from_args(RunConfig, args).max_new_tokens} new "
                  f"tokens; {machine}")
-    sampling = saved_sampling(saved["config"], args.report_from) if saved else from_args(SamplingConfig, args)
+    sampling = saved_sampling(saved["config"], args.report_from) if saved else run_sampling
     try:
         summaries = summarize(rows, methods, baseline, sampling)
         by_category = summarize_by_category(rows, methods, baseline, sampling)
@@ -833,8 +833,8 @@ def run_acceptance(args: argparse.Namespace) -> None:
 
 def run_train_depth(args: argparse.Namespace) -> None:
     from speculant.analysis.depth import CORPUS, fit, log_trees
-    from speculant.api import check_models, encode_prompt, room_for
-    from speculant.bench.datasets import load_dataset
+    from speculant.api import check_models
+    from speculant.bench.datasets import fitted_ids, load_dataset
     from speculant.drafters.spec import as_drafter, resolved
     from speculant.trees.method import check_width, tree_drafter_model
     from speculant.models import load_model
@@ -867,12 +867,7 @@ def run_train_depth(args: argparse.Namespace) -> None:
         {kind: predictor_out(Path(args.out), kind, len(kinds)) for kind in kinds}
     if None in outs.values():
         raise ConfigError("models built in memory have no place in the cache: pass --out")
-    ids = [encode_prompt(target.tokenizer, p.text, p.chat) for p in prompts]
-    for prompt, encoded in zip(prompts, ids):
-        try:
-            room_for(target, len(encoded))
-        except ConfigError as error:
-            raise ConfigError(f"prompt {prompt.id}: {error}") from None
+    ids = fitted_ids(target, prompts)
     samples = log_trees(target, drafter, ids, args.max_new_tokens, args.max_depth, args.width)
     print(f"{len(samples)} trees logged")
     for kind, out in outs.items():

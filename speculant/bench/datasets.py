@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from speculant.api import check_prompt
+from speculant.api import check_prompt, encode_prompt, room_for
 from speculant.cache import is_dir, is_file, readable
 from speculant.errors import ConfigError
 from speculant.models.wrappers.constrained import Constraint
@@ -113,6 +113,19 @@ def load_jsonl(path: Path) -> list[Prompt]:
                 raise ConfigError(f"{path}:{number}: {error}") from None
         prompts.append(Prompt(record_id, text, str(record.get("category", "all")), chat, response_format))
     return prompts
+
+
+def fitted_ids(target: Any, prompts: list[Prompt]) -> list[list[int]]:
+    """Each prompt's ids on `target`'s tokenizer; a ConfigError naming the first prompt that leaves no room in the
+    target's positions (refused before any generation runs: not after the rows of those before it)."""
+    ids = []
+    for prompt in prompts:
+        ids.append(encode_prompt(target.tokenizer, prompt.text, prompt.chat))
+        try:
+            room_for(target, len(ids[-1]))
+        except ConfigError as error:
+            raise ConfigError(f"prompt {prompt.id}: {error}") from None
+    return ids
 
 
 def dataset_files(spec: str) -> list[Path]:

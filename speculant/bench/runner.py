@@ -9,13 +9,12 @@ from collections.abc import Callable
 from dataclasses import dataclass, replace
 from typing import Any
 
-from speculant.api import GenerationResult, encode_prompt, generate, room_for
-from speculant.bench.datasets import Prompt
+from speculant.api import GenerationResult, generate
+from speculant.bench.datasets import Prompt, fitted_ids
 from speculant.bench.methods import MethodSpec
 from speculant.bench.peers import check_response_format, peer_generate
 from speculant.config import SamplingConfig
 from speculant.decoding.stats import GenerationStats
-from speculant.errors import ConfigError
 from speculant.session import Session
 from speculant.methods.drafting import as_keywords, with_drafters
 from speculant.models import CausalLM
@@ -94,12 +93,7 @@ def run_matrix(
                         **as_keywords(spec.sampled(sampling)), **as_keywords(options))
 
     reference = target_for(None, None)
-    encoded = [encode_prompt(reference.tokenizer, p.text, p.chat) for p in prompts]
-    for prompt, ids in zip(prompts, encoded):  # (refused before the first generation: not after the rows before it)
-        try:
-            room_for(reference, len(ids))
-        except ConfigError as error:
-            raise ConfigError(f"prompt {prompt.id}: {error}") from None
+    encoded = fitted_ids(reference, prompts)
     rows = []
     try:
         for spec in methods:  # warm-up: allocator, caches, lazy initialisation, DSI's servers

@@ -140,10 +140,12 @@ class TreeDrafter(Drafter):
         row_of = {0: 0}  # the last level's nodes, each's row in `logits`
         tree = TokenTree((context[-1],), (-1,))
         for d in range(1, min(depth, max(depths)) + 1):
-            rows = torch.log_softmax(logits.float(), -1)
-            if self.guide is not None:  # (a node the grammar allows no child of keeps the shape's: it is rejected)
-                rows = [row if guide is None else guide for row, guide in
-                        zip(rows, self._guided_rows(logits.float(), context, tree, list(row_of)))]
+            if self.guide is None:
+                rows = torch.log_softmax(logits.float(), -1)
+            else:  # (a node the grammar allows no child of keeps the shape's children: they are rejected)
+                allowed = self._guided_rows(logits.float(), context, tree, list(row_of))
+                rows = [torch.log_softmax(plain.float(), -1) if row is None else row
+                        for row, plain in zip(allowed, logits)]
             added = []
             for node in (n for n in range(len(self.shape)) if depths[n] == d):
                 parent = self.shape.parents[node]
