@@ -304,7 +304,6 @@ def invent(patch, profile):
     patch.setattr(Metered, "catch_up", lambda self, ids, rows=1: timed(self, self.model.catch_up(ids, rows), ids))
 
 
-
 def run_job(engine, ids, max_tokens=24, sampling=None, seed=None, stops=(), method=None, options=None):
     """One request through a serving engine (`speculant.serve.engine`), waited for: its Outcome."""
     import threading

@@ -3,7 +3,7 @@ own forwards, they are the target's distribution at each emitted position, the s
 
 import pytest
 import torch
-from helpers import ARCHS, DRAFTS_ACCEPTED, every_method, perturbed, tiny_model
+from helpers import ARCHS, every_method, perturbed, tiny_model
 
 from speculant import generate
 from speculant.errors import ConfigError
@@ -27,16 +27,19 @@ def test_plain_decoding_s_logprobs_are_the_target_s_distribution_at_each_positio
 
 
 @pytest.mark.parametrize("arch", ARCHS)
-def test_every_method_gives_ar_s_logprobs(arch):
+def test_every_method_gives_ar_s_logprobs(arch, monkeypatch):
+    from helpers import costs, invent
+
     target = tiny_model(arch, 1, 64, init_std=0.2)
     other = perturbed(target, 0.05, 2)
-    prompt = [5, 6, 7, 8]
+    prompt = [5, 6, 7, 8] * 3  # (repeated: what Max-Gram and suffix decoding draft from)
+    invent(monkeypatch, costs(target))  # (a flat verification and cheap drafters: auto speculates)
     plain = generate(target, prompt_ids=prompt, method="ar", max_new_tokens=20, logprobs=2)
     for label, options in every_method(other).items():
         result = generate(target, prompt_ids=prompt, max_new_tokens=20, logprobs=2, **options)
         assert result.token_ids == plain.token_ids, label
         assert result.logprobs == plain.logprobs, label  # verification rows are row-invariant: the same bits
-        assert label not in DRAFTS_ACCEPTED or sum(result.stats.accepted_lengths) > 0, label  # (rows of accepted)
+        assert sum(result.stats.accepted_lengths) > 0, label  # (rows of accepted drafts compared)
 
 
 def test_a_stream_s_logprobs_grow_with_its_tokens_and_plain_runs_have_none():

@@ -400,19 +400,38 @@ def test_the_length_objective_drafts_every_level_and_stays_lossless(arch):
 
 
 def test_trees_grown_in_one_call_keep_the_target_distribution_when_sampling():
-    """The static backend's trees grown in one call (`draft_graph`, a drafter of its own vocabulary's width) verified
-    by multi-draft sampling: the emitted tokens follow the target's distribution."""
-    from helpers import tiny_transformer
-    from test_sampling import VOCAB, assert_follows_target, sampling_pair
+    """The static backend's trees grown in one call (`draft_graph`) verified by multi-draft sampling: the emitted
+    tokens follow the target's distribution. The drafter reads only its last token (its layers' outputs zeroed) and
+    the Markov target takes its logits after each token with noise: whole paths are often accepted, yet q is far
+    enough from p that a verifier emitting the drafts as drawn would fail."""
+    from helpers import MarkovLM, tiny_transformer, total_variation
+    from test_sampling import TEMPERATURE, VOCAB, assert_follows_target, exact_marginals
 
+    from speculant import generate
+    from speculant.config import SamplingConfig
     from speculant.models.backends.static import StaticCausalLM, StaticWeights
+    from speculant.sampling import logits_to_probs
 
-    target, _, prompt = sampling_pair()
-    drafter = StaticCausalLM(StaticWeights(tiny_transformer("qwen2", 5, vocab=VOCAB, init_std=0.5)), span=64)
+    model = tiny_transformer("qwen2", 5, vocab=VOCAB, init_std=0.15)
+    with torch.no_grad():
+        for layer in model.model.layers:
+            layer.self_attn.o_proj.weight.zero_()
+            layer.mlp.down_proj.weight.zero_()
+    drafter = StaticCausalLM(StaticWeights(model), span=64)
+    after = torch.stack([drafter.prefill([t]).float() for t in range(VOCAB)])  # [token, vocab]: the drafter's q
+    noise = torch.randn(VOCAB + 1, VOCAB, VOCAB, generator=torch.Generator().manual_seed(5))
+    target = MarkovLM(VOCAB, 5, table=after + 0.5 * noise)  # [parent, token, vocab]
+    prompt = random_prompt(5, VOCAB, 6)
+    config = SamplingConfig(TEMPERATURE)
+    q1 = logits_to_probs(drafter.prefill(prompt), config)
+    assert total_variation(exact_marginals(target, prompt, n=1)[0], q1) > 0.15  # (q is not p)
     grown, draft_tree = [], drafter.draft_tree
     drafter.draft_tree = lambda *args: grown.append(args[1:]) or draft_tree(*args)
-    assert_follows_target(target, prompt, method="tree", drafter=drafter, depth=3, width=2, objective="length")
+    result = generate(target, prompt_ids=prompt, method="tree", drafter=drafter, depth=3, width=2,
+                      objective="length", temperature=TEMPERATURE, seed=0, max_new_tokens=60)
+    assert sum(result.stats.accepted_lengths) / len(result.stats.accepted_lengths) > 0.5  # (paths accepted)
     assert (3, 2) in grown  # (the trees were grown in one call)
+    assert_follows_target(target, prompt, method="tree", drafter=drafter, depth=3, width=2, objective="length")
 
 
 @pytest.mark.parametrize("shape", ["egt", "nway"])
