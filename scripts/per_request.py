@@ -17,6 +17,7 @@ import argparse
 import collections
 import json
 import sys
+from pathlib import Path
 
 
 def decode_time(row: dict) -> tuple[int, float]:
@@ -33,14 +34,17 @@ def ratio(mine: list[dict], base: list[dict]) -> float:
 
 def main(argv: list[str]) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("results")
+    parser.add_argument("results", type=Path, help="a bench's results.json, or the folder that holds it")
     parser.add_argument("--method", default="auto")
     parser.add_argument("--baseline", default="ar")
     parser.add_argument("--below", type=float, default=0.95, help="list the requests below this ratio")
     parser.add_argument("--short", type=int, default=0, help="list the requests whose replies are shorter than this, "
                         "with what the method's first step chose (a model drafter first catches up on the prompt)")
     args = parser.parse_args(argv)
-    rows = json.loads(open(args.results).read())["rows"]
+    results = args.results / "results.json" if args.results.is_dir() else args.results
+    if not results.is_file():
+        parser.error(f"no bench results at {results}")
+    rows = json.loads(results.read_text())["rows"]
     runs = collections.defaultdict(lambda: collections.defaultdict(list))  # prompt -> method -> its repeats' rows
     category = {}
     for row in rows:

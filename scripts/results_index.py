@@ -59,9 +59,14 @@ ENTRIES: dict[str, tuple[str, str, str | None, str | None, str | None]] = {
                     "a plain step read no dearer than the width verified last", (1, 1), ZEN3),
     **bench_commits("bench-avx2-rest", "The CPU headline on the AVX2-only EPYC (Zen3)", "e9be6dd", "b28a79d",
                     "a model candidate that lost to plain decoding rests before it is weighed again", (1, 1), ZEN3),
-    **bench_commits("bench-avx2-head", "The CPU headline on the AVX2-only EPYC (Zen3)", "b28a79d", "6a648d5",
+    **bench_commits("bench-avx2-head", "The CPU headline on the AVX2-only EPYC (Zen3) until 12-02", "b28a79d",
+                    "6a648d5",
                     "Max-Gram's lookups from the last context's array, a cache's catch-up or prefill by its profile, "
                     "a spent probe budget read first", (1, 1), ZEN3),
+    "bench-avx2-1202-mixed": ("CPU", "**The CPU headline on the AVX2-only EPYC (Zen3)** at 087ebf4 (416 commits after "
+                              "bench-avx2-head-*, which ran on this CPU last), 24 mixed prompts, one repeat, "
+                              "`llamacpp-cli-ar` in the same run", None, ZEN3, None),
+    "bench-avx2-1202-humaneval": ("CPU", "the same on HumanEval[:10], one repeat, right after", None, ZEN3, None),
     **bench_commits("bench-xeon-amx", "The AMX cut-over's bench on the Xeon", "0edc90b", "70ed6f3",
                     "the AMX tiles' cut-over per kind, a super-block unpacked before its first tile load", (1, 1),
                     XEON),
