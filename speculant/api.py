@@ -6,6 +6,7 @@ import atexit
 import contextvars
 import logging
 import threading
+import uuid
 import weakref
 from collections.abc import Iterable, Iterator, Mapping, Sequence, Set as AbstractSet
 from contextlib import AbstractContextManager, ExitStack, contextmanager
@@ -15,9 +16,9 @@ from typing import Any
 from speculant.config import RunConfig, SamplingConfig, as_integer, check_sampled, typed
 from speculant.decoding.run import Decoder, timed
 from speculant.decoding.stats import GenerationStats
-from speculant.errors import ConfigError, RequestError, SpeculantError
+from speculant.errors import ConfigError, OptionError, RequestError, SpeculantError
 from speculant.methods import Request, get_method
-from speculant.methods.registry import check_given_pairs
+from speculant.methods.registry import check_given_pairs, check_names
 from speculant.methods.drafting import check_capabilities, held_drafters, takes_model_free, with_default_drafter
 from speculant.models import load_model
 from speculant.models.catalog import check_name
@@ -39,7 +40,13 @@ def method_for(method: str | None, options: dict[str, Any]) -> str:
     if method is not None:
         return method
     beyond = set(options) - {f.name for f in fields(get_method(DEFAULT_METHOD).options)}
-    return "sd" if beyond & {f.name for f in fields(get_method("sd").options)} else DEFAULT_METHOD
+    if not (chose := sorted(beyond & {f.name for f in fields(get_method("sd").options)})):
+        return DEFAULT_METHOD
+    try:  # (a name sd does not take: the refusal says why sd, a method the caller never named)
+        check_names(get_method("sd").options, "sd", options)
+    except OptionError as error:
+        raise OptionError(error.option, f"no method given, and option '{chose[0]}' is sd's: {error}") from None
+    return "sd"
 
 
 @dataclass
@@ -164,8 +171,27 @@ def encode_prompt(tokenizer: Any | None, prompt: str | Sequence[dict[str, Any]],
         except Exception as error:  # noqa: BLE001 - a template is the model's code: whatever else it raises
             raise ConfigError(f"the chat template fails on these messages ({type(error).__name__}: {error})") \
                 from None
+        if any("name" in message for message in messages) and (unwritten := unwritten_names(tokenizer, messages,
+                                                                                             tools)):
+            raise RequestError(f"messages.{unwritten[0]}.name", "this model's chat template has no place for this "
+                               "participant's name (leave it out, or say it in the content)")
         return list(ids)
     return tokenizer(prompt, add_special_tokens=True)["input_ids"]
+
+
+def unwritten_names(tokenizer: Any, messages: list[dict[str, Any]], tools: Sequence[dict[str, Any]] | None
+                    ) -> list[int]:
+    """The messages whose participant's `name` the chat template leaves out of the prompt (a template may write
+    some roles' names and not others'): each name is rendered as a marker of its own, and looked for."""
+    marker = f"speculant-name-{uuid.uuid4().hex}-"
+    marked = [{**message, "name": f"{marker}{i}."} if "name" in message else message
+              for i, message in enumerate(messages)]
+    try:
+        text = tokenizer.apply_chat_template(marked, tools=list(tools) if tools else None, add_generation_prompt=True,
+                                             tokenize=False)
+    except Exception:  # noqa: BLE001 - the template is the model's code (it rendered these messages with their names,
+        return []  # so a failure on the markers alone says nothing of where it writes them)
+    return [i for i, message in enumerate(messages) if "name" in message and f"{marker}{i}." not in text]
 
 
 def check_request(method: str, logprobs: int | None, logit_bias: Mapping[int, float] | None = None,
@@ -303,11 +329,7 @@ def generate(
     if session is None:
         session = Session.of(target)
     else:
-        try:
-            owner = session.target
-        except ReferenceError:
-            raise ConfigError("the session's target was dropped (a Session holds its target weakly: keep the "
-                              "loaded model it was made for)") from None
+        owner = session.target  # (a ConfigError where the session's target was dropped)
         if owner is not owner_of(target):
             raise ConfigError(f"the session is for {owner.name}, not {target.name}" + (
                 " (another instance of it: pass the model load_model returned to both Session and generate)"

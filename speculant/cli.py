@@ -400,7 +400,7 @@ def run_generate(args: argparse.Namespace) -> None:
     from speculant.models import load_model
 
     given = {name: getattr(args, name) for name in all_options() if getattr(args, name) is not None}
-    method = get_method(resolve_method(args.method, given))
+    method = get_method(from_flags(lambda: resolve_method(args.method, given), all_options()))
     options = from_flags(lambda: method.parse_options(given), all_options())
     sampling = from_args(SamplingConfig, args)
     check_sampled(sampling, args.given, flag)
@@ -893,7 +893,7 @@ def run_serve(args: argparse.Namespace) -> None:
         raise ConfigError("--replica-cpus applies to Ray Serve replicas: with --replicas above 1 or --ray-cluster")
     model_config = from_args(ModelConfig, args)
     given = {name: getattr(args, name) for name in all_options() if getattr(args, name) is not None}
-    method = get_method(resolve_method(args.method, given))
+    method = get_method(from_flags(lambda: resolve_method(args.method, given), all_options()))
     options = from_flags(lambda: method.parse_options(given), all_options())
     check_models([args.target], held_drafters(options), takes_model_free(options))
     options = from_flags(lambda: with_default_drafter(options, args.target), all_options())

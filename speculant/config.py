@@ -380,19 +380,22 @@ def parse_bool(text: str) -> bool:
 
 
 def parse_value(f: Field, text: str) -> Any:
-    """A field's value from text (a flag, a bench spec); a ConfigError names the field on bad text."""
+    """A field's value from text (a flag, a bench spec); an OptionError names the field on bad text."""
     parse = f.metadata.get("parse") or {int: integer, float: number}.get(scalar_type(f), scalar_type(f))
     try:
         value = parse_bool(text) if parse is bool else parse(text)
-    except ConfigError:
+    except OptionError:
         raise
+    except ConfigError as error:  # (a field's own parser: its message names the field)
+        raise OptionError(f.name, str(error)) from None
     except (ValueError, TypeError):
-        raise ConfigError(f"bad value '{text}' for {f.name}" + (": on or off" if parse is bool else "")) from None
+        raise OptionError(f.name, f"bad value '{text}' for {f.name}" + (": on or off" if parse is bool else "")
+                          ) from None
     if isinstance(value, float) and math.isnan(value):
-        raise ConfigError(f"bad value '{text}' for {f.name}: not a number")
+        raise OptionError(f.name, f"bad value '{text}' for {f.name}: not a number")
     choices = f.metadata.get("choices")
     if choices is not None and value not in choices:
-        raise ConfigError(f"{f.name} must be one of {', '.join(map(str, choices))}, got '{text}'")
+        raise OptionError(f.name, f"{f.name} must be one of {', '.join(map(str, choices))}, got '{text}'")
     return value
 
 

@@ -57,7 +57,8 @@ class Session:
     def target(self) -> CausalLM:
         target = self._target()
         if target is None:
-            raise ReferenceError("this session's target was dropped")
+            raise ConfigError("the session's target was dropped (a Session holds its target weakly: keep the loaded "
+                              "model it was made for)")
         return target
 
     @classmethod

@@ -14,7 +14,7 @@ from speculant import cli, generate
 from speculant.bench.methods import parse_method
 from speculant.config import option, scalar_type
 from speculant.drafters.spec import DrafterSpec
-from speculant.errors import ConfigError, OptionError
+from speculant.errors import ConfigError, OptionError, RequestError
 from speculant.methods import METHODS, all_options, get_method
 from speculant.methods.registry import Method
 
@@ -33,6 +33,26 @@ def test_a_conversation_is_a_prompt_and_a_malformed_one_is_refused():
             generate(target, bad, method="ar", max_new_tokens=8)
     for spaces, chat in ((" \n", False), ("  ", True)):  # (tokens all the same, as the server takes them)
         assert generate(target, spaces, method="ar", max_new_tokens=2, chat=chat).stats.new_tokens == 2
+    with pytest.raises(RequestError, match="has no place for this participant's name") as refused:
+        generate(target, [{"role": "user", "content": "hi", "name": "ann"}], method="ar", max_new_tokens=2)
+    assert refused.value.field == "messages.0.name"  # (this template writes no name: refused, not dropped)
+    target.tokenizer.chat_template = "{% for m in messages %}{{ m['name'] }}: {{ m['content'] }}\n{% endfor %}>"
+    assert generate(target, [{"role": "user", "content": "hi", "name": "ann"}], method="ar", max_new_tokens=2)
+
+
+def test_a_value_out_of_range_names_its_option():
+    """A method option's value out of its range names the option (`OptionError.option`), as a value of the wrong
+    type does: a server answers with that field."""
+    target = tiny_model("llama", 0)
+    for options, name in ((dict(method="sd", drafter="maxgram", k=0), "k"),
+                          (dict(method="tree", drafter=target, depth=0), "depth"),
+                          (dict(method="tree", drafter=target, shape="round"), "shape"),
+                          (dict(method="auto", k_max=0), "k_max"),
+                          (dict(method="cascade", drafters=[target, "maxgram"], leniency=0.5), "leniency"),
+                          (dict(method="dsi", drafter="maxgram", lookahead=0), "lookahead")):
+        with pytest.raises(OptionError) as refused:
+            generate(target, prompt_ids=[1, 2], max_new_tokens=2, **options)
+        assert refused.value.option == name, options
 
 
 def test_every_method_is_registered_with_documented_options():
@@ -214,6 +234,7 @@ def test_generate_refuses_what_it_cannot_take_in_one_line_and_takes_numpy_and_to
             (dict(method="tree", drafter=target, draft_graph=False), "draft_graph off applies where the drafter's"),
             (dict(method="cascade", drafters=[target, target, "maxgram"]), "drafters: tiny-.* is given twice"),
             (dict(method="cascade", drafters="self,self,maxgram"), "drafters: self is given twice"),
+            (dict(drafters=[target], k=3), "no method given, and option 'k' is sd's: option 'drafters' does not apply"),
             (dict(stream="no"), "stream must be True or False"),
             (dict(method="cascade", drafters=[target, "maxgram"], k_matrix=[[1.5, 2], [0, 3]]), "entries must be integ"),
             (dict(method="cascade", drafters=[target, "maxgram"], k_matrix=[["1", 2], [0, 3]]), "entries must be integ"),

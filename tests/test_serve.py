@@ -560,6 +560,8 @@ BAD = [
     ("completions", {"model": "tiny", "prompt": [[1, 2]]}, "one prompt per request"),
     ("completions", {"model": "tiny", "prompt": "x", "speculant": {"kk": 1}}, "unknown option"),
     ("completions", {"model": "tiny", "prompt": "x", "speculant": {"k": 0}}, "k must be"),
+    ("completions", {"model": "tiny", "prompt": "x", "speculant": {"k": 0}}, "speculant.k"),  # (its field named)
+    ("completions", {"model": "tiny", "prompt": "x", "speculant": {"method": "tree", "depth": 0}}, "speculant.depth"),
     ("completions", {"model": "tiny", "prompt": "x", "speculant": {"drafter": "org/big"}}, "not loaded"),
     ("chat/completions", {"model": "tiny", "messages": []}, "messages"),
     ("chat/completions", {"model": "tiny", "messages": [{"role": "user"}]}, "content"),

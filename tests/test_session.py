@@ -335,8 +335,10 @@ def test_a_target_s_default_session_goes_with_it():
     assert Session.of(model) is session and session.target is model
     del model
     assert gone() is None  # freed at once: the session does not hold its target
-    with pytest.raises(ReferenceError):
+    with pytest.raises(ConfigError, match="the session's target was dropped"):
         session.target
+    with pytest.raises(ConfigError, match="the session's target was dropped"):
+        session.drafter("maxgram")
 
 
 def test_dropping_a_session_frees_what_it_loaded(tmp_path):

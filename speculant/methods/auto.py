@@ -94,9 +94,9 @@ class AutoOptions:
             raise ConfigError(f"drafter dtype {self.drafter_dtype} applies to the model drafters named in auto's "
                               "drafters; those auto picks itself run as the target's backend runs them")
         if self.k_max < 1:
-            raise ConfigError(f"k_max must be >= 1, got {self.k_max}")
+            raise OptionError("k_max", f"k_max must be >= 1, got {self.k_max}")
         if not 0 <= self.draft_confidence < 1:
-            raise ConfigError(f"draft_confidence must lie in [0, 1), got {self.draft_confidence}")
+            raise OptionError("draft_confidence", f"draft_confidence must lie in [0, 1), got {self.draft_confidence}")
         if isinstance(self.tree_widths, str):
             try:
                 object.__setattr__(self, "tree_widths", parse_widths(self.tree_widths))
@@ -108,16 +108,16 @@ class AutoOptions:
         if self.tree_widths != AUTO:
             object.__setattr__(self, "tree_widths", typed_widths(self.tree_widths))
         if self.tree_widths != AUTO and any(w < 2 for w in self.tree_widths):
-            raise ConfigError(f"tree widths must be >= 2 (1 is a chain), got {min(self.tree_widths)}")
+            raise OptionError("tree_widths", f"tree widths must be >= 2 (1 is a chain), got {min(self.tree_widths)}")
         if self.schedule not in SCHEDULES:
-            raise ConfigError(f"schedule must be one of {', '.join(SCHEDULES)}, got {self.schedule!r}")
+            raise OptionError("schedule", f"schedule must be one of {', '.join(SCHEDULES)}, got {self.schedule!r}")
         if self.schedule != "serial" and not self.tree_widths:  # (it would be dropped without a word)
             raise OptionError("schedule", f"schedule {self.schedule} applies to token trees, and tree_widths asks for "
                               "none (chains only)")
         if self.catch_up not in CATCH_UPS:
-            raise ConfigError(f"catch_up must be one of {', '.join(CATCH_UPS)}, got {self.catch_up!r}")
+            raise OptionError("catch_up", f"catch_up must be one of {', '.join(CATCH_UPS)}, got {self.catch_up!r}")
         if self.probe_every < 1:
-            raise ConfigError(f"probe_every must be >= 1, got {self.probe_every}")
+            raise OptionError("probe_every", f"probe_every must be >= 1, got {self.probe_every}")
         if self.drafters is not None and all(map(model_free, self.drafters)):
             check_model_only(self, self.drafters, models=0)
 

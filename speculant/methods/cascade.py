@@ -44,9 +44,9 @@ class CascadeOptions:
                                   "a drafter of its own, smaller than the one before")
         check_drafters(self)
         if self.k < 1:
-            raise ConfigError(f"k must be >= 1, got {self.k}")
+            raise OptionError("k", f"k must be >= 1, got {self.k}")
         if not 1 <= self.leniency < math.inf:
-            raise ConfigError(f"leniency must be a finite number >= 1, got {self.leniency}")
+            raise OptionError("leniency", f"leniency must be a finite number >= 1, got {self.leniency}")
         if self.leniency != 1 and all(map(model_free, self.drafters[:-1])):  # (before loading: a model may review)
             from speculant.drafters.cascade import unreviewed
 

@@ -10,7 +10,7 @@ from speculant.cache import readable
 from speculant.config import (EXECUTORS, LEAST_LATENCY_MS, MOST_LATENCY_MS, MOST_SERVERS, REQUEST_MOST, as_number,
                               check_ray_address, latency_fits, number, option)
 from speculant.drafters.spec import model_free
-from speculant.errors import ConfigError
+from speculant.errors import ConfigError, OptionError
 from speculant.methods.drafting import DrafterOptions, as_drafters, parse_drafters
 from speculant.methods.registry import Request, register
 
@@ -92,13 +92,13 @@ class DSIOptions(DrafterOptions):
         object.__setattr__(self, "drafters", as_drafters(self.drafters))
         super().__post_init__()
         if not 1 <= self.servers <= MOST_SERVERS:
-            raise ConfigError(f"servers must be in 1..{MOST_SERVERS}, got {self.servers}")
+            raise OptionError("servers", f"servers must be in 1..{MOST_SERVERS}, got {self.servers}")
         if self.lookahead is not None and self.lookahead < 1:
-            raise ConfigError(f"lookahead must be >= 1, got {self.lookahead}")
+            raise OptionError("lookahead", f"lookahead must be >= 1, got {self.lookahead}")
         if isinstance(self.executor, str) and self.executor not in EXECUTORS:
-            raise ConfigError(f"unknown executor '{self.executor}' (choose from {', '.join(EXECUTORS)})")
+            raise OptionError("executor", f"unknown executor '{self.executor}' (choose from {', '.join(EXECUTORS)})")
         if not isinstance(self.executor, str) and not hasattr(self.executor, "spec"):
-            raise ConfigError(f"executor is one of {', '.join(EXECUTORS)} or a started executor "
+            raise OptionError("executor", f"executor is one of {', '.join(EXECUTORS)} or a started executor "
                               f"(`decoding.dsi.executors`), not {self.executor!r}")
         if self.ray_address is not None and self.executor != "ray":
             raise ConfigError("ray_address names a Ray cluster: give 'executor' ray with it")
@@ -107,8 +107,9 @@ class DSIOptions(DrafterOptions):
             object.__setattr__(self, "target_devices", parse_devices(self.target_devices))
         if self.target_devices is not None and not (isinstance(self.target_devices, (list, tuple)) and
                                                     all(isinstance(d, str) for d in self.target_devices)):
-            raise ConfigError(f"target_devices is a list of devices (cpu, cuda:N) or one text of them, comma separated, "
-                              f"not {self.target_devices!r}")
+            raise OptionError("target_devices",
+                              "target_devices is a list of devices (cpu, cuda:N) or one text of them, comma "
+                              f"separated, not {self.target_devices!r}")
         if self.target_devices is not None and len(self.target_devices) != self.servers:
             raise ConfigError(f"{len(self.target_devices)} target devices given for {self.servers} servers")
         if self.target_devices is not None:  # (here, so that a device that is not there is refused before loading)
@@ -128,12 +129,14 @@ class DSIOptions(DrafterOptions):
             object.__setattr__(self, "twin_latency", twin)
         if twin is not None and not (isinstance(twin, tuple) and len(twin) == 2 and hasattr(twin[0], "step_s") and all(
                 hasattr(pad, "step_s") for pad in twin[1])):
-            raise ConfigError(f"twin_latency is text ('30,3'), milliseconds ((30, 3)) or a pair of Latency objects "
+            raise OptionError("twin_latency",
+                              f"twin_latency is text ('30,3'), milliseconds ((30, 3)) or a pair of Latency objects "
                               f"(the second may be a tuple of them, one per drafter), not {twin!r}")
         if twin is not None:
             drafters = len(self.drafters or (self.drafter,))
             if len(twin[1]) not in (1, drafters):
-                raise ConfigError(f"twin latency gives {len(twin[1])} drafter latencies for {drafters} drafter(s)")
+                raise OptionError("twin_latency",
+                                  f"twin latency gives {len(twin[1])} drafter latencies for {drafters} drafter(s)")
             from speculant.decoding.dsi.plan import plan  # (before anything loads: the plan the twin's latencies refuse)
 
             plan(self.servers, self.lookahead, twin[0].step_s, twin[1][0].step_s)

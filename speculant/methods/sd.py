@@ -7,7 +7,7 @@ from typing import Any
 
 from speculant.config import REQUEST_MOST, option
 from speculant.drafters.spec import model_free
-from speculant.errors import ConfigError
+from speculant.errors import ConfigError, OptionError
 from speculant.methods.drafting import DrafterOptions
 from speculant.methods.registry import Request, register
 
@@ -21,9 +21,9 @@ class SDOptions(DrafterOptions):
     def __post_init__(self) -> None:
         super().__post_init__()
         if self.k < 1:
-            raise ConfigError(f"k must be >= 1, got {self.k}")
+            raise OptionError("k", f"k must be >= 1, got {self.k}")
         if not 0 <= self.draft_confidence < 1:
-            raise ConfigError(f"draft_confidence must lie in [0, 1), got {self.draft_confidence}")
+            raise OptionError("draft_confidence", f"draft_confidence must lie in [0, 1), got {self.draft_confidence}")
         if self.draft_confidence and model_free(self.drafter):
             raise ConfigError(f"draft_confidence needs a model drafter, not {self.drafter.kind}")
 

@@ -220,12 +220,8 @@ def create_app(engine: Engine, served_name: str, config: ServeConfig | None = No
         declared = [t.model_dump(exclude_none=True) for t in body.tools] if choice != "none" else None  # (as the
         try:  # template takes them; off the event loop: a long conversation must not hold up the other requests)
             ids = await asyncio.to_thread(encode_prompt, tokenizer, messages, True, declared)
-            if any("name" in message for message in messages) and \
-                    (unwritten := await asyncio.to_thread(tools.unwritten_names, tokenizer, messages, declared)):
-                raise ApiError(400, "this model's chat template has no place for this participant's name (leave it "
-                               "out, or say it in the content)", f"messages.{unwritten[0]}.name")
-        except ConfigError as error:
-            raise ApiError(400, str(error), "messages") from None
+        except ConfigError as error:  # (a participant's name the template has no place for: its message's field)
+            raise ApiError(400, str(error), error.field if isinstance(error, RequestError) else "messages") from None
         return await respond(body, ids, body.max_completion_tokens or body.max_tokens, True, http,
                              [t.function.name for t in body.tools] if choice != "none" else None, calls,
                              choice not in ("none", "auto"))

@@ -295,20 +295,6 @@ class ToolStream:
         return rest, parsed.calls
 
 
-def unwritten_names(tokenizer: Any, messages: list[dict[str, Any]], functions: list[dict[str, Any]] | None
-                    ) -> list[int]:
-    """The messages whose participant's `name` the chat template leaves out of the prompt (a template may write
-    some roles' names and not others'): each name is rendered as a marker of its own, and looked for."""
-    marker = f"speculant-name-{uuid.uuid4().hex}-"
-    marked = [{**message, "name": f"{marker}{i}."} if "name" in message else message
-              for i, message in enumerate(messages)]
-    try:
-        text = tokenizer.apply_chat_template(marked, tools=functions, add_generation_prompt=True, tokenize=False)
-    except Exception:  # noqa: BLE001 - the template is the model's code (it rendered these messages with their names,
-        return []  # so a failure on the markers alone says nothing of where it writes them)
-    return [i for i, message in enumerate(messages) if "name" in message and f"{marker}{i}." not in text]
-
-
 def template_message(message: Any) -> dict[str, Any]:
     """A request's message as chat templates take it: an assistant's calls with their arguments as objects (the
     templates write them with `tojson`), a tool's result with its call's id, a participant's name."""

@@ -59,15 +59,16 @@ class TreeOptions(DrafterOptions):
         for name in ("depth", "width", "verify_width"):
             value = getattr(self, name)
             if value not in (None, AUTO) and not (isinstance(value, int) and value >= 1):
-                raise ConfigError(f"{name} must be an integer >= 1 or auto, got {value!r}")
+                raise OptionError(name, f"{name} must be an integer >= 1 or auto, got {value!r}")
         if self.schedule not in SCHEDULES:
-            raise ConfigError(f"schedule must be one of {', '.join(SCHEDULES)}, got {self.schedule!r}")
+            raise OptionError("schedule", f"schedule must be one of {', '.join(SCHEDULES)}, got {self.schedule!r}")
         if self.shape not in SHAPES:
-            raise ConfigError(f"shape must be one of {', '.join(SHAPES)}, got {self.shape!r}")
+            raise OptionError("shape", f"shape must be one of {', '.join(SHAPES)}, got {self.shape!r}")
         if self.shape != "egt" and AUTO in (self.depth, self.width):
-            raise ConfigError(f"shape {self.shape} needs a depth and a width (its nodes: depth x width), not auto")
+            raise OptionError("shape",
+                              f"shape {self.shape} needs a depth and a width (its nodes: depth x width), not auto")
         if self.objective not in OBJECTIVES:
-            raise ConfigError(f"objective must be one of {', '.join(OBJECTIVES)}, got {self.objective!r}")
+            raise OptionError("objective", f"objective must be one of {', '.join(OBJECTIVES)}, got {self.objective!r}")
         from speculant.latency import LatencyProfile
         from speculant.trees.depth import DepthPredictor
 
@@ -80,10 +81,12 @@ class TreeOptions(DrafterOptions):
             object.__setattr__(self, "depth_predictor", DepthPredictor.load(readable(
                 self.depth_predictor, "depth predictor", " (make one with `speculant train-depth`)")))
         if self.target_profile is not None and not isinstance(self.target_profile, LatencyProfile):
-            raise ConfigError(f"target_profile is a `speculant profile` JSON file or a LatencyProfile, not "
+            raise OptionError("target_profile",
+                              f"target_profile is a `speculant profile` JSON file or a LatencyProfile, not "
                               f"{type(self.target_profile).__name__}")
         if not isinstance(self.depth_predictor, (str, DepthPredictor)):
-            raise ConfigError(f"depth_predictor is auto, off, a predictor's JSON file or a DepthPredictor, not "
+            raise OptionError("depth_predictor",
+                              f"depth_predictor is auto, off, a predictor's JSON file or a DepthPredictor, not "
                               f"{type(self.depth_predictor).__name__}")
         if self.objective == "length":  # (every tree drafted to its depth, no cost weighed: these would be dropped)
             for name, given in (("depth auto", self.depth == AUTO), ("width auto", self.width == AUTO),
