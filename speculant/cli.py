@@ -886,7 +886,8 @@ def run_serve(args: argparse.Namespace) -> None:
     from speculant.models.backends import capabilities_of
     from speculant.serve import serving_backend
 
-    if args.api_key is None and os.environ.get(API_KEY_ENV):  # (`ps` shows a flag's value to any user)
+    if args.api_key is None and API_KEY_ENV in os.environ:  # (`ps` shows a flag's value to any user; set but
+        # empty, as a secret that failed to load: refused, not a server without a key)
         args.api_key = os.environ[API_KEY_ENV]
     config = from_args(ServeConfig, args)
     if "replica_cpus" in args.given and not config.on_ray:

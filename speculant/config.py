@@ -291,14 +291,16 @@ class ServeConfig:
             value = getattr(self, name)
             parts = value.split(",") if name == "allowed_hosts" and value is not None else [value]
             if value is not None and not all(part.strip() for part in parts):
-                raise ConfigError(f"{flag(name)} has an empty value: give one, or leave the flag out")
+                raise ConfigError(f"{flag(name)}{f' (or ${API_KEY_ENV})' if name == 'api_key' else ''} has an empty "
+                                  "value: give one, or leave the flag out")
         if self.api_key is not None and not all(" " < char < "\x7f" for char in self.api_key):
             raise ConfigError(f"--api-key (or ${API_KEY_ENV}) must be printable ASCII without spaces: a client sends "
                               "it in an HTTP header")
         for host in self.allowed_hosts.split(",") if self.allowed_hosts else ():
-            if not re.fullmatch(r"\[[^\[\]]+\]|[^:\[\]]+", host.strip()):  # (a Host header's port is not compared)
-                raise ConfigError(f"--allowed-hosts names hosts without a port (an IPv6 address in brackets, as "
-                                  f"[::1]), got '{host.strip()}'")
+            if not re.fullmatch(r"\[[0-9A-Za-z:.%_-]+\]|[0-9A-Za-z._-]+", host.strip()):  # (a Host header's port is
+                # not compared; a name with any other character is none a Host header holds: nothing would be served)
+                raise ConfigError(f"--allowed-hosts names hosts without a port (letters, digits, '.', '-', '_'; an "
+                                  f"IPv6 address in brackets, as [::1]), got '{host.strip()}'")
         check_ray_address(self.ray_cluster, "--ray-cluster")
         if self.open_metrics and self.api_key is None:
             raise ConfigError("--open-metrics opens /metrics to callers without the --api-key: give one")

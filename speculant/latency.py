@@ -166,7 +166,10 @@ class LatencyProfile:
     def load(cls, path: Path) -> LatencyProfile:
         try:
             return cls.from_dict(json.loads(Path(path).read_text()))
-        except (OSError, ValueError, KeyError, TypeError, RecursionError) as error:
+        except KeyError as error:
+            raise ConfigError(f"cannot read latency profile {path}: it has no field {error} (not a `speculant "
+                              "profile` JSON file?)") from None
+        except (OSError, ValueError, TypeError, RecursionError) as error:
             raise ConfigError(f"cannot read latency profile {path}: {type(error).__name__}: {error}") from None
 
 

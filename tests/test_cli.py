@@ -498,7 +498,8 @@ def test_bad_files_paths_and_settings_are_one_line_before_any_model_loads(tmp_pa
             (["serve", *target, "--port", port], "cannot listen on"),
             (["serve", *target, "--prefix-cache-mb", "inf"], "prefix-cache-mb must be a number >= 0"),
             (["serve", *target, "--open-metrics"], "--open-metrics opens /metrics"),
-            (["serve", *target, "--api-key", " "], "--api-key has an empty value"),
+            (["serve", *target, "--api-key", " "], "--api-key (or $SPECULANT_API_KEY) has an empty value"),
+            (["serve", *target, "--allowed-hosts", "api.example.com,a b"], "got 'a b'"),  # (no Host header matches)
             (["serve", *target, "--api-key", "ké"], "--api-key (or $SPECULANT_API_KEY) must be printable ASCII"),
             (["serve", *target, "--allowed-hosts", "localhost,"], "--allowed-hosts has an empty value"),
             (["generate", "x", *target, "--method", "sd", "--drafter", "nonsense"], "unknown model 'nonsense'"),
@@ -539,6 +540,9 @@ def test_bad_files_paths_and_settings_are_one_line_before_any_model_loads(tmp_pa
     monkeypatch.setenv("SPECULANT_CACHE", str(tmp_path / "file"))
     code, _, err = run(capsys, "generate", "x", *target)
     assert code == 2 and "SPECULANT_CACHE" in err and "Traceback" not in err
+    monkeypatch.setenv("SPECULANT_API_KEY", "")  # (set, but empty: a secret that failed to load, not a server without one)
+    code, _, err = run(capsys, "serve", *target)
+    assert code == 2 and "--api-key (or $SPECULANT_API_KEY) has an empty value" in err and "Traceback" not in err
     for argv, message in [(["generate", "x", "--dtype", "fp16"], "dtype must be one of auto, bf16, fp32"),
                           (["serve", "--prefix-cache-mb", "nan"], "not a number"),
                           (["generate", "x", "--temperature", "nan"], "temperature: not a number"),

@@ -79,3 +79,10 @@ def test_a_model_file_is_known_by_what_it_holds_not_by_how_its_path_is_spelled(t
     byte_tokenizer().save_pretrained(tmp_path / "hf")
     groups = {profile_key(load_model("hf@int4", dtype="fp32", group_size=size)) for size in (32, 64)}
     assert len(groups) == 2
+
+
+def test_a_profile_missing_a_field_names_it(tmp_path):
+    path = tmp_path / "other.json"
+    path.write_text(json.dumps({"model": "m"}))  # (another tool's JSON, or a profile cut short)
+    with pytest.raises(ConfigError, match=r"cannot read latency profile .*: it has no field '\w+' \(not a `speculant"):
+        LatencyProfile.load(path)

@@ -77,8 +77,10 @@ def simulate_online(target_ms: float, drafter_ms: float, acceptance: float, serv
     for before, ms in zip(costs, costs[1:]):  # (Algorithm 1's drafters come in increasing cost: a cheaper one leads)
         if ms < before:
             raise ConfigError(f"more_drafter {ms:g} ms: each is costlier than the drafter before it ({before:g} ms)")
-    if tokens < 2 or repeats < 1:
-        raise ConfigError("tokens must be >= 2 and repeats >= 1")
+    if tokens < 2:
+        raise ConfigError(f"tokens must be >= 2, got {tokens}")
+    if repeats < 1:
+        raise ConfigError(f"repeats must be >= 1, got {repeats}")
     check_ray_address(ray_address, "ray_address")
     if seed < 0:
         raise ConfigError(f"seed must be >= 0, got {seed}")
