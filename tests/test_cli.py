@@ -540,7 +540,7 @@ def test_bad_files_paths_and_settings_are_one_line_before_any_model_loads(tmp_pa
     monkeypatch.setenv("SPECULANT_CACHE", str(tmp_path / "file"))
     code, _, err = run(capsys, "generate", "x", *target)
     assert code == 2 and "SPECULANT_CACHE" in err and "Traceback" not in err
-    monkeypatch.setenv("SPECULANT_API_KEY", "")  # (set, but empty: a secret that failed to load, not a server without one)
+    monkeypatch.setenv("SPECULANT_API_KEY", "")  # (set, but empty: a secret that failed to load, not no key)
     code, _, err = run(capsys, "serve", *target)
     assert code == 2 and "--api-key (or $SPECULANT_API_KEY) has an empty value" in err and "Traceback" not in err
     for argv, message in [(["generate", "x", "--dtype", "fp16"], "dtype must be one of auto, bf16, fp32"),
