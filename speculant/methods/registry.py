@@ -185,7 +185,7 @@ def check_names(options: type, method: str, given: Iterable[str], offered: Seque
     names = [f.name for f in fields(options)]
     for name in given:
         if name not in names:
-            takes = ", ".join(names if offered is None else offered) or "no options"
+            takes = ", ".join(names if offered is None else offered) or "no options of its own"
             if where := owners(name):
                 raise OptionError(name, f"option '{name}' does not apply to method '{method}' (it belongs to "
                                   f"{', '.join(where)}; '{method}' takes: {takes})")
