@@ -101,8 +101,9 @@ ENTRIES: dict[str, tuple[str, str, str | None, str | None, str | None]] = {
                           "--out docs/results/kernels-avx2.json", ZEN3, None),
     "lean-avx2-profiles.json": ("CPU", "the machine profiles (T(W) of the whole lean forward, TTFT) that the 1.5B and "
                                 "its 0.5B drafter measured for the AVX2 kernels before and after their change, and for "
-                                "the kernel bench-avx2-head-* ran as profile versions 2 and 3 measured it, copied from "
-                                "the profile cache", "measured by the bench-avx2-* runs (`speculant profile` shows one)",
+                                "the kernel bench-avx2-head-* ran as profile versions 2 and 3 measured it, and as "
+                                "bench-avx2-1202-* ran, copied from the profile cache",
+                                "measured by the bench-avx2-* runs (`speculant profile` shows one)",
                                 ZEN3, None),
     "bench-humaneval-10-30": ("CPU", "`auto` on twenty HumanEval problems never used while tuning (HumanEval[10:30])",
                               None, ZEN4, None),

@@ -145,13 +145,7 @@ def parse_values(options: type, method: str, given: Mapping[str, str]) -> dict[s
     by_name = {f.name: f for f in fields(options)}
     check_names(options, method, given)
     check_pairs(options, method, given)
-    parsed = {}
-    for name, value in given.items():
-        try:
-            parsed[name] = parse_value(by_name[name], value)
-        except ConfigError as error:
-            raise OptionError(name, str(error)) from None
-    return parsed
+    return {name: parse_value(by_name[name], value) for name, value in given.items()}  # (an OptionError names it)
 
 
 def check_pairs(options: type, method: str, given: Iterable[str]) -> None:
