@@ -232,18 +232,23 @@ def every_method(other) -> dict[str, dict]:
     }
 
 
-def assert_trees_fit_the_last_positions(model, vocab: int) -> None:
+def assert_trees_fit_the_last_positions(model, vocab: int, patch) -> None:
     """A prompt 12 positions short of the model's cache, trees of 16 nodes: each tree is cut to the slots left, and
     every tree path (equal growth, a fixed shape, drafted ahead, auto's tree candidates) gives `ar`'s tokens to the
-    last position."""
+    last position, its drafts accepted (auto's costs invented so that it drafts a tree there: `patch`, pytest's
+    monkeypatch)."""
     from speculant import generate
 
     prompt = random_prompt(3, vocab, model.max_positions - 12)
     expected = generate(model, prompt_ids=prompt, method="ar", max_new_tokens=12).token_ids
     tree = dict(method="tree", drafter="self", depth=4, width=4)
+    invent(patch, costs(model))  # (the tiny model's measured costs: auto would decode plainly)
     for options in (tree, {**tree, "shape": "nway"}, {**tree, "schedule": "stage"},
                     dict(method="auto", drafters="self", tree_widths="4")):
-        assert generate(model, prompt_ids=prompt, max_new_tokens=12, **options).token_ids == expected, options
+        result = generate(model, prompt_ids=prompt, max_new_tokens=12, **options)
+        assert result.token_ids == expected, options
+        assert sum(result.stats.accepted_lengths) > 0, options
+    assert any("tree" in choice for choice in result.stats.choices), result.stats.choices  # (auto's)
 
 
 def greedy(model, prompt: list[int], n: int = 16, vocab: int = BYTE_VOCAB) -> list[int]:

@@ -131,8 +131,8 @@ def test_every_method_equals_ar_on_the_lean_model(lean_files, variant):
             assert label not in DRAFTS_ACCEPTED or sum(result.stats.accepted_lengths) > 0, label
 
 
-def test_trees_near_the_end_of_the_cache_fit_the_slots_left(lean_files):
-    assert_trees_fit_the_last_positions(lean(lean_files, "qwen2"), BYTE_VOCAB)
+def test_trees_near_the_end_of_the_cache_fit_the_slots_left(lean_files, monkeypatch):
+    assert_trees_fit_the_last_positions(lean(lean_files, "qwen2"), BYTE_VOCAB, monkeypatch)
 
 
 def test_the_repack_is_cached(lean_files, monkeypatch):

@@ -374,8 +374,8 @@ def test_a_dropped_handle_gives_its_region_back_without_waiting_for_the_pool():
     assert handle.share()._region == region
 
 
-def test_trees_near_the_end_of_the_cache_fit_the_slots_left():
-    assert_trees_fit_the_last_positions(static(transformer("llama", 0)), 64)
+def test_trees_near_the_end_of_the_cache_fit_the_slots_left(monkeypatch):
+    assert_trees_fit_the_last_positions(static(transformer("llama", 0)), 64, monkeypatch)
 
 
 def test_the_compiled_step_writes_the_caches_in_place():
