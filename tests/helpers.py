@@ -213,8 +213,9 @@ class ScriptedDrafter(Drafter):
         pass
 
 
-DRAFTS_ACCEPTED = ("sd itself", "sd other", "tree itself", "tree other", "cascade")  # `every_method`'s runs whose
-# drafts a test asserts are accepted, where `other` agrees with the target often (a perturbed copy, other quants)
+DRAFTS_ACCEPTED = ("sd itself", "sd other", "tree itself", "tree other", "cascade", "auto")  # `every_method`'s
+# runs whose drafts a test asserts are accepted, where `other` agrees with the target often (a perturbed copy, other
+# quants) and auto's costs are invented (`invent`: on the tiny models' measured ones it may decode plainly)
 
 
 def every_method(other) -> dict[str, dict]:

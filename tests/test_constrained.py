@@ -7,8 +7,8 @@ from collections import Counter
 
 import pytest
 import torch
-from helpers import (ARCHS, DRAFTS_ACCEPTED, bpe_tokenizer, byte_tokenizer, every_method, perturbed, tiny_model,
-                     tiny_transformer, total_variation)
+from helpers import (ARCHS, DRAFTS_ACCEPTED, bpe_tokenizer, byte_tokenizer, costs, every_method, invent, perturbed,
+                     tiny_model, tiny_transformer, total_variation)
 
 from speculant import generate
 from speculant.errors import ConfigError
@@ -35,7 +35,7 @@ def byte_model(arch, seed):
 
 @pytest.mark.parametrize("name", FORMATS)
 @pytest.mark.parametrize("arch", ARCHS)
-def test_every_method_equals_constrained_ar_and_the_text_matches(arch, name):
+def test_every_method_equals_constrained_ar_and_the_text_matches(arch, name, monkeypatch):
     response_format, matches = FORMATS[name]
     target = byte_model(arch, 0)
     other = perturbed(target, 0.05, 1)
@@ -44,6 +44,7 @@ def test_every_method_equals_constrained_ar_and_the_text_matches(arch, name):
     expected = generate(target, prompt_ids=prompt, method="ar", max_new_tokens=60, response_format=response_format)
     assert expected.text != free.text and matches(expected.text), expected.text
     assert expected.token_ids[-1] in target.eos_token_ids  # it ended where the grammar was complete
+    invent(monkeypatch, costs(target))  # (auto speculates)
     for label, options in every_method(other).items():
         result = generate(target, prompt_ids=prompt, max_new_tokens=60, response_format=response_format, **options)
         assert result.token_ids == expected.token_ids, label

@@ -9,8 +9,8 @@ import gguf
 import numpy as np
 import pytest
 import torch
-from helpers import (BYTE_VOCAB, DRAFTS_ACCEPTED, assert_trees_fit_the_last_positions, byte_tokenizer, every_method,
-                     greedy)
+from helpers import (BYTE_VOCAB, DRAFTS_ACCEPTED, assert_trees_fit_the_last_positions, byte_tokenizer, costs,
+                     every_method, greedy, invent)
 from tiny_gguf import dequantized_transformer, write_tiny_gguf
 
 from speculant import generate, kernels
@@ -119,11 +119,12 @@ def test_keep_refuses_positions_that_do_not_ascend_within_the_cache(lean_files):
 
 
 @pytest.mark.parametrize("variant", VARIANTS)
-def test_every_method_equals_ar_on_the_lean_model(lean_files, variant):
+def test_every_method_equals_ar_on_the_lean_model(lean_files, variant, monkeypatch):
     for seed in (0, 1):
         target, other = lean(lean_files, variant), lean(lean_files, variant, "q8_0")  # (other: drafts accepted)
         prompt = prompt_ids(seed + 10)
         expected = generate(target, prompt_ids=prompt, method="ar", max_new_tokens=24, logprobs=2)
+        invent(monkeypatch, costs(target))  # (auto speculates)
         for label, options in every_method(other).items():
             result = generate(target, prompt_ids=prompt, max_new_tokens=24, logprobs=2, **options)
             assert result.token_ids == expected.token_ids, label
@@ -432,10 +433,11 @@ def test_every_architecture_and_type_agrees_with_transformers_and_rows_are_exact
 
 
 @pytest.mark.parametrize("arch", ARCHITECTURES)
-def test_every_method_equals_ar_on_every_architecture(typed_files, arch):
+def test_every_method_equals_ar_on_every_architecture(typed_files, arch, monkeypatch):
     target = load_model(str(typed_files(arch, "Q8_0")[0]), backend="lean", tokenizer=byte_tokenizer())
     prompt = prompt_ids(20)
     expected = generate(target, prompt_ids=prompt, method="ar", max_new_tokens=16)
+    invent(monkeypatch, costs(target))  # (auto speculates)
     for label, options in every_method(target.share()).items():
         result = generate(target, prompt_ids=prompt, max_new_tokens=16, **options)
         assert result.token_ids == expected.token_ids, label

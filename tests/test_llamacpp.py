@@ -10,7 +10,7 @@ import torch
 
 pytest.importorskip("llama_cpp")
 
-from helpers import BYTE_VOCAB, DRAFTS_ACCEPTED, byte_tokenizer, every_method, run_job  # noqa: E402
+from helpers import BYTE_VOCAB, DRAFTS_ACCEPTED, byte_tokenizer, costs, every_method, invent, run_job  # noqa: E402
 from tiny_gguf import GGUF_ARCHS, write_tiny_gguf  # noqa: E402
 
 from speculant import generate  # noqa: E402
@@ -111,12 +111,13 @@ def test_keep_leaves_the_cache_as_plain_decoding_would_bit_for_bit(gguf_files, a
 
 @pytest.mark.parametrize("quant", QUANTS)
 @pytest.mark.parametrize("arch", GGUF_ARCHS)
-def test_every_method_equals_ar_on_the_llamacpp_backend(gguf_files, arch, quant):
+def test_every_method_equals_ar_on_the_llamacpp_backend(gguf_files, arch, quant, monkeypatch):
     for seed in (0, 1):
         target = gguf_model(gguf_files, arch, quant, seed)
         other = gguf_model(gguf_files, arch, "f32" if quant == "q8_0" else "q8_0", seed)  # (the same weights)
         prompt = prompt_ids(seed + 10)
         expected = generate(target, prompt_ids=prompt, method="ar", max_new_tokens=30).token_ids
+        invent(monkeypatch, costs(target))  # (auto speculates)
         # (dsi's target forwards padded to 10 ms: its drafter, as costly as the target, keeps ahead of the servers, so
         # drafts are accepted whatever the threads' timing)
         runs = {**every_method(other), "dsi": dict(method="dsi", drafter=other, servers=2, lookahead=3,

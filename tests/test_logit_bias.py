@@ -2,14 +2,14 @@
 on the same biased target token for token."""
 
 import pytest
-from helpers import ARCHS, every_method, perturbed, tiny_model
+from helpers import ARCHS, DRAFTS_ACCEPTED, costs, every_method, invent, perturbed, tiny_model
 
 from speculant import generate
 from speculant.errors import ConfigError
 
 
 @pytest.mark.parametrize("arch", ARCHS)
-def test_every_method_equals_biased_ar_and_a_banned_token_never_comes(arch):
+def test_every_method_equals_biased_ar_and_a_banned_token_never_comes(arch, monkeypatch):
     target = tiny_model(arch, 3, 64, init_std=0.2)
     other = perturbed(target, 0.05, 4)
     prompt = [9, 8, 7, 6]
@@ -18,8 +18,11 @@ def test_every_method_equals_biased_ar_and_a_banned_token_never_comes(arch):
     bias = {banned: -100, (banned + 1) % 64: 2.5}
     expected = generate(target, prompt_ids=prompt, method="ar", max_new_tokens=20, logit_bias=bias).token_ids
     assert banned not in expected and expected != plain
+    invent(monkeypatch, costs(target))  # (auto speculates)
     for label, options in every_method(other).items():
-        assert generate(target, prompt_ids=prompt, max_new_tokens=20, logit_bias=bias, **options).token_ids == expected, label
+        result = generate(target, prompt_ids=prompt, max_new_tokens=20, logit_bias=bias, **options)
+        assert result.token_ids == expected, label
+        assert label not in DRAFTS_ACCEPTED or sum(result.stats.accepted_lengths) > 0, label
 
 
 @pytest.mark.parametrize("bias,message", [({64: 1.0}, "token ids must lie"), ({-1: 1.0}, "token ids must lie"),
