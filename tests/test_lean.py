@@ -176,12 +176,15 @@ def test_a_drafter_on_the_kernels_keeps_frequent_tokens_and_drafts_exactly(lean_
     outside = torch.ones(BYTE_VOCAB, dtype=torch.bool)
     outside[head] = False
     assert torch.isinf(logits[outside]).all() and torch.isfinite(logits[~outside]).all()
-    target = lean(lean_files, "qwen2")
+    target = load_model(str(path), backend="lean", tokenizer=byte_tokenizer())  # (its drafts accepted where in the head)
+    invent(monkeypatch, costs(target))  # (auto speculates)
     for seed in (0, 1):
         prompt = prompt_ids(seed + 20)
         expected = generate(target, prompt_ids=prompt, method="ar", max_new_tokens=24).token_ids
         for options in (dict(method="sd", drafter=drafter, k=4), dict(method="auto", drafters=[drafter, "maxgram"])):
-            assert generate(target, prompt_ids=prompt, max_new_tokens=24, **options).token_ids == expected, options
+            result = generate(target, prompt_ids=prompt, max_new_tokens=24, **options)
+            assert result.token_ids == expected, options
+            assert sum(result.stats.accepted_lengths) > 0, options
 
 
 @pytest.mark.parametrize("variant", ["qwen2", "llama-window"])
@@ -345,12 +348,14 @@ def test_the_model_drafts_for_itself_with_calibrated_layers_left_out(lean_files,
     assert skipped and set(skipped) <= {1, 2, 3, 4}, skipped
     monkeypatch.setattr(layer_skip, "_calibrate", lambda *args: pytest.fail("calibrated again"))
     assert layer_skip.skipped_layers(target.share()) == skipped
+    invent(monkeypatch, costs(target))  # (auto speculates)
     for seed in (0, 1):
         prompt = prompt_ids(seed + 50)
         expected = generate(target, prompt_ids=prompt, method="ar", max_new_tokens=24).token_ids
         for options in (dict(method="sd", drafter="self@skip", k=3), dict(method="auto", drafters=["self@skip"])):
             result = generate(target, prompt_ids=prompt, max_new_tokens=24, **options)
             assert result.token_ids == expected, options
+            assert sum(result.stats.accepted_lengths) > 0, options
             if options["method"] == "sd":
                 assert sum(result.stats.draft_lengths) > 0 and list(result.stats.drafter_forwards) == [
                     f"{target.name} skipping {len(skipped)}"]
