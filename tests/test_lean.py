@@ -176,7 +176,8 @@ def test_a_drafter_on_the_kernels_keeps_frequent_tokens_and_drafts_exactly(lean_
     outside = torch.ones(BYTE_VOCAB, dtype=torch.bool)
     outside[head] = False
     assert torch.isinf(logits[outside]).all() and torch.isfinite(logits[~outside]).all()
-    target = load_model(str(path), backend="lean", tokenizer=byte_tokenizer())  # (its drafts accepted where in the head)
+    # the target is the same weights whole: the drafts are accepted wherever the target's token is in the head
+    target = load_model(str(path), backend="lean", tokenizer=byte_tokenizer())
     invent(monkeypatch, costs(target))  # (auto speculates)
     for seed in (0, 1):
         prompt = prompt_ids(seed + 20)
