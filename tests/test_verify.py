@@ -26,6 +26,23 @@ def test_greedy_verification_takes_longest_matching_prefix(draft, target, expect
     assert verify_greedy(draft, one_hot_logits(target)) == expected
 
 
+@pytest.mark.parametrize(("leniency", "draft_probs", "expected"), [
+    (1.0, None, (1, 9)),  # exact: the second token is not the argmax
+    (2.0, None, (1, 9)),  # 2 p(4) = 0.5 < q = 1 (a deterministic drafter)
+    (5.0, None, (2, 9)),  # 5 p(4) > 1: kept; the third token, p(5) = 0, never is
+    (2.0, [1.0, 0.4, 1.0], (2, 9)),  # 2 p(4) = 0.5 > q(4) = 0.4
+    (2.0, [1.0, 0.6, 0.0], (1, 9)),  # 2 p(4) < q(4) = 0.6: the rest is not reviewed
+])
+def test_a_lenient_greedy_review_keeps_a_token_where_l_times_p_exceeds_q(leniency, draft_probs, expected):
+    """CS Drafting, section 3.1: a reviewed token that is not the argmax is kept where l p(x) > q(x)."""
+    logits = torch.full((4, 10), -float("inf"))
+    logits[0, 3] = 0.0  # p(3) = 1 after nothing
+    logits[1, [9, 4]] = torch.tensor([0.75, 0.25]).log()  # the argmax 9; p(4) = 0.25
+    logits[2, 9] = logits[3, 9] = 0.0  # p(5) = 0
+    probs = torch.tensor(draft_probs) if draft_probs is not None else None
+    assert verify_greedy([3, 4, 5], logits, leniency=leniency, draft_probs=probs) == expected
+
+
 P = torch.tensor([0.4, 0.3, 0.1, 0.1, 0.05, 0.05])
 Q = torch.tensor([0.1, 0.1, 0.4, 0.2, 0.1, 0.1])
 
