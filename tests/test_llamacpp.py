@@ -336,6 +336,37 @@ print("interleaved")
     assert done.stdout.strip().splitlines()[-1] in ("interleaved", "no AMX buffer")
 
 
+@pytest.mark.parametrize("killed", [True, False])
+def test_a_library_whose_amx_matmul_faults_loads_weights_without_extra_buffers(gguf_files, killed, tmp_path,
+                                                                               monkeypatch, caplog):
+    """A library with ggml's AMX matmul that is not speculant's fixed build (llama-cpp-python's own, which CI never
+    installs) has its forwards tried once in a child per library, CPU and file: killed by a signal, the weights load
+    without extra buffer types and a warning says why; else with them. (The child is faked: no CPU here faults.)"""
+    import subprocess
+
+    from speculant.models.backends import llamacpp, llamacpp_build
+
+    monkeypatch.setenv("SPECULANT_CACHE", str(tmp_path))
+    info = llamacpp.system_info()
+    monkeypatch.setattr(llamacpp, "system_info", lambda: {**info, "features": info["features"] + " AMX_INT8"})
+    monkeypatch.setattr(llamacpp_build, "manifest", lambda: None)  # not speculant's own build
+    children = []
+
+    def child(command, **kwargs):
+        children.append(kwargs["env"]["LLAMA_CPP_LIB_PATH"])
+        return subprocess.CompletedProcess(command, -11 if killed else 0)
+    monkeypatch.setattr(llamacpp.subprocess, "run", child)
+    lib, extra = llamacpp._import(), []
+    load = lib.llama_model_load_from_file
+    monkeypatch.setattr(lib, "llama_model_load_from_file", lambda path, params: extra.append(params.use_extra_bufts)
+                        or load(path, params))
+    for _ in range(2):
+        llamacpp.GGUFWeights(gguf_files["llama", "q8_0", 0][0])
+    assert children == [str(llamacpp.library_path().parent)]  # tried once, on the library in use
+    assert extra == [not killed] * 2
+    assert ("runs without AMX and repacked weights" in caplog.text) == killed
+
+
 def test_a_windowed_llama_gguf_is_sent_to_the_lean_backend_which_applies_its_window(tmp_path, private_cache,
                                                                                      monkeypatch):
     """llama.cpp ignores a llama GGUF's sliding window (its logits are those of the same weights without one), so

@@ -3,6 +3,7 @@ tools' output read back (text, prompt tokens, times), clear errors, and (where t
 run in which `ar` and `llamacpp-cli-*` give the same text."""
 
 import json
+import os
 import subprocess
 import sys
 
@@ -201,7 +202,9 @@ def test_llamacpp_tools_give_ar_s_text_in_one_bench_run(tmp_path):
     try:
         CATALOG["qwen2.5-coder-0.5b"].part_paths()
         llamacpp_build.tool("llama-completion")
-    except Exception as error:  # noqa: BLE001
+    except ModelNotAvailable as error:
+        if os.environ.get("CI"):
+            raise
         pytest.skip(str(error))
     prompts = tmp_path / "prompts.jsonl"
     prompts.write_text("\n".join(json.dumps(p) for p in [
@@ -227,9 +230,9 @@ def test_llamacpp_tools_give_ar_s_text_in_one_bench_run(tmp_path):
 def test_llama_cpp_python_s_own_library_runs_with_or_without_its_amx_path(tmp_path):
     """llama-cpp-python's library as pip built it, in a fresh process and cache: where ggml has an AMX matmul it
     is tried in a child first; if it faulted (GCC 12 builds on AMX CPUs), the weights load without extra buffers,
-    else with them; either way generating works instead of crashing."""
+    else with them; either way generating works instead of crashing. (CI installs the bindings without a library:
+    test_llamacpp.py's test of a faulting AMX matmul, its child faked, covers the choice there.)"""
     import importlib.util
-    import os
     from pathlib import Path
 
     spec = importlib.util.find_spec("llama_cpp")

@@ -233,17 +233,24 @@ def test_tools_schemas_compile_off_the_event_loop(monkeypatch):
     assert replies[1].json()["error"]["param"] == "tools.1.function.parameters"
 
 
+@pytest.fixture(scope="module")
+def packaged():
+    """The packaged 0.5B on the lean backend (required in CI)."""
+    from speculant.errors import ModelNotAvailable
+    from speculant.models.loading import load_lean
+
+    try:
+        return load_lean("qwen2.5-coder-0.5b")
+    except ModelNotAvailable as error:
+        if os.environ.get("CI"):
+            raise
+        pytest.skip(str(error))
+
+
 @pytest.mark.real_model
-def test_a_tag_spelled_in_plain_tokens_is_text_that_cannot_hold_a_call():
+def test_a_tag_spelled_in_plain_tokens_is_text_that_cannot_hold_a_call(packaged):
     """Where the tag is one token (Qwen's), text may not spell it in ordinary tokens: a call is the tag's token."""
-    from transformers import AutoTokenizer
-
-    from speculant.models.loading import tokenizer_folder
-
-    folder = tokenizer_folder("qwen2.5-coder-0.5b")
-    if folder is None:
-        pytest.skip("the packaged 0.5B's tokenizer is not made yet")
-    tokenizer = AutoTokenizer.from_pretrained(folder)
+    tokenizer = packaged.tokenizer
     ok = accepts(tokenizer, len(tokenizer), "auto")
     spelled = lambda tag: [tokenizer.convert_tokens_to_ids(p) for p in ("<", tag, "_call", ">")]  # noqa: E731
     arguments = tokenizer.encode('\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n', add_special_tokens=False)
@@ -253,25 +260,18 @@ def test_a_tag_spelled_in_plain_tokens_is_text_that_cannot_hold_a_call():
 
 
 @pytest.fixture(scope="module")
-def served():
+def served(packaged):
     """(an openai client, the call tag's token id): the packaged 0.5B on the lean backend, served with `sd` drafting
     by Max-Gram (drafts from the prompt's tool schemas and the reply so far, some accepted, some rejected under the
     grammar); a request's `speculant.method: ar` turns speculation off."""
     from test_serve import serving
 
-    from speculant.errors import ModelNotAvailable
     from speculant.methods import get_method
-    from speculant.models.loading import load_lean
     from speculant.serve.engine import Engine
     from speculant.serve.metrics import Metrics
     from speculant.serve.tools import OPEN
 
-    try:
-        target = load_lean("qwen2.5-coder-0.5b")
-    except ModelNotAvailable as error:
-        if os.environ.get("CI"):
-            raise
-        pytest.skip(str(error))
+    target = packaged
     engine = Engine(target, "sd", get_method("sd").make_options({"drafter": "maxgram", "k": 4}), 8, 16, Metrics())
     with serving(engine, name="m") as url:
         import openai
