@@ -333,9 +333,10 @@ def test_auto_tree_is_lossless_and_reports_its_shape(arch):
 
 @pytest.mark.parametrize("backend", ["hf", "static"])
 def test_auto_tree_sizes_on_a_model_of_fewer_positions_than_the_widest_measured_forward(backend):
-    """A target of 32 positions (TARGET_WIDTHS reach 32) and a drafter of 6 (PLAN_WIDTHS reach 8): the widths that
-    fit after a token of context are measured, the others extrapolated, and the output is ar's (the measurement had
-    prefilled nothing, or run past the cache)."""
+    """A target of 32 positions (TARGET_WIDTHS reach 32) and a drafter of 6 (PLAN_WIDTHS reach 8), the target's own
+    weights: the widths that fit after a token of context are measured, the others extrapolated, and the output is
+    ar's (the measurement had prefilled nothing, or run past the cache); after a short prompt the drafts are
+    accepted, a long one leaves the drafter no room to draft."""
     from helpers import tiny_transformer
 
     from speculant import generate, load_model
@@ -348,12 +349,14 @@ def test_auto_tree_sizes_on_a_model_of_fewer_positions_than_the_widest_measured_
             return StaticCausalLM(StaticWeights(module), name=f"tiny-{seed}", span=positions, width=4)
         return load_model(module)
 
-    target, drafter = model(1, 32), model(2, 6)
+    target, drafter = model(1, 32), model(1, 6)
     for prompt in ([5, 9], random_prompt(3, 64, 24)):
         expected = generate(target, prompt_ids=prompt, method="ar", max_new_tokens=6).token_ids
         for sizes in (dict(verify_width="auto"), dict(width="auto"), dict(depth="auto", width=2)):
-            assert generate(target, prompt_ids=prompt, method="tree", drafter=drafter, max_new_tokens=6,
-                            **sizes).token_ids == expected, (len(prompt), sizes)
+            result = generate(target, prompt_ids=prompt, method="tree", drafter=drafter, max_new_tokens=6, **sizes)
+            assert result.token_ids == expected, (len(prompt), sizes)
+            accepted, drafted = sum(result.stats.accepted_lengths), result.stats.drafted_nodes
+            assert accepted > 0 if len(prompt) < 6 else drafted == 0, (len(prompt), sizes)
 
 
 def test_summary_reports_the_tree_shape_when_the_objective_verifies_nothing():
