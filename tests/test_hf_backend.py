@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from helpers import ARCHS, DEVICES, random_prompt, tiny_model, tiny_transformer
+from helpers import ARCHS, DEVICES, perturbed, random_prompt, tiny_model, tiny_transformer
 from speculant.models import load_model
 
 
@@ -123,11 +123,16 @@ def test_a_sliding_window_is_what_transformers_full_recomputation_applies(arch, 
             assert token == int(full.argmax())
         sequence.append(token)
         logits = model.forward([token])[-1]
-    for method, options in [("sd", dict(drafter="maxgram", k=4)), ("sd", dict(drafter=model.share(), k=3)),
-                            ("tree", dict(drafter=model.share(), depth=3, width=2)),
-                            ("cascade", dict(drafters=(model.share(), "maxgram")))]:
-        assert generate(model, prompt_ids=prompt * 2, method=method, max_new_tokens=24, **options).token_ids == \
-            generate(model, prompt_ids=prompt * 2, method="ar", max_new_tokens=24).token_ids, method
+    drafter = perturbed(model, 0.1, 3)  # (agrees often, not always: chains accepted in part, then rolled back)
+    expected = generate(model, prompt_ids=prompt * 2, method="ar", max_new_tokens=24).token_ids
+    for method, options in [("sd", dict(drafter="maxgram", k=4)), ("sd", dict(drafter=drafter, k=3)),
+                            ("tree", dict(drafter=drafter, depth=3, width=2)),
+                            ("cascade", dict(drafters=(drafter, "maxgram")))]:
+        result = generate(model, prompt_ids=prompt * 2, method=method, max_new_tokens=24, **options)
+        assert result.token_ids == expected, method
+        steps = list(zip(result.stats.accepted_lengths, result.stats.draft_lengths))
+        if options.get("drafter") != "maxgram":  # (a tree drops its other branches at every step)
+            assert sum(a for a, _ in steps) > 0 and (method == "tree" or any(0 < a < d for a, d in steps)), method
 
 
 def test_gemma_2_s_soft_capped_attention_is_the_model_s_own_and_row_invariant():
