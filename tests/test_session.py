@@ -649,11 +649,14 @@ def test_a_tree_s_next_turn_catches_up_from_the_drafter_s_kept_cache(tmp_path):
     model = cache.model.model  # (under its meter)
     prefilled, prefill = [], model.prefill
     model.prefill = lambda ids: prefilled.append(len(ids)) or prefill(ids)
+    caught_up, catch_up = [], model.catch_up
+    model.catch_up = lambda ids, rows=1: caught_up.append(len(ids)) or catch_up(ids, rows)
     second_turn = first_turn + reply + [3, 4]
     result = generate(target, prompt_ids=second_turn, method="tree", drafter=str(tmp_path / "drafter"), depth=3,
                       width=2, max_new_tokens=8, session=session)
     assert result.token_ids == generate(target, prompt_ids=second_turn, method="ar", max_new_tokens=8).token_ids
-    assert not prefilled
+    assert not prefilled and sum(result.stats.accepted_lengths) > 0
+    assert 0 < caught_up[0] <= len(reply) + 2  # (the new turn, from what the drafter's cache kept)
 
 
 def test_a_model_of_one_s_own_that_implements_the_protocol_alone_is_refused_in_one_line():
