@@ -34,17 +34,32 @@ def test_method_specs_parse():
     assert parse_method("hf-assisted:k=3").peer and parse_method("hf-assisted:k=3").options.k == 3
 
 
-@pytest.mark.parametrize("bad", ["xx", "ar:k=3", "sd:k=0", "sd:k=two", "sd:depth=3", "sd:dtype=fp16", "sd:k",
-                                 "tree:width=0", "tree:profile=x.json", "tree:target_profile=missing.json", "cascade",
-                                 "cascade:drafters=a,maxgram,k_matrix=1;2;3", "hf-pld:drafter=x", "sd:drafter=x@int3",
-                                 "cascade:drafters=maxgram,leniency=0.5", "sd:drafter=x,leniency=2",
-                                 "dsi:servers=0", "dsi:executor=mpi", "sd:servers=2", "dsi:lookahead=x",
-                                 "sd:draft_confidence=1.5", "sd:draft_confidence=x", "tree:draft_confidence=0.5",
-                                 "sd:drafter=maxgram,draft_confidence=0.5", "hf-assisted:drafter=maxgram",
-                                 "llamacpp-cli-spec:drafter=suffix"])
-def test_bad_method_specs_are_refused(bad):
-    with pytest.raises(ConfigError):
+@pytest.mark.parametrize(("bad", "why"), [
+    ("xx", "unknown method 'xx'"), ("ar:k=3", "option 'k' does not apply to method 'ar'"),
+    ("sd:k=0", "k must be >= 1, got 0"), ("sd:k=two", "bad value 'two' for k"),
+    ("sd:depth=3", "option 'depth' does not apply to method 'sd'"), ("sd:dtype=fp16", "dtype must be one of"),
+    ("sd:k", "bad option 'k'"), ("tree:width=0", "width must be an integer >= 1 or auto, got 0"),
+    ("tree:profile=x.json", "unknown option 'profile' for method 'tree'"),
+    ("tree:target_profile=missing.json", "target profile not found: missing.json"),
+    ("cascade", "method 'cascade' needs option 'drafters'"),
+    ("cascade:drafters=a,maxgram,k_matrix=1;2;3", "the K matrix needs one row per drafter level"),
+    ("hf-pld:drafter=x", "option 'drafter' does not apply to method 'hf-pld'"),
+    ("sd:drafter=x@int3", "unknown quantization 'int3'"),
+    ("cascade:drafters=maxgram,leniency=0.5", "leniency must be a finite number >= 1, got 0.5"),
+    ("sd:drafter=x,leniency=2", "option 'leniency' does not apply to method 'sd'"),
+    ("dsi:servers=0", "servers must be in 1..64, got 0"), ("dsi:executor=mpi", "unknown executor 'mpi'"),
+    ("sd:servers=2", "option 'servers' does not apply to method 'sd'"), ("dsi:lookahead=x", "bad value 'x' for lookahead"),
+    ("sd:draft_confidence=1.5", r"draft_confidence must lie in \[0, 1\), got 1.5"),
+    ("sd:draft_confidence=x", "bad value 'x' for draft_confidence"),
+    ("tree:draft_confidence=0.5", "option 'draft_confidence' does not apply to method 'tree'"),
+    ("sd:drafter=maxgram,draft_confidence=0.5", "draft_confidence needs a model drafter, not maxgram"),
+    ("hf-assisted:drafter=maxgram", "hf-assisted needs a model drafter"),
+    ("llamacpp-cli-spec:drafter=suffix", "llamacpp-cli-spec needs a model drafter")])
+def test_bad_method_specs_are_refused(bad, why):
+    """Each refused for its own reason, in a line that names the spec."""
+    with pytest.raises(ConfigError, match=why) as refused:
         parse_method(bad)
+    assert f"in '{bad}'" in str(refused.value)
 
 
 @pytest.mark.parametrize("bad", ["hf-pld:k=0", "hf-pld:k=-1", "hf-assisted:drafter=x,k=0", "llamacpp-cli-ngram:k=0",

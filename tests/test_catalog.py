@@ -133,7 +133,7 @@ def test_failed_build_leaves_nothing_behind(tmp_path):
         (tmp / "model.safetensors").write_bytes(b"half")
         raise RuntimeError("killed")
 
-    with pytest.raises(RuntimeError):
+    with pytest.raises(RuntimeError, match="killed"):
         catalog.build_atomically(target, broken)
     assert not target.exists() and [p.name for p in tmp_path.iterdir()] == [".m-bf16.lock"]  # the lock file stays
 

@@ -110,7 +110,7 @@ def test_keep_refuses_positions_that_do_not_ascend_within_the_cache(lean_files):
     model = lean(lean_files, "qwen2")
     model.prefill(prompt_ids(4, 9))
     for indices in ([0, 2, 1], [1, 0], [0, 1, 9], [-1, 3], [0, 1, 1], [3, 3], [0, 1, 2, 3, 4, 5, 6, 7, 8, 9]):
-        with pytest.raises(ValueError):
+        with pytest.raises(ValueError, match="indices must ascend within the cache"):
             model.keep(indices)
     assert model.cache_len == 9
     keys = model._keys[:, :, :9].clone()

@@ -65,10 +65,15 @@ def test_a_draw_inverts_the_cdf_at_the_generator_s_uniform_over_blocks_and_their
     assert blocks == set(range(-(-vocab // SAMPLE_BLOCK)))
 
 
-@pytest.mark.parametrize("kwargs", [dict(temperature=-0.1), dict(temperature=math.nan), dict(temperature=math.inf),
-                                    dict(temperature=1e-300), dict(top_p=0.0), dict(top_p=1.5), dict(top_k=0)])
-def test_bad_sampling_values_are_refused(kwargs):
-    with pytest.raises(ConfigError):
+@pytest.mark.parametrize(("kwargs", "why"), [
+    (dict(temperature=-0.1), "temperature must be a finite number >= 0, got -0.1"),
+    (dict(temperature=math.nan), "temperature must be a finite number >= 0, got nan"),
+    (dict(temperature=math.inf), "temperature must be a finite number >= 0, got inf"),
+    (dict(temperature=1e-300), "temperature must be 0 .greedy. or at least 0.001"),
+    (dict(top_p=0.0), "top_p must lie in .0, 1., got 0.0"), (dict(top_p=1.5), "top_p must lie in .0, 1., got 1.5"),
+    (dict(top_k=0), "top_k must be >= 1, got 0")])
+def test_bad_sampling_values_are_refused(kwargs, why):
+    with pytest.raises(ConfigError, match=why):
         SamplingConfig(**kwargs)
 
 

@@ -26,10 +26,9 @@ def test_depths_positions_paths_and_mask():
 
 
 def test_malformed_trees_are_refused():
-    with pytest.raises(ValueError):
-        TokenTree((1, 2), (-1, 1))
-    with pytest.raises(ValueError):
-        TokenTree((1, 2), (0, 0))
+    for parents in ((-1, 1), (0, 0)):
+        with pytest.raises(ValueError, match="parents must precede their children and node 0 must be the root"):
+            TokenTree((1, 2), parents)
 
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -132,7 +131,7 @@ def test_pruned_tree_speculation_matches_autoregressive(arch, depth, width, veri
 
 def test_subtree_renumbers_and_refuses_orphans():
     assert TREE.subtree([0, 2, 5, 1]) == TokenTree((7, 11, 12, 15), (-1, 0, 0, 2))
-    with pytest.raises(ValueError):
+    with pytest.raises(ValueError, match="keeps the root and the parent of every node"):
         TREE.subtree([0, 3])
 
 
