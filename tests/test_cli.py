@@ -257,11 +257,12 @@ def test_auto_tree_from_the_command_line(model_dirs, capsys):
 def test_dsi_from_the_command_line(model_dirs, capsys, tmp_path):
     common = ["generate", "hello", "--target", model_dirs["target"], "--dtype", "fp32", "--max-new-tokens", "16", "--json"]
     ar = json.loads(run(capsys, *common, "--drafter", "none")[1])
-    code, out, err = run(capsys, *common, "--method", "dsi", "--drafter", model_dirs["drafter"], "--servers", "2",
-                         "--twin-latency", "6,1", "--timeline", str(tmp_path / "t"))
+    code, out, err = run(capsys, *common, "--method", "dsi", "--drafter", model_dirs["target"], "--servers", "2",
+                         "--twin-latency", "6,1", "--timeline", str(tmp_path / "t"))  # (drafting for itself: accepted)
     assert code == 0, err
     dsi = json.loads(out)
     assert dsi["token_ids"] == ar["token_ids"] and dsi["stats"]["method"] == "dsi"
+    assert sum(dsi["stats"]["accepted_lengths"]) > 0
     assert dsi["stats"]["dsi"]["lookahead"] == 3 and len(dsi["stats"]["dsi"]["servers"]) == 2
     assert (tmp_path / "t").read_bytes()[:4] == b"\x89PNG" and f"wrote {tmp_path / 't'}" in err  # (not at t.png)
     # several drafters (`--drafters`): the drafter left unnamed is not given too (its `default` was resolved first)
