@@ -182,21 +182,19 @@ def _timed(fn) -> float:
     return time.perf_counter() - start
 
 
-def profile_model(model, prompts: list[list[int]], widths: list[int], context_len: int,
-                  decode_steps: int = DECODE_STEPS, repeats: int = 3, dtype: str = "",
-                  warmup: bool = True) -> LatencyProfile:
-    """Measure a CausalLM: median TTFT over `prompts`, median TPOT over `decode_steps` per prompt, and
+def profile_model(model, prompts: list[list[int]], widths: list[int], context_len: int, repeats: int = 3,
+                  dtype: str = "") -> LatencyProfile:
+    """Measure a CausalLM: median TTFT over `prompts`, median TPOT over DECODE_STEPS per prompt, and
     the median T(W) over `repeats` at `context_len` cached tokens (after one warm-up forward)."""
     if not prompts or not widths or context_len < 1:
         raise ConfigError("profiling needs prompts, widths and a positive context length")
-    check_room(model, prompts, decode_steps)
-    if warmup:
-        model.prefill(prompts[0][:8])
-        model.forward(prompts[0][:2])
+    check_room(model, prompts)
+    model.prefill(prompts[0][:8])
+    model.forward(prompts[0][:2])
     ttfts, tpots = [], []
     for ids in prompts:
         ttfts.append(_timed(lambda: model.prefill(ids)))
-        for step in range(decode_steps):
+        for step in range(DECODE_STEPS):
             tpots.append(_timed(lambda: model.forward([ids[step % len(ids)]])))
     context = (sum(prompts, []) * (context_len // max(1, sum(map(len, prompts))) + 1))[:context_len]
     model.prefill(context)
@@ -204,12 +202,12 @@ def profile_model(model, prompts: list[list[int]], widths: list[int], context_le
                           statistics.median(tpots), forward_costs(model, context, widths, repeats))
 
 
-def check_room(model, prompts: list[list[int]], decode_steps: int = DECODE_STEPS) -> None:
-    """Refuse prompts that, with `decode_steps` decoded after them, do not fit `model`'s positions (what
+def check_room(model, prompts: list[list[int]]) -> None:
+    """Refuse prompts that, with DECODE_STEPS decoded after them, do not fit `model`'s positions (what
     `profile_model` would time beyond them)."""
     longest = max(map(len, prompts), default=0)
-    if model.max_positions is not None and longest + decode_steps > model.max_positions:
-        raise ConfigError(f"a prompt of {longest} tokens and {decode_steps} decoded after it exceed {model.name}'s "
+    if model.max_positions is not None and longest + DECODE_STEPS > model.max_positions:
+        raise ConfigError(f"a prompt of {longest} tokens and {DECODE_STEPS} decoded after it exceed {model.name}'s "
                           f"{model.max_positions} positions")
 
 

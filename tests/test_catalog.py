@@ -24,7 +24,7 @@ def test_build_once_then_reuse(tmp_path):
     calls = []
     target = tmp_path / "m-bf16"
     assert catalog.build_atomically(target, writer(calls)) == target
-    assert catalog.is_complete(target)
+    assert catalog.check_cache(target) is None
     catalog.build_atomically(target, writer(calls))
     assert len(calls) == 1
 
@@ -59,7 +59,7 @@ def test_processes_that_find_the_cache_missing_at_once_build_it_once(tmp_path):
     for child in children:
         child.join(30)
     assert [child.exitcode for child in children] == [0, 0, 0]
-    assert len(log.read_text().split()) == 1 and catalog.is_complete(target)
+    assert len(log.read_text().split()) == 1 and catalog.check_cache(target) is None
 
 
 def test_truncated_file_is_detected_and_rebuilt(tmp_path, caplog):
@@ -74,7 +74,7 @@ def test_truncated_file_is_detected_and_rebuilt(tmp_path, caplog):
     assert len(calls) == 2 and (target / "model.safetensors").stat().st_size == 100
     assert [r.getMessage() for r in caplog.records] == [
         f"speculant: the cache {target} is damaged (model.safetensors has 10 bytes, not 100); rebuilding it"]
-    assert catalog.is_complete(target)
+    assert catalog.check_cache(target) is None
 
 
 def test_altered_content_of_the_same_size_is_detected_and_rebuilt(tmp_path):
@@ -95,7 +95,7 @@ def test_an_intact_cache_is_hashed_once_then_trusted_by_its_stamp(tmp_path, monk
     catalog.build_atomically(target, writer([]))
     hashed = []
     monkeypatch.setattr(catalog, "sha256_file", lambda path: hashed.append(path) or "")
-    assert catalog.is_complete(target) and hashed == []
+    assert catalog.check_cache(target) is None and hashed == []
 
 
 def test_a_size_only_manifest_of_older_versions_is_upgraded(tmp_path):
@@ -103,7 +103,7 @@ def test_a_size_only_manifest_of_older_versions_is_upgraded(tmp_path):
     target.mkdir()
     (target / "model.safetensors").write_bytes(b"x" * 100)
     (target / catalog.MANIFEST).write_text(json.dumps({"files": {"model.safetensors": 100}}))
-    assert catalog.is_complete(target)
+    assert catalog.check_cache(target) is None
     record = json.loads((target / catalog.MANIFEST).read_text())["files"]["model.safetensors"]
     assert record["size"] == 100 and len(record["sha256"]) == 64
 
@@ -123,7 +123,7 @@ def test_directory_without_manifest_is_rebuilt(tmp_path):
     target.mkdir()
     (target / "model.safetensors").write_bytes(b"partial")
     catalog.build_atomically(target, writer(calls))
-    assert len(calls) == 1 and catalog.is_complete(target)
+    assert len(calls) == 1 and catalog.check_cache(target) is None
 
 
 def test_failed_build_leaves_nothing_behind(tmp_path):
@@ -276,7 +276,7 @@ def test_a_manifest_is_replaced_whole_never_rewritten_in_place(tmp_path):
     manifest = target / catalog.MANIFEST
     os.utime(target / "model.safetensors")  # new stamps to record
     before = manifest.stat().st_ino
-    assert catalog.is_complete(target)
+    assert catalog.check_cache(target) is None
     assert manifest.stat().st_ino != before and sorted(p.name for p in target.iterdir()) == [
         "config.json", "model.safetensors", catalog.MANIFEST]
     assert json.loads(manifest.read_text())["files"]["model.safetensors"]["stamp"] == catalog._stamp(

@@ -237,7 +237,6 @@ def summary(grid: Grid) -> dict:
     si, dsi = grid.best_si(), grid.best_dsi()
     baseline = np.minimum(si, grid.non_si)
     found = verdicts(grid)
-    low_si, _ = paired(grid.best(grid.si), grid.best(grid.dsi))
     loses = (si / dsi < 1 - 1e-9) | (grid.non_si / dsi < 1 - 1e-9)  # (equal but for rounding: see `paired`)
     short = grid.servers_short()
     return {

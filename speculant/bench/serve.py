@@ -36,12 +36,11 @@ def total(counts: list[int | None]) -> int | None:
     return None if None in counts else sum(counts)
 
 
-def request_body(prompt: Prompt, model: str, max_tokens: int, temperature: float, stream: bool) -> tuple[str, dict]:
-    """(endpoint, body) for one prompt: chat for chat prompts and conversations, else a completion; with the
-    prompt's `response_format` where it has one."""
-    body: dict[str, Any] = {"model": model, "max_tokens": max_tokens, "temperature": temperature, "stream": stream}
-    if stream:
-        body["stream_options"] = {"include_usage": True}
+def request_body(prompt: Prompt, model: str, max_tokens: int, temperature: float) -> tuple[str, dict]:
+    """(endpoint, body) for one prompt, streamed with its usage: chat for chat prompts and conversations, else a
+    completion; with the prompt's `response_format` where it has one."""
+    body: dict[str, Any] = {"model": model, "max_tokens": max_tokens, "temperature": temperature, "stream": True,
+                            "stream_options": {"include_usage": True}}
     if prompt.response_format is not None:
         body["response_format"] = prompt.response_format
     if prompt.chat:
@@ -179,7 +178,7 @@ def run_load(url: str, prompts: Sequence[Prompt], requests: int, concurrency: in
                     i = next(next_index, None)
                 if i is None:
                     return
-                endpoint, body = request_body(prompts[order[i]], model, max_tokens, temperature, stream=True)
+                endpoint, body = request_body(prompts[order[i]], model, max_tokens, temperature)
                 results[i] = reply_to(client, endpoint, body)
 
         start = time.perf_counter()
@@ -187,7 +186,7 @@ def run_load(url: str, prompts: Sequence[Prompt], requests: int, concurrency: in
         wall = time.perf_counter() - start
         mismatches, solo_errors = None, None
         if check_solo:
-            solo = {p: reply_to(client, *request_body(prompts[p], model, max_tokens, temperature, stream=True))
+            solo = {p: reply_to(client, *request_body(prompts[p], model, max_tokens, temperature))
                     for p in sorted(set(order))}
             mismatches = sum(r is not None and "error" not in r and "error" not in solo[order[i]]
                              and r["text"] != solo[order[i]]["text"] for i, r in enumerate(results))
@@ -225,7 +224,7 @@ def run_sessions(url: str, prompts: Sequence[Prompt], conversations: int, turns:
                 if turn:
                     messages.append({"role": "user", "content": FOLLOW_UPS[(turn - 1) % len(FOLLOW_UPS)]})
                 asked = prompt if turns == 1 else replace(prompt, text=tuple(messages), chat=True)  # (one turn: as
-                endpoint, body = request_body(asked, model, max_tokens, temperature, stream=True)  # the prompt is)
+                endpoint, body = request_body(asked, model, max_tokens, temperature)  # the prompt is)
                 result = reply_to(client, endpoint, body)
                 results[i].append({**result, "turn": turn})
                 if "error" in result or stop.is_set():

@@ -258,10 +258,6 @@ def check_cache(directory: Path, sources: str | None = None) -> str | None:
     return None
 
 
-def is_complete(directory: Path) -> bool:
-    return check_cache(directory) is None
-
-
 def build_atomically(directory: Path, build: Callable[[Path], None], sources: str | None = None) -> Path:
     """Return `directory`, first (re)building it with `build(tmp_dir)` unless it is complete, intact and built from
     `sources` (a key of what it is built from, where that can change under the same directory: it is rebuilt in place,

@@ -281,11 +281,11 @@ def gguf_file_tokenizer(path: Path) -> Any:
     return AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
 
 
-def load_gguf(spec: str | Path, tokenizer: Any | None = None, threads: int | None = None) -> CausalLM:
+def load_gguf(spec: str | Path, tokenizer: Any | None = None) -> CausalLM:
     """A catalog model's packaged GGUF or a .gguf file, on llama.cpp."""
     path, name, tokenizer, extra_ids = _gguf_source(spec, tokenizer)
     weights = llamacpp.shared_weights(path)
-    return llamacpp.LlamaCppCausalLM(weights, tokenizer, name, extra_ids, f"{weights_id(spec)} gguf", threads)
+    return llamacpp.LlamaCppCausalLM(weights, tokenizer, name, extra_ids, f"{weights_id(spec)} gguf")
 
 
 def load_lean(spec: str | Path, tokenizer: Any | None = None, draft: bool = False) -> CausalLM:

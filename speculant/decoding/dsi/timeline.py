@@ -11,7 +11,7 @@ COLORS = {"kept": "#4c72b0", "discarded": "#a6bddb", "used": "#55a868", "preempt
           "redundant": "#bbbbbb"}
 
 
-def plot_timeline(record: DSIRecord, path: Path, title: str = "") -> Path:
+def plot_timeline(record: DSIRecord, path: Path) -> Path:
     import matplotlib
 
     matplotlib.use("Agg")
@@ -35,7 +35,7 @@ def plot_timeline(record: DSIRecord, path: Path, title: str = "") -> Path:
     names = [f"drafter {d}: {name}" if drafters > 1 else "drafter" for d, name in enumerate(record.drafters)]
     ax.set_yticks(range(rows + drafters), [*labels[::-1], *names])  # row r at height rows - 1 - r
     ax.set_xlabel("ms since start")
-    ax.set_title(title or f"DSI timeline ({record.executor}, lookahead {record.lookahead}); red lines: rejections")
+    ax.set_title(f"DSI timeline ({record.executor}, lookahead {record.lookahead}); red lines: rejections")
     ax.legend(loc="upper right", fontsize=7, ncol=6)
     fig.tight_layout()
     fig.savefig(path, dpi=120, format=path.suffix.lstrip(".").lower() or "png")  # (no suffix: a PNG there, not at .png)

@@ -76,7 +76,6 @@ class LeanConfig:
     local_theta: float | None = None  # Gemma 3: the rope base of its windowed layers (unscaled)
     attn_scale: float | None = None  # scores' scale (None: head_dim ** -0.5)
     gelu: bool = False  # GeGLU (tanh GELU) where SwiGLU has SiLU
-    post_norms: bool = False  # Gemma: RMSNorm of attention's and the MLP's outputs before the residual adds
     embed_scale: float = 1.0  # Gemma: embeddings times sqrt(hidden)
     attn_softcap: float = 0.0  # Gemma 2: scores become cap * tanh(score / cap) (0: none)
     final_softcap: float = 0.0  # Gemma 2: logits alike
@@ -319,7 +318,7 @@ def _read(reader: gguf_header.GGUFFile) -> tuple[LeanConfig, dict[str, Any],
         queries = hidden // heads if layers == GEMMA_27B[arch] else head_dim
         local_theta = float(_number(reader, f"{arch}.rope.freq_base_swa", 10000.0)) if arch == "gemma3" else None
         gemma = dict(sliding=tuple(sliding), local_theta=local_theta,
-                     attn_scale=queries ** -0.5, gelu=True, post_norms=True, embed_scale=float(np.float32(hidden ** 0.5)),
+                     attn_scale=queries ** -0.5, gelu=True, embed_scale=float(np.float32(hidden ** 0.5)),
                      attn_softcap=float(_number(reader, f"{arch}.attn_logit_softcapping",
                                                 defaults.get("attn_logit_softcapping", 0.0))),
                      final_softcap=float(_number(reader, f"{arch}.final_logit_softcapping",
