@@ -89,11 +89,6 @@ def min_lookahead(t_target: float, t_drafter: float, servers: int) -> int:
     return max(1, math.ceil(t_target / (servers * t_drafter) - 1e-12))
 
 
-def max_useful_sp_degree(t_target: float, t_drafter: float) -> int:
-    """Speculation parallelism beyond t_target / t_drafter target servers cannot be kept busy."""
-    return max(1, math.ceil(t_target / t_drafter - 1e-12))
-
-
 def swi(new_tokens: int, target_forwards: int, drafter_forwards: dict[str, int], costs: dict[str, float]) -> float:
     """Standardized wall-time improvement, n / (count(target) + sum_i count(drafter_i) c_i) (CS Drafting,
     section 5): speedup over autoregressive decoding if every forward cost what the ratios c_i say

@@ -21,7 +21,7 @@ def test_acceptance_08_caps_at_five_tokens():
 def test_lookahead_for_four_servers_at_five_percent_drafter_latency():
     assert theory.min_lookahead(t_target=1.0, t_drafter=0.05, servers=4) == 5
     assert theory.servers_needed(1.0, 0.05, 5) == 4 and theory.servers_needed(1.0, 0.05, 4) == 5
-    assert theory.max_useful_sp_degree(1.0, 0.05) == 20
+    assert theory.servers_needed(1.0, 0.05, 1) == 20  # (more servers than t_target / t_drafter idle)
 
 
 def test_sd_expected_tokens_matches_monte_carlo():
