@@ -24,6 +24,15 @@ def test_plain_decoding_s_logprobs_are_the_target_s_distribution_at_each_positio
         assert len(top_ids) == 3 and top_ids[0] == entry.token  # greedy: the likeliest
         assert [lp for _, lp in entry.top] == sorted((lp for _, lp in entry.top), reverse=True)
         assert torch.topk(expected[i], 3).indices.tolist() == top_ids
+    # sampled: tokens other than the likeliest, each with its own log-probability before temperature
+    sampled = generate(target, prompt_ids=prompt, method="ar", max_new_tokens=12, logprobs=3, temperature=1.5, seed=3)
+    with torch.no_grad():
+        logits = target.model(torch.tensor([prompt + sampled.token_ids])).logits[0].float()
+    expected = torch.log_softmax(logits[len(prompt) - 1:-1], dim=-1)
+    assert [e.token for e in sampled.logprobs] == sampled.token_ids
+    assert any(e.top[0][0] != e.token for e in sampled.logprobs)
+    for i, entry in enumerate(sampled.logprobs):
+        assert entry.logprob == pytest.approx(float(expected[i, entry.token]), abs=1e-4)
 
 
 @pytest.mark.parametrize("arch", ARCHS)
