@@ -431,6 +431,7 @@ def test_openai_client_completions_chat_and_streams(server):
     chunks = list(client.completions.create(model="tiny", prompt="def f(x):", max_tokens=20, temperature=0,
                                             stream=True))
     assert "".join(c.choices[0].text for c in chunks) == done.choices[0].text
+    assert sum(bool(c.choices[0].text) for c in chunks) > 1  # (streamed as it decodes, not in one piece)
     assert not any("usage" in c.model_fields_set for c in chunks)  # (no usage asked for: none)
 
 
