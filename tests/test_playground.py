@@ -61,7 +61,7 @@ def test_a_chat_round_trip_renders_tokens_with_their_provenance(browser):
     engine.close()
 
 
-def test_the_stream_carries_provenance_only_when_asked(browser):
+def test_the_stream_carries_provenance_only_when_asked():
     """The extension chunks (no choices, a `speculant` field) come with stream_options.include_provenance and
     account for every token of the reply; an ordinary stream has none."""
     import httpx
@@ -80,7 +80,7 @@ def test_the_stream_carries_provenance_only_when_asked(browser):
     steps = [event["speculant"] for event in events(asked) if "speculant" in event]
     usage = next(event["usage"] for event in events(asked) if event.get("usage"))
     assert sum(len(step["tokens"]) for step in steps) == usage["completion_tokens"]
-    assert sum(step["accepted"] for step in steps) == usage["speculative"]["accepted_tokens"]
+    assert sum(step["accepted"] for step in steps) == usage["speculative"]["accepted_tokens"] > 0
     assert all(step["drafter"] for step in steps if step["drafted"])
 
 
@@ -124,7 +124,7 @@ def test_provenance_follows_the_verified_draft_chains_and_trees():
     assert provenance(call, [1, 3]) == ["accepted", "corrected"]
 
 
-def test_a_drafter_that_always_agrees_streams_accepted_drafts_then_the_targets_token(browser):
+def test_a_drafter_that_always_agrees_streams_accepted_drafts_then_the_targets_token():
     """`sd` drafting with the target's own weights: every step but a last one cut short is k accepted drafts and
     the target's token after them."""
     import httpx
@@ -141,7 +141,7 @@ def test_a_drafter_that_always_agrees_streams_accepted_drafts_then_the_targets_t
     steps = [json.loads(line[6:])["speculant"] for line in text.splitlines()
              if line.startswith("data: {") and '"speculant"' in line]
     kinds = [[token["kind"] for token in step["tokens"]] for step in steps]
-    assert kinds[0] == ["target"]  # the prefill's token
+    assert kinds[0] == ["target"] and len(steps) >= 3  # the prefill's token
     for step, kind in zip(steps[1:-1], kinds[1:-1]):
         assert kind == ["accepted"] * step["drafted"] + ["target"] and step["accepted"] == step["drafted"] > 0
 
