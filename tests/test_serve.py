@@ -931,7 +931,9 @@ def test_a_full_queue_answers_429_and_a_wrong_key_401():
     with serving(engine, api_key="sesame") as url:
         assert httpx.get(f"{url}/models").status_code == 401
         client = OpenAI(base_url=url, api_key="sesame", max_retries=0)
-        slow = threading.Thread(target=lambda: client.completions.create(model="tiny", prompt="a", max_tokens=60))
+        answered = []
+        slow = threading.Thread(target=lambda: answered.append(client.completions.create(model="tiny", prompt="a",
+                                                                                         max_tokens=60)))
         slow.start()
         while engine.active == 0:
             time.sleep(0.01)
@@ -939,7 +941,8 @@ def test_a_full_queue_answers_429_and_a_wrong_key_401():
             client.completions.create(model="tiny", prompt="b", max_tokens=5)
         assert refused.value.status_code == 429 and "busy" in refused.value.message
         slow.join()
-        assert client.completions.create(model="tiny", prompt="b", max_tokens=5).choices[0].text is not None
+        answered.append(client.completions.create(model="tiny", prompt="b", max_tokens=5))
+        assert answered[-1].choices[0].text is not None
         assert httpx.get(url.removesuffix("/v1") + "/metrics").status_code == 401  # every route but /health
         for wrong in ("Bearer sesam", "Basic sesame", "sesame", "Bearer  sesame x"):
             assert httpx.get(f"{url}/models", headers={"Authorization": wrong}).status_code == 401, wrong
@@ -956,7 +959,13 @@ def test_a_full_queue_answers_429_and_a_wrong_key_401():
         # (the scheme in any case: RFC 9110 11.1)
         metrics = httpx.get(url.removesuffix("/v1") + "/metrics", headers={"Authorization": "bearer sesame"}).text
         assert 'speculant_requests_total{endpoint="/v1/completions",status="429"} 1.0' in metrics
-        assert "speculant_batch_rows_bucket" in metrics and "speculant_time_to_first_token_seconds" in metrics
+        value = lambda name: float(re.search(rf"^{name} (\S+)$", metrics, re.M).group(1))  # noqa: E731
+        tokens = [reply.usage.completion_tokens for reply in answered]
+        assert value("speculant_time_to_first_token_seconds_count") == 2  # the two answered, not the refused
+        assert value("speculant_inter_token_latency_seconds_count") == sum(tokens) - 2
+        assert value("speculant_completion_tokens_total") == sum(tokens)
+        assert value("speculant_prompt_tokens_total") == sum(reply.usage.prompt_tokens for reply in answered)
+        assert value("speculant_batch_rows_count") > 0 and value("speculant_batch_tokens_sum") >= sum(tokens)
         busy = re.search(r"^speculant_forward_seconds_total (\S+)$", metrics, re.M)
         assert busy and float(busy.group(1)) > 0
     engine.close()
