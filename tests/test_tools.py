@@ -280,12 +280,16 @@ def served(packaged):
     engine.close()
 
 
+SPECULATED = []  # each unstreamed reply's usage.speculative, newest last
+
+
 def ask(client, messages=ASK, stream=False, method=None, **body):
     """(content, [(name, arguments)], finish_reason) of one reply, greedy."""
     extra = {"speculant": {"method": method}} if method else None
     reply = client.chat.completions.create(model="m", messages=messages, temperature=0, max_tokens=48, stream=stream,
                                            extra_body=extra, **body)
     if not stream:
+        SPECULATED.append(reply.usage.model_dump()["speculative"])
         choice = reply.choices[0]
         calls = [(c.function.name, c.function.arguments) for c in choice.message.tool_calls or ()]
         return choice.message.content, calls, choice.finish_reason
@@ -325,6 +329,8 @@ def test_the_openai_client_gets_schema_valid_calls_equal_with_speculation_off(se
     if isinstance(choice, dict):
         assert [name for name, _ in calls] == ["get_time"]
     assert ask(client, stream=stream, method="ar", **body) == (content, calls, finish)
+    if not stream:  # Max-Gram's drafts (from the schemas) were accepted under the grammar; the second ran plainly
+        assert SPECULATED[-2]["accepted_tokens"] > 0 and SPECULATED[-1]["method"] == "ar", SPECULATED[-2:]
     if choice == "required":  # a stop string ends an answer, never a call (cut there, a call was content)
         assert ask(client, stream=stream, stop=["Paris", "get_"], **body) == (content, calls, finish)
 
@@ -348,6 +354,7 @@ def test_a_two_step_agent_loop_completes_and_equals_speculation_off(served):
     content, calls, finish = answer
     assert finish in ("stop", "length") and calls == [] and content and OPEN not in content, answer
     assert ask(served, history, method="ar", tools=TOOLS) == answer
+    assert SPECULATED[-2]["accepted_tokens"] > 0 and SPECULATED[-1]["method"] == "ar", SPECULATED[-2:]
 
 
 @pytest.mark.real_model
