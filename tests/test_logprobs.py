@@ -11,28 +11,24 @@ from speculant.errors import ConfigError
 
 @pytest.mark.parametrize("arch", ARCHS)
 def test_plain_decoding_s_logprobs_are_the_target_s_distribution_at_each_position(arch):
+    """Greedy and sampled: each token's log-probability under the target before temperature, and the likeliest three
+    (sampled, tokens other than the likeliest have theirs)."""
     target = tiny_model(arch, 0, 64, init_std=0.2)
     prompt = [3, 14, 15, 9, 26]
-    result = generate(target, prompt_ids=prompt, method="ar", max_new_tokens=12, logprobs=3)
-    assert [e.token for e in result.logprobs] == result.token_ids
-    with torch.no_grad():
-        logits = target.model(torch.tensor([prompt + result.token_ids])).logits[0].float()
-    expected = torch.log_softmax(logits[len(prompt) - 1:-1], dim=-1)  # row i: the distribution of token i
-    for i, entry in enumerate(result.logprobs):
-        assert entry.logprob == pytest.approx(float(expected[i, entry.token]), abs=1e-4)
-        top_ids = [t for t, _ in entry.top]
-        assert len(top_ids) == 3 and top_ids[0] == entry.token  # greedy: the likeliest
-        assert [lp for _, lp in entry.top] == sorted((lp for _, lp in entry.top), reverse=True)
-        assert torch.topk(expected[i], 3).indices.tolist() == top_ids
-    # sampled: tokens other than the likeliest, each with its own log-probability before temperature
+    greedy = generate(target, prompt_ids=prompt, method="ar", max_new_tokens=12, logprobs=3)
     sampled = generate(target, prompt_ids=prompt, method="ar", max_new_tokens=12, logprobs=3, temperature=1.5, seed=3)
-    with torch.no_grad():
-        logits = target.model(torch.tensor([prompt + sampled.token_ids])).logits[0].float()
-    expected = torch.log_softmax(logits[len(prompt) - 1:-1], dim=-1)
-    assert [e.token for e in sampled.logprobs] == sampled.token_ids
     assert any(e.top[0][0] != e.token for e in sampled.logprobs)
-    for i, entry in enumerate(sampled.logprobs):
-        assert entry.logprob == pytest.approx(float(expected[i, entry.token]), abs=1e-4)
+    for result in (greedy, sampled):
+        assert [e.token for e in result.logprobs] == result.token_ids
+        with torch.no_grad():
+            logits = target.model(torch.tensor([prompt + result.token_ids])).logits[0].float()
+        expected = torch.log_softmax(logits[len(prompt) - 1:-1], dim=-1)  # row i: the distribution of token i
+        for i, entry in enumerate(result.logprobs):
+            assert entry.logprob == pytest.approx(float(expected[i, entry.token]), abs=1e-4)
+            top_ids = [t for t, _ in entry.top]
+            assert len(top_ids) == 3 and (result is sampled or top_ids[0] == entry.token)  # greedy: the likeliest
+            assert [lp for _, lp in entry.top] == sorted((lp for _, lp in entry.top), reverse=True)
+            assert torch.topk(expected[i], 3).indices.tolist() == top_ids
 
 
 @pytest.mark.parametrize("arch", ARCHS)

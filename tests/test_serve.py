@@ -142,7 +142,7 @@ def test_concurrent_greedy_requests_equal_their_solo_runs_and_ar(method, arch, m
     if method == "auto":
         assert speculative["drafter_forwards"]  # (its model drafted)
     if method == "dsi":
-        assert len(dsi_accepted) == 13 and min(dsi_accepted) > 0, dsi_accepted
+        assert len(dsi_accepted) == 2 * len(prompts) + 1 and min(dsi_accepted) > 0, dsi_accepted  # (every request)
     elif method != "ar":
         assert speculative["accepted_tokens"] > 0, speculative
     for p, text in zip(prompts[:2], solo):

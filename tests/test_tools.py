@@ -280,16 +280,15 @@ def served(packaged):
     engine.close()
 
 
-SPECULATED = []  # each unstreamed reply's usage.speculative, newest last
-
-
-def ask(client, messages=ASK, stream=False, method=None, **body):
-    """(content, [(name, arguments)], finish_reason) of one reply, greedy."""
+def ask(client, messages=ASK, stream=False, method=None, speculated=None, **body):
+    """(content, [(name, arguments)], finish_reason) of one reply, greedy; an unstreamed reply's usage.speculative
+    appended to `speculated` where given."""
     extra = {"speculant": {"method": method}} if method else None
     reply = client.chat.completions.create(model="m", messages=messages, temperature=0, max_tokens=48, stream=stream,
                                            extra_body=extra, **body)
     if not stream:
-        SPECULATED.append(reply.usage.model_dump()["speculative"])
+        if speculated is not None:
+            speculated.append(reply.usage.model_dump()["speculative"])
         choice = reply.choices[0]
         calls = [(c.function.name, c.function.arguments) for c in choice.message.tool_calls or ()]
         return choice.message.content, calls, choice.finish_reason
@@ -324,13 +323,14 @@ def test_the_openai_client_gets_schema_valid_calls_equal_with_speculation_off(se
     body = {"tools": TOOLS, "tool_choice": choice, "logprobs": True}
     if choice == "auto":
         body |= {"logit_bias": {str(tag): 100}, "parallel_tool_calls": False}
-    content, calls, finish = ask(client, stream=stream, **body)
+    speculated = []
+    content, calls, finish = ask(client, stream=stream, speculated=speculated, **body)
     assert valid(calls) and finish == "tool_calls", (content, calls)
     if isinstance(choice, dict):
         assert [name for name, _ in calls] == ["get_time"]
-    assert ask(client, stream=stream, method="ar", **body) == (content, calls, finish)
+    assert ask(client, stream=stream, method="ar", speculated=speculated, **body) == (content, calls, finish)
     if not stream:  # Max-Gram's drafts (from the schemas) were accepted under the grammar; the second ran plainly
-        assert SPECULATED[-2]["accepted_tokens"] > 0 and SPECULATED[-1]["method"] == "ar", SPECULATED[-2:]
+        assert speculated[0]["accepted_tokens"] > 0 and speculated[1]["method"] == "ar", speculated
     if choice == "required":  # a stop string ends an answer, never a call (cut there, a call was content)
         assert ask(client, stream=stream, stop=["Paris", "get_"], **body) == (content, calls, finish)
 
@@ -350,11 +350,12 @@ def test_a_two_step_agent_loop_completes_and_equals_speculation_off(served):
     result = {"role": "tool", "tool_call_id": message.tool_calls[0].id,
               "content": json.dumps({"temperature": 18, "unit": "celsius", "sky": "cloudy"})}
     history = ASK + [message.model_dump(exclude_none=True), result]
-    answer = ask(served, history, tools=TOOLS)
+    speculated = []
+    answer = ask(served, history, tools=TOOLS, speculated=speculated)
     content, calls, finish = answer
     assert finish in ("stop", "length") and calls == [] and content and OPEN not in content, answer
-    assert ask(served, history, method="ar", tools=TOOLS) == answer
-    assert SPECULATED[-2]["accepted_tokens"] > 0 and SPECULATED[-1]["method"] == "ar", SPECULATED[-2:]
+    assert ask(served, history, method="ar", tools=TOOLS, speculated=speculated) == answer
+    assert speculated[0]["accepted_tokens"] > 0 and speculated[1]["method"] == "ar", speculated
 
 
 @pytest.mark.real_model

@@ -40,8 +40,9 @@ class DrafterOptions:
                           "else maxgram), a model NAME[@int8|@int4|@gguf|@lean] (its tokenizer may differ "
                           "from the target's; @gguf: its GGUF on llama.cpp, @lean: on speculant's kernels), "
                           "self[@int8|@int4|@skip] (the target's own weights; @int8|@int4: quantized, transformers "
-                          "backend; @skip: with layers left out, lean backend), maxgram (prompt lookup with a bigram fallback), suffix (suffix decoding over the "
-                          "context and earlier generations), a registered drafter's name (plugins: the "
+                          "backend; @skip: with layers left out, lean backend), maxgram (prompt lookup with a bigram "
+                          "fallback), suffix (suffix decoding over the context and earlier generations), a "
+                          "registered drafter's name (plugins: the "
                           "speculant.drafters entry points), or from Python a model or Drafter object",
                           parse=DrafterSpec.parse)
     drafter_dtype: str | None = option(None, "dtype of model drafters (default: the target's)",
