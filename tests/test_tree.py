@@ -331,15 +331,24 @@ def test_auto_tree_is_lossless_and_reports_its_shape(arch):
 
 
 @pytest.mark.parametrize("backend", ["hf", "static"])
-def test_auto_tree_sizes_on_a_model_of_fewer_positions_than_the_widest_measured_forward(backend):
+def test_auto_tree_sizes_on_a_model_of_fewer_positions_than_the_widest_measured_forward(backend, monkeypatch):
     """A target of 32 positions (TARGET_WIDTHS reach 32) and a drafter of 6 (PLAN_WIDTHS reach 8), the target's own
     weights: the widths that fit after a token of context are measured, the others extrapolated, and the output is
     ar's (the measurement had prefilled nothing, or run past the cache); after a short prompt the drafts are
-    accepted, a long one leaves the drafter no room to draft."""
+    accepted, a long one leaves the drafter no room to draft. The forwards are measured as they run, their times
+    reported as a slow target's and a fast drafter's: a self-drafting pair's objective is a toss-up on the times
+    measured on a loaded machine (a tree whose drafting costs what it saves), and the drafts would be left out."""
     from helpers import tiny_transformer
 
-    from speculant import generate, load_model
+    import speculant.trees.shape
+    from speculant import Session, generate, load_model
     from speculant.models.backends.static import StaticCausalLM, StaticWeights
+
+    def forward_costs(model, *args, measured=speculant.trees.shape.forward_costs, **kwargs):
+        costs = measured(model, *args, **kwargs)  # (the drafter is the model of 6 positions)
+        return {width: 1e-3 if model.max_positions == 6 else 1.0 for width in costs}
+
+    monkeypatch.setattr(speculant.trees.shape, "forward_costs", forward_costs)
 
     def model(seed, positions):
         module = tiny_transformer("llama", seed, 64, init_std=0.1)
@@ -352,7 +361,8 @@ def test_auto_tree_sizes_on_a_model_of_fewer_positions_than_the_widest_measured_
     for prompt in ([5, 9], random_prompt(3, 64, 24)):
         expected = generate(target, prompt_ids=prompt, method="ar", max_new_tokens=6).token_ids
         for sizes in (dict(verify_width="auto"), dict(width="auto"), dict(depth="auto", width=2)):
-            result = generate(target, prompt_ids=prompt, method="tree", drafter=drafter, max_new_tokens=6, **sizes)
+            result = generate(target, prompt_ids=prompt, method="tree", drafter=drafter, max_new_tokens=6,
+                              session=Session(target), **sizes)  # (measured after this prompt)
             assert result.token_ids == expected, (len(prompt), sizes)
             accepted, drafted = sum(result.stats.accepted_lengths), result.stats.drafted_nodes
             assert accepted > 0 if len(prompt) < 6 else drafted == 0, (len(prompt), sizes)

@@ -65,12 +65,14 @@ def measured_costs(model: CausalLM, context: list[int], widths: Sequence[int], s
 
 def measured_coverage(target: CausalLM, drafter: CausalLM, context: list[int], session: Any) -> list[float]:
     """The drafter's rank coverage of the target (`plan.rank_coverage`) over the last `COVERAGE_TOKENS` tokens of
-    `context`, teacher forced (one forward of each model over them), measured once per pair and kept in the
-    `session`'s `measured` beside their T(W) (the models' caches are run apart: `Session.ran_apart`)."""
+    `context` (fewer where a model holds fewer positions), teacher forced (one forward of each model over them, the
+    last token not run), measured once per pair and kept in the `session`'s `measured` beside their T(W) (the models'
+    caches are run apart: `Session.ran_apart`)."""
     key = ("coverage", id(owner_of(drafter)))
     per_target = session.measured.setdefault(owner_of(target), {})
     if key not in per_target:
-        text = context[-COVERAGE_TOKENS:]
+        held = [model.max_positions + 1 for model in (target, drafter) if model.max_positions is not None]
+        text = context[-min([COVERAGE_TOKENS, *held]):]
         if len(text) < 3:  # no position to score: nothing known to pay
             per_target[key] = [0.0] * COVERAGE_RANKS
         else:
