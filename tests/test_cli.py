@@ -672,7 +672,7 @@ def test_a_run_reported_again_keeps_the_baseline_it_ran_over_unless_told_another
         done, _, err = run(capsys, "bench", "--report-from", str(saved))
         assert done == code and (code == 0 or "its config's sampling is not a run's" in err), err
     # the command's own baseline read as a shell reads the command (quoted since commands are saved shell-quoted)
-    from speculant.cli import baseline_in
+    from speculant.cli.bench import baseline_in
 
     assert baseline_in("speculant bench --baseline 'cascade:k_matrix=2,1;3' --out o") == "cascade:k_matrix=2,1;3"
     assert baseline_in("speculant bench '--baseline=sd;x'") == "sd;x" and baseline_in("c it's --baseline sd") == "sd"
@@ -913,7 +913,7 @@ def test_a_schema_may_come_through_a_pipe():
     """`--json-schema <(...)`: the shell's /dev/fd path is no regular file, but it reads as one."""
     import os
 
-    from speculant.cli import read_constraint
+    from speculant.cli.generate import read_constraint
 
     read, write = os.pipe()
     os.write(write, b'{"type": "object"}')

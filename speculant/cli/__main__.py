@@ -1,0 +1,7 @@
+"""`python -m speculant.cli`: the command line."""
+
+import sys
+
+from speculant.cli import main
+
+sys.exit(main())
