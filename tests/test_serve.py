@@ -461,7 +461,7 @@ def test_logprobs_stream_and_not_equal_plain_decoding_s(server):
     assert all(text[at:at + len(t)] == t for t, at in zip(logprobs.tokens, logprobs.text_offset)
                if not t.startswith("bytes:"))
     from speculant.models.wrappers.logprobs import TokenLogprob
-    from speculant.serve.app import Shape, Spelling
+    from speculant.serve.replies import Shape, Spelling
 
     shape = Shape("id", "tiny", False, Spelling(byte_tokenizer(), BYTE_VOCAB))  # "“" is three bytes, three tokens
     halves = [shape.entries([TokenLogprob(t, -1.0, ()) for t in part]) for part in (b"a\xe2\x80", b"\x9cb")]

@@ -30,7 +30,8 @@ from speculant.methods import get_method
 from speculant.methods.registry import METHODS, request_options
 from speculant.models import load_model
 from speculant.models.wrappers.logprobs import TokenLogprob
-from speculant.serve.app import Shape, Spelling, create_app
+from speculant.serve.app import create_app
+from speculant.serve.replies import Shape, Spelling
 from speculant.serve.batcher import Batcher
 from speculant.serve.engine import Engine, ServeJob
 

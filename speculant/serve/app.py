@@ -4,23 +4,20 @@ Endpoints: GET /v1/models, POST /v1/completions, POST /v1/chat/completions (stre
 events with `stream: true`, ending with `data: [DONE]`; tools called as `speculant.serve.tools` parses them),
 GET /health, GET /metrics, and the playground page at / (`playground/`). Every refusal is a
 4xx JSON error in OpenAI's shape, given before the request reaches the engine; a fault of the server's own is a
-500 in the same shape, logged with an id the client sees (`Guard`). A request's `speculant` options are data:
+500 in the same shape, logged with an id the client sees (`guard`). A request's `speculant` options are data:
 those that name something on the machine are the operator's (`check_request_options`).
 """
 
 from __future__ import annotations
 
 import asyncio
-import codecs
 import functools
-import hmac
 import json
-import logging
 import re
 import threading
 import time
 import uuid
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from pathlib import Path
 from typing import Any
@@ -38,23 +35,21 @@ from speculant.errors import ConfigError, OptionError, RequestError
 from speculant.methods.registry import check_names, get_method, request_options
 from speculant.models.wrappers.biased import check_bias
 from speculant.models.wrappers.constrained import Constraint, Matcher
-from speculant.models.wrappers.logprobs import TokenLogprob
 from speculant.serve.batcher import WorkerStopped
 from speculant.serve.engine import Engine, ServeJob, Outcome, QueueFull
 from speculant.serve import schema, tools
 from speculant.serve.metrics import Metrics
-from speculant.serve.text import skipped_ids
-from speculant.serve.schema import (MAX_FORMAT_DEPTH, ApiError, ChatRequest, CompletionRequest, Sampling, body_fault,
-                                    depth, refused_parameters, texts)
+from speculant.serve.guard import ENDED, Guard, server_fault
+from speculant.serve.replies import Shape, Spelling, sse
+from speculant.serve.schema import (MAX_FORMAT_DEPTH, ApiError, ChatRequest, CompletionRequest, Sampling, depth,
+                                    refused_parameters, texts)
 
-LOG = logging.getLogger("speculant.serve")
 REQUEST_MODELS = {name for name, value in vars(schema).items() if isinstance(value, type) and
                   issubclass(value, BaseModel)}  # the request's parts: a union of them tags errors with their names
 BODY_UNREAD = "There was an error parsing the body"
 PLAYGROUND = Path(__file__).parent / "playground"  # the page at / (static files: no build step)
 PAGE = ("/", "/playground/index.html", "/playground/playground.js", "/playground/playground.css")  # open: no secrets
 TOKEN_ID = re.compile(r"0|[1-9][0-9]{0,9}")  # a logit_bias key: a token id in canonical decimal
-ENDED = "speculant.status"  # a stream's status by how it ended, in its ASGI scope: what `Guard` counts it as
 
 
 class _End:
@@ -425,155 +420,6 @@ def real_vocabulary(target: Any) -> int:
     return min(target.vocab_size, len(tokenizer)) if tokenizer is not None else target.vocab_size
 
 
-def server_fault(error: BaseException, where: str) -> ApiError:
-    """A fault of the server's own: logged with an id that the client's error names, answered 500."""
-    ident = uuid.uuid4().hex[:12]
-    LOG.error("server error %s in %s", ident, where, exc_info=error)
-    return ApiError(500, f"the server failed (error id {ident}; its log has the details)", code="server_error")
-
-
-HOST = re.compile(r"(?P<name>\[[^\s/@\[\]]+\]|[^\s:/@\[\]]+)(:\d{0,5})?")  # a Host header: uri-host [":" port]
-
-
-class Guard:
-    """What every request passes first, as a plain ASGI middleware (Starlette's BaseHTTPMiddleware would hide a
-    client's disconnect from the endpoints, which poll for it): the trusted-host check; the API key, on every path
-    but `open_paths`; the body limit (413 from the declared length before a byte is read; every body is read here,
-    counted, so that a length the transfer does not keep to cannot pass more); a JSON body to a POST route that
-    Python's `json` would read past without a word (`schema.body_fault`: a 400 naming where); one 500 in the API's
-    shape, logged and counted, for any fault of the server's own; each API request counted once, when it ends, by its
-    route's template (an unknown path counts as `unmatched`, so that clients cannot grow the metrics) and by its
-    status (a stream's by how it ended, `ENDED`: its headers went out as 200 before it knew; 499 for one whose client
-    left, whether the app saw it go, the server cancelled the request, or `receive` failed; a request the server
-    itself cancels, past Ray Serve's request timeout or at a shutdown, counts so too), and the replica named in a
-    header."""
-
-    def __init__(self, app: Any, metrics: Metrics, replica: str | None = None, max_body: int = 4_000_000,
-                 hosts: list[str] | None = None, key: str | None = None, open_paths: tuple[str, ...] = ("/health",),
-                 routes: list[Any] = ()):
-        self.app, self.metrics, self.max_body, self.hosts = app, metrics, max_body, hosts
-        self.key, self.open_paths, self.routes = key, open_paths, routes
-        self.header = [(b"x-speculant-replica", replica.encode())] if replica else []
-
-    def posted(self, scope: dict[str, Any]) -> bool:
-        """Whether the request is a POST to a route that takes one (elsewhere the app answers 404 or 405 first)."""
-        return scope["method"] == "POST" and any(getattr(route, "path", None) == scope["path"] and
-                                                 "POST" in getattr(route, "methods", ()) for route in self.routes)
-
-    async def __call__(self, scope: dict[str, Any], receive: Callable, send: Callable) -> None:
-        if scope["type"] != "http":
-            return await self.app(scope, receive, send)
-        status = None  # the response's, once its headers went out
-        receive = heard(receive)
-
-        async def answer(error: ApiError, count: bool = True) -> None:  # a refusal before routing, counted by path
-            if count and scope["path"].startswith("/v1/"):
-                known = any(getattr(route, "path", None) == scope["path"] for route in self.routes)
-                self.metrics.request(scope["path"] if known else "unmatched", error.status)
-            await send({"type": "http.response.start", "status": error.status,
-                        "headers": [(b"content-type", b"application/json"), *self.header]})
-            await send({"type": "http.response.body", "body": json.dumps(error.body).encode()})
-
-        def label() -> str:
-            route = scope.get("route")
-            return route.path if route is not None else "unmatched"
-
-        async def sent(message: dict[str, Any]) -> None:
-            nonlocal status
-            if message["type"] == "http.response.start":
-                status = message["status"]
-                message = {**message, "headers": [*message.get("headers", []), *self.header]}
-            await send(message)
-
-        headers = dict(scope.get("headers", ()))
-        if self.hosts is not None:  # one Host header, a name (or an IPv6 literal) and a port of digits, a trusted name
-            named = [value.decode("latin-1").strip().lower() for name, value in scope.get("headers", ())
-                     if name == b"host"]
-            found = HOST.fullmatch(named[0]) if len(named) == 1 else None
-            if found is None or found["name"] not in self.hosts:
-                shown = found["name"] if found else ", ".join(named) or "none"
-                return await answer(ApiError(400, f"host '{shown}' is not served here", code="invalid_host"))
-        # one Authorization header, naming its scheme in any case (of two, a proxy's and a client's, neither is chosen)
-        keys = [value for name, value in scope.get("headers", ()) if name == b"authorization"]
-        scheme, _, given = (keys[0] if len(keys) == 1 else b"").strip().partition(b" ")
-        if self.key is not None and scope["path"] not in self.open_paths and \
-                not (scheme.lower() == b"bearer" and hmac.compare_digest(given.strip(), self.key.encode())):
-            return await answer(ApiError(401, "missing or wrong API key (send 'Authorization: Bearer KEY')" if
-                                         len(keys) < 2 else f"{len(keys)} Authorization headers: send one",
-                                         code="invalid_api_key"))
-        declared = headers.get(b"content-length", b"")
-        if declared.isdigit() and int(declared) > self.max_body:
-            return await answer(too_large(self.max_body))
-        if scope["method"] in ("POST", "PUT", "PATCH"):  # read here, counted (a declared length may not frame it)
-            body, more = bytearray(), True
-            while more:
-                message = await receive()
-                if message["type"] != "http.request":
-                    return
-                body += message.get("body", b"")
-                more = message.get("more_body", False)
-                if len(body) > self.max_body:
-                    return await answer(too_large(self.max_body))
-            kind = next((value for name, value in scope.get("headers", ()) if name == b"content-type"), b"")  # (the
-            if self.posted(scope) and is_json(kind):  # first, as the app reads it)
-                read = bytes(body)  # (a long read off the event loop, a short one here: the thread pool may be busy)
-                fault = body_fault(read) if len(read) <= INLINE_BODY else await asyncio.to_thread(body_fault, read)
-                if fault is not None:
-                    return await answer(fault)
-            whole, after = [{"type": "http.request", "body": bytes(body), "more_body": False}], receive
-
-            async def replayed() -> dict[str, Any]:
-                return whole.pop() if whole else await after()  # (then a disconnect, when it comes)
-
-            receive = replayed
-        try:
-            await self.app(scope, receive, sent)
-        except asyncio.CancelledError:  # the server dropped the request: Ray Serve does once its client left
-            scope.setdefault(ENDED, 499)
-            raise
-        except Exception as error:  # noqa: BLE001 - the one 500 path: logged, counted, in the API's shape
-            scope[ENDED] = 500
-            fault = server_fault(error, label())
-            if status is None:
-                await answer(fault, count=False)
-        finally:
-            if scope["path"].startswith("/v1/") and (ended := scope.get(ENDED, status)) is not None:
-                self.metrics.request(label(), ended)
-
-
-INLINE_BODY = 1 << 16  # bytes of a body `Guard` checks on the event loop (a longer one: on a thread)
-
-
-def is_json(content_type: bytes) -> bool:
-    """Whether FastAPI reads a body of this Content-Type as JSON: none given, application/json, application/*+json."""
-    kind = content_type.decode("latin-1").partition(";")[0].strip().lower()
-    return not kind or kind == "application/json" or kind.startswith("application/") and kind.endswith("+json")
-
-
-def heard(receive: Callable) -> Callable:
-    """`receive`, where a channel that fails is a client that left, for good: Ray Serve's replica hears its client
-    through a call to the proxy, which raises (TaskCancelledError) once the proxy has cancelled the request, and
-    then never answers again; that is a disconnect (a 499), not a fault of the server's."""
-    failed = False
-
-    async def received() -> dict[str, Any]:
-        nonlocal failed
-        if not failed:
-            try:
-                return await receive()
-            except Exception as error:  # noqa: BLE001 - whatever the transport raised, the client cannot be heard
-                LOG.debug("receive failed (%s): taken for a disconnect", type(error).__name__)
-                failed = True
-        return {"type": "http.disconnect"}
-
-    return received
-
-
-def too_large(limit: int) -> ApiError:
-    return ApiError(413, f"the request body exceeds this server's {limit / 1e6:g} MB (--max-body-mb)",
-                    code="request_too_large")
-
-
 GONE = object()  # what `next_item` gives once the client has disconnected
 DISCONNECT_POLL_S = 0.25  # how often a non-streaming request asks whether its client is still there
 
@@ -597,138 +443,6 @@ def ended(item: _End, refused: str | None = None) -> Outcome:
     if isinstance(item.outcome, ConfigError):
         raise ApiError(400, str(item.outcome), option_param(item.outcome, refused))
     raise server_fault(item.outcome, "a generation")  # (its text stays in the log: it may hold paths)
-
-
-def sse(payload: dict[str, Any]) -> str:
-    return f"data: {json.dumps(payload)}\n\n"
-
-
-class Spelling:
-    """Each token's bytes and the text a client is shown for it: its decoded text where its bytes are whole UTF-8,
-    else OpenAI's `bytes:\\xe2\\x80` form (a token that splits a character decodes to U+FFFD, which many tokens
-    share), so that distinct tokens never get one name."""
-
-    def __init__(self, tokenizer: Any, width: int):
-        from speculant.drafters.vocab import token_bytes
-
-        self.tokenizer = tokenizer
-        self.spelled = token_bytes(tokenizer, width)[0] if tokenizer is not None else [None] * width
-        self.skipped = skipped_ids(tokenizer) if tokenizer is not None else frozenset()  # (no text in the reply)
-
-    def bytes(self, token: int) -> bytes:
-        spelled = self.spelled[token] if token < len(self.spelled) else None
-        return spelled if spelled is not None else self.text(token).encode()
-
-    def decoded(self, token: int) -> str:
-        """What the token adds to the text (a split character's bytes as U+FFFD)."""
-        return self.tokenizer.decode([token]) if self.tokenizer is not None else str(token)
-
-    def text(self, token: int) -> str:
-        spelled = self.spelled[token] if token < len(self.spelled) else None
-        if spelled is not None and self.tokenizer is not None:
-            try:
-                spelled.decode("utf-8")
-            except UnicodeDecodeError:
-                return "bytes:" + "".join(f"\\x{b:02x}" for b in spelled)
-        return self.decoded(token)
-
-
-class Shape:
-    """The OpenAI response and chunk objects of one request; with `spelling` (logprobs asked for), each choice
-    carries its tokens' log-probabilities in the endpoint's form (chat: `content` entries; completions: parallel
-    lists)."""
-
-    def __init__(self, ident: str, model: str, chat: bool, spelling: Spelling | None = None,
-                 calling: list[str] | None = None, parallel: bool = True, forced: bool = False):
-        self.ident, self.model, self.chat, self.created = ident, model, chat, int(time.time())
-        self.calling = calling  # the tools the reply may call (None: none): its calls of them parsed into `tool_calls`
-        self.forced = forced  # the reply had to call (`tools.parse`)
-        self.most_calls = None if parallel else 1
-        self.spelling, self.logprobs = spelling, spelling is not None
-        self.offset = 0  # characters of completion text before the next token (completions' text_offset)
-        self.characters = codecs.getincrementaldecoder("utf-8")("replace")  # (a split character counts at its end)
-
-    def cut_short(self, data: bytes) -> int:
-        """1 where `data` cannot go on the character whose first bytes are pending (that one becomes a U+FFFD of the
-        tokens before, so this token's text begins after it), else 0."""
-        pending = self.characters.getstate()[0]
-        if not pending or not data:
-            return 0
-        try:
-            codecs.getincrementaldecoder("utf-8")().decode(pending + data[:1])
-        except UnicodeDecodeError:
-            return 1
-        return 0
-
-    def usage(self, outcome: Outcome) -> dict[str, Any]:
-        return {"prompt_tokens": outcome.prompt_tokens, "completion_tokens": outcome.completion_tokens,
-                "total_tokens": outcome.prompt_tokens + outcome.completion_tokens, "speculative": outcome.speculative}
-
-    def whole(self, outcome: Outcome) -> dict[str, Any]:
-        logprobs = self.entries(outcome.logprobs or [])
-        if self.chat:
-            message: dict[str, Any] = {"role": "assistant", "content": outcome.text}
-            finish = outcome.finish_reason
-            if self.calling is not None and \
-                    (parsed := tools.parse(outcome.text, self.calling, self.most_calls, self.forced)).calls:
-                message = {"role": "assistant", "content": parsed.content, "tool_calls": parsed.calls}
-                finish = self.finish(finish, parsed.calls)
-            choice = {"index": 0, "message": message, "finish_reason": finish, "logprobs": logprobs}
-        else:
-            choice = {"index": 0, "text": outcome.text, "finish_reason": outcome.finish_reason, "logprobs": logprobs}
-        return {"id": self.ident, "object": "chat.completion" if self.chat else "text_completion",
-                "created": self.created, "model": self.model, "choices": [choice], "usage": self.usage(outcome)}
-
-    @staticmethod
-    def finish(reason: str, calls: list[dict[str, Any]]) -> str:
-        """A reply's finish_reason where it holds calls: `tool_calls`, unless it was cut short (`length`)."""
-        return "tool_calls" if calls and reason == "stop" else reason
-
-    def step(self, event: dict[str, Any]) -> dict[str, Any]:
-        """A chunk with no choices that carries one step's provenance (`stream_options.include_provenance`): each
-        token with the text it made final (`engine.Steps.on_token`: joined, they are the generated text, tool calls
-        included)."""
-        tokens = [{"id": t, "text": text, "kind": kind}
-                  for t, text, kind in zip(event["tokens"], event["texts"], event["kinds"])]
-        return {"id": self.ident, "object": "chat.completion.chunk" if self.chat else "text_completion",
-                "created": self.created, "model": self.model, "choices": [],
-                "speculant": {"tokens": tokens, "drafted": event["drafted"], "accepted": event["accepted"],
-                              "drafter": event["drafter"]}}
-
-    def chunk(self, delta: Any, entries: list[TokenLogprob], finish_reason: str | None = None) -> dict[str, Any]:
-        logprobs = self.entries(entries) if entries else None
-        if self.chat:
-            content = delta if isinstance(delta, dict) else ({} if delta is None else {"content": delta})
-            choice = {"index": 0, "delta": content, "finish_reason": finish_reason, "logprobs": logprobs}
-        else:
-            choice = {"index": 0, "text": delta or "", "finish_reason": finish_reason, "logprobs": logprobs}
-        return {"id": self.ident, "object": "chat.completion.chunk" if self.chat else "text_completion",
-                "created": self.created, "model": self.model, "choices": [choice]}
-
-    def entries(self, entries: list[TokenLogprob]) -> dict[str, Any] | None:
-        """Log-probabilities in the endpoint's form (None where the request asked for none)."""
-        if not self.logprobs:
-            return None
-        spelling = self.spelling
-        if self.chat:
-            def entry(t: int, logprob: float) -> dict[str, Any]:
-                return {"token": spelling.text(t), "logprob": logprob, "bytes": list(spelling.bytes(t))}
-
-            return {"content": [{**entry(e.token, e.logprob), "top_logprobs": [entry(t, lp) for t, lp in e.top]}
-                                for e in entries], "refusal": None}
-        pieces = [spelling.text(e.token) for e in entries]
-        offsets = []
-        for e in entries:
-            if e.token in spelling.skipped:  # (a special token: the text leaves it out)
-                offsets.append(self.offset)
-                continue
-            data = spelling.bytes(e.token)
-            offsets.append(self.offset + self.cut_short(data))
-            self.offset += len(self.characters.decode(data))
-        # Each position's alternatives and, as OpenAI's (up to logprobs + 1 of them), the token it emitted.
-        top = [{spelling.text(t): lp for t, lp in [*e.top, (e.token, e.logprob)]} for e in entries]
-        return {"tokens": pieces, "token_logprobs": [e.logprob for e in entries], "top_logprobs": top,
-                "text_offset": offsets}
 
 
 def build_app(target_name: str, model: ModelConfig, method: str, options: Any, config: ServeConfig,
