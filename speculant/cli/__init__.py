@@ -11,12 +11,16 @@ import sys
 from collections.abc import Sequence
 
 from speculant.cli.analysis import run_acceptance, run_profile, run_simulate, run_train_depth
-from speculant.cli.bench import run_bench, run_bench_kernels, run_bench_serve
+from speculant.cli.bench import run_bench, run_bench_kernels, run_bench_serve, run_peers
 from speculant.cli.checks import check_needs, check_outputs
 from speculant.cli.generate import run_generate
 from speculant.cli.parser import build_parser
 from speculant.cli.serve import run_serve
-from speculant.errors import ConfigError, SpeculantError, interrupted
+from speculant.errors import SpeculantError, interrupted
+
+COMMANDS = {"generate": run_generate, "serve": run_serve, "bench-serve": run_bench_serve,
+            "bench-kernels": run_bench_kernels, "peers": run_peers, "profile": run_profile, "acceptance": run_acceptance,
+            "train-depth": run_train_depth, "simulate": run_simulate}  # (and bench)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -25,30 +29,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         args = build_parser().parse_args(argv)  # (a usage error exits 2 from inside)
         check_outputs(args)
         check_needs(args)
-        if args.command == "generate":
-            run_generate(args)
-        elif args.command == "bench":
+        if args.command == "bench":  # (which records its command line)
             run_bench(args, argv)
-        elif args.command == "simulate":
-            run_simulate(args)
-        elif args.command == "profile":
-            run_profile(args)
-        elif args.command == "acceptance":
-            run_acceptance(args)
-        elif args.command == "train-depth":
-            run_train_depth(args)
-        elif args.command == "serve":
-            run_serve(args)
-        elif args.command == "bench-serve":
-            run_bench_serve(args)
-        elif args.command == "bench-kernels":
-            run_bench_kernels(args)
-        elif args.command == "peers":
-            from speculant.models.backends.llamacpp_build import build
-
-            if args.jobs is not None and args.jobs < 1:
-                raise ConfigError(f"--jobs must be >= 1, got {args.jobs}")
-            build(args.jobs, say=lambda line: print(line, file=sys.stderr))
+        else:
+            COMMANDS[args.command](args)
     except SpeculantError as error:  # (one line, whatever a library's message spanned)
         print(f"speculant: error: {' '.join(line.strip() for line in str(error).splitlines())}", file=sys.stderr)
         return 2

@@ -287,3 +287,11 @@ def run_bench_kernels(args: argparse.Namespace) -> None:
     if args.out:
         Path(args.out).write_text(json.dumps(result, indent=2) + "\n")
 
+
+def run_peers(args: argparse.Namespace) -> None:
+    """`speculant peers build-llamacpp`: llama.cpp's own tools and the library its backend runs on, built natively."""
+    from speculant.models.backends.llamacpp_build import build
+
+    if args.jobs is not None and args.jobs < 1:
+        raise ConfigError(f"--jobs must be >= 1, got {args.jobs}")
+    build(args.jobs, say=lambda line: print(line, file=sys.stderr))
