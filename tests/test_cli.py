@@ -600,7 +600,7 @@ def test_a_flag_given_twice_empty_or_abbreviated_is_a_usage_error(capsys):
 
 
 def test_ctrl_c_is_one_line_and_exit_130(capsys, monkeypatch):
-    monkeypatch.setattr(cli, "run_simulate", lambda args: (_ for _ in ()).throw(KeyboardInterrupt))
+    monkeypatch.setitem(cli.COMMANDS, "simulate", lambda args: (_ for _ in ()).throw(KeyboardInterrupt))
     assert cli.main(["simulate", "run", "--target-latency", "1", "--drafter-latency", "1", "--acceptance", "0.5",
                      "--lookahead", "2"]) == 130
     assert capsys.readouterr().err == "speculant: interrupted\n"
@@ -1006,7 +1006,7 @@ def test_an_output_that_cannot_be_written_over_is_one_line_before_the_work_and_a
         def full(args, error=error):
             raise error
 
-        monkeypatch.setattr(cli, "run_profile", full)
+        monkeypatch.setitem(cli.COMMANDS, "profile", full)
         code, _, err = run(capsys, "profile")
         assert code == 1 and err == f"speculant: error: {said}\n"
 
