@@ -280,17 +280,20 @@ def _measure(model, repeats: int, progress: bool) -> LatencyProfile:
 
     from tqdm import tqdm
 
-    room = getattr(model, "max_positions", None)  # a short cache profiles at the context it can hold
-    length = MACHINE_CONTEXT if room is None else max(1, min(MACHINE_CONTEXT, room - max(MACHINE_WIDTHS)))
+    room = getattr(model, "max_positions", None)  # a short cache profiles at the context it can hold, and
+    fit = [w for w in MACHINE_WIDTHS if room is None or w < room] or [1]  # the widths it holds after a token
+    length = MACHINE_CONTEXT if room is None else max(1, min(MACHINE_CONTEXT, room - max(fit)))
     long = LONG_CONTEXT if room is None else min(LONG_CONTEXT, room - max(LONG_WIDTHS))
     context = [(7919 * i + 11) % model.vocab_size for i in range(max(length, long))]
     label = f"profiling {model.name} ({getattr(model, 'numerics', '')}, {getattr(model, 'kernel', '')}) once on this machine"
-    steps = len(MACHINE_WIDTHS) + 1 + (len(LONG_WIDTHS) + 1 if long > 2 * length else 0)
+    steps = len(fit) + 1 + (len(LONG_WIDTHS) + 1 if long > 2 * length else 0)
     with tqdm(total=steps, desc=label, disable=not progress, file=sys.stderr, leave=False) as bar:
-        model.prefill(context[:8])  # warm-up
+        model.prefill(context[:min(8, length)])  # warm-up
         ttft = _timed(lambda: model.prefill(context[:length]))
         bar.update()
-        costs = forward_costs(model, context[:length], MACHINE_WIDTHS, repeats, done=bar.update)
+        measured = forward_costs(model, context[:length], fit, repeats, done=bar.update)
+        seconds = [measured[w] for w in fit]  # (the widths past them extrapolated: `interpolated`)
+        costs = {w: measured[w] if w in measured else interpolated(fit, seconds, w) for w in MACHINE_WIDTHS}
         catch_up = None
         if length - 1 > max(MACHINE_WIDTHS):
             model.prefill(context[:1])

@@ -73,6 +73,24 @@ def test_a_machine_profile_prefills_each_context_it_times_once():
     assert set(profile.long_forward_s) == set(latency.LONG_WIDTHS)
 
 
+def test_a_machine_profile_of_a_model_of_fewer_positions_than_the_widest_width_extrapolates_the_rest():
+    """A model of 12 positions holds a forward of 10 after 2 tokens: the widths past 10 are extrapolated, not run
+    past its cache (the profile had run a forward of 16, which crashed `auto`, its default method, as it profiled)."""
+    from helpers import tiny_transformer
+
+    from speculant import generate
+    from speculant.models.backends.static import StaticCausalLM, StaticWeights
+
+    module = tiny_transformer("llama", 1, 64, init_std=0.1)
+    model = StaticCausalLM(StaticWeights(module), name="tiny-12", span=12, width=4)
+    assert model.max_positions == 12
+    profile = latency._measure(model, repeats=1, progress=False)
+    assert profile.context_len == 2 and set(profile.forward_s) == set(latency.MACHINE_WIDTHS)
+    assert profile.forward_s[16] >= profile.forward_s[10] * 16 / 10  # (`interpolated`: chunks of the widest run)
+    expected = generate(model, prompt_ids=[5, 9], method="ar", max_new_tokens=6).token_ids
+    assert generate(model, prompt_ids=[5, 9], max_new_tokens=6).token_ids == expected
+
+
 def test_a_malformed_machine_profile_in_the_cache_is_one_line_naming_the_file(tmp_path, monkeypatch):
     monkeypatch.setenv("SPECULANT_CACHE", str(tmp_path))
     model = MarkovLM(12, 0)
