@@ -33,6 +33,27 @@ def test_self_drafting_agrees_everywhere_and_other_models_rarely():
     assert deep.per_position == [1.0] * 20  # every position of the replies, none past them
 
 
+def test_acceptance_counts_the_positions_past_a_drafters_cache_as_mismatches():
+    """A drafter of the target's weights in 8 positions, after a prompt of 4: it predicts the 5 tokens its cache
+    holds, as the target, and no more (it was run past its cache, which crashed); after a prompt of 12, none."""
+    from helpers import tiny_transformer
+
+    from speculant.models.backends.static import StaticCausalLM, StaticWeights
+
+    def model(positions):
+        return StaticCausalLM(StaticWeights(tiny_transformer("llama", 1, 64, init_std=0.1)), name=f"tiny-{positions}",
+                              span=positions, width=4)
+
+    target, drafter = model(64), model(8)
+    for temperature in (0.0, 1.0):
+        (short,) = estimate(target, [drafter], [random_prompt(1, 64, 4)], 10, SamplingConfig(temperature=temperature))
+        assert short.positions == 10 and short.agreement == 0.5 and short.per_position[0] == 0.5
+        if temperature:
+            assert short.expected_sampling_acceptance == pytest.approx(0.5, abs=1e-5)
+        (long,) = estimate(target, [drafter], [random_prompt(1, 64, 12)], 10, SamplingConfig(temperature=temperature))
+        assert long.agreement == 0.0 and long.expected_sampling_acceptance in (None, 0.0)
+
+
 def test_profile_measures_and_round_trips(tmp_path):
     model = tiny_model("qwen2", 0, 64)
     profile = profile_model(model, [random_prompt(1, 64, 10)], [1, 4, 8], context_len=20, repeats=2)

@@ -67,7 +67,8 @@ def _logits_along(model, prompt: list[int], output: list[int]) -> torch.Tensor:
 def estimate(target, drafters: Sequence, prompts: list[list[int]], max_new_tokens: int, sampling: SamplingConfig,
              depth: int = 8) -> list[AcceptanceReport]:
     """Teacher-forced predictions of each drafter along the target's greedy continuations of `prompts`
-    (the target generates once for all drafters); one report per drafter."""
+    (the target generates once for all drafters); one report per drafter. The positions past a drafter's cache (a
+    small model's, after a long prompt) are mismatches: it drafts nothing there."""
     from speculant.api import generate
 
     outputs = [generate(target, prompt_ids=ids, method="ar", max_new_tokens=max_new_tokens).token_ids
@@ -111,12 +112,18 @@ def _report(drafter, target, prompts: list[list[int]], outputs: list[list[int]],
             flags.append(flag)
             overlaps += [overlap] if overlap is not None else []
             outside += lost
-        else:
-            q_logits = _logits_along(drafter, ids, output)
-            flags.append(q_logits.argmax(-1).cpu().numpy() == np.asarray(output))
-            if p is not None:
-                q = logits_to_probs(q_logits.to(p.device), sampling)
-                overlaps.append(torch.minimum(p, q).sum(-1).cpu().numpy())
+        else:  # (the positions past the drafter's cache mismatches: a drafter whose cache is full drafts none)
+            room = len(ids) + len(output) if drafter.max_positions is None else drafter.max_positions
+            n = max(0, min(len(output), room - len(ids) + 1))
+            flag, overlap = np.zeros(len(output), dtype=bool), np.zeros(len(output))
+            if n:
+                q_logits = _logits_along(drafter, ids, output[:n])
+                flag[:n] = q_logits.argmax(-1).cpu().numpy() == np.asarray(output[:n])
+                if p is not None:
+                    q = logits_to_probs(q_logits.to(p.device), sampling)
+                    overlap[:n] = torch.minimum(p[:n], q).sum(-1).cpu().numpy()
+            flags.append(flag)
+            overlaps += [overlap] if p is not None else []
         counts = position_counts(flags[-1], depth)
         reached += counts[0]
         matched += counts[1]
