@@ -882,3 +882,25 @@ for seed in range(3):
     for _ in range(2):
         done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
         assert done.returncode == 0, done.stderr[-500:]
+
+
+def test_dsi_plans_with_a_drafter_of_fewer_positions_than_the_prompt(monkeypatch):
+    """Without a lookahead DSI times a drafter forward after the prompt: after its last tokens where the drafter holds
+    fewer positions (the whole prompt, past a static cache of 8, crashed the plan). The forwards timed run; the times
+    planned with are fixed (the target's ten times the drafter's), so that a loaded machine's cannot refuse the plan."""
+    import speculant.decoding.dsi.plan
+    from speculant.models.backends.static import StaticCausalLM, StaticWeights
+    from speculant.models.base import owner_of
+
+    def measure_step(model, prompt, repeats=3, measured=speculant.decoding.dsi.plan.measure_step):
+        measured(model, prompt, repeats)
+        return 0.01 if owner_of(model) is target else 0.001
+
+    monkeypatch.setattr(speculant.decoding.dsi.plan, "measure_step", measure_step)
+    target = HFCausalLM(tiny_transformer("llama", 1, 64, init_std=0.1))
+    drafter = StaticCausalLM(StaticWeights(tiny_transformer("llama", 1, 64, init_std=0.1)), name="tiny-8", span=8,
+                             width=4)
+    for prompt in ([5, 9], random_prompt(3, 64, 24)):
+        ar = generate(target, prompt_ids=prompt, method="ar", max_new_tokens=6)
+        dsi_run = generate(target, prompt_ids=prompt, method="dsi", drafter=drafter, servers=2, max_new_tokens=6)
+        assert dsi_run.token_ids == ar.token_ids, len(prompt)

@@ -55,7 +55,11 @@ def plan(servers: int, lookahead: int | None, target_s: float | None, drafter_s:
 
 
 def measure_step(model: CausalLM, prompt: list[int], repeats: int = 3) -> float:
-    """Median seconds of one single-token forward after prefilling `prompt` (the planner's TPOT)."""
+    """Median seconds of one single-token forward after prefilling `prompt` (the planner's TPOT): its last tokens
+    where the model holds fewer positions (a small drafter's cache, a prompt longer than it)."""
+    room = getattr(model, "max_positions", None)
+    if room is not None:
+        prompt = prompt[-(room - 1):]
     model.prefill(prompt)
     samples = []
     for _ in range(repeats):
