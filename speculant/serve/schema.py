@@ -127,7 +127,9 @@ class Sampling(BaseModel):
     max_tokens: int | None = Field(None, gt=0)
     temperature: float = Field(1.0, ge=0, le=2, allow_inf_nan=False,
                                description=f"0 (greedy), or from {MIN_TEMPERATURE} to 2 (OpenAI's range)")
-    top_p: float = Field(1.0, gt=0, le=1, allow_inf_nan=False)
+    top_p: float = Field(1.0, gt=0, le=1, allow_inf_nan=False,
+                         description="taken at temperature 0 too, as OpenAI's API and its clients' defaults take it: "
+                         "greedy decoding's token always lies in the nucleus, so there it changes nothing")
     seed: int | None = Field(None, ge=SEEDS.start, lt=SEEDS.stop,
                              description="a 64-bit seed: a sampled reply repeats under one seed for a named method and "
                              "its options; auto's (the default), dsi's and a tree's of auto sizes or depth predicted "
