@@ -15,7 +15,7 @@ from typing import Any
 
 from speculant.cli.checks import check_target
 from speculant.cli.parser import PARSER_KEYS, parse_width_ranges
-from speculant.config import (MIN_TEMPERATURE, ModelConfig, RunConfig, SamplingConfig, check_sampled, flag, from_args,
+from speculant.config import (ModelConfig, RunConfig, SamplingConfig, check_sampled, flag, from_args, from_flags,
                               sampling_of)
 from speculant.errors import ConfigError, SpeculantError
 from speculant.methods.drafting import held_drafters, takes_model_free, with_default_drafter
@@ -240,9 +240,9 @@ def run_bench_serve(args: argparse.Namespace) -> None:
     from speculant.bench.datasets import load_dataset
     from speculant.bench.serve import RESULTS, format_load, read_runs, run_load, run_sessions, write_report
 
-    if not 0 <= args.temperature <= 2 or 0 < args.temperature < MIN_TEMPERATURE:  # (what a server refuses)
-        raise ConfigError(f"--temperature must be 0 (greedy) or lie in [{MIN_TEMPERATURE:g}, 2], got "
-                          f"{args.temperature:g}")
+    from_flags(lambda: SamplingConfig(temperature=args.temperature), ["temperature"])  # (as servers refuse it)
+    if args.temperature > 2:  # (OpenAI's range: a server refuses more)
+        raise ConfigError(f"--temperature must lie in [0, 2], got {args.temperature:g}")
     if args.rate is not None and args.requests / min(args.rate) > MOST_ARRIVAL_S:
         raise ConfigError(f"--rate {min(args.rate):g} spreads {args.requests} conversations' arrivals over more than "
                           f"{MOST_ARRIVAL_S // 3600} hours")
