@@ -870,3 +870,45 @@ def test_a_user_drafter_s_cost_is_learned_from_its_drafts(monkeypatch):
     result = generate(target, prompt_ids=prompt, method="auto", drafters=[Slow()], k_max=2, max_new_tokens=40)
     assert result.token_ids == reference
     assert Slow.proposals <= 4, result.stats.choices
+
+
+def test_auto_weighs_a_drafter_only_at_the_draft_lengths_its_positions_hold(monkeypatch):
+    """A model drafter of 20 positions after a 16-token prompt: once the context fills them it drafts nothing, and
+    auto stopped choosing it (its chain and its tree were chosen on, plain steps under their names); a user's
+    drafter whose `most` says 0 is never asked, and one whose `most` is no count is refused by name. Outputs are
+    ar's."""
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    from speculant import Drafter
+    from speculant.errors import ConfigError
+    from speculant.models import HFCausalLM
+
+    target = tiny_model("llama", 0, VOCAB, init_std=0.5)
+    short = HFCausalLM(GPT2LMHeadModel(GPT2Config(vocab_size=VOCAB, n_embd=32, n_layer=2, n_head=4, n_positions=20,
+                                                  eos_token_id=None, bos_token_id=None)).eval(), None, name="gpt2-20")
+    prompt = random_prompt(3, VOCAB, 16)
+    reference = generate(target, prompt_ids=prompt, method="ar", max_new_tokens=30).token_ids
+    invent(monkeypatch, costs(target, drafter_step=0.02))  # (a drafter this cheap is chosen, right or not)
+    result = generate(target, prompt_ids=prompt, method="auto", drafters=[short], max_new_tokens=30)
+    assert result.token_ids == reference
+    chosen = [(choice, drafted) for choice, drafted in zip(result.stats.choices, result.stats.draft_lengths)
+              if choice != "plain"]
+    assert chosen and all(drafted for _, drafted in chosen), result.stats.choices
+
+    class Full(Drafter):  # always right, but says it can hold nothing
+        name, proposals, bound = "full", 0, 0
+
+        def propose(self, context, k):
+            Full.proposals += 1
+            done = len(context) - len(prompt)
+            return Draft(reference[done:done + k])
+
+        def most(self, context):
+            return self.bound
+
+    assert generate(target, prompt_ids=prompt, method="auto", drafters=[Full()], max_new_tokens=30).token_ids == \
+        reference
+    assert Full.proposals == 0
+    Full.bound = -1
+    with pytest.raises(ConfigError, match="drafter 'full': most returned -1"):
+        generate(target, prompt_ids=prompt, method="auto", drafters=[Full()], max_new_tokens=30)

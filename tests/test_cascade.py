@@ -286,9 +286,14 @@ def test_a_model_drafter_drafts_what_its_positions_allow_and_runs_none_past_them
     short = HFCausalLM(GPT2LMHeadModel(GPT2Config(vocab_size=VOCAB, n_embd=32, n_layer=2, n_head=4, n_positions=20,
                                                   eos_token_id=None, bos_token_id=None)).eval(), None, name="gpt2-20")
     drafter = ModelDrafter(short, SamplingConfig(), None)
+    cascade = CascadeDrafter([drafter, MaxGramDrafter()], [[3, 2], [0, 1]], 1.0, SamplingConfig(), None)
     for length in range(15, 23):
         assert len(drafter.propose(list(range(length)), 4).tokens) == max(0, min(4, 21 - length)), length
+        assert drafter.most(list(range(length))) == max(0, 21 - length)
         assert short.cache_len <= short.max_positions == 20
+        assert cascade.most(list(range(length))) is None  # (Max-Gram's part of it knows no bound)
+    assert CascadeDrafter([drafter, MaxGramDrafter()], [[3, 0], [0, 1]], 1.0, SamplingConfig(), None).most(
+        list(range(19))) == 2
     target = tiny_model("llama", 0, VOCAB, init_std=0.5)
     for length in (16, 18, 19, 20):
         prompt = ([1, 2, 3, 4] * 5)[:length]  # (Max-Gram matches)

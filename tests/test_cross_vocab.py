@@ -6,8 +6,8 @@ import random
 import pytest
 import torch
 
-from helpers import (ARCHS, MORE_ARCHS, MarkovLM, bpe_tokenizer, byte_tokenizer, piece_tokenizer, tiny_model,
-                     tiny_transformer)
+from helpers import (ARCHS, MORE_ARCHS, MarkovLM, bpe_tokenizer, byte_tokenizer, costs, invent, piece_tokenizer,
+                     tiny_model, tiny_transformer)
 from speculant import generate
 from speculant.config import SamplingConfig
 from speculant.decoding.dsi.twin import OracleLM
@@ -367,9 +367,10 @@ def test_a_drafter_with_the_same_tokenizer_and_fewer_rows_is_padded_to_the_targe
         generate(drafter, prompt_ids=[1, 2, 3], drafters=[target], tree_widths=[4], max_new_tokens=12)
 
 
-def test_a_drafter_whose_positions_the_context_outgrows_drafts_nothing(tokenizers):
+def test_a_drafter_whose_positions_the_context_outgrows_drafts_nothing(tokenizers, monkeypatch):
     """A byte-level drafter of 32 positions under a prompt of more bytes: no draft (as a drafter of the target's
-    vocabulary stops at its positions), greedy and sampled, and the output is ar's."""
+    vocabulary stops at its positions), greedy and sampled, and the output is ar's; `auto`, which finds it full at
+    its first draft, chooses it no more (it had chosen it on, cheap as it is, for plain steps under its name)."""
     from transformers import GPT2Config, GPT2LMHeadModel
 
     from speculant.models import HFCausalLM
@@ -385,6 +386,9 @@ def test_a_drafter_whose_positions_the_context_outgrows_drafts_nothing(tokenizer
         result = generate(target, prompt, method="sd", drafter=short, k=3, max_new_tokens=8, temperature=temperature,
                           seed=0)
         assert not sum(result.stats.drafter_forwards.values()) and (temperature or result.token_ids == ar)
+    invent(monkeypatch, costs(target, drafter_step=0.02))
+    result = generate(target, prompt, method="auto", drafters=[short], max_new_tokens=8)
+    assert result.token_ids == ar and result.stats.choices.count("bytes-32") == 1, result.stats.choices
 
 
 def test_tree_refuses_a_drafter_with_another_vocabulary(tokenizers):

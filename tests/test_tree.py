@@ -469,3 +469,19 @@ def test_a_tree_width_of_auto_beyond_the_drafter_s_vocabulary_is_refused_by_name
         generate(target, prompt_ids=[1, 2, 3], method="auto", drafters=[target.share()], tree_widths=(2, 300),
                  max_new_tokens=4)
     assert refused.value.option == "tree_widths"
+
+
+def test_a_tree_drafter_says_how_many_levels_its_positions_hold():
+    """`most`, what auto weighs a tree candidate at: the levels of its width that fit the drafter's positions left
+    after the context (one narrower level where no whole one does, none where no slot is left), as its trees are cut."""
+    from helpers import tiny_transformer
+
+    from speculant import load_model
+    from speculant.trees.drafter import TreeDrafter
+
+    module = tiny_transformer("llama", 1, 64, init_std=0.1)
+    module.config.max_position_embeddings = 6
+    drafter = TreeDrafter(load_model(module), 2, verifier=load_model(tiny_transformer("llama", 1, 64, init_std=0.1)))
+    assert [drafter.most([5] * length) for length in range(1, 8)] == [2, 2, 1, 1, 1, 0, 0]
+    for length in range(1, 8):
+        assert max(drafter.propose([5] * length, 8).tree.depths) == drafter.most([5] * length), length

@@ -477,6 +477,11 @@ class AutoPolicy:
                 catch_ups[id(candidate)] = candidate.catch_up_s(context)
             return catch_ups[id(candidate)]
 
+        def most(candidate: Candidate) -> int:
+            """The longest draft it may be weighed at: the step's room, cut to what its drafter can hold."""
+            bound = candidate.drafter.most(context)
+            return room if bound is None else min(room, bound)
+
         def allowed(candidate: Candidate) -> bool:
             """With catch_up="safe": were the reply to end after this step, the catch-up would cost at most
             SAFE_SHARE of it."""
@@ -492,11 +497,12 @@ class AutoPolicy:
                     goodput, k = best_length(candidate.acceptance(bucket), 0.0, cost, len(draft.tokens))
                     if goodput > best[0]:
                         best = (goodput, candidate, k, Draft(draft.tokens[:k], None, draft.usage), bucket)
-            elif self.resting.get(id(candidate), 0) <= self.steps and allowed(candidate):
+            elif self.resting.get(id(candidate), 0) <= self.steps and (longest := most(candidate)) > 0 and \
+                    allowed(candidate):
                 catch_up = catch_up_s(candidate)
                 if catch_up > PROBE_SHARE * cost(1) * repays and self.steps < LOOK_FIRST:
                     continue  # a large catch-up waits until the text has shown what free drafts commit
-                goodput, k = best_length(candidate.acceptance(), candidate.cost_s, cost, room, candidate.width,
+                goodput, k = best_length(candidate.acceptance(), candidate.cost_s, cost, longest, candidate.width,
                                          catch_up, repays * (1 - self.free / produced))
                 if goodput > best[0]:
                     best = (goodput, candidate, k, None, 0)
@@ -506,12 +512,12 @@ class AutoPolicy:
         if chosen is not None and chosen.match is None:
             self.wait, self.probed = self.probe_every, 0.0  # a model drafter pays on its own: probes start again
         elif self.without_model >= self.wait and room > 0:  # a probe is due: the model drafter likeliest accepted
-            probe = max((c for c in weighed if c.match is None and allowed(c)), key=lambda c: c.acceptance().rate(0),
-                        default=None)
+            probe = max((c for c in weighed if c.match is None and most(c) > 0 and allowed(c)),
+                        key=lambda c: c.acceptance().rate(0), default=None)
             budget = 0.0 if probe is None else \
                 PROBE_SHARE * probe.acceptance().promise() * cost(1) * (produced + remaining)
             if self.probed < budget:  # (where it is spent, no price is read: no catch-up compared with the context)
-                steps = min(2, room)
+                steps = min(2, most(probe))
                 price = catch_up_s(probe) + steps * probe.cost_s + cost(1 + steps * probe.width) - cost(1)
                 if self.probed + price <= budget:
                     chosen, k, draft, bucket = probe, steps, None, 0

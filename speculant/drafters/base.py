@@ -60,6 +60,11 @@ class Drafter:
         """Tokens of `context` its model's cache lacks: what its next draft runs first (0: it keeps no cache)."""
         return 0
 
+    def most(self, context: list[int]) -> int | None:
+        """The most tokens a draft after `context` can hold (0: none, its model's positions are full); None where it
+        knows no bound. `auto` weighs it at draft lengths up to this, and not at all at 0."""
+        return None
+
     def own_ids(self, context: list[int]) -> list[int]:
         """The ids its model runs for `context`: the target's own, but for a drafter of another tokenizer."""
         return context
@@ -93,6 +98,11 @@ class Checked(Drafter):
             raise ConfigError(f"a drafter's name is a non-empty text, got {self.name!r} ({type(inner).__name__})")
         if inner.match_length is not None:
             self.match_length = self._match_length
+
+    def most(self, context: list[int]) -> int | None:
+        """The inner drafter's `most`: None, or a whole number >= 0."""
+        most = self.inner.most(context)
+        return None if most is None else self._count("most", most)
 
     def _match_length(self, context: list[int]) -> int:
         """The inner drafter's `match_length`, a whole number >= 0 (auto buckets its acceptance by it)."""

@@ -138,6 +138,12 @@ class CascadeDrafter(Drafter):
             add_usage(usage, meter.name, meter.usage - start)
         return Draft(tokens, probs, usage)
 
+    def most(self, context: list[int]) -> int | None:
+        """The sum of what the levels the first row of K draws from can hold (a level whose positions are full
+        offers nothing; the next is drawn from); None where one of them knows no bound."""
+        bounds = [level.most(context) for level, k in zip(self.levels, self.k_matrix[0]) if k]
+        return None if None in bounds else sum(bounds)
+
     def observe(self, n_accepted: int) -> None:
         """Nothing to adapt: every model level re-synchronises from the context, and no level's own tokens are
         known to be the accepted ones."""

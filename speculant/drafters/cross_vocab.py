@@ -51,6 +51,7 @@ class CrossVocabDrafter(Drafter):
         self.width = target.vocab_size
         self._ahead: list[int] = []  # greedy: a context and the safe draft tokens that followed it last time
         self._encoding = GrowingEncoding(self.pair)  # the context's text in the drafter's tokens, kept as it grows
+        self._full: int | None = None  # the shortest context after which its own tokens left it no position
 
     def propose(self, context: list[int], k: int) -> Draft:
         if k <= 0:
@@ -63,8 +64,15 @@ class CrossVocabDrafter(Drafter):
             return Draft([])
         own = self._encoding.encode(text)
         if self.drafter.room(len(own)) <= 0:  # (its own tokens fill its positions)
+            self._full = len(context) if self._full is None else min(self._full, len(context))
             return Draft([])
         return self._greedy(context, own, k) if self.greedy else self._sampled(own, k)
+
+    def most(self, context: list[int]) -> int | None:
+        """0 from the context length at which its own tokens filled its positions (a context, growing, holds at
+        least as many); else None: how many target tokens its own tokens make is known once drafted (and the
+        context's text, encoded, costs what a draft's start does)."""
+        return 0 if self._full is not None and len(context) >= self._full else None
 
     def _heal(self, own: list[int]) -> tuple[list[int], list[int], int]:
         """Token healing: the context without its last drafter token, and the drafter's best token that starts

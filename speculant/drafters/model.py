@@ -50,9 +50,9 @@ class ModelDrafter(Drafter):
 
     def propose(self, context: list[int], k: int) -> Draft:
         """Up to k tokens; a draft ends at an end-of-sequence token and within the drafter's positions: m tokens
-        after L take L + m - 1 of them (the last token drafted is never run), so one more than its `room`."""
-        k = min(k, self.room(len(context)) + 1)
-        if k <= 0 or self.readable(context) < len(context):
+        after L take L + m - 1 of them (the last token drafted is never run), so one more than its `room` (`most`)."""
+        k = min(k, self.most(context))
+        if k <= 0:
             return Draft([], None)
         before = self.model.usage
         logits = self.score(context, [])[0]
@@ -81,6 +81,11 @@ class ModelDrafter(Drafter):
         review runs on top of them (a draft may hold one more, its last never run)."""
         limit = self.model.max_positions
         return 1 << 30 if limit is None else limit - length
+
+    def most(self, context: list[int]) -> int:
+        """One more than its `room` after `context` (0 where that is full, or the context holds an id it has no row
+        for): what `propose` drafts at most."""
+        return max(self.room(len(context)) + 1, 0) if self.readable(context) == len(context) else 0
 
     def own_ids(self, context: list[int]) -> list[int]:
         """The ids its model can run for `context`: up to the first it has no row for (`readable`)."""

@@ -59,6 +59,11 @@ class TreeDrafter(Drafter):
             return depth, width
         return (free // width, width) if free >= width else (min(depth, 1) if free > 0 else 0, max(free, 1))
 
+    def most(self, context: list[int]) -> int | None:
+        """The levels of its width a tree after `context` can hold (`fit`; one narrower level where no whole one
+        fits, 0 where no slot is left); None where nothing bounds them."""
+        return None if self.free(len(context)) is None else self.fit(len(context), 1 << 30, self.width)[0]
+
     def propose(self, context: list[int], k: int) -> Draft:
         return self.propose_tree(context, k, self.width)
 
