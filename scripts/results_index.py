@@ -229,12 +229,16 @@ ENTRIES: dict[str, tuple[str, str, str | None, str | None, str | None]] = {
                    "bounds it", "python scripts/prefill_parts.py --lengths 512 --parts 512 --repeats 3; llama-bench "
                    "-p 512 -n 0 -r 2 -t 2 (-fa 1 -ctk bf16 -ctv bf16)", ZEN5, None),
     "lean-types": ("CPU", "`ar` on the lean backend against `ar` on llama.cpp and `llama-completion`, on GGUFs of other "
-                   "types (the 0.5B: Q4_K/Q5_0/Q6_K/Q8_0; SmolLM2-135M: Q4_1/Q8_0, after q4_b; the 1.5B's Q4_K "
-                   "written again as Q5_K by scripts/requantize_gguf.py, with `auto` in auto.md), 6 mixed prompts, 2 "
+                   "types (the 0.5B: Q4_K/Q5_0/Q6_K/Q8_0; SmolLM2-135M: Q4_1/Q8_0, after q4_b), 6 mixed prompts, 2 "
                    "repeats",
                    "speculant bench --target qwen2.5-coder-0.5b (and smollm2-135m) --methods ar:backend=lean "
                    "ar:backend=llamacpp llamacpp-cli-ar --prompts prompts/mixed.jsonl[:6] --max-new-tokens 96 "
                    "--repeats 2", ZEN5, None),
+    "lean-q5k": ("CPU", "Q5_K on the lean backend's q5_k kernel: `ar` and `auto` on lean against `ar` on llama.cpp and "
+                 "`llama-completion`, on the 1.5B with its Q4_K matrices written again as Q5_K (`python "
+                 "scripts/requantize_gguf.py MODEL.gguf /tmp/q5/qwen1.5b-q5k.gguf`, MODEL.gguf the catalog 1.5B's), 6 "
+                 "mixed prompts, 2 repeats; before.md: the same bench at the commit before (Q5_K as q8_b, a byte per "
+                 "weight), the same sitting", None, ZEN3, None),
     "tree-stage": ("speculation", "`tree` with stage scheduling against serial, mixed prompts and HumanEval[:10] "
                    "(hit rate and overlap: scripts/stage_record.py)", "speculant bench --methods ar "
                    "tree:drafter=qwen2.5-coder-0.5b@lean,depth=4,width=2 "

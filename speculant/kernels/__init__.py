@@ -54,7 +54,8 @@ class Isa:
         return "-DAMX" in self.flags
 
 
-AVX512 = ("-mavx512f", "-mavx512bw", "-mavx512vnni", "-mf16c"), ("avx512f", "avx512bw", "avx512_vnni", "f16c")
+AVX512 = (("-mavx512f", "-mavx512bw", "-mavx512vnni", "-mf16c", "-mfma"),  # (FMA: AVX2's q5_k kernel, avx2_k.h)
+          ("avx512f", "avx512bw", "avx512_vnni", "f16c", "fma"))
 ISAS = (  # fastest first
     Isa("amx_int8", "avx512.c", (*AVX512[0], "-DAMX"), (*AVX512[1], "amx_tile", "amx_int8")),
     Isa("avx512_vnni", "avx512.c", *AVX512),
@@ -64,7 +65,7 @@ ISAS = (  # fastest first
 # The AMX kernels with their tile instructions done in C: what a CPU without AMX runs to test them; never chosen.
 EMULATED = Isa("amx_int8_emulated", "avx512.c", (*AVX512[0], "-DAMX", "-DAMX_EMULATED"), AVX512[1])
 FLAGS = ("-fno-trapping-math",)  # every ISA's: lets compilers vectorize exp_poly's selects; no value changes
-KINDS = ("q4_k", "q6_k", "q8_b", "f32", "q4_b")  # layer.h's Mat.kind: the index here
+KINDS = ("q4_k", "q6_k", "q8_b", "f32", "q4_b", "q5_k")  # layer.h's Mat.kind: the index here
 
 
 @cache
@@ -170,7 +171,7 @@ def check(name: str) -> None:
     from gguf.quants import quantize
 
     generator = torch.Generator().manual_seed(0)
-    for ggml_type in ("Q4_K", "Q6_K", "Q5_1", "Q4_1", "F16"):
+    for ggml_type in ("Q4_K", "Q5_K", "Q6_K", "Q5_1", "Q4_1", "F16"):
         dense = torch.randn(48, 768, generator=generator)
         dense[:, 640:] = 0.0
         if formats.KIND_OF[ggml_type] in formats.GGUF_BYTES:  # 768 inputs, of which the kernels read 640

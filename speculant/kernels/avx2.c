@@ -2,87 +2,15 @@
 // block is unpacked once per half and every row of the tile multiplies it by its four activation bytes
 // broadcast (vpmaddubsw: u8 x s8 pairs into int16; vpmaddwd by ones: pairs of those into int32). The int16
 // sums of several vpmaddubsw are added before one vpmaddwd, as far as they cannot overflow: a pair is at
-// most 2 * 15 * 127 = 3810 for q4_k's nibbles (eight pairs added: 30480) and 2 * 63 * 127 = 16002 for q6_k's
-// six bits (two added: 32004), below int16's 32767, so the int32 sums are exactly those of one vpmaddwd each.
+// most 2 * 15 * 127 = 3810 for q4_k's nibbles (eight pairs added: 30480), 2 * 31 * 127 = 7874 for q5_k's five bits
+// (four added: 31496) and 2 * 63 * 127 = 16002 for q6_k's six bits (two added: 32004), below int16's 32767, so the
+// int32 sums are exactly those of one vpmaddwd each.
 #include <immintrin.h>
 #include "common.h"
 
 #define TILE 8  // rows per unpacked block; the accumulators beyond the 16 registers live in L1
 
-// Keeps a row's int16 sum in a register, its adds in program order: integer adds being associative, GCC otherwise
-// sums a block's vpmaddubsw products as a tree and spills them to the stack (a store and a load per product).
-#define IN_ORDER(sum) __asm__("" : "+x"(sum))
-
-static inline __m256i pairs(__m256i w, const int8_t *a) {  // u8 weights x four s8 activations, broadcast
-    return _mm256_maddubs_epi16(w, _mm256_set1_epi32(load32(a)));
-}
-
-// A block of 32 inputs' int16 sums for each row of a tile, half a panel (h) at a time: q4_k's and q4_b's nibbles
-// (byte c*64 + j*4 + t: input 4c + t of output j low, 16 + 4c + t high), eight vpmaddubsw pairs a row.
-static inline __attribute__((always_inline)) void nibble_sums(const int rows, const uint8_t *nibbles, int h,
-                                                             const int8_t *qa, int64_t K, int64_t kb, __m256i *sum) {
-    const __m256i low = _mm256_set1_epi8(0x0F);
-    for (int r = 0; r < rows; r++) sum[r] = _mm256_setzero_si256();
-    for (int c = 0; c < 4; c++) {
-        __m256i raw = _mm256_loadu_si256((const __m256i *)(nibbles + c * 64 + h * 32));
-        __m256i lo = _mm256_and_si256(raw, low), hi = _mm256_and_si256(_mm256_srli_epi16(raw, 4), low);
-        for (int r = 0; r < rows; r++) {
-            const int8_t *a = qa + r * K + kb * 32;
-            sum[r] = _mm256_add_epi16(sum[r], pairs(lo, a + 4 * c));
-            sum[r] = _mm256_add_epi16(sum[r], pairs(hi, a + 16 + 4 * c));
-            IN_ORDER(sum[r]);
-        }
-    }
-}
-
-// A super-block's sums land in y, the tile's outputs (one half of the panel's: y points at it).
-static inline __attribute__((always_inline)) void add_super(const int rows, const __m256 *sb, const float *sa,
-                                                           int64_t s, int64_t K, float *y, int64_t O) {
-    for (int r = 0; r < rows; r++)
-        _mm256_storeu_ps(y + r * O, _mm256_fmadd_ps(sb[r], _mm256_set1_ps(sa[r * supers(K) + s]),
-                                                    s ? _mm256_loadu_ps(y + r * O) : _mm256_setzero_ps()));
-}
-
-static inline __attribute__((always_inline)) void q4k_tile(const int rows, const int8_t *qa, const float *sa,
-                                                          const int16_t *s32, const int32_t *o16, int64_t K,
-                                                          const uint8_t *panel, float *y, int64_t O) {
-    const __m256i ones = _mm256_set1_epi16(1);
-    for (int h = 0; h < 2; h++)
-        for (int64_t s = 0; s < supers(K); s++) {
-            const uint8_t *sp = panel + s * Q4K_SUPER;
-            if (h == 0) prefetch(sp + PREFETCH * Q4K_SUPER, Q4K_SUPER);
-            __m256 d = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(sp + h * 16))), sb[TILE];
-            for (int r = 0; r < rows; r++) sb[r] = _mm256_setzero_ps();
-            for (int b = 0; b < blocks_in(s, K, 8); b++) {
-                const uint8_t *bp = sp + 64 + b * Q4K_BLOCK;
-                __m256 scale = _mm256_mul_ps(d, _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(bp + h * 8)))));
-                int64_t kb = s * 8 + b;
-                __m256i sum[TILE];  // int16: the block's eight vpmaddubsw per row
-                nibble_sums(rows, bp + 32, h, qa, K, kb, sum);
-                for (int r = 0; r < rows; r++)
-                    sb[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_madd_epi16(sum[r], ones)), scale, sb[r]);
-            }
-            // The mins: each lane's m of blocks 2j and 2j + 1 as int16 pairs, times the rows' pairs of sums.
-            __m256i mins[4];
-            for (int j = 0; j < blocks_in(s, K, 8) / 2; j++) {
-                const uint8_t *m = sp + 64 + 2 * j * Q4K_BLOCK + 16 + h * 8;
-                __m256i even = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)m));
-                __m256i odd = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(m + Q4K_BLOCK)));
-                mins[j] = _mm256_or_si256(even, _mm256_slli_epi32(odd, 16));
-            }
-            __m256 dmin = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(sp + 32 + h * 16)));
-            for (int r = 0; r < rows; r++) {
-                const int16_t *sums = s32 + r * (K / 32) + s * 8;
-                __m256i total = _mm256_setzero_si256();
-                for (int j = 0; j < blocks_in(s, K, 8) / 2; j++) {
-                    __m256i pair = _mm256_set1_epi32(load32((const int8_t *)(sums + 2 * j)));
-                    total = _mm256_add_epi32(total, _mm256_madd_epi16(mins[j], pair));
-                }
-                sb[r] = _mm256_fnmadd_ps(dmin, _mm256_cvtepi32_ps(total), sb[r]);
-            }
-            add_super(rows, sb, sa, s, K, y + h * 8, O);
-        }
-}
+#include "avx2_k.h"
 
 static inline __attribute__((always_inline)) void q6k_tile(const int rows, const int8_t *qa, const float *sa,
                                                           const int16_t *s32, const int32_t *o16, int64_t K,
@@ -116,7 +44,7 @@ static inline __attribute__((always_inline)) void q6k_tile(const int rows, const
                     sb[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), scale, sb[r]);
                 }
             }
-            add_super(rows, sb, sa, s, K, y + h * 8, O);
+            add_super8(rows, sb, sa, s, K, y + h * 8, O);
         }
 }
 
@@ -151,7 +79,7 @@ static inline __attribute__((always_inline)) void q8b_tile(const int rows, const
                     sb[r] = _mm256_fmadd_ps(_mm256_set1_ps((float)s32[r * (K / 32) + kb]), m, sb[r]);
                 }
             }
-            add_super(rows, sb, sa, s, K, y + h * 8, O);
+            add_super8(rows, sb, sa, s, K, y + h * 8, O);
         }
 }
 
@@ -179,15 +107,20 @@ static inline __attribute__((always_inline)) void q4b_tile(const int rows, const
                     sb[r] = _mm256_fmadd_ps(_mm256_set1_ps((float)s32[r * (K / 32) + kb]), m, sb[r]);
                 }
             }
-            add_super(rows, sb, sa, s, K, y + h * 8, O);
+            add_super8(rows, sb, sa, s, K, y + h * 8, O);
         }
 }
 
+#define q4k_tile(rows, qa, sa, s32, o16, K, panel, y, O) k_tile(0, rows, qa, sa, s32, K, panel, y, O)
+#define q5k_tile(rows, qa, sa, s32, o16, K, panel, y, O) k_tile(1, rows, qa, sa, s32, K, panel, y, O)
+
 DISPATCH(q4k_tile, TILE)
+DISPATCH(q5k_tile, TILE)
 DISPATCH(q6k_tile, TILE)
 DISPATCH(q8b_tile, TILE)
 DISPATCH(q4b_tile, TILE)
 MATMUL(matmul_q4_k, Q4K_SUPER, Q4K_TAIL, TILE, q4k_tile_rows)
+MATMUL(matmul_q5_k, Q5K_SUPER, Q5K_TAIL, TILE, q5k_tile_rows)
 MATMUL(matmul_q6_k, Q6K_SUPER, Q6K_TAIL, TILE, q6k_tile_rows)
 MATMUL(matmul_q8_b, Q8B_SUPER, Q8B_TAIL, TILE, q8b_tile_rows)
 MATMUL(matmul_q4_b, Q4B_SUPER, Q4B_TAIL, TILE, q4b_tile_rows)

@@ -9,6 +9,9 @@
 //         each sc[16], m[16] (u8, six bits used) and 256 bytes of nibbles: byte c*64 + j*4 + t holds input
 //         4c + t of output j in its low nibble and input 16 + 4c + t in its high nibble (c < 4, t < 4).
 //         w = d*sc * q - dmin*m.
+//   q5_k  per 256 inputs, 2880 bytes: q4_k's, each block's nibbles followed by 64 bytes of high bits (byte j*4 + t:
+//         bit 2c that of input 4c + t of output j, bit 2c + 1 that of input 16 + 4c + t, c < 4). w = d*sc * q - dmin*m,
+//         q < 32: Q5_K, at 5.6 bits a weight where q8_b spends 10.
 //   q6_k  per 256 inputs, 3360 bytes: d[16] (f16), then 16 blocks of 16 inputs, each sc[16] (i8), 128 bytes
 //         of low nibbles (byte c*64 + j*4 + t: input 4c + t low, input 8 + 4c + t high, c < 2) and 64 bytes
 //         of high bit pairs (byte j*4 + t: bits 2g, 2g+1 of input 4g + t's six, g < 4). w = d*sc * (q - 32).
@@ -22,7 +25,7 @@
 // and -32 times those per 16 (o16, int32: q6_k's offset, where each block's integer dot starts).
 // Per output, super-block after super-block from acc = 0, with sb = 0 at each one's start:
 //   q4_k  sb = fma((float)dot_b, d*sc_b, sb) for each block b in order, then sb = fma(-dmin, (float)(the exact
-//         integer sum of m_b * s32_b), sb);
+//         integer sum of m_b * s32_b), sb); q5_k alike;
 //   q6_k  sb = fma((float)(o16_b + dot_b), d*sc_b, sb) for each block b in order;
 //   q8_b  sb = fma((float)dot_b, d_b, sb), then sb = fma((float)s32_b, m_b, sb), for each block b in order;
 //   q4_b  as q8_b, its dot over the nibbles as they are (no offset);
@@ -35,6 +38,9 @@
 #define PANEL 16
 #define Q4K_SUPER 2368
 #define Q4K_BLOCK 288
+#define Q5K_BLOCK 352
+#define Q5K_SUPER (64 + 8 * Q5K_BLOCK)
+#define Q5K_TAIL (64 + 4 * Q5K_BLOCK)
 #define Q6K_SUPER 3360
 #define Q6K_BLOCK 208
 #define Q4K_TAIL (64 + 4 * Q4K_BLOCK)

@@ -1,9 +1,9 @@
 """GGUF tensors repacked, once, into the panel layouts speculant's kernels read (see common.h): the same
 weights as the file (no requantization), regrouped so that one 16-lane register load holds four inputs of each
-of 16 outputs. Q4_K and Q6_K keep their own layouts (`q4_k`, `q6_k`); the types whose blocks of 32 are integers
-times a scale plus an offset become `q4_b` (Q4_0, Q4_1: q4_k's nibbles, the block's scale and offset in f16) or
-`q8_b` (Q5_0, Q5_1, Q8_0, and Q5_K, whose six-bit scales and mins times the super-block's d and dmin are exact in
-fp32: a byte per weight, the scale and offset in fp32); F16, BF16 and F32 matrices become `f32` rows.
+of 16 outputs. Q4_K, Q5_K and Q6_K keep their own layouts (`q4_k`; `q5_k`, q4_k's with each block's high bits;
+`q6_k`); the types whose blocks of 32 are integers times a scale plus an offset become `q4_b` (Q4_0, Q4_1: q4_k's
+nibbles, the block's scale and offset in f16) or `q8_b` (Q5_0, Q5_1, Q8_0: a byte per weight, the scale and offset
+in fp32); F16, BF16 and F32 matrices become `f32` rows.
 
 ggml's block layouts (ggml-common.h): Q4_K super-blocks of 256 inputs, `d`, `dmin` (f16), 12 bytes of
 six-bit scales and mins for 8 blocks of 32, 128 bytes of nibbles; Q6_K super-blocks of 256, 128 bytes of
@@ -17,14 +17,15 @@ import numpy as np
 PANEL = 16
 SUPER = 256
 QUANTUM = 128  # a matrix's inputs are padded to a multiple of this, not of SUPER (see `pack`)
-BYTES = {"q4_k": 2368, "q6_k": 3360, "q8_b": 8 * 640, "q4_b": 8 * 320}  # one panel's super-block in speculant's layout
-TAIL = {"q4_k": 64 + 4 * 288, "q6_k": 32 + 8 * 208, "q8_b": 4 * 640, "q4_b": 4 * 320}  # its first half: header, blocks
-# of 128 inputs
-GGUF_BYTES = {"q4_k": 144, "q6_k": 210}  # one output's super-block in the file
-KIND_OF = {"Q4_K": "q4_k", "Q6_K": "q6_k", **dict.fromkeys(("Q5_0", "Q5_1", "Q8_0", "Q5_K"), "q8_b"),
+BYTES = {"q4_k": 2368, "q5_k": 2880, "q6_k": 3360, "q8_b": 8 * 640, "q4_b": 8 * 320}  # one panel's super-block in
+# speculant's layout
+TAIL = {"q4_k": 64 + 4 * 288, "q5_k": 64 + 4 * 352, "q6_k": 32 + 8 * 208, "q8_b": 4 * 640,
+        "q4_b": 4 * 320}  # its first half: header, blocks of 128 inputs
+GGUF_BYTES = {"q4_k": 144, "q5_k": 176, "q6_k": 210}  # one output's super-block in the file
+KIND_OF = {"Q4_K": "q4_k", "Q5_K": "q5_k", "Q6_K": "q6_k", **dict.fromkeys(("Q5_0", "Q5_1", "Q8_0"), "q8_b"),
            **dict.fromkeys(("Q4_0", "Q4_1"), "q4_b"),
            **dict.fromkeys(("F32", "F16", "BF16"), "f32")}  # the kernel that reads each GGUF type, exactly
-BLOCK_BYTES = {"Q4_0": 18, "Q4_1": 20, "Q5_0": 22, "Q5_1": 24, "Q8_0": 34, "Q5_K": 176}  # per 32 inputs (Q5_K: 256)
+BLOCK_BYTES = {"Q4_0": 18, "Q4_1": 20, "Q5_0": 22, "Q5_1": 24, "Q8_0": 34}  # per 32 inputs
 
 
 def unpack_q4_k(raw: np.ndarray) -> tuple[np.ndarray, ...]:
@@ -39,6 +40,16 @@ def unpack_q4_k(raw: np.ndarray) -> tuple[np.ndarray, ...]:
     m = np.concatenate([hi & 0x3F, (mixed >> 4) | ((hi >> 2) & 0x30)], axis=-1)
     qs = blocks[..., 16:].reshape(rows, -1, 4, 1, 32) >> np.array([0, 4], dtype=np.uint8).reshape(1, 1, 1, 2, 1)
     return d, dmin, sc, m, (qs & 0x0F).reshape(rows, -1)
+
+
+def unpack_q5_k(raw: np.ndarray) -> tuple[np.ndarray, ...]:
+    """[O, S*176] bytes -> Q4_K's fields (`unpack_q4_k`) with q 0..31: ggml's block_q5_k holds Q4_K's d, dmin, scales
+    and nibbles, and 32 bytes of high bits between them (bit b of byte l: input l of block b)."""
+    rows = raw.shape[0]
+    blocks = raw.reshape(rows, -1, 176)
+    d, dmin, sc, m, low = unpack_q4_k(np.concatenate([blocks[..., :16], blocks[..., 48:]], axis=-1).reshape(rows, -1))
+    high = (blocks[..., 16:48].reshape(rows, -1, 1, 32) >> np.arange(8, dtype=np.uint8).reshape(1, 1, 8, 1)) & 1
+    return d, dmin, sc, m, (low.reshape(rows, -1, 8, 32) | (high << 4)).reshape(rows, -1)
 
 
 def unpack_q6_k(raw: np.ndarray) -> tuple[np.ndarray, ...]:
@@ -60,7 +71,7 @@ def width(ggml_type: str, raw: np.ndarray) -> int:
     if kind in GGUF_BYTES:
         return raw.shape[1] // GGUF_BYTES[kind] * SUPER
     if ggml_type in BLOCK_BYTES:
-        return raw.shape[1] // BLOCK_BYTES[ggml_type] * (SUPER if ggml_type == "Q5_K" else 32)
+        return raw.shape[1] // BLOCK_BYTES[ggml_type] * 32
     return raw.shape[1] * raw.itemsize // {"F32": 4, "F16": 2, "BF16": 2}[ggml_type]
 
 
@@ -72,15 +83,6 @@ def unpack_blocks32(ggml_type: str, raw: np.ndarray) -> tuple[np.ndarray, np.nda
     """[O, bytes] of a `q8_b` type -> q [O, K] int8, d and m [O, K/32] fp32: weight i of block b is
     d[b] * q[i] + m[b], exactly ggml's de-quantized value (ggml-quants.c's dequantize_row_*)."""
     rows = raw.shape[0]
-    if ggml_type == "Q5_K":
-        blocks = raw.reshape(rows, -1, 176)
-        d, dmin = _f16(blocks[..., 0:2]), _f16(blocks[..., 2:4])
-        _, _, sc, m, _ = unpack_q4_k(np.concatenate([blocks[..., :16], blocks[..., 48:]], axis=-1).reshape(rows, -1))
-        low = blocks[..., 48:].reshape(rows, -1, 4, 1, 32) >> np.array([0, 4], dtype=np.uint8).reshape(1, 1, 1, 2, 1)
-        high = (blocks[..., 16:48].reshape(rows, -1, 1, 32) >> np.arange(8, dtype=np.uint8).reshape(1, 1, 8, 1)) & 1
-        q = ((low & 0x0F).reshape(rows, -1, 8, 32) | (high << 4)).astype(np.int8)
-        return (q.reshape(rows, -1), (d[..., None] * sc).reshape(rows, -1),
-                (-dmin[..., None] * m).reshape(rows, -1))
     blocks = raw.reshape(rows, -1, BLOCK_BYTES[ggml_type])
     d = _f16(blocks[..., 0:2])
     offset = ggml_type in ("Q4_1", "Q5_1")
@@ -184,13 +186,18 @@ def pack(kind: str, raw: np.ndarray, inputs: int) -> np.ndarray:
     if raw.shape[0] % PANEL:
         raw = np.concatenate([raw, np.zeros((PANEL - raw.shape[0] % PANEL, raw.shape[1]), dtype=np.uint8)])
     rows = raw.shape[0]
-    if kind == "q4_k":
-        d, dmin, sc, m, q = unpack_q4_k(raw)
+    if kind in ("q4_k", "q5_k"):
+        d, dmin, sc, m, q = (unpack_q4_k if kind == "q4_k" else unpack_q5_k)(raw)
         q = q.reshape(rows, supers, 8, 2, 4, 4)  # [O, S, block, nibble, c, t]
-        nibbles = q[..., 0, :, :] | (q[..., 1, :, :] << 4)  # [O, S, block, c, t]
+        nibbles = (q[..., 0, :, :] & 0x0F) | ((q[..., 1, :, :] & 0x0F) << 4)  # [O, S, block, c, t]
         nibbles = np.moveaxis(nibbles.reshape(-1, PANEL, supers, 8, 4, 4), 1, 4)  # [P, S, block, c, j, t]
-        blocks = np.concatenate([_panels(sc, supers), _panels(m, supers),
-                                 nibbles.reshape(-1, supers, 8, 256)], axis=-1)  # [P, S, 8, 288]
+        parts = [_panels(sc, supers), _panels(m, supers), nibbles.reshape(-1, supers, 8, 256)]
+        if kind == "q5_k":  # the high bit of input 4c + t (16 + 4c + t) at bit 2c (2c + 1) of byte j*4 + t
+            shifts = (2 * np.arange(4, dtype=np.uint8) + np.arange(2, dtype=np.uint8)[:, None])[..., None]
+            high = np.bitwise_or.reduce((q >> 4) << shifts, axis=(3, 4))  # [O, S, block, t]
+            high = np.moveaxis(high.reshape(-1, PANEL, supers, 8, 4), 1, 3)  # [P, S, block, j, t]
+            parts.append(high.reshape(-1, supers, 8, 64))
+        blocks = np.concatenate(parts, axis=-1)  # [P, S, 8, 288 or 352]
         header = np.concatenate([_panels(d, supers).view(np.uint8), _panels(dmin, supers).view(np.uint8)], axis=-1)
     elif kind == "q6_k":
         d, sc, q = unpack_q6_k(raw)
@@ -213,8 +220,8 @@ def pack(kind: str, raw: np.ndarray, inputs: int) -> np.ndarray:
 def dequantize(kind: str, raw: np.ndarray) -> np.ndarray:
     """The [O, K] fp32 weights the kernels compute with: S*q - M per block, S and M in fp32."""
     rows = raw.shape[0]
-    if kind == "q4_k":
-        d, dmin, sc, m, q = unpack_q4_k(raw)
+    if kind in ("q4_k", "q5_k"):
+        d, dmin, sc, m, q = (unpack_q4_k if kind == "q4_k" else unpack_q5_k)(raw)
         scale = d.astype(np.float32)[..., None] * sc.astype(np.float32)
         offset = dmin.astype(np.float32)[..., None] * m.astype(np.float32)
         width = 32

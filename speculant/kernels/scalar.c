@@ -2,27 +2,31 @@
 // kernel must equal it bit for bit (tests/test_kernels.py).
 #include "common.h"
 
-static void q4k_rows(int64_t rows, const int8_t *qa, const float *sa, const int16_t *s32, const int32_t *o16,
-                     int64_t K, const uint8_t *panel, float *y, int64_t O) {
+// q4_k, and q5_k (`five`): its blocks' high bits beside the nibbles.
+static inline void k_rows(const int five, int64_t rows, const int8_t *qa, const float *sa, const int16_t *s32,
+                          int64_t K, const uint8_t *panel, float *y, int64_t O) {
+    const int64_t super = five ? Q5K_SUPER : Q4K_SUPER, block = five ? Q5K_BLOCK : Q4K_BLOCK;
     for (int64_t r = 0; r < rows; r++)
         for (int j = 0; j < PANEL; j++) {
             float acc = 0.0f;
             for (int64_t s = 0; s < supers(K); s++) {
-                const uint8_t *sp = panel + s * Q4K_SUPER;
+                const uint8_t *sp = panel + s * super;
                 uint16_t dh, mh;
                 memcpy(&dh, sp + 2 * j, 2);
                 memcpy(&mh, sp + 32 + 2 * j, 2);
                 float d = half_to_float(dh), dmin = half_to_float(mh), sb = 0.0f;
                 int32_t mins = 0;
                 for (int b = 0; b < blocks_in(s, K, 8); b++) {
-                    const uint8_t *bp = sp + 64 + b * Q4K_BLOCK;
+                    const uint8_t *bp = sp + 64 + b * block;
                     int64_t kb = s * 8 + b;
                     const int8_t *a = qa + r * K + kb * 32;
                     int32_t dot = 0;
                     for (int c = 0; c < 4; c++)
                         for (int t = 0; t < 4; t++) {
                             uint8_t byte = bp[32 + c * 64 + j * 4 + t];
-                            dot += (byte & 0xF) * a[4 * c + t] + (byte >> 4) * a[16 + 4 * c + t];
+                            uint8_t high = five ? bp[288 + j * 4 + t] >> (2 * c) : 0;  // bits 2c and 2c + 1
+                            dot += ((byte & 0xF) | (high & 1) << 4) * a[4 * c + t] +
+                                   ((byte >> 4) | (high & 2) << 3) * a[16 + 4 * c + t];
                         }
                     sb = fmaf((float)dot, d * (float)bp[j], sb);
                     mins += bp[16 + j] * s32[r * (K / 32) + kb];
@@ -32,6 +36,16 @@ static void q4k_rows(int64_t rows, const int8_t *qa, const float *sa, const int1
             }
             y[r * O + j] = acc;
         }
+}
+
+static void q4k_rows(int64_t rows, const int8_t *qa, const float *sa, const int16_t *s32, const int32_t *o16,
+                     int64_t K, const uint8_t *panel, float *y, int64_t O) {
+    k_rows(0, rows, qa, sa, s32, K, panel, y, O);
+}
+
+static void q5k_rows(int64_t rows, const int8_t *qa, const float *sa, const int16_t *s32, const int32_t *o16,
+                     int64_t K, const uint8_t *panel, float *y, int64_t O) {
+    k_rows(1, rows, qa, sa, s32, K, panel, y, O);
 }
 
 static void q6k_rows(int64_t rows, const int8_t *qa, const float *sa, const int16_t *s32, const int32_t *o16,
@@ -118,6 +132,7 @@ MATMUL(matmul_q4_k, Q4K_SUPER, Q4K_TAIL, 8, q4k_rows)
 MATMUL(matmul_q6_k, Q6K_SUPER, Q6K_TAIL, 8, q6k_rows)
 MATMUL(matmul_q8_b, Q8B_SUPER, Q8B_TAIL, 8, q8b_rows)
 MATMUL(matmul_q4_b, Q4B_SUPER, Q4B_TAIL, 8, q4b_rows)
+MATMUL(matmul_q5_k, Q5K_SUPER, Q5K_TAIL, 8, q5k_rows)
 
 // layer.h's sum of products, as its bits are defined.
 static inline float sum16(const float *a, const float *b, int64_t n) {
