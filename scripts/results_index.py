@@ -228,12 +228,14 @@ ENTRIES: dict[str, tuple[str, str, str | None, str | None, str | None]] = {
     "prefill.md": ("CPU", "prompt evaluation of 512 tokens: the lean backend beside `llama-bench` (pp512), and what "
                    "bounds it", "python scripts/prefill_parts.py --lengths 512 --parts 512 --repeats 3; llama-bench "
                    "-p 512 -n 0 -r 2 -t 2 (-fa 1 -ctk bf16 -ctv bf16)", ZEN5, None),
-    "lean-types": ("CPU", "`ar` on the lean backend against `ar` on llama.cpp and `llama-completion`, on GGUFs of other "
-                   "types (the 0.5B: Q4_K/Q5_0/Q6_K/Q8_0; SmolLM2-135M: Q4_1/Q8_0, after q4_b), 6 mixed prompts, 2 "
-                   "repeats",
-                   "speculant bench --target qwen2.5-coder-0.5b (and smollm2-135m) --methods ar:backend=lean "
-                   "ar:backend=llamacpp llamacpp-cli-ar --prompts prompts/mixed.jsonl[:6] --max-new-tokens 96 "
-                   "--repeats 2", ZEN5, None),
+    "lean-types": ("CPU", "`ar` on the lean backend against `ar` on llama.cpp and `llama-completion`, on a GGUF of other "
+                   "types (SmolLM2-135M: Q4_1/Q8_0, after q4_b), 6 mixed prompts, 2 repeats",
+                   "speculant bench --target smollm2-135m --methods ar:backend=lean ar:backend=llamacpp "
+                   "llamacpp-cli-ar --prompts prompts/mixed.jsonl[:6] --max-new-tokens 96 --repeats 2", ZEN5, None),
+    "lean-q5b": ("CPU", "Q5_0 on the lean backend's q5_b kernel: `ar` on lean against `ar` on llama.cpp and "
+                 "`llama-completion` on the catalog's 0.5B (Q4_K/Q5_0/Q6_K/Q8_0), 6 mixed prompts, 2 repeats; "
+                 "before.md: the same bench at the commit before (Q5_0 as q8_b, a byte per weight), the same sitting",
+                 None, ZEN3, None),
     "lean-q5k": ("CPU", "Q5_K on the lean backend's q5_k kernel: `ar` and `auto` on lean against `ar` on llama.cpp and "
                  "`llama-completion`, on the 1.5B with its Q4_K matrices written again as Q5_K (`python "
                  "scripts/requantize_gguf.py MODEL.gguf /tmp/q5/qwen1.5b-q5k.gguf`, MODEL.gguf the catalog 1.5B's), 6 "

@@ -271,18 +271,18 @@ def test_every_type_s_rows_equal_their_one_row_calls_and_the_scalar_reference(gg
 
 
 @pytest.mark.parametrize("isa", kernels.paths(emulated=True))
-@pytest.mark.parametrize("ggml_type", ["Q8_0", "Q4_1"])
+@pytest.mark.parametrize("ggml_type", ["Q8_0", "Q4_1", "Q5_1"])
 def test_extreme_quants_overflow_no_path(isa, ggml_type):
-    """Q8_0's quants of -128 and 127, Q4_1's of 15, times activations of +-127: AVX2 multiplies |q| (128 at most) by
-    signed bytes in int16 pairs (at most 2 * 128 * 127), and adds eight pairs of nibble products (8 * 2 * 15 * 127)
-    in int16 before widening them."""
+    """Q8_0's quants of -128 and 127, Q4_1's of 15, Q5_1's of 31, times activations of +-127: AVX2 multiplies |q| (128
+    at most) by signed bytes in int16 pairs (at most 2 * 128 * 127), and adds eight pairs of nibble products
+    (8 * 2 * 15 * 127), four of five-bit ones (4 * 2 * 31 * 127), in int16 before widening them."""
     raw = quantized(ggml_type, np.ones((16, 512), dtype=np.float32))
     blocks = raw.reshape(16, -1, formats.BLOCK_BYTES[ggml_type])
     if ggml_type == "Q8_0":
         blocks[:8, :, 2:] = 0x80  # -128
         blocks[8:, :, 2:] = 0x7F
     else:
-        blocks[:, :, 4:] = 0xFF  # every nibble 15
+        blocks[:, :, 4:] = 0xFF  # every quant 15 (Q4_1) or 31 (Q5_1: its high bits, then its nibbles)
     weight = kernels.QuantWeight.from_gguf(ggml_type, raw)
     x = torch.ones(6, 512)
     x[1] = -1.0

@@ -65,7 +65,7 @@ ISAS = (  # fastest first
 # The AMX kernels with their tile instructions done in C: what a CPU without AMX runs to test them; never chosen.
 EMULATED = Isa("amx_int8_emulated", "avx512.c", (*AVX512[0], "-DAMX", "-DAMX_EMULATED"), AVX512[1])
 FLAGS = ("-fno-trapping-math",)  # every ISA's: lets compilers vectorize exp_poly's selects; no value changes
-KINDS = ("q4_k", "q6_k", "q8_b", "f32", "q4_b", "q5_k")  # layer.h's Mat.kind: the index here
+KINDS = ("q4_k", "q6_k", "q8_b", "f32", "q4_b", "q5_k", "q5_b")  # layer.h's Mat.kind: the index here
 
 
 @cache

@@ -83,47 +83,23 @@ static inline __attribute__((always_inline)) void q8b_tile(const int rows, const
         }
 }
 
-// q4_b's block, half a panel at a time: q4_k's nibble sums (eight vpmaddubsw pairs of at most 3810 each in int16),
-// q8_b's fp32 arithmetic.
-static inline __attribute__((always_inline)) void q4b_tile(const int rows, const int8_t *qa, const float *sa,
-                                                          const int16_t *s32, const int32_t *o16, int64_t K,
-                                                          const uint8_t *panel, float *y, int64_t O) {
-    const __m256i ones = _mm256_set1_epi16(1);
-    for (int h = 0; h < 2; h++)
-        for (int64_t s = 0; s < supers(K); s++) {
-            const uint8_t *sp = panel + s * Q4B_SUPER;
-            if (h == 0) prefetch(sp + PREFETCH * Q4B_SUPER, Q4B_SUPER);
-            __m256 sb[TILE];
-            for (int r = 0; r < rows; r++) sb[r] = _mm256_setzero_ps();
-            for (int b = 0; b < blocks_in(s, K, 8); b++) {
-                const uint8_t *bp = sp + b * Q4B_BLOCK;
-                __m256 d = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(bp + h * 16)));
-                __m256 m = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(bp + 32 + h * 16)));
-                int64_t kb = s * 8 + b;
-                __m256i sum[TILE];
-                nibble_sums(rows, bp + 64, h, qa, K, kb, sum);
-                for (int r = 0; r < rows; r++) {
-                    sb[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_madd_epi16(sum[r], ones)), d, sb[r]);
-                    sb[r] = _mm256_fmadd_ps(_mm256_set1_ps((float)s32[r * (K / 32) + kb]), m, sb[r]);
-                }
-            }
-            add_super8(rows, sb, sa, s, K, y + h * 8, O);
-        }
-}
-
 #define q4k_tile(rows, qa, sa, s32, o16, K, panel, y, O) k_tile(0, rows, qa, sa, s32, K, panel, y, O)
 #define q5k_tile(rows, qa, sa, s32, o16, K, panel, y, O) k_tile(1, rows, qa, sa, s32, K, panel, y, O)
+#define q4b_tile(rows, qa, sa, s32, o16, K, panel, y, O) b_tile(0, rows, qa, sa, s32, K, panel, y, O)
+#define q5b_tile(rows, qa, sa, s32, o16, K, panel, y, O) b_tile(1, rows, qa, sa, s32, K, panel, y, O)
 
 DISPATCH(q4k_tile, TILE)
 DISPATCH(q5k_tile, TILE)
 DISPATCH(q6k_tile, TILE)
 DISPATCH(q8b_tile, TILE)
 DISPATCH(q4b_tile, TILE)
+DISPATCH(q5b_tile, TILE)
 MATMUL(matmul_q4_k, Q4K_SUPER, Q4K_TAIL, TILE, q4k_tile_rows)
 MATMUL(matmul_q5_k, Q5K_SUPER, Q5K_TAIL, TILE, q5k_tile_rows)
 MATMUL(matmul_q6_k, Q6K_SUPER, Q6K_TAIL, TILE, q6k_tile_rows)
 MATMUL(matmul_q8_b, Q8B_SUPER, Q8B_TAIL, TILE, q8b_tile_rows)
 MATMUL(matmul_q4_b, Q4B_SUPER, Q4B_TAIL, TILE, q4b_tile_rows)
+MATMUL(matmul_q5_b, Q5B_SUPER, Q5B_TAIL, TILE, q5b_tile_rows)
 
 // layer.h's sum of products with scalar.c's bits: lanes 0-7 and 8-15 in two registers, the tree as halves added.
 static inline float sum16(const float *a, const float *b, int64_t n) {

@@ -1,5 +1,6 @@
-// AVX2's vpmaddubsw helpers and its q4_k and q5_k kernel (`k_tile`), shared by avx2.c and avx512.c: AVX-512 machines
-// run q5_k on this kernel (a 16-lane one for it is not written: no AVX-512 machine was at hand to test it on).
+// AVX2's vpmaddubsw helpers and its nibble kernels, q4_k and q5_k (`k_tile`), q4_b and q5_b (`b_tile`), shared by
+// avx2.c and avx512.c: AVX-512 machines run q5_k and q5_b on these (16-lane ones for them are not written: no
+// AVX-512 machine was at hand to test them on).
 // The includer defines TILE and includes immintrin.h and common.h first.
 // Keeps a row's int16 sum in a register, its adds in program order: integer adds being associative, GCC otherwise
 // sums a block's vpmaddubsw products as a tree and spills them to the stack (a store and a load per product).
@@ -35,19 +36,19 @@ static inline __m256i bit4(__m256i plane, int k) {
     return _mm256_and_si256(moved, _mm256_set1_epi8(0x10));
 }
 
-// q5_k's block of 32 inputs: int32 dots for each row of a tile, half a panel (h) at a time, q4_k's nibbles with
-// each one's high bit from the block's 32 bytes of them (bit 2c: the low nibble of group c, 2c + 1: the high). Five
-// bits times 127 make a pair of at most 2 * 31 * 127 = 7874: four pairs (two groups) to an int16 sum.
-static inline __attribute__((always_inline)) void five_dots(const int rows, const uint8_t *bp, int h,
+// A five-bit block of 32 inputs (q5_k's, q5_b's): int32 dots for each row of a tile, half a panel (h) at a time,
+// q4_k's nibbles with each one's high bit from the 64 bytes after them (bit 2c: the low nibble of group c, 2c + 1:
+// the high). Five bits times 127 make a pair of at most 2 * 31 * 127 = 7874: four pairs (two groups) to an int16 sum.
+static inline __attribute__((always_inline)) void five_dots(const int rows, const uint8_t *nibbles, int h,
                                                            const int8_t *qa, int64_t K, int64_t kb, __m256i *dot) {
     const __m256i low = _mm256_set1_epi8(0x0F), ones = _mm256_set1_epi16(1);
-    const __m256i plane = _mm256_loadu_si256((const __m256i *)(bp + 288 + h * 32));
+    const __m256i plane = _mm256_loadu_si256((const __m256i *)(nibbles + 256 + h * 32));
     for (int r = 0; r < rows; r++) dot[r] = _mm256_setzero_si256();
     for (int half = 0; half < 2; half++) {
         __m256i sum[TILE];
         for (int r = 0; r < rows; r++) sum[r] = _mm256_setzero_si256();
         for (int c = 2 * half; c < 2 * half + 2; c++) {
-            __m256i raw = _mm256_loadu_si256((const __m256i *)(bp + 32 + c * 64 + h * 32));
+            __m256i raw = _mm256_loadu_si256((const __m256i *)(nibbles + c * 64 + h * 32));
             __m256i lo = _mm256_or_si256(_mm256_and_si256(raw, low), bit4(plane, 2 * c));
             __m256i hi = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(raw, 4), low), bit4(plane, 2 * c + 1));
             for (int r = 0; r < rows; r++) {
@@ -87,7 +88,7 @@ static inline __attribute__((always_inline)) void k_tile(const int five, const i
                 int64_t kb = s * 8 + b;
                 __m256i dot[TILE];
                 if (five) {
-                    five_dots(rows, bp, h, qa, K, kb, dot);
+                    five_dots(rows, bp + 32, h, qa, K, kb, dot);
                 } else {
                     nibble_sums(rows, bp + 32, h, qa, K, kb, dot);  // int16: the block's eight vpmaddubsw per row
                     for (int r = 0; r < rows; r++) dot[r] = _mm256_madd_epi16(dot[r], ones);
@@ -112,6 +113,40 @@ static inline __attribute__((always_inline)) void k_tile(const int five, const i
                     total = _mm256_add_epi32(total, _mm256_madd_epi16(mins[j], pair));
                 }
                 sb[r] = _mm256_fnmadd_ps(dmin, _mm256_cvtepi32_ps(total), sb[r]);
+            }
+            add_super8(rows, sb, sa, s, K, y + h * 8, O);
+        }
+}
+
+// q4_b's and q5_b's (`five`) blocks, half a panel at a time: the dots of q4_k's nibbles (`nibble_sums`, eight
+// vpmaddubsw pairs of at most 3810 in int16) or of q5_k's five bits (`five_dots`), q8_b's fp32 arithmetic.
+static inline __attribute__((always_inline)) void b_tile(const int five, const int rows, const int8_t *qa,
+                                                        const float *sa, const int16_t *s32, int64_t K,
+                                                        const uint8_t *panel, float *y, int64_t O) {
+    const __m256i ones = _mm256_set1_epi16(1);
+    const int64_t block = five ? Q5B_BLOCK : Q4B_BLOCK;
+    for (int h = 0; h < 2; h++)
+        for (int64_t s = 0; s < supers(K); s++) {
+            const uint8_t *sp = panel + s * 8 * block;
+            if (h == 0) prefetch(sp + PREFETCH * 8 * block, 8 * block);
+            __m256 sb[TILE];
+            for (int r = 0; r < rows; r++) sb[r] = _mm256_setzero_ps();
+            for (int b = 0; b < blocks_in(s, K, 8); b++) {
+                const uint8_t *bp = sp + b * block;
+                __m256 d = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(bp + h * 16)));
+                __m256 m = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(bp + 32 + h * 16)));
+                int64_t kb = s * 8 + b;
+                __m256i dot[TILE];
+                if (five) {
+                    five_dots(rows, bp + 64, h, qa, K, kb, dot);
+                } else {
+                    nibble_sums(rows, bp + 64, h, qa, K, kb, dot);
+                    for (int r = 0; r < rows; r++) dot[r] = _mm256_madd_epi16(dot[r], ones);
+                }
+                for (int r = 0; r < rows; r++) {
+                    sb[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot[r]), d, sb[r]);
+                    sb[r] = _mm256_fmadd_ps(_mm256_set1_ps((float)s32[r * (K / 32) + kb]), m, sb[r]);
+                }
             }
             add_super8(rows, sb, sa, s, K, y + h * 8, O);
         }

@@ -170,8 +170,9 @@ static inline __attribute__((always_inline)) void blocks32_tile(const int nibble
     }
 }
 
-#include "avx2_k.h"  // q5_k: AVX2's kernel, half a panel at a time
+#include "avx2_k.h"  // q5_k and q5_b: AVX2's kernels, half a panel at a time
 #define q5k_tile(rows, qa, sa, s32, o16, K, panel, y, O) k_tile(1, rows, qa, sa, s32, K, panel, y, O)
+#define q5b_tile(rows, qa, sa, s32, o16, K, panel, y, O) b_tile(1, rows, qa, sa, s32, K, panel, y, O)
 #define q8b_tile(rows, qa, sa, s32, o16, K, panel, y, O) blocks32_tile(0, rows, qa, sa, s32, K, panel, y, O)
 #define q4b_tile(rows, qa, sa, s32, o16, K, panel, y, O) blocks32_tile(1, rows, qa, sa, s32, K, panel, y, O)
 
@@ -180,7 +181,9 @@ DISPATCH(q6k_tile, TILE)
 DISPATCH(q8b_tile, TILE)
 DISPATCH(q4b_tile, TILE)
 DISPATCH(q5k_tile, TILE)
+DISPATCH(q5b_tile, TILE)
 MATMUL(matmul_q5_k, Q5K_SUPER, Q5K_TAIL, TILE, q5k_tile_rows)
+MATMUL(matmul_q5_b, Q5B_SUPER, Q5B_TAIL, TILE, q5b_tile_rows)
 MATMUL(matmul_q8_b, Q8B_SUPER, Q8B_TAIL, TILE, q8b_tile_rows)
 MATMUL(matmul_q4_b, Q4B_SUPER, Q4B_TAIL, TILE, q4b_tile_rows)
 #ifdef AMX

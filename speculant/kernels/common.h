@@ -20,6 +20,8 @@
 //         Q5_0, Q5_1, Q8_0 and Q5_K, whose weights are exactly that (formats.unpack_blocks32).
 //   q4_b  per 32 inputs (a block), 320 bytes: d[16], m[16] (f16), then q4_k's 256 bytes of nibbles (0..15).
 //         w = d*q + m: Q4_0 (q + 8, m = -8d) and Q4_1, at 5 bits a weight where q8_b spends 10.
+//   q5_b  per 32 inputs, 384 bytes: q4_b's, then q5_k's 64 bytes of high bits: q < 32, Q5_0 (q + 16, m = -16d) and
+//         Q5_1 at 6 bits a weight.
 // Activations: each row quantized on its own, per super-block of 256 inputs (128 for a last half one), to int8
 // with one scale sa (ggml's Q8_K rule), beside the sums of its quants per 32 inputs (s32, int16: q4_k's mins)
 // and -32 times those per 16 (o16, int32: q6_k's offset, where each block's integer dot starts).
@@ -28,7 +30,7 @@
 //         integer sum of m_b * s32_b), sb); q5_k alike;
 //   q6_k  sb = fma((float)(o16_b + dot_b), d*sc_b, sb) for each block b in order;
 //   q8_b  sb = fma((float)dot_b, d_b, sb), then sb = fma((float)s32_b, m_b, sb), for each block b in order;
-//   q4_b  as q8_b, its dot over the nibbles as they are (no offset);
+//   q4_b  as q8_b, its dot over the nibbles as they are (no offset); q5_b alike;
 //   then acc = fma(sb, sa, acc). The integer sums are exact whatever their order, and per-256 activation scales
 //   leave two float operations per block and row where per-32 ones needed four (ggml's numerics for K-quants).
 #include <math.h>
@@ -51,6 +53,9 @@
 #define Q4B_BLOCK 320
 #define Q4B_SUPER (8 * Q4B_BLOCK)
 #define Q4B_TAIL (4 * Q4B_BLOCK)
+#define Q5B_BLOCK 384
+#define Q5B_SUPER (8 * Q5B_BLOCK)
+#define Q5B_TAIL (4 * Q5B_BLOCK)
 
 // A panel's bytes, and the blocks of super-block s (a last half one holds half of them).
 static inline int64_t panel_bytes(int64_t K, int64_t super, int64_t tail) {

@@ -2,8 +2,8 @@
 weights as the file (no requantization), regrouped so that one 16-lane register load holds four inputs of each
 of 16 outputs. Q4_K, Q5_K and Q6_K keep their own layouts (`q4_k`; `q5_k`, q4_k's with each block's high bits;
 `q6_k`); the types whose blocks of 32 are integers times a scale plus an offset become `q4_b` (Q4_0, Q4_1: q4_k's
-nibbles, the block's scale and offset in f16) or `q8_b` (Q5_0, Q5_1, Q8_0: a byte per weight, the scale and offset
-in fp32); F16, BF16 and F32 matrices become `f32` rows.
+nibbles, the block's scale and offset in f16), `q5_b` (Q5_0, Q5_1: q4_b's with q5_k's high bits) or `q8_b` (Q8_0: a
+byte per weight, the scale and offset in fp32); F16, BF16 and F32 matrices become `f32` rows.
 
 ggml's block layouts (ggml-common.h): Q4_K super-blocks of 256 inputs, `d`, `dmin` (f16), 12 bytes of
 six-bit scales and mins for 8 blocks of 32, 128 bytes of nibbles; Q6_K super-blocks of 256, 128 bytes of
@@ -17,14 +17,16 @@ import numpy as np
 PANEL = 16
 SUPER = 256
 QUANTUM = 128  # a matrix's inputs are padded to a multiple of this, not of SUPER (see `pack`)
-BYTES = {"q4_k": 2368, "q5_k": 2880, "q6_k": 3360, "q8_b": 8 * 640, "q4_b": 8 * 320}  # one panel's super-block in
-# speculant's layout
-TAIL = {"q4_k": 64 + 4 * 288, "q5_k": 64 + 4 * 352, "q6_k": 32 + 8 * 208, "q8_b": 4 * 640,
-        "q4_b": 4 * 320}  # its first half: header, blocks of 128 inputs
+BYTES = {"q4_k": 2368, "q5_k": 2880, "q6_k": 3360, "q8_b": 8 * 640, "q4_b": 8 * 320,
+         "q5_b": 8 * 384}  # one panel's super-block in speculant's layout
+TAIL = {"q4_k": 64 + 4 * 288, "q5_k": 64 + 4 * 352, "q6_k": 32 + 8 * 208, "q8_b": 4 * 640, "q4_b": 4 * 320,
+        "q5_b": 4 * 384}  # its first half: header, blocks of 128 inputs
 GGUF_BYTES = {"q4_k": 144, "q5_k": 176, "q6_k": 210}  # one output's super-block in the file
-KIND_OF = {"Q4_K": "q4_k", "Q5_K": "q5_k", "Q6_K": "q6_k", **dict.fromkeys(("Q5_0", "Q5_1", "Q8_0"), "q8_b"),
-           **dict.fromkeys(("Q4_0", "Q4_1"), "q4_b"),
+KIND_OF = {"Q4_K": "q4_k", "Q5_K": "q5_k", "Q6_K": "q6_k", "Q8_0": "q8_b",
+           **dict.fromkeys(("Q4_0", "Q4_1"), "q4_b"), **dict.fromkeys(("Q5_0", "Q5_1"), "q5_b"),
            **dict.fromkeys(("F32", "F16", "BF16"), "f32")}  # the kernel that reads each GGUF type, exactly
+# [half, c, 1]: five-bit quants' high bits, input 4c + t's (16 + 4c + t's) at bit 2c (2c + 1) of byte j*4 + t
+HIGH_SHIFTS = (2 * np.arange(4, dtype=np.uint8) + np.arange(2, dtype=np.uint8)[:, None])[..., None]
 BLOCK_BYTES = {"Q4_0": 18, "Q4_1": 20, "Q5_0": 22, "Q5_1": 24, "Q8_0": 34}  # per 32 inputs
 
 
@@ -137,8 +139,8 @@ def pack_type(ggml_type: str, raw: np.ndarray, inputs: int) -> tuple[str, np.nda
         return kind, _padded(weights, inputs, width).reshape(-1, PANEL * inputs).view(np.uint8)
     q, d, m = unpack_blocks32(ggml_type, raw)
     width = q.shape[1]
-    if kind == "q4_b":
-        return kind, _pack_q4_b(ggml_type, q, d, m, inputs)
+    if kind in ("q4_b", "q5_b"):
+        return kind, _pack_nibbles(ggml_type, q, d, m, inputs)
     u = (_padded(q, inputs, width).view(np.uint8) ^ 0x80).reshape(-1, PANEL, inputs // 32, 8, 4)  # q + 128
     u = np.moveaxis(u, 1, 3)  # [P, block, g, j, t]: byte g*64 + j*4 + t is input 4g + t of output j
     scales = [np.ascontiguousarray(np.moveaxis(_padded(v, inputs // 32, width // 32).reshape(-1, PANEL, inputs // 32),
@@ -148,21 +150,25 @@ def pack_type(ggml_type: str, raw: np.ndarray, inputs: int) -> tuple[str, np.nda
     return kind, np.ascontiguousarray(blocks.reshape(len(blocks), -1))
 
 
-def _pack_q4_b(ggml_type: str, q: np.ndarray, d: np.ndarray, m: np.ndarray, inputs: int) -> np.ndarray:
-    """Q4_0/Q4_1 blocks as `q4_b`: the quants made unsigned (Q4_0's q + 8, its offset -8d, exact in f16 as d is),
-    nibbles in q4_k's block layout, d and m in f16 (the file's own values)."""
-    centre = 8 if ggml_type == "Q4_0" else 0
+def _pack_nibbles(ggml_type: str, q: np.ndarray, d: np.ndarray, m: np.ndarray, inputs: int) -> np.ndarray:
+    """Q4_0/Q4_1 blocks as `q4_b`, Q5_0/Q5_1 as `q5_b`: the quants made unsigned (Q4_0's q + 8, Q5_0's q + 16, their
+    offset -8d or -16d, exact in f16 as d is), nibbles in q4_k's block layout and, for five bits, the high bits as
+    q5_k's (`pack`), d and m in f16 (the file's own values)."""
+    centre = {"Q4_0": 8, "Q5_0": 16}.get(ggml_type, 0)
     u = (q.astype(np.int16) + centre).astype(np.uint8)
     offset = (m - centre * d).astype(np.float16)
     if not np.isfinite(offset).all() or not np.array_equal(offset.astype(np.float32), m - centre * d):
         raise ValueError(f"a {ggml_type} offset is not exact in f16")
     width = q.shape[1]
     u = _padded(u, inputs, width).reshape(-1, PANEL, inputs // 32, 2, 4, 4)  # [P, j, block, half, c, t]
-    nibbles = np.moveaxis(u[..., 0, :, :] | (u[..., 1, :, :] << 4), 1, 3)  # [P, block, c, j, t]
+    nibbles = np.moveaxis((u[..., 0, :, :] & 0x0F) | ((u[..., 1, :, :] & 0x0F) << 4), 1, 3)  # [P, block, c, j, t]
     scales = [np.ascontiguousarray(np.moveaxis(_padded(v.astype(np.float16), inputs // 32, width // 32)
                                                .reshape(-1, PANEL, inputs // 32), 1, 2)) for v in (d, offset)]
-    blocks = np.concatenate([scales[0].view(np.uint8), scales[1].view(np.uint8),
-                             nibbles.reshape(*nibbles.shape[:2], -1)], axis=-1)  # [P, block, 320]
+    parts = [scales[0].view(np.uint8), scales[1].view(np.uint8), nibbles.reshape(*nibbles.shape[:2], -1)]
+    if KIND_OF[ggml_type] == "q5_b":
+        high = np.bitwise_or.reduce((u >> 4) << HIGH_SHIFTS, axis=(3, 4))  # [P, j, block, t]
+        parts.append(np.moveaxis(high, 1, 2).reshape(*nibbles.shape[:2], -1))  # [P, block, j*4 + t]
+    blocks = np.concatenate(parts, axis=-1)  # [P, block, 320 or 384]
     return np.ascontiguousarray(blocks.reshape(len(blocks), -1))
 
 
@@ -192,9 +198,8 @@ def pack(kind: str, raw: np.ndarray, inputs: int) -> np.ndarray:
         nibbles = (q[..., 0, :, :] & 0x0F) | ((q[..., 1, :, :] & 0x0F) << 4)  # [O, S, block, c, t]
         nibbles = np.moveaxis(nibbles.reshape(-1, PANEL, supers, 8, 4, 4), 1, 4)  # [P, S, block, c, j, t]
         parts = [_panels(sc, supers), _panels(m, supers), nibbles.reshape(-1, supers, 8, 256)]
-        if kind == "q5_k":  # the high bit of input 4c + t (16 + 4c + t) at bit 2c (2c + 1) of byte j*4 + t
-            shifts = (2 * np.arange(4, dtype=np.uint8) + np.arange(2, dtype=np.uint8)[:, None])[..., None]
-            high = np.bitwise_or.reduce((q >> 4) << shifts, axis=(3, 4))  # [O, S, block, t]
+        if kind == "q5_k":
+            high = np.bitwise_or.reduce((q >> 4) << HIGH_SHIFTS, axis=(3, 4))  # [O, S, block, t]
             high = np.moveaxis(high.reshape(-1, PANEL, supers, 8, 4), 1, 3)  # [P, S, block, j, t]
             parts.append(high.reshape(-1, supers, 8, 64))
         blocks = np.concatenate(parts, axis=-1)  # [P, S, 8, 288 or 352]

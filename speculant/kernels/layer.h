@@ -17,7 +17,7 @@
 typedef struct {
     const uint8_t *packed;
     int64_t K, O, out;  // inputs (a multiple of 128), outputs padded to 16, outputs
-    int32_t kind;       // 0: q4_k, 1: q6_k, 2: q8_b, 3: f32 (rows of K fp32), 4: q4_b, 5: q5_k
+    int32_t kind;       // 0: q4_k, 1: q6_k, 2: q8_b, 3: f32 (rows of K fp32), 4: q4_b, 5: q5_k, 6: q5_b
 } Mat;
 
 typedef struct {
@@ -68,6 +68,7 @@ static void project(const Mat *m, const Act *a, int64_t n, float *y, int threads
         case 2: matmul_q8_b(a->q, a->sa, a->s32, a->o16, n, m->K, m->packed, m->O, y, threads); break;
         case 4: matmul_q4_b(a->q, a->sa, a->s32, a->o16, n, m->K, m->packed, m->O, y, threads); break;
         case 5: matmul_q5_k(a->q, a->sa, a->s32, a->o16, n, m->K, m->packed, m->O, y, threads); break;
+        case 6: matmul_q5_b(a->q, a->sa, a->s32, a->o16, n, m->K, m->packed, m->O, y, threads); break;
         default: matmul_f32(a->x, n, m->K, (const float *)m->packed, m->O, y, threads);
     }
 }

@@ -77,11 +77,11 @@ static void q6k_rows(int64_t rows, const int8_t *qa, const float *sa, const int1
         }
 }
 
-// q8_b and q4_b: blocks of 32 whose weights are d*q + m, d and m per output (fp32 and f16), q a byte less 128 or a
-// nibble in q4_k's layout.
-static inline void blocks32_rows(const int nibbles, int64_t rows, const int8_t *qa, const float *sa,
+// q8_b, q4_b and q5_b (`bits` 8, 4, 5): blocks of 32 whose weights are d*q + m, d and m per output (fp32 and f16), q
+// a byte less 128 or a nibble in q4_k's layout (with q5_k's high bits).
+static inline void blocks32_rows(const int bits, int64_t rows, const int8_t *qa, const float *sa,
                                  const int16_t *s32, int64_t K, const uint8_t *panel, float *y, int64_t O) {
-    const int64_t block = nibbles ? Q4B_BLOCK : Q8B_BLOCK;
+    const int64_t block = bits == 4 ? Q4B_BLOCK : bits == 5 ? Q5B_BLOCK : Q8B_BLOCK;
     for (int64_t r = 0; r < rows; r++)
         for (int j = 0; j < PANEL; j++) {
             float acc = 0.0f;
@@ -93,7 +93,7 @@ static inline void blocks32_rows(const int nibbles, int64_t rows, const int8_t *
                     const int8_t *a = qa + r * K + kb * 32;
                     float d, m;
                     int32_t dot = 0;
-                    if (nibbles) {
+                    if (bits < 8) {
                         uint16_t dh, mh;
                         memcpy(&dh, bp + 2 * j, 2);
                         memcpy(&mh, bp + 32 + 2 * j, 2);
@@ -101,7 +101,9 @@ static inline void blocks32_rows(const int nibbles, int64_t rows, const int8_t *
                         for (int c = 0; c < 4; c++)
                             for (int t = 0; t < 4; t++) {
                                 uint8_t byte = bp[64 + c * 64 + j * 4 + t];
-                                dot += (byte & 0xF) * a[4 * c + t] + (byte >> 4) * a[16 + 4 * c + t];
+                                uint8_t high = bits == 5 ? bp[320 + j * 4 + t] >> (2 * c) : 0;  // bits 2c, 2c + 1
+                                dot += ((byte & 0xF) | (high & 1) << 4) * a[4 * c + t] +
+                                       ((byte >> 4) | (high & 2) << 3) * a[16 + 4 * c + t];
                             }
                     } else {
                         memcpy(&d, bp + 4 * j, 4);
@@ -120,12 +122,17 @@ static inline void blocks32_rows(const int nibbles, int64_t rows, const int8_t *
 
 static void q8b_rows(int64_t rows, const int8_t *qa, const float *sa, const int16_t *s32, const int32_t *o16,
                      int64_t K, const uint8_t *panel, float *y, int64_t O) {
-    blocks32_rows(0, rows, qa, sa, s32, K, panel, y, O);
+    blocks32_rows(8, rows, qa, sa, s32, K, panel, y, O);
 }
 
 static void q4b_rows(int64_t rows, const int8_t *qa, const float *sa, const int16_t *s32, const int32_t *o16,
                      int64_t K, const uint8_t *panel, float *y, int64_t O) {
-    blocks32_rows(1, rows, qa, sa, s32, K, panel, y, O);
+    blocks32_rows(4, rows, qa, sa, s32, K, panel, y, O);
+}
+
+static void q5b_rows(int64_t rows, const int8_t *qa, const float *sa, const int16_t *s32, const int32_t *o16,
+                     int64_t K, const uint8_t *panel, float *y, int64_t O) {
+    blocks32_rows(5, rows, qa, sa, s32, K, panel, y, O);
 }
 
 MATMUL(matmul_q4_k, Q4K_SUPER, Q4K_TAIL, 8, q4k_rows)
@@ -133,6 +140,7 @@ MATMUL(matmul_q6_k, Q6K_SUPER, Q6K_TAIL, 8, q6k_rows)
 MATMUL(matmul_q8_b, Q8B_SUPER, Q8B_TAIL, 8, q8b_rows)
 MATMUL(matmul_q4_b, Q4B_SUPER, Q4B_TAIL, 8, q4b_rows)
 MATMUL(matmul_q5_k, Q5K_SUPER, Q5K_TAIL, 8, q5k_rows)
+MATMUL(matmul_q5_b, Q5B_SUPER, Q5B_TAIL, 8, q5b_rows)
 
 // layer.h's sum of products, as its bits are defined.
 static inline float sum16(const float *a, const float *b, int64_t n) {
