@@ -228,8 +228,8 @@ ENTRIES: dict[str, tuple[str, str, str | None, str | None, str | None]] = {
     "prefill.md": ("CPU", "prompt evaluation of 512 tokens: the lean backend beside `llama-bench` (pp512), and what "
                    "bounds it", "python scripts/prefill_parts.py --lengths 512 --parts 512 --repeats 3; llama-bench "
                    "-p 512 -n 0 -r 2 -t 2 (-fa 1 -ctk bf16 -ctv bf16)", ZEN5, None),
-    "lean-types": ("CPU", "`ar` on the lean backend against `ar` on llama.cpp and `llama-completion`, on a GGUF of other "
-                   "types (SmolLM2-135M: Q4_1/Q8_0, after q4_b), 6 mixed prompts, 2 repeats",
+    "lean-types": ("CPU", "`ar` on the lean backend against `ar` on llama.cpp and `llama-completion`, on a GGUF of "
+                   "other types (SmolLM2-135M: Q4_1/Q8_0, after q4_b), 6 mixed prompts, 2 repeats",
                    "speculant bench --target smollm2-135m --methods ar:backend=lean ar:backend=llamacpp "
                    "llamacpp-cli-ar --prompts prompts/mixed.jsonl[:6] --max-new-tokens 96 --repeats 2", ZEN5, None),
     "lean-q5b": ("CPU", "Q5_0 on the lean backend's q5_b kernel: `ar` on lean against `ar` on llama.cpp and "
