@@ -38,15 +38,8 @@ static inline void k_rows(const int five, int64_t rows, const int8_t *qa, const 
         }
 }
 
-static void q4k_rows(int64_t rows, const int8_t *qa, const float *sa, const int16_t *s32, const int32_t *o16,
-                     int64_t K, const uint8_t *panel, float *y, int64_t O) {
-    k_rows(0, rows, qa, sa, s32, K, panel, y, O);
-}
-
-static void q5k_rows(int64_t rows, const int8_t *qa, const float *sa, const int16_t *s32, const int32_t *o16,
-                     int64_t K, const uint8_t *panel, float *y, int64_t O) {
-    k_rows(1, rows, qa, sa, s32, K, panel, y, O);
-}
+#define q4k_rows(rows, qa, sa, s32, o16, K, panel, y, O) k_rows(0, rows, qa, sa, s32, K, panel, y, O)
+#define q5k_rows(rows, qa, sa, s32, o16, K, panel, y, O) k_rows(1, rows, qa, sa, s32, K, panel, y, O)
 
 static void q6k_rows(int64_t rows, const int8_t *qa, const float *sa, const int16_t *s32, const int32_t *o16,
                      int64_t K, const uint8_t *panel, float *y, int64_t O) {
@@ -120,20 +113,9 @@ static inline void blocks32_rows(const int bits, int64_t rows, const int8_t *qa,
         }
 }
 
-static void q8b_rows(int64_t rows, const int8_t *qa, const float *sa, const int16_t *s32, const int32_t *o16,
-                     int64_t K, const uint8_t *panel, float *y, int64_t O) {
-    blocks32_rows(8, rows, qa, sa, s32, K, panel, y, O);
-}
-
-static void q4b_rows(int64_t rows, const int8_t *qa, const float *sa, const int16_t *s32, const int32_t *o16,
-                     int64_t K, const uint8_t *panel, float *y, int64_t O) {
-    blocks32_rows(4, rows, qa, sa, s32, K, panel, y, O);
-}
-
-static void q5b_rows(int64_t rows, const int8_t *qa, const float *sa, const int16_t *s32, const int32_t *o16,
-                     int64_t K, const uint8_t *panel, float *y, int64_t O) {
-    blocks32_rows(5, rows, qa, sa, s32, K, panel, y, O);
-}
+#define q8b_rows(rows, qa, sa, s32, o16, K, panel, y, O) blocks32_rows(8, rows, qa, sa, s32, K, panel, y, O)
+#define q4b_rows(rows, qa, sa, s32, o16, K, panel, y, O) blocks32_rows(4, rows, qa, sa, s32, K, panel, y, O)
+#define q5b_rows(rows, qa, sa, s32, o16, K, panel, y, O) blocks32_rows(5, rows, qa, sa, s32, K, panel, y, O)
 
 MATMUL(matmul_q4_k, Q4K_SUPER, Q4K_TAIL, 8, q4k_rows)
 MATMUL(matmul_q6_k, Q6K_SUPER, Q6K_TAIL, 8, q6k_rows)
