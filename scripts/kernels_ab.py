@@ -10,7 +10,7 @@ Qwen2.5-Coder-1.5B (its attention and MLP projections and the Q6_K output head, 
 them), the two libraries interleaved pass by pass, and prints the median of each with their ratio. Before timing
 it checks that both builds give the same bits at every width (`--no-check` where the numerics changed on
 purpose, as with the per-256 activation scales). OLD.c is typically `git show HEAD~1:speculant/kernels/avx512.c`
-saved beside copies of the headers it includes (common.h, layer.h, amx.h, tiles.h).
+saved beside copies of the headers it includes (common.h, layer.h, amx.h, tiles.h, avx2_k.h).
 
 Each library quantizes its own activations (`quantize_rows`), in the layout it was built for: per-256 scales with
 per-32 and per-16 integer sums (the current kernels), or `--old-layout per32` / `--new-layout per32` for a build
@@ -41,7 +41,8 @@ def main(argv: list[str]) -> None:
     parser.add_argument("--model", default="qwen2.5-coder-1.5b")
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--no-check", action="store_true", help="do not require the same bits from both builds")
-    parser.add_argument("--kind", choices=("q4_k", "q6_k"), help="only the matrices of this kind")
+    parser.add_argument("--kind", choices=("q4_k", "q5_k", "q6_k", "q4_b", "q5_b", "q8_b"),
+                        help="only the matrices of this kind")
     parser.add_argument("--amx-rows", help="AMX builds: the fewest rows a tile multiplies on tiles, of every kind, "
                         "in the old build [and the new]: 1 every row, 17 none (vpdpbusd); a build from before the "
                         "cut-over per kind reads the kind as its one cut-over, so only 1 means what it says there")
@@ -62,8 +63,9 @@ def main(argv: list[str]) -> None:
         if lib is None:
             raise SystemExit(f"{source}: no C compiler, or it did not build")
         lib.quantize_rows.argtypes = [P, I, I, P, P, P, P, ctypes.c_int]
-        for kind in kernels.KINDS:
-            getattr(lib, f"matmul_{kind}").argtypes = [P, P, P, P, I, I, P, I, P, ctypes.c_int]
+        for kind in kernels.KINDS:  # (an older source may lack the later kinds)
+            if hasattr(lib, f"matmul_{kind}"):
+                getattr(lib, f"matmul_{kind}").argtypes = [P, P, P, P, I, I, P, I, P, ctypes.c_int]
         if isa.amx and not lib.amx_ready():
             raise SystemExit("Linux refused this process AMX's tile state")
         return lib

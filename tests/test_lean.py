@@ -158,8 +158,8 @@ def test_the_repack_is_cached(lean_files, monkeypatch):
 
 
 def test_a_drafter_on_the_kernels_keeps_frequent_tokens_and_drafts_exactly(lean_files, tmp_path, monkeypatch):
-    """`name@lean`: a GGUF of a type other than the K-quants (Q8_0; hidden 64, so inputs padded to 128), which a
-    target runs as it is, is quantized again as a drafter, and its head keeps FR-Spec's most frequent tokens; a lean
+    """`name@lean`: a GGUF of a type other than Q4_K and Q6_K (Q8_0; hidden 64, so inputs padded to 128; Q5_K), which
+    a target runs as it is, is quantized again as a drafter, and its head keeps FR-Spec's most frequent tokens; a lean
     target drafted for by it emits what it emits alone."""
     from speculant.models.backends import lean as lean_module
 
@@ -169,6 +169,10 @@ def test_a_drafter_on_the_kernels_keeps_frequent_tokens_and_drafts_exactly(lean_
     assert load_model(str(path), backend="lean", tokenizer=byte_tokenizer()).weights.layers[0].q.kind == "q8_b"
     drafter = load_model(f"{path}@lean", tokenizer=byte_tokenizer())
     assert drafter.weights.layers[0].q.kind == "q4_k" and drafter.weights.output.kind == "q6_k"
+    five = tmp_path / "q5k.gguf"
+    write_tiny_gguf(five, "qwen2", 3, "Q5_K", hidden=256)
+    assert load_model(str(five), backend="lean", tokenizer=byte_tokenizer()).weights.layers[0].q.kind == "q5_k"
+    assert load_model(f"{five}@lean", tokenizer=byte_tokenizer()).weights.layers[0].q.kind == "q4_k"
     head = drafter.weights.head.tolist()
     assert len(head) == 64 and 256 in head  # <eos> kept whatever its count
     assert {ord(" "), ord("e"), ord("t")} <= set(head)  # the corpus's commonest bytes

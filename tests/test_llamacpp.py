@@ -282,7 +282,7 @@ def test_backend_choice_and_clear_errors_before_loading(tmp_path, monkeypatch):
     for simd, backend in ((True, "lean"), (False, "llamacpp")):  # where the kernels have a SIMD path, or none
         monkeypatch.setattr(loading, "_simd_kernels", lambda simd=simd: simd)
         assert resolve_backend("auto", "qwen2.5-coder-1.5b", None, "cpu") == backend
-        assert resolve_backend("auto", "qwen2.5-coder-0.5b", None, "cpu") == backend  # Q5_0/Q8_0: q8_b
+        assert resolve_backend("auto", "qwen2.5-coder-0.5b", None, "cpu") == backend  # Q5_0: q5_b, Q8_0: q8_b
         assert resolve_backend(None, "qwen2.5-coder-0.5b", "lean", None) == "lean"  # as a drafter
     assert resolve_backend("auto", "qwen2.5-coder-1.5b", "int8", "cpu") == "hf"
     assert resolve_backend("auto", "qwen2.5-coder-1.5b", None, "cpu", "bf16") == "hf"

@@ -1,6 +1,6 @@
-"""speculant's exact kernels: GGUF weights (repacked once, `formats.py`: Q4_K and Q6_K as they are, the types whose
-blocks are integers times a scale plus an offset as nibbles (Q4_0, Q4_1) or a byte per weight, F16/BF16/F32 as fp32
-rows) times int8 activation rows (fp32 rows for fp32 weights), one C file per ISA (`scalar.c`, `avx2.c`,
+"""speculant's exact kernels: GGUF weights (repacked once, `formats.py`: Q4_K, Q5_K and Q6_K as they are, the types
+whose blocks are integers times a scale plus an offset as nibbles (Q4_0, Q4_1; Q5_0, Q5_1 with their high bits) or a
+byte per weight (Q8_0), F16/BF16/F32 as fp32 rows) times int8 activation rows (fp32 rows for fp32 weights), one C file per ISA (`scalar.c`, `avx2.c`,
 `avx512.c`), chosen at run time by the CPU's features; where the CPU has AMX int8, tiles of up to 16 rows of Q4_K
 or Q6_K take their integer sums from AMX tile multiplies (`amx.h`) from the number of rows where those pay, timed
 once per machine and kind (`amx_rows`). Each weight block is unpacked once per call for every row of a tile
@@ -171,7 +171,7 @@ def check(name: str) -> None:
     from gguf.quants import quantize
 
     generator = torch.Generator().manual_seed(0)
-    for ggml_type in ("Q4_K", "Q5_K", "Q6_K", "Q5_1", "Q4_1", "F16"):
+    for ggml_type in ("Q4_K", "Q5_K", "Q6_K", "Q8_0", "Q5_1", "Q4_1", "F16"):
         dense = torch.randn(48, 768, generator=generator)
         dense[:, 640:] = 0.0
         if formats.KIND_OF[ggml_type] in formats.GGUF_BYTES:  # 768 inputs, of which the kernels read 640

@@ -16,8 +16,8 @@
 //         of low nibbles (byte c*64 + j*4 + t: input 4c + t low, input 8 + 4c + t high, c < 2) and 64 bytes
 //         of high bit pairs (byte j*4 + t: bits 2g, 2g+1 of input 4g + t's six, g < 4). w = d*sc * (q - 32).
 //   q8_b  per 32 inputs (a block; 8 to a super-block), 640 bytes: d[16], m[16] (fp32), then 512 bytes: byte g*64 +
-//         j*4 + t holds q + 128 for input 4g + t of output j (g < 8, t < 4), q an int8. w = d*q + m: Q4_0, Q4_1,
-//         Q5_0, Q5_1, Q8_0 and Q5_K, whose weights are exactly that (formats.unpack_blocks32).
+//         j*4 + t holds q + 128 for input 4g + t of output j (g < 8, t < 4), q an int8. w = d*q + m: Q8_0, whose
+//         weights are exactly that (formats.unpack_blocks32).
 //   q4_b  per 32 inputs (a block), 320 bytes: d[16], m[16] (f16), then q4_k's 256 bytes of nibbles (0..15).
 //         w = d*q + m: Q4_0 (q + 8, m = -8d) and Q4_1, at 5 bits a weight where q8_b spends 10.
 //   q5_b  per 32 inputs, 384 bytes: q4_b's, then q5_k's 64 bytes of high bits: q < 32, Q5_0 (q + 16, m = -16d) and

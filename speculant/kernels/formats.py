@@ -82,7 +82,8 @@ def _f16(raw: np.ndarray) -> np.ndarray:
 
 
 def unpack_blocks32(ggml_type: str, raw: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """[O, bytes] of a `q8_b` type -> q [O, K] int8, d and m [O, K/32] fp32: weight i of block b is
+    """[O, bytes] of a type whose blocks are 32 integers times a scale plus an offset (Q4_0 to Q8_0: `q4_b`, `q5_b`,
+    `q8_b`) -> q [O, K] int8, d and m [O, K/32] fp32: weight i of block b is
     d[b] * q[i] + m[b], exactly ggml's de-quantized value (ggml-quants.c's dequantize_row_*)."""
     rows = raw.shape[0]
     blocks = raw.reshape(rows, -1, BLOCK_BYTES[ggml_type])

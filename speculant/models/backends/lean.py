@@ -231,12 +231,12 @@ def _repack(path: Path, directory: Path, head: tuple[int, ...] | None) -> None:
 
     def packed(name: str, ggml_type: str, raw: np.ndarray, width: int) -> tuple[str, np.ndarray, int, int]:
         """(kind, bytes in the kernels' layout, inputs, outputs) of a matrix, a drafter's head restricted to its
-        rows; a drafter's matrices of types other than the K-quants' quantized again (faster, and its guesses
+        rows; a drafter's matrices of types other than Q4_K and Q6_K quantized again (faster, and its guesses
         change, never what the target emits)."""
         inputs = formats.inputs_of(width)
         if head is not None and name == output:
             raw = raw[np.asarray(head)]
-        if ggml_type in formats.KIND_OF and (head is None or formats.KIND_OF[ggml_type] in formats.GGUF_BYTES):
+        if ggml_type in formats.KIND_OF and (head is None or ggml_type in ("Q4_K", "Q6_K")):
             return *formats.pack_type(ggml_type, raw, inputs), inputs, len(raw)
         kind = "q6_k" if name == output else "q4_k"  # the head keeps more bits: it ranks every guess
         return kind, formats.pack(kind, formats.requantize(kind, raw, ggml_type), inputs), inputs, len(raw)
