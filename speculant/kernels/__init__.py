@@ -1,12 +1,12 @@
 """speculant's exact kernels: GGUF weights (repacked once, `formats.py`: Q4_K, Q5_K and Q6_K as they are, the types
 whose blocks are integers times a scale plus an offset as nibbles (Q4_0, Q4_1; Q5_0, Q5_1 with their high bits) or a
-byte per weight (Q8_0), F16/BF16/F32 as fp32 rows) times int8 activation rows (fp32 rows for fp32 weights), one C file per ISA (`scalar.c`, `avx2.c`,
-`avx512.c`), chosen at run time by the CPU's features; where the CPU has AMX int8, tiles of up to 16 rows of Q4_K
-or Q6_K take their integer sums from AMX tile multiplies (`amx.h`) from the number of rows where those pay, timed
-once per machine and kind (`amx_rows`). Each weight block is unpacked once per call for every row of a tile
-(llamafile's tinyBLAS register tiling), and each output is accumulated in the same order whatever the number of
-rows, the tile, the thread or the ISA: row r of a W-row call equals the 1-row call, and every path equals the
-scalar reference, bit for bit.
+byte per weight (Q8_0), F16/BF16/F32 as fp32 rows) times int8 activation rows (fp32 rows for fp32 weights), one C
+file per ISA (`scalar.c`, `avx2.c`, `avx512.c`), chosen at run time by the CPU's features; where the CPU has AMX
+int8, tiles of up to 16 rows of Q4_K or Q6_K take their integer sums from AMX tile multiplies (`amx.h`) from the
+number of rows where those pay, timed once per machine and kind (`amx_rows`). Each weight block is unpacked once per
+call for every row of a tile (llamafile's tinyBLAS register tiling), and each output is accumulated in the same order
+whatever the number of rows, the tile, the thread or the ISA: row r of a W-row call equals the 1-row call, and every
+path equals the scalar reference, bit for bit.
 
     act = quantize_rows(x)                  # x [W, K] fp32, each row on its own (ggml's Q8_K: a scale per 256)
     y = matmul(act, weight)                 # weight: QuantWeight.from_gguf("Q4_K", raw); y [W, O] fp32
@@ -54,7 +54,7 @@ class Isa:
         return "-DAMX" in self.flags
 
 
-AVX512 = (("-mavx512f", "-mavx512bw", "-mavx512vnni", "-mf16c", "-mfma"),  # (FMA: AVX2's q5_k kernel, avx2_k.h)
+AVX512 = (("-mavx512f", "-mavx512bw", "-mavx512vnni", "-mf16c", "-mfma"),  # (FMA: AVX2's five-bit kernels, avx2_k.h)
           ("avx512f", "avx512bw", "avx512_vnni", "f16c", "fma"))
 ISAS = (  # fastest first
     Isa("amx_int8", "avx512.c", (*AVX512[0], "-DAMX"), (*AVX512[1], "amx_tile", "amx_int8")),

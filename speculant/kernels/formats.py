@@ -25,8 +25,7 @@ GGUF_BYTES = {"q4_k": 144, "q5_k": 176, "q6_k": 210}  # one output's super-block
 KIND_OF = {"Q4_K": "q4_k", "Q5_K": "q5_k", "Q6_K": "q6_k", "Q8_0": "q8_b",
            **dict.fromkeys(("Q4_0", "Q4_1"), "q4_b"), **dict.fromkeys(("Q5_0", "Q5_1"), "q5_b"),
            **dict.fromkeys(("F32", "F16", "BF16"), "f32")}  # the kernel that reads each GGUF type, exactly
-# [half, c, 1]: five-bit quants' high bits, input 4c + t's (16 + 4c + t's) at bit 2c (2c + 1) of byte j*4 + t
-HIGH_SHIFTS = (2 * np.arange(4, dtype=np.uint8) + np.arange(2, dtype=np.uint8)[:, None])[..., None]
+HIGH_SHIFTS = (2 * np.arange(4, dtype=np.uint8) + np.arange(2, dtype=np.uint8)[:, None])[..., None]  # [half, c, 1]
 BLOCK_BYTES = {"Q4_0": 18, "Q4_1": 20, "Q5_0": 22, "Q5_1": 24, "Q8_0": 34}  # per 32 inputs
 
 
@@ -151,6 +150,14 @@ def pack_type(ggml_type: str, raw: np.ndarray, inputs: int) -> tuple[str, np.nda
     return kind, np.ascontiguousarray(blocks.reshape(len(blocks), -1))
 
 
+def _nibbles_and_high_bits(q: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Quants [..., half, c, t] (input half*16 + 4c + t of a block of 32) -> the bytes of q4_k's nibbles
+    [..., c, t] (the low half's low, the high half's high) and of five-bit quants' high bits [..., t] (input 4c + t's
+    at bit 2c, 16 + 4c + t's at bit 2c + 1: common.h's q5_k)."""
+    nibbles = (q[..., 0, :, :] & 0x0F) | ((q[..., 1, :, :] & 0x0F) << 4)
+    return nibbles, np.bitwise_or.reduce((q >> 4) << HIGH_SHIFTS, axis=(-3, -2))
+
+
 def _pack_nibbles(ggml_type: str, q: np.ndarray, d: np.ndarray, m: np.ndarray, inputs: int) -> np.ndarray:
     """Q4_0/Q4_1 blocks as `q4_b`, Q5_0/Q5_1 as `q5_b`: the quants made unsigned (Q4_0's q + 8, Q5_0's q + 16, their
     offset -8d or -16d, exact in f16 as d is), nibbles in q4_k's block layout and, for five bits, the high bits as
@@ -162,13 +169,13 @@ def _pack_nibbles(ggml_type: str, q: np.ndarray, d: np.ndarray, m: np.ndarray, i
         raise ValueError(f"a {ggml_type} offset is not exact in f16")
     width = q.shape[1]
     u = _padded(u, inputs, width).reshape(-1, PANEL, inputs // 32, 2, 4, 4)  # [P, j, block, half, c, t]
-    nibbles = np.moveaxis((u[..., 0, :, :] & 0x0F) | ((u[..., 1, :, :] & 0x0F) << 4), 1, 3)  # [P, block, c, j, t]
+    nibbles, high = _nibbles_and_high_bits(u)
+    nibbles = np.moveaxis(nibbles, 1, 3)  # [P, block, c, j, t]
     scales = [np.ascontiguousarray(np.moveaxis(_padded(v.astype(np.float16), inputs // 32, width // 32)
                                                .reshape(-1, PANEL, inputs // 32), 1, 2)) for v in (d, offset)]
     parts = [scales[0].view(np.uint8), scales[1].view(np.uint8), nibbles.reshape(*nibbles.shape[:2], -1)]
-    if KIND_OF[ggml_type] == "q5_b":
-        high = np.bitwise_or.reduce((u >> 4) << HIGH_SHIFTS, axis=(3, 4))  # [P, j, block, t]
-        parts.append(np.moveaxis(high, 1, 2).reshape(*nibbles.shape[:2], -1))  # [P, block, j*4 + t]
+    if KIND_OF[ggml_type] == "q5_b":  # high [P, j, block, t] -> [P, block, j*4 + t]
+        parts.append(np.moveaxis(high, 1, 2).reshape(*nibbles.shape[:2], -1))
     blocks = np.concatenate(parts, axis=-1)  # [P, block, 320 or 384]
     return np.ascontiguousarray(blocks.reshape(len(blocks), -1))
 
@@ -196,11 +203,10 @@ def pack(kind: str, raw: np.ndarray, inputs: int) -> np.ndarray:
     if kind in ("q4_k", "q5_k"):
         d, dmin, sc, m, q = (unpack_q4_k if kind == "q4_k" else unpack_q5_k)(raw)
         q = q.reshape(rows, supers, 8, 2, 4, 4)  # [O, S, block, nibble, c, t]
-        nibbles = (q[..., 0, :, :] & 0x0F) | ((q[..., 1, :, :] & 0x0F) << 4)  # [O, S, block, c, t]
+        nibbles, high = _nibbles_and_high_bits(q)  # [O, S, block, c, t], [O, S, block, t]
         nibbles = np.moveaxis(nibbles.reshape(-1, PANEL, supers, 8, 4, 4), 1, 4)  # [P, S, block, c, j, t]
         parts = [_panels(sc, supers), _panels(m, supers), nibbles.reshape(-1, supers, 8, 256)]
         if kind == "q5_k":
-            high = np.bitwise_or.reduce((q >> 4) << HIGH_SHIFTS, axis=(3, 4))  # [O, S, block, t]
             high = np.moveaxis(high.reshape(-1, PANEL, supers, 8, 4), 1, 3)  # [P, S, block, j, t]
             parts.append(high.reshape(-1, supers, 8, 64))
         blocks = np.concatenate(parts, axis=-1)  # [P, S, 8, 288 or 352]
