@@ -190,9 +190,54 @@ def test_a_grammar_llguidance_cannot_follow_fails_loudly_never_leaves_it():
     from speculant.models.wrappers.constrained import MAX_GRAMMAR_CHARS
 
     words = " ".join(f'"w{i}x"' for i in range(MAX_GRAMMAR_CHARS // 6))
-    with pytest.raises(ConfigError, match=f"characters as compiled; at most {MAX_GRAMMAR_CHARS} compile"):
+    with pytest.raises(ConfigError, match=f"characters; at most {MAX_GRAMMAR_CHARS} compile"):
         generate(byte_model("llama", 0), prompt_ids=[1], method="ar", max_new_tokens=4,
                  response_format={"type": "grammar", "grammar": f"start: {words}"})
+
+
+def chain(rule, room):
+    """The longest chain of rules `rule(i)` (each naming the next) that fits in `room` characters."""
+    rules, i = [], 0
+    while sum(map(len, rules)) + len(rule(i)) <= room:
+        rules.append(rule(i))
+        i += 1
+    return rules, i
+
+
+def test_the_deepest_chains_a_grammar_may_spell_compile_without_ending_the_process():
+    """llguidance compiles by recursion: a thousand chained `$ref`s (94 KB of a request) or 2,600 chained rules
+    overflowed a thread's stack, and the process died with a segmentation fault (a server with it). Compiles run on a
+    deep stack; the longest chains MAX_GRAMMAR_CHARS lets through compile and follow text, on a thread of the usual
+    stack as a server's worker is; a longer schema is refused by its length before it compiles."""
+    import threading
+
+    from speculant.models.wrappers.constrained import MAX_GRAMMAR_CHARS, Matcher
+
+    room = MAX_GRAMMAR_CHARS - 200
+    lark, n = chain(lambda i: f'a{i}: "x" a{i + 1} | "y"\n', room)
+    grammar = Constraint("grammar", "start: a0\n" + "".join(lark) + f'a{n}: "z"\n')
+
+    def ref(i):
+        return f'"d{i}": {{"type": "object", "properties": {{"a": {{"$ref": "#/$defs/d{i + 1}"}}}}, "required": ["a"]}}, '
+
+    defs, n = chain(ref, room // 10 * 9)  # (as compiled, the schema's grammar is a tenth shorter than its JSON)
+    schema = {"$defs": {**json.loads("{" + "".join(defs)[:-2] + "}"), f"d{n}": {"type": "integer"}}, "$ref": "#/$defs/d0"}
+    assert n > 1000 and len(json.dumps(schema)) <= MAX_GRAMMAR_CHARS
+    followed = []
+
+    def follow():
+        for constraint, text in ((grammar, "x" * 100 + "y"), (Constraint("json_schema", schema), '{"a": {"a": ')):
+            matcher = Matcher(constraint, byte_tokenizer(), 257, [256])
+            followed.append(matcher.follow(list(text.encode())))
+
+    worker = threading.Thread(target=follow)  # (the process's default stack, as asyncio's and the batcher's threads)
+    worker.start()
+    worker.join()
+    assert followed == [True, True]
+    defs, n = chain(ref, MAX_GRAMMAR_CHARS + 100)
+    schema = {"$defs": {**json.loads("{" + "".join(defs)[:-2] + "}"), f"d{n}": {"type": "integer"}}, "$ref": "#/$defs/d0"}
+    with pytest.raises(ConfigError, match=f"the json_schema is {len(json.dumps(schema))} characters; at most"):
+        Constraint("json_schema", schema)
 
 
 def test_structured_output_needs_an_end_of_sequence_token_and_a_tokenizer_llguidance_reads():

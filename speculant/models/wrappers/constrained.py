@@ -15,7 +15,8 @@ from __future__ import annotations
 import copy
 import json
 import re
-from collections.abc import Collection, Mapping, Sequence
+import threading
+from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass, field
 from functools import lru_cache
 from typing import Any
@@ -41,9 +42,14 @@ JSON_OPTIONS = {"whitespace_flexible": True, "whitespace_pattern": r"[ \n]{0,16}
 # one thread that steps every request. A grammar past it fails its request, naming the limit; JSON schemas, tool
 # calls and grammars that parse without such ambiguity stay far below it.
 MAX_ITEMS_IN_ROW = 500
-# The longest grammar text compiled (a Lark grammar, a regex, a JSON schema as llguidance takes it): a compile's time
-# and memory grow faster than its text, and a server compiles what its clients send (CHANGELOG, 12-02).
+# The longest grammar compiled, as given (a Lark grammar, a regex, a JSON schema's JSON) and as llguidance takes it: a
+# compile's time and memory grow faster than its text, and a server compiles what its clients send (CHANGELOG, 12-02).
 MAX_GRAMMAR_CHARS = 128 * 1024
+# llguidance compiles by recursion: a chain of a few thousand rules, or of a thousand `$ref`s, overflows a thread's
+# default stack, and a stack overflow ends the process, server and all. Compiles run on a thread with this much stack
+# (`on_deep_stack`), room for the deepest chain MAX_GRAMMAR_CHARS can spell, several times over (tests/test_constrained).
+COMPILE_STACK = 256 * 1024 * 1024
+_STACK_SIZE = threading.Lock()  # (threading.stack_size is the process's: set for one thread's start, then put back)
 
 
 @dataclass(frozen=True)
@@ -58,14 +64,25 @@ class Constraint:
     text: str = field(init=False, repr=False, compare=False)  # llguidance's grammar text (`grammar`)
 
     def __post_init__(self) -> None:
-        """A grammar, schema or pattern that does not compile is refused when given, before any tokenizer (or
-        model) loads: llguidance checks it without one."""
+        """A grammar, schema or pattern that does not compile, or is longer than MAX_GRAMMAR_CHARS, is refused when
+        given, before any tokenizer (or model) loads: llguidance checks it without one."""
         try:
-            object.__setattr__(self, "text", self.grammar())
+            text, error = on_deep_stack(self._compile)
+        except ConfigError:
+            raise
         except (ValueError, TypeError, RecursionError) as error:  # (not JSON; nested past llguidance's limit)
             raise ConfigError(f"the {self.kind} does not compile: {one_line(str(error))}") from None
-        if error := _llguidance().LLMatcher.validate_grammar(self.text):
+        if error:
             raise ConfigError(f"the {self.kind} does not compile: {one_line(error)}")
+        object.__setattr__(self, "text", text)
+
+    def _compile(self) -> tuple[str, str]:
+        """(llguidance's grammar text, its complaint: "" where it compiles), each length checked before its step."""
+        given = json.dumps(self.schema, allow_nan=False) if self.schema is not None else self.value
+        _check_length(self.kind, given, "")
+        text = self.grammar()
+        _check_length(self.kind, text, " as compiled")
+        return text, _llguidance().LLMatcher.validate_grammar(text)
 
     @classmethod
     def from_response_format(cls, response_format: Mapping[str, Any]) -> Constraint | None:
@@ -135,6 +152,37 @@ class Constraint:
         return text
 
 
+def _check_length(kind: str, text: str, how: str) -> None:
+    if len(text) > MAX_GRAMMAR_CHARS:
+        raise ConfigError(f"the {kind} is {len(text)} characters{how}; at most {MAX_GRAMMAR_CHARS} compile (its time "
+                          "and memory grow faster than its text)")
+
+
+def on_deep_stack(function: Callable[[], Any]) -> Any:
+    """`function()` on a thread of its own with COMPILE_STACK of stack, waited for (what it raises, raised here):
+    llguidance's compiles, which recurse as deep as a grammar's chains of rules."""
+    out: list[tuple[bool, Any]] = []
+
+    def run() -> None:
+        try:
+            out.append((True, function()))
+        except BaseException as error:  # noqa: BLE001 - raised again in the caller's thread
+            out.append((False, error))
+
+    with _STACK_SIZE:
+        before = threading.stack_size(COMPILE_STACK)
+        try:
+            thread = threading.Thread(target=run, name="speculant-grammar", daemon=True)
+            thread.start()
+        finally:
+            threading.stack_size(before)
+    thread.join()
+    done, value = out[0]
+    if not done:
+        raise value
+    return value
+
+
 def strict_fault(schema: Any, where: str = "the schema") -> str | None:
     """Where a schema given with `strict: true` leaves something to the model, as OpenAI's structured outputs refuse
     it: an object without `additionalProperties: false` (extra keys would be allowed: a model writes them, and
@@ -196,12 +244,10 @@ class Matcher:
             raise ConfigError("structured output needs a model with an end-of-sequence token: the text ends with it")
         self.vocab_size, self.eos_token_ids = vocab_size, ends
         self.constraint, self.tokenizer = constraint, tokenizer
-        if len(constraint.text) > MAX_GRAMMAR_CHARS:
-            raise ConfigError(f"the {constraint.kind} is {len(constraint.text)} characters as compiled; at most "
-                              f"{MAX_GRAMMAR_CHARS} compile (its time and memory grow faster than its text)")
-        self._matcher = llguidance.LLMatcher(_llg_tokenizer(tokenizer, vocab_size, self.eos_token_ids), constraint.text,
-                                             log_level=0,
-                                             limits=llguidance.LLParserLimits(max_items_in_row=MAX_ITEMS_IN_ROW))
+        llg_tokenizer = _llg_tokenizer(tokenizer, vocab_size, self.eos_token_ids)
+        self._matcher = on_deep_stack(lambda: llguidance.LLMatcher(
+            llg_tokenizer, constraint.text, log_level=0,
+            limits=llguidance.LLParserLimits(max_items_in_row=MAX_ITEMS_IN_ROW)))
         if self._matcher.is_error():
             raise ConfigError(f"the {constraint.kind} does not compile: {one_line(self._matcher.get_error())}")
         self._matcher.compute_bitmask()  # (a grammar no text matches stops here: no token, not even the end, allowed)
