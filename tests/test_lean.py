@@ -793,6 +793,14 @@ def test_a_file_without_what_the_lean_model_reads_is_refused_in_one_line(tmp_pat
         GGUFFile(removed)
     assert str(refused.value).startswith(f"{removed}: the tensor w is of an unsupported tensor type (31; removed")
     assert coverage(removed) == (False, str(refused.value))  # left to llama.cpp (a type newer than gguf: it may run)
+    # heads its key-value heads do not divide, or matrices not as many rows as the heads make: refused as it loads,
+    # where the first prefill had raised a reshape's RuntimeError
+    for kv_heads, message in ((3, "4 attention heads do not share its 3 key-value heads evenly"),
+                              (4, "blk.0.attn_k.weight has 64 rows where its heads make 128")):
+        path = variant(tmp_path, monkeypatch, f"kv{kv_heads}", add_head_count_kv=lambda w, o, n, k=kv_heads: o(w, k))
+        assert coverage(path) == (False, f"the GGUF file's {message}")
+        with pytest.raises(ConfigError, match=message):
+            load_model(str(path), backend="lean")
 
 
 def test_a_gguf_drafter_drafts_for_a_transformers_target_on_the_backend_that_runs_it(lean_files, monkeypatch):

@@ -300,6 +300,14 @@ def test_backend_choice_and_clear_errors_before_loading(tmp_path, monkeypatch):
         load_model("qwen2.5-coder-1.5b@gguf", dtype="bf16")
     with pytest.raises(Exception, match="no GGUF file"):
         load_model(str(tmp_path / "missing.gguf"))
+    import gguf  # a block count of 0, which llama.cpp asserts against (ending the process): refused before it loads
+
+    with monkeypatch.context() as patch:
+        patch.setattr(gguf.GGUFWriter, "add_block_count", lambda writer, n, o=gguf.GGUFWriter.add_block_count: o(
+            writer, 0))
+        write_tiny_gguf(tmp_path / "blocks0.gguf", "llama", 0)
+    with pytest.raises(ConfigError, match="blocks0.gguf: its llama.block_count is 0: a model has at least one block"):
+        load_model(str(tmp_path / "blocks0.gguf"), backend="llamacpp")
 
 
 @pytest.mark.real_model

@@ -9,6 +9,7 @@ read in one piece (a string array by walking its lengths). Each tensor's data is
 from __future__ import annotations
 
 import struct
+from collections.abc import Callable
 from dataclasses import dataclass
 from functools import cache
 from pathlib import Path
@@ -62,8 +63,10 @@ class GGUFFile:
     A file that is not GGUF, whose header is cut short or repeats a name, or that holds a tensor of a type gguf does
     not know: ConfigError, one line (without the gguf package, whose tables name the types: ModelNotAvailable)."""
 
-    def __init__(self, path: str | Path):
+    def __init__(self, path: str | Path, until: Callable[[dict[str, Any]], bool] | None = None):
+        """`until`: read the metadata only (no tensors), up to the first key after which `until(fields)` holds."""
         require_gguf()
+        self._until = until
         self.path = Path(path)
         self._memory = np.memmap(self.path, dtype=np.uint8, mode="r")
         self._buffer = memoryview(self._memory)
@@ -91,6 +94,10 @@ class GGUFFile:
             if key in self.fields:
                 raise ConfigError(f"{self.path}: the GGUF key {key} appears twice")
             self.fields[key] = self._value(self._unpack("<I"))
+            if self._until is not None and self._until(self.fields):
+                break
+        if self._until is not None:
+            return []
         table: dict[str, tuple] = {}
         for _ in range(tensor_count):
             name = self._string()

@@ -337,6 +337,9 @@ def _read(reader: gguf_header.GGUFFile) -> tuple[LeanConfig, dict[str, Any],
         tensor = tensors[name]
         return tensor.tensor_type.name, np.asarray(tensor.data)[start:stop], int(tensor.shape[0])
 
+    if heads % config.kv_heads:
+        raise ConfigError(f"the GGUF file's {heads} attention heads do not share its {config.kv_heads} key-value "
+                          "heads evenly")
     q_rows, kv_rows = heads * head_dim, config.kv_heads * head_dim
     matrices = [(output, *rows(output))]
     for i in range(config.layers):
@@ -352,6 +355,9 @@ def _read(reader: gguf_header.GGUFFile) -> tuple[LeanConfig, dict[str, Any],
                 matrices.append((name, ggml_type, fused[:half] if part == "ffn_gate" else fused[half:], width))
             else:
                 matrices.append((name, *rows(name)))
+            wanted, held = {"attn_q": q_rows, "attn_k": kv_rows, "attn_v": kv_rows}.get(part), len(matrices[-1][2])
+            if wanted is not None and held != wanted:
+                raise ConfigError(f"the GGUF file's {name} has {held} rows where its heads make {wanted}")
     return config, tensors, matrices
 
 

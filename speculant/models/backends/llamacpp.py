@@ -178,6 +178,26 @@ def default_threads() -> int:
     return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
 
 
+def aborting_header(path: Path) -> str | None:
+    """What in a GGUF file's header llama.cpp would end the process on (a failed GGML_ASSERT, where other faults are
+    errors it returns): a block count below 1. None where there is none, or where speculant's reader cannot read the
+    header (llama.cpp then says what it cannot read)."""
+    from speculant.errors import SpeculantError
+    from speculant.models import gguf_header
+
+    def key(fields: dict[str, Any]) -> str:
+        return f"{fields.get('general.architecture')}.block_count"
+
+    try:  # (read up to that key: a tokenizer's bulk comes after the model's own keys)
+        fields = gguf_header.GGUFFile(path, until=lambda fields: key(fields) in fields).fields
+    except SpeculantError:
+        return None
+    count = fields.get(key(fields))
+    if isinstance(count, (int, np.integer)) and not isinstance(count, bool) and count < 1:
+        return f"its {key(fields)} is {count}: a model has at least one block"
+    return None
+
+
 class GGUFWeights:
     """One GGUF file mapped by llama.cpp; every context (LlamaCppCausalLM) on it shares the weights."""
 
@@ -188,6 +208,8 @@ class GGUFWeights:
         self.path = Path(path)
         if not self.path.is_file():
             raise ModelNotAvailable(f"no GGUF file at {self.path}")
+        if fault := aborting_header(self.path):
+            raise ConfigError(f"{self.path.name}: {fault}")
         params = lib.llama_model_default_params()
         params.n_gpu_layers = 0
         if extra_buffers is None:
