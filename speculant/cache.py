@@ -53,6 +53,20 @@ def readable(path: str | Path, what: str, make: str = "") -> Path:
     return path
 
 
+def read_text(path: str | Path, most: int) -> str:
+    """The UTF-8 text of `path` (a file, or a pipe as a shell's `<(...)` gives), read up to `most` bytes only: a
+    TooLong past that (a device that never ends, such as /dev/zero, was read without end)."""
+    with open(path, "rb") as file:
+        data = file.read(most + 1)
+    if len(data) > most:
+        raise TooLong(f"{path} holds more than {most} bytes")
+    return data.decode()
+
+
+class TooLong(ValueError):
+    """A file longer than any of its kind (`read_text`)."""
+
+
 def cache_root() -> Path:
     """`$SPECULANT_CACHE` (unset or empty: `~/.cache/speculant`); a ConfigError where a file holds its path."""
     root = Path(os.environ.get("SPECULANT_CACHE") or Path.home() / ".cache" / "speculant")

@@ -293,7 +293,7 @@ class ServeConfig:
             if value is not None and not all(part.strip() for part in parts):
                 raise ConfigError(f"{flag(name)}{f' (or ${API_KEY_ENV})' if name == 'api_key' else ''} has an empty "
                                   "value: give one, or leave the flag out")
-        if self.api_key is not None and not all(" " < char < "\x7f" for char in self.api_key):
+        if self.api_key is not None and not sendable_key(self.api_key):
             raise ConfigError(f"--api-key (or ${API_KEY_ENV}) must be printable ASCII without spaces: a client sends "
                               "it in an HTTP header")
         for host in self.allowed_hosts.split(",") if self.allowed_hosts else ():
@@ -322,6 +322,11 @@ def flag(name: str) -> str:
 
 
 RAY_ADDRESS = re.compile(r"(ray://)?([^\s:/\[\]]+|\[[0-9a-fA-F:.]+\]):(\d{1,5})")  # a cluster's GCS, or its client
+
+
+def sendable_key(key: str) -> bool:
+    """Whether an API key can go in an HTTP header as a bearer token: printable ASCII, no spaces."""
+    return all(" " < char < "\x7f" for char in key)
 
 
 def check_ray_address(address: str | None, name: str) -> None:

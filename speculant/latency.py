@@ -9,7 +9,7 @@ import statistics
 import time
 from bisect import bisect_left
 from collections.abc import Callable, Sequence
-from dataclasses import asdict, dataclass, field
+from dataclasses import MISSING, asdict, dataclass, field, fields
 from functools import cached_property
 from pathlib import Path
 
@@ -129,6 +129,12 @@ class LatencyProfile:
         """What `save` wrote; a ValueError naming a value no measurement gives (a file edited, or another's)."""
         if not isinstance(data, dict):
             raise ValueError(f"a profile is a JSON object, not {type(data).__name__}")
+        given = fields(cls)
+        if missing := next((f.name for f in given if f.default is MISSING and f.default_factory is MISSING and
+                            f.name not in data), None):
+            raise KeyError(missing)
+        if unknown := next((name for name in data if name not in {f.name for f in given}), None):
+            raise ValueError(f"a profile has no field {json.dumps(unknown)[:60]}")
         for name in ("forward_s", "long_forward_s"):
             if not isinstance(data.get(name, {}), dict):
                 raise ValueError(f"{name} must map widths to seconds, got {data[name]!r}")
@@ -165,7 +171,9 @@ class LatencyProfile:
     @classmethod
     def load(cls, path: Path) -> LatencyProfile:
         try:
-            return cls.from_dict(json.loads(Path(path).read_text()))
+            from speculant.cache import read_text
+
+            return cls.from_dict(json.loads(read_text(path, MOST_PROFILE_BYTES)))
         except KeyError as error:
             raise ConfigError(f"cannot read latency profile {path}: it has no field {error} (not a `speculant "
                               "profile` JSON file?)") from None
@@ -173,6 +181,7 @@ class LatencyProfile:
             raise ConfigError(f"cannot read latency profile {path}: {type(error).__name__}: {error}") from None
 
 
+MOST_PROFILE_BYTES = 1 << 20  # a profile file's size at most (its widths' times are a few kilobytes)
 DECODE_STEPS = 4  # the forwards of one token timed after each prompt (TPOT)
 
 

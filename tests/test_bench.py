@@ -119,7 +119,15 @@ def test_jsonl_prompts_and_errors(tmp_path):
             ("chat", '{"prompt": "a", "chat": "false"}\n', r"chat.jsonl:1: chat must be true or false"),
             ("typo", '{"prompt": "a", "caht": true}\n', r"typo.jsonl:1: no prompt has a field \"caht\" \(the fields: "
              "prompt, turns,"),  # (it would run without the chat template)
-            ("surrogate", '{"prompt": "a\\udcffb"}\n', r"surrogate.jsonl:1: the prompt is not UTF-8 text")):
+            ("surrogate", '{"prompt": "a\\udcffb"}\n', r"surrogate.jsonl:1: the prompt is not UTF-8 text"),
+            ("twice", '{"prompt": "a", "prompt": "b"}\n', r"twice.jsonl:1: the key \"prompt\" is given twice"),
+            ("ids2", '{"prompt": "a", "id": 1, "question_id": 2}\n', r"ids2.jsonl:1: give one of 'id' and "
+             "'question_id', not id and question_id"),
+            ("bot", '{"messages": [{"role": "bot", "content": "a"}]}\n', r"bot.jsonl:1: expected .* \(roles: system, "
+             "user, assistant; content: text\)"),
+            ("named", '{"messages": [{"role": "user", "content": "a", "name": "x"}]}\n', r"named.jsonl:1: expected"),
+            ("turns", '{"turns": ["a", 5]}\n', r"turns.jsonl:1: expected"),
+            ("silent", '{"messages": [{"role": "user", "content": " "}]}\n', r"silent.jsonl:1: the prompt is empty")):
         (tmp_path / f"{name}.jsonl").write_text(lines)
         with pytest.raises(ConfigError, match=message):
             load_dataset(str(tmp_path / f"{name}.jsonl"))
@@ -128,6 +136,16 @@ def test_jsonl_prompts_and_errors(tmp_path):
     assert load_dataset(f"{tmp_path / 'a+b.jsonl'}[:1]")[0].text == "a"  # (sliced too)
     with pytest.raises(ConfigError, match=r"a slice is written in brackets, .*good.jsonl\[:1\]"):
         load_dataset(f"{good}:1")
+
+
+def test_a_prompts_file_longer_than_any_is_refused_not_read_without_end(tmp_path, monkeypatch):
+    from speculant.bench import datasets
+
+    monkeypatch.setattr(datasets, "MOST_PROMPTS_BYTES", 64)
+    (tmp_path / "long.jsonl").write_text(json.dumps({"prompt": "a" * 64}))
+    for path in [tmp_path / "long.jsonl", *(["/dev/zero"] if Path("/dev/zero").exists() else [])]:
+        with pytest.raises(ConfigError, match=f"prompts file {path} holds more than 64 bytes: not a prompts file"):
+            load_dataset(str(path))
 
 
 @pytest.fixture(scope="module")

@@ -82,7 +82,17 @@ def test_a_model_file_is_known_by_what_it_holds_not_by_how_its_path_is_spelled(t
 
 
 def test_a_profile_missing_a_field_names_it(tmp_path):
+    """A field missing (another tool's JSON, a profile cut short), one no profile has, or a file without end (read
+    without end before; a missing field other than forward_s was the constructor's TypeError)."""
     path = tmp_path / "other.json"
-    path.write_text(json.dumps({"model": "m"}))  # (another tool's JSON, or a profile cut short)
-    with pytest.raises(ConfigError, match=r"cannot read latency profile .*: it has no field '\w+' \(not a `speculant"):
+    path.write_text(json.dumps({"forward_s": {"1": 0.01}}))
+    with pytest.raises(ConfigError, match=r"cannot read latency profile .*: it has no field 'model' \(not a `speculant"):
         LatencyProfile.load(path)
+    data = {"model": "m", "dtype": "fp32", "device": "cpu", "context_len": 256, "ttft_s": 0.1, "tpot_s": 0.01,
+            "forward_s": {"1": 0.01}, "tpot": 0.01}
+    path.write_text(json.dumps(data))
+    with pytest.raises(ConfigError, match=r"cannot read latency profile .*: a profile has no field \"tpot\""):
+        LatencyProfile.load(path)
+    if os.path.exists("/dev/zero"):
+        with pytest.raises(ConfigError, match="/dev/zero: TooLong: /dev/zero holds more than 1048576 bytes"):
+            LatencyProfile.load("/dev/zero")

@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from speculant.api import check_prompt, encode_prompt, room_for
-from speculant.cache import is_dir, is_file, readable
+from speculant.cache import TooLong, is_dir, is_file, read_text, readable
 from speculant.errors import ConfigError
 from speculant.models.wrappers.constrained import Constraint
 
@@ -45,22 +45,45 @@ FIELDS = ("prompt", "turns", "messages", "id", "question_id", "category", "chat"
 UNUSED_FIELDS = ("reference", "task_id", "canonical_solution", "test", "entry_point")
 
 
+MOST_PROMPTS_BYTES = 1 << 28  # a prompts file's size at most (a thousand long-context prompts: tens of MB)
+ROLES = ("system", "user", "assistant")  # a chat prompt's messages' roles, as every chat template takes them
+
+
+class RepeatedKey(Exception):
+    """A JSON object gives a key twice (`once`): the key."""
+
+
+def once(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    """A JSON object's pairs as a dict, where each key is given once (RepeatedKey otherwise)."""
+    value = dict(pairs)
+    if len(value) < len(pairs):
+        seen: set[str] = set()
+        raise RepeatedKey(next(key for key, _ in pairs if key in seen or seen.add(key)))
+    return value
+
+
 def load_jsonl(path: Path) -> list[Prompt]:
     """Records with a `prompt` string, or `turns` (the first turn is used, as a chat message), or `messages`,
     and optional `id` / `question_id`, `category`, `chat` (a `prompt` in the chat template) and `response_format`
-    (OpenAI's); errors name the line. A field of none of these (nor of UNUSED_FIELDS) is refused."""
+    (OpenAI's); errors name the line. A field of none of these (nor of UNUSED_FIELDS), a key given twice in one
+    object, a message's field beside its role and content, and both ids are refused: none is dropped unsaid."""
     prompts, lines_of = [], {}  # (the line of each id)
     try:
-        lines = path.read_text().splitlines()
+        lines = read_text(path, MOST_PROMPTS_BYTES).splitlines()
     except OSError as error:
         raise ConfigError(f"cannot read prompts file {path}: {error.strerror}") from None
+    except TooLong as error:
+        raise ConfigError(f"prompts file {error}: not a prompts file") from None
     except UnicodeDecodeError as error:
         raise ConfigError(f"prompts file {path} is not UTF-8 text: {error}") from None
     for number, line in enumerate(lines, start=1):
         if not line.strip():
             continue
         try:
-            record = json.loads(line)
+            record = json.loads(line, object_pairs_hook=once)
+        except RepeatedKey as repeated:
+            raise ConfigError(f"{path}:{number}: the key {json.dumps(str(repeated))[:60]} is given twice in one object "
+                              "(the last would win without a word)") from None
         except json.JSONDecodeError as error:
             raise ConfigError(f"{path}:{number}: not valid JSON ({error.msg})") from None
         except RecursionError:
@@ -71,9 +94,11 @@ def load_jsonl(path: Path) -> list[Prompt]:
             raise ConfigError(f"{path}:{number}: no prompt has a field {json.dumps(unknown)[:60]} (the fields: "
                               f"{', '.join(FIELDS)})")
         turns, messages = record.get("turns"), record.get("messages")
-        if len(given := [name for name in ("prompt", "turns", "messages") if name in record]) > 1:
-            raise ConfigError(f"{path}:{number}: give one of 'prompt', 'turns' and 'messages', not "
-                              f"{' and '.join(given)}")
+        for names in (("prompt", "turns", "messages"), ("id", "question_id")):
+            if len(given := [name for name in names if name in record]) > 1:
+                quoted = [repr(name) for name in names]
+                raise ConfigError(f"{path}:{number}: give one of {', '.join(quoted[:-1])} and {quoted[-1]}, not "
+                                  f"{' and '.join(given)}")
         for name, kinds in (("id", (str, int)), ("question_id", (str, int)), ("category", (str,))):
             if name in record and (not isinstance(record[name], kinds) or isinstance(record[name], bool)):
                 raise ConfigError(f"{path}:{number}: {name} must be {' or '.join(KIND[kind] for kind in kinds)}, got "
@@ -82,16 +107,16 @@ def load_jsonl(path: Path) -> list[Prompt]:
             raise ConfigError(f"{path}:{number}: chat must be true or false")
         if isinstance(record.get("prompt"), str):
             text, chat = record["prompt"], record.get("chat", False)
-        elif isinstance(turns, list) and turns and isinstance(turns[0], str):
+        elif isinstance(turns, list) and turns and all(isinstance(turn, str) for turn in turns):
             text, chat = turns[0], True
         elif isinstance(messages, list) and messages and all(
-                isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)
-                for m in messages):
-            text, chat = tuple({"role": m["role"], "content": m["content"]} for m in messages), True
+                isinstance(m, dict) and set(m) == {"role", "content"} and m["role"] in ROLES and
+                isinstance(m["content"], str) for m in messages):
+            text, chat = tuple(messages), True
         else:
             raise ConfigError(f"{path}:{number}: expected a string field 'prompt', a list of strings 'turns' or a "
-                              "list of messages {role, content}")
-        if isinstance(text, str) and not text.strip():
+                              f"list of messages {{role, content}} (roles: {', '.join(ROLES)}; content: text)")
+        if not any(part.strip() for part in ([text] if isinstance(text, str) else [m["content"] for m in text])):
             raise ConfigError(f"{path}:{number}: the prompt is empty")
         try:
             check_prompt(text)

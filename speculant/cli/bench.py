@@ -16,7 +16,7 @@ from typing import Any
 from speculant.cli.checks import check_target
 from speculant.cli.parser import PARSER_KEYS, parse_width_ranges
 from speculant.config import (ModelConfig, RunConfig, SamplingConfig, check_sampled, flag, from_args, from_flags,
-                              sampling_of)
+                              sampling_of, sendable_key)
 from speculant.errors import ConfigError, SpeculantError
 from speculant.methods.drafting import held_drafters, takes_model_free, with_default_drafter
 from speculant.methods.registry import chain_methods
@@ -258,8 +258,8 @@ def run_bench_serve(args: argparse.Namespace) -> None:
         raise ConfigError(f"--url {args.url!r} is not a URL: {error}") from None
     if url.scheme not in ("http", "https") or not url.host:
         raise ConfigError(f"--url {args.url!r} is not an http(s) URL, e.g. http://127.0.0.1:8000/v1")
-    if args.api_key is not None and not args.api_key.isascii():
-        raise ConfigError("--api-key must be ASCII (it goes in an HTTP header)")
+    if args.api_key is not None and not sendable_key(args.api_key):
+        raise ConfigError("--api-key must be printable ASCII without spaces (it goes in an HTTP header)")
     prompts = load_dataset(args.prompts or args.dataset)
     label = args.url if args.label is None else args.label  # (what names the server in the report and plot)
     runs = [lambda rate=rate: run_sessions(args.url, prompts, args.requests, args.turns, rate, args.max_tokens,

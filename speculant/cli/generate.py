@@ -8,7 +8,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from speculant.cache import is_file, readable
+from speculant.cache import is_file, read_text, readable
 from speculant.cli.checks import check_target, resolve_method
 from speculant.config import (
     ModelConfig,
@@ -29,14 +29,14 @@ from speculant.methods.registry import all_options, get_method
 def read_constraint(schema: str | None, grammar: str | None) -> Any:
     """The structured output `generate --json-schema/--grammar` asks for (None: free text); a ConfigError for a
     file that is missing or not JSON."""
-    from speculant.models.wrappers.constrained import Constraint
+    from speculant.models.wrappers.constrained import MAX_GRAMMAR_CHARS, Constraint
 
     path = schema or grammar
     if path is None:
         return None
     try:
-        text = readable(path, f"{'schema' if schema else 'grammar'} file").read_text()
-    except (OSError, UnicodeDecodeError) as error:
+        text = read_text(readable(path, f"{'schema' if schema else 'grammar'} file"), 4 * MAX_GRAMMAR_CHARS)
+    except (OSError, ValueError) as error:  # (not UTF-8, or longer than any grammar compiled)
         raise ConfigError(f"cannot read {path} as text: {error}") from None
     if grammar:
         return Constraint("grammar", text)

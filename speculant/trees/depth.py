@@ -23,13 +23,14 @@ from pathlib import Path
 
 import torch
 
-from speculant.cache import cache_root
+from speculant.cache import cache_root, read_text
 from speculant.errors import ConfigError
 
 FEATURES = 4
 HIDDEN = 16  # the features predictor's layer
 ENCODER = 64  # the hidden-state predictor's encoder width
 INPUTS = ("hidden", "features")
+MOST_PREDICTOR_BYTES = 1 << 26  # a predictor file's size at most (a hidden-state encoder of a 4096-wide model: 5 MB)
 RECENT = 0.5  # how much of the per-level acceptance a tree leaves to the trees before it
 
 
@@ -122,7 +123,7 @@ class DepthPredictor:
     def load(cls, path: Path) -> DepthPredictor:
         """A predictor `save` wrote; a ConfigError for a file that is not one."""
         try:
-            saved = json.loads(path.read_text())
+            saved = json.loads(read_text(path, MOST_PREDICTOR_BYTES))
             return cls(saved["max_depth"], saved.get("inputs", "features"), saved.get("width", FEATURES),
                        {name: torch.tensor(value) for name, value in saved["state"].items()})
         except (OSError, ValueError, KeyError, TypeError, AttributeError, RuntimeError, RecursionError) as error:
