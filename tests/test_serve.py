@@ -421,6 +421,9 @@ def test_openai_client_completions_chat_and_streams(server):
         engine.target.tokenizer.chat_template = TEMPLATE
     assert named.usage.prompt_tokens == plain.usage.prompt_tokens - len("user") + len("ann")
     assert partly.status_code == 400 and partly.json()["error"]["param"] == "messages.1.name", partly.text
+    for message in ({"role": "user", "content": None}, {"role": "assistant"}):  # (named the message before)
+        empty = httpx.post(f"{url}/chat/completions", json={"model": "tiny", "max_tokens": 1, "messages": [message]})
+        assert empty.status_code == 400 and empty.json()["error"]["param"] == "messages.0.content", empty.text
     chunks = list(client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "hi"}],
                                                  max_tokens=16, temperature=0, stream=True,
                                                  stream_options={"include_usage": True}))

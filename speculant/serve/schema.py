@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Annotated, Any, Literal
 
-from pydantic import AfterValidator, BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
 
 from speculant.config import MIN_TEMPERATURE, SEEDS
 from speculant.errors import ConfigError
@@ -260,10 +260,10 @@ class Message(BaseModel):
     model_config = ConfigDict(strict=True, extra="forbid")
 
     role: Literal["system", "user", "assistant", "developer", "tool"]
-    content: Text | list[TextPart] | None = None
+    tool_calls: list[ToolCall] | None = Field(None, description="an assistant's calls, in a later turn")
+    content: Text | list[TextPart] | None = Field(None, validate_default=True)  # (after tool_calls: `_parts` reads them)
     name: Text | None = Field(None, description="the participant's name, where the model's chat template writes it "
                               "(elsewhere refused: a name the model never reads is not dropped unsaid)")
-    tool_calls: list[ToolCall] | None = Field(None, description="an assistant's calls, in a later turn")
     tool_call_id: Text | None = Field(None, description="a tool message: the call it answers")
     # null only: OpenAI's own replies carry them so, and a client replays its history as it got it
     refusal: None = Field(None, description="null only (a reply's refusal, replayed)")
@@ -274,15 +274,15 @@ class Message(BaseModel):
 
     @field_validator("content")
     @classmethod
-    def _parts(cls, content: str | list[TextPart] | None) -> str | list[TextPart] | None:
+    def _parts(cls, content: str | list[TextPart] | None, info: ValidationInfo) -> str | list[TextPart] | None:
         if content == []:
             raise ValueError("a text or a list of at least one part, not an empty list (as OpenAI's)")
+        if content is None and not (info.data.get("role") == "assistant" and info.data.get("tool_calls")):
+            raise ValueError("content is required (an assistant's may be null where it has tool_calls)")
         return content
 
     @model_validator(mode="after")
     def _roles(self) -> Message:
-        if self.content is None and not (self.role == "assistant" and self.tool_calls):
-            raise ValueError("content is required (an assistant's may be null where it has tool_calls)")
         if self.tool_calls is not None and self.role != "assistant":
             raise ValueError("only an assistant's message has tool_calls")
         if (self.role == "tool") != (self.tool_call_id is not None):
