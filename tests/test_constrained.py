@@ -217,11 +217,13 @@ def test_the_deepest_chains_a_grammar_may_spell_compile_without_ending_the_proce
     lark, n = chain(lambda i: f'a{i}: "x" a{i + 1} | "y"\n', room)
     grammar = Constraint("grammar", "start: a0\n" + "".join(lark) + f'a{n}: "z"\n')
 
-    def ref(i):
-        return f'"d{i}": {{"type": "object", "properties": {{"a": {{"$ref": "#/$defs/d{i + 1}"}}}}, "required": ["a"]}}, '
+    def references(room):  # objects each holding the next, by reference
+        defs, n = chain(lambda i: f'"d{i}": {{"type": "object", "properties": {{"a": {{"$ref": "#/$defs/d{i + 1}"}}}}, '
+                        '"required": ["a"]}, ', room)
+        return {"$defs": {**json.loads("{" + "".join(defs)[:-2] + "}"), f"d{n}": {"type": "integer"}},
+                "$ref": "#/$defs/d0"}, n
 
-    defs, n = chain(ref, room // 10 * 9)  # (as compiled, the schema's grammar is a tenth shorter than its JSON)
-    schema = {"$defs": {**json.loads("{" + "".join(defs)[:-2] + "}"), f"d{n}": {"type": "integer"}}, "$ref": "#/$defs/d0"}
+    schema, n = references(room // 10 * 9)  # (as compiled, the schema's grammar is a tenth shorter than its JSON)
     assert n > 1000 and len(json.dumps(schema)) <= MAX_GRAMMAR_CHARS
     followed = []
 
@@ -234,8 +236,7 @@ def test_the_deepest_chains_a_grammar_may_spell_compile_without_ending_the_proce
     worker.start()
     worker.join()
     assert followed == [True, True]
-    defs, n = chain(ref, MAX_GRAMMAR_CHARS + 100)
-    schema = {"$defs": {**json.loads("{" + "".join(defs)[:-2] + "}"), f"d{n}": {"type": "integer"}}, "$ref": "#/$defs/d0"}
+    schema, _ = references(MAX_GRAMMAR_CHARS + 100)
     with pytest.raises(ConfigError, match=f"the json_schema is {len(json.dumps(schema))} characters; at most"):
         Constraint("json_schema", schema)
 

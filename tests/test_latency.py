@@ -86,7 +86,7 @@ def test_a_profile_missing_a_field_names_it(tmp_path):
     without end before; a missing field other than forward_s was the constructor's TypeError)."""
     path = tmp_path / "other.json"
     path.write_text(json.dumps({"forward_s": {"1": 0.01}}))
-    with pytest.raises(ConfigError, match=r"cannot read latency profile .*: it has no field 'model' \(not a `speculant"):
+    with pytest.raises(ConfigError, match=r"cannot read latency profile .*: it has no field 'model' \(not a `"):
         LatencyProfile.load(path)
     data = {"model": "m", "dtype": "fp32", "device": "cpu", "context_len": 256, "ttft_s": 0.1, "tpot_s": 0.01,
             "forward_s": {"1": 0.01}, "tpot": 0.01}

@@ -261,7 +261,7 @@ class Message(BaseModel):
 
     role: Literal["system", "user", "assistant", "developer", "tool"]
     tool_calls: list[ToolCall] | None = Field(None, description="an assistant's calls, in a later turn")
-    content: Text | list[TextPart] | None = Field(None, validate_default=True)  # (after tool_calls: `_parts` reads them)
+    content: Text | list[TextPart] | None = Field(None, validate_default=True)  # (after tool_calls: `_parts` reads it)
     name: Text | None = Field(None, description="the participant's name, where the model's chat template writes it "
                               "(elsewhere refused: a name the model never reads is not dropped unsaid)")
     tool_call_id: Text | None = Field(None, description="a tool message: the call it answers")

@@ -47,7 +47,7 @@ MAX_ITEMS_IN_ROW = 500
 MAX_GRAMMAR_CHARS = 128 * 1024
 # llguidance compiles by recursion: a chain of a few thousand rules, or of a thousand `$ref`s, overflows a thread's
 # default stack, and a stack overflow ends the process, server and all. Compiles run on a thread with this much stack
-# (`on_deep_stack`), room for the deepest chain MAX_GRAMMAR_CHARS can spell, several times over (tests/test_constrained).
+# (`on_deep_stack`): room for the deepest chain MAX_GRAMMAR_CHARS can spell, several times over (test_constrained.py).
 COMPILE_STACK = 256 * 1024 * 1024
 _STACK_SIZE = threading.Lock()  # (threading.stack_size is the process's: set for one thread's start, then put back)
 
