@@ -29,6 +29,12 @@ class RequestError(ConfigError):
         self.field = field
 
 
+class DraftFault(ConfigError):
+    """A drafter broke its contract while a generation ran (a draft of other ids, lengths or distributions than the
+    step asked for: `drafters.base.Checked`): the drafter's fault, not the options of the call. A server answers it as
+    its own fault (500), where a ConfigError is the request's (400)."""
+
+
 class ModelNotAvailable(SpeculantError):
     """A model cannot be loaded: unknown name, missing package, missing device."""
 

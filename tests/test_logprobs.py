@@ -55,6 +55,9 @@ def test_a_stream_s_logprobs_grow_with_its_tokens_and_plain_runs_have_none():
         assert len(stream.logprobs) == n and stream.logprobs[-1].top == ()
     assert stream.result.logprobs == stream.logprobs
     assert generate(target, prompt_ids=[1, 2, 3], method="ar", max_new_tokens=4).logprobs is None
+    small = tiny_model("llama", 0, 16)  # more alternatives asked for than the vocabulary holds: all of it (topk raised)
+    assert all(len(entry.top) == 16 for entry in generate(small, prompt_ids=[1, 2, 3], method="ar", max_new_tokens=3,
+                                                          logprobs=20).logprobs)
 
 
 @pytest.mark.parametrize("count", [-1, 21, 2.5, True])

@@ -927,6 +927,43 @@ def test_a_stopped_worker_fails_its_requests_and_health_says_so():
                          client.get("/health")):
             assert response.status_code == 503 and response.json()["error"]["code"] == "worker_stopped"
     engine.close()
+    # A closed engine (a server shutting down) refuses later requests the same way, and /health says so: they were a
+    # 500 (a RuntimeError), and /health answered 200.
+    for method in ("ar", "dsi"):
+        engine = engine_for(method)
+        with TestClient(create_app(engine, "tiny"), raise_server_exceptions=False) as client:
+            engine.close()
+            for response in (client.post("/v1/completions", json={"model": "tiny", "prompt": "hi", "max_tokens": 2}),
+                             client.get("/health")):
+                assert response.status_code == 503 and response.json()["error"] == {
+                    "message": "the server is shutting down", "type": "server_error", "param": None,
+                    "code": "worker_stopped"}, response.text
+
+
+class OutOfVocabulary(Drafter):
+    """Drafts an id past the vocabulary: a drafter that breaks its contract."""
+
+    name = "out"
+
+    def propose(self, context, k):
+        return Draft([10**6], None)
+
+    def observe(self, n_accepted):
+        pass
+
+
+def test_the_server_s_own_drafter_breaking_its_contract_is_the_server_s_fault():
+    """A 500 with an error id, as a drafter that raises is, not a 400 that blames the request (and names its
+    `speculant` options where it has some)."""
+    engine = engine_for("sd", drafter=OutOfVocabulary())
+    with TestClient(create_app(engine, "tiny"), raise_server_exceptions=False) as client:
+        for options in ({}, {"speculant": {"k": 2}}):
+            response = client.post("/v1/completions", json={"model": "tiny", "prompt": "hi", "max_tokens": 4,
+                                                            **options})
+            error = response.json()["error"]
+            assert response.status_code == 500 and error["type"] == "server_error" and error["param"] is None, error
+            assert error["message"].startswith("the server failed (error id ")
+    engine.close()
 
 
 def test_a_full_queue_answers_429_and_a_wrong_key_401():

@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from speculant.config import as_integer
-from speculant.errors import ConfigError
+from speculant.errors import ConfigError, DraftFault
 from speculant.models.wrappers.metered import Usage
 
 if TYPE_CHECKING:
@@ -111,47 +111,47 @@ class Checked(Drafter):
     def _count(self, what: str, n: object) -> int:
         """`n`, what the inner drafter's `what` returned, as a whole number >= 0; else a ConfigError naming both."""
         if as_integer(n) is None or n < 0:
-            raise ConfigError(f"drafter '{self.name}': {what} returned {n!r}, not a whole number >= 0")
+            raise DraftFault(f"drafter '{self.name}': {what} returned {n!r}, not a whole number >= 0")
         return as_integer(n)
 
     def begin(self, prompt_ids: list[int]) -> Drafter:
         began = self.inner.begin(prompt_ids)
         if not isinstance(began, Drafter):
-            raise ConfigError(f"drafter '{self.name}': begin returned {type(began).__name__}, not a speculant.Drafter "
-                              "(itself, or a copy for this generation)")
+            raise DraftFault(f"drafter '{self.name}': begin returned {type(began).__name__}, not a speculant.Drafter "
+                             "(itself, or a copy for this generation)")
         return self if began is self.inner else Checked(began, self.vocab_size, self.name)  # (a registered name too)
 
     def propose(self, context: list[int], k: int) -> Draft:
         draft = self.inner.propose(context, k)
         if not isinstance(draft, Draft):
-            raise ConfigError(f"drafter '{self.name}': propose returned {type(draft).__name__}, not a speculant.Draft")
+            raise DraftFault(f"drafter '{self.name}': propose returned {type(draft).__name__}, not a speculant.Draft")
         if not (isinstance(draft.usage, dict) and all(isinstance(u, Usage) for u in draft.usage.values())):
-            raise ConfigError(f"drafter '{self.name}': its draft's usage is {draft.usage!r}, not a dict of "
-                              "speculant Usage by drafter name (leave it empty where it runs no model)")
+            raise DraftFault(f"drafter '{self.name}': its draft's usage is {draft.usage!r}, not a dict of "
+                             "speculant Usage by drafter name (leave it empty where it runs no model)")
         if draft.tree is not None:
             from speculant.trees.tree import TokenTree
 
             if not isinstance(draft.tree, TokenTree) or draft.tokens:  # (tokens read as a chain had dropped the tree)
-                raise ConfigError(f"drafter '{self.name}': its draft holds a tree of {type(draft.tree).__name__} and "
-                                  f"tokens {draft.tokens!r}: a draft is a TokenTree (tokens empty) or tokens")
+                raise DraftFault(f"drafter '{self.name}': its draft holds a tree of {type(draft.tree).__name__} and "
+                                 f"tokens {draft.tokens!r}: a draft is a TokenTree (tokens empty) or tokens")
         tokens = draft.tree.tokens[1:] if draft.tree is not None else draft.tokens
         try:
             ids = [as_integer(t) for t in tokens]
         except TypeError:
             ids = [None]
         if any(i is None or not 0 <= i < self.vocab_size for i in ids):
-            raise ConfigError(f"drafter '{self.name}': its draft holds {tokens!r}, not token ids in "
-                              f"[0, {self.vocab_size})")
+            raise DraftFault(f"drafter '{self.name}': its draft holds {tokens!r}, not token ids in "
+                             f"[0, {self.vocab_size})")
         if draft.tree is not None:
             if as_integer(draft.tree.tokens[0]) != context[-1]:
-                raise ConfigError(f"drafter '{self.name}': its tree's root is {draft.tree.tokens[0]!r}, not the "
-                                  f"context's last token {context[-1]}")
+                raise DraftFault(f"drafter '{self.name}': its tree's root is {draft.tree.tokens[0]!r}, not the "
+                                 f"context's last token {context[-1]}")
             if max(draft.tree.depths) > k:
-                raise ConfigError(f"drafter '{self.name}': a tree {max(draft.tree.depths)} deep proposed where {k} "
-                                  "tokens were asked for")
+                raise DraftFault(f"drafter '{self.name}': a tree {max(draft.tree.depths)} deep proposed where {k} "
+                                 "tokens were asked for")
             return draft
         if len(ids) > k:
-            raise ConfigError(f"drafter '{self.name}': {len(ids)} tokens proposed where {k} were asked for")
+            raise DraftFault(f"drafter '{self.name}': {len(ids)} tokens proposed where {k} were asked for")
         if draft.probs is not None:
             draft.probs = self._check_q(ids, draft.probs)
         draft.tokens = ids  # (NumPy's integers committed as Python's)
@@ -165,22 +165,22 @@ class Checked(Drafter):
         2023, Algorithm 1), where the distribution the drafter drew from (`torch.multinomial` normalises) sums to
         1."""
         if not isinstance(q, torch.Tensor) or not q.is_floating_point():
-            raise ConfigError(f"drafter '{self.name}': its q is {type(q).__name__}"
-                              f"{f' of {q.dtype}' if isinstance(q, torch.Tensor) else ''}, not a float tensor")
+            raise DraftFault(f"drafter '{self.name}': its q is {type(q).__name__}"
+                             f"{f' of {q.dtype}' if isinstance(q, torch.Tensor) else ''}, not a float tensor")
         if tuple(q.shape) != (len(ids), self.vocab_size):
-            raise ConfigError(f"drafter '{self.name}': its q is {tuple(q.shape)}, not one row per token of the "
-                              f"target's {self.vocab_size} logits")
+            raise DraftFault(f"drafter '{self.name}': its q is {tuple(q.shape)}, not one row per token of the "
+                             f"target's {self.vocab_size} logits")
         if not ids:  # (an empty draft's rows: none to check)
             return q
         sums, least = q.sum(-1, dtype=torch.float32), q.min()
         if not bool((least >= 0) & ((sums - 1).abs() <= Q_SUM_TOLERANCE).all()):  # (one pass each, one sync)
-            raise ConfigError(f"drafter '{self.name}': its q's rows are not distributions (sums "
-                              f"{[round(float(x), 4) for x in sums]}, least entry {float(least)})")
+            raise DraftFault(f"drafter '{self.name}': its q's rows are not distributions (sums "
+                             f"{[round(float(x), 4) for x in sums]}, least entry {float(least)})")
         drawn = q.gather(-1, torch.tensor(ids, dtype=torch.long, device=q.device)[:, None])[:, 0]  # q(x_i)
         if not bool((drawn > 0).all()):
             i = int((~(drawn > 0)).nonzero()[0])
-            raise ConfigError(f"drafter '{self.name}': its q gives its own token {ids[i]} (draft position {i}) "
-                              f"probability {float(drawn[i])}, where it must be above 0 (it drew that token)")
+            raise DraftFault(f"drafter '{self.name}': its q gives its own token {ids[i]} (draft position {i}) "
+                             f"probability {float(drawn[i])}, where it must be above 0 (it drew that token)")
         return q / sums.to(q.dtype)[:, None]
 
     def observe(self, n_accepted: int) -> None:

@@ -31,11 +31,11 @@ from starlette.exceptions import HTTPException
 
 from speculant.api import encode_prompt
 from speculant.config import ModelConfig, SamplingConfig, ServeConfig
-from speculant.errors import ConfigError, OptionError, RequestError
+from speculant.errors import ConfigError, DraftFault, OptionError, RequestError
 from speculant.methods.registry import check_names, get_method, request_options
 from speculant.models.wrappers.biased import check_bias
 from speculant.models.wrappers.constrained import Constraint, Matcher
-from speculant.serve.batcher import WorkerStopped
+from speculant.serve.batcher import CLOSED, WorkerStopped
 from speculant.serve.engine import Engine, ServeJob, Outcome, QueueFull
 from speculant.serve import schema, tools
 from speculant.serve.metrics import Metrics
@@ -132,8 +132,8 @@ def create_app(engine: Engine, served_name: str, config: ServeConfig | None = No
 
     @app.api_route("/health", methods=["GET", "HEAD"])  # (probes may ask with HEAD)
     async def health() -> dict[str, str]:
-        if engine.batcher.failure is not None:  # (every request would fail)
-            raise ApiError(503, engine.batcher.failure, code="worker_stopped")
+        if engine.batcher.failure is not None or engine.batcher.closed:  # (every request would fail)
+            raise ApiError(503, engine.batcher.failure or CLOSED, code="worker_stopped")
         return {"status": "ok"}
 
     @app.get("/metrics")
@@ -437,10 +437,10 @@ async def next_item(queue: asyncio.Queue, http: Request) -> Any:
 
 def ended(item: _End, refused: str | None = None) -> Outcome:
     """The job's outcome, or the ApiError its failure is answered with (a ConfigError: about the field `refused`,
-    or the option it names)."""
+    or the option it names; but a drafter's broken contract, the server's own drafter's, is the server's fault)."""
     if isinstance(item.outcome, Outcome):
         return item.outcome
-    if isinstance(item.outcome, ConfigError):
+    if isinstance(item.outcome, ConfigError) and not isinstance(item.outcome, DraftFault):
         raise ApiError(400, str(item.outcome), option_param(item.outcome, refused))
     raise server_fault(item.outcome, "a generation")  # (its text stays in the log: it may hold paths)
 

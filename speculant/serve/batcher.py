@@ -47,6 +47,9 @@ PREFILL_TOKENS = 512  # prompt tokens one batch prefills (one prompt at least): 
 LOG = logging.getLogger("speculant.serve")
 
 
+CLOSED = "the server is shutting down"
+
+
 class WorkerStopped(RuntimeError):
     """The batcher's worker ended on an error: what it held or queued fails, and it takes nothing more."""
 
@@ -94,8 +97,8 @@ class Batcher:
         with self._cond:
             if self.failure is not None:
                 raise WorkerStopped(self.failure)
-            if self._closed:
-                raise RuntimeError("the batcher is closed")
+            if self._closed:  # (a request that arrives while the server shuts down)
+                raise WorkerStopped(CLOSED)
             self._inbox.append((work, fail))
             self._cond.notify()
 
@@ -141,6 +144,11 @@ class Batcher:
             raise WorkerStopped(self.failure)
         self._parked.append(_Parked(request, handle, call))
         return request.parent.switch()
+
+    @property
+    def closed(self) -> bool:
+        """Whether `close` was called: later requests are refused (WorkerStopped)."""
+        return self._closed
 
     def close(self) -> None:
         """Stop once the running and waiting requests are done."""

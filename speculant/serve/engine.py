@@ -29,7 +29,7 @@ from speculant.models.wrappers.constrained import Matcher
 from speculant.models.wrappers.logprobs import TokenLogprob
 from speculant.prefixes import PrefixCache
 from speculant.sampling import seeded
-from speculant.serve.batcher import Batcher, Row
+from speculant.serve.batcher import CLOSED, Batcher, Row, WorkerStopped
 from speculant.serve.metrics import Metrics
 from speculant.serve.text import TextStream
 from speculant.session import Session
@@ -356,7 +356,7 @@ class Engine:
         one, where the job asks for them) go to `on_text`, each step's tokens and their provenance to `on_step`
         (`Steps.close`) where given, and the end to `on_end`, from the batcher's thread. Raises QueueFull when the
         queue is full (or, for a request apart, `max_batch` run apart already), WorkerStopped once the batcher's
-        worker has stopped, a ConfigError for options the server cannot run."""
+        worker has stopped or the engine closes, a ConfigError for options the server cannot run."""
         spec, options = self.options_for(job.method, job.options)
         check_request(spec.name, job.logprobs, job.logit_bias, job.constraint and job.constraint.constraint)
         ticket, submitted, apart = Ticket(), time.perf_counter(), spec.name in APART
@@ -369,6 +369,8 @@ class Engine:
                 on_end(error)
 
         with self._lock:
+            if self.batcher.closed:  # (a request apart too: `close` waits for those it knows of)
+                raise WorkerStopped(CLOSED)
             if apart and len(self._running_apart) >= self.max_batch:
                 raise QueueFull(f"{len(self._running_apart)} {spec.name} requests are decoding; try again later")
             if not apart and self.batcher.waiting + self.batcher.load >= self.max_batch + self.max_queue:

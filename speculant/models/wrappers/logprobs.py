@@ -77,6 +77,6 @@ class Recorded(Wrapper):
         logprobs = torch.log_softmax(row, dim=-1)
         top = ()
         if self.top:
-            values, ids = torch.topk(logprobs, self.top)
+            values, ids = torch.topk(logprobs, min(self.top, len(logprobs)))  # (a vocabulary smaller than asked)
             top = tuple(zip(ids.tolist(), values.tolist()))
         return TokenLogprob(token, float(logprobs[token]), top)
