@@ -196,6 +196,9 @@ def test_a_request_s_default_drafters_are_the_server_s_whatever_other_requests_a
     assert engine.models == [named, "maxgram"]
     with pytest.raises(OptionError, match=f"'foo' is not loaded on this server \\(loaded: {named}, maxgram\\)$"):
         engine.options_for("sd", {"drafter": "foo"})
+    for value in ({"a": 1}, [["maxgram"]]):  # (their text had been taken for a drafter's name)
+        with pytest.raises(OptionError, match="drafters takes text, a number, true or false, or a list of them; got "):
+            engine.options_for("auto", {"drafters": value})
     assert str(engine.options_for("sd", {"drafter": named})[1].drafter) == named
     engine.close()
 

@@ -10,6 +10,7 @@ never wait, so the rest are refused.
 
 from __future__ import annotations
 
+import json
 import threading
 import time
 from collections.abc import Callable, Mapping
@@ -310,6 +311,10 @@ class Engine:
         except ConfigError as error:
             raise OptionError("method", str(error)) from None
         by_name = {f.name: f for f in fields(spec.options)}
+        for name, value in given.items():  # (their text would name no drafter, width or number: refused as what it is)
+            if isinstance(value, dict) or isinstance(value, list) and any(isinstance(v, (dict, list)) for v in value):
+                raise OptionError(name, f"{name} takes text, a number, true or false, or a list of them; got "
+                                  f"{type(value).__name__} {json.dumps(value, default=str)[:60]}")
         text = {k: as_text(v) for k, v in given.items()}  # values as a bench spec gives them: parsed, checked
         loaded: dict[str, Any] = {}  # the defaults a request's values replace
         if "drafter" in by_name:  # the server's first model drafter, else Max-Gram
