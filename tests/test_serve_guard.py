@@ -587,6 +587,7 @@ def test_the_api_key_guards_every_route_but_health_and_the_page_and_the_flags_op
                 response = client.request(method, route.path, json={})
                 assert (response.status_code != 401) == (route.path in open_routes), (route.path, response.text)
             assert {"/docs", "/openapi.json"} <= {r.path for r in app.routes} or not config.docs
+            assert client.head("/").status_code == 200  # (as /health: probes may HEAD; it was a 405)
     with TestClient(create_app(engine, "tiny", ServeConfig(api_key="k"))) as client:
         assert client.get("/v1/models", headers={"authorization": "bearer k"}).status_code == 200
         for twice in ([("authorization", "Bearer wrong"), ("authorization", "Bearer k")],

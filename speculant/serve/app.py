@@ -126,7 +126,7 @@ def create_app(engine: Engine, served_name: str, config: ServeConfig | None = No
                        routes=app.routes)
     app.mount("/playground", StaticFiles(directory=PLAYGROUND), name="playground")
 
-    @app.get("/", include_in_schema=False)
+    @app.api_route("/", methods=["GET", "HEAD"], include_in_schema=False)  # (as /health: probes may HEAD)
     async def playground() -> FileResponse:
         return FileResponse(PLAYGROUND / "index.html")
 
