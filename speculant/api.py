@@ -132,12 +132,12 @@ def decode(tokenizer: Any | None, token_ids: list[int]) -> str | None:
 
 def check_prompt(prompt: Any) -> None:
     """A ConfigError unless `prompt` is a text or a sequence of messages, each text encodable as UTF-8 (a lone
-    surrogate, as JSON's escapes can write one, is not)."""
+    surrogate, as JSON's escapes can write one, is not): a message's content and its other texts (a role, a name)."""
     if isinstance(prompt, (bytes, bytearray)) or not isinstance(prompt, (str, Sequence)):
         raise ConfigError(f"the prompt must be a text or a list of messages, not {type(prompt).__name__}")
     if not isinstance(prompt, str) and prompt and all(isinstance(item, int) for item in prompt):
         raise ConfigError("the prompt is a text or a list of messages: token ids go in prompt_ids")
-    texts = [prompt] if isinstance(prompt, str) else [m.get("content") for m in prompt if isinstance(m, dict)]
+    texts = [prompt] if isinstance(prompt, str) else [v for m in prompt if isinstance(m, dict) for v in m.values()]
     for text in (t for t in texts if isinstance(t, str)):
         try:
             text.encode()

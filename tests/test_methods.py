@@ -243,6 +243,8 @@ def test_generate_refuses_what_it_cannot_take_in_one_line_and_takes_numpy_and_to
             (dict(method="cascade", drafters=5), "drafters must be a drafter.s name, a model or a Drafter, not int"),
             (dict(prompt_ids=None, prompt="a\udcffb"), "the prompt is not UTF-8 text"),
             (dict(prompt_ids=None, prompt=[{"role": "user", "content": "a\udcff"}]), "not UTF-8 text"),
+            (dict(prompt_ids=None, prompt=[{"role": "us\udcffer", "content": "a"}]), "not UTF-8 text"),  # (was
+            # the chat template's failure)
             (dict(method="sd", drafter="maxgrm"), "drafter: unknown model 'maxgrm'.* model: .*maxgram, suffix"),
             (dict(method="tree", drafter="maxgrm"), "drafter: unknown model 'maxgrm'(?!.*without a model)"),
             (dict(method="auto", drafters=["maxgram", "nosuch"]), "drafter: unknown model 'nosuch'")]:
