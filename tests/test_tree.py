@@ -29,6 +29,8 @@ def test_malformed_trees_are_refused():
     for parents in ((-1, 1), (0, 0)):
         with pytest.raises(ValueError, match="parents must precede their children and node 0 must be the root"):
             TokenTree((1, 2), parents)
+    with pytest.raises(TypeError, match="tuples of ints, not tensors"):  # (was torch's "Boolean value of Tensor")
+        TokenTree(torch.tensor([1, 2]), (-1, 0))
 
 
 @pytest.mark.parametrize("device", DEVICES)

@@ -19,6 +19,8 @@ class TokenTree:
     parents: tuple[int, ...]  # parents[0] == -1; parents[i] < i
 
     def __post_init__(self) -> None:
+        if isinstance(self.tokens, torch.Tensor) or isinstance(self.parents, torch.Tensor):  # (a drafter's own tree)
+            raise TypeError("a tree's tokens and parents are tuples of ints, not tensors (use .tolist())")
         if len(self.tokens) != len(self.parents) or not self.tokens:
             raise ValueError("a tree needs one parent per token and at least the root")
         if self.parents[0] != -1 or any(not 0 <= p < i for i, p in enumerate(self.parents) if i):
