@@ -13,6 +13,7 @@ from dataclasses import MISSING, asdict, dataclass, field, fields
 from functools import cached_property
 from pathlib import Path
 
+from speculant.cache import read_text
 from speculant.config import LEAST_LATENCY_MS, MOST_LATENCY_MS, as_integer, as_number
 from speculant.errors import ConfigError
 
@@ -129,11 +130,10 @@ class LatencyProfile:
         """What `save` wrote; a ValueError naming a value no measurement gives (a file edited, or another's)."""
         if not isinstance(data, dict):
             raise ValueError(f"a profile is a JSON object, not {type(data).__name__}")
-        given = fields(cls)
-        if missing := next((f.name for f in given if f.default is MISSING and f.default_factory is MISSING and
-                            f.name not in data), None):
+        required = [f.name for f in fields(cls) if f.default is MISSING and f.default_factory is MISSING]
+        if missing := next((name for name in required if name not in data), None):
             raise KeyError(missing)
-        if unknown := next((name for name in data if name not in {f.name for f in given}), None):
+        if unknown := next((name for name in data if name not in {f.name for f in fields(cls)}), None):
             raise ValueError(f"a profile has no field {json.dumps(unknown)[:60]}")
         for name in ("forward_s", "long_forward_s"):
             if not isinstance(data.get(name, {}), dict):
@@ -171,8 +171,6 @@ class LatencyProfile:
     @classmethod
     def load(cls, path: Path) -> LatencyProfile:
         try:
-            from speculant.cache import read_text
-
             return cls.from_dict(json.loads(read_text(path, MOST_PROFILE_BYTES)))
         except KeyError as error:
             raise ConfigError(f"cannot read latency profile {path}: it has no field {error} (not a `speculant "

@@ -120,7 +120,7 @@ def test_jsonl_prompts_and_errors(tmp_path):
             ("typo", '{"prompt": "a", "caht": true}\n', r"typo.jsonl:1: no prompt has a field \"caht\" \(the fields: "
              "prompt, turns,"),  # (it would run without the chat template)
             ("surrogate", '{"prompt": "a\\udcffb"}\n', r"surrogate.jsonl:1: the prompt is not UTF-8 text"),
-            ("twice", '{"prompt": "a", "prompt": "b"}\n', r"twice.jsonl:1: the key \"prompt\" is given twice"),
+            ("twice", '{"prompt": "a", "prompt": "b"}\n', r"twice.jsonl:1: prompt: a key given twice"),
             ("ids2", '{"prompt": "a", "id": 1, "question_id": 2}\n', r"ids2.jsonl:1: give one of 'id' and "
              "'question_id', not id and question_id"),
             ("bot", '{"messages": [{"role": "bot", "content": "a"}]}\n', r"bot.jsonl:1: expected .* \(roles: system, "

@@ -205,10 +205,10 @@ def chain(rule, room):
 
 
 def test_the_deepest_chains_a_grammar_may_spell_compile_without_ending_the_process():
-    """llguidance compiles by recursion: a thousand chained `$ref`s (94 KB of a request) or 2,600 chained rules
-    overflowed a thread's stack, and the process died with a segmentation fault (a server with it). Compiles run on a
-    deep stack; the longest chains MAX_GRAMMAR_CHARS lets through compile and follow text, on a thread of the usual
-    stack as a server's worker is; a longer schema is refused by its length before it compiles."""
+    """llguidance compiles by recursion: a chain of `$ref`s or of rules well within a request's body overflowed a
+    thread's stack, and the process died with a segmentation fault (a server with it). Compiles run on a deep stack; the
+    longest chains MAX_GRAMMAR_CHARS lets through compile and follow text, on a thread of the usual stack as a server's
+    worker is; a longer schema is refused by its length before it compiles."""
     import threading
 
     from speculant.models.wrappers.constrained import MAX_GRAMMAR_CHARS, Matcher

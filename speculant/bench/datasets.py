@@ -15,6 +15,7 @@ from typing import Any
 from speculant.api import check_prompt, encode_prompt, room_for
 from speculant.cache import TooLong, is_dir, is_file, read_text, readable
 from speculant.errors import ConfigError
+from speculant.json_text import json_fault
 from speculant.models.wrappers.constrained import Constraint
 
 _SLICE = re.compile(r"(?P<name>.+?)\[(?P<start>-?\d*):(?P<stop>-?\d*)\]")
@@ -43,30 +44,16 @@ FIELDS = ("prompt", "turns", "messages", "id", "question_id", "category", "chat"
 # answers, HumanEval's task id, solution and tests. Any other field is refused: a misspelled one ("caht") would run
 # the prompt otherwise than written.
 UNUSED_FIELDS = ("reference", "task_id", "canonical_solution", "test", "entry_point")
-
-
 MOST_PROMPTS_BYTES = 1 << 28  # a prompts file's size at most (a thousand long-context prompts: tens of MB)
 ROLES = ("system", "user", "assistant")  # a chat prompt's messages' roles, as every chat template takes them
-
-
-class RepeatedKey(Exception):
-    """A JSON object gives a key twice (`once`): the key."""
-
-
-def once(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
-    """A JSON object's pairs as a dict, where each key is given once (RepeatedKey otherwise)."""
-    value = dict(pairs)
-    if len(value) < len(pairs):
-        seen: set[str] = set()
-        raise RepeatedKey(next(key for key, _ in pairs if key in seen or seen.add(key)))
-    return value
 
 
 def load_jsonl(path: Path) -> list[Prompt]:
     """Records with a `prompt` string, or `turns` (the first turn is used, as a chat message), or `messages`,
     and optional `id` / `question_id`, `category`, `chat` (a `prompt` in the chat template) and `response_format`
-    (OpenAI's); errors name the line. A field of none of these (nor of UNUSED_FIELDS), a key given twice in one
-    object, a message's field beside its role and content, and both ids are refused: none is dropped unsaid."""
+    (OpenAI's); errors name the line. A field of none of these (nor of UNUSED_FIELDS), what `json` reads past without
+    a word (`json_fault`: a key given twice), a message's field beside its role and content, and both ids are
+    refused: none is dropped unsaid."""
     prompts, lines_of = [], {}  # (the line of each id)
     try:
         lines = read_text(path, MOST_PROMPTS_BYTES).splitlines()
@@ -80,16 +67,15 @@ def load_jsonl(path: Path) -> list[Prompt]:
         if not line.strip():
             continue
         try:
-            record = json.loads(line, object_pairs_hook=once)
-        except RepeatedKey as repeated:
-            raise ConfigError(f"{path}:{number}: the key {json.dumps(str(repeated))[:60]} is given twice in one object "
-                              "(the last would win without a word)") from None
+            record = json.loads(line)
         except json.JSONDecodeError as error:
             raise ConfigError(f"{path}:{number}: not valid JSON ({error.msg})") from None
         except RecursionError:
             raise ConfigError(f"{path}:{number}: nested too deeply") from None
         if not isinstance(record, dict):
             raise ConfigError(f"{path}:{number}: expected a JSON object")
+        if fault := json_fault(line):  # (a key given twice: the last would win without a word)
+            raise ConfigError(f"{path}:{number}: {fault[0] or 'the record'}: {fault[1]}")
         if unknown := next((name for name in record if name not in FIELDS + UNUSED_FIELDS), None):
             raise ConfigError(f"{path}:{number}: no prompt has a field {json.dumps(unknown)[:60]} (the fields: "
                               f"{', '.join(FIELDS)})")

@@ -83,13 +83,12 @@ Q_SUM_TOLERANCE = 1e-2  # a user's q row may sum this far from 1 (rounded in hal
 
 
 class Checked(Drafter):
-    """A user's drafter (one passed in, or registered from outside speculant), its drafts checked before anything
-    reads them: a Draft whose tokens are ids of the target's vocabulary, at most k of them, and whose q is a float
-    tensor with a row per token as wide as the target's logits, each row a distribution giving its drafted token a
-    probability above 0; else a ConfigError naming the drafter (a list, an id out of range or a q of another width
-    had failed deep in verification, an id past the vocabulary read another token's row, a q of 0 for its own token
-    made p/q infinite, and rows that are not distributions voided the output's).
-    Everything else is the drafter's own."""
+    """A user's drafter (one passed in, or registered from outside speculant), its drafts checked before anything reads
+    them: a Draft whose tokens are ids of the target's vocabulary, at most k of them, and whose q is a float tensor with
+    a row per token as wide as the target's logits, each row a distribution giving its drafted token a probability above
+    0; else a DraftFault (a ConfigError) naming the drafter (a list, an id out of range or a q of another width had
+    failed deep in verification, an id past the vocabulary read another token's row, a q of 0 for its own token made p/q
+    infinite, and rows that are not distributions voided the output's). Everything else is the drafter's own."""
 
     def __init__(self, inner: Drafter, vocab_size: int, name: str | None = None):
         self.inner, self.vocab_size = inner, vocab_size
@@ -109,7 +108,7 @@ class Checked(Drafter):
         return self._count("match_length", self.inner.match_length(context))
 
     def _count(self, what: str, n: object) -> int:
-        """`n`, what the inner drafter's `what` returned, as a whole number >= 0; else a ConfigError naming both."""
+        """`n`, what the inner drafter's `what` returned, as a whole number >= 0; else a DraftFault naming both."""
         if as_integer(n) is None or n < 0:
             raise DraftFault(f"drafter '{self.name}': {what} returned {n!r}, not a whole number >= 0")
         return as_integer(n)

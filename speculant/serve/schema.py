@@ -10,7 +10,8 @@ from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationInf
 from speculant.config import MIN_TEMPERATURE, SEEDS
 from speculant.errors import ConfigError
 from speculant.models.wrappers.constrained import SCHEMA_NAME, Constraint, strict_fault
-from speculant.serve.tools import DECODER, call_schema, json_fault
+from speculant.json_text import json_fault
+from speculant.serve.tools import DECODER, call_schema
 
 MAX_STOP = 4096  # characters of one stop string: its match tables are built where every request's forwards run
 

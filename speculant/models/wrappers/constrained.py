@@ -45,9 +45,10 @@ MAX_ITEMS_IN_ROW = 500
 # The longest grammar compiled, as given (a Lark grammar, a regex, a JSON schema's JSON) and as llguidance takes it: a
 # compile's time and memory grow faster than its text, and a server compiles what its clients send (CHANGELOG, 12-02).
 MAX_GRAMMAR_CHARS = 128 * 1024
-# llguidance compiles by recursion: a chain of a few thousand rules, or of a thousand `$ref`s, overflows a thread's
-# default stack, and a stack overflow ends the process, server and all. Compiles run on a thread with this much stack
-# (`on_deep_stack`): room for the deepest chain MAX_GRAMMAR_CHARS can spell, several times over (test_constrained.py).
+# llguidance compiles by recursion: a chain of rules or of `$ref`s far shorter than MAX_GRAMMAR_CHARS overflows a
+# thread's default stack, and a stack overflow ends the process, server and all. Compiles run on a thread with this
+# much stack (`on_deep_stack`): room for the deepest chain MAX_GRAMMAR_CHARS can spell (test_constrained.py compiles
+# it), several times over.
 COMPILE_STACK = 256 * 1024 * 1024
 _STACK_SIZE = threading.Lock()  # (threading.stack_size is the process's: set for one thread's start, then put back)
 
