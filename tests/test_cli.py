@@ -496,6 +496,8 @@ def test_bad_files_paths_and_settings_are_one_line_before_any_model_loads(tmp_pa
               "--ray-address", "foo"], "'foo' is no Ray cluster's address"),
             (["profile", "--model", "qwen2.5-coder-0.5b", "--widths", "1-100000000"], "widths must lie in"),
             (["profile", "--model", "qwen2.5-coder-0.5b", "--widths", "1-"], "widths must look like 1-16,24,32"),
+            (["profile", "--model", "qwen2.5-coder-0.5b", "--widths", "1,1"], "1 is listed twice in '1,1'"),
+            (["bench-kernels", "--widths", "1-8,4-16"], "4 is listed twice in '1-8,4-16'"),  # (timed twice, kept once)
             (["serve", *target, "--port", port], "cannot listen on"),
             (["serve", *target, "--prefix-cache-mb", "inf"], "prefix-cache-mb must be a number >= 0"),
             (["serve", *target, "--open-metrics"], "--open-metrics opens /metrics"),
@@ -572,6 +574,9 @@ def test_a_flag_given_twice_empty_or_abbreviated_is_a_usage_error(capsys):
     flag's prefix as the flag: each is one line and exit 2 now, before any work. Repeatable flags repeat."""
     for argv, message in [
         (["bench", "--methods", "ar", "--methods", "sd:k=2"], "--methods given twice"),
+        (["bench-kernels", "--isa", "avx2", "avx2"], "--isa lists 'avx2' twice"),  # (each list's entry once: a
+        (["train-depth", "--inputs", "hidden", "hidden"], "--inputs lists 'hidden' twice"),  # repeat ran twice or
+        (["bench-serve", "--concurrency", "4", "04"], "--concurrency lists '04' twice"),  # was dropped, unsaid)
         (["generate", "x", "--method", "sd", "--method", "ar"], "--method given twice"),
         (["generate", "x", "--method", "tree", "--compile", "--no-compile"], "--compile/--no-compile given twice"),
         (["bench", "--report-from", ""], "--report-from has an empty value"),

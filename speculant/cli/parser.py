@@ -79,7 +79,11 @@ class Parser(argparse.ArgumentParser):
             self.flags_given.add(action)
             if "" in arg_strings:
                 self.error(f"{'/'.join(action.option_strings)} has an empty value: give one, or leave the flag out")
-        return super()._get_values(action, arg_strings)
+        values = super()._get_values(action, arg_strings)
+        if action.nargs in ("+", "*") and (twice := next((v for i, v in enumerate(values) if v in values[:i]), None)):
+            self.error(f"{'/'.join(action.option_strings)} lists {arg_strings[values.index(twice, 1)]!r} twice: "
+                       "list each once")  # (a repeat ran twice, or was dropped, unsaid)
+        return values
 
     def error(self, message: str) -> NoReturn:
         self.exit(2, f"speculant: error: {message} (see {self.prog} --help)\n")
@@ -342,7 +346,7 @@ MAX_WIDTH = 4096  # the widest forward a profile times (tokens in one call)
 
 
 def parse_width_ranges(text: str) -> list[int]:
-    """`1-16,24,32` -> [1, ..., 16, 24, 32], each within [1, MAX_WIDTH]."""
+    """`1-16,24,32` -> [1, ..., 16, 24, 32], each within [1, MAX_WIDTH] and listed once."""
     widths: set[int] = set()
     for part in text.split(","):
         low, dash, high = part.partition("-")
@@ -353,6 +357,8 @@ def parse_width_ranges(text: str) -> list[int]:
         if not 1 <= first <= last <= MAX_WIDTH:
             raise ConfigError(f"widths must lie in [1, {MAX_WIDTH}], each range's first no larger than its last; "
                               f"got '{part}'")
+        if twice := widths.intersection(range(first, last + 1)):
+            raise ConfigError(f"widths must be listed once each; {min(twice)} is listed twice in '{text}'")
         widths.update(range(first, last + 1))
     return sorted(widths)
 
