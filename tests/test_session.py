@@ -555,6 +555,7 @@ def test_a_user_drafter_s_q_rounded_off_one_is_verified_as_a_distribution():
     (lambda context, k: Draft(None), "its draft holds None, not token ids"),
     (lambda context, k: Draft([1], [[1 / VOCAB] * VOCAB]), "its q is list, not a float tensor"),
     (lambda context, k: Draft([1], torch.ones(1, VOCAB, dtype=torch.long)), "its q is Tensor of torch.int64"),
+    (lambda context, k: Draft([1], torch.ones(1, VOCAB, device="meta") / VOCAB), "its q is on the meta device"),
     (lambda context, k: Draft([1], torch.ones(1, VOCAB) * 5 / VOCAB), r"its q's rows are not distributions \(sums "
                                                                       r"\[5.0\]"),
     (lambda context, k: Draft([1], torch.eye(VOCAB)[[1]] * 2 - 1 / VOCAB), "least entry -0.0"),

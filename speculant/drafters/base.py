@@ -84,9 +84,9 @@ Q_SUM_TOLERANCE = 1e-2  # a user's q row may sum this far from 1 (rounded in hal
 
 class Checked(Drafter):
     """A user's drafter (one passed in, or registered from outside speculant), its drafts checked before anything reads
-    them: a Draft whose tokens are ids of the target's vocabulary, at most k of them, and whose q is a float tensor with
-    a row per token as wide as the target's logits, each row a distribution giving its drafted token a probability above
-    0; else a DraftFault (a ConfigError) naming the drafter (a list, an id out of range or a q of another width had
+    them: a Draft whose tokens are ids of the target's vocabulary, at most k of them, and whose q is a float tensor
+    holding values (not on the meta device) with a row per token as wide as the target's logits, each row a
+    distribution giving its drafted token a probability above 0; else a DraftFault (a ConfigError) naming the drafter (a list, an id out of range or a q of another width had
     failed deep in verification, an id past the vocabulary read another token's row, a q of 0 for its own token made p/q
     infinite, and rows that are not distributions voided the output's). Everything else is the drafter's own."""
 
@@ -166,6 +166,8 @@ class Checked(Drafter):
         if not isinstance(q, torch.Tensor) or not q.is_floating_point():
             raise DraftFault(f"drafter '{self.name}': its q is {type(q).__name__}"
                              f"{f' of {q.dtype}' if isinstance(q, torch.Tensor) else ''}, not a float tensor")
+        if q.is_meta:  # (no values to check or sample from: torch's own error came from `.item()`)
+            raise DraftFault(f"drafter '{self.name}': its q is on the meta device, which holds no values")
         if tuple(q.shape) != (len(ids), self.vocab_size):
             raise DraftFault(f"drafter '{self.name}': its q is {tuple(q.shape)}, not one row per token of the "
                              f"target's {self.vocab_size} logits")
