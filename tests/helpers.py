@@ -185,8 +185,8 @@ class MarkovLM(Backend):
     def rollback(self, n: int) -> None:
         del self._ids[n:], self._parents[n:]
 
-    def keep(self, indices) -> None:  # an accepted path: a chain again
-        self._ids = [self._ids[i] for i in indices]
+    def keep(self, kept, path) -> None:  # an accepted path: a chain again
+        self._ids = self._ids[:kept] + [self._ids[i] for i in path]
         self._parents = list(range(-1, len(self._ids) - 1))
 
 

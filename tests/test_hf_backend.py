@@ -49,14 +49,14 @@ def test_keep_selects_cached_positions(arch):
     model.prefill(ids)
     before = [(layer.keys.clone(), layer.values.clone()) for layer in model._cache.layers]
     chosen = [0, 1, 2, 5, 8]
-    model.keep(chosen)
+    model.keep(3, chosen[3:])
     assert model.cache_len == len(chosen)
     for (keys, values), layer in zip(before, model._cache.layers):
         torch.testing.assert_close(layer.keys, keys[:, :, chosen], atol=0, rtol=0)
         torch.testing.assert_close(layer.values, values[:, :, chosen], atol=0, rtol=0)
     # Keeping a prefix is a rollback: the next forward matches a fresh run of that prefix.
     model.prefill(ids)
-    model.keep(range(6))
+    model.keep(6, [])
     torch.testing.assert_close(model.forward([7]), fresh_logits(model, ids[:6] + [7])[-1:], atol=1e-5, rtol=0)
 
 
@@ -65,8 +65,9 @@ def test_rollback_rejects_out_of_range():
     model.prefill([1, 2, 3])
     with pytest.raises(ValueError, match="cannot roll back to 4 cached positions: 3 are cached"):
         model.rollback(4)
-    with pytest.raises(ValueError, match=r"keep indices must lie in \[0, 3\)"):
-        model.keep([0, 5])
+    with pytest.raises(ValueError, match=r"keep 1 leading positions and \[5\] after them: they must ascend within "
+                                         "the 3 cached"):
+        model.keep(1, [5])
 
 
 def test_load_model_leaves_the_callers_model_untouched():

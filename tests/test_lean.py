@@ -96,7 +96,7 @@ def test_keep_compacts_the_cache_in_place_as_plain_decoding_would(lean_files, va
         model.prefill(prefix)
         model.forward(list(TREE.tokens), tree=TREE)
         path = TREE.path_to(node)
-        model.keep(list(range(len(prefix))) + [len(prefix) + i for i in path])
+        model.keep(len(prefix), [len(prefix) + i for i in path])
         assert (model._keys.data_ptr(), model._values.data_ptr()) == storage  # no copy of the cache
         after = model.forward([33, 34])
         plain = lean(lean_files, variant)
@@ -106,15 +106,15 @@ def test_keep_compacts_the_cache_in_place_as_plain_decoding_would(lean_files, va
 
 
 def test_keep_refuses_positions_that_do_not_ascend_within_the_cache(lean_files):
-    """`keep` copies only the positions that move (after the prefix left in place) and checks all of them."""
+    """`keep(kept, path)` copies only the path's positions that move (those in place lead) and checks all of them."""
     model = lean(lean_files, "qwen2")
     model.prefill(prompt_ids(4, 9))
-    for indices in ([0, 2, 1], [1, 0], [0, 1, 9], [-1, 3], [0, 1, 1], [3, 3], [0, 1, 2, 3, 4, 5, 6, 7, 8, 9]):
-        with pytest.raises(ValueError, match="indices must ascend within the cache"):
-            model.keep(indices)
+    for kept, path in ((1, [2, 1]), (0, [1, 0]), (2, [9]), (0, [-1, 3]), (2, [1]), (2, [3, 3]), (10, []), (-1, [3])):
+        with pytest.raises(ValueError, match="they must ascend within the 9 cached"):
+            model.keep(kept, path)
     assert model.cache_len == 9
     keys = model._keys[:, :, :9].clone()
-    model.keep([0, 1, 4, 6])
+    model.keep(2, [4, 6])
     assert model.cache_len == 4 and torch.equal(model._keys[:, :, :4], keys[:, :, [0, 1, 4, 6]])
 
 

@@ -97,7 +97,7 @@ def test_keep_leaves_the_cache_as_plain_decoding_would_bit_for_bit(gguf_files, a
         model.prefill(prefix)
         model.forward(list(TREE.tokens), tree=TREE)
         path = TREE.path_to(node)
-        model.keep(list(range(len(prefix))) + [len(prefix) + i for i in path])
+        model.keep(len(prefix), [len(prefix) + i for i in path])
         assert model.cache_len == len(prefix) + len(path)
         caught = model.catch_up([33, 34])  # the path's kept cells pending, as a forward finds them
         model.rollback(len(prefix) + len(path))
@@ -220,7 +220,7 @@ def test_bad_tree_calls_and_rollbacks_are_refused(gguf_files):
     with pytest.raises(ValueError, match="draft tree"):
         model.forward([5])
     with pytest.raises(ValueError, match="root-to-node path"):
-        model.keep(list(range(12)) + [12, 16])  # node 4 hangs below node 1, not the root
+        model.keep(12, [12, 16])  # node 4 hangs below node 1, not the root
     wide = TokenTree((1, *range(2, 70)), (-1, *[0] * 68))
     model.rollback(model.cache_len)  # (keeping every position, a tree's too, changes nothing)
     model.rollback(12)
@@ -269,7 +269,7 @@ def test_a_prompt_part_after_a_kept_branch_follows_it(gguf_files):
     model, plain = gguf_model(gguf_files, "llama"), gguf_model(gguf_files, "llama")
     model.prefill(prompt_ids(4))
     model.forward(list(TREE.tokens), tree=TREE)
-    model.keep(list(range(12)) + [12, 14])  # the root and its second child, which sat in the third cell
+    model.keep(12, [12, 14])  # the root and its second child, which sat in the third cell
     plain.prefill(prompt_ids(4) + [TREE.tokens[0], TREE.tokens[2]])
     assert model.cache_len == plain.cache_len == 14
     assert torch.allclose(model.continue_prefill([5, 6]), plain.continue_prefill([5, 6]), atol=1e-4)

@@ -57,7 +57,7 @@ def test_each_row_is_its_token_decoded_alone(arch, dtype, device):
     out = tree_model.forward(list(tree.tokens), tree=tree)
     assert all(torch.equal(out[node], rows[i + 1]) for i, node in enumerate((0, 2, 4, 5, 6)))
     storage = tree_model._keys.data_ptr(), tree_model._values.data_ptr()
-    tree_model.keep(list(range(len(prompt))) + [len(prompt) + node for node in (0, 2, 4, 5, 6)])
+    tree_model.keep(len(prompt), [len(prompt) + node for node in (0, 2, 4, 5, 6)])
     assert (tree_model._keys.data_ptr(), tree_model._values.data_ptr()) == storage  # compacted in place
     assert torch.equal(tree_model.forward([tokens[5]])[0], rows[6])
 
@@ -337,7 +337,7 @@ def test_a_handle_s_work_on_its_region_waits_for_the_pool():
     handle.prefill([1, 2, 3, 4])
     done = threading.Event()
     with handle.pool.lock:
-        worker = threading.Thread(target=lambda: (handle.keep([0, 1]), done.set()))
+        worker = threading.Thread(target=lambda: (handle.keep(2, []), done.set()))
         worker.start()
         assert not done.wait(0.2)  # it waits while another thread holds the pool
     worker.join(5)
@@ -353,7 +353,7 @@ def test_a_handle_s_work_on_its_region_is_queued_after_the_pool_s_last(monkeypat
     monkeypatch.setattr(handle.pool, "_follow", lambda: log.append("follow"))
     monkeypatch.setattr(handle.pool, "_mark", lambda: log.append("mark"))
     handle.import_kv([handle.export_kv(0, 3)])
-    handle.keep([0, 1])
+    handle.keep(2, [])
     assert log == ["follow", "mark"] * 3 and handle.cache_len == 2
 
 

@@ -68,7 +68,7 @@ def test_keep_accepted_path_equals_fresh_prefill(arch, device):
     model.prefill(prefix)
     model.forward(list(TREE.tokens), tree=TREE)
     path = TREE.path_to(4)  # root, 1, 4
-    model.keep(list(range(len(prefix))) + [len(prefix) + i for i in path])
+    model.keep(len(prefix), [len(prefix) + i for i in path])
     after_keep = model.forward([33])
     model.rollback(0)
     fresh = model.forward(prefix + [TREE.tokens[i] for i in path] + [33])[-1:]

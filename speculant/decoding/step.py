@@ -80,7 +80,7 @@ def verify_tree(target: CausalLM, tree: TokenTree, sampling: SamplingConfig,
         path, token = verify_tree_greedy(tree, target_logits)
     else:
         path, token = verify_tree_sampling(tree, logits_to_probs(target_logits, sampling), generator)
-    target.keep(list(range(cached)) + [cached + node for node in [0, *path]])
+    target.keep(cached, [cached + node for node in [0, *path]])
     return path, token, target_logits[path[-1] if path else 0]
 
 

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import bisect
 import functools
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
@@ -58,8 +57,10 @@ class CausalLM(Protocol):
         """Keep the first `n` cached positions, drop the rest."""
         ...
 
-    def keep(self, indices: Sequence[int]) -> None:
-        """Keep only the cached positions `indices` (ascending), e.g. the accepted path of a tree."""
+    def keep(self, kept: int, path: Sequence[int]) -> None:
+        """Keep the first `kept` cached positions, then the positions `path` (ascending, from `kept` on): the
+        accepted path of a tree after the context before it (`checked_path`). What it costs follows the path, not
+        the context."""
         ...
 
 
@@ -206,21 +207,18 @@ class PointerCache:
             raise ValueError(f"cannot roll back to {n} cached positions: {self._len} are cached")
         self._len = n
 
-    def keep(self, indices: Sequence[int]) -> None:
-        """Compact the cache in place to `indices` (ascending): the storage is never reallocated, and only the
-        positions that move are copied (after a tree, its kept path; the context before it stays where it is)."""
-        indices = list(indices)
-        where = torch.as_tensor(indices, dtype=torch.long)
-        m = where.numel()
-        if m and (indices[-1] >= self._len or indices[0] < 0 or bool((where[1:] <= where[:-1]).any())):
-            raise ValueError("indices must ascend within the cache")
-        # ascending distinct positions: indices[i] - i never decreases, so those left in place are a prefix
-        moved = bisect.bisect_left(range(m), True, key=lambda i: indices[i] != i)
-        if moved < m:
-            where = where[moved:].to(self._keys.device)
-            self._keys[:, :, moved:m] = self._keys[:, :, where]
-            self._values[:, :, moved:m] = self._values[:, :, where]
-        self._len = m
+    def keep(self, kept: int, path: Sequence[int]) -> None:
+        """Compact the cache in place to its first `kept` positions and `path` (`CausalLM.keep`): the storage is
+        never reallocated, and only the positions that move are copied (after a tree, its kept path; the context
+        before it stays where it is)."""
+        path = checked_path(kept, path, self._len)
+        moved = next((i for i, position in enumerate(path) if position != kept + i), len(path))  # those in place lead
+        end = kept + len(path)
+        if moved < len(path):
+            where = torch.as_tensor(path[moved:], dtype=torch.long, device=self._keys.device)
+            self._keys[:, :, kept + moved:end] = self._keys[:, :, where]
+            self._values[:, :, kept + moved:end] = self._values[:, :, where]
+        self._len = end
 
     def export_kv(self, start: int, end: int) -> tuple[torch.Tensor, torch.Tensor]:
         """A copy of the cached keys and values at positions [start, end) (what a prefix cache keeps)."""
@@ -359,8 +357,8 @@ class Delegating(Backend):
     def rollback(self, n: int) -> None:
         self.model.rollback(n)
 
-    def keep(self, indices: Sequence[int]) -> None:
-        self.model.keep(indices)
+    def keep(self, kept: int, path: Sequence[int]) -> None:
+        self.model.keep(kept, path)
 
     def share(self) -> CausalLM:
         return self.model.share()
@@ -432,6 +430,16 @@ def common_prefix_len(a: Sequence, b: Sequence) -> int:
         mid = (lo + hi) // 2
         lo, hi = (mid, hi) if a[lo:mid] == b[lo:mid] else (lo, mid)
     return lo
+
+
+def checked_path(kept: int, path: Sequence[int], cached: int) -> list[int]:
+    """`path` as a list, where `keep(kept, path)` asks for what a cache of `cached` positions holds: `kept` of them
+    leading, then later positions, ascending; else a ValueError."""
+    path = list(path)
+    if not (0 <= kept <= cached and all(a < b for a, b in zip([kept - 1, *path], [*path, cached]))):
+        raise ValueError(f"keep {kept} leading positions and {path} after them: they must ascend within the "
+                         f"{cached} cached")
+    return path
 
 
 PREFILL_PART = 512  # prompt tokens per part of a prefill (`prompt_parts`): a served prompt's parts run in separate

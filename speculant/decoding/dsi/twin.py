@@ -145,8 +145,8 @@ class OracleLM(Backend):
     def rollback(self, n: int) -> None:
         del self._ids[n:]
 
-    def keep(self, indices: Sequence[int]) -> None:
-        self._ids = [self._ids[i] for i in indices]
+    def keep(self, kept: int, path: Sequence[int]) -> None:
+        self._ids = self._ids[:kept] + [self._ids[i] for i in path]
 
 
 class SyntheticDrafter:

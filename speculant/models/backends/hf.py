@@ -15,7 +15,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 from transformers import DynamicCache, PreTrainedModel
 
 from speculant.errors import ConfigError
-from speculant.models.base import Backend, Call, Capabilities, Interrupted
+from speculant.models.base import Backend, Call, Capabilities, Interrupted, checked_path
 from speculant.models.numerics.exact import make_exact
 from speculant.models.windows import layer_windows
 from speculant.trees.tree import TokenTree
@@ -289,15 +289,14 @@ class HFCausalLM(Backend):
                          torch.cat([piece[2 * layer + 1] for piece in pieces], 2), layer)
         self._cache, self._len = cache, sum(piece[0].shape[2] for piece in pieces)
 
-    def keep(self, indices: Sequence[int]) -> None:
-        index = torch.as_tensor(indices, dtype=torch.long, device=self.device)
-        if index.numel() and (int(index.min()) < 0 or int(index.max()) >= self._len):
-            raise ValueError(f"keep indices must lie in [0, {self._len})")
+    def keep(self, kept: int, path: Sequence[int]) -> None:
+        path = checked_path(kept, path, self._len)
+        index = torch.as_tensor(path, dtype=torch.long, device=self.device)
         for layer in self._cache.layers:
             if layer.is_initialized:
-                layer.keys = layer.keys.index_select(-2, index)
-                layer.values = layer.values.index_select(-2, index)
-        self._len = index.numel()
+                layer.keys = torch.cat([layer.keys[..., :kept, :], layer.keys.index_select(-2, index)], dim=-2)
+                layer.values = torch.cat([layer.values[..., :kept, :], layer.values.index_select(-2, index)], dim=-2)
+        self._len = kept + len(path)
 
 
 def attention_window(config: Any) -> tuple[int | None, bool]:

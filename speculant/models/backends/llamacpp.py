@@ -45,7 +45,7 @@ import numpy as np
 import torch
 
 from speculant.errors import ConfigError, ModelNotAvailable
-from speculant.models.base import Backend, Capabilities, Interrupted
+from speculant.models.base import Backend, Capabilities, Interrupted, checked_path
 from speculant.trees.tree import TokenTree
 
 N_CTX = 8192  # positions per context (at most the model's training length)
@@ -532,17 +532,17 @@ class LlamaCppCausalLM(Backend):
         self.lib.llama_memory_seq_cp(self.memory, state.seq[node], seq, -1, state.begin + state.depths[node] + 1)
         return seq
 
-    def keep(self, indices: Sequence[int]) -> None:
-        indices = list(indices)
+    def keep(self, kept: int, path: Sequence[int]) -> None:
+        path = checked_path(kept, path, self.cache_len)
         state = self._tree
         if state is None:
-            if indices != list(range(len(indices))):
+            if path != list(range(kept, kept + len(path))):
                 raise ValueError("without a tree in the cache, keep only a prefix")
-            self.rollback(len(indices))
+            self.rollback(kept + len(path))
             return
         begin = state.begin
-        path = [i - begin for i in indices[begin:]]
-        if indices[:begin] != list(range(begin)) or not path or path[0] != 0 or any(
+        path = [i - begin for i in [*range(begin, kept), *path]]  # the tree's nodes kept (0: its root)
+        if kept < begin or not path or path[0] != 0 or any(
                 not 0 <= n < len(state.parents) or state.parents[n] != p for p, n in zip(path, path[1:])):
             raise ValueError("keep the cache before the tree and one root-to-node path of the tree")
         in_place = 0  # the path's leading nodes that sit where plain decoding puts them

@@ -515,9 +515,9 @@ class StaticCausalLM(PointerCache, Backend):
         rows = self._place(list(ids), tree, positions)
         return self._run(rows) if rows else torch.empty(0, self.vocab_size, device=self.device)
 
-    def keep(self, indices: Sequence[int]) -> None:
+    def keep(self, kept: int, path: Sequence[int]) -> None:
         with self.pool.ordered():  # (the pool growing on another thread moves every region's storage)
-            super().keep(indices)
+            super().keep(kept, path)
 
     def export_kv(self, start: int, end: int) -> tuple[torch.Tensor, torch.Tensor]:
         with self.pool.ordered():

@@ -339,6 +339,6 @@ class Constrained(Wrapper):
         self.model.rollback(n)
         del self._ids[n:]
 
-    def keep(self, indices: Sequence[int]) -> None:
-        self.model.keep(indices)
-        self._ids = [self._ids[i] for i in indices]
+    def keep(self, kept: int, path: Sequence[int]) -> None:
+        self.model.keep(kept, path)
+        self._ids = self._ids[:kept] + [self._ids[i] for i in path]

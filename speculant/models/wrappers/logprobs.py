@@ -61,9 +61,10 @@ class Recorded(Wrapper):
         self.model.rollback(n)
         self._rows = {p: row for p, row in self._rows.items() if p < n}
 
-    def keep(self, indices: Sequence[int]) -> None:
-        self.model.keep(indices)
-        self._rows = {new: self._rows[old] for new, old in enumerate(indices) if old in self._rows}
+    def keep(self, kept: int, path: Sequence[int]) -> None:
+        self.model.keep(kept, path)
+        self._rows = {p: row for p, row in self._rows.items() if p < kept} | {
+            kept + j: self._rows[old] for j, old in enumerate(path) if old in self._rows}
 
     def take(self, token: int) -> TokenLogprob:
         """The entry of `token`, the next one committed after the prompt and those taken before; the rows before
