@@ -341,4 +341,6 @@ class Constrained(Wrapper):
 
     def keep(self, kept: int, path: Sequence[int]) -> None:
         self.model.keep(kept, path)
-        self._ids = self._ids[:kept] + [self._ids[i] for i in path]
+        path_ids = [self._ids[i] for i in path]
+        del self._ids[kept:]  # (in place: the context before the tree is not copied)
+        self._ids += path_ids
