@@ -99,6 +99,20 @@ def test_a_drafter_that_gives_every_allowed_token_no_chance_passes_on_no_forbidd
         assert 7 not in draft.tokens[:n] and token == 250, verify
 
 
+def test_a_draft_the_grammar_ends_leaves_its_drafter_s_cache_known_whole():
+    """A draft the grammar ends after some tokens ran them all: the drafter's cache records every one (it recorded
+    all but the last, which the next proposal ran again)."""
+    from speculant.config import SamplingConfig
+    from speculant.drafters.model import ModelDrafter
+
+    model, prompt = byte_model("llama", 0), list(b"Reply: ")
+    drafter = ModelDrafter(model, SamplingConfig(), None, guide=lambda prefix: None if len(prefix) < len(prompt) + 2
+                           else torch.zeros(257, dtype=torch.bool))  # free for two tokens, then nothing allowed
+    tokens = drafter.propose(prompt, 5).tokens
+    assert len(tokens) == 2 and drafter.cache.ids == prompt + tokens and model.cache_len == len(prompt) + 2
+    assert drafter.lag(prompt + tokens) == 0
+
+
 def test_trees_drafted_ahead_under_a_grammar_start_from_a_token_it_allows():
     """Stage scheduling guesses the token after the likeliest path as the grammar allows it (the drafter's own
     likeliest, outside the grammar, was never committed: every tree drafted ahead was dropped)."""

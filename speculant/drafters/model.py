@@ -58,7 +58,8 @@ class ModelDrafter(Drafter):
         logits = self.score(context, [])[0]
         tokens: list[int] = []
         probs: list[torch.Tensor] = []
-        for i in range(k):
+        ran = 0  # drafted tokens the model's cache holds (the last one drafted is never run, unless the grammar ends
+        for i in range(k):  # the draft after it)
             logits = self.restricted(logits)
             if self.guide is not None and (logits := guided(self.guide, logits, context + tokens)) is None:
                 break  # the grammar allows nothing after this prefix: the draft ends
@@ -70,7 +71,8 @@ class ModelDrafter(Drafter):
                     probs and probs[-1][tokens[-1]] < self.draft_confidence):
                 break
             logits = self.model.forward(tokens[-1:])[-1]
-        self.cache.ids = context + tokens[:-1]
+            ran = len(tokens)
+        self.cache.ids = context + tokens[:ran]
         kept = torch.stack(probs) if self.keep_probs and probs else None  # a guided draft may end empty
         if kept is not None and self.width is not None and self.width != kept.shape[-1]:
             kept = torch.nn.functional.pad(kept, (0, self.width - kept.shape[-1]))  # negative: cut
