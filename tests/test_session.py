@@ -430,6 +430,17 @@ def test_no_backend_is_told_apart_by_its_name_outside_models():
     assert pattern.search('if model.backend == "lean":') and not pattern.search('if config.backend != "auto":')
 
 
+def test_a_wrapper_forwards_every_backend_member():
+    """`Delegating` forwards each member `Backend` declares (a new one left out answered the base's default for any
+    wrapped model: a static target's compile time was None under a wrapper), but for the two that run through the
+    wrapper's own forwards."""
+    from speculant.models.base import Backend, Delegating
+
+    through_own_forwards = {"catch_up", "prefill_by_parts"}
+    members = {name for name in vars(Backend) if not name.startswith("_")}
+    assert members - set(vars(Delegating)) == through_own_forwards and "compile_seconds" in members
+
+
 def test_a_drafter_whose_tokenizer_files_are_the_target_s_reads_with_the_target_s_tokenizer(tmp_path):
     """A drafter loaded from a folder whose tokenizer files are the target's, byte for byte, takes the target's
     tokenizer instead of parsing its own (`loading.drafter_tokenizer`); one with other files keeps its own."""

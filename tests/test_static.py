@@ -132,7 +132,7 @@ def test_compiled_steps_give_the_eager_tokens(device, monkeypatch):
     prompt = [3, 1, 4, 1, 5]
     expected = generate(eager, prompt_ids=prompt, method="ar", max_new_tokens=24).token_ids
     assert all(tokens == expected for tokens in _methods(target, drafter, prompt, depth=2).values())  # (one graph)
-    assert target.weights.compile_seconds > 0
+    assert target.compile_seconds() > 0
     one, many = target.share(), target.share()
     first = one.prefill(prompt)
     many.prefill(prompt)

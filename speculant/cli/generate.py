@@ -132,7 +132,7 @@ def run_generate(args: argparse.Namespace) -> None:
                           "text": result.text, "token_ids": result.token_ids, "stats": result.stats.to_dict()},
                          indent=1))
     print(result.stats.summary(), file=sys.stderr)
-    compiled = getattr(getattr(target, "weights", None), "compile_seconds", None)
+    compiled = target.compile_seconds()
     if compiled is not None:  # the static backend's first compiled step (inductor caches it for later runs)
         print(f"compiled the step in {compiled:.1f} s (its first call; inductor's cache keeps it for later runs)",
               file=sys.stderr)

@@ -188,6 +188,10 @@ class Backend:
         """Lines about the kernels this model runs on, for `speculant profile`."""
         return []
 
+    def compile_seconds(self) -> float | None:
+        """What its first compiled step took, mostly compiling (None: it compiles none, or has run none yet)."""
+        return None
+
 
 class PointerCache:
     """What backends with a preallocated KV cache and a length pointer share (`lean`, `static`): the pointer is
@@ -406,6 +410,9 @@ class Delegating(Backend):
 
     def describe(self) -> list[str]:
         return self.model.describe()
+
+    def compile_seconds(self) -> float | None:
+        return self.model.compile_seconds()
 
 
 class Wrapper(Delegating):

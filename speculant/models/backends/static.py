@@ -527,6 +527,9 @@ class StaticCausalLM(PointerCache, Backend):
         with self.pool.ordered():
             super().import_kv(pieces)
 
+    def compile_seconds(self) -> float | None:
+        return self.weights.compile_seconds
+
     def draft_tree(self, root_logits: torch.Tensor, depth: int, width: int) -> tuple[list[int], list[int], list[float]]:
         """`drafts_trees` (see Capabilities): the pool's `draft`. Where its levels compile together, the tree is grown
         to the next power of two of `depth` where the cache has room and cut to `depth` levels (equal growth's first
