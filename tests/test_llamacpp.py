@@ -276,6 +276,28 @@ def test_a_prompt_part_after_a_kept_branch_follows_it(gguf_files):
     assert model.cache_len == 16
 
 
+def test_threads_loading_one_gguf_at_once_share_one_load(gguf_files):
+    """Loads take a lock (`llamacpp._loading`): llama.cpp's log callback fills one list with the buffer types of the
+    load it hears, and a file loaded by two threads at once was loaded twice."""
+    import threading
+
+    from speculant.models.backends.llamacpp import shared_weights
+
+    path, _ = gguf_files[GGUF_ARCHS[0], "q8_0", 7]
+    start, loaded = threading.Barrier(4), []
+
+    def load() -> None:
+        start.wait()
+        loaded.append(shared_weights(path))
+
+    threads = [threading.Thread(target=load) for _ in range(4)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(60)
+    assert len(loaded) == 4 and all(weights is loaded[0] for weights in loaded) and loaded[0].buffers
+
+
 def test_backend_choice_and_clear_errors_before_loading(tmp_path, monkeypatch):
     from speculant.models import loading
 

@@ -33,6 +33,7 @@ import logging
 import os
 import subprocess
 import sys
+import threading
 import weakref
 from collections import deque
 from collections.abc import Callable, Sequence
@@ -251,15 +252,18 @@ class GGUFWeights:
 
 
 _weights: dict[Path, weakref.ref] = {}
+_loading = threading.Lock()  # one load at a time: llama.cpp's log callback fills one `_buffers` for the load it hears
 
 
 def shared_weights(path: str | Path) -> GGUFWeights:
-    """The GGUFWeights of a file, shared while any context on it lives."""
+    """The GGUFWeights of a file, shared while any context on it lives (threads loading one file at once share one
+    load)."""
     key = Path(path).resolve()
-    weights = _weights[key]() if key in _weights else None
-    if weights is None:
-        weights = GGUFWeights(key)
-        _weights[key] = weakref.ref(weights)
+    with _loading:
+        weights = _weights[key]() if key in _weights else None
+        if weights is None:
+            weights = GGUFWeights(key)
+            _weights[key] = weakref.ref(weights)
     return weights
 
 
