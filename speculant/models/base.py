@@ -427,9 +427,12 @@ def unwrapped(model: Any) -> Any:
 
 
 def common_prefix_len(a: Sequence, b: Sequence) -> int:
-    """How many leading items two sequences (lists of ids, bytes) share: a binary search over prefix
-    comparisons, each one C-speed slice equality, where a loop in Python would cost a decode step ~1 µs per
-    token every time a drafter's lag is asked."""
+    """How many leading items two sequences of one type (lists of ids, bytes) share: a binary search over prefix
+    comparisons, each one C-speed slice equality, where a loop in Python would walk the whole context every time a
+    drafter's lag is asked. Sequences of two types are refused (a list's slice never equals a tuple's: 0 shared)."""
+    if type(a) is not type(b):
+        raise TypeError(f"common_prefix_len compares sequences of one type, not {type(a).__name__} and "
+                        f"{type(b).__name__}")
     lo, hi = 0, min(len(a), len(b))  # a[:lo] == b[:lo]; a[:hi + 1] differs or hi is the shorter length
     if a[:hi] == b[:hi]:
         return hi
