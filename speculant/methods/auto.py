@@ -10,9 +10,10 @@ from dataclasses import dataclass, fields, replace
 from typing import Any
 
 from speculant.config import AUTO, CATCH_UPS, REQUEST_MOST, REQUEST_NODES, SCHEDULES, as_integer, integer, option
-from speculant.drafters.spec import DRAFTER_DTYPES, as_drafter, model_free, named
+from speculant.drafters.spec import as_drafter, model_free, named
 from speculant.errors import ConfigError, OptionError
-from speculant.methods.drafting import as_drafters, check_drafters, parse_drafters
+from speculant.methods.drafting import (as_drafters, check_draft_confidence, check_drafters, draft_confidence_option,
+                                        drafter_dtype_option, parse_drafters)
 from speculant.methods.registry import Request, register
 
 MODEL_PRIOR = 0.6  # a model drafter's acceptance before any observation
@@ -60,11 +61,9 @@ class AutoOptions:
                            "best - on the lean kernels for a lean target, its GGUF for a llama.cpp one, else int8 on "
                            "AMX CPUs and int4 elsewhere - and maxgram; suffix may be added)",
                            parse=parse_drafters)
-    drafter_dtype: str | None = option(None, "dtype of model drafters (default: the target's)",
-                                       choices=DRAFTER_DTYPES, operator=True)
+    drafter_dtype: str | None = drafter_dtype_option()
     k_max: int = option(16, "the longest draft auto may choose", most=REQUEST_MOST)
-    draft_confidence: float = option(0.0, "a model drafter's draft ends after a token it gives a probability below "
-                                     "this (0: drafts run to the chosen length)", model_only=True)
+    draft_confidence: float = draft_confidence_option(model_only=True)
     tree_widths: Any = option((2,), "widths of the token trees auto may also draft with each model drafter (nodes "
                               "per step; none: chains only), or auto: the execution plan's width for the pair "
                               "(Yggdrasil 5.2: from the machine profiles and the drafter's rank coverage of the target "
@@ -95,8 +94,7 @@ class AutoOptions:
                               "drafters; those auto picks itself run as the target's backend runs them")
         if self.k_max < 1:
             raise OptionError("k_max", f"k_max must be >= 1, got {self.k_max}")
-        if not 0 <= self.draft_confidence < 1:
-            raise OptionError("draft_confidence", f"draft_confidence must lie in [0, 1), got {self.draft_confidence}")
+        check_draft_confidence(self.draft_confidence)
         if isinstance(self.tree_widths, str):
             try:
                 object.__setattr__(self, "tree_widths", parse_widths(self.tree_widths))

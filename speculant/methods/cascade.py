@@ -8,9 +8,9 @@ from dataclasses import dataclass
 from typing import Any
 
 from speculant.config import REQUEST_MOST, option
-from speculant.drafters.spec import DRAFTER_DTYPES, MAXGRAM, DrafterSpec, model_free, named
+from speculant.drafters.spec import MAXGRAM, DrafterSpec, model_free, named
 from speculant.errors import ConfigError, OptionError
-from speculant.methods.drafting import as_drafters, check_drafters, parse_drafters
+from speculant.methods.drafting import as_drafters, check_drafters, drafter_dtype_option, parse_drafters
 from speculant.methods.registry import Request, register
 
 
@@ -28,8 +28,7 @@ class CascadeOptions:
                            "default: k tokens per level plus 2 maxgram tokens after each)", most=REQUEST_MOST)
     k: int = option(DEFAULT_K, "draft tokens per level when no K matrix is given", most=REQUEST_MOST)
     leniency: float = option(1.0, "leniency l >= 1 of the inner reviews (the target's stays exact)")
-    drafter_dtype: str | None = option(None, "dtype of model drafters (default: the target's)",
-                                       choices=DRAFTER_DTYPES, operator=True)
+    drafter_dtype: str | None = drafter_dtype_option()
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "drafters", as_drafters(self.drafters))

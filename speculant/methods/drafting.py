@@ -34,6 +34,24 @@ def as_drafters(value: Any) -> tuple[Any, ...] | None:
     return drafters
 
 
+def drafter_dtype_option() -> Any:
+    """The `drafter_dtype` field of every method that loads model drafters by name (one help text for all)."""
+    return option(None, "dtype of model drafters (default: the target's)", choices=DRAFTER_DTYPES, operator=True)
+
+
+def draft_confidence_option(**flags: Any) -> Any:
+    """The `draft_confidence` field of the methods whose model drafters' chains may end early (sd, auto);
+    `check_draft_confidence` reads it."""
+    return option(0.0, "a model drafter's draft ends after a token it gives a probability below this (0: drafts run "
+                  "to the chosen length)", **flags)
+
+
+def check_draft_confidence(value: float) -> None:
+    """Refuse a `draft_confidence` outside [0, 1) (1 would end every draft after its first token)."""
+    if not 0 <= value < 1:
+        raise OptionError("draft_confidence", f"draft_confidence must lie in [0, 1), got {value}")
+
+
 @dataclass(frozen=True)
 class DrafterOptions:
     drafter: Any = option(DEFAULT, "drafter: default (the target's catalog drafter where the catalog pairs it one, "
@@ -45,8 +63,7 @@ class DrafterOptions:
                           "registered drafter's name (plugins: the "
                           "speculant.drafters entry points), or from Python a model or Drafter object",
                           parse=DrafterSpec.parse)
-    drafter_dtype: str | None = option(None, "dtype of model drafters (default: the target's)",
-                                       choices=DRAFTER_DTYPES, operator=True)
+    drafter_dtype: str | None = drafter_dtype_option()
     # Who drafts only with a model (a refusal names them: "method 'tree'"); empty where a drafter that runs none
     # (Max-Gram, suffix, a registered one) is taken too.
     MODEL_ONLY: ClassVar[str] = ""

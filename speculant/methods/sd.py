@@ -8,22 +8,20 @@ from typing import Any
 from speculant.config import REQUEST_MOST, option
 from speculant.drafters.spec import model_free
 from speculant.errors import ConfigError, OptionError
-from speculant.methods.drafting import DrafterOptions
+from speculant.methods.drafting import DrafterOptions, check_draft_confidence, draft_confidence_option
 from speculant.methods.registry import Request, register
 
 
 @dataclass(frozen=True)
 class SDOptions(DrafterOptions):
     k: int = option(4, "draft tokens per speculation step", most=REQUEST_MOST)
-    draft_confidence: float = option(0.0, "a model drafter's draft ends after a token it gives a probability below "
-                                     "this (0: drafts run to the chosen length)")
+    draft_confidence: float = draft_confidence_option()
 
     def __post_init__(self) -> None:
         super().__post_init__()
         if self.k < 1:
             raise OptionError("k", f"k must be >= 1, got {self.k}")
-        if not 0 <= self.draft_confidence < 1:
-            raise OptionError("draft_confidence", f"draft_confidence must lie in [0, 1), got {self.draft_confidence}")
+        check_draft_confidence(self.draft_confidence)
         if self.draft_confidence and model_free(self.drafter):
             raise ConfigError(f"draft_confidence needs a model drafter, not {self.drafter.kind}")
 

@@ -83,14 +83,13 @@ class TreeDrafter(Drafter):
         """
         depth = self.fit(len(context), depth, 1)[0]  # (no slot left, no tree; the width is fitted once known)
         if depth <= 0:
-            return Draft([], usage={self.name: Usage()}, tree=TokenTree((context[-1],), (-1,)), path_probs=[1.0])
+            return self.root_only(context, Usage())
         if self.shape is not None:
             return self.propose_shape(context, depth)
         before = self.model.usage
         logits = self.cache.run(context)  # the tree nodes cached after it are dropped by the next run
         if self.guide is not None and (logits := guided(self.guide, logits, context)) is None:
-            return Draft([], usage={self.name: self.model.usage - before}, tree=TokenTree((context[-1],), (-1,)),
-                         path_probs=[1.0])
+            return self.root_only(context, self.model.usage - before)
         if self.chooser is not None:
             width = self.chooser(torch.softmax(logits[-1].float(), -1), depth, cost is None)
         depth, width = self.fit(len(context), depth, width)
@@ -139,7 +138,7 @@ class TreeDrafter(Drafter):
         while free is not None and depth > 0 and sum(0 < d <= depth for d in depths) > free:
             depth -= 1  # (the levels whose nodes fit the slots left)
         if depth == 0:
-            return Draft([], usage={self.name: Usage()}, tree=TokenTree((context[-1],), (-1,)), path_probs=[1.0])
+            return self.root_only(context, Usage())
         logits = self.cache.run(context)[-1:]  # rows: the last level's nodes, in order
         tokens, parents, scores = [context[-1]], [-1], [0.0]
         row_of = {0: 0}  # the last level's nodes, each's row in `logits`
@@ -180,6 +179,11 @@ class TreeDrafter(Drafter):
         `scores`), and the drafter's usage since `before`."""
         return Draft([], usage={self.name: self.model.usage - before}, tree=TokenTree(tuple(tokens), tuple(parents)),
                      path_probs=[math.exp(v) for v in scores])
+
+    def root_only(self, context: list[int], usage: Usage) -> Draft:
+        """The tree of the root alone (the context's last token): a draft of nothing, where no node fits or the
+        grammar allows none."""
+        return Draft([], usage={self.name: usage}, tree=TokenTree((context[-1],), (-1,)), path_probs=[1.0])
 
 
 def worth_another_step(scores: list[float], frontier: list[tuple[float, int, int]], new_nodes: list[int], width: int,
