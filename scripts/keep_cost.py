@@ -4,7 +4,7 @@ verification to keep its accepted path (CHANGELOG, "Tree compaction that costs w
     python scripts/keep_cost.py --lengths 256 1024 2000
 
 For each length: prefill that many tokens, then `--repeats` times a 4-row forward and a `keep` of the prefix plus
-two of the four rows; prints the median `keep` in ms."""
+two of the four rows (`keep(n, path)`: what the tree step hands it); prints the median `keep` in ms."""
 
 from __future__ import annotations
 
@@ -29,7 +29,7 @@ def main(argv: list[str]) -> None:
         for _ in range(args.repeats):
             model.forward([5, 6, 7, 8])
             began = time.perf_counter()
-            model.keep([*range(n), n + 1, n + 3])
+            model.keep(n, [n + 1, n + 3])
             seconds.append(time.perf_counter() - began)
             model.rollback(n)
         print(f"{n} cached positions: keep {statistics.median(seconds) * 1e3:.2f} ms")

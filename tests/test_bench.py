@@ -372,9 +372,11 @@ def test_bench_cli_bad_input_exits_2(tmp_path, capsys):
     assert cli.main(["bench", "--methods", "ar", "--dataset", str(bad)]) == 2
     assert "bad.jsonl:1" in capsys.readouterr().err
     assert cli.main(["bench", "--methods", "ar", "zz"]) == 2
-    assert cli.main(["bench", "--methods", "ar", "ar"]) == 2
-    with pytest.raises(SystemExit, match="2"):  # (a flag's own type: argparse's usage error)
-        cli.main(["bench", "--methods", "ar", "--repeats", "0"])
+    assert cli.main(["bench", "--methods", "ar", "sd", "sd:k=4"]) == 2  # (one method spelled twice)
+    assert "'sd:k=4' runs what 'sd' runs" in capsys.readouterr().err
+    for argv in (["--repeats", "0"], ["ar"]):  # (a flag's own type, a list's entry twice: argparse's usage errors)
+        with pytest.raises(SystemExit, match="2"):
+            cli.main(["bench", "--methods", "ar", *argv])
 
 
 def test_a_generation_refused_in_its_own_process_is_one_line(tiny_dir):
