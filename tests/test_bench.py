@@ -63,9 +63,11 @@ def test_bad_method_specs_are_refused(bad, why):
 
 
 @pytest.mark.parametrize("bad", ["hf-pld:k=0", "hf-pld:k=-1", "hf-assisted:drafter=x,k=0", "llamacpp-cli-ngram:k=0",
-                                 "llamacpp-cli-spec:drafter=x,k=-1", "llamacpp-pld:k=0"])
-def test_a_peer_s_draft_length_below_1_is_refused_by_name(bad):
-    with pytest.raises(ConfigError, match=r"k must be >= 1, got -?\d \(leave k out for the peer's default\)"):
+                                 "llamacpp-cli-spec:drafter=x,k=-1", "llamacpp-pld:k=0", "hf-pld:k=1025",
+                                 "llamacpp-cli-ngram:k=99999999999"])  # (llama.cpp's own parse failed, unnamed)
+def test_a_peer_s_draft_length_outside_1_to_1024_is_refused_by_name(bad):
+    with pytest.raises(ConfigError, match=r"k must lie in \[1, 1024\], got -?\d+ \(leave k out for the peer's "
+                       "default\)"):
         parse_method(bad)
 
 

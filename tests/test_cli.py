@@ -436,6 +436,10 @@ def test_bad_files_paths_and_settings_are_one_line_before_any_model_loads(tmp_pa
     (tmp_path / "empty.json").write_text("{}")
     (tmp_path / "taken" / "results.json").mkdir(parents=True)  # (where a bench run writes its rows, a directory)
     (tmp_path / "p.jsonl").write_text('{"prompt": "a"}\n')
+    (tmp_path / "long.json").write_text(" " * 65)
+    (tmp_path / "null").mkdir()
+    (tmp_path / "null" / "results.jsonl").symlink_to("/dev/null")  # (runs appended there were lost unsaid)
+    monkeypatch.setattr("speculant.cli.bench.MOST_RESULTS_BYTES", 64)
     writer = gguf.GGUFWriter(str(tmp_path / "header.gguf"), "llama")  # a GGUF file's header, nothing more
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
@@ -458,6 +462,8 @@ def test_bad_files_paths_and_settings_are_one_line_before_any_model_loads(tmp_pa
             (["generate", "x", "--target", str(tmp_path)], "holds no config.json: not a model's folder"),
             (["generate", "x", "--target", str(tmp_path / "cut")], "cannot load model"),
             (["bench", "--report-from", str(tmp_path / "empty.json")], "is not the results.json"),
+            (["bench", "--report-from", str(tmp_path / "long.json")], "holds more than 64 bytes"),  # (/dev/zero: no end)
+            (["bench-serve", "--url", "http://127.0.0.1:9", "--out", str(tmp_path / "null")], "is not a file"),
             (["bench", "--methods", "ar", "--out", str(tmp_path / "file"), *target], "is a file: it names a directory"),
             (["bench", "--methods", "sd:k=2,k=3", *target], "option 'k' given twice"),
             (["bench", "--methods", "ar", "sd:k=4", "sd:k=04", *target], "'sd:k=04' runs what 'sd:k=4' runs"),
@@ -487,6 +493,8 @@ def test_bad_files_paths_and_settings_are_one_line_before_any_model_loads(tmp_pa
             (["simulate", "run", "--target-latency", "0", "--drafter-latency", "1", "--acceptance", "0.5",
               "--lookahead", "3"],
              "--target-latency must be > 0 ms in a simulation"),
+            (["simulate", "run", "--target-latency", "10", "--drafter-latency", "1", "--acceptance", "0.5",
+              "--lookahead", "3", "--ttft", "0", "--tokens", "1"], "one token after a first forward of 0 ms"),
             (["bench", "--methods", "ar", "--prompts", "p" * 5000, *target], "unknown dataset 'ppp"),  # (names too
             (["bench", "--methods", "ar", "--prompts", "p" * 5000 + "+humaneval", *target], "unknown dataset"),  # long)
             (["serve", *target, "--ray-cluster", "foo"], "'foo' is no Ray cluster's address"),
@@ -529,6 +537,8 @@ def test_bad_files_paths_and_settings_are_one_line_before_any_model_loads(tmp_pa
             (["generate", "x", *target, "--method", "cascade", "--drafters", "maxgram", "--leniency", "inf"],
              "leniency must be a finite number >= 1, got inf"),
             (["bench-serve", "--check-solo", "--temperature", "0.5"], "--check-solo compares greedy replies"),
+            (["bench-serve", "--requests", "10000000000"], "--requests must be at most 1048576"),  # (memory ran out)
+            (["bench-serve", "--concurrency", "1", "5000"], "--concurrency must be at most 4096"),
             (["bench-serve", "--url", "http://[::1"], "is not a URL: Invalid port"),
             (["bench-serve", "--url", "localhost:8000"], "is not an http(s) URL"),
             (["bench-serve", "--api-key", "clé"], "--api-key must be printable ASCII without spaces"),

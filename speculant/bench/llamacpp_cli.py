@@ -56,10 +56,13 @@ class CLISpecOptions(DrafterOptions, CLIAROptions):
         check_draft_length(self.k)
 
 
+MOST_PEER_DRAFT = 1024  # a peer's longest draft at most (more is no draft of a reply; the tool's own parse overflowed)
+
+
 def check_draft_length(k: int | None) -> None:
-    """A peer's longest draft `k`: None (the peer's default) or at least 1 (0 was taken for the default)."""
-    if k is not None and k < 1:
-        raise OptionError("k", f"k must be >= 1, got {k} (leave k out for the peer's default)")
+    """A peer's longest draft `k`: None (the peer's default) or 1 to MOST_PEER_DRAFT (0 was taken for the default)."""
+    if k is not None and not 1 <= k <= MOST_PEER_DRAFT:
+        raise OptionError("k", f"k must lie in [1, {MOST_PEER_DRAFT}], got {k} (leave k out for the peer's default)")
 
 
 @dataclass(frozen=True)

@@ -22,7 +22,8 @@ from typing import Any
 import httpx
 import numpy as np
 
-from speculant.bench.datasets import Prompt
+from speculant.bench.datasets import MOST_RESULTS_BYTES, Prompt
+from speculant.cache import read_text
 from speculant.errors import ConfigError
 
 TIMEOUT_S = 600.0  # a request's (a long generation on a loaded server)
@@ -310,10 +311,12 @@ def read_runs(out: Path) -> list[dict[str, Any]]:
     path = out / RESULTS
     if not path.exists():
         return []
+    if not path.is_file():  # (a link to /dev/null took every run unsaid; /dev/zero never ended)
+        raise ConfigError(f"{path} is not a file: give another --out")
     runs = []
     try:
-        lines = path.read_text().splitlines()
-    except (OSError, UnicodeDecodeError) as error:
+        lines = read_text(path, MOST_RESULTS_BYTES).splitlines()
+    except (OSError, ValueError) as error:  # (TooLong, UnicodeDecodeError)
         raise ConfigError(f"{path} cannot be read: {error}") from None
     for number, line in enumerate(lines, 1):
         if not line.strip():

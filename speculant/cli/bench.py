@@ -13,6 +13,8 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from speculant.bench.datasets import MOST_RESULTS_BYTES
+from speculant.cache import read_text
 from speculant.cli.checks import check_target
 from speculant.cli.parser import PARSER_KEYS, parse_width_ranges
 from speculant.config import (ModelConfig, RunConfig, SamplingConfig, check_sampled, flag, from_args, from_flags,
@@ -138,8 +140,8 @@ def check_cells(rows: Sequence[Any], methods: Sequence[str], path: str) -> None:
 def read_results(path: Path) -> dict[str, Any]:
     """The results.json of an earlier `speculant bench --out` run, or a ConfigError saying why not."""
     try:
-        saved = json.loads(path.read_text())
-    except (OSError, ValueError, RecursionError) as error:
+        saved = json.loads(read_text(path, MOST_RESULTS_BYTES))
+    except (OSError, ValueError, RecursionError) as error:  # (TooLong too)
         raise ConfigError(f"cannot read the results of a run from {path}: {type(error).__name__}: {error}") from None
     config = saved.get("config") if isinstance(saved, dict) else None
     if not (isinstance(config, dict) and isinstance(config.get("methods"), list)
@@ -234,6 +236,8 @@ def measure_bench(args: argparse.Namespace, methods: list[Any]) -> list[Any]:
 
 
 MOST_ARRIVAL_S = 24 * 3600  # bench-serve --rate: the conversations of one run arrive within a day
+MOST_REQUESTS = 1 << 20  # bench-serve --requests: the most of one run (a list of their results is made first)
+MOST_CLIENTS = 4096  # bench-serve --concurrency: clients, each a thread of its own
 
 
 def run_bench_serve(args: argparse.Namespace) -> None:
@@ -243,6 +247,10 @@ def run_bench_serve(args: argparse.Namespace) -> None:
     from_flags(lambda: SamplingConfig(temperature=args.temperature), ["temperature"])  # (as servers refuse it)
     if args.temperature > 2:  # (OpenAI's range: a server refuses more)
         raise ConfigError(f"--temperature must lie in [0, 2], got {args.temperature:g}")
+    for name, value, most in (("requests", args.requests, MOST_REQUESTS),
+                              ("concurrency", max(args.concurrency), MOST_CLIENTS)):
+        if value > most:  # (memory or threads ran out)
+            raise ConfigError(f"--{name} must be at most {most}, got {value}")
     if args.rate is not None and args.requests / min(args.rate) > MOST_ARRIVAL_S:
         raise ConfigError(f"--rate {min(args.rate):g} spreads {args.requests} conversations' arrivals over more than "
                           f"{MOST_ARRIVAL_S // 3600} hours")
