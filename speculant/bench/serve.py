@@ -76,8 +76,35 @@ def summarize(results: Sequence[dict[str, Any] | None], wall: float) -> dict[str
 
 
 def piece_of(chunk: dict) -> str:
+    """The text a streamed chunk (`chunk_fault` found nothing amiss) adds: its first choice's, completion or chat."""
     choice = (chunk.get("choices") or [{}])[0]
     return choice.get("text") or (choice.get("delta") or {}).get("content") or ""
+
+
+def chunk_fault(chunk: dict) -> str | None:
+    """The field of a streamed chunk that is not in the API's form, as what it should be (None: none is): a reply
+    of another shape broke the run's summary (a traceback) or was counted lost."""
+    choices = chunk.get("choices")
+    if choices is not None and not (isinstance(choices, list) and all(isinstance(c, dict) for c in choices)):
+        return "choices is not a list of objects"
+    choice = choices[0] if choices else {}
+    delta = choice.get("delta")
+    if not isinstance(choice.get("text") or "", str):
+        return "choices.0.text is not text"
+    if delta is not None and not (isinstance(delta, dict) and isinstance(delta.get("content") or "", str)):
+        return "choices.0.delta is not an object whose content is text"
+    usage = chunk.get("usage")
+    if usage is None:
+        return None
+    if not isinstance(usage, dict):
+        return "usage is not an object"
+    if not fits(usage.get("completion_tokens"), COUNT + OR_NONE):
+        return f"usage.completion_tokens is not {COUNT}"
+    spoken = usage.get("speculative")
+    if spoken is not None and not (isinstance(spoken, dict) and
+                                   all(fits(spoken.get(key), COUNT + OR_NONE) for key in SPECULATIVE)):
+        return f"usage.speculative is not an object of counts ({', '.join(SPECULATIVE)})"
+    return None
 
 
 def stream_one(client: httpx.Client, endpoint: str, body: dict) -> dict[str, Any]:
@@ -104,6 +131,8 @@ def stream_one(client: httpx.Client, endpoint: str, body: dict) -> dict[str, Any
             if "error" in chunk:
                 error = chunk["error"]
                 return {"error": str(error.get("message", "error") if isinstance(error, dict) else error)}
+            if fault := chunk_fault(chunk):
+                return {"error": f"a chunk whose {fault}: {line[6:106]}"}
             usage = chunk.get("usage") or usage
             if piece := piece_of(chunk):
                 text.append(piece)
