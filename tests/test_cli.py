@@ -8,6 +8,7 @@ import torch
 
 from helpers import BYTE_VOCAB, bpe_tokenizer, byte_tokenizer, tiny_transformer
 from speculant import cli
+from speculant.cache import cache_root
 from speculant.methods import METHODS
 from speculant.models import catalog
 
@@ -538,6 +539,8 @@ def test_bad_files_paths_and_settings_are_one_line_before_any_model_loads(tmp_pa
              "leniency must be a finite number >= 1, got inf"),
             (["bench-serve", "--check-solo", "--temperature", "0.5"], "--check-solo compares greedy replies"),
             (["bench-serve", "--requests", "10000000000"], "--requests must be at most 1048576"),  # (memory ran out)
+            (["bench-kernels", "--model", "smollm2-135m", "--out", str(cache_root() / "models" / "smollm2-135m-gguf" /
+              "model.gguf")], "where speculant keeps the catalog's models"),  # (it replaced the cached model)
             (["bench-serve", "--concurrency", "1", "5000"], "--concurrency must be at most 4096"),
             (["bench-serve", "--url", "http://[::1"], "is not a URL: Invalid port"),
             (["bench-serve", "--url", "localhost:8000"], "is not an http(s) URL"),

@@ -8,7 +8,7 @@ import os
 from pathlib import Path
 from typing import Any
 
-from speculant.cache import exists, is_dir, is_file
+from speculant.cache import cache_root, exists, is_dir, is_file
 from speculant.cli.parser import DIRECTORY, FILE
 from speculant.config import ModelConfig, flag
 from speculant.errors import ConfigError
@@ -71,11 +71,15 @@ def check_listen(host: str, port: int) -> None:
 def check_outputs(args: argparse.Namespace) -> None:
     """Refuse, before any work, an output path that cannot be written: a directory's path taken by a file, a
     file's path taken by a directory or within a directory that does not exist (where the command does not make it),
-    or a place where nothing can be written (`check_writable`)."""
+    or a place where nothing can be written (`check_writable`), or where the catalog's models are kept (a file
+    written there replaced a cached model's)."""
     written = []  # the files it writes (where one is a file it reads, that is refused)
     for name in ("out", "timeline"):
         if getattr(args, name, None) is None:
             continue
+        if Path(getattr(args, name)).resolve().is_relative_to((models := cache_root() / "models").resolve()):
+            raise ConfigError(f"--{name} {getattr(args, name)} is in {models}, where speculant keeps the catalog's "
+                              "models: write elsewhere")
         try:
             check_output(Path(getattr(args, name)), args.out_kind if name == "out" else FILE, name)
         except OSError as error:  # (a name the system cannot hold, as one too long)
