@@ -16,6 +16,7 @@ from pathlib import Path
 from speculant.cache import read_text
 from speculant.config import LEAST_LATENCY_MS, MOST_LATENCY_MS, as_integer, as_number
 from speculant.errors import ConfigError
+from speculant.json_text import json_fault
 
 
 def interpolated(widths: Sequence[float], times: Sequence[float], width: float) -> float:
@@ -138,8 +139,12 @@ class LatencyProfile:
         for name in ("forward_s", "long_forward_s"):
             if not isinstance(data.get(name, {}), dict):
                 raise ValueError(f"{name} must map widths to seconds, got {data[name]!r}")
-        profile = cls(**dict(data, forward_s={int(w): float(t) for w, t in data["forward_s"].items()},
-                             long_forward_s={int(w): float(t) for w, t in data.get("long_forward_s", {}).items()}))
+            for width, seconds in data.get(name, {}).items():  # (as `save` writes them: "01" read as 1 took one of
+                if width_of(width) is None or isinstance(seconds, bool) or not isinstance(seconds, (int, float)):
+                    raise ValueError(f"{name} must map widths (whole numbers as written: 1, 16) to numbers of "
+                                     f"seconds, got {json.dumps(width)[:40]}: {json.dumps(seconds)[:40]}")
+        profile = cls(**dict(data, forward_s={width_of(w): float(t) for w, t in data["forward_s"].items()},
+                             long_forward_s={width_of(w): float(t) for w, t in data.get("long_forward_s", {}).items()}))
         seconds = {"ttft_s": profile.ttft_s, "tpot_s": profile.tpot_s,
                    **{f"forward_s[{w}]": t for w, t in profile.forward_s.items()},
                    **{f"long_forward_s[{w}]": t for w, t in profile.long_forward_s.items()},
@@ -171,12 +176,23 @@ class LatencyProfile:
     @classmethod
     def load(cls, path: Path) -> LatencyProfile:
         try:
-            return cls.from_dict(json.loads(read_text(path, MOST_PROFILE_BYTES)))
+            text = read_text(path, MOST_PROFILE_BYTES)
+            if fault := json_fault(text):  # (a key given twice: the last won unsaid)
+                raise ValueError(f"{fault[0] or 'the profile'}: {fault[1]}")
+            return cls.from_dict(json.loads(text))
         except KeyError as error:
             raise ConfigError(f"cannot read latency profile {path}: it has no field {error} (not a `speculant "
                               "profile` JSON file?)") from None
         except (OSError, ValueError, TypeError, RecursionError) as error:
             raise ConfigError(f"cannot read latency profile {path}: {type(error).__name__}: {error}") from None
+
+
+def width_of(key: object) -> int | None:
+    """A profile's width as `save` writes it (JSON's key: its digits, no leading zero) or `asdict` leaves it (an
+    int); None for anything else."""
+    if isinstance(key, str):
+        return int(key) if key.isascii() and key.isdigit() and str(int(key)) == key else None
+    return as_integer(key)
 
 
 MOST_PROFILE_BYTES = 1 << 20  # a profile file's size at most (its widths' times are a few kilobytes)

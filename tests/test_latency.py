@@ -26,7 +26,10 @@ def test_beyond_a_single_profiled_width_each_token_costs_at_least_the_widest_s_s
     ({"long_context_len": 100, "long_ttft_s": 0.2, "long_forward_s": {"1": 0.02}}, "long_context_len must exceed"),
     ({"long_forward_s": {"1": 0.02}}, "long_forward_s needs the long_context_len"),
     ({"forward_s": {"0": 0.01}}, "a width must be >= 1 token, got 0"),
-    ({"forward_s": {"-4": 0.01, "1": 0.02}}, "a width must be >= 1 token, got -4"),
+    ({"forward_s": {"-4": 0.01, "1": 0.02}}, r"forward_s must map widths \(whole numbers as written: 1, 16\) to "
+                                             r'numbers of seconds, got "-4": 0.01'),
+    ({"forward_s": {"1": 0.01, "01": 0.02}}, 'forward_s must map widths .* got "01": 0.02'),  # (read as 1: one of two widths' times taken unsaid)
+    ({"forward_s": {"1": "0.01"}}, 'forward_s must map widths .* got "1": "0.01"'),
     ({"long_context_len": 2048, "long_forward_s": {"0": 0.02}}, "a width must be >= 1 token, got 0"),
     ({"forward_s": [1]}, r"forward_s must map widths to seconds, got \[1\]"),
 ])
@@ -38,6 +41,15 @@ def test_a_profile_no_measurement_gives_is_refused_in_one_line(change, message, 
     path = tmp_path / "profile.json"
     path.write_text(json.dumps(data))
     with pytest.raises(ConfigError, match=f"cannot read latency profile {path}: ValueError: {message}"):
+        LatencyProfile.load(path)
+
+
+def test_a_profile_file_with_a_key_given_twice_is_refused(tmp_path):
+    """`json` keeps a repeated key's last value without a word (a TPOT edited in twice: the simulation took one)."""
+    path = tmp_path / "profile.json"
+    path.write_text('{"model": "m", "dtype": "fp32", "device": "cpu", "context_len": 256, "ttft_s": 0.1, '
+                    '"tpot_s": 0.01, "tpot_s": 0.5, "forward_s": {"1": 0.01}}')
+    with pytest.raises(ConfigError, match="ValueError: tpot_s: a key given twice"):
         LatencyProfile.load(path)
 
 
