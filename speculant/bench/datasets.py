@@ -45,7 +45,6 @@ FIELDS = ("prompt", "turns", "messages", "id", "question_id", "category", "chat"
 # the prompt otherwise than written.
 UNUSED_FIELDS = ("reference", "task_id", "canonical_solution", "test", "entry_point")
 MOST_PROMPTS_BYTES = 1 << 28  # a prompts file's size at most (a thousand long-context prompts: tens of MB)
-MOST_RESULTS_BYTES = 1 << 28  # a results file's (bench's results.json, bench-serve's results.jsonl), read back
 ROLES = ("system", "user", "assistant")  # a chat prompt's messages' roles, as every chat template takes them
 
 

@@ -22,7 +22,8 @@ from typing import Any
 import httpx
 import numpy as np
 
-from speculant.bench.datasets import MOST_RESULTS_BYTES, Prompt
+from speculant.bench import MOST_RESULTS_BYTES
+from speculant.bench.datasets import Prompt
 from speculant.cache import read_text
 from speculant.errors import ConfigError
 

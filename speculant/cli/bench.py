@@ -13,7 +13,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from speculant.bench.datasets import MOST_RESULTS_BYTES
+from speculant.bench import MOST_RESULTS_BYTES
 from speculant.cache import read_text
 from speculant.cli.checks import check_target
 from speculant.cli.parser import PARSER_KEYS, parse_width_ranges
