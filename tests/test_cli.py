@@ -461,6 +461,7 @@ def test_bad_files_paths_and_settings_are_one_line_before_any_model_loads(tmp_pa
             (["generate", "x", "--target", str(tmp_path / "page.gguf")], "is not a GGUF file"),
             (["generate", "x", "--target", str(tmp_path / "no" / "model")], "no model at"),
             (["generate", "x", "--target", str(tmp_path)], "holds no config.json: not a model's folder"),
+            (["bench", "--methods", "ar", "sd:drafter=/dev/zero", *target], "neither a model's folder nor a .gguf"),
             (["generate", "x", "--target", str(tmp_path / "cut")], "cannot load model"),
             (["bench", "--report-from", str(tmp_path / "empty.json")], "is not the results.json"),
             (["bench", "--report-from", str(tmp_path / "long.json")], "holds more than 64 bytes"),  # (/dev/zero: no end)
@@ -792,7 +793,10 @@ def test_a_flag_given_where_it_does_nothing_is_one_line_never_ignored(capsys, tm
         (["profile", "--drafter", "suffix"], "runs no model forwards"),
         (["generate", "x", "--method", "tree", "--depth", "1_0"], "bad value '1_0' for --depth"),
         (["generate", "x", "--method", "auto", "--tree-widths", "2,,3"], "bad value '2,,3' for --tree-widths"),
-        (["peers", "build-llamacpp", "--jobs", "0"], "--jobs must be >= 1"),
+        (["peers", "build-llamacpp", "--jobs", "0"], "--jobs must lie in [1, 1024], got 0"),
+        (["peers", "build-llamacpp", "--jobs", "99999999999"], "--jobs must lie in [1, 1024]"),  # (ignored, built)
+        ([*online, "--more-drafter", "0.5:0.7", "--more-drafter", "0.5:0.70"], "names one drafter twice"),
+        (["simulate", "heatmap", "--out", str(tmp_path / "h"), "--lookaheads", "1,5,5"], "lists one twice"),
         (["generate", "x", "--drafter", "maxgram", "--bigram-corpus", str(tmp_path / "empty.txt")],
          "bigram corpus file is empty"),
         (["serve", "--max-body-mb", "1e-9"], "max-body-mb must be a number >= 0.001"),

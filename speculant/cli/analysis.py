@@ -220,6 +220,8 @@ def run_simulate(args: argparse.Namespace) -> None:
         from speculant.analysis.online import format_online, simulate_online
 
         more = tuple(more_drafter(text) for text in args.more_drafter)
+        if len(set(more)) < len(more):  # (two drafters of one latency and acceptance: one, run twice)
+            raise ConfigError("--more-drafter names one drafter twice: give each once")
         if args.executor == "ray":
             reach_ray(args.ray_address, "--ray-address")
         plain_s = args.repeats * ((args.ttft or args.target_latency) + (args.tokens - 1) * args.target_latency) / 1000
@@ -259,6 +261,8 @@ def run_simulate(args: argparse.Namespace) -> None:
             lookaheads = tuple(integer(k) for k in args.lookaheads.split(","))
         except ValueError:
             raise ConfigError(f"--lookaheads takes comma-separated integers, got '{args.lookaheads}'") from None
+        if len(set(lookaheads)) < len(lookaheads):  # (one was dropped unsaid)
+            raise ConfigError(f"--lookaheads lists one twice: give each once, got '{args.lookaheads}'")
         numbers, paths = from_flags(lambda: run_heatmap(Path(args.out), args.ndim, lookaheads, args.tokens,
                                                         args.repeats, args.servers, args.fixed_lookahead, args.seed),
                                     (*SIMULATION_FLAGS, "ndim"))

@@ -237,6 +237,7 @@ def measure_bench(args: argparse.Namespace, methods: list[Any]) -> list[Any]:
 
 MOST_ARRIVAL_S = 24 * 3600  # bench-serve --rate: the conversations of one run arrive within a day
 MOST_REQUESTS = 1 << 20  # bench-serve --requests: the most of one run (a list of their results is made first)
+MOST_JOBS = 1024  # peers build-llamacpp --jobs: compile jobs at once
 MOST_CLIENTS = 4096  # bench-serve --concurrency: clients, each a thread of its own
 
 
@@ -302,6 +303,6 @@ def run_peers(args: argparse.Namespace) -> None:
     """`speculant peers build-llamacpp`: llama.cpp's own tools and the library its backend runs on, built natively."""
     from speculant.models.backends.llamacpp_build import build
 
-    if args.jobs is not None and args.jobs < 1:
-        raise ConfigError(f"--jobs must be >= 1, got {args.jobs}")
+    if args.jobs is not None and not 1 <= args.jobs <= MOST_JOBS:
+        raise ConfigError(f"--jobs must lie in [1, {MOST_JOBS}], got {args.jobs}")
     build(args.jobs, say=lambda line: print(line, file=sys.stderr))

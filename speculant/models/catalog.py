@@ -154,7 +154,7 @@ def catalog_listing() -> str:
 def check_name(name: str) -> None:
     """Refuse, before anything loads, a model name (with or without its `@suffix`) that no loader takes: a path (it
     starts with /, ./, ../ or ~, or ends with .gguf) that names nothing, a .gguf that is not one, a folder without a
-    model's config.json, an unknown suffix, a name that is neither in the catalog, nor a local path, nor a Hugging
+    model's config.json, another file, an unknown suffix, a name that is neither in the catalog, nor a local path, nor a Hugging
     Face id (owner/name), or an id the local cache lacks while the hub cannot be reached (`check_hub`). A target's
     `@lean` too: that is a drafter's form of the model (`load_lean`), whose greedy output is not the model's."""
     base, suffix = split_quant(name)
@@ -176,6 +176,8 @@ def check_name(name: str) -> None:
         check_gguf(path)
     elif path.is_dir() and not (path / "config.json").is_file():
         raise ModelNotAvailable(f"{name} holds no config.json: not a model's folder (save_pretrained writes one)")
+    elif exists and not path.is_dir():  # (read as a hub id: the hub's own words on the form of one, after a load)
+        raise ModelNotAvailable(f"{name} is neither a model's folder nor a .gguf file")
     if name.startswith(("/", "./", "../", "~")) and not exists:
         raise ModelNotAvailable(f"no model at {name} (catalog models: {catalog_listing()})")
     if not (exists or "/" in name):
