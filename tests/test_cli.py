@@ -787,6 +787,8 @@ def test_a_flag_given_where_it_does_nothing_is_one_line_never_ignored(capsys, tm
         ([*online, "--more-drafter", "1:2"], "--more-drafter's acceptance must lie in [0, 1], got '1:2'"),
         ([*online, "--more-drafter", "0.01:0.5"], "--more-drafter 0.01 ms: each is costlier than the drafter before"),
         ([*online, "--seed", "-5"], "--seed must be >= 0, got -5"),
+        (["simulate", "online", "--target-latency", "60000", "--drafter-latency", "1", "--acceptance", "0.5",
+          "--tokens", "100000", "--repeats", "1"], "would take 6000000 s, more than a day"),  # (it began, unbounded)
         (["simulate", "heatmap", "--out", str(tmp_path / "h"), "--tokens", "100000000"], "tokens 100000000 > 100000"),
         (["simulate", "heatmap", "--out", str(tmp_path / "h"), "--ndim", "1000"], "repeats) 180360180 > 10000000"),
         (["acceptance", "--drafter", "maxgram"], "must name models"),

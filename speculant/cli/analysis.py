@@ -211,6 +211,7 @@ def more_drafter(text: str) -> tuple[float, float]:
 SIMULATION_FLAGS = ("acceptance", "lookahead", "servers", "tokens", "repeats", "seed", "ray_address",
                     "more_drafter")  # what its refusals name
 PATIENT_S = 30  # seconds a command may run before a word on how long it will take
+MOST_TWIN_S = 24 * 3600  # the real time an online simulation may take (its non-SI runs alone)
 
 
 def run_simulate(args: argparse.Namespace) -> None:
@@ -225,6 +226,9 @@ def run_simulate(args: argparse.Namespace) -> None:
         if args.executor == "ray":
             reach_ray(args.ray_address, "--ray-address")
         plain_s = args.repeats * ((args.ttft or args.target_latency) + (args.tokens - 1) * args.target_latency) / 1000
+        if plain_s > MOST_TWIN_S:
+            raise ConfigError(f"the twin runs in real time: its non-SI runs alone would take {plain_s:.0f} s, more "
+                              "than a day (give fewer --repeats or --tokens, or shorter latencies)")
         if plain_s > PATIENT_S:  # (its forwards wait out their latencies: a run this long says so before it starts)
             print(f"the twin runs in real time: its non-SI runs alone take {plain_s:.0f} s, SI and DSI theirs",
                   file=sys.stderr)
