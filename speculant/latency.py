@@ -139,8 +139,8 @@ class LatencyProfile:
         for name in ("forward_s", "long_forward_s"):
             if not isinstance(data.get(name, {}), dict):
                 raise ValueError(f"{name} must map widths to seconds, got {data[name]!r}")
-            for width, seconds in data.get(name, {}).items():  # (as `save` writes them: "01" read as 1 took one of
-                if width_of(width) is None or isinstance(seconds, bool) or not isinstance(seconds, (int, float)):
+            for width, seconds in data.get(name, {}).items():  # (keys as `save` writes them: "01", read as 1, took
+                if width_of(width) is None or as_number(seconds) is None:  # one of two widths' times unsaid)
                     raise ValueError(f"{name} must map widths (whole numbers as written: 1, 16) to numbers of "
                                      f"seconds, got {json.dumps(width)[:40]}: {json.dumps(seconds)[:40]}")
         profile = cls(**dict(data, forward_s={width_of(w): float(t) for w, t in data["forward_s"].items()},

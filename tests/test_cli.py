@@ -464,7 +464,7 @@ def test_bad_files_paths_and_settings_are_one_line_before_any_model_loads(tmp_pa
             (["bench", "--methods", "ar", "sd:drafter=/dev/zero", *target], "neither a model's folder nor a .gguf"),
             (["generate", "x", "--target", str(tmp_path / "cut")], "cannot load model"),
             (["bench", "--report-from", str(tmp_path / "empty.json")], "is not the results.json"),
-            (["bench", "--report-from", str(tmp_path / "long.json")], "holds more than 64 bytes"),  # (/dev/zero: no end)
+            (["bench", "--report-from", str(tmp_path / "long.json")], "holds more than 64 bytes"),  # (/dev/zero)
             (["bench-serve", "--url", "http://127.0.0.1:9", "--out", str(tmp_path / "null")], "is not a file"),
             (["bench", "--methods", "ar", "--out", str(tmp_path / "file"), *target], "is a file: it names a directory"),
             (["bench", "--methods", "sd:k=2,k=3", *target], "option 'k' given twice"),
@@ -496,7 +496,7 @@ def test_bad_files_paths_and_settings_are_one_line_before_any_model_loads(tmp_pa
               "--lookahead", "3"],
              "--target-latency must be > 0 ms in a simulation"),
             (["simulate", "run", "--target-latency", "10", "--drafter-latency", "1", "--acceptance", "0.5",
-              "--lookahead", "3", "--ttft", "0", "--tokens", "1"], "one token after a first forward of 0 ms"),
+              "--lookahead", "3", "--ttft", "0", "--tokens", "1"], "--tokens must be >= 2 where the first forward"),
             (["bench", "--methods", "ar", "--prompts", "p" * 5000, *target], "unknown dataset 'ppp"),  # (names too
             (["bench", "--methods", "ar", "--prompts", "p" * 5000 + "+humaneval", *target], "unknown dataset"),  # long)
             (["serve", *target, "--ray-cluster", "foo"], "'foo' is no Ray cluster's address"),
@@ -507,7 +507,7 @@ def test_bad_files_paths_and_settings_are_one_line_before_any_model_loads(tmp_pa
             (["profile", "--model", "qwen2.5-coder-0.5b", "--widths", "1-100000000"], "widths must lie in"),
             (["profile", "--model", "qwen2.5-coder-0.5b", "--widths", "1-"], "widths must look like 1-16,24,32"),
             (["profile", "--model", "qwen2.5-coder-0.5b", "--widths", "1,1"], "1 is listed twice in '1,1'"),
-            (["bench-kernels", "--widths", "1-8,4-16"], "4 is listed twice in '1-8,4-16'"),  # (timed twice, kept once)
+            (["bench-kernels", "--widths", "1-8,4-16"], "4 is listed twice in '1-8,4-16'"),  # (one width, kept once)
             (["serve", *target, "--port", port], "cannot listen on"),
             (["serve", *target, "--prefix-cache-mb", "inf"], "prefix-cache-mb must be a number >= 0"),
             (["serve", *target, "--open-metrics"], "--open-metrics opens /metrics"),
@@ -541,7 +541,7 @@ def test_bad_files_paths_and_settings_are_one_line_before_any_model_loads(tmp_pa
             (["bench-serve", "--check-solo", "--temperature", "0.5"], "--check-solo compares greedy replies"),
             (["bench-serve", "--requests", "10000000000"], "--requests must be at most 1048576"),  # (memory ran out)
             (["bench-kernels", "--model", "smollm2-135m", "--out", str(cache_root() / "models" / "smollm2-135m-gguf" /
-              "model.gguf")], "where speculant keeps the catalog's models"),  # (it replaced the cached model)
+              "model.gguf")], "where speculant keeps what it builds"),  # (it replaced the cached model)
             (["bench-serve", "--concurrency", "1", "5000"], "--concurrency must be at most 4096"),
             (["bench-serve", "--url", "http://[::1"], "is not a URL: Invalid port"),
             (["bench-serve", "--url", "localhost:8000"], "is not an http(s) URL"),
@@ -797,7 +797,6 @@ def test_a_flag_given_where_it_does_nothing_is_one_line_never_ignored(capsys, tm
         (["generate", "x", "--method", "auto", "--tree-widths", "2,,3"], "bad value '2,,3' for --tree-widths"),
         (["peers", "build-llamacpp", "--jobs", "0"], "--jobs must lie in [1, 1024], got 0"),
         (["peers", "build-llamacpp", "--jobs", "99999999999"], "--jobs must lie in [1, 1024]"),  # (ignored, built)
-        ([*online, "--more-drafter", "0.5:0.7", "--more-drafter", "0.5:0.70"], "names one drafter twice"),
         (["simulate", "heatmap", "--out", str(tmp_path / "h"), "--lookaheads", "1,5,5"], "lists one twice"),
         (["generate", "x", "--drafter", "maxgram", "--bigram-corpus", str(tmp_path / "empty.txt")],
          "bigram corpus file is empty"),

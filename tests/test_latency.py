@@ -28,7 +28,8 @@ def test_beyond_a_single_profiled_width_each_token_costs_at_least_the_widest_s_s
     ({"forward_s": {"0": 0.01}}, "a width must be >= 1 token, got 0"),
     ({"forward_s": {"-4": 0.01, "1": 0.02}}, r"forward_s must map widths \(whole numbers as written: 1, 16\) to "
                                              r'numbers of seconds, got "-4": 0.01'),
-    ({"forward_s": {"1": 0.01, "01": 0.02}}, 'forward_s must map widths .* got "01": 0.02'),  # (read as 1: one of two widths' times taken unsaid)
+    ({"forward_s": {"1": 0.01, "01": 0.02}}, 'forward_s must map widths .* got "01": 0.02'),  # (read as 1: unsaid,
+    # one of two widths' times was taken)
     ({"forward_s": {"1": "0.01"}}, 'forward_s must map widths .* got "1": "0.01"'),
     ({"long_context_len": 2048, "long_forward_s": {"0": 0.02}}, "a width must be >= 1 token, got 0"),
     ({"forward_s": [1]}, r"forward_s must map widths to seconds, got \[1\]"),

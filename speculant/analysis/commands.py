@@ -61,7 +61,8 @@ def simulate_one(target_ms: float, drafter_ms: float, acceptance: float, lookahe
         raise ConfigError(f"acceptance must lie in [0, 1], got {acceptance}")
     at_least(lookahead=(lookahead, 1), servers=(servers, 1), tokens=(tokens, 1), repeats=(repeats, 2))
     if tokens == 1 and ttft_ms == 0:  # (every method's latency 0: no speedup to read)
-        raise ConfigError("one token after a first forward of 0 ms takes no time: give --tokens >= 2 or a --ttft")
+        raise ConfigError("tokens must be >= 2 where the first forward takes 0 ms (one token then takes no time: no "
+                          "latency to compare)")
     check_size(servers, lookahead, tokens, repeats, seed)
     wrong = draws(np.random.default_rng(seed), np.array([acceptance]), repeats, tokens)
     r, c, first = np.arange(repeats), drafter_ms / target_ms, None if ttft_ms is None else ttft_ms / target_ms

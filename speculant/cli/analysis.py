@@ -221,8 +221,6 @@ def run_simulate(args: argparse.Namespace) -> None:
         from speculant.analysis.online import format_online, simulate_online
 
         more = tuple(more_drafter(text) for text in args.more_drafter)
-        if len(set(more)) < len(more):  # (two drafters of one latency and acceptance: one, run twice)
-            raise ConfigError("--more-drafter names one drafter twice: give each once")
         if args.executor == "ray":
             reach_ray(args.ray_address, "--ray-address")
         plain_s = args.repeats * ((args.ttft or args.target_latency) + (args.tokens - 1) * args.target_latency) / 1000

@@ -71,15 +71,17 @@ def check_listen(host: str, port: int) -> None:
 def check_outputs(args: argparse.Namespace) -> None:
     """Refuse, before any work, an output path that cannot be written: a directory's path taken by a file, a
     file's path taken by a directory or within a directory that does not exist (where the command does not make it),
-    or a place where nothing can be written (`check_writable`), or where the catalog's models are kept (a file
+    or a place where nothing can be written (`check_writable`), or among what speculant builds in its cache (a file
     written there replaced a cached model's)."""
     written = []  # the files it writes (where one is a file it reads, that is refused)
     for name in ("out", "timeline"):
         if getattr(args, name, None) is None:
             continue
-        if Path(getattr(args, name)).resolve().is_relative_to((models := cache_root() / "models").resolve()):
-            raise ConfigError(f"--{name} {getattr(args, name)} is in {models}, where speculant keeps the catalog's "
-                              "models: write elsewhere")
+        where = Path(getattr(args, name)).resolve()
+        if built := next((cache_root() / part for part in BUILT_IN_CACHE
+                          if where.is_relative_to((cache_root() / part).resolve())), None):
+            raise ConfigError(f"--{name} {getattr(args, name)} is in {built}, where speculant keeps what it builds "
+                              "and loads (models, repacks, kernels): write elsewhere")
         try:
             check_output(Path(getattr(args, name)), args.out_kind if name == "out" else FILE, name)
         except OSError as error:  # (a name the system cannot hold, as one too long)
@@ -102,6 +104,9 @@ def check_outputs(args: argparse.Namespace) -> None:
         if read := next((named for named, given in reads if path.resolve().is_relative_to(given.resolve())), None):
             raise ConfigError(f"--{name} {path} is a file of the model {read} reads: it would be written over")
 
+
+BUILT_IN_CACHE = ("models", "lean", "kernels", "llamacpp", "tokenizers", "bigram", "frequency")  # its cache's folders
+# of what it builds and loads (not `machine`: profiles and predictors, which `profile` and `train-depth` write)
 
 # The flags that name files a command reads: datasets, models (a file, or a folder of them), and the others (not
 # bench's --report-from: a run is reported again in place, its rows read whole before they are written)

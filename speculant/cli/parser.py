@@ -49,8 +49,8 @@ class Defaults(argparse.HelpFormatter):
 class Parser(argparse.ArgumentParser):
     """argparse's parser (its subcommands' too), whose usage errors are one line as speculant's own errors are,
     and whose help shows every flag's default. A flag is spelled whole (no prefix of it stands for it), given once
-    (but for the repeatable ones, `action="append"`: a second `--methods` would drop the first list unseen) and never
-    empty (`--prompts ''` would read as no flag given, and run on the default prompts)."""
+    (but for the repeatable ones, `action="append"`: a second `--methods` would drop the first list unseen), a list's
+    entry once, and never empty (`--prompts ''` would read as no flag given, and run on the default prompts)."""
 
     def __init__(self, *args: Any, **kwargs: Any):
         super().__init__(*args, formatter_class=Defaults, allow_abbrev=False, **kwargs)
@@ -80,10 +80,10 @@ class Parser(argparse.ArgumentParser):
             if "" in arg_strings:
                 self.error(f"{'/'.join(action.option_strings)} has an empty value: give one, or leave the flag out")
         values = super()._get_values(action, arg_strings)
-        if action.nargs in ("+", "*") and (twice := next((v for i, v in enumerate(values) if v in values[:i]), None)):
-            self.error(f"{'/'.join(action.option_strings)} lists {arg_strings[values.index(twice, 1)]!r} twice: "
-                       "list each once")  # (a repeat ran twice, or was dropped, unsaid)
-        return values
+        if action.nargs in ("+", "*") and (twice := next((i for i, v in enumerate(values) if v in values[:i]),
+                                                          None)) is not None:
+            self.error(f"{'/'.join(action.option_strings)} lists {arg_strings[twice]!r} twice: list each once")
+        return values  # (a list's entry given twice ran twice, or was dropped, unsaid)
 
     def error(self, message: str) -> NoReturn:
         self.exit(2, f"speculant: error: {message} (see {self.prog} --help)\n")

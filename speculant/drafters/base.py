@@ -85,10 +85,11 @@ Q_SUM_TOLERANCE = 1e-2  # a user's q row may sum this far from 1 (rounded in hal
 class Checked(Drafter):
     """A user's drafter (one passed in, or registered from outside speculant), its drafts checked before anything reads
     them: a Draft whose tokens are ids of the target's vocabulary, at most k of them, and whose q is a float tensor
-    holding values (not on the meta device) with a row per token as wide as the target's logits, each row a
-    distribution giving its drafted token a probability above 0; else a DraftFault (a ConfigError) naming the drafter (a list, an id out of range or a q of another width had
-    failed deep in verification, an id past the vocabulary read another token's row, a q of 0 for its own token made p/q
-    infinite, and rows that are not distributions voided the output's). Everything else is the drafter's own."""
+    holding values (not on the meta device) with a row per token as wide as the target's logits, each row a distribution
+    giving its drafted token a probability above 0; else a DraftFault (a ConfigError) naming the drafter (a list, an id
+    out of range or a q of another width had failed deep in verification, an id past the vocabulary read another token's
+    row, a q of 0 for its own token made p/q infinite, and rows that are not distributions voided the output's).
+    Everything else is the drafter's own."""
 
     def __init__(self, inner: Drafter, vocab_size: int, name: str | None = None):
         self.inner, self.vocab_size = inner, vocab_size

@@ -154,9 +154,10 @@ def catalog_listing() -> str:
 def check_name(name: str) -> None:
     """Refuse, before anything loads, a model name (with or without its `@suffix`) that no loader takes: a path (it
     starts with /, ./, ../ or ~, or ends with .gguf) that names nothing, a .gguf that is not one, a folder without a
-    model's config.json, another file, an unknown suffix, a name that is neither in the catalog, nor a local path, nor a Hugging
-    Face id (owner/name), or an id the local cache lacks while the hub cannot be reached (`check_hub`). A target's
-    `@lean` too: that is a drafter's form of the model (`load_lean`), whose greedy output is not the model's."""
+    model's config.json, another file, an unknown suffix, a name that is neither in the catalog, nor a local path, nor a
+    Hugging Face id (owner/name), or an id the local cache lacks while the hub cannot be reached (`check_hub`). A
+    target's `@lean` too: that is a drafter's form of the model (`load_lean`), whose greedy output is not the
+    model's."""
     base, suffix = split_quant(name)
     if suffix == LEAN:
         raise ConfigError(f"{name}: @{LEAN} is a drafter's form of a model (its head cut to frequent tokens), not a "

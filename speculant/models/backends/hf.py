@@ -292,11 +292,14 @@ class HFCausalLM(Backend):
     def keep(self, kept: int, path: Sequence[int]) -> None:
         path = checked_path(kept, path, self._len)
         index = torch.as_tensor(path, dtype=torch.long, device=self.device)
-        for layer in self._cache.layers:
-            if layer.is_initialized:
-                layer.keys = torch.cat([layer.keys[..., :kept, :], layer.keys.index_select(-2, index)], dim=-2)
-                layer.values = torch.cat([layer.values[..., :kept, :], layer.values.index_select(-2, index)], dim=-2)
-        self._len = kept + len(path)
+        end = kept + len(path)
+        with torch.inference_mode():  # (the forwards' cache tensors: written in place only there)
+            for layer in self._cache.layers:  # (the path written over the tree in place: the context is not copied)
+                if layer.is_initialized:
+                    layer.keys[..., kept:end, :] = layer.keys.index_select(-2, index)
+                    layer.values[..., kept:end, :] = layer.values.index_select(-2, index)
+                    layer.keys, layer.values = layer.keys[..., :end, :], layer.values[..., :end, :]
+        self._len = end
 
 
 def attention_window(config: Any) -> tuple[int | None, bool]:
