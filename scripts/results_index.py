@@ -63,10 +63,13 @@ ENTRIES: dict[str, tuple[str, str, str | None, str | None, str | None]] = {
                     "6a648d5",
                     "Max-Gram's lookups from the last context's array, a cache's catch-up or prefill by its profile, "
                     "a spent probe budget read first", (1, 1), ZEN3),
-    "bench-avx2-1202-mixed": ("CPU", "**The CPU headline on the AVX2-only EPYC (Zen3)** at 087ebf4 (416 commits after "
+    "bench-avx2-1202-mixed": ("CPU", "The CPU headline on the AVX2-only EPYC (Zen3) until 12-04, at 087ebf4 (416 commits after "
                               "bench-avx2-head-*, which ran on this CPU last), 24 mixed prompts, one repeat, "
                               "`llamacpp-cli-ar` in the same run", None, ZEN3, None),
     "bench-avx2-1202-humaneval": ("CPU", "the same on HumanEval[:10], one repeat, right after", None, ZEN3, None),
+    "bench-avx2-1204-mixed": ("CPU", "**The CPU headline on the AVX2-only EPYC (Zen3)** at c0e1ff3, 24 mixed prompts, "
+                              "2 repeats, `llamacpp-cli-ar` in the same run", None, ZEN3, None),
+    "bench-avx2-1204-humaneval": ("CPU", "the same on HumanEval[:10], 3 repeats, right after", None, ZEN3, None),
     **bench_commits("bench-xeon-amx", "The AMX cut-over's bench on the Xeon", "0edc90b", "70ed6f3",
                     "the AMX tiles' cut-over per kind, a super-block unpacked before its first tile load", (1, 1),
                     XEON),
