@@ -131,20 +131,22 @@ class LatencyProfile:
         """What `save` wrote; a ValueError naming a value no measurement gives (a file edited, or another's)."""
         if not isinstance(data, dict):
             raise ValueError(f"a profile is a JSON object, not {type(data).__name__}")
-        required = [f.name for f in fields(cls) if f.default is MISSING and f.default_factory is MISSING]
-        if missing := next((name for name in required if name not in data), None):
+        names = {f.name: f.default is MISSING and f.default_factory is MISSING for f in fields(cls)}  # -> required
+        if missing := next((name for name, required in names.items() if required and name not in data), None):
             raise KeyError(missing)
-        if unknown := next((name for name in data if name not in {f.name for f in fields(cls)}), None):
+        if unknown := next((name for name in data if name not in names), None):
             raise ValueError(f"a profile has no field {json.dumps(unknown)[:60]}")
+        times: dict[str, dict[int, float]] = {}  # forward_s, long_forward_s: width -> seconds
         for name in ("forward_s", "long_forward_s"):
             if not isinstance(data.get(name, {}), dict):
                 raise ValueError(f"{name} must map widths to seconds, got {data[name]!r}")
+            times[name] = {}
             for width, seconds in data.get(name, {}).items():  # (keys as `save` writes them: "01", read as 1, took
                 if width_of(width) is None or as_number(seconds) is None:  # one of two widths' times unsaid)
                     raise ValueError(f"{name} must map widths (whole numbers as written: 1, 16) to numbers of "
                                      f"seconds, got {json.dumps(width)[:40]}: {json.dumps(seconds)[:40]}")
-        profile = cls(**dict(data, forward_s={width_of(w): float(t) for w, t in data["forward_s"].items()},
-                             long_forward_s={width_of(w): float(t) for w, t in data.get("long_forward_s", {}).items()}))
+                times[name][width_of(width)] = float(seconds)
+        profile = cls(**dict(data, **times))
         seconds = {"ttft_s": profile.ttft_s, "tpot_s": profile.tpot_s,
                    **{f"forward_s[{w}]": t for w, t in profile.forward_s.items()},
                    **{f"long_forward_s[{w}]": t for w, t in profile.long_forward_s.items()},

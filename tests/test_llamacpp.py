@@ -276,14 +276,15 @@ def test_a_prompt_part_after_a_kept_branch_follows_it(gguf_files):
     assert model.cache_len == 16
 
 
-def test_threads_loading_one_gguf_at_once_share_one_load(gguf_files):
+def test_threads_loading_one_gguf_at_once_share_one_load(tmp_path, private_cache):
     """Loads take a lock (`llamacpp._loading`): llama.cpp's log callback fills one list with the buffer types of the
     load it hears, and a file loaded by two threads at once was loaded twice."""
     import threading
 
     from speculant.models.backends.llamacpp import shared_weights
 
-    path, _ = gguf_files[GGUF_ARCHS[0], "q8_0", 7]
+    path = tmp_path / "once.gguf"  # (a file no other test loaded: none of its weights alive to be shared already)
+    write_tiny_gguf(path, GGUF_ARCHS[0], 11, "q8_0")
     start, loaded = threading.Barrier(4), []
 
     def load() -> None:

@@ -144,11 +144,13 @@ def run_heatmap(out: Path, ndim: int, lookaheads: tuple[int, ...], tokens: int, 
 
     at_least(ndim=(ndim, 2), lookaheads=(min(lookaheads), 1), tokens=(tokens, 1), repeats=(repeats, 2),
              servers=(servers, 1))
+    if len(set(lookaheads)) < len(lookaheads):  # (one was dropped unsaid)
+        raise ConfigError(f"lookaheads lists one twice: give each once, got {','.join(map(str, lookaheads))}")
     if fixed_lookahead not in lookaheads:
         raise ConfigError(f"the fixed lookahead {fixed_lookahead} (Figure 7's) must be among the lookaheads "
                           f"{','.join(map(str, lookaheads))}")
     check_size(servers, max(lookaheads), tokens, repeats, seed)
-    cells = (ndim + 1) ** 2 * len(set(lookaheads)) * repeats
+    cells = (ndim + 1) ** 2 * len(lookaheads) * repeats
     refuse_over("a heatmap", [
         ("cells ((ndim + 1)^2 x lookaheads x repeats)", cells, MOST_CELLS),
         ("cells x tokens", cells * tokens, MOST_STEPS),
@@ -157,7 +159,7 @@ def run_heatmap(out: Path, ndim: int, lookaheads: tuple[int, ...], tokens: int, 
         ("cells x tokens x servers", cells * tokens * servers, MOST_STEPS * SP_DEGREE)])
     start = time.perf_counter()
     c, a = paper_axes(ndim)
-    grid = simulate_grid(c, a, np.array(sorted(set(lookaheads))), tokens, repeats, servers, seed)
+    grid = simulate_grid(c, a, np.array(sorted(lookaheads)), tokens, repeats, servers, seed)
     numbers = {**summary(grid), "seconds": time.perf_counter() - start, "configurations": int(grid.si.size)}
     out.mkdir(parents=True, exist_ok=True)
     paths = [out / name for name in HEATMAP_FILES]

@@ -263,8 +263,6 @@ def run_simulate(args: argparse.Namespace) -> None:
             lookaheads = tuple(integer(k) for k in args.lookaheads.split(","))
         except ValueError:
             raise ConfigError(f"--lookaheads takes comma-separated integers, got '{args.lookaheads}'") from None
-        if len(set(lookaheads)) < len(lookaheads):  # (one was dropped unsaid)
-            raise ConfigError(f"--lookaheads lists one twice: give each once, got '{args.lookaheads}'")
         numbers, paths = from_flags(lambda: run_heatmap(Path(args.out), args.ndim, lookaheads, args.tokens,
                                                         args.repeats, args.servers, args.fixed_lookahead, args.seed),
                                     (*SIMULATION_FLAGS, "ndim"))

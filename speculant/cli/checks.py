@@ -77,9 +77,8 @@ def check_outputs(args: argparse.Namespace) -> None:
     for name in ("out", "timeline"):
         if getattr(args, name, None) is None:
             continue
-        where = Path(getattr(args, name)).resolve()
-        if built := next((cache_root() / part for part in BUILT_IN_CACHE
-                          if where.is_relative_to((cache_root() / part).resolve())), None):
+        where, cache = Path(getattr(args, name)).resolve(), cache_root().resolve()
+        if built := next((cache / part for part in BUILT_IN_CACHE if where.is_relative_to(cache / part)), None):
             raise ConfigError(f"--{name} {getattr(args, name)} is in {built}, where speculant keeps what it builds "
                               "and loads (models, repacks, kernels): write elsewhere")
         try:

@@ -429,11 +429,8 @@ def unwrapped(model: Any) -> Any:
 def common_prefix_len(a: Sequence, b: Sequence) -> int:
     """How many leading items two sequences of one type (lists of ids, bytes) share: a binary search over prefix
     comparisons, each one C-speed slice equality, where a loop in Python would walk the whole context every time a
-    drafter's lag is asked. Sequences whose slices never compare equal are refused (a list's and a tuple's: 0
-    shared)."""
-    if a[:0] != b[:0]:
-        raise TypeError(f"common_prefix_len compares sequences of one type, not {type(a).__name__} and "
-                        f"{type(b).__name__}")
+    drafter's lag is asked (each decode step: no check of the types here). Sequences whose slices never compare
+    equal (a list's and a tuple's) would share 0."""
     lo, hi = 0, min(len(a), len(b))  # a[:lo] == b[:lo]; a[:hi + 1] differs or hi is the shorter length
     if a[:hi] == b[:hi]:
         return hi
