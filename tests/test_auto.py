@@ -6,6 +6,7 @@ import json
 from dataclasses import asdict
 import math
 from collections import deque
+from itertools import count
 
 import pytest
 
@@ -14,10 +15,10 @@ from helpers import (MarkovLM, ScriptedDrafter, byte_tokenizer, costs, invent, p
 from speculant import cli, generate, latency, load_model
 from speculant.config import SamplingConfig
 from speculant.decoding import adaptive as adaptive_module
-from speculant.decoding.adaptive import (COST_FOLLOWS, LOOK_FIRST, PACE_STEPS, PROBE_SHARE, REST_STEPS, SAFE_SHARE,
-                                         SCALE_RANGE, TIME_FOLLOWS, Acceptance, AutoPolicy, Candidate, Rescaled, Timings,
-                                         adaptive, best_length, can_pay, expected_remaining, first_children_accepted,
-                                         Batched)
+from speculant.decoding.adaptive import (COST_FOLLOWS, LOOK_FIRST, PACE_FIRST, PACE_MARGIN, PACE_STEPS, PROBE_SHARE,
+                                         REST_STEPS, SAFE_SHARE, SCALE_RANGE, TIME_FOLLOWS, Acceptance, AutoPolicy,
+                                         Batched, Candidate, Rescaled, StepPlan, Timings, adaptive, best_length,
+                                         can_pay, expected_remaining, first_children_accepted, pace_margin)
 from speculant.decoding.run import timed
 from speculant.drafters.base import Draft, Drafter
 from speculant.latency import LatencyProfile
@@ -231,9 +232,24 @@ def test_a_drafter_that_texts_have_shown_never_right_is_hardly_probed():
     assert probes[0] >= 3 and probes[-1] <= 1, probes
 
 
+def test_the_governor_reads_a_few_steps_with_a_wider_margin():
+    """auto's pace 10% slower than T(1) per token is a loss as soon as PACE_FIRST steps show it; 3% slower is within
+    a few steps' noise (`pace_margin`), and a loss once enough steps show it, before PACE_STEPS."""
+    for slower, fired in ((1.10, PACE_FIRST), (1.03, next(n for n in count(1) if 1.03 > pace_margin(n)))):
+        cost = Rescaled(lambda width, length: 1.0)
+        cost.observe(1, 1.0)
+        policy = AutoPolicy([], cost, 1000)
+        steps = 0
+        while not policy.governed:
+            policy.pace(StepPlan(None), slower, 1)
+            steps += 1
+        assert steps == fired and PACE_FIRST <= fired < PACE_STEPS
+    assert pace_margin(PACE_STEPS) == PACE_MARGIN
+
+
 def test_auto_that_falls_behind_plain_decoding_decodes_plainly(monkeypatch):
     """Work no estimate sees (here a model-free drafter whose lookup takes three forwards' time and never
-    matches) shows in auto's own pace: after PACE_STEPS steps slower than T(1) per token, it stops choosing."""
+    matches) shows in auto's own pace: after PACE_FIRST steps slower than T(1) per token, it stops choosing."""
     import time
 
     target = tiny_model("llama", 2, VOCAB, init_std=0.1)
@@ -254,7 +270,7 @@ def test_auto_that_falls_behind_plain_decoding_decodes_plainly(monkeypatch):
     candidate = Candidate("slow", None, 0.0, 0.0, match=slow_match)
     tokens, stats = run(target, [candidate], prompt, n=120, cost=Rescaled(lambda width, length: step))
     assert tokens == reference
-    assert PACE_STEPS <= len(lookups) <= PACE_STEPS + 2  # 119 steps without the governor
+    assert PACE_FIRST <= len(lookups) <= PACE_FIRST + 2  # 119 steps without the governor
     tokens, stats = run(target, [candidate], prompt, n=120, cost=lambda width: step)  # no measured seconds: off
     assert len(lookups) > 100
 
@@ -453,7 +469,6 @@ def test_a_plain_step_left_unmeasured_in_a_slow_stretch_does_not_stay_dear():
     costs more), and plain decoding, the step that pays, is chosen again (else the draft kept being chosen, T(1) never
     timed again, and the governor compared auto's pace with the stale T(1)). The cap is on what is read: width 1's
     own ratio is left as it was, for its next timing to correct."""
-    from speculant.decoding.adaptive import AutoPolicy
 
     timing = Rescaled(lambda width, length: 0.1 * (1 + 0.1 * (width - 1)))
     for _ in range(30):
@@ -591,7 +606,6 @@ def test_verification_cost_follows_the_cached_length():
     growth for the others, never below T(W) at 256; a prefill grows as a n + b n^2 through both prefills (a line
     through both where a token costs less in the longer one); `Rescaled`
     asks the profile at the length the policy set."""
-    from speculant.decoding.adaptive import Rescaled
 
     profile = LatencyProfile("m", "", "cpu", 256, 0.256, 0.01, {1: 0.01, 4: 0.012, 16: 0.02},
                              2048, 2.56 * 1.5, {1: 0.0125, 4: 0.018})
@@ -608,7 +622,6 @@ def test_verification_cost_follows_the_cached_length():
     cost = Rescaled(profile.cost_at)
     cost.length = 2048
     assert cost(4) == pytest.approx(0.018)
-    from speculant.decoding.adaptive import Candidate
 
     drafter = Candidate("d", None, 0.004, 0.5, growth=lambda length: profile.cost_at(1, length) / profile.cost(1))
     assert drafter.cost_s == pytest.approx(0.004)  # before the policy set a length: as profiled
@@ -675,7 +688,6 @@ def test_auto_with_stage_scheduling_keeps_the_output_and_uses_trees_drafted_ahea
     drafted ahead are used. Auto's choices are made here: trees of depth 3 on most steps, its own on others."""
     from test_static import static, transformer
 
-    from speculant.decoding.adaptive import AutoPolicy, StepPlan
 
     target = static(transformer(arch, 3)) if arch == "mistral" else tiny_model(arch, 3, 64)
     prompt = random_prompt(54, 64)
