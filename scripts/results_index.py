@@ -187,8 +187,7 @@ ENTRIES: dict[str, tuple[str, str, str | None, str | None, str | None]] = {
                             "OUT=docs/results/serve-conversations scripts/serve_conversations.sh", ZEN5, None),
     "gpu.md": ("GPU", "the static backend eager and compiled on an H100, then H200s (random weights): T(W), `ar` "
                "against transformers' compiled `generate`, speculation, `auto`",
-               "python scripts/gpu_static.py OUT.json",
-               "NVIDIA H100 80GB HBM3 (lent)", "8322759"),
+               "bash scripts/gpu_lent.sh", "NVIDIA H100 80GB HBM3, then H200s (lent)", None),
     "gpu-h100.json": ("GPU", "the numbers of gpu.md", "python scripts/gpu_static.py OUT.json",
                       "NVIDIA H100 80GB HBM3 (lent)", None),
     "gpu-h200.json": ("GPU", "`auto` against `ar` where nothing is accepted, speculation and the drafter's cost on "
@@ -202,13 +201,23 @@ ENTRIES: dict[str, tuple[str, str, str | None, str | None, str | None]] = {
                            "tree's levels captured as one graph), each compiled row on a pool of 16 regions (slowed by "
                            "a copy of the whole pool per layer, since fixed), a quantized target's exactness (gpu.md)",
                            "bash scripts/gpu_lent.sh", "NVIDIA H200 (lent)", "9dcd546"),
-    "auto-no-accept": ("speculation", "`auto` against `ar` where nothing is accepted, ~2 ms a forward on the CPU "
+    "gpu-h200-1204.json": ("GPU", "every section of gpu_static.py in one call (4 Dec, at f5cf9c9): the CUDA tests, "
+                           "T(W), `ar` against transformers' compiled `generate` (the README's table), speculation "
+                           "with and without stage scheduling, one-graph drafting, batch rows, host syncs (gpu.md)",
+                           "bash scripts/gpu_lent.sh", "NVIDIA H200 (lent)", None),
+    "gpu-h200-governor.json": ("GPU", "`auto` against `ar` where nothing is accepted (4 Dec): at f5cf9c9 on the "
+                               "machine of gpu-h200-1204.json, then the governor reading its pace from 8 steps "
+                               "against from 32 in one call, A B B A x 10 each (gpu.md)",
+                               "python scripts/gpu_static.py OUT.json --ab-repeats 10 --sections auto",
+                               "NVIDIA H200 (lent)", None),
+    "auto-no-accept": ("speculation", "`auto` against `ar` where nothing is accepted, 1-2 ms a forward on the CPU "
                        "(random static models), A B B A with 95% intervals over rounds, in wall and CPU time: "
-                       "results.json; zen3-rest-{before,after}-{1,2}.json before and after a losing model candidate "
-                       "rests REST_STEPS steps (one sitting, alternated); zen3-{before,after}-{1,2}.json at 73dfba0 "
+                       "results.json (Zen4, 0.95 ms a forward, 4 Dec); on the Zen3: "
+                       "zen3-rest-{before,after}-{1,2}.json before and after a losing model candidate rests "
+                       "REST_STEPS steps (one sitting, alternated); zen3-{before,after}-{1,2}.json at 73dfba0 "
                        "and after a plain step stopped being estimated dearer than the width verified last (then "
                        "at 3 layers and a 2048-position cache, 7-9 ms a forward)",
-                       "python scripts/auto_no_accept.py docs/results/auto-no-accept/results.json", ZEN3, None),
+                       "python scripts/auto_no_accept.py docs/results/auto-no-accept/results.json", ZEN4, None),
     "auto-plan": ("speculation", "`auto` with its tree candidates at the execution plan's width (`tree_widths=auto`) "
                   "against the default width 2, beside `llama-completion`, mixed prompts and HumanEval[:10], 2 repeats",
                   None, ZEN5, None),
