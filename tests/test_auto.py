@@ -6,7 +6,6 @@ import json
 from dataclasses import asdict
 import math
 from collections import deque
-from itertools import count
 
 import pytest
 
@@ -15,11 +14,12 @@ from helpers import (MarkovLM, ScriptedDrafter, byte_tokenizer, costs, invent, p
 from speculant import cli, generate, latency, load_model
 from speculant.config import SamplingConfig
 from speculant.decoding import adaptive as adaptive_module
-from speculant.decoding.adaptive import (COST_FOLLOWS, LOOK_FIRST, PACE_FIRST, PACE_MARGIN, PACE_STEPS, PROBE_SHARE,
+from speculant.decoding.adaptive import (COST_FOLLOWS, LOOK_FIRST, PACE_FIRST, PACE_STEPS, PROBE_SHARE,
                                          REST_STEPS, SAFE_SHARE, SCALE_RANGE, TIME_FOLLOWS, Acceptance, AutoPolicy,
                                          Batched, Candidate, Rescaled, StepPlan, Timings, adaptive, best_length,
-                                         can_pay, expected_remaining, first_children_accepted, pace_margin)
+                                         can_pay, expected_remaining, first_children_accepted)
 from speculant.decoding.run import timed
+from speculant.decoding.step import Verified
 from speculant.drafters.base import Draft, Drafter
 from speculant.latency import LatencyProfile
 from speculant.trees.tree import TokenTree
@@ -232,19 +232,23 @@ def test_a_drafter_that_texts_have_shown_never_right_is_hardly_probed():
     assert probes[0] >= 3 and probes[-1] <= 1, probes
 
 
-def test_the_governor_reads_a_few_steps_with_a_wider_margin():
-    """auto's pace 10% slower than T(1) per token is a loss as soon as PACE_FIRST steps show it; 3% slower is within
-    a few steps' noise (`pace_margin`), and a loss once enough steps show it, before PACE_STEPS."""
-    for slower, fired in ((1.10, PACE_FIRST), (1.03, next(n for n in count(1) if 1.03 > pace_margin(n)))):
+def test_the_governor_reads_plain_steps_sooner_than_drafting_ones():
+    """Plain steps that took over PACE_MARGIN times their own forwards (nothing but auto's own work is in them) stop
+    auto's choosing after PACE_FIRST in a row; plain steps within it never do; steps that drafted and accepted nothing,
+    as slow per token, wait for the whole window of PACE_STEPS (their acceptance varies more than a step's time)."""
+    free = Candidate("free", None, 0.0, 0.5, match=lambda context: 0)
+    for chosen, slower, fired in ((None, 1.10, PACE_FIRST), (None, 1.01, None), (free, 1.10, PACE_STEPS)):
         cost = Rescaled(lambda width, length: 1.0)
-        cost.observe(1, 1.0)
-        policy = AutoPolicy([], cost, 1000)
-        steps = 0
-        while not policy.governed:
-            policy.pace(StepPlan(None), slower, 1)
-            steps += 1
-        assert steps == fired and PACE_FIRST <= fired < PACE_STEPS
-    assert pace_margin(PACE_STEPS) == PACE_MARGIN
+        cost.observe(1, 1.0)  # (a plain step timed: T(1) known)
+        policy = AutoPolicy([free], cost, 1000)
+        for steps in range(1, 2 * PACE_STEPS + 1):
+            plan = StepPlan(chosen, 0 if chosen is None else 2)
+            draft = Draft([] if chosen is None else [1, 2])
+            policy.observe(plan, draft, Verified([], 0, len(draft.tokens), 1 + len(draft.tokens)), 1.0, True)
+            policy.pace(plan, slower, 1)
+            if policy.governed:
+                break
+        assert (steps if policy.governed else None) == fired
 
 
 def test_auto_that_falls_behind_plain_decoding_decodes_plainly(monkeypatch):

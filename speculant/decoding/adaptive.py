@@ -51,10 +51,9 @@ PROBE_SHARE = 0.1  # probes that brought no drafter back may cost at most this s
 LOOK_FIRST = 4  # steps a text shows before a drafter's catch-up dearer than PROBE_SHARE of the rest is paid
 TIME_FOLLOWS = 0.2  # how far a measured/profiled time ratio moves toward each forward's
 SCALE_RANGE = (0.5, 2.0)  # a forward's measured/profiled ratio is clipped to this: drift, not a spike
-PACE_STEPS = 32  # auto compares its own pace over up to this many recent steps with plain decoding's T(1) per token
-PACE_FIRST = 8  # ... from this many on (on a GPU's few-ms step, each step before it fires costs its choosing)
-PACE_MARGIN = 1.02  # ... and decodes plainly for the rest of a generation where it was this much slower over
-# PACE_STEPS steps (over n < PACE_STEPS, 1 + (PACE_MARGIN - 1) * sqrt(PACE_STEPS / n): fewer steps' noise weighs more)
+PACE_STEPS = 32  # auto compares its own pace over this many recent steps with plain decoding's T(1) per token
+PACE_MARGIN = 1.02  # ... and decodes plainly for the rest of a generation where it was this much slower
+PACE_FIRST = 8  # plain steps in a row that took PACE_MARGIN times their own forwards: auto's own work, nothing else
 NEGLIGIBLE = 1e-3  # a draft position less likely than this to be accepted is not weighed (`expected_tokens`)
 REST_STEPS = 4  # steps after a model candidate lost to plain decoding before it is weighed again (a model draft: next)
 LENGTH_BUCKET = 64  # a served target's T(W, L) is worked out again when the context crosses a multiple of this
@@ -299,14 +298,6 @@ class Candidate:
 MATCH_PRIORS = {1: 0.3, 2: 0.5, 3: 0.7, 4: 0.85}  # acceptance before any observation, by bucket
 
 
-def pace_margin(steps: int) -> float:
-    """How much slower than T(1) per token `steps` recent steps may run before `AutoPolicy.pace` stops choosing:
-    `PACE_MARGIN` over `PACE_STEPS` steps, wider over fewer, as the standard error of a mean of that many step times
-    is (a shared machine's noise, one spike, weighs more in a few steps; where a GPU's step of a few ms makes auto's
-    own choosing a loss of several percent, it shows within `PACE_FIRST` steps)."""
-    return 1 + (PACE_MARGIN - 1) * math.sqrt(PACE_STEPS / steps)
-
-
 def match_bucket(length: int) -> int:
     """Max-Gram drafts after a longer match are likelier right: estimate them apart (<= 2, 3-5, 6-15, 16+
     matched tokens); 0 means no match."""
@@ -441,9 +432,13 @@ class AutoPolicy:
     `observe` learns from each step: acceptance per candidate, and, where `cost` is `Rescaled` (measured seconds),
     every verification's time rescales it (its `Timings`, whose `speed` the candidates share) and every draft's
     its candidate's `scale`. `pace` keeps auto's own pace there: once it has timed a plain step, if its last
-    `PACE_FIRST` to `PACE_STEPS` steps took over `pace_margin` times T(1) per token they committed (its own work of
-    choosing and Max-Gram's lookups included, which no estimate counts; not steps whose drafter first caught up on
-    more than a step's tokens, an investment paid once), it decodes plainly to the end of the generation."""
+    `PACE_STEPS` steps took over `PACE_MARGIN` times T(1) per token they committed (its own work of choosing and
+    Max-Gram's lookups included, which no estimate counts; not steps whose drafter first caught up on more than a
+    step's tokens, an investment paid once), it decodes plainly to the end of the generation. Sooner where its last
+    `PACE_FIRST` steps were all plain and took over `PACE_MARGIN` times their own forwards: then nothing but auto's
+    own work made them slower than `ar`'s (on a GPU's few-ms step, `choose` alone is several percent of a step). That
+    reading needs no estimate of T(1) (early in a generation it may lag the machine), and steps that drafted, whose
+    acceptance varies far more than a step's time, wait for the whole window."""
 
     def __init__(self, candidates: list[Candidate], cost: Callable[[int], float], max_new_tokens: int,
                  k_max: int = 16, probe_every: int = 16, lengths: deque[float] | None = None,
@@ -459,6 +454,8 @@ class AutoPolicy:
         self.free = 0  # tokens this generation committed through model-free drafts: a model drafter is left the rest
         self.steps = 0
         self.recent: deque[tuple[float, int]] = deque(maxlen=PACE_STEPS)  # (seconds, tokens) of the last steps
+        self.plain: deque[tuple[float, float]] = deque(maxlen=PACE_FIRST)  # (seconds, its forward's): plain in a row
+        self.forward_s: float | None = None  # the last step's forward, where it was plain
         self.governed = False  # slower than plain decoding over the recent steps: plain to the end of this generation
         self.resting: dict[int, int] = {}  # model candidate -> the step from which it is weighed again
         for candidate in candidates:  # estimates may come from earlier generations: a new text, a new start
@@ -541,6 +538,7 @@ class AutoPolicy:
         self.steps += 1
         if self.learn_costs:
             self.cost.observe(step.width, verify_s)
+        self.forward_s = verify_s if chosen is None else None
         if chosen is None:
             return
         if chosen.match is None:  # a model draft: acceptance estimates moved, so every model candidate is weighed again
@@ -556,9 +554,14 @@ class AutoPolicy:
         """Keep auto's own pace over a step of `seconds` that committed `tokens` (see the class docstring)."""
         if self.learn_costs and not self.governed and plan.behind <= self.k_max + 1:  # (a prompt's catch-up: once)
             self.recent.append((seconds, tokens))  # what no estimate sees is in its time
-            n = len(self.recent)
-            self.governed = n >= PACE_FIRST and 1 in self.cost.timings.scales and \
-                sum(s for s, _ in self.recent) > pace_margin(n) * self.cost(1) * sum(t for _, t in self.recent)
+            if self.forward_s is None:
+                self.plain.clear()
+            else:
+                self.plain.append((seconds, self.forward_s))
+            self.governed = len(self.plain) == PACE_FIRST and \
+                sum(s for s, _ in self.plain) > PACE_MARGIN * sum(f for _, f in self.plain) or \
+                len(self.recent) == PACE_STEPS and 1 in self.cost.timings.scales and \
+                sum(s for s, _ in self.recent) > PACE_MARGIN * self.cost(1) * sum(t for _, t in self.recent)
             if self.governed:  # nothing more to choose from, nor to probe: plain steps
                 self.candidates = []
 
