@@ -233,11 +233,13 @@ def test_a_drafter_that_texts_have_shown_never_right_is_hardly_probed():
 
 
 def test_the_governor_reads_plain_steps_sooner_than_drafting_ones():
-    """Plain steps that took over PACE_MARGIN times their own forwards (nothing but auto's own work is in them) stop
-    auto's choosing after PACE_FIRST in a row; plain steps within it never do; steps that drafted and accepted nothing,
-    as slow per token, wait for the whole window of PACE_STEPS (their acceptance varies more than a step's time)."""
+    """Plain steps that took over PACE_HOST times their own forwards (nothing but auto's own work is in them) stop
+    auto's choosing after PACE_FIRST in a row; plain steps a few percent slower (a CPU's choosing) and steps that
+    drafted and accepted nothing, as slow per token (their acceptance varies more than a step's time), wait for the
+    whole window of PACE_STEPS; steps within PACE_MARGIN never stop it."""
     free = Candidate("free", None, 0.0, 0.5, match=lambda context: 0)
-    for chosen, slower, fired in ((None, 1.10, PACE_FIRST), (None, 1.01, None), (free, 1.10, PACE_STEPS)):
+    for chosen, slower, fired in ((None, 1.10, PACE_FIRST), (None, 1.03, PACE_STEPS), (None, 1.01, None),
+                                  (free, 1.10, PACE_STEPS)):
         cost = Rescaled(lambda width, length: 1.0)
         cost.observe(1, 1.0)  # (a plain step timed: T(1) known)
         policy = AutoPolicy([free], cost, 1000)

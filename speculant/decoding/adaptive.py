@@ -53,7 +53,8 @@ TIME_FOLLOWS = 0.2  # how far a measured/profiled time ratio moves toward each f
 SCALE_RANGE = (0.5, 2.0)  # a forward's measured/profiled ratio is clipped to this: drift, not a spike
 PACE_STEPS = 32  # auto compares its own pace over this many recent steps with plain decoding's T(1) per token
 PACE_MARGIN = 1.02  # ... and decodes plainly for the rest of a generation where it was this much slower
-PACE_FIRST = 8  # plain steps in a row that took PACE_MARGIN times their own forwards: auto's own work, nothing else
+PACE_FIRST = 8  # plain steps in a row whose own work beyond their forwards (choosing: on a GPU's few-ms step, a tenth
+PACE_HOST = 1.05  # ... of it) made them this many times their forwards also stop it (on a CPU's, it is 1-3%)
 NEGLIGIBLE = 1e-3  # a draft position less likely than this to be accepted is not weighed (`expected_tokens`)
 REST_STEPS = 4  # steps after a model candidate lost to plain decoding before it is weighed again (a model draft: next)
 LENGTH_BUCKET = 64  # a served target's T(W, L) is worked out again when the context crosses a multiple of this
@@ -435,10 +436,11 @@ class AutoPolicy:
     `PACE_STEPS` steps took over `PACE_MARGIN` times T(1) per token they committed (its own work of choosing and
     Max-Gram's lookups included, which no estimate counts; not steps whose drafter first caught up on more than a
     step's tokens, an investment paid once), it decodes plainly to the end of the generation. Sooner where its last
-    `PACE_FIRST` steps were all plain and took over `PACE_MARGIN` times their own forwards: then nothing but auto's
-    own work made them slower than `ar`'s (on a GPU's few-ms step, `choose` alone is several percent of a step). That
-    reading needs no estimate of T(1) (early in a generation it may lag the machine), and steps that drafted, whose
-    acceptance varies far more than a step's time, wait for the whole window."""
+    `PACE_FIRST` steps were all plain and took over `PACE_HOST` times their own forwards: nothing but auto's own work
+    made them slower than `ar`'s, and a few-ms step (a GPU's) makes that work a loss no draft is likely to repay. That
+    reading needs no estimate of T(1) (early in a generation it may lag the machine); steps that drafted, whose
+    acceptance varies far more than a step's time, and plain steps that choosing slows by a few percent (a CPU's
+    tens of ms: a plain stretch before a drafter pays again), wait for the whole window."""
 
     def __init__(self, candidates: list[Candidate], cost: Callable[[int], float], max_new_tokens: int,
                  k_max: int = 16, probe_every: int = 16, lengths: deque[float] | None = None,
@@ -559,7 +561,7 @@ class AutoPolicy:
             else:
                 self.plain.append((seconds, self.forward_s))
             self.governed = len(self.plain) == PACE_FIRST and \
-                sum(s for s, _ in self.plain) > PACE_MARGIN * sum(f for _, f in self.plain) or \
+                sum(s for s, _ in self.plain) > PACE_HOST * sum(f for _, f in self.plain) or \
                 len(self.recent) == PACE_STEPS and 1 in self.cost.timings.scales and \
                 sum(s for s, _ in self.recent) > PACE_MARGIN * self.cost(1) * sum(t for _, t in self.recent)
             if self.governed:  # nothing more to choose from, nor to probe: plain steps
