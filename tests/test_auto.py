@@ -233,29 +233,39 @@ def test_a_drafter_that_texts_have_shown_never_right_is_hardly_probed():
 
 
 def test_the_governor_reads_plain_steps_sooner_than_drafting_ones():
-    """Plain steps that took over PACE_HOST times their own forwards (nothing but auto's own work is in them) stop
-    auto's choosing after PACE_FIRST in a row; plain steps a few percent slower (a CPU's choosing) and steps that
-    drafted and accepted nothing, as slow per token (their acceptance varies more than a step's time), wait for the
-    whole window of PACE_STEPS; steps within PACE_MARGIN never stop it."""
+    """Plain steps that took over PACE_HOST times their own forwards (beyond the forward: auto's choosing) stop auto's
+    choosing after PACE_FIRST in a row, whatever T(1) is estimated at; plain steps a few percent slower (a CPU's
+    choosing) and steps that drafted and accepted nothing, as slow per token (their acceptance varies more than a
+    step's time), wait for the whole window of PACE_STEPS; steps within PACE_MARGIN never stop it. A draft ends a
+    plain run, also one left out of the pace (a drafter's catch-up on the prompt)."""
     free = Candidate("free", None, 0.0, 0.5, match=lambda context: 0)
-    for chosen, slower, fired in ((None, 1.10, PACE_FIRST), (None, 1.03, PACE_STEPS), (None, 1.01, None),
-                                  (free, 1.10, PACE_STEPS)):
-        cost = Rescaled(lambda width, length: 1.0)
+
+    def every(n: int, draft: StepPlan):  # a draft every n-th step, plain steps between
+        return lambda step: draft if step % n == 0 else StepPlan(None)
+
+    plain, drafting, catch_up = StepPlan(None), StepPlan(free, 2), StepPlan(free, 2, behind=100)
+    cases = [(lambda step: plain, 1.10, 1.0, PACE_FIRST), (lambda step: plain, 1.10, 8.0, PACE_FIRST),
+             (lambda step: plain, 1.03, 1.0, PACE_STEPS), (lambda step: plain, 1.01, 1.0, None),
+             (lambda step: drafting, 1.10, 1.0, PACE_STEPS), (every(8, drafting), 1.10, 1.0, PACE_STEPS),
+             (lambda step: catch_up if step == 5 else plain, 1.10, 1.0, 5 + PACE_FIRST)]
+    for plan_at, slower, profiled, fired in cases:
+        cost = Rescaled(lambda width, length: profiled)  # (a profile of 8 s: T(1) estimated at its clip, 2 s)
         cost.observe(1, 1.0)  # (a plain step timed: T(1) known)
         policy = AutoPolicy([free], cost, 1000)
         for steps in range(1, 2 * PACE_STEPS + 1):
-            plan = StepPlan(chosen, 0 if chosen is None else 2)
-            draft = Draft([] if chosen is None else [1, 2])
+            plan = plan_at(steps)
+            draft = Draft([] if plan.candidate is None else [1, 2])
             policy.observe(plan, draft, Verified([], 0, len(draft.tokens), 1 + len(draft.tokens)), 1.0, True)
             policy.pace(plan, slower, 1)
             if policy.governed:
                 break
-        assert (steps if policy.governed else None) == fired
+        assert (steps if policy.governed else None) == fired, (slower, profiled, fired)
 
 
 def test_auto_that_falls_behind_plain_decoding_decodes_plainly(monkeypatch):
     """Work no estimate sees (here a model-free drafter whose lookup takes three forwards' time and never
-    matches) shows in auto's own pace: after PACE_FIRST steps slower than T(1) per token, it stops choosing."""
+    matches) shows in auto's own pace: after PACE_FIRST plain steps over PACE_HOST times their own forwards, it stops
+    choosing."""
     import time
 
     target = tiny_model("llama", 2, VOCAB, init_std=0.1)
@@ -475,7 +485,6 @@ def test_a_plain_step_left_unmeasured_in_a_slow_stretch_does_not_stay_dear():
     costs more), and plain decoding, the step that pays, is chosen again (else the draft kept being chosen, T(1) never
     timed again, and the governor compared auto's pace with the stale T(1)). The cap is on what is read: width 1's
     own ratio is left as it was, for its next timing to correct."""
-
     timing = Rescaled(lambda width, length: 0.1 * (1 + 0.1 * (width - 1)))
     for _ in range(30):
         timing.observe(1, 0.1)  # as profiled
@@ -612,7 +621,6 @@ def test_verification_cost_follows_the_cached_length():
     growth for the others, never below T(W) at 256; a prefill grows as a n + b n^2 through both prefills (a line
     through both where a token costs less in the longer one); `Rescaled`
     asks the profile at the length the policy set."""
-
     profile = LatencyProfile("m", "", "cpu", 256, 0.256, 0.01, {1: 0.01, 4: 0.012, 16: 0.02},
                              2048, 2.56 * 1.5, {1: 0.0125, 4: 0.018})
     assert profile.cost_at(1, 100) == profile.cost_at(1, 256) == 0.01
@@ -693,7 +701,6 @@ def test_auto_with_stage_scheduling_keeps_the_output_and_uses_trees_drafted_ahea
     equals `ar`'s (Mistral with a window of 6, on the static backend); with the target drafting for itself, trees
     drafted ahead are used. Auto's choices are made here: trees of depth 3 on most steps, its own on others."""
     from test_static import static, transformer
-
 
     target = static(transformer(arch, 3)) if arch == "mistral" else tiny_model(arch, 3, 64)
     prompt = random_prompt(54, 64)

@@ -53,8 +53,8 @@ TIME_FOLLOWS = 0.2  # how far a measured/profiled time ratio moves toward each f
 SCALE_RANGE = (0.5, 2.0)  # a forward's measured/profiled ratio is clipped to this: drift, not a spike
 PACE_STEPS = 32  # auto compares its own pace over this many recent steps with plain decoding's T(1) per token
 PACE_MARGIN = 1.02  # ... and decodes plainly for the rest of a generation where it was this much slower
-PACE_FIRST = 8  # plain steps in a row whose own work beyond their forwards (choosing: on a GPU's few-ms step, a tenth
-PACE_HOST = 1.05  # ... of it) made them this many times their forwards also stop it (on a CPU's, it is 1-3%)
+PACE_FIRST = 8  # plain steps in a row read early, without waiting for PACE_STEPS
+PACE_HOST = 1.05  # ... stopping the choosing where they took over this many times their own forwards
 NEGLIGIBLE = 1e-3  # a draft position less likely than this to be accepted is not weighed (`expected_tokens`)
 REST_STEPS = 4  # steps after a model candidate lost to plain decoding before it is weighed again (a model draft: next)
 LENGTH_BUCKET = 64  # a served target's T(W, L) is worked out again when the context crosses a multiple of this
@@ -431,16 +431,16 @@ class AutoPolicy:
     `auto` runs slower than plain decoding).
 
     `observe` learns from each step: acceptance per candidate, and, where `cost` is `Rescaled` (measured seconds),
-    every verification's time rescales it (its `Timings`, whose `speed` the candidates share) and every draft's
-    its candidate's `scale`. `pace` keeps auto's own pace there: once it has timed a plain step, if its last
+    every verification's time rescales it (its `Timings`, whose `speed` the candidates share) and every draft's its
+    candidate's `scale`. `pace` keeps auto's own pace there: once it has timed a plain step, if its last
     `PACE_STEPS` steps took over `PACE_MARGIN` times T(1) per token they committed (its own work of choosing and
     Max-Gram's lookups included, which no estimate counts; not steps whose drafter first caught up on more than a
     step's tokens, an investment paid once), it decodes plainly to the end of the generation. Sooner where its last
-    `PACE_FIRST` steps were all plain and took over `PACE_HOST` times their own forwards: nothing but auto's own work
-    made them slower than `ar`'s, and a few-ms step (a GPU's) makes that work a loss no draft is likely to repay. That
-    reading needs no estimate of T(1) (early in a generation it may lag the machine); steps that drafted, whose
-    acceptance varies far more than a step's time, and plain steps that choosing slows by a few percent (a CPU's
-    tens of ms: a plain stretch before a drafter pays again), wait for the whole window."""
+    `PACE_FIRST` steps were all plain and took over `PACE_HOST` times their own forwards: beyond the forward, such a
+    step holds auto's choosing and the draw `ar` makes too, and a few-ms step (a GPU's) makes the choosing a loss no
+    draft is likely to repay. That reading needs no estimate of T(1) (early in a generation it may lag the machine);
+    steps that drafted, whose acceptance varies far more than a step's time, and plain steps that choosing slows by
+    a few percent (a CPU's tens of ms: a plain stretch before a drafter pays again), wait for the whole window."""
 
     def __init__(self, candidates: list[Candidate], cost: Callable[[int], float], max_new_tokens: int,
                  k_max: int = 16, probe_every: int = 16, lengths: deque[float] | None = None,
@@ -554,16 +554,16 @@ class AutoPolicy:
 
     def pace(self, plan: StepPlan, seconds: float, tokens: int) -> None:
         """Keep auto's own pace over a step of `seconds` that committed `tokens` (see the class docstring)."""
+        if self.forward_s is None:  # a draft, counted or not, ends a plain run
+            self.plain.clear()
         if self.learn_costs and not self.governed and plan.behind <= self.k_max + 1:  # (a prompt's catch-up: once)
             self.recent.append((seconds, tokens))  # what no estimate sees is in its time
-            if self.forward_s is None:
-                self.plain.clear()
-            else:
+            if self.forward_s is not None:
                 self.plain.append((seconds, self.forward_s))
-            self.governed = len(self.plain) == PACE_FIRST and \
-                sum(s for s, _ in self.plain) > PACE_HOST * sum(f for _, f in self.plain) or \
-                len(self.recent) == PACE_STEPS and 1 in self.cost.timings.scales and \
-                sum(s for s, _ in self.recent) > PACE_MARGIN * self.cost(1) * sum(t for _, t in self.recent)
+            self.governed = (len(self.plain) == PACE_FIRST and
+                             sum(s for s, _ in self.plain) > PACE_HOST * sum(f for _, f in self.plain)) or \
+                (len(self.recent) == PACE_STEPS and 1 in self.cost.timings.scales and
+                 sum(s for s, _ in self.recent) > PACE_MARGIN * self.cost(1) * sum(t for _, t in self.recent))
             if self.governed:  # nothing more to choose from, nor to probe: plain steps
                 self.candidates = []
 

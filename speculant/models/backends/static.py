@@ -215,12 +215,18 @@ def compile_graphs(fn: Callable[..., Any]) -> Any:
     StaticWeights count together. The limit is the function's own where torch.compile takes one (the process's other
     compiled functions keep theirs); with an older torch the process's is raised to GRAPHS (patched around each call
     instead, it would not be per thread there, and a stage drafter's thread compiles beside the decoder's)."""
-    if "recompile_limit" in inspect.signature(torch.compile).parameters:
+    if compile_takes_limit():
         return torch.compile(fn, fullgraph=True, dynamic=False, recompile_limit=GRAPHS)
     config = torch._dynamo.config
     name = "recompile_limit" if hasattr(config, "recompile_limit") else "cache_size_limit"  # (torch < 2.6)
     setattr(config, name, max(getattr(config, name), GRAPHS))
     return torch.compile(fn, fullgraph=True, dynamic=False)
+
+
+def compile_takes_limit() -> bool:
+    """Whether this torch's `torch.compile` takes a `recompile_limit` of the compiled function's own (asked at each
+    call: a test stands an older signature in)."""
+    return "recompile_limit" in inspect.signature(torch.compile).parameters
 
 
 @dataclass(frozen=True)
