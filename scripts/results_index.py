@@ -63,10 +63,6 @@ ENTRIES: dict[str, tuple[str, str, str | None, str | None, str | None]] = {
                     "6a648d5",
                     "Max-Gram's lookups from the last context's array, a cache's catch-up or prefill by its profile, "
                     "a spent probe budget read first", (1, 1), ZEN3),
-    "bench-avx2-1202-mixed": ("CPU", "The CPU headline on the AVX2-only EPYC (Zen3) until 12-04, at 087ebf4 (416 commits after "
-                              "bench-avx2-head-*, which ran on this CPU last), 24 mixed prompts, one repeat, "
-                              "`llamacpp-cli-ar` in the same run", None, ZEN3, None),
-    "bench-avx2-1202-humaneval": ("CPU", "the same on HumanEval[:10], one repeat, right after", None, ZEN3, None),
     "bench-avx2-1204-mixed": ("CPU", "**The CPU headline on the AVX2-only EPYC (Zen3)** at c0e1ff3, 24 mixed prompts, "
                               "2 repeats, `llamacpp-cli-ar` in the same run", None, ZEN3, None),
     "bench-avx2-1204-humaneval": ("CPU", "the same on HumanEval[:10], 3 repeats, right after", None, ZEN3, None),
@@ -105,7 +101,7 @@ ENTRIES: dict[str, tuple[str, str, str | None, str | None, str | None]] = {
     "lean-avx2-profiles.json": ("CPU", "the machine profiles (T(W) of the whole lean forward, TTFT) that the 1.5B and "
                                 "its 0.5B drafter measured for the AVX2 kernels before and after their change, and for "
                                 "the kernel bench-avx2-head-* ran as profile versions 2 and 3 measured it, and as "
-                                "bench-avx2-1202-* ran, copied from the profile cache",
+                                "the 12-02 headline (087ebf4) ran, copied from the profile cache",
                                 "measured by the bench-avx2-* runs (`speculant profile` shows one)",
                                 ZEN3, None),
     "bench-humaneval-10-30": ("CPU", "`auto` on twenty HumanEval problems never used while tuning (HumanEval[10:30])",
@@ -212,7 +208,7 @@ ENTRIES: dict[str, tuple[str, str, str | None, str | None, str | None]] = {
                                "NVIDIA H200 (lent)", None),
     "auto-no-accept": ("speculation", "`auto` against `ar` where nothing is accepted, 1-2 ms a forward on the CPU "
                        "(random static models), A B B A with 95% intervals over rounds, in wall and CPU time: "
-                       "results.json (Zen4, 0.95 ms a forward, 4 Dec); on the Zen3: "
+                       "results.json (Zen4, 1.07 ms a forward, 4 Dec); on the Zen3: "
                        "zen3-rest-{before,after}-{1,2}.json before and after a losing model candidate rests "
                        "REST_STEPS steps (one sitting, alternated); zen3-{before,after}-{1,2}.json at 73dfba0 "
                        "and after a plain step stopped being estimated dearer than the width verified last (then "
