@@ -8,7 +8,7 @@ drafter's prefill of the prompt (run after the first token, so in the decode) ce
 work between forwards is left out, so a projected speedup is an upper bound. Stage-scheduled rows would overlap
 drafting with verification on a second stream, which is not priced, so they are left out.
 
-    python scripts/gpu_projection.py docs/results/tree-breakdown/results.json [--gpu docs/results/gpu-h100.json]
+    python scripts/gpu_projection.py docs/results/tree-breakdown/results.json [--gpu docs/results/gpu-h200-1204.json]
 """
 
 from __future__ import annotations
@@ -22,6 +22,7 @@ from pathlib import Path
 
 ROWS = 16  # the compiled steps' width on a GPU
 ROOT = Path(__file__).resolve().parent.parent
+LATEST = ROOT / "docs" / "results" / "gpu-h200-1204.json"  # the latest lent GPU's run of every section
 PRICED = ("qwen2.5-coder-1.5b", ("qwen2.5-coder-0.5b", "default", "maxgram", "suffix"))  # the target and the drafters
 # whose steps the GPU's costs price (a model drafter at the 0.5B's cost; Max-Gram and suffix run no forwards)
 
@@ -103,8 +104,8 @@ def project(rows: list[dict], lengths: dict[str, int], costs: dict[str, float]) 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("results", help="a CPU bench's results.json (with `ar` among its methods)")
-    parser.add_argument("--gpu", default=ROOT / "docs" / "results" / "gpu-h100.json", type=Path,
-                        help="a gpu_static.py run's JSON (default: the H100's)")
+    parser.add_argument("--gpu", default=LATEST, type=Path,
+                        help=f"a gpu_static.py run's JSON (default: {LATEST.name}, the latest lent GPU's)")
     args = parser.parse_args()
     read = {}
     for path in (args.gpu, args.results):

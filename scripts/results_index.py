@@ -181,22 +181,13 @@ ENTRIES: dict[str, tuple[str, str, str | None, str | None, str | None]] = {
     "serve-conversations": ("serving", "multi-turn conversations arriving open loop at 0.05 and 0.2 per second: "
                             "`auto` with the prefix cache, `ar` without it, `llama-server` with its cache",
                             "OUT=docs/results/serve-conversations scripts/serve_conversations.sh", ZEN5, None),
-    "gpu.md": ("GPU", "the static backend eager and compiled on an H100, then H200s (random weights): T(W), `ar` "
-               "against transformers' compiled `generate`, speculation, `auto`",
-               "bash scripts/gpu_lent.sh", "NVIDIA H100 80GB HBM3, then H200s (lent)", None),
-    "gpu-h100.json": ("GPU", "the numbers of gpu.md", "python scripts/gpu_static.py OUT.json",
+    "gpu.md": ("GPU", "the static backend compiled on an H200 (random weights), every table printed from the JSON "
+               "of a lent GPU's call by `scripts/gpu_table.py`: T(W), `ar` against transformers' compiled `generate`, "
+               "speculation, stage scheduling, batch rows, one-graph drafting, host syncs, `auto`; the H100's costs",
+               "bash scripts/gpu_lent.sh", "NVIDIA H200, then an H100 (lent)", None),
+    "gpu-h100.json": ("GPU", "an H100's T(W), `ar`, speculation and `auto` (26 Nov, before the later runs' fixes; "
+                      "gpu.md's last tables)", "python scripts/gpu_static.py OUT.json",
                       "NVIDIA H100 80GB HBM3 (lent)", None),
-    "gpu-h200.json": ("GPU", "`auto` against `ar` where nothing is accepted, speculation and the drafter's cost on "
-                      "the compiled pair (gpu.md)", "python scripts/gpu_static.py OUT.json --ab-repeats 5 --sections "
-                      "auto speculation drafter", "NVIDIA H200 (lent)", "c87d007"),
-    "gpu-h200-runtime.json": ("GPU", "Yggdrasil's runtime half on the compiled pair: `auto` against `ar` where "
-                              "nothing is accepted, batch rows, host syncs per forward (gpu.md)",
-                              "python scripts/gpu_static.py OUT.json --ab-repeats 5 --sections auto rows syncs",
-                              "NVIDIA H200 (lent)", None),
-    "gpu-h200-pool.json": ("GPU", "every section of gpu_static.py in one call (30 Nov): the CUDA tests' failures (a "
-                           "tree's levels captured as one graph), each compiled row on a pool of 16 regions (slowed by "
-                           "a copy of the whole pool per layer, since fixed), a quantized target's exactness (gpu.md)",
-                           "bash scripts/gpu_lent.sh", "NVIDIA H200 (lent)", "9dcd546"),
     "gpu-h200-1204.json": ("GPU", "every section of gpu_static.py in one call (4 Dec, at f5cf9c9): the CUDA tests, "
                            "T(W), `ar` against transformers' compiled `generate` (the README's table), speculation "
                            "with and without stage scheduling, one-graph drafting, batch rows, host syncs (gpu.md)",

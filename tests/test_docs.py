@@ -20,6 +20,31 @@ def test_the_readme_s_tables_and_the_results_index_are_what_their_scripts_write(
         assert done.returncode == 0, (name, done.stderr)
 
 
+def test_every_generated_table_of_the_results_pages_is_what_its_command_prints():
+    """gpu.md's tables are printed from a lent GPU's JSON, cpu.md's from bench runs: a page edited by hand, or a JSON
+    replaced without its tables, fails here as the README would."""
+    pages = [page for page in sorted((ROOT / "docs").rglob("*.md")) if "<!-- generated:" in page.read_text()]
+    assert {"cpu.md", "gpu.md"} <= {page.name for page in pages}
+    for page in pages:
+        done = script("readme_tables.py", "--check", str(page))
+        assert done.returncode == 0, (page, done.stdout, done.stderr)
+
+
+def test_a_gpu_table_of_a_run_without_its_section_is_one_line(tmp_path):
+    """A GPU call cut off by its limit leaves a JSON without its last sections: each table names what it lacks."""
+    import json
+
+    path = tmp_path / "gpu.json"
+    path.write_text(json.dumps({"device": "a GPU", "torch": "2", "tests": {"counts": {"PASSED": 3}, "failed": []}}))
+    assert "3 passed" in script("gpu_table.py", str(path), "--table", "machinery").stdout
+    for table in ("summary", "tw", "speculation", "syncs"):
+        done = script("gpu_table.py", str(path), "--table", table)
+        assert done.returncode == 1 and "no `" + table + "` table in it" in done.stderr, (table, done.stderr)
+        assert "Traceback" not in done.stderr
+    done = script("gpu_table.py", str(tmp_path / "none.json"))
+    assert done.returncode == 1 and "cannot read" in done.stderr and "Traceback" not in done.stderr
+
+
 def test_a_table_marker_runs_only_this_repository_s_scripts_and_a_file_is_read_where_it_is_named(tmp_path):
     """A marker is text in a file: `touch`, say, ran; a relative path named the repository's README, whatever the
     directory (so --write would have written over it); a missing file, an empty marker and an unclosed quote were
