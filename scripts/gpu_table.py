@@ -19,6 +19,8 @@ Pure Python (json).
 from __future__ import annotations
 
 import argparse
+import contextlib
+import io
 import json
 import statistics
 import sys
@@ -51,6 +53,12 @@ def measured(section: dict) -> dict:
     return {key: value for key, value in section.items() if key not in ("seconds", "error")}
 
 
+def rate(row: dict) -> str:
+    """An `ar` row's tokens per second and what they count, or that it failed (gpu_static.py keeps the error)."""
+    return next((f"{v:.1f} ({'decode' if k == 'decode tok/s' else k.removeprefix('tok/s ').strip('()')})"
+                 for k, v in row.items() if "tok/s" in k), "failed (its error is in the JSON)")
+
+
 def summary(d: dict) -> None:
     eager, compiled, ar = d["eager T(W) ms"], d["compiled T(W) ms"], d["ar"]
     rows = [("1.5B, hf backend (transformers, exact row by row), eager", eager["1.5b hf"]),
@@ -62,10 +70,10 @@ def summary(d: dict) -> None:
         print(f"| {name} | {t['1']:.1f} | {t['16']:.1f} | |")
     print(f"| speculant static, compiled, width 1 / 16 | | | **{ar['static compiled x1']['decode tok/s']:.0f} / "
           f"{ar['static compiled x16']['decode tok/s']:.0f} tok/s** (decode) |")
-    print(f"| transformers `generate`, static cache, compiled | | | "
-          f"{ar['transformers generate, static cache, compiled']['tok/s (whole request)']:.0f} tok/s (whole request) |")
-    print(f"| transformers `generate`, dynamic cache | | | "
-          f"{ar['transformers generate, dynamic cache']['tok/s (whole request)']:.0f} tok/s (whole request) |")
+    for label in ("static cache, compiled", "dynamic cache"):
+        whole = ar[f"transformers generate, {label}"].get("tok/s (whole request)")
+        print(f"| transformers `generate`, {label} | | | "
+              f"{'failed (its error is in the JSON)' if whole is None else f'{whole:.0f} tok/s (whole request)'} |")
 
 
 def tw(d: dict) -> None:
@@ -88,9 +96,7 @@ def ar(d: dict) -> None:
              "speculant static, compiled, width 16 (exact verification at any width up to 16)"}
     for key, row in measured(d["ar"]).items():
         name = names.get(key, key.replace("transformers generate", "transformers `generate`"))
-        value = next(f"{v:.1f} ({'decode' if k == 'decode tok/s' else k.removeprefix('tok/s ').strip('()')})"
-                     for k, v in row.items() if "tok/s" in k)
-        print(f"| {name} | {value} |")
+        print(f"| {name} | {rate(row)} |")
 
 
 def speculation(d: dict) -> None:
@@ -177,15 +183,18 @@ def main(argv: list[str]) -> None:
             read[path.rsplit("/", 1)[-1]] = json.loads(open(path).read())
         except (OSError, ValueError) as error:
             raise SystemExit(f"cannot read {path}: {error}") from None
+    table = io.StringIO()  # (printed whole or not at all)
     try:
-        if args.table == "auto":
-            auto(read)
-        else:
-            {"summary": summary, "tw": tw, "ar": ar, "speculation": speculation, "machinery": machinery,
-             "syncs": syncs}[args.table](next(iter(read.values())))
+        with contextlib.redirect_stdout(table):
+            if args.table == "auto":
+                auto(read)
+            else:
+                {"summary": summary, "tw": tw, "ar": ar, "speculation": speculation, "machinery": machinery,
+                 "syncs": syncs}[args.table](next(iter(read.values())))
     except (KeyError, TypeError) as error:
         raise SystemExit(f"{args.files[0]}: no `{args.table}` table in it ({error!r}): not a gpu_static.py run's "
                          "JSON with that section") from None
+    print(table.getvalue(), end="")
 
 
 if __name__ == "__main__":

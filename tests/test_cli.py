@@ -783,7 +783,7 @@ def test_a_flag_given_where_it_does_nothing_is_one_line_never_ignored(capsys, tm
         (["generate", "x", "--temperature", "0.5", "--seed", str(1 << 64)], "seed must be a 64-bit integer"),
         (["generate", "x", "--temperature", "1e-300"], "at least 0.001"),
         (["serve", "--replica-cpus", "1"], "--replica-cpus applies to Ray Serve replicas"),
-        (["serve", "--backend", "static", "--prefix-cache-mb", "8"], "the static backend keeps no prompts' KV"),
+        (["serve", "--backend", "llamacpp", "--prefix-cache-mb", "8"], "the llamacpp backend keeps no prompts' KV"),
         ([*online, "--more-drafter", "1:2"], "--more-drafter's acceptance must lie in [0, 1], got '1:2'"),
         ([*online, "--more-drafter", "0.01:0.5"], "--more-drafter 0.01 ms: each is costlier than the drafter before"),
         ([*online, "--seed", "-5"], "--seed must be >= 0, got -5"),

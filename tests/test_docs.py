@@ -35,12 +35,15 @@ def test_a_gpu_table_of_a_run_without_its_section_is_one_line(tmp_path):
     import json
 
     path = tmp_path / "gpu.json"
-    path.write_text(json.dumps({"device": "a GPU", "torch": "2", "tests": {"counts": {"PASSED": 3}, "failed": []}}))
+    failed = {"error": "Traceback ..."}  # (gpu_static.py keeps a reference's error in its row)
+    path.write_text(json.dumps({"device": "a GPU", "torch": "2", "tests": {"counts": {"PASSED": 3}, "failed": []},
+                                "ar": {"transformers generate, dynamic cache": failed}}))
     assert "3 passed" in script("gpu_table.py", str(path), "--table", "machinery").stdout
+    assert "| failed (its error is in the JSON) |" in script("gpu_table.py", str(path), "--table", "ar").stdout
     for table in ("summary", "tw", "speculation", "syncs"):
         done = script("gpu_table.py", str(path), "--table", table)
         assert done.returncode == 1 and "no `" + table + "` table in it" in done.stderr, (table, done.stderr)
-        assert "Traceback" not in done.stderr
+        assert "Traceback" not in done.stderr and not done.stdout  # (not half a table)
     done = script("gpu_table.py", str(tmp_path / "none.json"))
     assert done.returncode == 1 and "cannot read" in done.stderr and "Traceback" not in done.stderr
 

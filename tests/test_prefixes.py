@@ -210,15 +210,24 @@ def test_open_loop_conversations_reuse_their_history(files):
     assert engine.session.prefixes.hits >= 8  # the 8 later turns
 
 
-@pytest.mark.parametrize("arch", ["llama", "qwen2"])
-def test_the_transformers_backend_restores_any_prefix_with_a_fresh_prefills_bits(arch):
-    """transformers on batch-invariant kernels: a prompt's rows have their one-token bits however it is split, so
-    any position may be restored (`prefix_block` 1); a served conversation is the same with and without the cache."""
-    from helpers import byte_tokenizer, tiny_model
+@pytest.mark.parametrize("backend, arch", [("hf", "llama"), ("hf", "qwen2"), ("static", "llama"), ("static", "mistral")])
+def test_a_backend_of_one_token_bits_restores_any_prefix_with_a_fresh_prefills_bits(backend, arch):
+    """transformers on batch-invariant kernels, and the static backend (every row of a call its token's one-row
+    bits): a prompt's rows have their bits however it is split, so any position may be restored (`prefix_block`
+    1); a served conversation is the same with and without the cache. (The static backend prefilled every prompt
+    whole, its served conversations paying their history again each turn.)"""
+    from helpers import byte_tokenizer, tiny_model, tiny_transformer
     from test_serve import TEMPLATE
 
-    model = tiny_model(arch, 5, BYTE_VOCAB, init_std=0.2, tokenizer=byte_tokenizer())
-    assert model.prefix_block == 1
+    from speculant.models.backends.static import StaticCausalLM, StaticWeights
+
+    if backend == "hf":
+        model = tiny_model(arch, 5, BYTE_VOCAB, init_std=0.2, tokenizer=byte_tokenizer())
+    else:
+        weights = tiny_transformer(arch, 5, BYTE_VOCAB, init_std=0.2)
+        weights.config.sliding_window = 16 if arch == "mistral" else None  # (a window shorter than the history)
+        model = StaticCausalLM(StaticWeights(weights), byte_tokenizer(), span=256)
+    assert model.capabilities.reuses_prefixes and model.prefix_block == 1
     a = ids_of(21, 90)
     b = a[:70] + ids_of(22, 30)
     cache, other = PrefixCache(64), model.share()
@@ -228,8 +237,7 @@ def test_the_transformers_backend_restores_any_prefix_with_a_fresh_prefills_bits
     expected = fresh.prefill(b)
     assert cache.restore(row, b) == 70
     assert torch.equal(row.continue_prefill(b[70:]), expected)
-    assert all(torch.equal(x.keys, y.keys) and torch.equal(x.values, y.values)
-               for x, y in zip(row._cache.layers, fresh._cache.layers))
+    assert all(torch.equal(x, y) for x, y in zip(row.export_kv(0, len(b)), fresh.export_kv(0, len(b))))
     model.tokenizer.chat_template = TEMPLATE
     outcomes = []
     for budget in (0, 64):

@@ -127,13 +127,13 @@ def sampling_pair(seed: int = 21, device: str = "cpu", drafter_device: str | Non
     return target, drafter, random_prompt(seed, VOCAB, 6)
 
 
-def assert_follows_target(target, prompt, config=SamplingConfig(TEMPERATURE), **kwargs):
-    """The first three emitted tokens of 1500 seeded generations (`generate` under `config`, with `kwargs`) follow
+def assert_follows_target(target, prompt, config=SamplingConfig(TEMPERATURE), n=3, **kwargs):
+    """The first `n` emitted tokens of 1500 seeded generations (`generate` under `config`, with `kwargs`) follow
     the target's exact marginals: TV < 0.07, where sampling noise is about 0.03. A speculative method's drafts are
     accepted in some of them (one that drew every token from the target alone would follow it too)."""
-    exact = exact_marginals(target, prompt, config=config)
-    got = empirical_marginals(target, prompt, 1500, config=config, **kwargs)
-    for i in range(3):
+    exact = exact_marginals(target, prompt, n, config=config)
+    got = empirical_marginals(target, prompt, 1500, n, config=config, **kwargs)
+    for i in range(n):
         assert total_variation(got[i], exact[i]) < 0.07, f"token {i + 1}"
     if kwargs.get("method") != "ar":
         accepted = sum(sum(generate(target, prompt_ids=prompt, max_new_tokens=7, temperature=config.temperature,

@@ -169,6 +169,10 @@ def test_load_model_and_cli_take_the_static_backend(tmp_path, capsys):
         load_model(str(tmp_path / "tiny"), backend="static", quant="int8")
     with pytest.raises(ConfigError, match="static backend runs llama, qwen2, mistral, not gpt2"):
         StaticWeights(tiny_transformer("gpt2", 0))
+    gelu = tiny_transformer("llama", 0)
+    gelu.config.hidden_act = "gelu"  # (its MLP computed SiLU all the same: another model's logits, without a word)
+    with pytest.raises(ConfigError, match="static backend runs SiLU-gated MLPs, not gelu's"):
+        StaticWeights(gelu)
     with pytest.raises(ConfigError, match="width is one of"):
         StaticCausalLM(model.weights, width=3)
     assert cli.main(["generate", "def f():", "--target", str(tmp_path / "tiny"), "--backend", "hf", "--compile"]) == 2
@@ -262,6 +266,27 @@ def test_served_static_requests_batch_and_equal_their_solo_runs(device, monkeypa
 
         with pytest.raises(OptionError, match="draft_graph off applies where"):
             Engine(served(0.0), "tree", get_method("tree").make_options({"drafter": "self", "draft_graph": False}))
+
+
+def test_a_server_on_a_compiled_pool_takes_a_full_batch_s_regions_at_its_start():
+    """Each size of a compiled pool is a step compiled (and on a GPU captured) again: a pool that grew under load
+    (1, 4, 16, 64 regions) compiled on the server's worker while every request waited. The server reserves a full
+    batch's handles at its start (the target's twice where it drafts for itself); an eager pool grows as before."""
+    from speculant.methods import get_method
+    from speculant.serve.engine import Engine
+
+    self_drafting = {"drafter": "self", "k": 2}
+    for compiled, method, options, regions in ((True, "sd", self_drafting, 16), (True, "ar", {}, 4),
+                                               (False, "sd", self_drafting, 1)):
+        model = StaticCausalLM(StaticWeights(transformer("qwen2", 0)), span=32, compiled=compiled)  # (no step runs)
+        engine = Engine(model, method, get_method(method).make_options(options), max_batch=4 if method == "sd" else 3)
+        assert model.pool.capacity == regions, (compiled, method)
+        if compiled:  # a full batch's handles, opened: no growth
+            handles = [model.share() for _ in range(8 if method == "sd" else 3)]
+            assert model.pool.capacity == regions and len(handles) < regions
+        engine.close()
+    model.pool.reserve(20)
+    assert model.pool.capacity == 64  # (fourfold steps, as `take` grows)
 
 
 @pytest.mark.parametrize("device", DEVICES)

@@ -81,6 +81,44 @@ def test_trees_are_logged_within_the_target_s_positions():
     assert len(generate(target, prompt_ids=prompt, method="ar", max_new_tokens=100).token_ids) == 13
 
 
+def test_a_predictor_file_is_checked_where_it_is_read(tmp_path):
+    """A file of depth 0, of unknown inputs or with standardization of another width loaded without a word and
+    failed at the first tree with a traceback (an empty max(), a shape mismatch)."""
+    import json
+
+    from speculant.errors import ConfigError
+
+    DepthPredictor(3).save(tmp_path / "good.json")
+    good = json.loads((tmp_path / "good.json").read_text())
+    assert DepthPredictor.load(tmp_path / "good.json").max_depth == 3
+    for name, edit, said in (("depth", {"max_depth": 0}, "max_depth 0"), ("inputs", {"inputs": "hiden"}, "'hiden'"),
+                             ("true", {"max_depth": True}, "max_depth True"),
+                             ("mean", {"state": {**good["state"], "mean": [0.0] * 3}}, "not 4 numbers")):
+        (tmp_path / f"{name}.json").write_text(json.dumps({**good, **edit}))
+        with pytest.raises(ConfigError, match="is not a depth predictor") as raised:
+            DepthPredictor.load(tmp_path / f"{name}.json")
+        assert said in str(raised.value), name
+
+
+def test_only_whole_trees_are_logged(monkeypatch):
+    """A tree cut to the target's last positions (fewer levels than asked) was logged as a tree of the asked
+    depth: its accepted depth, capped by its cut, taught the predictor to expect less."""
+    import speculant.trees.decoder as decoder
+
+    target = tiny_model("llama", 3, 64, init_std=0.1)
+    drafter = perturbed(target, 0.1, 3)
+    target.max_positions = 40
+    verified, verify = [], decoder.verify_step
+
+    def counted(target, last, draft, *rest):
+        verified.append(len(draft.tree) - 1)
+        return verify(target, last, draft, *rest)
+
+    monkeypatch.setattr(decoder, "verify_step", counted)
+    samples = log_trees(target, drafter, [random_prompt(0, 64, 27)], 100, 4, 2)
+    assert min(verified) < 8 and len(samples) == verified.count(8) > 0
+
+
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("arch", ["llama", *MORE_ARCHS[:1]])
 def test_trees_of_the_predicted_depth_equal_ar(arch, device, tmp_path, monkeypatch):

@@ -45,11 +45,25 @@ def test_the_search_follows_the_costs():
     steep = search(coverage, lambda n: float(n), lambda w: 0.01 * w)  # each verified token costs a forward
     assert steep.depth == 0 and steep.speedup == 1.0  # nothing pays: plain decoding
     dear_nodes = search(coverage, lambda n: 1.0 + 0.2 * n, lambda w: 0.1 * w)  # each verified node costs a fifth
-    assert dear_nodes.width == 1 and dear_nodes.schedule == "serial" and dear_nodes.speedup > 1  # a short chain
+    assert dear_nodes.width == 1 and dear_nodes.speedup > 1  # a short chain
     assert search([0.9, 0.05], lambda n: 1.0 + 0.3 * n, lambda w: 0.1 * w).depth > dear_nodes.depth  # surer: longer
     # Drafting as dear as verifying, mostly right: overlapping them pays where the device can (a GPU's streams).
-    both = search([0.95, 0.03], lambda n: 1.0, lambda w: 0.25, overlap=True)
-    assert both.schedule == "stage" and both.speedup > search([0.95, 0.03], lambda n: 1.0, lambda w: 0.25).speedup
+    both = search([0.95, 0.03], lambda n: 1.0, lambda w: 0.25, schedule="stage")
+    assert both.speedup > search([0.95, 0.03], lambda n: 1.0, lambda w: 0.25).speedup
+    # A stage run's drafting is hidden where its guess holds: shallower, wider trees than a serial run's.
+    coverage, dear_drafts = [0.9, 0.05, 0.03, 0.01, 0.01, 0.01], (lambda w: 0.2 * (1 + 0.1 * w))  # noqa: E731
+    serial, stage = (search(coverage, lambda n: 1.0, dear_drafts, schedule=s) for s in ("serial", "stage"))
+    assert (serial.depth, serial.width) == (6, 2) and (stage.depth, stage.width) == (4, 3)
+
+
+def test_a_stage_run_guesses_after_its_first_rank_path():
+    """The tree drafted ahead follows each node's first child (the drafter's likeliest token), a path as long as
+    the levels equal growth reached, fewer than its steps where later steps widen shallow levels: its hit is c_1 to
+    that path's length + 1, not to the steps' + 1."""
+    from speculant.trees.plan import first_ranks
+
+    tree = expected_tree([0.5, 0.4], 3, 2)[0]  # steps: 0.5, 0.4 | 0.25, 0.2 (rank 0's) | 0.2, 0.16 (rank 1's)
+    assert first_ranks(tree) == len(tree.first_child_path()) == max(tree.depths) == 2
 
 
 def test_rank_coverage_counts_where_the_targets_token_ranks_for_the_drafter():
@@ -69,6 +83,26 @@ def test_each_context_gets_its_width():
     assert choose_width(peaked, (1, 2, 4), flat_cost, lambda w: 0.02 * w, 15, 1, exact=True) == 4  # one level: free
 
 
+def test_a_width_is_weighed_by_the_trees_of_its_own_steps():
+    """A tree of d steps is valued by what its d x width nodes are expected to accept, not by every node at depth <= d
+    of a deeper tree (a later step adds shallow nodes too): that had width 2 win below, where a chain of 2 steps is
+    worth more, and differed from the brute force in about 1% of random contexts."""
+    from speculant.trees.plan import drafting
+
+    target_cost, draft_cost = (lambda n: 1.0 + 0.095 * n), (lambda w: 0.016 * (1 + 0.2 * w))  # noqa: E731
+    assert choose_width(torch.tensor([0.481, 0.156, 0.146, 0.108]), (1, 2, 4), target_cost, draft_cost, 31, 4) == 1
+    generator = torch.Generator().manual_seed(0)
+    for _ in range(300):
+        probs = torch.rand(8, generator=generator).pow(3).softmax(0).sort(descending=True).values
+        coverage = probs.tolist()
+        goodput = {(w, d): (1 + sum(expected_tree(coverage, d, w)[1][1:])) /  # (a tree of d steps, grown alone)
+                   (drafting(d, w, draft_cost) + target_cost(1 + d * w))
+                   for w in (1, 2, 4) for d in range(1, max(min(4, 31 // w), 1) + 1)}
+        best = max(goodput.values())
+        assert choose_width(probs, (1, 2, 4), target_cost, draft_cost, 31, 4) == min(
+            w for (w, _), value in goodput.items() if value == best)
+
+
 @pytest.mark.parametrize("arch", [*ARCHS, "mistral"])
 def test_tree_with_auto_width_is_lossless(arch):
     from speculant import generate
@@ -76,10 +110,11 @@ def test_tree_with_auto_width_is_lossless(arch):
     target = tiny_model(arch, 8, 64, init_std=0.1)
     prompt = random_prompt(80, 64, 24)  # Mistral's window is 8: the generation crosses it
     expected = generate(target, prompt_ids=prompt, method="ar", max_new_tokens=40).token_ids
-    result = generate(target, prompt_ids=prompt, drafter=perturbed(target, 0.2, 8), method="tree", depth="auto",
-                      width="auto", max_new_tokens=40)
-    assert result.token_ids == expected
-    assert result.stats.tree_widths and set(result.stats.tree_widths) <= set(PLAN_WIDTHS)
+    for schedule in ("serial", "stage"):  # (a stage run's plan prices drafting behind verification)
+        result = generate(target, prompt_ids=prompt, drafter=perturbed(target, 0.2, 8), method="tree", depth="auto",
+                          width="auto", max_new_tokens=40, schedule=schedule)
+        assert result.token_ids == expected
+        assert result.stats.tree_widths and set(result.stats.tree_widths) <= set(PLAN_WIDTHS)
 
 
 def test_the_summary_names_the_widths_drafted():
@@ -202,7 +237,7 @@ def test_auto_drafts_its_trees_at_the_plan_s_width(monkeypatch):
                       max_new_tokens=30, session=session)  # the plan of the measured coverage and costs
     assert result.token_ids == expected
     for width, trees in ((1, set()), (3, {"near tree3"})):
-        monkeypatch.setattr(shape, "plan_width", lambda *args, width=width: width)
+        monkeypatch.setattr(shape, "plan_width", lambda *args, width=width, schedule="serial": width)
         session = Session(target)
         result = generate(target, prompt_ids=prompt, method="auto", drafters=[drafter, "maxgram"], tree_widths="auto",
                           max_new_tokens=30, session=session)

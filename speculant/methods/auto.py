@@ -226,7 +226,8 @@ def build(request: Request, options: AutoOptions) -> Any:
         candidates.append(chain)
         widths = options.tree_widths if with_trees else ()
         if widths == AUTO:
-            widths = (plan_width(target, source, request.prompt_ids, cost, profile.cost, session),)
+            widths = (plan_width(target, source, request.prompt_ids, cost, profile.cost, session,
+                                 schedule=options.schedule),)
         for width in widths:
             if width < 2:  # (the plan's chain)
                 continue

@@ -178,6 +178,11 @@ class Backend:
         target servers): itself, unless its backend keeps threads of its own."""
         return self
 
+    def reserve(self, handles: int) -> None:
+        """Make room now for `handles` more handles on these weights (`share`), made later: a server's full batch,
+        taken at its start. Nothing, unless making a handle may cost more than its own cache (a compiled static
+        pool's growth compiles its step again)."""
+
     def replicas(self, servers: int, drafting: bool) -> Callable[[str], CausalLM]:
         """A picklable factory of this model's replicas, `factory(device)`, for DSI's `servers` target servers
         (threads, processes or Ray actors), a model drafting beside them where `drafting`."""
@@ -404,6 +409,9 @@ class Delegating(Backend):
     def beside(self, others: int) -> CausalLM:
         inner = self.model.beside(others)
         return self if inner is self.model else inner  # (a handle of its own: the wrapper's calls are not its)
+
+    def reserve(self, handles: int) -> None:
+        self.model.reserve(handles)
 
     def replicas(self, servers: int, drafting: bool) -> Callable[[str], CausalLM]:
         return self.model.replicas(servers, drafting)

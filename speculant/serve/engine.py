@@ -257,6 +257,12 @@ class Engine:
         # Max-Gram costs nothing to hold, so any request may draft with it: loaded now, on the batcher's thread, as a
         # request's first use on the event loop's would change the session's drafters while a step reads them
         self.batcher.run(lambda: self._load(MAXGRAM))
+        # Each request opens a handle on every model it runs (twice on the target where it drafts for itself): room
+        # for a full batch of them now, not while requests wait (`reserve`: a compiled pool's growth compiles)
+        served = [model for model in (self.target, *self.drafters.values()) if isinstance(model, CausalLM)]
+        for model in {id(model): model for model in served}.values():
+            handles = sum(other is model for other in served) * max_batch
+            self.batcher.run(lambda model=model, handles=handles: model.reserve(handles))
         self.max_batch, self.max_queue = max_batch, max_queue
         self._lock = threading.Lock()  # submissions and their count of waiting requests
         self._running_apart: set[threading.Thread] = set()

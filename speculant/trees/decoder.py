@@ -87,7 +87,7 @@ def tree_speculative(
                 ahead.start(context, draft.tree, depth, width, cost)
             step = verify_step(target, out[-1], draft, sampling, generator)
             last, hidden = step.logits, step.hidden if reads_hidden else None
-            if log is not None and room == depth:  # a tree of every drafting step
+            if log is not None and drafted_nodes == depth * width:  # a whole tree (none cut to the positions left)
                 log.append((x, len(step.accepted)))
             recent.observe(len(step.accepted), step.drafted)
             # Per iteration: the tree's depth (the most that could be accepted) and the accepted depth.

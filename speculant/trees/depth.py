@@ -124,8 +124,15 @@ class DepthPredictor:
         """A predictor `save` wrote; a ConfigError for a file that is not one."""
         try:
             saved = json.loads(read_text(path, MOST_PREDICTOR_BYTES))
-            return cls(saved["max_depth"], saved.get("inputs", "features"), saved.get("width", FEATURES),
-                       {name: torch.tensor(value) for name, value in saved["state"].items()})
+            max_depth, inputs, width = saved["max_depth"], saved.get("inputs", "features"), saved.get("width", FEATURES)
+            counts = (max_depth, width)
+            if not (all(type(n) is int and n >= 1 for n in counts) and inputs in INPUTS):
+                raise ValueError(f"max_depth {max_depth!r} and width {width!r} (whole numbers >= 1), inputs "
+                                 f"{inputs!r} (one of {', '.join(INPUTS)})")
+            state = {name: torch.tensor(value) for name, value in saved["state"].items()}
+            if any(state[name].shape != (width,) for name in ("mean", "std") if name in state):
+                raise ValueError(f"its inputs' mean and std are not {width} numbers, its width")
+            return cls(max_depth, inputs, width, state)
         except (OSError, ValueError, KeyError, TypeError, AttributeError, RuntimeError, RecursionError) as error:
             raise ConfigError(f"{path} is not a depth predictor `speculant train-depth` wrote "
                               f"({type(error).__name__}: {error})") from None

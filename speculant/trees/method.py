@@ -163,7 +163,7 @@ def build(request: Request, options: TreeOptions) -> Any:
             request.session.said.add(said)
             logging.getLogger("speculant").warning(said)
     shape = tree_shape(request.target, model, request.prompt_ids, options.depth, options.width, options.verify_width,
-                       profile, request.session)
+                       profile, request.session, options.schedule)
     static = fixed_shape(options, request.target, model, request.prompt_ids, request.session)
     predictor, cost = depth_predictor(options.depth_predictor, request.target, model, request.session), shape.cost
     if options.objective == "length":  # the sizes stand; no cost weighs a level or a node

@@ -1,5 +1,5 @@
-"""Execution-plan search (Yggdrasil, Guan et al., section 5.2): the tree's depth, width, verify width and schedule
-chosen ahead of decoding from the machine's profiled costs, by the latency-aware objective (Eq. 3) over an
+"""Execution-plan search (Yggdrasil, Guan et al., section 5.2): the tree's depth, width and verify width for a run's
+schedule, chosen ahead of decoding from the machine's profiled costs, by the latency-aware objective (Eq. 3) over an
 acceptance model; and the width of each tree chosen again per context, by the same objective at the tree's depth.
 
 The acceptance model is the drafter's rank coverage c_r: the chance that the target's token at a position is the
@@ -58,6 +58,15 @@ def expected_accepted(coverage: Sequence[float], depth: int, width: int, verify_
     return {size - 1: value for size, (value, _) in table.items()}
 
 
+def first_ranks(tree: TokenTree) -> int:
+    """The levels of an expected tree's path of rank-0 nodes from its root: the drafter's likeliest path, its
+    first-child path (`TokenTree.first_child_path`), which stage scheduling drafts the next tree after."""
+    node, levels = 0, 0
+    while (node := next((child for child in tree.children(node) if tree.tokens[child] == 0), None)) is not None:
+        levels += 1
+    return levels
+
+
 @dataclass(frozen=True)
 class Plan:
     """A tree's execution plan and what the objective expects of it: tokens per second over plain decoding's."""
@@ -65,35 +74,34 @@ class Plan:
     depth: int
     width: int
     verify_width: int
-    schedule: str
     speedup: float
 
 
 def search(coverage: Sequence[float], target_cost: Callable[[int], float], draft_cost: Callable[[int], float],
-           depths: Sequence[int] = PLAN_DEPTHS, widths: Sequence[int] = PLAN_WIDTHS, overlap: bool = False,
+           depths: Sequence[int] = PLAN_DEPTHS, widths: Sequence[int] = PLAN_WIDTHS, schedule: str = SCHEDULES[0],
            most_nodes: int | None = None) -> Plan:
     """The plan of the best expected goodput, (1 + expected accepted) / step time, over `depths` x `widths` x the
-    verify widths each tree allows (at most `most_nodes`) x the schedules: serial, a step is the drafter's forward
-    of the committed token, `depth` - 1 of `width` tokens (`drafting`) and one target forward T(1 + verified); stage (only where the drafter and the target
-    `overlap`, each on its own device or stream), the next tree's drafting hidden behind the verification when its
-    head, drafted from the likeliest path, is the one accepted (all `depth` levels and the target's token on the
-    likeliest path: prod c_1), else paid after it. `speedup` is the goodput over plain decoding's 1 / T(1)."""
+    verify widths each tree allows (at most `most_nodes`), for a run of `schedule`: serial, a step is the drafter's
+    forward of the committed token, `depth` - 1 of `width` tokens (`drafting`) and one target forward
+    T(1 + verified); stage, the next tree's drafting hidden behind the verification where its head, drafted after
+    the tree's first-child path and the drafter's guess of the target's token (`trees.stage`), is the one taken
+    (that path and that token accepted: c_1 to the path's length + 1), else paid after it. `speedup` is the goodput
+    over plain decoding's 1 / T(1)."""
     plain = 1.0 / target_cost(1)
-    best = Plan(0, 1, 0, "serial", 1.0)
+    best = Plan(0, 1, 0, 1.0)
     for width in widths:
         for depth in depths:
             drafting_s = drafting(depth, width, draft_cost)
-            hit = coverage[0] ** (depth + 1)
+            hit = coverage[0] ** (first_ranks(expected_tree(coverage, depth, width)[0]) + 1)
             for nodes, length in expected_accepted(coverage, depth, width, most_nodes).items():
                 if nodes == 0:
                     continue
                 verify = target_cost(1 + nodes)
-                for schedule in SCHEDULES if overlap else SCHEDULES[:1]:
-                    step = drafting_s + verify if schedule == "serial" else \
-                        hit * max(drafting_s, verify) + (1 - hit) * (drafting_s + verify)
-                    speedup = (1 + length) / step / plain
-                    if speedup > best.speedup:
-                        best = Plan(depth, width, nodes, schedule, speedup)
+                step = drafting_s + verify if schedule == "serial" else \
+                    hit * max(drafting_s, verify) + (1 - hit) * (drafting_s + verify)
+                speedup = (1 + length) / step / plain
+                if speedup > best.speedup:
+                    best = Plan(depth, width, nodes, speedup)
     return best
 
 
@@ -122,15 +130,12 @@ def choose_width(probs: torch.Tensor, widths: Sequence[int], target_cost: Callab
     best, chosen = 0.0, widths[0]
     for width in widths:
         levels = depth if exact else max(min(depth, most_nodes // width), 1)
-        tree, values = expected_tree(coverage, levels, width)
-        per_level = [0.0] * (levels + 1)
-        for node_depth, value in zip(tree.depths[1:], values[1:]):
-            per_level[node_depth] += value
-        length = 0.0
-        for d in range(1, levels + 1):
-            length += per_level[d]
-            if not exact or d == depth:
-                goodput = (1 + length) / (drafting(d, width, draft_cost) + target_cost(1 + d * width))
-                if goodput > best:
-                    best, chosen = goodput, width
+        values = expected_tree(coverage, levels, width)[1]
+        for d in (depth,) if exact else range(1, levels + 1):
+            # a tree of d steps is the first d x width nodes equal growth adds (nodes, not levels: a later step adds
+            # shallow nodes too)
+            length = sum(values[1:1 + d * width])
+            goodput = (1 + length) / (drafting(d, width, draft_cost) + target_cost(1 + d * width))
+            if goodput > best:
+                best, chosen = goodput, width
     return chosen

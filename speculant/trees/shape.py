@@ -8,6 +8,7 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
+from weakref import WeakKeyDictionary
 
 import torch
 
@@ -68,8 +69,8 @@ def measured_coverage(target: CausalLM, drafter: CausalLM, context: list[int], s
     `context` (fewer where a model holds fewer positions), teacher forced (one forward of each model over them, the
     last token not run), measured once per pair and kept in the `session`'s `measured` beside their T(W) (the models'
     caches are run apart: `Session.ran_apart`)."""
-    key = ("coverage", id(owner_of(drafter)))
-    per_target = session.measured.setdefault(owner_of(target), {})
+    per_target = session.measured.setdefault(owner_of(target), {}).setdefault("coverage", WeakKeyDictionary())
+    key = owner_of(drafter)  # (weakly: a drafter made after this one died may take its id)
     if key not in per_target:
         held = [model.max_positions + 1 for model in (target, drafter) if model.max_positions is not None]
         text = context[-min([COVERAGE_TOKENS, *held]):]
@@ -87,20 +88,22 @@ def measured_coverage(target: CausalLM, drafter: CausalLM, context: list[int], s
 
 def plan_width(target: CausalLM, drafter: CausalLM, prompt_ids: list[int], target_cost: Callable[[int], float],
                draft_cost: Callable[[int], float], session: Any, depths: Sequence[int] = PLAN_DEPTHS,
-               most_nodes: int = max(MACHINE_WIDTHS) - 1) -> int:
-    """The drafting width of the execution plan (`plan.search`, Yggdrasil 5.2) for this pair at these costs, from the
-    drafter's rank coverage of the target on the prompt (`measured_coverage`): 1 where chains, or nothing, pay best."""
+               most_nodes: int = max(MACHINE_WIDTHS) - 1, schedule: str = "serial") -> int:
+    """The drafting width of the execution plan (`plan.search`, Yggdrasil 5.2) for this pair at these costs and a
+    run of `schedule`, from the drafter's rank coverage of the target on the prompt (`measured_coverage`): 1 where
+    chains, or nothing, pay best."""
     coverage = measured_coverage(target, drafter, prompt_ids, session)
-    return search(coverage, target_cost, draft_cost, depths, PLAN_WIDTHS, most_nodes=most_nodes).width
+    return search(coverage, target_cost, draft_cost, depths, PLAN_WIDTHS, schedule, most_nodes).width
 
 
 def tree_shape(target: CausalLM, drafter: CausalLM, prompt_ids: list[int], depth: int | str, width: int | str,
-               verify_width: int | str | None, profile: LatencyProfile | None, session: Any) -> TreeShape:
+               verify_width: int | str | None, profile: LatencyProfile | None, session: Any,
+               schedule: str = "serial") -> TreeShape:
     """Resolve `auto` sizes. With a profile or any `auto`, the objective decides how deep to draft (up
     to `depth`) and how many nodes to verify (up to `verify_width`; else the whole tree, within the widest T(W)
     measured here where no profile is given). `width=auto` chooses each tree's width after its context (the
-    `chooser`, over PLAN_WIDTHS); the shape's `width` is then the execution plan's (`plan_width`), the one a depth
-    predictor assumes before the tree's is chosen. Costs measured here are kept in the `session` (`measured_costs`)."""
+    `chooser`, over PLAN_WIDTHS); the shape's `width` is then the execution plan's for a run of `schedule`
+    (`plan_width`), the one a depth predictor assumes before the tree's is chosen. Costs measured here are kept in the `session` (`measured_costs`)."""
     auto = AUTO in (depth, width, verify_width)
     cost, most_nodes = (profile.cost, None) if profile is not None else (None, None)
     if cost is None and auto:
@@ -113,7 +116,7 @@ def tree_shape(target: CausalLM, drafter: CausalLM, prompt_ids: list[int], depth
         draft_cost = draft_costs.__getitem__
         depths = range(1, depth + 1) if isinstance(depth, int) else PLAN_DEPTHS
         nodes = (most_nodes or max(MACHINE_WIDTHS)) - 1  # drafted nodes within the target's measured T(W)
-        width = plan_width(target, drafter, prompt_ids, cost, draft_cost, session, depths, nodes)
+        width = plan_width(target, drafter, prompt_ids, cost, draft_cost, session, depths, nodes, schedule)
         chooser = WidthChooser(PLAN_WIDTHS, cost, draft_cost, nodes)
     if depth == AUTO:
         depth = AUTO_MAX_DEPTH

@@ -101,6 +101,8 @@ class StaticWeights(nn.Module):
             raise ConfigError(f"the static backend runs {', '.join(ARCHITECTURES)}, not {config.model_type}")
         if getattr(config, "mlp_bias", False):
             raise ConfigError("the static backend runs MLPs without biases")
+        if getattr(config, "hidden_act", "silu") != "silu":
+            raise ConfigError(f"the static backend runs SiLU-gated MLPs, not {config.hidden_act}'s")
         self.heads, self.kv_heads = config.num_attention_heads, config.num_key_value_heads
         self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // self.heads
         self.eps = config.rms_norm_eps
@@ -181,7 +183,7 @@ class StaticWeights(nn.Module):
         return F.linear(self._norm(x, self.norm), self.head), x
 
     def compiled(self) -> Any:
-        """The step under `torch.compile` (inductor; one graph per width and span), made once per weights.
+        """The step under `torch.compile` (inductor; one graph per width, span and pool size), made once per weights.
         Inductor keeps what it compiled in its cache directory, so a later process compiles faster."""
         if self._compiled is None:
             self._compiled = compile_graphs(self.forward)
@@ -281,6 +283,17 @@ class KVPool:
             if not self.free:
                 self._grow(max(GROWTH * self.capacity, 1))
             return self.free.pop()
+
+    def reserve(self, regions: int) -> None:
+        """Grow now, by fourfold steps as `take` would, to hold `regions` more than are taken."""
+        with self.lock:
+            while not self._given.empty():
+                self.free.append(self._given.get())
+            wanted, capacity = self.capacity - len(self.free) + regions, max(self.capacity, 1)
+            while capacity < wanted:
+                capacity *= GROWTH
+            if capacity > self.capacity:
+                self._grow(capacity)
 
     def give(self, region: int) -> None:
         """Hand a region back without waiting for the lock: a handle's finalizer may run on any thread at any
@@ -443,7 +456,8 @@ class StaticCausalLM(PointerCache, Backend):
 
     backend = "static"
     capabilities = Capabilities(shares_weights=True, batches_rows=True, prefills_in_parts=True, interruptible=True,
-                                fixed_cache=True, hidden_states=True, drafts_trees=True)
+                                fixed_cache=True, hidden_states=True, drafts_trees=True, reuses_prefixes=True)
+    prefix_block = 1  # any position of a prompt may be restored: every row of a call is its token's one-row bits
 
     def draft_model(self, spec: Any, dtype: str | None) -> Any:
         from speculant.models.loading import transformers_drafter
@@ -494,6 +508,13 @@ class StaticCausalLM(PointerCache, Backend):
     def rows_forward(self) -> Any:
         """`forward_rows` (see CausalLM)."""
         return forward_rows
+
+    def reserve(self, handles: int) -> None:
+        """A compiled handle's pool grows now to hold them: each size of a pool is a step compiled and, on a GPU,
+        captured again, which a server's worker would otherwise do under load, every request waiting. An eager
+        pool grows when a handle is made (a copy), holding no memory before."""
+        if self.compiled:
+            self.pool.reserve(handles)
 
     def share(self) -> StaticCausalLM:
         """Another handle on the same weights with a cache of its own (a region of the same pool)."""
