@@ -31,6 +31,18 @@ def model_dirs(tmp_path_factory):
     return paths
 
 
+@pytest.fixture(autouse=True)
+def no_server(monkeypatch):
+    """A `serve` these tests expect refused started a real server where it was not, and the suite hung there (when
+    the static backend came to reuse prefixes): it fails instead. A test that serves patches `serve` itself."""
+    from speculant.serve import app
+
+    def started(*args, **kwargs):
+        raise AssertionError("a server started: the command was not refused")
+
+    monkeypatch.setattr(app, "serve", started)
+
+
 def run(capsys, *argv):
     code = cli.main(list(argv))
     out, err = capsys.readouterr()
