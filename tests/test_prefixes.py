@@ -210,7 +210,8 @@ def test_open_loop_conversations_reuse_their_history(files):
     assert engine.session.prefixes.hits >= 8  # the 8 later turns
 
 
-@pytest.mark.parametrize("backend, arch", [("hf", "llama"), ("hf", "qwen2"), ("static", "llama"), ("static", "mistral")])
+@pytest.mark.parametrize("backend, arch", [("hf", "llama"), ("hf", "qwen2"), ("static", "llama"),
+                                           ("static", "mistral")])
 def test_a_backend_of_one_token_bits_restores_any_prefix_with_a_fresh_prefills_bits(backend, arch):
     """transformers on batch-invariant kernels, and the static backend (every row of a call its token's one-row
     bits): a prompt's rows have their bits however it is split, so any position may be restored (`prefix_block`

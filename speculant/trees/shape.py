@@ -103,7 +103,8 @@ def tree_shape(target: CausalLM, drafter: CausalLM, prompt_ids: list[int], depth
     to `depth`) and how many nodes to verify (up to `verify_width`; else the whole tree, within the widest T(W)
     measured here where no profile is given). `width=auto` chooses each tree's width after its context (the
     `chooser`, over PLAN_WIDTHS); the shape's `width` is then the execution plan's for a run of `schedule`
-    (`plan_width`), the one a depth predictor assumes before the tree's is chosen. Costs measured here are kept in the `session` (`measured_costs`)."""
+    (`plan_width`), the one a depth predictor assumes before the tree's is chosen. Costs measured here are kept in
+    the `session` (`measured_costs`)."""
     auto = AUTO in (depth, width, verify_width)
     cost, most_nodes = (profile.cost, None) if profile is not None else (None, None)
     if cost is None and auto:
