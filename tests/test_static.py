@@ -268,6 +268,20 @@ def test_served_static_requests_batch_and_equal_their_solo_runs(device, monkeypa
             Engine(served(0.0), "tree", get_method("tree").make_options({"drafter": "self", "draft_graph": False}))
 
 
+def test_draft_graph_off_with_a_shape_drafted_level_by_level_is_refused():
+    """Sequoia-style and N-way trees draft their levels one by one on any backend: draft_graph off changed nothing
+    there, without a word."""
+    from speculant.errors import OptionError
+
+    model = static(transformer("qwen2", 0))
+    for shape in ("sequoia", "nway"):
+        with pytest.raises(OptionError, match=f"applies to equal-growth trees .shape egt.; shape {shape} drafts"):
+            generate(model, prompt_ids=[1, 2, 3], method="tree", drafter=model.share(), shape=shape, draft_graph=False,
+                     max_new_tokens=2)
+    assert generate(model, prompt_ids=[1, 2, 3], method="tree", drafter=model.share(), draft_graph=False,
+                    max_new_tokens=2).token_ids
+
+
 def test_a_server_on_a_compiled_pool_takes_a_full_batch_s_regions_at_its_start():
     """Each size of a compiled pool is a step compiled (and on a GPU captured) again: a pool that grew under load
     (1, 4, 16, 64 regions) compiled on the server's worker while every request waited. The server reserves a full

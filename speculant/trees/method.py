@@ -138,8 +138,11 @@ def loaded(options: TreeOptions, target: Any) -> None:
 
 def drafting_model(model: Any, options: TreeOptions, target: Any) -> Any:
     """`model`, checked to draft `target`'s trees (`tree_drafter_model`) as `options` ask: draft_graph off only
-    where its backend would draft a tree's levels in one call (elsewhere it would change nothing)."""
+    where its backend would draft an equal-growth tree's levels in one call (elsewhere it would change nothing)."""
     model = tree_drafter_model(model, target)
+    if not options.draft_graph and options.shape != "egt":  # (a static shape's levels: always one by one)
+        raise OptionError("draft_graph", f"draft_graph off applies to equal-growth trees (shape egt); shape "
+                          f"{options.shape} drafts its levels one by one already")
     if not options.draft_graph and not model.capabilities.drafts_trees:
         raise OptionError("draft_graph", f"draft_graph off applies where the drafter's backend drafts a tree's levels "
                           f"in one call (static); {model.name}'s drafts them level by level already")
