@@ -27,6 +27,7 @@ import sys
 
 TABLES = ("summary", "tw", "ar", "speculation", "machinery", "syncs", "auto")
 WIDTHS = ("1", "2", "4", "8", "16", "32")
+FAILED = "failed (its error is in the JSON)"  # a row gpu_static.py kept as its error
 PATHS = {"hf": "hf backend (transformers, dynamic cache, exact row by row), eager",
          "static": "static backend, eager (width = W)"}
 SPECULATION = {  # gpu_static.py's run labels, read out
@@ -56,7 +57,7 @@ def measured(section: dict) -> dict:
 def rate(row: dict) -> str:
     """An `ar` row's tokens per second and what they count, or that it failed (gpu_static.py keeps the error)."""
     return next((f"{v:.1f} ({'decode' if k == 'decode tok/s' else k.removeprefix('tok/s ').strip('()')})"
-                 for k, v in row.items() if "tok/s" in k), "failed (its error is in the JSON)")
+                 for k, v in row.items() if "tok/s" in k), FAILED)
 
 
 def summary(d: dict) -> None:
@@ -73,7 +74,7 @@ def summary(d: dict) -> None:
     for label in ("static cache, compiled", "dynamic cache"):
         whole = ar[f"transformers generate, {label}"].get("tok/s (whole request)")
         print(f"| transformers `generate`, {label} | | | "
-              f"{'failed (its error is in the JSON)' if whole is None else f'{whole:.0f} tok/s (whole request)'} |")
+              f"{FAILED if whole is None else f'{whole:.0f} tok/s (whole request)'} |")
 
 
 def tw(d: dict) -> None:

@@ -125,8 +125,7 @@ class DepthPredictor:
         try:
             saved = json.loads(read_text(path, MOST_PREDICTOR_BYTES))
             max_depth, inputs, width = saved["max_depth"], saved.get("inputs", "features"), saved.get("width", FEATURES)
-            counts = (max_depth, width)
-            if not (all(type(n) is int and n >= 1 for n in counts) and inputs in INPUTS):
+            if not (all(type(n) is int and n >= 1 for n in (max_depth, width)) and inputs in INPUTS):
                 raise ValueError(f"max_depth {max_depth!r} and width {width!r} (whole numbers >= 1), inputs "
                                  f"{inputs!r} (one of {', '.join(INPUTS)})")
             state = {name: torch.tensor(value) for name, value in saved["state"].items()}

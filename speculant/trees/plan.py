@@ -92,13 +92,13 @@ def search(coverage: Sequence[float], target_cost: Callable[[int], float], draft
     for width in widths:
         for depth in depths:
             drafting_s = drafting(depth, width, draft_cost)
-            hit = coverage[0] ** (first_ranks(expected_tree(coverage, depth, width)[0]) + 1)
+            hit = 0.0 if schedule == "serial" else \
+                coverage[0] ** (first_ranks(expected_tree(coverage, depth, width)[0]) + 1)
             for nodes, length in expected_accepted(coverage, depth, width, most_nodes).items():
                 if nodes == 0:
                     continue
                 verify = target_cost(1 + nodes)
-                step = drafting_s + verify if schedule == "serial" else \
-                    hit * max(drafting_s, verify) + (1 - hit) * (drafting_s + verify)
+                step = hit * max(drafting_s, verify) + (1 - hit) * (drafting_s + verify)  # (serial: no hit)
                 speedup = (1 + length) / step / plain
                 if speedup > best.speedup:
                     best = Plan(depth, width, nodes, speedup)

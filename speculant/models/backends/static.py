@@ -278,14 +278,11 @@ class KVPool:
 
     def take(self) -> int:
         with self.lock:
-            while not self._given.empty():
-                self.free.append(self._given.get())
-            if not self.free:
-                self._grow(max(GROWTH * self.capacity, 1))
+            self.reserve(1)
             return self.free.pop()
 
     def reserve(self, regions: int) -> None:
-        """Grow now, by fourfold steps as `take` would, to hold `regions` more than are taken."""
+        """Grow, by fourfold steps (a full pool's growth), to hold `regions` more than are taken."""
         with self.lock:
             while not self._given.empty():
                 self.free.append(self._given.get())
