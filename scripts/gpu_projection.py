@@ -8,7 +8,7 @@ drafter's prefill of the prompt (run after the first token, so in the decode) ce
 work between forwards is left out, so a projected speedup is an upper bound. Stage-scheduled rows would overlap
 drafting with verification on a second stream, which is not priced, so they are left out.
 
-    python scripts/gpu_projection.py docs/results/tree-breakdown/results.json [--gpu docs/results/gpu-h200-1204.json]
+    python scripts/gpu_projection.py docs/results/tree-breakdown/results.json [--gpu docs/results/gpu-h200-133a0c1.json]
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ from pathlib import Path
 
 ROWS = 16  # the compiled steps' width on a GPU
 ROOT = Path(__file__).resolve().parent.parent
-LATEST = ROOT / "docs" / "results" / "gpu-h200-1204.json"  # the latest lent GPU's run of every section
+LATEST = ROOT / "docs" / "results" / "gpu-h200-133a0c1.json"  # the latest lent GPU's run of every section
 PRICED = ("qwen2.5-coder-1.5b", ("qwen2.5-coder-0.5b", "default", "maxgram", "suffix"))  # the target and the drafters
 # whose steps the GPU's costs price (a model drafter at the 0.5B's cost; Max-Gram and suffix run no forwards)
 

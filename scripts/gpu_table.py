@@ -1,7 +1,7 @@
 """Print a table of docs/results/gpu.md (or the README's GPU table) from the JSON that scripts/gpu_static.py writes.
 
-    python scripts/gpu_table.py docs/results/gpu-h200-1204.json                      # the README's
-    python scripts/gpu_table.py docs/results/gpu-h200-1204.json --table speculation  # one of gpu.md's
+    python scripts/gpu_table.py docs/results/gpu-h200-133a0c1.json                      # the README's
+    python scripts/gpu_table.py docs/results/gpu-h200-133a0c1.json --table speculation  # one of gpu.md's
 
 Tables (`--table`), each read from the sections of one lent GPU's call, so a new call's JSON replaces every row
 (`python scripts/readme_tables.py --write docs/results/gpu.md` after naming the new file in the markers):

@@ -8,6 +8,10 @@ The command and machine of a bench or bench-serve directory are its report.md's 
 where it has them; the commit and date are those of the last commit that changed the entry's data (its report.md,
 results or page; commits that only edited links are named in ENTRIES instead). What each entry is, and the
 command and machine of pages, are written below. Pure Python (subprocess runs git).
+
+`--check` reads the commits only where this repository holds the history the index was written from: in a shallow
+clone, a copy without git, or history rewritten since (every commit the index names must exist), it checks the rest
+of each row and says that it left the commits out.
 """
 
 from __future__ import annotations
@@ -188,15 +192,11 @@ ENTRIES: dict[str, tuple[str, str, str | None, str | None, str | None]] = {
     "gpu-h100.json": ("GPU", "an H100's T(W), `ar`, speculation and `auto` (26 Nov, before the later runs' fixes; "
                       "gpu.md's last tables)", "python scripts/gpu_static.py OUT.json",
                       "NVIDIA H100 80GB HBM3 (lent)", None),
-    "gpu-h200-1204.json": ("GPU", "every section of gpu_static.py in one call (4 Dec, at f5cf9c9): the CUDA tests, "
-                           "T(W), `ar` against transformers' compiled `generate` (the README's table), speculation "
-                           "with and without stage scheduling, one-graph drafting, batch rows, host syncs (gpu.md)",
-                           "bash scripts/gpu_lent.sh", "NVIDIA H200 (lent)", None),
-    "gpu-h200-governor.json": ("GPU", "`auto` against `ar` where nothing is accepted (4 Dec): at f5cf9c9 on the "
-                               "machine of gpu-h200-1204.json, then the governor reading its pace from 8 steps "
-                               "against from 32 in one call, A B B A x 10 each (gpu.md)",
-                               "python scripts/gpu_static.py OUT.json --ab-repeats 10 --sections auto",
-                               "NVIDIA H200 (lent)", None),
+    "gpu-h200-133a0c1.json": ("GPU", "every section of gpu_static.py in one call (4 Dec, at 133a0c1, the governor on "
+                              "main): `auto` against `ar` where nothing is accepted (A B B A x 10), the CUDA tests, "
+                              "T(W), `ar` against transformers' compiled `generate` (the README's table), speculation "
+                              "with and without stage scheduling, one-graph drafting, batch rows, host syncs (gpu.md)",
+                              "bash scripts/gpu_lent.sh --ab-repeats 10", "NVIDIA H200 (lent)", None),
     "auto-no-accept": ("speculation", "`auto` against `ar` where nothing is accepted, 1-2 ms a forward on the CPU "
                        "(random static models), A B B A with 95% intervals over rounds, in wall and CPU time: "
                        "results.json (Zen4, 1.07 ms a forward, 4 Dec); on the Zen3: "
@@ -302,9 +302,33 @@ def main(argv: list[str]) -> None:
     text = index()
     if not args.check:
         print(text, end="")
-    elif not (RESULTS / "index.md").is_file() or text != (RESULTS / "index.md").read_text():
+        return
+    written = (RESULTS / "index.md").read_text() if (RESULTS / "index.md").is_file() else ""
+    if not has_history(written):
+        print("commits not checked: this repository lacks the history docs/results/index.md was written from "
+              "(a shallow clone, a copy without git, or history rewritten)", file=sys.stderr)
+        text, written = COMMIT_CELL.sub("| |", text), COMMIT_CELL.sub("| |", written)
+    if text != written:
+        first = next((pair for pair in zip(written.splitlines(), text.splitlines()) if pair[0] != pair[1]),
+                     ("(" + plural(len(written.splitlines()), "line") + ")",
+                      "(" + plural(len(text.splitlines()), "line") + ")"))
         sys.exit("docs/results/index.md is not what this writes: python scripts/results_index.py > "
-                 "docs/results/index.md (or name an entry's data commit in ENTRIES where a commit only edited words)")
+                 "docs/results/index.md (or name an entry's data commit in ENTRIES where a commit only edited words)"
+                 f"\n  written: {first[0]}\n  now:     {first[1]}")
+
+
+# a row's commit cell: "| 1a2b3c4 2026-12-04 |", or empty where git gave nothing
+COMMIT_CELL = re.compile(r"\| (?:[0-9a-f]{7,40} \d{4}-\d\d-\d\d)? \|(?= (?:[^|\\]|\\.)*\|$)", re.M)
+
+
+def has_history(written: str) -> bool:
+    """Whether git holds this repository's whole history, and in it every commit that `written` names."""
+    if git("rev-parse", "--is-shallow-repository") != "false":
+        return False
+    named = sorted({match[1] for match in re.finditer(r"\| ([0-9a-f]{7,40}) \d{4}-\d\d-\d\d \|", written)})
+    found = subprocess.run(["git", "cat-file", "--batch-check"], input="".join(f"{c}^{{commit}}\n" for c in named),
+                           capture_output=True, text=True, cwd=ROOT, check=False)
+    return found.returncode == 0 and "missing" not in found.stdout and "ambiguous" not in found.stdout
 
 
 def index() -> str:

@@ -20,6 +20,35 @@ def test_the_readme_s_tables_and_the_results_index_are_what_their_scripts_write(
         assert done.returncode == 0, (name, done.stderr)
 
 
+def test_the_results_index_checks_its_rows_without_the_history_it_was_written_from(tmp_path):
+    """A copy of the repository without git (or shallow, or with history rewritten) cannot name the commits the index
+    names: the check leaves the commits out and says so, and still fails on a row that is not what the script writes,
+    showing that row."""
+    import os
+    import shutil
+
+    (tmp_path / "scripts").mkdir()
+    shutil.copy(ROOT / "scripts" / "results_index.py", tmp_path / "scripts")
+    results = tmp_path / "docs" / "results"
+    results.mkdir(parents=True)
+    for entry in (ROOT / "docs" / "results").iterdir():
+        if entry.name != "index.md":
+            (results / entry.name).symlink_to(entry)
+    index = (ROOT / "docs" / "results" / "index.md").read_text()
+    (results / "index.md").write_text(index)
+    env = {**os.environ, "GIT_CEILING_DIRECTORIES": str(tmp_path.parent), "GIT_DIR": str(tmp_path / "no-git")}
+
+    def check() -> subprocess.CompletedProcess:
+        return subprocess.run([sys.executable, str(tmp_path / "scripts" / "results_index.py"), "--check"], env=env,
+                              capture_output=True, text=True)
+
+    done = check()
+    assert done.returncode == 0 and "commits not checked" in done.stderr, done.stderr
+    (results / "index.md").write_text(index.replace("the static backend compiled on an H200", "an edited row"))
+    done = check()
+    assert done.returncode == 1 and "written: | [gpu.md](gpu.md) | an edited row" in done.stderr, done.stderr
+
+
 def test_every_generated_table_of_the_results_pages_is_what_its_command_prints():
     """gpu.md's tables are printed from a lent GPU's JSON, cpu.md's from bench runs: a page edited by hand, or a JSON
     replaced without its tables, fails here as the README would."""
