@@ -271,7 +271,10 @@ ENTRIES: dict[str, tuple[str, str, str | None, str | None, str | None]] = {
 
 
 def git(*args: str) -> str:
-    return subprocess.run(["git", *args], capture_output=True, text=True, cwd=ROOT, check=False).stdout.strip()
+    """git's output; hashes abbreviated to 7 digits, as the index writes them (git's own default grows with the
+    repository's object count: 8 digits past 16384 objects, so a copy holding more objects would write other cells)."""
+    return subprocess.run(["git", "-c", "core.abbrev=7", *args], capture_output=True, text=True, cwd=ROOT,
+                          check=False).stdout.strip()
 
 
 def facts(name: str) -> tuple[str, str, str]:

@@ -20,6 +20,17 @@ def test_the_readme_s_tables_and_the_results_index_are_what_their_scripts_write(
         assert done.returncode == 0, (name, done.stderr)
 
 
+def test_the_results_index_names_commits_by_7_digits_whatever_git_s_default():
+    """git abbreviates a hash by more digits as a repository's objects grow (core.abbrev's default): a copy of this
+    repository holding more objects must still write the index's 7-digit cells."""
+    import os
+
+    env = {**os.environ, "GIT_CONFIG_COUNT": "1", "GIT_CONFIG_KEY_0": "core.abbrev", "GIT_CONFIG_VALUE_0": "9"}
+    done = subprocess.run([sys.executable, str(ROOT / "scripts" / "results_index.py"), "--check"], env=env,
+                          capture_output=True, text=True)
+    assert done.returncode == 0 and not done.stderr, done.stderr
+
+
 def test_the_results_index_checks_its_rows_without_the_history_it_was_written_from(tmp_path):
     """A copy of the repository without git (or shallow, or with history rewritten) cannot name the commits the index
     names: the check leaves the commits out and says so, and still fails on a row that is not what the script writes,
