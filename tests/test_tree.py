@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from helpers import ARCHS, DEVICES, random_prompt, tiny_model
-from speculant.trees.tree import TokenTree, chain
+from speculant.trees.tree import TokenTree
 
 #        0 (root)
 #       / \
@@ -17,12 +17,11 @@ TREE = TokenTree((7, 11, 12, 13, 14, 15), (-1, 0, 0, 1, 1, 2))
 def test_depths_positions_paths_and_mask():
     assert TREE.depths == (0, 1, 1, 2, 2, 2)
     assert TREE.positions(10) == [10, 11, 11, 12, 12, 12]
-    assert TREE.paths() == [[0, 1, 3], [0, 1, 4], [0, 2, 5]]
+    assert [TREE.path_to(leaf) for leaf in (3, 4, 5)] == [[0, 1, 3], [0, 1, 4], [0, 2, 5]]
     assert TREE.children(1) == [3, 4]
     mask = TREE.ancestor_mask
     assert mask[3].tolist() == [True, True, False, True, False, False]
     assert mask[5].tolist() == [True, False, True, False, False, True]
-    assert chain([5, 6, 7]).paths() == [[0, 1, 2]]
 
 
 def test_malformed_trees_are_refused():
@@ -41,7 +40,7 @@ def test_tree_forward_equals_each_path_alone(arch, device):
     model.prefill(prefix)
     cached = model.cache_len
     tree_logits = model.forward(list(TREE.tokens), tree=TREE)  # [6, vocab]
-    for path in TREE.paths():
+    for path in (TREE.path_to(leaf) for leaf in (3, 4, 5)):
         model.rollback(cached)
         path_logits = model.forward([TREE.tokens[i] for i in path])
         torch.testing.assert_close(tree_logits[path], path_logits, atol=1e-5, rtol=0)

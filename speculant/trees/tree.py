@@ -59,23 +59,11 @@ class TokenTree:
     def children(self, node: int) -> list[int]:
         return list(self.child_lists[node])
 
-    def paths(self) -> list[list[int]]:
-        """Root-to-leaf paths as node indices."""
-        leaves = set(range(len(self))) - set(self.parents)
-        paths = []
-        for leaf in sorted(leaves):
-            path = [leaf]
-            while path[-1] != 0:
-                path.append(self.parents[path[-1]])
-            paths.append(path[::-1])
-        return paths
-
     def path_to(self, node: int) -> list[int]:
         path = [node]
         while path[-1] != 0:
             path.append(self.parents[path[-1]])
         return path[::-1]
-
 
     def first_child_path(self) -> list[int]:
         """The tokens along each node's first child from the root: a greedy tree drafter's likeliest path."""
@@ -92,8 +80,3 @@ class TokenTree:
         if keep[0] != 0 or any(self.parents[n] not in index for n in keep[1:]):
             raise ValueError("a subtree keeps the root and the parent of every node it keeps")
         return TokenTree(tuple(self.tokens[n] for n in keep), (-1, *(index[self.parents[n]] for n in keep[1:])))
-
-
-def chain(tokens: list[int]) -> TokenTree:
-    """A tree without branches: the root followed by `tokens[1:]`."""
-    return TokenTree(tuple(tokens), tuple(range(-1, len(tokens) - 1)))
