@@ -234,6 +234,7 @@ def test_generate_refuses_what_it_cannot_take_in_one_line_and_takes_numpy_and_to
             (dict(method="tree", drafter=target, draft_graph=False), "draft_graph off applies where the drafter's"),
             (dict(method="cascade", drafters=[target, target, "maxgram"]), "drafters: tiny-.* is given twice"),
             (dict(method="cascade", drafters="self,self,maxgram"), "drafters: self is given twice"),
+            (dict(method="cascade", drafters=["models/d/", "./models//d", "maxgram"]), "models/d is given twice"),
             (dict(drafters=[target], k=3), "no method given, and option 'k' is sd's: option 'drafters' does not apply"),
             (dict(stream="no"), "stream must be True or False"),
             (dict(method="cascade", drafters=[target, "maxgram"], k_matrix=[[1.5, 2], [0, 3]]), "entries must be integ"),

@@ -8,6 +8,7 @@ before anything loads)."""
 
 from __future__ import annotations
 
+import os
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -51,6 +52,8 @@ class DrafterSpec:
         from speculant.drafters.registry import is_registered
 
         source, suffix = split_quant(text.strip())
+        if "/" in source:  # a path written two ways (`d/`, `./d`) names one drafter: loaded once, given once
+            source = os.path.normpath(source)
         if not source:
             raise ConfigError(f"empty drafter name in '{text}'")
         if "@" in source and not Path(source).expanduser().exists():  # (a folder's name may hold one)
