@@ -54,8 +54,7 @@ class Isa:
         return "-DAMX" in self.flags
 
 
-AVX512 = (("-mavx512f", "-mavx512bw", "-mavx512vnni", "-mf16c", "-mfma"),  # (FMA: AVX2's five-bit kernels, avx2_k.h)
-          ("avx512f", "avx512bw", "avx512_vnni", "f16c", "fma"))
+AVX512 = (("-mavx512f", "-mavx512bw", "-mavx512vnni", "-mf16c"), ("avx512f", "avx512bw", "avx512_vnni", "f16c"))
 ISAS = (  # fastest first
     Isa("amx_int8", "avx512.c", (*AVX512[0], "-DAMX"), (*AVX512[1], "amx_tile", "amx_int8")),
     Isa("avx512_vnni", "avx512.c", *AVX512),

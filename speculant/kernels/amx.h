@@ -79,7 +79,7 @@ static inline __attribute__((always_inline)) void amx_tile(const int rows, const
                 sb[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), scale[b], sb[r]);
             }
         }
-        if (!q6) q4k_mins(rows, sp, s, K, s32, sb);
+        if (!q6) q4k_mins(rows, sp, Q4K_BLOCK, s, K, s32, sb);
         add_super(rows, sb, sa, s, K, y, O);
     }
 }

@@ -1,6 +1,4 @@
-// AVX2's vpmaddubsw helpers and its nibble kernels, q4_k and q5_k (`k_tile`), q4_b and q5_b (`b_tile`), shared by
-// avx2.c and avx512.c: AVX-512 machines run q5_k and q5_b on these (16-lane ones for them are not written: no
-// AVX-512 machine was at hand to test them on).
+// AVX2's vpmaddubsw helpers and its nibble kernels, q4_k and q5_k (`k_tile`), q4_b and q5_b (`b_tile`).
 // The includer defines TILE and includes immintrin.h and common.h first.
 // Keeps a row's int16 sum in a register, its adds in program order: integer adds being associative, GCC otherwise
 // sums a block's vpmaddubsw products as a tree and spills them to the stack (a store and a load per product).

@@ -1,5 +1,5 @@
 // AVX-512 VNNI: a 16-lane register holds one panel's 16 outputs; each weight block is unpacked once into
-// 8 (q4_k) or 4 (q6_k) registers of four inputs per output, and every row of the tile multiplies it by
+// 8 (q4_k, q5_k, q8_b, q4_b, q5_b) or 4 (q6_k) registers of four inputs per output, and every row of the tile multiplies it by
 // its four activation bytes broadcast (vpdpbusd: u8 weights x s8 activations into exact int32 sums); then
 // per row and block one conversion and one multiply-add, in common.h's order.
 //
@@ -37,6 +37,23 @@ static inline __attribute__((always_inline)) void q4k_unpack(const uint8_t *bp, 
     }
 }
 
+// q5_k's and q5_b's five bits: q4_k's nibbles (at `nibbles`), each with its high bit from the 64 bytes after them
+// (bit 2c: that of group c's low nibble, 2c + 1: its high one) moved to bit 4. A 16-bit lane's shift by at most 4
+// (left) or 3 (right) moves no bit of one byte to bit 4 of the other.
+static inline __attribute__((always_inline)) void q5_unpack(const uint8_t *nibbles, __m512i *w) {
+    const __m512i low = _mm512_set1_epi8(0x0F), bit = _mm512_set1_epi8(0x10);
+    const __m512i plane = _mm512_loadu_si512(nibbles + 256);
+    for (int c = 0; c < 4; c++) {
+        __m512i raw = _mm512_loadu_si512(nibbles + c * 64);
+        __m512i lo_bit = 2 * c <= 4 ? _mm512_sll_epi16(plane, _mm_cvtsi32_si128(4 - 2 * c))
+                                    : _mm512_srl_epi16(plane, _mm_cvtsi32_si128(2 * c - 4));
+        __m512i hi_bit = 2 * c + 1 <= 4 ? _mm512_sll_epi16(plane, _mm_cvtsi32_si128(3 - 2 * c))
+                                        : _mm512_srl_epi16(plane, _mm_cvtsi32_si128(2 * c - 3));
+        w[c] = _mm512_or_si512(_mm512_and_si512(raw, low), _mm512_and_si512(lo_bit, bit));
+        w[c + 4] = _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi16(raw, 4), low), _mm512_and_si512(hi_bit, bit));
+    }
+}
+
 static inline __m512 q4k_scale(__m512 d, const uint8_t *bp) {
     return _mm512_mul_ps(d, _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)bp))));
 }
@@ -55,15 +72,15 @@ static inline __m512 q6k_scale(__m512 d, const uint8_t *bp) {
     return _mm512_mul_ps(d, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)bp))));
 }
 
-// q4_k's mins of super-block s: each lane's m of blocks 2j and 2j + 1 as int16 pairs, times the rows' pairs of
-// sums (vpdpwssd), taken from the rows' sb.
-static inline __attribute__((always_inline)) void q4k_mins(const int rows, const uint8_t *sp, int64_t s, int64_t K,
-                                                          const int16_t *s32, __m512 *sb) {
+// q4_k's (q5_k's: blocks of `block` bytes) mins of super-block s: each lane's m of blocks 2j and 2j + 1 as int16
+// pairs, times the rows' pairs of sums (vpdpwssd), taken from the rows' sb.
+static inline __attribute__((always_inline)) void q4k_mins(const int rows, const uint8_t *sp, int64_t block,
+                                                          int64_t s, int64_t K, const int16_t *s32, __m512 *sb) {
     __m512i mins[4];
     for (int j = 0; j < blocks_in(s, K, 8) / 2; j++) {
-        const uint8_t *m = sp + 64 + 2 * j * Q4K_BLOCK + 16;
+        const uint8_t *m = sp + 64 + 2 * j * block + 16;
         __m512i even = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)m));
-        __m512i odd = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(m + Q4K_BLOCK)));
+        __m512i odd = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(m + block)));
         mins[j] = _mm512_or_si512(even, _mm512_slli_epi32(odd, 16));
     }
     __m512 dmin = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(sp + 32)));
@@ -79,19 +96,22 @@ static inline __attribute__((always_inline)) void q4k_mins(const int rows, const
     }
 }
 
-static inline __attribute__((always_inline)) void q4k_tile(const int rows, const int8_t *qa, const float *sa,
-                                                          const int16_t *s32, const int32_t *o16, int64_t K,
-                                                          const uint8_t *panel, float *y, int64_t O) {
+// q4_k, and q5_k (`five`: each block's high bits after its nibbles).
+static inline __attribute__((always_inline)) void k_tile(const int five, const int rows, const int8_t *qa,
+                                                        const float *sa, const int16_t *s32, int64_t K,
+                                                        const uint8_t *panel, float *y, int64_t O) {
+    const int64_t super = five ? Q5K_SUPER : Q4K_SUPER, block = five ? Q5K_BLOCK : Q4K_BLOCK;
     for (int64_t s = 0; s < supers(K); s++) {
-        const uint8_t *sp = panel + s * Q4K_SUPER;
-        prefetch(sp + PREFETCH * Q4K_SUPER, Q4K_SUPER);
+        const uint8_t *sp = panel + s * super;
+        prefetch(sp + PREFETCH * super, super);
         __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)sp)), sb[TILE];
         for (int r = 0; r < rows; r++) sb[r] = _mm512_setzero_ps();
         for (int b = 0; b < blocks_in(s, K, 8); b++) {
-            const uint8_t *bp = sp + 64 + b * Q4K_BLOCK;
+            const uint8_t *bp = sp + 64 + b * block;
             __m512 scale = q4k_scale(d, bp);
             __m512i w[8];
-            q4k_unpack(bp, w);
+            if (five) q5_unpack(bp + 32, w);
+            else q4k_unpack(bp, w);
             int64_t kb = s * 8 + b;
 #pragma GCC unroll 8
             for (int r = 0; r < rows; r++) {
@@ -101,7 +121,7 @@ static inline __attribute__((always_inline)) void q4k_tile(const int rows, const
                 sb[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), scale, sb[r]);
             }
         }
-        q4k_mins(rows, sp, s, K, s32, sb);
+        q4k_mins(rows, sp, block, s, K, s32, sb);
         add_super(rows, sb, sa, s, K, y, O);
     }
 }
@@ -132,12 +152,13 @@ static inline __attribute__((always_inline)) void q6k_tile(const int rows, const
     }
 }
 
-// q8_b's and q4_b's blocks: 8 registers of q + 128 as they lie (the dot then starts at -128 times the activations'
-// sum, q's offset), or q4_k's nibbles unpacked as q4_k's (their header 32 bytes longer); then d*dot + m*sum.
-static inline __attribute__((always_inline)) void blocks32_tile(const int nibbles, const int rows, const int8_t *qa,
+// q8_b's, q4_b's and q5_b's (`bits`) blocks: 8 registers of q + 128 as they lie (the dot then starts at -128 times
+// the activations' sum, q's offset), or q4_k's nibbles unpacked as q4_k's (their header 32 bytes longer), with
+// q5_k's high bits for q5_b; then d*dot + m*sum.
+static inline __attribute__((always_inline)) void blocks32_tile(const int bits, const int rows, const int8_t *qa,
                                                                const float *sa, const int16_t *s32, int64_t K,
                                                                const uint8_t *panel, float *y, int64_t O) {
-    const int64_t block = nibbles ? Q4B_BLOCK : Q8B_BLOCK;
+    const int64_t block = bits == 8 ? Q8B_BLOCK : bits == 5 ? Q5B_BLOCK : Q4B_BLOCK;
     for (int64_t s = 0; s < supers(K); s++) {
         const uint8_t *sp = panel + s * 8 * block;
         prefetch(sp + PREFETCH * 8 * block, 8 * block);
@@ -147,10 +168,11 @@ static inline __attribute__((always_inline)) void blocks32_tile(const int nibble
             const uint8_t *bp = sp + b * block;
             __m512 d, m;
             __m512i w[8];
-            if (nibbles) {
+            if (bits != 8) {
                 d = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)bp));
                 m = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(bp + 32)));
-                q4k_unpack(bp + 32, w);
+                if (bits == 5) q5_unpack(bp + 64, w);
+                else q4k_unpack(bp + 32, w);
             } else {
                 d = _mm512_loadu_ps(bp), m = _mm512_loadu_ps(bp + 64);
                 for (int g = 0; g < 8; g++) w[g] = _mm512_loadu_si512(bp + 128 + g * 64);
@@ -160,7 +182,7 @@ static inline __attribute__((always_inline)) void blocks32_tile(const int nibble
             for (int r = 0; r < rows; r++) {
                 const int8_t *a = qa + r * K + kb * 32;
                 int32_t sum = s32[r * (K / 32) + kb];
-                __m512i dot = _mm512_set1_epi32(nibbles ? 0 : -128 * sum);
+                __m512i dot = _mm512_set1_epi32(bits == 8 ? -128 * sum : 0);
                 for (int g = 0; g < 8; g++) dot = dpbusd_at(dot, w[g], a + 4 * g);
                 sb[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), d, sb[r]);
                 sb[r] = _mm512_fmadd_ps(_mm512_set1_ps((float)sum), m, sb[r]);
@@ -170,11 +192,11 @@ static inline __attribute__((always_inline)) void blocks32_tile(const int nibble
     }
 }
 
-#include "avx2_k.h"  // q5_k and q5_b: AVX2's kernels, half a panel at a time
+#define q4k_tile(rows, qa, sa, s32, o16, K, panel, y, O) k_tile(0, rows, qa, sa, s32, K, panel, y, O)
 #define q5k_tile(rows, qa, sa, s32, o16, K, panel, y, O) k_tile(1, rows, qa, sa, s32, K, panel, y, O)
-#define q5b_tile(rows, qa, sa, s32, o16, K, panel, y, O) b_tile(1, rows, qa, sa, s32, K, panel, y, O)
-#define q8b_tile(rows, qa, sa, s32, o16, K, panel, y, O) blocks32_tile(0, rows, qa, sa, s32, K, panel, y, O)
-#define q4b_tile(rows, qa, sa, s32, o16, K, panel, y, O) blocks32_tile(1, rows, qa, sa, s32, K, panel, y, O)
+#define q8b_tile(rows, qa, sa, s32, o16, K, panel, y, O) blocks32_tile(8, rows, qa, sa, s32, K, panel, y, O)
+#define q4b_tile(rows, qa, sa, s32, o16, K, panel, y, O) blocks32_tile(4, rows, qa, sa, s32, K, panel, y, O)
+#define q5b_tile(rows, qa, sa, s32, o16, K, panel, y, O) blocks32_tile(5, rows, qa, sa, s32, K, panel, y, O)
 
 DISPATCH(q4k_tile, TILE)
 DISPATCH(q6k_tile, TILE)
