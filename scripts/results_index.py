@@ -207,7 +207,7 @@ ENTRIES: dict[str, tuple[str, str, str | None, str | None, str | None]] = {
                        "python scripts/auto_no_accept.py docs/results/auto-no-accept/results.json", ZEN4, None),
     "auto-plan": ("speculation", "`auto` with its tree candidates at the execution plan's width (`tree_widths=auto`) "
                   "against the default width 2, beside `llama-completion`, mixed prompts and HumanEval[:10], 2 repeats",
-                  None, ZEN5, None),
+                  None, ZEN4, None),
     "tree-breakdown": ("speculation", "Yggdrasil's breakdown (its Fig. 12) at this scale: chain speculation, then "
                        "equal-growth trees, the latency-aware objective, the hidden-state depth predictor, stage "
                        "scheduling, beside `llama-completion` in one run, with GPU projections "
@@ -257,7 +257,7 @@ ENTRIES: dict[str, tuple[str, str, str | None, str | None, str | None]] = {
                        "run", None, ZEN5, None),
     "tree-plan": ("speculation", "`tree` with `width=auto` (the execution plan's width, then each tree's own after "
                   "its context) against width 2, beside `llama-completion`, mixed prompts and HumanEval[:10] in one run",
-                  None, ZEN5, None),
+                  None, ZEN4, None),
     "tree-shapes": ("speculation", "equal-growth trees against Sequoia-style and N-way trees of the same 8 nodes "
                     "(Yggdrasil's Fig. 11 at this scale), beside `llama-completion`, mixed prompts and HumanEval[:10] "
                     "in one run", None, ZEN5, None),

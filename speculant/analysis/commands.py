@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import math
+import sys
 import time
 from pathlib import Path
 
@@ -157,9 +158,13 @@ def run_heatmap(out: Path, ndim: int, lookaheads: tuple[int, ...], tokens: int, 
         ("(ndim + 1) x repeats x tokens", (ndim + 1) * repeats * tokens, MOST_DRAWS),
         ("cells x servers", cells * servers, MOST_CELLS * SP_DEGREE),
         ("cells x tokens x servers", cells * tokens * servers, MOST_STEPS * SP_DEGREE)])
+    from tqdm import tqdm
+
     start = time.perf_counter()
     c, a = paper_axes(ndim)
-    grid = simulate_grid(c, a, np.array(sorted(lookaheads)), tokens, repeats, servers, seed)
+    with tqdm(total=len(c), desc="simulating the grid, a drafter cost at a time", unit="row", file=sys.stderr,
+              leave=False) as bar:
+        grid = simulate_grid(c, a, np.array(sorted(lookaheads)), tokens, repeats, servers, seed, done=bar.update)
     numbers = {**summary(grid), "seconds": time.perf_counter() - start, "configurations": int(grid.si.size)}
     out.mkdir(parents=True, exist_ok=True)
     paths = [out / name for name in HEATMAP_FILES]

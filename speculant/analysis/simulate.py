@@ -22,6 +22,7 @@ target's first forward costs `target_first` (TTFT), later ones `target` (TPOT); 
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
@@ -193,9 +194,10 @@ class Grid:
 
 
 def simulate_grid(c: np.ndarray, a: np.ndarray, k: np.ndarray, n_tokens: int = 100, repeats: int = 10,
-                  servers: int = SP_DEGREE, seed: int = 0) -> Grid:
+                  servers: int = SP_DEGREE, seed: int = 0, done: Callable[[], None] | None = None) -> Grid:
     """The paper's offline grid (Figure 2): every (c, a, k), `repeats` times on common random numbers, SI
-    and DSI both simulated at every lookahead (one drafter row of the grid at a time, to bound memory)."""
+    and DSI both simulated at every lookahead (one drafter row of the grid at a time, to bound memory; `done()`
+    after each, a progress bar's step)."""
     c, a, k = np.asarray(c, float), np.asarray(a, float), np.asarray(k, np.int64)
     wrong = draws(np.random.default_rng(seed), a, repeats, n_tokens)
     ii, kk, rr = np.meshgrid(np.arange(len(a)), k, np.arange(repeats), indexing="ij")
@@ -204,6 +206,8 @@ def simulate_grid(c: np.ndarray, a: np.ndarray, k: np.ndarray, n_tokens: int = 1
     for row, cost in enumerate(c):
         si[row] = simulate_si(wrong, rr, ii, cost, kk, n_tokens)
         dsi[row] = simulate_dsi(wrong, rr, ii, cost, kk, servers, n_tokens)
+        if done is not None:
+            done()
     return Grid(c, a, k, servers, simulate_non_si(n_tokens), si, dsi)
 
 
