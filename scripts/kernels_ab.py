@@ -10,7 +10,8 @@ Qwen2.5-Coder-1.5B (its attention and MLP projections and the Q6_K output head, 
 them), the two libraries interleaved pass by pass, and prints the median of each with their ratio. Before timing
 it checks that both builds give the same bits at every width (`--no-check` where the numerics changed on
 purpose, as with the per-256 activation scales). OLD.c is typically `git show HEAD~1:speculant/kernels/avx512.c`
-saved beside copies of the headers it includes (common.h, layer.h, amx.h, tiles.h, avx2_k.h).
+saved beside copies of the headers it includes (common.h, layer.h, amx.h, tiles.h; avx2.c's avx2_k.h too). An
+avx512.c from before 9a86bef ran the five-bit kinds on avx2_k.h's FMA kernels: build it with `--flag=-mfma`.
 
 Each library quantizes its own activations (`quantize_rows`), in the layout it was built for: per-256 scales with
 per-32 and per-16 integer sums (the current kernels), or `--old-layout per32` / `--new-layout per32` for a build
@@ -36,6 +37,8 @@ def main(argv: list[str]) -> None:
     parser.add_argument("--widths", default="1,2,4,8,16", help="rows per pass, comma-separated")
     parser.add_argument("--repeats", type=int, default=11, help="timed passes per library and width")
     parser.add_argument("--isa", default="avx512_vnni", help="whose compiler flags build both (a kernels.ISAS name)")
+    parser.add_argument("--flag", action="append", default=[], help="a compiler flag added to both builds' (e.g. "
+                        "-mfma for an avx512.c from before 9a86bef)")
     parser.add_argument("--old-layout", choices=("per256", "per32"), default="per256")
     parser.add_argument("--new-layout", choices=("per256", "per32"), default="per256")
     parser.add_argument("--model", default="qwen2.5-coder-1.5b")
@@ -59,7 +62,7 @@ def main(argv: list[str]) -> None:
     isa = next(i for i in kernels.ISAS if i.name == args.isa)
 
     def load(source: Path) -> ctypes.CDLL:
-        lib = compile_library(source, (*kernels.FLAGS, *isa.flags))
+        lib = compile_library(source, (*kernels.FLAGS, *isa.flags, *args.flag))
         if lib is None:
             raise SystemExit(f"{source}: no C compiler, or it did not build")
         lib.quantize_rows.argtypes = [P, I, I, P, P, P, P, ctypes.c_int]

@@ -953,3 +953,16 @@ def test_a_method_s_default_drafter_is_the_target_s_catalog_drafter_else_maxgram
         engine_for("sd", drafter=Named(DEFAULT))
     with pytest.raises(ConfigError, match="two of the server's drafters go by 'self@int8'"):  # (an object, then a spec)
         engine_for("auto", drafters=(Named("self@int8"), "self@int8"))
+
+
+def test_a_drafter_path_has_one_spelling_and_stays_a_path():
+    """`d/`, `./d` and `.//d` name one drafter (loaded once, a cascade's level given twice refused); `./maxgram`, a
+    folder beside the caller, stays a path, not the registered drafter of that name."""
+    from speculant.drafters.spec import MODEL, DrafterSpec
+
+    assert {DrafterSpec.parse(text) for text in ("d/", "./d", "./d/", ".//d")} == {DrafterSpec.parse("./d")}
+    assert DrafterSpec.parse("d").source == "d"  # (a catalog name or a Hugging Face id as much as a folder)
+    assert DrafterSpec.parse("models//d@int8") == DrafterSpec.parse("./models/d/@int8")
+    assert DrafterSpec.parse("../d").source == "../d" and DrafterSpec.parse("/m/./d/").source == "/m/d"
+    spec = DrafterSpec.parse("./maxgram")
+    assert spec.source == "./maxgram" and spec.kind == MODEL

@@ -8,7 +8,6 @@ before anything loads)."""
 
 from __future__ import annotations
 
-import os
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -52,8 +51,8 @@ class DrafterSpec:
         from speculant.drafters.registry import is_registered
 
         source, suffix = split_quant(text.strip())
-        if "/" in source:  # a path written two ways (`d/`, `./d`) names one drafter: loaded once, given once
-            source = os.path.normpath(source)
+        if "/" in source:  # a path written two ways (`d/`, `./d`, `a//d`) names one drafter: loaded once, given once
+            source = spelled_path(source)
         if not source:
             raise ConfigError(f"empty drafter name in '{text}'")
         if "@" in source and not Path(source).expanduser().exists():  # (a folder's name may hold one)
@@ -75,6 +74,14 @@ class DrafterSpec:
                               "'self'")
         return cls(source, suffix if suffix in QUANTS else None, suffix if suffix in (GGUF, LEAN) else None,
                    suffix == SKIP)
+
+
+def spelled_path(source: str) -> str:
+    """`source`, a text holding a `/`, in one spelling: without empty and `.` parts (`..` kept: what it leaves depends
+    on links), and still a path (`./maxgram`, a folder, stays one and never becomes the registered `maxgram`)."""
+    parts = [part for part in source.split("/") if part not in ("", ".")]
+    spelled = ("/" if source.startswith("/") else "") + "/".join(parts)
+    return spelled if "/" in spelled else f"./{spelled}"
 
 
 def model_free(drafter: Any) -> bool:
