@@ -64,6 +64,9 @@ def test_a_stage_run_guesses_after_its_first_rank_path():
 
     tree = expected_tree([0.5, 0.4], 3, 2)[0]  # steps: 0.5, 0.4 | 0.25, 0.2 (rank 0's) | 0.2, 0.16 (rank 1's)
     assert first_ranks(tree) == len(tree.first_child_path()) == max(tree.depths) == 2
+    # A coverage whose rank 1 is likelier puts rank 1 first among each node's children (the first-child path is 2
+    # long): the drafter's own first child, rank 0, is still the path it guesses after, the root's rank-0 child alone.
+    assert first_ranks(expected_tree([0.3, 0.6], 2, 2)[0]) == 1
 
 
 def test_rank_coverage_counts_where_the_targets_token_ranks_for_the_drafter():

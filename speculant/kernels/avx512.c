@@ -1,7 +1,7 @@
 // AVX-512 VNNI: a 16-lane register holds one panel's 16 outputs; each weight block is unpacked once into
-// 8 (q4_k, q5_k, q8_b, q4_b, q5_b) or 4 (q6_k) registers of four inputs per output, and every row of the tile multiplies it by
-// its four activation bytes broadcast (vpdpbusd: u8 weights x s8 activations into exact int32 sums); then
-// per row and block one conversion and one multiply-add, in common.h's order.
+// 8 (q4_k, q5_k, q8_b, q4_b, q5_b) or 4 (q6_k) registers of four inputs per output, and every row of the tile
+// multiplies it by its four activation bytes broadcast (vpdpbusd: u8 weights x s8 activations into exact int32
+// sums); then per row and block one conversion and one multiply-add, in common.h's order.
 //
 // Built with -DAMX (and where the CPU has AMX int8), tiles of up to 16 rows take amx.h's kernels instead from as
 // many rows as those pay on the machine: the same unpacked registers are one AMX weight tile, and the integer sums
