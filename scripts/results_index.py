@@ -243,9 +243,11 @@ ENTRIES: dict[str, tuple[str, str, str | None, str | None, str | None]] = {
     "lean-q5-avx512": ("CPU", "Q5_0 on AVX-512's own q5_b kernel: `ar` on lean against `llama-completion` on the "
                        "catalog's 0.5B (Q4_K/Q5_0/Q6_K/Q8_0), 6 mixed prompts, 2 repeats, A B B A with the commit "
                        "before (its AVX-512 path ran q5_b on AVX2's kernels): before.md, report.md, report-2.md, "
-                       "before-2.md in that order; T(W) of its 169 matrices on both ISAs before and after "
-                       "(`speculant bench-kernels --model qwen2.5-coder-0.5b --widths 1,2,4,8,16 --isa avx512_vnni "
-                       "avx2 --repeats 20`, kernels-*.json, the same sitting)", None, ZEN4, None),
+                       "before-2.md in that order; then HumanEval[:10], 128 tokens, one repeat: humaneval.md, "
+                       "humaneval-before.md, humaneval-before-2.md, humaneval-2.md; T(W) of its 169 matrices on both "
+                       "ISAs before and after (`speculant bench-kernels --model qwen2.5-coder-0.5b --widths "
+                       "1,2,4,8,16 --isa avx512_vnni avx2 --repeats 20`, kernels-*.json, the same sitting)", None,
+                       ZEN4, None),
     "tree-stage": ("speculation", "`tree` with stage scheduling against serial, mixed prompts and HumanEval[:10] "
                    "(hit rate and overlap: scripts/stage_record.py)", "speculant bench --methods ar "
                    "tree:drafter=qwen2.5-coder-0.5b@lean,depth=4,width=2 "
